@@ -1,0 +1,97 @@
+"""Preflight checks: plain functions over a `Profile` and injected `Probes`.
+
+Each category module exposes `run(profile, probes) -> list[CheckResult]`. Ids are stable dotted
+names whose prefix is the category (see ARCHITECTURE.md); a failing result's detail names the
+exact file, value and expectation.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Literal, Mapping
+
+from molctl.probes import GpuProbe, NvmlProbe, PortProbe
+
+Status = Literal["pass", "warn", "fail", "skip"]
+CATEGORIES = ("profile", "engine", "gpu", "model", "adapter", "port", "state", "security")
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    id: str
+    status: Status
+    detail: str
+
+    def as_dict(self) -> dict[str, str]:
+        return {"id": self.id, "status": self.status, "detail": self.detail}
+
+
+@dataclass
+class Probes:
+    """Everything the checks learn about the host comes through here (tests inject fakes)."""
+
+    gpu: GpuProbe = field(default_factory=NvmlProbe)
+    ports: PortProbe = field(default_factory=PortProbe)
+    state_dir: Path | None = None
+    environ: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
+    api_key_file: Path | None = None
+    stack_pids: Callable[[], set[int]] = field(default_factory=lambda: set)
+
+
+@dataclass
+class Report:
+    profile: str
+    checks: list[CheckResult]
+
+    @property
+    def ok(self) -> bool:
+        return not any(c.status == "fail" for c in self.checks)
+
+    def as_dict(self) -> dict:
+        return {"profile": self.profile, "ok": self.ok, "checks": [c.as_dict() for c in self.checks]}
+
+    def counts(self) -> dict[str, int]:
+        out = {s: 0 for s in ("pass", "warn", "fail", "skip")}
+        for c in self.checks:
+            out[c.status] += 1
+        return out
+
+
+def run_checks(profile, probes: Probes, skip: Iterable[str] = ()) -> Report:
+    from molctl.checks import engine, host, model
+
+    skip = set(skip)
+    unknown = skip - set(CATEGORIES)
+    if unknown:
+        from molctl.errors import UsageError
+
+        raise UsageError(f"--skip {sorted(unknown)[0]!r}: expected one of {', '.join(CATEGORIES[1:])}")
+    runners = {
+        "engine": engine.run,
+        "gpu": host.run_gpu,
+        "model": model.run_model,
+        "adapter": model.run_adapters,
+        "port": host.run_ports,
+        "state": host.run_state,
+        "security": host.run_security,
+    }
+    results = [CheckResult("profile.valid", "pass", f"{profile.source} is a valid profile")]
+    for category, runner in runners.items():
+        if category in skip:
+            results.append(CheckResult(f"{category}.skipped", "skip", f"skipped (--skip {category})"))
+            continue
+        results.extend(runner(profile, probes))
+    return Report(profile.name, results)
+
+
+def profile_failure(name: str, message: str) -> Report:
+    """A report for a profile that failed to load (so `check --json` keeps its shape)."""
+    return Report(name, [CheckResult("profile.valid", "fail", message)])
+
+
+def describe(paths: list[str], limit: int = 3) -> str:
+    """'a, b, c and 4 more' for details that must stay one line."""
+    shown = ", ".join(paths[:limit])
+    return shown + (f" and {len(paths) - limit} more" if len(paths) > limit else "")

@@ -1,0 +1,47 @@
+"""Engine checks, run under `engine.python`: the package imports, its version matches the pin
+(a local suffix such as +cu130 or +cpu is ignored), and every flag the profile passes is
+accepted by that installed version, so a typo or a removed flag fails here, not after a load."""
+
+from __future__ import annotations
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+from molctl.checks import CheckResult, Probes, describe
+from molctl.engines import get_engine
+from molctl.profiles import Profile
+
+
+def run(profile: Profile, probes: Probes) -> list[CheckResult]:
+    engine = get_engine(profile.engine.kind)
+    python = profile.engine_python
+    install = engine.probe_install(python)
+    if not install.found:
+        why = install.error or f"package {engine.package!r} is not importable"
+        return [CheckResult("engine.package", "fail", f"{why} (engine.python = {python})")]
+    if install.error and not install.flags:
+        return [CheckResult("engine.package", "fail", f"{engine.package} under {python}: {install.error}")]
+    out = [CheckResult("engine.package", "pass", f"{engine.package} importable by {python}")]
+
+    pin = SpecifierSet(profile.engine.version)
+    try:
+        version = Version(install.version or "")
+        public = Version(version.public)
+    except InvalidVersion:
+        out.append(CheckResult("engine.version", "fail", f"{engine.package} reports version {install.version!r}, which is not a version"))
+        public = None
+    if public is not None:
+        if pin.contains(public, prereleases=True):
+            out.append(CheckResult("engine.version", "pass", f"{engine.package} {install.version} matches {pin}"))
+        else:
+            out.append(CheckResult("engine.version", "fail",
+                                   f"{engine.package} {install.version} under {python} does not match engine.version {pin}"))
+
+    passed = engine.profile_flags(profile)
+    unknown = [f"--{f}" for f in passed if f not in install.flags]
+    if unknown:
+        out.append(CheckResult("engine.flags", "fail",
+                               f"{engine.package} {install.version} does not accept {describe(unknown, 5)} (from {profile.source} engine.args)"))
+    else:
+        out.append(CheckResult("engine.flags", "pass", f"all {len(passed)} flags accepted by {engine.package} {install.version}"))
+    return out

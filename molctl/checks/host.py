@@ -1,0 +1,157 @@
+"""Host checks: GPUs (NVML), ports, the state dir and security settings."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import stat
+from pathlib import Path
+
+from molctl.checks import CheckResult, Probes, describe
+from molctl.engines import get_engine
+from molctl.probes import GpuUnavailable
+from molctl.profiles import Profile
+
+GIB = 1024 ** 3
+
+
+def _selected_devices(profile: Profile, probes: Probes, count: int) -> list[int]:
+    """Indices the engine will use: CUDA_VISIBLE_DEVICES (profile env first) or the first N."""
+    visible = profile.engine.env.get("CUDA_VISIBLE_DEVICES", probes.environ.get("CUDA_VISIBLE_DEVICES"))
+    if visible:
+        try:
+            return [int(x) for x in visible.split(",") if x.strip()][: profile.engine.gpus]
+        except ValueError:
+            pass  # UUIDs: fall back to the first N devices
+    return list(range(min(count, profile.engine.gpus)))
+
+
+def run_gpu(profile: Profile, probes: Probes) -> list[CheckResult]:
+    want = profile.engine.gpus
+    if want == 0:
+        return [CheckResult("gpu.count", "pass", f"profile {profile.name} needs no GPU")]
+    try:
+        inv = probes.gpu.inventory()
+    except GpuUnavailable as exc:
+        return [CheckResult("gpu.driver", "fail", f"{exc}; profile {profile.name} needs {want} GPUs (use --skip gpu to stage files on a host without GPUs)")]
+    out = [CheckResult("gpu.driver", "pass", f"NVIDIA driver {inv.driver_version}")]
+    if len(inv.devices) < want:
+        out.append(CheckResult("gpu.count", "fail", f"{len(inv.devices)} GPU(s) visible, profile {profile.name} needs engine.gpus={want}"))
+        return out
+    out.append(CheckResult("gpu.count", "pass", f"{len(inv.devices)} GPU(s), {want} needed"))
+    selected = [d for d in inv.devices if d.index in set(_selected_devices(profile, probes, len(inv.devices)))]
+
+    fraction = get_engine(profile.engine.kind).memory_fraction(profile) or 0.9
+    low = [f"GPU {d.index}: {d.free_bytes / GIB:.1f} GiB free of {d.total_bytes / GIB:.1f}, needs {fraction * d.total_bytes / GIB:.1f}"
+           for d in selected if d.free_bytes < fraction * d.total_bytes]
+    if low:
+        out.append(CheckResult("gpu.memory", "fail", f"not enough free memory for a memory fraction of {fraction}: {describe(low, 2)}"))
+    else:
+        out.append(CheckResult("gpu.memory", "pass", f"free memory covers a fraction of {fraction} on {len(selected)} GPU(s)"))
+
+    own = probes.stack_pids()
+    foreign = [f"GPU {d.index}: pid {p.pid} {p.name} using {_mib(p.used_bytes)}"
+               for d in selected for p in d.processes if p.pid not in own]
+    if foreign:
+        out.append(CheckResult("gpu.processes", "fail",
+                               f"{len(foreign)} foreign compute process(es) hold the GPUs (orphaned engine workers?): {describe(foreign, 3)}"))
+    else:
+        out.append(CheckResult("gpu.processes", "pass", "no foreign compute processes on the profile's GPUs"))
+    return out
+
+
+def _mib(value: int | None) -> str:
+    return "? MiB" if value is None else f"{value // (1024 * 1024)} MiB"
+
+
+def run_ports(profile: Profile, probes: Probes) -> list[CheckResult]:
+    out = []
+    own = None
+    for component, host, port in (("engine", profile.engine.host, profile.engine.port),
+                                  ("proxy", profile.proxy.host, profile.proxy.port)):
+        cid = f"port.{component}"
+        if probes.ports.is_free(host, port):
+            out.append(CheckResult(cid, "pass", f"{host}:{port} is free"))
+            continue
+        holder = probes.ports.holder(port)
+        if own is None:
+            own = probes.stack_pids()
+        if holder and holder[0] in own:
+            out.append(CheckResult(cid, "pass", f"{host}:{port} is held by this profile's running {component} (pid {holder[0]})"))
+        elif holder:
+            out.append(CheckResult(cid, "fail", f"{component} port {host}:{port} ({component}.port) is held by pid {holder[0]} ({holder[1]})"))
+        else:
+            out.append(CheckResult(cid, "fail", f"{component} port {host}:{port} ({component}.port) is in use by a process molctl cannot see"))
+    return out
+
+
+def run_state(profile: Profile, probes: Probes) -> list[CheckResult]:
+    d = probes.state_dir
+    if d is None:
+        return [CheckResult("state.dir", "skip", "no state dir given")]
+    if not d.exists():
+        parent = next((p for p in d.parents if p.exists()), None)
+        if parent is not None and os.access(parent, os.W_OK | os.X_OK):
+            return [CheckResult("state.dir", "pass", f"{d} will be created with mode 0700")]
+        return [CheckResult("state.dir", "fail", f"state dir {d} does not exist and {parent} is not writable")]
+    st = os.stat(d)
+    if not stat.S_ISDIR(st.st_mode):
+        return [CheckResult("state.dir", "fail", f"state dir {d} is not a directory")]
+    if st.st_mode & 0o077:
+        return [CheckResult("state.dir", "fail", f"state dir {d} has mode {stat.S_IMODE(st.st_mode):04o}, expected 0700 (chmod 700 {d})")]
+    if st.st_uid != os.geteuid():
+        return [CheckResult("state.dir", "fail", f"state dir {d} is owned by uid {st.st_uid}, not by you (uid {os.geteuid()})")]
+    if not os.access(d, os.W_OK | os.X_OK):
+        return [CheckResult("state.dir", "fail", f"state dir {d} is not writable")]
+    return [CheckResult("state.dir", "pass", f"{d} is writable, mode 0700")]
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+RUNTIME_LORA = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+
+
+def run_security(profile: Profile, probes: Probes) -> list[CheckResult]:
+    out = []
+    host = profile.engine.host
+    if _is_loopback(host):
+        out.append(CheckResult("security.engine_host", "pass", f"engine binds {host} (loopback only)"))
+    else:
+        out.append(CheckResult("security.engine_host", "warn",
+                               f"engine.host is {host}: the engine (no auth, adapter control) is reachable beyond this host; expose only the proxy"))
+    where = [w for w, env in (("the environment", probes.environ), (f"{profile.source} engine.env", profile.engine.env)) if RUNTIME_LORA in env]
+    if where:
+        out.append(CheckResult("security.runtime_lora", "fail",
+                               f"{RUNTIME_LORA} is set in {' and '.join(where)}: anyone reaching the engine could load or unload adapters; unset it"))
+    else:
+        out.append(CheckResult("security.runtime_lora", "pass", f"{RUNTIME_LORA} is not set"))
+    out.append(_api_key_file(probes.api_key_file))
+    return out
+
+
+def _api_key_file(path: Path | None) -> CheckResult:
+    cid = "security.api_key_file"
+    if path is None:
+        return CheckResult(cid, "skip", "no API key file given")
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        return CheckResult(cid, "fail", f"API key file {path}: {exc.strerror}")
+    if not stat.S_ISREG(st.st_mode):
+        return CheckResult(cid, "fail", f"API key file {path} is not a regular file")
+    if st.st_mode & 0o077:
+        return CheckResult(cid, "fail", f"API key file {path} has mode {stat.S_IMODE(st.st_mode):04o}: readable by group/others (chmod 600 {path})")
+    try:
+        keys = [ln.strip() for ln in path.read_text().splitlines() if ln.strip()]
+    except OSError as exc:
+        return CheckResult(cid, "fail", f"API key file {path}: {exc.strerror}")
+    if not keys:
+        return CheckResult(cid, "fail", f"API key file {path} holds no key (expected one key per line)")
+    return CheckResult(cid, "pass", f"{path}: {len(keys)} key(s), mode {stat.S_IMODE(st.st_mode):04o}")

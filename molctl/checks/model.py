@@ -1,0 +1,252 @@
+"""Model and adapter checks: the upstream file checks plus real safetensors headers.
+
+Only headers are read (a Venti shard is ~5 GB; a header is kilobytes), so checking 141 shards
+is a matter of milliseconds. Adapters are checked for what makes vLLM fail at start-up (rank
+above --max-lora-rank) and for what makes it *silently* serve the base model (target modules
+whose names match nothing in the base: vllm#55193, #34186).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+from molctl.checks import CheckResult, Probes, describe
+from molctl.engines import get_engine
+from molctl.profiles import ROUTES, Profile
+from molctl.safetensors import HeaderError, read_header
+
+INDEX = "model.safetensors.index.json"
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def _real_file_problem(path: Path) -> str | None:
+    """None when `path` is a real, non-symlink, non-empty file; otherwise what is wrong."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return f"{path} is missing"
+    except OSError as exc:
+        return f"{path}: {exc.strerror}"
+    if stat.S_ISLNK(st.st_mode):
+        return f"{path} is a symlink (expected a real file)"
+    if not stat.S_ISREG(st.st_mode):
+        return f"{path} is not a regular file"
+    if st.st_size == 0:
+        return f"{path} is empty"
+    return None
+
+
+def _load_json(path: Path) -> tuple[Any, str | None]:
+    problem = _real_file_problem(path)
+    if problem:
+        return None, problem
+    try:
+        return json.loads(path.read_text(encoding="utf-8")), None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return None, f"{path} is not valid JSON: {exc}"
+
+
+def load_weight_map(profile: Profile) -> tuple[dict[str, str] | None, str | None]:
+    index, problem = _load_json(profile.base_dir / INDEX)
+    if problem:
+        return None, problem
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        return None, f"{profile.base_dir / INDEX} has no 'weight_map' object (expected tensor name -> shard file)"
+    return weight_map, None
+
+
+def run_model(profile: Profile, probes: Probes) -> list[CheckResult]:
+    root = profile.model_root
+    results: list[CheckResult] = []
+    if root.is_symlink():
+        return [CheckResult("model.root", "fail", f"model root {root} is a symlink (expected a real directory)")]
+    if not root.is_dir():
+        return [CheckResult("model.root", "fail", f"model root {root} is not a directory (set model_root or --model-root)")]
+    if root.resolve() != root.absolute():
+        return [CheckResult("model.root", "fail", f"model root {root} resolves to {root.resolve()} through a symlink")]
+    results.append(CheckResult("model.root", "pass", f"{root} is a real directory"))
+
+    config, problem = _load_json(profile.base_dir / "config.json")
+    want = profile.model.model_type
+    if problem:
+        results.append(CheckResult("model.config", "fail", problem))
+    elif not isinstance(config, dict):
+        results.append(CheckResult("model.config", "fail", f"{profile.base_dir / 'config.json'} is not a JSON object"))
+    elif want is not None and config.get("model_type") != want:
+        results.append(CheckResult("model.config", "fail",
+                                   f"{profile.base_dir / 'config.json'}: model_type is {config.get('model_type')!r}, expected {want!r}"))
+    else:
+        results.append(CheckResult("model.config", "pass", f"model_type {config.get('model_type')!r}"))
+
+    weight_map, problem = load_weight_map(profile)
+    if problem:
+        results.append(CheckResult("model.index", "fail", problem))
+        return results
+    shards: dict[str, set[str]] = {}
+    for tensor, shard in weight_map.items():
+        shards.setdefault(shard, set()).add(tensor)
+    want_shards = profile.model.shards
+    if want_shards is not None and len(shards) != want_shards:
+        results.append(CheckResult("model.index", "fail",
+                                   f"{profile.base_dir / INDEX} names {len(shards)} shard files, expected exactly {want_shards}"))
+    else:
+        results.append(CheckResult("model.index", "pass", f"{len(weight_map)} tensors in {len(shards)} shards"))
+
+    file_problems: list[str] = []
+    header_problems: list[str] = []
+    for shard in sorted(shards):
+        path = profile.base_dir / shard
+        problem = _real_file_problem(path)
+        if problem:
+            file_problems.append(problem)
+            continue
+        try:
+            header = read_header(path)
+        except (HeaderError, OSError) as exc:
+            header_problems.append(f"{path}: {exc}")
+            continue
+        have = set(header.tensors)
+        missing = sorted(shards[shard] - have)
+        extra = sorted(have - shards[shard])
+        if missing:
+            header_problems.append(f"{path} lacks {describe(missing)}, which {INDEX} assigns to it")
+        elif extra:
+            header_problems.append(f"{path} holds {describe(extra)}, which {INDEX} does not assign to it")
+    if file_problems:
+        results.append(CheckResult("model.shards", "fail", f"{len(file_problems)} shard(s) bad: {describe(file_problems, 2)}"))
+    else:
+        results.append(CheckResult("model.shards", "pass", f"{len(shards)} shard files present, real and non-empty"))
+    if header_problems:
+        results.append(CheckResult("model.headers", "fail", f"{len(header_problems)} shard(s) bad: {describe(header_problems, 2)}"))
+    elif not file_problems:
+        results.append(CheckResult("model.headers", "pass", "every shard header parses, matches the index and fits the file"))
+    return results
+
+
+def _module_names(tensor_names: Any) -> set[str]:
+    names: set[str] = set()
+    for t in tensor_names:
+        names.update(t.split("."))
+    return names
+
+
+def _adapter_module_path(tensor: str) -> str:
+    module = tensor.split(".lora_")[0]
+    for prefix in ("base_model.model.",):
+        if module.startswith(prefix):
+            module = module[len(prefix):]
+    return module
+
+
+def run_adapters(profile: Profile, probes: Probes) -> list[CheckResult]:
+    weight_map, _ = load_weight_map(profile)
+    base_tensors = set(weight_map or ())
+    base_modules = _module_names(base_tensors)
+    base_prefixes = {t.rsplit(".", 1)[0] for t in base_tensors}
+    engine_max = get_engine(profile.engine.kind).max_lora_rank(profile)
+    results: list[CheckResult] = []
+    for route in ROUTES:
+        results.extend(_check_adapter(profile, route, base_tensors, base_modules, base_prefixes, engine_max))
+    return results
+
+
+def _check_adapter(profile: Profile, route: str, base_tensors: set[str], base_modules: set[str],
+                   base_prefixes: set[str], engine_max: int | None) -> list[CheckResult]:
+    d = profile.adapter_dir(route)
+    cid = f"adapter.{route}"
+    if d.is_symlink() or not d.is_dir():
+        what = "a symlink" if d.is_symlink() else "missing"
+        return [CheckResult(f"{cid}.dir", "fail", f"adapter directory {d} is {what} (expected a real directory)")]
+    out: list[CheckResult] = []
+    cfg_path = d / ADAPTER_CONFIG
+    config, problem = _load_json(cfg_path)
+    if problem is None and not isinstance(config, dict):
+        problem = f"{cfg_path} is not a JSON object"
+    if problem is None and str(config.get("peft_type", "")).upper() != "LORA":
+        problem = f"{cfg_path}: peft_type is {config.get('peft_type')!r}, expected 'LORA'"
+    if problem:
+        return [CheckResult(f"{cid}.config", "fail", problem)]
+    out.append(CheckResult(f"{cid}.config", "pass", f"{cfg_path} is a LoRA config"))
+
+    # rank
+    rank = config.get("r")
+    spec = profile.adapters
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
+        out.append(CheckResult(f"{cid}.rank", "fail", f"{cfg_path}: r is {rank!r}, expected a positive integer"))
+        rank = None
+    elif spec.rank_equals is not None and rank != spec.rank_equals:
+        out.append(CheckResult(f"{cid}.rank", "fail", f"{cfg_path}: r is {rank}, profile {profile.name} requires r == {spec.rank_equals}"))
+    elif spec.rank_max is not None and rank > spec.rank_max:
+        out.append(CheckResult(f"{cid}.rank", "fail", f"{cfg_path}: r is {rank}, profile {profile.name} requires r <= {spec.rank_max}"))
+    elif engine_max is not None and rank > engine_max:
+        out.append(CheckResult(f"{cid}.rank", "fail", f"{cfg_path}: r is {rank}, above the engine's --max-lora-rank {engine_max}"))
+    else:
+        out.append(CheckResult(f"{cid}.rank", "pass", f"r = {rank}"))
+
+    # declared base
+    declared = str(config.get("base_model_name_or_path") or "")
+    if spec.base_names:
+        same_dir = declared and Path(declared).expanduser().resolve() == profile.base_dir.resolve()
+        if same_dir or any(b.lower() in declared.lower() for b in spec.base_names):
+            out.append(CheckResult(f"{cid}.base", "pass", f"declared base {declared!r}"))
+        else:
+            expected = " or ".join(repr(b) for b in spec.base_names)
+            out.append(CheckResult(f"{cid}.base", "fail",
+                                   f"{cfg_path}: base_model_name_or_path is {declared!r}, expected a name containing {expected} or {profile.base_dir}"))
+
+    # weights file and A/B shapes
+    weights = d / ADAPTER_WEIGHTS
+    problem = _real_file_problem(weights)
+    header = None
+    if problem is None:
+        try:
+            header = read_header(weights)
+        except (HeaderError, OSError) as exc:
+            problem = f"{weights}: {exc}"
+    if problem is None:
+        lora = {n: t for n, t in header.tensors.items() if ".lora_A" in n or ".lora_B" in n}
+        if not lora:
+            problem = f"{weights} holds no lora_A/lora_B tensors"
+        elif rank is not None:
+            bad = [f"{n} {list(t.shape)}" for n, t in sorted(lora.items()) if not _shape_fits(n, t.shape, rank)]
+            if bad:
+                problem = f"{weights}: shapes inconsistent with r={rank}: {describe(bad, 2)}"
+    if problem:
+        out.append(CheckResult(f"{cid}.weights", "fail", problem))
+        return out
+    out.append(CheckResult(f"{cid}.weights", "pass", f"{len(header.tensors)} tensors, shapes consistent with r"))
+
+    # target modules against the base's tensor names
+    if not base_tensors:
+        out.append(CheckResult(f"{cid}.targets", "skip", "base index unreadable; see model.index"))
+        return out
+    targets = config.get("target_modules")
+    declared_missing = []
+    if isinstance(targets, list):
+        declared_missing = [t for t in targets if isinstance(t, str) and t.rsplit(".", 1)[-1] not in base_modules]
+    paths = sorted({_adapter_module_path(n) for n in header.tensors if ".lora_A" in n})
+    unknown_names = sorted({p.rsplit(".", 1)[-1] for p in paths} - base_modules)
+    if declared_missing or unknown_names:
+        names = sorted(set(declared_missing) | set(unknown_names))
+        out.append(CheckResult(f"{cid}.targets", "fail",
+                               f"{cfg_path}: targets module(s) {describe(names)} that no tensor of the base model has (the engine would silently ignore them)"))
+        return out
+    unmatched = [p for p in paths if p not in base_prefixes]
+    if unmatched:
+        out.append(CheckResult(f"{cid}.targets", "warn",
+                               f"{weights}: module path(s) {describe(unmatched, 2)} do not match the base's tensor names exactly (prefix differs; check the engine maps them)"))
+    else:
+        out.append(CheckResult(f"{cid}.targets", "pass", f"{len(paths)} targeted modules exist in the base"))
+    return out
+
+
+def _shape_fits(name: str, shape: tuple[int, ...], rank: int) -> bool:
+    if len(shape) == 2:
+        return shape[0] == rank if ".lora_A" in name else shape[1] == rank
+    return rank in shape  # 3-D expert LoRA layouts differ by engine; the rank must appear

@@ -1,0 +1,135 @@
+"""The command line: parse, call core, render through `molctl.output`. No logic lives here.
+
+Exit codes are `molctl.errors.ExitStatus`; every `MolctlError` becomes one line on stderr."""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Callable, List, Optional
+
+import typer
+
+from molctl import __version__
+from molctl.errors import ExitStatus, MolctlError
+
+app = typer.Typer(
+    name="molctl",
+    help="Operate a self-hosted Mixture-of-LoRA stack (engine + MoL proxy): check, start, stop, switch, inspect.",
+    no_args_is_help=True,
+    add_completion=True,
+    pretty_exceptions_enable=False,
+)
+
+
+class Context:
+    """Global options, resolved once per invocation."""
+
+    def __init__(self, state_dir: Optional[Path], profiles_dirs: List[Path]):
+        from molctl.state import default_state_dir
+
+        self.state_dir = state_dir.expanduser() if state_dir else default_state_dir()
+        self.profiles_dirs = profiles_dirs
+
+    def dirs(self) -> list[Path]:
+        from molctl.profiles import profile_dirs
+
+        return profile_dirs(self.profiles_dirs)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"molctl {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _global(
+    ctx: typer.Context,
+    state_dir: Optional[Path] = typer.Option(None, "--state-dir", envvar="MOLCTL_STATE_DIR",
+                                             help="State dir (records, logs, lock). Default: $XDG_STATE_HOME/molctl or ~/.local/state/molctl."),
+    profiles_dir: List[Path] = typer.Option([], "--profiles-dir", metavar="DIR",
+                                            help="Extra profile folder, searched after the built-in one and MOLCTL_PROFILES_DIR (repeatable)."),
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
+) -> None:
+    ctx.obj = Context(state_dir, profiles_dir)
+
+
+def handle_errors(fn: Callable) -> Callable:
+    """Map MolctlError to its one-line message and exit code; Ctrl-C to 130."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        from molctl.output import Output
+
+        try:
+            return fn(*args, **kwargs)
+        except MolctlError as exc:
+            Output().error(str(exc))
+            raise typer.Exit(int(exc.exit_status)) from None
+        except KeyboardInterrupt:
+            Output().error("interrupted")
+            raise typer.Exit(int(ExitStatus.INTERRUPTED)) from None
+
+    return wrapper
+
+
+JSON_OPT = typer.Option(False, "--json", help="Print the machine-readable result (the contract in ARCHITECTURE.md).")
+SET_OPT = typer.Option([], "--set", metavar="KEY=VALUE", help="Override a profile field before validation, e.g. engine.port=9000 (repeatable).")
+MODEL_ROOT_OPT = typer.Option(None, "--model-root", help="Use this model root (base/ and loras/L0..L3) instead of the profile's model_root.")
+SKIP_OPT = typer.Option([], "--skip", metavar="CATEGORY", help="Skip a check category: engine, gpu, model, adapter, port, state, security (repeatable).")
+
+
+def overrides_from(model_root: Optional[Path], sets: List[str]) -> list[tuple[str, object]]:
+    from molctl.profiles import parse_set_option
+
+    out: list[tuple[str, object]] = []
+    if model_root is not None:
+        out.append(("model_root", str(model_root.expanduser().absolute())))
+    out.extend(parse_set_option(s) for s in sets)
+    return out
+
+
+@app.command("profiles")
+@handle_errors
+def profiles_cmd(ctx: typer.Context, json_: bool = JSON_OPT) -> None:
+    """List the known profiles: name, engine, served model, GPUs, ports, source file."""
+    from molctl.core import list_profiles
+    from molctl.output import Output
+
+    out = Output(as_json=json_)
+    rows, problems = list_profiles(ctx.obj.dirs())
+    for problem in problems:
+        out.warn(problem)
+    out.profiles(rows)
+    if problems:
+        raise typer.Exit(int(ExitStatus.CHECK_FAILED))
+
+
+@app.command("check")
+@handle_errors
+def check_cmd(
+    ctx: typer.Context,
+    profile: str = typer.Argument(..., help="Profile name (see `molctl profiles`)."),
+    model_root: Optional[Path] = MODEL_ROOT_OPT,
+    set_: List[str] = SET_OPT,
+    skip: List[str] = SKIP_OPT,
+    api_key_file: Optional[Path] = typer.Option(None, "--api-key-file", envvar="MOLCTL_API_KEY_FILE",
+                                                help="Also check this proxy API key file (mode 0600, one key per line)."),
+    json_: bool = JSON_OPT,
+) -> None:
+    """Validate the host, the model files and the engine before a long load. Exit 3 on any failure."""
+    from molctl.core import check_profile
+    from molctl.output import Output
+
+    out = Output(as_json=json_)
+    report = check_profile(profile, ctx.obj, overrides_from(model_root, set_), skip, api_key_file)
+    out.check_report(report)
+    if not report.ok:
+        raise typer.Exit(int(ExitStatus.CHECK_FAILED))
+
+
+def main() -> None:
+    os.environ.setdefault("PYTHONDONTWRITEBYTECODE", "1")
+    app(prog_name="molctl")

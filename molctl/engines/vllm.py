@@ -1,0 +1,62 @@
+"""vLLM: OpenAI API server, adapters selected with `model=<adapter name>`, guided choice via
+`structured_outputs`. Flags are validated against the installed version's own `--help`."""
+
+from __future__ import annotations
+
+from molctl.engines.base import Engine, EngineInstall, render_args, run_probe_script
+from molctl.profiles import Profile
+
+API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+# Runs under engine.python. Version from the package itself; flags from the API server's own
+# argument parser (its --help), which is what the launch command will parse.
+PROBE_SCRIPT = r"""
+import contextlib, importlib.util, io, json, re, runpy, sys, warnings
+out = {"found": importlib.util.find_spec("vllm") is not None}
+if out["found"]:
+    try:
+        warnings.simplefilter("ignore")
+        import vllm
+        out["version"] = str(getattr(vllm, "__version__", "") or "")
+        buf = io.StringIO()
+        sys.argv = ["api_server", "--help"]
+        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(io.StringIO()):
+            try:
+                runpy.run_module("%s", run_name="__main__")
+            except SystemExit:
+                pass
+        out["flags"] = sorted(set(re.findall(r"(?<![\w-])--([a-z0-9][a-z0-9-]*)", buf.getvalue())))
+        if not out["flags"]:
+            out["error"] = "the API server's --help listed no flags"
+    except Exception as exc:
+        out["error"] = "%%s: %%s" %% (type(exc).__name__, exc)
+print(json.dumps(out))
+""" % API_SERVER_MODULE
+
+
+class VllmEngine(Engine):
+    kind = "vllm"
+    package = "vllm"
+    memory_flag = "gpu-memory-utilization"
+    supports_guided_choice = True
+
+    def launch_argv(self, profile: Profile) -> list[str]:
+        e = profile.engine
+        return [
+            profile.engine_python, "-m", API_SERVER_MODULE,
+            "--model", str(profile.base_dir),
+            "--served-model-name", e.served_name,
+            "--host", e.host,
+            "--port", str(e.port),
+            *render_args(e.args),
+            "--lora-modules", *self.adapter_pairs(profile),
+        ]
+
+    def probe_install(self, python: str) -> EngineInstall:
+        return run_probe_script(python, PROBE_SCRIPT)
+
+    def adapter_model(self, profile: Profile, route: str) -> str:
+        return route
+
+
+ENGINE = VllmEngine()

@@ -1,0 +1,110 @@
+"""Probes of the host that checks and lifecycle code receive as arguments, so tests can inject
+fakes: GPUs through NVML, TCP ports through bind(), processes through psutil."""
+
+from __future__ import annotations
+
+import errno
+import socket
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class GpuUnavailable(Exception):
+    """NVML cannot be used on this host (no driver, no library); the message says why."""
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    pid: int
+    name: str
+    used_bytes: int | None
+
+
+@dataclass(frozen=True)
+class GpuDevice:
+    index: int
+    name: str
+    total_bytes: int
+    free_bytes: int
+    processes: tuple[GpuProcess, ...] = ()
+
+
+@dataclass(frozen=True)
+class GpuInventory:
+    driver_version: str
+    devices: tuple[GpuDevice, ...] = field(default_factory=tuple)
+
+
+class GpuProbe(Protocol):
+    def inventory(self) -> GpuInventory: ...
+
+
+def _process_name(pid: int) -> str:
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        return proc.name() or " ".join(proc.cmdline()[:1])
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return "?"
+
+
+class NvmlProbe:
+    """The real GPU probe (nvidia-ml-py)."""
+
+    def inventory(self) -> GpuInventory:
+        try:
+            import pynvml
+        except ImportError as exc:  # pragma: no cover - nvidia-ml-py is a dependency
+            raise GpuUnavailable(f"nvidia-ml-py is not installed: {exc}") from None
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError as exc:
+            raise GpuUnavailable(f"NVML init failed: {exc} (no NVIDIA driver on this host?)") from None
+        try:
+            driver = pynvml.nvmlSystemGetDriverVersion()
+            driver = driver.decode() if isinstance(driver, bytes) else driver
+            devices = []
+            for i in range(pynvml.nvmlDeviceGetCount()):
+                handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+                name = pynvml.nvmlDeviceGetName(handle)
+                name = name.decode() if isinstance(name, bytes) else name
+                mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
+                procs = []
+                for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                    used = getattr(p, "usedGpuMemory", None)
+                    procs.append(GpuProcess(p.pid, _process_name(p.pid), used if isinstance(used, int) else None))
+                devices.append(GpuDevice(i, name, int(mem.total), int(mem.free), tuple(procs)))
+            return GpuInventory(driver, tuple(devices))
+        finally:
+            pynvml.nvmlShutdown()
+
+
+class PortProbe:
+    """Port availability by a plain bind() (no SO_REUSEPORT), and the holder through psutil."""
+
+    def is_free(self, host: str, port: int) -> bool:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError as exc:
+                if exc.errno in (errno.EADDRINUSE, errno.EACCES):
+                    return False
+                raise
+        return True
+
+    def holder(self, port: int) -> tuple[int, str] | None:
+        import psutil
+
+        try:
+            conns = psutil.net_connections(kind="inet")
+        except psutil.AccessDenied:
+            return None
+        for conn in conns:
+            if conn.laddr and conn.laddr.port == port and conn.pid and conn.status == "LISTEN":
+                return conn.pid, _process_name(conn.pid)
+        for conn in conns:
+            if conn.laddr and conn.laddr.port == port and conn.pid:
+                return conn.pid, _process_name(conn.pid)
+        return None

@@ -1,0 +1,507 @@
+"""Profiles: YAML files describing one MoL stack (engine, model layout, adapters, proxy prompts).
+
+Loading is strict: an unknown key, a wrong type, a bad name or invalid YAML is a `ProfileError`
+naming the file, the line (where YAML tells it) and the dotted field. `--set dotted.key=value`
+and `--model-root` overrides are applied to the raw data *before* validation, so an override
+is checked exactly like a value written in the file.
+
+Built-in profiles live in the repository's `profiles/` folder; user folders given with
+`--profiles-dir` or `MOLCTL_PROFILES_DIR` (os.pathsep-separated) are searched after it, and a
+later folder's `NAME.yaml` replaces an earlier one of the same name.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import yaml
+
+from molctl.errors import ProfileError
+
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]*$")
+ROUTES = ("L0", "L1", "L2", "L3")
+ENGINE_KINDS = ("vllm", "sglang")
+REASONING_STYLES = ("glm", "qwen", "none")
+
+# Placeholders substituted in prompt texts.
+PH_MODEL = "{{MODEL_NAME}}"
+PH_BASE = "{{BASE_MODEL}}"
+PH_DESCRIPTIONS = "{{ROUTE_DESCRIPTIONS}}"
+PH_LABELS = "{{ROUTE_LABELS}}"
+
+
+def builtin_profiles_dir() -> Path:
+    """The shipped `profiles/` folder (beside the package in a checkout or editable install)."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here.parent / "profiles", Path(sys.prefix) / "share" / "molctl" / "profiles"):
+        if candidate.is_dir():
+            return candidate
+    return here.parent / "profiles"
+
+
+# --------------------------------------------------------------------------------------------
+# Schema: a nested mapping of key -> type spec. A type spec is a Python type, a tuple of types
+# (None allowed), `list_of(T)`, `map_of(T)` or a nested dict. `REQUIRED` marks keys that must
+# be present; everything else has a default in the dataclasses below.
+
+class _ListOf:
+    def __init__(self, item: Any):
+        self.item = item
+
+
+class _MapOf:
+    def __init__(self, item: Any):
+        self.item = item
+
+
+SCALAR = (str, int, float, bool)
+ARG_VALUE = (str, int, float, bool, _ListOf((str, int, float)))
+
+SCHEMA: dict[str, Any] = {
+    "name": str,
+    "description": str,
+    "served_model_name": str,
+    "base_model": str,
+    "model_root": str,
+    "model": {
+        "model_type": (str, type(None)),
+        "shards": (int, type(None)),
+    },
+    "adapters": {
+        "rank_equals": (int, type(None)),
+        "rank_max": (int, type(None)),
+        "base_names": _ListOf(str),
+    },
+    "engine": {
+        "kind": str,
+        "version": str,
+        "python": (str, type(None)),
+        "host": str,
+        "port": int,
+        "gpus": int,
+        "start_timeout_s": (int, float),
+        "served_name": str,
+        "args": _MapOf(ARG_VALUE),
+        "env": _MapOf(str),
+        "unset_env": _ListOf(str),
+    },
+    "proxy": {
+        "host": str,
+        "port": int,
+        "default_route": str,
+        "max_output_tokens": int,
+        "route_max_tokens": int,
+        "summary_max_tokens": int,
+        "summary_wait_s": (int, float),
+        "reasoning": str,
+        "sampling_defaults": _MapOf(SCALAR),
+    },
+    "prompts": {
+        "identity": str,
+        "route": str,
+        "summary": str,
+        "adapters": _MapOf(str),
+    },
+}
+
+REQUIRED = {
+    "name", "served_model_name", "base_model", "model_root", "engine.kind", "engine.version",
+    "engine.port", "engine.served_name", "proxy.port", "prompts.identity", "prompts.route",
+    "prompts.summary", "prompts.adapters",
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Typed, immutable profile.
+
+@dataclass(frozen=True)
+class ModelSpec:
+    model_type: str | None = None
+    shards: int | None = None
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    rank_equals: int | None = None
+    rank_max: int | None = None
+    base_names: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    kind: str
+    version: str
+    served_name: str
+    port: int
+    python: str = ""
+    host: str = "127.0.0.1"
+    gpus: int = 0
+    start_timeout_s: float = 3600
+    args: Mapping[str, Any] = field(default_factory=dict)
+    env: Mapping[str, str] = field(default_factory=dict)
+    unset_env: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ProxySpec:
+    port: int
+    host: str = "127.0.0.1"
+    default_route: str = "L2"
+    max_output_tokens: int = 131072
+    route_max_tokens: int = 24
+    summary_max_tokens: int = 192
+    summary_wait_s: float = 5.0
+    reasoning: str = "none"
+    sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Prompts:
+    identity: str
+    route: str
+    summary: str
+    adapters: Mapping[str, str]
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    served_model_name: str
+    base_model: str
+    model_root: Path
+    engine: EngineSpec
+    proxy: ProxySpec
+    prompts: Prompts
+    model: ModelSpec = ModelSpec()
+    adapters: AdapterSpec = AdapterSpec()
+    description: str = ""
+    source: Path | None = None
+
+    @property
+    def base_dir(self) -> Path:
+        return self.model_root / "base"
+
+    def adapter_dir(self, route: str) -> Path:
+        return self.model_root / "loras" / route
+
+    @property
+    def engine_python(self) -> str:
+        return self.engine.python or sys.executable
+
+    def substitute(self, text: str) -> str:
+        return text.replace(PH_MODEL, self.served_model_name).replace(PH_BASE, self.base_model)
+
+
+# --------------------------------------------------------------------------------------------
+# YAML with line numbers.
+
+_SCALARS = yaml.constructor.SafeConstructor()
+
+
+def _construct(node: yaml.Node, path: str, lines: dict[str, int]) -> Any:
+    lines[path] = node.start_mark.line + 1
+    if isinstance(node, yaml.MappingNode):
+        out: dict[str, Any] = {}
+        for key_node, value_node in node.value:
+            key = str(key_node.value) if isinstance(key_node, yaml.ScalarNode) else str(_SCALARS.construct_object(key_node, deep=True))
+            child = f"{path}.{key}" if path else key
+            if key in out:
+                raise ProfileError(f"duplicate key '{child}'", None)  # located by caller
+            out[key] = _construct(value_node, child, lines)
+        return out
+    if isinstance(node, yaml.SequenceNode):
+        return [_construct(item, f"{path}[{i}]", lines) for i, item in enumerate(node.value)]
+    # scalars: the composer already resolved the tag (int, bool, null, float, str)
+    return _SCALARS.construct_object(node, deep=True)
+
+
+def load_yaml_with_lines(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ProfileError(f"{path}: cannot read profile: {exc.strerror}") from None
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ProfileError(f"{path}{where}: invalid YAML: {problem}") from None
+    if node is None:
+        raise ProfileError(f"{path}: profile is empty")
+    if not isinstance(node, yaml.MappingNode):
+        raise ProfileError(f"{path}:{node.start_mark.line + 1}: a profile must be a mapping of keys")
+    lines: dict[str, int] = {}
+    try:
+        data = _construct(node, "", lines)
+    except ProfileError as exc:
+        raise ProfileError(f"{path}: {exc}") from None
+    return data, lines
+
+
+# --------------------------------------------------------------------------------------------
+# Overrides.
+
+def parse_set_option(item: str) -> tuple[str, Any]:
+    """`engine.port=9000` -> ("engine.port", 9000). The value is read as a YAML scalar."""
+    key, sep, raw = item.partition("=")
+    key = key.strip()
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ProfileError(f"--set {item!r}: expected dotted.key=value, e.g. engine.port=9000")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+def apply_overrides(data: dict[str, Any], overrides: Iterable[tuple[str, Any]]) -> None:
+    for key, value in overrides:
+        target = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            nxt = target.get(part)
+            if nxt is None:
+                nxt = target[part] = {}
+            if not isinstance(nxt, dict):
+                raise ProfileError(f"--set {key}: '{part}' is not a mapping in this profile")
+            target = nxt
+        target[parts[-1]] = value
+
+
+# --------------------------------------------------------------------------------------------
+# Validation.
+
+def _type_name(spec: Any) -> str:
+    if isinstance(spec, tuple):
+        return " or ".join(_type_name(s) for s in spec)
+    if isinstance(spec, _ListOf):
+        return f"a list of {_type_name(spec.item)}"
+    if isinstance(spec, _MapOf):
+        return f"a mapping of {_type_name(spec.item)}"
+    if isinstance(spec, dict):
+        return "a mapping"
+    if spec is type(None):
+        return "null"
+    return {str: "a string", int: "an integer", float: "a number", bool: "true/false"}.get(spec, str(spec))
+
+
+def _matches(value: Any, spec: Any) -> bool:
+    if isinstance(spec, tuple):
+        return any(_matches(value, s) for s in spec)
+    if isinstance(spec, _ListOf):
+        return isinstance(value, list) and all(_matches(v, spec.item) for v in value)
+    if isinstance(spec, _MapOf):
+        return isinstance(value, dict) and all(_matches(v, spec.item) for v in value.values())
+    if isinstance(spec, dict):
+        return isinstance(value, dict)
+    if spec is bool:
+        return isinstance(value, bool)
+    if spec is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if spec is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, spec)
+
+
+class _Validator:
+    def __init__(self, source: Path, lines: dict[str, int], overridden: set[str]):
+        self.source = source
+        self.lines = lines
+        self.overridden = overridden
+
+    def where(self, path: str) -> str:
+        if path in self.overridden or any(path.startswith(o + ".") for o in self.overridden):
+            return f"{self.source} (--set {path})"
+        probe = path
+        while probe:
+            if probe in self.lines:
+                return f"{self.source}:{self.lines[probe]}"
+            probe = probe.rpartition(".")[0]
+        return str(self.source)
+
+    def fail(self, path: str, message: str) -> ProfileError:
+        return ProfileError(f"{self.where(path)}: field '{path}': {message}")
+
+    def walk(self, data: dict[str, Any], schema: dict[str, Any], prefix: str = "") -> None:
+        for key, value in data.items():
+            path = f"{prefix}{key}"
+            if key not in schema:
+                known = ", ".join(sorted(schema))
+                raise self.fail(path, f"unknown key (expected one of: {known})")
+            spec = schema[key]
+            if isinstance(spec, dict):
+                if not isinstance(value, dict):
+                    raise self.fail(path, f"expected a mapping, got {type(value).__name__}")
+                self.walk(value, spec, path + ".")
+            elif not _matches(value, spec):
+                raise self.fail(path, f"expected {_type_name(spec)}, got {value!r}")
+        for req in REQUIRED:
+            head, _, tail = req.partition(".")
+            if prefix == "" and not tail and head not in data:
+                raise self.fail(req, "missing (required)")
+            if prefix == head + "." and tail not in data:
+                raise self.fail(req, "missing (required)")
+        if prefix == "":
+            for section, spec in schema.items():
+                if isinstance(spec, dict) and section not in data:
+                    missing = [r for r in REQUIRED if r.startswith(section + ".")]
+                    if missing:
+                        raise self.fail(sorted(missing)[0], "missing (required)")
+
+
+def _expand_path(raw: str, base: Path) -> Path:
+    expanded = os.path.expanduser(os.path.expandvars(raw))
+    path = Path(expanded)
+    return path if path.is_absolute() else (base / path)
+
+
+def build_profile(data: dict[str, Any], source: Path, lines: dict[str, int] | None = None,
+                  overrides: Iterable[tuple[str, Any]] = (), expected_name: str | None = None) -> Profile:
+    """Validate raw profile data (after applying overrides) into an immutable `Profile`."""
+    overrides = list(overrides)
+    apply_overrides(data, overrides)
+    v = _Validator(source, lines or {}, {k for k, _ in overrides})
+    v.walk(data, SCHEMA)
+
+    name = data["name"]
+    if not NAME_RE.match(name):
+        raise v.fail("name", f"bad name {name!r}: expected [a-z0-9][a-z0-9-]*")
+    if expected_name is not None and name != expected_name:
+        raise v.fail("name", f"{name!r} differs from the file name {expected_name!r}")
+
+    eng = dict(data["engine"])
+    if eng["kind"] not in ENGINE_KINDS:
+        raise v.fail("engine.kind", f"{eng['kind']!r}: expected one of {', '.join(ENGINE_KINDS)}")
+    from packaging.specifiers import InvalidSpecifier, SpecifierSet
+    try:
+        SpecifierSet(eng["version"])
+    except InvalidSpecifier:
+        raise v.fail("engine.version", f"{eng['version']!r} is not a version specifier (e.g. ==0.24.0)") from None
+    for port_key, section in (("engine.port", eng), ("proxy.port", data["proxy"])):
+        if not 1 <= section["port"] <= 65535:
+            raise v.fail(port_key, f"{section['port']} is not a TCP port (1-65535)")
+    if eng["port"] == data["proxy"]["port"]:
+        raise v.fail("proxy.port", f"{data['proxy']['port']} is also engine.port; they must differ")
+    if eng.get("gpus", 0) < 0:
+        raise v.fail("engine.gpus", "must be >= 0")
+    if eng.get("start_timeout_s", 1) <= 0:
+        raise v.fail("engine.start_timeout_s", "must be > 0")
+    for flag in eng.get("args", {}):
+        if flag.startswith("-") or not re.match(r"^[a-z0-9][a-z0-9-]*$", flag):
+            raise v.fail(f"engine.args.{flag}", "flag names are written without dashes, e.g. max-model-len")
+
+    proxy = dict(data["proxy"])
+    if proxy.get("default_route", "L2") not in ROUTES:
+        raise v.fail("proxy.default_route", f"{proxy['default_route']!r}: expected one of {', '.join(ROUTES)}")
+    if proxy.get("reasoning", "none") not in REASONING_STYLES:
+        raise v.fail("proxy.reasoning", f"{proxy['reasoning']!r}: expected one of {', '.join(REASONING_STYLES)}")
+    for key in ("max_output_tokens", "route_max_tokens", "summary_max_tokens"):
+        if key in proxy and proxy[key] <= 0:
+            raise v.fail(f"proxy.{key}", "must be > 0")
+
+    prompts = dict(data["prompts"])
+    if sorted(prompts["adapters"]) != list(ROUTES):
+        raise v.fail("prompts.adapters", f"expected exactly the routes {', '.join(ROUTES)}, got {', '.join(sorted(prompts['adapters'])) or 'none'}")
+    for key in ("identity", "route", "summary"):
+        if not prompts[key].strip():
+            raise v.fail(f"prompts.{key}", "must not be empty")
+    for route, text in prompts["adapters"].items():
+        if not text.strip():
+            raise v.fail(f"prompts.adapters.{route}", "must not be empty")
+    for ph in (PH_DESCRIPTIONS, PH_LABELS):
+        if ph not in prompts["route"]:
+            raise v.fail("prompts.route", f"must contain the placeholder {ph}")
+
+    adapters = dict(data.get("adapters", {}))
+    if adapters.get("rank_equals") is not None and adapters.get("rank_max") is not None:
+        raise v.fail("adapters.rank_max", "set either rank_equals or rank_max, not both")
+
+    base = source.parent if source else Path.cwd()
+    return Profile(
+        name=name,
+        description=data.get("description", ""),
+        served_model_name=data["served_model_name"],
+        base_model=data["base_model"],
+        model_root=_expand_path(data["model_root"], base),
+        model=ModelSpec(**data.get("model", {})),
+        adapters=AdapterSpec(
+            rank_equals=adapters.get("rank_equals"),
+            rank_max=adapters.get("rank_max"),
+            base_names=tuple(adapters.get("base_names", ())),
+        ),
+        engine=EngineSpec(
+            kind=eng["kind"],
+            version=eng["version"],
+            served_name=eng["served_name"],
+            port=eng["port"],
+            python=os.path.expanduser(eng["python"]) if eng.get("python") else "",
+            host=eng.get("host", "127.0.0.1"),
+            gpus=eng.get("gpus", 0),
+            start_timeout_s=eng.get("start_timeout_s", 3600),
+            args=dict(eng.get("args", {})),
+            env=dict(eng.get("env", {})),
+            unset_env=tuple(eng.get("unset_env", ())),
+        ),
+        proxy=ProxySpec(**proxy),
+        prompts=Prompts(
+            identity=prompts["identity"],
+            route=prompts["route"],
+            summary=prompts["summary"],
+            adapters=dict(prompts["adapters"]),
+        ),
+        source=source,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Discovery.
+
+def profile_dirs(extra: Iterable[str | Path] = ()) -> list[Path]:
+    """Built-in folder first, then MOLCTL_PROFILES_DIR entries, then --profiles-dir entries."""
+    dirs = [builtin_profiles_dir()]
+    env = os.environ.get("MOLCTL_PROFILES_DIR", "")
+    dirs += [Path(p).expanduser() for p in env.split(os.pathsep) if p]
+    dirs += [Path(p).expanduser() for p in extra]
+    return dirs
+
+
+def profile_files(dirs: Iterable[Path]) -> dict[str, Path]:
+    """Name -> file, later folders replacing earlier ones."""
+    found: dict[str, Path] = {}
+    for d in dirs:
+        if not d.is_dir():
+            continue
+        for f in sorted(d.iterdir()):
+            if f.suffix in (".yaml", ".yml") and f.is_file():
+                found[f.stem] = f
+    return found
+
+
+def load_profile_file(path: Path, overrides: Iterable[tuple[str, Any]] = ()) -> Profile:
+    data, lines = load_yaml_with_lines(path)
+    return build_profile(data, path, lines, overrides, expected_name=path.stem)
+
+
+def load_profile(name: str, dirs: Iterable[Path], overrides: Iterable[tuple[str, Any]] = ()) -> Profile:
+    dirs = list(dirs)
+    files = profile_files(dirs)
+    if name not in files:
+        known = ", ".join(sorted(files)) or "none"
+        searched = ", ".join(str(d) for d in dirs)
+        raise ProfileError(f"no profile named {name!r} (known: {known}; searched: {searched})")
+    return load_profile_file(files[name], overrides)
+
+
+def route_instruction(profile: Profile) -> str:
+    """The router's instruction, built once per profile from the adapter descriptions."""
+    descriptions = "\n".join(
+        f"{route} = {' '.join(profile.substitute(profile.prompts.adapters[route]).split())}" for route in ROUTES
+    )
+    text = profile.substitute(profile.prompts.route)
+    return text.replace(PH_DESCRIPTIONS, descriptions).replace(PH_LABELS, " ".join(ROUTES)).strip()

@@ -1,0 +1,120 @@
+"""Reading safetensors headers without touching tensor data.
+
+Format: 8 bytes little-endian header length N, N bytes of JSON mapping tensor name ->
+{"dtype", "shape", "data_offsets": [begin, end]} (offsets relative to the end of the header),
+plus an optional "__metadata__" entry. A file is consistent when every tensor's byte span
+matches dtype x shape and the largest end offset fits in the file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DTYPE_BYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "F4": 1, "F6_E2M3": 1, "F6_E3M2": 1,
+    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4,
+    "I64": 8, "U64": 8, "F64": 8, "C64": 8,
+}
+MAX_HEADER = 100 * 1024 * 1024  # the format's own limit
+
+
+class HeaderError(Exception):
+    """The file is not a consistent safetensors file; the message says why."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    tensors: dict[str, TensorInfo]
+    metadata: dict[str, Any]
+    header_size: int  # 8 + N
+    file_size: int
+
+    @property
+    def data_end(self) -> int:
+        return self.header_size + max((t.end for t in self.tensors.values()), default=0)
+
+
+def read_header(path: Path) -> SafetensorsHeader:
+    """Parse and validate the header of `path`; reads only the header bytes."""
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        head = fh.read(8)
+        if len(head) < 8:
+            raise HeaderError(f"file is {size} bytes, too short for a safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER or 8 + n > size:
+            raise HeaderError(f"header length {n} does not fit in the file ({size} bytes)")
+        raw = fh.read(n)
+    try:
+        obj = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise HeaderError(f"header is not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise HeaderError("header is not a JSON object")
+    metadata = obj.pop("__metadata__", None) or {}
+    tensors: dict[str, TensorInfo] = {}
+    for name, info in obj.items():
+        try:
+            dtype = info["dtype"]
+            shape = tuple(int(d) for d in info["shape"])
+            begin, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise HeaderError(f"tensor {name!r}: malformed entry {info!r}") from None
+        if dtype not in DTYPE_BYTES:
+            raise HeaderError(f"tensor {name!r}: unknown dtype {dtype!r}")
+        expected = math.prod(shape) * DTYPE_BYTES[dtype]
+        if dtype in ("F4",):
+            expected = (math.prod(shape) + 1) // 2
+        if begin < 0 or end < begin or end - begin != expected:
+            raise HeaderError(f"tensor {name!r}: data_offsets [{begin}, {end}] do not match {dtype} {list(shape)}")
+        tensors[name] = TensorInfo(dtype, shape, begin, end)
+    header = SafetensorsHeader(tensors, metadata, 8 + n, size)
+    if header.data_end > size:
+        raise HeaderError(f"truncated: tensor data ends at byte {header.data_end} but the file has {size} bytes")
+    return header
+
+
+def write_file(path: Path, tensors: dict[str, tuple[str, tuple[int, ...]]], data: dict[str, bytes] | None = None,
+               metadata: dict[str, str] | None = None, sparse: bool = False) -> None:
+    """Write a safetensors file. Without `data`, tensor bytes are zeros (or a hole when `sparse`).
+
+    Used by `molctl demo init` and by tests to build layouts with real headers."""
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = metadata
+    offset = 0
+    order = sorted(tensors)
+    for name in order:
+        dtype, shape = tensors[name]
+        nbytes = math.prod(shape) * DTYPE_BYTES[dtype]
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the format pads the header to 8 bytes
+    with open(path, "wb") as fh:
+        fh.write(struct.pack("<Q", len(raw)))
+        fh.write(raw)
+        if sparse:
+            fh.truncate(8 + len(raw) + offset)
+            return
+        for name in order:
+            if data and name in data:
+                fh.write(data[name])
+            else:
+                dtype, shape = tensors[name]
+                fh.write(b"\0" * (math.prod(shape) * DTYPE_BYTES[dtype]))
