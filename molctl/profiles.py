@@ -21,7 +21,7 @@ from typing import Any, Iterable, Mapping
 
 import yaml
 
-from molctl.errors import ProfileError
+from molctl.errors import ProfileError, UsageError
 
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]*$")
 ROUTES = ("L0", "L1", "L2", "L3")
@@ -226,7 +226,7 @@ def load_yaml_with_lines(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
     except OSError as exc:
         raise ProfileError(f"{path}: cannot read profile: {exc.strerror}") from None
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        node = yaml.compose(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f":{mark.line + 1}" if mark is not None else ""
@@ -252,7 +252,7 @@ def parse_set_option(item: str) -> tuple[str, Any]:
     key, sep, raw = item.partition("=")
     key = key.strip()
     if not sep or not key or any(not part for part in key.split(".")):
-        raise ProfileError(f"--set {item!r}: expected dotted.key=value, e.g. engine.port=9000")
+        raise UsageError(f"--set {item!r}: expected dotted.key=value, e.g. engine.port=9000")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:

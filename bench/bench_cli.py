@@ -1,0 +1,55 @@
+"""CLI speed: `molctl check` of a Venti-sized layout (141 sparse shards of real size, real
+headers, 4 adapters) with --skip gpu --skip engine, and `molctl --help` / `molctl profiles`.
+
+Run with `make bench`; prints medians. Whole-process timings (python start-up included)."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.layouts import venti_layout  # noqa: E402
+
+MOLCTL = [sys.executable, "-m", "molctl"]
+
+
+def timed(argv: list[str], runs: int, env=None) -> tuple[float, int]:
+    samples, code = [], 0
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        code = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env).returncode
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples), code
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp) / "venti"
+        # 141 shards; each layer tensor scaled so a shard is ~5.3 GB on disk (sparse): 744B params in FP8
+        # would be ~5.3 GB per shard. Headers are real; data is holes.
+        t0 = time.perf_counter()
+        layout = venti_layout(root, hidden=512, sparse=True, shard_scale=2500)
+        build = time.perf_counter() - t0
+        size = sum(os.path.getsize(p) for p in layout.shards)
+        env = dict(os.environ, MOLCTL_STATE_DIR=str(Path(tmp) / "state"))
+        check, code = timed([*MOLCTL, "check", "venti", "--model-root", str(root), "--skip", "gpu", "--skip", "engine",
+                             "--set", "engine.port=1", "--skip", "port"], 5, env)
+        assert code == 0, "check of the generated Venti layout failed"
+        help_, _ = timed([*MOLCTL, "--help"], 10, env)
+        profiles, _ = timed([*MOLCTL, "profiles"], 10, env)
+        baseline, _ = timed([sys.executable, "-c", "pass"], 10, env)
+    print(f"layout: 141 shards, {size / 1e9:.0f} GB apparent (sparse), built in {build:.1f} s")
+    print(f"python start-up alone         median {baseline * 1000:7.1f} ms")
+    print(f"molctl check venti (layout)   median {check * 1000:7.1f} ms")
+    print(f"molctl --help                 median {help_ * 1000:7.1f} ms")
+    print(f"molctl profiles               median {profiles * 1000:7.1f} ms")
+
+
+if __name__ == "__main__":
+    main()

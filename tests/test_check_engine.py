@@ -1,0 +1,136 @@
+"""Engine checks against throwaway interpreter environments holding a fake engine package that
+reports a chosen version and argument set (the real probe script runs under that interpreter)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from molctl.checks import Probes
+from molctl.core import check_profile
+from molctl.engines import get_engine
+from molctl.profiles import load_profile, profile_dirs
+
+SKIP_ALL_BUT_ENGINE = ("gpu", "model", "adapter", "port", "state", "security")
+
+
+@pytest.fixture(scope="module")
+def venv_factory(tmp_path_factory):
+    base = tmp_path_factory.mktemp("venvs")
+    made = {}
+
+    def make(name: str) -> tuple[Path, Path]:
+        """Returns (python, site-packages) of a fresh venv without pip."""
+        if name not in made:
+            root = base / name
+            subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True)
+            site = next((root / "lib").glob("python3*/site-packages"))
+            made[name] = (root / "bin" / "python", site)
+        return made[name]
+
+    return make
+
+
+def fake_vllm(site: Path, version: str, flags: list[str]) -> None:
+    pkg = site / "vllm"
+    (pkg / "entrypoints" / "openai").mkdir(parents=True)
+    (pkg / "__init__.py").write_text(f"__version__ = {version!r}\n")
+    (pkg / "entrypoints" / "__init__.py").write_text("")
+    (pkg / "entrypoints" / "openai" / "__init__.py").write_text("")
+    (pkg / "entrypoints" / "openai" / "api_server.py").write_text(textwrap.dedent(f"""
+        import argparse
+        parser = argparse.ArgumentParser()
+        for flag in {flags!r}:
+            parser.add_argument("--" + flag, nargs="*")
+        if __name__ == "__main__":
+            parser.parse_args()
+    """))
+
+
+def fake_sglang(site: Path, version: str, flags: list[str]) -> None:
+    pkg = site / "sglang"
+    (pkg / "srt").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("raise ImportError('torchvision::nms does not exist')\n")  # like on a CPU host
+    (pkg / "srt" / "server_args.py").write_text("\n".join(f'parser.add_argument(\n    "--{f}", type=str)' for f in flags))
+    dist = site / f"sglang-{version}.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: sglang\nVersion: {version}\n")
+
+
+class Ctx:
+    def __init__(self, state_dir):
+        self.state_dir = state_dir
+
+    def dirs(self):
+        return profile_dirs()
+
+
+def run_engine_check(state_dir, profile: str, python: Path, *sets):
+    overrides = [("engine.python", str(python)), *sets]
+    report = check_profile(profile, Ctx(state_dir), overrides, SKIP_ALL_BUT_ENGINE, None, Probes(environ={}))
+    return report, {c.id: (c.status, c.detail) for c in report.checks}
+
+
+def profile_flags(name: str) -> list[str]:
+    p = load_profile(name, profile_dirs())
+    return get_engine(p.engine.kind).profile_flags(p)
+
+
+def test_vllm_matching_version_and_flags(venv_factory, state_dir):
+    python, site = venv_factory("vllm-ok")
+    fake_vllm(site, "0.24.0+cu130", profile_flags("tall") + ["some-other-flag"])
+    report, checks = run_engine_check(state_dir, "tall", python)
+    assert report.ok, checks
+    assert checks["engine.version"][0] == "pass" and "0.24.0+cu130" in checks["engine.version"][1]
+    assert checks["engine.flags"][0] == "pass"
+
+
+def test_vllm_wrong_version(venv_factory, state_dir):
+    python, site = venv_factory("vllm-new")
+    fake_vllm(site, "0.25.1", profile_flags("tall"))
+    report, checks = run_engine_check(state_dir, "tall", python)
+    assert not report.ok
+    assert checks["engine.version"] == ("fail", f"vllm 0.25.1 under {python} does not match engine.version ==0.24.0")
+
+
+def test_vllm_flag_removed_in_installed_version(venv_factory, state_dir):
+    python, site = venv_factory("vllm-noflag")
+    fake_vllm(site, "0.24.0", [f for f in profile_flags("venti") if f != "no-async-scheduling"])
+    report, checks = run_engine_check(state_dir, "venti", python)
+    assert not report.ok
+    status, detail = checks["engine.flags"]
+    assert status == "fail" and "--no-async-scheduling" in detail and "venti.yaml" in detail
+
+
+def test_typo_in_profile_flag(venv_factory, state_dir):
+    python, site = venv_factory("vllm-ok2")
+    fake_vllm(site, "0.24.0", profile_flags("tall"))
+    report, checks = run_engine_check(state_dir, "tall", python, ("engine.args.max-lora-rnak", 64))
+    assert "--max-lora-rnak" in checks["engine.flags"][1]
+
+
+def test_engine_package_missing(venv_factory, state_dir):
+    python, _ = venv_factory("empty")
+    report, checks = run_engine_check(state_dir, "tall", python)
+    assert not report.ok
+    assert checks["engine.package"][0] == "fail" and str(python) in checks["engine.package"][1]
+
+
+def test_engine_python_does_not_exist(state_dir, tmp_path):
+    report, checks = run_engine_check(state_dir, "tall", tmp_path / "nope" / "python")
+    assert checks["engine.package"][0] == "fail" and "does not exist" in checks["engine.package"][1]
+
+
+def test_sglang_flags_read_without_importing(venv_factory, state_dir):
+    python, site = venv_factory("sglang")
+    fake_sglang(site, "0.5.13.post1", profile_flags("venti-sglang"))
+    report, checks = run_engine_check(state_dir, "venti-sglang", python)
+    assert report.ok, checks
+    report, checks = run_engine_check(state_dir, "venti-sglang", python, ("engine.args.enable-magic", True))
+    assert "--enable-magic" in checks["engine.flags"][1]
+    report, checks = run_engine_check(state_dir, "venti-sglang", python, ("engine.version", "==0.5.23"))
+    assert checks["engine.version"][0] == "fail"

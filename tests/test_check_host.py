@@ -1,0 +1,169 @@
+"""GPU (fake NVML), port, state-dir and security checks."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+from molctl.checks import Probes
+from molctl.core import check_profile
+from molctl.probes import GpuDevice, GpuInventory, GpuProcess, GpuUnavailable
+from molctl.profiles import profile_dirs
+from tests.layouts import tall_layout
+
+GIB = 1024 ** 3
+
+
+class FakeNvml:
+    def __init__(self, devices=8, total=141 * GIB, free=140 * GIB, processes=None, error=None):
+        self.devices, self.total, self.free, self.processes, self.error = devices, total, free, processes or {}, error
+
+    def inventory(self):
+        if self.error:
+            raise GpuUnavailable(self.error)
+        return GpuInventory("580.95.05", tuple(
+            GpuDevice(i, "NVIDIA H200", self.total, self.free(i) if callable(self.free) else self.free,
+                      tuple(self.processes.get(i, ())))
+            for i in range(self.devices)))
+
+
+class Ctx:
+    def __init__(self, state_dir: Path):
+        self.state_dir = state_dir
+
+    def dirs(self):
+        return profile_dirs()
+
+
+@pytest.fixture
+def run(state_dir, free_ports, monkeypatch):
+    monkeypatch.delenv("MOLCTL_PROFILES_DIR", raising=False)
+
+    def go(*, gpu=None, skip=("engine", "model", "adapter"), sets=(), api_key_file=None, environ=None, profile="tall"):
+        probes = Probes(gpu=gpu or FakeNvml(), environ=environ if environ is not None else {})
+        overrides = [("engine.port", free_ports[0]), ("proxy.port", free_ports[1]), *sets]
+        report = check_profile(profile, Ctx(state_dir), overrides, skip, api_key_file, probes)
+        return report, {c.id: (c.status, c.detail) for c in report.checks}
+
+    return go
+
+
+def test_eight_healthy_gpus_pass(run):
+    report, checks = run()
+    assert report.ok, checks
+    assert checks["gpu.count"][0] == "pass"
+    assert checks["gpu.memory"][0] == "pass"
+    assert checks["gpu.processes"][0] == "pass"
+    assert "580.95.05" in checks["gpu.driver"][1]
+
+
+def test_too_few_gpus(run):
+    report, checks = run(gpu=FakeNvml(devices=4))
+    assert not report.ok
+    assert checks["gpu.count"] == ("fail", "4 GPU(s) visible, profile tall needs engine.gpus=8")
+
+
+def test_no_driver(run):
+    report, checks = run(gpu=FakeNvml(error="NVML init failed: Driver Not Loaded"))
+    assert not report.ok
+    assert "Driver Not Loaded" in checks["gpu.driver"][1] and "--skip gpu" in checks["gpu.driver"][1]
+
+
+def test_low_free_memory_on_one_gpu(run):
+    report, checks = run(gpu=FakeNvml(free=lambda i: 40 * GIB if i == 5 else 140 * GIB))
+    assert not report.ok
+    status, detail = checks["gpu.memory"]
+    assert status == "fail" and "GPU 5: 40.0 GiB free" in detail and "0.915" in detail
+
+
+def test_foreign_process_holding_memory(run):
+    orphan = GpuProcess(4242, "VLLM::Worker_TP3", 70 * GIB)
+    report, checks = run(gpu=FakeNvml(processes={3: [orphan]}))
+    assert not report.ok
+    status, detail = checks["gpu.processes"]
+    assert status == "fail"
+    assert "GPU 3: pid 4242 VLLM::Worker_TP3 using 71680 MiB" in detail
+
+
+def test_gpu_selection_follows_cuda_visible_devices(run):
+    orphan = GpuProcess(4242, "python", GIB)
+    # 16 GPUs, the orphan sits on GPU 12, the profile uses 0-7: not our problem
+    report, checks = run(gpu=FakeNvml(devices=16, processes={12: [orphan]}))
+    assert report.ok, checks
+    report, checks = run(gpu=FakeNvml(devices=16, processes={12: [orphan]}),
+                         environ={"CUDA_VISIBLE_DEVICES": "8,9,10,11,12,13,14,15"})
+    assert checks["gpu.processes"][0] == "fail"
+
+
+def test_port_held_by_test_socket(run, free_ports):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", free_ports[0]))
+        sock.listen()
+        report, checks = run(skip=("engine", "gpu", "model", "adapter"))
+    assert not report.ok
+    status, detail = checks["port.engine"]
+    assert status == "fail"
+    assert f"127.0.0.1:{free_ports[0]}" in detail and f"pid {os.getpid()}" in detail
+    assert checks["port.proxy"][0] == "pass"
+
+
+def test_port_held_by_own_stack_passes(state_dir, free_ports, monkeypatch):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", free_ports[1]))
+        sock.listen()
+        probes = Probes(gpu=FakeNvml(), environ={})
+        report = check_profile("tall", Ctx(state_dir), [("engine.port", free_ports[0]), ("proxy.port", free_ports[1])],
+                               ("engine", "gpu", "model", "adapter"), None, probes)
+        # no record: foreign
+        assert {c.id: c.status for c in report.checks}["port.proxy"] == "fail"
+        from molctl.checks import run_checks
+        from molctl.profiles import load_profile
+        profile = load_profile("tall", profile_dirs(), [("engine.port", free_ports[0]), ("proxy.port", free_ports[1])])
+        probes.stack_pids = lambda: {os.getpid()}
+        report = run_checks(profile, probes, ("engine", "gpu", "model", "adapter"))
+        status = {c.id: (c.status, c.detail) for c in report.checks}["port.proxy"]
+        assert status[0] == "pass" and "this profile's running proxy" in status[1]
+
+
+def test_world_readable_key_file(run, tmp_path):
+    key = tmp_path / "key"
+    key.write_text("sk-test")
+    key.chmod(0o644)
+    report, checks = run(skip=("engine", "gpu", "model", "adapter", "port"), api_key_file=key)
+    assert not report.ok
+    assert checks["security.api_key_file"][0] == "fail"
+    assert str(key) in checks["security.api_key_file"][1] and "0644" in checks["security.api_key_file"][1]
+    key.chmod(0o600)
+    report, checks = run(skip=("engine", "gpu", "model", "adapter", "port"), api_key_file=key)
+    assert report.ok and checks["security.api_key_file"][0] == "pass"
+
+
+def test_runtime_lora_updating_fails(run):
+    report, checks = run(skip=("engine", "gpu", "model", "adapter", "port"), environ={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"})
+    assert not report.ok
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" in checks["security.runtime_lora"][1]
+    report, checks = run(skip=("engine", "gpu", "model", "adapter", "port"),
+                         sets=[("engine.env.VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")])
+    assert checks["security.runtime_lora"][0] == "fail" and "engine.env" in checks["security.runtime_lora"][1]
+
+
+def test_engine_host_not_loopback_warns(run):
+    report, checks = run(skip=("engine", "gpu", "model", "adapter", "port"), sets=[("engine.host", "0.0.0.0")])
+    assert report.ok
+    assert checks["security.engine_host"][0] == "warn"
+
+
+def test_state_dir_with_bad_permissions(run, state_dir):
+    state_dir.chmod(0o755)
+    report, checks = run(skip=("engine", "gpu", "model", "adapter", "port", "security"))
+    assert not report.ok
+    assert checks["state.dir"] == ("fail", f"state dir {state_dir} has mode 0755, expected 0700 (chmod 700 {state_dir})")
+
+
+def test_full_check_with_fake_nvml_and_layout(run, tmp_path):
+    tall_layout(tmp_path / "m")
+    report, checks = run(skip=("engine",), sets=[("model_root", str(tmp_path / "m"))])
+    assert report.ok, [c for c in report.checks if c.status == "fail"]

@@ -1,0 +1,196 @@
+"""`molctl check` on generated layouts with real safetensors headers (no GPU, no engine)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tests.layouts import tall_layout, venti_layout
+
+
+@pytest.fixture
+def check(molctl, free_ports):
+    def run(profile: str, root, *extra: str):
+        engine_port, proxy_port = free_ports
+        result = molctl("check", profile, "--model-root", str(root), "--skip", "gpu", "--skip", "engine",
+                        "--set", f"engine.port={engine_port}", "--set", f"proxy.port={proxy_port}", "--json", *extra)
+        report = result.json()
+        assert report["ok"] is (result.exit_code == 0)
+        return result.exit_code, report
+
+    return run
+
+
+def failures(report):
+    return {c["id"]: c["detail"] for c in report["checks"] if c["status"] == "fail"}
+
+
+def test_valid_tall_layout_passes(check, tmp_path):
+    tall_layout(tmp_path / "m")
+    code, report = check("tall", tmp_path / "m")
+    assert code == 0, failures(report)
+    ids = {c["id"]: c["status"] for c in report["checks"]}
+    assert ids["model.headers"] == "pass"
+    assert ids["adapter.L3.targets"] == "pass"
+    assert ids["engine.skipped"] == "skip" and ids["gpu.skipped"] == "skip"
+    assert set(report) == {"profile", "ok", "checks"}
+    assert all(set(c) == {"id", "status", "detail"} for c in report["checks"])
+
+
+def test_valid_venti_layout_passes(check, tmp_path):
+    venti_layout(tmp_path / "m")
+    code, report = check("venti", tmp_path / "m")
+    assert code == 0, failures(report)
+    assert any(c["id"] == "model.index" and "141 shards" in c["detail"] for c in report["checks"])
+
+
+def test_truncated_shard(check, tmp_path):
+    layout = tall_layout(tmp_path / "m")
+    shard = layout.shards[7]
+    os.truncate(shard, shard.stat().st_size - 10)
+    code, report = check("tall", tmp_path / "m")
+    assert code == 3
+    assert shard.name in failures(report)["model.headers"]
+    assert "truncated" in failures(report)["model.headers"]
+
+
+def test_symlinked_shard(check, tmp_path):
+    layout = tall_layout(tmp_path / "m")
+    shard = layout.shards[3]
+    real = tmp_path / "elsewhere.safetensors"
+    shard.rename(real)
+    shard.symlink_to(real)
+    code, report = check("tall", tmp_path / "m")
+    assert code == 3
+    detail = failures(report)["model.shards"]
+    assert shard.name in detail and "symlink" in detail
+
+
+def test_missing_shard(check, tmp_path):
+    layout = tall_layout(tmp_path / "m")
+    layout.shards[25].unlink()
+    code, report = check("tall", tmp_path / "m")
+    assert code == 3
+    detail = failures(report)["model.shards"]
+    assert layout.shards[25].name in detail and "missing" in detail
+
+
+def test_wrong_shard_count(check, tmp_path):
+    tall_layout(tmp_path / "m", shards=25)
+    code, report = check("tall", tmp_path / "m")
+    assert code == 3
+    assert "25 shard files, expected exactly 26" in failures(report)["model.index"]
+
+
+def test_index_names_tensor_missing_from_shard(check, tmp_path):
+    layout = tall_layout(tmp_path / "m")
+    index = layout.index()
+    index["weight_map"]["model.layers.4.mlp.gate_proj.weight"] = layout.shards[4].name
+    layout.write_index(index)
+    code, report = check("tall", tmp_path / "m")
+    assert code == 3
+    detail = failures(report)["model.headers"]
+    assert layout.shards[4].name in detail and "model.layers.4.mlp.gate_proj.weight" in detail
+
+
+def test_wrong_model_type(check, tmp_path):
+    tall_layout(tmp_path / "m", model_type="qwen3_moe")
+    code, report = check("tall", tmp_path / "m")
+    assert code == 3
+    detail = failures(report)["model.config"]
+    assert "'qwen3_moe'" in detail and "'qwen3_5_moe'" in detail and "config.json" in detail
+
+
+def test_rank_32_on_venti(check, tmp_path):
+    venti_layout(tmp_path / "m", rank=32)
+    code, report = check("venti", tmp_path / "m")
+    assert code == 3
+    detail = failures(report)["adapter.L0.rank"]
+    assert "r is 32" in detail and "r <= 16" in detail and "L0/adapter_config.json" in detail
+
+
+def test_rank_16_on_tall(check, tmp_path):
+    tall_layout(tmp_path / "m", rank=16)
+    code, report = check("tall", tmp_path / "m")
+    assert code == 3
+    assert "r == 64" in failures(report)["adapter.L1.rank"]
+
+
+def test_rank_above_engine_max(check, tmp_path):
+    venti_layout(tmp_path / "m", rank=16)
+    code, report = check("venti", tmp_path / "m", "--set", "engine.args.max-lora-rank=8")
+    assert code == 3
+    assert "--max-lora-rank 8" in failures(report)["adapter.L0.rank"]
+
+
+def test_adapter_declares_another_base(check, tmp_path):
+    layout = tall_layout(tmp_path / "m")
+    cfg = layout.adapter_config("L2")
+    cfg["base_model_name_or_path"] = "meta-llama/Llama-3.1-8B"
+    layout.write_adapter_config("L2", cfg)
+    code, report = check("tall", tmp_path / "m")
+    assert code == 3
+    detail = failures(report)["adapter.L2.base"]
+    assert "meta-llama/Llama-3.1-8B" in detail and "Qwen3.6-35B-A3B" in detail
+    assert set(failures(report)) == {"adapter.L2.base"}
+
+
+def test_adapter_targets_absent_modules(check, tmp_path):
+    tall_layout(tmp_path / "m", targets=("q_proj", "c_attn"))
+    code, report = check("tall", tmp_path / "m")
+    assert code == 3
+    detail = failures(report)["adapter.L0.targets"]
+    assert "c_attn" in detail and "q_proj" not in detail
+
+
+def test_missing_adapter_dir(check, tmp_path):
+    layout = tall_layout(tmp_path / "m")
+    for f in layout.adapter("L3").iterdir():
+        f.unlink()
+    layout.adapter("L3").rmdir()
+    code, report = check("tall", tmp_path / "m")
+    assert code == 3
+    assert str(layout.adapter("L3")) in failures(report)["adapter.L3.dir"]
+
+
+def test_malformed_adapter_config(check, tmp_path):
+    layout = tall_layout(tmp_path / "m")
+    (layout.adapter("L1") / "adapter_config.json").write_text('{"peft_type": "LORA", "r": ')
+    code, report = check("tall", tmp_path / "m")
+    assert code == 3
+    detail = failures(report)["adapter.L1.config"]
+    assert "L1/adapter_config.json" in detail and "not valid JSON" in detail
+
+
+def test_adapter_weights_inconsistent_with_rank(check, tmp_path):
+    layout = tall_layout(tmp_path / "m")
+    cfg = layout.adapter_config("L0")
+    cfg["r"] = 64
+    layout.write_adapter_config("L0", cfg)
+    # rewrite the weights with rank 32 shapes while the config says 64
+    from molctl.safetensors import write_file
+    write_file(layout.adapter("L0") / "adapter_model.safetensors",
+               {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": ("BF16", (32, 16)),
+                "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": ("BF16", (16, 32))})
+    code, report = check("tall", tmp_path / "m")
+    assert code == 3
+    assert "lora_A.weight [32, 16]" in failures(report)["adapter.L0.weights"]
+
+
+def test_model_root_is_symlink(check, tmp_path):
+    tall_layout(tmp_path / "m")
+    (tmp_path / "link").symlink_to(tmp_path / "m")
+    code, report = check("tall", tmp_path / "link")
+    assert code == 3
+    assert "symlink" in failures(report)["model.root"]
+
+
+def test_human_output_has_table_and_verdict(molctl, tmp_path, free_ports):
+    tall_layout(tmp_path / "m", model_type="llama")
+    result = molctl("check", "tall", "--model-root", str(tmp_path / "m"), "--skip", "gpu", "--skip", "engine",
+                    "--set", f"engine.port={free_ports[0]}", "--set", f"proxy.port={free_ports[1]}")
+    assert result.exit_code == 3
+    assert "model.config" in result.stdout and "FAIL" in result.stdout
+    assert result.stdout.strip().splitlines()[-1].startswith("FAILED: profile tall would not start")

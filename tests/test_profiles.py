@@ -1,0 +1,178 @@
+"""Profiles: the shipped ones, strict validation with file:line, overrides, user folders."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from molctl.engines import get_engine
+from molctl.errors import ProfileError
+from molctl.profiles import builtin_profiles_dir, load_profile, load_profile_file, profile_dirs, route_instruction
+
+BUILTIN = builtin_profiles_dir()
+
+
+def argv(name: str) -> list[str]:
+    p = load_profile(name, profile_dirs())
+    return get_engine(p.engine.kind).launch_argv(p)
+
+
+def test_venti_carries_the_upstream_flags():
+    a = " ".join(argv("venti"))
+    for expected in (
+        "-m vllm.entrypoints.openai.api_server", "--model /root/glm52_local/base",
+        "--served-model-name glm52-fp8-official", "--host 127.0.0.1", "--port 8000",
+        "--attention-backend FLASHMLA_SPARSE", "--tensor-parallel-size 8", "--pipeline-parallel-size 1",
+        "--gpu-memory-utilization 0.915", "--max-num-seqs 8", "--max-cudagraph-capture-size 8", "--enable-lora",
+        "--max-lora-rank 16", "--max-loras 4", "--max-cpu-loras 4", "--enable-prefix-caching",
+        "--max-model-len 262144", "--no-async-scheduling", "--reasoning-parser glm45", "--tool-call-parser glm47",
+        "--enable-auto-tool-choice", "--enable-prompt-tokens-details",
+        "--lora-modules L0=/root/glm52_local/loras/L0 L1=/root/glm52_local/loras/L1 L2=/root/glm52_local/loras/L2 L3=/root/glm52_local/loras/L3",
+    ):
+        assert expected in a
+    p = load_profile("venti", profile_dirs())
+    assert p.engine.env["VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER"] == "0"
+    assert {"PYTHONPATH", "MOL_PATCH_WORKER", "VLLM_SCHEDULER_STEP_TRACE_MAX_STEPS"} <= set(p.engine.unset_env)
+    assert (p.engine.start_timeout_s, p.engine.gpus, p.proxy.port) == (3600, 8, 8200)
+    assert (p.model.shards, p.adapters.rank_max) == (141, 16)
+
+
+def test_tall_carries_the_upstream_flags():
+    a = " ".join(argv("tall"))
+    for expected in ("--served-model-name macaron-tall-engine", "--max-lora-rank 64", "--enable-prompt-tokens-details",
+                     "--reasoning-parser qwen3", "--tool-call-parser qwen3_coder", "--enable-auto-tool-choice"):
+        assert expected in a
+    assert "--attention-backend" not in a
+    p = load_profile("tall", profile_dirs())
+    assert "VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER" not in p.engine.env
+    assert (p.model.model_type, p.model.shards, p.adapters.rank_equals) == ("qwen3_5_moe", 26, 64)
+
+
+def test_sglang_profile_and_adapter_naming():
+    a = " ".join(argv("venti-sglang"))
+    for expected in ("-m sglang.launch_server", "--model-path /root/glm52_local/base", "--tp 8", "--context-length 262144",
+                     "--mem-fraction-static 0.93", "--max-loras-per-batch 2", "--lora-use-virtual-experts",
+                     "--disable-overlap-schedule", "--disable-cuda-graph", "--enable-cache-report",
+                     "--lora-paths L0=/root/glm52_local/loras/L0"):
+        assert expected in a
+    p = load_profile("venti-sglang", profile_dirs())
+    assert get_engine("sglang").adapter_model(p, "L2") == "glm52-fp8-official:L2"
+    assert get_engine("vllm").adapter_model(p, "L2") == "L2"
+
+
+def test_route_instruction_built_from_descriptions():
+    p = load_profile("tall", profile_dirs())
+    text = route_instruction(p)
+    assert "{{" not in text
+    assert "L0 L1 L2 L3" in text and "\nL3 = UI generation" in text and "Macaron-V1-Tall" in text
+
+
+def write_user_profile(folder: Path, text: str, name: str = "mine") -> Path:
+    folder.mkdir(exist_ok=True)
+    path = folder / f"{name}.yaml"
+    path.write_text(text)
+    return path
+
+
+def tiny_text() -> str:
+    return (BUILTIN / "tiny.yaml").read_text().replace("name: tiny", "name: mine")
+
+
+def test_unknown_key_names_file_line_and_field(tmp_path):
+    text = tiny_text().replace("  port: 8100\n", "  port: 8100\n  prot: 9\n")
+    path = write_user_profile(tmp_path, text)
+    line = text.splitlines().index("  prot: 9") + 1
+    with pytest.raises(ProfileError) as err:
+        load_profile_file(path)
+    assert str(err.value).startswith(f"{path}:{line}: field 'engine.prot': unknown key")
+
+
+def test_bad_indentation_is_invalid_yaml_with_line(tmp_path):
+    text = tiny_text().replace("  port: 8100\n", "  port: 8100\n   gpus: 0\n", 1)
+    path = write_user_profile(tmp_path, text)
+    with pytest.raises(ProfileError) as err:
+        load_profile_file(path)
+    line = text.splitlines().index("   gpus: 0") + 1
+    assert str(err.value).startswith(f"{path}:{line}: invalid YAML")
+
+
+def test_wrong_type(tmp_path):
+    path = write_user_profile(tmp_path, tiny_text().replace("port: 8100", "port: eight-thousand"))
+    with pytest.raises(ProfileError, match=r"field 'engine.port': expected an integer, got 'eight-thousand'"):
+        load_profile_file(path)
+
+
+def test_bad_name(tmp_path):
+    path = write_user_profile(tmp_path, tiny_text().replace("name: mine", "name: My_Profile"), name="My_Profile")
+    with pytest.raises(ProfileError, match=r"bad name 'My_Profile'"):
+        load_profile_file(path)
+
+
+def test_missing_required_field(tmp_path):
+    path = write_user_profile(tmp_path, tiny_text().replace("served_model_name: Macaron-Tiny-Demo\n", ""))
+    with pytest.raises(ProfileError, match=r"field 'served_model_name': missing"):
+        load_profile_file(path)
+
+
+def test_set_overrides_are_validated(tmp_path):
+    p = load_profile("tiny", profile_dirs(), [("engine.port", 9100), ("engine.args.max-model-len", 4096)])
+    assert p.engine.port == 9100 and p.engine.args["max-model-len"] == 4096
+    with pytest.raises(ProfileError, match=r"\(--set engine.port\): field 'engine.port': expected an integer"):
+        load_profile("tiny", profile_dirs(), [("engine.port", "x")])
+    with pytest.raises(ProfileError, match=r"field 'engine.colour': unknown key"):
+        load_profile("tiny", profile_dirs(), [("engine.colour", "red")])
+
+
+def test_user_profiles_from_env_and_option(molctl, tmp_path):
+    user = tmp_path / "user"
+    write_user_profile(user, tiny_text())
+    result = molctl("profiles", "--json")
+    assert "mine" not in {p["name"] for p in result.json()["profiles"]}
+    result = molctl("profiles", "--json", env={"MOLCTL_PROFILES_DIR": str(user)})
+    assert result.exit_code == 0
+    rows = {p["name"]: p for p in result.json()["profiles"]}
+    assert {"venti", "venti-sglang", "tall", "tiny", "mine"} <= set(rows)
+    assert rows["mine"]["source"] == str(user / "mine.yaml")
+    result = molctl("--profiles-dir", str(user), "profiles", "--json")
+    assert "mine" in {p["name"] for p in result.json()["profiles"]}
+
+
+def test_user_profile_replaces_builtin(molctl, tmp_path):
+    user = tmp_path / "user"
+    write_user_profile(user, (BUILTIN / "tiny.yaml").read_text().replace("port: 8300", "port: 8399"), name="tiny")
+    result = molctl("--profiles-dir", str(user), "profiles", "--json")
+    rows = {p["name"]: p for p in result.json()["profiles"]}
+    assert rows["tiny"]["proxy_port"] == 8399
+
+
+def test_profiles_lists_fields_and_reports_broken_files(molctl, tmp_path):
+    result = molctl("profiles", "--json")
+    assert result.exit_code == 0
+    venti = {p["name"]: p for p in result.json()["profiles"]}["venti"]
+    assert venti == {**venti, "engine": "vllm", "served_model_name": "Macaron-V1-Venti", "gpus": 8,
+                     "engine_port": 8000, "proxy_port": 8200}
+    user = tmp_path / "user"
+    write_user_profile(user, "name: broken\nengine: [\n", name="broken")
+    result = molctl("--profiles-dir", str(user), "profiles")
+    assert result.exit_code == 3
+    assert "broken.yaml" in result.stderr and "invalid YAML" in result.stderr
+    assert "venti" in result.stdout
+
+
+def test_check_with_bad_profile_exits_3_with_one_line(molctl, tmp_path):
+    user = tmp_path / "user"
+    write_user_profile(user, tiny_text().replace("  gpus: 0\n", "  gpus: 0\n  colour: red\n"))
+    result = molctl("--profiles-dir", str(user), "check", "mine", "--json")
+    assert result.exit_code == 3
+    (check,) = result.json()["checks"]
+    assert check["id"] == "profile.valid" and "field 'engine.colour': unknown key" in check["detail"]
+
+
+def test_shipped_profiles_copy_is_loadable(tmp_path):
+    # a user can copy a shipped profile into their own folder, rename it, and it validates
+    shutil.copy(BUILTIN / "venti.yaml", tmp_path / "venti-b.yaml")
+    text = (tmp_path / "venti-b.yaml").read_text().replace("name: venti\n", "name: venti-b\n")
+    (tmp_path / "venti-b.yaml").write_text(text)
+    assert load_profile_file(tmp_path / "venti-b.yaml").name == "venti-b"
