@@ -133,3 +133,28 @@ def check_cmd(
 def main() -> None:
     os.environ.setdefault("PYTHONDONTWRITEBYTECODE", "1")
     app(prog_name="molctl")
+
+
+@app.command("proxy")
+@handle_errors
+def proxy_cmd(
+    ctx: typer.Context,
+    profile: str = typer.Argument(..., help="Profile whose served model, prompts and limits the proxy uses."),
+    upstream: str = typer.Option(..., "--upstream", help="Engine base URL, e.g. http://127.0.0.1:8000."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Listen address (loopback unless told otherwise)."),
+    port: Optional[int] = typer.Option(None, "--port", help="Listen port (default: the profile's proxy.port)."),
+    api_key_file: Optional[Path] = typer.Option(None, "--api-key-file", envvar="MOLCTL_API_KEY_FILE",
+                                                help="File with the accepted API keys, one per line."),
+    allow_unauthenticated: bool = typer.Option(False, "--allow-unauthenticated", help="Serve without an API key."),
+    drain_timeout: float = typer.Option(600.0, "--drain-timeout", help="On SIGTERM, seconds in-flight requests may take to finish."),
+    sse_keepalive: float = typer.Option(10.0, "--sse-keepalive", help="Seconds between SSE keep-alive comments while waiting."),
+    set_: List[str] = SET_OPT,
+) -> None:
+    """Run the MoL proxy in the foreground: one public model, route -> answer -> summary over the adapters.
+
+    The key may also come from the environment (MOLCTL_API_KEY, one key), never from argv."""
+    from molctl.core import run_proxy
+
+    run_proxy(profile, ctx.obj, overrides_from(None, set_), upstream=upstream, host=host, port=port,
+              api_key_file=api_key_file, allow_unauthenticated=allow_unauthenticated,
+              drain_timeout=drain_timeout, sse_keepalive=sse_keepalive)

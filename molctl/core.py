@@ -46,3 +46,43 @@ def check_profile(name: str, ctx, overrides: Iterable[tuple[str, Any]], skip: It
     probes.api_key_file = api_key_file
     probes.stack_pids = lambda: stack_pids(ctx.state_dir, profile.name)
     return run_checks(profile, probes, skip)
+
+
+def resolve_api_keys(api_key_file: Path | None, allow_unauthenticated: bool) -> list[str] | None:
+    """Keys from the key file or MOLCTL_API_KEY; refuse to run without one unless told so."""
+    import os
+
+    from molctl.errors import UsageError
+
+    if api_key_file is not None:
+        from molctl.proxy.app import load_keys
+
+        try:
+            keys = load_keys(api_key_file)
+        except OSError as exc:
+            raise UsageError(f"--api-key-file {api_key_file}: {exc.strerror}") from None
+        if not keys:
+            raise UsageError(f"--api-key-file {api_key_file} holds no key (expected one key per line)")
+        return keys
+    env_key = os.environ.get("MOLCTL_API_KEY", "").strip()
+    if env_key:
+        return [env_key]
+    if allow_unauthenticated:
+        return None
+    raise UsageError("no API key: give --api-key-file F (or MOLCTL_API_KEY), or --allow-unauthenticated")
+
+
+def run_proxy(name: str, ctx, overrides, *, upstream: str, host: str, port: int | None, api_key_file: Path | None,
+              allow_unauthenticated: bool, drain_timeout: float, sse_keepalive: float) -> None:
+    import logging
+
+    from molctl.engines import get_engine
+    from molctl.profiles import load_profile
+    from molctl.proxy.app import ProxyApp
+    from molctl.proxy.server import serve
+
+    profile = load_profile(name, ctx.dirs(), overrides)
+    keys = resolve_api_keys(api_key_file, allow_unauthenticated)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    app = ProxyApp(profile, get_engine(profile.engine.kind), upstream, keys, sse_keepalive_s=sse_keepalive)
+    serve(app, host, port or profile.proxy.port, drain_timeout)

@@ -105,6 +105,7 @@ SCHEMA: dict[str, Any] = {
         "identity": str,
         "route": str,
         "summary": str,
+        "fold": str,
         "adapters": _MapOf(str),
     },
 }
@@ -160,12 +161,17 @@ class ProxySpec:
     sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
 
 
+DEFAULT_FOLD = "[This turn was handled by another specialist. Summary: {summary}]"
+
+
 @dataclass(frozen=True)
 class Prompts:
     identity: str
     route: str
     summary: str
     adapters: Mapping[str, str]
+    # How another adapter's turn appears in an adapter's own view; {summary} is replaced.
+    fold: str = DEFAULT_FOLD
 
 
 @dataclass(frozen=True)
@@ -414,6 +420,8 @@ def build_profile(data: dict[str, Any], source: Path, lines: dict[str, int] | No
     for route, text in prompts["adapters"].items():
         if not text.strip():
             raise v.fail(f"prompts.adapters.{route}", "must not be empty")
+    if "fold" in prompts and "{summary}" not in prompts["fold"]:
+        raise v.fail("prompts.fold", "must contain the placeholder {summary}")
     for ph in (PH_DESCRIPTIONS, PH_LABELS):
         if ph not in prompts["route"]:
             raise v.fail("prompts.route", f"must contain the placeholder {ph}")
@@ -454,6 +462,7 @@ def build_profile(data: dict[str, Any], source: Path, lines: dict[str, int] | No
             route=prompts["route"],
             summary=prompts["summary"],
             adapters=dict(prompts["adapters"]),
+            fold=prompts.get("fold", DEFAULT_FOLD),
         ),
         source=source,
     )

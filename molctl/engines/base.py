@@ -63,7 +63,6 @@ class Engine(abc.ABC):
     kind: str = ""
     package: str = ""  # the import name of the engine package
     memory_flag: str = ""  # the flag that sets the fraction of GPU memory the engine takes
-    supports_guided_choice: bool = False
 
     @abc.abstractmethod
     def launch_argv(self, profile: Profile) -> list[str]:
@@ -72,6 +71,10 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def probe_install(self, python: str) -> EngineInstall:
         """See the engine modules."""
+
+    @abc.abstractmethod
+    def guided_choice(self, labels: list[str]) -> dict[str, Any]:
+        """Request fields that constrain the route hop's output to one of `labels`."""
 
     @abc.abstractmethod
     def adapter_model(self, profile: Profile, route: str) -> str:

@@ -33,7 +33,6 @@ class SglangEngine(Engine):
     kind = "sglang"
     package = "sglang"
     memory_flag = "mem-fraction-static"
-    supports_guided_choice = False
 
     def launch_argv(self, profile: Profile) -> list[str]:
         e = profile.engine
@@ -52,6 +51,9 @@ class SglangEngine(Engine):
 
     def adapter_model(self, profile: Profile, route: str) -> str:
         return f"{profile.engine.served_name}:{route}"
+
+    def guided_choice(self, labels: list[str]) -> dict:
+        return {"regex": "(" + "|".join(labels) + ")"}
 
 
 ENGINE = SglangEngine()

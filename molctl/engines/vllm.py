@@ -38,7 +38,6 @@ class VllmEngine(Engine):
     kind = "vllm"
     package = "vllm"
     memory_flag = "gpu-memory-utilization"
-    supports_guided_choice = True
 
     def launch_argv(self, profile: Profile) -> list[str]:
         e = profile.engine
@@ -57,6 +56,9 @@ class VllmEngine(Engine):
 
     def adapter_model(self, profile: Profile, route: str) -> str:
         return route
+
+    def guided_choice(self, labels: list[str]) -> dict:
+        return {"structured_outputs": {"choice": labels}}
 
 
 ENGINE = VllmEngine()

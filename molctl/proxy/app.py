@@ -1,0 +1,274 @@
+"""The proxy's raw ASGI application (no framework on the hot path; see performance-facts.md).
+
+Endpoints: GET /health (liveness, no auth), GET /readyz (no auth; 503 unless the engine answers
+and lists L0-L3 under the expected parent and the proxy is not draining; probe cached ~1 s),
+GET /v1/models, POST /v1/chat/completions, GET /metrics (plain counters).
+Auth: `Authorization: Bearer <key>` against the keys of the key file, compared in constant time.
+Drain: `start_drain()` (on SIGTERM) turns /readyz to 503 and answers new requests 503 with
+Retry-After while in-flight requests, streams included, run to completion.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import logging
+import time
+from typing import Any, Awaitable, Callable
+
+from molctl.engines.base import Engine
+from molctl.profiles import ROUTES, Profile
+from molctl.proxy.conversations import ConversationStore, MemoryStore
+from molctl.proxy.engine_client import EngineClient
+from molctl.proxy.errors import EngineUnavailable, ProxyError
+from molctl.proxy.orchestrator import Counters, Orchestrator
+
+log = logging.getLogger("molctl.proxy")
+
+Send = Callable[[dict], Awaitable[None]]
+Receive = Callable[[], Awaitable[dict]]
+
+MAX_BODY = 8 * 1024 * 1024
+JSON_HEADERS = [(b"content-type", b"application/json")]
+SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+               (b"x-accel-buffering", b"no")]
+
+
+def load_keys(path) -> list[str]:
+    """One key per line; blank lines ignored; a trailing newline is optional."""
+    with open(path, encoding="utf-8") as fh:
+        return [line.strip() for line in fh.read().splitlines() if line.strip()]
+
+
+class ProxyApp:
+    def __init__(self, profile: Profile, engine: Engine, upstream: str, keys: list[str] | None,
+                 store: ConversationStore | None = None, sse_keepalive_s: float = 10.0, ready_cache_s: float = 1.0):
+        self.profile = profile
+        self.engine = engine
+        self.client = EngineClient(upstream)
+        self.counters = Counters()
+        self.orch = Orchestrator(profile, engine, self.client, store or MemoryStore(), self.counters)
+        self.keys = [(k.encode(), hashlib.sha256(k.encode()).hexdigest()[:16]) for k in (keys or [])]
+        self.sse_keepalive_s = sse_keepalive_s
+        self.ready_cache_s = ready_cache_s
+        self._ready: tuple[float, bool, str] = (0.0, False, "not probed")
+        self._ready_lock = asyncio.Lock()
+        self.draining = False
+        self.inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        models = {"object": "list", "data": [{"id": profile.served_model_name, "object": "model", "created": 0,
+                                              "owned_by": "molctl"}]}
+        self._models_body = json.dumps(models).encode()
+
+    # ------------------------------------------------------------------ lifecycle
+    async def startup(self) -> None:
+        await self.client.start()
+
+    async def shutdown(self) -> None:
+        for task in list(self.orch.background):
+            task.cancel()
+        await self.client.close()
+
+    def start_drain(self) -> None:
+        self.draining = True
+
+    async def wait_idle(self, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    # ------------------------------------------------------------------ ASGI
+    async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        path = scope["path"].rstrip("/") or "/"
+        method = scope["method"]
+        try:
+            if path == "/health" and method == "GET":
+                await self._json(send, 200, {"status": "draining" if self.draining else "ok"})
+                return
+            if path == "/readyz" and method == "GET":
+                ok, why = await self.ready()
+                await self._json(send, 200 if ok else 503, {"status": "ready" if ok else "not_ready", "detail": why})
+                return
+            tenant = self._authenticate(scope)
+            if self.draining:
+                raise ProxyError(503, "The server is shutting down; retry on another instance.", "server_error",
+                                 "draining", headers={"retry-after": "5"})
+            if path == "/v1/models" and method == "GET":
+                await send({"type": "http.response.start", "status": 200, "headers": JSON_HEADERS})
+                await send({"type": "http.response.body", "body": self._models_body})
+                return
+            if path == "/metrics" and method == "GET":
+                await self._metrics(send)
+                return
+            if path == "/v1/chat/completions" and method == "POST":
+                await self._chat(scope, receive, send, tenant)
+                return
+            raise ProxyError(404, f"Unknown endpoint: {method} {scope['path']}", "invalid_request_error", "not_found", "path")
+        except ProxyError as exc:
+            await self._error(send, exc)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await self.startup()
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    # ------------------------------------------------------------------ helpers
+    def _authenticate(self, scope: dict) -> str:
+        if not self.keys:
+            return "anon"
+        header = b""
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                header = value
+                break
+        token = header[7:].strip() if header[:7].lower() == b"bearer " else b""
+        tenant = None
+        for key, tid in self.keys:  # compare against every key: timing does not tell which matched
+            if hmac.compare_digest(token, key):
+                tenant = tid
+        if tenant is None:
+            raise ProxyError(401, "Incorrect API key provided.", "authentication_error", "invalid_api_key",
+                             headers={"www-authenticate": "Bearer"})
+        return tenant
+
+    async def _json(self, send: Send, status: int, body: Any, headers: dict[str, str] | None = None) -> None:
+        raw = json.dumps(body).encode()
+        hdrs = JSON_HEADERS + [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
+        await send({"type": "http.response.start", "status": status, "headers": hdrs})
+        await send({"type": "http.response.body", "body": raw})
+
+    async def _error(self, send: Send, exc: ProxyError) -> None:
+        await self._json(send, exc.status, exc.body(), exc.headers)
+
+    async def _metrics(self, send: Send) -> None:
+        lines = [f"molctl_proxy_{k} {v}" for k, v in sorted(self.counters.values.items())]
+        lines += [f"molctl_proxy_state_{k} {v}" for k, v in self.orch.store.stats().items()]
+        lines += [f"molctl_proxy_inflight_requests {self.inflight}", f"molctl_proxy_draining {int(self.draining)}"]
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain; version=0.0.4")]})
+        await send({"type": "http.response.body", "body": ("\n".join(lines) + "\n").encode()})
+
+    async def ready(self) -> tuple[bool, str]:
+        if self.draining:
+            return False, "draining"
+        stamp, ok, why = self._ready
+        if time.monotonic() - stamp < self.ready_cache_s:
+            return ok, why
+        async with self._ready_lock:
+            stamp, ok, why = self._ready
+            if time.monotonic() - stamp < self.ready_cache_s:
+                return ok, why
+            ok, why = await self._probe_engine()
+            self._ready = (time.monotonic(), ok, why)
+            return ok, why
+
+    async def _probe_engine(self) -> tuple[bool, str]:
+        try:
+            status, _ = await self.client.get("/health")
+            if status != 200:
+                return False, f"engine /health answered {status}"
+            status, body = await self.client.get("/v1/models")
+        except EngineUnavailable:
+            return False, "engine unreachable"
+        if status != 200 or not isinstance(body, dict):
+            return False, f"engine /v1/models answered {status}"
+        parent = self.profile.engine.served_name
+        listed = {m.get("id"): m.get("parent") for m in body.get("data", []) if isinstance(m, dict)}
+        missing = [r for r in ROUTES if listed.get(self.orch.adapter_models[r], listed.get(r, "?")) not in (parent,)]
+        if missing:
+            return False, f"{len(missing)} adapter(s) missing on the engine"
+        return True, "engine ready"
+
+    async def _read_body(self, receive: Receive) -> bytes:
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise asyncio.CancelledError
+            body = message.get("body", b"")
+            size += len(body)
+            if size > MAX_BODY:
+                raise ProxyError(413, f"The request body exceeds {MAX_BODY} bytes.", "invalid_request_error", "request_too_large")
+            chunks.append(body)
+            if not message.get("more_body"):
+                return b"".join(chunks)
+
+    # ------------------------------------------------------------------ chat
+    async def _chat(self, scope: dict, receive: Receive, send: Send, tenant: str) -> None:
+        raw = await self._read_body(receive)
+        try:
+            body = json.loads(raw)
+        except ValueError as exc:
+            raise ProxyError(400, f"The body is not valid JSON: {exc}", "invalid_request_error", "invalid_json") from None
+        plan = self.orch.prepare(body, tenant)
+        self.counters.inc("requests_total")
+        self.inflight += 1
+        self._idle.clear()
+        work = asyncio.ensure_future(self._stream(plan, send) if plan.stream else self._complete(plan, send))
+        watch = asyncio.ensure_future(self._wait_disconnect(receive))
+        try:
+            done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if work not in done:  # the client went away: cancel the upstream request with it
+                self.counters.inc("client_disconnects_total")
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+            else:
+                work.result()
+        finally:
+            watch.cancel()
+            self.inflight -= 1
+            if self.inflight == 0:
+                self._idle.set()
+
+    async def _wait_disconnect(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    async def _complete(self, plan, send: Send) -> None:
+        await self.orch.route(plan)
+        body = await self.orch.complete(plan)
+        await self._json(send, 200, body)
+        self.orch.start_summary(plan)
+
+    async def _stream(self, plan, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+
+        async def frame(data: bytes) -> None:
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+
+        await frame(b": keepalive\n\n")
+        try:
+            route = asyncio.ensure_future(self.orch.route(plan))
+            while True:
+                done, _ = await asyncio.wait({route}, timeout=self.sse_keepalive_s)
+                if done:
+                    route.result()
+                    break
+                await frame(b": keepalive\n\n")
+            async for chunk in self.orch.stream(plan):
+                await frame(b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n")
+        except ProxyError as exc:
+            await frame(b"data: " + json.dumps(exc.body()).encode() + b"\n\n")
+            plan.record = None
+        except Exception:  # never leave a stream without a terminator
+            log.exception("stream failed")
+            err = ProxyError(500, "Internal proxy error.", "server_error", "proxy_error")
+            await frame(b"data: " + json.dumps(err.body()).encode() + b"\n\n")
+            plan.record = None
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+        self.orch.start_summary(plan)

@@ -1,0 +1,112 @@
+"""The one engine client: aiohttp (about 1 ms cheaper per call than httpx here, see
+performance-facts.md), one pooled session, every request labelled with `X-MoL-Hop`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, AsyncIterator
+
+import aiohttp
+
+from molctl.proxy.errors import EngineHTTPError, EngineUnavailable
+
+HOP_HEADER = "X-MoL-Hop"
+
+
+class EngineClient:
+    def __init__(self, base_url: str, connect_timeout: float = 5.0, read_timeout: float = 1800.0,
+                 max_connections: int = 512):
+        self.base_url = base_url.rstrip("/")
+        self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout, sock_connect=connect_timeout,
+                                              sock_read=read_timeout)
+        self._max_connections = max_connections
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        if self._session is None:
+            connector = aiohttp.TCPConnector(limit=self._max_connections, keepalive_timeout=15, force_close=False)
+            self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout, trust_env=False,
+                                                  json_serialize=json.dumps)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        assert self._session is not None, "EngineClient.start() was not awaited"
+        return self._session
+
+    async def get(self, path: str, timeout: float = 2.0) -> tuple[int, Any]:
+        try:
+            async with self.session.get(self.base_url + path, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+                body = await resp.read()
+                try:
+                    return resp.status, json.loads(body) if body else None
+                except ValueError:
+                    return resp.status, body.decode(errors="replace")
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            raise EngineUnavailable(str(exc) or type(exc).__name__) from None
+
+    async def chat(self, payload: dict[str, Any], hop: str, timeout: float | None = None) -> dict[str, Any]:
+        """Non-streaming chat completion; raises EngineHTTPError / EngineUnavailable."""
+        kw = {"timeout": aiohttp.ClientTimeout(total=timeout)} if timeout else {}
+        try:
+            async with self.session.post(self.base_url + "/v1/chat/completions", data=json.dumps(payload),
+                                         headers={"Content-Type": "application/json", HOP_HEADER: hop}, **kw) as resp:
+                raw = await resp.read()
+                status = resp.status
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            raise EngineUnavailable(str(exc) or type(exc).__name__) from None
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = raw.decode(errors="replace")
+        if status != 200 or not isinstance(body, dict):
+            raise EngineHTTPError(status, body)
+        return body
+
+    async def chat_stream(self, payload: dict[str, Any], hop: str) -> AsyncIterator[dict[str, Any]]:
+        """Streaming chat completion: yields each SSE `data:` JSON object until `[DONE]`.
+
+        Cancelling the consumer closes the connection, which makes the engine abort the request."""
+        try:
+            resp = await self.session.post(self.base_url + "/v1/chat/completions", data=json.dumps(payload),
+                                           headers={"Content-Type": "application/json", HOP_HEADER: hop})
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            raise EngineUnavailable(str(exc) or type(exc).__name__) from None
+        try:
+            if resp.status != 200:
+                raw = await resp.read()
+                try:
+                    body = json.loads(raw)
+                except ValueError:
+                    body = raw.decode(errors="replace")
+                raise EngineHTTPError(resp.status, body)
+            data_lines: list[bytes] = []
+            try:
+                async for line in resp.content:
+                    line = line.rstrip(b"\r\n")
+                    if line.startswith(b"data:"):
+                        data_lines.append(line[5:].lstrip())
+                        continue
+                    if line or not data_lines:
+                        continue
+                    data = b"\n".join(data_lines)
+                    data_lines = []
+                    if data == b"[DONE]":
+                        return
+                    try:
+                        event = json.loads(data)
+                    except ValueError:
+                        continue
+                    yield event
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                raise EngineUnavailable(str(exc) or type(exc).__name__) from None
+            if data_lines and b"\n".join(data_lines) == b"[DONE]":
+                return
+            raise EngineUnavailable("the engine's stream ended without [DONE]")
+        finally:
+            resp.close()

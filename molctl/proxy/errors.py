@@ -1,0 +1,73 @@
+"""Errors the proxy returns, in the OpenAI error shape. Messages never name an adapter."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+
+class ProxyError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 code: str | None = None, param: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.code = code
+        self.param = param
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def invalid(message: str, param: str | None = None) -> ProxyError:
+    return ProxyError(400, message, "invalid_request_error", "invalid_request_error", param)
+
+
+class EngineUnavailable(Exception):
+    """The engine could not be reached (refused, reset, timed out)."""
+
+
+class EngineHTTPError(Exception):
+    def __init__(self, status: int, body: Any):
+        super().__init__(f"engine answered HTTP {status}")
+        self.status = status
+        self.body = body
+
+    def message(self) -> str:
+        b = self.body
+        if isinstance(b, dict):
+            err = b.get("error", b)
+            if isinstance(err, dict):
+                return str(err.get("message") or err.get("detail") or "")
+            return str(err)
+        return str(b or "")[:500]
+
+
+CONTEXT_MARKERS = ("maximum context length", "maximum sequence length", "longer than the model's context length",
+                   "exceeds the context length", "context length", "too long")
+
+
+def scrub(text: str, names: list[str], public: str) -> str:
+    """Replace every engine-side model/adapter name in `text` with the public model name."""
+    for name in sorted(names, key=len, reverse=True):
+        text = re.sub(rf"(?<![\w-]){re.escape(name)}(?![\w-])", public, text)
+    return text
+
+
+def from_engine(exc: Exception, names: list[str], public: str) -> ProxyError:
+    """Map an engine failure to what the client sees."""
+    if isinstance(exc, EngineUnavailable):
+        return ProxyError(502, "The model backend is unavailable; retry later.", "server_error", "engine_unavailable")
+    if isinstance(exc, EngineHTTPError):
+        message = scrub(exc.message(), names, public)
+        code = exc.body.get("error", {}).get("code") if isinstance(exc.body, dict) and isinstance(exc.body.get("error"), dict) else None
+        if exc.status in (400, 413) and (code == "context_length_exceeded" or any(m in message.lower() for m in CONTEXT_MARKERS)):
+            return ProxyError(400, message, "invalid_request_error", "context_length_exceeded", "messages")
+        if exc.status in (400, 422):
+            return ProxyError(400, message or "The request was rejected by the model backend.", "invalid_request_error", "invalid_request_error")
+        if exc.status == 503:
+            return ProxyError(503, "The model backend is not ready; retry later.", "server_error", "engine_unavailable", headers={"retry-after": "5"})
+        return ProxyError(502, "The model backend failed to answer.", "server_error", "engine_error")
+    return ProxyError(500, "Internal proxy error.", "server_error", "proxy_error")

@@ -1,0 +1,53 @@
+"""Run the proxy under uvicorn (uvloop + httptools) with drain-on-SIGTERM.
+
+The first SIGTERM/SIGINT does not close the listener (uvicorn's default): the app starts
+draining (/readyz 503, new requests 503 + Retry-After), in-flight requests finish up to the
+drain deadline, then the server exits 0. A second signal exits at once."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import uvicorn
+
+from molctl.proxy.app import ProxyApp
+
+log = logging.getLogger("molctl.proxy")
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, app: ProxyApp, drain_timeout_s: float):
+        super().__init__(config)
+        self.proxy_app = app
+        self.drain_timeout_s = drain_timeout_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def startup(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame) -> None:  # noqa: ARG002 - signal handler signature
+        if self.proxy_app.draining or self._loop is None:
+            self.should_exit = True
+            if self.proxy_app.draining:
+                self.force_exit = True
+            return
+        log.info("signal %s: draining (up to %.0f s)", signal.Signals(sig).name, self.drain_timeout_s)
+        self.proxy_app.start_drain()
+        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+
+    async def _drain(self) -> None:
+        finished = await self.proxy_app.wait_idle(self.drain_timeout_s)
+        log.info("drain %s; exiting", "complete" if finished else "deadline reached")
+        # let the last frames reach their clients before connections are closed
+        await asyncio.sleep(0.05)
+        self.should_exit = True
+
+
+def serve(app: ProxyApp, host: str, port: int, drain_timeout_s: float) -> None:
+    config = uvicorn.Config(app, host=host, port=port, loop="uvloop", http="httptools", lifespan="on",
+                            access_log=False, log_level="info", timeout_graceful_shutdown=5,
+                            timeout_keep_alive=15)
+    DrainingServer(config, app, drain_timeout_s).run()

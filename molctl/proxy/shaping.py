@@ -1,0 +1,107 @@
+"""The one place that shapes what clients see: the public model name, the proxy's own ids, only
+standard fields (engine extras such as stop_reason, prompt_logprobs or kv_transfer_params are
+dropped), and never an adapter name."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+MESSAGE_KEYS = ("role", "content", "refusal", "tool_calls", "reasoning_content", "reasoning", "annotations", "audio")
+DELTA_KEYS = ("role", "content", "refusal", "tool_calls", "reasoning_content", "reasoning")
+FINISH_REASONS = ("stop", "length", "tool_calls", "content_filter")
+
+
+def new_id() -> str:
+    return "chatcmpl-" + os.urandom(12).hex()
+
+
+def shape_tool_call(call: dict[str, Any], streaming: bool = False) -> dict[str, Any]:
+    fn = call.get("function") or {}
+    out: dict[str, Any] = {}
+    if streaming:
+        out["index"] = call.get("index", 0)
+    if call.get("id"):
+        out["id"] = call["id"]
+    if call.get("type") or not streaming:
+        out["type"] = "function"
+    f: dict[str, Any] = {}
+    if "name" in fn and fn["name"] is not None:
+        f["name"] = fn["name"]
+    if "arguments" in fn and fn["arguments"] is not None:
+        f["arguments"] = fn["arguments"]
+    if f or not streaming:
+        out["function"] = f
+    return out
+
+
+def shape_usage(usage: Any) -> dict[str, Any] | None:
+    if not isinstance(usage, dict):
+        return None
+    keys = ("prompt_tokens", "completion_tokens", "total_tokens")
+    if not all(isinstance(usage.get(k), int) for k in keys):
+        return None
+    out: dict[str, Any] = {k: usage[k] for k in keys}
+    ptd = usage.get("prompt_tokens_details")
+    if isinstance(ptd, dict) and isinstance(ptd.get("cached_tokens"), int):
+        out["prompt_tokens_details"] = {"cached_tokens": ptd["cached_tokens"]}
+    ctd = usage.get("completion_tokens_details")
+    if isinstance(ctd, dict) and isinstance(ctd.get("reasoning_tokens"), int):
+        out["completion_tokens_details"] = {"reasoning_tokens": ctd["reasoning_tokens"]}
+    return out
+
+
+def shape_message(message: dict[str, Any]) -> dict[str, Any]:
+    out = {k: message[k] for k in MESSAGE_KEYS if message.get(k) is not None}
+    out["role"] = "assistant"
+    out.setdefault("content", None)
+    if message.get("tool_calls"):
+        out["tool_calls"] = [shape_tool_call(c) for c in message["tool_calls"]]
+    else:
+        out.pop("tool_calls", None)
+    return out
+
+
+def shape_completion(body: dict[str, Any], public_model: str, response_id: str) -> dict[str, Any]:
+    choice = (body.get("choices") or [{}])[0]
+    message = shape_message(choice.get("message") or {})
+    finish = choice.get("finish_reason")
+    if message.get("tool_calls") and finish not in ("length", "content_filter"):
+        finish = "tool_calls"
+    if finish not in FINISH_REASONS:
+        finish = "stop"
+    out: dict[str, Any] = {
+        "id": response_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": public_model,
+        "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": choice.get("logprobs")}],
+    }
+    usage = shape_usage(body.get("usage"))
+    if usage:
+        out["usage"] = usage
+    return out
+
+
+def chunk(response_id: str, public_model: str, created: int, delta: dict[str, Any] | None,
+          finish_reason: str | None = None, logprobs: Any = None) -> dict[str, Any]:
+    return {
+        "id": response_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": public_model,
+        "choices": [{"index": 0, "delta": delta or {}, "finish_reason": finish_reason, "logprobs": logprobs}],
+    }
+
+
+def usage_chunk(response_id: str, public_model: str, created: int, usage: dict[str, Any]) -> dict[str, Any]:
+    return {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": public_model,
+            "choices": [], "usage": usage}
+
+
+def shape_delta(delta: dict[str, Any]) -> dict[str, Any]:
+    out = {k: delta[k] for k in DELTA_KEYS if delta.get(k) is not None and k != "role"}
+    if "tool_calls" in out:
+        out["tool_calls"] = [shape_tool_call(c, streaming=True) for c in out["tool_calls"]]
+    return out

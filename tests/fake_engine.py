@@ -1,0 +1,204 @@
+"""A scripted fake OpenAI engine (vLLM-shaped), run as a real HTTP server in a subprocess.
+
+It logs every chat request it receives (hop header, model, messages, payload) and behaves by
+configuration (POST /_config, merged) and by directives in the user's text:
+  [route:L2]    the route hop answers this label (unless config route_label is set)
+  [tool:NAME]   the answer hop answers with a call of tool NAME (unless the last message is a tool result)
+Answers never contain an adapter name: tests learn who answered from GET /_log.
+
+Also serves as the fake engine of the lifecycle tests (issue 4): /health, /v1/models and /version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import time
+
+from aiohttp import web
+
+DEFAULT_CONFIG = {
+    "served_name": "tiny-mol-base",
+    "adapters": ["L0", "L1", "L2", "L3"],
+    "parent": None,  # defaults to served_name
+    "health_status": 200,
+    "route_label": None,
+    "route_in": "content",  # or "reasoning_content"
+    "route_delay": 0.0,
+    "answer_delay": 0.0,
+    "summary_delay": 0.0,
+    "summary_fail": 0,  # fail this many summary hops with 500
+    "token_delay": 0.0,
+    "tool_arg_chunks": 3,
+    "answer_error": None,  # {"status": 400, "body": {...}} for the answer hop
+}
+
+
+class Engine:
+    def __init__(self):
+        self.config = dict(DEFAULT_CONFIG)
+        self.log: list[dict] = []
+        self.counter = 0
+
+    def reset(self):
+        self.config = dict(DEFAULT_CONFIG)
+        self.log = []
+
+
+STATE = Engine()
+
+
+def text_of(content) -> str:
+    if isinstance(content, list):
+        return " ".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return content or ""
+
+
+def completion(model: str, message: dict, finish: str, usage: dict) -> dict:
+    return {
+        "id": "chatcmpl-engine-" + model, "object": "chat.completion", "created": int(time.time()), "model": model,
+        "system_fingerprint": "fp-engine", "prompt_logprobs": None, "kv_transfer_params": {"engine": model},
+        "choices": [{"index": 0, "message": {"role": "assistant", **message}, "finish_reason": finish,
+                     "stop_reason": None, "logprobs": None}],
+        "usage": usage,
+    }
+
+
+async def chat(request: web.Request) -> web.StreamResponse:
+    payload = await request.json()
+    hop = request.headers.get("X-MoL-Hop")
+    cfg = STATE.config
+    model = payload.get("model")
+    STATE.log.append({"hop": hop, "model": model, "messages": payload.get("messages"), "payload": payload,
+                      "t": time.time()})
+    messages = payload.get("messages") or []
+    last = messages[-1] if messages else {}
+    usage = {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13,
+             "prompt_tokens_details": {"cached_tokens": 4}}
+    if hop == "route":
+        await asyncio.sleep(cfg["route_delay"])
+        label = cfg["route_label"]
+        if label is None:
+            m = re.search(r"\[route:(L\d)\]", text_of(last.get("content")))
+            label = m.group(1) if m else "L0"
+        msg = {"content": None, "reasoning_content": label} if cfg["route_in"] == "reasoning_content" else {"content": label}
+        return web.json_response(completion(model, msg, "stop", usage))
+    if hop == "summary":
+        await asyncio.sleep(cfg["summary_delay"])
+        if cfg["summary_fail"] > 0:
+            cfg["summary_fail"] -= 1
+            return web.json_response({"error": {"message": "summary exploded", "code": 500}}, status=500)
+        answered = text_of(messages[-2].get("content")) if len(messages) >= 2 else ""
+        return web.json_response(completion(model, {"content": f"summary of {answered}"}, "stop", usage))
+    # answer hop
+    await asyncio.sleep(cfg["answer_delay"])
+    if cfg["answer_error"]:
+        err = cfg["answer_error"]
+        return web.json_response(err["body"], status=err["status"])
+    STATE.counter += 1
+    n = STATE.counter
+    tool = None
+    if last.get("role") != "tool":
+        m = re.search(r"\[tool:(\w+)\]", text_of(last.get("content")))
+        tool = m.group(1) if m else None
+    if tool:
+        args = json.dumps({"city": "Paris", "unit": "celsius", "days": 3})
+        call = {"id": f"call-{n}", "type": "function", "function": {"name": tool, "arguments": args}}
+        message, finish = {"content": None, "tool_calls": [call]}, "tool_calls"
+    elif last.get("role") == "tool":
+        message, finish = {"content": f"answer-{n} using {text_of(last.get('content'))}"}, "stop"
+    else:
+        message, finish = {"content": f"answer-{n}"}, "stop"
+    if not payload.get("stream"):
+        return web.json_response(completion(model, message, finish, usage))
+
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+
+    async def emit(delta: dict, finish_reason=None, extra=None):
+        chunk = {"id": "chatcmpl-engine-" + model, "object": "chat.completion.chunk", "created": int(time.time()),
+                 "model": model, "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason,
+                                               "stop_reason": None, "logprobs": None}]}
+        chunk.update(extra or {})
+        await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+
+    await emit({"role": "assistant", "content": ""})
+    if tool:
+        call = message["tool_calls"][0]
+        await emit({"tool_calls": [{"index": 0, "id": call["id"], "type": "function",
+                                    "function": {"name": call["function"]["name"], "arguments": ""}}]})
+        args = call["function"]["arguments"]
+        k = cfg["tool_arg_chunks"]
+        size = -(-len(args) // k)
+        for i in range(0, len(args), size):
+            await asyncio.sleep(cfg["token_delay"])
+            await emit({"tool_calls": [{"index": 0, "function": {"arguments": args[i:i + size]}}]})
+    else:
+        for piece in re.findall(r"\S+\s*", message["content"]):
+            await asyncio.sleep(cfg["token_delay"])
+            await emit({"content": piece})
+    await emit({}, finish)
+    if (payload.get("stream_options") or {}).get("include_usage"):
+        await resp.write(b"data: " + json.dumps({"id": "x", "object": "chat.completion.chunk", "created": 0,
+                                                 "model": model, "choices": [], "usage": usage}).encode() + b"\n\n")
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+async def health(request):
+    return web.Response(status=STATE.config["health_status"])
+
+
+async def models(request):
+    cfg = STATE.config
+    parent = cfg["parent"] or cfg["served_name"]
+    data = [{"id": cfg["served_name"], "object": "model", "root": "/models/base", "parent": None}]
+    data += [{"id": a, "object": "model", "root": f"/models/loras/{a}", "parent": parent} for a in cfg["adapters"]]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def version(request):
+    return web.json_response({"version": "0.0.0-fake"})
+
+
+async def get_log(request):
+    return web.json_response(STATE.log)
+
+
+async def set_config(request):
+    STATE.config.update(await request.json())
+    return web.json_response(STATE.config)
+
+
+async def reset(request):
+    STATE.reset()
+    return web.json_response({})
+
+
+def make_app() -> web.Application:
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/version", version)
+    app.router.add_get("/_log", get_log)
+    app.router.add_post("/_config", set_config)
+    app.router.add_post("/_reset", reset)
+    return app
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--config", default="{}", help="initial config JSON")
+    args, _ = parser.parse_known_args()
+    STATE.config.update(json.loads(args.config))
+    web.run_app(make_app(), host=args.host, port=args.port, print=None, access_log=None)
+
+
+if __name__ == "__main__":
+    main()

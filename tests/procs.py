@@ -1,0 +1,73 @@
+"""Subprocess helpers for tests: every process a test starts is stopped by the test, even when
+it fails (its own process group is killed), and servers listen on 127.0.0.1 on free ports."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def wait_http(url: str, timeout: float = 20.0, status: int | None = 200, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before {url} answered")
+        try:
+            r = httpx.get(url, timeout=1.0)
+            if status is None or r.status_code == status:
+                return
+            last = r.status_code
+        except httpx.HTTPError as exc:
+            last = exc
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} not ready after {timeout} s (last: {last})")
+
+
+def stop(proc: subprocess.Popen, timeout: float = 10.0) -> None:
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(5)
+
+
+@contextlib.contextmanager
+def running(argv: list[str], ready_url: str | None = None, env: dict | None = None, log: Path | None = None,
+            ready_status: int | None = 200):
+    out = open(log, "wb") if log else subprocess.DEVNULL
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                            env={**os.environ, **(env or {})}, start_new_session=True, cwd=ROOT)
+    try:
+        if ready_url:
+            wait_http(ready_url, status=ready_status, proc=proc)
+        yield proc
+    finally:
+        stop(proc)
+        if log:
+            out.close()
+
+
+def fake_engine_argv(port: int, config: dict | None = None) -> list[str]:
+    import json
+
+    return [sys.executable, str(ROOT / "tests" / "fake_engine.py"), "--port", str(port), "--config", json.dumps(config or {})]
+
+
+def proxy_argv(profile: str, upstream: str, port: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "molctl", "proxy", profile, "--upstream", upstream, "--port", str(port), *extra]

@@ -1,0 +1,453 @@
+"""The MoL proxy against a scripted fake engine (a real HTTP server in a subprocess), driven by
+the official `openai` SDK, non-stream and stream."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from molctl.profiles import load_profile, profile_dirs
+from tests.conftest import free_port
+from tests.procs import fake_engine_argv, proxy_argv, running, wait_http
+
+KEY, KEY2 = "sk-test-one", "sk-test-two"
+TINY = load_profile("tiny", profile_dirs())
+PUBLIC = TINY.served_model_name
+IDENTITY = {"role": "system", "content": TINY.substitute(TINY.prompts.identity).strip()}
+LEAK = re.compile(r"(?<![A-Za-z0-9])L[0-3](?![0-9])|tiny-mol-base|glm52-fp8-official")
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+def fold(summary: str) -> dict:
+    return {"role": "assistant", "content": TINY.prompts.fold.replace("{summary}", summary)}
+
+
+class Stack:
+    def __init__(self, engine_url: str, proxy_url: str):
+        self.engine_url, self.proxy_url = engine_url, proxy_url
+        self.client = openai.OpenAI(base_url=proxy_url + "/v1", api_key=KEY, max_retries=0, timeout=30)
+
+    def config(self, **cfg):
+        httpx.post(self.engine_url + "/_config", json=cfg).raise_for_status()
+
+    def reset(self):
+        httpx.post(self.engine_url + "/_reset").raise_for_status()
+
+    def log(self, hop: str | None = None) -> list[dict]:
+        entries = httpx.get(self.engine_url + "/_log").json()
+        return [e for e in entries if hop is None or e["hop"] == hop]
+
+    def metrics(self) -> dict[str, int]:
+        text = httpx.get(self.proxy_url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+        return {line.split()[0]: int(line.split()[1]) for line in text.splitlines() if line}
+
+    def chat(self, messages, stream=False, **kw):
+        if not stream:
+            return self.client.chat.completions.create(model=PUBLIC, messages=messages, **kw)
+        content, calls, chunks = "", {}, []
+        for chunk in self.client.chat.completions.create(model=PUBLIC, messages=messages, stream=True, **kw):
+            chunks.append((time.monotonic(), chunk))
+            for choice in chunk.choices:
+                content += choice.delta.content or ""
+                for tc in choice.delta.tool_calls or []:
+                    acc = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
+                    acc["id"] = tc.id or acc["id"]
+                    acc["name"] += (tc.function.name or "") if tc.function else ""
+                    acc["arguments"] += (tc.function.arguments or "") if tc.function else ""
+        return content, calls, chunks
+
+
+@pytest.fixture(scope="module")
+def keyfile(tmp_path_factory):
+    path = tmp_path_factory.mktemp("keys") / "keys"
+    path.write_text(f"{KEY}\n\n{KEY2}")  # blank line and no trailing newline are fine
+    path.chmod(0o600)
+    return path
+
+
+@pytest.fixture(scope="module")
+def stack(keyfile, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("logs")
+    engine_port, proxy_port = free_port(), free_port()
+    engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
+    with running(fake_engine_argv(engine_port), engine_url + "/health", log=logs / "engine.log"), \
+            running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(keyfile), "--sse-keepalive", "0.2"),
+                    proxy_url + "/health", log=logs / "proxy.log"):
+        yield Stack(engine_url, proxy_url)
+
+
+@pytest.fixture
+def s(stack):
+    stack.reset()
+    return stack
+
+
+# ------------------------------------------------------------------------ conversation views
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_three_turns_across_two_adapters(s, stream):
+    sys_msg = {"role": "system", "content": f"You are terse. ({stream})"}
+    u1 = {"role": "user", "content": "[route:L2] write a parser"}
+    u2 = {"role": "user", "content": "[route:L1] now plan my trip"}
+    u3 = {"role": "user", "content": "[route:L2] fix the parser bug"}
+
+    def ask(messages):
+        if stream:
+            return s.chat(messages, stream=True)[0]
+        return s.chat(messages).choices[0].message.content
+
+    a1 = ask([sys_msg, u1])
+    a2 = ask([sys_msg, u1, {"role": "assistant", "content": a1}, u2])
+    a3 = ask([sys_msg, u1, {"role": "assistant", "content": a1}, u2, {"role": "assistant", "content": a2}, u3])
+    assert a1 and a2 and a3
+    answers = s.log("answer")
+    assert [e["model"] for e in answers] == ["L2", "L1", "L2"]
+    A1, A2 = {"role": "assistant", "content": a1}, {"role": "assistant", "content": a2}
+    assert answers[0]["messages"] == [IDENTITY, sys_msg, u1]
+    assert answers[1]["messages"] == [IDENTITY, sys_msg, u1, fold(f"summary of {a1}"), u2]
+    assert answers[2]["messages"] == [IDENTITY, sys_msg, u1, A1, u2, fold(f"summary of {a2}"), u3]
+    # the router saw the previous route and the request as quoted data in its own message
+    routes = s.log("route")
+    assert len(routes) == 3 and all(r["model"] == "L0" for r in routes)
+    assert routes[0]["payload"]["structured_outputs"] == {"choice": ["L0", "L1", "L2", "L3"]}
+    assert "Previous specialist: L2" in routes[1]["messages"][1]["content"]
+    assert "now plan my trip" in routes[1]["messages"][1]["content"]
+    assert "now plan my trip" not in routes[1]["messages"][0]["content"]
+    # summaries ran on the adapter that answered
+    summaries = s.log("summary")
+    assert [e["model"] for e in summaries[:3]] == ["L2", "L1", "L2"]
+    assert summaries[0]["messages"][:3] == answers[0]["messages"]
+
+
+def test_own_view_is_a_prefix_turn_after_turn(s):
+    u1 = {"role": "user", "content": "[route:L3] draw a form"}
+    a1 = s.chat([u1]).choices[0].message.content
+    u2 = {"role": "user", "content": "[route:L3] add a button"}
+    s.chat([u1, {"role": "assistant", "content": a1}, u2])
+    first, second = s.log("answer")
+    assert second["messages"][: len(first["messages"])] == first["messages"]
+
+
+def test_summary_delay_does_not_delay_the_response(s):
+    s.config(summary_delay=2.0)
+    t0 = time.monotonic()
+    r = s.chat([{"role": "user", "content": "[route:L1] book a table"}])
+    elapsed = time.monotonic() - t0
+    assert r.choices[0].message.content
+    assert elapsed < 1.5, elapsed
+    t0 = time.monotonic()
+    content, _, _ = s.chat([{"role": "user", "content": "[route:L1] book a cab"}], stream=True)
+    assert content and time.monotonic() - t0 < 1.5
+    deadline = time.monotonic() + 5
+    while len(s.log("summary")) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(s.log("summary")) == 2
+
+
+def test_failed_summary_is_retried_once_and_counted(s):
+    before = s.metrics()
+    s.config(summary_fail=1)
+    s.chat([{"role": "user", "content": "[route:L2] retry me"}])
+    deadline = time.monotonic() + 5
+    while s.metrics()["molctl_proxy_summaries_total"] == before["molctl_proxy_summaries_total"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    after = s.metrics()
+    assert after["molctl_proxy_summary_retries_total"] == before["molctl_proxy_summary_retries_total"] + 1
+    assert len(s.log("summary")) == 2
+
+
+def test_garbage_route_label_falls_back(s):
+    before = s.metrics()["molctl_proxy_route_fallbacks_total"]
+    s.config(route_label="banana")
+    u1 = {"role": "user", "content": "hello there"}
+    a1 = s.chat([u1]).choices[0].message.content
+    assert s.log("answer")[-1]["model"] == TINY.proxy.default_route  # first turn: the profile default
+    s.config(route_label=None)
+    u2 = {"role": "user", "content": "[route:L3] show a card"}
+    a2 = s.chat([u1, {"role": "assistant", "content": a1}, u2]).choices[0].message.content
+    s.config(route_label="???")
+    s.chat([u1, {"role": "assistant", "content": a1}, u2, {"role": "assistant", "content": a2},
+            {"role": "user", "content": "continue"}])
+    assert [e["model"] for e in s.log("answer")] == ["L2", "L3", "L3"]  # then the previous route
+    assert s.metrics()["molctl_proxy_route_fallbacks_total"] == before + 2
+
+
+def test_label_in_reasoning_field_is_accepted(s):
+    s.config(route_in="reasoning_content")
+    s.chat([{"role": "user", "content": "[route:L1] order sushi"}])
+    assert s.log("answer")[-1]["model"] == "L1"
+
+
+# ------------------------------------------------------------------------ tools
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("reserialise", [False, True])
+def test_tool_result_continues_on_the_same_adapter(s, stream, reserialise):
+    u1 = {"role": "user", "content": f"[route:L3] [tool:get_weather] weather? {stream} {reserialise}"}
+    if stream:
+        _, calls, _ = s.chat([u1], stream=True, tools=TOOLS)
+        call = calls[0]
+        call_msg = {"id": call["id"], "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}
+    else:
+        r = s.chat([u1], tools=TOOLS)
+        assert r.choices[0].finish_reason == "tool_calls"
+        call_msg = r.choices[0].message.tool_calls[0].model_dump()
+    if reserialise:
+        call_msg["function"]["arguments"] = json.dumps(json.loads(call_msg["function"]["arguments"]), indent=2, sort_keys=True)
+    assistant = {"role": "assistant", "content": None, "tool_calls": [call_msg]}
+    result = {"role": "tool", "tool_call_id": call_msg["id"], "content": "18C sunny"}
+    routes_before = len(s.log("route"))
+    if stream:
+        content, _, _ = s.chat([u1, assistant, result], stream=True, tools=TOOLS)
+    else:
+        content = s.chat([u1, assistant, result], tools=TOOLS).choices[0].message.content
+    assert "18C sunny" in content
+    assert len(s.log("route")) == routes_before  # no route hop
+    answers = s.log("answer")
+    assert [a["model"] for a in answers] == ["L3", "L3"]
+    assert answers[1]["messages"][-2:] == [assistant, result]
+
+
+def test_unplaced_tool_turn_is_routed_not_refused(s):
+    before = s.metrics()["molctl_proxy_unplaced_tool_turns_total"]
+    u1 = {"role": "user", "content": "[route:L1] call my bank"}
+    assistant = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call-from-elsewhere", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]}
+    result = {"role": "tool", "tool_call_id": "call-from-elsewhere", "content": "ok"}
+    r = s.chat([u1, assistant, result], tools=TOOLS)
+    assert r.choices[0].message.content
+    assert s.log("route") and s.log("answer")[-1]["model"] == "L1"
+    assert s.metrics()["molctl_proxy_unplaced_tool_turns_total"] == before + 1
+
+
+def test_tool_call_deltas_stream_live(s):
+    s.config(token_delay=0.3, tool_arg_chunks=4)
+    _, calls, chunks = s.chat([{"role": "user", "content": "[route:L2] [tool:get_weather] now"}], stream=True, tools=TOOLS)
+    tool_chunks = [t for t, c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert len(tool_chunks) >= 4
+    end = chunks[-1][0]
+    assert tool_chunks[0] < end - 0.8  # the first call delta arrived well before the answer ended
+    assert json.loads(calls[0]["arguments"]) == {"city": "Paris", "unit": "celsius", "days": 3}
+    final = [c for _, c in chunks if c.choices and c.choices[0].finish_reason]
+    assert final[-1].choices[0].finish_reason == "tool_calls"
+
+
+# ------------------------------------------------------------------------ what clients see
+
+def test_stream_shape_role_once_usage_and_keepalive(s):
+    s.config(route_delay=0.5)
+    with httpx.stream("POST", s.proxy_url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"model": PUBLIC, "stream": True, "stream_options": {"include_usage": True},
+                            "messages": [{"role": "user", "content": "[route:L2] hi"}]}) as r:
+        raw = "".join(r.iter_text())
+    assert raw.count(": keepalive") >= 2  # while the route hop ran
+    frames = [f[6:] for f in raw.split("\n\n") if f.startswith("data: ")]
+    assert frames[-1] == "[DONE]"
+    chunks = [json.loads(f) for f in frames[:-1]]
+    assert sum(1 for c in chunks for ch in c["choices"] if "role" in ch["delta"]) == 1
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] == 13
+    assert len({c["id"] for c in chunks}) == 1 and all(c["model"] == PUBLIC for c in chunks)
+    # without include_usage: no usage chunk
+    with httpx.stream("POST", s.proxy_url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"model": PUBLIC, "stream": True, "messages": [{"role": "user", "content": "[route:L2] hi"}]}) as r:
+        raw = "".join(r.iter_text())
+    assert '"usage"' not in raw
+
+
+def test_no_adapter_name_anywhere(s):
+    seen: list[str] = []
+    h = {"Authorization": f"Bearer {KEY}"}
+    url = s.proxy_url + "/v1/chat/completions"
+
+    def record(resp: httpx.Response, body: str):
+        seen.append(json.dumps(dict(resp.headers)))
+        seen.append(body)
+
+    for route in ("L0", "L1", "L2", "L3"):
+        r = httpx.post(url, headers=h, json={"model": PUBLIC, "messages": [{"role": "user", "content": f"[route:{route}] x"}]})
+        assert r.status_code == 200
+        record(r, r.text)
+        body = r.json()
+        assert body["model"] == PUBLIC and body["id"].startswith("chatcmpl-") and "engine" not in body["id"]
+        assert set(body) <= {"id", "object", "created", "model", "choices", "usage"}
+        assert set(body["choices"][0]) == {"index", "message", "finish_reason", "logprobs"}
+        with httpx.stream("POST", url, headers=h, json={"model": PUBLIC, "stream": True, "messages": [
+                {"role": "user", "content": f"[route:{route}] [tool:get_weather] y"}], "tools": TOOLS}) as sr:
+            record(sr, "".join(sr.iter_text()))
+    for bad in ({"model": "L2", "messages": [{"role": "user", "content": "x"}]},
+                {"model": PUBLIC, "n": 2, "messages": [{"role": "user", "content": "x"}]},
+                {"model": PUBLIC, "messages": []}):
+        r = httpx.post(url, headers=h, json=bad)
+        assert r.status_code in (400, 404)
+        record(r, r.text)
+    s.config(answer_error={"status": 404, "body": {"error": {"message": "The model `L2` does not exist.", "code": 404}}})
+    r = httpx.post(url, headers=h, json={"model": PUBLIC, "messages": [{"role": "user", "content": "[route:L2] z"}]})
+    record(r, r.text)
+    s.config(answer_error={"status": 400, "body": {"error": {"message": "adapter L2 of tiny-mol-base rejected the request", "code": 400}}})
+    r = httpx.post(url, headers=h, json={"model": PUBLIC, "messages": [{"role": "user", "content": "[route:L2] z"}]})
+    assert r.status_code == 400
+    record(r, r.text)
+    with httpx.stream("POST", url, headers=h, json={"model": PUBLIC, "stream": True,
+                                                     "messages": [{"role": "user", "content": "[route:L2] z"}]}) as sr:
+        record(sr, "".join(sr.iter_text()))
+    r = httpx.get(s.proxy_url + "/v1/models", headers=h)
+    record(r, r.text)
+    assert r.json()["data"] == [{"id": PUBLIC, "object": "model", "created": 0, "owned_by": "molctl"}]
+    leaks = [text for text in seen if LEAK.search(text)]
+    assert not leaks, leaks[:2]
+
+
+def test_error_shapes_and_codes(s):
+    with pytest.raises(openai.NotFoundError) as err:
+        s.client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "x"}])
+    assert err.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as err:
+        s.chat([{"role": "user", "content": "x"}], n=2)
+    assert err.value.param == "n"
+    with pytest.raises(openai.BadRequestError):
+        s.chat([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}])
+    with pytest.raises(openai.BadRequestError) as err:
+        s.chat([{"role": "user", "content": "x"}], extra_body={"frobnicate": 1})
+    assert "frobnicate" in str(err.value)
+    s.config(answer_error={"status": 400, "body": {"error": {
+        "message": "This model's maximum context length is 2048 tokens. However, you requested 4000 tokens.", "code": 400}}})
+    with pytest.raises(openai.BadRequestError) as err:
+        s.chat([{"role": "user", "content": "[route:L2] long"}])
+    assert err.value.code == "context_length_exceeded" and "2048 tokens" in err.value.message
+
+
+def test_request_parameters(s):
+    s.chat([{"role": "user", "content": "[route:L2] p"}], temperature=0.7, top_p=0.9, seed=3, max_tokens=10**6,
+           stop=["\n\n"], reasoning_effort="low")
+    payload = s.log("answer")[-1]["payload"]
+    assert (payload["temperature"], payload["top_p"], payload["seed"], payload["stop"]) == (0.7, 0.9, 3, ["\n\n"])
+    assert payload["max_tokens"] == TINY.proxy.max_output_tokens  # clamped
+    assert "reasoning_effort" not in payload  # the tiny profile has no reasoning mapping
+    s.chat([{"role": "user", "content": "[route:L2] q"}])
+    payload = s.log("answer")[-1]["payload"]
+    assert "temperature" not in payload and "chat_template_kwargs" not in payload  # nothing imposed
+    assert all(e["payload"]["model"] in ("L0", "L1", "L2", "L3") for e in s.log())
+
+
+def test_every_engine_request_carries_the_hop_header(s):
+    s.chat([{"role": "user", "content": "[route:L1] a"}])
+    s.chat([{"role": "user", "content": "[route:L1] b"}], stream=True)
+    time.sleep(0.3)
+    hops = [e["hop"] for e in s.log()]
+    assert set(hops) == {"route", "answer", "summary"} and None not in hops
+
+
+# ------------------------------------------------------------------------ auth, health, readiness
+
+def test_auth(s):
+    url = s.proxy_url + "/v1/chat/completions"
+    body = {"model": PUBLIC, "messages": [{"role": "user", "content": "[route:L0] hi"}]}
+    bad = openai.OpenAI(base_url=s.proxy_url + "/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.chat.completions.create(model=PUBLIC, messages=body["messages"])
+    r = httpx.post(url, json=body)
+    assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+    assert r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(s.proxy_url + "/v1/models").status_code == 401
+    assert httpx.post(url, json=body, headers={"Authorization": f"Bearer {KEY2}"}).status_code == 200  # second key
+    assert httpx.get(s.proxy_url + "/health").status_code == 200  # liveness needs no key
+
+
+def test_readyz_follows_the_engine(s):
+    assert httpx.get(s.proxy_url + "/readyz").status_code == 200
+    s.config(adapters=["L0", "L1", "L2"])
+    time.sleep(1.1)  # the probe is cached about a second
+    r = httpx.get(s.proxy_url + "/readyz")
+    assert r.status_code == 503 and "missing" in r.json()["detail"]
+    s.config(adapters=["L0", "L1", "L2", "L3"], health_status=503)
+    time.sleep(1.1)
+    assert httpx.get(s.proxy_url + "/readyz").status_code == 503
+
+
+def test_proxy_refuses_to_start_without_a_key(tmp_path):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "molctl", "proxy", "tiny", "--upstream", "http://127.0.0.1:9"],
+                       capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"}, timeout=30)
+    assert r.returncode == 2 and "--allow-unauthenticated" in r.stderr
+
+
+def test_engine_down(keyfile, tmp_path):
+    dead = free_port()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with running(proxy_argv("tiny", f"http://127.0.0.1:{dead}", port, "--api-key-file", str(keyfile)), url + "/health"):
+        client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+        with pytest.raises(openai.APIStatusError) as err:
+            client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "x"}])
+        assert err.value.status_code == 502 and err.value.code == "engine_unavailable"
+        stream = client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "x"}], stream=True)
+        with pytest.raises(openai.APIError):
+            list(stream)
+        assert httpx.get(url + "/readyz").status_code == 503
+
+
+def test_engine_503_is_503(s):
+    s.config(answer_error={"status": 503, "body": {"error": {"message": "EngineDeadError"}}})
+    r = httpx.post(s.proxy_url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   json={"model": PUBLIC, "messages": [{"role": "user", "content": "[route:L2] x"}]})
+    assert r.status_code == 503 and r.headers.get("retry-after")
+
+
+# ------------------------------------------------------------------------ drain
+
+def test_sigterm_during_stream_drains(keyfile, tmp_path):
+    engine_port, port = free_port(), free_port()
+    engine_url, url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{port}"
+    with running(fake_engine_argv(engine_port, {"answer_delay": 1.5}), engine_url + "/health"), \
+            running(proxy_argv("tiny", engine_url, port, "--api-key-file", str(keyfile)), url + "/health") as proxy:
+        client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=20)
+        result = {}
+
+        def consume():
+            stream = client.chat.completions.create(model=PUBLIC, stream=True,
+                                                    messages=[{"role": "user", "content": "[route:L2] slow"}])
+            result["content"] = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+        t = threading.Thread(target=consume)
+        t.start()
+        deadline = time.monotonic() + 10
+        while not httpx.get(engine_url + "/_log").json() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)  # the answer hop is in flight
+        proxy.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        assert httpx.get(url + "/readyz").status_code == 503
+        r = httpx.post(url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                       json={"model": PUBLIC, "messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 503 and r.headers["retry-after"] and r.json()["error"]["code"] == "draining"
+        t.join(15)
+        assert result.get("content", "").startswith("answer-")
+        assert proxy.wait(10) == 0
+
+
+# ------------------------------------------------------------------------ SGLang
+
+def test_sglang_adapter_naming(keyfile):
+    engine_port, port = free_port(), free_port()
+    engine_url, url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{port}"
+    with running(fake_engine_argv(engine_port, {"served_name": "glm52-fp8-official"}), engine_url + "/health"), \
+            running(proxy_argv("venti-sglang", engine_url, port, "--api-key-file", str(keyfile)), url + "/health"):
+        client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+        r = client.chat.completions.create(model="Macaron-V1-Venti", messages=[{"role": "user", "content": "[route:L2] x"}])
+        assert r.model == "Macaron-V1-Venti"
+        log = httpx.get(engine_url + "/_log").json()
+        route, answer = log[0], log[1]
+        assert route["model"] == "glm52-fp8-official:L0" and route["payload"]["regex"] == "(L0|L1|L2|L3)"
+        assert route["payload"]["chat_template_kwargs"] == {"enable_thinking": False}
+        assert answer["model"] == "glm52-fp8-official:L2"
+        wait_http(url + "/readyz")
