@@ -130,6 +130,133 @@ def check_cmd(
         raise typer.Exit(int(ExitStatus.CHECK_FAILED))
 
 
+KEY_FILE_OPT = typer.Option(None, "--api-key-file", envvar="MOLCTL_API_KEY_FILE",
+                            help="Proxy API keys, one per line (mode 0600). Or set MOLCTL_API_KEY.")
+UNAUTH_OPT = typer.Option(False, "--allow-unauthenticated", help="Run the proxy without an API key.")
+TIMEOUT_OPT = typer.Option(None, "--timeout", help="Seconds to wait for the engine (default: engine.start_timeout_s).")
+DRAIN_OPT = typer.Option(600.0, "--drain-timeout", help="Seconds the proxy may take to finish in-flight requests on stop.")
+
+
+def _up_options(ctx, model_root, set_, skip, timeout, api_key_file, allow_unauthenticated, drain_timeout):
+    from molctl.lifecycle import UpOptions
+
+    return UpOptions(overrides=overrides_from(model_root, set_), skip=skip, timeout_s=timeout, api_key_file=api_key_file,
+                     allow_unauthenticated=allow_unauthenticated, drain_timeout_s=drain_timeout,
+                     profiles_dirs=list(ctx.obj.profiles_dirs))
+
+
+def _run_start(command, profile: str, json_: bool, call) -> None:
+    from molctl.lifecycle import StartFailed
+    from molctl.output import Output, UpReporter, render_failure, render_up
+
+    out = Output(as_json=json_)
+    reporter = UpReporter(out)
+    try:
+        result = call(reporter)
+    except MolctlError as exc:
+        reporter.close()
+        render_failure(out, profile, exc)
+        if isinstance(exc, StartFailed) or json_:
+            out.error(str(exc))
+            raise typer.Exit(int(exc.exit_status)) from None
+        raise
+    reporter.close()
+    render_up(out, result)
+
+
+@app.command("up")
+@handle_errors
+def up_cmd(
+    ctx: typer.Context,
+    profile: str = typer.Argument(..., help="Profile to start."),
+    model_root: Optional[Path] = MODEL_ROOT_OPT,
+    set_: List[str] = SET_OPT,
+    skip: List[str] = SKIP_OPT,
+    timeout: Optional[float] = TIMEOUT_OPT,
+    api_key_file: Optional[Path] = KEY_FILE_OPT,
+    allow_unauthenticated: bool = UNAUTH_OPT,
+    drain_timeout: float = DRAIN_OPT,
+    json_: bool = JSON_OPT,
+) -> None:
+    """Check, start the engine, wait until it really serves L0-L3, start the proxy. Idempotent."""
+    from molctl.lifecycle import up
+
+    opts = _up_options(ctx, model_root, set_, skip, timeout, api_key_file, allow_unauthenticated, drain_timeout)
+    _run_start("up", profile, json_, lambda reporter: up(profile, ctx.obj, opts, reporter))
+
+
+@app.command("switch")
+@handle_errors
+def switch_cmd(
+    ctx: typer.Context,
+    profile: str = typer.Argument(..., help="Profile to run instead of the current one."),
+    model_root: Optional[Path] = MODEL_ROOT_OPT,
+    set_: List[str] = SET_OPT,
+    skip: List[str] = SKIP_OPT,
+    timeout: Optional[float] = TIMEOUT_OPT,
+    api_key_file: Optional[Path] = KEY_FILE_OPT,
+    allow_unauthenticated: bool = UNAUTH_OPT,
+    drain_timeout: float = DRAIN_OPT,
+    json_: bool = JSON_OPT,
+) -> None:
+    """Drain and stop whatever stack runs, then `up PROFILE`. A failing preflight stops nothing."""
+    from molctl.lifecycle import switch
+
+    opts = _up_options(ctx, model_root, set_, skip, timeout, api_key_file, allow_unauthenticated, drain_timeout)
+    _run_start("switch", profile, json_, lambda reporter: switch(profile, ctx.obj, opts, reporter, drain_timeout))
+
+
+@app.command("down")
+@handle_errors
+def down_cmd(
+    ctx: typer.Context,
+    profile: Optional[str] = typer.Argument(None, help="Profile to stop (default: every recorded stack)."),
+    drain_timeout: float = DRAIN_OPT,
+    stop_timeout: float = typer.Option(60.0, "--stop-timeout", help="Seconds the engine may take after SIGTERM before SIGKILL."),
+    force: bool = typer.Option(False, "--force", help="Remove records even when processes could not be verified gone."),
+    json_: bool = JSON_OPT,
+) -> None:
+    """Proxy first (drain), then the engine group (SIGTERM, then SIGKILL); verify nothing survives."""
+    from molctl.lifecycle import down
+    from molctl.output import Output
+
+    out = Output(as_json=json_)
+    result = down(ctx.obj, profile, drain_timeout, force, lambda m: out.line(f"molctl: {m}"), engine_timeout_s=stop_timeout)
+    if json_:
+        out.json(result)
+    else:
+        out.line(result["message"])
+
+
+@app.command("status")
+@handle_errors
+def status_cmd(
+    ctx: typer.Context,
+    profile: Optional[str] = typer.Argument(None, help="Profile (default: every recorded stack)."),
+    json_: bool = JSON_OPT,
+) -> None:
+    """Recorded stacks, probed live: processes, ports, /health, /readyz, uptime, logs, GPU memory."""
+    from molctl.lifecycle import status
+    from molctl.output import Output, render_status
+
+    render_status(Output(as_json=json_), status(ctx.obj, profile))
+
+
+@app.command("logs")
+@handle_errors
+def logs_cmd(
+    ctx: typer.Context,
+    profile: Optional[str] = typer.Argument(None, help="Profile (default: the only recorded one)."),
+    component: Optional[str] = typer.Option(None, "--component", help="engine or proxy (default: both)."),
+    follow: bool = typer.Option(False, "-f", "--follow", help="Keep printing new lines, across restarts."),
+    lines: int = typer.Option(50, "-n", "--lines", help="Lines to print from the end of each log."),
+) -> None:
+    """The last lines of the newest log of each component, prefixed; -f follows them."""
+    from molctl.logs import show_logs
+
+    show_logs(ctx.obj, profile, component, follow, lines)
+
+
 def main() -> None:
     os.environ.setdefault("PYTHONDONTWRITEBYTECODE", "1")
     app(prog_name="molctl")

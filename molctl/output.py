@@ -35,6 +35,11 @@ class Output:
             return
         self.console.print(text, style=style, markup=False)
 
+    def raw(self, text: str) -> None:
+        """Unformatted text (log lines), flushed at once."""
+        self.stdout.write(text)
+        self.stdout.flush()
+
     def error(self, message: str) -> None:
         self.stderr.write(f"molctl: error: {message}\n")
 
@@ -76,3 +81,104 @@ class Output:
             [(r["name"], f"{r['engine']} {r['engine_version']}", r["served_model_name"], str(r["gpus"]),
               str(r["engine_port"]), str(r["proxy_port"]), r["source"]) for r in rows],
         )
+
+
+class UpReporter:
+    """Progress of `up`/`switch`: a live spinner on a terminal, plain lines otherwise, nothing with --json."""
+
+    PLAIN_EVERY_S = 10.0
+
+    def __init__(self, out: Output):
+        self.out = out
+        self.tty = (not out.as_json) and out.stdout.isatty()
+        self._status = None
+        self._last_line = (None, -1e9)
+
+    def step(self, message: str) -> None:
+        if self.out.as_json:
+            return
+        self._stop_status()
+        self.out.line(f"molctl: {message}")
+
+    def waiting(self, elapsed: float, deadline: float, phase: str, detail: str) -> None:
+        if self.out.as_json:
+            return
+        text = f"waiting for the engine: {phase} ({elapsed:.0f}s of {deadline:.0f}s; {detail})"
+        if self.tty:
+            if self._status is None:
+                self._status = self.out.console.status(text)
+                self._status.start()
+            else:
+                self._status.update(text)
+            return
+        last_phase, last_t = self._last_line
+        if phase != last_phase or elapsed - last_t >= self.PLAIN_EVERY_S:
+            self.out.line(f"molctl: {text}")
+            self._last_line = (phase, elapsed)
+
+    def check_report(self, report) -> None:
+        self._stop_status()
+        if not self.out.as_json:
+            self.out.check_report(report)
+
+    def _stop_status(self) -> None:
+        if self._status is not None:
+            self._status.stop()
+            self._status = None
+
+    def close(self) -> None:
+        self._stop_status()
+
+
+def render_up(out: Output, result: dict) -> None:
+    if out.as_json:
+        out.json({"ok": True, **result})
+        return
+    t = result.get("timings", {})
+    took = f" in {t['total_s']:.1f} s" if "total_s" in t else ""
+    verb = "is already running" if result.get("already_running") else f"is ready{took}"
+    out.line(f"{result['profile']} {verb}: model {result['model']} at {result['endpoint']}")
+    if result.get("stopped"):
+        out.line(f"stopped {', '.join(result['stopped'])} first ({t.get('stop_s', 0):.1f} s)")
+
+
+def render_failure(out: Output, profile: str, exc) -> None:
+    tail = getattr(exc, "log_tail", [])
+    if out.as_json:
+        out.json({"ok": False, "profile": profile, "exit_code": int(exc.exit_status), "error": str(exc), "log_tail": tail})
+    elif tail:
+        out.stderr.write("".join(f"  | {line}\n" for line in tail))
+
+
+def render_status(out: Output, data: dict) -> None:
+    if out.as_json:
+        out.json(data)
+        return
+    if not data["stacks"]:
+        out.line("no stack is recorded (molctl up PROFILE starts one)")
+        return
+    from rich.text import Text
+
+    style = {"ready": "green", "starting": "yellow", "degraded": "yellow", "stopping": "yellow", "failed": "bold red",
+             "stopped": "dim"}
+    rows = []
+    for stack in data["stacks"]:
+        comps = stack["components"] or [{"name": "-", "pid": "-", "alive": False, "port": "-", "health": None, "log": "", "uptime_s": None}]
+        for c in comps:
+            up_s = c.get("uptime_s")
+            rows.append((stack["profile"], Text(stack["state"], style=style.get(stack["state"], "")), c["name"], str(c["pid"]),
+                         "yes" if c["alive"] else "no", str(c["port"]), str(c["health"] or "-"),
+                         _duration(up_s) if up_s is not None else "-", c["log"]))
+    out.table(("profile", "state", "component", "pid", "alive", "port", "health", "uptime", "log"), rows)
+    for stack in data["stacks"]:
+        if stack.get("endpoint") and stack["state"] in ("ready", "degraded"):
+            out.line(f"{stack['profile']}: model {stack.get('model')} at {stack['endpoint']}")
+        for g in stack.get("gpus", []):
+            out.line(f"  GPU {g['index']}: {g['used_bytes'] / 2**30:.1f} GiB used by the stack")
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")

@@ -84,15 +84,31 @@ class PortProbe:
     """Port availability by a plain bind() (no SO_REUSEPORT), and the holder through psutil."""
 
     def is_free(self, host: str, port: int) -> bool:
+        """A plain bind() (no SO_REUSEADDR/SO_REUSEPORT: vLLM binds with those long before it
+        listens). A port whose only sockets are ownerless closing leftovers of a stopped server
+        (TIME_WAIT, FIN_WAIT...) counts as free: the servers we start bind with SO_REUSEADDR."""
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         with socket.socket(family, socket.SOCK_STREAM) as sock:
             try:
                 sock.bind((host, port))
             except OSError as exc:
-                if exc.errno in (errno.EADDRINUSE, errno.EACCES):
+                if exc.errno == errno.EADDRINUSE:
+                    return self._only_time_wait(port)
+                if exc.errno == errno.EACCES:
                     return False
                 raise
         return True
+
+    def _only_time_wait(self, port: int) -> bool:
+        import psutil
+
+        try:
+            conns = [c for c in psutil.net_connections(kind="tcp") if c.laddr and c.laddr.port == port]
+        except psutil.AccessDenied:
+            return False
+        closing = {psutil.CONN_TIME_WAIT, psutil.CONN_FIN_WAIT1, psutil.CONN_FIN_WAIT2, psutil.CONN_CLOSING,
+                   psutil.CONN_LAST_ACK}
+        return bool(conns) and all(c.status in closing and not c.pid for c in conns)
 
     def holder(self, port: int) -> tuple[int, str] | None:
         import psutil

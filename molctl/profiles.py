@@ -87,7 +87,7 @@ SCHEMA: dict[str, Any] = {
         "start_timeout_s": (int, float),
         "served_name": str,
         "args": _MapOf(ARG_VALUE),
-        "env": _MapOf(str),
+        "env": _MapOf(SCALAR),  # numbers and booleans become strings ("1"/"0" for booleans)
         "unset_env": _ListOf(str),
     },
     "proxy": {
@@ -361,6 +361,12 @@ class _Validator:
                         raise self.fail(sorted(missing)[0], "missing (required)")
 
 
+def _env_str(value: Any) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    return str(value)
+
+
 def _expand_path(raw: str, base: Path) -> Path:
     expanded = os.path.expanduser(os.path.expandvars(raw))
     path = Path(expanded)
@@ -453,7 +459,7 @@ def build_profile(data: dict[str, Any], source: Path, lines: dict[str, int] | No
             gpus=eng.get("gpus", 0),
             start_timeout_s=eng.get("start_timeout_s", 3600),
             args=dict(eng.get("args", {})),
-            env=dict(eng.get("env", {})),
+            env={k: _env_str(v) for k, v in eng.get("env", {}).items()},
             unset_env=tuple(eng.get("unset_env", ())),
         ),
         proxy=ProxySpec(**proxy),

@@ -191,13 +191,47 @@ def make_app() -> web.Application:
 
 
 def main() -> None:
+    """Also runs as a profile's engine (`engine.python` = a wrapper script): it then takes the
+    vLLM-style argv and FAKE_* environment variables from the profile's engine.env:
+    FAKE_STARTUP_DELAY (s before listening), FAKE_EXIT (exit with this code during start-up),
+    FAKE_IGNORE_TERM (ignore SIGTERM), FAKE_CHILD (leave a child process in the group, like
+    vLLM's EngineCore), FAKE_ADAPTERS (comma list), FAKE_PARENT, FAKE_ANSWER_DELAY."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
     parser = argparse.ArgumentParser()
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--config", default="{}", help="initial config JSON")
     args, _ = parser.parse_known_args()
     STATE.config.update(json.loads(args.config))
-    web.run_app(make_app(), host=args.host, port=args.port, print=None, access_log=None)
+    if args.served_model_name:
+        STATE.config["served_name"] = args.served_model_name
+    env = os.environ
+    print(f"fake engine pid {os.getpid()} starting on {args.host}:{args.port}", flush=True)
+    if env.get("FAKE_IGNORE_TERM") == "1":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if env.get("FAKE_CHILD") == "1":
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        print("spawned EngineCore-like child", flush=True)
+    if env.get("FAKE_ADAPTERS") is not None:
+        STATE.config["adapters"] = [a for a in env["FAKE_ADAPTERS"].split(",") if a]
+    if env.get("FAKE_PARENT"):
+        STATE.config["parent"] = env["FAKE_PARENT"]
+    if env.get("FAKE_ANSWER_DELAY"):
+        STATE.config["answer_delay"] = float(env["FAKE_ANSWER_DELAY"])
+    for i in range(2):
+        print(f"Loading safetensors checkpoint shards: {50 * (i + 1)}% Completed | {i + 1}/2", flush=True)
+    time.sleep(float(env.get("FAKE_STARTUP_DELAY", "0")))
+    if env.get("FAKE_EXIT"):
+        print("RuntimeError: CUDA out of memory (simulated)", flush=True)
+        sys.exit(int(env["FAKE_EXIT"]))
+    print("Application startup complete.", flush=True)
+    web.run_app(make_app(), host=args.host, port=args.port, print=None, access_log=None,
+                handle_signals=env.get("FAKE_IGNORE_TERM") != "1")
 
 
 if __name__ == "__main__":

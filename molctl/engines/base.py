@@ -63,6 +63,9 @@ class Engine(abc.ABC):
     kind: str = ""
     package: str = ""  # the import name of the engine package
     memory_flag: str = ""  # the flag that sets the fraction of GPU memory the engine takes
+    # (regex, label) pairs read from the engine's log to show the start-up phase; the last
+    # matching line wins; a label may use the regex groups ("{0}/{1}").
+    phases: tuple[tuple[str, str], ...] = ()
 
     @abc.abstractmethod
     def launch_argv(self, profile: Profile) -> list[str]:
@@ -92,6 +95,16 @@ class Engine(abc.ABC):
     def max_lora_rank(self, profile: Profile) -> int | None:
         value = profile.engine.args.get("max-lora-rank")
         return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    def phase(self, log_lines: list[str]) -> str | None:
+        import re
+
+        for line in reversed(log_lines):
+            for pattern, label in reversed(self.phases):
+                m = re.search(pattern, line)
+                if m:
+                    return label.format(*m.groups())
+        return None
 
     def adapter_pairs(self, profile: Profile) -> list[str]:
         return [f"{route}={profile.adapter_dir(route)}" for route in ROUTES]

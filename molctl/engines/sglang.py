@@ -33,6 +33,16 @@ class SglangEngine(Engine):
     kind = "sglang"
     package = "sglang"
     memory_flag = "mem-fraction-static"
+    phases = (
+        (r"server_args=|ServerArgs\(", "engine config"),
+        (r"Load weight begin", "loading model"),
+        (r"Loading safetensors checkpoint shards:.*?(\d+)/(\d+)", "shards loaded {0}/{1}"),
+        (r"Load weight end", "weights loaded"),
+        (r"KV Cache is allocated|Memory pool end", "KV cache"),
+        (r"Capture cuda graph|Capturing batches", "graph capture"),
+        (r"Uvicorn running|Application startup complete", "warming up"),
+        (r"The server is fired up and ready to roll", "serving"),
+    )
 
     def launch_argv(self, profile: Profile) -> list[str]:
         e = profile.engine

@@ -38,6 +38,16 @@ class VllmEngine(Engine):
     kind = "vllm"
     package = "vllm"
     memory_flag = "gpu-memory-utilization"
+    phases = (
+        (r"non-default args|Initializing a V1 LLM engine|vLLM API server version", "engine config"),
+        (r"Starting to load model|Loading model from", "loading model"),
+        (r"Loading safetensors checkpoint shards:.*?(\d+)/(\d+)", "shards loaded {0}/{1}"),
+        (r"Loading weights took|Model loading took", "weights loaded"),
+        (r"init engine \(profile, create kv cache|KV cache|GPU KV cache size|Available KV cache memory", "KV cache"),
+        (r"Capturing CUDA graph|Graph capturing|cudagraph", "graph capture"),
+        (r"Starting vLLM API server|Started server process|Available routes are", "starting API server"),
+        (r"Application startup complete", "serving"),
+    )
 
     def launch_argv(self, profile: Profile) -> list[str]:
         e = profile.engine

@@ -1,0 +1,100 @@
+"""HTTP probes of a starting or running stack (httpx; the CLI's probes are not on a hot path).
+
+Engine readiness, for vLLM and SGLang alike: `/health` 200, then `/v1/models` lists L0-L3 with
+the profile's engine-side base name as parent, then a 1-token completion per adapter succeeds
+(an adapter can load and still do nothing: vllm#55193). `/health` 200 alone proves neither.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import httpx
+
+from molctl.engines.base import Engine
+from molctl.profiles import ROUTES, Profile
+
+
+def connect_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
+def engine_url(profile: Profile) -> str:
+    host = connect_host(profile.engine.host)
+    return f"http://[{host}]:{profile.engine.port}" if ":" in host else f"http://{host}:{profile.engine.port}"
+
+
+def proxy_url(profile: Profile) -> str:
+    return f"http://{connect_host(profile.proxy.host)}:{profile.proxy.port}"
+
+
+@dataclass
+class Probe:
+    state: str  # "down" | "starting" | "adapters" | "ready"
+    detail: str
+
+
+def adapter_problems(profile: Profile, engine: Engine, models: object) -> list[str]:
+    """What is wrong with the engine's /v1/models for this profile (empty when all is right)."""
+    if not isinstance(models, dict) or not isinstance(models.get("data"), list):
+        return ["/v1/models did not return a model list"]
+    listed = {m.get("id"): m for m in models["data"] if isinstance(m, dict)}
+    parent = profile.engine.served_name
+    problems = []
+    for route in ROUTES:
+        card = listed.get(route) or listed.get(engine.adapter_model(profile, route))
+        if card is None:
+            problems.append(f"adapter {route} is missing from /v1/models")
+        elif card.get("parent") != parent:
+            problems.append(f"adapter {route} is attached to parent {card.get('parent')!r}, expected {parent!r}")
+    return problems
+
+
+class EngineReadiness:
+    def __init__(self, profile: Profile, engine: Engine, client: httpx.Client | None = None):
+        self.profile, self.engine = profile, engine
+        self.url = engine_url(profile)
+        self.client = client or httpx.Client(timeout=httpx.Timeout(5.0, connect=1.0), trust_env=False)
+        self.smoke_ok: set[str] = set()
+
+    def poll(self) -> Probe:
+        try:
+            r = self.client.get(self.url + "/health", timeout=3.0)
+        except httpx.HTTPError:
+            return Probe("down", "not listening yet")
+        if r.status_code != 200:
+            return Probe("starting", f"/health answers {r.status_code}")
+        try:
+            models = self.client.get(self.url + "/v1/models").json()
+        except (httpx.HTTPError, ValueError):
+            return Probe("starting", "/v1/models not answering")
+        problems = adapter_problems(self.profile, self.engine, models)
+        if problems:
+            return Probe("adapters", "; ".join(problems))
+        for route in ROUTES:
+            if route in self.smoke_ok:
+                continue
+            body = {"model": self.engine.adapter_model(self.profile, route), "max_tokens": 1, "temperature": 0,
+                    "messages": [{"role": "user", "content": "ping"}]}
+            try:
+                r = self.client.post(self.url + "/v1/chat/completions", json=body, headers={"X-MoL-Hop": "readiness"},
+                                     timeout=60.0)
+            except httpx.HTTPError as exc:
+                return Probe("starting", f"1-token completion on {route} failed: {type(exc).__name__}")
+            if r.status_code != 200:
+                return Probe("starting", f"1-token completion on {route} answered {r.status_code}")
+            self.smoke_ok.add(route)
+        return Probe("ready", "health, adapters and a 1-token completion per adapter")
+
+    def health(self) -> int | None:
+        try:
+            return self.client.get(self.url + "/health", timeout=2.0).status_code
+        except httpx.HTTPError:
+            return None
+
+
+def http_status(url: str, timeout: float = 2.0) -> int | None:
+    try:
+        return httpx.get(url, timeout=timeout, trust_env=False).status_code
+    except httpx.HTTPError:
+        return None

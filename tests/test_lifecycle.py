@@ -1,0 +1,368 @@
+"""`molctl up/switch/down/status/logs` against fake engines started as real subprocesses through
+the profile's `engine.python` (a wrapper that runs tests/fake_engine.py), on free ports."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from molctl.profiles import builtin_profiles_dir
+from molctl.state import read_records
+from tests.conftest import free_port
+from tests.layouts import make_layout
+from tests.procs import ROOT, fake_engine_argv, running, stop
+
+PUBLIC = "Macaron-Tiny-Demo"
+
+
+class Host:
+    """One test's host: a state dir, a tiny-shaped model layout, free ports, a fake engine python."""
+
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.state = tmp / "state"
+        self.model = tmp / "model"
+        make_layout(self.model, model_type="llama", shards=2, rank=8, base_name="tiny-mol-llama")
+        self.python = tmp / "fake-python"
+        self.python.write_text(f"#!/bin/sh\nif [ \"$1\" = \"-c\" ]; then exec {sys.executable} \"$@\"; fi\n"
+                               f"exec {sys.executable} {ROOT / 'tests' / 'fake_engine.py'} \"$@\"\n")
+        self.python.chmod(0o755)
+        self.engine_port, self.proxy_port = free_port(), free_port()
+        self.profiles = tmp / "profiles"
+        self.profiles.mkdir()
+        self.procs: list[subprocess.Popen] = []
+
+    def args(self, *extra: str, env: dict | None = None, engine_port=None, proxy_port=None) -> list[str]:
+        sets = ["--set", f"engine.python={self.python}", "--set", f"engine.port={engine_port or self.engine_port}",
+                "--set", f"proxy.port={proxy_port or self.proxy_port}", "--model-root", str(self.model),
+                "--skip", "engine", "--skip", "gpu", "--allow-unauthenticated", "--timeout", "30"]
+        for k, v in (env or {}).items():
+            sets += ["--set", f"engine.env.{k}={v}"]
+        return [*sets, *extra]
+
+    def molctl(self, *args: str, timeout: float = 90, env: dict | None = None) -> subprocess.CompletedProcess:
+        argv = [sys.executable, "-m", "molctl", "--state-dir", str(self.state), "--profiles-dir", str(self.profiles), *args]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                              env={**os.environ, "COLUMNS": "200", **(env or {})})
+
+    def start(self, *args: str) -> subprocess.Popen:
+        argv = [sys.executable, "-m", "molctl", "--state-dir", str(self.state), "--profiles-dir", str(self.profiles), *args]
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def up(self, *extra: str, env: dict | None = None, profile="tiny", **kw) -> subprocess.CompletedProcess:
+        return self.molctl("up", profile, *self.args(*extra, env=env, **kw))
+
+    def records(self, profile="tiny"):
+        return read_records(self.state, profile)
+
+    def stack_pids(self, profile="tiny") -> set[int]:
+        from molctl.processes import members
+
+        return {p.pid for r in self.records(profile).values() for p in members(r)}
+
+    def cleanup(self):
+        for proc in self.procs:
+            stop(proc)
+        if self.state.exists():
+            self.molctl("down", "--stop-timeout", "2", "--drain-timeout", "2", "--force", timeout=60)
+
+
+@pytest.fixture
+def host(tmp_path):
+    h = Host(tmp_path)
+    yield h
+    h.cleanup()
+
+
+def port_free(port: int) -> bool:
+    """No socket but TIME_WAIT leftovers on the port (see PortProbe.is_free)."""
+    from molctl.probes import PortProbe
+
+    return PortProbe().is_free("127.0.0.1", port)
+
+
+def gone(pids, timeout=5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_up_status_logs_down(host):
+    r = host.up("--json")
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout)
+    assert result["ok"] and result["state"] == "ready" and result["endpoint"] == f"http://127.0.0.1:{host.proxy_port}/v1"
+    assert result["timings"]["total_s"] < 30
+    # the public endpoint works with the openai SDK
+    client = openai.OpenAI(base_url=result["endpoint"], api_key="none", max_retries=0)
+    assert client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "[route:L2] hi"}]).choices
+    # status
+    s = host.molctl("status", "--json")
+    assert s.returncode == 0
+    (stack,) = json.loads(s.stdout)["stacks"]
+    assert stack["profile"] == "tiny" and stack["state"] == "ready"
+    comps = {c["name"]: c for c in stack["components"]}
+    assert set(comps) == {"engine", "proxy"}
+    assert all(c["alive"] and c["health"] == 200 for c in comps.values())
+    assert comps["engine"]["port"] == host.engine_port and Path(comps["engine"]["log"]).is_file()
+    human = host.molctl("status")
+    assert "ready" in human.stdout and "engine" in human.stdout
+    # logs
+    logs = host.molctl("logs", "tiny", "-n", "5")
+    assert "[engine] " in logs.stdout and "[proxy] " in logs.stdout
+    assert "Application startup complete" in host.molctl("logs", "--component", "engine", "-n", "200").stdout
+    # down
+    pids = host.stack_pids()
+    assert len(pids) >= 2
+    d = host.molctl("down")
+    assert d.returncode == 0, d.stderr
+    assert gone(pids) and port_free(host.engine_port) and port_free(host.proxy_port)
+    assert host.records() == {}
+    assert json.loads(host.molctl("status", "tiny", "--json").stdout)["stacks"][0]["state"] == "stopped"
+    again = host.molctl("down")
+    assert again.returncode == 0 and "nothing is running" in again.stdout
+
+
+def test_up_is_idempotent(host):
+    assert host.up().returncode == 0
+    pids = host.stack_pids()
+    r = host.up("--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["already_running"] is True
+    assert host.stack_pids() == pids
+
+
+def test_engine_exits_during_startup(host):
+    r = host.up(env={"FAKE_EXIT": "3", "FAKE_STARTUP_DELAY": "0.5"})
+    assert r.returncode == 5, r.stderr
+    assert "exited with code 3" in r.stderr and "CUDA out of memory (simulated)" in r.stderr
+    assert host.records() == {} and port_free(host.engine_port)
+
+
+def test_engine_never_healthy_times_out(host):
+    r = host.up("--timeout", "2", env={"FAKE_STARTUP_DELAY": "60"})
+    assert r.returncode == 6, r.stderr
+    assert "not ready within 2 s" in r.stderr
+    assert host.records() == {}
+    time.sleep(0.2)
+    assert not [p for p in psutil.process_iter(["cmdline"]) if str(host.engine_port) in " ".join(p.info["cmdline"] or [])]
+
+
+def test_models_missing_l3(host):
+    r = host.up(env={"FAKE_ADAPTERS": "L0,L1,L2"})
+    assert r.returncode == 7, r.stderr
+    assert "adapter L3 is missing" in r.stderr
+    assert host.records() == {} and port_free(host.engine_port)
+
+
+def test_adapter_with_wrong_parent(host):
+    r = host.up(env={"FAKE_PARENT": "some-other-base"})
+    assert r.returncode == 7
+    assert "parent 'some-other-base', expected 'tiny-mol-base'" in r.stderr
+
+
+def test_proxy_fails_to_start(host):
+    with socket.socket() as sock:  # hold the proxy port, and skip the port check so the proxy itself fails
+        sock.bind(("127.0.0.1", host.proxy_port))
+        sock.listen()
+        r = host.up("--skip", "port")
+    assert r.returncode == 5, r.stderr
+    assert "proxy exited" in r.stderr
+    assert host.records() == {} and port_free(host.engine_port)
+
+
+def test_port_held_by_foreign_listener(host):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", host.engine_port))
+        sock.listen()
+        r = host.up()
+    assert r.returncode == 4, r.stderr
+    assert f"pid {os.getpid()}" in r.stderr and str(host.engine_port) in r.stderr
+    assert host.records() == {}
+
+
+def test_record_with_reused_pid_is_never_signalled(host):
+    stranger = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        rec_dir = host.state / "tiny"
+        host.state.mkdir(mode=0o700)
+        rec_dir.mkdir(mode=0o700)
+        (rec_dir / "engine.json").write_text(json.dumps({
+            "component": "engine", "pid": stranger.pid, "pgid": stranger.pid, "create_time": 1000.0, "argv": ["vllm"],
+            "port": host.engine_port, "log": "/nonexistent", "started_at": 1000.0}))
+        s = json.loads(host.molctl("status", "--json").stdout)
+        assert s["stacks"][0]["state"] == "failed"
+        r = host.up()
+        assert r.returncode == 0, r.stderr
+        assert stranger.poll() is None  # never signalled
+        d = host.molctl("down")
+        assert d.returncode == 0 and stranger.poll() is None
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+def test_two_concurrent_ups(host):
+    first = host.start("up", "tiny", *host.args(env={"FAKE_STARTUP_DELAY": "3"}))
+    deadline = time.monotonic() + 10
+    while not (host.state / "tiny" / "engine.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    r = host.up()
+    assert r.returncode == 4
+    assert "state lock" in r.stderr and f"pid {first.pid}" in r.stderr and "up tiny" in r.stderr
+    assert first.wait(60) == 0
+
+
+def test_sigint_during_readiness_wait(host):
+    proc = host.start("up", "tiny", *host.args(env={"FAKE_STARTUP_DELAY": "60"}))
+    deadline = time.monotonic() + 10
+    while not (host.state / "tiny" / "engine.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pids = host.stack_pids()
+    assert pids
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(30) == 130
+    assert gone(pids) and host.records() == {}
+
+
+def test_engine_ignoring_sigterm_is_killed(host):
+    assert host.up(env={"FAKE_IGNORE_TERM": "1"}).returncode == 0
+    pids = host.stack_pids()
+    t0 = time.monotonic()
+    d = host.molctl("down", "--stop-timeout", "1")
+    assert d.returncode == 0, d.stderr
+    assert "SIGKILL" in d.stdout
+    assert time.monotonic() - t0 < 20
+    assert gone(pids) and host.records() == {}
+
+
+def test_down_waits_for_an_inflight_stream(host):
+    assert host.up(env={"FAKE_ANSWER_DELAY": "2"}).returncode == 0
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{host.proxy_port}/v1", api_key="none", max_retries=0, timeout=30)
+    result = {}
+
+    def consume():
+        stream = client.chat.completions.create(model=PUBLIC, stream=True, messages=[{"role": "user", "content": "[route:L1] go"}])
+        result["content"] = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+    t = threading.Thread(target=consume)
+    t.start()
+    time.sleep(0.8)
+    d = host.molctl("down", "--drain-timeout", "20")
+    t.join(20)
+    assert d.returncode == 0, d.stderr
+    assert result.get("content", "").startswith("answer-")
+
+
+def test_leftover_children_after_the_leader_died(host):
+    assert host.up(env={"FAKE_CHILD": "1"}).returncode == 0
+    record = host.records()["engine"]
+    children = [p.pid for p in psutil.Process(record.pid).children(recursive=True)]
+    assert children
+    os.kill(record.pid, signal.SIGKILL)  # the orphaned-workers case
+    time.sleep(0.3)
+    assert all(psutil.pid_exists(c) for c in children)
+    status = json.loads(host.molctl("status", "--json").stdout)["stacks"][0]
+    assert status["state"] == "degraded"
+    r = host.up(env={"FAKE_CHILD": "1"})
+    assert r.returncode == 0, r.stderr
+    assert "leftover" in r.stdout
+    assert gone(children)
+    assert host.molctl("down").returncode == 0
+
+
+def test_up_refuses_while_another_profile_runs_and_switch(host):
+    other = (builtin_profiles_dir() / "tiny.yaml").read_text().replace("name: tiny", "name: tiny-b") \
+        .replace("served_model_name: Macaron-Tiny-Demo", "served_model_name: Macaron-Tiny-B")
+    (host.profiles / "tiny-b.yaml").write_text(other)
+    assert host.up().returncode == 0
+    old = host.stack_pids()
+    r = host.up(profile="tiny-b")
+    assert r.returncode == 4 and "molctl switch tiny-b" in r.stderr
+    # a switch whose preflight fails stops nothing
+    bad = host.molctl("switch", "tiny-b", *host.args("--model-root", str(host.tmp / "nope")))
+    assert bad.returncode == 3, bad.stderr
+    assert host.stack_pids() == old
+    r = host.molctl("switch", "tiny-b", *host.args("--json"))
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout)
+    assert result["profile"] == "tiny-b" and result["stopped"] == ["tiny"] and "stop_s" in result["timings"]
+    assert gone(old) and host.records("tiny") == {}
+    client = openai.OpenAI(base_url=result["endpoint"], api_key="none", max_retries=0)
+    assert client.models.list().data[0].id == "Macaron-Tiny-B"
+
+
+def test_state_dir_with_bad_permissions(host):
+    host.state.mkdir(mode=0o755)
+    host.state.chmod(0o755)
+    r = host.up()
+    assert r.returncode == 3
+    assert "mode 0755" in r.stderr and "chmod 700" in r.stderr
+
+
+def test_up_needs_a_key_decision(host):
+    args = [a for a in host.args() if a != "--allow-unauthenticated"]
+    r = host.molctl("up", "tiny", *args)
+    assert r.returncode == 2 and "--allow-unauthenticated" in r.stderr
+    assert not host.state.exists() or host.records() == {}
+
+
+def test_key_reaches_the_proxy_by_file_not_argv(host):
+    key = host.tmp / "key"
+    key.write_text("sk-secret-value\n")
+    key.chmod(0o600)
+    args = [a for a in host.args() if a != "--allow-unauthenticated"]
+    r = host.molctl("up", "tiny", *args, "--api-key-file", str(key))
+    assert r.returncode == 0, r.stderr
+    proxy = host.records()["proxy"]
+    assert "sk-secret-value" not in " ".join(psutil.Process(proxy.pid).cmdline())
+    url = f"http://127.0.0.1:{host.proxy_port}/v1/models"
+    assert httpx.get(url).status_code == 401
+    assert httpx.get(url, headers={"Authorization": "Bearer sk-secret-value"}).status_code == 200
+    logs = "".join(Path(r.log).read_text() for r in host.records().values())
+    assert "sk-secret-value" not in logs
+
+
+def test_logs_follow_across_a_restart(host, tmp_path):
+    from molctl.logs import show_logs
+    from molctl.output import Output
+
+    assert host.up().returncode == 0
+    out_path = tmp_path / "followed.txt"
+
+    class Ctx:
+        state_dir = host.state
+
+    def follow():
+        with open(out_path, "w") as fh:
+            show_logs(Ctx(), "tiny", "engine", True, 2, Output(stdout=fh), poll_s=0.05, stop_after_s=20)
+
+    t = threading.Thread(target=follow, daemon=True)
+    t.start()
+    time.sleep(0.5)
+    assert host.molctl("down").returncode == 0
+    time.sleep(1.1)  # log names carry the second
+    assert host.up().returncode == 0
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and out_path.read_text().count("Application startup complete") < 1:
+        time.sleep(0.1)
+    text = out_path.read_text()
+    assert "==> new log" in text and "Application startup complete" in text
