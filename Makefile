@@ -22,6 +22,7 @@ test: $(VENV)/.stamp-dev
 bench: $(VENV)/.stamp-dev
 	$(PY) bench/bench_cli.py
 	$(PY) bench/bench_proxy.py
+	$(PY) bench/bench_lifecycle.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -166,16 +166,20 @@ class ProxyApp:
     async def ready(self) -> tuple[bool, str]:
         if self.draining:
             return False, "draining"
-        stamp, ok, why = self._ready
-        if time.monotonic() - stamp < self.ready_cache_s:
-            return ok, why
+        if self._ready_cached():
+            return self._ready[1:]
         async with self._ready_lock:
-            stamp, ok, why = self._ready
-            if time.monotonic() - stamp < self.ready_cache_s:
-                return ok, why
+            if self._ready_cached():
+                return self._ready[1:]
             ok, why = await self._probe_engine()
             self._ready = (time.monotonic(), ok, why)
             return ok, why
+
+    def _ready_cached(self) -> bool:
+        """A ready answer is reused for ready_cache_s; a not-ready one for at most 0.2 s, so
+        readiness shows within moments of the engine serving."""
+        stamp, ok, _ = self._ready
+        return time.monotonic() - stamp < (self.ready_cache_s if ok else min(0.2, self.ready_cache_s))
 
     async def _probe_engine(self) -> tuple[bool, str]:
         try:
