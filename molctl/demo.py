@@ -1,0 +1,201 @@
+"""`molctl demo init`: a tiny Mixture-of-LoRA model built offline, in seconds, deterministically.
+
+The layout is the upstream one, so the same checks, engine flags and proxy apply as for Venti:
+    ROOT/base/{config.json, generation_config.json, tokenizer.json, tokenizer_config.json,
+               special_tokens_map.json, model.safetensors.index.json, model-0000k-of-00002.safetensors}
+    ROOT/loras/L0..L3/{adapter_config.json, adapter_model.safetensors}
+The base is a random Llama-architecture model (hidden 256, 2 layers, 4 heads, 2 KV heads, bf16,
+untied lm_head) with a byte-level BPE tokenizer trained on a built-in word list; each adapter is
+a rank-8 PEFT LoRA on q_proj/v_proj whose B matrices are non-zero, so every adapter changes
+greedy output. Operators also use it to smoke-test a new host (`molctl up tiny`) before copying a
+700 GB model onto it. Needs numpy and tokenizers (both come with vLLM; `pip install 'molctl[cpu]'`).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from molctl.errors import MolctlError
+from molctl.profiles import ROUTES
+from molctl.safetensors import write_file
+
+BASE_NAME = "tiny-mol-llama"
+HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 256, 512, 2, 4, 2, 64
+RANK, ALPHA = 8, 16
+SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "<|im_start|>{{ m['role'] }}\n"
+    "{%- if m['content'] is string %}{{ m['content'] }}"
+    "{%- elif m['content'] %}{% for p in m['content'] %}{% if p['type'] == 'text' %}{{ p['text'] }}{% endif %}{% endfor %}"
+    "{%- endif %}"
+    "{%- if m['tool_calls'] is defined and m['tool_calls'] %}{% for c in m['tool_calls'] %}"
+    "<tool_call>{{ c['function']['name'] }} {{ c['function']['arguments'] }}</tool_call>{% endfor %}{% endif %}"
+    "<|im_end|>\n"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+WORDS = (
+    "the a an and or but if then else when while for to of in on at by with from into over under about as is are "
+    "was were be been being have has had do does did can could will would shall should may might must not no yes "
+    "I you he she it we they me him her us them my your his its our their this that these those here there what "
+    "which who whom whose why how where all any both each few more most other some such only own same so than too "
+    "very just also now new old good bad big small long short high low first last next early late right left hello "
+    "thanks please sorry help code file function class module test build run fix bug error parser compiler repo "
+    "branch commit merge terminal shell command script python rust java web page game server client request answer "
+    "model route summary adapter lora engine proxy token cache prefix memory gpu cpu data json yaml list map key "
+    "value number string text word line name time day week month year today tomorrow weather city trip travel plan "
+    "hotel flight train ticket food order pizza sushi coffee tea dinner lunch breakfast family friend meeting "
+    "calendar reminder bank account card payment refund support phone call email message chat ui button form "
+    "screen card surface layout color style view table chart image icon menu open close start stop wait go come "
+    "make take give get find show tell ask use work try keep let put set call look think know want need like love "
+    "see say write read learn teach play move live feel seem leave turn begin end change grow win lose pay meet"
+).split()
+
+
+def _require():
+    try:
+        import numpy  # noqa: F401
+        import tokenizers  # noqa: F401
+    except ImportError as exc:
+        raise MolctlError(f"molctl demo init needs numpy and tokenizers ({exc.name} is missing): "
+                          "pip install 'molctl[cpu]' (or 'molctl[demo]')") from None
+
+
+def _tokenizer(base: Path) -> int:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = [" ".join(WORDS[i:i + 12]) for i in range(0, len(WORDS), 6)] + WORDS + [w.capitalize() for w in WORDS]
+    tok.train_from_iterator(corpus * 3, trainer=trainer)
+    tok.save(str(base / "tokenizer.json"))
+    (base / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "<|im_end|>",
+        "unk_token": "<unk>", "pad_token": "<|im_end|>", "model_max_length": 2048, "add_bos_token": False,
+        "chat_template": CHAT_TEMPLATE,
+    }, indent=1))
+    (base / "special_tokens_map.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "<|im_end|>", "unk_token": "<unk>", "pad_token": "<|im_end|>"}, indent=1))
+    return tok.get_vocab_size()
+
+
+def _bf16(array) -> bytes:
+    """float32 array -> bf16 bytes (round to nearest even)."""
+    import numpy as np
+
+    bits = np.ascontiguousarray(array, dtype=np.float32).view(np.uint32)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    return rounded.tobytes()
+
+
+def _base_tensors(vocab: int) -> dict[str, tuple[int, ...]]:
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, HIDDEN), "model.norm.weight": (HIDDEN,),
+                                          "lm_head.weight": (vocab, HIDDEN)}
+    for i in range(LAYERS):
+        p = f"model.layers.{i}"
+        shapes.update({
+            f"{p}.input_layernorm.weight": (HIDDEN,), f"{p}.post_attention_layernorm.weight": (HIDDEN,),
+            f"{p}.self_attn.q_proj.weight": (HEADS * HEAD_DIM, HIDDEN),
+            f"{p}.self_attn.k_proj.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
+            f"{p}.self_attn.v_proj.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
+            f"{p}.self_attn.o_proj.weight": (HIDDEN, HEADS * HEAD_DIM),
+            f"{p}.mlp.gate_proj.weight": (INTERMEDIATE, HIDDEN), f"{p}.mlp.up_proj.weight": (INTERMEDIATE, HIDDEN),
+            f"{p}.mlp.down_proj.weight": (HIDDEN, INTERMEDIATE),
+        })
+    return shapes
+
+
+def _write_base(base: Path, vocab: int, rng) -> None:
+    import numpy as np
+
+    shapes = _base_tensors(vocab)
+    data = {}
+    for name, shape in shapes.items():
+        if name.endswith("norm.weight"):
+            values = np.ones(shape, dtype=np.float32)
+        elif name == "model.embed_tokens.weight":
+            values = rng.normal(0.0, 1.0, shape)
+        else:
+            values = rng.normal(0.0, 1.0 / np.sqrt(shape[-1]), shape)
+        data[name] = _bf16(values)
+    names = sorted(shapes)
+    split = {names[i]: (1 if i < len(names) // 2 else 2) for i in range(len(names))}
+    weight_map = {}
+    for shard in (1, 2):
+        fname = f"model-{shard:05d}-of-00002.safetensors"
+        members = {n: ("BF16", shapes[n]) for n in names if split[n] == shard}
+        write_file(base / fname, members, data={n: data[n] for n in members}, metadata={"format": "pt"})
+        weight_map.update({n: fname for n in members})
+    (base / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": sum(len(v) for v in data.values())}, "weight_map": weight_map}, indent=1))
+    (base / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HIDDEN,
+        "intermediate_size": INTERMEDIATE, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM, "vocab_size": vocab, "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 4, "pad_token_id": 4,
+        "attention_bias": False, "mlp_bias": False, "_name_or_path": BASE_NAME,
+    }, indent=1))
+    (base / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 4}, indent=1))
+
+
+def _write_adapter(d: Path, rng) -> None:
+    import numpy as np
+
+    d.mkdir(parents=True)
+    targets = ("q_proj", "v_proj")
+    out_dim = {"q_proj": HEADS * HEAD_DIM, "v_proj": KV_HEADS * HEAD_DIM}
+    tensors, data = {}, {}
+    for i in range(LAYERS):
+        for t in targets:
+            prefix = f"base_model.model.model.layers.{i}.self_attn.{t}"
+            a = rng.normal(0.0, 1.0 / np.sqrt(HIDDEN), (RANK, HIDDEN))
+            b = rng.normal(0.0, 0.5, (out_dim[t], RANK))  # non-zero: the adapter changes the output
+            tensors[f"{prefix}.lora_A.weight"] = ("BF16", (RANK, HIDDEN))
+            tensors[f"{prefix}.lora_B.weight"] = ("BF16", (out_dim[t], RANK))
+            data[f"{prefix}.lora_A.weight"], data[f"{prefix}.lora_B.weight"] = _bf16(a), _bf16(b)
+    write_file(d / "adapter_model.safetensors", tensors, data=data, metadata={"format": "pt"})
+    (d / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": RANK, "lora_alpha": ALPHA, "lora_dropout": 0.0,
+        "target_modules": list(targets), "bias": "none", "base_model_name_or_path": BASE_NAME,
+        "fan_in_fan_out": False, "inference_mode": True,
+    }, indent=1))
+
+
+def is_complete(root: Path) -> bool:
+    return (root / "base" / "model.safetensors.index.json").is_file() and all(
+        (root / "loras" / r / "adapter_model.safetensors").is_file() for r in ROUTES)
+
+
+def init_tiny(root: Path, seed: int = 0, force: bool = False, if_missing: bool = False) -> dict:
+    """Write the tiny model to `root` (atomically: built in a sibling temp dir, then renamed)."""
+    root = root.expanduser().absolute()
+    if if_missing and is_complete(root):
+        return {"root": str(root), "created": False}
+    _require()
+    import numpy as np
+
+    if root.exists() and any(root.iterdir()):
+        if not force:
+            raise MolctlError(f"{root} is not empty; use --force to replace it")
+        shutil.rmtree(root)
+    tmp = root.with_name(root.name + ".tmp-init")
+    shutil.rmtree(tmp, ignore_errors=True)
+    base = tmp / "base"
+    base.mkdir(parents=True)
+    rng = np.random.default_rng(seed)
+    vocab = _tokenizer(base)
+    _write_base(base, vocab, rng)
+    for i, route in enumerate(ROUTES):
+        _write_adapter(tmp / "loras" / route, np.random.default_rng(seed * 100 + i + 1))
+    root.parent.mkdir(parents=True, exist_ok=True)
+    if root.exists():
+        root.rmdir()
+    tmp.rename(root)
+    return {"root": str(root), "created": True, "vocab_size": vocab, "seed": seed, "adapters": list(ROUTES)}
