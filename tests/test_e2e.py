@@ -1,0 +1,205 @@
+"""End to end against a real vLLM (the CPU build) serving the tiny model with four real LoRA
+adapters: `molctl up tiny` once for the module, chat through the proxy with the openai SDK,
+`status`, the orphaned-workers restart, and `down` leaving nothing behind.
+
+Hops are told apart in the engine's own request log (`--enable-log-requests`): the route hop
+asks for proxy.route_max_tokens (8) with structured outputs, the answer hop the client's
+max_tokens (12 here), the summary hop proxy.summary_max_tokens (32)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from molctl.probes import PortProbe
+from molctl.state import read_records
+from tests.conftest import free_port
+from tests.procs import ROOT
+
+PUBLIC = "Macaron-Tiny-Demo"
+KEY = "sk-e2e-key"
+ANSWER_TOKENS = 12
+REQUEST_RE = re.compile(r"Received request (\S+): params: SamplingParams\(.*?max_tokens=(\d+),.*?structured_outputs=(\w+).*?"
+                        r"lora_request: LoRARequest\(lora_name='(L\d)'")
+
+
+class Stack:
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.state = tmp / "state"
+        self.model = tmp / "tiny"
+        self.key = tmp / "key"
+        self.key.write_text(KEY + "\n")
+        self.key.chmod(0o600)
+        self.engine_port, self.proxy_port = free_port(), free_port()
+        self.engine = f"http://127.0.0.1:{self.engine_port}"
+        self.endpoint = f"http://127.0.0.1:{self.proxy_port}/v1"
+        self.client = openai.OpenAI(base_url=self.endpoint, api_key=KEY, max_retries=0, timeout=120)
+
+    def molctl(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "molctl", "--state-dir", str(self.state), *args],
+                              capture_output=True, text=True, timeout=timeout, cwd=ROOT, stdin=subprocess.DEVNULL)
+
+    def up(self) -> subprocess.CompletedProcess:
+        return self.molctl("up", "tiny", "--model-root", str(self.model), "--api-key-file", str(self.key), "--json",
+                           "--set", f"engine.port={self.engine_port}", "--set", f"proxy.port={self.proxy_port}")
+
+    def engine_log(self) -> str:
+        return Path(read_records(self.state, "tiny")["engine"].log).read_text(errors="replace")
+
+    def requests(self) -> list[tuple[str, int, bool, str]]:
+        """(request id, max_tokens, structured outputs?, adapter) per request the engine received."""
+        return [(m.group(1), int(m.group(2)), m.group(3) != "None", m.group(4)) for m in REQUEST_RE.finditer(self.engine_log())]
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(self.engine + "/metrics").text
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+    def stack_processes(self) -> list[psutil.Process]:
+        from molctl.processes import members
+
+        return [p for r in read_records(self.state, "tiny").values() for p in members(r)]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    s = Stack(tmp_path_factory.mktemp("e2e"))
+    r = s.molctl("demo", "init", str(s.model))
+    assert r.returncode == 0, r.stderr
+    try:
+        r = s.up()
+        assert r.returncode == 0, r.stdout + r.stderr
+        yield s
+    finally:
+        s.molctl("down", "--stop-timeout", "20", "--drain-timeout", "20", "--force")
+
+
+def wait_for_requests(stack: Stack, count: int, timeout: float = 60) -> list:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        reqs = stack.requests()
+        if len(reqs) >= count:
+            return reqs
+        time.sleep(0.2)
+    return stack.requests()
+
+
+def test_engine_lists_the_adapters_under_the_base(stack):
+    models = httpx.get(stack.engine + "/v1/models").json()["data"]
+    cards = {m["id"]: m for m in models}
+    assert {"tiny-mol-base", "L0", "L1", "L2", "L3"} <= set(cards)
+    assert all(cards[a]["parent"] == "tiny-mol-base" for a in ("L0", "L1", "L2", "L3"))
+    assert cards["L2"]["root"] == str(stack.model / "loras" / "L2")
+
+
+def test_adapters_change_greedy_output(stack):
+    outputs = {}
+    for model in ("tiny-mol-base", "L0", "L1", "L2", "L3"):
+        r = httpx.post(stack.engine + "/v1/chat/completions", timeout=60, json={
+            "model": model, "max_tokens": 8, "temperature": 0, "messages": [{"role": "user", "content": "hello there"}]})
+        outputs[model] = r.json()["choices"][0]["message"]["content"]
+    assert len(set(outputs.values())) == 5, outputs
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_through_the_proxy_reaches_route_answer_and_summary_adapters(stack, stream):
+    before = len(stack.requests())
+    messages = [{"role": "user", "content": f"Please write a small parser in Python ({stream})"}]
+    if stream:
+        chunks = list(stack.client.chat.completions.create(model=PUBLIC, messages=messages, max_tokens=ANSWER_TOKENS,
+                                                           stream=True, stream_options={"include_usage": True}))
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert chunks[-1].usage.completion_tokens > 0
+        assert all(c.model == PUBLIC for c in chunks)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    else:
+        reply = stack.client.chat.completions.create(model=PUBLIC, messages=messages, max_tokens=ANSWER_TOKENS)
+        assert reply.model == PUBLIC and reply.usage.completion_tokens > 0
+        text = reply.choices[0].message.content
+    assert text
+    new = wait_for_requests(stack, before + 3)[before:]
+    route = [r for r in new if r[1] == 8 and r[2]]
+    answer = [r for r in new if r[1] == ANSWER_TOKENS]
+    summary = [r for r in new if r[1] == 32]
+    assert len(route) == 1 and len(answer) == 1 and len(summary) == 1, new
+    assert route[0][3] == "L0"  # the router
+    assert summary[0][3] == answer[0][3]  # the summary runs on the adapter that answered
+    assert answer[0][3] in ("L1", "L2", "L3"), f"the router chose {answer[0][3]}: route and answer on one adapter"
+
+
+def test_later_turn_hits_the_prefix_cache(stack):
+    """The router of a random model may move a conversation between adapters, so turns continue
+    until one lands on an adapter that answered an earlier turn (by turn 5 at the latest); that
+    turn's answer hop must reuse the conversation's prefix from the engine's cache."""
+    # long enough to fill several KV-cache blocks (vLLM's CPU backend uses large blocks)
+    trip = " ".join(f"On day {i} we visit temple {i}, eat dinner {i} and walk trail {i}." for i in range(25))
+    convo = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": f"Plan a trip to Kyoto: {trip}"}]
+    follow_ups = ["Now make day two cheaper.", "Add a museum.", "Fewer temples.", "Print it as a list."]
+    seen: list[str] = []
+    cached: list[int] = []
+    for turn in range(5):
+        before = len(stack.requests())
+        hits_before = stack.metric("vllm:prefix_cache_hits_total")
+        reply = stack.client.chat.completions.create(model=PUBLIC, messages=convo, max_tokens=ANSWER_TOKENS)
+        hits_after = stack.metric("vllm:prefix_cache_hits_total")
+        (adapter,) = [r[3] for r in wait_for_requests(stack, before + 3)[before:] if r[1] == ANSWER_TOKENS]
+        cached.append(reply.usage.prompt_tokens_details.cached_tokens)
+        if adapter in seen:
+            assert hits_after > hits_before, (hits_before, hits_after)
+            assert cached[-1] > cached[0], (seen, adapter, cached)
+            return
+        seen.append(adapter)
+        time.sleep(0.5)  # the summary hop runs after the reply
+        convo += [{"role": "assistant", "content": reply.choices[0].message.content},
+                  {"role": "user", "content": follow_ups[turn % len(follow_ups)]}]
+    pytest.fail(f"five turns on five different adapters out of four: {seen}")
+
+
+def test_status_shows_ready(stack):
+    r = stack.molctl("status", "tiny", "--json")
+    assert r.returncode == 0, r.stderr
+    (s,) = json.loads(r.stdout)["stacks"]
+    assert s["state"] == "ready" and s["endpoint"] == stack.endpoint
+    assert {c["name"]: c["health"] for c in s["components"]} == {"engine": 200, "proxy": 200}
+
+
+def test_up_after_sigkill_of_the_api_server(stack):
+    record = read_records(stack.state, "tiny")["engine"]
+    old = {p.pid for p in stack.stack_processes()}
+    workers = {p.pid for p in psutil.Process(record.pid).children(recursive=True)}
+    assert workers, "vLLM runs EngineCore/worker processes beside its API server"
+    os.kill(record.pid, signal.SIGKILL)
+    time.sleep(1.0)
+    r = stack.up()
+    assert r.returncode == 0, r.stdout + r.stderr
+    for pid in old:
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    reply = stack.client.chat.completions.create(model=PUBLIC, max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+    assert reply.choices[0].message.content is not None
+
+
+def test_down_leaves_no_process_and_frees_the_ports(stack):
+    procs = stack.stack_processes()
+    names = " ".join(p.name() for p in procs)
+    assert len(procs) >= 3, names  # API server, EngineCore, worker(s) and the proxy
+    r = stack.molctl("down", "--drain-timeout", "30")
+    assert r.returncode == 0, r.stderr
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in procs):
+        time.sleep(0.1)
+    survivors = [p.pid for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not survivors, survivors
+    probe = PortProbe()
+    assert probe.is_free("127.0.0.1", stack.engine_port) and probe.is_free("127.0.0.1", stack.proxy_port)
+    assert read_records(stack.state, "tiny") == {}
