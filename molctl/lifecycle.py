@@ -129,9 +129,6 @@ def proxy_argv(profile: Profile, opts: UpOptions) -> list[str]:
 def up(name: str, ctx, opts: UpOptions, reporter: Reporter, probes_factory=None,
        sleep: Callable[[float], None] = time.sleep) -> dict[str, Any]:
     """Start the stack; returns the result object (see README). Raises MolctlError subclasses."""
-    from molctl.checks import Probes, run_checks
-    from molctl.state import stack_pids
-
     state_dir = ctx.state_dir
     profile = load_profile(name, ctx.dirs(), opts.overrides)
     key_args = resolve_key_option(opts)  # fail on a missing key before anything starts
@@ -148,18 +145,8 @@ def up(name: str, ctx, opts: UpOptions, reporter: Reporter, probes_factory=None,
         if records:
             clean_stale(state_dir, name, reporter.step)
 
-        probes = probes_factory() if probes_factory else Probes()
-        probes.state_dir = state_dir
-        probes.api_key_file = opts.api_key_file
-        probes.stack_pids = lambda: stack_pids(state_dir, name)
         reporter.step(f"preflight checks for {name}")
-        report = run_checks(profile, probes, opts.skip)
-        if not report.ok:
-            reporter.check_report(report)
-            failed = [c for c in report.checks if c.status == "fail"]
-            if all(c.id.startswith("port.") for c in failed):  # a foreign holder: a conflict, exit 4
-                raise ConflictError(f"{failed[0].detail}; nothing was started")
-            raise ProfileError(f"preflight failed ({failed[0].id}: {failed[0].detail}); nothing was started")
+        preflight(profile, state_dir, opts, reporter, probes_factory, "nothing was started")
 
         started: list[Record] = []
         try:
@@ -183,6 +170,27 @@ def up(name: str, ctx, opts: UpOptions, reporter: Reporter, probes_factory=None,
         total = time.monotonic() - t0
         return _result(profile, read_records(state_dir, name), already=False,
                        timings={"engine_ready_s": round(t_engine, 2), "total_s": round(total, 2)})
+
+
+def preflight(profile: Profile, state_dir: Path, opts: UpOptions, reporter: Reporter, probes_factory,
+              consequence: str, extra_skip: Iterable[str] = ()) -> None:
+    """The `check` categories (honouring --skip); a failure raises: exit 4 when the only failures
+    are ports held by a foreign process, else exit 3."""
+    from molctl.checks import Probes, run_checks
+    from molctl.state import stack_pids
+
+    probes = probes_factory() if probes_factory else Probes()
+    probes.state_dir = state_dir
+    probes.api_key_file = opts.api_key_file
+    probes.stack_pids = lambda: stack_pids(state_dir, profile.name)
+    report = run_checks(profile, probes, set(opts.skip) | set(extra_skip))
+    if report.ok:
+        return
+    reporter.check_report(report)
+    failed = [c for c in report.checks if c.status == "fail"]
+    if all(c.id.startswith("port.") for c in failed):
+        raise ConflictError(f"{failed[0].detail}; {consequence}")
+    raise ProfileError(f"preflight of {profile.name} failed ({failed[0].id}: {failed[0].detail}); {consequence}")
 
 
 def _start_engine(profile: Profile, state_dir: Path, reporter: Reporter):
@@ -412,18 +420,9 @@ def switch(name: str, ctx, opts: UpOptions, reporter: Reporter, drain_timeout_s:
     """Drain and stop whatever runs, then `up` the profile. If the new profile fails its
     preflight (checked without the port category, since the old stack holds the ports), nothing
     is stopped."""
-    from molctl.checks import Probes, run_checks
-
     profile = load_profile(name, ctx.dirs(), opts.overrides)
     resolve_key_option(opts)
-    probes = probes_factory() if probes_factory else Probes()
-    probes.state_dir = ctx.state_dir
-    probes.api_key_file = opts.api_key_file
-    report = run_checks(profile, probes, set(opts.skip) | {"port"})
-    if not report.ok:
-        reporter.check_report(report)
-        first = next(c for c in report.checks if c.status == "fail")
-        raise ProfileError(f"preflight of {name} failed ({first.id}: {first.detail}); the running stack was left alone")
+    preflight(profile, ctx.state_dir, opts, reporter, probes_factory, "the running stack was left alone", extra_skip={"port"})
     t0 = time.monotonic()
     running = running_profiles(ctx.state_dir) if ctx.state_dir.exists() else []
     stopped = None

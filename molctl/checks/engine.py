@@ -1,6 +1,7 @@
 """Engine checks, run under `engine.python`: the package imports, its version matches the pin
 (a local suffix such as +cu130 or +cpu is ignored), and every flag the profile passes is
-accepted by that installed version, so a typo or a removed flag fails here, not after a load."""
+accepted by that installed version, so a typo or a removed flag fails here, not after a load.
+The probe's answer is cached in STATE/cache per installed package (see probe_install_cached)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,15 @@ from packaging.version import InvalidVersion, Version
 
 from molctl.checks import CheckResult, Probes, describe
 from molctl.engines import get_engine
+from molctl.engines.base import probe_install_cached
 from molctl.profiles import Profile
 
 
 def run(profile: Profile, probes: Probes) -> list[CheckResult]:
     engine = get_engine(profile.engine.kind)
     python = profile.engine_python
-    install = engine.probe_install(python)
+    cache = probes.state_dir / "cache" if probes.state_dir is not None and probes.state_dir.is_dir() else None
+    install = probe_install_cached(engine, python, cache)
     if not install.found:
         why = install.error or f"package {engine.package!r} is not importable"
         return [CheckResult("engine.package", "fail", f"{why} (engine.python = {python})")]

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import abc
+import hashlib
 import json
+import os
 import subprocess
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Mapping
 
 from molctl.profiles import ROUTES, Profile
@@ -57,6 +60,50 @@ def run_probe_script(python: str, script: str, *args: str, timeout: float = 120)
                          flags=frozenset(data.get("flags", ())), error=data.get("error"))
 
 
+FINGERPRINT_SCRIPT = r"""
+import importlib.util, json, os, sys
+spec = importlib.util.find_spec(sys.argv[1])
+out = {"exe": os.path.realpath(sys.executable)}
+if spec is not None and spec.origin:
+    out["origin"] = spec.origin
+    out["mtimes"] = [os.stat(spec.origin).st_mtime, os.stat(os.path.dirname(spec.origin)).st_mtime]
+print(json.dumps(out))
+"""
+
+
+def probe_install_cached(engine: "Engine", python: str, cache_dir: Path | None) -> EngineInstall:
+    """`engine.probe_install(python)`, remembered per installed package: the full probe imports the
+    engine (about 7 s for vLLM), the fingerprint (interpreter, package file and folder mtimes,
+    which a reinstall or upgrade changes) takes milliseconds."""
+    if cache_dir is None:
+        return engine.probe_install(python)
+    try:
+        proc = subprocess.run([python, "-c", FINGERPRINT_SCRIPT, engine.package], capture_output=True, text=True,
+                              timeout=30, stdin=subprocess.DEVNULL)
+        fingerprint = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return engine.probe_install(python)
+    if "origin" not in fingerprint:
+        return engine.probe_install(python)
+    key = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:24]
+    path = cache_dir / f"engine-{engine.kind}-{key}.json"
+    try:
+        data = json.loads(path.read_text())
+        return EngineInstall(found=True, version=data["version"], flags=frozenset(data["flags"]))
+    except (OSError, ValueError, KeyError):
+        pass
+    install = engine.probe_install(python)
+    if install.found and install.flags and not install.error:
+        try:
+            cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"version": install.version, "flags": sorted(install.flags)}))
+            os.replace(tmp, path)
+        except OSError:
+            pass
+    return install
+
+
 class Engine(abc.ABC):
     """Base class; subclasses fill in the engine-specific parts."""
 
@@ -67,9 +114,21 @@ class Engine(abc.ABC):
     # matching line wins; a label may use the regex groups ("{0}/{1}").
     phases: tuple[tuple[str, str], ...] = ()
 
-    @abc.abstractmethod
+    launch_module: str = ""  # python -m <this>
+    model_flag: str = ""  # the flag naming the base model folder
+    lora_flag: str = ""  # the flag taking NAME=PATH adapter pairs
+
     def launch_argv(self, profile: Profile) -> list[str]:
-        """See the engine modules."""
+        e = profile.engine
+        return [
+            profile.engine_python, "-m", self.launch_module,
+            self.model_flag, str(profile.base_dir),
+            "--served-model-name", e.served_name,
+            "--host", e.host,
+            "--port", str(e.port),
+            *render_args(e.args),
+            self.lora_flag, *self.adapter_pairs(profile),
+        ]
 
     @abc.abstractmethod
     def probe_install(self, python: str) -> EngineInstall:

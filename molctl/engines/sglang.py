@@ -6,7 +6,7 @@ torchvision/orjson at import time), so the accepted flags are read from the inst
 
 from __future__ import annotations
 
-from molctl.engines.base import Engine, EngineInstall, render_args, run_probe_script
+from molctl.engines.base import Engine, EngineInstall, run_probe_script
 from molctl.profiles import Profile
 
 PROBE_SCRIPT = r"""
@@ -32,6 +32,9 @@ print(json.dumps(out))
 class SglangEngine(Engine):
     kind = "sglang"
     package = "sglang"
+    launch_module = "sglang.launch_server"
+    model_flag = "--model-path"
+    lora_flag = "--lora-paths"
     memory_flag = "mem-fraction-static"
     phases = (
         (r"server_args=|ServerArgs\(", "engine config"),
@@ -43,18 +46,6 @@ class SglangEngine(Engine):
         (r"Uvicorn running|Application startup complete", "warming up"),
         (r"The server is fired up and ready to roll", "serving"),
     )
-
-    def launch_argv(self, profile: Profile) -> list[str]:
-        e = profile.engine
-        return [
-            profile.engine_python, "-m", "sglang.launch_server",
-            "--model-path", str(profile.base_dir),
-            "--served-model-name", e.served_name,
-            "--host", e.host,
-            "--port", str(e.port),
-            *render_args(e.args),
-            "--lora-paths", *self.adapter_pairs(profile),
-        ]
 
     def probe_install(self, python: str) -> EngineInstall:
         return run_probe_script(python, PROBE_SCRIPT)

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from molctl.engines.base import Engine, EngineInstall, render_args, run_probe_script
+from molctl.engines.base import Engine, EngineInstall, run_probe_script
 from molctl.profiles import Profile
 
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -37,6 +37,9 @@ print(json.dumps(out))
 class VllmEngine(Engine):
     kind = "vllm"
     package = "vllm"
+    launch_module = API_SERVER_MODULE
+    model_flag = "--model"
+    lora_flag = "--lora-modules"
     memory_flag = "gpu-memory-utilization"
     phases = (
         (r"non-default args|Initializing a V1 LLM engine|vLLM API server version", "engine config"),
@@ -48,18 +51,6 @@ class VllmEngine(Engine):
         (r"Starting vLLM API server|Started server process|Available routes are", "starting API server"),
         (r"Application startup complete", "serving"),
     )
-
-    def launch_argv(self, profile: Profile) -> list[str]:
-        e = profile.engine
-        return [
-            profile.engine_python, "-m", API_SERVER_MODULE,
-            "--model", str(profile.base_dir),
-            "--served-model-name", e.served_name,
-            "--host", e.host,
-            "--port", str(e.port),
-            *render_args(e.args),
-            "--lora-modules", *self.adapter_pairs(profile),
-        ]
 
     def probe_install(self, python: str) -> EngineInstall:
         return run_probe_script(python, PROBE_SCRIPT)
