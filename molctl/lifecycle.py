@@ -314,10 +314,13 @@ def _down_one(state_dir: Path, name: str, drain_s: float, engine_s: float, force
             raise MolctlError(f"{name} {component}: process(es) survived SIGKILL: {', '.join(result.survivors)}; "
                               f"record kept in {state_dir / name} (--force removes it anyway)")
         out["components"][component] = "killed" if result.killed else "stopped"
-        remove_record(state_dir, name, component)
+        if component == "proxy":
+            remove_record(state_dir, name, component)
     leftover = _gpu_leftovers(stack_pids, gpu_probe)
     if leftover and not force:
-        raise MolctlError(f"{name}: NVML still shows process(es) of the stack on the GPUs: {', '.join(leftover)}")
+        raise MolctlError(f"{name}: NVML still shows process(es) of the stack on the GPUs: {', '.join(leftover)}; "
+                          f"engine record kept in {state_dir / name} (--force removes it anyway)")
+    remove_record(state_dir, name, "engine")  # only now: nothing of the stack survives, on the GPUs either
     return out
 
 

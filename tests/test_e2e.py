@@ -114,28 +114,35 @@ def test_adapters_change_greedy_output(stack):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_chat_through_the_proxy_reaches_route_answer_and_summary_adapters(stack, stream):
-    before = len(stack.requests())
-    messages = [{"role": "user", "content": f"Please write a small parser in Python ({stream})"}]
-    if stream:
-        chunks = list(stack.client.chat.completions.create(model=PUBLIC, messages=messages, max_tokens=ANSWER_TOKENS,
-                                                           stream=True, stream_options={"include_usage": True}))
-        assert chunks[0].choices[0].delta.role == "assistant"
-        assert chunks[-1].usage.completion_tokens > 0
-        assert all(c.model == PUBLIC for c in chunks)
-        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    else:
-        reply = stack.client.chat.completions.create(model=PUBLIC, messages=messages, max_tokens=ANSWER_TOKENS)
-        assert reply.model == PUBLIC and reply.usage.completion_tokens > 0
-        text = reply.choices[0].message.content
-    assert text
-    new = wait_for_requests(stack, before + 3)[before:]
-    route = [r for r in new if r[1] == 8 and r[2]]
-    answer = [r for r in new if r[1] == ANSWER_TOKENS]
-    summary = [r for r in new if r[1] == 32]
-    assert len(route) == 1 and len(answer) == 1 and len(summary) == 1, new
-    assert route[0][3] == "L0"  # the router
-    assert summary[0][3] == answer[0][3]  # the summary runs on the adapter that answered
-    assert answer[0][3] in ("L1", "L2", "L3"), f"the router chose {answer[0][3]}: route and answer on one adapter"
+    """Each chat: a route hop on L0, an answer hop and a summary hop on the adapter the router
+    chose. The router is a random model, so a few requests run until one leaves L0."""
+    chosen = []
+    for attempt, topic in enumerate(("a small parser in Python", "a shell script", "a web page", "a game loop")):
+        before = len(stack.requests())
+        messages = [{"role": "user", "content": f"Please write {topic} ({stream})"}]
+        if stream:
+            chunks = list(stack.client.chat.completions.create(model=PUBLIC, messages=messages, max_tokens=ANSWER_TOKENS,
+                                                               stream=True, stream_options={"include_usage": True}))
+            assert chunks[0].choices[0].delta.role == "assistant"
+            assert chunks[-1].usage.completion_tokens > 0
+            assert all(c.model == PUBLIC for c in chunks)
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        else:
+            reply = stack.client.chat.completions.create(model=PUBLIC, messages=messages, max_tokens=ANSWER_TOKENS)
+            assert reply.model == PUBLIC and reply.usage.completion_tokens > 0
+            text = reply.choices[0].message.content
+        assert text
+        new = wait_for_requests(stack, before + 3)[before:]
+        route = [r for r in new if r[1] == 8 and r[2]]
+        answer = [r for r in new if r[1] == ANSWER_TOKENS]
+        summary = [r for r in new if r[1] == 32]
+        assert len(route) == 1 and len(answer) == 1 and len(summary) == 1, new
+        assert route[0][3] == "L0"  # the router
+        assert summary[0][3] == answer[0][3]  # the summary runs on the adapter that answered
+        chosen.append(answer[0][3])
+        if answer[0][3] != "L0":
+            return
+    pytest.fail(f"the router kept choosing L0: {chosen}")
 
 
 def test_later_turn_hits_the_prefix_cache(stack):

@@ -366,3 +366,26 @@ def test_logs_follow_across_a_restart(host, tmp_path):
         time.sleep(0.1)
     text = out_path.read_text()
     assert "==> new log" in text and "Application startup complete" in text
+
+
+def test_down_keeps_the_record_while_nvml_shows_the_stack(host):
+    """On GPU hosts `down` also asks NVML; a process of the stack still on a GPU keeps the record."""
+    from molctl.lifecycle import down
+    from molctl.probes import GpuDevice, GpuInventory, GpuProcess
+
+    assert host.up().returncode == 0
+    engine_pid = host.records()["engine"].pid
+
+    class StuckNvml:
+        def inventory(self):
+            return GpuInventory("580", (GpuDevice(0, "H200", 141 << 30, 1 << 30, (GpuProcess(engine_pid, "VLLM::Worker", 70 << 30),)),))
+
+    class Ctx:
+        state_dir = host.state
+
+    with pytest.raises(Exception) as err:
+        down(Ctx(), "tiny", 5, False, lambda m: None, engine_timeout_s=5, gpu_probe=StuckNvml())
+    assert f"GPU 0 pid {engine_pid}" in str(err.value)
+    assert "engine" in host.records()  # kept: the GPU is not known to be free
+    result = down(Ctx(), "tiny", 5, True, lambda m: None, engine_timeout_s=5, gpu_probe=StuckNvml())
+    assert result["stopped"][0]["profile"] == "tiny" and host.records() == {}
