@@ -190,7 +190,8 @@ def preflight(profile: Profile, state_dir: Path, opts: UpOptions, reporter: Repo
     failed = [c for c in report.checks if c.status == "fail"]
     if all(c.id.startswith("port.") for c in failed):
         raise ConflictError(f"{failed[0].detail}; {consequence}")
-    raise ProfileError(f"preflight of {profile.name} failed ({failed[0].id}: {failed[0].detail}); {consequence}")
+    raise ProfileError(f"preflight of {profile.name} failed: {len(failed)} check(s), first {failed[0].id}: "
+                       f"{failed[0].detail}; {consequence}")
 
 
 def _start_engine(profile: Profile, state_dir: Path, reporter: Reporter):

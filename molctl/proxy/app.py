@@ -244,8 +244,14 @@ class ProxyApp:
             pass
 
     async def _complete(self, plan, send: Send) -> None:
-        await self.orch.route(plan)
-        body = await self.orch.complete(plan)
+        try:
+            await self.orch.route(plan)
+            body = await self.orch.complete(plan)
+        except ProxyError:
+            raise
+        except Exception:  # a bug must still answer in the OpenAI error shape
+            log.exception("request failed")
+            raise ProxyError(500, "Internal proxy error.", "server_error", "proxy_error") from None
         await self._json(send, 200, body)
         self.orch.start_summary(plan)
 
