@@ -33,6 +33,7 @@ DEFAULT_CONFIG = {
     "token_delay": 0.0,
     "tool_arg_chunks": 3,
     "answer_error": None,  # {"status": 400, "body": {...}} for the answer hop
+    "answer_words": 0,  # extra words after "answer-N" (for long streams)
 }
 
 
@@ -110,7 +111,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
     elif last.get("role") == "tool":
         message, finish = {"content": f"answer-{n} using {text_of(last.get('content'))}"}, "stop"
     else:
-        message, finish = {"content": f"answer-{n}"}, "stop"
+        message, finish = {"content": f"answer-{n}" + " word" * cfg["answer_words"]}, "stop"
     if not payload.get("stream"):
         return web.json_response(completion(model, message, finish, usage))
 
@@ -124,6 +125,15 @@ async def chat(request: web.Request) -> web.StreamResponse:
         chunk.update(extra or {})
         await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
 
+    try:
+        await stream_body(resp, emit, message, tool, cfg, payload, model, usage)
+    except (ConnectionResetError, asyncio.CancelledError):
+        STATE.log.append({"hop": hop, "model": model, "event": "client_gone", "t": time.time()})
+        raise
+    return resp
+
+
+async def stream_body(resp, emit, message, tool, cfg, payload, model, usage):
     await emit({"role": "assistant", "content": ""})
     if tool:
         call = message["tool_calls"][0]
@@ -145,7 +155,6 @@ async def chat(request: web.Request) -> web.StreamResponse:
                                                  "model": model, "choices": [], "usage": usage}).encode() + b"\n\n")
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
-    return resp
 
 
 async def health(request):

@@ -451,3 +451,33 @@ def test_sglang_adapter_naming(keyfile):
         assert route["payload"]["chat_template_kwargs"] == {"enable_thinking": False}
         assert answer["model"] == "glm52-fp8-official:L2"
         wait_http(url + "/readyz")
+
+
+def test_client_disconnect_cancels_the_engine_request(s):
+    s.config(token_delay=0.2, answer_words=30)
+    with httpx.stream("POST", s.proxy_url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"model": PUBLIC, "stream": True, "messages": [{"role": "user", "content": "[route:L2] long"}]}) as r:
+        for line in r.iter_lines():
+            if '"content": "answer-' in line or '"content":"answer-' in line:
+                break  # got the first token: hang up
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not any(e.get("event") == "client_gone" for e in s.log()):
+        time.sleep(0.05)
+    gone = [e for e in s.log() if e.get("event") == "client_gone"]
+    assert gone and gone[0]["hop"] == "answer"
+    assert s.metrics()["molctl_proxy_client_disconnects_total"] >= 1
+    assert not s.log("summary")  # an abandoned answer is not recorded or summarised
+
+
+def test_conversation_store_is_bounded():
+    from molctl.proxy.conversations import CallBinding, MemoryStore, TurnRecord
+
+    now = [0.0]
+    store = MemoryStore(max_entries=3, max_bytes=10_000, ttl_s=10, clock=lambda: now[0])
+    for i in range(5):
+        store.put_turn(bytes([i]), TurnRecord("L1", summary="s" * 10))
+    assert store.stats()["entries"] == 3 and store.get_turn(bytes([0])) is None and store.get_turn(bytes([4]))
+    store.put_call("t", "big", CallBinding("L2", "x" * 9_000, "f"))  # the byte budget evicts the oldest
+    assert store.stats()["bytes"] <= 10_000 and store.get_call("t", "big") is not None
+    now[0] = 11.0
+    assert store.get_call("t", "big") is None  # idle TTL
