@@ -126,14 +126,14 @@ async def chat(request: web.Request) -> web.StreamResponse:
         await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
 
     try:
-        await stream_body(resp, emit, message, tool, cfg, payload, model, usage)
+        await stream_body(resp, emit, message, finish, tool, cfg, payload, model, usage)
     except (ConnectionResetError, asyncio.CancelledError):
         STATE.log.append({"hop": hop, "model": model, "event": "client_gone", "t": time.time()})
         raise
     return resp
 
 
-async def stream_body(resp, emit, message, tool, cfg, payload, model, usage):
+async def stream_body(resp, emit, message, finish, tool, cfg, payload, model, usage):
     await emit({"role": "assistant", "content": ""})
     if tool:
         call = message["tool_calls"][0]
