@@ -370,8 +370,14 @@ def _stack_status(name: str, profile: Profile | None, records: dict[str, Record]
         health = http_status(base + paths[component], timeout=1.0) if alive else None
         components.append({"name": component, "pid": record.pid, "alive": alive, "port": record.port,
                            "health": health, "log": record.log, "uptime_s": round(now - record.started_at, 1) if alive else None})
+    adapters = _adapter_status(profile, records.get("engine"), base_host=hosts.get("engine", "127.0.0.1")) \
+        if any(c["name"] == "engine" and c["health"] == 200 for c in components) else None
     state = _state_of(name, records, components, holder)
+    if state == "ready" and adapters not in (None, "ok"):
+        state = "degraded"
     out: dict[str, Any] = {"profile": name, "state": state, "components": components}
+    if adapters is not None:
+        out["adapters"] = adapters
     if "proxy" in records:
         out["endpoint"] = f"http://{connect_host(hosts.get('proxy', '127.0.0.1'))}:{records['proxy'].port}/v1"
     if profile is not None:
@@ -380,6 +386,22 @@ def _stack_status(name: str, profile: Profile | None, records: dict[str, Record]
     if gpus:
         out["gpus"] = gpus
     return out
+
+
+def _adapter_status(profile: Profile | None, record: Record | None, base_host: str) -> str | None:
+    """'ok' when the live engine lists L0-L3 under the expected parent, else what is wrong."""
+    from molctl.readiness import adapter_problems, connect_host
+
+    if profile is None or record is None:
+        return None
+    try:
+        import httpx
+
+        models = httpx.get(f"http://{connect_host(base_host)}:{record.port}/v1/models", timeout=2.0, trust_env=False).json()
+    except (httpx.HTTPError, ValueError):
+        return "/v1/models not answering"
+    problems = adapter_problems(profile, get_engine(profile.engine.kind), models)
+    return "; ".join(problems) if problems else "ok"
 
 
 def _state_of(name: str, records: dict, components: list[dict], holder: str | None) -> str:

@@ -175,6 +175,8 @@ def render_status(out: Output, data: dict) -> None:
     for stack in data["stacks"]:
         if stack.get("endpoint") and stack["state"] in ("ready", "degraded"):
             out.line(f"{stack['profile']}: model {stack.get('model')} at {stack['endpoint']}")
+        if stack.get("adapters") not in (None, "ok"):
+            out.line(f"{stack['profile']}: adapters: {stack['adapters']}")
         for g in stack.get("gpus", []):
             out.line(f"  GPU {g['index']}: {g['used_bytes'] / 2**30:.1f} GiB used by the stack")
 

@@ -118,7 +118,7 @@ def test_up_status_logs_down(host):
     s = host.molctl("status", "--json")
     assert s.returncode == 0
     (stack,) = json.loads(s.stdout)["stacks"]
-    assert stack["profile"] == "tiny" and stack["state"] == "ready"
+    assert stack["profile"] == "tiny" and stack["state"] == "ready" and stack["adapters"] == "ok"
     comps = {c["name"]: c for c in stack["components"]}
     assert set(comps) == {"engine", "proxy"}
     assert all(c["alive"] and c["health"] == 200 for c in comps.values())
