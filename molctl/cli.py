@@ -145,7 +145,7 @@ def _up_options(ctx, model_root, set_, skip, timeout, api_key_file, allow_unauth
                      profiles_dirs=list(ctx.obj.profiles_dirs))
 
 
-def _run_start(command, profile: str, json_: bool, call) -> None:
+def _run_start(profile: str, json_: bool, call) -> None:
     from molctl.lifecycle import StartFailed
     from molctl.output import Output, UpReporter, render_failure, render_up
 
@@ -182,7 +182,7 @@ def up_cmd(
     from molctl.lifecycle import up
 
     opts = _up_options(ctx, model_root, set_, skip, timeout, api_key_file, allow_unauthenticated, drain_timeout)
-    _run_start("up", profile, json_, lambda reporter: up(profile, ctx.obj, opts, reporter))
+    _run_start(profile, json_, lambda reporter: up(profile, ctx.obj, opts, reporter))
 
 
 @app.command("switch")
@@ -203,7 +203,7 @@ def switch_cmd(
     from molctl.lifecycle import switch
 
     opts = _up_options(ctx, model_root, set_, skip, timeout, api_key_file, allow_unauthenticated, drain_timeout)
-    _run_start("switch", profile, json_, lambda reporter: switch(profile, ctx.obj, opts, reporter, drain_timeout))
+    _run_start(profile, json_, lambda reporter: switch(profile, ctx.obj, opts, reporter, drain_timeout))
 
 
 @app.command("down")

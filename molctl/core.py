@@ -14,7 +14,7 @@ def list_profiles(dirs: list[Path]) -> tuple[list[dict[str, Any]], list[str]]:
     from molctl.profiles import load_profile_file, profile_files
 
     rows, problems = [], []
-    for name, path in sorted(profile_files(dirs).items()):
+    for _name, path in sorted(profile_files(dirs).items()):
         try:
             p = load_profile_file(path)
         except ProfileError as exc:

@@ -117,7 +117,7 @@ def test_chat_through_the_proxy_reaches_route_answer_and_summary_adapters(stack,
     """Each chat: a route hop on L0, an answer hop and a summary hop on the adapter the router
     chose. The router is a random model, so a few requests run until one leaves L0."""
     chosen = []
-    for attempt, topic in enumerate(("a small parser in Python", "a shell script", "a web page", "a game loop")):
+    for topic in ("a small parser in Python", "a shell script", "a web page", "a game loop"):
         before = len(stack.requests())
         messages = [{"role": "user", "content": f"Please write {topic} ({stream})"}]
         if stream:

@@ -22,7 +22,7 @@ from molctl.profiles import builtin_profiles_dir
 from molctl.state import read_records
 from tests.conftest import free_port
 from tests.layouts import make_layout
-from tests.procs import ROOT, fake_engine_argv, running, stop
+from tests.procs import ROOT, stop
 
 PUBLIC = "Macaron-Tiny-Demo"
 

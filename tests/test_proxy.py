@@ -110,7 +110,7 @@ def test_three_turns_across_two_adapters(s, stream):
     assert a1 and a2 and a3
     answers = s.log("answer")
     assert [e["model"] for e in answers] == ["L2", "L1", "L2"]
-    A1, A2 = {"role": "assistant", "content": a1}, {"role": "assistant", "content": a2}
+    A1 = {"role": "assistant", "content": a1}
     assert answers[0]["messages"] == [IDENTITY, sys_msg, u1]
     assert answers[1]["messages"] == [IDENTITY, sys_msg, u1, fold(f"summary of {a1}"), u2]
     assert answers[2]["messages"] == [IDENTITY, sys_msg, u1, A1, u2, fold(f"summary of {a2}"), u3]
