@@ -39,12 +39,17 @@ class Layout:
         (self.adapter(route) / "adapter_config.json").write_text(json.dumps(data))
 
 
-def shard_tensors(n_shards: int, hidden: int) -> list[dict[str, tuple[str, tuple[int, ...]]]]:
-    """One decoder layer per shard; embeddings in the first shard, lm_head in the last."""
+def shard_tensors(n_shards: int, hidden: int, experts: int = 0) -> list[dict[str, tuple[str, tuple[int, ...]]]]:
+    """One decoder layer per shard (with `experts` MoE experts of 3 FP8 matrices + scales each);
+    embeddings in the first shard, lm_head in the last."""
     shards = []
     for i in range(n_shards):
         t = {f"model.layers.{i}.self_attn.{p}.weight": ("BF16", (hidden, hidden)) for p in PROJ}
         t[f"model.layers.{i}.input_layernorm.weight"] = ("BF16", (hidden,))
+        for e in range(experts):
+            for m in ("gate_proj", "up_proj", "down_proj"):
+                t[f"model.layers.{i}.mlp.experts.{e}.{m}.weight"] = ("F8_E4M3", (hidden, hidden))
+                t[f"model.layers.{i}.mlp.experts.{e}.{m}.weight_scale_inv"] = ("F32", (1, 1))
         shards.append(t)
     shards[0]["model.embed_tokens.weight"] = ("BF16", (64, hidden))
     shards[-1]["lm_head.weight"] = ("BF16", (64, hidden))
@@ -53,14 +58,14 @@ def shard_tensors(n_shards: int, hidden: int) -> list[dict[str, tuple[str, tuple
 
 def make_layout(root: Path, *, model_type: str, shards: int, rank: int, base_name: str,
                 hidden: int = 16, targets: tuple[str, ...] = ("q_proj", "v_proj"), sparse: bool = False,
-                shard_scale: int = 1) -> Layout:
+                shard_scale: int = 1, experts: int = 0) -> Layout:
     """`shard_scale` multiplies the first dimension of every layer tensor (sparse, for big layouts)."""
     base = root / "base"
     base.mkdir(parents=True)
     (base / "config.json").write_text(json.dumps({"model_type": model_type, "hidden_size": hidden}))
     weight_map: dict[str, str] = {}
     paths = []
-    for i, tensors in enumerate(shard_tensors(shards, hidden)):
+    for i, tensors in enumerate(shard_tensors(shards, hidden, experts)):
         if shard_scale > 1:
             tensors = {k: (d, (s[0] * shard_scale, *s[1:])) for k, (d, s) in tensors.items()}
         name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"

@@ -52,6 +52,24 @@ def _load_json(path: Path) -> tuple[Any, str | None]:
 
 
 def load_weight_map(profile: Profile) -> tuple[dict[str, str] | None, str | None]:
+    """The index's tensor -> shard map (parsed once per file version: model and adapter checks share it)."""
+    path = profile.base_dir / INDEX
+    try:
+        st = os.stat(path)
+        stamp = (str(path), st.st_mtime_ns, st.st_size)
+    except OSError:
+        stamp = None
+    if stamp is not None and stamp == _INDEX_CACHE.get("stamp"):
+        return _INDEX_CACHE["value"]
+    value = _parse_weight_map(profile)
+    _INDEX_CACHE.update(stamp=stamp, value=value)
+    return value
+
+
+_INDEX_CACHE: dict[str, Any] = {}
+
+
+def _parse_weight_map(profile: Profile) -> tuple[dict[str, str] | None, str | None]:
     index, problem = _load_json(profile.base_dir / INDEX)
     if problem:
         return None, problem
@@ -129,13 +147,6 @@ def run_model(profile: Profile, probes: Probes) -> list[CheckResult]:
     return results
 
 
-def _module_names(tensor_names: Any) -> set[str]:
-    names: set[str] = set()
-    for t in tensor_names:
-        names.update(t.split("."))
-    return names
-
-
 def _adapter_module_path(tensor: str) -> str:
     module = tensor.split(".lora_")[0]
     for prefix in ("base_model.model.",):
@@ -144,20 +155,41 @@ def _adapter_module_path(tensor: str) -> str:
     return module
 
 
+class BaseNames:
+    """Questions about the base model's tensor names, answered without building big sets."""
+
+    def __init__(self, tensors: dict[str, str] | None):
+        self.tensors = tensors or {}
+        self._joined: str | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.tensors)
+
+    @property
+    def joined(self) -> str:
+        if self._joined is None:
+            self._joined = "\n" + "\n".join(self.tensors) + "\n"
+        return self._joined
+
+    def has_module_name(self, name: str) -> bool:
+        """Some tensor path has a component `name` (e.g. q_proj)."""
+        return f".{name}." in self.joined or f"\n{name}." in self.joined
+
+    def has_module_path(self, path: str) -> bool:
+        return f"{path}.weight" in self.tensors or f"\n{path}." in self.joined
+
+
 def run_adapters(profile: Profile, probes: Probes) -> list[CheckResult]:
     weight_map, _ = load_weight_map(profile)
-    base_tensors = set(weight_map or ())
-    base_modules = _module_names(base_tensors)
-    base_prefixes = {t.rsplit(".", 1)[0] for t in base_tensors}
+    base = BaseNames(weight_map)
     engine_max = get_engine(profile.engine.kind).max_lora_rank(profile)
     results: list[CheckResult] = []
     for route in ROUTES:
-        results.extend(_check_adapter(profile, route, base_tensors, base_modules, base_prefixes, engine_max))
+        results.extend(_check_adapter(profile, route, base, engine_max))
     return results
 
 
-def _check_adapter(profile: Profile, route: str, base_tensors: set[str], base_modules: set[str],
-                   base_prefixes: set[str], engine_max: int | None) -> list[CheckResult]:
+def _check_adapter(profile: Profile, route: str, base: BaseNames, engine_max: int | None) -> list[CheckResult]:
     d = profile.adapter_dir(route)
     cid = f"adapter.{route}"
     if d.is_symlink() or not d.is_dir():
@@ -214,7 +246,7 @@ def _check_adapter(profile: Profile, route: str, base_tensors: set[str], base_mo
         if not lora:
             problem = f"{weights} holds no lora_A/lora_B tensors"
         elif rank is not None:
-            bad = [f"{n} {list(t.shape)}" for n, t in sorted(lora.items()) if not _shape_fits(n, t.shape, rank)]
+            bad = [f"{n} {t['shape']}" for n, t in sorted(lora.items()) if not _shape_fits(n, tuple(t["shape"]), rank)]
             if bad:
                 problem = f"{weights}: shapes inconsistent with r={rank}: {describe(bad, 2)}"
     if problem:
@@ -223,21 +255,21 @@ def _check_adapter(profile: Profile, route: str, base_tensors: set[str], base_mo
     out.append(CheckResult(f"{cid}.weights", "pass", f"{len(header.tensors)} tensors, shapes consistent with r"))
 
     # target modules against the base's tensor names
-    if not base_tensors:
+    if not base:
         out.append(CheckResult(f"{cid}.targets", "skip", "base index unreadable; see model.index"))
         return out
     targets = config.get("target_modules")
     declared_missing = []
     if isinstance(targets, list):
-        declared_missing = [t for t in targets if isinstance(t, str) and t.rsplit(".", 1)[-1] not in base_modules]
+        declared_missing = [t for t in targets if isinstance(t, str) and not base.has_module_name(t.rsplit(".", 1)[-1])]
     paths = sorted({_adapter_module_path(n) for n in header.tensors if ".lora_A" in n})
-    unknown_names = sorted({p.rsplit(".", 1)[-1] for p in paths} - base_modules)
+    unknown_names = sorted(n for n in {p.rsplit(".", 1)[-1] for p in paths} if not base.has_module_name(n))
     if declared_missing or unknown_names:
         names = sorted(set(declared_missing) | set(unknown_names))
         out.append(CheckResult(f"{cid}.targets", "fail",
                                f"{cfg_path}: targets module(s) {describe(names)} that no tensor of the base model has (the engine would silently ignore them)"))
         return out
-    unmatched = [p for p in paths if p not in base_prefixes]
+    unmatched = [p for p in paths if not base.has_module_path(p)]
     if unmatched:
         out.append(CheckResult(f"{cid}.targets", "warn",
                                f"{weights}: module path(s) {describe(unmatched, 2)} do not match the base's tensor names exactly (prefix differs; check the engine maps them)"))
