@@ -67,19 +67,33 @@ def _live(record: Record) -> bool:
     return bool(members(record))
 
 
+class Adopted:
+    """A component started by an earlier invocation, watched like a Popen (poll() only)."""
+
+    def __init__(self, record: Record):
+        self.record = record
+
+    def poll(self) -> int | None:
+        return None if is_same_process(self.record) else -1
+
+
 def clean_stale(state_dir: Path, name: str, say: Callable[[str], None]) -> None:
     """Stop what is left of this profile's recorded components (ours by pgid + create time)
     and remove their records. A pid now owned by an unrelated process is never signalled."""
     for component, record in read_records(state_dir, name).items():
-        procs = members(record)
-        if procs:
-            say(f"cleaning up {len(procs)} leftover process(es) of the {component} (pgid {record.pgid})")
-            result = stop(record, 10.0)
-            if not result.ok:
-                raise MolctlError(f"could not stop leftover {component} processes: {', '.join(result.survivors)}")
-        elif not is_same_process(record) and _pid_exists(record.pid):
-            say(f"stale {component} record: pid {record.pid} now belongs to another process; not touching it")
-        remove_record(state_dir, name, component)
+        _clean_component(state_dir, name, component, record, say)
+
+
+def _clean_component(state_dir: Path, name: str, component: str, record: Record, say: Callable[[str], None]) -> None:
+    procs = members(record)
+    if procs:
+        say(f"cleaning up {len(procs)} leftover process(es) of the {component} (pgid {record.pgid})")
+        result = stop(record, 10.0)
+        if not result.ok:
+            raise MolctlError(f"could not stop leftover {component} processes: {', '.join(result.survivors)}")
+    elif not is_same_process(record) and _pid_exists(record.pid):
+        say(f"stale {component} record: pid {record.pid} now belongs to another process; not touching it")
+    remove_record(state_dir, name, component)
 
 
 def _pid_exists(pid: int) -> bool:
@@ -142,20 +156,36 @@ def up(name: str, ctx, opts: UpOptions, reporter: Reporter, probes_factory=None,
         if records and stack_ready(profile, records):
             reporter.step(f"profile {name} is already running and ready")
             return _result(profile, read_records(state_dir, name), already=True, timings={})
-        if records:
+        live = {c: r for c, r in records.items() if is_same_process(r)}
+        if "engine" in live:
+            # An earlier `up` that died (terminal closed, molctl killed) left its engine loading:
+            # wait for it rather than throw an hour of loading away. Stop only what is stale.
+            reporter.step(f"the {name} engine started earlier is still running (pid {live['engine'].pid}); "
+                          "waiting for it instead of restarting it")
+            stale = {c: r for c, r in records.items() if c not in live}
+            for component in stale:
+                _clean_component(state_dir, name, component, records[component], reporter.step)
+        elif records:
             clean_stale(state_dir, name, reporter.step)
+            live = {}
 
         reporter.step(f"preflight checks for {name}")
         preflight(profile, state_dir, opts, reporter, probes_factory, "nothing was started")
 
         started: list[Record] = []
         try:
-            engine_record, engine_proc = _start_engine(profile, state_dir, reporter)
-            started.append(engine_record)
+            if "engine" in live:
+                engine_record, engine_proc = live["engine"], Adopted(live["engine"])
+            else:
+                engine_record, engine_proc = _start_engine(profile, state_dir, reporter)
+                started.append(engine_record)
             # The proxy starts while the engine loads (its /readyz stays 503 until the engine
             # serves), so its own start-up is off the critical path.
-            proxy_record, proxy_proc = _start_proxy(profile, opts, key_args, state_dir, reporter)
-            started.append(proxy_record)
+            if "proxy" in live:
+                proxy_record, proxy_proc = live["proxy"], Adopted(live["proxy"])
+            else:
+                proxy_record, proxy_proc = _start_proxy(profile, opts, key_args, state_dir, reporter)
+                started.append(proxy_record)
             timeout = opts.timeout_s if opts.timeout_s is not None else profile.engine.start_timeout_s
             _wait_engine(profile, engine_record, engine_proc, timeout, reporter, sleep, watch=(proxy_record, proxy_proc))
             t_engine = time.monotonic() - t0
@@ -164,8 +194,13 @@ def up(name: str, ctx, opts: UpOptions, reporter: Reporter, probes_factory=None,
             for record in reversed(started):
                 stop(record, 10.0)
                 remove_record(state_dir, name, record.component)
+            if isinstance(exc, StartFailed) and "engine" in live:  # a failed adopted engine is stopped too
+                stop(live["engine"], 10.0)
+                remove_record(state_dir, name, "engine")
             if isinstance(exc, KeyboardInterrupt):
-                raise MolctlError("interrupted; everything this command started was stopped", ExitStatus.INTERRUPTED) from None
+                kept = " (the engine started earlier keeps running: molctl down stops it)" if "engine" in live else ""
+                raise MolctlError(f"interrupted; everything this command started was stopped{kept}",
+                                  ExitStatus.INTERRUPTED) from None
             raise
         total = time.monotonic() - t0
         return _result(profile, read_records(state_dir, name), already=False,

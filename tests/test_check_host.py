@@ -167,3 +167,18 @@ def test_full_check_with_fake_nvml_and_layout(run, tmp_path):
     tall_layout(tmp_path / "m")
     report, checks = run(skip=("engine",), sets=[("model_root", str(tmp_path / "m"))])
     assert report.ok, [c for c in report.checks if c.status == "fail"]
+
+
+def test_memory_held_by_the_profiles_own_stack_counts_as_available(state_dir, free_ports):
+    from molctl.checks import run_checks
+    from molctl.profiles import load_profile
+
+    ours = GpuProcess(777, "VLLM::Worker_TP0", 128 * GIB)
+    gpu = FakeNvml(free=5 * GIB, processes={i: [ours] for i in range(8)})
+    profile = load_profile("tall", profile_dirs(), [("engine.port", free_ports[0]), ("proxy.port", free_ports[1])])
+    probes = Probes(gpu=gpu, environ={}, stack_pids=lambda: {777})
+    checks = {c.id: c.status for c in run_checks(profile, probes, ("engine", "model", "adapter")).checks}
+    assert checks["gpu.memory"] == "pass" and checks["gpu.processes"] == "pass"
+    probes.stack_pids = lambda: set()
+    checks = {c.id: c.status for c in run_checks(profile, probes, ("engine", "model", "adapter")).checks}
+    assert checks["gpu.memory"] == "fail" and checks["gpu.processes"] == "fail"

@@ -389,3 +389,18 @@ def test_down_keeps_the_record_while_nvml_shows_the_stack(host):
     assert "engine" in host.records()  # kept: the GPU is not known to be free
     result = down(Ctx(), "tiny", 5, True, lambda m: None, engine_timeout_s=5, gpu_probe=StuckNvml())
     assert result["stopped"][0]["profile"] == "tiny" and host.records() == {}
+
+
+def test_up_waits_for_an_engine_an_earlier_killed_up_left_loading(host):
+    first = host.start("up", "tiny", *host.args(env={"FAKE_STARTUP_DELAY": "4"}))
+    deadline = time.monotonic() + 10
+    while "proxy" not in host.records() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    engine_pid = host.records()["engine"].pid
+    os.kill(first.pid, signal.SIGKILL)  # the terminal went away; the engine keeps loading
+    first.wait(5)
+    r = host.up(env={"FAKE_STARTUP_DELAY": "4"})
+    assert r.returncode == 0, r.stderr
+    assert "still running" in r.stdout
+    assert host.records()["engine"].pid == engine_pid  # adopted, not restarted
+    assert json.loads(host.molctl("status", "--json").stdout)["stacks"][0]["state"] == "ready"

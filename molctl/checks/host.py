@@ -42,14 +42,18 @@ def run_gpu(profile: Profile, probes: Probes) -> list[CheckResult]:
     selected = [d for d in inv.devices if d.index in set(_selected_devices(profile, probes, len(inv.devices)))]
 
     fraction = get_engine(profile.engine.kind).memory_fraction(profile) or 0.9
+    own = probes.stack_pids()
+
+    def available(d) -> int:  # free memory plus what this profile's own running stack holds
+        return d.free_bytes + sum(p.used_bytes or 0 for p in d.processes if p.pid in own)
+
     low = [f"GPU {d.index}: {d.free_bytes / GIB:.1f} GiB free of {d.total_bytes / GIB:.1f}, needs {fraction * d.total_bytes / GIB:.1f}"
-           for d in selected if d.free_bytes < fraction * d.total_bytes]
+           for d in selected if available(d) < fraction * d.total_bytes]
     if low:
         out.append(CheckResult("gpu.memory", "fail", f"not enough free memory for a memory fraction of {fraction}: {describe(low, 2)}"))
     else:
         out.append(CheckResult("gpu.memory", "pass", f"free memory covers a fraction of {fraction} on {len(selected)} GPU(s)"))
 
-    own = probes.stack_pids()
     foreign = [f"GPU {d.index}: pid {p.pid} {p.name} using {_mib(p.used_bytes)}"
                for d in selected for p in d.processes if p.pid not in own]
     if foreign:
