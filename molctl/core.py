@@ -32,44 +32,26 @@ def list_profiles(dirs: list[Path]) -> tuple[list[dict[str, Any]], list[str]]:
 def check_profile(name: str, ctx, overrides: Iterable[tuple[str, Any]], skip: Iterable[str],
                   api_key_file: Path | None = None, probes=None):
     """Load the profile (a load failure becomes a failed `profile.valid` check) and run checks."""
-    from molctl.checks import Probes, profile_failure, run_checks
+    from molctl.checks import profile_failure, run_checks
     from molctl.profiles import load_profile
-    from molctl.state import stack_pids
 
     try:
         profile = load_profile(name, ctx.dirs(), overrides)
     except ProfileError as exc:
         return profile_failure(name, str(exc))
-    if probes is None:
-        probes = Probes()
-    probes.state_dir = ctx.state_dir
+    return run_checks(profile, host_probes(ctx.state_dir, profile.name, api_key_file, probes), skip)
+
+
+def host_probes(state_dir: Path, profile_name: str, api_key_file: Path | None, probes=None):
+    """The probes of this host for one profile (`check`, and the preflight of `up`/`switch`)."""
+    from molctl.checks import Probes
+    from molctl.processes import stack_pids
+
+    probes = probes or Probes()
+    probes.state_dir = state_dir
     probes.api_key_file = api_key_file
-    probes.stack_pids = lambda: stack_pids(ctx.state_dir, profile.name)
-    return run_checks(profile, probes, skip)
-
-
-def resolve_api_keys(api_key_file: Path | None, allow_unauthenticated: bool) -> list[str] | None:
-    """Keys from the key file or MOLCTL_API_KEY; refuse to run without one unless told so."""
-    import os
-
-    from molctl.errors import UsageError
-
-    if api_key_file is not None:
-        from molctl.proxy.app import load_keys
-
-        try:
-            keys = load_keys(api_key_file)
-        except OSError as exc:
-            raise UsageError(f"--api-key-file {api_key_file}: {exc.strerror}") from None
-        if not keys:
-            raise UsageError(f"--api-key-file {api_key_file} holds no key (expected one key per line)")
-        return keys
-    env_key = os.environ.get("MOLCTL_API_KEY", "").strip()
-    if env_key:
-        return [env_key]
-    if allow_unauthenticated:
-        return None
-    raise UsageError("no API key: give --api-key-file F (or MOLCTL_API_KEY), or --allow-unauthenticated")
+    probes.stack_pids = lambda: stack_pids(state_dir, profile_name)
+    return probes
 
 
 def run_proxy(name: str, ctx, overrides, *, upstream: str, host: str, port: int | None, api_key_file: Path | None,
@@ -82,6 +64,8 @@ def run_proxy(name: str, ctx, overrides, *, upstream: str, host: str, port: int 
     from molctl.proxy.server import serve
 
     profile = load_profile(name, ctx.dirs(), overrides)
+    from molctl.keys import resolve_api_keys
+
     keys = resolve_api_keys(api_key_file, allow_unauthenticated)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     app = ProxyApp(profile, get_engine(profile.engine.kind), upstream, keys, sse_keepalive_s=sse_keepalive)

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from molctl.engines import get_engine
-from molctl.errors import ConflictError, ExitStatus, MolctlError, ProfileError, UsageError
-from molctl.processes import members, record_for, spawn, stop, tail
+from molctl.errors import ConflictError, ExitStatus, MolctlError, ProfileError
+from molctl.processes import members, record_for, spawn, stack_pids, stop, tail
 from molctl.profiles import Profile, load_profile
 from molctl.readiness import EngineReadiness, engine_url, http_status, proxy_url
 from molctl.state import (COMPONENTS, Record, StateLock, ensure_state_dir, is_same_process, lock_holder, new_log_path,
@@ -26,7 +26,6 @@ from molctl.state import (COMPONENTS, Record, StateLock, ensure_state_dir, is_sa
 POLL_S = 0.5  # "about once a second" or better: a refused connect costs nothing
 ENGINE_STOP_TIMEOUT_S = 60.0
 PROXY_READY_TIMEOUT_S = 60.0
-STATES = ("stopped", "starting", "ready", "degraded", "stopping", "failed")
 
 
 class StartFailed(MolctlError):
@@ -61,10 +60,6 @@ def engine_env(profile: Profile) -> dict[str, str]:
     env.update(profile.engine.env)
     env.pop("MOLCTL_API_KEY", None)  # the engine never needs the proxy's key
     return env
-
-
-def _live(record: Record) -> bool:
-    return bool(members(record))
 
 
 class Adopted:
@@ -107,7 +102,7 @@ def _pid_exists(pid: int) -> bool:
 
 
 def running_profiles(state_dir: Path) -> list[str]:
-    return [p for p in profiles_with_records(state_dir) if any(_live(r) for r in read_records(state_dir, p).values())]
+    return [p for p in profiles_with_records(state_dir) if stack_pids(state_dir, p)]
 
 
 def stack_ready(profile: Profile, records: dict[str, Record]) -> bool:
@@ -117,16 +112,14 @@ def stack_ready(profile: Profile, records: dict[str, Record]) -> bool:
 
 
 def resolve_key_option(opts: UpOptions) -> list[str]:
-    """Proxy argv for the key: a file path or nothing (MOLCTL_API_KEY travels in the env)."""
+    """Proxy argv for the key: the file's path, or nothing when MOLCTL_API_KEY travels in the
+    environment; validated (file readable, holding a key) before anything starts."""
+    from molctl.keys import resolve_api_keys
+
+    keys = resolve_api_keys(opts.api_key_file, opts.allow_unauthenticated)
     if opts.api_key_file is not None:
-        if not opts.api_key_file.is_file():
-            raise UsageError(f"--api-key-file {opts.api_key_file}: no such file")
         return ["--api-key-file", str(opts.api_key_file.resolve())]
-    if os.environ.get("MOLCTL_API_KEY", "").strip():
-        return []
-    if opts.allow_unauthenticated:
-        return ["--allow-unauthenticated"]
-    raise UsageError("no API key for the proxy: give --api-key-file F (or MOLCTL_API_KEY), or --allow-unauthenticated")
+    return [] if keys else ["--allow-unauthenticated"]
 
 
 def proxy_argv(profile: Profile, opts: UpOptions) -> list[str]:
@@ -211,13 +204,10 @@ def preflight(profile: Profile, state_dir: Path, opts: UpOptions, reporter: Repo
               consequence: str, extra_skip: Iterable[str] = ()) -> None:
     """The `check` categories (honouring --skip); a failure raises: exit 4 when the only failures
     are ports held by a foreign process, else exit 3."""
-    from molctl.checks import Probes, run_checks
-    from molctl.state import stack_pids
+    from molctl.checks import run_checks
+    from molctl.core import host_probes
 
-    probes = probes_factory() if probes_factory else Probes()
-    probes.state_dir = state_dir
-    probes.api_key_file = opts.api_key_file
-    probes.stack_pids = lambda: stack_pids(state_dir, profile.name)
+    probes = host_probes(state_dir, profile.name, opts.api_key_file, probes_factory() if probes_factory else None)
     report = run_checks(profile, probes, set(opts.skip) | set(extra_skip))
     if report.ok:
         return
@@ -331,9 +321,7 @@ def down(ctx, name: str | None, drain_timeout_s: float, force: bool, say: Callab
 def _down_one(state_dir: Path, name: str, drain_s: float, engine_s: float, force: bool, say, gpu_probe) -> dict:
     records = read_records(state_dir, name)
     out: dict[str, Any] = {"profile": name, "components": {}}
-    stack_pids: set[int] = set()
-    for record in records.values():
-        stack_pids.update(p.pid for p in members(record))
+    pids = stack_pids(state_dir, name)
     for component in ("proxy", "engine"):  # proxy first: it drains in-flight requests
         record = records.get(component)
         if record is None:
@@ -352,7 +340,7 @@ def _down_one(state_dir: Path, name: str, drain_s: float, engine_s: float, force
         out["components"][component] = "killed" if result.killed else "stopped"
         if component == "proxy":
             remove_record(state_dir, name, component)
-    leftover = _gpu_leftovers(stack_pids, gpu_probe)
+    leftover = _gpu_leftovers(pids, gpu_probe)
     if leftover and not force:
         raise MolctlError(f"{name}: NVML still shows process(es) of the stack on the GPUs: {', '.join(leftover)}; "
                           f"engine record kept in {state_dir / name} (--force removes it anyway)")
@@ -384,11 +372,12 @@ def status(ctx, name: str | None, gpu_probe=None) -> dict[str, Any]:
             profile = load_profile(n, ctx.dirs())
         except ProfileError:
             profile = None
-        stacks.append(_stack_status(n, profile, records, holder, gpu_probe))
+        stacks.append(_stack_status(state_dir, n, profile, records, holder, gpu_probe))
     return {"stacks": stacks}
 
 
-def _stack_status(name: str, profile: Profile | None, records: dict[str, Record], holder: str | None, gpu_probe) -> dict:
+def _stack_status(state_dir: Path, name: str, profile: Profile | None, records: dict[str, Record], holder: str | None,
+                  gpu_probe) -> dict:
     """Probe from the records (the ports actually used, overrides included), not the profile file."""
     from molctl.readiness import connect_host
 
@@ -417,7 +406,7 @@ def _stack_status(name: str, profile: Profile | None, records: dict[str, Record]
         out["endpoint"] = f"http://{connect_host(hosts.get('proxy', '127.0.0.1'))}:{records['proxy'].port}/v1"
     if profile is not None:
         out["model"] = profile.served_model_name
-    gpus = _gpu_usage(records, gpu_probe) if state != "stopped" else []
+    gpus = _gpu_usage(state_dir, name, gpu_probe) if state != "stopped" else []
     if gpus:
         out["gpus"] = gpus
     return out
@@ -425,7 +414,8 @@ def _stack_status(name: str, profile: Profile | None, records: dict[str, Record]
 
 def _adapter_status(profile: Profile | None, record: Record | None, base_host: str) -> str | None:
     """'ok' when the live engine lists L0-L3 under the expected parent, else what is wrong."""
-    from molctl.readiness import adapter_problems, connect_host
+    from molctl.engines.base import adapter_problems
+    from molctl.readiness import connect_host
 
     if profile is None or record is None:
         return None
@@ -456,16 +446,14 @@ def _state_of(name: str, records: dict, components: list[dict], holder: str | No
     return "degraded"
 
 
-def _gpu_usage(records: dict[str, Record], gpu_probe) -> list[dict]:
+def _gpu_usage(state_dir: Path, name: str, gpu_probe) -> list[dict]:
     from molctl.probes import GpuUnavailable, NvmlProbe
 
-    pids: set[int] = set()
-    for record in records.values():
-        pids.update(p.pid for p in members(record))
     try:
         inventory = (gpu_probe or NvmlProbe()).inventory()
     except GpuUnavailable:
         return []
+    pids = stack_pids(state_dir, name)
     out = []
     for d in inventory.devices:
         used = sum(p.used_bytes or 0 for p in d.processes if p.pid in pids)
@@ -486,11 +474,7 @@ def switch(name: str, ctx, opts: UpOptions, reporter: Reporter, drain_timeout_s:
     preflight(profile, ctx.state_dir, opts, reporter, probes_factory, "the running stack was left alone", extra_skip={"port"})
     t0 = time.monotonic()
     running = running_profiles(ctx.state_dir) if ctx.state_dir.exists() else []
-    stopped = None
-    if running and running != [name]:
-        stopped = down(ctx, None, drain_timeout_s, False, reporter.step)
-    elif running == [name]:
-        stopped = down(ctx, name, drain_timeout_s, False, reporter.step)
+    stopped = down(ctx, None, drain_timeout_s, False, reporter.step) if running else None
     t_down = time.monotonic() - t0
     result = up(name, ctx, opts, reporter, probes_factory)
     result["timings"] = {**result.get("timings", {}), "stop_s": round(t_down, 2)}

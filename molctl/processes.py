@@ -69,6 +69,13 @@ def members(record: Record) -> list[psutil.Process]:
     return [p for p in found.values() if _alive(p)]
 
 
+def stack_pids(state_dir: Path, profile: str) -> set[int]:
+    """Pids of every live process of this profile's recorded components."""
+    from molctl.state import read_records
+
+    return {p.pid for record in read_records(state_dir, profile).values() for p in members(record)}
+
+
 def _running(pid: int) -> bool:
     """A live, non-zombie process with this pid exists."""
     try:

@@ -71,6 +71,7 @@ SCHEMA: dict[str, Any] = {
     "model": {
         "model_type": (str, type(None)),
         "shards": (int, type(None)),
+        "hint": (str, type(None)),  # how to obtain the model, shown when model_root is missing
     },
     "adapters": {
         "rank_equals": (int, type(None)),
@@ -124,6 +125,7 @@ REQUIRED = {
 class ModelSpec:
     model_type: str | None = None
     shards: int | None = None
+    hint: str | None = None
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from molctl.engines.base import Engine
+from molctl.engines.base import Engine, adapter_problems
 from molctl.profiles import ROUTES, Profile
 
 
@@ -32,22 +32,6 @@ def proxy_url(profile: Profile) -> str:
 class Probe:
     state: str  # "down" | "starting" | "adapters" | "ready"
     detail: str
-
-
-def adapter_problems(profile: Profile, engine: Engine, models: object) -> list[str]:
-    """What is wrong with the engine's /v1/models for this profile (empty when all is right)."""
-    if not isinstance(models, dict) or not isinstance(models.get("data"), list):
-        return ["/v1/models did not return a model list"]
-    listed = {m.get("id"): m for m in models["data"] if isinstance(m, dict)}
-    parent = profile.engine.served_name
-    problems = []
-    for route in ROUTES:
-        card = listed.get(route) or listed.get(engine.adapter_model(profile, route))
-        if card is None:
-            problems.append(f"adapter {route} is missing from /v1/models")
-        elif card.get("parent") != parent:
-            problems.append(f"adapter {route} is attached to parent {card.get('parent')!r}, expected {parent!r}")
-    return problems
 
 
 class EngineReadiness:
@@ -85,12 +69,6 @@ class EngineReadiness:
                 return Probe("starting", f"1-token completion on {route} answered {r.status_code}")
             self.smoke_ok.add(route)
         return Probe("ready", "health, adapters and a 1-token completion per adapter")
-
-    def health(self) -> int | None:
-        try:
-            return self.client.get(self.url + "/health", timeout=2.0).status_code
-        except httpx.HTTPError:
-            return None
 
 
 def http_status(url: str, timeout: float = 2.0) -> int | None:

@@ -76,28 +76,6 @@ def is_same_process(record: Record) -> bool:
         return False
 
 
-def stack_pids(state_dir: Path, profile: str) -> set[int]:
-    """Pids of this profile's live recorded components and all their descendants."""
-    import psutil
-
-    pids: set[int] = set()
-    for record in read_records(state_dir, profile).values():
-        if not is_same_process(record):
-            continue
-        pids.add(record.pid)
-        try:
-            pids.update(c.pid for c in psutil.Process(record.pid).children(recursive=True))
-        except psutil.NoSuchProcess:
-            pass
-        for proc in psutil.process_iter(["pid"]):
-            try:
-                if os.getpgid(proc.pid) == record.pgid:
-                    pids.add(proc.pid)
-            except (ProcessLookupError, PermissionError):
-                continue
-    return pids
-
-
 def remove_record(state_dir: Path, profile: str, component: str) -> None:
     try:
         record_path(state_dir, profile, component).unlink()

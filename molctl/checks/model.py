@@ -85,7 +85,7 @@ def run_model(profile: Profile, probes: Probes) -> list[CheckResult]:
     if root.is_symlink():
         return [CheckResult("model.root", "fail", f"model root {root} is a symlink (expected a real directory)")]
     if not root.is_dir():
-        hint = "; `molctl demo init` generates it" if profile.name == "tiny" else ""
+        hint = f"; {profile.model.hint}" if profile.model.hint else ""
         return [CheckResult("model.root", "fail", f"model root {root} is not a directory (set model_root or --model-root{hint})")]
     if root.resolve() != root.absolute():
         return [CheckResult("model.root", "fail", f"model root {root} resolves to {root.resolve()} through a symlink")]

@@ -104,6 +104,23 @@ def probe_install_cached(engine: "Engine", python: str, cache_dir: Path | None) 
     return install
 
 
+def adapter_problems(profile: Profile, engine: "Engine", models: object) -> list[str]:
+    """What is wrong with an engine's /v1/models for this profile (empty when L0-L3 are all
+    listed with the profile's engine-side base as parent). Used by `up`, `status` and /readyz."""
+    if not isinstance(models, dict) or not isinstance(models.get("data"), list):
+        return ["/v1/models did not return a model list"]
+    listed = {m.get("id"): m for m in models["data"] if isinstance(m, dict)}
+    parent = profile.engine.served_name
+    problems = []
+    for route in ROUTES:
+        card = listed.get(route) or listed.get(engine.adapter_model(profile, route))
+        if card is None:
+            problems.append(f"adapter {route} is missing from /v1/models")
+        elif card.get("parent") != parent:
+            problems.append(f"adapter {route} is attached to parent {card.get('parent')!r}, expected {parent!r}")
+    return problems
+
+
 class Engine(abc.ABC):
     """Base class; subclasses fill in the engine-specific parts."""
 

@@ -18,8 +18,8 @@ import logging
 import time
 from typing import Any, Awaitable, Callable
 
-from molctl.engines.base import Engine
-from molctl.profiles import ROUTES, Profile
+from molctl.engines.base import Engine, adapter_problems
+from molctl.profiles import Profile
 from molctl.proxy.conversations import ConversationStore, MemoryStore
 from molctl.proxy.engine_client import EngineClient
 from molctl.proxy.errors import EngineUnavailable, ProxyError
@@ -34,12 +34,6 @@ MAX_BODY = 8 * 1024 * 1024
 JSON_HEADERS = [(b"content-type", b"application/json")]
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                (b"x-accel-buffering", b"no")]
-
-
-def load_keys(path) -> list[str]:
-    """One key per line; blank lines ignored; a trailing newline is optional."""
-    with open(path, encoding="utf-8") as fh:
-        return [line.strip() for line in fh.read().splitlines() if line.strip()]
 
 
 class ProxyApp:
@@ -189,13 +183,11 @@ class ProxyApp:
             status, body = await self.client.get("/v1/models")
         except EngineUnavailable:
             return False, "engine unreachable"
-        if status != 200 or not isinstance(body, dict):
+        if status != 200:
             return False, f"engine /v1/models answered {status}"
-        parent = self.profile.engine.served_name
-        listed = {m.get("id"): m.get("parent") for m in body.get("data", []) if isinstance(m, dict)}
-        missing = [r for r in ROUTES if listed.get(self.orch.adapter_models[r], listed.get(r, "?")) not in (parent,)]
-        if missing:
-            return False, f"{len(missing)} adapter(s) missing on the engine"
+        problems = adapter_problems(self.profile, self.engine, body)
+        if problems:  # counted, not named: adapter names never reach clients
+            return False, f"{len(problems)} adapter(s) missing or misattached on the engine"
         return True, "engine ready"
 
     async def _read_body(self, receive: Receive) -> bytes:

@@ -46,7 +46,7 @@ class EngineHTTPError(Exception):
 
 
 CONTEXT_MARKERS = ("maximum context length", "maximum sequence length", "longer than the model's context length",
-                   "exceeds the context length", "context length", "too long")
+                   "exceeds the context length")
 
 
 def scrub(text: str, names: list[str], public: str) -> str:

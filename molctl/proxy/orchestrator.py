@@ -73,7 +73,6 @@ class Plan:
     keys: list[bytes]
     history: History
     route: str | None = None
-    sticky: bool = False
     view: list[dict[str, Any]] = field(default_factory=list)
     answer: dict[str, Any] | None = None
     record: TurnRecord | None = None  # set for a final answer; its summary hop is still to run
@@ -174,7 +173,7 @@ class Orchestrator:
         if plan.messages[-1]["role"] == "tool":
             sticky = self._sticky_route(plan)
             if sticky is not None:
-                plan.route, plan.sticky = sticky, True
+                plan.route = sticky
                 self.counters.inc("sticky_tool_turns_total")
                 return
             self.counters.inc("unplaced_tool_turns_total")

@@ -1,0 +1,32 @@
+"""Proxy API keys: one key per line in a key file (blank lines ignored, trailing newline
+optional), or one key in MOLCTL_API_KEY. Keys never travel on argv."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from molctl.errors import UsageError
+
+
+def load_keys(path) -> list[str]:
+    with open(path, encoding="utf-8") as fh:
+        return [line.strip() for line in fh.read().splitlines() if line.strip()]
+
+
+def resolve_api_keys(api_key_file: Path | None, allow_unauthenticated: bool) -> list[str] | None:
+    """The accepted keys, or None for an explicitly unauthenticated proxy; exit 2 otherwise."""
+    if api_key_file is not None:
+        try:
+            keys = load_keys(api_key_file)
+        except OSError as exc:
+            raise UsageError(f"--api-key-file {api_key_file}: {exc.strerror}") from None
+        if not keys:
+            raise UsageError(f"--api-key-file {api_key_file} holds no key (expected one key per line)")
+        return keys
+    env_key = os.environ.get("MOLCTL_API_KEY", "").strip()
+    if env_key:
+        return [env_key]
+    if allow_unauthenticated:
+        return None
+    raise UsageError("no API key for the proxy: give --api-key-file F (or MOLCTL_API_KEY), or --allow-unauthenticated")
