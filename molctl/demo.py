@@ -9,6 +9,38 @@ untied lm_head) with a byte-level BPE tokenizer trained on a built-in word list;
 a rank-8 PEFT LoRA on q_proj/v_proj whose B matrices are non-zero, so every adapter changes
 greedy output. Operators also use it to smoke-test a new host (`molctl up tiny`) before copying a
 700 GB model onto it. Needs numpy and tokenizers (both come with vLLM; `pip install 'molctl[cpu]'`).
+
+Chat templates (`--template`, written to `base/chat_template.jinja`, which transformers and vLLM
+prefer over `tokenizer_config.json`): the tiny model is as strict as the real bases, so a proxy
+that sends a message list those bases refuse fails on the demo too. Both files are written for
+molctl from the families' documented behaviour (molctl/templates/), not copied:
+
+- `qwen3.6` (default; profile `tiny`): the Qwen3.5 / Qwen3.6 rules. One system message, first,
+  else "System message must be at the beginning." (vllm-project/vllm#41114, whose maintainer
+  points at Qwen3.5's chat_template.jinja; the same refusal for late or repeated system messages
+  in verl-project/verl#7725 and xinnan-tech/xiaozhi-esp32-server#3282); no `developer` role
+  ("Unexpected message role.", e.g. 1CatAI/1Cat-vLLM#493); "No user query found in messages." without
+  a user turn (verl#7725); no images in the system message; tools in `<tools></tools>` in the
+  system turn and calls as `<tool_call><function=NAME><parameter=K>V</parameter></function>
+  </tool_call>` (docs.vllm.ai, vllm.parser.qwen3 "Qwen3 XML tool call format", the format of the
+  `qwen3_coder` parser the Tall profile uses); tool results as `<tool_response>` blocks in one user
+  turn (Qwen3 function-calling docs); `<think>` kept only after the last user query and
+  `enable_thinking=false` closing an empty think block in the generation prompt (Qwen3.5 template
+  as quoted in Comfy-Org/ComfyUI#15957).
+- `glm5`: the GLM-4.5 / 4.6 / 4.7 / GLM-5 rules. `[gMASK]<sop>`, `<|system|>` `<|user|>`
+  `<|assistant|>` `<|observation|>` turns; system messages accepted anywhere (the family's template
+  renders each where it stands; THUDM/ChatGLM3 PROMPT.md: the system role "can be interspersed in
+  the dialogue in design"); tool calls as `<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value></tool_call>`
+  and results as one `<|observation|>` turn of `<tool_response>` blocks (the GLM-4.5 / 4.7 templates as
+  quoted in ik_llama.cpp discussion #753 and llama.cpp's GLM 4.5 chat-format parser); thinking on by default, `</think>`
+  for earlier turns unless `clear_thinking=false`, `<|assistant|></think>` when `enable_thinking`
+  is false (docs.z.ai "Thinking Mode"; the GLM-4.7 template). The real template skips an unknown
+  role silently; this one raises on `developer` so the loss is visible.
+
+Both name `developer` explicitly: vLLM >= 0.3x rewrites developer messages to system (and merges
+the system messages) only for templates that do not name the role, which would hide the bug.
+Control tokens stay plain text in the tiny tokenizer (a random model must not emit `<tool_call>`
+by chance); the weights and tokenizer are the same for both templates.
 """
 
 from __future__ import annotations
@@ -25,18 +57,9 @@ BASE_NAME = "tiny-mol-llama"
 HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 256, 512, 2, 4, 2, 64
 RANK, ALPHA = 8, 16
 SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = (
-    "{%- for m in messages -%}"
-    "<|im_start|>{{ m['role'] }}\n"
-    "{%- if m['content'] is string %}{{ m['content'] }}"
-    "{%- elif m['content'] %}{% for p in m['content'] %}{% if p['type'] == 'text' %}{{ p['text'] }}{% endif %}{% endfor %}"
-    "{%- endif %}"
-    "{%- if m['tool_calls'] is defined and m['tool_calls'] %}{% for c in m['tool_calls'] %}"
-    "<tool_call>{{ c['function']['name'] }} {{ c['function']['arguments'] }}</tool_call>{% endfor %}{% endif %}"
-    "<|im_end|>\n"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+TEMPLATES = {"qwen3.6": "qwen36-like.jinja", "glm5": "glm5-like.jinja"}
+DEFAULT_TEMPLATE = "qwen3.6"
+TEMPLATE_FILE = "chat_template.jinja"
 WORDS = (
     "the a an and or but if then else when while for to of in on at by with from into over under about as is are "
     "was were be been being have has had do does did can could will would shall should may might must not no yes "
@@ -78,11 +101,19 @@ def _tokenizer(base: Path) -> int:
     (base / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "<|im_end|>",
         "unk_token": "<unk>", "pad_token": "<|im_end|>", "model_max_length": 2048, "add_bos_token": False,
-        "chat_template": CHAT_TEMPLATE,
     }, indent=1))
     (base / "special_tokens_map.json").write_text(json.dumps(
         {"bos_token": "<s>", "eos_token": "<|im_end|>", "unk_token": "<unk>", "pad_token": "<|im_end|>"}, indent=1))
     return tok.get_vocab_size()
+
+
+def template_text(name: str) -> str:
+    """The packaged demo chat template `name` (one of TEMPLATES)."""
+    from importlib.resources import files
+
+    if name not in TEMPLATES:
+        raise MolctlError(f"unknown demo template {name!r}: expected one of {', '.join(TEMPLATES)}")
+    return files("molctl").joinpath("templates", TEMPLATES[name]).read_text(encoding="utf-8")
 
 
 def _bf16(array) -> bytes:
@@ -169,15 +200,29 @@ def _write_adapter(d: Path, rng) -> None:
 
 
 def is_complete(root: Path) -> bool:
-    return (root / "base" / "model.safetensors.index.json").is_file() and all(
+    return (root / "base" / "model.safetensors.index.json").is_file() and (root / "base" / TEMPLATE_FILE).is_file() and all(
         (root / "loras" / r / "adapter_model.safetensors").is_file() for r in ROUTES)
 
 
-def init_tiny(root: Path, seed: int = 0, force: bool = False, if_missing: bool = False) -> dict:
-    """Write the tiny model to `root` (atomically: built in a sibling temp dir, then renamed)."""
+def is_complete_but_template(root: Path) -> bool:
+    base = root / "base"
+    return (base / "model.safetensors.index.json").is_file() and not (base / TEMPLATE_FILE).exists() and all(
+        (root / "loras" / r / "adapter_model.safetensors").is_file() for r in ROUTES)
+
+
+def init_tiny(root: Path, seed: int = 0, force: bool = False, if_missing: bool = False,
+              template: str = DEFAULT_TEMPLATE) -> dict:
+    """Write the tiny model to `root` (atomically: built in a sibling temp dir, then renamed).
+
+    `template` picks the chat template written to base/chat_template.jinja (see TEMPLATES)."""
     root = root.expanduser().absolute()
+    text = template_text(template)
     if if_missing and is_complete(root):
         return {"root": str(root), "created": False}
+    if if_missing and not force and is_complete_but_template(root):
+        # A tiny model from before the strict templates: add the template, keep the weights.
+        (root / "base" / TEMPLATE_FILE).write_text(text, encoding="utf-8")
+        return {"root": str(root), "created": False, "template": template, "template_added": True}
     _require()
     import numpy as np
 
@@ -191,6 +236,7 @@ def init_tiny(root: Path, seed: int = 0, force: bool = False, if_missing: bool =
     base.mkdir(parents=True)
     rng = np.random.default_rng(seed)
     vocab = _tokenizer(base)
+    (base / TEMPLATE_FILE).write_text(text, encoding="utf-8")
     _write_base(base, vocab, rng)
     for i, route in enumerate(ROUTES):
         _write_adapter(tmp / "loras" / route, np.random.default_rng(seed * 100 + i + 1))
@@ -198,4 +244,5 @@ def init_tiny(root: Path, seed: int = 0, force: bool = False, if_missing: bool =
     if root.exists():
         root.rmdir()
     tmp.rename(root)
-    return {"root": str(root), "created": True, "vocab_size": vocab, "seed": seed, "adapters": list(ROUTES)}
+    return {"root": str(root), "created": True, "vocab_size": vocab, "seed": seed, "adapters": list(ROUTES),
+            "template": template}
