@@ -270,22 +270,30 @@ def demo_init_cmd(
     seed: int = typer.Option(0, "--seed", help="Random seed (the output is deterministic per seed)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing non-empty directory."),
     if_missing: bool = typer.Option(False, "--if-missing", help="Do nothing when a complete tiny model is already there."),
+    template: str = typer.Option("qwen3.6", "--template",
+                                 help="Chat template rules: qwen3.6 (the Tall base's family; profile tiny) or glm5 (Venti's)."),
     json_: bool = JSON_OPT,
 ) -> None:
-    """Generate the tiny base model (tokenizer, config, 2 safetensors shards) and LoRA adapters L0-L3."""
-    from molctl.demo import init_tiny
+    """Generate the tiny base model (tokenizer, config, chat template, 2 safetensors shards) and LoRA adapters L0-L3."""
+    from molctl.demo import TEMPLATES, init_tiny
+    from molctl.errors import UsageError
     from molctl.output import Output
     from molctl.profiles import load_profile
 
+    if template not in TEMPLATES:
+        raise UsageError(f"--template {template!r}: expected one of {', '.join(TEMPLATES)}")
     out = Output(as_json=json_)
     root = directory or load_profile("tiny", ctx.obj.dirs()).model_root
-    result = init_tiny(root, seed=seed, force=force, if_missing=if_missing)
+    result = init_tiny(root, seed=seed, force=force, if_missing=if_missing, template=template)
     if json_:
         out.json(result)
+    elif result.get("template_added"):
+        out.line(f"tiny model already present in {result['root']}; added the {template} chat template")
     elif not result["created"]:
         out.line(f"tiny model already present in {result['root']}")
     else:
-        out.line(f"tiny model written to {result['root']} (vocab {result['vocab_size']}, adapters L0-L3, seed {seed})")
+        out.line(f"tiny model written to {result['root']} (vocab {result['vocab_size']}, adapters L0-L3, "
+                 f"{template} chat template, seed {seed})")
 
 
 def main() -> None:
