@@ -15,7 +15,7 @@ from typing import Callable, Iterable, Literal, Mapping
 from molctl.probes import GpuProbe, NvmlProbe, PortProbe
 
 Status = Literal["pass", "warn", "fail", "skip"]
-CATEGORIES = ("profile", "engine", "gpu", "model", "adapter", "port", "state", "security")
+CATEGORIES = ("profile", "engine", "gpu", "model", "adapter", "template", "port", "state", "security")
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class Report:
 
 
 def run_checks(profile, probes: Probes, skip: Iterable[str] = ()) -> Report:
-    from molctl.checks import engine, host, model
+    from molctl.checks import engine, host, model, template
 
     skip = set(skip)
     unknown = skip - set(CATEGORIES)
@@ -73,6 +73,7 @@ def run_checks(profile, probes: Probes, skip: Iterable[str] = ()) -> Report:
         "gpu": host.run_gpu,
         "model": model.run_model,
         "adapter": model.run_adapters,
+        "template": template.run,
         "port": host.run_ports,
         "state": host.run_state,
         "security": host.run_security,

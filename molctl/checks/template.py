@@ -1,0 +1,323 @@
+"""Template checks: the model's own chat template renders every message list the proxy sends.
+
+A template that refuses the proxy's messages (Qwen3.5/3.6: "System message must be at the
+beginning.", vllm#41114; an unknown role) makes the engine answer 400 to every affected request,
+which no other check sees before real traffic does. So:
+
+- `template.found`: the template the engine will use, in the engine's order: the profile's
+  `engine.args.chat-template` (a file, or the template text itself), else `chat_template.jinja`
+  in the tokenizer directory (`engine.args.tokenizer`, default the base model dir; transformers
+  prefers that file), else `chat_template` in its `tokenizer_config.json` (a string, or the
+  list-of-dicts form with named templates: `tool_use` for requests with tools when present,
+  else `default`). None: a warning naming what the engine does instead (vLLM: no default since
+  transformers 4.44, so its chat endpoint fails; SGLang: a built-in template guessed from the
+  model path, if any).
+- `template.render`: the template, compiled once (cached per text) in a sandboxed Jinja
+  environment like Hugging Face's (ImmutableSandboxedEnvironment, trim_blocks, lstrip_blocks,
+  loopcontrols, `raise_exception`, `tojson` with ensure_ascii=False and indent, `strftime_now`, a
+  no-op `{% generation %}`), renders each request of `molctl.proxy.samples` - route, answer and
+  summary hops of sample conversations run through the proxy's own code - with that request's
+  tools and `chat_template_kwargs`, `add_generation_prompt=True` and the tokenizer's bos/eos/unk/pad
+  tokens. Messages are prepared as vLLM does (tool-call arguments parsed to objects, a missing
+  content as ""); they are otherwise rendered exactly as sent (no developer-to-system rewriting,
+  which only some engine versions do). A failure names the error, the hop and the shape.
+
+The render result is remembered in STATE/cache, keyed by the template, the profile and the
+proxy's source files (path, size, mtime): importing the proxy and compiling a real template
+cost ~0.2 s, a cache hit a few milliseconds, so `molctl check` stays about as fast as before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from molctl.checks import CheckResult, Probes
+from molctl.profiles import Profile
+
+JINJA_FILE = "chat_template.jinja"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+@dataclass
+class Template:
+    source: str  # where it came from, for details
+    texts: dict[str, str]  # name -> template text ("default" for a single template)
+    tokens: dict[str, str]
+
+    def pick(self, has_tools: bool) -> tuple[str, str]:
+        if len(self.texts) == 1:
+            return next(iter(self.texts.items()))
+        if has_tools and "tool_use" in self.texts:
+            return "tool_use", self.texts["tool_use"]
+        if "default" in self.texts:
+            return "default", self.texts["default"]
+        raise KeyError(f"no 'default' template among {', '.join(self.texts)}")
+
+
+class NotFound(Exception):
+    pass
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):  # AddedToken form
+        return value["content"]
+    return None
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    return data if isinstance(data, dict) else None
+
+
+def tokenizer_dir(profile: Profile) -> Path:
+    tok = profile.engine.args.get("tokenizer")
+    if isinstance(tok, str) and tok.strip():
+        path = Path(tok).expanduser()
+        if path.is_absolute() or path.exists():
+            return path
+    return profile.base_dir
+
+
+def find_template(profile: Profile) -> Template:
+    """The chat template the engine will use; raises NotFound (with the reason) or ValueError."""
+    directory = tokenizer_dir(profile)
+    config = _read_json(directory / TOKENIZER_CONFIG) or {}
+    tokens = {k: t for k in SPECIAL_TOKENS if (t := _token_text(config.get(k))) is not None}
+    if len(tokens) < len(SPECIAL_TOKENS):
+        special = _read_json(directory / "special_tokens_map.json") or {}
+        for k in SPECIAL_TOKENS:
+            if k not in tokens and (t := _token_text(special.get(k))) is not None:
+                tokens[k] = t
+
+    flag = profile.engine.args.get("chat-template")
+    if isinstance(flag, str) and flag:
+        path = Path(flag).expanduser()
+        try:
+            if path.is_file():
+                return Template(f"{path} (engine flag chat-template)", {"default": path.read_text(encoding="utf-8")}, tokens)
+        except OSError:
+            pass
+        if any(c in flag for c in "{}\n"):
+            return Template("the engine flag chat-template (inline)", {"default": flag}, tokens)
+        raise NotFound(f"engine flag chat-template {flag!r} names no file here (a built-in template name of the "
+                       f"engine is not rendered by this check)")
+
+    jinja = directory / JINJA_FILE
+    if jinja.is_file():
+        try:
+            return Template(str(jinja), {"default": jinja.read_text(encoding="utf-8")}, tokens)
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{jinja}: {exc}") from None
+
+    value = config.get("chat_template")
+    if isinstance(value, str) and value:
+        return Template(f"{directory / TOKENIZER_CONFIG} chat_template", {"default": value}, tokens)
+    if isinstance(value, list) and value:
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        if not named or not all(isinstance(k, str) and isinstance(v, str) for k, v in named.items()):
+            raise ValueError(f"{directory / TOKENIZER_CONFIG}: chat_template list entries need a string 'name' and 'template'")
+        return Template(f"{directory / TOKENIZER_CONFIG} chat_template (named: {', '.join(named)})", named, tokens)
+    raise NotFound(f"no chat template: no {JINJA_FILE} or 'chat_template' in {directory / TOKENIZER_CONFIG}, "
+                   "and no engine flag chat-template")
+
+
+def _fallback(profile: Profile) -> str:
+    if profile.engine.kind == "sglang":
+        return ("SGLang falls back to a built-in conversation template guessed from the model path, if one "
+                "matches, else its chat endpoint cannot format messages")
+    return ("vLLM has no default (transformers >= 4.44), so /v1/chat/completions fails: 'default chat template is "
+            "no longer allowed'; give the model a template or set engine.args.chat-template")
+
+
+# ---------------------------------------------------------------------------------- rendering
+@lru_cache(maxsize=16)
+def compile_template(text: str):
+    """Compile `text` like Hugging Face's apply_chat_template does (cached per text)."""
+    import jinja2
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        """`{% generation %}...{% endgeneration %}` (assistant-token masks in training templates): a no-op."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+        def _render(self, caller):
+            return caller()
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(fmt):
+        return datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env.from_string(text)
+
+
+def engine_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as vLLM hands them to the template: tool-call arguments parsed to objects (an
+    unparseable or non-object value becomes {}), a missing content as ""."""
+    out = []
+    for msg in messages:
+        msg = dict(msg)
+        if msg.get("content") is None:
+            msg["content"] = ""
+        calls = msg.get("tool_calls")
+        if msg.get("role") == "assistant" and isinstance(calls, list):
+            if not calls:
+                msg.pop("tool_calls")
+            else:
+                fixed = []
+                for call in calls:
+                    call = dict(call)
+                    fn = dict(call.get("function") or {})
+                    args = fn.get("arguments")
+                    if isinstance(args, str):
+                        try:
+                            args = json.loads(args) if args else {}
+                        except ValueError:
+                            args = {}
+                    fn["arguments"] = args if isinstance(args, dict) else {}
+                    call["function"] = fn
+                    fixed.append(call)
+                msg["tool_calls"] = fixed
+        out.append(msg)
+    return out
+
+
+def render(template: Template, payload: dict[str, Any]) -> str:
+    """Render one engine request's messages; raises what the template raises."""
+    tools = payload.get("tools") or None
+    _, text = template.pick(bool(tools))
+    kwargs = dict(payload.get("chat_template_kwargs") or {})
+    kwargs.update(messages=engine_messages(payload["messages"]), tools=tools, add_generation_prompt=True)
+    for key, value in template.tokens.items():
+        kwargs.setdefault(key, value)
+    return compile_template(text).render(**kwargs)
+
+
+def _error_text(exc: BaseException) -> str:
+    message = str(exc).strip() or type(exc).__name__
+    first = message.splitlines()[0]
+    return first if type(exc).__name__ == "TemplateError" else f"{type(exc).__name__}: {first}"
+
+
+def _cache_path(profile: Profile, template: Template, probes: Probes) -> Path | None:
+    if probes.state_dir is None or not probes.state_dir.is_dir():
+        return None
+    import molctl
+    import molctl.proxy
+
+    h = hashlib.sha256()
+    h.update(json.dumps([template.source, template.texts, template.tokens], sort_keys=True).encode())
+    h.update(repr(profile).encode())
+    root = Path(molctl.__file__).parent
+    for base, pattern in ((Path(molctl.proxy.__file__).parent, "*.py"), (root / "engines", "*.py"),
+                          (Path(__file__).parent, "template.py"), (root, "profiles.py")):
+        for path in sorted(base.glob(pattern)):
+            st = path.stat()
+            h.update(f"{path}:{st.st_size}:{st.st_mtime_ns};".encode())
+    return probes.state_dir / "cache" / f"template-{h.hexdigest()[:24]}.json"
+
+
+def _cached(path: Path | None) -> CheckResult | None:
+    if path is None:
+        return None
+    try:
+        data = json.loads(path.read_text())
+        return CheckResult("template.render", data["status"], data["detail"] + " (remembered from an earlier check)")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _remember(path: Path | None, result: CheckResult) -> None:
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for old in path.parent.glob("template-*.json"):
+            if old != path and time.time() - old.stat().st_mtime > 7 * 86400:
+                old.unlink(missing_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"status": result.status, "detail": result.detail}))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def run(profile: Profile, probes: Probes) -> list[CheckResult]:
+    if not tokenizer_dir(profile).is_dir() and not profile.engine.args.get("chat-template"):
+        return [CheckResult("template.found", "skip", f"{tokenizer_dir(profile)} is missing (see model.root)"),
+                CheckResult("template.render", "skip", "no template to render")]
+    try:
+        template = find_template(profile)
+    except NotFound as exc:
+        return [CheckResult("template.found", "warn", f"{exc}; {_fallback(profile)}"),
+                CheckResult("template.render", "skip", "no template to render")]
+    except ValueError as exc:
+        return [CheckResult("template.found", "fail", str(exc)),
+                CheckResult("template.render", "skip", "no template to render")]
+    out = [CheckResult("template.found", "pass", f"{template.source} ({sum(map(len, template.texts.values()))} chars)")]
+    cache = _cache_path(profile, template, probes)
+    if (hit := _cached(cache)) is not None:
+        return [*out, hit]
+    started = time.perf_counter()
+    result = _render_all(profile, template)
+    _remember(cache, result)
+    return [*out, CheckResult(result.id, result.status, f"{result.detail} (in {(time.perf_counter() - started) * 1000:.0f} ms)")]
+
+
+def _render_all(profile: Profile, template: Template) -> CheckResult:
+    from molctl.proxy.samples import collect
+
+    try:
+        requests = collect(profile)
+    except Exception as exc:  # the proxy itself failed on a sample: that is a finding too
+        return CheckResult("template.render", "fail", f"the proxy failed to build its sample requests: {_error_text(exc)}")
+    failures: list[tuple[str, str, str]] = []
+    for req in requests:
+        try:
+            render(template, req.payload)
+        except Exception as exc:  # template errors, and TypeError/UndefinedError from a template that assumes shapes
+            failures.append((req.hop, req.shape, _error_text(exc)))
+    shapes = len({r.shape for r in requests})
+    if failures:
+        hop, shape, error = failures[0]
+        more = ""
+        if len(failures) > 1:
+            others = sorted({f"{h}/{s}" for h, s, _ in failures[1:]} - {f"{hop}/{shape}"})
+            more = f"; {len(failures)} of {len(requests)} requests fail" + (f" (also {', '.join(others[:3])}"
+                                                                              f"{' and more' if len(others) > 3 else ''})" if others else "")
+        return CheckResult("template.render", "fail",
+                           f"{template.source} raises {error!r} on the {hop} hop for shape '{shape}'{more}")
+    return CheckResult("template.render", "pass",
+                       f"{len(requests)} requests of {shapes} shapes (route, answer, summary hops) render with "
+                       f"{template.source}")
