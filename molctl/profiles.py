@@ -99,6 +99,10 @@ SCHEMA: dict[str, Any] = {
         "route_max_tokens": int,
         "summary_max_tokens": int,
         "summary_wait_s": (int, float),
+        "summary_queue_max": int,
+        "route_timeout_s": (int, float),
+        "route_max_input_chars": int,
+        "stream_write_timeout_s": (int, float),
         "reasoning": str,
         "sampling_defaults": _MapOf(SCALAR),
     },
@@ -159,6 +163,10 @@ class ProxySpec:
     route_max_tokens: int = 24
     summary_max_tokens: int = 192
     summary_wait_s: float = 5.0
+    summary_queue_max: int = 256  # summaries waiting for a slot; more are dropped (counted)
+    route_timeout_s: float = 10.0  # the route hop's own deadline; then the fallback route
+    route_max_input_chars: int = 4000  # the router sees at most this much of the request
+    stream_write_timeout_s: float = 60.0  # a stream client that reads nothing this long is dropped
     reasoning: str = "none"
     sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
 
@@ -415,9 +423,12 @@ def build_profile(data: dict[str, Any], source: Path, lines: dict[str, int] | No
         raise v.fail("proxy.default_route", f"{proxy['default_route']!r}: expected one of {', '.join(ROUTES)}")
     if proxy.get("reasoning", "none") not in REASONING_STYLES:
         raise v.fail("proxy.reasoning", f"{proxy['reasoning']!r}: expected one of {', '.join(REASONING_STYLES)}")
-    for key in ("max_output_tokens", "route_max_tokens", "summary_max_tokens"):
+    for key in ("max_output_tokens", "route_max_tokens", "summary_max_tokens", "summary_queue_max",
+                "route_timeout_s", "stream_write_timeout_s"):
         if key in proxy and proxy[key] <= 0:
             raise v.fail(f"proxy.{key}", "must be > 0")
+    if proxy.get("route_max_input_chars", 4000) < 200:
+        raise v.fail("proxy.route_max_input_chars", "must be >= 200")
 
     prompts = dict(data["prompts"])
     if sorted(prompts["adapters"]) != list(ROUTES):

@@ -6,6 +6,19 @@ configuration (POST /_config, merged) and by directives in the user's text:
   [tool:NAME]   the answer hop answers with a call of tool NAME (unless the last message is a tool result)
 Answers never contain an adapter name: tests learn who answered from GET /_log.
 
+Strict mode (config `strict: true`, the default of the proxy contract tests) rejects what the
+real bases reject, with vLLM's status and message:
+- the window rule: prompt tokens + max_tokens <= max_model_len (config `max_model_len`); the
+  prompt's tokens are estimated as its whitespace-separated words plus 4 per message. With no
+  max_tokens, vLLM gives the request the room left (max_model_len - prompt), and a prompt that
+  alone exceeds the window fails (vllm/entrypoints/serve/utils/api_utils.py get_max_tokens,
+  vllm/renderers/params.py _token_len_check: "This model's maximum context length is N tokens.
+  However, your prompt contains P input tokens, ...");
+- the Qwen3.5/3.6 chat template's rules (vLLM answers a template exception as a 400 with its
+  message, vLLM issue 41114): one system message, first ("System message must be at the
+  beginning."), only the roles system/user/assistant/tool ("Unexpected message role." for
+  `developer`), and at least one user message ("No user query found in messages.").
+
 Also serves as the fake engine of the lifecycle tests (issue 4): /health, /v1/models and /version.
 """
 
@@ -32,19 +45,67 @@ DEFAULT_CONFIG = {
     "summary_fail": 0,  # fail this many summary hops with 500
     "token_delay": 0.0,
     "tool_arg_chunks": 3,
-    "answer_error": None,  # {"status": 400, "body": {...}} for the answer hop
+    "answer_error": None,  # {"status": 400, "body": {...}, "headers": {...}} for the answer hop
     "answer_words": 0,  # extra words after "answer-N" (for long streams)
+    "answer_word": "word",  # the extra word (a long one makes a big stream)
+    "answer_finish": None,  # override the answer's finish reason (e.g. "abort")
+    "stream_error_after": None,  # after this many content pieces, an error frame then [DONE] (vLLM's way)
+    "strict": False,  # enforce vLLM's window rule and the Qwen3.5/3.6 template's role rules
+    "max_model_len": 2048,  # the window in strict mode
 }
+
+
+def vllm_error(message: str, status: int = 400, err_type: str = "BadRequestError") -> web.Response:
+    """vLLM's error body (vllm/entrypoints/serve/engine/protocol.py ErrorResponse)."""
+    return web.json_response({"error": {"message": message, "type": err_type, "param": None, "code": status}},
+                             status=status)
+
+
+def estimate_tokens(payload: dict) -> int:
+    words = 0
+    messages = payload.get("messages") or []
+    for msg in messages:
+        words += 4 + len(text_of(msg.get("content")).split())
+        for call in msg.get("tool_calls") or []:
+            words += len(json.dumps(call).split())
+    if payload.get("tools"):
+        words += len(json.dumps(payload["tools"]).split())
+    return words
+
+
+def strict_violation(payload: dict) -> web.Response | None:
+    messages = payload.get("messages") or []
+    for i, msg in enumerate(messages):
+        role = msg.get("role")
+        if role not in ("system", "user", "assistant", "tool"):
+            return vllm_error("Unexpected message role.")
+        if role == "system" and i > 0:
+            return vllm_error("System message must be at the beginning.")
+    if not any(m.get("role") == "user" for m in messages):
+        return vllm_error("No user query found in messages.")
+    window = STATE.config["max_model_len"]
+    prompt = estimate_tokens(payload)
+    max_tokens = payload.get("max_tokens")
+    if prompt > window or (max_tokens is None and prompt >= window):
+        return vllm_error(f"This model's maximum context length is {window} tokens. However, your prompt contains "
+                          f"{prompt} input tokens, which exceeds this limit even without any output tokens. "
+                          f"Please reduce the length of the input prompt.")
+    if max_tokens is not None and prompt + max_tokens > window:
+        return vllm_error(f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum "
+                          f"context length is {window} tokens and your request has {prompt} input tokens "
+                          f"({max_tokens} > {window} - {prompt}).")
+    return None
 
 
 class Engine:
     def __init__(self):
-        self.config = dict(DEFAULT_CONFIG)
+        self.base = dict(DEFAULT_CONFIG)  # DEFAULT_CONFIG + the --config given at start (kept by /_reset)
+        self.config = dict(self.base)
         self.log: list[dict] = []
         self.counter = 0
 
     def reset(self):
-        self.config = dict(DEFAULT_CONFIG)
+        self.config = dict(self.base)
         self.log = []
 
 
@@ -54,7 +115,7 @@ STATE = Engine()
 def text_of(content) -> str:
     if isinstance(content, list):
         return " ".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return content or ""
+    return content if isinstance(content, str) else ""
 
 
 def completion(model: str, message: dict, finish: str, usage: dict) -> dict:
@@ -76,6 +137,11 @@ async def chat(request: web.Request) -> web.StreamResponse:
                       "t": time.time()})
     messages = payload.get("messages") or []
     last = messages[-1] if messages else {}
+    if cfg["strict"]:
+        rejected = strict_violation(payload)
+        if rejected is not None:
+            STATE.log[-1]["rejected"] = json.loads(rejected.text)["error"]["message"]
+            return rejected
     usage = {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13,
              "prompt_tokens_details": {"cached_tokens": 4}}
     if hop == "route":
@@ -97,7 +163,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
     await asyncio.sleep(cfg["answer_delay"])
     if cfg["answer_error"]:
         err = cfg["answer_error"]
-        return web.json_response(err["body"], status=err["status"])
+        return web.json_response(err["body"], status=err["status"], headers=err.get("headers"))
     STATE.counter += 1
     n = STATE.counter
     tool = None
@@ -111,7 +177,8 @@ async def chat(request: web.Request) -> web.StreamResponse:
     elif last.get("role") == "tool":
         message, finish = {"content": f"answer-{n} using {text_of(last.get('content'))}"}, "stop"
     else:
-        message, finish = {"content": f"answer-{n}" + " word" * cfg["answer_words"]}, "stop"
+        message, finish = {"content": f"answer-{n}" + (" " + cfg["answer_word"]) * cfg["answer_words"]}, "stop"
+    finish = cfg["answer_finish"] or finish
     if not payload.get("stream"):
         return web.json_response(completion(model, message, finish, usage))
 
@@ -146,7 +213,16 @@ async def stream_body(resp, emit, message, finish, tool, cfg, payload, model, us
             await asyncio.sleep(cfg["token_delay"])
             await emit({"tool_calls": [{"index": 0, "function": {"arguments": args[i:i + size]}}]})
     else:
-        for piece in re.findall(r"\S+\s*", message["content"]):
+        for i, piece in enumerate(re.findall(r"\S+\s*", message["content"])):
+            if cfg["stream_error_after"] is not None and i >= cfg["stream_error_after"]:
+                # vLLM: create_streaming_error_response(e), then [DONE]
+                # (vllm/entrypoints/openai/chat_completion/serving.py)
+                err = {"error": {"message": "EngineCore encountered an issue.", "type": "InternalServerError",
+                                 "param": None, "code": 500}}
+                await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
+                await resp.write(b"data: [DONE]\n\n")
+                await resp.write_eof()
+                return
             await asyncio.sleep(cfg["token_delay"])
             await emit({"content": piece})
     await emit({}, finish)
@@ -216,9 +292,10 @@ def main() -> None:
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--config", default="{}", help="initial config JSON")
     args, _ = parser.parse_known_args()
+    STATE.base.update(json.loads(args.config))
     STATE.config.update(json.loads(args.config))
     if args.served_model_name:
-        STATE.config["served_name"] = args.served_model_name
+        STATE.config["served_name"] = STATE.base["served_name"] = args.served_model_name
     env = os.environ
     print(f"fake engine pid {os.getpid()} starting on {args.host}:{args.port}", flush=True)
     if env.get("FAKE_IGNORE_TERM") == "1":

@@ -34,11 +34,12 @@ def test_turn_boundary_includes_the_answer():
     assert h.head_end == 1
     assert [(s.start, s.end) for s in h.segments] == [(1, 3), (3, 5)]
     assert h.tail_start == 5
+    system = {"role": "system", "content": ID + "\n\nS"}  # identity + the client's system text: one message
     assert own_view(P, ID, msgs, h, "L2") == [
-        {"role": "system", "content": ID}, msgs[0], u("q1"), a("a1"), u("q2"),
+        system, u("q1"), a("a1"), u("q2"),
         a(P.prompts.fold.replace("{summary}", "did q2")), u("q3")]
     assert own_view(P, ID, msgs, h, "L1") == [
-        {"role": "system", "content": ID}, msgs[0], u("q1"), a(P.prompts.fold.replace("{summary}", "did q1")),
+        system, u("q1"), a(P.prompts.fold.replace("{summary}", "did q1")),
         u("q2"), a("a2"), u("q3")]
 
 
@@ -60,10 +61,23 @@ def test_unknown_turns_stay_verbatim_and_missing_summary_is_marked():
     assert view[3:5] == [u("q2"), a(P.prompts.fold.replace("{summary}", "(not available)"))]
 
 
-def test_identity_present_once_and_client_system_verbatim():
+def test_identity_present_once_and_one_system_message():
     msgs = [{"role": "system", "content": ID}, {"role": "developer", "content": "dev"}, u("q")]
     view = own_view(P, ID, msgs, history_of(msgs, {}), "L0")
-    assert view == msgs
+    assert view == [{"role": "system", "content": ID + "\n\ndev"}, u("q")]  # no developer role reaches the engine
+
+
+def test_mid_conversation_instructions_become_notes_and_survive_folding():
+    msgs = [u("q1"), {"role": "developer", "content": "be brief"}, a("a1"), {"role": "system", "content": "now French"}, u("q2")]
+    h = history_of(msgs, {2: TurnRecord("L2", summary="did q1")})
+    own = own_view(P, ID, msgs, h, "L2")
+    other = own_view(P, ID, msgs, h, "L1")
+    note = lambda t: u("[system note] " + t)  # noqa: E731
+    assert own == [{"role": "system", "content": ID}, u("q1"), note("be brief"), a("a1"), note("now French"), u("q2")]
+    assert other == [{"role": "system", "content": ID}, u("q1"), note("be brief"),
+                     a(P.prompts.fold.replace("{summary}", "did q1")), note("now French"), u("q2")]
+    for view in (own, other):
+        assert [m["role"] for m in view].count("system") == 1 and view[0]["role"] == "system"
 
 
 def test_prefix_keys_tolerate_reserialised_arguments_and_dropped_reasoning():

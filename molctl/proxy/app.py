@@ -2,10 +2,26 @@
 
 Endpoints: GET /health (liveness, no auth), GET /readyz (no auth; 503 unless the engine answers
 and lists L0-L3 under the expected parent and the proxy is not draining; probe cached ~1 s),
-GET /v1/models, POST /v1/chat/completions, GET /metrics (plain counters).
+GET /v1/models, GET /v1/models/{id} (the public model; 404 for any other id),
+POST /v1/chat/completions, GET /metrics (plain counters; answered during a drain too).
 Auth: `Authorization: Bearer <key>` against the keys of the key file, compared in constant time.
 Drain: `start_drain()` (on SIGTERM) turns /readyz to 503 and answers new requests 503 with
 Retry-After while in-flight requests, streams included, run to completion.
+
+Streams and status codes: the `200` and the SSE headers are held back until the first chunk of
+the answer exists (the engine's first event, i.e. its first token) or until `sse_keepalive_s`
+passed, whichever comes first. Everything that fails before then (a 400 context overflow, a 503
+with Retry-After, a 502 for an unreachable engine) is answered exactly as in non-stream mode:
+same status, JSON body and headers. After `sse_keepalive_s` without a token (a slow route hop,
+summaries being waited for, a long prefill) the 200 goes out with a keep-alive comment, then one
+every `sse_keepalive_s`; a failure after that point, or after some deltas, is an OpenAI error
+frame (`data: {"error": ...}`) followed by `data: [DONE]`. A stream client that reads nothing
+for `proxy.stream_write_timeout_s` is dropped and its engine request cancelled.
+
+Failures: a malformed request is a JSON 400 naming the field; anything unexpected is logged once
+with its request id and answered as a JSON 500 in the OpenAI error shape naming that id (also in
+the `x-request-id` header, which every chat response carries). Bodies over BIG_BODY bytes are
+parsed and prepared in a worker thread so the event loop keeps serving.
 """
 
 from __future__ import annotations
@@ -15,6 +31,7 @@ import hashlib
 import hmac
 import json
 import logging
+import os
 import time
 from typing import Any, Awaitable, Callable
 
@@ -23,7 +40,8 @@ from molctl.profiles import Profile
 from molctl.proxy.conversations import ConversationStore, MemoryStore
 from molctl.proxy.engine_client import EngineClient
 from molctl.proxy.errors import EngineUnavailable, ProxyError
-from molctl.proxy.orchestrator import Counters, Orchestrator
+from molctl.proxy.orchestrator import Counters, Orchestrator, Plan
+from molctl.proxy.validation import parse_body
 
 log = logging.getLogger("molctl.proxy")
 
@@ -31,6 +49,7 @@ Send = Callable[[dict], Awaitable[None]]
 Receive = Callable[[], Awaitable[dict]]
 
 MAX_BODY = 8 * 1024 * 1024
+BIG_BODY = 512 * 1024  # parse + prepare larger bodies in a worker thread
 JSON_HEADERS = [(b"content-type", b"application/json")]
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                (b"x-accel-buffering", b"no")]
@@ -53,9 +72,8 @@ class ProxyApp:
         self.inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
-        models = {"object": "list", "data": [{"id": profile.served_model_name, "object": "model", "created": 0,
-                                              "owned_by": "molctl"}]}
-        self._models_body = json.dumps(models).encode()
+        self._model = {"id": profile.served_model_name, "object": "model", "created": 0, "owned_by": "molctl"}
+        self._models_body = json.dumps({"object": "list", "data": [self._model]}).encode()
 
     # ------------------------------------------------------------------ lifecycle
     async def startup(self) -> None:
@@ -83,33 +101,59 @@ class ProxyApp:
             return
         if scope["type"] != "http":
             return
+        rid = "req-" + os.urandom(8).hex()
+        state = {"started": False}
+
+        async def tracked(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                state["started"] = True
+            await send(message)
+
+        try:
+            await self._route(scope, receive, tracked, rid)
+        except ProxyError as exc:
+            if not state["started"]:
+                await self._error(tracked, exc, rid)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a bug: logged once, answered in the OpenAI error shape
+            self.counters.inc("internal_errors_total")
+            log.exception("request %s failed", rid)
+            if not state["started"]:
+                await self._error(tracked, internal_error(rid), rid)
+
+    async def _route(self, scope: dict, receive: Receive, send: Send, rid: str) -> None:
         path = scope["path"].rstrip("/") or "/"
         method = scope["method"]
-        try:
-            if path == "/health" and method == "GET":
-                await self._json(send, 200, {"status": "draining" if self.draining else "ok"})
-                return
-            if path == "/readyz" and method == "GET":
-                ok, why = await self.ready()
-                await self._json(send, 200 if ok else 503, {"status": "ready" if ok else "not_ready", "detail": why})
-                return
-            tenant = self._authenticate(scope)
-            if self.draining:
-                raise ProxyError(503, "The server is shutting down; retry on another instance.", "server_error",
-                                 "draining", headers={"retry-after": "5"})
-            if path == "/v1/models" and method == "GET":
-                await send({"type": "http.response.start", "status": 200, "headers": JSON_HEADERS})
-                await send({"type": "http.response.body", "body": self._models_body})
-                return
-            if path == "/metrics" and method == "GET":
-                await self._metrics(send)
-                return
-            if path == "/v1/chat/completions" and method == "POST":
-                await self._chat(scope, receive, send, tenant)
-                return
-            raise ProxyError(404, f"Unknown endpoint: {method} {scope['path']}", "invalid_request_error", "not_found", "path")
-        except ProxyError as exc:
-            await self._error(send, exc)
+        if path == "/health" and method == "GET":
+            await self._json(send, 200, {"status": "draining" if self.draining else "ok"})
+            return
+        if path == "/readyz" and method == "GET":
+            ok, why = await self.ready()
+            await self._json(send, 200 if ok else 503, {"status": "ready" if ok else "not_ready", "detail": why})
+            return
+        tenant = self._authenticate(scope)
+        if path == "/metrics" and method == "GET":  # scraped during a drain too
+            await self._metrics(send)
+            return
+        if self.draining:
+            raise ProxyError(503, "The server is shutting down; retry on another instance.", "server_error",
+                             "draining", headers={"retry-after": "5"})
+        if path == "/v1/models" and method == "GET":
+            await send({"type": "http.response.start", "status": 200, "headers": JSON_HEADERS})
+            await send({"type": "http.response.body", "body": self._models_body})
+            return
+        if path.startswith("/v1/models/") and method == "GET":
+            model_id = path[len("/v1/models/"):]
+            if model_id != self.profile.served_model_name:
+                raise ProxyError(404, f"The model '{model_id}' does not exist.", "invalid_request_error",
+                                 "model_not_found", "model")
+            await self._json(send, 200, self._model)
+            return
+        if path == "/v1/chat/completions" and method == "POST":
+            await self._chat(scope, receive, send, tenant, rid)
+            return
+        raise ProxyError(404, f"Unknown endpoint: {method} {scope['path']}", "invalid_request_error", "not_found", "path")
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -147,8 +191,8 @@ class ProxyApp:
         await send({"type": "http.response.start", "status": status, "headers": hdrs})
         await send({"type": "http.response.body", "body": raw})
 
-    async def _error(self, send: Send, exc: ProxyError) -> None:
-        await self._json(send, exc.status, exc.body(), exc.headers)
+    async def _error(self, send: Send, exc: ProxyError, rid: str | None = None) -> None:
+        await self._json(send, exc.status, exc.body(), {**exc.headers, **({"x-request-id": rid} if rid else {})})
 
     async def _metrics(self, send: Send) -> None:
         lines = [f"molctl_proxy_{k} {v}" for k, v in sorted(self.counters.values.items())]
@@ -205,17 +249,19 @@ class ProxyApp:
                 return b"".join(chunks)
 
     # ------------------------------------------------------------------ chat
-    async def _chat(self, scope: dict, receive: Receive, send: Send, tenant: str) -> None:
+    def _plan(self, raw: bytes, tenant: str) -> Plan:
+        plan = self.orch.prepare(parse_body(raw), tenant)
+        plan.big = plan.big or len(raw) > BIG_BODY
+        return plan
+
+    async def _chat(self, scope: dict, receive: Receive, send: Send, tenant: str, rid: str) -> None:
         raw = await self._read_body(receive)
-        try:
-            body = json.loads(raw)
-        except ValueError as exc:
-            raise ProxyError(400, f"The body is not valid JSON: {exc}", "invalid_request_error", "invalid_json") from None
-        plan = self.orch.prepare(body, tenant)
+        plan = await asyncio.to_thread(self._plan, raw, tenant) if len(raw) > BIG_BODY else self._plan(raw, tenant)
+        del raw
         self.counters.inc("requests_total")
         self.inflight += 1
         self._idle.clear()
-        work = asyncio.ensure_future(self._stream(plan, send) if plan.stream else self._complete(plan, send))
+        work = asyncio.ensure_future(self._stream(plan, send, rid) if plan.stream else self._complete(plan, send, rid))
         watch = asyncio.ensure_future(self._wait_disconnect(receive))
         try:
             done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -223,6 +269,7 @@ class ProxyApp:
                 self.counters.inc("client_disconnects_total")
                 work.cancel()
                 await asyncio.gather(work, return_exceptions=True)
+                self.orch.abandon(plan)
             else:
                 work.result()
         finally:
@@ -235,42 +282,74 @@ class ProxyApp:
         while (await receive())["type"] != "http.disconnect":
             pass
 
-    async def _complete(self, plan, send: Send) -> None:
-        try:
-            await self.orch.route(plan)
-            body = await self.orch.complete(plan)
-        except ProxyError:
-            raise
-        except Exception:  # a bug must still answer in the OpenAI error shape
-            log.exception("request failed")
-            raise ProxyError(500, "Internal proxy error.", "server_error", "proxy_error") from None
-        await self._json(send, 200, body)
+    async def _complete(self, plan: Plan, send: Send, rid: str) -> None:
+        await self.orch.route(plan)
+        body = await self.orch.complete(plan)
+        await self._json(send, 200, body, {"x-request-id": rid})
         self.orch.start_summary(plan)
 
-    async def _stream(self, plan, send: Send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+    async def _chunks(self, plan: Plan):
+        await self.orch.route(plan)
+        async for chunk in self.orch.stream(plan):
+            yield chunk
 
-        async def frame(data: bytes) -> None:
-            await send({"type": "http.response.body", "body": data, "more_body": True})
+    async def _stream(self, plan: Plan, send: Send, rid: str) -> None:
+        """See the module docstring: headers wait for the first chunk or sse_keepalive_s."""
+        write_timeout = self.profile.proxy.stream_write_timeout_s
+        started = False
 
-        await frame(b": keepalive\n\n")
+        async def write(data: bytes, more: bool = True) -> None:
+            nonlocal started
+            if not started:
+                await send({"type": "http.response.start", "status": 200,
+                            "headers": SSE_HEADERS + [(b"x-request-id", rid.encode())]})
+                started = True
+            async with asyncio.timeout(write_timeout):
+                await send({"type": "http.response.body", "body": data, "more_body": more})
+
+        chunks = self._chunks(plan)
+        pending: asyncio.Future | None = None
+        failure: ProxyError | None = None
         try:
-            route = asyncio.ensure_future(self.orch.route(plan))
             while True:
-                done, _ = await asyncio.wait({route}, timeout=self.sse_keepalive_s)
-                if done:
-                    route.result()
+                if pending is None:
+                    pending = asyncio.ensure_future(chunks.__anext__())
+                done, _ = await asyncio.wait({pending}, timeout=self.sse_keepalive_s)
+                if not done:
+                    await write(b": keepalive\n\n")
+                    continue
+                future, pending = pending, None
+                try:
+                    chunk = future.result()
+                except StopAsyncIteration:
                     break
-                await frame(b": keepalive\n\n")
-            async for chunk in self.orch.stream(plan):
-                await frame(b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n")
+                await write(b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n")
         except ProxyError as exc:
-            await frame(b"data: " + json.dumps(exc.body()).encode() + b"\n\n")
-            plan.record = None
-        except Exception:  # never leave a stream without a terminator
-            log.exception("stream failed")
-            err = ProxyError(500, "Internal proxy error.", "server_error", "proxy_error")
-            await frame(b"data: " + json.dumps(err.body()).encode() + b"\n\n")
-            plan.record = None
-        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+            failure = exc
+        except asyncio.TimeoutError:  # the client stopped reading: drop it, cancel the engine request
+            self.counters.inc("stream_write_timeouts_total")
+            log.warning("request %s: stream client read nothing for %.0f s; dropped", rid, write_timeout)
+            self.orch.abandon(plan)
+            return
+        except Exception:
+            if not started:
+                raise  # answered as a JSON 500 by __call__
+            self.counters.inc("internal_errors_total")
+            log.exception("request %s: stream failed", rid)
+            failure = internal_error(rid)
+        finally:
+            if pending is not None:
+                pending.cancel()
+                await asyncio.gather(pending, return_exceptions=True)
+            await chunks.aclose()
+        if failure is not None:
+            self.orch.abandon(plan)
+            if not started:  # nothing sent yet: the same answer as without stream
+                raise failure
+            await write(b"data: " + json.dumps(failure.body()).encode() + b"\n\n")
+        await write(b"data: [DONE]\n\n", more=False)
         self.orch.start_summary(plan)
+
+
+def internal_error(rid: str) -> ProxyError:
+    return ProxyError(500, f"Internal proxy error (request id {rid}).", "server_error", "proxy_error")

@@ -3,8 +3,11 @@
 Plain clients (the `openai` SDK) resend the whole history every turn. Every message gets a
 canonical form (role, text, tool calls with arguments re-serialised canonically, tool_call_id;
 reasoning excluded since clients often drop it), and a running SHA-256 over those forms gives
-one key per message prefix, seeded with the tenant (the API key that authenticated). When the
-proxy answers, it records the key of "history + its answer"; a later request containing that
+one key per message prefix, seeded with the tenant (the API key that authenticated).
+System and developer messages do not enter the keys: clients often put a timestamp or RAG
+context in the system prompt, which changes every turn, and the conversation must still be
+recognised (two conversations that differ only in their system text share their records, which
+is harmless: the same dialogue was routed and summarised). When the proxy answers, it records the key of "history + its answer"; a later request containing that
 same prefix finds the record: which adapter answered that turn, and the turn's summary.
 
 Tool calls are bound separately by (tenant, tool_call_id) with the canonical arguments, so a
@@ -19,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -66,22 +70,50 @@ def canonical_message(msg: dict[str, Any]) -> bytes:
     return json.dumps(form, separators=(",", ":"), ensure_ascii=False).encode()
 
 
+INSTRUCTION_ROLES = ("system", "developer")
+
+
+def is_turn_end(msg: dict[str, Any]) -> bool:
+    """An assistant's final answer (no tool calls) ends a turn."""
+    return msg.get("role") == "assistant" and not tool_calls_of(msg)
+
+
+class ConversationKeys:
+    """One pass over the messages: the keys of the prefixes that end a turn (the only ones the
+    store is asked about) and the running hash, so the key of "messages + answer" costs one
+    message more, not another pass. Linear; about 3 us per message."""
+
+    def __init__(self, tenant: str, messages: list[dict[str, Any]]):
+        h = hashlib.sha256(tenant.encode())
+        self.at: dict[int, bytes] = {}
+        last = len(messages) - 1
+        for i, msg in enumerate(messages):
+            if msg.get("role") in INSTRUCTION_ROLES:
+                continue
+            h.update(canonical_message(msg))
+            if i < last and is_turn_end(msg):
+                self.at[i] = h.copy().digest()
+        self._hash = h
+
+    def extend(self, extra: dict[str, Any]) -> bytes:
+        h = self._hash.copy()
+        h.update(canonical_message(extra))
+        return h.digest()
+
+
 def prefix_keys(tenant: str, messages: list[dict[str, Any]]) -> list[bytes]:
-    """keys[i] identifies messages[:i+1] for this tenant."""
+    """keys[i] identifies messages[:i+1] for this tenant (system/developer text excluded)."""
     h = hashlib.sha256(tenant.encode())
     keys = []
     for msg in messages:
-        h.update(canonical_message(msg))
+        if msg.get("role") not in INSTRUCTION_ROLES:
+            h.update(canonical_message(msg))
         keys.append(h.copy().digest())
     return keys
 
 
 def extend_key(tenant: str, messages: list[dict[str, Any]], extra: dict[str, Any]) -> bytes:
-    h = hashlib.sha256(tenant.encode())
-    for msg in messages:
-        h.update(canonical_message(msg))
-    h.update(canonical_message(extra))
-    return h.digest()
+    return ConversationKeys(tenant, messages).extend(extra)
 
 
 @dataclass
@@ -91,6 +123,7 @@ class TurnRecord:
     route: str
     summary: str | None = None
     summary_failed: bool = False
+    stale: bool = False  # a later turn was folded without its summary; it must stay so
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
     def set_summary(self, text: str | None) -> None:
@@ -121,38 +154,52 @@ class ConversationStore(Protocol):
 
 
 class MemoryStore:
-    """LRU with a cap on entries and approximate bytes, and an idle TTL checked on access."""
+    """LRU with a cap on entries and approximate bytes, and an idle TTL checked on access.
+
+    Each entry remembers the size it was counted with, so a value that grows after it was
+    stored (a turn whose summary arrives later) never drives the byte count negative; putting
+    the same key again recounts it (the orchestrator does so once a summary is set)."""
 
     def __init__(self, max_entries: int = 100_000, max_bytes: int = 256 * 1024 * 1024, ttl_s: float = 6 * 3600,
                  clock: Callable[[], float] = time.monotonic):
         self.max_entries, self.max_bytes, self.ttl_s, self.clock = max_entries, max_bytes, ttl_s, clock
-        self._items: OrderedDict[Any, tuple[float, Any]] = OrderedDict()
+        self._items: OrderedDict[Any, tuple[float, Any, int]] = OrderedDict()
         self._bytes = 0
+        self._lock = threading.Lock()  # large requests look turns up from a worker thread
 
     def _get(self, key: Any) -> Any:
+        with self._lock:
+            return self._get_locked(key)
+
+    def _get_locked(self, key: Any) -> Any:
         item = self._items.get(key)
         if item is None:
             return None
-        stamp, value = item
+        stamp, value, size = item
         now = self.clock()
         if now - stamp > self.ttl_s:
             self._drop(key)
             return None
-        self._items[key] = (now, value)
+        self._items[key] = (now, value, size)
         self._items.move_to_end(key)
         return value
 
     def _put(self, key: Any, value: Any) -> None:
+        with self._lock:
+            self._put_locked(key, value)
+
+    def _put_locked(self, key: Any, value: Any) -> None:
         if key in self._items:
             self._drop(key)
-        self._items[key] = (self.clock(), value)
-        self._bytes += value.size()
+        size = value.size()
+        self._items[key] = (self.clock(), value, size)
+        self._bytes += size
         while self._items and (len(self._items) > self.max_entries or self._bytes > self.max_bytes):
             self._drop(next(iter(self._items)))
 
     def _drop(self, key: Any) -> None:
-        _, value = self._items.pop(key)
-        self._bytes -= value.size()
+        _, _, size = self._items.pop(key)
+        self._bytes -= size
 
     def get_turn(self, key: bytes) -> TurnRecord | None:
         return self._get(("t", key))

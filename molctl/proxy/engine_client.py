@@ -12,6 +12,37 @@ import aiohttp
 from molctl.proxy.errors import EngineHTTPError, EngineUnavailable
 
 HOP_HEADER = "X-MoL-Hop"
+BIG_PAYLOAD_MESSAGES = 2000  # serialise larger payloads in a thread, off the event loop
+
+
+async def encode(payload: dict[str, Any], big: bool = False) -> str:
+    if big or len(payload.get("messages") or ()) > BIG_PAYLOAD_MESSAGES:
+        return await asyncio.to_thread(json.dumps, payload)
+    return json.dumps(payload)
+
+
+def http_error(status: int, raw: bytes, headers: Any) -> EngineHTTPError:
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        body = raw.decode(errors="replace")
+    exc = EngineHTTPError(status, body)
+    exc.retry_after = headers.get("Retry-After")
+    return exc
+
+
+def error_frame(event: dict[str, Any]) -> EngineHTTPError | None:
+    """vLLM ends a failing stream with `data: {"error": {...}}` then `[DONE]`
+    (vllm/entrypoints/openai/chat_completion/serving.py, create_streaming_error_response);
+    older versions and SGLang send the error object flat (`"object": "error"`)."""
+    if isinstance(event.get("error"), dict):
+        err = event["error"]
+    elif event.get("object") == "error":
+        err = event
+    else:
+        return None
+    code = err.get("code")
+    return EngineHTTPError(code if isinstance(code, int) and 400 <= code < 600 else 500, {"error": err}, in_stream=True)
 
 
 class EngineClient:
@@ -50,41 +81,42 @@ class EngineClient:
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             raise EngineUnavailable(str(exc) or type(exc).__name__) from None
 
-    async def chat(self, payload: dict[str, Any], hop: str, timeout: float | None = None) -> dict[str, Any]:
-        """Non-streaming chat completion; raises EngineHTTPError / EngineUnavailable."""
+    async def chat(self, payload: dict[str, Any], hop: str, timeout: float | None = None, big: bool = False) -> dict[str, Any]:
+        """Non-streaming chat completion; raises EngineHTTPError / EngineUnavailable. `big`:
+        encode the payload in a worker thread."""
         kw = {"timeout": aiohttp.ClientTimeout(total=timeout)} if timeout else {}
+        data = await encode(payload, big)
         try:
-            async with self.session.post(self.base_url + "/v1/chat/completions", data=json.dumps(payload),
+            async with self.session.post(self.base_url + "/v1/chat/completions", data=data,
                                          headers={"Content-Type": "application/json", HOP_HEADER: hop}, **kw) as resp:
                 raw = await resp.read()
                 status = resp.status
+                headers = resp.headers
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             raise EngineUnavailable(str(exc) or type(exc).__name__) from None
+        if status != 200:
+            raise http_error(status, raw, headers)
         try:
             body = json.loads(raw)
         except ValueError:
-            body = raw.decode(errors="replace")
-        if status != 200 or not isinstance(body, dict):
-            raise EngineHTTPError(status, body)
+            body = None
+        if not isinstance(body, dict):
+            raise EngineHTTPError(502, raw.decode(errors="replace")[:500])
         return body
 
-    async def chat_stream(self, payload: dict[str, Any], hop: str) -> AsyncIterator[dict[str, Any]]:
+    async def chat_stream(self, payload: dict[str, Any], hop: str, big: bool = False) -> AsyncIterator[dict[str, Any]]:
         """Streaming chat completion: yields each SSE `data:` JSON object until `[DONE]`.
 
         Cancelling the consumer closes the connection, which makes the engine abort the request."""
+        data = await encode(payload, big)
         try:
-            resp = await self.session.post(self.base_url + "/v1/chat/completions", data=json.dumps(payload),
+            resp = await self.session.post(self.base_url + "/v1/chat/completions", data=data,
                                            headers={"Content-Type": "application/json", HOP_HEADER: hop})
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             raise EngineUnavailable(str(exc) or type(exc).__name__) from None
         try:
             if resp.status != 200:
-                raw = await resp.read()
-                try:
-                    body = json.loads(raw)
-                except ValueError:
-                    body = raw.decode(errors="replace")
-                raise EngineHTTPError(resp.status, body)
+                raise http_error(resp.status, await resp.read(), resp.headers)
             data_lines: list[bytes] = []
             try:
                 async for line in resp.content:
@@ -102,6 +134,11 @@ class EngineClient:
                         event = json.loads(data)
                     except ValueError:
                         continue
+                    if not isinstance(event, dict):
+                        continue
+                    failure = error_frame(event)
+                    if failure is not None:
+                        raise failure
                     yield event
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
                 raise EngineUnavailable(str(exc) or type(exc).__name__) from None

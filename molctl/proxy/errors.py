@@ -30,10 +30,14 @@ class EngineUnavailable(Exception):
 
 
 class EngineHTTPError(Exception):
-    def __init__(self, status: int, body: Any):
-        super().__init__(f"engine answered HTTP {status}")
+    """The engine answered an error: an HTTP status, or an error frame inside its stream (then
+    `status` is the frame's numeric `code`, else 500, and `in_stream` is true)."""
+
+    def __init__(self, status: int, body: Any, in_stream: bool = False):
+        super().__init__(f"engine answered {'an error frame' if in_stream else 'HTTP'} {status}")
         self.status = status
         self.body = body
+        self.in_stream = in_stream
 
     def message(self) -> str:
         b = self.body
@@ -49,11 +53,29 @@ CONTEXT_MARKERS = ("maximum context length", "maximum sequence length", "longer 
                    "exceeds the context length")
 
 
+LORA_REQUEST_RE = re.compile(r"LoRARequest\([^)]*\)")
+LORA_FIELD_RE = re.compile(r"\b(?:lora_int_id|lora_id|lora_name|lora_path|lora_local_path|lora_request)\s*[=:]\s*"
+                           r"(?:'[^']*'|\"[^\"]*\"|[\w./-]+)[,;]?\s*")
+# An absolute or home-relative path of two or more components (URLs are left alone: their
+# slashes follow ':' or another '/').
+PATH_RE = re.compile(r"(?<![\w.:/~-])~?(?:/[\w.@+=,-]+){2,}/?")
+
+
 def scrub(text: str, names: list[str], public: str) -> str:
-    """Replace every engine-side model/adapter name in `text` with the public model name."""
+    """Replace every engine-side model/adapter name in `text` with the public model name, and
+    drop what the engine's messages say about the server: file paths (`/srv/models/.../loras/L2`)
+    and LoRA internals (`LoRARequest(...)`, `lora_int_id=3`)."""
+    text = LORA_REQUEST_RE.sub(public, text)
+    text = LORA_FIELD_RE.sub("", text)
+    text = PATH_RE.sub("<path>", text)
     for name in sorted(names, key=len, reverse=True):
         text = re.sub(rf"(?<![\w-]){re.escape(name)}(?![\w-])", public, text)
     return text
+
+
+def _retry_after(exc: EngineHTTPError) -> str:
+    value = getattr(exc, "retry_after", None)
+    return value if isinstance(value, str) and value.strip().isdigit() else "5"
 
 
 def from_engine(exc: Exception, names: list[str], public: str) -> ProxyError:
@@ -68,6 +90,10 @@ def from_engine(exc: Exception, names: list[str], public: str) -> ProxyError:
         if exc.status in (400, 422):
             return ProxyError(400, message or "The request was rejected by the model backend.", "invalid_request_error", "invalid_request_error")
         if exc.status == 503:
-            return ProxyError(503, "The model backend is not ready; retry later.", "server_error", "engine_unavailable", headers={"retry-after": "5"})
+            return ProxyError(503, "The model backend is not ready; retry later.", "server_error", "engine_unavailable",
+                              headers={"retry-after": _retry_after(exc)})
+        if exc.in_stream:
+            return ProxyError(502, "The model backend failed while answering" + (f": {message}" if message else "."),
+                              "server_error", "engine_error")
         return ProxyError(502, "The model backend failed to answer.", "server_error", "engine_error")
     return ProxyError(500, "Internal proxy error.", "server_error", "proxy_error")

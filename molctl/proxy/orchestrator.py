@@ -1,50 +1,64 @@
 """One chat request: validate -> (tool stickiness | route hop) -> answer hop -> record the turn ->
-summary hop in the background. The HTTP layer (`app`) only parses, writes and watches the client.
+summary hop in the background. The HTTP layer (`app`) only parses, writes and watches the client;
+request validation lives in `validation`.
 
 Defaults and choices, where the issue leaves room:
-- `n` other than 1, legacy `functions`, audio/prediction/web-search options and unknown
-  parameters are rejected with 400 (never silently dropped); `store`, `metadata`,
-  `service_tier` are accepted and ignored (they do not change the answer).
+- Output limit: a client `max_tokens` (or `max_completion_tokens`) is clamped to
+  `proxy.max_output_tokens`. With no client limit the proxy does not know the prompt's exact
+  token count, so it bounds it from above: the answer hop's messages and tools as ASCII-escaped
+  JSON (every token of a byte-level tokenizer covers at least one byte, and the JSON framing
+  of each message outweighs the template's markup) plus 64. When that bound plus
+  `proxy.max_output_tokens` fits the engine window (`engine.args.max-model-len`, SGLang
+  `context-length`), `max_output_tokens` is sent; otherwise no `max_tokens` at all, and the
+  engine uses the room actually left (vLLM: max-model-len - prompt tokens, see
+  vllm/entrypoints/serve/utils/api_utils.py get_max_tokens). So a request that fits the window
+  never fails for the limit the proxy added, and no limit above the window is ever sent.
 - No temperature or thinking default is imposed; a profile may set `proxy.sampling_defaults`.
-- `max_tokens` (or `max_completion_tokens`) is clamped to `proxy.max_output_tokens`, which is
-  also sent when the client gives none.
 - Reasoning controls per profile (`proxy.reasoning`): `glm`/`qwen` map `reasoning_effort`
   none|minimal to `chat_template_kwargs.enable_thinking=false` and any other effort to `true`;
   `none` drops `reasoning_effort`. Client `chat_template_kwargs` are passed through.
+- Route hop: its own deadline `proxy.route_timeout_s`; on timeout, an engine error or an
+  unparseable label the fallback is the previous turn's route, else `proxy.default_route`
+  (counted in `route_fallbacks_total`, timeouts also in `route_timeouts_total`). It sees the
+  last user message only, as text of at most `proxy.route_max_input_chars` (`views.route_input`),
+  and may generate only as many tokens as the longest label has characters (guided decoding
+  makes the label the whole output).
+- Failed answers (an engine error, in a stream or not; finish reason `abort` or `error`) are
+  neither recorded nor summarised; `abort`/`error` finish reasons reach the client as they are.
+- Summaries run in the background, at most `summary_concurrency` at once; at most
+  `proxy.summary_queue_max` wait for a slot (more are dropped: `summaries_dropped_total`). A
+  summary that can no longer help is dropped when its turn comes (`summaries_stale_total`): it
+  waited longer than `proxy.summary_wait_s`, or a later turn already folded its turn without
+  it (filling it in afterwards would only change that adapter's prompt prefix).
+- Large requests (more than BIG_MESSAGES messages) do their per-message work (keys, views,
+  payload encoding) in a worker thread, so one 8 MiB body does not stall other requests.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 from molctl.engines.base import Engine
 from molctl.profiles import ROUTES, Profile, route_instruction
 from molctl.proxy import shaping
-from molctl.proxy.conversations import (CallBinding, ConversationStore, TurnRecord, canonical_arguments, extend_key,
-                                        prefix_keys, text_of, tool_calls_of)
+from molctl.proxy.conversations import (CallBinding, ConversationKeys, ConversationStore, TurnRecord, canonical_arguments,
+                                        text_of, tool_calls_of)
 from molctl.proxy.engine_client import EngineClient
-from molctl.proxy.errors import EngineHTTPError, EngineUnavailable, ProxyError, from_engine, invalid
-from molctl.proxy.views import History, last_user_text, own_view, parse_label, route_messages, split_history, summary_messages
+from molctl.proxy.errors import EngineHTTPError, EngineUnavailable, ProxyError, from_engine
+from molctl.proxy.validation import PASSTHROUGH, check_request
+from molctl.proxy.views import History, own_view, parse_label, route_input, route_messages, split_history, summary_messages
 
 log = logging.getLogger("molctl.proxy")
 
-PASSTHROUGH = ("temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "logprobs",
-               "top_logprobs", "response_format", "tool_choice", "parallel_tool_calls", "logit_bias", "user",
-               "top_k", "min_p", "repetition_penalty")
-ACCEPTED_IGNORED = ("store", "metadata", "service_tier")
-REJECTED = {"functions": "use 'tools' instead of the legacy 'functions'",
-            "function_call": "use 'tool_choice' instead of the legacy 'function_call'",
-            "audio": "audio output is not supported", "modalities": "only text output is supported",
-            "prediction": "predicted outputs are not supported",
-            "web_search_options": "web search is not supported"}
-KNOWN = {"model", "messages", "stream", "stream_options", "n", "max_tokens", "max_completion_tokens",
-         "reasoning_effort", "chat_template_kwargs", "tools", *PASSTHROUGH, *ACCEPTED_IGNORED, *REJECTED}
-ROLES = ("system", "developer", "user", "assistant", "tool")
-EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+BIG_MESSAGES = 2000  # above this many messages, per-message work runs in a worker thread
+FAILED_FINISH = ("abort", "error")
+T = TypeVar("T")
 
 
 @dataclass
@@ -52,9 +66,11 @@ class Counters:
     """Plain counters (exported on /metrics)."""
 
     values: dict[str, int] = field(default_factory=lambda: {
-        "requests_total": 0, "route_hops_total": 0, "route_fallbacks_total": 0, "sticky_tool_turns_total": 0,
-        "unplaced_tool_turns_total": 0, "summaries_total": 0, "summary_retries_total": 0,
-        "summary_failures_total": 0, "engine_errors_total": 0, "client_disconnects_total": 0,
+        "requests_total": 0, "route_hops_total": 0, "route_fallbacks_total": 0, "route_timeouts_total": 0,
+        "sticky_tool_turns_total": 0, "unplaced_tool_turns_total": 0, "summaries_total": 0,
+        "summary_retries_total": 0, "summary_failures_total": 0, "summaries_dropped_total": 0,
+        "summaries_stale_total": 0, "engine_errors_total": 0, "client_disconnects_total": 0,
+        "stream_write_timeouts_total": 0, "internal_errors_total": 0,
     })
 
     def inc(self, name: str, n: int = 1) -> None:
@@ -70,12 +86,35 @@ class Plan:
     tenant: str
     stream: bool
     include_usage: bool
-    keys: list[bytes]
+    keys: ConversationKeys
     history: History
+    big: bool = False
     route: str | None = None
     view: list[dict[str, Any]] = field(default_factory=list)
     answer: dict[str, Any] | None = None
     record: TurnRecord | None = None  # set for a final answer; its summary hop is still to run
+    record_key: bytes | None = None
+
+
+def context_window(profile: Profile) -> int | None:
+    """The engine's window from the profile's launch flags (vLLM max-model-len, SGLang
+    context-length); vLLM's `k`/`m` (x1000) and `K`/`M` (x1024) suffixes are understood."""
+    for flag in ("max-model-len", "context-length"):
+        value = profile.engine.args.get(flag)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*", value)
+            if m:
+                scale = {"": 1, "k": 1000, "K": 1024, "m": 1000**2, "M": 1024**2}[m.group(2)]
+                return int(float(m.group(1)) * scale)
+    return None
+
+
+def prompt_token_bound(messages: list[dict[str, Any]], tools: Any) -> int:
+    """An upper bound of the prompt's tokens: ASCII-escaped JSON bytes (>= UTF-8 bytes >= tokens
+    of a byte-level tokenizer; the per-message JSON framing outweighs the template's markup)."""
+    return len(json.dumps(messages)) + (len(json.dumps(tools)) if tools else 0) + 64
 
 
 class Orchestrator:
@@ -92,61 +131,28 @@ class Orchestrator:
         self.summary_instruction = profile.substitute(profile.prompts.summary).strip()
         self.adapter_models = {r: engine.adapter_model(profile, r) for r in ROUTES}
         self.engine_names = [*self.adapter_models.values(), *ROUTES, profile.engine.served_name]
+        self.window = context_window(profile)
+        self.route_tokens = min(profile.proxy.route_max_tokens, max(len(r) for r in ROUTES))
         self._summary_slots = asyncio.Semaphore(summary_concurrency)
+        self._summary_waiting = 0
         self.summary_timeout_s = summary_timeout_s
         self.background: set[asyncio.Task] = set()
 
     # ---------------------------------------------------------------- validation
     def prepare(self, body: Any, tenant: str) -> Plan:
-        if not isinstance(body, dict):
-            raise invalid("The request body must be a JSON object.")
-        model = body.get("model")
-        if model is None:
-            raise invalid("'model' is required.", "model")
-        if model != self.public:
-            raise ProxyError(404, f"The requested model does not exist; this endpoint serves '{self.public}'.",
-                             "invalid_request_error", "model_not_found", "model")
-        for key in body:
-            if key in REJECTED:
-                raise invalid(f"'{key}' is not supported: {REJECTED[key]}.", key)
-            if key not in KNOWN:
-                raise invalid(f"Unrecognized request argument supplied: {key}", key)
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise invalid("'messages' must be a non-empty array.", "messages")
-        for i, msg in enumerate(messages):
-            if not isinstance(msg, dict) or msg.get("role") not in ROLES:
-                raise invalid(f"messages[{i}] must be an object with a role in {', '.join(ROLES)}.", f"messages[{i}]")
-        if messages[-1]["role"] not in ("user", "tool"):
-            raise invalid(f"The last message must be from the user or a tool, not '{messages[-1]['role']}'.", "messages")
-        n = body.get("n")
-        if n is not None and n != 1:
-            raise invalid("Only n=1 is supported.", "n")
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise invalid("'stream' must be a boolean.", "stream")
-        opts = body.get("stream_options")
-        if opts is not None and (not isinstance(opts, dict) or not stream):
-            raise invalid("'stream_options' must be an object and requires stream=true.", "stream_options")
-        for key in ("max_tokens", "max_completion_tokens"):
-            v = body.get(key)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                raise invalid(f"'{key}' must be a positive integer.", key)
-        effort = body.get("reasoning_effort")
-        if effort is not None and effort not in EFFORTS:
-            raise invalid(f"'reasoning_effort' must be one of {', '.join(EFFORTS)}.", "reasoning_effort")
-        if body.get("chat_template_kwargs") is not None and not isinstance(body["chat_template_kwargs"], dict):
-            raise invalid("'chat_template_kwargs' must be an object.", "chat_template_kwargs")
-        tools = body.get("tools")
-        if tools is not None:
-            if not isinstance(tools, list) or not all(
-                    isinstance(t, dict) and t.get("type") == "function" and isinstance((t.get("function") or {}).get("name"), str)
-                    for t in tools):
-                raise invalid("'tools' must be an array of function tools with a name.", "tools")
-        keys = prefix_keys(tenant, messages)
-        history = split_history(messages, keys, self.store.get_turn)
-        return Plan(body=body, messages=messages, tenant=tenant, stream=stream,
-                    include_usage=bool((opts or {}).get("include_usage")), keys=keys, history=history)
+        """Validate (see `validation`) and find the conversation's earlier turns. Linear in the
+        number of messages; thread-safe with the store, so `app` may run it off the loop."""
+        check_request(body, self.public)
+        messages = body["messages"]
+        keys = ConversationKeys(tenant, messages)
+        history = split_history(messages, keys.at, self.store.get_turn)
+        opts = body.get("stream_options") or {}
+        return Plan(body=body, messages=messages, tenant=tenant, stream=body.get("stream", False),
+                    include_usage=bool(opts.get("include_usage")), keys=keys, history=history,
+                    big=len(messages) > BIG_MESSAGES)
+
+    async def _offload(self, plan: Plan, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.to_thread(fn, *args) if plan.big else fn(*args)
 
     # ---------------------------------------------------------------- route
     def _sticky_route(self, plan: Plan) -> str | None:
@@ -169,6 +175,21 @@ class Orchestrator:
             routes.add(binding.route)
         return routes.pop() if len(routes) == 1 else None
 
+    def route_payload(self, plan: Plan) -> dict[str, Any]:
+        previous = plan.history.last_record()
+        payload: dict[str, Any] = {
+            "model": self.adapter_models["L0"],
+            "messages": route_messages(self.route_instruction,
+                                       route_input(plan.messages, self.profile.proxy.route_max_input_chars), previous),
+            "max_tokens": self.route_tokens,
+            "temperature": 0,
+            "stream": False,
+            **self.engine.guided_choice(list(ROUTES)),
+        }
+        if self.profile.proxy.reasoning != "none":
+            payload["chat_template_kwargs"] = {"enable_thinking": False}
+        return payload
+
     async def route(self, plan: Plan) -> None:
         if plan.messages[-1]["role"] == "tool":
             sticky = self._sticky_route(plan)
@@ -178,21 +199,15 @@ class Orchestrator:
                 return
             self.counters.inc("unplaced_tool_turns_total")
         previous = plan.history.last_record()
-        payload: dict[str, Any] = {
-            "model": self.adapter_models["L0"],
-            "messages": route_messages(self.route_instruction, last_user_text(plan.messages), previous),
-            "max_tokens": self.profile.proxy.route_max_tokens,
-            "temperature": 0,
-            "stream": False,
-            **self.engine.guided_choice(list(ROUTES)),
-        }
-        if self.profile.proxy.reasoning != "none":
-            payload["chat_template_kwargs"] = {"enable_thinking": False}
+        payload = self.route_payload(plan)
         self.counters.inc("route_hops_total")
         label = None
         try:
-            body = await self.client.chat(payload, "route")
+            body = await asyncio.wait_for(self.client.chat(payload, "route"), self.profile.proxy.route_timeout_s)
             label = parse_label(((body.get("choices") or [{}])[0]).get("message") or {})
+        except asyncio.TimeoutError:
+            self.counters.inc("route_timeouts_total")
+            log.warning("route hop timed out after %.1f s", self.profile.proxy.route_timeout_s)
         except (EngineHTTPError, EngineUnavailable) as exc:
             log.warning("route hop failed: %s", exc)
         if label is None:
@@ -202,24 +217,33 @@ class Orchestrator:
 
     # ---------------------------------------------------------------- answer
     async def _await_summaries(self, plan: Plan) -> None:
-        """Wait (bounded) for pending summaries of turns this adapter will see folded."""
-        pending = [s.record.done.wait() for s in plan.history.segments
+        """Wait (bounded) for pending summaries of turns this adapter will see folded; those still
+        missing afterwards are folded without a summary, and stay so (marked stale)."""
+        pending = [s.record for s in plan.history.segments
                    if s.record is not None and s.record.route != plan.route and not s.record.done.is_set()]
         if pending:
             try:
-                await asyncio.wait_for(asyncio.gather(*pending), self.profile.proxy.summary_wait_s)
+                await asyncio.wait_for(asyncio.gather(*(r.done.wait() for r in pending)), self.profile.proxy.summary_wait_s)
             except asyncio.TimeoutError:
                 pass
+            for record in pending:
+                if not record.done.is_set():
+                    record.stale = True
 
     def answer_payload(self, plan: Plan) -> dict[str, Any]:
+        """The answer hop's request; `plan.view` must be set (`own_view`)."""
         body = plan.body
         payload: dict[str, Any] = dict(self.profile.proxy.sampling_defaults)
         payload.update({k: body[k] for k in PASSTHROUGH if body.get(k) is not None})
         if body.get("tools"):
             payload["tools"] = body["tools"]
         limit = self.profile.proxy.max_output_tokens
-        asked = body.get("max_tokens") or body.get("max_completion_tokens") or limit
-        payload["max_tokens"] = min(asked, limit)
+        asked = body.get("max_tokens") or body.get("max_completion_tokens")
+        if asked:
+            payload["max_tokens"] = min(asked, limit)
+        elif self.window is not None and prompt_token_bound(plan.view, body.get("tools")) + limit <= self.window:
+            payload["max_tokens"] = limit
+        # else: no max_tokens; the engine fills the room actually left in its window
         kwargs = dict(body.get("chat_template_kwargs") or {})
         effort = body.get("reasoning_effort")
         style = self.profile.proxy.reasoning
@@ -236,29 +260,36 @@ class Orchestrator:
             payload["stream_options"] = {"include_usage": True}
         return payload
 
+    def _build_answer(self, plan: Plan) -> dict[str, Any]:
+        plan.view = own_view(self.profile, self.identity, plan.messages, plan.history, plan.route)
+        return self.answer_payload(plan)
+
     async def complete(self, plan: Plan) -> dict[str, Any]:
         """Non-streaming answer; returns the client body and records the turn."""
         await self._await_summaries(plan)
-        plan.view = own_view(self.profile, self.identity, plan.messages, plan.history, plan.route)
+        payload = await self._offload(plan, self._build_answer, plan)
         try:
-            body = await self.client.chat(self.answer_payload(plan), "answer")
+            body = await self.client.chat(payload, "answer", big=plan.big)
         except (EngineHTTPError, EngineUnavailable) as exc:
             self.counters.inc("engine_errors_total")
             raise from_engine(exc, self.engine_names, self.public) from None
         shaped = shaping.shape_completion(body, self.public, shaping.new_id())
-        self.record(plan, shaped["choices"][0]["message"])
+        if shaped["choices"][0]["finish_reason"] not in FAILED_FINISH:
+            self.record(plan, shaped["choices"][0]["message"])
         return shaped
 
     async def stream(self, plan: Plan) -> AsyncIterator[dict[str, Any]]:
-        """Streaming answer: yields client chunks (role first, live deltas, final, usage)."""
+        """Streaming answer: yields client chunks (role first, live deltas, final, usage). The
+        first chunk comes with the engine's first event, i.e. once the first token exists; an
+        engine failure raises ProxyError, before or after the first chunk."""
         await self._await_summaries(plan)
-        plan.view = own_view(self.profile, self.identity, plan.messages, plan.history, plan.route)
+        payload = await self._offload(plan, self._build_answer, plan)
         rid, created = shaping.new_id(), int(time.time())
         content: list[str] = []
         calls: dict[int, dict[str, Any]] = {}
         finish = None
         usage = None
-        upstream = self.client.chat_stream(self.answer_payload(plan), "answer")
+        upstream = self.client.chat_stream(payload, "answer", big=plan.big)
         try:
             first = True
             async for event in upstream:
@@ -288,14 +319,14 @@ class Orchestrator:
             raise from_engine(exc, self.engine_names, self.public) from None
         finally:
             await upstream.aclose()
-        if calls and finish not in ("length", "content_filter"):
-            finish = "tool_calls"
-        message: dict[str, Any] = {"role": "assistant", "content": "".join(content)}
-        if calls:
-            message["tool_calls"] = [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
-                                     for _, c in sorted(calls.items())]
-        self.record(plan, message)  # before the final frames: the client's next turn may follow at once
-        yield shaping.chunk(rid, self.public, created, {}, finish if finish in shaping.FINISH_REASONS else "stop")
+        finish = shaping.finish_reason(finish, bool(calls))
+        if finish not in FAILED_FINISH:
+            message: dict[str, Any] = {"role": "assistant", "content": "".join(content)}
+            if calls:
+                message["tool_calls"] = [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+                                         for _, c in sorted(calls.items())]
+            self.record(plan, message)  # before the final frames: the client's next turn may follow at once
+        yield shaping.chunk(rid, self.public, created, {}, finish)
         if plan.include_usage and usage:
             yield shaping.usage_chunk(rid, self.public, created, usage)
 
@@ -312,18 +343,11 @@ class Orchestrator:
                                     CallBinding(plan.route, canonical_arguments(fn.get("arguments")), str(fn.get("name"))))
             return
         record = TurnRecord(plan.route)
-        self.store.put_turn(extend_key(plan.tenant, plan.messages, message), record)
+        plan.record_key = plan.keys.extend(message)
+        self.store.put_turn(plan.record_key, record)
         plan.record = record
 
-    def start_summary(self, plan: Plan) -> None:
-        """Called once the client has the complete response (body sent, or after [DONE])."""
-        if plan.record is None:
-            return
-        task = asyncio.get_running_loop().create_task(self._summarise(plan, plan.record))
-        self.background.add(task)
-        task.add_done_callback(self.background.discard)
-
-    async def _summarise(self, plan: Plan, record: TurnRecord) -> None:
+    def summary_payload(self, plan: Plan) -> dict[str, Any]:
         answer = {"role": "assistant", "content": text_of(plan.answer.get("content"))}
         payload: dict[str, Any] = {
             "model": self.adapter_models[plan.route],
@@ -334,18 +358,62 @@ class Orchestrator:
         }
         if self.profile.proxy.reasoning != "none":
             payload["chat_template_kwargs"] = {"enable_thinking": False}
-        async with self._summary_slots:
-            for attempt in range(2):
-                try:
-                    body = await self.client.chat(payload, "summary", timeout=self.summary_timeout_s)
-                    msg = ((body.get("choices") or [{}])[0]).get("message") or {}
-                    text = (msg.get("content") or "").strip() or (msg.get("reasoning_content") or msg.get("reasoning") or "").strip()[:160]
-                    self.counters.inc("summaries_total")
-                    record.set_summary(text)
-                    return
-                except (EngineHTTPError, EngineUnavailable) as exc:
-                    log.warning("summary hop failed (attempt %d): %s", attempt + 1, exc)
-                    if attempt == 0:
-                        self.counters.inc("summary_retries_total")
-            self.counters.inc("summary_failures_total")
+        return payload
+
+    def abandon(self, plan: Plan) -> None:
+        """The client did not get the whole answer: no summary for it (and nobody waits for one)."""
+        if plan.record is not None:
+            plan.record.set_summary(None)
+            plan.record = None
+
+    def start_summary(self, plan: Plan) -> None:
+        """Called once the client has the complete response (body sent, or after [DONE])."""
+        record, key = plan.record, plan.record_key
+        if record is None or key is None:
+            return
+        if self._summary_waiting >= self.profile.proxy.summary_queue_max:
+            self.counters.inc("summaries_dropped_total")
             record.set_summary(None)
+            return
+        self._summary_waiting += 1
+        # the task keeps the summary request only, not the client's request
+        task = asyncio.get_running_loop().create_task(
+            self._summarise(self.summary_payload(plan), record, key, time.monotonic(), plan.big))
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    def _stale(self, record: TurnRecord, queued: float) -> bool:
+        return record.stale or time.monotonic() - queued > self.profile.proxy.summary_wait_s
+
+    async def _summarise(self, payload: dict[str, Any], record: TurnRecord, key: bytes, queued: float, big: bool) -> None:
+        waiting = True
+        try:
+            async with self._summary_slots:
+                self._summary_waiting -= 1
+                waiting = False
+                if self._stale(record, queued):
+                    self.counters.inc("summaries_stale_total")
+                    record.set_summary(None)
+                    return
+                for attempt in range(2):
+                    try:
+                        body = await self.client.chat(payload, "summary", timeout=self.summary_timeout_s, big=big)
+                        msg = ((body.get("choices") or [{}])[0]).get("message") or {}
+                        text = (msg.get("content") or "").strip() or (msg.get("reasoning_content") or msg.get("reasoning") or "").strip()[:160]
+                        if record.stale:  # a later turn folded this one without it: keep it that way
+                            self.counters.inc("summaries_stale_total")
+                            record.set_summary(None)
+                            return
+                        self.counters.inc("summaries_total")
+                        record.set_summary(text)
+                        self.store.put_turn(key, record)  # recount its size with the summary
+                        return
+                    except (EngineHTTPError, EngineUnavailable) as exc:
+                        log.warning("summary hop failed (attempt %d): %s", attempt + 1, exc)
+                        if attempt == 0:
+                            self.counters.inc("summary_retries_total")
+                self.counters.inc("summary_failures_total")
+                record.set_summary(None)
+        finally:
+            if waiting:
+                self._summary_waiting -= 1

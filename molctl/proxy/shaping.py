@@ -11,6 +11,17 @@ from typing import Any
 MESSAGE_KEYS = ("role", "content", "refusal", "tool_calls", "reasoning_content", "reasoning", "annotations", "audio")
 DELTA_KEYS = ("role", "content", "refusal", "tool_calls", "reasoning_content", "reasoning")
 FINISH_REASONS = ("stop", "length", "tool_calls", "content_filter")
+# vLLM's own: a request aborted by the engine, or failed during generation. Kept, so a client
+# never takes a cut-off answer for a complete one (the SDK accepts any string here).
+FAILED_FINISH_REASONS = ("abort", "error")
+
+
+def finish_reason(engine_reason: Any, has_tool_calls: bool) -> str:
+    if engine_reason in FAILED_FINISH_REASONS:
+        return engine_reason
+    if has_tool_calls and engine_reason not in ("length", "content_filter"):
+        return "tool_calls"
+    return engine_reason if engine_reason in FINISH_REASONS else "stop"
 
 
 def new_id() -> str:
@@ -66,11 +77,7 @@ def shape_message(message: dict[str, Any]) -> dict[str, Any]:
 def shape_completion(body: dict[str, Any], public_model: str, response_id: str) -> dict[str, Any]:
     choice = (body.get("choices") or [{}])[0]
     message = shape_message(choice.get("message") or {})
-    finish = choice.get("finish_reason")
-    if message.get("tool_calls") and finish not in ("length", "content_filter"):
-        finish = "tool_calls"
-    if finish not in FINISH_REASONS:
-        finish = "stop"
+    finish = finish_reason(choice.get("finish_reason"), bool(message.get("tool_calls")))
     out: dict[str, Any] = {
         "id": response_id,
         "object": "chat.completion",

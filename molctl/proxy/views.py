@@ -8,8 +8,16 @@ its own turn (the upstream off-by-one put it in the next one). For a target adap
   calls and results);
 - another adapter's turn is folded: its user message(s) verbatim, then one assistant message
   with that turn's summary (profile `prompts.fold`);
-- the identity text is one leading system message; the client's system/developer messages
-  follow verbatim.
+- exactly ONE leading system message on every hop: the identity text, then the client's
+  leading system/developer instructions in order, joined by blank lines (Qwen3.5/3.6 templates
+  raise "System message must be at the beginning." on a second system message, vLLM issue
+  41114, and no base template knows the `developer` role, so none reaches the engine);
+- a system or developer message that arrives mid-conversation is kept where it was, as a user
+  message `[system note] <text>` (both families render a user message anywhere; merging it into
+  the leading system message would change the prefix of every earlier turn and lose where it
+  was said). A folded turn keeps its notes along with its user messages.
+The route hop sends its own instruction as its one system message and a bounded quote of the
+request (`route_input`); the summary hop is the answer hop's view plus two messages.
 The rendering depends only on the history and the records, so an adapter's view of turn k is a
 prefix of its view of turn k+1 and the engine's prefix cache reuses it.
 """
@@ -21,8 +29,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from molctl.profiles import ROUTES, Profile
-from molctl.proxy.conversations import TurnRecord, text_of, tool_calls_of
+from molctl.proxy.conversations import INSTRUCTION_ROLES, TurnRecord, is_turn_end, text_of
 
+SYSTEM_NOTE = "[system note] "
 LABEL_RE = re.compile(r"(?<![A-Za-z0-9])(L[0-3])(?![0-9])", re.IGNORECASE)
 
 
@@ -46,15 +55,15 @@ class History:
         return None
 
 
-def split_history(messages: list[dict[str, Any]], keys: list[bytes], lookup) -> History:
+def split_history(messages: list[dict[str, Any]], keys, lookup) -> History:
+    """keys[i] (a list, or a dict holding at least every turn end) is the key of messages[:i+1]."""
     head_end = 0
-    while head_end < len(messages) and messages[head_end].get("role") in ("system", "developer"):
+    while head_end < len(messages) and messages[head_end].get("role") in INSTRUCTION_ROLES:
         head_end += 1
     segments: list[Segment] = []
     start = head_end
     for i in range(head_end, len(messages) - 1):  # the last message is the request itself
-        msg = messages[i]
-        if msg.get("role") == "assistant" and not tool_calls_of(msg):
+        if is_turn_end(messages[i]):
             segments.append(Segment(start, i + 1, lookup(keys[i])))
             start = i + 1
     return History(head_end, segments, start)
@@ -65,20 +74,33 @@ def fold_text(profile: Profile, record: TurnRecord) -> str:
     return profile.prompts.fold.replace("{summary}", summary)
 
 
+def leading_system(identity: str, head: list[dict[str, Any]]) -> dict[str, Any]:
+    """The one system message: identity, then the client's instructions in order."""
+    texts = [identity]
+    for msg in head:
+        text = text_of(msg.get("content")).strip()
+        if text and text != identity:  # a client that echoes the identity does not get it twice
+            texts.append(text)
+    return {"role": "system", "content": "\n\n".join(texts)}
+
+
+def as_note(msg: dict[str, Any]) -> dict[str, Any]:
+    """A mid-conversation system/developer message, as the user-side note the templates accept."""
+    if msg.get("role") in INSTRUCTION_ROLES:
+        return {"role": "user", "content": SYSTEM_NOTE + text_of(msg.get("content")).strip()}
+    return msg
+
+
 def own_view(profile: Profile, identity: str, messages: list[dict[str, Any]], history: History, target: str) -> list[dict[str, Any]]:
-    view: list[dict[str, Any]] = []
-    head = messages[: history.head_end]
-    if not any(text_of(m.get("content")) == identity for m in head):
-        view.append({"role": "system", "content": identity})
-    view.extend(head)
+    view: list[dict[str, Any]] = [leading_system(identity, messages[: history.head_end])]
     for seg in history.segments:
         part = messages[seg.start: seg.end]
         if seg.record is None or seg.record.route == target:
-            view.extend(part)
+            view.extend(map(as_note, part))
         else:
-            view.extend(m for m in part if m.get("role") == "user")
+            view.extend(as_note(m) for m in part if m.get("role") in ("user", "system", "developer"))
             view.append({"role": "assistant", "content": fold_text(profile, seg.record)})
-    view.extend(messages[history.tail_start:])
+    view.extend(map(as_note, messages[history.tail_start:]))
     return view
 
 
@@ -87,6 +109,41 @@ def last_user_text(messages: list[dict[str, Any]]) -> str:
         if msg.get("role") == "user":
             return text_of(msg.get("content"))
     return ""
+
+
+PART_PLACEHOLDERS = {"image_url": "[image]", "input_image": "[image]", "input_audio": "[audio]", "file": "[file]",
+                     "input_file": "[file]", "video_url": "[video]"}
+
+
+def route_input(messages: list[dict[str, Any]], max_chars: int) -> str:
+    """The last user message as the router sees it: text parts kept, images/audio/files as a short
+    placeholder, and at most `max_chars` characters (head and tail kept, a marker between)."""
+    content: Any = ""
+    for msg in reversed(messages):
+        if msg.get("role") == "user":
+            content = msg.get("content")
+            break
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if isinstance(part, dict):
+                kind = part.get("type")
+                if isinstance(part.get("text"), str):
+                    parts.append(part["text"])
+                else:
+                    parts.append(PART_PLACEHOLDERS.get(kind, f"[{kind} part]" if isinstance(kind, str) else "[part]"))
+            elif isinstance(part, str):
+                parts.append(part)
+        text = "\n".join(parts)
+    else:
+        text = text_of(content)
+    text = text.strip()
+    if len(text) <= max_chars:
+        return text
+    marker = "\n[... {} characters omitted ...]\n"
+    keep = max(max_chars - len(marker) - 8, 2)
+    head, tail = keep * 2 // 3, keep - keep * 2 // 3
+    return text[:head] + marker.format(len(text) - head - tail) + text[len(text) - tail:]
 
 
 def route_messages(instruction: str, request_text: str, previous: TurnRecord | None) -> list[dict[str, Any]]:

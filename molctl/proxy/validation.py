@@ -1,0 +1,190 @@
+"""Request validation for POST /v1/chat/completions: the raw body to a checked dict, or a 400
+`invalid_request_error` that names the offending field (`param`).
+
+Choices, where the issue leaves room:
+- `n` other than 1, legacy `functions`, audio/prediction/web-search options and unknown
+  parameters are rejected with 400 (never silently dropped); `store`, `metadata`,
+  `service_tier`, `prompt_cache_key` and `safety_identifier` are accepted and ignored (they do
+  not change the answer; the engine's prefix cache needs no key).
+- The shapes the engine's chat template will iterate over are checked here, so a malformed
+  message fails as a 400 naming e.g. `messages[3].tool_calls[0].function`, never as a 500:
+  roles, content (string, null or an array of typed parts), tool calls (objects with a
+  `function` object holding a string `name` and string `arguments`), `tool_call_id`, tools.
+- JSON nested deeper than the parser's recursion limit and strings holding a lone UTF-16
+  surrogate (valid JSON escapes, but not encodable as UTF-8 for the engine) are 400s too.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from molctl.proxy.errors import ProxyError, invalid
+
+PASSTHROUGH = ("temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "logprobs",
+               "top_logprobs", "response_format", "tool_choice", "parallel_tool_calls", "logit_bias", "user",
+               "top_k", "min_p", "repetition_penalty")
+ACCEPTED_IGNORED = ("store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier")
+REJECTED = {"functions": "use 'tools' instead of the legacy 'functions'",
+            "function_call": "use 'tool_choice' instead of the legacy 'function_call'",
+            "audio": "audio output is not supported", "modalities": "only text output is supported",
+            "prediction": "predicted outputs are not supported",
+            "web_search_options": "web search is not supported"}
+KNOWN = {"model", "messages", "stream", "stream_options", "n", "max_tokens", "max_completion_tokens",
+         "reasoning_effort", "chat_template_kwargs", "tools", *PASSTHROUGH, *ACCEPTED_IGNORED, *REJECTED}
+ROLES = ("system", "developer", "user", "assistant", "tool")
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+
+
+def parse_body(raw: bytes) -> Any:
+    """JSON text -> Python, every failure a 400."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise invalid("The body is nested too deeply to be a chat request.") from None
+    except ValueError as exc:  # includes UnicodeDecodeError (bytes that are not UTF-8)
+        raise ProxyError(400, f"The body is not valid JSON: {exc}", "invalid_request_error", "invalid_json") from None
+    # A lone surrogate can only arrive as a \\uD800-\\uDFFF escape; look only when one is there.
+    if b"\\ud" in raw or b"\\uD" in raw:
+        where = _lone_surrogate(body, "")
+        if where is not None:
+            raise invalid(f"{where or 'The body'} contains a lone UTF-16 surrogate, which is not valid text.",
+                          where or None)
+    return body
+
+
+def _lone_surrogate(value: Any, path: str) -> str | None:
+    stack = [(value, path)]
+    while stack:
+        v, p = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return p
+        elif isinstance(v, dict):
+            for k, item in v.items():
+                try:
+                    k.encode("utf-8")
+                except UnicodeEncodeError:
+                    return p or "body"
+                stack.append((item, f"{p}.{k}" if p else k))
+        elif isinstance(v, list):
+            stack.extend((item, f"{p}[{i}]") for i, item in enumerate(v))
+    return None
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_content(content: Any, where: str, required: bool) -> None:
+    if content is None:
+        if required:
+            raise invalid(f"'{where}' is required.", where)
+        return
+    if isinstance(content, str):
+        return
+    if not isinstance(content, list):
+        raise invalid(f"'{where}' must be a string or an array of content parts.", where)
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise invalid(f"'{where}[{j}]' must be an object with a 'type'.", f"{where}[{j}]")
+        if part["type"] == "text" and not isinstance(part.get("text"), str):
+            raise invalid(f"'{where}[{j}].text' must be a string.", f"{where}[{j}].text")
+
+
+def check_tool_calls(calls: Any, where: str) -> None:
+    if not isinstance(calls, list):
+        raise invalid(f"'{where}' must be an array.", where)
+    for j, call in enumerate(calls):
+        w = f"{where}[{j}]"
+        if not isinstance(call, dict):
+            raise invalid(f"'{w}' must be an object.", w)
+        if call.get("id") is not None and not isinstance(call["id"], str):
+            raise invalid(f"'{w}.id' must be a string.", f"{w}.id")
+        fn = call.get("function")
+        if not isinstance(fn, dict):
+            raise invalid(f"'{w}.function' must be an object with 'name' and 'arguments'.", f"{w}.function")
+        if not isinstance(fn.get("name"), str):
+            raise invalid(f"'{w}.function.name' must be a string.", f"{w}.function.name")
+        if fn.get("arguments") is not None and not isinstance(fn["arguments"], str):
+            raise invalid(f"'{w}.function.arguments' must be a string (JSON text).", f"{w}.function.arguments")
+
+
+def check_messages(messages: Any) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise invalid("'messages' must be a non-empty array.", "messages")
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict) or msg.get("role") not in ROLES:
+            raise invalid(f"messages[{i}] must be an object with a role in {', '.join(ROLES)}.", f"messages[{i}]")
+        role = msg["role"]
+        where = f"messages[{i}]"
+        check_content(msg.get("content"), f"{where}.content", required=role in ("user", "tool", "system", "developer"))
+        if role == "assistant" and msg.get("tool_calls") is not None:
+            check_tool_calls(msg["tool_calls"], f"{where}.tool_calls")
+        if role == "tool" and not isinstance(msg.get("tool_call_id"), str):
+            raise invalid(f"'{where}.tool_call_id' must be a string.", f"{where}.tool_call_id")
+        if msg.get("name") is not None and not isinstance(msg["name"], str):
+            raise invalid(f"'{where}.name' must be a string.", f"{where}.name")
+    if messages[-1]["role"] not in ("user", "tool"):
+        raise invalid(f"The last message must be from the user or a tool, not '{messages[-1]['role']}'.", "messages")
+
+
+def check_tools(tools: Any) -> None:
+    if not isinstance(tools, list):
+        raise invalid("'tools' must be an array of function tools.", "tools")
+    for i, tool in enumerate(tools):
+        w = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise invalid(f"'{w}' must be an object with type 'function'.", w)
+        fn = tool.get("function")
+        if not isinstance(fn, dict):
+            raise invalid(f"'{w}.function' must be an object with a 'name'.", f"{w}.function")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise invalid(f"'{w}.function.name' must be a non-empty string.", f"{w}.function.name")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise invalid(f"'{w}.function.parameters' must be an object (a JSON Schema).", f"{w}.function.parameters")
+        if fn.get("description") is not None and not isinstance(fn["description"], str):
+            raise invalid(f"'{w}.function.description' must be a string.", f"{w}.function.description")
+
+
+def check_request(body: Any, public_model: str) -> None:
+    """Everything about a chat request that does not need the conversation store."""
+    if not isinstance(body, dict):
+        raise invalid("The request body must be a JSON object.")
+    model = body.get("model")
+    if model is None:
+        raise invalid("'model' is required.", "model")
+    if model != public_model:
+        raise ProxyError(404, f"The requested model does not exist; this endpoint serves '{public_model}'.",
+                         "invalid_request_error", "model_not_found", "model")
+    for key in body:
+        if key in REJECTED:
+            raise invalid(f"'{key}' is not supported: {REJECTED[key]}.", key)
+        if key not in KNOWN:
+            raise invalid(f"Unrecognized request argument supplied: {key}", key)
+    check_messages(body.get("messages"))
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise invalid("Only n=1 is supported.", "n")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise invalid("'stream' must be a boolean.", "stream")
+    opts = body.get("stream_options")
+    if opts is not None and (not isinstance(opts, dict) or not stream):
+        raise invalid("'stream_options' must be an object and requires stream=true.", "stream_options")
+    for key in ("max_tokens", "max_completion_tokens"):
+        v = body.get(key)
+        if v is not None and (not _is_int(v) or v < 1):
+            raise invalid(f"'{key}' must be a positive integer.", key)
+    effort = body.get("reasoning_effort")
+    if effort is not None and effort not in EFFORTS:
+        raise invalid(f"'reasoning_effort' must be one of {', '.join(EFFORTS)}.", "reasoning_effort")
+    if body.get("chat_template_kwargs") is not None and not isinstance(body["chat_template_kwargs"], dict):
+        raise invalid("'chat_template_kwargs' must be an object.", "chat_template_kwargs")
+    if body.get("tools") is not None:
+        check_tools(body["tools"])
+    for key in ("prompt_cache_key", "safety_identifier", "user"):
+        if body.get(key) is not None and not isinstance(body[key], str):
+            raise invalid(f"'{key}' must be a string.", key)
