@@ -1,11 +1,15 @@
-"""`molctl demo init`: deterministic, in the upstream layout, and passing the model/adapter checks."""
+"""`molctl demo init`: deterministic, in the upstream layout, passing the model/adapter/template checks, with
+chat templates as strict as the real bases (Qwen3.6 rules by default, GLM-5 rules with --template glm5)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 
-from molctl.demo import init_tiny
+import pytest
+
+from molctl.checks.template import Template, compile_template, render
+from molctl.demo import TEMPLATES, init_tiny, template_text
 
 
 def digest(root) -> dict[str, str]:
@@ -28,6 +32,8 @@ def test_layout_passes_the_model_and_adapter_checks(molctl, tmp_path):
     assert result.exit_code == 0 and result.json()["created"] is True
     report = molctl("check", "tiny", "--model-root", str(tmp_path / "tiny"), "--skip", "engine", "--skip", "port", "--json")
     assert report.exit_code == 0, [c for c in report.json()["checks"] if c["status"] != "pass"]
+    statuses = {c["id"]: c["status"] for c in report.json()["checks"]}
+    assert statuses["template.found"] == statuses["template.render"] == "pass"
     config = json.loads((tmp_path / "tiny" / "base" / "config.json").read_text())
     assert config["model_type"] == "llama" and config["architectures"] == ["LlamaForCausalLM"]
 
@@ -39,3 +45,86 @@ def test_refuses_to_overwrite_and_if_missing(molctl, tmp_path):
     kept = molctl("demo", "init", str(tmp_path / "tiny"), "--if-missing")
     assert kept.exit_code == 0 and "already present" in kept.stdout
     assert molctl("demo", "init", str(tmp_path / "tiny"), "--force").exit_code == 0
+
+
+# ---------------------------------------------------------------- chat templates (--template)
+SYS, USER = {"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}
+ANSWER = {"role": "assistant", "content": "hello"}
+
+
+def render_demo(name, messages, **payload):
+    return render(Template(name, {"default": template_text(name)}, {"bos_token": "<s>", "eos_token": "<|im_end|>"}),
+                  {"messages": messages, **payload})
+
+
+def test_both_templates_written_and_selectable(molctl, tmp_path):
+    for name in TEMPLATES:
+        result = molctl("demo", "init", str(tmp_path / name), "--template", name, "--json")
+        assert result.exit_code == 0 and result.json()["template"] == name
+        written = (tmp_path / name / "base" / "chat_template.jinja").read_text()
+        assert written == template_text(name)
+        assert "chat_template" not in json.loads((tmp_path / name / "base" / "tokenizer_config.json").read_text())
+    # same weights and tokenizer for both: only the template differs
+    a, b = digest(tmp_path / "qwen3.6"), digest(tmp_path / "glm5")
+    assert {k for k in a if a[k] != b.get(k)} == {"base/chat_template.jinja"}
+    bad = molctl("demo", "init", str(tmp_path / "x"), "--template", "llama")
+    assert bad.exit_code == 2 and "qwen3.6" in bad.stderr
+
+
+def test_default_template_is_qwen_and_the_tokenizer_loads_it(tmp_path):
+    init_tiny(tmp_path / "t")
+    assert (tmp_path / "t" / "base" / "chat_template.jinja").read_text() == template_text("qwen3.6")
+    transformers = pytest.importorskip("transformers")
+    tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "t" / "base"))
+    text = tok.apply_chat_template([SYS, USER], tokenize=False, add_generation_prompt=True)
+    assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n"
+    with pytest.raises(Exception, match="System message must be at the beginning"):
+        tok.apply_chat_template([USER, SYS, USER], tokenize=False)
+
+
+def test_if_missing_adds_the_template_to_an_older_tiny_model(molctl, tmp_path):
+    init_tiny(tmp_path / "t")
+    (tmp_path / "t" / "base" / "chat_template.jinja").unlink()
+    result = molctl("demo", "init", str(tmp_path / "t"), "--if-missing")
+    assert result.exit_code == 0 and "added the qwen3.6 chat template" in result.stdout
+    assert (tmp_path / "t" / "base" / "chat_template.jinja").read_text() == template_text("qwen3.6")
+
+
+@pytest.mark.parametrize("name", list(TEMPLATES))
+def test_strict_rules_refuse_developer_and_unknown_roles(name):
+    with pytest.raises(Exception, match="developer"):
+        render_demo(name, [{"role": "developer", "content": "x"}, USER])
+    with pytest.raises(Exception, match="Unexpected message role"):
+        render_demo(name, [{"role": "critic", "content": "x"}, USER])
+    # arguments as the JSON string of the OpenAI API (vLLM parses them to an object first)
+    with pytest.raises(Exception, match="arguments must be an object"):
+        compile_template(template_text(name)).render(messages=[USER, {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "a", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]}, {"role": "tool", "content": "r"}])
+
+
+def test_qwen_rules():
+    with pytest.raises(Exception, match="System message must be at the beginning"):
+        render_demo("qwen3.6", [USER, ANSWER, SYS, USER])
+    with pytest.raises(Exception, match="System message must be at the beginning"):
+        render_demo("qwen3.6", [SYS, SYS, USER])
+    with pytest.raises(Exception, match="No user query found"):
+        render_demo("qwen3.6", [SYS])
+    with pytest.raises(Exception, match="No messages provided"):
+        render_demo("qwen3.6", [])
+    with pytest.raises(Exception, match="System message cannot contain images"):
+        render_demo("qwen3.6", [{"role": "system", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}, USER])
+    off = render_demo("qwen3.6", [SYS, USER], chat_template_kwargs={"enable_thinking": False})
+    assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    on = render_demo("qwen3.6", [SYS, USER, {"role": "assistant", "content": "<think>plan</think>done"}, USER])
+    assert "<think>" not in on.split("<|im_start|>assistant\n")[1]  # reasoning dropped before the last query
+    assert on.endswith("<|im_start|>assistant\n<think>\n")
+
+
+def test_glm_rules():
+    text = render_demo("glm5", [SYS, USER, ANSWER, {"role": "system", "content": "Now in French."}, USER])
+    assert text == "[gMASK]<sop><|system|>Be brief.<|user|>hi<|assistant|></think>hello<|system|>Now in French.<|user|>hi<|assistant|><think>"
+    off = render_demo("glm5", [USER], chat_template_kwargs={"enable_thinking": False})
+    assert off == "[gMASK]<sop><|user|>hi<|assistant|></think>"
+    kept = render_demo("glm5", [USER, {"role": "assistant", "content": "", "reasoning_content": "why"}, USER, ANSWER],
+                       chat_template_kwargs={"clear_thinking": False})
+    assert "<think>why</think>" in kept
