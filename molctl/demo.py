@@ -1,7 +1,7 @@
 """`molctl demo init`: a tiny Mixture-of-LoRA model built offline, in seconds, deterministically.
 
 The layout is the upstream one, so the same checks, engine flags and proxy apply as for Venti:
-    ROOT/base/{config.json, generation_config.json, tokenizer.json, tokenizer_config.json,
+    ROOT/base/{config.json, generation_config.json, tokenizer.json, tokenizer_config.json, chat_template.jinja,
                special_tokens_map.json, model.safetensors.index.json, model-0000k-of-00002.safetensors}
     ROOT/loras/L0..L3/{adapter_config.json, adapter_model.safetensors}
 The base is a random Llama-architecture model (hidden 256, 2 layers, 4 heads, 2 KV heads, bf16,
@@ -19,8 +19,8 @@ molctl from the families' documented behaviour (molctl/templates/), not copied:
   else "System message must be at the beginning." (vllm-project/vllm#41114, whose maintainer
   points at Qwen3.5's chat_template.jinja; the same refusal for late or repeated system messages
   in verl-project/verl#7725 and xinnan-tech/xiaozhi-esp32-server#3282); no `developer` role
-  ("Unexpected message role.", e.g. 1CatAI/1Cat-vLLM#493); "No user query found in messages." without
-  a user turn (verl#7725); no images in the system message; tools in `<tools></tools>` in the
+  ("Unexpected message role.", e.g. 1CatAI/1Cat-vLLM#493); "No user query found in messages."
+  without a user turn (verl#7725); no images in the system message; tools in `<tools></tools>` in the
   system turn and calls as `<tool_call><function=NAME><parameter=K>V</parameter></function>
   </tool_call>` (docs.vllm.ai, vllm.parser.qwen3 "Qwen3 XML tool call format", the format of the
   `qwen3_coder` parser the Tall profile uses); tool results as `<tool_response>` blocks in one user
@@ -30,15 +30,17 @@ molctl from the families' documented behaviour (molctl/templates/), not copied:
 - `glm5`: the GLM-4.5 / 4.6 / 4.7 / GLM-5 rules. `[gMASK]<sop>`, `<|system|>` `<|user|>`
   `<|assistant|>` `<|observation|>` turns; system messages accepted anywhere (the family's template
   renders each where it stands; THUDM/ChatGLM3 PROMPT.md: the system role "can be interspersed in
-  the dialogue in design"); tool calls as `<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value></tool_call>`
-  and results as one `<|observation|>` turn of `<tool_response>` blocks (the GLM-4.5 / 4.7 templates as
-  quoted in ik_llama.cpp discussion #753 and llama.cpp's GLM 4.5 chat-format parser); thinking on by default, `</think>`
-  for earlier turns unless `clear_thinking=false`, `<|assistant|></think>` when `enable_thinking`
-  is false (docs.z.ai "Thinking Mode"; the GLM-4.7 template). The real template skips an unknown
+  the dialogue in design"); tool calls as
+  `<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value></tool_call>` and results as one
+  `<|observation|>` turn of `<tool_response>` blocks (the GLM-4.5 / 4.7 templates as quoted in
+  ik_llama.cpp discussion #753, and llama.cpp's GLM 4.5 chat-format parser); thinking on by
+  default, `</think>` for earlier turns unless `clear_thinking=false`, `<|assistant|></think>` when
+  `enable_thinking` is false (docs.z.ai "Thinking Mode"; the GLM-4.7 template). The real template skips an unknown
   role silently; this one raises on `developer` so the loss is visible.
 
-Both name `developer` explicitly: vLLM >= 0.3x rewrites developer messages to system (and merges
-the system messages) only for templates that do not name the role, which would hide the bug.
+Both name `developer` explicitly: vLLM 0.32 (renderers/hf.py, safe_apply_chat_template) rewrites
+developer messages to system, and merges the system messages, for templates that do not name the
+role, which would hide the bug on the demo while Tall's pinned vLLM still refuses it.
 Control tokens stay plain text in the tiny tokenizer (a random model must not emit `<tool_call>`
 by chance); the weights and tokenizer are the same for both templates.
 """

@@ -313,9 +313,10 @@ def _render_all(profile: Profile, template: Template) -> CheckResult:
         hop, shape, error = failures[0]
         more = ""
         if len(failures) > 1:
+            more = f"; {len(failures)} of {len(requests)} requests fail"
             others = sorted({f"{h}/{s}" for h, s, _ in failures[1:]} - {f"{hop}/{shape}"})
-            more = f"; {len(failures)} of {len(requests)} requests fail" + (f" (also {', '.join(others[:3])}"
-                                                                              f"{' and more' if len(others) > 3 else ''})" if others else "")
+            if others:
+                more += f" (also {', '.join(others[:3])}{' and more' if len(others) > 3 else ''})"
         return CheckResult("template.render", "fail",
                            f"{template.source} raises {error!r} on the {hop} hop for shape '{shape}'{more}")
     return CheckResult("template.render", "pass",
