@@ -14,9 +14,17 @@ import typer
 from molctl import __version__
 from molctl.errors import ExitStatus, MolctlError
 
+EXIT_CODES_HELP = (
+    "Exit codes: 0 ok; 1 unexpected error; 2 usage error; 3 a check or the profile failed; "
+    "4 conflict (port or GPU claimed by another stack, another stack running, state lock held, "
+    "a different configuration running, an unreadable record); 5 engine/proxy exited during start-up; "
+    "6 readiness timed out; 7 adapters missing or under the wrong parent; 130 interrupted."
+)
+
 app = typer.Typer(
     name="molctl",
     help="Operate a self-hosted Mixture-of-LoRA stack (engine + MoL proxy): check, start, stop, switch, inspect.",
+    epilog=EXIT_CODES_HELP,
     no_args_is_help=True,
     add_completion=True,
     pretty_exceptions_enable=False,
@@ -71,6 +79,10 @@ def handle_errors(fn: Callable) -> Callable:
         except KeyboardInterrupt:
             Output().error("interrupted")
             raise typer.Exit(int(ExitStatus.INTERRUPTED)) from None
+        except OSError as exc:  # a file molctl needs (state dir, log, lock): one line, not a traceback
+            where = f": {exc.filename}" if getattr(exc, "filename", None) else ""
+            Output().error(f"{exc.strerror or exc}{where}")
+            raise typer.Exit(int(ExitStatus.ERROR)) from None
 
     return wrapper
 
@@ -133,16 +145,33 @@ def check_cmd(
 KEY_FILE_OPT = typer.Option(None, "--api-key-file", envvar="MOLCTL_API_KEY_FILE",
                             help="Proxy API keys, one per line (mode 0600). Or set MOLCTL_API_KEY.")
 UNAUTH_OPT = typer.Option(False, "--allow-unauthenticated", help="Run the proxy without an API key.")
-TIMEOUT_OPT = typer.Option(None, "--timeout", help="Seconds to wait for the engine (default: engine.start_timeout_s).")
-DRAIN_OPT = typer.Option(600.0, "--drain-timeout", help="Seconds the proxy may take to finish in-flight requests on stop.")
+def _positive(value: Optional[float]) -> Optional[float]:
+    if value is not None and not value > 0:
+        raise typer.BadParameter(f"{value:g}: expected a number of seconds > 0")
+    return value
 
 
-def _up_options(ctx, model_root, set_, skip, timeout, api_key_file, allow_unauthenticated, drain_timeout):
+def _not_negative(value: Optional[float]) -> Optional[float]:
+    if value is not None and value < 0:
+        raise typer.BadParameter(f"{value:g}: expected a number of seconds >= 0")
+    return value
+
+
+TIMEOUT_OPT = typer.Option(None, "--timeout", callback=_positive,
+                           help="Seconds to wait for the engine (> 0; default: engine.start_timeout_s).")
+DRAIN_OPT = typer.Option(600.0, "--drain-timeout", callback=_not_negative,
+                         help="Seconds the proxy may take to finish in-flight requests on stop.")
+STOP_OPT = typer.Option(60.0, "--stop-timeout", callback=_not_negative,
+                        help="Seconds the engine may take after SIGTERM before SIGKILL (when a running stack is stopped).")
+
+
+def _up_options(ctx, model_root, set_, skip, timeout, api_key_file, allow_unauthenticated, drain_timeout,
+                stop_timeout=60.0, restart=False):
     from molctl.lifecycle import UpOptions
 
     return UpOptions(overrides=overrides_from(model_root, set_), skip=skip, timeout_s=timeout, api_key_file=api_key_file,
                      allow_unauthenticated=allow_unauthenticated, drain_timeout_s=drain_timeout,
-                     profiles_dirs=list(ctx.obj.profiles_dirs))
+                     profiles_dirs=list(ctx.obj.profiles_dirs), stop_timeout_s=stop_timeout, restart=restart)
 
 
 def _run_start(profile: str, json_: bool, call) -> None:
@@ -176,12 +205,16 @@ def up_cmd(
     api_key_file: Optional[Path] = KEY_FILE_OPT,
     allow_unauthenticated: bool = UNAUTH_OPT,
     drain_timeout: float = DRAIN_OPT,
+    stop_timeout: float = STOP_OPT,
+    restart: bool = typer.Option(False, "--restart", help="Stop this profile's running stack first (drain, then stop), "
+                                                          "e.g. to run it with another configuration."),
     json_: bool = JSON_OPT,
 ) -> None:
     """Check, start the engine, wait until it really serves L0-L3, start the proxy. Idempotent."""
     from molctl.lifecycle import up
 
-    opts = _up_options(ctx, model_root, set_, skip, timeout, api_key_file, allow_unauthenticated, drain_timeout)
+    opts = _up_options(ctx, model_root, set_, skip, timeout, api_key_file, allow_unauthenticated, drain_timeout,
+                       stop_timeout, restart)
     _run_start(profile, json_, lambda reporter: up(profile, ctx.obj, opts, reporter))
 
 
@@ -197,12 +230,14 @@ def switch_cmd(
     api_key_file: Optional[Path] = KEY_FILE_OPT,
     allow_unauthenticated: bool = UNAUTH_OPT,
     drain_timeout: float = DRAIN_OPT,
+    stop_timeout: float = STOP_OPT,
     json_: bool = JSON_OPT,
 ) -> None:
     """Drain and stop whatever stack runs, then `up PROFILE`. A failing preflight stops nothing."""
     from molctl.lifecycle import switch
 
-    opts = _up_options(ctx, model_root, set_, skip, timeout, api_key_file, allow_unauthenticated, drain_timeout)
+    opts = _up_options(ctx, model_root, set_, skip, timeout, api_key_file, allow_unauthenticated, drain_timeout,
+                       stop_timeout)
     _run_start(profile, json_, lambda reporter: switch(profile, ctx.obj, opts, reporter, drain_timeout))
 
 
@@ -212,8 +247,9 @@ def down_cmd(
     ctx: typer.Context,
     profile: Optional[str] = typer.Argument(None, help="Profile to stop (default: every recorded stack)."),
     drain_timeout: float = DRAIN_OPT,
-    stop_timeout: float = typer.Option(60.0, "--stop-timeout", help="Seconds the engine may take after SIGTERM before SIGKILL."),
-    force: bool = typer.Option(False, "--force", help="Remove records even when processes could not be verified gone."),
+    stop_timeout: float = STOP_OPT,
+    force: bool = typer.Option(False, "--force", help="Remove records even when processes could not be verified gone; "
+                                                      "stop the processes an unreadable record's marker names."),
     json_: bool = JSON_OPT,
 ) -> None:
     """Proxy first (drain), then the engine group (SIGTERM, then SIGKILL); verify nothing survives."""
@@ -221,7 +257,8 @@ def down_cmd(
     from molctl.output import Output
 
     out = Output(as_json=json_)
-    result = down(ctx.obj, profile, drain_timeout, force, lambda m: out.line(f"molctl: {m}"), engine_timeout_s=stop_timeout)
+    result = down(ctx.obj, profile, drain_timeout, force, lambda m: out.line(f"molctl: {m}"), engine_timeout_s=stop_timeout,
+                  warn=out.warn)
     if json_:
         out.json(result)
     else:
@@ -246,15 +283,18 @@ def status_cmd(
 @handle_errors
 def logs_cmd(
     ctx: typer.Context,
-    profile: Optional[str] = typer.Argument(None, help="Profile (default: the only recorded one)."),
+    profile: Optional[str] = typer.Argument(None, help="Profile (default: the running stack, else the newest logs)."),
     component: Optional[str] = typer.Option(None, "--component", help="engine or proxy (default: both)."),
-    follow: bool = typer.Option(False, "-f", "--follow", help="Keep printing new lines, across restarts."),
-    lines: int = typer.Option(50, "-n", "--lines", help="Lines to print from the end of each log."),
+    follow: bool = typer.Option(False, "-f", "--follow", help="Keep printing new lines, across restarts and rotations."),
+    lines: int = typer.Option(50, "-n", "--lines", help="Lines to print from the end of each log (0: none, e.g. with -f)."),
 ) -> None:
     """The last lines of the newest log of each component, prefixed; -f follows them."""
     from molctl.logs import show_logs
 
-    show_logs(ctx.obj, profile, component, follow, lines)
+    try:
+        show_logs(ctx.obj, profile, component, follow, lines)
+    except KeyboardInterrupt:  # the way to end -f: quietly
+        raise typer.Exit(int(ExitStatus.INTERRUPTED)) from None
 
 
 demo_app = typer.Typer(help="The tiny demo model: a whole MoL stack on any machine, no GPU, no download.",
@@ -315,12 +355,34 @@ def proxy_cmd(
     drain_timeout: float = typer.Option(600.0, "--drain-timeout", help="On SIGTERM, seconds in-flight requests may take to finish."),
     sse_keepalive: float = typer.Option(10.0, "--sse-keepalive", help="Seconds between SSE keep-alive comments while waiting."),
     set_: List[str] = SET_OPT,
+    set_json: Optional[str] = typer.Option(None, "--set-json", metavar="JSON",
+                                           help="Overrides as typed data: a JSON list of [dotted.key, value] pairs "
+                                                "(what `molctl up` passes; applied after --set)."),
+    log_max_bytes: Optional[int] = typer.Option(None, "--log-max-bytes", help="Rotate the log file stdout/stderr write to at this size."),
+    log_backups: int = typer.Option(2, "--log-backups", help="Rotated parts kept (.1, .2, ...)."),
 ) -> None:
     """Run the MoL proxy in the foreground: one public model, route -> answer -> summary over the adapters.
 
     The key may also come from the environment (MOLCTL_API_KEY, one key), never from argv."""
     from molctl.core import run_proxy
 
-    run_proxy(profile, ctx.obj, overrides_from(None, set_), upstream=upstream, host=host, port=port,
-              api_key_file=api_key_file, allow_unauthenticated=allow_unauthenticated,
-              drain_timeout=drain_timeout, sse_keepalive=sse_keepalive)
+    run_proxy(profile, ctx.obj, overrides_from(None, set_) + _typed_overrides(set_json), upstream=upstream, host=host,
+              port=port, api_key_file=api_key_file, allow_unauthenticated=allow_unauthenticated,
+              drain_timeout=drain_timeout, sse_keepalive=sse_keepalive, log_max_bytes=log_max_bytes,
+              log_backups=log_backups)
+
+
+def _typed_overrides(raw: Optional[str]) -> list[tuple[str, object]]:
+    import json
+
+    from molctl.errors import UsageError
+
+    if not raw:
+        return []
+    try:
+        pairs = json.loads(raw)
+        if not isinstance(pairs, list) or not all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) for p in pairs):
+            raise ValueError("expected a list of [key, value] pairs")
+    except ValueError as exc:
+        raise UsageError(f"--set-json: {exc}") from None
+    return [(k, v) for k, v in pairs]

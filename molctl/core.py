@@ -42,20 +42,26 @@ def check_profile(name: str, ctx, overrides: Iterable[tuple[str, Any]], skip: It
     return run_checks(profile, host_probes(ctx.state_dir, profile.name, api_key_file, probes), skip)
 
 
-def host_probes(state_dir: Path, profile_name: str, api_key_file: Path | None, probes=None):
-    """The probes of this host for one profile (`check`, and the preflight of `up`/`switch`)."""
+def host_probes(state_dir: Path, profile_name: str, api_key_file: Path | None, probes=None,
+                own_profiles: Iterable[str] = ()):
+    """The probes of this host for one profile (`check`, and the preflight of `up`/`switch`).
+    `own_profiles`: stacks of this state dir that count as this profile's own (what a `switch`
+    is about to stop): their processes, ports, GPU memory and host-wide claims are not foreign."""
     from molctl.checks import Probes
     from molctl.processes import stack_pids
 
+    own = sorted({profile_name, *own_profiles})
     probes = probes or Probes()
     probes.state_dir = state_dir
     probes.api_key_file = api_key_file
-    probes.stack_pids = lambda: stack_pids(state_dir, profile_name)
+    probes.stack_pids = lambda: set().union(*(stack_pids(state_dir, p) for p in own))
+    probes.own_profiles = frozenset(own)
     return probes
 
 
 def run_proxy(name: str, ctx, overrides, *, upstream: str, host: str, port: int | None, api_key_file: Path | None,
-              allow_unauthenticated: bool, drain_timeout: float, sse_keepalive: float) -> None:
+              allow_unauthenticated: bool, drain_timeout: float, sse_keepalive: float,
+              log_max_bytes: int | None = None, log_backups: int = 2) -> None:
     import logging
 
     from molctl.engines import get_engine
@@ -67,6 +73,10 @@ def run_proxy(name: str, ctx, overrides, *, upstream: str, host: str, port: int 
     from molctl.keys import resolve_api_keys
 
     keys = resolve_api_keys(api_key_file, allow_unauthenticated)
+    if log_max_bytes:
+        from molctl.logs import rotate_stdio
+
+        rotate_stdio(log_max_bytes, log_backups)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     app = ProxyApp(profile, get_engine(profile.engine.kind), upstream, keys, sse_keepalive_s=sse_keepalive)
     serve(app, host, port or profile.proxy.port, drain_timeout)

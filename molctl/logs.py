@@ -1,26 +1,43 @@
 """`molctl logs`: the newest log file of each component, prefixed, optionally followed across
-restarts (a restart opens a new timestamped log; following switches to it)."""
+restarts (a restart opens a new timestamped log; following switches to it) and rotations.
+
+Bounded: `up` keeps the `logs.keep` newest files per component, and the proxy rotates its own
+log at `logs.max_bytes` (`rotate_stdio`, keeping `logs.backups` parts as `.log.1`, `.log.2`)."""
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from pathlib import Path
 
 from molctl.errors import UsageError
 from molctl.output import Output
 from molctl.processes import tail
-from molctl.state import COMPONENTS, newest_log
+from molctl.state import COMPONENTS, component_logs, newest_log
 
 
 def _pick_profile(state_dir: Path, profile: str | None) -> str:
+    """The named profile; else the running stack; else the profile with the newest log."""
     if profile:
         return profile
-    names = sorted(d.name for d in state_dir.iterdir() if (d / "logs").is_dir()) if state_dir.is_dir() else []
+    from molctl.lifecycle import running_profiles
+
+    try:
+        names = sorted(d.name for d in state_dir.iterdir() if (d / "logs").is_dir()) if state_dir.is_dir() else []
+    except OSError as exc:
+        raise UsageError(f"cannot read {state_dir}: {exc.strerror or exc}") from None
     if not names:
         raise UsageError(f"no stack logs in {state_dir} (start one with molctl up PROFILE)")
-    if len(names) > 1:
-        raise UsageError(f"logs of several profiles exist ({', '.join(names)}); name one: molctl logs PROFILE")
-    return names[0]
+    running = [n for n in running_profiles(state_dir) if n in names]
+    if running:
+        return running[0]
+
+    def newest(name: str) -> float:
+        logs = [p for c in COMPONENTS for p in component_logs(state_dir, name, c)]
+        return max((p.stat().st_mtime for p in logs), default=0.0)
+
+    return max(names, key=newest)
 
 
 def show_logs(ctx, profile: str | None, component: str | None, follow: bool, lines: int,
@@ -28,16 +45,19 @@ def show_logs(ctx, profile: str | None, component: str | None, follow: bool, lin
     out = out or Output()
     if component is not None and component not in COMPONENTS:
         raise UsageError(f"--component {component!r}: expected engine or proxy")
+    if lines < 0:
+        raise UsageError(f"--lines {lines}: expected 0 or more")
     name = _pick_profile(ctx.state_dir, profile)
     components = [component] if component else list(COMPONENTS)
-    current: dict[str, tuple[Path, int]] = {}
+    current: dict[str, tuple[Path, int, int]] = {}  # path, position, inode
     for comp in components:
         path = newest_log(ctx.state_dir, name, comp)
         if path is None:
             continue
         for line in tail(path, lines):
             out.raw(f"[{comp}] {line}\n")
-        current[comp] = (path, path.stat().st_size)
+        st = path.stat()
+        current[comp] = (path, st.st_size, st.st_ino)
     if not current and not follow:
         raise UsageError(f"no {component or 'engine or proxy'} log for profile {name} in {ctx.state_dir / name / 'logs'}")
     if not follow:
@@ -49,20 +69,85 @@ def show_logs(ctx, profile: str | None, component: str | None, follow: bool, lin
             newest = newest_log(ctx.state_dir, name, comp)
             if newest is None:
                 continue
-            path, pos = current.get(comp, (None, 0))
+            path, pos, ino = current.get(comp, (None, 0, None))
+            try:
+                st = newest.stat()
+            except OSError:
+                continue
             if newest != path:
                 if path is not None:
                     out.raw(f"[{comp}] ==> new log {newest} <==\n")
-                path, pos = newest, 0
+                path, pos, ino = newest, 0, st.st_ino
                 partial[comp] = ""
-            with open(path, "rb") as fh:
-                fh.seek(pos)
-                data = fh.read()
+            elif st.st_ino != ino or st.st_size < pos:  # rotated (a new file under the same name)
+                out.raw(f"[{comp}] ==> {newest} was rotated <==\n")
+                pos, ino = 0, st.st_ino
+                partial[comp] = ""
+            try:
+                with open(path, "rb") as fh:
+                    fh.seek(pos)
+                    data = fh.read()
+            except OSError:
+                continue
             if data:
                 text = partial.get(comp, "") + data.decode(errors="replace")
                 *complete, rest = text.split("\n")
                 for line in complete:
                     out.raw(f"[{comp}] {line}\n")
                 partial[comp] = rest
-            current[comp] = (path, pos + len(data))
+            current[comp] = (path, pos + len(data), ino)
         time.sleep(poll_s)
+
+
+def rotate_now(path: Path, backups: int) -> None:
+    """`path` -> `path.1` -> `path.2` ... (at most `backups` parts; 0 = truncate in place)."""
+    if backups <= 0:
+        return
+    for i in range(backups, 0, -1):
+        src = Path(f"{path}.{i - 1}") if i > 1 else path
+        if src.exists():
+            os.replace(src, Path(f"{path}.{i}"))
+
+
+def rotate_stdio(max_bytes: int, backups: int, check_every_s: float = 1.0) -> threading.Thread | None:
+    """Size-based rotation of the log file this process's stdout/stderr write to (the proxy's
+    own log, opened by `up`): when it exceeds `max_bytes`, it is renamed to `.1` (older parts
+    shifted, at most `backups` kept) and a new file is opened under the same name on fds 1 and 2.
+    Everything the process writes is covered, tracebacks included. No-op when stdout is not a
+    regular file."""
+    import stat
+
+    try:
+        st = os.fstat(1)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    path = Path(os.readlink("/proc/self/fd/1")) if os.path.exists("/proc/self/fd/1") else None
+    if path is None or not path.is_absolute():
+        return None
+
+    def loop() -> None:
+        while True:
+            time.sleep(check_every_s)
+            try:
+                if os.fstat(1).st_size < max_bytes:
+                    continue
+                import sys
+
+                sys.stdout.flush()
+                sys.stderr.flush()
+                if backups > 0:
+                    rotate_now(path, backups)
+                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+                    os.dup2(fd, 1)
+                    os.dup2(fd, 2)
+                    os.close(fd)
+                else:
+                    os.ftruncate(1, 0)
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=loop, name="log-rotation", daemon=True)
+    thread.start()
+    return thread

@@ -59,14 +59,17 @@ class Output:
         self.console.print(table)
 
     # renderers --------------------------------------------------------------------------
-    def check_report(self, report) -> None:
+    def check_report(self, report, problems_only: bool = False) -> None:
+        """The check table; `problems_only` (the preflight of up/switch) shows failures and warnings."""
         if self.as_json:
             self.json(report.as_dict())
             return
         from rich.text import Text
 
-        rows = [(Text(c.status.upper(), style=STATUS_STYLE[c.status]), c.id, Text(c.detail)) for c in report.checks]
-        self.table(("status", "id", "detail"), rows, title=f"molctl check {report.profile}")
+        checks = [c for c in report.checks if c.status in ("fail", "warn")] if problems_only else report.checks
+        rows = [(Text(c.status.upper(), style=STATUS_STYLE[c.status]), c.id, Text(c.detail)) for c in checks]
+        title = f"molctl check {report.profile}" + (" (failures and warnings)" if problems_only else "")
+        self.table(("status", "id", "detail"), rows, title=title)
         n = report.counts()
         summary = f"{n['pass']} passed, {n['warn']} warnings, {n['fail']} failed, {n['skip']} skipped"
         if report.ok:
@@ -121,7 +124,7 @@ class UpReporter:
     def check_report(self, report) -> None:
         self._stop_status()
         if not self.out.as_json:
-            self.out.check_report(report)
+            self.out.check_report(report, problems_only=True)
 
     def _stop_status(self) -> None:
         if self._status is not None:
@@ -147,7 +150,11 @@ def render_up(out: Output, result: dict) -> None:
 def render_failure(out: Output, profile: str, exc) -> None:
     tail = getattr(exc, "log_tail", [])
     if out.as_json:
-        out.json({"ok": False, "profile": profile, "exit_code": int(exc.exit_status), "error": str(exc), "log_tail": tail})
+        data = {"ok": False, "profile": profile, "exit_code": int(exc.exit_status), "error": str(exc), "log_tail": tail}
+        report = getattr(exc, "report", None)
+        if report is not None:
+            data["checks"] = report.as_dict()["checks"]
+        out.json(data)
     elif tail:
         out.stderr.write("".join(f"  | {line}\n" for line in tail))
 
@@ -175,6 +182,8 @@ def render_status(out: Output, data: dict) -> None:
     for stack in data["stacks"]:
         if stack.get("endpoint") and stack["state"] in ("ready", "degraded"):
             out.line(f"{stack['profile']}: model {stack.get('model')} at {stack['endpoint']}")
+        for problem in stack.get("problems", []):
+            out.line(f"{stack['profile']}: {problem}")
         if stack.get("adapters") not in (None, "ok"):
             out.line(f"{stack['profile']}: adapters: {stack['adapters']}")
         for g in stack.get("gpus", []):

@@ -1,11 +1,16 @@
 """Spawning and stopping stack components as process groups, without ever signalling a stranger.
 
-Each component runs in its own session (so its own process group, pgid == leader pid). Stopping
-means SIGTERM to the group, waiting up to a deadline, SIGKILL to the group, then verifying that
-no member survived. Members are the processes in the recorded group *created after the leader*
-(a pid or pgid reused by an unrelated, older process is never touched), plus the leader's
-descendants that moved to another group; vLLM's EngineCore and worker processes are found
-either way, also when the API server itself was SIGKILLed and they were left behind.
+Each component runs in its own session (so its own process group, pgid == leader pid) and
+carries the marker of its record in its environment (see `molctl.procid`). The members of a
+recorded component are:
+  - its leader, when the pid still names the recorded process (same start ticks and boot), and
+    every descendant of that leader;
+  - every live process carrying the record's marker (`MOLCTL_RECORD_ID`), which finds vLLM's
+    EngineCore and workers also when the API server itself was SIGKILLed and they were left
+    behind, in the group or out of it.
+A process that merely shares a recycled pid or process-group id has no marker and is never
+touched. Stopping means SIGTERM (to the group when its leader is verified ours, else to each
+member), waiting up to a deadline, SIGKILL, then verifying that no member survived.
 """
 
 from __future__ import annotations
@@ -20,26 +25,50 @@ from typing import Callable, Mapping, Sequence
 
 import psutil
 
+from molctl import procid
 from molctl.state import Record, is_same_process
 
-TOLERANCE_S = 0.05  # create_time resolution
 
-
-def spawn(argv: Sequence[str], env: Mapping[str, str], log_path: Path, cwd: str | None = None) -> subprocess.Popen:
-    """Start a component in its own session: stdin closed, umask 077, output appended to its log."""
+def spawn(argv: Sequence[str], env: Mapping[str, str], log_path: Path, cwd: str | None = None,
+          marker: Mapping[str, str] | None = None, pass_fds: Sequence[int] = ()) -> subprocess.Popen:
+    """Start a component in its own session: stdin closed, umask 077, output appended to its log,
+    the record's marker in its environment, `pass_fds` (host-wide lock files) inherited."""
     log_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    env = {k: v for k, v in env.items() if k not in (procid.MARKER_ID, procid.MARKER_PATH)}
+    env.update(marker or {})
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
-        return subprocess.Popen(list(argv), env=dict(env), stdin=subprocess.DEVNULL, stdout=fd, stderr=subprocess.STDOUT,
-                                start_new_session=True, umask=0o077, cwd=cwd, close_fds=True)
+        return subprocess.Popen(list(argv), env=env, stdin=subprocess.DEVNULL, stdout=fd, stderr=subprocess.STDOUT,
+                                start_new_session=True, umask=0o077, cwd=cwd, close_fds=True, pass_fds=tuple(pass_fds))
     finally:
         os.close(fd)
 
 
-def record_for(component: str, proc: subprocess.Popen, argv: Sequence[str], port: int, log_path: Path) -> Record:
-    p = psutil.Process(proc.pid)
-    return Record(component=component, pid=proc.pid, pgid=os.getpgid(proc.pid), create_time=p.create_time(),
-                  argv=list(argv), port=port, log=str(log_path), started_at=time.time())
+def new_marker(record_file: Path) -> dict[str, str]:
+    import uuid
+
+    return {procid.MARKER_ID: uuid.uuid4().hex, procid.MARKER_PATH: str(record_file.absolute())}
+
+
+def record_for(component: str, proc: subprocess.Popen, argv: Sequence[str], port: int, log_path: Path,
+               marker: Mapping[str, str] | None = None, host: str = "127.0.0.1", config: dict | None = None) -> Record:
+    ident = procid.identity(proc.pid)
+    return Record(component=component, pid=proc.pid, pgid=proc.pid, create_time=ident.create_time or time.time(),
+                  argv=list(argv), port=port, log=str(log_path), started_at=time.time(),
+                  start_ticks=ident.start_ticks, boot_id=ident.boot_id,
+                  record_id=(marker or {}).get(procid.MARKER_ID, ""), host=host, config=dict(config or {}))
+
+
+def kill_fresh(proc: subprocess.Popen) -> None:
+    """SIGKILL the group of a process this molctl just spawned (its group is ours) and reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        pass
 
 
 def members(record: Record) -> list[psutil.Process]:
@@ -53,20 +82,30 @@ def members(record: Record) -> list[psutil.Process]:
                 found[child.pid] = child
         except psutil.NoSuchProcess:
             pass
-    elif _running(record.pgid):
-        # The kernel does not hand out a pid that is still a process-group id. So if pid == pgid
-        # exists but is not our leader, the group is someone else's: never touch it.
-        return []
-    for proc in psutil.process_iter(["pid", "create_time"]):
-        try:
-            if proc.pid in found or proc.info["create_time"] is None:
-                continue
-            if os.getpgid(proc.pid) == record.pgid and proc.info["create_time"] >= record.create_time - TOLERANCE_S:
-                if proc.status() != psutil.STATUS_ZOMBIE:
-                    found[proc.pid] = proc
-        except (ProcessLookupError, psutil.NoSuchProcess, psutil.AccessDenied, PermissionError):
-            continue
+    if record.record_id:
+        for pid, _path, rid in procid.marked_processes():
+            if rid == record.record_id and pid not in found:
+                try:
+                    found[pid] = psutil.Process(pid)
+                except psutil.NoSuchProcess:
+                    continue
     return [p for p in found.values() if _alive(p)]
+
+
+def marked_by_path(prefix: Path) -> list[tuple[psutil.Process, str]]:
+    """Live processes whose marker names a record file under `prefix` (a state dir, or a
+    profile's folder in it): found without reading any record (corrupt or unreadable ones)."""
+    prefix_s = str(prefix.absolute()).rstrip("/") + "/"
+    out = []
+    for pid, path, _rid in procid.marked_processes():
+        if path.startswith(prefix_s):
+            try:
+                proc = psutil.Process(pid)
+            except psutil.NoSuchProcess:
+                continue
+            if _alive(proc):
+                out.append((proc, path))
+    return out
 
 
 def stack_pids(state_dir: Path, profile: str) -> set[int]:
@@ -76,14 +115,6 @@ def stack_pids(state_dir: Path, profile: str) -> set[int]:
     return {p.pid for record in read_records(state_dir, profile).values() for p in members(record)}
 
 
-def _running(pid: int) -> bool:
-    """A live, non-zombie process with this pid exists."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 def _alive(proc: psutil.Process) -> bool:
     try:
         return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
@@ -91,19 +122,22 @@ def _alive(proc: psutil.Process) -> bool:
         return False
 
 
-def _signal_all(record: Record, procs: list[psutil.Process], sig: int) -> None:
-    group_alive = any(_pgid(p) == record.pgid for p in procs)
-    if group_alive:
+def _signal_all(record: Record | None, procs: list[psutil.Process], sig: int) -> None:
+    """To the whole group when its leader is verified ours (catches processes forked meanwhile),
+    and to every member outside it; otherwise to each member (each verified) only."""
+    group = record.pgid if record is not None and is_same_process(record) else None
+    if group is not None:
         try:
-            os.killpg(record.pgid, sig)
+            os.killpg(group, sig)
         except (ProcessLookupError, PermissionError):
             pass
-    for p in procs:  # members that left the group
-        if _pgid(p) != record.pgid:
-            try:
-                p.send_signal(sig)
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                pass
+    for p in procs:
+        if group is not None and _pgid(p) == group:
+            continue
+        try:
+            p.send_signal(sig)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
 
 
 def _pgid(proc: psutil.Process) -> int | None:
@@ -125,20 +159,35 @@ class StopResult:
 
 
 def stop(record: Record, timeout_s: float, sleep: Callable[[float], None] = time.sleep,
-         on_escalate: Callable[[], None] | None = None) -> StopResult:
-    """SIGTERM the component's group, wait up to `timeout_s`, SIGKILL what is left, verify."""
-    procs = members(record)
+         on_escalate: Callable[[], None] | None = None, on_wait: Callable[[float], None] | None = None,
+         wait_every_s: float = 10.0) -> StopResult:
+    """SIGTERM the component, wait up to `timeout_s`, SIGKILL what is left, verify.
+    `on_wait(seconds_left)` is called every `wait_every_s` while it waits (a countdown)."""
+    return stop_processes(record, members(record), timeout_s, sleep, on_escalate, on_wait, wait_every_s,
+                          lambda: members(record))
+
+
+def stop_processes(record: Record | None, procs: list[psutil.Process], timeout_s: float,
+                   sleep: Callable[[float], None] = time.sleep, on_escalate: Callable[[], None] | None = None,
+                   on_wait: Callable[[float], None] | None = None, wait_every_s: float = 10.0,
+                   rescan: Callable[[], list[psutil.Process]] | None = None) -> StopResult:
     found = len(procs)
     if not procs:
         return StopResult(0, False, [])
     _signal_all(record, procs, signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
+    start = time.monotonic()
+    deadline = start + timeout_s
+    next_report = start + wait_every_s
     while time.monotonic() < deadline:
         procs = [p for p in procs if _alive(p)]
         if not procs:
             break
+        now = time.monotonic()
+        if on_wait is not None and now >= next_report:
+            on_wait(max(0.0, deadline - now))
+            next_report += wait_every_s
         sleep(0.1)
-    procs = [p for p in members(record) if _alive(p)] or [p for p in procs if _alive(p)]
+    procs = [p for p in (rescan() if rescan else procs) if _alive(p)] or [p for p in procs if _alive(p)]
     killed = bool(procs)
     if procs:
         if on_escalate:
@@ -147,7 +196,8 @@ def stop(record: Record, timeout_s: float, sleep: Callable[[float], None] = time
         end = time.monotonic() + 5
         while time.monotonic() < end and any(_alive(p) for p in procs):
             sleep(0.05)
-    survivors = [f"{p.pid} {_name(p)}" for p in members(record)]
+    left = rescan() if rescan else [p for p in procs if _alive(p)]
+    survivors = [f"{p.pid} {_name(p)}" for p in left if _alive(p)]
     return StopResult(found, killed, survivors)
 
 
@@ -159,7 +209,9 @@ def _name(proc: psutil.Process) -> str:
 
 
 def tail(path: Path | str, lines: int = 80) -> list[str]:
-    """The last `lines` lines of a (possibly large) log file."""
+    """The last `lines` lines of a (possibly large) log file (none for lines <= 0)."""
+    if lines <= 0:
+        return []
     try:
         with open(path, "rb") as fh:
             fh.seek(0, os.SEEK_END)

@@ -106,6 +106,11 @@ SCHEMA: dict[str, Any] = {
         "reasoning": str,
         "sampling_defaults": _MapOf(SCALAR),
     },
+    "logs": {  # retention of STATE/PROFILE/logs
+        "keep": int,  # the N newest log files kept per component
+        "max_bytes": int,  # the proxy's own log is rotated at this size (0 = never)
+        "backups": int,  # rotated parts kept of it
+    },
     "prompts": {
         "identity": str,
         "route": str,
@@ -175,6 +180,13 @@ DEFAULT_FOLD = "[This turn was handled by another specialist. Summary: {summary}
 
 
 @dataclass(frozen=True)
+class LogSpec:
+    keep: int = 10
+    max_bytes: int = 100 * 1024 * 1024
+    backups: int = 2
+
+
+@dataclass(frozen=True)
 class Prompts:
     identity: str
     route: str
@@ -197,6 +209,7 @@ class Profile:
     adapters: AdapterSpec = AdapterSpec()
     description: str = ""
     source: Path | None = None
+    logs: LogSpec = LogSpec()
 
     @property
     def base_dir(self) -> Path:
@@ -484,7 +497,15 @@ def build_profile(data: dict[str, Any], source: Path, lines: dict[str, int] | No
             fold=prompts.get("fold", DEFAULT_FOLD),
         ),
         source=source,
+        logs=_log_spec(data.get("logs", {}), v),
     )
+
+
+def _log_spec(logs: dict[str, Any], v: "_Validator") -> LogSpec:
+    for key, low in (("keep", 1), ("max_bytes", 0), ("backups", 0)):
+        if key in logs and logs[key] < low:
+            raise v.fail(f"logs.{key}", f"must be >= {low}")
+    return LogSpec(**logs)
 
 
 # --------------------------------------------------------------------------------------------

@@ -19,13 +19,19 @@ def connect_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
 
 
+def base_url(host: str, port: int) -> str:
+    """`http://HOST:PORT` to connect to a server listening on host:port (IPv6 bracketed,
+    a wildcard listen address reached through loopback)."""
+    host = connect_host(host)
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def engine_url(profile: Profile) -> str:
-    host = connect_host(profile.engine.host)
-    return f"http://[{host}]:{profile.engine.port}" if ":" in host else f"http://{host}:{profile.engine.port}"
+    return base_url(profile.engine.host, profile.engine.port)
 
 
 def proxy_url(profile: Profile) -> str:
-    return f"http://{connect_host(profile.proxy.host)}:{profile.proxy.port}"
+    return base_url(profile.proxy.host, profile.proxy.port)
 
 
 @dataclass
@@ -35,9 +41,9 @@ class Probe:
 
 
 class EngineReadiness:
-    def __init__(self, profile: Profile, engine: Engine, client: httpx.Client | None = None):
+    def __init__(self, profile: Profile, engine: Engine, client: httpx.Client | None = None, url: str | None = None):
         self.profile, self.engine = profile, engine
-        self.url = engine_url(profile)
+        self.url = url or engine_url(profile)
         self.client = client or httpx.Client(timeout=httpx.Timeout(5.0, connect=1.0), trust_env=False)
         self.smoke_ok: set[str] = set()
 

@@ -1,21 +1,27 @@
 """The state dir: per-profile component records (JSON), log files and the lock file.
 
 Layout (mode 0700):
-    <state>/lock                       flock taken by every mutating command
+    <state>/lock                       flock taken by every mutating command (its holder as JSON)
     <state>/<profile>/<component>.json one record per running component (engine, proxy)
     <state>/<profile>/logs/            timestamped log files
-A record names a process by pid *and* create time; a pid whose process has another create time
-is someone else's now and is never signalled.
+A record names a process by pid *and* start time (clock ticks since boot, with the boot id: see
+`molctl.procid`), carries the id of the marker its processes inherit, and the configuration the
+stack was started with (so `up` and `status` never guess it from a profile file edited since).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+import time
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Any
+
+from molctl.errors import ConflictError, MolctlError
 
 COMPONENTS = ("engine", "proxy")
+LEGACY_TOLERANCE_S = 0.05  # psutil create_time resolution (records without start ticks)
 
 
 def default_state_dir() -> Path:
@@ -38,42 +44,107 @@ class Record:
     log: str
     started_at: float
     extra: dict = field(default_factory=dict)
+    start_ticks: int | None = None  # /proc/PID/stat field 22: immune to wall-clock steps
+    boot_id: str | None = None
+    record_id: str = ""  # the marker (MOLCTL_RECORD_ID) every process of the component inherits
+    host: str = "127.0.0.1"
+    config: dict = field(default_factory=dict)  # see molctl.stackconfig
+
+
+@dataclass
+class RecordProblem:
+    """A record file that exists but cannot be read or parsed."""
+
+    component: str
+    path: Path
+    error: str
 
 
 def record_path(state_dir: Path, profile: str, component: str) -> Path:
     return state_dir / profile / f"{component}.json"
 
 
-def read_records(state_dir: Path, profile: str) -> dict[str, Record]:
+def _parse_record(text: str) -> Record:
+    data = json.loads(text)
+    if not isinstance(data, dict):
+        raise ValueError("not a JSON object")
+    known = {f.name for f in fields(Record)}
+    record = Record(**{k: v for k, v in data.items() if k in known})
+    if not isinstance(record.pid, int) or not isinstance(record.pgid, int) or record.pid <= 0:
+        raise ValueError("pid/pgid missing or not a positive integer")
+    return record
+
+
+def read_records_checked(state_dir: Path, profile: str) -> tuple[dict[str, Record], list[RecordProblem]]:
+    """The records of a profile, and the record files that exist but cannot be read."""
     out: dict[str, Record] = {}
+    problems: list[RecordProblem] = []
     for component in COMPONENTS:
         path = record_path(state_dir, profile, component)
         try:
-            data = json.loads(path.read_text())
-            out[component] = Record(**data)
-        except (OSError, ValueError, TypeError):
+            text = path.read_text()
+        except FileNotFoundError:
             continue
-    return out
+        except OSError as exc:
+            problems.append(RecordProblem(component, path, exc.strerror or str(exc)))
+            continue
+        try:
+            out[component] = _parse_record(text)
+        except (ValueError, TypeError) as exc:
+            problems.append(RecordProblem(component, path, f"corrupt ({type(exc).__name__}: {exc})"[:200]))
+    return out, problems
+
+
+def read_records(state_dir: Path, profile: str) -> dict[str, Record]:
+    return read_records_checked(state_dir, profile)[0]
 
 
 def write_record(state_dir: Path, profile: str, record: Record) -> None:
-    """Atomic write (temp file + rename): a crash never leaves a half-written record."""
+    """Atomic write (temp file + rename + fsync): a crash never leaves a half-written record."""
     path = record_path(state_dir, profile, record.component)
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(asdict(record), indent=1))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, json.dumps(asdict(record), indent=1).encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     os.replace(tmp, path)
 
 
-def is_same_process(record: Record) -> bool:
-    """True when the record's pid is alive and is still the process that was recorded."""
+def process_state(record: Record) -> str:
+    """'alive' (the recorded process runs), 'gone' (it does not: the pid is free or now names
+    another process) or 'uncertain' (a record without start ticks whose pid lives with another
+    create time: a reused pid, or a wall-clock step; never signalled, its record kept)."""
+    from molctl import procid
+
+    if record.start_ticks is not None and procid.have_proc():
+        if record.boot_id and procid.boot_id() and record.boot_id != procid.boot_id():
+            return "gone"  # recorded before a reboot
+        ticks = procid.start_ticks(record.pid)
+        return "alive" if ticks is not None and ticks == record.start_ticks else "gone"
     import psutil
 
     try:
         proc = psutil.Process(record.pid)
-        return abs(proc.create_time() - record.create_time) < 0.05 and proc.status() != psutil.STATUS_ZOMBIE
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return False
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return "gone"
+        if abs(proc.create_time() - record.create_time) < LEGACY_TOLERANCE_S:
+            return "alive"
+    except psutil.NoSuchProcess:
+        return "gone"
+    except psutil.AccessDenied:
+        return "uncertain"
+    env = procid.environ_of(record.pid)
+    if record.record_id and env is not None:
+        return "alive" if env.get(procid.MARKER_ID) == record.record_id else "gone"
+    return "uncertain"
+
+
+def is_same_process(record: Record) -> bool:
+    """True when the record's pid is alive and is still the process that was recorded."""
+    return process_state(record) == "alive"
 
 
 def remove_record(state_dir: Path, profile: str, component: str) -> None:
@@ -84,17 +155,23 @@ def remove_record(state_dir: Path, profile: str, component: str) -> None:
 
 
 def profiles_with_records(state_dir: Path) -> list[str]:
-    if not state_dir.is_dir():
+    """Profiles with a record file (readable or not)."""
+    try:
+        if not state_dir.is_dir():
+            return []
+        return sorted(d.name for d in state_dir.iterdir()
+                      if d.is_dir() and any(record_path(state_dir, d.name, c).exists() for c in COMPONENTS))
+    except OSError:
         return []
-    return sorted(d.name for d in state_dir.iterdir()
-                  if d.is_dir() and any(record_path(state_dir, d.name, c).exists() for c in COMPONENTS))
+
+
+def log_dir(state_dir: Path, profile: str) -> Path:
+    return state_dir / profile / "logs"
 
 
 def new_log_path(state_dir: Path, profile: str, component: str) -> Path:
-    import time
-
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    base = state_dir / profile / "logs" / f"{component}-{stamp}"
+    base = log_dir(state_dir, profile) / f"{component}-{stamp}"
     path, n = base.with_suffix(".log"), 1
     while path.exists():
         path = Path(f"{base}-{n}.log")
@@ -102,27 +179,101 @@ def new_log_path(state_dir: Path, profile: str, component: str) -> Path:
     return path
 
 
+def component_logs(state_dir: Path, profile: str, component: str) -> list[Path]:
+    """The component's log files, oldest first (rotated `.log.N` parts are not listed)."""
+    try:
+        logs = list(log_dir(state_dir, profile).glob(f"{component}-*.log"))
+        return sorted(logs, key=lambda p: (p.stat().st_mtime, p.name))
+    except OSError:
+        return []
+
+
 def newest_log(state_dir: Path, profile: str, component: str) -> Path | None:
-    logs = sorted((state_dir / profile / "logs").glob(f"{component}-*.log"), key=lambda p: (p.stat().st_mtime, p.name))
+    logs = component_logs(state_dir, profile, component)
     return logs[-1] if logs else None
 
 
+def prune_logs(state_dir: Path, profile: str, component: str, keep: int, in_use: set[str] = frozenset()) -> list[Path]:
+    """Delete all but the `keep` newest log files of a component (with their rotated parts);
+    a file a live record names is never deleted. Returns what was deleted."""
+    logs = component_logs(state_dir, profile, component)
+    old = [p for p in logs[:-keep] if str(p) not in in_use] if keep > 0 else []
+    removed = []
+    for path in old:
+        for part in [path, *path.parent.glob(path.name + ".*")]:
+            try:
+                part.unlink()
+                removed.append(part)
+            except OSError:
+                pass
+    return removed
+
+
+class StateDirError(MolctlError):
+    """The state dir cannot be created, read or written (one line, exit 1)."""
+
+
 def ensure_state_dir(state_dir: Path) -> None:
-    """Create the state dir with mode 0700, or refuse one that others can read (exit 3)."""
+    """Create the state dir with mode 0700, or refuse one that others can read (exit 3) or that
+    cannot be used (a one-line error)."""
     import stat
 
     from molctl.errors import ProfileError
 
-    state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = state_dir.stat()
+    try:
+        state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = state_dir.stat()
+    except OSError as exc:
+        raise StateDirError(f"state dir {state_dir} is not usable: {exc.strerror or exc} "
+                            f"(choose another with --state-dir or MOLCTL_STATE_DIR)") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise StateDirError(f"state dir {state_dir} is not a directory")
     if st.st_mode & 0o077:
         raise ProfileError(f"state dir {state_dir} has mode {stat.S_IMODE(st.st_mode):04o}, expected 0700 "
                            f"(records and logs may hold secrets): chmod 700 {state_dir}")
 
 
+def _describe_holder(holder: dict[str, Any]) -> str:
+    pid = holder.get("pid")
+    since = holder.get("since")
+    when = f", since {time.strftime('%H:%M:%S', time.localtime(since))}" if isinstance(since, (int, float)) else ""
+    user = f", user {holder['user']}" if holder.get("user") else ""
+    return f"pid {pid} (molctl {holder.get('command', '?')}{user}{when})"
+
+
+def holder_text(holder: dict[str, Any]) -> str:
+    return _describe_holder(holder)
+
+
+def _read_holder(fd: int) -> dict[str, Any]:
+    raw = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+    try:
+        data = json.loads(raw)
+        if isinstance(data, dict):
+            return data
+    except ValueError:
+        pass
+    return {"pid": "?", "command": raw or "?"}
+
+
+def _flock_nb(fd: int, tries: int = 5) -> bool:
+    """LOCK_EX without blocking; retried briefly, since a `status` may hold LOCK_SH for an instant."""
+    import fcntl
+
+    for i in range(tries):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if i < tries - 1:
+                time.sleep(0.02)
+    return False
+
+
 class StateLock:
     """flock on <state>/lock for every mutating command; a second one fails fast (exit 4)
-    naming the holder. The kernel drops the lock when the holder dies: never stale."""
+    naming the holder and how to stop it. The kernel drops the lock when the holder dies: never
+    stale. The holder is JSON: {"pid", "command", "user", "since"}."""
 
     def __init__(self, state_dir: Path, command: str):
         self.path = state_dir / "lock"
@@ -132,29 +283,41 @@ class StateLock:
     def __enter__(self) -> "StateLock":
         import fcntl
 
-        from molctl.errors import ConflictError
-
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 512).decode(errors="replace").strip() or "another molctl"
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:
+            raise StateDirError(f"cannot take the state lock {self.path}: {exc.strerror or exc}") from None
+        if not _flock_nb(fd):
+            holder = _read_holder(fd)
             os.close(fd)
-            raise ConflictError(f"the state lock {self.path} is held by {holder}; wait for it or stop it") from None
+            pid = holder.get("pid")
+            how = (f"wait for it, or interrupt it with `kill -INT {pid}` (it stops what it started)"
+                   if isinstance(pid, int) else "wait for it")
+            raise ConflictError(f"the state lock {self.path} is held by {_describe_holder(holder)}; {how}") from None
+        import getpass
+
+        try:
+            user = getpass.getuser()
+        except (KeyError, OSError):
+            user = str(os.getuid())
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} (molctl {self.command})\n".encode(), 0)
+        os.pwrite(fd, (json.dumps({"pid": os.getpid(), "command": self.command, "user": user,
+                                   "since": time.time()}) + "\n").encode(), 0)
         self.fd = fd
         return self
 
     def __exit__(self, *exc) -> None:
         if self.fd is not None:
-            os.ftruncate(self.fd, 0)
+            try:
+                os.ftruncate(self.fd, 0)
+            except OSError:
+                pass
             os.close(self.fd)  # closing releases the flock
             self.fd = None
 
 
-def lock_holder(state_dir: Path) -> str | None:
-    """Who holds the lock right now (for status), or None."""
+def lock_holder(state_dir: Path) -> dict[str, Any] | None:
+    """Who holds the state lock right now (for status), or None."""
     import fcntl
 
     path = state_dir / "lock"
@@ -166,7 +329,7 @@ def lock_holder(state_dir: Path) -> str | None:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
-            return os.read(fd, 512).decode(errors="replace").strip() or "another molctl"
+            return _read_holder(fd)
         fcntl.flock(fd, fcntl.LOCK_UN)
         return None
     finally:

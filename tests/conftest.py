@@ -21,6 +21,14 @@ class CliResult:
         return json.loads(self.stdout)
 
 
+@pytest.fixture(autouse=True)
+def host_lock_dir(tmp_path_factory, monkeypatch) -> Path:
+    """Host-wide port/GPU claims in a private folder per test (inherited by every molctl a test runs)."""
+    d = tmp_path_factory.mktemp("locks")
+    monkeypatch.setenv("MOLCTL_LOCK_DIR", str(d))
+    return d
+
+
 @pytest.fixture
 def state_dir(tmp_path) -> Path:
     d = tmp_path / "state"

@@ -204,9 +204,12 @@ def test_record_with_reused_pid_is_never_signalled(host):
         rec_dir = host.state / "tiny"
         host.state.mkdir(mode=0o700)
         rec_dir.mkdir(mode=0o700)
+        from molctl import procid
+
         (rec_dir / "engine.json").write_text(json.dumps({
             "component": "engine", "pid": stranger.pid, "pgid": stranger.pid, "create_time": 1000.0, "argv": ["vllm"],
-            "port": host.engine_port, "log": "/nonexistent", "started_at": 1000.0}))
+            "port": host.engine_port, "log": "/nonexistent", "started_at": 1000.0,
+            "start_ticks": procid.start_ticks(stranger.pid) - 100, "boot_id": procid.boot_id(), "record_id": "r1"}))
         s = json.loads(host.molctl("status", "--json").stdout)
         assert s["stacks"][0]["state"] == "failed"
         r = host.up()

@@ -38,6 +38,7 @@ class Probes:
     environ: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
     api_key_file: Path | None = None
     stack_pids: Callable[[], set[int]] = field(default_factory=lambda: set)
+    own_profiles: frozenset[str] = frozenset()  # stacks of state_dir whose host-wide claims are not foreign
 
 
 @dataclass

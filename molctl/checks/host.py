@@ -26,10 +26,44 @@ def _selected_devices(profile: Profile, probes: Probes, count: int) -> list[int]
     return list(range(min(count, profile.engine.gpus)))
 
 
+def _own(profile: Profile, probes: Probes) -> set[str]:
+    return {profile.name, *probes.own_profiles}
+
+
+def _claim_holder(kind: str, key: int, profile: Profile, probes: Probes):
+    """(holder, is_own) of the host-wide claim on a port / GPU index, or (None, False) when free."""
+    from molctl.hostlocks import HostLocks
+
+    holder = HostLocks().holder(kind, key)
+    if holder is None:
+        return None, False
+    return holder, holder.owns(probes.state_dir, _own(profile, probes))
+
+
+def run_gpu_locks(profile: Profile, probes: Probes) -> list[CheckResult]:
+    from molctl.hostlocks import gpu_indices
+
+    indices = gpu_indices(profile, probes.environ)
+    if not indices:
+        return []
+    taken = []
+    for index in indices:
+        holder, own = _claim_holder("gpu", index, profile, probes)
+        if holder is not None and not own:
+            taken.append(f"GPU {index} is claimed by {holder.describe()}; {holder.stop_hint()}")
+    if taken:
+        return [CheckResult("gpu.lock", "fail", describe(taken, 2))]
+    return [CheckResult("gpu.lock", "pass", f"GPU(s) {', '.join(map(str, indices))} not claimed by another molctl stack")]
+
+
 def run_gpu(profile: Profile, probes: Probes) -> list[CheckResult]:
     want = profile.engine.gpus
     if want == 0:
         return [CheckResult("gpu.count", "pass", f"profile {profile.name} needs no GPU")]
+    return _run_gpu(profile, probes, want) + run_gpu_locks(profile, probes)
+
+
+def _run_gpu(profile: Profile, probes: Probes, want: int) -> list[CheckResult]:
     try:
         inv = probes.gpu.inventory()
     except GpuUnavailable as exc:
@@ -74,6 +108,11 @@ def run_ports(profile: Profile, probes: Probes) -> list[CheckResult]:
     for component, host, port in (("engine", profile.engine.host, profile.engine.port),
                                   ("proxy", profile.proxy.host, profile.proxy.port)):
         cid = f"port.{component}"
+        claim, own_claim = _claim_holder("port", port, profile, probes)
+        if claim is not None and not own_claim:
+            out.append(CheckResult(cid, "fail", f"{component} port {host}:{port} ({component}.port) is claimed by "
+                                                f"{claim.describe()}; {claim.stop_hint()}"))
+            continue
         if probes.ports.is_free(host, port):
             out.append(CheckResult(cid, "pass", f"{host}:{port} is free"))
             continue

@@ -1,0 +1,256 @@
+"""Host-wide claims on TCP ports and GPU indices, across users and state dirs.
+
+The state lock only serialises the commands of one state dir; two operators (two users, two
+state dirs) starting at the same moment would both find a port free by `bind()`, and vLLM's
+SO_REUSEPORT would then let two engines share it. So before spawning, `up` claims every port of
+the stack and every GPU index the engine uses: one lock file per port / device in a host-wide
+directory (`MOLCTL_LOCK_DIR`, else `/run/lock/molctl`, else `<tmp>/molctl-locks`; mode 1777
+like /tmp, each file owned by its creator), taken with `flock` and inherited by the component
+process (`pass_fds`), so it is held exactly as long as that process lives: the kernel frees it
+on any exit, and no stale lock can exist. The file's content names the holder (JSON: pid, user,
+profile, component, state dir), which `check`, `up` and `switch` show.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import stat
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from molctl.errors import ConflictError, MolctlError
+
+LOCK_DIR_ENV = "MOLCTL_LOCK_DIR"
+
+
+def lock_dir() -> Path:
+    env = os.environ.get(LOCK_DIR_ENV)
+    if env:
+        return Path(env).expanduser()
+    run = Path("/run/lock")
+    if run.is_dir() and os.access(run, os.W_OK | os.X_OK):
+        return run / "molctl"
+    return Path(tempfile.gettempdir()) / "molctl-locks"
+
+
+def _ensure_dir(d: Path) -> None:
+    try:
+        os.mkdir(d, 0o1777)
+        os.chmod(d, 0o1777)  # the umask trimmed the mode; like /tmp: everyone creates, only owners delete
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise MolctlError(f"cannot create the host lock dir {d}: {exc.strerror or exc} (set {LOCK_DIR_ENV})") from None
+    st = os.lstat(d)
+    if not stat.S_ISDIR(st.st_mode):
+        raise MolctlError(f"host lock dir {d} is not a directory (set {LOCK_DIR_ENV})")
+
+
+def _user() -> str:
+    import getpass
+
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return str(os.getuid())
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Who holds a claim, from the lock file's content (any field may be missing)."""
+
+    pid: int | None
+    user: str | None
+    profile: str | None
+    component: str | None
+    state_dir: str | None
+    command: str | None = None
+
+    @classmethod
+    def parse(cls, raw: bytes) -> "Holder":
+        try:
+            data = json.loads(raw.decode(errors="replace") or "{}")
+        except ValueError:
+            data = {}
+        if not isinstance(data, dict):
+            data = {}
+        pid = data.get("pid")
+        return cls(pid if isinstance(pid, int) else None, data.get("user"), data.get("profile"), data.get("component"),
+                   data.get("state_dir"), data.get("command"))
+
+    def owns(self, state_dir: Path | None, profiles: Iterable[str]) -> bool:
+        """True when this claim belongs to one of `profiles` run from `state_dir`."""
+        if state_dir is None or self.state_dir is None:
+            return False
+        return _same_dir(self.state_dir, state_dir) and self.profile in set(profiles)
+
+    def describe(self) -> str:
+        who = []
+        if self.pid is not None:
+            who.append(f"pid {self.pid} ({_process_name(self.pid)})")
+        if self.user:
+            who.append(f"user {self.user}")
+        if self.profile:
+            who.append(f"profile {self.profile}" + (f" {self.component}" if self.component else ""))
+        if self.state_dir:
+            who.append(f"state dir {self.state_dir}")
+        return ", ".join(who) or "another process (the lock file names no holder)"
+
+    def stop_hint(self) -> str:
+        if self.profile and self.state_dir:
+            as_user = f" (as user {self.user})" if self.user and self.user != _user() else ""
+            return f"stop it with `molctl --state-dir {self.state_dir} down {self.profile}`{as_user}"
+        return "stop that process first"
+
+
+def _same_dir(a: str | Path, b: str | Path) -> bool:
+    try:
+        return os.path.realpath(a) == os.path.realpath(b)
+    except OSError:
+        return str(a) == str(b)
+
+
+def _process_name(pid: int) -> str:
+    from molctl.probes import _process_name as name
+
+    return name(pid)
+
+
+class ClaimConflict(ConflictError):
+    def __init__(self, what: str, holder: Holder):
+        super().__init__(f"{what} is claimed by {holder.describe()}; {holder.stop_hint()}")
+        self.what, self.holder = what, holder
+
+
+@dataclass
+class Claim:
+    kind: str  # "port" | "gpu"
+    key: int
+    path: Path
+    fd: int | None
+
+    @property
+    def what(self) -> str:
+        return f"port {self.key}" if self.kind == "port" else f"GPU {self.key}"
+
+    def set_holder(self, info: Mapping[str, Any]) -> None:
+        if self.fd is None:
+            return
+        try:
+            os.ftruncate(self.fd, 0)
+            os.pwrite(self.fd, (json.dumps(dict(info)) + "\n").encode(), 0)
+        except OSError:
+            pass  # a lock file created by another user may be read-only to us: the claim holds anyway
+
+    def release(self) -> None:
+        """Close molctl's own descriptor: the lock stays held while a child inherited it."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+class HostLocks:
+    def __init__(self, directory: Path | None = None):
+        self.dir = directory or lock_dir()
+
+    def path(self, kind: str, key: int) -> Path:
+        return self.dir / f"{kind}-{key}.lock"
+
+    def holder(self, kind: str, key: int) -> Holder | None:
+        """The holder of a claim, or None when nobody holds it."""
+        try:
+            fd = os.open(self.path(kind, key), os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return None
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return Holder.parse(os.pread(fd, 4096, 0))
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return None
+        finally:
+            os.close(fd)
+
+    def acquire(self, kind: str, key: int, info: Mapping[str, Any]) -> Claim:
+        _ensure_dir(self.dir)
+        path = self.path(kind, key)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            try:
+                if os.fstat(fd).st_uid == os.geteuid():
+                    os.fchmod(fd, 0o666)  # whoever holds it next writes its name in it
+            except OSError:
+                pass
+        except PermissionError:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)  # flock works on a read-only descriptor too
+        except OSError as exc:
+            raise MolctlError(f"cannot open the host lock {path}: {exc.strerror or exc}") from None
+        for i in range(5):  # a prober (check, status) holds LOCK_SH for an instant
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if i == 4:
+                    holder = Holder.parse(os.pread(fd, 4096, 0))
+                    os.close(fd)
+                    raise ClaimConflict(f"port {key}" if kind == "port" else f"GPU {key}", holder) from None
+                time.sleep(0.02)
+        claim = Claim(kind, key, path, fd)
+        claim.set_holder(info)
+        return claim
+
+
+def holder_info(profile: str, component: str, state_dir: Path, pid: int | None = None,
+                command: str | None = None) -> dict[str, Any]:
+    return {"pid": pid or os.getpid(), "user": _user(), "uid": os.getuid(), "profile": profile,
+            "component": component, "state_dir": str(state_dir.absolute()), "command": command,
+            "since": time.time()}
+
+
+def gpu_indices(profile, environ: Mapping[str, str]) -> list[int]:
+    """The GPU indices the engine will use: CUDA_VISIBLE_DEVICES (profile env first) or the first N."""
+    want = profile.engine.gpus
+    if want <= 0:
+        return []
+    visible = profile.engine.env.get("CUDA_VISIBLE_DEVICES", environ.get("CUDA_VISIBLE_DEVICES"))
+    if visible:
+        try:
+            return [int(x) for x in visible.split(",") if x.strip()][:want]
+        except ValueError:
+            pass  # UUIDs: fall back to the first N devices
+    return list(range(want))
+
+
+def stack_claims(profile) -> dict[str, list[tuple[str, int]]]:
+    """What each component claims: the engine its port and GPUs, the proxy its port."""
+    return {"engine": [("port", profile.engine.port)] + [("gpu", i) for i in gpu_indices(profile, os.environ)],
+            "proxy": [("port", profile.proxy.port)]}
+
+
+def claim_components(locks: HostLocks, profile, state_dir: Path, components: Iterable[str],
+                     command: str) -> dict[str, list[Claim]]:
+    """Claim everything the given components need, all or nothing (ClaimConflict names the holder)."""
+    wanted = stack_claims(profile)
+    taken: dict[str, list[Claim]] = {}
+    try:
+        for component in components:
+            taken[component] = []
+            for kind, key in wanted[component]:
+                info = holder_info(profile.name, component, state_dir, command=command)
+                taken[component].append(locks.acquire(kind, key, info))
+    except BaseException:
+        release_all(taken)
+        raise
+    return taken
+
+
+def release_all(claims: Mapping[str, list[Claim]]) -> None:
+    for group in claims.values():
+        for claim in group:
+            claim.release()
