@@ -264,7 +264,7 @@ async def reset(request):
 
 
 def make_app() -> web.Application:
-    app = web.Application()
+    app = web.Application(client_max_size=64 * 2**20)  # vLLM takes bodies of any size
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)

@@ -250,7 +250,7 @@ class ProxyApp:
 
     # ------------------------------------------------------------------ chat
     def _plan(self, raw: bytes, tenant: str) -> Plan:
-        plan = self.orch.prepare(parse_body(raw), tenant)
+        plan = self.orch.prepare(parse_body(raw, in_steps=len(raw) > BIG_BODY), tenant)
         plan.big = plan.big or len(raw) > BIG_BODY
         return plan
 
@@ -290,8 +290,12 @@ class ProxyApp:
 
     async def _chunks(self, plan: Plan):
         await self.orch.route(plan)
-        async for chunk in self.orch.stream(plan):
-            yield chunk
+        answer = self.orch.stream(plan)
+        try:
+            async for chunk in answer:
+                yield chunk
+        finally:  # closing this generator closes the engine request now, not at garbage collection
+            await answer.aclose()
 
     async def _stream(self, plan: Plan, send: Send, rid: str) -> None:
         """See the module docstring: headers wait for the first chunk or sse_keepalive_s."""

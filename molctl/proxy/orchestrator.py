@@ -114,7 +114,8 @@ def context_window(profile: Profile) -> int | None:
 def prompt_token_bound(messages: list[dict[str, Any]], tools: Any) -> int:
     """An upper bound of the prompt's tokens: ASCII-escaped JSON bytes (>= UTF-8 bytes >= tokens
     of a byte-level tokenizer; the per-message JSON framing outweighs the template's markup)."""
-    return len(json.dumps(messages)) + (len(json.dumps(tools)) if tools else 0) + 64
+    size = sum(len(json.dumps(messages[i:i + 1000])) for i in range(0, len(messages), 1000))  # GIL-friendly steps
+    return size + (len(json.dumps(tools)) if tools else 0) + 64
 
 
 class Orchestrator:
@@ -134,7 +135,9 @@ class Orchestrator:
         self.window = context_window(profile)
         self.route_tokens = min(profile.proxy.route_max_tokens, max(len(r) for r in ROUTES))
         self._summary_slots = asyncio.Semaphore(summary_concurrency)
-        self._summary_waiting = 0
+        self._summary_concurrency = summary_concurrency
+        self._summary_waiting = 0  # tasks created that do not hold a slot yet
+        self._summary_running = 0
         self.summary_timeout_s = summary_timeout_s
         self.background: set[asyncio.Task] = set()
 
@@ -371,7 +374,8 @@ class Orchestrator:
         record, key = plan.record, plan.record_key
         if record is None or key is None:
             return
-        if self._summary_waiting >= self.profile.proxy.summary_queue_max:
+        free = self._summary_concurrency - self._summary_running
+        if self._summary_waiting >= self.profile.proxy.summary_queue_max + free:
             self.counters.inc("summaries_dropped_total")
             record.set_summary(None)
             return
@@ -390,6 +394,7 @@ class Orchestrator:
         try:
             async with self._summary_slots:
                 self._summary_waiting -= 1
+                self._summary_running += 1
                 waiting = False
                 if self._stale(record, queued):
                     self.counters.inc("summaries_stale_total")
@@ -417,3 +422,5 @@ class Orchestrator:
         finally:
             if waiting:
                 self._summary_waiting -= 1
+            else:
+                self._summary_running -= 1

@@ -17,6 +17,8 @@ Choices, where the issue leaves room:
 from __future__ import annotations
 
 import json
+import re
+from json.scanner import make_scanner
 from typing import Any
 
 from molctl.proxy.errors import ProxyError, invalid
@@ -36,14 +38,71 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 
-def parse_body(raw: bytes) -> Any:
-    """JSON text -> Python, every failure a 400."""
-    try:
-        body = json.loads(raw)
-    except RecursionError:
-        raise invalid("The body is nested too deeply to be a chat request.") from None
-    except ValueError as exc:  # includes UnicodeDecodeError (bytes that are not UTF-8)
-        raise ProxyError(400, f"The body is not valid JSON: {exc}", "invalid_request_error", "invalid_json") from None
+_WS = re.compile(r"[ \t\n\r]*")
+_SCAN = make_scanner(json.JSONDecoder())
+
+
+def _loads_in_steps(text: str) -> Any:
+    """json.loads for a large top-level object, one array element per C call: a worker thread
+    running it lets the event loop take the GIL between elements (one json.loads of 8 MiB holds
+    it for about 100 ms). Any surprise raises ValueError; the caller then uses json.loads."""
+    ws, scan = _WS.match, _SCAN
+    i = ws(text, 0).end()
+    if text[i:i + 1] != "{":
+        raise ValueError("not an object")
+    out: dict[str, Any] = {}
+    i = ws(text, i + 1).end()
+    if text[i:i + 1] == "}":
+        return out
+    while True:
+        if text[i:i + 1] != '"':
+            raise ValueError("expected a key")
+        key, i = scan(text, i)
+        i = ws(text, i).end()
+        if text[i:i + 1] != ":":
+            raise ValueError("expected ':'")
+        i = ws(text, i + 1).end()
+        if text[i:i + 1] == "[":
+            items: list[Any] = []
+            i = ws(text, i + 1).end()
+            if text[i:i + 1] == "]":
+                i += 1
+            else:
+                while True:
+                    item, i = scan(text, i)
+                    items.append(item)
+                    i = ws(text, i).end()
+                    c = text[i:i + 1]
+                    i = ws(text, i + 1).end()
+                    if c == "]":
+                        break
+                    if c != ",":
+                        raise ValueError("expected ',' or ']'")
+            value: Any = items
+        else:
+            value, i = scan(text, i)
+        out[key] = value
+        i = ws(text, i).end()
+        c = text[i:i + 1]
+        i = ws(text, i + 1).end()
+        if c == "}":
+            break
+        if c != ",":
+            raise ValueError("expected ',' or '}'")
+    if i != len(text):
+        raise ValueError("extra data")
+    return out
+
+
+def parse_body(raw: bytes, in_steps: bool = False) -> Any:
+    """JSON text -> Python, every failure a 400. `in_steps`: see `_loads_in_steps`."""
+    if in_steps:
+        try:
+            body = _loads_in_steps(raw.decode("utf-8"))
+        except (ValueError, StopIteration, RecursionError):
+            in_steps = False
+    if not in_steps:
+        body = _loads(raw)
     # A lone surrogate can only arrive as a \\uD800-\\uDFFF escape; look only when one is there.
     if b"\\ud" in raw or b"\\uD" in raw:
         where = _lone_surrogate(body, "")
@@ -51,6 +110,15 @@ def parse_body(raw: bytes) -> Any:
             raise invalid(f"{where or 'The body'} contains a lone UTF-16 surrogate, which is not valid text.",
                           where or None)
     return body
+
+
+def _loads(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise invalid("The body is nested too deeply to be a chat request.") from None
+    except ValueError as exc:  # includes UnicodeDecodeError (bytes that are not UTF-8)
+        raise ProxyError(400, f"The body is not valid JSON: {exc}", "invalid_request_error", "invalid_json") from None
 
 
 def _lone_surrogate(value: Any, path: str) -> str | None:
