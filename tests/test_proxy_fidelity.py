@@ -399,3 +399,14 @@ def test_metrics_answer_during_a_drain(keyfile):  # noqa: F811 - fixture
         r = httpx.get(proxy + "/metrics", headers=AUTH)
         assert r.status_code == 200 and "molctl_proxy_draining 1" in r.text
         t.join(20)
+
+
+@pytest.mark.parametrize("field, value", [("route_timeout_s", 0), ("summary_queue_max", -1), ("stream_write_timeout_s", 0),
+                                          ("route_max_input_chars", 10), ("route_timeout_s", "soon")])
+def test_new_proxy_profile_fields_are_validated(field, value):
+    from molctl.profiles import ProfileError, load_profile, profile_dirs
+
+    with pytest.raises(ProfileError) as err:
+        load_profile("tiny", profile_dirs(), [(f"proxy.{field}", value)])
+    assert f"proxy.{field}" in str(err.value)
+    assert load_profile("tall", profile_dirs()).proxy.route_timeout_s > 0

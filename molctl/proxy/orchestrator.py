@@ -50,7 +50,7 @@ from molctl.proxy import shaping
 from molctl.proxy.conversations import (CallBinding, ConversationKeys, ConversationStore, TurnRecord, canonical_arguments,
                                         text_of, tool_calls_of)
 from molctl.proxy.engine_client import EngineClient
-from molctl.proxy.errors import EngineHTTPError, EngineUnavailable, ProxyError, from_engine
+from molctl.proxy.errors import EngineHTTPError, EngineUnavailable, from_engine
 from molctl.proxy.validation import PASSTHROUGH, check_request
 from molctl.proxy.views import History, own_view, parse_label, route_input, route_messages, split_history, summary_messages
 
