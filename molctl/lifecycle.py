@@ -307,17 +307,23 @@ class _Starter:
         rpath = record_path(self.state_dir, self.name, component)
         marker = new_marker(rpath)
         proc = spawn(argv, env, log_path, marker=marker, pass_fds=[c.fd for c in claims if c.fd is not None])
-        for claim in claims:  # the component holds its claims now, for as long as it lives
-            claim.set_holder(holder_info(self.name, component, self.state_dir, pid=proc.pid, command=f"up {self.name}"))
-            claim.release()
-        record = record_for(component, proc, argv, port, log_path, marker, host=host, config=self.config)
+        record = None
         try:
+            for claim in claims:  # the component holds its claims now, for as long as it lives
+                claim.set_holder(holder_info(self.name, component, self.state_dir, pid=proc.pid, command=f"up {self.name}"))
+                claim.release()
+            record = record_for(component, proc, argv, port, log_path, marker, host=host, config=self.config)
             write_record(self.state_dir, self.name, record)
-        except OSError as exc:
-            kill_fresh(proc)
-            raise MolctlError(f"could not write the {component} record {rpath}: {exc.strerror or exc}; "
-                              f"the {component} (pid {proc.pid}) was stopped") from None
-        self.started.append(record)
+            self.started.append(record)
+        except BaseException as exc:
+            if record is None or record not in self.started:  # not known to the clean-up yet: stop it here
+                kill_fresh(proc)
+                if record is not None and isinstance(exc, KeyboardInterrupt):
+                    remove_record(self.state_dir, self.name, component)
+            if isinstance(exc, OSError):
+                raise MolctlError(f"could not write the {component} record {rpath}: {exc.strerror or exc}; "
+                                  f"the {component} (pid {proc.pid}) was stopped") from None
+            raise
         self.reporter.step(f"{component} started (pid {proc.pid}), log: {log_path}")
         return record, proc
 

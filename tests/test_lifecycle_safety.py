@@ -1,0 +1,493 @@
+"""Issue 14: never signal a stranger, never lie, never kill a healthy engine. Fake engines run
+through engine.python as in test_lifecycle.py; every process a test starts is stopped."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from molctl import procid
+from molctl.profiles import builtin_profiles_dir
+from tests.procs import ROOT, stop
+from tests.test_lifecycle import Host, gone
+
+@pytest.fixture
+def host(tmp_path):
+    h = Host(tmp_path)
+    yield h
+    h.cleanup()
+
+
+class Ctx:
+    def __init__(self, host: Host):
+        self.state_dir = host.state
+        self._host = host
+
+    def dirs(self):
+        from molctl.profiles import profile_dirs
+
+        return profile_dirs([self._host.profiles])
+
+
+def _add_tiny_b(host: Host) -> None:
+    other = (builtin_profiles_dir() / "tiny.yaml").read_text().replace("name: tiny", "name: tiny-b") \
+        .replace("served_model_name: Macaron-Tiny-Demo", "served_model_name: Macaron-Tiny-B")
+    (host.profiles / "tiny-b.yaml").write_text(other)
+
+
+def _wait(pred, timeout=15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+# ------------------------------------------------------------------------------------- 1. pid reuse
+
+def test_stranger_in_a_dead_leaders_group_is_never_signalled(host):
+    """A record names a leader that died; a stranger lives on in its process group (a recycled
+    pgid, e.g. after a reboot). Neither `down` nor `up` may signal it."""
+    leader = subprocess.Popen(["sh", "-c", "sleep 120 & echo $!"], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    stranger = int(leader.stdout.readline())
+    leader.wait(5)
+    try:
+        assert os.getpgid(stranger) == leader.pid and not psutil.pid_exists(leader.pid) or \
+            psutil.Process(leader.pid).status() == psutil.STATUS_ZOMBIE
+        record = {"component": "engine", "pid": leader.pid, "pgid": leader.pid,
+                  "create_time": psutil.Process(stranger).create_time() - 3600, "argv": ["vllm"],
+                  "port": host.engine_port, "log": "/nonexistent", "started_at": time.time() - 3600}
+        (host.state / "tiny").mkdir(mode=0o700, parents=True)
+        host.state.chmod(0o700)
+        (host.state / "tiny" / "engine.json").write_text(json.dumps(record))
+        d = host.molctl("down")
+        assert d.returncode == 0, d.stderr
+        assert _alive(stranger)
+        (host.state / "tiny" / "engine.json").write_text(json.dumps(record))
+        r = host.up()
+        assert r.returncode == 0, r.stderr
+        assert _alive(stranger)
+        assert host.molctl("down").returncode == 0
+        assert _alive(stranger)
+    finally:
+        os.kill(stranger, signal.SIGKILL)
+
+
+def test_a_marked_orphan_is_found_without_its_leader(host):
+    """The other side of item 1: workers left behind by a SIGKILLed leader carry the marker and are
+    stopped, also when they left the group."""
+    assert host.up(env={"FAKE_CHILD": "1"}).returncode == 0
+    record = host.records()["engine"]
+    (child,) = psutil.Process(record.pid).children()
+    assert procid.environ_of(child.pid)[procid.MARKER_ID] == record.record_id
+    os.kill(record.pid, signal.SIGKILL)
+    assert gone([record.pid])
+    d = host.molctl("down")
+    assert d.returncode == 0, d.stderr
+    assert gone([child.pid]) and host.records() == {}
+
+
+# ------------------------------------------------------------------------------------ 2. clock steps
+
+def test_a_wall_clock_step_does_not_make_a_healthy_stack_look_dead(host, monkeypatch):
+    from molctl import lifecycle
+    from molctl.state import is_same_process
+
+    assert host.up().returncode == 0
+    records = host.records()
+    pids = host.stack_pids()
+    # the wall clock jumps one hour ahead: psutil's create_time (boot time + ticks) moves with it
+    real_create, real_boot = psutil.Process.create_time, psutil.boot_time
+    monkeypatch.setattr(psutil.Process, "create_time", lambda self: real_create(self) + 3600)
+    monkeypatch.setattr(psutil, "boot_time", lambda: real_boot() + 3600)
+    assert psutil.Process(records["engine"].pid).create_time() != records["engine"].create_time
+    assert all(is_same_process(r) for r in records.values())
+    (stack,) = lifecycle.status(Ctx(host), None, gpu_probe=_NoGpu())["stacks"]
+    assert stack["state"] == "ready", stack
+    result = lifecycle.down(Ctx(host), "tiny", 10, False, lambda m: None, engine_timeout_s=10, gpu_probe=_NoGpu())
+    assert result["stopped"][0]["components"] == {"proxy": "stopped", "engine": "stopped"}
+    assert gone(pids) and host.records() == {}
+
+
+class _NoGpu:
+    def inventory(self):
+        from molctl.probes import GpuUnavailable
+
+        raise GpuUnavailable("no NVML in tests")
+
+
+def test_a_record_is_kept_while_its_process_cannot_be_verified(host):
+    """A record of an older molctl (no start ticks) whose pid runs with another create time may be
+    a clock step: it is neither signalled nor dropped without --force."""
+    sleeper = subprocess.Popen(["sleep", "120"], start_new_session=True)
+    try:
+        (host.state / "tiny").mkdir(mode=0o700, parents=True)
+        host.state.chmod(0o700)
+        (host.state / "tiny" / "engine.json").write_text(json.dumps({
+            "component": "engine", "pid": sleeper.pid, "pgid": sleeper.pid, "create_time": 1000.0, "argv": ["vllm"],
+            "port": host.engine_port, "log": "/nonexistent", "started_at": 1000.0}))
+        d = host.molctl("down")
+        assert d.returncode == 0 and "cannot be verified" in d.stderr
+        assert sleeper.poll() is None and "engine" in host.records()
+        assert host.molctl("down", "--force").returncode == 0
+        assert sleeper.poll() is None and host.records() == {}
+    finally:
+        stop(sleeper)
+
+
+# ---------------------------------------------------------------------- 3. records describe the stack
+
+def test_up_with_another_configuration_refuses_instead_of_killing_the_engine(host):
+    assert host.up().returncode == 0
+    engine_pid = host.records()["engine"].pid
+    other = host.molctl("up", "tiny", *host.args("--timeout", "5"), "--set", "proxy.max_output_tokens=100")
+    assert other.returncode == 4, other.stderr
+    assert "different configuration" in other.stderr and "proxy.max_output_tokens 256 -> 100" in other.stderr
+    assert "--restart" in other.stderr and "molctl down tiny" in other.stderr
+    moved = host.molctl("up", "tiny", *host.args("--timeout", "5", engine_port=_other_port(host)))
+    assert moved.returncode == 4, moved.stderr
+    assert host.records()["engine"].pid == engine_pid and _alive(engine_pid)
+    # the same configuration is a no-op
+    same = host.up("--json")
+    assert same.returncode == 0 and json.loads(same.stdout)["already_running"] is True
+    # --restart applies the new one
+    r = host.molctl("up", "tiny", *host.args("--restart", "--stop-timeout", "5"), "--set", "proxy.max_output_tokens=100")
+    assert r.returncode == 0, r.stderr
+    assert not _alive(engine_pid) and host.records()["engine"].pid != engine_pid
+    assert host.records()["engine"].config["data"]["proxy"]["max_output_tokens"] == 100
+
+
+def _other_port(host: Host) -> int:
+    from tests.conftest import free_port
+
+    port = free_port()
+    while port in (host.engine_port, host.proxy_port):
+        port = free_port()
+    return port
+
+
+def test_status_uses_the_recorded_configuration(host):
+    r = host.molctl("up", "tiny", *host.args(), "--set", "engine.served_name=custom-base")
+    assert r.returncode == 0, r.stderr
+    (stack,) = json.loads(host.molctl("status", "--json").stdout)["stacks"]
+    assert stack["state"] == "ready" and stack["adapters"] == "ok", stack
+    # the profile file changes meanwhile: status still describes what runs
+    (host.profiles / "tiny.yaml").write_text((builtin_profiles_dir() / "tiny.yaml").read_text()
+                                             .replace("served_name: tiny-mol-base", "served_name: edited"))
+    (stack,) = json.loads(host.molctl("status", "--json").stdout)["stacks"]
+    assert stack["state"] == "ready" and stack["adapters"] == "ok", stack
+
+
+def test_set_values_reach_the_proxy_as_typed_data_and_logs_are_pruned(host):
+    logs = host.state / "tiny" / "logs"
+    logs.mkdir(parents=True)
+    host.state.chmod(0o700)
+    (host.state / "tiny").chmod(0o700)
+    for i in range(5):
+        old = logs / f"engine-2020010{i}-000000.log"
+        old.write_text("old\n")
+        os.utime(old, (1_600_000_000 + i, 1_600_000_000 + i))
+    r = host.molctl("up", "tiny", *host.args(), "--set", 'served_model_name="2024"', "--set", "logs.keep=2")
+    assert r.returncode == 0, r.stderr
+    models = httpx.get(f"http://127.0.0.1:{host.proxy_port}/v1/models").json()
+    assert [m["id"] for m in models["data"]] == ["2024"]
+    engine_logs = sorted(p.name for p in logs.glob("engine-*.log"))
+    assert len(engine_logs) == 2 and "engine-20200104-000000.log" in engine_logs
+
+
+# ------------------------------------------------------------------------------- 4. switch and its lock
+
+def test_switch_holds_the_lock_throughout_and_a_failed_switch_says_how_to_go_back(host):
+    _add_tiny_b(host)
+    assert host.up().returncode == 0
+    old = host.stack_pids()
+    proc = host.start("switch", "tiny-b", *host.args("--stop-timeout", "5", env={"FAKE_STARTUP_DELAY": "2"}))
+    from molctl.state import lock_holder
+
+    assert _wait(lambda: "engine" in host.records("tiny-b"))
+    assert lock_holder(host.state)["command"] == "switch tiny-b"  # not a second, separate `up tiny-b`
+    blocked = host.up()
+    assert blocked.returncode == 4 and "switch tiny-b" in blocked.stderr
+    assert proc.wait(60) == 0, proc.stderr.read()
+    assert gone(old)
+    # logs without a profile: the running stack (tiny-b), not exit 2
+    logs = host.molctl("logs", "-n", "3", "--component", "engine")
+    assert logs.returncode == 0, logs.stderr
+    assert "[engine]" in logs.stdout
+    # a failing switch back: it says the old stack was stopped and how to bring it back
+    bad = host.molctl("switch", "tiny", *host.args("--stop-timeout", "5", env={"FAKE_EXIT": "3"}))
+    assert bad.returncode == 5, bad.stderr
+    m = re.search(r"the old stack tiny-b was stopped: bring it back with `([^`]+)`", bad.stderr)
+    assert m, bad.stderr
+    argv = shlex.split(m.group(1))
+    assert argv[0] == "molctl"
+    back = subprocess.run([sys.executable, "-m", "molctl", *argv[1:]], capture_output=True, text=True, timeout=90,
+                          cwd=ROOT)
+    assert back.returncode == 0, back.stderr
+    assert json.loads(host.molctl("status", "tiny-b", "--json").stdout)["stacks"][0]["state"] == "ready"
+
+
+# --------------------------------------------------------------------------- 5. host-wide port claims
+
+def test_two_ups_from_two_state_dirs_race_for_the_same_ports(host, tmp_path):
+    (tmp_path / "b").mkdir()
+    other = Host(tmp_path / "b")
+    other.engine_port, other.proxy_port = host.engine_port, host.proxy_port
+    env = {"FAKE_STARTUP_DELAY": "1"}
+    procs = [h.start("up", "tiny", *h.args(env=env)) for h in (host, other)]
+    try:
+        codes = [p.wait(90) for p in procs]
+        errs = [p.stderr.read() for p in procs]
+        assert sorted(codes) == [0, 4], (codes, errs)
+        winner, loser = (host, other) if codes[0] == 0 else (other, host)
+        err = errs[codes.index(4)]
+        assert str(winner.state.absolute()) in err and "claimed by" in err, err
+        assert f"--state-dir {winner.state.absolute()} down tiny" in err
+        assert loser.records() == {}
+        # check names the holder too
+        args = loser.args()
+        args = [a for a in args if a != "--allow-unauthenticated"]
+        del args[args.index("--timeout"):args.index("--timeout") + 2]
+        c = loser.molctl("check", "tiny", *args)
+        assert c.returncode == 3 and "claimed by" in c.stdout and str(winner.state.absolute()) in c.stdout
+    finally:
+        for p in procs:
+            stop(p)
+        other.cleanup()
+
+
+def test_claims_are_held_by_the_components_and_freed_on_exit(host, host_lock_dir):
+    from molctl.hostlocks import HostLocks
+
+    assert host.up().returncode == 0
+    locks = HostLocks(host_lock_dir)
+    engine, proxy = host.records()["engine"], host.records()["proxy"]
+    assert locks.holder("port", host.engine_port).pid == engine.pid
+    assert locks.holder("port", host.proxy_port).pid == proxy.pid
+    os.kill(proxy.pid, signal.SIGKILL)
+    assert _wait(lambda: locks.holder("port", host.proxy_port) is None)
+    assert locks.holder("port", host.engine_port) is not None
+    assert host.molctl("down").returncode == 0
+    assert locks.holder("port", host.engine_port) is None
+
+
+def test_gpu_claims_name_their_holder(tmp_path, host_lock_dir):
+    from molctl.checks import Probes
+    from molctl.checks.host import run_gpu_locks
+    from molctl.hostlocks import HostLocks, holder_info
+    from molctl.profiles import load_profile, profile_dirs
+
+    tall = load_profile("tall", profile_dirs())
+    claim = HostLocks(host_lock_dir).acquire("gpu", 3, holder_info("venti", "engine", tmp_path / "other"))
+    try:
+        (result,) = run_gpu_locks(tall, Probes(state_dir=tmp_path / "mine", environ={}))
+        assert result.status == "fail" and "GPU 3 is claimed by" in result.detail and "profile venti" in result.detail
+        (result,) = run_gpu_locks(tall, Probes(state_dir=tmp_path / "other", environ={}, own_profiles=frozenset({"venti"})))
+        assert result.status == "pass"
+    finally:
+        claim.release()
+    (result,) = run_gpu_locks(tall, Probes(state_dir=tmp_path / "mine", environ={}))
+    assert result.status == "pass"
+
+
+# ------------------------------------------------------------------------------------------ honesty
+
+def test_a_corrupt_record_is_reported_and_refused_without_force(host):
+    assert host.up().returncode == 0
+    engine = host.records()["engine"]
+    (host.state / "tiny" / "engine.json").write_text("{not json")
+    (stack,) = json.loads(host.molctl("status", "--json").stdout)["stacks"]
+    assert stack["state"] == "degraded" and "unreadable" in stack["problems"][0], stack
+    d = host.molctl("down")
+    assert d.returncode == 4 and "unreadable" in d.stderr and f"pid {engine.pid}" in d.stderr, d.stderr
+    assert _alive(engine.pid)
+    u = host.up()
+    assert u.returncode == 4 and "--force" in u.stderr
+    f = host.molctl("down", "--force")
+    assert f.returncode == 0, f.stderr
+    assert gone([engine.pid]) and not (host.state / "tiny" / "engine.json").exists()
+
+
+def _chattr(flag: str, *paths: Path) -> bool:
+    if not shutil.which("chattr"):
+        return False
+    return subprocess.run(["chattr", flag, *map(str, paths)], capture_output=True).returncode == 0
+
+
+def test_a_record_that_cannot_be_written_stops_the_component(host):
+    profile_dir = host.state / "tiny"
+    (profile_dir / "logs").mkdir(parents=True)
+    for d in (host.state, profile_dir):
+        d.chmod(0o700)
+    if not _chattr("+i", profile_dir):
+        pytest.skip("chattr +i is not available here")
+    try:
+        r = host.up()
+    finally:
+        _chattr("-i", profile_dir)
+    assert r.returncode == 1, r.stderr
+    assert "could not write the engine record" in r.stderr and "was stopped" in r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not [p for p in psutil.process_iter(["cmdline"])
+                if f"--port {host.engine_port}" in " ".join(p.info["cmdline"] or [])]
+
+
+def test_a_read_only_state_dir_gives_one_line_and_down_still_stops(host, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    bad = host.molctl("--state-dir", str(blocker / "state"), "up", "tiny", *host.args())
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr and "not usable" in bad.stderr, bad.stderr
+    assert host.up().returncode == 0
+    pids = host.stack_pids()
+    if not _chattr("+i", host.state / "tiny"):
+        pytest.skip("chattr +i is not available here")
+    try:
+        d = host.molctl("down")
+    finally:
+        _chattr("-i", host.state / "tiny")
+    assert d.returncode == 0, d.stderr
+    assert "Traceback" not in d.stderr and "could not remove" in d.stderr
+    assert gone(pids)
+
+
+def test_a_proxy_that_dies_while_the_engine_loads_is_restarted(host):
+    proc = host.start("up", "tiny", *host.args(env={"FAKE_STARTUP_DELAY": "3"}))
+    assert _wait(lambda: "proxy" in host.records())
+    engine_pid, proxy_pid = host.records()["engine"].pid, host.records()["proxy"].pid
+    os.kill(proxy_pid, signal.SIGKILL)
+    out, err = proc.communicate(timeout=90)
+    assert proc.returncode == 0, err
+    assert "restarting it (1 of 3)" in out
+    assert host.records()["engine"].pid == engine_pid and host.records()["proxy"].pid != proxy_pid
+
+
+def test_unknown_profile_names_are_errors(host):
+    for cmd in ("down", "status"):
+        r = host.molctl(cmd, "tinny")
+        assert r.returncode == 3 and "no profile named 'tinny'" in r.stderr and "tiny" in r.stderr.split("known:")[1]
+
+
+def test_a_second_ctrl_c_during_clean_up_says_what_may_still_run(host):
+    proc = host.start("up", "tiny", *host.args(env={"FAKE_STARTUP_DELAY": "60", "FAKE_IGNORE_TERM": "1"}))
+    assert _wait(lambda: "proxy" in host.records())
+    proxy_pid = host.records()["proxy"].pid
+    proc.send_signal(signal.SIGINT)
+    assert _wait(lambda: not _alive(proxy_pid))  # the clean-up stops the proxy first, then waits on the engine
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    assert "may keep its GPUs" in err and "molctl down tiny" in err and "engine (pid" in err, err
+
+
+def test_option_checks_help_and_logs(host):
+    for value in ("0", "-5"):
+        r = host.molctl("up", "tiny", *host.args(), "--timeout", value)
+        assert r.returncode == 2, r.stderr
+    helptext = host.molctl("--help").stdout
+    assert "Exit codes" in helptext and "130 interrupted" in helptext
+    # a failed preflight shows only failures and warnings; --json carries every check
+    r = host.molctl("up", "tiny", *host.args("--model-root", str(host.tmp / "nope")))
+    assert r.returncode == 3 and "FAIL" in r.stdout and "PASS" not in r.stdout, r.stdout
+    j = host.molctl("up", "tiny", *host.args("--model-root", str(host.tmp / "nope"), "--json"))
+    data = json.loads(j.stdout)
+    assert j.returncode == 3 and {c["status"] for c in data["checks"]} >= {"pass", "fail"}
+    assert host.up().returncode == 0
+    assert host.molctl("logs", "tiny", "-n", "0").stdout == ""
+    # Ctrl-C ends `logs -f` quietly
+    follow = host.start("logs", "-f", "-n", "1")
+    assert follow.stdout.readline().startswith("[")
+    follow.send_signal(signal.SIGINT)
+    _, err = follow.communicate(timeout=10)
+    assert follow.returncode == 130 and err == ""
+
+
+def test_down_counts_down_to_sigkill(host):
+    assert host.up(env={"FAKE_IGNORE_TERM": "1"}).returncode == 0
+    d = host.molctl("down", "--stop-timeout", "3")
+    assert d.returncode == 0, d.stderr
+    assert "SIGKILL in 2 s" in d.stdout or "SIGKILL in 1 s" in d.stdout, d.stdout
+    assert "sending SIGKILL" in d.stdout
+
+
+def test_proxy_log_rotation_and_pruning(tmp_path):
+    from molctl.state import prune_logs
+
+    log = tmp_path / "proxy-1.log"
+    script = ("import sys, time; from molctl.logs import rotate_stdio; rotate_stdio(2000, 2, 0.02)\n"
+              "for i in range(400):\n    print('x' * 50, flush=True); time.sleep(0.002)\ntime.sleep(0.1)\n")
+    with open(log, "ab") as fh:
+        subprocess.run([sys.executable, "-c", script], stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, timeout=60, check=True)
+    parts = sorted(p.name for p in tmp_path.iterdir())
+    assert parts == ["proxy-1.log", "proxy-1.log.1", "proxy-1.log.2"], parts
+    assert all(p.stat().st_size < 2000 + 4000 for p in tmp_path.iterdir())
+    # pruning keeps the N newest per component, with their rotated parts
+    state = tmp_path / "state"
+    logs = state / "tiny" / "logs"
+    logs.mkdir(parents=True)
+    for i in range(4):
+        p = logs / f"proxy-2020-{i}.log"
+        p.write_text("x")
+        Path(f"{p}.1").write_text("x")
+        os.utime(p, (1_600_000_000 + i,) * 2)
+    prune_logs(state, "tiny", "proxy", 2)
+    assert sorted(p.name for p in logs.iterdir()) == ["proxy-2020-2.log", "proxy-2020-2.log.1",
+                                                      "proxy-2020-3.log", "proxy-2020-3.log.1"]
+
+
+def test_logs_follow_across_a_rotation(tmp_path):
+    import threading
+
+    from molctl.logs import show_logs
+    from molctl.output import Output
+
+    state = tmp_path / "state"
+    logs = state / "tiny" / "logs"
+    logs.mkdir(parents=True)
+    log = logs / "proxy-20250101-000000.log"
+    log.write_text("one\n" * 50)
+    out_path = tmp_path / "out.txt"
+
+    class C:
+        state_dir = state
+
+    def follow():
+        with open(out_path, "w") as fh:
+            show_logs(C(), "tiny", "proxy", True, 1, Output(stdout=fh), poll_s=0.02, stop_after_s=10)
+
+    t = threading.Thread(target=follow, daemon=True)
+    t.start()
+    assert _wait(lambda: out_path.exists() and "one" in out_path.read_text())
+    os.replace(log, f"{log}.1")
+    log.write_text("after rotation\n")
+    assert _wait(lambda: "after rotation" in out_path.read_text())
+    assert "was rotated" in out_path.read_text()
+
+
+def test_log_retention_is_a_validated_profile_field():
+    from molctl.errors import ProfileError
+    from molctl.profiles import load_profile, profile_dirs
+
+    assert load_profile("tiny", profile_dirs(), [("logs.keep", 3)]).logs.keep == 3
+    with pytest.raises(ProfileError, match="logs.keep"):
+        load_profile("tiny", profile_dirs(), [("logs.keep", 0)])
