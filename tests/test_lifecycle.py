@@ -230,6 +230,7 @@ def test_two_concurrent_ups(host):
     r = host.up()
     assert r.returncode == 4
     assert "state lock" in r.stderr and f"pid {first.pid}" in r.stderr and "up tiny" in r.stderr
+    assert f"kill -INT {first.pid}" in r.stderr  # how to stop the holder
     assert first.wait(60) == 0
 
 
