@@ -477,7 +477,7 @@ def unreadable_records_error(state_dir: Path, name: str, problems: list[RecordPr
 
 
 def _marked_for(state_dir: Path, name: str, problems: list[RecordProblem]):
-    paths = {str(p.path.absolute()) for p in problems}
+    paths = {os.path.realpath(p.path) for p in problems}
     return [(p, path) for p, path in marked_by_path(state_dir / name) if path in paths]
 
 
@@ -553,7 +553,7 @@ def _down_unlisted(state_dir: Path, done: set[str], drain_s: float, engine_s: fl
     """Processes carrying a marker of this state dir whose record cannot even be listed (a state
     dir that cannot be read): the marker proves they are ours, so they are stopped, with a warning."""
     groups: dict[tuple[str, str], list] = {}
-    root = str(state_dir.absolute()).rstrip("/") + "/"
+    root = os.path.realpath(state_dir).rstrip("/") + "/"
     for proc, path in marked_by_path(state_dir):
         rel = path[len(root):].split("/")
         if len(rel) != 2 or rel[0] in done:
@@ -579,7 +579,7 @@ def _down_unreadable(state_dir: Path, name: str, problems: list[RecordProblem], 
         raise unreadable_records_error(state_dir, name, problems)
     out: dict[str, Any] = {"profile": name, "components": {}}
     for problem in sorted(problems, key=lambda p: p.component != "proxy"):
-        procs = [p for p, path in found if path == str(problem.path.absolute())]
+        procs = [p for p, path in found if path == os.path.realpath(problem.path)]
         warn(f"{name} {problem.component}: record {problem.path} is unreadable ({problem.error}); "
              f"--force: stopping the {len(procs)} process(es) carrying its marker")
         result = stop_processes(None, procs, drain_s if problem.component == "proxy" else engine_s)
@@ -701,7 +701,7 @@ def _stack_status(state_dir: Path, name: str, profile: Profile | None, records: 
     if problems:
         marked = _marked_for(state_dir, name, problems)
         out["problems"] = [f"{p.component} record {p.path} is unreadable ({p.error}); "
-                           f"{len([m for m in marked if m[1] == str(p.path.absolute())])} process(es) carry its marker"
+                           f"{len([m for m in marked if m[1] == os.path.realpath(p.path)])} process(es) carry its marker"
                            for p in problems]
         out["state"] = "degraded" if marked or any(c["alive"] for c in components) else "failed"
     if adapters is not None:

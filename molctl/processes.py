@@ -47,7 +47,7 @@ def spawn(argv: Sequence[str], env: Mapping[str, str], log_path: Path, cwd: str 
 def new_marker(record_file: Path) -> dict[str, str]:
     import uuid
 
-    return {procid.MARKER_ID: uuid.uuid4().hex, procid.MARKER_PATH: str(record_file.absolute())}
+    return {procid.MARKER_ID: uuid.uuid4().hex, procid.MARKER_PATH: os.path.realpath(record_file)}
 
 
 def record_for(component: str, proc: subprocess.Popen, argv: Sequence[str], port: int, log_path: Path,
@@ -95,7 +95,7 @@ def members(record: Record) -> list[psutil.Process]:
 def marked_by_path(prefix: Path) -> list[tuple[psutil.Process, str]]:
     """Live processes whose marker names a record file under `prefix` (a state dir, or a
     profile's folder in it): found without reading any record (corrupt or unreadable ones)."""
-    prefix_s = str(prefix.absolute()).rstrip("/") + "/"
+    prefix_s = os.path.realpath(prefix).rstrip("/") + "/"
     out = []
     for pid, path, _rid in procid.marked_processes():
         if path.startswith(prefix_s):
