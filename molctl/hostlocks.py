@@ -181,14 +181,7 @@ class HostLocks:
         _ensure_dir(self.dir)
         path = self.path(kind, key)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-            try:
-                if os.fstat(fd).st_uid == os.geteuid():
-                    os.fchmod(fd, 0o666)  # whoever holds it next writes its name in it
-            except OSError:
-                pass
-        except PermissionError:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)  # flock works on a read-only descriptor too
+            fd = _open_lock_file(path)
         except OSError as exc:
             raise MolctlError(f"cannot open the host lock {path}: {exc.strerror or exc}") from None
         for i in range(5):  # a prober (check, status) holds LOCK_SH for an instant
@@ -204,6 +197,31 @@ class HostLocks:
         claim = Claim(kind, key, path, fd)
         claim.set_holder(info)
         return claim
+
+
+def _open_lock_file(path: Path) -> int:
+    """Open (or create) a lock file for writing its holder. An existing file is opened without
+    O_CREAT (with fs.protected_regular, O_CREAT on another user's file in a sticky directory is
+    refused); a new one is created 0666 (its creator owns it; whoever holds it next writes its
+    name in it); a file we may not write is opened read-only (flock works on it all the same)."""
+    flags = os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    for _ in range(3):
+        try:
+            return os.open(path, os.O_RDWR | flags)
+        except FileNotFoundError:
+            pass
+        except PermissionError:
+            return os.open(path, os.O_RDONLY | flags)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | flags, 0o644)
+        except FileExistsError:
+            continue  # created by someone else meanwhile
+        try:
+            os.fchmod(fd, 0o666)
+        except OSError:
+            pass
+        return fd
+    return os.open(path, os.O_RDONLY | flags)
 
 
 def holder_info(profile: str, component: str, state_dir: Path, pid: int | None = None,
