@@ -3,11 +3,21 @@ adapters: `molctl up tiny` once for the module, chat through the proxy with the 
 `status`, the orphaned-workers restart, and `down` leaving nothing behind.
 
 Hops are told apart in the engine's own request log (`--enable-log-requests`): the route hop
-asks for proxy.route_max_tokens (8) with structured outputs, the answer hop the client's
-max_tokens (12 here), the summary hop proxy.summary_max_tokens (32)."""
+is the one with structured outputs (guided choice; max_tokens = the longest label, 2), the
+answer hop asks for the client's max_tokens (12 here), the summary hop for
+proxy.summary_max_tokens (32).
+
+What vLLM 0.32 logs per request (vllm/entrypoints/serve/utils/request_logger.py): at INFO only
+"Received request ID: params: SamplingParams(...), lora_request: LoRARequest(...)"; at DEBUG also
+"Request ID details: prompt: '<the rendered chat template text>', prompt_token_ids: [...]" and
+"Request ID JSON body: {...}" (the request as received, i.e. the messages the proxy sent). The
+stack here runs the engine with VLLM_LOGGING_LEVEL=DEBUG, so the tests read the engine's own
+rendering of every hop (the Qwen3.6-like template of the tiny profile) and the exact messages,
+which they also render with the demo's GLM-5-like template."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -22,16 +32,20 @@ import openai
 import psutil
 import pytest
 
+from molctl.checks.template import Template, render
 from molctl.probes import PortProbe
 from molctl.state import read_records
 from tests.conftest import free_port
 from tests.procs import ROOT
 
 PUBLIC = "Macaron-Tiny-Demo"
+GLM5 = Template("glm5-like", {"default": (ROOT / "molctl" / "templates" / "glm5-like.jinja").read_text()}, {})
 KEY = "sk-e2e-key"
 ANSWER_TOKENS = 12
 REQUEST_RE = re.compile(r"Received request (\S+): params: SamplingParams\(.*?max_tokens=(\d+),.*?structured_outputs=(\w+).*?"
                         r"lora_request: LoRARequest\(lora_name='(L\d)'")
+PROMPT_RE = re.compile(r"Request (\S+) details: prompt: ('(?:[^'\\\n]|\\.)*'|\"(?:[^\"\\\n]|\\.)*\"), prompt_token_ids:")
+BODY_RE = re.compile(r"Request (\S+) JSON body: (\{.*)$", re.MULTILINE)
 
 
 class Stack:
@@ -46,6 +60,7 @@ class Stack:
         self.engine = f"http://127.0.0.1:{self.engine_port}"
         self.endpoint = f"http://127.0.0.1:{self.proxy_port}/v1"
         self.client = openai.OpenAI(base_url=self.endpoint, api_key=KEY, max_retries=0, timeout=120)
+        self.seen: dict[int, float] = {}  # pid -> create time of every stack process and descendant seen
 
     def molctl(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "molctl", "--state-dir", str(self.state), *args],
@@ -53,7 +68,9 @@ class Stack:
 
     def up(self) -> subprocess.CompletedProcess:
         return self.molctl("up", "tiny", "--model-root", str(self.model), "--api-key-file", str(self.key), "--json",
-                           "--set", f"engine.port={self.engine_port}", "--set", f"proxy.port={self.proxy_port}")
+                           "--set", f"engine.port={self.engine_port}", "--set", f"proxy.port={self.proxy_port}",
+                           # the request log's DEBUG lines hold each request's rendered prompt and JSON body
+                           "--set", "engine.env.VLLM_LOGGING_LEVEL=DEBUG")
 
     def engine_log(self) -> str:
         return Path(read_records(self.state, "tiny")["engine"].log).read_text(errors="replace")
@@ -62,6 +79,20 @@ class Stack:
         """(request id, max_tokens, structured outputs?, adapter) per request the engine received."""
         return [(m.group(1), int(m.group(2)), m.group(3) != "None", m.group(4)) for m in REQUEST_RE.finditer(self.engine_log())]
 
+    def hops(self) -> list[dict]:
+        """Per request the engine received, in order: id, hop (route/answer/summary), adapter, the
+        prompt as the engine rendered it, and the JSON body the proxy sent."""
+        log = self.engine_log()
+        prompts = {m.group(1): ast.literal_eval(m.group(2)) for m in PROMPT_RE.finditer(log)}
+        bodies = {m.group(1): m.group(2) for m in BODY_RE.finditer(log)}
+        out = []
+        for rid, max_tokens, structured, adapter in self.requests():
+            hop = "route" if structured else {ANSWER_TOKENS: "answer", 32: "summary"}.get(max_tokens, "other")
+            body = bodies.get(rid) or bodies.get(rid.removeprefix("chatcmpl-"))
+            out.append({"id": rid, "hop": hop, "adapter": adapter, "prompt": prompts.get(rid),
+                        "body": json.loads(body) if body else None})
+        return out
+
     def metric(self, name: str) -> float:
         text = httpx.get(self.engine + "/metrics").text
         return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{"))
@@ -69,7 +100,31 @@ class Stack:
     def stack_processes(self) -> list[psutil.Process]:
         from molctl.processes import members
 
-        return [p for r in read_records(self.state, "tiny").values() for p in members(r)]
+        procs = [p for r in read_records(self.state, "tiny").values() for p in members(r)]
+        self.remember(procs)
+        return procs
+
+    def remember(self, procs: list[psutil.Process]) -> None:
+        for p in procs:
+            try:
+                for q in [p, *p.children(recursive=True)]:
+                    self.seen[q.pid] = q.create_time()
+            except psutil.Error:
+                pass
+
+    def kill_leftovers(self) -> list[str]:
+        """Safety net after `down`: SIGKILL any process this module's stack started that still runs
+        (same pid and create time), so a failing test leaves nothing behind."""
+        left = []
+        for pid, created in self.seen.items():
+            try:
+                p = psutil.Process(pid)
+                if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
+                    left.append(f"{pid} {p.name()}")
+                    p.kill()
+            except psutil.Error:
+                pass
+        return left
 
 
 @pytest.fixture(scope="module")
@@ -80,9 +135,13 @@ def stack(tmp_path_factory):
     try:
         r = s.up()
         assert r.returncode == 0, r.stdout + r.stderr
+        s.stack_processes()
         yield s
     finally:
         s.molctl("down", "--stop-timeout", "20", "--drain-timeout", "20", "--force")
+        left = s.kill_leftovers()
+        if left:
+            print(f"killed processes `down` left behind: {left}")
 
 
 def wait_for_requests(stack: Stack, count: int, timeout: float = 60) -> list:
@@ -133,7 +192,7 @@ def test_chat_through_the_proxy_reaches_route_answer_and_summary_adapters(stack,
             text = reply.choices[0].message.content
         assert text
         new = wait_for_requests(stack, before + 3)[before:]
-        route = [r for r in new if r[1] == 8 and r[2]]
+        route = [r for r in new if r[2]]
         answer = [r for r in new if r[1] == ANSWER_TOKENS]
         summary = [r for r in new if r[1] == 32]
         assert len(route) == 1 and len(answer) == 1 and len(summary) == 1, new
@@ -143,6 +202,106 @@ def test_chat_through_the_proxy_reaches_route_answer_and_summary_adapters(stack,
         if answer[0][3] != "L0":
             return
     pytest.fail(f"the router kept choosing L0: {chosen}")
+
+
+WEATHER = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+def chat_hops(stack: Stack, messages: list[dict], stream: bool = False, **extra) -> tuple[str, list[dict]]:
+    """One chat through the proxy with the openai SDK (which raises on anything but a 200); returns
+    the reply's text and the engine requests it caused, once its background summary hop is in."""
+    before = len(stack.requests())
+    if stream:
+        chunks = list(stack.client.chat.completions.create(model=PUBLIC, messages=messages, max_tokens=ANSWER_TOKENS,
+                                                           stream=True, **extra))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason][-1]
+    else:
+        reply = stack.client.chat.completions.create(model=PUBLIC, messages=messages, max_tokens=ANSWER_TOKENS, **extra)
+        text, finish = reply.choices[0].message.content or "", reply.choices[0].finish_reason
+    assert finish in ("stop", "length"), finish  # a random model does not call tools
+    wait_for_requests(stack, before + 3)
+    hops = stack.hops()[before:]
+    assert sorted(h["hop"] for h in hops) == ["answer", "route", "summary"], hops
+    return text, hops
+
+
+def assert_one_leading_system(hop: dict) -> None:
+    """The engine's own rendering (the Qwen3.6-like template) starts with the one system turn and
+    has no other; the messages sent hold one system message, first, and no developer role; the
+    GLM-5-like demo template renders the same messages with every system turn before the first
+    user turn."""
+    prompt, body = hop["prompt"], hop["body"]
+    assert prompt is not None and body is not None, hop
+    assert prompt.startswith("<|im_start|>system\n") and prompt.count("<|im_start|>system") == 1, (hop["hop"], prompt)
+    roles = [m["role"] for m in body["messages"]]
+    assert roles[0] == "system" and roles.count("system") == 1 and "developer" not in roles, (hop["hop"], roles)
+    glm = render(GLM5, body)
+    assert glm.startswith("[gMASK]<sop><|system|>") and "<|system|>" not in glm.split("<|user|>", 1)[1], (hop["hop"], glm)
+
+
+def by_hop(hops: list[dict]) -> dict[str, dict]:
+    return {h["hop"]: h for h in hops}
+
+
+def test_instructions_reach_every_hop_in_one_leading_system_message(stack):
+    """A client system prompt and a developer message (leading), then a system message in the middle
+    of the conversation: every request is answered 200, and every hop the engine renders starts
+    with exactly one system message."""
+    identity = "You are Macaron-Tiny-Demo"
+    system = {"role": "system", "content": "You are the assistant of Example Corp. Today is Monday."}
+    developer = {"role": "developer", "content": "Answer in plain text, no markdown."}
+    convo = [system, developer, {"role": "user", "content": "Who are you?"}]
+    text, hops = chat_hops(stack, convo)
+    for hop in hops:
+        assert_one_leading_system(hop)
+    answer = by_hop(hops)["answer"]["prompt"]
+    head = answer.split("<|im_end|>", 1)[0]  # identity, then the client's instructions in order
+    assert head.index(identity) < head.index("Example Corp") < head.index("Answer in plain text"), head
+    assert "You are the dispatcher" in by_hop(hops)["route"]["prompt"].split("<|im_end|>", 1)[0]
+
+    convo += [{"role": "assistant", "content": text}, {"role": "system", "content": "From now on, answer in French."},
+              {"role": "user", "content": "Plan a trip to Kyoto."}]
+    text, hops = chat_hops(stack, convo, stream=True)
+    for hop in hops:
+        assert_one_leading_system(hop)
+    for name in ("answer", "summary"):  # kept where it was said, as a note the templates accept
+        prompt = by_hop(hops)[name]["prompt"]
+        assert "<|im_start|>user\n[system note] From now on, answer in French.<|im_end|>\n<|im_start|>user\nPlan a trip" in prompt
+        assert "Example Corp" in prompt.split("<|im_end|>", 1)[0]
+
+
+def test_tool_call_loop_through_the_proxy(stack):
+    """Tools offered; the assistant's tool call (built by the client: the tiny model is random) and
+    the tool's result sent back; then a next question after the tool turn. All 200, one leading
+    system message on every hop, tools and calls rendered in the Qwen3 XML form."""
+    system = {"role": "system", "content": "Use the tools when they help."}
+    convo = [system, {"role": "user", "content": "What is the weather in Paris?"}]
+    _, hops = chat_hops(stack, convo, tools=WEATHER)
+    for hop in hops:
+        assert_one_leading_system(hop)
+    answer = by_hop(hops)["answer"]
+    assert answer["body"]["tools"][0]["function"]["name"] == "get_weather"
+    assert "# Tools" in answer["prompt"].split("<|im_end|>", 1)[0]
+
+    call = {"id": "call_e2e_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    convo += [{"role": "assistant", "content": None, "tool_calls": [call]},
+              {"role": "tool", "tool_call_id": "call_e2e_1", "content": '{"temp_c": 18, "sky": "sunny"}'}]
+    _, hops = chat_hops(stack, convo, tools=WEATHER)  # a call the proxy did not issue: routed, not sticky
+    for hop in hops:
+        assert_one_leading_system(hop)
+    prompt = by_hop(hops)["answer"]["prompt"]
+    assert "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>" in prompt
+    assert '<|im_start|>user\n<tool_response>\n{"temp_c": 18, "sky": "sunny"}\n</tool_response><|im_end|>' in prompt
+    assert "What is the weather in Paris?" in by_hop(hops)["route"]["prompt"]  # the router sees the last user text
+
+    convo += [{"role": "assistant", "content": "It is 18 C and sunny in Paris."}, {"role": "user", "content": "And in Rome?"}]
+    _, hops = chat_hops(stack, convo, tools=WEATHER)
+    for hop in hops:
+        assert_one_leading_system(hop)
+    assert "And in Rome?" in by_hop(hops)["answer"]["prompt"]
 
 
 def test_later_turn_hits_the_prefix_cache(stack):
