@@ -74,6 +74,10 @@ def handle_errors(fn: Callable) -> Callable:
         try:
             return fn(*args, **kwargs)
         except MolctlError as exc:
+            if exc.exit_status == ExitStatus.INTERRUPTED:  # already interrupted: a late Ctrl-C must not cut the report
+                import signal
+
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
             Output().error(str(exc))
             raise typer.Exit(int(exc.exit_status)) from None
         except KeyboardInterrupt:
@@ -186,6 +190,10 @@ def _run_start(profile: str, json_: bool, call) -> None:
         reporter.close()
         render_failure(out, profile, exc)
         if isinstance(exc, StartFailed) or json_:
+            if exc.exit_status == ExitStatus.INTERRUPTED:
+                import signal
+
+                signal.signal(signal.SIGINT, signal.SIG_IGN)  # a late Ctrl-C must not cut the report
             out.error(str(exc))
             raise typer.Exit(int(exc.exit_status)) from None
         raise
@@ -338,7 +346,10 @@ def demo_init_cmd(
 
 def main() -> None:
     os.environ.setdefault("PYTHONDONTWRITEBYTECODE", "1")
-    app(prog_name="molctl")
+    try:
+        app(prog_name="molctl")
+    except KeyboardInterrupt:  # a Ctrl-C outside any command's own handling: still exit 130, quietly
+        raise SystemExit(int(ExitStatus.INTERRUPTED)) from None
 
 
 @app.command("proxy")

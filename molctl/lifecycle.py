@@ -412,6 +412,7 @@ class _Starter:
         here is reported with what may still run and how to stop it."""
         interrupted = isinstance(exc, KeyboardInterrupt)
         if interrupted:
+            _one_more_interrupt()
             self.reporter.step("interrupted: stopping what this command started (Ctrl-C again leaves it running)")
         try:
             for record in reversed(self.started):
@@ -430,6 +431,21 @@ class _Starter:
             kept = " (the engine started earlier keeps running: molctl down stops it)" if adopted_engine else ""
             raise MolctlError(f"interrupted; everything this command started was stopped{kept}",
                               ExitStatus.INTERRUPTED) from None
+
+
+def _one_more_interrupt() -> None:
+    """During the clean-up after a Ctrl-C: the next Ctrl-C interrupts it once (and is reported);
+    any further one is ignored, so it cannot cut the report or the exit short."""
+    import signal
+
+    def once(signum, frame):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    try:
+        signal.signal(signal.SIGINT, once)
+    except ValueError:  # not the main thread
+        pass
 
 
 def preflight(profile: Profile, state_dir: Path, opts: UpOptions, reporter: Reporter, probes_factory,
