@@ -398,19 +398,60 @@ def _expand_path(raw: str, base: Path) -> Path:
 
 def build_profile(data: dict[str, Any], source: Path, lines: dict[str, int] | None = None,
                   overrides: Iterable[tuple[str, Any]] = (), expected_name: str | None = None) -> Profile:
-    """Validate raw profile data (after applying overrides) into an immutable `Profile`."""
+    """Validate raw profile data (after applying overrides) into an immutable `Profile`.
+
+    The schema walk first (unknown keys, types, required fields), then each section's own rules
+    in a fixed order (name, engine, proxy, prompts, adapters, logs): the first problem is raised.
+    """
     overrides = list(overrides)
     apply_overrides(data, overrides)
     v = _Validator(source, lines or {}, {k for k, _ in overrides})
     v.walk(data, SCHEMA)
 
-    name = data["name"]
+    name = _checked_name(data["name"], expected_name, v)
+    engine = _engine_spec(data["engine"], data["proxy"], v)
+    proxy = _proxy_spec(data["proxy"], v)
+    prompts = _prompts(data["prompts"], v)
+    adapters = _adapter_spec(data.get("adapters", {}), v)
+    base = source.parent if source else Path.cwd()
+    return Profile(
+        name=name,
+        description=data.get("description", ""),
+        served_model_name=data["served_model_name"],
+        base_model=data["base_model"],
+        model_root=_expand_path(data["model_root"], base),
+        model=ModelSpec(**data.get("model", {})),
+        adapters=adapters,
+        engine=engine,
+        proxy=proxy,
+        prompts=prompts,
+        source=source,
+        logs=_log_spec(data.get("logs", {}), v),
+    )
+
+
+def _checked_name(name: str, expected_name: str | None, v: _Validator) -> str:
+    """The profile's `name`: `[a-z0-9][a-z0-9-]*`, and equal to its file name when one is given."""
     if not NAME_RE.match(name):
         raise v.fail("name", f"bad name {name!r}: expected [a-z0-9][a-z0-9-]*")
     if expected_name is not None and name != expected_name:
         raise v.fail("name", f"{name!r} differs from the file name {expected_name!r}")
+    return name
 
-    eng = dict(data["engine"])
+
+def _check_ports(engine: dict[str, Any], proxy: dict[str, Any], v: _Validator) -> None:
+    """Both ports are TCP ports, and they differ."""
+    for port_key, section in (("engine.port", engine), ("proxy.port", proxy)):
+        if not 1 <= section["port"] <= 65535:
+            raise v.fail(port_key, f"{section['port']} is not a TCP port (1-65535)")
+    if engine["port"] == proxy["port"]:
+        raise v.fail("proxy.port", f"{proxy['port']} is also engine.port; they must differ")
+
+
+def _engine_spec(data: dict[str, Any], proxy: dict[str, Any], v: _Validator) -> EngineSpec:
+    """The `engine` section: a known kind, a PEP 440 version pin, ports (with the proxy's), GPUs,
+    a positive start timeout, flags written without dashes; env values become strings."""
+    eng = dict(data)
     if eng["kind"] not in ENGINE_KINDS:
         raise v.fail("engine.kind", f"{eng['kind']!r}: expected one of {', '.join(ENGINE_KINDS)}")
     from packaging.specifiers import InvalidSpecifier, SpecifierSet
@@ -418,11 +459,7 @@ def build_profile(data: dict[str, Any], source: Path, lines: dict[str, int] | No
         SpecifierSet(eng["version"])
     except InvalidSpecifier:
         raise v.fail("engine.version", f"{eng['version']!r} is not a version specifier (e.g. ==0.24.0)") from None
-    for port_key, section in (("engine.port", eng), ("proxy.port", data["proxy"])):
-        if not 1 <= section["port"] <= 65535:
-            raise v.fail(port_key, f"{section['port']} is not a TCP port (1-65535)")
-    if eng["port"] == data["proxy"]["port"]:
-        raise v.fail("proxy.port", f"{data['proxy']['port']} is also engine.port; they must differ")
+    _check_ports(eng, proxy, v)
     if eng.get("gpus", 0) < 0:
         raise v.fail("engine.gpus", "must be >= 0")
     if eng.get("start_timeout_s", 1) <= 0:
@@ -430,8 +467,25 @@ def build_profile(data: dict[str, Any], source: Path, lines: dict[str, int] | No
     for flag in eng.get("args", {}):
         if flag.startswith("-") or not re.match(r"^[a-z0-9][a-z0-9-]*$", flag):
             raise v.fail(f"engine.args.{flag}", "flag names are written without dashes, e.g. max-model-len")
+    return EngineSpec(
+        kind=eng["kind"],
+        version=eng["version"],
+        served_name=eng["served_name"],
+        port=eng["port"],
+        python=os.path.expanduser(eng["python"]) if eng.get("python") else "",
+        host=eng.get("host", "127.0.0.1"),
+        gpus=eng.get("gpus", 0),
+        start_timeout_s=eng.get("start_timeout_s", 3600),
+        args=dict(eng.get("args", {})),
+        env={k: _env_str(val) for k, val in eng.get("env", {}).items()},
+        unset_env=tuple(eng.get("unset_env", ())),
+    )
 
-    proxy = dict(data["proxy"])
+
+def _proxy_spec(data: dict[str, Any], v: _Validator) -> ProxySpec:
+    """The `proxy` section: a known default route and reasoning style, positive limits, and a
+    route input bound of at least 200 characters."""
+    proxy = dict(data)
     if proxy.get("default_route", "L2") not in ROUTES:
         raise v.fail("proxy.default_route", f"{proxy['default_route']!r}: expected one of {', '.join(ROUTES)}")
     if proxy.get("reasoning", "none") not in REASONING_STYLES:
@@ -442,8 +496,13 @@ def build_profile(data: dict[str, Any], source: Path, lines: dict[str, int] | No
             raise v.fail(f"proxy.{key}", "must be > 0")
     if proxy.get("route_max_input_chars", 4000) < 200:
         raise v.fail("proxy.route_max_input_chars", "must be >= 200")
+    return ProxySpec(**proxy)
 
-    prompts = dict(data["prompts"])
+
+def _prompts(data: dict[str, Any], v: _Validator) -> Prompts:
+    """The `prompts` section: exactly one description per route, no empty text, `{summary}` in
+    `fold`, and the route prompt's description and label placeholders."""
+    prompts = dict(data)
     if sorted(prompts["adapters"]) != list(ROUTES):
         raise v.fail("prompts.adapters", f"expected exactly the routes {', '.join(ROUTES)}, got {', '.join(sorted(prompts['adapters'])) or 'none'}")
     for key in ("identity", "route", "summary"):
@@ -457,51 +516,29 @@ def build_profile(data: dict[str, Any], source: Path, lines: dict[str, int] | No
     for ph in (PH_DESCRIPTIONS, PH_LABELS):
         if ph not in prompts["route"]:
             raise v.fail("prompts.route", f"must contain the placeholder {ph}")
-
-    adapters = dict(data.get("adapters", {}))
-    if adapters.get("rank_equals") is not None and adapters.get("rank_max") is not None:
-        raise v.fail("adapters.rank_max", "set either rank_equals or rank_max, not both")
-
-    base = source.parent if source else Path.cwd()
-    return Profile(
-        name=name,
-        description=data.get("description", ""),
-        served_model_name=data["served_model_name"],
-        base_model=data["base_model"],
-        model_root=_expand_path(data["model_root"], base),
-        model=ModelSpec(**data.get("model", {})),
-        adapters=AdapterSpec(
-            rank_equals=adapters.get("rank_equals"),
-            rank_max=adapters.get("rank_max"),
-            base_names=tuple(adapters.get("base_names", ())),
-        ),
-        engine=EngineSpec(
-            kind=eng["kind"],
-            version=eng["version"],
-            served_name=eng["served_name"],
-            port=eng["port"],
-            python=os.path.expanduser(eng["python"]) if eng.get("python") else "",
-            host=eng.get("host", "127.0.0.1"),
-            gpus=eng.get("gpus", 0),
-            start_timeout_s=eng.get("start_timeout_s", 3600),
-            args=dict(eng.get("args", {})),
-            env={k: _env_str(v) for k, v in eng.get("env", {}).items()},
-            unset_env=tuple(eng.get("unset_env", ())),
-        ),
-        proxy=ProxySpec(**proxy),
-        prompts=Prompts(
-            identity=prompts["identity"],
-            route=prompts["route"],
-            summary=prompts["summary"],
-            adapters=dict(prompts["adapters"]),
-            fold=prompts.get("fold", DEFAULT_FOLD),
-        ),
-        source=source,
-        logs=_log_spec(data.get("logs", {}), v),
+    return Prompts(
+        identity=prompts["identity"],
+        route=prompts["route"],
+        summary=prompts["summary"],
+        adapters=dict(prompts["adapters"]),
+        fold=prompts.get("fold", DEFAULT_FOLD),
     )
 
 
-def _log_spec(logs: dict[str, Any], v: "_Validator") -> LogSpec:
+def _adapter_spec(data: dict[str, Any], v: _Validator) -> AdapterSpec:
+    """The `adapters` section: at most one of the two rank rules."""
+    adapters = dict(data)
+    if adapters.get("rank_equals") is not None and adapters.get("rank_max") is not None:
+        raise v.fail("adapters.rank_max", "set either rank_equals or rank_max, not both")
+    return AdapterSpec(
+        rank_equals=adapters.get("rank_equals"),
+        rank_max=adapters.get("rank_max"),
+        base_names=tuple(adapters.get("base_names", ())),
+    )
+
+
+def _log_spec(logs: dict[str, Any], v: _Validator) -> LogSpec:
+    """The `logs` section: keep >= 1, max_bytes and backups >= 0."""
     for key, low in (("keep", 1), ("max_bytes", 0), ("backups", 0)):
         if key in logs and logs[key] < low:
             raise v.fail(f"logs.{key}", f"must be >= {low}")
