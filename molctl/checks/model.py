@@ -17,7 +17,7 @@ from typing import Any
 from molctl.checks import CheckResult, Probes, describe
 from molctl.engines import get_engine
 from molctl.profiles import ROUTES, Profile
-from molctl.safetensors import HeaderError, read_header
+from molctl.safetensors import HeaderError, SafetensorsHeader, read_header
 
 INDEX = "model.safetensors.index.json"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -191,50 +191,79 @@ def run_adapters(profile: Profile, probes: Probes) -> list[CheckResult]:
 
 
 def _check_adapter(profile: Profile, route: str, base: BaseNames, engine_max: int | None) -> list[CheckResult]:
+    """adapter.Lk.{dir,config,rank,base,weights,targets} for one route; a failing dir, config or
+    weights check ends that adapter's list (what follows would only repeat it)."""
     d = profile.adapter_dir(route)
     cid = f"adapter.{route}"
     if d.is_symlink() or not d.is_dir():
         what = "a symlink" if d.is_symlink() else "missing"
         return [CheckResult(f"{cid}.dir", "fail", f"adapter directory {d} is {what} (expected a real directory)")]
-    out: list[CheckResult] = []
     cfg_path = d / ADAPTER_CONFIG
+    config, result = _adapter_config(cid, cfg_path)
+    out = [result]
+    if config is None:
+        return out
+    rank, result = _adapter_rank(cid, cfg_path, config, profile, engine_max)
+    out.append(result)
+    result = _adapter_base(cid, cfg_path, config, profile)
+    if result is not None:
+        out.append(result)
+    weights = d / ADAPTER_WEIGHTS
+    header, result = _adapter_weights(cid, weights, rank)
+    out.append(result)
+    if header is None:
+        return out
+    out.append(_adapter_targets(cid, cfg_path, weights, config, header, base))
+    return out
+
+
+def _adapter_config(cid: str, cfg_path: Path) -> tuple[dict[str, Any] | None, CheckResult]:
+    """`adapter_config.json` parses to an object whose peft_type is LoRA; (None, fail) otherwise."""
     config, problem = _load_json(cfg_path)
     if problem is None and not isinstance(config, dict):
         problem = f"{cfg_path} is not a JSON object"
     if problem is None and str(config.get("peft_type", "")).upper() != "LORA":
         problem = f"{cfg_path}: peft_type is {config.get('peft_type')!r}, expected 'LORA'"
     if problem:
-        return [CheckResult(f"{cid}.config", "fail", problem)]
-    out.append(CheckResult(f"{cid}.config", "pass", f"{cfg_path} is a LoRA config"))
+        return None, CheckResult(f"{cid}.config", "fail", problem)
+    return config, CheckResult(f"{cid}.config", "pass", f"{cfg_path} is a LoRA config")
 
-    # rank
+
+def _adapter_rank(cid: str, cfg_path: Path, config: dict[str, Any], profile: Profile,
+                  engine_max: int | None) -> tuple[int | None, CheckResult]:
+    """`r` is a positive integer within the profile's rank rule and the engine's --max-lora-rank.
+    Returns the rank to check the weights' shapes against (None when `r` is not a usable number)."""
     rank = config.get("r")
     spec = profile.adapters
     if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
-        out.append(CheckResult(f"{cid}.rank", "fail", f"{cfg_path}: r is {rank!r}, expected a positive integer"))
-        rank = None
-    elif spec.rank_equals is not None and rank != spec.rank_equals:
-        out.append(CheckResult(f"{cid}.rank", "fail", f"{cfg_path}: r is {rank}, profile {profile.name} requires r == {spec.rank_equals}"))
-    elif spec.rank_max is not None and rank > spec.rank_max:
-        out.append(CheckResult(f"{cid}.rank", "fail", f"{cfg_path}: r is {rank}, profile {profile.name} requires r <= {spec.rank_max}"))
-    elif engine_max is not None and rank > engine_max:
-        out.append(CheckResult(f"{cid}.rank", "fail", f"{cfg_path}: r is {rank}, above the engine's --max-lora-rank {engine_max}"))
-    else:
-        out.append(CheckResult(f"{cid}.rank", "pass", f"r = {rank}"))
+        return None, CheckResult(f"{cid}.rank", "fail", f"{cfg_path}: r is {rank!r}, expected a positive integer")
+    if spec.rank_equals is not None and rank != spec.rank_equals:
+        return rank, CheckResult(f"{cid}.rank", "fail", f"{cfg_path}: r is {rank}, profile {profile.name} requires r == {spec.rank_equals}")
+    if spec.rank_max is not None and rank > spec.rank_max:
+        return rank, CheckResult(f"{cid}.rank", "fail", f"{cfg_path}: r is {rank}, profile {profile.name} requires r <= {spec.rank_max}")
+    if engine_max is not None and rank > engine_max:
+        return rank, CheckResult(f"{cid}.rank", "fail", f"{cfg_path}: r is {rank}, above the engine's --max-lora-rank {engine_max}")
+    return rank, CheckResult(f"{cid}.rank", "pass", f"r = {rank}")
 
-    # declared base
+
+def _adapter_base(cid: str, cfg_path: Path, config: dict[str, Any], profile: Profile) -> CheckResult | None:
+    """The declared base (`base_model_name_or_path`) names one of `adapters.base_names` or is the
+    profile's base directory; None when the profile names no base."""
+    spec = profile.adapters
+    if not spec.base_names:
+        return None
     declared = str(config.get("base_model_name_or_path") or "")
-    if spec.base_names:
-        same_dir = declared and Path(declared).expanduser().resolve() == profile.base_dir.resolve()
-        if same_dir or any(b.lower() in declared.lower() for b in spec.base_names):
-            out.append(CheckResult(f"{cid}.base", "pass", f"declared base {declared!r}"))
-        else:
-            expected = " or ".join(repr(b) for b in spec.base_names)
-            out.append(CheckResult(f"{cid}.base", "fail",
-                                   f"{cfg_path}: base_model_name_or_path is {declared!r}, expected a name containing {expected} or {profile.base_dir}"))
+    same_dir = declared and Path(declared).expanduser().resolve() == profile.base_dir.resolve()
+    if same_dir or any(b.lower() in declared.lower() for b in spec.base_names):
+        return CheckResult(f"{cid}.base", "pass", f"declared base {declared!r}")
+    expected = " or ".join(repr(b) for b in spec.base_names)
+    return CheckResult(f"{cid}.base", "fail",
+                       f"{cfg_path}: base_model_name_or_path is {declared!r}, expected a name containing {expected} or {profile.base_dir}")
 
-    # weights file and A/B shapes
-    weights = d / ADAPTER_WEIGHTS
+
+def _adapter_weights(cid: str, weights: Path, rank: int | None) -> tuple[SafetensorsHeader | None, CheckResult]:
+    """The weights file is real, its header parses, it holds lora_A/lora_B tensors whose shapes
+    fit the rank. Returns (header, pass) or (None, fail)."""
     problem = _real_file_problem(weights)
     header = None
     if problem is None:
@@ -251,14 +280,17 @@ def _check_adapter(profile: Profile, route: str, base: BaseNames, engine_max: in
             if bad:
                 problem = f"{weights}: shapes inconsistent with r={rank}: {describe(bad, 2)}"
     if problem:
-        out.append(CheckResult(f"{cid}.weights", "fail", problem))
-        return out
-    out.append(CheckResult(f"{cid}.weights", "pass", f"{len(header.tensors)} tensors, shapes consistent with r"))
+        return None, CheckResult(f"{cid}.weights", "fail", problem)
+    return header, CheckResult(f"{cid}.weights", "pass", f"{len(header.tensors)} tensors, shapes consistent with r")
 
-    # target modules against the base's tensor names
+
+def _adapter_targets(cid: str, cfg_path: Path, weights: Path, config: dict[str, Any], header: SafetensorsHeader,
+                     base: BaseNames) -> CheckResult:
+    """Every targeted module name (declared in `target_modules`, and found in the weights) exists
+    in the base's tensor names (fail: the engine would silently ignore it); a module path that
+    differs from the base's only by prefix is a warning."""
     if not base:
-        out.append(CheckResult(f"{cid}.targets", "skip", "base index unreadable; see model.index"))
-        return out
+        return CheckResult(f"{cid}.targets", "skip", "base index unreadable; see model.index")
     targets = config.get("target_modules")
     declared_missing = []
     if isinstance(targets, list):
@@ -267,16 +299,13 @@ def _check_adapter(profile: Profile, route: str, base: BaseNames, engine_max: in
     unknown_names = sorted(n for n in {p.rsplit(".", 1)[-1] for p in paths} if not base.has_module_name(n))
     if declared_missing or unknown_names:
         names = sorted(set(declared_missing) | set(unknown_names))
-        out.append(CheckResult(f"{cid}.targets", "fail",
-                               f"{cfg_path}: targets module(s) {describe(names)} that no tensor of the base model has (the engine would silently ignore them)"))
-        return out
+        return CheckResult(f"{cid}.targets", "fail",
+                           f"{cfg_path}: targets module(s) {describe(names)} that no tensor of the base model has (the engine would silently ignore them)")
     unmatched = [p for p in paths if not base.has_module_path(p)]
     if unmatched:
-        out.append(CheckResult(f"{cid}.targets", "warn",
-                               f"{weights}: module path(s) {describe(unmatched, 2)} do not match the base's tensor names exactly (prefix differs; check the engine maps them)"))
-    else:
-        out.append(CheckResult(f"{cid}.targets", "pass", f"{len(paths)} targeted modules exist in the base"))
-    return out
+        return CheckResult(f"{cid}.targets", "warn",
+                           f"{weights}: module path(s) {describe(unmatched, 2)} do not match the base's tensor names exactly (prefix differs; check the engine maps them)")
+    return CheckResult(f"{cid}.targets", "pass", f"{len(paths)} targeted modules exist in the base")
 
 
 def _shape_fits(name: str, shape: tuple[int, ...], rank: int) -> bool:
