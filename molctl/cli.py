@@ -1,6 +1,8 @@
-"""The command line: parse, call core, render through `molctl.output`. No logic lives here.
+"""The command line: parse options, call the module that does the work, hand its result to an
+`molctl.output.Output` method. No logic and no rendering live here.
 
-Exit codes are `molctl.errors.ExitStatus`; every `MolctlError` becomes one line on stderr."""
+Exit codes are `molctl.errors.ExitStatus`; every `MolctlError` becomes one line on stderr. The
+contract (commands, exit codes, JSON shapes) is in docs/contract.md."""
 
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ EXIT_CODES_HELP = (
 
 app = typer.Typer(
     name="molctl",
-    help="Operate a self-hosted Mixture-of-LoRA stack (engine + MoL proxy): check, start, stop, switch, inspect.",
+    help="Operate a self-hosted Mixture-of-LoRA stack (engine + MoL proxy): check, start, stop, switch, inspect. "
+         "Contract (commands, exit codes, JSON shapes): docs/contract.md.",
     epilog=EXIT_CODES_HELP,
     no_args_is_help=True,
     add_completion=True,
@@ -48,7 +51,9 @@ class Context:
 
 def _version(value: bool) -> None:
     if value:
-        typer.echo(f"molctl {__version__}")
+        from molctl.output import Output
+
+        Output().raw(f"molctl {__version__}\n")
         raise typer.Exit()
 
 
@@ -91,10 +96,10 @@ def handle_errors(fn: Callable) -> Callable:
     return wrapper
 
 
-JSON_OPT = typer.Option(False, "--json", help="Print the machine-readable result (the contract in ARCHITECTURE.md).")
+JSON_OPT = typer.Option(False, "--json", help="Print the machine-readable result (the shapes are in docs/contract.md).")
 SET_OPT = typer.Option([], "--set", metavar="KEY=VALUE", help="Override a profile field before validation, e.g. engine.port=9000 (repeatable).")
 MODEL_ROOT_OPT = typer.Option(None, "--model-root", help="Use this model root (base/ and loras/L0..L3) instead of the profile's model_root.")
-SKIP_OPT = typer.Option([], "--skip", metavar="CATEGORY", help="Skip a check category: engine, gpu, model, adapter, port, state, security (repeatable).")
+SKIP_OPT = typer.Option([], "--skip", metavar="CATEGORY", help="Skip a check category: engine, gpu, model, adapter, template, port, state, security (repeatable).")
 
 
 def overrides_from(model_root: Optional[Path], sets: List[str]) -> list[tuple[str, object]]:
@@ -111,8 +116,8 @@ def overrides_from(model_root: Optional[Path], sets: List[str]) -> list[tuple[st
 @handle_errors
 def profiles_cmd(ctx: typer.Context, json_: bool = JSON_OPT) -> None:
     """List the known profiles: name, engine, served model, GPUs, ports, source file."""
-    from molctl.core import list_profiles
     from molctl.output import Output
+    from molctl.profiles import list_profiles
 
     out = Output(as_json=json_)
     rows, problems = list_profiles(ctx.obj.dirs())
@@ -136,7 +141,7 @@ def check_cmd(
     json_: bool = JSON_OPT,
 ) -> None:
     """Validate the host, the model files and the engine before a long load. Exit 3 on any failure."""
-    from molctl.core import check_profile
+    from molctl.checks import check_profile
     from molctl.output import Output
 
     out = Output(as_json=json_)
@@ -171,7 +176,7 @@ STOP_OPT = typer.Option(60.0, "--stop-timeout", callback=_not_negative,
 
 def _up_options(ctx, model_root, set_, skip, timeout, api_key_file, allow_unauthenticated, drain_timeout,
                 stop_timeout=60.0, restart=False):
-    from molctl.lifecycle import UpOptions
+    from molctl.start import UpOptions
 
     return UpOptions(overrides=overrides_from(model_root, set_), skip=skip, timeout_s=timeout, api_key_file=api_key_file,
                      allow_unauthenticated=allow_unauthenticated, drain_timeout_s=drain_timeout,
@@ -179,16 +184,16 @@ def _up_options(ctx, model_root, set_, skip, timeout, api_key_file, allow_unauth
 
 
 def _run_start(profile: str, json_: bool, call) -> None:
-    from molctl.lifecycle import StartFailed
-    from molctl.output import Output, UpReporter, render_failure, render_up
+    from molctl.output import ConsoleProgress, Output
+    from molctl.start import StartFailed
 
     out = Output(as_json=json_)
-    reporter = UpReporter(out)
+    progress = ConsoleProgress(out)
     try:
-        result = call(reporter)
+        result = call(progress)
     except MolctlError as exc:
-        reporter.close()
-        render_failure(out, profile, exc)
+        progress.close()
+        out.start_failure(profile, exc)
         if isinstance(exc, StartFailed) or json_:
             if exc.exit_status == ExitStatus.INTERRUPTED:
                 import signal
@@ -197,8 +202,8 @@ def _run_start(profile: str, json_: bool, call) -> None:
             out.error(str(exc))
             raise typer.Exit(int(exc.exit_status)) from None
         raise
-    reporter.close()
-    render_up(out, result)
+    progress.close()
+    out.up_result(result)
 
 
 @app.command("up")
@@ -219,11 +224,11 @@ def up_cmd(
     json_: bool = JSON_OPT,
 ) -> None:
     """Check, start the engine, wait until it really serves L0-L3, start the proxy. Idempotent."""
-    from molctl.lifecycle import up
+    from molctl.start import up
 
     opts = _up_options(ctx, model_root, set_, skip, timeout, api_key_file, allow_unauthenticated, drain_timeout,
                        stop_timeout, restart)
-    _run_start(profile, json_, lambda reporter: up(profile, ctx.obj, opts, reporter))
+    _run_start(profile, json_, lambda progress: up(profile, ctx.obj, opts, progress))
 
 
 @app.command("switch")
@@ -242,11 +247,11 @@ def switch_cmd(
     json_: bool = JSON_OPT,
 ) -> None:
     """Drain and stop whatever stack runs, then `up PROFILE`. A failing preflight stops nothing."""
-    from molctl.lifecycle import switch
+    from molctl.start import switch
 
     opts = _up_options(ctx, model_root, set_, skip, timeout, api_key_file, allow_unauthenticated, drain_timeout,
                        stop_timeout)
-    _run_start(profile, json_, lambda reporter: switch(profile, ctx.obj, opts, reporter, drain_timeout))
+    _run_start(profile, json_, lambda progress: switch(profile, ctx.obj, opts, progress))
 
 
 @app.command("down")
@@ -261,16 +266,16 @@ def down_cmd(
     json_: bool = JSON_OPT,
 ) -> None:
     """Proxy first (drain), then the engine group (SIGTERM, then SIGKILL); verify nothing survives."""
-    from molctl.lifecycle import down
-    from molctl.output import Output
+    from molctl.output import ConsoleProgress, Output
+    from molctl.stop import down
 
     out = Output(as_json=json_)
-    result = down(ctx.obj, profile, drain_timeout, force, lambda m: out.line(f"molctl: {m}"), engine_timeout_s=stop_timeout,
-                  warn=out.warn)
-    if json_:
-        out.json(result)
-    else:
-        out.line(result["message"])
+    progress = ConsoleProgress(out)
+    try:
+        result = down(ctx.obj, profile, drain_timeout, force, progress, engine_timeout_s=stop_timeout)
+    finally:
+        progress.close()
+    out.down_result(result)
 
 
 @app.command("status")
@@ -281,10 +286,10 @@ def status_cmd(
     json_: bool = JSON_OPT,
 ) -> None:
     """Recorded stacks, probed live: processes, ports, /health, /readyz, uptime, logs, GPU memory."""
-    from molctl.lifecycle import status
-    from molctl.output import Output, render_status
+    from molctl.output import Output
+    from molctl.status import status
 
-    render_status(Output(as_json=json_), status(ctx.obj, profile))
+    Output(as_json=json_).status(status(ctx.obj, profile))
 
 
 @app.command("logs")
@@ -333,15 +338,7 @@ def demo_init_cmd(
     out = Output(as_json=json_)
     root = directory or load_profile("tiny", ctx.obj.dirs()).model_root
     result = init_tiny(root, seed=seed, force=force, if_missing=if_missing, template=template)
-    if json_:
-        out.json(result)
-    elif result.get("template_added"):
-        out.line(f"tiny model already present in {result['root']}; added the {template} chat template")
-    elif not result["created"]:
-        out.line(f"tiny model already present in {result['root']}")
-    else:
-        out.line(f"tiny model written to {result['root']} (vocab {result['vocab_size']}, adapters L0-L3, "
-                 f"{template} chat template, seed {seed})")
+    out.demo_init(result, template, seed)
 
 
 def main() -> None:
@@ -375,7 +372,7 @@ def proxy_cmd(
     """Run the MoL proxy in the foreground: one public model, route -> answer -> summary over the adapters.
 
     The key may also come from the environment (MOLCTL_API_KEY, one key), never from argv."""
-    from molctl.core import run_proxy
+    from molctl.proxy.server import run_proxy
 
     run_proxy(profile, ctx.obj, overrides_from(None, set_) + _typed_overrides(set_json), upstream=upstream, host=host,
               port=port, api_key_file=api_key_file, allow_unauthenticated=allow_unauthenticated,

@@ -1,4 +1,4 @@
-"""Exit codes and the typed errors the CLI maps onto them (one place, see ARCHITECTURE.md)."""
+"""Exit codes and the typed errors the CLI maps onto them (one place; the contract: docs/contract.md)."""
 
 from __future__ import annotations
 

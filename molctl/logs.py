@@ -21,7 +21,7 @@ def _pick_profile(state_dir: Path, profile: str | None) -> str:
     """The named profile; else the running stack; else the profile with the newest log."""
     if profile:
         return profile
-    from molctl.lifecycle import running_profiles
+    from molctl.stacks import running_profiles
 
     try:
         names = sorted(d.name for d in state_dir.iterdir() if (d / "logs").is_dir()) if state_dir.is_dir() else []

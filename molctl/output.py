@@ -1,6 +1,7 @@
 """The one place that renders results: rich tables for people, JSON for machines.
 
-Commands hand plain data (dicts, reports) to an `Output`; nothing else prints."""
+Commands hand plain data (dicts, reports) to an `Output` method; nothing else prints. The
+progress of `up`, `down` and `switch` (`molctl.progress.Progress`) is `ConsoleProgress`."""
 
 from __future__ import annotations
 
@@ -87,9 +88,84 @@ class Output:
               str(r["engine_port"]), str(r["proxy_port"]), r["source"]) for r in rows],
         )
 
+    def up_result(self, result: dict) -> None:
+        """`up` / `switch` succeeded."""
+        if self.as_json:
+            self.json({"ok": True, **result})
+            return
+        t = result.get("timings", {})
+        took = f" in {t['total_s']:.1f} s" if "total_s" in t else ""
+        verb = "is already running" if result.get("already_running") else f"is ready{took}"
+        self.line(f"{result['profile']} {verb}: model {result['model']} at {result['endpoint']}")
+        if result.get("stopped"):
+            self.line(f"stopped {', '.join(result['stopped'])} first ({t.get('stop_s', 0):.1f} s)")
 
-class UpReporter:
-    """Progress of `up`/`switch`: a live spinner on a terminal, plain lines otherwise, nothing with --json."""
+    def start_failure(self, profile: str, exc) -> None:
+        """`up` / `switch` failed: with --json the whole failure (the preflight's checks included),
+        else the tail of the failing component's log on stderr (the error line follows)."""
+        tail = getattr(exc, "log_tail", [])
+        if self.as_json:
+            data = {"ok": False, "profile": profile, "exit_code": int(exc.exit_status), "error": str(exc),
+                    "log_tail": tail}
+            report = getattr(exc, "report", None)
+            if report is not None:
+                data["checks"] = report.as_dict()["checks"]
+            self.json(data)
+        elif tail:
+            self.stderr.write("".join(f"  | {line}\n" for line in tail))
+
+    def down_result(self, result: dict) -> None:
+        if self.as_json:
+            self.json(result)
+        else:
+            self.line(result["message"])
+
+    def status(self, data: dict) -> None:
+        if self.as_json:
+            self.json(data)
+            return
+        if not data["stacks"]:
+            self.line("no stack is recorded (molctl up PROFILE starts one)")
+            return
+        from rich.text import Text
+
+        style = {"ready": "green", "starting": "yellow", "degraded": "yellow", "stopping": "yellow",
+                 "failed": "bold red", "stopped": "dim"}
+        rows = []
+        for stack in data["stacks"]:
+            comps = stack["components"] or [{"name": "-", "pid": "-", "alive": False, "port": "-", "health": None,
+                                             "log": "", "uptime_s": None}]
+            for c in comps:
+                up_s = c.get("uptime_s")
+                rows.append((stack["profile"], Text(stack["state"], style=style.get(stack["state"], "")), c["name"],
+                             str(c["pid"]), "yes" if c["alive"] else "no", str(c["port"]), str(c["health"] or "-"),
+                             _duration(up_s) if up_s is not None else "-", c["log"]))
+        self.table(("profile", "state", "component", "pid", "alive", "port", "health", "uptime", "log"), rows)
+        for stack in data["stacks"]:
+            if stack.get("endpoint") and stack["state"] in ("ready", "degraded"):
+                self.line(f"{stack['profile']}: model {stack.get('model')} at {stack['endpoint']}")
+            for problem in stack.get("problems", []):
+                self.line(f"{stack['profile']}: {problem}")
+            if stack.get("adapters") not in (None, "ok"):
+                self.line(f"{stack['profile']}: adapters: {stack['adapters']}")
+            for g in stack.get("gpus", []):
+                self.line(f"  GPU {g['index']}: {g['used_bytes'] / 2**30:.1f} GiB used by the stack")
+
+    def demo_init(self, result: dict, template: str, seed: int) -> None:
+        if self.as_json:
+            self.json(result)
+        elif result.get("template_added"):
+            self.line(f"tiny model already present in {result['root']}; added the {template} chat template")
+        elif not result["created"]:
+            self.line(f"tiny model already present in {result['root']}")
+        else:
+            self.line(f"tiny model written to {result['root']} (vocab {result['vocab_size']}, adapters L0-L3, "
+                      f"{template} chat template, seed {seed})")
+
+
+class ConsoleProgress:
+    """The `molctl.progress.Progress` of `up`, `down` and `switch`: a live spinner while waiting on
+    a terminal, plain lines otherwise; with --json only warnings (on stderr)."""
 
     PLAIN_EVERY_S = 10.0
 
@@ -104,6 +180,13 @@ class UpReporter:
             return
         self._stop_status()
         self.out.line(f"molctl: {message}")
+
+    def warn(self, message: str) -> None:
+        self._stop_status()
+        self.out.warn(message)
+
+    def countdown(self, what: str, seconds_left: float) -> None:
+        self.step(f"{what}: still running; SIGKILL in {seconds_left:.0f} s")
 
     def waiting(self, elapsed: float, deadline: float, phase: str, detail: str) -> None:
         if self.out.as_json:
@@ -133,61 +216,6 @@ class UpReporter:
 
     def close(self) -> None:
         self._stop_status()
-
-
-def render_up(out: Output, result: dict) -> None:
-    if out.as_json:
-        out.json({"ok": True, **result})
-        return
-    t = result.get("timings", {})
-    took = f" in {t['total_s']:.1f} s" if "total_s" in t else ""
-    verb = "is already running" if result.get("already_running") else f"is ready{took}"
-    out.line(f"{result['profile']} {verb}: model {result['model']} at {result['endpoint']}")
-    if result.get("stopped"):
-        out.line(f"stopped {', '.join(result['stopped'])} first ({t.get('stop_s', 0):.1f} s)")
-
-
-def render_failure(out: Output, profile: str, exc) -> None:
-    tail = getattr(exc, "log_tail", [])
-    if out.as_json:
-        data = {"ok": False, "profile": profile, "exit_code": int(exc.exit_status), "error": str(exc), "log_tail": tail}
-        report = getattr(exc, "report", None)
-        if report is not None:
-            data["checks"] = report.as_dict()["checks"]
-        out.json(data)
-    elif tail:
-        out.stderr.write("".join(f"  | {line}\n" for line in tail))
-
-
-def render_status(out: Output, data: dict) -> None:
-    if out.as_json:
-        out.json(data)
-        return
-    if not data["stacks"]:
-        out.line("no stack is recorded (molctl up PROFILE starts one)")
-        return
-    from rich.text import Text
-
-    style = {"ready": "green", "starting": "yellow", "degraded": "yellow", "stopping": "yellow", "failed": "bold red",
-             "stopped": "dim"}
-    rows = []
-    for stack in data["stacks"]:
-        comps = stack["components"] or [{"name": "-", "pid": "-", "alive": False, "port": "-", "health": None, "log": "", "uptime_s": None}]
-        for c in comps:
-            up_s = c.get("uptime_s")
-            rows.append((stack["profile"], Text(stack["state"], style=style.get(stack["state"], "")), c["name"], str(c["pid"]),
-                         "yes" if c["alive"] else "no", str(c["port"]), str(c["health"] or "-"),
-                         _duration(up_s) if up_s is not None else "-", c["log"]))
-    out.table(("profile", "state", "component", "pid", "alive", "port", "health", "uptime", "log"), rows)
-    for stack in data["stacks"]:
-        if stack.get("endpoint") and stack["state"] in ("ready", "degraded"):
-            out.line(f"{stack['profile']}: model {stack.get('model')} at {stack['endpoint']}")
-        for problem in stack.get("problems", []):
-            out.line(f"{stack['profile']}: {problem}")
-        if stack.get("adapters") not in (None, "ok"):
-            out.line(f"{stack['profile']}: adapters: {stack['adapters']}")
-        for g in stack.get("gpus", []):
-            out.line(f"  GPU {g['index']}: {g['used_bytes'] / 2**30:.1f} GiB used by the stack")
 
 
 def _duration(seconds: float) -> str:

@@ -584,6 +584,24 @@ def load_profile(name: str, dirs: Iterable[Path], overrides: Iterable[tuple[str,
     return load_profile_file(files[name], overrides)
 
 
+def list_profiles(dirs: list[Path]) -> tuple[list[dict[str, Any]], list[str]]:
+    """`molctl profiles`: a row per profile found, and a one-line problem per file that does not load."""
+    rows, problems = [], []
+    for _name, path in sorted(profile_files(dirs).items()):
+        try:
+            p = load_profile_file(path)
+        except ProfileError as exc:
+            problems.append(str(exc))
+            continue
+        rows.append({
+            "name": p.name, "engine": p.engine.kind, "engine_version": p.engine.version,
+            "served_model_name": p.served_model_name, "gpus": p.engine.gpus,
+            "engine_port": p.engine.port, "proxy_port": p.proxy.port, "source": str(path),
+            "description": p.description,
+        })
+    return rows, problems
+
+
 def route_instruction(profile: Profile) -> str:
     """The router's instruction, built once per profile from the adapter descriptions."""
     descriptions = "\n".join(

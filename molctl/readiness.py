@@ -7,7 +7,9 @@ the profile's engine-side base name as parent, then a 1-token completion per ada
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from typing import Callable, Protocol
 
 import httpx
 
@@ -75,6 +77,34 @@ class EngineReadiness:
                 return Probe("starting", f"1-token completion on {route} answered {r.status_code}")
             self.smoke_ok.add(route)
         return Probe("ready", "health, adapters and a 1-token completion per adapter")
+
+
+POLL_S = 0.5  # "about once a second" or better: a refused connect costs nothing
+
+
+class Poller(Protocol):
+    def poll(self) -> Probe: ...
+
+
+def wait_ready(readiness: Poller, timeout_s: float, *, check_alive: Callable[[], None],
+               on_wait: Callable[[float, Probe], None], clock: Callable[[], float] = time.monotonic,
+               sleep: Callable[[float], None] = time.sleep, poll_s: float = POLL_S) -> tuple[Probe, float]:
+    """Poll until the engine is ready, its adapters are wrong, or `timeout_s` passed; returns the
+    last probe (state "ready", "adapters", or anything else: timed out) and the seconds waited.
+    `check_alive()` runs before every probe (it raises when a watched process exited);
+    `on_wait(elapsed, probe)` after every probe that is not final."""
+    start = clock()
+    deadline = start + timeout_s
+    while True:
+        check_alive()
+        probe = readiness.poll()
+        if probe.state in ("ready", "adapters"):
+            return probe, clock() - start
+        now = clock()
+        if now >= deadline:
+            return probe, now - start
+        on_wait(now - start, probe)
+        sleep(min(poll_s, max(0.05, deadline - now)))
 
 
 def http_status(url: str, timeout: float = 2.0) -> int | None:

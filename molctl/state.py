@@ -233,27 +233,54 @@ def ensure_state_dir(state_dir: Path) -> None:
                            f"(records and logs may hold secrets): chmod 700 {state_dir}")
 
 
-def _describe_holder(holder: dict[str, Any]) -> str:
-    pid = holder.get("pid")
-    since = holder.get("since")
-    when = f", since {time.strftime('%H:%M:%S', time.localtime(since))}" if isinstance(since, (int, float)) else ""
-    user = f", user {holder['user']}" if holder.get("user") else ""
-    return f"pid {pid} (molctl {holder.get('command', '?')}{user}{when})"
+@dataclass(frozen=True)
+class LockHolder:
+    """Who holds the state lock: the lock file's JSON content as fields, never parsed from text.
+    `action` is the mutating command (up, down, switch); `profile` the stack it acts on (None for
+    a `down` of every stack). Any field may be missing in a file written by something else."""
+
+    pid: int | None
+    action: str | None = None
+    profile: str | None = None
+    user: str | None = None
+    since: float | None = None
+
+    @classmethod
+    def parse(cls, raw: bytes) -> "LockHolder":
+        try:
+            data = json.loads(raw.decode(errors="replace").strip() or "{}")
+        except ValueError:
+            data = {}
+        if not isinstance(data, dict):
+            data = {}
+
+        def typed(key: str, kind: type | tuple[type, ...]):
+            value = data.get(key)
+            return value if isinstance(value, kind) and not isinstance(value, bool) else None
+
+        return cls(typed("pid", int), typed("action", str), typed("profile", str), typed("user", str),
+                   typed("since", (int, float)))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"pid": self.pid, "action": self.action, "profile": self.profile, "user": self.user, "since": self.since}
+
+    @property
+    def command(self) -> str:
+        return " ".join(x for x in (self.action, self.profile) if x) or "?"
+
+    def describe(self) -> str:
+        when = f", since {time.strftime('%H:%M:%S', time.localtime(self.since))}" if self.since is not None else ""
+        user = f", user {self.user}" if self.user else ""
+        return f"pid {self.pid if self.pid is not None else '?'} (molctl {self.command}{user}{when})"
+
+    def stop_hint(self) -> str:
+        if self.pid is None:
+            return "wait for it"
+        return f"wait for it, or interrupt it with `kill -INT {self.pid}` (it stops what it started)"
 
 
-def holder_text(holder: dict[str, Any]) -> str:
-    return _describe_holder(holder)
-
-
-def _read_holder(fd: int) -> dict[str, Any]:
-    raw = os.pread(fd, 4096, 0).decode(errors="replace").strip()
-    try:
-        data = json.loads(raw)
-        if isinstance(data, dict):
-            return data
-    except ValueError:
-        pass
-    return {"pid": "?", "command": raw or "?"}
+def _read_holder(fd: int) -> LockHolder:
+    return LockHolder.parse(os.pread(fd, 4096, 0))
 
 
 def _flock_nb(fd: int, tries: int = 5) -> bool:
@@ -273,16 +300,14 @@ def _flock_nb(fd: int, tries: int = 5) -> bool:
 class StateLock:
     """flock on <state>/lock for every mutating command; a second one fails fast (exit 4)
     naming the holder and how to stop it. The kernel drops the lock when the holder dies: never
-    stale. The holder is JSON: {"pid", "command", "user", "since"}."""
+    stale. The holder is a `LockHolder` as JSON: {"pid", "action", "profile", "user", "since"}."""
 
-    def __init__(self, state_dir: Path, command: str):
+    def __init__(self, state_dir: Path, action: str, profile: str | None = None):
         self.path = state_dir / "lock"
-        self.command = command
+        self.action, self.profile = action, profile
         self.fd: int | None = None
 
     def __enter__(self) -> "StateLock":
-        import fcntl
-
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as exc:
@@ -290,10 +315,7 @@ class StateLock:
         if not _flock_nb(fd):
             holder = _read_holder(fd)
             os.close(fd)
-            pid = holder.get("pid")
-            how = (f"wait for it, or interrupt it with `kill -INT {pid}` (it stops what it started)"
-                   if isinstance(pid, int) else "wait for it")
-            raise ConflictError(f"the state lock {self.path} is held by {_describe_holder(holder)}; {how}") from None
+            raise ConflictError(f"the state lock {self.path} is held by {holder.describe()}; {holder.stop_hint()}") from None
         import getpass
 
         try:
@@ -301,8 +323,8 @@ class StateLock:
         except (KeyError, OSError):
             user = str(os.getuid())
         os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps({"pid": os.getpid(), "command": self.command, "user": user,
-                                   "since": time.time()}) + "\n").encode(), 0)
+        holder = LockHolder(os.getpid(), self.action, self.profile, user, time.time())
+        os.pwrite(fd, (json.dumps(holder.as_dict()) + "\n").encode(), 0)
         self.fd = fd
         return self
 
@@ -316,7 +338,7 @@ class StateLock:
             self.fd = None
 
 
-def lock_holder(state_dir: Path) -> dict[str, Any] | None:
+def lock_holder(state_dir: Path) -> LockHolder | None:
     """Who holds the state lock right now (for status), or None."""
     import fcntl
 

@@ -1,7 +1,7 @@
 """Preflight checks: plain functions over a `Profile` and injected `Probes`.
 
 Each category module exposes `run(profile, probes) -> list[CheckResult]`. Ids are stable dotted
-names whose prefix is the category (see ARCHITECTURE.md); a failing result's detail names the
+names whose prefix is the category (see docs/contract.md); a failing result's detail names the
 exact file, value and expectation.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Literal, Mapping
+from typing import Any, Callable, Iterable, Literal, Mapping
 
 from molctl.probes import GpuProbe, NvmlProbe, PortProbe
 
@@ -86,6 +86,36 @@ def run_checks(profile, probes: Probes, skip: Iterable[str] = ()) -> Report:
             continue
         results.extend(runner(profile, probes))
     return Report(profile.name, results)
+
+
+def check_profile(name: str, ctx, overrides: Iterable[tuple[str, Any]], skip: Iterable[str],
+                  api_key_file: Path | None = None, probes: Probes | None = None) -> Report:
+    """`molctl check`: load the profile (a load failure becomes a failed `profile.valid` check)
+    and run the checks on this host. `ctx` gives state_dir and dirs() (the CLI's Context)."""
+    from molctl.errors import ProfileError
+    from molctl.profiles import load_profile
+
+    try:
+        profile = load_profile(name, ctx.dirs(), overrides)
+    except ProfileError as exc:
+        return profile_failure(name, str(exc))
+    return run_checks(profile, host_probes(ctx.state_dir, profile.name, api_key_file, probes), skip)
+
+
+def host_probes(state_dir: Path, profile_name: str, api_key_file: Path | None, probes: Probes | None = None,
+                own_profiles: Iterable[str] = ()) -> Probes:
+    """The probes of this host for one profile (`check`, and the preflight of `up`/`switch`).
+    `own_profiles`: stacks of this state dir that count as this profile's own (what a `switch`
+    is about to stop): their processes, ports, GPU memory and host-wide claims are not foreign."""
+    from molctl.processes import stack_pids
+
+    own = sorted({profile_name, *own_profiles})
+    probes = probes or Probes()
+    probes.state_dir = state_dir
+    probes.api_key_file = api_key_file
+    probes.stack_pids = lambda: set().union(*(stack_pids(state_dir, p) for p in own))
+    probes.own_profiles = frozenset(own)
+    return probes
 
 
 def profile_failure(name: str, message: str) -> Report:

@@ -1,4 +1,4 @@
-"""Run the proxy under uvicorn (uvloop + httptools) with drain-on-SIGTERM.
+"""`molctl proxy`: run the proxy under uvicorn (uvloop + httptools) with drain-on-SIGTERM.
 
 The first SIGTERM/SIGINT does not close the listener (uvicorn's default): the app starts
 draining (/readyz 503, new requests 503 + Retry-After), in-flight requests finish up to the
@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from pathlib import Path
 
 import uvicorn
 
@@ -51,3 +52,23 @@ def serve(app: ProxyApp, host: str, port: int, drain_timeout_s: float) -> None:
                             access_log=False, log_level="info", timeout_graceful_shutdown=5,
                             timeout_keep_alive=15)
     DrainingServer(config, app, drain_timeout_s).run()
+
+
+def run_proxy(name: str, ctx, overrides, *, upstream: str, host: str, port: int | None, api_key_file: Path | None,
+              allow_unauthenticated: bool, drain_timeout: float, sse_keepalive: float,
+              log_max_bytes: int | None = None, log_backups: int = 2) -> None:
+    """Load the profile (with the start's overrides), the keys and the log rotation; serve until
+    a signal ends the drain. `ctx` gives dirs() (the CLI's Context)."""
+    from molctl.engines import get_engine
+    from molctl.keys import resolve_api_keys
+    from molctl.profiles import load_profile
+
+    profile = load_profile(name, ctx.dirs(), overrides)
+    keys = resolve_api_keys(api_key_file, allow_unauthenticated)
+    if log_max_bytes:
+        from molctl.logs import rotate_stdio
+
+        rotate_stdio(log_max_bytes, log_backups)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    app = ProxyApp(profile, get_engine(profile.engine.kind), upstream, keys, sse_keepalive_s=sse_keepalive)
+    serve(app, host, port or profile.proxy.port, drain_timeout)

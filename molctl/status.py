@@ -1,0 +1,129 @@
+"""`molctl status`: the recorded stacks, probed live (read-only: takes no lock, changes nothing).
+
+Each stack is probed where its records say it runs (host, port, pid) and described with the
+profile it was started with; its state is one of stopped|starting|ready|degraded|stopping|failed
+(see docs/contract.md)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from molctl import stackconfig
+from molctl.engines import get_engine
+from molctl.errors import ProfileError
+from molctl.processes import stack_pids
+from molctl.profiles import Profile, load_profile
+from molctl.readiness import http_status
+from molctl.stacks import component_url, known_or_recorded, marked_for, recorded_config
+from molctl.state import (COMPONENTS, LockHolder, Record, RecordProblem, is_same_process, lock_holder,
+                          profiles_with_records, read_records_checked)
+
+def status(ctx, name: str | None, gpu_probe=None) -> dict[str, Any]:
+    state_dir = ctx.state_dir
+    if name:
+        known_or_recorded(ctx, name)
+    names = [name] if name else profiles_with_records(state_dir)
+    holder = lock_holder(state_dir) if state_dir.exists() else None
+    stacks = []
+    for n in names:
+        records, problems = read_records_checked(state_dir, n)
+        profile = stackconfig.profile_from(recorded_config(records))
+        if profile is None:
+            try:
+                profile = load_profile(n, ctx.dirs())
+            except ProfileError:
+                profile = None
+        stacks.append(_stack_status(state_dir, n, profile, records, problems, holder, gpu_probe))
+    return {"stacks": stacks}
+
+
+def _stack_status(state_dir: Path, name: str, profile: Profile | None, records: dict[str, Record],
+                  problems: list[RecordProblem], holder: LockHolder | None, gpu_probe) -> dict:
+    """Probe from the records (the host and port actually used, overrides included); the profile
+    is the one recorded at the start."""
+    components = []
+    now = time.time()
+    paths = {"engine": "/health", "proxy": "/readyz"}
+    for component in COMPONENTS:
+        record = records.get(component)
+        if record is None:
+            continue
+        alive = is_same_process(record)
+        health = http_status(component_url(record) + paths[component], timeout=1.0) if alive else None
+        components.append({"name": component, "pid": record.pid, "alive": alive, "port": record.port,
+                           "health": health, "log": record.log, "uptime_s": round(now - record.started_at, 1) if alive else None})
+    engine_ok = any(c["name"] == "engine" and c["health"] == 200 for c in components)
+    adapters = _adapter_status(profile, records.get("engine")) if engine_ok else None
+    state = _state_of(name, records, components, holder)
+    if state == "ready" and adapters not in (None, "ok"):
+        state = "degraded"
+    out: dict[str, Any] = {"profile": name, "state": state, "components": components}
+    if problems:
+        marked = marked_for(state_dir, name, problems)
+        out["problems"] = [f"{p.component} record {p.path} is unreadable ({p.error}); "
+                           f"{len([m for m in marked if m[1] == os.path.realpath(p.path)])} process(es) carry its marker"
+                           for p in problems]
+        out["state"] = "degraded" if marked or any(c["alive"] for c in components) else "failed"
+    if adapters is not None:
+        out["adapters"] = adapters
+    if "proxy" in records:
+        out["endpoint"] = component_url(records["proxy"]) + "/v1"
+    if profile is not None:
+        out["model"] = profile.served_model_name
+    gpus = _gpu_usage(state_dir, name, gpu_probe) if out["state"] != "stopped" else []
+    if gpus:
+        out["gpus"] = gpus
+    return out
+
+
+def _adapter_status(profile: Profile | None, record: Record | None) -> str | None:
+    """'ok' when the live engine lists L0-L3 under the expected parent, else what is wrong."""
+    from molctl.engines.base import adapter_problems
+
+    if profile is None or record is None:
+        return None
+    try:
+        import httpx
+
+        models = httpx.get(component_url(record) + "/v1/models", timeout=2.0, trust_env=False).json()
+    except (httpx.HTTPError, ValueError):
+        return "/v1/models not answering"
+    problems = adapter_problems(profile, get_engine(profile.engine.kind), models)
+    return "; ".join(problems) if problems else "ok"
+
+
+def _state_of(name: str, records: dict, components: list[dict], holder: LockHolder | None) -> str:
+    """stopped|starting|ready|degraded|stopping|failed (see docs/contract.md)."""
+    if not records:
+        return "stopped"
+    if holder is not None and holder.action == "down":
+        return "stopping"
+    if holder is not None and holder.action in ("up", "switch") and holder.profile == name:
+        return "starting"
+    alive = [c for c in components if c["alive"]]
+    if not alive:
+        return "failed"
+    healthy = [c for c in components if c["alive"] and c["health"] == 200]
+    if len(healthy) == len(COMPONENTS):
+        return "ready"
+    return "degraded"
+
+
+def _gpu_usage(state_dir: Path, name: str, gpu_probe) -> list[dict]:
+    from molctl.probes import GpuUnavailable, NvmlProbe
+
+    try:
+        inventory = (gpu_probe or NvmlProbe()).inventory()
+    except GpuUnavailable:
+        return []
+    pids = stack_pids(state_dir, name)
+    out = []
+    for d in inventory.devices:
+        used = sum(p.used_bytes or 0 for p in d.processes if p.pid in pids)
+        if used:
+            out.append({"index": d.index, "used_bytes": used, "total_bytes": d.total_bytes})
+    return out
+
