@@ -13,7 +13,9 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import ROOT
+
+__all__ = ["ROOT", "fake_engine_argv", "proxy_argv", "running", "stop", "wait_http"]
 
 
 def wait_http(url: str, timeout: float = 20.0, status: int | None = 200, proc: subprocess.Popen | None = None) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from molctl.checks import Probes
-from molctl.core import check_profile
+from molctl.checks import check_profile
 from molctl.engines import get_engine
 from molctl.profiles import load_profile, profile_dirs
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from molctl.checks import Probes
-from molctl.core import check_profile
+from molctl.checks import check_profile
 from molctl.probes import GpuDevice, GpuInventory, GpuProcess, GpuUnavailable
 from molctl.profiles import profile_dirs
 from tests.layouts import tall_layout

@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from molctl.errors import ExitStatus
 from tests.layouts import tall_layout, venti_layout
 
 
@@ -16,7 +17,7 @@ def check(molctl, free_ports):
         result = molctl("check", profile, "--model-root", str(root), "--skip", "gpu", "--skip", "engine",
                         "--set", f"engine.port={engine_port}", "--set", f"proxy.port={proxy_port}", "--json", *extra)
         report = result.json()
-        assert report["ok"] is (result.exit_code == 0)
+        assert report["ok"] is (result.exit_code == ExitStatus.OK)
         return result.exit_code, report
 
     return run
@@ -29,7 +30,7 @@ def failures(report):
 def test_valid_tall_layout_passes(check, tmp_path):
     tall_layout(tmp_path / "m")
     code, report = check("tall", tmp_path / "m")
-    assert code == 0, failures(report)
+    assert code == ExitStatus.OK, failures(report)
     ids = {c["id"]: c["status"] for c in report["checks"]}
     assert ids["model.headers"] == "pass"
     assert ids["adapter.L3.targets"] == "pass"
@@ -41,7 +42,7 @@ def test_valid_tall_layout_passes(check, tmp_path):
 def test_valid_venti_layout_passes(check, tmp_path):
     venti_layout(tmp_path / "m")
     code, report = check("venti", tmp_path / "m")
-    assert code == 0, failures(report)
+    assert code == ExitStatus.OK, failures(report)
     assert any(c["id"] == "model.index" and "141 shards" in c["detail"] for c in report["checks"])
 
 
@@ -50,7 +51,7 @@ def test_truncated_shard(check, tmp_path):
     shard = layout.shards[7]
     os.truncate(shard, shard.stat().st_size - 10)
     code, report = check("tall", tmp_path / "m")
-    assert code == 3
+    assert code == ExitStatus.CHECK_FAILED
     assert shard.name in failures(report)["model.headers"]
     assert "truncated" in failures(report)["model.headers"]
 
@@ -62,7 +63,7 @@ def test_symlinked_shard(check, tmp_path):
     shard.rename(real)
     shard.symlink_to(real)
     code, report = check("tall", tmp_path / "m")
-    assert code == 3
+    assert code == ExitStatus.CHECK_FAILED
     detail = failures(report)["model.shards"]
     assert shard.name in detail and "symlink" in detail
 
@@ -71,7 +72,7 @@ def test_missing_shard(check, tmp_path):
     layout = tall_layout(tmp_path / "m")
     layout.shards[25].unlink()
     code, report = check("tall", tmp_path / "m")
-    assert code == 3
+    assert code == ExitStatus.CHECK_FAILED
     detail = failures(report)["model.shards"]
     assert layout.shards[25].name in detail and "missing" in detail
 
@@ -79,7 +80,7 @@ def test_missing_shard(check, tmp_path):
 def test_wrong_shard_count(check, tmp_path):
     tall_layout(tmp_path / "m", shards=25)
     code, report = check("tall", tmp_path / "m")
-    assert code == 3
+    assert code == ExitStatus.CHECK_FAILED
     assert "25 shard files, expected exactly 26" in failures(report)["model.index"]
 
 
@@ -89,7 +90,7 @@ def test_index_names_tensor_missing_from_shard(check, tmp_path):
     index["weight_map"]["model.layers.4.mlp.gate_proj.weight"] = layout.shards[4].name
     layout.write_index(index)
     code, report = check("tall", tmp_path / "m")
-    assert code == 3
+    assert code == ExitStatus.CHECK_FAILED
     detail = failures(report)["model.headers"]
     assert layout.shards[4].name in detail and "model.layers.4.mlp.gate_proj.weight" in detail
 
@@ -97,7 +98,7 @@ def test_index_names_tensor_missing_from_shard(check, tmp_path):
 def test_wrong_model_type(check, tmp_path):
     tall_layout(tmp_path / "m", model_type="qwen3_moe")
     code, report = check("tall", tmp_path / "m")
-    assert code == 3
+    assert code == ExitStatus.CHECK_FAILED
     detail = failures(report)["model.config"]
     assert "'qwen3_moe'" in detail and "'qwen3_5_moe'" in detail and "config.json" in detail
 
@@ -105,7 +106,7 @@ def test_wrong_model_type(check, tmp_path):
 def test_rank_32_on_venti(check, tmp_path):
     venti_layout(tmp_path / "m", rank=32)
     code, report = check("venti", tmp_path / "m")
-    assert code == 3
+    assert code == ExitStatus.CHECK_FAILED
     detail = failures(report)["adapter.L0.rank"]
     assert "r is 32" in detail and "r <= 16" in detail and "L0/adapter_config.json" in detail
 
@@ -113,14 +114,14 @@ def test_rank_32_on_venti(check, tmp_path):
 def test_rank_16_on_tall(check, tmp_path):
     tall_layout(tmp_path / "m", rank=16)
     code, report = check("tall", tmp_path / "m")
-    assert code == 3
+    assert code == ExitStatus.CHECK_FAILED
     assert "r == 64" in failures(report)["adapter.L1.rank"]
 
 
 def test_rank_above_engine_max(check, tmp_path):
     venti_layout(tmp_path / "m", rank=16)
     code, report = check("venti", tmp_path / "m", "--set", "engine.args.max-lora-rank=8")
-    assert code == 3
+    assert code == ExitStatus.CHECK_FAILED
     assert "--max-lora-rank 8" in failures(report)["adapter.L0.rank"]
 
 
@@ -130,7 +131,7 @@ def test_adapter_declares_another_base(check, tmp_path):
     cfg["base_model_name_or_path"] = "meta-llama/Llama-3.1-8B"
     layout.write_adapter_config("L2", cfg)
     code, report = check("tall", tmp_path / "m")
-    assert code == 3
+    assert code == ExitStatus.CHECK_FAILED
     detail = failures(report)["adapter.L2.base"]
     assert "meta-llama/Llama-3.1-8B" in detail and "Qwen3.6-35B-A3B" in detail
     assert set(failures(report)) == {"adapter.L2.base"}
@@ -139,7 +140,7 @@ def test_adapter_declares_another_base(check, tmp_path):
 def test_adapter_targets_absent_modules(check, tmp_path):
     tall_layout(tmp_path / "m", targets=("q_proj", "c_attn"))
     code, report = check("tall", tmp_path / "m")
-    assert code == 3
+    assert code == ExitStatus.CHECK_FAILED
     detail = failures(report)["adapter.L0.targets"]
     assert "c_attn" in detail and "q_proj" not in detail
 
@@ -150,7 +151,7 @@ def test_missing_adapter_dir(check, tmp_path):
         f.unlink()
     layout.adapter("L3").rmdir()
     code, report = check("tall", tmp_path / "m")
-    assert code == 3
+    assert code == ExitStatus.CHECK_FAILED
     assert str(layout.adapter("L3")) in failures(report)["adapter.L3.dir"]
 
 
@@ -158,7 +159,7 @@ def test_malformed_adapter_config(check, tmp_path):
     layout = tall_layout(tmp_path / "m")
     (layout.adapter("L1") / "adapter_config.json").write_text('{"peft_type": "LORA", "r": ')
     code, report = check("tall", tmp_path / "m")
-    assert code == 3
+    assert code == ExitStatus.CHECK_FAILED
     detail = failures(report)["adapter.L1.config"]
     assert "L1/adapter_config.json" in detail and "not valid JSON" in detail
 
@@ -174,7 +175,7 @@ def test_adapter_weights_inconsistent_with_rank(check, tmp_path):
                {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": ("BF16", (32, 16)),
                 "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": ("BF16", (16, 32))})
     code, report = check("tall", tmp_path / "m")
-    assert code == 3
+    assert code == ExitStatus.CHECK_FAILED
     assert "lora_A.weight [32, 16]" in failures(report)["adapter.L0.weights"]
 
 
@@ -182,7 +183,7 @@ def test_model_root_is_symlink(check, tmp_path):
     tall_layout(tmp_path / "m")
     (tmp_path / "link").symlink_to(tmp_path / "m")
     code, report = check("tall", tmp_path / "link")
-    assert code == 3
+    assert code == ExitStatus.CHECK_FAILED
     assert "symlink" in failures(report)["model.root"]
 
 
@@ -190,6 +191,6 @@ def test_human_output_has_table_and_verdict(molctl, tmp_path, free_ports):
     tall_layout(tmp_path / "m", model_type="llama")
     result = molctl("check", "tall", "--model-root", str(tmp_path / "m"), "--skip", "gpu", "--skip", "engine",
                     "--set", f"engine.port={free_ports[0]}", "--set", f"proxy.port={free_ports[1]}")
-    assert result.exit_code == 3
+    assert result.exit_code == ExitStatus.CHECK_FAILED
     assert "model.config" in result.stdout and "FAIL" in result.stdout
     assert result.stdout.strip().splitlines()[-1].startswith("FAILED: profile tall would not start")

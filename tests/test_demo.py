@@ -10,6 +10,7 @@ import pytest
 
 from molctl.checks.template import Template, compile_template, render
 from molctl.demo import TEMPLATES, init_tiny, template_text
+from molctl.errors import ExitStatus
 
 
 def digest(root) -> dict[str, str]:
@@ -29,9 +30,9 @@ def test_deterministic_per_seed(tmp_path):
 
 def test_layout_passes_the_model_and_adapter_checks(molctl, tmp_path):
     result = molctl("demo", "init", str(tmp_path / "tiny"), "--json")
-    assert result.exit_code == 0 and result.json()["created"] is True
+    assert result.exit_code == ExitStatus.OK and result.json()["created"] is True
     report = molctl("check", "tiny", "--model-root", str(tmp_path / "tiny"), "--skip", "engine", "--skip", "port", "--json")
-    assert report.exit_code == 0, [c for c in report.json()["checks"] if c["status"] != "pass"]
+    assert report.exit_code == ExitStatus.OK, [c for c in report.json()["checks"] if c["status"] != "pass"]
     statuses = {c["id"]: c["status"] for c in report.json()["checks"]}
     assert statuses["template.found"] == statuses["template.render"] == "pass"
     config = json.loads((tmp_path / "tiny" / "base" / "config.json").read_text())
@@ -39,12 +40,12 @@ def test_layout_passes_the_model_and_adapter_checks(molctl, tmp_path):
 
 
 def test_refuses_to_overwrite_and_if_missing(molctl, tmp_path):
-    assert molctl("demo", "init", str(tmp_path / "tiny")).exit_code == 0
+    assert molctl("demo", "init", str(tmp_path / "tiny")).exit_code == ExitStatus.OK
     again = molctl("demo", "init", str(tmp_path / "tiny"))
-    assert again.exit_code == 1 and "--force" in again.stderr
+    assert again.exit_code == ExitStatus.ERROR and "--force" in again.stderr
     kept = molctl("demo", "init", str(tmp_path / "tiny"), "--if-missing")
-    assert kept.exit_code == 0 and "already present" in kept.stdout
-    assert molctl("demo", "init", str(tmp_path / "tiny"), "--force").exit_code == 0
+    assert kept.exit_code == ExitStatus.OK and "already present" in kept.stdout
+    assert molctl("demo", "init", str(tmp_path / "tiny"), "--force").exit_code == ExitStatus.OK
 
 
 # ---------------------------------------------------------------- chat templates (--template)
@@ -60,7 +61,7 @@ def render_demo(name, messages, **payload):
 def test_both_templates_written_and_selectable(molctl, tmp_path):
     for name in TEMPLATES:
         result = molctl("demo", "init", str(tmp_path / name), "--template", name, "--json")
-        assert result.exit_code == 0 and result.json()["template"] == name
+        assert result.exit_code == ExitStatus.OK and result.json()["template"] == name
         written = (tmp_path / name / "base" / "chat_template.jinja").read_text()
         assert written == template_text(name)
         assert "chat_template" not in json.loads((tmp_path / name / "base" / "tokenizer_config.json").read_text())
@@ -68,7 +69,7 @@ def test_both_templates_written_and_selectable(molctl, tmp_path):
     a, b = digest(tmp_path / "qwen3.6"), digest(tmp_path / "glm5")
     assert {k for k in a if a[k] != b.get(k)} == {"base/chat_template.jinja"}
     bad = molctl("demo", "init", str(tmp_path / "x"), "--template", "llama")
-    assert bad.exit_code == 2 and "qwen3.6" in bad.stderr
+    assert bad.exit_code == ExitStatus.USAGE and "qwen3.6" in bad.stderr
 
 
 def test_default_template_is_qwen_and_the_tokenizer_loads_it(tmp_path):
@@ -86,7 +87,7 @@ def test_if_missing_adds_the_template_to_an_older_tiny_model(molctl, tmp_path):
     init_tiny(tmp_path / "t")
     (tmp_path / "t" / "base" / "chat_template.jinja").unlink()
     result = molctl("demo", "init", str(tmp_path / "t"), "--if-missing")
-    assert result.exit_code == 0 and "added the qwen3.6 chat template" in result.stdout
+    assert result.exit_code == ExitStatus.OK and "added the qwen3.6 chat template" in result.stdout
     assert (tmp_path / "t" / "base" / "chat_template.jinja").read_text() == template_text("qwen3.6")
 
 

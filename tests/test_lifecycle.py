@@ -18,11 +18,13 @@ import openai
 import psutil
 import pytest
 
+from molctl.errors import ExitStatus
 from molctl.profiles import builtin_profiles_dir
+from molctl.progress import SilentProgress
 from molctl.state import read_records
-from tests.conftest import free_port
+from tests.helpers import ROOT, CliResult, Molctl, free_ports, url, wait_status
 from tests.layouts import make_layout
-from tests.procs import ROOT, stop
+from tests.procs import stop
 
 PUBLIC = "Macaron-Tiny-Demo"
 
@@ -39,9 +41,10 @@ class Host:
         self.python.write_text(f"#!/bin/sh\nif [ \"$1\" = \"-c\" ]; then exec {sys.executable} \"$@\"; fi\n"
                                f"exec {sys.executable} {ROOT / 'tests' / 'fake_engine.py'} \"$@\"\n")
         self.python.chmod(0o755)
-        self.engine_port, self.proxy_port = free_port(), free_port()
+        self.engine_port, self.proxy_port = free_ports(2)
         self.profiles = tmp / "profiles"
         self.profiles.mkdir()
+        self.cli = Molctl(self.state, [self.profiles])
         self.procs: list[subprocess.Popen] = []
 
     def args(self, *extra: str, env: dict | None = None, engine_port=None, proxy_port=None) -> list[str]:
@@ -52,19 +55,16 @@ class Host:
             sets += ["--set", f"engine.env.{k}={v}"]
         return [*sets, *extra]
 
-    def molctl(self, *args: str, timeout: float = 90, env: dict | None = None) -> subprocess.CompletedProcess:
-        argv = [sys.executable, "-m", "molctl", "--state-dir", str(self.state), "--profiles-dir", str(self.profiles), *args]
-        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                              env={**os.environ, "COLUMNS": "200", **(env or {})})
+    def molctl(self, *args: str, timeout: float = 90, env: dict | None = None) -> CliResult:
+        return self.cli(*args, timeout=timeout, env=env)
 
     def start(self, *args: str) -> subprocess.Popen:
-        argv = [sys.executable, "-m", "molctl", "--state-dir", str(self.state), "--profiles-dir", str(self.profiles), *args]
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                                start_new_session=True)
+        """A molctl in the background; stopped by `cleanup` if the test does not wait for it."""
+        proc = self.cli.start(*args)
         self.procs.append(proc)
         return proc
 
-    def up(self, *extra: str, env: dict | None = None, profile="tiny", **kw) -> subprocess.CompletedProcess:
+    def up(self, *extra: str, env: dict | None = None, profile="tiny", **kw) -> CliResult:
         return self.molctl("up", profile, *self.args(*extra, env=env, **kw))
 
     def records(self, profile="tiny"):
@@ -107,16 +107,16 @@ def gone(pids, timeout=5.0) -> bool:
 
 def test_up_status_logs_down(host):
     r = host.up("--json")
-    assert r.returncode == 0, r.stderr
+    assert r.exit_code == ExitStatus.OK, r.stderr
     result = json.loads(r.stdout)
-    assert result["ok"] and result["state"] == "ready" and result["endpoint"] == f"http://127.0.0.1:{host.proxy_port}/v1"
+    assert result["ok"] and result["state"] == "ready" and result["endpoint"] == url(host.proxy_port) + "/v1"
     assert result["timings"]["total_s"] < 30
     # the public endpoint works with the openai SDK
     client = openai.OpenAI(base_url=result["endpoint"], api_key="none", max_retries=0)
     assert client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "[route:L2] hi"}]).choices
     # status
     s = host.molctl("status", "--json")
-    assert s.returncode == 0
+    assert s.exit_code == ExitStatus.OK
     (stack,) = json.loads(s.stdout)["stacks"]
     assert stack["profile"] == "tiny" and stack["state"] == "ready" and stack["adapters"] == "ok"
     comps = {c["name"]: c for c in stack["components"]}
@@ -133,32 +133,32 @@ def test_up_status_logs_down(host):
     pids = host.stack_pids()
     assert len(pids) >= 2
     d = host.molctl("down")
-    assert d.returncode == 0, d.stderr
+    assert d.exit_code == ExitStatus.OK, d.stderr
     assert gone(pids) and port_free(host.engine_port) and port_free(host.proxy_port)
     assert host.records() == {}
     assert json.loads(host.molctl("status", "tiny", "--json").stdout)["stacks"][0]["state"] == "stopped"
     again = host.molctl("down")
-    assert again.returncode == 0 and "nothing is running" in again.stdout
+    assert again.exit_code == ExitStatus.OK and "nothing is running" in again.stdout
 
 
 def test_up_is_idempotent(host):
-    assert host.up().returncode == 0
+    assert host.up().exit_code == ExitStatus.OK
     pids = host.stack_pids()
     r = host.up("--json")
-    assert r.returncode == 0 and json.loads(r.stdout)["already_running"] is True
+    assert r.exit_code == ExitStatus.OK and json.loads(r.stdout)["already_running"] is True
     assert host.stack_pids() == pids
 
 
 def test_engine_exits_during_startup(host):
     r = host.up(env={"FAKE_EXIT": "3", "FAKE_STARTUP_DELAY": "0.5"})
-    assert r.returncode == 5, r.stderr
+    assert r.exit_code == ExitStatus.START_FAILED, r.stderr
     assert "exited with code 3" in r.stderr and "CUDA out of memory (simulated)" in r.stderr
     assert host.records() == {} and port_free(host.engine_port)
 
 
 def test_engine_never_healthy_times_out(host):
     r = host.up("--timeout", "2", env={"FAKE_STARTUP_DELAY": "60"})
-    assert r.returncode == 6, r.stderr
+    assert r.exit_code == ExitStatus.TIMEOUT, r.stderr
     assert "not ready within 2 s" in r.stderr
     assert host.records() == {}
     time.sleep(0.2)
@@ -167,14 +167,14 @@ def test_engine_never_healthy_times_out(host):
 
 def test_models_missing_l3(host):
     r = host.up(env={"FAKE_ADAPTERS": "L0,L1,L2"})
-    assert r.returncode == 7, r.stderr
+    assert r.exit_code == ExitStatus.ADAPTERS, r.stderr
     assert "adapter L3 is missing" in r.stderr
     assert host.records() == {} and port_free(host.engine_port)
 
 
 def test_adapter_with_wrong_parent(host):
     r = host.up(env={"FAKE_PARENT": "some-other-base"})
-    assert r.returncode == 7
+    assert r.exit_code == ExitStatus.ADAPTERS
     assert "parent 'some-other-base', expected 'tiny-mol-base'" in r.stderr
 
 
@@ -183,7 +183,7 @@ def test_proxy_fails_to_start(host):
         sock.bind(("127.0.0.1", host.proxy_port))
         sock.listen()
         r = host.up("--skip", "port")
-    assert r.returncode == 5, r.stderr
+    assert r.exit_code == ExitStatus.START_FAILED, r.stderr
     assert "proxy exited" in r.stderr
     assert host.records() == {} and port_free(host.engine_port)
 
@@ -193,7 +193,7 @@ def test_port_held_by_foreign_listener(host):
         sock.bind(("127.0.0.1", host.engine_port))
         sock.listen()
         r = host.up()
-    assert r.returncode == 4, r.stderr
+    assert r.exit_code == ExitStatus.CONFLICT, r.stderr
     assert f"pid {os.getpid()}" in r.stderr and str(host.engine_port) in r.stderr
     assert host.records() == {}
 
@@ -213,10 +213,10 @@ def test_record_with_reused_pid_is_never_signalled(host):
         s = json.loads(host.molctl("status", "--json").stdout)
         assert s["stacks"][0]["state"] == "failed"
         r = host.up()
-        assert r.returncode == 0, r.stderr
+        assert r.exit_code == ExitStatus.OK, r.stderr
         assert stranger.poll() is None  # never signalled
         d = host.molctl("down")
-        assert d.returncode == 0 and stranger.poll() is None
+        assert d.exit_code == ExitStatus.OK and stranger.poll() is None
     finally:
         stranger.kill()
         stranger.wait()
@@ -228,10 +228,10 @@ def test_two_concurrent_ups(host):
     while not (host.state / "tiny" / "engine.json").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     r = host.up()
-    assert r.returncode == 4
+    assert r.exit_code == ExitStatus.CONFLICT
     assert "state lock" in r.stderr and f"pid {first.pid}" in r.stderr and "up tiny" in r.stderr
     assert f"kill -INT {first.pid}" in r.stderr  # how to stop the holder
-    assert first.wait(60) == 0
+    assert wait_status(first, 60) == ExitStatus.OK
 
 
 def test_sigint_during_readiness_wait(host):
@@ -243,24 +243,24 @@ def test_sigint_during_readiness_wait(host):
     assert pids
     time.sleep(0.5)
     proc.send_signal(signal.SIGINT)
-    assert proc.wait(30) == 130
+    assert wait_status(proc, 30) == ExitStatus.INTERRUPTED
     assert gone(pids) and host.records() == {}
 
 
 def test_engine_ignoring_sigterm_is_killed(host):
-    assert host.up(env={"FAKE_IGNORE_TERM": "1"}).returncode == 0
+    assert host.up(env={"FAKE_IGNORE_TERM": "1"}).exit_code == ExitStatus.OK
     pids = host.stack_pids()
     t0 = time.monotonic()
     d = host.molctl("down", "--stop-timeout", "1")
-    assert d.returncode == 0, d.stderr
+    assert d.exit_code == ExitStatus.OK, d.stderr
     assert "SIGKILL" in d.stdout
     assert time.monotonic() - t0 < 20
     assert gone(pids) and host.records() == {}
 
 
 def test_down_waits_for_an_inflight_stream(host):
-    assert host.up(env={"FAKE_ANSWER_DELAY": "2"}).returncode == 0
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{host.proxy_port}/v1", api_key="none", max_retries=0, timeout=30)
+    assert host.up(env={"FAKE_ANSWER_DELAY": "2"}).exit_code == ExitStatus.OK
+    client = openai.OpenAI(base_url=url(host.proxy_port) + "/v1", api_key="none", max_retries=0, timeout=30)
     result = {}
 
     def consume():
@@ -272,12 +272,12 @@ def test_down_waits_for_an_inflight_stream(host):
     time.sleep(0.8)
     d = host.molctl("down", "--drain-timeout", "20")
     t.join(20)
-    assert d.returncode == 0, d.stderr
+    assert d.exit_code == ExitStatus.OK, d.stderr
     assert result.get("content", "").startswith("answer-")
 
 
 def test_leftover_children_after_the_leader_died(host):
-    assert host.up(env={"FAKE_CHILD": "1"}).returncode == 0
+    assert host.up(env={"FAKE_CHILD": "1"}).exit_code == ExitStatus.OK
     record = host.records()["engine"]
     children = [p.pid for p in psutil.Process(record.pid).children(recursive=True)]
     assert children
@@ -287,26 +287,26 @@ def test_leftover_children_after_the_leader_died(host):
     status = json.loads(host.molctl("status", "--json").stdout)["stacks"][0]
     assert status["state"] == "degraded"
     r = host.up(env={"FAKE_CHILD": "1"})
-    assert r.returncode == 0, r.stderr
+    assert r.exit_code == ExitStatus.OK, r.stderr
     assert "leftover" in r.stdout
     assert gone(children)
-    assert host.molctl("down").returncode == 0
+    assert host.molctl("down").exit_code == ExitStatus.OK
 
 
 def test_up_refuses_while_another_profile_runs_and_switch(host):
     other = (builtin_profiles_dir() / "tiny.yaml").read_text().replace("name: tiny", "name: tiny-b") \
         .replace("served_model_name: Macaron-Tiny-Demo", "served_model_name: Macaron-Tiny-B")
     (host.profiles / "tiny-b.yaml").write_text(other)
-    assert host.up().returncode == 0
+    assert host.up().exit_code == ExitStatus.OK
     old = host.stack_pids()
     r = host.up(profile="tiny-b")
-    assert r.returncode == 4 and "molctl switch tiny-b" in r.stderr
+    assert r.exit_code == ExitStatus.CONFLICT and "molctl switch tiny-b" in r.stderr
     # a switch whose preflight fails stops nothing
     bad = host.molctl("switch", "tiny-b", *host.args("--model-root", str(host.tmp / "nope")))
-    assert bad.returncode == 3, bad.stderr
+    assert bad.exit_code == ExitStatus.CHECK_FAILED, bad.stderr
     assert host.stack_pids() == old
     r = host.molctl("switch", "tiny-b", *host.args("--json"))
-    assert r.returncode == 0, r.stderr
+    assert r.exit_code == ExitStatus.OK, r.stderr
     result = json.loads(r.stdout)
     assert result["profile"] == "tiny-b" and result["stopped"] == ["tiny"] and "stop_s" in result["timings"]
     assert gone(old) and host.records("tiny") == {}
@@ -318,14 +318,14 @@ def test_state_dir_with_bad_permissions(host):
     host.state.mkdir(mode=0o755)
     host.state.chmod(0o755)
     r = host.up()
-    assert r.returncode == 3
+    assert r.exit_code == ExitStatus.CHECK_FAILED
     assert "mode 0755" in r.stderr and "chmod 700" in r.stderr
 
 
 def test_up_needs_a_key_decision(host):
     args = [a for a in host.args() if a != "--allow-unauthenticated"]
     r = host.molctl("up", "tiny", *args)
-    assert r.returncode == 2 and "--allow-unauthenticated" in r.stderr
+    assert r.exit_code == ExitStatus.USAGE and "--allow-unauthenticated" in r.stderr
     assert not host.state.exists() or host.records() == {}
 
 
@@ -335,12 +335,12 @@ def test_key_reaches_the_proxy_by_file_not_argv(host):
     key.chmod(0o600)
     args = [a for a in host.args() if a != "--allow-unauthenticated"]
     r = host.molctl("up", "tiny", *args, "--api-key-file", str(key))
-    assert r.returncode == 0, r.stderr
+    assert r.exit_code == ExitStatus.OK, r.stderr
     proxy = host.records()["proxy"]
     assert "sk-secret-value" not in " ".join(psutil.Process(proxy.pid).cmdline())
-    url = f"http://127.0.0.1:{host.proxy_port}/v1/models"
-    assert httpx.get(url).status_code == 401
-    assert httpx.get(url, headers={"Authorization": "Bearer sk-secret-value"}).status_code == 200
+    models = url(host.proxy_port) + "/v1/models"
+    assert httpx.get(models).status_code == 401
+    assert httpx.get(models, headers={"Authorization": "Bearer sk-secret-value"}).status_code == 200
     logs = "".join(Path(r.log).read_text() for r in host.records().values())
     assert "sk-secret-value" not in logs
 
@@ -349,7 +349,7 @@ def test_logs_follow_across_a_restart(host, tmp_path):
     from molctl.logs import show_logs
     from molctl.output import Output
 
-    assert host.up().returncode == 0
+    assert host.up().exit_code == ExitStatus.OK
     out_path = tmp_path / "followed.txt"
 
     class Ctx:
@@ -362,9 +362,9 @@ def test_logs_follow_across_a_restart(host, tmp_path):
     t = threading.Thread(target=follow, daemon=True)
     t.start()
     time.sleep(0.5)
-    assert host.molctl("down").returncode == 0
+    assert host.molctl("down").exit_code == ExitStatus.OK
     time.sleep(1.1)  # log names carry the second
-    assert host.up().returncode == 0
+    assert host.up().exit_code == ExitStatus.OK
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline and out_path.read_text().count("Application startup complete") < 1:
         time.sleep(0.1)
@@ -374,10 +374,10 @@ def test_logs_follow_across_a_restart(host, tmp_path):
 
 def test_down_keeps_the_record_while_nvml_shows_the_stack(host):
     """On GPU hosts `down` also asks NVML; a process of the stack still on a GPU keeps the record."""
-    from molctl.lifecycle import down
+    from molctl.stop import down
     from molctl.probes import GpuDevice, GpuInventory, GpuProcess
 
-    assert host.up().returncode == 0
+    assert host.up().exit_code == ExitStatus.OK
     engine_pid = host.records()["engine"].pid
 
     class StuckNvml:
@@ -388,10 +388,10 @@ def test_down_keeps_the_record_while_nvml_shows_the_stack(host):
         state_dir = host.state
 
     with pytest.raises(Exception) as err:
-        down(Ctx(), "tiny", 5, False, lambda m: None, engine_timeout_s=5, gpu_probe=StuckNvml())
+        down(Ctx(), "tiny", 5, False, SilentProgress(), engine_timeout_s=5, gpu_probe=StuckNvml())
     assert f"GPU 0 pid {engine_pid}" in str(err.value)
     assert "engine" in host.records()  # kept: the GPU is not known to be free
-    result = down(Ctx(), "tiny", 5, True, lambda m: None, engine_timeout_s=5, gpu_probe=StuckNvml())
+    result = down(Ctx(), "tiny", 5, True, SilentProgress(), engine_timeout_s=5, gpu_probe=StuckNvml())
     assert result["stopped"][0]["profile"] == "tiny" and host.records() == {}
 
 
@@ -404,7 +404,7 @@ def test_up_waits_for_an_engine_an_earlier_killed_up_left_loading(host):
     os.kill(first.pid, signal.SIGKILL)  # the terminal went away; the engine keeps loading
     first.wait(5)
     r = host.up(env={"FAKE_STARTUP_DELAY": "4"})
-    assert r.returncode == 0, r.stderr
+    assert r.exit_code == ExitStatus.OK, r.stderr
     assert "still running" in r.stdout
     assert host.records()["engine"].pid == engine_pid  # adopted, not restarted
     assert json.loads(host.molctl("status", "--json").stdout)["stacks"][0]["state"] == "ready"

@@ -3,11 +3,11 @@ through engine.python as in test_lifecycle.py; every process a test starts is st
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -19,9 +19,13 @@ import psutil
 import pytest
 
 from molctl import procid
+from molctl.errors import ExitStatus
 from molctl.profiles import builtin_profiles_dir
-from tests.procs import ROOT, stop
+from molctl.progress import SilentProgress
+from tests.helpers import ROOT, Molctl, exit_status, free_port, url, wait_status
+from tests.procs import stop
 from tests.test_lifecycle import Host, gone
+
 
 @pytest.fixture
 def host(tmp_path):
@@ -82,13 +86,13 @@ def test_stranger_in_a_dead_leaders_group_is_never_signalled(host):
         host.state.chmod(0o700)
         (host.state / "tiny" / "engine.json").write_text(json.dumps(record))
         d = host.molctl("down")
-        assert d.returncode == 0, d.stderr
+        assert d.exit_code == ExitStatus.OK, d.stderr
         assert _alive(stranger)
         (host.state / "tiny" / "engine.json").write_text(json.dumps(record))
         r = host.up()
-        assert r.returncode == 0, r.stderr
+        assert r.exit_code == ExitStatus.OK, r.stderr
         assert _alive(stranger)
-        assert host.molctl("down").returncode == 0
+        assert host.molctl("down").exit_code == ExitStatus.OK
         assert _alive(stranger)
     finally:
         os.kill(stranger, signal.SIGKILL)
@@ -97,24 +101,25 @@ def test_stranger_in_a_dead_leaders_group_is_never_signalled(host):
 def test_a_marked_orphan_is_found_without_its_leader(host):
     """The other side of item 1: workers left behind by a SIGKILLed leader carry the marker and are
     stopped, also when they left the group."""
-    assert host.up(env={"FAKE_CHILD": "1"}).returncode == 0
+    assert host.up(env={"FAKE_CHILD": "1"}).exit_code == ExitStatus.OK
     record = host.records()["engine"]
     (child,) = psutil.Process(record.pid).children()
     assert procid.environ_of(child.pid)[procid.MARKER_ID] == record.record_id
     os.kill(record.pid, signal.SIGKILL)
     assert gone([record.pid])
     d = host.molctl("down")
-    assert d.returncode == 0, d.stderr
+    assert d.exit_code == ExitStatus.OK, d.stderr
     assert gone([child.pid]) and host.records() == {}
 
 
 # ------------------------------------------------------------------------------------ 2. clock steps
 
 def test_a_wall_clock_step_does_not_make_a_healthy_stack_look_dead(host, monkeypatch):
-    from molctl import lifecycle
     from molctl.state import is_same_process
+    from molctl.status import status
+    from molctl.stop import down
 
-    assert host.up().returncode == 0
+    assert host.up().exit_code == ExitStatus.OK
     records = host.records()
     pids = host.stack_pids()
     # the wall clock jumps one hour ahead: psutil's create_time (boot time + ticks) moves with it
@@ -123,9 +128,9 @@ def test_a_wall_clock_step_does_not_make_a_healthy_stack_look_dead(host, monkeyp
     monkeypatch.setattr(psutil, "boot_time", lambda: real_boot() + 3600)
     assert psutil.Process(records["engine"].pid).create_time() != records["engine"].create_time
     assert all(is_same_process(r) for r in records.values())
-    (stack,) = lifecycle.status(Ctx(host), None, gpu_probe=_NoGpu())["stacks"]
+    (stack,) = status(Ctx(host), None, gpu_probe=_NoGpu())["stacks"]
     assert stack["state"] == "ready", stack
-    result = lifecycle.down(Ctx(host), "tiny", 10, False, lambda m: None, engine_timeout_s=10, gpu_probe=_NoGpu())
+    result = down(Ctx(host), "tiny", 10, False, SilentProgress(), engine_timeout_s=10, gpu_probe=_NoGpu())
     assert result["stopped"][0]["components"] == {"proxy": "stopped", "engine": "stopped"}
     assert gone(pids) and host.records() == {}
 
@@ -148,9 +153,9 @@ def test_a_record_is_kept_while_its_process_cannot_be_verified(host):
             "component": "engine", "pid": sleeper.pid, "pgid": sleeper.pid, "create_time": 1000.0, "argv": ["vllm"],
             "port": host.engine_port, "log": "/nonexistent", "started_at": 1000.0}))
         d = host.molctl("down")
-        assert d.returncode == 0 and "cannot be verified" in d.stderr
+        assert d.exit_code == ExitStatus.OK and "cannot be verified" in d.stderr
         assert sleeper.poll() is None and "engine" in host.records()
-        assert host.molctl("down", "--force").returncode == 0
+        assert host.molctl("down", "--force").exit_code == ExitStatus.OK
         assert sleeper.poll() is None and host.records() == {}
     finally:
         stop(sleeper)
@@ -159,28 +164,26 @@ def test_a_record_is_kept_while_its_process_cannot_be_verified(host):
 # ---------------------------------------------------------------------- 3. records describe the stack
 
 def test_up_with_another_configuration_refuses_instead_of_killing_the_engine(host):
-    assert host.up().returncode == 0
+    assert host.up().exit_code == ExitStatus.OK
     engine_pid = host.records()["engine"].pid
     other = host.molctl("up", "tiny", *host.args("--timeout", "5"), "--set", "proxy.max_output_tokens=100")
-    assert other.returncode == 4, other.stderr
+    assert other.exit_code == ExitStatus.CONFLICT, other.stderr
     assert "different configuration" in other.stderr and "proxy.max_output_tokens 256 -> 100" in other.stderr
     assert "--restart" in other.stderr and "molctl down tiny" in other.stderr
     moved = host.molctl("up", "tiny", *host.args("--timeout", "5", engine_port=_other_port(host)))
-    assert moved.returncode == 4, moved.stderr
+    assert moved.exit_code == ExitStatus.CONFLICT, moved.stderr
     assert host.records()["engine"].pid == engine_pid and _alive(engine_pid)
     # the same configuration is a no-op
     same = host.up("--json")
-    assert same.returncode == 0 and json.loads(same.stdout)["already_running"] is True
+    assert same.exit_code == ExitStatus.OK and json.loads(same.stdout)["already_running"] is True
     # --restart applies the new one
     r = host.molctl("up", "tiny", *host.args("--restart", "--stop-timeout", "5"), "--set", "proxy.max_output_tokens=100")
-    assert r.returncode == 0, r.stderr
+    assert r.exit_code == ExitStatus.OK, r.stderr
     assert not _alive(engine_pid) and host.records()["engine"].pid != engine_pid
     assert host.records()["engine"].config["data"]["proxy"]["max_output_tokens"] == 100
 
 
 def _other_port(host: Host) -> int:
-    from tests.conftest import free_port
-
     port = free_port()
     while port in (host.engine_port, host.proxy_port):
         port = free_port()
@@ -189,7 +192,7 @@ def _other_port(host: Host) -> int:
 
 def test_status_uses_the_recorded_configuration(host):
     r = host.molctl("up", "tiny", *host.args(), "--set", "engine.served_name=custom-base")
-    assert r.returncode == 0, r.stderr
+    assert r.exit_code == ExitStatus.OK, r.stderr
     (stack,) = json.loads(host.molctl("status", "--json").stdout)["stacks"]
     assert stack["state"] == "ready" and stack["adapters"] == "ok", stack
     # the profile file changes meanwhile: status still describes what runs
@@ -209,8 +212,8 @@ def test_set_values_reach_the_proxy_as_typed_data_and_logs_are_pruned(host):
         old.write_text("old\n")
         os.utime(old, (1_600_000_000 + i, 1_600_000_000 + i))
     r = host.molctl("up", "tiny", *host.args(), "--set", 'served_model_name="2024"', "--set", "logs.keep=2")
-    assert r.returncode == 0, r.stderr
-    models = httpx.get(f"http://127.0.0.1:{host.proxy_port}/v1/models").json()
+    assert r.exit_code == ExitStatus.OK, r.stderr
+    models = httpx.get(url(host.proxy_port) + "/v1/models").json()
     assert [m["id"] for m in models["data"]] == ["2024"]
     engine_logs = sorted(p.name for p in logs.glob("engine-*.log"))
     assert len(engine_logs) == 2 and "engine-20200104-000000.log" in engine_logs
@@ -220,31 +223,31 @@ def test_set_values_reach_the_proxy_as_typed_data_and_logs_are_pruned(host):
 
 def test_switch_holds_the_lock_throughout_and_a_failed_switch_says_how_to_go_back(host):
     _add_tiny_b(host)
-    assert host.up().returncode == 0
+    assert host.up().exit_code == ExitStatus.OK
     old = host.stack_pids()
     proc = host.start("switch", "tiny-b", *host.args("--stop-timeout", "5", env={"FAKE_STARTUP_DELAY": "2"}))
     from molctl.state import lock_holder
 
     assert _wait(lambda: "engine" in host.records("tiny-b"))
-    assert lock_holder(host.state)["command"] == "switch tiny-b"  # not a second, separate `up tiny-b`
+    holder = lock_holder(host.state)
+    assert (holder.action, holder.profile) == ("switch", "tiny-b")  # not a second, separate `up tiny-b`
     blocked = host.up()
-    assert blocked.returncode == 4 and "switch tiny-b" in blocked.stderr
-    assert proc.wait(60) == 0, proc.stderr.read()
+    assert blocked.exit_code == ExitStatus.CONFLICT and "switch tiny-b" in blocked.stderr
+    assert wait_status(proc, 60) == ExitStatus.OK, proc.stderr.read()
     assert gone(old)
     # logs without a profile: the running stack (tiny-b), not exit 2
     logs = host.molctl("logs", "-n", "3", "--component", "engine")
-    assert logs.returncode == 0, logs.stderr
+    assert logs.exit_code == ExitStatus.OK, logs.stderr
     assert "[engine]" in logs.stdout
     # a failing switch back: it says the old stack was stopped and how to bring it back
     bad = host.molctl("switch", "tiny", *host.args("--stop-timeout", "5", env={"FAKE_EXIT": "3"}))
-    assert bad.returncode == 5, bad.stderr
+    assert bad.exit_code == ExitStatus.START_FAILED, bad.stderr
     m = re.search(r"the old stack tiny-b was stopped: bring it back with `([^`]+)`", bad.stderr)
     assert m, bad.stderr
     argv = shlex.split(m.group(1))
     assert argv[0] == "molctl"
-    back = subprocess.run([sys.executable, "-m", "molctl", *argv[1:]], capture_output=True, text=True, timeout=90,
-                          cwd=ROOT)
-    assert back.returncode == 0, back.stderr
+    back = Molctl(None)(*argv[1:])  # the printed command, verbatim
+    assert back.exit_code == ExitStatus.OK, back.stderr
     assert json.loads(host.molctl("status", "tiny-b", "--json").stdout)["stacks"][0]["state"] == "ready"
 
 
@@ -257,11 +260,11 @@ def test_two_ups_from_two_state_dirs_race_for_the_same_ports(host, tmp_path):
     env = {"FAKE_STARTUP_DELAY": "1"}
     procs = [h.start("up", "tiny", *h.args(env=env)) for h in (host, other)]
     try:
-        codes = [p.wait(90) for p in procs]
+        codes = [wait_status(p, 90) for p in procs]
         errs = [p.stderr.read() for p in procs]
-        assert sorted(codes) == [0, 4], (codes, errs)
-        winner, loser = (host, other) if codes[0] == 0 else (other, host)
-        err = errs[codes.index(4)]
+        assert sorted(codes) == [ExitStatus.OK, ExitStatus.CONFLICT], (codes, errs)
+        winner, loser = (host, other) if codes[0] == ExitStatus.OK else (other, host)
+        err = errs[codes.index(ExitStatus.CONFLICT)]
         assert str(winner.state.absolute()) in err and "claimed by" in err, err
         assert f"--state-dir {winner.state.absolute()} down tiny" in err
         assert loser.records() == {}
@@ -270,7 +273,7 @@ def test_two_ups_from_two_state_dirs_race_for_the_same_ports(host, tmp_path):
         args = [a for a in args if a != "--allow-unauthenticated"]
         del args[args.index("--timeout"):args.index("--timeout") + 2]
         c = loser.molctl("check", "tiny", *args)
-        assert c.returncode == 3 and "claimed by" in c.stdout and str(winner.state.absolute()) in c.stdout
+        assert c.exit_code == ExitStatus.CHECK_FAILED and "claimed by" in c.stdout and str(winner.state.absolute()) in c.stdout
     finally:
         for p in procs:
             stop(p)
@@ -280,7 +283,7 @@ def test_two_ups_from_two_state_dirs_race_for_the_same_ports(host, tmp_path):
 def test_claims_are_held_by_the_components_and_freed_on_exit(host, host_lock_dir):
     from molctl.hostlocks import HostLocks
 
-    assert host.up().returncode == 0
+    assert host.up().exit_code == ExitStatus.OK
     locks = HostLocks(host_lock_dir)
     engine, proxy = host.records()["engine"], host.records()["proxy"]
     assert locks.holder("port", host.engine_port).pid == engine.pid
@@ -288,7 +291,7 @@ def test_claims_are_held_by_the_components_and_freed_on_exit(host, host_lock_dir
     os.kill(proxy.pid, signal.SIGKILL)
     assert _wait(lambda: locks.holder("port", host.proxy_port) is None)
     assert locks.holder("port", host.engine_port) is not None
-    assert host.molctl("down").returncode == 0
+    assert host.molctl("down").exit_code == ExitStatus.OK
     assert locks.holder("port", host.engine_port) is None
 
 
@@ -314,60 +317,80 @@ def test_gpu_claims_name_their_holder(tmp_path, host_lock_dir):
 # ------------------------------------------------------------------------------------------ honesty
 
 def test_a_corrupt_record_is_reported_and_refused_without_force(host):
-    assert host.up().returncode == 0
+    assert host.up().exit_code == ExitStatus.OK
     engine = host.records()["engine"]
     (host.state / "tiny" / "engine.json").write_text("{not json")
     (stack,) = json.loads(host.molctl("status", "--json").stdout)["stacks"]
     assert stack["state"] == "degraded" and "unreadable" in stack["problems"][0], stack
     d = host.molctl("down")
-    assert d.returncode == 4 and "unreadable" in d.stderr and f"pid {engine.pid}" in d.stderr, d.stderr
+    assert d.exit_code == ExitStatus.CONFLICT and "unreadable" in d.stderr and f"pid {engine.pid}" in d.stderr, d.stderr
     assert _alive(engine.pid)
     u = host.up()
-    assert u.returncode == 4 and "--force" in u.stderr
+    assert u.exit_code == ExitStatus.CONFLICT and "--force" in u.stderr
     f = host.molctl("down", "--force")
-    assert f.returncode == 0, f.stderr
+    assert f.exit_code == ExitStatus.OK, f.stderr
     assert gone([engine.pid]) and not (host.state / "tiny" / "engine.json").exists()
 
 
-def _chattr(flag: str, *paths: Path) -> bool:
-    if not shutil.which("chattr"):
-        return False
-    return subprocess.run(["chattr", flag, *map(str, paths)], capture_output=True).returncode == 0
+def _in_process(host: Host) -> Molctl:
+    """The CLI in this process, so that a failure can be injected into it (monkeypatch)."""
+    return Molctl(host.state, [host.profiles], in_process=True)
 
 
-def test_a_record_that_cannot_be_written_stops_the_component(host):
+def test_a_record_that_cannot_be_written_stops_the_component(host, monkeypatch):
+    """The disk is full (or the dir immutable) when the engine's record is written, right after
+    the spawn: the engine is stopped at once, and the error is one line, exit 1."""
+    import molctl.start
+
     profile_dir = host.state / "tiny"
     (profile_dir / "logs").mkdir(parents=True)
     for d in (host.state, profile_dir):
         d.chmod(0o700)
-    if not _chattr("+i", profile_dir):
-        pytest.skip("chattr +i is not available here")
-    try:
-        r = host.up()
-    finally:
-        _chattr("-i", profile_dir)
-    assert r.returncode == 1, r.stderr
-    assert "could not write the engine record" in r.stderr and "was stopped" in r.stderr
+    spawned = []
+    real_spawn = molctl.start.spawn
+
+    def spawn(*args, **kwargs):
+        spawned.append(real_spawn(*args, **kwargs))
+        return spawned[-1]
+
+    def write_record(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(molctl.start, "spawn", spawn)
+    monkeypatch.setattr(molctl.start, "write_record", write_record)
+    r = _in_process(host)("up", "tiny", *host.args())
+    assert r.exit_code == ExitStatus.ERROR, r.stderr
+    assert "could not write the engine record" in r.stderr and "No space left on device" in r.stderr
+    assert "was stopped" in r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    (engine,) = spawned  # the proxy was never started
+    assert engine.poll() is not None and gone([engine.pid])
     assert not [p for p in psutil.process_iter(["cmdline"])
                 if f"--port {host.engine_port}" in " ".join(p.info["cmdline"] or [])]
+    assert host.records() == {}
 
 
-def test_a_read_only_state_dir_gives_one_line_and_down_still_stops(host, tmp_path):
+def test_a_read_only_state_dir_gives_one_line_and_down_still_stops(host, tmp_path, monkeypatch):
     blocker = tmp_path / "file"
     blocker.write_text("")
     bad = host.molctl("--state-dir", str(blocker / "state"), "up", "tiny", *host.args())
-    assert bad.returncode == 1 and "Traceback" not in bad.stderr and "not usable" in bad.stderr, bad.stderr
-    assert host.up().returncode == 0
+    assert bad.exit_code == ExitStatus.ERROR and "Traceback" not in bad.stderr and "not usable" in bad.stderr, bad.stderr
+    assert host.up().exit_code == ExitStatus.OK
     pids = host.stack_pids()
-    if not _chattr("+i", host.state / "tiny"):
-        pytest.skip("chattr +i is not available here")
-    try:
-        d = host.molctl("down")
-    finally:
-        _chattr("-i", host.state / "tiny")
-    assert d.returncode == 0, d.stderr
-    assert "Traceback" not in d.stderr and "could not remove" in d.stderr
+    # the profile's dir turns read-only (a remount, an immutable flag): its records cannot be removed
+    records = (host.state / "tiny").resolve()
+    real_unlink = Path.unlink
+
+    def unlink(self, *args, **kwargs):
+        if self.resolve().parent == records:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+        return real_unlink(self, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Path, "unlink", unlink)
+        d = _in_process(host)("down")
+    assert d.exit_code == ExitStatus.OK, d.stderr
+    assert "Traceback" not in d.stderr and "could not remove" in d.stderr and "Read-only file system" in d.stderr
     assert gone(pids)
 
 
@@ -377,7 +400,7 @@ def test_a_proxy_that_dies_while_the_engine_loads_is_restarted(host):
     engine_pid, proxy_pid = host.records()["engine"].pid, host.records()["proxy"].pid
     os.kill(proxy_pid, signal.SIGKILL)
     out, err = proc.communicate(timeout=90)
-    assert proc.returncode == 0, err
+    assert exit_status(proc.returncode) == ExitStatus.OK, err
     assert "restarting it (1 of 3)" in out
     assert host.records()["engine"].pid == engine_pid and host.records()["proxy"].pid != proxy_pid
 
@@ -385,7 +408,7 @@ def test_a_proxy_that_dies_while_the_engine_loads_is_restarted(host):
 def test_unknown_profile_names_are_errors(host):
     for cmd in ("down", "status"):
         r = host.molctl(cmd, "tinny")
-        assert r.returncode == 3 and "no profile named 'tinny'" in r.stderr and "tiny" in r.stderr.split("known:")[1]
+        assert r.exit_code == ExitStatus.CHECK_FAILED and "no profile named 'tinny'" in r.stderr and "tiny" in r.stderr.split("known:")[1]
 
 
 def test_a_second_ctrl_c_during_clean_up_says_what_may_still_run(host):
@@ -396,36 +419,36 @@ def test_a_second_ctrl_c_during_clean_up_says_what_may_still_run(host):
     assert _wait(lambda: not _alive(proxy_pid))  # the clean-up stops the proxy first, then waits on the engine
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=30)
-    assert proc.returncode == 130, err
+    assert exit_status(proc.returncode) == ExitStatus.INTERRUPTED, err
     assert "may keep its GPUs" in err and "molctl down tiny" in err and "engine (pid" in err, err
 
 
 def test_option_checks_help_and_logs(host):
     for value in ("0", "-5"):
         r = host.molctl("up", "tiny", *host.args(), "--timeout", value)
-        assert r.returncode == 2, r.stderr
+        assert r.exit_code == ExitStatus.USAGE, r.stderr
     helptext = host.molctl("--help").stdout
     assert "Exit codes" in helptext and "130 interrupted" in helptext
     # a failed preflight shows only failures and warnings; --json carries every check
     r = host.molctl("up", "tiny", *host.args("--model-root", str(host.tmp / "nope")))
-    assert r.returncode == 3 and "FAIL" in r.stdout and "PASS" not in r.stdout, r.stdout
+    assert r.exit_code == ExitStatus.CHECK_FAILED and "FAIL" in r.stdout and "PASS" not in r.stdout, r.stdout
     j = host.molctl("up", "tiny", *host.args("--model-root", str(host.tmp / "nope"), "--json"))
     data = json.loads(j.stdout)
-    assert j.returncode == 3 and {c["status"] for c in data["checks"]} >= {"pass", "fail"}
-    assert host.up().returncode == 0
+    assert j.exit_code == ExitStatus.CHECK_FAILED and {c["status"] for c in data["checks"]} >= {"pass", "fail"}
+    assert host.up().exit_code == ExitStatus.OK
     assert host.molctl("logs", "tiny", "-n", "0").stdout == ""
     # Ctrl-C ends `logs -f` quietly
     follow = host.start("logs", "-f", "-n", "1")
     assert follow.stdout.readline().startswith("[")
     follow.send_signal(signal.SIGINT)
     _, err = follow.communicate(timeout=10)
-    assert follow.returncode == 130 and err == ""
+    assert exit_status(follow.returncode) == ExitStatus.INTERRUPTED and err == ""
 
 
 def test_down_counts_down_to_sigkill(host):
-    assert host.up(env={"FAKE_IGNORE_TERM": "1"}).returncode == 0
+    assert host.up(env={"FAKE_IGNORE_TERM": "1"}).exit_code == ExitStatus.OK
     d = host.molctl("down", "--stop-timeout", "3")
-    assert d.returncode == 0, d.stderr
+    assert d.exit_code == ExitStatus.OK, d.stderr
     assert "SIGKILL in 2 s" in d.stdout or "SIGKILL in 1 s" in d.stdout, d.stdout
     assert "sending SIGKILL" in d.stdout
 

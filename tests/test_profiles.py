@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from molctl.engines import get_engine
-from molctl.errors import ProfileError
+from molctl.errors import ExitStatus, ProfileError
 from molctl.profiles import builtin_profiles_dir, load_profile, load_profile_file, profile_dirs, route_instruction
 
 BUILTIN = builtin_profiles_dir()
@@ -131,7 +131,7 @@ def test_user_profiles_from_env_and_option(molctl, tmp_path):
     result = molctl("profiles", "--json")
     assert "mine" not in {p["name"] for p in result.json()["profiles"]}
     result = molctl("profiles", "--json", env={"MOLCTL_PROFILES_DIR": str(user)})
-    assert result.exit_code == 0
+    assert result.exit_code == ExitStatus.OK
     rows = {p["name"]: p for p in result.json()["profiles"]}
     assert {"venti", "venti-sglang", "tall", "tiny", "mine"} <= set(rows)
     assert rows["mine"]["source"] == str(user / "mine.yaml")
@@ -149,14 +149,14 @@ def test_user_profile_replaces_builtin(molctl, tmp_path):
 
 def test_profiles_lists_fields_and_reports_broken_files(molctl, tmp_path):
     result = molctl("profiles", "--json")
-    assert result.exit_code == 0
+    assert result.exit_code == ExitStatus.OK
     venti = {p["name"]: p for p in result.json()["profiles"]}["venti"]
     assert venti == {**venti, "engine": "vllm", "served_model_name": "Macaron-V1-Venti", "gpus": 8,
                      "engine_port": 8000, "proxy_port": 8200}
     user = tmp_path / "user"
     write_user_profile(user, "name: broken\nengine: [\n", name="broken")
     result = molctl("--profiles-dir", str(user), "profiles")
-    assert result.exit_code == 3
+    assert result.exit_code == ExitStatus.CHECK_FAILED
     assert "broken.yaml" in result.stderr and "invalid YAML" in result.stderr
     assert "venti" in result.stdout
 
@@ -165,7 +165,7 @@ def test_check_with_bad_profile_exits_3_with_one_line(molctl, tmp_path):
     user = tmp_path / "user"
     write_user_profile(user, tiny_text().replace("  gpus: 0\n", "  gpus: 0\n  colour: red\n"))
     result = molctl("--profiles-dir", str(user), "check", "mine", "--json")
-    assert result.exit_code == 3
+    assert result.exit_code == ExitStatus.CHECK_FAILED
     (check,) = result.json()["checks"]
     assert check["id"] == "profile.valid" and "field 'engine.colour': unknown key" in check["detail"]
 

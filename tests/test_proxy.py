@@ -13,8 +13,9 @@ import httpx
 import openai
 import pytest
 
+from molctl.errors import ExitStatus
 from molctl.profiles import load_profile, profile_dirs
-from tests.conftest import free_port
+from tests.helpers import free_port
 from tests.procs import fake_engine_argv, proxy_argv, running, wait_http
 
 KEY, KEY2 = "sk-test-one", "sk-test-two"
@@ -384,7 +385,7 @@ def test_proxy_refuses_to_start_without_a_key(tmp_path):
 
     r = subprocess.run([sys.executable, "-m", "molctl", "proxy", "tiny", "--upstream", "http://127.0.0.1:9"],
                        capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"}, timeout=30)
-    assert r.returncode == 2 and "--allow-unauthenticated" in r.stderr
+    assert r.returncode == ExitStatus.USAGE and "--allow-unauthenticated" in r.stderr
 
 
 def test_engine_down(keyfile, tmp_path):
