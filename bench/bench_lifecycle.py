@@ -43,7 +43,7 @@ def timed_up(host: Host, profile: str, command: str = "up", port: int | None = N
     r = host.molctl(command, profile, *host.args("--json", env={"FAKE_STARTUP_DELAY": STARTUP_DELAY}, engine_port=port))
     t1 = time.monotonic()
     stop.set()
-    assert r.returncode == 0, r.stderr
+    assert r.exit_code == 0, r.stderr
     return t1 - t0, t1 - seen["t"], json.loads(r.stdout)
 
 
@@ -63,7 +63,7 @@ def main() -> None:
             status = []
             for _ in range(10):
                 t0 = time.monotonic()
-                assert host.molctl("status").returncode == 0
+                assert host.molctl("status").exit_code == 0
                 status.append(time.monotonic() - t0)
             from tests.conftest import free_port
 
