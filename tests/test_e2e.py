@@ -66,11 +66,11 @@ class Stack:
         return subprocess.run([sys.executable, "-m", "molctl", "--state-dir", str(self.state), *args],
                               capture_output=True, text=True, timeout=timeout, cwd=ROOT, stdin=subprocess.DEVNULL)
 
-    def up(self) -> subprocess.CompletedProcess:
+    def up(self, debug: bool = True) -> subprocess.CompletedProcess:
+        # debug: the request log's DEBUG lines hold each request's rendered prompt and JSON body
+        extra = ["--set", "engine.env.VLLM_LOGGING_LEVEL=DEBUG"] if debug else []
         return self.molctl("up", "tiny", "--model-root", str(self.model), "--api-key-file", str(self.key), "--json",
-                           "--set", f"engine.port={self.engine_port}", "--set", f"proxy.port={self.proxy_port}",
-                           # the request log's DEBUG lines hold each request's rendered prompt and JSON body
-                           "--set", "engine.env.VLLM_LOGGING_LEVEL=DEBUG")
+                           "--set", f"engine.port={self.engine_port}", "--set", f"proxy.port={self.proxy_port}", *extra)
 
     def engine_log(self) -> str:
         return Path(read_records(self.state, "tiny")["engine"].log).read_text(errors="replace")
