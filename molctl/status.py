@@ -21,7 +21,9 @@ from molctl.stacks import component_url, known_or_recorded, marked_for, recorded
 from molctl.state import (COMPONENTS, LockHolder, Record, RecordProblem, is_same_process, lock_holder,
                           profiles_with_records, read_records_checked)
 
+
 def status(ctx, name: str | None, gpu_probe=None) -> dict[str, Any]:
+    """{"stacks": [...]}: every recorded stack (or the named one; an unknown name is exit 3)."""
     state_dir = ctx.state_dir
     if name:
         known_or_recorded(ctx, name)
