@@ -40,7 +40,7 @@ class Context:
     def __init__(self, state_dir: Optional[Path], profiles_dirs: List[Path]):
         from molctl.state import default_state_dir
 
-        self.state_dir = state_dir.expanduser() if state_dir else default_state_dir()
+        self.state_dir = state_dir.expanduser().absolute() if state_dir else default_state_dir()
         self.profiles_dirs = profiles_dirs
 
     def dirs(self) -> list[Path]:

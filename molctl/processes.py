@@ -32,13 +32,22 @@ from molctl.state import Record, is_same_process
 def spawn(argv: Sequence[str], env: Mapping[str, str], log_path: Path, cwd: str | None = None,
           marker: Mapping[str, str] | None = None, pass_fds: Sequence[int] = ()) -> subprocess.Popen:
     """Start a component in its own session: stdin closed, umask 077, output appended to its log,
-    the record's marker in its environment, `pass_fds` (host-wide lock files) inherited."""
+    the record's marker in its environment and as its working directory (`procid.run_dir`),
+    `pass_fds` (host-wide lock files) inherited. A relative program path is resolved first, as
+    the working directory changes."""
     log_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     env = {k: v for k, v in env.items() if k not in (procid.MARKER_ID, procid.MARKER_PATH)}
     env.update(marker or {})
+    argv = list(argv)
+    if marker and cwd is None:
+        run = procid.run_dir(marker[procid.MARKER_PATH], marker[procid.MARKER_ID])
+        run.mkdir(mode=0o700, parents=True, exist_ok=True)
+        cwd = str(run)
+        if os.sep in argv[0] and not os.path.isabs(argv[0]):
+            argv[0] = os.path.abspath(argv[0])
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
-        return subprocess.Popen(list(argv), env=env, stdin=subprocess.DEVNULL, stdout=fd, stderr=subprocess.STDOUT,
+        return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=fd, stderr=subprocess.STDOUT,
                                 start_new_session=True, umask=0o077, cwd=cwd, close_fds=True, pass_fds=tuple(pass_fds))
     finally:
         os.close(fd)

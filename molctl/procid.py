@@ -5,16 +5,23 @@ A process is named by its pid *and* its start time in clock ticks since boot (fi
 migration), unlike psutil's `create_time()` (boot time + ticks, re-derived from the wall clock).
 Where `/proc` is missing (macOS), psutil's create time is the fallback.
 
-Every component molctl spawns carries a marker in its environment, inherited by its children
-(vLLM's EngineCore and workers): `MOLCTL_RECORD` (the record file's path) and `MOLCTL_RECORD_ID`
-(a random id stored in the record). Only our spawn sets them, so a process carrying them is ours
-even after its leader died; a process without them that merely shares a recycled pid or process
-group id is a stranger and is never signalled.
+Every component molctl spawns carries a marker, inherited by its children (vLLM's EngineCore and
+workers), in two places:
+  - its environment: `MOLCTL_RECORD` (the record file's path) and `MOLCTL_RECORD_ID` (a random id
+    stored in the record);
+  - its working directory: `STATE/PROFILE/COMPONENT.run/RECORD_ID/`, made for that spawn alone.
+The second exists because a process that renames itself with `setproctitle` (vLLM's
+`VLLM::EngineCore` and `VLLM::Worker` do) overwrites the memory `/proc/PID/environ` is read from,
+so its environment marker is gone; its working directory is not touched (vLLM never `chdir`s, and
+multiprocessing's spawn children start in their parent's directory). Only our spawn sets either,
+so a process carrying one is ours even after its leader died; a process without them that merely
+shares a recycled pid or process group id is a stranger and is never signalled.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,25 +116,70 @@ def all_pids() -> list[int]:
     return psutil.pids()
 
 
+RUN_SUFFIX = ".run"
+_RECORD_ID = re.compile(r"[0-9a-f]{32}")
+
+
+def run_dir(record_file: Path | str, record_id: str) -> Path:
+    """The working directory a spawn with this record id runs in (its second marker)."""
+    record_file = Path(record_file)
+    return record_file.parent / (record_file.stem + RUN_SUFFIX) / record_id
+
+
+def marker_of_cwd(cwd: str) -> tuple[str, str] | None:
+    """(record path, record id) when `cwd` is a spawn's run dir (also once it was deleted)."""
+    if cwd.endswith(" (deleted)"):
+        cwd = cwd[: -len(" (deleted)")]
+    run = Path(cwd)
+    if not _RECORD_ID.fullmatch(run.name) or not run.parent.name.endswith(RUN_SUFFIX):
+        return None
+    component = run.parent.name[: -len(RUN_SUFFIX)]
+    return str(run.parent.parent / f"{component}.json"), run.name
+
+
+def _cwd_of(pid: int) -> str | None:
+    if have_proc():
+        try:
+            return os.readlink(PROC / str(pid) / "cwd")
+        except OSError:
+            return None
+    import psutil
+
+    try:
+        return psutil.Process(pid).cwd()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+        return None
+
+
+def _env_marker(pid: int) -> tuple[str, str] | None:
+    if have_proc():
+        try:
+            raw = (PROC / str(pid) / "environ").read_bytes()
+        except OSError:
+            return None
+        if MARKER_ID.encode() not in raw:
+            return None
+    env = environ_of(pid)
+    if not env or MARKER_ID not in env:
+        return None
+    return env.get(MARKER_PATH, ""), env[MARKER_ID]
+
+
 def marked_processes() -> list[tuple[int, str, str]]:
-    """(pid, record path, record id) of every live process carrying a molctl marker that this
-    user can read. Zombies are left out."""
+    """(pid, record path, record id) of every live process carrying a molctl marker (environment
+    or working directory) that this user can read. Zombies are left out."""
     me = os.getpid()
     out = []
     for pid in all_pids():
         if pid == me:
             continue
-        if have_proc():
-            try:
-                raw = (PROC / str(pid) / "environ").read_bytes()
-            except OSError:
-                continue
-            if MARKER_ID.encode() not in raw:
-                continue
-        env = environ_of(pid)
-        if not env or MARKER_ID not in env:
+        found = _env_marker(pid)
+        if found is None:
+            cwd = _cwd_of(pid)
+            found = marker_of_cwd(cwd) if cwd else None
+        if found is None:
             continue
         if have_proc() and start_ticks(pid) is None:  # zombie or gone
             continue
-        out.append((pid, env.get(MARKER_PATH, ""), env[MARKER_ID]))
+        out.append((pid, *found))
     return out

@@ -148,10 +148,16 @@ def is_same_process(record: Record) -> bool:
 
 
 def remove_record(state_dir: Path, profile: str, component: str) -> None:
+    """Remove the record and the run dirs its spawns worked in (`procid.run_dir`); a process
+    still in one keeps its marker (its working directory reads '... (deleted)')."""
+    import shutil
+
+    path = record_path(state_dir, profile, component)
     try:
-        record_path(state_dir, profile, component).unlink()
+        path.unlink()
     except FileNotFoundError:
         pass
+    shutil.rmtree(path.parent / f"{component}.run", ignore_errors=True)
 
 
 def profiles_with_records(state_dir: Path) -> list[str]:

@@ -146,9 +146,7 @@ def _down_unreadable(state_dir: Path, name: str, problems: list[RecordProblem], 
 
 def _remove(state_dir: Path, name: str, component: str, progress: Progress) -> None:
     try:
-        path = record_path(state_dir, name, component)
-        if path.exists() or path.is_symlink():
-            path.unlink()
+        remove_record(state_dir, name, component)
     except OSError as exc:
         progress.warn(f"could not remove the {component} record {record_path(state_dir, name, component)}: "
              f"{exc.strerror or exc} (its processes are gone; remove it by hand)")

@@ -279,8 +279,8 @@ def main() -> None:
     """Also runs as a profile's engine (`engine.python` = a wrapper script): it then takes the
     vLLM-style argv and FAKE_* environment variables from the profile's engine.env:
     FAKE_STARTUP_DELAY (s before listening), FAKE_EXIT (exit with this code during start-up),
-    FAKE_IGNORE_TERM (ignore SIGTERM), FAKE_CHILD (leave a child process in the group, like
-    vLLM's EngineCore), FAKE_ADAPTERS (comma list), FAKE_PARENT, FAKE_ANSWER_DELAY."""
+    FAKE_IGNORE_TERM (ignore SIGTERM), FAKE_CHILD (`1`: leave a child process in the group, like
+    vLLM's EngineCore; `retitle`: one that also renames itself with setproctitle, as vLLM's do), FAKE_ADAPTERS (comma list), FAKE_PARENT, FAKE_ANSWER_DELAY."""
     import os
     import signal
     import subprocess
@@ -302,6 +302,12 @@ def main() -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if env.get("FAKE_CHILD") == "1":
         subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        print("spawned EngineCore-like child", flush=True)
+    elif env.get("FAKE_CHILD") == "retitle":
+        # As vLLM's EngineCore and workers do (vllm.utils set_process_title -> setproctitle), which
+        # overwrites the memory /proc/PID/environ is read from: the environment marker is gone.
+        subprocess.Popen([sys.executable, "-c", "import setproctitle, time; "
+                          "setproctitle.setproctitle('VLLM::EngineCore'); time.sleep(600)"])
         print("spawned EngineCore-like child", flush=True)
     if env.get("FAKE_ADAPTERS") is not None:
         STATE.config["adapters"] = [a for a in env["FAKE_ADAPTERS"].split(",") if a]

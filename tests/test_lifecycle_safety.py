@@ -112,6 +112,24 @@ def test_a_marked_orphan_is_found_without_its_leader(host):
     assert gone([child.pid]) and host.records() == {}
 
 
+def test_a_retitled_orphan_is_found_by_its_working_directory(host):
+    """vLLM's EngineCore renames itself with setproctitle, which wipes what /proc/PID/environ
+    shows: the environment marker is gone, the run-dir marker (its working directory) is not."""
+    assert host.up(env={"FAKE_CHILD": "retitle"}).exit_code == ExitStatus.OK
+    record = host.records()["engine"]
+    (child,) = psutil.Process(record.pid).children()
+    assert _wait(lambda: "VLLM::EngineCore" in " ".join(child.cmdline()))
+    assert procid.MARKER_ID not in (procid.environ_of(child.pid) or {})
+    assert child.cwd() == str(procid.run_dir(os.path.realpath(host.state / "tiny" / "engine.json"), record.record_id))
+    os.kill(record.pid, signal.SIGKILL)
+    assert gone([record.pid])
+    assert host.molctl("status", "--json").json()["stacks"][0]["state"] != "failed"
+    d = host.molctl("down")
+    assert d.exit_code == ExitStatus.OK, d.stderr
+    assert gone([child.pid]) and host.records() == {}
+    assert not (host.state / "tiny" / "engine.run").exists()
+
+
 # ------------------------------------------------------------------------------------ 2. clock steps
 
 def test_a_wall_clock_step_does_not_make_a_healthy_stack_look_dead(host, monkeypatch):
