@@ -51,7 +51,7 @@ import json
 import shutil
 from pathlib import Path
 
-from molctl.errors import MolctlError
+from molctl.errors import MolctlError, UsageError
 from molctl.profiles import ROUTES
 from molctl.safetensors import write_file
 
@@ -230,7 +230,7 @@ def init_tiny(root: Path, seed: int = 0, force: bool = False, if_missing: bool =
 
     if root.exists() and any(root.iterdir()):
         if not force:
-            raise MolctlError(f"{root} is not empty; use --force to replace it")
+            raise UsageError(f"{root} is not empty; use --force to replace it")
         shutil.rmtree(root)
     tmp = root.with_name(root.name + ".tmp-init")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -443,6 +443,9 @@ def switch(name: str, ctx, opts: UpOptions, progress: Progress) -> dict[str, Any
                 how = "; ".join(f"the old stack {p} was stopped: bring it back with `{cmd}`" for p, cmd in back.items())
                 exc.args = (f"{exc}; {how}",)
             raise
-    result["timings"] = {**result.get("timings", {}), "stop_s": round(t_down, 2)}
+    timings = result.get("timings", {})
+    # total_s of a switch covers the whole switch: the old stack's stop plus the new one's start
+    result["timings"] = {**timings, "stop_s": round(t_down, 2),
+                         "total_s": round(t_down + timings.get("total_s", 0.0), 2)}
     result["stopped"] = [s["profile"] for s in (stopped or {}).get("stopped", [])]
     return result

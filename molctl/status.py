@@ -27,8 +27,11 @@ def status(ctx, name: str | None, gpu_probe=None) -> dict[str, Any]:
     state_dir = ctx.state_dir
     if name:
         known_or_recorded(ctx, name)
-    names = [name] if name else profiles_with_records(state_dir)
     holder = lock_holder(state_dir) if state_dir.exists() else None
+    names = [name] if name else profiles_with_records(state_dir)
+    if not name and holder is not None and holder.action in ("up", "switch") and holder.profile \
+            and holder.profile not in names:
+        names.append(holder.profile)  # in its preflight: no record written yet
     stacks = []
     for n in names:
         records, problems = read_records_checked(state_dir, n)
@@ -98,13 +101,18 @@ def _adapter_status(profile: Profile | None, record: Record | None) -> str | Non
 
 
 def _state_of(name: str, records: dict, components: list[dict], holder: LockHolder | None) -> str:
-    """stopped|starting|ready|degraded|stopping|failed (see docs/contract.md)."""
+    """stopped|starting|ready|degraded|stopping|failed (see docs/contract.md). The state lock's
+    holder says what is changing: `up`/`switch` of this profile -> starting (from the preflight on,
+    before any record exists); `down` of it (or of every stack), or a `switch` to another profile
+    (which stops whatever runs) -> stopping."""
+    mine = holder is not None and holder.profile == name
+    if holder is not None and holder.action in ("up", "switch") and mine:
+        return "starting"
     if not records:
         return "stopped"
-    if holder is not None and holder.action == "down":
+    if holder is not None and ((holder.action == "down" and (holder.profile is None or mine))
+                               or (holder.action == "switch" and not mine)):
         return "stopping"
-    if holder is not None and holder.action in ("up", "switch") and holder.profile == name:
-        return "starting"
     alive = [c for c in components if c["alive"]]
     if not alive:
         return "failed"

@@ -42,7 +42,7 @@ def test_layout_passes_the_model_and_adapter_checks(molctl, tmp_path):
 def test_refuses_to_overwrite_and_if_missing(molctl, tmp_path):
     assert molctl("demo", "init", str(tmp_path / "tiny")).exit_code == ExitStatus.OK
     again = molctl("demo", "init", str(tmp_path / "tiny"))
-    assert again.exit_code == ExitStatus.ERROR and "--force" in again.stderr
+    assert again.exit_code == ExitStatus.USAGE and "--force" in again.stderr
     kept = molctl("demo", "init", str(tmp_path / "tiny"), "--if-missing")
     assert kept.exit_code == ExitStatus.OK and "already present" in kept.stdout
     assert molctl("demo", "init", str(tmp_path / "tiny"), "--force").exit_code == ExitStatus.OK
@@ -129,3 +129,11 @@ def test_glm_rules():
     kept = render_demo("glm5", [USER, {"role": "assistant", "content": "", "reasoning_content": "why"}, USER, ANSWER],
                        chat_template_kwargs={"clear_thinking": False})
     assert "<think>why</think>" in kept
+
+
+def test_a_non_empty_target_without_force_is_a_usage_error(molctl, tmp_path):
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "notes.txt").write_text("mine")
+    r = molctl("demo", "init", str(tmp_path / "x"))
+    assert r.exit_code == ExitStatus.USAGE and "is not empty; use --force" in r.stderr
+    assert (tmp_path / "x" / "notes.txt").read_text() == "mine"

@@ -309,6 +309,7 @@ def test_up_refuses_while_another_profile_runs_and_switch(host):
     assert r.exit_code == ExitStatus.OK, r.stderr
     result = json.loads(r.stdout)
     assert result["profile"] == "tiny-b" and result["stopped"] == ["tiny"] and "stop_s" in result["timings"]
+    assert result["timings"]["total_s"] >= result["timings"]["stop_s"] + result["timings"]["engine_ready_s"]
     assert gone(old) and host.records("tiny") == {}
     client = openai.OpenAI(base_url=result["endpoint"], api_key="none", max_retries=0)
     assert client.models.list().data[0].id == "Macaron-Tiny-B"

@@ -35,3 +35,38 @@ def test_unreadable_content_gives_an_unnamed_holder(raw):
     holder = LockHolder.parse(raw)
     assert holder.pid is None and holder.action is None
     assert holder.describe().startswith("pid ? (molctl ?") and holder.stop_hint() == "wait for it"
+
+
+def test_the_lock_holder_decides_starting_and_stopping_per_stack():
+    """Only the stack a command acts on changes state: a `down tiny` leaves tiny-b `ready`; a
+    `switch tiny-b` is starting tiny-b and stopping whatever else runs; an `up` in its preflight
+    (no record yet) is already `starting`."""
+    from molctl.status import _state_of
+
+    records = {"engine": object(), "proxy": object()}
+    healthy = [{"alive": True, "health": 200}, {"alive": True, "health": 200}]
+
+    def state(name, action, profile, recs=records):
+        holder = LockHolder(pid=1, action=action, profile=profile) if action else None
+        return _state_of(name, recs, healthy if recs else [], holder)
+
+    assert state("tiny", None, None) == "ready"
+    assert state("tiny", "down", "tiny") == "stopping"
+    assert state("tiny-b", "down", "tiny") == "ready"
+    assert state("tiny-b", "down", None) == "stopping"
+    assert state("tiny", "switch", "tiny-b") == "stopping"
+    assert state("tiny-b", "switch", "tiny-b", {}) == "starting"
+    assert state("tiny", "up", "tiny", {}) == "starting"
+    assert state("tiny", "up", "tiny-b", {}) == "stopped"
+
+
+def test_status_lists_a_stack_whose_up_is_in_its_preflight(state_dir):
+    from types import SimpleNamespace
+
+    from molctl.status import status
+
+    ctx = SimpleNamespace(state_dir=state_dir, dirs=lambda: [])
+    assert status(ctx, None) == {"stacks": []}
+    with StateLock(state_dir, "up", "tiny"):
+        stacks = status(ctx, None)["stacks"]
+    assert [(s["profile"], s["state"]) for s in stacks] == [("tiny", "starting")]
