@@ -39,7 +39,7 @@ from molctl.engines.base import Engine, adapter_problems
 from molctl.profiles import Profile
 from molctl.proxy.conversations import ConversationStore, MemoryStore
 from molctl.proxy.engine_client import EngineClient
-from molctl.proxy.errors import EngineUnavailable, ProxyError
+from molctl.proxy.errors import EngineUnavailable, ProxyError, invalid
 from molctl.proxy.orchestrator import Counters, Orchestrator, Plan
 from molctl.proxy.validation import parse_body
 
@@ -116,6 +116,9 @@ class ProxyApp:
                 await self._error(tracked, exc, rid)
         except asyncio.CancelledError:
             raise
+        except RecursionError:  # JSON the parser accepted (in a worker thread) but too deep to encode again
+            if not state["started"]:
+                await self._error(tracked, invalid("The body is nested too deeply to be a chat request."), rid)
         except Exception:  # a bug: logged once, answered in the OpenAI error shape
             self.counters.inc("internal_errors_total")
             log.exception("request %s failed", rid)
@@ -350,8 +353,15 @@ class ProxyApp:
             self.orch.abandon(plan)
             if not started:  # nothing sent yet: the same answer as without stream
                 raise failure
-            await write(b"data: " + json.dumps(failure.body()).encode() + b"\n\n")
-        await write(b"data: [DONE]\n\n", more=False)
+        try:
+            if failure is not None:
+                await write(b"data: " + json.dumps(failure.body()).encode() + b"\n\n")
+            await write(b"data: [DONE]\n\n", more=False)
+        except asyncio.TimeoutError:  # the client stopped reading just before the end: same as above
+            self.counters.inc("stream_write_timeouts_total")
+            log.warning("request %s: stream client read nothing for %.0f s; dropped", rid, write_timeout)
+            self.orch.abandon(plan)
+            return
         self.orch.start_summary(plan)
 
 

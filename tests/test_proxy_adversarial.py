@@ -1,0 +1,80 @@
+"""Adversarial review of issue 8's proxy behaviours: what a hostile or unlucky client found, each
+kept as a regression test (against the strict fake engine, or the proxy's ASGI app in-process)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+
+import httpx
+import pytest
+
+from molctl.engines import get_engine
+from tests.test_proxy import KEY, PUBLIC, TINY, keyfile, s, stack  # noqa: F401 - fixtures
+
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def test_json_nested_just_below_the_parsers_limit_is_a_400_not_a_500(s):
+    """A body over 512 KiB is parsed in a worker thread, whose shallow stack lets the parser accept
+    nesting that json.dumps (keys, payload) cannot encode again: that was a plain 500 (and a
+    logged traceback). Any depth must be a JSON 400, or what the engine says about it."""
+    pad = "x " * 300_000
+    statuses = {}
+    for depth in range(950, 1000, 2):
+        nest = "[" * depth + "]" * depth
+        raw = ('{"model": "%s", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": %s}, '
+               '{"type": "text", "text": "%s"}]}]}' % (PUBLIC, nest, pad)).encode()
+        r = httpx.post(s.proxy_url + "/v1/chat/completions", headers={**AUTH, "content-type": "application/json"},
+                       content=raw, timeout=30)
+        statuses[depth] = r.status_code
+        assert r.headers["content-type"].startswith("application/json")
+    assert 500 not in statuses.values(), statuses
+
+
+def test_a_write_timeout_on_the_last_frame_is_a_dropped_client_not_an_internal_error(caplog):
+    """A client that stops reading just before `data: [DONE]` was logged as an internal error with
+    a traceback, and its recorded turn was never released (a later turn waited summary_wait_s)."""
+    from molctl.proxy.app import ProxyApp
+
+    profile = dataclasses.replace(TINY, proxy=dataclasses.replace(TINY.proxy, stream_write_timeout_s=0.2))
+    app = ProxyApp(profile, get_engine("vllm"), "http://127.0.0.1:9", None)
+    plans = []
+
+    async def route(plan):
+        plan.route = "L2"
+        plans.append(plan)
+
+    async def stream(plan):
+        app.orch.record(plan, {"role": "assistant", "content": "hi"})
+        yield {"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": "stop"}]}
+
+    app.orch.route = route
+    app.orch.stream = stream
+    sent: list[dict] = []
+
+    async def run():
+        body = json.dumps({"model": PUBLIC, "stream": True, "messages": [{"role": "user", "content": "x"}]}).encode()
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive():
+            return messages.pop(0) if messages else await asyncio.sleep(3600)
+
+        async def send(message):
+            if message.get("body") == b"data: [DONE]\n\n":
+                await asyncio.sleep(3600)  # the client's window is full: this write never completes
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
+        await asyncio.wait_for(app(scope, receive, send), 5)
+
+    with caplog.at_level(logging.WARNING, logger="molctl.proxy"):
+        asyncio.run(run())
+    assert sent[0]["status"] == 200
+    assert app.counters.values["stream_write_timeouts_total"] == 1
+    assert app.counters.values["internal_errors_total"] == 0
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert plans[0].record is None  # abandoned: nobody waits for its summary
+    assert not app.orch.background  # and no summary hop was started
