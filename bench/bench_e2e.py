@@ -46,7 +46,7 @@ def by_hand(model: Path, port: int, log: Path) -> float:
             except httpx.HTTPError:
                 pass
             if proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited: see {log}")
+                raise RuntimeError("vLLM exited:\n" + "\n".join(log.read_text(errors="replace").splitlines()[-90:]))
             time.sleep(0.1)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)

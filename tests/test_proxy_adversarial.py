@@ -18,7 +18,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 def test_json_nested_just_below_the_parsers_limit_is_a_400_not_a_500(s):
-    """A body over 512 KiB is parsed in a worker thread, whose shallow stack lets the parser accept
+    """A body over BIG_BODY (128 KiB) is parsed in a worker thread, whose shallow stack lets the parser accept
     nesting that json.dumps (keys, payload) cannot encode again: that was a plain 500 (and a
     logged traceback). Any depth must be a JSON 400, or what the engine says about it."""
     pad = "x " * 300_000

@@ -49,7 +49,7 @@ Send = Callable[[dict], Awaitable[None]]
 Receive = Callable[[], Awaitable[dict]]
 
 MAX_BODY = 8 * 1024 * 1024
-BIG_BODY = 512 * 1024  # parse + prepare larger bodies in a worker thread
+BIG_BODY = 128 * 1024  # parse + prepare larger bodies in a worker thread (20k content parts in 490 KiB cost ~130 ms)
 JSON_HEADERS = [(b"content-type", b"application/json")]
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                (b"x-accel-buffering", b"no")]
