@@ -7,6 +7,7 @@ contract (commands, exit codes, JSON shapes) is in docs/contract.md."""
 from __future__ import annotations
 
 import functools
+import math
 import os
 from pathlib import Path
 from typing import Callable, List, Optional
@@ -155,13 +156,14 @@ KEY_FILE_OPT = typer.Option(None, "--api-key-file", envvar="MOLCTL_API_KEY_FILE"
                             help="Proxy API keys, one per line (mode 0600). Or set MOLCTL_API_KEY.")
 UNAUTH_OPT = typer.Option(False, "--allow-unauthenticated", help="Run the proxy without an API key.")
 def _positive(value: Optional[float]) -> Optional[float]:
-    if value is not None and not value > 0:
+    if value is not None and not (value > 0 and math.isfinite(value)):
         raise typer.BadParameter(f"{value:g}: expected a number of seconds > 0")
     return value
 
 
 def _not_negative(value: Optional[float]) -> Optional[float]:
-    if value is not None and value < 0:
+    # nan would pass `< 0` and make every deadline expire at once (no drain, an instant SIGKILL)
+    if value is not None and not (value >= 0 and math.isfinite(value)):
         raise typer.BadParameter(f"{value:g}: expected a number of seconds >= 0")
     return value
 

@@ -141,9 +141,13 @@ class Claim:
     def set_holder(self, info: Mapping[str, Any]) -> None:
         if self.fd is None:
             return
+        # Never an empty file while held (a reader would name no holder): one write of the new
+        # content padded over the old one (JSON ignores trailing blanks), then trim it.
+        data = (json.dumps(dict(info)) + "\n").encode()
         try:
-            os.ftruncate(self.fd, 0)
-            os.pwrite(self.fd, (json.dumps(dict(info)) + "\n").encode(), 0)
+            old = os.fstat(self.fd).st_size
+            os.pwrite(self.fd, data.ljust(max(old, len(data)), b" "), 0)
+            os.ftruncate(self.fd, len(data))
         except OSError:
             pass  # a lock file created by another user may be read-only to us: the claim holds anyway
 
@@ -171,7 +175,7 @@ class HostLocks:
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             except BlockingIOError:
-                return Holder.parse(os.pread(fd, 4096, 0))
+                return _read_holder(fd)
             fcntl.flock(fd, fcntl.LOCK_UN)
             return None
         finally:
@@ -190,13 +194,24 @@ class HostLocks:
                 break
             except BlockingIOError:
                 if i == 4:
-                    holder = Holder.parse(os.pread(fd, 4096, 0))
+                    holder = _read_holder(fd)
                     os.close(fd)
                     raise ClaimConflict(f"port {key}" if kind == "port" else f"GPU {key}", holder) from None
                 time.sleep(0.02)
         claim = Claim(kind, key, path, fd)
         claim.set_holder(info)
         return claim
+
+
+def _read_holder(fd: int, wait_s: float = 1.0) -> Holder:
+    """The holder named in a held lock file. A claim taken an instant ago may not have written
+    its name yet (created empty, then locked, then written): wait up to `wait_s` for it."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        holder = Holder.parse(os.pread(fd, 4096, 0))
+        if holder != Holder.parse(b"") or time.monotonic() >= deadline:
+            return holder
+        time.sleep(0.02)
 
 
 def _open_lock_file(path: Path) -> int:

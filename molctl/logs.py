@@ -47,6 +47,10 @@ def show_logs(ctx, profile: str | None, component: str | None, follow: bool, lin
         raise UsageError(f"--component {component!r}: expected engine or proxy")
     if lines < 0:
         raise UsageError(f"--lines {lines}: expected 0 or more")
+    if profile:
+        from molctl.stacks import known_or_recorded
+
+        known_or_recorded(ctx, profile)  # a typo is exit 3 listing the known profiles
     name = _pick_profile(ctx.state_dir, profile)
     components = [component] if component else list(COMPONENTS)
     current: dict[str, tuple[Path, int, int]] = {}  # path, position, inode

@@ -82,9 +82,10 @@ def differences(old: dict, new: dict, limit: int = 3) -> str:
 
 
 def up_command(name: str, overrides: Iterable[tuple[str, Any]], key_args: list[str], state_dir: Path | None = None,
-               profiles_dirs: Iterable[Path] = ()) -> str:
+               profiles_dirs: Iterable[Path] = (), options: Iterable[str] = ()) -> str:
     """The `molctl up` command line that starts this configuration again (values as JSON, which
-    `--set` reads back as the same typed value)."""
+    `--set` reads back as the same typed value), with the start's `options` (`--skip`,
+    `--timeout`: a stack that needed them to start needs them again)."""
     argv = ["molctl"]
     if state_dir is not None:
         argv += ["--state-dir", str(state_dir)]
@@ -93,5 +94,5 @@ def up_command(name: str, overrides: Iterable[tuple[str, Any]], key_args: list[s
     argv += ["up", name]
     for key, value in overrides:
         argv += ["--set", f"{key}={json.dumps(value)}"]
-    argv += key_args
+    argv += list(options) + key_args
     return shlex.join(argv)

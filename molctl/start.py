@@ -146,7 +146,8 @@ def _up_locked(profile: Profile, config: dict, ctx, opts: UpOptions, key_args: l
                progress: Progress) -> dict[str, Any]:
     state_dir, name = ctx.state_dir, profile.name
     config = {**config, "up_command": stackconfig.up_command(name, opts.overrides, key_args, _explicit_state_dir(ctx),
-                                                             [Path(d).resolve() for d in opts.profiles_dirs])}
+                                                             [Path(d).resolve() for d in opts.profiles_dirs],
+                                                             _start_options(opts))}
     t0 = time.monotonic()
     others = [p for p in running_profiles(state_dir) if p != name]
     if others:
@@ -210,6 +211,18 @@ def _up_locked(profile: Profile, config: dict, ctx, opts: UpOptions, key_args: l
     total = time.monotonic() - t0
     return _result(profile, read_records(state_dir, name), already=False,
                    timings={"engine_ready_s": round(t_engine, 2), "total_s": round(total, 2)})
+
+
+def _start_options(opts: UpOptions) -> list[str]:
+    """The options of this start that its way back (a failed switch) must repeat."""
+    out: list[str] = []
+    for category in dict.fromkeys(opts.skip):
+        out += ["--skip", category]
+    if opts.timeout_s is not None:
+        out += ["--timeout", f"{opts.timeout_s:g}"]
+    if opts.drain_timeout_s != UpOptions.drain_timeout_s:
+        out += ["--drain-timeout", f"{opts.drain_timeout_s:g}"]
+    return out
 
 
 def _explicit_state_dir(ctx) -> Path | None:

@@ -83,7 +83,7 @@ def read_records_checked(state_dir: Path, profile: str) -> tuple[dict[str, Recor
         path = record_path(state_dir, profile, component)
         try:
             text = path.read_text()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # no record (a state dir that is a file holds none)
             continue
         except OSError as exc:
             problems.append(RecordProblem(component, path, exc.strerror or str(exc)))
