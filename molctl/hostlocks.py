@@ -13,7 +13,6 @@ profile, component, state dir), which `check`, `up` and `switch` show.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import stat
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from molctl.errors import ConflictError, MolctlError
+from molctl.flocks import holder_if_held, try_exclusive
 
 LOCK_DIR_ENV = "MOLCTL_LOCK_DIR"
 
@@ -167,19 +167,7 @@ class HostLocks:
 
     def holder(self, kind: str, key: int) -> Holder | None:
         """The holder of a claim, or None when nobody holds it."""
-        try:
-            fd = os.open(self.path(kind, key), os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:
-            return None
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return _read_holder(fd)
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            return None
-        finally:
-            os.close(fd)
+        return holder_if_held(self.path(kind, key), _read_holder)
 
     def acquire(self, kind: str, key: int, info: Mapping[str, Any]) -> Claim:
         _ensure_dir(self.dir)
@@ -188,16 +176,10 @@ class HostLocks:
             fd = _open_lock_file(path)
         except OSError as exc:
             raise MolctlError(f"cannot open the host lock {path}: {exc.strerror or exc}") from None
-        for i in range(5):  # a prober (check, status) holds LOCK_SH for an instant
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if i == 4:
-                    holder = _read_holder(fd)
-                    os.close(fd)
-                    raise ClaimConflict(f"port {key}" if kind == "port" else f"GPU {key}", holder) from None
-                time.sleep(0.02)
+        if not try_exclusive(fd):
+            holder = _read_holder(fd)
+            os.close(fd)
+            raise ClaimConflict(f"port {key}" if kind == "port" else f"GPU {key}", holder)
         claim = Claim(kind, key, path, fd)
         claim.set_holder(info)
         return claim

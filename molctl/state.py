@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from molctl.errors import ConflictError, MolctlError
+from molctl.flocks import holder_if_held, try_exclusive
 
 COMPONENTS = ("engine", "proxy")
 LEGACY_TOLERANCE_S = 0.05  # psutil create_time resolution (records without start ticks)
@@ -289,20 +290,6 @@ def _read_holder(fd: int) -> LockHolder:
     return LockHolder.parse(os.pread(fd, 4096, 0))
 
 
-def _flock_nb(fd: int, tries: int = 5) -> bool:
-    """LOCK_EX without blocking; retried briefly, since a `status` may hold LOCK_SH for an instant."""
-    import fcntl
-
-    for i in range(tries):
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            if i < tries - 1:
-                time.sleep(0.02)
-    return False
-
-
 class StateLock:
     """flock on <state>/lock for every mutating command; a second one fails fast (exit 4)
     naming the holder and how to stop it. The kernel drops the lock when the holder dies: never
@@ -318,7 +305,7 @@ class StateLock:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as exc:
             raise StateDirError(f"cannot take the state lock {self.path}: {exc.strerror or exc}") from None
-        if not _flock_nb(fd):
+        if not try_exclusive(fd):
             holder = _read_holder(fd)
             os.close(fd)
             raise ConflictError(f"the state lock {self.path} is held by {holder.describe()}; {holder.stop_hint()}") from None
@@ -346,19 +333,4 @@ class StateLock:
 
 def lock_holder(state_dir: Path) -> LockHolder | None:
     """Who holds the state lock right now (for status), or None."""
-    import fcntl
-
-    path = state_dir / "lock"
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return _read_holder(fd)
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return None
-    finally:
-        os.close(fd)
+    return holder_if_held(state_dir / "lock", _read_holder, nofollow=False)

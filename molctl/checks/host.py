@@ -109,11 +109,14 @@ def run_ports(profile: Profile, probes: Probes) -> list[CheckResult]:
                                   ("proxy", profile.proxy.host, profile.proxy.port)):
         cid = f"port.{component}"
         claim, own_claim = _claim_holder("port", port, profile, probes)
+        free = probes.ports.is_free(host, port)
+        if not free and claim is None:  # claimed between the two looks (another `up` racing this one)?
+            claim, own_claim = _claim_holder("port", port, profile, probes)
         if claim is not None and not own_claim:
             out.append(CheckResult(cid, "fail", f"{component} port {host}:{port} ({component}.port) is claimed by "
                                                 f"{claim.describe()}; {claim.stop_hint()}"))
             continue
-        if probes.ports.is_free(host, port):
+        if free:
             out.append(CheckResult(cid, "pass", f"{host}:{port} is free"))
             continue
         holder = probes.ports.holder(port)
