@@ -1,8 +1,11 @@
 """HTTP probes of a starting or running stack (httpx; the CLI's probes are not on a hot path).
 
 Engine readiness, for vLLM and SGLang alike: `/health` 200, then `/v1/models` lists L0-L3 with
-the profile's engine-side base name as parent, then a 1-token completion per adapter succeeds
-(an adapter can load and still do nothing: vllm#55193). `/health` 200 alone proves neither.
+the profile's engine-side base name as parent, then (engines that report it: SGLang) the running
+server's version matches the pin, then a 1-token completion per adapter succeeds (an adapter can
+load and still do nothing: vllm#55193). `/health` 200 alone proves neither. What differs between
+the engines (what a non-200 /health means, how /v1/models lists adapters, the smoke request, the
+version endpoint) are hooks of the engine module (`molctl.engines.base.Engine`).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ def proxy_url(profile: Profile) -> str:
 
 @dataclass
 class Probe:
-    state: str  # "down" | "starting" | "adapters" | "ready"
+    state: str  # "down" | "starting" | "adapters" | "version" | "ready"
     detail: str
 
 
@@ -48,6 +51,7 @@ class EngineReadiness:
         self.url = url or engine_url(profile)
         self.client = client or httpx.Client(timeout=httpx.Timeout(5.0, connect=1.0), trust_env=False)
         self.smoke_ok: set[str] = set()
+        self.version_ok = False
 
     def poll(self) -> Probe:
         try:
@@ -55,7 +59,7 @@ class EngineReadiness:
         except httpx.HTTPError:
             return Probe("down", "not listening yet")
         if r.status_code != 200:
-            return Probe("starting", f"/health answers {r.status_code}")
+            return Probe("starting", self.engine.health_detail(r.status_code))
         try:
             models = self.client.get(self.url + "/v1/models").json()
         except (httpx.HTTPError, ValueError):
@@ -63,11 +67,22 @@ class EngineReadiness:
         problems = adapter_problems(self.profile, self.engine, models)
         if problems:
             return Probe("adapters", "; ".join(problems))
+        if self.engine.version_path and not self.version_ok:
+            try:
+                r = self.client.get(self.url + self.engine.version_path)
+                body = r.json() if r.status_code == 200 else None
+            except (httpx.HTTPError, ValueError):
+                return Probe("starting", f"{self.engine.version_path} not answering")
+            if body is None:
+                return Probe("starting", f"{self.engine.version_path} answered {r.status_code}")
+            problem = self.engine.version_problem(self.profile, self.engine.running_version(body))
+            if problem:
+                return Probe("version", problem)
+            self.version_ok = True
         for route in ROUTES:
             if route in self.smoke_ok:
                 continue
-            body = {"model": self.engine.adapter_model(self.profile, route), "max_tokens": 1, "temperature": 0,
-                    "messages": [{"role": "user", "content": "ping"}]}
+            body = self.engine.smoke_request(self.profile, route)
             try:
                 r = self.client.post(self.url + "/v1/chat/completions", json=body, headers={"X-MoL-Hop": "readiness"},
                                      timeout=60.0)
@@ -89,8 +104,9 @@ class Poller(Protocol):
 def wait_ready(readiness: Poller, timeout_s: float, *, check_alive: Callable[[], None],
                on_wait: Callable[[float, Probe], None], clock: Callable[[], float] = time.monotonic,
                sleep: Callable[[float], None] = time.sleep, poll_s: float = POLL_S) -> tuple[Probe, float]:
-    """Poll until the engine is ready, its adapters are wrong, or `timeout_s` passed; returns the
-    last probe (state "ready", "adapters", or anything else: timed out) and the seconds waited.
+    """Poll until the engine is ready, its adapters or version are wrong, or `timeout_s` passed;
+    returns the last probe (state "ready", "adapters", "version", or anything else: timed out)
+    and the seconds waited.
     `check_alive()` runs before every probe (it raises when a watched process exited);
     `on_wait(elapsed, probe)` after every probe that is not final."""
     start = clock()
@@ -98,7 +114,7 @@ def wait_ready(readiness: Poller, timeout_s: float, *, check_alive: Callable[[],
     while True:
         check_alive()
         probe = readiness.poll()
-        if probe.state in ("ready", "adapters"):
+        if probe.state in ("ready", "adapters", "version"):
             return probe, clock() - start
         now = clock()
         if now >= deadline:

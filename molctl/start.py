@@ -333,6 +333,8 @@ class _Starter:
         stop(record, ENGINE_STOP_TIMEOUT_S)
         if probe.state == "adapters":
             raise StartFailed(f"the engine is up but {probe.detail}; it was stopped", ExitStatus.ADAPTERS)
+        if probe.state == "version":  # the running server is not the pinned engine version
+            raise StartFailed(f"the engine is up but {probe.detail}; it was stopped", ExitStatus.CHECK_FAILED)
         raise StartFailed(f"the engine was not ready within {timeout:.0f} s ({probe.detail}); it was stopped "
                           f"(log: {record.log})", ExitStatus.TIMEOUT, tail(record.log, 20))
 

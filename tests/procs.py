@@ -15,7 +15,8 @@ import httpx
 
 from tests.helpers import ROOT
 
-__all__ = ["ROOT", "fake_engine_argv", "proxy_argv", "running", "stop", "wait_http"]
+__all__ = ["ROOT", "FAKE_SGLANG_PKG", "fake_engine_argv", "fake_sglang_argv", "fake_engine_python", "proxy_argv",
+           "running", "stop", "wait_http"]
 
 
 def wait_http(url: str, timeout: float = 20.0, status: int | None = 200, proc: subprocess.Popen | None = None) -> None:
@@ -73,3 +74,29 @@ def fake_engine_argv(port: int, config: dict | None = None) -> list[str]:
 
 def proxy_argv(profile: str, upstream: str, port: int, *extra: str) -> list[str]:
     return [sys.executable, "-m", "molctl", "proxy", profile, "--upstream", upstream, "--port", str(port), *extra]
+
+
+FAKE_SGLANG_PKG = ROOT / "tests" / "fake_sglang_pkg"  # a fake `sglang` distribution (tests/fake_sglang.py)
+
+
+def fake_sglang_argv(port: int, served: str, adapters_root: str = "/models/loras", config: dict | None = None,
+                     cache_report: bool = True, *extra: str) -> list[str]:
+    """The fake SGLang launched as `python -m sglang.launch_server` would be, with L0-L3 loaded."""
+    import json
+
+    argv = [sys.executable, str(ROOT / "tests" / "fake_sglang.py"), "--model-path", "/models/base",
+            "--served-model-name", served, "--port", str(port), "--config", json.dumps(config or {})]
+    if cache_report:
+        argv.append("--enable-cache-report")
+    return [*argv, *extra, "--lora-paths", *(f"L{i}={adapters_root}/L{i}" for i in range(4))]
+
+
+def fake_engine_python(path: Path) -> Path:
+    """An `engine.python` for both fakes: `-m sglang.launch_server` (and `-c` probes) run the real
+    interpreter with the fake sglang distribution on PYTHONPATH; anything else (a vLLM launch)
+    runs tests/fake_engine.py."""
+    path.write_text(f"#!/bin/sh\nPYTHONPATH={FAKE_SGLANG_PKG}; export PYTHONPATH\n"
+                    f"if [ \"$1\" = \"-c\" ] || [ \"$2\" = \"sglang.launch_server\" ]; then exec {sys.executable} \"$@\"; fi\n"
+                    f"exec {sys.executable} {ROOT / 'tests' / 'fake_engine.py'} \"$@\"\n")
+    path.chmod(0o755)
+    return path

@@ -107,17 +107,17 @@ def probe_install_cached(engine: "Engine", python: str, cache_dir: Path | None) 
 def adapter_problems(profile: Profile, engine: "Engine", models: object) -> list[str]:
     """What is wrong with an engine's /v1/models for this profile (empty when L0-L3 are all
     listed with the profile's engine-side base as parent). Used by `up`, `status` and /readyz."""
-    if not isinstance(models, dict) or not isinstance(models.get("data"), list):
+    listed = engine.listed_adapters(models)
+    if listed is None:
         return ["/v1/models did not return a model list"]
-    listed = {m.get("id"): m for m in models["data"] if isinstance(m, dict)}
     parent = profile.engine.served_name
     problems = []
     for route in ROUTES:
-        card = listed.get(route) or listed.get(engine.adapter_model(profile, route))
-        if card is None:
+        name = route if route in listed else engine.adapter_model(profile, route)
+        if name not in listed:
             problems.append(f"adapter {route} is missing from /v1/models")
-        elif card.get("parent") != parent:
-            problems.append(f"adapter {route} is attached to parent {card.get('parent')!r}, expected {parent!r}")
+        elif listed[name] != parent:
+            problems.append(f"adapter {route} is attached to parent {listed[name]!r}, expected {parent!r}")
     return problems
 
 
@@ -158,6 +158,44 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def adapter_model(self, profile: Profile, route: str) -> str:
         """The `model` field that selects an adapter in a request to the engine."""
+
+    # Readiness hooks (molctl.readiness calls these; the engine modules say what their engine does)
+    # The path that reports the running server's version, or None: not checked at runtime.
+    version_path: str | None = None
+
+    def listed_adapters(self, models: object) -> dict[str, object] | None:
+        """`{card id: its parent}` from a /v1/models body (None: not a model list). vLLM and
+        SGLang both answer OpenAI's ModelList, an adapter's card naming the base as `parent`."""
+        if not isinstance(models, dict) or not isinstance(models.get("data"), list):
+            return None
+        return {m.get("id"): m.get("parent") for m in models["data"] if isinstance(m, dict)}
+
+    def health_detail(self, status: int) -> str:
+        """What a non-200 /health means while the engine starts (shown on the progress line)."""
+        return f"/health answers {status}"
+
+    def smoke_request(self, profile: Profile, route: str) -> dict[str, Any]:
+        """The 1-token chat completion `up` sends to each adapter before it calls the stack ready."""
+        return {"model": self.adapter_model(profile, route), "max_tokens": 1, "temperature": 0,
+                "messages": [{"role": "user", "content": "ping"}]}
+
+    def running_version(self, body: object) -> str | None:
+        """The version in the body of `version_path`'s answer."""
+        return body.get("version") if isinstance(body, dict) and isinstance(body.get("version"), str) else None
+
+    def version_problem(self, profile: Profile, version: str | None) -> str | None:
+        """Why the running server's version does not satisfy the profile's pin (None: it does)."""
+        from packaging.specifiers import SpecifierSet
+        from packaging.version import InvalidVersion, Version
+
+        if version is None:
+            return f"{self.version_path} reported no version"
+        try:
+            ok = Version(Version(version).public) in SpecifierSet(profile.engine.version, prereleases=True)
+        except (InvalidVersion, ValueError):
+            return f"the running {self.package} reports version {version!r}, which is not a version"
+        return None if ok else (f"the running {self.package} reports version {version}, "
+                                f"which does not match engine.version {profile.engine.version}")
 
     # Shared helpers -----------------------------------------------------------------------
     def profile_flags(self, profile: Profile) -> list[str]:

@@ -1,4 +1,83 @@
-"""SGLang: `sglang.launch_server`, adapters selected with `model=<base>:<adapter>`.
+"""SGLang (pinned 0.5.13.post1): `sglang.launch_server`, adapters selected with `model=<base>:<adapter>`.
+
+What SGLang does, and what molctl does about it. Read from SGLang's own source with the `search`
+tool (paths are in sgl-project/sglang; "PR"/"issue" are its GitHub threads). A real SGLang
+cannot run on molctl's CI host (no CUDA: its import fails on the CPU), so these facts are what
+`tests/fake_sglang.py` scripts, each behaviour citing the same place.
+
+Start-up and readiness (python/sglang/srt/entrypoints/http_server.py, engine.py):
+- `launch_server` first runs `_launch_subprocesses`: the scheduler process(es) (one per TP rank,
+  managers/scheduler.py `run_scheduler_process`) and the detokenizer process
+  (managers/detokenizer_manager.py) load the model while the launcher waits for their "ready"
+  pipe message. Nothing listens on the port during the whole load: a connect is refused.
+- Then uvicorn serves, with `tokenizer_manager.server_status = ServerStatus.Starting`. `/health`
+  and `/health_generate` are ONE handler (`health_generate`): it answers 503 while the status is
+  Starting, and 503 once SIGTERM set `gracefully_exit`; otherwise it sends a 1-token generate
+  (input_ids [0]) and answers 200 if the scheduler/detokenizer answered within
+  HEALTH_CHECK_TIMEOUT (else 503 and status UnHealthy). `/get_model_info`, `/get_server_info`
+  and `/v1/models` answer 200 as soon as uvicorn listens, i.e. before the warm-up.
+- The warm-up thread (`_wait_and_warmup` -> `_execute_server_warmup`) polls `/get_model_info`,
+  then POSTs a real `/generate` ("The capital city of France is", max_new_tokens 8); only when
+  that answers 200 does it set ServerStatus.Up and log "The server is fired up and ready to
+  roll!". A failed warm-up logs "Initialization failed. warmup error" and kills the process
+  tree. So on SGLang `/health` 200 already means "warmed up and serving"; molctl still checks
+  the adapters, the version and a 1-token completion per adapter (an adapter can load and do
+  nothing), like on vLLM. A 503 while starting is shown as "warming up" (`health_detail`).
+- Log phases for the progress line (`phases` below): "server_args=ServerArgs(...)" printed at
+  start, "Load weight begin", "Loading safetensors checkpoint shards: ... n/N", "Load weight
+  end", "KV Cache is allocated" / "Memory pool end", "Capture cuda graph" / "Capturing batches",
+  "Uvicorn running on" / "Application startup complete" (warm-up under way), then "The server is
+  fired up and ready to roll!".
+
+Adapters:
+- `--lora-paths` takes `<PATH>`, `<NAME>=<PATH>` or a JSON object
+  `{"lora_name":str,"lora_path":str,"pinned":bool}` per adapter (docs/advanced_features/lora.md,
+  server_args.py); it implies `--enable-lora`. molctl passes `L0=DIR ... L3=DIR`.
+  `--max-loras-per-batch` (default 8) is the GPU adapter-pool size, `--max-loaded-loras` the CPU
+  cap (>= max-loras-per-batch), `--max-lora-rank` the largest rank (inferred from the adapters
+  when unset; molctl's model check reads it via `max_lora_rank`).
+- `/v1/models` lists, since PR #12229 (Oct 2025, before 0.5.13), the base card (`parent` null)
+  and one card per loaded adapter: `id` = lora_name (bare: "L2"), `root` = its path, `parent` =
+  the served model name (http_server.py `available_models`, `lora_registry.get_all_adapters()`).
+  So `adapter_problems` reads the same `{id: parent}` shape as on vLLM (`listed_adapters`).
+- A request selects an adapter with `model="<served-name>:<adapter>"` (PR #11570, Oct 2025:
+  entrypoints/openai/serving_base.py `_parse_model_parameter` / `_resolve_lora_path`), or with
+  the older `lora_path` body field; the `model:adapter` form wins when both are given. An
+  adapter that is not loaded is a 400. molctl uses the `model` form everywhere (`adapter_model`),
+  also for the 1-token readiness smoke (`smoke_request`: `{"model": "<base>:L<n>", "max_tokens":
+  1, ...}` to /v1/chat/completions, the OpenAI endpoint the proxy uses, not the native
+  /generate).
+
+Version: `/get_server_info` returns the server args, the scheduler info and
+`"version": __version__` (http_server.py `get_server_info`); molctl reads it after the adapters
+and stops the engine (exit 3) when it does not match `engine.version` (`version_path`).
+
+Shutdown (managers/tokenizer_manager.py `SignalHandler`, utils `kill_itself_when_parent_died`,
+launch_server.py):
+- SIGTERM on the launcher: "SIGTERM received. ... Draining requests and shutting down..." sets
+  `gracefully_exit` (/health turns 503), the watchdog waits for in-flight requests, then
+  `kill_process_tree` takes the scheduler and detokenizer down with it; launch_server.py also
+  kills the tree in its `finally`.
+- The scheduler and detokenizer rename themselves (`setproctitle("sglang::scheduler...")`,
+  "sglang::detokenizer"), which wipes the environment marker in /proc/PID/environ: molctl finds
+  them by the second marker, the run-dir cwd (molctl/procid.py), as for vLLM's EngineCore.
+- They arm PR_SET_PDEATHSIG=SIGKILL (`kill_itself_when_parent_died`), so a SIGKILLed launcher
+  usually takes them along; but some versions disable it ("does not work for `--dp 2`"), and it
+  fires per parent thread, so an orphaned scheduler holding the GPUs is possible: `up`/`down`
+  stop leftover marked processes whether or not their leader lives.
+
+Metrics, usage, parsers, structured output:
+- `--enable-metrics` serves Prometheus `/metrics`; `--enable-cache-report` adds
+  `usage.prompt_tokens_details.cached_tokens` (entrypoints/openai/usage_processor.py,
+  serving_chat.py `enable_cache_report=...`), in the final stream chunk too when
+  `stream_options.include_usage`; without it SGLang reports no cached tokens.
+- GLM-5 parsers: `--reasoning-parser glm45` (reasoning in `reasoning_content`), `--tool-call-parser
+  glm45` / `glm47` (function_call/ detectors), as venti-sglang passes.
+- Structured output on the OpenAI endpoint: the request fields `regex`, `ebnf` or `json_schema`
+  (response_format) of ChatCompletionRequest (entrypoints/openai/protocol.py), one at a time;
+  there is no vLLM-style `choice`. The route hop sends `regex: "(L0|L1|L2|L3)"`
+  (`guided_choice`) with thinking off (`chat_template_kwargs.enable_thinking: false`), so the
+  reasoning parser leaves the label in `content`.
 
 SGLang's argument parser cannot be imported on a host without CUDA (its utils import
 torchvision/orjson at import time), so the accepted flags are read from the installed
@@ -36,6 +115,7 @@ class SglangEngine(Engine):
     model_flag = "--model-path"
     lora_flag = "--lora-paths"
     memory_flag = "mem-fraction-static"
+    version_path = "/get_server_info"
     phases = (
         (r"server_args=|ServerArgs\(", "engine config"),
         (r"Load weight begin", "loading model"),
@@ -55,6 +135,11 @@ class SglangEngine(Engine):
 
     def guided_choice(self, labels: list[str]) -> dict:
         return {"regex": "(" + "|".join(labels) + ")"}
+
+    def health_detail(self, status: int) -> str:
+        if status == 503:
+            return "/health answers 503 (SGLang: warming up, or shutting down)"
+        return super().health_detail(status)
 
 
 ENGINE = SglangEngine()

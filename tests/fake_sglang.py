@@ -1,0 +1,303 @@
+"""A scripted fake SGLang 0.5.13.post1 launcher (`python -m sglang.launch_server ...`), for the
+lifecycle and proxy tests: a real SGLang cannot run here (no CUDA). It reuses the fake vLLM's
+chat behaviour (tests/fake_engine.py: directives, /_log, /_config, /_reset) and changes what
+SGLang does differently; each behaviour cites where SGLang does it (paths in sgl-project/sglang;
+the facts are summarised in molctl/engines/sglang.py).
+
+Start-up, in SGLang's order:
+  1. prints `server_args=ServerArgs(...)` (server_args.py, logged by the launcher);
+  2. spawns the scheduler (one per --tp rank) and the detokenizer, which rename themselves
+     `sglang::scheduler_TP<n>` / `sglang::detokenizer` with setproctitle (wiping the environment
+     marker) and arm PR_SET_PDEATHSIG=SIGKILL (managers/scheduler.py run_scheduler_process,
+     detokenizer_manager.py, utils kill_itself_when_parent_died);
+  3. logs the load: "Load weight begin", the shard progress, "Load weight end", "KV Cache is
+     allocated" (model_executor/model_runner.py); nothing listens meanwhile (http_server.py
+     launch_server runs _launch_subprocesses before uvicorn);
+  4. serves with status Starting: /health and /health_generate (one handler) answer 503,
+     /get_model_info, /get_server_info and /v1/models 200 (http_server.py health_generate);
+  5. warm-up: polls /get_model_info, POSTs /generate, then status Up and "The server is fired up
+     and ready to roll!" (http_server.py _execute_server_warmup / _wait_and_warmup); a failed
+     warm-up kills the process tree.
+Serving:
+  - /v1/models: the base card (parent null) and one card per loaded adapter, id = lora_name,
+    parent = served name (PR #12229, http_server.py available_models);
+  - /v1/chat/completions: `model="<served>:<adapter>"` selects an adapter (PR #11570,
+    entrypoints/openai/serving_base.py _parse_model_parameter: split at the first ':'; the
+    `lora_path` field is the older form, the model form wins); an adapter that is not loaded is
+    a 400; usage has `prompt_tokens_details.cached_tokens` only with --enable-cache-report
+    (entrypoints/openai/usage_processor.py);
+  - /get_server_info: the server args plus `"version": __version__` (http_server.py).
+Shutdown: SIGTERM logs "SIGTERM received. ... Draining requests and shutting down...", /health
+turns 503 (`gracefully_exit`), in-flight requests finish, then the process tree is killed
+(managers/tokenizer_manager.py SignalHandler + sigterm watchdog, launch_server.py finally).
+
+FAKE_* knobs (the profile's engine.env): FAKE_STARTUP_DELAY (s of "loading"), FAKE_WARMUP_DELAY
+(s the warm-up takes, default 0.3), FAKE_WARMUP_FAIL=1, FAKE_EXIT=<code> (crash while loading),
+FAKE_IGNORE_TERM=1, FAKE_ORPHAN=1 (children do not arm PDEATHSIG: the orphaned-scheduler case,
+as versions that disable kill_itself_when_parent_died), FAKE_NO_CHILDREN=1, FAKE_ADAPTERS (comma
+list of the adapters that load), FAKE_PARENT, FAKE_SGLANG_VERSION, FAKE_ANSWER_DELAY.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fake_engine as base  # noqa: E402
+from aiohttp import ClientSession, web  # noqa: E402
+
+VERSION = "0.5.13.post1"
+
+CHILD = r"""
+import ctypes, signal, sys, time
+if sys.argv[2] == "1":
+    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG, as kill_itself_when_parent_died
+import setproctitle
+setproctitle.setproctitle(sys.argv[1])
+print(f"[{sys.argv[1]}] ready", flush=True)
+time.sleep(3600)
+"""
+
+
+class Sgl:
+    def __init__(self):
+        self.status = "starting"  # ServerStatus.Starting -> Up
+        self.gracefully_exit = False
+        self.served = "default"
+        self.lora_paths: dict[str, str] = {}
+        self.cache_report = False
+        self.version = VERSION
+        self.server_args: dict = {}
+        self.children: list[subprocess.Popen] = []
+        self.inflight = 0
+
+
+SGL = Sgl()
+
+
+def error(message: str, status: int = 400) -> web.Response:
+    """SGLang's OpenAI error body (entrypoints/openai/protocol.py ErrorResponse)."""
+    return web.json_response({"object": "error", "message": message, "type": "BadRequest", "param": None,
+                              "code": status}, status=status)
+
+
+def loaded_adapters() -> list[str]:
+    return [a for a in base.STATE.config["adapters"] if a in SGL.lora_paths or not SGL.lora_paths]
+
+
+async def health(request):
+    if SGL.gracefully_exit or SGL.status != "up":
+        return web.Response(status=503)
+    return web.Response(status=base.STATE.config["health_status"])
+
+
+async def models(request):
+    parent = base.STATE.config["parent"] or SGL.served
+    data = [{"id": SGL.served, "object": "model", "created": int(time.time()), "owned_by": "sglang",
+             "root": SGL.served, "parent": None, "max_model_len": SGL.server_args.get("context_length")}]
+    data += [{"id": a, "object": "model", "created": int(time.time()), "owned_by": "sglang",
+              "root": SGL.lora_paths.get(a, a), "parent": parent, "max_model_len": None} for a in loaded_adapters()]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def model_info(request):
+    return web.json_response({"model_path": SGL.server_args.get("model_path"), "tokenizer_path":
+                              SGL.server_args.get("model_path"), "is_generation": True,
+                              "preferred_sampling_params": None, "weight_version": "default"})
+
+
+async def server_info(request):
+    return web.json_response({**SGL.server_args, "internal_states": [{}], "version": SGL.version})
+
+
+async def generate(request):
+    """The native /generate (only the warm-up uses it here)."""
+    await request.json()
+    return web.json_response({"text": " Paris.", "meta_info": {"id": "warmup", "finish_reason": {"type": "length"}}})
+
+
+def _strip_cached(usage: dict) -> dict:
+    if SGL.cache_report:
+        return usage
+    return {k: v for k, v in usage.items() if k != "prompt_tokens_details"}
+
+
+_completion, _stream_body = base.completion, base.stream_body
+
+
+def completion(model, message, finish, usage):
+    return _completion(model, message, finish, _strip_cached(usage))
+
+
+async def stream_body(resp, emit, message, finish, tool, cfg, payload, model, usage):
+    await _stream_body(resp, emit, message, finish, tool, cfg, payload, model, _strip_cached(usage))
+
+
+base.completion, base.stream_body = completion, stream_body
+
+
+async def chat(request):
+    payload = await request.json()  # aiohttp keeps the body: base.chat reads it again
+    model = payload.get("model")
+    if not isinstance(model, str):
+        return error("model is required")
+    adapter = model.split(":", 1)[1] if ":" in model else payload.get("lora_path")
+    if adapter is not None and adapter not in loaded_adapters():
+        return error(f"The following requested LoRA adapters are not loaded: {adapter}")
+    SGL.inflight += 1
+    try:
+        return await base.chat(request)
+    finally:
+        SGL.inflight -= 1
+
+
+def make_app() -> web.Application:
+    app = web.Application(client_max_size=64 * 2**20)
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/health", health)
+    app.router.add_get("/health_generate", health)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/get_model_info", model_info)
+    app.router.add_get("/get_server_info", server_info)
+    app.router.add_post("/generate", generate)
+    app.router.add_get("/_log", base.get_log)
+    app.router.add_post("/_config", base.set_config)
+    app.router.add_post("/_reset", base.reset)
+    return app
+
+
+def kill_children() -> None:
+    """kill_process_tree(os.getpid(), include_parent=False) (sglang/srt/utils)."""
+    for child in SGL.children:
+        if child.poll() is None:
+            child.kill()
+    for child in SGL.children:
+        try:
+            child.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+async def warmup(url: str) -> None:
+    await asyncio.sleep(float(os.environ.get("FAKE_WARMUP_DELAY", "0.3")))
+    async with ClientSession() as session:
+        async with session.get(url + "/get_model_info") as r:
+            assert r.status == 200
+        if os.environ.get("FAKE_WARMUP_FAIL") == "1":
+            print("Initialization failed. warmup error: AssertionError: <Response [500]> (simulated)", flush=True)
+            kill_children()
+            os.kill(os.getpid(), signal.SIGKILL)
+        async with session.post(url + "/generate", json={"text": "The capital city of France is",
+                                                         "sampling_params": {"temperature": 0, "max_new_tokens": 8}}) as r:
+            assert r.status == 200
+    SGL.status = "up"
+    print("The server is fired up and ready to roll!", flush=True)
+
+
+async def serve(host: str, port: int) -> None:
+    runner = web.AppRunner(make_app(), handle_signals=False, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    print(f"Uvicorn running on http://{host}:{port} (Press CTRL+C to quit)", flush=True)
+    print("Application startup complete.", flush=True)
+    done = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_term():
+        print(f"SIGTERM received. signum={signal.SIGTERM!r} frame=None. Draining requests and shutting down...",
+              flush=True)
+        SGL.gracefully_exit = True
+        done.set()
+
+    if os.environ.get("FAKE_IGNORE_TERM") == "1":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    else:
+        loop.add_signal_handler(signal.SIGTERM, on_term)
+    asyncio.ensure_future(warmup(f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"))
+    await done.wait()
+    deadline = time.monotonic() + 30
+    while SGL.inflight and time.monotonic() < deadline:  # the sigterm watchdog waits for in-flight requests
+        await asyncio.sleep(0.05)
+    kill_children()
+    await runner.cleanup()
+
+
+def main() -> None:
+    env = os.environ
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--tp", "--tp-size", dest="tp", type=int, default=1)
+    parser.add_argument("--context-length", type=int, default=None)
+    parser.add_argument("--enable-cache-report", action="store_true")
+    parser.add_argument("--max-loras-per-batch", type=int, default=8)
+    parser.add_argument("--max-lora-rank", type=int, default=None)
+    parser.add_argument("--lora-paths", nargs="*", default=[])
+    parser.add_argument("--config", default="{}", help="initial fake config JSON (tests only)")
+    args, _ = parser.parse_known_args()
+    for item in args.lora_paths:  # <PATH> | <NAME>=<PATH> | JSON (server_args.py LoRA parsing)
+        if item.startswith("{"):
+            obj = json.loads(item)
+            SGL.lora_paths[obj["lora_name"]] = obj["lora_path"]
+        elif "=" in item:
+            name, path = item.split("=", 1)
+            SGL.lora_paths[name] = path
+        else:
+            SGL.lora_paths[item] = item
+    SGL.served = args.served_model_name or args.model_path  # server_args.py: defaults to model_path
+    SGL.cache_report = args.enable_cache_report
+    SGL.version = env.get("FAKE_SGLANG_VERSION", VERSION)
+    SGL.server_args = {"model_path": args.model_path, "served_model_name": SGL.served, "host": args.host,
+                       "port": args.port, "tp_size": args.tp, "context_length": args.context_length,
+                       "enable_lora": bool(SGL.lora_paths), "lora_paths": SGL.lora_paths,
+                       "max_loras_per_batch": args.max_loras_per_batch, "max_lora_rank": args.max_lora_rank,
+                       "enable_cache_report": args.enable_cache_report}
+    for target in (base.STATE.base, base.STATE.config):
+        target.update(json.loads(args.config))
+        target["served_name"] = SGL.served
+        if SGL.lora_paths:
+            target["adapters"] = list(SGL.lora_paths)
+    if env.get("FAKE_ADAPTERS") is not None:
+        base.STATE.config["adapters"] = base.STATE.base["adapters"] = [a for a in env["FAKE_ADAPTERS"].split(",") if a]
+    if env.get("FAKE_PARENT"):
+        base.STATE.config["parent"] = base.STATE.base["parent"] = env["FAKE_PARENT"]
+    if env.get("FAKE_ANSWER_DELAY"):
+        base.STATE.config["answer_delay"] = base.STATE.base["answer_delay"] = float(env["FAKE_ANSWER_DELAY"])
+
+    print(f"fake sglang pid {os.getpid()} server_args=ServerArgs(model_path={args.model_path!r}, "
+          f"served_model_name={SGL.served!r}, port={args.port}, tp_size={args.tp}, lora_paths={SGL.lora_paths!r})",
+          flush=True)
+    if env.get("FAKE_IGNORE_TERM") == "1":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    else:  # while loading: launch_server.py's `finally: kill_process_tree(...)`
+        signal.signal(signal.SIGTERM, lambda *_: (kill_children(), sys.exit(0)))
+    if env.get("FAKE_NO_CHILDREN") != "1":
+        arm = "0" if env.get("FAKE_ORPHAN") == "1" else "1"
+        titles = [f"sglang::scheduler{'_TP%d' % r if args.tp > 1 else ''}" for r in range(args.tp)] + ["sglang::detokenizer"]
+        for title in titles:
+            SGL.children.append(subprocess.Popen([sys.executable, "-c", CHILD, title, arm]))
+    print("Load weight begin. avail mem=139.50 GB", flush=True)
+    for i in range(2):
+        print(f"Loading safetensors checkpoint shards: {50 * (i + 1)}% Completed | {i + 1}/2", flush=True)
+    time.sleep(float(env.get("FAKE_STARTUP_DELAY", "0")))
+    if env.get("FAKE_EXIT"):
+        print("Scheduler hit an exception: RuntimeError: CUDA out of memory (simulated)", flush=True)
+        kill_children()
+        sys.exit(int(env["FAKE_EXIT"]))
+    print("Load weight end. type=GlmMoeDsaForCausalLM, dtype=torch.bfloat16, avail mem=60.10 GB", flush=True)
+    print("KV Cache is allocated. #tokens: 1000000, K size: 10.00 GB, V size: 10.00 GB", flush=True)
+    asyncio.run(serve(args.host, args.port))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,226 @@
+"""The lifecycle cases that depend on the engine, against the scripted fake SGLang
+(tests/fake_sglang.py, run as `engine.python -m sglang.launch_server ...` through a fake `sglang`
+distribution), on free ports: up, ready (warm-up, adapters, version, 1-token smoke per adapter),
+adapters missing, wrong parent, crash while loading, timeouts, down with the scheduler and
+detokenizer children, the orphaned scheduler after SIGKILL of the launcher, and switching
+between an SGLang stack (venti-sglang-like) and a vLLM one (tall-like, the fake vLLM).
+
+The profile `tiny-sglang` is venti-sglang's engine section (same flags, TP 1 and a 2048 window)
+on tiny's model layout and proxy, so the model checks pass on the generated layout."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import openai
+import psutil
+import pytest
+import yaml
+
+from molctl.errors import ExitStatus
+from molctl.profiles import builtin_profiles_dir
+from tests.helpers import url
+from tests.procs import fake_engine_python
+from tests.test_lifecycle import PUBLIC, Host, gone, port_free
+
+SGL = "tiny-sglang"
+SERVED = "glm52-fp8-official"
+
+
+def sglang_profile() -> str:
+    tiny = yaml.safe_load((builtin_profiles_dir() / "tiny.yaml").read_text())
+    venti = yaml.safe_load((builtin_profiles_dir() / "venti-sglang.yaml").read_text())
+    engine = dict(venti["engine"])
+    engine["args"] = {**venti["engine"]["args"], "tp": 1, "context-length": 2048, "max-lora-rank": 8,
+                      "max-loras-per-batch": 4}
+    engine.update(gpus=0, port=tiny["engine"]["port"], start_timeout_s=600, unset_env=["PYTHONPATH"])
+    proxy = {**tiny["proxy"], "reasoning": "glm"}
+    return yaml.safe_dump({**tiny, "name": SGL, "description": "tiny layout, venti-sglang engine (fake SGLang)",
+                           "engine": engine, "proxy": proxy}, sort_keys=False, allow_unicode=True)
+
+
+class SglHost(Host):
+    def __init__(self, tmp: Path):
+        super().__init__(tmp)
+        fake_engine_python(self.python)  # sglang.launch_server -> fake SGLang, else the fake vLLM
+        (self.profiles / f"{SGL}.yaml").write_text(sglang_profile())
+
+    def up(self, *extra: str, env: dict | None = None, profile=SGL, **kw):
+        return super().up(*extra, env=env, profile=profile, **kw)
+
+    def records(self, profile=SGL):
+        return super().records(profile)
+
+    def stack_pids(self, profile=SGL) -> set[int]:
+        return super().stack_pids(profile)
+
+    def sglang_children(self) -> list[psutil.Process]:
+        """Processes that renamed themselves like SGLang's scheduler/detokenizer and work in this
+        host's state dir (the run-dir marker), alive or not yet reaped."""
+        out = []
+        for p in psutil.process_iter(["cmdline", "cwd", "status"]):
+            try:
+                title = " ".join(p.info["cmdline"] or [])
+                if title.startswith("sglang::") and str(p.info["cwd"] or "").startswith(str(self.state)) \
+                        and p.info["status"] != psutil.STATUS_ZOMBIE:
+                    out.append(p)
+            except (psutil.Error, TypeError):
+                pass
+        return out
+
+
+@pytest.fixture
+def host(tmp_path):
+    h = SglHost(tmp_path)
+    yield h
+    h.cleanup()
+
+
+def engine_log(host: SglHost) -> str:
+    return host.molctl("logs", SGL, "--component", "engine", "-n", "400").stdout
+
+
+def test_up_ready_status_and_down_with_children(host):
+    r = host.up("--json")
+    assert r.exit_code == ExitStatus.OK, r.stderr
+    result = json.loads(r.stdout)
+    assert result["state"] == "ready" and result["endpoint"] == url(host.proxy_port) + "/v1"
+    # the launch argv is SGLang's: --model-path, --lora-paths NAME=PATH, the venti-sglang flags
+    argv = host.records()["engine"].argv
+    assert argv[1:3] == ["-m", "sglang.launch_server"] and "--model-path" in argv
+    assert [a for a in argv if a.startswith("L") and "=" in a] == [f"L{i}={host.model}/loras/L{i}" for i in range(4)]
+    assert "--enable-cache-report" in argv and "--reasoning-parser" in argv
+    # ready means warmed up: the fake's warm-up ran before the readiness smoke
+    log = engine_log(host)
+    assert log.index("The server is fired up and ready to roll!") >= 0
+    # the public endpoint works with the openai SDK; the engine saw base:adapter names
+    client = openai.OpenAI(base_url=result["endpoint"], api_key="none", max_retries=0)
+    answer = client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "[route:L2] hi"}])
+    assert answer.model == PUBLIC and answer.usage.prompt_tokens_details.cached_tokens == 4
+    status = json.loads(host.molctl("status", "--json").stdout)["stacks"][0]
+    assert status["state"] == "ready" and status["adapters"] == "ok"
+    # the scheduler and detokenizer renamed themselves, yet belong to the stack (run-dir marker)
+    children = host.sglang_children()
+    assert sorted(" ".join(p.cmdline()).strip() for p in children) == ["sglang::detokenizer", "sglang::scheduler"]
+    pids = host.stack_pids()
+    assert {p.pid for p in children} <= pids
+    d = host.molctl("down")
+    assert d.exit_code == ExitStatus.OK, d.stderr
+    assert gone(pids) and host.sglang_children() == []
+    assert port_free(host.engine_port) and port_free(host.proxy_port) and host.records() == {}
+    assert "SIGTERM received" in engine_log(host)  # the launcher drained on SIGTERM
+
+
+def test_readiness_waits_for_the_warm_up(host):
+    """/health is 503 until the warm-up request succeeded; the wait shows it as warming up."""
+    r = host.up("--timeout", "3", env={"FAKE_WARMUP_DELAY": "60"})
+    assert r.exit_code == ExitStatus.TIMEOUT, r.stderr
+    assert "not ready within 3 s" in r.stderr and "SGLang: warming up" in r.stderr
+    assert host.records() == {} and host.sglang_children() == [] and port_free(host.engine_port)
+
+
+def test_adapter_missing(host):
+    r = host.up(env={"FAKE_ADAPTERS": "L0,L1,L2"})
+    assert r.exit_code == ExitStatus.ADAPTERS, r.stderr
+    assert "adapter L3 is missing" in r.stderr
+    assert host.records() == {} and host.sglang_children() == [] and port_free(host.engine_port)
+
+
+def test_adapter_with_wrong_parent(host):
+    r = host.up(env={"FAKE_PARENT": "some-other-base"})
+    assert r.exit_code == ExitStatus.ADAPTERS, r.stderr
+    assert f"parent 'some-other-base', expected '{SERVED}'" in r.stderr
+    assert host.records() == {} and host.sglang_children() == []
+
+
+def test_running_version_is_checked_against_the_pin(host):
+    r = host.up(env={"FAKE_SGLANG_VERSION": "0.5.3"})
+    assert r.exit_code == ExitStatus.CHECK_FAILED, r.stderr
+    assert "reports version 0.5.3, which does not match engine.version ==0.5.13.post1" in r.stderr
+    assert host.records() == {} and host.sglang_children() == []
+
+
+def test_crash_while_loading(host):
+    r = host.up(env={"FAKE_EXIT": "3", "FAKE_STARTUP_DELAY": "0.5"})
+    assert r.exit_code == ExitStatus.START_FAILED, r.stderr
+    assert "exited with code 3" in r.stderr and "CUDA out of memory (simulated)" in r.stderr
+    assert host.records() == {} and host.sglang_children() == [] and port_free(host.engine_port)
+
+
+def test_failed_warm_up_kills_the_tree(host):
+    r = host.up(env={"FAKE_WARMUP_FAIL": "1"})
+    assert r.exit_code == ExitStatus.START_FAILED, r.stderr
+    assert "Initialization failed. warmup error" in r.stderr
+    assert host.records() == {} and host.sglang_children() == []
+
+
+def test_loading_never_ends_times_out(host):
+    r = host.up("--timeout", "2", env={"FAKE_STARTUP_DELAY": "60"})
+    assert r.exit_code == ExitStatus.TIMEOUT, r.stderr
+    assert "not ready within 2 s" in r.stderr
+    assert host.records() == {} and host.sglang_children() == [] and port_free(host.engine_port)
+
+
+def test_launcher_ignoring_sigterm_is_killed_with_its_children(host):
+    assert host.up(env={"FAKE_IGNORE_TERM": "1"}).exit_code == ExitStatus.OK
+    pids = host.stack_pids()
+    d = host.molctl("down", "--stop-timeout", "1")
+    assert d.exit_code == ExitStatus.OK, d.stderr
+    assert "SIGKILL" in d.stdout
+    assert gone(pids) and host.sglang_children() == [] and host.records() == {}
+
+
+def test_orphaned_scheduler_after_sigkill_of_the_launcher(host):
+    """FAKE_ORPHAN: the children do not arm PDEATHSIG (SGLang versions that disable
+    kill_itself_when_parent_died), so SIGKILL of the launcher leaves them running."""
+    assert host.up(env={"FAKE_ORPHAN": "1"}).exit_code == ExitStatus.OK
+    record = host.records()["engine"]
+    children = [p.pid for p in host.sglang_children()]
+    assert len(children) == 2
+    os.kill(record.pid, signal.SIGKILL)
+    time.sleep(0.3)
+    assert all(psutil.pid_exists(c) for c in children)
+    assert json.loads(host.molctl("status", "--json").stdout)["stacks"][0]["state"] == "degraded"
+    r = host.up(env={"FAKE_ORPHAN": "1"})
+    assert r.exit_code == ExitStatus.OK, r.stderr
+    assert "leftover" in r.stdout
+    assert gone(children)
+    assert host.molctl("down").exit_code == ExitStatus.OK
+    assert host.sglang_children() == []
+
+
+def test_children_with_pdeathsig_die_with_the_launcher(host):
+    """SGLang's default: the scheduler/detokenizer arm PR_SET_PDEATHSIG, so they go with a
+    SIGKILLed launcher; the stale records are cleaned by the next up."""
+    assert host.up().exit_code == ExitStatus.OK
+    children = [p.pid for p in host.sglang_children()]
+    os.kill(host.records()["engine"].pid, signal.SIGKILL)
+    assert gone(children)
+    r = host.up()
+    assert r.exit_code == ExitStatus.OK, r.stderr
+    assert host.molctl("down").exit_code == ExitStatus.OK
+    assert host.sglang_children() == []
+
+
+def test_switch_between_sglang_and_vllm(host):
+    assert host.up().exit_code == ExitStatus.OK
+    sgl_pids = host.stack_pids()
+    r = host.molctl("switch", "tiny", *host.args("--json"))  # the fake vLLM (tall-like)
+    assert r.exit_code == ExitStatus.OK, r.stderr
+    result = json.loads(r.stdout)
+    assert result["profile"] == "tiny" and result["stopped"] == [SGL]
+    assert gone(sgl_pids) and host.sglang_children() == [] and host.records(SGL) == {}
+    client = openai.OpenAI(base_url=result["endpoint"], api_key="none", max_retries=0)
+    assert client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "[route:L1] x"}]).choices
+    vllm_pids = host.stack_pids("tiny")
+    r = host.molctl("switch", SGL, *host.args("--json"))
+    assert r.exit_code == ExitStatus.OK, r.stderr
+    assert json.loads(r.stdout)["stopped"] == ["tiny"] and gone(vllm_pids) and host.records("tiny") == {}
+    assert len(host.sglang_children()) == 2
+    assert client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "[route:L3] y"}]).choices
+    assert host.molctl("down").exit_code == ExitStatus.OK
+    assert host.sglang_children() == []
