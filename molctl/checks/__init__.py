@@ -39,6 +39,7 @@ class Probes:
     api_key_file: Path | None = None
     stack_pids: Callable[[], set[int]] = field(default_factory=lambda: set)
     own_profiles: frozenset[str] = frozenset()  # stacks of state_dir whose host-wide claims are not foreign
+    verify: Any = None  # a molctl.checks.lock.Verify: add the `lock` category (check/up --verify)
 
 
 @dataclass
@@ -61,7 +62,7 @@ class Report:
 
 
 def run_checks(profile, probes: Probes, skip: Iterable[str] = ()) -> Report:
-    from molctl.checks import engine, host, model, template
+    from molctl.checks import engine, host, lock, model, template
 
     skip = set(skip)
     unknown = skip - set(CATEGORIES)
@@ -79,6 +80,8 @@ def run_checks(profile, probes: Probes, skip: Iterable[str] = ()) -> Report:
         "state": host.run_state,
         "security": host.run_security,
     }
+    if probes.verify is not None:  # `--verify`: the host compared with a `molctl lock` manifest, last
+        runners["lock"] = lock.run
     results = [CheckResult("profile.valid", "pass", f"{profile.source} is a valid profile")]
     for category, runner in runners.items():
         if category in skip:

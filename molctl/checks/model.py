@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 from pathlib import Path
 from typing import Any
@@ -187,7 +188,57 @@ def run_adapters(profile: Profile, probes: Probes) -> list[CheckResult]:
     results: list[CheckResult] = []
     for route in ROUTES:
         results.extend(_check_adapter(profile, route, base, engine_max))
+    results.extend(_capacity(profile, engine_max))
     return results
+
+
+# Capacity flags of seed 002 (warn level). The proxy serves the four adapters concurrently (the
+# route hop on L0 while answers and summaries run on L1-L3), so the engine should keep all four
+# resident in one batch; a larger --max-lora-rank than the largest real rank reserves memory for
+# nothing. Flag and default per engine: vLLM --max-loras (default 1), SGLang
+# --max-loras-per-batch (default 8).
+CONCURRENT_ADAPTERS = len(ROUTES)
+MAX_LORAS_FLAG = {"vllm": ("max-loras", 1), "sglang": ("max-loras-per-batch", 8)}
+
+
+def _real_ranks(profile: Profile) -> dict[str, int]:
+    """route -> r of the adapters whose config is readable (the adapter checks report the others)."""
+    ranks = {}
+    for route in ROUTES:
+        config, problem = _load_json(profile.adapter_dir(route) / ADAPTER_CONFIG)
+        r = config.get("r") if problem is None and isinstance(config, dict) else None
+        if isinstance(r, int) and not isinstance(r, bool) and r > 0:
+            ranks[route] = r
+    return ranks
+
+
+def _capacity(profile: Profile, engine_max: int | None) -> list[CheckResult]:
+    """`adapter.max-lora-rank`: warn when --max-lora-rank is above the largest real adapter rank;
+    `adapter.max-loras`: warn when fewer adapters fit one batch than the proxy serves at once."""
+    out = []
+    ranks = _real_ranks(profile)
+    if engine_max is not None and len(ranks) == len(ROUTES):
+        top = max(ranks.values())
+        if top < engine_max:
+            out.append(CheckResult("adapter.max-lora-rank", "warn",
+                                   f"--max-lora-rank {engine_max} is above the largest adapter rank {top} "
+                                   f"({', '.join(f'{k} r={v}' for k, v in ranks.items())}): memory reserved for nothing; "
+                                   f"set engine.args.max-lora-rank to {top}"))
+        elif top == engine_max:
+            out.append(CheckResult("adapter.max-lora-rank", "pass", f"--max-lora-rank {engine_max} = the largest adapter rank"))
+    flag, default = MAX_LORAS_FLAG.get(profile.engine.kind, ("max-loras", 1))
+    value = profile.engine.args.get(flag)
+    value = value if isinstance(value, int) and not isinstance(value, bool) else None
+    effective = default if value is None else value
+    shown = f"--{flag} {value}" if value is not None else f"--{flag} unset (the engine's default {default})"
+    if effective < CONCURRENT_ADAPTERS:
+        out.append(CheckResult("adapter.max-loras", "warn",
+                               f"{shown} is below the {CONCURRENT_ADAPTERS} adapters the proxy serves concurrently "
+                               f"(route hop on L0, answers and summaries on L1-L3): requests for the others wait for a "
+                               f"slot; set engine.args.{flag} to {CONCURRENT_ADAPTERS}"))
+    else:
+        out.append(CheckResult("adapter.max-loras", "pass", f"{shown} >= {CONCURRENT_ADAPTERS} concurrent adapters"))
+    return out
 
 
 def _check_adapter(profile: Profile, route: str, base: BaseNames, engine_max: int | None) -> list[CheckResult]:
@@ -214,7 +265,43 @@ def _check_adapter(profile: Profile, route: str, base: BaseNames, engine_max: in
     if header is None:
         return out
     out.append(_adapter_targets(cid, cfg_path, weights, config, header, base))
+    moe = _adapter_moe(cid, cfg_path, config, header, base)
+    if moe is not None:
+        out.append(moe)
     return out
+
+
+EXPERT_RE = re.compile(r"(^|\.)experts(\.|$)")
+
+
+def _adapter_moe(cid: str, cfg_path: Path, config: dict[str, Any], header: SafetensorsHeader,
+                 base: BaseNames) -> CheckResult | None:
+    """`adapter.Lk.moe` (only as a warning): the adapter targets MoE expert weights: LoRA tensors
+    under `.experts.`, a target module named like `experts`, or a target module name (w1/w2/w3,
+    gate_up_proj, down_proj...) that the base has inside `.experts.`. vLLM does not validate MoE
+    LoRA layouts (2D per-expert vs 3D fused, `is_3d_lora_weight`) and can serve wrong output
+    without an error (seed 002): such an adapter needs a known-answer test, not just a load."""
+    targets = config.get("target_modules")
+    names = [targets] if isinstance(targets, str) else [t for t in targets or [] if isinstance(t, str)]
+    expert_tensors = [n for n in header.tensors if ".lora_" in n and ".experts." in n]
+    found = []
+    if expert_tensors:
+        dims = sorted({len(header.tensors[n]["shape"]) for n in expert_tensors})
+        found.append(f"{len(expert_tensors)} LoRA tensors under .experts. ({'/'.join(f'{d}D' for d in dims)})")
+    named = [t for t in names if EXPERT_RE.search(t)]
+    if named:
+        found.append(f"target_modules {describe(named)}")
+    if base:
+        inside = [t for t in names if t not in named and re.search(rf"\.experts\.(\d+\.)?{re.escape(t.rsplit('.', 1)[-1])}\.",
+                                                                     base.joined)]
+        if inside:
+            found.append(f"target_modules {describe(inside)}, which the base has inside .experts.")
+    if not found:
+        return None
+    return CheckResult(f"{cid}.moe", "warn",
+                       f"{cfg_path}: targets MoE expert weights ({'; '.join(found)}); vLLM does not validate MoE LoRA "
+                       f"layouts (2D per-expert vs 3D fused, is_3d_lora_weight) and can serve wrong output without an "
+                       f"error: test it with known inputs before trusting it")
 
 
 def _adapter_config(cid: str, cfg_path: Path) -> tuple[dict[str, Any] | None, CheckResult]:

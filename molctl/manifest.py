@@ -1,0 +1,385 @@
+"""`molctl lock`: the run manifest of a profile, what seed 002 says must be pinned before a
+multi-LoRA deployment is trusted or measured: the runtime (engine kind, installed version and a
+fingerprint of the installed package), the full launch argv and the engine environment (secrets
+redacted), the base (config essentials, chat template digest, every file with size, mtime and
+SHA-256), every adapter (rank, alpha, target modules, declared base, SHA-256 of each file) and the
+capacity flags.
+
+The manifest is JSON (shape in docs/contract.md), written atomically (temp file, fsync, rename),
+so Ctrl-C never leaves a half-written one; by default `STATE/PROFILE/manifests/lock-<UTC time>.json`.
+`check --verify` (molctl/checks/lock.py) compares a manifest with the host.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import stat
+import subprocess
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from molctl.errors import ExitStatus, MolctlError
+from molctl.hashing import HashCache, HashProgress, hash_files
+from molctl.profiles import ROUTES, Profile
+
+FORMAT = 1
+KIND = "molctl.lock"
+SECRET_RE = re.compile(r"KEY|TOKEN|SECRET|PASSWORD", re.IGNORECASE)
+REDACTED = "<redacted>"
+# Ambient variables that change what the engine does (the profile's own engine.env is always pinned).
+ENV_PREFIXES = ("VLLM_", "SGLANG_", "CUDA_", "NCCL_", "HF_", "HUGGING_FACE_", "TRANSFORMERS_", "TORCH", "PYTORCH_",
+                "TRITON_", "FLASHINFER_", "TOKENIZERS_", "OMP_", "MKL_", "NVIDIA_")
+ENV_NAMES = ("LD_LIBRARY_PATH", "LD_PRELOAD", "PYTHONPATH", "PYTHONHOME")
+CAPACITY_FLAGS = ("max-loras", "max-lora-rank", "max-cpu-loras", "gpu-memory-utilization", "mem-fraction-static",
+                  "max-loras-per-batch", "max-loaded-loras")
+INDEX = "model.safetensors.index.json"
+
+
+class ManifestError(MolctlError):
+    """The manifest cannot be built or read (exit 3: the layout or the engine is not lockable)."""
+
+    exit_status = ExitStatus.CHECK_FAILED
+
+
+# ------------------------------------------------------------------------------------ the engine
+FINGERPRINT_SCRIPT = r"""
+import hashlib, importlib.metadata, importlib.util, json, os, sys
+name = sys.argv[1]
+out = {"python": os.path.realpath(sys.executable), "python_version": sys.version.split()[0]}
+spec = importlib.util.find_spec(name)
+out["found"] = spec is not None
+if spec is not None:
+    locs = list(spec.submodule_search_locations or []) or [os.path.dirname(spec.origin or "")]
+    root = os.path.realpath(locs[0])
+    out["location"] = root
+    h = hashlib.sha256()
+    found = []
+    parent = os.path.dirname(root)
+    try:
+        infos = sorted(e for e in os.listdir(parent) if e.endswith(".dist-info"))
+    except OSError:
+        infos = []
+    for info in infos:  # top_level.txt names the packages a distribution installs (fast path)
+        try:
+            with open(os.path.join(parent, info, "top_level.txt")) as fh:
+                if name in fh.read().split():
+                    found.append(importlib.metadata.PathDistribution.at(os.path.join(parent, info)))
+        except OSError:
+            continue
+    if not found:
+        try:
+            for dist_name in sorted(set(importlib.metadata.packages_distributions().get(name, []))):
+                found.append(importlib.metadata.distribution(dist_name))
+        except Exception:
+            pass
+    for dist in found:
+        record = dist.read_text("RECORD")
+        if record:
+            out.setdefault("dists", []).append("%s %s" % (dist.metadata["Name"], dist.version))
+            h.update(b"RECORD\0" + record.encode())
+    n = 0
+    for d, subdirs, files in os.walk(root):
+        subdirs[:] = sorted(s for s in subdirs if s != "__pycache__")
+        for f in sorted(files):
+            if f.endswith((".pyc", ".pyo")):
+                continue
+            p = os.path.join(d, f)
+            try:
+                st = os.lstat(p)
+            except OSError:
+                continue
+            h.update(("%s\0%d\0%d\n" % (os.path.relpath(p, root), st.st_size, st.st_mtime_ns)).encode())
+            n += 1
+    out["files"] = n
+    out["digest"] = h.hexdigest()
+print(json.dumps(out))
+"""
+
+
+def engine_fingerprint(python: str, package: str) -> dict[str, Any]:
+    """A fingerprint of the engine package installed under `python`, without importing it (SGLang
+    cannot be imported on a host without CUDA): the SHA-256 over its distributions' RECORD files
+    (every installed file's hash, as installed) and over every file of the package folder (path,
+    size, mtime_ns; bytecode caches left out), so an upgrade, a reinstall or an edited file changes it."""
+    try:
+        proc = subprocess.run([python, "-c", FINGERPRINT_SCRIPT, package], capture_output=True, text=True, timeout=60,
+                              stdin=subprocess.DEVNULL)
+        data = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired) as exc:
+        raise ManifestError(f"cannot fingerprint {package} under engine.python {python}: {exc}") from None
+    if not data.get("found"):
+        raise ManifestError(f"{package} is not installed under engine.python {python} (molctl lock pins the installed engine)")
+    return data
+
+
+def engine_section(profile: Profile, state_dir: Path | None) -> dict[str, Any]:
+    """kind, package, python, version (as the engine check reads it, cached alike) and fingerprint."""
+    from molctl.engines import get_engine
+    from molctl.engines.base import probe_install_cached
+
+    engine = get_engine(profile.engine.kind)
+    python = profile.engine_python
+    cache = Path(state_dir) / "cache" if state_dir is not None and Path(state_dir).is_dir() else None
+    fp = engine_fingerprint(python, engine.package)
+    install = probe_install_cached(engine, python, cache)
+    if not install.found:
+        raise ManifestError(f"{install.error or engine.package + ' is not importable'} (engine.python = {python})")
+    return {"kind": engine.kind, "package": engine.package, "python": python, "python_real": fp.get("python"),
+            "python_version": fp.get("python_version"), "version": install.version,
+            "fingerprint": fp["digest"], "location": fp.get("location"), "dists": fp.get("dists", []),
+            "package_files": fp.get("files", 0)}
+
+
+def pinned_env(profile: Profile, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The engine environment as `up` builds it (molctl.start.engine_env), restricted to what can
+    change the engine's behaviour: the profile's `engine.env` plus ambient engine, CUDA, NCCL,
+    Hugging Face, torch and library-path variables; secrets (KEY|TOKEN|SECRET|PASSWORD) redacted."""
+    base = dict(os.environ if environ is None else environ)
+    env = {k: v for k, v in base.items() if k not in profile.engine.unset_env}
+    env.update(profile.engine.env)
+    env.pop("MOLCTL_API_KEY", None)
+    keep = {k: v for k, v in env.items()
+            if k in profile.engine.env or k in ENV_NAMES or k.startswith(ENV_PREFIXES)}
+    return {k: (REDACTED if SECRET_RE.search(k) else v) for k, v in sorted(keep.items())}
+
+
+def launch_argv(profile: Profile) -> list[str]:
+    from molctl.engines import get_engine
+
+    return get_engine(profile.engine.kind).launch_argv(profile)
+
+
+def capacity(profile: Profile) -> dict[str, Any]:
+    return {flag: profile.engine.args.get(flag) for flag in CAPACITY_FLAGS if flag in profile.engine.args}
+
+
+# ------------------------------------------------------------------------------------- the model
+def _read_json_object(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ManifestError(f"{path} is missing") from None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ManifestError(f"{path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ManifestError(f"{path} is not a JSON object")
+    return data
+
+
+def config_essentials(profile: Profile) -> dict[str, Any]:
+    """model_type, dtype (torch_dtype or dtype), quantization_config.quant_method and
+    max_position_embeddings of `base/config.json` (from `text_config` when the top level lacks them)."""
+    cfg = _read_json_object(profile.base_dir / "config.json")
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
+
+    def get(*keys: str) -> Any:
+        for src in (cfg, text):
+            for k in keys:
+                if k in src:
+                    return src[k]
+        return None
+
+    quant = get("quantization_config")
+    return {"model_type": cfg.get("model_type"), "dtype": get("torch_dtype", "dtype"),
+            "quant_method": quant.get("quant_method") if isinstance(quant, dict) else None,
+            "max_position_embeddings": get("max_position_embeddings")}
+
+
+def template_digest(profile: Profile) -> dict[str, Any] | None:
+    """The chat template the engine will use (molctl.checks.template.find_template) as a source
+    and a SHA-256 over its texts; None when there is none."""
+    from molctl.checks.template import NotFound, find_template
+
+    try:
+        tpl = find_template(profile)
+    except NotFound:
+        return None
+    except ValueError as exc:
+        raise ManifestError(str(exc)) from None
+    text = json.dumps(tpl.texts, sort_keys=True, ensure_ascii=False)
+    return {"source": tpl.source, "names": sorted(tpl.texts), "sha256": hashlib.sha256(text.encode()).hexdigest()}
+
+
+def shard_names(profile: Profile) -> list[str]:
+    index = _read_json_object(profile.base_dir / INDEX)
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ManifestError(f"{profile.base_dir / INDEX} has no 'weight_map' (run `molctl check {profile.name}`)")
+    return sorted(set(weight_map.values()))
+
+
+def base_files(profile: Profile, shards: list[str]) -> list[str]:
+    """Every regular file directly in base/ that is not a shard (config, index, tokenizer, ...)."""
+    try:
+        entries = sorted(os.scandir(profile.base_dir), key=lambda e: e.name)
+    except OSError as exc:
+        raise ManifestError(f"{profile.base_dir}: {exc.strerror}") from None
+    skip = set(shards)
+    return [e.name for e in entries if e.name not in skip and e.is_file() and not e.name.startswith(".")]
+
+
+def adapter_files(directory: Path) -> list[str]:
+    """Every regular file under an adapter folder, relative, sorted (hidden files included: a file
+    the engine might load is a file to pin)."""
+    out = []
+    for d, subdirs, files in os.walk(directory):
+        subdirs.sort()
+        for f in files:
+            p = Path(d) / f
+            if stat.S_ISREG(os.stat(p).st_mode):
+                out.append(str(p.relative_to(directory)))
+    return sorted(out)
+
+
+def adapter_meta(directory: Path) -> dict[str, Any]:
+    cfg = _read_json_object(directory / "adapter_config.json")
+    return {"r": cfg.get("r"), "lora_alpha": cfg.get("lora_alpha"), "target_modules": cfg.get("target_modules"),
+            "base_model_name_or_path": cfg.get("base_model_name_or_path")}
+
+
+# ----------------------------------------------------------------------------------------- build
+@dataclass
+class LockResult:
+    manifest: dict[str, Any]
+    path: Path | None = None
+
+    def summary(self) -> dict[str, Any]:
+        s = self.manifest["summary"]
+        return {"profile": self.manifest["profile"], "manifest": str(self.path) if self.path else None,
+                "engine": {"kind": self.manifest["engine"]["kind"], "version": self.manifest["engine"]["version"]},
+                **s}
+
+
+def file_entry(path: Path, name: str, sha256: str) -> dict[str, Any]:
+    st = os.stat(path)
+    return {"name": name, "path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha256}
+
+
+def build(profile: Profile, state_dir: Path | None, jobs: int | None = None, progress: HashProgress | None = None,
+          hasher=None, environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """The manifest of `profile` on this host (every file hashed, through the hash cache)."""
+    t0 = time.monotonic()
+    if not profile.model_root.is_dir():
+        raise ManifestError(f"model root {profile.model_root} is not a directory")
+    engine = engine_section(profile, state_dir)
+    shards = shard_names(profile)
+    base = base_files(profile, shards)
+    adapters: dict[str, dict[str, Any]] = {}
+    for route in ROUTES:
+        d = profile.adapter_dir(route)
+        if not d.is_dir():
+            raise ManifestError(f"adapter directory {d} is missing")
+        adapters[route] = {"path": str(d), **adapter_meta(d), "files": adapter_files(d)}
+    paths = [profile.base_dir / n for n in shards + base]
+    paths += [profile.adapter_dir(r) / f for r in ROUTES for f in adapters[r]["files"]]
+    try:
+        run = hash_files(paths, HashCache.in_state_dir(state_dir), jobs, progress, hasher)
+        shard_entries = [file_entry(profile.base_dir / n, n, run.sha256[str(profile.base_dir / n)]) for n in shards]
+        base_entries = [file_entry(profile.base_dir / n, n, run.sha256[str(profile.base_dir / n)]) for n in base]
+        for route, a in adapters.items():
+            d = profile.adapter_dir(route)
+            a["files"] = [file_entry(d / f, f, run.sha256[str(d / f)]) for f in a["files"]]
+    except FileNotFoundError as exc:
+        raise ManifestError(f"{exc.filename} is missing (run `molctl check {profile.name}`)") from None
+    except OSError as exc:
+        raise ManifestError(f"cannot read {exc.filename}: {exc.strerror}") from None
+    return {
+        "format": FORMAT,
+        "kind": KIND,
+        "created_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "molctl_version": _molctl_version(),
+        "profile": profile.name,
+        "source": str(profile.source) if profile.source else None,
+        "model_root": str(profile.model_root),
+        "engine": engine,
+        "argv": launch_argv(profile),
+        "env": pinned_env(profile, environ),
+        "unset_env": list(profile.engine.unset_env),
+        "config": config_essentials(profile),
+        "template": template_digest(profile),
+        "capacity": capacity(profile),
+        "base_files": base_entries,
+        "shards": shard_entries,
+        "adapters": adapters,
+        "summary": {"files": run.files, "bytes": run.bytes, "hashed_files": run.hashed_files,
+                    "hashed_bytes": run.hashed_bytes, "cached_files": run.files - run.hashed_files,
+                    "seconds": round(time.monotonic() - t0, 3)},
+    }
+
+
+def _molctl_version() -> str:
+    from molctl import __version__
+
+    return __version__
+
+
+# ----------------------------------------------------------------------------------- files on disk
+def manifest_dir(state_dir: Path, profile: str) -> Path:
+    return Path(state_dir) / profile / "manifests"
+
+
+def default_path(state_dir: Path, profile: str, now: float | None = None) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(now))
+    d = manifest_dir(state_dir, profile)
+    path, n = d / f"lock-{stamp}.json", 1
+    while path.exists():
+        n += 1
+        path = d / f"lock-{stamp}-{n}.json"
+    return path
+
+
+def write_atomic(path: Path, manifest: dict[str, Any]) -> Path:
+    """Temp file in the same folder, fsync, rename: the path holds the whole manifest or nothing."""
+    path = Path(path).absolute()
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(manifest, fh, indent=2)
+            fh.write("\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise
+    return path
+
+
+def newest(state_dir: Path, profile: str) -> Path | None:
+    """The profile's newest manifest written by `molctl lock` (by mtime, then name), or None."""
+    d = manifest_dir(state_dir, profile)
+    try:
+        found = [p for p in d.glob("lock-*.json") if p.is_file()]
+    except OSError:
+        return None
+    return max(found, key=lambda p: (p.stat().st_mtime_ns, p.name)) if found else None
+
+
+def read(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ManifestError(f"manifest {path} does not exist") from None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ManifestError(f"manifest {path} cannot be read: {exc}") from None
+    if not isinstance(data, dict) or data.get("kind") != KIND or data.get("format") != FORMAT:
+        raise ManifestError(f"{path} is not a molctl lock manifest (format {FORMAT})")
+    return data
+
+
+def lock(profile: Profile, state_dir: Path, output: Path | None = None, jobs: int | None = None,
+         progress: HashProgress | None = None, hasher=None) -> LockResult:
+    """`molctl lock`: build the manifest and write it (atomically)."""
+    manifest = build(profile, state_dir, jobs, progress, hasher)
+    path = write_atomic(output or default_path(state_dir, profile.name), manifest)
+    return LockResult(manifest, path)
