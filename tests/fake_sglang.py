@@ -151,7 +151,10 @@ async def chat(request):
         return error("model is required")
     adapter = model.split(":", 1)[1] if ":" in model else payload.get("lora_path")
     if adapter is not None and adapter not in loaded_adapters():
-        return error(f"The following requested LoRA adapters are not loaded: {adapter}")
+        message = f"The following requested LoRA adapters are not loaded: {adapter}"
+        base.STATE.log.append({"hop": request.headers.get("X-MoL-Hop"), "model": model, "messages": payload.get("messages"),
+                               "payload": payload, "t": time.time(), "rejected": message})
+        return error(message)
     SGL.inflight += 1
     try:
         return await base.chat(request)

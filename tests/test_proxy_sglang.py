@@ -1,0 +1,148 @@
+"""The proxy's contract against the scripted fake SGLang (tests/fake_sglang.py) with the built-in
+venti-sglang profile, driven by the official `openai` SDK: adapters named `base:adapter`, the
+route hop constrained by SGLang's `regex`, thinking off on the route hop, streaming, usage with
+SGLang's cached tokens (--enable-cache-report), no adapter name reaching a client, /readyz
+following the engine's adapter list."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import httpx
+import openai
+import pytest
+
+from molctl.profiles import load_profile, profile_dirs
+from tests.helpers import free_port
+from tests.procs import fake_sglang_argv, proxy_argv, running
+
+KEY = "sk-test-sglang"
+VENTI = load_profile("venti-sglang", profile_dirs())
+PUBLIC = VENTI.served_model_name
+SERVED = VENTI.engine.served_name
+LEAK = re.compile(r"(?<![A-Za-z0-9])L[0-3](?![0-9])|glm52-fp8-official")
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+class Stack:
+    def __init__(self, engine_url: str, proxy_url: str):
+        self.engine_url, self.proxy_url = engine_url, proxy_url
+        self.client = openai.OpenAI(base_url=proxy_url + "/v1", api_key=KEY, max_retries=0, timeout=30)
+
+    def config(self, **cfg):
+        httpx.post(self.engine_url + "/_config", json=cfg).raise_for_status()
+
+    def reset(self):
+        httpx.post(self.engine_url + "/_reset").raise_for_status()
+
+    def log(self, hop: str | None = None) -> list[dict]:
+        return [e for e in httpx.get(self.engine_url + "/_log").json() if hop is None or e["hop"] == hop]
+
+
+@pytest.fixture(scope="module")
+def keyfile(tmp_path_factory):
+    path = tmp_path_factory.mktemp("keys") / "keys"
+    path.write_text(KEY)
+    path.chmod(0o600)
+    return path
+
+
+def _stack(keyfile, logs, cache_report=True):
+    engine_port, proxy_port = free_port(), free_port()
+    engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
+    # /health answers 200 only after the fake's warm-up, as SGLang's
+    return (running(fake_sglang_argv(engine_port, SERVED, cache_report=cache_report), engine_url + "/health",
+                    log=logs / f"engine-{engine_port}.log"),
+            running(proxy_argv("venti-sglang", engine_url, proxy_port, "--api-key-file", str(keyfile)),
+                    proxy_url + "/health", log=logs / f"proxy-{proxy_port}.log"),
+            Stack(engine_url, proxy_url))
+
+
+@pytest.fixture(scope="module")
+def stack(keyfile, tmp_path_factory):
+    engine, proxy, st = _stack(keyfile, tmp_path_factory.mktemp("logs"))
+    with engine, proxy:
+        yield st
+
+
+@pytest.fixture
+def s(stack):
+    stack.reset()
+    return stack
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_adapter_naming_and_route_constraint(s, stream):
+    messages = [{"role": "user", "content": "[route:L2] write a parser"}]
+    if stream:
+        chunks = list(s.client.chat.completions.create(model=PUBLIC, messages=messages, stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).startswith("answer-")
+        assert all(c.model == PUBLIC for c in chunks)
+    else:
+        r = s.client.chat.completions.create(model=PUBLIC, messages=messages)
+        assert r.model == PUBLIC and r.choices[0].message.content.startswith("answer-")
+    (route,) = s.log("route")
+    assert route["model"] == f"{SERVED}:L0"
+    assert route["payload"]["regex"] == "(L0|L1|L2|L3)"  # SGLang's constraint, not vLLM's structured_outputs
+    assert "structured_outputs" not in route["payload"]
+    assert route["payload"]["chat_template_kwargs"] == {"enable_thinking": False}
+    (answer,) = s.log("answer")
+    assert answer["model"] == f"{SERVED}:L2" and "lora_path" not in answer["payload"]
+    assert all(e["model"] == f"{SERVED}:L2" for e in s.log("summary"))
+
+
+def test_usage_reports_cached_tokens(s):
+    r = s.client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "[route:L1] hi"}])
+    assert r.usage.total_tokens == 13 and r.usage.prompt_tokens_details.cached_tokens == 4
+    with httpx.stream("POST", s.proxy_url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"model": PUBLIC, "stream": True, "stream_options": {"include_usage": True},
+                            "messages": [{"role": "user", "content": "[route:L3] hi"}]}) as resp:
+        raw = "".join(resp.iter_text())
+    frames = [f[6:] for f in raw.split("\n\n") if f.startswith("data: ")]
+    assert frames[-1] == "[DONE]"
+    usage = json.loads(frames[-2])["usage"]
+    assert usage["total_tokens"] == 13 and usage["prompt_tokens_details"] == {"cached_tokens": 4}
+
+
+def test_tool_call_stream(s):
+    chunks = list(s.client.chat.completions.create(
+        model=PUBLIC, stream=True, tools=TOOLS,
+        messages=[{"role": "user", "content": "[route:L2] [tool:get_weather] now"}]))
+    args = "".join(tc.function.arguments or "" for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or [])
+    assert json.loads(args)["city"] == "Paris"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+
+
+def test_unloaded_adapter_error_names_no_adapter(s):
+    s.config(adapters=["L0", "L1", "L3"])  # SGLang answers 400 "... LoRA adapters are not loaded: L2"
+    r = httpx.post(s.proxy_url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   json={"model": PUBLIC, "messages": [{"role": "user", "content": "[route:L2] x"}]})
+    assert r.status_code >= 400
+    assert not LEAK.search(r.text), r.text
+    assert s.log("answer")[0]["model"] == f"{SERVED}:L2"
+
+
+def test_readyz_follows_the_adapter_list(s):
+    ready = s.proxy_url + "/readyz"
+    assert httpx.get(ready).status_code == 200
+    s.config(adapters=["L0", "L1", "L2"])
+    deadline = time.monotonic() + 5
+    while httpx.get(ready).status_code == 200 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    r = httpx.get(ready)
+    assert r.status_code == 503 and not LEAK.search(r.text)
+    s.reset()
+    deadline = time.monotonic() + 5
+    while httpx.get(ready).status_code != 200 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert httpx.get(ready).status_code == 200
+
+
+def test_without_cache_report_no_cached_tokens(keyfile, tmp_path):
+    engine, proxy, st = _stack(keyfile, tmp_path, cache_report=False)
+    with engine, proxy:
+        r = st.client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "[route:L1] hi"}])
+        assert r.usage.total_tokens == 13 and r.usage.prompt_tokens_details is None
