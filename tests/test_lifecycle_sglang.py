@@ -224,3 +224,19 @@ def test_switch_between_sglang_and_vllm(host):
     assert client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "[route:L3] y"}]).choices
     assert host.molctl("down").exit_code == ExitStatus.OK
     assert host.sglang_children() == []
+
+
+def test_engine_checks_read_the_installed_sglang(host):
+    """The preflight's engine checks against the fake sglang distribution: version from its
+    metadata, flags from its srt/server_args.py add_argument lines (SGLang is never imported)."""
+    base = ["check", SGL, "--set", f"engine.python={host.python}", "--model-root", str(host.model), "--skip", "gpu",
+            "--json"]
+    r = host.molctl(*base)
+    assert r.exit_code == ExitStatus.OK, r.stderr
+    checks = {c["id"]: c for c in json.loads(r.stdout)["checks"]}
+    assert checks["engine.version"]["status"] == "pass" and "0.5.13.post1" in checks["engine.version"]["detail"]
+    assert checks["engine.flags"]["status"] == "pass"
+    r = host.molctl(*base, "--set", "engine.args.no-such-sglang-flag=true")
+    assert r.exit_code == ExitStatus.CHECK_FAILED
+    flags = {c["id"]: c for c in json.loads(r.stdout)["checks"]}["engine.flags"]
+    assert flags["status"] == "fail" and "no-such-sglang-flag" in flags["detail"]
