@@ -74,10 +74,16 @@ Metrics, usage, parsers, structured output:
 - GLM-5 parsers: `--reasoning-parser glm45` (reasoning in `reasoning_content`), `--tool-call-parser
   glm45` / `glm47` (function_call/ detectors), as venti-sglang passes.
 - Structured output on the OpenAI endpoint: the request fields `regex`, `ebnf` or `json_schema`
-  (response_format) of ChatCompletionRequest (entrypoints/openai/protocol.py), one at a time;
-  there is no vLLM-style `choice`. The route hop sends `regex: "(L0|L1|L2|L3)"`
-  (`guided_choice`) with thinking off (`chat_template_kwargs.enable_thinking: false`), so the
-  reasoning parser leaves the label in `content`.
+  (response_format) of ChatCompletionRequest (entrypoints/openai/protocol.py), one at a time
+  ("Only one constraint parameter (`json_schema`, `regex`, or `ebnf`) can be specified",
+  docs structured_outputs); there is no vLLM-style `choice`. The route hop sends
+  `regex: "(L0|L1|L2|L3)"` (`guided_choice`) with thinking off
+  (`chat_template_kwargs.enable_thinking: false`). Caveat, not verified here: with
+  `--reasoning-parser`, SGLang lifts the grammar inside the reasoning section until the
+  think-end token (constrained/reasoner_grammar_backend.py, docs "Structured Outputs For
+  Reasoning Models"); whether a request with thinking off starts constrained at the first token
+  needs a real GLM-5 run. The proxy reads the label leniently (content or reasoning_content)
+  and falls back to `default_route`, so the hop stays bounded either way.
 
 SGLang's argument parser cannot be imported on a host without CUDA (its utils import
 torchvision/orjson at import time), so the accepted flags are read from the installed
