@@ -22,10 +22,11 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Protocol
+from typing import Protocol
 
 CHUNK = 8 * 1024 * 1024
 MAX_JOBS = 8
@@ -108,7 +109,7 @@ class HashCache:
                 pass
 
     @classmethod
-    def in_state_dir(cls, state_dir: Path | None) -> "HashCache":
+    def in_state_dir(cls, state_dir: Path | None) -> HashCache:
         return cls(Path(state_dir) / "cache" / CACHE_NAME if state_dir is not None else None)
 
     def get(self, st: FileStat) -> str | None:

@@ -20,7 +20,7 @@ import stat
 import subprocess
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -292,7 +292,7 @@ def build(profile: Profile, state_dir: Path | None, jobs: int | None = None, pro
     return {
         "format": FORMAT,
         "kind": KIND,
-        "created_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "created_at": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "molctl_version": _molctl_version(),
         "profile": profile.name,
         "source": str(profile.source) if profile.source else None,
