@@ -240,3 +240,20 @@ def test_engine_checks_read_the_installed_sglang(host):
     assert r.exit_code == ExitStatus.CHECK_FAILED
     flags = {c["id"]: c for c in json.loads(r.stdout)["checks"]}["engine.flags"]
     assert flags["status"] == "fail" and "no-such-sglang-flag" in flags["detail"]
+
+
+def test_progress_phases_from_the_sglang_log():
+    """The phase shown on the progress line, read from the lines SGLang (and the fake) logs."""
+    from molctl.engines import get_engine
+
+    engine = get_engine("sglang")
+    lines = ["server_args=ServerArgs(model_path='/m', tp_size=8)", "Load weight begin. avail mem=139.50 GB"]
+    assert engine.phase(lines) == "loading model"
+    lines.append("Loading safetensors checkpoint shards:  50% Completed | 71/141 [01:02<01:00]")
+    assert engine.phase(lines) == "shards loaded 71/141"
+    lines += ["Load weight end. type=GlmMoeDsaForCausalLM", "KV Cache is allocated. #tokens: 1000000"]
+    assert engine.phase(lines) == "KV cache"
+    lines.append("Application startup complete.")
+    assert engine.phase(lines) == "warming up"
+    lines.append("The server is fired up and ready to roll!")
+    assert engine.phase(lines) == "serving"
