@@ -286,7 +286,7 @@ def main() -> None:
         signal.signal(signal.SIGTERM, lambda *_: (kill_children(), sys.exit(0)))
     if env.get("FAKE_NO_CHILDREN") != "1":
         arm = "0" if env.get("FAKE_ORPHAN") == "1" else "1"
-        titles = [f"sglang::scheduler{'_TP%d' % r if args.tp > 1 else ''}" for r in range(args.tp)] + ["sglang::detokenizer"]
+        titles = [f"sglang::scheduler{f'_TP{r}' if args.tp > 1 else ''}" for r in range(args.tp)] + ["sglang::detokenizer"]
         for title in titles:
             SGL.children.append(subprocess.Popen([sys.executable, "-c", CHILD, title, arm]))
     print("Load weight begin. avail mem=139.50 GB", flush=True)
