@@ -129,6 +129,48 @@ def profiles_cmd(ctx: typer.Context, json_: bool = JSON_OPT) -> None:
         raise typer.Exit(int(ExitStatus.CHECK_FAILED))
 
 
+VERIFY_OPT = typer.Option(False, "--verify", help="Also compare the host with a `molctl lock` manifest (the `lock` check category).")
+MANIFEST_OPT = typer.Option(None, "--manifest", metavar="PATH",
+                            help="The manifest for --verify (implies it; default: the profile's newest in STATE/PROFILE/manifests).")
+FULL_HASH_OPT = typer.Option(False, "--full-hash", help="With --verify (implies it): read every pinned file and compare its SHA-256, "
+                                                        "not only sizes and mtimes.")
+
+
+def _verify_options(verify: bool, manifest: Optional[Path], full_hash: bool):
+    """A `molctl.checks.lock.Verify` when --verify, --manifest or --full-hash is given, else None."""
+    if not (verify or manifest is not None or full_hash):
+        return None
+    from molctl.checks.lock import Verify
+
+    return Verify(manifest=manifest.expanduser().absolute() if manifest is not None else None, full_hash=full_hash)
+
+
+@app.command("lock")
+@handle_errors
+def lock_cmd(
+    ctx: typer.Context,
+    profile: str = typer.Argument(..., help="Profile to pin (see `molctl profiles`)."),
+    model_root: Optional[Path] = MODEL_ROOT_OPT,
+    set_: List[str] = SET_OPT,
+    jobs: Optional[int] = typer.Option(None, "--jobs", "-j", min=1, help="Files hashed in parallel (default: the cores, at most 8)."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", metavar="PATH",
+                                          help="Where to write the manifest (default: STATE/PROFILE/manifests/lock-<UTC time>.json)."),
+    json_: bool = JSON_OPT,
+) -> None:
+    """Pin what PROFILE would run: engine version and fingerprint, argv, env, base and adapter files (SHA-256), capacity flags."""
+    from molctl.manifest import lock
+    from molctl.output import Output
+    from molctl.profiles import load_profile
+    from molctl.state import ensure_state_dir
+
+    out = Output(as_json=json_)
+    prof = load_profile(profile, ctx.obj.dirs(), overrides_from(model_root, set_))
+    ensure_state_dir(ctx.obj.state_dir)
+    target = output.expanduser().absolute() if output is not None else None
+    result = lock(prof, ctx.obj.state_dir, output=target, jobs=jobs, progress=out.hash_progress())
+    out.lock_result(result.summary())
+
+
 @app.command("check")
 @handle_errors
 def check_cmd(
@@ -139,14 +181,19 @@ def check_cmd(
     skip: List[str] = SKIP_OPT,
     api_key_file: Optional[Path] = typer.Option(None, "--api-key-file", envvar="MOLCTL_API_KEY_FILE",
                                                 help="Also check this proxy API key file (mode 0600, one key per line)."),
+    verify: bool = VERIFY_OPT,
+    manifest: Optional[Path] = MANIFEST_OPT,
+    full_hash: bool = FULL_HASH_OPT,
     json_: bool = JSON_OPT,
 ) -> None:
     """Validate the host, the model files and the engine before a long load. Exit 3 on any failure."""
-    from molctl.checks import check_profile
+    from molctl.checks import Probes, check_profile
     from molctl.output import Output
 
     out = Output(as_json=json_)
-    report = check_profile(profile, ctx.obj, overrides_from(model_root, set_), skip, api_key_file)
+    verify_opts = _verify_options(verify, manifest, full_hash)
+    probes = Probes(verify=verify_opts) if verify_opts is not None else None
+    report = check_profile(profile, ctx.obj, overrides_from(model_root, set_), skip, api_key_file, probes)
     out.check_report(report)
     if not report.ok:
         raise typer.Exit(int(ExitStatus.CHECK_FAILED))
@@ -223,6 +270,10 @@ def up_cmd(
     stop_timeout: float = STOP_OPT,
     restart: bool = typer.Option(False, "--restart", help="Stop this profile's running stack first (drain, then stop), "
                                                           "e.g. to run it with another configuration."),
+    verify: bool = typer.Option(False, "--verify", help="Refuse to start unless the host matches a `molctl lock` manifest "
+                                                        "(the `lock` category in the preflight)."),
+    manifest: Optional[Path] = MANIFEST_OPT,
+    full_hash: bool = FULL_HASH_OPT,
     json_: bool = JSON_OPT,
 ) -> None:
     """Check, start the engine, wait until it really serves L0-L3, start the proxy. Idempotent."""
@@ -230,6 +281,7 @@ def up_cmd(
 
     opts = _up_options(ctx, model_root, set_, skip, timeout, api_key_file, allow_unauthenticated, drain_timeout,
                        stop_timeout, restart)
+    opts.verify = _verify_options(verify, manifest, full_hash)
     _run_start(profile, json_, lambda progress: up(profile, ctx.obj, opts, progress))
 
 

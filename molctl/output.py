@@ -151,6 +151,23 @@ class Output:
             for g in stack.get("gpus", []):
                 self.line(f"  GPU {g['index']}: {g['used_bytes'] / 2**30:.1f} GiB used by the stack")
 
+    def hash_progress(self):
+        """The progress of `molctl lock`'s hashing: a bar with bytes/s and ETA on stderr when it is a
+        terminal (stdout stays clean for --json), else None (silent)."""
+        tty = hasattr(self.stderr, "isatty") and self.stderr.isatty()
+        return HashProgressBar(self.stderr) if tty else None
+
+    def lock_result(self, summary: dict) -> None:
+        """`molctl lock` wrote its manifest."""
+        if self.as_json:
+            self.json(summary)
+            return
+        cached = f", {summary['cached_files']} from the hash cache" if summary["cached_files"] else ""
+        self.line(f"locked {summary['profile']} ({summary['engine']['kind']} {summary['engine']['version']}): "
+                  f"{summary['files']} files, {summary['bytes'] / 1e9:.2f} GB; read {summary['hashed_files']} "
+                  f"({summary['hashed_bytes'] / 1e9:.2f} GB){cached} in {summary['seconds']:.1f} s")
+        self.line(f"manifest: {summary['manifest']}")
+
     def demo_init(self, result: dict, template: str, seed: int) -> None:
         if self.as_json:
             self.json(result)
@@ -161,6 +178,42 @@ class Output:
         else:
             self.line(f"tiny model written to {result['root']} (vocab {result['vocab_size']}, adapters L0-L3, "
                       f"{template} chat template, seed {seed})")
+
+
+class HashProgressBar:
+    """A `molctl.hashing.HashProgress`: one rich bar (files, bytes, bytes/s, ETA), removed when
+    done. `advance` is called from the hashing threads (rich's Progress is thread-safe)."""
+
+    def __init__(self, stream: TextIO):
+        self.stream = stream
+        self._progress = None
+        self._task = None
+
+    def start(self, files: int, total_bytes: int) -> None:
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+
+        self._progress = Progress(TextColumn(f"hashing {files} file(s)"), BarColumn(), DownloadColumn(),
+                                  TransferSpeedColumn(), TimeRemainingColumn(), console=Console(file=self.stream),
+                                  transient=True)
+        self._progress.start()
+        self._task = self._progress.add_task("hash", total=total_bytes)
+
+    def advance(self, nbytes: int) -> None:
+        if self._progress is not None:
+            self._progress.advance(self._task, nbytes)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
 
 
 class ConsoleProgress:

@@ -63,6 +63,7 @@ class UpOptions:
     profiles_dirs: list[Path] = field(default_factory=list)
     restart: bool = False  # stop this profile's running stack first (another configuration, or a plain restart)
     stop_timeout_s: float = ENGINE_STOP_TIMEOUT_S  # for what `up --restart` / `switch` stop
+    verify: Any = None  # `up --verify`: a molctl.checks.lock.Verify; the preflight adds the `lock` category
 
 
 def engine_env(profile: Profile) -> dict[str, str]:
@@ -222,6 +223,12 @@ def _start_options(opts: UpOptions) -> list[str]:
         out += ["--timeout", f"{opts.timeout_s:g}"]
     if opts.drain_timeout_s != UpOptions.drain_timeout_s:
         out += ["--drain-timeout", f"{opts.drain_timeout_s:g}"]
+    if getattr(opts, "verify", None) is not None:
+        out += ["--verify"]
+        if opts.verify.manifest is not None:
+            out += ["--manifest", str(opts.verify.manifest)]
+        if opts.verify.full_hash:
+            out += ["--full-hash"]
     return out
 
 
@@ -404,6 +411,7 @@ def preflight(profile: Profile, state_dir: Path, opts: UpOptions, progress: Prog
     from molctl.checks import host_probes, run_checks
 
     probes = host_probes(state_dir, profile.name, opts.api_key_file, own_profiles=own_profiles)
+    probes.verify = getattr(opts, "verify", None)  # `up --verify`: refuse a stack its manifest does not pin
     report = run_checks(profile, probes, set(opts.skip) | set(extra_skip))
     if report.ok:
         return

@@ -1,0 +1,446 @@
+"""`molctl lock`, `check --verify` and `up --verify` (issue 11, seed 002) on generated layouts with
+real files, against a fake vLLM installed in a throwaway interpreter environment; and the warn-level
+capacity and MoE checks of the adapter category."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from molctl import hashing as hashing_mod
+from molctl import manifest as mf
+from molctl.errors import ExitStatus
+from molctl.hashing import HashCache, hash_files
+from tests.layouts import make_layout, tall_layout
+from tests.test_check_engine import fake_vllm, profile_flags
+
+
+def make_venv(root: Path, version: str) -> Path:
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True)
+    site = next((root / "lib").glob("python3*/site-packages"))
+    fake_vllm(site, version, profile_flags("tall"))
+    return root / "bin" / "python"
+
+
+@pytest.fixture(scope="module")
+def engine_python(tmp_path_factory) -> Path:
+    """A fake vLLM 0.24.0 accepting every flag of the tall profile (shared: never modified)."""
+    return make_venv(tmp_path_factory.mktemp("venv") / "vllm", "0.24.0")
+
+
+@pytest.fixture
+def layout(tmp_path):
+    return tall_layout(tmp_path / "m")
+
+
+@pytest.fixture
+def cli(molctl, layout, engine_python, free_ports):
+    """`lock` and `check --verify` of the tall profile on `layout` with the fake engine."""
+    engine_port, proxy_port = free_ports
+    common = ["--model-root", str(layout.root), "--set", f"engine.python={engine_python}",
+              "--set", f"engine.port={engine_port}", "--set", f"proxy.port={proxy_port}"]
+
+    class Cli:
+        python = engine_python
+
+        def lock(self, *extra: str, env: dict | None = None):
+            return molctl("lock", "tall", *common, "--json", *extra, env=env)
+
+        def verify(self, *extra: str, env: dict | None = None):
+            result = molctl("check", "tall", *common, "--skip", "gpu", "--skip", "port", "--verify", "--json", *extra,
+                            env=env)
+            report = result.json()
+            assert report["ok"] is (result.exit_code == ExitStatus.OK)
+            return result.exit_code, {c["id"]: (c["status"], c["detail"]) for c in report["checks"]}
+
+    return Cli()
+
+
+def failures(checks: dict) -> dict:
+    return {k: d for k, (s, d) in checks.items() if s == "fail"}
+
+
+def flip_last_byte(path: Path, keep_mtime: bool) -> None:
+    st = path.stat()
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns if keep_mtime else st.st_mtime_ns + 1_000_000_000))
+
+
+# ----------------------------------------------------------------------------------- lock + verify
+def test_lock_then_verify_passes(cli, layout, molctl):
+    env = {"HF_TOKEN": "hf_very_secret", "VLLM_LOGGING_LEVEL": "DEBUG"}
+    result = cli.lock(env=env)
+    assert result.exit_code == ExitStatus.OK, result.stderr
+    summary = result.json()
+    path = Path(summary["manifest"])
+    assert path.parent == molctl.state_dir / "tall" / "manifests" and path.name.startswith("lock-")
+    assert summary["files"] == 26 + 2 + 4 * 2 and summary["hashed_files"] == summary["files"]
+    assert summary["engine"] == {"kind": "vllm", "version": "0.24.0"}
+
+    text = path.read_text()
+    assert "hf_very_secret" not in text
+    m = json.loads(text)
+    assert m["env"]["HF_TOKEN"] == "<redacted>" and m["env"]["VLLM_LOGGING_LEVEL"] == "DEBUG"
+    assert m["engine"]["fingerprint"] and m["engine"]["version"] == "0.24.0"
+    assert m["argv"][0] == str(cli.python) and "--max-lora-rank" in m["argv"]
+    assert m["config"]["model_type"] == "qwen3_5_moe"
+    assert m["capacity"] == {"max-loras": 4, "max-lora-rank": 64, "max-cpu-loras": 4, "gpu-memory-utilization": 0.915}
+    assert m["template"] is None
+    shard = m["shards"][0]
+    assert shard["sha256"] == hashlib.sha256(layout.shards[0].read_bytes()).hexdigest()
+    assert shard["size"] == layout.shards[0].stat().st_size
+    l2 = m["adapters"]["L2"]
+    assert (l2["r"], l2["lora_alpha"], l2["target_modules"]) == (64, 128, ["q_proj", "v_proj"])
+    assert l2["base_model_name_or_path"] == "Qwen/Qwen3.6-35B-A3B"
+    assert [f["name"] for f in l2["files"]] == ["adapter_config.json", "adapter_model.safetensors"]
+
+    code, checks = cli.verify()  # another environment than the lock's
+    assert code == ExitStatus.CHECK_FAILED
+    assert set(failures(checks)) == {"lock.env"}
+    assert "VLLM_LOGGING_LEVEL: pinned 'DEBUG', found unset" in checks["lock.env"][1]
+    assert "HF_TOKEN: pinned '<redacted>', found unset" in checks["lock.env"][1]
+    code, checks = cli.verify(env=env)
+    assert code == ExitStatus.OK, failures(checks)
+    for cid in ("lock.manifest", "lock.engine.kind", "lock.engine.version", "lock.engine.fingerprint", "lock.argv",
+                "lock.env", "lock.config", "lock.template", "lock.shards", "lock.base", "lock.adapter.L0",
+                "lock.adapter.L3"):
+        assert checks[cid][0] == "pass", (cid, checks.get(cid))
+    assert "26 shards as pinned" in checks["lock.shards"][1]
+    code, checks = cli.verify("--full-hash", env=env)
+    assert code == ExitStatus.OK, failures(checks)
+    assert "sha256 read and matched" in checks["lock.shards"][1]
+
+
+def test_no_manifest_fails_naming_lock(cli):
+    code, checks = cli.verify()
+    assert code == ExitStatus.CHECK_FAILED
+    assert checks["lock.manifest"][0] == "fail" and "`molctl lock tall`" in checks["lock.manifest"][1]
+
+
+def test_manifest_option_and_output(cli, tmp_path):
+    out = tmp_path / "pins" / "tall.json"
+    assert cli.lock("--output", str(out)).json()["manifest"] == str(out)
+    code, checks = cli.verify("--manifest", str(out))
+    assert code == ExitStatus.OK, failures(checks)
+    assert str(out) in checks["lock.manifest"][1]
+    code, checks = cli.verify("--manifest", str(tmp_path / "nope.json"))
+    assert code == ExitStatus.CHECK_FAILED and "does not exist" in checks["lock.manifest"][1]
+
+
+def test_flipped_byte_in_adapter_fails_under_full_hash(cli, layout):
+    assert cli.lock().exit_code == ExitStatus.OK
+    weights = layout.adapter("L2") / "adapter_model.safetensors"
+    flip_last_byte(weights, keep_mtime=True)
+    code, checks = cli.verify()  # size and mtime as pinned: not read without --full-hash
+    assert code == ExitStatus.OK
+    code, checks = cli.verify("--full-hash")
+    assert code == ExitStatus.CHECK_FAILED
+    assert set(failures(checks)) == {"lock.adapter.L2.adapter_model.safetensors"}
+    detail = checks["lock.adapter.L2.adapter_model.safetensors"][1]
+    assert str(weights) in detail and "sha256 pinned" in detail and "found" in detail
+    assert checks["lock.adapter.L2"] == ("pass", checks["lock.adapter.L2"][1])  # the other file still passes
+
+
+def test_flipped_byte_fails_without_full_hash_when_mtime_changed(cli, layout):
+    assert cli.lock().exit_code == ExitStatus.OK
+    weights = layout.adapter("L1") / "adapter_model.safetensors"
+    flip_last_byte(weights, keep_mtime=False)
+    code, checks = cli.verify()
+    assert code == ExitStatus.CHECK_FAILED
+    assert set(failures(checks)) == {"lock.adapter.L1.adapter_model.safetensors"}
+    assert "mtime changed" in checks["lock.adapter.L1.adapter_model.safetensors"][1]
+
+
+def test_touched_file_with_the_same_content_warns(cli, layout):
+    assert cli.lock().exit_code == ExitStatus.OK
+    st = layout.shards[3].stat()
+    os.utime(layout.shards[3], ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))
+    code, checks = cli.verify()
+    assert code == ExitStatus.OK
+    status, detail = checks[f"lock.shard.{layout.shards[3].name}"]
+    assert status == "warn" and "content as pinned" in detail
+
+
+def test_replaced_shard_of_equal_size_and_mtime_fails_under_full_hash(cli, layout):
+    assert cli.lock().exit_code == ExitStatus.OK
+    shard = layout.shards[5]
+    st = shard.stat()
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0x01
+    other = shard.with_name("replacement.tmp")
+    other.write_bytes(bytes(data))
+    os.replace(other, shard)  # a different file (inode) of the same size...
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))  # ...with the pinned mtime
+    code, checks = cli.verify()
+    assert code == ExitStatus.OK  # size and mtime cannot see it
+    code, checks = cli.verify("--full-hash")
+    assert code == ExitStatus.CHECK_FAILED
+    cid = f"lock.shard.{shard.name}"
+    assert set(failures(checks)) == {cid}
+    assert "replaced in place" in checks[cid][1]
+
+
+def test_missing_and_added_adapter_files_fail(cli, layout):
+    assert cli.lock().exit_code == ExitStatus.OK
+    (layout.adapter("L3") / "adapter_model.bin").write_bytes(b"pickle!")
+    (layout.adapter("L0") / "adapter_config.json").unlink()
+    code, checks = cli.verify()
+    assert code == ExitStatus.CHECK_FAILED
+    fails = failures(checks)
+    assert "not pinned" in fails["lock.adapter.L3.adapter_model.bin"]
+    assert "missing" in fails["lock.adapter.L0.adapter_config.json"]
+
+
+def test_swapped_adapter_config_names_what_changed(cli, layout):
+    assert cli.lock().exit_code == ExitStatus.OK
+    config = layout.adapter_config("L2")
+    config["lora_alpha"] = 16
+    layout.write_adapter_config("L2", config)
+    code, checks = cli.verify()
+    detail = failures(checks)["lock.adapter.L2.adapter_config.json"]
+    assert "lora_alpha 128 -> 16" in detail
+
+
+def test_changed_flags_fail(cli):
+    assert cli.lock().exit_code == ExitStatus.OK
+    code, checks = cli.verify("--set", "engine.args.max-model-len=4096")
+    assert code == ExitStatus.CHECK_FAILED
+    assert set(failures(checks)) == {"lock.argv"}
+    assert "--max-model-len" in checks["lock.argv"][1] and "4096" in checks["lock.argv"][1]
+    code, checks = cli.verify("--set", "engine.args.max-loras=8")
+    assert set(failures(checks)) == {"lock.argv", "lock.capacity.max-loras"}
+    assert checks["lock.capacity.max-loras"][1] == "--max-loras: pinned 4, found 8"
+
+
+def test_changed_engine_env_fails(cli, molctl):
+    assert cli.lock().exit_code == ExitStatus.OK
+    code, checks = cli.verify("--set", "engine.env.VLLM_USE_V2=1")
+    assert code == ExitStatus.CHECK_FAILED
+    assert "VLLM_USE_V2: pinned unset, found '1'" in failures(checks)["lock.env"]
+
+
+def test_changed_engine_version_fails(molctl, layout, tmp_path):
+    python = make_venv(tmp_path / "venv", "0.24.0")
+    sets = ["--model-root", str(layout.root), "--set", f"engine.python={python}"]
+    assert molctl("lock", "tall", *sets).exit_code == ExitStatus.OK
+    init = next((tmp_path / "venv" / "lib").glob("python3*/site-packages")) / "vllm" / "__init__.py"
+    init.write_text("__version__ = '0.24.1'\n")
+    st = init.stat()
+    os.utime(init, ns=(st.st_atime_ns, st.st_mtime_ns + 2_000_000_000))
+    result = molctl("check", "tall", *sets, "--skip", "gpu", "--skip", "port", "--verify", "--json")
+    assert result.exit_code == ExitStatus.CHECK_FAILED
+    checks = {c["id"]: (c["status"], c["detail"]) for c in result.json()["checks"]}
+    assert checks["lock.engine.version"] == ("fail", f"vllm version: pinned 0.24.0, found 0.24.1 under {python}")
+    assert checks["lock.engine.fingerprint"][0] == "fail"
+    assert checks["lock.engine.kind"][0] == "pass"
+
+
+def test_changed_template_fails(cli, layout):
+    assert cli.lock().exit_code == ExitStatus.OK
+    (layout.base / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    code, checks = cli.verify()
+    assert code == ExitStatus.CHECK_FAILED
+    fails = failures(checks)
+    assert "lock.template" in fails and "pinned no template" in fails["lock.template"]
+    assert "lock.base.chat_template.jinja" in fails  # a file of base/ the manifest does not pin
+
+
+def test_changed_config_fails(cli, layout):
+    assert cli.lock().exit_code == ExitStatus.OK
+    cfg = json.loads((layout.base / "config.json").read_text())
+    cfg["torch_dtype"] = "float16"
+    (layout.base / "config.json").write_text(json.dumps(cfg))
+    code, checks = cli.verify()
+    fails = failures(checks)
+    assert "dtype: pinned None, found 'float16'" in fails["lock.config"]
+    assert "lock.base.config.json" in fails
+
+
+# ------------------------------------------------------------------------- cache, resume, Ctrl-C
+REAL_SHA256 = hashing_mod.sha256_file
+
+
+class CountingHasher:
+    """Wraps the real hasher; counts files; raises KeyboardInterrupt on call number `interrupt_at`."""
+
+    def __init__(self, interrupt_at: int | None = None):
+        self.calls: list[str] = []
+        self.completed: list[str] = []
+        self.interrupt_at = interrupt_at
+
+    def __call__(self, path, on_bytes=None, stop=None):
+        self.calls.append(path)
+        if self.interrupt_at is not None and len(self.calls) == self.interrupt_at:
+            raise KeyboardInterrupt
+        digest = REAL_SHA256(path, on_bytes, stop)
+        self.completed.append(path)
+        return digest
+
+
+def test_hash_cache_skips_unchanged_files(cli, layout, monkeypatch):
+    hasher = CountingHasher()
+    monkeypatch.setattr(hashing_mod, "sha256_file", hasher)
+    first = cli.lock().json()
+    assert len(hasher.calls) == first["files"] == first["hashed_files"]
+    hasher.calls.clear()
+    second = cli.lock().json()
+    assert hasher.calls == [] and second["hashed_files"] == 0 and second["cached_files"] == second["files"]
+    assert Path(first["manifest"]).exists() and Path(second["manifest"]).exists()
+    assert json.loads(Path(first["manifest"]).read_text())["shards"] == json.loads(Path(second["manifest"]).read_text())["shards"]
+    st = layout.shards[0].stat()
+    os.utime(layout.shards[0], ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    third = cli.lock().json()
+    assert hasher.calls == [str(layout.shards[0].resolve())] and third["hashed_files"] == 1
+
+
+def test_interrupted_lock_resumes_and_leaves_no_manifest(cli, molctl, monkeypatch, tmp_path):
+    total = 26 + 2 + 8
+    first = CountingHasher(interrupt_at=6)
+    monkeypatch.setattr(hashing_mod, "sha256_file", first)
+    out = tmp_path / "chosen.json"
+    result = cli.lock("--jobs", "1", "--output", str(out))
+    assert result.exit_code == ExitStatus.INTERRUPTED
+    assert not out.exists() and list(tmp_path.glob("*chosen*")) == []  # no manifest, no temp file
+    assert 5 <= len(first.completed) < total
+
+    second = CountingHasher(interrupt_at=6)
+    monkeypatch.setattr(hashing_mod, "sha256_file", second)
+    result = cli.lock("--jobs", "1")
+    assert result.exit_code == ExitStatus.INTERRUPTED
+    assert not set(second.calls) & set(first.completed)  # resumed: what the first run finished is not read again
+    manifests = molctl.state_dir / "tall" / "manifests"
+    assert not manifests.exists() or list(manifests.iterdir()) == []
+
+    resumed = CountingHasher()
+    monkeypatch.setattr(hashing_mod, "sha256_file", resumed)
+    summary = cli.lock("--jobs", "1").json()
+    done_before = set(first.completed) | set(second.completed)
+    assert summary["hashed_files"] == len(resumed.calls) == total - len(done_before)
+    assert summary["cached_files"] == len(done_before)
+    assert not set(resumed.calls) & done_before
+    assert Path(summary["manifest"]).parent == manifests
+
+
+def test_write_atomic_interrupted_leaves_nothing(tmp_path, monkeypatch):
+    target = tmp_path / "m" / "lock.json"
+
+    def boom(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(mf.json, "dump", boom)
+    with pytest.raises(KeyboardInterrupt):
+        mf.write_atomic(target, {"kind": mf.KIND})
+    assert list((tmp_path / "m").iterdir()) == []
+
+
+def test_hash_files_parallel_matches_hashlib(tmp_path):
+    files = []
+    for i in range(12):
+        p = tmp_path / f"f{i}"
+        p.write_bytes(os.urandom(1000 * i + 7) * (3 if i % 2 else 1))
+        files.append(p)
+    cache = HashCache(tmp_path / "cache" / "hashes.json")
+    run = hash_files(files, cache, jobs=4)
+    assert run.sha256 == {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+    again = hash_files(files, HashCache(tmp_path / "cache" / "hashes.json"), jobs=4)
+    assert again.hashed_files == 0 and again.sha256 == run.sha256
+    full = hash_files(files, HashCache(tmp_path / "cache" / "hashes.json"), jobs=4, use_cache=False)
+    assert full.hashed_files == 12
+
+
+# --------------------------------------------------------------------------------- up --verify
+def test_up_verify_refuses_a_swapped_adapter(molctl, layout, engine_python, free_ports):
+    engine_port, proxy_port = free_ports
+    args = ["--model-root", str(layout.root), "--set", f"engine.python={engine_python}",
+            "--set", f"engine.port={engine_port}", "--set", f"proxy.port={proxy_port}"]
+    up = ["up", "tall", *args, "--skip", "gpu", "--allow-unauthenticated", "--verify", "--json"]
+    result = molctl(*up)
+    assert result.exit_code == ExitStatus.CHECK_FAILED
+    assert "lock.manifest" in result.json()["error"] and "nothing was started" in result.json()["error"]
+    assert molctl("lock", "tall", *args).exit_code == ExitStatus.OK
+    # the same name, other weights: seed 002's trust boundary
+    weights = layout.adapter("L2") / "adapter_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0x5A
+    weights.write_bytes(bytes(data))
+    result = molctl(*up)
+    assert result.exit_code == ExitStatus.CHECK_FAILED
+    failed = [c["id"] for c in result.json()["checks"] if c["status"] == "fail"]
+    assert failed == ["lock.adapter.L2.adapter_model.safetensors"]
+    assert not (molctl.state_dir / "tall" / "engine.json").exists()
+
+
+# ------------------------------------------------------------------------- warn-level checks
+@pytest.fixture
+def check(molctl, free_ports):
+    def run(root, *extra: str) -> dict:
+        engine_port, proxy_port = free_ports
+        result = molctl("check", "tall", "--model-root", str(root), "--skip", "gpu", "--skip", "engine",
+                        "--set", f"engine.port={engine_port}", "--set", f"proxy.port={proxy_port}", "--json", *extra)
+        return {c["id"]: (c["status"], c["detail"]) for c in result.json()["checks"]}
+
+    return run
+
+
+def test_capacity_checks_pass_on_tall(check, layout):
+    checks = check(layout.root)
+    assert checks["adapter.max-lora-rank"][0] == "pass"
+    assert checks["adapter.max-loras"][0] == "pass"
+    assert not any(k.endswith(".moe") for k in checks)
+
+
+def test_max_lora_rank_above_the_real_ranks_warns(check, layout):
+    checks = check(layout.root, "--set", "engine.args.max-lora-rank=256")
+    status, detail = checks["adapter.max-lora-rank"]
+    assert status == "warn" and "--max-lora-rank 256" in detail and "largest adapter rank 64" in detail
+
+
+def test_max_loras_below_four_warns(check, layout):
+    status, detail = check(layout.root, "--set", "engine.args.max-loras=2")["adapter.max-loras"]
+    assert status == "warn" and "--max-loras 2" in detail and "4 adapters" in detail
+    status, detail = check(layout.root, "--set", "engine.args.max-loras=false")["adapter.max-loras"]
+    assert status == "warn" and "default 1" in detail
+
+
+def test_moe_expert_targets_warn(check, tmp_path):
+    root = tmp_path / "moe"
+    make_layout(root, model_type="qwen3_5_moe", shards=26, rank=64, base_name="Qwen/Qwen3.6-35B-A3B",
+                experts=2, targets=("q_proj", "down_proj"))
+    checks = check(root)
+    for route in ("L0", "L1", "L2", "L3"):
+        status, detail = checks[f"adapter.{route}.moe"]
+        assert status == "warn" and "down_proj" in detail and "does not validate MoE LoRA" in detail
+    assert all(s != "fail" for s, _ in checks.values()), {k: v for k, v in checks.items() if v[0] == "fail"}
+
+
+def test_moe_experts_in_adapter_weights_warn(check, layout):
+    from molctl.safetensors import write_file
+
+    d = layout.adapter("L3")
+    config = layout.adapter_config("L3")
+    config["target_modules"] = ["q_proj", "v_proj", "experts"]
+    layout.write_adapter_config("L3", config)
+    tensors = {f"base_model.model.model.layers.0.self_attn.{t}.lora_{ab}.weight": ("BF16", (64, 16) if ab == "A" else (16, 64))
+               for t in ("q_proj", "v_proj") for ab in "AB"}
+    tensors["base_model.model.model.layers.0.mlp.experts.lora_A.weight"] = ("BF16", (2, 64, 16))
+    write_file(d / "adapter_model.safetensors", tensors)
+    status, detail = check(layout.root)["adapter.L3.moe"]
+    assert status == "warn" and "under .experts. (3D)" in detail and "target_modules experts" in detail
+
+
+def test_lock_refusals(molctl, layout, engine_python, tmp_path):
+    root = ["--model-root", str(layout.root)]
+    result = molctl("lock", "tall", *root, "--set", f"engine.python={tmp_path / 'nope' / 'python'}")
+    assert result.exit_code == ExitStatus.CHECK_FAILED and "cannot fingerprint vllm" in result.stderr
+    assert molctl("lock", "tall", *root, "--jobs", "0").exit_code == ExitStatus.USAGE
+    layout.shards[2].unlink()
+    result = molctl("lock", "tall", *root, "--set", f"engine.python={engine_python}")
+    assert result.exit_code == ExitStatus.CHECK_FAILED and layout.shards[2].name in result.stderr
