@@ -31,6 +31,7 @@ test: $(VENV)/.stamp-cpu
 
 bench: $(VENV)/.stamp-cpu
 	$(PY) bench/bench_cli.py
+	$(PY) bench/bench_lock.py
 	$(PY) bench/bench_proxy.py
 	$(PY) bench/bench_lifecycle.py
 	$(PY) bench/bench_e2e.py
