@@ -125,6 +125,14 @@ class HashCache:
             self.files[st.real] = {**st.key(), "sha256": sha256}
             self._dirty = True
 
+    def prune(self) -> None:
+        """Forget files that no longer exist (a deleted layout's entries), so the cache stays small."""
+        with self._lock:
+            gone = [p for p in self.files if not os.path.exists(p)]
+            for p in gone:
+                del self.files[p]
+            self._dirty = self._dirty or bool(gone)
+
     def save(self) -> None:
         """Atomically (temp file in the same folder, then rename); a cache that cannot be written
         only costs the next run its speed."""
@@ -183,6 +191,7 @@ def hash_files(paths: Iterable[str | Path], cache: HashCache | None = None, jobs
     run.hashed_bytes = sum(s.size for s in todo)
     if todo:
         _hash_todo(todo, run, cache, jobs or default_jobs(), progress, hasher)
+    cache.prune()
     cache.save()
     run.seconds = time.monotonic() - t0
     return run

@@ -164,8 +164,8 @@ class Output:
             return
         cached = f", {summary['cached_files']} from the hash cache" if summary["cached_files"] else ""
         self.line(f"locked {summary['profile']} ({summary['engine']['kind']} {summary['engine']['version']}): "
-                  f"{summary['files']} files, {summary['bytes'] / 1e9:.2f} GB; read {summary['hashed_files']} "
-                  f"({summary['hashed_bytes'] / 1e9:.2f} GB){cached} in {summary['seconds']:.1f} s")
+                  f"{summary['files']} files, {_bytes(summary['bytes'])}; read {summary['hashed_files']} "
+                  f"({_bytes(summary['hashed_bytes'])}){cached} in {summary['seconds']:.1f} s")
         self.line(f"manifest: {summary['manifest']}")
 
     def demo_init(self, result: dict, template: str, seed: int) -> None:
@@ -269,6 +269,10 @@ class ConsoleProgress:
 
     def close(self) -> None:
         self._stop_status()
+
+
+def _bytes(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
 
 
 def _duration(seconds: float) -> str:

@@ -354,6 +354,10 @@ def test_hash_files_parallel_matches_hashlib(tmp_path):
     assert again.hashed_files == 0 and again.sha256 == run.sha256
     full = hash_files(files, HashCache(tmp_path / "cache" / "hashes.json"), jobs=4, use_cache=False)
     assert full.hashed_files == 12
+    files[0].unlink()  # a deleted file's entry is forgotten at the next save
+    hash_files(files[1:], HashCache(tmp_path / "cache" / "hashes.json"), jobs=4)
+    assert str(files[0].resolve()) not in HashCache(tmp_path / "cache" / "hashes.json").files
+    assert str(files[1].resolve()) in HashCache(tmp_path / "cache" / "hashes.json").files
 
 
 # --------------------------------------------------------------------------------- up --verify
@@ -395,6 +399,7 @@ def test_capacity_checks_pass_on_tall(check, layout):
     assert checks["adapter.max-lora-rank"][0] == "pass"
     assert checks["adapter.max-loras"][0] == "pass"
     assert not any(k.endswith(".moe") for k in checks)
+    assert not any(k.startswith("lock.") for k in checks)  # only with --verify
 
 
 def test_max_lora_rank_above_the_real_ranks_warns(check, layout):
