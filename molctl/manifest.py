@@ -243,6 +243,22 @@ def adapter_meta(directory: Path) -> dict[str, Any]:
             "base_model_name_or_path": cfg.get("base_model_name_or_path")}
 
 
+def adapter_moe_layout(directory: Path) -> dict[str, Any] | None:
+    """Seed 002: an MoE adapter's checkpoint layout belongs in the manifest. From the weights'
+    header: how many LoRA tensors sit under `.experts.` and their ranks (2D per expert, 3D fused);
+    None when there are none or the header is unreadable (the adapter checks report that)."""
+    from molctl.safetensors import HeaderError, read_header
+
+    try:
+        header = read_header(directory / "adapter_model.safetensors")
+    except (HeaderError, OSError):
+        return None
+    experts = [t for n, t in header.tensors.items() if ".lora_" in n and ".experts." in n]
+    if not experts:
+        return None
+    return {"expert_tensors": len(experts), "dims": sorted({len(t["shape"]) for t in experts})}
+
+
 # ----------------------------------------------------------------------------------------- build
 @dataclass
 class LockResult:
@@ -275,7 +291,7 @@ def build(profile: Profile, state_dir: Path | None, jobs: int | None = None, pro
         d = profile.adapter_dir(route)
         if not d.is_dir():
             raise ManifestError(f"adapter directory {d} is missing")
-        adapters[route] = {"path": str(d), **adapter_meta(d), "files": adapter_files(d)}
+        adapters[route] = {"path": str(d), **adapter_meta(d), "moe": adapter_moe_layout(d), "files": adapter_files(d)}
     paths = [profile.base_dir / n for n in shards + base]
     paths += [profile.adapter_dir(r) / f for r in ROUTES for f in adapters[r]["files"]]
     try:

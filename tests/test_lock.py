@@ -101,6 +101,7 @@ def test_lock_then_verify_passes(cli, layout, molctl):
     assert (l2["r"], l2["lora_alpha"], l2["target_modules"]) == (64, 128, ["q_proj", "v_proj"])
     assert l2["base_model_name_or_path"] == "Qwen/Qwen3.6-35B-A3B"
     assert [f["name"] for f in l2["files"]] == ["adapter_config.json", "adapter_model.safetensors"]
+    assert l2["moe"] is None
 
     code, checks = cli.verify()  # another environment than the lock's
     assert code == ExitStatus.CHECK_FAILED
@@ -439,6 +440,7 @@ def test_moe_experts_in_adapter_weights_warn(check, layout):
     write_file(d / "adapter_model.safetensors", tensors)
     status, detail = check(layout.root)["adapter.L3.moe"]
     assert status == "warn" and "under .experts. (3D)" in detail and "target_modules experts" in detail
+    assert mf.adapter_moe_layout(d) == {"expert_tensors": 1, "dims": [3]}  # what `molctl lock` pins
 
 
 def test_lock_refusals(molctl, layout, engine_python, tmp_path):
