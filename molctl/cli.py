@@ -152,7 +152,7 @@ def lock_cmd(
     profile: str = typer.Argument(..., help="Profile to pin (see `molctl profiles`)."),
     model_root: Optional[Path] = MODEL_ROOT_OPT,
     set_: List[str] = SET_OPT,
-    jobs: Optional[int] = typer.Option(None, "--jobs", "-j", min=1, help="Files hashed in parallel (default: the cores, at most 8)."),
+    jobs: Optional[int] = typer.Option(None, "--jobs", "-j", min=1, help="Files hashed in parallel (default: the cores, at most 8; at most 2 on a rotational disk)."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", metavar="PATH",
                                           help="Where to write the manifest (default: STATE/PROFILE/manifests/lock-<UTC time>.json)."),
     json_: bool = JSON_OPT,

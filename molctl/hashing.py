@@ -35,9 +35,29 @@ CACHE_NAME = "hashes.json"
 CACHE_FORMAT = 1
 
 
-def default_jobs() -> int:
-    """One worker per core, at most 8 (more rarely helps a single device and costs memory: 8 MiB each)."""
-    return max(1, min(MAX_JOBS, os.cpu_count() or 1))
+ROTATIONAL_JOBS = 2  # a spinning disk loses more to seeks than it gains from more parallel streams
+
+
+def default_jobs(path: str | Path | None = None, sysfs: str = "/sys") -> int:
+    """One worker per core, at most 8 (more rarely helps a single device and costs memory: 8 MiB
+    each); at most 2 when `path` lives on a device the kernel calls rotational (a disk, not flash;
+    some virtual disks say so too: `--jobs` overrides)."""
+    jobs = max(1, min(MAX_JOBS, os.cpu_count() or 1))
+    if path is not None and _rotational(path, sysfs):
+        jobs = min(jobs, ROTATIONAL_JOBS)
+    return jobs
+
+
+def _rotational(path: str | Path, sysfs: str) -> bool:
+    try:
+        dev = os.stat(path).st_dev
+        base = Path(sysfs) / "dev" / "block" / f"{os.major(dev)}:{os.minor(dev)}"
+        for queue in (base / "queue" / "rotational", base / ".." / "queue" / "rotational"):  # disk, or partition
+            if queue.exists():
+                return queue.read_text().strip() == "1"
+    except (OSError, ValueError):
+        pass
+    return False
 
 
 class HashProgress(Protocol):
@@ -190,7 +210,7 @@ def hash_files(paths: Iterable[str | Path], cache: HashCache | None = None, jobs
     run.hashed_files = len(todo)
     run.hashed_bytes = sum(s.size for s in todo)
     if todo:
-        _hash_todo(todo, run, cache, jobs or default_jobs(), progress, hasher)
+        _hash_todo(todo, run, cache, jobs or default_jobs(todo[0].real), progress, hasher)
     cache.prune()
     cache.save()
     run.seconds = time.monotonic() - t0

@@ -451,3 +451,17 @@ def test_lock_refusals(molctl, layout, engine_python, tmp_path):
     layout.shards[2].unlink()
     result = molctl("lock", "tall", *root, "--set", f"engine.python={engine_python}")
     assert result.exit_code == ExitStatus.CHECK_FAILED and layout.shards[2].name in result.stderr
+
+
+def test_default_jobs_follows_cores_and_the_device(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 32)
+    assert hashing_mod.default_jobs() == 8
+    dev = os.stat(tmp_path).st_dev
+    queue = tmp_path / "sys" / "dev" / "block" / f"{os.major(dev)}:{os.minor(dev)}" / "queue"
+    queue.mkdir(parents=True)
+    (queue / "rotational").write_text("0\n")
+    assert hashing_mod.default_jobs(tmp_path, sysfs=str(tmp_path / "sys")) == 8
+    (queue / "rotational").write_text("1\n")
+    assert hashing_mod.default_jobs(tmp_path, sysfs=str(tmp_path / "sys")) == 2
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+    assert hashing_mod.default_jobs(tmp_path, sysfs=str(tmp_path / "sys")) == 1
