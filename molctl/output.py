@@ -153,9 +153,9 @@ class Output:
 
     def hash_progress(self):
         """The progress of `molctl lock`'s hashing: a bar with bytes/s and ETA on stderr when it is a
-        terminal (stdout stays clean for --json), else None (silent)."""
+        terminal, else None (silent; also with --json, like the progress of up/down/switch)."""
         tty = hasattr(self.stderr, "isatty") and self.stderr.isatty()
-        return HashProgressBar(self.stderr) if tty else None
+        return HashProgressBar(self.stderr) if tty and not self.as_json else None
 
     def lock_result(self, summary: dict) -> None:
         """`molctl lock` wrote its manifest."""
