@@ -179,6 +179,46 @@ class Output:
             self.line(f"tiny model written to {result['root']} (vocab {result['vocab_size']}, adapters L0-L3, "
                       f"{template} chat template, seed {seed})")
 
+    def bench(self, data: dict) -> None:
+        """`molctl bench`: one table per series (ratios to base-only at the same concurrency), or
+        `--compare`'s differences (data with "rows")."""
+        if self.as_json:
+            self.json(data)
+            return
+        ms = lambda v: "-" if v is None else f"{v * 1000:.0f}"  # noqa: E731
+        num = lambda v, f="{:.2f}": "-" if v is None else f.format(v)  # noqa: E731
+        if "rows" in data:
+            rows = []
+            for r in data["rows"]:
+                a, b, q = r["a"] or {}, r["b"] or {}, r["ratio"] or {}
+                rows.append((r["series"], str(r["concurrency"]),
+                             *(f"{ms(a.get(k))} -> {ms(b.get(k))} ({num(q.get(k), '{:.2f}x')})"
+                               for k in ("ttft_p50", "total_p50", "total_p95")),
+                             f"{num(a.get('requests_per_s'))} -> {num(b.get('requests_per_s'))} "
+                             f"({num(q.get('requests_per_s'), '{:.2f}x')})", f"{a.get('errors', '-')} -> {b.get('errors', '-')}"))
+            self.table(("series", "conc", "TTFT p50 ms", "total p50 ms", "total p95 ms", "req/s", "errors"), rows,
+                       title=f"molctl bench --compare {data['a']['run_id']} {data['b']['run_id']} (B/A)")
+            return
+        for series in dict.fromkeys(c["series"] for c in data["results"]):
+            rows = []
+            for c in (c for c in data["results"] if c["series"] == series):
+                vs = c["vs_base"] or {}
+                errs = ", ".join(f"{k} {v}" for k, v in sorted(c["errors"].items())) or "0"
+                vram = ", ".join(f"{g['index']}: {g['used_bytes'] / 2**30:.1f}G" for g in c["vram_peak"] or []) or "-"
+                rows.append((str(c["concurrency"]), f"{c['ok']}/{c['requests']}",
+                             *(ms(c[m][p]) for m in ("ttft_s", "total_s") for p in ("p50", "p95", "p99")),
+                             num(c["output_tokens_per_s"], "{:.1f}"), num(c["requests_per_s"]),
+                             num(vs.get("total_p50"), "{:.2f}x"), errs, vram))
+            self.table(("conc", "ok", "TTFT p50", "p95", "p99", "total p50", "p95", "p99", "tok/s", "req/s",
+                        "total p50 vs base", "errors", "VRAM peak"), rows, title=f"{series} (ms)")
+            for c in (c for c in data["results"] if c["series"] == series and c.get("by_adapter")):
+                self.line("  by adapter at concurrency {}: {}".format(c["concurrency"], "; ".join(
+                    f"{k} p50 {ms(v['total_s']['p50'])} p95 {ms(v['total_s']['p95'])} ms, {sum(v['errors'].values())} err"
+                    for k, v in c["by_adapter"].items())))
+        if data["vram"]["note"]:
+            self.line(data["vram"]["note"])
+        self.line(f"run {data['run_id']}: {data['run_dir']}" + ("" if data["manifest"] else " (no molctl lock manifest)"))
+
 
 class HashProgressBar:
     """A `molctl.hashing.HashProgress`: one rich bar (files, bytes, bytes/s, ETA), removed when

@@ -52,6 +52,9 @@ DEFAULT_CONFIG = {
     "stream_error_after": None,  # after this many content pieces, an error frame then [DONE] (vLLM's way)
     "strict": False,  # enforce vLLM's window rule and the Qwen3.5/3.6 template's role rules
     "max_model_len": 2048,  # the window in strict mode
+    # per engine model (the base's served name or an adapter), for `molctl bench` (answer hops and direct requests):
+    "model_delay": {},  # {model: seconds before the first chunk}
+    "model_error": {},  # {model: {"status": 503, "body"?: {...}, "headers"?: {...}}}
 }
 
 
@@ -97,12 +100,20 @@ def strict_violation(payload: dict) -> web.Response | None:
     return None
 
 
+# counters served on /metrics, vLLM's names (vllm/v1/metrics/loggers.py; a counter gets `_total`).
+# Only answer hops and direct requests count; `vllm:num_preemptions_total` stays 0; the queue-time
+# histogram (`vllm:request_queue_time_seconds_sum`) is left out on purpose (a metric that is missing).
+METRICS = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
+           "vllm:request_success_total", "vllm:generation_tokens_total")
+
+
 class Engine:
     def __init__(self):
         self.base = dict(DEFAULT_CONFIG)  # DEFAULT_CONFIG + the --config given at start (kept by /_reset)
         self.config = dict(self.base)
         self.log: list[dict] = []
         self.counter = 0
+        self.metrics = dict.fromkeys(METRICS, 0)
 
     def reset(self):
         self.config = dict(self.base)
@@ -160,7 +171,15 @@ async def chat(request: web.Request) -> web.StreamResponse:
         answered = text_of(messages[-2].get("content")) if len(messages) >= 2 else ""
         return web.json_response(completion(model, {"content": f"summary of {answered}"}, "stop", usage))
     # answer hop
-    await asyncio.sleep(cfg["answer_delay"])
+    await asyncio.sleep(cfg["answer_delay"] + cfg["model_delay"].get(model, 0.0))
+    STATE.metrics["vllm:prefix_cache_queries_total"] += 10
+    STATE.metrics["vllm:prefix_cache_hits_total"] += 4
+    if model in cfg["model_error"]:
+        err = cfg["model_error"][model]
+        body = err.get("body") or {"error": {"message": "injected", "type": "ServiceUnavailableError", "code": err["status"]}}
+        return web.json_response(body, status=err["status"], headers=err.get("headers"))
+    STATE.metrics["vllm:request_success_total"] += 1
+    STATE.metrics["vllm:generation_tokens_total"] += 3
     if cfg["answer_error"]:
         err = cfg["answer_error"]
         return web.json_response(err["body"], status=err["status"], headers=err.get("headers"))
@@ -245,6 +264,15 @@ async def models(request):
     return web.json_response({"object": "list", "data": data})
 
 
+async def metrics(request):
+    lines = []
+    for name, value in STATE.metrics.items():
+        if name.endswith("_total"):
+            lines.append(f"# TYPE {name.removesuffix('_total')} counter")
+        lines.append(f'{name}{{engine="0",model_name="{STATE.config["served_name"]}"}} {float(value)}')
+    return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+
 async def version(request):
     return web.json_response({"version": "0.0.0-fake"})
 
@@ -269,6 +297,7 @@ def make_app() -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/version", version)
+    app.router.add_get("/metrics", metrics)
     app.router.add_get("/_log", get_log)
     app.router.add_post("/_config", set_config)
     app.router.add_post("/_reset", reset)

@@ -1,0 +1,225 @@
+"""`molctl bench` against a stack started by `molctl up` with the scripted fake engine
+(tests/fake_engine.py) and the real MoL proxy: per-adapter latency and errors are injected in
+the fake (`model_delay`, `model_error`), and the report must show them per series, by kind.
+No speed is asserted beyond the injected ordering."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from molctl.errors import ExitStatus
+from molctl.probes import GpuDevice, GpuInventory, GpuUnavailable
+from molctl.state import read_records
+from tests.helpers import ROOT, Molctl, free_ports, url
+from tests.layouts import make_layout
+
+KEY = "sk-bench-key"
+
+
+class BenchHost:
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.state = tmp / "state"
+        self.model = tmp / "model"
+        make_layout(self.model, model_type="llama", shards=2, rank=8, base_name="tiny-mol-llama")
+        self.python = tmp / "fake-python"
+        self.python.write_text(f"#!/bin/sh\nif [ \"$1\" = \"-c\" ]; then exec {sys.executable} \"$@\"; fi\n"
+                               f"exec {sys.executable} {ROOT / 'tests' / 'fake_engine.py'} \"$@\"\n")
+        self.python.chmod(0o755)
+        self.key = tmp / "key"
+        self.key.write_text(KEY + "\n")
+        self.key.chmod(0o600)
+        self.engine_port, self.proxy_port = free_ports(2)
+        self.env = {"MOLCTL_LOCK_DIR": str(tmp / "locks"), "MOLCTL_PROFILES_DIR": ""}
+        self.cli = Molctl(self.state)  # subprocess: up/down
+        self.inproc = Molctl(self.state, in_process=True)
+
+    def up(self):
+        return self.cli("up", "tiny", "--set", f"engine.python={self.python}", "--set", f"engine.port={self.engine_port}",
+                        "--set", f"proxy.port={self.proxy_port}", "--model-root", str(self.model), "--skip", "engine",
+                        "--skip", "gpu", "--api-key-file", str(self.key), "--timeout", "30", env=self.env)
+
+    def engine(self) -> str:
+        return url(read_records(self.state, "tiny")["engine"].port)
+
+    def config(self, **cfg):
+        httpx.post(self.engine() + "/_reset").raise_for_status()
+        httpx.post(self.engine() + "/_config", json=cfg).raise_for_status()
+
+    def bench(self, *args: str):
+        return self.inproc("bench", "tiny", "--api-key-file", str(self.key), *args)
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory):
+    h = BenchHost(tmp_path_factory.mktemp("bench"))
+    try:
+        r = h.up()
+        assert r.exit_code == ExitStatus.OK, r.stdout + r.stderr
+        yield h
+    finally:
+        h.cli("down", "--stop-timeout", "2", "--drain-timeout", "2", "--force", env=h.env, timeout=60)
+
+
+def cells(summary: dict, series: str) -> list[dict]:
+    return [c for c in summary["results"] if c["series"] == series]
+
+
+def test_injected_adapter_latency_ordering(host):
+    host.config(model_delay={"tiny-mol-base": 0.04, "L0": 0.08, "L1": 0.0, "L2": 0.15, "L3": 0.25})
+    r = host.bench("--requests", "8", "--concurrency", "1", "--series", "base,L0,L1,L2,L3,mix", "--json")
+    assert r.exit_code == ExitStatus.OK, r.stderr
+    s = r.json()
+    p50 = {name: cells(s, name)[0]["total_s"]["p50"] for name in ("base", "L0", "L1", "L2", "L3")}
+    assert p50["L1"] < p50["base"] < p50["L0"] < p50["L2"] < p50["L3"], p50
+    assert p50["L3"] >= 0.25
+    # the mix keeps the adapters apart: its per-adapter p50 reproduces the same ordering
+    (mix,) = cells(s, "mix")
+    by = mix["by_adapter"]
+    assert all(by[a]["requests"] == 2 and by[a]["ok"] == 2 for a in ("L0", "L1", "L2", "L3")), by
+    mp50 = {a: by[a]["total_s"]["p50"] for a in by}
+    assert mp50["L1"] < mp50["L0"] < mp50["L2"] < mp50["L3"], mp50
+    # ratio to base-only at the same concurrency
+    assert cells(s, "L3")[0]["vs_base"]["total_p50"] > 1 > cells(s, "L1")[0]["vs_base"]["total_p50"]
+    assert cells(s, "base")[0]["vs_base"]["total_p50"] == 1.0
+
+
+def test_injected_errors_are_counted_by_kind(host):
+    host.config(model_error={"L2": {"status": 503}}, model_delay={"L1": 3.0})
+    r = host.bench("--requests", "3", "--concurrency", "1", "--series", "base,L1,L2", "--request-timeout", "0.5", "--json")
+    assert r.exit_code == ExitStatus.OK, r.stderr
+    s = r.json()
+    (base,), (l1,), (l2,) = cells(s, "base"), cells(s, "L1"), cells(s, "L2")
+    assert base["errors"] == {} and base["ok"] == 3
+    assert l1["errors"] == {"timeout": 3} and l1["ok"] == 0
+    assert l2["errors"] == {"http_503": 3} and l2["ok"] == 0
+    assert l2["total_s"]["p50"] is None and l2["vs_base"]["total_p50"] is None
+    samples = [json.loads(line) for line in Path(s["run_dir"], "samples.jsonl").read_text().splitlines()]
+    assert {(x["series"], x["error"], x["status"]) for x in samples if x["series"] == "L2"} == {("L2", "http_503", 503)}
+
+
+def test_json_shape_run_dir_and_human_tables(host):
+    host.config()
+    manifests = host.state / "tiny" / "manifests"
+    manifests.mkdir(parents=True, exist_ok=True)
+    (manifests / "lock-20260101-000000.json").write_text('{"kind": "molctl-lock"}\n')
+    r = host.bench("--requests", "4", "--concurrency", "1,2", "--max-tokens", "8", "--seed", "7", "--json")
+    assert r.exit_code == ExitStatus.OK, r.stderr
+    s = r.json()
+    assert set(s) >= {"format", "run_id", "run_dir", "profile", "started_at", "seconds", "engine", "proxy", "workload",
+                      "vram", "manifest", "notes", "results"}
+    assert s["profile"] == "tiny" and s["engine"]["base_model"] == "tiny-mol-base" and s["engine"]["kind"] == "vllm"
+    assert s["workload"]["seed"] == 7 and s["workload"]["max_tokens"] == 8 and s["workload"]["concurrency"] == [1, 2]
+    assert [(c["series"], c["concurrency"]) for c in s["results"]] == [
+        (name, c) for name in ("base", "L0", "L1", "L2", "L3", "mix", "proxy") for c in (1, 2)]
+    for c in s["results"]:
+        assert set(c) >= {"requests", "ok", "errors", "ttft_s", "total_s", "output_tokens_per_s", "requests_per_s",
+                          "wall_s", "engine_metrics", "vram_peak", "vs_base"}
+        assert c["requests"] == 4 and c["ok"] == 4, c
+        assert set(c["ttft_s"]) == set(c["total_s"]) == {"p50", "p95", "p99"}
+        assert c["ttft_s"]["p50"] <= c["total_s"]["p50"]
+        em = c["engine_metrics"]
+        assert em["available"] and "queue_time_s_sum" in em["missing"]  # the fake has no queue-time histogram
+    # engine metrics deltas: direct requests count on the engine; the proxy adds route and summary hops
+    (base1,) = [c for c in cells(s, "base") if c["concurrency"] == 1]
+    assert base1["engine_metrics"]["deltas"]["requests_finished"] == 4
+    assert base1["engine_metrics"]["deltas"]["prefix_cache_queries"] > 0
+    proxy = cells(s, "proxy")[0]
+    assert proxy["proxy_metrics"]["requests_total"] == 4 and proxy["proxy_metrics"]["route_hops_total"] == 4
+    # no NVML on the test host (or a real one): either way the vram section says which
+    assert s["vram"]["available"] or s["vram"]["note"].startswith("VRAM not sampled")
+    # run directory
+    run = Path(s["run_dir"])
+    assert run.parent == host.state / "tiny" / "bench" and run.name == s["run_id"]
+    assert json.loads((run / "summary.json").read_text()) == s
+    samples = (run / "samples.jsonl").read_text().splitlines()
+    assert len(samples) == 4 * 14
+    assert s["manifest"]["sha256"] and (run / "manifest.json").read_text() == '{"kind": "molctl-lock"}\n'
+    # human output: one table per series, the ratio column, the run dir
+    h = host.bench("--requests", "2", "--concurrency", "1", "--series", "base,L2")
+    assert h.exit_code == ExitStatus.OK, h.stderr
+    assert "base (ms)" in h.stdout and "L2 (ms)" in h.stdout and "vs base" in h.stdout and "run " in h.stdout
+    assert "Traceback" not in h.stderr
+
+
+def test_duration_mode(host):
+    host.config()
+    r = host.bench("--duration", "0.3", "--concurrency", "2", "--series", "base", "--json")
+    assert r.exit_code == ExitStatus.OK, r.stderr
+    (c,) = r.json()["results"]
+    assert c["requests"] >= 2 and c["ok"] == c["requests"] and c["requests_per_s"] > 0
+
+
+def test_compare_two_runs(host):
+    host.config(model_delay={"L2": 0.05})
+    a = host.bench("--requests", "2", "--concurrency", "1", "--series", "base,L2", "--json").json()
+    host.config(model_delay={"L2": 0.2})
+    b = host.bench("--requests", "2", "--concurrency", "1", "--series", "base,L2", "--json").json()
+    r = host.inproc("bench", "--compare", a["run_id"], b["run_dir"], "--json")
+    assert r.exit_code == ExitStatus.OK, r.stderr
+    d = r.json()
+    assert d["a"]["run_id"] == a["run_id"] and d["b"]["run_id"] == b["run_id"]
+    rows = {row["series"]: row for row in d["rows"]}
+    assert set(rows) == {"base", "L2"} and rows["L2"]["ratio"]["total_p50"] > 1.5
+    human = host.inproc("bench", "tiny", "--compare", a["run_id"], b["run_id"])
+    assert human.exit_code == ExitStatus.OK and "L2" in human.stdout and "->" in human.stdout
+    missing = host.inproc("bench", "--compare", a["run_id"], "no-such-run")
+    assert missing.exit_code == ExitStatus.USAGE and "no bench run 'no-such-run'" in missing.stderr
+
+
+def test_proxy_series_needs_the_key(host, monkeypatch):
+    monkeypatch.delenv("MOLCTL_API_KEY", raising=False)
+    monkeypatch.delenv("MOLCTL_API_KEY_FILE", raising=False)
+    r = host.inproc("bench", "tiny", "--requests", "1", "--series", "proxy")
+    assert r.exit_code == ExitStatus.USAGE and "API key" in r.stderr
+    ok = host.inproc("bench", "tiny", "--requests", "1", "--concurrency", "1", "--series", "proxy", "--json",
+                     env={"MOLCTL_API_KEY": KEY})
+    assert ok.exit_code == ExitStatus.OK, ok.stderr
+    assert ok.json()["results"][0]["ok"] == 1
+
+
+def test_vram_sampled_through_the_injected_probe(host):
+    from molctl.bench import BenchOptions, bench
+    from molctl.cli import Context
+
+    class Probe:
+        calls = 0
+
+        def inventory(self):
+            Probe.calls += 1
+            used = 2**30 * min(Probe.calls, 5)
+            return GpuInventory("999", (GpuDevice(0, "Fake", 80 * 2**30, 80 * 2**30 - used),
+                                        GpuDevice(1, "Fake", 80 * 2**30, 79 * 2**30)))
+
+    host.config(model_delay={"tiny-mol-base": 0.1})
+    s = bench(Context(host.state, []), "tiny", BenchOptions(concurrency=[1], requests=3, series=["base"],
+                                                           vram_interval_s=0.05), gpu_probe=Probe())
+    v = s["vram"]
+    assert v["available"] and v["note"] is None and v["before"] and v["after"]
+    assert [g["index"] for g in v["peak"]] == [0, 1] and v["peak"][1]["used_bytes"] == 2**30
+    assert s["results"][0]["vram_peak"][0]["used_bytes"] >= 2**30
+    lines = Path(s["run_dir"], "vram.jsonl").read_text().splitlines()
+    assert {json.loads(x)["phase"] for x in lines} >= {"before", "base@1", "after"}
+
+    class NoGpu:
+        def inventory(self):
+            raise GpuUnavailable("NVML init failed: no driver")
+
+    s = bench(Context(host.state, []), "tiny", BenchOptions(concurrency=[1], requests=1, series=["base"]),
+              gpu_probe=NoGpu())
+    assert not s["vram"]["available"] and "no driver" in s["vram"]["note"] and s["results"][0]["vram_peak"] is None
+
+
+def test_nothing_running_is_exit_3_without_a_traceback(tmp_path, molctl):
+    r = molctl("bench", "tiny", "--requests", "1")
+    assert r.exit_code == ExitStatus.CHECK_FAILED
+    assert r.stderr.startswith("molctl: error: nothing is running for tiny") and r.stderr.count("\n") == 1
+    assert molctl("bench", "no-such-profile").exit_code == ExitStatus.CHECK_FAILED
+    assert molctl("bench", "tiny", "--concurrency", "0").exit_code == ExitStatus.USAGE
+    assert molctl("bench", "tiny", "--series", "L9").exit_code == ExitStatus.USAGE
+    assert molctl("bench", "tiny", "--requests", "2", "--duration", "1").exit_code == ExitStatus.USAGE
