@@ -23,11 +23,11 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from molctl.engines import get_engine  # noqa: E402
-from molctl.start import engine_env  # noqa: E402
 from molctl.profiles import ROUTES, load_profile, profile_dirs, route_instruction  # noqa: E402
 from molctl.proxy.views import route_input, route_messages  # noqa: E402
+from molctl.start import engine_env  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
-from tests.test_e2e import REQUEST_RE, Stack  # noqa: E402
+from tests.test_e2e import Stack  # noqa: E402
 
 PUBLIC = "Macaron-Tiny-Demo"
 
@@ -139,8 +139,9 @@ def main() -> None:
               f"{(m['proxy'] - m['direct']) / m['proxy']:.0%} of the chat); route hop alone {m['route'] * 1000:.0f} ms")
     hits = sum(c[0] for c in convos)
     queries = sum(c[1] for c in convos)
-    for (h, q, answered), place in zip(convos, ("Kyoto", "Lisbon", "Oslo")):
-        print(f"5-turn conversation ({place}), answer hops on {answered}: prefix-cache hit ratio {h / q:.0%} ({h:.0f} of {q:.0f} prompt tokens, all hops)")
+    for (h, q, answered), place in zip(convos, ("Kyoto", "Lisbon", "Oslo"), strict=True):
+        print(f"5-turn conversation ({place}), answer hops on {answered}: prefix-cache hit ratio {h / q:.0%} "
+              f"({h:.0f} of {q:.0f} prompt tokens, all hops)")
     print(f"all three: {hits / queries:.1%} ({hits:.0f} of {queries:.0f})")
 
 

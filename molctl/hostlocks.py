@@ -18,9 +18,10 @@ import os
 import stat
 import tempfile
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from molctl.errors import ConflictError, MolctlError
 from molctl.flocks import holder_if_held, try_exclusive
@@ -72,7 +73,7 @@ class Holder:
     command: str | None = None
 
     @classmethod
-    def parse(cls, raw: bytes) -> "Holder":
+    def parse(cls, raw: bytes) -> Holder:
         try:
             data = json.loads(raw.decode(errors="replace") or "{}")
         except ValueError:

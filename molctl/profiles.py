@@ -15,9 +15,10 @@ from __future__ import annotations
 import os
 import re
 import sys
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import yaml
 
@@ -504,7 +505,8 @@ def _prompts(data: dict[str, Any], v: _Validator) -> Prompts:
     `fold`, and the route prompt's description and label placeholders."""
     prompts = dict(data)
     if sorted(prompts["adapters"]) != list(ROUTES):
-        raise v.fail("prompts.adapters", f"expected exactly the routes {', '.join(ROUTES)}, got {', '.join(sorted(prompts['adapters'])) or 'none'}")
+        got = ", ".join(sorted(prompts["adapters"])) or "none"
+        raise v.fail("prompts.adapters", f"expected exactly the routes {', '.join(ROUTES)}, got {got}")
     for key in ("identity", "route", "summary"):
         if not prompts[key].strip():
             raise v.fail(f"prompts.{key}", "must not be empty")

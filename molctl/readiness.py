@@ -11,8 +11,9 @@ version endpoint) are hooks of the engine module (`molctl.engines.base.Engine`).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import httpx
 

@@ -14,8 +14,9 @@ import copy
 import hashlib
 import json
 import shlex
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from molctl.errors import ProfileError
 from molctl.profiles import Profile, build_profile, load_yaml_with_lines, profile_files

@@ -253,7 +253,7 @@ class LockHolder:
     since: float | None = None
 
     @classmethod
-    def parse(cls, raw: bytes) -> "LockHolder":
+    def parse(cls, raw: bytes) -> LockHolder:
         try:
             data = json.loads(raw.decode(errors="replace").strip() or "{}")
         except ValueError:
@@ -300,7 +300,7 @@ class StateLock:
         self.action, self.profile = action, profile
         self.fd: int | None = None
 
-    def __enter__(self) -> "StateLock":
+    def __enter__(self) -> StateLock:
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as exc:

@@ -18,8 +18,16 @@ from molctl.processes import stack_pids
 from molctl.profiles import Profile, load_profile
 from molctl.readiness import http_status
 from molctl.stacks import component_url, known_or_recorded, marked_for, recorded_config
-from molctl.state import (COMPONENTS, LockHolder, Record, RecordProblem, is_same_process, lock_holder,
-                          profiles_with_records, read_records_checked)
+from molctl.state import (
+    COMPONENTS,
+    LockHolder,
+    Record,
+    RecordProblem,
+    is_same_process,
+    lock_holder,
+    profiles_with_records,
+    read_records_checked,
+)
 
 
 def status(ctx, name: str | None, gpu_probe=None) -> dict[str, Any]:

@@ -16,8 +16,18 @@ from molctl.errors import ConflictError, MolctlError
 from molctl.processes import marked_by_path, members, stack_pids, stop, stop_processes
 from molctl.progress import Progress
 from molctl.stacks import known_or_recorded, marked_for, unreadable_records_error
-from molctl.state import (Record, RecordProblem, StateDirError, StateLock, process_state, profiles_with_records,
-                          read_records, read_records_checked, record_path, remove_record)
+from molctl.state import (
+    Record,
+    RecordProblem,
+    StateDirError,
+    StateLock,
+    process_state,
+    profiles_with_records,
+    read_records,
+    read_records_checked,
+    record_path,
+    remove_record,
+)
 
 ENGINE_STOP_TIMEOUT_S = 60.0
 

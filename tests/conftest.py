@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import CliResult, Molctl, free_port, free_ports as _free_ports
+from tests.helpers import CliResult, Molctl, free_port
+from tests.helpers import free_ports as _free_ports
 
 __all__ = ["CliResult", "free_port"]  # free_port: also imported from here by older test modules
 

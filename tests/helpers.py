@@ -12,9 +12,9 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 from molctl.errors import ExitStatus
 from molctl.readiness import base_url

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from molctl.checks import Probes
-from molctl.checks import check_profile
+from molctl.checks import Probes, check_profile
 from molctl.engines import get_engine
 from molctl.profiles import load_profile, profile_dirs
 

@@ -123,7 +123,8 @@ def test_qwen_rules():
 
 def test_glm_rules():
     text = render_demo("glm5", [SYS, USER, ANSWER, {"role": "system", "content": "Now in French."}, USER])
-    assert text == "[gMASK]<sop><|system|>Be brief.<|user|>hi<|assistant|></think>hello<|system|>Now in French.<|user|>hi<|assistant|><think>"
+    assert text == ("[gMASK]<sop><|system|>Be brief.<|user|>hi<|assistant|></think>hello"
+                    "<|system|>Now in French.<|user|>hi<|assistant|><think>")
     off = render_demo("glm5", [USER], chat_template_kwargs={"enable_thinking": False})
     assert off == "[gMASK]<sop><|user|>hi<|assistant|></think>"
     kept = render_demo("glm5", [USER, {"role": "assistant", "content": "", "reasoning_content": "why"}, USER, ANSWER],

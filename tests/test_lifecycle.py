@@ -375,8 +375,8 @@ def test_logs_follow_across_a_restart(host, tmp_path):
 
 def test_down_keeps_the_record_while_nvml_shows_the_stack(host):
     """On GPU hosts `down` also asks NVML; a process of the stack still on a GPU keeps the record."""
-    from molctl.stop import down
     from molctl.probes import GpuDevice, GpuInventory, GpuProcess
+    from molctl.stop import down
 
     assert host.up().exit_code == ExitStatus.OK
     engine_pid = host.records()["engine"].pid

@@ -29,7 +29,8 @@ def test_venti_carries_the_upstream_flags():
         "--max-lora-rank 16", "--max-loras 4", "--max-cpu-loras 4", "--enable-prefix-caching",
         "--max-model-len 262144", "--no-async-scheduling", "--reasoning-parser glm45", "--tool-call-parser glm47",
         "--enable-auto-tool-choice", "--enable-prompt-tokens-details",
-        "--lora-modules L0=/root/glm52_local/loras/L0 L1=/root/glm52_local/loras/L1 L2=/root/glm52_local/loras/L2 L3=/root/glm52_local/loras/L3",
+        "--lora-modules L0=/root/glm52_local/loras/L0 L1=/root/glm52_local/loras/L1 "
+        "L2=/root/glm52_local/loras/L2 L3=/root/glm52_local/loras/L3",
     ):
         assert expected in a
     p = load_profile("venti", profile_dirs())

@@ -9,7 +9,6 @@ import json
 import logging
 
 import httpx
-import pytest
 
 from molctl.engines import get_engine
 from tests.test_proxy import KEY, PUBLIC, TINY, keyfile, s, stack  # noqa: F401 - fixtures
@@ -25,8 +24,8 @@ def test_json_nested_just_below_the_parsers_limit_is_a_400_not_a_500(s):
     statuses = {}
     for depth in range(950, 1000, 2):
         nest = "[" * depth + "]" * depth
-        raw = ('{"model": "%s", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": %s}, '
-               '{"type": "text", "text": "%s"}]}]}' % (PUBLIC, nest, pad)).encode()
+        raw = ('{"model": "' + PUBLIC + '", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": '
+               + nest + '}, {"type": "text", "text": "' + pad + '"}]}]}').encode()
         r = httpx.post(s.proxy_url + "/v1/chat/completions", headers={**AUTH, "content-type": "application/json"},
                        content=raw, timeout=30)
         statuses[depth] = r.status_code

@@ -7,9 +7,10 @@ import hashlib
 import json
 import os
 import subprocess
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from molctl.profiles import ROUTES, Profile
 
@@ -71,7 +72,7 @@ print(json.dumps(out))
 """
 
 
-def probe_install_cached(engine: "Engine", python: str, cache_dir: Path | None) -> EngineInstall:
+def probe_install_cached(engine: Engine, python: str, cache_dir: Path | None) -> EngineInstall:
     """`engine.probe_install(python)`, remembered per installed package: the full probe imports the
     engine (about 7 s for vLLM), the fingerprint (interpreter, package file and folder mtimes,
     which a reinstall or upgrade changes) takes milliseconds."""
@@ -104,7 +105,7 @@ def probe_install_cached(engine: "Engine", python: str, cache_dir: Path | None) 
     return install
 
 
-def adapter_problems(profile: Profile, engine: "Engine", models: object) -> list[str]:
+def adapter_problems(profile: Profile, engine: Engine, models: object) -> list[str]:
     """What is wrong with an engine's /v1/models for this profile (empty when L0-L3 are all
     listed with the profile's engine-side base as parent). Used by `up`, `status` and /readyz."""
     listed = engine.listed_adapters(models)

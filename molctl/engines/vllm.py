@@ -27,16 +27,16 @@ if out["found"]:
         sys.argv = ["api_server", "--help"]
         with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(io.StringIO()):
             try:
-                runpy.run_module("%s", run_name="__main__")
+                runpy.run_module("API_SERVER_MODULE", run_name="__main__")
             except SystemExit:
                 pass
         out["flags"] = sorted(set(re.findall(r"(?<![\w-])--([a-z0-9][a-z0-9-]*)", buf.getvalue())))
         if not out["flags"]:
             out["error"] = "the API server's --help listed no flags"
     except Exception as exc:
-        out["error"] = "%%s: %%s" %% (type(exc).__name__, exc)
+        out["error"] = "%s: %s" % (type(exc).__name__, exc)
 print(json.dumps(out))
-""" % API_SERVER_MODULE
+""".replace("API_SERVER_MODULE", API_SERVER_MODULE)
 
 
 class VllmEngine(Engine):

@@ -33,7 +33,8 @@ import json
 import logging
 import os
 import time
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from molctl.engines.base import Engine, adapter_problems
 from molctl.profiles import Profile
@@ -91,7 +92,7 @@ class ProxyApp:
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
             return True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
 
     # ------------------------------------------------------------------ ASGI
@@ -333,7 +334,7 @@ class ProxyApp:
                 await write(b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n")
         except ProxyError as exc:
             failure = exc
-        except asyncio.TimeoutError:  # the client stopped reading: drop it, cancel the engine request
+        except TimeoutError:  # the client stopped reading: drop it, cancel the engine request
             self.counters.inc("stream_write_timeouts_total")
             log.warning("request %s: stream client read nothing for %.0f s; dropped", rid, write_timeout)
             self.orch.abandon(plan)
@@ -357,7 +358,7 @@ class ProxyApp:
             if failure is not None:
                 await write(b"data: " + json.dumps(failure.body()).encode() + b"\n\n")
             await write(b"data: [DONE]\n\n", more=False)
-        except asyncio.TimeoutError:  # the client stopped reading just before the end: same as above
+        except TimeoutError:  # the client stopped reading just before the end: same as above
             self.counters.inc("stream_write_timeouts_total")
             log.warning("request %s: stream client read nothing for %.0f s; dropped", rid, write_timeout)
             self.orch.abandon(plan)

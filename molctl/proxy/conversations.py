@@ -7,7 +7,8 @@ one key per message prefix, seeded with the tenant (the API key that authenticat
 System and developer messages do not enter the keys: clients often put a timestamp or RAG
 context in the system prompt, which changes every turn, and the conversation must still be
 recognised (two conversations that differ only in their system text share their records, which
-is harmless: the same dialogue was routed and summarised). When the proxy answers, it records the key of "history + its answer"; a later request containing that
+is harmless: the same dialogue was routed and summarised). When the proxy answers, it records
+the key of "history + its answer"; a later request containing that
 same prefix finds the record: which adapter answered that turn, and the turn's summary.
 
 Tool calls are bound separately by (tenant, tool_call_id) with the canonical arguments, so a
@@ -25,8 +26,9 @@ import json
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 
 def text_of(content: Any) -> str:

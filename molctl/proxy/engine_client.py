@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 
@@ -88,7 +89,7 @@ class EngineClient:
                     return resp.status, json.loads(body) if body else None
                 except ValueError:
                     return resp.status, body.decode(errors="replace")
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise EngineUnavailable(str(exc) or type(exc).__name__) from None
 
     async def chat(self, payload: dict[str, Any], hop: str, timeout: float | None = None, big: bool = False) -> dict[str, Any]:
@@ -102,7 +103,7 @@ class EngineClient:
                 raw = await resp.read()
                 status = resp.status
                 headers = resp.headers
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise EngineUnavailable(str(exc) or type(exc).__name__) from None
         if status != 200:
             raise http_error(status, raw, headers)
@@ -122,7 +123,7 @@ class EngineClient:
         try:
             resp = await self.session.post(self.base_url + "/v1/chat/completions", data=data,
                                            headers={"Content-Type": "application/json", HOP_HEADER: hop})
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise EngineUnavailable(str(exc) or type(exc).__name__) from None
         try:
             if resp.status != 200:
@@ -150,7 +151,7 @@ class EngineClient:
                     if failure is not None:
                         raise failure
                     yield event
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
                 raise EngineUnavailable(str(exc) or type(exc).__name__) from None
             if data_lines and b"\n".join(data_lines) == b"[DONE]":
                 return

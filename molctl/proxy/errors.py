@@ -88,7 +88,8 @@ def from_engine(exc: Exception, names: list[str], public: str) -> ProxyError:
         if exc.status in (400, 413) and (code == "context_length_exceeded" or any(m in message.lower() for m in CONTEXT_MARKERS)):
             return ProxyError(400, message, "invalid_request_error", "context_length_exceeded", "messages")
         if exc.status in (400, 422):
-            return ProxyError(400, message or "The request was rejected by the model backend.", "invalid_request_error", "invalid_request_error")
+            return ProxyError(400, message or "The request was rejected by the model backend.", "invalid_request_error",
+                              "invalid_request_error")
         if exc.status == 503:
             return ProxyError(503, "The model backend is not ready; retry later.", "server_error", "engine_unavailable",
                               headers={"retry-after": _retry_after(exc)})

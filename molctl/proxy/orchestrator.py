@@ -41,14 +41,22 @@ import json
 import logging
 import re
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, TypeVar
+from typing import Any, TypeVar
 
 from molctl.engines.base import Engine
 from molctl.profiles import ROUTES, Profile, route_instruction
 from molctl.proxy import shaping
-from molctl.proxy.conversations import (CallBinding, ConversationKeys, ConversationStore, TurnRecord, canonical_arguments,
-                                        text_of, tool_calls_of)
+from molctl.proxy.conversations import (
+    CallBinding,
+    ConversationKeys,
+    ConversationStore,
+    TurnRecord,
+    canonical_arguments,
+    text_of,
+    tool_calls_of,
+)
 from molctl.proxy.engine_client import EngineClient
 from molctl.proxy.errors import EngineHTTPError, EngineUnavailable, from_engine
 from molctl.proxy.validation import PASSTHROUGH, check_request
@@ -208,7 +216,7 @@ class Orchestrator:
         try:
             body = await asyncio.wait_for(self.client.chat(payload, "route"), self.profile.proxy.route_timeout_s)
             label = parse_label(((body.get("choices") or [{}])[0]).get("message") or {})
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.counters.inc("route_timeouts_total")
             log.warning("route hop timed out after %.1f s", self.profile.proxy.route_timeout_s)
         except (EngineHTTPError, EngineUnavailable) as exc:
@@ -227,7 +235,7 @@ class Orchestrator:
         if pending:
             try:
                 await asyncio.wait_for(asyncio.gather(*(r.done.wait() for r in pending)), self.profile.proxy.summary_wait_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             for record in pending:
                 if not record.done.is_set():
@@ -253,7 +261,8 @@ class Orchestrator:
         if effort is not None and style != "none":
             kwargs.setdefault("enable_thinking", effort not in ("none", "minimal"))
             if style == "glm":
-                payload["reasoning_effort"] = "none" if effort in ("none", "minimal") else ("high" if effort in ("xhigh", "max") else effort)
+                high = "high" if effort in ("xhigh", "max") else effort
+                payload["reasoning_effort"] = "none" if effort in ("none", "minimal") else high
         if kwargs:
             payload["chat_template_kwargs"] = kwargs
         payload["model"] = self.adapter_models[plan.route]
@@ -404,7 +413,8 @@ class Orchestrator:
                     try:
                         body = await self.client.chat(payload, "summary", timeout=self.summary_timeout_s, big=big)
                         msg = ((body.get("choices") or [{}])[0]).get("message") or {}
-                        text = (msg.get("content") or "").strip() or (msg.get("reasoning_content") or msg.get("reasoning") or "").strip()[:160]
+                        reasoning = msg.get("reasoning_content") or msg.get("reasoning") or ""
+                        text = (msg.get("content") or "").strip() or reasoning.strip()[:160]
                         if record.stale:  # a later turn folded this one without it: keep it that way
                             self.counters.inc("summaries_stale_total")
                             record.set_summary(None)

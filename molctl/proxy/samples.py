@@ -127,8 +127,10 @@ def _conversations() -> dict[str, list[_Turn]]:
     developer_only = [_Turn("developer instructions only", [dev, _u("Fix the failing test in utils.py.")], "L2",
                             _a("The assertion compares str to int; cast first."), {})]
 
-    calls = [{"id": "call_paris", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "C"}'}},
-             {"id": "call_book", "type": "function", "function": {"name": "book_table", "arguments": '{"name": "Chez Marie", "people": 2}'}}]
+    calls = [{"id": "call_paris", "type": "function",
+              "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "C"}'}},
+             {"id": "call_book", "type": "function",
+              "function": {"name": "book_table", "arguments": '{"name": "Chez Marie", "people": 2}'}}]
     ut, at = _u("What is the weather in Paris, and book Chez Marie for two."), _a(None, calls)
     results = [{"role": "tool", "tool_call_id": "call_paris", "content": '{"temp": 18, "sky": "sunny"}'},
                {"role": "tool", "tool_call_id": "call_book", "content": "booked: table 7 at 20:00"}]
