@@ -15,9 +15,10 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from molctl import stackconfig
 from molctl.engines import get_engine
@@ -28,8 +29,20 @@ from molctl.profiles import Profile
 from molctl.progress import Progress
 from molctl.readiness import EngineReadiness, base_url, http_status, wait_ready
 from molctl.stacks import component_url, recorded_config, running_profiles, stack_ready, unreadable_records_error
-from molctl.state import (COMPONENTS, Record, StateLock, ensure_state_dir, is_same_process, new_log_path,
-                          prune_logs, read_records, read_records_checked, record_path, remove_record, write_record)
+from molctl.state import (
+    COMPONENTS,
+    Record,
+    StateLock,
+    ensure_state_dir,
+    is_same_process,
+    new_log_path,
+    prune_logs,
+    read_records,
+    read_records_checked,
+    record_path,
+    remove_record,
+    write_record,
+)
 from molctl.stop import ENGINE_STOP_TIMEOUT_S, clean_component, clean_stale, down_locked, down_one
 
 PROXY_READY_TIMEOUT_S = 60.0

@@ -8,9 +8,10 @@ exact file, value and expectation.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Literal, Mapping
+from typing import Any, Literal
 
 from molctl.probes import GpuProbe, NvmlProbe, PortProbe
 

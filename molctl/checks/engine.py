@@ -44,7 +44,8 @@ def run(profile: Profile, probes: Probes) -> list[CheckResult]:
     unknown = [f"--{f}" for f in passed if f not in install.flags]
     if unknown:
         out.append(CheckResult("engine.flags", "fail",
-                               f"{engine.package} {install.version} does not accept {describe(unknown, 5)} (from {profile.source} engine.args)"))
+                               f"{engine.package} {install.version} does not accept {describe(unknown, 5)} (from {profile.source} "
+                               "engine.args)"))
     else:
         out.append(CheckResult("engine.flags", "pass", f"all {len(passed)} flags accepted by {engine.package} {install.version}"))
     return out

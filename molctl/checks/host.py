@@ -67,7 +67,8 @@ def _run_gpu(profile: Profile, probes: Probes, want: int) -> list[CheckResult]:
     try:
         inv = probes.gpu.inventory()
     except GpuUnavailable as exc:
-        return [CheckResult("gpu.driver", "fail", f"{exc}; profile {profile.name} needs {want} GPUs (use --skip gpu to stage files on a host without GPUs)")]
+        return [CheckResult("gpu.driver", "fail", f"{exc}; profile {profile.name} needs {want} GPUs (use --skip gpu to stage files on a "
+                                                  "host without GPUs)")]
     out = [CheckResult("gpu.driver", "pass", f"NVIDIA driver {inv.driver_version}")]
     if len(inv.devices) < want:
         out.append(CheckResult("gpu.count", "fail", f"{len(inv.devices)} GPU(s) visible, profile {profile.name} needs engine.gpus={want}"))
@@ -92,7 +93,8 @@ def _run_gpu(profile: Profile, probes: Probes, want: int) -> list[CheckResult]:
                for d in selected for p in d.processes if p.pid not in own]
     if foreign:
         out.append(CheckResult("gpu.processes", "fail",
-                               f"{len(foreign)} foreign compute process(es) hold the GPUs (orphaned engine workers?): {describe(foreign, 3)}"))
+                               f"{len(foreign)} foreign compute process(es) hold the GPUs (orphaned engine workers?): "
+                               f"{describe(foreign, 3)}"))
     else:
         out.append(CheckResult("gpu.processes", "pass", "no foreign compute processes on the profile's GPUs"))
     return out
@@ -125,9 +127,11 @@ def run_ports(profile: Profile, probes: Probes) -> list[CheckResult]:
         if holder and holder[0] in own:
             out.append(CheckResult(cid, "pass", f"{host}:{port} is held by this profile's running {component} (pid {holder[0]})"))
         elif holder:
-            out.append(CheckResult(cid, "fail", f"{component} port {host}:{port} ({component}.port) is held by pid {holder[0]} ({holder[1]})"))
+            out.append(CheckResult(cid, "fail", f"{component} port {host}:{port} ({component}.port) is held by pid {holder[0]} "
+                                                f"({holder[1]})"))
         else:
-            out.append(CheckResult(cid, "fail", f"{component} port {host}:{port} ({component}.port) is in use by a process molctl cannot see"))
+            out.append(CheckResult(cid, "fail", f"{component} port {host}:{port} ({component}.port) is in use by a process molctl cannot "
+                                                "see"))
     return out
 
 
@@ -171,11 +175,14 @@ def run_security(profile: Profile, probes: Probes) -> list[CheckResult]:
         out.append(CheckResult("security.engine_host", "pass", f"engine binds {host} (loopback only)"))
     else:
         out.append(CheckResult("security.engine_host", "warn",
-                               f"engine.host is {host}: the engine (no auth, adapter control) is reachable beyond this host; expose only the proxy"))
-    where = [w for w, env in (("the environment", probes.environ), (f"{profile.source} engine.env", profile.engine.env)) if RUNTIME_LORA in env]
+                               f"engine.host is {host}: the engine (no auth, adapter control) is reachable beyond this host; expose only "
+                               "the proxy"))
+    sources = (("the environment", probes.environ), (f"{profile.source} engine.env", profile.engine.env))
+    where = [w for w, env in sources if RUNTIME_LORA in env]
     if where:
         out.append(CheckResult("security.runtime_lora", "fail",
-                               f"{RUNTIME_LORA} is set in {' and '.join(where)}: anyone reaching the engine could load or unload adapters; unset it"))
+                               f"{RUNTIME_LORA} is set in {' and '.join(where)}: anyone reaching the engine could load or unload "
+                               "adapters; unset it"))
     else:
         out.append(CheckResult("security.runtime_lora", "pass", f"{RUNTIME_LORA} is not set"))
     out.append(_api_key_file(probes.api_key_file))
@@ -193,7 +200,8 @@ def _api_key_file(path: Path | None) -> CheckResult:
     if not stat.S_ISREG(st.st_mode):
         return CheckResult(cid, "fail", f"API key file {path} is not a regular file")
     if st.st_mode & 0o077:
-        return CheckResult(cid, "fail", f"API key file {path} has mode {stat.S_IMODE(st.st_mode):04o}: readable by group/others (chmod 600 {path})")
+        return CheckResult(cid, "fail", f"API key file {path} has mode {stat.S_IMODE(st.st_mode):04o}: readable by group/others (chmod "
+                                        f"600 {path})")
     try:
         keys = [ln.strip() for ln in path.read_text().splitlines() if ln.strip()]
     except OSError as exc:

@@ -387,11 +387,13 @@ def _adapter_targets(cid: str, cfg_path: Path, weights: Path, config: dict[str, 
     if declared_missing or unknown_names:
         names = sorted(set(declared_missing) | set(unknown_names))
         return CheckResult(f"{cid}.targets", "fail",
-                           f"{cfg_path}: targets module(s) {describe(names)} that no tensor of the base model has (the engine would silently ignore them)")
+                           f"{cfg_path}: targets module(s) {describe(names)} that no tensor of the base model has (the engine would "
+                           "silently ignore them)")
     unmatched = [p for p in paths if not base.has_module_path(p)]
     if unmatched:
         return CheckResult(f"{cid}.targets", "warn",
-                           f"{weights}: module path(s) {describe(unmatched, 2)} do not match the base's tensor names exactly (prefix differs; check the engine maps them)")
+                           f"{weights}: module path(s) {describe(unmatched, 2)} do not match the base's tensor names exactly (prefix "
+                           "differs; check the engine maps them)")
     return CheckResult(f"{cid}.targets", "pass", f"{len(paths)} targeted modules exist in the base")
 
 
