@@ -340,6 +340,23 @@ def test_status_shows_ready(stack):
     assert {c["name"]: c["health"] for c in s["components"]} == {"engine": 200, "proxy": 200}
 
 
+def test_bench_runs_every_series_against_the_real_engine(stack):
+    """`molctl bench tiny` briefly (2 requests per series): the report's shape and samples in every
+    series; no speed is asserted."""
+    r = stack.molctl("bench", "tiny", "--requests", "2", "--concurrency", "1", "--max-tokens", "4",
+                     "--api-key-file", str(stack.key), "--json", timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    s = json.loads(r.stdout)
+    assert [c["series"] for c in s["results"]] == ["base", "L0", "L1", "L2", "L3", "mix", "proxy"]
+    for c in s["results"]:
+        assert c["requests"] == 2 and c["ok"] == 2, c
+        assert c["total_s"]["p50"] is not None and c["vs_base"]["total_p50"] is not None
+        assert c["engine_metrics"]["available"] and "prefix_cache_queries" in c["engine_metrics"]["deltas"], c
+    assert s["engine"]["base_model"] == "tiny-mol-base"
+    run = Path(s["run_dir"])
+    assert (run / "summary.json").is_file() and len((run / "samples.jsonl").read_text().splitlines()) == 14
+
+
 def test_up_after_sigkill_of_the_api_server(stack):
     record = read_records(stack.state, "tiny")["engine"]
     old = {p.pid for p in stack.stack_processes()}
