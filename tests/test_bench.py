@@ -223,3 +223,22 @@ def test_nothing_running_is_exit_3_without_a_traceback(tmp_path, molctl):
     assert molctl("bench", "tiny", "--concurrency", "0").exit_code == ExitStatus.USAGE
     assert molctl("bench", "tiny", "--series", "L9").exit_code == ExitStatus.USAGE
     assert molctl("bench", "tiny", "--requests", "2", "--duration", "1").exit_code == ExitStatus.USAGE
+
+
+def test_connection_error_kind_and_percentiles():
+    import asyncio
+
+    from molctl.bench import _one, _percentiles, parse_metrics, workload
+
+    async def refused():
+        async with httpx.AsyncClient(trust_env=False) as client:
+            return await _one(client, url(free_ports(1)[0]) + "/v1/chat/completions", {}, {"model": "x"}, 5.0)
+
+    r = asyncio.run(refused())
+    assert r["error"] == "connection" and not r["ok"] and r["total_s"] is None
+    assert _percentiles([]) == {"p50": None, "p95": None, "p99": None}
+    assert _percentiles([float(v) for v in range(1, 101)]) == {"p50": 50.0, "p95": 95.0, "p99": 99.0}
+    assert parse_metrics('# HELP x\na_total{l="1"} 2.0\na_total{l="2"} 3\nb_sum 0.5\n') == {"a_total": 5.0, "b_sum": 0.5}
+    pool = workload(3)
+    assert pool == workload(3) and pool != workload(4)  # seeded, fixed
+    assert all(sorted(r.adapter for r in pool[k:k + 4]) == ["L0", "L1", "L2", "L3"] for k in range(0, len(pool), 4))
