@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from molctl.errors import ExitStatus  # noqa: E402
 from molctl.profiles import builtin_profiles_dir  # noqa: E402
 from tests.test_lifecycle import Host  # noqa: E402
 
@@ -43,7 +44,7 @@ def timed_up(host: Host, profile: str, command: str = "up", port: int | None = N
     r = host.molctl(command, profile, *host.args("--json", env={"FAKE_STARTUP_DELAY": STARTUP_DELAY}, engine_port=port))
     t1 = time.monotonic()
     stop.set()
-    assert r.exit_code == 0, r.stderr
+    assert r.exit_code == ExitStatus.OK, r.stderr
     return t1 - t0, t1 - seen["t"], json.loads(r.stdout)
 
 
@@ -63,7 +64,7 @@ def main() -> None:
             status = []
             for _ in range(10):
                 t0 = time.monotonic()
-                assert host.molctl("status").exit_code == 0
+                assert host.molctl("status").exit_code == ExitStatus.OK
                 status.append(time.monotonic() - t0)
             from tests.conftest import free_port
 

@@ -10,6 +10,7 @@ import pytest
 from molctl.checks import Probes
 from molctl.checks import template as tc
 from molctl.demo import template_text
+from molctl.errors import ExitStatus
 from molctl.profiles import load_profile, profile_dirs
 from tests.layouts import make_layout, tall_layout
 
@@ -177,14 +178,14 @@ def test_cli_fails_with_exit_3_and_remembers_the_result(molctl, tmp_path, state_
     args = ("check", "tiny", "--model-root", str(lay.root), "--skip", "gpu", "--skip", "engine",
             "--set", f"engine.port={engine_port}", "--set", f"proxy.port={proxy_port}", "--json")
     first = molctl(*args)
-    assert first.exit_code == 3
+    assert first.exit_code == ExitStatus.CHECK_FAILED
     checks = {c["id"]: c for c in first.json()["checks"]}
     assert checks["template.render"]["status"] == "fail" and "shape 'tool result'" in checks["template.render"]["detail"]
     again = {c["id"]: c for c in molctl(*args).json()["checks"]}
     assert again["template.render"]["status"] == "fail" and "remembered" in again["template.render"]["detail"]
     (lay.base / "chat_template.jinja").write_text(SIMPLE)  # a new template is checked afresh
     fixed = molctl(*args)
-    assert fixed.exit_code == 0, fixed.stdout
+    assert fixed.exit_code == ExitStatus.OK, fixed.stdout
     assert "remembered" not in {c["id"]: c for c in fixed.json()["checks"]}["template.render"]["detail"]
 
 
@@ -194,7 +195,7 @@ def test_skip_template_category(molctl, tmp_path, free_ports):
     engine_port, proxy_port = free_ports
     result = molctl("check", "tiny", "--model-root", str(lay.root), "--skip", "gpu", "--skip", "engine", "--skip", "template",
                     "--set", f"engine.port={engine_port}", "--set", f"proxy.port={proxy_port}", "--json")
-    assert result.exit_code == 0
+    assert result.exit_code == ExitStatus.OK
     assert {"template.skipped"} == {c["id"] for c in result.json()["checks"] if c["id"].startswith("template")}
 
 

@@ -1,5 +1,6 @@
-"""The one engine client: aiohttp (about 1 ms cheaper per call than httpx here, see
-performance-facts.md), one pooled session, every request labelled with `X-MoL-Hop`."""
+"""The one engine client: aiohttp (about 1 ms cheaper per call than httpx on the 2-core machine
+the project was measured on; BENCHMARKS.md), one pooled session, every request labelled with
+`X-MoL-Hop`."""
 
 from __future__ import annotations
 
