@@ -62,9 +62,11 @@ def _version(value: bool) -> None:
 def _global(
     ctx: typer.Context,
     state_dir: Optional[Path] = typer.Option(None, "--state-dir", envvar="MOLCTL_STATE_DIR",
-                                             help="State dir (records, logs, lock). Default: $XDG_STATE_HOME/molctl or ~/.local/state/molctl."),
+                                             help="State dir (records, logs, lock). "
+                                                  "Default: $XDG_STATE_HOME/molctl or ~/.local/state/molctl."),
     profiles_dir: List[Path] = typer.Option([], "--profiles-dir", metavar="DIR",
-                                            help="Extra profile folder, searched after the built-in one and MOLCTL_PROFILES_DIR (repeatable)."),
+                                            help="Extra profile folder, searched after the built-in one and "
+                                                 "MOLCTL_PROFILES_DIR (repeatable)."),
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
 ) -> None:
     ctx.obj = Context(state_dir, profiles_dir)
@@ -98,9 +100,12 @@ def handle_errors(fn: Callable) -> Callable:
 
 
 JSON_OPT = typer.Option(False, "--json", help="Print the machine-readable result (the shapes are in docs/contract.md).")
-SET_OPT = typer.Option([], "--set", metavar="KEY=VALUE", help="Override a profile field before validation, e.g. engine.port=9000 (repeatable).")
-MODEL_ROOT_OPT = typer.Option(None, "--model-root", help="Use this model root (base/ and loras/L0..L3) instead of the profile's model_root.")
-SKIP_OPT = typer.Option([], "--skip", metavar="CATEGORY", help="Skip a check category: engine, gpu, model, adapter, template, port, state, security (repeatable).")
+SET_OPT = typer.Option([], "--set", metavar="KEY=VALUE",
+                       help="Override a profile field before validation, e.g. engine.port=9000 (repeatable).")
+MODEL_ROOT_OPT = typer.Option(None, "--model-root",
+                              help="Use this model root (base/ and loras/L0..L3) instead of the profile's model_root.")
+SKIP_OPT = typer.Option([], "--skip", metavar="CATEGORY",
+                        help="Skip a check category: engine, gpu, model, adapter, template, port, state, security, lock (repeatable).")
 
 
 def overrides_from(model_root: Optional[Path], sets: List[str]) -> list[tuple[str, object]]:

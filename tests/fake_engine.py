@@ -309,7 +309,8 @@ def main() -> None:
     vLLM-style argv and FAKE_* environment variables from the profile's engine.env:
     FAKE_STARTUP_DELAY (s before listening), FAKE_EXIT (exit with this code during start-up),
     FAKE_IGNORE_TERM (ignore SIGTERM), FAKE_CHILD (`1`: leave a child process in the group, like
-    vLLM's EngineCore; `retitle`: one that also renames itself with setproctitle, as vLLM's do), FAKE_ADAPTERS (comma list), FAKE_PARENT, FAKE_ANSWER_DELAY."""
+    vLLM's EngineCore; `retitle`: one that also renames itself with setproctitle, as vLLM's do),
+    FAKE_ADAPTERS (comma list), FAKE_PARENT, FAKE_ANSWER_DELAY."""
     import os
     import signal
     import subprocess
