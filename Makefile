@@ -25,8 +25,10 @@ $(VENV)/.stamp-cpu: $(VENV)/.stamp-dev
 dev: $(VENV)/.stamp-dev
 cpu: $(VENV)/.stamp-cpu
 
-# The whole suite, the end-to-end tests against a real vLLM included.
+# Lint (ruff, configured in pyproject.toml), then the whole suite, the end-to-end tests against a
+# real vLLM included.
 test: $(VENV)/.stamp-cpu
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q
 
 bench: $(VENV)/.stamp-cpu
