@@ -428,13 +428,18 @@ def proxy_cmd(
                                                 "(what `molctl up` passes; applied after --set)."),
     log_max_bytes: Optional[int] = typer.Option(None, "--log-max-bytes", help="Rotate the log file stdout/stderr write to at this size."),
     log_backups: int = typer.Option(2, "--log-backups", help="Rotated parts kept (.1, .2, ...)."),
+    store: Optional[str] = typer.Option(None, "--store", metavar="SPEC",
+                                        help="The Responses API's state store: sqlite (STATE/PROFILE/proxy-store.sqlite3), "
+                                             "memory, or sqlite:/abs/path.sqlite3 (default: the profile's proxy.store)."),
 ) -> None:
     """Run the MoL proxy in the foreground: one public model, route -> answer -> summary over the adapters.
 
     The key may also come from the environment (MOLCTL_API_KEY, one key), never from argv."""
     from molctl.proxy.server import run_proxy
 
-    run_proxy(profile, ctx.obj, overrides_from(None, set_) + _typed_overrides(set_json), upstream=upstream, host=host,
+    store_override = [("proxy.store", store)] if store is not None else []
+    run_proxy(profile, ctx.obj, overrides_from(None, set_) + _typed_overrides(set_json) + store_override,
+              upstream=upstream, host=host,
               port=port, api_key_file=api_key_file, allow_unauthenticated=allow_unauthenticated,
               drain_timeout=drain_timeout, sse_keepalive=sse_keepalive, log_max_bytes=log_max_bytes,
               log_backups=log_backups)
@@ -497,3 +502,36 @@ def bench_cmd(
                           request_timeout_s=request_timeout,
                           output=output.expanduser().absolute() if output is not None else None)
     out.bench(b.bench(ctx.obj, profile, opts, progress=None if json_ else lambda m: out.line(f"molctl: bench {m}")))
+
+
+state_app = typer.Typer(help="The proxy's durable state (the Responses API's stored responses) of a profile.",
+                        no_args_is_help=True)
+app.add_typer(state_app, name="state")
+
+
+@state_app.command("stats")
+@handle_errors
+def state_stats_cmd(
+    ctx: typer.Context,
+    profile: str = typer.Argument(..., help="Profile whose store to describe (see `molctl profiles`)."),
+    json_: bool = JSON_OPT,
+) -> None:
+    """The store's file, counts, bytes, oldest response, evicted/expired totals and bounds (never creates it)."""
+    from molctl.output import Output
+    from molctl.statestore import state_stats
+
+    Output(as_json=json_).state_stats(state_stats(profile, ctx.obj))
+
+
+@state_app.command("prune")
+@handle_errors
+def state_prune_cmd(
+    ctx: typer.Context,
+    profile: str = typer.Argument(..., help="Profile whose store to prune."),
+    json_: bool = JSON_OPT,
+) -> None:
+    """Delete expired responses, then evict oldest first over the size caps (safe while the proxy runs)."""
+    from molctl.output import Output
+    from molctl.statestore import state_prune
+
+    Output(as_json=json_).state_prune(state_prune(profile, ctx.obj))

@@ -220,6 +220,25 @@ class Output:
             self.line(data["vram"]["note"])
         self.line(f"run {data['run_id']}: {data['run_dir']}" + ("" if data["manifest"] else " (no molctl lock manifest)"))
 
+    def state_stats(self, data: dict) -> None:
+        """`molctl state stats`: the response store of a profile."""
+        if self.as_json:
+            self.json(data)
+            return
+        self.line(_store_where(data))
+        if data["exists"]:
+            self.line(_store_counts(data))
+
+    def state_prune(self, data: dict) -> None:
+        """`molctl state prune`: what was removed and what remains."""
+        if self.as_json:
+            self.json(data)
+            return
+        self.line(_store_where(data))
+        if data["exists"]:
+            r = data["removed"]
+            self.line(f"pruned: {r['expired']} expired, {r['evicted']} evicted over the caps; now {_store_counts(data)}")
+
 
 class HashProgressBar:
     """A `molctl.hashing.HashProgress`: one rich bar (files, bytes, bytes/s, ETA), removed when
@@ -321,3 +340,22 @@ def _duration(seconds: float) -> str:
     h, rem = divmod(seconds, 3600)
     m, s = divmod(rem, 60)
     return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
+
+
+def _store_where(data: dict) -> str:
+    if data["backend"] == "memory":
+        return f"{data['profile']}: proxy.store is memory: responses live in the proxy process only (nothing on disk)"
+    if not data["exists"]:
+        return f"{data['profile']}: {data['path']} does not exist yet (created by the proxy's first start)"
+    return f"{data['profile']}: {data['path']} (sqlite, schema {data['schema_version']})"
+
+
+def _store_counts(data: dict) -> str:
+    import datetime
+
+    oldest = data["oldest_created_at"]
+    when = "-" if oldest is None else datetime.datetime.fromtimestamp(oldest, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    b = data["bounds"]
+    return (f"{data['responses']} response(s), {_bytes(data['bytes'])} of records ({_bytes(data['file_bytes'])} on disk), "
+            f"oldest {when}; {data['expired_pending']} expired not yet pruned; evicted {data['evicted']}, expired "
+            f"{data['expired']} since created; bounds: ttl {b['ttl_s']:g} s, {_bytes(b['max_bytes'])}, {b['max_entries']} responses")

@@ -106,6 +106,10 @@ SCHEMA: dict[str, Any] = {
         "stream_write_timeout_s": (int, float),
         "reasoning": str,
         "sampling_defaults": _MapOf(SCALAR),
+        "store": str,  # the Responses API's state: sqlite (default), memory, sqlite:/abs/path.sqlite3
+        "store_ttl_s": (int, float),
+        "store_max_bytes": int,
+        "store_max_entries": int,
     },
     "logs": {  # retention of STATE/PROFILE/logs
         "keep": int,  # the N newest log files kept per component
@@ -175,6 +179,10 @@ class ProxySpec:
     stream_write_timeout_s: float = 60.0  # a stream client that reads nothing this long is dropped
     reasoning: str = "none"
     sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
+    store: str = "sqlite"  # see molctl.proxy.sqlite_store.parse_store_spec
+    store_ttl_s: float = 30 * 24 * 3600  # stored responses expire after this (as the API)
+    store_max_bytes: int = 1024 * 1024 * 1024  # record JSON kept at most; then oldest first evicted
+    store_max_entries: int = 100_000
 
 
 DEFAULT_FOLD = "[This turn was handled by another specialist. Summary: {summary}]"
@@ -492,11 +500,18 @@ def _proxy_spec(data: dict[str, Any], v: _Validator) -> ProxySpec:
     if proxy.get("reasoning", "none") not in REASONING_STYLES:
         raise v.fail("proxy.reasoning", f"{proxy['reasoning']!r}: expected one of {', '.join(REASONING_STYLES)}")
     for key in ("max_output_tokens", "route_max_tokens", "summary_max_tokens", "summary_queue_max",
-                "route_timeout_s", "stream_write_timeout_s"):
+                "route_timeout_s", "stream_write_timeout_s", "store_ttl_s", "store_max_bytes", "store_max_entries"):
         if key in proxy and proxy[key] <= 0:
             raise v.fail(f"proxy.{key}", "must be > 0")
     if proxy.get("route_max_input_chars", 4000) < 200:
         raise v.fail("proxy.route_max_input_chars", "must be >= 200")
+    if "store" in proxy:
+        from molctl.proxy.sqlite_store import parse_store_spec
+
+        try:
+            parse_store_spec(proxy["store"])
+        except ValueError as exc:
+            raise v.fail("proxy.store", str(exc)) from None
     return ProxySpec(**proxy)
 
 

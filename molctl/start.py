@@ -307,6 +307,7 @@ class _Starter:
                 raise StartFailed(f"cannot restart the proxy: {exc}", ExitStatus.CONFLICT) from None
         try:
             argv = proxy_argv(self.profile, self.opts, self.key_args, upstream)
+            argv[3:3] = ["--state-dir", str(Path(self.state_dir).absolute())]  # its response store: STATE/PROFILE
             return self._spawn("proxy", argv, dict(os.environ), self.profile.proxy.port, self.profile.proxy.host, claims)
         finally:
             release_all({"proxy": claims})

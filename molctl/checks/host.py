@@ -136,9 +136,45 @@ def run_ports(profile: Profile, probes: Probes) -> list[CheckResult]:
 
 
 def run_state(profile: Profile, probes: Probes) -> list[CheckResult]:
-    d = probes.state_dir
-    if d is None:
-        return [CheckResult("state.dir", "skip", "no state dir given")]
+    if probes.state_dir is None:
+        return [CheckResult("state.dir", "skip", "no state dir given"), CheckResult("state.store", "skip", "no state dir given")]
+    return _run_state_dir(probes.state_dir) + [_state_store(profile, probes.state_dir)]
+
+
+def _state_store(profile: Profile, state_dir: Path) -> CheckResult:
+    """The proxy's response store (proxy.store): openable, writable, a schema this molctl knows."""
+    from molctl.proxy.sqlite_store import SqliteResponseStore, StoreError, resolve_store
+
+    kind, path = resolve_store(profile.proxy.store, state_dir, profile.name)
+    if kind == "memory":
+        return CheckResult("state.store", "pass", "proxy.store is memory: stored responses are lost when the proxy restarts")
+    if not path.exists():
+        parent = next((p for p in (path.parent, *path.parent.parents) if p.exists()), None)
+        if parent is not None and os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK):
+            return CheckResult("state.store", "pass", f"{path} will be created (mode 0600)")
+        return CheckResult("state.store", "fail", f"response store {path} does not exist and {parent} is not writable")
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        return CheckResult("state.store", "fail", f"response store {path} is not a regular file")
+    if st.st_mode & 0o077:
+        return CheckResult("state.store", "fail", f"response store {path} has mode {stat.S_IMODE(st.st_mode):04o}: readable by "
+                                                  f"group/others (chmod 600 {path})")
+    if not os.access(path, os.R_OK | os.W_OK):
+        return CheckResult("state.store", "fail", f"response store {path} is not readable and writable by you")
+    try:
+        store = SqliteResponseStore(path, create=False, busy_timeout_s=1.0)
+    except StoreError as exc:
+        return CheckResult("state.store", "fail", str(exc))
+    try:
+        n = store.stats()["responses"]
+    except StoreError as exc:
+        return CheckResult("state.store", "fail", str(exc))
+    finally:
+        store.close()
+    return CheckResult("state.store", "pass", f"{path}: writable, schema version known, {n} stored response(s)")
+
+
+def _run_state_dir(d: Path) -> list[CheckResult]:
     if not d.exists():
         parent = next((p for p in d.parents if p.exists()), None)
         if parent is not None and os.access(parent, os.W_OK | os.X_OK):

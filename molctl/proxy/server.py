@@ -7,6 +7,7 @@ drain deadline, then the server exits 0. A second signal exits at once."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import signal
 from pathlib import Path
@@ -70,5 +71,22 @@ def run_proxy(name: str, ctx, overrides, *, upstream: str, host: str, port: int 
 
         rotate_stdio(log_max_bytes, log_backups)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    app = ProxyApp(profile, get_engine(profile.engine.kind), upstream, keys, sse_keepalive_s=sse_keepalive)
-    serve(app, host, port or profile.proxy.port, drain_timeout)
+    store = build_response_store(profile, ctx.state_dir)  # a StoreError: one line, exit non-zero, nothing served
+    try:
+        extra = {"response_store": store} if "response_store" in inspect.signature(ProxyApp).parameters else {}
+        app = ProxyApp(profile, get_engine(profile.engine.kind), upstream, keys, sse_keepalive_s=sse_keepalive, **extra)
+        serve(app, host, port or profile.proxy.port, drain_timeout)
+    finally:
+        store.close()
+
+
+def build_response_store(profile, state_dir: Path):
+    """The Responses API's store of this profile (`proxy.store` and its bounds): SQLite in
+    STATE/PROFILE/proxy-store.sqlite3 by default (see molctl.proxy.sqlite_store)."""
+    from molctl.proxy.sqlite_store import open_store
+
+    p = profile.proxy
+    store = open_store(p.store, state_dir, profile.name, ttl_s=p.store_ttl_s, max_bytes=p.store_max_bytes,
+                       max_entries=p.store_max_entries)
+    log.info("response store: %s", getattr(store, "path", "memory (lost on restart)"))
+    return store

@@ -1,0 +1,344 @@
+"""The durable backend of the Responses API's state: `SqliteResponseStore`, one SQLite file per
+profile in the state dir (default `STATE/PROFILE/proxy-store.sqlite3`, mode 0600).
+
+It implements `molctl.proxy.response_store.ResponseStore` (records: see that module) with the
+stdlib `sqlite3`:
+  - WAL journal, `synchronous=NORMAL` (a committed response survives a proxy crash or restart;
+    the last transactions may be lost on a power cut), one writer at a time (a lock in the process,
+    SQLite's own lock across processes: `molctl state prune` may run beside the proxy);
+  - one table `responses`: the record's scalar fields as columns (`tenant`, `id`, `created_at`,
+    `previous_response_id`, `route`), its structured fields JSON-serialised (`messages`,
+    `input_items`, `response`, and `extra` for any other key), `size` (the bytes of those JSON
+    texts); a unique index on (tenant, id) for the hot-path lookup, an index on created_at for
+    expiry and eviction; running totals (rows, bytes, evicted, expired) kept in a `meta` table by
+    triggers, so the caps are checked without a scan;
+  - the schema version in `PRAGMA user_version` (SCHEMA_VERSION); a file with another version is
+    refused with one line (never migrated silently);
+  - bounds: `ttl_s` (30 days by default, as the API: an expired record is invisible at once and
+    deleted by the next `put_response` that passes the prune interval, or by `prune()`), and
+    `max_entries` / `max_bytes` with oldest-first eviction (counted in `stats()`);
+  - a file that is not a database, is corrupted, has an unknown schema or stays locked by another
+    process raises `StoreError` with one line naming the file: the proxy refuses to start rather
+    than serve from a silently empty store.
+
+Cost (bench/bench_store.py, BENCHMARKS.md): a get is ~10-20 us and a put (one committed
+transaction, WAL, synchronous=NORMAL) ~40-120 us for a few-KiB record on the CI host (2 shared
+cores): short enough to run on the event loop; records over `BIG_RECORD` bytes are better handed
+to a thread (`asyncio.to_thread`): the connection is shared across threads behind the lock.
+
+Only the Responses API's records live here. The chat conversations' state (routes, summaries and
+folds of stateless chat, `molctl.proxy.conversations`) stays in memory for now."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sqlite3
+import stat
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from molctl.errors import MolctlError
+from molctl.proxy.response_store import DEFAULT_TTL_S, MemoryResponseStore, ResponseRecord
+
+SCHEMA_VERSION = 1
+STORE_FILE = "proxy-store.sqlite3"
+DEFAULT_MAX_BYTES = 1024 * 1024 * 1024  # 1 GiB of record JSON
+DEFAULT_MAX_ENTRIES = 100_000
+BUSY_TIMEOUT_S = 2.0  # how long a call waits for another process's write lock before "locked"
+PRUNE_EVERY_S = 60.0  # expired rows are deleted by a put at most this often (they are invisible anyway)
+BIG_RECORD = 256 * 1024  # a put of a record this large is worth a worker thread (see the docstring)
+
+COLUMNS = ("tenant", "id", "created_at", "previous_response_id", "route")
+JSON_COLUMNS = ("messages", "input_items", "response")
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS responses (
+    tenant TEXT NOT NULL,
+    id TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    previous_response_id TEXT,
+    route TEXT,
+    messages TEXT NOT NULL,
+    input_items TEXT NOT NULL,
+    response TEXT NOT NULL,
+    extra TEXT NOT NULL,
+    size INTEGER NOT NULL
+);
+CREATE UNIQUE INDEX IF NOT EXISTS responses_tenant_id ON responses (tenant, id);
+CREATE INDEX IF NOT EXISTS responses_created_at ON responses (created_at);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+INSERT OR IGNORE INTO meta (key, value) VALUES ('rows', 0), ('bytes', 0), ('evicted', 0), ('expired', 0);
+CREATE TRIGGER IF NOT EXISTS responses_ins AFTER INSERT ON responses BEGIN
+    UPDATE meta SET value = value + 1 WHERE key = 'rows';
+    UPDATE meta SET value = value + NEW.size WHERE key = 'bytes';
+END;
+CREATE TRIGGER IF NOT EXISTS responses_del AFTER DELETE ON responses BEGIN
+    UPDATE meta SET value = value - 1 WHERE key = 'rows';
+    UPDATE meta SET value = value - OLD.size WHERE key = 'bytes';
+END;
+"""
+
+
+class StoreError(MolctlError):
+    """The state store cannot be used (one line naming the file)."""
+
+
+def store_path(state_dir: Path, profile: str) -> Path:
+    return Path(state_dir) / profile / STORE_FILE
+
+
+def parse_store_spec(spec: str) -> tuple[str, Path | None]:
+    """'sqlite' -> ('sqlite', None: the default file), 'memory' -> ('memory', None),
+    'sqlite:/abs/file.sqlite3' -> ('sqlite', that path). ValueError names what is wrong."""
+    if spec in ("sqlite", "memory"):
+        return spec, None
+    if spec.startswith("sqlite:"):
+        path = spec[len("sqlite:"):]
+        if not path or not os.path.isabs(path):
+            raise ValueError(f"{spec!r}: the path after 'sqlite:' must be absolute")
+        return "sqlite", Path(path)
+    raise ValueError(f"{spec!r}: expected 'sqlite', 'memory' or 'sqlite:/absolute/path.sqlite3'")
+
+
+def resolve_store(spec: str, state_dir: Path, profile: str) -> tuple[str, Path | None]:
+    """The backend and (for sqlite) the file of a `proxy.store` value for this profile."""
+    kind, path = parse_store_spec(spec)
+    if kind == "sqlite" and path is None:
+        path = store_path(state_dir, profile)
+    return kind, path
+
+
+def open_store(spec: str, state_dir: Path, profile: str, **bounds: Any):
+    """The response store a proxy of this profile uses (`proxy.store` / `molctl proxy --store`)."""
+    kind, path = resolve_store(spec, state_dir, profile)
+    if kind == "memory":
+        mem = {k: v for k, v in bounds.items() if k in ("max_entries", "ttl_s", "clock")}
+        return MemoryResponseStore(**mem)
+    if path.parent == Path(state_dir) / profile:  # the default place: created like the rest of the state dir
+        from molctl.state import ensure_state_dir
+
+        ensure_state_dir(Path(state_dir))
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+    return SqliteResponseStore(path, **bounds)
+
+
+def _why(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    if "locked" in text or "busy" in text:
+        return f"{text} (another process holds its write lock; is another proxy or `molctl state prune` using it?)"
+    if isinstance(exc, sqlite3.DatabaseError) and not isinstance(exc, sqlite3.OperationalError):
+        return f"{text} (corrupted or not a molctl store: move it aside to start with an empty store)"
+    return text
+
+
+class SqliteResponseStore:
+    """See the module docstring. Thread-safe (one connection behind a lock)."""
+
+    def __init__(self, path: Path | str, ttl_s: float = DEFAULT_TTL_S, max_bytes: int = DEFAULT_MAX_BYTES,
+                 max_entries: int = DEFAULT_MAX_ENTRIES, clock: Callable[[], float] = time.time, create: bool = True,
+                 busy_timeout_s: float = BUSY_TIMEOUT_S):
+        self.path = Path(path)
+        self.ttl_s, self.max_bytes, self.max_entries, self.clock = ttl_s, max_bytes, max_entries, clock
+        self._lock = threading.Lock()
+        self._last_prune = float("-inf")
+        self._conn: sqlite3.Connection | None = None
+        if not self.path.exists():
+            if not create:
+                raise StoreError(f"response store {self.path}: no such file")
+            self._create_file()
+        try:
+            self._conn = sqlite3.connect(str(self.path), timeout=busy_timeout_s, isolation_level=None,
+                                         check_same_thread=False)
+            self._setup()
+        except sqlite3.Error as exc:
+            self.close()
+            raise StoreError(f"response store {self.path}: {_why(exc)}") from None
+
+    def _create_file(self) -> None:
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            return
+        except OSError as exc:
+            raise StoreError(f"response store {self.path}: cannot create it: {exc.strerror or exc}") from None
+        os.close(fd)
+
+    def _setup(self) -> None:
+        conn = self._conn
+        version = conn.execute("PRAGMA user_version").fetchone()[0]  # reads the header: garbage fails here
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        if version == 0 and not tables:  # a new (empty) file
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("BEGIN IMMEDIATE")
+            for statement in _statements(SCHEMA):
+                conn.execute(statement)
+            conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            conn.execute("COMMIT")
+        elif version != SCHEMA_VERSION:
+            raise StoreError(f"response store {self.path}: schema version {version}, this molctl knows {SCHEMA_VERSION} "
+                             f"(written by another molctl version; move it aside or use that version)")
+        elif not {"responses", "meta"} <= tables:
+            raise StoreError(f"response store {self.path}: schema version {version} but tables missing "
+                             f"({', '.join(sorted({'responses', 'meta'} - tables))}): corrupted")
+        else:
+            mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            if mode != "wal":
+                raise StoreError(f"response store {self.path}: cannot switch to WAL (journal mode {mode})")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        conn.execute("PRAGMA foreign_keys=OFF")
+        # writable and not locked by another writer (beyond busy_timeout): found now, not on the first request
+        conn.execute("BEGIN IMMEDIATE")
+        conn.execute("COMMIT")
+
+    # ------------------------------------------------------------------ protocol
+    def put_response(self, record: ResponseRecord) -> None:
+        row = _row(record)
+        with self._locked("put"):
+            conn = self._conn
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                conn.execute("DELETE FROM responses WHERE tenant = ? AND id = ?", (row[0], row[1]))
+                conn.execute("INSERT INTO responses (tenant, id, created_at, previous_response_id, route, messages, "
+                             "input_items, response, extra, size) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
+                now = self.clock()
+                if now - self._last_prune >= PRUNE_EVERY_S:
+                    self._expire(now)
+                    self._last_prune = now
+                self._evict()
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+
+    def get_response(self, tenant: str, response_id: str) -> ResponseRecord | None:
+        with self._locked("get"):
+            row = self._conn.execute(
+                "SELECT tenant, id, created_at, previous_response_id, route, messages, input_items, response, extra "
+                "FROM responses WHERE tenant = ? AND id = ? AND created_at >= ?",
+                (tenant, response_id, self.clock() - self.ttl_s)).fetchone()
+        if row is None:
+            return None
+        record: ResponseRecord = json.loads(row[8])
+        record.update(zip(COLUMNS, row[:5], strict=True))
+        record.update((k, json.loads(v)) for k, v in zip(JSON_COLUMNS, row[5:8], strict=True))
+        return record
+
+    def delete_response(self, tenant: str, response_id: str) -> bool:
+        with self._locked("delete"):
+            cur = self._conn.execute("DELETE FROM responses WHERE tenant = ? AND id = ?", (tenant, response_id))
+            return cur.rowcount > 0
+
+    def stats(self) -> dict[str, int]:
+        """Running totals (cheap: no scan): rows (expired ones not yet pruned included), bytes of
+        record JSON, evicted and expired counts since the file was created, the oldest created_at
+        (0 when empty)."""
+        with self._locked("stats"):
+            meta = dict(self._conn.execute("SELECT key, value FROM meta"))
+            oldest = self._conn.execute("SELECT min(created_at) FROM responses").fetchone()[0]
+        return {"responses": meta.get("rows", 0), "responses_bytes": meta.get("bytes", 0),
+                "responses_evicted": meta.get("evicted", 0), "responses_expired": meta.get("expired", 0),
+                "responses_oldest_created_at": int(oldest or 0)}
+
+    def prune(self) -> dict[str, int]:
+        """Delete expired rows, then evict over the caps; returns what it removed."""
+        with self._locked("prune"):
+            conn = self._conn
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                expired = self._expire(self.clock())
+                evicted = self._evict()
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+        return {"expired": expired, "evicted": evicted}
+
+    def describe(self) -> dict[str, Any]:
+        """stats() plus what `molctl state stats` shows: the file, its size on disk (with the WAL),
+        the bounds, the rows already expired but not pruned."""
+        out: dict[str, Any] = {"backend": "sqlite", "path": str(self.path), "exists": True, "schema_version": SCHEMA_VERSION}
+        out.update(self.stats())
+        with self._locked("stats"):
+            out["responses_expired_pending"] = self._conn.execute(
+                "SELECT count(*) FROM responses WHERE created_at < ?", (self.clock() - self.ttl_s,)).fetchone()[0]
+        out["file_bytes"] = sum(_size(Path(str(self.path) + sfx)) for sfx in ("", "-wal", "-shm"))
+        out["mode"] = f"{stat.S_IMODE(self.path.stat().st_mode):04o}"
+        out["bounds"] = {"ttl_s": self.ttl_s, "max_bytes": self.max_bytes, "max_entries": self.max_entries}
+        return out
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(sqlite3.Error):
+                conn.close()
+
+    # ------------------------------------------------------------------ internals
+    @contextlib.contextmanager
+    def _locked(self, what: str):
+        with self._lock:
+            if self._conn is None:
+                raise StoreError(f"response store {self.path}: closed")
+            try:
+                yield
+            except sqlite3.Error as exc:
+                raise StoreError(f"response store {self.path}: {what} failed: {_why(exc)}") from None
+
+    def _expire(self, now: float) -> int:
+        n = self._conn.execute("DELETE FROM responses WHERE created_at < ?", (now - self.ttl_s,)).rowcount
+        if n:
+            self._conn.execute("UPDATE meta SET value = value + ? WHERE key = 'expired'", (n,))
+        return n
+
+    def _evict(self) -> int:
+        """Oldest first (created_at, then insertion order) until both caps hold."""
+        meta = dict(self._conn.execute("SELECT key, value FROM meta WHERE key IN ('rows', 'bytes')"))
+        over_rows = meta["rows"] - self.max_entries
+        over_bytes = meta["bytes"] - self.max_bytes
+        if over_rows <= 0 and over_bytes <= 0:
+            return 0
+        victims: list[int] = []
+        for rowid, size in self._conn.execute("SELECT rowid, size FROM responses ORDER BY created_at, rowid"):
+            if over_rows <= 0 and over_bytes <= 0:
+                break
+            victims.append(rowid)
+            over_rows -= 1
+            over_bytes -= size
+        for i in range(0, len(victims), 500):
+            chunk = victims[i:i + 500]
+            self._conn.execute(f"DELETE FROM responses WHERE rowid IN ({','.join('?' * len(chunk))})", chunk)
+        self._conn.execute("UPDATE meta SET value = value + ? WHERE key = 'evicted'", (len(victims),))
+        return len(victims)
+
+
+def _statements(script: str) -> list[str]:
+    """SCHEMA split into statements (triggers keep their inner semicolons)."""
+    out, buf = [], []
+    for line in script.strip().splitlines():
+        buf.append(line)
+        text = "\n".join(buf).strip()
+        if text.endswith(";") and sqlite3.complete_statement(text):
+            out.append(text)
+            buf = []
+    return out
+
+
+def _row(record: ResponseRecord) -> tuple:
+    extra = {k: v for k, v in record.items() if k not in COLUMNS and k not in JSON_COLUMNS}
+    texts = [json.dumps(record.get(k, [] if k != "response" else {}), ensure_ascii=False, separators=(",", ":"))
+             for k in JSON_COLUMNS]
+    extra_text = json.dumps(extra, ensure_ascii=False, separators=(",", ":"))
+    size = sum(len(t.encode()) for t in texts) + len(extra_text.encode())
+    return (record["tenant"], record["id"], float(record["created_at"]), record.get("previous_response_id"),
+            record.get("route"), *texts, extra_text, size)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0

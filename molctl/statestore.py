@@ -1,0 +1,59 @@
+"""`molctl state stats|prune PROFILE`: the proxy's response store of a profile, inspected and
+pruned from outside the proxy (it may be running: SQLite's own locking and WAL let both work).
+
+Neither creates a missing store file. The shapes are in docs/contract.md."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from molctl.profiles import Profile, load_profile
+from molctl.proxy.sqlite_store import SqliteResponseStore, resolve_store
+
+
+def _open(profile: Profile, state_dir) -> tuple[dict[str, Any], SqliteResponseStore | None]:
+    p = profile.proxy
+    kind, path = resolve_store(p.store, state_dir, profile.name)
+    base: dict[str, Any] = {"profile": profile.name, "backend": kind, "path": str(path) if path else None,
+                            "exists": bool(path and path.exists()),
+                            "bounds": {"ttl_s": p.store_ttl_s, "max_bytes": p.store_max_bytes, "max_entries": p.store_max_entries}}
+    if not base["exists"]:
+        return base, None
+    return base, SqliteResponseStore(path, ttl_s=p.store_ttl_s, max_bytes=p.store_max_bytes,
+                                     max_entries=p.store_max_entries, create=False)
+
+
+def _counts(store: SqliteResponseStore | None) -> dict[str, Any]:
+    if store is None:
+        return {"schema_version": None, "responses": 0, "bytes": 0, "file_bytes": 0, "evicted": 0, "expired": 0,
+                "expired_pending": 0, "oldest_created_at": None}
+    d = store.describe()
+    return {"schema_version": d["schema_version"], "responses": d["responses"], "bytes": d["responses_bytes"],
+            "file_bytes": d["file_bytes"], "evicted": d["responses_evicted"], "expired": d["responses_expired"],
+            "expired_pending": d["responses_expired_pending"], "oldest_created_at": d["responses_oldest_created_at"] or None}
+
+
+def state_stats(name: str, ctx) -> dict[str, Any]:
+    """Counts, bytes (record JSON, and the file on disk with its WAL), oldest created_at, the
+    evicted/expired totals and the bounds. A memory store (`proxy.store: memory`) keeps nothing
+    on disk: its counts are zeros."""
+    profile = load_profile(name, ctx.dirs())
+    base, store = _open(profile, ctx.state_dir)
+    try:
+        return {**base, **_counts(store)}
+    finally:
+        if store is not None:
+            store.close()
+
+
+def state_prune(name: str, ctx) -> dict[str, Any]:
+    """Delete the expired responses, then evict oldest first over the size caps; what was removed
+    and what remains."""
+    profile = load_profile(name, ctx.dirs())
+    base, store = _open(profile, ctx.state_dir)
+    try:
+        removed = store.prune() if store is not None else {"expired": 0, "evicted": 0}
+        return {**base, "removed": removed, **_counts(store)}
+    finally:
+        if store is not None:
+            store.close()

@@ -1,0 +1,328 @@
+"""The SQLite response store (molctl.proxy.sqlite_store): records per tenant, durability across
+reopen and proxy restarts, TTL and eviction with an injected clock, mode 0600, a corrupted /
+locked / foreign-schema file refused with one line (by the store, `molctl proxy`, `molctl check`),
+and `molctl state stats|prune`."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from molctl.errors import ExitStatus, ProfileError
+from molctl.profiles import load_profile, profile_dirs
+from molctl.proxy.response_store import MemoryResponseStore
+from molctl.proxy.sqlite_store import (
+    SCHEMA_VERSION,
+    SqliteResponseStore,
+    StoreError,
+    open_store,
+    parse_store_spec,
+    store_path,
+)
+from tests.helpers import ROOT, free_port
+
+DAY = 24 * 3600
+
+
+class Clock:
+    def __init__(self, t: float = 1_800_000_000.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def record(rid: str, tenant: str = "tenant-a", created_at: float = 1_800_000_000.0, text: str = "hello", **extra) -> dict:
+    return {"id": rid, "tenant": tenant, "created_at": created_at, "previous_response_id": extra.pop("prev", None),
+            "messages": [{"role": "user", "content": text}, {"role": "assistant", "content": "hi"}],
+            "input_items": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}],
+            "response": {"id": rid, "object": "response", "output_text": "hi"}, "route": "L2", **extra}
+
+
+@pytest.fixture
+def db(tmp_path) -> Path:
+    return tmp_path / "store.sqlite3"
+
+
+# ------------------------------------------------------------------------------ the store itself
+
+def test_put_get_delete_per_tenant(db):
+    store = SqliteResponseStore(db, clock=Clock())
+    rec = record("resp_1", prev="resp_0", reasoning={"effort": "low"})
+    store.put_response(rec)
+    assert store.get_response("tenant-a", "resp_1") == rec  # every field back, extra keys included
+    assert store.get_response("tenant-b", "resp_1") is None  # another tenant's id is unknown
+    assert store.delete_response("tenant-b", "resp_1") is False
+    assert store.get_response("tenant-a", "resp_1") == rec
+    assert store.delete_response("tenant-a", "resp_1") is True
+    assert store.get_response("tenant-a", "resp_1") is None
+    assert store.delete_response("tenant-a", "resp_1") is False
+    store.put_response(record("resp_2", tenant="tenant-b"))
+    store.put_response(record("resp_2", tenant="tenant-b", text="again"))  # same id again: replaced, counted once
+    assert store.get_response("tenant-b", "resp_2")["messages"][0]["content"] == "again"
+    assert store.stats()["responses"] == 1
+    store.close()
+
+
+def test_durable_across_reopen(db):
+    clock = Clock()
+    first = SqliteResponseStore(db, clock=clock)
+    first.put_response(record("resp_1", text="remember me"))
+    first.close()
+    second = SqliteResponseStore(db, clock=clock)  # a new process's store on the same file
+    assert second.get_response("tenant-a", "resp_1")["messages"][0]["content"] == "remember me"
+    assert second.stats()["responses"] == 1
+    second.close()
+
+
+def test_file_mode_0600_and_default_place(tmp_path):
+    state = tmp_path / "state"
+    store = open_store("sqlite", state, "tiny")
+    path = store_path(state, "tiny")
+    assert store.path == path == state / "tiny" / "proxy-store.sqlite3"
+    store.put_response(record("resp_1"))
+    for p in (path, Path(str(path) + "-wal")):
+        assert p.stat().st_mode & 0o777 == 0o600, p
+    assert state.stat().st_mode & 0o777 == 0o700
+    assert (state / "tiny").stat().st_mode & 0o777 == 0o700
+    store.close()
+    assert isinstance(open_store("memory", state, "tiny"), MemoryResponseStore)
+
+
+def test_ttl_expired_invisible_then_pruned(db):
+    clock = Clock()
+    store = SqliteResponseStore(db, ttl_s=10 * DAY, clock=clock)
+    store.put_response(record("resp_old", created_at=clock.t))
+    clock.t += 5 * DAY
+    store.put_response(record("resp_new", created_at=clock.t))
+    clock.t += 6 * DAY  # resp_old is 11 days old: expired, invisible at once; resp_new (6 days) lives
+    assert store.get_response("tenant-a", "resp_old") is None
+    assert store.get_response("tenant-a", "resp_new") is not None
+    assert store.stats()["responses"] == 2  # still on disk until pruned
+    assert store.prune() == {"expired": 1, "evicted": 0}
+    stats = store.stats()
+    assert (stats["responses"], stats["responses_expired"]) == (1, 1)
+    clock.t += 5 * DAY  # resp_new expires too: the next put (past the prune interval) deletes it
+    store.put_response(record("resp_newer", created_at=clock.t))
+    assert store.stats()["responses"] == 1
+    assert store.stats()["responses_expired"] == 2
+    store.close()
+
+
+def test_eviction_oldest_first_by_count_and_bytes(db):
+    clock = Clock()
+    store = SqliteResponseStore(db, max_entries=3, clock=clock)
+    for i in range(5):
+        clock.t += 1
+        store.put_response(record(f"resp_{i}", created_at=clock.t))
+    assert [store.get_response("tenant-a", f"resp_{i}") is not None for i in range(5)] == [False, False, True, True, True]
+    assert store.stats()["responses_evicted"] == 2
+    store.close()
+
+    one = len(json.dumps(record("x", text="y" * 1000)))  # about one record's bytes
+    store = SqliteResponseStore(db, max_entries=100, max_bytes=int(one * 2.5), clock=clock)
+    for i in range(4):
+        clock.t += 1
+        store.put_response(record(f"big_{i}", created_at=clock.t, text="y" * 1000))
+    stats = store.stats()
+    assert stats["responses_bytes"] <= int(one * 2.5)
+    assert store.get_response("tenant-a", "big_3") is not None and store.get_response("tenant-a", "big_0") is None
+    assert stats["responses_evicted"] >= 2 + 2  # the 3 small ones of before went first, then the oldest big ones
+    store.close()
+
+
+def test_corrupted_file_is_one_clear_line(db):
+    db.write_bytes(os.urandom(4096))
+    with pytest.raises(StoreError) as err:
+        SqliteResponseStore(db)
+    message = str(err.value)
+    assert "\n" not in message and str(db) in message and "not a database" in message
+
+
+def test_schema_version_mismatch_is_refused(db):
+    SqliteResponseStore(db).close()
+    conn = sqlite3.connect(db)
+    conn.execute("PRAGMA user_version = 99")
+    conn.close()
+    with pytest.raises(StoreError, match=f"schema version 99, this molctl knows {SCHEMA_VERSION}"):
+        SqliteResponseStore(db)
+
+
+def test_locked_file_is_one_clear_line(db):
+    SqliteResponseStore(db).close()
+    holder = sqlite3.connect(db, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        with pytest.raises(StoreError) as err:
+            SqliteResponseStore(db, busy_timeout_s=0.2)
+        assert "locked" in str(err.value) and str(db) in str(err.value) and "\n" not in str(err.value)
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+
+
+def test_store_spec_and_profile_field():
+    assert parse_store_spec("sqlite") == ("sqlite", None)
+    assert parse_store_spec("memory") == ("memory", None)
+    assert parse_store_spec("sqlite:/var/lib/x.sqlite3") == ("sqlite", Path("/var/lib/x.sqlite3"))
+    for bad in ("redis", "sqlite:", "sqlite:relative.db"):
+        with pytest.raises(ValueError):
+            parse_store_spec(bad)
+    assert load_profile("tiny", profile_dirs()).proxy.store == "sqlite"
+    assert load_profile("tiny", profile_dirs(), [("proxy.store", "memory")]).proxy.store == "memory"
+    with pytest.raises(ProfileError, match="proxy.store"):
+        load_profile("tiny", profile_dirs(), [("proxy.store", "redis")])
+    with pytest.raises(ProfileError, match="proxy.store_max_bytes"):
+        load_profile("tiny", profile_dirs(), [("proxy.store_max_bytes", 0)])
+
+
+# ------------------------------------------------------------------------------ molctl proxy
+
+def _proxy(state: Path, port: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "molctl", "--state-dir", str(state), "proxy", "tiny", "--upstream",
+            "http://127.0.0.1:9", "--port", str(port), "--allow-unauthenticated", *extra]
+
+
+def test_proxy_refuses_a_corrupted_store(tmp_path):
+    state = tmp_path / "state"
+    path = store_path(state, "tiny")
+    path.parent.mkdir(parents=True, mode=0o700)
+    state.chmod(0o700)
+    path.write_bytes(b"this is not a database" * 100)
+    proc = subprocess.run(_proxy(state, free_port()), capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode != 0
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("molctl: error:")]
+    assert len(errors) == 1 and str(path) in errors[0] and "not a database" in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_proxy_creates_its_store_in_the_state_dir(tmp_path):
+    from tests.procs import running
+
+    state, port = tmp_path / "state", free_port()
+    with running(_proxy(state, port), f"http://127.0.0.1:{port}/health"):
+        assert store_path(state, "tiny").stat().st_mode & 0o777 == 0o600
+    memory_state = tmp_path / "memory-state"
+    with running(_proxy(memory_state, port, "--store", "memory"), f"http://127.0.0.1:{port}/health"):
+        assert not store_path(memory_state, "tiny").exists()
+
+
+def _has_responses_api() -> bool:
+    import inspect
+
+    from molctl.proxy.app import ProxyApp
+
+    return "response_store" in inspect.signature(ProxyApp).parameters and "/v1/responses" in Path(
+        inspect.getfile(ProxyApp)).read_text()
+
+
+@pytest.mark.skipif(not _has_responses_api(), reason="the proxy has no /v1/responses endpoints yet")
+def test_previous_response_id_survives_a_proxy_restart(tmp_path):
+    import openai
+
+    from tests.procs import fake_engine_argv, running
+
+    state, engine_port, port = tmp_path / "state", free_port(), free_port()
+    engine = f"http://127.0.0.1:{engine_port}"
+    argv = [sys.executable, "-m", "molctl", "--state-dir", str(state), "proxy", "tiny", "--upstream", engine,
+            "--port", str(port), "--allow-unauthenticated"]
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+    model = load_profile("tiny", profile_dirs()).served_model_name
+    with running(fake_engine_argv(engine_port), engine + "/health"):
+        with running(argv, f"http://127.0.0.1:{port}/health"):
+            first = client.responses.create(model=model, input="remember the word apple", max_output_tokens=16)
+        with running(argv, f"http://127.0.0.1:{port}/health"):  # a new proxy process on the same state dir
+            second = client.responses.create(model=model, input="which word?", previous_response_id=first.id,
+                                             max_output_tokens=16)
+            assert second.previous_response_id == first.id
+            assert client.responses.retrieve(first.id).id == first.id
+
+
+# ------------------------------------------------------------------------------ molctl state, molctl check
+
+def _seed(state: Path, ages_days: list[float]) -> None:
+    now = time.time()
+    store = open_store("sqlite", state, "tiny", clock=lambda: now - 50 * DAY)  # written in the past: none expires yet
+    for i, age in enumerate(ages_days):
+        store.put_response(record(f"resp_{i}", created_at=now - age * DAY))
+    store.close()
+
+
+def test_state_stats_and_prune(molctl, state_dir):
+    result = molctl("state", "stats", "tiny", "--json")
+    assert result.exit_code == ExitStatus.OK, result.stderr
+    data = result.json()
+    assert (data["backend"], data["exists"], data["responses"]) == ("sqlite", False, 0)
+    assert data["path"] == str(store_path(state_dir, "tiny"))
+    assert not store_path(state_dir, "tiny").exists()  # stats never creates it
+
+    _seed(state_dir, [40, 31, 2, 1])
+    data = molctl("state", "stats", "tiny", "--json").json()
+    assert (data["exists"], data["responses"], data["expired_pending"], data["schema_version"]) == (True, 4, 2, SCHEMA_VERSION)
+    assert data["bytes"] > 0 and data["file_bytes"] >= data["bytes"] and data["bounds"]["ttl_s"] == 30 * DAY
+    assert abs(data["oldest_created_at"] - (time.time() - 40 * DAY)) < 60
+    text = molctl("state", "stats", "tiny")
+    assert text.exit_code == ExitStatus.OK and "4 response(s)" in text.stdout and "2 expired not yet pruned" in text.stdout
+
+    result = molctl("state", "prune", "tiny", "--json")
+    assert result.exit_code == ExitStatus.OK, result.stderr
+    data = result.json()
+    assert data["removed"] == {"expired": 2, "evicted": 0}
+    assert (data["responses"], data["expired"], data["expired_pending"]) == (2, 2, 0)
+    assert "pruned: 0 expired" in molctl("state", "prune", "tiny").stdout
+
+    assert molctl("state", "stats", "no-such-profile").exit_code == ExitStatus.CHECK_FAILED
+    assert molctl("state", "prune", "no-such-profile", "--json").exit_code == ExitStatus.CHECK_FAILED
+
+
+def test_state_stats_of_a_corrupted_store_fails_with_one_line(molctl, state_dir):
+    path = store_path(state_dir, "tiny")
+    path.parent.mkdir(mode=0o700)
+    path.write_bytes(os.urandom(2048))
+    result = molctl("state", "stats", "tiny")
+    assert result.exit_code == ExitStatus.ERROR
+    assert result.stderr.count("\n") == 1 and str(path) in result.stderr
+
+
+SKIP_ALL_BUT_STATE = [a for c in ("engine", "gpu", "model", "adapter", "template", "port", "security") for a in ("--skip", c)]
+
+
+def _store_check(molctl) -> tuple[str, str]:
+    result = molctl("check", "tiny", *SKIP_ALL_BUT_STATE, "--json")
+    return next((c["status"], c["detail"]) for c in result.json()["checks"] if c["id"] == "state.store")
+
+
+def test_check_state_store(molctl, state_dir):
+    path = store_path(state_dir, "tiny")
+    assert _store_check(molctl) == ("pass", f"{path} will be created (mode 0600)")
+    _seed(state_dir, [1])
+    status, detail = _store_check(molctl)
+    assert status == "pass" and "schema version known, 1 stored response(s)" in detail
+    path.chmod(0o644)
+    assert _store_check(molctl)[0] == "fail"
+    path.chmod(0o600)
+    conn = sqlite3.connect(path)
+    conn.execute("PRAGMA user_version = 7")
+    conn.close()
+    status, detail = _store_check(molctl)
+    assert status == "fail" and "schema version 7" in detail
+    path.write_bytes(os.urandom(4096))
+    for sfx in ("-wal", "-shm"):
+        Path(str(path) + sfx).unlink(missing_ok=True)
+    status, detail = _store_check(molctl)
+    assert status == "fail" and "not a database" in detail and str(path) in detail
+    result = molctl("check", "tiny", *SKIP_ALL_BUT_STATE)
+    assert result.exit_code == ExitStatus.CHECK_FAILED
+    assert _store_check_memory(molctl)[0] == "pass"
+
+
+def _store_check_memory(molctl) -> tuple[str, str]:
+    result = molctl("check", "tiny", *SKIP_ALL_BUT_STATE, "--set", "proxy.store=memory", "--json")
+    return next((c["status"], c["detail"]) for c in result.json()["checks"] if c["id"] == "state.store")
