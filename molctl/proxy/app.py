@@ -3,7 +3,9 @@
 Endpoints: GET /health (liveness, no auth), GET /readyz (no auth; 503 unless the engine answers
 and lists L0-L3 under the expected parent and the proxy is not draining; probe cached ~1 s),
 GET /v1/models, GET /v1/models/{id} (the public model; 404 for any other id),
-POST /v1/chat/completions, GET /metrics (plain counters; answered during a drain too).
+POST /v1/chat/completions, POST /v1/responses, GET|DELETE /v1/responses/{id},
+GET /v1/responses/{id}/input_items (the Responses API: `responses`), GET /metrics (plain
+counters; answered during a drain too).
 Auth: `Authorization: Bearer <key>` against the keys of the key file, compared in constant time.
 Drain: `start_drain()` (on SIGTERM) turns /readyz to 503 and answers new requests 503 with
 Retry-After while in-flight requests, streams included, run to completion.
@@ -33,15 +35,18 @@ import json
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
+from urllib.parse import parse_qs
 
 from molctl.engines.base import Engine, adapter_problems
 from molctl.profiles import Profile
+from molctl.proxy import responses
 from molctl.proxy.conversations import ConversationStore, MemoryStore
 from molctl.proxy.engine_client import EngineClient
 from molctl.proxy.errors import EngineUnavailable, ProxyError, invalid
 from molctl.proxy.orchestrator import Counters, Orchestrator, Plan
+from molctl.proxy.response_store import MemoryResponseStore, ResponseStore
 from molctl.proxy.validation import parse_body
 
 log = logging.getLogger("molctl.proxy")
@@ -58,12 +63,14 @@ SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-
 
 class ProxyApp:
     def __init__(self, profile: Profile, engine: Engine, upstream: str, keys: list[str] | None,
-                 store: ConversationStore | None = None, sse_keepalive_s: float = 10.0, ready_cache_s: float = 1.0):
+                 store: ConversationStore | None = None, sse_keepalive_s: float = 10.0, ready_cache_s: float = 1.0,
+                 response_store: ResponseStore | None = None):
         self.profile = profile
         self.engine = engine
         self.client = EngineClient(upstream)
         self.counters = Counters()
         self.orch = Orchestrator(profile, engine, self.client, store or MemoryStore(), self.counters)
+        self.responses: ResponseStore = response_store if response_store is not None else MemoryResponseStore()
         self.keys = [(k.encode(), hashlib.sha256(k.encode()).hexdigest()[:16]) for k in (keys or [])]
         self.sse_keepalive_s = sse_keepalive_s
         self.ready_cache_s = ready_cache_s
@@ -84,6 +91,7 @@ class ProxyApp:
         for task in list(self.orch.background):
             task.cancel()
         await self.client.close()
+        self.responses.close()
 
     def start_drain(self) -> None:
         self.draining = True
@@ -157,6 +165,17 @@ class ProxyApp:
         if path == "/v1/chat/completions" and method == "POST":
             await self._chat(scope, receive, send, tenant, rid)
             return
+        if path == "/v1/responses" and method == "POST":
+            await self._responses_create(receive, send, tenant, rid)
+            return
+        if path.startswith("/v1/responses/"):
+            rest = path[len("/v1/responses/"):]
+            if rest.endswith("/input_items") and "/" not in rest[: -len("/input_items")] and method == "GET":
+                await self._responses_input_items(scope, send, tenant, rest[: -len("/input_items")], rid)
+                return
+            if rest and "/" not in rest and method in ("GET", "DELETE"):
+                await self._responses_get(send, tenant, rest, rid, delete=method == "DELETE")
+                return
         raise ProxyError(404, f"Unknown endpoint: {method} {scope['path']}", "invalid_request_error", "not_found", "path")
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
@@ -201,6 +220,7 @@ class ProxyApp:
     async def _metrics(self, send: Send) -> None:
         lines = [f"molctl_proxy_{k} {v}" for k, v in sorted(self.counters.values.items())]
         lines += [f"molctl_proxy_state_{k} {v}" for k, v in self.orch.store.stats().items()]
+        lines += [f"molctl_proxy_store_{k} {v}" for k, v in self.responses.stats().items()]
         lines += [f"molctl_proxy_inflight_requests {self.inflight}", f"molctl_proxy_draining {int(self.draining)}"]
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain; version=0.0.4")]})
         await send({"type": "http.response.body", "body": ("\n".join(lines) + "\n").encode()})
@@ -262,10 +282,14 @@ class ProxyApp:
         raw = await self._read_body(receive)
         plan = await asyncio.to_thread(self._plan, raw, tenant) if len(raw) > BIG_BODY else self._plan(raw, tenant)
         del raw
+        await self._run(plan, receive, self._stream(plan, send, rid) if plan.stream else self._complete(plan, send, rid))
+
+    async def _run(self, plan: Plan, receive: Receive, coro: Awaitable[None]) -> None:
+        """Run one answer (`coro`) while watching the client: a disconnect cancels it."""
         self.counters.inc("requests_total")
         self.inflight += 1
         self._idle.clear()
-        work = asyncio.ensure_future(self._stream(plan, send, rid) if plan.stream else self._complete(plan, send, rid))
+        work = asyncio.ensure_future(coro)
         watch = asyncio.ensure_future(self._wait_disconnect(receive))
         try:
             done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -301,8 +325,21 @@ class ProxyApp:
         finally:  # closing this generator closes the engine request now, not at garbage collection
             await answer.aclose()
 
-    async def _stream(self, plan: Plan, send: Send, rid: str) -> None:
-        """See the module docstring: headers wait for the first chunk or sse_keepalive_s."""
+    @staticmethod
+    def _chat_frame(chunk: Any) -> bytes:
+        return b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n"
+
+    @staticmethod
+    def _chat_error_frame(exc: ProxyError) -> bytes:
+        return b"data: " + json.dumps(exc.body()).encode() + b"\n\n"
+
+    async def _stream(self, plan: Plan, send: Send, rid: str, events: AsyncIterator[Any] | None = None,
+                      frame: Callable[[Any], bytes] | None = None, error_frame: Callable[[ProxyError], bytes] | None = None,
+                      end: bytes | None = b"data: [DONE]\n\n") -> None:
+        """See the module docstring: headers wait for the first chunk or sse_keepalive_s. Chat by
+        default; the Responses API passes its own events, framing and end (no [DONE])."""
+        frame = frame or self._chat_frame
+        error_frame = error_frame or self._chat_error_frame
         write_timeout = self.profile.proxy.stream_write_timeout_s
         started = False
 
@@ -315,7 +352,7 @@ class ProxyApp:
             async with asyncio.timeout(write_timeout):
                 await send({"type": "http.response.body", "body": data, "more_body": more})
 
-        chunks = self._chunks(plan)
+        chunks = events if events is not None else self._chunks(plan)
         pending: asyncio.Future | None = None
         failure: ProxyError | None = None
         try:
@@ -331,7 +368,7 @@ class ProxyApp:
                     chunk = future.result()
                 except StopAsyncIteration:
                     break
-                await write(b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n")
+                await write(frame(chunk))
         except ProxyError as exc:
             failure = exc
         except TimeoutError:  # the client stopped reading: drop it, cancel the engine request
@@ -356,14 +393,135 @@ class ProxyApp:
                 raise failure
         try:
             if failure is not None:
-                await write(b"data: " + json.dumps(failure.body()).encode() + b"\n\n")
-            await write(b"data: [DONE]\n\n", more=False)
+                await write(error_frame(failure), more=end is not None)
+            if end is not None:
+                await write(end, more=False)
+            elif failure is None:
+                await write(b"", more=False)
         except TimeoutError:  # the client stopped reading just before the end: same as above
             self.counters.inc("stream_write_timeouts_total")
             log.warning("request %s: stream client read nothing for %.0f s; dropped", rid, write_timeout)
             self.orch.abandon(plan)
             return
         self.orch.start_summary(plan)
+
+
+    # ------------------------------------------------------------------ Responses API
+    def _responses_prepare(self, raw: bytes, tenant: str) -> tuple[responses.ResponsesRequest, Plan]:
+        req = responses.parse_request(parse_body(raw, in_steps=len(raw) > BIG_BODY), self.profile.served_model_name)
+        previous = req.body.get("previous_response_id")
+        if previous is not None:
+            record = self.responses.get_response(tenant, previous)
+            if record is None:
+                raise responses.not_found(previous, "previous_response_id")
+            req.prev, req.history = record, list(record["messages"])
+        plan = self.orch.prepare(req.chat_body(), tenant)
+        plan.big = plan.big or len(raw) > BIG_BODY
+        plan.include_usage = True  # the Response's usage
+        return req, plan
+
+    async def _responses_create(self, receive: Receive, send: Send, tenant: str, rid: str) -> None:
+        raw = await self._read_body(receive)
+        if len(raw) > BIG_BODY:
+            req, plan = await asyncio.to_thread(self._responses_prepare, raw, tenant)
+        else:
+            req, plan = self._responses_prepare(raw, tenant)
+        del raw
+        if not plan.stream:
+            await self._run(plan, receive, self._responses_complete(plan, req, send, tenant, rid))
+            return
+        translator = responses.StreamTranslator(req, responses.new_id("resp_"))
+
+        def error_event(exc: ProxyError) -> bytes:
+            return responses.sse(translator.ev("error", code=exc.code, message=exc.message, param=exc.param))
+
+        events = self._responses_events(plan, req, translator, tenant)
+        await self._run(plan, receive, self._stream(plan, send, rid, events, responses.sse, error_event, end=None))
+
+    async def _responses_route(self, plan: Plan, req: responses.ResponsesRequest) -> None:
+        """Tool results that answer the previous response's calls continue on the adapter that
+        made them (from the stored record, so it holds across a proxy restart); else as chat."""
+        prev = req.prev
+        if prev is not None and prev.get("route") and req.messages and all(m["role"] == "tool" for m in req.messages):
+            last = prev["messages"][-1] if prev.get("messages") else {}
+            calls = {c.get("id") for c in last.get("tool_calls") or []}
+            if calls and all(m.get("tool_call_id") in calls for m in req.messages):
+                plan.route = prev["route"]
+                self.counters.inc("sticky_tool_turns_total")
+                return
+        await self.orch.route(plan)
+
+    def _responses_keep(self, req: responses.ResponsesRequest, plan: Plan, tenant: str, response: dict[str, Any]) -> None:
+        if req.store and response["status"] != "failed" and plan.answer is not None and plan.route is not None:
+            self.responses.put_response(responses.make_record(req, tenant, response, plan.answer, plan.route))
+
+    async def _responses_complete(self, plan: Plan, req: responses.ResponsesRequest, send: Send, tenant: str, rid: str) -> None:
+        await self._responses_route(plan, req)
+        chat = await self.orch.complete(plan)
+        response = responses.complete_response(req, responses.new_id("resp_"), int(time.time()), chat)
+        self._responses_keep(req, plan, tenant, response)
+        await self._json(send, 200, response, {"x-request-id": rid})
+        self.orch.start_summary(plan)
+
+    async def _responses_events(self, plan: Plan, req: responses.ResponsesRequest, tr: responses.StreamTranslator,
+                                tenant: str) -> AsyncIterator[dict[str, Any]]:
+        """Nothing is yielded before the engine's first token, so an early failure keeps its
+        status (see `_stream`); a failure after that is a `response.failed` event."""
+        await self._responses_route(plan, req)
+        answer = self.orch.stream(plan)
+        started = False
+        try:
+            async for chunk in answer:
+                if not started:
+                    started = True
+                    for event in tr.start():
+                        yield event
+                for event in tr.feed(chunk):
+                    yield event
+        except ProxyError as exc:
+            if not started:
+                raise
+            for event in tr.failed(exc):
+                yield event
+            return
+        finally:
+            await answer.aclose()
+        closing, final = tr.finish_events()
+        self._responses_keep(req, plan, tenant, final)  # before the last event: the next request may follow at once
+        for event in closing:
+            yield event
+
+    async def _responses_get(self, send: Send, tenant: str, response_id: str, rid: str, delete: bool) -> None:
+        if delete:
+            if not self.responses.delete_response(tenant, response_id):
+                raise responses.not_found(response_id)
+            await self._json(send, 200, {"id": response_id, "object": "response.deleted", "deleted": True},
+                             {"x-request-id": rid})
+            return
+        record = self.responses.get_response(tenant, response_id)
+        if record is None:
+            raise responses.not_found(response_id)
+        await self._json(send, 200, record["response"], {"x-request-id": rid})
+
+    async def _responses_input_items(self, scope: dict, send: Send, tenant: str, response_id: str, rid: str) -> None:
+        query = {k: v[-1] for k, v in parse_qs(scope.get("query_string", b"").decode("latin-1")).items()}
+        for key in query:
+            if key not in ("limit", "order", "after", "include"):
+                raise invalid(f"Unrecognized query parameter: {key}", key)
+        try:
+            limit = int(query.get("limit", "20"))
+        except ValueError:
+            limit = 0
+        if not 1 <= limit <= 100:
+            raise invalid("'limit' must be an integer from 1 to 100.", "limit")
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise invalid("'order' must be 'asc' or 'desc'.", "order")
+        record = self.responses.get_response(tenant, response_id)
+        if record is None:
+            raise responses.not_found(response_id)
+        await self._json(send, 200, responses.list_input_items(record, limit, order, query.get("after")),
+                         {"x-request-id": rid})
 
 
 def internal_error(rid: str) -> ProxyError:

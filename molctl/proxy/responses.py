@@ -1,0 +1,610 @@
+"""The Responses API (`/v1/responses`) on top of the chat machinery.
+
+A Responses request is translated into a chat request (`to_chat`): `instructions` become a
+leading system message for this request only (they do not carry over), the stored chain's chat
+messages (`previous_response_id`) come next, then this request's input items as chat messages
+(message items with text parts, `function_call` -> an assistant message's `tool_calls`,
+`function_call_output` -> a `tool` message, `developer`/`system` kept as such: the orchestrator
+handles them as in chat). The orchestrator then runs it like any chat request (route hop or tool
+stickiness, one leading system message, folded views, summaries), and its chat answer is shaped
+as a Response object (`response_object`), or its chat chunks as Responses stream events
+(`StreamTranslator`).
+
+Choices, where the issue leaves room:
+- Function tools only (flat `{"type": "function", "name", "description", "parameters",
+  "strict"}`); any other tool type is a 400 naming it. `tool_choice` "auto"/"none"/"required" or
+  `{"type": "function", "name"}`.
+- `reasoning.effort` maps like chat's `reasoning_effort`; `reasoning.summary` is accepted and has
+  no effect (the engine's reasoning text is returned whole as a `reasoning` item).
+- `text.format` json_schema / json_object -> chat `response_format`; `text` (the default) adds
+  nothing.
+- `include`: `message.output_text.logprobs` (the engine's logprobs on the output text) is
+  accepted; any other value is a 400 naming it (there is no encrypted reasoning, no search).
+- `truncation` "disabled" or "auto" is accepted and echoed; the proxy never drops items itself
+  (a conversation past the window is a `context_length_exceeded` 400 either way).
+- `user`, `safety_identifier`, `prompt_cache_key`, `metadata` are accepted and echoed.
+- A finish reason `length` gives `status: "incomplete"` with `incomplete_details.reason:
+  "max_output_tokens"`; the engine's `abort`/`error` give `status: "failed"` (not stored).
+- An unknown, deleted, expired or another tenant's `previous_response_id` is a 404
+  `previous_response_not_found` (never a 403 that would confirm it exists).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from molctl.proxy.errors import ProxyError, invalid
+from molctl.proxy.validation import EFFORTS
+
+ECHOED = ("instructions", "max_output_tokens", "metadata", "parallel_tool_calls", "previous_response_id",
+          "prompt_cache_key", "safety_identifier", "temperature", "top_logprobs", "top_p", "truncation", "user")
+KNOWN = {"model", "input", "stream", "store", "tools", "tool_choice", "text", "reasoning", "include", *ECHOED}
+INCLUDABLE = ("message.output_text.logprobs",)
+TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def new_id(prefix: str) -> str:
+    return prefix + os.urandom(12).hex()
+
+
+def not_found(response_id: str, param: str | None = None) -> ProxyError:
+    if param == "previous_response_id":
+        return ProxyError(404, f"Previous response with id '{response_id}' not found.", "invalid_request_error",
+                          "previous_response_not_found", "previous_response_id")
+    return ProxyError(404, f"Response with id '{response_id}' not found.", "invalid_request_error", "not_found")
+
+
+@dataclass
+class ResponsesRequest:
+    body: dict[str, Any]
+    chat: dict[str, Any]  # the chat request without its messages
+    messages: list[dict[str, Any]]  # this request's input as chat messages
+    input_items: list[dict[str, Any]]
+    stream: bool = False
+    store: bool = True
+    logprobs: bool = False
+    prev: dict[str, Any] | None = None
+    history: list[dict[str, Any]] = field(default_factory=list)  # the chain's chat messages
+
+    def chat_body(self) -> dict[str, Any]:
+        head = []
+        if self.body.get("instructions"):
+            head.append({"role": "system", "content": self.body["instructions"]})
+        return {**self.chat, "messages": head + self.history + self.messages}
+
+
+# ------------------------------------------------------------------------ request
+
+def _parts_to_content(parts: Any, where: str, role: str) -> Any:
+    if isinstance(parts, str):
+        return parts
+    if not isinstance(parts, list):
+        raise invalid(f"'{where}' must be a string or an array of content parts.", where)
+    out: list[dict[str, Any]] = []
+    for j, part in enumerate(parts):
+        w = f"{where}[{j}]"
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise invalid(f"'{w}' must be an object with a 'type'.", w)
+        kind = part["type"]
+        if kind in TEXT_PARTS or kind == "refusal":
+            text = part.get("refusal") if kind == "refusal" else part.get("text")
+            if not isinstance(text, str):
+                raise invalid(f"'{w}.text' must be a string.", f"{w}.text")
+            out.append({"type": "text", "text": text})
+        elif kind == "input_image" and role == "user":
+            url = part.get("image_url")
+            if not isinstance(url, str):
+                raise invalid(f"'{w}.image_url' must be a URL or a data URL (file ids are not supported).", f"{w}.image_url")
+            image: dict[str, Any] = {"url": url}
+            if part.get("detail") in ("low", "high", "auto"):
+                image["detail"] = part["detail"]
+            out.append({"type": "image_url", "image_url": image})
+        else:
+            raise invalid(f"The content part type '{kind}' is not supported here.", f"{w}.type")
+    if all(p["type"] == "text" for p in out):
+        return "".join(p["text"] for p in out) if role == "assistant" or len(out) == 1 else out
+    return out
+
+
+def _convert_input(value: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """-> (chat messages, the input items as `/input_items` returns them)."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}], [
+            {"id": new_id("msg_"), "type": "message", "role": "user", "status": "completed",
+             "content": [{"type": "input_text", "text": value}]}]
+    if not isinstance(value, list) or not value:
+        raise invalid("'input' must be a string or a non-empty array of input items.", "input")
+    messages: list[dict[str, Any]] = []
+    items: list[dict[str, Any]] = []
+    for i, item in enumerate(value):
+        w = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise invalid(f"'{w}' must be an object.", w)
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise invalid(f"'{w}.role' must be one of user, assistant, system, developer.", f"{w}.role")
+            content = _parts_to_content(item.get("content"), f"{w}.content", role)
+            messages.append({"role": role, "content": content})
+            parts = item.get("content")
+            if isinstance(parts, str):
+                parts = [{"type": "output_text" if role == "assistant" else "input_text", "text": parts}]
+            items.append({"id": item.get("id") or new_id("msg_"), "type": "message", "role": role,
+                          "status": item.get("status") or "completed", "content": parts})
+        elif kind == "function_call":
+            for key in ("call_id", "name", "arguments"):
+                if not isinstance(item.get(key), str):
+                    raise invalid(f"'{w}.{key}' must be a string.", f"{w}.{key}")
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":  # one assistant turn: its text, then its calls
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            items.append({"id": item.get("id") or new_id("fc_"), "type": "function_call", "status": "completed",
+                          "call_id": item["call_id"], "name": item["name"], "arguments": item["arguments"]})
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str):
+                raise invalid(f"'{w}.call_id' must be a string.", f"{w}.call_id")
+            output = item.get("output")
+            if isinstance(output, list):
+                text = _parts_to_content(output, f"{w}.output", "assistant")
+            elif isinstance(output, str):
+                text = output
+            else:
+                raise invalid(f"'{w}.output' must be a string or an array of text parts.", f"{w}.output")
+            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": text})
+            items.append({"id": item.get("id") or new_id("fco_"), "type": "function_call_output", "status": "completed",
+                          "call_id": item["call_id"], "output": output})
+        elif kind == "reasoning":
+            continue  # an echoed reasoning item: the engine's chat templates drop earlier reasoning anyway
+        else:
+            raise invalid(f"The input item type '{kind}' is not supported.", f"{w}.type")
+    if not messages:
+        raise invalid("'input' holds no message.", "input")
+    return messages, items
+
+
+def _convert_tools(tools: Any) -> list[dict[str, Any]]:
+    if not isinstance(tools, list):
+        raise invalid("'tools' must be an array of function tools.", "tools")
+    out = []
+    for i, tool in enumerate(tools):
+        w = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise invalid(f"'{w}' must be an object.", w)
+        if tool.get("type") != "function":
+            raise invalid(f"The tool type '{tool.get('type')}' is not supported; only 'function' tools are.", f"{w}.type")
+        if not isinstance(tool.get("name"), str) or not tool["name"]:
+            raise invalid(f"'{w}.name' must be a non-empty string.", f"{w}.name")
+        if tool.get("parameters") is not None and not isinstance(tool["parameters"], dict):
+            raise invalid(f"'{w}.parameters' must be an object (a JSON Schema).", f"{w}.parameters")
+        if tool.get("description") is not None and not isinstance(tool["description"], str):
+            raise invalid(f"'{w}.description' must be a string.", f"{w}.description")
+        fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _convert_tool_choice(choice: Any) -> Any:
+    if choice in ("auto", "none", "required"):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise invalid("'tool_choice' must be 'auto', 'none', 'required' or {'type': 'function', 'name': ...}.", "tool_choice")
+
+
+def _convert_text(text: Any) -> dict[str, Any] | None:
+    if not isinstance(text, dict):
+        raise invalid("'text' must be an object.", "text")
+    for key in text:
+        if key != "format":
+            raise invalid(f"'text.{key}' is not supported.", f"text.{key}")
+    fmt = text.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise invalid("'text.format' must be an object.", "text.format")
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        if not isinstance(fmt.get("schema"), dict) or not isinstance(fmt.get("name"), str):
+            raise invalid("'text.format' json_schema needs a string 'name' and an object 'schema'.", "text.format")
+        schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if fmt.get(k) is not None}
+        return {"type": "json_schema", "json_schema": schema}
+    raise invalid(f"The text format type '{kind}' is not supported.", "text.format.type")
+
+
+def parse_request(body: Any, public_model: str) -> ResponsesRequest:
+    """Validate a Responses request and translate what does not depend on the stored chain."""
+    if not isinstance(body, dict):
+        raise invalid("The request body must be a JSON object.")
+    for key in body:
+        if key not in KNOWN:
+            raise invalid(f"Unrecognized request argument supplied: {key}", key)
+    model = body.get("model")
+    if model is None:
+        raise invalid("'model' is required.", "model")
+    if model != public_model:
+        raise ProxyError(404, f"The requested model does not exist; this endpoint serves '{public_model}'.",
+                         "invalid_request_error", "model_not_found", "model")
+    if "input" not in body:
+        raise invalid("'input' is required.", "input")
+    messages, items = _convert_input(body["input"])
+    chat: dict[str, Any] = {"model": model}
+    for key in ("stream", "store"):
+        if body.get(key) is not None and not isinstance(body[key], bool):
+            raise invalid(f"'{key}' must be a boolean.", key)
+    for key in ("instructions", "previous_response_id", "user", "safety_identifier", "prompt_cache_key"):
+        if body.get(key) is not None and not isinstance(body[key], str):
+            raise invalid(f"'{key}' must be a string.", key)
+    if body.get("stream"):
+        chat["stream"] = True
+    for key in ("temperature", "top_p"):
+        v = body.get(key)
+        if v is not None:
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise invalid(f"'{key}' must be a number.", key)
+            chat[key] = v
+    limit = body.get("max_output_tokens")
+    if limit is not None:
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise invalid("'max_output_tokens' must be a positive integer.", "max_output_tokens")
+        chat["max_tokens"] = limit
+    if body.get("parallel_tool_calls") is not None:
+        if not isinstance(body["parallel_tool_calls"], bool):
+            raise invalid("'parallel_tool_calls' must be a boolean.", "parallel_tool_calls")
+        chat["parallel_tool_calls"] = body["parallel_tool_calls"]
+    if body.get("tools"):
+        chat["tools"] = _convert_tools(body["tools"])
+    elif body.get("tools") is not None:
+        _convert_tools(body["tools"])
+    if body.get("tool_choice") is not None:
+        chat["tool_choice"] = _convert_tool_choice(body["tool_choice"])
+    if body.get("text") is not None:
+        fmt = _convert_text(body["text"])
+        if fmt is not None:
+            chat["response_format"] = fmt
+    reasoning = body.get("reasoning")
+    if reasoning is not None:
+        if not isinstance(reasoning, dict):
+            raise invalid("'reasoning' must be an object.", "reasoning")
+        for key in reasoning:
+            if key not in ("effort", "summary"):
+                raise invalid(f"'reasoning.{key}' is not supported.", f"reasoning.{key}")
+        if reasoning.get("effort") is not None:
+            if reasoning["effort"] not in EFFORTS:
+                raise invalid(f"'reasoning.effort' must be one of {', '.join(EFFORTS)}.", "reasoning.effort")
+            chat["reasoning_effort"] = reasoning["effort"]
+        if reasoning.get("summary") not in (None, "auto", "concise", "detailed"):
+            raise invalid("'reasoning.summary' must be auto, concise or detailed.", "reasoning.summary")
+    if body.get("truncation") not in (None, "auto", "disabled"):
+        raise invalid("'truncation' must be 'auto' or 'disabled'.", "truncation")
+    metadata = body.get("metadata")
+    if metadata is not None and (not isinstance(metadata, dict) or len(metadata) > 16
+                                 or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
+        raise invalid("'metadata' must be an object of at most 16 string values.", "metadata")
+    include = body.get("include")
+    logprobs = False
+    if include is not None:
+        if not isinstance(include, list):
+            raise invalid("'include' must be an array.", "include")
+        for i, value in enumerate(include):
+            if value not in INCLUDABLE:
+                raise invalid(f"The include value '{value}' is not supported (supported: {', '.join(INCLUDABLE)}).",
+                              f"include[{i}]")
+        logprobs = "message.output_text.logprobs" in include
+    top = body.get("top_logprobs")
+    if top is not None:
+        if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20:
+            raise invalid("'top_logprobs' must be an integer from 0 to 20.", "top_logprobs")
+        logprobs = True
+        chat["top_logprobs"] = top
+    if logprobs:
+        chat["logprobs"] = True
+    if body.get("user") is not None:
+        chat["user"] = body["user"]
+    return ResponsesRequest(body=body, chat=chat, messages=messages, input_items=items,
+                            stream=bool(body.get("stream")), store=body.get("store", True) is not False, logprobs=logprobs)
+
+
+# ------------------------------------------------------------------------ response
+
+def shape_usage(usage: dict[str, Any] | None) -> dict[str, Any] | None:
+    if not usage:
+        return None
+    return {
+        "input_tokens": usage.get("prompt_tokens", 0),
+        "input_tokens_details": {"cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)},
+        "output_tokens": usage.get("completion_tokens", 0),
+        "output_tokens_details": {"reasoning_tokens": (usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)},
+        "total_tokens": usage.get("total_tokens", 0),
+    }
+
+
+def shape_logprobs(chat_logprobs: Any) -> list[dict[str, Any]]:
+    content = chat_logprobs.get("content") if isinstance(chat_logprobs, dict) else None
+    out = []
+    for lp in content or []:
+        if isinstance(lp, dict) and isinstance(lp.get("token"), str):
+            out.append({"token": lp["token"], "logprob": lp.get("logprob", 0.0), "bytes": lp.get("bytes") or [],
+                        "top_logprobs": [{"token": t.get("token"), "logprob": t.get("logprob"), "bytes": t.get("bytes") or []}
+                                         for t in lp.get("top_logprobs") or [] if isinstance(t, dict)]})
+    return out
+
+
+def status_of(finish: str | None) -> tuple[str, dict[str, Any] | None, dict[str, Any] | None]:
+    """-> (status, incomplete_details, error) for a chat finish reason."""
+    if finish == "length":
+        return "incomplete", {"reason": "max_output_tokens"}, None
+    if finish == "content_filter":
+        return "incomplete", {"reason": "content_filter"}, None
+    if finish in ("abort", "error"):
+        return "failed", None, {"code": "server_error", "message": f"The model backend stopped the answer ({finish})."}
+    return "completed", None, None
+
+
+def output_items(message: dict[str, Any], status: str, logprobs: list | None = None) -> list[dict[str, Any]]:
+    """A chat assistant message -> Responses output items (reasoning, message, function calls)."""
+    items: list[dict[str, Any]] = []
+    item_status = "completed" if status == "completed" else "incomplete"
+    reasoning = message.get("reasoning_content") or message.get("reasoning")
+    if isinstance(reasoning, str) and reasoning:
+        items.append({"id": new_id("rs_"), "type": "reasoning", "summary": [], "status": item_status,
+                      "content": [{"type": "reasoning_text", "text": reasoning}]})
+    text = message.get("content")
+    if isinstance(text, str) and (text or not message.get("tool_calls")):
+        items.append({"id": new_id("msg_"), "type": "message", "role": "assistant", "status": item_status,
+                      "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]})
+    for call in message.get("tool_calls") or []:
+        fn = call.get("function") or {}
+        items.append({"id": new_id("fc_"), "type": "function_call", "status": item_status, "call_id": call.get("id"),
+                      "name": fn.get("name"), "arguments": fn.get("arguments") or ""})
+    return items
+
+
+def response_object(req: ResponsesRequest, response_id: str, created_at: int, status: str, output: list,
+                    usage: dict[str, Any] | None = None, error: dict[str, Any] | None = None,
+                    incomplete: dict[str, Any] | None = None) -> dict[str, Any]:
+    b = req.body
+    fmt = (b.get("text") or {}).get("format") or {"type": "text"}
+    reasoning = b.get("reasoning") or {}
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": created_at,
+        "status": status,
+        "background": False,
+        "error": error,
+        "incomplete_details": incomplete,
+        "instructions": b.get("instructions"),
+        "max_output_tokens": b.get("max_output_tokens"),
+        "model": b["model"],
+        "output": output,
+        "parallel_tool_calls": b.get("parallel_tool_calls", True),
+        "previous_response_id": b.get("previous_response_id"),
+        "prompt_cache_key": b.get("prompt_cache_key"),
+        "reasoning": {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")},
+        "safety_identifier": b.get("safety_identifier"),
+        "store": req.store,
+        "temperature": b.get("temperature"),
+        "text": {"format": fmt},
+        "tool_choice": b.get("tool_choice", "auto"),
+        "tools": b.get("tools") or [],
+        "top_logprobs": b.get("top_logprobs"),
+        "top_p": b.get("top_p"),
+        "truncation": b.get("truncation", "disabled"),
+        "usage": usage,
+        "user": b.get("user"),
+        "metadata": b.get("metadata") or {},
+    }
+
+
+def assistant_message(message: dict[str, Any]) -> dict[str, Any]:
+    """The chat message kept in the chain (reasoning left out, as clients resend it in chat)."""
+    out: dict[str, Any] = {"role": "assistant", "content": message.get("content") if message.get("content") else None}
+    if message.get("tool_calls"):
+        out["tool_calls"] = [{"id": c.get("id"), "type": "function",
+                              "function": {"name": (c.get("function") or {}).get("name"),
+                                           "arguments": (c.get("function") or {}).get("arguments") or ""}}
+                             for c in message["tool_calls"]]
+    elif out["content"] is None:
+        out["content"] = ""
+    return out
+
+
+def make_record(req: ResponsesRequest, tenant: str, response: dict[str, Any], answer: dict[str, Any], route: str) -> dict[str, Any]:
+    return {
+        "id": response["id"],
+        "tenant": tenant,
+        "created_at": response["created_at"],
+        "previous_response_id": req.body.get("previous_response_id"),
+        "messages": [*req.history, *req.messages, assistant_message(answer)],
+        "input_items": req.input_items,
+        "response": response,
+        "route": route,
+    }
+
+
+def complete_response(req: ResponsesRequest, response_id: str, created_at: int, chat: dict[str, Any]) -> dict[str, Any]:
+    choice = chat["choices"][0]
+    status, incomplete, error = status_of(choice.get("finish_reason"))
+    logprobs = shape_logprobs(choice.get("logprobs")) if req.logprobs else None
+    return response_object(req, response_id, created_at, status, output_items(choice["message"], status, logprobs),
+                           shape_usage(chat.get("usage")), error, incomplete)
+
+
+def list_input_items(record: dict[str, Any], limit: int, order: str, after: str | None) -> dict[str, Any]:
+    items = list(record.get("input_items") or [])
+    if order == "desc":
+        items.reverse()
+    if after is not None:
+        ids = [i.get("id") for i in items]
+        items = items[ids.index(after) + 1:] if after in ids else []
+    page = items[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+
+
+# ------------------------------------------------------------------------ stream
+
+def sse(event: dict[str, Any]) -> bytes:
+    return f"event: {event['type']}\ndata: ".encode() + json.dumps(event, ensure_ascii=False).encode() + b"\n\n"
+
+
+class StreamTranslator:
+    """Chat chunks (from `Orchestrator.stream`) -> Responses stream events, each numbered."""
+
+    def __init__(self, req: ResponsesRequest, response_id: str, created_at: int | None = None):
+        self.req = req
+        self.id = response_id
+        self.created_at = created_at if created_at is not None else int(time.time())
+        self.seq = 0
+        self.output: list[dict[str, Any]] = []
+        self.open: dict[str, Any] | None = None  # the open reasoning or message item
+        self.calls: dict[int, dict[str, Any]] = {}  # chat tool-call index -> open function_call item
+        self.finish: str | None = None
+        self.usage: dict[str, Any] | None = None
+        self.message: dict[str, Any] = {"role": "assistant", "content": "", "reasoning_content": ""}
+
+    def ev(self, type_: str, **fields: Any) -> dict[str, Any]:
+        event = {"type": type_, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return event
+
+    def snapshot(self, status: str, **kw: Any) -> dict[str, Any]:
+        return response_object(self.req, self.id, self.created_at, status, kw.pop("output", []), **kw)
+
+    def start(self) -> list[dict[str, Any]]:
+        return [self.ev("response.created", response=self.snapshot("in_progress")),
+                self.ev("response.in_progress", response=self.snapshot("in_progress"))]
+
+    def _add(self, item: dict[str, Any]) -> list[dict[str, Any]]:
+        self.output.append(item)
+        return [self.ev("response.output_item.added", output_index=len(self.output) - 1, item=dict(item))]
+
+    def _close_open(self, status: str = "completed") -> list[dict[str, Any]]:
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        idx = self.output.index(item)
+        item["status"] = status
+        part = item["content"][0]
+        if item["type"] == "reasoning":
+            events = [self.ev("response.reasoning_text.done", item_id=item["id"], output_index=idx, content_index=0,
+                              text=part["text"]),
+                      self.ev("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0, part=part)]
+        else:
+            events = [self.ev("response.output_text.done", item_id=item["id"], output_index=idx, content_index=0,
+                              text=part["text"], logprobs=part["logprobs"]),
+                      self.ev("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0, part=part)]
+        return events + [self.ev("response.output_item.done", output_index=idx, item=item)]
+
+    def _close_calls(self, status: str = "completed") -> list[dict[str, Any]]:
+        events = []
+        for _, item in sorted(self.calls.items()):
+            idx = self.output.index(item)
+            item["status"] = status
+            events.append(self.ev("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
+                                  arguments=item["arguments"]))
+            events.append(self.ev("response.output_item.done", output_index=idx, item=item))
+        self.calls = {}
+        return events
+
+    def _text(self, kind: str, delta: str, logprobs: list) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        if self.open is None or self.open["type"] != kind:
+            events += self._close_open()
+            if kind == "reasoning":
+                item = {"id": new_id("rs_"), "type": "reasoning", "summary": [], "status": "in_progress", "content": []}
+                part = {"type": "reasoning_text", "text": ""}
+            else:
+                item = {"id": new_id("msg_"), "type": "message", "role": "assistant", "status": "in_progress", "content": []}
+                part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            events += self._add(item)
+            events.append(self.ev("response.content_part.added", item_id=item["id"], output_index=len(self.output) - 1,
+                                  content_index=0, part=dict(part)))
+            item["content"].append(part)
+            self.open = item
+        item = self.open
+        idx = self.output.index(item)
+        part = item["content"][0]
+        part["text"] += delta
+        if kind == "reasoning":
+            events.append(self.ev("response.reasoning_text.delta", item_id=item["id"], output_index=idx, content_index=0,
+                                  delta=delta))
+        else:
+            part["logprobs"].extend(logprobs)
+            events.append(self.ev("response.output_text.delta", item_id=item["id"], output_index=idx, content_index=0,
+                                  delta=delta, logprobs=logprobs))
+        return events
+
+    def feed(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
+        """One chat chunk -> the events it makes."""
+        if chunk.get("usage"):
+            self.usage = shape_usage(chunk["usage"])
+        events: list[dict[str, Any]] = []
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+            if isinstance(reasoning, str) and reasoning:
+                self.message["reasoning_content"] += reasoning
+                events += self._text("reasoning", reasoning, [])
+            if isinstance(delta.get("content"), str) and delta["content"]:
+                self.message["content"] += delta["content"]
+                lp = shape_logprobs(choice.get("logprobs")) if self.req.logprobs else []
+                events += self._text("message", delta["content"], lp)
+            for call in delta.get("tool_calls") or []:
+                index = call.get("index", 0)
+                fn = call.get("function") or {}
+                item = self.calls.get(index)
+                if item is None:
+                    events += self._close_open()
+                    item = {"id": new_id("fc_"), "type": "function_call", "status": "in_progress",
+                            "call_id": call.get("id"), "name": fn.get("name") or "", "arguments": ""}
+                    self.calls[index] = item
+                    events += self._add(item)
+                else:
+                    item["call_id"] = item["call_id"] or call.get("id")
+                    item["name"] += fn.get("name") or ""
+                if fn.get("arguments"):
+                    item["arguments"] += fn["arguments"]
+                    events.append(self.ev("response.function_call_arguments.delta", item_id=item["id"],
+                                          output_index=self.output.index(item), delta=fn["arguments"]))
+            if choice.get("finish_reason"):
+                self.finish = choice["finish_reason"]
+        return events
+
+    def answer(self) -> dict[str, Any]:
+        """The chat message the stream made (for the chain)."""
+        msg: dict[str, Any] = {"role": "assistant", "content": self.message["content"]}
+        calls = [i for i in self.output if i["type"] == "function_call"]
+        if calls:
+            msg["tool_calls"] = [{"id": c["call_id"], "type": "function",
+                                  "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
+        return msg
+
+    def finish_events(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """-> (the closing events, the final response object)."""
+        status, incomplete, error = status_of(self.finish)
+        item_status = "completed" if status == "completed" else "incomplete"
+        events = self._close_open(item_status) + self._close_calls(item_status)
+        final = self.snapshot(status, output=self.output, usage=self.usage, error=error, incomplete=incomplete)
+        kind = {"completed": "response.completed", "incomplete": "response.incomplete", "failed": "response.failed"}[status]
+        return events + [self.ev(kind, response=final)], final
+
+    def failed(self, exc: ProxyError) -> list[dict[str, Any]]:
+        """The engine failed after the stream started: close what is open and say so."""
+        events = self._close_open("incomplete") + self._close_calls("incomplete")
+        error = {"code": "server_error", "message": exc.message}
+        return events + [self.ev("response.failed", response=self.snapshot("failed", output=self.output, error=error,
+                                                                           usage=self.usage))]
