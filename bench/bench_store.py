@@ -1,0 +1,145 @@
+"""The response store's cost per Responses request: one `get_response` (the previous response of
+the chain) + one `put_response` (the new one), in-process (`MemoryResponseStore`) against SQLite
+(`SqliteResponseStore`: WAL, synchronous=NORMAL, a file in a temp dir), side by side, for three
+record sizes, with the store already holding PREFILL records. Reports p50/p99 in microseconds and
+the p50 SQLite adds (target: <= 300 us, i.e. 0.3 ms per request).
+
+Then, when the proxy serves /v1/responses, the same comparison end to end: one client sending
+chained requests (`previous_response_id`) through a `molctl proxy --store memory` and a
+`--store sqlite` against the fake engine (no delay), p50 per request. Run with `make bench`."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from molctl.proxy.response_store import MemoryResponseStore  # noqa: E402
+from molctl.proxy.sqlite_store import SqliteResponseStore  # noqa: E402
+
+PREFILL = 5000
+ROUNDS = 2000
+SIZES = {"2 KiB": 2 * 1024, "32 KiB": 32 * 1024, "256 KiB": 256 * 1024}
+TARGET_US = 300.0
+
+
+def make_record(i: int, size: int) -> dict:
+    words = ("lorem ipsum dolor sit amet " * (size // 27 + 1))[:size // 2]
+    return {"id": f"resp_{i:08d}", "tenant": "0123456789abcdef", "created_at": time.time(),
+            "previous_response_id": f"resp_{i - 1:08d}" if i else None, "route": "L2",
+            "messages": [{"role": "user", "content": words}, {"role": "assistant", "content": words}],
+            "input_items": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "next"}]}],
+            "response": {"id": f"resp_{i:08d}", "object": "response", "status": "completed",
+                         "output": [{"type": "message", "content": [{"type": "output_text", "text": "ok"}]}]}}
+
+
+def pct(values: list[float], p: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(p * len(values)))]
+
+
+def measure(store, size: int, rounds: int) -> list[float]:
+    """Per request: get the previous response, put the new one (a fresh dict each time, as the
+    proxy builds one per response)."""
+    for i in range(PREFILL):
+        store.put_response(make_record(i, 512))
+    records = [make_record(PREFILL + i, size) for i in range(rounds)]
+    out = []
+    for i, rec in enumerate(records):
+        t0 = time.perf_counter()
+        store.get_response(rec["tenant"], f"resp_{PREFILL + i - 1:08d}")
+        store.put_response(rec)
+        out.append((time.perf_counter() - t0) * 1e6)
+    return out
+
+
+def store_bench() -> list[dict]:
+    rows = []
+    for label, size in SIZES.items():
+        rounds = ROUNDS if size < 100_000 else ROUNDS // 4
+        mem = measure(MemoryResponseStore(max_entries=1_000_000), size, rounds)
+        with tempfile.TemporaryDirectory() as d:
+            sql_store = SqliteResponseStore(Path(d) / "store.sqlite3")
+            sql = measure(sql_store, size, rounds)
+            get_only = []
+            for i in range(rounds):
+                t0 = time.perf_counter()
+                sql_store.get_response("0123456789abcdef", f"resp_{PREFILL + i:08d}")
+                get_only.append((time.perf_counter() - t0) * 1e6)
+            sql_store.close()
+        rows.append({"record": label, "memory_p50_us": statistics.median(mem), "memory_p99_us": pct(mem, 0.99),
+                     "sqlite_p50_us": statistics.median(sql), "sqlite_p99_us": pct(sql, 0.99),
+                     "sqlite_get_p50_us": statistics.median(get_only),
+                     "added_p50_us": statistics.median(sql) - statistics.median(mem)})
+    return rows
+
+
+def proxy_bench(requests: int = 400) -> list[dict] | None:
+    """End to end through the proxy, one client, chained requests; None when the proxy has no
+    /v1/responses endpoint yet."""
+    import httpx
+
+    from molctl.proxy import app as app_module
+
+    if "/v1/responses" not in Path(app_module.__file__).read_text():
+        return None
+    import contextlib
+
+    from tests.helpers import free_port
+    from tests.procs import fake_engine_argv, running
+
+    engine_port = free_port()
+    engine = f"http://127.0.0.1:{engine_port}"
+    specs = ("memory", "sqlite")
+    with tempfile.TemporaryDirectory() as state, running(fake_engine_argv(engine_port), engine + "/health"), \
+            contextlib.ExitStack() as stack, httpx.Client(timeout=30) as client:
+        urls = {}
+        for spec in specs:  # both proxies at once, their requests interleaved: the same noise for both
+            port = free_port()
+            argv = [sys.executable, "-m", "molctl", "--state-dir", state, "proxy", "tiny", "--upstream", engine,
+                    "--port", str(port), "--allow-unauthenticated", "--store", spec]
+            stack.enter_context(running(argv, f"http://127.0.0.1:{port}/health"))
+            urls[spec] = f"http://127.0.0.1:{port}/v1/responses"
+        prev: dict[str, str | None] = dict.fromkeys(specs)
+        times: dict[str, list[float]] = {spec: [] for spec in specs}
+        for i in range(requests + 20):
+            for spec in (specs if i % 2 else specs[::-1]):
+                body = {"model": "Macaron-Tiny-Demo", "input": f"turn {i}", "max_output_tokens": 8}
+                if prev[spec] and i % 10:  # chains of 10 turns
+                    body["previous_response_id"] = prev[spec]
+                t0 = time.perf_counter()
+                r = client.post(urls[spec], json=body)
+                dt = (time.perf_counter() - t0) * 1000
+                r.raise_for_status()
+                prev[spec] = r.json()["id"]
+                if i >= 20:  # warm-up excluded
+                    times[spec].append(dt)
+    return [{"store": spec, "p50_ms": statistics.median(times[spec]), "p99_ms": pct(times[spec], 0.99)} for spec in specs]
+
+
+def main() -> None:
+    rows = store_bench()
+    print(f"response store, per request (get previous + put new), {PREFILL} records prefilled:")
+    print(f"{'record':>8} {'memory p50':>11} {'p99':>8} {'sqlite p50':>11} {'p99':>8} {'get p50':>8} {'added p50':>10}  target")
+    for r in rows:
+        ok = "ok" if r["added_p50_us"] <= TARGET_US else "OVER"
+        print(f"{r['record']:>8} {r['memory_p50_us']:>9.1f}us {r['memory_p99_us']:>6.0f}us {r['sqlite_p50_us']:>9.1f}us "
+              f"{r['sqlite_p99_us']:>6.0f}us {r['sqlite_get_p50_us']:>6.1f}us {r['added_p50_us']:>8.1f}us  <= {TARGET_US:.0f}us {ok}")
+    e2e = proxy_bench()
+    if e2e is None:
+        print("proxy end to end: skipped (no /v1/responses endpoint in this proxy)")
+    else:
+        print("proxy end to end, one client, chained /v1/responses (fake engine, no delay):")
+        for r in e2e:
+            print(f"  --store {r['store']:<7} p50 {r['p50_ms']:.2f} ms  p99 {r['p99_ms']:.2f} ms")
+        print(f"  sqlite adds {e2e[1]['p50_ms'] - e2e[0]['p50_ms']:+.2f} ms p50 (target <= 0.3 ms)")
+    if "--json" in sys.argv:
+        print(json.dumps({"store": rows, "proxy": e2e}))
+
+
+if __name__ == "__main__":
+    main()
