@@ -345,3 +345,28 @@ def test_memory_store_is_the_default_and_the_argument_is_used():
     app = ProxyApp(TINY, get_engine(TINY.engine.kind), "http://127.0.0.1:9", ["k"], response_store=store)
     assert app.responses is store
     assert isinstance(ProxyApp(TINY, get_engine(TINY.engine.kind), "http://127.0.0.1:9", ["k"]).responses, MemoryResponseStore)
+
+
+def test_tool_loop_continues_on_its_adapter_after_a_proxy_restart(s, keyfile, tmp_path):
+    """The chat conversation state (tool-call bindings) is lost with the proxy; the durable
+    response store keeps the route that issued the call, so the loop still skips the route hop."""
+    from tests.helpers import free_port
+    from tests.procs import proxy_argv, running
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = proxy_argv("tiny", s.engine_url, port, "--api-key-file", str(keyfile), "--store",
+                      f"sqlite:{tmp_path / 'store.sqlite3'}")
+    env = {"MOLCTL_STATE_DIR": str(tmp_path / "state")}
+    with running(argv, url + "/health", env=env, log=tmp_path / "p1.log"):
+        client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=30)
+        r1 = client.responses.create(model=PUBLIC, input="[route:L1] [tool:get_weather] Oslo?", tools=TOOLS)
+        [call] = r1.output
+    with running(argv, url + "/health", env=env, log=tmp_path / "p2.log"):
+        client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=30)
+        routes = len(s.log("route"))
+        r2 = client.responses.create(model=PUBLIC, previous_response_id=r1.id, tools=TOOLS,
+                                     input=[{"type": "function_call_output", "call_id": call.call_id, "output": "2C"}])
+        assert "2C" in r2.output_text
+        assert len(s.log("route")) == routes
+        assert [a["model"] for a in s.log("answer")] == ["L1", "L1"]

@@ -451,15 +451,20 @@ class ProxyApp:
                 return
         await self.orch.route(plan)
 
-    def _responses_keep(self, req: responses.ResponsesRequest, plan: Plan, tenant: str, response: dict[str, Any]) -> None:
+    async def _responses_keep(self, req: responses.ResponsesRequest, plan: Plan, tenant: str, response: dict[str, Any]) -> None:
+        """Store a complete (or incomplete) answer; a large record is written from a worker thread."""
         if req.store and response["status"] != "failed" and plan.answer is not None and plan.route is not None:
-            self.responses.put_response(responses.make_record(req, tenant, response, plan.answer, plan.route))
+            record = responses.make_record(req, tenant, response, plan.answer, plan.route)
+            if plan.big or len(record["messages"]) > 200:
+                await asyncio.to_thread(self.responses.put_response, record)
+            else:
+                self.responses.put_response(record)
 
     async def _responses_complete(self, plan: Plan, req: responses.ResponsesRequest, send: Send, tenant: str, rid: str) -> None:
         await self._responses_route(plan, req)
         chat = await self.orch.complete(plan)
         response = responses.complete_response(req, responses.new_id("resp_"), int(time.time()), chat)
-        self._responses_keep(req, plan, tenant, response)
+        await self._responses_keep(req, plan, tenant, response)
         await self._json(send, 200, response, {"x-request-id": rid})
         self.orch.start_summary(plan)
 
@@ -487,7 +492,7 @@ class ProxyApp:
         finally:
             await answer.aclose()
         closing, final = tr.finish_events()
-        self._responses_keep(req, plan, tenant, final)  # before the last event: the next request may follow at once
+        await self._responses_keep(req, plan, tenant, final)  # before the last event: the next request may follow at once
         for event in closing:
             yield event
 
