@@ -256,7 +256,10 @@ def test_parameters_mapped_and_rejected(s):
                          ({"include": ["reasoning.encrypted_content"]}, "include[0]"),
                          ({"text": {"verbosity": "low"}}, "text.verbosity"),
                          ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
-                         ({"truncation": "middle"}, "truncation")):
+                         ({"truncation": "middle"}, "truncation"),
+                         ({"input": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}, "input"),
+                         ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+                          "input[0].content[0].type")):
         body = {"model": PUBLIC, "input": "x", **extra}
         resp = httpx.post(s.proxy_url + "/v1/responses", headers=AUTH, json=body)
         assert resp.status_code == 400, (extra, resp.text)
@@ -370,3 +373,10 @@ def test_tool_loop_continues_on_its_adapter_after_a_proxy_restart(s, keyfile, tm
         assert "2C" in r2.output_text
         assert len(s.log("route")) == routes
         assert [a["model"] for a in s.log("answer")] == ["L1", "L1"]
+
+
+def test_a_large_body_is_prepared_off_the_loop(s):
+    r = create(s, input=[{"role": "user", "content": "[route:L2] " + "x" * 200_000}])  # over BIG_BODY (128 KiB)
+    assert r.status == "completed"
+    r2 = create(s, input="[route:L2] and then?", previous_response_id=r.id)
+    assert r2.status == "completed" and s.log("answer")[-1]["messages"][1]["content"].endswith("x" * 100)

@@ -168,6 +168,8 @@ def _convert_input(value: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any
             raise invalid(f"The input item type '{kind}' is not supported.", f"{w}.type")
     if not messages:
         raise invalid("'input' holds no message.", "input")
+    if messages[-1]["role"] not in ("user", "tool"):
+        raise invalid("The last input item must be a user message or a function_call_output.", "input")
     return messages, items
 
 
