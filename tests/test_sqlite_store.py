@@ -326,3 +326,29 @@ def test_check_state_store(molctl, state_dir):
 def _store_check_memory(molctl) -> tuple[str, str]:
     result = molctl("check", "tiny", *SKIP_ALL_BUT_STATE, "--set", "proxy.store=memory", "--json")
     return next((c["status"], c["detail"]) for c in result.json()["checks"] if c["id"] == "state.store")
+
+
+def test_previous_response_id_survives_down_and_up(tmp_path):
+    """`molctl up` gives the proxy its state dir: a chain continues across `down` and `up`."""
+    import openai
+
+    from tests.test_lifecycle import Host
+
+    host = Host(tmp_path)
+    try:
+        r = host.up("--json")
+        assert r.exit_code == ExitStatus.OK, r.stderr
+        endpoint = r.json()["endpoint"]
+        client = openai.OpenAI(base_url=endpoint, api_key="none", max_retries=0)
+        model = load_profile("tiny", profile_dirs()).served_model_name
+        first = client.responses.create(model=model, input="[route:L2] remember apple", max_output_tokens=16)
+        assert store_path(host.state, "tiny").is_file()
+        assert host.molctl("down").exit_code == ExitStatus.OK
+        assert host.up().exit_code == ExitStatus.OK
+        second = client.responses.create(model=model, input="which word?", previous_response_id=first.id,
+                                         max_output_tokens=16)
+        assert second.previous_response_id == first.id
+        stats = host.molctl("state", "stats", "tiny", "--json").json()
+        assert stats["responses"] == 2
+    finally:
+        host.cleanup()
