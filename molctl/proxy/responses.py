@@ -363,8 +363,8 @@ def output_items(message: dict[str, Any], status: str, logprobs: list | None = N
     if isinstance(reasoning, str) and reasoning:
         items.append({"id": new_id("rs_"), "type": "reasoning", "summary": [], "status": item_status,
                       "content": [{"type": "reasoning_text", "text": reasoning}]})
-    text = message.get("content")
-    if isinstance(text, str) and (text or not message.get("tool_calls")):
+    text = message.get("content") if isinstance(message.get("content"), str) else ""
+    if text or not message.get("tool_calls"):  # an empty answer is still one (empty) message item
         items.append({"id": new_id("msg_"), "type": "message", "role": "assistant", "status": item_status,
                       "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]})
     for call in message.get("tool_calls") or []:
