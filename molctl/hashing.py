@@ -17,14 +17,16 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -72,6 +74,29 @@ class Interrupted(Exception):
     """Raised inside a worker when the run is being stopped (Ctrl-C in the main thread)."""
 
 
+class NotRegularFile(OSError):
+    """A path to hash that is a FIFO, a device, a socket or a directory (a FIFO would block the read
+    forever, /dev/zero never ends): never opened for reading."""
+
+
+class FileChanged(OSError):
+    """A file whose size, mtime or inode changed while it was being hashed: its digest is of no
+    version of the file, so it is neither cached nor pinned."""
+
+
+def file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _not_regular(path: str, real: str, mode: int) -> NotRegularFile:
+    via = f" (through a symlink to {real})" if real != os.path.abspath(path) else ""
+    return NotRegularFile(errno.EINVAL, f"is {file_kind(mode)}, not a regular file{via}", path)
+
+
 @dataclass(frozen=True)
 class FileStat:
     path: str  # as given
@@ -85,20 +110,35 @@ class FileStat:
 
 
 def stat_file(path: str | Path) -> FileStat:
-    """Raises OSError when the file cannot be stat'ed."""
+    """Raises OSError when the file cannot be stat'ed (`filename`: the path as given, also for a
+    dangling symlink), `NotRegularFile` for anything but a regular file."""
     real = os.path.realpath(path)
-    st = os.stat(real)
+    try:
+        st = os.stat(real)
+    except OSError as exc:
+        raise type(exc)(exc.errno, exc.strerror, str(path)) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise _not_regular(str(path), real, st.st_mode)
     return FileStat(str(path), real, st.st_size, st.st_mtime_ns, st.st_ino)
 
 
 def sha256_file(path: str, on_bytes: Callable[[int], None] | None = None,
                 stop: threading.Event | None = None) -> str:
     """The file's SHA-256 (hex), read in 8 MiB chunks; `on_bytes(n)` after each chunk; a set
-    `stop` event ends it with `Interrupted`."""
+    `stop` event ends it with `Interrupted`. Opened without blocking and checked to be a regular
+    file (a FIFO swapped in after the stat must not hang the run)."""
     h = hashlib.sha256()
     buf = bytearray(CHUNK)
     view = memoryview(buf)
-    with open(path, "rb", buffering=0) as fh:
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise _not_regular(str(path), os.path.realpath(path), mode)
+    except BaseException:
+        os.close(fd)
+        raise
+    with open(fd, "rb", buffering=0) as fh:
         while True:
             if stop is not None and stop.is_set():
                 raise Interrupted(path)
@@ -179,6 +219,7 @@ class HashRun:
     """What one `hash_files` did: sha256 per path given, and how much it had to read."""
 
     sha256: dict[str, str]
+    stats: dict[str, FileStat] = field(default_factory=dict)  # the stat each digest belongs to (path as given)
     files: int = 0
     bytes: int = 0
     hashed_files: int = 0
@@ -199,7 +240,7 @@ def hash_files(paths: Iterable[str | Path], cache: HashCache | None = None, jobs
     cache = cache or HashCache(None)
     t0 = time.monotonic()
     stats = [stat_file(p) for p in dict.fromkeys(str(p) for p in paths)]
-    run = HashRun({}, files=len(stats), bytes=sum(s.size for s in stats))
+    run = HashRun({}, {s.path: s for s in stats}, files=len(stats), bytes=sum(s.size for s in stats))
     todo: list[FileStat] = []
     for st in stats:
         known = cache.get(st) if use_cache else None
@@ -217,6 +258,24 @@ def hash_files(paths: Iterable[str | Path], cache: HashCache | None = None, jobs
     return run
 
 
+def _hash_one(hasher: Hasher, st: FileStat, on_bytes, stop) -> str:
+    """The digest of `st`, checked against a stat after the read: a file written to meanwhile
+    raises `FileChanged` (its digest would be pinned with a size or mtime it does not belong to)."""
+    try:
+        digest = hasher(st.real, on_bytes, stop)
+    except OSError as exc:
+        if exc.filename == st.real:
+            exc.filename = st.path  # the layout's name for it, not a symlink's target
+        raise
+    try:
+        now = os.stat(st.real)
+    except OSError as exc:
+        raise type(exc)(exc.errno, exc.strerror, st.path) from None
+    if (now.st_size, now.st_mtime_ns, now.st_ino) != (st.size, st.mtime_ns, st.inode):
+        raise FileChanged(errno.EAGAIN, "changed while it was being hashed (is something writing to it?)", st.path)
+    return digest
+
+
 def _hash_todo(todo: list[FileStat], run: HashRun, cache: HashCache, jobs: int, progress: HashProgress | None,
                hasher: Hasher) -> None:
     stop = threading.Event()
@@ -228,7 +287,7 @@ def _hash_todo(todo: list[FileStat], run: HashRun, cache: HashCache, jobs: int, 
     pending: dict[Future, FileStat] = {}
     last_save = time.monotonic()
     try:
-        pending = {pool.submit(hasher, st.real, on_bytes, stop): st for st in todo}
+        pending = {pool.submit(_hash_one, hasher, st, on_bytes, stop): st for st in todo}
         while pending:
             done, _ = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
             for fut in done:

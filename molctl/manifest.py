@@ -24,8 +24,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from molctl.errors import ExitStatus, MolctlError
-from molctl.hashing import HashCache, HashProgress, hash_files
+from molctl.errors import ExitStatus, MolctlError, UsageError
+from molctl.hashing import FileChanged, HashCache, HashProgress, HashRun, NotRegularFile, hash_files
 from molctl.profiles import ROUTES, Profile
 
 FORMAT = 1
@@ -214,26 +214,53 @@ def shard_names(profile: Profile) -> list[str]:
     return sorted(set(weight_map.values()))
 
 
-def base_files(profile: Profile, shards: list[str]) -> list[str]:
-    """Every regular file directly in base/ that is not a shard (config, index, tokenizer, ...)."""
+def _not_regular(path: Path) -> ManifestError:
+    """A dangling symlink, a FIFO, a device or a socket where the layout has files."""
+    from molctl.hashing import file_kind
+
+    try:
+        return ManifestError(f"{path} is {file_kind(os.stat(path).st_mode)}, not a regular file "
+                             f"(the engine cannot load it; remove it or replace it with the file)")
+    except OSError:
+        target = os.readlink(path) if os.path.islink(path) else "?"
+        return ManifestError(f"{path} is a dangling symlink (to {target})")
+
+
+def base_files(profile: Profile, shards: list[str], strict: bool = True) -> list[str]:
+    """Every file directly in base/ that is not a shard (config, index, tokenizer, ...); folders and
+    hidden names left out. Anything else (a dangling symlink, a FIFO, a device) is refused when
+    `strict`, else listed (`check --verify` then reports it as unreadable)."""
     try:
         entries = sorted(os.scandir(profile.base_dir), key=lambda e: e.name)
     except OSError as exc:
         raise ManifestError(f"{profile.base_dir}: {exc.strerror}") from None
     skip = set(shards)
-    return [e.name for e in entries if e.name not in skip and e.is_file() and not e.name.startswith(".")]
+    out = []
+    for e in entries:
+        if e.name in skip or e.name.startswith(".") or e.is_dir():
+            continue
+        if not e.is_file() and strict:
+            raise _not_regular(Path(e.path))
+        out.append(e.name)
+    return out
 
 
-def adapter_files(directory: Path) -> list[str]:
-    """Every regular file under an adapter folder, relative, sorted (hidden files included: a file
-    the engine might load is a file to pin)."""
+def adapter_files(directory: Path, strict: bool = True) -> list[str]:
+    """Every file under an adapter folder, relative, sorted (hidden files included: a file the
+    engine might load is a file to pin). Anything but a regular file is refused when `strict`, else
+    listed (as in `base_files`)."""
     out = []
     for d, subdirs, files in os.walk(directory):
         subdirs.sort()
         for f in files:
             p = Path(d) / f
-            if stat.S_ISREG(os.stat(p).st_mode):
-                out.append(str(p.relative_to(directory)))
+            try:
+                regular = stat.S_ISREG(os.stat(p).st_mode)
+            except OSError:
+                regular = False
+            if not regular and strict:
+                raise _not_regular(p)
+            out.append(str(p.relative_to(directory)))
     return sorted(out)
 
 
@@ -272,9 +299,14 @@ class LockResult:
                 **s}
 
 
-def file_entry(path: Path, name: str, sha256: str) -> dict[str, Any]:
-    st = os.stat(path)
-    return {"name": name, "path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha256}
+def file_entry(path: Path, name: str, run: HashRun) -> dict[str, Any]:
+    """The file as it was hashed (the stat its digest belongs to, not a later one); `real_path` when
+    the layout reaches it through a symlink (where the bytes really are)."""
+    st = run.stats[str(path)]
+    entry = {"name": name, "path": str(path), "size": st.size, "mtime_ns": st.mtime_ns, "sha256": run.sha256[str(path)]}
+    if st.real != os.path.abspath(path):
+        entry["real_path"] = st.real
+    return entry
 
 
 def build(profile: Profile, state_dir: Path | None, jobs: int | None = None, progress: HashProgress | None = None,
@@ -296,15 +328,22 @@ def build(profile: Profile, state_dir: Path | None, jobs: int | None = None, pro
     paths += [profile.adapter_dir(r) / f for r in ROUTES for f in adapters[r]["files"]]
     try:
         run = hash_files(paths, HashCache.in_state_dir(state_dir), jobs, progress, hasher)
-        shard_entries = [file_entry(profile.base_dir / n, n, run.sha256[str(profile.base_dir / n)]) for n in shards]
-        base_entries = [file_entry(profile.base_dir / n, n, run.sha256[str(profile.base_dir / n)]) for n in base]
-        for route, a in adapters.items():
-            d = profile.adapter_dir(route)
-            a["files"] = [file_entry(d / f, f, run.sha256[str(d / f)]) for f in a["files"]]
     except FileNotFoundError as exc:
+        if exc.filename and os.path.islink(exc.filename):
+            raise _not_regular(Path(exc.filename)) from None
         raise ManifestError(f"{exc.filename} is missing (run `molctl check {profile.name}`)") from None
+    except NotRegularFile as exc:
+        raise ManifestError(f"{exc.filename} {exc.strerror}") from None
+    except FileChanged as exc:
+        raise ManifestError(f"{exc.filename} {exc.strerror}: run `molctl lock {profile.name}` again once it is "
+                            f"stable (the files hashed so far are cached)") from None
     except OSError as exc:
         raise ManifestError(f"cannot read {exc.filename}: {exc.strerror}") from None
+    shard_entries = [file_entry(profile.base_dir / n, n, run) for n in shards]
+    base_entries = [file_entry(profile.base_dir / n, n, run) for n in base]
+    for route, a in adapters.items():
+        d = profile.adapter_dir(route)
+        a["files"] = [file_entry(d / f, f, run) for f in a["files"]]
     return {
         "format": FORMAT,
         "kind": KIND,
@@ -387,15 +426,75 @@ def read(path: Path) -> dict[str, Any]:
     except FileNotFoundError:
         raise ManifestError(f"manifest {path} does not exist") from None
     except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise ManifestError(f"manifest {path} cannot be read: {exc}") from None
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise ManifestError(f"manifest {path} cannot be read: {why}") from None
     if not isinstance(data, dict) or data.get("kind") != KIND or data.get("format") != FORMAT:
         raise ManifestError(f"{path} is not a molctl lock manifest (format {FORMAT})")
+    problem = _shape_problem(data)
+    if problem:
+        raise ManifestError(f"{path} is not a valid molctl lock manifest: {problem} (write a new one: molctl lock PROFILE)")
     return data
+
+
+_ENTRY = {"name": str, "size": int, "mtime_ns": int, "sha256": str}
+
+
+def _shape_problem(m: dict[str, Any]) -> str | None:
+    """The first field of a manifest whose type is not what `molctl lock` writes (a hand-edited or
+    damaged file must be one line, not a traceback in `check --verify`), or None."""
+    def kind(value, want) -> bool:
+        return isinstance(value, want) and not (want is int and isinstance(value, bool))
+
+    for key, want in (("profile", str), ("engine", dict), ("argv", list), ("env", dict), ("config", dict),
+                      ("capacity", dict), ("shards", list), ("base_files", list), ("adapters", dict)):
+        if not kind(m.get(key), want):
+            return f"field {key!r} is missing or not a {want.__name__}"
+    if m.get("template") is not None and not (isinstance(m["template"], dict) and isinstance(m["template"].get("sha256"), str)):
+        return "field 'template' is neither null nor an object with a 'sha256'"
+    if not all(isinstance(a, str) for a in m["argv"]):
+        return "field 'argv' holds a non-string"
+    if not all(isinstance(v, str) for v in m["env"].values()):
+        return "field 'env' holds a non-string value"
+    lists = [("shards", m["shards"]), ("base_files", m["base_files"])]
+    for route, adapter in m["adapters"].items():
+        if not isinstance(adapter, dict) or not isinstance(adapter.get("files"), list):
+            return f"field 'adapters.{route}' is not an object with a 'files' list"
+        lists.append((f"adapters.{route}.files", adapter["files"]))
+    for where, entries in lists:
+        for i, e in enumerate(entries):
+            if not isinstance(e, dict):
+                return f"field '{where}[{i}]' is not an object"
+            for key, want in _ENTRY.items():
+                if not kind(e.get(key), want):
+                    return f"field '{where}[{i}].{key}' is missing or not a {want.__name__}"
+    return None
 
 
 def lock(profile: Profile, state_dir: Path, output: Path | None = None, jobs: int | None = None,
          progress: HashProgress | None = None, hasher=None) -> LockResult:
-    """`molctl lock`: build the manifest and write it (atomically)."""
+    """`molctl lock`: build the manifest and write it (atomically). Where it goes is checked before
+    anything is hashed: a 700 GB run must not end on an unwritable --output."""
+    path = prepare_output(output or default_path(state_dir, profile.name))
     manifest = build(profile, state_dir, jobs, progress, hasher)
-    path = write_atomic(output or default_path(state_dir, profile.name), manifest)
+    try:
+        path = write_atomic(path, manifest)
+    except OSError as exc:
+        raise MolctlError(f"cannot write the manifest {path}: {exc.strerror or exc}") from None
     return LockResult(manifest, path)
+
+
+def prepare_output(path: Path) -> Path:
+    """The manifest's absolute path, its folder created and proven writable (a temp file created
+    and removed). A directory is a usage error (exit 2); an unwritable place exit 1."""
+    path = Path(path).absolute()
+    if path.is_dir():
+        raise UsageError(f"--output {path} is a directory: give the manifest's file name, e.g. {path / 'lock.json'}")
+    probe = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with open(probe, "w"):
+            pass
+        probe.unlink()
+    except OSError as exc:
+        raise MolctlError(f"cannot write the manifest {path}: {exc.strerror or exc}") from None
+    return path

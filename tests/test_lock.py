@@ -17,6 +17,7 @@ from molctl import hashing as hashing_mod
 from molctl import manifest as mf
 from molctl.errors import ExitStatus
 from molctl.hashing import HashCache, hash_files
+from tests.helpers import Molctl
 from tests.layouts import make_layout, tall_layout
 from tests.test_check_engine import fake_vllm, profile_flags
 
@@ -48,6 +49,7 @@ def cli(molctl, layout, engine_python, free_ports):
 
     class Cli:
         python = engine_python
+        args = common
 
         def lock(self, *extra: str, env: dict | None = None):
             return molctl("lock", "tall", *common, "--json", *extra, env=env)
@@ -466,3 +468,129 @@ def test_default_jobs_follows_cores_and_the_device(tmp_path, monkeypatch):
     assert hashing_mod.default_jobs(tmp_path, sysfs=str(tmp_path / "sys")) == 2
     monkeypatch.setattr(os, "cpu_count", lambda: 1)
     assert hashing_mod.default_jobs(tmp_path, sysfs=str(tmp_path / "sys")) == 1
+
+
+# ------------------------------------------------------------------- what an operator runs into
+def test_non_regular_files_are_refused_without_hanging(cli, layout, molctl, tmp_path):
+    """A FIFO would block the read forever and /dev/zero never ends: lock and verify name the
+    file in one line instead (run as a subprocess with a timeout: a hang fails the test)."""
+    sub = Molctl(molctl.state_dir)
+    assert cli.lock().exit_code == ExitStatus.OK
+    shard = layout.shards[2]
+    shard.unlink()
+    os.mkfifo(shard)
+    result = sub("lock", "tall", *cli.args, timeout=60)
+    assert result.exit_code == ExitStatus.CHECK_FAILED
+    assert result.stderr.strip() == f"molctl: error: {shard} is a FIFO, not a regular file"
+    verify = sub("check", "tall", *cli.args, "--skip", "gpu", "--skip", "port", "--verify", "--full-hash", "--json",
+                 timeout=60)
+    assert verify.exit_code == ExitStatus.CHECK_FAILED and "Traceback" not in verify.stderr
+    checks = {c["id"]: c for c in verify.json()["checks"]}
+    assert checks[f"lock.shard.{shard.name}"]["status"] == "fail"
+    assert "is a FIFO, not a regular file" in checks[f"lock.shard.{shard.name}"]["detail"]
+    shard.unlink()
+    shard.symlink_to("/dev/zero")
+    result = sub("lock", "tall", *cli.args, timeout=60)
+    assert result.exit_code == ExitStatus.CHECK_FAILED
+    assert "is a character device, not a regular file (through a symlink to /dev/zero)" in result.stderr
+    shard.unlink()
+    shard.symlink_to(tmp_path / "nowhere")
+    result = sub("lock", "tall", *cli.args, timeout=60)
+    assert result.exit_code == ExitStatus.CHECK_FAILED
+    assert result.stderr.strip() == f"molctl: error: {shard} is a dangling symlink (to {tmp_path / 'nowhere'})"
+
+
+@pytest.mark.parametrize("where", ["adapter", "base"])
+def test_dangling_symlink_or_fifo_in_a_folder_is_one_line_exit_3(cli, layout, where):
+    folder = layout.adapter("L1") if where == "adapter" else layout.base
+    (folder / "extra.bin").symlink_to(folder / "nowhere")
+    result = cli.lock()
+    assert result.exit_code == ExitStatus.CHECK_FAILED
+    assert result.stderr.strip() == f"molctl: error: {folder / 'extra.bin'} is a dangling symlink (to {folder / 'nowhere'})"
+    (folder / "extra.bin").unlink()
+    os.mkfifo(folder / "extra.bin")
+    result = cli.lock()
+    assert result.exit_code == ExitStatus.CHECK_FAILED and "extra.bin is a FIFO, not a regular file" in result.stderr
+
+
+def test_output_is_checked_before_anything_is_hashed(cli, tmp_path, monkeypatch):
+    hasher = CountingHasher()
+    monkeypatch.setattr(hashing_mod, "sha256_file", hasher)
+    result = cli.lock("--output", str(tmp_path))
+    assert result.exit_code == ExitStatus.USAGE and "is a directory" in result.stderr
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    result = cli.lock("--output", str(blocker / "lock.json"))
+    assert result.exit_code == ExitStatus.ERROR
+    assert result.stderr.strip().startswith(f"molctl: error: cannot write the manifest {blocker / 'lock.json'}: ")
+    assert hasher.calls == [] and sorted(p.name for p in tmp_path.iterdir()) == ["file", "m", "state"]
+    out = tmp_path / "new" / "dir" / "lock.json"  # missing folders are created
+    assert cli.lock("--output", str(out)).exit_code == ExitStatus.OK
+    assert [p.name for p in out.parent.iterdir()] == ["lock.json"]
+
+
+def test_a_file_written_to_while_hashed_is_neither_pinned_nor_cached(cli, layout, molctl, monkeypatch):
+    victim = str(layout.shards[1].resolve())
+
+    def writer(path, on_bytes=None, stop=None):
+        digest = REAL_SHA256(path, on_bytes, stop)
+        if path == victim:
+            with open(path, "ab") as fh:
+                fh.write(b"more")
+        return digest
+
+    monkeypatch.setattr(hashing_mod, "sha256_file", writer)
+    result = cli.lock("--jobs", "1")
+    assert result.exit_code == ExitStatus.CHECK_FAILED
+    assert f"{layout.shards[1]} changed while it was being hashed" in result.stderr
+    assert not (molctl.state_dir / "tall" / "manifests").exists() or not any((molctl.state_dir / "tall" / "manifests").iterdir())
+    assert victim not in HashCache.in_state_dir(molctl.state_dir).files
+    monkeypatch.setattr(hashing_mod, "sha256_file", REAL_SHA256)
+    summary = cli.lock().json()
+    m = json.loads(Path(summary["manifest"]).read_text())
+    entry = next(e for e in m["shards"] if e["name"] == layout.shards[1].name)
+    assert entry["sha256"] == hashlib.sha256(layout.shards[1].read_bytes()).hexdigest()
+    assert entry["size"] == layout.shards[1].stat().st_size
+
+
+def test_a_symlinked_file_is_pinned_with_its_target(cli, layout, tmp_path):
+    moved = tmp_path / "elsewhere.safetensors"
+    weights = layout.adapter("L2") / "adapter_model.safetensors"
+    moved.write_bytes(weights.read_bytes())
+    weights.unlink()
+    weights.symlink_to(moved)
+    m = json.loads(Path(cli.lock().json()["manifest"]).read_text())
+    entry = next(e for e in m["adapters"]["L2"]["files"] if e["name"] == "adapter_model.safetensors")
+    assert entry["real_path"] == str(moved) and entry["path"] == str(weights)
+    assert all("real_path" not in e for e in m["shards"])
+    other = tmp_path / "other.safetensors"
+    other.write_bytes(moved.read_bytes()[:-1] + b"\x01")
+    st = moved.stat()
+    os.utime(other, ns=(st.st_atime_ns, st.st_mtime_ns))
+    weights.unlink()
+    weights.symlink_to(other)  # retargeted: same size, same mtime, other bytes
+    code, checks = cli.verify()
+    status, detail = checks["lock.adapter.L2.adapter_model.safetensors"]
+    assert status == "fail" and f"now a symlink to {other} (pinned: {moved})" in detail
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("garbage", "cannot be read"),
+    ("[]", "is not a molctl lock manifest"),
+    ('{"kind": "molctl.lock", "format": 1}', "field 'profile' is missing or not a str"),
+    ('{"kind": "molctl.lock", "format": 1, "profile": "tall", "engine": "x", "argv": [], "env": {}, "config": {}, '
+     '"capacity": {}, "shards": [], "base_files": [], "adapters": {}}', "field 'engine' is missing or not a dict"),
+    ('{"kind": "molctl.lock", "format": 1, "profile": "tall", "engine": {}, "argv": [], "env": {}, "config": {}, '
+     '"capacity": {}, "shards": [{"name": 1}], "base_files": [3], "adapters": {}}', "field 'shards[0].name'"),
+    ('{"kind": "molctl.lock", "format": 1, "profile": "tall", "engine": {}, "argv": [], "env": {}, "config": {}, '
+     '"capacity": {}, "shards": [], "base_files": [], "adapters": {"L0": {"files": [{"name": "a"}]}}}',
+     "field 'adapters.L0.files[0].size'"),
+])
+def test_a_damaged_manifest_is_one_failing_check_not_a_traceback(cli, tmp_path, text, problem):
+    bad = tmp_path / "bad.json"
+    bad.write_text(text)
+    code, checks = cli.verify("--manifest", str(bad))
+    assert code == ExitStatus.CHECK_FAILED
+    status, detail = checks["lock.manifest"]
+    assert status == "fail" and str(bad) in detail and problem in detail, detail
+    assert not any(k.startswith("lock.") and k != "lock.manifest" for k in checks)

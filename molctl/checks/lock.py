@@ -15,11 +15,13 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from molctl.checks import CheckResult, Probes, describe
+from molctl.hashing import file_kind
 from molctl.profiles import ROUTES, Profile
 
 
@@ -196,7 +198,7 @@ def _files(profile: Profile, probes: Probes, pinned: dict, verify: Verify) -> li
         items.append(_Pinned("lock.shards", f"lock.shard.{name}", profile.base_dir / name, want_shards.get(name)))
     want_base = {e["name"]: e for e in pinned.get("base_files") or []}
     try:
-        base_now = set(mf.base_files(profile, sorted(shards_now | set(want_shards))))
+        base_now = set(mf.base_files(profile, sorted(shards_now | set(want_shards)), strict=False))
     except mf.ManifestError:
         base_now = set()
     groups["lock.base"] = "base files"
@@ -207,7 +209,7 @@ def _files(profile: Profile, probes: Probes, pinned: dict, verify: Verify) -> li
         pinned_adapter = (pinned.get("adapters") or {}).get(route) or {}
         want = {e["name"]: e for e in pinned_adapter.get("files", [])}
         try:
-            now = set(mf.adapter_files(d)) if d.is_dir() else set()
+            now = set(mf.adapter_files(d, strict=False)) if d.is_dir() else set()
         except OSError:
             now = set()
         group = f"lock.adapter.{route}"
@@ -227,13 +229,23 @@ def _files(profile: Profile, probes: Probes, pinned: dict, verify: Verify) -> li
         try:
             st = os.stat(item.path)
         except FileNotFoundError:
-            results[item.cid] = CheckResult(item.cid, "fail", f"{item.path} is missing (pinned: {item.entry['size']} bytes, "
-                                                               f"sha256 {_short(item.entry['sha256'])})")
+            dangling = f" (a dangling symlink to {os.readlink(item.path)})" if os.path.islink(item.path) else ""
+            results[item.cid] = CheckResult(item.cid, "fail", f"{item.path} is missing{dangling} (pinned: {item.entry['size']} "
+                                                               f"bytes, sha256 {_short(item.entry['sha256'])})")
             continue
         except OSError as exc:
-            results[item.cid] = CheckResult(item.cid, "fail", f"{item.path}: {exc.strerror}")
+            dangling = f" (a dangling symlink to {os.readlink(item.path)})" if os.path.islink(item.path) else ""
+            results[item.cid] = CheckResult(item.cid, "fail", f"{item.path}: {exc.strerror}{dangling}")
+            continue
+        if not stat.S_ISREG(st.st_mode):  # never opened: a FIFO would block, /dev/zero never ends
+            results[item.cid] = CheckResult(item.cid, "fail", f"{item.path} is {file_kind(st.st_mode)}, not a regular file "
+                                                               f"(pinned: {item.entry['size']} bytes)")
             continue
         what = []
+        real, abspath = os.path.realpath(item.path), os.path.abspath(item.path)
+        if item.entry.get("real_path", abspath) != real:
+            what.append(f"now {'a symlink to ' + real if real != abspath else 'no longer a symlink'}"
+                        f" (pinned: {item.entry.get('real_path', 'not a symlink')})")
         if st.st_size != item.entry["size"]:
             what.append(f"size {item.entry['size']} -> {st.st_size}")
         if st.st_mtime_ns != item.entry["mtime_ns"]:
