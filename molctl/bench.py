@@ -467,6 +467,20 @@ def _manifest(state_dir: Path, profile: str, run_dir: Path) -> dict | None:
     return {"path": str(path), "sha256": hashlib.sha256(data).hexdigest(), "copy": "manifest.json"}
 
 
+def _check_output(run_dir: Path) -> None:
+    """--output is a new or empty directory: an earlier run's files (its manifest.json, samples)
+    must never end up mixed with this run's."""
+    if run_dir.exists() or run_dir.is_symlink():
+        if not run_dir.is_dir():
+            raise UsageError(f"--output {run_dir} exists and is not a directory")
+        try:
+            taken = next(run_dir.iterdir(), None) is not None
+        except OSError as exc:
+            raise UsageError(f"--output {run_dir}: {exc.strerror}") from None
+        if taken:
+            raise UsageError(f"--output {run_dir} is not empty (an earlier run?): give a new or empty directory")
+
+
 def bench(ctx, name: str, opts: BenchOptions, gpu_probe=None, progress=None) -> dict[str, Any]:
     """Run the benchmark against PROFILE's running stack; returns the summary (also written to the run dir)."""
     from molctl.probes import NvmlProbe
@@ -478,9 +492,15 @@ def bench(ctx, name: str, opts: BenchOptions, gpu_probe=None, progress=None) -> 
     if opts.output is not None:
         run_dir = Path(opts.output)
         run_id = run_dir.name
+        _check_output(run_dir)
     else:
         run_id, run_dir = new_run_dir(ctx.state_dir, name)
-    run_dir.mkdir(parents=True, exist_ok=opts.output is not None, mode=0o700)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=opts.output is not None, mode=0o700)
+    except OSError as exc:
+        if opts.output is None:
+            raise
+        raise UsageError(f"--output {run_dir} cannot be created: {exc.strerror or exc}") from None
     vram = VramSampler(gpu_probe or NvmlProbe(), opts.vram_interval_s)
     started = time.time()
     vram.start()
@@ -531,13 +551,42 @@ def load_run(state_dir: Path, profile: str | None, ref: str) -> dict:
         candidates = [r / ref for r in roots if (r / ref).is_dir()]
     if not candidates:
         raise UsageError(f"no bench run {ref!r} (a run id under STATE/PROFILE/bench/ or a run directory)")
+    summary = candidates[0] / "summary.json"
     try:
-        data = json.loads((candidates[0] / "summary.json").read_text(encoding="utf-8"))
+        data = json.loads(summary.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UsageError(f"bench run {candidates[0]} has no summary.json (an interrupted or failed run)") from None
     except (OSError, ValueError) as exc:
-        raise UsageError(f"bench run {candidates[0]}: summary.json cannot be read: {exc}") from None
-    if not isinstance(data, dict) or not isinstance(data.get("results"), list):
-        raise UsageError(f"bench run {candidates[0]}: not a molctl bench summary")
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise UsageError(f"{summary} cannot be read: {why}") from None
+    problem = _summary_problem(data)
+    if problem:
+        raise UsageError(f"{summary} is not a molctl bench summary: {problem}")
     return data
+
+
+def _summary_problem(data: Any) -> str | None:
+    """The first thing `compare` needs that a (hand-edited, damaged) summary lacks, or None."""
+    def number(v) -> bool:
+        return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
+
+    if not isinstance(data, dict) or not isinstance(data.get("results"), list):
+        return "no 'results' list"
+    for i, c in enumerate(data["results"]):
+        where = f"results[{i}]"
+        if not isinstance(c, dict):
+            return f"{where} is not an object"
+        if not isinstance(c.get("series"), str) or not isinstance(c.get("concurrency"), int):
+            return f"{where} lacks a string 'series' or an integer 'concurrency'"
+        for key in ("ttft_s", "total_s"):
+            if not isinstance(c.get(key), dict) or not all(number(c[key].get(p)) for p in ("p50", "p95")):
+                return f"{where}.{key} is not an object of numbers p50, p95"
+        for key in ("requests_per_s", "output_tokens_per_s"):
+            if not number(c.get(key)):
+                return f"{where}.{key} is not a number"
+        if not isinstance(c.get("errors"), dict) or not all(isinstance(n, int) for n in c["errors"].values()):
+            return f"{where}.errors is not an object of counts"
+    return None
 
 
 def compare(a: dict, b: dict) -> dict[str, Any]:
@@ -564,13 +613,19 @@ def compare(a: dict, b: dict) -> dict[str, Any]:
             "rows": rows}
 
 
+MAX_CONCURRENCY = 1024  # one coroutine and one connection each: far past what one host's file descriptors serve
+
+
 def parse_concurrency(text: str) -> list[int]:
+    """`1,4,8`: integers from 1 to MAX_CONCURRENCY; an empty item (`1,,2`, a trailing comma) is
+    a typo, refused like any other."""
+    parts = [x.strip() for x in text.split(",")]
     try:
-        values = [int(x) for x in text.split(",") if x.strip()]
+        values = [int(x) for x in parts]
     except ValueError:
         raise UsageError(f"--concurrency {text!r}: expected integers like 1,4,8") from None
-    if not values or any(v < 1 for v in values):
-        raise UsageError(f"--concurrency {text!r}: expected integers >= 1 like 1,4,8")
+    if not values or any(v < 1 or v > MAX_CONCURRENCY for v in values):
+        raise UsageError(f"--concurrency {text!r}: expected integers from 1 to {MAX_CONCURRENCY} like 1,4,8")
     return list(dict.fromkeys(values))
 
 

@@ -242,3 +242,51 @@ def test_connection_error_kind_and_percentiles():
     pool = workload(3)
     assert pool == workload(3) and pool != workload(4)  # seeded, fixed
     assert all(sorted(r.adapter for r in pool[k:k + 4]) == ["L0", "L1", "L2", "L3"] for k in range(0, len(pool), 4))
+
+
+def test_bad_concurrency_is_a_usage_error(molctl):
+    for bad in ("1,,2", "1,", "a", "1,b", "0", "2000", "99999999999999999999"):
+        r = molctl("bench", "tiny", "--concurrency", bad)
+        assert r.exit_code == ExitStatus.USAGE, (bad, r.stderr)
+        assert r.stderr.startswith("molctl: error: --concurrency") and r.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("summary, problem", [
+    (None, "has no summary.json (an interrupted or failed run)"),
+    ("{garbage", "cannot be read"),
+    ('{"results": [3]}', "results[0] is not an object"),
+    ('{"results": [{"series": "base"}]}', "results[0] lacks a string 'series' or an integer 'concurrency'"),
+    ('{"results": [{"series": "base", "concurrency": 1, "ttft_s": {"p50": "x"}, "total_s": null}]}', "results[0].ttft_s"),
+    ('{"results": [{"series": "base", "concurrency": 1, "ttft_s": {"p50": 1, "p95": 2}, "total_s": {"p50": 1, "p95": 2}, '
+     '"requests_per_s": 1, "output_tokens_per_s": 1, "errors": []}]}', "results[0].errors"),
+])
+def test_compare_of_a_damaged_run_is_one_line_exit_2(molctl, summary, problem):
+    run = molctl.state_dir / "tiny" / "bench" / "20260101-000000"
+    run.mkdir(parents=True)
+    if summary is not None:
+        (run / "summary.json").write_text(summary)
+    for args in (("--compare", run.name, run.name), ("--compare", str(run), str(run), "--json")):
+        r = molctl("bench", *args)
+        assert r.exit_code == ExitStatus.USAGE and problem in r.stderr, r.stderr
+        assert r.stderr.startswith("molctl: error: ") and r.stderr.count("\n") == 1 and r.stdout == ""
+
+
+def test_output_must_be_a_new_or_empty_directory(host, tmp_path):
+    host.config()
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    (earlier / "manifest.json").write_text("{}")  # an earlier run's files must never mix with this one's
+    r = host.bench("--requests", "1", "--series", "base", "--output", str(earlier))
+    assert r.exit_code == ExitStatus.USAGE and "is not empty" in r.stderr
+    assert [p.name for p in earlier.iterdir()] == ["manifest.json"]
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    r = host.bench("--requests", "1", "--series", "base", "--output", str(a_file))
+    assert r.exit_code == ExitStatus.USAGE and "is not a directory" in r.stderr
+    r = host.bench("--requests", "1", "--series", "base", "--output", str(a_file / "run"))
+    assert r.exit_code == ExitStatus.USAGE and "cannot be created" in r.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    r = host.bench("--requests", "1", "--concurrency", "1", "--series", "base", "--output", str(empty), "--json")
+    assert r.exit_code == ExitStatus.OK, r.stderr
+    assert {p.name for p in empty.iterdir()} - {"manifest.json"} == {"summary.json", "samples.jsonl", "vram.jsonl"}
