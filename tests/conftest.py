@@ -10,6 +10,17 @@ from tests.helpers import free_ports as _free_ports
 __all__ = ["CliResult", "free_port"]  # free_port: also imported from here by older test modules
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_default_state_dir(tmp_path_factory):
+    """Nothing a test starts (a proxy without --state-dir, and its response store) writes to the
+    real ~/.local/state/molctl: the default state dir is a private folder for the whole session,
+    set before any module-scoped fixture starts a process."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MOLCTL_STATE_DIR", str(tmp_path_factory.mktemp("default-state")))
+    yield
+    mp.undo()
+
+
 @pytest.fixture(autouse=True)
 def host_lock_dir(tmp_path_factory, monkeypatch) -> Path:
     """Host-wide port/GPU claims in a private folder per test (inherited by every molctl a test runs)."""
