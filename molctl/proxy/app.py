@@ -1,4 +1,4 @@
-"""The proxy's raw ASGI application (no framework on the hot path; see performance-facts.md).
+"""The proxy's raw ASGI application (no framework on the hot path: BENCHMARKS.md has the numbers).
 
 Endpoints: GET /health (liveness, no auth), GET /readyz (no auth; 503 unless the engine answers
 and lists L0-L3 under the expected parent and the proxy is not draining; probe cached ~1 s),
@@ -55,6 +55,7 @@ Send = Callable[[dict], Awaitable[None]]
 Receive = Callable[[], Awaitable[dict]]
 
 MAX_BODY = 8 * 1024 * 1024
+BIG_RECORD = 64 * 1024  # a stored response this large is written from a worker thread (~2 ms at 256 KiB)
 BIG_BODY = 128 * 1024  # parse + prepare larger bodies in a worker thread (20k content parts in 490 KiB cost ~130 ms)
 JSON_HEADERS = [(b"content-type", b"application/json")]
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
@@ -455,7 +456,8 @@ class ProxyApp:
         """Store a complete (or incomplete) answer; a large record is written from a worker thread."""
         if req.store and response["status"] != "failed" and plan.answer is not None and plan.route is not None:
             record = responses.make_record(req, tenant, response, plan.answer, plan.route)
-            if plan.big or len(record["messages"]) > 200:
+            text_bytes = sum(len(m["content"]) for m in record["messages"] if isinstance(m.get("content"), str))
+            if plan.big or len(record["messages"]) > 200 or text_bytes > BIG_RECORD:
                 await asyncio.to_thread(self.responses.put_response, record)
             else:
                 self.responses.put_response(record)
