@@ -211,6 +211,11 @@ def shard_names(profile: Profile) -> list[str]:
     weight_map = index.get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise ManifestError(f"{profile.base_dir / INDEX} has no 'weight_map' (run `molctl check {profile.name}`)")
+    for name in weight_map.values():  # a shard is a file of base/, never a path out of it (/etc/passwd, ../x)
+        if not isinstance(name, str) or not name or os.path.isabs(name) \
+                or os.path.normpath(name).split(os.sep)[0] == "..":
+            raise ManifestError(f"{profile.base_dir / INDEX} names the shard {name!r}, not a file inside "
+                                f"{profile.base_dir} (run `molctl check {profile.name}`)")
     return sorted(set(weight_map.values()))
 
 

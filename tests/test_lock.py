@@ -594,3 +594,14 @@ def test_a_damaged_manifest_is_one_failing_check_not_a_traceback(cli, tmp_path, 
     status, detail = checks["lock.manifest"]
     assert status == "fail" and str(bad) in detail and problem in detail, detail
     assert not any(k.startswith("lock.") and k != "lock.manifest" for k in checks)
+
+
+@pytest.mark.parametrize("shard", ["/etc/passwd", "../loras/L0/adapter_model.safetensors", "", 7, ["x"]])
+def test_an_index_naming_a_shard_outside_base_is_refused(cli, layout, shard):
+    index = layout.index()
+    index["weight_map"][next(iter(index["weight_map"]))] = shard
+    layout.write_index(index)
+    result = cli.lock()
+    assert result.exit_code == ExitStatus.CHECK_FAILED
+    assert result.stderr.strip().startswith(f"molctl: error: {layout.base / mf.INDEX} names the shard {shard!r}, "
+                                            f"not a file inside {layout.base}")
