@@ -27,13 +27,30 @@ Serving:
     a 400; usage has `prompt_tokens_details.cached_tokens` only with --enable-cache-report
     (entrypoints/openai/usage_processor.py);
   - /get_server_info: the server args plus `"version": __version__` (http_server.py).
+  - /health: 503 while Starting or shutting down; otherwise, by default
+    (SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION true), a 1-token generate checked after
+    `asyncio.sleep(1)`, so a 200 takes at least 1 s; with that variable 0/false /health answers
+    200 at once and only /health_generate generates (http_server.py health_generate).
 Shutdown: SIGTERM logs "SIGTERM received. ... Draining requests and shutting down...", /health
-turns 503 (`gracefully_exit`), in-flight requests finish, then the process tree is killed
-(managers/tokenizer_manager.py SignalHandler + sigterm watchdog, launch_server.py finally).
+turns 503 (`gracefully_exit`); `sigterm_watchdog` notices it within 5 s (it polls every 5 s), logs
+"Gracefully exiting... Remaining number of requests N" every 5 s until none is left (no upper
+bound), then `kill_process_tree(os.getpid(), include_parent=True)`: the children, then the
+launcher itself with SIGKILL (managers/tokenizer_manager.py SignalHandler / sigterm_watchdog,
+utils kill_process_tree). A SIGTERM while loading (no handler yet) ends the launcher at once.
+Child failure: a scheduler that raises logs "Scheduler hit an exception: ..." and sends SIGQUIT to
+the launcher, whose handler logs "Received sigquit from a child process. It usually means the
+child failed." and kills the tree, itself included (entrypoints/engine.py
+launch_phase_sigquit_handler). Once the scheduler is ready, `SubprocessWatchdog` (PR #18582, Feb
+2026, utils/watchdog.py) polls the children every 1 s: one that exited with a non-zero code (a
+SIGKILLed scheduler, but also one SIGTERMed by `molctl down`) makes the launcher SIGQUIT itself,
+and the whole tree goes. So a dead scheduler never leaves a launcher that looks alive.
 
 FAKE_* knobs (the profile's engine.env): FAKE_STARTUP_DELAY (s of "loading"), FAKE_WARMUP_DELAY
-(s the warm-up takes, default 0.3), FAKE_WARMUP_FAIL=1, FAKE_EXIT=<code> (crash while loading),
-FAKE_IGNORE_TERM=1, FAKE_ORPHAN=1 (children do not arm PDEATHSIG: the orphaned-scheduler case,
+(s the warm-up takes, default 0.3), FAKE_WARMUP_FAIL=1, FAKE_EXIT=<code> (the launcher exits while
+loading), FAKE_SCHEDULER_FAIL=1 (the scheduler raises while loading, SGLang's SIGQUIT path),
+FAKE_TERM_POLL (s between the sigterm watchdog's checks, SGLang's 5 by default),
+FAKE_IGNORE_TERM=1 (a wedged launcher: SIGTERM and SIGQUIT ignored), FAKE_ORPHAN=1 (children do not
+arm PDEATHSIG: the orphaned-scheduler case,
 as versions that disable kill_itself_when_parent_died), FAKE_NO_CHILDREN=1, FAKE_ADAPTERS (comma
 list of the adapters that load), FAKE_PARENT, FAKE_SGLANG_VERSION, FAKE_ANSWER_DELAY.
 """
@@ -47,6 +64,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -57,11 +75,17 @@ from aiohttp import ClientSession, web  # noqa: E402
 VERSION = "0.5.13.post1"
 
 CHILD = r"""
-import ctypes, signal, sys, time
+import ctypes, os, signal, sys, time
 if sys.argv[2] == "1":
     ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG, as kill_itself_when_parent_died
 import setproctitle
 setproctitle.setproctitle(sys.argv[1])
+if sys.argv[3] != "-":  # managers/scheduler.py run_scheduler_process: except -> log, SIGQUIT the parent
+    time.sleep(float(sys.argv[3]))
+    print("[TP0] Scheduler hit an exception: Traceback (most recent call last):\n"
+          "RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB (simulated)", flush=True)
+    os.kill(os.getppid(), signal.SIGQUIT)
+    sys.exit(1)
 print(f"[{sys.argv[1]}] ready", flush=True)
 time.sleep(3600)
 """
@@ -77,15 +101,18 @@ class Sgl:
         self.version = VERSION
         self.server_args: dict = {}
         self.children: list[subprocess.Popen] = []
+        self.names: list[str] = []
         self.inflight = 0
+        self.running_phase = False  # the tokenizer manager's handlers replace the launch-phase ones
 
 
 SGL = Sgl()
 
 
 def error(message: str, status: int = 400) -> web.Response:
-    """SGLang's OpenAI error body (entrypoints/openai/protocol.py ErrorResponse)."""
-    return web.json_response({"object": "error", "message": message, "type": "BadRequest", "param": None,
+    """SGLang's OpenAI error body: serving_base.py create_error_response (ErrorResponse, err_type
+    "BadRequestError", HTTP 400), as a client sees it (sglang issue #12745)."""
+    return web.json_response({"object": "error", "message": message, "type": "BadRequestError", "param": None,
                               "code": status}, status=status)
 
 
@@ -93,9 +120,18 @@ def loaded_adapters() -> list[str]:
     return [a for a in base.STATE.config["adapters"] if a in SGL.lora_paths or not SGL.lora_paths]
 
 
+def health_generation() -> bool:
+    """envs.SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION (default true; get_bool_env_var: "1"/"true")."""
+    return os.environ.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "true").lower() in ("1", "true")
+
+
 async def health(request):
+    """http_server.py health_generate (/health and /health_generate)."""
     if SGL.gracefully_exit or SGL.status != "up":
         return web.Response(status=503)
+    if request.path == "/health" and not health_generation():
+        return web.Response(status=200)
+    await asyncio.sleep(1)  # the 1-token generate; last_receive_tstamp is checked after asyncio.sleep(1)
     return web.Response(status=base.STATE.config["health_status"])
 
 
@@ -149,12 +185,25 @@ async def chat(request):
     model = payload.get("model")
     if not isinstance(model, str):
         return error("model is required")
-    adapter = model.split(":", 1)[1] if ":" in model else payload.get("lora_path")
+    # serving_base.py _parse_model_parameter: split at the first ':', strip, "" -> None; the base
+    # part is never checked; _resolve_lora_path: the model's adapter wins over `lora_path`
+    adapter = (model.split(":", 1)[1].strip() or None) if ":" in model else payload.get("lora_path")
     if adapter is not None and adapter not in loaded_adapters():
-        message = f"The following requested LoRA adapters are not loaded: {adapter}"
+        # lora/lora_registry.py LoRARegistry.acquire: the message lists every loaded adapter
+        message = (f"The following requested LoRA adapters are not loaded: {adapter}\n"
+                   f"Loaded adapters: dict_keys({loaded_adapters()!r}).")
         base.STATE.log.append({"hop": request.headers.get("X-MoL-Hop"), "model": model, "messages": payload.get("messages"),
                                "payload": payload, "t": time.time(), "rejected": message})
         return error(message)
+    if request.headers.get("X-MoL-Hop") == "route" and not any(payload.get(k) for k in ("regex", "ebnf", "json_schema")) \
+            and (payload.get("response_format") or {}).get("type") != "json_schema":
+        # no constraint: SGLang samples freely (there is no vLLM-style `choice`; a vLLM
+        # `structured_outputs` field is not a ChatCompletionRequest field and constrains nothing)
+        base.STATE.log.append({"hop": "route", "model": model, "messages": payload.get("messages"),
+                               "payload": payload, "t": time.time(), "unconstrained": True})
+        return web.json_response(base.completion(model, {"content": "Sure! This request is about code, so the best "
+                                                         "specialist is probably the coding one."}, "stop",
+                                                 {"prompt_tokens": 10, "completion_tokens": 16, "total_tokens": 26}))
     SGL.inflight += 1
     try:
         return await base.chat(request)
@@ -189,6 +238,34 @@ def kill_children() -> None:
             pass
 
 
+def kill_tree_and_self() -> None:
+    """kill_process_tree(os.getpid(), include_parent=True): the children, then itself (SIGKILL)."""
+    kill_children()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def on_sigquit(signum, frame) -> None:
+    if SGL.running_phase:  # managers/tokenizer_manager.py running_phase_sigquit_handler
+        print(f"SIGQUIT received. signum={signum!r}, frame={frame!r}. It usually means one child failed.", flush=True)
+    else:  # entrypoints/engine.py launch_phase_sigquit_handler
+        print("Received sigquit from a child process. It usually means the child failed.", flush=True)
+    kill_tree_and_self()
+
+
+def subprocess_watchdog() -> None:
+    """utils/watchdog.py SubprocessWatchdog: every 1 s; a child gone with a non-zero exit code ->
+    SIGQUIT to the launcher itself."""
+    while True:
+        time.sleep(1.0)
+        for child, name in zip(SGL.children, SGL.names, strict=True):
+            code = child.poll()
+            if code not in (None, 0):
+                print(f"Subprocess {name} (pid={child.pid}) crashed with exit code {code}. "
+                      f"Triggering SIGQUIT for cleanup...", flush=True)
+                os.kill(os.getpid(), signal.SIGQUIT)
+                return
+
+
 async def warmup(url: str) -> None:
     await asyncio.sleep(float(os.environ.get("FAKE_WARMUP_DELAY", "0.3")))
     async with ClientSession() as session:
@@ -218,19 +295,28 @@ async def serve(host: str, port: int) -> None:
         print(f"SIGTERM received. signum={signal.SIGTERM!r} frame=None. Draining requests and shutting down...",
               flush=True)
         SGL.gracefully_exit = True
+
+    async def sigterm_watchdog():  # managers/tokenizer_manager.py sigterm_watchdog
+        poll = float(os.environ.get("FAKE_TERM_POLL", "5"))
+        while not SGL.gracefully_exit:
+            await asyncio.sleep(poll)
+        while True:
+            print(f"Gracefully exiting... Remaining number of requests {SGL.inflight}.", flush=True)
+            if not SGL.inflight:
+                break
+            await asyncio.sleep(poll)
         done.set()
 
     if os.environ.get("FAKE_IGNORE_TERM") == "1":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     else:
         loop.add_signal_handler(signal.SIGTERM, on_term)
-    asyncio.ensure_future(warmup(f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"))
+    SGL.running_phase = True
+    tasks = [asyncio.ensure_future(sigterm_watchdog()),
+             asyncio.ensure_future(warmup(f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"))]
     await done.wait()
-    deadline = time.monotonic() + 30
-    while SGL.inflight and time.monotonic() < deadline:  # the sigterm watchdog waits for in-flight requests
-        await asyncio.sleep(0.05)
-    kill_children()
-    await runner.cleanup()
+    del tasks
+    kill_tree_and_self()
 
 
 def main() -> None:
@@ -244,6 +330,7 @@ def main() -> None:
     parser.add_argument("--context-length", type=int, default=None)
     parser.add_argument("--enable-cache-report", action="store_true")
     parser.add_argument("--max-loras-per-batch", type=int, default=8)
+    parser.add_argument("--max-loaded-loras", type=int, default=None)
     parser.add_argument("--max-lora-rank", type=int, default=None)
     parser.add_argument("--lora-paths", nargs="*", default=[])
     parser.add_argument("--config", default="{}", help="initial fake config JSON (tests only)")
@@ -257,6 +344,13 @@ def main() -> None:
             SGL.lora_paths[name] = path
         else:
             SGL.lora_paths[item] = item
+    if args.max_loaded_loras is not None:  # server_args.py check_lora_server_args
+        assert args.max_loaded_loras >= args.max_loras_per_batch, (
+            "max_loaded_loras should be greater than or equal to max_loras_per_batch. "
+            f"max_loaded_loras={args.max_loaded_loras}, max_loras_per_batch={args.max_loras_per_batch}")
+        assert len(SGL.lora_paths) <= args.max_loaded_loras, (
+            "The number of LoRA paths should not exceed max_loaded_loras. "
+            f"max_loaded_loras={args.max_loaded_loras}, lora_paths={len(SGL.lora_paths)}")
     SGL.served = args.served_model_name or args.model_path  # server_args.py: defaults to model_path
     SGL.cache_report = args.enable_cache_report
     SGL.version = env.get("FAKE_SGLANG_VERSION", VERSION)
@@ -280,15 +374,18 @@ def main() -> None:
     print(f"fake sglang pid {os.getpid()} server_args=ServerArgs(model_path={args.model_path!r}, "
           f"served_model_name={SGL.served!r}, port={args.port}, tp_size={args.tp}, lora_paths={SGL.lora_paths!r})",
           flush=True)
-    if env.get("FAKE_IGNORE_TERM") == "1":
+    if env.get("FAKE_IGNORE_TERM") == "1":  # a wedged launcher: SIGTERM and the watchdog's SIGQUIT do nothing
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     else:  # while loading: launch_server.py's `finally: kill_process_tree(...)`
         signal.signal(signal.SIGTERM, lambda *_: (kill_children(), sys.exit(0)))
+    signal.signal(signal.SIGQUIT, signal.SIG_IGN if env.get("FAKE_IGNORE_TERM") == "1" else on_sigquit)
     if env.get("FAKE_NO_CHILDREN") != "1":
         arm = "0" if env.get("FAKE_ORPHAN") == "1" else "1"
         titles = [f"sglang::scheduler{f'_TP{r}' if args.tp > 1 else ''}" for r in range(args.tp)] + ["sglang::detokenizer"]
-        for title in titles:
-            SGL.children.append(subprocess.Popen([sys.executable, "-c", CHILD, title, arm]))
+        for rank, title in enumerate(titles):
+            fail = env.get("FAKE_STARTUP_DELAY", "0") if env.get("FAKE_SCHEDULER_FAIL") == "1" and rank == 0 else "-"
+            SGL.children.append(subprocess.Popen([sys.executable, "-c", CHILD, title, arm, fail]))
+            SGL.names.append(f"scheduler_{rank}" if title.startswith("sglang::scheduler") else "detokenizer")
     print("Load weight begin. avail mem=139.50 GB", flush=True)
     for i in range(2):
         print(f"Loading safetensors checkpoint shards: {50 * (i + 1)}% Completed | {i + 1}/2", flush=True)
@@ -297,8 +394,12 @@ def main() -> None:
         print("Scheduler hit an exception: RuntimeError: CUDA out of memory (simulated)", flush=True)
         kill_children()
         sys.exit(int(env["FAKE_EXIT"]))
+    if env.get("FAKE_SCHEDULER_FAIL") == "1":
+        time.sleep(5)  # the scheduler's SIGQUIT arrives meanwhile (the launcher waits on its pipe)
     print("Load weight end. type=GlmMoeDsaForCausalLM, dtype=torch.bfloat16, avail mem=60.10 GB", flush=True)
     print("KV Cache is allocated. #tokens: 1000000, K size: 10.00 GB, V size: 10.00 GB", flush=True)
+    # entrypoints/engine.py: the SubprocessWatchdog starts once the schedulers reported ready
+    threading.Thread(target=subprocess_watchdog, daemon=True, name="subprocess-watchdog").start()
     asyncio.run(serve(args.host, args.port))
 
 

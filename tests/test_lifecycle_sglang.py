@@ -38,6 +38,7 @@ def sglang_profile() -> str:
     engine["args"] = {**venti["engine"]["args"], "tp": 1, "context-length": 2048, "max-lora-rank": 8,
                       "max-loras-per-batch": 4}
     engine.update(gpus=0, port=tiny["engine"]["port"], start_timeout_s=600, unset_env=["PYTHONPATH"])
+    engine["env"] = {**venti["engine"]["env"], "FAKE_TERM_POLL": "0.5"}  # SGLang polls every 5 s: tests are quicker
     proxy = {**tiny["proxy"], "reasoning": "glm"}
     return yaml.safe_dump({**tiny, "name": SGL, "description": "tiny layout, venti-sglang engine (fake SGLang)",
                            "engine": engine, "proxy": proxy}, sort_keys=False, allow_unicode=True)
@@ -170,7 +171,7 @@ def test_launcher_ignoring_sigterm_is_killed_with_its_children(host):
     pids = host.stack_pids()
     d = host.molctl("down", "--stop-timeout", "1")
     assert d.exit_code == ExitStatus.OK, d.stderr
-    assert "SIGKILL" in d.stdout
+    assert "engine: still running; sending SIGKILL" in d.stdout
     assert gone(pids) and host.sglang_children() == [] and host.records() == {}
 
 
@@ -257,3 +258,85 @@ def test_progress_phases_from_the_sglang_log():
     assert engine.phase(lines) == "warming up"
     lines.append("The server is fired up and ready to roll!")
     assert engine.phase(lines) == "serving"
+
+
+def wait_gone(pid: int, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_scheduler_killed_while_serving_takes_the_engine_down(host):
+    """SGLang's SubprocessWatchdog (PR #18582): a scheduler that dies (OOM killer, SIGKILL) makes
+    the launcher kill its whole tree, itself included, within about a second. status then shows
+    the engine dead (degraded: the proxy still runs), and `up` starts a fresh engine."""
+    assert host.up().exit_code == ExitStatus.OK
+    launcher = host.records()["engine"].pid
+    (scheduler,) = [p for p in host.sglang_children() if "scheduler" in " ".join(p.cmdline())]
+    scheduler.kill()
+    assert wait_gone(launcher), "the launcher outlived its scheduler"
+    assert host.sglang_children() == []
+    log = engine_log(host)
+    assert f"Subprocess scheduler_0 (pid={scheduler.pid}) crashed with exit code -9" in log
+    assert "It usually means one child failed" in log
+    stack = json.loads(host.molctl("status", "--json").stdout)["stacks"][0]
+    assert stack["state"] == "degraded"
+    assert {c["name"]: c["alive"] for c in stack["components"]} == {"engine": False, "proxy": True}
+    r = host.up()
+    assert r.exit_code == ExitStatus.OK, r.stderr
+    assert json.loads(host.molctl("status", "--json").stdout)["stacks"][0]["state"] == "ready"
+    assert len(host.sglang_children()) == 2
+    assert host.molctl("down").exit_code == ExitStatus.OK
+    assert host.sglang_children() == []
+
+
+def test_scheduler_exception_while_loading(host):
+    """SGLang's own crash path: the scheduler raises, SIGQUITs the launcher, which kills its tree
+    and itself with SIGKILL (exit -9), so `up` sees a SIGKILLed engine; the log says why."""
+    r = host.up(env={"FAKE_SCHEDULER_FAIL": "1", "FAKE_STARTUP_DELAY": "0.5"})
+    assert r.exit_code == ExitStatus.START_FAILED, r.stderr
+    assert "exited with code -9" in r.stderr
+    assert "Scheduler hit an exception" in r.stderr and "Received sigquit from a child process" in r.stderr
+    assert host.records() == {} and host.sglang_children() == [] and port_free(host.engine_port)
+
+
+def test_down_with_sglang_timings_needs_no_sigkill(host):
+    """With SGLang's own 5 s sigterm-watchdog poll: `down` SIGTERMs the launcher and its children;
+    a child gone with -15 trips the SubprocessWatchdog, which takes the tree down within about a
+    second, well inside the stop timeout: no escalation to SIGKILL by molctl."""
+    assert host.up(env={"FAKE_TERM_POLL": "5"}).exit_code == ExitStatus.OK
+    pids = host.stack_pids()
+    started = time.monotonic()
+    d = host.molctl("down")
+    assert d.exit_code == ExitStatus.OK, d.stderr
+    assert "sending SIGKILL" not in d.stdout and time.monotonic() - started < 20
+    assert "crashed with exit code -15" in engine_log(host)  # the watchdog, not molctl, ended the tree
+    assert gone(pids) and host.sglang_children() == [] and host.records() == {}
+
+
+def test_lora_pool_smaller_than_the_batch_fails_at_start(host):
+    """server_args.py check_lora_server_args: --max-loaded-loras below --max-loras-per-batch is an
+    assertion before any child starts."""
+    r = host.up("--set", "engine.args.max-loras-per-batch=8")
+    assert r.exit_code == ExitStatus.START_FAILED, r.stderr
+    assert "max_loaded_loras should be greater than or equal to max_loras_per_batch" in r.stderr
+    assert host.records() == {} and host.sglang_children() == [] and port_free(host.engine_port)
+
+
+@pytest.mark.xfail(strict=True, reason="molctl/status.py probes the engine's /health with a 1.0 s timeout; SGLang's "
+                   "generating /health (its default) answers after at least 1 s (http_server.py health_generate), so a "
+                   "ready stack reads degraded. venti-sglang sets SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0; the fix "
+                   "for other SGLang profiles is a longer probe in status.py (Engine.health_timeout_s)")
+def test_status_with_sglang_generating_health(host):
+    assert host.up(env={"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "1"}).exit_code == ExitStatus.OK
+    try:
+        stack = json.loads(host.molctl("status", "--json").stdout)["stacks"][0]
+        assert stack["state"] == "ready", stack
+    finally:
+        assert host.molctl("down").exit_code == ExitStatus.OK

@@ -116,13 +116,39 @@ def test_tool_call_stream(s):
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
 
 
-def test_unloaded_adapter_error_names_no_adapter(s):
-    s.config(adapters=["L0", "L1", "L3"])  # SGLang answers 400 "... LoRA adapters are not loaded: L2"
-    r = httpx.post(s.proxy_url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
-                   json={"model": PUBLIC, "messages": [{"role": "user", "content": "[route:L2] x"}]})
-    assert r.status_code >= 400
-    assert not LEAK.search(r.text), r.text
-    assert s.log("answer")[0]["model"] == f"{SERVED}:L2"
+@pytest.mark.parametrize("stream", [False, True])
+def test_unloaded_adapter_error_names_no_adapter(s, stream):
+    # SGLang answers 400 {"object": "error", "type": "BadRequestError", "message": "The following requested
+    # LoRA adapters are not loaded: L2\nLoaded adapters: dict_keys(['L0', 'L1', 'L3'])."}: every loaded name
+    s.config(adapters=["L0", "L1", "L3"])
+    body = {"model": PUBLIC, "stream": stream, "messages": [{"role": "user", "content": "[route:L2] x"}]}
+    with httpx.stream("POST", s.proxy_url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json=body) as r:
+        text = "".join(r.iter_text())
+    assert r.status_code >= 400 or '"error"' in text
+    assert not LEAK.search(text), text
+    (answer,) = [e for e in s.log("answer") if "rejected" in e]
+    assert answer["model"] == f"{SERVED}:L2" and "Loaded adapters: dict_keys(['L0', 'L1', 'L3'])" in answer["rejected"]
+
+
+def test_every_route_hop_carries_the_regex(s):
+    """SGLang has no `choice`: a route hop without `regex` samples freely (the fake then answers
+    prose). Every route request the proxy sends, whatever the client's request, is constrained."""
+    history = [{"role": "user", "content": "[route:L2] write a parser"}, {"role": "assistant", "content": "done"},
+               {"role": "user", "content": "[route:L1] now plan my trip"}]
+    s.client.chat.completions.create(model=PUBLIC, messages=history)
+    list(s.client.chat.completions.create(model=PUBLIC, stream=True, messages=history))
+    s.client.chat.completions.create(model=PUBLIC, tools=TOOLS, tool_choice="auto",
+                                     messages=[{"role": "user", "content": "[route:L3] [tool:get_weather] x"}])
+    s.client.chat.completions.create(model=PUBLIC, max_tokens=5, temperature=1.5, response_format={"type": "json_object"},
+                                     messages=[{"role": "system", "content": "be brief"},
+                                               {"role": "user", "content": [{"type": "text", "text": "[route:L0] hi"}]}])
+    routes = s.log("route")
+    assert len(routes) == 4
+    for entry in routes:
+        assert "unconstrained" not in entry, entry["payload"]
+        assert entry["payload"]["regex"] == "(L0|L1|L2|L3)" and entry["model"] == f"{SERVED}:L0"
+        assert not {"response_format", "json_schema", "ebnf", "tools"} & set(entry["payload"]), entry["payload"]
 
 
 def test_readyz_follows_the_adapter_list(s):

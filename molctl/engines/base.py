@@ -163,6 +163,9 @@ class Engine(abc.ABC):
     # Readiness hooks (molctl.readiness calls these; the engine modules say what their engine does)
     # The path that reports the running server's version, or None: not checked at runtime.
     version_path: str | None = None
+    # Seconds a healthy engine may take to answer /health: callers that probe it (status, the
+    # proxy's /readyz, `up`) should wait at least this long before calling it unreachable.
+    health_timeout_s: float = 1.0
 
     def listed_adapters(self, models: object) -> dict[str, object] | None:
         """`{card id: its parent}` from a /v1/models body (None: not a model list). vLLM and

@@ -14,8 +14,13 @@ Start-up and readiness (python/sglang/srt/entrypoints/http_server.py, engine.py)
   and `/health_generate` are ONE handler (`health_generate`): it answers 503 while the status is
   Starting, and 503 once SIGTERM set `gracefully_exit`; otherwise it sends a 1-token generate
   (input_ids [0]) and answers 200 if the scheduler/detokenizer answered within
-  HEALTH_CHECK_TIMEOUT (else 503 and status UnHealthy). `/get_model_info`, `/get_server_info`
-  and `/v1/models` answer 200 as soon as uvicorn listens, i.e. before the warm-up.
+  HEALTH_CHECK_TIMEOUT (20 s; else 503 and status UnHealthy). It checks only after
+  `asyncio.sleep(1)`: a healthy /health takes at least 1 s (`health_timeout_s`), and every probe
+  is a generate request. With SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0 (default true) /health
+  answers 200 at once (still 503 while starting or shutting down) and only /health_generate
+  generates; venti-sglang sets it, as molctl status, the proxy's /readyz and `up` poll /health.
+  `/get_model_info`, `/get_server_info` and `/v1/models` answer 200 as soon as uvicorn listens,
+  i.e. before the warm-up.
 - The warm-up thread (`_wait_and_warmup` -> `_execute_server_warmup`) polls `/get_model_info`,
   then POSTs a real `/generate` ("The capital city of France is", max_new_tokens 8); only when
   that answers 200 does it set ServerStatus.Up and log "The server is fired up and ready to
@@ -42,8 +47,15 @@ Adapters:
   So `adapter_problems` reads the same `{id: parent}` shape as on vLLM (`listed_adapters`).
 - A request selects an adapter with `model="<served-name>:<adapter>"` (PR #11570, Oct 2025:
   entrypoints/openai/serving_base.py `_parse_model_parameter` / `_resolve_lora_path`), or with
-  the older `lora_path` body field; the `model:adapter` form wins when both are given. An
-  adapter that is not loaded is a 400. molctl uses the `model` form everywhere (`adapter_model`),
+  the older `lora_path` body field; the `model:adapter` form wins when both are given. The
+  split is at the FIRST ':' and the base part is never checked, so a served name with a ':'
+  (sglang issue #12745: `gpt-oss:120b`) selects an adapter "120b": engine.served_name must not
+  contain ':'. An adapter that is not loaded is a 400 `{"object": "error", "type":
+  "BadRequestError", "message": "The following requested LoRA adapters are not loaded: L2\n
+  Loaded adapters: dict_keys([...])."}` (lora/lora_registry.py `acquire`, serving_base.py
+  `create_error_response`; streaming too: serving_chat.py kick-starts the generator before the
+  200), a message naming every loaded adapter: the proxy must never pass it on.
+  molctl uses the `model` form everywhere (`adapter_model`),
   also for the 1-token readiness smoke (`smoke_request`: `{"model": "<base>:L<n>", "max_tokens":
   1, ...}` to /v1/chat/completions, the OpenAI endpoint the proxy uses, not the native
   /generate).
@@ -55,9 +67,20 @@ and stops the engine (exit 3) when it does not match `engine.version` (`version_
 Shutdown (managers/tokenizer_manager.py `SignalHandler`, utils `kill_itself_when_parent_died`,
 launch_server.py):
 - SIGTERM on the launcher: "SIGTERM received. ... Draining requests and shutting down..." sets
-  `gracefully_exit` (/health turns 503), the watchdog waits for in-flight requests, then
-  `kill_process_tree` takes the scheduler and detokenizer down with it; launch_server.py also
-  kills the tree in its `finally`.
+  `gracefully_exit` (/health turns 503); `sigterm_watchdog` notices within 5 s (it polls every
+  5 s), logs "Gracefully exiting... Remaining number of requests N" every 5 s while requests
+  are in flight (no upper bound: molctl's stop timeout is the bound), then
+  `kill_process_tree(os.getpid(), include_parent=True)`: the children, then the launcher kills
+  itself with SIGKILL (its exit status is -9 even on a clean stop). While loading there is no
+  handler yet: SIGTERM ends the launcher at once.
+- Child failure: a scheduler that raises logs "Scheduler hit an exception: ..." and SIGQUITs the
+  launcher: "Received sigquit from a child process. It usually means the child failed.", tree
+  killed, launcher SIGKILLed (entrypoints/engine.py launch_phase_sigquit_handler), so a crash
+  while loading reads "exited with code -9" and the reason is in the log. Once the schedulers are
+  ready, `SubprocessWatchdog` (utils/watchdog.py, PR #18582, in 0.5.13) polls the children every
+  1 s; any non-zero exit (a scheduler SIGKILLed by the OOM killer, or SIGTERMed by `molctl down`,
+  which signals every member) SIGQUITs the launcher, which kills the tree: a dead scheduler
+  never leaves a launcher that looks alive, and `down` finishes within about a second.
 - The scheduler and detokenizer rename themselves (`setproctitle("sglang::scheduler...")`,
   "sglang::detokenizer"), which wipes the environment marker in /proc/PID/environ: molctl finds
   them by the second marker, the run-dir cwd (molctl/procid.py), as for vLLM's EngineCore.
@@ -78,12 +101,14 @@ Metrics, usage, parsers, structured output:
   ("Only one constraint parameter (`json_schema`, `regex`, or `ebnf`) can be specified",
   docs structured_outputs); there is no vLLM-style `choice`. The route hop sends
   `regex: "(L0|L1|L2|L3)"` (`guided_choice`) with thinking off
-  (`chat_template_kwargs.enable_thinking: false`). Caveat, not verified here: with
-  `--reasoning-parser`, SGLang lifts the grammar inside the reasoning section until the
-  think-end token (constrained/reasoner_grammar_backend.py, docs "Structured Outputs For
-  Reasoning Models"); whether a request with thinking off starts constrained at the first token
-  needs a real GLM-5 run. The proxy reads the label leniently (content or reasoning_content)
-  and falls back to `default_route`, so the hop stays bounded either way.
+  (`chat_template_kwargs.enable_thinking: false`). With `--reasoning-parser`, SGLang wraps the
+  grammar in `ReasonerGrammarObject` (constrained/reasoner_grammar_backend.py), which lifts it
+  until the think-end token only when the request reasons: `maybe_init_reasoning(reasoning)`
+  starts it constrained (tokens_after_think_end = 0) when `require_reasoning` is false, and
+  serving_chat.py `_get_reasoning_from_request` makes glm45 reason by default unless
+  `enable_thinking` is false. So the route hop is constrained from its first token (not run on
+  a real GLM-5 here). The proxy still reads the label leniently (content or reasoning_content)
+  and falls back to `default_route`.
 
 SGLang's argument parser cannot be imported on a host without CUDA (its utils import
 torchvision/orjson at import time), so the accepted flags are read from the installed
@@ -122,6 +147,7 @@ class SglangEngine(Engine):
     lora_flag = "--lora-paths"
     memory_flag = "mem-fraction-static"
     version_path = "/get_server_info"
+    health_timeout_s = 3.0  # the default /health generates a token and answers after >= 1 s
     phases = (
         (r"server_args=|ServerArgs\(", "engine config"),
         (r"Load weight begin", "loading model"),
