@@ -304,6 +304,52 @@ def test_tool_call_loop_through_the_proxy(stack):
     assert "And in Rome?" in by_hop(hops)["answer"]["prompt"]
 
 
+RESPONSES_WEATHER = [{"type": "function", "name": "get_weather", "description": "Current weather in a city.",
+                      "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+
+
+def responses_hops(stack: Stack, **kwargs) -> tuple[object, list[dict]]:
+    """One Responses API call through the proxy (the SDK raises on anything but a 200); returns the
+    Response and the engine requests it caused, once its summary hop is in."""
+    before = len(stack.requests())
+    resp = stack.client.responses.create(model=PUBLIC, max_output_tokens=ANSWER_TOKENS, tools=RESPONSES_WEATHER,
+                                         **kwargs)
+    assert resp.status in ("completed", "incomplete"), resp
+    wait_for_requests(stack, before + 3)
+    hops = stack.hops()[before:]
+    assert sorted(h["hop"] for h in hops) == ["answer", "route", "summary"], hops
+    return resp, hops
+
+
+def test_responses_chain_of_three_with_a_tool_call(stack):
+    """Three chained responses (previous_response_id) with a function call and its output in the
+    middle, through `molctl up tiny`: every hop renders one leading system message, and the third
+    answer hop sees the whole chain (first question, the call, its output, the new question)."""
+    r1, hops = responses_hops(stack, input="What is the weather in Paris?", instructions="Use the tools when they help.")
+    for hop in hops:
+        assert_one_leading_system(hop)
+    assert "Use the tools when they help." in by_hop(hops)["answer"]["prompt"].split("<|im_end|>", 1)[0]
+    call = {"type": "function_call", "call_id": "call_e2e_r", "name": "get_weather", "arguments": '{"city": "Paris"}'}
+    output = {"type": "function_call_output", "call_id": "call_e2e_r", "output": '{"temp_c": 18}'}
+    r2, hops = responses_hops(stack, previous_response_id=r1.id, input=[call, output])
+    assert r2.previous_response_id == r1.id
+    for hop in hops:
+        assert_one_leading_system(hop)
+    r3, hops = responses_hops(stack, previous_response_id=r2.id, input="And in Rome?")
+    for hop in hops:
+        assert_one_leading_system(hop)
+    prompt = by_hop(hops)["answer"]["prompt"]
+    assert prompt.index("What is the weather in Paris?") < prompt.index("<function=get_weather>") \
+        < prompt.index('<tool_response>\n{"temp_c": 18}\n</tool_response>') < prompt.index("And in Rome?")
+    assert "Use the tools when they help." not in prompt  # instructions do not carry over
+    again = stack.client.responses.retrieve(r3.id)
+    assert again.id == r3.id and again.previous_response_id == r2.id
+    items = stack.client.responses.input_items.list(r2.id)
+    assert [i.type for i in items.data] == ["function_call_output", "function_call"]  # newest first
+    raw = json.dumps([r1.model_dump(), r2.model_dump(), r3.model_dump()])
+    assert all(f'"L{i}"' not in raw for i in range(4)) and {r1.model, r2.model, r3.model} == {PUBLIC}
+
+
 def test_later_turn_hits_the_prefix_cache(stack):
     """The router of a random model may move a conversation between adapters, so turns continue
     until one lands on an adapter that answered an earlier turn (by turn 5 at the latest); that
