@@ -102,17 +102,51 @@ print(json.dumps(out))
 """
 
 
+FINGERPRINT_TIMEOUT_S = 60
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the fingerprint's session (started by us with start_new_session: pgid == its pid; only
+    called while it has not been reaped, so the id cannot belong to anyone else)."""
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except OSError:
+        pass
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        pass
+
+
 def engine_fingerprint(python: str, package: str) -> dict[str, Any]:
     """A fingerprint of the engine package installed under `python`, without importing it (SGLang
     cannot be imported on a host without CUDA): the SHA-256 over its distributions' RECORD files
     (every installed file's hash, as installed) and over every file of the package folder (path,
     size, mtime_ns; bytecode caches left out), so an upgrade, a reinstall or an edited file changes it."""
+    where = f"cannot fingerprint {package} under engine.python {python}"
     try:
-        proc = subprocess.run([python, "-c", FINGERPRINT_SCRIPT, package], capture_output=True, text=True, timeout=60,
-                              stdin=subprocess.DEVNULL)
-        data = json.loads(proc.stdout.strip().splitlines()[-1])
-    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired) as exc:
-        raise ManifestError(f"cannot fingerprint {package} under engine.python {python}: {exc}") from None
+        # its own session: a wrapper script's children are stopped with it (timeout, Ctrl-C), none is orphaned
+        proc = subprocess.Popen([python, "-c", FINGERPRINT_SCRIPT, package], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    except OSError as exc:
+        raise ManifestError(f"{where}: {exc.strerror or exc}") from None
+    try:
+        stdout, stderr = proc.communicate(timeout=FINGERPRINT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        raise ManifestError(f"{where}: no answer within {FINGERPRINT_TIMEOUT_S} s") from None
+    except BaseException:
+        _kill_group(proc)
+        raise
+    try:
+        data = json.loads(stdout.strip().splitlines()[-1])
+        if not isinstance(data, dict):
+            raise ValueError(data)
+    except (ValueError, IndexError):
+        last = (stderr.strip().splitlines() or ["no output"])[-1][:200]
+        raise ManifestError(f"{where}: it printed no fingerprint (exit {proc.returncode}: {last})") from None
     if not data.get("found"):
         raise ManifestError(f"{package} is not installed under engine.python {python} (molctl lock pins the installed engine)")
     return data
@@ -166,7 +200,7 @@ def _read_json_object(path: Path) -> dict[str, Any]:
     except FileNotFoundError:
         raise ManifestError(f"{path} is missing") from None
     except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise ManifestError(f"{path}: {exc}") from None
+        raise ManifestError(f"{path}: {exc.strerror if isinstance(exc, OSError) and exc.strerror else exc}") from None
     if not isinstance(data, dict):
         raise ManifestError(f"{path} is not a JSON object")
     return data

@@ -605,3 +605,31 @@ def test_an_index_naming_a_shard_outside_base_is_refused(cli, layout, shard):
     assert result.exit_code == ExitStatus.CHECK_FAILED
     assert result.stderr.strip().startswith(f"molctl: error: {layout.base / mf.INDEX} names the shard {shard!r}, "
                                             f"not a file inside {layout.base}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_hanging_engine_python_is_one_line_and_leaves_no_process(molctl, layout, tmp_path, monkeypatch):
+    """A wrapper script as engine.python that never answers (and started a child): after the
+    timeout both are gone, and the error is one line (not the fingerprint script)."""
+    pidfile = tmp_path / "child.pid"
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f"#!/bin/sh\nsh -c 'echo $$ > {pidfile}; exec sleep 60' &\nwait\n")
+    wrapper.chmod(0o755)
+    monkeypatch.setattr(mf, "FINGERPRINT_TIMEOUT_S", 1)
+    result = molctl("lock", "tall", "--model-root", str(layout.root), "--set", f"engine.python={wrapper}")
+    assert result.exit_code == ExitStatus.CHECK_FAILED
+    assert result.stderr == f"molctl: error: cannot fingerprint vllm under engine.python {wrapper}: no answer within 1 s\n"
+    assert not _alive(int(pidfile.read_text()))
+    broken = tmp_path / "broken"
+    broken.write_text("#!/bin/sh\necho 'no such module' >&2\nexit 4\n")
+    broken.chmod(0o755)
+    result = molctl("lock", "tall", "--model-root", str(layout.root), "--set", f"engine.python={broken}")
+    assert result.exit_code == ExitStatus.CHECK_FAILED
+    assert result.stderr.endswith("it printed no fingerprint (exit 4: no such module)\n")
