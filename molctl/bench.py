@@ -442,13 +442,19 @@ def _check_proxy(target: Target, opts: BenchOptions) -> None:
 
 
 def new_run_dir(state_dir: Path, profile: str, now: float | None = None) -> tuple[str, Path]:
+    """A new run directory, created here (mkdir is the claim: two benches started in the same
+    second get `RUN_ID` and `RUN_ID-2`, never the same folder)."""
     base = Path(state_dir) / profile / "bench"
+    base.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(now if now is not None else time.time()))
     run_id, n = stamp, 1
-    while (base / run_id).exists():
-        n += 1
-        run_id = f"{stamp}-{n}"
-    return run_id, base / run_id
+    while True:
+        try:
+            (base / run_id).mkdir(mode=0o700)
+            return run_id, base / run_id
+        except FileExistsError:
+            n += 1
+            run_id = f"{stamp}-{n}"
 
 
 def _manifest(state_dir: Path, profile: str, run_dir: Path) -> dict | None:
@@ -493,14 +499,12 @@ def bench(ctx, name: str, opts: BenchOptions, gpu_probe=None, progress=None) -> 
         run_dir = Path(opts.output)
         run_id = run_dir.name
         _check_output(run_dir)
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        except OSError as exc:
+            raise UsageError(f"--output {run_dir} cannot be created: {exc.strerror or exc}") from None
     else:
         run_id, run_dir = new_run_dir(ctx.state_dir, name)
-    try:
-        run_dir.mkdir(parents=True, exist_ok=opts.output is not None, mode=0o700)
-    except OSError as exc:
-        if opts.output is None:
-            raise
-        raise UsageError(f"--output {run_dir} cannot be created: {exc.strerror or exc}") from None
     vram = VramSampler(gpu_probe or NvmlProbe(), opts.vram_interval_s)
     started = time.time()
     vram.start()

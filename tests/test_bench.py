@@ -290,3 +290,11 @@ def test_output_must_be_a_new_or_empty_directory(host, tmp_path):
     r = host.bench("--requests", "1", "--concurrency", "1", "--series", "base", "--output", str(empty), "--json")
     assert r.exit_code == ExitStatus.OK, r.stderr
     assert {p.name for p in empty.iterdir()} - {"manifest.json"} == {"summary.json", "samples.jsonl", "vram.jsonl"}
+
+
+def test_run_ids_of_the_same_second_never_share_a_directory(tmp_path):
+    from molctl.bench import new_run_dir
+
+    got = [new_run_dir(tmp_path, "tiny", now=1_800_000_000) for _ in range(3)]
+    assert [rid for rid, _ in got] == ["20270115-080000", "20270115-080000-2", "20270115-080000-3"]
+    assert all(d.is_dir() and d.parent == tmp_path / "tiny" / "bench" for _, d in got)
