@@ -21,6 +21,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import stat
 import threading
 import time
@@ -35,6 +36,7 @@ MAX_JOBS = 8
 SAVE_EVERY_S = 1.0
 CACHE_NAME = "hashes.json"
 CACHE_FORMAT = 1
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 ROTATIONAL_JOBS = 2  # a spinning disk loses more to seeks than it gains from more parallel streams
@@ -176,9 +178,10 @@ class HashCache:
         entry = self.files.get(st.real)
         if not isinstance(entry, dict):
             return None
-        if all(entry.get(k) == v for k, v in st.key().items()) and isinstance(entry.get("sha256"), str):
-            return entry["sha256"]
-        return None
+        digest = entry.get("sha256")
+        if all(entry.get(k) == v for k, v in st.key().items()) and isinstance(digest, str) and _HEX64.fullmatch(digest):
+            return digest
+        return None  # unknown, changed, or a damaged entry: hashed again
 
     def put(self, st: FileStat, sha256: str) -> None:
         with self._lock:

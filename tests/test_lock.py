@@ -633,3 +633,24 @@ def test_a_hanging_engine_python_is_one_line_and_leaves_no_process(molctl, layou
     result = molctl("lock", "tall", "--model-root", str(layout.root), "--set", f"engine.python={broken}")
     assert result.exit_code == ExitStatus.CHECK_FAILED
     assert result.stderr.endswith("it printed no fingerprint (exit 4: no such module)\n")
+
+
+@pytest.mark.parametrize("damage", ["garbage{", "[]", '{"format": 1, "files": []}', "entries"])
+def test_a_damaged_hash_cache_is_rebuilt_never_trusted(tmp_path, damage):
+    files = [tmp_path / f"f{i}" for i in range(3)]
+    for i, p in enumerate(files):
+        p.write_bytes(os.urandom(100 + i))
+    cache_path = tmp_path / "cache" / "hashes.json"
+    cache_path.parent.mkdir()
+    if damage == "entries":  # the right stat keys, values that are no digest
+        entries = {}
+        for p, bad in zip(files, ["nothex", 5, "0" * 63], strict=True):
+            st = hashing_mod.stat_file(p)
+            entries[st.real] = {**st.key(), "sha256": bad}
+        cache_path.write_text(json.dumps({"format": 1, "files": entries}))
+    else:
+        cache_path.write_text(damage)
+    run = hash_files(files, HashCache(cache_path), jobs=2)
+    assert run.hashed_files == 3
+    assert run.sha256 == {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+    assert hash_files(files, HashCache(cache_path), jobs=2).hashed_files == 0  # rewritten whole
