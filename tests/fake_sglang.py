@@ -376,8 +376,8 @@ def main() -> None:
           flush=True)
     if env.get("FAKE_IGNORE_TERM") == "1":  # a wedged launcher: SIGTERM and the watchdog's SIGQUIT do nothing
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    else:  # while loading: launch_server.py's `finally: kill_process_tree(...)`
-        signal.signal(signal.SIGTERM, lambda *_: (kill_children(), sys.exit(0)))
+    # else: no SIGTERM handler while loading (the tokenizer manager installs one with its event loop):
+    # the launcher dies of it; its children go by PDEATHSIG, or by the SIGTERM molctl sends them too
     signal.signal(signal.SIGQUIT, signal.SIG_IGN if env.get("FAKE_IGNORE_TERM") == "1" else on_sigquit)
     if env.get("FAKE_NO_CHILDREN") != "1":
         arm = "0" if env.get("FAKE_ORPHAN") == "1" else "1"
