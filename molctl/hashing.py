@@ -235,14 +235,22 @@ Hasher = Callable[..., str]  # (path, on_bytes, stop) -> hex digest
 
 def hash_files(paths: Iterable[str | Path], cache: HashCache | None = None, jobs: int | None = None,
                progress: HashProgress | None = None, hasher: Hasher | None = None,
-               use_cache: bool = True) -> HashRun:
-    """SHA-256 of every path (raises OSError for a file that cannot be read). With `use_cache`
-    False every file is read (`check --verify --full-hash`); the fresh results still update the
-    cache. Ctrl-C stops the workers, saves what finished and re-raises."""
+               use_cache: bool = True, errors: dict[str, OSError] | None = None) -> HashRun:
+    """SHA-256 of every path (raises OSError for a file that cannot be read; with `errors` given,
+    such a file is recorded there by path and the others are still hashed, in the same parallel
+    pass). With `use_cache` False every file is read (`check --verify --full-hash`); the fresh
+    results still update the cache. Ctrl-C stops the workers, saves what finished and re-raises."""
     hasher = hasher or sha256_file
     cache = cache or HashCache(None)
     t0 = time.monotonic()
-    stats = [stat_file(p) for p in dict.fromkeys(str(p) for p in paths)]
+    stats = []
+    for p in dict.fromkeys(str(p) for p in paths):
+        try:
+            stats.append(stat_file(p))
+        except OSError as exc:
+            if errors is None:
+                raise
+            errors[p] = exc
     run = HashRun({}, {s.path: s for s in stats}, files=len(stats), bytes=sum(s.size for s in stats))
     todo: list[FileStat] = []
     for st in stats:
@@ -254,7 +262,7 @@ def hash_files(paths: Iterable[str | Path], cache: HashCache | None = None, jobs
     run.hashed_files = len(todo)
     run.hashed_bytes = sum(s.size for s in todo)
     if todo:
-        _hash_todo(todo, run, cache, jobs or default_jobs(todo[0].real), progress, hasher)
+        _hash_todo(todo, run, cache, jobs or default_jobs(todo[0].real), progress, hasher, errors)
     cache.prune()
     cache.save()
     run.seconds = time.monotonic() - t0
@@ -280,7 +288,7 @@ def _hash_one(hasher: Hasher, st: FileStat, on_bytes, stop) -> str:
 
 
 def _hash_todo(todo: list[FileStat], run: HashRun, cache: HashCache, jobs: int, progress: HashProgress | None,
-               hasher: Hasher) -> None:
+               hasher: Hasher, errors: dict[str, OSError] | None = None) -> None:
     stop = threading.Event()
     on_bytes = progress.advance if progress is not None else None
     if progress is not None:
@@ -295,7 +303,13 @@ def _hash_todo(todo: list[FileStat], run: HashRun, cache: HashCache, jobs: int, 
             done, _ = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
             for fut in done:
                 st = pending.pop(fut)
-                digest = fut.result()
+                try:
+                    digest = fut.result()
+                except OSError as exc:
+                    if errors is None:
+                        raise
+                    errors[st.path] = exc
+                    continue
                 cache.put(st, digest)
                 run.sha256[st.path] = digest
             if time.monotonic() - last_save >= SAVE_EVERY_S:

@@ -654,3 +654,23 @@ def test_a_damaged_hash_cache_is_rebuilt_never_trusted(tmp_path, damage):
     assert run.hashed_files == 3
     assert run.sha256 == {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
     assert hash_files(files, HashCache(cache_path), jobs=2).hashed_files == 0  # rewritten whole
+
+
+def test_full_hash_with_one_unreadable_file_reads_every_other_file_once(cli, layout, monkeypatch):
+    """One file that cannot be read fails alone: the others are not hashed a second time, one by one."""
+    assert cli.lock().exit_code == ExitStatus.OK
+    bad = str(layout.shards[3].resolve())
+    calls: list[str] = []
+
+    def hasher(path, on_bytes=None, stop=None):
+        calls.append(path)
+        if path == bad:
+            raise PermissionError(13, "Permission denied", path)
+        return REAL_SHA256(path, on_bytes, stop)
+
+    monkeypatch.setattr(hashing_mod, "sha256_file", hasher)
+    code, checks = cli.verify("--full-hash")
+    assert code == ExitStatus.CHECK_FAILED
+    assert set(failures(checks)) == {f"lock.shard.{layout.shards[3].name}"}
+    assert failures(checks)[f"lock.shard.{layout.shards[3].name}"] == f"{layout.shards[3]} cannot be read: Permission denied"
+    assert sorted(calls) == sorted(set(calls)) and len(calls) == 26 + 2 + 8

@@ -259,16 +259,14 @@ def _files(profile: Profile, probes: Probes, pinned: dict, verify: Verify) -> li
         # --full-hash reads every file (a file replaced with its size and mtime restored is caught);
         # a changed file is read in any case. The fresh results update the hash cache.
         cache = HashCache.in_state_dir(probes.state_dir)
-        try:
-            hashed = hash_files([str(i.path) for i in to_hash], cache, verify.jobs, None, verify.hasher,
-                                use_cache=False).sha256
-        except OSError:  # one file cannot be read: find it, and hash the others one by one
-            for item in to_hash:
-                try:
-                    hashed.update(hash_files([str(item.path)], cache, 1, None, verify.hasher, use_cache=False).sha256)
-                except OSError as exc:
-                    results[item.cid] = CheckResult(item.cid, "fail", f"{item.path} cannot be read: {exc.strerror or exc}")
-            to_hash = [i for i in to_hash if i.cid not in results]
+        errors: dict[str, OSError] = {}  # a file that cannot be read fails alone; the others are hashed in the same pass
+        hashed = hash_files([str(i.path) for i in to_hash], cache, verify.jobs, None, verify.hasher,
+                            use_cache=False, errors=errors).sha256
+        for item in to_hash:
+            exc = errors.get(str(item.path))
+            if exc is not None:
+                results[item.cid] = CheckResult(item.cid, "fail", f"{item.path} cannot be read: {exc.strerror or exc}")
+        to_hash = [i for i in to_hash if i.cid not in results]
     for item in to_hash:
         digest = hashed.get(str(item.path))
         if digest != item.entry["sha256"]:
