@@ -557,6 +557,8 @@ def load_run(state_dir: Path, profile: str | None, ref: str) -> dict:
         raise UsageError(f"no bench run {ref!r} (a run id under STATE/PROFILE/bench/ or a run directory)")
     summary = candidates[0] / "summary.json"
     try:
+        if summary.exists() and not summary.is_file():  # a FIFO would block the read forever
+            raise UsageError(f"{summary} is not a regular file")
         data = json.loads(summary.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise UsageError(f"bench run {candidates[0]} has no summary.json (an interrupted or failed run)") from None

@@ -460,7 +460,12 @@ def newest(state_dir: Path, profile: str) -> Path | None:
 
 
 def read(path: Path) -> dict[str, Any]:
+    from molctl.hashing import file_kind
+
     try:
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):  # a FIFO would block, /dev/zero never ends
+            raise ManifestError(f"manifest {path} is {file_kind(mode)}, not a regular file")
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ManifestError(f"manifest {path} does not exist") from None

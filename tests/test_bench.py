@@ -298,3 +298,13 @@ def test_run_ids_of_the_same_second_never_share_a_directory(tmp_path):
     got = [new_run_dir(tmp_path, "tiny", now=1_800_000_000) for _ in range(3)]
     assert [rid for rid, _ in got] == ["20270115-080000", "20270115-080000-2", "20270115-080000-3"]
     assert all(d.is_dir() and d.parent == tmp_path / "tiny" / "bench" for _, d in got)
+
+
+def test_compare_of_a_fifo_summary_does_not_hang(molctl):
+    import os
+
+    run = molctl.state_dir / "tiny" / "bench" / "fifo"
+    run.mkdir(parents=True)
+    os.mkfifo(run / "summary.json")
+    r = molctl("bench", "--compare", str(run), str(run))
+    assert r.exit_code == ExitStatus.USAGE and r.stderr == f"molctl: error: {run / 'summary.json'} is not a regular file\n"

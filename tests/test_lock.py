@@ -674,3 +674,12 @@ def test_full_hash_with_one_unreadable_file_reads_every_other_file_once(cli, lay
     assert set(failures(checks)) == {f"lock.shard.{layout.shards[3].name}"}
     assert failures(checks)[f"lock.shard.{layout.shards[3].name}"] == f"{layout.shards[3]} cannot be read: Permission denied"
     assert sorted(calls) == sorted(set(calls)) and len(calls) == 26 + 2 + 8
+
+
+def test_a_manifest_that_is_no_regular_file_is_refused_without_reading_it(cli, tmp_path):
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    for path, kind in ((fifo, "a FIFO"), (Path("/dev/zero"), "a character device")):
+        code, checks = cli.verify("--manifest", str(path))
+        assert code == ExitStatus.CHECK_FAILED
+        assert checks["lock.manifest"] == ("fail", f"manifest {path} is {kind}, not a regular file")
