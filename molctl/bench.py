@@ -187,20 +187,23 @@ async def _one(client: httpx.AsyncClient, url: str, headers: dict, body: dict, t
                         chunk = json.loads(data)
                     except ValueError:
                         continue
-                    if "error" in chunk:
+                    try:
+                        if "error" in chunk:
+                            out["error"] = "stream_error"
+                        if chunk.get("usage"):
+                            out["output_tokens"] = chunk["usage"].get("completion_tokens")
+                            out["prompt_tokens"] = chunk["usage"].get("prompt_tokens")
+                        for choice in chunk.get("choices") or []:
+                            delta = choice.get("delta") or {}
+                            if delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning") \
+                                    or delta.get("tool_calls"):
+                                chunks += 1
+                                if out["ttft_s"] is None:
+                                    out["ttft_s"] = round(time.perf_counter() - t0, 6)
+                            if choice.get("finish_reason") in ("abort", "error"):
+                                out["error"] = f"finish_{choice['finish_reason']}"
+                    except (AttributeError, TypeError):  # a frame of another shape: the engine's fault, counted
                         out["error"] = "stream_error"
-                    if chunk.get("usage"):
-                        out["output_tokens"] = chunk["usage"].get("completion_tokens")
-                        out["prompt_tokens"] = chunk["usage"].get("prompt_tokens")
-                    for choice in chunk.get("choices") or []:
-                        delta = choice.get("delta") or {}
-                        if delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning") \
-                                or delta.get("tool_calls"):
-                            chunks += 1
-                            if out["ttft_s"] is None:
-                                out["ttft_s"] = round(time.perf_counter() - t0, 6)
-                        if choice.get("finish_reason") in ("abort", "error"):
-                            out["error"] = f"finish_{choice['finish_reason']}"
     except (TimeoutError, httpx.TimeoutException):
         out["error"] = "timeout"
         return out
@@ -208,6 +211,9 @@ async def _one(client: httpx.AsyncClient, url: str, headers: dict, body: dict, t
         out["error"] = "connection"
         return out
     out["total_s"] = round(time.perf_counter() - t0, 6)
+    for key in ("output_tokens", "prompt_tokens"):  # an engine's usage of another type must not break the sums
+        if not isinstance(out[key], int) or isinstance(out[key], bool):
+            out[key] = None
     if out["output_tokens"] is None:
         out["output_tokens"] = chunks
     out["ok"] = out["error"] is None

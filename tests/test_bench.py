@@ -308,3 +308,41 @@ def test_compare_of_a_fifo_summary_does_not_hang(molctl):
     os.mkfifo(run / "summary.json")
     r = molctl("bench", "--compare", str(run), str(run))
     assert r.exit_code == ExitStatus.USAGE and r.stderr == f"molctl: error: {run / 'summary.json'} is not a regular file\n"
+
+
+@pytest.mark.parametrize("frame", ["5", "[]", '{"usage": 3}', '{"choices": [1]}', '{"choices": [{"delta": "x"}]}',
+                                   '{"choices": {"a": 1}}'])
+def test_a_malformed_stream_frame_is_a_stream_error_not_a_crash(frame):
+    import asyncio
+
+    from molctl.bench import _one
+
+    def handler(request):
+        return httpx.Response(200, text=f"data: {frame}\n\ndata: [DONE]\n\n", headers={"content-type": "text/event-stream"})
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            return await _one(client, "http://engine/v1/chat/completions", {}, {}, 5.0)
+
+    r = asyncio.run(go())
+    assert r["error"] == "stream_error" and not r["ok"]
+
+
+def test_usage_of_another_type_falls_back_to_the_counted_chunks():
+    import asyncio
+
+    from molctl.bench import _cell_summary, _one
+
+    frames = ['{"choices": [{"delta": {"content": "a"}}]}', '{"choices": [{"delta": {"content": "b"}}]}',
+              '{"choices": [], "usage": {"completion_tokens": "many", "prompt_tokens": [1]}}']
+
+    def handler(request):
+        return httpx.Response(200, text="".join(f"data: {f}\n\n" for f in frames) + "data: [DONE]\n\n")
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            return await _one(client, "http://engine/v1/chat/completions", {}, {}, 5.0)
+
+    r = asyncio.run(go())
+    assert r["ok"] and r["output_tokens"] == 2 and r["prompt_tokens"] is None
+    assert _cell_summary([{**r, "adapter": None}], 1.0)["output_tokens"] == 2
