@@ -104,6 +104,9 @@ class Sgl:
         self.names: list[str] = []
         self.inflight = 0
         self.running_phase = False  # the tokenizer manager's handlers replace the launch-phase ones
+        self.metrics = False
+        # metrics/collector.py counter names (cached tokens labelled by cache_source in 0.5.x)
+        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "cached_tokens": 0, "num_requests": 0}
 
 
 SGL = Sgl()
@@ -152,6 +155,22 @@ async def model_info(request):
 
 async def server_info(request):
     return web.json_response({**SGL.server_args, "internal_states": [{}], "version": SGL.version})
+
+
+async def metrics(request):
+    """Prometheus text, only with --enable-metrics (http_server.py mounts /metrics then); one
+    sample per counter, the queue-time histogram's _sum and _count."""
+    if not SGL.metrics:
+        return web.Response(status=404)
+    c, labels = SGL.counters, f'model_name="{SGL.served}"'
+    lines = [f'sglang:prompt_tokens_total{{{labels}}} {c["prompt_tokens"]}',
+             f'sglang:generation_tokens_total{{{labels}}} {c["generation_tokens"]}',
+             f'sglang:cached_tokens_total{{{labels},cache_source="device"}} {c["cached_tokens"]}',
+             f'sglang:cached_tokens_total{{{labels},cache_source="host"}} 0',
+             f'sglang:num_requests_total{{{labels}}} {c["num_requests"]}',
+             f'sglang:queue_time_seconds_sum{{{labels}}} {0.001 * c["num_requests"]}',
+             f'sglang:queue_time_seconds_count{{{labels}}} {c["num_requests"]}']
+    return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
 
 async def generate(request):
@@ -205,6 +224,8 @@ async def chat(request):
                                                          "specialist is probably the coding one."}, "stop",
                                                  {"prompt_tokens": 10, "completion_tokens": 16, "total_tokens": 26}))
     SGL.inflight += 1
+    for key, n in (("prompt_tokens", 10), ("generation_tokens", 3), ("cached_tokens", 4), ("num_requests", 1)):
+        SGL.counters[key] += n  # the usage base.chat reports
     try:
         return await base.chat(request)
     finally:
@@ -220,6 +241,7 @@ def make_app() -> web.Application:
     app.router.add_get("/get_model_info", model_info)
     app.router.add_get("/get_server_info", server_info)
     app.router.add_post("/generate", generate)
+    app.router.add_get("/metrics", metrics)
     app.router.add_get("/_log", base.get_log)
     app.router.add_post("/_config", base.set_config)
     app.router.add_post("/_reset", base.reset)
@@ -329,6 +351,7 @@ def main() -> None:
     parser.add_argument("--tp", "--tp-size", dest="tp", type=int, default=1)
     parser.add_argument("--context-length", type=int, default=None)
     parser.add_argument("--enable-cache-report", action="store_true")
+    parser.add_argument("--enable-metrics", action="store_true")
     parser.add_argument("--max-loras-per-batch", type=int, default=8)
     parser.add_argument("--max-loaded-loras", type=int, default=None)
     parser.add_argument("--max-lora-rank", type=int, default=None)
@@ -353,6 +376,7 @@ def main() -> None:
             f"max_loaded_loras={args.max_loaded_loras}, lora_paths={len(SGL.lora_paths)}")
     SGL.served = args.served_model_name or args.model_path  # server_args.py: defaults to model_path
     SGL.cache_report = args.enable_cache_report
+    SGL.metrics = args.enable_metrics
     SGL.version = env.get("FAKE_SGLANG_VERSION", VERSION)
     SGL.server_args = {"model_path": args.model_path, "served_model_name": SGL.served, "host": args.host,
                        "port": args.port, "tp_size": args.tp, "context_length": args.context_length,
