@@ -112,8 +112,12 @@ def find_target(ctx, name: str) -> Target:
     from molctl.state import is_same_process, read_records_checked
 
     known_or_recorded(ctx, name)
-    records, _ = read_records_checked(ctx.state_dir, name)
+    records, problems = read_records_checked(ctx.state_dir, name)
     engine = records.get("engine")
+    bad = next((p for p in problems if p.component == "engine"), None)
+    if engine is None and bad is not None:  # the stack may well run: say so, never "nothing is running"
+        raise NothingRunning(f"the engine record of {name} cannot be read: {bad.path}: {bad.error} "
+                             f"(molctl status {name} shows what runs; molctl down {name} --force clears it)")
     if engine is None or not is_same_process(engine):
         raise NothingRunning(f"nothing is running for {name}: no live engine recorded (molctl up {name} starts it)")
     profile = stackconfig.profile_from(recorded_config(records))

@@ -346,3 +346,13 @@ def test_usage_of_another_type_falls_back_to_the_counted_chunks():
     r = asyncio.run(go())
     assert r["ok"] and r["output_tokens"] == 2 and r["prompt_tokens"] is None
     assert _cell_summary([{**r, "adapter": None}], 1.0)["output_tokens"] == 2
+
+
+def test_an_unreadable_engine_record_is_not_reported_as_nothing_running(molctl):
+    record = molctl.state_dir / "tiny" / "engine.json"
+    record.parent.mkdir(parents=True)
+    record.write_text("garbage")
+    r = molctl("bench", "tiny", "--requests", "1")
+    assert r.exit_code == ExitStatus.CHECK_FAILED and r.stderr.count("\n") == 1
+    assert r.stderr.startswith(f"molctl: error: the engine record of tiny cannot be read: {record}: corrupt")
+    assert "nothing is running" not in r.stderr
