@@ -538,7 +538,11 @@ def prepare_output(path: Path) -> Path:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         with open(probe, "w"):
             pass
-        probe.unlink()
     except OSError as exc:
         raise MolctlError(f"cannot write the manifest {path}: {exc.strerror or exc}") from None
+    finally:
+        try:
+            probe.unlink()
+        except OSError:
+            pass
     return path
