@@ -170,7 +170,7 @@ class SglangEngine(Engine):
 
     def health_detail(self, status: int) -> str:
         if status == 503:
-            return "/health answers 503 (SGLang: warming up, or shutting down)"
+            return "/health answers 503 (SGLang: warming up, shutting down, or its health check failed)"
         return super().health_detail(status)
 
 
