@@ -246,8 +246,7 @@ def shard_names(profile: Profile) -> list[str]:
     if not isinstance(weight_map, dict) or not weight_map:
         raise ManifestError(f"{profile.base_dir / INDEX} has no 'weight_map' (run `molctl check {profile.name}`)")
     for name in weight_map.values():  # a shard is a file of base/, never a path out of it (/etc/passwd, ../x)
-        if not isinstance(name, str) or not name or os.path.isabs(name) \
-                or os.path.normpath(name).split(os.sep)[0] == "..":
+        if not isinstance(name, str) or not _inside(name):
             raise ManifestError(f"{profile.base_dir / INDEX} names the shard {name!r}, not a file inside "
                                 f"{profile.base_dir} (run `molctl check {profile.name}`)")
     return sorted(set(weight_map.values()))
@@ -511,7 +510,14 @@ def _shape_problem(m: dict[str, Any]) -> str | None:
             for key, want in _ENTRY.items():
                 if not kind(e.get(key), want):
                     return f"field '{where}[{i}].{key}' is missing or not a {want.__name__}"
+            if not _inside(e["name"]):  # verify reads it: never a path out of the layout
+                return f"field '{where}[{i}].name' {e['name']!r} is not a path inside its folder"
     return None
+
+
+def _inside(name: str) -> bool:
+    """A relative path that stays inside its folder (no `/etc/passwd`, no `../x`)."""
+    return bool(name) and not os.path.isabs(name) and os.path.normpath(name).split(os.sep)[0] != ".."
 
 
 def lock(profile: Profile, state_dir: Path, output: Path | None = None, jobs: int | None = None,

@@ -585,6 +585,9 @@ def test_a_symlinked_file_is_pinned_with_its_target(cli, layout, tmp_path):
     ('{"kind": "molctl.lock", "format": 1, "profile": "tall", "engine": {}, "argv": [], "env": {}, "config": {}, '
      '"capacity": {}, "shards": [], "base_files": [], "adapters": {"L0": {"files": [{"name": "a"}]}}}',
      "field 'adapters.L0.files[0].size'"),
+    ('{"kind": "molctl.lock", "format": 1, "profile": "tall", "engine": {}, "argv": [], "env": {}, "config": {}, '
+     '"capacity": {}, "shards": [{"name": "../../../etc/shadow", "size": 1, "mtime_ns": 1, "sha256": "x"}], '
+     '"base_files": [], "adapters": {}}', "field 'shards[0].name' '../../../etc/shadow' is not a path inside its folder"),
 ])
 def test_a_damaged_manifest_is_one_failing_check_not_a_traceback(cli, tmp_path, text, problem):
     bad = tmp_path / "bad.json"
