@@ -468,6 +468,11 @@ def _engine_spec(data: dict[str, Any], proxy: dict[str, Any], v: _Validator) -> 
         SpecifierSet(eng["version"])
     except InvalidSpecifier:
         raise v.fail("engine.version", f"{eng['version']!r} is not a version specifier (e.g. ==0.24.0)") from None
+    from molctl.engines import get_engine  # here: the engine modules import this one
+
+    problem = get_engine(eng["kind"]).served_name_problem(eng["served_name"])
+    if problem:
+        raise v.fail("engine.served_name", problem)
     _check_ports(eng, proxy, v)
     if eng.get("gpus", 0) < 0:
         raise v.fail("engine.gpus", "must be >= 0")

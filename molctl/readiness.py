@@ -89,10 +89,22 @@ class EngineReadiness:
                                      timeout=60.0)
             except httpx.HTTPError as exc:
                 return Probe("starting", f"1-token completion on {route} failed: {type(exc).__name__}")
+            if r.status_code in (400, 404, 422):  # refused, not busy: waiting changes nothing
+                return Probe("adapters", f"1-token completion on {route} answered {r.status_code}: {_message(r)}")
             if r.status_code != 200:
                 return Probe("starting", f"1-token completion on {route} answered {r.status_code}")
             self.smoke_ok.add(route)
         return Probe("ready", "health, adapters and a 1-token completion per adapter")
+
+
+def _message(r: httpx.Response) -> str:
+    try:
+        body = r.json()
+    except ValueError:
+        return r.text[:200]
+    err = body.get("error", body) if isinstance(body, dict) else body
+    msg = err.get("message") if isinstance(err, dict) else None
+    return " ".join(str(msg if msg is not None else body).split())[:200]
 
 
 POLL_S = 0.5  # "about once a second" or better: a refused connect costs nothing

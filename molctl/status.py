@@ -65,7 +65,10 @@ def _stack_status(state_dir: Path, name: str, profile: Profile | None, records: 
         if record is None:
             continue
         alive = is_same_process(record)
-        health = http_status(component_url(record) + paths[component], timeout=1.0) if alive else None
+        # the engine's /health may take its time (SGLang's generates a token); the proxy's /readyz asks it
+        timeout = get_engine(profile.engine.kind).health_timeout_s if profile else 1.0
+        timeout += 1.0 if component == "proxy" else 0.0
+        health = http_status(component_url(record) + paths[component], timeout=timeout) if alive else None
         components.append({"name": component, "pid": record.pid, "alive": alive, "port": record.port,
                            "health": health, "log": record.log, "uptime_s": round(now - record.started_at, 1) if alive else None})
     engine_ok = any(c["name"] == "engine" and c["health"] == 200 for c in components)

@@ -330,11 +330,9 @@ def test_lora_pool_smaller_than_the_batch_fails_at_start(host):
     assert host.records() == {} and host.sglang_children() == [] and port_free(host.engine_port)
 
 
-@pytest.mark.xfail(strict=True, reason="molctl/status.py probes the engine's /health with a 1.0 s timeout; SGLang's "
-                   "generating /health (its default) answers after at least 1 s (http_server.py health_generate), so a "
-                   "ready stack reads degraded. venti-sglang sets SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0; the fix "
-                   "for other SGLang profiles is a longer probe in status.py (Engine.health_timeout_s)")
 def test_status_with_sglang_generating_health(host):
+    """SGLang's default /health generates a token and answers after >= 1 s (http_server.py
+    health_generate): status probes it with the engine's own timeout, so a ready stack is ready."""
     assert host.up(env={"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "1"}).exit_code == ExitStatus.OK
     try:
         stack = json.loads(host.molctl("status", "--json").stdout)["stacks"][0]
@@ -343,11 +341,9 @@ def test_status_with_sglang_generating_health(host):
         assert host.molctl("down").exit_code == ExitStatus.OK
 
 
-@pytest.mark.xfail(strict=True, reason="SGLang splits `model` at the first ':' (serving_base.py _parse_model_parameter, "
-                   "sglang issue #12745), so a served name with ':' turns every base:adapter name into an unknown "
-                   "adapter; nothing refuses such a profile (molctl/profiles.py or checks/engine.py should), and the "
-                   "readiness smoke's 400 is taken for 'starting' until the start timeout (molctl/readiness.py)")
 def test_served_name_with_a_colon_is_refused_before_start(host):
+    """SGLang splits `model` at the first ':' (serving_base.py _parse_model_parameter, issue
+    #12745): such a served name is refused by the engine check, before anything starts."""
     r = host.up("--timeout", "8", "--set", "engine.served_name=glm52:fp8")
     assert r.exit_code == ExitStatus.CHECK_FAILED, r.stderr
     assert "':'" in r.stderr

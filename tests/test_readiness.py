@@ -90,3 +90,38 @@ def test_an_exited_process_ends_the_wait_before_the_next_probe():
 ])
 def test_base_url_brackets_ipv6_and_reaches_wildcards_through_loopback(host, port, url):
     assert base_url(host, port) == url
+
+
+def _engine_transport(smoke_status: int):
+    import httpx
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            return httpx.Response(200)
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"object": "list", "data": [{"id": "tiny-mol-base", "parent": None}] + [
+                {"id": f"L{i}", "parent": "tiny-mol-base"} for i in range(4)]})
+        if smoke_status != 200:
+            return httpx.Response(smoke_status, json={"error": {"message": "The model `L0` does not exist."}})
+        return httpx.Response(200, json={"choices": [{"message": {"content": "x"}}]})
+
+    return httpx.MockTransport(handler)
+
+
+@pytest.mark.parametrize("status, state", [(400, "adapters"), (404, "adapters"), (503, "starting"), (200, "ready")])
+def test_a_refused_readiness_smoke_is_final_not_starting(status, state):
+    """A 1-token completion the engine refuses (400/404/422) will not pass by waiting: the wait ends
+    at once (up exits 7 naming the answer) instead of running into the start timeout; a 503 is
+    still 'starting'."""
+    import httpx
+
+    from molctl.engines import get_engine
+    from molctl.profiles import load_profile, profile_dirs
+    from molctl.readiness import EngineReadiness
+
+    profile = load_profile("tiny", profile_dirs())
+    probe = EngineReadiness(profile, get_engine("vllm"), httpx.Client(transport=_engine_transport(status)),
+                            url="http://engine").poll()
+    assert probe.state == state, probe
+    if state == "adapters":
+        assert f"answered {status}: The model `L0` does not exist." in probe.detail

@@ -167,6 +167,10 @@ class Engine(abc.ABC):
     # proxy's /readyz, `up`) should wait at least this long before calling it unreachable.
     health_timeout_s: float = 1.0
 
+    def served_name_problem(self, name: str) -> str | None:
+        """Why the engine could not serve adapters under this base name, or None."""
+        return None
+
     def listed_adapters(self, models: object) -> dict[str, object] | None:
         """`{card id: its parent}` from a /v1/models body (None: not a model list). vLLM and
         SGLang both answer OpenAI's ModelList, an adapter's card naming the base as `parent`."""

@@ -147,7 +147,13 @@ class SglangEngine(Engine):
     lora_flag = "--lora-paths"
     memory_flag = "mem-fraction-static"
     version_path = "/get_server_info"
-    health_timeout_s = 3.0  # the default /health generates a token and answers after >= 1 s
+    health_timeout_s = 3.0
+
+    def served_name_problem(self, name: str) -> str | None:
+        # serving_base.py _parse_model_parameter splits `model` at the first ':' (issue #12745)
+        if ":" in name:
+            return f"{name!r} contains ':', which SGLang reads as base:adapter (serving_base.py)"
+        return None  # the default /health generates a token and answers after >= 1 s
     phases = (
         (r"server_args=|ServerArgs\(", "engine config"),
         (r"Load weight begin", "loading model"),
