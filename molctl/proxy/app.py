@@ -246,7 +246,7 @@ class ProxyApp:
 
     async def _probe_engine(self) -> tuple[bool, str]:
         try:
-            status, _ = await self.client.get("/health")
+            status, _ = await self.client.get("/health", timeout=max(2.0, self.engine.health_timeout_s))
             if status != 200:
                 return False, f"engine /health answered {status}"
             status, body = await self.client.get("/v1/models")
