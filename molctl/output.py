@@ -237,7 +237,9 @@ class Output:
         self.line(_store_where(data))
         if data["exists"]:
             r = data["removed"]
-            self.line(f"pruned: {r['expired']} expired, {r['evicted']} evicted over the caps; now {_store_counts(data)}")
+            self.line(f"pruned: {r['expired']} expired, {r['evicted']} evicted over the caps; chat conversation rows: "
+                      f"{r.get('conversation_expired', 0)} expired, {r.get('conversation_evicted', 0)} evicted; "
+                      f"now {_store_counts(data)}")
 
 
 class HashProgressBar:
@@ -358,4 +360,13 @@ def _store_counts(data: dict) -> str:
     b = data["bounds"]
     return (f"{data['responses']} response(s), {_bytes(data['bytes'])} of records ({_bytes(data['file_bytes'])} on disk), "
             f"oldest {when}; {data['expired_pending']} expired not yet pruned; evicted {data['evicted']}, expired "
-            f"{data['expired']} since created; bounds: ttl {b['ttl_s']:g} s, {_bytes(b['max_bytes'])}, {b['max_entries']} responses")
+            f"{data['expired']} since created; bounds: ttl {b['ttl_s']:g} s, {_bytes(b['max_bytes'])}, {b['max_entries']} responses"
+            + _conversation_counts(data.get("conversations")))
+
+
+def _conversation_counts(c: dict | None) -> str:
+    if not c:
+        return ""
+    return (f"; chat conversations: {c['turns']} turn(s), {c['calls']} tool call(s), {_bytes(c['bytes'])}, "
+            f"{c['expired_pending']} expired not yet pruned, evicted {c['evicted']}, expired {c['expired']} "
+            f"(same bounds, counted apart)")

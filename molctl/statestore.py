@@ -1,5 +1,6 @@
-"""`molctl state stats|prune PROFILE`: the proxy's response store of a profile, inspected and
-pruned from outside the proxy (it may be running: SQLite's own locking and WAL let both work).
+"""`molctl state stats|prune PROFILE`: the proxy's state store of a profile (stored responses and
+stateless chat's conversations: turns and tool-call bindings), inspected and pruned from outside
+the proxy (it may be running: SQLite's own locking and WAL let both work).
 
 Neither creates a missing store file. The shapes are in docs/contract.md."""
 
@@ -26,11 +27,15 @@ def _open(profile: Profile, state_dir) -> tuple[dict[str, Any], SqliteResponseSt
 def _counts(store: SqliteResponseStore | None) -> dict[str, Any]:
     if store is None:
         return {"schema_version": None, "responses": 0, "bytes": 0, "file_bytes": 0, "evicted": 0, "expired": 0,
-                "expired_pending": 0, "oldest_created_at": None}
+                "expired_pending": 0, "oldest_created_at": None,
+                "conversations": {"turns": 0, "calls": 0, "bytes": 0, "evicted": 0, "expired": 0, "expired_pending": 0}}
     d = store.describe()
     return {"schema_version": d["schema_version"], "responses": d["responses"], "bytes": d["responses_bytes"],
             "file_bytes": d["file_bytes"], "evicted": d["responses_evicted"], "expired": d["responses_expired"],
-            "expired_pending": d["responses_expired_pending"], "oldest_created_at": d["responses_oldest_created_at"] or None}
+            "expired_pending": d["responses_expired_pending"], "oldest_created_at": d["responses_oldest_created_at"] or None,
+            "conversations": {"turns": d["turns"], "calls": d["calls"], "bytes": d["conversation_bytes"],
+                              "evicted": d["conversation_evicted"], "expired": d["conversation_expired"],
+                              "expired_pending": d["conversation_expired_pending"]}}
 
 
 def state_stats(name: str, ctx) -> dict[str, Any]:
@@ -47,12 +52,14 @@ def state_stats(name: str, ctx) -> dict[str, Any]:
 
 
 def state_prune(name: str, ctx) -> dict[str, Any]:
-    """Delete the expired responses, then evict oldest first over the size caps; what was removed
-    and what remains."""
+    """Delete the expired responses and conversation rows, then evict oldest first over the size
+    caps (each on its own counts); what was removed and what remains. Opening a schema-1 file
+    migrates it (the conversation tables are added; nothing is removed)."""
     profile = load_profile(name, ctx.dirs())
     base, store = _open(profile, ctx.state_dir)
     try:
-        removed = store.prune() if store is not None else {"expired": 0, "evicted": 0}
+        removed = store.prune() if store is not None else {"expired": 0, "evicted": 0, "conversation_expired": 0,
+                                                            "conversation_evicted": 0}
         return {**base, "removed": removed, **_counts(store)}
     finally:
         if store is not None:

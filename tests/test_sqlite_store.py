@@ -106,7 +106,7 @@ def test_ttl_expired_invisible_then_pruned(db):
     assert store.get_response("tenant-a", "resp_old") is None
     assert store.get_response("tenant-a", "resp_new") is not None
     assert store.stats()["responses"] == 2  # still on disk until pruned
-    assert store.prune() == {"expired": 1, "evicted": 0}
+    assert store.prune() == {"expired": 1, "evicted": 0, "conversation_expired": 0, "conversation_evicted": 0}
     stats = store.stats()
     assert (stats["responses"], stats["responses_expired"]) == (1, 1)
     clock.t += 5 * DAY  # resp_new expires too: the next put (past the prune interval) deletes it
@@ -274,7 +274,7 @@ def test_state_stats_and_prune(molctl, state_dir):
     result = molctl("state", "prune", "tiny", "--json")
     assert result.exit_code == ExitStatus.OK, result.stderr
     data = result.json()
-    assert data["removed"] == {"expired": 2, "evicted": 0}
+    assert data["removed"] == {"expired": 2, "evicted": 0, "conversation_expired": 0, "conversation_evicted": 0}
     assert (data["responses"], data["expired"], data["expired_pending"]) == (2, 2, 0)
     assert "pruned: 0 expired" in molctl("state", "prune", "tiny").stdout
 
@@ -352,3 +352,200 @@ def test_previous_response_id_survives_down_and_up(tmp_path):
         assert stats["responses"] == 2
     finally:
         host.cleanup()
+
+
+# ------------------------------------------------------------------------------ chat conversations (schema 2)
+
+def _conv(db: Path, clock=None, **bounds):
+    from molctl.proxy.sqlite_store import SqliteConversationStore
+
+    store = SqliteResponseStore(db, clock=clock or Clock(), **bounds)
+    return store, SqliteConversationStore(store)
+
+
+def test_turns_and_calls_survive_a_reopen(db):
+    from molctl.proxy.conversations import CallBinding, TurnRecord
+
+    clock = Clock()
+    key, other = bytes(range(32)), bytes(32)
+    first, conv = _conv(db, clock)
+    record = TurnRecord("L2")
+    conv.put_turn(key, record)
+    conv.put_turn(other, TurnRecord("L1"))  # its summary never comes (the process stops first)
+    conv.put_call("tenant-a", "call_1", CallBinding("L3", '{"city":"Paris"}', "get_weather"))
+    assert conv.get_turn(key) is record and not record.done.is_set()  # the hot cache: the same live record
+    record.set_summary("the user asked for a parser")  # persisted through on_change
+    conv.put_turn(key, record)  # what the orchestrator does after a summary: a recount, no second write
+    assert first.stats()["conversation_rows"] == 3
+    first.close()
+
+    second, conv = _conv(db, clock)  # a new process on the same file
+    back = conv.get_turn(key)
+    assert (back.route, back.summary, back.summary_failed, back.stale) == ("L2", "the user asked for a parser", False, False)
+    assert back.done.is_set()  # nobody waits for a summary recorded by another process
+    pending = conv.get_turn(other)
+    assert (pending.route, pending.summary, pending.summary_failed) == ("L1", None, True) and pending.done.is_set()
+    assert conv.get_call("tenant-a", "call_1") == CallBinding("L3", '{"city":"Paris"}', "get_weather")
+    assert conv.get_call("tenant-b", "call_1") is None  # per tenant
+    assert conv.get_turn(bytes([1] * 32)) is None
+    assert conv.get_turn(key) is back  # cached after the first read
+    stats = conv.stats()
+    assert (stats["durable_rows"], stats["write_errors"]) == (3, 0) and stats["entries"] == 3
+    second.close()
+
+
+def test_stale_and_failed_summaries_persisted(db):
+    from molctl.proxy.conversations import TurnRecord
+
+    clock = Clock()
+    store, conv = _conv(db, clock)
+    stale, failed = TurnRecord("L1"), TurnRecord("L3")
+    conv.put_turn(b"s" * 32, stale)
+    conv.put_turn(b"f" * 32, failed)
+    stale.mark_stale()
+    stale.set_summary(None)
+    failed.set_summary(None)
+    store.close()
+    store, conv = _conv(db, clock)
+    s, f = conv.get_turn(b"s" * 32), conv.get_turn(b"f" * 32)
+    assert (s.stale, s.summary, s.summary_failed) == (True, None, True)
+    assert (f.stale, f.summary, f.summary_failed) == (False, None, True)
+    store.close()
+
+
+def test_conversation_rows_ttl_caps_and_stats(db):
+    from molctl.proxy.conversations import CallBinding, TurnRecord
+
+    clock = Clock()
+    store, conv = _conv(db, clock, ttl_s=10 * DAY, max_entries=3)
+    conv.put_turn(b"a" * 32, TurnRecord("L1", summary="x"))
+    clock.t += 11 * DAY
+    from molctl.proxy.sqlite_store import SqliteConversationStore
+
+    cold = SqliteConversationStore(store)  # no cache: what a restarted proxy sees
+    assert cold.get_turn(b"a" * 32) is None  # expired: invisible at once
+    for i in range(4):
+        clock.t += 1
+        conv.put_call("t", f"call_{i}", CallBinding("L2", "{}", "f"))  # the first put past the interval expires "a"
+    stats = store.stats()
+    assert (stats["conversation_rows"], stats["conversation_expired"], stats["conversation_evicted"]) == (3, 1, 1)
+    cold = SqliteConversationStore(store)
+    assert [cold.get_call("t", f"call_{i}") is not None for i in range(4)] == [False, True, True, True]  # oldest first
+    assert stats["responses"] == 0  # counted apart from the responses
+    described = store.describe()
+    assert (described["turns"], described["calls"], described["conversation_expired_pending"]) == (0, 3, 0)
+    store.close()
+
+
+def _v1_file(db: Path) -> None:
+    """A schema-1 file as the previous molctl wrote it (responses only), with one response."""
+    from molctl.proxy.sqlite_store import SCHEMA, _statements
+
+    conn = sqlite3.connect(db, isolation_level=None)
+    conn.execute("PRAGMA journal_mode=WAL")
+    for statement in _statements(SCHEMA):
+        conn.execute(statement)
+    conn.execute("PRAGMA user_version = 1")
+    conn.execute("INSERT INTO responses (tenant, id, created_at, previous_response_id, route, messages, input_items, "
+                 "response, extra, size) VALUES ('tenant-a', 'resp_v1', ?, NULL, 'L2', '[]', '[]', '{\"id\":\"resp_v1\"}', "
+                 "'{}', 20)", (1_800_000_000.0,))
+    conn.close()
+
+
+def test_schema_1_file_is_migrated_in_place(db):
+    from molctl.proxy.conversations import TurnRecord
+    from molctl.proxy.sqlite_store import SqliteConversationStore
+
+    _v1_file(db)
+    store = SqliteResponseStore(db, clock=Clock())
+    assert store.migrated_from == 1 and SCHEMA_VERSION == 2
+    assert store.get_response("tenant-a", "resp_v1")["response"] == {"id": "resp_v1"}  # nothing wiped
+    assert store.stats()["responses"] == 1
+    SqliteConversationStore(store).put_turn(b"k" * 32, TurnRecord("L1", summary="s"))
+    store.close()
+    conn = sqlite3.connect(db)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    assert conn.execute("SELECT count(*) FROM turns").fetchone()[0] == 1
+    conn.close()
+    again = SqliteResponseStore(db, clock=Clock())  # already v2: opened as it is
+    assert again.migrated_from is None and again.stats()["conversation_rows"] == 1
+    again.close()
+
+
+def test_state_stats_shows_conversations(molctl, state_dir):
+    from molctl.proxy.conversations import CallBinding, TurnRecord
+    from molctl.proxy.sqlite_store import SqliteConversationStore
+
+    store = open_store("sqlite", state_dir, "tiny")
+    conv = SqliteConversationStore(store)
+    conv.put_turn(b"k" * 32, TurnRecord("L1", summary="s"))
+    conv.put_call("anon", "call_1", CallBinding("L2", "{}", "f"))
+    store.close()
+    data = molctl("state", "stats", "tiny", "--json").json()
+    assert (data["conversations"]["turns"], data["conversations"]["calls"], data["schema_version"]) == (1, 1, 2)
+    text = molctl("state", "stats", "tiny").stdout
+    assert "1 turn(s), 1 tool call(s)" in text
+
+
+def test_chat_continuity_survives_a_proxy_restart(tmp_path):
+    """Two chat turns on one proxy process, a tool call; a new process on the same store: the third
+    turn still folds turn 1 with its summary, and the tool result goes to the adapter that issued
+    the call with no route hop."""
+    import httpx
+    import openai
+
+    from tests.procs import fake_engine_argv, running
+
+    profile = load_profile("tiny", profile_dirs())
+    identity = {"role": "system", "content": profile.substitute(profile.prompts.identity).strip()}
+
+    def fold(summary: str) -> dict:
+        return {"role": "assistant", "content": profile.prompts.fold.replace("{summary}", summary)}
+
+    state, engine_port, port = tmp_path / "state", free_port(), free_port()
+    engine = f"http://127.0.0.1:{engine_port}"
+    argv = [sys.executable, "-m", "molctl", "--state-dir", str(state), "proxy", "tiny", "--upstream", engine,
+            "--port", str(port), "--allow-unauthenticated"]
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=30)
+    model = profile.served_model_name
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+    def log(hop: str) -> list[dict]:
+        return [e for e in httpx.get(engine + "/_log").json() if e["hop"] == hop]
+
+    def ask(messages, **kw):
+        return client.chat.completions.create(model=model, messages=messages, **kw).choices[0].message
+
+    u1 = {"role": "user", "content": "[route:L2] write a parser"}
+    u2 = {"role": "user", "content": "[route:L1] now plan my trip"}
+    u3 = {"role": "user", "content": "[route:L3] and what about the parser?"}
+    ut = {"role": "user", "content": "[route:L3] [tool:get_weather] weather in Paris?"}
+    with running(fake_engine_argv(engine_port), engine + "/health"):
+        with running(argv, f"http://127.0.0.1:{port}/health"):
+            a1 = ask([u1]).content
+            A1 = {"role": "assistant", "content": a1}
+            a2 = ask([u1, A1, u2]).content
+            assert log("answer")[-1]["messages"] == [identity, u1, fold(f"summary of {a1}"), u2]
+            call = ask([ut], tools=tools).tool_calls[0].model_dump()
+            db = sqlite3.connect(store_path(state, "tiny"))
+            deadline = time.monotonic() + 10
+            while db.execute("SELECT count(*) FROM turns WHERE summary IS NOT NULL").fetchone()[0] < 2:
+                assert time.monotonic() < deadline, "the summaries never reached the store"
+                time.sleep(0.05)
+            db.close()
+        answers_before, routes_before = len(log("answer")), len(log("route"))
+        with running(argv, f"http://127.0.0.1:{port}/health"):  # a new proxy process on the same state dir
+            A2 = {"role": "assistant", "content": a2}
+            assert ask([u1, A1, u2, A2, u3]).content
+            answer = log("answer")[-1]
+            assert answer["model"] == "L3"
+            assert answer["messages"] == [identity, u1, fold(f"summary of {a1}"), u2, fold(f"summary of {a2}"), u3]
+            routes_mid = len(log("route"))
+            assert routes_mid == routes_before + 1
+            assistant = {"role": "assistant", "content": None, "tool_calls": [call]}
+            result = {"role": "tool", "tool_call_id": call["id"], "content": "18C sunny"}
+            assert "18C sunny" in ask([ut, assistant, result], tools=tools).content
+            assert len(log("route")) == routes_mid  # sticky: no route hop after the restart
+            answers = log("answer")
+            assert len(answers) == answers_before + 2 and answers[-1]["model"] == "L3"

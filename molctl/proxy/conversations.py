@@ -16,6 +16,10 @@ client that re-serialises argument JSON still lands on the adapter that issued t
 
 `ConversationStore` is the small interface the proxy (and later the Responses API) uses; the
 in-memory implementation bounds entries, bytes and idle time, and lives as long as the process.
+The durable one (`molctl.proxy.sqlite_store.SqliteConversationStore`, `proxy.store: sqlite`)
+keeps a `MemoryStore` as its hot cache and writes every record through to the profile's SQLite
+file; a `TurnRecord` tells its store when it changes later (`on_change`: its summary arrived or
+failed, or it was marked stale) so the store can persist that too.
 """
 
 from __future__ import annotations
@@ -127,11 +131,22 @@ class TurnRecord:
     summary_failed: bool = False
     stale: bool = False  # a later turn was folded without its summary; it must stay so
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    # set by a durable store when the record is put: called after each later change (set_summary,
+    # mark_stale) so the change reaches the disk too; in-memory stores leave it None
+    on_change: Callable[[TurnRecord], None] | None = field(default=None, repr=False, compare=False)
 
     def set_summary(self, text: str | None) -> None:
         self.summary = text
         self.summary_failed = text is None
         self.done.set()
+        if self.on_change is not None:
+            self.on_change(self)
+
+    def mark_stale(self) -> None:
+        """A later turn was folded without this turn's summary: it must stay without one."""
+        self.stale = True
+        if self.on_change is not None:
+            self.on_change(self)
 
     def size(self) -> int:
         return 160 + len(self.summary or "")

@@ -239,7 +239,7 @@ class Orchestrator:
                 pass
             for record in pending:
                 if not record.done.is_set():
-                    record.stale = True
+                    record.mark_stale()  # a durable store persists it
 
     def answer_payload(self, plan: Plan) -> dict[str, Any]:
         """The answer hop's request; `plan.view` must be set (`own_view`)."""

@@ -74,10 +74,23 @@ def run_proxy(name: str, ctx, overrides, *, upstream: str, host: str, port: int 
     store = build_response_store(profile, ctx.state_dir)  # a StoreError: one line, exit non-zero, nothing served
     try:
         extra = {"response_store": store} if "response_store" in inspect.signature(ProxyApp).parameters else {}
+        conversations = build_conversation_store(store)
+        if conversations is not None:
+            extra["store"] = conversations
         app = ProxyApp(profile, get_engine(profile.engine.kind), upstream, keys, sse_keepalive_s=sse_keepalive, **extra)
         serve(app, host, port or profile.proxy.port, drain_timeout)
     finally:
         store.close()
+
+
+def build_conversation_store(response_store):
+    """Stateless chat's conversation state in the same SQLite file when `proxy.store` is sqlite
+    (durable across restarts); None for a memory store (the app keeps a MemoryStore)."""
+    from molctl.proxy.sqlite_store import SqliteConversationStore, SqliteResponseStore
+
+    if isinstance(response_store, SqliteResponseStore):
+        return SqliteConversationStore(response_store)
+    return None
 
 
 def build_response_store(profile, state_dir: Path):
