@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import os
 import random
 import threading
 import time
@@ -654,17 +653,11 @@ def parse_series(text: str) -> list[str]:
 
 
 def api_key_from(path: Path | None) -> str | None:
-    if path is not None:
-        from molctl.keys import load_keys
+    """The proxy key bench sends: the first of the key file, else MOLCTL_API_KEY, else None."""
+    from molctl.keys import resolve_api_keys
 
-        try:
-            keys = load_keys(path)
-        except OSError as exc:
-            raise UsageError(f"--api-key-file {path}: {exc.strerror}") from None
-        if not keys:
-            raise UsageError(f"--api-key-file {path} holds no key")
-        return keys[0]
-    return os.environ.get("MOLCTL_API_KEY", "").strip() or None
+    keys = resolve_api_keys(path, allow_unauthenticated=True)
+    return keys[0] if keys else None
 
 
 __all__ = ["SERIES", "BenchOptions", "NothingRunning", "bench", "compare", "load_run", "parse_concurrency",

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from molctl.proxy.errors import ProxyError, invalid
-from molctl.proxy.validation import EFFORTS
+from molctl.proxy.validation import EFFORTS, check_function_def
 
 ECHOED = ("instructions", "max_output_tokens", "metadata", "parallel_tool_calls", "previous_response_id",
           "prompt_cache_key", "safety_identifier", "temperature", "top_logprobs", "top_p", "truncation", "user")
@@ -183,12 +183,7 @@ def _convert_tools(tools: Any) -> list[dict[str, Any]]:
             raise invalid(f"'{w}' must be an object.", w)
         if tool.get("type") != "function":
             raise invalid(f"The tool type '{tool.get('type')}' is not supported; only 'function' tools are.", f"{w}.type")
-        if not isinstance(tool.get("name"), str) or not tool["name"]:
-            raise invalid(f"'{w}.name' must be a non-empty string.", f"{w}.name")
-        if tool.get("parameters") is not None and not isinstance(tool["parameters"], dict):
-            raise invalid(f"'{w}.parameters' must be an object (a JSON Schema).", f"{w}.parameters")
-        if tool.get("description") is not None and not isinstance(tool["description"], str):
-            raise invalid(f"'{w}.description' must be a string.", f"{w}.description")
+        check_function_def(tool, w)
         fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
         out.append({"type": "function", "function": fn})
     return out

@@ -209,12 +209,17 @@ def check_tools(tools: Any) -> None:
         fn = tool.get("function")
         if not isinstance(fn, dict):
             raise invalid(f"'{w}.function' must be an object with a 'name'.", f"{w}.function")
-        if not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise invalid(f"'{w}.function.name' must be a non-empty string.", f"{w}.function.name")
-        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
-            raise invalid(f"'{w}.function.parameters' must be an object (a JSON Schema).", f"{w}.function.parameters")
-        if fn.get("description") is not None and not isinstance(fn["description"], str):
-            raise invalid(f"'{w}.function.description' must be a string.", f"{w}.function.description")
+        check_function_def(fn, f"{w}.function")
+
+
+def check_function_def(fn: dict[str, Any], where: str) -> None:
+    """A function tool's definition (chat's `tools[i].function`, or a flat Responses tool)."""
+    if not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise invalid(f"'{where}.name' must be a non-empty string.", f"{where}.name")
+    if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+        raise invalid(f"'{where}.parameters' must be an object (a JSON Schema).", f"{where}.parameters")
+    if fn.get("description") is not None and not isinstance(fn["description"], str):
+        raise invalid(f"'{where}.description' must be a string.", f"{where}.description")
 
 
 def check_request(body: Any, public_model: str) -> None:
