@@ -74,8 +74,10 @@ def test_retrieve_delete_then_404(s):
         s.client.responses.retrieve(r.id)
     with pytest.raises(openai.NotFoundError) as err:
         create(s, input="again", previous_response_id=r.id)
-    assert err.value.body == {"message": f"Previous response with id '{r.id}' not found.", "type": "invalid_request_error",
-                              "param": "previous_response_id", "code": "previous_response_not_found"}
+    assert err.value.body == {"message": f"Previous response with id '{r.id}' not found (deleted, created with "
+                                         "store=false, or expired or evicted from the proxy's store).",
+                              "type": "invalid_request_error", "param": "previous_response_id",
+                              "code": "previous_response_not_found"}
     assert httpx.delete(f"{s.proxy_url}/v1/responses/{r.id}", headers=AUTH).status_code == 404
 
 

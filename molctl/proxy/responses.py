@@ -53,7 +53,10 @@ def new_id(prefix: str) -> str:
 
 def not_found(response_id: str, param: str | None = None) -> ProxyError:
     if param == "previous_response_id":
-        return ProxyError(404, f"Previous response with id '{response_id}' not found.", "invalid_request_error",
+        # Each stored response holds its whole conversation, so a chain never needs its earlier
+        # responses; only the one named here must still be stored.
+        return ProxyError(404, f"Previous response with id '{response_id}' not found (deleted, created with "
+                          "store=false, or expired or evicted from the proxy's store).", "invalid_request_error",
                           "previous_response_not_found", "previous_response_id")
     return ProxyError(404, f"Response with id '{response_id}' not found.", "invalid_request_error", "not_found")
 
