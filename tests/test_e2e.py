@@ -323,8 +323,9 @@ def responses_hops(stack: Stack, **kwargs) -> tuple[object, list[dict]]:
 
 def test_responses_chain_of_three_with_a_tool_call(stack):
     """Three chained responses (previous_response_id) with a function call and its output in the
-    middle, through `molctl up tiny`: every hop renders one leading system message, and the third
-    answer hop sees the whole chain (first question, the call, its output, the new question)."""
+    middle, through `molctl up tiny`: every hop renders one leading system message, the second
+    answer hop sees the call and its output verbatim, and the third sees the whole chain (the tool
+    turn verbatim on the same adapter, folded to its summary on another)."""
     r1, hops = responses_hops(stack, input="What is the weather in Paris?", instructions="Use the tools when they help.")
     for hop in hops:
         assert_one_leading_system(hop)
@@ -335,12 +336,18 @@ def test_responses_chain_of_three_with_a_tool_call(stack):
     assert r2.previous_response_id == r1.id
     for hop in hops:
         assert_one_leading_system(hop)
+    prompt = by_hop(hops)["answer"]["prompt"]
+    assert prompt.index("What is the weather in Paris?") < prompt.index("<function=get_weather>") \
+        < prompt.index('<tool_response>\n{"temp_c": 18}\n</tool_response>')
+    tool_turn_adapter = by_hop(hops)["answer"]["adapter"]
     r3, hops = responses_hops(stack, previous_response_id=r2.id, input="And in Rome?")
     for hop in hops:
         assert_one_leading_system(hop)
     prompt = by_hop(hops)["answer"]["prompt"]
-    assert prompt.index("What is the weather in Paris?") < prompt.index("<function=get_weather>") \
-        < prompt.index('<tool_response>\n{"temp_c": 18}\n</tool_response>') < prompt.index("And in Rome?")
+    assert prompt.index("What is the weather in Paris?") < prompt.index("And in Rome?")
+    # The tool turn is this adapter's own (verbatim) or another adapter's (folded to its summary).
+    own = by_hop(hops)["answer"]["adapter"] == tool_turn_adapter
+    assert ('<tool_response>\n{"temp_c": 18}\n</tool_response>' in prompt) == own, (own, prompt)
     assert "Use the tools when they help." not in prompt  # instructions do not carry over
     again = stack.client.responses.retrieve(r3.id)
     assert again.id == r3.id and again.previous_response_id == r2.id
