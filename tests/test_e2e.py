@@ -33,6 +33,7 @@ import psutil
 import pytest
 
 from molctl.checks.template import Template, render
+from molctl.errors import ExitStatus
 from molctl.probes import PortProbe
 from molctl.state import read_records
 from tests.conftest import free_port
@@ -131,10 +132,10 @@ class Stack:
 def stack(tmp_path_factory):
     s = Stack(tmp_path_factory.mktemp("e2e"))
     r = s.molctl("demo", "init", str(s.model))
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == ExitStatus.OK, r.stderr
     try:
         r = s.up()
-        assert r.returncode == 0, r.stdout + r.stderr
+        assert r.returncode == ExitStatus.OK, r.stdout + r.stderr
         s.stack_processes()
         yield s
     finally:
@@ -387,7 +388,7 @@ def test_later_turn_hits_the_prefix_cache(stack):
 
 def test_status_shows_ready(stack):
     r = stack.molctl("status", "tiny", "--json")
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == ExitStatus.OK, r.stderr
     (s,) = json.loads(r.stdout)["stacks"]
     assert s["state"] == "ready" and s["endpoint"] == stack.endpoint
     assert {c["name"]: c["health"] for c in s["components"]} == {"engine": 200, "proxy": 200}
@@ -398,7 +399,7 @@ def test_bench_runs_every_series_against_the_real_engine(stack):
     series; no speed is asserted."""
     r = stack.molctl("bench", "tiny", "--requests", "2", "--concurrency", "1", "--max-tokens", "4",
                      "--api-key-file", str(stack.key), "--json", timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.returncode == ExitStatus.OK, r.stdout + r.stderr
     s = json.loads(r.stdout)
     assert [c["series"] for c in s["results"]] == ["base", "L0", "L1", "L2", "L3", "mix", "proxy"]
     for c in s["results"]:
@@ -418,7 +419,7 @@ def test_up_after_sigkill_of_the_api_server(stack):
     os.kill(record.pid, signal.SIGKILL)
     time.sleep(1.0)
     r = stack.up()
-    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.returncode == ExitStatus.OK, r.stdout + r.stderr
     for pid in old:
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     reply = stack.client.chat.completions.create(model=PUBLIC, max_tokens=4, messages=[{"role": "user", "content": "hi"}])
@@ -430,7 +431,7 @@ def test_down_leaves_no_process_and_frees_the_ports(stack):
     names = " ".join(p.name() for p in procs)
     assert len(procs) >= 3, names  # API server, EngineCore, worker(s) and the proxy
     r = stack.molctl("down", "--drain-timeout", "30")
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == ExitStatus.OK, r.stderr
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in procs):
         time.sleep(0.1)

@@ -197,7 +197,7 @@ def test_proxy_refuses_a_corrupted_store(tmp_path):
     state.chmod(0o700)
     path.write_bytes(b"this is not a database" * 100)
     proc = subprocess.run(_proxy(state, free_port()), capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert proc.returncode != 0
+    assert proc.returncode == ExitStatus.ERROR, proc.stderr
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("molctl: error:")]
     assert len(errors) == 1 and str(path) in errors[0] and "not a database" in errors[0], proc.stderr
     assert "Traceback" not in proc.stderr
