@@ -299,9 +299,9 @@ class SqliteResponseStore:
                              "input_items, response, extra, size) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
                 now = self.clock()
                 if now - self._last_prune >= PRUNE_EVERY_S:
-                    self._expire(now)
+                    self._expire_group("responses", now)
                     self._last_prune = now
-                self._evict()
+                self._evict_group("responses")
                 conn.execute("COMMIT")
             except BaseException:
                 conn.execute("ROLLBACK")
@@ -344,8 +344,8 @@ class SqliteResponseStore:
             conn.execute("BEGIN IMMEDIATE")
             try:
                 now = self.clock()
-                expired, evicted = self._expire(now), self._evict()
-                conv_expired, conv_evicted = self._expire_conv(now), self._evict_conv()
+                expired, evicted = self._expire_group("responses", now), self._evict_group("responses")
+                conv_expired, conv_evicted = self._expire_group("conversations", now), self._evict_group("conversations")
                 conn.execute("COMMIT")
             except BaseException:
                 conn.execute("ROLLBACK")
@@ -413,9 +413,9 @@ class SqliteResponseStore:
                 now = self.clock()
                 conn.execute(insert, (*key, now, *values))
                 if now - self._last_conv_prune >= PRUNE_EVERY_S:
-                    self._expire_conv(now)
+                    self._expire_group("conversations", now)
                     self._last_conv_prune = now
-                self._evict_conv()
+                self._evict_group("conversations")
                 conn.execute("COMMIT")
             except BaseException:
                 conn.execute("ROLLBACK")
@@ -432,63 +432,40 @@ class SqliteResponseStore:
             except sqlite3.Error as exc:
                 raise StoreError(f"response store {self.path}: {what} failed: {_why(exc)}") from None
 
-    def _expire(self, now: float) -> int:
-        n = self._conn.execute("DELETE FROM responses WHERE created_at < ?", (now - self.ttl_s,)).rowcount
+    # Responses (column created_at) and chat state (turns and calls, column stamp) are bounded
+    # alike, each group with its own counters in `meta` (prefix '' or 'conv_').
+    _GROUPS = {"responses": ("", (("responses", "created_at"),)),
+               "conversations": ("conv_", (("turns", "stamp"), ("calls", "stamp")))}
+
+    def _expire_group(self, group: str, now: float) -> int:
+        prefix, tables = self._GROUPS[group]
+        n = sum(self._conn.execute(f"DELETE FROM {t} WHERE {col} < ?", (now - self.ttl_s,)).rowcount for t, col in tables)
         if n:
-            self._conn.execute("UPDATE meta SET value = value + ? WHERE key = 'expired'", (n,))
+            self._conn.execute("UPDATE meta SET value = value + ? WHERE key = ?", (n, prefix + "expired"))
         return n
 
-    def _evict(self) -> int:
-        """Oldest first (created_at, then insertion order) until both caps hold."""
-        meta = dict(self._conn.execute("SELECT key, value FROM meta WHERE key IN ('rows', 'bytes')"))
-        over_rows = meta["rows"] - self.max_entries
-        over_bytes = meta["bytes"] - self.max_bytes
+    def _evict_group(self, group: str) -> int:
+        """Oldest first (time, then insertion order) across the group's tables until both caps hold."""
+        prefix, tables = self._GROUPS[group]
+        meta = dict(self._conn.execute("SELECT key, value FROM meta WHERE key IN (?, ?)", (prefix + "rows", prefix + "bytes")))
+        over_rows = meta[prefix + "rows"] - self.max_entries
+        over_bytes = meta[prefix + "bytes"] - self.max_bytes
         if over_rows <= 0 and over_bytes <= 0:
             return 0
-        victims: list[int] = []
-        for rowid, size in self._conn.execute("SELECT rowid, size FROM responses ORDER BY created_at, rowid"):
-            if over_rows <= 0 and over_bytes <= 0:
-                break
-            victims.append(rowid)
-            over_rows -= 1
-            over_bytes -= size
-        for i in range(0, len(victims), 500):
-            chunk = victims[i:i + 500]
-            self._conn.execute(f"DELETE FROM responses WHERE rowid IN ({','.join('?' * len(chunk))})", chunk)
-        self._conn.execute("UPDATE meta SET value = value + ? WHERE key = 'evicted'", (len(victims),))
-        return len(victims)
-
-
-    def _expire_conv(self, now: float) -> int:
-        n = sum(self._conn.execute(f"DELETE FROM {t} WHERE stamp < ?", (now - self.ttl_s,)).rowcount
-                for t in ("turns", "calls"))
-        if n:
-            self._conn.execute("UPDATE meta SET value = value + ? WHERE key = 'conv_expired'", (n,))
-        return n
-
-    def _evict_conv(self) -> int:
-        """Oldest write first across turns and calls until both caps hold for them."""
-        meta = dict(self._conn.execute("SELECT key, value FROM meta WHERE key IN ('conv_rows', 'conv_bytes')"))
-        over_rows = meta["conv_rows"] - self.max_entries
-        over_bytes = meta["conv_bytes"] - self.max_bytes
-        if over_rows <= 0 and over_bytes <= 0:
-            return 0
-        victims: dict[str, list[int]] = {"turns": [], "calls": []}
-        for table, rowid, size, _ in self._conn.execute(
-                "SELECT 'turns', rowid, size, stamp FROM turns UNION ALL SELECT 'calls', rowid, size, stamp FROM calls "
-                "ORDER BY 4, 2"):
+        victims: dict[str, list[int]] = {t: [] for t, _ in tables}
+        union = " UNION ALL ".join(f"SELECT '{t}', rowid, size, {col} FROM {t}" for t, col in tables)
+        for table, rowid, size, _ in self._conn.execute(union + " ORDER BY 4, 2"):
             if over_rows <= 0 and over_bytes <= 0:
                 break
             victims[table].append(rowid)
             over_rows -= 1
             over_bytes -= size
-        n = 0
         for table, rowids in victims.items():
             for i in range(0, len(rowids), 500):
                 chunk = rowids[i:i + 500]
                 self._conn.execute(f"DELETE FROM {table} WHERE rowid IN ({','.join('?' * len(chunk))})", chunk)
-            n += len(rowids)
-        self._conn.execute("UPDATE meta SET value = value + ? WHERE key = 'conv_evicted'", (n,))
+        n = sum(len(r) for r in victims.values())
+        self._conn.execute("UPDATE meta SET value = value + ? WHERE key = ?", (n, prefix + "evicted"))
         return n
 
 
