@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from molctl.proxy.errors import ProxyError, invalid
-from molctl.proxy.validation import EFFORTS, check_function_def
+from molctl.proxy.validation import EFFORTS, check_function_def, check_model
 
 ECHOED = ("instructions", "max_output_tokens", "metadata", "parallel_tool_calls", "previous_response_id",
           "prompt_cache_key", "safety_identifier", "temperature", "top_logprobs", "top_p", "truncation", "user")
@@ -231,16 +231,11 @@ def parse_request(body: Any, public_model: str) -> ResponsesRequest:
     for key in body:
         if key not in KNOWN:
             raise invalid(f"Unrecognized request argument supplied: {key}", key)
-    model = body.get("model")
-    if model is None:
-        raise invalid("'model' is required.", "model")
-    if model != public_model:
-        raise ProxyError(404, f"The requested model does not exist; this endpoint serves '{public_model}'.",
-                         "invalid_request_error", "model_not_found", "model")
+    check_model(body, public_model)
     if "input" not in body:
         raise invalid("'input' is required.", "input")
     messages, items = _convert_input(body["input"])
-    chat: dict[str, Any] = {"model": model}
+    chat: dict[str, Any] = {"model": public_model}
     for key in ("stream", "store"):
         if body.get(key) is not None and not isinstance(body[key], bool):
             raise invalid(f"'{key}' must be a boolean.", key)

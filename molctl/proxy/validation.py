@@ -222,16 +222,21 @@ def check_function_def(fn: dict[str, Any], where: str) -> None:
         raise invalid(f"'{where}.description' must be a string.", f"{where}.description")
 
 
-def check_request(body: Any, public_model: str) -> None:
-    """Everything about a chat request that does not need the conversation store."""
-    if not isinstance(body, dict):
-        raise invalid("The request body must be a JSON object.")
+def check_model(body: dict[str, Any], public_model: str) -> None:
+    """`model` is required and must be the one public model (404 model_not_found otherwise)."""
     model = body.get("model")
     if model is None:
         raise invalid("'model' is required.", "model")
     if model != public_model:
         raise ProxyError(404, f"The requested model does not exist; this endpoint serves '{public_model}'.",
                          "invalid_request_error", "model_not_found", "model")
+
+
+def check_request(body: Any, public_model: str) -> None:
+    """Everything about a chat request that does not need the conversation store."""
+    if not isinstance(body, dict):
+        raise invalid("The request body must be a JSON object.")
+    check_model(body, public_model)
     for key in body:
         if key in REJECTED:
             raise invalid(f"'{key}' is not supported: {REJECTED[key]}.", key)
