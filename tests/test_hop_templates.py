@@ -92,3 +92,19 @@ def test_engine_messages_parse_tool_arguments_like_vllm():
         {"id": "c", "type": "function", "function": {"name": "h", "arguments": "[1]"}}]}])
     assert msgs[0]["content"] == ""
     assert [c["function"]["arguments"] for c in msgs[0]["tool_calls"]] == [{"x": 1}, {}, {}]
+
+
+def test_streaming_clients_cause_the_same_hop_messages():
+    """The samples' engine client streams like an engine too: a streaming client's hops carry the
+    same messages (what the template renders) as a non-streaming one's."""
+    import asyncio
+
+    from molctl.profiles import load_profile, profile_dirs
+    from molctl.proxy.samples import collect_async
+
+    profile = load_profile("tiny", profile_dirs())
+    plain = asyncio.run(collect_async(profile))
+    streamed = asyncio.run(collect_async(profile, stream=True))
+    assert [(h.hop, h.shape, h.payload["messages"]) for h in streamed] == \
+        [(h.hop, h.shape, h.payload["messages"]) for h in plain]
+    assert any(h.payload.get("stream") for h in streamed if h.hop == "answer")

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,9 +83,16 @@ class _RecordingClient:
                 "choices": [{"index": 0, "message": message, "finish_reason": "tool_calls" if message.get("tool_calls") else "stop"}],
                 "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
 
-    async def chat_stream(self, payload: dict[str, Any], hop: str, **_: Any):  # pragma: no cover - samples use complete()
-        raise NotImplementedError("samples run non-streaming requests")
-        yield {}
+    async def chat_stream(self, payload: dict[str, Any], hop: str, **kwargs: Any):
+        """The same reply as `chat`, as the engine streams it: one delta, then finish and usage."""
+        body = await self.chat(payload, hop, **kwargs)
+        choice = body["choices"][0]
+        delta = {k: v for k, v in choice["message"].items() if v is not None}
+        if delta.get("tool_calls"):
+            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(delta["tool_calls"])]
+        yield {"id": body["id"], "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta}]}
+        yield {"id": body["id"], "object": "chat.completion.chunk",
+               "choices": [{"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}], "usage": body["usage"]}
 
 
 def _u(text: str) -> dict[str, Any]:
@@ -146,8 +152,9 @@ def _conversations() -> dict[str, list[_Turn]]:
             "sample-tools": tools}
 
 
-async def collect_async(profile: Profile) -> list[HopRequest]:
-    """Every engine request the proxy sends for the sample conversations, in order."""
+async def collect_async(profile: Profile, stream: bool = False) -> list[HopRequest]:
+    """Every engine request the proxy sends for the sample conversations, in order (the clients
+    streaming or not: the hops' messages are the same either way)."""
     from molctl.engines import get_engine
     from molctl.proxy.conversations import MemoryStore
     from molctl.proxy.orchestrator import Orchestrator
@@ -158,18 +165,20 @@ async def collect_async(profile: Profile) -> list[HopRequest]:
         for turn in turns:
             client.turn = turn
             body = {"model": profile.served_model_name, "messages": copy.deepcopy(turn.messages), **copy.deepcopy(turn.extra)}
+            if stream:
+                body["stream"] = True
             plan = orch.prepare(body, tenant)
-            if inspect.isawaitable(plan):
-                plan = await plan
             await orch.route(plan)
-            await orch.complete(plan)
+            if stream:
+                async for _ in orch.stream(plan):
+                    pass
+            else:
+                await orch.complete(plan)
             orch.start_summary(plan)
-            record = getattr(plan, "record", None)
-            if record is not None:
-                await asyncio.wait_for(record.done.wait(), 10)
-    pending = list(getattr(orch, "background", ()))
-    if pending:
-        await asyncio.gather(*pending, return_exceptions=True)
+            if plan.record is not None:
+                await asyncio.wait_for(plan.record.done.wait(), 10)
+    if orch.background:
+        await asyncio.gather(*orch.background, return_exceptions=True)
     return client.sent
 
 
