@@ -6,7 +6,6 @@ No speed is asserted beyond the injected ordering."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import httpx
@@ -15,8 +14,9 @@ import pytest
 from molctl.errors import ExitStatus
 from molctl.probes import GpuDevice, GpuInventory, GpuUnavailable
 from molctl.state import read_records
-from tests.helpers import ROOT, Molctl, free_ports, url
+from tests.helpers import Molctl, free_ports, url
 from tests.layouts import make_layout
+from tests.procs import fake_engine_python
 
 KEY = "sk-bench-key"
 
@@ -27,10 +27,7 @@ class BenchHost:
         self.state = tmp / "state"
         self.model = tmp / "model"
         make_layout(self.model, model_type="llama", shards=2, rank=8, base_name="tiny-mol-llama")
-        self.python = tmp / "fake-python"
-        self.python.write_text(f"#!/bin/sh\nif [ \"$1\" = \"-c\" ]; then exec {sys.executable} \"$@\"; fi\n"
-                               f"exec {sys.executable} {ROOT / 'tests' / 'fake_engine.py'} \"$@\"\n")
-        self.python.chmod(0o755)
+        self.python = fake_engine_python(tmp / "fake-python")
         self.key = tmp / "key"
         self.key.write_text(KEY + "\n")
         self.key.chmod(0o600)

@@ -8,7 +8,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -22,9 +21,9 @@ from molctl.errors import ExitStatus
 from molctl.profiles import builtin_profiles_dir
 from molctl.progress import SilentProgress
 from molctl.state import read_records
-from tests.helpers import ROOT, CliResult, Molctl, free_ports, url, wait_status
+from tests.helpers import CliResult, Molctl, free_ports, url, wait_status
 from tests.layouts import make_layout
-from tests.procs import stop
+from tests.procs import fake_engine_python, stop
 
 PUBLIC = "Macaron-Tiny-Demo"
 
@@ -37,10 +36,7 @@ class Host:
         self.state = tmp / "state"
         self.model = tmp / "model"
         make_layout(self.model, model_type="llama", shards=2, rank=8, base_name="tiny-mol-llama")
-        self.python = tmp / "fake-python"
-        self.python.write_text(f"#!/bin/sh\nif [ \"$1\" = \"-c\" ]; then exec {sys.executable} \"$@\"; fi\n"
-                               f"exec {sys.executable} {ROOT / 'tests' / 'fake_engine.py'} \"$@\"\n")
-        self.python.chmod(0o755)
+        self.python = fake_engine_python(tmp / "fake-python")
         self.engine_port, self.proxy_port = free_ports(2)
         self.profiles = tmp / "profiles"
         self.profiles.mkdir()

@@ -25,7 +25,6 @@ import yaml
 from molctl.errors import ExitStatus
 from molctl.profiles import builtin_profiles_dir
 from tests.helpers import url
-from tests.procs import fake_engine_python
 from tests.test_lifecycle import PUBLIC, Host, gone, port_free
 
 SGL = "tiny-sglang"
@@ -48,7 +47,6 @@ def sglang_profile() -> str:
 class SglHost(Host):
     def __init__(self, tmp: Path):
         super().__init__(tmp)
-        fake_engine_python(self.python)  # sglang.launch_server -> fake SGLang, else the fake vLLM
         (self.profiles / f"{SGL}.yaml").write_text(sglang_profile())
 
     def up(self, *extra: str, env: dict | None = None, profile=SGL, **kw):
