@@ -79,10 +79,16 @@ class UpOptions:
     verify: Any = None  # `up --verify`: a molctl.checks.lock.Verify; the preflight adds the `lock` category
 
 
-def engine_env(profile: Profile) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in profile.engine.unset_env}
+PROXY_SECRET_ENV = ("MOLCTL_API_KEY", "MOLCTL_STORE_PASSWORD")  # the proxy's secrets: never the engine's
+
+
+def engine_env(profile: Profile, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The engine's environment: `base` (default: this process's) without `engine.unset_env`,
+    plus `engine.env`, never the proxy's secrets. `molctl render` passes an empty base."""
+    env = {k: v for k, v in (os.environ if base is None else base).items() if k not in profile.engine.unset_env}
     env.update(profile.engine.env)
-    env.pop("MOLCTL_API_KEY", None)  # the engine never needs the proxy's key
+    for name in PROXY_SECRET_ENV:
+        env.pop(name, None)
     return env
 
 
@@ -117,10 +123,26 @@ def resolve_key_option(opts: UpOptions) -> list[str]:
     return [] if keys else ["--allow-unauthenticated"]
 
 
-def proxy_argv(profile: Profile, opts: UpOptions, key_args: list[str], upstream: str) -> list[str]:
-    """The proxy's command line. The start's overrides travel as typed JSON (`--set-json`), never
-    re-parsed as text: `--set 'served_model_name="2024"'` reaches the proxy as the string 2024."""
-    argv = [sys.executable, "-m", "molctl"]
+def engine_argv(profile: Profile) -> list[str]:
+    """The engine's command line (`up` spawns it; `molctl render` writes it into manifests and units)."""
+    return get_engine(profile.engine.kind).launch_argv(profile)
+
+
+def engine_upstream(profile: Profile) -> str:
+    """The engine URL the proxy is given (`--upstream`): the engine's listen address, a wildcard
+    one reached through loopback (what `up` passes, from the engine's record)."""
+    return base_url(profile.engine.host, profile.engine.port)
+
+
+def proxy_argv(profile: Profile, opts: UpOptions, key_args: list[str], upstream: str, *,
+               python: str = sys.executable, state_dir: Path | None = None) -> list[str]:
+    """The proxy's command line (`up` spawns it; `molctl render` writes it into manifests and
+    units). The start's overrides travel as typed JSON (`--set-json`), never re-parsed as text:
+    `--set 'served_model_name="2024"'` reaches the proxy as the string 2024. `state_dir` holds
+    its response store (STATE/PROFILE)."""
+    argv = [python, "-m", "molctl"]
+    if state_dir is not None:
+        argv += ["--state-dir", str(state_dir)]
     for d in opts.profiles_dirs:
         argv += ["--profiles-dir", str(Path(d).resolve())]
     argv += ["proxy", profile.name, "--upstream", upstream, "--host", profile.proxy.host,
@@ -295,7 +317,7 @@ class _Starter:
         return record, proc
 
     def start_engine(self, claims: list[Claim]) -> tuple[Record, Any]:
-        argv = get_engine(self.profile.engine.kind).launch_argv(self.profile)
+        argv = engine_argv(self.profile)
         return self._spawn("engine", argv, engine_env(self.profile), self.profile.engine.port,
                            self.profile.engine.host, claims)
 
@@ -306,8 +328,7 @@ class _Starter:
             except ClaimConflict as exc:
                 raise StartFailed(f"cannot restart the proxy: {exc}", ExitStatus.CONFLICT) from None
         try:
-            argv = proxy_argv(self.profile, self.opts, self.key_args, upstream)
-            argv[3:3] = ["--state-dir", str(Path(self.state_dir).absolute())]  # its response store: STATE/PROFILE
+            argv = proxy_argv(self.profile, self.opts, self.key_args, upstream, state_dir=Path(self.state_dir).absolute())
             return self._spawn("proxy", argv, dict(os.environ), self.profile.proxy.port, self.profile.proxy.host, claims)
         finally:
             release_all({"proxy": claims})

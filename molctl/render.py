@@ -1,0 +1,469 @@
+"""`molctl render k8s|systemd PROFILE`: Kubernetes manifests or systemd units for one stack, from
+the same profile, overrides and argv code as `molctl up` (molctl.start.engine_argv and
+proxy_argv: one code path). Rendering reads the profile file and nothing else: it never touches
+the state dir, reads no key file and starts nothing.
+
+Kubernetes: a ConfigMap (the profile file, mounted where the proxy's `--profiles-dir` points), a
+Service for the proxy port only, and a StatefulSet of pods each running a whole stack (engine +
+proxy containers). A StatefulSet rather than a Deployment: its pods have stable names (the
+replica id a shared store keys conversation ownership by survives a restart: pass it with
+`--proxy-arg=--replica-id=$(POD_NAME)`), and a rolling update replaces one pod at a time in
+place, never surging an extra pod that would need another `engine.gpus` GPUs and an hour of
+model load; `podManagementPolicy: Parallel` loads every replica's model at once.
+
+Termination, in one pod: the proxy's preStop waits PRESTOP_DELAY_S (the endpoints drop the pod),
+then SIGTERM starts its drain (/readyz 503, in-flight requests finish up to --drain-timeout); the
+engine's preStop waits until the proxy has exited, then the engine gets SIGTERM and up to
+--stop-timeout. terminationGracePeriodSeconds covers all three plus STOP_MARGIN_S.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from molctl import __version__, stackconfig
+from molctl.errors import ExitStatus, MolctlError, ProfileError, UsageError
+from molctl.profiles import Profile
+from molctl.readiness import proxy_url
+from molctl.start import PROXY_READY_TIMEOUT_S, UpOptions, engine_argv, engine_env, engine_upstream, proxy_argv
+from molctl.stop import ENGINE_STOP_TIMEOUT_S
+
+PROFILES_MOUNT = "/etc/molctl/profiles"  # the ConfigMap with the profile file (the proxy's --profiles-dir)
+KEYS_MOUNT = "/etc/molctl/api-keys"  # the API-key Secret, mounted read-only
+KEYS_SECRET_KEY = "api-keys"  # the Secret's key holding the key file (one key per line)
+STATE_MOUNT = "/var/lib/molctl"  # the proxy's --state-dir (an emptyDir: a sqlite store lives and dies with the pod)
+STORE_PASSWORD_ENV = "MOLCTL_STORE_PASSWORD"  # the shared store's password, from a Secret (never on argv)
+STARTUP_PERIOD_S = 10  # the engine's startupProbe period; failureThreshold covers engine.start_timeout_s
+PRESTOP_DELAY_S = 5  # the proxy's preStop: the Service's endpoints drop the pod before the drain starts
+STOP_MARGIN_S = 15  # on top of delay + drain + engine stop in terminationGracePeriodSeconds / TimeoutStopSec
+DEFAULT_PYTHON = "python3"  # the image's interpreter (molctl's; the engine's unless engine.python is set)
+DNS_LABEL = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|K|M|G|T)?$")
+SECRET_ENV = re.compile(r"KEY|TOKEN|SECRET|PASSWORD", re.IGNORECASE)  # as molctl.manifest redacts
+
+# Exec probes in the engine container: the engine listens on engine.host (loopback by default),
+# which the kubelet's httpGet (to the pod IP) cannot reach; the engine's own Python can.
+PROBE_SCRIPT = "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=float(sys.argv[2]))"
+WAIT_GONE_SCRIPT = """import sys, time, urllib.request
+deadline = time.monotonic() + float(sys.argv[2])
+while time.monotonic() < deadline:
+    try:
+        urllib.request.urlopen(sys.argv[1], timeout=2)
+    except Exception:
+        break
+    time.sleep(1)
+"""
+
+
+class RenderError(MolctlError):
+    """A file `--output` could not write (exit 1)."""
+
+
+@dataclass
+class RenderOptions:
+    overrides: list[tuple[str, Any]] = field(default_factory=list)  # --model-root, --set (as `up`)
+    drain_timeout_s: float = 600.0
+    stop_timeout_s: float = ENGINE_STOP_TIMEOUT_S
+    store: str | None = None  # proxy.store (e.g. redis://redis:6379/0), rendered as `--set proxy.store=...`
+    allow_unauthenticated: bool = False
+    proxy_args: list[str] = field(default_factory=list)  # appended to the proxy argv, e.g. --replica-id=$(POD_NAME)
+    # Kubernetes
+    image: str | None = None
+    engine_image: str | None = None
+    python: str = DEFAULT_PYTHON
+    replicas: int = 1
+    namespace: str | None = None
+    name: str | None = None  # the objects' name; default molctl-PROFILE
+    api_key_secret: str | None = None  # default NAME-api-keys
+    store_password_secret: str | None = None  # SECRET[:KEY] -> env MOLCTL_STORE_PASSWORD
+    engine_env_secret: str | None = None  # every key of this Secret becomes an engine variable (HF_TOKEN, ...)
+    model_pvc: str | None = None  # the model from this PersistentVolumeClaim instead of a hostPath
+    shm_size: str | None = None
+    # systemd
+    api_key_file: Path | None = None
+    state_dir: Path | None = None
+    profiles_dirs: list[Path] = field(default_factory=list)
+    user: str | None = None
+
+
+@dataclass
+class Stack:
+    """What `up` would run for this profile and these overrides."""
+
+    profile: Profile
+    config: dict
+    overrides: list[tuple[str, Any]]
+    engine_argv: list[str]
+    engine_env: dict[str, str]
+    proxy_argv: list[str]
+
+
+def load_stack(name: str, dirs: list[Path], overrides: list[tuple[str, Any]], opts: RenderOptions, *, key_args: list[str],
+               python: str, state_dir: Path, proxy_profiles_dirs: list[Path], default_engine_python: str | None = None) -> Stack:
+    """The profile with `overrides` (and `engine.python` = `default_engine_python` when the
+    profile names none), and the engine and proxy argv `up` builds from it."""
+    profile, config = stackconfig.load(name, dirs, overrides)
+    if default_engine_python and not config["data"]["engine"].get("python"):
+        overrides = [*overrides, ("engine.python", default_engine_python)]
+        profile, config = stackconfig.load(name, dirs, overrides)
+    secret = next((k for k in profile.engine.env if SECRET_ENV.search(k)), None)
+    if secret is not None:
+        raise ProfileError(f"{config['source']}: field 'engine.env.{secret}': its name says it is a secret (KEY, TOKEN, "
+                           "SECRET or PASSWORD), and render never writes secrets into manifests or units: remove it from the "
+                           "profile and give it to the engine from a Secret (render k8s --engine-env-secret) or the engine "
+                           "unit's EnvironmentFile")
+    up_opts = UpOptions(overrides=overrides, drain_timeout_s=opts.drain_timeout_s, profiles_dirs=proxy_profiles_dirs)
+    proxy = proxy_argv(profile, up_opts, key_args, engine_upstream(profile), python=python, state_dir=state_dir)
+    return Stack(profile, config, overrides, engine_argv(profile), engine_env(profile, base={}), proxy + list(opts.proxy_args))
+
+
+def _check_common(opts: RenderOptions) -> None:
+    for label, value in (("--drain-timeout", opts.drain_timeout_s), ("--stop-timeout", opts.stop_timeout_s)):
+        if not (value >= 0 and math.isfinite(value)):
+            raise UsageError(f"{label} {value:g}: expected a number of seconds >= 0")
+
+
+def _store_overrides(opts: RenderOptions) -> list[tuple[str, Any]]:
+    return [("proxy.store", opts.store)] if opts.store is not None else []
+
+
+def grace_period_s(opts: RenderOptions) -> int:
+    """Seconds a stopping pod (or proxy unit) may take: endpoint delay, drain, engine stop, margin."""
+    return math.ceil(PRESTOP_DELAY_S + opts.drain_timeout_s + opts.stop_timeout_s + STOP_MARGIN_S)
+
+
+def default_shm_size(profile: Profile) -> str:
+    """/dev/shm for the engine: 2 GiB per GPU (tensor-parallel workers exchange through it; vLLM's
+    Kubernetes guide mounts 2 GiB for one GPU), 1 GiB without GPUs."""
+    return f"{2 * profile.engine.gpus}Gi" if profile.engine.gpus > 0 else "1Gi"
+
+
+# ------------------------------------------------------------------------------------ Kubernetes
+
+def render_k8s(name: str, dirs: list[Path], opts: RenderOptions) -> tuple[list[dict[str, Any]], list[str]]:
+    """The objects, in apply order (ConfigMap, Service, StatefulSet), and warnings for the operator."""
+    _check_common(opts)
+    if opts.replicas < 1:
+        raise UsageError(f"--replicas {opts.replicas}: expected at least 1")
+    if not opts.image:
+        raise UsageError("--image is required: the container image with molctl (and the engine, unless --engine-image)")
+    obj_name = opts.name or f"molctl-{name}"
+    for label, value in (("--name", obj_name), ("--namespace", opts.namespace), ("--api-key-secret", opts.api_key_secret),
+                         ("--model-pvc", opts.model_pvc), ("--engine-env-secret", opts.engine_env_secret)):
+        if value is not None and not DNS_LABEL.match(value):
+            raise UsageError(f"{label} {value!r}: expected a DNS label (lowercase letters, digits, '-', at most 63)")
+    if opts.shm_size is not None and not QUANTITY.match(opts.shm_size):
+        raise UsageError(f"--shm-size {opts.shm_size!r}: expected a Kubernetes quantity, e.g. 16Gi")
+    password_ref = _secret_ref("--store-password-secret", opts.store_password_secret, "password")
+    if opts.allow_unauthenticated:
+        key_args = ["--allow-unauthenticated"]
+    else:
+        key_args = ["--api-key-file", f"{KEYS_MOUNT}/{KEYS_SECRET_KEY}"]
+    # The proxy listens on the pod IP (the Service reaches it there); the user's --set may say otherwise.
+    overrides = [("proxy.host", "0.0.0.0"), *opts.overrides, *_store_overrides(opts)]
+    stack = load_stack(name, dirs, overrides, opts, key_args=key_args, python=opts.python, state_dir=Path(STATE_MOUNT),
+                       proxy_profiles_dirs=[Path(PROFILES_MOUNT)], default_engine_python=opts.python)
+    labels = {"app.kubernetes.io/name": "molctl", "app.kubernetes.io/instance": obj_name,
+              "app.kubernetes.io/managed-by": "molctl", "molctl.io/profile": name}
+    meta = {"name": obj_name, "labels": labels}
+    if opts.namespace:
+        meta["namespace"] = opts.namespace
+    source = Path(stack.config["source"])  # the file itself: the proxy loads it with the same overrides as `up`
+    config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {**meta, "name": f"{obj_name}-profile"},
+                  "data": {f"{name}.yaml": source.read_text(encoding="utf-8")}}
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": meta,
+               "spec": {"type": "ClusterIP", "selector": {"app.kubernetes.io/instance": obj_name},
+                        "ports": [{"name": "http", "port": stack.profile.proxy.port, "targetPort": "http", "protocol": "TCP"}]}}
+    pod = _pod_spec(stack, opts, obj_name, password_ref)
+    annotations = {"molctl.io/config-digest": stack.config["digest"]}  # a changed configuration rolls the pods
+    statefulset = {
+        "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": meta,
+        "spec": {
+            "serviceName": obj_name,
+            "replicas": opts.replicas,
+            "podManagementPolicy": "Parallel",
+            "updateStrategy": {"type": "RollingUpdate"},
+            "selector": {"matchLabels": {"app.kubernetes.io/instance": obj_name}},
+            "template": {"metadata": {"labels": labels, "annotations": annotations}, "spec": pod},
+        },
+    }
+    warnings = []
+    if opts.replicas > 1 and not stack.profile.proxy.store.startswith(("redis://", "rediss://")):
+        warnings.append(f"--replicas {opts.replicas} with proxy.store {stack.profile.proxy.store!r}: each pod keeps its own "
+                        "conversations and responses; a turn that reaches another pod loses them (use --store redis://...)")
+    return [config_map, service, statefulset], warnings
+
+
+def k8s_escape(argv: list[str]) -> list[str]:
+    """`$` doubled: Kubernetes expands `$(VAR)` in command and args and reads `$$` as `$`, so the
+    container runs exactly `argv`. The --proxy-arg values are not escaped: `$(POD_NAME)` in them
+    is meant to expand."""
+    return [a.replace("$", "$$") for a in argv]
+
+
+def _secret_ref(label: str, spec: str | None, default_key: str) -> dict[str, str] | None:
+    if spec is None:
+        return None
+    secret, _, key = spec.partition(":")
+    if not DNS_LABEL.match(secret) or (key and not re.match(r"^[-._a-zA-Z0-9]+$", key)):
+        raise UsageError(f"{label} {spec!r}: expected SECRET or SECRET:KEY (a DNS label, a key of letters, digits, '-._')")
+    return {"name": secret, "key": key or default_key}
+
+
+def _pod_spec(stack: Stack, opts: RenderOptions, obj_name: str, password_ref: dict[str, str] | None) -> dict[str, Any]:
+    from molctl.engines import get_engine
+
+    profile = stack.profile
+    engine = get_engine(profile.engine.kind)
+    engine_python = stack.engine_argv[0]
+    engine_health = f"{engine_upstream(profile)}/health"
+    probe_timeout = math.ceil(engine.health_timeout_s) + 4  # the exec's own Python start-up included
+    exec_probe = {"exec": {"command": [engine_python, "-c", PROBE_SCRIPT, engine_health, str(engine.health_timeout_s + 2)]},
+                  "timeoutSeconds": probe_timeout}
+    proxy_port = profile.proxy.port
+    env_vars = [{"name": k, "value": v} for k, v in stack.engine_env.items()]  # no secrets: load_stack refuses them
+    engine_container = {
+        "name": "engine",
+        "image": opts.engine_image or opts.image,
+        # `env -u NAME` for each engine.unset_env: the image's environment without them, as `up` runs the engine
+        "command": ["env", *[a for n in profile.engine.unset_env for a in ("-u", n)]],
+        "args": k8s_escape(stack.engine_argv),
+        "env": env_vars,
+        **({"envFrom": [{"secretRef": {"name": opts.engine_env_secret}}]} if opts.engine_env_secret else {}),
+        "ports": [{"name": "engine", "containerPort": profile.engine.port, "protocol": "TCP"}],
+        "volumeMounts": [{"name": "model", "mountPath": str(profile.model_root), "readOnly": True},
+                         {"name": "dshm", "mountPath": "/dev/shm"}],
+        "startupProbe": {**exec_probe, "periodSeconds": STARTUP_PERIOD_S,
+                         "failureThreshold": math.ceil(profile.engine.start_timeout_s / STARTUP_PERIOD_S)},
+        "livenessProbe": {**exec_probe, "periodSeconds": 30, "failureThreshold": 3},
+        "lifecycle": {"preStop": {"exec": {"command": [
+            engine_python, "-c", WAIT_GONE_SCRIPT, f"http://127.0.0.1:{proxy_port}/health",
+            str(math.ceil(PRESTOP_DELAY_S + opts.drain_timeout_s + STOP_MARGIN_S))]}}},
+    }
+    if profile.engine.gpus > 0:
+        gpus = {"nvidia.com/gpu": profile.engine.gpus}
+        engine_container["resources"] = {"requests": dict(gpus), "limits": dict(gpus)}
+    downward = [{"name": n, "valueFrom": {"fieldRef": {"fieldPath": f}}}
+                for n, f in (("POD_NAME", "metadata.name"), ("POD_NAMESPACE", "metadata.namespace"), ("POD_IP", "status.podIP"))]
+    if password_ref is not None:
+        downward.append({"name": STORE_PASSWORD_ENV, "valueFrom": {"secretKeyRef": password_ref}})
+    ports = [{"name": "http", "containerPort": proxy_port, "protocol": "TCP"}]
+    metrics_port = getattr(profile.proxy, "metrics_port", None)  # the proxy's metrics listener, where the profile has one
+    if metrics_port:
+        ports.append({"name": "metrics", "containerPort": metrics_port, "protocol": "TCP"})
+    readyz_timeout = math.ceil(max(2.0, engine.health_timeout_s)) + 3
+    proxy_mounts = [{"name": "profile", "mountPath": PROFILES_MOUNT, "readOnly": True},
+                    {"name": "state", "mountPath": STATE_MOUNT}]
+    if not opts.allow_unauthenticated:
+        proxy_mounts.append({"name": "api-keys", "mountPath": KEYS_MOUNT, "readOnly": True})
+    proxy_container = {
+        "name": "proxy",
+        "image": opts.image,
+        "command": ["env"],
+        "args": [*k8s_escape(stack.proxy_argv[:len(stack.proxy_argv) - len(opts.proxy_args)]), *opts.proxy_args],
+        "env": downward,
+        "ports": ports,
+        "volumeMounts": proxy_mounts,
+        "readinessProbe": {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 5,
+                           "timeoutSeconds": readyz_timeout, "failureThreshold": 2},
+        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10,
+                          "timeoutSeconds": 5, "failureThreshold": 3},
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_DELAY_S}}},
+    }
+    model_volume: dict[str, Any] = {"name": "model"}
+    if opts.model_pvc:
+        model_volume["persistentVolumeClaim"] = {"claimName": opts.model_pvc, "readOnly": True}
+    else:
+        model_volume["hostPath"] = {"path": str(profile.model_root), "type": "Directory"}
+    volumes = [
+        model_volume,
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": opts.shm_size or default_shm_size(profile)}},
+        {"name": "profile", "configMap": {"name": f"{obj_name}-profile"}},
+        {"name": "state", "emptyDir": {}},
+    ]
+    if not opts.allow_unauthenticated:
+        secret = opts.api_key_secret or f"{obj_name}-api-keys"
+        volumes.append({"name": "api-keys", "secret": {"secretName": secret, "defaultMode": 0o440,
+                                                      "items": [{"key": KEYS_SECRET_KEY, "path": KEYS_SECRET_KEY}]}})
+    return {
+        "terminationGracePeriodSeconds": grace_period_s(opts),
+        "enableServiceLinks": False,  # no FOO_PORT=tcp://... variables from other Services in the engine's environment
+        "containers": [engine_container, proxy_container],
+        "volumes": volumes,
+    }
+
+
+class _Dumper(yaml.SafeDumper):
+    """Block YAML without anchors (`&id001`), multi-line strings (the profile file, the preStop
+    script) as literal blocks."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+def _str_representer(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Dumper.add_representer(str, _str_representer)
+
+
+def k8s_yaml(objects: list[dict[str, Any]]) -> list[str]:
+    return [yaml.dump(o, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=1_000_000, allow_unicode=True)
+            for o in objects]
+
+
+def k8s_stream(name: str, objects: list[dict[str, Any]]) -> str:
+    """One YAML stream, like `helm template`."""
+    header = f"# molctl {__version__}: molctl render k8s {name}\n"
+    return header + "".join(f"---\n{doc}" for doc in k8s_yaml(objects))
+
+
+def k8s_files(objects: list[dict[str, Any]]) -> dict[str, str]:
+    """One file per object: `KIND-NAME.yaml` (kind in lowercase)."""
+    return {f"{o['kind'].lower()}-{o['metadata']['name']}.yaml": doc for o, doc in zip(objects, k8s_yaml(objects), strict=True)}
+
+
+# ------------------------------------------------------------------------------------ systemd
+
+def render_systemd(name: str, dirs: list[Path], opts: RenderOptions) -> dict[str, str]:
+    """`{unit file name: text}`: the engine unit and the proxy unit, running the argv `up` would
+    run on this host (this interpreter, these profile folders, this state dir)."""
+    import sys
+
+    _check_common(opts)
+    if opts.api_key_file is not None:
+        key_args = ["--api-key-file", str(opts.api_key_file.expanduser().resolve())]  # as `up` passes it
+    elif opts.allow_unauthenticated:
+        key_args = ["--allow-unauthenticated"]
+    else:
+        raise UsageError("systemd: give --api-key-file F (read by the proxy when it starts) or --allow-unauthenticated")
+    if opts.user is not None and not re.match(r"^[a-z_][a-z0-9_-]*[$]?$", opts.user):
+        raise UsageError(f"--user {opts.user!r}: expected a user name")
+    overrides = [*opts.overrides, *_store_overrides(opts)]
+    state_dir = Path(opts.state_dir).absolute() if opts.state_dir else None
+    profiles_dirs = [Path(d).resolve() for d in opts.profiles_dirs]
+    stack = load_stack(name, dirs, overrides, opts, key_args=key_args, python=sys.executable, state_dir=state_dir,
+                       proxy_profiles_dirs=profiles_dirs)
+    profile = stack.profile
+    engine_unit, proxy_unit = f"molctl-{name}-engine.service", f"molctl-{name}-proxy.service"
+    wait = [sys.executable, "-m", "molctl.waitready"]
+    for d in profiles_dirs:
+        wait += ["--profiles-dir", str(d)]
+    set_json = stack.proxy_argv[stack.proxy_argv.index("--set-json") + 1] if "--set-json" in stack.proxy_argv else None
+    engine_wait = [*wait, "engine", name, "--timeout", f"{profile.engine.start_timeout_s:g}"]
+    if set_json:
+        engine_wait += ["--set-json", set_json]
+    proxy_wait = [*wait, "url", f"{proxy_url(profile)}/readyz", "--timeout", f"{PROXY_READY_TIMEOUT_S:g}"]
+    user = [f"User={opts.user}"] if opts.user else []
+    engine_lines = [
+        "[Unit]",
+        f"Description=molctl {name}: {profile.engine.kind} engine ({profile.engine.served_name}, {profile.engine.gpus} GPUs)",
+        "After=network-online.target",
+        "Wants=network-online.target",
+        "",
+        "[Service]",
+        "Type=exec",
+        *user,
+        f"ExecStart={_exec_line(stack.engine_argv)}",
+        "# ready as `molctl up` decides it: /health, L0-L3 under the right parent, a 1-token completion per adapter",
+        f"ExecStartPost={_exec_line(engine_wait)}",
+        *[f"Environment={_env_assignment(k, v)}" for k, v in stack.engine_env.items()],
+        "# optional: the engine's secrets (HF_TOKEN=...), never in the profile or the unit",
+        f"EnvironmentFile=-/etc/molctl/{name}-engine.env",
+        *([f"UnsetEnvironment={' '.join(profile.engine.unset_env)}"] if profile.engine.unset_env else []),
+        "KillMode=control-group",
+        f"TimeoutStartSec={math.ceil(profile.engine.start_timeout_s)}",
+        f"TimeoutStopSec={math.ceil(opts.stop_timeout_s)}",
+        "Restart=on-failure",
+        "RestartSec=10",
+        "",
+        "[Install]",
+        "WantedBy=multi-user.target",
+    ]
+    proxy_lines = [
+        "[Unit]",
+        f"Description=molctl {name}: MoL proxy ({profile.served_model_name}, port {profile.proxy.port})",
+        f"Requires={engine_unit}",
+        f"After={engine_unit}",
+        "",
+        "[Service]",
+        "Type=exec",
+        *user,
+        f"ExecStart={_exec_line(stack.proxy_argv)}",
+        f"ExecStartPost={_exec_line(proxy_wait)}",
+        f"# optional: {STORE_PASSWORD_ENV}=... (the shared store's password) or MOLCTL_API_KEY=..., never on argv",
+        f"EnvironmentFile=-/etc/molctl/{name}-proxy.env",
+        "KillMode=control-group",
+        "KillSignal=SIGTERM",
+        f"TimeoutStartSec={math.ceil(PROXY_READY_TIMEOUT_S + 10)}",
+        f"TimeoutStopSec={math.ceil(opts.drain_timeout_s + STOP_MARGIN_S)}",
+        "Restart=on-failure",
+        "RestartSec=5",
+        "",
+        "[Install]",
+        "WantedBy=multi-user.target",
+    ]
+    return {engine_unit: "\n".join(engine_lines) + "\n", proxy_unit: "\n".join(proxy_lines) + "\n"}
+
+
+def _exec_line(argv: list[str]) -> str:
+    """An argv as a systemd command line: each word double-quoted where needed, `$` and `%`
+    escaped (systemd would expand them), backslashes and quotes escaped."""
+    words = []
+    for word in argv:
+        escaped = word.replace("\\", "\\\\").replace('"', '\\"').replace("$", "$$").replace("%", "%%")
+        words.append(escaped if escaped and re.match(r"^[-\w./:=,+@]+$", escaped) else f'"{escaped}"')
+    return " ".join(words)
+
+
+def _env_assignment(key: str, value: str) -> str:
+    escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%")
+    return f'"{key}={escaped}"'
+
+
+def systemd_stream(units: dict[str, str]) -> str:
+    return "".join(f"# ---- {unit}\n{text}" for unit, text in units.items())
+
+
+# ------------------------------------------------------------------------------------ output
+
+def write_files(directory: Path, files: dict[str, str]) -> list[Path]:
+    """Write `files` into `directory` (created if missing): each to a temporary file first, then
+    all renamed into place, so no half-written file is ever left; nothing is written on error."""
+    directory = Path(directory).expanduser().absolute()
+    if directory.exists() and not directory.is_dir():
+        raise UsageError(f"--output {directory}: exists and is not a directory")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise RenderError(f"--output {directory}: cannot create it: {exc.strerror or exc}", ExitStatus.ERROR) from None
+    staged: list[tuple[str, Path]] = []
+    try:
+        for fname, text in files.items():
+            fd, tmp = tempfile.mkstemp(prefix=f".{fname}.", suffix=".tmp", dir=directory)
+            staged.append((tmp, directory / fname))
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                fh.write(text)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.chmod(tmp, 0o644)
+        for tmp, target in staged:
+            os.replace(tmp, target)
+    except OSError as exc:
+        for tmp, _ in staged:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+        raise RenderError(f"--output {directory}: cannot write: {exc.strerror or exc}", ExitStatus.ERROR) from None
+    return [target for _, target in staged]

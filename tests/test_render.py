@@ -1,0 +1,369 @@
+"""`molctl render k8s|systemd`: manifests that validate offline against the Kubernetes schemas,
+budgets that follow the profile, and the argv `up` would run (captured from `up`'s own
+spawning code, not rebuilt here). Also `python -m molctl.waitready`, the units' readiness step,
+against the fake engine."""
+
+from __future__ import annotations
+
+import math
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from molctl.errors import ExitStatus
+from molctl.profiles import load_profile, profile_dirs
+from molctl.readiness import base_url
+from molctl.render import (
+    KEYS_MOUNT,
+    PRESTOP_DELAY_S,
+    PROFILES_MOUNT,
+    STARTUP_PERIOD_S,
+    STATE_MOUNT,
+    STOP_MARGIN_S,
+)
+from molctl.start import UpOptions, _Starter
+from molctl.stop import ENGINE_STOP_TIMEOUT_S
+from tests.helpers import Molctl, free_port
+from tests.procs import fake_engine_argv, running
+
+K8S_VERSION = "1.30.0"  # the oldest release whose schemas know the preStop `sleep` action
+PROFILES = ("venti", "tall", "tiny")
+IMAGE = "registry.example/molctl:1"
+
+
+@pytest.fixture
+def render(tmp_path, monkeypatch) -> Molctl:
+    """The CLI with a state dir that does not exist: rendering must never create it."""
+    monkeypatch.delenv("MOLCTL_PROFILES_DIR", raising=False)
+    return Molctl(tmp_path / "never-created", in_process=True)
+
+
+def _k8s(render: Molctl, profile: str, *extra: str) -> list[dict]:
+    result = render("render", "k8s", profile, "--image", IMAGE, *extra)
+    assert result.exit_code == ExitStatus.OK, result.stderr
+    assert not render.state_dir.exists()
+    return [d for d in yaml.safe_load_all(result.stdout) if d is not None]
+
+
+def _by_kind(objects: list[dict]) -> dict[str, dict]:
+    return {o["kind"]: o for o in objects}
+
+
+def _containers(objects: list[dict]) -> dict[str, dict]:
+    pod = _by_kind(objects)["StatefulSet"]["spec"]["template"]["spec"]
+    return {c["name"]: c for c in pod["containers"]}
+
+
+def _up_spawns(profile_name: str, overrides: list, key_args: list[str], state_dir: Path, profiles_dirs: list[Path],
+               drain_timeout_s: float = 600.0) -> dict[str, tuple[list[str], dict, str]]:
+    """What `up` spawns for this profile and options: `{component: (argv, env, upstream)}`,
+    captured at `_Starter._spawn` (the code `up` runs), nothing started."""
+    from molctl import stackconfig
+
+    profile, config = stackconfig.load(profile_name, profile_dirs(), overrides)
+
+    class Ctx:
+        pass
+
+    ctx = Ctx()
+    ctx.state_dir = state_dir
+    opts = UpOptions(overrides=overrides, drain_timeout_s=drain_timeout_s, profiles_dirs=profiles_dirs)
+    starter = _Starter(profile, config, ctx, opts, key_args, progress=None)
+    spawned: dict[str, tuple[list[str], dict, str]] = {}
+
+    def fake_spawn(component, argv, env, port, host, claims):
+        spawned[component] = (argv, env, base_url(host, port))
+        return None, None
+
+    starter._spawn = fake_spawn
+    starter.start_engine([])
+    starter.start_proxy([], spawned["engine"][2])  # `up` passes the engine record's URL
+    return spawned
+
+
+# ------------------------------------------------------------------------------------ Kubernetes
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_k8s_manifests_validate_offline(render, profile):
+    objects = _k8s(render, profile, "--replicas", "2", "--namespace", "mol", "--store", "memory")
+    assert [o["kind"] for o in objects] == ["ConfigMap", "Service", "StatefulSet"]
+    for obj in objects:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)  # raises ValidationError naming the field
+        assert obj["metadata"]["namespace"] == "mol"
+    assert _by_kind(objects)["StatefulSet"]["spec"]["replicas"] == 2
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_k8s_budgets_and_gpus_follow_the_profile(render, profile):
+    prof = load_profile(profile, profile_dirs())
+    for drain in (600, 90):
+        objects = _k8s(render, profile, "--drain-timeout", str(drain))
+        pod = _by_kind(objects)["StatefulSet"]["spec"]["template"]["spec"]
+        engine, proxy = _containers(objects)["engine"], _containers(objects)["proxy"]
+        startup = engine["startupProbe"]
+        budget = startup["failureThreshold"] * startup["periodSeconds"]
+        assert prof.engine.start_timeout_s <= budget < prof.engine.start_timeout_s + STARTUP_PERIOD_S
+        # the pod may take the endpoint delay, the whole drain and the engine's stop before SIGKILL
+        assert pod["terminationGracePeriodSeconds"] >= PRESTOP_DELAY_S + drain + ENGINE_STOP_TIMEOUT_S
+        assert proxy["lifecycle"]["preStop"] == {"sleep": {"seconds": PRESTOP_DELAY_S}}
+        engine_wait = engine["lifecycle"]["preStop"]["exec"]["command"]
+        assert engine_wait[-2] == f"http://127.0.0.1:{prof.proxy.port}/health"  # waits for the proxy to exit
+        assert float(engine_wait[-1]) >= PRESTOP_DELAY_S + drain
+        assert float(engine_wait[-1]) + ENGINE_STOP_TIMEOUT_S <= pod["terminationGracePeriodSeconds"]
+        assert proxy["args"][proxy["args"].index("--drain-timeout") + 1] == f"{float(drain)}"
+    assert proxy["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    assert proxy["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert engine["startupProbe"]["exec"]["command"][-2] == f"http://127.0.0.1:{prof.engine.port}/health"
+    if prof.engine.gpus:
+        gpus = {"nvidia.com/gpu": prof.engine.gpus}
+        assert engine["resources"] == {"requests": gpus, "limits": gpus}
+    else:
+        assert "nvidia.com/gpu" not in yaml.safe_dump(objects)
+    shm = next(v for v in pod["volumes"] if v["name"] == "dshm")["emptyDir"]
+    assert shm["medium"] == "Memory" and shm["sizeLimit"] == (f"{2 * prof.engine.gpus}Gi" if prof.engine.gpus else "1Gi")
+    assert "resources" not in proxy
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_k8s_args_are_the_argv_up_runs(render, profile):
+    objects = _k8s(render, profile, "--python", sys.executable, "--model-root", "/models/mol", "--set", "proxy.max_output_tokens=64")
+    containers = _containers(objects)
+    # `up` with the settings render applies: the proxy on every address, the engine's interpreter
+    # named, the key file where the Secret is mounted, the state dir in its emptyDir
+    overrides = [("proxy.host", "0.0.0.0"), ("model_root", "/models/mol"), ("proxy.max_output_tokens", 64),
+                 ("engine.python", sys.executable)]
+    spawned = _up_spawns(profile, overrides, ["--api-key-file", f"{KEYS_MOUNT}/api-keys"], Path(STATE_MOUNT),
+                         [Path(PROFILES_MOUNT)])
+    engine_argv, engine_env, _ = spawned["engine"]
+    assert containers["engine"]["args"] == engine_argv
+    assert containers["proxy"]["args"] == spawned["proxy"][0]
+    # the engine's environment: the profile's engine.env as `up` sets it, unset_env removed by `env -u`
+    prof = load_profile(profile, profile_dirs())
+    env = {e["name"]: e["value"] for e in containers["engine"]["env"]}
+    assert env == dict(prof.engine.env) and all(engine_env[k] == v for k, v in env.items())
+    unset = containers["engine"]["command"]
+    assert unset[0] == "env" and unset[1::2] == ["-u"] * len(prof.engine.unset_env)
+    assert unset[2::2] == list(prof.engine.unset_env) and not set(prof.engine.unset_env) & set(engine_env)
+    # the model is mounted where the argv reads it
+    mounts = {m["name"]: m for m in containers["engine"]["volumeMounts"]}
+    assert mounts["model"]["mountPath"] == "/models/mol" and mounts["model"]["readOnly"] is True
+    assert engine_argv[engine_argv.index("--model" if prof.engine.kind == "vllm" else "--model-path") + 1] == "/models/mol/base"
+    volumes = {v["name"]: v for v in _by_kind(objects)["StatefulSet"]["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["model"]["hostPath"] == {"path": "/models/mol", "type": "Directory"}
+    # the profile file the proxy's --profiles-dir reads
+    assert _by_kind(objects)["ConfigMap"]["data"] == {f"{profile}.yaml": prof.source.read_text(encoding="utf-8")}
+
+
+def test_k8s_service_targets_only_the_proxy_port(render):
+    prof = load_profile("venti", profile_dirs())
+    objects = _k8s(render, "venti")
+    service = _by_kind(objects)["Service"]
+    assert service["spec"]["ports"] == [{"name": "http", "port": prof.proxy.port, "targetPort": "http", "protocol": "TCP"}]
+    named = {p["name"]: (c["name"], p["containerPort"]) for c in _containers(objects).values() for p in c["ports"]}
+    assert named["http"] == ("proxy", prof.proxy.port)
+    assert service["spec"]["selector"] == _by_kind(objects)["StatefulSet"]["spec"]["selector"]["matchLabels"]
+    assert prof.engine.port not in [p["port"] for p in service["spec"]["ports"]]
+
+
+def test_k8s_secrets_are_references(render):
+    objects = _k8s(render, "tall", "--api-key-secret", "mol-keys", "--store", "memory",
+                   "--store-password-secret", "redis-auth:pw", "--engine-env-secret", "hf-token")
+    proxy, engine = _containers(objects)["proxy"], _containers(objects)["engine"]
+    pod = _by_kind(objects)["StatefulSet"]["spec"]["template"]["spec"]
+    keys = next(v for v in pod["volumes"] if v["name"] == "api-keys")
+    assert keys["secret"]["secretName"] == "mol-keys"
+    mount = next(m for m in proxy["volumeMounts"] if m["name"] == "api-keys")
+    key_file = proxy["args"][proxy["args"].index("--api-key-file") + 1]
+    assert key_file == f"{mount['mountPath']}/{keys['secret']['items'][0]['path']}" and mount["readOnly"] is True
+    env = {e["name"]: e for e in proxy["env"]}
+    assert env["MOLCTL_STORE_PASSWORD"]["valueFrom"] == {"secretKeyRef": {"name": "redis-auth", "key": "pw"}}
+    assert engine["envFrom"] == [{"secretRef": {"name": "hf-token"}}]
+    assert not any(e["name"].startswith("MOLCTL_") for e in engine["env"])
+    for obj in objects:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def test_secret_in_engine_env_is_refused(render):
+    for kind in (("k8s", "--image", IMAGE), ("systemd", "--allow-unauthenticated")):
+        result = render("render", kind[0], "tall", *kind[1:], "--set", "engine.env.HF_TOKEN=hf_secret_value")
+        assert result.exit_code == ExitStatus.CHECK_FAILED and result.stdout == ""
+        assert "field 'engine.env.HF_TOKEN': its name says it is a secret" in result.stderr
+        assert "hf_secret_value" not in result.stderr
+
+
+def test_k8s_store_and_replica_identity(render):
+    result = render("render", "k8s", "tiny", "--image", IMAGE, "--replicas", "3", "--store", "memory",
+                    "--proxy-arg=--log-backups=3", "--proxy-arg=$(POD_NAME)-extra")
+    assert result.exit_code == ExitStatus.OK
+    objects = [d for d in yaml.safe_load_all(result.stdout) if d]
+    proxy = _containers(objects)["proxy"]
+    set_json = proxy["args"][proxy["args"].index("--set-json") + 1]
+    assert '["proxy.store", "memory"]' in set_json
+    assert proxy["args"][-2:] == ["--log-backups=3", "$(POD_NAME)-extra"]  # appended, $(POD_NAME) left to Kubernetes
+    assert {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in proxy["env"]
+    assert "each pod keeps its own conversations" in result.stderr  # 3 replicas on a per-pod store
+
+
+def test_k8s_escapes_dollar_in_the_argv(render):
+    objects = _k8s(render, "tiny", "--set", "served_model_name=a$(B)$$c")
+    args = _containers(objects)["proxy"]["args"]
+    assert '["served_model_name", "a$$(B)$$$$c"]' in args[args.index("--set-json") + 1]
+
+
+def test_k8s_model_pvc_and_unauthenticated(render):
+    objects = _k8s(render, "tiny", "--model-pvc", "models", "--allow-unauthenticated", "--shm-size", "4Gi")
+    pod = _by_kind(objects)["StatefulSet"]["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["model"]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
+    assert "api-keys" not in volumes and volumes["dshm"]["emptyDir"]["sizeLimit"] == "4Gi"
+    assert "--allow-unauthenticated" in _containers(objects)["proxy"]["args"]
+    for obj in objects:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def test_k8s_output_dir_one_file_per_object(render, tmp_path):
+    stdout_docs = _k8s(render, "tiny")
+    out = tmp_path / "manifests"
+    result = render("render", "k8s", "tiny", "--image", IMAGE, "--output", str(out))
+    assert result.exit_code == ExitStatus.OK, result.stderr
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["configmap-molctl-tiny-profile.yaml", "service-molctl-tiny.yaml", "statefulset-molctl-tiny.yaml"]
+    assert [yaml.safe_load((out / f).read_text()) for f in files] == [stdout_docs[0], stdout_docs[1], stdout_docs[2]]
+    assert result.stdout.splitlines() == [f"wrote {out / f}" for f in
+                                          ("configmap-molctl-tiny-profile.yaml", "service-molctl-tiny.yaml",
+                                           "statefulset-molctl-tiny.yaml")]
+
+
+@pytest.mark.parametrize(("args", "status", "says"), [
+    (("render", "k8s", "nosuch", "--image", IMAGE), ExitStatus.CHECK_FAILED, "no profile named 'nosuch' (known:"),
+    (("render", "k8s", "tiny", "--image", IMAGE, "--replicas", "0"), ExitStatus.USAGE, "--replicas 0: expected at least 1"),
+    (("render", "k8s", "tiny"), ExitStatus.USAGE, "--image is required"),
+    (("render", "k8s", "tiny", "--image", IMAGE, "--namespace", "Bad_NS"), ExitStatus.USAGE, "--namespace 'Bad_NS'"),
+    (("render", "k8s", "tiny", "--image", IMAGE, "--shm-size", "lots"), ExitStatus.USAGE, "--shm-size 'lots'"),
+    (("render", "k8s", "tiny", "--image", IMAGE, "--store-password-secret", "a:b:c d"), ExitStatus.USAGE,
+     "--store-password-secret"),
+    (("render", "k8s", "tiny", "--image", IMAGE, "--store", "postgres://x"), ExitStatus.CHECK_FAILED, "field 'proxy.store'"),
+    (("render", "k8s", "tiny", "--image", IMAGE, "--set", "engine.gpus=-1"), ExitStatus.CHECK_FAILED, "engine.gpus"),
+    (("render", "systemd", "tiny"), ExitStatus.USAGE, "--api-key-file F"),
+    (("render", "systemd", "nosuch", "--allow-unauthenticated"), ExitStatus.CHECK_FAILED, "no profile named 'nosuch'"),
+])
+def test_bad_inputs_one_line(render, args, status, says):
+    result = render(*args)
+    assert result.exit_code == status
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("molctl: error: ") and says in lines[0], result.stderr
+    assert not render.state_dir.exists()
+
+
+def test_bad_output_dir(render, tmp_path):
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    result = render("render", "k8s", "tiny", "--image", IMAGE, "--output", str(a_file))
+    assert result.exit_code == ExitStatus.USAGE and result.stderr.strip() == (
+        f"molctl: error: --output {a_file}: exists and is not a directory")
+    result = render("render", "systemd", "tiny", "--allow-unauthenticated", "--output", str(a_file / "sub"))
+    assert result.exit_code == ExitStatus.ERROR
+    assert result.stderr.strip().startswith(f"molctl: error: --output {a_file / 'sub'}: cannot create it")
+    assert a_file.read_text() == "x" and sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+# ------------------------------------------------------------------------------------ systemd
+
+def _units(text: str) -> dict[str, dict[str, dict[str, list[str]]]]:
+    """`{unit: {section: {key: [values]}}}` from `render systemd`'s stream (repeated keys kept)."""
+    units: dict[str, dict[str, dict[str, list[str]]]] = {}
+    unit = section = None
+    for line in text.splitlines():
+        if line.startswith("# ---- "):
+            unit = line[len("# ---- "):]
+            units[unit] = {}
+        elif line.startswith("[") and line.endswith("]"):
+            section = line[1:-1]
+            units[unit][section] = {}
+        elif line and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            units[unit][section].setdefault(key, []).append(value)
+    return units
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_systemd_units(render, profile, tmp_path):
+    prof = load_profile(profile, profile_dirs())
+    key_file = tmp_path / "keys"  # named, never read: it need not exist
+    result = render("render", "systemd", profile, "--api-key-file", str(key_file), "--drain-timeout", "120")
+    assert result.exit_code == ExitStatus.OK, result.stderr
+    assert not render.state_dir.exists()
+    units = _units(result.stdout)
+    engine = units[f"molctl-{profile}-engine.service"]["Service"]
+    proxy_unit = units[f"molctl-{profile}-proxy.service"]
+    proxy = proxy_unit["Service"]
+    for service in (engine, proxy):
+        assert service["KillMode"] == ["control-group"] and service["Restart"] == ["on-failure"]
+    assert engine["TimeoutStartSec"] == [str(math.ceil(prof.engine.start_timeout_s))]
+    assert proxy["TimeoutStopSec"] == [str(120 + STOP_MARGIN_S)]
+    assert engine["TimeoutStopSec"] == [str(math.ceil(ENGINE_STOP_TIMEOUT_S))]
+    assert proxy_unit["Unit"]["Requires"] == proxy_unit["Unit"]["After"] == [f"molctl-{profile}-engine.service"]
+    # the argv `up` runs on this host (this interpreter, this state dir, this key file)
+    spawned = _up_spawns(profile, [], ["--api-key-file", str(key_file.resolve())], render.state_dir, [], drain_timeout_s=120.0)
+    assert shlex.split(engine["ExecStart"][0]) == spawned["engine"][0]
+    assert shlex.split(proxy["ExecStart"][0]) == spawned["proxy"][0]
+    assert engine["Environment"] == [f'"{k}={v}"' for k, v in prof.engine.env.items()]
+    assert engine["UnsetEnvironment"] == [" ".join(prof.engine.unset_env)]
+    wait = shlex.split(engine["ExecStartPost"][0])
+    assert wait[:5] == [sys.executable, "-m", "molctl.waitready", "engine", profile]
+    assert shlex.split(proxy["ExecStartPost"][0])[3:5] == ["url", f"http://127.0.0.1:{prof.proxy.port}/readyz"]
+    if shutil.which("systemd-analyze"):  # optional: the real parser, where systemd is installed
+        out = tmp_path / "units"
+        assert render("render", "systemd", profile, "--api-key-file", str(key_file), "--output", str(out)).exit_code == 0
+        verify = subprocess.run(["systemd-analyze", "verify", *sorted(str(p) for p in out.iterdir())],
+                                capture_output=True, text=True, timeout=60, cwd=out)
+        assert verify.returncode == 0, verify.stderr
+
+
+def test_systemd_store_and_overrides_reach_both_argvs(render, tmp_path):
+    result = render("render", "systemd", "tiny", "--allow-unauthenticated", "--store", "memory",
+                    "--set", "engine.port=9100", "--user", "molctl")
+    units = _units(result.stdout)
+    engine, proxy = (units[f"molctl-tiny-{c}.service"]["Service"] for c in ("engine", "proxy"))
+    proxy_argv = shlex.split(proxy["ExecStart"][0])
+    assert proxy_argv[proxy_argv.index("--upstream") + 1] == "http://127.0.0.1:9100"
+    assert '["proxy.store", "memory"]' in proxy_argv[proxy_argv.index("--set-json") + 1]
+    wait = shlex.split(engine["ExecStartPost"][0])
+    assert wait[wait.index("--set-json") + 1] == proxy_argv[proxy_argv.index("--set-json") + 1]
+    assert engine["User"] == proxy["User"] == ["molctl"]
+
+
+# ------------------------------------------------------------------------------------ waitready
+
+def _waitready(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    from tests.helpers import ROOT
+
+    return subprocess.run([sys.executable, "-m", "molctl.waitready", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+def test_waitready_engine_against_the_fake_engine():
+    port = free_port()
+    set_json = f'[["engine.port", {port}]]'
+    with running(fake_engine_argv(port), f"http://127.0.0.1:{port}/health"):
+        ok = _waitready("engine", "tiny", "--timeout", "30", "--set-json", set_json)
+        assert ok.returncode == 0, ok.stderr
+        assert "engine ready" in ok.stderr
+    missing_port = free_port()
+    with running(fake_engine_argv(missing_port, {"adapters": ["L0", "L1", "L2"]}), f"http://127.0.0.1:{missing_port}/health"):
+        bad = _waitready("engine", "tiny", "--timeout", "30", "--set-json", f'[["engine.port", {missing_port}]]')
+        assert bad.returncode == ExitStatus.ADAPTERS and "adapter L3 is missing" in bad.stderr
+
+
+def test_waitready_url_times_out_on_a_closed_port():
+    port = free_port()
+    result = _waitready("url", f"http://127.0.0.1:{port}/readyz", "--timeout", "1")
+    assert result.returncode == ExitStatus.TIMEOUT
+    assert f"http://127.0.0.1:{port}/readyz is not answering" in result.stderr
