@@ -30,7 +30,8 @@ from typing import Any
 import yaml
 
 from molctl import __version__, stackconfig
-from molctl.errors import ExitStatus, MolctlError, ProfileError, UsageError
+from molctl.errors import MolctlError, ProfileError, UsageError
+from molctl.manifest import SECRET_RE  # the names `molctl lock` redacts are the names render refuses
 from molctl.profiles import Profile
 from molctl.readiness import proxy_url
 from molctl.start import PROXY_READY_TIMEOUT_S, UpOptions, engine_argv, engine_env, engine_upstream, proxy_argv
@@ -47,7 +48,6 @@ STOP_MARGIN_S = 15  # on top of delay + drain + engine stop in terminationGraceP
 DEFAULT_PYTHON = "python3"  # the image's interpreter (molctl's; the engine's unless engine.python is set)
 DNS_LABEL = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|K|M|G|T)?$")
-SECRET_ENV = re.compile(r"KEY|TOKEN|SECRET|PASSWORD", re.IGNORECASE)  # as molctl.manifest redacts
 
 # Exec probes in the engine container: the engine listens on engine.host (loopback by default),
 # which the kubelet's httpGet (to the pod IP) cannot reach; the engine's own Python can.
@@ -64,7 +64,7 @@ while time.monotonic() < deadline:
 
 
 class RenderError(MolctlError):
-    """A file `--output` could not write (exit 1)."""
+    """`--output` could not be created or written (exit 1)."""
 
 
 @dataclass
@@ -100,10 +100,9 @@ class Stack:
 
     profile: Profile
     config: dict
-    overrides: list[tuple[str, Any]]
     engine_argv: list[str]
-    engine_env: dict[str, str]
-    proxy_argv: list[str]
+    engine_env: dict[str, str]  # the profile's part of it (`engine.env`); unset_env is the renderer's job
+    proxy_argv: list[str]  # without --proxy-arg
 
 
 def load_stack(name: str, dirs: list[Path], overrides: list[tuple[str, Any]], opts: RenderOptions, *, key_args: list[str],
@@ -114,7 +113,7 @@ def load_stack(name: str, dirs: list[Path], overrides: list[tuple[str, Any]], op
     if default_engine_python and not config["data"]["engine"].get("python"):
         overrides = [*overrides, ("engine.python", default_engine_python)]
         profile, config = stackconfig.load(name, dirs, overrides)
-    secret = next((k for k in profile.engine.env if SECRET_ENV.search(k)), None)
+    secret = next((k for k in profile.engine.env if SECRET_RE.search(k)), None)
     if secret is not None:
         raise ProfileError(f"{config['source']}: field 'engine.env.{secret}': its name says it is a secret (KEY, TOKEN, "
                            "SECRET or PASSWORD), and render never writes secrets into manifests or units: remove it from the "
@@ -122,7 +121,7 @@ def load_stack(name: str, dirs: list[Path], overrides: list[tuple[str, Any]], op
                            "unit's EnvironmentFile")
     up_opts = UpOptions(overrides=overrides, drain_timeout_s=opts.drain_timeout_s, profiles_dirs=proxy_profiles_dirs)
     proxy = proxy_argv(profile, up_opts, key_args, engine_upstream(profile), python=python, state_dir=state_dir)
-    return Stack(profile, config, overrides, engine_argv(profile), engine_env(profile, base={}), proxy + list(opts.proxy_args))
+    return Stack(profile, config, engine_argv(profile), engine_env(profile, base={}), proxy)
 
 
 def _check_common(opts: RenderOptions) -> None:
@@ -268,7 +267,7 @@ def _pod_spec(stack: Stack, opts: RenderOptions, obj_name: str, password_ref: di
         "name": "proxy",
         "image": opts.image,
         "command": ["env"],
-        "args": [*k8s_escape(stack.proxy_argv[:len(stack.proxy_argv) - len(opts.proxy_args)]), *opts.proxy_args],
+        "args": [*k8s_escape(stack.proxy_argv), *opts.proxy_args],
         "env": downward,
         "ports": ports,
         "volumeMounts": proxy_mounts,
@@ -399,7 +398,7 @@ def render_systemd(name: str, dirs: list[Path], opts: RenderOptions) -> dict[str
         "[Service]",
         "Type=exec",
         *user,
-        f"ExecStart={_exec_line(stack.proxy_argv)}",
+        f"ExecStart={_exec_line([*stack.proxy_argv, *opts.proxy_args])}",
         f"ExecStartPost={_exec_line(proxy_wait)}",
         f"# optional: {STORE_PASSWORD_ENV}=... (the shared store's password) or MOLCTL_API_KEY=..., never on argv",
         f"EnvironmentFile=-/etc/molctl/{name}-proxy.env",
@@ -446,7 +445,7 @@ def write_files(directory: Path, files: dict[str, str]) -> list[Path]:
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise RenderError(f"--output {directory}: cannot create it: {exc.strerror or exc}", ExitStatus.ERROR) from None
+        raise RenderError(f"--output {directory}: cannot create it: {exc.strerror or exc}") from None
     staged: list[tuple[str, Path]] = []
     try:
         for fname, text in files.items():
@@ -465,5 +464,5 @@ def write_files(directory: Path, files: dict[str, str]) -> list[Path]:
                 os.unlink(tmp)
             except OSError:
                 pass
-        raise RenderError(f"--output {directory}: cannot write: {exc.strerror or exc}", ExitStatus.ERROR) from None
+        raise RenderError(f"--output {directory}: cannot write: {exc.strerror or exc}") from None
     return [target for _, target in staged]

@@ -329,7 +329,7 @@ def test_systemd_units(render, profile, tmp_path):
 
 def test_systemd_store_and_overrides_reach_both_argvs(render, tmp_path):
     result = render("render", "systemd", "tiny", "--allow-unauthenticated", "--store", "memory",
-                    "--set", "engine.port=9100", "--user", "molctl")
+                    "--set", "engine.port=9100", "--user", "molctl", "--proxy-arg=--log-backups=3")
     units = _units(result.stdout)
     engine, proxy = (units[f"molctl-tiny-{c}.service"]["Service"] for c in ("engine", "proxy"))
     proxy_argv = shlex.split(proxy["ExecStart"][0])
@@ -338,6 +338,7 @@ def test_systemd_store_and_overrides_reach_both_argvs(render, tmp_path):
     wait = shlex.split(engine["ExecStartPost"][0])
     assert wait[wait.index("--set-json") + 1] == proxy_argv[proxy_argv.index("--set-json") + 1]
     assert engine["User"] == proxy["User"] == ["molctl"]
+    assert proxy_argv[-1] == "--log-backups=3"
 
 
 # ------------------------------------------------------------------------------------ waitready
