@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -332,3 +333,50 @@ def test_a_stuck_redis_never_hangs_a_request(served):
     finally:
         admin.execute_command("CLIENT", "UNPAUSE")
         admin.close()
+
+
+# ------------------------------------------------------------------------------ check, state stats|prune
+
+SKIP_ALL_BUT_STATE = [a for c in ("engine", "gpu", "model", "adapter", "template", "port", "security") for a in ("--skip", c)]
+
+
+def shared_profile(tmp_path, store_url: str) -> Path:
+    """A profile `shared`: tiny with proxy.store on Redis (state stats|prune read the profile as it is)."""
+    d = tmp_path / "profiles"
+    d.mkdir(parents=True)
+    text = (ROOT / "profiles" / "tiny.yaml").read_text().replace("name: tiny", "name: shared", 1)
+    (d / "shared.yaml").write_text(text.replace("proxy:\n", f"proxy:\n  store: {store_url}\n", 1))
+    return d
+
+
+def test_check_and_state_stats_prune_on_redis(redis, r, tmp_path, state_dir):
+    from tests.helpers import Molctl
+
+    cli = Molctl(state_dir, [shared_profile(tmp_path, redis.url)], in_process=True)
+
+    async def seed():
+        st = state(redis, profile="shared", max_entries=100)
+        store = RedisResponseStore(st)
+        for i in range(3):
+            await store.put_response(record(f"resp_{i}"))
+        await st.close()
+
+    asyncio.run(seed())
+    result = cli("check", "shared", *SKIP_ALL_BUT_STATE, "--json")
+    [check] = [c for c in result.json()["checks"] if c["id"] == "state.store"]
+    assert check["status"] == "pass" and f"proxy.store {redis.url} reachable" in check["detail"]
+    assert "3 stored response(s)" in check["detail"]
+    data = cli("state", "stats", "shared", "--json").json()
+    assert data["backend"] == "redis" and data["redis"]["responses"] == 3 and data["redis"]["address"] == redis.url
+    text = cli("state", "stats", "shared").stdout
+    assert redis.url in text and "3 response(s)" in text
+    r.zadd("molctl:{shared}:idx:r", {"molctl:{shared}:r:t1:gone": 1.0})  # an index entry whose record expired long ago
+    pruned = cli("state", "prune", "shared", "--json").json()
+    assert pruned["removed"] == {"expired": 1, "evicted": 0, "conversation_expired": 0, "conversation_evicted": 0}
+    assert "pruned: 0 expired" in cli("state", "prune", "shared").stdout
+    # unreachable: the check fails with the address; stats is one line, exit 1
+    down = Molctl(state_dir, [shared_profile(tmp_path / "x", f"redis://127.0.0.1:{free_port()}/0")], in_process=True)
+    [check] = [c for c in down("check", "shared", *SKIP_ALL_BUT_STATE, "--json").json()["checks"] if c["id"] == "state.store"]
+    assert check["status"] == "fail" and "unreachable" in check["detail"] and "proxy.store redis://127.0.0.1:" in check["detail"]
+    result = down("state", "stats", "shared")
+    assert result.exit_code == ExitStatus.ERROR and result.stderr.count("\n") == 1 and "unreachable" in result.stderr

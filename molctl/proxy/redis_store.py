@@ -204,12 +204,7 @@ def ping_sync(target: RedisTarget, password: str | None, timeout_s: float = 2.0)
     """None when Redis answers PING within timeout_s, else why not (one line). For start-up and
     `molctl check` (a plain blocking client: nothing else runs then)."""
     import redis
-    from redis.backoff import NoBackoff
-    from redis.retry import Retry
-
-    kw = _client_kwargs(target, password)
-    kw.update(socket_connect_timeout=timeout_s, socket_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
-    client = redis.Redis(**kw)
+    client = _sync_client(target, password, timeout_s)
     try:
         client.ping()
         return None
@@ -618,3 +613,71 @@ async def _quiet(coro) -> None:
 
 __all__ = ["RedisState", "RedisResponseStore", "RedisConversationStore", "RedisTarget", "StoreUnavailable",
            "RedisConfigError", "parse_redis_url", "read_password", "ping_sync", "is_redis_spec"]
+
+
+# ---------------------------------------------------------------------- from outside the proxy
+
+
+def _sync_client(target: RedisTarget, password: str | None, timeout_s: float = 2.0):
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    kw = _client_kwargs(target, password)
+    kw.update(socket_connect_timeout=timeout_s, socket_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
+    return redis.Redis(**kw)
+
+
+def describe_sync(target: RedisTarget, password: str | None, profile: str) -> dict[str, Any]:
+    """What `molctl state stats` shows for a Redis store: this profile's indexed records per group
+    (expired ones not yet trimmed from the index included), evicted totals, registered replicas,
+    and the server's memory settings. RedisConfigError (one line) when unreachable."""
+    import redis
+
+    prefix = f"molctl:{{{profile}}}:"
+    client = _sync_client(target, password)
+    try:
+        info = client.info("server")
+        memory = client.info("memory")
+        evicted = {k.decode(): int(v) for k, v in (client.hgetall(prefix + "stats") or {}).items()}
+        replicas = sorted(k.decode()[len(prefix) + len("replica:"):] for k in client.scan_iter(prefix + "replica:*", count=100))
+        return {"address": target.address, "redis_version": info.get("redis_version"),
+                "maxmemory": int(memory.get("maxmemory", 0)), "maxmemory_policy": memory.get("maxmemory_policy"),
+                "used_memory": int(memory.get("used_memory", 0)),
+                "responses": client.zcard(prefix + "idx:r"), "conversation_rows": client.zcard(prefix + "idx:conv"),
+                "responses_evicted": evicted.get("r_evicted", 0), "conversation_evicted": evicted.get("conv_evicted", 0),
+                "replicas": replicas}
+    except redis.RedisError as exc:
+        raise unreachable_error(target, str(exc) or type(exc).__name__) from None
+    finally:
+        client.close()
+
+
+def prune_sync(target: RedisTarget, password: str | None, profile: str, ttl_s: float, max_entries: int,
+               clock: Callable[[], float] = time.time) -> dict[str, int]:
+    """Redis expires the records itself (TTL) and each write evicts over the cap; this trims the
+    index entries of expired records and evicts what is over `max_entries` now (e.g. after the cap
+    was lowered). Returns what it removed."""
+    import redis
+
+    prefix = f"molctl:{{{profile}}}:"
+    client = _sync_client(target, password)
+    out: dict[str, int] = {}
+    try:
+        for group, name in (("r", ""), ("conv", "conversation_")):
+            idx = prefix + "idx:" + group
+            out[name + "expired"] = client.zremrangebyscore(idx, "-inf", clock() - ttl_s)
+            over = client.zcard(idx) - max_entries
+            victims = client.zrange(idx, 0, over - 1) if over > 0 else []
+            for i in range(0, len(victims), 500):
+                chunk = victims[i:i + 500]
+                client.delete(*chunk)
+                client.zrem(idx, *chunk)
+            if victims:
+                client.hincrby(prefix + "stats", f"{group}_evicted", len(victims))
+            out[name + "evicted"] = len(victims)
+        return out
+    except redis.RedisError as exc:
+        raise unreachable_error(target, str(exc) or type(exc).__name__) from None
+    finally:
+        client.close()
