@@ -75,6 +75,7 @@ RETRY_S = 1.0  # while degraded, calls fail at once for this long, then one trie
 HEARTBEAT_S = 2.0  # a replica refreshes its registration this often...
 HEARTBEAT_TTL_S = 6.0  # ...and it lapses this long after the last refresh
 EVICT_BATCH = 64
+MAX_CONNECTIONS = 64  # per proxy process
 RETRY_AFTER_S = "2"
 
 # KEYS[1] record, KEYS[2] index, KEYS[3] stats; ARGV: value, ttl_s, now, max_entries, stats field
@@ -249,8 +250,15 @@ class RedisState:
             from redis.asyncio.retry import Retry
             from redis.backoff import NoBackoff
 
-            # no retries inside a call: the call's own timeout bounds it, the degraded state paces the retries
-            self._client = aioredis.Redis(**_client_kwargs(self.target, self._password), retry=Retry(NoBackoff(), 0))
+            # no retries inside a call: the call's own timeout bounds it, the degraded state paces the retries;
+            # at most MAX_CONNECTIONS, a call waits for a free one within its own timeout (backpressure)
+            kw = _client_kwargs(self.target, self._password)
+            pool_kw = {k: v for k, v in kw.items() if k != "ssl"}
+            pool_kw["retry"] = Retry(NoBackoff(), 0)
+            if kw.get("ssl"):
+                pool_kw["connection_class"] = aioredis.SSLConnection
+            pool = aioredis.BlockingConnectionPool(max_connections=MAX_CONNECTIONS, timeout=self.call_timeout_s, **pool_kw)
+            self._client = aioredis.Redis(connection_pool=pool)
             self._scripts = {"put": self._client.register_script(TRIM + PUT_CAPPED),
                              "turn": self._client.register_script(TRIM + MERGE_TURN)}
         return self._client
