@@ -398,7 +398,10 @@ class RedisResponseStore:
         return f"{self.state.prefix}r:{tenant}:{response_id}"
 
     async def available(self) -> None:
-        await self.state.available()
+        """Fails fast (503) while the store is degraded (a PING once the retry interval passed);
+        free otherwise: a store lost since then fails the request's own call."""
+        if self.state.degraded:
+            await self.state.available()
 
     async def put_response(self, record: ResponseRecord) -> None:
         raw = json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode()
@@ -485,6 +488,7 @@ class RedisConversationStore:
         self.cache = cache if cache is not None else MemoryStore()
         self.summary_wait_s, self.poll_s = summary_wait_s, poll_s
         self._writes: set[asyncio.Task] = set()
+        self._polls: set[asyncio.Task] = set()
         self.affinity_remote_total = 0  # requests whose hops went to another replica's engine
         self.affinity_takeovers_total = 0  # conversations taken over from a replica without a heartbeat
 
@@ -544,6 +548,10 @@ class RedisConversationStore:
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
 
+    def _track(self, task: asyncio.Task) -> None:
+        self._polls.add(task)
+        task.add_done_callback(self._polls.discard)
+
     async def flush(self) -> None:
         """Wait (bounded by the call timeout) for the writes started so far."""
         if self._writes:
@@ -572,7 +580,7 @@ class RedisConversationStore:
                 self.cache.put_turn(key, record)
                 added = True
                 if data.get("state") == "pending" and self.state.clock() - float(data.get("at", 0)) < self.summary_wait_s:
-                    asyncio.get_running_loop().create_task(self._poll(key, record))
+                    self._track(asyncio.get_running_loop().create_task(self._poll(key, record)))
                 elif data.get("state") == "pending":
                     data["state"] = "failed"  # its summary never came in time: fold without it
             _apply(record, data)
