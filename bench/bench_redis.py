@@ -151,6 +151,77 @@ def store_bench(redis_url: str) -> list[dict]:
     return rows
 
 
+def proxy_bench(redis_url: str, requests: int = 300) -> list[dict]:
+    """End to end: a `--store sqlite` proxy and a Redis one side by side on one fake engine, their
+    requests interleaved (the same noise for both): chained /v1/responses at 1 client (chains of
+    10), and chat conversations (3 turns each) at 32 clients; p50 per request."""
+    import aiohttp
+
+    from tests.procs import fake_engine_argv, proxy_argv, running
+
+    async def drive(urls: dict[str, str], concurrency: int) -> dict[str, list[float]]:
+        times: dict[str, list[float]] = {k: [] for k in urls}
+        async with aiohttp.ClientSession() as session:
+            async def responses_chain(kind: str, i: int, prev: dict) -> None:
+                body = {"model": PUBLIC, "input": f"[route:L2] turn {i}", "max_output_tokens": 8}
+                if prev.get(kind) and i % 10:
+                    body["previous_response_id"] = prev[kind]
+                t0 = time.perf_counter()
+                async with session.post(urls[kind] + "/v1/responses", json=body) as r:
+                    assert r.status == 200, await r.text()
+                    prev[kind] = (await r.json())["id"]
+                times[kind].append((time.perf_counter() - t0) * 1000)
+
+            async def chat(kind: str, i: int) -> None:
+                history: list[dict] = []
+                for t in range(3):
+                    history.append({"role": "user", "content": f"[route:L{1 + t % 2}] conversation {i} turn {t}"})
+                    t0 = time.perf_counter()
+                    async with session.post(urls[kind] + "/v1/chat/completions",
+                                            json={"model": PUBLIC, "messages": history, "max_tokens": 8}) as r:
+                        assert r.status == 200, await r.text()
+                        answer = (await r.json())["choices"][0]["message"]["content"]
+                    times[kind].append((time.perf_counter() - t0) * 1000)
+                    history.append({"role": "assistant", "content": answer})
+
+            kinds = list(urls)
+            if concurrency == 1:
+                prev: dict = {}
+                for i in range(requests + 20):
+                    for kind in (kinds if i % 2 else kinds[::-1]):
+                        await responses_chain(kind, i, prev)
+                for kind in kinds:
+                    del times[kind][:40]  # warm-up
+            else:
+                todo = iter(range(requests // 3))
+
+                async def worker():
+                    for i in todo:
+                        for kind in (kinds if i % 2 else kinds[::-1]):
+                            await chat(kind, i)
+
+                await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return times
+
+    out = []
+    with tempfile.TemporaryDirectory() as state, contextlib.ExitStack() as stack:
+        engine_port = free_port()
+        engine = f"http://127.0.0.1:{engine_port}"
+        stack.enter_context(running(fake_engine_argv(engine_port), engine + "/health"))
+        urls = {}
+        for kind, spec in (("sqlite", "sqlite"), ("redis", redis_url)):
+            port = free_port()
+            argv = proxy_argv("tiny", engine, port, "--allow-unauthenticated", "--set", f"proxy.store={spec}")
+            stack.enter_context(running([*argv[:3], "--state-dir", state, *argv[3:]], f"http://127.0.0.1:{port}/readyz"))
+            urls[kind] = f"http://127.0.0.1:{port}"
+        for concurrency in (1, 32):
+            times = asyncio.run(drive(urls, concurrency))
+            out.append({"clients": concurrency, "requests": "responses chain" if concurrency == 1 else "chat turns",
+                        "sqlite_p50_ms": statistics.median(times["sqlite"]), "redis_p50_ms": statistics.median(times["redis"]),
+                        "added_p50_ms": statistics.median(times["redis"]) - statistics.median(times["sqlite"])})
+    return out
+
+
 def replicas_bench(redis_url: str, total: int = 600, concurrency: int = 32) -> list[dict]:
     """Chat requests per second through 1 replica and through 2 (each its own fake engine)."""
     import aiohttp
@@ -198,13 +269,19 @@ def main() -> None:
             print(f"{r['clients']:>7} {r['case']:>9} {r['sqlite_p50_ms']:>8.3f} ms {r['sqlite_p99_ms']:>5.2f} ms "
                   f"{r['redis_p50_ms']:>7.3f} ms {r['redis_p99_ms']:>5.2f} ms {r['added_p50_ms']:>+7.3f} ms"
                   f" {r['sqlite_wall_ms']:>13.3f} ms {r['redis_wall_ms']:>6.3f} ms{mark}")
+        e2e = proxy_bench(server.url)
+        print("end to end through a proxy, --store sqlite and redis side by side (fake engine, no delay):")
+        for r in e2e:
+            mark = f"  (target <= {TARGET_MS} ms: {'ok' if r['added_p50_ms'] <= TARGET_MS else 'OVER'})" if r["clients"] == 1 else ""
+            print(f"  {r['clients']:>2} client(s), {r['requests']:<15} sqlite p50 {r['sqlite_p50_ms']:.2f} ms, "
+                  f"redis p50 {r['redis_p50_ms']:.2f} ms, added {r['added_p50_ms']:+.2f} ms{mark}")
         reps = replicas_bench(server.url)
         print(f"chat through proxy replicas on the Redis store, 32 clients, fake engines (no delay), {os.cpu_count()} CPUs:")
         for r in reps:
             print(f"  {r['replicas']} replica(s): {r['rps']:.0f} requests/s")
         print(f"  two / one: {reps[1]['rps'] / reps[0]['rps']:.2f}x (on a shared 2-core host: overhead, not scaling)")
         if "--json" in sys.argv:
-            print(json.dumps({"store": rows, "replicas": reps}))
+            print(json.dumps({"store": rows, "proxy": e2e, "replicas": reps}))
     finally:
         server.stop()
 

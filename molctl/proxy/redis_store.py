@@ -49,6 +49,7 @@ Retry-After (`StoreUnavailable`)."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import logging
 import os
@@ -116,6 +117,11 @@ redis.call('SET', KEYS[1], raw, 'EX', ARGV[2])
 trim(KEYS[1], KEYS[2], KEYS[3], ARGV)
 return raw
 """
+
+
+# the write tasks of the current request (set by RedisConversationStore.load): `flush` waits for these only
+_REQUEST_WRITES: contextvars.ContextVar[list[asyncio.Task] | None] = contextvars.ContextVar("molctl_store_writes",
+                                                                                             default=None)
 
 
 class StoreUnavailable(ProxyError):
@@ -547,20 +553,26 @@ class RedisConversationStore:
             return
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
+        mine = _REQUEST_WRITES.get()
+        if mine is not None:
+            mine.append(task)
 
     def _track(self, task: asyncio.Task) -> None:
         self._polls.add(task)
         task.add_done_callback(self._polls.discard)
 
     async def flush(self) -> None:
-        """Wait (bounded by the call timeout) for the writes started so far."""
-        if self._writes:
-            await asyncio.wait(set(self._writes), timeout=self.state.call_timeout_s * 2)
+        """Wait (bounded by the call timeout) for this request's writes (outside a request: all)."""
+        mine = _REQUEST_WRITES.get()
+        pending = [t for t in (mine if mine is not None else self._writes) if not t.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=self.state.call_timeout_s * 2)
 
     # ---------------------------------------------------------------- per request
     async def load(self, turn_keys: list[bytes], calls: list[tuple[str, str]]) -> bool:
         """Read the history's turns and the trailing tool calls into the cache (one MGET); True
         when a turn was found that the cache lacked (the history must be split again)."""
+        _REQUEST_WRITES.set([])
         if not turn_keys and not calls:
             return False
         names = [self._tkey(k) for k in turn_keys] + [self._ckey(t, c) for t, c in calls]
