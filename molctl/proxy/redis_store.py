@@ -124,6 +124,10 @@ _REQUEST_WRITES: contextvars.ContextVar[list[asyncio.Task] | None] = contextvars
                                                                                              default=None)
 
 
+SCRIPTS = {"put": TRIM + PUT_CAPPED, "turn": TRIM + MERGE_TURN}
+SCRIPT_SHA: dict[str, str] = {}
+
+
 class StoreUnavailable(ProxyError):
     """The shared store cannot be reached: a 503 with Retry-After for requests that need state."""
 
@@ -241,11 +245,13 @@ class RedisState:
         self.ttl_s, self.max_entries, self.call_timeout_s, self.clock = int(max(1, ttl_s)), max_entries, call_timeout_s, clock
         self.heartbeat_s, self.heartbeat_ttl_s = heartbeat_s, heartbeat_ttl_s
         self._client = None
-        self._scripts: dict[str, Any] = {}
+        self._scripts_loaded = False  # SCRIPT LOAD done on the current connection pool's server
+        self._batch: list[tuple[str, list[str], list[Any], asyncio.Future]] = []
         self.degraded = False
         self.degraded_total = 0  # times the store went from healthy to degraded
         self.errors_total = 0  # failed or skipped calls
         self._retry_at = 0.0
+        self._batches: set[asyncio.Task] = set()
         self._peers: dict[str, tuple[float, str | None]] = {}  # replica -> (checked at, upstream or None)
         self._heartbeat: asyncio.Task | None = None
 
@@ -265,8 +271,7 @@ class RedisState:
                 pool_kw["connection_class"] = aioredis.SSLConnection
             pool = aioredis.BlockingConnectionPool(max_connections=MAX_CONNECTIONS, timeout=self.call_timeout_s, **pool_kw)
             self._client = aioredis.Redis(connection_pool=pool)
-            self._scripts = {"put": self._client.register_script(TRIM + PUT_CAPPED),
-                             "turn": self._client.register_script(TRIM + MERGE_TURN)}
+            self._scripts_loaded = False
         return self._client
 
     async def call(self, what: str, fn: Callable[[Any], Any]) -> Any:
@@ -328,13 +333,57 @@ class RedisState:
     # ---------------------------------------------------------------- records
     async def put(self, key: str, group: str, value: bytes) -> int:
         args = [value, self.ttl_s, self.clock(), self.max_entries, f"{group}_evicted"]
-        return await self.call("write", lambda r: self._scripts["put"](keys=[key, self.prefix + "idx:" + group,
-                                                                                 self.prefix + "stats"], args=args))
+        return await self._write("put", [key, self.prefix + "idx:" + group, self.prefix + "stats"], args)
 
     async def merge_turn(self, key: str, value: bytes) -> bytes:
         args = [value, self.ttl_s, self.clock(), self.max_entries, "conv_evicted"]
-        return await self.call("write", lambda r: self._scripts["turn"](keys=[key, self.prefix + "idx:conv",
-                                                                                  self.prefix + "stats"], args=args))
+        return await self._write("turn", [key, self.prefix + "idx:conv", self.prefix + "stats"], args)
+
+    async def _write(self, script: str, keys: list[str], args: list[Any]) -> Any:
+        """Writes are batched: those started in one turn of the event loop (concurrent requests,
+        summaries) go out in one pipeline, one round trip (each socket write costs CPU that
+        concurrent requests would otherwise queue behind)."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        if not self._batch:
+            loop.call_soon(lambda: self._track_batch(loop.create_task(self._send_batch())))
+        self._batch.append((script, keys, args, future))
+        return await future
+
+    def _track_batch(self, task: asyncio.Task) -> None:
+        self._batches.add(task)
+        task.add_done_callback(self._batches.discard)
+
+    async def _send_batch(self) -> None:
+        import redis
+
+        batch, self._batch = self._batch, []
+
+        async def send(r):
+            if not self._scripts_loaded:
+                for name, source in SCRIPTS.items():
+                    SCRIPT_SHA[name] = await r.script_load(source)
+                self._scripts_loaded = True
+            async with r.pipeline(transaction=False) as pipe:
+                for script, keys, args, _ in batch:
+                    pipe.execute_command("EVALSHA", SCRIPT_SHA[script], len(keys), *keys, *args)
+                return await pipe.execute(raise_on_error=False)
+
+        try:
+            results = await self.call("write", send)
+        except StoreUnavailable as exc:
+            results = [exc] * len(batch)
+        for (_, _, _, future), result in zip(batch, results, strict=True):
+            if future.done():
+                continue
+            if isinstance(result, redis.exceptions.NoScriptError):
+                self._scripts_loaded = False  # a restarted Redis: loaded again by the next batch
+            if isinstance(result, BaseException):
+                if not isinstance(result, StoreUnavailable):
+                    self.errors_total += 1
+                future.set_exception(result if isinstance(result, StoreUnavailable) else StoreUnavailable(str(result)))
+            else:
+                future.set_result(result)
 
     # ---------------------------------------------------------------- replicas
     def _replica_key(self, replica: str) -> str:
