@@ -38,6 +38,10 @@ summary|failed < stale): a write never lowers a turn's rank, and a summary arriv
 stale mark is dropped; the writer learns the merged state. Scripts use Redis 6.2 commands only
 (EVALSHA, SET EX, ZADD, ZRANGE by index, ZREMRANGEBYSCORE, cjson).
 
+Cost (bench/bench_redis.py, BENCHMARKS.md): a call is one round trip, ~0.1-0.25 ms on the 2-core
+dev host; writes started in one turn of the event loop go out in one pipeline (`_write`), so
+concurrent requests share round trips.
+
 Failure behaviour. Every call runs under `call_timeout_s` (and socket connect/read timeouts).
 A failure marks the store degraded (logged once, counted in `degraded_total`, `errors_total`);
 while degraded, calls fail at once for RETRY_S, then one call tries again, and the first
