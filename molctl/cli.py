@@ -430,7 +430,8 @@ def proxy_cmd(
     log_backups: int = typer.Option(2, "--log-backups", help="Rotated parts kept (.1, .2, ...)."),
     store: Optional[str] = typer.Option(None, "--store", metavar="SPEC",
                                         help="The Responses API's state store: sqlite (STATE/PROFILE/proxy-store.sqlite3), "
-                                             "memory, or sqlite:/abs/path.sqlite3 (default: the profile's proxy.store)."),
+                                             "memory, sqlite:/abs/path.sqlite3, or redis[s]://host:port/db shared by "
+                                             "replicas (default: the profile's proxy.store)."),
     replica_id: Optional[str] = typer.Option(None, "--replica-id", help="With a redis:// store: this replica's id "
                                              "(default: hostname:port)."),
     advertise_upstream: Optional[str] = typer.Option(None, "--advertise-upstream", metavar="URL",

@@ -5,6 +5,9 @@ other; a replica killed mid-conversation is taken over by the other. Driven by t
 
 from __future__ import annotations
 
+import os
+import signal
+
 import httpx
 import openai
 import pytest
@@ -22,6 +25,10 @@ class Replica:
 
     def log(self, hop: str | None = None) -> list[dict]:
         return [e for e in httpx.get(self.engine_url + "/_log").json() if hop is None or e["hop"] == hop]
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(self.proxy_url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+        return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and not line.startswith("#")}
 
     def reset(self) -> None:
         httpx.post(self.engine_url + "/_reset").raise_for_status()
@@ -143,8 +150,9 @@ def test_a_replica_killed_mid_conversation_is_taken_over(cluster, keyfile):
         turn(c, 0)
         turn(b, 1)  # C is alive: B's hops go to C's engine
         assert b.log() == [] and [e["model"] for e in c.log("answer")] == ["L1", "L2"]
-        stop(c_proxy)  # the whole replica dies: its proxy and its engine
-        stop(c_engine)
+        os.killpg(c_proxy.pid, signal.SIGKILL)  # the whole replica dies: its proxy (its heartbeat still fresh)...
+        c_proxy.wait(10)
+        stop(c_engine)  # ...and its engine: B's hops find it refusing connections and B takes over at once
         turn(b, 2)
         turn(b, 3)
     views = [e["messages"] for e in b.log("answer")]
@@ -153,3 +161,24 @@ def test_a_replica_killed_mid_conversation_is_taken_over(cluster, keyfile):
     # B took the conversation over with its folds: turn 1 (L2, made on C) is folded with C's summary
     assert views[0] == [system_only(), u[0], {"role": "assistant", "content": answers[0]}, u[1],
                         fold(f"summary of {answers[1]}"), u[2]]
+
+
+def test_a_replica_stopped_cleanly_is_taken_over_even_though_its_engine_still_runs(cluster, keyfile):
+    """A stopped proxy unregisters its heartbeat: its engine (still up, e.g. being drained) gets no
+    more hops; the other replica takes the conversation over at once, on its own engine."""
+    import contextlib
+
+    redis, _, b, logs = cluster
+    b.reset()
+    before = b.metrics()["molctl_proxy_state_affinity_takeovers_total"]
+    with contextlib.ExitStack() as stack:
+        d, _, d_proxy = start_replica(stack, "D", redis.url, keyfile, logs)
+        u1 = {"role": "user", "content": "[route:L3] first"}
+        a1 = d.chat([u1])
+        stop(d_proxy)  # SIGTERM: drained, unregistered; D's engine keeps running
+        u2 = {"role": "user", "content": "[route:L3] second"}
+        b.chat([u1, {"role": "assistant", "content": a1}, u2])
+        assert [e["model"] for e in d.log("answer")] == ["L3"]  # nothing more reached D's engine
+    assert [e["model"] for e in b.log("answer")] == ["L3"]
+    assert b.log("answer")[0]["messages"][1:] == [u1, {"role": "assistant", "content": a1}, u2]
+    assert b.metrics()["molctl_proxy_state_affinity_takeovers_total"] == before + 1
