@@ -491,9 +491,10 @@ class ProxyApp:
 
     async def _responses_complete(self, plan: Plan, req: responses.ResponsesRequest, send: Send, tenant: str, rid: str) -> None:
         await self._responses_route(plan, req)
-        chat = await self.orch.complete(plan)
+        chat = await self.orch.complete(plan, persist=False)  # a shared store writes the turn and the record together
         response = responses.complete_response(req, responses.new_id("resp_"), int(time.time()), chat)
         await self._responses_keep(req, plan, tenant, response)
+        await self.orch.persisted()
         await self._json(send, 200, response, {"x-request-id": rid})
         self.orch.start_summary(plan)
 

@@ -309,8 +309,9 @@ class Orchestrator:
         plan.view = own_view(self.profile, self.identity, plan.messages, plan.history, plan.route)
         return self.answer_payload(plan)
 
-    async def complete(self, plan: Plan) -> dict[str, Any]:
-        """Non-streaming answer; returns the client body and records the turn."""
+    async def complete(self, plan: Plan, persist: bool = True) -> dict[str, Any]:
+        """Non-streaming answer; returns the client body and records the turn. `persist=False`:
+        the caller awaits `persisted()` itself (after its own writes: one round trip for both)."""
         await self._await_summaries(plan)
         payload = await self._offload(plan, self._build_answer, plan)
         try:
@@ -321,7 +322,8 @@ class Orchestrator:
         shaped = shaping.shape_completion(body, self.public, shaping.new_id())
         if shaped["choices"][0]["finish_reason"] not in FAILED_FINISH:
             self.record(plan, shaped["choices"][0]["message"])
-            await self.persisted()
+            if persist:
+                await self.persisted()
         return shaped
 
     async def stream(self, plan: Plan) -> AsyncIterator[dict[str, Any]]:
