@@ -27,8 +27,9 @@ def redis_server_binary() -> str:
 
 
 class RedisServer:
-    def __init__(self, port: int | None = None):
+    def __init__(self, port: int | None = None, *extra: str):
         self.port = port or free_port()
+        self.extra = list(extra)  # more redis-server options, e.g. "--requirepass", "s3cret"
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -37,7 +38,7 @@ class RedisServer:
 
     def start(self) -> RedisServer:
         self.proc = subprocess.Popen([redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--protected-mode", "no", "--loglevel", "warning"],
+                                      "--appendonly", "no", "--protected-mode", "no", "--loglevel", "warning", *self.extra],
                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      start_new_session=True)
         deadline = time.monotonic() + 10
@@ -46,7 +47,7 @@ class RedisServer:
                 raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
             with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
                 s.sendall(b"PING\r\n")
-                if s.recv(16).startswith(b"+PONG"):
+                if s.recv(64).startswith((b"+PONG", b"-NOAUTH")):
                     return self
             time.sleep(0.05)
         raise TimeoutError("redis-server did not answer PING within 10 s")

@@ -380,3 +380,29 @@ def test_check_and_state_stats_prune_on_redis(redis, r, tmp_path, state_dir):
     assert check["status"] == "fail" and "unreachable" in check["detail"] and "proxy.store redis://127.0.0.1:" in check["detail"]
     result = down("state", "stats", "shared")
     assert result.exit_code == ExitStatus.ERROR and result.stderr.count("\n") == 1 and "unreachable" in result.stderr
+
+
+def test_password_file_authenticates_and_a_wrong_one_is_one_line(tmp_path, keyfile):
+    server = RedisServer(None, "--requirepass", "s3cret").start()
+    try:
+        pw = tmp_path / "store-password"
+        pw.write_text("s3cret\n")
+        engine_port, proxy_port = free_port(), free_port()
+        engine_url = f"http://127.0.0.1:{engine_port}"
+        with running(fake_engine_argv(engine_port), engine_url + "/health"), \
+                running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(keyfile), "--set",
+                                   f"proxy.store={server.url}", "--set", f"proxy.store_password_file={pw}"),
+                        f"http://127.0.0.1:{proxy_port}/readyz") as proc:
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{proxy_port}/v1", api_key=KEY, max_retries=0, timeout=15)
+            first = client.responses.create(model=PUBLIC, input="[route:L1] hi")
+            assert client.responses.retrieve(first.id).id == first.id
+            assert "s3cret" not in " ".join(proc.args)  # never on argv
+        pw.write_text("wrong\n")
+        out = subprocess.run(proxy_argv("tiny", engine_url, free_port(), "--api-key-file", str(keyfile), "--set",
+                                        f"proxy.store={server.url}", "--set", f"proxy.store_password_file={pw}"),
+                             capture_output=True, text=True, cwd=ROOT, timeout=60)
+        lines = [line for line in out.stderr.splitlines() if line.strip()]
+        assert out.returncode == ExitStatus.ERROR and len(lines) == 1
+        assert f"proxy.store {server.url}: unreachable: authentication failed" in lines[0] and "wrong" not in out.stderr
+    finally:
+        server.stop()
