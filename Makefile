@@ -36,6 +36,7 @@ bench: $(VENV)/.stamp-cpu
 	$(PY) bench/bench_lock.py
 	$(PY) bench/bench_proxy.py
 	$(PY) bench/bench_store.py
+	$(PY) bench/bench_redis.py
 	$(PY) bench/bench_lifecycle.py
 	$(PY) bench/bench_e2e.py
 

@@ -430,7 +430,13 @@ def proxy_cmd(
     log_backups: int = typer.Option(2, "--log-backups", help="Rotated parts kept (.1, .2, ...)."),
     store: Optional[str] = typer.Option(None, "--store", metavar="SPEC",
                                         help="The Responses API's state store: sqlite (STATE/PROFILE/proxy-store.sqlite3), "
-                                             "memory, or sqlite:/abs/path.sqlite3 (default: the profile's proxy.store)."),
+                                             "memory, sqlite:/abs/path.sqlite3, or redis[s]://host:port/db shared by "
+                                             "replicas (default: the profile's proxy.store)."),
+    replica_id: Optional[str] = typer.Option(None, "--replica-id", help="With a redis:// store: this replica's id "
+                                             "(default: hostname:port)."),
+    advertise_upstream: Optional[str] = typer.Option(None, "--advertise-upstream", metavar="URL",
+                                                     help="With a redis:// store: this replica's engine URL as its peers "
+                                                          "reach it (default: proxy.advertise_upstream, else --upstream)."),
 ) -> None:
     """Run the MoL proxy in the foreground: one public model, route -> answer -> summary over the adapters.
 
@@ -442,7 +448,7 @@ def proxy_cmd(
               upstream=upstream, host=host,
               port=port, api_key_file=api_key_file, allow_unauthenticated=allow_unauthenticated,
               drain_timeout=drain_timeout, sse_keepalive=sse_keepalive, log_max_bytes=log_max_bytes,
-              log_backups=log_backups)
+              log_backups=log_backups, replica_id=replica_id, advertise_upstream=advertise_upstream)
 
 
 def _typed_overrides(raw: Optional[str]) -> list[tuple[str, object]]:

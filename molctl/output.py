@@ -345,6 +345,11 @@ def _duration(seconds: float) -> str:
 
 
 def _store_where(data: dict) -> str:
+    if data["backend"] == "redis":
+        r = data["redis"]
+        return (f"{data['profile']}: {r['address']} (redis {r['redis_version']}, shared by {len(r['replicas'])} registered "
+                f"replica(s): {', '.join(r['replicas']) or '-'}; maxmemory {r['maxmemory'] or 'unset'}, "
+                f"policy {r['maxmemory_policy']}, used {_bytes(r['used_memory'])})")
     if data["backend"] == "memory":
         return f"{data['profile']}: proxy.store is memory: responses live in the proxy process only (nothing on disk)"
     if not data["exists"]:
@@ -354,6 +359,12 @@ def _store_where(data: dict) -> str:
 
 def _store_counts(data: dict) -> str:
     import datetime
+
+    if data["backend"] == "redis":
+        r, b = data["redis"], data["bounds"]
+        return (f"{r['responses']} response(s), {r['conversation_rows']} chat conversation row(s) (turns and tool calls); "
+                f"evicted {r['responses_evicted']} + {r['conversation_evicted']}; bounds: ttl {b['ttl_s']:g} s per key "
+                f"(Redis expires them), {b['max_entries']} per group")
 
     oldest = data["oldest_created_at"]
     when = "-" if oldest is None else datetime.datetime.fromtimestamp(oldest, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")

@@ -110,6 +110,8 @@ SCHEMA: dict[str, Any] = {
         "store_ttl_s": (int, float),
         "store_max_bytes": int,
         "store_max_entries": int,
+        "store_password_file": (str, type(None)),  # a redis:// store's password (else $MOLCTL_STORE_PASSWORD)
+        "advertise_upstream": (str, type(None)),  # this replica's engine URL as peers reach it (default: --upstream)
     },
     "logs": {  # retention of STATE/PROFILE/logs
         "keep": int,  # the N newest log files kept per component
@@ -183,6 +185,8 @@ class ProxySpec:
     store_ttl_s: float = 30 * 24 * 3600  # stored responses expire after this (as the API)
     store_max_bytes: int = 1024 * 1024 * 1024  # record JSON kept at most; then oldest first evicted
     store_max_entries: int = 100_000
+    store_password_file: str | None = None  # proxy.store redis://...: the password's file (never in the URL)
+    advertise_upstream: str | None = None  # replicas: this proxy's engine as its peers reach it
 
 
 DEFAULT_FOLD = "[This turn was handled by another specialist. Summary: {summary}]"

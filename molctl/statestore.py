@@ -38,11 +38,29 @@ def _counts(store: SqliteResponseStore | None) -> dict[str, Any]:
                               "expired_pending": d["conversation_expired_pending"]}}
 
 
+def _redis(profile: Profile, prune: bool) -> dict[str, Any]:
+    """A shared Redis store (`proxy.store: redis://...`): its counts from the server (and, for
+    prune, the index trimmed and the caps applied); one line naming proxy.store when unreachable."""
+    from molctl.proxy.redis_store import describe_sync, parse_redis_url, prune_sync, read_password
+
+    p = profile.proxy
+    target = parse_redis_url(p.store)
+    password = read_password(p.store_password_file)
+    out: dict[str, Any] = {"profile": profile.name, "backend": "redis", "path": None, "exists": True,
+                           "bounds": {"ttl_s": p.store_ttl_s, "max_entries": p.store_max_entries}}
+    if prune:
+        out["removed"] = prune_sync(target, password, profile.name, p.store_ttl_s, p.store_max_entries)
+    out["redis"] = describe_sync(target, password, profile.name)
+    return out
+
+
 def state_stats(name: str, ctx) -> dict[str, Any]:
     """Counts, bytes (record JSON, and the file on disk with its WAL), oldest created_at, the
     evicted/expired totals and the bounds. A memory store (`proxy.store: memory`) keeps nothing
-    on disk: its counts are zeros."""
+    on disk: its counts are zeros. A Redis store: `_redis`."""
     profile = load_profile(name, ctx.dirs())
+    if profile.proxy.store.startswith(("redis://", "rediss://")):
+        return _redis(profile, prune=False)
     base, store = _open(profile, ctx.state_dir)
     try:
         return {**base, **_counts(store)}
@@ -56,6 +74,8 @@ def state_prune(name: str, ctx) -> dict[str, Any]:
     caps (each on its own counts); what was removed and what remains. Opening a schema-1 file
     migrates it (the conversation tables are added; nothing is removed)."""
     profile = load_profile(name, ctx.dirs())
+    if profile.proxy.store.startswith(("redis://", "rediss://")):
+        return _redis(profile, prune=True)
     base, store = _open(profile, ctx.state_dir)
     try:
         removed = store.prune() if store is not None else {"expired": 0, "evicted": 0, "conversation_expired": 0,

@@ -146,6 +146,8 @@ def _state_store(profile: Profile, state_dir: Path) -> CheckResult:
     from molctl.proxy.sqlite_store import SqliteResponseStore, StoreError, resolve_store
 
     kind, path = resolve_store(profile.proxy.store, state_dir, profile.name)
+    if kind == "redis":
+        return _redis_store(profile)
     if kind == "memory":
         return CheckResult("state.store", "pass", "proxy.store is memory: stored responses are lost when the proxy restarts")
     if not path.exists():
@@ -172,6 +174,26 @@ def _state_store(profile: Profile, state_dir: Path) -> CheckResult:
     finally:
         store.close()
     return CheckResult("state.store", "pass", f"{path}: writable, schema version known, {n} stored response(s)")
+
+
+def _redis_store(profile: Profile) -> CheckResult:
+    """A shared Redis store: the password readable, the server answering PING within 2 s, and
+    its eviction policy (volatile-lru or allkeys-lru recommended: molctl keys all have TTLs)."""
+    from molctl.proxy.redis_store import RedisConfigError, describe_sync, parse_redis_url, read_password
+
+    target = parse_redis_url(profile.proxy.store)
+    try:
+        info = describe_sync(target, read_password(profile.proxy.store_password_file), profile.name)
+    except RedisConfigError as exc:
+        return CheckResult("state.store", "fail", str(exc))
+    policy = info["maxmemory_policy"]
+    bound = ("no maxmemory set: memory is bounded by the TTLs and proxy.store_max_entries only"
+             if not info["maxmemory"] else f"maxmemory {info['maxmemory']} bytes, maxmemory-policy {policy}")
+    advice = "" if policy in ("volatile-lru", "allkeys-lru", "volatile-lfu", "allkeys-lfu") or not info["maxmemory"] else \
+        " (volatile-lru recommended)"
+    return CheckResult("state.store", "pass", f"proxy.store {target.address} reachable (Redis {info['redis_version']}), "
+                                              f"{info['responses']} stored response(s), {len(info['replicas'])} replica(s) "
+                                              f"registered; {bound}{advice}")
 
 
 def _run_state_dir(d: Path) -> list[CheckResult]:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import inspect
 import json
 import logging
 import os
@@ -65,13 +66,16 @@ SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-
 class ProxyApp:
     def __init__(self, profile: Profile, engine: Engine, upstream: str, keys: list[str] | None,
                  store: ConversationStore | None = None, sse_keepalive_s: float = 10.0, ready_cache_s: float = 1.0,
-                 response_store: ResponseStore | None = None):
+                 response_store: ResponseStore | None = None, shared_state: Any = None):
         self.profile = profile
         self.engine = engine
         self.client = EngineClient(upstream)
         self.counters = Counters()
         self.orch = Orchestrator(profile, engine, self.client, store or MemoryStore(), self.counters)
         self.responses: ResponseStore = response_store if response_store is not None else MemoryResponseStore()
+        # a shared store (molctl.proxy.redis_store): async record methods, a heartbeat, closed on shutdown
+        self.shared_state = shared_state
+        self._responses_async = inspect.iscoroutinefunction(self.responses.get_response)
         self.keys = [(k.encode(), hashlib.sha256(k.encode()).hexdigest()[:16]) for k in (keys or [])]
         self.sse_keepalive_s = sse_keepalive_s
         self.ready_cache_s = ready_cache_s
@@ -87,12 +91,19 @@ class ProxyApp:
     # ------------------------------------------------------------------ lifecycle
     async def startup(self) -> None:
         await self.client.start()
+        if self.shared_state is not None:
+            self.shared_state.start_heartbeat(self._engine_healthy)
+
+    async def _engine_healthy(self) -> bool:
+        return (await self.ready())[0]
 
     async def shutdown(self) -> None:
         for task in list(self.orch.background):
             task.cancel()
         await self.client.close()
         self.responses.close()
+        if self.shared_state is not None:
+            await self.shared_state.close()
 
     def start_drain(self) -> None:
         self.draining = True
@@ -283,6 +294,7 @@ class ProxyApp:
         raw = await self._read_body(receive)
         plan = await asyncio.to_thread(self._plan, raw, tenant) if len(raw) > BIG_BODY else self._plan(raw, tenant)
         del raw
+        await self.orch.load(plan)
         await self._run(plan, receive, self._stream(plan, send, rid) if plan.stream else self._complete(plan, send, rid))
 
     async def _run(self, plan: Plan, receive: Receive, coro: Awaitable[None]) -> None:
@@ -408,26 +420,39 @@ class ProxyApp:
 
 
     # ------------------------------------------------------------------ Responses API
-    def _responses_prepare(self, raw: bytes, tenant: str) -> tuple[responses.ResponsesRequest, Plan]:
-        req = responses.parse_request(parse_body(raw, in_steps=len(raw) > BIG_BODY), self.profile.served_model_name)
+    async def _stored(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """A response store call: awaited for an async store (Redis), else called on the loop."""
+        return await fn(*args) if self._responses_async else fn(*args)
+
+    def _responses_parse(self, raw: bytes) -> responses.ResponsesRequest:
+        return responses.parse_request(parse_body(raw, in_steps=len(raw) > BIG_BODY), self.profile.served_model_name)
+
+    async def _responses_previous(self, req: responses.ResponsesRequest, tenant: str) -> None:
+        """The stored chain a request continues; a shared store that is down fails a request that
+        needs state (a chain, or store=true) here, before any engine work (503 + Retry-After)."""
         previous = req.body.get("previous_response_id")
+        if self._responses_async and (previous is not None or req.store):
+            await self.responses.available()
         if previous is not None:
-            record = self.responses.get_response(tenant, previous)
+            record = await self._stored(self.responses.get_response, tenant, previous)
             if record is None:
                 raise responses.not_found(previous, "previous_response_id")
             req.prev, req.history = record, list(record["messages"])
+
+    def _responses_plan(self, req: responses.ResponsesRequest, tenant: str, big: bool) -> Plan:
         plan = self.orch.prepare(req.chat_body(), tenant)
-        plan.big = plan.big or len(raw) > BIG_BODY
+        plan.big = plan.big or big
         plan.include_usage = True  # the Response's usage
-        return req, plan
+        return plan
 
     async def _responses_create(self, receive: Receive, send: Send, tenant: str, rid: str) -> None:
         raw = await self._read_body(receive)
-        if len(raw) > BIG_BODY:
-            req, plan = await asyncio.to_thread(self._responses_prepare, raw, tenant)
-        else:
-            req, plan = self._responses_prepare(raw, tenant)
+        big = len(raw) > BIG_BODY
+        req = await asyncio.to_thread(self._responses_parse, raw) if big else self._responses_parse(raw)
         del raw
+        await self._responses_previous(req, tenant)
+        plan = await asyncio.to_thread(self._responses_plan, req, tenant, big) if big else self._responses_plan(req, tenant, big)
+        await self.orch.load(plan)
         if not plan.stream:
             await self._run(plan, receive, self._responses_complete(plan, req, send, tenant, rid))
             return
@@ -457,16 +482,19 @@ class ProxyApp:
         if req.store and response["status"] != "failed" and plan.answer is not None and plan.route is not None:
             record = responses.make_record(req, tenant, response, plan.answer, plan.route)
             text_bytes = sum(len(m["content"]) for m in record["messages"] if isinstance(m.get("content"), str))
-            if plan.big or len(record["messages"]) > 200 or text_bytes > BIG_RECORD:
+            if self._responses_async:
+                await self.responses.put_response(record)
+            elif plan.big or len(record["messages"]) > 200 or text_bytes > BIG_RECORD:
                 await asyncio.to_thread(self.responses.put_response, record)
             else:
                 self.responses.put_response(record)
 
     async def _responses_complete(self, plan: Plan, req: responses.ResponsesRequest, send: Send, tenant: str, rid: str) -> None:
         await self._responses_route(plan, req)
-        chat = await self.orch.complete(plan)
+        chat = await self.orch.complete(plan, persist=False)  # a shared store writes the turn and the record together
         response = responses.complete_response(req, responses.new_id("resp_"), int(time.time()), chat)
         await self._responses_keep(req, plan, tenant, response)
+        await self.orch.persisted()
         await self._json(send, 200, response, {"x-request-id": rid})
         self.orch.start_summary(plan)
 
@@ -500,12 +528,12 @@ class ProxyApp:
 
     async def _responses_get(self, send: Send, tenant: str, response_id: str, rid: str, delete: bool) -> None:
         if delete:
-            if not self.responses.delete_response(tenant, response_id):
+            if not await self._stored(self.responses.delete_response, tenant, response_id):
                 raise responses.not_found(response_id)
             await self._json(send, 200, {"id": response_id, "object": "response.deleted", "deleted": True},
                              {"x-request-id": rid})
             return
-        record = self.responses.get_response(tenant, response_id)
+        record = await self._stored(self.responses.get_response, tenant, response_id)
         if record is None:
             raise responses.not_found(response_id)
         await self._json(send, 200, record["response"], {"x-request-id": rid})
@@ -524,7 +552,7 @@ class ProxyApp:
         order = query.get("order", "desc")
         if order not in ("asc", "desc"):
             raise invalid("'order' must be 'asc' or 'desc'.", "order")
-        record = self.responses.get_response(tenant, response_id)
+        record = await self._stored(self.responses.get_response, tenant, response_id)
         if record is None:
             raise responses.not_found(response_id)
         await self._json(send, 200, responses.list_input_items(record, limit, order, query.get("after")),

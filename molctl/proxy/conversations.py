@@ -130,6 +130,7 @@ class TurnRecord:
     summary: str | None = None
     summary_failed: bool = False
     stale: bool = False  # a later turn was folded without its summary; it must stay so
+    replica: str | None = None  # a shared store (Redis): the proxy replica whose engine answered it
     done: asyncio.Event = field(default_factory=asyncio.Event)
     # set by a durable store when the record is put: called after each later change (set_summary,
     # mark_stale) so the change reaches the disk too; in-memory stores leave it None
@@ -157,6 +158,7 @@ class CallBinding:
     route: str
     arguments: str  # canonical
     name: str
+    replica: str | None = None  # a shared store (Redis): the proxy replica whose engine issued the call
 
     def size(self) -> int:
         return 120 + len(self.arguments) + len(self.name)

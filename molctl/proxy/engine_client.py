@@ -5,8 +5,10 @@ the project was measured on; BENCHMARKS.md), one pooled session, every request l
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -15,6 +17,23 @@ from molctl.proxy.errors import EngineHTTPError, EngineUnavailable
 
 HOP_HEADER = "X-MoL-Hop"
 BIG_PAYLOAD_MESSAGES = 2000  # serialise larger payloads in a thread, off the event loop
+CHAT_PATH = "/v1/chat/completions"
+
+
+@dataclass
+class EngineChoice:
+    """Conversation affinity (proxy replicas on a shared store): the request's chat hops go to
+    `url`, the engine of `replica`, instead of this proxy's own upstream. `failed` is set when
+    that engine refused the connection: the remaining hops go to the own engine (a takeover)."""
+
+    replica: str
+    url: str
+    failed: bool = False
+
+
+# Set once per request by the orchestrator (`Orchestrator.load`); tasks started by the request
+# (its summary hop) inherit it. None: this proxy's own upstream.
+ENGINE: contextvars.ContextVar[EngineChoice | None] = contextvars.ContextVar("molctl_engine", default=None)
 
 
 def dumps_in_steps(payload: dict[str, Any], step: int = 1000) -> bytes:
@@ -93,14 +112,25 @@ class EngineClient:
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise EngineUnavailable(str(exc) or type(exc).__name__) from None
 
+    async def _post(self, data: bytes | str, hop: str, **kw: Any) -> aiohttp.ClientResponse:
+        """POST a chat hop to the request's engine (ENGINE, else the own upstream). A peer's engine
+        that refuses the connection (nothing was sent) is given up for the rest of the request."""
+        headers = {"Content-Type": "application/json", HOP_HEADER: hop}
+        choice = ENGINE.get()
+        if choice is not None and not choice.failed:
+            try:
+                return await self.session.post(choice.url.rstrip("/") + CHAT_PATH, data=data, headers=headers, **kw)
+            except aiohttp.ClientConnectorError:
+                choice.failed = True
+        return await self.session.post(self.base_url + CHAT_PATH, data=data, headers=headers, **kw)
+
     async def chat(self, payload: dict[str, Any], hop: str, timeout: float | None = None, big: bool = False) -> dict[str, Any]:
         """Non-streaming chat completion; raises EngineHTTPError / EngineUnavailable. `big`:
         encode the payload in a worker thread."""
         kw = {"timeout": aiohttp.ClientTimeout(total=timeout)} if timeout else {}
         data = await encode(payload, big)
         try:
-            async with self.session.post(self.base_url + "/v1/chat/completions", data=data,
-                                         headers={"Content-Type": "application/json", HOP_HEADER: hop}, **kw) as resp:
+            async with await self._post(data, hop, **kw) as resp:
                 raw = await resp.read()
                 status = resp.status
                 headers = resp.headers
@@ -122,8 +152,7 @@ class EngineClient:
         Cancelling the consumer closes the connection, which makes the engine abort the request."""
         data = await encode(payload, big)
         try:
-            resp = await self.session.post(self.base_url + "/v1/chat/completions", data=data,
-                                           headers={"Content-Type": "application/json", HOP_HEADER: hop})
+            resp = await self._post(data, hop)
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise EngineUnavailable(str(exc) or type(exc).__name__) from None
         try:

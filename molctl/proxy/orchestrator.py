@@ -57,7 +57,7 @@ from molctl.proxy.conversations import (
     text_of,
     tool_calls_of,
 )
-from molctl.proxy.engine_client import EngineClient
+from molctl.proxy.engine_client import ENGINE, EngineClient
 from molctl.proxy.errors import EngineHTTPError, EngineUnavailable, from_engine
 from molctl.proxy.validation import PASSTHROUGH, check_request
 from molctl.proxy.views import History, own_view, parse_label, route_input, route_messages, split_history, summary_messages
@@ -161,6 +161,39 @@ class Orchestrator:
         return Plan(body=body, messages=messages, tenant=tenant, stream=body.get("stream", False),
                     include_usage=bool(opts.get("include_usage")), keys=keys, history=history,
                     big=len(messages) > BIG_MESSAGES)
+
+    async def load(self, plan: Plan) -> None:
+        """A shared store (Redis: proxy replicas) is read here, once per request after `prepare`,
+        and the engine of the request's hops is chosen (conversation affinity: the replica whose
+        engine served the conversation last, when its heartbeat is fresh). Nothing for local stores."""
+        load = getattr(self.store, "load", None)
+        if load is None:
+            return
+        calls = [(plan.tenant, str(c.get("id"))) for c in self._trailing_calls(plan.messages)]
+        if await load(list(plan.keys.at.values()), calls):
+            plan.history = await self._offload(plan, split_history, plan.messages, plan.keys.at, self.store.get_turn)
+        owner = None
+        bound = [self.store.get_call(t, c) for t, c in calls]
+        if bound and bound[0] is not None:
+            owner = bound[0].replica
+        elif plan.history.last_record() is not None:
+            owner = plan.history.last_record().replica
+        ENGINE.set(await self.store.choose_engine(owner))
+
+    async def persisted(self) -> None:
+        """A shared store's writes of this request are done (bounded): the next turn may reach another replica."""
+        flush = getattr(self.store, "flush", None)
+        if flush is not None:
+            await flush()
+
+    @staticmethod
+    def _trailing_calls(msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        i = len(msgs)
+        while i > 0 and msgs[i - 1].get("role") == "tool":
+            i -= 1
+        if i == len(msgs) or i == 0 or msgs[i - 1].get("role") != "assistant":
+            return []
+        return tool_calls_of(msgs[i - 1])
 
     async def _offload(self, plan: Plan, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.to_thread(fn, *args) if plan.big else fn(*args)
@@ -276,8 +309,9 @@ class Orchestrator:
         plan.view = own_view(self.profile, self.identity, plan.messages, plan.history, plan.route)
         return self.answer_payload(plan)
 
-    async def complete(self, plan: Plan) -> dict[str, Any]:
-        """Non-streaming answer; returns the client body and records the turn."""
+    async def complete(self, plan: Plan, persist: bool = True) -> dict[str, Any]:
+        """Non-streaming answer; returns the client body and records the turn. `persist=False`:
+        the caller awaits `persisted()` itself (after its own writes: one round trip for both)."""
         await self._await_summaries(plan)
         payload = await self._offload(plan, self._build_answer, plan)
         try:
@@ -288,6 +322,8 @@ class Orchestrator:
         shaped = shaping.shape_completion(body, self.public, shaping.new_id())
         if shaped["choices"][0]["finish_reason"] not in FAILED_FINISH:
             self.record(plan, shaped["choices"][0]["message"])
+            if persist:
+                await self.persisted()
         return shaped
 
     async def stream(self, plan: Plan) -> AsyncIterator[dict[str, Any]]:
@@ -338,6 +374,7 @@ class Orchestrator:
                 message["tool_calls"] = [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
                                          for _, c in sorted(calls.items())]
             self.record(plan, message)  # before the final frames: the client's next turn may follow at once
+            await self.persisted()
         yield shaping.chunk(rid, self.public, created, {}, finish)
         if plan.include_usage and usage:
             yield shaping.usage_chunk(rid, self.public, created, usage)

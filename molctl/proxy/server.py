@@ -57,7 +57,8 @@ def serve(app: ProxyApp, host: str, port: int, drain_timeout_s: float) -> None:
 
 def run_proxy(name: str, ctx, overrides, *, upstream: str, host: str, port: int | None, api_key_file: Path | None,
               allow_unauthenticated: bool, drain_timeout: float, sse_keepalive: float,
-              log_max_bytes: int | None = None, log_backups: int = 2) -> None:
+              log_max_bytes: int | None = None, log_backups: int = 2, replica_id: str | None = None,
+              advertise_upstream: str | None = None) -> None:
     """Load the profile (with the start's overrides), the keys and the log rotation; serve until
     a signal ends the drain. `ctx` gives dirs() (the CLI's Context)."""
     from molctl.engines import get_engine
@@ -71,6 +72,16 @@ def run_proxy(name: str, ctx, overrides, *, upstream: str, host: str, port: int 
 
         rotate_stdio(log_max_bytes, log_backups)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    listen_port = port or profile.proxy.port
+    shared = build_shared_state(profile, upstream, listen_port, replica_id, advertise_upstream)  # unreachable: one line, exit 1
+    if shared is not None:
+        from molctl.proxy.redis_store import RedisConversationStore, RedisResponseStore
+
+        app = ProxyApp(profile, get_engine(profile.engine.kind), upstream, keys, sse_keepalive_s=sse_keepalive,
+                       response_store=RedisResponseStore(shared), shared_state=shared,
+                       store=RedisConversationStore(shared, summary_wait_s=profile.proxy.summary_wait_s))
+        serve(app, host, listen_port, drain_timeout)
+        return
     store = build_response_store(profile, ctx.state_dir)  # a StoreError: one line, exit non-zero, nothing served
     try:
         extra = {"response_store": store} if "response_store" in inspect.signature(ProxyApp).parameters else {}
@@ -81,6 +92,36 @@ def run_proxy(name: str, ctx, overrides, *, upstream: str, host: str, port: int 
         serve(app, host, port or profile.proxy.port, drain_timeout)
     finally:
         store.close()
+
+
+def build_shared_state(profile, upstream: str, port: int, replica_id: str | None, advertise_upstream: str | None):
+    """For `proxy.store: redis://...` (replicas sharing their state): the RedisState of this
+    replica, after one PING (2 s) so that an unreachable store fails the start with one line
+    naming proxy.store and its address (exit 1). None for the local backends."""
+    from molctl.proxy.redis_store import (
+        RedisState,
+        default_replica_id,
+        is_redis_spec,
+        parse_redis_url,
+        ping_sync,
+        read_password,
+        unreachable_error,
+    )
+
+    p = profile.proxy
+    if not is_redis_spec(p.store):
+        return None
+    target = parse_redis_url(p.store)  # validated with the profile
+    password = read_password(p.store_password_file)
+    why = ping_sync(target, password)
+    if why is not None:
+        raise unreachable_error(target, why)
+    state = RedisState(target, password, profile.name, replica_id=replica_id or default_replica_id(port),
+                       advertise_upstream=advertise_upstream or p.advertise_upstream or upstream,
+                       ttl_s=p.store_ttl_s, max_entries=p.store_max_entries)
+    log.info("state store: %s (shared; replica %s, engine advertised as %s)", target.address, state.replica_id,
+             state.advertise_upstream)
+    return state
 
 
 def build_conversation_store(response_store):

@@ -165,12 +165,18 @@ def parse_store_spec(spec: str) -> tuple[str, Path | None]:
     'sqlite:/abs/file.sqlite3' -> ('sqlite', that path). ValueError names what is wrong."""
     if spec in ("sqlite", "memory"):
         return spec, None
+    if spec.startswith(("redis://", "rediss://")):  # shared by proxy replicas: molctl.proxy.redis_store
+        from molctl.proxy.redis_store import parse_redis_url
+
+        parse_redis_url(spec)
+        return "redis", None
     if spec.startswith("sqlite:"):
         path = spec[len("sqlite:"):]
         if not path or not os.path.isabs(path):
             raise ValueError(f"{spec!r}: the path after 'sqlite:' must be absolute")
         return "sqlite", Path(path)
-    raise ValueError(f"{spec!r}: expected 'sqlite', 'memory' or 'sqlite:/absolute/path.sqlite3'")
+    raise ValueError(f"{spec!r}: expected 'sqlite', 'memory', 'sqlite:/absolute/path.sqlite3', redis://host:port/db "
+                     "or rediss://host:port/db")
 
 
 def resolve_store(spec: str, state_dir: Path, profile: str) -> tuple[str, Path | None]:

@@ -1,0 +1,764 @@
+"""The shared backend of the proxy's state: Redis (or Valkey), for N proxy replicas behind one
+load balancer (`proxy.store: redis://host:port/db`, `rediss://` for TLS).
+
+One `RedisState` per proxy process holds the connection (redis-py asyncio: every call is
+awaited on the event loop, none blocks it) and serves three views of it:
+  - `RedisResponseStore`: the Responses API's records (the `ResponseStore` protocol, async);
+  - `RedisConversationStore`: stateless chat's turns and tool-call bindings (the sync
+    `ConversationStore` protocol over a local `MemoryStore`, plus `load` / `flush`, awaited by
+    the orchestrator once per request: see below);
+  - the replica registry: `register()` / `engine_for(owner)` (conversation affinity).
+
+Connection and secrets. The URL may name a user but never a password (refused with one line
+naming proxy.store); the password comes from `proxy.store_password_file` or the environment
+variable MOLCTL_STORE_PASSWORD (never argv). Logs show `address` (scheme://host:port/db).
+
+Keys (all hash-tagged by profile, so one profile's keys share a Cluster slot; Cluster itself is
+not a target): PREFIX = `molctl:{PROFILE}:`
+  - `r:TENANT:RESP_ID`   a response record (JSON), TTL proxy.store_ttl_s;
+  - `t:HEX(KEY)`         a chat turn {route, summary, state, replica, at} (the key is already
+                          seeded with the tenant), TTL as above;
+  - `c:TENANT:CALL_ID`   a tool-call binding {route, arguments, name, replica}, TTL as above;
+  - `replica:ID`         a replica's heartbeat {upstream, at}, TTL HEARTBEAT_TTL_S;
+  - `idx:r`, `idx:conv`  sorted sets (member: key, score: write time) for the count caps;
+  - `stats`              a hash of evicted counts.
+
+Bounded memory: every record key has a TTL (Redis drops it itself); each write trims its group's
+index (entries older than the TTL) and, past `proxy.store_max_entries`, deletes the oldest keys
+of the group (at most EVICT_BATCH per write). Memory is thus about max_entries x record size per
+group; configure Redis with `maxmemory` and `maxmemory-policy volatile-lru` (every molctl key has
+a TTL, so Redis may evict them under pressure; an evicted record is simply unknown, as in SQLite).
+
+Races between replicas. Responses records and call bindings are written once under unique ids.
+A turn key names one history plus its answer, so a later turn never shares a key with an
+earlier one; what can race on one key is the same turn's state: "pending" (just answered),
+"summary"/"failed" (the summary hop ended), "stale" (another replica folded the turn without its
+summary, so it must stay without one). A Lua script merges them atomically by rank (pending <
+summary|failed < stale): a write never lowers a turn's rank, and a summary arriving after a
+stale mark is dropped; the writer learns the merged state. Scripts use Redis 6.2 commands only
+(EVALSHA, SET EX, ZADD, ZRANGE by index, ZREMRANGEBYSCORE, cjson).
+
+Cost (bench/bench_redis.py, BENCHMARKS.md): a call is one round trip, ~0.1-0.25 ms on the 2-core
+dev host; writes started in one turn of the event loop go out in one pipeline (`_write`), so
+concurrent requests share round trips.
+
+Failure behaviour. Every call runs under `call_timeout_s` (and socket connect/read timeouts).
+A failure marks the store degraded (logged once, counted in `degraded_total`, `errors_total`);
+while degraded, calls fail at once for RETRY_S, then one call tries again, and the first
+success recovers (logged once): a stuck or lost Redis costs a request at most one timeout,
+and nothing needs a restart. Chat keeps answering from the local cache (folds of turns this
+process did not see are lost for the while); Responses requests that need state get a 503 with
+Retry-After (`StoreUnavailable`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+from molctl.errors import MolctlError
+from molctl.proxy.conversations import CallBinding, MemoryStore, TurnRecord
+from molctl.proxy.engine_client import ENGINE, EngineChoice
+from molctl.proxy.errors import ProxyError
+from molctl.proxy.response_store import DEFAULT_TTL_S, ResponseRecord
+
+log = logging.getLogger("molctl.proxy")
+
+PASSWORD_ENV = "MOLCTL_STORE_PASSWORD"
+CALL_TIMEOUT_S = 0.5  # one store call, round trip included (socket timeouts alike)
+CONNECT_TIMEOUT_S = 1.0
+RETRY_S = 1.0  # while degraded, calls fail at once for this long, then one tries again
+HEARTBEAT_S = 2.0  # a replica refreshes its registration this often...
+HEARTBEAT_TTL_S = 6.0  # ...and it lapses this long after the last refresh
+EVICT_BATCH = 64
+MAX_CONNECTIONS = 64  # per proxy process
+RETRY_AFTER_S = "2"
+
+# KEYS[1] record, KEYS[2] index, KEYS[3] stats; ARGV: value, ttl_s, now, max_entries, stats field
+PUT_CAPPED = """
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+return trim(KEYS[1], KEYS[2], KEYS[3], ARGV)
+"""
+TRIM = """
+local function trim(key, idx, stats, a)
+  local now, ttl, cap = tonumber(a[3]), tonumber(a[2]), tonumber(a[4])
+  redis.call('ZADD', idx, now, key)
+  redis.call('ZREMRANGEBYSCORE', idx, '-inf', now - ttl)
+  local over = redis.call('ZCARD', idx) - cap
+  if over <= 0 then return 0 end
+  if over > EVICT_BATCH then over = EVICT_BATCH end
+  local victims = redis.call('ZRANGE', idx, 0, over - 1)
+  for _, v in ipairs(victims) do redis.call('DEL', v); redis.call('ZREM', idx, v) end
+  redis.call('HINCRBY', stats, a[5], #victims)
+  return #victims
+end
+""".replace("EVICT_BATCH", str(EVICT_BATCH))
+# a turn: never lower its rank (pending 0 < summary|failed 1 < stale 2); returns the stored JSON
+MERGE_TURN = """
+local new = cjson.decode(ARGV[1])
+local old_raw = redis.call('GET', KEYS[1])
+local rank = {pending = 0, summary = 1, failed = 1, stale = 2}
+local out = new
+if old_raw then
+  local old = cjson.decode(old_raw)
+  if rank[new.state] > rank[old.state] then
+    out.replica, out.route = old.replica, old.route
+  else
+    out = old
+  end
+end
+local raw = cjson.encode(out)
+redis.call('SET', KEYS[1], raw, 'EX', ARGV[2])
+trim(KEYS[1], KEYS[2], KEYS[3], ARGV)
+return raw
+"""
+
+
+# the write tasks of the current request (set by RedisConversationStore.load): `flush` waits for these only
+_REQUEST_WRITES: contextvars.ContextVar[list[asyncio.Task] | None] = contextvars.ContextVar("molctl_store_writes",
+                                                                                             default=None)
+
+
+SCRIPTS = {"put": TRIM + PUT_CAPPED, "turn": TRIM + MERGE_TURN}
+SCRIPT_SHA: dict[str, str] = {}
+
+
+class StoreUnavailable(ProxyError):
+    """The shared store cannot be reached: a 503 with Retry-After for requests that need state."""
+
+    def __init__(self, why: str = ""):
+        super().__init__(503, "The proxy's state store is unavailable; retry shortly.", "server_error", "store_unavailable",
+                         headers={"retry-after": RETRY_AFTER_S})
+        self.why = why
+
+
+class RedisConfigError(MolctlError):
+    """proxy.store names Redis but cannot be used (one line naming proxy.store)."""
+
+
+@dataclass(frozen=True)
+class RedisTarget:
+    url: str  # as given (never holds a password)
+    host: str
+    port: int
+    db: int
+    tls: bool
+    username: str | None
+
+    @property
+    def address(self) -> str:
+        return f"{'rediss' if self.tls else 'redis'}://{self.host}:{self.port}/{self.db}"
+
+
+def is_redis_spec(spec: str) -> bool:
+    return spec.startswith(("redis://", "rediss://"))
+
+
+def parse_redis_url(spec: str) -> RedisTarget:
+    """ValueError (one line, what was expected) for anything but redis[s]://[user@]host[:port][/db]."""
+    parts = urlsplit(spec)
+    if parts.scheme not in ("redis", "rediss"):
+        raise ValueError(f"{spec!r}: expected redis://host:port/db or rediss://host:port/db")
+    if parts.password is not None:
+        raise ValueError("the URL holds a password: put it in proxy.store_password_file or the environment "
+                         f"variable {PASSWORD_ENV}, never in the URL")
+    if not parts.hostname:
+        raise ValueError(f"{parts.scheme}://...: no host (expected {parts.scheme}://host:port/db)")
+    try:
+        port = parts.port or 6379
+    except ValueError:
+        raise ValueError(f"{parts.scheme}://{parts.netloc}: the port is not a number from 1 to 65535") from None
+    path = parts.path.strip("/")
+    if path and not path.isdigit():
+        raise ValueError(f"{parts.scheme}://{parts.hostname}:{port}/{path}: the database must be a number (e.g. /0)")
+    if parts.query or parts.fragment:
+        raise ValueError(f"{parts.scheme}://{parts.hostname}:{port}/{path}: no query or fragment expected")
+    return RedisTarget(spec, parts.hostname, port, int(path or 0), parts.scheme == "rediss",
+                       unquote(parts.username) if parts.username else None)
+
+
+def read_password(password_file: str | None, environ: dict[str, str] | None = None) -> str | None:
+    """The store password: proxy.store_password_file (first line), else $MOLCTL_STORE_PASSWORD, else None."""
+    env = os.environ if environ is None else environ
+    if password_file:
+        try:
+            text = Path(password_file).expanduser().read_text()
+        except OSError as exc:
+            raise RedisConfigError(f"proxy.store_password_file {password_file}: cannot read it ({exc.strerror or exc})") from None
+        first = text.strip().splitlines()[0].strip() if text.strip() else ""
+        if not first:
+            raise RedisConfigError(f"proxy.store_password_file {password_file}: empty (expected the password on its first line)")
+        return first
+    return env.get(PASSWORD_ENV) or None
+
+
+def default_replica_id(port: int) -> str:
+    return f"{socket.gethostname()}:{port}"
+
+
+def _client_kwargs(target: RedisTarget, password: str | None) -> dict[str, Any]:
+    kw: dict[str, Any] = {"host": target.host, "port": target.port, "db": target.db, "username": target.username,
+                          "password": password, "socket_connect_timeout": CONNECT_TIMEOUT_S,
+                          "socket_timeout": CALL_TIMEOUT_S, "decode_responses": False,
+                          "health_check_interval": 0}
+    if target.tls:
+        kw["ssl"] = True
+    return kw
+
+
+def ping_sync(target: RedisTarget, password: str | None, timeout_s: float = 2.0) -> str | None:
+    """None when Redis answers PING within timeout_s, else why not (one line). For start-up and
+    `molctl check` (a plain blocking client: nothing else runs then)."""
+    import redis
+    client = _sync_client(target, password, timeout_s)
+    try:
+        client.ping()
+        return None
+    except redis.AuthenticationError as exc:
+        return f"authentication failed ({exc}); the password comes from proxy.store_password_file or {PASSWORD_ENV}"
+    except redis.RedisError as exc:
+        return str(exc) or type(exc).__name__
+    finally:
+        client.close()
+
+
+def unreachable_error(target: RedisTarget, why: str) -> RedisConfigError:
+    return RedisConfigError(f"proxy.store {target.address}: unreachable: {why}")
+
+
+class RedisState:
+    """The connection, its health, the key layout and the replica registry (see the module docstring).
+    `clock`: wall time (records carry it; the caps and the heartbeats compare it across replicas)."""
+
+    def __init__(self, target: RedisTarget, password: str | None, profile: str, *, replica_id: str,
+                 advertise_upstream: str, ttl_s: float = DEFAULT_TTL_S, max_entries: int = 100_000,
+                 call_timeout_s: float = CALL_TIMEOUT_S, clock: Callable[[], float] = time.time,
+                 heartbeat_s: float = HEARTBEAT_S, heartbeat_ttl_s: float = HEARTBEAT_TTL_S):
+        self.target, self._password = target, password
+        self.prefix = f"molctl:{{{profile}}}:"
+        self.replica_id, self.advertise_upstream = replica_id, advertise_upstream
+        self.ttl_s, self.max_entries, self.call_timeout_s, self.clock = int(max(1, ttl_s)), max_entries, call_timeout_s, clock
+        self.heartbeat_s, self.heartbeat_ttl_s = heartbeat_s, heartbeat_ttl_s
+        self._client = None
+        self._scripts_loaded = False  # SCRIPT LOAD done on the current connection pool's server
+        self._batch: list[tuple[str, list[str], list[Any], asyncio.Future]] = []
+        self.degraded = False
+        self.degraded_total = 0  # times the store went from healthy to degraded
+        self.errors_total = 0  # failed or skipped calls
+        self._retry_at = 0.0
+        self._batches: set[asyncio.Task] = set()
+        self._peers: dict[str, tuple[float, str | None]] = {}  # replica -> (checked at, upstream or None)
+        self._heartbeat: asyncio.Task | None = None
+
+    # ---------------------------------------------------------------- connection
+    def _redis(self):
+        if self._client is None:
+            import redis.asyncio as aioredis
+            from redis.asyncio.retry import Retry
+            from redis.backoff import NoBackoff
+
+            # no retries inside a call: the call's own timeout bounds it, the degraded state paces the retries;
+            # at most MAX_CONNECTIONS, a call waits for a free one within its own timeout (backpressure)
+            kw = _client_kwargs(self.target, self._password)
+            pool_kw = {k: v for k, v in kw.items() if k != "ssl"}
+            pool_kw["retry"] = Retry(NoBackoff(), 0)
+            if kw.get("ssl"):
+                pool_kw["connection_class"] = aioredis.SSLConnection
+            pool = aioredis.BlockingConnectionPool(max_connections=MAX_CONNECTIONS, timeout=self.call_timeout_s, **pool_kw)
+            self._client = aioredis.Redis(connection_pool=pool)
+            self._scripts_loaded = False
+        return self._client
+
+    async def call(self, what: str, fn: Callable[[Any], Any]) -> Any:
+        """fn(client) awaited under call_timeout_s; StoreUnavailable on any failure (see the module docstring)."""
+        import redis
+
+        now = time.monotonic()
+        if self.degraded and now < self._retry_at:
+            self.errors_total += 1
+            raise StoreUnavailable("degraded")
+        if self.degraded:
+            self._retry_at = now + RETRY_S  # this call is the one retry; the others keep failing fast
+        try:
+            async with asyncio.timeout(self.call_timeout_s):
+                result = await fn(self._redis())
+        except (redis.RedisError, OSError, TimeoutError) as exc:
+            self._failed(what, exc)
+            raise StoreUnavailable(str(exc)) from None
+        if self.degraded:
+            self.degraded = False
+            log.warning("state store %s: reachable again; shared state restored", self.target.address)
+        return result
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        self.errors_total += 1
+        self._retry_at = time.monotonic() + RETRY_S
+        if not self.degraded:
+            self.degraded = True
+            self.degraded_total += 1
+            why = str(exc) or type(exc).__name__
+            log.warning("state store %s: %s failed (%s); degraded: chat continues without shared state, "
+                        "Responses requests that need it get 503 until it is back", self.target.address, what, why)
+        # a timed-out connection may hold a half-read reply: drop the pool so the next call starts clean
+        client, self._client = self._client, None
+        if client is not None:
+            asyncio.get_running_loop().create_task(_close_quietly(client))
+
+    async def available(self) -> None:
+        """Raise StoreUnavailable unless a PING answers (fast when degraded: see call())."""
+        await self.call("ping", lambda r: r.ping())
+
+    async def close(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            await asyncio.gather(self._heartbeat, return_exceptions=True)
+            self._heartbeat = None
+            try:
+                await self.call("unregister", lambda r: r.delete(self._replica_key(self.replica_id)))
+            except StoreUnavailable:
+                pass
+        client, self._client = self._client, None
+        if client is not None:
+            await _close_quietly(client)
+
+    def stats(self) -> dict[str, int]:
+        return {"store_degraded": int(self.degraded), "store_degraded_total": self.degraded_total,
+                "store_errors_total": self.errors_total}
+
+    # ---------------------------------------------------------------- records
+    async def put(self, key: str, group: str, value: bytes) -> int:
+        args = [value, self.ttl_s, self.clock(), self.max_entries, f"{group}_evicted"]
+        return await self._write("put", [key, self.prefix + "idx:" + group, self.prefix + "stats"], args)
+
+    async def merge_turn(self, key: str, value: bytes) -> bytes:
+        args = [value, self.ttl_s, self.clock(), self.max_entries, "conv_evicted"]
+        return await self._write("turn", [key, self.prefix + "idx:conv", self.prefix + "stats"], args)
+
+    async def _write(self, script: str, keys: list[str], args: list[Any]) -> Any:
+        """Writes are batched: those started in one turn of the event loop (concurrent requests,
+        summaries) go out in one pipeline, one round trip (each socket write costs CPU that
+        concurrent requests would otherwise queue behind)."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        if not self._batch:
+            loop.call_soon(lambda: self._track_batch(loop.create_task(self._send_batch())))
+        self._batch.append((script, keys, args, future))
+        return await future
+
+    def _track_batch(self, task: asyncio.Task) -> None:
+        self._batches.add(task)
+        task.add_done_callback(self._batches.discard)
+
+    async def _send_batch(self) -> None:
+        import redis
+
+        batch, self._batch = self._batch, []
+
+        async def send(r):
+            if not self._scripts_loaded:
+                for name, source in SCRIPTS.items():
+                    SCRIPT_SHA[name] = await r.script_load(source)
+                self._scripts_loaded = True
+            async with r.pipeline(transaction=False) as pipe:
+                for script, keys, args, _ in batch:
+                    pipe.execute_command("EVALSHA", SCRIPT_SHA[script], len(keys), *keys, *args)
+                return await pipe.execute(raise_on_error=False)
+
+        try:
+            results = await self.call("write", send)
+        except StoreUnavailable as exc:
+            results = [exc] * len(batch)
+        for (_, _, _, future), result in zip(batch, results, strict=True):
+            if future.done():
+                continue
+            if isinstance(result, redis.exceptions.NoScriptError):
+                self._scripts_loaded = False  # a restarted Redis: loaded again by the next batch
+            if isinstance(result, BaseException):
+                if not isinstance(result, StoreUnavailable):
+                    self.errors_total += 1
+                future.set_exception(result if isinstance(result, StoreUnavailable) else StoreUnavailable(str(result)))
+            else:
+                future.set_result(result)
+
+    # ---------------------------------------------------------------- replicas
+    def _replica_key(self, replica: str) -> str:
+        return f"{self.prefix}replica:{replica}"
+
+    def start_heartbeat(self, healthy: Callable[[], Any]) -> None:
+        """Register this replica (its advertised engine) every heartbeat_s while `await healthy()`
+        is true; an unhealthy engine is unregistered, so peers take its conversations over."""
+        self._heartbeat = asyncio.get_running_loop().create_task(self._beat(healthy))
+
+    async def _beat(self, healthy: Callable[[], Any]) -> None:
+        key = self._replica_key(self.replica_id)
+        while True:
+            try:
+                ok = bool(await healthy())
+                beat = json.dumps({"upstream": self.advertise_upstream, "at": self.clock()})
+                if ok:
+                    await self.call("heartbeat", lambda r, beat=beat: r.set(key, beat, px=int(self.heartbeat_ttl_s * 1000)))
+                else:
+                    await self.call("heartbeat", lambda r: r.delete(key))
+            except StoreUnavailable:
+                pass
+            except Exception:  # a bug here must not end the heartbeat for good
+                log.exception("replica heartbeat failed")
+            await asyncio.sleep(self.heartbeat_s)
+
+    async def engine_for(self, owner: str | None) -> EngineChoice | None:
+        """The engine of the replica that served the conversation last, when that is another
+        replica with a fresh heartbeat; None: this replica's own engine (it takes over)."""
+        if owner is None or owner == self.replica_id:
+            return None
+        now = time.monotonic()
+        checked = self._peers.get(owner)
+        if checked is None or now - checked[0] > min(1.0, self.heartbeat_s):
+            try:
+                raw = await self.call("heartbeat read", lambda r: r.get(self._replica_key(owner)))
+            except StoreUnavailable:
+                return None
+            upstream = None
+            if raw:
+                beat = json.loads(raw)
+                if self.clock() - float(beat.get("at", 0)) <= self.heartbeat_ttl_s:
+                    upstream = beat.get("upstream")
+            checked = (now, upstream)
+            self._peers[owner] = checked
+        return EngineChoice(owner, checked[1]) if checked[1] else None
+
+
+async def _close_quietly(client) -> None:
+    try:
+        await client.aclose()
+    except Exception:  # noqa: BLE001 - the connection is being dropped anyway
+        pass
+
+
+# ---------------------------------------------------------------------- the Responses API
+
+
+class RedisResponseStore:
+    """The Responses API's records in Redis (async methods; the app awaits them). Each failure is
+    a StoreUnavailable (503 + Retry-After)."""
+
+    def __init__(self, state: RedisState):
+        self.state = state
+
+    def _key(self, tenant: str, response_id: str) -> str:
+        return f"{self.state.prefix}r:{tenant}:{response_id}"
+
+    async def available(self) -> None:
+        """Fails fast (503) while the store is degraded (a PING once the retry interval passed);
+        free otherwise: a store lost since then fails the request's own call."""
+        if self.state.degraded:
+            await self.state.available()
+
+    async def put_response(self, record: ResponseRecord) -> None:
+        raw = json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode()
+        await self.state.put(self._key(record["tenant"], record["id"]), "r", raw)
+
+    async def get_response(self, tenant: str, response_id: str) -> ResponseRecord | None:
+        raw = await self.state.call("read", lambda r: r.get(self._key(tenant, response_id)))
+        if raw is None:
+            return None
+        record = json.loads(raw)
+        return record if self.state.clock() - float(record.get("created_at", 0)) <= self.state.ttl_s else None
+
+    async def delete_response(self, tenant: str, response_id: str) -> bool:
+        key = self._key(tenant, response_id)
+
+        async def delete(r):
+            async with r.pipeline(transaction=True) as pipe:
+                pipe.delete(key)
+                pipe.zrem(self.state.prefix + "idx:r", key)
+                return (await pipe.execute())[0]
+
+        return bool(await self.state.call("delete", delete))
+
+    def stats(self) -> dict[str, int]:
+        return dict(self.state.stats())
+
+    def close(self) -> None:
+        pass  # the RedisState is closed by the app's shutdown
+
+
+# ---------------------------------------------------------------------- stateless chat
+
+_STATES = ("pending", "summary", "failed", "stale")
+
+
+def _turn_state(record: TurnRecord) -> str:
+    if record.stale:
+        return "stale"
+    if record.summary is not None:
+        return "summary"
+    return "failed" if record.summary_failed or record.done.is_set() else "pending"
+
+
+def _apply(record: TurnRecord, data: dict[str, Any]) -> None:
+    """Bring a local record to the merged state (without writing it back)."""
+    state = data.get("state")
+    if state == "stale":
+        record.stale, record.summary = True, None
+    elif state == "summary":
+        record.summary, record.summary_failed = data.get("summary"), False
+    elif state == "failed":
+        record.summary, record.summary_failed = None, True
+    if state != "pending":
+        record.done.set()
+    record.replica = data.get("replica") or record.replica
+
+
+class _Persist:
+    """A TurnRecord's on_change under RedisConversationStore: its new state is merged in Redis."""
+
+    __slots__ = ("key", "store")
+
+    def __init__(self, store: RedisConversationStore, key: bytes):
+        self.store, self.key = store, key
+
+    def __call__(self, record: TurnRecord) -> None:
+        self.store._write_turn(self.key, record)
+
+
+class RedisConversationStore:
+    """Stateless chat's state shared by the replicas. The orchestrator's lookups stay synchronous
+    (they run in `prepare`, possibly in a worker thread) and read a local MemoryStore; Redis is
+    read once per request by `load` (one MGET of the history's turn keys and the pending tool
+    calls, into the cache: Redis is the source of truth, a cached record is brought to the
+    stored state) and written behind: each put starts a write task, `flush` awaits the writes of
+    this request before its answer's last bytes go out (the client's next turn may go to another
+    replica at once). A turn still pending on another replica is polled until its summary lands
+    or `summary_wait_s` passes. Failures are counted by the RedisState (degraded) and never fail
+    a chat request."""
+
+    def __init__(self, state: RedisState, cache: MemoryStore | None = None, summary_wait_s: float = 5.0,
+                 poll_s: float = 0.05):
+        self.state = state
+        self.cache = cache if cache is not None else MemoryStore()
+        self.summary_wait_s, self.poll_s = summary_wait_s, poll_s
+        self._writes: set[asyncio.Task] = set()
+        self._polls: set[asyncio.Task] = set()
+        self.affinity_remote_total = 0  # requests whose hops went to another replica's engine
+        self.affinity_takeovers_total = 0  # conversations taken over from a replica without a heartbeat
+
+    def _tkey(self, key: bytes) -> str:
+        return f"{self.state.prefix}t:{key.hex()}"
+
+    def _ckey(self, tenant: str, call_id: str) -> str:
+        return f"{self.state.prefix}c:{tenant}:{call_id}"
+
+    # ---------------------------------------------------------------- sync protocol (cache)
+    def get_turn(self, key: bytes) -> TurnRecord | None:
+        return self.cache.get_turn(key)
+
+    def put_turn(self, key: bytes, record: TurnRecord) -> None:
+        bound = record.on_change
+        if not (isinstance(bound, _Persist) and bound.store is self and bound.key == key):
+            if record.replica is None:
+                record.replica = _serving(self.state.replica_id)
+            record.on_change = _Persist(self, key)
+            self._write_turn(key, record)
+        self.cache.put_turn(key, record)
+
+    def get_call(self, tenant: str, call_id: str) -> CallBinding | None:
+        return self.cache.get_call(tenant, call_id)
+
+    def put_call(self, tenant: str, call_id: str, binding: CallBinding) -> None:
+        if binding.replica is None:
+            binding.replica = _serving(self.state.replica_id)
+        raw = json.dumps({"route": binding.route, "arguments": binding.arguments, "name": binding.name,
+                          "replica": binding.replica}).encode()
+        self._spawn(self.state.put(self._ckey(tenant, call_id), "conv", raw))
+        self.cache.put_call(tenant, call_id, binding)
+
+    def stats(self) -> dict[str, int]:
+        return {**self.cache.stats(), **self.state.stats(), "affinity_remote_total": self.affinity_remote_total,
+                "affinity_takeovers_total": self.affinity_takeovers_total}
+
+    # ---------------------------------------------------------------- writes
+    def _write_turn(self, key: bytes, record: TurnRecord) -> None:
+        raw = json.dumps({"route": record.route, "summary": record.summary, "state": _turn_state(record),
+                          "replica": record.replica, "at": self.state.clock()}).encode()
+
+        async def write() -> None:
+            merged = json.loads(await self.state.merge_turn(self._tkey(key), raw))
+            if merged.get("state") != _turn_state(record):  # another replica's state won: take it
+                _apply(record, merged)
+
+        self._spawn(write())
+
+    def _spawn(self, coro) -> None:
+        try:
+            task = asyncio.get_running_loop().create_task(_quiet(coro))
+        except RuntimeError:  # no loop in this thread (a worker thread): write from the loop is not possible
+            coro.close()
+            self.state.errors_total += 1
+            return
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+        mine = _REQUEST_WRITES.get()
+        if mine is not None:
+            mine.append(task)
+
+    def _track(self, task: asyncio.Task) -> None:
+        self._polls.add(task)
+        task.add_done_callback(self._polls.discard)
+
+    async def flush(self) -> None:
+        """Wait (bounded by the call timeout) for this request's writes (outside a request: all)."""
+        mine = _REQUEST_WRITES.get()
+        pending = [t for t in (mine if mine is not None else self._writes) if not t.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=self.state.call_timeout_s * 2)
+
+    # ---------------------------------------------------------------- per request
+    async def load(self, turn_keys: list[bytes], calls: list[tuple[str, str]]) -> bool:
+        """Read the history's turns and the trailing tool calls into the cache (one MGET); True
+        when a turn was found that the cache lacked (the history must be split again)."""
+        _REQUEST_WRITES.set([])
+        if not turn_keys and not calls:
+            return False
+        names = [self._tkey(k) for k in turn_keys] + [self._ckey(t, c) for t, c in calls]
+        try:
+            values = await self.state.call("read", lambda r: r.mget(names))
+        except StoreUnavailable:
+            return False
+        added = False
+        for key, raw in zip(turn_keys, values[:len(turn_keys)], strict=True):
+            if raw is None:
+                continue
+            data = json.loads(raw)
+            record = self.cache.get_turn(key)
+            if record is None:
+                record = TurnRecord(data["route"], replica=data.get("replica"))
+                record.on_change = _Persist(self, key)
+                self.cache.put_turn(key, record)
+                added = True
+                if data.get("state") == "pending" and self.state.clock() - float(data.get("at", 0)) < self.summary_wait_s:
+                    self._track(asyncio.get_running_loop().create_task(self._poll(key, record)))
+                elif data.get("state") == "pending":
+                    data["state"] = "failed"  # its summary never came in time: fold without it
+            _apply(record, data)
+        for (tenant, call_id), raw in zip(calls, values[len(turn_keys):], strict=True):
+            if raw is not None and self.cache.get_call(tenant, call_id) is None:
+                data = json.loads(raw)
+                self.cache.put_call(tenant, call_id, CallBinding(data["route"], data["arguments"], data["name"], data.get("replica")))
+        return added
+
+    async def _poll(self, key: bytes, record: TurnRecord) -> None:
+        """Another replica's turn whose summary is still being made: read it until it lands."""
+        deadline = time.monotonic() + self.summary_wait_s
+        while not record.done.is_set() and time.monotonic() < deadline:
+            await asyncio.sleep(self.poll_s)
+            try:
+                raw = await self.state.call("read", lambda r: r.get(self._tkey(key)))
+            except StoreUnavailable:
+                return
+            if raw is not None and not record.done.is_set():
+                data = json.loads(raw)
+                if data.get("state") != "pending":
+                    _apply(record, data)
+
+    async def choose_engine(self, owner: str | None) -> EngineChoice | None:
+        """Affinity: the owner's engine when its heartbeat is fresh, else None (this replica's)."""
+        choice = await self.state.engine_for(owner)
+        if choice is not None:
+            self.affinity_remote_total += 1
+        elif owner is not None and owner != self.state.replica_id:
+            self.affinity_takeovers_total += 1
+        return choice
+
+
+def _serving(default: str) -> str:
+    """The replica whose engine answers the current request (affinity), else this one."""
+    choice = ENGINE.get()
+    return choice.replica if choice is not None and not choice.failed else default
+
+
+async def _quiet(coro) -> None:
+    try:
+        await coro
+    except StoreUnavailable:
+        pass
+
+
+__all__ = ["RedisState", "RedisResponseStore", "RedisConversationStore", "RedisTarget", "StoreUnavailable",
+           "RedisConfigError", "parse_redis_url", "read_password", "ping_sync", "is_redis_spec"]
+
+
+# ---------------------------------------------------------------------- from outside the proxy
+
+
+def _sync_client(target: RedisTarget, password: str | None, timeout_s: float = 2.0):
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    kw = _client_kwargs(target, password)
+    kw.update(socket_connect_timeout=timeout_s, socket_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
+    return redis.Redis(**kw)
+
+
+def describe_sync(target: RedisTarget, password: str | None, profile: str) -> dict[str, Any]:
+    """What `molctl state stats` shows for a Redis store: this profile's indexed records per group
+    (expired ones not yet trimmed from the index included), evicted totals, registered replicas,
+    and the server's memory settings. RedisConfigError (one line) when unreachable."""
+    import redis
+
+    prefix = f"molctl:{{{profile}}}:"
+    client = _sync_client(target, password)
+    try:
+        info = client.info("server")
+        memory = client.info("memory")
+        evicted = {k.decode(): int(v) for k, v in (client.hgetall(prefix + "stats") or {}).items()}
+        replicas = sorted(k.decode()[len(prefix) + len("replica:"):] for k in client.scan_iter(prefix + "replica:*", count=100))
+        return {"address": target.address, "redis_version": info.get("redis_version"),
+                "maxmemory": int(memory.get("maxmemory", 0)), "maxmemory_policy": memory.get("maxmemory_policy"),
+                "used_memory": int(memory.get("used_memory", 0)),
+                "responses": client.zcard(prefix + "idx:r"), "conversation_rows": client.zcard(prefix + "idx:conv"),
+                "responses_evicted": evicted.get("r_evicted", 0), "conversation_evicted": evicted.get("conv_evicted", 0),
+                "replicas": replicas}
+    except redis.RedisError as exc:
+        raise unreachable_error(target, str(exc) or type(exc).__name__) from None
+    finally:
+        client.close()
+
+
+def prune_sync(target: RedisTarget, password: str | None, profile: str, ttl_s: float, max_entries: int,
+               clock: Callable[[], float] = time.time) -> dict[str, int]:
+    """Redis expires the records itself (TTL) and each write evicts over the cap; this trims the
+    index entries of expired records and evicts what is over `max_entries` now (e.g. after the cap
+    was lowered). Returns what it removed."""
+    import redis
+
+    prefix = f"molctl:{{{profile}}}:"
+    client = _sync_client(target, password)
+    out: dict[str, int] = {}
+    try:
+        for group, name in (("r", ""), ("conv", "conversation_")):
+            idx = prefix + "idx:" + group
+            out[name + "expired"] = client.zremrangebyscore(idx, "-inf", clock() - ttl_s)
+            over = client.zcard(idx) - max_entries
+            victims = client.zrange(idx, 0, over - 1) if over > 0 else []
+            for i in range(0, len(victims), 500):
+                chunk = victims[i:i + 500]
+                client.delete(*chunk)
+                client.zrem(idx, *chunk)
+            if victims:
+                client.hincrby(prefix + "stats", f"{group}_evicted", len(victims))
+            out[name + "evicted"] = len(victims)
+        return out
+    except redis.RedisError as exc:
+        raise unreachable_error(target, str(exc) or type(exc).__name__) from None
+    finally:
+        client.close()

@@ -1,0 +1,408 @@
+"""The Redis backend of the proxy's state (molctl.proxy.redis_store) against a real redis-server:
+records per tenant and profile, TTLs, the count cap, the atomic turn merge between replicas,
+the replica heartbeat, and the failure behaviour (unreachable at start, lost while serving,
+stuck) through real `molctl proxy` processes driven by the openai SDK."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from molctl.errors import ExitStatus
+from molctl.proxy.conversations import CallBinding, TurnRecord
+from molctl.proxy.redis_store import (
+    RedisConversationStore,
+    RedisResponseStore,
+    RedisState,
+    StoreUnavailable,
+    parse_redis_url,
+    read_password,
+)
+from tests.helpers import ROOT, free_port
+from tests.procs import fake_engine_argv, proxy_argv, running
+from tests.redis_server import RedisServer, redis_server
+from tests.test_proxy import KEY, PUBLIC, keyfile  # noqa: F401 - fixture
+
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def redis():
+    with redis_server() as server:
+        yield server
+
+
+@pytest.fixture
+def r(redis):
+    client = redis.client()
+    client.flushall()
+    yield client
+    client.close()
+
+
+def state(redis, profile="tiny", **kw) -> RedisState:
+    return RedisState(parse_redis_url(redis.url), None, profile, replica_id=kw.pop("replica_id", "a"),
+                      advertise_upstream=kw.pop("advertise_upstream", "http://engine-a"), **kw)
+
+
+def record(rid: str, tenant: str = "t1", created_at: float | None = None) -> dict:
+    return {"id": rid, "tenant": tenant, "created_at": time.time() if created_at is None else created_at,
+            "previous_response_id": None, "route": "L1",
+            "messages": [{"role": "user", "content": "hi"}], "input_items": [], "response": {"id": rid}}
+
+
+# ------------------------------------------------------------------------------ configuration
+
+def test_url_parsing_refuses_a_password_and_bad_parts():
+    t = parse_redis_url("rediss://app@cache.internal:6380/3")
+    assert (t.host, t.port, t.db, t.tls, t.username, t.address) == ("cache.internal", 6380, 3, True, "app",
+                                                                     "rediss://cache.internal:6380/3")
+    assert parse_redis_url("redis://localhost").address == "redis://localhost:6379/0"
+    with pytest.raises(ValueError, match="holds a password.*store_password_file.*MOLCTL_STORE_PASSWORD") as err:
+        parse_redis_url("redis://:s3cret@h:6379/0")
+    assert "s3cret" not in str(err.value)
+    for bad, why in [("redis://h:99999/0", "port"), ("redis://h:6379/x", "database"), ("redis:///0", "no host")]:
+        with pytest.raises(ValueError, match=why):
+            parse_redis_url(bad)
+
+
+def test_password_from_file_or_environment(tmp_path):
+    f = tmp_path / "pw"
+    f.write_text("from-file\n")
+    assert read_password(str(f), {"MOLCTL_STORE_PASSWORD": "env"}) == "from-file"
+    assert read_password(None, {"MOLCTL_STORE_PASSWORD": "env"}) == "env"
+    assert read_password(None, {}) is None
+
+
+def test_a_password_in_the_profile_url_is_one_line_naming_proxy_store(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "molctl", "proxy", "tiny", "--upstream", "http://127.0.0.1:9",
+                          "--allow-unauthenticated", "--set", "proxy.store=redis://:hunter2@127.0.0.1:6379/0"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == ExitStatus.CHECK_FAILED
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "proxy.store" in lines[0] and "password" in lines[0] and "hunter2" not in out.stderr
+
+
+# ------------------------------------------------------------------------------ records
+
+def test_responses_per_tenant_and_profile_with_ttl_and_delete(redis, r):
+    async def main():
+        st = state(redis)
+        other = RedisResponseStore(state(redis, profile="venti"))
+        store = RedisResponseStore(st)
+        await store.put_response(record("resp_1"))
+        got = await store.get_response("t1", "resp_1")
+        assert got["id"] == "resp_1" and got["messages"] == [{"role": "user", "content": "hi"}]
+        assert await store.get_response("t2", "resp_1") is None  # another tenant
+        assert await other.get_response("t1", "resp_1") is None  # another profile
+        assert await store.delete_response("t1", "resp_1") is True
+        assert await store.delete_response("t1", "resp_1") is False
+        assert await store.get_response("t1", "resp_1") is None
+        await store.put_response(record("resp_2"))
+        await st.close()
+        await other.state.close()
+
+    asyncio.run(main())
+    [key] = r.keys("molctl:{tiny}:r:*")
+    assert key == b"molctl:{tiny}:r:t1:resp_2"
+    assert 0 < r.ttl(key) <= 30 * 24 * 3600  # every record expires by itself
+
+
+def test_count_cap_evicts_the_oldest(redis, r):
+    async def main():
+        now = [time.time()]
+        st = state(redis, max_entries=3, clock=lambda: now[0])
+        store = RedisResponseStore(st)
+        for i in range(5):
+            now[0] += 1
+            await store.put_response(record(f"resp_{i}", created_at=now[0]))
+        found = [await store.get_response("t1", f"resp_{i}") is not None for i in range(5)]
+        await st.close()
+        return found
+
+    assert asyncio.run(main()) == [False, False, True, True, True]
+    assert r.zcard("molctl:{tiny}:idx:r") == 3 and int(r.hget("molctl:{tiny}:stats", "r_evicted")) == 2
+
+
+def test_turn_merge_never_lowers_a_turn_between_replicas(redis, r):
+    """Replica B folded a turn without its summary (stale); A's summary arriving later is dropped,
+    and A's local record learns it. A fresh put of the same turn never erases a summary."""
+    async def main():
+        a = RedisConversationStore(state(redis, replica_id="a"))
+        b = RedisConversationStore(state(redis, replica_id="b"))
+        key = b"k" * 32
+        rec_a = TurnRecord("L1")
+        a.put_turn(key, rec_a)
+        await a.flush()
+        assert await b.load([key], []) is True
+        rec_b = b.get_turn(key)
+        assert rec_b.route == "L1" and rec_b.replica == "a" and not rec_b.done.is_set()  # pending on A: B polls
+        rec_b.mark_stale()
+        await b.flush()
+        rec_a.set_summary("late summary")
+        await a.flush()
+        await asyncio.sleep(0.05)
+        assert rec_a.stale and rec_a.summary is None  # the stored (merged) state won
+        stored = json.loads(r.get(a._tkey(key)))
+        assert stored["state"] == "stale" and stored["summary"] is None and stored["replica"] == "a"
+        # another key: summary first, then a replayed fresh put (same answer on another replica)
+        key2 = b"z" * 32
+        done = TurnRecord("L2")
+        a.put_turn(key2, done)
+        done.set_summary("S")
+        await a.flush()
+        b.put_turn(key2, TurnRecord("L3"))
+        await b.flush()
+        stored = json.loads(r.get(a._tkey(key2)))
+        assert (stored["state"], stored["summary"], stored["route"]) == ("summary", "S", "L2")
+        # tool-call bindings
+        a.put_call("t1", "call-1", CallBinding("L2", "{}", "get_weather"))
+        await a.flush()
+        assert await b.load([], [("t1", "call-1")]) is False
+        assert b.get_call("t1", "call-1") == CallBinding("L2", "{}", "get_weather", "a")
+        for s in (a, b):
+            await s.state.close()
+
+    asyncio.run(main())
+
+
+def test_a_pending_turn_of_another_replica_is_awaited_until_its_summary_lands(redis, r):
+    async def main():
+        a = RedisConversationStore(state(redis, replica_id="a"))
+        b = RedisConversationStore(state(redis, replica_id="b"), poll_s=0.02)
+        key = b"p" * 32
+        rec = TurnRecord("L1")
+        a.put_turn(key, rec)
+        await a.flush()
+        await b.load([key], [])
+        seen = b.get_turn(key)
+        assert not seen.done.is_set()
+        rec.set_summary("it landed")
+        await asyncio.wait_for(seen.done.wait(), 5)
+        assert seen.summary == "it landed" and not seen.summary_failed
+        for s in (a, b):
+            await s.state.close()
+
+    asyncio.run(main())
+
+
+def test_heartbeat_registers_and_lapses(redis, r):
+    async def main():
+        a = state(redis, replica_id="a", advertise_upstream="http://10.0.0.1:8000", heartbeat_s=0.05, heartbeat_ttl_s=0.3)
+        b = state(redis, replica_id="b")
+
+        async def healthy():
+            return True
+
+        a.start_heartbeat(healthy)
+        await asyncio.sleep(0.2)
+        choice = await b.engine_for("a")
+        assert choice is not None and (choice.replica, choice.url) == ("a", "http://10.0.0.1:8000")
+        assert await b.engine_for("b") is None  # its own conversations stay local
+        assert await b.engine_for(None) is None
+        await a.close()  # a clean stop unregisters at once
+        b._peers.clear()
+        assert await b.engine_for("a") is None
+        await b.close()
+
+    asyncio.run(main())
+
+
+def test_lost_store_fails_fast_then_recovers():
+    server = RedisServer().start()
+    try:
+        async def main():
+            st = state(server)
+            store = RedisResponseStore(st)
+            await store.put_response(record("resp_1"))
+            server.stop()
+            with pytest.raises(StoreUnavailable) as err:
+                await store.get_response("t1", "resp_1")
+            assert err.value.status == 503 and err.value.headers == {"retry-after": "2"}
+            assert st.degraded and st.degraded_total == 1
+            with pytest.raises(StoreUnavailable):  # within the retry interval: no network, at once
+                await store.available()
+            server.start()
+            for _ in range(100):
+                try:
+                    await store.put_response(record("resp_2"))
+                    break
+                except StoreUnavailable:
+                    await asyncio.sleep(0.1)
+            assert not st.degraded and st.degraded_total == 1
+            assert (await store.get_response("t1", "resp_2"))["id"] == "resp_2"
+            await st.close()
+
+        asyncio.run(main())
+    finally:
+        server.stop()
+
+
+# ------------------------------------------------------------------------------ the proxy
+
+def test_proxy_refuses_to_start_when_redis_is_unreachable(keyfile):
+    port = free_port()
+    out = subprocess.run(proxy_argv("tiny", "http://127.0.0.1:9", free_port(), "--api-key-file", str(keyfile),
+                                    "--set", f"proxy.store=redis://127.0.0.1:{port}/0"),
+                         capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == ExitStatus.ERROR
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, out.stderr
+    assert f"proxy.store redis://127.0.0.1:{port}/0: unreachable" in lines[0]
+
+
+@pytest.fixture
+def served(keyfile, tmp_path):
+    """A fake engine, a Redis of its own (it gets stopped) and a proxy on it."""
+    server = RedisServer().start()
+    engine_port, proxy_port = free_port(), free_port()
+    engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
+    try:
+        with running(fake_engine_argv(engine_port), engine_url + "/health", log=tmp_path / "engine.log"), \
+                running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(keyfile),
+                                   "--set", f"proxy.store={server.url}"), proxy_url + "/health", log=tmp_path / "proxy.log"):
+            yield server, proxy_url, openai.OpenAI(base_url=proxy_url + "/v1", api_key=KEY, max_retries=0, timeout=15)
+    finally:
+        server.stop()
+
+
+def metrics(proxy_url: str) -> dict[str, float]:
+    text = httpx.get(proxy_url + "/metrics", headers=AUTH).text
+    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and not line.startswith("#")}
+
+
+def test_redis_lost_while_serving_then_back(served, tmp_path):
+    server, proxy_url, client = served
+    first = client.responses.create(model=PUBLIC, input="[route:L1] hello")
+    server.stop()
+    # stateless chat keeps answering
+    chat = client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "[route:L2] still there?"}])
+    assert chat.choices[0].message.content.startswith("answer-")
+    # Responses requests that need state: 503 with Retry-After (a chain, a stored response, a retrieve)
+    for call in (lambda: client.responses.create(model=PUBLIC, input="more", previous_response_id=first.id),
+                 lambda: client.responses.create(model=PUBLIC, input="[route:L1] new"),
+                 lambda: client.responses.retrieve(first.id)):
+        with pytest.raises(openai.APIStatusError) as err:
+            call()
+        assert err.value.status_code == 503 and err.value.response.headers["retry-after"] == "2"
+        assert err.value.body["code"] == "store_unavailable"
+    # a response that keeps no state is still served
+    assert client.responses.create(model=PUBLIC, input="[route:L1] nothing kept", store=False).status == "completed"
+    m = metrics(proxy_url)
+    assert m["molctl_proxy_state_store_degraded"] == 1 and m["molctl_proxy_state_store_degraded_total"] == 1
+    assert m["molctl_proxy_state_store_errors_total"] >= 1
+    log_text = (tmp_path / "proxy.log").read_text()
+    assert log_text.count("degraded: chat continues") == 1  # logged once, not per request
+    # Redis is back (empty: it kept nothing): the proxy recovers without a restart
+    server.start()
+    for _ in range(100):
+        try:
+            again = client.responses.create(model=PUBLIC, input="[route:L1] back")
+            break
+        except openai.APIStatusError as exc:
+            assert exc.status_code == 503
+            time.sleep(0.1)
+    assert client.responses.create(model=PUBLIC, input="on", previous_response_id=again.id).status == "completed"
+    assert metrics(proxy_url)["molctl_proxy_state_store_degraded"] == 0
+    assert "reachable again" in (tmp_path / "proxy.log").read_text()
+
+
+def test_a_stuck_redis_never_hangs_a_request(served):
+    """CLIENT PAUSE holds every command for 30 s: each request still ends (chat answered, Responses
+    503) well within the client's 15 s timeout."""
+    server, proxy_url, client = served
+    first = client.responses.create(model=PUBLIC, input="[route:L1] hello")
+    admin = server.client()
+    admin.execute_command("CLIENT", "PAUSE", "30000", "ALL")
+    try:
+        chat = client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "[route:L2] hi"}])
+        assert chat.choices[0].message.content.startswith("answer-")
+        with pytest.raises(openai.APIStatusError) as err:
+            client.responses.create(model=PUBLIC, input="more", previous_response_id=first.id)
+        assert err.value.status_code == 503
+        # the event loop was never blocked: health answers at once
+        assert httpx.get(proxy_url + "/health", timeout=2).status_code == 200
+    finally:
+        admin.execute_command("CLIENT", "UNPAUSE")
+        admin.close()
+
+
+# ------------------------------------------------------------------------------ check, state stats|prune
+
+SKIP_ALL_BUT_STATE = [a for c in ("engine", "gpu", "model", "adapter", "template", "port", "security") for a in ("--skip", c)]
+
+
+def shared_profile(tmp_path, store_url: str) -> Path:
+    """A profile `shared`: tiny with proxy.store on Redis (state stats|prune read the profile as it is)."""
+    d = tmp_path / "profiles"
+    d.mkdir(parents=True)
+    text = (ROOT / "profiles" / "tiny.yaml").read_text().replace("name: tiny", "name: shared", 1)
+    (d / "shared.yaml").write_text(text.replace("proxy:\n", f"proxy:\n  store: {store_url}\n", 1))
+    return d
+
+
+def test_check_and_state_stats_prune_on_redis(redis, r, tmp_path, state_dir):
+    from tests.helpers import Molctl
+
+    cli = Molctl(state_dir, [shared_profile(tmp_path, redis.url)], in_process=True)
+
+    async def seed():
+        st = state(redis, profile="shared", max_entries=100)
+        store = RedisResponseStore(st)
+        for i in range(3):
+            await store.put_response(record(f"resp_{i}"))
+        await st.close()
+
+    asyncio.run(seed())
+    result = cli("check", "shared", *SKIP_ALL_BUT_STATE, "--json")
+    [check] = [c for c in result.json()["checks"] if c["id"] == "state.store"]
+    assert check["status"] == "pass" and f"proxy.store {redis.url} reachable" in check["detail"]
+    assert "3 stored response(s)" in check["detail"]
+    data = cli("state", "stats", "shared", "--json").json()
+    assert data["backend"] == "redis" and data["redis"]["responses"] == 3 and data["redis"]["address"] == redis.url
+    text = cli("state", "stats", "shared").stdout
+    assert redis.url in text and "3 response(s)" in text
+    r.zadd("molctl:{shared}:idx:r", {"molctl:{shared}:r:t1:gone": 1.0})  # an index entry whose record expired long ago
+    pruned = cli("state", "prune", "shared", "--json").json()
+    assert pruned["removed"] == {"expired": 1, "evicted": 0, "conversation_expired": 0, "conversation_evicted": 0}
+    assert "pruned: 0 expired" in cli("state", "prune", "shared").stdout
+    # unreachable: the check fails with the address; stats is one line, exit 1
+    down = Molctl(state_dir, [shared_profile(tmp_path / "x", f"redis://127.0.0.1:{free_port()}/0")], in_process=True)
+    [check] = [c for c in down("check", "shared", *SKIP_ALL_BUT_STATE, "--json").json()["checks"] if c["id"] == "state.store"]
+    assert check["status"] == "fail" and "unreachable" in check["detail"] and "proxy.store redis://127.0.0.1:" in check["detail"]
+    result = down("state", "stats", "shared")
+    assert result.exit_code == ExitStatus.ERROR and result.stderr.count("\n") == 1 and "unreachable" in result.stderr
+
+
+def test_password_file_authenticates_and_a_wrong_one_is_one_line(tmp_path, keyfile):
+    server = RedisServer(None, "--requirepass", "s3cret").start()
+    try:
+        pw = tmp_path / "store-password"
+        pw.write_text("s3cret\n")
+        engine_port, proxy_port = free_port(), free_port()
+        engine_url = f"http://127.0.0.1:{engine_port}"
+        with running(fake_engine_argv(engine_port), engine_url + "/health"), \
+                running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(keyfile), "--set",
+                                   f"proxy.store={server.url}", "--set", f"proxy.store_password_file={pw}"),
+                        f"http://127.0.0.1:{proxy_port}/readyz") as proc:
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{proxy_port}/v1", api_key=KEY, max_retries=0, timeout=15)
+            first = client.responses.create(model=PUBLIC, input="[route:L1] hi")
+            assert client.responses.retrieve(first.id).id == first.id
+            assert "s3cret" not in " ".join(proc.args)  # never on argv
+        pw.write_text("wrong\n")
+        out = subprocess.run(proxy_argv("tiny", engine_url, free_port(), "--api-key-file", str(keyfile), "--set",
+                                        f"proxy.store={server.url}", "--set", f"proxy.store_password_file={pw}"),
+                             capture_output=True, text=True, cwd=ROOT, timeout=60)
+        lines = [line for line in out.stderr.splitlines() if line.strip()]
+        assert out.returncode == ExitStatus.ERROR and len(lines) == 1
+        assert f"proxy.store {server.url}: unreachable: authentication failed" in lines[0] and "wrong" not in out.stderr
+    finally:
+        server.stop()
