@@ -48,6 +48,7 @@ from typing import Any, TypeVar
 from molctl.engines.base import Engine
 from molctl.profiles import ROUTES, Profile, route_instruction
 from molctl.proxy import shaping
+from molctl.proxy.admission import Admission, Rejected
 from molctl.proxy.conversations import (
     CallBinding,
     ConversationKeys,
@@ -58,7 +59,7 @@ from molctl.proxy.conversations import (
     tool_calls_of,
 )
 from molctl.proxy.engine_client import EngineClient
-from molctl.proxy.errors import EngineHTTPError, EngineUnavailable, from_engine
+from molctl.proxy.errors import EngineHTTPError, EngineUnavailable, from_engine, overloaded
 from molctl.proxy.validation import PASSTHROUGH, check_request
 from molctl.proxy.views import History, own_view, parse_label, route_input, route_messages, split_history, summary_messages
 
@@ -102,6 +103,7 @@ class Plan:
     answer: dict[str, Any] | None = None
     record: TurnRecord | None = None  # set for a final answer; its summary hop is still to run
     record_key: bytes | None = None
+    queue_wait_s: float = 0.0  # waited for an answer slot (admission)
 
 
 def context_window(profile: Profile) -> int | None:
@@ -128,7 +130,8 @@ def prompt_token_bound(messages: list[dict[str, Any]], tools: Any) -> int:
 
 class Orchestrator:
     def __init__(self, profile: Profile, engine: Engine, client: EngineClient, store: ConversationStore,
-                 counters: Counters | None = None, summary_concurrency: int = 4, summary_timeout_s: float = 120.0):
+                 counters: Counters | None = None, summary_concurrency: int | None = None, summary_timeout_s: float = 120.0,
+                 admission: Admission | None = None):
         self.profile = profile
         self.engine = engine
         self.client = client
@@ -142,6 +145,8 @@ class Orchestrator:
         self.engine_names = [*self.adapter_models.values(), *ROUTES, profile.engine.served_name]
         self.window = context_window(profile)
         self.route_tokens = min(profile.proxy.route_max_tokens, max(len(r) for r in ROUTES))
+        self.admission = admission or Admission.from_profile(profile, engine)
+        summary_concurrency = summary_concurrency or profile.proxy.summary_inflight
         self._summary_slots = asyncio.Semaphore(summary_concurrency)
         self._summary_concurrency = summary_concurrency
         self._summary_waiting = 0  # tasks created that do not hold a slot yet
@@ -214,19 +219,31 @@ class Orchestrator:
         self.counters.inc("route_hops_total")
         label = None
         try:
-            body = await asyncio.wait_for(self.client.chat(payload, "route"), self.profile.proxy.route_timeout_s)
+            body = await asyncio.wait_for(self._route_hop(plan, payload), self.profile.proxy.route_timeout_s)
             label = parse_label(((body.get("choices") or [{}])[0]).get("message") or {})
         except TimeoutError:
             self.counters.inc("route_timeouts_total")
             log.warning("route hop timed out after %.1f s", self.profile.proxy.route_timeout_s)
-        except (EngineHTTPError, EngineUnavailable) as exc:
+        except (EngineHTTPError, EngineUnavailable, Rejected) as exc:
             log.warning("route hop failed: %s", exc)
         if label is None:
             self.counters.inc("route_fallbacks_total")
             label = previous.route if previous is not None else self.profile.proxy.default_route
         plan.route = label
 
+    async def _route_hop(self, plan: Plan, payload: dict[str, Any]) -> dict[str, Any]:
+        async with self.admission.routes.slot(plan.tenant):
+            return await self.client.chat(payload, "route")
+
     # ---------------------------------------------------------------- answer
+    async def _admit(self, plan: Plan) -> None:
+        """Take an answer slot (released by the caller); a refusal is the client's 429."""
+        try:
+            plan.queue_wait_s = await self.admission.answers.acquire(plan.tenant)
+        except Rejected as exc:
+            self.counters.inc("admission_rejections_total")
+            raise overloaded(exc) from None
+
     async def _await_summaries(self, plan: Plan) -> None:
         """Wait (bounded) for pending summaries of turns this adapter will see folded; those still
         missing afterwards are folded without a summary, and stay so (marked stale)."""
@@ -280,11 +297,14 @@ class Orchestrator:
         """Non-streaming answer; returns the client body and records the turn."""
         await self._await_summaries(plan)
         payload = await self._offload(plan, self._build_answer, plan)
+        await self._admit(plan)
         try:
             body = await self.client.chat(payload, "answer", big=plan.big)
         except (EngineHTTPError, EngineUnavailable) as exc:
             self.counters.inc("engine_errors_total")
             raise from_engine(exc, self.engine_names, self.public) from None
+        finally:
+            self.admission.answers.release()
         shaped = shaping.shape_completion(body, self.public, shaping.new_id())
         if shaped["choices"][0]["finish_reason"] not in FAILED_FINISH:
             self.record(plan, shaped["choices"][0]["message"])
@@ -301,6 +321,7 @@ class Orchestrator:
         calls: dict[int, dict[str, Any]] = {}
         finish = None
         usage = None
+        await self._admit(plan)
         upstream = self.client.chat_stream(payload, "answer", big=plan.big)
         try:
             first = True
@@ -330,6 +351,7 @@ class Orchestrator:
             self.counters.inc("engine_errors_total")
             raise from_engine(exc, self.engine_names, self.public) from None
         finally:
+            self.admission.answers.release()
             await upstream.aclose()
         finish = shaping.finish_reason(finish, bool(calls))
         if finish not in FAILED_FINISH:
