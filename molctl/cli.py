@@ -431,6 +431,9 @@ def proxy_cmd(
     store: Optional[str] = typer.Option(None, "--store", metavar="SPEC",
                                         help="The Responses API's state store: sqlite (STATE/PROFILE/proxy-store.sqlite3), "
                                              "memory, or sqlite:/abs/path.sqlite3 (default: the profile's proxy.store)."),
+    metrics_port: Optional[int] = typer.Option(None, "--metrics-port", metavar="N",
+                                               help="Serve Prometheus metrics on this port (on proxy.metrics_host; "
+                                                    "default: the profile's proxy.metrics_port, none when unset)."),
 ) -> None:
     """Run the MoL proxy in the foreground: one public model, route -> answer -> summary over the adapters.
 
@@ -442,7 +445,7 @@ def proxy_cmd(
               upstream=upstream, host=host,
               port=port, api_key_file=api_key_file, allow_unauthenticated=allow_unauthenticated,
               drain_timeout=drain_timeout, sse_keepalive=sse_keepalive, log_max_bytes=log_max_bytes,
-              log_backups=log_backups)
+              log_backups=log_backups, metrics_port=metrics_port)
 
 
 def _typed_overrides(raw: Optional[str]) -> list[tuple[str, object]]:

@@ -57,30 +57,49 @@ def serve(app: ProxyApp, host: str, port: int, drain_timeout_s: float) -> None:
 
 def run_proxy(name: str, ctx, overrides, *, upstream: str, host: str, port: int | None, api_key_file: Path | None,
               allow_unauthenticated: bool, drain_timeout: float, sse_keepalive: float,
-              log_max_bytes: int | None = None, log_backups: int = 2) -> None:
+              log_max_bytes: int | None = None, log_backups: int = 2, metrics_port: int | None = None) -> None:
     """Load the profile (with the start's overrides), the keys and the log rotation; serve until
     a signal ends the drain. `ctx` gives dirs() (the CLI's Context)."""
     from molctl.engines import get_engine
     from molctl.keys import resolve_api_keys
     from molctl.profiles import load_profile
 
-    profile = load_profile(name, ctx.dirs(), overrides)
+    overrides = list(overrides) + ([("proxy.metrics_port", metrics_port)] if metrics_port is not None else [])
+    profile = load_profile(name, ctx.dirs(), overrides)  # checks metrics_port against the profile's ports
+    if profile.proxy.metrics_port is not None and profile.proxy.metrics_port == port:
+        from molctl.errors import UsageError
+
+        raise UsageError(f"--metrics-port {profile.proxy.metrics_port} is also --port; they must differ")
     keys = resolve_api_keys(api_key_file, allow_unauthenticated)
     if log_max_bytes:
         from molctl.logs import rotate_stdio
 
         rotate_stdio(log_max_bytes, log_backups)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_request_log()
     store = build_response_store(profile, ctx.state_dir)  # a StoreError: one line, exit non-zero, nothing served
     try:
         extra = {"response_store": store} if "response_store" in inspect.signature(ProxyApp).parameters else {}
         conversations = build_conversation_store(store)
         if conversations is not None:
             extra["store"] = conversations
-        app = ProxyApp(profile, get_engine(profile.engine.kind), upstream, keys, sse_keepalive_s=sse_keepalive, **extra)
+        app = ProxyApp(profile, get_engine(profile.engine.kind), upstream, keys, sse_keepalive_s=sse_keepalive,
+                       metrics_port=profile.proxy.metrics_port, metrics_host=profile.proxy.metrics_host, **extra)
         serve(app, host, port or profile.proxy.port, drain_timeout)
     finally:
         store.close()
+
+
+def configure_request_log() -> None:
+    """The per-request JSON lines (logger molctl.proxy.requests) go to stderr as they are: one
+    JSON object a line, no prefix, so they can be parsed line by line."""
+    request_log = logging.getLogger("molctl.proxy.requests")
+    if not request_log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        request_log.addHandler(handler)
+        request_log.propagate = False
+        request_log.setLevel(logging.INFO)
 
 
 def build_conversation_store(response_store):
