@@ -352,6 +352,26 @@ def status_cmd(
     Output(as_json=json_).status(status(ctx.obj, profile))
 
 
+@app.command("reload")
+@handle_errors
+def reload_cmd(
+    ctx: typer.Context,
+    profile: str = typer.Argument(..., help="Profile whose running proxy re-reads its API key file."),
+    json_: bool = JSON_OPT,
+) -> None:
+    """Make the running proxy re-read its API key file (SIGHUP), without dropping connections."""
+    from molctl.reload import reload
+
+    result = reload(ctx.obj, profile)
+    if json_:
+        import json
+
+        typer.echo(json.dumps(result))
+    else:
+        typer.echo(f"{profile}: sent SIGHUP to the proxy (pid {result['pid']}); it re-reads its key file "
+                   f"(molctl logs {profile} --component proxy shows the outcome)")
+
+
 @app.command("logs")
 @handle_errors
 def logs_cmd(

@@ -80,7 +80,8 @@ class ProxyApp:
         self.orch = Orchestrator(profile, engine, self.client, store or MemoryStore(), self.counters)
         self.metrics_listener = MetricsListener(self.counters, metrics_host, metrics_port) if metrics_port else None
         self.responses: ResponseStore = response_store if response_store is not None else MemoryResponseStore()
-        self.keys = [(k.encode(), hashlib.sha256(k.encode()).hexdigest()[:16]) for k in (keys or [])]
+        self.keys: list[tuple[bytes, str]] = []
+        self.set_keys(keys or [])
         self.sse_keepalive_s = sse_keepalive_s
         self.ready_cache_s = ready_cache_s
         self._ready: tuple[float, bool, str] = (0.0, False, "not probed")
@@ -91,6 +92,10 @@ class ProxyApp:
         self._idle.set()
         self._model = {"id": profile.served_model_name, "object": "model", "created": 0, "owned_by": "molctl"}
         self._models_body = json.dumps({"object": "list", "data": [self._model]}).encode()
+
+    def set_keys(self, keys: list[str]) -> None:
+        """The accepted keys (each with its tenant id, a short hash); replaced at once (SIGHUP)."""
+        self.keys = [(k.encode(), hashlib.sha256(k.encode()).hexdigest()[:16]) for k in keys]
 
     # ------------------------------------------------------------------ lifecycle
     async def startup(self) -> None:

@@ -20,15 +20,37 @@ log = logging.getLogger("molctl.proxy")
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, app: ProxyApp, drain_timeout_s: float):
+    def __init__(self, config: uvicorn.Config, app: ProxyApp, drain_timeout_s: float, key_file: Path | None = None):
         super().__init__(config)
         self.proxy_app = app
         self.drain_timeout_s = drain_timeout_s
+        self.key_file = key_file
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def startup(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
+        if self.key_file is not None:
+            self._loop.add_signal_handler(signal.SIGHUP, self.reload_keys)
+        else:
+            self._loop.add_signal_handler(signal.SIGHUP, lambda: log.warning("SIGHUP: no key file to re-read; keys unchanged"))
+
+    def reload_keys(self) -> None:
+        """Re-read the key file; a file that cannot be read or holds no key keeps the old keys.
+        Requests already admitted (streams included) are not touched."""
+        from molctl.keys import load_keys
+
+        try:
+            keys = load_keys(self.key_file)
+        except (OSError, UnicodeDecodeError) as exc:
+            log.error("SIGHUP: key file %s not reloaded (%s); keeping the %d old key(s)", self.key_file,
+                      getattr(exc, "strerror", None) or type(exc).__name__, len(self.proxy_app.keys))
+            return
+        if not keys:
+            log.error("SIGHUP: key file %s holds no key; keeping the %d old key(s)", self.key_file, len(self.proxy_app.keys))
+            return
+        self.proxy_app.set_keys(keys)
+        log.info("SIGHUP: key file %s reloaded: %d key(s)", self.key_file, len(keys))
 
     def handle_exit(self, sig: int, frame) -> None:  # noqa: ARG002 - signal handler signature
         if self.proxy_app.draining or self._loop is None:
@@ -48,11 +70,11 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def serve(app: ProxyApp, host: str, port: int, drain_timeout_s: float) -> None:
+def serve(app: ProxyApp, host: str, port: int, drain_timeout_s: float, key_file: Path | None = None) -> None:
     config = uvicorn.Config(app, host=host, port=port, loop="uvloop", http="httptools", lifespan="on",
                             access_log=False, log_level="info", timeout_graceful_shutdown=5,
                             timeout_keep_alive=15)
-    DrainingServer(config, app, drain_timeout_s).run()
+    DrainingServer(config, app, drain_timeout_s, key_file).run()
 
 
 def run_proxy(name: str, ctx, overrides, *, upstream: str, host: str, port: int | None, api_key_file: Path | None,
@@ -85,7 +107,7 @@ def run_proxy(name: str, ctx, overrides, *, upstream: str, host: str, port: int 
             extra["store"] = conversations
         app = ProxyApp(profile, get_engine(profile.engine.kind), upstream, keys, sse_keepalive_s=sse_keepalive,
                        metrics_port=profile.proxy.metrics_port, metrics_host=profile.proxy.metrics_host, **extra)
-        serve(app, host, port or profile.proxy.port, drain_timeout)
+        serve(app, host, port or profile.proxy.port, drain_timeout, api_key_file)
     finally:
         store.close()
 
