@@ -172,3 +172,19 @@ def test_request_id_is_passed_on_and_each_request_logs_one_json_line(s):
 def test_status_reads_a_missing_listener_as_unavailable():
     port = free_port()
     assert proxy_metrics(f"http://127.0.0.1:{port}/metrics") == {"available": False, "url": f"http://127.0.0.1:{port}/metrics"}
+
+
+def test_a_busy_metrics_port_is_one_line_and_exit_4(tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        p = subprocess.run([sys.executable, "-m", "molctl", "proxy", "tiny", "--upstream", "http://127.0.0.1:9",
+                            "--port", str(free_port()), "--allow-unauthenticated", "--store", "memory", "--metrics-port", str(port)],
+                           capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert p.returncode == 4, p.stderr
+    assert p.stderr.strip() == f"molctl: error: proxy.metrics_port 127.0.0.1:{port}: Address already in use"

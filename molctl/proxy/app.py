@@ -72,13 +72,14 @@ SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-
 class ProxyApp:
     def __init__(self, profile: Profile, engine: Engine, upstream: str, keys: list[str] | None,
                  store: ConversationStore | None = None, sse_keepalive_s: float = 10.0, ready_cache_s: float = 1.0,
-                 response_store: ResponseStore | None = None, metrics_port: int | None = None, metrics_host: str = "127.0.0.1"):
+                 response_store: ResponseStore | None = None, metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
+                 metrics_sock=None):
         self.profile = profile
         self.engine = engine
         self.client = EngineClient(upstream)
         self.counters = ProxyMetrics(self._gauges)
         self.orch = Orchestrator(profile, engine, self.client, store or MemoryStore(), self.counters)
-        self.metrics_listener = MetricsListener(self.counters, metrics_host, metrics_port) if metrics_port else None
+        self.metrics_listener = MetricsListener(self.counters, metrics_host, metrics_port, metrics_sock) if metrics_port else None
         self.responses: ResponseStore = response_store if response_store is not None else MemoryResponseStore()
         self.keys: list[tuple[bytes, str]] = []
         self.set_keys(keys or [])

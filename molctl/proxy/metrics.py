@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -108,12 +109,15 @@ class _Collector:
 class MetricsListener:
     """A minimal HTTP/1.1 server for `GET /metrics` (one request per connection)."""
 
-    def __init__(self, metrics: ProxyMetrics, host: str, port: int):
-        self.metrics, self.host, self.port = metrics, host, port
+    def __init__(self, metrics: ProxyMetrics, host: str, port: int, sock: socket.socket | None = None):
+        self.metrics, self.host, self.port, self.sock = metrics, host, port, sock
         self._server: asyncio.Server | None = None
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._handle, self.host, self.port)
+        if self.sock is not None:  # bound before the server started (see bind_metrics)
+            self._server = await asyncio.start_server(self._handle, sock=self.sock)
+        else:
+            self._server = await asyncio.start_server(self._handle, self.host, self.port)
         log.info("metrics on http://%s:%d/metrics", self.host, self.port)
 
     async def close(self) -> None:
@@ -137,6 +141,20 @@ class MetricsListener:
             pass
         finally:
             writer.close()
+
+
+def bind_metrics(host: str, port: int) -> socket.socket:
+    """Bind the metrics listener's socket before anything is served, so a port in use is one
+    clear error (ConflictError, exit 4) instead of a failed application start-up."""
+    from molctl.errors import ConflictError
+
+    try:
+        return socket.create_server((host, port), reuse_port=False)
+    except OSError as exc:
+        import os
+
+        why = os.strerror(exc.errno) if exc.errno else str(exc)
+        raise ConflictError(f"proxy.metrics_port {host}:{port}: {why}") from None
 
 
 def store_gauges(stats: dict[str, Any], store: str) -> dict[tuple[tuple[str, str], ...], float]:

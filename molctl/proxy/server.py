@@ -99,6 +99,11 @@ def run_proxy(name: str, ctx, overrides, *, upstream: str, host: str, port: int 
         rotate_stdio(log_max_bytes, log_backups)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     configure_request_log()
+    metrics_sock = None
+    if profile.proxy.metrics_port:
+        from molctl.proxy.metrics import bind_metrics
+
+        metrics_sock = bind_metrics(profile.proxy.metrics_host, profile.proxy.metrics_port)  # in use: exit 4
     store = build_response_store(profile, ctx.state_dir)  # a StoreError: one line, exit non-zero, nothing served
     try:
         extra = {"response_store": store} if "response_store" in inspect.signature(ProxyApp).parameters else {}
@@ -106,7 +111,8 @@ def run_proxy(name: str, ctx, overrides, *, upstream: str, host: str, port: int 
         if conversations is not None:
             extra["store"] = conversations
         app = ProxyApp(profile, get_engine(profile.engine.kind), upstream, keys, sse_keepalive_s=sse_keepalive,
-                       metrics_port=profile.proxy.metrics_port, metrics_host=profile.proxy.metrics_host, **extra)
+                       metrics_port=profile.proxy.metrics_port, metrics_host=profile.proxy.metrics_host,
+                       metrics_sock=metrics_sock, **extra)
         serve(app, host, port or profile.proxy.port, drain_timeout, api_key_file)
     finally:
         store.close()
