@@ -141,7 +141,9 @@ def test_default_answer_budget_is_the_engines_limit():
     assert Admission.from_profile(tiny, get_engine("vllm")).answers.capacity == tiny.engine.args["max-num-seqs"]
     override = load_profile("tiny", profile_dirs(), [("proxy.max_inflight", 3)])
     assert Admission.from_profile(override, get_engine("vllm")).answers.capacity == 3
-    sgl = load_profile("venti-sglang", profile_dirs(), [("engine.args.max-running-requests", 12)])
+    unset = [("proxy.max_inflight", None)]  # venti-sglang sets 8 itself
+    sgl = load_profile("venti-sglang", profile_dirs(), [*unset, ("engine.args.max-running-requests", 12)])
     assert Admission.from_profile(sgl, get_engine("sglang")).answers.capacity == 12
-    bare = load_profile("venti-sglang", profile_dirs())
+    bare = load_profile("venti-sglang", profile_dirs(), unset)
     assert Admission.from_profile(bare, get_engine("sglang")).answers.capacity == get_engine("sglang").default_running
+    assert Admission.from_profile(load_profile("venti-sglang", profile_dirs()), get_engine("sglang")).answers.capacity == 8
