@@ -91,7 +91,7 @@ def test_a_heavy_key_does_not_starve_the_others(engine, keyfile, tmp_path):
     s.config(answer_delay=0.25)
     with ctx:
         async def main():
-            heavy, light1, light2 = (s.client(k) for k in KEYS)
+            heavy, light1, light2 = clients = [s.client(k) for k in KEYS]
             solo = [await ask(light1, f"solo-{i}-{uuid.uuid4().hex}") for i in range(3)]
             service_s = statistics.median(t for t, _, _ in solo)  # one request alone: the service time
             heavy_tasks = [asyncio.ensure_future(ask(heavy, f"heavy-{i}-{uuid.uuid4().hex}")) for i in range(30)]
@@ -102,6 +102,8 @@ def test_a_heavy_key_does_not_starve_the_others(engine, keyfile, tmp_path):
 
             lights = await asyncio.gather(light(light1, "l1"), light(light2, "l2"))
             heavies = await asyncio.gather(*heavy_tasks)
+            for client in clients:  # closed on this loop, not garbage-collected on another
+                await client.close()
             return service_s, [r for rs in lights for r in rs], heavies
 
         service_s, lights, heavies = asyncio.run(main())
@@ -126,8 +128,8 @@ def test_overflow_is_429_with_retry_after(engine, keyfile, tmp_path, api, stream
     texts = [f"over-{i}-{uuid.uuid4().hex}" for i in range(10)]
     with ctx:
         async def main():
-            client = s.client(KEYS[0])
-            return await asyncio.gather(*(ask(client, t, api, stream) for t in texts))
+            async with s.client(KEYS[0]) as client:
+                return await asyncio.gather(*(ask(client, t, api, stream) for t in texts))
 
         results = asyncio.run(main())
     served = [t for t, r in zip(texts, results, strict=True) if r[1] == 200]
@@ -145,18 +147,22 @@ def test_wait_deadline_is_429_and_draining_stays_503(engine, keyfile, tmp_path):
     s.config(answer_delay=1.5)
     with ctx as proc:
         async def main():
-            client = s.client(KEYS[1])
-            first = asyncio.ensure_future(ask(client, "first"))
-            await asyncio.sleep(0.5)
-            late = await ask(client, "late", "chat", True)
-            return await first, late
+            async with s.client(KEYS[1]) as client:
+                first = asyncio.ensure_future(ask(client, "first"))
+                await asyncio.sleep(0.5)
+                late = await ask(client, "late", "chat", True)
+                return await first, late
 
         first, late = asyncio.run(main())
         assert first[1] == 200
         assert late[1] == 429 and late[2][0].isdigit()
         assert s.answers() == ["first"]
         # a draining proxy (one request still in flight) answers 503, not 429
-        holder = threading.Thread(target=lambda: asyncio.run(ask(s.client(KEYS[2]), "in flight during the drain")))
+        async def hold():
+            async with s.client(KEYS[2]) as client:
+                await ask(client, "in flight during the drain")
+
+        holder = threading.Thread(target=lambda: asyncio.run(hold()))
         holder.start()
         try:
             time.sleep(0.5)
