@@ -62,8 +62,11 @@ class Stack:
         return [e for e in entries if hop is None or e["hop"] == hop]
 
     def metrics(self) -> dict[str, float]:
-        """The proxy's metrics listener (no key), labelled series summed per name."""
-        return parse_prometheus(httpx.get(self.metrics_url + "/metrics").text)
+        """The proxy's metrics listener (no key), labelled series summed per name (0 for a
+        labelled counter with no series yet)."""
+        from collections import defaultdict
+
+        return defaultdict(float, parse_prometheus(httpx.get(self.metrics_url + "/metrics").text))
 
     def chat(self, messages, stream=False, **kw):
         if not stream:

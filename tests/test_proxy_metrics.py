@@ -188,3 +188,20 @@ def test_a_busy_metrics_port_is_one_line_and_exit_4(tmp_path):
                            capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert p.returncode == 4, p.stderr
     assert p.stderr.strip() == f"molctl: error: proxy.metrics_port 127.0.0.1:{port}: Address already in use"
+
+
+def test_each_app_has_its_own_registry():
+    """Two ProxyMetrics in one process (as two apps in a test) do not share series."""
+    from molctl.proxy.metrics import ProxyMetrics
+
+    one, two = ProxyMetrics(lambda: {"queue_depth": {(("hop", "answer"),): 3}}), ProxyMetrics()
+    one.inc("admission_rejections_total", reason="queue_full")
+    one.observe("hop_seconds", 0.2, hop="answer", adapter="L1")
+    text_one, text_two = one.exposition().decode(), two.exposition().decode()
+    assert 'molctl_proxy_admission_rejections_total{reason="queue_full"} 1.0' in text_one
+    assert 'molctl_proxy_hop_seconds_count{adapter="L1",hop="answer"} 1.0' in text_one
+    assert 'molctl_proxy_queue_depth{hop="answer"} 3.0' in text_one
+    assert "# HELP molctl_proxy_admission_rejections_total Requests refused with 429" in text_one
+    assert "# TYPE molctl_proxy_admission_rejections_total counter" in text_two  # declared, no series yet
+    assert "molctl_proxy_admission_rejections_total{" not in text_two and 'hop="answer"' not in text_two
+    assert "molctl_proxy_route_hops_total 0.0" in text_two

@@ -52,6 +52,16 @@ HELP = {
 }
 
 
+# counters that are always labelled: (label names); exported without samples until first counted
+LABELLED = {
+    "requests_total": ("api", "status", "stream"),
+    "route_decisions_total": ("adapter",),
+    "route_fallbacks_total": ("reason",),
+    "admission_rejections_total": ("reason",),
+    "engine_errors_total": ("status",),
+}
+
+
 class ProxyMetrics(Counters):
     def __init__(self, gauges: Callable[[], dict[str, dict[tuple[tuple[str, str], ...], float]]] | None = None):
         super().__init__()
@@ -85,17 +95,17 @@ class _Collector:
         by_name: dict[str, list[tuple[tuple[tuple[str, str], ...], int]]] = {}
         for (name, labels), value in list(m.labelled.items()):
             by_name.setdefault(name, []).append((labels, value))
-        for name, total in list(m.values.items()):
+        for name in dict.fromkeys([*m.values, *LABELLED]):
             family = name.removesuffix("_total")
             samples = by_name.get(name)
-            if samples:
-                label_names = sorted({k for labels, _ in samples for k, _ in labels})
+            if samples is not None or name in LABELLED:
+                label_names = sorted(LABELLED.get(name) or {k for labels, _ in samples for k, _ in labels})
                 metric = CounterMetricFamily(PREFIX + family, HELP.get(name, name), labels=label_names)
-                for labels, value in samples:
+                for labels, value in samples or ():
                     d = dict(labels)
                     metric.add_metric([d.get(k, "") for k in label_names], value)
             else:
-                metric = CounterMetricFamily(PREFIX + family, HELP.get(name, name), value=total)
+                metric = CounterMetricFamily(PREFIX + family, HELP.get(name, name), value=m.values.get(name, 0))
             yield metric
         for name, samples in m.gauges().items():
             label_names = sorted({k for labels in samples for k, _ in labels})

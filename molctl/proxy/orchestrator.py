@@ -25,7 +25,7 @@ Defaults and choices, where the issue leaves room:
   makes the label the whole output).
 - Failed answers (an engine error, in a stream or not; finish reason `abort` or `error`) are
   neither recorded nor summarised; `abort`/`error` finish reasons reach the client as they are.
-- Summaries run in the background, at most `summary_concurrency` at once; at most
+- Summaries run in the background, at most `proxy.summary_inflight` at once; at most
   `proxy.summary_queue_max` wait for a slot (more are dropped: `summaries_dropped_total`). A
   summary that can no longer help is dropped when its turn comes (`summaries_stale_total`): it
   waited longer than `proxy.summary_wait_s`, or a later turn already folded its turn without
