@@ -147,3 +147,16 @@ def test_default_answer_budget_is_the_engines_limit():
     bare = load_profile("venti-sglang", profile_dirs(), unset)
     assert Admission.from_profile(bare, get_engine("sglang")).answers.capacity == get_engine("sglang").default_running
     assert Admission.from_profile(load_profile("venti-sglang", profile_dirs()), get_engine("sglang")).answers.capacity == 8
+
+
+def test_the_service_rate_keeps_only_its_window():
+    async def main():
+        clock = FakeClock()
+        gate = FairGate(1, 10, 5.0, clock, rate_window_s=10.0)
+        for _ in range(1000):
+            await gate.acquire("x")
+            clock.now += 0.1
+            gate.release()
+        assert len(gate._releases) <= 101  # 10 s at 10 per second, not all 1000
+        assert gate.service_rate() == pytest.approx(10.0, rel=0.05)
+    run(main())

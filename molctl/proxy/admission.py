@@ -149,7 +149,11 @@ class FairGate:
 
     def release(self) -> None:
         """Free a slot: the next key in turn gets it (its oldest waiter), else it is free."""
-        self._releases.append(self.clock())
+        now = self.clock()
+        releases = self._releases
+        releases.append(now)
+        while now - releases[0] > self.rate_window_s:  # keep only the window (bounded memory)
+            releases.popleft()
         while self.queues:
             key = next(iter(self.queues))
             queue = self.queues.pop(key)
