@@ -14,7 +14,7 @@ import pytest
 from molctl.errors import ExitStatus
 from molctl.probes import GpuDevice, GpuInventory, GpuUnavailable
 from molctl.state import read_records
-from tests.helpers import Molctl, free_ports, url
+from tests.helpers import ROOT, Molctl, free_ports, url
 from tests.layouts import make_layout
 from tests.procs import fake_engine_python
 
@@ -32,7 +32,8 @@ class BenchHost:
         self.key.write_text(KEY + "\n")
         self.key.chmod(0o600)
         self.engine_port, self.proxy_port, self.metrics_port = free_ports(3)
-        self.env = {"MOLCTL_LOCK_DIR": str(tmp / "locks"), "MOLCTL_PROFILES_DIR": ""}
+        # PYTHONPATH: the proxy `up` starts (in its own folder) imports this checkout's molctl
+        self.env = {"MOLCTL_LOCK_DIR": str(tmp / "locks"), "MOLCTL_PROFILES_DIR": "", "PYTHONPATH": str(ROOT)}
         self.cli = Molctl(self.state)  # subprocess: up/down
         self.inproc = Molctl(self.state, in_process=True)
 
