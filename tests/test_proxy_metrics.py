@@ -205,3 +205,15 @@ def test_each_app_has_its_own_registry():
     assert "# TYPE molctl_proxy_admission_rejections_total counter" in text_two  # declared, no series yet
     assert "molctl_proxy_admission_rejections_total{" not in text_two and 'hop="answer"' not in text_two
     assert "molctl_proxy_route_hops_total 0.0" in text_two
+
+
+def test_a_client_that_leaves_mid_stream_is_logged_as_such(s):
+    s.config(token_delay=0.2, answer_words=20)
+    with httpx.stream("POST", s.proxy_url + "/v1/chat/completions", headers={**AUTH, "X-Request-Id": "leaver-1"}, timeout=30,
+                      json={"model": PUBLIC, "messages": [{"role": "user", "content": "[route:L2] go"}], "stream": True}) as r:
+        assert r.status_code == 200
+        next(r.iter_lines())  # the first frame, then hang up
+    assert wait_for(lambda: any(e["request_id"] == "leaver-1" for e in s.request_lines()))
+    line = next(e for e in s.request_lines() if e["request_id"] == "leaver-1")
+    assert line["client_disconnect"] is True and line["status"] == 200 and line["stream"] is True
+    assert s.value("molctl_proxy_inflight_hops", hop="answer") == 0  # its answer slot was given back
