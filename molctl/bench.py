@@ -88,6 +88,7 @@ class Target:
     base_model: str  # engine.served_name
     adapter_models: dict[str, str]  # L0 -> the engine's model field for it
     public_model: str
+    metrics_url: str | None = None  # the proxy's metrics listener (proxy.metrics_port), if any
 
 
 @dataclass
@@ -109,6 +110,7 @@ def find_target(ctx, name: str) -> Target:
     from molctl.profiles import load_profile
     from molctl.stacks import component_url, known_or_recorded, recorded_config
     from molctl.state import is_same_process, read_records_checked
+    from molctl.status import metrics_url
 
     known_or_recorded(ctx, name)
     records, problems = read_records_checked(ctx.state_dir, name)
@@ -131,7 +133,8 @@ def find_target(ctx, name: str) -> Target:
     return Target(profile=name, engine_kind=profile.engine.kind, engine_url=component_url(engine), proxy_url=proxy_url,
                   base_model=profile.engine.served_name,
                   adapter_models={r: kind.adapter_model(profile, r) for r in ROUTES},
-                  public_model=profile.served_model_name)
+                  public_model=profile.served_model_name,
+                  metrics_url=metrics_url(profile) if proxy_url and profile.proxy.metrics_port else None)
 
 
 # ------------------------------------------------------------------------------- workload
@@ -414,8 +417,8 @@ async def _run(target: Target, opts: BenchOptions, vram: VramSampler, samples_ou
                     progress(f"{series} at concurrency {conc}")
                 vram.phase = f"{series}@{conc}"
                 before = await _scrape(client, target.engine_url + "/metrics")
-                pbefore = (await _scrape(client, target.proxy_url + "/metrics", key_headers)
-                           if series == "proxy" else None)
+                pbefore = (await _scrape(client, target.metrics_url)
+                           if series == "proxy" and target.metrics_url else None)
                 samples, wall = await _run_cell(target, series, conc, pool, opts, client, key_headers)
                 after = await _scrape(client, target.engine_url + "/metrics")
                 for s in samples:
@@ -426,7 +429,7 @@ async def _run(target: Target, opts: BenchOptions, vram: VramSampler, samples_ou
                 if series == "mix":
                     cell["by_adapter"] = _by_adapter(samples)
                 if series == "proxy":
-                    pafter = await _scrape(client, target.proxy_url + "/metrics", key_headers)
+                    pafter = await _scrape(client, target.metrics_url) if target.metrics_url else None
                     cell["proxy_metrics"] = ({k: round(pafter.get(f"molctl_proxy_{k}", 0) - pbefore.get(f"molctl_proxy_{k}", 0), 6)
                                               for k in PROXY_METRICS} if pbefore is not None and pafter is not None else None)
                 cells.append(cell)

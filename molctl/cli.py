@@ -352,6 +352,26 @@ def status_cmd(
     Output(as_json=json_).status(status(ctx.obj, profile))
 
 
+@app.command("reload")
+@handle_errors
+def reload_cmd(
+    ctx: typer.Context,
+    profile: str = typer.Argument(..., help="Profile whose running proxy re-reads its API key file."),
+    json_: bool = JSON_OPT,
+) -> None:
+    """Make the running proxy re-read its API key file (SIGHUP), without dropping connections."""
+    from molctl.reload import reload
+
+    result = reload(ctx.obj, profile)
+    if json_:
+        import json
+
+        typer.echo(json.dumps(result))
+    else:
+        typer.echo(f"{profile}: sent SIGHUP to the proxy (pid {result['pid']}); it re-reads its key file "
+                   f"(molctl logs {profile} --component proxy shows the outcome)")
+
+
 @app.command("logs")
 @handle_errors
 def logs_cmd(
@@ -437,6 +457,9 @@ def proxy_cmd(
     advertise_upstream: Optional[str] = typer.Option(None, "--advertise-upstream", metavar="URL",
                                                      help="With a redis:// store: this replica's engine URL as its peers "
                                                           "reach it (default: proxy.advertise_upstream, else --upstream)."),
+    metrics_port: Optional[int] = typer.Option(None, "--metrics-port", metavar="N",
+                                               help="Serve Prometheus metrics on this port (on proxy.metrics_host; "
+                                                    "default: the profile's proxy.metrics_port, none when unset)."),
 ) -> None:
     """Run the MoL proxy in the foreground: one public model, route -> answer -> summary over the adapters.
 
@@ -448,7 +471,8 @@ def proxy_cmd(
               upstream=upstream, host=host,
               port=port, api_key_file=api_key_file, allow_unauthenticated=allow_unauthenticated,
               drain_timeout=drain_timeout, sse_keepalive=sse_keepalive, log_max_bytes=log_max_bytes,
-              log_backups=log_backups, replica_id=replica_id, advertise_upstream=advertise_upstream)
+              log_backups=log_backups, replica_id=replica_id, advertise_upstream=advertise_upstream,
+              metrics_port=metrics_port)
 
 
 def _typed_overrides(raw: Optional[str]) -> list[tuple[str, object]]:

@@ -244,9 +244,11 @@ def gpu_indices(profile, environ: Mapping[str, str]) -> list[int]:
 
 
 def stack_claims(profile) -> dict[str, list[tuple[str, int]]]:
-    """What each component claims: the engine its port and GPUs, the proxy its port."""
+    """What each component claims: the engine its port and GPUs, the proxy its port (and its
+    metrics port when set)."""
+    metrics = getattr(getattr(profile, "proxy", None), "metrics_port", None)
     return {"engine": [("port", profile.engine.port)] + [("gpu", i) for i in gpu_indices(profile, os.environ)],
-            "proxy": [("port", profile.proxy.port)]}
+            "proxy": [("port", profile.proxy.port)] + ([("port", metrics)] if metrics else [])}
 
 
 def claim_components(locks: HostLocks, profile, state_dir: Path, components: Iterable[str],

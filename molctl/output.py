@@ -145,6 +145,10 @@ class Output:
         for stack in data["stacks"]:
             if stack.get("endpoint") and stack["state"] in ("ready", "degraded"):
                 self.line(f"{stack['profile']}: model {stack.get('model')} at {stack['endpoint']}")
+            pm = stack.get("proxy_metrics")
+            if pm and pm.get("available"):
+                self.line(f"{stack['profile']}: proxy " + ", ".join(f"{k.replace('_', ' ')} {v:g}" for k, v in pm.items()
+                                                                      if k not in ("available", "url")))
             for problem in stack.get("problems", []):
                 self.line(f"{stack['profile']}: {problem}")
             if stack.get("adapters") not in (None, "ok"):

@@ -112,6 +112,13 @@ SCHEMA: dict[str, Any] = {
         "store_max_entries": int,
         "store_password_file": (str, type(None)),  # a redis:// store's password (else $MOLCTL_STORE_PASSWORD)
         "advertise_upstream": (str, type(None)),  # this replica's engine URL as peers reach it (default: --upstream)
+        "max_inflight": (int, type(None)),  # answer hops at the engine at once (None: the engine's own limit)
+        "max_queue": int,
+        "queue_timeout_s": (int, float),
+        "route_inflight": int,
+        "summary_inflight": int,
+        "metrics_port": (int, type(None)),
+        "metrics_host": str,
     },
     "logs": {  # retention of STATE/PROFILE/logs
         "keep": int,  # the N newest log files kept per component
@@ -187,6 +194,15 @@ class ProxySpec:
     store_max_entries: int = 100_000
     store_password_file: str | None = None  # proxy.store redis://...: the password's file (never in the URL)
     advertise_upstream: str | None = None  # replicas: this proxy's engine as its peers reach it
+    # admission control (molctl.proxy.admission)
+    max_inflight: int | None = None  # answer hops in flight; None: engine.args max-num-seqs / max-running-requests
+    max_queue: int = 256  # requests waiting for a slot, all keys together; more: 429
+    queue_timeout_s: float = 30.0  # a request waiting longer for a slot: 429
+    route_inflight: int = 4  # route hops in flight (their own budget)
+    summary_inflight: int = 2  # summary hops in flight (their own budget)
+    # Prometheus metrics on their own listener (none unless set)
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
 
 
 DEFAULT_FOLD = "[This turn was handled by another specialist. Summary: {summary}]"
@@ -459,6 +475,13 @@ def _check_ports(engine: dict[str, Any], proxy: dict[str, Any], v: _Validator) -
             raise v.fail(port_key, f"{section['port']} is not a TCP port (1-65535)")
     if engine["port"] == proxy["port"]:
         raise v.fail("proxy.port", f"{proxy['port']} is also engine.port; they must differ")
+    metrics = proxy.get("metrics_port")
+    if metrics is not None:
+        if not 1 <= metrics <= 65535:
+            raise v.fail("proxy.metrics_port", f"{metrics} is not a TCP port (1-65535)")
+        for other in ("engine.port", "proxy.port"):
+            if metrics == (engine if other == "engine.port" else proxy)["port"]:
+                raise v.fail("proxy.metrics_port", f"{metrics} is also {other}; they must differ")
 
 
 def _engine_spec(data: dict[str, Any], proxy: dict[str, Any], v: _Validator) -> EngineSpec:
@@ -509,8 +532,9 @@ def _proxy_spec(data: dict[str, Any], v: _Validator) -> ProxySpec:
     if proxy.get("reasoning", "none") not in REASONING_STYLES:
         raise v.fail("proxy.reasoning", f"{proxy['reasoning']!r}: expected one of {', '.join(REASONING_STYLES)}")
     for key in ("max_output_tokens", "route_max_tokens", "summary_max_tokens", "summary_queue_max",
-                "route_timeout_s", "stream_write_timeout_s", "store_ttl_s", "store_max_bytes", "store_max_entries"):
-        if key in proxy and proxy[key] <= 0:
+                "route_timeout_s", "stream_write_timeout_s", "store_ttl_s", "store_max_bytes", "store_max_entries",
+                "max_inflight", "max_queue", "queue_timeout_s", "route_inflight", "summary_inflight"):
+        if proxy.get(key) is not None and proxy[key] <= 0:
             raise v.fail(f"proxy.{key}", "must be > 0")
     if proxy.get("route_max_input_chars", 4000) < 200:
         raise v.fail("proxy.route_max_input_chars", "must be >= 200")

@@ -147,6 +147,8 @@ def proxy_argv(profile: Profile, opts: UpOptions, key_args: list[str], upstream:
         argv += ["--profiles-dir", str(Path(d).resolve())]
     argv += ["proxy", profile.name, "--upstream", upstream, "--host", profile.proxy.host,
              "--port", str(profile.proxy.port), "--drain-timeout", str(opts.drain_timeout_s)]
+    if profile.proxy.metrics_port:
+        argv += ["--metrics-port", str(profile.proxy.metrics_port)]
     if opts.overrides:
         argv += ["--set-json", json.dumps([[k, v] for k, v in opts.overrides])]
     log_opts = profile_log_options(profile)

@@ -87,11 +87,58 @@ def _stack_status(state_dir: Path, name: str, profile: Profile | None, records: 
         out["adapters"] = adapters
     if "proxy" in records:
         out["endpoint"] = component_url(records["proxy"]) + "/v1"
+        proxy_alive = any(c["name"] == "proxy" and c["alive"] for c in components)
+        if proxy_alive and profile is not None and profile.proxy.metrics_port:
+            out["proxy_metrics"] = proxy_metrics(metrics_url(profile))
     if profile is not None:
         out["model"] = profile.served_model_name
     gpus = _gpu_usage(state_dir, name, gpu_probe) if out["state"] != "stopped" else []
     if gpus:
         out["gpus"] = gpus
+    return out
+
+
+STATUS_METRICS = {  # shown by `molctl status`: key -> (sample name, labels that must match)
+    "requests": ("molctl_proxy_requests_total", {}),
+    "rejected_429": ("molctl_proxy_admission_rejections_total", {}),
+    "engine_errors": ("molctl_proxy_engine_errors_total", {}),
+    "route_fallbacks": ("molctl_proxy_route_fallbacks_total", {}),
+    "answers_in_flight": ("molctl_proxy_inflight_hops", {"hop": "answer"}),
+    "queued": ("molctl_proxy_queue_depth", {"hop": "answer"}),
+}
+
+
+def metrics_url(profile: Profile) -> str:
+    from molctl.readiness import base_url
+
+    return base_url(profile.proxy.metrics_host, profile.proxy.metrics_port) + "/metrics"
+
+
+def proxy_metrics(url: str, timeout: float = 1.0) -> dict[str, Any]:
+    """A few of the proxy's metrics from its metrics listener; {"available": false} when it
+    does not answer (not an error: status reports, it does not judge)."""
+    import re
+
+    import httpx
+
+    try:
+        r = httpx.get(url, timeout=timeout, trust_env=False)
+    except httpx.HTTPError:
+        return {"available": False, "url": url}
+    if r.status_code != 200:
+        return {"available": False, "url": url}
+    out: dict[str, Any] = {"available": True, "url": url, **dict.fromkeys(STATUS_METRICS, 0.0)}
+    for line in r.text.splitlines():
+        m = re.fullmatch(r"([a-zA-Z_:][\w:]*)(?:\{(.*)\})? (\S+)", line)
+        if not m:
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+        for key, (name, want) in STATUS_METRICS.items():
+            if m.group(1) == name and all(labels.get(k) == v for k, v in want.items()):
+                try:
+                    out[key] += float(m.group(3))
+                except ValueError:
+                    pass
     return out
 
 

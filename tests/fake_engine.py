@@ -145,7 +145,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
     cfg = STATE.config
     model = payload.get("model")
     STATE.log.append({"hop": hop, "model": model, "messages": payload.get("messages"), "payload": payload,
-                      "t": time.time()})
+                      "t": time.time(), "request_id": request.headers.get("X-Request-Id")})
     messages = payload.get("messages") or []
     last = messages[-1] if messages else {}
     if cfg["strict"]:

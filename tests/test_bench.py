@@ -14,7 +14,7 @@ import pytest
 from molctl.errors import ExitStatus
 from molctl.probes import GpuDevice, GpuInventory, GpuUnavailable
 from molctl.state import read_records
-from tests.helpers import Molctl, free_ports, url
+from tests.helpers import ROOT, Molctl, free_ports, url
 from tests.layouts import make_layout
 from tests.procs import fake_engine_python
 
@@ -31,14 +31,16 @@ class BenchHost:
         self.key = tmp / "key"
         self.key.write_text(KEY + "\n")
         self.key.chmod(0o600)
-        self.engine_port, self.proxy_port = free_ports(2)
-        self.env = {"MOLCTL_LOCK_DIR": str(tmp / "locks"), "MOLCTL_PROFILES_DIR": ""}
+        self.engine_port, self.proxy_port, self.metrics_port = free_ports(3)
+        # PYTHONPATH: the proxy `up` starts (in its own folder) imports this checkout's molctl
+        self.env = {"MOLCTL_LOCK_DIR": str(tmp / "locks"), "MOLCTL_PROFILES_DIR": "", "PYTHONPATH": str(ROOT)}
         self.cli = Molctl(self.state)  # subprocess: up/down
         self.inproc = Molctl(self.state, in_process=True)
 
     def up(self):
         return self.cli("up", "tiny", "--set", f"engine.python={self.python}", "--set", f"engine.port={self.engine_port}",
-                        "--set", f"proxy.port={self.proxy_port}", "--model-root", str(self.model), "--skip", "engine",
+                        "--set", f"proxy.port={self.proxy_port}", "--set", f"proxy.metrics_port={self.metrics_port}",
+                        "--model-root", str(self.model), "--skip", "engine",
                         "--skip", "gpu", "--api-key-file", str(self.key), "--timeout", "30", env=self.env)
 
     def engine(self) -> str:
@@ -353,3 +355,19 @@ def test_an_unreadable_engine_record_is_not_reported_as_nothing_running(molctl):
     assert r.exit_code == ExitStatus.CHECK_FAILED and r.stderr.count("\n") == 1
     assert r.stderr.startswith(f"molctl: error: the engine record of tiny cannot be read: {record}: corrupt")
     assert "nothing is running" not in r.stderr
+
+
+def test_status_shows_the_proxy_metrics_of_the_running_stack(host):
+    """`molctl up` passes proxy.metrics_port to the proxy; `molctl status` reads a few metrics there."""
+    host.config()
+    proxy_port = read_records(host.state, "tiny")["proxy"].port
+    r = httpx.post(url(proxy_port) + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   json={"model": "Macaron-Tiny-Demo", "messages": [{"role": "user", "content": "hi"}]}, timeout=30)
+    assert r.status_code == 200, r.text
+    st = host.inproc("status", "tiny", "--json")
+    (stack,) = st.json()["stacks"]
+    pm = stack["proxy_metrics"]
+    assert pm["available"] and pm["url"] == f"http://127.0.0.1:{host.metrics_port}/metrics"
+    assert pm["requests"] >= 1 and pm["answers_in_flight"] == 0 and pm["rejected_429"] == 0
+    human = host.inproc("status", "tiny")
+    assert "tiny: proxy requests" in human.stdout

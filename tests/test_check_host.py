@@ -181,3 +181,20 @@ def test_memory_held_by_the_profiles_own_stack_counts_as_available(state_dir, fr
     probes.stack_pids = lambda: set()
     checks = {c.id: c.status for c in run_checks(profile, probes, ("engine", "model", "adapter")).checks}
     assert checks["gpu.memory"] == "fail" and checks["gpu.processes"] == "fail"
+
+
+def test_metrics_port_is_checked_when_set(run):
+    from tests.helpers import free_port
+
+    report, checks = run(skip=("engine", "gpu", "model", "adapter"))
+    assert "port.metrics" not in checks  # no proxy.metrics_port: no listener, nothing to check
+    metrics = free_port()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", metrics))
+        sock.listen()
+        report, checks = run(skip=("engine", "gpu", "model", "adapter"), sets=[("proxy.metrics_port", metrics)])
+    assert not report.ok
+    status, detail = checks["port.metrics"]
+    assert status == "fail" and f"127.0.0.1:{metrics} (proxy.metrics_port)" in detail and f"pid {os.getpid()}" in detail
+    report, checks = run(skip=("engine", "gpu", "model", "adapter"), sets=[("proxy.metrics_port", metrics)])
+    assert checks["port.metrics"][0] == "pass"

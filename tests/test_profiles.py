@@ -177,3 +177,21 @@ def test_shipped_profiles_copy_is_loadable(tmp_path):
     text = (tmp_path / "venti-b.yaml").read_text().replace("name: venti\n", "name: venti-b\n")
     (tmp_path / "venti-b.yaml").write_text(text)
     assert load_profile_file(tmp_path / "venti-b.yaml").name == "venti-b"
+
+
+@pytest.mark.parametrize("field, value, expected", [
+    ("max_inflight", 0, "must be > 0"), ("max_queue", -1, "must be > 0"), ("queue_timeout_s", 0, "must be > 0"),
+    ("route_inflight", 0, "must be > 0"), ("summary_inflight", 0, "must be > 0"), ("max_queue", "lots", "proxy.max_queue"),
+    ("metrics_port", 70000, "is not a TCP port"), ("metrics_port", 8300, "is also proxy.port"),
+    ("metrics_port", 8301, "is also engine.port")])
+def test_admission_and_metrics_fields_are_validated(field, value, expected):
+    """One line naming the field; the metrics port differs from both other ports."""
+    from molctl.profiles import load_profile, profile_dirs
+
+    overrides = [("proxy.port", 8300), ("engine.port", 8301), (f"proxy.{field}", value)]
+    with pytest.raises(ProfileError) as err:
+        load_profile("tiny", profile_dirs(), overrides)
+    message = str(err.value)
+    assert f"proxy.{field}" in message and expected in message and "\n" not in message
+    ok = load_profile("tiny", profile_dirs(), [("proxy.metrics_port", 9464), ("proxy.max_inflight", 4)])
+    assert ok.proxy.metrics_port == 9464 and ok.proxy.metrics_host == "127.0.0.1" and ok.proxy.max_inflight == 4

@@ -34,9 +34,21 @@ def fold(summary: str) -> dict:
     return {"role": "assistant", "content": TINY.prompts.fold.replace("{summary}", summary)}
 
 
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Prometheus text -> {sample name: value}, labelled samples summed per name."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_labels, value = line.rsplit(" ", 1)
+        name = name_labels.split("{", 1)[0]
+        out[name] = out.get(name, 0) + float(value)
+    return out
+
+
 class Stack:
-    def __init__(self, engine_url: str, proxy_url: str):
-        self.engine_url, self.proxy_url = engine_url, proxy_url
+    def __init__(self, engine_url: str, proxy_url: str, metrics_url: str | None = None):
+        self.engine_url, self.proxy_url, self.metrics_url = engine_url, proxy_url, metrics_url
         self.client = openai.OpenAI(base_url=proxy_url + "/v1", api_key=KEY, max_retries=0, timeout=30)
 
     def config(self, **cfg):
@@ -49,9 +61,12 @@ class Stack:
         entries = httpx.get(self.engine_url + "/_log").json()
         return [e for e in entries if hop is None or e["hop"] == hop]
 
-    def metrics(self) -> dict[str, int]:
-        text = httpx.get(self.proxy_url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
-        return {line.split()[0]: int(line.split()[1]) for line in text.splitlines() if line}
+    def metrics(self) -> dict[str, float]:
+        """The proxy's metrics listener (no key), labelled series summed per name (0 for a
+        labelled counter with no series yet)."""
+        from collections import defaultdict
+
+        return defaultdict(float, parse_prometheus(httpx.get(self.metrics_url + "/metrics").text))
 
     def chat(self, messages, stream=False, **kw):
         if not stream:
@@ -80,14 +95,15 @@ def keyfile(tmp_path_factory):
 @pytest.fixture(scope="module")
 def stack(keyfile, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
-    engine_port, proxy_port = free_port(), free_port()
+    engine_port, proxy_port, metrics_port = free_port(), free_port(), free_port()
     engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
     # strict: the fake engine rejects what vLLM and the Qwen3.5/3.6 templates reject (tiny's window: 2048)
     with running(fake_engine_argv(engine_port, STRICT), engine_url + "/health", log=logs / "engine.log"), \
             running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(keyfile), "--sse-keepalive", "0.2",
-                               "--set", "proxy.stream_write_timeout_s=2", "--set", "proxy.route_timeout_s=2"),
+                               "--set", "proxy.stream_write_timeout_s=2", "--set", "proxy.route_timeout_s=2",
+                               "--metrics-port", str(metrics_port)),
                     proxy_url + "/health", log=logs / "proxy.log"):
-        yield Stack(engine_url, proxy_url)
+        yield Stack(engine_url, proxy_url, f"http://127.0.0.1:{metrics_port}")
 
 
 @pytest.fixture

@@ -386,18 +386,21 @@ def test_prompt_cache_key_and_safety_identifier_are_accepted(s):
 def test_metrics_answer_during_a_drain(keyfile):  # noqa: F811 - fixture
     import signal
 
-    engine_port, port = free_port(), free_port()
+    engine_port, port, metrics_port = free_port(), free_port(), free_port()
     engine_url, proxy = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{port}"
+    metrics = f"http://127.0.0.1:{metrics_port}/metrics"
     with running(fake_engine_argv(engine_port, {**STRICT, "answer_delay": 2.0}), engine_url + "/health"), \
-            running(proxy_argv("tiny", engine_url, port, "--api-key-file", str(keyfile)), proxy + "/health") as proc:
+            running(proxy_argv("tiny", engine_url, port, "--api-key-file", str(keyfile), "--metrics-port", str(metrics_port)),
+                    proxy + "/health") as proc:
         t = threading.Thread(target=lambda: httpx.post(proxy + "/v1/chat/completions", headers=AUTH, timeout=20, json={
             "model": PUBLIC, "messages": [{"role": "user", "content": "[route:L2] slow"}]}))
         t.start()
         assert wait_for(lambda: httpx.get(engine_url + "/_log").json() != [])
         proc.send_signal(signal.SIGTERM)
         assert wait_for(lambda: httpx.get(proxy + "/readyz").status_code == 503)
-        r = httpx.get(proxy + "/metrics", headers=AUTH)
-        assert r.status_code == 200 and "molctl_proxy_draining 1" in r.text
+        r = httpx.get(metrics)  # no key there
+        assert r.status_code == 200 and "molctl_proxy_draining 1.0" in r.text
+        assert httpx.get(proxy + "/metrics", headers=AUTH).status_code == 503  # never on the public port
         t.join(20)
 
 

@@ -263,24 +263,26 @@ def test_proxy_refuses_to_start_when_redis_is_unreachable(keyfile):
 def served(keyfile, tmp_path):
     """A fake engine, a Redis of its own (it gets stopped) and a proxy on it."""
     server = RedisServer().start()
-    engine_port, proxy_port = free_port(), free_port()
+    engine_port, proxy_port, metrics_port = free_port(), free_port(), free_port()
     engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
     try:
         with running(fake_engine_argv(engine_port), engine_url + "/health", log=tmp_path / "engine.log"), \
-                running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(keyfile),
+                running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(keyfile), "--metrics-port", str(metrics_port),
                                    "--set", f"proxy.store={server.url}"), proxy_url + "/health", log=tmp_path / "proxy.log"):
-            yield server, proxy_url, openai.OpenAI(base_url=proxy_url + "/v1", api_key=KEY, max_retries=0, timeout=15)
+            client = openai.OpenAI(base_url=proxy_url + "/v1", api_key=KEY, max_retries=0, timeout=15)
+            yield server, proxy_url, f"http://127.0.0.1:{metrics_port}", client
     finally:
         server.stop()
 
 
-def metrics(proxy_url: str) -> dict[str, float]:
-    text = httpx.get(proxy_url + "/metrics", headers=AUTH).text
+def metrics(metrics_url: str) -> dict[str, float]:
+    """The proxy's metrics listener's unlabelled samples (no key there)."""
+    text = httpx.get(metrics_url + "/metrics").text
     return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and not line.startswith("#")}
 
 
 def test_redis_lost_while_serving_then_back(served, tmp_path):
-    server, proxy_url, client = served
+    server, proxy_url, metrics_url, client = served
     first = client.responses.create(model=PUBLIC, input="[route:L1] hello")
     server.stop()
     # stateless chat keeps answering
@@ -296,8 +298,8 @@ def test_redis_lost_while_serving_then_back(served, tmp_path):
         assert err.value.body["code"] == "store_unavailable"
     # a response that keeps no state is still served
     assert client.responses.create(model=PUBLIC, input="[route:L1] nothing kept", store=False).status == "completed"
-    m = metrics(proxy_url)
-    assert m["molctl_proxy_state_store_degraded"] == 1 and m["molctl_proxy_state_store_degraded_total"] == 1
+    m = metrics(metrics_url)
+    assert m["molctl_proxy_state_store_up"] == 0 and m["molctl_proxy_state_store_degraded_total"] == 1
     assert m["molctl_proxy_state_store_errors_total"] >= 1
     log_text = (tmp_path / "proxy.log").read_text()
     assert log_text.count("degraded: chat continues") == 1  # logged once, not per request
@@ -311,14 +313,14 @@ def test_redis_lost_while_serving_then_back(served, tmp_path):
             assert exc.status_code == 503
             time.sleep(0.1)
     assert client.responses.create(model=PUBLIC, input="on", previous_response_id=again.id).status == "completed"
-    assert metrics(proxy_url)["molctl_proxy_state_store_degraded"] == 0
+    assert metrics(metrics_url)["molctl_proxy_state_store_up"] == 1
     assert "reachable again" in (tmp_path / "proxy.log").read_text()
 
 
 def test_a_stuck_redis_never_hangs_a_request(served):
     """CLIENT PAUSE holds every command for 30 s: each request still ends (chat answered, Responses
     503) well within the client's 15 s timeout."""
-    server, proxy_url, client = served
+    server, proxy_url, metrics_url, client = served
     first = client.responses.create(model=PUBLIC, input="[route:L1] hello")
     admin = server.client()
     admin.execute_command("CLIENT", "PAUSE", "30000", "ALL")

@@ -19,15 +19,15 @@ from tests.test_proxy import IDENTITY, KEY, PUBLIC, STRICT, fold, keyfile  # noq
 
 
 class Replica:
-    def __init__(self, name: str, engine_url: str, proxy_url: str):
-        self.name, self.engine_url, self.proxy_url = name, engine_url, proxy_url
+    def __init__(self, name: str, engine_url: str, proxy_url: str, metrics_url: str):
+        self.name, self.engine_url, self.proxy_url, self.metrics_url = name, engine_url, proxy_url, metrics_url
         self.client = openai.OpenAI(base_url=proxy_url + "/v1", api_key=KEY, max_retries=0, timeout=30)
 
     def log(self, hop: str | None = None) -> list[dict]:
         return [e for e in httpx.get(self.engine_url + "/_log").json() if hop is None or e["hop"] == hop]
 
     def metrics(self) -> dict[str, float]:
-        text = httpx.get(self.proxy_url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+        text = httpx.get(self.metrics_url + "/metrics").text  # the metrics listener: no key
         return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and not line.startswith("#")}
 
     def reset(self) -> None:
@@ -41,14 +41,15 @@ class Replica:
 
 
 def start_replica(stack, name: str, redis_url: str, keyfile, logs) -> tuple[Replica, object, object]:
-    engine_port, proxy_port = free_port(), free_port()
+    engine_port, proxy_port, metrics_port = free_port(), free_port(), free_port()
     engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
     engine = stack.enter_context(running(fake_engine_argv(engine_port, STRICT), engine_url + "/health",
                                          log=logs / f"engine-{name}.log"))
     proxy = stack.enter_context(running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(keyfile),
-                                                   "--set", f"proxy.store={redis_url}", "--replica-id", name),
+                                                   "--set", f"proxy.store={redis_url}", "--replica-id", name,
+                                                   "--metrics-port", str(metrics_port)),
                                         proxy_url + "/readyz", log=logs / f"proxy-{name}.log"))
-    return Replica(name, engine_url, proxy_url), engine, proxy
+    return Replica(name, engine_url, proxy_url, f"http://127.0.0.1:{metrics_port}"), engine, proxy
 
 
 @pytest.fixture(scope="module")

@@ -105,17 +105,21 @@ def _mib(value: int | None) -> str:
 
 
 def run_ports(profile: Profile, probes: Probes) -> list[CheckResult]:
+    """The engine's, the proxy's and (when set) the proxy's metrics port: free, or held by this stack."""
     out = []
     own = None
-    for component, host, port in (("engine", profile.engine.host, profile.engine.port),
-                                  ("proxy", profile.proxy.host, profile.proxy.port)):
-        cid = f"port.{component}"
+    wanted = [("engine", "engine", "engine.port", profile.engine.host, profile.engine.port),
+              ("proxy", "proxy", "proxy.port", profile.proxy.host, profile.proxy.port)]
+    if profile.proxy.metrics_port:
+        wanted.append(("metrics", "proxy", "proxy.metrics_port", profile.proxy.metrics_host, profile.proxy.metrics_port))
+    for name, component, field, host, port in wanted:
+        cid = f"port.{name}"
         claim, own_claim = _claim_holder("port", port, profile, probes)
         free = probes.ports.is_free(host, port)
         if not free and claim is None:  # claimed between the two looks (another `up` racing this one)?
             claim, own_claim = _claim_holder("port", port, profile, probes)
         if claim is not None and not own_claim:
-            out.append(CheckResult(cid, "fail", f"{component} port {host}:{port} ({component}.port) is claimed by "
+            out.append(CheckResult(cid, "fail", f"{name} port {host}:{port} ({field}) is claimed by "
                                                 f"{claim.describe()}; {claim.stop_hint()}"))
             continue
         if free:
@@ -127,10 +131,10 @@ def run_ports(profile: Profile, probes: Probes) -> list[CheckResult]:
         if holder and holder[0] in own:
             out.append(CheckResult(cid, "pass", f"{host}:{port} is held by this profile's running {component} (pid {holder[0]})"))
         elif holder:
-            out.append(CheckResult(cid, "fail", f"{component} port {host}:{port} ({component}.port) is held by pid {holder[0]} "
+            out.append(CheckResult(cid, "fail", f"{name} port {host}:{port} ({field}) is held by pid {holder[0]} "
                                                 f"({holder[1]})"))
         else:
-            out.append(CheckResult(cid, "fail", f"{component} port {host}:{port} ({component}.port) is in use by a process molctl cannot "
+            out.append(CheckResult(cid, "fail", f"{name} port {host}:{port} ({field}) is in use by a process molctl cannot "
                                                 "see"))
     return out
 

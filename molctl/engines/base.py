@@ -128,6 +128,8 @@ class Engine(abc.ABC):
     kind: str = ""
     package: str = ""  # the import name of the engine package
     memory_flag: str = ""  # the flag that sets the fraction of GPU memory the engine takes
+    running_flag: str = ""  # the flag that bounds the sequences the engine runs at once
+    default_running = 256  # the proxy's answer-hop bound when the profile sets neither
     # (regex, label) pairs read from the engine's log to show the start-up phase; the last
     # matching line wins; a label may use the regex groups ("{0}/{1}").
     phases: tuple[tuple[str, str], ...] = ()
@@ -213,6 +215,14 @@ class Engine(abc.ABC):
     def memory_fraction(self, profile: Profile) -> float | None:
         value = profile.engine.args.get(self.memory_flag)
         return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+    def max_running(self, profile: Profile) -> int:
+        """How many requests the engine runs at once (`running_flag` in engine.args), else
+        `default_running`: the default of the proxy's `proxy.max_inflight`."""
+        value = profile.engine.args.get(self.running_flag) if self.running_flag else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+        return self.default_running
 
     def max_lora_rank(self, profile: Profile) -> int | None:
         value = profile.engine.args.get("max-lora-rank")

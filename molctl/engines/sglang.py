@@ -146,6 +146,7 @@ class SglangEngine(Engine):
     model_flag = "--model-path"
     lora_flag = "--lora-paths"
     memory_flag = "mem-fraction-static"
+    running_flag = "max-running-requests"
     version_path = "/get_server_info"
     health_timeout_s = 3.0
 

@@ -46,6 +46,7 @@ class VllmEngine(Engine):
     model_flag = "--model"
     lora_flag = "--lora-modules"
     memory_flag = "gpu-memory-utilization"
+    running_flag = "max-num-seqs"
     phases = (
         (r"non-default args|Initializing a V1 LLM engine|vLLM API server version", "engine config"),
         (r"Starting to load model|Loading model from", "loading model"),

@@ -4,8 +4,8 @@ Endpoints: GET /health (liveness, no auth), GET /readyz (no auth; 503 unless the
 and lists L0-L3 under the expected parent and the proxy is not draining; probe cached ~1 s),
 GET /v1/models, GET /v1/models/{id} (the public model; 404 for any other id),
 POST /v1/chat/completions, POST /v1/responses, GET|DELETE /v1/responses/{id},
-GET /v1/responses/{id}/input_items (the Responses API: `responses`), GET /metrics (plain
-counters; answered during a drain too).
+GET /v1/responses/{id}/input_items (the Responses API: `responses`). Metrics are not here: they
+are on their own listener (molctl.proxy.metrics, `proxy.metrics_port`).
 Auth: `Authorization: Bearer <key>` against the keys of the key file, compared in constant time.
 Drain: `start_drain()` (on SIGTERM) turns /readyz to 503 and answers new requests 503 with
 Retry-After while in-flight requests, streams included, run to completion.
@@ -22,19 +22,21 @@ for `proxy.stream_write_timeout_s` is dropped and its engine request cancelled.
 
 Failures: a malformed request is a JSON 400 naming the field; anything unexpected is logged once
 with its request id and answered as a JSON 500 in the OpenAI error shape naming that id (also in
-the `x-request-id` header, which every chat response carries). Bodies over BIG_BODY bytes are
+the `x-request-id` header, which every response carries). Bodies over BIG_BODY bytes are
 parsed and prepared in a worker thread so the event loop keeps serving.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hashlib
 import hmac
 import inspect
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -46,11 +48,16 @@ from molctl.proxy import responses
 from molctl.proxy.conversations import ConversationStore, MemoryStore
 from molctl.proxy.engine_client import EngineClient
 from molctl.proxy.errors import EngineUnavailable, ProxyError, invalid
-from molctl.proxy.orchestrator import Counters, Orchestrator, Plan
+from molctl.proxy.metrics import MetricsListener, ProxyMetrics, store_gauges
+from molctl.proxy.orchestrator import Orchestrator, Plan
 from molctl.proxy.response_store import MemoryResponseStore, ResponseStore
 from molctl.proxy.validation import parse_body
 
 log = logging.getLogger("molctl.proxy")
+request_log = logging.getLogger("molctl.proxy.requests")  # one JSON line per request (see request_line)
+REQUEST: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("molctl_proxy_request")
+REQUEST_ID_RE = re.compile(rb"[A-Za-z0-9._:/+=-]{1,128}")  # an incoming X-Request-Id we pass on as it is
+UNCOUNTED = ("/health", "/readyz")  # probes: neither counted nor logged per request
 
 Send = Callable[[dict], Awaitable[None]]
 Receive = Callable[[], Awaitable[dict]]
@@ -66,17 +73,20 @@ SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-
 class ProxyApp:
     def __init__(self, profile: Profile, engine: Engine, upstream: str, keys: list[str] | None,
                  store: ConversationStore | None = None, sse_keepalive_s: float = 10.0, ready_cache_s: float = 1.0,
-                 response_store: ResponseStore | None = None, shared_state: Any = None):
+                 response_store: ResponseStore | None = None, shared_state: Any = None, metrics_port: int | None = None,
+                 metrics_host: str = "127.0.0.1", metrics_sock=None):
         self.profile = profile
         self.engine = engine
         self.client = EngineClient(upstream)
-        self.counters = Counters()
+        self.counters = ProxyMetrics(self._gauges, self._store_counters)
         self.orch = Orchestrator(profile, engine, self.client, store or MemoryStore(), self.counters)
+        self.metrics_listener = MetricsListener(self.counters, metrics_host, metrics_port, metrics_sock) if metrics_port else None
         self.responses: ResponseStore = response_store if response_store is not None else MemoryResponseStore()
         # a shared store (molctl.proxy.redis_store): async record methods, a heartbeat, closed on shutdown
         self.shared_state = shared_state
         self._responses_async = inspect.iscoroutinefunction(self.responses.get_response)
-        self.keys = [(k.encode(), hashlib.sha256(k.encode()).hexdigest()[:16]) for k in (keys or [])]
+        self.keys: list[tuple[bytes, str]] = []
+        self.set_keys(keys or [])
         self.sse_keepalive_s = sse_keepalive_s
         self.ready_cache_s = ready_cache_s
         self._ready: tuple[float, bool, str] = (0.0, False, "not probed")
@@ -88,9 +98,15 @@ class ProxyApp:
         self._model = {"id": profile.served_model_name, "object": "model", "created": 0, "owned_by": "molctl"}
         self._models_body = json.dumps({"object": "list", "data": [self._model]}).encode()
 
+    def set_keys(self, keys: list[str]) -> None:
+        """The accepted keys (each with its tenant id, a short hash); replaced at once (SIGHUP)."""
+        self.keys = [(k.encode(), hashlib.sha256(k.encode()).hexdigest()[:16]) for k in keys]
+
     # ------------------------------------------------------------------ lifecycle
     async def startup(self) -> None:
         await self.client.start()
+        if self.metrics_listener is not None:
+            await self.metrics_listener.start()
         if self.shared_state is not None:
             self.shared_state.start_heartbeat(self._engine_healthy)
 
@@ -100,6 +116,8 @@ class ProxyApp:
     async def shutdown(self) -> None:
         for task in list(self.orch.background):
             task.cancel()
+        if self.metrics_listener is not None:
+            await self.metrics_listener.close()
         await self.client.close()
         self.responses.close()
         if self.shared_state is not None:
@@ -122,12 +140,17 @@ class ProxyApp:
             return
         if scope["type"] != "http":
             return
-        rid = "req-" + os.urandom(8).hex()
-        state = {"started": False}
+        rid = incoming_request_id(scope["headers"]) or "req-" + os.urandom(8).hex()
+        state: dict[str, Any] = {"started": False, "status": 499, "t0": time.monotonic(), "tenant": None, "plan": None}
+        REQUEST.set(state)
 
         async def tracked(message: dict) -> None:
             if message["type"] == "http.response.start":
                 state["started"] = True
+                state["status"] = message["status"]
+                headers = message.get("headers") or []
+                if not any(name == b"x-request-id" for name, _ in headers):
+                    message = {**message, "headers": [*headers, (b"x-request-id", rid.encode())]}
             await send(message)
 
         try:
@@ -145,6 +168,20 @@ class ProxyApp:
             log.exception("request %s failed", rid)
             if not state["started"]:
                 await self._error(tracked, internal_error(rid), rid)
+        finally:
+            if scope["path"] not in UNCOUNTED:
+                self._count(scope, state, rid)
+
+    def _count(self, scope: dict, state: dict[str, Any], rid: str) -> None:
+        """requests_total by API, status and stream, and the request's log line."""
+        plan: Plan | None = state["plan"]
+        path = scope["path"]
+        api = "chat" if path.startswith("/v1/chat/") else "responses" if path.startswith("/v1/responses") else \
+            "models" if path.startswith("/v1/models") else "other"
+        stream = bool(plan is not None and plan.stream)
+        self.counters.inc("requests_total", api=api, status=str(state["status"]), stream="true" if stream else "false")
+        if request_log.isEnabledFor(logging.INFO):
+            request_log.info(request_line(rid, state, api, plan, time.monotonic() - state["t0"]))
 
     async def _route(self, scope: dict, receive: Receive, send: Send, rid: str) -> None:
         path = scope["path"].rstrip("/") or "/"
@@ -157,9 +194,7 @@ class ProxyApp:
             await self._json(send, 200 if ok else 503, {"status": "ready" if ok else "not_ready", "detail": why})
             return
         tenant = self._authenticate(scope)
-        if path == "/metrics" and method == "GET":  # scraped during a drain too
-            await self._metrics(send)
-            return
+        REQUEST.get()["tenant"] = tenant
         if self.draining:
             raise ProxyError(503, "The server is shutting down; retry on another instance.", "server_error",
                              "draining", headers={"retry-after": "5"})
@@ -229,13 +264,23 @@ class ProxyApp:
     async def _error(self, send: Send, exc: ProxyError, rid: str | None = None) -> None:
         await self._json(send, exc.status, exc.body(), {**exc.headers, **({"x-request-id": rid} if rid else {})})
 
-    async def _metrics(self, send: Send) -> None:
-        lines = [f"molctl_proxy_{k} {v}" for k, v in sorted(self.counters.values.items())]
-        lines += [f"molctl_proxy_state_{k} {v}" for k, v in self.orch.store.stats().items()]
-        lines += [f"molctl_proxy_store_{k} {v}" for k, v in self.responses.stats().items()]
-        lines += [f"molctl_proxy_inflight_requests {self.inflight}", f"molctl_proxy_draining {int(self.draining)}"]
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain; version=0.0.4")]})
-        await send({"type": "http.response.body", "body": ("\n".join(lines) + "\n").encode()})
+    def _gauges(self) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+        """Read at scrape time (on the event loop): in-flight hops, queue depth, store sizes."""
+        adm = self.orch.admission
+        return {
+            "inflight_hops": {(("hop", "answer"),): adm.answers.inflight, (("hop", "route"),): adm.routes.inflight,
+                              (("hop", "summary"),): self.orch._summary_running},
+            "queue_depth": {(("hop", "answer"),): adm.answers.waiting, (("hop", "route"),): adm.routes.waiting,
+                            (("hop", "summary"),): self.orch._summary_waiting},
+            "inflight_requests": {(): self.inflight},
+            "draining": {(): int(self.draining)},
+            "store": {**store_gauges(self.orch.store.stats(), "conversations"), **store_gauges(self.responses.stats(), "responses")},
+            "state_store_up": {(): 1 - self.orch.store.stats().get("store_degraded", 0)},
+        }
+
+    def _store_counters(self) -> dict[str, float]:
+        """The conversation store's own counters (a shared store: degradations, errors, affinity)."""
+        return {"state_" + k: v for k, v in self.orch.store.stats().items() if k.endswith("_total")}
 
     async def ready(self) -> tuple[bool, str]:
         if self.draining:
@@ -290,16 +335,21 @@ class ProxyApp:
         plan.big = plan.big or len(raw) > BIG_BODY
         return plan
 
+    @staticmethod
+    def _track(plan: Plan, rid: str) -> None:
+        plan.request_id = rid
+        REQUEST.get()["plan"] = plan
+
     async def _chat(self, scope: dict, receive: Receive, send: Send, tenant: str, rid: str) -> None:
         raw = await self._read_body(receive)
         plan = await asyncio.to_thread(self._plan, raw, tenant) if len(raw) > BIG_BODY else self._plan(raw, tenant)
         del raw
+        self._track(plan, rid)
         await self.orch.load(plan)
         await self._run(plan, receive, self._stream(plan, send, rid) if plan.stream else self._complete(plan, send, rid))
 
     async def _run(self, plan: Plan, receive: Receive, coro: Awaitable[None]) -> None:
         """Run one answer (`coro`) while watching the client: a disconnect cancels it."""
-        self.counters.inc("requests_total")
         self.inflight += 1
         self._idle.clear()
         work = asyncio.ensure_future(coro)
@@ -308,6 +358,7 @@ class ProxyApp:
             done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
             if work not in done:  # the client went away: cancel the upstream request with it
                 self.counters.inc("client_disconnects_total")
+                REQUEST.get()["disconnected"] = True
                 work.cancel()
                 await asyncio.gather(work, return_exceptions=True)
                 self.orch.abandon(plan)
@@ -453,6 +504,7 @@ class ProxyApp:
         await self._responses_previous(req, tenant)
         plan = await asyncio.to_thread(self._responses_plan, req, tenant, big) if big else self._responses_plan(req, tenant, big)
         await self.orch.load(plan)
+        self._track(plan, rid)
         if not plan.stream:
             await self._run(plan, receive, self._responses_complete(plan, req, send, tenant, rid))
             return
@@ -473,6 +525,7 @@ class ProxyApp:
             calls = {c.get("id") for c in last.get("tool_calls") or []}
             if calls and all(m.get("tool_call_id") in calls for m in req.messages):
                 plan.route = prev["route"]
+                plan.sticky = True
                 self.counters.inc("sticky_tool_turns_total")
                 return
         await self.orch.route(plan)
@@ -557,6 +610,39 @@ class ProxyApp:
             raise responses.not_found(response_id)
         await self._json(send, 200, responses.list_input_items(record, limit, order, query.get("after")),
                          {"x-request-id": rid})
+
+
+def incoming_request_id(headers: list[tuple[bytes, bytes]]) -> str | None:
+    """A client's X-Request-Id when it is 1-128 characters of [A-Za-z0-9._:/+=-]; else None
+    (the proxy makes one)."""
+    for name, value in headers:
+        if name == b"x-request-id":
+            return value.decode("ascii") if REQUEST_ID_RE.fullmatch(value) else None
+    return None
+
+
+def request_line(rid: str, state: dict[str, Any], api: str, plan: Plan | None, total_s: float) -> str:
+    """The request's log line: JSON with fixed keys (null where a field does not apply). The
+    tenant is the key's short hash (never the key); no message content."""
+    usage = (plan.usage if plan is not None else None) or {}
+    details = usage.get("prompt_tokens_details") or {}
+    timings = plan.timings if plan is not None else {}
+    return json.dumps({
+        "ts": round(time.time(), 3), "request_id": rid, "tenant": state["tenant"], "api": api,
+        "stream": plan.stream if plan is not None else None, "status": state["status"],
+        "route": plan.route if plan is not None else None, "fallback": plan.fallback if plan is not None else None,
+        "sticky": plan.sticky if plan is not None else None,
+        "queue_s": round(plan.queue_wait_s, 4) if plan is not None else None,
+        "route_s": _round4(timings.get("route_s")), "answer_s": _round4(timings.get("answer_s")), "ttft_s": _round4(timings.get("ttft_s")),
+        "total_s": round(total_s, 4),
+        "tokens_in": usage.get("prompt_tokens"), "tokens_out": usage.get("completion_tokens"),
+        "tokens_cached": details.get("cached_tokens") if isinstance(details, dict) else None,
+        "client_disconnect": bool(state.get("disconnected")),
+    }, separators=(",", ":"))
+
+
+def _round4(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
 
 
 def internal_error(rid: str) -> ProxyError:

@@ -16,6 +16,14 @@ import aiohttp
 from molctl.proxy.errors import EngineHTTPError, EngineUnavailable
 
 HOP_HEADER = "X-MoL-Hop"
+REQUEST_ID_HEADER = "X-Request-Id"  # the client request's id on every hop, so engine logs can be joined
+
+
+def hop_headers(hop: str, request_id: str | None) -> dict[str, str]:
+    headers = {"Content-Type": "application/json", HOP_HEADER: hop}
+    if request_id:
+        headers[REQUEST_ID_HEADER] = request_id
+    return headers
 BIG_PAYLOAD_MESSAGES = 2000  # serialise larger payloads in a thread, off the event loop
 CHAT_PATH = "/v1/chat/completions"
 
@@ -112,10 +120,10 @@ class EngineClient:
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise EngineUnavailable(str(exc) or type(exc).__name__) from None
 
-    async def _post(self, data: bytes | str, hop: str, **kw: Any) -> aiohttp.ClientResponse:
+    async def _post(self, data: bytes | str, hop: str, request_id: str | None = None, **kw: Any) -> aiohttp.ClientResponse:
         """POST a chat hop to the request's engine (ENGINE, else the own upstream). A peer's engine
         that refuses the connection (nothing was sent) is given up for the rest of the request."""
-        headers = {"Content-Type": "application/json", HOP_HEADER: hop}
+        headers = hop_headers(hop, request_id)
         choice = ENGINE.get()
         if choice is not None and not choice.failed:
             try:
@@ -124,13 +132,14 @@ class EngineClient:
                 choice.failed = True
         return await self.session.post(self.base_url + CHAT_PATH, data=data, headers=headers, **kw)
 
-    async def chat(self, payload: dict[str, Any], hop: str, timeout: float | None = None, big: bool = False) -> dict[str, Any]:
+    async def chat(self, payload: dict[str, Any], hop: str, timeout: float | None = None, big: bool = False,
+                   request_id: str | None = None) -> dict[str, Any]:
         """Non-streaming chat completion; raises EngineHTTPError / EngineUnavailable. `big`:
         encode the payload in a worker thread."""
         kw = {"timeout": aiohttp.ClientTimeout(total=timeout)} if timeout else {}
         data = await encode(payload, big)
         try:
-            async with await self._post(data, hop, **kw) as resp:
+            async with await self._post(data, hop, request_id, **kw) as resp:
                 raw = await resp.read()
                 status = resp.status
                 headers = resp.headers
@@ -146,13 +155,14 @@ class EngineClient:
             raise EngineHTTPError(502, raw.decode(errors="replace")[:500])
         return body
 
-    async def chat_stream(self, payload: dict[str, Any], hop: str, big: bool = False) -> AsyncIterator[dict[str, Any]]:
+    async def chat_stream(self, payload: dict[str, Any], hop: str, big: bool = False,
+                          request_id: str | None = None) -> AsyncIterator[dict[str, Any]]:
         """Streaming chat completion: yields each SSE `data:` JSON object until `[DONE]`.
 
         Cancelling the consumer closes the connection, which makes the engine abort the request."""
         data = await encode(payload, big)
         try:
-            resp = await self._post(data, hop)
+            resp = await self._post(data, hop, request_id)
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise EngineUnavailable(str(exc) or type(exc).__name__) from None
         try:

@@ -25,6 +25,13 @@ def invalid(message: str, param: str | None = None) -> ProxyError:
     return ProxyError(400, message, "invalid_request_error", "invalid_request_error", param)
 
 
+def overloaded(exc) -> ProxyError:
+    """Admission refused (molctl.proxy.admission.Rejected): 429 with its Retry-After."""
+    why = "too many requests are waiting" if exc.reason == "queue_full" else "no capacity freed up in time"
+    return ProxyError(429, f"The server is overloaded ({why}); retry after {exc.retry_after} s.", "rate_limit_error",
+                      "rate_limit_exceeded", headers={"retry-after": str(exc.retry_after)})
+
+
 class EngineUnavailable(Exception):
     """The engine could not be reached (refused, reset, timed out)."""
 

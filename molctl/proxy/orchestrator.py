@@ -25,7 +25,7 @@ Defaults and choices, where the issue leaves room:
   makes the label the whole output).
 - Failed answers (an engine error, in a stream or not; finish reason `abort` or `error`) are
   neither recorded nor summarised; `abort`/`error` finish reasons reach the client as they are.
-- Summaries run in the background, at most `summary_concurrency` at once; at most
+- Summaries run in the background, at most `proxy.summary_inflight` at once; at most
   `proxy.summary_queue_max` wait for a slot (more are dropped: `summaries_dropped_total`). A
   summary that can no longer help is dropped when its turn comes (`summaries_stale_total`): it
   waited longer than `proxy.summary_wait_s`, or a later turn already folded its turn without
@@ -48,6 +48,7 @@ from typing import Any, TypeVar
 from molctl.engines.base import Engine
 from molctl.profiles import ROUTES, Profile, route_instruction
 from molctl.proxy import shaping
+from molctl.proxy.admission import Admission, Rejected
 from molctl.proxy.conversations import (
     CallBinding,
     ConversationKeys,
@@ -58,7 +59,7 @@ from molctl.proxy.conversations import (
     tool_calls_of,
 )
 from molctl.proxy.engine_client import ENGINE, EngineClient
-from molctl.proxy.errors import EngineHTTPError, EngineUnavailable, from_engine
+from molctl.proxy.errors import EngineHTTPError, EngineUnavailable, from_engine, overloaded
 from molctl.proxy.validation import PASSTHROUGH, check_request
 from molctl.proxy.views import History, own_view, parse_label, route_input, route_messages, split_history, summary_messages
 
@@ -71,7 +72,9 @@ T = TypeVar("T")
 
 @dataclass
 class Counters:
-    """Plain counters (exported on /metrics)."""
+    """Plain counters; `inc` with labels (a small fixed set of values each) also counts the
+    labelled series. Exported by molctl.proxy.metrics (its ProxyMetrics adds the histograms
+    `observe` feeds; here it is a no-op)."""
 
     values: dict[str, int] = field(default_factory=lambda: {
         "requests_total": 0, "route_hops_total": 0, "route_fallbacks_total": 0, "route_timeouts_total": 0,
@@ -81,8 +84,16 @@ class Counters:
         "stream_write_timeouts_total": 0, "internal_errors_total": 0,
     })
 
-    def inc(self, name: str, n: int = 1) -> None:
+    labelled: dict[tuple[str, tuple[tuple[str, str], ...]], int] = field(default_factory=dict)
+
+    def inc(self, name: str, n: int = 1, **labels: str) -> None:
         self.values[name] = self.values.get(name, 0) + n
+        if labels:
+            key = (name, tuple(sorted(labels.items())))
+            self.labelled[key] = self.labelled.get(key, 0) + n
+
+    def observe(self, name: str, seconds: float, **labels: str) -> None:
+        """A latency sample (hop_seconds, ttft_seconds, queue_wait_seconds); see ProxyMetrics."""
 
 
 @dataclass
@@ -102,6 +113,14 @@ class Plan:
     answer: dict[str, Any] | None = None
     record: TurnRecord | None = None  # set for a final answer; its summary hop is still to run
     record_key: bytes | None = None
+    queue_wait_s: float = 0.0  # waited for an answer slot (admission)
+    # for the request's log line and metrics
+    started: float = field(default_factory=time.monotonic)
+    timings: dict[str, float] = field(default_factory=dict)  # route_s, answer_s, ttft_s
+    fallback: str | None = None  # why the route hop's label was not used
+    sticky: bool = False
+    usage: dict[str, Any] | None = None
+    request_id: str | None = None  # sent to the engine as X-Request-Id
 
 
 def context_window(profile: Profile) -> int | None:
@@ -128,7 +147,8 @@ def prompt_token_bound(messages: list[dict[str, Any]], tools: Any) -> int:
 
 class Orchestrator:
     def __init__(self, profile: Profile, engine: Engine, client: EngineClient, store: ConversationStore,
-                 counters: Counters | None = None, summary_concurrency: int = 4, summary_timeout_s: float = 120.0):
+                 counters: Counters | None = None, summary_concurrency: int | None = None, summary_timeout_s: float = 120.0,
+                 admission: Admission | None = None):
         self.profile = profile
         self.engine = engine
         self.client = client
@@ -142,6 +162,8 @@ class Orchestrator:
         self.engine_names = [*self.adapter_models.values(), *ROUTES, profile.engine.served_name]
         self.window = context_window(profile)
         self.route_tokens = min(profile.proxy.route_max_tokens, max(len(r) for r in ROUTES))
+        self.admission = admission or Admission.from_profile(profile, engine)
+        summary_concurrency = summary_concurrency or profile.proxy.summary_inflight
         self._summary_slots = asyncio.Semaphore(summary_concurrency)
         self._summary_concurrency = summary_concurrency
         self._summary_waiting = 0  # tasks created that do not hold a slot yet
@@ -239,6 +261,7 @@ class Orchestrator:
             sticky = self._sticky_route(plan)
             if sticky is not None:
                 plan.route = sticky
+                plan.sticky = True
                 self.counters.inc("sticky_tool_turns_total")
                 return
             self.counters.inc("unplaced_tool_turns_total")
@@ -246,20 +269,48 @@ class Orchestrator:
         payload = self.route_payload(plan)
         self.counters.inc("route_hops_total")
         label = None
+        reason = "bad_label"
+        start = time.monotonic()
         try:
-            body = await asyncio.wait_for(self.client.chat(payload, "route"), self.profile.proxy.route_timeout_s)
+            body = await asyncio.wait_for(self._route_hop(plan, payload), self.profile.proxy.route_timeout_s)
             label = parse_label(((body.get("choices") or [{}])[0]).get("message") or {})
         except TimeoutError:
+            reason = "timeout"
             self.counters.inc("route_timeouts_total")
             log.warning("route hop timed out after %.1f s", self.profile.proxy.route_timeout_s)
-        except (EngineHTTPError, EngineUnavailable) as exc:
+        except (EngineHTTPError, EngineUnavailable, Rejected) as exc:
+            reason = "no_slot" if isinstance(exc, Rejected) else "engine_error"
             log.warning("route hop failed: %s", exc)
+        plan.timings["route_s"] = elapsed = time.monotonic() - start
+        self.counters.observe("hop_seconds", elapsed, hop="route", adapter="L0")
         if label is None:
-            self.counters.inc("route_fallbacks_total")
+            plan.fallback = reason
+            self.counters.inc("route_fallbacks_total", reason=reason)
             label = previous.route if previous is not None else self.profile.proxy.default_route
+        self.counters.inc("route_decisions_total", adapter=label)
         plan.route = label
 
+    async def _route_hop(self, plan: Plan, payload: dict[str, Any]) -> dict[str, Any]:
+        async with self.admission.routes.slot(plan.tenant):
+            return await self.client.chat(payload, "route", request_id=plan.request_id)
+
     # ---------------------------------------------------------------- answer
+    async def _admit(self, plan: Plan) -> None:
+        """Take an answer slot (released by the caller); a refusal is the client's 429."""
+        try:
+            plan.queue_wait_s = await self.admission.answers.acquire(plan.tenant)
+        except Rejected as exc:
+            self.counters.inc("admission_rejections_total", reason=exc.reason)
+            raise overloaded(exc) from None
+        self.counters.observe("queue_wait_seconds", plan.queue_wait_s)
+
+    def _engine_error(self, exc: Exception) -> None:
+        self.counters.inc("engine_errors_total", status=str(exc.status) if isinstance(exc, EngineHTTPError) else "unreachable")
+
+    def _answered(self, plan: Plan, start: float) -> None:
+        plan.timings["answer_s"] = elapsed = time.monotonic() - start
+        self.counters.observe("hop_seconds", elapsed, hop="answer", adapter=plan.route or "none")
+
     async def _await_summaries(self, plan: Plan) -> None:
         """Wait (bounded) for pending summaries of turns this adapter will see folded; those still
         missing afterwards are folded without a summary, and stay so (marked stale)."""
@@ -314,11 +365,17 @@ class Orchestrator:
         the caller awaits `persisted()` itself (after its own writes: one round trip for both)."""
         await self._await_summaries(plan)
         payload = await self._offload(plan, self._build_answer, plan)
+        await self._admit(plan)
+        start = time.monotonic()
         try:
-            body = await self.client.chat(payload, "answer", big=plan.big)
+            body = await self.client.chat(payload, "answer", big=plan.big, request_id=plan.request_id)
         except (EngineHTTPError, EngineUnavailable) as exc:
-            self.counters.inc("engine_errors_total")
+            self._engine_error(exc)
             raise from_engine(exc, self.engine_names, self.public) from None
+        finally:
+            self.admission.answers.release()
+            self._answered(plan, start)
+        plan.usage = body.get("usage") if isinstance(body.get("usage"), dict) else None
         shaped = shaping.shape_completion(body, self.public, shaping.new_id())
         if shaped["choices"][0]["finish_reason"] not in FAILED_FINISH:
             self.record(plan, shaped["choices"][0]["message"])
@@ -337,11 +394,15 @@ class Orchestrator:
         calls: dict[int, dict[str, Any]] = {}
         finish = None
         usage = None
-        upstream = self.client.chat_stream(payload, "answer", big=plan.big)
+        await self._admit(plan)
+        start = time.monotonic()
+        upstream = self.client.chat_stream(payload, "answer", big=plan.big, request_id=plan.request_id)
         try:
             first = True
             async for event in upstream:
                 if first:
+                    plan.timings["ttft_s"] = ttft = time.monotonic() - plan.started
+                    self.counters.observe("ttft_seconds", ttft)
                     yield shaping.chunk(rid, self.public, created, {"role": "assistant", "content": ""})
                     first = False
                 if event.get("usage"):
@@ -363,9 +424,12 @@ class Orchestrator:
             if first:
                 yield shaping.chunk(rid, self.public, created, {"role": "assistant", "content": ""})
         except (EngineHTTPError, EngineUnavailable) as exc:
-            self.counters.inc("engine_errors_total")
+            self._engine_error(exc)
             raise from_engine(exc, self.engine_names, self.public) from None
         finally:
+            self.admission.answers.release()
+            self._answered(plan, start)
+            plan.usage = usage
             await upstream.aclose()
         finish = shaping.finish_reason(finish, bool(calls))
         if finish not in FAILED_FINISH:
@@ -428,14 +492,15 @@ class Orchestrator:
         self._summary_waiting += 1
         # the task keeps the summary request only, not the client's request
         task = asyncio.get_running_loop().create_task(
-            self._summarise(self.summary_payload(plan), record, key, time.monotonic(), plan.big))
+            self._summarise(self.summary_payload(plan), record, key, time.monotonic(), plan.big, plan.request_id))
         self.background.add(task)
         task.add_done_callback(self.background.discard)
 
     def _stale(self, record: TurnRecord, queued: float) -> bool:
         return record.stale or time.monotonic() - queued > self.profile.proxy.summary_wait_s
 
-    async def _summarise(self, payload: dict[str, Any], record: TurnRecord, key: bytes, queued: float, big: bool) -> None:
+    async def _summarise(self, payload: dict[str, Any], record: TurnRecord, key: bytes, queued: float, big: bool,
+                         request_id: str | None = None) -> None:
         waiting = True
         try:
             async with self._summary_slots:
@@ -448,7 +513,10 @@ class Orchestrator:
                     return
                 for attempt in range(2):
                     try:
-                        body = await self.client.chat(payload, "summary", timeout=self.summary_timeout_s, big=big)
+                        start = time.monotonic()
+                        body = await self.client.chat(payload, "summary", timeout=self.summary_timeout_s, big=big,
+                                                      request_id=request_id)
+                        self.counters.observe("hop_seconds", time.monotonic() - start, hop="summary", adapter=record.route)
                         msg = ((body.get("choices") or [{}])[0]).get("message") or {}
                         reasoning = msg.get("reasoning_content") or msg.get("reasoning") or ""
                         text = (msg.get("content") or "").strip() or reasoning.strip()[:160]

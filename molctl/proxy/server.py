@@ -7,7 +7,6 @@ drain deadline, then the server exits 0. A second signal exits at once."""
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import signal
 from pathlib import Path
@@ -20,15 +19,37 @@ log = logging.getLogger("molctl.proxy")
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, app: ProxyApp, drain_timeout_s: float):
+    def __init__(self, config: uvicorn.Config, app: ProxyApp, drain_timeout_s: float, key_file: Path | None = None):
         super().__init__(config)
         self.proxy_app = app
         self.drain_timeout_s = drain_timeout_s
+        self.key_file = key_file
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def startup(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
+        if self.key_file is not None:
+            self._loop.add_signal_handler(signal.SIGHUP, self.reload_keys)
+        else:
+            self._loop.add_signal_handler(signal.SIGHUP, lambda: log.warning("SIGHUP: no key file to re-read; keys unchanged"))
+
+    def reload_keys(self) -> None:
+        """Re-read the key file; a file that cannot be read or holds no key keeps the old keys.
+        Requests already admitted (streams included) are not touched."""
+        from molctl.keys import load_keys
+
+        try:
+            keys = load_keys(self.key_file)
+        except (OSError, UnicodeDecodeError) as exc:
+            log.error("SIGHUP: key file %s not reloaded (%s); keeping the %d old key(s)", self.key_file,
+                      getattr(exc, "strerror", None) or type(exc).__name__, len(self.proxy_app.keys))
+            return
+        if not keys:
+            log.error("SIGHUP: key file %s holds no key; keeping the %d old key(s)", self.key_file, len(self.proxy_app.keys))
+            return
+        self.proxy_app.set_keys(keys)
+        log.info("SIGHUP: key file %s reloaded: %d key(s)", self.key_file, len(keys))
 
     def handle_exit(self, sig: int, frame) -> None:  # noqa: ARG002 - signal handler signature
         if self.proxy_app.draining or self._loop is None:
@@ -48,48 +69,60 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def serve(app: ProxyApp, host: str, port: int, drain_timeout_s: float) -> None:
+def serve(app: ProxyApp, host: str, port: int, drain_timeout_s: float, key_file: Path | None = None) -> None:
     config = uvicorn.Config(app, host=host, port=port, loop="uvloop", http="httptools", lifespan="on",
                             access_log=False, log_level="info", timeout_graceful_shutdown=5,
                             timeout_keep_alive=15)
-    DrainingServer(config, app, drain_timeout_s).run()
+    DrainingServer(config, app, drain_timeout_s, key_file).run()
 
 
 def run_proxy(name: str, ctx, overrides, *, upstream: str, host: str, port: int | None, api_key_file: Path | None,
               allow_unauthenticated: bool, drain_timeout: float, sse_keepalive: float,
               log_max_bytes: int | None = None, log_backups: int = 2, replica_id: str | None = None,
-              advertise_upstream: str | None = None) -> None:
+              advertise_upstream: str | None = None, metrics_port: int | None = None) -> None:
     """Load the profile (with the start's overrides), the keys and the log rotation; serve until
     a signal ends the drain. `ctx` gives dirs() (the CLI's Context)."""
     from molctl.engines import get_engine
     from molctl.keys import resolve_api_keys
     from molctl.profiles import load_profile
 
-    profile = load_profile(name, ctx.dirs(), overrides)
+    overrides = list(overrides) + ([("proxy.metrics_port", metrics_port)] if metrics_port is not None else [])
+    profile = load_profile(name, ctx.dirs(), overrides)  # checks metrics_port against the profile's ports
+    if profile.proxy.metrics_port is not None and profile.proxy.metrics_port == port:
+        from molctl.errors import UsageError
+
+        raise UsageError(f"--metrics-port {profile.proxy.metrics_port} is also --port; they must differ")
     keys = resolve_api_keys(api_key_file, allow_unauthenticated)
     if log_max_bytes:
         from molctl.logs import rotate_stdio
 
         rotate_stdio(log_max_bytes, log_backups)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_request_log()
     listen_port = port or profile.proxy.port
+    metrics_sock = None
+    if profile.proxy.metrics_port:
+        from molctl.proxy.metrics import bind_metrics
+
+        metrics_sock = bind_metrics(profile.proxy.metrics_host, profile.proxy.metrics_port)  # in use: exit 4
+    metrics = {"metrics_port": profile.proxy.metrics_port, "metrics_host": profile.proxy.metrics_host,
+               "metrics_sock": metrics_sock}
     shared = build_shared_state(profile, upstream, listen_port, replica_id, advertise_upstream)  # unreachable: one line, exit 1
     if shared is not None:
         from molctl.proxy.redis_store import RedisConversationStore, RedisResponseStore
 
         app = ProxyApp(profile, get_engine(profile.engine.kind), upstream, keys, sse_keepalive_s=sse_keepalive,
                        response_store=RedisResponseStore(shared), shared_state=shared,
-                       store=RedisConversationStore(shared, summary_wait_s=profile.proxy.summary_wait_s))
-        serve(app, host, listen_port, drain_timeout)
+                       store=RedisConversationStore(shared, summary_wait_s=profile.proxy.summary_wait_s), **metrics)
+        serve(app, host, listen_port, drain_timeout, api_key_file)
         return
     store = build_response_store(profile, ctx.state_dir)  # a StoreError: one line, exit non-zero, nothing served
     try:
-        extra = {"response_store": store} if "response_store" in inspect.signature(ProxyApp).parameters else {}
         conversations = build_conversation_store(store)
-        if conversations is not None:
-            extra["store"] = conversations
-        app = ProxyApp(profile, get_engine(profile.engine.kind), upstream, keys, sse_keepalive_s=sse_keepalive, **extra)
-        serve(app, host, port or profile.proxy.port, drain_timeout)
+        extra = {"store": conversations} if conversations is not None else {}
+        app = ProxyApp(profile, get_engine(profile.engine.kind), upstream, keys, sse_keepalive_s=sse_keepalive,
+                       response_store=store, **metrics, **extra)
+        serve(app, host, listen_port, drain_timeout, api_key_file)
     finally:
         store.close()
 
@@ -122,6 +155,18 @@ def build_shared_state(profile, upstream: str, port: int, replica_id: str | None
     log.info("state store: %s (shared; replica %s, engine advertised as %s)", target.address, state.replica_id,
              state.advertise_upstream)
     return state
+
+
+def configure_request_log() -> None:
+    """The per-request JSON lines (logger molctl.proxy.requests) go to stderr as they are: one
+    JSON object a line, no prefix, so they can be parsed line by line."""
+    request_log = logging.getLogger("molctl.proxy.requests")
+    if not request_log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        request_log.addHandler(handler)
+        request_log.propagate = False
+        request_log.setLevel(logging.INFO)
 
 
 def build_conversation_store(response_store):

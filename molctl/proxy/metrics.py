@@ -1,0 +1,182 @@
+"""The proxy's Prometheus metrics (prometheus-client), served on their own listener.
+
+`ProxyMetrics` is the orchestrator's `Counters` plus histograms, in a registry of its own (one
+per app, so tests can run several). The counters are exported by a collector at scrape time
+(the hot path only adds to a dict); gauges are read at scrape time from `gauges()`.
+Every label takes values from a small fixed set (hop, adapter L0-L3, API, status code, reason):
+no user data, no keys.
+
+`MetricsListener` answers `GET /metrics` on `proxy.metrics_host:proxy.metrics_port` (loopback by
+default) from the proxy's own event loop: no key, and during a drain too (it is not the public
+app). Anything else is a 404.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from molctl.proxy.orchestrator import Counters
+
+log = logging.getLogger("molctl.proxy")
+
+PREFIX = "molctl_proxy_"
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+# what each counter counts (HELP text); a counter not listed is still exported
+HELP = {
+    "requests_total": "Requests answered, by API (chat, responses, models, other), status code and stream flag.",
+    "route_hops_total": "Route hops sent to the engine.",
+    "route_decisions_total": "Routes chosen for answers (route hop or its fallback), by adapter.",
+    "route_fallbacks_total": "Route hops whose label was not used, by reason (timeout, engine_error, no_slot, bad_label).",
+    "route_timeouts_total": "Route hops that passed proxy.route_timeout_s.",
+    "sticky_tool_turns_total": "Tool results continued on the adapter that made the calls.",
+    "unplaced_tool_turns_total": "Tool results whose calls were not found (routed afresh).",
+    "summaries_total": "Summary hops done.",
+    "summary_retries_total": "Summary hops retried.",
+    "summary_failures_total": "Summary hops failed (after the retry).",
+    "summaries_dropped_total": "Summaries dropped: their queue was full.",
+    "summaries_stale_total": "Summaries dropped stale (waited too long, or their turn was already folded).",
+    "admission_rejections_total": "Requests refused with 429, by reason (queue_full, deadline).",
+    "engine_errors_total": "Answer hops the engine failed, by status (or unreachable).",
+    "client_disconnects_total": "Clients that went away before their answer was complete.",
+    "stream_write_timeouts_total": "Stream clients dropped for reading nothing for proxy.stream_write_timeout_s.",
+    "internal_errors_total": "Unexpected proxy failures (answered 500).",
+    "state_store_degraded_total": "Times the shared (Redis) store became unreachable while serving.",
+    "state_store_errors_total": "Shared (Redis) store calls that failed or timed out.",
+    "state_affinity_remote_total": "Turns whose engine hops went to the engine of the replica owning the conversation.",
+    "state_affinity_takeovers_total": "Conversations taken over from a replica whose heartbeat had lapsed.",
+}
+
+
+# counters that are always labelled: (label names); exported without samples until first counted
+LABELLED = {
+    "requests_total": ("api", "status", "stream"),
+    "route_decisions_total": ("adapter",),
+    "route_fallbacks_total": ("reason",),
+    "admission_rejections_total": ("reason",),
+    "engine_errors_total": ("status",),
+}
+
+
+class ProxyMetrics(Counters):
+    def __init__(self, gauges: Callable[[], dict[str, dict[tuple[tuple[str, str], ...], float]]] | None = None,
+                 external: Callable[[], dict[str, float]] | None = None):
+        super().__init__()
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.gauges = gauges or (lambda: {})
+        # counters kept elsewhere (a shared store's degradations, affinity), read at scrape time
+        self.external = external or (lambda: {})
+        self.histograms = {
+            "hop_seconds": Histogram(PREFIX + "hop_seconds", "Engine hop latency, by hop (route, answer, summary) and adapter.",
+                                     ["hop", "adapter"], buckets=LATENCY_BUCKETS, registry=self.registry),
+            "ttft_seconds": Histogram(PREFIX + "time_to_first_token_seconds",
+                                      "Stream requests: from the parsed request to the engine's first token.",
+                                      buckets=LATENCY_BUCKETS, registry=self.registry),
+            "queue_wait_seconds": Histogram(PREFIX + "queue_wait_seconds", "Time answers waited for an answer slot (admission).",
+                                            buckets=LATENCY_BUCKETS, registry=self.registry),
+        }
+        self.registry.register(_Collector(self))
+
+    def observe(self, name: str, seconds: float, **labels: str) -> None:
+        hist = self.histograms[name]
+        (hist.labels(**labels) if labels else hist).observe(seconds)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _Collector:
+    def __init__(self, metrics: ProxyMetrics):
+        self.metrics = metrics
+
+    def collect(self):
+        m = self.metrics
+        by_name: dict[str, list[tuple[tuple[tuple[str, str], ...], int]]] = {}
+        for (name, labels), value in list(m.labelled.items()):
+            by_name.setdefault(name, []).append((labels, value))
+        for name in dict.fromkeys([*m.values, *LABELLED]):
+            family = name.removesuffix("_total")
+            samples = by_name.get(name)
+            if samples is not None or name in LABELLED:
+                label_names = sorted(LABELLED.get(name) or {k for labels, _ in samples for k, _ in labels})
+                metric = CounterMetricFamily(PREFIX + family, HELP.get(name, name), labels=label_names)
+                for labels, value in samples or ():
+                    d = dict(labels)
+                    metric.add_metric([d.get(k, "") for k in label_names], value)
+            else:
+                metric = CounterMetricFamily(PREFIX + family, HELP.get(name, name), value=m.values.get(name, 0))
+            yield metric
+        for name, value in m.external().items():
+            yield CounterMetricFamily(PREFIX + name.removesuffix("_total"), HELP.get(name, name), value=value)
+        for name, samples in m.gauges().items():
+            label_names = sorted({k for labels in samples for k, _ in labels})
+            gauge = GaugeMetricFamily(PREFIX + name, name.replace("_", " "), labels=label_names)
+            for labels, value in samples.items():
+                d = dict(labels)
+                gauge.add_metric([d.get(k, "") for k in label_names], value)
+            yield gauge
+
+
+class MetricsListener:
+    """A minimal HTTP/1.1 server for `GET /metrics` (one request per connection)."""
+
+    def __init__(self, metrics: ProxyMetrics, host: str, port: int, sock: socket.socket | None = None):
+        self.metrics, self.host, self.port, self.sock = metrics, host, port, sock
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> None:
+        if self.sock is not None:  # bound before the server started (see bind_metrics)
+            self._server = await asyncio.start_server(self._handle, sock=self.sock)
+        else:
+            self._server = await asyncio.start_server(self._handle, self.host, self.port)
+        log.info("metrics on http://%s:%d/metrics", self.host, self.port)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            method, path, *_ = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ")
+            if method == "GET" and path.split("?", 1)[0] == "/metrics":
+                status, ctype, body = "200 OK", CONTENT_TYPE_LATEST, self.metrics.exposition()
+            else:
+                status, ctype, body = "404 Not Found", "text/plain; charset=utf-8", b"only GET /metrics here\n"
+            writer.write(f"HTTP/1.1 {status}\r\ncontent-type: {ctype}\r\ncontent-length: {len(body)}\r\n"
+                         f"connection: close\r\n\r\n".encode() + body)
+            await writer.drain()
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ConnectionError, ValueError):
+            pass
+        finally:
+            writer.close()
+
+
+def bind_metrics(host: str, port: int) -> socket.socket:
+    """Bind the metrics listener's socket before anything is served, so a port in use is one
+    clear error (ConflictError, exit 4) instead of a failed application start-up."""
+    from molctl.errors import ConflictError
+
+    try:
+        return socket.create_server((host, port), reuse_port=False)
+    except OSError as exc:
+        import os
+
+        why = os.strerror(exc.errno) if exc.errno else str(exc)
+        raise ConflictError(f"proxy.metrics_port {host}:{port}: {why}") from None
+
+
+def store_gauges(stats: dict[str, Any], store: str) -> dict[tuple[tuple[str, str], ...], float]:
+    """A store's numeric stats as gauge samples labelled by store and field."""
+    return {(("field", k), ("store", store)): float(v) for k, v in stats.items()
+            if isinstance(v, (int, float)) and not k.endswith("_total") and k != "store_degraded"}

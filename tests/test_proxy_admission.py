@@ -1,0 +1,175 @@
+"""Admission control through the real proxy process and the openai SDK, against the fake engine
+with a slow answer hop: per-key fairness, 429 + Retry-After on overflow and on the wait deadline
+(chat and responses, stream and non-stream), nothing lost or duplicated at the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import statistics
+import threading
+import time
+import uuid
+
+import httpx
+import openai
+import pytest
+
+from molctl.profiles import load_profile, profile_dirs
+from tests.helpers import free_port
+from tests.procs import fake_engine_argv, proxy_argv, running
+
+KEYS = ["sk-adm-heavy", "sk-adm-light-1", "sk-adm-light-2"]
+PUBLIC = load_profile("tiny", profile_dirs()).served_model_name
+
+
+@pytest.fixture(scope="module")
+def keyfile(tmp_path_factory):
+    path = tmp_path_factory.mktemp("keys") / "keys"
+    path.write_text("\n".join(KEYS) + "\n")
+    path.chmod(0o600)
+    return path
+
+
+class Stack:
+    def __init__(self, engine_url: str, proxy_url: str):
+        self.engine_url, self.proxy_url = engine_url, proxy_url
+
+    def client(self, key: str) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.proxy_url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+    def config(self, **cfg):
+        httpx.post(self.engine_url + "/_config", json=cfg).raise_for_status()
+
+    def answers(self) -> list[str]:
+        """The user text of every answer hop the engine received."""
+        log = httpx.get(self.engine_url + "/_log").json()
+        return [e["messages"][-1]["content"] for e in log if e["hop"] == "answer" and e.get("messages")]
+
+    def reset(self):
+        httpx.post(self.engine_url + "/_reset").raise_for_status()
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with running(fake_engine_argv(port), url + "/health", log=tmp_path_factory.mktemp("logs") / "engine.log"):
+        yield url
+
+
+def proxy(engine_url: str, keyfile, tmp_path, *sets: str):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = proxy_argv("tiny", engine_url, port, "--api-key-file", str(keyfile), "--store", "memory",
+                      *(a for s in sets for a in ("--set", s)))
+    return running(argv, url + "/health", log=tmp_path / "proxy.log"), Stack(engine_url, url)
+
+
+async def ask(client: openai.AsyncOpenAI, text: str, api: str = "chat", stream: bool = False):
+    """One request; returns (seconds, status, retry-after or None)."""
+    start = time.monotonic()
+    try:
+        if api == "chat":
+            out = await client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": text}], stream=stream)
+        else:
+            out = await client.responses.create(model=PUBLIC, input=text, stream=stream)
+        if stream:
+            async for _ in out:
+                pass
+        return time.monotonic() - start, 200, None
+    except openai.RateLimitError as exc:
+        return time.monotonic() - start, 429, (exc.response.headers.get("retry-after"), exc.body)
+
+
+def test_a_heavy_key_does_not_starve_the_others(engine, keyfile, tmp_path):
+    """2 answer slots, a slow answer hop. The heavy key keeps 30 requests queued; two light keys
+    send one request at a time (10x fewer). With round-robin between keys a light request waits
+    about one round of slots; first-come-first-served would put it behind the heavy burst."""
+    ctx, s = proxy(engine, keyfile, tmp_path, "proxy.max_inflight=2", "proxy.max_queue=64", "proxy.queue_timeout_s=120")
+    s.reset()
+    s.config(answer_delay=0.25)
+    with ctx:
+        async def main():
+            heavy, light1, light2 = clients = [s.client(k) for k in KEYS]
+            solo = [await ask(light1, f"solo-{i}-{uuid.uuid4().hex}") for i in range(3)]
+            service_s = statistics.median(t for t, _, _ in solo)  # one request alone: the service time
+            heavy_tasks = [asyncio.ensure_future(ask(heavy, f"heavy-{i}-{uuid.uuid4().hex}")) for i in range(30)]
+            await asyncio.sleep(service_s)  # the heavy burst is queued first
+
+            async def light(client, name):
+                return [await ask(client, f"{name}-{i}-{uuid.uuid4().hex}") for i in range(3)]
+
+            lights = await asyncio.gather(light(light1, "l1"), light(light2, "l2"))
+            heavies = await asyncio.gather(*heavy_tasks)
+            for client in clients:  # closed on this loop, not garbage-collected on another
+                await client.close()
+            return service_s, [r for rs in lights for r in rs], heavies
+
+        service_s, lights, heavies = asyncio.run(main())
+    assert all(status == 200 for _, status, _ in lights + heavies), [r for r in lights + heavies if r[1] != 200]
+    light_p50 = statistics.median(t for t, _, _ in lights)
+    heavy_p50 = statistics.median(t for t, _, _ in heavies)
+    # FIFO would make a light request wait behind ~30 heavy ones (15 service times on 2 slots)
+    assert light_p50 <= 5 * service_s, (light_p50, service_s, heavy_p50)
+    assert heavy_p50 > light_p50
+    answered = s.answers()
+    assert len(answered) == 3 + 30 + 6 and len(set(answered)) == len(answered)  # nothing lost or duplicated
+
+
+@pytest.mark.parametrize("api,stream", [("chat", False), ("chat", True), ("responses", False), ("responses", True)])
+def test_overflow_is_429_with_retry_after(engine, keyfile, tmp_path, api, stream):
+    """1 slot, 3 waiting at most: of 10 concurrent requests 4 are served, 6 refused with 429 +
+    Retry-After in the OpenAI error shape (a stream's before its first byte); the engine sees
+    each served request once and none of the refused."""
+    ctx, s = proxy(engine, keyfile, tmp_path, "proxy.max_inflight=1", "proxy.max_queue=3", "proxy.queue_timeout_s=60")
+    s.reset()
+    s.config(answer_delay=0.4)
+    texts = [f"over-{i}-{uuid.uuid4().hex}" for i in range(10)]
+    with ctx:
+        async def main():
+            async with s.client(KEYS[0]) as client:
+                return await asyncio.gather(*(ask(client, t, api, stream) for t in texts))
+
+        results = asyncio.run(main())
+    served = [t for t, r in zip(texts, results, strict=True) if r[1] == 200]
+    refused = [r for r in results if r[1] == 429]
+    assert len(served) == 4 and len(refused) == 6, results
+    for _, _, (retry_after, body) in refused:
+        assert retry_after is not None and retry_after.isdigit() and int(retry_after) >= 1
+        assert body["code"] == "rate_limit_exceeded" and body["type"] == "rate_limit_error"
+    assert sorted(s.answers()) == sorted(served)
+
+
+def test_wait_deadline_is_429_and_draining_stays_503(engine, keyfile, tmp_path):
+    ctx, s = proxy(engine, keyfile, tmp_path, "proxy.max_inflight=1", "proxy.max_queue=10", "proxy.queue_timeout_s=0.3")
+    s.reset()
+    s.config(answer_delay=1.5)
+    with ctx as proc:
+        async def main():
+            async with s.client(KEYS[1]) as client:
+                first = asyncio.ensure_future(ask(client, "first"))
+                await asyncio.sleep(0.5)
+                late = await ask(client, "late", "chat", True)
+                return await first, late
+
+        first, late = asyncio.run(main())
+        assert first[1] == 200
+        assert late[1] == 429 and late[2][0].isdigit()
+        assert s.answers() == ["first"]
+        # a draining proxy (one request still in flight) answers 503, not 429
+        async def hold():
+            async with s.client(KEYS[2]) as client:
+                await ask(client, "in flight during the drain")
+
+        holder = threading.Thread(target=lambda: asyncio.run(hold()))
+        holder.start()
+        try:
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            r = httpx.post(s.proxy_url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEYS[1]}"},
+                           json={"model": PUBLIC, "messages": [{"role": "user", "content": "x"}]})
+            assert r.status_code == 503 and "retry-after" in r.headers
+        finally:
+            holder.join(30)

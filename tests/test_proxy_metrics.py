@@ -1,0 +1,219 @@
+"""The proxy's metrics listener, request ids and per-request log lines, through the real proxy
+process (openai SDK and httpx as clients) against the fake engine."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import time
+
+import httpx
+import openai
+import pytest
+
+from molctl.status import proxy_metrics
+from tests.helpers import free_port
+from tests.procs import fake_engine_argv, proxy_argv, running
+from tests.test_proxy import PUBLIC
+
+KEY = "sk-metrics-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+SAMPLE = re.compile(r"([a-zA-Z_:][\w:]*)(?:\{(.*)\})? (\S+)")
+
+
+class Stack:
+    def __init__(self, engine_url, proxy_url, metrics_url, log):
+        self.engine_url, self.proxy_url, self.metrics_url, self.log_path = engine_url, proxy_url, metrics_url, log
+        self.client = openai.OpenAI(base_url=proxy_url + "/v1", api_key=KEY, max_retries=0, timeout=30)
+
+    def config(self, **cfg):
+        httpx.post(self.engine_url + "/_reset").raise_for_status()
+        httpx.post(self.engine_url + "/_config", json=cfg).raise_for_status()
+
+    def engine_log(self):
+        return httpx.get(self.engine_url + "/_log").json()
+
+    def samples(self) -> list[tuple[str, dict[str, str], float]]:
+        r = httpx.get(self.metrics_url)  # no key
+        assert r.status_code == 200, r.text
+        out = []
+        for line in r.text.splitlines():
+            m = SAMPLE.fullmatch(line)
+            if m and not line.startswith("#"):
+                out.append((m.group(1), dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or "")), float(m.group(3))))
+        return out
+
+    def value(self, name: str, **labels: str) -> float:
+        return sum(v for n, lab, v in self.samples() if n == name and all(lab.get(k) == x for k, x in labels.items()))
+
+    def request_lines(self) -> list[dict]:
+        lines = []
+        for line in self.log_path.read_text().splitlines():
+            if line.startswith("{"):
+                lines.append(json.loads(line))
+        return lines
+
+
+@pytest.fixture(scope="module")
+def s(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("metrics")
+    keyfile = tmp / "keys"
+    keyfile.write_text(KEY + "\n")
+    keyfile.chmod(0o600)
+    engine_port, proxy_port, metrics_port = free_port(), free_port(), free_port()
+    engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
+    log = tmp / "proxy.log"
+    with running(fake_engine_argv(engine_port), engine_url + "/health"), \
+            running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(keyfile), "--store", "memory",
+                               "--metrics-port", str(metrics_port), "--set", "proxy.route_timeout_s=2"),
+                    proxy_url + "/health", log=log):
+        yield Stack(engine_url, proxy_url, f"http://127.0.0.1:{metrics_port}/metrics", log)
+
+
+def wait_for(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def test_metrics_listener_counts_requests_hops_and_states(s):
+    s.config()
+    before = s.value("molctl_proxy_requests_total", api="chat", status="200", stream="false")
+    s.client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "[route:L2] hello"}])
+    for _ in s.client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "[route:L3] hi"}], stream=True):
+        pass
+    s.client.responses.create(model=PUBLIC, input="[route:L1] there")
+    assert s.value("molctl_proxy_requests_total", api="chat", status="200", stream="false") == before + 1
+    assert s.value("molctl_proxy_requests_total", api="chat", status="200", stream="true") >= 1
+    assert s.value("molctl_proxy_requests_total", api="responses", status="200", stream="false") >= 1
+    assert s.value("molctl_proxy_route_decisions_total", adapter="L3") >= 1
+    assert s.value("molctl_proxy_hop_seconds_count", hop="route", adapter="L0") >= 3
+    assert s.value("molctl_proxy_hop_seconds_count", hop="answer", adapter="L2") >= 1
+    assert wait_for(lambda: s.value("molctl_proxy_hop_seconds_count", hop="summary") >= 1)
+    assert s.value("molctl_proxy_time_to_first_token_seconds_count") >= 1
+    assert s.value("molctl_proxy_queue_wait_seconds_count") >= 3
+    assert s.value("molctl_proxy_inflight_hops", hop="answer") == 0
+    assert s.value("molctl_proxy_queue_depth", hop="answer") == 0
+    assert s.value("molctl_proxy_store", store="responses", field="responses") >= 1
+    assert s.value("molctl_proxy_draining") == 0
+
+
+def test_failures_are_counted_by_reason_and_status(s):
+    s.config(route_label="no such label")
+    fallbacks = s.value("molctl_proxy_route_fallbacks_total", reason="bad_label")
+    s.client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "x"}])
+    assert s.value("molctl_proxy_route_fallbacks_total", reason="bad_label") == fallbacks + 1
+    s.config(answer_error={"status": 500, "body": {"error": {"message": "boom", "code": 500}}})
+    errors = s.value("molctl_proxy_engine_errors_total", status="500")
+    with pytest.raises(openai.APIStatusError) as exc:
+        s.client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "x"}])
+    assert exc.value.status_code == 502
+    assert s.value("molctl_proxy_engine_errors_total", status="500") == errors + 1
+    assert s.value("molctl_proxy_requests_total", api="chat", status="502", stream="false") >= 1
+
+
+def test_label_values_are_bounded_and_the_public_port_has_no_metrics(s):
+    s.config()
+    s.client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "[route:L2] secret-words-here"}])
+    allowed = {"hop": {"route", "answer", "summary"}, "adapter": {"L0", "L1", "L2", "L3", "none"},
+               "api": {"chat", "responses", "models", "other"}, "stream": {"true", "false"},
+               "reason": {"timeout", "engine_error", "no_slot", "bad_label", "queue_full", "deadline"},
+               "store": {"conversations", "responses"}}
+    for name, labels, _ in s.samples():
+        for k, v in labels.items():
+            if k == "status":
+                assert re.fullmatch(r"\d{3}|unreachable", v), (name, labels)
+            elif k in allowed:
+                assert v in allowed[k], (name, labels)
+            else:
+                assert k in ("le", "field"), (name, labels)
+    text = httpx.get(s.metrics_url).text
+    assert "secret-words-here" not in text and KEY not in text
+    assert httpx.get(s.proxy_url + "/metrics", headers=AUTH).status_code == 404
+    assert httpx.get(s.metrics_url.replace("/metrics", "/v1/models")).status_code == 404
+
+
+def test_request_id_is_passed_on_and_each_request_logs_one_json_line(s):
+    s.config()
+    r = httpx.post(s.proxy_url + "/v1/chat/completions", headers={**AUTH, "X-Request-Id": "client-id.42"},
+                   json={"model": PUBLIC, "messages": [{"role": "user", "content": "[route:L2] trace me"}]})
+    assert r.status_code == 200 and r.headers["x-request-id"] == "client-id.42"
+    hops = [e for e in s.engine_log() if e.get("request_id") == "client-id.42"]
+    assert {"route", "answer"} <= {e["hop"] for e in hops}
+    assert wait_for(lambda: any(e["hop"] == "summary" and e.get("request_id") == "client-id.42" for e in s.engine_log()))
+    # an invalid incoming id is replaced, never echoed
+    bad = httpx.post(s.proxy_url + "/v1/chat/completions", headers={**AUTH, "X-Request-Id": "x" * 200},
+                     json={"model": PUBLIC, "messages": [{"role": "user", "content": "[route:L1] again"}], "stream": True})
+    assert bad.status_code == 200 and re.fullmatch(r"req-[0-9a-f]{16}", bad.headers["x-request-id"])
+    unauth = httpx.get(s.proxy_url + "/v1/models", headers={"X-Request-Id": "anon-1"})
+    assert unauth.status_code == 401 and unauth.headers["x-request-id"] == "anon-1"
+
+    def line(rid):
+        return next((entry for entry in s.request_lines() if entry["request_id"] == rid), None)
+
+    assert wait_for(lambda: line(bad.headers["x-request-id"]) is not None)
+    first = line("client-id.42")
+    assert first["tenant"] == hashlib.sha256(KEY.encode()).hexdigest()[:16]
+    assert first["api"] == "chat" and first["stream"] is False and first["status"] == 200 and first["route"] == "L2"
+    assert first["fallback"] is None and first["sticky"] is False and first["client_disconnect"] is False
+    assert first["tokens_in"] == 10 and first["tokens_out"] == 3 and first["tokens_cached"] == 4
+    assert first["route_s"] >= 0 and first["answer_s"] >= 0 and first["total_s"] >= first["answer_s"]
+    streamed = line(bad.headers["x-request-id"])
+    assert streamed["stream"] is True and streamed["ttft_s"] is not None and streamed["route"] == "L1"
+    assert line("anon-1")["status"] == 401 and line("anon-1")["tenant"] is None
+    assert KEY not in s.log_path.read_text() and "trace me" not in s.log_path.read_text()
+    assert [entry["request_id"] for entry in s.request_lines()].count("client-id.42") == 1
+
+
+def test_status_reads_a_missing_listener_as_unavailable():
+    port = free_port()
+    assert proxy_metrics(f"http://127.0.0.1:{port}/metrics") == {"available": False, "url": f"http://127.0.0.1:{port}/metrics"}
+
+
+def test_a_busy_metrics_port_is_one_line_and_exit_4(tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        p = subprocess.run([sys.executable, "-m", "molctl", "proxy", "tiny", "--upstream", "http://127.0.0.1:9",
+                            "--port", str(free_port()), "--allow-unauthenticated", "--store", "memory", "--metrics-port", str(port)],
+                           capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert p.returncode == 4, p.stderr
+    assert p.stderr.strip() == f"molctl: error: proxy.metrics_port 127.0.0.1:{port}: Address already in use"
+
+
+def test_each_app_has_its_own_registry():
+    """Two ProxyMetrics in one process (as two apps in a test) do not share series."""
+    from molctl.proxy.metrics import ProxyMetrics
+
+    one, two = ProxyMetrics(lambda: {"queue_depth": {(("hop", "answer"),): 3}}), ProxyMetrics()
+    one.inc("admission_rejections_total", reason="queue_full")
+    one.observe("hop_seconds", 0.2, hop="answer", adapter="L1")
+    text_one, text_two = one.exposition().decode(), two.exposition().decode()
+    assert 'molctl_proxy_admission_rejections_total{reason="queue_full"} 1.0' in text_one
+    assert 'molctl_proxy_hop_seconds_count{adapter="L1",hop="answer"} 1.0' in text_one
+    assert 'molctl_proxy_queue_depth{hop="answer"} 3.0' in text_one
+    assert "# HELP molctl_proxy_admission_rejections_total Requests refused with 429" in text_one
+    assert "# TYPE molctl_proxy_admission_rejections_total counter" in text_two  # declared, no series yet
+    assert "molctl_proxy_admission_rejections_total{" not in text_two and 'hop="answer"' not in text_two
+    assert "molctl_proxy_route_hops_total 0.0" in text_two
+
+
+def test_a_client_that_leaves_mid_stream_is_logged_as_such(s):
+    s.config(token_delay=0.2, answer_words=20)
+    with httpx.stream("POST", s.proxy_url + "/v1/chat/completions", headers={**AUTH, "X-Request-Id": "leaver-1"}, timeout=30,
+                      json={"model": PUBLIC, "messages": [{"role": "user", "content": "[route:L2] go"}], "stream": True}) as r:
+        assert r.status_code == 200
+        next(r.iter_lines())  # the first frame, then hang up
+    assert wait_for(lambda: any(e["request_id"] == "leaver-1" for e in s.request_lines()))
+    line = next(e for e in s.request_lines() if e["request_id"] == "leaver-1")
+    assert line["client_disconnect"] is True and line["status"] == 200 and line["stream"] is True
+    assert s.value("molctl_proxy_inflight_hops", hop="answer") == 0  # its answer slot was given back

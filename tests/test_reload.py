@@ -1,0 +1,165 @@
+"""Key reload: a real proxy process re-reads its key file on SIGHUP without dropping a stream in
+flight (a bad file keeps the old keys, and its log says why); `molctl reload PROFILE` finds the
+running stack's proxy through its record and signals only that process."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from molctl.errors import ExitStatus
+from molctl.state import Record, read_records, write_record
+from tests.helpers import ROOT, Molctl, free_port, free_ports, url
+from tests.layouts import make_layout
+from tests.procs import fake_engine_argv, fake_engine_python, proxy_argv, running
+from tests.test_proxy import PUBLIC
+
+OLD, NEW = "sk-reload-old", "sk-reload-new"
+
+
+def status_with(proxy_url: str, key: str) -> int:
+    return httpx.get(proxy_url + "/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=10).status_code
+
+
+def wait_for(predicate, timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def write_keys(path, *keys: str) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(k + "\n" for k in keys))
+    tmp.chmod(0o600)
+    os.replace(tmp, path)  # as an operator's editor or config management does: atomically
+
+
+def test_sighup_rereads_the_key_file_without_dropping_a_stream(tmp_path):
+    keyfile = tmp_path / "keys"
+    write_keys(keyfile, OLD)
+    engine_port, proxy_port = free_port(), free_port()
+    engine_url, proxy_url = url(engine_port), url(proxy_port)
+    log = tmp_path / "proxy.log"
+    with running(fake_engine_argv(engine_port, {"token_delay": 0.1, "answer_words": 30}), engine_url + "/health"), \
+            running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(keyfile), "--store", "memory"),
+                    proxy_url + "/health", log=log) as proc:
+        assert status_with(proxy_url, OLD) == 200 and status_with(proxy_url, NEW) == 401
+        streamed: dict = {}
+
+        def stream():  # about 3 s of tokens, begun with the old key
+            client = openai.OpenAI(base_url=proxy_url + "/v1", api_key=OLD, max_retries=0, timeout=30)
+            text = ""
+            for chunk in client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "long"}],
+                                                        stream=True):
+                for choice in chunk.choices:
+                    text += choice.delta.content or ""
+                streamed["chunks"] = streamed.get("chunks", 0) + 1
+            streamed["text"] = text
+
+        t = threading.Thread(target=stream)
+        t.start()
+        assert wait_for(lambda: streamed.get("chunks", 0) >= 3)
+        write_keys(keyfile, NEW)
+        proc.send_signal(__import__("signal").SIGHUP)
+        assert wait_for(lambda: status_with(proxy_url, NEW) == 200)
+        assert status_with(proxy_url, OLD) == 401
+        assert "text" not in streamed  # the stream was still running across the reload
+        t.join(30)
+        assert streamed["text"].startswith("answer-") and streamed["text"].count("word") == 30  # complete
+        assert proc.poll() is None
+
+        # a bad file keeps the keys in use, and the log says why
+        write_keys(keyfile)  # empty
+        proc.send_signal(__import__("signal").SIGHUP)
+        assert wait_for(lambda: "holds no key; keeping the 1 old key(s)" in log.read_text())
+        keyfile.unlink()
+        proc.send_signal(__import__("signal").SIGHUP)
+        assert wait_for(lambda: "not reloaded (No such file or directory); keeping the 1 old key(s)" in log.read_text())
+        assert status_with(proxy_url, NEW) == 200 and status_with(proxy_url, OLD) == 401
+        assert proc.poll() is None
+        assert NEW not in log.read_text() and OLD not in log.read_text()
+
+
+class Host:
+    """`molctl up tiny` with the fake engine (as tests/test_bench.py), the key in a file."""
+
+    def __init__(self, tmp):
+        self.state = tmp / "state"
+        self.state.mkdir(mode=0o700)
+        self.model = tmp / "model"
+        make_layout(self.model, model_type="llama", shards=2, rank=8, base_name="tiny-mol-llama")
+        self.python = fake_engine_python(tmp / "fake-python")
+        self.key = tmp / "key"
+        write_keys(self.key, OLD)
+        self.engine_port, self.proxy_port = free_ports(2)
+        # PYTHONPATH: the proxy `up` starts imports this checkout's molctl (it runs in its own folder)
+        self.env = {"MOLCTL_LOCK_DIR": str(tmp / "locks"), "MOLCTL_PROFILES_DIR": "", "PYTHONPATH": str(ROOT)}
+        self.cli = Molctl(self.state)
+
+    def up(self):
+        return self.cli("up", "tiny", "--set", f"engine.python={self.python}", "--set", f"engine.port={self.engine_port}",
+                        "--set", f"proxy.port={self.proxy_port}", "--model-root", str(self.model), "--skip", "engine",
+                        "--skip", "gpu", "--api-key-file", str(self.key), "--timeout", "30", env=self.env)
+
+
+def test_molctl_reload_signals_the_recorded_proxy(tmp_path):
+    host = Host(tmp_path)
+    try:
+        r = host.up()
+        assert r.exit_code == ExitStatus.OK, r.stdout + r.stderr
+        proxy_url = url(host.proxy_port)
+        proxy_pid = read_records(host.state, "tiny")["proxy"].pid
+        assert status_with(proxy_url, OLD) == 200
+        write_keys(host.key, NEW)
+        r = host.cli("reload", "tiny", "--json", env=host.env)
+        assert r.exit_code == ExitStatus.OK, r.stderr
+        assert r.json() == {"profile": "tiny", "pid": proxy_pid, "signal": "SIGHUP"}
+        assert wait_for(lambda: status_with(proxy_url, NEW) == 200)
+        assert status_with(proxy_url, OLD) == 401
+        assert read_records(host.state, "tiny")["proxy"].pid == proxy_pid  # the same process, still serving
+    finally:
+        host.cli("down", "--stop-timeout", "2", "--drain-timeout", "2", "--force", env=host.env, timeout=60)
+    r = host.cli("reload", "tiny", env=host.env)
+    assert r.exit_code == ExitStatus.CHECK_FAILED and "no proxy of tiny is recorded" in r.stderr
+    assert r.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("case", ["foreign", "unknown", "unreadable"])
+def test_reload_never_signals_a_foreign_process(molctl, state_dir, case):
+    from molctl.reload import reload
+
+    if case == "unknown":
+        r = molctl("reload", "no-such-profile")
+        assert r.exit_code == ExitStatus.CHECK_FAILED and "no-such-profile" in r.stderr
+        return
+    if case == "unreadable":
+        (state_dir / "tiny").mkdir(mode=0o700)
+        (state_dir / "tiny" / "proxy.json").write_text("{not json")
+        r = molctl("reload", "tiny")
+        assert r.exit_code == ExitStatus.CONFLICT and "proxy record of tiny cannot be read" in r.stderr
+        return
+    # a record naming this very test process (alive, but not the process molctl recorded)
+    write_record(state_dir, "tiny", Record(component="proxy", pid=os.getpid(), pgid=os.getpgid(0), create_time=1.0,
+                                           argv=["molctl", "proxy"], port=free_port(), log="", started_at=1.0,
+                                           start_ticks=1, record_id="not-this-process"))
+    sent = []
+
+    class Ctx:
+        pass
+
+    ctx = Ctx()
+    ctx.state_dir = state_dir
+    ctx.dirs = lambda: []
+    with pytest.raises(Exception) as exc:
+        reload(ctx, "tiny", kill=lambda pid, sig: sent.append((pid, sig)))
+    assert sent == [] and "is not running; nothing signalled" in str(exc.value)
+    r = molctl("reload", "tiny")
+    assert r.exit_code == ExitStatus.CHECK_FAILED and "nothing signalled" in r.stderr
