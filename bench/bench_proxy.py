@@ -84,6 +84,12 @@ def upstream_summary_marker(python: str, upstream: Path) -> str:
     return out.stdout
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def pct(values: list[float], p: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(p * len(values)))]
@@ -155,7 +161,7 @@ def ms(seconds: float) -> str:
     return f"{seconds * 1000:.1f} ms"
 
 
-async def main_async(engine_url: str, proxies: dict[str, tuple[str, str]], rounds: int) -> None:
+async def main_async(engine_url: str, proxies: dict[str, tuple[str, str]], rounds: int, pids: dict[str, int]) -> None:
     connector = aiohttp.TCPConnector(limit=1024)
     targets = {"direct": direct(engine_url), **{name: via_proxy(url, model) for name, (url, model) in proxies.items()}}
     async with aiohttp.ClientSession(connector=connector) as session:
@@ -172,17 +178,23 @@ async def main_async(engine_url: str, proxies: dict[str, tuple[str, str]], round
                 order = ["direct", *(names if r % 2 == 0 else names[::-1])]
                 result = {}
                 for name in order:
+                    before = {n: cpu_seconds(pid) for n, pid in pids.items()}
                     lat, rps = await run_level(session, targets[name], conc, total)
-                    result[name] = (pct(lat, 0.5), rps)
+                    cpu = {n: (cpu_seconds(pid) - before[n]) / total for n, pid in pids.items()}
+                    result[name] = (pct(lat, 0.5), rps, cpu.get(name, 0.0), cpu["engine"])
                 per_round.append(result)
-                line = ", ".join(f"{n} p50 {ms(result[n][0])} {result[n][1]:.0f} req/s" for n in order)
+                line = ", ".join(f"{n} p50 {ms(result[n][0])} {result[n][1]:.0f} req/s" +
+                                 (f" cpu/req {result[n][2] * 1000:.2f} ms" if n != "direct" else "") +
+                                 f" engine cpu/req {result[n][3] * 1000:.2f} ms" for n in order)
                 print(f"  {conc} clients, round {r + 1}: {line}", flush=True)
             row = {"conc": conc}
             for name in targets:
                 row[name + "_p50"] = statistics.median(res[name][0] for res in per_round)
                 row[name + "_rps"] = statistics.median(res[name][1] for res in per_round)
+                row[name + "_engine_cpu"] = statistics.median(res[name][3] for res in per_round)
                 if name != "direct":
                     row[name + "_added"] = statistics.median(res[name][0] - res["direct"][0] for res in per_round)
+                    row[name + "_cpu"] = statistics.median(res[name][2] for res in per_round)
             if len(names) == 2:
                 row["ratios"] = [res[names[0]][1] / res[names[1]][1] for res in per_round]
             summary_rows.append(row)
@@ -200,6 +212,10 @@ async def main_async(engine_url: str, proxies: dict[str, tuple[str, str]], round
             if "ratios" in row:
                 cells.append(f"{statistics.median(row['ratios']):.2f}x ({', '.join(f'{x:.2f}' for x in row['ratios'])})")
             print("| " + " | ".join(cells) + " |")
+        print("\nCPU time per request (median over rounds): " + "; ".join(
+            f"{row['conc']} clients: " + ", ".join(f"{n} {row[n + '_cpu'] * 1000:.2f} ms (engine {row[n + '_engine_cpu'] * 1000:.2f} ms)"
+                                                   for n in names) + f", direct: engine {row['direct_engine_cpu'] * 1000:.2f} ms"
+            for row in summary_rows))
         first = await ttft(session, engine_url, proxies)
         print("\ntime to first streamed token (median of 30): " +
               ", ".join(f"{n} {ms(first[n])} ({(first[n] - first['direct']) * 1000:+.1f} ms)" for n in names) +
@@ -228,20 +244,23 @@ def main() -> None:
         if args.cprofile:
             argv[1:1] = ["-m", "cProfile", "-o", str(Path(args.cprofile).resolve())]
         # both proxies log to a file, as in production
-        with running(fake_engine_argv(engine_port, {"answer_delay": ANSWER_DELAY, "summary_marker": marker}), engine_url + "/health"), \
-                running(argv, molctl_url + "/health", env={"PYTHONWARNINGS": "ignore"}, log=Path(tmp) / "molctl.log"):
+        with running(fake_engine_argv(engine_port, {"answer_delay": ANSWER_DELAY, "summary_marker": marker}), engine_url + "/health") as engine, \
+                running(argv, molctl_url + "/health", env={"PYTHONWARNINGS": "ignore"}, log=Path(tmp) / "molctl.log") as molctl:
             proxies = {"molctl": (molctl_url, MOLCTL_MODEL)}
+            pids = {"engine": engine.pid, "molctl": molctl.pid}
             if upstream is None:
-                asyncio.run(main_async(engine_url, proxies, args.rounds))
+                asyncio.run(main_async(engine_url, proxies, args.rounds, pids))
                 return
             env = {"PYTHONPATH": str(upstream), "PYTHONDONTWRITEBYTECODE": "1", "UPSTREAM": engine_url,
                    "PROXY_PORT": str(upstream_port), "SERVED_MODEL_NAME": UPSTREAM_MODEL, "MOL_API_KEY": KEY,
                    "MOL_METRICS_PORT": str(metrics_port), "ENTRY_ROUTE": "L0", "MOL_USE_MODEL_ROUTER": "1",
                    "MOL_PURE_MODEL_ROUTE": "1"}
-            with running([python, "-m", "mol_harness.proxy"], upstream_url + "/health", env=env, log=Path(tmp) / "upstream.log"):
+            with running([python, "-m", "mol_harness.proxy"], upstream_url + "/health", env=env,
+                         log=Path(tmp) / "upstream.log") as upstream_proc:
                 proxies["upstream"] = (upstream_url, UPSTREAM_MODEL)
+                pids["upstream"] = upstream_proc.pid
                 print(f"upstream: {upstream.name} ({python}); molctl proxy args: {' '.join(args.proxy_arg) or '(none)'}")
-                asyncio.run(main_async(engine_url, proxies, args.rounds))
+                asyncio.run(main_async(engine_url, proxies, args.rounds, pids))
                 log = asyncio.run(engine_log(engine_url))
                 print(f"engine hops seen in the run: {json.dumps(log)}")
 
