@@ -2,7 +2,9 @@
 library, the standard library everywhere else.
 
 - `loads`: orjson, which accepts exactly RFC 8259 JSON; anything it refuses (NaN/Infinity
-  tokens, integers beyond 64 bits, lone surrogate escapes, invalid text) goes to `json.loads`, so
+  tokens, lone surrogate escapes, invalid text), and any text with a run of 19 digits (orjson
+  reads an integer beyond 64 bits as a float: the standard library keeps it exact) goes to
+  `json.loads`, so
   what is accepted and every error message stay the standard library's. Non-finite floats that
   the standard library produces are `NonFinite` (a float) so that `dumps_bytes` writes them back
   as it would (`NaN`, `Infinity`), not as orjson's `null`.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 import orjson
@@ -40,11 +43,16 @@ def _parse_constant(name: str) -> float:
 STDLIB_DECODER = json.JSONDecoder(parse_float=_parse_float, parse_constant=_parse_constant)
 
 
+_LONG_DIGITS = re.compile(rb"[0-9]{19}")
+
+
 def loads(raw: bytes | str) -> Any:
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        pass
+    as_bytes = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
+    if not _LONG_DIGITS.search(as_bytes):
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            pass
     if isinstance(raw, (bytes, bytearray)):
         raw = raw.decode(json.detect_encoding(raw), "surrogatepass")
     return STDLIB_DECODER.decode(raw)
