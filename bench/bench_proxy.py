@@ -10,13 +10,17 @@ per second, and the ratio molctl / upstream per round. Non-streaming chat; then 
 first streamed token. Run with `make bench` (which also prepares the upstream's interpreter).
 
     python bench/bench_proxy.py [--rounds 3] [--proxy-arg=--set --proxy-arg=proxy.max_inflight=512]
-                                [--cprofile FILE] [--skip-upstream]
+                                [--cprofile FILE] [--skip-upstream] [--baseline DIR]
+
+`--baseline DIR`: also molctl's proxy from another checkout (e.g. `git archive REV | tar -x -C DIR`),
+measured in the same rounds ("before" against "after").
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
@@ -195,11 +199,10 @@ async def main_async(engine_url: str, proxies: dict[str, tuple[str, str]], round
                 if name != "direct":
                     row[name + "_added"] = statistics.median(res[name][0] - res["direct"][0] for res in per_round)
                     row[name + "_cpu"] = statistics.median(res[name][2] for res in per_round)
-            if len(names) == 2:
-                row["ratios"] = [res[names[0]][1] / res[names[1]][1] for res in per_round]
+            row["ratios"] = {other: [res["molctl"][1] / res[other][1] for res in per_round] for other in names if other != "molctl"}
             summary_rows.append(row)
         head = "| clients | direct p50 | " + " | ".join(f"{n} p50 | {n} added p50" for n in names) + " | direct req/s | " + \
-            " | ".join(f"{n} req/s" for n in names) + (" | req/s ratio (per round) |" if len(names) == 2 else " |")
+            " | ".join(f"{n} req/s" for n in names) + "".join(f" | molctl / {n} req/s (per round)" for n in names if n != "molctl") + " |"
         print()
         print(head)
         print("|" + "---|" * (head.count("|") - 1))
@@ -209,8 +212,8 @@ async def main_async(engine_url: str, proxies: dict[str, tuple[str, str]], round
                 cells += [ms(row[n + "_p50"]), f"{row[n + '_added'] * 1000:+.2f} ms"]
             cells.append(f"{row['direct_rps']:.0f}")
             cells += [f"{row[n + '_rps']:.0f}" for n in names]
-            if "ratios" in row:
-                cells.append(f"{statistics.median(row['ratios']):.2f}x ({', '.join(f'{x:.2f}' for x in row['ratios'])})")
+            for ratios in row["ratios"].values():
+                cells.append(f"{statistics.median(ratios):.2f}x ({', '.join(f'{x:.2f}' for x in ratios)})")
             print("| " + " | ".join(cells) + " |")
         print("\nCPU time per request (median over rounds): " + "; ".join(
             f"{row['conc']} clients: " + ", ".join(f"{n} {row[n + '_cpu'] * 1000:.2f} ms (engine {row[n + '_engine_cpu'] * 1000:.2f} ms)"
@@ -228,14 +231,15 @@ def main() -> None:
     parser.add_argument("--proxy-arg", action="append", default=[], help="an extra argument of `molctl proxy`")
     parser.add_argument("--cprofile", help="run molctl's proxy under cProfile, its stats written here")
     parser.add_argument("--skip-upstream", action="store_true", help="measure molctl's proxy only")
+    parser.add_argument("--baseline", help="a folder holding another molctl checkout, measured as `before`")
     args = parser.parse_args()
 
     upstream = None if args.skip_upstream else find_upstream()
     python = upstream_python(upstream) if upstream else None
     marker = upstream_summary_marker(python, upstream) if upstream else None
-    engine_port, molctl_port, upstream_port, metrics_port = free_port(), free_port(), free_port(), free_port()
+    engine_port, molctl_port, upstream_port, metrics_port, before_port = (free_port() for _ in range(5))
     engine_url = f"http://127.0.0.1:{engine_port}"
-    molctl_url, upstream_url = f"http://127.0.0.1:{molctl_port}", f"http://127.0.0.1:{upstream_port}"
+    molctl_url = f"http://127.0.0.1:{molctl_port}"
     with tempfile.TemporaryDirectory() as tmp:
         keyfile = Path(tmp) / "key"
         keyfile.write_text(KEY)
@@ -244,25 +248,43 @@ def main() -> None:
         if args.cprofile:
             argv[1:1] = ["-m", "cProfile", "-o", str(Path(args.cprofile).resolve())]
         # both proxies log to a file, as in production
-        with running(fake_engine_argv(engine_port, {"answer_delay": ANSWER_DELAY, "summary_marker": marker}), engine_url + "/health") as engine, \
+        engine_config = {"answer_delay": ANSWER_DELAY, "summary_marker": marker}
+        with running(fake_engine_argv(engine_port, engine_config), engine_url + "/health") as engine, \
                 running(argv, molctl_url + "/health", env={"PYTHONWARNINGS": "ignore"}, log=Path(tmp) / "molctl.log") as molctl:
             proxies = {"molctl": (molctl_url, MOLCTL_MODEL)}
             pids = {"engine": engine.pid, "molctl": molctl.pid}
-            if upstream is None:
-                asyncio.run(main_async(engine_url, proxies, args.rounds, pids))
-                return
-            env = {"PYTHONPATH": str(upstream), "PYTHONDONTWRITEBYTECODE": "1", "UPSTREAM": engine_url,
-                   "PROXY_PORT": str(upstream_port), "SERVED_MODEL_NAME": UPSTREAM_MODEL, "MOL_API_KEY": KEY,
-                   "MOL_METRICS_PORT": str(metrics_port), "ENTRY_ROUTE": "L0", "MOL_USE_MODEL_ROUTER": "1",
-                   "MOL_PURE_MODEL_ROUTE": "1"}
-            with running([python, "-m", "mol_harness.proxy"], upstream_url + "/health", env=env,
-                         log=Path(tmp) / "upstream.log") as upstream_proc:
-                proxies["upstream"] = (upstream_url, UPSTREAM_MODEL)
-                pids["upstream"] = upstream_proc.pid
-                print(f"upstream: {upstream.name} ({python}); molctl proxy args: {' '.join(args.proxy_arg) or '(none)'}")
-                asyncio.run(main_async(engine_url, proxies, args.rounds, pids))
-                log = asyncio.run(engine_log(engine_url))
-                print(f"engine hops seen in the run: {json.dumps(log)}")
+            with contextlib.ExitStack() as stack:
+                if args.baseline:
+                    before_url = f"http://127.0.0.1:{before_port}"
+                    before = Path(args.baseline).resolve()
+                    boot = (f"import sys, runpy; sys.path.insert(0, {str(before)!r}); sys.argv[0] = 'molctl'; "
+                            "runpy.run_module('molctl', run_name='__main__')")
+                    before_argv = [sys.executable, "-c", boot, *proxy_argv("tiny", engine_url, before_port, "--api-key-file", str(keyfile),
+                                                                           *args.proxy_arg)[3:]]
+                    proc = stack.enter_context(running(before_argv, before_url + "/health", env={"PYTHONWARNINGS": "ignore"},
+                                                       log=Path(tmp) / "before.log"))
+                    proxies["before"], pids["before"] = (before_url, MOLCTL_MODEL), proc.pid
+                if upstream is None:
+                    asyncio.run(main_async(engine_url, proxies, args.rounds, pids))
+                else:
+                    run_with_upstream(args, python, upstream, engine_url, upstream_port, metrics_port, tmp, proxies, pids)
+
+
+def run_with_upstream(args, python, upstream: Path, engine_url: str, upstream_port: int, metrics_port: int, tmp: str,
+                      proxies: dict, pids: dict) -> None:
+    upstream_url = f"http://127.0.0.1:{upstream_port}"
+    env = {"PYTHONPATH": str(upstream), "PYTHONDONTWRITEBYTECODE": "1", "UPSTREAM": engine_url,
+           "PROXY_PORT": str(upstream_port), "SERVED_MODEL_NAME": UPSTREAM_MODEL, "MOL_API_KEY": KEY,
+           "MOL_METRICS_PORT": str(metrics_port), "ENTRY_ROUTE": "L0", "MOL_USE_MODEL_ROUTER": "1",
+           "MOL_PURE_MODEL_ROUTE": "1"}
+    with running([python, "-m", "mol_harness.proxy"], upstream_url + "/health", env=env,
+                 log=Path(tmp) / "upstream.log") as upstream_proc:
+        proxies["upstream"] = (upstream_url, UPSTREAM_MODEL)
+        pids["upstream"] = upstream_proc.pid
+        print(f"upstream: {upstream.name} ({python}); molctl proxy args: {' '.join(args.proxy_arg) or '(none)'}")
+        asyncio.run(main_async(engine_url, proxies, args.rounds, pids))
+        log = asyncio.run(engine_log(engine_url))
+        print(f"engine hops seen in the run: {json.dumps(log)}")
 
 
 async def engine_log(engine_url: str) -> dict[str, int]:

@@ -235,3 +235,22 @@ def test_fastjson_refuses_what_the_standard_library_refuses_with_its_message(bad
     with pytest.raises(ValueError) as theirs:
         json.loads(bad)
     assert str(ours.value) == str(theirs.value)
+
+
+@pytest.mark.parametrize("msg", [
+    {"role": "user", "content": "plain"},
+    {"role": "user", "content": "tab\there \"quoted\" back\\slash \x00\x1f\x7f é 中文 \U0001F600 \u2028 \ufeff"},
+    {"role": "user", "content": [{"type": "text", "text": "part"}, {"type": "image_url", "image_url": {"url": "x"}}]},
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+                                                          "function": {"name": "f", "arguments": "{\"b\": 1, \"a\": 1e16}"}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "42"},
+    {"role": "tool", "tool_call_id": 7, "content": "an integer id"},
+])
+def test_conversation_keys_keep_their_bytes(msg):
+    """The keys are stored (SQLite): the fast canonical form is byte for byte the json.dumps one."""
+    from molctl.proxy.conversations import canonical_arguments, canonical_message, text_of, tool_calls_of
+
+    calls = [[c.get("id"), (c.get("function") or {}).get("name"), canonical_arguments((c.get("function") or {}).get("arguments"))]
+             for c in tool_calls_of(msg)]
+    form = [msg.get("role"), text_of(msg.get("content")), calls, msg.get("tool_call_id")]
+    assert canonical_message(msg) == json.dumps(form, separators=(",", ":"), ensure_ascii=False).encode()
