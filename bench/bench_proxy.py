@@ -47,16 +47,16 @@ UPSTREAM_VENV = ROOT / "bench" / ".venv-upstream"
 LEVELS = ((1, 150), (32, 640), (128, 1280))
 
 
-def find_upstream() -> Path:
-    """The upstream harness's release folder: MOL_HARNESS_DIR, or the newest ../shared/peers/mol-harness-*."""
+def find_upstream() -> Path | None:
+    """The upstream harness's release folder: MOL_HARNESS_DIR, or the newest ../shared/peers/mol-harness-*
+    (None when there is none)."""
     if os.environ.get("MOL_HARNESS_DIR"):
         return Path(os.environ["MOL_HARNESS_DIR"])
     for peers in (ROOT.parent / "shared" / "peers", ROOT / ".." / ".." / "shared" / "peers"):
         found = sorted(peers.glob("mol-harness-*")) if peers.is_dir() else []
         if found:
             return found[-1].resolve()
-    raise SystemExit("bench_proxy: the upstream harness was not found (set MOL_HARNESS_DIR to its folder, "
-                     "the one holding mol_harness/ and requirements.txt)")
+    return None
 
 
 def upstream_python(upstream: Path) -> str:
@@ -185,17 +185,19 @@ async def main_async(engine_url: str, proxies: dict[str, tuple[str, str]], round
                     before = {n: cpu_seconds(pid) for n, pid in pids.items()}
                     lat, rps = await run_level(session, targets[name], conc, total)
                     cpu = {n: (cpu_seconds(pid) - before[n]) / total for n, pid in pids.items()}
-                    result[name] = (pct(lat, 0.5), rps, cpu.get(name, 0.0), cpu["engine"])
+                    result[name] = (pct(lat, 0.5), rps, cpu.get(name, 0.0), cpu["engine"], cpu["client"], sum(cpu.values()) * rps)
                 per_round.append(result)
                 line = ", ".join(f"{n} p50 {ms(result[n][0])} {result[n][1]:.0f} req/s" +
                                  (f" cpu/req {result[n][2] * 1000:.2f} ms" if n != "direct" else "") +
-                                 f" engine cpu/req {result[n][3] * 1000:.2f} ms" for n in order)
+                                 f" engine cpu/req {result[n][3] * 1000:.2f} ms client cpu/req {result[n][4] * 1000:.2f} ms"
+                                 f" (cores busy {result[n][5]:.2f})" for n in order)
                 print(f"  {conc} clients, round {r + 1}: {line}", flush=True)
             row = {"conc": conc}
             for name in targets:
                 row[name + "_p50"] = statistics.median(res[name][0] for res in per_round)
                 row[name + "_rps"] = statistics.median(res[name][1] for res in per_round)
                 row[name + "_engine_cpu"] = statistics.median(res[name][3] for res in per_round)
+                row[name + "_cores"] = statistics.median(res[name][5] for res in per_round)
                 if name != "direct":
                     row[name + "_added"] = statistics.median(res[name][0] - res["direct"][0] for res in per_round)
                     row[name + "_cpu"] = statistics.median(res[name][2] for res in per_round)
@@ -219,6 +221,8 @@ async def main_async(engine_url: str, proxies: dict[str, tuple[str, str]], round
             f"{row['conc']} clients: " + ", ".join(f"{n} {row[n + '_cpu'] * 1000:.2f} ms (engine {row[n + '_engine_cpu'] * 1000:.2f} ms)"
                                                    for n in names) + f", direct: engine {row['direct_engine_cpu'] * 1000:.2f} ms"
             for row in summary_rows))
+        print("cores kept busy by client + engine + proxy (of the machine's 2; median over rounds): " + "; ".join(
+            f"{row['conc']} clients: " + ", ".join(f"{n} {row[n + '_cores']:.2f}" for n in targets) for row in summary_rows))
         first = await ttft(session, engine_url, proxies)
         print("\ntime to first streamed token (median of 30): " +
               ", ".join(f"{n} {ms(first[n])} ({(first[n] - first['direct']) * 1000:+.1f} ms)" for n in names) +
@@ -235,6 +239,9 @@ def main() -> None:
     args = parser.parse_args()
 
     upstream = None if args.skip_upstream else find_upstream()
+    if upstream is None and not args.skip_upstream:
+        print("bench_proxy: the upstream harness was not found (../shared/peers/mol-harness-*; MOL_HARNESS_DIR names "
+              "another folder): measuring molctl's proxy only")
     python = upstream_python(upstream) if upstream else None
     marker = upstream_summary_marker(python, upstream) if upstream else None
     engine_port, molctl_port, upstream_port, metrics_port, before_port = (free_port() for _ in range(5))
@@ -252,7 +259,7 @@ def main() -> None:
         with running(fake_engine_argv(engine_port, engine_config), engine_url + "/health") as engine, \
                 running(argv, molctl_url + "/health", env={"PYTHONWARNINGS": "ignore"}, log=Path(tmp) / "molctl.log") as molctl:
             proxies = {"molctl": (molctl_url, MOLCTL_MODEL)}
-            pids = {"engine": engine.pid, "molctl": molctl.pid}
+            pids = {"engine": engine.pid, "molctl": molctl.pid, "client": os.getpid()}
             with contextlib.ExitStack() as stack:
                 if args.baseline:
                     before_url = f"http://127.0.0.1:{before_port}"
