@@ -94,6 +94,13 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def proxy_env(tmp: str, name: str) -> dict[str, str]:
+    """Each molctl proxy with a state folder of its own (its SQLite store), in the run's temporary folder."""
+    state = Path(tmp) / f"state-{name}"
+    state.mkdir(mode=0o700, exist_ok=True)
+    return {"PYTHONWARNINGS": "ignore", "MOLCTL_STATE_DIR": str(state)}
+
+
 def pct(values: list[float], p: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(p * len(values)))]
@@ -257,7 +264,7 @@ def main() -> None:
         # both proxies log to a file, as in production
         engine_config = {"answer_delay": ANSWER_DELAY, "summary_marker": marker}
         with running(fake_engine_argv(engine_port, engine_config), engine_url + "/health") as engine, \
-                running(argv, molctl_url + "/health", env={"PYTHONWARNINGS": "ignore"}, log=Path(tmp) / "molctl.log") as molctl:
+                running(argv, molctl_url + "/health", env=proxy_env(tmp, "molctl"), log=Path(tmp) / "molctl.log") as molctl:
             proxies = {"molctl": (molctl_url, MOLCTL_MODEL)}
             pids = {"engine": engine.pid, "molctl": molctl.pid, "client": os.getpid()}
             with contextlib.ExitStack() as stack:
@@ -268,7 +275,7 @@ def main() -> None:
                             "runpy.run_module('molctl', run_name='__main__')")
                     before_argv = [sys.executable, "-c", boot, *proxy_argv("tiny", engine_url, before_port, "--api-key-file", str(keyfile),
                                                                            *args.proxy_arg)[3:]]
-                    proc = stack.enter_context(running(before_argv, before_url + "/health", env={"PYTHONWARNINGS": "ignore"},
+                    proc = stack.enter_context(running(before_argv, before_url + "/health", env=proxy_env(tmp, "before"),
                                                        log=Path(tmp) / "before.log"))
                     proxies["before"], pids["before"] = (before_url, MOLCTL_MODEL), proc.pid
                 if upstream is None:
