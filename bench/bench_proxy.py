@@ -88,8 +88,10 @@ def upstream_summary_marker(python: str, upstream: Path) -> str:
     return out.stdout
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (Linux /proc)."""
+def cpu_seconds(pid: int | list[int]) -> float:
+    """User + system CPU time of a process (or of several) so far (Linux /proc)."""
+    if isinstance(pid, list):
+        return sum(cpu_seconds(p) for p in pid)
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
@@ -122,8 +124,11 @@ async def run_level(session, target, concurrency: int, total: int) -> tuple[list
     return latencies, total / (time.perf_counter() - t0)
 
 
-def via_proxy(url: str, model: str):
+def via_proxy(url: str | list[str], model: str):
+    urls = url if isinstance(url, list) else [url]
+
     async def call(session, i):
+        url = urls[i % len(urls)]  # several processes: as SO_REUSEPORT would spread the connections
         body = {"model": model, "messages": [{"role": "user", "content": f"[route:L2] request {i}"}], "max_tokens": 16}
         async with session.post(url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}) as r:
             assert r.status == 200, await r.text()
@@ -156,6 +161,7 @@ async def ttft(session, engine, proxies: dict[str, tuple[str, str]], n=30) -> di
     times: dict[str, list[float]] = {name: [] for name in (*proxies, "direct")}
     for i in range(n):
         for name, (url, model) in proxies.items():
+            url = url[0] if isinstance(url, list) else url
             body = {"model": model, "stream": True, "messages": [{"role": "user", "content": f"[route:L2] t {i}"}]}
             times[name].append(await first_token(session, url, {"Authorization": f"Bearer {KEY}"}, body))
         t0 = time.perf_counter()
@@ -176,9 +182,9 @@ async def main_async(engine_url: str, proxies: dict[str, tuple[str, str]], round
     connector = aiohttp.TCPConnector(limit=1024)
     targets = {"direct": direct(engine_url), **{name: via_proxy(url, model) for name, (url, model) in proxies.items()}}
     async with aiohttp.ClientSession(connector=connector) as session:
-        for _ in range(30):  # warm up every path
+        for k in range(30):  # warm up every path (and every process)
             for target in targets.values():
-                await target(session, -1)
+                await target(session, -1 - k)
         names = list(proxies)
         print(f"fake engine: answer hop {ANSWER_DELAY * 1000:.0f} ms, route and summary hops instant; non-streaming chat; "
               f"{rounds} rounds per level, the proxies' order alternating")
@@ -242,6 +248,9 @@ def main() -> None:
     parser.add_argument("--proxy-arg", action="append", default=[], help="an extra argument of `molctl proxy`")
     parser.add_argument("--cprofile", help="run molctl's proxy under cProfile, its stats written here")
     parser.add_argument("--skip-upstream", action="store_true", help="measure molctl's proxy only")
+    parser.add_argument("--molctl-procs", type=int, default=1,
+                        help="molctl's proxy as this many processes sharing one state folder (one SQLite file), the client "
+                             "spreading its requests over them: what `--workers N` with SO_REUSEPORT would give")
     parser.add_argument("--baseline", help="a folder holding another molctl checkout, measured as `before`")
     args = parser.parse_args()
 
@@ -268,6 +277,16 @@ def main() -> None:
             proxies = {"molctl": (molctl_url, MOLCTL_MODEL)}
             pids = {"engine": engine.pid, "molctl": molctl.pid, "client": os.getpid()}
             with contextlib.ExitStack() as stack:
+                if args.molctl_procs > 1:
+                    urls, procs = [molctl_url], [molctl.pid]
+                    for _ in range(args.molctl_procs - 1):
+                        port = free_port()
+                        more = proxy_argv("tiny", engine_url, port, "--api-key-file", str(keyfile), *args.proxy_arg)
+                        proc = stack.enter_context(running(more, f"http://127.0.0.1:{port}/health", env=proxy_env(tmp, "molctl"),
+                                                           log=Path(tmp) / f"molctl-{port}.log"))
+                        urls.append(f"http://127.0.0.1:{port}")
+                        procs.append(proc.pid)
+                    proxies["molctl"], pids["molctl"] = (urls, MOLCTL_MODEL), procs
                 if args.baseline:
                     before_url = f"http://127.0.0.1:{before_port}"
                     before = Path(args.baseline).resolve()
