@@ -254,3 +254,36 @@ def test_conversation_keys_keep_their_bytes(msg):
              for c in tool_calls_of(msg)]
     form = [msg.get("role"), text_of(msg.get("content")), calls, msg.get("tool_call_id")]
     assert canonical_message(msg) == json.dumps(form, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def test_extra_request_headers_reach_the_engine_and_unsafe_ones_are_refused():
+    heads: list[bytes] = []
+
+    async def handle(reader, writer):
+        head = await reader.readuntil(b"\r\n\r\n")
+        heads.append(head)
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+        await reader.readexactly(length)
+        writer.write(ok(b'{"n": 1}'))
+        await writer.drain()
+        writer.close()
+
+    async def go():
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        async with server:
+            client = EngineClient(url)
+            await client.start()
+            try:
+                body = await client.chat(PAYLOAD, "route", headers={"X-Request-Id": "req-123"})
+                with pytest.raises(ValueError, match="not a valid header"):
+                    await client.chat(PAYLOAD, "route", headers={"X-Request-Id": "a\r\nX-Evil: 1"})
+            finally:
+                await client.close()
+        return body
+
+    assert run(go()) == {"n": 1}
+    assert len(heads) == 1
+    lines = heads[0].split(b"\r\n")
+    assert lines[0] == b"POST /v1/chat/completions HTTP/1.1"
+    assert b"X-MoL-Hop: route" in lines and b"X-Request-Id: req-123" in lines

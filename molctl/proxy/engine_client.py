@@ -260,10 +260,17 @@ class EngineClient:
         self._slots = None
 
     # ---- connections
-    def _request(self, method: str, path: str, body: bytes | None, hop: str | None) -> bytes:
+    def _request(self, method: str, path: str, body: bytes | None, hop: str | None,
+                 headers: dict[str, str] | None = None) -> bytes:
+        """The request's bytes. `headers`: extra ones (e.g. a request id), names and values that
+        are header-safe (no CR/LF: refused with ValueError)."""
         head = f"{method} {self._prefix}{path} HTTP/1.1\r\nHost: {self._host_header}\r\n"
         if hop is not None:
             head += f"Content-Type: application/json\r\n{HOP_HEADER}: {hop}\r\n"
+        for name, value in (headers or {}).items():
+            if any(c in name or c in value for c in "\r\n") or ":" in name:
+                raise ValueError(f"engine request header {name!r}: not a valid header name/value")
+            head += f"{name}: {value}\r\n"
         if body is None:
             return (head + "\r\n").encode("latin-1")
         return (head + f"Content-Length: {len(body)}\r\n\r\n").encode("latin-1") + body
@@ -342,8 +349,8 @@ class EngineClient:
         return conn.take_body()
 
     # ---- requests
-    async def get(self, path: str, timeout: float = 2.0) -> tuple[int, Any]:
-        conn = await self._exchange(self._request("GET", path, None, None), timeout)
+    async def get(self, path: str, timeout: float = 2.0, headers: dict[str, str] | None = None) -> tuple[int, Any]:
+        conn = await self._exchange(self._request("GET", path, None, None, headers), timeout)
         try:
             body = await self._read_all(conn)
         finally:
@@ -353,11 +360,12 @@ class EngineClient:
         except ValueError:
             return conn.status, body.decode(errors="replace")
 
-    async def chat(self, payload: dict[str, Any], hop: str, timeout: float | None = None, big: bool = False) -> dict[str, Any]:
+    async def chat(self, payload: dict[str, Any], hop: str, timeout: float | None = None, big: bool = False,
+                   headers: dict[str, str] | None = None) -> dict[str, Any]:
         """Non-streaming chat completion; raises EngineHTTPError / EngineUnavailable. `big`:
-        encode the payload in a worker thread."""
+        encode the payload in a worker thread; `headers`: extra request headers."""
         data = await encode(payload, big)
-        conn = await self._exchange(self._request("POST", "/v1/chat/completions", data, hop), timeout)
+        conn = await self._exchange(self._request("POST", "/v1/chat/completions", data, hop, headers), timeout)
         try:
             raw = await self._read_all(conn)
         finally:
@@ -373,12 +381,13 @@ class EngineClient:
             raise EngineHTTPError(502, raw.decode(errors="replace")[:500])
         return body
 
-    async def chat_stream(self, payload: dict[str, Any], hop: str, big: bool = False) -> AsyncIterator[dict[str, Any]]:
+    async def chat_stream(self, payload: dict[str, Any], hop: str, big: bool = False,
+                          headers: dict[str, str] | None = None) -> AsyncIterator[dict[str, Any]]:
         """Streaming chat completion: yields each SSE `data:` JSON object until `[DONE]`.
 
         Cancelling the consumer closes the connection, which makes the engine abort the request."""
         data = await encode(payload, big)
-        conn = await self._exchange(self._request("POST", "/v1/chat/completions", data, hop), None)
+        conn = await self._exchange(self._request("POST", "/v1/chat/completions", data, hop, headers), None)
         try:
             if conn.status != 200:
                 raise http_error(conn.status, await self._read_all(conn), conn.headers)
