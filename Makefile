@@ -31,10 +31,13 @@ test: $(VENV)/.stamp-cpu
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q
 
+# bench_proxy.py also runs the upstream harness's proxy (../shared/peers/mol-harness-*) when it is
+# there (its requirements: this venv, else bench/.venv-upstream, made once). Extra `molctl proxy`
+# arguments: make bench BENCH_PROXY_ARGS="--proxy-arg=--set --proxy-arg=proxy.max_inflight=512"
 bench: $(VENV)/.stamp-cpu
 	$(PY) bench/bench_cli.py
 	$(PY) bench/bench_lock.py
-	$(PY) bench/bench_proxy.py
+	$(PY) bench/bench_proxy.py $(BENCH_PROXY_ARGS)
 	$(PY) bench/bench_store.py
 	$(PY) bench/bench_redis.py
 	$(PY) bench/bench_lifecycle.py

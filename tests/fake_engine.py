@@ -55,6 +55,10 @@ DEFAULT_CONFIG = {
     # per engine model (the base's served name or an adapter), for `molctl bench` (answer hops and direct requests):
     "model_delay": {},  # {model: seconds before the first chunk}
     "model_error": {},  # {model: {"status": 503, "body"?: {...}, "headers"?: {...}}}
+    # for other proxies (bench/bench_proxy.py runs the upstream harness's proxy against this engine):
+    # a request without a hop header whose last message is a user message with exactly this text
+    # is a summary hop (the upstream labels only its route hop, with X-MOL-Internal-Hop)
+    "summary_marker": None,
 }
 
 
@@ -141,13 +145,16 @@ def completion(model: str, message: dict, finish: str, usage: dict) -> dict:
 
 async def chat(request: web.Request) -> web.StreamResponse:
     payload = await request.json()
-    hop = request.headers.get("X-MoL-Hop")
     cfg = STATE.config
+    hop = request.headers.get("X-MoL-Hop") or request.headers.get("X-MOL-Internal-Hop")
+    messages = payload.get("messages") or []
+    last = messages[-1] if messages else {}
+    if hop is None and cfg["summary_marker"] is not None and last.get("role") == "user" \
+            and last.get("content") == cfg["summary_marker"]:
+        hop = "summary"
     model = payload.get("model")
     STATE.log.append({"hop": hop, "model": model, "messages": payload.get("messages"), "payload": payload,
                       "t": time.time(), "request_id": request.headers.get("X-Request-Id")})
-    messages = payload.get("messages") or []
-    last = messages[-1] if messages else {}
     if cfg["strict"]:
         rejected = strict_violation(payload)
         if rejected is not None:
@@ -159,7 +166,9 @@ async def chat(request: web.Request) -> web.StreamResponse:
         await asyncio.sleep(cfg["route_delay"])
         label = cfg["route_label"]
         if label is None:
-            m = re.search(r"\[route:(L\d)\]", text_of(last.get("content")))
+            # the last user message (the upstream's route hop ends with an assistant prefill)
+            user = next((m for m in reversed(messages) if m.get("role") == "user"), last)
+            m = re.search(r"\[route:(L\d)\]", text_of(user.get("content")))
             label = m.group(1) if m else "L0"
         msg = {"content": None, "reasoning_content": label} if cfg["route_in"] == "reasoning_content" else {"content": label}
         return web.json_response(completion(model, msg, "stop", usage))
@@ -286,6 +295,13 @@ async def set_config(request):
     return web.json_response(STATE.config)
 
 
+async def release_routing_keys(request):
+    """The upstream harness's proxy releases its per-request routing keys at a gateway
+    (DELETE /_internal/routing-keys); answered as its gateway does, so that it does not fall
+    back to one DELETE per key."""
+    return web.Response(status=204)
+
+
 async def reset(request):
     STATE.reset()
     return web.json_response({})
@@ -301,6 +317,7 @@ def make_app() -> web.Application:
     app.router.add_get("/_log", get_log)
     app.router.add_post("/_config", set_config)
     app.router.add_post("/_reset", reset)
+    app.router.add_delete("/_internal/routing-keys", release_routing_keys)
     return app
 
 

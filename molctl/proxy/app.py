@@ -44,7 +44,7 @@ from urllib.parse import parse_qs
 
 from molctl.engines.base import Engine, adapter_problems
 from molctl.profiles import Profile
-from molctl.proxy import responses
+from molctl.proxy import fastjson, responses
 from molctl.proxy.conversations import ConversationStore, MemoryStore
 from molctl.proxy.engine_client import EngineClient
 from molctl.proxy.errors import EngineUnavailable, ProxyError, invalid
@@ -256,7 +256,7 @@ class ProxyApp:
         return tenant
 
     async def _json(self, send: Send, status: int, body: Any, headers: dict[str, str] | None = None) -> None:
-        raw = json.dumps(body).encode()
+        raw = fastjson.dumps_bytes(body)
         hdrs = JSON_HEADERS + [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
         await send({"type": "http.response.start", "status": status, "headers": hdrs})
         await send({"type": "http.response.body", "body": raw})

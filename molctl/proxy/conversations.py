@@ -34,6 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import orjson
+
 
 def text_of(content: Any) -> str:
     """Flatten message content to text (string, or a list of text parts)."""
@@ -73,6 +75,14 @@ def canonical_message(msg: dict[str, Any]) -> bytes:
     calls = [[c.get("id"), (c.get("function") or {}).get("name"), canonical_arguments((c.get("function") or {}).get("arguments"))]
              for c in tool_calls_of(msg)]
     form = [msg.get("role"), text_of(msg.get("content")), calls, msg.get("tool_call_id")]
+    call_id = form[3]
+    if not calls and type(form[0]) is str and (call_id is None or type(call_id) is str):
+        # strings and null only: orjson writes the very bytes of the json.dumps below (the keys
+        # are stored: they must not change), ~10x faster
+        try:
+            return orjson.dumps(form)
+        except orjson.JSONEncodeError:  # a lone surrogate: the json.dumps path decides
+            pass
     return json.dumps(form, separators=(",", ":"), ensure_ascii=False).encode()
 
 

@@ -1,29 +1,39 @@
-"""The one engine client: aiohttp (about 1 ms cheaper per call than httpx on the 2-core machine
-the project was measured on; BENCHMARKS.md), one pooled session, every request labelled with
-`X-MoL-Hop`."""
+"""The one engine client: a lean keep-alive HTTP/1.1 client over asyncio (httptools parses the
+responses; a pool of idle connections), every request labelled with `X-MoL-Hop`. It replaced
+aiohttp's client, which cost about 3x the CPU per engine request on the proxy's hot path (three
+engine requests per turn; BENCHMARKS.md, "Proxy overhead")."""
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
 import json
+import ssl
+import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
-import aiohttp
+import httptools
 
+from molctl.proxy import fastjson
 from molctl.proxy.errors import EngineHTTPError, EngineUnavailable
 
 HOP_HEADER = "X-MoL-Hop"
 REQUEST_ID_HEADER = "X-Request-Id"  # the client request's id on every hop, so engine logs can be joined
 
 
-def hop_headers(hop: str, request_id: str | None) -> dict[str, str]:
-    headers = {"Content-Type": "application/json", HOP_HEADER: hop}
-    if request_id:
-        headers[REQUEST_ID_HEADER] = request_id
-    return headers
+def _extra(request_id: str | None) -> dict[str, str] | None:
+    """The extra headers of a hop: the request id (validated by the app: header-safe)."""
+    return {REQUEST_ID_HEADER: request_id} if request_id else None
+
+
+class _ConnectFailed(EngineUnavailable):
+    """No connection to the engine could be made: nothing was sent."""
+
+
 BIG_PAYLOAD_MESSAGES = 2000  # serialise larger payloads in a thread, off the event loop
 CHAT_PATH = "/v1/chat/completions"
 
@@ -54,15 +64,15 @@ def dumps_in_steps(payload: dict[str, Any], step: int = 1000) -> bytes:
     return (head[:-1] + (", " if rest else "") + '"messages": [' + ", ".join(parts) + "]}").encode()
 
 
-async def encode(payload: dict[str, Any], big: bool = False) -> bytes | str:
+async def encode(payload: dict[str, Any], big: bool = False) -> bytes:
     if big or len(payload.get("messages") or ()) > BIG_PAYLOAD_MESSAGES:
-        return await asyncio.to_thread(dumps_in_steps, payload)
-    return json.dumps(payload)
+        return (await asyncio.to_thread(dumps_in_steps, payload))
+    return fastjson.dumps_bytes(payload)
 
 
 def http_error(status: int, raw: bytes, headers: Any) -> EngineHTTPError:
     try:
-        body = json.loads(raw)
+        body = fastjson.loads(raw)
     except ValueError:
         body = raw.decode(errors="replace")
     exc = EngineHTTPError(status, body)
@@ -84,71 +94,351 @@ def error_frame(event: dict[str, Any]) -> EngineHTTPError | None:
     return EngineHTTPError(code if isinstance(code, int) and 400 <= code < 600 else 500, {"error": err}, in_stream=True)
 
 
+READ_HIGH_WATER = 1 << 20  # a stream's unread bytes above this pause reading from the engine
+
+
+class Headers(dict):
+    """Response headers, names lower-cased; get() in any case."""
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return dict.get(self, name.lower(), default)
+
+
+class _Connection(asyncio.Protocol):
+    """One HTTP/1.1 connection to the engine, one request at a time. The reader waits on
+    `_wait()`, which returns after each parser event (headers, body bytes, end, failure)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, read_timeout: float):
+        self.loop = loop
+        self.read_timeout = read_timeout
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.closed = False
+        self.idle_since = 0.0
+        self._waiter: asyncio.Future | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self.status = 0
+        self.headers = Headers()
+        self.body: deque[bytes] = deque()
+        self.buffered = 0
+        self.headers_done = False
+        self.done = False
+        self.keep_alive = False
+        self.error: EngineUnavailable | None = None
+        self.got_bytes = False
+        self._framed = False  # Content-Length or chunked: the end is known without a close
+        self._paused = False
+        self._deadline = float("inf")
+        self._last_read = 0.0
+
+    # ---- asyncio.Protocol
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def connection_lost(self, exc) -> None:
+        self.closed = True
+        self._cancel_timer()
+        if not self.done and self.error is None:
+            if self.headers_done and not self._framed:
+                self.done = True  # a body delimited by the close
+            else:
+                self.error = EngineUnavailable(str(exc) if exc else "the engine closed the connection")
+        self._wake()
+
+    def data_received(self, data: bytes) -> None:
+        self.got_bytes = True
+        self._last_read = self.loop.time()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(f"malformed HTTP response from the engine: {exc}")
+
+    def eof_received(self):
+        return False  # close the transport
+
+    # ---- httptools callbacks
+    def on_header(self, name: bytes, value: bytes) -> None:
+        key = name.decode("latin-1").lower()
+        if key in ("content-length", "transfer-encoding"):
+            self._framed = True
+        self.headers[key] = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        self.headers_done = True
+        self._wake()
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+        self.buffered += len(body)
+        if self.buffered > READ_HIGH_WATER and not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        self.done = True
+        self.keep_alive = self.parser.should_keep_alive()
+        self._cancel_timer()
+        self._wake()
+
+    # ---- the client's side
+    def send(self, request: bytes, timeout: float | None) -> None:
+        self._reset()
+        now = self.loop.time()
+        self._last_read = now
+        if timeout:
+            self._deadline = now + timeout
+        self._arm(min(self._deadline, now + self.read_timeout))
+        self.transport.write(request)
+
+    def take_body(self) -> bytes:
+        data = b"".join(self.body) if len(self.body) != 1 else self.body[0]
+        self.body.clear()
+        self.buffered = 0
+        if self._paused and not self.closed:
+            self._paused = False
+            self.transport.resume_reading()
+        return data
+
+    async def wait(self) -> None:
+        """Until the next parser event; raises the connection's failure."""
+        if self.error is not None:
+            raise self.error
+        self._waiter = self.loop.create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+        if self.error is not None:
+            raise self.error
+
+    def abort(self) -> None:
+        self.closed = True
+        self._cancel_timer()
+        if self.transport is not None:
+            self.transport.abort()
+
+    def _fail(self, why: str) -> None:
+        if self.error is None and not self.done:
+            self.error = EngineUnavailable(why)
+        self.abort()
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _arm(self, when: float) -> None:
+        self._cancel_timer()
+        self._timer = self.loop.call_at(when, self._check_timeout)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _check_timeout(self) -> None:
+        """The total deadline (if any) and the read timeout (no byte for read_timeout s)."""
+        self._timer = None
+        if self.done:
+            return
+        now = self.loop.time()
+        next_check = min(self._deadline, self._last_read + self.read_timeout)
+        if now >= next_check:
+            self._fail("TimeoutError")
+        else:
+            self._arm(next_check)
+
+
 class EngineClient:
     def __init__(self, base_url: str, connect_timeout: float = 5.0, read_timeout: float = 1800.0,
-                 max_connections: int = 512):
+                 max_connections: int = 512, keepalive_s: float = 15.0):
         self.base_url = base_url.rstrip("/")
-        self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout, sock_connect=connect_timeout,
-                                              sock_read=read_timeout)
+        url = urlsplit(self.base_url)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise ValueError(f"engine URL {base_url!r}: expected http://HOST:PORT or https://HOST:PORT")
+        self._host = url.hostname
+        self._port = url.port or (443 if url.scheme == "https" else 80)
+        self._ssl = url.scheme == "https"
+        self._prefix = url.path
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        self._host_header = host if url.port is None else f"{host}:{self._port}"
+        self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
+        self.keepalive_s = keepalive_s
         self._max_connections = max_connections
-        self._session: aiohttp.ClientSession | None = None
+        self._slots: asyncio.Semaphore | None = None
+        self._idle: deque[_Connection] = deque()
+        self._busy: set[_Connection] = set()
+        self._ssl_context: ssl.SSLContext | None = None
+        self._peers: dict[str, EngineClient] = {}  # other replicas' engines (conversation affinity)
 
     async def start(self) -> None:
-        if self._session is None:
-            connector = aiohttp.TCPConnector(limit=self._max_connections, keepalive_timeout=15, force_close=False)
-            self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout, trust_env=False,
-                                                  json_serialize=json.dumps)
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self._max_connections)
+            if self._ssl:
+                self._ssl_context = ssl.create_default_context()
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        for peer in self._peers.values():
+            await peer.close()
+        self._peers.clear()
+        for conn in (*self._idle, *self._busy):
+            conn.abort()
+        self._idle.clear()
+        self._busy.clear()
+        self._slots = None
 
-    @property
-    def session(self) -> aiohttp.ClientSession:
-        assert self._session is not None, "EngineClient.start() was not awaited"
-        return self._session
+    # ---- connections
+    def _request(self, method: str, path: str, body: bytes | None, hop: str | None,
+                 headers: dict[str, str] | None = None) -> bytes:
+        """The request's bytes. `headers`: extra ones (e.g. a request id), names and values that
+        are header-safe (no CR/LF: refused with ValueError)."""
+        head = f"{method} {self._prefix}{path} HTTP/1.1\r\nHost: {self._host_header}\r\n"
+        if hop is not None:
+            head += f"Content-Type: application/json\r\n{HOP_HEADER}: {hop}\r\n"
+        for name, value in (headers or {}).items():
+            if any(c in name or c in value for c in "\r\n") or ":" in name:
+                raise ValueError(f"engine request header {name!r}: not a valid header name/value")
+            head += f"{name}: {value}\r\n"
+        if body is None:
+            return (head + "\r\n").encode("latin-1")
+        return (head + f"Content-Length: {len(body)}\r\n\r\n").encode("latin-1") + body
 
-    async def get(self, path: str, timeout: float = 2.0) -> tuple[int, Any]:
+    def _idle_connection(self) -> _Connection | None:
+        now = time.monotonic()
+        while self._idle:
+            conn = self._idle.pop()  # the most recently used: least likely closed by the engine
+            if not conn.closed and now - conn.idle_since < self.keepalive_s:
+                return conn
+            conn.abort()
+        return None
+
+    async def _connect(self) -> _Connection:
+        loop = asyncio.get_running_loop()
         try:
-            async with self.session.get(self.base_url + path, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-                body = await resp.read()
-                try:
-                    return resp.status, json.loads(body) if body else None
-                except ValueError:
-                    return resp.status, body.decode(errors="replace")
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            raise EngineUnavailable(str(exc) or type(exc).__name__) from None
+            async with asyncio.timeout(self.connect_timeout):
+                _, conn = await loop.create_connection(lambda: _Connection(loop, self.read_timeout), self._host, self._port,
+                                                       ssl=self._ssl_context, server_hostname=self._host if self._ssl else None)
+        except (TimeoutError, OSError, ssl.SSLError) as exc:
+            raise _ConnectFailed(f"cannot connect to the engine at {self._host}:{self._port}: "
+                                    f"{str(exc) or type(exc).__name__}") from None
+        return conn
 
-    async def _post(self, data: bytes | str, hop: str, request_id: str | None = None, **kw: Any) -> aiohttp.ClientResponse:
-        """POST a chat hop to the request's engine (ENGINE, else the own upstream). A peer's engine
-        that refuses the connection (nothing was sent) is given up for the rest of the request."""
-        headers = hop_headers(hop, request_id)
+    async def _exchange(self, request: bytes, timeout: float | None) -> _Connection:
+        """Send one request on a pooled (or new) connection and wait for the response's headers.
+        A reused keep-alive connection that the engine closed before answering a byte is
+        retried once on a new one. The caller must `_release` the connection."""
+        if self._slots is None:
+            raise AssertionError("EngineClient.start() was not awaited")
+        await self._slots.acquire()
+        try:
+            conn = self._idle_connection()
+            reused = conn is not None
+            while True:
+                if conn is None:
+                    conn = await self._connect()
+                self._busy.add(conn)
+                conn.send(request, timeout)
+                try:
+                    while not conn.headers_done:
+                        await conn.wait()
+                    return conn
+                except EngineUnavailable:
+                    self._drop(conn)
+                    if reused and not conn.got_bytes:
+                        conn, reused = None, False
+                        continue
+                    raise
+                except BaseException:
+                    self._drop(conn)
+                    raise
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def _drop(self, conn: _Connection) -> None:
+        conn.abort()
+        self._busy.discard(conn)
+
+    def _release(self, conn: _Connection) -> None:
+        """Back to the pool when the response was read whole on a keep-alive connection; closed
+        otherwise (a cancelled stream: the engine sees the close and aborts the request)."""
+        self._busy.discard(conn)
+        if conn.done and conn.keep_alive and not conn.closed and conn.error is None:
+            conn.idle_since = time.monotonic()
+            self._idle.append(conn)
+        else:
+            conn.abort()
+        if self._slots is not None:
+            self._slots.release()
+
+    async def _read_all(self, conn: _Connection) -> bytes:
+        while not conn.done:
+            await conn.wait()
+        return conn.take_body()
+
+    # ---- requests
+    async def get(self, path: str, timeout: float = 2.0, headers: dict[str, str] | None = None) -> tuple[int, Any]:
+        conn = await self._exchange(self._request("GET", path, None, None, headers), timeout)
+        try:
+            body = await self._read_all(conn)
+        finally:
+            self._release(conn)
+        try:
+            return conn.status, fastjson.loads(body) if body else None
+        except ValueError:
+            return conn.status, body.decode(errors="replace")
+
+    def _peer(self) -> EngineClient | None:
+        """The client of the engine this request's conversation lives on (ENGINE, set by the
+        orchestrator for proxy replicas on a shared store), or None for this proxy's own engine."""
         choice = ENGINE.get()
-        if choice is not None and not choice.failed:
+        if choice is None or choice.failed:
+            return None
+        url = choice.url.rstrip("/")
+        if url == self.base_url:
+            return None
+        peer = self._peers.get(url)
+        if peer is None:
+            peer = self._peers[url] = EngineClient(url, connect_timeout=self.connect_timeout, read_timeout=self.read_timeout,
+                                                   max_connections=self._max_connections, keepalive_s=self.keepalive_s)
+            peer._slots = asyncio.Semaphore(self._max_connections)
+        return peer
+
+    async def _open_chat(self, data: bytes, hop: str, headers: dict[str, str] | None,
+                         timeout: float | None) -> tuple[EngineClient, _Connection]:
+        """Send a chat hop to the request's engine (a peer's, see `_peer`, else the own one) and
+        return the client that owns the connection. A peer engine that cannot be connected to
+        (nothing was sent) is given up for the rest of the request: this replica takes over."""
+        peer = self._peer()
+        if peer is not None:
             try:
-                return await self.session.post(choice.url.rstrip("/") + CHAT_PATH, data=data, headers=headers, **kw)
-            except aiohttp.ClientConnectorError:
-                choice.failed = True
-        return await self.session.post(self.base_url + CHAT_PATH, data=data, headers=headers, **kw)
+                return peer, await peer._exchange(peer._request("POST", CHAT_PATH, data, hop, headers), timeout)
+            except _ConnectFailed:
+                ENGINE.get().failed = True
+        return self, await self._exchange(self._request("POST", CHAT_PATH, data, hop, headers), timeout)
 
     async def chat(self, payload: dict[str, Any], hop: str, timeout: float | None = None, big: bool = False,
                    request_id: str | None = None) -> dict[str, Any]:
         """Non-streaming chat completion; raises EngineHTTPError / EngineUnavailable. `big`:
-        encode the payload in a worker thread."""
-        kw = {"timeout": aiohttp.ClientTimeout(total=timeout)} if timeout else {}
+        encode the payload in a worker thread; `request_id`: sent as X-Request-Id."""
         data = await encode(payload, big)
+        owner, conn = await self._open_chat(data, hop, _extra(request_id), timeout)
         try:
-            async with await self._post(data, hop, request_id, **kw) as resp:
-                raw = await resp.read()
-                status = resp.status
-                headers = resp.headers
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            raise EngineUnavailable(str(exc) or type(exc).__name__) from None
+            raw = await self._read_all(conn)
+        finally:
+            owner._release(conn)
+        status = conn.status
         if status != 200:
-            raise http_error(status, raw, headers)
+            raise http_error(status, raw, conn.headers)
         try:
-            body = json.loads(raw)
+            body = fastjson.loads(raw)
         except ValueError:
             body = None
         if not isinstance(body, dict):
@@ -161,40 +451,63 @@ class EngineClient:
 
         Cancelling the consumer closes the connection, which makes the engine abort the request."""
         data = await encode(payload, big)
+        owner, conn = await self._open_chat(data, hop, _extra(request_id), None)
         try:
-            resp = await self._post(data, hop, request_id)
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            raise EngineUnavailable(str(exc) or type(exc).__name__) from None
-        try:
-            if resp.status != 200:
-                raise http_error(resp.status, await resp.read(), resp.headers)
+            if conn.status != 200:
+                raise http_error(conn.status, await owner._read_all(conn), conn.headers)
             data_lines: list[bytes] = []
-            try:
-                async for line in resp.content:
-                    line = line.rstrip(b"\r\n")
-                    if line.startswith(b"data:"):
-                        data_lines.append(line[5:].lstrip())
-                        continue
-                    if line or not data_lines:
-                        continue
-                    data = b"\n".join(data_lines)
-                    data_lines = []
-                    if data == b"[DONE]":
-                        return
-                    try:
-                        event = json.loads(data)
-                    except ValueError:
-                        continue
-                    if not isinstance(event, dict):
-                        continue
-                    failure = error_frame(event)
-                    if failure is not None:
-                        raise failure
-                    yield event
-            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-                raise EngineUnavailable(str(exc) or type(exc).__name__) from None
+            for line in _lines(conn):
+                if line is None:
+                    await conn.wait()
+                    continue
+                line = line.rstrip(b"\r\n")
+                if line.startswith(b"data:"):
+                    data_lines.append(line[5:].lstrip())
+                    continue
+                if line or not data_lines:
+                    continue
+                event_data = b"\n".join(data_lines)
+                data_lines = []
+                if event_data == b"[DONE]":
+                    return
+                try:
+                    event = fastjson.loads(event_data)
+                except ValueError:
+                    continue
+                if not isinstance(event, dict):
+                    continue
+                failure = error_frame(event)
+                if failure is not None:
+                    raise failure
+                yield event
             if data_lines and b"\n".join(data_lines) == b"[DONE]":
                 return
             raise EngineUnavailable("the engine's stream ended without [DONE]")
         finally:
-            resp.close()
+            owner._release(conn)
+
+
+def _lines(conn: _Connection):
+    """The body's lines (each with its newline; the last one without, at the end), or None when
+    the caller must `await conn.wait()` for more bytes (a generator cannot await)."""
+    pending = b""
+    while True:
+        if conn.body:
+            chunk = conn.take_body()
+            pending = pending + chunk if pending else chunk
+            start = 0
+            while True:
+                end = pending.find(b"\n", start)
+                if end < 0:
+                    break
+                yield pending[start:end + 1]
+                start = end + 1
+            pending = pending[start:]
+            continue
+        if conn.done or conn.error is not None:
+            if conn.error is not None and not conn.done:
+                raise conn.error
+            if pending:
+                yield pending
+            return
+        yield None

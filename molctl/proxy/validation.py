@@ -16,11 +16,11 @@ Choices, where the issue leaves room:
 
 from __future__ import annotations
 
-import json
 import re
 from json.scanner import make_scanner
 from typing import Any
 
+from molctl.proxy import fastjson
 from molctl.proxy.errors import ProxyError, invalid
 
 PASSTHROUGH = ("temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "logprobs",
@@ -39,7 +39,7 @@ EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 
 _WS = re.compile(r"[ \t\n\r]*")
-_SCAN = make_scanner(json.JSONDecoder())
+_SCAN = make_scanner(fastjson.STDLIB_DECODER)  # non-finite floats kept as fastjson.NonFinite
 
 
 def _loads_in_steps(text: str) -> Any:
@@ -114,7 +114,7 @@ def parse_body(raw: bytes, in_steps: bool = False) -> Any:
 
 def _loads(raw: bytes) -> Any:
     try:
-        return json.loads(raw)
+        return fastjson.loads(raw)
     except RecursionError:
         raise invalid("The body is nested too deeply to be a chat request.") from None
     except ValueError as exc:  # includes UnicodeDecodeError (bytes that are not UTF-8)

@@ -1,0 +1,289 @@
+"""The proxy's engine client (molctl.proxy.engine_client) against real servers: the fake engine in
+a subprocess, and small scripted HTTP servers in the test's loop for what an engine rarely does
+(closing a kept-alive connection, a body ended by the close, a malformed answer). And the hot-path
+JSON (molctl.proxy.fastjson): the same values as the standard library, the same errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import pytest
+
+from molctl.proxy import fastjson
+from molctl.proxy.engine_client import EngineClient
+from molctl.proxy.errors import EngineHTTPError, EngineUnavailable
+from tests.conftest import free_port
+from tests.procs import fake_engine_argv, running
+
+PAYLOAD = {"model": "L1", "messages": [{"role": "user", "content": "héllo [route:L2]"}], "max_tokens": 8}
+
+
+@pytest.fixture(scope="module")
+def engine():
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with running(fake_engine_argv(port), url + "/health"):
+        yield url
+
+
+def engine_log(client_url: str) -> list[dict]:
+    import httpx
+
+    return httpx.get(client_url + "/_log").json()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def with_client(url: str, fn, **kw):
+    client = EngineClient(url, **kw)
+    await client.start()
+    try:
+        return await fn(client)
+    finally:
+        await client.close()
+
+
+def test_hops_reuse_one_connection_and_carry_the_hop_header(engine):
+    import httpx
+
+    httpx.post(engine + "/_reset")
+
+    async def go(client):
+        answers = [await client.chat(PAYLOAD, hop) for hop in ("route", "answer", "summary")]
+        return answers, len(client._idle), len(client._busy)
+
+    answers, idle, busy = run(with_client(engine, go))
+    assert answers[0]["choices"][0]["message"]["content"] == "L2"
+    assert answers[1]["choices"][0]["message"]["content"].startswith("answer-")
+    assert (idle, busy) == (1, 0)  # three requests, one kept-alive connection
+    log = engine_log(engine)
+    assert [e["hop"] for e in log] == ["route", "answer", "summary"]
+    assert log[1]["payload"] == PAYLOAD  # the body arrives as sent (UTF-8 text included)
+
+
+def test_engine_error_status_body_and_retry_after(engine):
+    import httpx
+
+    httpx.post(engine + "/_reset")
+    httpx.post(engine + "/_config", json={"answer_error": {"status": 503, "body": {"error": {"message": "busy"}},
+                                                           "headers": {"Retry-After": "7"}}})
+    try:
+        with pytest.raises(EngineHTTPError) as err:
+            run(with_client(engine, lambda c: c.chat(PAYLOAD, "answer")))
+    finally:
+        httpx.post(engine + "/_reset")
+    assert err.value.status == 503 and err.value.body == {"error": {"message": "busy"}}
+    assert err.value.retry_after == "7"
+
+
+def test_stream_events_until_done_and_a_cancelled_stream_closes_the_request(engine):
+    import httpx
+
+    httpx.post(engine + "/_reset")
+
+    async def whole(client):
+        return [e async for e in client.chat_stream({**PAYLOAD, "stream": True}, "answer")]
+
+    events = run(with_client(engine, whole))
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+
+    httpx.post(engine + "/_config", json={"answer_words": 50, "token_delay": 0.05})
+
+    async def first_then_cancel(client):
+        stream = client.chat_stream({**PAYLOAD, "stream": True}, "answer")
+        first = await stream.__anext__()
+        await stream.aclose()
+        await asyncio.sleep(0.5)
+        return first, len(client._idle)
+
+    try:
+        first, idle = run(with_client(engine, first_then_cancel))
+    finally:
+        log = engine_log(engine)
+        httpx.post(engine + "/_reset")
+    assert "delta" in first["choices"][0] and idle == 0  # the unfinished connection is not pooled
+    assert any(e.get("event") == "client_gone" for e in log)  # the engine saw the close
+
+
+def test_timeout_and_refused_connection_are_engine_unavailable(engine):
+    import httpx
+
+    httpx.post(engine + "/_config", json={"answer_delay": 2.0})
+    try:
+        with pytest.raises(EngineUnavailable, match="TimeoutError"):
+            run(with_client(engine, lambda c: c.chat(PAYLOAD, "answer", timeout=0.2)))
+    finally:
+        httpx.post(engine + "/_reset")
+    with pytest.raises(EngineUnavailable, match="cannot connect to the engine"):
+        run(with_client(f"http://127.0.0.1:{free_port()}", lambda c: c.chat(PAYLOAD, "answer")))
+
+
+async def scripted_server(answers: list[bytes]):
+    """An HTTP server that answers each request (read up to its body) with the next scripted bytes;
+    an answer ending in b"<close>" is sent without it and the connection closed."""
+    connections = []
+
+    async def handle(reader, writer):
+        connections.append(writer)
+        while answers:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")), 0)
+            await reader.readexactly(length)
+            answer = answers.pop(0)
+            if answer.endswith(b"<close>"):
+                writer.write(answer[: -len(b"<close>")])
+                await writer.drain()
+                writer.close()
+                return
+            writer.write(answer)
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    return server, f"http://127.0.0.1:{port}", connections
+
+
+def ok(body: bytes) -> bytes:
+    return b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+
+
+def test_a_kept_alive_connection_closed_by_the_engine_is_retried_once_on_a_new_one():
+    async def go():
+        # the first connection answers once and is then closed by the server while idle in the pool
+        server, url, connections = await scripted_server([ok(b'{"n": 1}') + b"<close>", ok(b'{"n": 2}')])
+        async with server:
+            client = EngineClient(url)
+            await client.start()
+            try:
+                first = await client.chat(PAYLOAD, "answer")
+                await asyncio.sleep(0.1)  # the close reaches the client
+                second = await client.chat(PAYLOAD, "answer")
+            finally:
+                await client.close()
+        return first, second, len(connections)
+
+    first, second, opened = run(go())
+    assert (first, second, opened) == ({"n": 1}, {"n": 2}, 2)
+
+
+def test_a_body_ended_by_the_close_and_a_malformed_answer():
+    async def go():
+        server, url, _ = await scripted_server([b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n{"n": 3}<close>',
+                                               b"NOT HTTP AT ALL\r\n\r\n<close>"])
+        async with server:
+            client = EngineClient(url)
+            await client.start()
+            try:
+                body = await client.chat(PAYLOAD, "answer")
+                with pytest.raises(EngineUnavailable, match="malformed HTTP response"):
+                    await client.chat(PAYLOAD, "answer")
+            finally:
+                await client.close()
+        return body
+
+    assert run(go()) == {"n": 3}
+
+
+def test_a_non_json_answer_is_a_502():
+    async def go():
+        server, url, _ = await scripted_server([ok(b"<html>oops</html>")])
+        async with server:
+            client = EngineClient(url)
+            await client.start()
+            try:
+                await client.chat(PAYLOAD, "answer")
+            finally:
+                await client.close()
+
+    with pytest.raises(EngineHTTPError) as err:
+        run(go())
+    assert err.value.status == 502 and "oops" in err.value.body
+
+
+@pytest.mark.parametrize("text", [
+    '{"a": 1, "b": [1.5, -0.0, 1e-07, 1e16, true, null], "s": "h\\u00e9 \\ud83d\\ude00 \\n"}',
+    '{"big": 123456789012345678901234567890, "neg": -9223372036854775809}',
+    '{"x": NaN, "y": [Infinity, -Infinity, 1e400]}',
+    '"\\ud800"',
+])
+def test_fastjson_gives_the_standard_librarys_values(text):
+    ours = fastjson.loads(text.encode())
+    theirs = json.loads(text)
+    assert json.dumps(ours) == json.dumps(theirs)  # same values, NaN and infinities included
+    if "\\ud800" not in text:  # orjson cannot write a lone surrogate: the standard library does
+        assert json.dumps(json.loads(fastjson.dumps_bytes(ours))) == json.dumps(theirs)
+    else:
+        assert fastjson.dumps_bytes(ours) == json.dumps(theirs).encode()
+
+
+def test_fastjson_keeps_non_finite_numbers_as_the_standard_library_writes_them():
+    value = fastjson.loads(b'{"t": NaN, "u": -Infinity}')
+    assert math.isnan(value["t"]) and value["u"] == -math.inf
+    assert fastjson.dumps_bytes(value) in (b'{"t":NaN,"u":-Infinity}', b'{"t": NaN, "u": -Infinity}')
+
+
+@pytest.mark.parametrize("bad", [b"{bad", b'{"a": 1,}', b"\xff\xfe{", b""])
+def test_fastjson_refuses_what_the_standard_library_refuses_with_its_message(bad):
+    with pytest.raises(ValueError) as ours:
+        fastjson.loads(bad)
+    with pytest.raises(ValueError) as theirs:
+        json.loads(bad)
+    assert str(ours.value) == str(theirs.value)
+
+
+@pytest.mark.parametrize("msg", [
+    {"role": "user", "content": "plain"},
+    {"role": "user", "content": "tab\there \"quoted\" back\\slash \x00\x1f\x7f é 中文 \U0001F600 \u2028 \ufeff"},
+    {"role": "user", "content": [{"type": "text", "text": "part"}, {"type": "image_url", "image_url": {"url": "x"}}]},
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+                                                          "function": {"name": "f", "arguments": "{\"b\": 1, \"a\": 1e16}"}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "42"},
+    {"role": "tool", "tool_call_id": 7, "content": "an integer id"},
+])
+def test_conversation_keys_keep_their_bytes(msg):
+    """The keys are stored (SQLite): the fast canonical form is byte for byte the json.dumps one."""
+    from molctl.proxy.conversations import canonical_arguments, canonical_message, text_of, tool_calls_of
+
+    calls = [[c.get("id"), (c.get("function") or {}).get("name"), canonical_arguments((c.get("function") or {}).get("arguments"))]
+             for c in tool_calls_of(msg)]
+    form = [msg.get("role"), text_of(msg.get("content")), calls, msg.get("tool_call_id")]
+    assert canonical_message(msg) == json.dumps(form, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def test_extra_request_headers_reach_the_engine_and_unsafe_ones_are_refused():
+    heads: list[bytes] = []
+
+    async def handle(reader, writer):
+        head = await reader.readuntil(b"\r\n\r\n")
+        heads.append(head)
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+        await reader.readexactly(length)
+        writer.write(ok(b'{"n": 1}'))
+        await writer.drain()
+        writer.close()
+
+    async def go():
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        async with server:
+            client = EngineClient(url)
+            await client.start()
+            try:
+                body = await client.chat(PAYLOAD, "route", request_id="req-123")
+                with pytest.raises(ValueError, match="not a valid header"):
+                    await client.chat(PAYLOAD, "route", request_id="a\r\nX-Evil: 1")
+            finally:
+                await client.close()
+        return body
+
+    assert run(go()) == {"n": 1}
+    assert len(heads) == 1
+    lines = heads[0].split(b"\r\n")
+    assert lines[0] == b"POST /v1/chat/completions HTTP/1.1"
+    assert b"X-MoL-Hop: route" in lines and b"X-Request-Id: req-123" in lines
