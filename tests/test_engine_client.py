@@ -286,4 +286,4 @@ def test_extra_request_headers_reach_the_engine_and_unsafe_ones_are_refused():
     assert len(heads) == 1
     lines = heads[0].split(b"\r\n")
     assert lines[0] == b"POST /v1/chat/completions HTTP/1.1"
-    assert b"X-MoL-Hop: route" in lines and b"X-Request-Id: req-123" in lines
+    assert b"X-MoL-Hop: route" in lines and b"X-Request-Id: req-123-route" in lines

@@ -142,9 +142,11 @@ def test_request_id_is_passed_on_and_each_request_logs_one_json_line(s):
     r = httpx.post(s.proxy_url + "/v1/chat/completions", headers={**AUTH, "X-Request-Id": "client-id.42"},
                    json={"model": PUBLIC, "messages": [{"role": "user", "content": "[route:L2] trace me"}]})
     assert r.status_code == 200 and r.headers["x-request-id"] == "client-id.42"
-    hops = [e for e in s.engine_log() if e.get("request_id") == "client-id.42"]
-    assert {"route", "answer"} <= {e["hop"] for e in hops}
-    assert wait_for(lambda: any(e["hop"] == "summary" and e.get("request_id") == "client-id.42" for e in s.engine_log()))
+    # each hop carries the request's id and its own name (header, and the body field vLLM logs)
+    hops = [e for e in s.engine_log() if (e.get("request_id") or "").startswith("client-id.42-")]
+    assert {(e["hop"], e["request_id"]) for e in hops} >= {("route", "client-id.42-route"), ("answer", "client-id.42-answer")}
+    assert all(e["payload"]["request_id"] == e["request_id"] for e in hops)
+    assert wait_for(lambda: any(e["hop"] == "summary" and e.get("request_id") == "client-id.42-summary" for e in s.engine_log()))
     # an invalid incoming id is replaced, never echoed
     bad = httpx.post(s.proxy_url + "/v1/chat/completions", headers={**AUTH, "X-Request-Id": "x" * 200},
                      json={"model": PUBLIC, "messages": [{"role": "user", "content": "[route:L1] again"}], "stream": True})

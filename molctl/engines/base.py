@@ -130,6 +130,8 @@ class Engine(abc.ABC):
     memory_flag: str = ""  # the flag that sets the fraction of GPU memory the engine takes
     running_flag: str = ""  # the flag that bounds the sequences the engine runs at once
     default_running = 256  # the proxy's answer-hop bound when the profile sets neither
+    # the body field in which the engine takes a request's id (None: the X-Request-Id header only)
+    request_id_field: str | None = None
     # (regex, label) pairs read from the engine's log to show the start-up phase; the last
     # matching line wins; a label may use the regex groups ("{0}/{1}").
     phases: tuple[tuple[str, str], ...] = ()

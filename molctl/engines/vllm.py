@@ -47,6 +47,10 @@ class VllmEngine(Engine):
     lora_flag = "--lora-modules"
     memory_flag = "gpu-memory-utilization"
     running_flag = "max-num-seqs"
+    # vLLM names the engine request after the X-Request-Id header, but logs the JSON body
+    # (request_logger.log_request_body) under the body's `request_id` (a random uuid unless set,
+    # vllm/entrypoints/openai/chat_completion/protocol.py): the proxy sets both to the hop's id.
+    request_id_field = "request_id"
     phases = (
         (r"non-default args|Initializing a V1 LLM engine|vLLM API server version", "engine config"),
         (r"Starting to load model|Loading model from", "loading model"),

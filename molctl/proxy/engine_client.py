@@ -25,9 +25,11 @@ HOP_HEADER = "X-MoL-Hop"
 REQUEST_ID_HEADER = "X-Request-Id"  # the client request's id on every hop, so engine logs can be joined
 
 
-def _extra(request_id: str | None) -> dict[str, str] | None:
-    """The extra headers of a hop: the request id (validated by the app: header-safe)."""
-    return {REQUEST_ID_HEADER: request_id} if request_id else None
+def hop_request_id(request_id: str, hop: str) -> str:
+    """The id a hop of a client request carries to the engine: the request's id and the hop
+    (`req-1f..-route`, `-answer`, `-summary`), so that engine log lines join to the proxy's
+    request log by prefix and no two engine requests share an id."""
+    return f"{request_id}-{hop}"
 
 
 class _ConnectFailed(EngineUnavailable):
@@ -257,7 +259,8 @@ class _Connection(asyncio.Protocol):
 
 class EngineClient:
     def __init__(self, base_url: str, connect_timeout: float = 5.0, read_timeout: float = 1800.0,
-                 max_connections: int = 512, keepalive_s: float = 15.0):
+                 max_connections: int = 512, keepalive_s: float = 15.0, request_id_field: str | None = None):
+        self.request_id_field = request_id_field  # see Engine.request_id_field
         self.base_url = base_url.rstrip("/")
         url = urlsplit(self.base_url)
         if url.scheme not in ("http", "https") or not url.hostname:
@@ -407,9 +410,20 @@ class EngineClient:
         peer = self._peers.get(url)
         if peer is None:
             peer = self._peers[url] = EngineClient(url, connect_timeout=self.connect_timeout, read_timeout=self.read_timeout,
-                                                   max_connections=self._max_connections, keepalive_s=self.keepalive_s)
+                                                   max_connections=self._max_connections, keepalive_s=self.keepalive_s,
+                                                   request_id_field=self.request_id_field)
             peer._slots = asyncio.Semaphore(self._max_connections)
         return peer
+
+    def _hop_ids(self, payload: dict[str, Any], hop: str, request_id: str | None) -> dict[str, str] | None:
+        """The hop's id (see hop_request_id) as X-Request-Id, and in the body where the engine
+        takes it there too; the extra headers (None without a request id)."""
+        if not request_id:
+            return None
+        hop_id = hop_request_id(request_id, hop)
+        if self.request_id_field:
+            payload[self.request_id_field] = hop_id
+        return {REQUEST_ID_HEADER: hop_id}
 
     async def _open_chat(self, data: bytes, hop: str, headers: dict[str, str] | None,
                          timeout: float | None) -> tuple[EngineClient, _Connection]:
@@ -428,8 +442,9 @@ class EngineClient:
                    request_id: str | None = None) -> dict[str, Any]:
         """Non-streaming chat completion; raises EngineHTTPError / EngineUnavailable. `big`:
         encode the payload in a worker thread; `request_id`: sent as X-Request-Id."""
+        headers = self._hop_ids(payload, hop, request_id)
         data = await encode(payload, big)
-        owner, conn = await self._open_chat(data, hop, _extra(request_id), timeout)
+        owner, conn = await self._open_chat(data, hop, headers, timeout)
         try:
             raw = await self._read_all(conn)
         finally:
@@ -450,8 +465,9 @@ class EngineClient:
         """Streaming chat completion: yields each SSE `data:` JSON object until `[DONE]`.
 
         Cancelling the consumer closes the connection, which makes the engine abort the request."""
+        headers = self._hop_ids(payload, hop, request_id)
         data = await encode(payload, big)
-        owner, conn = await self._open_chat(data, hop, _extra(request_id), None)
+        owner, conn = await self._open_chat(data, hop, headers, None)
         try:
             if conn.status != 200:
                 raise http_error(conn.status, await owner._read_all(conn), conn.headers)
