@@ -10,7 +10,8 @@ from molctl.errors import UsageError
 
 
 def load_keys(path) -> list[str]:
-    with open(path, encoding="utf-8") as fh:
+    """The keys of a key file; a UTF-8 BOM (a Windows editor's) is not part of the first key."""
+    with open(path, encoding="utf-8-sig") as fh:
         return [line.strip() for line in fh.read().splitlines() if line.strip()]
 
 

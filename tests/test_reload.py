@@ -5,6 +5,7 @@ running stack's proxy through its record and signals only that process."""
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 
@@ -163,3 +164,21 @@ def test_reload_never_signals_a_foreign_process(molctl, state_dir, case):
     assert sent == [] and "is not running; nothing signalled" in str(exc.value)
     r = molctl("reload", "tiny")
     assert r.exit_code == ExitStatus.CHECK_FAILED and "nothing signalled" in r.stderr
+
+
+def test_a_key_file_with_a_bom_and_crlf_keeps_every_key(tmp_path):
+    """A key file saved by a Windows editor (UTF-8 BOM, CRLF): every key is accepted, at the start
+    and after a SIGHUP (the BOM once stuck to the first key, which was then refused)."""
+    key_file = tmp_path / "keys"
+    key_file.write_bytes(("\ufeff" + OLD + "\r\nsk-reload-second\r\n").encode())
+    engine_port, proxy_port = free_port(), free_port()
+    engine_url, proxy_url = url(engine_port), url(proxy_port)
+    with running(fake_engine_argv(engine_port), engine_url + "/health"), \
+            running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(key_file), "--store", "memory"),
+                    proxy_url + "/health", log=tmp_path / "proxy.log") as proc:
+        assert status_with(proxy_url, OLD) == 200
+        assert status_with(proxy_url, "sk-reload-second") == 200
+        key_file.write_bytes(("\ufeff" + NEW + "\r\n").encode())
+        proc.send_signal(signal.SIGHUP)
+        assert wait_for(lambda: status_with(proxy_url, NEW) == 200)
+        assert status_with(proxy_url, OLD) == 401
