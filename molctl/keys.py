@@ -22,6 +22,9 @@ def resolve_api_keys(api_key_file: Path | None, allow_unauthenticated: bool) -> 
             keys = load_keys(api_key_file)
         except OSError as exc:
             raise UsageError(f"--api-key-file {api_key_file}: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            raise UsageError(f"--api-key-file {api_key_file}: not UTF-8 text (byte {exc.start}); "
+                             "expected one key per line") from None
         if not keys:
             raise UsageError(f"--api-key-file {api_key_file} holds no key (expected one key per line)")
         return keys

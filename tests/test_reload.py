@@ -182,3 +182,18 @@ def test_a_key_file_with_a_bom_and_crlf_keeps_every_key(tmp_path):
         proc.send_signal(signal.SIGHUP)
         assert wait_for(lambda: status_with(proxy_url, NEW) == 200)
         assert status_with(proxy_url, OLD) == 401
+
+
+def test_a_key_file_that_is_not_text_is_one_line_and_exit_2(tmp_path):
+    """A binary file given as --api-key-file (a wrong path) fails the start with one line naming
+    it, not a traceback."""
+    import subprocess
+    import sys
+
+    key_file = tmp_path / "keys"
+    key_file.write_bytes(b"\xff\xfe\x00not a key file")
+    r = subprocess.run([sys.executable, "-m", "molctl", "proxy", "tiny", "--upstream", "http://127.0.0.1:9",
+                        "--api-key-file", str(key_file), "--store", "memory"],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == ExitStatus.USAGE, r.stderr
+    assert r.stderr.count("\n") == 1 and str(key_file) in r.stderr and "UTF-8" in r.stderr
