@@ -173,3 +173,37 @@ def test_wait_deadline_is_429_and_draining_stays_503(engine, keyfile, tmp_path):
             assert r.status_code == 503 and "retry-after" in r.headers
         finally:
             holder.join(30)
+
+
+def test_the_log_line_of_a_refused_or_abandoned_request_shows_its_queue_wait(engine, keyfile, tmp_path):
+    """A request refused at its wait deadline, and one whose client left while it waited, log
+    the time they spent queued (it was 0.0: only a granted slot recorded its wait)."""
+    import json
+
+    ctx, s = proxy(engine, keyfile, tmp_path, "proxy.max_inflight=1", "proxy.max_queue=10", "proxy.queue_timeout_s=0.4")
+    s.reset()
+    s.config(answer_delay=2.0)
+    with ctx:
+        async def main():
+            async with s.client(KEYS[0]) as client:
+                holder = asyncio.ensure_future(ask(client, "holds the slot"))
+                await asyncio.sleep(0.3)
+                refused = None
+                try:
+                    await client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "refused"}],
+                                                         extra_headers={"X-Request-Id": "rid-refused"})
+                except openai.RateLimitError:
+                    refused = 429
+                async with s.client(KEYS[1]) as impatient:
+                    with pytest.raises(openai.APITimeoutError):
+                        await impatient.with_options(timeout=0.3).chat.completions.create(
+                            model=PUBLIC, messages=[{"role": "user", "content": "left"}], extra_headers={"X-Request-Id": "rid-left"})
+                await holder
+                return refused
+
+        assert asyncio.run(main()) == 429
+        time.sleep(0.3)
+    text = (tmp_path / "proxy.log").read_text().splitlines()
+    lines = {line["request_id"]: line for line in (json.loads(raw) for raw in text if raw.startswith("{"))}
+    assert lines["rid-refused"]["status"] == 429 and lines["rid-refused"]["queue_s"] >= 0.35
+    assert lines["rid-left"]["client_disconnect"] is True and lines["rid-left"]["queue_s"] >= 0.25

@@ -296,12 +296,18 @@ class Orchestrator:
 
     # ---------------------------------------------------------------- answer
     async def _admit(self, plan: Plan) -> None:
-        """Take an answer slot (released by the caller); a refusal is the client's 429."""
+        """Take an answer slot (released by the caller); a refusal is the client's 429. The wait is
+        kept on the plan (its log line) also when refused or abandoned while queued."""
+        queued_at = time.monotonic()
         try:
             plan.queue_wait_s = await self.admission.answers.acquire(plan.tenant)
         except Rejected as exc:
+            plan.queue_wait_s = time.monotonic() - queued_at
             self.counters.inc("admission_rejections_total", reason=exc.reason)
             raise overloaded(exc) from None
+        except asyncio.CancelledError:  # the client went away while queued
+            plan.queue_wait_s = time.monotonic() - queued_at
+            raise
         self.counters.observe("queue_wait_seconds", plan.queue_wait_s)
 
     def _engine_error(self, exc: Exception) -> None:
