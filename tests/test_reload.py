@@ -4,6 +4,7 @@ running stack's proxy through its record and signals only that process."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -17,7 +18,7 @@ from molctl.errors import ExitStatus
 from molctl.state import Record, read_records, write_record
 from tests.helpers import ROOT, Molctl, free_port, free_ports, url
 from tests.layouts import make_layout
-from tests.procs import fake_engine_argv, fake_engine_python, proxy_argv, running
+from tests.procs import fake_engine_argv, fake_engine_python, proxy_argv, running, stop
 from tests.test_proxy import PUBLIC
 
 OLD, NEW = "sk-reload-old", "sk-reload-new"
@@ -197,3 +198,38 @@ def test_a_key_file_that_is_not_text_is_one_line_and_exit_2(tmp_path):
                        capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert r.returncode == ExitStatus.USAGE, r.stderr
     assert r.stderr.count("\n") == 1 and str(key_file) in r.stderr and "UTF-8" in r.stderr
+
+
+def test_a_sighup_before_the_proxy_serves_does_not_end_it(tmp_path):
+    """`molctl reload` (or any SIGHUP) reaching a proxy that is still starting, before its reload
+    handler exists, must not kill it (SIGHUP's default action ends a process). The key file is a
+    FIFO here: the proxy is held at reading it while the signal comes, then starts and serves."""
+    import subprocess
+
+    key_file = tmp_path / "keys"
+    os.mkfifo(key_file, 0o600)
+    engine_port, proxy_port = free_port(), free_port()
+    engine_url, proxy_url = url(engine_port), url(proxy_port)
+    with running(fake_engine_argv(engine_port), engine_url + "/health"):
+        proc = subprocess.Popen(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(key_file), "--store", "memory"),
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True, cwd=ROOT)
+        try:
+            with open(key_file, "w") as writer:  # returns once the proxy opened the file to read it
+                proc.send_signal(signal.SIGHUP)
+                time.sleep(0.2)
+                with contextlib.suppress(BrokenPipeError):  # a dead proxy: reported below
+                    writer.write(OLD + "\n")
+                    writer.flush()
+            assert wait_for(lambda: proc.poll() is not None or _answers(proxy_url)), proc.returncode
+            assert proc.poll() is None, f"the proxy exited with {proc.returncode}"
+            assert status_with(proxy_url, OLD) == 200
+        finally:
+            stop(proc)
+
+
+def _answers(proxy_url: str) -> bool:
+    try:
+        return httpx.get(proxy_url + "/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
