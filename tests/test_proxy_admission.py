@@ -207,3 +207,30 @@ def test_the_log_line_of_a_refused_or_abandoned_request_shows_its_queue_wait(eng
     lines = {line["request_id"]: line for line in (json.loads(raw) for raw in text if raw.startswith("{"))}
     assert lines["rid-refused"]["status"] == 429 and lines["rid-refused"]["queue_s"] >= 0.35
     assert lines["rid-left"]["client_disconnect"] is True and lines["rid-left"]["queue_s"] >= 0.25
+
+
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_a_stream_queued_longer_than_the_keepalive_is_still_a_real_429(engine, keyfile, tmp_path, api):
+    """SSE keep-alives (and so the 200) are held while a stream waits for an answer slot: a stream
+    refused at the wait deadline after several keep-alive periods is a real 429 with Retry-After,
+    not an error frame inside a 200 stream (the SDK raises RateLimitError, and can back off)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = proxy_argv("tiny", engine, port, "--api-key-file", str(keyfile), "--store", "memory", "--sse-keepalive", "0.2",
+                      "--set", "proxy.max_inflight=1", "--set", "proxy.queue_timeout_s=1.5")
+    s = Stack(engine, url)
+    s.reset()
+    s.config(answer_delay=3.0)
+    with running(argv, url + "/health", log=tmp_path / "proxy.log"):
+        async def main():
+            async with s.client(KEYS[0]) as holder_client, s.client(KEYS[1]) as client:
+                holder = asyncio.ensure_future(ask(holder_client, "holds the slot"))
+                await asyncio.sleep(0.3)
+                refused = await ask(client, "queued stream", api, stream=True)
+                await holder
+                return refused
+
+        _, status, detail = asyncio.run(main())
+    assert status == 429, detail
+    retry_after, body = detail
+    assert retry_after.isdigit() and int(retry_after) >= 1 and body["code"] == "rate_limit_exceeded"
