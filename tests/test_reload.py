@@ -233,3 +233,21 @@ def _answers(proxy_url: str) -> bool:
         return httpx.get(proxy_url + "/health", timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_a_sighup_when_the_key_file_became_a_fifo_keeps_serving(tmp_path):
+    """Re-reading a key file that is now a FIFO (nobody writing) would block the event loop, and
+    with it every request: a key file that is not a regular file keeps the old keys, logged."""
+    key_file = tmp_path / "keys"
+    write_keys(key_file, OLD)
+    engine_port, proxy_port = free_port(), free_port()
+    engine_url, proxy_url = url(engine_port), url(proxy_port)
+    log = tmp_path / "proxy.log"
+    with running(fake_engine_argv(engine_port), engine_url + "/health"), \
+            running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(key_file), "--store", "memory"),
+                    proxy_url + "/health", log=log) as proc:
+        key_file.unlink()
+        os.mkfifo(key_file, 0o600)
+        proc.send_signal(signal.SIGHUP)
+        assert wait_for(lambda: "not a regular file" in log.read_text(), timeout=5), log.read_text()[-2000:]
+        assert httpx.get(proxy_url + "/v1/models", headers={"Authorization": f"Bearer {OLD}"}, timeout=3).status_code == 200
