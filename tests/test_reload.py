@@ -251,3 +251,19 @@ def test_a_sighup_when_the_key_file_became_a_fifo_keeps_serving(tmp_path):
         proc.send_signal(signal.SIGHUP)
         assert wait_for(lambda: "not a regular file" in log.read_text(), timeout=5), log.read_text()[-2000:]
         assert httpx.get(proxy_url + "/v1/models", headers={"Authorization": f"Bearer {OLD}"}, timeout=3).status_code == 200
+
+
+def test_a_comment_line_in_the_key_file_is_not_a_key(tmp_path):
+    """Config management writes a header such as `# Ansible managed`: it is a comment, not a key
+    anyone who guesses the header could send (it was accepted as one)."""
+    key_file = tmp_path / "keys"
+    key_file.write_text("# Ansible managed\n  # rotated 2026-11\n" + OLD + "\n")
+    key_file.chmod(0o600)
+    engine_port, proxy_port = free_port(), free_port()
+    engine_url, proxy_url = url(engine_port), url(proxy_port)
+    with running(fake_engine_argv(engine_port), engine_url + "/health"), \
+            running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(key_file), "--store", "memory"),
+                    proxy_url + "/health", log=tmp_path / "proxy.log"):
+        assert status_with(proxy_url, "# Ansible managed") == 401
+        assert status_with(proxy_url, "# rotated 2026-11") == 401
+        assert status_with(proxy_url, OLD) == 200
