@@ -464,6 +464,9 @@ def proxy_cmd(
     """Run the MoL proxy in the foreground: one public model, route -> answer -> summary over the adapters.
 
     The key may also come from the environment (MOLCTL_API_KEY, one key), never from argv."""
+    import signal
+
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until the reload handler exists (see molctl/__main__.py)
     from molctl.proxy.server import run_proxy
 
     store_override = [("proxy.store", store)] if store is not None else []

@@ -1,5 +1,5 @@
-"""Proxy API keys: one key per line in a key file (blank lines ignored, trailing newline
-optional), or one key in MOLCTL_API_KEY. Keys never travel on argv."""
+"""Proxy API keys: one key per line in a key file (blank lines and `#` comment lines ignored,
+trailing newline optional), or one key in MOLCTL_API_KEY. Keys never travel on argv."""
 
 from __future__ import annotations
 
@@ -10,8 +10,11 @@ from molctl.errors import UsageError
 
 
 def load_keys(path) -> list[str]:
-    with open(path, encoding="utf-8") as fh:
-        return [line.strip() for line in fh.read().splitlines() if line.strip()]
+    """The keys of a key file; a UTF-8 BOM (a Windows editor's) is not part of the first key, and a
+    line starting with `#` (a header config management writes) is a comment, not a key."""
+    with open(path, encoding="utf-8-sig") as fh:
+        lines = [line.strip() for line in fh.read().splitlines()]
+    return [line for line in lines if line and not line.startswith("#")]
 
 
 def resolve_api_keys(api_key_file: Path | None, allow_unauthenticated: bool) -> list[str] | None:
@@ -21,6 +24,9 @@ def resolve_api_keys(api_key_file: Path | None, allow_unauthenticated: bool) -> 
             keys = load_keys(api_key_file)
         except OSError as exc:
             raise UsageError(f"--api-key-file {api_key_file}: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            raise UsageError(f"--api-key-file {api_key_file}: not UTF-8 text (byte {exc.start}); "
+                             "expected one key per line") from None
         if not keys:
             raise UsageError(f"--api-key-file {api_key_file} holds no key (expected one key per line)")
         return keys

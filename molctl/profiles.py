@@ -12,6 +12,7 @@ later folder's `NAME.yaml` replaces an earlier one of the same name.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import sys
@@ -536,6 +537,8 @@ def _proxy_spec(data: dict[str, Any], v: _Validator) -> ProxySpec:
                 "max_inflight", "max_queue", "queue_timeout_s", "route_inflight", "summary_inflight"):
         if proxy.get(key) is not None and proxy[key] <= 0:
             raise v.fail(f"proxy.{key}", "must be > 0")
+        if isinstance(proxy.get(key), float) and not math.isfinite(proxy[key]):  # YAML .inf / .nan
+            raise v.fail(f"proxy.{key}", f"{proxy[key]}: must be a finite number > 0")
     if proxy.get("route_max_input_chars", 4000) < 200:
         raise v.fail("proxy.route_max_input_chars", "must be >= 200")
     if "store" in proxy:

@@ -160,3 +160,18 @@ def test_the_service_rate_keeps_only_its_window():
         assert len(gate._releases) <= 101  # 10 s at 10 per second, not all 1000
         assert gate.service_rate() == pytest.approx(10.0, rel=0.05)
     run(main())
+
+
+def test_retry_after_is_at_most_five_minutes():
+    """A long queue deadline (an hour) or a slow service rate does not tell a refused client to
+    come back in an hour: Retry-After stays within 1-300 s."""
+    async def main():
+        clock = FakeClock()
+        gate = FairGate(1, 100, 3600, clock)
+        assert gate.retry_after() == 300  # nothing served yet
+        await gate.acquire("x")
+        clock.now += 3000.0  # one answer in 50 minutes
+        gate.release()
+        await gate.acquire("holder")
+        assert 1 <= gate.retry_after() <= 300
+    run(main())

@@ -198,3 +198,13 @@ def test_metrics_port_is_checked_when_set(run):
     assert status == "fail" and f"127.0.0.1:{metrics} (proxy.metrics_port)" in detail and f"pid {os.getpid()}" in detail
     report, checks = run(skip=("engine", "gpu", "model", "adapter"), sets=[("proxy.metrics_port", metrics)])
     assert checks["port.metrics"][0] == "pass"
+
+
+@pytest.mark.parametrize("content, expected", [(b"# Ansible managed\n", "holds no key"), (b"\xff\xfe\x00", "not UTF-8")])
+def test_a_key_file_the_proxy_would_refuse_fails_the_check(run, tmp_path, content, expected):
+    """The check reads the key file as the proxy does: comments only is no key; binary is one line."""
+    key = tmp_path / "key"
+    key.write_bytes(content)
+    key.chmod(0o600)
+    report, checks = run(skip=("engine", "gpu", "model", "adapter", "port"), api_key_file=key)
+    assert checks["security.api_key_file"][0] == "fail" and expected in checks["security.api_key_file"][1]

@@ -183,7 +183,10 @@ def test_shipped_profiles_copy_is_loadable(tmp_path):
     ("max_inflight", 0, "must be > 0"), ("max_queue", -1, "must be > 0"), ("queue_timeout_s", 0, "must be > 0"),
     ("route_inflight", 0, "must be > 0"), ("summary_inflight", 0, "must be > 0"), ("max_queue", "lots", "proxy.max_queue"),
     ("metrics_port", 70000, "is not a TCP port"), ("metrics_port", 8300, "is also proxy.port"),
-    ("metrics_port", 8301, "is also engine.port")])
+    ("metrics_port", 8301, "is also engine.port"),
+    # YAML's .inf / .nan: an infinite queue deadline made every refusal a 500 (Retry-After overflow)
+    ("queue_timeout_s", float("inf"), "must be a finite number > 0"), ("queue_timeout_s", float("nan"), "finite"),
+    ("route_timeout_s", float("inf"), "finite")])
 def test_admission_and_metrics_fields_are_validated(field, value, expected):
     """One line naming the field; the metrics port differs from both other ports."""
     from molctl.profiles import load_profile, profile_dirs

@@ -426,6 +426,16 @@ def test_engine_503_is_503(s):
     assert r.status_code == 503 and r.headers.get("retry-after")
 
 
+@pytest.mark.parametrize("engine_says,client_gets", [("0", "1"), ("999999999", "300"), ("12", "12"), ("soon", "5")])
+def test_engine_retry_after_reaches_the_client_bounded(s, engine_says, client_gets):
+    """The engine's Retry-After is passed on between 1 s and 5 min: a 0 would make clients retry
+    in a tight loop, a huge value would park them for years."""
+    s.config(answer_error={"status": 503, "body": {"error": {"message": "busy"}}, "headers": {"Retry-After": engine_says}})
+    r = httpx.post(s.proxy_url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   json={"model": PUBLIC, "messages": [{"role": "user", "content": "[route:L2] x"}]})
+    assert r.status_code == 503 and r.headers["retry-after"] == client_gets
+
+
 # ------------------------------------------------------------------------ drain
 
 def test_sigterm_during_stream_drains(keyfile, tmp_path):

@@ -173,3 +173,64 @@ def test_wait_deadline_is_429_and_draining_stays_503(engine, keyfile, tmp_path):
             assert r.status_code == 503 and "retry-after" in r.headers
         finally:
             holder.join(30)
+
+
+def test_the_log_line_of_a_refused_or_abandoned_request_shows_its_queue_wait(engine, keyfile, tmp_path):
+    """A request refused at its wait deadline, and one whose client left while it waited, log
+    the time they spent queued (it was 0.0: only a granted slot recorded its wait)."""
+    import json
+
+    ctx, s = proxy(engine, keyfile, tmp_path, "proxy.max_inflight=1", "proxy.max_queue=10", "proxy.queue_timeout_s=0.4")
+    s.reset()
+    s.config(answer_delay=2.0)
+    with ctx:
+        async def main():
+            async with s.client(KEYS[0]) as client:
+                holder = asyncio.ensure_future(ask(client, "holds the slot"))
+                await asyncio.sleep(0.3)
+                refused = None
+                try:
+                    await client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "refused"}],
+                                                         extra_headers={"X-Request-Id": "rid-refused"})
+                except openai.RateLimitError:
+                    refused = 429
+                async with s.client(KEYS[1]) as impatient:
+                    with pytest.raises(openai.APITimeoutError):
+                        await impatient.with_options(timeout=0.3).chat.completions.create(
+                            model=PUBLIC, messages=[{"role": "user", "content": "left"}], extra_headers={"X-Request-Id": "rid-left"})
+                await holder
+                return refused
+
+        assert asyncio.run(main()) == 429
+        time.sleep(0.3)
+    text = (tmp_path / "proxy.log").read_text().splitlines()
+    lines = {line["request_id"]: line for line in (json.loads(raw) for raw in text if raw.startswith("{"))}
+    assert lines["rid-refused"]["status"] == 429 and lines["rid-refused"]["queue_s"] >= 0.35
+    assert lines["rid-left"]["client_disconnect"] is True and lines["rid-left"]["queue_s"] >= 0.25
+
+
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_a_stream_queued_longer_than_the_keepalive_is_still_a_real_429(engine, keyfile, tmp_path, api):
+    """SSE keep-alives (and so the 200) are held while a stream waits for an answer slot: a stream
+    refused at the wait deadline after several keep-alive periods is a real 429 with Retry-After,
+    not an error frame inside a 200 stream (the SDK raises RateLimitError, and can back off)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = proxy_argv("tiny", engine, port, "--api-key-file", str(keyfile), "--store", "memory", "--sse-keepalive", "0.2",
+                      "--set", "proxy.max_inflight=1", "--set", "proxy.queue_timeout_s=1.5")
+    s = Stack(engine, url)
+    s.reset()
+    s.config(answer_delay=3.0)
+    with running(argv, url + "/health", log=tmp_path / "proxy.log"):
+        async def main():
+            async with s.client(KEYS[0]) as holder_client, s.client(KEYS[1]) as client:
+                holder = asyncio.ensure_future(ask(holder_client, "holds the slot"))
+                await asyncio.sleep(0.3)
+                refused = await ask(client, "queued stream", api, stream=True)
+                await holder
+                return refused
+
+        _, status, detail = asyncio.run(main())
+    assert status == 429, detail
+    retry_after, body = detail
+    assert retry_after.isdigit() and int(retry_after) >= 1 and body["code"] == "rate_limit_exceeded"

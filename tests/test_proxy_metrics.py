@@ -219,3 +219,23 @@ def test_a_client_that_leaves_mid_stream_is_logged_as_such(s):
     line = next(e for e in s.request_lines() if e["request_id"] == "leaver-1")
     assert line["client_disconnect"] is True and line["status"] == 200 and line["stream"] is True
     assert s.value("molctl_proxy_inflight_hops", hop="answer") == 0  # its answer slot was given back
+
+
+def test_an_ipv6_metrics_host_is_served_and_a_bad_one_is_named(tmp_path):
+    """proxy.metrics_host ::1 serves on IPv6 loopback (the bind once assumed IPv4: "Unknown error
+    -9", exit 4); a name that does not resolve is one line with the resolver's reason."""
+    import subprocess
+
+    from tests.helpers import ROOT
+
+    proxy_port, metrics_port = free_port(), free_port()
+    argv = proxy_argv("tiny", "http://127.0.0.1:9", proxy_port, "--allow-unauthenticated", "--store", "memory",
+                      "--metrics-port", str(metrics_port), "--set", "proxy.metrics_host=::1")
+    with running(argv, f"http://127.0.0.1:{proxy_port}/health", log=tmp_path / "proxy.log"):
+        r = httpx.get(f"http://[::1]:{metrics_port}/metrics")
+        assert r.status_code == 200 and "molctl_proxy_requests_total" in r.text
+    p = subprocess.run(proxy_argv("tiny", "http://127.0.0.1:9", free_port(), "--allow-unauthenticated", "--store", "memory",
+                                  "--metrics-port", str(free_port()), "--set", "proxy.metrics_host=no-such-host.invalid"),
+                       capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert p.returncode == 4, p.stderr
+    assert p.stderr.count("\n") == 1 and "no-such-host.invalid" in p.stderr and "Unknown error" not in p.stderr, p.stderr

@@ -4,7 +4,9 @@ running stack's proxy through its record and signals only that process."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import threading
 import time
 
@@ -16,7 +18,7 @@ from molctl.errors import ExitStatus
 from molctl.state import Record, read_records, write_record
 from tests.helpers import ROOT, Molctl, free_port, free_ports, url
 from tests.layouts import make_layout
-from tests.procs import fake_engine_argv, fake_engine_python, proxy_argv, running
+from tests.procs import fake_engine_argv, fake_engine_python, proxy_argv, running, stop
 from tests.test_proxy import PUBLIC
 
 OLD, NEW = "sk-reload-old", "sk-reload-new"
@@ -163,3 +165,105 @@ def test_reload_never_signals_a_foreign_process(molctl, state_dir, case):
     assert sent == [] and "is not running; nothing signalled" in str(exc.value)
     r = molctl("reload", "tiny")
     assert r.exit_code == ExitStatus.CHECK_FAILED and "nothing signalled" in r.stderr
+
+
+def test_a_key_file_with_a_bom_and_crlf_keeps_every_key(tmp_path):
+    """A key file saved by a Windows editor (UTF-8 BOM, CRLF): every key is accepted, at the start
+    and after a SIGHUP (the BOM once stuck to the first key, which was then refused)."""
+    key_file = tmp_path / "keys"
+    key_file.write_bytes(("\ufeff" + OLD + "\r\nsk-reload-second\r\n").encode())
+    engine_port, proxy_port = free_port(), free_port()
+    engine_url, proxy_url = url(engine_port), url(proxy_port)
+    with running(fake_engine_argv(engine_port), engine_url + "/health"), \
+            running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(key_file), "--store", "memory"),
+                    proxy_url + "/health", log=tmp_path / "proxy.log") as proc:
+        assert status_with(proxy_url, OLD) == 200
+        assert status_with(proxy_url, "sk-reload-second") == 200
+        key_file.write_bytes(("\ufeff" + NEW + "\r\n").encode())
+        proc.send_signal(signal.SIGHUP)
+        assert wait_for(lambda: status_with(proxy_url, NEW) == 200)
+        assert status_with(proxy_url, OLD) == 401
+
+
+def test_a_key_file_that_is_not_text_is_one_line_and_exit_2(tmp_path):
+    """A binary file given as --api-key-file (a wrong path) fails the start with one line naming
+    it, not a traceback."""
+    import subprocess
+    import sys
+
+    key_file = tmp_path / "keys"
+    key_file.write_bytes(b"\xff\xfe\x00not a key file")
+    r = subprocess.run([sys.executable, "-m", "molctl", "proxy", "tiny", "--upstream", "http://127.0.0.1:9",
+                        "--api-key-file", str(key_file), "--store", "memory"],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == ExitStatus.USAGE, r.stderr
+    assert r.stderr.count("\n") == 1 and str(key_file) in r.stderr and "UTF-8" in r.stderr
+
+
+def test_a_sighup_before_the_proxy_serves_does_not_end_it(tmp_path):
+    """`molctl reload` (or any SIGHUP) reaching a proxy that is still starting, before its reload
+    handler exists, must not kill it (SIGHUP's default action ends a process). The key file is a
+    FIFO here: the proxy is held at reading it while the signal comes, then starts and serves."""
+    import subprocess
+
+    key_file = tmp_path / "keys"
+    os.mkfifo(key_file, 0o600)
+    engine_port, proxy_port = free_port(), free_port()
+    engine_url, proxy_url = url(engine_port), url(proxy_port)
+    with running(fake_engine_argv(engine_port), engine_url + "/health"):
+        proc = subprocess.Popen(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(key_file), "--store", "memory"),
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True, cwd=ROOT)
+        try:
+            with open(key_file, "w") as writer:  # returns once the proxy opened the file to read it
+                proc.send_signal(signal.SIGHUP)
+                time.sleep(0.2)
+                with contextlib.suppress(BrokenPipeError):  # a dead proxy: reported below
+                    writer.write(OLD + "\n")
+                    writer.flush()
+            assert wait_for(lambda: proc.poll() is not None or _answers(proxy_url)), proc.returncode
+            assert proc.poll() is None, f"the proxy exited with {proc.returncode}"
+            assert status_with(proxy_url, OLD) == 200
+        finally:
+            stop(proc)
+
+
+def _answers(proxy_url: str) -> bool:
+    try:
+        return httpx.get(proxy_url + "/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_a_sighup_when_the_key_file_became_a_fifo_keeps_serving(tmp_path):
+    """Re-reading a key file that is now a FIFO (nobody writing) would block the event loop, and
+    with it every request: a key file that is not a regular file keeps the old keys, logged."""
+    key_file = tmp_path / "keys"
+    write_keys(key_file, OLD)
+    engine_port, proxy_port = free_port(), free_port()
+    engine_url, proxy_url = url(engine_port), url(proxy_port)
+    log = tmp_path / "proxy.log"
+    with running(fake_engine_argv(engine_port), engine_url + "/health"), \
+            running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(key_file), "--store", "memory"),
+                    proxy_url + "/health", log=log) as proc:
+        key_file.unlink()
+        os.mkfifo(key_file, 0o600)
+        proc.send_signal(signal.SIGHUP)
+        assert wait_for(lambda: "not a regular file" in log.read_text(), timeout=5), log.read_text()[-2000:]
+        assert httpx.get(proxy_url + "/v1/models", headers={"Authorization": f"Bearer {OLD}"}, timeout=3).status_code == 200
+
+
+def test_a_comment_line_in_the_key_file_is_not_a_key(tmp_path):
+    """Config management writes a header such as `# Ansible managed`: it is a comment, not a key
+    anyone who guesses the header could send (it was accepted as one)."""
+    key_file = tmp_path / "keys"
+    key_file.write_text("# Ansible managed\n  # rotated 2026-11\n" + OLD + "\n")
+    key_file.chmod(0o600)
+    engine_port, proxy_port = free_port(), free_port()
+    engine_url, proxy_url = url(engine_port), url(proxy_port)
+    with running(fake_engine_argv(engine_port), engine_url + "/health"), \
+            running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(key_file), "--store", "memory"),
+                    proxy_url + "/health", log=tmp_path / "proxy.log"):
+        assert status_with(proxy_url, "# Ansible managed") == 401
+        assert status_with(proxy_url, "# rotated 2026-11") == 401
+        assert status_with(proxy_url, OLD) == 200

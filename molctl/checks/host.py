@@ -264,10 +264,14 @@ def _api_key_file(path: Path | None) -> CheckResult:
     if st.st_mode & 0o077:
         return CheckResult(cid, "fail", f"API key file {path} has mode {stat.S_IMODE(st.st_mode):04o}: readable by group/others (chmod "
                                         f"600 {path})")
+    from molctl.keys import load_keys
+
     try:
-        keys = [ln.strip() for ln in path.read_text().splitlines() if ln.strip()]
+        keys = load_keys(path)  # as the proxy reads it (comments, BOM)
     except OSError as exc:
         return CheckResult(cid, "fail", f"API key file {path}: {exc.strerror}")
+    except UnicodeDecodeError:
+        return CheckResult(cid, "fail", f"API key file {path} is not UTF-8 text (expected one key per line)")
     if not keys:
         return CheckResult(cid, "fail", f"API key file {path} holds no key (expected one key per line)")
     return CheckResult(cid, "pass", f"{path}: {len(keys)} key(s), mode {stat.S_IMODE(st.st_mode):04o}")

@@ -29,6 +29,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 Clock = Callable[[], float]
+RETRY_AFTER_MAX_S = 300  # a refused client is never told to come back later than this
 
 
 class Rejected(Exception):
@@ -84,9 +85,10 @@ class FairGate:
 
     def retry_after(self) -> int:
         """Seconds until the queue ahead has likely drained: (waiting + 1) / service rate,
-        between 1 and the wait deadline (the deadline itself when nothing was served lately)."""
+        between 1 and the wait deadline (the deadline itself when nothing was served lately),
+        and at most RETRY_AFTER_MAX_S."""
         rate = self.service_rate()
-        ceiling = max(1, math.ceil(self.timeout_s))
+        ceiling = max(1, min(RETRY_AFTER_MAX_S, math.ceil(self.timeout_s)))
         if rate is None:
             return ceiling
         return max(1, min(ceiling, math.ceil((self.waiting + 1) / rate)))

@@ -15,7 +15,8 @@ the answer exists (the engine's first event, i.e. its first token) or until `sse
 passed, whichever comes first. Everything that fails before then (a 400 context overflow, a 503
 with Retry-After, a 502 for an unreachable engine) is answered exactly as in non-stream mode:
 same status, JSON body and headers. After `sse_keepalive_s` without a token (a slow route hop,
-summaries being waited for, a long prefill) the 200 goes out with a keep-alive comment, then one
+summaries being waited for, a long prefill; not while the request waits for an answer slot, at
+most proxy.queue_timeout_s, so that a refusal there is a real 429) the 200 goes out with a keep-alive comment, then one
 every `sse_keepalive_s`; a failure after that point, or after some deltas, is an OpenAI error
 frame (`data: {"error": ...}`) followed by `data: [DONE]`. A stream client that reads nothing
 for `proxy.stream_write_timeout_s` is dropped and its engine request cancelled.
@@ -425,6 +426,8 @@ class ProxyApp:
                     pending = asyncio.ensure_future(chunks.__anext__())
                 done, _ = await asyncio.wait({pending}, timeout=self.sse_keepalive_s)
                 if not done:
+                    if not started and plan.queued:
+                        continue  # waiting for an answer slot (bounded): no 200 yet, a refusal stays a real 429
                     await write(b": keepalive\n\n")
                     continue
                 future, pending = pending, None

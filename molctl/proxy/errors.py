@@ -80,9 +80,16 @@ def scrub(text: str, names: list[str], public: str) -> str:
     return text
 
 
+RETRY_AFTER_MAX_S = 300
+
+
 def _retry_after(exc: EngineHTTPError) -> str:
+    """The engine's Retry-After (whole seconds) between 1 and RETRY_AFTER_MAX_S; 5 when it sent none."""
     value = getattr(exc, "retry_after", None)
-    return value if isinstance(value, str) and value.strip().isdigit() else "5"
+    digits = value.strip() if isinstance(value, str) else ""
+    if not (digits.isascii() and digits.isdigit()):
+        return "5"
+    return str(min(max(int(digits), 1), RETRY_AFTER_MAX_S))
 
 
 def from_engine(exc: Exception, names: list[str], public: str) -> ProxyError:

@@ -167,11 +167,15 @@ def bind_metrics(host: str, port: int) -> socket.socket:
     clear error (ConflictError, exit 4) instead of a failed application start-up."""
     from molctl.errors import ConflictError
 
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # an IPv6 literal such as ::1
     try:
-        return socket.create_server((host, port), reuse_port=False)
+        return socket.create_server((host, port), family=family, reuse_port=False)
     except OSError as exc:
         import os
 
+        if exc.errno is not None and exc.errno < 0:  # the resolver's (a name that does not resolve), not os.strerror's
+            why = (exc.strerror or str(exc)).split(" (while attempting", 1)[0]
+            raise ConflictError(f"proxy.metrics_host {host}: {why}") from None
         why = os.strerror(exc.errno) if exc.errno else str(exc)
         raise ConflictError(f"proxy.metrics_port {host}:{port}: {why}") from None
 

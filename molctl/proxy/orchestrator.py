@@ -114,6 +114,7 @@ class Plan:
     record: TurnRecord | None = None  # set for a final answer; its summary hop is still to run
     record_key: bytes | None = None
     queue_wait_s: float = 0.0  # waited for an answer slot (admission)
+    queued: bool = False  # waiting for an answer slot now (a stream holds its 200 meanwhile)
     # for the request's log line and metrics
     started: float = field(default_factory=time.monotonic)
     timings: dict[str, float] = field(default_factory=dict)  # route_s, answer_s, ttft_s
@@ -296,12 +297,21 @@ class Orchestrator:
 
     # ---------------------------------------------------------------- answer
     async def _admit(self, plan: Plan) -> None:
-        """Take an answer slot (released by the caller); a refusal is the client's 429."""
+        """Take an answer slot (released by the caller); a refusal is the client's 429. The wait is
+        kept on the plan (its log line) also when refused or abandoned while queued."""
+        queued_at = time.monotonic()
+        plan.queued = True
         try:
             plan.queue_wait_s = await self.admission.answers.acquire(plan.tenant)
         except Rejected as exc:
+            plan.queue_wait_s = time.monotonic() - queued_at
             self.counters.inc("admission_rejections_total", reason=exc.reason)
             raise overloaded(exc) from None
+        except asyncio.CancelledError:  # the client went away while queued
+            plan.queue_wait_s = time.monotonic() - queued_at
+            raise
+        finally:
+            plan.queued = False
         self.counters.observe("queue_wait_seconds", plan.queue_wait_s)
 
     def _engine_error(self, exc: Exception) -> None:

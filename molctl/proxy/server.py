@@ -37,9 +37,16 @@ class DrainingServer(uvicorn.Server):
     def reload_keys(self) -> None:
         """Re-read the key file; a file that cannot be read or holds no key keeps the old keys.
         Requests already admitted (streams included) are not touched."""
+        import os
+        import stat
+
         from molctl.keys import load_keys
 
         try:
+            if not stat.S_ISREG(os.stat(self.key_file).st_mode):  # a FIFO would block the event loop (every request)
+                log.error("SIGHUP: key file %s is not a regular file; keeping the %d old key(s)", self.key_file,
+                          len(self.proxy_app.keys))
+                return
             keys = load_keys(self.key_file)
         except (OSError, UnicodeDecodeError) as exc:
             log.error("SIGHUP: key file %s not reloaded (%s); keeping the %d old key(s)", self.key_file,
