@@ -246,6 +246,22 @@ def test_lost_store_fails_fast_then_recovers():
         server.stop()
 
 
+def test_a_script_flush_costs_no_write(redis, r):
+    """SCRIPT FLUSH (an operator, a failover to a server without the scripts): the writes that
+    met NOSCRIPT are sent again with the scripts loaded, none is lost."""
+    async def main():
+        st = state(redis)
+        store = RedisResponseStore(st)
+        await store.put_response(record("resp_1"))
+        r.script_flush()
+        await store.put_response(record("resp_2"))
+        assert (await store.get_response("t1", "resp_2"))["id"] == "resp_2"
+        assert not st.degraded and st.errors_total == 0
+        await st.close()
+
+    asyncio.run(main())
+
+
 # ------------------------------------------------------------------------------ the proxy
 
 def test_proxy_refuses_to_start_when_redis_is_unreachable(keyfile):

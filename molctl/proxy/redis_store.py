@@ -363,15 +363,29 @@ class RedisState:
 
         batch, self._batch = self._batch, []
 
-        async def send(r):
-            if not self._scripts_loaded:
-                for name, source in SCRIPTS.items():
-                    SCRIPT_SHA[name] = await r.script_load(source)
-                self._scripts_loaded = True
+        async def load_scripts(r) -> None:
+            for name, source in SCRIPTS.items():
+                SCRIPT_SHA[name] = await r.script_load(source)
+            self._scripts_loaded = True
+
+        async def run(r, entries):
             async with r.pipeline(transaction=False) as pipe:
-                for script, keys, args, _ in batch:
+                for script, keys, args, _ in entries:
                     pipe.execute_command("EVALSHA", SCRIPT_SHA[script], len(keys), *keys, *args)
                 return await pipe.execute(raise_on_error=False)
+
+        async def send(r):
+            if not self._scripts_loaded:
+                await load_scripts(r)
+            results = await run(r, batch)
+            # NOSCRIPT: the server lost the scripts (restarted under a live connection, SCRIPT FLUSH,
+            # a failover): load them again and send those writes once more, within this call
+            missing = [i for i, result in enumerate(results) if isinstance(result, redis.exceptions.NoScriptError)]
+            if missing:
+                await load_scripts(r)
+                for i, result in zip(missing, await run(r, [batch[i] for i in missing]), strict=True):
+                    results[i] = result
+            return results
 
         try:
             results = await self.call("write", send)
@@ -381,7 +395,7 @@ class RedisState:
             if future.done():
                 continue
             if isinstance(result, redis.exceptions.NoScriptError):
-                self._scripts_loaded = False  # a restarted Redis: loaded again by the next batch
+                self._scripts_loaded = False  # lost again at once: loaded again by the next batch
             if isinstance(result, BaseException):
                 if not isinstance(result, StoreUnavailable):
                     self.errors_total += 1
