@@ -246,6 +246,27 @@ def test_lost_store_fails_fast_then_recovers():
         server.stop()
 
 
+def test_a_redis_restarted_while_the_proxy_was_idle_costs_no_call():
+    """The pooled connections died with the old server: the first call after the restart
+    reconnects once inside its timeout instead of failing (and failing every call for 1 s)."""
+    server = RedisServer().start()
+    try:
+        async def main():
+            st = state(server)
+            store = RedisResponseStore(st)
+            await store.put_response(record("resp_1"))
+            server.stop()
+            server.start()  # nothing was asked meanwhile: the proxy has not noticed
+            await store.put_response(record("resp_2"))
+            assert (await store.get_response("t1", "resp_2"))["id"] == "resp_2"
+            assert not st.degraded and st.degraded_total == 0
+            await st.close()
+
+        asyncio.run(main())
+    finally:
+        server.stop()
+
+
 def test_a_script_flush_costs_no_write(redis, r):
     """SCRIPT FLUSH (an operator, a failover to a server without the scripts): the writes that
     met NOSCRIPT are sent again with the scripts loaded, none is lost."""

@@ -42,7 +42,8 @@ Cost (bench/bench_redis.py, BENCHMARKS.md): a call is one round trip, ~0.1-0.25 
 dev host; writes started in one turn of the event loop go out in one pipeline (`_write`), so
 concurrent requests share round trips.
 
-Failure behaviour. Every call runs under `call_timeout_s` (and socket connect/read timeouts).
+Failure behaviour. Every call runs under `call_timeout_s` (and socket connect/read timeouts;
+one reconnect on a dropped connection, none on a timeout).
 A failure marks the store degraded (logged once, counted in `degraded_total`, `errors_total`);
 while degraded, calls fail at once for RETRY_S, then one call tries again, and the first
 success recovers (logged once): a stuck or lost Redis costs a request at most one timeout,
@@ -262,15 +263,18 @@ class RedisState:
     # ---------------------------------------------------------------- connection
     def _redis(self):
         if self._client is None:
+            import redis
             import redis.asyncio as aioredis
             from redis.asyncio.retry import Retry
             from redis.backoff import NoBackoff
 
-            # no retries inside a call: the call's own timeout bounds it, the degraded state paces the retries;
-            # at most MAX_CONNECTIONS, a call waits for a free one within its own timeout (backpressure)
+            # one retry, on a dropped connection only (a pooled connection that died with a restarted
+            # Redis reconnects instead of failing the call); no retry on a timeout: the call's own
+            # timeout bounds it all, the degraded state paces the retries; at most MAX_CONNECTIONS,
+            # a call waits for a free one within its own timeout (backpressure)
             kw = _client_kwargs(self.target, self._password)
             pool_kw = {k: v for k, v in kw.items() if k != "ssl"}
-            pool_kw["retry"] = Retry(NoBackoff(), 0)
+            pool_kw["retry"] = Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
             if kw.get("ssl"):
                 pool_kw["connection_class"] = aioredis.SSLConnection
             pool = aioredis.BlockingConnectionPool(max_connections=MAX_CONNECTIONS, timeout=self.call_timeout_s, **pool_kw)
