@@ -122,13 +122,14 @@ class EngineClient:
 
     async def _post(self, data: bytes | str, hop: str, request_id: str | None = None, **kw: Any) -> aiohttp.ClientResponse:
         """POST a chat hop to the request's engine (ENGINE, else the own upstream). A peer's engine
-        that refuses the connection (nothing was sent) is given up for the rest of the request."""
+        that refuses the connection or never accepts it within the connect timeout (nothing was
+        sent either way) is given up for the rest of the request."""
         headers = hop_headers(hop, request_id)
         choice = ENGINE.get()
         if choice is not None and not choice.failed:
             try:
                 return await self.session.post(choice.url.rstrip("/") + CHAT_PATH, data=data, headers=headers, **kw)
-            except aiohttp.ClientConnectorError:
+            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError):
                 choice.failed = True
         return await self.session.post(self.base_url + CHAT_PATH, data=data, headers=headers, **kw)
 
