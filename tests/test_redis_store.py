@@ -216,6 +216,26 @@ def test_heartbeat_registers_and_lapses(redis, r):
     asyncio.run(main())
 
 
+def test_a_heartbeat_is_fresh_by_its_redis_ttl_whatever_the_replicas_clocks(redis, r):
+    """Replica b's wall clock runs 30 s ahead of a's: a's heartbeat (alive in Redis) still counts
+    as fresh for b; its freshness is the key's TTL on the Redis server, not the writers' clocks."""
+    async def main():
+        a = state(redis, replica_id="a", advertise_upstream="http://10.0.0.1:8000", heartbeat_s=0.05, heartbeat_ttl_s=0.3)
+        b = state(redis, replica_id="b", clock=lambda: time.time() + 30)
+
+        async def healthy():
+            return True
+
+        a.start_heartbeat(healthy)
+        await asyncio.sleep(0.2)
+        choice = await b.engine_for("a")
+        assert choice is not None and choice.url == "http://10.0.0.1:8000"
+        await a.close()
+        await b.close()
+
+    asyncio.run(main())
+
+
 def test_lost_store_fails_fast_then_recovers():
     server = RedisServer().start()
     try:

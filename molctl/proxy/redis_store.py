@@ -444,11 +444,9 @@ class RedisState:
                 raw = await self.call("heartbeat read", lambda r: r.get(self._replica_key(owner)))
             except StoreUnavailable:
                 return None
-            upstream = None
-            if raw:
-                beat = json.loads(raw)
-                if self.clock() - float(beat.get("at", 0)) <= self.heartbeat_ttl_s:
-                    upstream = beat.get("upstream")
+            # fresh while the key lives: its TTL runs on the Redis server's clock (the replicas'
+            # wall clocks may disagree; `at` is informational)
+            upstream = json.loads(raw).get("upstream") if raw else None
             checked = (now, upstream)
             self._peers[owner] = checked
         return EngineChoice(owner, checked[1]) if checked[1] else None
