@@ -210,6 +210,39 @@ def test_k8s_store_and_replica_identity(render):
     assert "each pod keeps its own conversations" in result.stderr  # 3 replicas on a per-pod store
 
 
+def test_k8s_metrics_port_is_a_container_port_outside_the_service(render):
+    """proxy.metrics_port: a `metrics` port on the proxy container (for a scrape config or a
+    PodMonitor), never on the Service (the public endpoint serves no /metrics)."""
+    objects = _k8s(render, "tiny", "--set", "proxy.metrics_port=9400")
+    proxy = _containers(objects)["proxy"]
+    assert {"name": "metrics", "containerPort": 9400, "protocol": "TCP"} in proxy["ports"]
+    assert proxy["args"][proxy["args"].index("--metrics-port") + 1] == "9400"
+    service = _by_kind(objects)["Service"]
+    assert [p["name"] for p in service["spec"]["ports"]] == ["http"]
+    assert all(p.get("targetPort") != "metrics" and p["port"] != 9400 for p in service["spec"]["ports"])
+    for obj in objects:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def test_k8s_on_a_redis_store(render):
+    """--store redis://...: the URL travels as proxy.store, the password only as a Secret
+    reference; with the engine reachable and advertised on the pod IP there is no warning."""
+    url = "redis://redis.mol.svc:6379/0"
+    result = render("render", "k8s", "tiny", "--image", IMAGE, "--replicas", "2", "--store", url,
+                    "--store-password-secret", "redis-auth", "--set", "engine.host=0.0.0.0",
+                    "--proxy-arg=--replica-id=$(POD_NAME)", "--proxy-arg=--advertise-upstream=http://$(POD_IP):8100")
+    assert result.exit_code == ExitStatus.OK, result.stderr
+    assert result.stderr == ""
+    objects = [d for d in yaml.safe_load_all(result.stdout) if d]
+    for obj in objects:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    proxy = _containers(objects)["proxy"]
+    assert f'["proxy.store", "{url}"]' in proxy["args"][proxy["args"].index("--set-json") + 1]
+    env = {e["name"]: e for e in proxy["env"]}
+    assert env["MOLCTL_STORE_PASSWORD"]["valueFrom"] == {"secretKeyRef": {"name": "redis-auth", "key": "password"}}
+    assert "value" not in env["MOLCTL_STORE_PASSWORD"]
+
+
 def test_k8s_escapes_dollar_in_the_argv(render):
     objects = _k8s(render, "tiny", "--set", "served_model_name=a$(B)$$c")
     args = _containers(objects)["proxy"]["args"]
