@@ -46,6 +46,7 @@ STARTUP_PERIOD_S = 10  # the engine's startupProbe period; failureThreshold cove
 PRESTOP_DELAY_S = 5  # the proxy's preStop: the Service's endpoints drop the pod before the drain starts
 STOP_MARGIN_S = 15  # on top of delay + drain + engine stop in terminationGracePeriodSeconds / TimeoutStopSec
 DEFAULT_PYTHON = "python3"  # the image's interpreter (molctl's; the engine's unless engine.python is set)
+MAX_REPLICAS = 2**31 - 1  # StatefulSet spec.replicas is an int32
 DNS_LABEL = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|K|M|G|T)?$")
 
@@ -152,6 +153,8 @@ def render_k8s(name: str, dirs: list[Path], opts: RenderOptions) -> tuple[list[d
     _check_common(opts)
     if opts.replicas < 1:
         raise UsageError(f"--replicas {opts.replicas}: expected at least 1")
+    if opts.replicas > MAX_REPLICAS:  # spec.replicas is an int32: the API server would refuse the object
+        raise UsageError(f"--replicas {opts.replicas}: expected 1 to {MAX_REPLICAS}")
     if not opts.image:
         raise UsageError("--image is required: the container image with molctl (and the engine, unless --engine-image)")
     obj_name = opts.name or f"molctl-{name}"

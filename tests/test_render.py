@@ -276,6 +276,8 @@ def test_k8s_output_dir_one_file_per_object(render, tmp_path):
 @pytest.mark.parametrize(("args", "status", "says"), [
     (("render", "k8s", "nosuch", "--image", IMAGE), ExitStatus.CHECK_FAILED, "no profile named 'nosuch' (known:"),
     (("render", "k8s", "tiny", "--image", IMAGE, "--replicas", "0"), ExitStatus.USAGE, "--replicas 0: expected at least 1"),
+    (("render", "k8s", "tiny", "--image", IMAGE, "--replicas", "2147483648"), ExitStatus.USAGE,
+     "--replicas 2147483648: expected 1 to 2147483647"),
     (("render", "k8s", "tiny"), ExitStatus.USAGE, "--image is required"),
     (("render", "k8s", "tiny", "--image", IMAGE, "--namespace", "Bad_NS"), ExitStatus.USAGE, "--namespace 'Bad_NS'"),
     (("render", "k8s", "tiny", "--image", IMAGE, "--shm-size", "lots"), ExitStatus.USAGE, "--shm-size 'lots'"),
