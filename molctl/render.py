@@ -201,7 +201,32 @@ def render_k8s(name: str, dirs: list[Path], opts: RenderOptions) -> tuple[list[d
     if opts.replicas > 1 and not stack.profile.proxy.store.startswith(("redis://", "rediss://")):
         warnings.append(f"--replicas {opts.replicas} with proxy.store {stack.profile.proxy.store!r}: each pod keeps its own "
                         "conversations and responses; a turn that reaches another pod loses them (use --store redis://...)")
+    warnings += _affinity_warnings(stack.profile, opts)
     return [config_map, service, statefulset], warnings
+
+
+def _affinity_warnings(profile: Profile, opts: RenderOptions) -> list[str]:
+    """Replicas on a shared store whose engines their peers cannot reach: the engine on the pod's
+    loopback, or advertised as the proxy's --upstream (the pod's own loopback). Peers then send a
+    conversation's hops to their own engine while recording them as the owner's, or get refused."""
+    if opts.replicas < 2 or not profile.proxy.store.startswith(("redis://", "rediss://")):
+        return []
+    advertised = profile.proxy.advertise_upstream
+    for i, arg in enumerate(opts.proxy_args):
+        if arg.startswith("--advertise-upstream="):
+            advertised = arg.partition("=")[2]
+        elif arg == "--advertise-upstream" and i + 1 < len(opts.proxy_args):
+            advertised = opts.proxy_args[i + 1]
+    engine_loopback = profile.engine.host in ("localhost", "::1") or profile.engine.host.startswith("127.")
+    if advertised and not engine_loopback:
+        return []
+    why = (f"the engine listens on {profile.engine.host}" if engine_loopback else "") + \
+          (" and " if engine_loopback and not advertised else "") + \
+          ("" if advertised else f"each proxy advertises its engine as {engine_upstream(profile)} (its own pod)")
+    return [f"--replicas {opts.replicas} on the shared store {profile.proxy.store}: {why}, so a pod cannot reach its "
+            "peers' engines and conversation affinity is off (prefix caches are not reused across pods): add --set "
+            f"engine.host=0.0.0.0 --proxy-arg='--advertise-upstream=http://$(POD_IP):{profile.engine.port}' (and a "
+            "NetworkPolicy that keeps the engine port to the pods)"]
 
 
 def k8s_escape(argv: list[str]) -> list[str]:

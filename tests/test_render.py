@@ -243,6 +243,17 @@ def test_k8s_on_a_redis_store(render):
     assert "value" not in env["MOLCTL_STORE_PASSWORD"]
 
 
+@pytest.mark.parametrize("extra", [(), ("--proxy-arg=--advertise-upstream=http://$(POD_IP):8100",)])
+def test_k8s_replicas_on_a_redis_store_warn_when_peers_cannot_reach_the_engines(render, extra):
+    """Each pod's engine on the pod's loopback (the default engine.host) or advertised as the
+    loopback (no --advertise-upstream): a peer's hops would land on its own engine while recorded
+    as the owner's (or be refused), so affinity is off: render says how to turn it on."""
+    result = render("render", "k8s", "tiny", "--image", IMAGE, "--replicas", "2", "--store", "redis://redis:6379/0", *extra)
+    assert result.exit_code == ExitStatus.OK, result.stderr
+    assert "conversation affinity" in result.stderr and "--advertise-upstream=http://$(POD_IP):8100" in result.stderr
+    assert "engine.host=0.0.0.0" in result.stderr
+
+
 def test_k8s_escapes_dollar_in_the_argv(render):
     objects = _k8s(render, "tiny", "--set", "served_model_name=a$(B)$$c")
     args = _containers(objects)["proxy"]["args"]
