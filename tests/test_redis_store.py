@@ -303,6 +303,37 @@ def test_a_script_flush_costs_no_write(redis, r):
     asyncio.run(main())
 
 
+def test_a_redis_out_of_memory_refuses_writes_but_is_not_lost(caplog):
+    """maxmemory reached under `noeviction` (Redis's default policy): the server answers, refusing
+    writes. A refused write fails alone (the request gets its 503) and is logged with the hint;
+    the store is not marked lost, so reads (a retrieve, a chain's previous response) still work."""
+    server = RedisServer(None, "--maxmemory-policy", "noeviction").start()
+    try:
+        async def main():
+            st = state(server)
+            store = RedisResponseStore(st)
+            await store.put_response(record("resp_1"))
+            admin = server.client()
+            admin.set("filler", b"x" * 3_000_000)
+            admin.config_set("maxmemory", "2mb")  # the server is now over it, and evicts nothing
+            admin.close()
+            with pytest.raises(StoreUnavailable):
+                await store.put_response(record("resp_2"))
+            with pytest.raises(StoreUnavailable):
+                await st.call("heartbeat", lambda c: c.set(st.prefix + "replica:a", "{}", px=6000))
+            assert not st.degraded and st.degraded_total == 0
+            assert (await store.get_response("t1", "resp_1"))["id"] == "resp_1"  # reads are served
+            assert st.errors_total == 2
+            await st.close()
+
+        with caplog.at_level("WARNING", logger="molctl.proxy"):
+            asyncio.run(main())
+        refused = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+        assert len(refused) == 1 and "maxmemory" in refused[0] and "volatile-lru" in refused[0]  # once, not per call
+    finally:
+        server.stop()
+
+
 # ------------------------------------------------------------------------------ the proxy
 
 def test_proxy_refuses_to_start_when_redis_is_unreachable(keyfile):

@@ -83,6 +83,7 @@ HEARTBEAT_TTL_S = 6.0  # ...and it lapses this long after the last refresh
 EVICT_BATCH = 64
 MAX_CONNECTIONS = 64  # per proxy process
 RETRY_AFTER_S = "2"
+REFUSED_LOG_S = 60.0  # an error the server answers (OOM, NOPERM) is logged at most this often per kind
 
 # KEYS[1] record, KEYS[2] index, KEYS[3] stats; ARGV: value, ttl_s, now, max_entries, stats field
 PUT_CAPPED = """
@@ -259,6 +260,7 @@ class RedisState:
         self._batches: set[asyncio.Task] = set()
         self._peers: dict[str, tuple[float, str | None]] = {}  # replica -> (checked at, upstream or None)
         self._heartbeat: asyncio.Task | None = None
+        self._refused_logged: dict[str, float] = {}  # error kind -> when last logged (refused())
 
     # ---------------------------------------------------------------- connection
     def _redis(self):
@@ -295,6 +297,12 @@ class RedisState:
         try:
             async with asyncio.timeout(self.call_timeout_s):
                 result = await fn(self._redis())
+        except redis.ResponseError as exc:
+            if isinstance(exc, redis.exceptions.ReadOnlyError):  # a failed-over primary: reconnect (DNS may move)
+                self._failed(what, exc)
+            else:  # the server answered and refused this command (OOM, ACL): it is reachable, only this call fails
+                self.refused(what, exc)
+            raise StoreUnavailable(str(exc)) from None
         except (redis.RedisError, OSError, TimeoutError) as exc:
             self._failed(what, exc)
             raise StoreUnavailable(str(exc)) from None
@@ -302,6 +310,22 @@ class RedisState:
             self.degraded = False
             log.warning("state store %s: reachable again; shared state restored", self.target.address)
         return result
+
+    def refused(self, what: str, exc: BaseException) -> None:
+        """Redis answered with an error (out of memory, no permission): counted; logged once per
+        kind of error and REFUSED_LOG_S. The store is not degraded: other calls still work."""
+        self.errors_total += 1
+        why = str(exc) or type(exc).__name__
+        kind = "maxmemory" if "maxmemory" in why else type(exc).__name__  # a script's OOM reads "Error running script ..."
+        now = time.monotonic()
+        if now - self._refused_logged.get(kind, -REFUSED_LOG_S) >= REFUSED_LOG_S:
+            self._refused_logged[kind] = now
+            hint = ""
+            if kind == "maxmemory":
+                hint = ("; Redis is at maxmemory and evicts nothing: set maxmemory-policy volatile-lru (every molctl key "
+                        "has a TTL) or raise maxmemory")
+            log.warning("state store %s: %s refused by the server (%s)%s; counted in store_errors_total",
+                        self.target.address, what, why, hint)
 
     def _failed(self, what: str, exc: BaseException) -> None:
         self.errors_total += 1
@@ -402,7 +426,7 @@ class RedisState:
                 self._scripts_loaded = False  # lost again at once: loaded again by the next batch
             if isinstance(result, BaseException):
                 if not isinstance(result, StoreUnavailable):
-                    self.errors_total += 1
+                    self.refused("write", result)
                 future.set_exception(result if isinstance(result, StoreUnavailable) else StoreUnavailable(str(result)))
             else:
                 future.set_result(result)
