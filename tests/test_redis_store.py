@@ -472,6 +472,21 @@ def test_check_and_state_stats_prune_on_redis(redis, r, tmp_path, state_dir):
     assert result.exit_code == ExitStatus.ERROR and result.stderr.count("\n") == 1 and "unreachable" in result.stderr
 
 
+def test_check_warns_of_maxmemory_under_noeviction(redis, r, tmp_path, state_dir):
+    """`molctl check`'s state.store: maxmemory under `noeviction` (Redis's default policy) is a
+    warning (at the limit every write is refused)."""
+    from tests.helpers import Molctl
+
+    cli = Molctl(state_dir, [shared_profile(tmp_path, redis.url)], in_process=True)
+    r.config_set("maxmemory", "512mb")
+    r.config_set("maxmemory-policy", "noeviction")
+    try:
+        [check] = [c for c in cli("check", "shared", *SKIP_ALL_BUT_STATE, "--json").json()["checks"] if c["id"] == "state.store"]
+    finally:
+        r.config_set("maxmemory", "0")
+    assert check["status"] == "warn" and "noeviction" in check["detail"] and "volatile-lru" in check["detail"]
+
+
 def test_password_file_authenticates_and_a_wrong_one_is_one_line(tmp_path, keyfile):
     server = RedisServer(None, "--requirepass", "s3cret").start()
     try:
