@@ -487,6 +487,20 @@ def test_check_warns_of_maxmemory_under_noeviction(redis, r, tmp_path, state_dir
     assert check["status"] == "warn" and "noeviction" in check["detail"] and "volatile-lru" in check["detail"]
 
 
+def test_check_fails_a_store_password_file_readable_by_others(redis, r, tmp_path, state_dir):
+    """As an API key file: a store password file readable by group or others fails state.store."""
+    from tests.helpers import Molctl
+
+    cli = Molctl(state_dir, [shared_profile(tmp_path, redis.url)], in_process=True)
+    pw = tmp_path / "store-password"
+    pw.write_text("s3cret\n")
+    pw.chmod(0o644)
+    result = cli("check", "shared", *SKIP_ALL_BUT_STATE, "--set", f"proxy.store_password_file={pw}", "--json")
+    [check] = [c for c in result.json()["checks"] if c["id"] == "state.store"]
+    assert check["status"] == "fail" and f"proxy.store_password_file {pw} has mode 0644" in check["detail"]
+    assert "s3cret" not in result.stdout + result.stderr
+
+
 def test_password_file_authenticates_and_a_wrong_one_is_one_line(tmp_path, keyfile):
     server = RedisServer(None, "--requirepass", "s3cret").start()
     try:

@@ -187,6 +187,15 @@ def _redis_store(profile: Profile) -> CheckResult:
 
     target = parse_redis_url(profile.proxy.store)
     password_file = profile.proxy.store_password_file
+    if password_file:
+        try:
+            st = os.stat(Path(password_file).expanduser())
+        except OSError:
+            st = None  # read_password names the problem
+        if st is not None and st.st_mode & 0o077:
+            return CheckResult("state.store", "fail", f"proxy.store_password_file {password_file} has mode "
+                                                      f"{stat.S_IMODE(st.st_mode):04o}: readable by group/others "
+                                                      f"(chmod 600 {password_file})")
     try:
         info = describe_sync(target, read_password(password_file), profile.name)
     except RedisConfigError as exc:
