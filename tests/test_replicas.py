@@ -209,3 +209,40 @@ def test_a_peer_engine_that_never_accepts_the_connection_is_taken_over(cluster, 
         assert a2.startswith("answer-")
     assert [e["model"] for e in b.log("answer")] == ["L2"]
     assert b.log("answer")[0]["messages"][1:] == [u1, {"role": "assistant", "content": a1}, u2]
+
+
+def test_a_peer_advertising_an_unusable_url_is_taken_over(cluster, keyfile):
+    """A heartbeat whose upstream is no http URL (written by hand, an older replica's typo): the
+    peers give that engine up for the request and answer on their own, never a 502."""
+    import contextlib
+    import json
+
+    redis, _, b, logs = cluster
+    b.reset()
+    with contextlib.ExitStack() as stack:
+        e, _, e_proxy = start_replica(stack, "E", redis.url, keyfile, logs)
+        u1 = {"role": "user", "content": "[route:L1] first"}
+        a1 = e.chat([u1])
+        stop(e_proxy)  # unregistered; now a heartbeat with a bad address takes its place
+        client = redis.client()
+        client.set("molctl:{tiny}:replica:E", json.dumps({"upstream": "10.0.0.5:8100", "at": 0}), px=60_000)
+        client.close()
+        u2 = {"role": "user", "content": "[route:L1] second"}
+        assert b.chat([u1, {"role": "assistant", "content": a1}, u2]).startswith("answer-")
+    assert [e["model"] for e in b.log("answer")] == ["L1"]
+
+
+@pytest.mark.parametrize("bad", ["10.0.0.5:8100", "ftp://10.0.0.5:8100", "http://"])
+def test_a_bad_advertise_upstream_stops_the_proxy_with_one_line(cluster, keyfile, bad):
+    import subprocess
+
+    from molctl.errors import ExitStatus
+    from tests.helpers import ROOT
+
+    redis, _, _, _ = cluster
+    out = subprocess.run(proxy_argv("tiny", "http://127.0.0.1:9", free_port(), "--api-key-file", str(keyfile),
+                                    "--set", f"proxy.store={redis.url}", "--advertise-upstream", bad),
+                         capture_output=True, text=True, cwd=ROOT, timeout=60)
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == ExitStatus.USAGE and len(lines) == 1, out.stderr
+    assert f"--advertise-upstream {bad!r}: expected http://HOST:PORT" in lines[0]

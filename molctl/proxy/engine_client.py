@@ -122,14 +122,15 @@ class EngineClient:
 
     async def _post(self, data: bytes | str, hop: str, request_id: str | None = None, **kw: Any) -> aiohttp.ClientResponse:
         """POST a chat hop to the request's engine (ENGINE, else the own upstream). A peer's engine
-        that refuses the connection or never accepts it within the connect timeout (nothing was
-        sent either way) is given up for the rest of the request."""
+        that refuses the connection, never accepts it within the connect timeout or whose URL is
+        unusable (nothing was sent in any case) is given up for the rest of the request."""
         headers = hop_headers(hop, request_id)
         choice = ENGINE.get()
         if choice is not None and not choice.failed:
             try:
                 return await self.session.post(choice.url.rstrip("/") + CHAT_PATH, data=data, headers=headers, **kw)
-            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError):
+            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError, aiohttp.InvalidURL,
+                    aiohttp.NonHttpUrlClientError):  # nothing was sent: this request's hops go to the own engine
                 choice.failed = True
         return await self.session.post(self.base_url + CHAT_PATH, data=data, headers=headers, **kw)
 
