@@ -236,6 +236,34 @@ def test_a_heartbeat_is_fresh_by_its_redis_ttl_whatever_the_replicas_clocks(redi
     asyncio.run(main())
 
 
+def test_two_proxies_under_one_replica_id_are_reported(redis, r, caplog):
+    """Two processes heartbeat under one id (the default HOSTNAME:PORT on hosts cloned with one
+    hostname): each takes the other's conversations for its own, affinity between them is lost.
+    The heartbeat notices another writer and logs it once; a lone replica logs nothing."""
+    async def main():
+        async def healthy():
+            return True
+
+        lone = state(redis, replica_id="solo", heartbeat_s=0.02, heartbeat_ttl_s=1)
+        lone.start_heartbeat(healthy)
+        await asyncio.sleep(0.2)
+        await lone.close()
+        assert not [rec for rec in caplog.records if "replica id" in rec.getMessage()]
+        a = state(redis, replica_id="gpu-node:8200", advertise_upstream="http://10.0.0.1:8000", heartbeat_s=0.02, heartbeat_ttl_s=1)
+        b = state(redis, replica_id="gpu-node:8200", advertise_upstream="http://10.0.0.2:8000", heartbeat_s=0.02, heartbeat_ttl_s=1)
+        a.start_heartbeat(healthy)
+        b.start_heartbeat(healthy)
+        await asyncio.sleep(0.3)
+        await a.close()
+        await b.close()
+
+    with caplog.at_level("WARNING", logger="molctl.proxy"):
+        asyncio.run(main())
+    said = [rec.getMessage() for rec in caplog.records if "replica id" in rec.getMessage()]
+    assert 1 <= len(said) <= 2  # each process says it once
+    assert "gpu-node:8200" in said[0] and "--replica-id" in said[0]
+
+
 def test_lost_store_fails_fast_then_recovers():
     server = RedisServer().start()
     try:

@@ -441,15 +441,28 @@ class RedisState:
         self._heartbeat = asyncio.get_running_loop().create_task(self._beat(healthy))
 
     async def _beat(self, healthy: Callable[[], Any]) -> None:
+        """`instance` (random per process) tells another writer under this id apart: what the
+        key held at our next beat must be our own previous beat (SET ... GET), else two proxies
+        share the id (logged once; each then takes the other's conversations for its own)."""
         key = self._replica_key(self.replica_id)
+        instance = os.urandom(8).hex()
+        wrote, warned = False, False
         while True:
             try:
                 ok = bool(await healthy())
-                beat = json.dumps({"upstream": self.advertise_upstream, "at": self.clock()})
+                beat = json.dumps({"upstream": self.advertise_upstream, "at": self.clock(), "instance": instance})
                 if ok:
-                    await self.call("heartbeat", lambda r, beat=beat: r.set(key, beat, px=int(self.heartbeat_ttl_s * 1000)))
+                    old = await self.call("heartbeat", lambda r, beat=beat: r.set(key, beat, px=int(self.heartbeat_ttl_s * 1000),
+                                                                                  get=True))
+                    if wrote and old and not warned and json.loads(old).get("instance") != instance:
+                        warned = True
+                        log.warning("replica id %s is also used by another proxy (engine %s): give each replica its own "
+                                    "--replica-id; until then each takes the other's conversations for its own (no affinity)",
+                                    self.replica_id, json.loads(old).get("upstream"))
+                    wrote = True
                 else:
                     await self.call("heartbeat", lambda r: r.delete(key))
+                    wrote = False
             except StoreUnavailable:
                 pass
             except Exception:  # a bug here must not end the heartbeat for good
