@@ -44,6 +44,7 @@ STATE_MOUNT = "/var/lib/molctl"  # the proxy's --state-dir (an emptyDir: a sqlit
 STORE_PASSWORD_ENV = "MOLCTL_STORE_PASSWORD"  # the shared store's password, from a Secret (never on argv)
 STARTUP_PERIOD_S = 10  # the engine's startupProbe period; failureThreshold covers engine.start_timeout_s
 PRESTOP_DELAY_S = 5  # the proxy's preStop: the Service's endpoints drop the pod before the drain starts
+WAIT_MARGIN_S = 10  # TimeoutStartSec over the ExecStartPost wait's --timeout: the wait says why before systemd kills it
 STOP_MARGIN_S = 15  # on top of delay + drain + engine stop in terminationGracePeriodSeconds / TimeoutStopSec
 DEFAULT_PYTHON = "python3"  # the image's interpreter (molctl's; the engine's unless engine.python is set)
 MAX_REPLICAS = 2**31 - 1  # StatefulSet spec.replicas is an int32
@@ -409,7 +410,7 @@ def render_systemd(name: str, dirs: list[Path], opts: RenderOptions) -> dict[str
         f"EnvironmentFile=-/etc/molctl/{name}-engine.env",
         *([f"UnsetEnvironment={' '.join(profile.engine.unset_env)}"] if profile.engine.unset_env else []),
         "KillMode=control-group",
-        f"TimeoutStartSec={math.ceil(profile.engine.start_timeout_s)}",
+        f"TimeoutStartSec={math.ceil(profile.engine.start_timeout_s) + WAIT_MARGIN_S}",
         f"TimeoutStopSec={math.ceil(opts.stop_timeout_s)}",
         "Restart=on-failure",
         "RestartSec=10",
@@ -432,7 +433,7 @@ def render_systemd(name: str, dirs: list[Path], opts: RenderOptions) -> dict[str
         f"EnvironmentFile=-/etc/molctl/{name}-proxy.env",
         "KillMode=control-group",
         "KillSignal=SIGTERM",
-        f"TimeoutStartSec={math.ceil(PROXY_READY_TIMEOUT_S + 10)}",
+        f"TimeoutStartSec={math.ceil(PROXY_READY_TIMEOUT_S) + WAIT_MARGIN_S}",
         f"TimeoutStopSec={math.ceil(opts.drain_timeout_s + STOP_MARGIN_S)}",
         "Restart=on-failure",
         "RestartSec=5",
