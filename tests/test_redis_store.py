@@ -72,6 +72,18 @@ def test_url_parsing_refuses_a_password_and_bad_parts():
     for bad, why in [("redis://h:99999/0", "port"), ("redis://h:6379/x", "database"), ("redis:///0", "no host")]:
         with pytest.raises(ValueError, match=why):
             parse_redis_url(bad)
+    # a password typed where the user name goes (redis://PASSWORD@host) is never echoed by an error
+    for bad in ("redis://hunter2@h:99999/0", "redis://hunter2@h:x/0", "redis://hunter2@h:6379/x?db=1", "redis://hunter2@:6379/0"):
+        with pytest.raises(ValueError) as err:
+            parse_redis_url(bad)
+        assert "hunter2" not in str(err.value)
+    # nor by proxy.store's own check, for a URL of an unknown scheme (Redis://, redis+sentinel://, valkey://)
+    from molctl.proxy.sqlite_store import parse_store_spec
+
+    for bad in ("Redis://:hunter2@h/0", "redis+sentinel://u:hunter2@h:26379/0", "valkey://hunter2@h/0"):
+        with pytest.raises(ValueError, match="expected 'sqlite'") as err:
+            parse_store_spec(bad)
+        assert "hunter2" not in str(err.value) and "@h" in str(err.value)
 
 
 def test_password_from_file_or_environment(tmp_path):

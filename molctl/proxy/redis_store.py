@@ -175,10 +175,11 @@ def parse_redis_url(spec: str) -> RedisTarget:
                          f"variable {PASSWORD_ENV}, never in the URL")
     if not parts.hostname:
         raise ValueError(f"{parts.scheme}://...: no host (expected {parts.scheme}://host:port/db)")
+    host_port = parts.netloc.rpartition("@")[2]  # never the user part in a message: it may be a mistyped password
     try:
         port = parts.port or 6379
     except ValueError:
-        raise ValueError(f"{parts.scheme}://{parts.netloc}: the port is not a number from 1 to 65535") from None
+        raise ValueError(f"{parts.scheme}://{host_port}: the port is not a number from 1 to 65535") from None
     path = parts.path.strip("/")
     if path and not path.isdigit():
         raise ValueError(f"{parts.scheme}://{parts.hostname}:{port}/{path}: the database must be a number (e.g. /0)")
