@@ -80,7 +80,7 @@ def test_url_parsing_refuses_a_password_and_bad_parts():
     # nor by proxy.store's own check, for a URL of an unknown scheme (Redis://, redis+sentinel://, valkey://)
     from molctl.proxy.sqlite_store import parse_store_spec
 
-    for bad in ("Redis://:hunter2@h/0", "redis+sentinel://u:hunter2@h:26379/0", "valkey://hunter2@h/0"):
+    for bad in ("Redis://:hunter2@h/0", "redis+sentinel://u:hunter2@h:26379/0", "valkey://hunter2@h/0", "Redis://:a/hunter2@h/0"):
         with pytest.raises(ValueError, match="expected 'sqlite'") as err:
             parse_store_spec(bad)
         assert "hunter2" not in str(err.value) and "@h" in str(err.value)

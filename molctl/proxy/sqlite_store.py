@@ -176,7 +176,7 @@ def parse_store_spec(spec: str) -> tuple[str, Path | None]:
         if not path or not os.path.isabs(path):
             raise ValueError(f"{spec!r}: the path after 'sqlite:' must be absolute")
         return "sqlite", Path(path)
-    shown = re.sub(r"^([^:/]*://)[^/@]*@", r"\1***@", spec)  # a URL's user part may hold a password: never echoed
+    shown = re.sub(r"^([^:/]*://).*@", r"\1***@", spec)  # a URL's user part may hold a password: never echoed
     raise ValueError(f"{shown!r}: expected 'sqlite', 'memory', 'sqlite:/absolute/path.sqlite3', redis://host:port/db "
                      "or rediss://host:port/db")
 
