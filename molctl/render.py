@@ -363,9 +363,10 @@ def k8s_files(objects: list[dict[str, Any]]) -> dict[str, str]:
 
 # ------------------------------------------------------------------------------------ systemd
 
-def render_systemd(name: str, dirs: list[Path], opts: RenderOptions) -> dict[str, str]:
+def render_systemd(name: str, dirs: list[Path], opts: RenderOptions, warnings: list[str] | None = None) -> dict[str, str]:
     """`{unit file name: text}`: the engine unit and the proxy unit, running the argv `up` would
-    run on this host (this interpreter, these profile folders, this state dir)."""
+    run on this host (this interpreter, these profile folders, this state dir). Warnings for the
+    operator are appended to `warnings`."""
     import sys
 
     _check_common(opts)
@@ -383,6 +384,9 @@ def render_systemd(name: str, dirs: list[Path], opts: RenderOptions) -> dict[str
     stack = load_stack(name, dirs, overrides, opts, key_args=key_args, python=sys.executable, state_dir=state_dir,
                        proxy_profiles_dirs=profiles_dirs)
     profile = stack.profile
+    if warnings is not None:
+        warnings += _user_warnings(opts.user, [Path(sys.executable), state_dir, profile.model_root, opts.api_key_file,
+                                               *profiles_dirs])
     engine_unit, proxy_unit = f"molctl-{name}-engine.service", f"molctl-{name}-proxy.service"
     wait = [sys.executable, "-m", "molctl.waitready"]
     for d in profiles_dirs:
@@ -442,6 +446,23 @@ def render_systemd(name: str, dirs: list[Path], opts: RenderOptions) -> dict[str
         "WantedBy=multi-user.target",
     ]
     return {engine_unit: "\n".join(engine_lines) + "\n", proxy_unit: "\n".join(proxy_lines) + "\n"}
+
+
+def _user_warnings(user: str | None, paths: list[Path | None]) -> list[str]:
+    """`--user U` rendered by another user: the paths the units name that lie in the renderer's
+    home (the profile's `~`, a virtualenv there), which U may not reach (homes are often 0700)."""
+    import getpass
+
+    if user is None or user == getpass.getuser():
+        return []
+    home = Path.home().resolve()
+    inside = [str(p) for p in paths if p is not None and (Path(p).expanduser().resolve() == home
+                                                          or home in Path(p).expanduser().resolve().parents)]
+    if not inside:
+        return []
+    return [f"--user {user}: the units name {', '.join(dict.fromkeys(inside))} in {home}, the home of "
+            f"{getpass.getuser()}, which {user} may not be able to read: put them where {user} can (--model-root, "
+            "--state-dir, an interpreter outside the home) or render as that user"]
 
 
 def _exec_line(argv: list[str]) -> str:

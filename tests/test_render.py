@@ -392,6 +392,20 @@ def test_systemd_store_and_overrides_reach_both_argvs(render, tmp_path):
     assert proxy_argv[-1] == "--log-backups=3"
 
 
+def test_systemd_user_warned_of_paths_in_the_renderers_home(render, tmp_path):
+    """`--user molctl` run by another user whose home holds the model root (the profile's ~): the
+    units would name paths that user may not reach (a 0700 home): render warns and names them."""
+    home = tmp_path / "home"
+    (home / "models").mkdir(parents=True)
+    result = render("render", "systemd", "tiny", "--allow-unauthenticated", "--user", "molctl",
+                    "--model-root", str(home / "models"), env={"HOME": str(home)})
+    assert result.exit_code == ExitStatus.OK, result.stderr
+    assert "--user molctl" in result.stderr and str(home / "models") in result.stderr
+    elsewhere = render("render", "systemd", "tiny", "--allow-unauthenticated", "--user", "molctl",
+                       "--model-root", str(tmp_path / "srv"), env={"HOME": str(home)})
+    assert elsewhere.exit_code == ExitStatus.OK and elsewhere.stderr == ""
+
+
 # ------------------------------------------------------------------------------------ waitready
 
 def _waitready(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
