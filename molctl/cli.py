@@ -663,5 +663,6 @@ def render_systemd_cmd(
                          store=store, allow_unauthenticated=allow_unauthenticated, proxy_args=list(proxy_arg),
                          api_key_file=api_key_file, state_dir=ctx.obj.state_dir, profiles_dirs=list(ctx.obj.profiles_dirs),
                          user=user)
-    units = render_systemd(profile, ctx.obj.dirs(), opts)
-    _render_out(units, systemd_stream(units), output, [])
+    warnings: list[str] = []
+    units = render_systemd(profile, ctx.obj.dirs(), opts, warnings)
+    _render_out(units, systemd_stream(units), output, warnings)

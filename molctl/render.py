@@ -44,8 +44,10 @@ STATE_MOUNT = "/var/lib/molctl"  # the proxy's --state-dir (an emptyDir: a sqlit
 STORE_PASSWORD_ENV = "MOLCTL_STORE_PASSWORD"  # the shared store's password, from a Secret (never on argv)
 STARTUP_PERIOD_S = 10  # the engine's startupProbe period; failureThreshold covers engine.start_timeout_s
 PRESTOP_DELAY_S = 5  # the proxy's preStop: the Service's endpoints drop the pod before the drain starts
+WAIT_MARGIN_S = 10  # TimeoutStartSec over the ExecStartPost wait's --timeout: the wait says why before systemd kills it
 STOP_MARGIN_S = 15  # on top of delay + drain + engine stop in terminationGracePeriodSeconds / TimeoutStopSec
 DEFAULT_PYTHON = "python3"  # the image's interpreter (molctl's; the engine's unless engine.python is set)
+MAX_REPLICAS = 2**31 - 1  # StatefulSet spec.replicas is an int32
 DNS_LABEL = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|K|M|G|T)?$")
 
@@ -152,6 +154,8 @@ def render_k8s(name: str, dirs: list[Path], opts: RenderOptions) -> tuple[list[d
     _check_common(opts)
     if opts.replicas < 1:
         raise UsageError(f"--replicas {opts.replicas}: expected at least 1")
+    if opts.replicas > MAX_REPLICAS:  # spec.replicas is an int32: the API server would refuse the object
+        raise UsageError(f"--replicas {opts.replicas}: expected 1 to {MAX_REPLICAS}")
     if not opts.image:
         raise UsageError("--image is required: the container image with molctl (and the engine, unless --engine-image)")
     obj_name = opts.name or f"molctl-{name}"
@@ -198,7 +202,32 @@ def render_k8s(name: str, dirs: list[Path], opts: RenderOptions) -> tuple[list[d
     if opts.replicas > 1 and not stack.profile.proxy.store.startswith(("redis://", "rediss://")):
         warnings.append(f"--replicas {opts.replicas} with proxy.store {stack.profile.proxy.store!r}: each pod keeps its own "
                         "conversations and responses; a turn that reaches another pod loses them (use --store redis://...)")
+    warnings += _affinity_warnings(stack.profile, opts)
     return [config_map, service, statefulset], warnings
+
+
+def _affinity_warnings(profile: Profile, opts: RenderOptions) -> list[str]:
+    """Replicas on a shared store whose engines their peers cannot reach: the engine on the pod's
+    loopback, or advertised as the proxy's --upstream (the pod's own loopback). Peers then send a
+    conversation's hops to their own engine while recording them as the owner's, or get refused."""
+    if opts.replicas < 2 or not profile.proxy.store.startswith(("redis://", "rediss://")):
+        return []
+    advertised = profile.proxy.advertise_upstream
+    for i, arg in enumerate(opts.proxy_args):
+        if arg.startswith("--advertise-upstream="):
+            advertised = arg.partition("=")[2]
+        elif arg == "--advertise-upstream" and i + 1 < len(opts.proxy_args):
+            advertised = opts.proxy_args[i + 1]
+    engine_loopback = profile.engine.host in ("localhost", "::1") or profile.engine.host.startswith("127.")
+    if advertised and not engine_loopback:
+        return []
+    why = (f"the engine listens on {profile.engine.host}" if engine_loopback else "") + \
+          (" and " if engine_loopback and not advertised else "") + \
+          ("" if advertised else f"each proxy advertises its engine as {engine_upstream(profile)} (its own pod)")
+    return [f"--replicas {opts.replicas} on the shared store {profile.proxy.store}: {why}, so a pod cannot reach its "
+            "peers' engines and conversation affinity is off (prefix caches are not reused across pods): add --set "
+            f"engine.host=0.0.0.0 --proxy-arg='--advertise-upstream=http://$(POD_IP):{profile.engine.port}' (and a "
+            "NetworkPolicy that keeps the engine port to the pods)"]
 
 
 def k8s_escape(argv: list[str]) -> list[str]:
@@ -334,9 +363,10 @@ def k8s_files(objects: list[dict[str, Any]]) -> dict[str, str]:
 
 # ------------------------------------------------------------------------------------ systemd
 
-def render_systemd(name: str, dirs: list[Path], opts: RenderOptions) -> dict[str, str]:
+def render_systemd(name: str, dirs: list[Path], opts: RenderOptions, warnings: list[str] | None = None) -> dict[str, str]:
     """`{unit file name: text}`: the engine unit and the proxy unit, running the argv `up` would
-    run on this host (this interpreter, these profile folders, this state dir)."""
+    run on this host (this interpreter, these profile folders, this state dir). Warnings for the
+    operator are appended to `warnings`."""
     import sys
 
     _check_common(opts)
@@ -354,6 +384,9 @@ def render_systemd(name: str, dirs: list[Path], opts: RenderOptions) -> dict[str
     stack = load_stack(name, dirs, overrides, opts, key_args=key_args, python=sys.executable, state_dir=state_dir,
                        proxy_profiles_dirs=profiles_dirs)
     profile = stack.profile
+    if warnings is not None:
+        warnings += _user_warnings(opts.user, [Path(sys.executable), state_dir, profile.model_root, opts.api_key_file,
+                                               *profiles_dirs])
     engine_unit, proxy_unit = f"molctl-{name}-engine.service", f"molctl-{name}-proxy.service"
     wait = [sys.executable, "-m", "molctl.waitready"]
     for d in profiles_dirs:
@@ -381,7 +414,7 @@ def render_systemd(name: str, dirs: list[Path], opts: RenderOptions) -> dict[str
         f"EnvironmentFile=-/etc/molctl/{name}-engine.env",
         *([f"UnsetEnvironment={' '.join(profile.engine.unset_env)}"] if profile.engine.unset_env else []),
         "KillMode=control-group",
-        f"TimeoutStartSec={math.ceil(profile.engine.start_timeout_s)}",
+        f"TimeoutStartSec={math.ceil(profile.engine.start_timeout_s) + WAIT_MARGIN_S}",
         f"TimeoutStopSec={math.ceil(opts.stop_timeout_s)}",
         "Restart=on-failure",
         "RestartSec=10",
@@ -404,7 +437,7 @@ def render_systemd(name: str, dirs: list[Path], opts: RenderOptions) -> dict[str
         f"EnvironmentFile=-/etc/molctl/{name}-proxy.env",
         "KillMode=control-group",
         "KillSignal=SIGTERM",
-        f"TimeoutStartSec={math.ceil(PROXY_READY_TIMEOUT_S + 10)}",
+        f"TimeoutStartSec={math.ceil(PROXY_READY_TIMEOUT_S) + WAIT_MARGIN_S}",
         f"TimeoutStopSec={math.ceil(opts.drain_timeout_s + STOP_MARGIN_S)}",
         "Restart=on-failure",
         "RestartSec=5",
@@ -413,6 +446,23 @@ def render_systemd(name: str, dirs: list[Path], opts: RenderOptions) -> dict[str
         "WantedBy=multi-user.target",
     ]
     return {engine_unit: "\n".join(engine_lines) + "\n", proxy_unit: "\n".join(proxy_lines) + "\n"}
+
+
+def _user_warnings(user: str | None, paths: list[Path | None]) -> list[str]:
+    """`--user U` rendered by another user: the paths the units name that lie in the renderer's
+    home (the profile's `~`, a virtualenv there), which U may not reach (homes are often 0700)."""
+    import getpass
+
+    if user is None or user == getpass.getuser():
+        return []
+    home = Path.home().resolve()
+    inside = [str(p) for p in paths if p is not None and (Path(p).expanduser().resolve() == home
+                                                          or home in Path(p).expanduser().resolve().parents)]
+    if not inside:
+        return []
+    return [f"--user {user}: the units name {', '.join(dict.fromkeys(inside))} in {home}, the home of "
+            f"{getpass.getuser()}, which {user} may not be able to read: put them where {user} can (--model-root, "
+            "--state-dir, an interpreter outside the home) or render as that user"]
 
 
 def _exec_line(argv: list[str]) -> str:

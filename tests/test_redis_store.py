@@ -72,6 +72,18 @@ def test_url_parsing_refuses_a_password_and_bad_parts():
     for bad, why in [("redis://h:99999/0", "port"), ("redis://h:6379/x", "database"), ("redis:///0", "no host")]:
         with pytest.raises(ValueError, match=why):
             parse_redis_url(bad)
+    # a password typed where the user name goes (redis://PASSWORD@host) is never echoed by an error
+    for bad in ("redis://hunter2@h:99999/0", "redis://hunter2@h:x/0", "redis://hunter2@h:6379/x?db=1", "redis://hunter2@:6379/0"):
+        with pytest.raises(ValueError) as err:
+            parse_redis_url(bad)
+        assert "hunter2" not in str(err.value)
+    # nor by proxy.store's own check, for a URL of an unknown scheme (Redis://, redis+sentinel://, valkey://)
+    from molctl.proxy.sqlite_store import parse_store_spec
+
+    for bad in ("Redis://:hunter2@h/0", "redis+sentinel://u:hunter2@h:26379/0", "valkey://hunter2@h/0", "Redis://:a/hunter2@h/0"):
+        with pytest.raises(ValueError, match="expected 'sqlite'") as err:
+            parse_store_spec(bad)
+        assert "hunter2" not in str(err.value) and "@h" in str(err.value)
 
 
 def test_password_from_file_or_environment(tmp_path):
@@ -216,6 +228,54 @@ def test_heartbeat_registers_and_lapses(redis, r):
     asyncio.run(main())
 
 
+def test_a_heartbeat_is_fresh_by_its_redis_ttl_whatever_the_replicas_clocks(redis, r):
+    """Replica b's wall clock runs 30 s ahead of a's: a's heartbeat (alive in Redis) still counts
+    as fresh for b; its freshness is the key's TTL on the Redis server, not the writers' clocks."""
+    async def main():
+        a = state(redis, replica_id="a", advertise_upstream="http://10.0.0.1:8000", heartbeat_s=0.05, heartbeat_ttl_s=0.3)
+        b = state(redis, replica_id="b", clock=lambda: time.time() + 30)
+
+        async def healthy():
+            return True
+
+        a.start_heartbeat(healthy)
+        await asyncio.sleep(0.2)
+        choice = await b.engine_for("a")
+        assert choice is not None and choice.url == "http://10.0.0.1:8000"
+        await a.close()
+        await b.close()
+
+    asyncio.run(main())
+
+
+def test_two_proxies_under_one_replica_id_are_reported(redis, r, caplog):
+    """Two processes heartbeat under one id (the default HOSTNAME:PORT on hosts cloned with one
+    hostname): each takes the other's conversations for its own, affinity between them is lost.
+    The heartbeat notices another writer and logs it once; a lone replica logs nothing."""
+    async def main():
+        async def healthy():
+            return True
+
+        lone = state(redis, replica_id="solo", heartbeat_s=0.02, heartbeat_ttl_s=1)
+        lone.start_heartbeat(healthy)
+        await asyncio.sleep(0.2)
+        await lone.close()
+        assert not [rec for rec in caplog.records if "replica id" in rec.getMessage()]
+        a = state(redis, replica_id="gpu-node:8200", advertise_upstream="http://10.0.0.1:8000", heartbeat_s=0.02, heartbeat_ttl_s=1)
+        b = state(redis, replica_id="gpu-node:8200", advertise_upstream="http://10.0.0.2:8000", heartbeat_s=0.02, heartbeat_ttl_s=1)
+        a.start_heartbeat(healthy)
+        b.start_heartbeat(healthy)
+        await asyncio.sleep(0.3)
+        await a.close()
+        await b.close()
+
+    with caplog.at_level("WARNING", logger="molctl.proxy"):
+        asyncio.run(main())
+    said = [rec.getMessage() for rec in caplog.records if "replica id" in rec.getMessage()]
+    assert 1 <= len(said) <= 2  # each process says it once
+    assert "gpu-node:8200" in said[0] and "--replica-id" in said[0]
+
+
 def test_lost_store_fails_fast_then_recovers():
     server = RedisServer().start()
     try:
@@ -242,6 +302,74 @@ def test_lost_store_fails_fast_then_recovers():
             await st.close()
 
         asyncio.run(main())
+    finally:
+        server.stop()
+
+
+def test_a_redis_restarted_while_the_proxy_was_idle_costs_no_call():
+    """The pooled connections died with the old server: the first call after the restart
+    reconnects once inside its timeout instead of failing (and failing every call for 1 s)."""
+    server = RedisServer().start()
+    try:
+        async def main():
+            st = state(server)
+            store = RedisResponseStore(st)
+            await store.put_response(record("resp_1"))
+            server.stop()
+            server.start()  # nothing was asked meanwhile: the proxy has not noticed
+            await store.put_response(record("resp_2"))
+            assert (await store.get_response("t1", "resp_2"))["id"] == "resp_2"
+            assert not st.degraded and st.degraded_total == 0
+            await st.close()
+
+        asyncio.run(main())
+    finally:
+        server.stop()
+
+
+def test_a_script_flush_costs_no_write(redis, r):
+    """SCRIPT FLUSH (an operator, a failover to a server without the scripts): the writes that
+    met NOSCRIPT are sent again with the scripts loaded, none is lost."""
+    async def main():
+        st = state(redis)
+        store = RedisResponseStore(st)
+        await store.put_response(record("resp_1"))
+        r.script_flush()
+        await store.put_response(record("resp_2"))
+        assert (await store.get_response("t1", "resp_2"))["id"] == "resp_2"
+        assert not st.degraded and st.errors_total == 0
+        await st.close()
+
+    asyncio.run(main())
+
+
+def test_a_redis_out_of_memory_refuses_writes_but_is_not_lost(caplog):
+    """maxmemory reached under `noeviction` (Redis's default policy): the server answers, refusing
+    writes. A refused write fails alone (the request gets its 503) and is logged with the hint;
+    the store is not marked lost, so reads (a retrieve, a chain's previous response) still work."""
+    server = RedisServer(None, "--maxmemory-policy", "noeviction").start()
+    try:
+        async def main():
+            st = state(server)
+            store = RedisResponseStore(st)
+            await store.put_response(record("resp_1"))
+            admin = server.client()
+            admin.set("filler", b"x" * 3_000_000)
+            admin.config_set("maxmemory", "2mb")  # the server is now over it, and evicts nothing
+            admin.close()
+            with pytest.raises(StoreUnavailable):
+                await store.put_response(record("resp_2"))
+            with pytest.raises(StoreUnavailable):
+                await st.call("heartbeat", lambda c: c.set(st.prefix + "replica:a", "{}", px=6000))
+            assert not st.degraded and st.degraded_total == 0
+            assert (await store.get_response("t1", "resp_1"))["id"] == "resp_1"  # reads are served
+            assert st.errors_total == 2
+            await st.close()
+
+        with caplog.at_level("WARNING", logger="molctl.proxy"):
+            asyncio.run(main())
+        refused = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+        assert len(refused) == 1 and "maxmemory" in refused[0] and "volatile-lru" in refused[0]  # once, not per call
     finally:
         server.stop()
 
@@ -382,6 +510,35 @@ def test_check_and_state_stats_prune_on_redis(redis, r, tmp_path, state_dir):
     assert check["status"] == "fail" and "unreachable" in check["detail"] and "proxy.store redis://127.0.0.1:" in check["detail"]
     result = down("state", "stats", "shared")
     assert result.exit_code == ExitStatus.ERROR and result.stderr.count("\n") == 1 and "unreachable" in result.stderr
+
+
+def test_check_warns_of_maxmemory_under_noeviction(redis, r, tmp_path, state_dir):
+    """`molctl check`'s state.store: maxmemory under `noeviction` (Redis's default policy) is a
+    warning (at the limit every write is refused)."""
+    from tests.helpers import Molctl
+
+    cli = Molctl(state_dir, [shared_profile(tmp_path, redis.url)], in_process=True)
+    r.config_set("maxmemory", "512mb")
+    r.config_set("maxmemory-policy", "noeviction")
+    try:
+        [check] = [c for c in cli("check", "shared", *SKIP_ALL_BUT_STATE, "--json").json()["checks"] if c["id"] == "state.store"]
+    finally:
+        r.config_set("maxmemory", "0")
+    assert check["status"] == "warn" and "noeviction" in check["detail"] and "volatile-lru" in check["detail"]
+
+
+def test_check_fails_a_store_password_file_readable_by_others(redis, r, tmp_path, state_dir):
+    """As an API key file: a store password file readable by group or others fails state.store."""
+    from tests.helpers import Molctl
+
+    cli = Molctl(state_dir, [shared_profile(tmp_path, redis.url)], in_process=True)
+    pw = tmp_path / "store-password"
+    pw.write_text("s3cret\n")
+    pw.chmod(0o644)
+    result = cli("check", "shared", *SKIP_ALL_BUT_STATE, "--set", f"proxy.store_password_file={pw}", "--json")
+    [check] = [c for c in result.json()["checks"] if c["id"] == "state.store"]
+    assert check["status"] == "fail" and f"proxy.store_password_file {pw} has mode 0644" in check["detail"]
+    assert "s3cret" not in result.stdout + result.stderr
 
 
 def test_password_file_authenticates_and_a_wrong_one_is_one_line(tmp_path, keyfile):

@@ -210,6 +210,50 @@ def test_k8s_store_and_replica_identity(render):
     assert "each pod keeps its own conversations" in result.stderr  # 3 replicas on a per-pod store
 
 
+def test_k8s_metrics_port_is_a_container_port_outside_the_service(render):
+    """proxy.metrics_port: a `metrics` port on the proxy container (for a scrape config or a
+    PodMonitor), never on the Service (the public endpoint serves no /metrics)."""
+    objects = _k8s(render, "tiny", "--set", "proxy.metrics_port=9400")
+    proxy = _containers(objects)["proxy"]
+    assert {"name": "metrics", "containerPort": 9400, "protocol": "TCP"} in proxy["ports"]
+    assert proxy["args"][proxy["args"].index("--metrics-port") + 1] == "9400"
+    service = _by_kind(objects)["Service"]
+    assert [p["name"] for p in service["spec"]["ports"]] == ["http"]
+    assert all(p.get("targetPort") != "metrics" and p["port"] != 9400 for p in service["spec"]["ports"])
+    for obj in objects:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def test_k8s_on_a_redis_store(render):
+    """--store redis://...: the URL travels as proxy.store, the password only as a Secret
+    reference; with the engine reachable and advertised on the pod IP there is no warning."""
+    url = "redis://redis.mol.svc:6379/0"
+    result = render("render", "k8s", "tiny", "--image", IMAGE, "--replicas", "2", "--store", url,
+                    "--store-password-secret", "redis-auth", "--set", "engine.host=0.0.0.0",
+                    "--proxy-arg=--replica-id=$(POD_NAME)", "--proxy-arg=--advertise-upstream=http://$(POD_IP):8100")
+    assert result.exit_code == ExitStatus.OK, result.stderr
+    assert result.stderr == ""
+    objects = [d for d in yaml.safe_load_all(result.stdout) if d]
+    for obj in objects:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    proxy = _containers(objects)["proxy"]
+    assert f'["proxy.store", "{url}"]' in proxy["args"][proxy["args"].index("--set-json") + 1]
+    env = {e["name"]: e for e in proxy["env"]}
+    assert env["MOLCTL_STORE_PASSWORD"]["valueFrom"] == {"secretKeyRef": {"name": "redis-auth", "key": "password"}}
+    assert "value" not in env["MOLCTL_STORE_PASSWORD"]
+
+
+@pytest.mark.parametrize("extra", [(), ("--proxy-arg=--advertise-upstream=http://$(POD_IP):8100",)])
+def test_k8s_replicas_on_a_redis_store_warn_when_peers_cannot_reach_the_engines(render, extra):
+    """Each pod's engine on the pod's loopback (the default engine.host) or advertised as the
+    loopback (no --advertise-upstream): a peer's hops would land on its own engine while recorded
+    as the owner's (or be refused), so affinity is off: render says how to turn it on."""
+    result = render("render", "k8s", "tiny", "--image", IMAGE, "--replicas", "2", "--store", "redis://redis:6379/0", *extra)
+    assert result.exit_code == ExitStatus.OK, result.stderr
+    assert "conversation affinity" in result.stderr and "--advertise-upstream=http://$(POD_IP):8100" in result.stderr
+    assert "engine.host=0.0.0.0" in result.stderr
+
+
 def test_k8s_escapes_dollar_in_the_argv(render):
     objects = _k8s(render, "tiny", "--set", "served_model_name=a$(B)$$c")
     args = _containers(objects)["proxy"]["args"]
@@ -243,6 +287,8 @@ def test_k8s_output_dir_one_file_per_object(render, tmp_path):
 @pytest.mark.parametrize(("args", "status", "says"), [
     (("render", "k8s", "nosuch", "--image", IMAGE), ExitStatus.CHECK_FAILED, "no profile named 'nosuch' (known:"),
     (("render", "k8s", "tiny", "--image", IMAGE, "--replicas", "0"), ExitStatus.USAGE, "--replicas 0: expected at least 1"),
+    (("render", "k8s", "tiny", "--image", IMAGE, "--replicas", "2147483648"), ExitStatus.USAGE,
+     "--replicas 2147483648: expected 1 to 2147483647"),
     (("render", "k8s", "tiny"), ExitStatus.USAGE, "--image is required"),
     (("render", "k8s", "tiny", "--image", IMAGE, "--namespace", "Bad_NS"), ExitStatus.USAGE, "--namespace 'Bad_NS'"),
     (("render", "k8s", "tiny", "--image", IMAGE, "--shm-size", "lots"), ExitStatus.USAGE, "--shm-size 'lots'"),
@@ -306,7 +352,12 @@ def test_systemd_units(render, profile, tmp_path):
     proxy = proxy_unit["Service"]
     for service in (engine, proxy):
         assert service["KillMode"] == ["control-group"] and service["Restart"] == ["on-failure"]
-    assert engine["TimeoutStartSec"] == [str(math.ceil(prof.engine.start_timeout_s))]
+    # systemd's start budget outlasts the readiness wait's own timeout, so the wait's one-line reason
+    # (e.g. adapters missing) reaches the journal before systemd kills the start
+    for service in (engine, proxy):
+        wait_timeout = float(shlex.split(service["ExecStartPost"][0])[shlex.split(service["ExecStartPost"][0]).index("--timeout") + 1])
+        assert int(service["TimeoutStartSec"][0]) >= wait_timeout + 10
+    assert engine["TimeoutStartSec"] == [str(math.ceil(prof.engine.start_timeout_s) + 10)]
     assert proxy["TimeoutStopSec"] == [str(120 + STOP_MARGIN_S)]
     assert engine["TimeoutStopSec"] == [str(math.ceil(ENGINE_STOP_TIMEOUT_S))]
     assert proxy_unit["Unit"]["Requires"] == proxy_unit["Unit"]["After"] == [f"molctl-{profile}-engine.service"]
@@ -339,6 +390,20 @@ def test_systemd_store_and_overrides_reach_both_argvs(render, tmp_path):
     assert wait[wait.index("--set-json") + 1] == proxy_argv[proxy_argv.index("--set-json") + 1]
     assert engine["User"] == proxy["User"] == ["molctl"]
     assert proxy_argv[-1] == "--log-backups=3"
+
+
+def test_systemd_user_warned_of_paths_in_the_renderers_home(render, tmp_path):
+    """`--user molctl` run by another user whose home holds the model root (the profile's ~): the
+    units would name paths that user may not reach (a 0700 home): render warns and names them."""
+    home = tmp_path / "home"
+    (home / "models").mkdir(parents=True)
+    result = render("render", "systemd", "tiny", "--allow-unauthenticated", "--user", "molctl",
+                    "--model-root", str(home / "models"), env={"HOME": str(home)})
+    assert result.exit_code == ExitStatus.OK, result.stderr
+    assert "--user molctl" in result.stderr and str(home / "models") in result.stderr
+    elsewhere = render("render", "systemd", "tiny", "--allow-unauthenticated", "--user", "molctl",
+                       "--model-root", str(tmp_path / "srv"), env={"HOME": str(home)})
+    assert elsewhere.exit_code == ExitStatus.OK and elsewhere.stderr == ""
 
 
 # ------------------------------------------------------------------------------------ waitready

@@ -40,14 +40,14 @@ class Replica:
                        self.client.chat.completions.create(model=PUBLIC, messages=messages, stream=True) if c.choices)
 
 
-def start_replica(stack, name: str, redis_url: str, keyfile, logs) -> tuple[Replica, object, object]:
+def start_replica(stack, name: str, redis_url: str, keyfile, logs, *extra: str) -> tuple[Replica, object, object]:
     engine_port, proxy_port, metrics_port = free_port(), free_port(), free_port()
     engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
     engine = stack.enter_context(running(fake_engine_argv(engine_port, STRICT), engine_url + "/health",
                                          log=logs / f"engine-{name}.log"))
     proxy = stack.enter_context(running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(keyfile),
                                                    "--set", f"proxy.store={redis_url}", "--replica-id", name,
-                                                   "--metrics-port", str(metrics_port)),
+                                                   "--metrics-port", str(metrics_port), *extra),
                                         proxy_url + "/readyz", log=logs / f"proxy-{name}.log"))
     return Replica(name, engine_url, proxy_url, f"http://127.0.0.1:{metrics_port}"), engine, proxy
 
@@ -183,3 +183,66 @@ def test_a_replica_stopped_cleanly_is_taken_over_even_though_its_engine_still_ru
     assert [e["model"] for e in b.log("answer")] == ["L3"]
     assert b.log("answer")[0]["messages"][1:] == [u1, {"role": "assistant", "content": a1}, u2]
     assert b.metrics()["molctl_proxy_state_affinity_takeovers_total"] == before + 1
+
+
+def test_a_peer_engine_that_never_accepts_the_connection_is_taken_over(cluster, keyfile):
+    """C advertises an engine address whose connections time out (a firewall that drops packets,
+    a host gone off the network) while C's own heartbeat stays fresh: B gives C's engine up after
+    the connect timeout and answers on its own engine, as for a refused connection (not a 502)."""
+    import contextlib
+    import socket
+
+    redis, _, b, logs = cluster
+    b.reset()
+    with contextlib.ExitStack() as stack:
+        blackhole = stack.enter_context(socket.socket())
+        blackhole.bind(("127.0.0.1", 0))
+        blackhole.listen(0)
+        filler = stack.enter_context(socket.create_connection(blackhole.getsockname()))  # the backlog is full:
+        assert filler  # further connections are never accepted (their SYNs are dropped)
+        c, _, _ = start_replica(stack, "C2", redis.url, keyfile, logs,
+                                "--advertise-upstream", f"http://127.0.0.1:{blackhole.getsockname()[1]}")
+        u1 = {"role": "user", "content": "[route:L2] first"}
+        a1 = c.chat([u1])
+        u2 = {"role": "user", "content": "[route:L2] second"}
+        a2 = b.chat([u1, {"role": "assistant", "content": a1}, u2])
+        assert a2.startswith("answer-")
+    assert [e["model"] for e in b.log("answer")] == ["L2"]
+    assert b.log("answer")[0]["messages"][1:] == [u1, {"role": "assistant", "content": a1}, u2]
+
+
+def test_a_peer_advertising_an_unusable_url_is_taken_over(cluster, keyfile):
+    """A heartbeat whose upstream is no http URL (written by hand, an older replica's typo): the
+    peers give that engine up for the request and answer on their own, never a 502."""
+    import contextlib
+    import json
+
+    redis, _, b, logs = cluster
+    b.reset()
+    with contextlib.ExitStack() as stack:
+        e, _, e_proxy = start_replica(stack, "E", redis.url, keyfile, logs)
+        u1 = {"role": "user", "content": "[route:L1] first"}
+        a1 = e.chat([u1])
+        stop(e_proxy)  # unregistered; now a heartbeat with a bad address takes its place
+        client = redis.client()
+        client.set("molctl:{tiny}:replica:E", json.dumps({"upstream": "10.0.0.5:8100", "at": 0}), px=60_000)
+        client.close()
+        u2 = {"role": "user", "content": "[route:L1] second"}
+        assert b.chat([u1, {"role": "assistant", "content": a1}, u2]).startswith("answer-")
+    assert [e["model"] for e in b.log("answer")] == ["L1"]
+
+
+@pytest.mark.parametrize("bad", ["10.0.0.5:8100", "ftp://10.0.0.5:8100", "http://"])
+def test_a_bad_advertise_upstream_stops_the_proxy_with_one_line(cluster, keyfile, bad):
+    import subprocess
+
+    from molctl.errors import ExitStatus
+    from tests.helpers import ROOT
+
+    redis, _, _, _ = cluster
+    out = subprocess.run(proxy_argv("tiny", "http://127.0.0.1:9", free_port(), "--api-key-file", str(keyfile),
+                                    "--set", f"proxy.store={redis.url}", "--advertise-upstream", bad),
+                         capture_output=True, text=True, cwd=ROOT, timeout=60)
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == ExitStatus.USAGE and len(lines) == 1, out.stderr
+    assert f"--advertise-upstream {bad!r}: expected http://HOST:PORT" in lines[0]

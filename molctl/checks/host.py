@@ -186,16 +186,31 @@ def _redis_store(profile: Profile) -> CheckResult:
     from molctl.proxy.redis_store import RedisConfigError, describe_sync, parse_redis_url, read_password
 
     target = parse_redis_url(profile.proxy.store)
+    password_file = profile.proxy.store_password_file
+    if password_file:
+        try:
+            st = os.stat(Path(password_file).expanduser())
+        except OSError:
+            st = None  # read_password names the problem
+        if st is not None and st.st_mode & 0o077:
+            return CheckResult("state.store", "fail", f"proxy.store_password_file {password_file} has mode "
+                                                      f"{stat.S_IMODE(st.st_mode):04o}: readable by group/others "
+                                                      f"(chmod 600 {password_file})")
     try:
-        info = describe_sync(target, read_password(profile.proxy.store_password_file), profile.name)
+        info = describe_sync(target, read_password(password_file), profile.name)
     except RedisConfigError as exc:
         return CheckResult("state.store", "fail", str(exc))
     policy = info["maxmemory_policy"]
     bound = ("no maxmemory set: memory is bounded by the TTLs and proxy.store_max_entries only"
              if not info["maxmemory"] else f"maxmemory {info['maxmemory']} bytes, maxmemory-policy {policy}")
-    advice = "" if policy in ("volatile-lru", "allkeys-lru", "volatile-lfu", "allkeys-lfu") or not info["maxmemory"] else \
-        " (volatile-lru recommended)"
-    return CheckResult("state.store", "pass", f"proxy.store {target.address} reachable (Redis {info['redis_version']}), "
+    status = "pass"
+    if info["maxmemory"] and policy == "noeviction":  # at the limit every write is refused, nothing expires early
+        status, advice = "warn", (": at the limit Redis refuses every write (no response stored, no conversation state "
+                                  "shared) until TTLs free memory; set maxmemory-policy volatile-lru")
+    else:
+        advice = "" if policy in ("volatile-lru", "allkeys-lru", "volatile-lfu", "allkeys-lfu") or not info["maxmemory"] else \
+            " (volatile-lru recommended)"
+    return CheckResult("state.store", status, f"proxy.store {target.address} reachable (Redis {info['redis_version']}), "
                                               f"{info['responses']} stored response(s), {len(info['replicas'])} replica(s) "
                                               f"registered; {bound}{advice}")
 

@@ -409,10 +409,15 @@ class EngineClient:
             return None
         peer = self._peers.get(url)
         if peer is None:
-            peer = self._peers[url] = EngineClient(url, connect_timeout=self.connect_timeout, read_timeout=self.read_timeout,
-                                                   max_connections=self._max_connections, keepalive_s=self.keepalive_s,
-                                                   request_id_field=self.request_id_field)
+            try:
+                peer = EngineClient(url, connect_timeout=self.connect_timeout, read_timeout=self.read_timeout,
+                                    max_connections=self._max_connections, keepalive_s=self.keepalive_s,
+                                    request_id_field=self.request_id_field)
+            except ValueError:  # an unusable URL in the store: nothing can be sent there, take over
+                choice.failed = True
+                return None
             peer._slots = asyncio.Semaphore(self._max_connections)
+            self._peers[url] = peer
         return peer
 
     def _hop_ids(self, payload: dict[str, Any], hop: str, request_id: str | None) -> dict[str, str] | None:
@@ -428,8 +433,9 @@ class EngineClient:
     async def _open_chat(self, data: bytes, hop: str, headers: dict[str, str] | None,
                          timeout: float | None) -> tuple[EngineClient, _Connection]:
         """Send a chat hop to the request's engine (a peer's, see `_peer`, else the own one) and
-        return the client that owns the connection. A peer engine that cannot be connected to
-        (nothing was sent) is given up for the rest of the request: this replica takes over."""
+        return the client that owns the connection. A peer engine that refuses the connection,
+        never accepts it within the connect timeout or whose URL is unusable (nothing was sent in
+        any case) is given up for the rest of the request: this replica takes over."""
         peer = self._peer()
         if peer is not None:
             try:

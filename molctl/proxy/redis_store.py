@@ -42,7 +42,8 @@ Cost (bench/bench_redis.py, BENCHMARKS.md): a call is one round trip, ~0.1-0.25 
 dev host; writes started in one turn of the event loop go out in one pipeline (`_write`), so
 concurrent requests share round trips.
 
-Failure behaviour. Every call runs under `call_timeout_s` (and socket connect/read timeouts).
+Failure behaviour. Every call runs under `call_timeout_s` (and socket connect/read timeouts;
+one reconnect on a dropped connection, none on a timeout).
 A failure marks the store degraded (logged once, counted in `degraded_total`, `errors_total`);
 while degraded, calls fail at once for RETRY_S, then one call tries again, and the first
 success recovers (logged once): a stuck or lost Redis costs a request at most one timeout,
@@ -82,6 +83,7 @@ HEARTBEAT_TTL_S = 6.0  # ...and it lapses this long after the last refresh
 EVICT_BATCH = 64
 MAX_CONNECTIONS = 64  # per proxy process
 RETRY_AFTER_S = "2"
+REFUSED_LOG_S = 60.0  # an error the server answers (OOM, NOPERM) is logged at most this often per kind
 
 # KEYS[1] record, KEYS[2] index, KEYS[3] stats; ARGV: value, ttl_s, now, max_entries, stats field
 PUT_CAPPED = """
@@ -173,10 +175,11 @@ def parse_redis_url(spec: str) -> RedisTarget:
                          f"variable {PASSWORD_ENV}, never in the URL")
     if not parts.hostname:
         raise ValueError(f"{parts.scheme}://...: no host (expected {parts.scheme}://host:port/db)")
+    host_port = parts.netloc.rpartition("@")[2]  # never the user part in a message: it may be a mistyped password
     try:
         port = parts.port or 6379
     except ValueError:
-        raise ValueError(f"{parts.scheme}://{parts.netloc}: the port is not a number from 1 to 65535") from None
+        raise ValueError(f"{parts.scheme}://{host_port}: the port is not a number from 1 to 65535") from None
     path = parts.path.strip("/")
     if path and not path.isdigit():
         raise ValueError(f"{parts.scheme}://{parts.hostname}:{port}/{path}: the database must be a number (e.g. /0)")
@@ -258,19 +261,23 @@ class RedisState:
         self._batches: set[asyncio.Task] = set()
         self._peers: dict[str, tuple[float, str | None]] = {}  # replica -> (checked at, upstream or None)
         self._heartbeat: asyncio.Task | None = None
+        self._refused_logged: dict[str, float] = {}  # error kind -> when last logged (refused())
 
     # ---------------------------------------------------------------- connection
     def _redis(self):
         if self._client is None:
+            import redis
             import redis.asyncio as aioredis
             from redis.asyncio.retry import Retry
             from redis.backoff import NoBackoff
 
-            # no retries inside a call: the call's own timeout bounds it, the degraded state paces the retries;
-            # at most MAX_CONNECTIONS, a call waits for a free one within its own timeout (backpressure)
+            # one retry, on a dropped connection only (a pooled connection that died with a restarted
+            # Redis reconnects instead of failing the call); no retry on a timeout: the call's own
+            # timeout bounds it all, the degraded state paces the retries; at most MAX_CONNECTIONS,
+            # a call waits for a free one within its own timeout (backpressure)
             kw = _client_kwargs(self.target, self._password)
             pool_kw = {k: v for k, v in kw.items() if k != "ssl"}
-            pool_kw["retry"] = Retry(NoBackoff(), 0)
+            pool_kw["retry"] = Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
             if kw.get("ssl"):
                 pool_kw["connection_class"] = aioredis.SSLConnection
             pool = aioredis.BlockingConnectionPool(max_connections=MAX_CONNECTIONS, timeout=self.call_timeout_s, **pool_kw)
@@ -291,6 +298,12 @@ class RedisState:
         try:
             async with asyncio.timeout(self.call_timeout_s):
                 result = await fn(self._redis())
+        except redis.ResponseError as exc:
+            if isinstance(exc, redis.exceptions.ReadOnlyError):  # a failed-over primary: reconnect (DNS may move)
+                self._failed(what, exc)
+            else:  # the server answered and refused this command (OOM, ACL): it is reachable, only this call fails
+                self.refused(what, exc)
+            raise StoreUnavailable(str(exc)) from None
         except (redis.RedisError, OSError, TimeoutError) as exc:
             self._failed(what, exc)
             raise StoreUnavailable(str(exc)) from None
@@ -298,6 +311,22 @@ class RedisState:
             self.degraded = False
             log.warning("state store %s: reachable again; shared state restored", self.target.address)
         return result
+
+    def refused(self, what: str, exc: BaseException) -> None:
+        """Redis answered with an error (out of memory, no permission): counted; logged once per
+        kind of error and REFUSED_LOG_S. The store is not degraded: other calls still work."""
+        self.errors_total += 1
+        why = str(exc) or type(exc).__name__
+        kind = "maxmemory" if "maxmemory" in why else type(exc).__name__  # a script's OOM reads "Error running script ..."
+        now = time.monotonic()
+        if now - self._refused_logged.get(kind, -REFUSED_LOG_S) >= REFUSED_LOG_S:
+            self._refused_logged[kind] = now
+            hint = ""
+            if kind == "maxmemory":
+                hint = ("; Redis is at maxmemory and evicts nothing: set maxmemory-policy volatile-lru (every molctl key "
+                        "has a TTL) or raise maxmemory")
+            log.warning("state store %s: %s refused by the server (%s)%s; counted in store_errors_total",
+                        self.target.address, what, why, hint)
 
     def _failed(self, what: str, exc: BaseException) -> None:
         self.errors_total += 1
@@ -363,15 +392,29 @@ class RedisState:
 
         batch, self._batch = self._batch, []
 
-        async def send(r):
-            if not self._scripts_loaded:
-                for name, source in SCRIPTS.items():
-                    SCRIPT_SHA[name] = await r.script_load(source)
-                self._scripts_loaded = True
+        async def load_scripts(r) -> None:
+            for name, source in SCRIPTS.items():
+                SCRIPT_SHA[name] = await r.script_load(source)
+            self._scripts_loaded = True
+
+        async def run(r, entries):
             async with r.pipeline(transaction=False) as pipe:
-                for script, keys, args, _ in batch:
+                for script, keys, args, _ in entries:
                     pipe.execute_command("EVALSHA", SCRIPT_SHA[script], len(keys), *keys, *args)
                 return await pipe.execute(raise_on_error=False)
+
+        async def send(r):
+            if not self._scripts_loaded:
+                await load_scripts(r)
+            results = await run(r, batch)
+            # NOSCRIPT: the server lost the scripts (restarted under a live connection, SCRIPT FLUSH,
+            # a failover): load them again and send those writes once more, within this call
+            missing = [i for i, result in enumerate(results) if isinstance(result, redis.exceptions.NoScriptError)]
+            if missing:
+                await load_scripts(r)
+                for i, result in zip(missing, await run(r, [batch[i] for i in missing]), strict=True):
+                    results[i] = result
+            return results
 
         try:
             results = await self.call("write", send)
@@ -381,10 +424,10 @@ class RedisState:
             if future.done():
                 continue
             if isinstance(result, redis.exceptions.NoScriptError):
-                self._scripts_loaded = False  # a restarted Redis: loaded again by the next batch
+                self._scripts_loaded = False  # lost again at once: loaded again by the next batch
             if isinstance(result, BaseException):
                 if not isinstance(result, StoreUnavailable):
-                    self.errors_total += 1
+                    self.refused("write", result)
                 future.set_exception(result if isinstance(result, StoreUnavailable) else StoreUnavailable(str(result)))
             else:
                 future.set_result(result)
@@ -399,15 +442,28 @@ class RedisState:
         self._heartbeat = asyncio.get_running_loop().create_task(self._beat(healthy))
 
     async def _beat(self, healthy: Callable[[], Any]) -> None:
+        """`instance` (random per process) tells another writer under this id apart: what the
+        key held at our next beat must be our own previous beat (SET ... GET), else two proxies
+        share the id (logged once; each then takes the other's conversations for its own)."""
         key = self._replica_key(self.replica_id)
+        instance = os.urandom(8).hex()
+        wrote, warned = False, False
         while True:
             try:
                 ok = bool(await healthy())
-                beat = json.dumps({"upstream": self.advertise_upstream, "at": self.clock()})
+                beat = json.dumps({"upstream": self.advertise_upstream, "at": self.clock(), "instance": instance})
                 if ok:
-                    await self.call("heartbeat", lambda r, beat=beat: r.set(key, beat, px=int(self.heartbeat_ttl_s * 1000)))
+                    old = await self.call("heartbeat", lambda r, beat=beat: r.set(key, beat, px=int(self.heartbeat_ttl_s * 1000),
+                                                                                  get=True))
+                    if wrote and old and not warned and json.loads(old).get("instance") != instance:
+                        warned = True
+                        log.warning("replica id %s is also used by another proxy (engine %s): give each replica its own "
+                                    "--replica-id; until then each takes the other's conversations for its own (no affinity)",
+                                    self.replica_id, json.loads(old).get("upstream"))
+                    wrote = True
                 else:
                     await self.call("heartbeat", lambda r: r.delete(key))
+                    wrote = False
             except StoreUnavailable:
                 pass
             except Exception:  # a bug here must not end the heartbeat for good
@@ -426,11 +482,9 @@ class RedisState:
                 raw = await self.call("heartbeat read", lambda r: r.get(self._replica_key(owner)))
             except StoreUnavailable:
                 return None
-            upstream = None
-            if raw:
-                beat = json.loads(raw)
-                if self.clock() - float(beat.get("at", 0)) <= self.heartbeat_ttl_s:
-                    upstream = beat.get("upstream")
+            # fresh while the key lives: its TTL runs on the Redis server's clock (the replicas'
+            # wall clocks may disagree; `at` is informational)
+            upstream = json.loads(raw).get("upstream") if raw else None
             checked = (now, upstream)
             self._peers[owner] = checked
         return EngineChoice(owner, checked[1]) if checked[1] else None

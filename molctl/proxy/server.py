@@ -156,12 +156,31 @@ def build_shared_state(profile, upstream: str, port: int, replica_id: str | None
     why = ping_sync(target, password)
     if why is not None:
         raise unreachable_error(target, why)
+    advertised = advertise_upstream or p.advertise_upstream or upstream
+    _check_advertised(advertised, "--advertise-upstream" if advertise_upstream else
+                      "proxy.advertise_upstream" if p.advertise_upstream else "--upstream")
     state = RedisState(target, password, profile.name, replica_id=replica_id or default_replica_id(port),
-                       advertise_upstream=advertise_upstream or p.advertise_upstream or upstream,
+                       advertise_upstream=advertised,
                        ttl_s=p.store_ttl_s, max_entries=p.store_max_entries)
     log.info("state store: %s (shared; replica %s, engine advertised as %s)", target.address, state.replica_id,
              state.advertise_upstream)
     return state
+
+
+def _check_advertised(url: str, label: str) -> None:
+    """The engine URL this replica registers for its peers: an http(s) URL with a host (peers
+    would fail every hop to anything else), else a UsageError (one line, exit 2)."""
+    from urllib.parse import urlsplit
+
+    from molctl.errors import UsageError
+
+    try:
+        parts = urlsplit(url)
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname) and (parts.port is None or parts.port > 0)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise UsageError(f"{label} {url!r}: expected http://HOST:PORT, this replica's engine as its peers reach it")
 
 
 def configure_request_log() -> None:

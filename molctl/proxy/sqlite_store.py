@@ -56,6 +56,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import sqlite3
 import stat
 import threading
@@ -175,7 +176,8 @@ def parse_store_spec(spec: str) -> tuple[str, Path | None]:
         if not path or not os.path.isabs(path):
             raise ValueError(f"{spec!r}: the path after 'sqlite:' must be absolute")
         return "sqlite", Path(path)
-    raise ValueError(f"{spec!r}: expected 'sqlite', 'memory', 'sqlite:/absolute/path.sqlite3', redis://host:port/db "
+    shown = re.sub(r"^([^:/]*://).*@", r"\1***@", spec)  # a URL's user part may hold a password: never echoed
+    raise ValueError(f"{shown!r}: expected 'sqlite', 'memory', 'sqlite:/absolute/path.sqlite3', redis://host:port/db "
                      "or rediss://host:port/db")
 
 
