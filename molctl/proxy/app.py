@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import hashlib
-import hmac
 import inspect
 import json
 import logging
@@ -86,7 +85,7 @@ class ProxyApp:
         # a shared store (molctl.proxy.redis_store): async record methods, a heartbeat, closed on shutdown
         self.shared_state = shared_state
         self._responses_async = inspect.iscoroutinefunction(self.responses.get_response)
-        self.keys: list[tuple[bytes, str]] = []
+        self.keys: dict[bytes, str] = {}
         self.set_keys(keys or [])
         self.sse_keepalive_s = sse_keepalive_s
         self.ready_cache_s = ready_cache_s
@@ -100,8 +99,11 @@ class ProxyApp:
         self._models_body = json.dumps({"object": "list", "data": [self._model]}).encode()
 
     def set_keys(self, keys: list[str]) -> None:
-        """The accepted keys (each with its tenant id, a short hash); replaced at once (SIGHUP)."""
-        self.keys = [(k.encode(), hashlib.sha256(k.encode()).hexdigest()[:16]) for k in keys]
+        """The accepted keys, by their SHA-256 digest, each with its tenant id (a short hash);
+        replaced at once (SIGHUP). A request's key is looked up by its digest: one hash per
+        request whatever the number of keys, and the lookup's timing says nothing about the keys."""
+        digests = {hashlib.sha256(k.encode()).digest() for k in keys}
+        self.keys = {d: d.hex()[:16] for d in digests}
 
     # ------------------------------------------------------------------ lifecycle
     async def startup(self) -> None:
@@ -247,10 +249,7 @@ class ProxyApp:
                 header = value
                 break
         token = header[7:].strip() if header[:7].lower() == b"bearer " else b""
-        tenant = None
-        for key, tid in self.keys:  # compare against every key: timing does not tell which matched
-            if hmac.compare_digest(token, key):
-                tenant = tid
+        tenant = self.keys.get(hashlib.sha256(token).digest()) if token else None
         if tenant is None:
             raise ProxyError(401, "Incorrect API key provided.", "authentication_error", "invalid_api_key",
                              headers={"www-authenticate": "Bearer"})
