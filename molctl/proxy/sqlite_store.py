@@ -45,8 +45,11 @@ apart from the responses, oldest write first; `stats()` and `molctl state stats`
 Cost, measured on the dev host (2000 calls each, a temp file): a put_turn / put_call / persisted
 set_summary (one committed single-row transaction) ~65-110 us, a get that misses the memory cache
 (one indexed single-row SELECT) ~10-25 us found, ~7-10 us absent, a cache hit ~1 us: on the event
-loop (a thread hop costs as much). A chat turn adds one put (two with its summary, off the reply's
-path); a request whose history holds turns this proxy never answered pays the absent lookup per turn.
+loop (a thread hop costs as much). Since issue 10 these puts are queued and the rows of one
+event-loop pass are written in one transaction at the end of the pass (`queue_turn_row`, `flush`;
+SqliteConversationStore explains the guarantees): a chat turn no longer waits for SQLite, and at
+128 clients a transaction carries several turns. A request whose history holds turns this proxy
+never answered pays the absent lookup per turn.
 A v1 file (responses only) is migrated in place when opened: the new tables are added in one
 transaction, nothing is dropped."""
 
