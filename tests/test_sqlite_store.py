@@ -677,3 +677,49 @@ def test_a_turn_survives_a_crash_once_the_client_has_its_answer(tmp_path):
         assert "L2" in routes
     finally:
         store.close()
+
+
+def test_a_put_from_a_worker_thread_or_after_close_is_not_left_queued(db):
+    """No event loop in the calling thread: written at once. After close: counted as lost."""
+    import threading
+
+    from molctl.proxy.conversations import TurnRecord
+    from molctl.proxy.sqlite_store import SqliteConversationStore
+
+    store = SqliteResponseStore(db, clock=Clock())
+    conv = SqliteConversationStore(store)
+    worker = threading.Thread(target=conv.put_turn, args=(b"t" * 32, TurnRecord("L1")))
+    worker.start()
+    worker.join()
+    assert store.pending_rows() == 0 and _rows(db) == 1
+    store.close()
+    conv.put_turn(b"u" * 32, TurnRecord("L2"))
+    assert store.pending_rows() == 0 and conv.stats()["write_errors"] == 1
+
+
+def test_a_stored_response_is_readable_by_another_process_as_soon_as_the_client_has_it(tmp_path):
+    """Two proxy processes on one state dir: a response created on one is found at once on the
+    other (retrieve and previous_response_id): its write is not deferred."""
+    import openai
+
+    from tests.procs import fake_engine_argv, running
+
+    state, engine_port, port_a, port_b = tmp_path / "state", free_port(), free_port(), free_port()
+    engine = f"http://127.0.0.1:{engine_port}"
+
+    def argv(port):
+        return [sys.executable, "-m", "molctl", "--state-dir", str(state), "proxy", "tiny", "--upstream", engine,
+                "--port", str(port), "--allow-unauthenticated"]
+
+    def client(port):
+        return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=30)
+
+    model = load_profile("tiny", profile_dirs()).served_model_name
+    with running(fake_engine_argv(engine_port), engine + "/health"), \
+            running(argv(port_a), f"http://127.0.0.1:{port_a}/health"), \
+            running(argv(port_b), f"http://127.0.0.1:{port_b}/health"):
+        first = client(port_a).responses.create(model=model, input="remember the word apple", max_output_tokens=16)
+        assert client(port_b).responses.retrieve(first.id).id == first.id
+        second = client(port_b).responses.create(model=model, input="which word?", previous_response_id=first.id,
+                                                 max_output_tokens=16)
+        assert second.previous_response_id == first.id

@@ -463,14 +463,17 @@ class SqliteResponseStore:
         loop.call_soon(self.flush)
 
     def _write_pending(self, raise_errors: bool) -> int:
-        with self._pending_lock:
-            self._flush_scheduled = False
-            turns, self._pending_turns = self._pending_turns, {}
-            calls, self._pending_calls = self._pending_calls, {}
-        if not turns and not calls:
-            return 0
+        turns: dict[bytes, tuple] = {}
+        calls: dict[tuple[str, str], tuple] = {}
         try:
             with self._locked("put"):
+                # taken under the connection's lock: a reader that misses the queue waits for this commit
+                with self._pending_lock:
+                    self._flush_scheduled = False
+                    turns, self._pending_turns = self._pending_turns, {}
+                    calls, self._pending_calls = self._pending_calls, {}
+                if not turns and not calls:
+                    return 0
                 conn = self._conn
                 conn.execute("BEGIN IMMEDIATE")
                 try:
@@ -492,7 +495,14 @@ class SqliteResponseStore:
                     conn.execute("ROLLBACK")
                     raise
         except StoreError as exc:
+            if self._conn is None:  # closed: what is still queued cannot be written any more
+                with self._pending_lock:
+                    turns.update(self._pending_turns)
+                    calls.update(self._pending_calls)
+                    self._pending_turns, self._pending_calls = {}, {}
             lost = len(turns) + len(calls)
+            if not lost:
+                return 0
             self.conv_write_errors += lost
             if raise_errors:
                 raise
