@@ -723,3 +723,27 @@ def test_a_stored_response_is_readable_by_another_process_as_soon_as_the_client_
         second = client(port_b).responses.create(model=model, input="which word?", previous_response_id=first.id,
                                                  max_output_tokens=16)
         assert second.previous_response_id == first.id
+
+
+def test_a_response_put_commits_the_queued_chat_rows_with_it(db):
+    """The Responses API's turn (queued) and its stored response: one commit, done when put_response returns."""
+    import asyncio
+
+    from molctl.proxy.conversations import TurnRecord
+    from molctl.proxy.sqlite_store import SqliteConversationStore
+
+    store = SqliteResponseStore(db, clock=Clock())
+    statements: list[str] = []
+    store._conn.set_trace_callback(statements.append)
+    conv = SqliteConversationStore(store)
+
+    async def turn_then_response():
+        conv.put_turn(b"r" * 32, TurnRecord("L3"))
+        store.put_response(record("resp_1"))
+        assert store.pending_rows() == 0 and _rows(db) == 1  # before the pass ends
+        await asyncio.sleep(0)
+
+    asyncio.run(turn_then_response())
+    assert statements.count("COMMIT") == 1
+    assert store.get_response("tenant-a", "resp_1")["route"] == "L2"
+    store.close()

@@ -305,23 +305,36 @@ class SqliteResponseStore:
 
     # ------------------------------------------------------------------ protocol
     def put_response(self, record: ResponseRecord) -> None:
+        """Committed before it returns (the proxy sends the response after it: readable at once,
+        from any process). The chat rows queued so far go in the same transaction (one commit)."""
         row = _row(record)
-        with self._locked("put"):
-            conn = self._conn
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                conn.execute("DELETE FROM responses WHERE tenant = ? AND id = ?", (row[0], row[1]))
-                conn.execute("INSERT INTO responses (tenant, id, created_at, previous_response_id, route, messages, "
-                             "input_items, response, extra, size) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
-                now = self.clock()
-                if now - self._last_prune >= PRUNE_EVERY_S:
-                    self._expire_group("responses", now)
-                    self._last_prune = now
-                self._evict_group("responses")
-                conn.execute("COMMIT")
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
+        turns: dict[bytes, tuple] = {}
+        calls: dict[tuple[str, str], tuple] = {}
+        try:
+            with self._locked("put"):
+                turns, calls = self._take_pending()
+                conn = self._conn
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    conn.execute("DELETE FROM responses WHERE tenant = ? AND id = ?", (row[0], row[1]))
+                    conn.execute("INSERT INTO responses (tenant, id, created_at, previous_response_id, route, messages, "
+                                 "input_items, response, extra, size) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
+                    now = self.clock()
+                    if now - self._last_prune >= PRUNE_EVERY_S:
+                        self._expire_group("responses", now)
+                        self._last_prune = now
+                    self._evict_group("responses")
+                    if turns or calls:
+                        self._insert_rows(turns, calls, now)
+                    conn.execute("COMMIT")
+                except BaseException:
+                    conn.execute("ROLLBACK")
+                    raise
+        except StoreError as exc:
+            if turns or calls:
+                self.conv_write_errors += len(turns) + len(calls)
+                log.warning("conversation state not persisted (%d rows): %s", len(turns) + len(calls), exc)
+            raise
 
     def get_response(self, tenant: str, response_id: str) -> ResponseRecord | None:
         with self._locked("get"):
@@ -462,34 +475,44 @@ class SqliteResponseStore:
         self._flush_scheduled = True
         loop.call_soon(self.flush)
 
+    def _take_pending(self) -> tuple[dict[bytes, tuple], dict[tuple[str, str], tuple]]:
+        """The queued rows, the queue emptied. Called under the connection's lock: a reader that
+        misses the queue then waits for the commit that writes them."""
+        with self._pending_lock:
+            self._flush_scheduled = False
+            turns, self._pending_turns = self._pending_turns, {}
+            calls, self._pending_calls = self._pending_calls, {}
+        return turns, calls
+
+    def _insert_rows(self, turns: dict[bytes, tuple], calls: dict[tuple[str, str], tuple], now: float) -> None:
+        """Inside a transaction: the rows replaced (the delete triggers keep the totals right),
+        expiry at most every PRUNE_EVERY_S, eviction over the caps."""
+        conn = self._conn
+        if turns:
+            conn.executemany("DELETE FROM turns WHERE key = ?", ((k,) for k in turns))
+            conn.executemany("INSERT INTO turns (key, stamp, route, summary, summary_failed, stale, size) "
+                             "VALUES (?, ?, ?, ?, ?, ?, ?)", ((k, now, *v) for k, v in turns.items()))
+        if calls:
+            conn.executemany("DELETE FROM calls WHERE tenant = ? AND call_id = ?", calls.keys())
+            conn.executemany("INSERT INTO calls (tenant, call_id, stamp, route, name, arguments, size) "
+                             "VALUES (?, ?, ?, ?, ?, ?, ?)", ((*k, now, *v) for k, v in calls.items()))
+        if now - self._last_conv_prune >= PRUNE_EVERY_S:
+            self._expire_group("conversations", now)
+            self._last_conv_prune = now
+        self._evict_group("conversations")
+
     def _write_pending(self, raise_errors: bool) -> int:
         turns: dict[bytes, tuple] = {}
         calls: dict[tuple[str, str], tuple] = {}
         try:
             with self._locked("put"):
-                # taken under the connection's lock: a reader that misses the queue waits for this commit
-                with self._pending_lock:
-                    self._flush_scheduled = False
-                    turns, self._pending_turns = self._pending_turns, {}
-                    calls, self._pending_calls = self._pending_calls, {}
+                turns, calls = self._take_pending()
                 if not turns and not calls:
                     return 0
                 conn = self._conn
                 conn.execute("BEGIN IMMEDIATE")
                 try:
-                    now = self.clock()
-                    if turns:
-                        conn.executemany("DELETE FROM turns WHERE key = ?", ((k,) for k in turns))
-                        conn.executemany("INSERT INTO turns (key, stamp, route, summary, summary_failed, stale, size) "
-                                         "VALUES (?, ?, ?, ?, ?, ?, ?)", ((k, now, *v) for k, v in turns.items()))
-                    if calls:
-                        conn.executemany("DELETE FROM calls WHERE tenant = ? AND call_id = ?", calls.keys())
-                        conn.executemany("INSERT INTO calls (tenant, call_id, stamp, route, name, arguments, size) "
-                                         "VALUES (?, ?, ?, ?, ?, ?, ?)", ((*k, now, *v) for k, v in calls.items()))
-                    if now - self._last_conv_prune >= PRUNE_EVERY_S:
-                        self._expire_group("conversations", now)
-                        self._last_conv_prune = now
-                    self._evict_group("conversations")
+                    self._insert_rows(turns, calls, self.clock())
                     conn.execute("COMMIT")
                 except BaseException:
                     conn.execute("ROLLBACK")
