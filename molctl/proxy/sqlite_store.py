@@ -597,8 +597,8 @@ class SqliteConversationStore:
     """The `ConversationStore` of `proxy.store: sqlite`: a MemoryStore as the hot cache, every put
     written to the `turns` / `calls` tables of the profile's SQLite file (see the module docstring),
     a cache miss read from there (and cached). A put queues the row; the rows queued in one
-    event-loop pass are written in ONE transaction at the end of that pass (`loop.call_soon`), i.e.
-    after the answer's last bytes were handed to the socket: the request does not wait for SQLite,
+    event-loop pass are written in ONE transaction at the end of that pass (`loop.call_soon`; for a
+    non-streamed answer after its bytes were handed to the socket): the request does not wait for SQLite,
     and the next turn of the conversation (which cannot come before the client has the answer)
     finds the record in the cache or, queued, in the queue. A crash loses at most the rows of the
     pass that was running (the turns whose answers were being sent then); close() (the proxy's
