@@ -747,3 +747,33 @@ def test_a_response_put_commits_the_queued_chat_rows_with_it(db):
     assert statements.count("COMMIT") == 1
     assert store.get_response("tenant-a", "resp_1")["route"] == "L2"
     store.close()
+
+
+def test_a_loop_that_stops_before_its_flush_does_not_block_the_next_ones(db):
+    """A loop closed with the flush still pending (its rows stay queued, readable): the next loop's
+    first put schedules a flush again, which writes both."""
+    import asyncio
+
+    from molctl.proxy.conversations import TurnRecord
+    from molctl.proxy.sqlite_store import SqliteConversationStore
+
+    store = SqliteResponseStore(db, clock=Clock())
+    conv = SqliteConversationStore(store)
+    loop = asyncio.new_event_loop()
+
+    def put_and_stop():
+        conv.put_turn(b"1" * 32, TurnRecord("L1"))
+        loop.stop()  # this pass ends the loop: the flush scheduled in it never runs
+
+    loop.call_soon(put_and_stop)
+    loop.run_forever()
+    loop.close()
+    assert store.pending_rows() == 1 and store.get_turn_row(b"1" * 32) == ("L1", None, False, False)
+
+    async def next_loop():
+        conv.put_turn(b"2" * 32, TurnRecord("L2"))
+        await asyncio.sleep(0)
+
+    asyncio.run(next_loop())
+    assert store.pending_rows() == 0 and _rows(db) == 2
+    store.close()

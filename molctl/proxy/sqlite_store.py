@@ -229,7 +229,7 @@ class SqliteResponseStore:
         self._pending_turns: dict[bytes, tuple] = {}
         self._pending_calls: dict[tuple[str, str], tuple] = {}
         self._pending_lock = threading.Lock()  # apart from _lock: queueing never waits for a write in progress
-        self._flush_scheduled = False
+        self._flush_loop: asyncio.AbstractEventLoop | None = None  # the loop a flush is scheduled on
         self.conv_write_errors = 0  # conversation rows that a failed flush lost (logged)
         self.migrated_from: int | None = None  # the version a v1 file was migrated from when opened
         self._conn: sqlite3.Connection | None = None
@@ -465,21 +465,21 @@ class SqliteResponseStore:
         return self._write_pending(raise_errors=False)
 
     def _schedule_flush(self) -> None:
-        if self._flush_scheduled:
-            return
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # no loop in this thread: write now
             self.flush()
             return
-        self._flush_scheduled = True
+        if self._flush_loop is loop:  # scheduled already (on another loop, e.g. one that closed first: again)
+            return
+        self._flush_loop = loop
         loop.call_soon(self.flush)
 
     def _take_pending(self) -> tuple[dict[bytes, tuple], dict[tuple[str, str], tuple]]:
         """The queued rows, the queue emptied. Called under the connection's lock: a reader that
         misses the queue then waits for the commit that writes them."""
         with self._pending_lock:
-            self._flush_scheduled = False
+            self._flush_loop = None
             turns, self._pending_turns = self._pending_turns, {}
             calls, self._pending_calls = self._pending_calls, {}
         return turns, calls
