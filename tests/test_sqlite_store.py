@@ -549,3 +549,231 @@ def test_chat_continuity_survives_a_proxy_restart(tmp_path):
             assert len(log("route")) == routes_mid  # sticky: no route hop after the restart
             answers = log("answer")
             assert len(answers) == answers_before + 2 and answers[-1]["model"] == "L3"
+
+
+# ------------------------------------------------------------------------------ writes off the request's path
+
+def _rows(db: Path) -> int:
+    outside = sqlite3.connect(db)  # another connection: sees committed rows only
+    try:
+        return sum(outside.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in ("turns", "calls"))
+    finally:
+        outside.close()
+
+
+def test_rows_of_one_loop_pass_are_one_transaction_written_after_the_pass(db):
+    """On the event loop a put queues its row: readable at once (cache, then the queue), on disk
+    after the pass, every row queued in the pass in one committed transaction."""
+    import asyncio
+
+    from molctl.proxy.conversations import CallBinding, MemoryStore, TurnRecord
+    from molctl.proxy.sqlite_store import SqliteConversationStore
+
+    store = SqliteResponseStore(db, clock=Clock())
+    statements: list[str] = []
+    store._conn.set_trace_callback(statements.append)
+    conv = SqliteConversationStore(store)
+    first, second = TurnRecord("L1"), TurnRecord("L2")
+    binding = CallBinding("L3", '{"city":"Paris"}', "get_weather")
+
+    async def one_pass_then_the_next():
+        conv.put_turn(b"a" * 32, first)
+        conv.put_turn(b"b" * 32, second)
+        conv.put_call("tenant-a", "call_1", binding)
+        first.set_summary("about a parser")  # a later change of a queued row: still one row
+        assert store.pending_rows() == 3 and _rows(db) == 0
+        # readable at once, also by a reader that misses the cache (another cache on the same store)
+        cold = SqliteConversationStore(store, MemoryStore())
+        assert cold.get_turn(b"a" * 32).summary == "about a parser" and cold.get_call("tenant-a", "call_1") == binding
+        await asyncio.sleep(0)  # the pass ends: the flush runs
+        assert store.pending_rows() == 0 and _rows(db) == 3
+
+    asyncio.run(one_pass_then_the_next())
+    assert [s for s in statements if s == "COMMIT"] == ["COMMIT"]  # one transaction for the pass
+    assert store.get_turn_row(b"a" * 32) == ("L1", "about a parser", False, False)
+    assert conv.stats()["write_errors"] == 0
+    store.close()
+
+
+def test_close_writes_what_is_queued(db):
+    """A drain or shutdown (the app closes the store) loses none of the queued rows."""
+    import asyncio
+
+    from molctl.proxy.conversations import CallBinding, TurnRecord
+    from molctl.proxy.sqlite_store import SqliteConversationStore
+
+    store = SqliteResponseStore(db, clock=Clock())
+    conv = SqliteConversationStore(store)
+
+    async def queue_then_close():
+        conv.put_turn(b"a" * 32, TurnRecord("L2"))
+        conv.put_call("tenant-a", "call_1", CallBinding("L3", "{}", "f"))
+        assert store.pending_rows() == 2
+        store.close()  # before the pass ends
+
+    asyncio.run(queue_then_close())
+    assert _rows(db) == 2
+    again = SqliteResponseStore(db, clock=Clock())
+    assert again.get_turn_row(b"a" * 32) == ("L2", None, False, False)
+    again.close()
+
+
+def test_a_failed_flush_is_logged_and_counted_never_raised(db, caplog):
+    """The file stays locked by another process: the pass's rows are lost for the disk (counted per
+    row, one warning), the chat goes on from the cache."""
+    import asyncio
+
+    from molctl.proxy.conversations import TurnRecord
+    from molctl.proxy.sqlite_store import SqliteConversationStore
+
+    store = SqliteResponseStore(db, clock=Clock(), busy_timeout_s=0.1)
+    conv = SqliteConversationStore(store)
+    record = TurnRecord("L2")
+    holder = sqlite3.connect(db, isolation_level=None)
+
+    async def queue_while_locked():
+        conv.put_turn(b"a" * 32, record)
+        conv.put_turn(b"b" * 32, TurnRecord("L1"))
+        holder.execute("BEGIN EXCLUSIVE")
+        await asyncio.sleep(0)
+
+    try:
+        asyncio.run(queue_while_locked())
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert conv.stats()["write_errors"] == 2
+    assert any("not persisted (2 rows)" in r.getMessage() and "locked" in r.getMessage() for r in caplog.records)
+    assert conv.get_turn(b"a" * 32) is record  # this process still has it
+    assert _rows(db) == 0
+    store.close()
+
+
+def test_a_turn_survives_a_crash_once_the_client_has_its_answer(tmp_path):
+    """The proxy killed (SIGKILL, no drain) after the client got its answer and a later request
+    was answered: the turn is on disk (a crash loses at most the pass that was running)."""
+    import signal
+
+    import openai
+
+    from tests.procs import fake_engine_argv, running
+
+    state, engine_port, port = tmp_path / "state", free_port(), free_port()
+    engine = f"http://127.0.0.1:{engine_port}"
+    argv = [sys.executable, "-m", "molctl", "--state-dir", str(state), "proxy", "tiny", "--upstream", engine,
+            "--port", str(port), "--allow-unauthenticated"]
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=30)
+    model = load_profile("tiny", profile_dirs()).served_model_name
+    with running(fake_engine_argv(engine_port), engine + "/health"):
+        with running(argv, f"http://127.0.0.1:{port}/health") as proxy:
+            client.chat.completions.create(model=model, messages=[{"role": "user", "content": "[route:L2] write a parser"}])
+            client.models.list()  # answered on a later pass than the one that sent the chat answer
+            os.killpg(proxy.pid, signal.SIGKILL)
+            proxy.wait(10)
+    store = SqliteResponseStore(store_path(state, "tiny"))
+    try:
+        assert store.stats()["conversation_rows"] >= 1
+        routes = [r[0] for r in store._conn.execute("SELECT route FROM turns")]
+        assert "L2" in routes
+    finally:
+        store.close()
+
+
+def test_a_put_from_a_worker_thread_or_after_close_is_not_left_queued(db):
+    """No event loop in the calling thread: written at once. After close: counted as lost."""
+    import threading
+
+    from molctl.proxy.conversations import TurnRecord
+    from molctl.proxy.sqlite_store import SqliteConversationStore
+
+    store = SqliteResponseStore(db, clock=Clock())
+    conv = SqliteConversationStore(store)
+    worker = threading.Thread(target=conv.put_turn, args=(b"t" * 32, TurnRecord("L1")))
+    worker.start()
+    worker.join()
+    assert store.pending_rows() == 0 and _rows(db) == 1
+    store.close()
+    conv.put_turn(b"u" * 32, TurnRecord("L2"))
+    assert store.pending_rows() == 0 and conv.stats()["write_errors"] == 1
+
+
+def test_a_stored_response_is_readable_by_another_process_as_soon_as_the_client_has_it(tmp_path):
+    """Two proxy processes on one state dir: a response created on one is found at once on the
+    other (retrieve and previous_response_id): its write is not deferred."""
+    import openai
+
+    from tests.procs import fake_engine_argv, running
+
+    state, engine_port, port_a, port_b = tmp_path / "state", free_port(), free_port(), free_port()
+    engine = f"http://127.0.0.1:{engine_port}"
+
+    def argv(port):
+        return [sys.executable, "-m", "molctl", "--state-dir", str(state), "proxy", "tiny", "--upstream", engine,
+                "--port", str(port), "--allow-unauthenticated"]
+
+    def client(port):
+        return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=30)
+
+    model = load_profile("tiny", profile_dirs()).served_model_name
+    with running(fake_engine_argv(engine_port), engine + "/health"), \
+            running(argv(port_a), f"http://127.0.0.1:{port_a}/health"), \
+            running(argv(port_b), f"http://127.0.0.1:{port_b}/health"):
+        first = client(port_a).responses.create(model=model, input="remember the word apple", max_output_tokens=16)
+        assert client(port_b).responses.retrieve(first.id).id == first.id
+        second = client(port_b).responses.create(model=model, input="which word?", previous_response_id=first.id,
+                                                 max_output_tokens=16)
+        assert second.previous_response_id == first.id
+
+
+def test_a_response_put_commits_the_queued_chat_rows_with_it(db):
+    """The Responses API's turn (queued) and its stored response: one commit, done when put_response returns."""
+    import asyncio
+
+    from molctl.proxy.conversations import TurnRecord
+    from molctl.proxy.sqlite_store import SqliteConversationStore
+
+    store = SqliteResponseStore(db, clock=Clock())
+    statements: list[str] = []
+    store._conn.set_trace_callback(statements.append)
+    conv = SqliteConversationStore(store)
+
+    async def turn_then_response():
+        conv.put_turn(b"r" * 32, TurnRecord("L3"))
+        store.put_response(record("resp_1"))
+        assert store.pending_rows() == 0 and _rows(db) == 1  # before the pass ends
+        await asyncio.sleep(0)
+
+    asyncio.run(turn_then_response())
+    assert statements.count("COMMIT") == 1
+    assert store.get_response("tenant-a", "resp_1")["route"] == "L2"
+    store.close()
+
+
+def test_a_loop_that_stops_before_its_flush_does_not_block_the_next_ones(db):
+    """A loop closed with the flush still pending (its rows stay queued, readable): the next loop's
+    first put schedules a flush again, which writes both."""
+    import asyncio
+
+    from molctl.proxy.conversations import TurnRecord
+    from molctl.proxy.sqlite_store import SqliteConversationStore
+
+    store = SqliteResponseStore(db, clock=Clock())
+    conv = SqliteConversationStore(store)
+    loop = asyncio.new_event_loop()
+
+    def put_and_stop():
+        conv.put_turn(b"1" * 32, TurnRecord("L1"))
+        loop.stop()  # this pass ends the loop: the flush scheduled in it never runs
+
+    loop.call_soon(put_and_stop)
+    loop.run_forever()
+    loop.close()
+    assert store.pending_rows() == 1 and store.get_turn_row(b"1" * 32) == ("L1", None, False, False)
+
+    async def next_loop():
+        conv.put_turn(b"2" * 32, TurnRecord("L2"))
+        await asyncio.sleep(0)
+
+    asyncio.run(next_loop())
+    assert store.pending_rows() == 0 and _rows(db) == 2
+    store.close()

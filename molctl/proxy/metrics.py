@@ -83,11 +83,17 @@ class ProxyMetrics(Counters):
             "queue_wait_seconds": Histogram(PREFIX + "queue_wait_seconds", "Time answers waited for an answer slot (admission).",
                                             buckets=LATENCY_BUCKETS, registry=self.registry),
         }
+        self._children: dict[tuple, Any] = {}
         self.registry.register(_Collector(self))
 
     def observe(self, name: str, seconds: float, **labels: str) -> None:
-        hist = self.histograms[name]
-        (hist.labels(**labels) if labels else hist).observe(seconds)
+        # the labelled child cached per label set: prometheus_client's labels() validates and locks on every call
+        key = (name, *labels.items())
+        child = self._children.get(key)
+        if child is None:
+            hist = self.histograms[name]
+            child = self._children[key] = hist.labels(**labels) if labels else hist
+        child.observe(seconds)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -273,7 +273,8 @@ class Orchestrator:
         reason = "bad_label"
         start = time.monotonic()
         try:
-            body = await asyncio.wait_for(self._route_hop(plan, payload), self.profile.proxy.route_timeout_s)
+            async with asyncio.timeout(self.profile.proxy.route_timeout_s):  # no task per call (wait_for makes one)
+                body = await self._route_hop(plan, payload)
             label = parse_label(((body.get("choices") or [{}])[0]).get("message") or {})
         except TimeoutError:
             reason = "timeout"
