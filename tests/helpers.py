@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,16 @@ def free_ports(n: int = 2) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def wait_for(predicate, timeout: float = 15.0) -> bool:
+    """Poll `predicate` every 50 ms until it is true or `timeout` s passed; its last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return bool(predicate())
 
 
 def url(port: int, host: str = "127.0.0.1") -> str:

@@ -22,7 +22,7 @@ from molctl import procid
 from molctl.errors import ExitStatus
 from molctl.profiles import builtin_profiles_dir
 from molctl.progress import SilentProgress
-from tests.helpers import ROOT, Molctl, exit_status, free_port, url, wait_status
+from tests.helpers import ROOT, Molctl, exit_status, free_port, url, wait_for, wait_status
 from tests.procs import stop
 from tests.test_lifecycle import Host, gone
 
@@ -49,15 +49,6 @@ def _add_tiny_b(host: Host) -> None:
     other = (builtin_profiles_dir() / "tiny.yaml").read_text().replace("name: tiny", "name: tiny-b") \
         .replace("served_model_name: Macaron-Tiny-Demo", "served_model_name: Macaron-Tiny-B")
     (host.profiles / "tiny-b.yaml").write_text(other)
-
-
-def _wait(pred, timeout=15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def _alive(pid: int) -> bool:
@@ -118,7 +109,7 @@ def test_a_retitled_orphan_is_found_by_its_working_directory(host):
     assert host.up(env={"FAKE_CHILD": "retitle"}).exit_code == ExitStatus.OK
     record = host.records()["engine"]
     (child,) = psutil.Process(record.pid).children()
-    assert _wait(lambda: "VLLM::EngineCore" in " ".join(child.cmdline()))
+    assert wait_for(lambda: "VLLM::EngineCore" in " ".join(child.cmdline()))
     assert procid.MARKER_ID not in (procid.environ_of(child.pid) or {})
     assert child.cwd() == str(procid.run_dir(os.path.realpath(host.state / "tiny" / "engine.json"), record.record_id))
     os.kill(record.pid, signal.SIGKILL)
@@ -246,7 +237,7 @@ def test_switch_holds_the_lock_throughout_and_a_failed_switch_says_how_to_go_bac
     proc = host.start("switch", "tiny-b", *host.args("--stop-timeout", "5", env={"FAKE_STARTUP_DELAY": "2"}))
     from molctl.state import lock_holder
 
-    assert _wait(lambda: "engine" in host.records("tiny-b"))
+    assert wait_for(lambda: "engine" in host.records("tiny-b"))
     holder = lock_holder(host.state)
     assert (holder.action, holder.profile) == ("switch", "tiny-b")  # not a second, separate `up tiny-b`
     blocked = host.up()
@@ -307,7 +298,7 @@ def test_claims_are_held_by_the_components_and_freed_on_exit(host, host_lock_dir
     assert locks.holder("port", host.engine_port).pid == engine.pid
     assert locks.holder("port", host.proxy_port).pid == proxy.pid
     os.kill(proxy.pid, signal.SIGKILL)
-    assert _wait(lambda: locks.holder("port", host.proxy_port) is None)
+    assert wait_for(lambda: locks.holder("port", host.proxy_port) is None)
     assert locks.holder("port", host.engine_port) is not None
     assert host.molctl("down").exit_code == ExitStatus.OK
     assert locks.holder("port", host.engine_port) is None
@@ -414,7 +405,7 @@ def test_a_read_only_state_dir_gives_one_line_and_down_still_stops(host, tmp_pat
 
 def test_a_proxy_that_dies_while_the_engine_loads_is_restarted(host):
     proc = host.start("up", "tiny", *host.args(env={"FAKE_STARTUP_DELAY": "3"}))
-    assert _wait(lambda: "proxy" in host.records())
+    assert wait_for(lambda: "proxy" in host.records())
     engine_pid, proxy_pid = host.records()["engine"].pid, host.records()["proxy"].pid
     os.kill(proxy_pid, signal.SIGKILL)
     out, err = proc.communicate(timeout=90)
@@ -431,10 +422,10 @@ def test_unknown_profile_names_are_errors(host):
 
 def test_a_second_ctrl_c_during_clean_up_says_what_may_still_run(host):
     proc = host.start("up", "tiny", *host.args(env={"FAKE_STARTUP_DELAY": "60", "FAKE_IGNORE_TERM": "1"}))
-    assert _wait(lambda: "proxy" in host.records())
+    assert wait_for(lambda: "proxy" in host.records())
     proxy_pid = host.records()["proxy"].pid
     proc.send_signal(signal.SIGINT)
-    assert _wait(lambda: not _alive(proxy_pid))  # the clean-up stops the proxy first, then waits on the engine
+    assert wait_for(lambda: not _alive(proxy_pid))  # the clean-up stops the proxy first, then waits on the engine
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=30)
     assert exit_status(proc.returncode) == ExitStatus.INTERRUPTED, err
@@ -518,10 +509,10 @@ def test_logs_follow_across_a_rotation(tmp_path):
 
     t = threading.Thread(target=follow, daemon=True)
     t.start()
-    assert _wait(lambda: out_path.exists() and "one" in out_path.read_text())
+    assert wait_for(lambda: out_path.exists() and "one" in out_path.read_text())
     os.replace(log, f"{log}.1")
     log.write_text("after rotation\n")
-    assert _wait(lambda: "after rotation" in out_path.read_text())
+    assert wait_for(lambda: "after rotation" in out_path.read_text())
     assert "was rotated" in out_path.read_text()
 
 

@@ -20,6 +20,7 @@ import pytest
 from molctl.engines import get_engine
 from molctl.proxy.conversations import MemoryStore, TurnRecord
 from tests.conftest import free_port
+from tests.helpers import wait_for
 from tests.procs import fake_engine_argv, proxy_argv, running
 from tests.test_proxy import IDENTITY, KEY, PUBLIC, STRICT, TINY, fold, keyfile, s, stack  # noqa: F401 - fixtures
 
@@ -28,15 +29,6 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 def url(s) -> str:
     return s.proxy_url + "/v1/chat/completions"
-
-
-def wait_for(predicate, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 def one_leading_system(entry: dict) -> bool:

@@ -6,14 +6,13 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import time
 
 import httpx
 import openai
 import pytest
 
 from molctl.status import proxy_metrics
-from tests.helpers import free_port
+from tests.helpers import free_port, wait_for
 from tests.procs import fake_engine_argv, proxy_argv, running
 from tests.test_proxy import PUBLIC
 
@@ -69,15 +68,6 @@ def s(tmp_path_factory):
                                "--metrics-port", str(metrics_port), "--set", "proxy.route_timeout_s=2"),
                     proxy_url + "/health", log=log):
         yield Stack(engine_url, proxy_url, f"http://127.0.0.1:{metrics_port}/metrics", log)
-
-
-def wait_for(predicate, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 def test_metrics_listener_counts_requests_hops_and_states(s):

@@ -16,7 +16,7 @@ import pytest
 
 from molctl.errors import ExitStatus
 from molctl.state import Record, read_records, write_record
-from tests.helpers import ROOT, Molctl, free_port, free_ports, url
+from tests.helpers import ROOT, Molctl, free_port, free_ports, url, wait_for
 from tests.layouts import make_layout
 from tests.procs import fake_engine_argv, fake_engine_python, proxy_argv, running, stop
 from tests.test_proxy import PUBLIC
@@ -26,15 +26,6 @@ OLD, NEW = "sk-reload-old", "sk-reload-new"
 
 def status_with(proxy_url: str, key: str) -> int:
     return httpx.get(proxy_url + "/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=10).status_code
-
-
-def wait_for(predicate, timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 def write_keys(path, *keys: str) -> None:
