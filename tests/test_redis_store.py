@@ -186,6 +186,56 @@ def test_turn_merge_never_lowers_a_turn_between_replicas(redis, r):
     asyncio.run(main())
 
 
+def test_a_chained_read_brings_the_conversations_current_state_in_one_script(redis, r):
+    """A stored response keeps the store keys of its conversation (turns, tool calls) before its
+    JSON; `get_previous` reads the record and their current values in one script, and the next
+    `load` of the same request uses them instead of reading again (only keys it lacks are read).
+    Plain reads see the record as before; another tenant sees nothing; a record stored without
+    keys (plain JSON) still reads."""
+    async def main():
+        a = RedisConversationStore(state(redis, replica_id="a"))
+        b = RedisConversationStore(state(redis, replica_id="b"))
+        on_a, on_b = RedisResponseStore(a.state), RedisResponseStore(b.state)
+        turn, other = b"q" * 32, b"o" * 32
+
+        async def request_on_a() -> TurnRecord:  # each request runs in a task of its own, as under uvicorn
+            await a.load([], [])
+            rec = TurnRecord("L1")
+            a.put_turn(turn, rec)
+            a.put_call("t1", "call-9", CallBinding("L1", "{}", "f"))
+            await on_a.put_response(record("resp_1"))
+            await a.flush()
+            return rec
+
+        rec = await asyncio.create_task(request_on_a())
+        raw = r.get("molctl:{tiny}:r:t1:resp_1")
+        assert raw.startswith(f"t:{turn.hex()} c:t1:call-9\n".encode())
+        assert (await on_b.get_response("t1", "resp_1"))["messages"] == [{"role": "user", "content": "hi"}]
+        rec.set_summary("S")  # the turn changes after the response was stored: its current state is read
+        await a.flush()
+        a.put_turn(other, TurnRecord("L2"))
+        await a.flush()
+
+        async def request_on_b() -> None:
+            assert (await on_b.get_previous("t1", "resp_1"))["id"] == "resp_1"
+            r.delete(a._tkey(turn), a._ckey("t1", "call-9"))  # gone now: what load finds came with the record
+            assert await b.load([turn, other], [("t1", "call-9")]) is True
+            seen = b.get_turn(turn)
+            assert (seen.summary, seen.replica, seen.done.is_set()) == ("S", "a", True)
+            assert b.get_turn(other).route == "L2"  # not kept with the record: read by the load
+            assert b.get_call("t1", "call-9") == CallBinding("L1", "{}", "f", "a")
+
+        await asyncio.create_task(request_on_b())
+        r.script_flush()  # a restarted Redis lost the scripts: loaded again within the call
+        assert await on_b.get_previous("t2", "resp_1") is None  # the key holds the tenant
+        r.set("molctl:{tiny}:r:t1:resp_plain", json.dumps(record("resp_plain")))
+        assert (await on_b.get_previous("t1", "resp_plain"))["id"] == "resp_plain"
+        for s in (a, b):
+            await s.state.close()
+
+    asyncio.run(main())
+
+
 def test_a_pending_turn_of_another_replica_is_awaited_until_its_summary_lands(redis, r):
     async def main():
         a = RedisConversationStore(state(redis, replica_id="a"))
@@ -565,3 +615,98 @@ def test_password_file_authenticates_and_a_wrong_one_is_one_line(tmp_path, keyfi
         assert f"proxy.store {server.url}: unreachable: authentication failed" in lines[0] and "wrong" not in out.stderr
     finally:
         server.stop()
+
+
+# ------------------------------------------------------------------------------ round trips per request
+
+BACKGROUND = {"heartbeat", "turn summary", "turn failed", "client", "select", "auth", "hello", "script"}
+
+
+def label(argv: list[bytes]) -> str:
+    """What one command sent to Redis was for (see tests/redis_relay.py)."""
+    name = argv[0].upper()
+    if name == b"EVALSHA":
+        nkeys, key = int(argv[2]), argv[3]
+        if b":r:" in key:
+            return "chain" if nkeys == 1 else "put r"
+        if b":c:" in key:
+            return "put call"
+        if b":t:" in key:
+            return f"turn {json.loads(argv[3 + nkeys])['state']}"
+    if name in (b"SET", b"DEL") and len(argv) > 1 and b":replica:" in argv[1]:
+        return "heartbeat"
+    return name.decode().lower()
+
+
+def request_trips(flights: list[list[list[bytes]]]) -> list[list[str]]:
+    """The round trips of the request itself: each as its sorted commands, without the background
+    ones (heartbeats, the summary hop's write, a new pooled connection's set-up)."""
+    trips = [sorted(x for x in map(label, flight) if x not in BACKGROUND) for flight in flights]
+    return [t for t in trips if t]
+
+
+@pytest.fixture
+def relayed(keyfile, tmp_path):
+    """A proxy whose Redis connections pass through a relay that counts round trips."""
+    from tests.redis_relay import redis_relay
+
+    engine_port, proxy_port = free_port(), free_port()
+    engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
+    with redis_server() as server, redis_relay(server.port) as relay, \
+            running(fake_engine_argv(engine_port), engine_url + "/health", log=tmp_path / "engine.log"), \
+            running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(keyfile), "--set", f"proxy.store={relay.url}"),
+                    proxy_url + "/health", log=tmp_path / "proxy.log"):
+        yield relay, openai.OpenAI(base_url=proxy_url + "/v1", api_key=KEY, max_retries=0, timeout=15)
+
+
+def test_round_trips_of_a_chained_responses_request_and_a_chat_turn(relayed):
+    """A chained Responses request makes two round trips to Redis: one script reads the previous
+    response and its conversation's turns (or tool calls) together, one pipeline writes the new
+    turn and the new response; a chat turn with history two: the turns' MGET and the write.
+    Counted at the socket (a relay), not timed: before, a chained request made three."""
+    from tests.test_responses import TOOLS
+
+    relay, client = relayed
+    summaries_expected = 0
+
+    def trips_of(call):
+        """The request's round trips, counted once the earlier turns' summaries were written."""
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and \
+                sum(label(c) in ("turn summary", "turn failed") for f in relay.since(0) for c in f) < summaries_expected:
+            time.sleep(0.02)
+        mark = relay.snapshot()
+        result = call()
+        return result, request_trips(relay.since(mark))
+
+    # warm-up: scripts loaded, connections made
+    first = client.responses.create(model=PUBLIC, input="[route:L1] hello")
+    client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "[route:L2] warm"}])
+    summaries_expected = 2
+
+    second, trips = trips_of(lambda: client.responses.create(model=PUBLIC, input="[route:L1] more", previous_response_id=first.id))
+    assert trips == [["chain"], ["put r", "turn pending"]]
+    summaries_expected += 1
+    # streamed: the turn and the response are written in one pipeline too
+    _, trips = trips_of(lambda: list(client.responses.create(model=PUBLIC, input="[route:L2] again", previous_response_id=second.id,
+                                                              stream=True)))
+    assert trips == [["chain"], ["put r", "turn pending"]]
+    summaries_expected += 1
+    # a tool call: its binding is kept with the response, so the tool result's request reads it in the same script
+    called, trips = trips_of(lambda: client.responses.create(model=PUBLIC, input="[tool:get_weather] Paris?", tools=TOOLS,
+                                                             previous_response_id=second.id))
+    assert trips == [["chain"], ["put call", "put r"]]
+    call = next(item for item in called.output if item.type == "function_call")
+    answered, trips = trips_of(lambda: client.responses.create(
+        model=PUBLIC, previous_response_id=called.id, tools=TOOLS,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "18C sunny"}]))
+    assert answered.status == "completed" and trips == [["chain"], ["put r", "turn pending"]]
+    summaries_expected += 1
+    # chat: the first turn writes once; the next turn reads its history's turns once and writes once
+    messages = [{"role": "user", "content": "[route:L2] first"}]
+    reply, trips = trips_of(lambda: client.chat.completions.create(model=PUBLIC, messages=messages))
+    assert trips == [["turn pending"]]
+    summaries_expected += 1
+    messages += [{"role": "assistant", "content": reply.choices[0].message.content}, {"role": "user", "content": "[route:L3] next"}]
+    _, trips = trips_of(lambda: client.chat.completions.create(model=PUBLIC, messages=messages))
+    assert trips == [["mget"], ["turn pending"]]

@@ -489,7 +489,9 @@ class ProxyApp:
         if self._responses_async and (previous is not None or req.store):
             await self.responses.available()
         if previous is not None:
-            record = await self._stored(self.responses.get_response, tenant, previous)
+            # a shared store reads the chain's conversation state in the same round trip (get_previous)
+            get = getattr(self.responses, "get_previous", self.responses.get_response)
+            record = await self._stored(get, tenant, previous)
             if record is None:
                 raise responses.not_found(previous, "previous_response_id")
             req.prev, req.history = record, list(record["messages"])
@@ -560,7 +562,7 @@ class ProxyApp:
         """Nothing is yielded before the engine's first token, so an early failure keeps its
         status (see `_stream`); a failure after that is a `response.failed` event."""
         await self._responses_route(plan, req)
-        answer = self.orch.stream(plan)
+        answer = self.orch.stream(plan, persist=False)  # recorded below: the turn and the response in one write
         started = False
         try:
             async for chunk in answer:
@@ -579,7 +581,10 @@ class ProxyApp:
         finally:
             await answer.aclose()
         closing, final = tr.finish_events()
+        if plan.answer is not None:
+            self.orch.record(plan, plan.answer)
         await self._responses_keep(req, plan, tenant, final)  # before the last event: the next request may follow at once
+        await self.orch.persisted()
         for event in closing:
             yield event
 

@@ -394,10 +394,12 @@ class Orchestrator:
                 await self.persisted()
         return shaped
 
-    async def stream(self, plan: Plan) -> AsyncIterator[dict[str, Any]]:
+    async def stream(self, plan: Plan, persist: bool = True) -> AsyncIterator[dict[str, Any]]:
         """Streaming answer: yields client chunks (role first, live deltas, final, usage). The
         first chunk comes with the engine's first event, i.e. once the first token exists; an
-        engine failure raises ProxyError, before or after the first chunk."""
+        engine failure raises ProxyError, before or after the first chunk. `persist=False`: the
+        answer is only kept in `plan.answer`; the caller records it (`record`) and awaits
+        `persisted()` with its own writes (one round trip for all)."""
         await self._await_summaries(plan)
         payload = await self._offload(plan, self._build_answer, plan)
         rid, created = shaping.new_id(), int(time.time())
@@ -448,8 +450,11 @@ class Orchestrator:
             if calls:
                 message["tool_calls"] = [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
                                          for _, c in sorted(calls.items())]
-            self.record(plan, message)  # before the final frames: the client's next turn may follow at once
-            await self.persisted()
+            if persist:
+                self.record(plan, message)  # before the final frames: the client's next turn may follow at once
+                await self.persisted()
+            else:
+                plan.answer = message
         yield shaping.chunk(rid, self.public, created, {}, finish)
         if plan.include_usage and usage:
             yield shaping.usage_chunk(rid, self.public, created, usage)

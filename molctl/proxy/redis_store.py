@@ -15,7 +15,9 @@ variable MOLCTL_STORE_PASSWORD (never argv). Logs show `address` (scheme://host:
 
 Keys (all hash-tagged by profile, so one profile's keys share a Cluster slot; Cluster itself is
 not a target): PREFIX = `molctl:{PROFILE}:`
-  - `r:TENANT:RESP_ID`   a response record (JSON), TTL proxy.store_ttl_s;
+  - `r:TENANT:RESP_ID`   a response record (JSON), TTL proxy.store_ttl_s; preceded by the store
+                          keys its chain's next request reads ("t:HEX c:TENANT:ID ..." and a newline), so that
+                          one script (GET_CHAIN) returns the record and their values;
   - `t:HEX(KEY)`         a chat turn {route, summary, state, replica, at} (the key is already
                           seeded with the tenant), TTL as above;
   - `c:TENANT:CALL_ID`   a tool-call binding {route, arguments, name, replica}, TTL as above;
@@ -40,7 +42,9 @@ stale mark is dropped; the writer learns the merged state. Scripts use Redis 6.2
 
 Cost (bench/bench_redis.py, BENCHMARKS.md): a call is one round trip, ~0.1-0.25 ms on the 2-core
 dev host; writes started in one turn of the event loop go out in one pipeline (`_write`), so
-concurrent requests share round trips.
+concurrent requests share round trips. Per request: a chained Responses request makes two (the
+previous response with its conversation's turns and tool calls: `get_previous`; the new turn and
+response written together), a chat turn with history two (MGET, write), a first turn one.
 
 Failure behaviour. Every call runs under `call_timeout_s` (and socket connect/read timeouts;
 one reconnect on a dropped connection, none on a timeout).
@@ -130,7 +134,59 @@ _REQUEST_WRITES: contextvars.ContextVar[list[asyncio.Task] | None] = contextvars
                                                                                              default=None)
 
 
-SCRIPTS = {"put": TRIM + PUT_CAPPED, "turn": TRIM + MERGE_TURN}
+class _RequestReads:
+    """One request's reads (a contextvar: uvicorn runs each request in a task of its own).
+    `prefetched`: store keys (without the prefix) read together with the previous response
+    (value None: absent), used once by the next `load`; `names`: the store keys the next request
+    of this conversation will read (the history's turns, this answer's turn or tool calls), kept
+    with the response this request stores."""
+
+    __slots__ = ("names", "prefetched")
+
+    def __init__(self, prefetched: dict[str, bytes | None] | None = None):
+        self.prefetched = prefetched
+        self.names: list[str] = []
+
+
+_REQUEST_READS: contextvars.ContextVar[_RequestReads | None] = contextvars.ContextVar("molctl_store_reads", default=None)
+_NAME_SPACES = frozenset(b" \t\n\r\x0b\x0c")  # what the chain script splits names on
+
+
+def _keep_name(name: str) -> None:
+    """Remember a store key the next request of this conversation reads (see _RequestReads)."""
+    reads = _REQUEST_READS.get()
+    if reads is not None and not _NAME_SPACES.intersection(name.encode()):
+        reads.names.append(name)
+
+
+def _record_json(raw: bytes) -> bytes:
+    """A stored response's JSON (without the store keys kept before it: see GET_CHAIN)."""
+    return raw if raw[:1] == b"{" else raw[raw.index(b"\n") + 1:]
+
+
+# a response record and, in one round trip, the store keys its next request reads (see
+# RedisResponseStore.get_previous): the record's value is "NAME NAME ...\n" + JSON when the names
+# were kept with it (JSON never holds a raw newline), plain JSON otherwise. KEYS[1] the record;
+# ARGV[1] the key prefix. Returns {record or nil, value of each name (nil: absent)...}. The names
+# are keys of the same profile (one hash tag, one Cluster slot), as TRIM's victims are.
+GET_CHAIN = """
+local raw = redis.call('GET', KEYS[1])
+if not raw then return {false} end
+local out = {raw}
+if string.byte(raw, 1) == 123 then return out end
+local nl = string.find(raw, '\\n', 1, true)
+if not nl then return out end
+local names = {}
+for name in string.gmatch(string.sub(raw, 1, nl - 1), '%S+') do names[#names + 1] = ARGV[1] .. name end
+for i = 1, #names, 500 do
+  local values = redis.call('MGET', unpack(names, i, math.min(i + 499, #names)))
+  for j = 1, #values do out[#out + 1] = values[j] end
+end
+return out
+"""
+
+
+SCRIPTS = {"put": TRIM + PUT_CAPPED, "turn": TRIM + MERGE_TURN, "chain": GET_CHAIN}
 SCRIPT_SHA: dict[str, str] = {}
 
 
@@ -383,6 +439,30 @@ class RedisState:
         self._batch.append((script, keys, args, future))
         return await future
 
+    async def _load_scripts(self, r) -> None:
+        async with r.pipeline(transaction=False) as pipe:
+            for source in SCRIPTS.values():
+                pipe.script_load(source)
+            shas = await pipe.execute()
+        SCRIPT_SHA.update(zip(SCRIPTS, shas, strict=True))
+        self._scripts_loaded = True
+
+    async def script(self, what: str, name: str, keys: list[str], args: list[Any]) -> Any:
+        """One script call (a read: not batched), one round trip; a Redis that lost its scripts
+        (restarted, SCRIPT FLUSH) gets them again within the same call."""
+        import redis
+
+        async def run(r):
+            if not self._scripts_loaded:
+                await self._load_scripts(r)
+            try:
+                return await r.evalsha(SCRIPT_SHA[name], len(keys), *keys, *args)
+            except redis.exceptions.NoScriptError:
+                await self._load_scripts(r)
+                return await r.evalsha(SCRIPT_SHA[name], len(keys), *keys, *args)
+
+        return await self.call(what, run)
+
     def _track_batch(self, task: asyncio.Task) -> None:
         self._batches.add(task)
         task.add_done_callback(self._batches.discard)
@@ -392,11 +472,6 @@ class RedisState:
 
         batch, self._batch = self._batch, []
 
-        async def load_scripts(r) -> None:
-            for name, source in SCRIPTS.items():
-                SCRIPT_SHA[name] = await r.script_load(source)
-            self._scripts_loaded = True
-
         async def run(r, entries):
             async with r.pipeline(transaction=False) as pipe:
                 for script, keys, args, _ in entries:
@@ -405,13 +480,13 @@ class RedisState:
 
         async def send(r):
             if not self._scripts_loaded:
-                await load_scripts(r)
+                await self._load_scripts(r)
             results = await run(r, batch)
             # NOSCRIPT: the server lost the scripts (restarted under a live connection, SCRIPT FLUSH,
             # a failover): load them again and send those writes once more, within this call
             missing = [i for i, result in enumerate(results) if isinstance(result, redis.exceptions.NoScriptError)]
             if missing:
-                await load_scripts(r)
+                await self._load_scripts(r)
                 for i, result in zip(missing, await run(r, [batch[i] for i in missing]), strict=True):
                     results[i] = result
             return results
@@ -517,15 +592,37 @@ class RedisResponseStore:
             await self.state.available()
 
     async def put_response(self, record: ResponseRecord) -> None:
+        """Stored with the store keys the next request of its chain reads (its conversation's
+        turns, its tool calls: kept by RedisConversationStore during this request), so that
+        `get_previous` returns them with it."""
         raw = json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode()
+        reads = _REQUEST_READS.get()
+        if reads is not None and reads.names:
+            raw = " ".join(dict.fromkeys(reads.names)).encode() + b"\n" + raw
         await self.state.put(self._key(record["tenant"], record["id"]), "r", raw)
+
+    def _fresh(self, raw: bytes) -> ResponseRecord | None:
+        record = json.loads(_record_json(raw))
+        return record if self.state.clock() - float(record.get("created_at", 0)) <= self.state.ttl_s else None
 
     async def get_response(self, tenant: str, response_id: str) -> ResponseRecord | None:
         raw = await self.state.call("read", lambda r: r.get(self._key(tenant, response_id)))
+        return None if raw is None else self._fresh(raw)
+
+    async def get_previous(self, tenant: str, response_id: str) -> ResponseRecord | None:
+        """The response a request continues, and in the same round trip (one script) the current
+        state of its conversation's turns and tool calls, which this request's `load` then uses
+        instead of reading them again. The keys come from the record, written by this tenant's
+        own request (the record's key holds the tenant); `load` uses only the keys it computed itself."""
+        reply = await self.state.script("read", "chain", [self._key(tenant, response_id)], [self.state.prefix])
+        raw = reply[0]
         if raw is None:
             return None
-        record = json.loads(raw)
-        return record if self.state.clock() - float(record.get("created_at", 0)) <= self.state.ttl_s else None
+        record = self._fresh(raw)
+        names = raw[:raw.index(b"\n")].split() if raw[:1] != b"{" else []  # ASCII whitespace, as the script splits
+        if record is not None and len(names) == len(reply) - 1:
+            _REQUEST_READS.set(_RequestReads({n.decode(): v for n, v in zip(names, reply[1:], strict=True)}))
+        return record
 
     async def delete_response(self, tenant: str, response_id: str) -> bool:
         key = self._key(tenant, response_id)
@@ -611,6 +708,14 @@ class RedisConversationStore:
     def _ckey(self, tenant: str, call_id: str) -> str:
         return f"{self.state.prefix}c:{tenant}:{call_id}"
 
+    @staticmethod
+    def _tname(key: bytes) -> str:  # a turn's store key without the prefix
+        return f"t:{key.hex()}"
+
+    @staticmethod
+    def _cname(tenant: str, call_id: str) -> str:
+        return f"c:{tenant}:{call_id}"
+
     # ---------------------------------------------------------------- sync protocol (cache)
     def get_turn(self, key: bytes) -> TurnRecord | None:
         return self.cache.get_turn(key)
@@ -622,6 +727,7 @@ class RedisConversationStore:
                 record.replica = _serving(self.state.replica_id)
             record.on_change = _Persist(self, key)
             self._write_turn(key, record)
+            _keep_name(self._tname(key))
         self.cache.put_turn(key, record)
 
     def get_call(self, tenant: str, call_id: str) -> CallBinding | None:
@@ -633,6 +739,7 @@ class RedisConversationStore:
         raw = json.dumps({"route": binding.route, "arguments": binding.arguments, "name": binding.name,
                           "replica": binding.replica}).encode()
         self._spawn(self.state.put(self._ckey(tenant, call_id), "conv", raw))
+        _keep_name(self._cname(tenant, call_id))
         self.cache.put_call(tenant, call_id, binding)
 
     def stats(self) -> dict[str, int]:
@@ -677,16 +784,27 @@ class RedisConversationStore:
 
     # ---------------------------------------------------------------- per request
     async def load(self, turn_keys: list[bytes], calls: list[tuple[str, str]]) -> bool:
-        """Read the history's turns and the trailing tool calls into the cache (one MGET); True
-        when a turn was found that the cache lacked (the history must be split again)."""
+        """Read the history's turns and the trailing tool calls into the cache (one MGET; none
+        when `get_previous` read them all in this request already); True when a turn was found
+        that the cache lacked (the history must be split again)."""
         _REQUEST_WRITES.set([])
+        prior = _REQUEST_READS.get()
+        prefetched = (prior.prefetched if prior is not None else None) or {}
+        reads = _RequestReads()  # a fresh one: the prefetched values serve this load only
+        _REQUEST_READS.set(reads)
+        reads.names = [self._tname(k) for k in turn_keys]
         if not turn_keys and not calls:
             return False
-        names = [self._tkey(k) for k in turn_keys] + [self._ckey(t, c) for t, c in calls]
-        try:
-            values = await self.state.call("read", lambda r: r.mget(names))
-        except StoreUnavailable:
-            return False
+        names = reads.names + [self._cname(t, c) for t, c in calls]
+        missing = [n for n in names if n not in prefetched]
+        if missing:
+            full = [self.state.prefix + n for n in missing]
+            try:
+                got = await self.state.call("read", lambda r: r.mget(full))
+            except StoreUnavailable:
+                return False
+            prefetched = {**prefetched, **dict(zip(missing, got, strict=True))}
+        values = [prefetched[n] for n in names]
         added = False
         for key, raw in zip(turn_keys, values[:len(turn_keys)], strict=True):
             if raw is None:
