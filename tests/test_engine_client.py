@@ -287,3 +287,25 @@ def test_extra_request_headers_reach_the_engine_and_unsafe_ones_are_refused():
     lines = heads[0].split(b"\r\n")
     assert lines[0] == b"POST /v1/chat/completions HTTP/1.1"
     assert b"X-MoL-Hop: route" in lines and b"X-Request-Id: req-123-route" in lines
+
+
+def test_an_interim_1xx_answer_sent_apart_is_skipped_for_the_final_one():
+    async def go():
+        async def handle(reader, writer):
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+            await reader.readexactly(length)
+            for interim in (b"HTTP/1.1 100 Continue\r\n\r\n", b"HTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\n"):
+                writer.write(interim)
+                await writer.drain()
+                await asyncio.sleep(0.05)  # its own read on the client's side
+            writer.write(ok(b'{"n": 5}'))
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        async with server:
+            return await with_client(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}",
+                                     lambda c: c.chat(PAYLOAD, "answer"))
+
+    assert run(go()) == {"n": 5}

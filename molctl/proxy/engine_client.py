@@ -132,6 +132,7 @@ class _Connection(asyncio.Protocol):
         self.error: EngineUnavailable | None = None
         self.got_bytes = False
         self._framed = False  # Content-Length or chunked: the end is known without a close
+        self._interim = False  # parsing a 1xx answer, which is skipped
         self._paused = False
         self._deadline = float("inf")
         self._last_read = 0.0
@@ -170,6 +171,11 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
+        if 100 <= self.status < 200 and self.status != 101:  # an interim answer (100 Continue, 103): the real one follows
+            self._interim = True
+            self.headers = Headers()
+            self._framed = False
+            return
         self.headers_done = True
         self._wake()
 
@@ -182,6 +188,9 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+            return
         self.done = True
         self.keep_alive = self.parser.should_keep_alive()
         self._cancel_timer()
