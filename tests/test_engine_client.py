@@ -309,3 +309,38 @@ def test_an_interim_1xx_answer_sent_apart_is_skipped_for_the_final_one():
                                      lambda c: c.chat(PAYLOAD, "answer"))
 
     assert run(go()) == {"n": 5}
+
+
+def test_a_timeout_on_a_kept_alive_connection_is_not_sent_again():
+    """Only a connection that the engine closed before answering is retried: an engine that took
+    the request and stays silent past the deadline has it (sending it again would double the wait
+    and the engine's work)."""
+    async def go():
+        requests = []
+
+        async def handle(reader, writer):
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+                await reader.readexactly(length)
+                requests.append(head)
+                if len(requests) > 1:  # silent from the second request on
+                    await reader.read()  # until the client closes
+                    writer.close()
+                    return
+                writer.write(ok(b'{"n": 1}'))
+                await writer.drain()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        async with server:
+            client = EngineClient(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+            await client.start()
+            try:
+                first = await client.chat(PAYLOAD, "summary", timeout=5)
+                with pytest.raises(EngineUnavailable, match="TimeoutError"):
+                    await client.chat(PAYLOAD, "summary", timeout=0.3)
+            finally:
+                await client.close()
+        return first, len(requests)
+
+    assert run(go()) == ({"n": 1}, 2)

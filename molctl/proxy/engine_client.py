@@ -131,6 +131,7 @@ class _Connection(asyncio.Protocol):
         self.keep_alive = False
         self.error: EngineUnavailable | None = None
         self.got_bytes = False
+        self.closed_by_engine = False  # the engine closed it (not a timeout or a malformed answer): see _exchange
         self._framed = False  # Content-Length or chunked: the end is known without a close
         self._interim = False  # parsing a 1xx answer, which is skipped
         self._paused = False
@@ -149,6 +150,7 @@ class _Connection(asyncio.Protocol):
                 self.done = True  # a body delimited by the close
             else:
                 self.error = EngineUnavailable(str(exc) if exc else "the engine closed the connection")
+                self.closed_by_engine = True
         self._wake()
 
     def data_received(self, data: bytes) -> None:
@@ -345,7 +347,7 @@ class EngineClient:
     async def _exchange(self, request: bytes, timeout: float | None) -> _Connection:
         """Send one request on a pooled (or new) connection and wait for the response's headers.
         A reused keep-alive connection that the engine closed before answering a byte is
-        retried once on a new one. The caller must `_release` the connection."""
+        retried once on a new one (not one that timed out: the engine has that request). The caller must `_release` the connection."""
         if self._slots is None:
             raise AssertionError("EngineClient.start() was not awaited")
         await self._slots.acquire()
@@ -363,7 +365,7 @@ class EngineClient:
                     return conn
                 except EngineUnavailable:
                     self._drop(conn)
-                    if reused and not conn.got_bytes:
+                    if reused and conn.closed_by_engine and not conn.got_bytes:
                         conn, reused = None, False
                         continue
                     raise
