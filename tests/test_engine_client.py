@@ -344,3 +344,24 @@ def test_a_timeout_on_a_kept_alive_connection_is_not_sent_again():
         return first, len(requests)
 
     assert run(go()) == ({"n": 1}, 2)
+
+
+def test_a_request_cancelled_after_the_client_closed_ends_cancelled():
+    """Shutdown closes the client while a summary hop waits for the engine, then cancels it: the
+    task ends cancelled (no AttributeError from the closed pool, logged as an error at exit)."""
+    async def go():
+        async def handle(reader, writer):
+            await reader.read()  # takes the request, never answers
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        async with server:
+            client = EngineClient(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+            await client.start()
+            task = asyncio.ensure_future(client.chat(PAYLOAD, "summary", timeout=30))
+            await asyncio.sleep(0.2)  # sent, waiting for the answer
+            await client.close()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    run(go())

@@ -348,9 +348,10 @@ class EngineClient:
         """Send one request on a pooled (or new) connection and wait for the response's headers.
         A reused keep-alive connection that the engine closed before answering a byte is
         retried once on a new one (not one that timed out: the engine has that request). The caller must `_release` the connection."""
-        if self._slots is None:
+        slots = self._slots  # its own: close() may drop the pool's while this request waits
+        if slots is None:
             raise AssertionError("EngineClient.start() was not awaited")
-        await self._slots.acquire()
+        await slots.acquire()
         try:
             conn = self._idle_connection()
             reused = conn is not None
@@ -373,7 +374,7 @@ class EngineClient:
                     self._drop(conn)
                     raise
         except BaseException:
-            self._slots.release()
+            slots.release()
             raise
 
     def _drop(self, conn: _Connection) -> None:
