@@ -800,3 +800,25 @@ def test_a_failure_that_ends_the_transaction_is_reported_with_its_own_cause(db, 
     assert store.get_turn_row(b"b" * 32) == ("L1", None, False, False)
     assert store.get_response("tenant-a", "resp_2")["id"] == "resp_2"
     store.close()
+
+
+def test_rows_queued_on_a_running_loop_after_close_are_all_counted_lost(db):
+    """After close (a summary arriving during shutdown), each later pass's rows are counted as lost,
+    none stays queued: the second pass used to find its flush "scheduled already"."""
+    import asyncio
+
+    from molctl.proxy.conversations import TurnRecord
+    from molctl.proxy.sqlite_store import SqliteConversationStore
+
+    store = SqliteResponseStore(db, clock=Clock())
+    conv = SqliteConversationStore(store)
+
+    async def after_close():
+        store.close()
+        for n in range(3):
+            conv.put_turn(bytes([n]) * 32, TurnRecord("L1"))
+            await asyncio.sleep(0)  # the pass ends, its flush runs
+            await asyncio.sleep(0)
+
+    asyncio.run(after_close())
+    assert (store.pending_rows(), conv.stats()["write_errors"]) == (0, 3)

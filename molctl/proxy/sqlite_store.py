@@ -525,6 +525,7 @@ class SqliteResponseStore:
                     turns.update(self._pending_turns)
                     calls.update(self._pending_calls)
                     self._pending_turns, self._pending_calls = {}, {}
+                    self._flush_loop = None  # the next pass's rows get their own (failing, counted) flush
             lost = len(turns) + len(calls)
             if not lost:
                 return 0
