@@ -287,3 +287,81 @@ def test_extra_request_headers_reach_the_engine_and_unsafe_ones_are_refused():
     lines = heads[0].split(b"\r\n")
     assert lines[0] == b"POST /v1/chat/completions HTTP/1.1"
     assert b"X-MoL-Hop: route" in lines and b"X-Request-Id: req-123-route" in lines
+
+
+def test_an_interim_1xx_answer_sent_apart_is_skipped_for_the_final_one():
+    async def go():
+        async def handle(reader, writer):
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+            await reader.readexactly(length)
+            for interim in (b"HTTP/1.1 100 Continue\r\n\r\n", b"HTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\n"):
+                writer.write(interim)
+                await writer.drain()
+                await asyncio.sleep(0.05)  # its own read on the client's side
+            writer.write(ok(b'{"n": 5}'))
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        async with server:
+            return await with_client(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}",
+                                     lambda c: c.chat(PAYLOAD, "answer"))
+
+    assert run(go()) == {"n": 5}
+
+
+def test_a_timeout_on_a_kept_alive_connection_is_not_sent_again():
+    """Only a connection that the engine closed before answering is retried: an engine that took
+    the request and stays silent past the deadline has it (sending it again would double the wait
+    and the engine's work)."""
+    async def go():
+        requests = []
+
+        async def handle(reader, writer):
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+                await reader.readexactly(length)
+                requests.append(head)
+                if len(requests) > 1:  # silent from the second request on
+                    await reader.read()  # until the client closes
+                    writer.close()
+                    return
+                writer.write(ok(b'{"n": 1}'))
+                await writer.drain()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        async with server:
+            client = EngineClient(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+            await client.start()
+            try:
+                first = await client.chat(PAYLOAD, "summary", timeout=5)
+                with pytest.raises(EngineUnavailable, match="TimeoutError"):
+                    await client.chat(PAYLOAD, "summary", timeout=0.3)
+            finally:
+                await client.close()
+        return first, len(requests)
+
+    assert run(go()) == ({"n": 1}, 2)
+
+
+def test_a_request_cancelled_after_the_client_closed_ends_cancelled():
+    """Shutdown closes the client while a summary hop waits for the engine, then cancels it: the
+    task ends cancelled (no AttributeError from the closed pool, logged as an error at exit)."""
+    async def go():
+        async def handle(reader, writer):
+            await reader.read()  # takes the request, never answers
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        async with server:
+            client = EngineClient(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+            await client.start()
+            task = asyncio.ensure_future(client.chat(PAYLOAD, "summary", timeout=30))
+            await asyncio.sleep(0.2)  # sent, waiting for the answer
+            await client.close()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    run(go())

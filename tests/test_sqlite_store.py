@@ -777,3 +777,48 @@ def test_a_loop_that_stops_before_its_flush_does_not_block_the_next_ones(db):
     asyncio.run(next_loop())
     assert store.pending_rows() == 0 and _rows(db) == 2
     store.close()
+
+
+def test_a_failure_that_ends_the_transaction_is_reported_with_its_own_cause(db, caplog):
+    """SQLite rolls a transaction back by itself on some failures (a full disk or an I/O error while
+    the WAL is written; here a trigger's RAISE(ROLLBACK)): the error names that cause, not the
+    "no transaction is active" of the ROLLBACK that follows, and the store keeps working."""
+    from molctl.proxy.conversations import TurnRecord
+
+    store = SqliteResponseStore(db, clock=Clock())
+    store._conn.execute("CREATE TRIGGER fail_turn BEFORE INSERT ON turns WHEN NEW.route = 'L9' "
+                        "BEGIN SELECT RAISE(ROLLBACK, 'disk went away'); END")
+    store._conn.execute("CREATE TRIGGER fail_response BEFORE INSERT ON responses WHEN NEW.route = 'L9' "
+                        "BEGIN SELECT RAISE(ROLLBACK, 'disk went away'); END")
+    store.put_turn_row(b"a" * 32, TurnRecord("L9"))  # no event loop here: written (and failed) at once
+    assert store.conv_write_errors == 1
+    assert [m.split("put failed: ")[1][:14] for m in (r.getMessage() for r in caplog.records) if "not persisted" in m] == ["disk went away"]
+    with pytest.raises(StoreError, match="put failed: disk went away"):
+        store.put_response(record("resp_1", route="L9"))
+    store.put_turn_row(b"b" * 32, TurnRecord("L1"))
+    store.put_response(record("resp_2"))
+    assert store.get_turn_row(b"b" * 32) == ("L1", None, False, False)
+    assert store.get_response("tenant-a", "resp_2")["id"] == "resp_2"
+    store.close()
+
+
+def test_rows_queued_on_a_running_loop_after_close_are_all_counted_lost(db):
+    """After close (a summary arriving during shutdown), each later pass's rows are counted as lost,
+    none stays queued: the second pass used to find its flush "scheduled already"."""
+    import asyncio
+
+    from molctl.proxy.conversations import TurnRecord
+    from molctl.proxy.sqlite_store import SqliteConversationStore
+
+    store = SqliteResponseStore(db, clock=Clock())
+    conv = SqliteConversationStore(store)
+
+    async def after_close():
+        store.close()
+        for n in range(3):
+            conv.put_turn(bytes([n]) * 32, TurnRecord("L1"))
+            await asyncio.sleep(0)  # the pass ends, its flush runs
+            await asyncio.sleep(0)
+
+    asyncio.run(after_close())
+    assert (store.pending_rows(), conv.stats()["write_errors"]) == (0, 3)

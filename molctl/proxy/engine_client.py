@@ -131,7 +131,9 @@ class _Connection(asyncio.Protocol):
         self.keep_alive = False
         self.error: EngineUnavailable | None = None
         self.got_bytes = False
+        self.closed_by_engine = False  # the engine closed it (not a timeout or a malformed answer): see _exchange
         self._framed = False  # Content-Length or chunked: the end is known without a close
+        self._interim = False  # parsing a 1xx answer, which is skipped
         self._paused = False
         self._deadline = float("inf")
         self._last_read = 0.0
@@ -148,6 +150,7 @@ class _Connection(asyncio.Protocol):
                 self.done = True  # a body delimited by the close
             else:
                 self.error = EngineUnavailable(str(exc) if exc else "the engine closed the connection")
+                self.closed_by_engine = True
         self._wake()
 
     def data_received(self, data: bytes) -> None:
@@ -170,6 +173,11 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
+        if 100 <= self.status < 200 and self.status != 101:  # an interim answer (100 Continue, 103): the real one follows
+            self._interim = True
+            self.headers = Headers()
+            self._framed = False
+            return
         self.headers_done = True
         self._wake()
 
@@ -182,6 +190,9 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+            return
         self.done = True
         self.keep_alive = self.parser.should_keep_alive()
         self._cancel_timer()
@@ -336,10 +347,11 @@ class EngineClient:
     async def _exchange(self, request: bytes, timeout: float | None) -> _Connection:
         """Send one request on a pooled (or new) connection and wait for the response's headers.
         A reused keep-alive connection that the engine closed before answering a byte is
-        retried once on a new one. The caller must `_release` the connection."""
-        if self._slots is None:
+        retried once on a new one (not one that timed out: the engine has that request). The caller must `_release` the connection."""
+        slots = self._slots  # its own: close() may drop the pool's while this request waits
+        if slots is None:
             raise AssertionError("EngineClient.start() was not awaited")
-        await self._slots.acquire()
+        await slots.acquire()
         try:
             conn = self._idle_connection()
             reused = conn is not None
@@ -354,7 +366,7 @@ class EngineClient:
                     return conn
                 except EngineUnavailable:
                     self._drop(conn)
-                    if reused and not conn.got_bytes:
+                    if reused and conn.closed_by_engine and not conn.got_bytes:
                         conn, reused = None, False
                         continue
                     raise
@@ -362,7 +374,7 @@ class EngineClient:
                     self._drop(conn)
                     raise
         except BaseException:
-            self._slots.release()
+            slots.release()
             raise
 
     def _drop(self, conn: _Connection) -> None:

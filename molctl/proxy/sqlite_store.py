@@ -299,7 +299,7 @@ class SqliteResponseStore:
                 self.migrated_from = 1
             conn.execute("COMMIT")
         except BaseException:
-            conn.execute("ROLLBACK")
+            _rollback(conn)
             raise
         if self.migrated_from:
             log.info("state store %s: migrated from schema version 1 to %d (chat conversations added)",
@@ -330,7 +330,7 @@ class SqliteResponseStore:
                         self._insert_rows(turns, calls, now)
                     conn.execute("COMMIT")
                 except BaseException:
-                    conn.execute("ROLLBACK")
+                    _rollback(conn)
                     raise
         except StoreError as exc:
             if turns or calls:
@@ -381,7 +381,7 @@ class SqliteResponseStore:
                 conv_expired, conv_evicted = self._expire_group("conversations", now), self._evict_group("conversations")
                 conn.execute("COMMIT")
             except BaseException:
-                conn.execute("ROLLBACK")
+                _rollback(conn)
                 raise
         return {"expired": expired, "evicted": evicted, "conversation_expired": conv_expired,
                 "conversation_evicted": conv_evicted}
@@ -517,7 +517,7 @@ class SqliteResponseStore:
                     self._insert_rows(turns, calls, self.clock())
                     conn.execute("COMMIT")
                 except BaseException:
-                    conn.execute("ROLLBACK")
+                    _rollback(conn)
                     raise
         except StoreError as exc:
             if self._conn is None:  # closed: what is still queued cannot be written any more
@@ -525,6 +525,7 @@ class SqliteResponseStore:
                     turns.update(self._pending_turns)
                     calls.update(self._pending_calls)
                     self._pending_turns, self._pending_calls = {}, {}
+                    self._flush_loop = None  # the next pass's rows get their own (failing, counted) flush
             lost = len(turns) + len(calls)
             if not lost:
                 return 0
@@ -688,6 +689,14 @@ class SqliteConversationStore:
 def _conv_stats(meta: dict[str, int]) -> dict[str, int]:
     return {"conversation_rows": meta.get("conv_rows", 0), "conversation_bytes": meta.get("conv_bytes", 0),
             "conversation_evicted": meta.get("conv_evicted", 0), "conversation_expired": meta.get("conv_expired", 0)}
+
+
+def _rollback(conn: sqlite3.Connection) -> None:
+    """End a failed transaction. SQLite may have rolled it back by itself already (a full disk or an
+    I/O error while writing): the ROLLBACK's own "no transaction is active" must not replace the
+    failure being raised."""
+    with contextlib.suppress(sqlite3.Error):
+        conn.execute("ROLLBACK")
 
 
 def _statements(script: str) -> list[str]:
