@@ -151,6 +151,18 @@ def store_bench(redis_url: str) -> list[dict]:
     return rows
 
 
+async def chained_response(session, url: str, i: int, previous: str | None) -> tuple[str, float]:
+    """Request `i` of a /v1/responses chain (a new chain every 10th): its id and its time (ms)."""
+    body = {"model": PUBLIC, "input": f"[route:L2] turn {i}", "max_output_tokens": 8}
+    if previous and i % 10:
+        body["previous_response_id"] = previous
+    t0 = time.perf_counter()
+    async with session.post(url + "/v1/responses", json=body) as r:
+        assert r.status == 200, await r.text()
+        response_id = (await r.json())["id"]
+    return response_id, (time.perf_counter() - t0) * 1000
+
+
 def proxy_bench(redis_url: str, requests: int = 300) -> list[dict]:
     """End to end: a `--store sqlite` proxy and a Redis one side by side on one fake engine, their
     requests interleaved (the same noise for both): chained /v1/responses at 1 client (chains of
@@ -163,14 +175,8 @@ def proxy_bench(redis_url: str, requests: int = 300) -> list[dict]:
         times: dict[str, list[float]] = {k: [] for k in urls}
         async with aiohttp.ClientSession() as session:
             async def responses_chain(kind: str, i: int, prev: dict) -> None:
-                body = {"model": PUBLIC, "input": f"[route:L2] turn {i}", "max_output_tokens": 8}
-                if prev.get(kind) and i % 10:
-                    body["previous_response_id"] = prev[kind]
-                t0 = time.perf_counter()
-                async with session.post(urls[kind] + "/v1/responses", json=body) as r:
-                    assert r.status == 200, await r.text()
-                    prev[kind] = (await r.json())["id"]
-                times[kind].append((time.perf_counter() - t0) * 1000)
+                prev[kind], ms = await chained_response(session, urls[kind], i, prev.get(kind))
+                times[kind].append(ms)
 
             async def chat(kind: str, i: int) -> None:
                 history: list[dict] = []

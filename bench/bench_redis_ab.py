@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import aiohttp  # noqa: E402
 import httpx  # noqa: E402
+from bench_redis import chained_response  # noqa: E402 - this folder is on sys.path when run as a script
 
 from tests.helpers import free_port  # noqa: E402
 from tests.procs import fake_engine_argv, stop  # noqa: E402
@@ -50,14 +51,8 @@ async def drive(urls: dict[str, str], requests: int) -> dict[str, list[float]]:
     async with aiohttp.ClientSession() as session:
         for i in range(requests + 20):
             for kind in kinds[i % 3:] + kinds[:i % 3]:
-                body = {"model": PUBLIC, "input": f"[route:L2] turn {i}", "max_output_tokens": 8}
-                if prev.get(kind) and i % 10:
-                    body["previous_response_id"] = prev[kind]
-                t0 = time.perf_counter()
-                async with session.post(urls[kind] + "/v1/responses", json=body) as r:
-                    assert r.status == 200, await r.text()
-                    prev[kind] = (await r.json())["id"]
-                times[kind].append((time.perf_counter() - t0) * 1000)
+                prev[kind], ms = await chained_response(session, urls[kind], i, prev.get(kind))
+                times[kind].append(ms)
     return {k: v[20:] for k, v in times.items()}  # warm-up
 
 
