@@ -269,6 +269,7 @@ class ProxyApp:
     def _gauges(self) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
         """Read at scrape time (on the event loop): in-flight hops, queue depth, store sizes."""
         adm = self.orch.admission
+        conversations = self.orch.store.stats()  # one read per scrape (SQLite: a query)
         return {
             "inflight_hops": {(("hop", "answer"),): adm.answers.inflight, (("hop", "route"),): adm.routes.inflight,
                               (("hop", "summary"),): self.orch._summary_running},
@@ -276,8 +277,8 @@ class ProxyApp:
                             (("hop", "summary"),): self.orch._summary_waiting},
             "inflight_requests": {(): self.inflight},
             "draining": {(): int(self.draining)},
-            "store": {**store_gauges(self.orch.store.stats(), "conversations"), **store_gauges(self.responses.stats(), "responses")},
-            "state_store_up": {(): 1 - self.orch.store.stats().get("store_degraded", 0)},
+            "store": {**store_gauges(conversations, "conversations"), **store_gauges(self.responses.stats(), "responses")},
+            "state_store_up": {(): 1 - conversations.get("store_degraded", 0)},
         }
 
     def _store_counters(self) -> dict[str, float]:
