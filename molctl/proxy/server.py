@@ -14,6 +14,7 @@ from pathlib import Path
 import uvicorn
 
 from molctl.proxy.app import ProxyApp
+from molctl.proxy.http_protocol import HeadHoldingHttpToolsProtocol
 
 log = logging.getLogger("molctl.proxy")
 
@@ -77,7 +78,7 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve(app: ProxyApp, host: str, port: int, drain_timeout_s: float, key_file: Path | None = None) -> None:
-    config = uvicorn.Config(app, host=host, port=port, loop="uvloop", http="httptools", lifespan="on",
+    config = uvicorn.Config(app, host=host, port=port, loop="uvloop", http=HeadHoldingHttpToolsProtocol, lifespan="on",
                             access_log=False, log_level="info", timeout_graceful_shutdown=5,
                             timeout_keep_alive=15)
     DrainingServer(config, app, drain_timeout_s, key_file).run()

@@ -1,0 +1,68 @@
+"""uvicorn's httptools protocol with one change: a response's head leaves in the same send as
+its body.
+
+uvicorn writes the status line and headers (`http.response.start`) and then the body
+(`http.response.body`) as two transport writes: two send() system calls and, on the client's
+side, two wake-ups for one small JSON answer (it reads the head, then waits again for the body).
+Measured on the benchmark's 2-core VM at 1 client, that second write and wake-up were the
+largest single cost between the engine's answer and the client holding it (BENCHMARKS.md).
+
+`HeadHoldingTransport` holds a write that starts a response head (`HTTP/1.1 `) until the next
+write, which it joins, or until the end of the current pass of the event loop (`call_soon`), so
+a head whose body comes later (a stream waiting for its first token) is never held longer than
+that pass. Order is kept; every other write goes straight through; `close()` sends what is held
+first. Everything else is uvicorn's own protocol, unchanged."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+RESPONSE_HEAD = b"HTTP/1.1 "
+
+
+class HeadHoldingTransport:
+    """A transport wrapper (see the module docstring); the rest of the transport's interface is
+    passed through."""
+
+    __slots__ = ("_transport", "_loop", "_held")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop):
+        self._transport = transport
+        self._loop = loop
+        self._held: bytes | None = None
+
+    def write(self, data: bytes) -> None:
+        held = self._held
+        if held is not None:
+            self._held = None
+            self._transport.write(held + data)
+        elif data.startswith(RESPONSE_HEAD):
+            self._held = bytes(data)
+            self._loop.call_soon(self.flush)
+        else:
+            self._transport.write(data)
+
+    def flush(self) -> None:
+        held, self._held = self._held, None
+        if held is not None and not self._transport.is_closing():
+            self._transport.write(held)
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def get_write_buffer_size(self) -> int:
+        return self._transport.get_write_buffer_size() + len(self._held or b"")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+class HeadHoldingHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol on a HeadHoldingTransport (`uvicorn.Config(http=...)`)."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(HeadHoldingTransport(transport, asyncio.get_running_loop()))  # type: ignore[arg-type]

@@ -1,0 +1,163 @@
+"""The proxy's HTTP protocol (molctl/proxy/http_protocol.py): a response head leaves with its
+body in one write, never later than the end of the event-loop pass that wrote it."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+
+import uvicorn
+
+from molctl.proxy.http_protocol import HeadHoldingHttpToolsProtocol, HeadHoldingTransport
+from tests.helpers import free_port
+
+HEAD = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n"
+
+
+class RecordingTransport:
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        assert not self.closed, "write after close"
+        self.writes.append(bytes(data))
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def get_extra_info(self, name: str, default=None):
+        return ("127.0.0.1", 1) if name == "peername" else default
+
+
+def test_a_head_and_its_body_written_in_one_pass_leave_in_one_write() -> None:
+    async def main() -> list[bytes]:
+        inner = RecordingTransport()
+        t = HeadHoldingTransport(inner, asyncio.get_running_loop())
+        t.write(HEAD)
+        assert inner.writes == []  # held for its body
+        t.write(b"ok")
+        await asyncio.sleep(0)  # the end-of-pass flush finds nothing more to send
+        return inner.writes
+
+    assert asyncio.run(main()) == [HEAD + b"ok"]
+
+
+def test_a_head_without_a_body_yet_leaves_at_the_end_of_the_pass() -> None:
+    async def main() -> list[list[bytes]]:
+        inner = RecordingTransport()
+        t = HeadHoldingTransport(inner, asyncio.get_running_loop())
+        t.write(HEAD)
+        before = list(inner.writes)
+        await asyncio.sleep(0)
+        after_pass = list(inner.writes)
+        t.write(b"data: 1\n\n")  # a later chunk goes straight through, in order
+        return [before, after_pass, inner.writes]
+
+    before, after_pass, final = asyncio.run(main())
+    assert before == []
+    assert after_pass == [HEAD]
+    assert final == [HEAD, b"data: 1\n\n"]
+
+
+def test_close_sends_a_held_head_first_and_a_closing_transport_gets_no_write() -> None:
+    async def main() -> tuple[list[bytes], list[bytes]]:
+        loop = asyncio.get_running_loop()
+        inner = RecordingTransport()
+        t = HeadHoldingTransport(inner, loop)
+        t.write(HEAD)
+        t.close()
+        await asyncio.sleep(0)  # the scheduled flush has nothing left
+        gone = RecordingTransport()
+        t2 = HeadHoldingTransport(gone, loop)
+        t2.write(HEAD)
+        gone.closed = True  # the peer went away before the end of the pass
+        await asyncio.sleep(0)
+        return inner.writes, gone.writes
+
+    closed, gone = asyncio.run(main())
+    assert closed == [HEAD]
+    assert gone == []
+
+
+def test_other_writes_pass_through_and_the_rest_of_the_interface_is_the_transports() -> None:
+    async def main() -> tuple[list[bytes], object, int]:
+        inner = RecordingTransport()
+        t = HeadHoldingTransport(inner, asyncio.get_running_loop())
+        t.write(b"0\r\n\r\n")
+        t.write(HEAD)
+        return list(inner.writes), t.get_extra_info("peername"), t.get_write_buffer_size()
+
+    writes, peer, buffered = asyncio.run(main())
+    assert writes == [b"0\r\n\r\n"]
+    assert peer == ("127.0.0.1", 1)
+    assert buffered == len(HEAD)  # the held head counts as buffered
+
+
+class _Server:
+    """uvicorn with the proxy's protocol and a small ASGI app, in a thread."""
+
+    def __init__(self, app) -> None:
+        self.port = free_port()
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, http=HeadHoldingHttpToolsProtocol, lifespan="off",
+                                log_level="warning", loop="asyncio")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> _Server:
+        self.thread.start()
+        for _ in range(200):
+            if self.server.started:
+                return self
+            threading.Event().wait(0.02)
+        raise TimeoutError("uvicorn did not start")
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def _read_until(sock: socket.socket, marker: bytes, have: bytes = b"") -> bytes:
+    while marker not in have:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise ConnectionError(f"closed before {marker!r}; got {have!r}")
+        have += chunk
+    return have
+
+
+def test_under_uvicorn_keep_alive_responses_are_whole_and_a_stream_head_is_not_held_for_its_body() -> None:
+    first_chunk = threading.Event()
+
+    async def app(scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        if scope["path"] == "/json":
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json"),
+                                                                                (b"content-length", b"12")]})
+            await send({"type": "http.response.body", "body": b'{"ok": true}'})
+            return
+        # a stream whose first chunk waits for the client to have the head (as a slow first token would)
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        await asyncio.to_thread(first_chunk.wait, 10)
+        await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+    with _Server(app) as server, socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        for _ in range(3):  # keep-alive: several responses on one connection
+            sock.sendall(b"GET /json HTTP/1.1\r\nHost: x\r\n\r\n")
+            data = _read_until(sock, b'{"ok": true}')
+            assert data.startswith(b"HTTP/1.1 200 OK\r\n") and data.endswith(b'\r\n\r\n{"ok": true}')
+        sock.sendall(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
+        head = _read_until(sock, b"\r\n\r\n")  # arrives while the app still waits: not held for the body
+        assert head.startswith(b"HTTP/1.1 200 OK\r\n") and b"transfer-encoding: chunked" in head
+        first_chunk.set()
+        rest = _read_until(sock, b"0\r\n\r\n", head.split(b"\r\n\r\n", 1)[1])
+        assert b"data: 1" in rest
