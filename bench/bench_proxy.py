@@ -14,6 +14,10 @@ first streamed token. Run with `make bench` (which also prepares the upstream's 
 
 `--baseline DIR`: also molctl's proxy from another checkout (e.g. `git archive REV | tar -x -C DIR`),
 measured in the same rounds ("before" against "after").
+
+`floor` (left out with `--skip-floor`): bench/floor_proxy.py, a process that forwards two
+pre-encoded hops and reads no JSON: what one more process on the way costs on this machine, the
+floor under any proxy's added p50.
 """
 
 from __future__ import annotations
@@ -158,6 +162,7 @@ async def first_token(session, url, headers, body) -> float:
 
 
 async def ttft(session, engine, proxies: dict[str, tuple[str, str]], n=30) -> dict[str, float]:
+    proxies = {name: p for name, p in proxies.items() if name != "floor"}  # the floor does not stream
     times: dict[str, list[float]] = {name: [] for name in (*proxies, "direct")}
     for i in range(n):
         for name, (url, model) in proxies.items():
@@ -238,7 +243,7 @@ async def main_async(engine_url: str, proxies: dict[str, tuple[str, str]], round
             f"{row['conc']} clients: " + ", ".join(f"{n} {row[n + '_cores']:.2f}" for n in targets) for row in summary_rows))
         first = await ttft(session, engine_url, proxies)
         print("\ntime to first streamed token (median of 30): " +
-              ", ".join(f"{n} {ms(first[n])} ({(first[n] - first['direct']) * 1000:+.1f} ms)" for n in names) +
+              ", ".join(f"{n} {ms(first[n])} ({(first[n] - first['direct']) * 1000:+.1f} ms)" for n in names if n in first) +
               f", route hop + direct stream {ms(first['direct'])}")
 
 
@@ -252,6 +257,8 @@ def main() -> None:
                         help="molctl's proxy as this many processes sharing one state folder (one SQLite file), the client "
                              "spreading its requests over them: what `--workers N` with SO_REUSEPORT would give")
     parser.add_argument("--baseline", help="a folder holding another molctl checkout, measured as `before`")
+    parser.add_argument("--skip-floor", action="store_true",
+                        help="leave out `floor` (bench/floor_proxy.py: the least any proxy process adds on this machine)")
     args = parser.parse_args()
 
     upstream = None if args.skip_upstream else find_upstream()
@@ -297,6 +304,12 @@ def main() -> None:
                     proc = stack.enter_context(running(before_argv, before_url + "/health", env=proxy_env(tmp, "before"),
                                                        log=Path(tmp) / "before.log"))
                     proxies["before"], pids["before"] = (before_url, MOLCTL_MODEL), proc.pid
+                if not args.skip_floor:
+                    floor_port = free_port()
+                    floor_url = f"http://127.0.0.1:{floor_port}"
+                    proc = stack.enter_context(running([sys.executable, str(ROOT / "bench" / "floor_proxy.py"), "--port", str(floor_port),
+                                                        "--upstream", engine_url], floor_url + "/health", log=Path(tmp) / "floor.log"))
+                    proxies["floor"], pids["floor"] = (floor_url, MOLCTL_MODEL), proc.pid
                 if upstream is None:
                     asyncio.run(main_async(engine_url, proxies, args.rounds, pids))
                 else:
