@@ -348,8 +348,8 @@ def test_memory_store_is_the_default_and_the_argument_is_used():
 
     store = MemoryResponseStore(max_entries=3)
     app = ProxyApp(TINY, get_engine(TINY.engine.kind), "http://127.0.0.1:9", ["k"], response_store=store)
-    assert app.responses is store
-    assert isinstance(ProxyApp(TINY, get_engine(TINY.engine.kind), "http://127.0.0.1:9", ["k"]).responses, MemoryResponseStore)
+    assert app.responses.store is store  # behind the proxy's async interface (LocalResponses)
+    assert isinstance(ProxyApp(TINY, get_engine(TINY.engine.kind), "http://127.0.0.1:9", ["k"]).responses.store, MemoryResponseStore)
 
 
 def test_tool_loop_continues_on_its_adapter_after_a_proxy_restart(s, keyfile, tmp_path):
@@ -382,3 +382,43 @@ def test_a_large_body_is_prepared_off_the_loop(s):
     assert r.status == "completed"
     r2 = create(s, input="[route:L2] and then?", previous_response_id=r.id)
     assert r2.status == "completed" and s.log("answer")[-1]["messages"][1]["content"].endswith("x" * 100)
+
+
+def test_an_in_process_store_behind_the_proxys_async_interface_writes_a_large_record_from_a_worker_thread():
+    """LocalResponses (molctl/proxy/response_store.py): gets and small puts on the event loop's
+    thread, a large record (text, message count, or a large request's hint) from a worker thread."""
+    import asyncio
+    import threading
+    import time
+
+    from molctl.proxy.response_store import BIG_RECORD, MANY_MESSAGES, LocalResponses, MemoryResponseStore, as_proxy_store
+
+    class Recording(MemoryResponseStore):
+        def __init__(self):
+            super().__init__()
+            self.threads: dict[str, str] = {}
+
+        def put_response(self, record):
+            self.threads[record["id"]] = threading.current_thread().name
+            super().put_response(record)
+
+    def record(rid: str, messages: list[dict]) -> dict:
+        return {"id": rid, "tenant": "t", "created_at": time.time(), "messages": messages}
+
+    async def main(store: Recording) -> tuple[str, object, bool, bool]:
+        proxy_store = as_proxy_store(store)
+        assert isinstance(proxy_store, LocalResponses) and as_proxy_store(proxy_store) is proxy_store
+        await proxy_store.available()  # nothing to be unavailable
+        await proxy_store.put_response(record("small", [{"role": "user", "content": "hi"}]))
+        await proxy_store.put_response(record("long", [{"role": "user", "content": "x" * (BIG_RECORD + 1)}]))
+        await proxy_store.put_response(record("many", [{"role": "user", "content": "m"}] * (MANY_MESSAGES + 1)))
+        await proxy_store.put_response(record("hinted", [{"role": "user", "content": "hi"}]), big=True)
+        got = await proxy_store.get_previous("t", "small")
+        return threading.current_thread().name, got, await proxy_store.delete_response("t", "small"), \
+            await proxy_store.delete_response("t", "small")
+
+    store = Recording()
+    loop_thread, got, deleted, again = asyncio.run(main(store))
+    assert store.threads["small"] == loop_thread
+    assert all(store.threads[k] != loop_thread for k in ("long", "many", "hinted"))
+    assert got["id"] == "small" and deleted is True and again is False

@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import hashlib
-import inspect
 import json
 import logging
 import os
@@ -52,7 +51,7 @@ from molctl.proxy.engine_client import EngineClient
 from molctl.proxy.errors import EngineUnavailable, ProxyError, invalid
 from molctl.proxy.metrics import MetricsListener, ProxyMetrics, store_gauges
 from molctl.proxy.orchestrator import Orchestrator, Plan
-from molctl.proxy.response_store import MemoryResponseStore, ResponseStore
+from molctl.proxy.response_store import MemoryResponseStore, ProxyResponses, ResponseStore, as_proxy_store
 from molctl.proxy.validation import parse_body
 
 log = logging.getLogger("molctl.proxy")
@@ -65,7 +64,6 @@ Send = Callable[[dict], Awaitable[None]]
 Receive = Callable[[], Awaitable[dict]]
 
 MAX_BODY = 8 * 1024 * 1024
-BIG_RECORD = 64 * 1024  # a stored response this large is written from a worker thread (~2 ms at 256 KiB)
 BIG_BODY = 128 * 1024  # parse + prepare larger bodies in a worker thread (20k content parts in 490 KiB cost ~130 ms)
 JSON_HEADERS = [(b"content-type", b"application/json")]
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
@@ -75,7 +73,7 @@ SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-
 class ProxyApp:
     def __init__(self, profile: Profile, engine: Engine, upstream: str, keys: list[str] | None,
                  store: ConversationStore | None = None, sse_keepalive_s: float = 10.0, ready_cache_s: float = 1.0,
-                 response_store: ResponseStore | None = None, shared_state: Any = None, metrics_port: int | None = None,
+                 response_store: ResponseStore | ProxyResponses | None = None, shared_state: Any = None, metrics_port: int | None = None,
                  metrics_host: str = "127.0.0.1", metrics_sock=None):
         self.profile = profile
         self.engine = engine
@@ -83,10 +81,9 @@ class ProxyApp:
         self.counters = ProxyMetrics(self._gauges, self._store_counters)
         self.orch = Orchestrator(profile, engine, self.client, store or MemoryStore(), self.counters)
         self.metrics_listener = MetricsListener(self.counters, metrics_host, metrics_port, metrics_sock) if metrics_port else None
-        self.responses: ResponseStore = response_store if response_store is not None else MemoryResponseStore()
-        # a shared store (molctl.proxy.redis_store): async record methods, a heartbeat, closed on shutdown
+        self.responses = as_proxy_store(response_store if response_store is not None else MemoryResponseStore())
+        # a shared store (molctl.proxy.redis_store): a heartbeat, closed on shutdown
         self.shared_state = shared_state
-        self._responses_async = inspect.iscoroutinefunction(self.responses.get_response)
         self.keys: dict[bytes, str] = {}
         self.set_keys(keys or [])
         self.sse_keepalive_s = sse_keepalive_s
@@ -476,10 +473,6 @@ class ProxyApp:
 
 
     # ------------------------------------------------------------------ Responses API
-    async def _stored(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """A response store call: awaited for an async store (Redis), else called on the loop."""
-        return await fn(*args) if self._responses_async else fn(*args)
-
     def _responses_parse(self, raw: bytes) -> responses.ResponsesRequest:
         return responses.parse_request(parse_body(raw, in_steps=len(raw) > BIG_BODY), self.profile.served_model_name)
 
@@ -487,12 +480,11 @@ class ProxyApp:
         """The stored chain a request continues; a shared store that is down fails a request that
         needs state (a chain, or store=true) here, before any engine work (503 + Retry-After)."""
         previous = req.body.get("previous_response_id")
-        if self._responses_async and (previous is not None or req.store):
+        if previous is not None or req.store:
             await self.responses.available()
         if previous is not None:
-            # a shared store reads the chain's conversation state in the same round trip (get_previous)
-            get = getattr(self.responses, "get_previous", self.responses.get_response)
-            record = await self._stored(get, tenant, previous)
+            # a shared store reads the chain's conversation state in the same round trip
+            record = await self.responses.get_previous(tenant, previous)
             if record is None:
                 raise responses.not_found(previous, "previous_response_id")
             req.prev, req.history = record, list(record["messages"])
@@ -538,16 +530,9 @@ class ProxyApp:
         await self.orch.route(plan)
 
     async def _responses_keep(self, req: responses.ResponsesRequest, plan: Plan, tenant: str, response: dict[str, Any]) -> None:
-        """Store a complete (or incomplete) answer; a large record is written from a worker thread."""
+        """Store a complete (or incomplete) answer (a large one from a worker thread: LocalResponses)."""
         if req.store and response["status"] != "failed" and plan.answer is not None and plan.route is not None:
-            record = responses.make_record(req, tenant, response, plan.answer, plan.route)
-            text_bytes = sum(len(m["content"]) for m in record["messages"] if isinstance(m.get("content"), str))
-            if self._responses_async:
-                await self.responses.put_response(record)
-            elif plan.big or len(record["messages"]) > 200 or text_bytes > BIG_RECORD:
-                await asyncio.to_thread(self.responses.put_response, record)
-            else:
-                self.responses.put_response(record)
+            await self.responses.put_response(responses.make_record(req, tenant, response, plan.answer, plan.route), big=plan.big)
 
     async def _responses_complete(self, plan: Plan, req: responses.ResponsesRequest, send: Send, tenant: str, rid: str) -> None:
         await self._responses_route(plan, req)
@@ -591,12 +576,12 @@ class ProxyApp:
 
     async def _responses_get(self, send: Send, tenant: str, response_id: str, rid: str, delete: bool) -> None:
         if delete:
-            if not await self._stored(self.responses.delete_response, tenant, response_id):
+            if not await self.responses.delete_response(tenant, response_id):
                 raise responses.not_found(response_id)
             await self._json(send, 200, {"id": response_id, "object": "response.deleted", "deleted": True},
                              {"x-request-id": rid})
             return
-        record = await self._stored(self.responses.get_response, tenant, response_id)
+        record = await self.responses.get_response(tenant, response_id)
         if record is None:
             raise responses.not_found(response_id)
         await self._json(send, 200, record["response"], {"x-request-id": rid})
@@ -615,7 +600,7 @@ class ProxyApp:
         order = query.get("order", "desc")
         if order not in ("asc", "desc"):
             raise invalid("'order' must be 'asc' or 'desc'.", "order")
-        record = await self._stored(self.responses.get_response, tenant, response_id)
+        record = await self.responses.get_response(tenant, response_id)
         if record is None:
             raise responses.not_found(response_id)
         await self._json(send, 200, responses.list_input_items(record, limit, order, query.get("after")),

@@ -591,10 +591,11 @@ class RedisResponseStore:
         if self.state.degraded:
             await self.state.available()
 
-    async def put_response(self, record: ResponseRecord) -> None:
+    async def put_response(self, record: ResponseRecord, big: bool = False) -> None:
         """Stored with the store keys the next request of its chain reads (its conversation's
         turns, its tool calls: kept by RedisConversationStore during this request), so that
-        `get_previous` returns them with it."""
+        `get_previous` returns them with it. (`big`, the proxy's hint of a large request, is not
+        used: the record is encoded on the loop, as every record of this store.)"""
         raw = json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode()
         reads = _REQUEST_READS.get()
         if reads is not None and reads.names:

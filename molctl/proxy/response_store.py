@@ -15,10 +15,15 @@ A record is what `previous_response_id` needs to continue a conversation and wha
 
 `MemoryResponseStore` is the in-process backend (unit tests, `proxy.store: memory`); a durable
 backend (SQLite in the state dir) implements the same `ResponseStore` protocol. Backends bound
-themselves by TTL and size; an evicted or deleted id is simply unknown (None)."""
+themselves by TTL and size; an evicted or deleted id is simply unknown (None).
+
+The proxy calls every backend through one async interface (`ProxyResponses`): the shared Redis
+store implements it itself; an in-process store is wrapped by `LocalResponses` (`as_proxy_store`)."""
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -39,6 +44,69 @@ class ResponseStore(Protocol):
     def stats(self) -> dict[str, int]: ...
 
     def close(self) -> None: ...
+
+
+class ProxyResponses(Protocol):
+    """What the proxy awaits (molctl.proxy.redis_store.RedisResponseStore, or LocalResponses)."""
+
+    async def available(self) -> None: ...  # raises StoreUnavailable when a shared store is down
+
+    async def get_response(self, tenant: str, response_id: str) -> ResponseRecord | None: ...
+
+    async def get_previous(self, tenant: str, response_id: str) -> ResponseRecord | None: ...  # the record a request continues
+
+    async def put_response(self, record: ResponseRecord, big: bool = False) -> None: ...  # big: a hint (a large request)
+
+    async def delete_response(self, tenant: str, response_id: str) -> bool: ...
+
+    def stats(self) -> dict[str, int]: ...
+
+    def close(self) -> None: ...
+
+
+BIG_RECORD = 64 * 1024  # text bytes of a record LocalResponses writes from a worker thread (~2 ms at 256 KiB on SQLite)
+MANY_MESSAGES = 200  # messages of a record written from a worker thread whatever their size
+
+
+class LocalResponses:
+    """An in-process store (memory, SQLite) behind the proxy's async interface. Its calls run on
+    the event loop (a get or a small put takes ~0.1 ms: too short for a thread hop to pay off,
+    BENCHMARKS.md "Response store"), except the put of a large record (`big`, over BIG_RECORD
+    text bytes or MANY_MESSAGES messages: the JSON encoding and the write take milliseconds),
+    which runs in a worker thread. Nothing to be unavailable: `available()` returns at once."""
+
+    def __init__(self, store: ResponseStore):
+        self.store = store
+
+    async def available(self) -> None:
+        return None
+
+    async def get_response(self, tenant: str, response_id: str) -> ResponseRecord | None:
+        return self.store.get_response(tenant, response_id)
+
+    get_previous = get_response
+
+    async def put_response(self, record: ResponseRecord, big: bool = False) -> None:
+        messages = record["messages"]
+        if big or len(messages) > MANY_MESSAGES or \
+                sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)) > BIG_RECORD:
+            await asyncio.to_thread(self.store.put_response, record)
+        else:
+            self.store.put_response(record)
+
+    async def delete_response(self, tenant: str, response_id: str) -> bool:
+        return self.store.delete_response(tenant, response_id)
+
+    def stats(self) -> dict[str, int]:
+        return self.store.stats()
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def as_proxy_store(store: ResponseStore | ProxyResponses) -> ProxyResponses:
+    """The store as the proxy calls it: an async store as it is, an in-process one wrapped."""
+    return store if inspect.iscoroutinefunction(store.get_response) else LocalResponses(store)  # type: ignore[arg-type]
 
 
 class MemoryResponseStore:
