@@ -439,12 +439,55 @@ class RedisState:
         self._batch.append((script, keys, args, future))
         return await future
 
-    async def _load_scripts(self, r) -> None:
-        async with r.pipeline(transaction=False) as pipe:
-            for source in SCRIPTS.values():
-                pipe.script_load(source)
-            shas = await pipe.execute()
-        SCRIPT_SHA.update(zip(SCRIPTS, shas, strict=True))
+    async def _exchange(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+        """Send `commands` in one round trip on one connection of the pool and read their replies in
+        order; an error the server answers (a ResponseError: NOSCRIPT, OOM, READONLY) is returned in
+        its command's place, as a pipeline with raise_on_error=False does (what a redis-py pipeline
+        does, without its command stack and callbacks: the replies are raw). Any other failure on
+        the way (a timeout, a cancellation, a reply cut mid-way) disconnects the connection before it
+        goes back to the pool: a half-read reply is never read by the next call. A connection that
+        turns out dropped (ConnectionError: e.g. Redis restarted since it was last used) is
+        connected again and the commands sent once more; a timeout is never retried."""
+        import redis
+
+        pool = self._redis().connection_pool
+        conn = await pool.get_connection()  # at most MAX_CONNECTIONS: waits within pool.timeout (backpressure)
+        try:
+            packed = conn.pack_commands(commands)
+            for attempt in (1, 2):
+                try:
+                    await conn.send_packed_command(packed, check_health=False)
+                    replies: list[Any] = []
+                    for _ in commands:
+                        try:
+                            replies.append(await conn.read_response())
+                        except redis.ResponseError as exc:  # the whole reply was read: the connection is clean
+                            replies.append(exc)
+                    return replies
+                except redis.ConnectionError:
+                    await conn.disconnect(nowait=True)
+                    if attempt == 2:
+                        raise
+            raise AssertionError("unreachable")
+        except BaseException:
+            await conn.disconnect(nowait=True)
+            raise
+        finally:
+            await pool.release(conn)
+
+    async def command(self, *args: Any) -> Any:
+        """One command, one round trip (see _exchange); its raw reply (bytes, a list, None...)."""
+        reply = (await self._exchange([args]))[0]
+        if isinstance(reply, BaseException):
+            raise reply
+        return reply
+
+    async def _load_scripts(self, _r=None) -> None:
+        shas = await self._exchange([("SCRIPT", "LOAD", source) for source in SCRIPTS.values()])
+        for sha in shas:
+            if isinstance(sha, BaseException):
+                raise sha
+        SCRIPT_SHA.update(zip(SCRIPTS, (sha.decode() for sha in shas), strict=True))
         self._scripts_loaded = True
 
     async def script(self, what: str, name: str, keys: list[str], args: list[Any]) -> Any:
@@ -452,14 +495,14 @@ class RedisState:
         (restarted, SCRIPT FLUSH) gets them again within the same call."""
         import redis
 
-        async def run(r):
+        async def run(_r):
             if not self._scripts_loaded:
-                await self._load_scripts(r)
+                await self._load_scripts()
             try:
-                return await r.evalsha(SCRIPT_SHA[name], len(keys), *keys, *args)
+                return await self.command("EVALSHA", SCRIPT_SHA[name], len(keys), *keys, *args)
             except redis.exceptions.NoScriptError:
-                await self._load_scripts(r)
-                return await r.evalsha(SCRIPT_SHA[name], len(keys), *keys, *args)
+                await self._load_scripts()
+                return await self.command("EVALSHA", SCRIPT_SHA[name], len(keys), *keys, *args)
 
         return await self.call(what, run)
 
@@ -472,22 +515,19 @@ class RedisState:
 
         batch, self._batch = self._batch, []
 
-        async def run(r, entries):
-            async with r.pipeline(transaction=False) as pipe:
-                for script, keys, args, _ in entries:
-                    pipe.execute_command("EVALSHA", SCRIPT_SHA[script], len(keys), *keys, *args)
-                return await pipe.execute(raise_on_error=False)
+        def run(entries):
+            return self._exchange([("EVALSHA", SCRIPT_SHA[script], len(keys), *keys, *args) for script, keys, args, _ in entries])
 
-        async def send(r):
+        async def send(_r):
             if not self._scripts_loaded:
-                await self._load_scripts(r)
-            results = await run(r, batch)
+                await self._load_scripts()
+            results = await run(batch)
             # NOSCRIPT: the server lost the scripts (restarted under a live connection, SCRIPT FLUSH,
             # a failover): load them again and send those writes once more, within this call
             missing = [i for i, result in enumerate(results) if isinstance(result, redis.exceptions.NoScriptError)]
             if missing:
-                await self._load_scripts(r)
-                for i, result in zip(missing, await run(r, [batch[i] for i in missing]), strict=True):
+                await self._load_scripts()
+                for i, result in zip(missing, await run([batch[i] for i in missing]), strict=True):
                     results[i] = result
             return results
 
@@ -800,7 +840,7 @@ class RedisConversationStore:
         if missing:
             full = [self.state.prefix + n for n in missing]
             try:
-                got = await self.state.call("read", lambda r: r.mget(full))
+                got = await self.state.call("read", lambda _r: self.state.command("MGET", *full))
             except StoreUnavailable:
                 return False
             prefetched = {**prefetched, **dict(zip(missing, got, strict=True))}
