@@ -71,6 +71,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from molctl.errors import MolctlError
+from molctl.proxy import fastjson
 from molctl.proxy.conversations import CallBinding, MemoryStore, TurnRecord
 from molctl.proxy.engine_client import ENGINE, EngineChoice
 from molctl.proxy.errors import ProxyError
@@ -130,7 +131,7 @@ return raw
 
 
 # the write tasks of the current request (set by RedisConversationStore.load): `flush` waits for these only
-_REQUEST_WRITES: contextvars.ContextVar[list[asyncio.Task] | None] = contextvars.ContextVar("molctl_store_writes",
+_REQUEST_WRITES: contextvars.ContextVar[list[asyncio.Future] | None] = contextvars.ContextVar("molctl_store_writes",
                                                                                              default=None)
 
 
@@ -334,6 +335,10 @@ class RedisState:
             kw = _client_kwargs(self.target, self._password)
             pool_kw = {k: v for k, v in kw.items() if k != "ssl"}
             pool_kw["retry"] = Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
+            # no socket read/write timeout: every use of a connection runs under the call's own timeout
+            # (call()), which bounds the reads and writes already (a cancelled read disconnects); with
+            # one, redis-py would run each send as a task of its own (asyncio.wait_for)
+            pool_kw["socket_timeout"] = None
             if kw.get("ssl"):
                 pool_kw["connection_class"] = aioredis.SSLConnection
             pool = aioredis.BlockingConnectionPool(max_connections=MAX_CONNECTIONS, timeout=self.call_timeout_s, **pool_kw)
@@ -421,23 +426,32 @@ class RedisState:
 
     # ---------------------------------------------------------------- records
     async def put(self, key: str, group: str, value: bytes) -> int:
-        args = [value, self.ttl_s, self.clock(), self.max_entries, f"{group}_evicted"]
-        return await self._write("put", [key, self.prefix + "idx:" + group, self.prefix + "stats"], args)
+        return await self.put_batched(key, group, value)
 
     async def merge_turn(self, key: str, value: bytes) -> bytes:
-        args = [value, self.ttl_s, self.clock(), self.max_entries, "conv_evicted"]
-        return await self._write("turn", [key, self.prefix + "idx:conv", self.prefix + "stats"], args)
+        return await self.merge_turn_batched(key, value)
 
-    async def _write(self, script: str, keys: list[str], args: list[Any]) -> Any:
+    def put_batched(self, key: str, group: str, value: bytes) -> asyncio.Future:
+        """`put`, started now: its future (see _write)."""
+        args = [value, self.ttl_s, self.clock(), self.max_entries, f"{group}_evicted"]
+        return self._write("put", [key, self.prefix + "idx:" + group, self.prefix + "stats"], args)
+
+    def merge_turn_batched(self, key: str, value: bytes) -> asyncio.Future:
+        """`merge_turn`, started now: its future (the merged turn's JSON; see _write)."""
+        args = [value, self.ttl_s, self.clock(), self.max_entries, "conv_evicted"]
+        return self._write("turn", [key, self.prefix + "idx:conv", self.prefix + "stats"], args)
+
+    def _write(self, script: str, keys: list[str], args: list[Any]) -> asyncio.Future:
         """Writes are batched: those started in one turn of the event loop (concurrent requests,
         summaries) go out in one pipeline, one round trip (each socket write costs CPU that
-        concurrent requests would otherwise queue behind)."""
+        concurrent requests would otherwise queue behind). The write's future: its script's reply,
+        or StoreUnavailable. RuntimeError without a running loop in this thread."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        if not self._batch:
-            loop.call_soon(lambda: self._track_batch(loop.create_task(self._send_batch())))
+        if not self._batch:  # the batch's task starts at the next turn of the loop, after this turn's writes
+            self._track_batch(loop.create_task(self._send_batch()))
         self._batch.append((script, keys, args, future))
-        return await future
+        return future
 
     async def _exchange(self, commands: list[tuple[Any, ...]]) -> list[Any]:
         """Send `commands` in one round trip on one connection of the pool and read their replies in
@@ -642,7 +656,7 @@ class RedisResponseStore:
         await self.state.put(self._key(record["tenant"], record["id"]), "r", raw)
 
     def _fresh(self, raw: bytes) -> ResponseRecord | None:
-        record = json.loads(_record_json(raw))
+        record = fastjson.loads(_record_json(raw))
         return record if self.state.clock() - float(record.get("created_at", 0)) <= self.state.ttl_s else None
 
     async def get_response(self, tenant: str, response_id: str) -> ResponseRecord | None:
@@ -737,7 +751,7 @@ class RedisConversationStore:
         self.state = state
         self.cache = cache if cache is not None else MemoryStore()
         self.summary_wait_s, self.poll_s = summary_wait_s, poll_s
-        self._writes: set[asyncio.Task] = set()
+        self._writes: set[asyncio.Future] = set()
         self._polls: set[asyncio.Task] = set()
         self.affinity_remote_total = 0  # requests whose hops went to another replica's engine
         self.affinity_takeovers_total = 0  # conversations taken over from a replica without a heartbeat
@@ -778,7 +792,7 @@ class RedisConversationStore:
             binding.replica = _serving(self.state.replica_id)
         raw = json.dumps({"route": binding.route, "arguments": binding.arguments, "name": binding.name,
                           "replica": binding.replica}).encode()
-        self._spawn(self.state.put(self._ckey(tenant, call_id), "conv", raw))
+        self._start_write(lambda: self.state.put_batched(self._ckey(tenant, call_id), "conv", raw))
         _keep_name(self._cname(tenant, call_id))
         self.cache.put_call(tenant, call_id, binding)
 
@@ -788,28 +802,34 @@ class RedisConversationStore:
 
     # ---------------------------------------------------------------- writes
     def _write_turn(self, key: bytes, record: TurnRecord) -> None:
-        raw = json.dumps({"route": record.route, "summary": record.summary, "state": _turn_state(record),
-                          "replica": record.replica, "at": self.state.clock()}).encode()
+        # the script decodes it and stores its own encoding (cjson): orjson's bytes store the same turn
+        raw = fastjson.dumps_bytes({"route": record.route, "summary": record.summary, "state": _turn_state(record),
+                                    "replica": record.replica, "at": self.state.clock()})
 
-        async def write() -> None:
-            merged = json.loads(await self.state.merge_turn(self._tkey(key), raw))
+        def written(future: asyncio.Future) -> None:
+            if future.cancelled() or future.exception() is not None:  # StoreUnavailable: counted by the state
+                return
+            merged = fastjson.loads(future.result())
             if merged.get("state") != _turn_state(record):  # another replica's state won: take it
                 _apply(record, merged)
 
-        self._spawn(write())
+        self._start_write(lambda: self.state.merge_turn_batched(self._tkey(key), raw), written)
 
-    def _spawn(self, coro) -> None:
+    def _start_write(self, start: Callable[[], asyncio.Future], then: Callable[[asyncio.Future], None] | None = None) -> None:
+        """Start a batched write (its future joins this request's writes: see flush); `then` runs
+        when it is done, before `flush` returns. A failed write is counted by the state, never raised."""
         try:
-            task = asyncio.get_running_loop().create_task(_quiet(coro))
+            asyncio.get_running_loop()
         except RuntimeError:  # no loop in this thread (a worker thread): write from the loop is not possible
-            coro.close()
             self.state.errors_total += 1
             return
-        self._writes.add(task)
-        task.add_done_callback(self._writes.discard)
+        future = start()
+        future.add_done_callback(then or _retrieve)
+        self._writes.add(future)
+        future.add_done_callback(self._writes.discard)
         mine = _REQUEST_WRITES.get()
         if mine is not None:
-            mine.append(task)
+            mine.append(future)
 
     def _track(self, task: asyncio.Task) -> None:
         self._polls.add(task)
@@ -849,7 +869,7 @@ class RedisConversationStore:
         for key, raw in zip(turn_keys, values[:len(turn_keys)], strict=True):
             if raw is None:
                 continue
-            data = json.loads(raw)
+            data = fastjson.loads(raw)
             record = self.cache.get_turn(key)
             if record is None:
                 record = TurnRecord(data["route"], replica=data.get("replica"))
@@ -863,7 +883,7 @@ class RedisConversationStore:
             _apply(record, data)
         for (tenant, call_id), raw in zip(calls, values[len(turn_keys):], strict=True):
             if raw is not None and self.cache.get_call(tenant, call_id) is None:
-                data = json.loads(raw)
+                data = fastjson.loads(raw)
                 self.cache.put_call(tenant, call_id, CallBinding(data["route"], data["arguments"], data["name"], data.get("replica")))
         return added
 
@@ -877,7 +897,7 @@ class RedisConversationStore:
             except StoreUnavailable:
                 return
             if raw is not None and not record.done.is_set():
-                data = json.loads(raw)
+                data = fastjson.loads(raw)
                 if data.get("state") != "pending":
                     _apply(record, data)
 
@@ -897,11 +917,10 @@ def _serving(default: str) -> str:
     return choice.replica if choice is not None and not choice.failed else default
 
 
-async def _quiet(coro) -> None:
-    try:
-        await coro
-    except StoreUnavailable:
-        pass
+def _retrieve(future: asyncio.Future) -> None:
+    """A write nobody awaits: its StoreUnavailable is retrieved (asyncio would log it as never retrieved)."""
+    if not future.cancelled():
+        future.exception()
 
 
 __all__ = ["RedisState", "RedisResponseStore", "RedisConversationStore", "RedisTarget", "StoreUnavailable",
