@@ -405,7 +405,7 @@ class RedisState:
 
     async def available(self) -> None:
         """Raise StoreUnavailable unless a PING answers (fast when degraded: see call())."""
-        await self.call("ping", lambda r: r.ping())
+        await self.call("ping", lambda _r: self.command("PING"))
 
     async def close(self) -> None:
         if self._heartbeat is not None:
@@ -608,7 +608,7 @@ class RedisState:
         checked = self._peers.get(owner)
         if checked is None or now - checked[0] > min(1.0, self.heartbeat_s):
             try:
-                raw = await self.call("heartbeat read", lambda r: r.get(self._replica_key(owner)))
+                raw = await self.call("heartbeat read", lambda _r: self.command("GET", self._replica_key(owner)))
             except StoreUnavailable:
                 return None
             # fresh while the key lives: its TTL runs on the Redis server's clock (the replicas'
@@ -660,7 +660,7 @@ class RedisResponseStore:
         return record if self.state.clock() - float(record.get("created_at", 0)) <= self.state.ttl_s else None
 
     async def get_response(self, tenant: str, response_id: str) -> ResponseRecord | None:
-        raw = await self.state.call("read", lambda r: r.get(self._key(tenant, response_id)))
+        raw = await self.state.call("read", lambda _r: self.state.command("GET", self._key(tenant, response_id)))
         return None if raw is None else self._fresh(raw)
 
     async def get_previous(self, tenant: str, response_id: str) -> ResponseRecord | None:
@@ -893,7 +893,7 @@ class RedisConversationStore:
         while not record.done.is_set() and time.monotonic() < deadline:
             await asyncio.sleep(self.poll_s)
             try:
-                raw = await self.state.call("read", lambda r: r.get(self._tkey(key)))
+                raw = await self.state.call("read", lambda _r: self.state.command("GET", self._tkey(key)))
             except StoreUnavailable:
                 return
             if raw is not None and not record.done.is_set():
