@@ -46,8 +46,10 @@ concurrent requests share round trips. Per request: a chained Responses request 
 previous response with its conversation's turns and tool calls: `get_previous`; the new turn and
 response written together), a chat turn with history two (MGET, write), a first turn one.
 
-Failure behaviour. Every call runs under `call_timeout_s` (and socket connect/read timeouts;
-one reconnect on a dropped connection, none on a timeout).
+Failure behaviour. Every call runs under `call_timeout_s` (which bounds the connect, the send
+and the reads; one reconnect on a dropped connection, none on a timeout). A call sends its
+commands on one pooled redis-py connection and reads their raw replies (`_exchange`); a
+connection left with a reply half-read (a timeout, a cancelled call) is disconnected, never pooled.
 A failure marks the store degraded (logged once, counted in `degraded_total`, `errors_total`);
 while degraded, calls fail at once for RETRY_S, then one call tries again, and the first
 success recovers (logged once): a stuck or lost Redis costs a request at most one timeout,
