@@ -495,6 +495,46 @@ def test_an_error_reply_inside_a_write_batch_fails_that_write_only(redis, r, cap
     assert "write refused by the server" in caplog.text and "WRONGTYPE" in caplog.text
 
 
+def test_more_concurrent_calls_than_connections_wait_their_turn(redis, r, monkeypatch):
+    """MAX_CONNECTIONS bounds the connections; calls beyond it wait for one (within their timeout),
+    also while the store keeps its last connection aside for the next call: every call is answered."""
+    import molctl.proxy.redis_store as redis_store
+
+    monkeypatch.setattr(redis_store, "MAX_CONNECTIONS", 1)
+
+    async def main():
+        st = state(redis)
+        store = RedisResponseStore(st)
+        await store.put_response(record("resp_1"))
+        for _ in range(3):
+            got = await asyncio.gather(*(store.get_response("t1", "resp_1") for _ in range(40)),
+                                       *(store.put_response(record(f"resp_w{i}")) for i in range(20)))
+            assert [g["id"] for g in got[:40]] == ["resp_1"] * 40
+        assert len(st._redis().connection_pool._in_use_connections) + len(st._redis().connection_pool._available_connections) == 1
+        assert not st.degraded and st.errors_total == 0
+        await st.close()
+
+    asyncio.run(main())
+
+
+def test_a_connection_the_server_closed_while_idle_costs_no_call(redis, r):
+    """Redis closed the store's idle connections (CLIENT KILL, its idle timeout): the next call
+    reconnects once within its timeout and succeeds; the store stays healthy."""
+    async def main():
+        st = state(redis)
+        store = RedisResponseStore(st)
+        await store.put_response(record("resp_1"))
+        assert r.client_kill_filter(_type="normal", skipme=True) >= 1
+        assert (await store.get_response("t1", "resp_1"))["id"] == "resp_1"
+        r.client_kill_filter(_type="normal", skipme=True)
+        await store.put_response(record("resp_2"))
+        assert (await store.get_response("t1", "resp_2"))["id"] == "resp_2"
+        assert not st.degraded and st.errors_total == 0
+        await st.close()
+
+    asyncio.run(main())
+
+
 def test_a_redis_out_of_memory_refuses_writes_but_is_not_lost(caplog):
     """maxmemory reached under `noeviction` (Redis's default policy): the server answers, refusing
     writes. A refused write fails alone (the request gets its 503) and is logged with the hint;

@@ -321,6 +321,10 @@ class RedisState:
         self._peers: dict[str, tuple[float, str | None]] = {}  # replica -> (checked at, upstream or None)
         self._heartbeat: asyncio.Task | None = None
         self._refused_logged: dict[str, float] = {}  # error kind -> when last logged (refused())
+        # the last connection released while no call waited for the pool: the next call takes it
+        # without the pool's locks and checks (see _exchange); (its pool, the connection)
+        self._idle: tuple[Any, Any] | None = None
+        self._pool_waiters = 0  # calls inside pool.get_connection()
 
     # ---------------------------------------------------------------- connection
     def _redis(self):
@@ -401,7 +405,7 @@ class RedisState:
             log.warning("state store %s: %s failed (%s); degraded: chat continues without shared state, "
                         "Responses requests that need it get 503 until it is back", self.target.address, what, why)
         # a timed-out connection may hold a half-read reply: drop the pool so the next call starts clean
-        client, self._client = self._client, None
+        client, self._client, self._idle = self._client, None, None  # closing the pool disconnects the idle one too
         if client is not None:
             asyncio.get_running_loop().create_task(_close_quietly(client))
 
@@ -418,7 +422,7 @@ class RedisState:
                 await self.call("unregister", lambda r: r.delete(self._replica_key(self.replica_id)))
             except StoreUnavailable:
                 pass
-        client, self._client = self._client, None
+        client, self._client, self._idle = self._client, None, None
         if client is not None:
             await _close_quietly(client)
 
@@ -463,11 +467,21 @@ class RedisState:
         the way (a timeout, a cancellation, a reply cut mid-way) disconnects the connection before it
         goes back to the pool: a half-read reply is never read by the next call. A connection that
         turns out dropped (ConnectionError: e.g. Redis restarted since it was last used) is
-        connected again and the commands sent once more; a timeout is never retried."""
+        connected again and the commands sent once more; a timeout is never retried. The connection
+        comes from the pool (MAX_CONNECTIONS, a call waits for one within pool.timeout), or is the
+        one the previous call kept aside (`_idle`: only while no call waits for the pool)."""
         import redis
 
         pool = self._redis().connection_pool
-        conn = await pool.get_connection()  # at most MAX_CONNECTIONS: waits within pool.timeout (backpressure)
+        idle, self._idle = self._idle, None
+        if idle is not None and idle[0] is pool:
+            conn = idle[1]
+        else:
+            self._pool_waiters += 1
+            try:
+                conn = await pool.get_connection()  # at most MAX_CONNECTIONS: waits within pool.timeout (backpressure)
+            finally:
+                self._pool_waiters -= 1
         try:
             packed = conn.pack_commands(commands)
             for attempt in (1, 2):
@@ -489,7 +503,12 @@ class RedisState:
             await conn.disconnect(nowait=True)
             raise
         finally:
-            await pool.release(conn)
+            # kept for the next call only while nobody waits for the pool (it counts as in use there)
+            if self._idle is None and not self._pool_waiters and conn.is_connected and \
+                    self._client is not None and self._client.connection_pool is pool:
+                self._idle = (pool, conn)
+            else:
+                await pool.release(conn)
 
     async def command(self, *args: Any) -> Any:
         """One command, one round trip (see _exchange); its raw reply (bytes, a list, None...)."""
