@@ -517,7 +517,7 @@ class RedisState:
             raise reply
         return reply
 
-    async def _load_scripts(self, _r=None) -> None:
+    async def _load_scripts(self) -> None:
         shas = await self._exchange([("SCRIPT", "LOAD", source) for source in SCRIPTS.values()])
         for sha in shas:
             if isinstance(sha, BaseException):
