@@ -393,6 +393,148 @@ def test_a_script_flush_costs_no_write(redis, r):
     asyncio.run(main())
 
 
+class _CuttingRelay:
+    """A relay between the store and redis-server (asyncio, this loop) that can pass a reply only
+    up to `cut(n)` bytes and hold the rest until `release()`: a reply half-read by its call."""
+
+    def __init__(self, redis_port: int):
+        self.redis_port, self._cut_at = redis_port, None
+        self.cut_sent, self.released = asyncio.Event(), asyncio.Event()
+        self.server = None
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        return self.server.sockets[0].getsockname()[1]
+
+    def cut(self, n: int) -> None:
+        self._cut_at = n
+
+    def release(self) -> None:
+        self.released.set()
+
+    async def _handle(self, client_r, client_w):
+        redis_r, redis_w = await asyncio.open_connection("127.0.0.1", self.redis_port)
+
+        async def pump(src, dst, replies: bool):
+            try:
+                while data := await src.read(65536):
+                    if replies and self._cut_at is not None:
+                        n, self._cut_at = self._cut_at, None
+                        dst.write(data[:n])
+                        await dst.drain()
+                        self.cut_sent.set()
+                        await self.released.wait()
+                        data = data[n:]
+                    dst.write(data)
+                    await dst.drain()
+            except OSError:
+                pass
+            finally:
+                dst.close()
+
+        await asyncio.gather(pump(client_r, redis_w, False), pump(redis_r, client_w, True))
+
+    async def close(self) -> None:
+        self.server.close()
+        self.released.set()
+
+
+def test_a_reply_cut_mid_way_is_never_read_by_the_next_call(redis, r):
+    """A call cancelled while its reply was half-read (e.g. its request went away): that
+    connection is disconnected, never pooled again; the next call gets its own reply, not the
+    rest of the old one, and the store stays healthy (a cancellation is no outage)."""
+    async def main():
+        relay = _CuttingRelay(redis.port)
+        port = await relay.start()
+        st = RedisState(parse_redis_url(f"redis://127.0.0.1:{port}/0"), None, "tiny", replica_id="a",
+                        advertise_upstream="http://engine-a")
+        store = RedisResponseStore(st)
+        big = record("resp_1")
+        big["messages"][0]["content"] = "x" * 5000
+        await store.put_response(big)
+        await store.put_response(record("resp_2"))
+        relay.cut(100)  # the next reply: its first 100 bytes, then nothing until released
+        call = asyncio.create_task(store.get_response("t1", "resp_1"))
+        await asyncio.wait_for(relay.cut_sent.wait(), 5)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        relay.release()  # the rest of resp_1's reply reaches its socket if that is still open
+        await asyncio.sleep(0.05)
+        for _ in range(3):  # whichever pooled connection serves them
+            assert (await store.get_response("t1", "resp_2"))["id"] == "resp_2"
+            assert (await store.get_response("t1", "resp_1"))["messages"][0]["content"] == "x" * 5000
+        assert not st.degraded and st.errors_total == 0
+        await st.close()
+        await relay.close()
+
+    asyncio.run(main())
+
+
+def test_an_error_reply_inside_a_write_batch_fails_that_write_only(redis, r, caplog):
+    """Writes started together share one round trip; a command the server refuses (here a turn
+    key holding another type) fails its own write (counted, logged), the others land, and the
+    connection's later replies stay in order."""
+    async def main():
+        st = state(redis)
+        bad, good = st.prefix + "t:bad", st.prefix + "c:t1:call_1"
+        r.rpush(bad, "not a turn")
+        merged, put = await asyncio.gather(
+            st.merge_turn(bad, json.dumps({"route": "L1", "summary": None, "state": "pending", "replica": "a", "at": 1}).encode()),
+            st.put(good, "conv", b'{"route": "L1"}'), return_exceptions=True)
+        assert isinstance(merged, StoreUnavailable) and "WRONGTYPE" in merged.why
+        assert put == 0 and r.get(good) == b'{"route": "L1"}'
+        assert not st.degraded and st.errors_total == 1
+        store = RedisResponseStore(st)
+        await store.put_response(record("resp_1"))
+        assert (await store.get_response("t1", "resp_1"))["id"] == "resp_1"
+        await st.close()
+
+    with caplog.at_level("WARNING", logger="molctl.proxy"):
+        asyncio.run(main())
+    assert "write refused by the server" in caplog.text and "WRONGTYPE" in caplog.text
+
+
+def test_more_concurrent_calls_than_connections_wait_their_turn(redis, r, monkeypatch):
+    """MAX_CONNECTIONS bounds the connections; calls beyond it wait for one (within their timeout),
+    also while the store keeps its last connection aside for the next call: every call is answered."""
+    import molctl.proxy.redis_store as redis_store
+
+    monkeypatch.setattr(redis_store, "MAX_CONNECTIONS", 1)
+
+    async def main():
+        st = state(redis)
+        store = RedisResponseStore(st)
+        await store.put_response(record("resp_1"))
+        for _ in range(3):
+            got = await asyncio.gather(*(store.get_response("t1", "resp_1") for _ in range(40)),
+                                       *(store.put_response(record(f"resp_w{i}")) for i in range(20)))
+            assert [g["id"] for g in got[:40]] == ["resp_1"] * 40
+        assert len(st._redis().connection_pool._in_use_connections) + len(st._redis().connection_pool._available_connections) == 1
+        assert not st.degraded and st.errors_total == 0
+        await st.close()
+
+    asyncio.run(main())
+
+
+def test_a_connection_the_server_closed_while_idle_costs_no_call(redis, r):
+    """Redis closed the store's idle connections (CLIENT KILL, its idle timeout): the next call
+    reconnects once within its timeout and succeeds; the store stays healthy."""
+    async def main():
+        st = state(redis)
+        store = RedisResponseStore(st)
+        await store.put_response(record("resp_1"))
+        assert r.client_kill_filter(_type="normal", skipme=True) >= 1
+        assert (await store.get_response("t1", "resp_1"))["id"] == "resp_1"
+        r.client_kill_filter(_type="normal", skipme=True)
+        await store.put_response(record("resp_2"))
+        assert (await store.get_response("t1", "resp_2"))["id"] == "resp_2"
+        assert not st.degraded and st.errors_total == 0
+        await st.close()
+
+    asyncio.run(main())
+
+
 def test_a_redis_out_of_memory_refuses_writes_but_is_not_lost(caplog):
     """maxmemory reached under `noeviction` (Redis's default policy): the server answers, refusing
     writes. A refused write fails alone (the request gets its 503) and is logged with the hint;

@@ -46,8 +46,10 @@ concurrent requests share round trips. Per request: a chained Responses request 
 previous response with its conversation's turns and tool calls: `get_previous`; the new turn and
 response written together), a chat turn with history two (MGET, write), a first turn one.
 
-Failure behaviour. Every call runs under `call_timeout_s` (and socket connect/read timeouts;
-one reconnect on a dropped connection, none on a timeout).
+Failure behaviour. Every call runs under `call_timeout_s` (which bounds the connect, the send
+and the reads; one reconnect on a dropped connection, none on a timeout). A call sends its
+commands on one pooled redis-py connection and reads their raw replies (`_exchange`); a
+connection left with a reply half-read (a timeout, a cancelled call) is disconnected, never pooled.
 A failure marks the store degraded (logged once, counted in `degraded_total`, `errors_total`);
 while degraded, calls fail at once for RETRY_S, then one call tries again, and the first
 success recovers (logged once): a stuck or lost Redis costs a request at most one timeout,
@@ -71,6 +73,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from molctl.errors import MolctlError
+from molctl.proxy import fastjson
 from molctl.proxy.conversations import CallBinding, MemoryStore, TurnRecord
 from molctl.proxy.engine_client import ENGINE, EngineChoice
 from molctl.proxy.errors import ProxyError
@@ -130,7 +133,7 @@ return raw
 
 
 # the write tasks of the current request (set by RedisConversationStore.load): `flush` waits for these only
-_REQUEST_WRITES: contextvars.ContextVar[list[asyncio.Task] | None] = contextvars.ContextVar("molctl_store_writes",
+_REQUEST_WRITES: contextvars.ContextVar[list[asyncio.Future] | None] = contextvars.ContextVar("molctl_store_writes",
                                                                                              default=None)
 
 
@@ -318,6 +321,10 @@ class RedisState:
         self._peers: dict[str, tuple[float, str | None]] = {}  # replica -> (checked at, upstream or None)
         self._heartbeat: asyncio.Task | None = None
         self._refused_logged: dict[str, float] = {}  # error kind -> when last logged (refused())
+        # the last connection released while no call waited for the pool: the next call takes it
+        # without the pool's locks and checks (see _exchange); (its pool, the connection)
+        self._idle: tuple[Any, Any] | None = None
+        self._pool_waiters = 0  # calls inside pool.get_connection()
 
     # ---------------------------------------------------------------- connection
     def _redis(self):
@@ -334,6 +341,10 @@ class RedisState:
             kw = _client_kwargs(self.target, self._password)
             pool_kw = {k: v for k, v in kw.items() if k != "ssl"}
             pool_kw["retry"] = Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
+            # no socket read/write timeout: every use of a connection runs under the call's own timeout
+            # (call()), which bounds the reads and writes already (a cancelled read disconnects); with
+            # one, redis-py would run each send as a task of its own (asyncio.wait_for)
+            pool_kw["socket_timeout"] = None
             if kw.get("ssl"):
                 pool_kw["connection_class"] = aioredis.SSLConnection
             pool = aioredis.BlockingConnectionPool(max_connections=MAX_CONNECTIONS, timeout=self.call_timeout_s, **pool_kw)
@@ -394,13 +405,13 @@ class RedisState:
             log.warning("state store %s: %s failed (%s); degraded: chat continues without shared state, "
                         "Responses requests that need it get 503 until it is back", self.target.address, what, why)
         # a timed-out connection may hold a half-read reply: drop the pool so the next call starts clean
-        client, self._client = self._client, None
+        client, self._client, self._idle = self._client, None, None  # closing the pool disconnects the idle one too
         if client is not None:
             asyncio.get_running_loop().create_task(_close_quietly(client))
 
     async def available(self) -> None:
         """Raise StoreUnavailable unless a PING answers (fast when degraded: see call())."""
-        await self.call("ping", lambda r: r.ping())
+        await self.call("ping", lambda _r: self.command("PING"))
 
     async def close(self) -> None:
         if self._heartbeat is not None:
@@ -411,7 +422,7 @@ class RedisState:
                 await self.call("unregister", lambda r: r.delete(self._replica_key(self.replica_id)))
             except StoreUnavailable:
                 pass
-        client, self._client = self._client, None
+        client, self._client, self._idle = self._client, None, None
         if client is not None:
             await _close_quietly(client)
 
@@ -421,30 +432,97 @@ class RedisState:
 
     # ---------------------------------------------------------------- records
     async def put(self, key: str, group: str, value: bytes) -> int:
-        args = [value, self.ttl_s, self.clock(), self.max_entries, f"{group}_evicted"]
-        return await self._write("put", [key, self.prefix + "idx:" + group, self.prefix + "stats"], args)
+        return await self.put_batched(key, group, value)
 
     async def merge_turn(self, key: str, value: bytes) -> bytes:
-        args = [value, self.ttl_s, self.clock(), self.max_entries, "conv_evicted"]
-        return await self._write("turn", [key, self.prefix + "idx:conv", self.prefix + "stats"], args)
+        return await self.merge_turn_batched(key, value)
 
-    async def _write(self, script: str, keys: list[str], args: list[Any]) -> Any:
+    def put_batched(self, key: str, group: str, value: bytes) -> asyncio.Future:
+        """`put`, started now: its future (see _write)."""
+        args = [value, self.ttl_s, self.clock(), self.max_entries, f"{group}_evicted"]
+        return self._write("put", [key, self.prefix + "idx:" + group, self.prefix + "stats"], args)
+
+    def merge_turn_batched(self, key: str, value: bytes) -> asyncio.Future:
+        """`merge_turn`, started now: its future (the merged turn's JSON; see _write)."""
+        args = [value, self.ttl_s, self.clock(), self.max_entries, "conv_evicted"]
+        return self._write("turn", [key, self.prefix + "idx:conv", self.prefix + "stats"], args)
+
+    def _write(self, script: str, keys: list[str], args: list[Any]) -> asyncio.Future:
         """Writes are batched: those started in one turn of the event loop (concurrent requests,
         summaries) go out in one pipeline, one round trip (each socket write costs CPU that
-        concurrent requests would otherwise queue behind)."""
+        concurrent requests would otherwise queue behind). The write's future: its script's reply,
+        or StoreUnavailable. RuntimeError without a running loop in this thread."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        if not self._batch:
-            loop.call_soon(lambda: self._track_batch(loop.create_task(self._send_batch())))
+        if not self._batch:  # the batch's task starts at the next turn of the loop, after this turn's writes
+            self._track_batch(loop.create_task(self._send_batch()))
         self._batch.append((script, keys, args, future))
-        return await future
+        return future
 
-    async def _load_scripts(self, r) -> None:
-        async with r.pipeline(transaction=False) as pipe:
-            for source in SCRIPTS.values():
-                pipe.script_load(source)
-            shas = await pipe.execute()
-        SCRIPT_SHA.update(zip(SCRIPTS, shas, strict=True))
+    async def _exchange(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+        """Send `commands` in one round trip on one connection of the pool and read their replies in
+        order; an error the server answers (a ResponseError: NOSCRIPT, OOM, READONLY) is returned in
+        its command's place, as a pipeline with raise_on_error=False does (what a redis-py pipeline
+        does, without its command stack and callbacks: the replies are raw). Any other failure on
+        the way (a timeout, a cancellation, a reply cut mid-way) disconnects the connection before it
+        goes back to the pool: a half-read reply is never read by the next call. A connection that
+        turns out dropped (ConnectionError: e.g. Redis restarted since it was last used) is
+        connected again and the commands sent once more; a timeout is never retried. The connection
+        comes from the pool (MAX_CONNECTIONS, a call waits for one within pool.timeout), or is the
+        one the previous call kept aside (`_idle`: only while no call waits for the pool)."""
+        import redis
+
+        pool = self._redis().connection_pool
+        idle, self._idle = self._idle, None
+        if idle is not None and idle[0] is pool:
+            conn = idle[1]
+        else:
+            self._pool_waiters += 1
+            try:
+                conn = await pool.get_connection()  # at most MAX_CONNECTIONS: waits within pool.timeout (backpressure)
+            finally:
+                self._pool_waiters -= 1
+        try:
+            packed = conn.pack_commands(commands)
+            for attempt in (1, 2):
+                try:
+                    await conn.send_packed_command(packed, check_health=False)
+                    replies: list[Any] = []
+                    for _ in commands:
+                        try:
+                            replies.append(await conn.read_response())
+                        except redis.ResponseError as exc:  # the whole reply was read: the connection is clean
+                            replies.append(exc)
+                    return replies
+                except redis.ConnectionError:
+                    await conn.disconnect(nowait=True)
+                    if attempt == 2:
+                        raise
+            raise AssertionError("unreachable")
+        except BaseException:
+            await conn.disconnect(nowait=True)
+            raise
+        finally:
+            # kept for the next call only while nobody waits for the pool (it counts as in use there)
+            if self._idle is None and not self._pool_waiters and conn.is_connected and \
+                    self._client is not None and self._client.connection_pool is pool:
+                self._idle = (pool, conn)
+            else:
+                await pool.release(conn)
+
+    async def command(self, *args: Any) -> Any:
+        """One command, one round trip (see _exchange); its raw reply (bytes, a list, None...)."""
+        reply = (await self._exchange([args]))[0]
+        if isinstance(reply, BaseException):
+            raise reply
+        return reply
+
+    async def _load_scripts(self) -> None:
+        shas = await self._exchange([("SCRIPT", "LOAD", source) for source in SCRIPTS.values()])
+        for sha in shas:
+            if isinstance(sha, BaseException):
+                raise sha
+        SCRIPT_SHA.update(zip(SCRIPTS, (sha.decode() for sha in shas), strict=True))
         self._scripts_loaded = True
 
     async def script(self, what: str, name: str, keys: list[str], args: list[Any]) -> Any:
@@ -452,14 +530,14 @@ class RedisState:
         (restarted, SCRIPT FLUSH) gets them again within the same call."""
         import redis
 
-        async def run(r):
+        async def run(_r):
             if not self._scripts_loaded:
-                await self._load_scripts(r)
+                await self._load_scripts()
             try:
-                return await r.evalsha(SCRIPT_SHA[name], len(keys), *keys, *args)
+                return await self.command("EVALSHA", SCRIPT_SHA[name], len(keys), *keys, *args)
             except redis.exceptions.NoScriptError:
-                await self._load_scripts(r)
-                return await r.evalsha(SCRIPT_SHA[name], len(keys), *keys, *args)
+                await self._load_scripts()
+                return await self.command("EVALSHA", SCRIPT_SHA[name], len(keys), *keys, *args)
 
         return await self.call(what, run)
 
@@ -472,22 +550,19 @@ class RedisState:
 
         batch, self._batch = self._batch, []
 
-        async def run(r, entries):
-            async with r.pipeline(transaction=False) as pipe:
-                for script, keys, args, _ in entries:
-                    pipe.execute_command("EVALSHA", SCRIPT_SHA[script], len(keys), *keys, *args)
-                return await pipe.execute(raise_on_error=False)
+        def run(entries):
+            return self._exchange([("EVALSHA", SCRIPT_SHA[script], len(keys), *keys, *args) for script, keys, args, _ in entries])
 
-        async def send(r):
+        async def send(_r):
             if not self._scripts_loaded:
-                await self._load_scripts(r)
-            results = await run(r, batch)
+                await self._load_scripts()
+            results = await run(batch)
             # NOSCRIPT: the server lost the scripts (restarted under a live connection, SCRIPT FLUSH,
             # a failover): load them again and send those writes once more, within this call
             missing = [i for i, result in enumerate(results) if isinstance(result, redis.exceptions.NoScriptError)]
             if missing:
-                await self._load_scripts(r)
-                for i, result in zip(missing, await run(r, [batch[i] for i in missing]), strict=True):
+                await self._load_scripts()
+                for i, result in zip(missing, await run([batch[i] for i in missing]), strict=True):
                     results[i] = result
             return results
 
@@ -554,7 +629,7 @@ class RedisState:
         checked = self._peers.get(owner)
         if checked is None or now - checked[0] > min(1.0, self.heartbeat_s):
             try:
-                raw = await self.call("heartbeat read", lambda r: r.get(self._replica_key(owner)))
+                raw = await self.call("heartbeat read", lambda _r: self.command("GET", self._replica_key(owner)))
             except StoreUnavailable:
                 return None
             # fresh while the key lives: its TTL runs on the Redis server's clock (the replicas'
@@ -603,11 +678,11 @@ class RedisResponseStore:
         await self.state.put(self._key(record["tenant"], record["id"]), "r", raw)
 
     def _fresh(self, raw: bytes) -> ResponseRecord | None:
-        record = json.loads(_record_json(raw))
+        record = fastjson.loads(_record_json(raw))
         return record if self.state.clock() - float(record.get("created_at", 0)) <= self.state.ttl_s else None
 
     async def get_response(self, tenant: str, response_id: str) -> ResponseRecord | None:
-        raw = await self.state.call("read", lambda r: r.get(self._key(tenant, response_id)))
+        raw = await self.state.call("read", lambda _r: self.state.command("GET", self._key(tenant, response_id)))
         return None if raw is None else self._fresh(raw)
 
     async def get_previous(self, tenant: str, response_id: str) -> ResponseRecord | None:
@@ -698,7 +773,7 @@ class RedisConversationStore:
         self.state = state
         self.cache = cache if cache is not None else MemoryStore()
         self.summary_wait_s, self.poll_s = summary_wait_s, poll_s
-        self._writes: set[asyncio.Task] = set()
+        self._writes: set[asyncio.Future] = set()
         self._polls: set[asyncio.Task] = set()
         self.affinity_remote_total = 0  # requests whose hops went to another replica's engine
         self.affinity_takeovers_total = 0  # conversations taken over from a replica without a heartbeat
@@ -739,7 +814,7 @@ class RedisConversationStore:
             binding.replica = _serving(self.state.replica_id)
         raw = json.dumps({"route": binding.route, "arguments": binding.arguments, "name": binding.name,
                           "replica": binding.replica}).encode()
-        self._spawn(self.state.put(self._ckey(tenant, call_id), "conv", raw))
+        self._start_write(lambda: self.state.put_batched(self._ckey(tenant, call_id), "conv", raw))
         _keep_name(self._cname(tenant, call_id))
         self.cache.put_call(tenant, call_id, binding)
 
@@ -749,28 +824,34 @@ class RedisConversationStore:
 
     # ---------------------------------------------------------------- writes
     def _write_turn(self, key: bytes, record: TurnRecord) -> None:
-        raw = json.dumps({"route": record.route, "summary": record.summary, "state": _turn_state(record),
-                          "replica": record.replica, "at": self.state.clock()}).encode()
+        # the script decodes it and stores its own encoding (cjson): orjson's bytes store the same turn
+        raw = fastjson.dumps_bytes({"route": record.route, "summary": record.summary, "state": _turn_state(record),
+                                    "replica": record.replica, "at": self.state.clock()})
 
-        async def write() -> None:
-            merged = json.loads(await self.state.merge_turn(self._tkey(key), raw))
+        def written(future: asyncio.Future) -> None:
+            if future.cancelled() or future.exception() is not None:  # StoreUnavailable: counted by the state
+                return
+            merged = fastjson.loads(future.result())
             if merged.get("state") != _turn_state(record):  # another replica's state won: take it
                 _apply(record, merged)
 
-        self._spawn(write())
+        self._start_write(lambda: self.state.merge_turn_batched(self._tkey(key), raw), written)
 
-    def _spawn(self, coro) -> None:
+    def _start_write(self, start: Callable[[], asyncio.Future], then: Callable[[asyncio.Future], None] | None = None) -> None:
+        """Start a batched write (its future joins this request's writes: see flush); `then` runs
+        when it is done, before `flush` returns. A failed write is counted by the state, never raised."""
         try:
-            task = asyncio.get_running_loop().create_task(_quiet(coro))
+            asyncio.get_running_loop()
         except RuntimeError:  # no loop in this thread (a worker thread): write from the loop is not possible
-            coro.close()
             self.state.errors_total += 1
             return
-        self._writes.add(task)
-        task.add_done_callback(self._writes.discard)
+        future = start()
+        future.add_done_callback(then or _retrieve)
+        self._writes.add(future)
+        future.add_done_callback(self._writes.discard)
         mine = _REQUEST_WRITES.get()
         if mine is not None:
-            mine.append(task)
+            mine.append(future)
 
     def _track(self, task: asyncio.Task) -> None:
         self._polls.add(task)
@@ -801,7 +882,7 @@ class RedisConversationStore:
         if missing:
             full = [self.state.prefix + n for n in missing]
             try:
-                got = await self.state.call("read", lambda r: r.mget(full))
+                got = await self.state.call("read", lambda _r: self.state.command("MGET", *full))
             except StoreUnavailable:
                 return False
             prefetched = {**prefetched, **dict(zip(missing, got, strict=True))}
@@ -810,7 +891,7 @@ class RedisConversationStore:
         for key, raw in zip(turn_keys, values[:len(turn_keys)], strict=True):
             if raw is None:
                 continue
-            data = json.loads(raw)
+            data = fastjson.loads(raw)
             record = self.cache.get_turn(key)
             if record is None:
                 record = TurnRecord(data["route"], replica=data.get("replica"))
@@ -824,7 +905,7 @@ class RedisConversationStore:
             _apply(record, data)
         for (tenant, call_id), raw in zip(calls, values[len(turn_keys):], strict=True):
             if raw is not None and self.cache.get_call(tenant, call_id) is None:
-                data = json.loads(raw)
+                data = fastjson.loads(raw)
                 self.cache.put_call(tenant, call_id, CallBinding(data["route"], data["arguments"], data["name"], data.get("replica")))
         return added
 
@@ -834,11 +915,11 @@ class RedisConversationStore:
         while not record.done.is_set() and time.monotonic() < deadline:
             await asyncio.sleep(self.poll_s)
             try:
-                raw = await self.state.call("read", lambda r: r.get(self._tkey(key)))
+                raw = await self.state.call("read", lambda _r: self.state.command("GET", self._tkey(key)))
             except StoreUnavailable:
                 return
             if raw is not None and not record.done.is_set():
-                data = json.loads(raw)
+                data = fastjson.loads(raw)
                 if data.get("state") != "pending":
                     _apply(record, data)
 
@@ -858,11 +939,10 @@ def _serving(default: str) -> str:
     return choice.replica if choice is not None and not choice.failed else default
 
 
-async def _quiet(coro) -> None:
-    try:
-        await coro
-    except StoreUnavailable:
-        pass
+def _retrieve(future: asyncio.Future) -> None:
+    """A write nobody awaits: its StoreUnavailable is retrieved (asyncio would log it as never retrieved)."""
+    if not future.cancelled():
+        future.exception()
 
 
 __all__ = ["RedisState", "RedisResponseStore", "RedisConversationStore", "RedisTarget", "StoreUnavailable",
