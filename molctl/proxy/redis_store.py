@@ -320,6 +320,7 @@ class RedisState:
         self._batches: set[asyncio.Task] = set()
         self._peers: dict[str, tuple[float, str | None]] = {}  # replica -> (checked at, upstream or None)
         self._heartbeat: asyncio.Task | None = None
+        self._beat_pending: asyncio.Future | None = None  # the heartbeat's write in flight (see _beat_write)
         self._refused_logged: dict[str, float] = {}  # error kind -> when last logged (refused())
         # the last connection released while no call waited for the pool: the next call takes it
         # without the pool's locks and checks (see _exchange); (its pool, the connection)
@@ -413,11 +414,23 @@ class RedisState:
         """Raise StoreUnavailable unless a PING answers (fast when degraded: see call())."""
         await self.call("ping", lambda _r: self.command("PING"))
 
+    async def _beat_write(self, fn: Callable[[Any], Any]) -> Any:
+        """A heartbeat write that a cancelled heartbeat does not interrupt (shielded): close()
+        waits for it, so that its SET cannot reach Redis after the unregistering DEL (two
+        connections: their commands are not ordered) and register a stopped replica again."""
+        self._beat_pending = asyncio.ensure_future(self.call("heartbeat", fn))
+        return await asyncio.shield(self._beat_pending)
+
     async def close(self) -> None:
         if self._heartbeat is not None:
             self._heartbeat.cancel()
             await asyncio.gather(self._heartbeat, return_exceptions=True)
             self._heartbeat = None
+            pending, self._beat_pending = self._beat_pending, None
+            if pending is not None:
+                await asyncio.wait([pending], timeout=self.call_timeout_s * 2)
+                if pending.done() and not pending.cancelled():
+                    pending.exception()  # retrieved: a failed beat is counted by call() already
             try:
                 await self.call("unregister", lambda r: r.delete(self._replica_key(self.replica_id)))
             except StoreUnavailable:
@@ -603,8 +616,7 @@ class RedisState:
                 ok = bool(await healthy())
                 beat = json.dumps({"upstream": self.advertise_upstream, "at": self.clock(), "instance": instance})
                 if ok:
-                    old = await self.call("heartbeat", lambda r, beat=beat: r.set(key, beat, px=int(self.heartbeat_ttl_s * 1000),
-                                                                                  get=True))
+                    old = await self._beat_write(lambda r, beat=beat: r.set(key, beat, px=int(self.heartbeat_ttl_s * 1000), get=True))
                     if wrote and old and not warned and json.loads(old).get("instance") != instance:
                         warned = True
                         log.warning("replica id %s is also used by another proxy (engine %s): give each replica its own "
@@ -612,7 +624,7 @@ class RedisState:
                                     self.replica_id, json.loads(old).get("upstream"))
                     wrote = True
                 else:
-                    await self.call("heartbeat", lambda r: r.delete(key))
+                    await self._beat_write(lambda r: r.delete(key))
                     wrote = False
             except StoreUnavailable:
                 pass
