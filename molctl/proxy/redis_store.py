@@ -435,6 +435,8 @@ class RedisState:
                 await self.call("unregister", lambda r: r.delete(self._replica_key(self.replica_id)))
             except StoreUnavailable:
                 pass
+        if self._batches:  # writes started before close go out first (after it they reopened a client nobody closed)
+            await asyncio.wait(list(self._batches), timeout=self.call_timeout_s * 2)
         client, self._client, self._idle = self._client, None, None
         if client is not None:
             await _close_quietly(client)
@@ -653,8 +655,9 @@ class RedisState:
 
 
 async def _close_quietly(client) -> None:
+    """Close the client and its pool's connections (a client given its pool leaves it open by default)."""
     try:
-        await client.aclose()
+        await client.aclose(close_connection_pool=True)
     except Exception:  # noqa: BLE001 - the connection is being dropped anyway
         pass
 
