@@ -557,6 +557,25 @@ def test_close_and_a_degradation_close_the_pools_connections(redis, r):
     asyncio.run(main())
 
 
+def test_a_call_in_flight_when_its_pool_is_dropped_leaves_no_connection_open(redis, r):
+    """Another call's failure drops the pool while a call is in flight: that call's connection is
+    closed with the pool, it reconnects once and is answered, and its connection is closed when it
+    is done (it went back to the dropped pool, open, and stayed open for the process's life)."""
+    def others() -> list[str]:
+        return [c["cmd"] for c in r.client_list() if c["id"] != str(r.client_id())]
+
+    async def main():
+        st = state(redis, call_timeout_s=10.0)
+        slow = asyncio.create_task(st.call("debug", lambda _r: st.command("DEBUG", "SLEEP", "0.3")))
+        await asyncio.sleep(0.1)  # sent; Redis is sleeping on it
+        st._failed("test", TimeoutError("stalled"))  # what another call's timeout does
+        assert await slow == b"OK"
+        await st.close()
+        assert others() == []
+
+    asyncio.run(main())
+
+
 def test_a_connection_the_server_closed_while_idle_costs_no_call(redis, r):
     """Redis closed the store's idle connections (CLIENT KILL, its idle timeout): the next call
     reconnects once within its timeout and succeeds; the store stays healthy."""

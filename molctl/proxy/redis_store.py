@@ -518,11 +518,13 @@ class RedisState:
             await conn.disconnect(nowait=True)
             raise
         finally:
+            current = self._client is not None and self._client.connection_pool is pool
             # kept for the next call only while nobody waits for the pool (it counts as in use there)
-            if self._idle is None and not self._pool_waiters and conn.is_connected and \
-                    self._client is not None and self._client.connection_pool is pool:
+            if current and self._idle is None and not self._pool_waiters and conn.is_connected:
                 self._idle = (pool, conn)
             else:
+                if not current:  # a pool dropped meanwhile (_failed, close) closed its connections already
+                    await conn.disconnect(nowait=True)  # this one reconnected since (the retry): closed too
                 await pool.release(conn)
 
     async def command(self, *args: Any) -> Any:
