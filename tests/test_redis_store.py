@@ -517,6 +517,65 @@ def test_more_concurrent_calls_than_connections_wait_their_turn(redis, r, monkey
     asyncio.run(main())
 
 
+def test_a_write_started_before_close_lands_before_the_connections_close(redis, r):
+    """A write started in the pass that closes the store (a summary's turn at shutdown) goes out
+    before close() returns; it was sent after, on a client reopened for it that nothing closed."""
+    async def main():
+        st = state(redis)
+        await st.put(st.prefix + "c:t1:call_0", "conv", b"{}")
+        written = st.put_batched(st.prefix + "c:t1:call_1", "conv", b'{"route": "L1"}')
+        await st.close()
+        assert written.done() and written.result() == 0
+        assert st._client is None
+
+    asyncio.run(main())
+    assert r.get("molctl:{tiny}:c:t1:call_1") == b'{"route": "L1"}'
+
+
+def test_close_and_a_degradation_close_the_pools_connections(redis, r):
+    """The pool's connections are closed when the store closes and when a failure drops the pool
+    (they stayed open: redis-py leaves a pool it was given open; a stalling Redis left up to
+    MAX_CONNECTIONS sockets per degradation behind)."""
+    import molctl.proxy.redis_store as redis_store
+
+    def others() -> list[str]:
+        return [c["cmd"] for c in r.client_list() if c["id"] != str(r.client_id())]
+
+    async def main():
+        st = state(redis)
+        await asyncio.gather(*(st.put(st.prefix + f"c:t1:call_{i}", "conv", b"{}") for i in range(3)))
+        assert others()
+        st._failed("test", TimeoutError("stalled"))  # what a timed-out call does
+        await asyncio.sleep(0.2)  # the old pool closes in the background
+        assert others() == []
+        await asyncio.sleep(redis_store.RETRY_S)  # degraded until its one retry
+        await st.put(st.prefix + "c:t1:call_9", "conv", b"{}")
+        assert others()
+        await st.close()
+        assert others() == []
+
+    asyncio.run(main())
+
+
+def test_a_call_in_flight_when_its_pool_is_dropped_leaves_no_connection_open(redis, r):
+    """Another call's failure drops the pool while a call is in flight: that call's connection is
+    closed with the pool, it reconnects once and is answered, and its connection is closed when it
+    is done (it went back to the dropped pool, open, and stayed open for the process's life)."""
+    def others() -> list[str]:
+        return [c["cmd"] for c in r.client_list() if c["id"] != str(r.client_id())]
+
+    async def main():
+        st = state(redis, call_timeout_s=10.0)
+        slow = asyncio.create_task(st.call("debug", lambda _r: st.command("DEBUG", "SLEEP", "0.3")))
+        await asyncio.sleep(0.1)  # sent; Redis is sleeping on it
+        st._failed("test", TimeoutError("stalled"))  # what another call's timeout does
+        assert await slow == b"OK"
+        await st.close()
+        assert others() == []
+
+    asyncio.run(main())
+
+
 def test_a_connection_the_server_closed_while_idle_costs_no_call(redis, r):
     """Redis closed the store's idle connections (CLIENT KILL, its idle timeout): the next call
     reconnects once within its timeout and succeeds; the store stays healthy."""

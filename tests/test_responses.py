@@ -422,3 +422,30 @@ def test_an_in_process_store_behind_the_proxys_async_interface_writes_a_large_re
     assert store.threads["small"] == loop_thread
     assert all(store.threads[k] != loop_thread for k in ("long", "many", "hinted"))
     assert got["id"] == "small" and deleted is True and again is False
+
+
+def test_the_memory_store_is_safe_for_a_put_from_a_worker_thread_during_a_get_on_the_loop():
+    """A large record's put runs in a worker thread (LocalResponses) while the loop reads: a get
+    that finds an expired record and removes it must not fail when the thread's put evicts that
+    same record in between (it raised KeyError: a 500 on GET /v1/responses/{id})."""
+    import threading
+
+    from molctl.proxy.response_store import MemoryResponseStore
+
+    def record(rid: str, created_at: float) -> dict:
+        return {"id": rid, "tenant": "t", "created_at": created_at, "messages": []}
+
+    writer: list[threading.Thread] = []
+
+    def clock() -> float:  # read by the get between finding the record and removing it
+        if not writer:
+            writer.append(threading.Thread(target=store.put_response, args=(record("new", 100.0),)))
+            writer[0].start()
+            writer[0].join(0.5)  # the worker thread's put runs now, unless the store makes it wait
+        return 100.0
+
+    store = MemoryResponseStore(max_entries=1, ttl_s=10, clock=clock)
+    store.put_response(record("old", 0.0))  # expired at the clock's 100
+    assert store.get_response("t", "old") is None
+    writer[0].join(10)
+    assert store.get_response("t", "new")["id"] == "new" and store.stats()["responses"] == 1

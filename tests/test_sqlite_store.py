@@ -822,3 +822,52 @@ def test_rows_queued_on_a_running_loop_after_close_are_all_counted_lost(db):
 
     asyncio.run(after_close())
     assert (store.pending_rows(), conv.stats()["write_errors"]) == (0, 3)
+
+
+def test_close_waits_for_a_put_in_flight_in_a_worker_thread(db):
+    """The proxy writes a large record from a worker thread (LocalResponses); a shutdown that
+    closes the store meanwhile waits for that put's commit: the connection was closed under the
+    thread's open transaction (the record lost, the put failing on a closed database)."""
+    import threading
+
+    in_put, release = threading.Event(), threading.Event()
+    block_once = [True]
+
+    def clock() -> float:
+        if block_once[0] and threading.current_thread() is not threading.main_thread():
+            block_once[0] = False
+            in_put.set()  # inside the put's transaction, holding the store's lock
+            release.wait(10)
+        return 1_800_000_000.0
+
+    store = SqliteResponseStore(db, clock=clock)
+    errors: list[BaseException] = []
+
+    def put() -> None:
+        try:
+            store.put_response(record("resp_big", text="x" * 200_000))
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+            errors.append(exc)
+
+    writer = threading.Thread(target=put)
+    flush = store.flush
+
+    def flush_then_put_starts() -> int:  # the put takes the lock right after close's own flush
+        lost = flush()
+        writer.start()
+        assert in_put.wait(10)
+        return lost
+
+    store.flush = flush_then_put_starts  # type: ignore[method-assign]
+    closer = threading.Thread(target=store.close)
+    closer.start()
+    assert in_put.wait(10)
+    closer.join(0.2)  # close() waits for the lock (before the fix it closed the connection under the put)
+    release.set()
+    writer.join(10)
+    closer.join(10)
+    assert not writer.is_alive() and not closer.is_alive()
+    assert errors == []
+    reopened = SqliteResponseStore(db, clock=Clock())
+    assert reopened.get_response("tenant-a", "resp_big")["messages"][0]["content"] == "x" * 200_000
+    reopened.close()

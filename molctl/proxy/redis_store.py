@@ -435,6 +435,8 @@ class RedisState:
                 await self.call("unregister", lambda r: r.delete(self._replica_key(self.replica_id)))
             except StoreUnavailable:
                 pass
+        if self._batches:  # writes started before close go out first (after it they reopened a client nobody closed)
+            await asyncio.wait(list(self._batches), timeout=self.call_timeout_s * 2)
         client, self._client, self._idle = self._client, None, None
         if client is not None:
             await _close_quietly(client)
@@ -516,11 +518,13 @@ class RedisState:
             await conn.disconnect(nowait=True)
             raise
         finally:
+            current = self._client is not None and self._client.connection_pool is pool
             # kept for the next call only while nobody waits for the pool (it counts as in use there)
-            if self._idle is None and not self._pool_waiters and conn.is_connected and \
-                    self._client is not None and self._client.connection_pool is pool:
+            if current and self._idle is None and not self._pool_waiters and conn.is_connected:
                 self._idle = (pool, conn)
             else:
+                if not current:  # a pool dropped meanwhile (_failed, close) closed its connections already
+                    await conn.disconnect(nowait=True)  # this one reconnected since (the retry): closed too
                 await pool.release(conn)
 
     async def command(self, *args: Any) -> Any:
@@ -653,8 +657,9 @@ class RedisState:
 
 
 async def _close_quietly(client) -> None:
+    """Close the client and its pool's connections (a client given its pool leaves it open by default)."""
     try:
-        await client.aclose()
+        await client.aclose(close_connection_pool=True)
     except Exception:  # noqa: BLE001 - the connection is being dropped anyway
         pass
 

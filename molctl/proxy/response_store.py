@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -110,31 +111,36 @@ def as_proxy_store(store: ResponseStore | ProxyResponses) -> ProxyResponses:
 
 
 class MemoryResponseStore:
-    """Bounded by entry count and TTL (oldest first); lost on restart."""
+    """Bounded by entry count and TTL (oldest first); lost on restart. Thread-safe (a lock): a
+    large record's put runs in a worker thread (LocalResponses) while the loop reads."""
 
     def __init__(self, max_entries: int = 10_000, ttl_s: float = DEFAULT_TTL_S,
                  clock: Callable[[], float] = time.time):
         self.max_entries, self.ttl_s, self.clock = max_entries, ttl_s, clock
         self._items: OrderedDict[tuple[str, str], ResponseRecord] = OrderedDict()
         self.evicted = 0
+        self._lock = threading.Lock()
 
     def put_response(self, record: ResponseRecord) -> None:
         key = (record["tenant"], record["id"])
-        self._items[key] = record
-        self._items.move_to_end(key)
-        while len(self._items) > self.max_entries:
-            self._items.popitem(last=False)
-            self.evicted += 1
+        with self._lock:
+            self._items[key] = record
+            self._items.move_to_end(key)
+            while len(self._items) > self.max_entries:
+                self._items.popitem(last=False)
+                self.evicted += 1
 
     def get_response(self, tenant: str, response_id: str) -> ResponseRecord | None:
-        record = self._items.get((tenant, response_id))
-        if record is not None and self.clock() - record["created_at"] > self.ttl_s:
-            del self._items[(tenant, response_id)]
-            return None
-        return record
+        with self._lock:
+            record = self._items.get((tenant, response_id))
+            if record is not None and self.clock() - record["created_at"] > self.ttl_s:
+                del self._items[(tenant, response_id)]
+                return None
+            return record
 
     def delete_response(self, tenant: str, response_id: str) -> bool:
-        return self._items.pop((tenant, response_id), None) is not None
+        with self._lock:
+            return self._items.pop((tenant, response_id), None) is not None
 
     def stats(self) -> dict[str, int]:
         return {"responses": len(self._items), "responses_evicted": self.evicted}

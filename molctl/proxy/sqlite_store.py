@@ -405,10 +405,12 @@ class SqliteResponseStore:
         return out
 
     def close(self) -> None:
-        """Writes the queued conversation rows (a drain or shutdown loses none), then closes."""
+        """Writes the queued conversation rows (a drain or shutdown loses none), then closes,
+        under the lock: a put in flight in a worker thread (LocalResponses) commits first."""
         if self._conn is not None:
             self.flush()
-        conn, self._conn = self._conn, None
+        with self._lock:
+            conn, self._conn = self._conn, None
         if conn is not None:
             with contextlib.suppress(sqlite3.Error):
                 conn.close()
