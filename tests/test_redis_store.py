@@ -557,6 +557,28 @@ def test_close_and_a_degradation_close_the_pools_connections(redis, r):
     asyncio.run(main())
 
 
+def test_a_call_after_close_fails_at_once_and_opens_no_connection(redis, r):
+    """A write or read started after close() (a summary finishing during shutdown) gets
+    StoreUnavailable at once; it used to open a new client that nothing closed."""
+    def others() -> list[str]:
+        return [c["cmd"] for c in r.client_list() if c["id"] != str(r.client_id())]
+
+    async def main():
+        st = state(redis)
+        await st.put(st.prefix + "c:t1:call_1", "conv", b"{}")
+        await st.close()
+        for attempt in (lambda: st.put(st.prefix + "c:t1:call_2", "conv", b"{}"), st.available,
+                        lambda: RedisResponseStore(st).get_response("t1", "resp_x")):
+            with pytest.raises(StoreUnavailable):
+                await attempt()
+        await asyncio.sleep(0.1)
+        assert others() == []
+        assert not st.degraded  # closed is not an outage
+
+    asyncio.run(main())
+    assert r.exists("molctl:{tiny}:c:t1:call_1") and not r.exists("molctl:{tiny}:c:t1:call_2")
+
+
 def test_a_call_in_flight_when_its_pool_is_dropped_leaves_no_connection_open(redis, r):
     """Another call's failure drops the pool while a call is in flight: that call's connection is
     closed with the pool, it reconnects once and is answered, and its connection is closed when it

@@ -314,6 +314,7 @@ class RedisState:
         self._scripts_loaded = False  # SCRIPT LOAD done on the current connection pool's server
         self._batch: list[tuple[str, list[str], list[Any], asyncio.Future]] = []
         self.degraded = False
+        self.closed = False  # close() was called (see call())
         self.degraded_total = 0  # times the store went from healthy to degraded
         self.errors_total = 0  # failed or skipped calls
         self._retry_at = 0.0
@@ -357,6 +358,9 @@ class RedisState:
         """fn(client) awaited under call_timeout_s; StoreUnavailable on any failure (see the module docstring)."""
         import redis
 
+        if self.closed:
+            self.errors_total += 1
+            raise StoreUnavailable("closed")
         now = time.monotonic()
         if self.degraded and now < self._retry_at:
             self.errors_total += 1
@@ -437,6 +441,7 @@ class RedisState:
                 pass
         if self._batches:  # writes started before close go out first (after it they reopened a client nobody closed)
             await asyncio.wait(list(self._batches), timeout=self.call_timeout_s * 2)
+        self.closed = True  # from now on every call fails at once (StoreUnavailable): none reopens a client
         client, self._client, self._idle = self._client, None, None
         if client is not None:
             await _close_quietly(client)
