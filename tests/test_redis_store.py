@@ -510,7 +510,7 @@ def test_more_concurrent_calls_than_connections_wait_their_turn(redis, r, monkey
             got = await asyncio.gather(*(store.get_response("t1", "resp_1") for _ in range(40)),
                                        *(store.put_response(record(f"resp_w{i}")) for i in range(20)))
             assert [g["id"] for g in got[:40]] == ["resp_1"] * 40
-        assert len(st._redis().connection_pool._in_use_connections) + len(st._redis().connection_pool._available_connections) == 1
+        assert len(st._connection_pool()._in_use_connections) + len(st._connection_pool()._available_connections) == 1
         assert not st.degraded and st.errors_total == 0
         await st.close()
 
@@ -523,10 +523,10 @@ def test_a_write_started_before_close_lands_before_the_connections_close(redis, 
     async def main():
         st = state(redis)
         await st.put(st.prefix + "c:t1:call_0", "conv", b"{}")
-        written = st.put_batched(st.prefix + "c:t1:call_1", "conv", b'{"route": "L1"}')
+        written = st.put(st.prefix + "c:t1:call_1", "conv", b'{"route": "L1"}')
         await st.close()
         assert written.done() and written.result() == 0
-        assert st._client is None
+        assert st._pool is None
 
     asyncio.run(main())
     assert r.get("molctl:{tiny}:c:t1:call_1") == b'{"route": "L1"}'
@@ -588,7 +588,7 @@ def test_a_call_in_flight_when_its_pool_is_dropped_leaves_no_connection_open(red
 
     async def main():
         st = state(redis, call_timeout_s=10.0)
-        slow = asyncio.create_task(st.call("debug", lambda _r: st.command("DEBUG", "SLEEP", "0.3")))
+        slow = asyncio.create_task(st.call("debug", lambda: st.command("DEBUG", "SLEEP", "0.3")))
         await asyncio.sleep(0.1)  # sent; Redis is sleeping on it
         st._failed("test", TimeoutError("stalled"))  # what another call's timeout does
         assert await slow == b"OK"
@@ -633,7 +633,7 @@ def test_a_redis_out_of_memory_refuses_writes_but_is_not_lost(caplog):
             with pytest.raises(StoreUnavailable):
                 await store.put_response(record("resp_2"))
             with pytest.raises(StoreUnavailable):
-                await st.call("heartbeat", lambda c: c.set(st.prefix + "replica:a", "{}", px=6000))
+                await st.call("heartbeat", lambda: st.command("SET", st.prefix + "replica:a", "{}", "PX", 6000))
             assert not st.degraded and st.degraded_total == 0
             assert (await store.get_response("t1", "resp_1"))["id"] == "resp_1"  # reads are served
             assert st.errors_total == 2

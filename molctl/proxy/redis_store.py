@@ -66,7 +66,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -310,7 +310,7 @@ class RedisState:
         self.replica_id, self.advertise_upstream = replica_id, advertise_upstream
         self.ttl_s, self.max_entries, self.call_timeout_s, self.clock = int(max(1, ttl_s)), max_entries, call_timeout_s, clock
         self.heartbeat_s, self.heartbeat_ttl_s = heartbeat_s, heartbeat_ttl_s
-        self._client = None
+        self._pool = None  # redis-py's BlockingConnectionPool, made on first use (_connection_pool)
         self._scripts_loaded = False  # SCRIPT LOAD done on the current connection pool's server
         self._batch: list[tuple[str, list[str], list[Any], asyncio.Future]] = []
         self.degraded = False
@@ -329,8 +329,8 @@ class RedisState:
         self._pool_waiters = 0  # calls inside pool.get_connection()
 
     # ---------------------------------------------------------------- connection
-    def _redis(self):
-        if self._client is None:
+    def _connection_pool(self):
+        if self._pool is None:
             import redis
             import redis.asyncio as aioredis
             from redis.asyncio.retry import Retry
@@ -349,13 +349,13 @@ class RedisState:
             pool_kw["socket_timeout"] = None
             if kw.get("ssl"):
                 pool_kw["connection_class"] = aioredis.SSLConnection
-            pool = aioredis.BlockingConnectionPool(max_connections=MAX_CONNECTIONS, timeout=self.call_timeout_s, **pool_kw)
-            self._client = aioredis.Redis(connection_pool=pool)
+            self._pool = aioredis.BlockingConnectionPool(max_connections=MAX_CONNECTIONS, timeout=self.call_timeout_s, **pool_kw)
             self._scripts_loaded = False
-        return self._client
+        return self._pool
 
-    async def call(self, what: str, fn: Callable[[Any], Any]) -> Any:
-        """fn(client) awaited under call_timeout_s; StoreUnavailable on any failure (see the module docstring)."""
+    async def call(self, what: str, fn: Callable[[], Awaitable[Any]]) -> Any:
+        """fn() (its commands through `command`, `transaction` or `_exchange`) awaited under
+        call_timeout_s; StoreUnavailable on any failure (see the module docstring)."""
         import redis
 
         if self.closed:
@@ -369,7 +369,7 @@ class RedisState:
             self._retry_at = now + RETRY_S  # this call is the one retry; the others keep failing fast
         try:
             async with asyncio.timeout(self.call_timeout_s):
-                result = await fn(self._redis())
+                result = await fn()
         except redis.ResponseError as exc:
             if isinstance(exc, redis.exceptions.ReadOnlyError):  # a failed-over primary: reconnect (DNS may move)
                 self._failed(what, exc)
@@ -410,15 +410,15 @@ class RedisState:
             log.warning("state store %s: %s failed (%s); degraded: chat continues without shared state, "
                         "Responses requests that need it get 503 until it is back", self.target.address, what, why)
         # a timed-out connection may hold a half-read reply: drop the pool so the next call starts clean
-        client, self._client, self._idle = self._client, None, None  # closing the pool disconnects the idle one too
-        if client is not None:
-            asyncio.get_running_loop().create_task(_close_quietly(client))
+        pool, self._pool, self._idle = self._pool, None, None  # closing the pool disconnects the idle one too
+        if pool is not None:
+            asyncio.get_running_loop().create_task(_close_quietly(pool))
 
     async def available(self) -> None:
         """Raise StoreUnavailable unless a PING answers (fast when degraded: see call())."""
-        await self.call("ping", lambda _r: self.command("PING"))
+        await self.call("ping", lambda: self.command("PING"))
 
-    async def _beat_write(self, fn: Callable[[Any], Any]) -> Any:
+    async def _beat_write(self, fn: Callable[[], Awaitable[Any]]) -> Any:
         """A heartbeat write that a cancelled heartbeat does not interrupt (shielded): close()
         waits for it, so that its SET cannot reach Redis after the unregistering DEL (two
         connections: their commands are not ordered) and register a stopped replica again."""
@@ -436,34 +436,29 @@ class RedisState:
                 if pending.done() and not pending.cancelled():
                     pending.exception()  # retrieved: a failed beat is counted by call() already
             try:
-                await self.call("unregister", lambda r: r.delete(self._replica_key(self.replica_id)))
+                await self.call("unregister", lambda: self.command("DEL", self._replica_key(self.replica_id)))
             except StoreUnavailable:
                 pass
         if self._batches:  # writes started before close go out first (after it they reopened a client nobody closed)
             await asyncio.wait(list(self._batches), timeout=self.call_timeout_s * 2)
         self.closed = True  # from now on every call fails at once (StoreUnavailable): none reopens a client
-        client, self._client, self._idle = self._client, None, None
-        if client is not None:
-            await _close_quietly(client)
+        pool, self._pool, self._idle = self._pool, None, None
+        if pool is not None:
+            await _close_quietly(pool)
 
     def stats(self) -> dict[str, int]:
         return {"store_degraded": int(self.degraded), "store_degraded_total": self.degraded_total,
                 "store_errors_total": self.errors_total}
 
     # ---------------------------------------------------------------- records
-    async def put(self, key: str, group: str, value: bytes) -> int:
-        return await self.put_batched(key, group, value)
-
-    async def merge_turn(self, key: str, value: bytes) -> bytes:
-        return await self.merge_turn_batched(key, value)
-
-    def put_batched(self, key: str, group: str, value: bytes) -> asyncio.Future:
-        """`put`, started now: its future (see _write)."""
+    def put(self, key: str, group: str, value: bytes) -> asyncio.Future:
+        """Store a record (TTL, the group's cap), started now: its future, to await (see _write)."""
         args = [value, self.ttl_s, self.clock(), self.max_entries, f"{group}_evicted"]
         return self._write("put", [key, self.prefix + "idx:" + group, self.prefix + "stats"], args)
 
-    def merge_turn_batched(self, key: str, value: bytes) -> asyncio.Future:
-        """`merge_turn`, started now: its future (the merged turn's JSON; see _write)."""
+    def merge_turn(self, key: str, value: bytes) -> asyncio.Future:
+        """Merge a turn's state (a later state is never overwritten), started now: its future, to
+        await (the merged turn's JSON; see _write)."""
         args = [value, self.ttl_s, self.clock(), self.max_entries, "conv_evicted"]
         return self._write("turn", [key, self.prefix + "idx:conv", self.prefix + "stats"], args)
 
@@ -492,7 +487,7 @@ class RedisState:
         one the previous call kept aside (`_idle`: only while no call waits for the pool)."""
         import redis
 
-        pool = self._redis().connection_pool
+        pool = self._connection_pool()
         idle, self._idle = self._idle, None
         if idle is not None and idle[0] is pool:
             conn = idle[1]
@@ -523,7 +518,7 @@ class RedisState:
             await conn.disconnect(nowait=True)
             raise
         finally:
-            current = self._client is not None and self._client.connection_pool is pool
+            current = self._pool is pool
             # kept for the next call only while nobody waits for the pool (it counts as in use there)
             if current and self._idle is None and not self._pool_waiters and conn.is_connected:
                 self._idle = (pool, conn)
@@ -539,6 +534,15 @@ class RedisState:
             raise reply
         return reply
 
+    async def transaction(self, *commands: tuple[Any, ...]) -> list[Any]:
+        """`commands` in MULTI/EXEC, one round trip; their replies (EXEC's). A refused command
+        (an error at queueing) raises it, as EXEC then aborts the whole transaction."""
+        replies = await self._exchange([("MULTI",), *commands, ("EXEC",)])
+        for reply in replies:
+            if isinstance(reply, BaseException):
+                raise reply
+        return replies[-1]
+
     async def _load_scripts(self) -> None:
         shas = await self._exchange([("SCRIPT", "LOAD", source) for source in SCRIPTS.values()])
         for sha in shas:
@@ -552,7 +556,7 @@ class RedisState:
         (restarted, SCRIPT FLUSH) gets them again within the same call."""
         import redis
 
-        async def run(_r):
+        async def run():
             if not self._scripts_loaded:
                 await self._load_scripts()
             try:
@@ -575,7 +579,7 @@ class RedisState:
         def run(entries):
             return self._exchange([("EVALSHA", SCRIPT_SHA[script], len(keys), *keys, *args) for script, keys, args, _ in entries])
 
-        async def send(_r):
+        async def send():
             if not self._scripts_loaded:
                 await self._load_scripts()
             results = await run(batch)
@@ -625,7 +629,8 @@ class RedisState:
                 ok = bool(await healthy())
                 beat = json.dumps({"upstream": self.advertise_upstream, "at": self.clock(), "instance": instance})
                 if ok:
-                    old = await self._beat_write(lambda r, beat=beat: r.set(key, beat, px=int(self.heartbeat_ttl_s * 1000), get=True))
+                    old = await self._beat_write(lambda beat=beat: self.command("SET", key, beat, "PX", int(self.heartbeat_ttl_s * 1000),
+                                                                                "GET"))
                     if wrote and old and not warned and json.loads(old).get("instance") != instance:
                         warned = True
                         log.warning("replica id %s is also used by another proxy (engine %s): give each replica its own "
@@ -633,7 +638,7 @@ class RedisState:
                                     self.replica_id, json.loads(old).get("upstream"))
                     wrote = True
                 else:
-                    await self._beat_write(lambda r: r.delete(key))
+                    await self._beat_write(lambda: self.command("DEL", key))
                     wrote = False
             except StoreUnavailable:
                 pass
@@ -650,7 +655,7 @@ class RedisState:
         checked = self._peers.get(owner)
         if checked is None or now - checked[0] > min(1.0, self.heartbeat_s):
             try:
-                raw = await self.call("heartbeat read", lambda _r: self.command("GET", self._replica_key(owner)))
+                raw = await self.call("heartbeat read", lambda: self.command("GET", self._replica_key(owner)))
             except StoreUnavailable:
                 return None
             # fresh while the key lives: its TTL runs on the Redis server's clock (the replicas'
@@ -661,10 +666,10 @@ class RedisState:
         return EngineChoice(owner, checked[1]) if checked[1] else None
 
 
-async def _close_quietly(client) -> None:
-    """Close the client and its pool's connections (a client given its pool leaves it open by default)."""
+async def _close_quietly(pool) -> None:
+    """Close the pool's connections."""
     try:
-        await client.aclose(close_connection_pool=True)
+        await pool.aclose()
     except Exception:  # noqa: BLE001 - the connection is being dropped anyway
         pass
 
@@ -704,7 +709,7 @@ class RedisResponseStore:
         return record if self.state.clock() - float(record.get("created_at", 0)) <= self.state.ttl_s else None
 
     async def get_response(self, tenant: str, response_id: str) -> ResponseRecord | None:
-        raw = await self.state.call("read", lambda _r: self.state.command("GET", self._key(tenant, response_id)))
+        raw = await self.state.call("read", lambda: self.state.command("GET", self._key(tenant, response_id)))
         return None if raw is None else self._fresh(raw)
 
     async def get_previous(self, tenant: str, response_id: str) -> ResponseRecord | None:
@@ -725,13 +730,9 @@ class RedisResponseStore:
     async def delete_response(self, tenant: str, response_id: str) -> bool:
         key = self._key(tenant, response_id)
 
-        async def delete(r):
-            async with r.pipeline(transaction=True) as pipe:
-                pipe.delete(key)
-                pipe.zrem(self.state.prefix + "idx:r", key)
-                return (await pipe.execute())[0]
-
-        return bool(await self.state.call("delete", delete))
+        index = self.state.prefix + "idx:r"
+        deleted, _ = await self.state.call("delete", lambda: self.state.transaction(("DEL", key), ("ZREM", index, key)))
+        return bool(deleted)
 
     def stats(self) -> dict[str, int]:
         return dict(self.state.stats())
@@ -836,7 +837,7 @@ class RedisConversationStore:
             binding.replica = _serving(self.state.replica_id)
         raw = json.dumps({"route": binding.route, "arguments": binding.arguments, "name": binding.name,
                           "replica": binding.replica}).encode()
-        self._start_write(lambda: self.state.put_batched(self._ckey(tenant, call_id), "conv", raw))
+        self._start_write(lambda: self.state.put(self._ckey(tenant, call_id), "conv", raw))
         _keep_name(self._cname(tenant, call_id))
         self.cache.put_call(tenant, call_id, binding)
 
@@ -857,7 +858,7 @@ class RedisConversationStore:
             if merged.get("state") != _turn_state(record):  # another replica's state won: take it
                 _apply(record, merged)
 
-        self._start_write(lambda: self.state.merge_turn_batched(self._tkey(key), raw), written)
+        self._start_write(lambda: self.state.merge_turn(self._tkey(key), raw), written)
 
     def _start_write(self, start: Callable[[], asyncio.Future], then: Callable[[asyncio.Future], None] | None = None) -> None:
         """Start a batched write (its future joins this request's writes: see flush); `then` runs
@@ -904,7 +905,7 @@ class RedisConversationStore:
         if missing:
             full = [self.state.prefix + n for n in missing]
             try:
-                got = await self.state.call("read", lambda _r: self.state.command("MGET", *full))
+                got = await self.state.call("read", lambda: self.state.command("MGET", *full))
             except StoreUnavailable:
                 return False
             prefetched = {**prefetched, **dict(zip(missing, got, strict=True))}
@@ -937,7 +938,7 @@ class RedisConversationStore:
         while not record.done.is_set() and time.monotonic() < deadline:
             await asyncio.sleep(self.poll_s)
             try:
-                raw = await self.state.call("read", lambda _r: self.state.command("GET", self._tkey(key)))
+                raw = await self.state.call("read", lambda: self.state.command("GET", self._tkey(key)))
             except StoreUnavailable:
                 return
             if raw is not None and not record.done.is_set():

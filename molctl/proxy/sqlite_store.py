@@ -26,8 +26,8 @@ Cost (bench/bench_store.py, BENCHMARKS.md; the CI host, 2 shared cores): per Res
 (one get + one put: a committed transaction, WAL, synchronous=NORMAL) ~0.1 ms for a 2 KiB record
 (get ~20 us) and ~0.22 ms for 32 KiB, i.e. within the 0.3 ms budget: these calls run ON THE EVENT
 LOOP, a thread hop would cost about as much as the call. A record of hundreds of KiB (a long chain:
-`messages` holds the whole conversation) costs ~2 ms at 256 KiB: puts over `BIG_RECORD` bytes
-belong in a worker thread (`asyncio.to_thread`); the store is thread-safe (one connection shared
+`messages` holds the whole conversation) costs ~2 ms at 256 KiB: the proxy puts large records from
+a worker thread (`LocalResponses` in molctl.proxy.response_store); the store is thread-safe (one connection shared
 across threads behind the lock). p99 is dominated by SQLite's automatic WAL checkpoints (an fsync
 every ~4 MB written) and the garbage collector: 4-60 ms on that host.
 
@@ -81,7 +81,6 @@ DEFAULT_MAX_BYTES = 1024 * 1024 * 1024  # 1 GiB of record JSON
 DEFAULT_MAX_ENTRIES = 100_000
 BUSY_TIMEOUT_S = 2.0  # how long a call waits for another process's write lock before "locked"
 PRUNE_EVERY_S = 60.0  # expired rows are deleted by a put at most this often (they are invisible anyway)
-BIG_RECORD = 256 * 1024  # a put of a record this large is worth a worker thread (see the docstring)
 
 COLUMNS = ("tenant", "id", "created_at", "previous_response_id", "route")
 JSON_COLUMNS = ("messages", "input_items", "response")
