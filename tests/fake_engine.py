@@ -326,8 +326,9 @@ def main() -> None:
     vLLM-style argv and FAKE_* environment variables from the profile's engine.env:
     FAKE_STARTUP_DELAY (s before listening), FAKE_EXIT (exit with this code during start-up),
     FAKE_IGNORE_TERM (ignore SIGTERM), FAKE_CHILD (`1`: leave a child process in the group, like
-    vLLM's EngineCore; `retitle`: one that also renames itself with setproctitle, as vLLM's do),
-    FAKE_ADAPTERS (comma list), FAKE_PARENT, FAKE_ANSWER_DELAY."""
+    vLLM's EngineCore; `retitle`: one that also renames itself with setproctitle, as vLLM's do;
+    `gpu`: one that holds FAKE_GPU_GIB GiB (default 4) of CUDA memory through torch, for the checks
+    on a real GPU host in tests/gpu_host_check.py), FAKE_ADAPTERS (comma list), FAKE_PARENT, FAKE_ANSWER_DELAY."""
     import os
     import signal
     import subprocess
@@ -356,6 +357,12 @@ def main() -> None:
         subprocess.Popen([sys.executable, "-c", "import setproctitle, time; "
                           "setproctitle.setproctitle('VLLM::EngineCore'); time.sleep(600)"])
         print("spawned EngineCore-like child", flush=True)
+    elif env.get("FAKE_CHILD") == "gpu":
+        gib = float(env.get("FAKE_GPU_GIB", "4"))
+        subprocess.Popen([sys.executable, "-c", "import time, torch; "
+                          f"x = torch.empty({int(gib * 2 ** 30)}, dtype=torch.uint8, device='cuda'); "
+                          "torch.cuda.synchronize(); time.sleep(600)"])
+        print(f"spawned EngineCore-like child holding {gib} GiB of GPU memory", flush=True)
     if env.get("FAKE_ADAPTERS") is not None:
         STATE.config["adapters"] = [a for a in env["FAKE_ADAPTERS"].split(",") if a]
     if env.get("FAKE_PARENT"):

@@ -67,7 +67,7 @@ def _run_gpu(profile: Profile, probes: Probes, want: int) -> list[CheckResult]:
     try:
         inv = probes.gpu.inventory()
     except GpuUnavailable as exc:
-        return [CheckResult("gpu.driver", "fail", f"{exc}; profile {profile.name} needs {want} GPUs (use --skip gpu to stage files on a "
+        return [CheckResult("gpu.driver", "fail", f"{exc}; profile {profile.name} needs {want} GPU(s) (use --skip gpu to stage files on a "
                                                   "host without GPUs)")]
     out = [CheckResult("gpu.driver", "pass", f"NVIDIA driver {inv.driver_version}")]
     if len(inv.devices) < want:
