@@ -112,6 +112,7 @@ SCHEMA: dict[str, Any] = {
         "store_max_bytes": int,
         "store_max_entries": int,
         "store_password_file": (str, type(None)),  # a redis:// store's password (else $MOLCTL_STORE_PASSWORD)
+        "state_commit_ms": (int, float),  # chat-state rows to SQLite: one transaction per this window
         "advertise_upstream": (str, type(None)),  # this replica's engine URL as peers reach it (default: --upstream)
         "max_inflight": (int, type(None)),  # answer hops at the engine at once (None: the engine's own limit)
         "max_queue": int,
@@ -194,6 +195,12 @@ class ProxySpec:
     store_max_bytes: int = 1024 * 1024 * 1024  # record JSON kept at most; then oldest first evicted
     store_max_entries: int = 100_000
     store_password_file: str | None = None  # proxy.store redis://...: the password's file (never in the URL)
+    # Chat conversation rows (folds, summaries, tool stickiness) go to the SQLite store in one
+    # transaction per window of this many ms (a group commit: at 1 client a turn's row and its
+    # summary share one commit, under load many turns do); a proxy crash loses at most this
+    # window's rows (a drain or stop writes them). 0: at the end of each event-loop pass. Stored
+    # Responses are committed before their body is sent, whatever this says.
+    state_commit_ms: float = 10.0
     advertise_upstream: str | None = None  # replicas: this proxy's engine as its peers reach it
     # admission control (molctl.proxy.admission)
     max_inflight: int | None = None  # answer hops in flight; None: engine.args max-num-seqs / max-running-requests
@@ -539,6 +546,9 @@ def _proxy_spec(data: dict[str, Any], v: _Validator) -> ProxySpec:
             raise v.fail(f"proxy.{key}", "must be > 0")
         if isinstance(proxy.get(key), float) and not math.isfinite(proxy[key]):  # YAML .inf / .nan
             raise v.fail(f"proxy.{key}", f"{proxy[key]}: must be a finite number > 0")
+    commit = proxy.get("state_commit_ms", 10.0)
+    if not (isinstance(commit, (int, float)) and math.isfinite(commit) and 0 <= commit <= 1000):
+        raise v.fail("proxy.state_commit_ms", f"{commit}: expected a number of milliseconds from 0 to 1000")
     if proxy.get("route_max_input_chars", 4000) < 200:
         raise v.fail("proxy.route_max_input_chars", "must be >= 200")
     if "store" in proxy:

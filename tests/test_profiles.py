@@ -186,7 +186,9 @@ def test_shipped_profiles_copy_is_loadable(tmp_path):
     ("metrics_port", 8301, "is also engine.port"),
     # YAML's .inf / .nan: an infinite queue deadline made every refusal a 500 (Retry-After overflow)
     ("queue_timeout_s", float("inf"), "must be a finite number > 0"), ("queue_timeout_s", float("nan"), "finite"),
-    ("route_timeout_s", float("inf"), "finite")])
+    ("route_timeout_s", float("inf"), "finite"),
+    ("state_commit_ms", -1, "milliseconds from 0 to 1000"), ("state_commit_ms", 5000, "from 0 to 1000"),
+    ("state_commit_ms", float("nan"), "from 0 to 1000"), ("state_commit_ms", "soon", "proxy.state_commit_ms")])
 def test_admission_and_metrics_fields_are_validated(field, value, expected):
     """One line naming the field; the metrics port differs from both other ports."""
     from molctl.profiles import load_profile, profile_dirs

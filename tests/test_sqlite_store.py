@@ -595,6 +595,55 @@ def test_rows_of_one_loop_pass_are_one_transaction_written_after_the_pass(db):
     store.close()
 
 
+def test_a_commit_delay_groups_the_rows_of_its_window_into_one_transaction(db):
+    """`commit_delay_s` (the proxy's proxy.state_commit_ms): rows queued in several passes of one
+    window (a turn, then its summary a pass later) share ONE transaction, written when the window
+    ends; readable from the queue meanwhile; a close inside the window writes them."""
+    import asyncio
+
+    from molctl.proxy.conversations import TurnRecord
+    from molctl.proxy.sqlite_store import SqliteConversationStore
+
+    store = SqliteResponseStore(db, clock=Clock(), commit_delay_s=0.2)
+    statements: list[str] = []
+    store._conn.set_trace_callback(statements.append)
+    conv = SqliteConversationStore(store)
+    turn = TurnRecord("L2")
+
+    async def turn_then_summary():
+        conv.put_turn(b"t" * 32, turn)
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # passes end: nothing written yet
+        turn.set_summary("about a parser")
+        conv.put_turn(b"u" * 32, TurnRecord("L1"))
+        await asyncio.sleep(0.01)
+        assert store.pending_rows() == 2 and _rows(db) == 0
+        assert store.get_turn_row(b"t" * 32) == ("L2", "about a parser", False, False)
+        await asyncio.sleep(0.4)  # the window ended
+        assert store.pending_rows() == 0 and _rows(db) == 2
+        conv.put_turn(b"v" * 32, TurnRecord("L3"))  # a new window
+        store.close()  # inside it: written by the close
+
+    asyncio.run(turn_then_summary())
+    assert statements.count("COMMIT") == 2  # the first window's rows in one transaction, the close's
+    again = SqliteResponseStore(db, clock=Clock())
+    assert again.get_turn_row(b"t" * 32) == ("L2", "about a parser", False, False)
+    assert again.get_turn_row(b"v" * 32) == ("L3", None, False, False)
+    again.close()
+
+
+def test_the_proxy_opens_its_store_with_the_profiles_commit_window(tmp_path):
+    from molctl.profiles import load_profile, profile_dirs
+    from molctl.proxy.server import build_response_store
+
+    default = build_response_store(load_profile("tiny", profile_dirs()), tmp_path)
+    assert default.commit_delay_s == 0.01
+    default.close()
+    each_pass = build_response_store(load_profile("tiny", profile_dirs(), [("proxy.state_commit_ms", 0)]), tmp_path)
+    assert each_pass.commit_delay_s == 0
+    each_pass.close()
+
+
 def test_close_writes_what_is_queued(db):
     """A drain or shutdown (the app closes the store) loses none of the queued rows."""
     import asyncio
@@ -649,9 +698,11 @@ def test_a_failed_flush_is_logged_and_counted_never_raised(db, caplog):
     store.close()
 
 
-def test_a_turn_survives_a_crash_once_the_client_has_its_answer(tmp_path):
+@pytest.mark.parametrize("commit_ms", [0, 10])
+def test_a_turn_survives_a_crash_once_the_client_has_its_answer(tmp_path, commit_ms):
     """The proxy killed (SIGKILL, no drain) after the client got its answer and a later request
-    was answered: the turn is on disk (a crash loses at most the pass that was running)."""
+    was answered (state_commit_ms 0), or the commit window passed (10, the default): the turn is
+    on disk (a crash loses at most the pass that was running, or the window's rows)."""
     import signal
 
     import openai
@@ -661,13 +712,14 @@ def test_a_turn_survives_a_crash_once_the_client_has_its_answer(tmp_path):
     state, engine_port, port = tmp_path / "state", free_port(), free_port()
     engine = f"http://127.0.0.1:{engine_port}"
     argv = [sys.executable, "-m", "molctl", "--state-dir", str(state), "proxy", "tiny", "--upstream", engine,
-            "--port", str(port), "--allow-unauthenticated"]
+            "--port", str(port), "--allow-unauthenticated", "--set", f"proxy.state_commit_ms={commit_ms}"]
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=30)
     model = load_profile("tiny", profile_dirs()).served_model_name
     with running(fake_engine_argv(engine_port), engine + "/health"):
         with running(argv, f"http://127.0.0.1:{port}/health") as proxy:
             client.chat.completions.create(model=model, messages=[{"role": "user", "content": "[route:L2] write a parser"}])
             client.models.list()  # answered on a later pass than the one that sent the chat answer
+            time.sleep(3 * commit_ms / 1000)
             os.killpg(proxy.pid, signal.SIGKILL)
             proxy.wait(10)
     store = SqliteResponseStore(store_path(state, "tiny"))

@@ -213,6 +213,6 @@ def build_response_store(profile, state_dir: Path):
 
     p = profile.proxy
     store = open_store(p.store, state_dir, profile.name, ttl_s=p.store_ttl_s, max_bytes=p.store_max_bytes,
-                       max_entries=p.store_max_entries)
+                       max_entries=p.store_max_entries, commit_delay_s=p.state_commit_ms / 1000)
     log.info("response store: %s", getattr(store, "path", "memory (lost on restart)"))
     return store

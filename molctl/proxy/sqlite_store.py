@@ -196,7 +196,7 @@ def open_store(spec: str, state_dir: Path, profile: str, **bounds: Any):
     """The response store a proxy of this profile uses (`proxy.store` / `molctl proxy --store`)."""
     kind, path = resolve_store(spec, state_dir, profile)
     if kind == "memory":
-        mem = {k: v for k, v in bounds.items() if k in ("max_entries", "ttl_s", "clock")}
+        mem = {k: v for k, v in bounds.items() if k in ("max_entries", "ttl_s", "clock")}  # no disk: no commit delay
         return MemoryResponseStore(**mem)
     if path.parent == Path(state_dir) / profile:  # the default place: created like the rest of the state dir
         from molctl.state import ensure_state_dir
@@ -220,8 +220,11 @@ class SqliteResponseStore:
 
     def __init__(self, path: Path | str, ttl_s: float = DEFAULT_TTL_S, max_bytes: int = DEFAULT_MAX_BYTES,
                  max_entries: int = DEFAULT_MAX_ENTRIES, clock: Callable[[], float] = time.time, create: bool = True,
-                 busy_timeout_s: float = BUSY_TIMEOUT_S):
+                 busy_timeout_s: float = BUSY_TIMEOUT_S, commit_delay_s: float = 0.0):
         self.path = Path(path)
+        # conversation rows: 0 writes them at the end of the loop pass that queued them; > 0 holds
+        # them this long first, so the rows of that window share one transaction (a group commit)
+        self.commit_delay_s = commit_delay_s
         self.ttl_s, self.max_bytes, self.max_entries, self.clock = ttl_s, max_bytes, max_entries, clock
         self._lock = threading.Lock()
         self._last_prune = float("-inf")
@@ -417,8 +420,10 @@ class SqliteResponseStore:
     # ------------------------------------------------------------------ chat conversations (rows)
     # A row is queued (its values taken now) and written with every other row queued in the same
     # event-loop pass: one transaction, after the pass that sent the answer (`flush`, scheduled with
-    # call_soon). Queued rows are readable at once (get_*_row looks at the queue first). Without a
-    # running loop (a worker thread, a CLI) the queue is written at once.
+    # call_soon), or, with `commit_delay_s` (the proxy's `proxy.state_commit_ms`), with every row
+    # queued in that window after the first (call_later: a group commit). Queued rows are readable
+    # at once (get_*_row looks at the queue first). Without a running loop (a worker thread, a CLI)
+    # the queue is written at once.
     def queue_turn_row(self, key: bytes, record: TurnRecord) -> None:
         size = 64 + len(key) + len(record.route) + len((record.summary or "").encode())
         with self._pending_lock:
@@ -476,7 +481,10 @@ class SqliteResponseStore:
         if self._flush_loop is loop:  # scheduled already (on another loop, e.g. one that closed first: again)
             return
         self._flush_loop = loop
-        loop.call_soon(self.flush)
+        if self.commit_delay_s > 0:
+            loop.call_later(self.commit_delay_s, self.flush)
+        else:
+            loop.call_soon(self.flush)
 
     def _take_pending(self) -> tuple[dict[bytes, tuple], dict[tuple[str, str], tuple]]:
         """The queued rows, the queue emptied. Called under the connection's lock: a reader that
