@@ -98,7 +98,7 @@ def main() -> int:
     rows = smi()
     same = len(rows) == len(inv.devices) and all(
         r["name"] == d.name and r["total_mib"] == d.total_bytes // 2 ** 20 and r["driver"] == inv.driver_version
-        for r, d in zip(rows, inv.devices))
+        for r, d in zip(rows, inv.devices, strict=True))
     rep.expect("inventory: NvmlProbe agrees with nvidia-smi", same, nvml=[
         {"index": d.index, "name": d.name, "total_mib": d.total_bytes // 2 ** 20, "free_mib": d.free_bytes // 2 ** 20,
          "processes": [p.pid for p in d.processes]} for d in inv.devices], driver=inv.driver_version, smi=rows)
@@ -107,8 +107,9 @@ def main() -> int:
     # 2. too few GPUs for the profile's engine.gpus
     r = cli("check", "tall", *CHECK_SKIPS)
     c = checks(r).get("gpu.count", {})
-    rep.expect("check tall (engine.gpus=8): gpu.count fails, exit 3 (check failed)", r.exit_code == ExitStatus.CHECK_FAILED and c.get("status") == "fail"
-               and f"{count} GPU(s) visible" in c.get("detail", ""), exit=int(r.exit_code), check=c, stderr=r.stderr[-300:])
+    rep.expect("check tall (engine.gpus=8): gpu.count fails, exit 3 (check failed)",
+               r.exit_code == ExitStatus.CHECK_FAILED and c.get("status") == "fail" and f"{count} GPU(s) visible" in c.get("detail", ""),
+               exit=int(r.exit_code), check=c, stderr=r.stderr[-300:])
 
     # 3. the host's own count
     gpus = ["--set", f"engine.gpus={count}"]
