@@ -386,7 +386,8 @@ def test_a_large_body_is_prepared_off_the_loop(s):
 
 def test_an_in_process_store_behind_the_proxys_async_interface_writes_a_large_record_from_a_worker_thread():
     """LocalResponses (molctl/proxy/response_store.py): gets and small puts on the event loop's
-    thread, a large record (text, message count, or a large request's hint) from a worker thread."""
+    thread, a large record (text, message count, or a large request's hint) from a worker thread
+    when the store's puts are slow (SQLite's); the memory store's always on the loop."""
     import asyncio
     import threading
     import time
@@ -394,6 +395,8 @@ def test_an_in_process_store_behind_the_proxys_async_interface_writes_a_large_re
     from molctl.proxy.response_store import BIG_RECORD, MANY_MESSAGES, LocalResponses, MemoryResponseStore, as_proxy_store
 
     class Recording(MemoryResponseStore):
+        slow_puts = True  # as SQLite's
+
         def __init__(self):
             super().__init__()
             self.threads: dict[str, str] = {}
@@ -422,6 +425,13 @@ def test_an_in_process_store_behind_the_proxys_async_interface_writes_a_large_re
     assert store.threads["small"] == loop_thread
     assert all(store.threads[k] != loop_thread for k in ("long", "many", "hinted"))
     assert got["id"] == "small" and deleted is True and again is False
+    memory = Recording()
+    memory.slow_puts = False  # the memory store's own value
+    loop_thread, *_ = asyncio.run(main(memory))
+    assert all(memory.threads[k] == loop_thread for k in ("small", "long", "many", "hinted"))
+    from molctl.proxy.sqlite_store import SqliteResponseStore
+
+    assert SqliteResponseStore.slow_puts and not MemoryResponseStore.slow_puts
 
 
 def test_the_memory_store_is_safe_for_a_put_from_a_worker_thread_during_a_get_on_the_loop():

@@ -74,10 +74,13 @@ class LocalResponses:
     the event loop (a get or a small put takes ~0.1 ms: too short for a thread hop to pay off,
     BENCHMARKS.md "Response store"), except the put of a large record (`big`, over BIG_RECORD
     text bytes or MANY_MESSAGES messages: the JSON encoding and the write take milliseconds),
-    which runs in a worker thread. Nothing to be unavailable: `available()` returns at once."""
+    which runs in a worker thread when the store's `slow_puts` says its put encodes and writes
+    (SQLite; the memory store's put is a dict insert: no thread hop pays there). Nothing to be
+    unavailable: `available()` returns at once."""
 
     def __init__(self, store: ResponseStore):
         self.store = store
+        self._offload = getattr(store, "slow_puts", True)
 
     async def available(self) -> None:
         return None
@@ -89,8 +92,8 @@ class LocalResponses:
 
     async def put_response(self, record: ResponseRecord, big: bool = False) -> None:
         messages = record["messages"]
-        if big or len(messages) > MANY_MESSAGES or \
-                sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)) > BIG_RECORD:
+        if self._offload and (big or len(messages) > MANY_MESSAGES or
+                              sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)) > BIG_RECORD):
             await asyncio.to_thread(self.store.put_response, record)
         else:
             self.store.put_response(record)
@@ -112,7 +115,10 @@ def as_proxy_store(store: ResponseStore | ProxyResponses) -> ProxyResponses:
 
 class MemoryResponseStore:
     """Bounded by entry count and TTL (oldest first); lost on restart. Thread-safe (a lock): a
-    large record's put runs in a worker thread (LocalResponses) while the loop reads."""
+    put may come from a worker thread while the loop reads (the proxy puts from the loop: a put
+    here is a dict insert, `slow_puts` False)."""
+
+    slow_puts = False
 
     def __init__(self, max_entries: int = 10_000, ttl_s: float = DEFAULT_TTL_S,
                  clock: Callable[[], float] = time.time):

@@ -218,6 +218,8 @@ def _why(exc: BaseException) -> str:
 class SqliteResponseStore:
     """See the module docstring. Thread-safe (one connection behind a lock)."""
 
+    slow_puts = True  # a put encodes JSON and commits: LocalResponses sends large ones to a worker thread
+
     def __init__(self, path: Path | str, ttl_s: float = DEFAULT_TTL_S, max_bytes: int = DEFAULT_MAX_BYTES,
                  max_entries: int = DEFAULT_MAX_ENTRIES, clock: Callable[[], float] = time.time, create: bool = True,
                  busy_timeout_s: float = BUSY_TIMEOUT_S, commit_delay_s: float = 0.0):
