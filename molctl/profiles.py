@@ -547,7 +547,8 @@ def _proxy_spec(data: dict[str, Any], v: _Validator) -> ProxySpec:
         if isinstance(proxy.get(key), float) and not math.isfinite(proxy[key]):  # YAML .inf / .nan
             raise v.fail(f"proxy.{key}", f"{proxy[key]}: must be a finite number > 0")
     commit = proxy.get("state_commit_ms", 10.0)
-    if not (isinstance(commit, (int, float)) and math.isfinite(commit) and 0 <= commit <= 1000):
+    # the range alone: NaN fails it, and math.isfinite would raise on an int too large for a float
+    if isinstance(commit, bool) or not (isinstance(commit, (int, float)) and 0 <= commit <= 1000):
         raise v.fail("proxy.state_commit_ms", f"{commit}: expected a number of milliseconds from 0 to 1000")
     if proxy.get("route_max_input_chars", 4000) < 200:
         raise v.fail("proxy.route_max_input_chars", "must be >= 200")

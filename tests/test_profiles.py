@@ -188,7 +188,10 @@ def test_shipped_profiles_copy_is_loadable(tmp_path):
     ("queue_timeout_s", float("inf"), "must be a finite number > 0"), ("queue_timeout_s", float("nan"), "finite"),
     ("route_timeout_s", float("inf"), "finite"),
     ("state_commit_ms", -1, "milliseconds from 0 to 1000"), ("state_commit_ms", 5000, "from 0 to 1000"),
-    ("state_commit_ms", float("nan"), "from 0 to 1000"), ("state_commit_ms", "soon", "proxy.state_commit_ms")])
+    ("state_commit_ms", float("nan"), "from 0 to 1000"), ("state_commit_ms", "soon", "proxy.state_commit_ms"),
+    ("state_commit_ms", True, "proxy.state_commit_ms"),
+    # an integer too large for a float (`--set proxy.state_commit_ms=1000...0`): one line, not an OverflowError
+    pytest.param("state_commit_ms", 10 ** 400, "from 0 to 1000", id="state_commit_ms-10**400")])
 def test_admission_and_metrics_fields_are_validated(field, value, expected):
     """One line naming the field; the metrics port differs from both other ports."""
     from molctl.profiles import load_profile, profile_dirs
