@@ -546,6 +546,8 @@ def _proxy_spec(data: dict[str, Any], v: _Validator) -> ProxySpec:
             raise v.fail(f"proxy.{key}", "must be > 0")
         if isinstance(proxy.get(key), float) and not math.isfinite(proxy[key]):  # YAML .inf / .nan
             raise v.fail(f"proxy.{key}", f"{proxy[key]}: must be a finite number > 0")
+        if isinstance(proxy.get(key), int) and proxy[key] > 2 ** 53:  # a timer or a size past any float
+            raise v.fail(f"proxy.{key}", f"{str(proxy[key])[:20]}...: too large (at most {2 ** 53})")
     commit = proxy.get("state_commit_ms", 10.0)
     # the range alone: NaN fails it, and math.isfinite would raise on an int too large for a float
     if isinstance(commit, bool) or not (isinstance(commit, (int, float)) and 0 <= commit <= 1000):

@@ -186,7 +186,8 @@ def test_shipped_profiles_copy_is_loadable(tmp_path):
     ("metrics_port", 8301, "is also engine.port"),
     # YAML's .inf / .nan: an infinite queue deadline made every refusal a 500 (Retry-After overflow)
     ("queue_timeout_s", float("inf"), "must be a finite number > 0"), ("queue_timeout_s", float("nan"), "finite"),
-    ("route_timeout_s", float("inf"), "finite"),
+    ("route_timeout_s", float("inf"), "finite"), ("queue_timeout_s", 10 ** 400, "too large"),
+    ("store_max_bytes", 2 ** 60, "too large"),
     ("state_commit_ms", -1, "milliseconds from 0 to 1000"), ("state_commit_ms", 5000, "from 0 to 1000"),
     ("state_commit_ms", float("nan"), "from 0 to 1000"), ("state_commit_ms", "soon", "proxy.state_commit_ms"),
     ("state_commit_ms", True, "proxy.state_commit_ms"),

@@ -604,7 +604,7 @@ def test_a_commit_delay_groups_the_rows_of_its_window_into_one_transaction(db):
     from molctl.proxy.conversations import TurnRecord
     from molctl.proxy.sqlite_store import SqliteConversationStore
 
-    store = SqliteResponseStore(db, clock=Clock(), commit_delay_s=0.2)
+    store = SqliteResponseStore(db, clock=Clock(), commit_delay_s=1.0)  # long: a stalled host cannot end it early
     statements: list[str] = []
     store._conn.set_trace_callback(statements.append)
     conv = SqliteConversationStore(store)
@@ -619,7 +619,10 @@ def test_a_commit_delay_groups_the_rows_of_its_window_into_one_transaction(db):
         await asyncio.sleep(0.01)
         assert store.pending_rows() == 2 and _rows(db) == 0
         assert store.get_turn_row(b"t" * 32) == ("L2", "about a parser", False, False)
-        await asyncio.sleep(0.4)  # the window ended
+        for _ in range(400):  # the window ends (after ~1 s)
+            if store.pending_rows() == 0:
+                break
+            await asyncio.sleep(0.025)
         assert store.pending_rows() == 0 and _rows(db) == 2
         conv.put_turn(b"v" * 32, TurnRecord("L3"))  # a new window
         store.close()  # inside it: written by the close
