@@ -752,6 +752,64 @@ def _committed_turns(path: Path) -> int:
         outside.close()
 
 
+def test_a_drain_waits_for_the_summaries_of_the_turns_it_answered(tmp_path):
+    """SIGTERM right after an answer whose summary hop is still at the engine: the drain waits for
+    that summary (within its deadline) and the turn is on disk with it; before, the summary task
+    was cancelled at shutdown and the turn came back after a restart as a failed summary."""
+    import signal
+
+    import openai
+
+    from tests.procs import fake_engine_argv, running
+
+    state, engine_port, port = tmp_path / "state", free_port(), free_port()
+    engine = f"http://127.0.0.1:{engine_port}"
+    argv = [sys.executable, "-m", "molctl", "--state-dir", str(state), "proxy", "tiny", "--upstream", engine,
+            "--port", str(port), "--allow-unauthenticated"]
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=30)
+    model = load_profile("tiny", profile_dirs()).served_model_name
+    with running(fake_engine_argv(engine_port, {"summary_delay": 1.0}), engine + "/health"):
+        with running(argv, f"http://127.0.0.1:{port}/health") as proxy:
+            client.chat.completions.create(model=model, messages=[{"role": "user", "content": "[route:L2] write a parser"}])
+            proxy.send_signal(signal.SIGTERM)  # the summary hop is in flight for another second
+            assert proxy.wait(30) == 0
+    store = SqliteResponseStore(store_path(state, "tiny"))
+    try:
+        rows = list(store._conn.execute("SELECT route, summary, summary_failed FROM turns"))
+        assert len(rows) == 1 and rows[0][0] == "L2" and rows[0][1] and rows[0][2] == 0, rows
+    finally:
+        store.close()
+
+
+def test_a_drain_does_not_wait_past_its_deadline_for_a_hung_summary(tmp_path):
+    """The summary hop hangs at the engine: the drain gives up on it at its deadline (here 1 s),
+    exits 0, and the turn is on disk without a summary (as after a failed one)."""
+    import signal
+
+    import openai
+
+    from tests.procs import fake_engine_argv, running
+
+    state, engine_port, port = tmp_path / "state", free_port(), free_port()
+    engine = f"http://127.0.0.1:{engine_port}"
+    argv = [sys.executable, "-m", "molctl", "--state-dir", str(state), "proxy", "tiny", "--upstream", engine,
+            "--port", str(port), "--allow-unauthenticated", "--drain-timeout", "1"]
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=30)
+    model = load_profile("tiny", profile_dirs()).served_model_name
+    with running(fake_engine_argv(engine_port, {"summary_delay": 120.0}), engine + "/health") as fake:
+        with running(argv, f"http://127.0.0.1:{port}/health") as proxy:
+            client.chat.completions.create(model=model, messages=[{"role": "user", "content": "[route:L2] write a parser"}])
+            proxy.send_signal(signal.SIGTERM)
+            assert proxy.wait(20) == 0  # the drain's 1 s, not the 30 s summary bound nor the hop's 120 s
+        os.killpg(fake.pid, signal.SIGKILL)  # its handler sleeps on: no graceful stop to wait for
+    store = SqliteResponseStore(store_path(state, "tiny"))
+    try:
+        rows = list(store._conn.execute("SELECT route, summary FROM turns"))
+        assert rows == [("L2", None)], rows
+    finally:
+        store.close()
+
+
 def test_a_put_from_a_worker_thread_or_after_close_is_not_left_queued(db):
     """No event loop in the calling thread: written at once. After close: counted as lost."""
     import threading

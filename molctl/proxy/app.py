@@ -128,6 +128,17 @@ class ProxyApp:
     def start_drain(self) -> None:
         self.draining = True
 
+    async def wait_background(self, timeout: float) -> bool:
+        """Wait for the background summary hops (a drain: a turn answered just before SIGTERM keeps
+        its summary, written to the state store before exit); False when some outlast `timeout`
+        (they are cancelled at shutdown: their turns stay without a summary, as after a failed one)."""
+        tasks = list(self.orch.background)
+        if not tasks:
+            return True
+        log.info("drain: waiting for %d summary hop(s)", len(tasks))
+        _, pending = await asyncio.wait(tasks, timeout=max(0.0, timeout))
+        return not pending
+
     async def wait_idle(self, timeout: float) -> bool:
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)

@@ -1,8 +1,10 @@
 """`molctl proxy`: run the proxy under uvicorn (uvloop + httptools) with drain-on-SIGTERM.
 
 The first SIGTERM/SIGINT does not close the listener (uvicorn's default): the app starts
-draining (/readyz 503, new requests 503 + Retry-After), in-flight requests finish up to the
-drain deadline, then the server exits 0. A second signal exits at once."""
+draining (/readyz 503, new requests 503 + Retry-After), in-flight requests finish, then the
+summary hops of the turns they answered, all up to the drain deadline, then the server exits 0.
+A second signal exits at once. The summaries are waited for at most DRAIN_SUMMARIES_S (a hung
+engine must not hold a `molctl down` for the summary hops' own 120 s timeouts)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from molctl.proxy.app import ProxyApp
 from molctl.proxy.http_protocol import HeadHoldingHttpToolsProtocol
 
 log = logging.getLogger("molctl.proxy")
+DRAIN_SUMMARIES_S = 30.0  # a drain waits this long at most for the summary hops of answered turns
 
 
 class DrainingServer(uvicorn.Server):
@@ -70,7 +73,11 @@ class DrainingServer(uvicorn.Server):
         self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
 
     async def _drain(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.drain_timeout_s
         finished = await self.proxy_app.wait_idle(self.drain_timeout_s)
+        if finished:  # then the summary hops of the turns just answered, within the same deadline
+            finished = await self.proxy_app.wait_background(min(deadline - loop.time(), DRAIN_SUMMARIES_S))
         log.info("drain %s; exiting", "complete" if finished else "deadline reached")
         # let the last frames reach their clients before connections are closed
         await asyncio.sleep(0.05)
