@@ -933,6 +933,35 @@ def test_a_failure_that_ends_the_transaction_is_reported_with_its_own_cause(db, 
     store.close()
 
 
+def test_a_failed_response_put_keeps_the_chat_rows_it_took(db):
+    """A Response put takes the queued chat rows into its transaction; when it fails (another
+    process holds the write lock, a full disk), those rows go back to the queue and their own flush
+    writes them: the failure loses this Response, not the window's conversation state."""
+    import asyncio
+
+    from molctl.proxy.conversations import TurnRecord
+    from molctl.proxy.sqlite_store import SqliteConversationStore
+
+    store = SqliteResponseStore(db, clock=Clock(), commit_delay_s=0.05)
+    store._conn.execute("CREATE TRIGGER fail_response BEFORE INSERT ON responses WHEN NEW.route = 'L9' "
+                        "BEGIN SELECT RAISE(ROLLBACK, 'disk went away'); END")
+    conv = SqliteConversationStore(store)
+
+    async def turn_then_failing_response():
+        conv.put_turn(b"k" * 32, TurnRecord("L2"))
+        with pytest.raises(StoreError, match="disk went away"):
+            store.put_response(record("resp_1", route="L9"))
+        assert store.pending_rows() == 1 and store.get_turn_row(b"k" * 32) == ("L2", None, False, False)
+        for _ in range(200):
+            if store.pending_rows() == 0:
+                break
+            await asyncio.sleep(0.025)
+
+    asyncio.run(turn_then_failing_response())
+    assert _rows(db) == 1 and store.conv_write_errors == 0
+    store.close()
+
+
 def test_rows_queued_on_a_running_loop_after_close_are_all_counted_lost(db):
     """After close (a summary arriving during shutdown), each later pass's rows are counted as lost,
     none stays queued: the second pass used to find its flush "scheduled already"."""

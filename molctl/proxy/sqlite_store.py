@@ -336,11 +336,25 @@ class SqliteResponseStore:
                 except BaseException:
                     _rollback(conn)
                     raise
-        except StoreError as exc:
-            if turns or calls:
-                self.conv_write_errors += len(turns) + len(calls)
-                log.warning("conversation state not persisted (%d rows): %s", len(turns) + len(calls), exc)
+        except StoreError:
+            if turns or calls:  # not this put's own rows: queued again for their own flush (which counts a loss)
+                self._requeue(turns, calls)
             raise
+
+    def _requeue(self, turns: dict[bytes, tuple], calls: dict[tuple[str, str], tuple]) -> None:
+        """Rows taken for a transaction that failed, back in the queue (a row queued again since keeps
+        its newer values), with a flush scheduled: a failed Response put does not lose the window's
+        chat rows; if their own write fails too, it counts them lost. Closed: counted lost now."""
+        if self._conn is None:
+            self.conv_write_errors += len(turns) + len(calls)
+            log.warning("conversation state not persisted (%d rows): response store %s: closed", len(turns) + len(calls), self.path)
+            return
+        with self._pending_lock:
+            for key, value in turns.items():
+                self._pending_turns.setdefault(key, value)
+            for key, value in calls.items():
+                self._pending_calls.setdefault(key, value)
+        self._schedule_flush()
 
     def get_response(self, tenant: str, response_id: str) -> ResponseRecord | None:
         with self._locked("get"):
