@@ -351,7 +351,8 @@ def test_a_request_cancelled_after_the_client_closed_ends_cancelled():
     task ends cancelled (no AttributeError from the closed pool, logged as an error at exit)."""
     async def go():
         async def handle(reader, writer):
-            await reader.read()  # takes the request, never answers
+            await reader.read()  # takes the request, never answers; returns once the client closed
+            writer.close()  # (Python 3.12's Server.wait_closed waits for every connection to close)
 
         server = await asyncio.start_server(handle, "127.0.0.1", 0)
         async with server:
