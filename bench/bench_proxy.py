@@ -10,7 +10,10 @@ per second, and the ratio molctl / upstream per round. Non-streaming chat; then 
 first streamed token. Run with `make bench` (which also prepares the upstream's interpreter).
 
     python bench/bench_proxy.py [--rounds 3] [--proxy-arg=--set --proxy-arg=proxy.max_inflight=512]
-                                [--cprofile FILE] [--skip-upstream] [--baseline DIR]
+                                [--cprofile FILE] [--skip-upstream] [--baseline DIR] [--pin-client]
+
+`--pin-client`: the client on the last CPU, the proxies on the others (see `pin_client`); the
+default leaves placement to the kernel, which tends to wake the client on the answering proxy's core.
 
 `--baseline DIR`: also molctl's proxy from another checkout (e.g. `git archive REV | tar -x -C DIR`),
 measured in the same rounds ("before" against "after").
@@ -179,11 +182,38 @@ async def ttft(session, engine, proxies: dict[str, tuple[str, str]], n=30) -> di
     return {name: statistics.median(v) for name, v in times.items()}
 
 
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of `pid` (sched_setaffinity on a pid moves its main thread only) to `cpus`."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(int(task.name), cpus)
+
+
+def pin_client(pids: dict) -> str:
+    """`--pin-client`: the benchmark's client on the last CPU, every proxy on the others, the engine
+    anywhere (as a load generator is kept off the cores of the system it measures). Without it the
+    kernel tends to wake the client on the core of the proxy that just answered it (a loopback send
+    is a synchronous wake-up), where it preempts the proxy's work after the response."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit("bench_proxy: --pin-client needs at least 2 CPUs")
+    client, rest = {cpus[-1]}, set(cpus[:-1])
+    for name, pid in pids.items():
+        if name not in ("client", "engine"):
+            for one in (pid if isinstance(pid, list) else [pid]):
+                pin(one, rest)
+    pin(os.getpid(), client)
+    return f"client pinned to CPU {cpus[-1]}, proxies to CPU(s) {','.join(map(str, sorted(rest)))}, engine unpinned"
+
+
 def ms(seconds: float) -> str:
     return f"{seconds * 1000:.1f} ms"
 
 
-async def main_async(engine_url: str, proxies: dict[str, tuple[str, str]], rounds: int, pids: dict[str, int]) -> None:
+async def main_async(engine_url: str, proxies: dict[str, tuple[str, str]], rounds: int, pids: dict[str, int],
+                     pinned: bool = False) -> None:
+    if pinned:
+        print(pin_client(pids))
     connector = aiohttp.TCPConnector(limit=1024)
     targets = {"direct": direct(engine_url), **{name: via_proxy(url, model) for name, (url, model) in proxies.items()}}
     async with aiohttp.ClientSession(connector=connector) as session:
@@ -257,6 +287,9 @@ def main() -> None:
                         help="molctl's proxy as this many processes sharing one state folder (one SQLite file), the client "
                              "spreading its requests over them: what `--workers N` with SO_REUSEPORT would give")
     parser.add_argument("--baseline", help="a folder holding another molctl checkout, measured as `before`")
+    parser.add_argument("--pin-client", action="store_true",
+                        help="keep the client off the proxies' cores (client on the last CPU, proxies on the others); "
+                             "reported beside the default method, which leaves placement to the kernel")
     parser.add_argument("--skip-floor", action="store_true",
                         help="leave out `floor` (bench/floor_proxy.py: the least any proxy process adds on this machine)")
     args = parser.parse_args()
@@ -311,7 +344,7 @@ def main() -> None:
                                                         "--upstream", engine_url], floor_url + "/health", log=Path(tmp) / "floor.log"))
                     proxies["floor"], pids["floor"] = (floor_url, MOLCTL_MODEL), proc.pid
                 if upstream is None:
-                    asyncio.run(main_async(engine_url, proxies, args.rounds, pids))
+                    asyncio.run(main_async(engine_url, proxies, args.rounds, pids, args.pin_client))
                 else:
                     run_with_upstream(args, python, upstream, engine_url, upstream_port, metrics_port, tmp, proxies, pids)
 
@@ -328,7 +361,7 @@ def run_with_upstream(args, python, upstream: Path, engine_url: str, upstream_po
         proxies["upstream"] = (upstream_url, UPSTREAM_MODEL)
         pids["upstream"] = upstream_proc.pid
         print(f"upstream: {upstream.name} ({python}); molctl proxy args: {' '.join(args.proxy_arg) or '(none)'}")
-        asyncio.run(main_async(engine_url, proxies, args.rounds, pids))
+        asyncio.run(main_async(engine_url, proxies, args.rounds, pids, args.pin_client))
         log = asyncio.run(engine_log(engine_url))
         print(f"engine hops seen in the run: {json.dumps(log)}")
 
