@@ -1031,3 +1031,67 @@ def test_close_waits_for_a_put_in_flight_in_a_worker_thread(db):
     reopened = SqliteResponseStore(db, clock=Clock())
     assert reopened.get_response("tenant-a", "resp_big")["messages"][0]["content"] == "x" * 200_000
     reopened.close()
+
+
+def test_a_failed_put_in_a_worker_thread_never_writes_a_turns_older_state_over_a_newer_one(db):
+    """A large Response put runs in a worker thread (LocalResponses) and takes the queued chat rows
+    (turn k, no summary yet) into its transaction; meanwhile its summary arrives on the loop (k
+    queued again, newer) and the window's flush waits for the store's lock. The put fails: its
+    rows go back to the queue before that flush can take the lock (it takes the newer k): before
+    the fix they were put back after the lock was released, the flush could write the summary
+    first, and the older row (no summary) then overwrote it on disk."""
+    import asyncio
+    import threading
+
+    from molctl.proxy.conversations import TurnRecord
+    from molctl.proxy.sqlite_store import SqliteConversationStore
+
+    in_put, release, flushed = threading.Event(), threading.Event(), threading.Event()
+
+    def clock() -> float:
+        if threading.current_thread() is not threading.main_thread() and not in_put.is_set():
+            in_put.set()  # inside the put's transaction, holding the store's lock, its rows taken
+            release.wait(10)
+            raise sqlite3.OperationalError("database or disk is full")  # the put fails
+        return 1_800_000_000.0
+
+    store = SqliteResponseStore(db, clock=clock, commit_delay_s=0.05)
+    conv = SqliteConversationStore(store)
+    key = b"k" * 32
+    if hasattr(store, "_requeue"):  # the code before the fix: hold the put-back until the flush has run
+        requeue = store._requeue
+
+        def late_requeue(turns, calls):
+            flushed.wait(10)
+            requeue(turns, calls)
+
+        store._requeue = late_requeue  # type: ignore[method-assign]
+
+    async def scenario():
+        record_ = TurnRecord("L2")
+        conv.put_turn(key, record_)  # queued: the worker's put takes it
+        put = asyncio.ensure_future(asyncio.to_thread(store.put_response, record("resp_1")))
+        for _ in range(400):
+            if in_put.is_set():
+                break
+            await asyncio.sleep(0.025)
+        assert in_put.is_set()
+        record_.set_summary("parses the input")  # newer state of the same turn, queued on the loop
+        release.set()
+        store.flush()  # the window's flush, on the loop: waits for the put's lock
+        flushed.set()
+        with pytest.raises(StoreError, match="disk is full"):
+            await put
+        for _ in range(400):  # the put-back's own flush, if any
+            if store.pending_rows() == 0:
+                break
+            await asyncio.sleep(0.025)
+
+    asyncio.run(scenario())
+    store.close()
+    outside = sqlite3.connect(db)
+    try:
+        rows = list(outside.execute("SELECT route, summary, summary_failed FROM turns"))
+    finally:
+        outside.close()
+    assert rows == [("L2", "parses the input", 0)]

@@ -335,26 +335,26 @@ class SqliteResponseStore:
                     conn.execute("COMMIT")
                 except BaseException:
                     _rollback(conn)
+                    if turns or calls:  # back in the queue while the lock is held (see _put_back)
+                        self._put_back(turns, calls)
                     raise
         except StoreError:
-            if turns or calls:  # not this put's own rows: queued again for their own flush (which counts a loss)
-                self._requeue(turns, calls)
+            if turns or calls:  # not this put's own rows: their own flush writes them (or counts them lost)
+                self._schedule_flush()
             raise
 
-    def _requeue(self, turns: dict[bytes, tuple], calls: dict[tuple[str, str], tuple]) -> None:
+    def _put_back(self, turns: dict[bytes, tuple], calls: dict[tuple[str, str], tuple]) -> None:
         """Rows taken for a transaction that failed, back in the queue (a row queued again since keeps
-        its newer values), with a flush scheduled: a failed Response put does not lose the window's
-        chat rows; if their own write fails too, it counts them lost. Closed: counted lost now."""
-        if self._conn is None:
-            self.conv_write_errors += len(turns) + len(calls)
-            log.warning("conversation state not persisted (%d rows): response store %s: closed", len(turns) + len(calls), self.path)
-            return
+        its newer values): a failed Response put does not lose the window's chat rows; if their own
+        write fails too, it counts them lost. Called under the connection's lock: a flush waiting for
+        that lock (the loop's, while the put ran in a worker thread) then takes them with the newer
+        values; put back after the lock was released, an older row could land after that flush had
+        written a newer one (a summary overwritten by the turn's earlier state)."""
         with self._pending_lock:
             for key, value in turns.items():
                 self._pending_turns.setdefault(key, value)
             for key, value in calls.items():
                 self._pending_calls.setdefault(key, value)
-        self._schedule_flush()
 
     def get_response(self, tenant: str, response_id: str) -> ResponseRecord | None:
         with self._locked("get"):
