@@ -344,18 +344,29 @@ class ProxyApp:
         return True, "engine ready"
 
     async def _read_body(self, receive: Receive) -> bytes:
+        """The body; a client that sends nothing of it for `proxy.stream_write_timeout_s` gets a 408
+        (an admitted request holds a drain: a stalled upload must not hold it to its deadline)."""
         chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise asyncio.CancelledError
-            body = message.get("body", b"")
-            size += len(body)
-            if size > MAX_BODY:
-                raise ProxyError(413, f"The request body exceeds {MAX_BODY} bytes.", "invalid_request_error", "request_too_large")
-            chunks.append(body)
-            if not message.get("more_body"):
-                return b"".join(chunks)
+        idle_s = self.profile.proxy.stream_write_timeout_s
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(idle_s) as idle:
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        raise asyncio.CancelledError
+                    body = message.get("body", b"")
+                    size += len(body)
+                    if size > MAX_BODY:
+                        raise ProxyError(413, f"The request body exceeds {MAX_BODY} bytes.", "invalid_request_error",
+                                         "request_too_large")
+                    chunks.append(body)
+                    if not message.get("more_body"):
+                        return b"".join(chunks)
+                    idle.reschedule(loop.time() + idle_s)
+        except TimeoutError:
+            raise ProxyError(408, f"No part of the request body arrived for {idle_s:g} s.", "invalid_request_error",
+                             "request_timeout", headers={"connection": "close"}) from None
 
     # ------------------------------------------------------------------ chat
     def _plan(self, raw: bytes, tenant: str) -> Plan:
