@@ -68,6 +68,21 @@ def test_non_finite_timeouts_are_usage_errors(tmp_path, args):
     assert r.exit_code == ExitStatus.USAGE
 
 
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1"])
+def test_the_proxys_own_drain_timeout_is_checked_like_downs(tmp_path, value):
+    """`molctl proxy --drain-timeout nan` was accepted: the proxy served, and on SIGTERM its drain
+    never ended (a NaN deadline; only SIGKILL stopped it). Now a usage error before it serves,
+    one line (a subprocess with a timeout: before the fix this started a server)."""
+    from tests.helpers import free_port
+
+    cli = Molctl(tmp_path / "state", in_process=False)
+    r = cli("proxy", "tiny", "--upstream", "http://127.0.0.1:9", "--port", str(free_port()), "--allow-unauthenticated",
+            "--drain-timeout", value, timeout=30)
+    assert r.exit_code == ExitStatus.USAGE, r.stderr
+    assert "--drain-timeout" in r.stderr and "expected a number of seconds >= 0" in r.stderr
+
+
 def test_the_way_back_repeats_the_options_the_stack_needed_to_start(tmp_path):
     """The command a failed switch printed dropped `--skip` and `--timeout`: a stack that needed
     them to start failed its preflight (or its deadline) when brought back."""
