@@ -1139,6 +1139,7 @@ def test_the_loops_flush_never_waits_on_the_event_loop_for_another_processs_writ
         while time.monotonic() - started < 0.3:  # a few windows while the lock is held
             await asyncio.sleep(0.01)
         assert store.pending_rows() == 1 and store.get_turn_row(b"a" * 32) == ("L1", None, False, False)
+        assert conv.stats()["write_errors"] == 0  # a metrics scrape on the loop: no wait for the lock either
         other.execute("ROLLBACK")  # the lock is free: a retry writes the row
         assert await until(lambda: _rows(db) == 1 and store.pending_rows() == 0)
         assert store.conv_write_errors == 0

@@ -382,8 +382,15 @@ class SqliteResponseStore:
     def stats(self) -> dict[str, int]:
         """Running totals (cheap: no scan): rows (expired ones not yet pruned included), bytes of
         record JSON, evicted and expired counts since the file was created, the oldest created_at
-        (0 when empty); the same for the chat conversations' rows (`conversation_*`: turns + calls)."""
-        self.flush()
+        (0 when empty); the same for the chat conversations' rows (`conversation_*`: turns + calls).
+        On the event loop (a metrics scrape) the queued rows are written without waiting for another
+        process's write lock (the loop's flush: tried again later), elsewhere (the CLI) as `flush`."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            self.flush()
+        else:
+            self._flush_on_loop()
         with self._locked("stats"):
             meta = dict(self._conn.execute("SELECT key, value FROM meta"))
             oldest = self._conn.execute("SELECT min(created_at) FROM responses").fetchone()[0]
