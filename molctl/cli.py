@@ -440,8 +440,10 @@ def proxy_cmd(
     api_key_file: Optional[Path] = typer.Option(None, "--api-key-file", envvar="MOLCTL_API_KEY_FILE",
                                                 help="File with the accepted API keys, one per line."),
     allow_unauthenticated: bool = typer.Option(False, "--allow-unauthenticated", help="Serve without an API key."),
-    drain_timeout: float = typer.Option(600.0, "--drain-timeout", help="On SIGTERM, seconds in-flight requests may take to finish."),
-    sse_keepalive: float = typer.Option(10.0, "--sse-keepalive", help="Seconds between SSE keep-alive comments while waiting."),
+    drain_timeout: float = typer.Option(600.0, "--drain-timeout", callback=_not_negative,
+                                        help="On SIGTERM, seconds in-flight requests may take to finish (>= 0)."),
+    sse_keepalive: float = typer.Option(10.0, "--sse-keepalive", callback=_positive,
+                                        help="Seconds between SSE keep-alive comments while waiting (> 0)."),
     set_: List[str] = SET_OPT,
     set_json: Optional[str] = typer.Option(None, "--set-json", metavar="JSON",
                                            help="Overrides as typed data: a JSON list of [dotted.key, value] pairs "

@@ -68,6 +68,36 @@ def test_non_finite_timeouts_are_usage_errors(tmp_path, args):
     assert r.exit_code == ExitStatus.USAGE
 
 
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1"])
+def test_the_proxys_own_drain_timeout_is_checked_like_downs(tmp_path, value):
+    """`molctl proxy --drain-timeout nan` was accepted: the proxy served, and on SIGTERM its drain
+    never ended (a NaN deadline; only SIGKILL stopped it). Now a usage error before it serves,
+    one line (a subprocess with a timeout: before the fix this started a server)."""
+    from tests.helpers import free_port
+
+    cli = Molctl(tmp_path / "state", in_process=False)
+    r = cli("proxy", "tiny", "--upstream", "http://127.0.0.1:9", "--port", str(free_port()), "--allow-unauthenticated",
+            "--drain-timeout", value, timeout=30)
+    assert r.exit_code == ExitStatus.USAGE, r.stderr
+    assert "--drain-timeout" in r.stderr and "expected a number of seconds >= 0" in r.stderr
+
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan"])
+def test_the_proxys_sse_keepalive_must_be_a_positive_number(tmp_path, value):
+    """`molctl proxy --sse-keepalive 0` (or -1) was accepted: every stream waiting for its engine
+    wrote keep-alive comments in a tight loop (57,000 frames, 750 KB in 1 s, a core busy); nan made
+    every stream a 500. Now a usage error before it serves (a subprocess: before the fix it served)."""
+    from tests.helpers import free_port
+
+    cli = Molctl(tmp_path / "state", in_process=False)
+    r = cli("proxy", "tiny", "--upstream", "http://127.0.0.1:9", "--port", str(free_port()), "--allow-unauthenticated",
+            "--sse-keepalive", value, timeout=30)
+    assert r.exit_code == ExitStatus.USAGE, r.stderr
+    assert "--sse-keepalive" in r.stderr and "expected a number of seconds > 0" in r.stderr
+
+
 def test_the_way_back_repeats_the_options_the_stack_needed_to_start(tmp_path):
     """The command a failed switch printed dropped `--skip` and `--timeout`: a stack that needed
     them to start failed its preflight (or its deadline) when brought back."""

@@ -468,6 +468,84 @@ def test_sigterm_during_stream_drains(keyfile, tmp_path):
         assert proxy.wait(10) == 0
 
 
+
+def test_sigterm_while_a_request_body_is_still_arriving_drains_it(keyfile):
+    """A request admitted before SIGTERM whose body was still arriving (a slow client, a large
+    upload) is in flight: the drain waits for its answer (here 6 s, past uvicorn's 5 s shutdown
+    grace). It was counted only once its answer started: the drain ended at once and uvicorn
+    cancelled the request after 5 s, the client got a bare 500 (a traceback in the log)."""
+    import socket
+
+    engine_port, port, metrics_port = free_port(), free_port(), free_port()
+    engine_url, url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{port}"
+    metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    body = json.dumps({"model": PUBLIC, "messages": [{"role": "user", "content": "[route:L2] a slow upload"}]}).encode()
+    with running(fake_engine_argv(engine_port, {"answer_delay": 6.0}), engine_url + "/health"), \
+            running(proxy_argv("tiny", engine_url, port, "--api-key-file", str(keyfile), "--metrics-port", str(metrics_port)),
+                    url + "/health") as proxy:
+        conn = socket.create_connection(("127.0.0.1", port), timeout=30)
+        try:
+            conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\nAuthorization: Bearer " + KEY.encode() +
+                         b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body[:10])
+            deadline = time.monotonic() + 10
+            while parse_prometheus(httpx.get(metrics_url).text).get("molctl_proxy_admitted_requests") != 1:
+                assert time.monotonic() < deadline, "the request was not admitted"
+                time.sleep(0.02)
+            proxy.send_signal(signal.SIGTERM)
+            draining = False
+            while not draining and time.monotonic() < deadline:
+                try:
+                    draining = httpx.get(url + "/health").json()["status"] == "draining"
+                except httpx.HTTPError:  # before the fix: the listener was closed at once
+                    draining = True
+                time.sleep(0.02)
+            conn.sendall(body[10:])
+            answer = b""
+            while chunk := conn.recv(65536):
+                answer += chunk
+                if b"\r\n\r\n" in answer and answer.endswith(b"}"):
+                    break
+        finally:
+            conn.close()
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+        assert b"answer-" in answer
+        assert proxy.wait(15) == 0
+
+
+
+def test_a_stalled_upload_gets_a_408_and_does_not_hold_a_drain(keyfile):
+    """A client that sends its head and part of its body, then nothing: after
+    proxy.stream_write_timeout_s without a byte it gets a 408 and its connection is closed, so an
+    admitted request that stalls does not hold a drain (SIGTERM, `molctl down`) to its deadline."""
+    import socket
+
+    engine_port, port, metrics_port = free_port(), free_port(), free_port()
+    engine_url, url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{port}"
+    metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with running(fake_engine_argv(engine_port), engine_url + "/health"), \
+            running(proxy_argv("tiny", engine_url, port, "--api-key-file", str(keyfile), "--metrics-port", str(metrics_port),
+                               "--set", "proxy.stream_write_timeout_s=1"), url + "/health") as proxy:
+        conn = socket.create_connection(("127.0.0.1", port), timeout=30)
+        try:
+            conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\nAuthorization: Bearer " + KEY.encode() +
+                         b"\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"model\"")
+            deadline = time.monotonic() + 10
+            while parse_prometheus(httpx.get(metrics_url).text).get("molctl_proxy_admitted_requests") != 1:
+                assert time.monotonic() < deadline, "the request was not admitted"
+                time.sleep(0.02)
+            started = time.monotonic()
+            proxy.send_signal(signal.SIGTERM)
+            answer = b""
+            while chunk := conn.recv(65536):
+                answer += chunk
+        finally:
+            conn.close()
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+        assert b'"request_timeout"' in answer
+        assert proxy.wait(15) == 0
+        assert time.monotonic() - started < 10  # the drain (600 s by default) was not held
+
+
 # ------------------------------------------------------------------------ SGLang
 
 def test_sglang_adapter_naming(keyfile):

@@ -671,8 +671,9 @@ def test_close_writes_what_is_queued(db):
 
 
 def test_a_failed_flush_is_logged_and_counted_never_raised(db, caplog):
-    """The file stays locked by another process: the pass's rows are lost for the disk (counted per
-    row, one warning), the chat goes on from the cache."""
+    """The file stays locked by another process (past busy_timeout_s: the loop's flush tries again
+    until then): the pass's rows are lost for the disk (counted per row, one warning), the chat goes
+    on from the cache."""
     import asyncio
 
     from molctl.proxy.conversations import TurnRecord
@@ -687,7 +688,9 @@ def test_a_failed_flush_is_logged_and_counted_never_raised(db, caplog):
         conv.put_turn(b"a" * 32, record)
         conv.put_turn(b"b" * 32, TurnRecord("L1"))
         holder.execute("BEGIN EXCLUSIVE")
-        await asyncio.sleep(0)
+        deadline = time.monotonic() + 10
+        while store.conv_write_errors < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
 
     try:
         asyncio.run(queue_while_locked())
@@ -1031,3 +1034,127 @@ def test_close_waits_for_a_put_in_flight_in_a_worker_thread(db):
     reopened = SqliteResponseStore(db, clock=Clock())
     assert reopened.get_response("tenant-a", "resp_big")["messages"][0]["content"] == "x" * 200_000
     reopened.close()
+
+
+def test_a_failed_put_in_a_worker_thread_never_writes_a_turns_older_state_over_a_newer_one(db):
+    """A large Response put runs in a worker thread (LocalResponses) and takes the queued chat rows
+    (turn k, no summary yet) into its transaction; meanwhile its summary arrives on the loop (k
+    queued again, newer) and the window's flush waits for the store's lock. The put fails: its
+    rows go back to the queue before that flush can take the lock (it takes the newer k): before
+    the fix they were put back after the lock was released, the flush could write the summary
+    first, and the older row (no summary) then overwrote it on disk."""
+    import asyncio
+    import threading
+
+    from molctl.proxy.conversations import TurnRecord
+    from molctl.proxy.sqlite_store import SqliteConversationStore
+
+    in_put, release, flushed = threading.Event(), threading.Event(), threading.Event()
+
+    def clock() -> float:
+        if threading.current_thread() is not threading.main_thread() and not in_put.is_set():
+            in_put.set()  # inside the put's transaction, holding the store's lock, its rows taken
+            release.wait(10)
+            raise sqlite3.OperationalError("database or disk is full")  # the put fails
+        return 1_800_000_000.0
+
+    store = SqliteResponseStore(db, clock=clock, commit_delay_s=0.05)
+    conv = SqliteConversationStore(store)
+    key = b"k" * 32
+    if hasattr(store, "_requeue"):  # the code before the fix: hold the put-back until the flush has run
+        requeue = store._requeue
+
+        def late_requeue(turns, calls):
+            flushed.wait(10)
+            requeue(turns, calls)
+
+        store._requeue = late_requeue  # type: ignore[method-assign]
+
+    async def scenario():
+        record_ = TurnRecord("L2")
+        conv.put_turn(key, record_)  # queued: the worker's put takes it
+        put = asyncio.ensure_future(asyncio.to_thread(store.put_response, record("resp_1")))
+        for _ in range(400):
+            if in_put.is_set():
+                break
+            await asyncio.sleep(0.025)
+        assert in_put.is_set()
+        record_.set_summary("parses the input")  # newer state of the same turn, queued on the loop
+        release.set()
+        store.flush()  # the window's flush, on the loop: waits for the put's lock
+        flushed.set()
+        with pytest.raises(StoreError, match="disk is full"):
+            await put
+        for _ in range(400):  # the put-back's own flush, if any
+            if store.pending_rows() == 0:
+                break
+            await asyncio.sleep(0.025)
+
+    asyncio.run(scenario())
+    store.close()
+    outside = sqlite3.connect(db)
+    try:
+        rows = list(outside.execute("SELECT route, summary, summary_failed FROM turns"))
+    finally:
+        outside.close()
+    assert rows == [("L2", "parses the input", 0)]
+
+
+def test_the_loops_flush_never_waits_on_the_event_loop_for_another_processs_write_lock(db):
+    """Another process holds the file's write lock (a long `molctl state prune`, a sqlite3 shell in
+    a transaction): the window's flush runs on the event loop and used to wait busy_timeout_s there
+    (every request and /health stalled that long, each window) before losing its rows. Now it does
+    not wait: the rows stay queued (readable), it tries again, writes them once the lock is free;
+    held past busy_timeout_s, they are counted lost and nothing stays queued."""
+    import asyncio
+
+    from molctl.proxy.conversations import TurnRecord
+    from molctl.proxy.sqlite_store import SqliteConversationStore
+
+    store = SqliteResponseStore(db, clock=Clock(), commit_delay_s=0.01, busy_timeout_s=1.0)
+    conv = SqliteConversationStore(store)
+    other = sqlite3.connect(db, isolation_level=None)
+    gaps: list[float] = []
+
+    async def heartbeat(stop: asyncio.Event) -> None:
+        last = time.monotonic()
+        while not stop.is_set():
+            await asyncio.sleep(0.005)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    async def until(condition, timeout: float = 10.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while not condition() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return condition()
+
+    async def scenario():
+        stop = asyncio.Event()
+        beat = asyncio.ensure_future(heartbeat(stop))
+        other.execute("BEGIN IMMEDIATE")
+        conv.put_turn(b"a" * 32, TurnRecord("L1"))
+        started = time.monotonic()
+        while time.monotonic() - started < 0.3:  # a few windows while the lock is held
+            await asyncio.sleep(0.01)
+        assert store.pending_rows() == 1 and store.get_turn_row(b"a" * 32) == ("L1", None, False, False)
+        assert conv.stats()["write_errors"] == 0  # a metrics scrape on the loop: no wait for the lock either
+        other.execute("ROLLBACK")  # the lock is free: a retry writes the row
+        assert await until(lambda: _rows(db) == 1 and store.pending_rows() == 0)
+        assert store.conv_write_errors == 0
+        other.execute("BEGIN IMMEDIATE")  # held past busy_timeout_s: counted lost, the queue empty
+        conv.put_turn(b"b" * 32, TurnRecord("L2"))
+        assert await until(lambda: store.conv_write_errors == 1 and store.pending_rows() == 0)
+        other.execute("ROLLBACK")
+        stop.set()
+        await beat
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        other.close()
+    assert max(gaps) < 0.5, max(gaps)  # the loop was never blocked for the lock (busy_timeout_s is 1 s)
+    conv.put_turn(b"c" * 32, TurnRecord("L3"))  # no loop: written at once, the lock free again
+    assert _rows(db) == 2
+    store.close()

@@ -91,7 +91,10 @@ class ProxyApp:
         self._ready: tuple[float, bool, str] = (0.0, False, "not probed")
         self._ready_lock = asyncio.Lock()
         self.draining = False
-        self.inflight = 0
+        self.inflight = 0  # answers running (the inflight_requests gauge)
+        # requests admitted (past the draining check) and not finished, their body still being read
+        # included: what a drain waits for (_idle)
+        self.admitted = 0
         self._idle = asyncio.Event()
         self._idle.set()
         self._model = {"id": profile.served_model_name, "object": "model", "created": 0, "owned_by": "molctl"}
@@ -211,6 +214,19 @@ class ProxyApp:
         if self.draining:
             raise ProxyError(503, "The server is shutting down; retry on another instance.", "server_error",
                              "draining", headers={"retry-after": "5"})
+        # admitted: a drain that starts from now on waits for this request, even while its body is
+        # still arriving (counted from _run only, it was cut at uvicorn's 5 s shutdown grace: a 500)
+        self.admitted += 1
+        self._idle.clear()
+        try:
+            await self._dispatch(scope, receive, send, rid, tenant, path, method)
+        finally:
+            self.admitted -= 1
+            if self.admitted == 0:
+                self._idle.set()
+
+    async def _dispatch(self, scope: dict, receive: Receive, send: Send, rid: str, tenant: str, path: str,
+                        method: str) -> None:
         if path == "/v1/models" and method == "GET":
             await send({"type": "http.response.start", "status": 200, "headers": JSON_HEADERS})
             await send({"type": "http.response.body", "body": self._models_body})
@@ -284,6 +300,7 @@ class ProxyApp:
             "queue_depth": {(("hop", "answer"),): adm.answers.waiting, (("hop", "route"),): adm.routes.waiting,
                             (("hop", "summary"),): self.orch._summary_waiting},
             "inflight_requests": {(): self.inflight},
+            "admitted_requests": {(): self.admitted},
             "draining": {(): int(self.draining)},
             "store": {**store_gauges(conversations, "conversations"), **store_gauges(self.responses.stats(), "responses")},
             "state_store_up": {(): 1 - conversations.get("store_degraded", 0)},
@@ -327,18 +344,29 @@ class ProxyApp:
         return True, "engine ready"
 
     async def _read_body(self, receive: Receive) -> bytes:
+        """The body; a client that sends nothing of it for `proxy.stream_write_timeout_s` gets a 408
+        (an admitted request holds a drain: a stalled upload must not hold it to its deadline)."""
         chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise asyncio.CancelledError
-            body = message.get("body", b"")
-            size += len(body)
-            if size > MAX_BODY:
-                raise ProxyError(413, f"The request body exceeds {MAX_BODY} bytes.", "invalid_request_error", "request_too_large")
-            chunks.append(body)
-            if not message.get("more_body"):
-                return b"".join(chunks)
+        idle_s = self.profile.proxy.stream_write_timeout_s
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(idle_s) as idle:
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        raise asyncio.CancelledError
+                    body = message.get("body", b"")
+                    size += len(body)
+                    if size > MAX_BODY:
+                        raise ProxyError(413, f"The request body exceeds {MAX_BODY} bytes.", "invalid_request_error",
+                                         "request_too_large")
+                    chunks.append(body)
+                    if not message.get("more_body"):
+                        return b"".join(chunks)
+                    idle.reschedule(loop.time() + idle_s)
+        except TimeoutError:
+            raise ProxyError(408, f"No part of the request body arrived for {idle_s:g} s.", "invalid_request_error",
+                             "request_timeout", headers={"connection": "close"}) from None
 
     # ------------------------------------------------------------------ chat
     def _plan(self, raw: bytes, tenant: str) -> Plan:
@@ -362,7 +390,6 @@ class ProxyApp:
     async def _run(self, plan: Plan, receive: Receive, coro: Awaitable[None]) -> None:
         """Run one answer (`coro`) while watching the client: a disconnect cancels it."""
         self.inflight += 1
-        self._idle.clear()
         work = asyncio.ensure_future(coro)
         watch = asyncio.ensure_future(self._wait_disconnect(receive))
         try:
@@ -378,8 +405,6 @@ class ProxyApp:
         finally:
             watch.cancel()
             self.inflight -= 1
-            if self.inflight == 0:
-                self._idle.set()
 
     async def _wait_disconnect(self, receive: Receive) -> None:
         while (await receive())["type"] != "http.disconnect":

@@ -81,6 +81,7 @@ DEFAULT_MAX_BYTES = 1024 * 1024 * 1024  # 1 GiB of record JSON
 DEFAULT_MAX_ENTRIES = 100_000
 BUSY_TIMEOUT_S = 2.0  # how long a call waits for another process's write lock before "locked"
 PRUNE_EVERY_S = 60.0  # expired rows are deleted by a put at most this often (they are invisible anyway)
+BUSY_RETRY_S = 0.02  # the loop's flush, finding the write lock held by another process, tries again this much later
 
 COLUMNS = ("tenant", "id", "created_at", "previous_response_id", "route")
 JSON_COLUMNS = ("messages", "input_items", "response")
@@ -227,6 +228,10 @@ class SqliteResponseStore:
         # conversation rows: 0 writes them at the end of the loop pass that queued them; > 0 holds
         # them this long first, so the rows of that window share one transaction (a group commit)
         self.commit_delay_s = commit_delay_s
+        self.busy_timeout_s = busy_timeout_s
+        # the loop's flush found another process's write lock (time.monotonic()): it does not wait
+        # for it on the event loop, it tries again until busy_timeout_s has passed (then the rows are lost)
+        self._busy_since: float | None = None
         self.ttl_s, self.max_bytes, self.max_entries, self.clock = ttl_s, max_bytes, max_entries, clock
         self._lock = threading.Lock()
         self._last_prune = float("-inf")
@@ -335,26 +340,26 @@ class SqliteResponseStore:
                     conn.execute("COMMIT")
                 except BaseException:
                     _rollback(conn)
+                    if turns or calls:  # back in the queue while the lock is held (see _put_back)
+                        self._put_back(turns, calls)
                     raise
         except StoreError:
-            if turns or calls:  # not this put's own rows: queued again for their own flush (which counts a loss)
-                self._requeue(turns, calls)
+            if turns or calls:  # not this put's own rows: their own flush writes them (or counts them lost)
+                self._schedule_flush()
             raise
 
-    def _requeue(self, turns: dict[bytes, tuple], calls: dict[tuple[str, str], tuple]) -> None:
+    def _put_back(self, turns: dict[bytes, tuple], calls: dict[tuple[str, str], tuple]) -> None:
         """Rows taken for a transaction that failed, back in the queue (a row queued again since keeps
-        its newer values), with a flush scheduled: a failed Response put does not lose the window's
-        chat rows; if their own write fails too, it counts them lost. Closed: counted lost now."""
-        if self._conn is None:
-            self.conv_write_errors += len(turns) + len(calls)
-            log.warning("conversation state not persisted (%d rows): response store %s: closed", len(turns) + len(calls), self.path)
-            return
+        its newer values): a failed Response put does not lose the window's chat rows; if their own
+        write fails too, it counts them lost. Called under the connection's lock: a flush waiting for
+        that lock (the loop's, while the put ran in a worker thread) then takes them with the newer
+        values; put back after the lock was released, an older row could land after that flush had
+        written a newer one (a summary overwritten by the turn's earlier state)."""
         with self._pending_lock:
             for key, value in turns.items():
                 self._pending_turns.setdefault(key, value)
             for key, value in calls.items():
                 self._pending_calls.setdefault(key, value)
-        self._schedule_flush()
 
     def get_response(self, tenant: str, response_id: str) -> ResponseRecord | None:
         with self._locked("get"):
@@ -377,8 +382,15 @@ class SqliteResponseStore:
     def stats(self) -> dict[str, int]:
         """Running totals (cheap: no scan): rows (expired ones not yet pruned included), bytes of
         record JSON, evicted and expired counts since the file was created, the oldest created_at
-        (0 when empty); the same for the chat conversations' rows (`conversation_*`: turns + calls)."""
-        self.flush()
+        (0 when empty); the same for the chat conversations' rows (`conversation_*`: turns + calls).
+        On the event loop (a metrics scrape) the queued rows are written without waiting for another
+        process's write lock (the loop's flush: tried again later), elsewhere (the CLI) as `flush`."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            self.flush()
+        else:
+            self._flush_on_loop()
         with self._locked("stats"):
             meta = dict(self._conn.execute("SELECT key, value FROM meta"))
             oldest = self._conn.execute("SELECT min(created_at) FROM responses").fetchone()[0]
@@ -498,9 +510,15 @@ class SqliteResponseStore:
             return
         self._flush_loop = loop
         if self.commit_delay_s > 0:
-            loop.call_later(self.commit_delay_s, self.flush)
+            loop.call_later(self.commit_delay_s, self._flush_on_loop)
         else:
-            loop.call_soon(self.flush)
+            loop.call_soon(self._flush_on_loop)
+
+    def _flush_on_loop(self) -> None:
+        """The scheduled flush (on the event loop): as `flush`, but another process's write lock is not
+        waited for (the whole proxy would stall, `busy_timeout_s` per window): the rows stay queued and
+        it tries again BUSY_RETRY_S later, for at most `busy_timeout_s`, then counts them lost."""
+        self._write_pending(raise_errors=False, wait=False)
 
     def _take_pending(self) -> tuple[dict[bytes, tuple], dict[tuple[str, str], tuple]]:
         """The queued rows, the queue emptied. Called under the connection's lock: a reader that
@@ -528,7 +546,7 @@ class SqliteResponseStore:
             self._last_conv_prune = now
         self._evict_group("conversations")
 
-    def _write_pending(self, raise_errors: bool) -> int:
+    def _write_pending(self, raise_errors: bool, wait: bool = True) -> int:
         turns: dict[bytes, tuple] = {}
         calls: dict[tuple[str, str], tuple] = {}
         try:
@@ -537,13 +555,17 @@ class SqliteResponseStore:
                 if not turns and not calls:
                     return 0
                 conn = self._conn
-                conn.execute("BEGIN IMMEDIATE")
+                if wait:
+                    conn.execute("BEGIN IMMEDIATE")
+                elif not self._begin_now(turns, calls):
+                    return 0  # queued again, retried later
                 try:
                     self._insert_rows(turns, calls, self.clock())
                     conn.execute("COMMIT")
                 except BaseException:
                     _rollback(conn)
                     raise
+                self._busy_since = None
         except StoreError as exc:
             if self._conn is None:  # closed: what is still queued cannot be written any more
                 with self._pending_lock:
@@ -560,6 +582,33 @@ class SqliteResponseStore:
             log.warning("conversation state not persisted (%d rows): %s", lost, exc)
             return lost
         return 0
+
+    def _begin_now(self, turns: dict[bytes, tuple], calls: dict[tuple[str, str], tuple]) -> bool:
+        """Under the lock, on the event loop: BEGIN IMMEDIATE without waiting for another process's
+        write lock. Held: the rows go back to the queue (newer values queued since win) and a retry
+        is scheduled, False; held past busy_timeout_s since the first try: raises (the rows are lost)."""
+        conn = self._conn
+        conn.execute("PRAGMA busy_timeout = 0")
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            return True
+        except sqlite3.OperationalError as exc:
+            if getattr(exc, "sqlite_errorcode", None) != sqlite3.SQLITE_BUSY:
+                raise
+            now = time.monotonic()
+            if self._busy_since is None:
+                self._busy_since = now
+            elif now - self._busy_since >= self.busy_timeout_s:
+                self._busy_since = None  # the rows queued from now on get their own busy_timeout_s
+                raise
+            self._put_back(turns, calls)
+            loop = asyncio.get_running_loop()
+            with self._pending_lock:
+                self._flush_loop = loop
+            loop.call_later(max(self.commit_delay_s, BUSY_RETRY_S), self._flush_on_loop)
+            return False
+        finally:
+            conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_s * 1000)}")
 
     # ------------------------------------------------------------------ internals
     @contextlib.contextmanager
