@@ -401,9 +401,9 @@ def test_an_in_process_store_behind_the_proxys_async_interface_writes_a_large_re
             super().__init__()
             self.threads: dict[str, str] = {}
 
-        def put_response(self, record):
+        def put_response(self, record, wait=True):
             self.threads[record["id"]] = threading.current_thread().name
-            super().put_response(record)
+            super().put_response(record, wait)
 
     def record(rid: str, messages: list[dict]) -> dict:
         return {"id": rid, "tenant": "t", "created_at": time.time(), "messages": messages}

@@ -1158,3 +1158,66 @@ def test_the_loops_flush_never_waits_on_the_event_loop_for_another_processs_writ
     conv.put_turn(b"c" * 32, TurnRecord("L3"))  # no loop: written at once, the lock free again
     assert _rows(db) == 2
     store.close()
+
+
+def test_a_responses_put_or_delete_never_waits_on_the_event_loop_for_another_processs_write_lock(db):
+    """Another process holds the file's write lock (a `molctl state prune`, a sqlite3 shell in a
+    transaction): a stored Response's put used to wait busy_timeout_s ON THE LOOP (every request and
+    /health stalled with it). Now the put on the loop does not wait: it is retried from a worker
+    thread, which waits; the Response is committed once the lock is free, before the call returns;
+    a delete runs in a worker thread too. The queued chat rows go with the put."""
+    import asyncio
+
+    from molctl.proxy.conversations import TurnRecord
+    from molctl.proxy.response_store import LocalResponses
+    from molctl.proxy.sqlite_store import SqliteConversationStore
+
+    store = SqliteResponseStore(db, clock=Clock(), commit_delay_s=5.0, busy_timeout_s=3.0)
+    store.put_response(record("old"))
+    proxy_store = LocalResponses(store)
+    conv = SqliteConversationStore(store)
+    other = sqlite3.connect(db, isolation_level=None)
+    gaps: list[float] = []
+    HOLD_S = 0.9
+
+    async def heartbeat(stop: asyncio.Event) -> None:
+        last = time.monotonic()
+        while not stop.is_set():
+            await asyncio.sleep(0.005)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    async def scenario() -> tuple[float, float]:
+        stop = asyncio.Event()
+        beat = asyncio.ensure_future(heartbeat(stop))
+        await asyncio.sleep(0.05)
+        other.execute("BEGIN IMMEDIATE")
+        asyncio.get_running_loop().call_later(HOLD_S, other.execute, "ROLLBACK")
+        conv.put_turn(b"t" * 32, TurnRecord("L1"))  # queued (a 5 s window): the put takes it along
+        t0 = time.monotonic()
+        await proxy_store.put_response(record("new"))
+        put_s = time.monotonic() - t0
+        other.execute("BEGIN IMMEDIATE")
+        asyncio.get_running_loop().call_later(HOLD_S, other.execute, "ROLLBACK")
+        t0 = time.monotonic()
+        assert await proxy_store.delete_response("tenant-a", "old") is True
+        delete_s = time.monotonic() - t0
+        stop.set()
+        await beat
+        return put_s, delete_s
+
+    try:
+        put_s, delete_s = asyncio.run(scenario())
+    finally:
+        other.close()
+    assert put_s >= HOLD_S * 0.9 and delete_s >= HOLD_S * 0.9  # each waited for the lock...
+    assert max(gaps) < HOLD_S / 2, max(gaps)  # ...in a worker thread: the loop kept running
+    outside = sqlite3.connect(db)
+    try:
+        assert [r[0] for r in outside.execute("SELECT id FROM responses")] == ["new"]
+        assert outside.execute("SELECT route FROM turns").fetchall() == [("L1",)]  # committed with the put
+    finally:
+        outside.close()
+    assert store.conv_write_errors == 0 and store.pending_rows() == 0
+    store.close()

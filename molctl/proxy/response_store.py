@@ -35,8 +35,13 @@ ResponseRecord = dict[str, Any]
 DEFAULT_TTL_S = 30 * 24 * 3600  # as the OpenAI API keeps stored responses
 
 
+class StoreBusy(Exception):
+    """A put told not to wait (`wait=False`) found the store's write lock held by another process;
+    nothing was written (LocalResponses then puts from a worker thread, which waits)."""
+
+
 class ResponseStore(Protocol):
-    def put_response(self, record: ResponseRecord) -> None: ...
+    def put_response(self, record: ResponseRecord, wait: bool = True) -> None: ...
 
     def get_response(self, tenant: str, response_id: str) -> ResponseRecord | None: ...
 
@@ -75,8 +80,10 @@ class LocalResponses:
     BENCHMARKS.md "Response store"), except the put of a large record (`big`, over BIG_RECORD
     text bytes or MANY_MESSAGES messages: the JSON encoding and the write take milliseconds),
     which runs in a worker thread when the store's `slow_puts` says its put encodes and writes
-    (SQLite; the memory store's put is a dict insert: no thread hop pays there). Nothing to be
-    unavailable: `available()` returns at once."""
+    (SQLite; the memory store's put is a dict insert: no thread hop pays there). A slow store's
+    small put on the loop does not wait for another process's write lock (a `molctl state prune`, a
+    sqlite3 shell): it is retried from a worker thread, which waits for it; deletes always run there.
+    Nothing to be unavailable: `available()` returns at once."""
 
     def __init__(self, store: ResponseStore):
         self.store = store
@@ -92,14 +99,22 @@ class LocalResponses:
 
     async def put_response(self, record: ResponseRecord, big: bool = False) -> None:
         messages = record["messages"]
-        if self._offload and (big or len(messages) > MANY_MESSAGES or
-                              sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)) > BIG_RECORD):
+        if not self._offload:
+            self.store.put_response(record)
+        elif (big or len(messages) > MANY_MESSAGES or
+              sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)) > BIG_RECORD):
             await asyncio.to_thread(self.store.put_response, record)
         else:
-            self.store.put_response(record)
+            try:  # on the loop, unless another process holds the file's write lock: then waited for in a thread
+                self.store.put_response(record, wait=False)
+            except StoreBusy:
+                await asyncio.to_thread(self.store.put_response, record)
 
     async def delete_response(self, tenant: str, response_id: str) -> bool:
-        return self.store.delete_response(tenant, response_id)
+        """From a worker thread (a rare call; a write may wait for another process's write lock)."""
+        if not self._offload:
+            return self.store.delete_response(tenant, response_id)
+        return await asyncio.to_thread(self.store.delete_response, tenant, response_id)
 
     def stats(self) -> dict[str, int]:
         return self.store.stats()
@@ -127,7 +142,7 @@ class MemoryResponseStore:
         self.evicted = 0
         self._lock = threading.Lock()
 
-    def put_response(self, record: ResponseRecord) -> None:
+    def put_response(self, record: ResponseRecord, wait: bool = True) -> None:  # noqa: ARG002 - never waits
         key = (record["tenant"], record["id"])
         with self._lock:
             self._items[key] = record

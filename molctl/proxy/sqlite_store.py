@@ -71,7 +71,7 @@ from typing import Any
 
 from molctl.errors import MolctlError
 from molctl.proxy.conversations import CallBinding, MemoryStore, TurnRecord
-from molctl.proxy.response_store import DEFAULT_TTL_S, MemoryResponseStore, ResponseRecord
+from molctl.proxy.response_store import DEFAULT_TTL_S, MemoryResponseStore, ResponseRecord, StoreBusy
 
 log = logging.getLogger("molctl.proxy")
 
@@ -315,9 +315,11 @@ class SqliteResponseStore:
                      self.path, SCHEMA_VERSION)
 
     # ------------------------------------------------------------------ protocol
-    def put_response(self, record: ResponseRecord) -> None:
+    def put_response(self, record: ResponseRecord, wait: bool = True) -> None:
         """Committed before it returns (the proxy sends the response after it: readable at once,
-        from any process). The chat rows queued so far go in the same transaction (one commit)."""
+        from any process). The chat rows queued so far go in the same transaction (one commit).
+        `wait=False` (a put on the event loop): another process's write lock is not waited for;
+        StoreBusy is raised at once, nothing written (the caller retries from a worker thread)."""
         row = _row(record)
         turns: dict[bytes, tuple] = {}
         calls: dict[tuple[str, str], tuple] = {}
@@ -325,7 +327,12 @@ class SqliteResponseStore:
             with self._locked("put"):
                 turns, calls = self._take_pending()
                 conn = self._conn
-                conn.execute("BEGIN IMMEDIATE")
+                if wait:
+                    conn.execute("BEGIN IMMEDIATE")
+                elif not self._try_begin():
+                    if turns or calls:
+                        self._put_back(turns, calls)
+                    raise StoreBusy(f"response store {self.path}: another process holds the write lock")
                 try:
                     conn.execute("DELETE FROM responses WHERE tenant = ? AND id = ?", (row[0], row[1]))
                     conn.execute("INSERT INTO responses (tenant, id, created_at, previous_response_id, route, messages, "
@@ -343,7 +350,7 @@ class SqliteResponseStore:
                     if turns or calls:  # back in the queue while the lock is held (see _put_back)
                         self._put_back(turns, calls)
                     raise
-        except StoreError:
+        except (StoreError, StoreBusy):
             if turns or calls:  # not this put's own rows: their own flush writes them (or counts them lost)
                 self._schedule_flush()
             raise
@@ -587,6 +594,23 @@ class SqliteResponseStore:
         """Under the lock, on the event loop: BEGIN IMMEDIATE without waiting for another process's
         write lock. Held: the rows go back to the queue (newer values queued since win) and a retry
         is scheduled, False; held past busy_timeout_s since the first try: raises (the rows are lost)."""
+        if self._try_begin():
+            return True
+        now = time.monotonic()
+        if self._busy_since is None:
+            self._busy_since = now
+        elif now - self._busy_since >= self.busy_timeout_s:
+            self._busy_since = None  # the rows queued from now on get their own busy_timeout_s
+            raise sqlite3.OperationalError("database is locked")
+        self._put_back(turns, calls)
+        loop = asyncio.get_running_loop()
+        with self._pending_lock:
+            self._flush_loop = loop
+        loop.call_later(max(self.commit_delay_s, BUSY_RETRY_S), self._flush_on_loop)
+        return False
+
+    def _try_begin(self) -> bool:
+        """BEGIN IMMEDIATE without waiting for another process's write lock: False when it is held."""
         conn = self._conn
         conn.execute("PRAGMA busy_timeout = 0")
         try:
@@ -595,17 +619,6 @@ class SqliteResponseStore:
         except sqlite3.OperationalError as exc:
             if getattr(exc, "sqlite_errorcode", None) != sqlite3.SQLITE_BUSY:
                 raise
-            now = time.monotonic()
-            if self._busy_since is None:
-                self._busy_since = now
-            elif now - self._busy_since >= self.busy_timeout_s:
-                self._busy_since = None  # the rows queued from now on get their own busy_timeout_s
-                raise
-            self._put_back(turns, calls)
-            loop = asyncio.get_running_loop()
-            with self._pending_lock:
-                self._flush_loop = loop
-            loop.call_later(max(self.commit_delay_s, BUSY_RETRY_S), self._flush_on_loop)
             return False
         finally:
             conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_s * 1000)}")
