@@ -1221,3 +1221,46 @@ def test_a_responses_put_or_delete_never_waits_on_the_event_loop_for_another_pro
         outside.close()
     assert store.conv_write_errors == 0 and store.pending_rows() == 0
     store.close()
+
+
+def test_a_flush_failing_every_window_warns_once_then_at_most_every_10_s(db, caplog, monkeypatch):
+    """A disk that stays full fails every window's flush: each lost row is counted (the metric),
+    but the log gets one warning at once, then at most one per LOSS_LOG_EVERY_S with the rows lost
+    meanwhile (it was one line per window: ~100 a second under load), and the rest at close."""
+    import asyncio
+    import logging
+
+    from molctl.proxy import sqlite_store
+    from molctl.proxy.conversations import TurnRecord
+    from molctl.proxy.sqlite_store import SqliteConversationStore
+
+    store = SqliteResponseStore(db, clock=Clock(), commit_delay_s=0)
+    conv = SqliteConversationStore(store)
+
+    def full(*_args):
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(store, "_insert_rows", full)
+
+    async def windows(n: int):
+        for i in range(n):
+            conv.put_turn(i.to_bytes(32, "big"), TurnRecord("L2"))
+            await asyncio.sleep(0)  # the pass ends: its flush runs (and fails)
+            await asyncio.sleep(0)
+
+    caplog.set_level(logging.WARNING, logger="molctl")
+    asyncio.run(windows(50))
+    lines = [r.getMessage() for r in caplog.records if "not persisted" in r.getMessage()]
+    assert store.conv_write_errors == 50
+    assert len(lines) == 1 and "not persisted (1 rows)" in lines[0] and "disk is full" in lines[0], lines
+    monkeypatch.setattr(sqlite_store, "LOSS_LOG_EVERY_S", 0.0)  # the interval has passed
+    asyncio.run(windows(1))
+    lines = [r.getMessage() for r in caplog.records if "not persisted" in r.getMessage()]
+    assert len(lines) == 2 and "(50 rows in the last" in lines[1], lines  # the 49 held back + this one
+    monkeypatch.setattr(sqlite_store, "LOSS_LOG_EVERY_S", 3600.0)
+    asyncio.run(windows(3))
+    monkeypatch.undo()
+    store.close()
+    lines = [r.getMessage() for r in caplog.records if "not persisted" in r.getMessage()]
+    assert len(lines) == 3 and "(3 rows since the last warning)" in lines[2], lines
+    assert store.conv_write_errors == 54

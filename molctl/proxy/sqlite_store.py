@@ -81,6 +81,7 @@ DEFAULT_MAX_BYTES = 1024 * 1024 * 1024  # 1 GiB of record JSON
 DEFAULT_MAX_ENTRIES = 100_000
 BUSY_TIMEOUT_S = 2.0  # how long a call waits for another process's write lock before "locked"
 PRUNE_EVERY_S = 60.0  # expired rows are deleted by a put at most this often (they are invisible anyway)
+LOSS_LOG_EVERY_S = 10.0  # lost chat-state rows: one warning at once, then at most one per this many seconds
 BUSY_RETRY_S = 0.02  # the loop's flush, finding the write lock held by another process, tries again this much later
 
 COLUMNS = ("tenant", "id", "created_at", "previous_response_id", "route")
@@ -232,6 +233,9 @@ class SqliteResponseStore:
         # the loop's flush found another process's write lock (time.monotonic()): it does not wait
         # for it on the event loop, it tries again until busy_timeout_s has passed (then the rows are lost)
         self._busy_since: float | None = None
+        # rows lost since the last warning and when it was logged (a disk that stays full fails every
+        # window: one warning per window would be ~100 lines a second)
+        self._lost_unlogged, self._loss_logged_at = 0, float("-inf")
         self.ttl_s, self.max_bytes, self.max_entries, self.clock = ttl_s, max_bytes, max_entries, clock
         self._lock = threading.Lock()
         self._last_prune = float("-inf")
@@ -446,6 +450,9 @@ class SqliteResponseStore:
         under the lock: a put in flight in a worker thread (LocalResponses) commits first."""
         if self._conn is not None:
             self.flush()
+        if self._lost_unlogged:
+            log.warning("conversation state not persisted (%d rows since the last warning)", self._lost_unlogged)
+            self._lost_unlogged = 0
         with self._lock:
             conn, self._conn = self._conn, None
         if conn is not None:
@@ -586,9 +593,22 @@ class SqliteResponseStore:
             self.conv_write_errors += lost
             if raise_errors:
                 raise
-            log.warning("conversation state not persisted (%d rows): %s", lost, exc)
+            self._log_loss(lost, str(exc))
             return lost
         return 0
+
+    def _log_loss(self, lost: int, why: str) -> None:
+        """A warning for lost chat-state rows: at once, then at most once per LOSS_LOG_EVERY_S with
+        the rows lost meanwhile (every row is counted in conv_write_errors, the metric, regardless)."""
+        now = time.monotonic()
+        self._lost_unlogged += lost
+        since = now - self._loss_logged_at
+        if since < LOSS_LOG_EVERY_S:
+            return
+        what = f"{self._lost_unlogged} rows" + (f" in the last {since:.0f} s" if since != float("inf") and
+                                                lost != self._lost_unlogged else "")
+        log.warning("conversation state not persisted (%s): %s", what, why)
+        self._lost_unlogged, self._loss_logged_at = 0, now
 
     def _begin_now(self, turns: dict[bytes, tuple], calls: dict[tuple[str, str], tuple]) -> bool:
         """Under the lock, on the event loop: BEGIN IMMEDIATE without waiting for another process's
