@@ -106,18 +106,10 @@ FINGERPRINT_TIMEOUT_S = 60
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the fingerprint's session (started by us with start_new_session: pgid == its pid; only
-    called while it has not been reaped, so the id cannot belong to anyone else)."""
-    import signal
+    """SIGKILL the fingerprint's session (its own, see processes.kill_fresh) and wait until it is gone."""
+    from molctl.processes import kill_fresh
 
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except OSError:
-        pass
-    try:
-        proc.wait(5)
-    except subprocess.TimeoutExpired:
-        pass
+    kill_fresh(proc)
 
 
 def engine_fingerprint(python: str, package: str) -> dict[str, Any]:

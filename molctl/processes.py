@@ -68,8 +68,11 @@ def record_for(component: str, proc: subprocess.Popen, argv: Sequence[str], port
                   record_id=(marker or {}).get(procid.MARKER_ID, ""), host=host, config=dict(config or {}))
 
 
-def kill_fresh(proc: subprocess.Popen) -> None:
-    """SIGKILL the group of a process this molctl just spawned (its group is ours) and reap it."""
+def kill_fresh(proc: subprocess.Popen, gone_within_s: float = 2.0) -> None:
+    """SIGKILL the group of a process this molctl spawned in a session of its own (start_new_session:
+    its pgid is its pid; only called before it is reaped, so the id is still ours) and reap it;
+    then wait, at most `gone_within_s`, until no live member of the group is left (a SIGKILL is
+    delivered asynchronously: a wrapper's child could still be running when the leader was reaped)."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
@@ -78,6 +81,18 @@ def kill_fresh(proc: subprocess.Popen) -> None:
         proc.wait(5)
     except subprocess.TimeoutExpired:
         pass
+    deadline = time.monotonic() + gone_within_s
+    while _group_alive(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _group_alive(pgid: int) -> bool:
+    """A member of process group `pgid` is alive (zombies waiting for their reaper do not count)."""
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return any(_pgid(p) == pgid and _alive(p) for p in psutil.process_iter())
 
 
 def members(record: Record) -> list[psutil.Process]:

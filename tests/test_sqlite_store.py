@@ -553,6 +553,18 @@ def test_chat_continuity_survives_a_proxy_restart(tmp_path):
 
 # ------------------------------------------------------------------------------ writes off the request's path
 
+async def _loop_gaps(stop, gaps: list[float]) -> None:
+    """Appends the event loop's gaps between 5 ms ticks until `stop` is set (a blocked loop: a long gap)."""
+    import asyncio
+
+    last = time.monotonic()
+    while not stop.is_set():
+        await asyncio.sleep(0.005)
+        now = time.monotonic()
+        gaps.append(now - last)
+        last = now
+
+
 def _rows(db: Path) -> int:
     outside = sqlite3.connect(db)  # another connection: sees committed rows only
     try:
@@ -1116,14 +1128,6 @@ def test_the_loops_flush_never_waits_on_the_event_loop_for_another_processs_writ
     other = sqlite3.connect(db, isolation_level=None)
     gaps: list[float] = []
 
-    async def heartbeat(stop: asyncio.Event) -> None:
-        last = time.monotonic()
-        while not stop.is_set():
-            await asyncio.sleep(0.005)
-            now = time.monotonic()
-            gaps.append(now - last)
-            last = now
-
     async def until(condition, timeout: float = 10.0) -> bool:
         deadline = time.monotonic() + timeout
         while not condition() and time.monotonic() < deadline:
@@ -1132,7 +1136,7 @@ def test_the_loops_flush_never_waits_on_the_event_loop_for_another_processs_writ
 
     async def scenario():
         stop = asyncio.Event()
-        beat = asyncio.ensure_future(heartbeat(stop))
+        beat = asyncio.ensure_future(_loop_gaps(stop, gaps))
         other.execute("BEGIN IMMEDIATE")
         conv.put_turn(b"a" * 32, TurnRecord("L1"))
         started = time.monotonic()
@@ -1180,17 +1184,9 @@ def test_a_responses_put_or_delete_never_waits_on_the_event_loop_for_another_pro
     gaps: list[float] = []
     HOLD_S = 0.9
 
-    async def heartbeat(stop: asyncio.Event) -> None:
-        last = time.monotonic()
-        while not stop.is_set():
-            await asyncio.sleep(0.005)
-            now = time.monotonic()
-            gaps.append(now - last)
-            last = now
-
     async def scenario() -> tuple[float, float]:
         stop = asyncio.Event()
-        beat = asyncio.ensure_future(heartbeat(stop))
+        beat = asyncio.ensure_future(_loop_gaps(stop, gaps))
         await asyncio.sleep(0.05)
         other.execute("BEGIN IMMEDIATE")
         asyncio.get_running_loop().call_later(HOLD_S, other.execute, "ROLLBACK")
