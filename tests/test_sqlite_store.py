@@ -1167,9 +1167,10 @@ def test_the_loops_flush_never_waits_on_the_event_loop_for_another_processs_writ
 def test_a_responses_put_or_delete_never_waits_on_the_event_loop_for_another_processs_write_lock(db):
     """Another process holds the file's write lock (a `molctl state prune`, a sqlite3 shell in a
     transaction): a stored Response's put used to wait busy_timeout_s ON THE LOOP (every request and
-    /health stalled with it). Now the put on the loop does not wait: it is retried from a worker
-    thread, which waits; the Response is committed once the lock is free, before the call returns;
-    a delete runs in a worker thread too. The queued chat rows go with the put."""
+    /health stalled with it), and waiting from a worker thread instead still held the store's own
+    lock (the loop's next store call, a GET, stalled as long). Now no put or delete waits inside the
+    store: each is tried again while the loop runs; the Response is committed once the lock is
+    free, before the call returns. The queued chat rows go with the put."""
     import asyncio
 
     from molctl.proxy.conversations import TurnRecord
@@ -1184,6 +1185,11 @@ def test_a_responses_put_or_delete_never_waits_on_the_event_loop_for_another_pro
     gaps: list[float] = []
     HOLD_S = 0.9
 
+    async def reader(stop: asyncio.Event) -> None:  # the loop's other store calls meanwhile (a GET)
+        while not stop.is_set():
+            assert await proxy_store.get_response("tenant-a", "old") is not None
+            await asyncio.sleep(0.01)
+
     async def scenario() -> tuple[float, float]:
         stop = asyncio.Event()
         beat = asyncio.ensure_future(_loop_gaps(stop, gaps))
@@ -1191,9 +1197,16 @@ def test_a_responses_put_or_delete_never_waits_on_the_event_loop_for_another_pro
         other.execute("BEGIN IMMEDIATE")
         asyncio.get_running_loop().call_later(HOLD_S, other.execute, "ROLLBACK")
         conv.put_turn(b"t" * 32, TurnRecord("L1"))  # queued (a 5 s window): the put takes it along
+        reads = asyncio.ensure_future(reader(stop))
         t0 = time.monotonic()
         await proxy_store.put_response(record("new"))
         put_s = time.monotonic() - t0
+        other.execute("BEGIN IMMEDIATE")  # a large record (written from a worker thread) the same way
+        asyncio.get_running_loop().call_later(HOLD_S, other.execute, "ROLLBACK")
+        t0 = time.monotonic()
+        await proxy_store.put_response(record("big"), big=True)
+        big_s = time.monotonic() - t0
+        assert big_s >= HOLD_S * 0.9
         other.execute("BEGIN IMMEDIATE")
         asyncio.get_running_loop().call_later(HOLD_S, other.execute, "ROLLBACK")
         t0 = time.monotonic()
@@ -1201,6 +1214,7 @@ def test_a_responses_put_or_delete_never_waits_on_the_event_loop_for_another_pro
         delete_s = time.monotonic() - t0
         stop.set()
         await beat
+        await reads
         return put_s, delete_s
 
     try:
@@ -1211,7 +1225,7 @@ def test_a_responses_put_or_delete_never_waits_on_the_event_loop_for_another_pro
     assert max(gaps) < HOLD_S / 2, max(gaps)  # ...in a worker thread: the loop kept running
     outside = sqlite3.connect(db)
     try:
-        assert [r[0] for r in outside.execute("SELECT id FROM responses")] == ["new"]
+        assert sorted(r[0] for r in outside.execute("SELECT id FROM responses")) == ["big", "new"]
         assert outside.execute("SELECT route FROM turns").fetchall() == [("L1",)]  # committed with the put
     finally:
         outside.close()

@@ -36,8 +36,8 @@ DEFAULT_TTL_S = 30 * 24 * 3600  # as the OpenAI API keeps stored responses
 
 
 class StoreBusy(Exception):
-    """A put told not to wait (`wait=False`) found the store's write lock held by another process;
-    nothing was written (LocalResponses then puts from a worker thread, which waits)."""
+    """A put or delete told not to wait (`wait=False`) found the store's write lock held by another
+    process; nothing was written (LocalResponses tries again a little later)."""
 
 
 class ResponseStore(Protocol):
@@ -45,7 +45,7 @@ class ResponseStore(Protocol):
 
     def get_response(self, tenant: str, response_id: str) -> ResponseRecord | None: ...
 
-    def delete_response(self, tenant: str, response_id: str) -> bool: ...
+    def delete_response(self, tenant: str, response_id: str, wait: bool = True) -> bool: ...
 
     def stats(self) -> dict[str, int]: ...
 
@@ -70,6 +70,7 @@ class ProxyResponses(Protocol):
     def close(self) -> None: ...
 
 
+BUSY_RETRY_S = 0.02  # a write that found another process's write lock (StoreBusy) is tried again this much later
 BIG_RECORD = 64 * 1024  # text bytes of a record LocalResponses writes from a worker thread (~2 ms at 256 KiB on SQLite)
 MANY_MESSAGES = 200  # messages of a record written from a worker thread whatever their size
 
@@ -81,9 +82,10 @@ class LocalResponses:
     text bytes or MANY_MESSAGES messages: the JSON encoding and the write take milliseconds),
     which runs in a worker thread when the store's `slow_puts` says its put encodes and writes
     (SQLite; the memory store's put is a dict insert: no thread hop pays there). A slow store's
-    small put on the loop does not wait for another process's write lock (a `molctl state prune`, a
-    sqlite3 shell): it is retried from a worker thread, which waits for it; deletes always run there.
-    Nothing to be unavailable: `available()` returns at once."""
+    puts and deletes never wait for another process's write lock (a `molctl state prune`, a sqlite3
+    shell) inside the store, which would hold the store's own lock and stall the loop's other calls:
+    they are tried again while the loop runs (`_unless_busy`). Nothing to be unavailable:
+    `available()` returns at once."""
 
     def __init__(self, store: ResponseStore):
         self.store = store
@@ -101,20 +103,34 @@ class LocalResponses:
         messages = record["messages"]
         if not self._offload:
             self.store.put_response(record)
-        elif (big or len(messages) > MANY_MESSAGES or
-              sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)) > BIG_RECORD):
-            await asyncio.to_thread(self.store.put_response, record)
+            return
+        offload = (big or len(messages) > MANY_MESSAGES or
+                   sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)) > BIG_RECORD)
+        if offload:
+            await self._unless_busy(asyncio.to_thread, self.store.put_response, record, False)
         else:
-            try:  # on the loop, unless another process holds the file's write lock: then waited for in a thread
-                self.store.put_response(record, wait=False)
-            except StoreBusy:
-                await asyncio.to_thread(self.store.put_response, record)
+            await self._unless_busy(None, self.store.put_response, record, False)
 
     async def delete_response(self, tenant: str, response_id: str) -> bool:
-        """From a worker thread (a rare call; a write may wait for another process's write lock)."""
         if not self._offload:
             return self.store.delete_response(tenant, response_id)
-        return await asyncio.to_thread(self.store.delete_response, tenant, response_id)
+        return await self._unless_busy(None, self.store.delete_response, tenant, response_id, False)
+
+    async def _unless_busy(self, runner: Callable[..., Any] | None, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` (with wait=False among them), on the loop or through `runner` (asyncio.to_thread);
+        while another process holds the file's write lock (StoreBusy) it is tried again every
+        BUSY_RETRY_S, the loop free meanwhile, up to the store's busy_timeout_s (then StoreBusy: a 500).
+        No call waits for the lock while holding the store's own lock: the loop's other store calls
+        (the chat state's flush, a get) never queue behind it."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + getattr(self.store, "busy_timeout_s", 2.0)
+        while True:
+            try:
+                return await runner(fn, *args) if runner is not None else fn(*args)
+            except StoreBusy as exc:
+                if loop.time() >= deadline:
+                    raise StoreBusy(f"{exc} (waited {getattr(self.store, 'busy_timeout_s', 2.0):g} s)") from None
+            await asyncio.sleep(BUSY_RETRY_S)
 
     def stats(self) -> dict[str, int]:
         return self.store.stats()
@@ -159,7 +175,7 @@ class MemoryResponseStore:
                 return None
             return record
 
-    def delete_response(self, tenant: str, response_id: str) -> bool:
+    def delete_response(self, tenant: str, response_id: str, wait: bool = True) -> bool:  # noqa: ARG002 - never waits
         with self._lock:
             return self._items.pop((tenant, response_id), None) is not None
 

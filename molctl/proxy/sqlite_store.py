@@ -71,7 +71,7 @@ from typing import Any
 
 from molctl.errors import MolctlError
 from molctl.proxy.conversations import CallBinding, MemoryStore, TurnRecord
-from molctl.proxy.response_store import DEFAULT_TTL_S, MemoryResponseStore, ResponseRecord, StoreBusy
+from molctl.proxy.response_store import BUSY_RETRY_S, DEFAULT_TTL_S, MemoryResponseStore, ResponseRecord, StoreBusy
 
 log = logging.getLogger("molctl.proxy")
 
@@ -82,7 +82,6 @@ DEFAULT_MAX_ENTRIES = 100_000
 BUSY_TIMEOUT_S = 2.0  # how long a call waits for another process's write lock before "locked"
 PRUNE_EVERY_S = 60.0  # expired rows are deleted by a put at most this often (they are invisible anyway)
 LOSS_LOG_EVERY_S = 10.0  # lost chat-state rows: one warning at once, then at most one per this many seconds
-BUSY_RETRY_S = 0.02  # the loop's flush, finding the write lock held by another process, tries again this much later
 
 COLUMNS = ("tenant", "id", "created_at", "previous_response_id", "route")
 JSON_COLUMNS = ("messages", "input_items", "response")
@@ -385,9 +384,20 @@ class SqliteResponseStore:
         record.update((k, json.loads(v)) for k, v in zip(JSON_COLUMNS, row[5:8], strict=True))
         return record
 
-    def delete_response(self, tenant: str, response_id: str) -> bool:
+    def delete_response(self, tenant: str, response_id: str, wait: bool = True) -> bool:
+        """`wait=False`: as put_response's (StoreBusy at once when another process holds the write lock)."""
         with self._locked("delete"):
-            cur = self._conn.execute("DELETE FROM responses WHERE tenant = ? AND id = ?", (tenant, response_id))
+            conn = self._conn
+            if wait:
+                conn.execute("BEGIN IMMEDIATE")
+            elif not self._try_begin():
+                raise StoreBusy(f"response store {self.path}: another process holds the write lock")
+            try:
+                cur = conn.execute("DELETE FROM responses WHERE tenant = ? AND id = ?", (tenant, response_id))
+                conn.execute("COMMIT")
+            except BaseException:
+                _rollback(conn)
+                raise
             return cur.rowcount > 0
 
     def stats(self) -> dict[str, int]:
