@@ -51,6 +51,13 @@ def _add_tiny_b(host: Host) -> None:
     (host.profiles / "tiny-b.yaml").write_text(other)
 
 
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def _alive(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
@@ -421,11 +428,16 @@ def test_unknown_profile_names_are_errors(host):
 
 
 def test_a_second_ctrl_c_during_clean_up_says_what_may_still_run(host):
+    from molctl.stacks import component_url
+
     proc = host.start("up", "tiny", *host.args(env={"FAKE_STARTUP_DELAY": "60", "FAKE_IGNORE_TERM": "1"}))
     assert wait_for(lambda: "proxy" in host.records())
-    proxy_pid = host.records()["proxy"].pid
+    proxy = host.records()["proxy"]
+    # the proxy serving: `up` is past recording it (a Ctrl-C in that window has its own path: the
+    # fresh process is stopped where it was spawned, which is not what this test is about)
+    assert wait_for(lambda: _answers(component_url(proxy) + "/health"), timeout=30)
     proc.send_signal(signal.SIGINT)
-    assert wait_for(lambda: not _alive(proxy_pid))  # the clean-up stops the proxy first, then waits on the engine
+    assert wait_for(lambda: not _alive(proxy.pid))  # the clean-up stops the proxy first, then waits on the engine
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=30)
     assert exit_status(proc.returncode) == ExitStatus.INTERRUPTED, err
