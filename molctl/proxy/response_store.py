@@ -106,30 +106,28 @@ class LocalResponses:
             return
         offload = (big or len(messages) > MANY_MESSAGES or
                    sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)) > BIG_RECORD)
-        if offload:
-            await self._unless_busy(asyncio.to_thread, self.store.put_response, record, False)
-        else:
-            await self._unless_busy(None, self.store.put_response, record, False)
+        await self._unless_busy(offload, self.store.put_response, record, False)
 
     async def delete_response(self, tenant: str, response_id: str) -> bool:
         if not self._offload:
             return self.store.delete_response(tenant, response_id)
-        return await self._unless_busy(None, self.store.delete_response, tenant, response_id, False)
+        return await self._unless_busy(False, self.store.delete_response, tenant, response_id, False)
 
-    async def _unless_busy(self, runner: Callable[..., Any] | None, fn: Callable[..., Any], *args: Any) -> Any:
-        """`fn(*args)` (with wait=False among them), on the loop or through `runner` (asyncio.to_thread);
-        while another process holds the file's write lock (StoreBusy) it is tried again every
-        BUSY_RETRY_S, the loop free meanwhile, up to the store's busy_timeout_s (then StoreBusy: a 500).
-        No call waits for the lock while holding the store's own lock: the loop's other store calls
-        (the chat state's flush, a get) never queue behind it."""
+    async def _unless_busy(self, in_thread: bool, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` (with wait=False among them), on the loop or in a worker thread; while another
+        process holds the file's write lock (StoreBusy) it is tried again every BUSY_RETRY_S, the loop
+        free meanwhile, up to the store's busy_timeout_s (then StoreBusy: a 500). No call waits for
+        the lock while holding the store's own lock: the loop's other store calls (the chat state's
+        flush, a get) never queue behind it."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + getattr(self.store, "busy_timeout_s", 2.0)
+        patience = getattr(self.store, "busy_timeout_s", 2.0)
+        deadline = loop.time() + patience
         while True:
             try:
-                return await runner(fn, *args) if runner is not None else fn(*args)
+                return await asyncio.to_thread(fn, *args) if in_thread else fn(*args)
             except StoreBusy as exc:
                 if loop.time() >= deadline:
-                    raise StoreBusy(f"{exc} (waited {getattr(self.store, 'busy_timeout_s', 2.0):g} s)") from None
+                    raise StoreBusy(f"{exc} (waited {patience:g} s)") from None
             await asyncio.sleep(BUSY_RETRY_S)
 
     def stats(self) -> dict[str, int]:

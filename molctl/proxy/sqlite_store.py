@@ -321,8 +321,8 @@ class SqliteResponseStore:
     def put_response(self, record: ResponseRecord, wait: bool = True) -> None:
         """Committed before it returns (the proxy sends the response after it: readable at once,
         from any process). The chat rows queued so far go in the same transaction (one commit).
-        `wait=False` (a put on the event loop): another process's write lock is not waited for;
-        StoreBusy is raised at once, nothing written (the caller retries from a worker thread)."""
+        `wait=False` (the proxy's puts): another process's write lock is not waited for; StoreBusy
+        is raised at once, nothing written (LocalResponses tries again a little later)."""
         row = _row(record)
         turns: dict[bytes, tuple] = {}
         calls: dict[tuple[str, str], tuple] = {}
@@ -615,8 +615,8 @@ class SqliteResponseStore:
         since = now - self._loss_logged_at
         if since < LOSS_LOG_EVERY_S:
             return
-        what = f"{self._lost_unlogged} rows" + (f" in the last {since:.0f} s" if since != float("inf") and
-                                                lost != self._lost_unlogged else "")
+        # rows held back mean an earlier warning (the first loss is logged at once): `since` is finite
+        what = f"{self._lost_unlogged} rows" + ("" if lost == self._lost_unlogged else f" in the last {since:.0f} s")
         log.warning("conversation state not persisted (%s): %s", what, why)
         self._lost_unlogged, self._loss_logged_at = 0, now
 
