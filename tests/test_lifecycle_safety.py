@@ -437,7 +437,11 @@ def test_a_second_ctrl_c_during_clean_up_says_what_may_still_run(host):
     # fresh process is stopped where it was spawned, which is not what this test is about)
     assert wait_for(lambda: _answers(component_url(proxy) + "/health"), timeout=30)
     proc.send_signal(signal.SIGINT)
-    assert wait_for(lambda: not _alive(proxy.pid))  # the clean-up stops the proxy first, then waits on the engine
+    if not wait_for(lambda: not _alive(proxy.pid)):  # the clean-up stops the proxy first, then waits on the engine
+        proc.kill()
+        out, err = proc.communicate(timeout=30)
+        pytest.fail(f"the proxy (pid {proxy.pid}) still runs 15 s after up's Ctrl-C; up's output:\n{out}\n{err}\n"
+                    f"the proxy's log:\n{Path(proxy.log).read_text()[-2000:]}")
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=30)
     assert exit_status(proc.returncode) == ExitStatus.INTERRUPTED, err
