@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import pytest
@@ -8,6 +9,14 @@ from tests.helpers import CliResult, Molctl, free_port
 from tests.helpers import free_ports as _free_ports
 
 __all__ = ["CliResult", "free_port"]  # free_port: also imported from here by older test modules
+
+# A run started in the background by a non-interactive shell (`pytest ... &` in a script, some CI
+# runners) has SIGINT ignored, and an ignored signal stays ignored in every process it starts: each
+# molctl a test runs would ignore the Ctrl-C the tests send it (Python installs its KeyboardInterrupt
+# handler only where SIGINT is not ignored at start-up). A handler here is reset to the default in
+# every child at exec, so the children start as from a terminal whatever started pytest.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session", autouse=True)
