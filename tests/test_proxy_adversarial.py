@@ -9,6 +9,7 @@ import json
 import logging
 
 import httpx
+import pytest
 
 from molctl.engines import get_engine
 from tests.test_proxy import KEY, PUBLIC, TINY, keyfile, s, stack  # noqa: F401 - fixtures
@@ -77,3 +78,35 @@ def test_a_write_timeout_on_the_last_frame_is_a_dropped_client_not_an_internal_e
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert plans[0].record is None  # abandoned: nobody waits for its summary
     assert not app.orch.background  # and no summary hop was started
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses"])
+def test_a_client_that_leaves_mid_upload_is_a_disconnect_not_an_exception(path, caplog):
+    """A client that closed its connection halfway through its request body (found with a raw socket:
+    Content-Length 10, 2 bytes sent, closed) made the app raise CancelledError out of the ASGI call:
+    uvicorn logged "Exception in ASGI application" with a traceback for each such client."""
+    from molctl.proxy.app import ProxyApp
+
+    app = ProxyApp(TINY, get_engine("vllm"), "http://127.0.0.1:9", None)
+    sent: list[dict] = []
+
+    async def run():
+        messages = [{"type": "http.request", "body": b'{"model": ', "more_body": True}, {"type": "http.disconnect"}]
+
+        async def receive():
+            return messages.pop(0)
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": path, "headers": []}
+        await asyncio.wait_for(app(scope, receive, send), 5)
+
+    with caplog.at_level(logging.INFO, logger="molctl.proxy"):
+        asyncio.run(run())  # raised CancelledError
+    assert sent == []  # nobody to answer
+    assert app.counters.values["client_disconnects_total"] == 1
+    assert app.counters.values["internal_errors_total"] == 0
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    line = json.loads([r.getMessage() for r in caplog.records if r.name == "molctl.proxy.requests"][0])
+    assert line["status"] == 499 and line["client_disconnect"] is True

@@ -70,6 +70,10 @@ SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-
                (b"x-accel-buffering", b"no")]
 
 
+class ClientGone(Exception):
+    """The client disconnected before its request body was complete."""
+
+
 class ProxyApp:
     def __init__(self, profile: Profile, engine: Engine, upstream: str, keys: list[str] | None,
                  store: ConversationStore | None = None, sse_keepalive_s: float = 10.0, ready_cache_s: float = 1.0,
@@ -174,6 +178,9 @@ class ProxyApp:
         except ProxyError as exc:
             if not state["started"]:
                 await self._error(tracked, exc, rid)
+        except ClientGone:  # left while sending its body: nothing to answer, nothing to log but its line
+            self.counters.inc("client_disconnects_total")
+            state["disconnected"] = True
         except asyncio.CancelledError:
             raise
         except RecursionError:  # JSON the parser accepted (in a worker thread) but too deep to encode again
@@ -354,7 +361,7 @@ class ProxyApp:
                 while True:
                     message = await receive()
                     if message["type"] == "http.disconnect":
-                        raise asyncio.CancelledError
+                        raise ClientGone
                     body = message.get("body", b"")
                     size += len(body)
                     if size > MAX_BODY:
