@@ -110,3 +110,23 @@ def test_a_client_that_leaves_mid_upload_is_a_disconnect_not_an_exception(path, 
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     line = json.loads([r.getMessage() for r in caplog.records if r.name == "molctl.proxy.requests"][0])
     assert line["status"] == 499 and line["client_disconnect"] is True
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses"])
+def test_a_declared_body_over_the_limit_is_a_413_before_the_upload(s, path):
+    """A client that announced a 99 MB body with `Expect: 100-continue` got `100 Continue` (an
+    invitation to upload it) and its 413 only after 8 MiB had arrived. Found with a raw socket."""
+    import socket
+    from urllib.parse import urlsplit
+
+    url = urlsplit(s.proxy_url)
+    with socket.create_connection((url.hostname, url.port), timeout=30) as sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                     "Content-Type: application/json\r\nContent-Length: 99999999\r\nExpect: 100-continue\r\n\r\n".encode())
+        answer = b""
+        while data := sock.recv(65536):  # until the proxy closes the connection
+            answer += data
+    head, _, rest = answer.partition(b"\r\n\r\n")
+    assert head.split(b"\r\n")[0] == b"HTTP/1.1 413 Request Entity Too Large", answer[:200]
+    assert b"connection: close" in head.lower()
+    assert b'"code":"request_too_large"' in rest

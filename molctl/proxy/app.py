@@ -249,7 +249,7 @@ class ProxyApp:
             await self._chat(scope, receive, send, tenant, rid)
             return
         if path == "/v1/responses" and method == "POST":
-            await self._responses_create(receive, send, tenant, rid)
+            await self._responses_create(scope, receive, send, tenant, rid)
             return
         if path.startswith("/v1/responses/"):
             rest = path[len("/v1/responses/"):]
@@ -350,9 +350,13 @@ class ProxyApp:
             return False, f"{len(problems)} adapter(s) missing or misattached on the engine"
         return True, "engine ready"
 
-    async def _read_body(self, receive: Receive) -> bytes:
+    async def _read_body(self, scope: dict, receive: Receive) -> bytes:
         """The body; a client that sends nothing of it for `proxy.stream_write_timeout_s` gets a 408
-        (an admitted request holds a drain: a stalled upload must not hold it to its deadline)."""
+        (an admitted request holds a drain: a stalled upload must not hold it to its deadline). A
+        Content-Length over MAX_BODY is a 413 before any of it is read (no `100 Continue` is sent)."""
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit() and int(value) > MAX_BODY:
+                raise too_large(unread=True)
         chunks, size = [], 0
         idle_s = self.profile.proxy.stream_write_timeout_s
         loop = asyncio.get_running_loop()
@@ -365,8 +369,7 @@ class ProxyApp:
                     body = message.get("body", b"")
                     size += len(body)
                     if size > MAX_BODY:
-                        raise ProxyError(413, f"The request body exceeds {MAX_BODY} bytes.", "invalid_request_error",
-                                         "request_too_large")
+                        raise too_large()
                     chunks.append(body)
                     if not message.get("more_body"):
                         return b"".join(chunks)
@@ -387,7 +390,7 @@ class ProxyApp:
         REQUEST.get()["plan"] = plan
 
     async def _chat(self, scope: dict, receive: Receive, send: Send, tenant: str, rid: str) -> None:
-        raw = await self._read_body(receive)
+        raw = await self._read_body(scope, receive)
         plan = await asyncio.to_thread(self._plan, raw, tenant) if len(raw) > BIG_BODY else self._plan(raw, tenant)
         del raw
         self._track(plan, rid)
@@ -538,8 +541,8 @@ class ProxyApp:
         plan.include_usage = True  # the Response's usage
         return plan
 
-    async def _responses_create(self, receive: Receive, send: Send, tenant: str, rid: str) -> None:
-        raw = await self._read_body(receive)
+    async def _responses_create(self, scope: dict, receive: Receive, send: Send, tenant: str, rid: str) -> None:
+        raw = await self._read_body(scope, receive)
         big = len(raw) > BIG_BODY
         req = await asyncio.to_thread(self._responses_parse, raw) if big else self._responses_parse(raw)
         del raw
@@ -681,6 +684,12 @@ def request_line(rid: str, state: dict[str, Any], api: str, plan: Plan | None, t
 
 def _round4(value: float | None) -> float | None:
     return None if value is None else round(value, 4)
+
+
+def too_large(unread: bool = False) -> ProxyError:
+    """413; `unread`: the body was not read, so the connection is closed after the answer."""
+    return ProxyError(413, f"The request body exceeds {MAX_BODY} bytes.", "invalid_request_error", "request_too_large",
+                      headers={"connection": "close"} if unread else None)
 
 
 def internal_error(rid: str) -> ProxyError:
