@@ -272,6 +272,17 @@ def test_parameters_mapped_and_rejected(s):
     assert resp.status_code == 404 and resp.json()["error"]["code"] == "model_not_found"
 
 
+def test_metadata_has_openais_limits(s):
+    """metadata took keys and values of any length (a 10,000-character value was stored and echoed):
+    OpenAI's limits are 16 pairs, keys up to 64 characters, values up to 512. Found comparing the
+    accepted request shapes with the API's."""
+    assert create(s, input="x", metadata={"k" * 64: "v" * 512}).metadata == {"k" * 64: "v" * 512}
+    for metadata in ({"k" * 65: "v"}, {"k": "v" * 513}, {str(i): "v" for i in range(17)}, {"k": 1}):
+        with pytest.raises(openai.BadRequestError) as err:
+            create(s, input="x", metadata=metadata)
+        assert err.value.body["param"] == "metadata", metadata
+
+
 def test_length_finish_is_incomplete(s):
     s.config(answer_finish="length")
     r = create(s, input="[route:L2] long", max_output_tokens=16)

@@ -22,7 +22,8 @@ Choices, where the issue leaves room:
   accepted; any other value is a 400 naming it (there is no encrypted reasoning, no search).
 - `truncation` "disabled" or "auto" is accepted and echoed; the proxy never drops items itself
   (a conversation past the window is a `context_length_exceeded` 400 either way).
-- `user`, `safety_identifier`, `prompt_cache_key`, `metadata` are accepted and echoed.
+- `user`, `safety_identifier`, `prompt_cache_key`, `metadata` are accepted and echoed (`metadata`: OpenAI's
+  limits, at most 16 pairs, keys up to 64 characters, values up to 512).
 - A finish reason `length` gives `status: "incomplete"` with `incomplete_details.reason:
   "max_output_tokens"`; the engine's `abort`/`error` give `status: "failed"` (not stored).
 - An unknown, deleted, expired or another tenant's `previous_response_id` is a 404
@@ -286,8 +287,10 @@ def parse_request(body: Any, public_model: str) -> ResponsesRequest:
         raise invalid("'truncation' must be 'auto' or 'disabled'.", "truncation")
     metadata = body.get("metadata")
     if metadata is not None and (not isinstance(metadata, dict) or len(metadata) > 16
-                                 or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
-        raise invalid("'metadata' must be an object of at most 16 string values.", "metadata")
+                                 or not all(isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
+                                            for k, v in metadata.items())):
+        raise invalid("'metadata' must be an object of at most 16 pairs: string keys of up to 64 characters, "
+                      "string values of up to 512.", "metadata")
     include = body.get("include")
     logprobs = False
     if include is not None:
