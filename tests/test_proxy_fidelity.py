@@ -189,6 +189,17 @@ def test_malformed_bodies_are_json_400_naming_the_field(s, raw, param):
         assert param in err["message"]
 
 
+def test_a_null_stream_is_the_default_like_every_other_null_parameter(s):
+    """`"stream": null` was a 400 ("'stream' must be a boolean") while every other optional
+    parameter may be null, as in OpenAI's schema (`boolean or null`, default false) and vLLM's;
+    clients that serialise unset fields as null sent it. Found sending each parameter as null."""
+    r = httpx.post(url(s), headers=AUTH, json={"model": PUBLIC, "messages": [{"role": "user", "content": "x"}],
+                                               "stream": None, "stream_options": None})
+    assert r.status_code == 200, r.text
+    assert r.json()["object"] == "chat.completion"
+    assert s.log("answer")[-1]["payload"]["stream"] is False
+
+
 def test_an_unexpected_failure_is_a_json_500_with_a_request_id_logged_once(caplog):
     from molctl.proxy.app import ProxyApp
 

@@ -181,7 +181,7 @@ class Orchestrator:
         keys = ConversationKeys(tenant, messages)
         history = split_history(messages, keys.at, self.store.get_turn)
         opts = body.get("stream_options") or {}
-        return Plan(body=body, messages=messages, tenant=tenant, stream=body.get("stream", False),
+        return Plan(body=body, messages=messages, tenant=tenant, stream=bool(body.get("stream")),
                     include_usage=bool(opts.get("include_usage")), keys=keys, history=history,
                     big=len(messages) > BIG_MESSAGES)
 

@@ -246,7 +246,9 @@ def check_request(body: Any, public_model: str) -> None:
     n = body.get("n")
     if n is not None and n != 1:
         raise invalid("Only n=1 is supported.", "n")
-    stream = body.get("stream", False)
+    stream = body.get("stream")
+    if stream is None:  # null is the default, as in OpenAI's schema (boolean or null)
+        stream = False
     if not isinstance(stream, bool):
         raise invalid("'stream' must be a boolean.", "stream")
     opts = body.get("stream_options")
