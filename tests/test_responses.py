@@ -95,6 +95,14 @@ def test_input_items_paginated(s):
     assert httpx.get(f"{s.proxy_url}/v1/responses/{r.id}/input_items?limit=0", headers=AUTH).status_code == 400
 
 
+def test_input_items_with_the_sdks_include(s):
+    """input_items.list(id, include=[...]) was a 400 "Unrecognized query parameter: include[]": the
+    SDK sends arrays as `include[]=…`, the proxy knew only `include`. Found driving it with the SDK."""
+    r = create(s, input="[route:L2] hi", include=["message.output_text.logprobs"])
+    page = s.client.responses.input_items.list(r.id, include=["message.output_text.logprobs"])
+    assert [i.content[0].text for i in page.data] == ["[route:L2] hi"]
+
+
 # ------------------------------------------------------------------------ stream
 
 def test_stream_event_sequence(s):

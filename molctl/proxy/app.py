@@ -635,7 +635,7 @@ class ProxyApp:
     async def _responses_input_items(self, scope: dict, send: Send, tenant: str, response_id: str, rid: str) -> None:
         query = {k: v[-1] for k, v in parse_qs(scope.get("query_string", b"").decode("latin-1")).items()}
         for key in query:
-            if key not in ("limit", "order", "after", "include"):
+            if key not in ("limit", "order", "after", "include", "include[]"):  # the SDK sends include[]=…
                 raise invalid(f"Unrecognized query parameter: {key}", key)
         try:
             limit = int(query.get("limit", "20"))
