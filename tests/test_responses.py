@@ -103,6 +103,16 @@ def test_input_items_with_the_sdks_include(s):
     assert [i.content[0].text for i in page.data] == ["[route:L2] hi"]
 
 
+def test_retrieve_with_stream_is_a_400_not_an_empty_stream(s):
+    """responses.retrieve(id, stream=True) got the stored JSON object with a 200, which the SDK read
+    as an event stream with no event: the caller saw an empty, successful stream. Found with the SDK."""
+    r = create(s, input="[route:L2] hi")
+    with pytest.raises(openai.BadRequestError) as err:
+        s.client.responses.retrieve(r.id, stream=True)
+    assert err.value.body["param"] == "stream"
+    assert s.client.responses.retrieve(r.id).id == r.id
+
+
 # ------------------------------------------------------------------------ stream
 
 def test_stream_event_sequence(s):

@@ -257,6 +257,8 @@ class ProxyApp:
                 await self._responses_input_items(scope, send, tenant, rest[: -len("/input_items")], rid)
                 return
             if rest and "/" not in rest and method in ("GET", "DELETE"):
+                if method == "GET" and parse_qs(scope.get("query_string", b"").decode("latin-1")).get("stream", ["false"])[-1] != "false":
+                    raise invalid("Streaming a stored response (stream=true) is not supported.", "stream")
                 await self._responses_get(send, tenant, rest, rid, delete=method == "DELETE")
                 return
         raise ProxyError(404, f"Unknown endpoint: {method} {scope['path']}", "invalid_request_error", "not_found", "path")
