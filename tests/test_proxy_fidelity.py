@@ -200,6 +200,27 @@ def test_a_null_stream_is_the_default_like_every_other_null_parameter(s):
     assert s.log("answer")[-1]["payload"]["stream"] is False
 
 
+def test_n_true_is_not_n_1():
+    """`"n": true` passed as n=1 (True == 1 in Python); JSON's true is not a number."""
+    from molctl.proxy.errors import ProxyError
+    from molctl.proxy.validation import check_request
+
+    base = {"model": PUBLIC, "messages": [{"role": "user", "content": "x"}]}
+    check_request({**base, "n": 1}, PUBLIC)
+    with pytest.raises(ProxyError) as err:
+        check_request({**base, "n": True}, PUBLIC)
+    assert (err.value.status, err.value.param) == (400, "n")
+
+
+def test_a_long_path_or_model_id_is_not_echoed_whole(s):
+    """A 404 quoted the client's path or model id whole (10 KB tried): it is cut at 80 characters."""
+    for path in ("/v1/models/" + "m" * 10_000, "/v1/" + "x" * 10_000):
+        r = httpx.get(s.proxy_url + path, headers=AUTH)
+        assert r.status_code == 404 and len(r.text) < 400, (path[:20], len(r.text))
+        message = r.json()["error"]["message"]
+        assert "..." in message and len(message) < 200, message
+
+
 def test_an_unexpected_failure_is_a_json_500_with_a_request_id_logged_once(caplog):
     from molctl.proxy.app import ProxyApp
 

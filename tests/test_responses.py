@@ -113,6 +113,20 @@ def test_retrieve_with_stream_is_a_400_not_an_empty_stream(s):
     assert s.client.responses.retrieve(r.id).id == r.id
 
 
+def test_background_at_its_default_is_accepted_and_long_ids_are_cut(s):
+    """`background: false` (the default, sent by clients that send every field) was a 400 as an
+    unknown parameter; true stays a 400. A 10-100 KB id was quoted whole in the 404."""
+    assert create(s, input="[route:L2] hi", extra_body={"background": False}).status == "completed"
+    with pytest.raises(openai.BadRequestError) as err:
+        create(s, input="[route:L2] hi", extra_body={"background": True})
+    assert err.value.body["param"] == "background"
+    for call in (lambda: s.client.responses.retrieve("resp_" + "9" * 10_000),
+                 lambda: create(s, input="x", previous_response_id="resp_" + "9" * 100_000)):
+        with pytest.raises(openai.NotFoundError) as err:
+            call()
+        assert len(err.value.body["message"]) < 300
+
+
 # ------------------------------------------------------------------------ stream
 
 def test_stream_event_sequence(s):

@@ -48,7 +48,7 @@ from molctl.profiles import Profile
 from molctl.proxy import fastjson, responses
 from molctl.proxy.conversations import ConversationStore, MemoryStore
 from molctl.proxy.engine_client import EngineClient
-from molctl.proxy.errors import EngineUnavailable, ProxyError, invalid
+from molctl.proxy.errors import EngineUnavailable, ProxyError, invalid, shown
 from molctl.proxy.metrics import MetricsListener, ProxyMetrics, store_gauges
 from molctl.proxy.orchestrator import Orchestrator, Plan
 from molctl.proxy.response_store import MemoryResponseStore, ProxyResponses, ResponseStore, as_proxy_store
@@ -241,7 +241,7 @@ class ProxyApp:
         if path.startswith("/v1/models/") and method == "GET":
             model_id = path[len("/v1/models/"):]
             if model_id != self.profile.served_model_name:
-                raise ProxyError(404, f"The model '{model_id}' does not exist.", "invalid_request_error",
+                raise ProxyError(404, f"The model '{shown(model_id)}' does not exist.", "invalid_request_error",
                                  "model_not_found", "model")
             await self._json(send, 200, self._model)
             return
@@ -261,7 +261,7 @@ class ProxyApp:
                     raise invalid("Streaming a stored response (stream=true) is not supported.", "stream")
                 await self._responses_get(send, tenant, rest, rid, delete=method == "DELETE")
                 return
-        raise ProxyError(404, f"Unknown endpoint: {method} {scope['path']}", "invalid_request_error", "not_found", "path")
+        raise ProxyError(404, f"Unknown endpoint: {method} {shown(scope['path'])}", "invalid_request_error", "not_found", "path")
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:

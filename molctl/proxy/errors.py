@@ -21,6 +21,12 @@ class ProxyError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def shown(value: str, limit: int = 80) -> str:
+    """A client-given id or path as an error message quotes it: cut at `limit` characters (a
+    100 KB id is not echoed whole)."""
+    return value if len(value) <= limit else value[:limit] + "..."
+
+
 def invalid(message: str, param: str | None = None) -> ProxyError:
     return ProxyError(400, message, "invalid_request_error", "invalid_request_error", param)
 

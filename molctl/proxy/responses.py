@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from molctl.proxy.errors import ProxyError, invalid
+from molctl.proxy.errors import ProxyError, invalid, shown
 from molctl.proxy.validation import EFFORTS, check_function_def, check_model
 
 ECHOED = ("instructions", "max_output_tokens", "metadata", "parallel_tool_calls", "previous_response_id",
@@ -56,10 +56,10 @@ def not_found(response_id: str, param: str | None = None) -> ProxyError:
     if param == "previous_response_id":
         # Each stored response holds its whole conversation, so a chain never needs its earlier
         # responses; only the one named here must still be stored.
-        return ProxyError(404, f"Previous response with id '{response_id}' not found (deleted, created with "
+        return ProxyError(404, f"Previous response with id '{shown(response_id)}' not found (deleted, created with "
                           "store=false, or expired or evicted from the proxy's store).", "invalid_request_error",
                           "previous_response_not_found", "previous_response_id")
-    return ProxyError(404, f"Response with id '{response_id}' not found.", "invalid_request_error", "not_found")
+    return ProxyError(404, f"Response with id '{shown(response_id)}' not found.", "invalid_request_error", "not_found")
 
 
 @dataclass
@@ -230,6 +230,8 @@ def parse_request(body: Any, public_model: str) -> ResponsesRequest:
     if not isinstance(body, dict):
         raise invalid("The request body must be a JSON object.")
     for key in body:
+        if key == "background" and (body[key] is None or body[key] is False):  # the default: clients that send it
+            continue
         if key not in KNOWN:
             raise invalid(f"Unrecognized request argument supplied: {key}", key)
     check_model(body, public_model)

@@ -244,7 +244,7 @@ def check_request(body: Any, public_model: str) -> None:
             raise invalid(f"Unrecognized request argument supplied: {key}", key)
     check_messages(body.get("messages"))
     n = body.get("n")
-    if n is not None and n != 1:
+    if n is not None and (isinstance(n, bool) or n != 1):  # true == 1 in Python, not in JSON
         raise invalid("Only n=1 is supported.", "n")
     stream = body.get("stream")
     if stream is None:  # null is the default, as in OpenAI's schema (boolean or null)
