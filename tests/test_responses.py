@@ -127,6 +127,15 @@ def test_background_at_its_default_is_accepted_and_long_ids_are_cut(s):
         assert len(err.value.body["message"]) < 300
 
 
+def test_an_input_item_id_must_be_a_string(s):
+    """A non-string item id (5) was stored and echoed as it was by input_items."""
+    with pytest.raises(openai.BadRequestError) as err:
+        create(s, input=[{"type": "message", "role": "user", "content": "hi", "id": 5}])
+    assert err.value.body["param"] == "input[0].id"
+    r = create(s, input=[{"type": "message", "role": "user", "content": "[route:L2] hi", "id": "msg_mine"}])
+    assert [i.id for i in s.client.responses.input_items.list(r.id).data] == ["msg_mine"]
+
+
 # ------------------------------------------------------------------------ stream
 
 def test_stream_event_sequence(s):

@@ -129,6 +129,8 @@ def _convert_input(value: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any
         if not isinstance(item, dict):
             raise invalid(f"'{w}' must be an object.", w)
         kind = item.get("type", "message")
+        if item.get("id") is not None and not isinstance(item["id"], str):  # echoed by input_items, used by `after`
+            raise invalid(f"'{w}.id' must be a string.", f"{w}.id")
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
