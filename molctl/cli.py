@@ -105,7 +105,7 @@ SET_OPT = typer.Option([], "--set", metavar="KEY=VALUE",
 MODEL_ROOT_OPT = typer.Option(None, "--model-root",
                               help="Use this model root (base/ and loras/L0..L3) instead of the profile's model_root.")
 SKIP_OPT = typer.Option([], "--skip", metavar="CATEGORY",
-                        help="Skip a check category: engine, gpu, model, adapter, template, port, state, security, lock (repeatable).")
+                        help="Skip a check category: engine, gpu, model, adapter, template, port, state, security (repeatable).")
 
 
 def overrides_from(model_root: Optional[Path], sets: List[str]) -> list[tuple[str, object]]:
