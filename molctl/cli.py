@@ -415,6 +415,8 @@ def demo_init_cmd(
 
     if template not in TEMPLATES:
         raise UsageError(f"--template {template!r}: expected one of {', '.join(TEMPLATES)}")
+    if seed < 0:  # numpy's seeds are non-negative: a traceback (exit 1) after --force had deleted the model
+        raise UsageError(f"--seed {seed}: expected 0 or more")
     out = Output(as_json=json_)
     root = directory or load_profile("tiny", ctx.obj.dirs()).model_root
     result = init_tiny(root, seed=seed, force=force, if_missing=if_missing, template=template)
