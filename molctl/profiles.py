@@ -295,6 +295,8 @@ def load_yaml_with_lines(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ProfileError(f"{path}: cannot read profile: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:  # was a traceback from `profiles`, `check` and `up`
+        raise ProfileError(f"{path}: cannot read profile: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     try:
         node = yaml.compose(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     except yaml.YAMLError as exc:

@@ -229,3 +229,16 @@ def test_render_and_check_refuse_an_infinite_start_timeout(molctl):
         r = molctl(*args, "--set", "engine.start_timeout_s=.inf")
         assert r.exit_code == ExitStatus.CHECK_FAILED and "Traceback" not in r.stderr + r.stdout, r.stderr
         assert "engine.start_timeout_s" in r.stderr + r.stdout
+
+
+def test_a_profile_file_that_is_not_utf8_is_one_warning(molctl, tmp_path):
+    """A Latin-1 or binary NAME.yaml in a profiles folder was a UnicodeDecodeError traceback (exit 1)
+    from `profiles`, and from `check`/`up` of any name; now one line naming the file."""
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "latin.yaml").write_bytes("name: latin\ndescription: caf\xe9\n".encode("latin-1"))
+    listed = molctl("--profiles-dir", str(user), "profiles")
+    assert listed.exit_code == ExitStatus.CHECK_FAILED and "tiny" in listed.stdout, listed.stderr
+    assert f"molctl: warning: {user / 'latin.yaml'}: cannot read profile: not UTF-8 text" in listed.stderr
+    check = molctl("--profiles-dir", str(user), "check", "latin", "--json")
+    assert check.exit_code == ExitStatus.CHECK_FAILED and "not UTF-8" in check.json()["checks"][0]["detail"]
