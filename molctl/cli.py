@@ -61,7 +61,7 @@ def _version(value: bool) -> None:
 @app.callback()
 def _global(
     ctx: typer.Context,
-    state_dir: Optional[Path] = typer.Option(None, "--state-dir", envvar="MOLCTL_STATE_DIR",
+    state_dir: Optional[str] = typer.Option(None, "--state-dir", envvar="MOLCTL_STATE_DIR",
                                              help="State dir (records, logs, lock). "
                                                   "Default: $XDG_STATE_HOME/molctl or ~/.local/state/molctl."),
     profiles_dir: List[Path] = typer.Option([], "--profiles-dir", metavar="DIR",
@@ -69,7 +69,13 @@ def _global(
                                                  "MOLCTL_PROFILES_DIR (repeatable)."),
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
 ) -> None:
-    ctx.obj = Context(state_dir, profiles_dir)
+    if state_dir is not None and not state_dir.strip():
+        # `--state-dir "$UNSET"` was the current directory: up wrote its lock, records and logs there
+        from molctl.output import Output
+
+        Output().error("--state-dir '': expected a directory path (omit it for the default)")
+        raise typer.Exit(int(ExitStatus.USAGE))
+    ctx.obj = Context(Path(state_dir) if state_dir is not None else None, profiles_dir)
 
 
 def handle_errors(fn: Callable) -> Callable:
