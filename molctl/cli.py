@@ -61,7 +61,7 @@ def _version(value: bool) -> None:
 @app.callback()
 def _global(
     ctx: typer.Context,
-    state_dir: Optional[Path] = typer.Option(None, "--state-dir", envvar="MOLCTL_STATE_DIR",
+    state_dir: Optional[str] = typer.Option(None, "--state-dir", envvar="MOLCTL_STATE_DIR",
                                              help="State dir (records, logs, lock). "
                                                   "Default: $XDG_STATE_HOME/molctl or ~/.local/state/molctl."),
     profiles_dir: List[Path] = typer.Option([], "--profiles-dir", metavar="DIR",
@@ -69,7 +69,13 @@ def _global(
                                                  "MOLCTL_PROFILES_DIR (repeatable)."),
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
 ) -> None:
-    ctx.obj = Context(state_dir, profiles_dir)
+    if state_dir is not None and not state_dir.strip():
+        # `--state-dir "$UNSET"` was the current directory: up wrote its lock, records and logs there
+        from molctl.output import Output
+
+        Output().error("--state-dir '': expected a directory path (omit it for the default)")
+        raise typer.Exit(int(ExitStatus.USAGE))
+    ctx.obj = Context(Path(state_dir) if state_dir is not None else None, profiles_dir)
 
 
 def handle_errors(fn: Callable) -> Callable:
@@ -105,7 +111,7 @@ SET_OPT = typer.Option([], "--set", metavar="KEY=VALUE",
 MODEL_ROOT_OPT = typer.Option(None, "--model-root",
                               help="Use this model root (base/ and loras/L0..L3) instead of the profile's model_root.")
 SKIP_OPT = typer.Option([], "--skip", metavar="CATEGORY",
-                        help="Skip a check category: engine, gpu, model, adapter, template, port, state, security, lock (repeatable).")
+                        help="Skip a check category: engine, gpu, model, adapter, template, port, state, security (repeatable).")
 
 
 def overrides_from(model_root: Optional[Path], sets: List[str]) -> list[tuple[str, object]]:
@@ -415,6 +421,8 @@ def demo_init_cmd(
 
     if template not in TEMPLATES:
         raise UsageError(f"--template {template!r}: expected one of {', '.join(TEMPLATES)}")
+    if seed < 0:  # numpy's seeds are non-negative: a traceback (exit 1) after --force had deleted the model
+        raise UsageError(f"--seed {seed}: expected 0 or more")
     out = Output(as_json=json_)
     root = directory or load_profile("tiny", ctx.obj.dirs()).model_root
     result = init_tiny(root, seed=seed, force=force, if_missing=if_missing, template=template)

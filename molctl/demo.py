@@ -228,23 +228,32 @@ def init_tiny(root: Path, seed: int = 0, force: bool = False, if_missing: bool =
     _require()
     import numpy as np
 
-    if root.exists() and any(root.iterdir()):
-        if not force:
-            raise UsageError(f"{root} is not empty; use --force to replace it")
-        shutil.rmtree(root)
+    if root.exists() and any(root.iterdir()) and not force:
+        raise UsageError(f"{root} is not empty; use --force to replace it")
     tmp = root.with_name(root.name + ".tmp-init")
     shutil.rmtree(tmp, ignore_errors=True)
-    base = tmp / "base"
-    base.mkdir(parents=True)
-    rng = np.random.default_rng(seed)
-    vocab = _tokenizer(base)
-    (base / TEMPLATE_FILE).write_text(text, encoding="utf-8")
-    _write_base(base, vocab, rng)
-    for i, route in enumerate(ROUTES):
-        _write_adapter(tmp / "loras" / route, np.random.default_rng(seed * 100 + i + 1))
-    root.parent.mkdir(parents=True, exist_ok=True)
+    # the old model is replaced only once the new one is complete: a failure (a full disk, Ctrl-C)
+    # used to leave no model at all, as --force deleted it first
+    try:
+        base = tmp / "base"
+        base.mkdir(parents=True)
+        rng = np.random.default_rng(seed)
+        vocab = _tokenizer(base)
+        (base / TEMPLATE_FILE).write_text(text, encoding="utf-8")
+        _write_base(base, vocab, rng)
+        for i, route in enumerate(ROUTES):
+            _write_adapter(tmp / "loras" / route, np.random.default_rng(seed * 100 + i + 1))
+        root.parent.mkdir(parents=True, exist_ok=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if root.exists():
-        root.rmdir()
-    tmp.rename(root)
+        old = root.with_name(root.name + ".old-init")
+        shutil.rmtree(old, ignore_errors=True)
+        root.rename(old)
+        tmp.rename(root)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(root)
     return {"root": str(root), "created": True, "vocab_size": vocab, "seed": seed, "adapters": list(ROUTES),
             "template": template}

@@ -136,6 +136,10 @@ SCHEMA: dict[str, Any] = {
     },
 }
 
+MAX_GPUS = 1024
+NON_EMPTY = ("served_model_name", "base_model", "model_root",
+             "engine.served_name", "engine.host", "proxy.host")
+
 REQUIRED = {
     "name", "served_model_name", "base_model", "model_root", "engine.kind", "engine.version",
     "engine.port", "engine.served_name", "proxy.port", "prompts.identity", "prompts.route",
@@ -291,6 +295,8 @@ def load_yaml_with_lines(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ProfileError(f"{path}: cannot read profile: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:  # was a traceback from `profiles`, `check` and `up`
+        raise ProfileError(f"{path}: cannot read profile: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     try:
         node = yaml.compose(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     except yaml.YAMLError as exc:
@@ -421,6 +427,11 @@ class _Validator:
                         raise self.fail(sorted(missing)[0], "missing (required)")
 
 
+def _short(value: Any) -> str:
+    text = str(value)
+    return text if len(text) <= 20 else text[:20] + "..."
+
+
 def _env_str(value: Any) -> str:
     if isinstance(value, bool):
         return "1" if value else "0"
@@ -444,6 +455,11 @@ def build_profile(data: dict[str, Any], source: Path, lines: dict[str, int] | No
     apply_overrides(data, overrides)
     v = _Validator(source, lines or {}, {k for k, _ in overrides})
     v.walk(data, SCHEMA)
+    for key in NON_EMPTY:  # `--set served_model_name=$UNSET_VAR` gave a stack serving model ''
+        head, _, tail = key.partition(".")
+        value = data.get(head, {}).get(tail) if tail else data.get(head)
+        if isinstance(value, str) and not value.strip():
+            raise v.fail(key, "must not be empty")
 
     name = _checked_name(data["name"], expected_name, v)
     engine = _engine_spec(data["engine"], data["proxy"], v)
@@ -509,10 +525,12 @@ def _engine_spec(data: dict[str, Any], proxy: dict[str, Any], v: _Validator) -> 
     if problem:
         raise v.fail("engine.served_name", problem)
     _check_ports(eng, proxy, v)
-    if eng.get("gpus", 0) < 0:
-        raise v.fail("engine.gpus", "must be >= 0")
-    if eng.get("start_timeout_s", 1) <= 0:
-        raise v.fail("engine.start_timeout_s", "must be > 0")
+    if not 0 <= eng.get("gpus", 0) <= MAX_GPUS:  # a huge count made `check` raise or build a list for minutes
+        raise v.fail("engine.gpus", f"{_short(eng['gpus'])}: expected 0 to {MAX_GPUS}")
+    timeout = eng.get("start_timeout_s", 1)
+    # the range alone: NaN fails it (.inf and huge ints made `render` raise and `up` wait forever)
+    if not 0 < timeout <= 2 ** 53:
+        raise v.fail("engine.start_timeout_s", f"{_short(timeout)}: must be a finite number of seconds > 0")
     for flag in eng.get("args", {}):
         if flag.startswith("-") or not re.match(r"^[a-z0-9][a-z0-9-]*$", flag):
             raise v.fail(f"engine.args.{flag}", "flag names are written without dashes, e.g. max-model-len")

@@ -73,7 +73,18 @@ def _parse_record(text: str) -> Record:
     record = Record(**{k: v for k, v in data.items() if k in known})
     if not isinstance(record.pid, int) or not isinstance(record.pgid, int) or record.pid <= 0:
         raise ValueError("pid/pgid missing or not a positive integer")
+    # a field of another type made status and up raise (`"port": "x"`), or made up take the live
+    # stack for a stranger's and start a second one (`"start_ticks": "x"`)
+    for name, types in _FIELD_TYPES.items():
+        value = getattr(record, name)
+        if isinstance(value, bool) or not isinstance(value, types):
+            raise ValueError(f"field {name!r} is {type(value).__name__}")
     return record
+
+
+_FIELD_TYPES = {"component": str, "create_time": (int, float), "argv": list, "port": int, "log": str,
+                "started_at": (int, float), "extra": dict, "start_ticks": (int, type(None)),
+                "boot_id": (str, type(None)), "record_id": str, "host": str, "config": dict}
 
 
 def read_records_checked(state_dir: Path, profile: str) -> tuple[dict[str, Record], list[RecordProblem]]:
@@ -88,6 +99,9 @@ def read_records_checked(state_dir: Path, profile: str) -> tuple[dict[str, Recor
             continue
         except OSError as exc:
             problems.append(RecordProblem(component, path, exc.strerror or str(exc)))
+            continue
+        except UnicodeDecodeError as exc:  # garbage bytes: a traceback from status, up and down
+            problems.append(RecordProblem(component, path, f"corrupt (not UTF-8: {exc.reason} at byte {exc.start})"))
             continue
         try:
             out[component] = _parse_record(text)

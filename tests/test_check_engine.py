@@ -133,3 +133,19 @@ def test_sglang_flags_read_without_importing(venv_factory, state_dir):
     assert "--enable-magic" in checks["engine.flags"][1]
     report, checks = run_engine_check(state_dir, "venti-sglang", python, ("engine.version", "==0.5.23"))
     assert checks["engine.version"][0] == "fail"
+
+
+@pytest.mark.parametrize("content", ["[1, 2]", '{"version": "0.24.0", "flags": 5}', "null"])
+def test_a_damaged_engine_cache_file_is_probed_again(venv_factory, state_dir, content):
+    """A cache file of another JSON shape (a hand edit, another molctl's format) made `check` and
+    `up` end in a TypeError traceback; it is a cache miss like an unparsable one."""
+    python, site = venv_factory("vllm-cache")
+    if not (site / "vllm").exists():
+        fake_vllm(site, "0.24.0", profile_flags("tall"))
+    assert run_engine_check(state_dir, "tall", python)[0].ok
+    caches = list((state_dir / "cache").glob("engine-vllm-*.json"))
+    assert caches
+    for path in caches:
+        path.write_text(content)
+    report, checks = run_engine_check(state_dir, "tall", python)
+    assert report.ok and checks["engine.version"][0] == "pass", checks

@@ -208,3 +208,12 @@ def test_a_key_file_the_proxy_would_refuse_fails_the_check(run, tmp_path, conten
     key.chmod(0o600)
     report, checks = run(skip=("engine", "gpu", "model", "adapter", "port"), api_key_file=key)
     assert checks["security.api_key_file"][0] == "fail" and expected in checks["security.api_key_file"][1]
+
+
+@pytest.mark.parametrize("category", ["profile", "lock", "bogus"])
+def test_skip_of_an_unskippable_category_is_usage(molctl, category):
+    """`--skip profile` was accepted and ignored (exit 0), while `--help` offered `--skip lock`,
+    which was refused: the contract's list is engine gpu model adapter template port state security."""
+    r = molctl("check", "tiny", "--skip", category, "--skip", "engine", "--skip", "gpu")
+    assert r.exit_code == 2 and f"--skip {category!r}: expected one of engine, gpu" in r.stderr, r.stderr
+    assert "lock" not in molctl("check", "--help").stdout.split("--skip")[1].split("--")[0]

@@ -138,3 +138,29 @@ def test_a_non_empty_target_without_force_is_a_usage_error(molctl, tmp_path):
     r = molctl("demo", "init", str(tmp_path / "x"))
     assert r.exit_code == ExitStatus.USAGE and "is not empty; use --force" in r.stderr
     assert (tmp_path / "x" / "notes.txt").read_text() == "mine"
+
+
+def test_force_keeps_the_old_model_when_the_new_one_cannot_be_built(molctl, tmp_path, monkeypatch):
+    """`--force` deleted the old model before building the new one: `--seed -1` (a numpy
+    ValueError, a traceback, exit 1) or a full disk left no model and a half-built .tmp-init."""
+    import errno
+
+    from molctl import demo
+
+    root = tmp_path / "tiny"
+    assert molctl("demo", "init", str(root)).exit_code == ExitStatus.OK
+    before = digest(root)
+    bad = molctl("demo", "init", str(root), "--force", "--seed", "-1")
+    assert bad.exit_code == ExitStatus.USAGE and "--seed -1: expected 0 or more" in bad.stderr, bad.stderr
+    assert digest(root) == before
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(demo, "_write_adapter", full_disk)
+    r = molctl("demo", "init", str(root), "--force", "--seed", "3")
+    assert r.exit_code == ExitStatus.ERROR and "No space left on device" in r.stderr and "Traceback" not in r.stderr
+    assert digest(root) == before and sorted(p.name for p in tmp_path.iterdir() if p.name != "state") == ["tiny"]
+    monkeypatch.undo()
+    assert molctl("demo", "init", str(root), "--force", "--seed", "3").exit_code == ExitStatus.OK
+    assert digest(root) != before and sorted(p.name for p in tmp_path.iterdir() if p.name != "state") == ["tiny"]

@@ -348,6 +348,26 @@ def test_a_corrupt_record_is_reported_and_refused_without_force(host):
     assert gone([engine.pid]) and not (host.state / "tiny" / "engine.json").exists()
 
 
+
+def test_a_record_of_garbage_bytes_or_wrong_types_is_unreadable_not_a_traceback(host):
+    """Non-UTF-8 bytes made status, up and down raise UnicodeDecodeError (exit 1); `"port": "x"`
+    made status and up raise httpx.InvalidURL; `"start_ticks": "x"` made up stop the live stack
+    and start another. Each is an unreadable record: status says so, down and up refuse (exit 4)."""
+    assert host.up().exit_code == ExitStatus.OK
+    engine, proxy = host.records()["engine"], host.records()["proxy"]
+    path = host.state / "tiny" / "engine.json"
+    good = json.loads(path.read_text())
+    for content in (b"\xff\xfe{", *(json.dumps({**good, key: "x"}).encode() for key in ("port", "start_ticks"))):
+        path.write_bytes(content)
+        (stack,) = json.loads(host.molctl("status", "--json").stdout)["stacks"]
+        assert "unreadable" in stack["problems"][0], (content, stack)
+        for r in (host.molctl("down"), host.up()):
+            assert r.exit_code == ExitStatus.CONFLICT and "unreadable" in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert _alive(engine.pid) and _alive(proxy.pid)
+    f = host.molctl("down", "--force")
+    assert f.exit_code == ExitStatus.OK, f.stderr
+    assert gone([engine.pid]) and not path.exists()
+
 def _in_process(host: Host) -> Molctl:
     """The CLI in this process, so that a failure can be injected into it (monkeypatch)."""
     return Molctl(host.state, [host.profiles], in_process=True)

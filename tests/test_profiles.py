@@ -204,3 +204,41 @@ def test_admission_and_metrics_fields_are_validated(field, value, expected):
     assert f"proxy.{field}" in message and expected in message and "\n" not in message
     ok = load_profile("tiny", profile_dirs(), [("proxy.metrics_port", 9464), ("proxy.max_inflight", 4)])
     assert ok.proxy.metrics_port == 9464 and ok.proxy.metrics_host == "127.0.0.1" and ok.proxy.max_inflight == 4
+
+
+@pytest.mark.parametrize("key, value, expected", [
+    # YAML .nan/.inf and integers past a float: `render systemd` raised (ceil), `check` raised or
+    # spent minutes building range(gpus), `up` without --timeout would have waited forever
+    ("engine.start_timeout_s", float("nan"), "finite number of seconds > 0"),
+    ("engine.start_timeout_s", float("inf"), "finite number of seconds > 0"),
+    ("engine.start_timeout_s", 10 ** 400, "10000000000000000000...: must be a finite"),
+    ("engine.gpus", 10 ** 30, "expected 0 to 1024"), ("engine.gpus", 100_000_000, "expected 0 to 1024"),
+    # `--set served_model_name=$UNSET`: a stack serving the model '' (YAML reads an empty value as '')
+    ("served_model_name", "", "must not be empty"), ("base_model", " ", "must not be empty"),
+    ("engine.served_name", "", "must not be empty"), ("engine.host", "", "must not be empty"),
+    ("proxy.host", "", "must not be empty"), ("model_root", "", "must not be empty")])
+def test_numbers_and_names_out_of_range_are_one_line(key, value, expected):
+    with pytest.raises(ProfileError) as err:
+        load_profile("tiny", profile_dirs(), [(key, value)])
+    message = str(err.value)
+    assert f"(--set {key}): field '{key}'" in message and expected in message and "\n" not in message
+
+
+def test_render_and_check_refuse_an_infinite_start_timeout(molctl):
+    for args in (["render", "systemd", "tiny", "--allow-unauthenticated"], ["check", "tiny", "--skip", "engine"]):
+        r = molctl(*args, "--set", "engine.start_timeout_s=.inf")
+        assert r.exit_code == ExitStatus.CHECK_FAILED and "Traceback" not in r.stderr + r.stdout, r.stderr
+        assert "engine.start_timeout_s" in r.stderr + r.stdout
+
+
+def test_a_profile_file_that_is_not_utf8_is_one_warning(molctl, tmp_path):
+    """A Latin-1 or binary NAME.yaml in a profiles folder was a UnicodeDecodeError traceback (exit 1)
+    from `profiles`, and from `check`/`up` of any name; now one line naming the file."""
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "latin.yaml").write_bytes("name: latin\ndescription: caf\xe9\n".encode("latin-1"))
+    listed = molctl("--profiles-dir", str(user), "profiles")
+    assert listed.exit_code == ExitStatus.CHECK_FAILED and "tiny" in listed.stdout, listed.stderr
+    assert f"molctl: warning: {user / 'latin.yaml'}: cannot read profile: not UTF-8 text" in listed.stderr
+    check = molctl("--profiles-dir", str(user), "check", "latin", "--json")
+    assert check.exit_code == ExitStatus.CHECK_FAILED and "not UTF-8" in check.json()["checks"][0]["detail"]

@@ -70,3 +70,16 @@ def test_status_lists_a_stack_whose_up_is_in_its_preflight(state_dir):
     with StateLock(state_dir, "up", "tiny"):
         stacks = status(ctx, None)["stacks"]
     assert [(s["profile"], s["state"]) for s in stacks] == [("tiny", "starting")]
+
+
+@pytest.mark.parametrize("value", ["", " "])
+def test_an_empty_state_dir_option_is_usage_not_the_current_directory(tmp_path, monkeypatch, value):
+    """`--state-dir "$STATE"` with STATE unset was the current directory: check wrote cache/ there,
+    up its lock, records and logs. Now exit 2 and nothing written; an empty MOLCTL_STATE_DIR is unset."""
+    from tests.helpers import Molctl
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MOLCTL_STATE_DIR", raising=False)
+    r = Molctl(None, in_process=True)("--state-dir", value, "check", "tiny", "--skip", "engine", "--skip", "gpu")
+    assert r.exit_code == ExitStatus.USAGE and "--state-dir '': expected a directory path" in r.stderr, r.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -91,7 +91,7 @@ def probe_install_cached(engine: Engine, python: str, cache_dir: Path | None) ->
     try:
         data = json.loads(path.read_text())
         return EngineInstall(found=True, version=data["version"], flags=frozenset(data["flags"]))
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, TypeError):  # TypeError: a cache file of another shape (a traceback)
         pass
     install = engine.probe_install(python)
     if install.found and install.flags and not install.error:
