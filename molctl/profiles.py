@@ -273,8 +273,13 @@ class Profile:
 _SCALARS = yaml.constructor.SafeConstructor()
 
 
+MAX_VALUES = 100_000  # a profile holds ~100; YAML aliases of aliases expand exponentially ("billion laughs")
+
+
 def _construct(node: yaml.Node, path: str, lines: dict[str, int]) -> Any:
     lines[path] = node.start_mark.line + 1
+    if len(lines) > MAX_VALUES:  # one entry per value constructed (an alias's copies have their own paths)
+        raise ProfileError(f"more than {MAX_VALUES} values (aliases expanding?); a profile holds a few hundred", None)
     if isinstance(node, yaml.MappingNode):
         out: dict[str, Any] = {}
         for key_node, value_node in node.value:
@@ -466,6 +471,9 @@ def build_profile(data: dict[str, Any], source: Path, lines: dict[str, int] | No
     proxy = _proxy_spec(data["proxy"], v)
     prompts = _prompts(data["prompts"], v)
     adapters = _adapter_spec(data.get("adapters", {}), v)
+    shards = data.get("model", {}).get("shards")
+    if shards is not None and not 1 <= shards <= 100_000:  # the base's safetensors shard count
+        raise v.fail("model.shards", f"{_short(shards)}: expected a shard count from 1 to 100000")
     base = source.parent if source else Path.cwd()
     return Profile(
         name=name,
@@ -570,6 +578,9 @@ def _proxy_spec(data: dict[str, Any], v: _Validator) -> ProxySpec:
     # the range alone: NaN fails it, and math.isfinite would raise on an int too large for a float
     if isinstance(commit, bool) or not (isinstance(commit, (int, float)) and 0 <= commit <= 1000):
         raise v.fail("proxy.state_commit_ms", f"{commit}: expected a number of milliseconds from 0 to 1000")
+    wait = proxy.get("summary_wait_s", 5.0)
+    if not 0 <= wait <= 3600:  # NaN fails the range too; 0: the next turn never waits for a summary
+        raise v.fail("proxy.summary_wait_s", f"{_short(wait)}: expected seconds from 0 to 3600")
     if proxy.get("route_max_input_chars", 4000) < 200:
         raise v.fail("proxy.route_max_input_chars", "must be >= 200")
     if "store" in proxy:
@@ -614,6 +625,9 @@ def _adapter_spec(data: dict[str, Any], v: _Validator) -> AdapterSpec:
     adapters = dict(data)
     if adapters.get("rank_equals") is not None and adapters.get("rank_max") is not None:
         raise v.fail("adapters.rank_max", "set either rank_equals or rank_max, not both")
+    for key in ("rank_equals", "rank_max"):  # a LoRA rank is at least 1
+        if adapters.get(key) is not None and not 1 <= adapters[key] <= 2 ** 16:
+            raise v.fail(f"adapters.{key}", f"{_short(adapters[key])}: expected a LoRA rank from 1 to {2 ** 16}")
     return AdapterSpec(
         rank_equals=adapters.get("rank_equals"),
         rank_max=adapters.get("rank_max"),

@@ -216,7 +216,13 @@ def test_admission_and_metrics_fields_are_validated(field, value, expected):
     # `--set served_model_name=$UNSET`: a stack serving the model '' (YAML reads an empty value as '')
     ("served_model_name", "", "must not be empty"), ("base_model", " ", "must not be empty"),
     ("engine.served_name", "", "must not be empty"), ("engine.host", "", "must not be empty"),
-    ("proxy.host", "", "must not be empty"), ("model_root", "", "must not be empty")])
+    ("proxy.host", "", "must not be empty"), ("model_root", "", "must not be empty"),
+    # accepted before: what the proxy or the model check made of them was untested
+    ("proxy.summary_wait_s", float("nan"), "expected seconds from 0 to 3600"),
+    ("proxy.summary_wait_s", -1, "expected seconds from 0 to 3600"),
+    ("proxy.summary_wait_s", 10 ** 30, "expected seconds from 0 to 3600"),
+    ("model.shards", -2, "expected a shard count"), ("model.shards", 0, "expected a shard count"),
+    ("adapters.rank_equals", 0, "expected a LoRA rank"), ("adapters.rank_equals", -8, "expected a LoRA rank")])
 def test_numbers_and_names_out_of_range_are_one_line(key, value, expected):
     with pytest.raises(ProfileError) as err:
         load_profile("tiny", profile_dirs(), [(key, value)])
@@ -242,3 +248,16 @@ def test_a_profile_file_that_is_not_utf8_is_one_warning(molctl, tmp_path):
     assert f"molctl: warning: {user / 'latin.yaml'}: cannot read profile: not UTF-8 text" in listed.stderr
     check = molctl("--profiles-dir", str(user), "check", "latin", "--json")
     assert check.exit_code == ExitStatus.CHECK_FAILED and "not UTF-8" in check.json()["checks"][0]["detail"]
+
+
+def test_a_yaml_alias_bomb_is_one_line_not_a_hang(molctl, tmp_path):
+    """Aliases of aliases ("billion laughs") in a profiles folder held `molctl profiles` past 60 s,
+    using CPU and memory: construction stops at MAX_VALUES values with one line naming the file."""
+    user = tmp_path / "user"
+    user.mkdir()
+    levels = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    levels += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 9)]
+    (user / "bomb.yaml").write_text("name: bomb\n" + "\n".join(levels) + "\n")
+    listed = molctl("--profiles-dir", str(user), "profiles", timeout=60)
+    assert listed.exit_code == ExitStatus.CHECK_FAILED and "tiny" in listed.stdout, listed.stderr
+    assert f"{user / 'bomb.yaml'}: more than 100000 values" in listed.stderr, listed.stderr

@@ -66,7 +66,7 @@ def run_checks(profile, probes: Probes, skip: Iterable[str] = ()) -> Report:
     from molctl.checks import engine, host, lock, model, template
 
     skip = set(skip)
-    unknown = skip - set(CATEGORIES[1:])  # `profile` cannot be skipped (it was accepted and ignored)
+    unknown = skip - (set(CATEGORIES) - {"profile"})  # `profile` cannot be skipped (it was accepted and ignored)
     if unknown:
         from molctl.errors import UsageError
 
