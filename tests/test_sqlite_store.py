@@ -146,6 +146,19 @@ def test_corrupted_file_is_one_clear_line(db):
     assert "\n" not in message and str(db) in message and "not a database" in message
 
 
+def test_a_file_shorter_than_a_header_is_not_taken_for_an_empty_store(db):
+    """SQLite reads a 1-byte file as an empty database: the store wrote a new schema over it and
+    `state prune` exited 0 (found by the CLI review); an empty file is still a new store."""
+    for content in (b"x", b"\x00" * 99):
+        db.write_bytes(content)
+        with pytest.raises(StoreError) as err:
+            SqliteResponseStore(db)
+        assert "not a database" in str(err.value) and db.read_bytes() == content
+    db.write_bytes(b"")
+    SqliteResponseStore(db).close()
+    assert db.stat().st_size > 0
+
+
 def test_schema_version_mismatch_is_refused(db):
     SqliteResponseStore(db).close()
     conn = sqlite3.connect(db)

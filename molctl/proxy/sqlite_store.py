@@ -251,6 +251,10 @@ class SqliteResponseStore:
             if not create:
                 raise StoreError(f"response store {self.path}: no such file")
             self._create_file()
+        elif 0 < _size(self.path) < 100:  # shorter than SQLite's header: SQLite would take a 1-byte file for
+            # an empty database and write a new store over it (a 50-byte one is "not a database")
+            raise StoreError(f"response store {self.path}: {_size(self.path)} bytes, not a database "
+                             "(corrupted or not a molctl store: move it aside to start with an empty store)")
         try:
             self._conn = sqlite3.connect(str(self.path), timeout=busy_timeout_s, isolation_level=None,
                                          check_same_thread=False)
