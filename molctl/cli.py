@@ -75,6 +75,12 @@ def _global(
 
         Output().error("--state-dir '': expected a directory path (omit it for the default)")
         raise typer.Exit(int(ExitStatus.USAGE))
+    for folder in profiles_dir:  # a typo was silently ignored: the profile was then "unknown"
+        if not folder.expanduser().is_dir():
+            from molctl.output import Output
+
+            Output().error(f"--profiles-dir {folder}: not a directory")
+            raise typer.Exit(int(ExitStatus.USAGE))
     ctx.obj = Context(Path(state_dir) if state_dir is not None else None, profiles_dir)
 
 

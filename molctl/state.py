@@ -176,9 +176,13 @@ def remove_record(state_dir: Path, profile: str, component: str) -> None:
 
 
 def profiles_with_records(state_dir: Path) -> list[str]:
-    """Profiles with a record file (readable or not)."""
+    """Profiles with a record file (readable or not). A state dir that exists but is no directory
+    is an error (StateDirError): `status` and `down` said "nothing running" about it."""
     try:
         if not state_dir.is_dir():
+            if state_dir.exists():
+                raise StateDirError(f"state dir {state_dir} is not a directory "
+                                    "(choose another with --state-dir or MOLCTL_STATE_DIR)")
             return []
         return sorted(d.name for d in state_dir.iterdir()
                       if d.is_dir() and any(record_path(state_dir, d.name, c).exists() for c in COMPONENTS))

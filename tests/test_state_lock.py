@@ -83,3 +83,24 @@ def test_an_empty_state_dir_option_is_usage_not_the_current_directory(tmp_path, 
     r = Molctl(None, in_process=True)("--state-dir", value, "check", "tiny", "--skip", "engine", "--skip", "gpu")
     assert r.exit_code == ExitStatus.USAGE and "--state-dir '': expected a directory path" in r.stderr, r.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_state_dir_that_is_a_file_is_an_error_not_nothing_running(tmp_path):
+    """`status` and `down` said "nothing running" (exit 0) about a state dir that is a file."""
+    from tests.helpers import Molctl
+
+    state = tmp_path / "state"
+    state.write_text("not a folder")
+    for args in (["status"], ["down"]):
+        r = Molctl(state, in_process=True)(*args)
+        last = r.stderr.strip().splitlines()[-1]  # `down` warns first that it cannot take the state lock
+        assert r.exit_code == ExitStatus.ERROR and f"state dir {state} is not a directory" in last, (args, r.stderr)
+        assert "Traceback" not in r.stderr
+
+
+def test_a_profiles_dir_that_does_not_exist_is_usage(tmp_path):
+    """A misspelt --profiles-dir was ignored: the profile it holds was then an unknown name."""
+    from tests.helpers import Molctl
+
+    r = Molctl(tmp_path / "state", [tmp_path / "nope"], in_process=True)("profiles")
+    assert r.exit_code == ExitStatus.USAGE and f"--profiles-dir {tmp_path / 'nope'}: not a directory" in r.stderr
