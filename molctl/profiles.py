@@ -286,7 +286,7 @@ def _construct(node: yaml.Node, path: str, lines: dict[str, int]) -> Any:
             key = str(key_node.value) if isinstance(key_node, yaml.ScalarNode) else str(_SCALARS.construct_object(key_node, deep=True))
             child = f"{path}.{key}" if path else key
             if key in out:
-                raise ProfileError(f"duplicate key '{child}'", None)  # located by caller
+                raise ProfileError(f"line {key_node.start_mark.line + 1}: duplicate key '{child}'", None)  # file: by caller
             out[key] = _construct(value_node, child, lines)
         return out
     if isinstance(node, yaml.SequenceNode):

@@ -261,3 +261,14 @@ def test_a_yaml_alias_bomb_is_one_line_not_a_hang(molctl, tmp_path):
     listed = molctl("--profiles-dir", str(user), "profiles", timeout=60)
     assert listed.exit_code == ExitStatus.CHECK_FAILED and "tiny" in listed.stdout, listed.stderr
     assert f"{user / 'bomb.yaml'}: more than 100000 values" in listed.stderr, listed.stderr
+
+
+def test_a_duplicate_key_names_its_line(tmp_path):
+    """A duplicate key was reported without a line number."""
+    from molctl.profiles import load_yaml_with_lines
+
+    path = tmp_path / "dup.yaml"
+    path.write_text("name: dup\nengine:\n  port: 1\n  port: 2\n")
+    with pytest.raises(ProfileError) as err:
+        load_yaml_with_lines(path)
+    assert str(err.value) == f"{path}: line 4: duplicate key 'engine.port'"
