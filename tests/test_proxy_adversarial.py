@@ -224,3 +224,34 @@ def test_a_200_without_a_usable_choice_on_each_hop(bad, api, caplog):
         assert counters.values["internal_errors_total"] == 0
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
+
+def test_a_stream_choice_with_another_index_is_not_part_of_the_answer():
+    """The proxy asks the engine for one choice; a delta for choice 1 was appended to the answer
+    (and to what the client saw as choice 0). Found injecting stream events with unexpected shapes."""
+    from molctl.proxy.app import ProxyApp
+
+    frames = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+              {"choices": [{"index": 0, "delta": {"content": "hel"}}, {"index": 1, "delta": {"content": "OTHER"}}]},
+              {"choices": [{"index": 1, "delta": {"content": "MORE"}}]},
+              {"choices": [{"index": 0, "delta": {"content": "lo"}, "finish_reason": "stop"}]}]
+    stream = b"".join(b"data: " + json.dumps(f).encode() + b"\n\n" for f in frames) + b"data: [DONE]\n\n"
+
+    async def go():
+        server, url = await hop_engine({"answer": stream})
+        app = ProxyApp(TINY, get_engine("vllm"), url, None)
+        await app.startup()
+        try:
+            status, content = await asgi_post(app, "/v1/chat/completions", {
+                "model": PUBLIC, "stream": True, "messages": [{"role": "user", "content": "hi"}]})
+            await asyncio.gather(*app.orch.background)
+            return status, content, [v for _, (_, v, _) in app.orch.store._items.items()]
+        finally:
+            await app.shutdown()
+            server.close()
+            await asyncio.gather(*server.handlers)
+
+    status, content, _ = asyncio.run(go())
+    assert status == 200
+    text = "".join(c["delta"].get("content", "") for line in content.split(b"\n\n") if line.startswith(b"data: {")
+                   for c in json.loads(line[6:])["choices"])
+    assert text == "hello"

@@ -421,6 +421,8 @@ class Orchestrator:
                 if event.get("usage"):
                     usage = shaping.shape_usage(event["usage"])
                 for choice in event.get("choices") or []:
+                    if choice.get("index", 0) != 0:  # the proxy asks for one choice: another is not this answer
+                        continue
                     delta = shaping.shape_delta(choice.get("delta") or {})
                     if isinstance(delta.get("content"), str):
                         content.append(delta["content"])
