@@ -12,7 +12,7 @@ import math
 import pytest
 
 from molctl.proxy import fastjson
-from molctl.proxy.engine_client import EngineClient
+from molctl.proxy.engine_client import EngineClient, checked_completion
 from molctl.proxy.errors import EngineHTTPError, EngineUnavailable
 from tests.conftest import free_port
 from tests.procs import fake_engine_argv, running
@@ -366,3 +366,75 @@ def test_a_request_cancelled_after_the_client_closed_ends_cancelled():
                 await task
 
     run(go())
+
+
+def sse_answer(*frames: bytes) -> bytes:
+    body = b"".join(b"data: " + f + b"\n\n" for f in frames)
+    return b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+
+
+ROLE = b'{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}'
+STOP = b'{"choices": [{"index": 0, "delta": {"content": "!"}, "finish_reason": "stop"}]}'
+
+
+@pytest.mark.parametrize("frame", [
+    b"<html>oops</html>",  # not JSON
+    b'{"choices": [{"index": 0, "delta": {"content": "cut',  # a frame cut short
+    b"[1, 2]",  # JSON, not an object
+    b'{"choices": [null]}',
+    b'{"choices": {"index": 0}}',
+    b'{"choices": [{"index": 0, "delta": "text"}]}',
+    b'{"choices": [{"index": 0, "delta": {"content": 5}}]}',
+    b'{"choices": [{"index": 0, "delta": {"tool_calls": "f"}}]}',
+    b'{"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"name": 5}}]}}]}',
+    b'{"choices": [{"index": 0, "delta": {"tool_calls": [{"index": "a", "function": {"name": "f"}}]}}]}',
+    b'{"error": "boom"}',  # an error frame with a bare message
+])
+def test_a_malformed_stream_event_fails_the_stream(frame):
+    """A data frame that is not a JSON object was skipped (the answer went on without that piece,
+    and was recorded and summarised); an event whose choices or delta have the wrong types reached
+    the orchestrator and failed it with a TypeError/AttributeError (a 500 and a traceback). Both are
+    the engine's failure: EngineHTTPError inside the stream (a 502 engine_error, or an SSE error frame)."""
+    async def go():
+        server, url, _ = await scripted_server([sse_answer(ROLE, frame, STOP, b"[DONE]")])
+        async with server:
+            return await with_client(url, lambda c: _drain(c.chat_stream({**PAYLOAD, "stream": True}, "answer")))
+
+    with pytest.raises(EngineHTTPError) as err:
+        run(go())
+    assert err.value.in_stream and err.value.status in (500, 502)
+
+
+@pytest.mark.parametrize("frame", [
+    b'{"id": "x"}',  # no choices
+    b'{"choices": []}',
+    b'{"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}',
+    b'{"choices": [{"index": 0, "delta": null}]}',
+    b'{"choices": [{"index": 0, "delta": {"content": null, "tool_calls": null}}]}',
+])
+def test_events_without_a_delta_are_not_failures(frame):
+    async def go():
+        server, url, _ = await scripted_server([sse_answer(ROLE, frame, STOP, b"[DONE]")])
+        async with server:
+            return await with_client(url, lambda c: _drain(c.chat_stream({**PAYLOAD, "stream": True}, "answer")))
+
+    assert run(go()) == [json.loads(ROLE), json.loads(frame), json.loads(STOP)]
+
+
+async def _drain(stream) -> list:
+    return [event async for event in stream]
+
+
+@pytest.mark.parametrize("body", [
+    {}, {"choices": None}, {"choices": []}, {"choices": "abc"}, {"choices": {"0": {}}}, {"choices": [None]},
+    {"choices": [{"message": "hi"}]}, {"choices": [{"finish_reason": "stop"}]},
+    {"choices": [{"message": {"role": "assistant", "content": ["x"]}}]},
+    {"choices": [{"message": {"role": "assistant", "content": None, "tool_calls": "f"}}]},
+    {"choices": [{"message": {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": {}}}]}}]},
+])
+def test_a_completion_without_a_usable_choice_is_a_502(body):
+    with pytest.raises(EngineHTTPError) as err:
+        checked_completion(body)
+    assert err.value.status == 502 and not err.value.in_stream
+    good = {"choices": [{"message": {"role": "assistant", "content": "hi", "tool_calls": None}, "finish_reason": "stop"}]}
+    assert checked_completion(good) is good

@@ -85,15 +85,76 @@ def http_error(status: int, raw: bytes, headers: Any) -> EngineHTTPError:
 def error_frame(event: dict[str, Any]) -> EngineHTTPError | None:
     """vLLM ends a failing stream with `data: {"error": {...}}` then `[DONE]`
     (vllm/entrypoints/openai/chat_completion/serving.py, create_streaming_error_response);
-    older versions and SGLang send the error object flat (`"object": "error"`)."""
+    older versions and SGLang send the error object flat (`"object": "error"`); a bare
+    `{"error": "text"}` is an error too."""
     if isinstance(event.get("error"), dict):
         err = event["error"]
+    elif isinstance(event.get("error"), str):
+        err = {"message": event["error"]}
     elif event.get("object") == "error":
         err = event
     else:
         return None
     code = err.get("code")
     return EngineHTTPError(code if isinstance(code, int) and 400 <= code < 600 else 500, {"error": err}, in_stream=True)
+
+
+def _text(value: Any) -> bool:
+    return value is None or isinstance(value, str)
+
+
+TEXT_FIELDS = ("content", "reasoning_content", "reasoning", "refusal")
+
+
+def _bad_message(message: Any, streaming: bool) -> bool:
+    """A message (or a stream's delta) the proxy cannot shape: not an object, a text field that is
+    not a string, tool calls that are not a list of objects with string name/arguments (and, in a
+    stream, an integer index)."""
+    if not isinstance(message, dict) or not all(_text(message.get(k)) for k in TEXT_FIELDS):
+        return True
+    calls = message.get("tool_calls")
+    if calls is None:
+        return False
+    if not isinstance(calls, list):
+        return True
+    for call in calls:
+        if not isinstance(call, dict):
+            return True
+        index = call.get("index")
+        if streaming and index is not None and (not isinstance(index, int) or isinstance(index, bool)):
+            return True
+        fn = call.get("function")
+        if fn is not None and (not isinstance(fn, dict) or not _text(fn.get("name")) or not _text(fn.get("arguments"))):
+            return True
+    return False
+
+
+def checked_completion(body: dict[str, Any]) -> dict[str, Any]:
+    """A 200 chat completion the proxy can use (its first choice holds a message it can shape);
+    else EngineHTTPError 502: no choice, or a malformed one, is the engine's failure."""
+    choices = body.get("choices")
+    if not isinstance(choices, list) or not choices:
+        raise EngineHTTPError(502, "the engine answered 200 without a choice")
+    if not isinstance(choices[0], dict) or _bad_message(choices[0].get("message"), False):
+        raise EngineHTTPError(502, "the engine answered 200 with a malformed choice")
+    return body
+
+
+def event_problem(event: dict[str, Any]) -> str | None:
+    """Why a stream event is unusable, or None. No `choices` (a usage-only event) is fine, as is
+    a null delta; choices that are not a list of objects, or a malformed delta, are not."""
+    choices = event.get("choices")
+    if choices is None:
+        return None
+    if not isinstance(choices, list):
+        return "choices that are not a list"
+    for choice in choices:
+        if not isinstance(choice, dict):
+            return "a choice that is not an object"
+        delta = choice.get("delta")
+        if delta is not None and _bad_message(delta, True):
+            return "a malformed delta"
+    return None
 
 
 READ_HIGH_WATER = 1 << 20  # a stream's unread bytes above this pause reading from the engine
@@ -507,12 +568,15 @@ class EngineClient:
                 try:
                     event = fastjson.loads(event_data)
                 except ValueError:
-                    continue
-                if not isinstance(event, dict):
-                    continue
+                    event = None
+                if not isinstance(event, dict):  # a lost or cut frame: the answer would be missing a piece
+                    raise EngineHTTPError(502, "the engine sent a stream event that is not a JSON object", in_stream=True)
                 failure = error_frame(event)
                 if failure is not None:
                     raise failure
+                problem = event_problem(event)
+                if problem is not None:
+                    raise EngineHTTPError(502, f"the engine sent a stream event with {problem}", in_stream=True)
                 yield event
             if data_lines and b"\n".join(data_lines) == b"[DONE]":
                 return

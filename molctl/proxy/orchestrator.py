@@ -58,7 +58,7 @@ from molctl.proxy.conversations import (
     text_of,
     tool_calls_of,
 )
-from molctl.proxy.engine_client import ENGINE, EngineClient
+from molctl.proxy.engine_client import ENGINE, EngineClient, checked_completion
 from molctl.proxy.errors import EngineHTTPError, EngineUnavailable, from_engine, overloaded
 from molctl.proxy.validation import PASSTHROUGH, check_request
 from molctl.proxy.views import History, own_view, parse_label, route_input, route_messages, split_history, summary_messages
@@ -294,7 +294,7 @@ class Orchestrator:
 
     async def _route_hop(self, plan: Plan, payload: dict[str, Any]) -> dict[str, Any]:
         async with self.admission.routes.slot(plan.tenant):
-            return await self.client.chat(payload, "route", request_id=plan.request_id)
+            return checked_completion(await self.client.chat(payload, "route", request_id=plan.request_id))
 
     # ---------------------------------------------------------------- answer
     async def _admit(self, plan: Plan) -> None:
@@ -379,7 +379,7 @@ class Orchestrator:
         await self._admit(plan)
         start = time.monotonic()
         try:
-            body = await self.client.chat(payload, "answer", big=plan.big, request_id=plan.request_id)
+            body = checked_completion(await self.client.chat(payload, "answer", big=plan.big, request_id=plan.request_id))
         except (EngineHTTPError, EngineUnavailable) as exc:
             self._engine_error(exc)
             raise from_engine(exc, self.engine_names, self.public) from None
@@ -421,6 +421,8 @@ class Orchestrator:
                 if event.get("usage"):
                     usage = shaping.shape_usage(event["usage"])
                 for choice in event.get("choices") or []:
+                    if choice.get("index", 0) != 0:  # the proxy asks for one choice: another is not this answer
+                        continue
                     delta = shaping.shape_delta(choice.get("delta") or {})
                     if isinstance(delta.get("content"), str):
                         content.append(delta["content"])
@@ -530,8 +532,8 @@ class Orchestrator:
                 for attempt in range(2):
                     try:
                         start = time.monotonic()
-                        body = await self.client.chat(payload, "summary", timeout=self.summary_timeout_s, big=big,
-                                                      request_id=request_id)
+                        body = checked_completion(await self.client.chat(payload, "summary", timeout=self.summary_timeout_s,
+                                                                         big=big, request_id=request_id))
                         self.counters.observe("hop_seconds", time.monotonic() - start, hop="summary", adapter=record.route)
                         msg = ((body.get("choices") or [{}])[0]).get("message") or {}
                         reasoning = msg.get("reasoning_content") or msg.get("reasoning") or ""
