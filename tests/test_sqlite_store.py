@@ -1287,3 +1287,39 @@ def test_a_flush_failing_every_window_warns_once_then_at_most_every_10_s(db, cap
     lines = [r.getMessage() for r in caplog.records if "not persisted" in r.getMessage()]
     assert len(lines) == 3 and "(3 rows since the last warning)" in lines[2], lines
     assert store.conv_write_errors == 54
+
+
+def test_a_store_fault_during_a_request_is_a_500_and_one_log_line_not_a_traceback(tmp_path):
+    """Another process holds the file's write lock past busy_timeout_s (a long `molctl state
+    prune`; a full disk fails the same way): the contract's 500 naming the request id, streamed or
+    not. It used to be logged as a bug (log.exception: a traceback per request) for an external
+    fault the store had already put in one line. Found holding the lock beside a live proxy."""
+    import httpx
+
+    from tests.procs import fake_engine_argv, running
+
+    state, engine_port, port = tmp_path / "state", free_port(), free_port()
+    engine, url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{port}"
+    argv = [sys.executable, "-m", "molctl", "--state-dir", str(state), "proxy", "tiny", "--upstream", engine,
+            "--port", str(port), "--allow-unauthenticated"]
+    model = load_profile("tiny", profile_dirs()).served_model_name
+    log = tmp_path / "proxy.log"
+    with running(fake_engine_argv(engine_port), engine + "/health"), running(argv, url + "/health", log=log):
+        other = sqlite3.connect(store_path(state, "tiny"), isolation_level=None)
+        other.execute("BEGIN IMMEDIATE")
+        try:
+            plain = httpx.post(url + "/v1/responses", json={"model": model, "input": "hi"}, timeout=30)
+            with httpx.stream("POST", url + "/v1/responses", json={"model": model, "input": "hi", "stream": True},
+                              timeout=30) as streamed:
+                events = "".join(streamed.iter_text())
+        finally:
+            other.execute("ROLLBACK")
+            other.close()
+        assert httpx.get(url + "/v1/models", timeout=10).status_code in (200, 401)
+    assert plain.status_code == 500 and plain.json()["error"]["code"] == "proxy_error"
+    assert plain.headers["x-request-id"] in plain.json()["error"]["message"]
+    assert "proxy_error" in events and streamed.headers["x-request-id"] in events
+    text = log.read_text()
+    assert "Traceback" not in text, text[-3000:]
+    faults = [ln for ln in text.splitlines() if "failed: response store" in ln and "write lock" in ln]
+    assert len(faults) == 2 and all(str(store_path(state, "tiny")) in ln for ln in faults), faults

@@ -51,7 +51,8 @@ from molctl.proxy.engine_client import EngineClient
 from molctl.proxy.errors import EngineUnavailable, ProxyError, invalid, shown
 from molctl.proxy.metrics import MetricsListener, ProxyMetrics, store_gauges
 from molctl.proxy.orchestrator import Orchestrator, Plan
-from molctl.proxy.response_store import MemoryResponseStore, ProxyResponses, ResponseStore, as_proxy_store
+from molctl.proxy.response_store import MemoryResponseStore, ProxyResponses, ResponseStore, StoreBusy, as_proxy_store
+from molctl.proxy.sqlite_store import StoreError
 from molctl.proxy.validation import parse_body
 
 log = logging.getLogger("molctl.proxy")
@@ -186,6 +187,11 @@ class ProxyApp:
         except RecursionError:  # JSON the parser accepted (in a worker thread) but too deep to encode again
             if not state["started"]:
                 await self._error(tracked, invalid("The body is nested too deeply to be a chat request."), rid)
+        except (StoreError, StoreBusy) as exc:  # an external fault (a full disk, another process's lock): one line
+            self.counters.inc("internal_errors_total")
+            log.warning("request %s failed: %s", rid, exc)
+            if not state["started"]:
+                await self._error(tracked, internal_error(rid), rid)
         except Exception:  # a bug: logged once, answered in the OpenAI error shape
             self.counters.inc("internal_errors_total")
             log.exception("request %s failed", rid)
@@ -490,11 +496,14 @@ class ProxyApp:
             log.warning("request %s: stream client read nothing for %.0f s; dropped", rid, write_timeout)
             self.orch.abandon(plan)
             return
-        except Exception:
+        except Exception as exc:
             if not started:
                 raise  # answered as a JSON 500 by __call__
             self.counters.inc("internal_errors_total")
-            log.exception("request %s: stream failed", rid)
+            if isinstance(exc, (StoreError, StoreBusy)):  # an external fault: one line (see __call__)
+                log.warning("request %s: stream failed: %s", rid, exc)
+            else:
+                log.exception("request %s: stream failed", rid)
             failure = internal_error(rid)
         finally:
             if pending is not None:
