@@ -1323,3 +1323,34 @@ def test_a_store_fault_during_a_request_is_a_500_and_one_log_line_not_a_tracebac
     assert "Traceback" not in text, text[-3000:]
     faults = [ln for ln in text.splitlines() if "failed: response store" in ln and "write lock" in ln]
     assert len(faults) == 2 and all(str(store_path(state, "tiny")) in ln for ln in faults), faults
+
+
+def test_a_put_never_evicts_its_own_record_nor_every_other_one_for_a_record_over_max_bytes(db):
+    """Eviction is oldest created_at first. After the clock stepped back (NTP) the record being put
+    was the "oldest": at the entry cap the put evicted it at once, and the client got an id that was
+    already a 404. A record larger than max_bytes on its own evicted every other tenant's records and
+    then itself (the whole store emptied by one request). Now the record being put is never its own
+    put's victim, and one over max_bytes is refused (StoreError: a 500) with nothing evicted. Found
+    putting records with an injected clock."""
+    clock = Clock()
+    store = SqliteResponseStore(db, max_entries=3, clock=clock)
+    for i in range(3):
+        clock.t += 1
+        store.put_response(record(f"resp_{i}", created_at=clock.t))
+    clock.t -= 3600
+    store.put_response(record("after_the_step", created_at=clock.t))
+    assert store.get_response("tenant-a", "after_the_step") is not None
+    assert store.stats()["responses"] == 3 and store.get_response("tenant-a", "resp_0") is None
+    store.close()
+
+    db.unlink()
+    one = len(json.dumps(record("x", text="y" * 1000)))
+    store = SqliteResponseStore(db, max_bytes=one * 3, clock=clock)
+    for i in range(2):
+        store.put_response(record(f"other_{i}", tenant="tenant-b", created_at=clock.t, text="y" * 1000))
+    with pytest.raises(StoreError, match="over proxy.store_max_bytes") as err:
+        store.put_response(record("huge", created_at=clock.t, text="y" * (one * 4)))
+    assert str(db) in str(err.value) and "\n" not in str(err.value)
+    assert [store.get_response("tenant-b", f"other_{i}") is not None for i in range(2)] == [True, True]
+    assert store.get_response("tenant-a", "huge") is None and store.stats()["responses_evicted"] == 0
+    store.close()

@@ -328,6 +328,9 @@ class SqliteResponseStore:
         `wait=False` (the proxy's puts): another process's write lock is not waited for; StoreBusy
         is raised at once, nothing written (LocalResponses tries again a little later)."""
         row = _row(record)
+        if row[-1] > self.max_bytes:  # evicting every other record could not make room: nothing is evicted
+            raise StoreError(f"response store {self.path}: a record of {row[-1]} bytes is over proxy.store_max_bytes "
+                             f"({self.max_bytes}): not stored")
         turns: dict[bytes, tuple] = {}
         calls: dict[tuple[str, str], tuple] = {}
         try:
@@ -342,13 +345,13 @@ class SqliteResponseStore:
                     raise StoreBusy(f"response store {self.path}: another process holds the write lock")
                 try:
                     conn.execute("DELETE FROM responses WHERE tenant = ? AND id = ?", (row[0], row[1]))
-                    conn.execute("INSERT INTO responses (tenant, id, created_at, previous_response_id, route, messages, "
-                                 "input_items, response, extra, size) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
+                    new = conn.execute("INSERT INTO responses (tenant, id, created_at, previous_response_id, route, messages, "
+                                       "input_items, response, extra, size) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", row).lastrowid
                     now = self.clock()
                     if now - self._last_prune >= PRUNE_EVERY_S:
                         self._expire_group("responses", now)
                         self._last_prune = now
-                    self._evict_group("responses")
+                    self._evict_group("responses", keep=new)
                     if turns or calls:
                         self._insert_rows(turns, calls, now)
                     conn.execute("COMMIT")
@@ -680,8 +683,10 @@ class SqliteResponseStore:
             self._conn.execute("UPDATE meta SET value = value + ? WHERE key = ?", (n, prefix + "expired"))
         return n
 
-    def _evict_group(self, group: str) -> int:
-        """Oldest first (time, then insertion order) across the group's tables until both caps hold."""
+    def _evict_group(self, group: str, keep: int | None = None) -> int:
+        """Oldest first (time, then insertion order) across the group's tables until both caps hold;
+        never the response of rowid `keep` (the one being put: its id goes to the client, and after
+        the clock stepped back it is the "oldest")."""
         prefix, tables = self._GROUPS[group]
         meta = dict(self._conn.execute("SELECT key, value FROM meta WHERE key IN (?, ?)", (prefix + "rows", prefix + "bytes")))
         over_rows = meta[prefix + "rows"] - self.max_entries
@@ -693,6 +698,8 @@ class SqliteResponseStore:
         for table, rowid, size, _ in self._conn.execute(union + " ORDER BY 4, 2"):
             if over_rows <= 0 and over_bytes <= 0:
                 break
+            if rowid == keep and table == "responses":
+                continue
             victims[table].append(rowid)
             over_rows -= 1
             over_bytes -= size
