@@ -933,3 +933,25 @@ def test_round_trips_of_a_chained_responses_request_and_a_chat_turn(relayed):
     messages += [{"role": "assistant", "content": reply.choices[0].message.content}, {"role": "user", "content": "[route:L3] next"}]
     _, trips = trips_of(lambda: client.chat.completions.create(model=PUBLIC, messages=messages))
     assert trips == [["mget"], ["turn pending"]]
+
+
+def test_the_count_cap_never_evicts_the_record_being_written(redis, r):
+    """The index is ordered by the writing replica's clock: a replica whose clock stepped back (NTP)
+    or lags its peers wrote the "oldest" entry, and at the cap its own write evicted it at once: the
+    client got an id that was already a 404. Found with an injected clock at the cap (as the SQLite
+    store's put). The write's own key is never its victim; the cap still holds."""
+    async def main():
+        now = [time.time()]
+        st = state(redis, max_entries=3, clock=lambda: now[0])
+        store = RedisResponseStore(st)
+        for i in range(3):
+            now[0] += 1
+            await store.put_response(record(f"resp_{i}", created_at=now[0]))
+        now[0] -= 3600
+        await store.put_response(record("after_the_step", created_at=now[0]))
+        found = [await store.get_response("t1", rid) is not None for rid in ("resp_0", "resp_1", "resp_2", "after_the_step")]
+        await st.close()
+        return found
+
+    assert asyncio.run(main()) == [False, True, True, True]
+    assert r.zcard("molctl:{tiny}:idx:r") == 3 and int(r.hget("molctl:{tiny}:stats", "r_evicted")) == 1

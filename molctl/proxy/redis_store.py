@@ -105,10 +105,14 @@ local function trim(key, idx, stats, a)
   local over = redis.call('ZCARD', idx) - cap
   if over <= 0 then return 0 end
   if over > EVICT_BATCH then over = EVICT_BATCH end
-  local victims = redis.call('ZRANGE', idx, 0, over - 1)
-  for _, v in ipairs(victims) do redis.call('DEL', v); redis.call('ZREM', idx, v) end
-  redis.call('HINCRBY', stats, a[5], #victims)
-  return #victims
+  -- one more than needed: the key being written is never its own write's victim (a replica whose
+  -- clock stepped back or lags its peers writes the lowest score)
+  local victims, n = redis.call('ZRANGE', idx, 0, over), 0
+  for _, v in ipairs(victims) do
+    if n < over and v ~= key then redis.call('DEL', v); redis.call('ZREM', idx, v); n = n + 1 end
+  end
+  redis.call('HINCRBY', stats, a[5], n)
+  return n
 end
 """.replace("EVICT_BATCH", str(EVICT_BATCH))
 # a turn: never lower its rank (pending 0 < summary|failed 1 < stale 2); returns the stored JSON
