@@ -366,7 +366,8 @@ def test_a_record_of_garbage_bytes_or_wrong_types_is_unreadable_not_a_traceback(
         assert _alive(engine.pid) and _alive(proxy.pid)
     f = host.molctl("down", "--force")
     assert f.exit_code == ExitStatus.OK, f.stderr
-    assert gone([engine.pid]) and not path.exists()
+    assert gone([engine.pid, proxy.pid]) and not path.exists()
+
 
 def _in_process(host: Host) -> Molctl:
     """The CLI in this process, so that a failure can be injected into it (monkeypatch)."""

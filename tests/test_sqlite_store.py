@@ -116,6 +116,20 @@ def test_ttl_expired_invisible_then_pruned(db):
     store.close()
 
 
+def test_expiry_goes_on_after_the_clock_stepped_back(db):
+    """After the clock stepped back (NTP, a VM restored) `now - last pass` stayed negative and the
+    automatic expiry pass stopped until the clock caught up with the last pass (here 10 days)."""
+    clock = Clock()
+    store = SqliteResponseStore(db, ttl_s=DAY, clock=clock)
+    store.put_response(record("resp_a", created_at=clock.t))
+    clock.t -= 10 * DAY
+    store.put_response(record("resp_b", created_at=clock.t))
+    clock.t += 2 * DAY  # resp_b is 2 days old: expired; still 8 days before the first pass
+    store.put_response(record("resp_c", created_at=clock.t))
+    assert store.stats()["responses_expired"] == 1
+    store.close()
+
+
 def test_eviction_oldest_first_by_count_and_bytes(db):
     clock = Clock()
     store = SqliteResponseStore(db, max_entries=3, clock=clock)

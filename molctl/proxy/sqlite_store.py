@@ -348,7 +348,7 @@ class SqliteResponseStore:
                     new = conn.execute("INSERT INTO responses (tenant, id, created_at, previous_response_id, route, messages, "
                                        "input_items, response, extra, size) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", row).lastrowid
                     now = self.clock()
-                    if now - self._last_prune >= PRUNE_EVERY_S:
+                    if not 0 <= now - self._last_prune < PRUNE_EVERY_S:  # also after the clock stepped back
                         self._expire_group("responses", now)
                         self._last_prune = now
                     self._evict_group("responses", keep=new)
@@ -572,7 +572,7 @@ class SqliteResponseStore:
             conn.executemany("DELETE FROM calls WHERE tenant = ? AND call_id = ?", calls.keys())
             conn.executemany("INSERT INTO calls (tenant, call_id, stamp, route, name, arguments, size) "
                              "VALUES (?, ?, ?, ?, ?, ?, ?)", ((*k, now, *v) for k, v in calls.items()))
-        if now - self._last_conv_prune >= PRUNE_EVERY_S:
+        if not 0 <= now - self._last_conv_prune < PRUNE_EVERY_S:  # also after the clock stepped back
             self._expire_group("conversations", now)
             self._last_conv_prune = now
         self._evict_group("conversations")
