@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import struct
 
 import pytest
 
@@ -194,3 +196,37 @@ def test_human_output_has_table_and_verdict(molctl, tmp_path, free_ports):
     assert result.exit_code == ExitStatus.CHECK_FAILED
     assert "model.config" in result.stdout and "FAIL" in result.stdout
     assert result.stdout.strip().splitlines()[-1].startswith("FAILED: profile tall would not start")
+
+
+def _entry(shape, offsets, dtype="F32"):
+    return {"dtype": dtype, "shape": shape, "data_offsets": offsets}
+
+
+HOSTILE_HEADERS = {  # header bytes -> what the model.headers detail says (data: 8 zero bytes after the header)
+    "deeply nested": (b"[" * 100_000 + b"]" * 100_000, "not valid JSON"),
+    "5000-digit integer": (b'{"x": {"dtype": "F32", "shape": [' + b"9" * 5000 + b'], "data_offsets": [0, 8]}}',
+                           "not valid JSON"),
+    "UTF-16": ("{}".encode("utf-16"), "not valid JSON"),
+    "overlapping tensors": (json.dumps({"a": _entry([2], [0, 8]), "b": _entry([2], [0, 8])}).encode(), "overlaps"),
+    "a gap before the data": (json.dumps({"a": _entry([1], [4, 8])}).encode(), "gap"),
+    "negative dimensions": (json.dumps({"a": _entry([-1, -2], [0, 8])}).encode(), "malformed entry"),
+    "float dimension": (json.dumps({"a": _entry([2.0], [0, 8])}).encode(), "malformed entry"),
+    "__metadata__ a list": (json.dumps({"__metadata__": [1], "a": _entry([2], [0, 8])}).encode(), "__metadata__"),
+    "__metadata__ a string": (json.dumps({"__metadata__": "x", "a": _entry([2], [0, 8])}).encode(), "__metadata__"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_HEADERS))
+def test_hostile_shard_header_is_a_failing_headers_check(check, tmp_path, case):
+    """Crafted headers: a nested or huge-number header was a traceback (RecursionError, ValueError),
+    the others passed although the safetensors loader rejects them."""
+    raw, expected = HOSTILE_HEADERS[case]
+    layout = tall_layout(tmp_path / "m")
+    shard = layout.shards[3]
+    layout.write_index({"weight_map": {k: v for k, v in layout.index()["weight_map"].items() if v != shard.name}
+                        | {"a": shard.name, "b": shard.name, "x": shard.name}})
+    shard.write_bytes(struct.pack("<Q", len(raw)) + raw + b"\0" * 8)
+    code, report = check("tall", tmp_path / "m")
+    assert code == ExitStatus.CHECK_FAILED
+    detail = failures(report)["model.headers"]
+    assert shard.name in detail and expected in detail and "\n" not in detail
