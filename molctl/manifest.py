@@ -191,7 +191,7 @@ def _read_json_object(path: Path) -> dict[str, Any]:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ManifestError(f"{path} is missing") from None
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deep
         raise ManifestError(f"{path}: {exc.strerror if isinstance(exc, OSError) and exc.strerror else exc}") from None
     if not isinstance(data, dict):
         raise ManifestError(f"{path} is not a JSON object")
@@ -460,7 +460,7 @@ def read(path: Path) -> dict[str, Any]:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ManifestError(f"manifest {path} does not exist") from None
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deep
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
         raise ManifestError(f"manifest {path} cannot be read: {why}") from None
     if not isinstance(data, dict) or data.get("kind") != KIND or data.get("format") != FORMAT:
@@ -508,8 +508,8 @@ def _shape_problem(m: dict[str, Any]) -> str | None:
 
 
 def _inside(name: str) -> bool:
-    """A relative path that stays inside its folder (no `/etc/passwd`, no `../x`)."""
-    return bool(name) and not os.path.isabs(name) and os.path.normpath(name).split(os.sep)[0] != ".."
+    """A relative path that stays inside its folder (no `/etc/passwd`, no `../x`; no NUL, which no path holds)."""
+    return bool(name) and "\0" not in name and not os.path.isabs(name) and os.path.normpath(name).split(os.sep)[0] != ".."
 
 
 def lock(profile: Profile, state_dir: Path, output: Path | None = None, jobs: int | None = None,

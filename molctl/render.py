@@ -445,6 +445,11 @@ def render_systemd(name: str, dirs: list[Path], opts: RenderOptions, warnings: l
         "[Install]",
         "WantedBy=multi-user.target",
     ]
+    for line in (*engine_lines, *proxy_lines):  # a line break would end the directive and start another one
+        at = min((i for i in (line.find("\n"), line.find("\r")) if i >= 0), default=-1)
+        if at >= 0:
+            raise UsageError(f"systemd: {line.split('=', 1)[0]}= would hold a line break (which would start another "
+                             f"directive), at ...{line[max(0, at - 60):at + 60]!r}...")
     return {engine_unit: "\n".join(engine_lines) + "\n", proxy_unit: "\n".join(proxy_lines) + "\n"}
 
 

@@ -58,31 +58,54 @@ def read_header(path: Path) -> SafetensorsHeader:
             raise HeaderError(f"header length {n} does not fit in the file ({size} bytes)")
         raw = fh.read(n)
     try:
-        obj = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        # decoded as UTF-8 here: json.loads(bytes) would also take UTF-16/32, which the format forbids;
+        # RecursionError (a deeply nested header) and ValueError (an integer of 5000 digits) are malformed headers too
+        obj = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:
         raise HeaderError(f"header is not valid JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise HeaderError("header is not a JSON object")
-    metadata = obj.pop("__metadata__", None) or {}
+    metadata = obj.pop("__metadata__", None)
+    if metadata is None:
+        metadata = {}
+    elif not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise HeaderError(f"__metadata__ is {_clip(metadata)}, expected an object of strings")
     widths, prod = DTYPE_BYTES, math.prod
     max_end = 0
+    spans = []
     for name, info in obj.items():
         try:
             width = widths[info["dtype"]]
             begin, end = info["data_offsets"]
-            expected = prod(info["shape"]) * width
+            shape = info["shape"]
+            if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
+                raise ValueError(shape)
+            expected = prod(shape) * width
         except (KeyError, TypeError, ValueError):
-            raise HeaderError(f"tensor {name!r}: malformed entry {info!r}") from None
+            raise HeaderError(f"tensor {name!r}: malformed entry {_clip(info)}") from None
         if info["dtype"] == "F4":
-            expected = (prod(info["shape"]) + 1) // 2
+            expected = (prod(shape) + 1) // 2
         if type(begin) is not int or type(end) is not int or begin < 0 or end - begin != expected:
             raise HeaderError(f"tensor {name!r}: data_offsets [{begin}, {end}] do not match {info['dtype']} {info['shape']}")
         if end > max_end:
             max_end = end
+        spans.append((begin, end, name))
     data_end = 8 + n + max_end
     if data_end > size:
         raise HeaderError(f"truncated: tensor data ends at byte {data_end} but the file has {size} bytes")
+    at = 0
+    for begin, end, name in sorted(spans):  # the loader (safetensors' validate) wants the spans back to back from 0
+        if begin != at:
+            what = "overlaps the tensor before it" if begin < at else f"leaves a gap (bytes {at}..{begin} belong to no tensor)"
+            raise HeaderError(f"tensor {name!r}: data_offsets [{begin}, {end}] {what}")
+        at = end
     return SafetensorsHeader(obj, metadata, 8 + n, size, data_end)
+
+
+def _clip(value: Any, limit: int = 200) -> str:
+    """repr of a header value for a one-line message (a hostile entry can be megabytes)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def write_file(path: Path, tensors: dict[str, tuple[str, tuple[int, ...]]], data: dict[str, bytes] | None = None,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import struct
 
 import pytest
 
@@ -194,3 +196,101 @@ def test_human_output_has_table_and_verdict(molctl, tmp_path, free_ports):
     assert result.exit_code == ExitStatus.CHECK_FAILED
     assert "model.config" in result.stdout and "FAIL" in result.stdout
     assert result.stdout.strip().splitlines()[-1].startswith("FAILED: profile tall would not start")
+
+
+def _entry(shape, offsets, dtype="F32"):
+    return {"dtype": dtype, "shape": shape, "data_offsets": offsets}
+
+
+HOSTILE_HEADERS = {  # header bytes -> what the model.headers detail says (data: 8 zero bytes after the header)
+    "deeply nested": (b"[" * 100_000 + b"]" * 100_000, "not valid JSON"),
+    "5000-digit integer": (b'{"x": {"dtype": "F32", "shape": [' + b"9" * 5000 + b'], "data_offsets": [0, 8]}}',
+                           "not valid JSON"),
+    "UTF-16": ("{}".encode("utf-16"), "not valid JSON"),
+    "overlapping tensors": (json.dumps({"a": _entry([2], [0, 8]), "b": _entry([2], [0, 8])}).encode(), "overlaps"),
+    "a gap before the data": (json.dumps({"a": _entry([1], [4, 8])}).encode(), "gap"),
+    "negative dimensions": (json.dumps({"a": _entry([-1, -2], [0, 8])}).encode(), "malformed entry"),
+    "float dimension": (json.dumps({"a": _entry([2.0], [0, 8])}).encode(), "malformed entry"),
+    "__metadata__ a list": (json.dumps({"__metadata__": [1], "a": _entry([2], [0, 8])}).encode(), "__metadata__"),
+    "__metadata__ a string": (json.dumps({"__metadata__": "x", "a": _entry([2], [0, 8])}).encode(), "__metadata__"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_HEADERS))
+def test_hostile_shard_header_is_a_failing_headers_check(check, tmp_path, case):
+    """Crafted headers: a nested or huge-number header was a traceback (RecursionError, ValueError),
+    the others passed although the safetensors loader rejects them."""
+    raw, expected = HOSTILE_HEADERS[case]
+    layout = tall_layout(tmp_path / "m")
+    shard = layout.shards[3]
+    layout.write_index({"weight_map": {k: v for k, v in layout.index()["weight_map"].items() if v != shard.name}
+                        | {"a": shard.name, "b": shard.name, "x": shard.name}})
+    shard.write_bytes(struct.pack("<Q", len(raw)) + raw + b"\0" * 8)
+    code, report = check("tall", tmp_path / "m")
+    assert code == ExitStatus.CHECK_FAILED
+    detail = failures(report)["model.headers"]
+    assert shard.name in detail and expected in detail and "\n" not in detail
+
+
+@pytest.mark.parametrize("shard", [["a"], 5, "../../outside.safetensors", "/etc/hostname"])
+def test_index_assigning_a_tensor_to_a_non_name_or_a_path_out_of_base_fails(check, tmp_path, shard):
+    """A list or a number as a shard was a traceback (unhashable / unorderable); a path out of base/
+    was opened and its header read (`/etc/hostname`)."""
+    layout = tall_layout(tmp_path / "m")
+    (tmp_path / "outside.safetensors").write_bytes((tmp_path / "m" / "base" / layout.shards[0].name).read_bytes())
+    index = layout.index()
+    index["weight_map"]["extra.weight"] = shard
+    layout.write_index(index)
+    code, report = check("tall", tmp_path / "m")
+    assert code == ExitStatus.CHECK_FAILED
+    detail = failures(report)["model.index"]
+    assert "extra.weight" in detail and repr(shard) in detail and "inside" in detail
+
+
+def test_shard_reached_through_a_symlinked_folder_out_of_base_fails(check, tmp_path):
+    layout = tall_layout(tmp_path / "m")
+    (tmp_path / "elsewhere").mkdir()
+    layout.shards[0].rename(tmp_path / "elsewhere" / layout.shards[0].name)
+    (layout.base / "sub").symlink_to(tmp_path / "elsewhere")
+    index = layout.index()
+    index["weight_map"] = {k: (f"sub/{v}" if v == layout.shards[0].name else v) for k, v in index["weight_map"].items()}
+    layout.write_index(index)
+    code, report = check("tall", tmp_path / "m")
+    assert code == ExitStatus.CHECK_FAILED
+    assert "outside" in failures(report)["model.shards"] and layout.shards[0].name in failures(report)["model.shards"]
+
+
+@pytest.mark.parametrize("where,check_id", [("base/model.safetensors.index.json", "model.index"),
+                                            ("base/config.json", "model.config"),
+                                            ("loras/L2/adapter_config.json", "adapter.L2.config")])
+@pytest.mark.parametrize("text", ["[" * 100_000, "9" * 5000])
+def test_json_nested_too_deep_or_with_a_huge_number_fails_the_check(check, tmp_path, where, check_id, text):
+    """Was a traceback: RecursionError / ValueError (int max str digits) escaped the JSON loader."""
+    tall_layout(tmp_path / "m")
+    (tmp_path / "m" / where).write_text(text)
+    code, report = check("tall", tmp_path / "m")
+    assert code == ExitStatus.CHECK_FAILED
+    assert where in failures(report)[check_id] and "not valid JSON" in failures(report)[check_id]
+
+
+@pytest.mark.parametrize("targets", [{"q_proj": 1}, 5, ["q_proj", 7]])
+def test_adapter_target_modules_of_the_wrong_type_fails(check, tmp_path, targets):
+    """A dict passed silently, a number was a traceback (iterating an int)."""
+    layout = tall_layout(tmp_path / "m")
+    cfg = layout.adapter_config("L1")
+    cfg["target_modules"] = targets
+    layout.write_adapter_config("L1", cfg)
+    code, report = check("tall", tmp_path / "m")
+    assert code == ExitStatus.CHECK_FAILED
+    assert "target_modules is" in failures(report)["adapter.L1.targets"]
+
+
+def test_adapter_base_with_a_nul_byte_fails_as_another_base(check, tmp_path):
+    """Was a traceback: Path.resolve() raises ValueError on an embedded NUL."""
+    layout = tall_layout(tmp_path / "m")
+    cfg = layout.adapter_config("L1")
+    cfg["base_model_name_or_path"] = "a\0b"
+    layout.write_adapter_config("L1", cfg)
+    code, report = check("tall", tmp_path / "m")
+    assert code == ExitStatus.CHECK_FAILED
+    assert "base_model_name_or_path" in failures(report)["adapter.L1.base"]

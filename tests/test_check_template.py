@@ -206,3 +206,32 @@ def test_demo_templates_pass_for_every_profile(tmp_path, name):
     for profile in ("tiny", "tall", "venti", "venti-sglang"):
         r = results(profile_for(lay.root, profile))
         assert r["template.render"].status == "pass", (profile, r["template.render"].detail)
+
+
+@pytest.mark.parametrize("text, expected", [
+    # nested loops of the sandbox's largest range: 10**10 iterations, rendering for hours
+    pytest.param("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "still rendering after",
+                 id="nested-loops"),
+    pytest.param("{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}", "renders more than",
+                 id="100-MB-in-chunks"),
+    pytest.param("{{ 'x' * 10**10 }}", "repeated 10000000000 times", id="10-GB-string"),  # folded at compile time before
+    pytest.param("{{ 'x' | center(10**10) }}", "a width of 10000000000", id="center-filter"),
+    pytest.param("{{ 'x'.ljust(10**10) }}", "a width of 10000000000", id="ljust-method"),
+    pytest.param("{{ 10 ** 100000000 }}", "too large to compute", id="huge-power"),
+])
+def test_a_template_that_loops_or_renders_enormous_output_fails_bounded(tmp_path, monkeypatch, text, expected):
+    """Were a hang (the check never ended) or gigabytes of memory: a render is bounded in time
+    and size, and the unbounded operators are refused."""
+    monkeypatch.setattr(tc, "RENDER_TIMEOUT_S", 0.2)
+    lay = layout(tmp_path)
+    (lay.base / "chat_template.jinja").write_text(text)
+    r = results(profile_for(lay.root))
+    assert r["template.render"].status == "fail" and expected in r["template.render"].detail, r["template.render"].detail
+
+
+def test_a_deeply_nested_tokenizer_config_fails_found(tmp_path):
+    """Was a traceback: RecursionError escaped the JSON reader."""
+    lay = layout(tmp_path)
+    (lay.base / "tokenizer_config.json").write_text("[" * 100_000)
+    r = results(profile_for(lay.root))
+    assert r["template.found"].status == "fail" and "tokenizer_config.json" in r["template.found"].detail

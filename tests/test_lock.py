@@ -588,6 +588,11 @@ def test_a_symlinked_file_is_pinned_with_its_target(cli, layout, tmp_path):
     ('{"kind": "molctl.lock", "format": 1, "profile": "tall", "engine": {}, "argv": [], "env": {}, "config": {}, '
      '"capacity": {}, "shards": [{"name": "../../../etc/shadow", "size": 1, "mtime_ns": 1, "sha256": "x"}], '
      '"base_files": [], "adapters": {}}', "field 'shards[0].name' '../../../etc/shadow' is not a path inside its folder"),
+    # were tracebacks: RecursionError from the JSON loader, ValueError (embedded null byte) from os.stat
+    ('{"kind": "molctl.lock", "format": 1, "x": ' + "[" * 100_000 + "]" * 100_000 + "}", "cannot be read"),
+    ('{"kind": "molctl.lock", "format": 1, "profile": "tall", "engine": {}, "argv": [], "env": {}, "config": {}, '
+     '"capacity": {}, "shards": [{"name": "a\\u0000b", "size": 1, "mtime_ns": 1, "sha256": "x"}], '
+     '"base_files": [], "adapters": {}}', "field 'shards[0].name' 'a\\x00b' is not a path inside its folder"),
 ])
 def test_a_damaged_manifest_is_one_failing_check_not_a_traceback(cli, tmp_path, text, problem):
     bad = tmp_path / "bad.json"
@@ -608,6 +613,16 @@ def test_an_index_naming_a_shard_outside_base_is_refused(cli, layout, shard):
     assert result.exit_code == ExitStatus.CHECK_FAILED
     assert result.stderr.strip().startswith(f"molctl: error: {layout.base / mf.INDEX} names the shard {shard!r}, "
                                             f"not a file inside {layout.base}")
+
+
+@pytest.mark.parametrize("name", ["config.json", mf.INDEX])
+def test_lock_with_json_nested_too_deep_is_one_line(cli, layout, name):
+    """Was a traceback: RecursionError escaped the JSON reader of `lock`."""
+    (layout.base / name).write_text("[" * 100_000)
+    result = cli.lock()
+    assert result.exit_code == ExitStatus.CHECK_FAILED
+    assert result.stderr.startswith(f"molctl: error: {layout.base / name}: maximum recursion depth exceeded")
+    assert result.stderr.count("\n") == 1
 
 
 def _alive(pid: int) -> bool:

@@ -433,3 +433,14 @@ def test_waitready_url_times_out_on_a_closed_port():
     result = _waitready("url", f"http://127.0.0.1:{port}/readyz", "--timeout", "1")
     assert result.returncode == ExitStatus.TIMEOUT
     assert f"http://127.0.0.1:{port}/readyz is not answering" in result.stderr
+
+
+@pytest.mark.parametrize("option", [["--model-root", "/srv/m\nExecStartPre=/bin/touch /tmp/pwned"],
+                                    ["--set", 'engine.env.FOO="a\\nExecStartPre=/bin/touch /tmp/pwned"']])
+def test_systemd_refuses_a_value_with_a_line_break(render, tmp_path, option):
+    """A line break in the model root or an engine variable was written as is: the unit got an
+    extra `ExecStartPre=` line (found feeding render hostile values)."""
+    result = render("render", "systemd", "tiny", "--allow-unauthenticated", *option, "--output", str(tmp_path / "out"))
+    assert result.exit_code == ExitStatus.USAGE
+    assert "line break" in result.stderr and result.stderr.count("\n") == 1
+    assert not (tmp_path / "out").exists()

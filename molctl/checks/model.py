@@ -47,8 +47,14 @@ def _load_json(path: Path) -> tuple[Any, str | None]:
     if problem:
         return None, problem
     try:
-        return json.loads(path.read_text(encoding="utf-8")), None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        return None, f"{path} cannot be read: {exc.strerror or exc}"
+    except UnicodeDecodeError as exc:
+        return None, f"{path} is not valid JSON: {exc}"
+    try:
+        return json.loads(text), None
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep; ValueError: a 5000-digit integer
         return None, f"{path} is not valid JSON: {exc}"
 
 
@@ -77,7 +83,16 @@ def _parse_weight_map(profile: Profile) -> tuple[dict[str, str] | None, str | No
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         return None, f"{profile.base_dir / INDEX} has no 'weight_map' object (expected tensor name -> shard file)"
+    for tensor, shard in weight_map.items():  # a shard is a file of base/, never a path out of it (/etc/passwd, ../x)
+        if not isinstance(shard, str) or not _inside(shard):
+            return None, (f"{profile.base_dir / INDEX} assigns {tensor!r} to {shard!r}, expected the name of a "
+                          f"shard file inside {profile.base_dir}")
     return weight_map, None
+
+
+def _inside(name: str) -> bool:
+    """A relative path that stays inside its folder (as `molctl lock` wants it: no `/etc/passwd`, no `../x`, no NUL)."""
+    return bool(name) and "\0" not in name and not os.path.isabs(name) and os.path.normpath(name).split(os.sep)[0] != ".."
 
 
 def run_model(profile: Profile, probes: Probes) -> list[CheckResult]:
@@ -123,6 +138,8 @@ def run_model(profile: Profile, probes: Probes) -> list[CheckResult]:
     for shard in sorted(shards):
         path = profile.base_dir / shard
         problem = _real_file_problem(path)
+        if problem is None and not path.resolve().is_relative_to(profile.base_dir.resolve()):
+            problem = f"{path} resolves to {path.resolve()}, outside {profile.base_dir} (a symlinked folder on the way)"
         if problem:
             file_problems.append(problem)
             continue
@@ -282,7 +299,7 @@ def _adapter_moe(cid: str, cfg_path: Path, config: dict[str, Any], header: Safet
     LoRA layouts (2D per-expert vs 3D fused, `is_3d_lora_weight`) and can serve wrong output
     without an error (seed 002): such an adapter needs a known-answer test, not just a load."""
     targets = config.get("target_modules")
-    names = [targets] if isinstance(targets, str) else [t for t in targets or [] if isinstance(t, str)]
+    names = [targets] if isinstance(targets, str) else [t for t in targets if isinstance(t, str)] if isinstance(targets, list) else []
     expert_tensors = [n for n in header.tensors if ".lora_" in n and ".experts." in n]
     found = []
     if expert_tensors:
@@ -340,7 +357,10 @@ def _adapter_base(cid: str, cfg_path: Path, config: dict[str, Any], profile: Pro
     if not spec.base_names:
         return None
     declared = str(config.get("base_model_name_or_path") or "")
-    same_dir = declared and Path(declared).expanduser().resolve() == profile.base_dir.resolve()
+    try:
+        same_dir = declared and Path(declared).expanduser().resolve() == profile.base_dir.resolve()
+    except (OSError, ValueError, RuntimeError):  # a NUL byte, a symlink loop: not the base directory
+        same_dir = False
     if same_dir or any(b.lower() in declared.lower() for b in spec.base_names):
         return CheckResult(f"{cid}.base", "pass", f"declared base {declared!r}")
     expected = " or ".join(repr(b) for b in spec.base_names)
@@ -379,6 +399,10 @@ def _adapter_targets(cid: str, cfg_path: Path, weights: Path, config: dict[str, 
     if not base:
         return CheckResult(f"{cid}.targets", "skip", "base index unreadable; see model.index")
     targets = config.get("target_modules")
+    if targets is not None and not isinstance(targets, str) and not (
+            isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
+        return CheckResult(f"{cid}.targets", "fail", f"{cfg_path}: target_modules is {_clip(targets)}, expected a list of "
+                                                     f"module names or a regular expression string")
     declared_missing = []
     if isinstance(targets, list):
         declared_missing = [t for t in targets if isinstance(t, str) and not base.has_module_name(t.rsplit(".", 1)[-1])]
@@ -395,6 +419,11 @@ def _adapter_targets(cid: str, cfg_path: Path, weights: Path, config: dict[str, 
                            f"{weights}: module path(s) {describe(unmatched, 2)} do not match the base's tensor names exactly (prefix "
                            "differs; check the engine maps them)")
     return CheckResult(f"{cid}.targets", "pass", f"{len(paths)} targeted modules exist in the base")
+
+
+def _clip(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _shape_fits(name: str, shape: tuple[int, ...], rank: int) -> bool:

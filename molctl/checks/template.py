@@ -29,9 +29,11 @@ cost ~0.2 s, a cache hit a few milliseconds, so `molctl check` stays about as fa
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass
 from datetime import datetime
@@ -80,7 +82,7 @@ def _read_json(path: Path) -> dict[str, Any] | None:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         return None
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deep
         raise ValueError(f"{path}: {exc}") from None
     return data if isinstance(data, dict) else None
 
@@ -150,6 +152,7 @@ def _fallback(profile: Profile) -> str:
 def compile_template(text: str):
     """Compile `text` like Hugging Face's apply_chat_template does (cached per text)."""
     import jinja2
+    from jinja2.exceptions import SecurityError
     from jinja2.ext import Extension, loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -175,7 +178,45 @@ def compile_template(text: str):
     def strftime_now(fmt):
         return datetime.now().strftime(fmt)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+    class Bounded(ImmutableSandboxedEnvironment):
+        """`*` and `**` are intercepted (and so never folded at compile time): `'x' * 10**10` or
+        `10 ** 10**8` would take the memory or the CPU of the host; a width above MAX_OUTPUT given
+        to a string method (`'x'.ljust(10**10)`) or a width filter is refused for the same reason."""
+
+        intercepted_binops = frozenset({"*", "**"})
+
+        def call_binop(self, context, operator, left, right):
+            if operator == "*" and (isinstance(left, int) and isinstance(right, (str, list, tuple)) or
+                                    isinstance(right, int) and isinstance(left, (str, list, tuple))):
+                count, seq = (left, right) if isinstance(left, int) else (right, left)
+                if count * len(seq) > MAX_OUTPUT:
+                    raise SecurityError(f"a sequence of {len(seq)} repeated {count} times is above the "
+                                        f"{MAX_OUTPUT}-character limit of a rendered prompt")
+            if operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1 \
+                    and right * max(abs(left).bit_length(), 1) > 1_000_000:
+                raise SecurityError(f"{left} ** {right} is too large to compute")
+            return super().call_binop(context, operator, left, right)
+
+        def call(self, __context, __obj, *args, **kwargs):
+            if isinstance(getattr(__obj, "__self__", None), str):  # 'x'.ljust(N), .center, .zfill, .expandtabs
+                _check_sizes(args, kwargs)
+            return super().call(__context, __obj, *args, **kwargs)
+
+    def _check_sizes(args, kwargs):
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_OUTPUT:
+                raise SecurityError(f"a width of {value} is above the {MAX_OUTPUT}-character limit of a rendered prompt")
+
+    def sized(fn):
+        @functools.wraps(fn)  # keeps Jinja's pass_context/pass_environment marks
+        def wrapper(value, *args, **kwargs):
+            _check_sizes(args, kwargs)
+            return fn(value, *args, **kwargs)
+        return wrapper
+
+    env = Bounded(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+    for name in ("center", "indent", "wordwrap", "truncate"):  # filters with a width: `'x' | center(10**10)`
+        env.filters[name] = sized(env.filters[name])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
@@ -221,7 +262,44 @@ def render(template: Template, payload: dict[str, Any]) -> str:
     kwargs.update(messages=engine_messages(payload["messages"]), tools=tools, add_generation_prompt=True)
     for key, value in template.tokens.items():
         kwargs.setdefault(key, value)
-    return compile_template(text).render(**kwargs)
+    return _bounded_render(compile_template(text), kwargs)
+
+
+MAX_OUTPUT = 4 * 1024 * 1024  # characters of one rendered prompt (a real one is kilobytes)
+RENDER_TIMEOUT_S = 5.0  # of one render (a real one takes milliseconds)
+
+
+class RenderLimit(Exception):
+    """A template that does not end in time or renders more than MAX_OUTPUT characters."""
+
+
+def _bounded_render(compiled, kwargs: dict[str, Any]) -> str:
+    """`compiled.render(**kwargs)`, streamed and bounded: more than MAX_OUTPUT characters, or a
+    template still running after RENDER_TIMEOUT_S (nested `range(100000)` loops), raises
+    RenderLimit. The time bound is a trace function on the template's own frames (Jinja compiles
+    a template to Python code named `<template>`), so it works outside the main thread too."""
+    deadline = time.monotonic() + RENDER_TIMEOUT_S
+
+    def on_line(frame, event, arg):
+        if time.monotonic() > deadline:
+            raise RenderLimit(f"still rendering after {RENDER_TIMEOUT_S:g} s (a loop that does not end?)")
+        return on_line
+
+    def on_call(frame, event, arg):
+        return on_line if frame.f_code.co_filename == "<template>" else None
+
+    previous = sys.gettrace()
+    sys.settrace(on_call)
+    try:
+        parts, size = [], 0
+        for chunk in compiled.generate(**kwargs):
+            size += len(chunk)
+            if size > MAX_OUTPUT:
+                raise RenderLimit(f"renders more than {MAX_OUTPUT} characters for one request")
+            parts.append(chunk)
+        return "".join(parts)
+    finally:
+        sys.settrace(previous)
 
 
 def _error_text(exc: BaseException) -> str:
