@@ -93,6 +93,8 @@ def read_header(path: Path) -> SafetensorsHeader:
     data_end = 8 + n + max_end
     if data_end > size:
         raise HeaderError(f"truncated: tensor data ends at byte {data_end} but the file has {size} bytes")
+    if data_end < size:  # the loader wants the file to end with the data (MetadataIncompleteBuffer)
+        raise HeaderError(f"{size - data_end} bytes after the tensor data (it ends at byte {data_end} of {size})")
     at = 0
     for begin, end, name in sorted(spans):  # the loader (safetensors' validate) wants the spans back to back from 0
         if begin != at:

@@ -48,6 +48,19 @@ def test_valid_venti_layout_passes(check, tmp_path):
     assert any(c["id"] == "model.index" and "141 shards" in c["detail"] for c in report["checks"])
 
 
+def test_bytes_after_the_tensor_data_fail_the_headers_check(check, tmp_path):
+    """Bytes appended after the last tensor (a bad copy, a concatenation) passed; the safetensors
+    loader refuses such a file (the data must end the file)."""
+    layout = tall_layout(tmp_path / "m")
+    shard = layout.shards[3]
+    with open(shard, "ab") as fh:
+        fh.write(b"\0" * 16)
+    code, report = check("tall", tmp_path / "m")
+    assert code == ExitStatus.CHECK_FAILED
+    assert shard.name in failures(report)["model.headers"]
+    assert "16 bytes after the tensor data" in failures(report)["model.headers"]
+
+
 def test_truncated_shard(check, tmp_path):
     layout = tall_layout(tmp_path / "m")
     shard = layout.shards[7]
