@@ -218,6 +218,13 @@ def test_demo_templates_pass_for_every_profile(tmp_path, name):
     pytest.param("{{ 'x' | center(10**10) }}", "a width of 10000000000", id="center-filter"),
     pytest.param("{{ 'x'.ljust(10**10) }}", "a width of 10000000000", id="ljust-method"),
     pytest.param("{{ 10 ** 100000000 }}", "too large to compute", id="huge-power"),
+    # format widths: gigabytes each (left over by the review)
+    pytest.param("{{ '%10000000000s' % 1 }}", "a width of 10000000000", id="percent-width"),
+    pytest.param("{{ '%.10000000000f' % 1.5 }}", "a width of 10000000000", id="percent-precision"),
+    pytest.param("{{ '%*s' % (10000000000, 'x') }}", "a width of 10000000000", id="percent-star"),
+    pytest.param("{{ '{:>10000000000}'.format(1) }}", "a width of 10000000000", id="format-method"),
+    pytest.param("{{ '{:{w}}'.format(1, w=10000000000) }}", "a width of 10000000000", id="format-method-nested"),
+    pytest.param("{{ '%10000000000s' | format(1) }}", "a width of 10000000000", id="format-filter"),
 ])
 def test_a_template_that_loops_or_renders_enormous_output_fails_bounded(tmp_path, monkeypatch, text, expected):
     """Were a hang (the check never ended) or gigabytes of memory: a render is bounded in time
@@ -227,6 +234,16 @@ def test_a_template_that_loops_or_renders_enormous_output_fails_bounded(tmp_path
     (lay.base / "chat_template.jinja").write_text(text)
     r = results(profile_for(lay.root))
     assert r["template.render"].status == "fail" and expected in r["template.render"].detail, r["template.render"].detail
+
+
+def test_large_numbers_that_are_only_formatted_are_fine(tmp_path):
+    """The width checks look at widths: a timestamp formatted with % or str.format renders."""
+    lay = layout(tmp_path)
+    text = ("{{ '%d %s' % (1700000000, 'x') }}{{ '{} {:>8}'.format(1700000000, 5) }}{{ '%08d' | format(1700000000) }}"
+            "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    (lay.base / "chat_template.jinja").write_text(text)
+    r = results(profile_for(lay.root))
+    assert r["template.render"].status == "pass", r["template.render"].detail
 
 
 def test_a_deeply_nested_tokenizer_config_fails_found(tmp_path):

@@ -33,6 +33,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -183,9 +184,11 @@ def compile_template(text: str):
         `10 ** 10**8` would take the memory or the CPU of the host; a width above MAX_OUTPUT given
         to a string method (`'x'.ljust(10**10)`) or a width filter is refused for the same reason."""
 
-        intercepted_binops = frozenset({"*", "**"})
+        intercepted_binops = frozenset({"*", "**", "%"})
 
         def call_binop(self, context, operator, left, right):
+            if operator == "%" and isinstance(left, str):  # '%10000000000s' % 1
+                _check_format(left, PERCENT_WIDTHS, right if isinstance(right, tuple) else (right,), {})
             if operator == "*" and (isinstance(left, int) and isinstance(right, (str, list, tuple)) or
                                     isinstance(right, int) and isinstance(left, (str, list, tuple))):
                 count, seq = (left, right) if isinstance(left, int) else (right, left)
@@ -202,6 +205,25 @@ def compile_template(text: str):
                 _check_sizes(args, kwargs)
             return super().call(__context, __obj, *args, **kwargs)
 
+        def wrap_str_format(self, value):  # Jinja's sandboxed str.format / format_map, bounded
+            wrapped = super().wrap_str_format(value)
+            if wrapped is None:
+                return None
+
+            @functools.wraps(wrapped)
+            def bounded(*args, **kwargs):  # '{:>10000000000}'.format(1), '{:{w}}'.format(1, w=10**10)
+                _check_format(value.__self__, BRACE_WIDTHS, args, kwargs)
+                return wrapped(*args, **kwargs)
+            return bounded
+
+    def _check_format(fmt, pattern, args, kwargs):
+        """A format string's widths and precisions; its arguments too where they can be widths
+        (`%*s`, `{:{w}}`): a large number that is only formatted ('%d' % 1700000000) is fine."""
+        if "*" in fmt or ":{" in fmt:
+            _check_sizes(args, kwargs)
+        for numbers in pattern.findall(fmt):
+            _check_sizes(tuple(int(n) for n in numbers if n), {})
+
     def _check_sizes(args, kwargs):
         for value in (*args, *kwargs.values()):
             if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_OUTPUT:
@@ -217,6 +239,15 @@ def compile_template(text: str):
     env = Bounded(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
     for name in ("center", "indent", "wordwrap", "truncate"):  # filters with a width: `'x' | center(10**10)`
         env.filters[name] = sized(env.filters[name])
+    do_format = env.filters["format"]
+
+    @functools.wraps(do_format)
+    def bounded_format(value, *args, **kwargs):  # '%10000000000s' | format(1)
+        if isinstance(value, str):
+            _check_format(value, PERCENT_WIDTHS, args, kwargs)
+        return do_format(value, *args, **kwargs)
+
+    env.filters["format"] = bounded_format
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
@@ -266,6 +297,9 @@ def render(template: Template, payload: dict[str, Any]) -> str:
 
 
 MAX_OUTPUT = 4 * 1024 * 1024  # characters of one rendered prompt (a real one is kilobytes)
+# the widths and precisions of printf-style and str.format format strings (a huge one allocates it)
+PERCENT_WIDTHS = re.compile(r"%(?:\([^)]*\))?[#0 +-]*(\d+)?(?:\.(\d+))?")
+BRACE_WIDTHS = re.compile(r"\{[^{}]*:[^{}]*?(\d+)(?:\.(\d+))?[^{}]*\}")
 RENDER_TIMEOUT_S = 5.0  # of one render (a real one takes milliseconds)
 
 
