@@ -3,17 +3,25 @@ trailing newline optional), or one key in MOLCTL_API_KEY. Keys never travel on a
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
 from molctl.errors import UsageError
 
+MAX_KEY_FILE_BYTES = 1 << 20  # 1 MiB, some 20,000 keys: the proxy re-reads it on its event loop (SIGHUP)
+
 
 def load_keys(path) -> list[str]:
     """The keys of a key file; a UTF-8 BOM (a Windows editor's) is not part of the first key, and a
-    line starting with `#` (a header config management writes) is a comment, not a key."""
-    with open(path, encoding="utf-8-sig") as fh:
-        lines = [line.strip() for line in fh.read().splitlines()]
+    line starting with `#` (a header config management writes) is a comment, not a key.
+    A file larger than MAX_KEY_FILE_BYTES (or a device such as /dev/zero) is an OSError, read no
+    further: a key file is never read into memory whole, nor for seconds on the proxy's event loop."""
+    with open(path, "rb") as fh:
+        data = fh.read(MAX_KEY_FILE_BYTES + 1)
+    if len(data) > MAX_KEY_FILE_BYTES:
+        raise OSError(errno.EFBIG, f"larger than {MAX_KEY_FILE_BYTES} bytes (expected one key per line)")
+    lines = [line.strip() for line in data.decode("utf-8-sig").splitlines()]
     return [line for line in lines if line and not line.startswith("#")]
 
 

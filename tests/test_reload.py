@@ -258,3 +258,44 @@ def test_a_comment_line_in_the_key_file_is_not_a_key(tmp_path):
         assert status_with(proxy_url, "# Ansible managed") == 401
         assert status_with(proxy_url, "# rotated 2026-11") == 401
         assert status_with(proxy_url, OLD) == 200
+
+
+def _huge_key_file(path) -> None:
+    """NEW, then keys up to 2 MiB: over the key file bound (1 MiB, keys.MAX_KEY_FILE_BYTES)."""
+    lines = [NEW] + [f"sk-bulk-{i:040d}" for i in range(2 * 2**20 // 48)]
+    path.write_text("\n".join(lines) + "\n")
+    path.chmod(0o600)
+    assert path.stat().st_size > 2**20
+
+
+def test_a_key_file_over_the_bound_fails_the_start_with_one_line(tmp_path):
+    """A huge key file (or /dev/zero) was read whole into memory at start: it is a usage error
+    (exit 2) naming the file and the bound, read no further than the bound."""
+    from molctl.errors import UsageError
+    from molctl.keys import resolve_api_keys
+
+    key_file = tmp_path / "keys"
+    _huge_key_file(key_file)
+    for path in (key_file, "/dev/zero"):
+        with pytest.raises(UsageError, match="larger than 1048576 bytes"):
+            resolve_api_keys(path, allow_unauthenticated=False)
+
+
+def test_a_sighup_with_a_key_file_over_the_bound_keeps_the_old_keys(tmp_path):
+    """Found flooding SIGHUP with hostile key files: a 68 MB file (2 million keys) was re-read on the
+    event loop, which answered nothing for ~3 s, and its keys replaced the old ones (450 MB held).
+    A key file over the bound is not reloaded: the old keys stay, the log says why."""
+    key_file = tmp_path / "keys"
+    write_keys(key_file, OLD)
+    engine_port, proxy_port = free_port(), free_port()
+    engine_url, proxy_url = url(engine_port), url(proxy_port)
+    log = tmp_path / "proxy.log"
+    with running(fake_engine_argv(engine_port), engine_url + "/health"), \
+            running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(key_file), "--store", "memory"),
+                    proxy_url + "/health", log=log) as proc:
+        _huge_key_file(key_file)
+        proc.send_signal(signal.SIGHUP)
+        assert wait_for(lambda: "SIGHUP" in log.read_text(), timeout=10), log.read_text()[-2000:]
+        assert "not reloaded (larger than 1048576 bytes" in log.read_text(), log.read_text()[-2000:]
+        assert status_with(proxy_url, OLD) == 200 and status_with(proxy_url, NEW) == 401
+        assert NEW not in log.read_text()
