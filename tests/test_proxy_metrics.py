@@ -229,3 +229,17 @@ def test_an_ipv6_metrics_host_is_served_and_a_bad_one_is_named(tmp_path):
                        capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert p.returncode == 4, p.stderr
     assert p.stderr.count("\n") == 1 and "no-such-host.invalid" in p.stderr and "Unknown error" not in p.stderr, p.stderr
+
+
+def test_probes_with_a_trailing_slash_are_neither_counted_nor_logged(s):
+    """`/health/` and `/readyz/` are served as the probes (the path's trailing slash is ignored) but
+    were counted in requests_total{api="other"} and logged per request: a probe configured with a
+    slash flooded the request log. Found probing odd paths against the request log."""
+    other = s.value("molctl_proxy_requests_total", api="other")
+    for path in ("/health/", "/readyz/", "/health//"):
+        r = httpx.get(s.proxy_url + path, headers={"X-Request-Id": "probe-slash"})
+        assert r.status_code in (200, 503) and "status" in r.json()
+    httpx.get(s.proxy_url + "/v1/models", headers={**AUTH, "X-Request-Id": "after-probes"})
+    assert wait_for(lambda: any(e["request_id"] == "after-probes" for e in s.request_lines()))
+    assert not [e for e in s.request_lines() if e["request_id"] == "probe-slash"]
+    assert s.value("molctl_proxy_requests_total", api="other") == other

@@ -198,7 +198,7 @@ class ProxyApp:
             if not state["started"]:
                 await self._error(tracked, internal_error(rid), rid)
         finally:
-            if scope["path"] not in UNCOUNTED:
+            if (scope["path"].rstrip("/") or "/") not in UNCOUNTED:  # as _route reads the path
                 self._count(scope, state, rid)
 
     def _count(self, scope: dict, state: dict[str, Any], rid: str) -> None:
