@@ -9,7 +9,9 @@ from pathlib import Path
 
 from molctl.errors import UsageError
 
-MAX_KEY_FILE_BYTES = 1 << 20  # 1 MiB, some 20,000 keys: the proxy re-reads it on its event loop (SIGHUP)
+# 64 MiB, about a million keys of 60 characters: a key file is never read whole whatever it is
+# (/dev/zero, a runaway generator); the proxy re-reads it on SIGHUP in a worker thread
+MAX_KEY_FILE_BYTES = 64 << 20
 
 
 def load_keys(path) -> list[str]:

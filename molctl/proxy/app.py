@@ -106,11 +106,8 @@ class ProxyApp:
         self._models_body = json.dumps({"object": "list", "data": [self._model]}).encode()
 
     def set_keys(self, keys: list[str]) -> None:
-        """The accepted keys, by their SHA-256 digest, each with its tenant id (a short hash);
-        replaced at once (SIGHUP). A request's key is looked up by its digest: one hash per
-        request whatever the number of keys, and the lookup's timing says nothing about the keys."""
-        digests = {hashlib.sha256(k.encode()).digest() for k in keys}
-        self.keys = {d: d.hex()[:16] for d in digests}
+        """The accepted keys (see `key_table`), replaced at once."""
+        self.keys = key_table(keys)
 
     # ------------------------------------------------------------------ lifecycle
     async def startup(self) -> None:
@@ -695,6 +692,13 @@ def request_line(rid: str, state: dict[str, Any], api: str, plan: Plan | None, t
 
 def _round4(value: float | None) -> float | None:
     return None if value is None else round(value, 4)
+
+
+def key_table(keys: list[str]) -> dict[bytes, str]:
+    """The accepted keys by their SHA-256 digest, each with its tenant id (a short hash). A
+    request's key is looked up by its digest: one hash per request whatever the number of keys,
+    and the lookup's timing says nothing about the keys. Pure: SIGHUP builds it in a worker thread."""
+    return {d: d.hex()[:16] for d in {hashlib.sha256(k.encode()).digest() for k in keys}}
 
 
 def too_large(unread: bool = False) -> ProxyError:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import uvicorn
 
-from molctl.proxy.app import ProxyApp
+from molctl.proxy.app import ProxyApp, key_table
 from molctl.proxy.http_protocol import HeadHoldingHttpToolsProtocol
 
 log = logging.getLogger("molctl.proxy")
@@ -29,6 +29,8 @@ class DrainingServer(uvicorn.Server):
         self.drain_timeout_s = drain_timeout_s
         self.key_file = key_file
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._reloading: asyncio.Future | None = None  # the SIGHUP reload in progress
+        self._reload_again = False  # a SIGHUP arrived during it
 
     async def startup(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -39,28 +41,51 @@ class DrainingServer(uvicorn.Server):
             self._loop.add_signal_handler(signal.SIGHUP, lambda: log.warning("SIGHUP: no key file to re-read; keys unchanged"))
 
     def reload_keys(self) -> None:
-        """Re-read the key file; a file that cannot be read or holds no key keeps the old keys.
-        Requests already admitted (streams included) are not touched."""
+        """The SIGHUP handler (on the loop): the key file is read and hashed in a worker thread (a
+        large one took seconds on the loop, every request waiting), then the keys are swapped on
+        the loop. A burst of SIGHUPs is coalesced: one more read after the one in progress."""
+        if self._reloading is not None and not self._reloading.done():
+            self._reload_again = True
+            return
+        self._reloading = asyncio.ensure_future(self._reload_until_settled())
+
+    async def _reload_until_settled(self) -> None:
+        while True:
+            self._reload_again = False
+            try:
+                table = await asyncio.to_thread(self._read_key_table)
+            except Exception:  # noqa: BLE001 - never kill the loop's task; the old keys stay
+                log.exception("SIGHUP: key file %s not reloaded; keeping the %d old key(s)", self.key_file,
+                              len(self.proxy_app.keys))
+                table = None
+            if table is not None:
+                self.proxy_app.keys = table
+                log.info("SIGHUP: key file %s reloaded: %d key(s)", self.key_file, len(table))
+            if not self._reload_again:
+                return
+
+    def _read_key_table(self) -> dict[bytes, str] | None:
+        """In a worker thread: the new key table, or None (logged) when the file cannot be read,
+        is not a regular file, is over the size bound or holds no key: the old keys stay."""
         import os
         import stat
 
         from molctl.keys import load_keys
 
         try:
-            if not stat.S_ISREG(os.stat(self.key_file).st_mode):  # a FIFO would block the event loop (every request)
+            if not stat.S_ISREG(os.stat(self.key_file).st_mode):  # a FIFO would block the reload for ever
                 log.error("SIGHUP: key file %s is not a regular file; keeping the %d old key(s)", self.key_file,
                           len(self.proxy_app.keys))
-                return
+                return None
             keys = load_keys(self.key_file)
         except (OSError, UnicodeDecodeError) as exc:
             log.error("SIGHUP: key file %s not reloaded (%s); keeping the %d old key(s)", self.key_file,
                       getattr(exc, "strerror", None) or type(exc).__name__, len(self.proxy_app.keys))
-            return
+            return None
         if not keys:
             log.error("SIGHUP: key file %s holds no key; keeping the %d old key(s)", self.key_file, len(self.proxy_app.keys))
-            return
-        self.proxy_app.set_keys(keys)
-        log.info("SIGHUP: key file %s reloaded: %d key(s)", self.key_file, len(keys))
+            return None
+        return key_table(keys)
 
     def handle_exit(self, sig: int, frame) -> None:  # noqa: ARG002 - signal handler signature
         if self.proxy_app.draining or self._loop is None:
