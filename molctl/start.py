@@ -43,7 +43,7 @@ from molctl.state import (
     remove_record,
     write_record,
 )
-from molctl.stop import ENGINE_STOP_TIMEOUT_S, clean_component, clean_stale, down_locked, down_one
+from molctl.stop import ENGINE_STOP_TIMEOUT_S, clean_component, clean_stale, clean_unrecorded, down_locked, down_one
 
 PROXY_READY_TIMEOUT_S = 60.0
 PROXY_RESTARTS = 3  # a proxy that dies while the engine loads is restarted, the engine kept
@@ -217,6 +217,7 @@ def _up_locked(profile: Profile, config: dict, ctx, opts: UpOptions, key_args: l
     elif records:
         clean_stale(state_dir, name, progress)
         live = {}
+    clean_unrecorded(state_dir, name, progress)  # spawned by an `up` killed before it could record them
 
     progress.step(f"preflight checks for {name}")
     preflight(profile, state_dir, opts, progress, "nothing was started")

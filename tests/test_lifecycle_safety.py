@@ -560,3 +560,39 @@ def test_log_retention_is_a_validated_profile_field():
     assert load_profile("tiny", profile_dirs(), [("logs.keep", 3)]).logs.keep == 3
     with pytest.raises(ProfileError, match="logs.keep"):
         load_profile("tiny", profile_dirs(), [("logs.keep", 0)])
+
+
+# ------------------------------------------------------------------- a molctl killed between spawn and record
+
+def _up_killed_before_the_record_of(host: Host, component: str) -> list[int]:
+    """`up`, SIGKILLed right after spawning `component` and before writing its record; the pids
+    left running that carry that component's marker."""
+    argv = [sys.executable, str(ROOT / "tests" / "kill_at.py"), *host.cli.argv("up", "tiny", *host.args())]
+    r = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=90,
+                       env={**os.environ, "KILL_AT": f"before_record:{component}"})
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    path = os.path.realpath(host.state / "tiny" / f"{component}.json")
+    orphans = [pid for pid, p, _rid in procid.marked_processes() if p == path]
+    assert orphans and component not in host.records()
+    return orphans
+
+
+@pytest.mark.parametrize("component", ["engine", "proxy"])
+def test_down_profile_stops_what_an_up_killed_before_recording_it_spawned(host, component):
+    """Found by SIGKILLing `up` after each spawn: `down tiny` said "nothing is running" (engine)
+    or stopped only the recorded engine (proxy), leaving the unrecorded process running with its
+    ports and claims (`up` then refused: port held); only `down` without a profile found it."""
+    orphans = _up_killed_before_the_record_of(host, component)
+    d = host.molctl("down", "tiny", "--stop-timeout", "2", "--drain-timeout", "2")
+    assert d.exit_code == ExitStatus.OK, d.stderr
+    assert "nothing is running" not in d.stdout
+    assert gone(orphans) and host.records() == {}
+
+
+@pytest.mark.parametrize("component", ["engine", "proxy"])
+def test_up_stops_what_an_up_killed_before_recording_it_spawned(host, component):
+    orphans = _up_killed_before_the_record_of(host, component)
+    r = host.up()
+    assert r.exit_code == ExitStatus.OK, r.stderr
+    assert gone(orphans)
+    assert set(host.records()) == {"engine", "proxy"}
