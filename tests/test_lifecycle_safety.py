@@ -596,3 +596,24 @@ def test_up_stops_what_an_up_killed_before_recording_it_spawned(host, component)
     assert r.exit_code == ExitStatus.OK, r.stderr
     assert gone(orphans)
     assert set(host.records()) == {"engine", "proxy"}
+
+
+def test_a_huge_log_line_gives_a_bounded_log_tail(host):
+    """Found with an engine that prints one 8 MB line and exits: `up` wrote all of it to stderr
+    (its log tail read the whole line, on every readiness poll too). Now at most TAIL_LINE_MAX
+    bytes of a line (its end) are kept, and the lines after it still show."""
+    from molctl.processes import tail
+
+    noisy = host.tmp / "noisy-python"
+    noisy.write_text("#!/bin/sh\nhead -c 8000000 /dev/zero | tr '\\0' x\necho\n"
+                     "echo 'RuntimeError: the real cause'\nexit 3\n")
+    noisy.chmod(0o755)
+    host.python = noisy
+    r = host.up()
+    assert r.exit_code == ExitStatus.START_FAILED, r.stderr[-500:]
+    assert "RuntimeError: the real cause" in r.stderr and len(r.stderr) < 100_000
+    assert host.records() == {}
+    log = host.tmp / "one-line.log"
+    log.write_bytes(b"y" * 3_000_000)
+    (line,) = tail(log, 80)
+    assert line.startswith("...") and line.endswith("yyy") and len(line) < 10_000
