@@ -617,3 +617,15 @@ def test_a_huge_log_line_gives_a_bounded_log_tail(host):
     log.write_bytes(b"y" * 3_000_000)
     (line,) = tail(log, 80)
     assert line.startswith("...") and line.endswith("yyy") and len(line) < 10_000
+
+
+@pytest.mark.parametrize("component", ["engine", "proxy"])
+def test_status_shows_what_an_up_killed_before_recording_it_spawned(host, component):
+    """`status` said no stack was recorded (engine) or showed only the recorded engine (proxy)
+    while the unrecorded process ran with its ports."""
+    orphans = _up_killed_before_the_record_of(host, component)
+    (stack,) = host.molctl("status", "--json").json()["stacks"]
+    assert stack["profile"] == "tiny" and stack["state"] == "degraded"
+    assert any(f"the {component}'s marker" in p and str(orphans[0]) in p and "molctl down tiny" in p
+               for p in stack["problems"]), stack
+    assert host.molctl("status", "tiny", "--json").json()["stacks"][0]["state"] == "degraded"
