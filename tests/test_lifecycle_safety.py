@@ -629,3 +629,22 @@ def test_status_shows_what_an_up_killed_before_recording_it_spawned(host, compon
     assert any(f"the {component}'s marker" in p and str(orphans[0]) in p and "molctl down tiny" in p
                for p in stack["problems"]), stack
     assert host.molctl("status", "tiny", "--json").json()["stacks"][0]["state"] == "degraded"
+
+
+def test_a_process_that_only_works_in_the_run_dir_is_never_signalled(host):
+    """Found by starting a shell in the engine's run dir (an operator looking around) and running
+    `down`: the shell was taken for a retitled engine child by its working directory and got
+    SIGTERM. A process showing an environment without the marker is not ours."""
+    assert host.up().exit_code == ExitStatus.OK
+    record = host.records()["engine"]
+    run = procid.run_dir(os.path.realpath(host.state / "tiny" / "engine.json"), record.record_id)
+    shell = subprocess.Popen(["sleep", "120"], cwd=run, start_new_session=True,
+                             env={"PATH": os.environ["PATH"], "HOME": str(host.tmp)})
+    try:
+        assert wait_for(lambda: os.readlink(f"/proc/{shell.pid}/cwd") == str(run))
+        assert shell.pid not in host.stack_pids()
+        d = host.molctl("down", "--stop-timeout", "2", "--drain-timeout", "2")
+        assert d.exit_code == ExitStatus.OK, d.stderr
+        assert shell.poll() is None and host.records() == {}
+    finally:
+        stop(shell)
