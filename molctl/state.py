@@ -333,9 +333,12 @@ class StateLock:
             user = getpass.getuser()
         except (KeyError, OSError):
             user = str(os.getuid())
-        os.ftruncate(fd, 0)
         holder = LockHolder(os.getpid(), self.action, self.profile, user, time.time())
-        os.pwrite(fd, (json.dumps(holder.as_dict()) + "\n").encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (json.dumps(holder.as_dict()) + "\n").encode(), 0)
+        except OSError:  # a full disk: the lock is held all the same, its holder unnamed (`down` must still stop)
+            pass
         self.fd = fd
         return self
 

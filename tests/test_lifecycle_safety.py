@@ -648,3 +648,21 @@ def test_a_process_that_only_works_in_the_run_dir_is_never_signalled(host):
         assert shell.poll() is None and host.records() == {}
     finally:
         stop(shell)
+
+
+def test_down_on_a_full_disk_still_stops_the_stack(host, monkeypatch):
+    """Found with the state dir on a full tmpfs: `down` failed with "No space left on device"
+    (writing its name into the state lock file) and stopped nothing. The holder's name is
+    best-effort: the lock is held all the same."""
+    assert host.up().exit_code == ExitStatus.OK
+    pids = host.stack_pids()
+    import molctl.state
+
+    def pwrite(fd, data, offset):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(molctl.state.os, "pwrite", pwrite)
+        d = _in_process(host)("down", "--stop-timeout", "2", "--drain-timeout", "2")
+    assert d.exit_code == ExitStatus.OK, d.stderr
+    assert gone(pids) and host.records() == {}
