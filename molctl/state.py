@@ -11,6 +11,7 @@ stack was started with (so `up` and `status` never guess it from a profile file 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import time
@@ -121,11 +122,17 @@ def write_record(state_dir: Path, profile: str, record: Record) -> None:
     tmp = path.with_suffix(".json.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        os.write(fd, json.dumps(asdict(record), indent=1).encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        try:
+            data = json.dumps(asdict(record), indent=1).encode()
+            if os.write(fd, data) != len(data):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # no half-written file left in the state dir
+        raise
 
 
 def process_state(record: Record) -> str:

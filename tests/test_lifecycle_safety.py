@@ -666,3 +666,19 @@ def test_down_on_a_full_disk_still_stops_the_stack(host, monkeypatch):
         d = _in_process(host)("down", "--stop-timeout", "2", "--drain-timeout", "2")
     assert d.exit_code == ExitStatus.OK, d.stderr
     assert gone(pids) and host.records() == {}
+
+
+def test_a_record_write_that_fails_leaves_no_half_written_file(tmp_path, monkeypatch):
+    """Found with the state dir on a full tmpfs: the failed write left `engine.json.tmp` behind."""
+    import molctl.state
+    from molctl.state import Record, write_record
+
+    record = Record("engine", 1, 1, 0.0, [], 1, "log", 0.0)
+
+    def fsync(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(molctl.state.os, "fsync", fsync)
+    with pytest.raises(OSError):
+        write_record(tmp_path, "tiny", record)
+    assert list((tmp_path / "tiny").iterdir()) == []
