@@ -499,9 +499,12 @@ def switch(name: str, ctx, opts: UpOptions, progress: Progress) -> dict[str, Any
         t_down = time.monotonic() - t0
         try:
             result = _up_locked(profile, config, ctx, opts, key_args, progress)
-        except MolctlError as exc:
+        except (MolctlError, OSError) as exc:
             if back:
                 how = "; ".join(f"the old stack {p} was stopped: bring it back with `{cmd}`" for p, cmd in back.items())
+                if isinstance(exc, OSError):  # a file the new stack needs (its log dir): exit 1, with the way back
+                    where = f": {exc.filename}" if exc.filename else ""
+                    raise MolctlError(f"{exc.strerror or exc}{where}; {how}") from None
                 exc.args = (f"{exc}; {how}",)
             raise
     timings = result.get("timings", {})

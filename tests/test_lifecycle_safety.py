@@ -682,3 +682,17 @@ def test_a_record_write_that_fails_leaves_no_half_written_file(tmp_path, monkeyp
     with pytest.raises(OSError):
         write_record(tmp_path, "tiny", record)
     assert list((tmp_path / "tiny").iterdir()) == []
+
+
+def test_a_switch_failing_on_a_file_error_still_says_how_to_go_back(host):
+    """Found making the new profile's log dir unusable (a file named `logs`): the old stack was
+    stopped, and the error (`File exists`, exit 1) did not say so nor how to bring it back."""
+    _add_tiny_b(host)
+    assert host.up().exit_code == ExitStatus.OK
+    (host.state / "tiny-b").mkdir(mode=0o700)
+    (host.state / "tiny-b" / "logs").write_text("not a directory")
+    bad = host.molctl("switch", "tiny-b", *host.args("--stop-timeout", "5"))
+    assert bad.exit_code == ExitStatus.ERROR, bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1 and "logs" in bad.stderr
+    assert "the old stack tiny was stopped: bring it back with `molctl" in bad.stderr, bad.stderr
+    assert host.records("tiny-b") == {} and host.records("tiny") == {}
