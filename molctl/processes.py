@@ -232,8 +232,12 @@ def _name(proc: psutil.Process) -> str:
         return "?"
 
 
+TAIL_LINE_MAX = 4096  # bytes of one log line `tail` keeps (its end): a dumped tensor or JSON can make a huge one
+
+
 def tail(path: Path | str, lines: int = 80) -> list[str]:
-    """The last `lines` lines of a (possibly large) log file (none for lines <= 0)."""
+    """The last `lines` lines of a (possibly large) log file (none for lines <= 0); at most
+    `lines` * TAIL_LINE_MAX bytes are read, and a longer line keeps only its end."""
     if lines <= 0:
         return []
     try:
@@ -241,11 +245,12 @@ def tail(path: Path | str, lines: int = 80) -> list[str]:
             fh.seek(0, os.SEEK_END)
             size = fh.tell()
             block, data = 8192, b""
-            while size > 0 and data.count(b"\n") <= lines:
+            while size > 0 and data.count(b"\n") <= lines and len(data) < lines * TAIL_LINE_MAX:
                 step = min(block, size)
                 size -= step
                 fh.seek(size)
                 data = fh.read(step) + data
     except OSError:
         return []
-    return data.decode(errors="replace").splitlines()[-lines:]
+    return [line if len(line) <= TAIL_LINE_MAX else "..." + line[-TAIL_LINE_MAX:]
+            for line in data.decode(errors="replace").splitlines()[-lines:]]

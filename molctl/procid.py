@@ -13,7 +13,10 @@ workers), in two places:
 The second exists because a process that renames itself with `setproctitle` (vLLM's
 `VLLM::EngineCore` and `VLLM::Worker` do) overwrites the memory `/proc/PID/environ` is read from,
 so its environment marker is gone; its working directory is not touched (vLLM never `chdir`s, and
-multiprocessing's spawn children start in their parent's directory). Only our spawn sets either,
+multiprocessing's spawn children start in their parent's directory).
+The working directory counts only for a process whose environment shows no variable at all (the
+wiped one): a process that shows an environment without the marker (a shell an operator `cd`'d
+into the run dir) is not ours. Only our spawn sets either,
 so a process carrying one is ours even after its leader died; a process without them that merely
 shares a recycled pid or process group id is a stranger and is never signalled.
 """
@@ -177,6 +180,8 @@ def marked_processes() -> list[tuple[int, str, str]]:
         if found is None:
             cwd = _cwd_of(pid)
             found = marker_of_cwd(cwd) if cwd else None
+            if found is not None and environ_of(pid):
+                continue  # a whole environment without our marker: not a spawn of ours (an operator's shell in the run dir)
         if found is None:
             continue
         if have_proc() and start_ticks(pid) is None:  # zombie or gone

@@ -43,7 +43,7 @@ from molctl.state import (
     remove_record,
     write_record,
 )
-from molctl.stop import ENGINE_STOP_TIMEOUT_S, clean_component, clean_stale, down_locked, down_one
+from molctl.stop import ENGINE_STOP_TIMEOUT_S, clean_component, clean_stale, clean_unrecorded, down_locked, down_one
 
 PROXY_READY_TIMEOUT_S = 60.0
 PROXY_RESTARTS = 3  # a proxy that dies while the engine loads is restarted, the engine kept
@@ -217,6 +217,7 @@ def _up_locked(profile: Profile, config: dict, ctx, opts: UpOptions, key_args: l
     elif records:
         clean_stale(state_dir, name, progress)
         live = {}
+    clean_unrecorded(state_dir, name, progress)  # spawned by an `up` killed before it could record them
 
     progress.step(f"preflight checks for {name}")
     preflight(profile, state_dir, opts, progress, "nothing was started")
@@ -498,9 +499,12 @@ def switch(name: str, ctx, opts: UpOptions, progress: Progress) -> dict[str, Any
         t_down = time.monotonic() - t0
         try:
             result = _up_locked(profile, config, ctx, opts, key_args, progress)
-        except MolctlError as exc:
+        except (MolctlError, OSError) as exc:
             if back:
                 how = "; ".join(f"the old stack {p} was stopped: bring it back with `{cmd}`" for p, cmd in back.items())
+                if isinstance(exc, OSError):  # a file the new stack needs (its log dir): exit 1, with the way back
+                    where = f": {exc.filename}" if exc.filename else ""
+                    raise MolctlError(f"{exc.strerror or exc}{where}; {how}") from None
                 exc.args = (f"{exc}; {how}",)
             raise
     timings = result.get("timings", {})

@@ -11,6 +11,7 @@ stack was started with (so `up` and `status` never guess it from a profile file 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import time
@@ -121,11 +122,17 @@ def write_record(state_dir: Path, profile: str, record: Record) -> None:
     tmp = path.with_suffix(".json.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        os.write(fd, json.dumps(asdict(record), indent=1).encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        try:
+            data = json.dumps(asdict(record), indent=1).encode()
+            if os.write(fd, data) != len(data):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # no half-written file left in the state dir
+        raise
 
 
 def process_state(record: Record) -> str:
@@ -333,9 +340,12 @@ class StateLock:
             user = getpass.getuser()
         except (KeyError, OSError):
             user = str(os.getuid())
-        os.ftruncate(fd, 0)
         holder = LockHolder(os.getpid(), self.action, self.profile, user, time.time())
-        os.pwrite(fd, (json.dumps(holder.as_dict()) + "\n").encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (json.dumps(holder.as_dict()) + "\n").encode(), 0)
+        except OSError:  # a full disk: the lock is held all the same, its holder unnamed (`down` must still stop)
+            pass
         self.fd = fd
         return self
 

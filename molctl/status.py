@@ -40,6 +40,10 @@ def status(ctx, name: str | None, gpu_probe=None) -> dict[str, Any]:
     if not name and holder is not None and holder.action in ("up", "switch") and holder.profile \
             and holder.profile not in names:
         names.append(holder.profile)  # in its preflight: no record written yet
+    from molctl.stop import unrecorded_marked
+
+    unrecorded = unrecorded_marked(state_dir, names if name else None) if state_dir.exists() else {}
+    names += sorted({p for p, _ in unrecorded} - set(names))  # spawned by an `up` killed before recording them
     stacks = []
     for n in names:
         records, problems = read_records_checked(state_dir, n)
@@ -49,7 +53,15 @@ def status(ctx, name: str | None, gpu_probe=None) -> dict[str, Any]:
                 profile = load_profile(n, ctx.dirs())
             except ProfileError:
                 profile = None
-        stacks.append(_stack_status(state_dir, n, profile, records, problems, holder, gpu_probe))
+        stack = _stack_status(state_dir, n, profile, records, problems, holder, gpu_probe)
+        orphans = {c: procs for (p, c), procs in unrecorded.items() if p == n}
+        if orphans and stack["state"] not in ("starting", "stopping"):
+            stack["problems"] = stack.get("problems", []) + [
+                f"{len(procs)} process(es) carry the {c}'s marker but no record names them (pid "
+                f"{', '.join(str(x.pid) for x in procs)}; an interrupted `up`?): `molctl down {n}` stops them"
+                for c, procs in sorted(orphans.items())]
+            stack["state"] = "degraded"
+        stacks.append(stack)
     return {"stacks": stacks}
 
 

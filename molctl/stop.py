@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from molctl.errors import ConflictError, MolctlError
-from molctl.processes import marked_by_path, members, stack_pids, stop, stop_processes
+from molctl.processes import members, stack_pids, stop, stop_processes
 from molctl.progress import Progress
 from molctl.stacks import known_or_recorded, marked_for, unreadable_records_error
 from molctl.state import (
@@ -104,26 +104,66 @@ def down_locked(state_dir: Path, names: list[str] | None, drain_s: float, engine
             stopped.append(_down_unreadable(state_dir, n, problems, drain_s, engine_s, force, progress))
         if records:
             stopped.append(down_one(state_dir, n, drain_s, engine_s, force, progress, gpu_probe))
-    if names is None:
-        stopped += _down_unlisted(state_dir, {s["profile"] for s in stopped}, drain_s, engine_s, progress)
+    for extra in _down_unlisted(state_dir, names, drain_s, engine_s, progress):
+        same = [s for s in stopped if s["profile"] == extra["profile"]]
+        if same:
+            same[-1]["components"].update(extra["components"])
+        else:
+            stopped.append(extra)
     if not stopped:
         return {"stopped": [], "message": "nothing is running"}
     profiles = list(dict.fromkeys(s["profile"] for s in stopped))
     return {"stopped": stopped, "message": f"stopped {', '.join(profiles)}"}
 
 
-def _down_unlisted(state_dir: Path, done: set[str], drain_s: float, engine_s: float,
-                   progress: Progress) -> list[dict]:
-    """Processes carrying a marker of this state dir whose record cannot even be listed (a state
-    dir that cannot be read): the marker proves they are ours, so they are stopped, with a warning."""
-    groups: dict[tuple[str, str], list] = {}
+def unrecorded_marked(state_dir: Path, names: list[str] | None = None) -> dict[tuple[str, str], list]:
+    """(profile, component) -> live processes carrying a marker of this state dir that no readable
+    record names: its record was never written (molctl killed between a spawn and its record), or
+    the state dir cannot be read. The marker proves they are ours."""
+    import psutil
+
+    from molctl import procid
+    from molctl.processes import _alive
+
     root = os.path.realpath(state_dir).rstrip("/") + "/"
-    for proc, path in marked_by_path(state_dir):
-        rel = path[len(root):].split("/")
-        if len(rel) != 2 or rel[0] in done:
+    ids: dict[str, dict[str, str]] = {}
+    groups: dict[tuple[str, str], list] = {}
+    for pid, path, rid in procid.marked_processes():
+        rel = path[len(root):].split("/") if path.startswith(root) else []
+        if len(rel) != 2 or not rel[1].endswith(".json") or (names is not None and rel[0] not in names):
             continue
-        groups.setdefault((rel[0], rel[1].removesuffix(".json")), []).append(proc)
+        profile, component = rel[0], rel[1].removesuffix(".json")
+        if profile not in ids:
+            ids[profile] = {c: r.record_id for c, r in read_records(state_dir, profile).items()}
+        if rid and ids[profile].get(component) == rid:
+            continue  # its record's: stopped (or kept) with that record
+        try:
+            proc = psutil.Process(pid)
+        except psutil.NoSuchProcess:
+            continue
+        if _alive(proc):
+            groups.setdefault((profile, component), []).append(proc)
+    return groups
+
+
+def clean_unrecorded(state_dir: Path, name: str, progress: Progress) -> None:
+    """For `up`: stop the processes of this profile that carry its marker but no record names."""
+    for (_profile, component), procs in sorted(unrecorded_marked(state_dir, [name]).items(),
+                                               key=lambda kv: kv[0][1] != "proxy"):
+        progress.step(f"cleaning up {len(procs)} unrecorded process(es) carrying the {component}'s marker "
+                      f"(pid {', '.join(str(p.pid) for p in procs)})")
+        result = stop_processes(None, procs, 10.0)
+        if not result.ok:
+            raise MolctlError(f"could not stop leftover {component} processes: {', '.join(result.survivors)}")
+
+
+def _down_unlisted(state_dir: Path, names: list[str] | None, drain_s: float, engine_s: float,
+                   progress: Progress) -> list[dict]:
+    """Processes carrying a marker of this state dir that no readable record names (a record never
+    written, a state dir that cannot be read): the marker proves they are ours, so they are
+    stopped, with a warning."""
     out: dict[str, dict] = {}
+    groups = unrecorded_marked(state_dir, names)
     for (profile, component), procs in sorted(groups.items(), key=lambda kv: kv[0][1] != "proxy"):
         progress.warn(f"{profile} {component}: no readable record, but {len(procs)} process(es) carry its marker; stopping them")
         result = stop_processes(None, procs, drain_s if component == "proxy" else engine_s)

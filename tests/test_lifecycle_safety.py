@@ -560,3 +560,139 @@ def test_log_retention_is_a_validated_profile_field():
     assert load_profile("tiny", profile_dirs(), [("logs.keep", 3)]).logs.keep == 3
     with pytest.raises(ProfileError, match="logs.keep"):
         load_profile("tiny", profile_dirs(), [("logs.keep", 0)])
+
+
+# ------------------------------------------------------------------- a molctl killed between spawn and record
+
+def _up_killed_before_the_record_of(host: Host, component: str) -> list[int]:
+    """`up`, SIGKILLed right after spawning `component` and before writing its record; the pids
+    left running that carry that component's marker."""
+    argv = [sys.executable, str(ROOT / "tests" / "kill_at.py"), *host.cli.argv("up", "tiny", *host.args())]
+    r = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=90,
+                       env={**os.environ, "KILL_AT": f"before_record:{component}"})
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    path = os.path.realpath(host.state / "tiny" / f"{component}.json")
+    orphans = [pid for pid, p, _rid in procid.marked_processes() if p == path]
+    assert orphans and component not in host.records()
+    return orphans
+
+
+@pytest.mark.parametrize("component", ["engine", "proxy"])
+def test_down_profile_stops_what_an_up_killed_before_recording_it_spawned(host, component):
+    """Found by SIGKILLing `up` after each spawn: `down tiny` said "nothing is running" (engine)
+    or stopped only the recorded engine (proxy), leaving the unrecorded process running with its
+    ports and claims (`up` then refused: port held); only `down` without a profile found it."""
+    orphans = _up_killed_before_the_record_of(host, component)
+    d = host.molctl("down", "tiny", "--stop-timeout", "2", "--drain-timeout", "2")
+    assert d.exit_code == ExitStatus.OK, d.stderr
+    assert "nothing is running" not in d.stdout
+    assert gone(orphans) and host.records() == {}
+
+
+@pytest.mark.parametrize("component", ["engine", "proxy"])
+def test_up_stops_what_an_up_killed_before_recording_it_spawned(host, component):
+    orphans = _up_killed_before_the_record_of(host, component)
+    r = host.up()
+    assert r.exit_code == ExitStatus.OK, r.stderr
+    assert gone(orphans)
+    assert set(host.records()) == {"engine", "proxy"}
+
+
+def test_a_huge_log_line_gives_a_bounded_log_tail(host):
+    """Found with an engine that prints one 8 MB line and exits: `up` wrote all of it to stderr
+    (its log tail read the whole line, on every readiness poll too). Now at most TAIL_LINE_MAX
+    bytes of a line (its end) are kept, and the lines after it still show."""
+    from molctl.processes import tail
+
+    noisy = host.tmp / "noisy-python"
+    noisy.write_text("#!/bin/sh\nhead -c 8000000 /dev/zero | tr '\\0' x\necho\n"
+                     "echo 'RuntimeError: the real cause'\nexit 3\n")
+    noisy.chmod(0o755)
+    host.python = noisy
+    r = host.up()
+    assert r.exit_code == ExitStatus.START_FAILED, r.stderr[-500:]
+    assert "RuntimeError: the real cause" in r.stderr and len(r.stderr) < 100_000
+    assert host.records() == {}
+    log = host.tmp / "one-line.log"
+    log.write_bytes(b"y" * 3_000_000)
+    (line,) = tail(log, 80)
+    assert line.startswith("...") and line.endswith("yyy") and len(line) < 10_000
+
+
+@pytest.mark.parametrize("component", ["engine", "proxy"])
+def test_status_shows_what_an_up_killed_before_recording_it_spawned(host, component):
+    """`status` said no stack was recorded (engine) or showed only the recorded engine (proxy)
+    while the unrecorded process ran with its ports."""
+    orphans = _up_killed_before_the_record_of(host, component)
+    (stack,) = host.molctl("status", "--json").json()["stacks"]
+    assert stack["profile"] == "tiny" and stack["state"] == "degraded"
+    assert any(f"the {component}'s marker" in p and str(orphans[0]) in p and "molctl down tiny" in p
+               for p in stack["problems"]), stack
+    assert host.molctl("status", "tiny", "--json").json()["stacks"][0]["state"] == "degraded"
+
+
+def test_a_process_that_only_works_in_the_run_dir_is_never_signalled(host):
+    """Found by starting a shell in the engine's run dir (an operator looking around) and running
+    `down`: the shell was taken for a retitled engine child by its working directory and got
+    SIGTERM. A process showing an environment without the marker is not ours."""
+    assert host.up().exit_code == ExitStatus.OK
+    record = host.records()["engine"]
+    run = procid.run_dir(os.path.realpath(host.state / "tiny" / "engine.json"), record.record_id)
+    shell = subprocess.Popen(["sleep", "120"], cwd=run, start_new_session=True,
+                             env={"PATH": os.environ["PATH"], "HOME": str(host.tmp)})
+    try:
+        assert wait_for(lambda: os.readlink(f"/proc/{shell.pid}/cwd") == str(run))
+        assert shell.pid not in host.stack_pids()
+        d = host.molctl("down", "--stop-timeout", "2", "--drain-timeout", "2")
+        assert d.exit_code == ExitStatus.OK, d.stderr
+        assert shell.poll() is None and host.records() == {}
+    finally:
+        stop(shell)
+
+
+def test_down_on_a_full_disk_still_stops_the_stack(host, monkeypatch):
+    """Found with the state dir on a full tmpfs: `down` failed with "No space left on device"
+    (writing its name into the state lock file) and stopped nothing. The holder's name is
+    best-effort: the lock is held all the same."""
+    assert host.up().exit_code == ExitStatus.OK
+    pids = host.stack_pids()
+    import molctl.state
+
+    def pwrite(fd, data, offset):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(molctl.state.os, "pwrite", pwrite)
+        d = _in_process(host)("down", "--stop-timeout", "2", "--drain-timeout", "2")
+    assert d.exit_code == ExitStatus.OK, d.stderr
+    assert gone(pids) and host.records() == {}
+
+
+def test_a_record_write_that_fails_leaves_no_half_written_file(tmp_path, monkeypatch):
+    """Found with the state dir on a full tmpfs: the failed write left `engine.json.tmp` behind."""
+    import molctl.state
+    from molctl.state import Record, write_record
+
+    record = Record("engine", 1, 1, 0.0, [], 1, "log", 0.0)
+
+    def fsync(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(molctl.state.os, "fsync", fsync)
+    with pytest.raises(OSError):
+        write_record(tmp_path, "tiny", record)
+    assert list((tmp_path / "tiny").iterdir()) == []
+
+
+def test_a_switch_failing_on_a_file_error_still_says_how_to_go_back(host):
+    """Found making the new profile's log dir unusable (a file named `logs`): the old stack was
+    stopped, and the error (`File exists`, exit 1) did not say so nor how to bring it back."""
+    _add_tiny_b(host)
+    assert host.up().exit_code == ExitStatus.OK
+    (host.state / "tiny-b").mkdir(mode=0o700)
+    (host.state / "tiny-b" / "logs").write_text("not a directory")
+    bad = host.molctl("switch", "tiny-b", *host.args("--stop-timeout", "5"))
+    assert bad.exit_code == ExitStatus.ERROR, bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1 and "logs" in bad.stderr
+    assert "the old stack tiny was stopped: bring it back with `molctl" in bad.stderr, bad.stderr
+    assert host.records("tiny-b") == {} and host.records("tiny") == {}
