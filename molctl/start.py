@@ -375,7 +375,7 @@ class _Starter:
         if probe.state == "ready":
             self.progress.step(f"engine ready after {elapsed:.1f} s")
             return
-        stop(record, ENGINE_STOP_TIMEOUT_S)
+        stop(record, self.opts.stop_timeout_s)  # `--stop-timeout`, as every other stop of `up` that the operator sets
         if probe.state == "adapters":
             raise StartFailed(f"the engine is up but {probe.detail}; it was stopped", ExitStatus.ADAPTERS)
         if probe.state == "version":  # the running server is not the pinned engine version

@@ -161,6 +161,15 @@ def test_engine_never_healthy_times_out(host):
     assert not [p for p in psutil.process_iter(["cmdline"]) if str(host.engine_port) in " ".join(p.info["cmdline"] or [])]
 
 
+def test_an_engine_that_times_out_is_stopped_within_the_stop_timeout(host):
+    """An engine that ignores SIGTERM after `up` gave up waiting was killed after a fixed 60 s,
+    not after `--stop-timeout` (the lifecycle review)."""
+    r = host.molctl("up", "tiny", *host.args("--timeout", "2", "--stop-timeout", "1",
+                                             env={"FAKE_STARTUP_DELAY": "60", "FAKE_IGNORE_TERM": "1"}), timeout=40)
+    assert r.exit_code == ExitStatus.TIMEOUT, r.stderr
+    assert host.records() == {} and port_free(host.engine_port)
+
+
 def test_models_missing_l3(host):
     r = host.up(env={"FAKE_ADAPTERS": "L0,L1,L2"})
     assert r.exit_code == ExitStatus.ADAPTERS, r.stderr
