@@ -40,6 +40,10 @@ def _pick_profile(state_dir: Path, profile: str | None) -> str:
     return max(names, key=newest)
 
 
+FOLLOW_READ_MAX = 1 << 20  # bytes `logs -f` reads per component and poll (a log that grew by gigabytes)
+FOLLOW_LINE_MAX = 64 << 10  # bytes of a line without end that `logs -f` holds before showing it
+
+
 def show_logs(ctx, profile: str | None, component: str | None, follow: bool, lines: int,
               out: Output | None = None, poll_s: float = 0.2, stop_after_s: float | None = None) -> None:
     out = out or Output()
@@ -67,7 +71,7 @@ def show_logs(ctx, profile: str | None, component: str | None, follow: bool, lin
     if not follow:
         return
     started = time.monotonic()
-    partial: dict[str, str] = {}
+    partial: dict[str, bytes] = {}  # a line not ended yet, per component (bytes: a UTF-8 character may be split)
     while stop_after_s is None or time.monotonic() - started < stop_after_s:
         for comp in components:
             newest = newest_log(ctx.state_dir, name, comp)
@@ -82,22 +86,24 @@ def show_logs(ctx, profile: str | None, component: str | None, follow: bool, lin
                 if path is not None:
                     out.raw(f"[{comp}] ==> new log {newest} <==\n")
                 path, pos, ino = newest, 0, st.st_ino
-                partial[comp] = ""
+                partial[comp] = b""
             elif st.st_ino != ino or st.st_size < pos:  # rotated (a new file under the same name)
                 out.raw(f"[{comp}] ==> {newest} was rotated <==\n")
                 pos, ino = 0, st.st_ino
-                partial[comp] = ""
+                partial[comp] = b""
             try:
                 with open(path, "rb") as fh:
                     fh.seek(pos)
-                    data = fh.read()
+                    data = fh.read(FOLLOW_READ_MAX)
             except OSError:
                 continue
             if data:
-                text = partial.get(comp, "") + data.decode(errors="replace")
-                *complete, rest = text.split("\n")
+                *complete, rest = (partial.get(comp, b"") + data).split(b"\n")
                 for line in complete:
-                    out.raw(f"[{comp}] {line}\n")
+                    out.raw(f"[{comp}] {line.decode(errors='replace')}\n")
+                if len(rest) > FOLLOW_LINE_MAX:  # a line without end (a dumped tensor): shown in pieces, not held
+                    out.raw(f"[{comp}] {rest.decode(errors='replace')}\n")
+                    rest = b""
                 partial[comp] = rest
             current[comp] = (path, pos + len(data), ino)
         time.sleep(poll_s)

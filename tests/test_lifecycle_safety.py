@@ -553,6 +553,42 @@ def test_logs_follow_across_a_rotation(tmp_path):
     assert "was rotated" in out_path.read_text()
 
 
+def test_logs_follow_shows_a_line_without_end_in_pieces_and_keeps_split_characters(tmp_path):
+    """`logs -f` held a line without a newline whole in memory (a component printing megabytes
+    without one), and decoded each read apart (a UTF-8 character split across two reads came out
+    as two replacement characters)."""
+    import threading
+
+    from molctl import logs as logs_module
+    from molctl.output import Output
+
+    state = tmp_path / "state"
+    logs = state / "tiny" / "logs"
+    logs.mkdir(parents=True)
+    log = logs / "proxy-20250101-000000.log"
+    log.write_text("start\n")
+    out_path = tmp_path / "out.txt"
+
+    class C:
+        state_dir = state
+
+    def follow():
+        with open(out_path, "w") as fh:
+            logs_module.show_logs(C(), "tiny", "proxy", True, 1, Output(stdout=fh), poll_s=0.02, stop_after_s=10)
+
+    threading.Thread(target=follow, daemon=True).start()
+    assert wait_for(lambda: out_path.exists() and "start" in out_path.read_text())
+    with open(log, "ab") as fh:
+        fh.write("é".encode()[:1])
+        fh.flush()
+        time.sleep(0.2)  # read apart: the character's first byte, then the rest
+        fh.write("é".encode()[1:] + b" done\n")
+    assert wait_for(lambda: "é done" in out_path.read_text()), out_path.read_text()[-200:]
+    with open(log, "ab") as fh:
+        fh.write(b"x" * (logs_module.FOLLOW_LINE_MAX + 10))
+    assert wait_for(lambda: "x" * logs_module.FOLLOW_LINE_MAX in out_path.read_text())
+
+
 def test_log_retention_is_a_validated_profile_field():
     from molctl.errors import ProfileError
     from molctl.profiles import load_profile, profile_dirs
