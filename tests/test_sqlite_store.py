@@ -173,6 +173,24 @@ def test_a_file_shorter_than_a_header_is_not_taken_for_an_empty_store(db):
     assert db.stat().st_size > 0
 
 
+def test_a_store_file_deleted_or_replaced_under_the_proxy_is_reported(db, caplog):
+    """The proxy went on writing a store file deleted (or replaced) under it, silently: all of it
+    lost at the next restart (found by the store review). `stats` (the metrics) says so, and the
+    proxy logs it once."""
+    store = SqliteResponseStore(db)
+    store.put_response(record("resp_1"))
+    assert store.stats()["file_replaced"] == 0
+    db.rename(db.with_suffix(".moved"))
+    with caplog.at_level("WARNING", logger="molctl.proxy"):
+        assert store.stats()["file_replaced"] == 1
+        db.write_bytes(b"")  # a new file at the path: still not the one being written
+        assert store.stats()["file_replaced"] == 1
+    assert [r.message for r in caplog.records].count(
+        f"response store {db} was deleted or replaced while this proxy runs: what it stores from now on is lost "
+        "when it restarts (restart it to use the file at that path)") == 1
+    store.close()
+
+
 def test_schema_version_mismatch_is_refused(db):
     SqliteResponseStore(db).close()
     conn = sqlite3.connect(db)

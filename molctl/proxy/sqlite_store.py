@@ -259,6 +259,8 @@ class SqliteResponseStore:
             self._conn = sqlite3.connect(str(self.path), timeout=busy_timeout_s, isolation_level=None,
                                          check_same_thread=False)
             self._setup()
+            self._identity = _identity(self.path)  # the file this connection writes (see `file_replaced`)
+            self._replaced_logged = False
         except sqlite3.Error as exc:
             self.close()
             raise StoreError(f"response store {self.path}: {_why(exc)}") from None
@@ -424,7 +426,19 @@ class SqliteResponseStore:
             oldest = self._conn.execute("SELECT min(created_at) FROM responses").fetchone()[0]
         return {"responses": meta.get("rows", 0), "responses_bytes": meta.get("bytes", 0),
                 "responses_evicted": meta.get("evicted", 0), "responses_expired": meta.get("expired", 0),
-                "responses_oldest_created_at": int(oldest or 0), **_conv_stats(meta)}
+                "responses_oldest_created_at": int(oldest or 0), **_conv_stats(meta),
+                "file_replaced": int(self.file_replaced())}
+
+    def file_replaced(self) -> bool:
+        """Whether the store's path no longer names the file this connection writes (deleted or
+        replaced while the proxy runs: SQLite goes on writing the unlinked file, and all of it is
+        lost when the proxy restarts). Logged once as a warning; a gauge in `stats`."""
+        replaced = _identity(self.path) != self._identity
+        if replaced and not self._replaced_logged:
+            self._replaced_logged = True
+            log.warning("response store %s was deleted or replaced while this proxy runs: what it stores from now "
+                        "on is lost when it restarts (restart it to use the file at that path)", self.path)
+        return replaced
 
     def prune(self) -> dict[str, int]:
         """Delete expired rows, then evict over the caps (responses, then the conversation rows on
@@ -849,6 +863,15 @@ def _row(record: ResponseRecord) -> tuple:
     size = sum(len(t.encode()) for t in texts) + len(extra_text.encode())
     return (record["tenant"], record["id"], float(record["created_at"]), record.get("previous_response_id"),
             record.get("route"), *texts, extra_text, size)
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of the file at `path`, None when there is none."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _size(path: Path) -> int:
