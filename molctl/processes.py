@@ -92,7 +92,7 @@ def _group_alive(pgid: int) -> bool:
         os.killpg(pgid, 0)
     except (ProcessLookupError, PermissionError):
         return False
-    return any(_pgid(p) == pgid and _alive(p) for p in psutil.process_iter())
+    return any(_pgid(p) == pgid and is_alive(p) for p in psutil.process_iter())
 
 
 def members(record: Record) -> list[psutil.Process]:
@@ -113,7 +113,7 @@ def members(record: Record) -> list[psutil.Process]:
                     found[pid] = psutil.Process(pid)
                 except psutil.NoSuchProcess:
                     continue
-    return [p for p in found.values() if _alive(p)]
+    return [p for p in found.values() if is_alive(p)]
 
 
 def marked_by_path(prefix: Path) -> list[tuple[psutil.Process, str]]:
@@ -127,7 +127,7 @@ def marked_by_path(prefix: Path) -> list[tuple[psutil.Process, str]]:
                 proc = psutil.Process(pid)
             except psutil.NoSuchProcess:
                 continue
-            if _alive(proc):
+            if is_alive(proc):
                 out.append((proc, path))
     return out
 
@@ -139,7 +139,8 @@ def stack_pids(state_dir: Path, profile: str) -> set[int]:
     return {p.pid for record in read_records(state_dir, profile).values() for p in members(record)}
 
 
-def _alive(proc: psutil.Process) -> bool:
+def is_alive(proc: psutil.Process) -> bool:
+    """Running and not a zombie."""
     try:
         return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
@@ -203,7 +204,7 @@ def stop_processes(record: Record | None, procs: list[psutil.Process], timeout_s
     deadline = start + timeout_s
     next_report = start + wait_every_s
     while time.monotonic() < deadline:
-        procs = [p for p in procs if _alive(p)]
+        procs = [p for p in procs if is_alive(p)]
         if not procs:
             break
         now = time.monotonic()
@@ -211,17 +212,17 @@ def stop_processes(record: Record | None, procs: list[psutil.Process], timeout_s
             on_wait(max(0.0, deadline - now))
             next_report += wait_every_s
         sleep(0.1)
-    procs = [p for p in (rescan() if rescan else procs) if _alive(p)] or [p for p in procs if _alive(p)]
+    procs = [p for p in (rescan() if rescan else procs) if is_alive(p)] or [p for p in procs if is_alive(p)]
     killed = bool(procs)
     if procs:
         if on_escalate:
             on_escalate()
         _signal_all(record, procs, signal.SIGKILL)
         end = time.monotonic() + 5
-        while time.monotonic() < end and any(_alive(p) for p in procs):
+        while time.monotonic() < end and any(is_alive(p) for p in procs):
             sleep(0.05)
-    left = rescan() if rescan else [p for p in procs if _alive(p)]
-    survivors = [f"{p.pid} {_name(p)}" for p in left if _alive(p)]
+    left = rescan() if rescan else [p for p in procs if is_alive(p)]
+    survivors = [f"{p.pid} {_name(p)}" for p in left if is_alive(p)]
     return StopResult(found, killed, survivors)
 
 

@@ -12,10 +12,18 @@ from pathlib import Path
 
 from molctl import stackconfig
 from molctl.errors import ExitStatus, MolctlError
-from molctl.processes import marked_by_path, stack_pids
+from molctl.processes import is_alive, marked_by_path, stack_pids
 from molctl.profiles import profile_files
 from molctl.readiness import base_url, http_status
-from molctl.state import COMPONENTS, Record, RecordProblem, is_same_process, profiles_with_records, read_records_checked
+from molctl.state import (
+    COMPONENTS,
+    Record,
+    RecordProblem,
+    is_same_process,
+    profiles_with_records,
+    read_records,
+    read_records_checked,
+)
 
 
 def component_url(record: Record) -> str:
@@ -43,6 +51,35 @@ def recorded_config(records: dict[str, Record]) -> dict:
         if component in records and records[component].config:
             return records[component].config
     return {}
+
+
+def unrecorded_marked(state_dir: Path, names: list[str] | None = None) -> dict[tuple[str, str], list]:
+    """(profile, component) -> live processes carrying a marker of this state dir that no readable
+    record names: its record was never written (molctl killed between a spawn and its record), or
+    the state dir cannot be read. The marker proves they are ours."""
+    import psutil
+
+    from molctl import procid
+
+    root = os.path.realpath(state_dir).rstrip("/") + "/"
+    ids: dict[str, dict[str, str]] = {}
+    groups: dict[tuple[str, str], list] = {}
+    for pid, path, rid in procid.marked_processes():
+        rel = path[len(root):].split("/") if path.startswith(root) else []
+        if len(rel) != 2 or not rel[1].endswith(".json") or (names is not None and rel[0] not in names):
+            continue
+        profile, component = rel[0], rel[1].removesuffix(".json")
+        if profile not in ids:
+            ids[profile] = {c: r.record_id for c, r in read_records(state_dir, profile).items()}
+        if rid and ids[profile].get(component) == rid:
+            continue  # its record's: stopped (or kept) with that record
+        try:
+            proc = psutil.Process(pid)
+        except psutil.NoSuchProcess:
+            continue
+        if is_alive(proc):
+            groups.setdefault((profile, component), []).append(proc)
+    return groups
 
 
 def marked_for(state_dir: Path, name: str, problems: list[RecordProblem]):

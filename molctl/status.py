@@ -17,7 +17,7 @@ from molctl.errors import ProfileError
 from molctl.processes import stack_pids
 from molctl.profiles import Profile, load_profile
 from molctl.readiness import http_status
-from molctl.stacks import component_url, known_or_recorded, marked_for, recorded_config
+from molctl.stacks import component_url, known_or_recorded, marked_for, recorded_config, unrecorded_marked
 from molctl.state import (
     COMPONENTS,
     LockHolder,
@@ -40,8 +40,6 @@ def status(ctx, name: str | None, gpu_probe=None) -> dict[str, Any]:
     if not name and holder is not None and holder.action in ("up", "switch") and holder.profile \
             and holder.profile not in names:
         names.append(holder.profile)  # in its preflight: no record written yet
-    from molctl.stop import unrecorded_marked
-
     unrecorded = unrecorded_marked(state_dir, names if name else None) if state_dir.exists() else {}
     names += sorted({p for p, _ in unrecorded} - set(names))  # spawned by an `up` killed before recording them
     stacks = []

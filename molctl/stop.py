@@ -15,7 +15,7 @@ from typing import Any
 from molctl.errors import ConflictError, MolctlError
 from molctl.processes import members, stack_pids, stop, stop_processes
 from molctl.progress import Progress
-from molctl.stacks import known_or_recorded, marked_for, unreadable_records_error
+from molctl.stacks import known_or_recorded, marked_for, unreadable_records_error, unrecorded_marked
 from molctl.state import (
     Record,
     RecordProblem,
@@ -114,36 +114,6 @@ def down_locked(state_dir: Path, names: list[str] | None, drain_s: float, engine
         return {"stopped": [], "message": "nothing is running"}
     profiles = list(dict.fromkeys(s["profile"] for s in stopped))
     return {"stopped": stopped, "message": f"stopped {', '.join(profiles)}"}
-
-
-def unrecorded_marked(state_dir: Path, names: list[str] | None = None) -> dict[tuple[str, str], list]:
-    """(profile, component) -> live processes carrying a marker of this state dir that no readable
-    record names: its record was never written (molctl killed between a spawn and its record), or
-    the state dir cannot be read. The marker proves they are ours."""
-    import psutil
-
-    from molctl import procid
-    from molctl.processes import _alive
-
-    root = os.path.realpath(state_dir).rstrip("/") + "/"
-    ids: dict[str, dict[str, str]] = {}
-    groups: dict[tuple[str, str], list] = {}
-    for pid, path, rid in procid.marked_processes():
-        rel = path[len(root):].split("/") if path.startswith(root) else []
-        if len(rel) != 2 or not rel[1].endswith(".json") or (names is not None and rel[0] not in names):
-            continue
-        profile, component = rel[0], rel[1].removesuffix(".json")
-        if profile not in ids:
-            ids[profile] = {c: r.record_id for c, r in read_records(state_dir, profile).items()}
-        if rid and ids[profile].get(component) == rid:
-            continue  # its record's: stopped (or kept) with that record
-        try:
-            proc = psutil.Process(pid)
-        except psutil.NoSuchProcess:
-            continue
-        if _alive(proc):
-            groups.setdefault((profile, component), []).append(proc)
-    return groups
 
 
 def clean_unrecorded(state_dir: Path, name: str, progress: Progress) -> None:
