@@ -307,3 +307,44 @@ def test_adapter_base_with_a_nul_byte_fails_as_another_base(check, tmp_path):
     code, report = check("tall", tmp_path / "m")
     assert code == ExitStatus.CHECK_FAILED
     assert "base_model_name_or_path" in failures(report)["adapter.L1.base"]
+
+
+def _shard(path, header: dict, data: bytes, extra: bytes = b"") -> None:
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data + extra)
+
+
+F32 = {"dtype": "F32"}
+
+
+@pytest.mark.parametrize("header, data, extra", [
+    ({"a": {**F32, "shape": [2], "data_offsets": [0, 8]}, "b": {**F32, "shape": [1], "data_offsets": [8, 12]}}, 12, 0),
+    ({"a": {**F32, "shape": [2], "data_offsets": [0, 8]}, "b": {**F32, "shape": [1], "data_offsets": [8, 12]}}, 12, 16),
+    ({"a": {**F32, "shape": [2], "data_offsets": [0, 8]}, "b": {**F32, "shape": [1], "data_offsets": [12, 16]}}, 16, 0),
+    ({"a": {**F32, "shape": [2], "data_offsets": [0, 8]}, "b": {**F32, "shape": [1], "data_offsets": [4, 8]}}, 8, 0),
+    ({"a": {**F32, "shape": [3], "data_offsets": [0, 8]}}, 8, 0),
+    ({"a": {**F32, "shape": [2], "data_offsets": [0, 8]}}, 4, 0),
+], ids=["valid", "trailing-bytes", "gap", "overlap", "shape-mismatch", "truncated"])
+def test_the_header_check_agrees_with_the_safetensors_library(tmp_path, header, data, extra):
+    """molctl's header reader is a stand-in for the loader the engine uses: it must refuse exactly
+    what the real `safetensors` library (installed with the engine) refuses, and accept what it loads."""
+    import safetensors  # installed with the engine (vllm) by `make test`
+
+    from molctl.safetensors import HeaderError, read_header
+
+    path = tmp_path / "x.safetensors"
+    _shard(path, header, b"\0" * data, b"\0" * extra)
+    try:
+        with safetensors.safe_open(str(path), "np") as f:
+            list(f.keys())
+        real_ok = True
+    except Exception:  # noqa: BLE001 - SafetensorError, whatever its module
+        real_ok = False
+    try:
+        read_header(path)
+        ours_ok = True
+    except HeaderError:
+        ours_ok = False
+    assert ours_ok == real_ok, (ours_ok, real_ok)
+    assert real_ok == (data == 12 and extra == 0)  # the cases are what they say
