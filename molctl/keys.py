@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 from pathlib import Path
 
 from molctl.errors import UsageError
@@ -14,17 +15,44 @@ from molctl.errors import UsageError
 MAX_KEY_FILE_BYTES = 64 << 20
 
 
+def _read_bounded(path) -> bytes:
+    with open(path, "rb") as fh:
+        data = fh.read(MAX_KEY_FILE_BYTES + 1)
+    if len(data) > MAX_KEY_FILE_BYTES:
+        raise OSError(errno.EFBIG, f"larger than {MAX_KEY_FILE_BYTES} bytes (expected one key per line)")
+    return data
+
+
+def _parse_keys(data: bytes) -> list[str]:
+    lines = [line.strip() for line in data.decode("utf-8-sig").splitlines()]
+    return [line for line in lines if line and not line.startswith("#")]
+
+
 def load_keys(path) -> list[str]:
     """The keys of a key file; a UTF-8 BOM (a Windows editor's) is not part of the first key, and a
     line starting with `#` (a header config management writes) is a comment, not a key.
     A file larger than MAX_KEY_FILE_BYTES (or a device such as /dev/zero) is an OSError, read no
     further: a key file is never read into memory whole, nor for seconds on the proxy's event loop."""
-    with open(path, "rb") as fh:
-        data = fh.read(MAX_KEY_FILE_BYTES + 1)
-    if len(data) > MAX_KEY_FILE_BYTES:
-        raise OSError(errno.EFBIG, f"larger than {MAX_KEY_FILE_BYTES} bytes (expected one key per line)")
-    lines = [line.strip() for line in data.decode("utf-8-sig").splitlines()]
-    return [line for line in lines if line and not line.startswith("#")]
+    return _parse_keys(_read_bounded(path))
+
+
+def load_keys_settled(path, pause_s: float = 0.05, limit_s: float = 2.0) -> list[str]:
+    """`load_keys` for a reload (SIGHUP), which may come while the file is being rewritten in place
+    (`cat > keys`, a script writing line by line): the file is read until two reads `pause_s` apart
+    agree, so a half-written file is not taken for the new key set (a key cut in two would lock its
+    tenant out). A file still changing after `limit_s` is an OSError (EBUSY): the old keys stay.
+    Blocks for at least `pause_s`: call it from a worker thread. Writing the new file beside the old
+    one and renaming it over it (what editors and config management do) never needs this."""
+    deadline = time.monotonic() + limit_s
+    data = _read_bounded(path)
+    while True:
+        time.sleep(pause_s)
+        again = _read_bounded(path)
+        if again == data:
+            return _parse_keys(data)
+        if time.monotonic() > deadline:
+            raise OSError(errno.EBUSY, f"still changing after {limit_s:g} s (write the new file beside it, then rename it over it)")
+        data = again
 
 
 def resolve_api_keys(api_key_file: Path | None, allow_unauthenticated: bool) -> list[str] | None:

@@ -50,6 +50,7 @@ DEFAULT_CONFIG = {
     "answer_word": "word",  # the extra word (a long one makes a big stream)
     "answer_finish": None,  # override the answer's finish reason (e.g. "abort")
     "stream_error_after": None,  # after this many content pieces, an error frame then [DONE] (vLLM's way)
+    "stream_no_finish": False,  # end the stream with [DONE] but no finish_reason (neither vLLM nor SGLang does)
     "strict": False,  # enforce vLLM's window rule and the Qwen3.5/3.6 template's role rules
     "max_model_len": 2048,  # the window in strict mode
     # per engine model (the base's served name or an adapter), for `molctl bench` (answer hops and direct requests):
@@ -253,7 +254,8 @@ async def stream_body(resp, emit, message, finish, tool, cfg, payload, model, us
                 return
             await asyncio.sleep(cfg["token_delay"])
             await emit({"content": piece})
-    await emit({}, finish)
+    if not cfg["stream_no_finish"]:
+        await emit({}, finish)
     if (payload.get("stream_options") or {}).get("include_usage"):
         await resp.write(b"data: " + json.dumps({"id": "x", "object": "chat.completion.chunk", "created": 0,
                                                  "model": model, "choices": [], "usage": usage}).encode() + b"\n\n")

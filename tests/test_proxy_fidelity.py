@@ -136,6 +136,23 @@ def test_an_engine_error_frame_mid_stream_reaches_the_client_and_nothing_is_reco
     assert not s.log("summary")  # a failed turn is neither recorded nor summarised
 
 
+def test_a_stream_that_ends_without_a_finish_reason_is_an_error_and_nothing_is_recorded(s):
+    """vLLM and SGLang end every streamed choice with a finish_reason before [DONE]; a stream
+    without one may have lost its end (a cut or buggy engine): the client must not see a "stop"."""
+    s.config(answer_words=3, stream_no_finish=True)
+    received, finishes = "", []
+    with pytest.raises(openai.APIError) as err:
+        for chunk in s.client.chat.completions.create(model=PUBLIC, stream=True,
+                                                      messages=[{"role": "user", "content": "[route:L2] cut"}]):
+            for choice in chunk.choices:
+                finishes.append(choice.finish_reason)
+                received += choice.delta.content or ""
+    assert received.startswith("answer-") and set(finishes) == {None}
+    assert "failed while answering" in str(err.value.message)
+    time.sleep(0.3)
+    assert not s.log("summary")
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_abort_finish_reason_is_kept_and_not_summarised(s, stream):
     s.config(answer_finish="abort")

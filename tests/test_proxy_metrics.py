@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import socket
+import time
 
 import httpx
 import openai
@@ -22,7 +25,8 @@ SAMPLE = re.compile(r"([a-zA-Z_:][\w:]*)(?:\{(.*)\})? (\S+)")
 
 
 class Stack:
-    def __init__(self, engine_url, proxy_url, metrics_url, log):
+    def __init__(self, engine_url, proxy_url, metrics_url, log, proxy_pid=None):
+        self.proxy_pid = proxy_pid
         self.engine_url, self.proxy_url, self.metrics_url, self.log_path = engine_url, proxy_url, metrics_url, log
         self.client = openai.OpenAI(base_url=proxy_url + "/v1", api_key=KEY, max_retries=0, timeout=30)
 
@@ -66,8 +70,8 @@ def s(tmp_path_factory):
     with running(fake_engine_argv(engine_port), engine_url + "/health"), \
             running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(keyfile), "--store", "memory",
                                "--metrics-port", str(metrics_port), "--set", "proxy.route_timeout_s=2"),
-                    proxy_url + "/health", log=log):
-        yield Stack(engine_url, proxy_url, f"http://127.0.0.1:{metrics_port}/metrics", log)
+                    proxy_url + "/health", log=log) as proxy:
+        yield Stack(engine_url, proxy_url, f"http://127.0.0.1:{metrics_port}/metrics", log, proxy.pid)
 
 
 def test_metrics_listener_counts_requests_hops_and_states(s):
@@ -125,6 +129,31 @@ def test_label_values_are_bounded_and_the_public_port_has_no_metrics(s):
     assert "secret-words-here" not in text and KEY not in text
     assert httpx.get(s.proxy_url + "/metrics", headers=AUTH).status_code == 404
     assert httpx.get(s.metrics_url.replace("/metrics", "/v1/models")).status_code == 404
+
+
+def test_idle_connections_to_the_metrics_port_are_bounded(s):
+    """Clients that open connections and send nothing hold at most MetricsListener.MAX_CONNECTIONS
+    of the proxy's file descriptors; scrapes work again as soon as they go."""
+    from molctl.proxy.metrics import MetricsListener
+
+    port = int(s.metrics_url.split(":")[2].split("/")[0])
+    fds = lambda: len(os.listdir(f"/proc/{s.proxy_pid}/fd"))  # noqa: E731
+    before = fds()
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(200)]
+    try:
+        time.sleep(0.5)
+        assert fds() - before <= MetricsListener.MAX_CONNECTIONS + 4
+    finally:
+        for sock in idle:
+            sock.close()
+
+    def scrape_ok() -> bool:
+        try:
+            return httpx.get(s.metrics_url, timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    assert wait_for(scrape_ok, timeout=5)
 
 
 def test_request_id_is_passed_on_and_each_request_logs_one_json_line(s):

@@ -83,6 +83,64 @@ def test_sighup_rereads_the_key_file_without_dropping_a_stream(tmp_path):
         assert NEW not in log.read_text() and OLD not in log.read_text()
 
 
+def test_a_key_file_being_rewritten_in_place_is_read_once_it_is_complete(tmp_path):
+    """A SIGHUP that arrives while the key file is rewritten in place (truncated, then written line by
+    line, as `cat > keys` or a script does) must not take the half-written file for the new key set:
+    the last keys would be refused, or a key cut in two."""
+    keyfile = tmp_path / "keys"
+    write_keys(keyfile, OLD)
+    keys = [f"sk-inplace-{i:03d}" for i in range(60)]
+    engine_port, proxy_port = free_port(), free_port()
+    engine_url, proxy_url = url(engine_port), url(proxy_port)
+    with running(fake_engine_argv(engine_port), engine_url + "/health"), \
+            running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(keyfile), "--store", "memory"),
+                    proxy_url + "/health", log=tmp_path / "proxy.log") as proc:
+        with open(keyfile, "w") as fh:  # in place: truncated, then a line every 10 ms
+            fh.write(keys[0][:6])
+            fh.flush()
+            proc.send_signal(signal.SIGHUP)
+            fh.write(keys[0][6:] + "\n")
+            for key in keys[1:]:
+                time.sleep(0.01)
+                fh.write(key + "\n")
+                fh.flush()
+        assert wait_for(lambda: status_with(proxy_url, keys[0]) == 200, timeout=10)
+        assert all(status_with(proxy_url, k) == 200 for k in (keys[-1], keys[30]))
+        assert status_with(proxy_url, OLD) == 401
+
+
+def test_load_keys_settled_waits_for_a_file_that_keeps_changing(tmp_path):
+    from molctl.keys import load_keys_settled
+
+    path = tmp_path / "keys"
+    path.write_text("sk-a\n")
+    stop_writing = time.monotonic() + 0.4
+
+    def writer():
+        n = 0
+        while time.monotonic() < stop_writing:
+            n += 1
+            with open(path, "a") as fh:
+                fh.write(f"sk-{n}\n")
+            time.sleep(0.01)
+
+    t = threading.Thread(target=writer)
+    t.start()
+    try:
+        got = load_keys_settled(path)
+    finally:
+        t.join()
+    assert got == path.read_text().split()  # all of it, as it was once the writer stopped
+    with pytest.raises(OSError, match="still changing after 0.2 s"):
+        stop_writing = time.monotonic() + 1.0
+        t = threading.Thread(target=writer)
+        t.start()
+        try:
+            load_keys_settled(path, limit_s=0.2)
+        finally:
+            t.join()
+
+
 class Host:
     """`molctl up tiny` with the fake engine (as tests/test_bench.py), the key in a file."""
 
@@ -308,14 +366,14 @@ def test_a_reload_reads_the_key_file_off_the_event_loop_and_coalesces_a_burst(tm
     key_file = tmp_path / "keys"
     write_keys(key_file, NEW)
     reads = []
-    real = keys_module.load_keys
+    real = keys_module.load_keys_settled
 
-    def load_keys(path):
+    def load_keys_settled(path):
         reads.append(threading.current_thread() is threading.main_thread())
         time.sleep(0.2)  # a large file: the loop must run meanwhile
         return real(path)
 
-    monkeypatch.setattr(keys_module, "load_keys", load_keys)
+    monkeypatch.setattr(keys_module, "load_keys_settled", load_keys_settled)
 
     class App:
         keys: dict = {}

@@ -132,11 +132,21 @@ class _Collector:
 
 
 class MetricsListener:
-    """A minimal HTTP/1.1 server for `GET /metrics` (one request per connection)."""
+    """A minimal HTTP/1.1 server for `GET /metrics` (one request per connection).
+
+    Bounded: at most MAX_CONNECTIONS open at once (a scraper needs one; more are closed at
+    once, before anything is read), each with IO_TIMEOUT_S to send its request head and to read
+    the answer, so clients that open connections and send nothing, or never read, cannot
+    exhaust the proxy's file descriptors or memory."""
+
+    MAX_CONNECTIONS = 32
+    IO_TIMEOUT_S = 10.0
 
     def __init__(self, metrics: ProxyMetrics, host: str, port: int, sock: socket.socket | None = None):
         self.metrics, self.host, self.port, self.sock = metrics, host, port, sock
         self._server: asyncio.Server | None = None
+        self.open_connections = 0
+        self.refused_connections = 0
 
     async def start(self) -> None:
         if self.sock is not None:  # bound before the server started (see bind_metrics)
@@ -152,8 +162,22 @@ class MetricsListener:
             self._server = None
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.open_connections >= self.MAX_CONNECTIONS:
+            self.refused_connections += 1
+            if self.refused_connections == 1 or self.refused_connections % 1000 == 0:
+                log.warning("metrics listener: %d connections open, closing new ones (%d so far)",
+                            self.open_connections, self.refused_connections)
+            writer.transport.abort()
+            return
+        self.open_connections += 1
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            await self._serve(reader, writer)
+        finally:
+            self.open_connections -= 1
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self.IO_TIMEOUT_S)
             method, path, *_ = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ")
             if method == "GET" and path.split("?", 1)[0] == "/metrics":
                 status, ctype, body = "200 OK", CONTENT_TYPE_LATEST, self.metrics.exposition()
@@ -161,9 +185,9 @@ class MetricsListener:
                 status, ctype, body = "404 Not Found", "text/plain; charset=utf-8", b"only GET /metrics here\n"
             writer.write(f"HTTP/1.1 {status}\r\ncontent-type: {ctype}\r\ncontent-length: {len(body)}\r\n"
                          f"connection: close\r\n\r\n".encode() + body)
-            await writer.drain()
+            await asyncio.wait_for(writer.drain(), self.IO_TIMEOUT_S)
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ConnectionError, ValueError):
-            pass
+            writer.transport.abort()  # close() would wait to flush to a client that does not read
         finally:
             writer.close()
 

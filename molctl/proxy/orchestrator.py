@@ -438,6 +438,8 @@ class Orchestrator:
                         yield shaping.chunk(rid, self.public, created, delta, logprobs=choice.get("logprobs"))
             if first:
                 yield shaping.chunk(rid, self.public, created, {"role": "assistant", "content": ""})
+            if finish is None:  # vLLM and SGLang always end a choice with one: the answer may be cut short
+                raise EngineHTTPError(502, "the engine's stream ended without a finish_reason", in_stream=True)
         except (EngineHTTPError, EngineUnavailable) as exc:
             self._engine_error(exc)
             raise from_engine(exc, self.engine_names, self.public) from None

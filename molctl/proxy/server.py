@@ -70,14 +70,14 @@ class DrainingServer(uvicorn.Server):
         import os
         import stat
 
-        from molctl.keys import load_keys
+        from molctl.keys import load_keys_settled
 
         try:
             if not stat.S_ISREG(os.stat(self.key_file).st_mode):  # a FIFO would block the reload for ever
                 log.error("SIGHUP: key file %s is not a regular file; keeping the %d old key(s)", self.key_file,
                           len(self.proxy_app.keys))
                 return None
-            keys = load_keys(self.key_file)
+            keys = load_keys_settled(self.key_file)  # not a file caught half-written
         except (OSError, UnicodeDecodeError) as exc:
             log.error("SIGHUP: key file %s not reloaded (%s); keeping the %d old key(s)", self.key_file,
                       getattr(exc, "strerror", None) or type(exc).__name__, len(self.proxy_app.keys))
