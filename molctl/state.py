@@ -15,6 +15,8 @@ import errno
 import json
 import os
 import time
+import types
+import typing
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -76,16 +78,26 @@ def _parse_record(text: str) -> Record:
         raise ValueError("pid/pgid missing or not a positive integer")
     # a field of another type made status and up raise (`"port": "x"`), or made up take the live
     # stack for a stranger's and start a second one (`"start_ticks": "x"`)
-    for name, types in _FIELD_TYPES.items():
+    for name, allowed in _FIELD_TYPES.items():
         value = getattr(record, name)
-        if isinstance(value, bool) or not isinstance(value, types):
+        if isinstance(value, bool) or not isinstance(value, allowed):
             raise ValueError(f"field {name!r} is {type(value).__name__}")
     return record
 
 
-_FIELD_TYPES = {"component": str, "create_time": (int, float), "argv": list, "port": int, "log": str,
-                "started_at": (int, float), "extra": dict, "start_ticks": (int, type(None)),
-                "boot_id": (str, type(None)), "record_id": str, "host": str, "config": dict}
+def _json_types(hint: Any) -> tuple[type, ...]:
+    """What a JSON value of a field annotated `hint` may be: `float` takes an int too (JSON writes
+    1.0 as 1), `X | None` takes None, `list[str]` any list."""
+    args = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    out: list[type] = []
+    for arg in args:
+        arg = typing.get_origin(arg) or arg
+        out += [int, float] if arg is float else [arg]
+    return tuple(out)
+
+
+# derived from Record's annotations, so a new field is checked without a second list to keep
+_FIELD_TYPES = {name: _json_types(hint) for name, hint in typing.get_type_hints(Record).items()}
 
 
 def read_records_checked(state_dir: Path, profile: str) -> tuple[dict[str, Record], list[RecordProblem]]:
