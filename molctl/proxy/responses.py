@@ -32,6 +32,7 @@ Choices, where the issue leaves room:
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import time
@@ -492,7 +493,9 @@ class StreamTranslator:
 
     def _add(self, item: dict[str, Any]) -> list[dict[str, Any]]:
         self.output.append(item)
-        return [self.ev("response.output_item.added", output_index=len(self.output) - 1, item=dict(item))]
+        # a copy of the item as it is now (empty): the translator goes on filling it, and the event is
+        # serialised later, after the rest of its chunk was fed; clients build the item on this one
+        return [self.ev("response.output_item.added", output_index=len(self.output) - 1, item=copy.deepcopy(item))]
 
     def _close_open(self, status: str = "completed") -> list[dict[str, Any]]:
         item, self.open = self.open, None
@@ -534,7 +537,7 @@ class StreamTranslator:
                 part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
             events += self._add(item)
             events.append(self.ev("response.content_part.added", item_id=item["id"], output_index=len(self.output) - 1,
-                                  content_index=0, part=dict(part)))
+                                  content_index=0, part=copy.deepcopy(part)))
             item["content"].append(part)
             self.open = item
         item = self.open
