@@ -176,3 +176,31 @@ def test_every_parallel_call_needs_its_output():
                                                               "output": "x"} for i in (2, 1)]}, "m")
     both.prev, both.history = prev, list(prev["messages"])
     assert [m["role"] for m in both.chat_body()["messages"]] == ["user", "assistant", "tool", "tool"]
+
+
+def test_an_empty_streamed_answer_still_has_its_message_item():
+    """An answer with no text and no tool call (an empty answer, or reasoning only) was, streamed,
+    a Response with no message item (`output: []`, or the reasoning item alone), while the same
+    answer not streamed has one empty message item (`output_items`): the stored Response, what
+    `retrieve` returns, depended on `stream`. Found comparing the two paths' output item by item
+    (a model that answered with reasoning only).
+
+    OpenAI's text answer is a `message` item with one `output_text` part, announced and closed by
+    `output_item.added` / `content_part.added` / `output_text.done` / `content_part.done` /
+    `output_item.done` (developers.openai.com/api/reference/resources/responses/streaming-events)."""
+    for deltas in ([], [{"reasoning_content": "think"}]):
+        req = responses.parse_request({"model": "m", "input": "x"}, "m")
+        tr = responses.StreamTranslator(req, "resp_1", 0)
+        events = tr.start() + tr.feed({"choices": [{"delta": {"role": "assistant", "content": ""}}]})
+        for delta in deltas:
+            events += tr.feed({"choices": [{"delta": delta}]})
+        events += tr.feed({"choices": [{"delta": {}, "finish_reason": "stop"}]})
+        closing, final = tr.finish_events()
+        message = {"role": "assistant", "content": "", **(deltas[0] if deltas else {})}
+        plain = responses.complete_response(req, "resp_2", 0, {"choices": [{"message": message, "finish_reason": "stop"}]})
+        assert [i["type"] for i in final["output"]] == [i["type"] for i in plain["output"]]
+        assert final["output"][-1]["content"] == [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}]
+        types = [e["type"] for e in events + closing]
+        assert types[-6:] == ["response.output_item.added", "response.content_part.added", "response.output_text.done",
+                              "response.content_part.done", "response.output_item.done", "response.completed"]
+        assert [e["sequence_number"] for e in events + closing] == list(range(len(types)))

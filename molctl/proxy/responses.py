@@ -570,21 +570,26 @@ class StreamTranslator:
         self.calls = {}
         return events
 
+    def _open(self, kind: str) -> list[dict[str, Any]]:
+        """Close the open item, open a reasoning or message item with its one (empty) part."""
+        events = self._close_open()
+        if kind == "reasoning":
+            item = {"id": new_id("rs_"), "type": "reasoning", "summary": [], "status": "in_progress", "content": []}
+            part = {"type": "reasoning_text", "text": ""}
+        else:
+            item = {"id": new_id("msg_"), "type": "message", "role": "assistant", "status": "in_progress", "content": []}
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        events += self._add(item)
+        events.append(self.ev("response.content_part.added", item_id=item["id"], output_index=len(self.output) - 1,
+                              content_index=0, part=copy.deepcopy(part)))
+        item["content"].append(part)
+        self.open = item
+        return events
+
     def _text(self, kind: str, delta: str, logprobs: list) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
         if self.open is None or self.open["type"] != kind:
-            events += self._close_open()
-            if kind == "reasoning":
-                item = {"id": new_id("rs_"), "type": "reasoning", "summary": [], "status": "in_progress", "content": []}
-                part = {"type": "reasoning_text", "text": ""}
-            else:
-                item = {"id": new_id("msg_"), "type": "message", "role": "assistant", "status": "in_progress", "content": []}
-                part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            events += self._add(item)
-            events.append(self.ev("response.content_part.added", item_id=item["id"], output_index=len(self.output) - 1,
-                                  content_index=0, part=copy.deepcopy(part)))
-            item["content"].append(part)
-            self.open = item
+            events += self._open(kind)
         item = self.open
         idx = self.output.index(item)
         part = item["content"][0]
@@ -647,7 +652,10 @@ class StreamTranslator:
         """-> (the closing events, the final response object)."""
         status, incomplete, error = status_of(self.finish)
         item_status = "completed" if status == "completed" else "incomplete"
-        events = self._close_open(item_status) + self._close_calls(item_status)
+        events: list[dict[str, Any]] = []
+        if not any(i["type"] in ("message", "function_call") for i in self.output):
+            events += self._open("message")  # no text, no call: one empty message item, as `output_items` makes
+        events += self._close_open(item_status) + self._close_calls(item_status)
         final = self.snapshot(status, output=self.output, usage=self.usage, error=error, incomplete=incomplete)
         kind = {"completed": "response.completed", "incomplete": "response.incomplete", "failed": "response.failed"}[status]
         return events + [self.ev(kind, response=final)], final
