@@ -32,6 +32,7 @@ Choices, where the issue leaves room:
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import time
@@ -50,6 +51,11 @@ TEXT_PARTS = ("input_text", "output_text", "text")
 
 def new_id(prefix: str) -> str:
     return prefix + os.urandom(12).hex()
+
+
+def duplicate_item(item_id: str) -> ProxyError:
+    return invalid(f"Duplicate item found with id {shown(item_id)}. Remove duplicate items from your input and try again.",
+                   "input")
 
 
 def not_found(response_id: str, param: str | None = None) -> ProxyError:
@@ -75,10 +81,47 @@ class ResponsesRequest:
     history: list[dict[str, Any]] = field(default_factory=list)  # the chain's chat messages
 
     def chat_body(self) -> dict[str, Any]:
+        """The chat request (after the stored chain, if any, was loaded into `prev` / `history`)."""
+        self.check_chain()
         head = []
         if self.body.get("instructions"):
             head.append({"role": "system", "content": self.body["instructions"]})
         return {**self.chat, "messages": head + self.history + self.messages}
+
+    def check_chain(self) -> None:
+        """What OpenAI refuses once the input meets the stored chain (400s, `param: "input"`):
+        - an input item with the id of an item the previous response holds already (its output, or
+          its own input): the client resent what `previous_response_id` brings (it would reach the
+          engine twice). Only the previous response's items are known by id; echoed `reasoning`
+          items are ignored anyway.
+        - a function call left without its output: the previous response's calls and the input's
+          own must each be answered by a `function_call_output` of this input;
+        - a `function_call_output` whose `call_id` matches no call of the chain or of the input.
+        Calls answered, or left unanswered, earlier in the chain are not looked at again (a chain
+        stored before these checks continues)."""
+        if self.prev is not None:
+            known = {i.get("id") for i in self.prev.get("input_items") or [] if isinstance(i, dict)}
+            known |= {i.get("id") for i in (self.prev.get("response") or {}).get("output") or [] if isinstance(i, dict)}
+            known.discard(None)
+            for item in self.input_items:
+                if item["id"] in known:
+                    raise duplicate_item(item["id"])
+        seen: set[str] = set()
+        for msg in self.history:
+            seen.update(c.get("id") for c in msg.get("tool_calls") or [])
+        last = self.history[-1] if self.history else {}
+        pending = {c.get("id"): None for c in last.get("tool_calls") or []}  # the previous response's calls
+        for msg in self.messages:
+            for call in msg.get("tool_calls") or []:
+                seen.add(call["id"])
+                pending[call["id"]] = None
+            if msg["role"] == "tool":
+                if msg["tool_call_id"] not in seen:
+                    raise invalid(f"No tool call found for function call output with call_id "
+                                  f"{shown(msg['tool_call_id'])}.", "input")
+                pending.pop(msg["tool_call_id"], None)
+        if pending:
+            raise invalid(f"No tool output found for function call {shown(str(next(iter(pending))))}.", "input")
 
 
 # ------------------------------------------------------------------------ request
@@ -172,6 +215,9 @@ def _convert_input(value: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any
             continue  # an echoed reasoning item: the engine's chat templates drop earlier reasoning anyway
         else:
             raise invalid(f"The input item type '{kind}' is not supported.", f"{w}.type")
+    ids = [i["id"] for i in items]
+    if len(set(ids)) != len(ids):
+        raise duplicate_item(next(i for n, i in enumerate(ids) if i in ids[:n]))
     if not messages:
         raise invalid("'input' holds no message.", "input")
     if messages[-1]["role"] not in ("user", "tool"):
@@ -492,7 +538,9 @@ class StreamTranslator:
 
     def _add(self, item: dict[str, Any]) -> list[dict[str, Any]]:
         self.output.append(item)
-        return [self.ev("response.output_item.added", output_index=len(self.output) - 1, item=dict(item))]
+        # a copy of the item as it is now (empty): the translator goes on filling it, and the event is
+        # serialised later, after the rest of its chunk was fed; clients build the item on this one
+        return [self.ev("response.output_item.added", output_index=len(self.output) - 1, item=copy.deepcopy(item))]
 
     def _close_open(self, status: str = "completed") -> list[dict[str, Any]]:
         item, self.open = self.open, None
@@ -522,21 +570,26 @@ class StreamTranslator:
         self.calls = {}
         return events
 
+    def _open(self, kind: str) -> list[dict[str, Any]]:
+        """Close the open item, open a reasoning or message item with its one (empty) part."""
+        events = self._close_open()
+        if kind == "reasoning":
+            item = {"id": new_id("rs_"), "type": "reasoning", "summary": [], "status": "in_progress", "content": []}
+            part = {"type": "reasoning_text", "text": ""}
+        else:
+            item = {"id": new_id("msg_"), "type": "message", "role": "assistant", "status": "in_progress", "content": []}
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        events += self._add(item)
+        events.append(self.ev("response.content_part.added", item_id=item["id"], output_index=len(self.output) - 1,
+                              content_index=0, part=copy.deepcopy(part)))
+        item["content"].append(part)
+        self.open = item
+        return events
+
     def _text(self, kind: str, delta: str, logprobs: list) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
         if self.open is None or self.open["type"] != kind:
-            events += self._close_open()
-            if kind == "reasoning":
-                item = {"id": new_id("rs_"), "type": "reasoning", "summary": [], "status": "in_progress", "content": []}
-                part = {"type": "reasoning_text", "text": ""}
-            else:
-                item = {"id": new_id("msg_"), "type": "message", "role": "assistant", "status": "in_progress", "content": []}
-                part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            events += self._add(item)
-            events.append(self.ev("response.content_part.added", item_id=item["id"], output_index=len(self.output) - 1,
-                                  content_index=0, part=dict(part)))
-            item["content"].append(part)
-            self.open = item
+            events += self._open(kind)
         item = self.open
         idx = self.output.index(item)
         part = item["content"][0]
@@ -599,7 +652,10 @@ class StreamTranslator:
         """-> (the closing events, the final response object)."""
         status, incomplete, error = status_of(self.finish)
         item_status = "completed" if status == "completed" else "incomplete"
-        events = self._close_open(item_status) + self._close_calls(item_status)
+        events: list[dict[str, Any]] = []
+        if not any(i["type"] in ("message", "function_call") for i in self.output):
+            events += self._open("message")  # no text, no call: one empty message item, as `output_items` makes
+        events += self._close_open(item_status) + self._close_calls(item_status)
         final = self.snapshot(status, output=self.output, usage=self.usage, error=error, incomplete=incomplete)
         kind = {"completed": "response.completed", "incomplete": "response.incomplete", "failed": "response.failed"}[status]
         return events + [self.ev(kind, response=final)], final
