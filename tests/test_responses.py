@@ -113,6 +113,44 @@ def test_retrieve_with_stream_is_a_400_not_an_empty_stream(s):
     assert s.client.responses.retrieve(r.id).id == r.id
 
 
+def test_retrieve_with_stream_false_in_any_spelling_and_cancel_as_openai_answers_it(s):
+    """`?stream=False` / `?stream=0` are a plain retrieve (only `false` was); `responses.cancel`
+    was a 404 "Unknown endpoint" (the SDK's NotFoundError: as if the response did not exist);
+    OpenAI cancels only background responses and answers a 400 for the others."""
+    r = create(s, input="[route:L2] hi")
+    for value in ("False", "0", "false"):
+        got = httpx.get(f"{s.proxy_url}/v1/responses/{r.id}?stream={value}", headers=AUTH)
+        assert got.status_code == 200 and got.json()["id"] == r.id, (value, got.text)
+    assert httpx.get(f"{s.proxy_url}/v1/responses/{r.id}?stream=True", headers=AUTH).status_code == 400
+    with pytest.raises(openai.BadRequestError) as err:
+        s.client.responses.cancel(r.id)
+    assert "background" in err.value.message
+    with pytest.raises(openai.NotFoundError):
+        s.client.responses.cancel("resp_unknown")
+    assert s.client.responses.retrieve(r.id).status == "completed"  # untouched
+
+
+def test_a_context_overflow_names_input_not_messages(s):
+    """The engine's window error names the chat request's `messages`, a parameter a Responses
+    client never sent: OpenAI names `input`. Stream (before the first token) and not."""
+    s.config(answer_error={"status": 400, "body": {"error": {
+        "message": "This model's maximum context length is 2048 tokens. However, your prompt contains 3000 input tokens.",
+        "type": "BadRequestError", "param": None, "code": 400}}})
+    for stream in (False, True):
+        r = httpx.post(s.proxy_url + "/v1/responses", headers=AUTH,
+                       json={"model": PUBLIC, "input": "[route:L2] long", "stream": stream})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["code"] == "context_length_exceeded" and r.json()["error"]["param"] == "input"
+
+
+def test_include_encrypted_reasoning_is_accepted_as_codex_sends_it(s):
+    """Codex CLI sends include=["reasoning.encrypted_content"] with store=false on every turn; a 400
+    made the proxy unusable with it. There is no encrypted reasoning: the answer is as without it."""
+    r = create(s, input="[route:L2] hi", store=False, include=["reasoning.encrypted_content"])
+    assert r.status == "completed" and r.output_text.startswith("answer-")
+    assert all(getattr(item, "encrypted_content", None) is None for item in r.output)
+
+
 def test_background_at_its_default_is_accepted_and_long_ids_are_cut(s):
     """`background: false` (the default, sent by clients that send every field) was a 400 as an
     unknown parameter; true stays a 400. A 10-100 KB id was quoted whole in the 404."""
@@ -296,7 +334,7 @@ def test_parameters_mapped_and_rejected(s):
     assert payload["logprobs"] is True and payload["user"] == "u1"
     for extra, param in (({"background": True}, "background"), ({"conversation": "c1"}, "conversation"),
                          ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
-                         ({"include": ["reasoning.encrypted_content"]}, "include[0]"),
+                         ({"include": ["file_search_call.results"]}, "include[0]"),
                          ({"text": {"verbosity": "low"}}, "text.verbosity"),
                          ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
                          ({"truncation": "middle"}, "truncation"),

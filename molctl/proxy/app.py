@@ -260,10 +260,18 @@ class ProxyApp:
                 await self._responses_input_items(scope, send, tenant, rest[: -len("/input_items")], rid)
                 return
             if rest and "/" not in rest and method in ("GET", "DELETE"):
-                if method == "GET" and parse_qs(scope.get("query_string", b"").decode("latin-1")).get("stream", ["false"])[-1] != "false":
-                    raise invalid("Streaming a stored response (stream=true) is not supported.", "stream")
+                if method == "GET":
+                    stream = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("stream", ["false"])[-1]
+                    if stream.strip().lower() not in ("false", "0", ""):  # the SDK may send False, 0
+                        raise invalid("Streaming a stored response (stream=true) is not supported.", "stream")
                 await self._responses_get(send, tenant, rest, rid, delete=method == "DELETE")
                 return
+            if rest.endswith("/cancel") and "/" not in rest[: -len("/cancel")] and method == "POST":
+                # OpenAI cancels only background responses (400 for the others); this proxy runs none
+                if await self.responses.get_response(tenant, rest[: -len("/cancel")]) is None:
+                    raise responses.not_found(rest[: -len("/cancel")])
+                raise invalid("Only responses created with background=true can be cancelled; this proxy runs no "
+                              "background responses (each is complete when its request returns).", "response_id")
         raise ProxyError(404, f"Unknown endpoint: {method} {shown(scope['path'])}", "invalid_request_error", "not_found", "path")
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
@@ -550,6 +558,13 @@ class ProxyApp:
         return plan
 
     async def _responses_create(self, scope: dict, receive: Receive, send: Send, tenant: str, rid: str) -> None:
+        try:
+            await self._responses_create_or_fail(scope, receive, send, tenant, rid)
+        except ProxyError as exc:
+            exc.param = responses.public_param(exc.param)
+            raise
+
+    async def _responses_create_or_fail(self, scope: dict, receive: Receive, send: Send, tenant: str, rid: str) -> None:
         raw = await self._read_body(scope, receive)
         big = len(raw) > BIG_BODY
         req = await asyncio.to_thread(self._responses_parse, raw) if big else self._responses_parse(raw)
@@ -564,7 +579,8 @@ class ProxyApp:
         translator = responses.StreamTranslator(req, responses.new_id("resp_"))
 
         def error_event(exc: ProxyError) -> bytes:
-            return responses.sse(translator.ev("error", code=exc.code, message=exc.message, param=exc.param))
+            return responses.sse(translator.ev("error", code=exc.code, message=exc.message,
+                                               param=responses.public_param(exc.param)))
 
         events = self._responses_events(plan, req, translator, tenant)
         await self._run(plan, receive, self._stream(plan, send, rid, events, responses.sse, error_event, end=None))

@@ -19,7 +19,8 @@ Choices, where the issue leaves room:
 - `text.format` json_schema / json_object -> chat `response_format`; `text` (the default) adds
   nothing.
 - `include`: `message.output_text.logprobs` (the engine's logprobs on the output text) is
-  accepted; any other value is a 400 naming it (there is no encrypted reasoning, no search).
+  accepted; so is `reasoning.encrypted_content` (Codex CLI sends it with `store: false`), which adds
+  nothing (there is no encrypted reasoning); any other value is a 400 naming it (no search).
 - `truncation` "disabled" or "auto" is accepted and echoed; the proxy never drops items itself
   (a conversation past the window is a `context_length_exceeded` 400 either way).
 - `user`, `safety_identifier`, `prompt_cache_key`, `metadata` are accepted and echoed (`metadata`: OpenAI's
@@ -45,7 +46,9 @@ from molctl.proxy.validation import EFFORTS, check_function_def, check_model
 ECHOED = ("instructions", "max_output_tokens", "metadata", "parallel_tool_calls", "previous_response_id",
           "prompt_cache_key", "safety_identifier", "temperature", "top_logprobs", "top_p", "truncation", "user")
 KNOWN = {"model", "input", "stream", "store", "tools", "tool_choice", "text", "reasoning", "include", *ECHOED}
-INCLUDABLE = ("message.output_text.logprobs",)
+# reasoning.encrypted_content (what Codex CLI sends with store=false) is accepted and gives nothing:
+# the proxy has no encrypted reasoning, and reasoning items sent back are ignored anyway
+INCLUDABLE = ("message.output_text.logprobs", "reasoning.encrypted_content")
 TEXT_PARTS = ("input_text", "output_text", "text")
 
 
@@ -56,6 +59,14 @@ def new_id(prefix: str) -> str:
 def duplicate_item(item_id: str) -> ProxyError:
     return invalid(f"Duplicate item found with id {shown(item_id)}. Remove duplicate items from your input and try again.",
                    "input")
+
+
+def public_param(param: str | None) -> str | None:
+    """An error's `param` as a Responses client knows it: the chat request the proxy builds has
+    `messages` where the client sent `input` (a context overflow names `messages`)."""
+    if param is not None and (param == "messages" or param.startswith("messages[")):
+        return "input"
+    return param
 
 
 def not_found(response_id: str, param: str | None = None) -> ProxyError:
