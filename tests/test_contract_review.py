@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import re
 
-from tests.helpers import ROOT
+import pytest
+
+from molctl.errors import ExitStatus
+from tests.helpers import ROOT, Molctl
 
 CONTRACT = ROOT / "docs" / "contract.md"
 
@@ -54,3 +57,42 @@ def test_the_synopsis_names_every_option_of_every_command():
         if documented[name] - real:
             problems.append(f"{name}: documented but not accepted {sorted(documented[name] - real)}")
     assert not problems, problems
+
+
+# ------------------------------------------------------------------------ section 2, one error line
+
+@pytest.mark.parametrize("args, names", [
+    (["up", "tiny", "--timeout", "0", "--allow-unauthenticated"], ["--timeout", "0", "> 0"]),
+    (["up", "tiny", "--drain-timeout", "nan", "--allow-unauthenticated"], ["--drain-timeout", "nan"]),
+    (["lock", "tiny", "--jobs", "0"], ["--jobs", "1"]),
+    (["logs", "tiny", "-n", "x"], ["--lines", "'x'"]),
+    (["up", "tiny", "--no-such-option"], ["--no-such-option"]),
+    (["up"], ["profile"]),
+    (["no-such-command"], ["no-such-command"]),
+    (["state", "stats"], ["profile"]),
+])
+def test_a_usage_error_of_the_parser_is_one_error_line_and_exit_2(tmp_path, args, names):
+    """Section 2: "Every error is one line on stderr, `molctl: error: <message>`" and a bad
+    option is exit 2. Errors the option parser finds (a value a callback refuses, an unknown
+    option, a missing argument) were a 5-7 line box drawn by rich, with `Usage:` and `Try ...`
+    lines: a script reading the last line of stderr got a box border."""
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    r = Molctl(state)(*args)  # a real process: `main()` is where the parser's errors are printed
+    assert r.exit_code == ExitStatus.USAGE, r.stderr
+    assert r.stdout == ""
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("molctl: error: "), r.stderr
+    for name in names:
+        assert name in r.stderr, (name, r.stderr)
+
+
+def test_help_version_and_no_arguments_are_unchanged(tmp_path):
+    cli = Molctl(None)
+    r = cli("--help")
+    assert r.exit_code == ExitStatus.OK and "Exit codes:" in r.stdout
+    r = cli("--version")
+    assert r.exit_code == ExitStatus.OK and r.stdout.startswith("molctl ")
+    r = cli("up", "--help")
+    assert r.exit_code == ExitStatus.OK and "--allow-unauthenticated" in r.stdout
+    r = cli()  # no_args_is_help: the help, as before (exit 2, like click's)
+    assert r.exit_code == ExitStatus.USAGE and "Commands" in r.stdout + r.stderr
