@@ -96,3 +96,20 @@ def test_help_version_and_no_arguments_are_unchanged(tmp_path):
     assert r.exit_code == ExitStatus.OK and "--allow-unauthenticated" in r.stdout
     r = cli()  # no_args_is_help: the help, as before (exit 2, like click's)
     assert r.exit_code == ExitStatus.USAGE and "Commands" in r.stdout + r.stderr
+
+
+# ------------------------------------------------------------- section 1, --skip is checked first
+
+@pytest.mark.parametrize("command", ["up", "switch"])
+@pytest.mark.parametrize("category", ["gpuu", "profile"])
+def test_a_bad_skip_is_exit_2_before_the_state_lock_and_the_running_stack(molctl, state_dir, command, category):
+    """"--skip CATEGORY: one of engine gpu ... anything else is exit 2", and `up` step 1 fails
+    usage before anything. `up` checked --skip only in its preflight: with the state lock held
+    (or another profile running, or this one with another configuration) a typo was exit 4, and
+    `up tiny --skip gpuu` of a stack already running was exit 0 `already_running`."""
+    from molctl.state import StateLock
+
+    with StateLock(state_dir, "down", "tiny"):
+        r = molctl(command, "tiny", "--skip", category, "--allow-unauthenticated")
+    assert r.exit_code == ExitStatus.USAGE, r.stderr
+    assert f"--skip {category!r}" in r.stderr and "expected one of engine" in r.stderr
