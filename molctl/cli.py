@@ -372,13 +372,12 @@ def reload_cmd(
     json_: bool = JSON_OPT,
 ) -> None:
     """Make the running proxy re-read its API key file (SIGHUP), without dropping connections."""
+    from molctl.output import Output
     from molctl.reload import reload
 
     result = reload(ctx.obj, profile)
     if json_:
-        import json
-
-        typer.echo(json.dumps(result))
+        Output(as_json=True).json(result)  # indent 2, as every --json (docs/contract.md, section 3)
     else:
         typer.echo(f"{profile}: sent SIGHUP to the proxy (pid {result['pid']}); it re-reads its key file "
                    f"(molctl logs {profile} --component proxy shows the outcome)")

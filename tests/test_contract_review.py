@@ -3,6 +3,7 @@ each test names the claim it holds the code (or the doc) to."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -113,3 +114,27 @@ def test_a_bad_skip_is_exit_2_before_the_state_lock_and_the_running_stack(molctl
         r = molctl(command, "tiny", "--skip", category, "--allow-unauthenticated")
     assert r.exit_code == ExitStatus.USAGE, r.stderr
     assert f"--skip {category!r}" in r.stderr and "expected one of engine" in r.stderr
+
+
+# ----------------------------------------------------------------- section 3, reload --json indent
+
+def test_reload_json_is_one_document_with_indent_2(molctl, state_dir, tmp_path):
+    """Section 3: "--json writes exactly one JSON document on stdout (indent 2)". `reload --json`
+    printed its object on one line (json.dumps without indent), unlike every other command."""
+    import subprocess
+    import sys
+
+    from molctl.processes import record_for
+    from molctl.state import write_record
+
+    # a stand-in proxy that molctl recorded: a process of ours, in its own session (SIGHUP ends it)
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        write_record(state_dir, "tiny", record_for("proxy", proc, ["molctl", "proxy"], 1, tmp_path / "proxy.log"))
+        r = molctl("reload", "tiny", "--json")
+        assert r.exit_code == ExitStatus.OK, r.stderr
+        assert r.stdout == json.dumps({"profile": "tiny", "pid": proc.pid, "signal": "SIGHUP"}, indent=2) + "\n"
+        assert proc.wait(10) == -1  # it was signalled (SIGHUP: 1)
+    finally:
+        proc.kill()
+        proc.wait()
