@@ -138,3 +138,28 @@ def test_reload_json_is_one_document_with_indent_2(molctl, state_dir, tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+# ---------------------------------------------------- state stats/prune: the store the stack uses
+
+@pytest.mark.parametrize("command", ["stats", "prune"])
+def test_state_stats_and_prune_use_the_store_the_stack_was_started_with(molctl, state_dir, tmp_path, command):
+    """`state stats|prune PROFILE` act on "the profile's response store" while "safe while the
+    proxy runs". They read the profile file only: after `up tiny --set proxy.store=sqlite:/ALT
+    --set proxy.store_ttl_s=N` they described (and pruned) the default file with the file's 30-day
+    TTL, not the store the proxy writes; a prune with the file's shorter TTL deleted responses the
+    running proxy still serves. Like `status`, they now take the profile as recorded at the start."""
+    from molctl import stackconfig
+    from molctl.profiles import profile_dirs
+    from molctl.state import Record, write_record
+
+    alt = tmp_path / "alt.sqlite3"
+    _, config = stackconfig.load("tiny", profile_dirs([]), [("proxy.store", f"sqlite:{alt}"),
+                                                              ("proxy.store_ttl_s", 7776000)])
+    write_record(state_dir, "tiny", Record(component="proxy", pid=2 ** 22 + 1, pgid=2 ** 22 + 1, create_time=1.0,
+                                           argv=["molctl", "proxy"], port=1, log="", started_at=1.0, config=config))
+    r = molctl("state", command, "tiny", "--json")
+    assert r.exit_code == ExitStatus.OK, r.stderr
+    out = r.json()
+    assert out["path"] == str(alt) and out["bounds"]["ttl_s"] == 7776000, out
+    assert out["exists"] is False and not alt.exists()  # never creates the file
