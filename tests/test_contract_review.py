@@ -163,3 +163,25 @@ def test_state_stats_and_prune_use_the_store_the_stack_was_started_with(molctl, 
     out = r.json()
     assert out["path"] == str(alt) and out["bounds"]["ttl_s"] == 7776000, out
     assert out["exists"] is False and not alt.exists()  # never creates the file
+
+
+# --------------------------------------------------------------- section 3, demo init --json shapes
+
+def _documented_demo_shapes() -> str:
+    text = CONTRACT.read_text()
+    return text.split("### `demo init --json`", 1)[1].split("\n## ", 1)[0]
+
+
+def test_demo_init_json_shapes_are_the_documented_ones(molctl, tmp_path):
+    """Section 3 listed `{"root", "created", "vocab_size", "seed", "adapters", "template"}` as
+    always present (no `?`), but `demo init --if-missing --json` on a complete model prints only
+    root and created (a model already there has no known seed): the doc now says which keys each
+    case prints; the code's shape is the better one (no invented seed)."""
+    root = tmp_path / "tiny"
+    first = molctl("demo", "init", str(root), "--json")
+    assert first.exit_code == ExitStatus.OK, first.stderr
+    assert set(first.json()) == {"root", "created", "vocab_size", "seed", "adapters", "template"}
+    again = molctl("demo", "init", str(root), "--if-missing", "--json")
+    assert again.exit_code == ExitStatus.OK, again.stderr
+    assert again.json() == {"root": str(root), "created": False}
+    assert '`{"root", "created": false}`' in _documented_demo_shapes()
