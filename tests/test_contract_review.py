@@ -185,3 +185,30 @@ def test_demo_init_json_shapes_are_the_documented_ones(molctl, tmp_path):
     assert again.exit_code == ExitStatus.OK, again.stderr
     assert again.json() == {"root": str(root), "created": False}
     assert '`{"root", "created": false}`' in _documented_demo_shapes()
+
+
+# ------------------------------------------------------ section 3, down --json: one entry per stack
+
+@pytest.mark.parametrize("corrupt", ["proxy", "engine"])
+def test_down_force_of_a_stack_with_one_unreadable_record_is_one_entry_proxy_first(tmp_path, corrupt):
+    """`down --json`: `{"stopped": [{"profile", "components": {"proxy", "engine"}}]}`, one entry per
+    stack, and "per stack, the proxy (drain) then the engine". With one record unreadable,
+    `down --force` listed the profile twice (one entry per record kind), and with the engine's
+    record the unreadable one it stopped the engine before draining the proxy."""
+    from tests.test_lifecycle import Host
+
+    host = Host(tmp_path)
+    try:
+        r = host.up()
+        assert r.exit_code == ExitStatus.OK, r.stderr
+        (host.state / "tiny" / f"{corrupt}.json").write_text("{not json")
+        r = host.molctl("down", "--force", "--json", "--drain-timeout", "5", "--stop-timeout", "5")
+        assert r.exit_code == ExitStatus.OK, r.stderr
+        out = r.json()
+        assert [s["profile"] for s in out["stopped"]] == ["tiny"], out
+        assert list(out["stopped"][0]["components"]) == ["proxy", "engine"], out
+        assert set(out["stopped"][0]["components"].values()) == {"stopped"}, out
+        assert host.molctl("status", "--json").json() == {"stacks": []}
+    finally:
+        host.molctl("down", "--force", "--drain-timeout", "2", "--stop-timeout", "2")
+        host.cleanup()
