@@ -372,13 +372,12 @@ def reload_cmd(
     json_: bool = JSON_OPT,
 ) -> None:
     """Make the running proxy re-read its API key file (SIGHUP), without dropping connections."""
+    from molctl.output import Output
     from molctl.reload import reload
 
     result = reload(ctx.obj, profile)
     if json_:
-        import json
-
-        typer.echo(json.dumps(result))
+        Output(as_json=True).json(result)  # indent 2, as every --json (docs/contract.md, section 3)
     else:
         typer.echo(f"{profile}: sent SIGHUP to the proxy (pid {result['pid']}); it re-reads its key file "
                    f"(molctl logs {profile} --component proxy shows the outcome)")
@@ -436,11 +435,47 @@ def demo_init_cmd(
 
 
 def main() -> None:
+    import sys
+
+    # click's exceptions, wherever this typer takes click from (newer ones vendor it as typer._click)
+    click = sys.modules[typer.BadParameter.__module__].__name__.rsplit(".", 1)[0]
+    exceptions = sys.modules[f"{click}.exceptions"]
     os.environ.setdefault("PYTHONDONTWRITEBYTECODE", "1")
     try:
-        app(prog_name="molctl")
+        # not standalone: the parser's own errors come here instead of rich's multi-line box
+        rv = app(prog_name="molctl", standalone_mode=False)
     except KeyboardInterrupt:  # a Ctrl-C outside any command's own handling: still exit 130, quietly
         raise SystemExit(int(ExitStatus.INTERRUPTED)) from None
+    except exceptions.NoArgsIsHelpError as exc:  # `molctl`, `molctl state`: the help, as click shows it
+        from typer import rich_utils
+
+        rich_utils.rich_format_error(exc)
+        raise SystemExit(exc.exit_code) from None
+    except exceptions.ClickException as exc:
+        raise SystemExit(_parser_error(exc)) from None
+    except exceptions.Abort:  # EOF on a prompt (molctl has none)
+        from molctl.output import Output
+
+        Output().error("aborted")
+        raise SystemExit(int(ExitStatus.ERROR)) from None
+    raise SystemExit(rv if isinstance(rv, int) else 0)
+
+
+def _parser_error(exc) -> int:
+    """An error the option parser found (a bad value, an unknown option, a missing argument), as
+    every molctl error is: one line, `molctl: error: ...` (docs/contract.md, section 2)."""
+    from molctl.output import Output
+
+    message = " ".join(exc.format_message().split())
+    try:  # a type conversion's message ("Input should be a valid integer") does not name the value
+        message += f" (got {exc.__cause__.errors()[0]['input']!r})"
+    except Exception:  # noqa: BLE001 - no such cause: the message names what it has
+        pass
+    ctx = getattr(exc, "ctx", None)
+    if ctx is not None:
+        message += f" (see `{ctx.command_path} --help`)"
+    Output().error(message)
+    return int(exc.exit_code)
 
 
 @app.command("proxy")

@@ -173,6 +173,9 @@ def _keep_logs(profile: Profile) -> int:
 
 def up(name: str, ctx, opts: UpOptions, progress: Progress) -> dict[str, Any]:
     """Start the stack; returns the result object (see docs/contract.md). Raises MolctlError subclasses."""
+    from molctl.checks import validate_skip
+
+    validate_skip(opts.skip)  # a typo is exit 2 before anything, not a conflict or `already_running`
     profile, config = stackconfig.load(name, ctx.dirs(), opts.overrides)
     key_args = resolve_key_option(opts)  # fail on a missing key before anything starts
     ensure_state_dir(ctx.state_dir)
@@ -483,6 +486,9 @@ def switch(name: str, ctx, opts: UpOptions, progress: Progress) -> dict[str, Any
     the port category, since the old stack holds the ports), nothing is stopped. If the new stack
     fails after the old one was stopped, the error says so and names the command that brings the
     old one back."""
+    from molctl.checks import validate_skip
+
+    validate_skip(opts.skip)
     profile, config = stackconfig.load(name, ctx.dirs(), opts.overrides)
     key_args = resolve_key_option(opts)
     state_dir = ctx.state_dir

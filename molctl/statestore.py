@@ -24,6 +24,24 @@ def _open(profile: Profile, state_dir) -> tuple[dict[str, Any], SqliteResponseSt
                                      max_entries=p.store_max_entries, create=False)
 
 
+def _profile(name: str, ctx) -> Profile:
+    """The profile as its stack was started (the records' configuration: `up --set proxy.store=...`
+    or other bounds are the store the proxy uses, as `status` reads them), else the file."""
+    from molctl import stackconfig
+    from molctl.stacks import recorded_config
+    from molctl.state import read_records
+
+    if name and "/" not in name and not name.startswith("."):
+        try:
+            records = read_records(ctx.state_dir, name)
+        except OSError:
+            records = {}
+        recorded = stackconfig.profile_from(recorded_config(records))
+        if recorded is not None:
+            return recorded
+    return load_profile(name, ctx.dirs())
+
+
 def _counts(store: SqliteResponseStore | None) -> dict[str, Any]:
     if store is None:
         return {"schema_version": None, "responses": 0, "bytes": 0, "file_bytes": 0, "evicted": 0, "expired": 0,
@@ -58,7 +76,7 @@ def state_stats(name: str, ctx) -> dict[str, Any]:
     """Counts, bytes (record JSON, and the file on disk with its WAL), oldest created_at, the
     evicted/expired totals and the bounds. A memory store (`proxy.store: memory`) keeps nothing
     on disk: its counts are zeros. A Redis store: `_redis`."""
-    profile = load_profile(name, ctx.dirs())
+    profile = _profile(name, ctx)
     if profile.proxy.store.startswith(("redis://", "rediss://")):
         return _redis(profile, prune=False)
     base, store = _open(profile, ctx.state_dir)
@@ -73,7 +91,7 @@ def state_prune(name: str, ctx) -> dict[str, Any]:
     """Delete the expired responses and conversation rows, then evict oldest first over the size
     caps (each on its own counts); what was removed and what remains. Opening a schema-1 file
     migrates it (the conversation tables are added; nothing is removed)."""
-    profile = load_profile(name, ctx.dirs())
+    profile = _profile(name, ctx)
     if profile.proxy.store.startswith(("redis://", "rediss://")):
         return _redis(profile, prune=True)
     base, store = _open(profile, ctx.state_dir)

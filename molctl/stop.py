@@ -100,10 +100,20 @@ def down_locked(state_dir: Path, names: list[str] | None, drain_s: float, engine
         records, problems = read_records_checked(state_dir, n)
         if not records and not problems:
             continue
+        if problems and not force:  # before anything is stopped
+            raise unreadable_records_error(state_dir, n, problems)
+        parts = []
         if problems:
-            stopped.append(_down_unreadable(state_dir, n, problems, drain_s, engine_s, force, progress))
+            parts.append(lambda n=n, problems=problems: _down_unreadable(state_dir, n, problems, drain_s, engine_s,
+                                                                         force, progress))
         if records:
-            stopped.append(down_one(state_dir, n, drain_s, engine_s, force, progress, gpu_probe))
+            parts.append(lambda n=n: down_one(state_dir, n, drain_s, engine_s, force, progress, gpu_probe))
+        if records and problems and "proxy" in records:
+            parts.reverse()  # the proxy's record is the readable one: it drains before the engine stops
+        entry: dict[str, Any] = {"profile": n, "components": {}}  # one entry per stack
+        for part in parts:
+            entry["components"].update(part()["components"])
+        stopped.append(entry)
     for extra in _down_unlisted(state_dir, names, drain_s, engine_s, progress):
         same = [s for s in stopped if s["profile"] == extra["profile"]]
         if same:

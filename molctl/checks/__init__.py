@@ -62,15 +62,22 @@ class Report:
         return out
 
 
-def run_checks(profile, probes: Probes, skip: Iterable[str] = ()) -> Report:
-    from molctl.checks import engine, host, lock, model, template
-
+def validate_skip(skip: Iterable[str]) -> set[str]:
+    """The --skip categories; an unknown one (or `profile`, which cannot be skipped) is a usage
+    error (exit 2). `up` and `switch` call it before anything else, not only in their preflight."""
     skip = set(skip)
     unknown = skip - (set(CATEGORIES) - {"profile"})  # `profile` cannot be skipped (it was accepted and ignored)
     if unknown:
         from molctl.errors import UsageError
 
         raise UsageError(f"--skip {sorted(unknown)[0]!r}: expected one of {', '.join(CATEGORIES[1:])}")
+    return skip
+
+
+def run_checks(profile, probes: Probes, skip: Iterable[str] = ()) -> Report:
+    from molctl.checks import engine, host, lock, model, template
+
+    skip = validate_skip(skip)
     runners = {
         "engine": engine.run,
         "gpu": host.run_gpu,
