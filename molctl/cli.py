@@ -453,7 +453,7 @@ def main() -> None:
         raise SystemExit(exc.exit_code) from None
     except exceptions.ClickException as exc:
         raise SystemExit(_parser_error(exc)) from None
-    except exceptions.Abort:  # EOF on a prompt (molctl has none)
+    except typer.Abort:  # EOF on a prompt (molctl has none); typer's own class, not click's
         from molctl.output import Output
 
         Output().error("aborted")

@@ -212,3 +212,23 @@ def test_down_force_of_a_stack_with_one_unreadable_record_is_one_entry_proxy_fir
     finally:
         host.molctl("down", "--force", "--drain-timeout", "2", "--stop-timeout", "2")
         host.cleanup()
+
+
+@pytest.mark.parametrize("argv", [["check", "--help"], ["--help"], ["profiles"], ["up", "--wat"]])
+def test_output_into_a_closed_pipe_is_no_traceback(argv, tmp_path):
+    """`molctl check --help | head -2`: the reader is gone before molctl writes. After the parser's
+    errors became one line (cli.main, not standalone), the BrokenPipe's SystemExit met an except
+    clause naming a class this typer does not have: an AttributeError traceback."""
+    import os
+    import subprocess
+    import sys
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # every write to stdout is EPIPE
+    try:
+        proc = subprocess.run([sys.executable, "-m", "molctl", "--state-dir", str(tmp_path / "s"), *argv],
+                              stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=60, cwd=ROOT)
+    finally:
+        os.close(write_end)
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode in (1, 2), proc.returncode
