@@ -149,6 +149,9 @@ def proxy_metrics(url: str, timeout: float = 1.0) -> dict[str, Any]:
                     out[key] += float(m.group(3))
                 except ValueError:
                     pass
+    for key in STATUS_METRICS:  # counts, as integers in --json (Prometheus writes them as floats)
+        if out[key] == out[key] and abs(out[key]) != float("inf") and out[key] == int(out[key]):
+            out[key] = int(out[key])
     return out
 
 

@@ -369,5 +369,7 @@ def test_status_shows_the_proxy_metrics_of_the_running_stack(host):
     pm = stack["proxy_metrics"]
     assert pm["available"] and pm["url"] == f"http://127.0.0.1:{host.metrics_port}/metrics"
     assert pm["requests"] >= 1 and pm["answers_in_flight"] == 0 and pm["rejected_429"] == 0
+    assert all(type(pm[k]) is int for k in ("requests", "rejected_429", "engine_errors", "route_fallbacks",
+                                            "answers_in_flight", "queued"))  # counts, not 0.0
     human = host.inproc("status", "tiny")
     assert "tiny: proxy requests" in human.stdout
