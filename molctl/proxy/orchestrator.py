@@ -344,7 +344,8 @@ class Orchestrator:
         if body.get("tools"):
             payload["tools"] = body["tools"]
         limit = self.profile.proxy.max_output_tokens
-        asked = body.get("max_tokens") or body.get("max_completion_tokens")
+        # as vLLM reads them (ChatCompletionRequest.build_tok_params): max_completion_tokens first
+        asked = body.get("max_completion_tokens") or body.get("max_tokens")
         if asked:
             payload["max_tokens"] = min(asked, limit)
         elif self.window is not None and prompt_token_bound(plan.view, body.get("tools")) + limit <= self.window:
