@@ -34,3 +34,17 @@ def test_max_completion_tokens_wins_over_max_tokens_as_vllm_reads_them(s):
     assert s.log("answer")[-1]["payload"]["max_tokens"] == 7
     s.client.chat.completions.create(model=PUBLIC, messages=USER, max_tokens=5)
     assert s.log("answer")[-1]["payload"]["max_tokens"] == 5
+
+
+def test_null_rejected_parameters_are_not_given_and_modalities_text_is_accepted(s):
+    """Every rejected parameter is nullable in OpenAI's schema (null: not given); clients that
+    serialise a full request model send them as null. `modalities: ["text"]` asks for text only,
+    what every answer is. Both were 400s."""
+    nulls = dict.fromkeys(("functions", "function_call", "audio", "modalities", "prediction", "web_search_options"))
+    assert post(s, messages=USER, **nulls).status_code == 200
+    r = s.client.chat.completions.create(model=PUBLIC, messages=USER, modalities=["text"])
+    assert r.choices[0].message.content.startswith("answer-")
+    assert "modalities" not in s.log("answer")[-1]["payload"]
+    bad_request(s, "modalities", messages=USER, modalities=["text", "audio"])
+    bad_request(s, "functions", messages=USER, functions=[{"name": "f", "parameters": {}}])
+    bad_request(s, "audio", messages=USER, audio={"voice": "alloy", "format": "wav"})

@@ -3,7 +3,9 @@
 
 Choices, where the issue leaves room:
 - `n` other than 1, legacy `functions`, audio/prediction/web-search options and unknown
-  parameters are rejected with 400 (never silently dropped); `store`, `metadata`,
+  parameters are rejected with 400 (never silently dropped); null stands for "not given", as in
+  OpenAI's schema (every one of them is nullable), and `modalities: ["text"]` asks for what every
+  answer is, so both are accepted; `store`, `metadata`,
   `service_tier`, `prompt_cache_key` and `safety_identifier` are accepted and ignored (they do
   not change the answer; the engine's prefix cache needs no key).
 - The shapes the engine's chat template will iterate over are checked here, so a malformed
@@ -238,7 +240,7 @@ def check_request(body: Any, public_model: str) -> None:
         raise invalid("The request body must be a JSON object.")
     check_model(body, public_model)
     for key in body:
-        if key in REJECTED:
+        if key in REJECTED and body[key] is not None and not (key == "modalities" and body[key] == ["text"]):
             raise invalid(f"'{key}' is not supported: {REJECTED[key]}.", key)
         if key not in KNOWN:
             raise invalid(f"Unrecognized request argument supplied: {key}", key)
