@@ -48,3 +48,13 @@ def test_null_rejected_parameters_are_not_given_and_modalities_text_is_accepted(
     bad_request(s, "modalities", messages=USER, modalities=["text", "audio"])
     bad_request(s, "functions", messages=USER, functions=[{"name": "f", "parameters": {}}])
     bad_request(s, "audio", messages=USER, audio={"voice": "alloy", "format": "wav"})
+
+
+def test_prompt_cache_hints_are_accepted_and_ignored_like_prompt_cache_key(s):
+    """The SDK's prompt_cache_retention / prompt_cache_options are cache hints like
+    prompt_cache_key (accepted and ignored); they were 400 'Unrecognized request argument'."""
+    r = s.client.chat.completions.create(model=PUBLIC, messages=USER, prompt_cache_key="k", prompt_cache_retention="24h",
+                                         extra_body={"prompt_cache_options": {"ttl": "1h"}})
+    assert r.choices[0].message.content.startswith("answer-")
+    payload = s.log("answer")[-1]["payload"]
+    assert not {"prompt_cache_key", "prompt_cache_retention", "prompt_cache_options"} & set(payload)

@@ -6,8 +6,9 @@ Choices, where the issue leaves room:
   parameters are rejected with 400 (never silently dropped); null stands for "not given", as in
   OpenAI's schema (every one of them is nullable), and `modalities: ["text"]` asks for what every
   answer is, so both are accepted; `store`, `metadata`,
-  `service_tier`, `prompt_cache_key` and `safety_identifier` are accepted and ignored (they do
-  not change the answer; the engine's prefix cache needs no key).
+  `service_tier`, `prompt_cache_key`, `prompt_cache_retention`, `prompt_cache_options` and
+  `safety_identifier` are accepted and ignored (they do not change the answer; the engine's
+  prefix cache needs no key, retention or breakpoints).
 - The shapes the engine's chat template will iterate over are checked here, so a malformed
   message fails as a 400 naming e.g. `messages[3].tool_calls[0].function`, never as a 500:
   roles, content (string, null or an array of typed parts), tool calls (objects with a
@@ -28,7 +29,8 @@ from molctl.proxy.errors import ProxyError, invalid
 PASSTHROUGH = ("temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "logprobs",
                "top_logprobs", "response_format", "tool_choice", "parallel_tool_calls", "logit_bias", "user",
                "top_k", "min_p", "repetition_penalty")
-ACCEPTED_IGNORED = ("store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier")
+ACCEPTED_IGNORED = ("store", "metadata", "service_tier", "prompt_cache_key", "prompt_cache_retention",
+                    "prompt_cache_options", "safety_identifier")
 REJECTED = {"functions": "use 'tools' instead of the legacy 'functions'",
             "function_call": "use 'tool_choice' instead of the legacy 'function_call'",
             "audio": "audio output is not supported", "modalities": "only text output is supported",
