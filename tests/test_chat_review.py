@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import httpx
 
-from tests.test_proxy import KEY, PUBLIC, keyfile, s, stack  # noqa: F401 - fixtures
+from tests.test_proxy import KEY, PUBLIC, TOOLS, keyfile, s, stack  # noqa: F401 - fixtures
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 USER = [{"role": "user", "content": "[route:L2] hello"}]
@@ -58,3 +58,35 @@ def test_prompt_cache_hints_are_accepted_and_ignored_like_prompt_cache_key(s):
     assert r.choices[0].message.content.startswith("answer-")
     payload = s.log("answer")[-1]["payload"]
     assert not {"prompt_cache_key", "prompt_cache_retention", "prompt_cache_options"} & set(payload)
+
+
+
+def test_tool_choice_is_checked_as_vllm_checks_it(s):
+    """vLLM (protocol.py check_tool_usage) refuses a tool_choice without tools or naming no tool;
+    forwarded, the client got the engine's 400 without `param`. `auto`/`none` without tools
+    change nothing, so they are accepted and not forwarded."""
+    bad_request(s, "tool_choice", messages=USER, tool_choice="required")
+    bad_request(s, "tool_choice", messages=USER, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}})
+    bad_request(s, "tool_choice", messages=USER, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    bad_request(s, "tool_choice", messages=USER, tools=TOOLS, tool_choice="any")
+    bad_request(s, "tool_choice", messages=USER, tools=TOOLS, tool_choice={"type": "function", "name": "get_weather"})
+    for choice in ("auto", "none"):
+        s.client.chat.completions.create(model=PUBLIC, messages=USER, tool_choice=choice)
+        assert "tool_choice" not in s.log("answer")[-1]["payload"]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = s.client.chat.completions.create(model=PUBLIC, tools=TOOLS, tool_choice=named, parallel_tool_calls=False,
+                                         messages=[{"role": "user", "content": "[route:L2] [tool:get_weather] x"}])
+    assert r.choices[0].message.tool_calls[0].function.name == "get_weather"
+    payload = s.log("answer")[-1]["payload"]
+    assert payload["tool_choice"] == named and payload["tools"] == TOOLS and payload["parallel_tool_calls"] is False
+
+
+def test_top_logprobs_needs_logprobs(s):
+    """vLLM (protocol.py check_logprobs) and OpenAI refuse top_logprobs > 0 without logprobs: true."""
+    bad_request(s, "top_logprobs", messages=USER, top_logprobs=3)
+    bad_request(s, "top_logprobs", messages=USER, logprobs=True, top_logprobs=21)
+    bad_request(s, "top_logprobs", messages=USER, logprobs=True, top_logprobs="3")
+    assert post(s, messages=USER, top_logprobs=0).status_code == 200
+    s.client.chat.completions.create(model=PUBLIC, messages=USER, logprobs=True, top_logprobs=3)
+    payload = s.log("answer")[-1]["payload"]
+    assert payload["logprobs"] is True and payload["top_logprobs"] == 3

@@ -343,6 +343,8 @@ class Orchestrator:
         payload.update({k: body[k] for k in PASSTHROUGH if body.get(k) is not None})
         if body.get("tools"):
             payload["tools"] = body["tools"]
+        elif payload.get("tool_choice") in ("auto", "none"):  # no tools: the same answer; vLLM would refuse it
+            del payload["tool_choice"]
         limit = self.profile.proxy.max_output_tokens
         # as vLLM reads them (ChatCompletionRequest.build_tok_params): max_completion_tokens first
         asked = body.get("max_completion_tokens") or body.get("max_tokens")
