@@ -60,7 +60,6 @@ def test_prompt_cache_hints_are_accepted_and_ignored_like_prompt_cache_key(s):
     assert not {"prompt_cache_key", "prompt_cache_retention", "prompt_cache_options"} & set(payload)
 
 
-
 def test_tool_choice_is_checked_as_vllm_checks_it(s):
     """vLLM (protocol.py check_tool_usage) refuses a tool_choice without tools or naming no tool;
     forwarded, the client got the engine's 400 without `param`. `auto`/`none` without tools
@@ -90,3 +89,18 @@ def test_top_logprobs_needs_logprobs(s):
     s.client.chat.completions.create(model=PUBLIC, messages=USER, logprobs=True, top_logprobs=3)
     payload = s.log("answer")[-1]["payload"]
     assert payload["logprobs"] is True and payload["top_logprobs"] == 3
+
+
+def test_logprobs_of_a_last_chunk_with_an_empty_delta_reach_the_stream_client(s):
+    """vLLM's last chunk for a token its parser swallowed has an empty delta, the finish_reason and
+    that token's logprobs (chat_completion/serving.py: `DeltaMessage()` for the final output); the
+    proxy dropped the chunk, and the logprobs with it."""
+    s.config(answer_logprobs=True, answer_words=2)
+    tokens, content = [], ""
+    for chunk in s.client.chat.completions.create(model=PUBLIC, messages=USER, stream=True, logprobs=True):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            tokens += [t.token for t in (choice.logprobs.content if choice.logprobs else None) or []]
+    assert "".join(tokens) == content + "<|im_end|>"
+    r = s.client.chat.completions.create(model=PUBLIC, messages=USER, logprobs=True)
+    assert "".join(t.token for t in r.choices[0].logprobs.content) == r.choices[0].message.content

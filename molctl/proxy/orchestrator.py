@@ -437,7 +437,9 @@ class Orchestrator:
                         acc["arguments"] += fn.get("arguments") or ""
                     if choice.get("finish_reason"):
                         finish = choice["finish_reason"]
-                    if delta:
+                    # an empty delta may still carry logprobs: vLLM's last chunk for a token its
+                    # parser swallowed (an end token) has them with the finish_reason
+                    if delta or choice.get("logprobs"):
                         yield shaping.chunk(rid, self.public, created, delta, logprobs=choice.get("logprobs"))
             if first:
                 yield shaping.chunk(rid, self.public, created, {"role": "assistant", "content": ""})
