@@ -50,7 +50,11 @@ DEFAULT_CONFIG = {
     "answer_word": "word",  # the extra word (a long one makes a big stream)
     "answer_finish": None,  # override the answer's finish reason (e.g. "abort")
     "stream_error_after": None,  # after this many content pieces, an error frame then [DONE] (vLLM's way)
-    "stream_no_finish": False,  # end the stream with [DONE] but no finish_reason (neither vLLM nor SGLang does)
+    "stream_no_finish": False,
+    # with a request's logprobs: true, each content piece carries its logprobs, and the stream ends
+    # with vLLM's final chunk for a token the parser swallowed: an empty delta with the
+    # finish_reason and that token's logprobs (vllm/entrypoints/openai/chat_completion/serving.py)
+    "answer_logprobs": False,  # end the stream with [DONE] but no finish_reason (neither vLLM nor SGLang does)
     "strict": False,  # enforce vLLM's window rule and the Qwen3.5/3.6 template's role rules
     "max_model_len": 2048,  # the window in strict mode
     # per engine model (the base's served name or an adapter), for `molctl bench` (answer hops and direct requests):
@@ -209,15 +213,18 @@ async def chat(request: web.Request) -> web.StreamResponse:
         message, finish = {"content": f"answer-{n}" + (" " + cfg["answer_word"]) * cfg["answer_words"]}, "stop"
     finish = cfg["answer_finish"] or finish
     if not payload.get("stream"):
-        return web.json_response(completion(model, message, finish, usage))
+        body = completion(model, message, finish, usage)
+        if cfg["answer_logprobs"] and payload.get("logprobs"):
+            body["choices"][0]["logprobs"] = {"content": [logprob(p) for p in re.findall(r"\S+\s*", message["content"] or "")]}
+        return web.json_response(body)
 
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
 
-    async def emit(delta: dict, finish_reason=None, extra=None):
+    async def emit(delta: dict, finish_reason=None, extra=None, logprobs=None):
         chunk = {"id": "chatcmpl-engine-" + model, "object": "chat.completion.chunk", "created": int(time.time()),
                  "model": model, "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason,
-                                               "stop_reason": None, "logprobs": None}]}
+                                               "stop_reason": None, "logprobs": logprobs}]}
         chunk.update(extra or {})
         await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
 
@@ -229,7 +236,12 @@ async def chat(request: web.Request) -> web.StreamResponse:
     return resp
 
 
+def logprob(token: str) -> dict:
+    return {"token": token, "logprob": -0.5, "bytes": list(token.encode()), "top_logprobs": []}
+
+
 async def stream_body(resp, emit, message, finish, tool, cfg, payload, model, usage):
+    logprobs = cfg["answer_logprobs"] and payload.get("logprobs")
     await emit({"role": "assistant", "content": ""})
     if tool:
         call = message["tool_calls"][0]
@@ -253,8 +265,10 @@ async def stream_body(resp, emit, message, finish, tool, cfg, payload, model, us
                 await resp.write_eof()
                 return
             await asyncio.sleep(cfg["token_delay"])
-            await emit({"content": piece})
-    if not cfg["stream_no_finish"]:
+            await emit({"content": piece}, logprobs={"content": [logprob(piece)]} if logprobs else None)
+    if logprobs and not cfg["stream_no_finish"]:
+        await emit({}, finish, logprobs={"content": [logprob("<|im_end|>")]})
+    elif not cfg["stream_no_finish"]:
         await emit({}, finish)
     if (payload.get("stream_options") or {}).get("include_usage"):
         await resp.write(b"data: " + json.dumps({"id": "x", "object": "chat.completion.chunk", "created": 0,

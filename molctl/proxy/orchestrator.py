@@ -343,8 +343,11 @@ class Orchestrator:
         payload.update({k: body[k] for k in PASSTHROUGH if body.get(k) is not None})
         if body.get("tools"):
             payload["tools"] = body["tools"]
+        elif payload.get("tool_choice") in ("auto", "none"):  # no tools: the same answer; vLLM would refuse it
+            del payload["tool_choice"]
         limit = self.profile.proxy.max_output_tokens
-        asked = body.get("max_tokens") or body.get("max_completion_tokens")
+        # as vLLM reads them (ChatCompletionRequest.build_tok_params): max_completion_tokens first
+        asked = body.get("max_completion_tokens") or body.get("max_tokens")
         if asked:
             payload["max_tokens"] = min(asked, limit)
         elif self.window is not None and prompt_token_bound(plan.view, body.get("tools")) + limit <= self.window:
@@ -434,7 +437,9 @@ class Orchestrator:
                         acc["arguments"] += fn.get("arguments") or ""
                     if choice.get("finish_reason"):
                         finish = choice["finish_reason"]
-                    if delta:
+                    # an empty delta may still carry logprobs: vLLM's last chunk for a token its
+                    # parser swallowed (an end token) has them with the finish_reason
+                    if delta or choice.get("logprobs"):
                         yield shaping.chunk(rid, self.public, created, delta, logprobs=choice.get("logprobs"))
             if first:
                 yield shaping.chunk(rid, self.public, created, {"role": "assistant", "content": ""})

@@ -3,13 +3,20 @@
 
 Choices, where the issue leaves room:
 - `n` other than 1, legacy `functions`, audio/prediction/web-search options and unknown
-  parameters are rejected with 400 (never silently dropped); `store`, `metadata`,
-  `service_tier`, `prompt_cache_key` and `safety_identifier` are accepted and ignored (they do
-  not change the answer; the engine's prefix cache needs no key).
+  parameters are rejected with 400 (never silently dropped); null stands for "not given", as in
+  OpenAI's schema (every one of them is nullable), and `modalities: ["text"]` asks for what every
+  answer is, so both are accepted; `store`, `metadata`,
+  `service_tier`, `prompt_cache_key`, `prompt_cache_retention`, `prompt_cache_options` and
+  `safety_identifier` are accepted and ignored (they do not change the answer; the engine's
+  prefix cache needs no key, retention or breakpoints).
 - The shapes the engine's chat template will iterate over are checked here, so a malformed
   message fails as a 400 naming e.g. `messages[3].tool_calls[0].function`, never as a 500:
   roles, content (string, null or an array of typed parts), tool calls (objects with a
   `function` object holding a string `name` and string `arguments`), `tool_call_id`, tools.
+- `tool_choice` is checked as vLLM checks it (vllm/entrypoints/openai/chat_completion/protocol.py
+  check_tool_usage) so the 400 names it: `required` or a named function needs `tools` (the named
+  one among them); `auto`/`none` without tools mean what no tools mean, and are not forwarded.
+  `top_logprobs` (0-20) needs `logprobs: true` (check_logprobs there, and OpenAI's schema).
 - JSON nested deeper than the parser's recursion limit and strings holding a lone UTF-16
   surrogate (valid JSON escapes, but not encodable as UTF-8 for the engine) are 400s too.
 """
@@ -26,7 +33,8 @@ from molctl.proxy.errors import ProxyError, invalid
 PASSTHROUGH = ("temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "logprobs",
                "top_logprobs", "response_format", "tool_choice", "parallel_tool_calls", "logit_bias", "user",
                "top_k", "min_p", "repetition_penalty")
-ACCEPTED_IGNORED = ("store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier")
+ACCEPTED_IGNORED = ("store", "metadata", "service_tier", "prompt_cache_key", "prompt_cache_retention",
+                    "prompt_cache_options", "safety_identifier")
 REJECTED = {"functions": "use 'tools' instead of the legacy 'functions'",
             "function_call": "use 'tool_choice' instead of the legacy 'function_call'",
             "audio": "audio output is not supported", "modalities": "only text output is supported",
@@ -212,6 +220,24 @@ def check_tools(tools: Any) -> None:
         check_function_def(fn, f"{w}.function")
 
 
+def check_tool_choice(choice: Any, tools: Any) -> None:
+    """`none`, `auto`, `required` or `{"type": "function", "function": {"name"}}` naming one of `tools`."""
+    if choice is None or choice in ("none", "auto"):
+        return
+    names = {t["function"]["name"] for t in tools or ()}
+    if choice == "required":
+        if not names:
+            raise invalid("'tool_choice' 'required' needs at least one tool in 'tools'.", "tool_choice")
+        return
+    if not isinstance(choice, dict) or choice.get("type", "function") != "function" \
+            or not isinstance(choice.get("function"), dict) or not isinstance(choice["function"].get("name"), str):
+        raise invalid("'tool_choice' must be 'none', 'auto', 'required' or "
+                      "{'type': 'function', 'function': {'name': ...}}.", "tool_choice")
+    if choice["function"]["name"] not in names:
+        raise invalid(f"'tool_choice' names the function '{choice['function']['name'][:80]}', which is not in 'tools'.",
+                      "tool_choice")
+
+
 def check_function_def(fn: dict[str, Any], where: str) -> None:
     """A function tool's definition (chat's `tools[i].function`, or a flat Responses tool)."""
     if not isinstance(fn.get("name"), str) or not fn["name"]:
@@ -238,7 +264,7 @@ def check_request(body: Any, public_model: str) -> None:
         raise invalid("The request body must be a JSON object.")
     check_model(body, public_model)
     for key in body:
-        if key in REJECTED:
+        if key in REJECTED and body[key] is not None and not (key == "modalities" and body[key] == ["text"]):
             raise invalid(f"'{key}' is not supported: {REJECTED[key]}.", key)
         if key not in KNOWN:
             raise invalid(f"Unrecognized request argument supplied: {key}", key)
@@ -265,6 +291,13 @@ def check_request(body: Any, public_model: str) -> None:
         raise invalid("'chat_template_kwargs' must be an object.", "chat_template_kwargs")
     if body.get("tools") is not None:
         check_tools(body["tools"])
+    check_tool_choice(body.get("tool_choice"), body.get("tools"))
+    top = body.get("top_logprobs")
+    if top is not None:
+        if not _is_int(top) or not 0 <= top <= 20:
+            raise invalid("'top_logprobs' must be an integer from 0 to 20.", "top_logprobs")
+        if top > 0 and body.get("logprobs") is not True:
+            raise invalid("'top_logprobs' requires 'logprobs' to be true.", "top_logprobs")
     for key in ("prompt_cache_key", "safety_identifier", "user"):
         if body.get(key) is not None and not isinstance(body[key], str):
             raise invalid(f"'{key}' must be a string.", key)
