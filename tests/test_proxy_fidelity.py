@@ -168,6 +168,21 @@ def test_abort_finish_reason_is_kept_and_not_summarised(s, stream):
 
 # ------------------------------------------------------------------------ 4. status codes of streams
 
+@pytest.mark.parametrize("engine_param, shown", [("temperature", "temperature"),
+                                                  ("response_format.json_schema", "response_format.json_schema"),
+                                                  ("messages[1].content", None), ("model", None), (None, None)])
+def test_an_engine_400_names_the_clients_parameter_when_it_is_one(s, engine_param, shown):
+    """vLLM's 400s carry `param` (VLLMValidationError.parameter); the proxy dropped it, so a client
+    could not tell which of its parameters was refused. Kept for a parameter passed on as the client
+    sent it; never for one the proxy built (an index into its rewritten messages, the adapter's model)."""
+    s.config(answer_error={"status": 400, "body": {"error": {
+        "message": "temperature must be non-negative, got -1.0.", "type": "BadRequestError", "param": engine_param,
+        "code": 400}}})
+    with pytest.raises(openai.BadRequestError) as err:
+        s.client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "[route:L2] x"}])
+    assert err.value.body["param"] == shown and err.value.body["code"] == "invalid_request_error"
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_errors_before_the_first_token_keep_their_status_in_streams(s, stream):
     msgs = [{"role": "user", "content": "[route:L2] x"}]

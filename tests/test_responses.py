@@ -143,6 +143,14 @@ def test_a_context_overflow_names_input_not_messages(s):
         assert r.json()["error"]["code"] == "context_length_exceeded" and r.json()["error"]["param"] == "input"
 
 
+def test_an_engine_400_on_the_response_format_names_text_format(s):
+    s.config(answer_error={"status": 400, "body": {"error": {
+        "message": "Invalid JSON schema.", "type": "BadRequestError", "param": "response_format", "code": 400}}})
+    r = httpx.post(s.proxy_url + "/v1/responses", headers=AUTH, json={
+        "model": PUBLIC, "input": "[route:L2] x", "text": {"format": {"type": "json_object"}}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "text.format", r.text
+
+
 def test_include_encrypted_reasoning_is_accepted_as_codex_sends_it(s):
     """Codex CLI sends include=["reasoning.encrypted_content"] with store=false on every turn; a 400
     made the proxy unusable with it. There is no encrypted reasoning: the answer is as without it."""

@@ -98,7 +98,19 @@ def _retry_after(exc: EngineHTTPError) -> str:
     return str(min(max(int(digits), 1), RETRY_AFTER_MAX_S))
 
 
-def from_engine(exc: Exception, names: list[str], public: str) -> ProxyError:
+def _client_param(exc: EngineHTTPError, client_params: frozenset[str]) -> str | None:
+    """The engine's `param` (vLLM sets it from VLLMValidationError.parameter: vllm/entrypoints/serve/
+    exception_handling/error_response.py) when it names a parameter the client sent and the proxy
+    passed on as it was (`temperature`, `response_format.json_schema`); never one the proxy built
+    (`model`: an adapter's name; `messages[3]`: an index into the rewritten conversation)."""
+    err = exc.body.get("error") if isinstance(exc.body, dict) else None
+    param = err.get("param") if isinstance(err, dict) else None
+    if isinstance(param, str) and re.split(r"[.\[]", param, maxsplit=1)[0] in client_params:
+        return param[:200]
+    return None
+
+
+def from_engine(exc: Exception, names: list[str], public: str, client_params: frozenset[str] = frozenset()) -> ProxyError:
     """Map an engine failure to what the client sees."""
     if isinstance(exc, EngineUnavailable):
         return ProxyError(502, "The model backend is unavailable; retry later.", "server_error", "engine_unavailable")
@@ -109,7 +121,7 @@ def from_engine(exc: Exception, names: list[str], public: str) -> ProxyError:
             return ProxyError(400, message, "invalid_request_error", "context_length_exceeded", "messages")
         if exc.status in (400, 422):
             return ProxyError(400, message or "The request was rejected by the model backend.", "invalid_request_error",
-                              "invalid_request_error")
+                              "invalid_request_error", _client_param(exc, client_params))
         if exc.status == 503:
             return ProxyError(503, "The model backend is not ready; retry later.", "server_error", "engine_unavailable",
                               headers={"retry-after": _retry_after(exc)})

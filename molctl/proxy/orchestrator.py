@@ -67,6 +67,8 @@ log = logging.getLogger("molctl.proxy")
 
 BIG_MESSAGES = 2000  # above this many messages, per-message work runs in a worker thread
 FAILED_FINISH = ("abort", "error")
+# what the answer hop passes to the engine as the client sent it: an engine 400 may name these
+CLIENT_PARAMS = frozenset({*PASSTHROUGH, "tools"})
 T = TypeVar("T")
 
 
@@ -385,7 +387,7 @@ class Orchestrator:
             body = checked_completion(await self.client.chat(payload, "answer", big=plan.big, request_id=plan.request_id))
         except (EngineHTTPError, EngineUnavailable) as exc:
             self._engine_error(exc)
-            raise from_engine(exc, self.engine_names, self.public) from None
+            raise from_engine(exc, self.engine_names, self.public, CLIENT_PARAMS) from None
         finally:
             self.admission.answers.release()
             self._answered(plan, start)
@@ -447,7 +449,7 @@ class Orchestrator:
                 raise EngineHTTPError(502, "the engine's stream ended without a finish_reason", in_stream=True)
         except (EngineHTTPError, EngineUnavailable) as exc:
             self._engine_error(exc)
-            raise from_engine(exc, self.engine_names, self.public) from None
+            raise from_engine(exc, self.engine_names, self.public, CLIENT_PARAMS) from None
         finally:
             self.admission.answers.release()
             self._answered(plan, start)

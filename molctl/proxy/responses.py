@@ -63,9 +63,12 @@ def duplicate_item(item_id: str) -> ProxyError:
 
 def public_param(param: str | None) -> str | None:
     """An error's `param` as a Responses client knows it: the chat request the proxy builds has
-    `messages` where the client sent `input` (a context overflow names `messages`)."""
+    `messages` where the client sent `input` (a context overflow names `messages`), and
+    `response_format` where it sent `text.format`."""
     if param is not None and (param == "messages" or param.startswith("messages[")):
         return "input"
+    if param is not None and (param == "response_format" or param.startswith("response_format.")):
+        return "text.format"  # the Responses request's text.format became chat's response_format
     return param
 
 
