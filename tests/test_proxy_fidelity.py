@@ -168,6 +168,20 @@ def test_abort_finish_reason_is_kept_and_not_summarised(s, stream):
 
 # ------------------------------------------------------------------------ 4. status codes of streams
 
+@pytest.mark.parametrize("raw, param", [(b'"temperature": NaN', "temperature"), (b'"top_p": Infinity', "top_p"),
+                                        (b'"presence_penalty": -Infinity', "presence_penalty"),
+                                        (b'"top_k": "5"', "top_k"), (b'"min_p": true', "min_p")])
+def test_sampling_numbers_must_be_finite(s, raw, param):
+    """NaN and Infinity (Python's JSON reader takes them) passed vLLM's range checks (NaN < 0 is
+    false) and reached the sampler; now a 400 naming the field, as for any malformed value."""
+    body = b'{"model": "%s", "messages": [{"role": "user", "content": "[route:L2] x"}], %s}' % (PUBLIC.encode(), raw)
+    r = httpx.post(url(s), headers={**AUTH, "Content-Type": "application/json"}, content=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert not s.log("answer")
+    ok = s.client.chat.completions.create(model=PUBLIC, temperature=0.7, top_p=1, messages=[{"role": "user", "content": "[route:L2] y"}])
+    assert ok.choices[0].message.content.startswith("answer-")
+
+
 @pytest.mark.parametrize("engine_param, shown", [("temperature", "temperature"),
                                                   ("response_format.json_schema", "response_format.json_schema"),
                                                   ("messages[1].content", None), ("model", None), (None, None)])

@@ -151,6 +151,12 @@ def test_an_engine_400_on_the_response_format_names_text_format(s):
     assert r.status_code == 400 and r.json()["error"]["param"] == "text.format", r.text
 
 
+def test_a_nan_temperature_is_a_400_naming_it(s):
+    body = b'{"model": "%s", "input": "[route:L2] x", "temperature": NaN}' % PUBLIC.encode()
+    r = httpx.post(s.proxy_url + "/v1/responses", headers={**AUTH, "Content-Type": "application/json"}, content=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature", r.text
+
+
 def test_include_encrypted_reasoning_is_accepted_as_codex_sends_it(s):
     """Codex CLI sends include=["reasoning.encrypted_content"] with store=false on every turn; a 400
     made the proxy unusable with it. There is no encrypted reasoning: the answer is as without it."""

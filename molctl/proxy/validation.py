@@ -23,6 +23,7 @@ Choices, where the issue leaves room:
 
 from __future__ import annotations
 
+import math
 import re
 from json.scanner import make_scanner
 from typing import Any
@@ -33,6 +34,8 @@ from molctl.proxy.errors import ProxyError, invalid
 PASSTHROUGH = ("temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "logprobs",
                "top_logprobs", "response_format", "tool_choice", "parallel_tool_calls", "logit_bias", "user",
                "top_k", "min_p", "repetition_penalty")
+SAMPLING_NUMBERS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_p",
+                    "repetition_penalty")
 ACCEPTED_IGNORED = ("store", "metadata", "service_tier", "prompt_cache_key", "prompt_cache_retention",
                     "prompt_cache_options", "safety_identifier")
 REJECTED = {"functions": "use 'tools' instead of the legacy 'functions'",
@@ -298,6 +301,12 @@ def check_request(body: Any, public_model: str) -> None:
             raise invalid("'top_logprobs' must be an integer from 0 to 20.", "top_logprobs")
         if top > 0 and body.get("logprobs") is not True:
             raise invalid("'top_logprobs' requires 'logprobs' to be true.", "top_logprobs")
+    for key in SAMPLING_NUMBERS:  # the range is the engine's to check (its 400 names the field)
+        v = body.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+            # NaN/Infinity (accepted by the JSON reader, as Python's): vLLM's pydantic takes them and
+            # its range checks (temperature < 0) are false for NaN, so they would reach the sampler
+            raise invalid(f"'{key}' must be a finite number.", key)
     for key in ("prompt_cache_key", "safety_identifier", "user"):
         if body.get(key) is not None and not isinstance(body[key], str):
             raise invalid(f"'{key}' must be a string.", key)
