@@ -1,0 +1,130 @@
+"""An SRE's review of a RUNNING stack when things go wrong underneath it, with real processes:
+`molctl up tiny` against the fake engine (tests/fake_engine.py through a fake `engine.python`),
+then components SIGSTOPped, SIGKILLed, left as zombies; and the engine client with its pool full.
+Every process a test starts is stopped by it (`down --force`, process groups), even on failure."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from molctl.errors import ExitStatus
+from molctl.state import read_records
+from tests.helpers import ROOT, Molctl, free_ports, wait_for
+from tests.layouts import make_layout
+from tests.procs import fake_engine_python
+
+
+class Host:
+    """`molctl up tiny` with the fake engine, as tests/test_bench.py's host."""
+
+    def __init__(self, tmp: Path):
+        self.state = tmp / "state"
+        self.model = tmp / "model"
+        make_layout(self.model, model_type="llama", shards=2, rank=8, base_name="tiny-mol-llama")
+        self.python = fake_engine_python(tmp / "fake-python")
+        self.engine_port, self.proxy_port = free_ports(2)
+        # PYTHONPATH: the proxy `up` starts (in its own folder) imports this checkout's molctl
+        self.env = {"MOLCTL_LOCK_DIR": str(tmp / "locks"), "MOLCTL_PROFILES_DIR": "", "PYTHONPATH": str(ROOT)}
+        self.cli = Molctl(self.state)
+        self.stopped: list[int] = []  # SIGSTOPped pids, continued at the end whatever happened
+
+    def up(self, *extra: str):
+        return self.cli("up", "tiny", "--set", f"engine.python={self.python}", "--set", f"engine.port={self.engine_port}",
+                        "--set", f"proxy.port={self.proxy_port}", "--model-root", str(self.model), "--skip", "engine",
+                        "--skip", "gpu", "--allow-unauthenticated", "--timeout", "30", *extra, env=self.env)
+
+    def __call__(self, *args: str, timeout: float = 90):
+        return self.cli(*args, env=self.env, timeout=timeout)
+
+    def pid(self, component: str) -> int:
+        return read_records(self.state, "tiny")[component].pid
+
+    def sigstop(self, pid: int) -> None:
+        self.stopped.append(pid)
+        os.kill(pid, signal.SIGSTOP)
+        assert wait_for(lambda: psutil.Process(pid).status() == psutil.STATUS_STOPPED, 5)
+
+    def cleanup(self) -> None:
+        for pid in self.stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        if self.state.exists():
+            self("down", "--stop-timeout", "2", "--drain-timeout", "2", "--force", timeout=60)
+
+
+@pytest.fixture
+def host(tmp_path):
+    h = Host(tmp_path)
+    yield h
+    h.cleanup()
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_down_of_a_sigstopped_stack_continues_it_so_that_sigterm_works(host):
+    """A SIGSTOPped process (Ctrl-Z, a debugger, a hang someone froze to inspect) keeps SIGTERM
+    pending until SIGCONT: `down` waited the whole --drain-timeout (600 s by default) for the
+    proxy and the whole --stop-timeout for the engine, then SIGKILLed both, with no drain and no
+    clean shutdown. SIGCONT follows SIGTERM (as systemd sends it), so both stop in moments."""
+    r = host.up()
+    assert r.exit_code == ExitStatus.OK, r.stdout + r.stderr
+    engine, proxy = host.pid("engine"), host.pid("proxy")
+    host.sigstop(proxy)
+    host.sigstop(engine)
+    t0 = time.monotonic()
+    r = host("down", "--drain-timeout", "15", "--stop-timeout", "15", "--json")
+    took = time.monotonic() - t0
+    assert r.exit_code == ExitStatus.OK, r.stderr
+    assert r.json()["stopped"] == [{"profile": "tiny", "components": {"proxy": "stopped", "engine": "stopped"}}]
+    assert took < 10, took
+    assert gone(engine) and gone(proxy)
+    assert read_records(host.state, "tiny") == {}
+
+
+async def _hanging_chat_server(started: asyncio.Event):
+    """/health answers 200 at once; anything else is read and never answered."""
+    async def handle(reader, writer):
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                if head.startswith(b"GET /health "):
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                    await writer.drain()
+                    continue
+                await asyncio.sleep(3600)
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    started.set()
+    return server
+
+
+def test_status_json_is_one_document_while_the_engine_hangs(host):
+    """The engine SIGSTOPped (a hang): `status` must not hang (its probes have timeouts) and says
+    `degraded`, engine alive with no health, the proxy alive and not ready (503)."""
+    r = host.up()
+    assert r.exit_code == ExitStatus.OK, r.stdout + r.stderr
+    host.sigstop(host.pid("engine"))
+    t0 = time.monotonic()
+    r = host("status", "--json", timeout=30)
+    assert time.monotonic() - t0 < 15
+    (stack,) = json.loads(r.stdout)["stacks"]
+    comps = {c["name"]: c for c in stack["components"]}
+    assert stack["state"] == "degraded"
+    assert comps["engine"]["alive"] and comps["engine"]["health"] is None
+    assert comps["proxy"]["alive"] and comps["proxy"]["health"] == 503
