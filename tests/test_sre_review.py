@@ -95,6 +95,33 @@ def test_down_of_a_sigstopped_stack_continues_it_so_that_sigterm_works(host):
     assert read_records(host.state, "tiny") == {}
 
 
+def test_status_names_engine_processes_left_running_after_its_leader_died(host):
+    """vLLM's API server SIGKILLed by the OOM killer leaves its EngineCore (holding the GPU
+    memory) running. With the proxy gone too, `status` said `failed` ("no recorded process
+    alive") and nothing about them, although `down` finds and stops them by their marker: now
+    `degraded`, with a `problems` line naming them (as for an unreadable record's processes)."""
+    r = host.up("--set", "engine.env.FAKE_CHILD=1")
+    assert r.exit_code == ExitStatus.OK, r.stdout + r.stderr
+    engine, proxy = host.pid("engine"), host.pid("proxy")
+    (child,) = psutil.Process(engine).children()
+    os.kill(proxy, signal.SIGKILL)
+    os.kill(engine, signal.SIGKILL)
+    assert wait_for(lambda: gone(engine) and gone(proxy), 5)
+    r = host("status", "--json")
+    assert r.exit_code == ExitStatus.OK, r.stderr
+    (stack,) = r.json()["stacks"]
+    assert stack["state"] == "degraded", stack
+    assert [c["alive"] for c in stack["components"]] == [False, False]
+    (problem,) = stack["problems"]
+    assert f"pid {engine}" in problem and str(child.pid) in problem and "molctl down tiny" in problem, problem
+    r = host("status")  # the table says so too
+    assert "degraded" in r.stdout and str(child.pid) in r.stdout + r.stderr, r.stdout
+    r = host("down", "--stop-timeout", "5", "--drain-timeout", "5", "--json")
+    assert r.exit_code == ExitStatus.OK, r.stderr
+    assert wait_for(lambda: gone(child.pid), 5)
+    assert host("status", "--json").json()["stacks"] == []
+
+
 async def _hanging_chat_server(started: asyncio.Event):
     """/health answers 200 at once; anything else is read and never answered."""
     async def handle(reader, writer):
