@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -120,6 +121,42 @@ def test_status_names_engine_processes_left_running_after_its_leader_died(host):
     assert r.exit_code == ExitStatus.OK, r.stderr
     assert wait_for(lambda: gone(child.pid), 5)
     assert host("status", "--json").json()["stacks"] == []
+
+
+def test_a_dead_components_zombie_is_not_called_another_process(tmp_path):
+    """A component that died and is not reaped yet (its parent, PID 1 of a container that does not
+    reap quickly) is a zombie with the recorded pid: `up` said "stale proxy record: pid N now
+    belongs to another process; not touching it", sending the operator after a stranger."""
+    from molctl import procid
+    from molctl.processes import record_for
+    from molctl.state import write_record
+    from molctl.stop import clean_component
+
+    state = tmp_path / "state"
+    (state / "tiny").mkdir(parents=True, mode=0o700)
+    proc = subprocess.Popen(["sleep", "0.2"])
+    try:
+        record = record_for("proxy", proc, ["sleep"], 1, tmp_path / "log")
+        assert record.start_ticks is not None
+        write_record(state, "tiny", record)
+        assert wait_for(lambda: procid.start_ticks(proc.pid) is None, 5)  # a zombie: not reaped
+        assert psutil.Process(proc.pid).status() == psutil.STATUS_ZOMBIE
+
+        class Said:
+            lines: list[str] = []
+
+            def step(self, message):
+                self.lines.append(message)
+
+            warn = step
+
+        said = Said()
+        clean_component(state, "tiny", "proxy", record, said)
+        assert not any("another process" in line for line in said.lines), said.lines
+        assert read_records(state, "tiny") == {}
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 async def _hanging_chat_server(started: asyncio.Event):
