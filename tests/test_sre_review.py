@@ -178,6 +178,36 @@ async def _hanging_chat_server(started: asyncio.Event):
     return server
 
 
+def test_a_probe_is_not_queued_behind_a_full_connection_pool():
+    """The proxy's /readyz probe (EngineClient.get) waited for a connection slot without any
+    deadline: with as many answer hops in flight as the pool allows (long generations, or an
+    engine that stopped answering), /readyz hung for as long as they did (30 minutes), holding
+    the probe lock, so every /readyz hung, instead of answering within the probe's timeout."""
+    from molctl.proxy.engine_client import EngineClient
+
+    async def main():
+        started = asyncio.Event()
+        server = await _hanging_chat_server(started)
+        port = server.sockets[0].getsockname()[1]
+        client = EngineClient(f"http://127.0.0.1:{port}", max_connections=2)
+        await client.start()
+        hops = [asyncio.create_task(client.chat({"model": "m", "messages": []}, "answer")) for _ in range(2)]
+        try:
+            await asyncio.sleep(0.3)  # both slots taken, both hops waiting for the engine
+            t0 = time.monotonic()
+            status, _ = await asyncio.wait_for(client.get("/health", timeout=1.0), 5)
+            assert status == 200 and time.monotonic() - t0 < 1.0
+        finally:
+            for t in hops:
+                t.cancel()
+            await asyncio.gather(*hops, return_exceptions=True)
+            await client.close()
+            server.close()
+            await server.wait_closed()
+
+    asyncio.run(main())
+
+
 def test_status_json_is_one_document_while_the_engine_hangs(host):
     """The engine SIGSTOPped (a hang): `status` must not hang (its probes have timeouts) and says
     `degraded`, engine alive with no health, the proxy alive and not ready (503)."""
