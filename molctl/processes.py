@@ -9,8 +9,8 @@ recorded component are:
     EngineCore and workers also when the API server itself was SIGKILLed and they were left
     behind, in the group or out of it.
 A process that merely shares a recycled pid or process-group id has no marker and is never
-touched. Stopping means SIGTERM (to the group when its leader is verified ours, else to each
-member), waiting up to a deadline, SIGKILL, then verifying that no member survived.
+touched. Stopping means SIGTERM then SIGCONT (to the group when its leader is verified ours,
+else to each member), waiting up to a deadline, SIGKILL, then verifying that no member survived.
 """
 
 from __future__ import annotations
@@ -186,7 +186,8 @@ class StopResult:
 def stop(record: Record, timeout_s: float, sleep: Callable[[float], None] = time.sleep,
          on_escalate: Callable[[], None] | None = None, on_wait: Callable[[float], None] | None = None,
          wait_every_s: float = 10.0) -> StopResult:
-    """SIGTERM the component, wait up to `timeout_s`, SIGKILL what is left, verify.
+    """SIGTERM (then SIGCONT: a stopped process acts on it) the component, wait up to
+    `timeout_s`, SIGKILL what is left, verify.
     `on_wait(seconds_left)` is called every `wait_every_s` while it waits (a countdown)."""
     return stop_processes(record, members(record), timeout_s, sleep, on_escalate, on_wait, wait_every_s,
                           lambda: members(record))
@@ -200,6 +201,10 @@ def stop_processes(record: Record | None, procs: list[psutil.Process], timeout_s
     if not procs:
         return StopResult(0, False, [])
     _signal_all(record, procs, signal.SIGTERM)
+    # A stopped process (SIGSTOP, Ctrl-Z, a debugger) keeps SIGTERM pending until it is
+    # continued: without SIGCONT it would sit out the whole deadline, then be SIGKILLed with no
+    # drain or shutdown. systemd sends SIGCONT after SIGTERM for the same reason.
+    _signal_all(record, procs, signal.SIGCONT)
     start = time.monotonic()
     deadline = start + timeout_s
     next_report = start + wait_every_s

@@ -14,7 +14,7 @@ from typing import Any
 from molctl import stackconfig
 from molctl.engines import get_engine
 from molctl.errors import ProfileError
-from molctl.processes import stack_pids
+from molctl.processes import members, stack_pids
 from molctl.profiles import Profile, load_profile
 from molctl.readiness import http_status
 from molctl.stacks import component_url, known_or_recorded, marked_for, recorded_config, unrecorded_marked
@@ -68,6 +68,7 @@ def _stack_status(state_dir: Path, name: str, profile: Profile | None, records: 
     """Probe from the records (the host and port actually used, overrides included); the profile
     is the one recorded at the start."""
     components = []
+    left: dict[str, tuple[Record, list]] = {}  # component -> its record and processes outliving its leader
     now = time.time()
     paths = {"engine": "/health", "proxy": "/readyz"}
     for component in COMPONENTS:
@@ -75,6 +76,12 @@ def _stack_status(state_dir: Path, name: str, profile: Profile | None, records: 
         if record is None:
             continue
         alive = is_same_process(record)
+        if not alive:
+            # vLLM's API server SIGKILLed (the OOM killer) leaves its EngineCore and workers,
+            # which hold the GPU memory: found by the record's marker, as `down` finds them
+            procs = members(record)
+            if procs:
+                left[component] = (record, procs)
         # the engine's /health may take its time (SGLang's generates a token); the proxy's /readyz asks it
         timeout = get_engine(profile.engine.kind).health_timeout_s if profile else 1.0
         timeout += 1.0 if component == "proxy" else 0.0
@@ -87,12 +94,18 @@ def _stack_status(state_dir: Path, name: str, profile: Profile | None, records: 
     if state == "ready" and adapters not in (None, "ok"):
         state = "degraded"
     out: dict[str, Any] = {"profile": name, "state": state, "components": components}
+    if left and state not in ("starting", "stopping"):
+        out["state"] = "degraded"  # something of the stack runs: not `failed`
+        out["problems"] = [f"the {c} (pid {r.pid}) is gone but {len(procs)} of its process(es) still run (pid "
+                           f"{', '.join(str(p.pid) for p in procs)}; they may hold GPU memory): `molctl down {name}` "
+                           f"stops them, `molctl up {name}` restarts the stack"
+                           for c, (r, procs) in left.items()]
     if problems:
         marked = marked_for(state_dir, name, problems)
-        out["problems"] = [f"{p.component} record {p.path} is unreadable ({p.error}); "
+        out["problems"] = out.get("problems", []) + [f"{p.component} record {p.path} is unreadable ({p.error}); "
                            f"{len([m for m in marked if m[1] == os.path.realpath(p.path)])} process(es) carry its marker"
                            for p in problems]
-        out["state"] = "degraded" if marked or any(c["alive"] for c in components) else "failed"
+        out["state"] = "degraded" if marked or left or any(c["alive"] for c in components) else "failed"
     if adapters is not None:
         out["adapters"] = adapters
     if "proxy" in records:

@@ -57,12 +57,21 @@ def clean_component(state_dir: Path, name: str, component: str, record: Record, 
 
 
 def _pid_exists(pid: int) -> bool:
+    """A live process has this pid: a zombie (the recorded process, dead and not reaped yet by a
+    parent or container init that reaps slowly) is no other process."""
+    import psutil
+
     try:
         os.kill(pid, 0)
-        return True
     except ProcessLookupError:
         return False
     except PermissionError:
+        return True
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:
         return True
 
 def _every(timeout_s: float) -> float:

@@ -178,6 +178,7 @@ class _Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
         self.idle_since = 0.0
+        self.slot: Any = None  # the slots semaphore the request on it holds (EngineClient._exchange)
         self._waiter: asyncio.Future | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._reset()
@@ -329,6 +330,19 @@ class _Connection(asyncio.Protocol):
             self._arm(next_check)
 
 
+class _NoSlot:
+    """The slot of a request that takes none (a probe)."""
+
+    async def acquire(self) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
+
+_NO_SLOT = _NoSlot()
+
+
 class EngineClient:
     def __init__(self, base_url: str, connect_timeout: float = 5.0, read_timeout: float = 1800.0,
                  max_connections: int = 512, keepalive_s: float = 15.0, request_id_field: str | None = None):
@@ -405,13 +419,18 @@ class EngineClient:
                                     f"{str(exc) or type(exc).__name__}") from None
         return conn
 
-    async def _exchange(self, request: bytes, timeout: float | None) -> _Connection:
+    async def _exchange(self, request: bytes, timeout: float | None, limited: bool = True) -> _Connection:
         """Send one request on a pooled (or new) connection and wait for the response's headers.
         A reused keep-alive connection that the engine closed before answering a byte is
-        retried once on a new one (not one that timed out: the engine has that request). The caller must `_release` the connection."""
+        retried once on a new one (not one that timed out: the engine has that request). The caller must `_release` the connection.
+        `limited`: the request waits for one of the `max_connections` slots (chat hops); a probe
+        (`get`: /readyz's /health and /v1/models) does not, so that it answers within its own
+        timeout while every slot is held by a long generation or an engine that stopped answering."""
         slots = self._slots  # its own: close() may drop the pool's while this request waits
         if slots is None:
             raise AssertionError("EngineClient.start() was not awaited")
+        if not limited:
+            slots = _NO_SLOT
         await slots.acquire()
         try:
             conn = self._idle_connection()
@@ -420,6 +439,7 @@ class EngineClient:
                 if conn is None:
                     conn = await self._connect()
                 self._busy.add(conn)
+                conn.slot = slots
                 conn.send(request, timeout)
                 try:
                     while not conn.headers_done:
@@ -451,8 +471,9 @@ class EngineClient:
             self._idle.append(conn)
         else:
             conn.abort()
-        if self._slots is not None:
+        if conn.slot is self._slots and self._slots is not None:  # not a probe's; not a pool that close() dropped
             self._slots.release()
+        conn.slot = None
 
     async def _read_all(self, conn: _Connection) -> bytes:
         while not conn.done:
@@ -461,7 +482,7 @@ class EngineClient:
 
     # ---- requests
     async def get(self, path: str, timeout: float = 2.0, headers: dict[str, str] | None = None) -> tuple[int, Any]:
-        conn = await self._exchange(self._request("GET", path, None, None, headers), timeout)
+        conn = await self._exchange(self._request("GET", path, None, None, headers), timeout, limited=False)
         try:
             body = await self._read_all(conn)
         finally:
