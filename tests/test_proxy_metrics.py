@@ -190,6 +190,35 @@ def test_request_id_is_passed_on_and_each_request_logs_one_json_line(s):
     assert [entry["request_id"] for entry in s.request_lines()].count("client-id.42") == 1
 
 
+def test_a_failed_request_logs_its_error_code_and_the_engines_reason(s):
+    """A stream that failed after its 200 (the engine died mid-answer) was logged as status 200 with
+    nothing else, and an answer hop's engine failure had no log line saying why (the SRE review)."""
+    s.config(answer_words=6, stream_error_after=3)
+    with httpx.stream("POST", s.proxy_url + "/v1/chat/completions", headers={**AUTH, "X-Request-Id": "cut-1"},
+                      json={"model": PUBLIC, "stream": True, "messages": [{"role": "user", "content": "[route:L2] cut"}]}) as r:
+        body = "".join(r.iter_text())
+    assert r.status_code == 200 and '"error"' in body
+    s.config(answer_error={"status": 500, "body": {"error": {"message": "EngineCore died", "code": 500}}})
+    r = httpx.post(s.proxy_url + "/v1/chat/completions", headers={**AUTH, "X-Request-Id": "down-1"},
+                   json={"model": PUBLIC, "messages": [{"role": "user", "content": "[route:L2] x"}]})
+    assert r.status_code == 502
+    s.config()
+    ok = httpx.post(s.proxy_url + "/v1/chat/completions", headers={**AUTH, "X-Request-Id": "fine-1"},
+                    json={"model": PUBLIC, "messages": [{"role": "user", "content": "[route:L2] y"}]})
+    assert ok.status_code == 200
+
+    def line(rid):
+        return next((e for e in s.request_lines() if e["request_id"] == rid), None)
+
+    assert wait_for(lambda: line("fine-1") is not None)
+    assert line("cut-1")["status"] == 200 and line("cut-1")["error"] == "engine_error"
+    assert line("down-1")["status"] == 502 and line("down-1")["error"] == "engine_error"
+    assert line("fine-1")["error"] is None
+    text = s.log_path.read_text()
+    assert "request down-1: answer hop on L2 failed: HTTP 500: EngineCore died" in text
+    assert "request cut-1: answer hop on L2 failed" in text
+
+
 def test_status_reads_a_missing_listener_as_unavailable():
     port = free_port()
     assert proxy_metrics(f"http://127.0.0.1:{port}/metrics") == {"available": False, "url": f"http://127.0.0.1:{port}/metrics"}

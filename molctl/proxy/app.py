@@ -174,6 +174,7 @@ class ProxyApp:
         try:
             await self._route(scope, receive, tracked, rid)
         except ProxyError as exc:
+            state["error"] = exc.code or exc.type
             if not state["started"]:
                 await self._error(tracked, exc, rid)
         except ClientGone:  # left while sending its body: nothing to answer, nothing to log but its line
@@ -185,11 +186,13 @@ class ProxyApp:
             if not state["started"]:
                 await self._error(tracked, invalid("The body is nested too deeply to be a chat request."), rid)
         except (StoreError, StoreBusy) as exc:  # an external fault (a full disk, another process's lock): one line
+            state["error"] = "proxy_error"
             self.counters.inc("internal_errors_total")
             log.warning("request %s failed: %s", rid, exc)
             if not state["started"]:
                 await self._error(tracked, internal_error(rid), rid)
         except Exception:  # a bug: logged once, answered in the OpenAI error shape
+            state["error"] = "proxy_error"
             self.counters.inc("internal_errors_total")
             log.exception("request %s failed", rid)
             if not state["started"]:
@@ -519,6 +522,7 @@ class ProxyApp:
             self.orch.abandon(plan)
             if not started:  # nothing sent yet: the same answer as without stream
                 raise failure
+            REQUEST.get()["error"] = failure.code or failure.type  # a 200 that ended in an error frame
         try:
             if failure is not None:
                 await write(error_frame(failure), more=end is not None)
@@ -631,6 +635,7 @@ class ProxyApp:
         except ProxyError as exc:
             if not started:
                 raise
+            REQUEST.get()["error"] = exc.code or exc.type  # a 200 that ended in response.failed
             for event in tr.failed(exc):
                 yield event
             return
@@ -703,6 +708,8 @@ def request_line(rid: str, state: dict[str, Any], api: str, plan: Plan | None, t
         "tokens_in": usage.get("prompt_tokens"), "tokens_out": usage.get("completion_tokens"),
         "tokens_cached": details.get("cached_tokens") if isinstance(details, dict) else None,
         "client_disconnect": bool(state.get("disconnected")),
+        # the error code the client got (its status, or the error frame ending a 200 stream); null if none
+        "error": state.get("error"),
     }).decode()
 
 

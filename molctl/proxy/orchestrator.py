@@ -317,8 +317,16 @@ class Orchestrator:
             plan.queued = False
         self.counters.observe("queue_wait_seconds", plan.queue_wait_s)
 
-    def _engine_error(self, exc: Exception) -> None:
-        self.counters.inc("engine_errors_total", status=str(exc.status) if isinstance(exc, EngineHTTPError) else "unreachable")
+    def _engine_error(self, exc: Exception, plan: Plan) -> None:
+        """Count an answer hop's engine failure and log it once with the request id: the request's
+        own log line has only its status and error code, not what the engine said. A client 400
+        (the engine refusing the request) is the client's business: counted, not logged."""
+        status = exc.status if isinstance(exc, EngineHTTPError) else None
+        self.counters.inc("engine_errors_total", status=str(status) if status is not None else "unreachable")
+        if status is None or status >= 500 or getattr(exc, "in_stream", False):
+            why = exc.message() if isinstance(exc, EngineHTTPError) else str(exc)
+            log.warning("request %s: answer hop on %s failed: %s%s", plan.request_id, plan.route,
+                        f"HTTP {status}: " if status is not None else "", " ".join(why.split())[:300] or type(exc).__name__)
 
     def _answered(self, plan: Plan, start: float) -> None:
         plan.timings["answer_s"] = elapsed = time.monotonic() - start
@@ -386,7 +394,7 @@ class Orchestrator:
         try:
             body = checked_completion(await self.client.chat(payload, "answer", big=plan.big, request_id=plan.request_id))
         except (EngineHTTPError, EngineUnavailable) as exc:
-            self._engine_error(exc)
+            self._engine_error(exc, plan)
             raise from_engine(exc, self.engine_names, self.public, CLIENT_PARAMS) from None
         finally:
             self.admission.answers.release()
@@ -448,7 +456,7 @@ class Orchestrator:
             if finish is None:  # vLLM and SGLang always end a choice with one: the answer may be cut short
                 raise EngineHTTPError(502, "the engine's stream ended without a finish_reason", in_stream=True)
         except (EngineHTTPError, EngineUnavailable) as exc:
-            self._engine_error(exc)
+            self._engine_error(exc, plan)
             raise from_engine(exc, self.engine_names, self.public, CLIENT_PARAMS) from None
         finally:
             self.admission.answers.release()
