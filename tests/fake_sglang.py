@@ -5,6 +5,9 @@ SGLang does differently; each behaviour cites where SGLang does it (paths in sgl
 the facts are summarised in molctl/engines/sglang.py).
 
 Start-up, in SGLang's order:
+  0. parses its argv with the fake package's ServerArgs parser, strictly (launch_server.py
+     prepare_server_args -> parser.parse_args: an unknown flag is "unrecognized arguments", exit 2;
+     aliases and unambiguous abbreviations such as `--tp` are taken);
   1. prints `server_args=ServerArgs(...)` (server_args.py, logged by the launcher);
   2. spawns the scheduler (one per --tp rank) and the detokenizer, which rename themselves
      `sglang::scheduler_TP<n>` / `sglang::detokenizer` with setproctitle (wiping the environment
@@ -343,21 +346,16 @@ async def serve(host: str, port: int) -> None:
 
 def main() -> None:
     env = os.environ
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model-path", required=True)
-    parser.add_argument("--served-model-name", default=None)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=30000)
-    parser.add_argument("--tp", "--tp-size", dest="tp", type=int, default=1)
-    parser.add_argument("--context-length", type=int, default=None)
-    parser.add_argument("--enable-cache-report", action="store_true")
-    parser.add_argument("--enable-metrics", action="store_true")
-    parser.add_argument("--max-loras-per-batch", type=int, default=8)
-    parser.add_argument("--max-loaded-loras", type=int, default=None)
-    parser.add_argument("--max-lora-rank", type=int, default=None)
-    parser.add_argument("--lora-paths", nargs="*", default=[])
+    # launch_server.py: prepare_server_args(sys.argv[1:]) -> parser.parse_args (server_args.py):
+    # an unknown flag ends the launch with argparse's "unrecognized arguments" (exit 2)
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "fake_sglang_pkg"))
+    from sglang.srt.server_args import prepare_server_args
+
+    parser = argparse.ArgumentParser(prog="launch_server.py")
     parser.add_argument("--config", default="{}", help="initial fake config JSON (tests only)")
-    args, _ = parser.parse_known_args()
+    args = prepare_server_args(sys.argv[1:], parser)
+    args.lora_paths = args.lora_paths or []
+    args.tp = args.tensor_parallel_size
     for item in args.lora_paths:  # <PATH> | <NAME>=<PATH> | JSON (server_args.py LoRA parsing)
         if item.startswith("{"):
             obj = json.loads(item)
