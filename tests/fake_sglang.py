@@ -202,6 +202,40 @@ async def stream_body(resp, emit, message, finish, tool, cfg, payload, model, us
 base.completion, base.stream_body = completion, stream_body
 
 
+def strict_violation(payload: dict) -> web.Response | None:
+    """Strict mode (config `strict`), SGLang's rules and body (not vLLM's, tests/fake_engine.py):
+    the chat template's exceptions are a 400 with their message (serving_chat.py: a
+    jinja2.TemplateError is raised again as ValueError -> create_error_response); the window is
+    --context-length (else config `max_model_len`) and TokenizerManager._validate_one_request
+    refuses, with `>=` where vLLM has `>` (a prompt that fills the window exactly is refused):
+    input >= window: "The input (N tokens) is longer than the model's context length (W
+    tokens)."; input + max_new_tokens >= window: "Requested token count exceeds the model's
+    maximum context length of W tokens. ..." (sglang test/srt/test_request_length_validation.py).
+    Without max_tokens the scheduler gives the request the room left (max_req_len - input - 1)."""
+    messages = payload.get("messages") or []
+    for i, msg in enumerate(messages):
+        if msg.get("role") not in ("system", "user", "assistant", "tool"):
+            return error("Unexpected message role.")
+        if msg.get("role") == "system" and i > 0:
+            return error("System message must be at the beginning.")
+    if not any(m.get("role") == "user" for m in messages):
+        return error("No user query found in messages.")
+    window = SGL.server_args.get("context_length") or base.STATE.config["max_model_len"]
+    prompt = base.estimate_tokens(payload)
+    max_new = payload.get("max_tokens") or payload.get("max_completion_tokens")  # serving_chat.py
+    if prompt >= window:
+        return error(f"The input ({prompt} tokens) is longer than the model's context length ({window} tokens).")
+    if max_new is not None and max_new + prompt >= window:
+        return error(f"Requested token count exceeds the model's maximum context length of {window} tokens. "
+                     f"You requested a total of {max_new + prompt} tokens: {prompt} tokens from the input messages "
+                     f"and {max_new} tokens for the completion. Please reduce the number of tokens in the input "
+                     f"messages or the completion to fit within the limit.")
+    return None
+
+
+base.strict_violation = lambda payload: None  # chat() below applies SGLang's rules instead
+
+
 async def chat(request):
     payload = await request.json()  # aiohttp keeps the body: base.chat reads it again
     model = payload.get("model")
@@ -217,6 +251,13 @@ async def chat(request):
         base.STATE.log.append({"hop": request.headers.get("X-MoL-Hop"), "model": model, "messages": payload.get("messages"),
                                "payload": payload, "t": time.time(), "rejected": message})
         return error(message)
+    if base.STATE.config["strict"]:
+        rejected = strict_violation(payload)
+        if rejected is not None:
+            base.STATE.log.append({"hop": request.headers.get("X-MoL-Hop"), "model": model,
+                                   "messages": payload.get("messages"), "payload": payload, "t": time.time(),
+                                   "rejected": json.loads(rejected.text)["message"]})
+            return rejected
     if request.headers.get("X-MoL-Hop") == "route" and not any(payload.get(k) for k in ("regex", "ebnf", "json_schema")) \
             and (payload.get("response_format") or {}).get("type") != "json_schema":
         # no constraint: SGLang samples freely (there is no vLLM-style `choice`; a vLLM

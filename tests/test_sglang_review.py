@@ -9,11 +9,13 @@ import sys
 import textwrap
 from pathlib import Path
 
+import httpx
 import pytest
 
 from molctl.engines.sglang import ENGINE
 from molctl.profiles import load_profile, profile_dirs
-from tests.procs import FAKE_SGLANG_PKG, ROOT, fake_engine_python
+from tests.helpers import free_port
+from tests.procs import FAKE_SGLANG_PKG, ROOT, fake_engine_python, fake_sglang_argv, proxy_argv, running
 
 sys.path.insert(0, str(FAKE_SGLANG_PKG))
 from sglang.srt.server_args import prepare_server_args  # noqa: E402  (the fake package's parser)
@@ -104,3 +106,57 @@ def test_the_flag_probe_reads_the_source_where_sglang_does_not_import(fake_pytho
     flags = probe(python)
     assert {"model-path", "model", "host", "reasoning-parser", "tp-size", "tp", "tensor-parallel-size"} <= flags
     assert not any(f.startswith("enable-dsa") for f in flags)
+
+
+@pytest.fixture(scope="module")
+def strict_sglang(tmp_path_factory):
+    """The fake SGLang in strict mode with a 100-token window (--context-length 100), and the
+    venti-sglang proxy in front of it."""
+    logs = tmp_path_factory.mktemp("logs")
+    engine_port, proxy_port = free_port(), free_port()
+    engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
+    keys = logs / "keys"
+    keys.write_text("sk-review")
+    keys.chmod(0o600)
+    argv = fake_sglang_argv(engine_port, VENTI.engine.served_name, "/models/loras", {"strict": True}, True,
+                            "--context-length", "100")
+    with running(argv, engine_url + "/health", log=logs / "engine.log"), \
+            running(proxy_argv("venti-sglang", engine_url, proxy_port, "--api-key-file", str(keys)),
+                    proxy_url + "/health", log=logs / "proxy.log"):
+        yield engine_url, proxy_url
+
+
+def _chat(url: str, body: dict, key: str | None = None) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(url + "/v1/chat/completions", json=body, headers=headers, timeout=30)
+
+
+def test_the_window_rule_is_sglangs(strict_sglang):
+    """TokenizerManager._validate_one_request: input >= context_len, or input + max_new_tokens >=
+    context_len, is a 400 with SGLang's messages and its top-level error body (serving_base.py
+    create_error_response); vLLM's rule (`>`) and messages were scripted instead."""
+    engine_url, _ = strict_sglang
+    model = f"{VENTI.engine.served_name}:L1"
+    words = " ".join(["w"] * 90)  # 90 words + 4 per message: 94 tokens by the fake's count
+    r = _chat(engine_url, {"model": model, "max_tokens": 6, "messages": [{"role": "user", "content": words}]})
+    assert r.status_code == 400
+    body = r.json()
+    assert body["object"] == "error" and body["type"] == "BadRequestError" and "error" not in body
+    assert body["message"].startswith("Requested token count exceeds the model's maximum context length of 100 "
+                                      "tokens. You requested a total of 100 tokens: 94 tokens")
+    assert _chat(engine_url, {"model": model, "max_tokens": 5,
+                              "messages": [{"role": "user", "content": words}]}).status_code == 200
+    long = " ".join(["w"] * 96)
+    r = _chat(engine_url, {"model": model, "messages": [{"role": "user", "content": long}]})
+    assert r.status_code == 400
+    assert r.json()["message"] == "The input (100 tokens) is longer than the model's context length (100 tokens)."
+
+
+def test_sglangs_window_errors_reach_the_client_as_context_length_exceeded(strict_sglang):
+    _, proxy_url = strict_sglang
+    long = "[route:L1] " + " ".join(["w"] * 120)
+    r = _chat(proxy_url, {"model": VENTI.served_model_name, "messages": [{"role": "user", "content": long}]},
+              key="sk-review")
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "context_length_exceeded" and "context length" in err["message"]
