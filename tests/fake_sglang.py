@@ -5,6 +5,9 @@ SGLang does differently; each behaviour cites where SGLang does it (paths in sgl
 the facts are summarised in molctl/engines/sglang.py).
 
 Start-up, in SGLang's order:
+  0. parses its argv with the fake package's ServerArgs parser, strictly (launch_server.py
+     prepare_server_args -> parser.parse_args: an unknown flag is "unrecognized arguments", exit 2;
+     aliases and unambiguous abbreviations such as `--tp` are taken);
   1. prints `server_args=ServerArgs(...)` (server_args.py, logged by the launcher);
   2. spawns the scheduler (one per --tp rank) and the detokenizer, which rename themselves
      `sglang::scheduler_TP<n>` / `sglang::detokenizer` with setproctitle (wiping the environment
@@ -199,6 +202,40 @@ async def stream_body(resp, emit, message, finish, tool, cfg, payload, model, us
 base.completion, base.stream_body = completion, stream_body
 
 
+def strict_violation(payload: dict) -> web.Response | None:
+    """Strict mode (config `strict`), SGLang's rules and body (not vLLM's, tests/fake_engine.py):
+    the chat template's exceptions are a 400 with their message (serving_chat.py: a
+    jinja2.TemplateError is raised again as ValueError -> create_error_response); the window is
+    --context-length (else config `max_model_len`) and TokenizerManager._validate_one_request
+    refuses, with `>=` where vLLM has `>` (a prompt that fills the window exactly is refused):
+    input >= window: "The input (N tokens) is longer than the model's context length (W
+    tokens)."; input + max_new_tokens >= window: "Requested token count exceeds the model's
+    maximum context length of W tokens. ..." (sglang test/srt/test_request_length_validation.py).
+    Without max_tokens the scheduler gives the request the room left (max_req_len - input - 1)."""
+    messages = payload.get("messages") or []
+    for i, msg in enumerate(messages):
+        if msg.get("role") not in ("system", "user", "assistant", "tool"):
+            return error("Unexpected message role.")
+        if msg.get("role") == "system" and i > 0:
+            return error("System message must be at the beginning.")
+    if not any(m.get("role") == "user" for m in messages):
+        return error("No user query found in messages.")
+    window = SGL.server_args.get("context_length") or base.STATE.config["max_model_len"]
+    prompt = base.estimate_tokens(payload)
+    max_new = payload.get("max_tokens") or payload.get("max_completion_tokens")  # serving_chat.py
+    if prompt >= window:
+        return error(f"The input ({prompt} tokens) is longer than the model's context length ({window} tokens).")
+    if max_new is not None and max_new + prompt >= window:
+        return error(f"Requested token count exceeds the model's maximum context length of {window} tokens. "
+                     f"You requested a total of {max_new + prompt} tokens: {prompt} tokens from the input messages "
+                     f"and {max_new} tokens for the completion. Please reduce the number of tokens in the input "
+                     f"messages or the completion to fit within the limit.")
+    return None
+
+
+base.strict_violation = lambda payload: None  # chat() below applies SGLang's rules instead
+
+
 async def chat(request):
     payload = await request.json()  # aiohttp keeps the body: base.chat reads it again
     model = payload.get("model")
@@ -214,6 +251,13 @@ async def chat(request):
         base.STATE.log.append({"hop": request.headers.get("X-MoL-Hop"), "model": model, "messages": payload.get("messages"),
                                "payload": payload, "t": time.time(), "rejected": message})
         return error(message)
+    if base.STATE.config["strict"]:
+        rejected = strict_violation(payload)
+        if rejected is not None:
+            base.STATE.log.append({"hop": request.headers.get("X-MoL-Hop"), "model": model,
+                                   "messages": payload.get("messages"), "payload": payload, "t": time.time(),
+                                   "rejected": json.loads(rejected.text)["message"]})
+            return rejected
     if request.headers.get("X-MoL-Hop") == "route" and not any(payload.get(k) for k in ("regex", "ebnf", "json_schema")) \
             and (payload.get("response_format") or {}).get("type") != "json_schema":
         # no constraint: SGLang samples freely (there is no vLLM-style `choice`; a vLLM
@@ -343,21 +387,16 @@ async def serve(host: str, port: int) -> None:
 
 def main() -> None:
     env = os.environ
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model-path", required=True)
-    parser.add_argument("--served-model-name", default=None)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=30000)
-    parser.add_argument("--tp", "--tp-size", dest="tp", type=int, default=1)
-    parser.add_argument("--context-length", type=int, default=None)
-    parser.add_argument("--enable-cache-report", action="store_true")
-    parser.add_argument("--enable-metrics", action="store_true")
-    parser.add_argument("--max-loras-per-batch", type=int, default=8)
-    parser.add_argument("--max-loaded-loras", type=int, default=None)
-    parser.add_argument("--max-lora-rank", type=int, default=None)
-    parser.add_argument("--lora-paths", nargs="*", default=[])
+    # launch_server.py: prepare_server_args(sys.argv[1:]) -> parser.parse_args (server_args.py):
+    # an unknown flag ends the launch with argparse's "unrecognized arguments" (exit 2)
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "fake_sglang_pkg"))
+    from sglang.srt.server_args import prepare_server_args
+
+    parser = argparse.ArgumentParser(prog="launch_server.py")
     parser.add_argument("--config", default="{}", help="initial fake config JSON (tests only)")
-    args, _ = parser.parse_known_args()
+    args = prepare_server_args(sys.argv[1:], parser)
+    args.lora_paths = args.lora_paths or []
+    args.tp = args.tensor_parallel_size
     for item in args.lora_paths:  # <PATH> | <NAME>=<PATH> | JSON (server_args.py LoRA parsing)
         if item.startswith("{"):
             obj = json.loads(item)

@@ -110,9 +110,16 @@ Metrics, usage, parsers, structured output:
   a real GLM-5 here). The proxy still reads the label leniently (content or reasoning_content)
   and falls back to `default_route`.
 
-SGLang's argument parser cannot be imported on a host without CUDA (its utils import
-torchvision/orjson at import time), so the accepted flags are read from the installed
-`sglang/srt/server_args.py` source (`add_argument("--...")` calls) without importing SGLang."""
+Flags (`probe_install`): the launch parses with `prepare_server_args(sys.argv[1:])`
+(server_args.py: `ServerArgs.add_cli_args(parser)`, `parser.parse_args`): an unknown flag ends it
+(exit 2), an alias is as good as the name ("--tensor-parallel-size", "--tp-size" in one
+add_argument call; "--model-path", "--model"), and argparse's abbreviations are taken: the
+documented `--tp 2`, which venti-sglang passes, is a prefix of --tp-size alone (no `--tp` is
+declared). The probe builds that parser where SGLang imports (the GPU host) and lists every
+option string plus every prefix that names one long option alone; where it does not import (no
+CUDA: its utils import torch/torchvision at import time) it reads the source: the option strings
+of each add_argument call, and the dataclass fields of PR #28814/#28919 (June 2026, after 0.5.13:
+`tp_size: A[int, Arg(aliases=[...])]` -> --tp-size, in server_args.py and srt/arg_groups/)."""
 
 from __future__ import annotations
 
@@ -120,21 +127,67 @@ from molctl.engines.base import Engine, EngineInstall, run_probe_script
 from molctl.profiles import Profile
 
 PROBE_SCRIPT = r"""
-import importlib.metadata, importlib.util, json, os, re
+import argparse, importlib.metadata, importlib.util, json, os, re
 spec = importlib.util.find_spec("sglang")
 out = {"found": spec is not None}
+
+
+def source_groups(root):
+    # The option strings of each add_argument call (every one: "--model-path", "--model"), and
+    # the fields add_cli_args_from_dataclass turns into flags since PR #28814/#28919 (June 2026:
+    # `tp_size: A[int, Arg(..., aliases=["--tensor-parallel-size"])]` -> --tp-size and its
+    # aliases; `no_cli=True` fields have none), in server_args.py and srt/arg_groups/.
+    files = [os.path.join(root, "srt", "server_args.py")]
+    for base, _, names in os.walk(os.path.join(root, "srt", "arg_groups")):
+        files += sorted(os.path.join(base, n) for n in names if n.endswith(".py"))
+    opt = r"[\"'](--[A-Za-z0-9][A-Za-z0-9_-]*)[\"']"
+    groups = [["-h", "--help"]]  # argparse's own
+    for path in files:
+        try:
+            text = open(path, encoding="utf-8").read()
+        except OSError:
+            if path == files[0]:
+                raise
+            continue
+        for call in re.findall(r"add_argument\(((?:\s*[\"'][^\"']*[\"']\s*,)+)", text):
+            groups.append(re.findall(opt, call))
+        for m in re.finditer(r"(?m)^ {4}(\w+): A\[", text):
+            end = re.compile(r"(?m)^ {4}\S").search(text, m.end())
+            body = text[m.end():end.start() if end else len(text)]
+            if "no_cli=True" in body:
+                continue
+            aliases = re.search(r"aliases=\[([^\]]*)\]", body)
+            groups.append(["--" + m.group(1).replace("_", "-")] + (re.findall(opt, aliases.group(1)) if aliases else []))
+    return [g for g in groups if g]
+
+
 if spec is not None:
     try:
         out["version"] = importlib.metadata.version("sglang")
     except importlib.metadata.PackageNotFoundError:
         out["version"] = None
     root = list(spec.submodule_search_locations or [])[0]
-    src = os.path.join(root, "srt", "server_args.py")
-    try:
-        text = open(src, encoding="utf-8").read()
-        out["flags"] = sorted(set(re.findall(r"add_argument\(\s*[\"']--([a-z0-9][a-z0-9_-]*)[\"']", text)))
-    except OSError as exc:
-        out["error"] = "cannot read %s: %s" % (src, exc.strerror)
+    try:  # the parser launch_server parses with (server_args.py prepare_server_args): exact
+        from sglang.srt.server_args import ServerArgs
+        parser = argparse.ArgumentParser()
+        ServerArgs.add_cli_args(parser)
+        groups = [list(a.option_strings) for a in parser._actions if a.option_strings]
+    except Exception:  # it does not import on a host without CUDA: read the source instead
+        try:
+            groups = source_groups(root)
+        except OSError as exc:
+            groups = []
+            out["error"] = "cannot read %s: %s" % (exc.filename, exc.strerror)
+    longs = sorted({o for g in groups for o in g if o.startswith("--")})
+    flags = {o[2:] for o in longs}
+    # argparse (allow_abbrev, the default) also takes a prefix of exactly one long option:
+    # SGLang's documented `--tp 2` is `--tp-size`, which is declared under that name only
+    for o in longs:
+        for n in range(3, len(o)):
+            if sum(1 for x in longs if x.startswith(o[:n])) == 1:  # so is every longer prefix
+                flags.update(o[2:m] for m in range(n, len(o)))
+                break
+    out["flags"] = sorted(flags)
 print(json.dumps(out))
 """
 

@@ -1,32 +1,48 @@
-"""Fake sglang/srt/server_args.py (tests only): the flags molctl's engine check reads."""
+"""Fake sglang/srt/server_args.py (tests only): SGLang's parser for the flags the profiles pass.
+
+Laid out as SGLang's own file before the June 2026 refactor (PR #28814/#28919 moved the flags to
+dataclass annotations): `ServerArgs.add_cli_args(parser)` with one `parser.add_argument(...)` per
+flag, its aliases in the same call ("--tensor-parallel-size", "--tp-size"; "--model-path",
+"--model"), and `prepare_server_args(argv)`, which launch_server.py calls with sys.argv[1:]:
+`parser.parse_args`, so an unknown flag ends the launch ("unrecognized arguments", exit 2) and
+a flag is also taken by a prefix that names one option alone (argparse allow_abbrev: SGLang's
+documented `--tp 2`, docs/advanced_features/server_arguments.md). SGLang has no `--tp` of its
+own and no vLLM-style `--max-model-len` (its window is `--context-length`)."""
 
 import argparse
 
 
-def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--context-length")
-    parser.add_argument("--disable-cuda-graph")
-    parser.add_argument("--disable-custom-all-reduce")
-    parser.add_argument("--disable-overlap-schedule")
-    parser.add_argument("--disable-radix-cache")
-    parser.add_argument("--enable-cache-report")
-    parser.add_argument("--enable-lora")
-    parser.add_argument("--enable-metrics")
-    parser.add_argument("--enable-mfu-metrics")
-    parser.add_argument("--host")
-    parser.add_argument("--log-level")
-    parser.add_argument("--lora-paths")
-    parser.add_argument("--lora-use-virtual-experts")
-    parser.add_argument("--max-loaded-loras")
-    parser.add_argument("--max-lora-rank")
-    parser.add_argument("--max-loras-per-batch")
-    parser.add_argument("--max-model-len")
-    parser.add_argument("--mem-fraction-static")
-    parser.add_argument("--model-path")
-    parser.add_argument("--port")
-    parser.add_argument("--reasoning-parser")
-    parser.add_argument("--served-model-name")
-    parser.add_argument("--skip-server-warmup")
-    parser.add_argument("--tool-call-parser")
-    parser.add_argument("--tp")
-    parser.add_argument("--tp-size")
+class ServerArgs:
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--model-path", "--model", type=str, required=True)
+        parser.add_argument("--served-model-name", type=str, default=None)
+        parser.add_argument("--host", type=str, default="127.0.0.1")
+        parser.add_argument("--port", type=int, default=30000)
+        parser.add_argument("--context-length", type=int, default=None)
+        parser.add_argument("--mem-fraction-static", type=float, default=None)
+        parser.add_argument("--max-running-requests", type=int, default=None)
+        parser.add_argument("--tensor-parallel-size", "--tp-size", type=int, default=1)
+        parser.add_argument("--log-level", type=str, default="info")
+        parser.add_argument("--enable-metrics", action="store_true")
+        parser.add_argument("--enable-mfu-metrics", action="store_true")
+        parser.add_argument("--enable-cache-report", action="store_true")
+        parser.add_argument("--skip-server-warmup", action="store_true")
+        parser.add_argument("--disable-radix-cache", action="store_true")
+        parser.add_argument("--disable-cuda-graph", action="store_true")
+        parser.add_argument("--disable-custom-all-reduce", action="store_true")
+        parser.add_argument("--disable-overlap-schedule", action="store_true")
+        parser.add_argument("--reasoning-parser", type=str, default=None)
+        parser.add_argument("--tool-call-parser", type=str, default=None)
+        parser.add_argument("--enable-lora", default=None, action="store_true")
+        parser.add_argument("--max-lora-rank", type=int, default=None)
+        parser.add_argument("--lora-paths", type=str, nargs="*", default=None)
+        parser.add_argument("--max-loras-per-batch", type=int, default=8)
+        parser.add_argument("--max-loaded-loras", type=int, default=None)
+        parser.add_argument("--lora-use-virtual-experts", action="store_true")
+
+
+def prepare_server_args(argv: list[str], parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    parser = parser or argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    return parser.parse_args(argv)

@@ -1,0 +1,162 @@
+"""SGLang stand-ins held to what SGLang does (review of tests/fake_sglang.py,
+tests/fake_sglang_pkg and molctl/engines/sglang.py against sgl-project/sglang)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import httpx
+import pytest
+
+from molctl.engines.sglang import ENGINE
+from molctl.profiles import load_profile, profile_dirs
+from tests.helpers import free_port
+from tests.procs import FAKE_SGLANG_PKG, ROOT, fake_engine_python, fake_sglang_argv, proxy_argv, running
+
+sys.path.insert(0, str(FAKE_SGLANG_PKG))
+from sglang.srt.server_args import prepare_server_args  # noqa: E402  (the fake package's parser)
+
+VENTI = load_profile("venti-sglang", profile_dirs())
+
+
+def probe(python: Path) -> frozenset[str]:
+    install = ENGINE.probe_install(str(python))
+    assert install.found and not install.error, install
+    return install.flags
+
+
+@pytest.fixture(scope="module")
+def fake_python(tmp_path_factory) -> Path:
+    return fake_engine_python(tmp_path_factory.mktemp("py") / "python")
+
+
+def test_the_fake_launcher_refuses_an_unknown_flag():
+    """launch_server.py: prepare_server_args(sys.argv[1:]) -> parser.parse_args (server_args.py):
+    SGLang has no vLLM-style --max-model-len; the launch ends at once, exit 2."""
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "fake_sglang.py"), "--model-path", "/m",
+                           "--max-model-len", "2048"], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2 and "unrecognized arguments: --max-model-len 2048" in proc.stderr
+
+
+def test_venti_sglang_argv_parses_with_sglangs_parser():
+    argv = ENGINE.launch_argv(VENTI)
+    assert argv[1:3] == ["-m", "sglang.launch_server"]
+    args = prepare_server_args(argv[3:])
+    assert args.tensor_parallel_size == 8 and args.lora_paths[0].startswith("L0=")
+
+
+def test_the_flag_probe_takes_aliases_and_abbreviations(fake_python):
+    """server_args.py declares `--tensor-parallel-size`, `--tp-size` (and `--model-path`,
+    `--model`) in one add_argument call; `--tp` is no option of its own but argparse's
+    abbreviation of --tp-size (SGLang's docs use `--tp 2`). The probe read only the first string
+    of each call, so venti-sglang's `tp` failed engine.flags against a real install."""
+    flags = probe(fake_python)
+    assert {"tp", "tp-size", "tensor-parallel-size", "model", "model-path"} <= flags
+    assert "max-model-len" not in flags and "lora" not in flags  # unknown; ambiguous (--lora-paths, --lora-use-...)
+    assert set(ENGINE.profile_flags(VENTI)) <= flags
+
+
+def test_the_flag_probe_reads_the_source_where_sglang_does_not_import(fake_python, tmp_path):
+    """On a host without CUDA `sglang.srt.server_args` does not import: the probe reads the source,
+    the add_argument form (0.5.13) and the dataclass form of PR #28814/#28919 (June 2026: field
+    `tp_size: A[int, Arg(aliases=["--tensor-parallel-size"])]`, also in srt/arg_groups/)."""
+    pkg = tmp_path / "sglang"
+    shutil.copytree(FAKE_SGLANG_PKG / "sglang", pkg)
+    shutil.copytree(FAKE_SGLANG_PKG / "sglang-0.5.13.post1.dist-info", tmp_path / "sglang-0.5.13.post1.dist-info")
+    src = pkg / "srt" / "server_args.py"
+    src.write_text("raise ImportError('libcuda.so.1: cannot open shared object file')\n" + src.read_text())
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/sh\nPYTHONPATH={tmp_path} exec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    assert probe(python) == probe(fake_python)
+
+    src.write_text(textwrap.dedent('''\
+        raise ImportError("no CUDA")
+        class ServerArgs:
+            model_path: A[
+                str,
+                Arg(help="The path.", aliases=["--model"]),
+            ]
+            host: A[str, "The host of the HTTP server."] = "127.0.0.1"
+            enable_dsa_prefill_context_parallel: A[bool, Arg(help="x", no_cli=True)] = False
+
+            @staticmethod
+            def add_cli_args(parser):
+                add_cli_args_from_dataclass(parser, ServerArgs)
+                parser.add_argument(
+                    "--reasoning-parser",
+                    type=str,
+                )
+        '''))
+    (pkg / "srt" / "arg_groups" / "fields").mkdir(parents=True)
+    (pkg / "srt" / "arg_groups" / "fields" / "parallel.py").write_text(textwrap.dedent('''\
+        class ParallelFields:
+            tp_size: A[
+                int,
+                Arg(
+                    help="The tensor parallelism size.",
+                    aliases=["--tensor-parallel-size"],
+                ),
+            ] = 1
+        '''))
+    flags = probe(python)
+    assert {"model-path", "model", "host", "reasoning-parser", "tp-size", "tp", "tensor-parallel-size"} <= flags
+    assert not any(f.startswith("enable-dsa") for f in flags)
+
+
+@pytest.fixture(scope="module")
+def strict_sglang(tmp_path_factory):
+    """The fake SGLang in strict mode with a 100-token window (--context-length 100), and the
+    venti-sglang proxy in front of it."""
+    logs = tmp_path_factory.mktemp("logs")
+    engine_port, proxy_port = free_port(), free_port()
+    engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
+    keys = logs / "keys"
+    keys.write_text("sk-review")
+    keys.chmod(0o600)
+    argv = fake_sglang_argv(engine_port, VENTI.engine.served_name, "/models/loras", {"strict": True}, True,
+                            "--context-length", "100")
+    with running(argv, engine_url + "/health", log=logs / "engine.log"), \
+            running(proxy_argv("venti-sglang", engine_url, proxy_port, "--api-key-file", str(keys)),
+                    proxy_url + "/health", log=logs / "proxy.log"):
+        yield engine_url, proxy_url
+
+
+def _chat(url: str, body: dict, key: str | None = None) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(url + "/v1/chat/completions", json=body, headers=headers, timeout=30)
+
+
+def test_the_window_rule_is_sglangs(strict_sglang):
+    """TokenizerManager._validate_one_request: input >= context_len, or input + max_new_tokens >=
+    context_len, is a 400 with SGLang's messages and its top-level error body (serving_base.py
+    create_error_response); vLLM's rule (`>`) and messages were scripted instead."""
+    engine_url, _ = strict_sglang
+    model = f"{VENTI.engine.served_name}:L1"
+    words = " ".join(["w"] * 90)  # 90 words + 4 per message: 94 tokens by the fake's count
+    r = _chat(engine_url, {"model": model, "max_tokens": 6, "messages": [{"role": "user", "content": words}]})
+    assert r.status_code == 400
+    body = r.json()
+    assert body["object"] == "error" and body["type"] == "BadRequestError" and "error" not in body
+    assert body["message"].startswith("Requested token count exceeds the model's maximum context length of 100 "
+                                      "tokens. You requested a total of 100 tokens: 94 tokens")
+    assert _chat(engine_url, {"model": model, "max_tokens": 5,
+                              "messages": [{"role": "user", "content": words}]}).status_code == 200
+    long = " ".join(["w"] * 96)
+    r = _chat(engine_url, {"model": model, "messages": [{"role": "user", "content": long}]})
+    assert r.status_code == 400
+    assert r.json()["message"] == "The input (100 tokens) is longer than the model's context length (100 tokens)."
+
+
+def test_sglangs_window_errors_reach_the_client_as_context_length_exceeded(strict_sglang):
+    _, proxy_url = strict_sglang
+    long = "[route:L1] " + " ".join(["w"] * 120)
+    r = _chat(proxy_url, {"model": VENTI.served_model_name, "messages": [{"role": "user", "content": long}]},
+              key="sk-review")
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "context_length_exceeded" and "context length" in err["message"]
