@@ -160,3 +160,32 @@ def test_sglangs_window_errors_reach_the_client_as_context_length_exceeded(stric
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["code"] == "context_length_exceeded" and "context length" in err["message"]
+
+
+@pytest.mark.parametrize("name, flag, sends_limit", [("venti", "max-model-len", True),
+                                                     ("venti-sglang", "context-length", False)])
+def test_the_answer_hop_never_asks_sglang_for_its_whole_window(name, flag, sends_limit):
+    """vLLM takes prompt + max_tokens == max-model-len; SGLang refuses input + max_new_tokens >=
+    context-length (TokenizerManager._validate_one_request; sglang test/srt/
+    test_request_length_validation.py). With no client limit the answer hop sends
+    proxy.max_output_tokens only where it fits: a prompt whose bound fills the rest of SGLang's
+    window exactly must not get it (the engine then gives the room left)."""
+    from molctl.engines import get_engine
+    from molctl.profiles import load_profile, profile_dirs
+    from molctl.proxy.conversations import MemoryStore
+    from molctl.proxy.orchestrator import Orchestrator, prompt_token_bound
+
+    def payload(window: int, limit: int) -> tuple[dict, int]:
+        profile = load_profile(name, profile_dirs(), [(f"engine.args.{flag}", window), ("proxy.max_output_tokens", limit)])
+        orch = Orchestrator(profile, get_engine(profile.engine.kind), None, MemoryStore())
+        plan = orch.prepare({"model": profile.served_model_name, "messages": [{"role": "user", "content": "hello " * 50}]},
+                            "t")
+        plan.route = "L2"
+        built = orch._build_answer(plan)
+        return built, prompt_token_bound(plan.view, None)
+
+    _, bound = payload(100_000, 1000)
+    built, _ = payload(bound + 1000, 1000)  # the bound plus the limit is the whole window
+    assert (built.get("max_tokens") == 1000) is sends_limit, built.get("max_tokens")
+    built, _ = payload(bound + 1001, 1000)  # one token more: both engines take it
+    assert built.get("max_tokens") == 1000

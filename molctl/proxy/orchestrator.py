@@ -127,17 +127,19 @@ class Plan:
 
 
 def context_window(profile: Profile) -> int | None:
-    """The engine's window from the profile's launch flags (vLLM max-model-len, SGLang
-    context-length); vLLM's `k`/`m` (x1000) and `K`/`M` (x1024) suffixes are understood."""
-    for flag in ("max-model-len", "context-length"):
+    """The most prompt + max_tokens the engine takes, from the profile's launch flags; vLLM's
+    `k`/`m` (x1000) and `K`/`M` (x1024) suffixes are understood. vLLM refuses prompt + max_tokens
+    > max-model-len; SGLang refuses input + max_new_tokens >= context-length
+    (TokenizerManager._validate_one_request), so its usable window is one token less."""
+    for flag, margin in (("max-model-len", 0), ("context-length", 1)):
         value = profile.engine.args.get(flag)
         if isinstance(value, int) and not isinstance(value, bool):
-            return value
+            return value - margin
         if isinstance(value, str):
             m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*", value)
             if m:
                 scale = {"": 1, "k": 1000, "K": 1024, "m": 1000**2, "M": 1024**2}[m.group(2)]
-                return int(float(m.group(1)) * scale)
+                return int(float(m.group(1)) * scale) - margin
     return None
 
 
