@@ -257,8 +257,11 @@ def _engine_delta(kind: str, before: dict | None, after: dict | None) -> dict[st
         return {"available": False, "note": "the engine's /metrics did not answer", "deltas": {}, "missing": sorted(names)}
     deltas, missing = {}, []
     for key, metric in names.items():
-        if metric in after and metric in before:
-            deltas[key] = round(after[metric] - before[metric], 6)
+        # a labelled counter has no sample before its first increment (prometheus_client), e.g.
+        # SGLang's sglang:cached_tokens_total until a request hits the cache (metrics/collector.py):
+        # one that appears during the run started at 0
+        if metric in after:
+            deltas[key] = round(after[metric] - before.get(metric, 0.0), 6)
         else:
             missing.append(key)
     return {"available": True, "deltas": deltas, "missing": missing}

@@ -110,6 +110,19 @@ class Sgl:
         self.metrics = False
         # metrics/collector.py counter names (cached tokens labelled by cache_source in 0.5.x)
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "cached_tokens": 0, "num_requests": 0}
+        # the counters observed at least once: prometheus_client exposes no sample of a labelled
+        # counter before its first .labels(...).inc() (see metrics())
+        self.observed: set[str] = set()
+
+    def finished(self, prompt: int, generation: int, cached: int) -> None:
+        """metrics/collector.py TokenizerMetricsCollector.observe_one_finished_request: prompt and
+        generation tokens and num_requests on every finished request, cached tokens only `if
+        cached_tokens > 0`."""
+        for key, n in (("prompt_tokens", prompt), ("generation_tokens", generation), ("num_requests", 1),
+                       ("cached_tokens", cached)):
+            if n > 0 or key != "cached_tokens":
+                self.counters[key] += n
+                self.observed.add(key)
 
 
 SGL = Sgl()
@@ -162,23 +175,29 @@ async def server_info(request):
 
 async def metrics(request):
     """Prometheus text, only with --enable-metrics (http_server.py mounts /metrics then); one
-    sample per counter, the queue-time histogram's _sum and _count."""
+    sample per counter, the queue-time histogram's _sum and _count. The counters carry labels
+    (model_name), and prometheus_client exposes no sample of a labelled metric before its first
+    `.labels(...)`: `sglang:num_requests_total` and the token counters appear with the first
+    finished request (the warm-up's /generate), `sglang:cached_tokens_total` only with the first
+    request that hit the cache (collector.py observe_one_finished_request: `if cached_tokens > 0`)."""
     if not SGL.metrics:
         return web.Response(status=404)
     c, labels = SGL.counters, f'model_name="{SGL.served}"'
-    lines = [f'sglang:prompt_tokens_total{{{labels}}} {c["prompt_tokens"]}',
-             f'sglang:generation_tokens_total{{{labels}}} {c["generation_tokens"]}',
-             f'sglang:cached_tokens_total{{{labels},cache_source="device"}} {c["cached_tokens"]}',
-             f'sglang:cached_tokens_total{{{labels},cache_source="host"}} 0',
-             f'sglang:num_requests_total{{{labels}}} {c["num_requests"]}',
-             f'sglang:queue_time_seconds_sum{{{labels}}} {0.001 * c["num_requests"]}',
-             f'sglang:queue_time_seconds_count{{{labels}}} {c["num_requests"]}']
+    lines = [f'sglang:{key}_total{{{labels}}} {c[key]}' for key in ("prompt_tokens", "generation_tokens", "num_requests")
+             if key in SGL.observed]
+    if "cached_tokens" in SGL.observed:
+        lines.append(f'sglang:cached_tokens_total{{{labels},cache_source="device"}} {c["cached_tokens"]}')
+    if "num_requests" in SGL.observed:  # the scheduler's histogram, observed when a request leaves the queue
+        lines += [f'sglang:queue_time_seconds_sum{{{labels}}} {0.001 * c["num_requests"]}',
+                  f'sglang:queue_time_seconds_count{{{labels}}} {c["num_requests"]}']
     return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
 
 async def generate(request):
-    """The native /generate (only the warm-up uses it here)."""
+    """The native /generate (only the warm-up uses it here): a finished request for the metrics,
+    the first one, so nothing is cached yet."""
     await request.json()
+    SGL.finished(7, 8, 0)
     return web.json_response({"text": " Paris.", "meta_info": {"id": "warmup", "finish_reason": {"type": "length"}}})
 
 
@@ -268,8 +287,7 @@ async def chat(request):
                                                          "specialist is probably the coding one."}, "stop",
                                                  {"prompt_tokens": 10, "completion_tokens": 16, "total_tokens": 26}))
     SGL.inflight += 1
-    for key, n in (("prompt_tokens", 10), ("generation_tokens", 3), ("cached_tokens", 4), ("num_requests", 1)):
-        SGL.counters[key] += n  # the usage base.chat reports
+    SGL.finished(10, 3, 4)  # the usage base.chat reports
     try:
         return await base.chat(request)
     finally:

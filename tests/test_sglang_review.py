@@ -189,3 +189,27 @@ def test_the_answer_hop_never_asks_sglang_for_its_whole_window(name, flag, sends
     assert (built.get("max_tokens") == 1000) is sends_limit, built.get("max_tokens")
     built, _ = payload(bound + 1001, 1000)  # one token more: both engines take it
     assert built.get("max_tokens") == 1000
+
+
+def test_bench_counts_an_sglang_counter_born_during_the_run(tmp_path):
+    """SGLang's counters are labelled (model_name): prometheus_client exposes none before its first
+    `.labels(...).inc()`, and `sglang:cached_tokens_total` is only incremented `if cached_tokens > 0`
+    (metrics/collector.py TokenizerMetricsCollector.observe_one_finished_request). On a fresh engine
+    the warm-up request hit no cache, so the counter appears during the first bench series: its
+    delta is its value, not "missing" (bench reported cached_tokens as missing)."""
+    from molctl.bench import _engine_delta, parse_metrics
+
+    port = free_port()
+    engine_url = f"http://127.0.0.1:{port}"
+    argv = fake_sglang_argv(port, VENTI.engine.served_name, "/models/loras", {}, True, "--enable-metrics")
+    with running(argv, engine_url + "/health", log=tmp_path / "engine.log"):
+        before = parse_metrics(httpx.get(engine_url + "/metrics").text)
+        assert "sglang:num_requests_total" in before and "sglang:cached_tokens_total" not in before
+        r = httpx.post(engine_url + "/v1/chat/completions", timeout=30,
+                       json={"model": f"{VENTI.engine.served_name}:L1", "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200, r.text
+        after = parse_metrics(httpx.get(engine_url + "/metrics").text)
+    delta = _engine_delta("sglang", before, after)
+    assert delta["missing"] == [] and delta["deltas"]["cached_tokens"] == 4 and delta["deltas"]["requests_finished"] == 1
+    # a counter that is gone afterwards (an engine restarted between the scrapes) stays missing
+    assert "cached_tokens" in _engine_delta("sglang", after, before)["missing"]
