@@ -213,3 +213,16 @@ def test_bench_counts_an_sglang_counter_born_during_the_run(tmp_path):
     assert delta["missing"] == [] and delta["deltas"]["cached_tokens"] == 4 and delta["deltas"]["requests_finished"] == 1
     # a counter that is gone afterwards (an engine restarted between the scrapes) stays missing
     assert "cached_tokens" in _engine_delta("sglang", after, before)["missing"]
+
+
+@pytest.mark.parametrize("flag, value", [("--tool-call-parser", "glm5"), ("--reasoning-parser", "glm47")])
+def test_the_fake_launcher_refuses_an_unknown_parser(flag, value):
+    """server_args.py: `--reasoning-parser` takes `choices=list(ReasoningParser.DetectorMap.keys())`,
+    `--tool-call-parser` `choices=list(FunctionCallParser.ToolCallParserEnum.keys())`: a parser
+    SGLang does not have ends the launch (exit 2); the fake took any string. venti-sglang's
+    (glm45 reasoning, glm47 tool calls, docs/basic_usage/glm45.md) parse."""
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "fake_sglang.py"), "--model-path", "/m", flag, value],
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2 and f"argument {flag}: invalid choice: '{value}'" in proc.stderr
+    args = prepare_server_args(ENGINE.launch_argv(VENTI)[3:])
+    assert (args.reasoning_parser, args.tool_call_parser) == ("glm45", "glm47")

@@ -11,6 +11,18 @@ own and no vLLM-style `--max-model-len` (its window is `--context-length`)."""
 
 import argparse
 
+# `choices` of --reasoning-parser and --tool-call-parser: server_args.py passes
+# `choices=list(ReasoningParser.DetectorMap.keys())` (srt/parser/reasoning_parser.py) and
+# `choices=list(FunctionCallParser.ToolCallParserEnum.keys())` (srt/function_call/
+# function_call_parser.py), so an unknown parser is argparse's "invalid choice" (exit 2). The
+# registries as of early 2026 (glm47 came with PR #15333, Dec 2025); later versions add more.
+REASONING_PARSERS = ["deepseek-r1", "deepseek-v3", "glm45", "gpt-oss", "kimi", "kimi_k2", "mimo", "qwen3",
+                     "qwen3-thinking", "minimax", "minimax-append-think", "step3", "step3p5", "mistral",
+                     "nemotron_3", "interns1"]
+TOOL_CALL_PARSERS = ["deepseekv3", "deepseekv31", "deepseekv32", "glm", "glm45", "glm47", "gpt-oss", "kimi_k2",
+                     "llama3", "mimo", "mistral", "pythonic", "qwen", "qwen25", "qwen3_coder", "step3", "minimax-m2",
+                     "trinity", "interns1"]
+
 
 class ServerArgs:
     @staticmethod
@@ -32,8 +44,8 @@ class ServerArgs:
         parser.add_argument("--disable-cuda-graph", action="store_true")
         parser.add_argument("--disable-custom-all-reduce", action="store_true")
         parser.add_argument("--disable-overlap-schedule", action="store_true")
-        parser.add_argument("--reasoning-parser", type=str, default=None)
-        parser.add_argument("--tool-call-parser", type=str, default=None)
+        parser.add_argument("--reasoning-parser", type=str, choices=REASONING_PARSERS, default=None)
+        parser.add_argument("--tool-call-parser", type=str, choices=TOOL_CALL_PARSERS, default=None)
         parser.add_argument("--enable-lora", default=None, action="store_true")
         parser.add_argument("--max-lora-rank", type=int, default=None)
         parser.add_argument("--lora-paths", type=str, nargs="*", default=None)
