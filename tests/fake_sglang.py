@@ -64,6 +64,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -214,8 +215,40 @@ def completion(model, message, finish, usage):
     return _completion(model, message, finish, _strip_cached(usage))
 
 
+HTTP_STATUS_NAMES = {400: "BAD_REQUEST", 500: "INTERNAL_SERVER_ERROR", 503: "SERVICE_UNAVAILABLE"}
+
+
 async def stream_body(resp, emit, message, finish, tool, cfg, payload, model, usage):
-    await _stream_body(resp, emit, message, finish, tool, cfg, payload, model, _strip_cached(usage))
+    """The answer stream. Config `stream_abort` {"status": 400|500|503, "message", "after": N}: a
+    scheduler abort with a status code after N content pieces (0: before any, e.g. "The request
+    queue is full.", 503, once --max-queued-requests is exceeded). SGLang (serving_chat.py
+    _generate_chat_stream, PR #19357, Feb 2026) sends it under the 200 it has already committed
+    (the kick-start before the 200 only catches ValueError; PR #28175 is open), as
+    create_streaming_error_response's frame, WRAPPED: `{"error": {"object": "error", "message",
+    "type": HTTPStatus name, "param": null, "code": status}}` (serving_base.py), with no role chunk
+    and no finish_reason for that choice, then the usage chunk (stream_options.include_usage)
+    and `[DONE]`. `stream_error_after` (vLLM's frame in tests/fake_engine.py) is SGLang's 500
+    abort here."""
+    usage = _strip_cached(usage)
+    abort = cfg.get("stream_abort")
+    if abort is None and cfg["stream_error_after"] is not None:
+        abort = {"status": 500, "message": "Internal error in the scheduler (simulated).", "after": cfg["stream_error_after"]}
+    if abort is None:
+        await _stream_body(resp, emit, message, finish, tool, cfg, payload, model, usage)
+        return
+    pieces = re.findall(r"\S+\s*", message.get("content") or "")[:abort.get("after", 0)]
+    if pieces:
+        await emit({"role": "assistant", "content": ""})
+    for piece in pieces:
+        await emit({"content": piece})
+    status = abort["status"]
+    err = {"object": "error", "message": abort["message"], "type": HTTP_STATUS_NAMES[status], "param": None, "code": status}
+    await resp.write(b"data: " + json.dumps({"error": err}).encode() + b"\n\n")
+    if (payload.get("stream_options") or {}).get("include_usage"):
+        await resp.write(b"data: " + json.dumps({"id": "x", "object": "chat.completion.chunk", "created": 0, "model": model,
+                                                 "choices": [], "usage": usage}).encode() + b"\n\n")
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
 
 
 base.completion, base.stream_body = completion, stream_body

@@ -172,3 +172,36 @@ def test_without_cache_report_no_cached_tokens(keyfile, tmp_path):
     with engine, proxy:
         r = st.client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "[route:L1] hi"}])
         assert r.usage.total_tokens == 13 and r.usage.prompt_tokens_details is None
+
+
+def _stream(s, content="hello"):
+    return httpx.post(s.proxy_url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=30,
+                      json={"model": PUBLIC, "stream": True, "messages": [{"role": "user", "content": content}]})
+
+
+def test_an_sglang_abort_before_the_first_token_is_a_real_http_error(s):
+    """SGLang sends a scheduler abort that has a status code (queue full: 503; a request refused
+    by the scheduler: 400) as a wrapped error frame under the 200 it already committed, as the
+    first event (serving_chat.py _generate_chat_stream, PR #19357; serving_base.py
+    create_streaming_error_response). Nothing reached the client yet: it gets the HTTP status."""
+    s.config(stream_abort={"status": 503, "message": "The request queue is full.", "after": 0})
+    r = _stream(s)
+    assert r.status_code == 503 and r.headers["retry-after"] == "5", r.text
+    assert r.json()["error"]["code"] == "engine_unavailable"
+    s.config(stream_abort={"status": 400, "message": f"Input {SERVED}:L0 was refused by the scheduler.", "after": 0})
+    r = _stream(s)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    assert not LEAK.search(r.text), r.text
+
+
+def test_an_sglang_abort_mid_stream_ends_it_with_an_error_frame(s):
+    s.config(stream_abort={"status": 500, "message": "Internal error in the scheduler.", "after": 1}, answer_words=5)
+    r = _stream(s)
+    assert r.status_code == 200
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    frames = [json.loads(e) for e in events[:-1]]
+    text = "".join((c.get("delta") or {}).get("content") or "" for f in frames for c in f.get("choices") or [])
+    assert text.startswith("answer-") and "word" not in text  # the piece before the abort, then nothing
+    assert frames[-1]["error"]["code"] == "engine_error" and "Internal error in the scheduler" in frames[-1]["error"]["message"]
+    assert not any(c.get("finish_reason") for f in frames for c in f.get("choices") or [])

@@ -84,8 +84,11 @@ def http_error(status: int, raw: bytes, headers: Any) -> EngineHTTPError:
 
 def error_frame(event: dict[str, Any]) -> EngineHTTPError | None:
     """vLLM ends a failing stream with `data: {"error": {...}}` then `[DONE]`
-    (vllm/entrypoints/openai/chat_completion/serving.py, create_streaming_error_response);
-    older versions and SGLang send the error object flat (`"object": "error"`); a bare
+    (vllm/entrypoints/openai/chat_completion/serving.py, create_streaming_error_response); so does
+    SGLang (serving_base.py create_streaming_error_response: `{"error": {"object": "error",
+    "message", "type", "param", "code"}}`; a scheduler abort's `code` is its HTTP status, 400, 500
+    or 503, and may come as the first event under the 200: serving_chat.py, PR #19357); older
+    versions send the error object flat (`"object": "error"`, SGLang's HTTP error body); a bare
     `{"error": "text"}` is an error too."""
     if isinstance(event.get("error"), dict):
         err = event["error"]
