@@ -107,6 +107,7 @@ class Sgl:
         self.children: list[subprocess.Popen] = []
         self.names: list[str] = []
         self.inflight = 0
+        self.rids: set = set()  # the rids of the requests in flight
         self.running_phase = False  # the tokenizer manager's handlers replace the launch-phase ones
         self.metrics = False
         # metrics/collector.py counter names (cached tokens labelled by cache_source in 0.5.x)
@@ -319,12 +320,20 @@ async def chat(request):
         return web.json_response(base.completion(model, {"content": "Sure! This request is about code, so the best "
                                                          "specialist is probably the coding one."}, "stop",
                                                  {"prompt_tokens": 10, "completion_tokens": 16, "total_tokens": 26}))
+    rid = payload.get("rid")
+    if rid is not None and rid in SGL.rids:
+        # TokenizerManager refuses a request whose rid is in flight (PR #19035; before it the
+        # server crashed or hung: its state is keyed by rid); the message is paraphrased
+        return error(f"Duplicate request ID detected: rid={rid!r} is already in flight.")
     SGL.inflight += 1
+    if rid is not None:
+        SGL.rids.add(rid)
     SGL.finished(10, 3, 4)  # the usage base.chat reports
     try:
         return await base.chat(request)
     finally:
         SGL.inflight -= 1
+        SGL.rids.discard(rid)
 
 
 def make_app() -> web.Application:

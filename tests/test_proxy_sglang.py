@@ -205,3 +205,25 @@ def test_an_sglang_abort_mid_stream_ends_it_with_an_error_frame(s):
     assert text.startswith("answer-") and "word" not in text  # the piece before the abort, then nothing
     assert frames[-1]["error"]["code"] == "engine_error" and "Internal error in the scheduler" in frames[-1]["error"]["message"]
     assert not any(c.get("finish_reason") for f in frames for c in f.get("choices") or [])
+
+
+def test_each_hop_carries_a_unique_rid_even_when_the_client_repeats_its_request_id(s):
+    """SGLang takes the request id from the body's `rid` (not X-Request-Id) and refuses a second
+    request in flight with one rid (PR #19035; a crash or hang before it). Two concurrent requests
+    with the same client X-Request-Id must both be answered, each hop with its own rid that starts
+    with the hop id (engine log lines still join the proxy's by prefix)."""
+    import concurrent.futures
+
+    s.config(answer_delay=0.5)
+
+    def ask(text):
+        return httpx.post(s.proxy_url + "/v1/chat/completions", timeout=30,
+                          headers={"Authorization": f"Bearer {KEY}", "X-Request-Id": "same-id"},
+                          json={"model": PUBLIC, "messages": [{"role": "user", "content": f"[route:L2] {text}"}]})
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(ask, ["one", "two"]))
+    assert [r.status_code for r in answers] == [200, 200], [r.text for r in answers]
+    rids = [e["payload"]["rid"] for e in s.log("answer")]
+    assert len(rids) == 2 and len(set(rids)) == 2 and all(r.startswith("same-id-answer-") for r in rids)
+    assert all(e["payload"]["rid"].startswith("same-id-route-") for e in s.log("route"))

@@ -132,6 +132,9 @@ class Engine(abc.ABC):
     default_running = 256  # the proxy's answer-hop bound when the profile sets neither
     # the body field in which the engine takes a request's id (None: the X-Request-Id header only)
     request_id_field: str | None = None
+    # the engine refuses (or worse) a second request in flight under one id: the body's id gets a
+    # random suffix, since a client's own X-Request-Id (which the hop id extends) may repeat
+    request_id_unique = False
     # (regex, label) pairs read from the engine's log to show the start-up phase; the last
     # matching line wins; a label may use the regex groups ("{0}/{1}").
     phases: tuple[tuple[str, str], ...] = ()

@@ -200,6 +200,12 @@ class SglangEngine(Engine):
     lora_flag = "--lora-paths"
     memory_flag = "mem-fraction-static"
     running_flag = "max-running-requests"
+    # SGLang takes a request's id from the body's `rid` (ChatCompletionRequest.rid, passed on by
+    # serving_chat.py; the X-Request-Id header is not read) and keys its tokenizer, scheduler and
+    # detokenizer state by it: a second request in flight with the same rid is refused since PR
+    # #19035 (Feb 2026) and crashed or hung the server before; so the hop id plus a random suffix
+    request_id_field = "rid"
+    request_id_unique = True
     version_path = "/get_server_info"
     health_timeout_s = 3.0
 

@@ -82,7 +82,8 @@ class ProxyApp:
                  metrics_host: str = "127.0.0.1", metrics_sock=None):
         self.profile = profile
         self.engine = engine
-        self.client = EngineClient(upstream, request_id_field=engine.request_id_field)
+        self.client = EngineClient(upstream, request_id_field=engine.request_id_field,
+                                   request_id_unique=engine.request_id_unique)
         self.counters = ProxyMetrics(self._gauges, self._store_counters)
         self.orch = Orchestrator(profile, engine, self.client, store or MemoryStore(), self.counters)
         self.metrics_listener = MetricsListener(self.counters, metrics_host, metrics_port, metrics_sock) if metrics_port else None

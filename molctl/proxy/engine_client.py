@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import json
+import os
 import ssl
 import time
 from collections import deque
@@ -348,8 +349,10 @@ _NO_SLOT = _NoSlot()
 
 class EngineClient:
     def __init__(self, base_url: str, connect_timeout: float = 5.0, read_timeout: float = 1800.0,
-                 max_connections: int = 512, keepalive_s: float = 15.0, request_id_field: str | None = None):
+                 max_connections: int = 512, keepalive_s: float = 15.0, request_id_field: str | None = None,
+                 request_id_unique: bool = False):
         self.request_id_field = request_id_field  # see Engine.request_id_field
+        self.request_id_unique = request_id_unique  # see Engine.request_id_unique
         self.base_url = base_url.rstrip("/")
         url = urlsplit(self.base_url)
         if url.scheme not in ("http", "https") or not url.hostname:
@@ -509,7 +512,7 @@ class EngineClient:
             try:
                 peer = EngineClient(url, connect_timeout=self.connect_timeout, read_timeout=self.read_timeout,
                                     max_connections=self._max_connections, keepalive_s=self.keepalive_s,
-                                    request_id_field=self.request_id_field)
+                                    request_id_field=self.request_id_field, request_id_unique=self.request_id_unique)
             except ValueError:  # an unusable URL in the store: nothing can be sent there, take over
                 choice.failed = True
                 return None
@@ -524,7 +527,7 @@ class EngineClient:
             return None
         hop_id = hop_request_id(request_id, hop)
         if self.request_id_field:
-            payload[self.request_id_field] = hop_id
+            payload[self.request_id_field] = f"{hop_id}-{os.urandom(4).hex()}" if self.request_id_unique else hop_id
         return {REQUEST_ID_HEADER: hop_id}
 
     async def _open_chat(self, data: bytes, hop: str, headers: dict[str, str] | None,
