@@ -12,7 +12,7 @@ import math
 import pytest
 
 from molctl.proxy import fastjson
-from molctl.proxy.engine_client import EngineClient, checked_completion
+from molctl.proxy.engine_client import STALE_CLOSE_S, EngineClient, checked_completion
 from molctl.proxy.errors import EngineHTTPError, EngineUnavailable
 from tests.conftest import free_port
 from tests.procs import fake_engine_argv, running
@@ -339,6 +339,42 @@ def test_a_timeout_on_a_kept_alive_connection_is_not_sent_again():
                 first = await client.chat(PAYLOAD, "summary", timeout=5)
                 with pytest.raises(EngineUnavailable, match="TimeoutError"):
                     await client.chat(PAYLOAD, "summary", timeout=0.3)
+            finally:
+                await client.close()
+        return first, len(requests)
+
+    assert run(go()) == ({"n": 1}, 2)
+
+
+def test_an_engine_that_dies_on_a_request_is_not_sent_it_again():
+    """A kept-alive connection the engine closes without a byte is retried once only when the close
+    came right after the send (the keep-alive race). An engine that had the request for a while and
+    then went away (killed, crashed: maybe by this request) is not sent it again, and the error
+    says what happened, not "cannot connect" from the retry (the SRE review)."""
+    async def go():
+        requests = []
+
+        async def handle(reader, writer):
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+                await reader.readexactly(length)
+                requests.append(head)
+                if len(requests) > 1:  # works on the second request, then dies
+                    await asyncio.sleep(STALE_CLOSE_S + 0.3)
+                    writer.transport.abort()
+                    return
+                writer.write(ok(b'{"n": 1}'))
+                await writer.drain()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        async with server:
+            client = EngineClient(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+            await client.start()
+            try:
+                first = await client.chat(PAYLOAD, "answer")
+                with pytest.raises(EngineUnavailable, match="into the request without answering"):
+                    await client.chat(PAYLOAD, "answer")
             finally:
                 await client.close()
         return first, len(requests)

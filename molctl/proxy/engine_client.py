@@ -33,6 +33,11 @@ def hop_request_id(request_id: str, hop: str) -> str:
     return f"{request_id}-{hop}"
 
 
+# a reused connection closed by the engine this soon after the send, without a byte, was closed
+# as idle (the engine's keep-alive timeout) before the request reached it: retried once
+STALE_CLOSE_S = 1.0
+
+
 class _ConnectFailed(EngineUnavailable):
     """No connection to the engine could be made: nothing was sent."""
 
@@ -198,6 +203,8 @@ class _Connection(asyncio.Protocol):
         self.error: EngineUnavailable | None = None
         self.got_bytes = False
         self.closed_by_engine = False  # the engine closed it (not a timeout or a malformed answer): see _exchange
+        self.sent_at = 0.0  # loop time of the request's send; closed_at: of the engine's close
+        self.closed_at = 0.0
         self._framed = False  # Content-Length or chunked: the end is known without a close
         self._interim = False  # parsing a 1xx answer, which is skipped
         self._paused = False
@@ -217,6 +224,7 @@ class _Connection(asyncio.Protocol):
             else:
                 self.error = EngineUnavailable(str(exc) if exc else "the engine closed the connection")
                 self.closed_by_engine = True
+                self.closed_at = self.loop.time()
         self._wake()
 
     def data_received(self, data: bytes) -> None:
@@ -268,7 +276,7 @@ class _Connection(asyncio.Protocol):
     def send(self, request: bytes, timeout: float | None) -> None:
         self._reset()
         now = self.loop.time()
-        self._last_read = now
+        self._last_read = self.sent_at = now
         if timeout:
             self._deadline = now + timeout
         self._arm(min(self._deadline, now + self.read_timeout))
@@ -427,8 +435,11 @@ class EngineClient:
 
     async def _exchange(self, request: bytes, timeout: float | None, limited: bool = True) -> _Connection:
         """Send one request on a pooled (or new) connection and wait for the response's headers.
-        A reused keep-alive connection that the engine closed before answering a byte is
-        retried once on a new one (not one that timed out: the engine has that request). The caller must `_release` the connection.
+        A reused keep-alive connection that the engine closed before answering a byte, within
+        STALE_CLOSE_S of the send, is retried once on a new one: the keep-alive race (the engine
+        closed it as idle while the request was on its way). Not one closed later (the engine had
+        the request and died on it: a retry would send it again, to a restarted engine too), nor
+        one that timed out (the engine has that request). The caller must `_release` the connection.
         `limited`: the request waits for one of the `max_connections` slots (chat hops); a probe
         (`get`: /readyz's /health and /v1/models) does not, so that it answers within its own
         timeout while every slot is held by a long generation or an engine that stopped answering."""
@@ -453,9 +464,13 @@ class EngineClient:
                     return conn
                 except EngineUnavailable:
                     self._drop(conn)
-                    if reused and conn.closed_by_engine and not conn.got_bytes:
+                    if reused and conn.closed_by_engine and not conn.got_bytes \
+                            and conn.closed_at - conn.sent_at <= STALE_CLOSE_S:
                         conn, reused = None, False
                         continue
+                    if conn.closed_by_engine and not conn.got_bytes:  # it had the request: it died on it
+                        raise EngineUnavailable(f"the engine closed the connection {conn.closed_at - conn.sent_at:.1f} s "
+                                                "into the request without answering (it stopped or crashed)") from None
                     raise
                 except BaseException:
                     self._drop(conn)
