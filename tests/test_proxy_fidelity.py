@@ -184,16 +184,20 @@ def test_sampling_numbers_must_be_finite(s, raw, param):
 
 @pytest.mark.parametrize("engine_param, shown", [("temperature", "temperature"),
                                                   ("response_format.json_schema", "response_format.json_schema"),
-                                                  ("messages[1].content", None), ("model", None), (None, None)])
+                                                  ("messages[1].content", None), ("model", None), (None, None),
+                                                  ("top_k", None)])
 def test_an_engine_400_names_the_clients_parameter_when_it_is_one(s, engine_param, shown):
     """vLLM's 400s carry `param` (VLLMValidationError.parameter); the proxy dropped it, so a client
     could not tell which of its parameters was refused. Kept for a parameter passed on as the client
-    sent it; never for one the proxy built (an index into its rewritten messages, the adapter's model)."""
+    sent it; never for one the proxy built (an index into its rewritten messages, the adapter's model,
+    a field the client did not send: the answer hop also carries the profile's proxy.sampling_defaults)."""
     s.config(answer_error={"status": 400, "body": {"error": {
         "message": "temperature must be non-negative, got -1.0.", "type": "BadRequestError", "param": engine_param,
         "code": 400}}})
+    schema = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}
     with pytest.raises(openai.BadRequestError) as err:
-        s.client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "[route:L2] x"}])
+        s.client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "[route:L2] x"}],
+                                         temperature=0.5, response_format=schema)
     assert err.value.body["param"] == shown and err.value.body["code"] == "invalid_request_error"
 
 

@@ -69,6 +69,12 @@ BIG_MESSAGES = 2000  # above this many messages, per-message work runs in a work
 FAILED_FINISH = ("abort", "error")
 # what the answer hop passes to the engine as the client sent it: an engine 400 may name these
 CLIENT_PARAMS = frozenset({*PASSTHROUGH, "tools"})
+
+
+def sent_params(body: dict[str, Any]) -> frozenset[str]:
+    """The CLIENT_PARAMS this request sent: the answer hop also carries the profile's
+    proxy.sampling_defaults, which the proxy built (an engine 400 on one names no client param)."""
+    return frozenset(k for k in CLIENT_PARAMS if body.get(k) is not None)
 T = TypeVar("T")
 
 
@@ -397,7 +403,7 @@ class Orchestrator:
             body = checked_completion(await self.client.chat(payload, "answer", big=plan.big, request_id=plan.request_id))
         except (EngineHTTPError, EngineUnavailable) as exc:
             self._engine_error(exc, plan)
-            raise from_engine(exc, self.engine_names, self.public, CLIENT_PARAMS) from None
+            raise from_engine(exc, self.engine_names, self.public, sent_params(plan.body)) from None
         finally:
             self.admission.answers.release()
             self._answered(plan, start)
@@ -459,7 +465,7 @@ class Orchestrator:
                 raise EngineHTTPError(502, "the engine's stream ended without a finish_reason", in_stream=True)
         except (EngineHTTPError, EngineUnavailable) as exc:
             self._engine_error(exc, plan)
-            raise from_engine(exc, self.engine_names, self.public, CLIENT_PARAMS) from None
+            raise from_engine(exc, self.engine_names, self.public, sent_params(plan.body)) from None
         finally:
             self.admission.answers.release()
             self._answered(plan, start)
