@@ -151,6 +151,18 @@ def test_an_engine_400_on_the_response_format_names_text_format(s):
     assert r.status_code == 400 and r.json()["error"]["param"] == "text.format", r.text
 
 
+def test_engine_params_read_as_the_responses_request_writes_them():
+    """Chat nests a function tool's fields and a named tool_choice under `function`; a Responses
+    request has them flat, so an engine 400 naming `tools[0].function.parameters` is shown as
+    `tools[0].parameters` (the regression review)."""
+    assert responses.public_param("tools[0].function.parameters") == "tools[0].parameters"
+    assert responses.public_param("tools[12].function") == "tools[12]"
+    assert responses.public_param("tool_choice.function.name") == "tool_choice.name"
+    assert responses.public_param("messages[3].content") == "input"
+    assert responses.public_param("response_format.json_schema") == "text.format"
+    assert responses.public_param("temperature") == "temperature" and responses.public_param(None) is None
+
+
 def test_a_nan_temperature_is_a_400_naming_it(s):
     body = b'{"model": "%s", "input": "[route:L2] x", "temperature": NaN}' % PUBLIC.encode()
     r = httpx.post(s.proxy_url + "/v1/responses", headers={**AUTH, "Content-Type": "application/json"}, content=body)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,11 +65,18 @@ def duplicate_item(item_id: str) -> ProxyError:
 def public_param(param: str | None) -> str | None:
     """An error's `param` as a Responses client knows it: the chat request the proxy builds has
     `messages` where the client sent `input` (a context overflow names `messages`), and
-    `response_format` where it sent `text.format`."""
-    if param is not None and (param == "messages" or param.startswith("messages[")):
+    `response_format` where it sent `text.format`; chat's function tools and named tool_choice
+    nest under `function` where the Responses request has the fields flat
+    (`tools[0].function.parameters` -> `tools[0].parameters`, `tool_choice.function.name` ->
+    `tool_choice.name`)."""
+    if param is None:
+        return None
+    if param == "messages" or param.startswith("messages["):
         return "input"
-    if param is not None and (param == "response_format" or param.startswith("response_format.")):
+    if param == "response_format" or param.startswith("response_format."):
         return "text.format"  # the Responses request's text.format became chat's response_format
+    if param.startswith(("tools[", "tool_choice.")):
+        return re.sub(r"^(tools\[\d+\]|tool_choice)\.function(?=\.|$)", r"\1", param)
     return param
 
 
