@@ -311,26 +311,36 @@ def test_an_interim_1xx_answer_sent_apart_is_skipped_for_the_final_one():
     assert run(go()) == {"n": 5}
 
 
+def one_answer_then(later):
+    """A server connection handler that answers the first request with {"n": 1} and hands the
+    connection to `later(reader, writer)` on the second; and the list of request heads it read."""
+    requests = []
+
+    async def handle(reader, writer):
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+            await reader.readexactly(length)
+            requests.append(head)
+            if len(requests) > 1:
+                await later(reader, writer)
+                return
+            writer.write(ok(b'{"n": 1}'))
+            await writer.drain()
+
+    return handle, requests
+
+
 def test_a_timeout_on_a_kept_alive_connection_is_not_sent_again():
     """Only a connection that the engine closed before answering is retried: an engine that took
     the request and stays silent past the deadline has it (sending it again would double the wait
     and the engine's work)."""
     async def go():
-        requests = []
+        async def silent(reader, writer):  # from the second request on
+            await reader.read()  # until the client closes
+            writer.close()
 
-        async def handle(reader, writer):
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
-                await reader.readexactly(length)
-                requests.append(head)
-                if len(requests) > 1:  # silent from the second request on
-                    await reader.read()  # until the client closes
-                    writer.close()
-                    return
-                writer.write(ok(b'{"n": 1}'))
-                await writer.drain()
-
+        handle, requests = one_answer_then(silent)
         server = await asyncio.start_server(handle, "127.0.0.1", 0)
         async with server:
             client = EngineClient(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
@@ -352,21 +362,11 @@ def test_an_engine_that_dies_on_a_request_is_not_sent_it_again():
     then went away (killed, crashed: maybe by this request) is not sent it again, and the error
     says what happened, not "cannot connect" from the retry (the SRE review)."""
     async def go():
-        requests = []
+        async def dies(reader, writer):  # works on the second request, then dies
+            await asyncio.sleep(STALE_CLOSE_S + 0.3)
+            writer.transport.abort()
 
-        async def handle(reader, writer):
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
-                await reader.readexactly(length)
-                requests.append(head)
-                if len(requests) > 1:  # works on the second request, then dies
-                    await asyncio.sleep(STALE_CLOSE_S + 0.3)
-                    writer.transport.abort()
-                    return
-                writer.write(ok(b'{"n": 1}'))
-                await writer.drain()
-
+        handle, requests = one_answer_then(dies)
         server = await asyncio.start_server(handle, "127.0.0.1", 0)
         async with server:
             client = EngineClient(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
