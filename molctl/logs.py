@@ -14,7 +14,20 @@ from pathlib import Path
 from molctl.errors import UsageError
 from molctl.output import Output
 from molctl.processes import tail
-from molctl.state import COMPONENTS, component_logs, newest_log
+from molctl.state import COMPONENTS, component_logs, is_same_process, newest_log, read_records
+
+
+def deleted_log(record) -> Path | None:
+    """For a live component (check `is_same_process` first) whose log file, the record's `log`,
+    was deleted while it runs (an operator freeing disk space): its stdout, which it writes on to,
+    as /proc/PID/fd/1 (readable by the same user; the disk space is freed only when it stops);
+    None otherwise."""
+    fd = Path(f"/proc/{record.pid}/fd/1")
+    try:
+        target = os.readlink(fd)
+    except OSError:
+        return None
+    return fd if target == f"{record.log} (deleted)" else None
 
 
 def _pick_profile(state_dir: Path, profile: str | None) -> str:
@@ -57,9 +70,17 @@ def show_logs(ctx, profile: str | None, component: str | None, follow: bool, lin
         known_or_recorded(ctx, profile)  # a typo is exit 3 listing the known profiles
     name = _pick_profile(ctx.state_dir, profile)
     components = [component] if component else list(COMPONENTS)
+    unlinked: dict[str, Path] = {}  # component -> its open stdout, where its log file was deleted
+    records = read_records(ctx.state_dir, name)
+    for comp in components:
+        record = records.get(comp)
+        if record is not None and is_same_process(record) and (fd := deleted_log(record)) is not None:
+            unlinked[comp] = fd
+            out.raw(f"[{comp}] ==> {record.log} was deleted while pid {record.pid} runs: read from its open file "
+                    f"{fd} (the disk space is freed when it stops) <==\n")
     current: dict[str, tuple[Path, int, int]] = {}  # path, position, inode
     for comp in components:
-        path = newest_log(ctx.state_dir, name, comp)
+        path = unlinked.get(comp) or newest_log(ctx.state_dir, name, comp)
         if path is None:
             continue
         for line in tail(path, lines):
@@ -74,7 +95,7 @@ def show_logs(ctx, profile: str | None, component: str | None, follow: bool, lin
     partial: dict[str, bytes] = {}  # a line not ended yet, per component (bytes: a UTF-8 character may be split)
     while stop_after_s is None or time.monotonic() - started < stop_after_s:
         for comp in components:
-            newest = newest_log(ctx.state_dir, name, comp)
+            newest = unlinked.get(comp) or newest_log(ctx.state_dir, name, comp)
             if newest is None:
                 continue
             path, pos, ino = current.get(comp, (None, 0, None))

@@ -100,6 +100,14 @@ def _stack_status(state_dir: Path, name: str, profile: Profile | None, records: 
                            f"{', '.join(str(p.pid) for p in procs)}; they may hold GPU memory): `molctl down {name}` "
                            f"stops them, `molctl up {name}` restarts the stack"
                            for c, (r, procs) in left.items()]
+    from molctl.logs import deleted_log
+
+    for component, record in records.items():
+        fd = deleted_log(record) if any(c["name"] == component and c["alive"] for c in components) else None
+        if fd is not None:  # the disk space an operator meant to free is still held
+            out["problems"] = out.get("problems", []) + [
+                f"the {component} log {record.log} was deleted while it runs (pid {record.pid} writes on to the "
+                f"unlinked file; its disk space is freed only when it stops): `molctl logs {name}` reads it from {fd}"]
     if problems:
         marked = marked_for(state_dir, name, problems)
         out["problems"] = out.get("problems", []) + [f"{p.component} record {p.path} is unreadable ({p.error}); "

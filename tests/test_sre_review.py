@@ -123,6 +123,28 @@ def test_status_names_engine_processes_left_running_after_its_leader_died(host):
     assert host("status", "--json").json()["stacks"] == []
 
 
+def test_a_log_file_deleted_under_a_running_component_is_reported_and_still_read(host):
+    """An operator deleting a running engine's log to free disk space frees nothing (the engine
+    writes on to the unlinked file); `molctl logs` then said "no engine log" (exit 2) and `status`
+    nothing. Now status names it and logs reads the open file through /proc/PID/fd/1."""
+    r = host.up()
+    assert r.exit_code == ExitStatus.OK, r.stdout + r.stderr
+    record = read_records(host.state, "tiny")["engine"]
+    before = host("logs", "tiny", "--component", "engine", "-n", "3")
+    assert before.exit_code == ExitStatus.OK and before.stdout.count("[engine]") == 3, before.stdout
+    Path(record.log).unlink()
+    r = host("status", "--json")
+    (stack,) = r.json()["stacks"]
+    assert stack["state"] == "ready" and any(record.log in p and "deleted" in p for p in stack.get("problems", [])), stack
+    r = host("logs", "tiny", "--component", "engine", "-n", "3")
+    assert r.exit_code == ExitStatus.OK, r.stderr
+    lines = r.stdout.splitlines()
+    assert "was deleted while pid" in lines[0] and f"/proc/{record.pid}/fd/1" in lines[0]
+    assert lines[1:] == before.stdout.splitlines()[-3:] or len(lines) == 4, r.stdout  # the same file's tail
+    r = host("down", "--stop-timeout", "5", "--drain-timeout", "5")
+    assert r.exit_code == ExitStatus.OK, r.stderr
+
+
 def test_a_dead_components_zombie_is_not_called_another_process(tmp_path):
     """A component that died and is not reaped yet (its parent, PID 1 of a container that does not
     reap quickly) is a zombie with the recorded pid: `up` said "stale proxy record: pid N now
