@@ -168,6 +168,17 @@ def test_abort_finish_reason_is_kept_and_not_summarised(s, stream):
 
 # ------------------------------------------------------------------------ 4. status codes of streams
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses"])
+def test_a_model_that_is_not_a_string_is_a_400_not_an_unknown_model(s, path):
+    body = {"model": 7, "messages": [{"role": "user", "content": "x"}], "input": "x"}
+    if path.endswith("responses"):
+        del body["messages"]
+    else:
+        del body["input"]
+    r = httpx.post(s.proxy_url + path, headers=AUTH, json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
+
+
 @pytest.mark.parametrize("raw, param", [(b'"temperature": NaN', "temperature"), (b'"top_p": Infinity', "top_p"),
                                         (b'"presence_penalty": -Infinity', "presence_penalty"),
                                         (b'"top_k": "5"', "top_k"), (b'"min_p": true', "min_p")])

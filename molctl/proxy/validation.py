@@ -256,6 +256,8 @@ def check_model(body: dict[str, Any], public_model: str) -> None:
     model = body.get("model")
     if model is None:
         raise invalid("'model' is required.", "model")
+    if not isinstance(model, str):  # a malformed request, not an unknown model
+        raise invalid("'model' must be a string.", "model")
     if model != public_model:
         raise ProxyError(404, f"The requested model does not exist; this endpoint serves '{public_model}'.",
                          "invalid_request_error", "model_not_found", "model")
