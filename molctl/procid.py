@@ -168,11 +168,36 @@ def _env_marker(pid: int) -> tuple[str, str] | None:
     return env.get(MARKER_PATH, ""), env[MARKER_ID]
 
 
+def _in_components_group(pid: int, record_path: str, records: dict[str, tuple[int, int] | None]) -> bool:
+    """Whether `pid` is in the process group or the session of the component recorded at
+    `record_path` (components start in a session of their own; their children stay in it).
+    vLLM's EngineCore and workers rename themselves (setproctitle), which overwrites what
+    /proc/PID/environ shows only in part on some layouts: a few leftover entries, the marker gone.
+    Their group and session still say whose they are, also after the leader was SIGKILLed."""
+    if record_path not in records:
+        try:
+            import json
+
+            with open(record_path, "rb") as fh:
+                data = json.loads(fh.read(1 << 20))
+            records[record_path] = (int(data["pid"]), int(data["pgid"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            records[record_path] = None
+    ids = records[record_path]
+    if ids is None:
+        return False
+    try:
+        return os.getpgid(pid) == ids[1] or os.getsid(pid) == ids[0]
+    except OSError:
+        return False
+
+
 def marked_processes() -> list[tuple[int, str, str]]:
     """(pid, record path, record id) of every live process carrying a molctl marker (environment
     or working directory) that this user can read. Zombies are left out."""
     me = os.getpid()
     out = []
+    records: dict[str, tuple[int, int] | None] = {}  # record path -> its (pid, pgid), read once
     for pid in all_pids():
         if pid == me:
             continue
@@ -180,8 +205,10 @@ def marked_processes() -> list[tuple[int, str, str]]:
         if found is None:
             cwd = _cwd_of(pid)
             found = marker_of_cwd(cwd) if cwd else None
-            if found is not None and environ_of(pid):
-                continue  # a whole environment without our marker: not a spawn of ours (an operator's shell in the run dir)
+            if found is not None and environ_of(pid) and not _in_components_group(pid, found[0], records):
+                # an environment without our marker, in another process group and session than the
+                # recorded component: not a spawn of ours (an operator's shell in the run dir)
+                continue
         if found is None:
             continue
         if have_proc() and start_ticks(pid) is None:  # zombie or gone

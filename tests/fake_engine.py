@@ -373,6 +373,12 @@ def main() -> None:
         subprocess.Popen([sys.executable, "-c", "import setproctitle, time; "
                           "setproctitle.setproctitle('VLLM::EngineCore'); time.sleep(600)"])
         print("spawned EngineCore-like child", flush=True)
+    elif env.get("FAKE_CHILD") == "retitle-partial":
+        # What /proc/PID/environ of vLLM 0.32's EngineCore shows here after setproctitle: not
+        # nothing but a few leftover entries of the overwritten area, the marker not among them
+        # (seen in test_e2e's SIGKILL test: 14 entries). Started with such an environment.
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], env={"LEFTOVER": "tail"})
+        print("spawned EngineCore-like child", flush=True)
     elif env.get("FAKE_CHILD") == "gpu":
         gib = float(env.get("FAKE_GPU_GIB", "4"))
         subprocess.Popen([sys.executable, "-c", "import time, torch; "

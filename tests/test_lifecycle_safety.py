@@ -128,6 +128,22 @@ def test_a_retitled_orphan_is_found_by_its_working_directory(host):
     assert not (host.state / "tiny" / "engine.run").exists()
 
 
+def test_an_orphan_whose_environment_was_only_partly_overwritten_is_found(host):
+    """vLLM 0.32's EngineCore, renamed with setproctitle, showed 14 leftover environment entries
+    (not none) and no marker in test_e2e's SIGKILL test: taken for an operator's process in the run
+    dir and left running, holding its memory, by `up` and `down`. Its process group and session
+    (the component's) say it is ours."""
+    assert host.up(env={"FAKE_CHILD": "retitle-partial"}).exit_code == ExitStatus.OK
+    record = host.records()["engine"]
+    (child,) = psutil.Process(record.pid).children()
+    assert procid.environ_of(child.pid) == {"LEFTOVER": "tail"}
+    os.kill(record.pid, signal.SIGKILL)
+    assert gone([record.pid])
+    d = host.molctl("down")
+    assert d.exit_code == ExitStatus.OK, d.stderr
+    assert gone([child.pid]) and host.records() == {}
+
+
 # ------------------------------------------------------------------------------------ 2. clock steps
 
 def test_a_wall_clock_step_does_not_make_a_healthy_stack_look_dead(host, monkeypatch):
