@@ -7,17 +7,28 @@ configuration (POST /_config, merged) and by directives in the user's text:
 Answers never contain an adapter name: tests learn who answered from GET /_log.
 
 Strict mode (config `strict: true`, the default of the proxy contract tests) rejects what the
-real bases reject, with vLLM's status and message:
-- the window rule: prompt tokens + max_tokens <= max_model_len (config `max_model_len`); the
-  prompt's tokens are estimated as its whitespace-separated words plus 4 per message. With no
-  max_tokens, vLLM gives the request the room left (max_model_len - prompt), and a prompt that
-  alone exceeds the window fails (vllm/entrypoints/serve/utils/api_utils.py get_max_tokens,
-  vllm/renderers/params.py _token_len_check: "This model's maximum context length is N tokens.
-  However, your prompt contains P input tokens, ...");
+real bases reject, with vLLM 0.32's status, message, `param` and order (checked against a real
+vLLM 0.32 by tests/test_e2e.py test_strict_fake_engine_agrees_with_vllm):
+- the request model's checks (vllm/entrypoints/openai/chat_completion/protocol.py check_tool_usage,
+  check_logprobs): `tools: []`, a `tool_choice` other than "none" without tools, `top_logprobs`
+  without `logprobs: true` (400, param the field, message + " (parameter=FIELD)");
+- a model that is neither the base's served name nor an adapter: 404 NotFoundError, param
+  `model` (vllm/entrypoints/serve/engine/serving.py _check_model);
+- an output limit above the window: "max_tokens=M cannot be greater than max_model_len=N. ..."
+  (param max_completion_tokens when sent, else max_tokens; vllm/renderers/params.py
+  TokenizeParams.__post_init__), checked before the chat template runs;
 - the Qwen3.5/3.6 chat template's rules (vLLM answers a template exception as a 400 with its
   message, vLLM issue 41114): one system message, first ("System message must be at the
   beginning."), only the roles system/user/assistant/tool ("Unexpected message role." for
-  `developer`), and at least one user message ("No user query found in messages.").
+  `developer`), and at least one user message ("No user query found in messages."); no message
+  at all is vLLM's own "Cannot apply chat template to an empty conversation. ...";
+- the window rule (config `max_model_len`), the prompt's tokens estimated as its
+  whitespace-separated words plus 4 per message: a prompt over the window fails (vLLM tokenizes
+  with truncation at window + 1, so it reports "at least N+1" tokens: vllm/renderers/params.py
+  _token_len_check, param input_tokens); otherwise max_tokens is CLAMPED to the room left, never
+  refused (vllm/entrypoints/serve/utils/api_utils.py get_max_tokens: min(window - prompt,
+  max_tokens)); a prompt of exactly the window leaves 0 and fails as SamplingParams does:
+  "max_tokens must be at least 1, got 0." (param max_tokens, no context-length wording).
 
 Also serves as the fake engine of the lifecycle tests (issue 4): /health, /v1/models and /version.
 """
@@ -67,9 +78,16 @@ DEFAULT_CONFIG = {
 }
 
 
-def vllm_error(message: str, status: int = 400, err_type: str = "BadRequestError") -> web.Response:
-    """vLLM's error body (vllm/entrypoints/serve/engine/protocol.py ErrorResponse)."""
-    return web.json_response({"error": {"message": message, "type": err_type, "param": None, "code": status}},
+def vllm_error(message: str, status: int = 400, err_type: str = "BadRequestError", param: str | None = None,
+               value=None, suffix: bool = True) -> web.Response:
+    """vLLM's error body (vllm/entrypoints/serve/engine/protocol.py ErrorResponse). A
+    VLLMValidationError (a `param`) reads "MESSAGE (parameter=P, value=V)" (vllm/exceptions.py
+    VLLMValidationError.__str__) and names P in `param`; `suffix=False`: a `param` set without
+    that wording (the 404 of an unknown model)."""
+    extras = ([f"parameter={param}"] if param is not None else []) + ([f"value={value}"] if value is not None else [])
+    if extras and suffix:
+        message = f"{message} ({', '.join(extras)})"
+    return web.json_response({"error": {"message": message, "type": err_type, "param": param, "code": status}},
                              status=status)
 
 
@@ -86,7 +104,31 @@ def estimate_tokens(payload: dict) -> int:
 
 
 def strict_violation(payload: dict) -> web.Response | None:
+    """In vLLM 0.32's order: the request model's validators, the model, the output limit, the
+    chat template, the prompt's length, then the sampling params."""
+    if payload.get("tools") == []:
+        return vllm_error("`tools` must not be an empty array. Either provide at least one tool or omit the field "
+                          "entirely.", param="tools")
+    if payload.get("tool_choice") not in (None, "none") and payload.get("tools") is None:
+        return vllm_error("When using `tool_choice`, `tools` must be set.", param="tool_choice")
+    top = payload.get("top_logprobs")
+    if isinstance(top, int) and (top == -1 or top > 0) and not payload.get("logprobs"):
+        return vllm_error("when using `top_logprobs`, `logprobs` must be set to true.", param="top_logprobs")
+    cfg = STATE.config
+    model = payload.get("model")
+    if model and model != cfg["served_name"] and model not in cfg["adapters"]:
+        return vllm_error(f"The model `{model}` does not exist. Valid aliases: {cfg['served_name']}.", 404,
+                          "NotFoundError", param="model", suffix=False)
+    window = cfg["max_model_len"]
+    limit_param = "max_completion_tokens" if payload.get("max_completion_tokens") is not None else "max_tokens"
+    limit = payload.get(limit_param)
+    if limit is not None and limit > window:
+        # a VLLMValidationError message with its own parameter=/value= suffix
+        return vllm_error(f"{limit_param}={limit} cannot be greater than max_model_len={window}. "
+                          f"Please request fewer output tokens.", param=limit_param, value=limit)
     messages = payload.get("messages") or []
+    if not messages:
+        return vllm_error("Cannot apply chat template to an empty conversation. Provide at least one message.")
     for i, msg in enumerate(messages):
         role = msg.get("role")
         if role not in ("system", "user", "assistant", "tool"):
@@ -95,17 +137,16 @@ def strict_violation(payload: dict) -> web.Response | None:
             return vllm_error("System message must be at the beginning.")
     if not any(m.get("role") == "user" for m in messages):
         return vllm_error("No user query found in messages.")
-    window = STATE.config["max_model_len"]
     prompt = estimate_tokens(payload)
-    max_tokens = payload.get("max_tokens")
-    if prompt > window or (max_tokens is None and prompt >= window):
+    if prompt > window:
+        # tokenized with truncation at window + 1 (TokenizeParams.get_encode_kwargs), hence "at least"
         return vllm_error(f"This model's maximum context length is {window} tokens. However, your prompt contains "
-                          f"{prompt} input tokens, which exceeds this limit even without any output tokens. "
-                          f"Please reduce the length of the input prompt.")
-    if max_tokens is not None and prompt + max_tokens > window:
-        return vllm_error(f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum "
-                          f"context length is {window} tokens and your request has {prompt} input tokens "
-                          f"({max_tokens} > {window} - {prompt}).")
+                          f"at least {window + 1} input tokens, which exceeds this limit even without any output "
+                          f"tokens. Please reduce the length of the input prompt.", param="input_tokens",
+                          value=window + 1)
+    room = window - prompt if limit is None else min(window - prompt, limit)
+    if room < 1:
+        return vllm_error(f"max_tokens must be at least 1, got {room}.", param="max_tokens", value=room)
     return None
 
 
