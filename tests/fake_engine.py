@@ -49,7 +49,7 @@ DEFAULT_CONFIG = {
     "parent": None,  # defaults to served_name
     "health_status": 200,
     "route_label": None,
-    "route_in": "content",  # or "reasoning_content"
+    "route_in": "content",  # or "reasoning" (vLLM 0.32's field; "reasoning_content", its old name, also lands there)
     "route_delay": 0.0,
     "answer_delay": 0.0,
     "summary_delay": 0.0,
@@ -180,12 +180,17 @@ def text_of(content) -> str:
 
 
 def completion(model: str, message: dict, finish: str, usage: dict) -> dict:
+    """vLLM 0.32's ChatCompletionResponse as it serialises (every field, nulls included; the
+    message's `reasoning`, never `reasoning_content`: vllm/entrypoints/openai/chat_completion/protocol.py)."""
+    message = {"role": "assistant", "content": None, "refusal": None, "annotations": None, "audio": None,
+               "function_call": None, "reasoning": None, **message}
     return {
         "id": "chatcmpl-engine-" + model, "object": "chat.completion", "created": int(time.time()), "model": model,
-        "system_fingerprint": "fp-engine", "prompt_logprobs": None, "kv_transfer_params": {"engine": model},
-        "choices": [{"index": 0, "message": {"role": "assistant", **message}, "finish_reason": finish,
-                     "stop_reason": None, "logprobs": None}],
-        "usage": usage,
+        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish,
+                     "stop_reason": None, "token_ids": None, "routed_experts": None}],
+        "service_tier": None, "system_fingerprint": "fp-engine", "usage": usage, "prompt_logprobs": None,
+        "prompt_token_ids": None, "prompt_text": None, "kv_transfer_params": {"engine": model},
+        "ec_transfer_params": None, "metrics": None,
     }
 
 
@@ -206,8 +211,9 @@ async def chat(request: web.Request) -> web.StreamResponse:
         if rejected is not None:
             STATE.log[-1]["rejected"] = json.loads(rejected.text)["error"]["message"]
             return rejected
-    usage = {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13,
-             "prompt_tokens_details": {"cached_tokens": 4}}
+    usage = {"prompt_tokens": 10, "total_tokens": 13, "completion_tokens": 3,
+             "prompt_tokens_details": {"cached_tokens": 4, "created_cache_tokens": 0, "multimodal_tokens": None},
+             "completion_tokens_details": None}
     if hop == "route":
         await asyncio.sleep(cfg["route_delay"])
         label = cfg["route_label"]
@@ -216,7 +222,8 @@ async def chat(request: web.Request) -> web.StreamResponse:
             user = next((m for m in reversed(messages) if m.get("role") == "user"), last)
             m = re.search(r"\[route:(L\d)\]", text_of(user.get("content")))
             label = m.group(1) if m else "L0"
-        msg = {"content": None, "reasoning_content": label} if cfg["route_in"] == "reasoning_content" else {"content": label}
+        msg = {"content": None, "reasoning": label} if cfg["route_in"] in ("reasoning", "reasoning_content") \
+            else {"content": label}
         return web.json_response(completion(model, msg, "stop", usage))
     if hop == "summary":
         await asyncio.sleep(cfg["summary_delay"])
@@ -262,15 +269,27 @@ async def chat(request: web.Request) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
 
+    created = int(time.time())
+
     async def emit(delta: dict, finish_reason=None, extra=None, logprobs=None):
-        chunk = {"id": "chatcmpl-engine-" + model, "object": "chat.completion.chunk", "created": int(time.time()),
-                 "model": model, "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason,
-                                               "stop_reason": None, "logprobs": logprobs}]}
+        # vLLM 0.32's chunks (vllm/entrypoints/openai/chat_completion/serving.py
+        # chat_completion_stream_generator): the role chunk has no token_ids and carries
+        # prompt_token_ids/prompt_text; a content chunk has token_ids; stop_reason only on the
+        # finishing choice, system_fingerprint on the last chunk
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        if finish_reason is not None:
+            choice["stop_reason"] = None
+        chunk = {"id": "chatcmpl-engine-" + model, "object": "chat.completion.chunk", "created": created,
+                 "model": model, "choices": [choice]}
+        if "role" in delta:
+            chunk.update(prompt_token_ids=None, prompt_text=None)
+        else:
+            choice["token_ids"] = None
         chunk.update(extra or {})
         await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
 
     try:
-        await stream_body(resp, emit, message, finish, tool, cfg, payload, model, usage)
+        await stream_body(resp, emit, message, finish, tool, cfg, payload, model, usage, created)
     except (ConnectionResetError, asyncio.CancelledError):
         STATE.log.append({"hop": hop, "model": model, "event": "client_gone", "t": time.time()})
         raise
@@ -281,7 +300,7 @@ def logprob(token: str) -> dict:
     return {"token": token, "logprob": -0.5, "bytes": list(token.encode()), "top_logprobs": []}
 
 
-async def stream_body(resp, emit, message, finish, tool, cfg, payload, model, usage):
+async def stream_body(resp, emit, message, finish, tool, cfg, payload, model, usage, created):
     logprobs = cfg["answer_logprobs"] and payload.get("logprobs")
     await emit({"role": "assistant", "content": ""})
     if tool:
@@ -307,13 +326,24 @@ async def stream_body(resp, emit, message, finish, tool, cfg, payload, model, us
                 return
             await asyncio.sleep(cfg["token_delay"])
             await emit({"content": piece}, logprobs={"content": [logprob(piece)]} if logprobs else None)
+    include_usage = (payload.get("stream_options") or {}).get("include_usage")
+    fingerprint = None if include_usage else {"system_fingerprint": "fp-engine"}
+    # the end of generation on the EOS token (finish "stop"): an empty delta with the finish reason
+    # (and that token's logprobs), as vLLM streams it
     if logprobs and not cfg["stream_no_finish"]:
-        await emit({}, finish, logprobs={"content": [logprob("<|im_end|>")]})
+        await emit({}, finish, extra=fingerprint, logprobs={"content": [logprob("<|im_end|>")]})
     elif not cfg["stream_no_finish"]:
-        await emit({}, finish)
-    if (payload.get("stream_options") or {}).get("include_usage"):
-        await resp.write(b"data: " + json.dumps({"id": "x", "object": "chat.completion.chunk", "created": 0,
-                                                 "model": model, "choices": [], "usage": usage}).encode() + b"\n\n")
+        await emit({}, finish, extra=fingerprint)
+    if include_usage:
+        # the usage chunk: the stream's id and created, no choices, usage without multimodal_tokens
+        # and completion_tokens_details (exclude_none), then the fingerprint
+        details = {k: v for k, v in usage["prompt_tokens_details"].items() if v is not None}
+        last = {"id": "chatcmpl-engine-" + model, "object": "chat.completion.chunk", "created": created,
+                "model": model, "choices": [],
+                "usage": {"prompt_tokens": usage["prompt_tokens"], "total_tokens": usage["total_tokens"],
+                          "completion_tokens": usage["completion_tokens"], "prompt_tokens_details": details},
+                "system_fingerprint": "fp-engine"}
+        await resp.write(b"data: " + json.dumps(last).encode() + b"\n\n")
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
 
@@ -325,8 +355,20 @@ async def health(request):
 async def models(request):
     cfg = STATE.config
     parent = cfg["parent"] or cfg["served_name"]
-    data = [{"id": cfg["served_name"], "object": "model", "root": "/models/base", "parent": None}]
-    data += [{"id": a, "object": "model", "root": f"/models/loras/{a}", "parent": parent} for a in cfg["adapters"]]
+    # vLLM 0.32's ModelCard (vllm/entrypoints/openai/models/protocol.py): the base card holds the
+    # window, an adapter's max_model_len is null
+    created = int(time.time())
+
+    def card(name, root, parent_name, window):
+        return {"id": name, "object": "model", "created": created, "owned_by": "vllm", "root": root,
+                "parent": parent_name, "max_model_len": window,
+                "permission": [{"id": f"modelperm-{name}", "object": "model_permission", "created": created,
+                                "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                                "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                                "organization": "*", "group": None, "is_blocking": False}]}
+
+    data = [card(cfg["served_name"], "/models/base", None, cfg["max_model_len"])]
+    data += [card(a, f"/models/loras/{a}", parent, None) for a in cfg["adapters"]]
     return web.json_response({"object": "list", "data": data})
 
 

@@ -480,6 +480,66 @@ def test_strict_fake_engine_agrees_with_vllm(stack, strict_fake):
     assert not differ, json.dumps(differ, indent=1)
 
 
+def sse(r: httpx.Response) -> list:
+    frames = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+    return [f if f == "[DONE]" else json.loads(f) for f in frames]
+
+
+def stream_shape(frames: list) -> list:
+    """Per frame: its kind (role / content / finish / usage / [DONE]) and the keys the proxy may read."""
+    shape = []
+    for f in frames:
+        if f == "[DONE]":
+            shape.append(("[DONE]",))
+        elif not f["choices"]:
+            shape.append(("usage", sorted(f), sorted(f["usage"]), sorted(f["usage"]["prompt_tokens_details"])))
+        else:
+            (c,) = f["choices"]
+            kind = "role" if "role" in c["delta"] else "finish" if c["finish_reason"] else "content"
+            lp = c["logprobs"] and sorted(c["logprobs"]["content"][0])
+            # a content chunk's delta may be empty (a token that ends inside a UTF-8 character is
+            # held back by vLLM's detokenizer, its logprobs still sent): its keys are not compared
+            shape.append((kind, sorted(f), sorted(c), None if kind == "content" else sorted(c["delta"]), lp))
+    # content chunks are as many as the tokens: one of each run is kept
+    return [s for i, s in enumerate(shape) if i == 0 or s != shape[i - 1]]
+
+
+def test_fake_engine_streams_and_bodies_are_shaped_as_vllms(stack, strict_fake):
+    """A short answer ended by the EOS token (finish "stop"; the real engine is pushed to it once
+    min_tokens allows), streamed with usage and with logprobs, and not streamed: the same chunk sequence
+    (role chunk first, content chunks, the finish reason on an empty delta with the EOS token's
+    logprobs, the usage chunk with no choices, [DONE]) and the same fields; /v1/models' cards too."""
+    httpx.post(strict_fake + "/_config", json={"answer_logprobs": True}).raise_for_status()
+    eos = {"min_tokens": 2, "logit_bias": {"4": 100}}  # the tiny tokenizer's <|im_end|> is token 4
+    shapes = {}
+    for name, body in [("usage", {"stream": True, "stream_options": {"include_usage": True}}),
+                       ("logprobs", {"stream": True, "logprobs": True})]:
+        for who, base in (("vllm", stack.engine), ("fake", strict_fake)):
+            r = send(base, {"messages": HI, "max_tokens": 4, **eos, **body})
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"), r.text
+            frames = sse(r)
+            shapes[name, who] = stream_shape(frames)
+            if name == "logprobs":
+                assert frames[-2]["choices"][0]["logprobs"]["content"][0]["token"] == "<|im_end|>", frames[-2]
+                assert frames[-2]["choices"][0]["finish_reason"] == "stop"
+        assert shapes[name, "vllm"] == shapes[name, "fake"], (name, shapes[name, "vllm"], shapes[name, "fake"])
+    assert [s[0] for s in shapes["usage", "vllm"]] == ["role", "content", "finish", "usage", "[DONE]"]
+
+    def body_keys(base):
+        b = send(base, {"messages": HI, "max_tokens": 2, **eos}).json()
+        (c,) = b["choices"]
+        return sorted(b), sorted(c), sorted(c["message"]), sorted(b["usage"]), sorted(b["usage"]["prompt_tokens_details"])
+
+    assert body_keys(stack.engine) == body_keys(strict_fake)
+
+    def card_keys(base):
+        cards = httpx.get(base + "/v1/models").json()["data"]
+        return sorted(cards[0]), sorted(cards[0]["permission"][0]), cards[0]["parent"], cards[-1]["parent"], \
+            cards[-1]["max_model_len"], cards[0]["max_model_len"]
+
+    assert card_keys(stack.engine) == card_keys(strict_fake)
+
+
 def test_up_after_sigkill_of_the_api_server(stack):
     record = read_records(stack.state, "tiny")["engine"]
     old = {p.pid for p in stack.stack_processes()}
