@@ -7,17 +7,28 @@ configuration (POST /_config, merged) and by directives in the user's text:
 Answers never contain an adapter name: tests learn who answered from GET /_log.
 
 Strict mode (config `strict: true`, the default of the proxy contract tests) rejects what the
-real bases reject, with vLLM's status and message:
-- the window rule: prompt tokens + max_tokens <= max_model_len (config `max_model_len`); the
-  prompt's tokens are estimated as its whitespace-separated words plus 4 per message. With no
-  max_tokens, vLLM gives the request the room left (max_model_len - prompt), and a prompt that
-  alone exceeds the window fails (vllm/entrypoints/serve/utils/api_utils.py get_max_tokens,
-  vllm/renderers/params.py _token_len_check: "This model's maximum context length is N tokens.
-  However, your prompt contains P input tokens, ...");
+real bases reject, with vLLM 0.32's status, message, `param` and order (checked against a real
+vLLM 0.32 by tests/test_e2e.py test_strict_fake_engine_agrees_with_vllm):
+- the request model's checks (vllm/entrypoints/openai/chat_completion/protocol.py check_tool_usage,
+  check_logprobs): `tools: []`, a `tool_choice` other than "none" without tools, `top_logprobs`
+  without `logprobs: true` (400, param the field, message + " (parameter=FIELD)");
+- a model that is neither the base's served name nor an adapter: 404 NotFoundError, param
+  `model` (vllm/entrypoints/serve/engine/serving.py _check_model);
+- an output limit above the window: "max_tokens=M cannot be greater than max_model_len=N. ..."
+  (param max_completion_tokens when sent, else max_tokens; vllm/renderers/params.py
+  TokenizeParams.__post_init__), checked before the chat template runs;
 - the Qwen3.5/3.6 chat template's rules (vLLM answers a template exception as a 400 with its
   message, vLLM issue 41114): one system message, first ("System message must be at the
   beginning."), only the roles system/user/assistant/tool ("Unexpected message role." for
-  `developer`), and at least one user message ("No user query found in messages.").
+  `developer`), and at least one user message ("No user query found in messages."); no message
+  at all is vLLM's own "Cannot apply chat template to an empty conversation. ...";
+- the window rule (config `max_model_len`), the prompt's tokens estimated as its
+  whitespace-separated words plus 4 per message: a prompt over the window fails (vLLM tokenizes
+  with truncation at window + 1, so it reports "at least N+1" tokens: vllm/renderers/params.py
+  _token_len_check, param input_tokens); otherwise max_tokens is CLAMPED to the room left, never
+  refused (vllm/entrypoints/serve/utils/api_utils.py get_max_tokens: min(window - prompt,
+  max_tokens)); a prompt of exactly the window leaves 0 and fails as SamplingParams does:
+  "max_tokens must be at least 1, got 0." (param max_tokens, no context-length wording).
 
 Also serves as the fake engine of the lifecycle tests (issue 4): /health, /v1/models and /version.
 """
@@ -38,7 +49,7 @@ DEFAULT_CONFIG = {
     "parent": None,  # defaults to served_name
     "health_status": 200,
     "route_label": None,
-    "route_in": "content",  # or "reasoning_content"
+    "route_in": "content",  # or "reasoning" (vLLM 0.32's field; "reasoning_content", its old name, also lands there)
     "route_delay": 0.0,
     "answer_delay": 0.0,
     "summary_delay": 0.0,
@@ -67,9 +78,16 @@ DEFAULT_CONFIG = {
 }
 
 
-def vllm_error(message: str, status: int = 400, err_type: str = "BadRequestError") -> web.Response:
-    """vLLM's error body (vllm/entrypoints/serve/engine/protocol.py ErrorResponse)."""
-    return web.json_response({"error": {"message": message, "type": err_type, "param": None, "code": status}},
+def vllm_error(message: str, status: int = 400, err_type: str = "BadRequestError", param: str | None = None,
+               value=None, suffix: bool = True) -> web.Response:
+    """vLLM's error body (vllm/entrypoints/serve/engine/protocol.py ErrorResponse). A
+    VLLMValidationError (a `param`) reads "MESSAGE (parameter=P, value=V)" (vllm/exceptions.py
+    VLLMValidationError.__str__) and names P in `param`; `suffix=False`: a `param` set without
+    that wording (the 404 of an unknown model)."""
+    extras = ([f"parameter={param}"] if param is not None else []) + ([f"value={value}"] if value is not None else [])
+    if extras and suffix:
+        message = f"{message} ({', '.join(extras)})"
+    return web.json_response({"error": {"message": message, "type": err_type, "param": param, "code": status}},
                              status=status)
 
 
@@ -86,7 +104,31 @@ def estimate_tokens(payload: dict) -> int:
 
 
 def strict_violation(payload: dict) -> web.Response | None:
+    """In vLLM 0.32's order: the request model's validators, the model, the output limit, the
+    chat template, the prompt's length, then the sampling params."""
+    if payload.get("tools") == []:
+        return vllm_error("`tools` must not be an empty array. Either provide at least one tool or omit the field "
+                          "entirely.", param="tools")
+    if payload.get("tool_choice") not in (None, "none") and payload.get("tools") is None:
+        return vllm_error("When using `tool_choice`, `tools` must be set.", param="tool_choice")
+    top = payload.get("top_logprobs")
+    if isinstance(top, int) and (top == -1 or top > 0) and not payload.get("logprobs"):
+        return vllm_error("when using `top_logprobs`, `logprobs` must be set to true.", param="top_logprobs")
+    cfg = STATE.config
+    model = payload.get("model")
+    if model and model != cfg["served_name"] and model not in cfg["adapters"]:
+        return vllm_error(f"The model `{model}` does not exist. Valid aliases: {cfg['served_name']}.", 404,
+                          "NotFoundError", param="model", suffix=False)
+    window = cfg["max_model_len"]
+    limit_param = "max_completion_tokens" if payload.get("max_completion_tokens") is not None else "max_tokens"
+    limit = payload.get(limit_param)
+    if limit is not None and limit > window:
+        # a VLLMValidationError message with its own parameter=/value= suffix
+        return vllm_error(f"{limit_param}={limit} cannot be greater than max_model_len={window}. "
+                          f"Please request fewer output tokens.", param=limit_param, value=limit)
     messages = payload.get("messages") or []
+    if not messages:
+        return vllm_error("Cannot apply chat template to an empty conversation. Provide at least one message.")
     for i, msg in enumerate(messages):
         role = msg.get("role")
         if role not in ("system", "user", "assistant", "tool"):
@@ -95,17 +137,16 @@ def strict_violation(payload: dict) -> web.Response | None:
             return vllm_error("System message must be at the beginning.")
     if not any(m.get("role") == "user" for m in messages):
         return vllm_error("No user query found in messages.")
-    window = STATE.config["max_model_len"]
     prompt = estimate_tokens(payload)
-    max_tokens = payload.get("max_tokens")
-    if prompt > window or (max_tokens is None and prompt >= window):
+    if prompt > window:
+        # tokenized with truncation at window + 1 (TokenizeParams.get_encode_kwargs), hence "at least"
         return vllm_error(f"This model's maximum context length is {window} tokens. However, your prompt contains "
-                          f"{prompt} input tokens, which exceeds this limit even without any output tokens. "
-                          f"Please reduce the length of the input prompt.")
-    if max_tokens is not None and prompt + max_tokens > window:
-        return vllm_error(f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum "
-                          f"context length is {window} tokens and your request has {prompt} input tokens "
-                          f"({max_tokens} > {window} - {prompt}).")
+                          f"at least {window + 1} input tokens, which exceeds this limit even without any output "
+                          f"tokens. Please reduce the length of the input prompt.", param="input_tokens",
+                          value=window + 1)
+    room = window - prompt if limit is None else min(window - prompt, limit)
+    if room < 1:
+        return vllm_error(f"max_tokens must be at least 1, got {room}.", param="max_tokens", value=room)
     return None
 
 
@@ -139,12 +180,17 @@ def text_of(content) -> str:
 
 
 def completion(model: str, message: dict, finish: str, usage: dict) -> dict:
+    """vLLM 0.32's ChatCompletionResponse as it serialises (every field, nulls included; the
+    message's `reasoning`, never `reasoning_content`: vllm/entrypoints/openai/chat_completion/protocol.py)."""
+    message = {"role": "assistant", "content": None, "refusal": None, "annotations": None, "audio": None,
+               "function_call": None, "reasoning": None, **message}
     return {
         "id": "chatcmpl-engine-" + model, "object": "chat.completion", "created": int(time.time()), "model": model,
-        "system_fingerprint": "fp-engine", "prompt_logprobs": None, "kv_transfer_params": {"engine": model},
-        "choices": [{"index": 0, "message": {"role": "assistant", **message}, "finish_reason": finish,
-                     "stop_reason": None, "logprobs": None}],
-        "usage": usage,
+        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish,
+                     "stop_reason": None, "token_ids": None, "routed_experts": None}],
+        "service_tier": None, "system_fingerprint": "fp-engine", "usage": usage, "prompt_logprobs": None,
+        "prompt_token_ids": None, "prompt_text": None, "kv_transfer_params": {"engine": model},
+        "ec_transfer_params": None, "metrics": None,
     }
 
 
@@ -165,8 +211,9 @@ async def chat(request: web.Request) -> web.StreamResponse:
         if rejected is not None:
             STATE.log[-1]["rejected"] = json.loads(rejected.text)["error"]["message"]
             return rejected
-    usage = {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13,
-             "prompt_tokens_details": {"cached_tokens": 4}}
+    usage = {"prompt_tokens": 10, "total_tokens": 13, "completion_tokens": 3,
+             "prompt_tokens_details": {"cached_tokens": 4, "created_cache_tokens": 0, "multimodal_tokens": None},
+             "completion_tokens_details": None}
     if hop == "route":
         await asyncio.sleep(cfg["route_delay"])
         label = cfg["route_label"]
@@ -175,7 +222,8 @@ async def chat(request: web.Request) -> web.StreamResponse:
             user = next((m for m in reversed(messages) if m.get("role") == "user"), last)
             m = re.search(r"\[route:(L\d)\]", text_of(user.get("content")))
             label = m.group(1) if m else "L0"
-        msg = {"content": None, "reasoning_content": label} if cfg["route_in"] == "reasoning_content" else {"content": label}
+        msg = {"content": None, "reasoning": label} if cfg["route_in"] in ("reasoning", "reasoning_content") \
+            else {"content": label}
         return web.json_response(completion(model, msg, "stop", usage))
     if hop == "summary":
         await asyncio.sleep(cfg["summary_delay"])
@@ -221,15 +269,27 @@ async def chat(request: web.Request) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
 
+    created = int(time.time())
+
     async def emit(delta: dict, finish_reason=None, extra=None, logprobs=None):
-        chunk = {"id": "chatcmpl-engine-" + model, "object": "chat.completion.chunk", "created": int(time.time()),
-                 "model": model, "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason,
-                                               "stop_reason": None, "logprobs": logprobs}]}
+        # vLLM 0.32's chunks (vllm/entrypoints/openai/chat_completion/serving.py
+        # chat_completion_stream_generator): the role chunk has no token_ids and carries
+        # prompt_token_ids/prompt_text; a content chunk has token_ids; stop_reason only on the
+        # finishing choice, system_fingerprint on the last chunk
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        if finish_reason is not None:
+            choice["stop_reason"] = None
+        chunk = {"id": "chatcmpl-engine-" + model, "object": "chat.completion.chunk", "created": created,
+                 "model": model, "choices": [choice]}
+        if "role" in delta:
+            chunk.update(prompt_token_ids=None, prompt_text=None)
+        else:
+            choice["token_ids"] = None
         chunk.update(extra or {})
         await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
 
     try:
-        await stream_body(resp, emit, message, finish, tool, cfg, payload, model, usage)
+        await stream_body(resp, emit, message, finish, tool, cfg, payload, model, usage, created)
     except (ConnectionResetError, asyncio.CancelledError):
         STATE.log.append({"hop": hop, "model": model, "event": "client_gone", "t": time.time()})
         raise
@@ -240,7 +300,7 @@ def logprob(token: str) -> dict:
     return {"token": token, "logprob": -0.5, "bytes": list(token.encode()), "top_logprobs": []}
 
 
-async def stream_body(resp, emit, message, finish, tool, cfg, payload, model, usage):
+async def stream_body(resp, emit, message, finish, tool, cfg, payload, model, usage, created):
     logprobs = cfg["answer_logprobs"] and payload.get("logprobs")
     await emit({"role": "assistant", "content": ""})
     if tool:
@@ -266,13 +326,24 @@ async def stream_body(resp, emit, message, finish, tool, cfg, payload, model, us
                 return
             await asyncio.sleep(cfg["token_delay"])
             await emit({"content": piece}, logprobs={"content": [logprob(piece)]} if logprobs else None)
+    include_usage = (payload.get("stream_options") or {}).get("include_usage")
+    fingerprint = None if include_usage else {"system_fingerprint": "fp-engine"}
+    # the end of generation on the EOS token (finish "stop"): an empty delta with the finish reason
+    # (and that token's logprobs), as vLLM streams it
     if logprobs and not cfg["stream_no_finish"]:
-        await emit({}, finish, logprobs={"content": [logprob("<|im_end|>")]})
+        await emit({}, finish, extra=fingerprint, logprobs={"content": [logprob("<|im_end|>")]})
     elif not cfg["stream_no_finish"]:
-        await emit({}, finish)
-    if (payload.get("stream_options") or {}).get("include_usage"):
-        await resp.write(b"data: " + json.dumps({"id": "x", "object": "chat.completion.chunk", "created": 0,
-                                                 "model": model, "choices": [], "usage": usage}).encode() + b"\n\n")
+        await emit({}, finish, extra=fingerprint)
+    if include_usage:
+        # the usage chunk: the stream's id and created, no choices, usage without multimodal_tokens
+        # and completion_tokens_details (exclude_none), then the fingerprint
+        details = {k: v for k, v in usage["prompt_tokens_details"].items() if v is not None}
+        last = {"id": "chatcmpl-engine-" + model, "object": "chat.completion.chunk", "created": created,
+                "model": model, "choices": [],
+                "usage": {"prompt_tokens": usage["prompt_tokens"], "total_tokens": usage["total_tokens"],
+                          "completion_tokens": usage["completion_tokens"], "prompt_tokens_details": details},
+                "system_fingerprint": "fp-engine"}
+        await resp.write(b"data: " + json.dumps(last).encode() + b"\n\n")
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
 
@@ -284,8 +355,20 @@ async def health(request):
 async def models(request):
     cfg = STATE.config
     parent = cfg["parent"] or cfg["served_name"]
-    data = [{"id": cfg["served_name"], "object": "model", "root": "/models/base", "parent": None}]
-    data += [{"id": a, "object": "model", "root": f"/models/loras/{a}", "parent": parent} for a in cfg["adapters"]]
+    # vLLM 0.32's ModelCard (vllm/entrypoints/openai/models/protocol.py): the base card holds the
+    # window, an adapter's max_model_len is null
+    created = int(time.time())
+
+    def card(name, root, parent_name, window):
+        return {"id": name, "object": "model", "created": created, "owned_by": "vllm", "root": root,
+                "parent": parent_name, "max_model_len": window,
+                "permission": [{"id": f"modelperm-{name}", "object": "model_permission", "created": created,
+                                "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                                "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                                "organization": "*", "group": None, "is_blocking": False}]}
+
+    data = [card(cfg["served_name"], "/models/base", None, cfg["max_model_len"])]
+    data += [card(a, f"/models/loras/{a}", parent, None) for a in cfg["adapters"]]
     return web.json_response({"object": "list", "data": data})
 
 

@@ -35,9 +35,11 @@ import pytest
 from molctl.checks.template import Template, render
 from molctl.errors import ExitStatus
 from molctl.probes import PortProbe
+from molctl.profiles import load_profile, profile_dirs
+from molctl.proxy.errors import CONTEXT_MARKERS
 from molctl.state import read_records
 from tests.conftest import free_port
-from tests.procs import ROOT
+from tests.procs import ROOT, fake_engine_argv, running
 
 PUBLIC = "Macaron-Tiny-Demo"
 GLM5 = Template("glm5-like", {"default": (ROOT / "molctl" / "templates" / "glm5-like.jinja").read_text()}, {})
@@ -409,6 +411,133 @@ def test_bench_runs_every_series_against_the_real_engine(stack):
     assert s["engine"]["base_model"] == "tiny-mol-base"
     run = Path(s["run_dir"])
     assert (run / "summary.json").is_file() and len((run / "samples.jsonl").read_text().splitlines()) == 14
+
+
+# ------------------------------------------------------------- the fake engine against the real one
+
+WINDOW = load_profile("tiny", profile_dirs()).engine.args["max-model-len"]
+HI = [{"role": "user", "content": "hi"}]
+LONG = [{"role": "user", "content": "word " * 3000}]  # past the window (vLLM counts ~2 tokens a word here)
+FITS = [{"role": "user", "content": "word " * 1000}]  # fits (2019 tokens for vLLM, ~1004 for the fake)
+# (name, request body): what the proxy's contract tests ask of the strict fake; a prompt of exactly
+# the window ("max_tokens must be at least 1, got 0.") is left out: the fake only estimates tokens
+CONFORMANCE = [
+    ("window", {"messages": LONG, "max_tokens": 4}),
+    ("window-no-limit-stream", {"messages": LONG, "stream": True}),
+    ("limit-clamped-to-the-room-left", {"messages": FITS, "max_tokens": 2000}),
+    ("limit-over-the-window", {"messages": HI, "max_tokens": 5000}),
+    ("completion-limit-over-the-window", {"messages": HI, "max_completion_tokens": 3000}),
+    ("limit-zero", {"messages": HI, "max_tokens": 0}),
+    ("developer-role", {"messages": [{"role": "developer", "content": "d"}, *HI], "max_tokens": 2}),
+    ("late-system", {"messages": [*HI, {"role": "system", "content": "late"}, *HI], "max_tokens": 2}),
+    ("no-user", {"messages": [{"role": "system", "content": "s"}], "max_tokens": 2}),
+    ("no-messages", {"messages": [], "max_tokens": 2}),
+    ("unknown-model", {"model": "L9", "messages": HI, "max_tokens": 2}),
+    ("required-without-tools", {"messages": HI, "tool_choice": "required", "max_tokens": 2}),
+    ("auto-without-tools", {"messages": HI, "tool_choice": "auto", "max_tokens": 2}),
+    ("empty-tools", {"messages": HI, "tools": [], "max_tokens": 2}),
+    ("top-logprobs-without-logprobs", {"messages": HI, "top_logprobs": 2, "max_tokens": 2}),
+    ("limit-over-the-window-before-the-template", {"messages": [{"role": "developer", "content": "d"}, *HI],
+                                                   "max_tokens": 5000}),
+    ("tool-choice-before-the-model", {"model": "L9", "messages": HI, "tool_choice": "required"}),
+]
+
+
+@pytest.fixture(scope="module")
+def strict_fake(stack):
+    """The proxy tests' fake engine in strict mode with the tiny window (started after `stack`, so
+    it runs beside the real engine, never before it)."""
+    port = free_port()
+    with running(fake_engine_argv(port, {"strict": True, "max_model_len": WINDOW}), f"http://127.0.0.1:{port}/health"):
+        yield f"http://127.0.0.1:{port}"
+
+
+def send(base: str, body: dict) -> httpx.Response:
+    return httpx.post(base + "/v1/chat/completions", json={"model": "L1", **body}, timeout=60)
+
+
+def error_view(r: httpx.Response) -> dict:
+    """What the proxy reads of an engine answer (molctl/proxy/errors.py from_engine, _client_param)."""
+    if r.status_code == 200:
+        return {"status": 200}
+    err = r.json()["error"]
+    message = err["message"]
+    return {"status": r.status_code, "keys": sorted(err), "type": err["type"], "code": err["code"],
+            "param": err["param"], "context": any(m in message.lower() for m in CONTEXT_MARKERS),
+            # the template's own wording differs (molctl's demo template names the role); the rest is vLLM's
+            "message": "Unexpected message role" if message.startswith("Unexpected message role") else message}
+
+
+def test_strict_fake_engine_agrees_with_vllm(stack, strict_fake):
+    """Each request the proxy's tests send the strict fake engine, sent to the real vLLM 0.32 too:
+    the same status, error body shape, type, code and param, the same message (the context-length
+    marker the proxy matches included), and the same order of checks."""
+    differ = {}
+    for name, body in CONFORMANCE:
+        real, fake = error_view(send(stack.engine, body)), error_view(send(strict_fake, body))
+        if real != fake:
+            differ[name] = {"vllm": real, "fake": fake}
+    assert not differ, json.dumps(differ, indent=1)
+
+
+def sse(r: httpx.Response) -> list:
+    frames = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+    return [f if f == "[DONE]" else json.loads(f) for f in frames]
+
+
+def stream_shape(frames: list) -> list:
+    """Per frame: its kind (role / content / finish / usage / [DONE]) and the keys the proxy may read."""
+    shape = []
+    for f in frames:
+        if f == "[DONE]":
+            shape.append(("[DONE]",))
+        elif not f["choices"]:
+            shape.append(("usage", sorted(f), sorted(f["usage"]), sorted(f["usage"]["prompt_tokens_details"])))
+        else:
+            (c,) = f["choices"]
+            kind = "role" if "role" in c["delta"] else "finish" if c["finish_reason"] else "content"
+            lp = c["logprobs"] and sorted(c["logprobs"]["content"][0])
+            # a content chunk's delta may be empty (a token that ends inside a UTF-8 character is
+            # held back by vLLM's detokenizer, its logprobs still sent): its keys are not compared
+            shape.append((kind, sorted(f), sorted(c), None if kind == "content" else sorted(c["delta"]), lp))
+    # content chunks are as many as the tokens: one of each run is kept
+    return [s for i, s in enumerate(shape) if i == 0 or s != shape[i - 1]]
+
+
+def test_fake_engine_streams_and_bodies_are_shaped_as_vllms(stack, strict_fake):
+    """A short answer ended by the EOS token (finish "stop"; the real engine is pushed to it once
+    min_tokens allows), streamed with usage and with logprobs, and not streamed: the same chunk sequence
+    (role chunk first, content chunks, the finish reason on an empty delta with the EOS token's
+    logprobs, the usage chunk with no choices, [DONE]) and the same fields; /v1/models' cards too."""
+    httpx.post(strict_fake + "/_config", json={"answer_logprobs": True}).raise_for_status()
+    eos = {"min_tokens": 2, "logit_bias": {"4": 100}}  # the tiny tokenizer's <|im_end|> is token 4
+    shapes = {}
+    for name, body in [("usage", {"stream": True, "stream_options": {"include_usage": True}}),
+                       ("logprobs", {"stream": True, "logprobs": True})]:
+        for who, base in (("vllm", stack.engine), ("fake", strict_fake)):
+            r = send(base, {"messages": HI, "max_tokens": 4, **eos, **body})
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"), r.text
+            frames = sse(r)
+            shapes[name, who] = stream_shape(frames)
+            if name == "logprobs":
+                assert frames[-2]["choices"][0]["logprobs"]["content"][0]["token"] == "<|im_end|>", frames[-2]
+                assert frames[-2]["choices"][0]["finish_reason"] == "stop"
+        assert shapes[name, "vllm"] == shapes[name, "fake"], (name, shapes[name, "vllm"], shapes[name, "fake"])
+    assert [s[0] for s in shapes["usage", "vllm"]] == ["role", "content", "finish", "usage", "[DONE]"]
+
+    def body_keys(base):
+        b = send(base, {"messages": HI, "max_tokens": 2, **eos}).json()
+        (c,) = b["choices"]
+        return sorted(b), sorted(c), sorted(c["message"]), sorted(b["usage"]), sorted(b["usage"]["prompt_tokens_details"])
+
+    assert body_keys(stack.engine) == body_keys(strict_fake)
+
+    def card_keys(base):
+        cards = httpx.get(base + "/v1/models").json()["data"]
+        return sorted(cards[0]), sorted(cards[0]["permission"][0]), cards[0]["parent"], cards[-1]["parent"], \
+            cards[-1]["max_model_len"], cards[0]["max_model_len"]
+
+    assert card_keys(stack.engine) == card_keys(strict_fake)
 
 
 def test_up_after_sigkill_of_the_api_server(stack):
