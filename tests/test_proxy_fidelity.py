@@ -47,7 +47,13 @@ def test_strict_fake_engine_rejects_what_vllm_and_qwen_reject(s):
     assert r.status_code == 400 and r.json()["error"]["message"] == "System message must be at the beginning."
     r = post([{"role": "developer", "content": "d"}, {"role": "user", "content": "b"}])
     assert r.status_code == 400 and "Unexpected message role" in r.json()["error"]["message"]
-    r = post([{"role": "user", "content": "word " * 1000}], max_tokens=2000)
+    # vLLM 0.32 cuts a max_tokens over the room left to it (api_utils.py get_max_tokens) and refuses
+    # only one over the window itself, or a prompt over it (tests/test_e2e.py checks both against it)
+    assert post([{"role": "user", "content": "word " * 1000}], max_tokens=2000).status_code == 200
+    r = post([{"role": "user", "content": "word"}], max_tokens=5000)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    assert "cannot be greater than max_model_len=2048" in r.json()["error"]["message"]
+    r = post([{"role": "user", "content": "word " * 3000}])
     assert r.status_code == 400 and "maximum context length is 2048 tokens" in r.json()["error"]["message"]
     assert post([{"role": "user", "content": "word " * 1000}]).status_code == 200  # no limit: the room left
 
@@ -210,6 +216,21 @@ def test_an_engine_400_names_the_clients_parameter_when_it_is_one(s, engine_para
         s.client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "[route:L2] x"}],
                                          temperature=0.5, response_format=schema)
     assert err.value.body["param"] == shown and err.value.body["code"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("client_limit", [None, 5])
+def test_a_prompt_that_fills_the_window_exactly_is_a_context_overflow(s, client_limit):
+    """vLLM 0.32 answers a prompt of exactly max-model-len tokens with "max_tokens must be at least
+    1, got 0. (parameter=max_tokens, value=0)" (the room left, checked by SamplingParams), not a
+    context-length message: the client got a generic 400 naming its own max_tokens=5."""
+    s.config(answer_error={"status": 400, "body": {"error": {
+        "message": "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
+        "type": "BadRequestError", "param": "max_tokens", "code": 400}}})
+    extra = {"max_tokens": client_limit} if client_limit else {}
+    with pytest.raises(openai.BadRequestError) as err:
+        s.client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "[route:L2] x"}], **extra)
+    assert err.value.body["code"] == "context_length_exceeded" and err.value.body["param"] == "messages"
+    assert "no room for output" in err.value.message
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -66,6 +66,9 @@ CONTEXT_MARKERS = ("maximum context length", "maximum sequence length", "longer 
                    "exceeds the context length")
 
 
+NO_ROOM_LEFT = "max_tokens must be at least 1, got 0"
+
+
 LORA_REQUEST_RE = re.compile(r"LoRARequest\([^)]*\)")
 LORA_FIELD_RE = re.compile(r"\b(?:lora_int_id|lora_id|lora_name|lora_path|lora_local_path|lora_request)\s*[=:]\s*"
                            r"(?:'[^']*'|\"[^\"]*\"|[\w./-]+)[,;]?\s*")
@@ -119,6 +122,12 @@ def from_engine(exc: Exception, names: list[str], public: str, client_params: fr
         code = exc.body.get("error", {}).get("code") if isinstance(exc.body, dict) and isinstance(exc.body.get("error"), dict) else None
         if exc.status in (400, 413) and (code == "context_length_exceeded" or any(m in message.lower() for m in CONTEXT_MARKERS)):
             return ProxyError(400, message, "invalid_request_error", "context_length_exceeded", "messages")
+        if exc.status == 400 and message.startswith(NO_ROOM_LEFT):
+            # vLLM 0.32 for a prompt of exactly max-model-len tokens: the room left for output is 0
+            # (api_utils.py get_max_tokens, then SamplingParams' check); the proxy refuses a client
+            # max_tokens below 1 itself, so this is always the window, not the client's limit
+            return ProxyError(400, "The prompt fills the model's context window, leaving no room for output "
+                              f"({message})", "invalid_request_error", "context_length_exceeded", "messages")
         if exc.status in (400, 422):
             return ProxyError(400, message or "The request was rejected by the model backend.", "invalid_request_error",
                               "invalid_request_error", _client_param(exc, client_params))

@@ -134,9 +134,11 @@ class Plan:
 
 def context_window(profile: Profile) -> int | None:
     """The most prompt + max_tokens the engine takes, from the profile's launch flags; vLLM's
-    `k`/`m` (x1000) and `K`/`M` (x1024) suffixes are understood. vLLM refuses prompt + max_tokens
-    > max-model-len; SGLang refuses input + max_new_tokens >= context-length
-    (TokenizerManager._validate_one_request), so its usable window is one token less."""
+    `k`/`m` (x1000) and `K`/`M` (x1024) suffixes are understood. SGLang refuses input +
+    max_new_tokens >= context-length (TokenizerManager._validate_one_request), so its usable
+    window is one token less. vLLM 0.32 cuts a max_tokens over the room left (api_utils.py
+    get_max_tokens; earlier versions refused prompt + max_tokens > max-model-len) and refuses one
+    over max-model-len itself: the proxy's limit stays within the window for both."""
     for flag, margin in (("max-model-len", 0), ("context-length", 1)):
         value = profile.engine.args.get(flag)
         if isinstance(value, int) and not isinstance(value, bool):
