@@ -219,7 +219,7 @@ def completion(model, message, finish, usage):
 HTTP_STATUS_NAMES = {400: "BAD_REQUEST", 500: "INTERNAL_SERVER_ERROR", 503: "SERVICE_UNAVAILABLE"}
 
 
-async def stream_body(resp, emit, message, finish, tool, cfg, payload, model, usage):
+async def stream_body(resp, emit, message, finish, tool, cfg, payload, model, usage, created):
     """The answer stream. Config `stream_abort` {"status": 400|500|503, "message", "after": N}: a
     scheduler abort with a status code after N content pieces (0: before any, e.g. "The request
     queue is full.", 503, once --max-queued-requests is exceeded). SGLang (serving_chat.py
@@ -235,7 +235,7 @@ async def stream_body(resp, emit, message, finish, tool, cfg, payload, model, us
     if abort is None and cfg["stream_error_after"] is not None:
         abort = {"status": 500, "message": "Internal error in the scheduler (simulated).", "after": cfg["stream_error_after"]}
     if abort is None:
-        await _stream_body(resp, emit, message, finish, tool, cfg, payload, model, usage)
+        await _stream_body(resp, emit, message, finish, tool, cfg, payload, model, usage, created)
         return
     pieces = re.findall(r"\S+\s*", message.get("content") or "")[:abort.get("after", 0)]
     if pieces:
