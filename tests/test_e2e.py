@@ -522,8 +522,15 @@ def test_fake_engine_streams_and_bodies_are_shaped_as_vllms(stack, strict_fake):
             if name == "logprobs":
                 assert frames[-2]["choices"][0]["logprobs"]["content"][0]["token"] == "<|im_end|>", frames[-2]
                 assert frames[-2]["choices"][0]["finish_reason"] == "stop"
-        assert shapes[name, "vllm"] == shapes[name, "fake"], (name, shapes[name, "vllm"], shapes[name, "fake"])
-    assert [s[0] for s in shapes["usage", "vllm"]] == ["role", "content", "finish", "usage", "[DONE]"]
+        # how many content chunks come depends on the random model's tokens: vLLM sends none for a
+        # token that ends inside a UTF-8 character when there are no logprobs to send (a clean
+        # clone's CI saw role, finish, usage, [DONE]); the rest of the sequence and the content
+        # chunks' keys, where both sent one, must agree
+        real, fake = shapes[name, "vllm"], shapes[name, "fake"]
+        assert [x for x in real if x[0] != "content"] == [x for x in fake if x[0] != "content"], (name, real, fake)
+        real_content, fake_content = ({repr(x) for x in shape if x[0] == "content"} for shape in (real, fake))
+        assert not (real_content and fake_content) or real_content == fake_content, (name, real, fake)
+    assert [x[0] for x in shapes["usage", "vllm"] if x[0] != "content"] == ["role", "finish", "usage", "[DONE]"]
 
     def body_keys(base):
         b = send(base, {"messages": HI, "max_tokens": 2, **eos}).json()
