@@ -149,3 +149,25 @@ def test_a_damaged_engine_cache_file_is_probed_again(venv_factory, state_dir, co
         path.write_text(content)
     report, checks = run_engine_check(state_dir, "tall", python)
     assert report.ok and checks["engine.version"][0] == "pass", checks
+
+
+def test_the_fingerprint_of_this_interpreter_is_taken_in_process_and_equals_the_subprocess_one(venv_factory, monkeypatch):
+    """`check` fingerprints the engine package to find its cached probe; when engine.python is the
+    interpreter running molctl (the demo's venv), the fingerprint is computed in-process (no
+    interpreter start) and must be exactly what the probe script prints under that interpreter.
+    Another venv whose python resolves to the same base interpreter is NOT this interpreter."""
+    from molctl.engines import base
+
+    assert base.is_this_interpreter(sys.executable)
+    other, _ = venv_factory("fingerprint-other")
+    assert not base.is_this_interpreter(str(other))
+    calls = []
+    real_run = subprocess.run
+    monkeypatch.setattr(base.subprocess, "run", lambda *a, **k: calls.append(a) or real_run(*a, **k))
+    here = base.install_fingerprint(sys.executable, "json")
+    assert calls == []
+    monkeypatch.setattr(base, "is_this_interpreter", lambda python: False)
+    there = base.install_fingerprint(sys.executable, "json")
+    assert len(calls) == 1
+    assert here == there and here["origin"].endswith("__init__.py")
+    assert "origin" not in base.install_fingerprint(sys.executable, "no_such_package_molctl")
