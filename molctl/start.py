@@ -210,6 +210,14 @@ def _up_locked(profile: Profile, config: dict, ctx, opts: UpOptions, key_args: l
     if records and stack_ready(records):
         progress.step(f"profile {name} is already running and ready")
         return _result(profile, read_records(state_dir, name), already=True, timings={})
+    clean_unrecorded(state_dir, name, progress)  # spawned by an `up` killed before it could record them
+
+    # Before anything recorded is stopped: a preflight that fails (a port taken by a stranger, a
+    # model-root typo) leaves what runs alone, as `switch` does; ports and GPU memory held by this
+    # profile's own recorded processes count as its own.
+    progress.step(f"preflight checks for {name}")
+    preflight(profile, state_dir, opts, progress, "nothing was started or stopped")
+
     if "engine" in live:
         # An earlier `up` that died (terminal closed, molctl killed) left its engine loading:
         # wait for it rather than throw an hour of loading away. Stop only what is stale.
@@ -220,10 +228,6 @@ def _up_locked(profile: Profile, config: dict, ctx, opts: UpOptions, key_args: l
     elif records:
         clean_stale(state_dir, name, progress)
         live = {}
-    clean_unrecorded(state_dir, name, progress)  # spawned by an `up` killed before it could record them
-
-    progress.step(f"preflight checks for {name}")
-    preflight(profile, state_dir, opts, progress, "nothing was started")
 
     starter = _Starter(profile, config, ctx, opts, key_args, progress)
     try:

@@ -414,3 +414,31 @@ def test_up_waits_for_an_engine_an_earlier_killed_up_left_loading(host):
     assert "still running" in r.stdout
     assert host.records()["engine"].pid == engine_pid  # adopted, not restarted
     assert json.loads(host.molctl("status", "--json").stdout)["stacks"][0]["state"] == "ready"
+
+
+def test_up_whose_preflight_fails_stops_nothing(host):
+    """A live proxy whose engine died, and a stranger now listening on the engine port: `up` used to
+    stop the proxy first and only then find the port taken ("nothing was started", with the proxy
+    gone). The preflight now runs before anything recorded is stopped, as `switch`'s does: exit 4,
+    the proxy left running, its own port counted as its own."""
+    assert host.up().exit_code == ExitStatus.OK
+    records = host.records()
+    proxy_pid = records["proxy"].pid
+    os.kill(records["engine"].pid, signal.SIGKILL)
+    assert gone([records["engine"].pid])
+    deadline = time.monotonic() + 5
+    while not port_free(host.engine_port) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # the proxy's old connections in TIME_WAIT
+        sock.bind(("127.0.0.1", host.engine_port))
+        sock.listen()
+        r = host.up()
+    assert r.exit_code == ExitStatus.CONFLICT, r.stderr
+    assert f"pid {os.getpid()}" in r.stderr and "nothing was started or stopped" in r.stderr
+    assert psutil.pid_exists(proxy_pid) and psutil.Process(proxy_pid).status() != psutil.STATUS_ZOMBIE
+    assert host.records()["proxy"].pid == proxy_pid
+    r = host.up()  # the port is free again: the stale stack is cleaned up and started afresh
+    assert r.exit_code == ExitStatus.OK, r.stderr
+    assert gone([proxy_pid]) and host.records()["proxy"].pid != proxy_pid
+    assert host.molctl("down").exit_code == ExitStatus.OK
