@@ -12,10 +12,12 @@ so Ctrl-C never leaves a half-written one; by default `STATE/PROFILE/manifests/l
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import re
+import secrets
 import stat
 import subprocess
 import time
@@ -411,33 +413,66 @@ def manifest_dir(state_dir: Path, profile: str) -> Path:
 
 def default_path(state_dir: Path, profile: str, now: float | None = None) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(now))
-    d = manifest_dir(state_dir, profile)
-    path, n = d / f"lock-{stamp}.json", 1
+    path = manifest_dir(state_dir, profile) / f"lock-{stamp}.json"
     while path.exists():
-        n += 1
-        path = d / f"lock-{stamp}-{n}.json"
+        path = _next_name(path)
     return path
 
 
-def write_atomic(path: Path, manifest: dict[str, Any]) -> Path:
-    """Temp file in the same folder, fsync, rename: the path holds the whole manifest or nothing."""
+_DEFAULT_NAME = re.compile(r"(lock-\d{8}-\d{6})(?:-(\d+))?\.json")
+
+
+def _next_name(path: Path) -> Path:
+    """lock-STAMP.json -> lock-STAMP-2.json -> lock-STAMP-3.json (any other name: NAME-2.json)."""
+    m = _DEFAULT_NAME.fullmatch(path.name)
+    stem, n = (m.group(1), int(m.group(2) or 1)) if m else (path.stem, 1)
+    return path.with_name(f"{stem}-{n + 1}.json")
+
+
+def write_atomic(path: Path, manifest: dict[str, Any], replace: bool = True) -> Path:
+    """Temp file in the same folder, fsync, rename: the path holds the whole manifest or nothing.
+    With `replace` False an existing file is never replaced: the manifest takes the next free
+    `-N` name (two `molctl lock` started in the same second chose the same default name; a hard
+    link is the atomic claim). Returns where it went."""
     path = Path(path).absolute()
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    # a name of its own (two writers never share a temp file), created like any file (umask)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
     try:
-        with open(tmp, "w", encoding="utf-8") as fh:
+        with open(fd, "w", encoding="utf-8") as fh:
             json.dump(manifest, fh, indent=2)
             fh.write("\n")
             fh.flush()
             os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
+        if replace:
+            os.replace(tmp, path)
+        else:
+            path = _link_new(tmp, path)
+    finally:
         try:
             tmp.unlink()
         except OSError:
             pass
-        raise
     return path
+
+
+def _link_new(tmp: Path, path: Path) -> Path:
+    """Hard-link `tmp` at `path` or, when taken, at the next free name; a file system without
+    hard links gets the rename, after an existence check (a race there is the only window left)."""
+    while True:
+        try:
+            os.link(tmp, path)
+            return path
+        except FileExistsError:
+            path = _next_name(path)
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+                raise
+            while path.exists():
+                path = _next_name(path)
+            os.replace(tmp, path)
+            return path
 
 
 def newest(state_dir: Path, profile: str) -> Path | None:
@@ -518,8 +553,8 @@ def lock(profile: Profile, state_dir: Path, output: Path | None = None, jobs: in
     anything is hashed: a 700 GB run must not end on an unwritable --output."""
     path = prepare_output(output or default_path(state_dir, profile.name))
     manifest = build(profile, state_dir, jobs, progress, hasher)
-    try:
-        path = write_atomic(path, manifest)
+    try:  # a default name taken meanwhile (another lock) moves on to -N; an --output given is replaced
+        path = write_atomic(path, manifest, replace=output is not None)
     except OSError as exc:
         raise MolctlError(f"cannot write the manifest {path}: {exc.strerror or exc}") from None
     return LockResult(manifest, path)

@@ -1,0 +1,59 @@
+"""Adversarial review of `molctl lock`, `check --verify` and `molctl bench`: each test reproduces
+a defect found by running the commands on real layouts (`molctl demo init`, tests/layouts.py)
+and fails without its fix."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import types
+from pathlib import Path
+
+from molctl import manifest as mf
+from molctl.errors import ExitStatus
+from molctl.profiles import load_profile
+from tests.test_lock import cli, engine_python, layout  # noqa: F401 - fixtures
+
+PROFILES = Path(__file__).resolve().parent.parent / "profiles"
+
+
+# ------------------------------------------------------------------------ two `lock` runs at once
+def test_two_locks_in_the_same_second_keep_both_manifests(tmp_path, monkeypatch):
+    """Found running two `molctl lock tiny` at once (different --set): both printed the same
+    `lock-STAMP.json` and one manifest silently replaced the other (3 files for 6 runs)."""
+    state = tmp_path / "state"
+    profile = load_profile("tiny", [PROFILES], [("model_root", str(tmp_path / "m"))])
+    # the same second for both runs: both pick the same free name before either writes
+    monkeypatch.setattr(mf, "time", types.SimpleNamespace(monotonic=time.monotonic, strftime=time.strftime,
+                                                          gmtime=lambda now=None: time.gmtime(1796130000)))
+    both_built = threading.Barrier(2, timeout=10)
+
+    def build(profile, state_dir, jobs=None, progress=None, hasher=None, environ=None):
+        both_built.wait()  # both have chosen their path (prepare_output) before either writes
+        return {"profile": profile.name, "run": threading.current_thread().name,
+                "summary": {}, "engine": {"kind": "vllm", "version": "0"}}
+
+    monkeypatch.setattr(mf, "build", build)
+    results = {}
+    runs = [threading.Thread(target=lambda: results.setdefault(threading.current_thread().name,
+                                                                 mf.lock(profile, state)), name=f"run{i}")
+            for i in (1, 2)]
+    for t in runs:
+        t.start()
+    for t in runs:
+        t.join(15)
+    paths = {name: r.path for name, r in results.items()}
+    assert len(set(paths.values())) == 2, paths
+    for name, path in paths.items():
+        assert json.loads(path.read_text())["run"] == name
+    names = sorted(p.name for p in mf.manifest_dir(state, "tiny").iterdir())
+    assert names == ["lock-20261201-130000-2.json", "lock-20261201-130000.json"], names
+
+
+def test_an_explicit_output_is_still_replaced(cli, tmp_path):
+    out = tmp_path / "pinned.json"
+    out.write_text("old\n")
+    assert cli.lock("--output", str(out)).exit_code == ExitStatus.OK
+    assert json.loads(out.read_text())["kind"] == "molctl.lock"
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
