@@ -247,15 +247,21 @@ def shard_names(profile: Profile) -> list[str]:
 
 
 def _not_regular(path: Path) -> ManifestError:
-    """A dangling symlink, a FIFO, a device or a socket where the layout has files."""
+    """A dangling symlink, a symlink loop, a FIFO, a device or a socket where the layout has files."""
     from molctl.hashing import file_kind
 
     try:
         return ManifestError(f"{path} is {file_kind(os.stat(path).st_mode)}, not a regular file "
                              f"(the engine cannot load it; remove it or replace it with the file)")
-    except OSError:
-        target = os.readlink(path) if os.path.islink(path) else "?"
-        return ManifestError(f"{path} is a dangling symlink (to {target})")
+    except OSError as exc:
+        if not os.path.islink(path):
+            return ManifestError(f"{path} cannot be read: {exc.strerror or exc}")
+        target = os.readlink(path)
+        if exc.errno == errno.ELOOP:
+            return ManifestError(f"{path} is a symlink loop (to {target}), not a regular file")
+        if exc.errno == errno.ENOENT:
+            return ManifestError(f"{path} is a dangling symlink (to {target})")
+        return ManifestError(f"{path} cannot be read: {exc.strerror or exc} (a symlink to {target})")
 
 
 def base_files(profile: Profile, shards: list[str], strict: bool = True) -> list[str]:
@@ -269,9 +275,15 @@ def base_files(profile: Profile, shards: list[str], strict: bool = True) -> list
     skip = set(shards)
     out = []
     for e in entries:
-        if e.name in skip or e.name.startswith(".") or e.is_dir():
+        if e.name in skip or e.name.startswith("."):
             continue
-        if not e.is_file() and strict:
+        try:
+            is_dir, is_file = e.is_dir(), e.is_file()
+        except OSError:  # a symlink loop (ELOOP) raises here: neither
+            is_dir = is_file = False
+        if is_dir:
+            continue
+        if not is_file and strict:
             raise _not_regular(Path(e.path))
         out.append(e.name)
     return out
@@ -284,7 +296,7 @@ def adapter_files(directory: Path, strict: bool = True) -> list[str]:
     out = []
     for d, subdirs, files in os.walk(directory):
         subdirs.sort()
-        for f in files:
+        for f in sorted(files):  # the first bad file named is always the same one
             p = Path(d) / f
             try:
                 regular = stat.S_ISREG(os.stat(p).st_mode)
@@ -370,6 +382,8 @@ def build(profile: Profile, state_dir: Path | None, jobs: int | None = None, pro
         raise ManifestError(f"{exc.filename} {exc.strerror}: run `molctl lock {profile.name}` again once it is "
                             f"stable (the files hashed so far are cached)") from None
     except OSError as exc:
+        if exc.filename and os.path.islink(exc.filename):  # a symlink loop, a link into a folder we cannot enter
+            raise _not_regular(Path(exc.filename)) from None
         raise ManifestError(f"cannot read {exc.filename}: {exc.strerror}") from None
     shard_entries = [file_entry(profile.base_dir / n, n, run) for n in shards]
     base_entries = [file_entry(profile.base_dir / n, n, run) for n in base]

@@ -10,10 +10,12 @@ import time
 import types
 from pathlib import Path
 
+import pytest
+
 from molctl import manifest as mf
 from molctl.errors import ExitStatus
 from molctl.profiles import load_profile
-from tests.test_lock import cli, engine_python, layout  # noqa: F401 - fixtures
+from tests.test_lock import cli, engine_python, failures, layout  # noqa: F401 - fixtures
 
 PROFILES = Path(__file__).resolve().parent.parent / "profiles"
 
@@ -57,3 +59,32 @@ def test_an_explicit_output_is_still_replaced(cli, tmp_path):
     assert cli.lock("--output", str(out)).exit_code == ExitStatus.OK
     assert json.loads(out.read_text())["kind"] == "molctl.lock"
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+# ------------------------------------------------------------------------------ symlink loops
+@pytest.mark.parametrize("where", ["base", "adapter", "shard"])
+def test_a_symlink_loop_in_a_folder_is_one_line_exit_3(cli, layout, where):  # noqa: F811
+    """Found with `ln -s b base/a; ln -s a base/b`: lock was exit 1 with a bare 'Too many levels
+    of symbolic links' (DirEntry.is_dir raised); in an adapter folder it was called a dangling
+    symlink, as a shard 'cannot read'."""
+    folder = layout.adapter("L2") if where == "adapter" else layout.base
+    name, target = (layout.shards[0].name, layout.shards[0].name) if where == "shard" else ("loop-a", "loop-b")
+    (folder / name).unlink(missing_ok=True)
+    (folder / name).symlink_to(target)  # a shard: to itself
+    if target != name:
+        (folder / target).symlink_to(name)
+    result = cli.lock()
+    assert result.exit_code == ExitStatus.CHECK_FAILED, result.stderr
+    assert result.stderr.strip() == f"molctl: error: {folder / name} is a symlink loop (to {target}), not a regular file"
+
+
+def test_verify_with_a_symlink_loop_in_base_reports_it(cli, layout):  # noqa: F811
+    """check --verify exited 1 with no report when base/ held a symlink loop added after lock."""
+    assert cli.lock().exit_code == ExitStatus.OK
+    (layout.base / "loop-a").symlink_to("loop-b")
+    (layout.base / "loop-b").symlink_to("loop-a")
+    code, checks = cli.verify()
+    assert code == ExitStatus.CHECK_FAILED
+    bad = failures(checks)
+    assert set(bad) == {"lock.base.loop-a", "lock.base.loop-b"}, bad
+    assert "is not pinned by the manifest" in bad["lock.base.loop-a"]
