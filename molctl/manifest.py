@@ -292,9 +292,15 @@ def base_files(profile: Profile, shards: list[str], strict: bool = True) -> list
 def adapter_files(directory: Path, strict: bool = True) -> list[str]:
     """Every file under an adapter folder, relative, sorted (hidden files included: a file the
     engine might load is a file to pin). Anything but a regular file is refused when `strict`, else
-    listed (as in `base_files`)."""
+    listed (as in `base_files`). A folder that cannot be read is refused when `strict` (its files
+    would be left out of the manifest unseen), else skipped."""
+    def unreadable(exc: OSError) -> None:
+        if strict:
+            raise ManifestError(f"{exc.filename} cannot be read: {exc.strerror or exc} "
+                                f"(every file under {directory} is pinned)")
+
     out = []
-    for d, subdirs, files in os.walk(directory):
+    for d, subdirs, files in os.walk(directory, onerror=unreadable):
         subdirs.sort()
         for f in sorted(files):  # the first bad file named is always the same one
             p = Path(d) / f

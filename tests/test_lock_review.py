@@ -5,6 +5,7 @@ and fails without its fix."""
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 import types
@@ -88,3 +89,24 @@ def test_verify_with_a_symlink_loop_in_base_reports_it(cli, layout):  # noqa: F8
     bad = failures(checks)
     assert set(bad) == {"lock.base.loop-a", "lock.base.loop-b"}, bad
     assert "is not pinned by the manifest" in bad["lock.base.loop-a"]
+
+
+# --------------------------------------------------------------- unreadable folder in an adapter
+def test_an_unreadable_folder_in_an_adapter_is_refused(cli, layout, monkeypatch):  # noqa: F811
+    """Found as another user with `chmod 000 loras/L3/sub`: lock exited 0 and the files under it
+    were silently left out of the manifest (os.walk drops the errors it meets)."""
+    sub = layout.adapter("L3") / "sub"
+    sub.mkdir()
+    (sub / "extra.bin").write_bytes(b"x")
+    real_scandir = os.scandir
+
+    def scandir(path="."):  # what a folder with mode 000 does to a non-root user
+        if os.fspath(path) == str(sub):
+            raise PermissionError(13, "Permission denied", str(sub))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    result = cli.lock()
+    assert result.exit_code == ExitStatus.CHECK_FAILED, result.stdout
+    assert result.stderr.strip() == f"molctl: error: {sub} cannot be read: Permission denied (every file under " \
+                                    f"{layout.adapter('L3')} is pinned)"
