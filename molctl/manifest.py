@@ -518,12 +518,31 @@ def read(path: Path) -> dict[str, Any]:
     except (OSError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deep
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
         raise ManifestError(f"manifest {path} cannot be read: {why}") from None
-    if not isinstance(data, dict) or data.get("kind") != KIND or data.get("format") != FORMAT:
-        raise ManifestError(f"{path} is not a molctl lock manifest (format {FORMAT})")
+    problem = _kind_problem(data)
+    if problem:
+        raise ManifestError(f"{path} {problem}")
     problem = _shape_problem(data)
     if problem:
         raise ManifestError(f"{path} is not a valid molctl lock manifest: {problem} (write a new one: molctl lock PROFILE)")
     return data
+
+
+_JSON_TYPES = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
+               type(None): "null"}
+
+
+def _kind_problem(data: Any) -> str | None:
+    """What makes a JSON document other than a manifest this molctl reads, in words naming the
+    field, the value found and the one expected; None for a `molctl.lock` of format 1."""
+    if not isinstance(data, dict):
+        return f"is not a molctl lock manifest: {_JSON_TYPES.get(type(data), 'a value')} in JSON, expected an object"
+    if data.get("kind") != KIND:
+        return f"is not a molctl lock manifest: field 'kind' is {data.get('kind')!r}, expected {KIND!r}"
+    if data.get("format") != FORMAT:
+        by = f" (written by molctl {data['molctl_version']})" if isinstance(data.get("molctl_version"), str) else ""
+        return (f"is a molctl lock manifest of format {data.get('format')!r}{by}; this molctl reads format {FORMAT} "
+                f"(molctl {_molctl_version()}): write a new one with molctl lock PROFILE")
+    return None
 
 
 _ENTRY = {"name": str, "size": int, "mtime_ns": int, "sha256": str}

@@ -110,3 +110,22 @@ def test_an_unreadable_folder_in_an_adapter_is_refused(cli, layout, monkeypatch)
     assert result.exit_code == ExitStatus.CHECK_FAILED, result.stdout
     assert result.stderr.strip() == f"molctl: error: {sub} cannot be read: Permission denied (every file under " \
                                     f"{layout.adapter('L3')} is pinned)"
+
+
+# ----------------------------------------------------------------- a manifest of another version
+@pytest.mark.parametrize("text, problem", [
+    ('{"kind": "molctl.lock", "format": 2, "molctl_version": "9.0"}',
+     "is a molctl lock manifest of format 2 (written by molctl 9.0); this molctl reads format 1"),
+    ('{"kind": "molctl.bench", "format": 1}', "field 'kind' is 'molctl.bench', expected 'molctl.lock'"),
+    ("[1, 2]", "is not a molctl lock manifest: an array in JSON, expected an object"),
+    ('"lock"', "is not a molctl lock manifest: a string in JSON, expected an object"),
+])
+def test_a_manifest_of_another_format_or_kind_names_what_it_is(cli, tmp_path, text, problem):
+    """Found feeding `check --verify --manifest` a manifest from a newer molctl: 'is not a molctl
+    lock manifest (format 1)' named neither the format found nor what was expected of which field."""
+    bad = tmp_path / "other.json"
+    bad.write_text(text)
+    code, checks = cli.verify("--manifest", str(bad))
+    assert code == ExitStatus.CHECK_FAILED
+    status, detail = checks["lock.manifest"]
+    assert status == "fail" and detail.startswith(str(bad)) and problem in detail, detail
