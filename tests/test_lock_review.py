@@ -4,6 +4,7 @@ and fails without its fix."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import threading
@@ -15,6 +16,7 @@ import pytest
 
 from molctl import manifest as mf
 from molctl.errors import ExitStatus
+from molctl.hashing import HashCache, hash_files
 from molctl.profiles import load_profile
 from tests.test_lock import cli, engine_python, failures, layout  # noqa: F401 - fixtures
 
@@ -129,3 +131,35 @@ def test_a_manifest_of_another_format_or_kind_names_what_it_is(cli, tmp_path, te
     assert code == ExitStatus.CHECK_FAILED
     status, detail = checks["lock.manifest"]
     assert status == "fail" and detail.startswith(str(bad)) and problem in detail, detail
+
+
+# ------------------------------------------------------------------------- a damaged hash cache
+@pytest.mark.parametrize("damage", ["nested", "fifo"])
+def test_a_hash_cache_nested_too_deep_or_no_regular_file_is_ignored(tmp_path, damage):
+    """Found with a hashes.json of 100 000 nested arrays: every `lock` ended in a RecursionError
+    traceback; a FIFO there (a typo'd `mkfifo`, a restore gone wrong) blocked `lock` forever."""
+    cache_path = tmp_path / "cache" / "hashes.json"
+    cache_path.parent.mkdir()
+    if damage == "nested":
+        cache_path.write_text("[" * 100_000 + "]" * 100_000)
+    else:
+        os.mkfifo(cache_path)
+    f = tmp_path / "f"
+    f.write_bytes(b"data")
+    result: dict = {}
+
+    def run():
+        try:
+            result["run"] = hash_files([f], HashCache(cache_path), jobs=1)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            result["error"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(10)
+    if t.is_alive():  # release the blocked reader, then fail
+        os.close(os.open(cache_path, os.O_WRONLY | os.O_NONBLOCK))
+        t.join(5)
+        pytest.fail("HashCache blocked on reading a FIFO")
+    assert "error" not in result, result
+    assert result["run"].sha256 == {str(f): hashlib.sha256(b"data").hexdigest()}
