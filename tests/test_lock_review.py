@@ -163,3 +163,39 @@ def test_a_hash_cache_nested_too_deep_or_no_regular_file_is_ignored(tmp_path, da
         pytest.fail("HashCache blocked on reading a FIFO")
     assert "error" not in result, result
     assert result["run"].sha256 == {str(f): hashlib.sha256(b"data").hexdigest()}
+
+
+# ------------------------------------------------------------------------------- bench --compare
+def _run(state: Path, profile: str, run_id: str, text: str | None = None) -> Path:
+    d = state / profile / "bench" / run_id
+    d.mkdir(parents=True)
+    (d / "summary.json").write_text(text if text is not None else json.dumps(
+        {"run_id": run_id, "run_dir": str(d), "profile": profile, "results": []}))
+    return d
+
+
+def test_compare_of_a_summary_nested_too_deep_is_one_line_exit_2(molctl, state_dir):
+    """Found with a summary.json of 100 000 nested arrays: `bench --compare` ended in a
+    RecursionError traceback, exit 1."""
+    good = _run(state_dir, "tiny", "20260101-000000")
+    bad = _run(state_dir, "tiny", "20260101-000001", '{"results": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    result = molctl("bench", "--compare", str(good), str(bad))
+    assert result.exit_code == ExitStatus.USAGE, result.stderr
+    assert result.stderr.startswith(f"molctl: error: {bad / 'summary.json'} cannot be read: ")
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_compare_of_a_run_id_held_by_two_profiles_names_both(molctl, state_dir):
+    """Found benching two profiles in the same second: `bench --compare RUN_ID ...` without
+    PROFILE silently took the first profile's run (alphabetically), maybe not the one meant."""
+    _run(state_dir, "tall", "20260101-000000")
+    _run(state_dir, "tiny", "20260101-000000")
+    _run(state_dir, "tiny", "20260101-000001")
+    result = molctl("bench", "--compare", "20260101-000000", "20260101-000001")
+    assert result.exit_code == ExitStatus.USAGE, result.stdout
+    assert result.stderr.strip() == (
+        "molctl: error: bench run '20260101-000000' is in more than one profile (tall, tiny): "
+        "give PROFILE (molctl bench PROFILE --compare ...) or the run directory")
+    result = molctl("bench", "tiny", "--compare", "20260101-000000", "20260101-000001", "--json")
+    assert result.exit_code == ExitStatus.OK, result.stderr
+    assert result.json()["a"]["profile"] == "tiny"
