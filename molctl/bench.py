@@ -655,10 +655,13 @@ def parse_concurrency(text: str) -> list[int]:
 
 
 def parse_series(text: str) -> list[str]:
-    values = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [v for v in values if v not in SERIES]
-    if not values or bad:
-        raise UsageError(f"--series {text!r}: expected a comma list of {','.join(SERIES)}")
+    """`base,L0,mix`: names of SERIES (case matters), no empty item (as `--concurrency`); the
+    error names the first bad item."""
+    values = [x.strip() for x in text.split(",")]
+    bad = next((v for v in values if v not in SERIES), None)
+    if bad is not None:
+        why = "an empty item" if bad == "" else f"unknown {bad!r}"
+        raise UsageError(f"--series {text!r}: {why}; expected a comma list of {','.join(SERIES)}")
     return [s for s in SERIES if s in values]  # base first, as the verification method asks
 
 

@@ -199,3 +199,19 @@ def test_compare_of_a_run_id_held_by_two_profiles_names_both(molctl, state_dir):
     result = molctl("bench", "tiny", "--compare", "20260101-000000", "20260101-000001", "--json")
     assert result.exit_code == ExitStatus.OK, result.stderr
     assert result.json()["a"]["profile"] == "tiny"
+
+
+# --------------------------------------------------------------------------------- bench --series
+@pytest.mark.parametrize("value, problem", [
+    ("base,L0,L5,mix", "unknown 'L5'"),
+    ("base,,L0", "an empty item"),
+    ("base,", "an empty item"),
+    ("Base", "unknown 'Base'"),
+])
+def test_a_bad_series_names_the_bad_item(molctl, value, problem):
+    """Found with `--series base,L0,L5,mix`: the error repeated the whole list without saying which
+    item was wrong, and `base,,L0` was accepted while `--concurrency 1,,2` is refused."""
+    result = molctl("bench", "tiny", "--series", value)
+    assert result.exit_code == ExitStatus.USAGE, result.stderr
+    assert result.stderr.strip() == (f"molctl: error: --series {value!r}: {problem}; expected a comma list of "
+                                      "base,L0,L1,L2,L3,mix,proxy")
