@@ -215,3 +215,19 @@ def test_a_bad_series_names_the_bad_item(molctl, value, problem):
     assert result.exit_code == ExitStatus.USAGE, result.stderr
     assert result.stderr.strip() == (f"molctl: error: --series {value!r}: {problem}; expected a comma list of "
                                       "base,L0,L1,L2,L3,mix,proxy")
+
+
+# ------------------------------------------------------------------------------- one-line errors
+def test_an_error_naming_a_path_with_a_newline_is_one_line(tmp_path, molctl, engine_python):  # noqa: F811
+    """Found locking a demo layout under `$'/tmp/nl\\nroot'` with a shard missing: the error was
+    two lines on stderr (the contract: every error is one line), and an escape sequence in a file
+    name would reach the terminal as is."""
+    from tests.layouts import tall_layout
+
+    root = tmp_path / "a\nb\x1b[2Jc"
+    lay = tall_layout(root)
+    lay.shards[0].unlink()
+    result = molctl("lock", "tall", "--model-root", str(root), "--set", f"engine.python={engine_python}")
+    assert result.exit_code == ExitStatus.CHECK_FAILED
+    shown = str(lay.shards[0]).replace("\n", "\\n").replace("\x1b", "\\x1b")
+    assert result.stderr == f"molctl: error: {shown} is missing (run `molctl check tall`)\n"
