@@ -570,6 +570,10 @@ def load_run(state_dir: Path, profile: str | None, ref: str) -> dict:
         candidates = [r / ref for r in roots if (r / ref).is_dir()]
     if not candidates:
         raise UsageError(f"no bench run {ref!r} (a run id under STATE/PROFILE/bench/ or a run directory)")
+    if len(candidates) > 1:  # two profiles benched in the same second: never pick one silently
+        raise UsageError(f"bench run {ref!r} is in more than one profile "
+                         f"({', '.join(c.parent.parent.name for c in candidates)}): give PROFILE "
+                         f"(molctl bench PROFILE --compare ...) or the run directory")
     summary = candidates[0] / "summary.json"
     try:
         if summary.exists() and not summary.is_file():  # a FIFO would block the read forever
@@ -577,7 +581,7 @@ def load_run(state_dir: Path, profile: str | None, ref: str) -> dict:
         data = json.loads(summary.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise UsageError(f"bench run {candidates[0]} has no summary.json (an interrupted or failed run)") from None
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deep
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
         raise UsageError(f"{summary} cannot be read: {why}") from None
     problem = _summary_problem(data)
@@ -651,10 +655,13 @@ def parse_concurrency(text: str) -> list[int]:
 
 
 def parse_series(text: str) -> list[str]:
-    values = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [v for v in values if v not in SERIES]
-    if not values or bad:
-        raise UsageError(f"--series {text!r}: expected a comma list of {','.join(SERIES)}")
+    """`base,L0,mix`: names of SERIES (case matters), no empty item (as `--concurrency`); the
+    error names the first bad item."""
+    values = [x.strip() for x in text.split(",")]
+    bad = next((v for v in values if v not in SERIES), None)
+    if bad is not None:
+        why = "an empty item" if bad == "" else f"unknown {bad!r}"
+        raise UsageError(f"--series {text!r}: {why}; expected a comma list of {','.join(SERIES)}")
     return [s for s in SERIES if s in values]  # base first, as the verification method asks
 
 

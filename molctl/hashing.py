@@ -153,6 +153,16 @@ def sha256_file(path: str, on_bytes: Callable[[int], None] | None = None,
     return h.hexdigest()
 
 
+def _read_regular(path: Path) -> str:
+    """The text of a regular file; anything else (a FIFO would block, a device never ends) is an OSError."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    with open(fd, "rb") as fh:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise _not_regular(str(path), os.path.realpath(path), mode)
+        return fh.read().decode("utf-8")
+
+
 class HashCache:
     """`STATE/cache/hashes.json`: {"format": 1, "files": {realpath: {size, mtime_ns, inode, sha256}}}.
     A `None` path keeps it in memory only."""
@@ -164,10 +174,10 @@ class HashCache:
         self._lock = threading.Lock()
         if path is not None:
             try:
-                data = json.loads(path.read_text())
+                data = json.loads(_read_regular(path))
                 if isinstance(data, dict) and data.get("format") == CACHE_FORMAT and isinstance(data.get("files"), dict):
                     self.files = data["files"]
-            except (OSError, ValueError):
+            except (OSError, ValueError, RecursionError):  # missing, damaged, nested too deep: start empty
                 pass
 
     @classmethod

@@ -12,10 +12,12 @@ so Ctrl-C never leaves a half-written one; by default `STATE/PROFILE/manifests/l
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import re
+import secrets
 import stat
 import subprocess
 import time
@@ -245,15 +247,21 @@ def shard_names(profile: Profile) -> list[str]:
 
 
 def _not_regular(path: Path) -> ManifestError:
-    """A dangling symlink, a FIFO, a device or a socket where the layout has files."""
+    """A dangling symlink, a symlink loop, a FIFO, a device or a socket where the layout has files."""
     from molctl.hashing import file_kind
 
     try:
         return ManifestError(f"{path} is {file_kind(os.stat(path).st_mode)}, not a regular file "
                              f"(the engine cannot load it; remove it or replace it with the file)")
-    except OSError:
-        target = os.readlink(path) if os.path.islink(path) else "?"
-        return ManifestError(f"{path} is a dangling symlink (to {target})")
+    except OSError as exc:
+        if not os.path.islink(path):
+            return ManifestError(f"{path} cannot be read: {exc.strerror or exc}")
+        target = os.readlink(path)
+        if exc.errno == errno.ELOOP:
+            return ManifestError(f"{path} is a symlink loop (to {target}), not a regular file")
+        if exc.errno == errno.ENOENT:
+            return ManifestError(f"{path} is a dangling symlink (to {target})")
+        return ManifestError(f"{path} cannot be read: {exc.strerror or exc} (a symlink to {target})")
 
 
 def base_files(profile: Profile, shards: list[str], strict: bool = True) -> list[str]:
@@ -267,9 +275,15 @@ def base_files(profile: Profile, shards: list[str], strict: bool = True) -> list
     skip = set(shards)
     out = []
     for e in entries:
-        if e.name in skip or e.name.startswith(".") or e.is_dir():
+        if e.name in skip or e.name.startswith("."):
             continue
-        if not e.is_file() and strict:
+        try:
+            is_dir, is_file = e.is_dir(), e.is_file()
+        except OSError:  # a symlink loop (ELOOP) raises here: neither
+            is_dir = is_file = False
+        if is_dir:
+            continue
+        if not is_file and strict:
             raise _not_regular(Path(e.path))
         out.append(e.name)
     return out
@@ -278,11 +292,17 @@ def base_files(profile: Profile, shards: list[str], strict: bool = True) -> list
 def adapter_files(directory: Path, strict: bool = True) -> list[str]:
     """Every file under an adapter folder, relative, sorted (hidden files included: a file the
     engine might load is a file to pin). Anything but a regular file is refused when `strict`, else
-    listed (as in `base_files`)."""
+    listed (as in `base_files`). A folder that cannot be read is refused when `strict` (its files
+    would be left out of the manifest unseen), else skipped."""
+    def unreadable(exc: OSError) -> None:
+        if strict:
+            raise ManifestError(f"{exc.filename} cannot be read: {exc.strerror or exc} "
+                                f"(every file under {directory} is pinned)")
+
     out = []
-    for d, subdirs, files in os.walk(directory):
+    for d, subdirs, files in os.walk(directory, onerror=unreadable):
         subdirs.sort()
-        for f in files:
+        for f in sorted(files):  # the first bad file named is always the same one
             p = Path(d) / f
             try:
                 regular = stat.S_ISREG(os.stat(p).st_mode)
@@ -368,6 +388,8 @@ def build(profile: Profile, state_dir: Path | None, jobs: int | None = None, pro
         raise ManifestError(f"{exc.filename} {exc.strerror}: run `molctl lock {profile.name}` again once it is "
                             f"stable (the files hashed so far are cached)") from None
     except OSError as exc:
+        if exc.filename and os.path.islink(exc.filename):  # a symlink loop, a link into a folder we cannot enter
+            raise _not_regular(Path(exc.filename)) from None
         raise ManifestError(f"cannot read {exc.filename}: {exc.strerror}") from None
     shard_entries = [file_entry(profile.base_dir / n, n, run) for n in shards]
     base_entries = [file_entry(profile.base_dir / n, n, run) for n in base]
@@ -411,33 +433,66 @@ def manifest_dir(state_dir: Path, profile: str) -> Path:
 
 def default_path(state_dir: Path, profile: str, now: float | None = None) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(now))
-    d = manifest_dir(state_dir, profile)
-    path, n = d / f"lock-{stamp}.json", 1
+    path = manifest_dir(state_dir, profile) / f"lock-{stamp}.json"
     while path.exists():
-        n += 1
-        path = d / f"lock-{stamp}-{n}.json"
+        path = _next_name(path)
     return path
 
 
-def write_atomic(path: Path, manifest: dict[str, Any]) -> Path:
-    """Temp file in the same folder, fsync, rename: the path holds the whole manifest or nothing."""
+_DEFAULT_NAME = re.compile(r"(lock-\d{8}-\d{6})(?:-(\d+))?\.json")
+
+
+def _next_name(path: Path) -> Path:
+    """lock-STAMP.json -> lock-STAMP-2.json -> lock-STAMP-3.json (any other name: NAME-2.json)."""
+    m = _DEFAULT_NAME.fullmatch(path.name)
+    stem, n = (m.group(1), int(m.group(2) or 1)) if m else (path.stem, 1)
+    return path.with_name(f"{stem}-{n + 1}.json")
+
+
+def write_atomic(path: Path, manifest: dict[str, Any], replace: bool = True) -> Path:
+    """Temp file in the same folder, fsync, rename: the path holds the whole manifest or nothing.
+    With `replace` False an existing file is never replaced: the manifest takes the next free
+    `-N` name (two `molctl lock` started in the same second chose the same default name; a hard
+    link is the atomic claim). Returns where it went."""
     path = Path(path).absolute()
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    # a name of its own (two writers never share a temp file), created like any file (umask)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
     try:
-        with open(tmp, "w", encoding="utf-8") as fh:
+        with open(fd, "w", encoding="utf-8") as fh:
             json.dump(manifest, fh, indent=2)
             fh.write("\n")
             fh.flush()
             os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
+        if replace:
+            os.replace(tmp, path)
+        else:
+            path = _link_new(tmp, path)
+    finally:
         try:
             tmp.unlink()
         except OSError:
             pass
-        raise
     return path
+
+
+def _link_new(tmp: Path, path: Path) -> Path:
+    """Hard-link `tmp` at `path` or, when taken, at the next free name; a file system without
+    hard links gets the rename, after an existence check (a race there is the only window left)."""
+    while True:
+        try:
+            os.link(tmp, path)
+            return path
+        except FileExistsError:
+            path = _next_name(path)
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+                raise
+            while path.exists():
+                path = _next_name(path)
+            os.replace(tmp, path)
+            return path
 
 
 def newest(state_dir: Path, profile: str) -> Path | None:
@@ -463,12 +518,31 @@ def read(path: Path) -> dict[str, Any]:
     except (OSError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deep
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
         raise ManifestError(f"manifest {path} cannot be read: {why}") from None
-    if not isinstance(data, dict) or data.get("kind") != KIND or data.get("format") != FORMAT:
-        raise ManifestError(f"{path} is not a molctl lock manifest (format {FORMAT})")
+    problem = _kind_problem(data)
+    if problem:
+        raise ManifestError(f"{path} {problem}")
     problem = _shape_problem(data)
     if problem:
         raise ManifestError(f"{path} is not a valid molctl lock manifest: {problem} (write a new one: molctl lock PROFILE)")
     return data
+
+
+_JSON_TYPES = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
+               type(None): "null"}
+
+
+def _kind_problem(data: Any) -> str | None:
+    """What makes a JSON document other than a manifest this molctl reads, in words naming the
+    field, the value found and the one expected; None for a `molctl.lock` of format 1."""
+    if not isinstance(data, dict):
+        return f"is not a molctl lock manifest: {_JSON_TYPES.get(type(data), 'a value')} in JSON, expected an object"
+    if data.get("kind") != KIND:
+        return f"is not a molctl lock manifest: field 'kind' is {data.get('kind')!r}, expected {KIND!r}"
+    if data.get("format") != FORMAT:
+        by = f" (written by molctl {data['molctl_version']})" if isinstance(data.get("molctl_version"), str) else ""
+        return (f"is a molctl lock manifest of format {data.get('format')!r}{by}; this molctl reads format {FORMAT} "
+                f"(molctl {_molctl_version()}): write a new one with molctl lock PROFILE")
+    return None
 
 
 _ENTRY = {"name": str, "size": int, "mtime_ns": int, "sha256": str}
@@ -518,8 +592,8 @@ def lock(profile: Profile, state_dir: Path, output: Path | None = None, jobs: in
     anything is hashed: a 700 GB run must not end on an unwritable --output."""
     path = prepare_output(output or default_path(state_dir, profile.name))
     manifest = build(profile, state_dir, jobs, progress, hasher)
-    try:
-        path = write_atomic(path, manifest)
+    try:  # a default name taken meanwhile (another lock) moves on to -N; an --output given is replaced
+        path = write_atomic(path, manifest, replace=output is not None)
     except OSError as exc:
         raise MolctlError(f"cannot write the manifest {path}: {exc.strerror or exc}") from None
     return LockResult(manifest, path)

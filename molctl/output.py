@@ -13,6 +13,15 @@ from typing import Any, TextIO
 STATUS_STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red", "skip": "dim"}
 
 
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7f) if c != 0x09} | {0x0a: "\\n", 0x0d: "\\r"}
+
+
+def one_line(message: str) -> str:
+    """An error or warning as one line whatever it quotes: a newline or another control character
+    but a tab (a path named so, a value read from a file) is escaped as Python writes it (`\\n`, `\\x1b`)."""
+    return message.translate(_CONTROL)
+
+
 class Output:
     def __init__(self, as_json: bool = False, stdout: TextIO | None = None, stderr: TextIO | None = None):
         self.as_json = as_json
@@ -45,10 +54,10 @@ class Output:
         self.stdout.flush()
 
     def error(self, message: str) -> None:
-        self.stderr.write(f"molctl: error: {message}\n")
+        self.stderr.write(f"molctl: error: {one_line(message)}\n")
 
     def warn(self, message: str) -> None:
-        self.stderr.write(f"molctl: warning: {message}\n")
+        self.stderr.write(f"molctl: warning: {one_line(message)}\n")
 
     def table(self, columns: Iterable[str], rows: Iterable[Iterable[Any]], title: str | None = None) -> None:
         from rich.table import Table
