@@ -32,8 +32,18 @@ from molctl.profiles import ROUTES, Profile
 
 FORMAT = 1
 KIND = "molctl.lock"
-SECRET_RE = re.compile(r"KEY|TOKEN|SECRET|PASSWORD", re.IGNORECASE)
+SECRET_RE = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
+# the user-info part of a URL in any value (HF_ENDPOINT=https://user:pass@mirror/, a proxy URL)
+URL_CREDENTIALS_RE = re.compile(r"(?<=://)[^/\s@]+@")
 REDACTED = "<redacted>"
+
+
+def redact_value(name: str, value: str) -> str:
+    """A variable's value as a manifest may hold it: `<redacted>` for a secret's name, and a URL's
+    `user:password@` replaced by `<redacted>@` in any other value."""
+    if SECRET_RE.search(name):
+        return REDACTED
+    return URL_CREDENTIALS_RE.sub(REDACTED + "@", value)
 # Ambient variables that change what the engine does (the profile's own engine.env is always pinned).
 ENV_PREFIXES = ("VLLM_", "SGLANG_", "CUDA_", "NCCL_", "HF_", "HUGGING_FACE_", "TRANSFORMERS_", "TORCH", "PYTORCH_",
                 "TRITON_", "FLASHINFER_", "TOKENIZERS_", "OMP_", "MKL_", "NVIDIA_")
@@ -167,14 +177,14 @@ def engine_section(profile: Profile, state_dir: Path | None) -> dict[str, Any]:
 def pinned_env(profile: Profile, environ: dict[str, str] | None = None) -> dict[str, str]:
     """The engine environment as `up` builds it (molctl.start.engine_env), restricted to what can
     change the engine's behaviour: the profile's `engine.env` plus ambient engine, CUDA, NCCL,
-    Hugging Face, torch and library-path variables; secrets (KEY|TOKEN|SECRET|PASSWORD) redacted."""
+    Hugging Face, torch and library-path variables; secrets redacted (`redact_value`)."""
     base = dict(os.environ if environ is None else environ)
     env = {k: v for k, v in base.items() if k not in profile.engine.unset_env}
     env.update(profile.engine.env)
     env.pop("MOLCTL_API_KEY", None)
     keep = {k: v for k, v in env.items()
             if k in profile.engine.env or k in ENV_NAMES or k.startswith(ENV_PREFIXES)}
-    return {k: (REDACTED if SECRET_RE.search(k) else v) for k, v in sorted(keep.items())}
+    return {k: redact_value(k, v) for k, v in sorted(keep.items())}
 
 
 def launch_argv(profile: Profile) -> list[str]:

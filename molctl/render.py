@@ -31,7 +31,7 @@ import yaml
 
 from molctl import __version__, stackconfig
 from molctl.errors import MolctlError, ProfileError, UsageError
-from molctl.manifest import SECRET_RE  # the names `molctl lock` redacts are the names render refuses
+from molctl.manifest import SECRET_RE, URL_CREDENTIALS_RE  # what `molctl lock` redacts is what render refuses
 from molctl.profiles import Profile
 from molctl.readiness import proxy_url
 from molctl.start import PROXY_READY_TIMEOUT_S, UpOptions, engine_argv, engine_env, engine_upstream, proxy_argv
@@ -118,8 +118,14 @@ def load_stack(name: str, dirs: list[Path], overrides: list[tuple[str, Any]], op
     secret = next((k for k in profile.engine.env if SECRET_RE.search(k)), None)
     if secret is not None:
         raise ProfileError(f"{config['source']}: field 'engine.env.{secret}': its name says it is a secret (KEY, TOKEN, "
-                           "SECRET or PASSWORD), and render never writes secrets into manifests or units: remove it from the "
-                           "profile and give it to the engine from a Secret (render k8s --engine-env-secret) or the engine "
+                           "SECRET, PASSWORD, PASSWD or CREDENTIAL), and render never writes secrets into manifests or "
+                           "units: remove it from the profile and give it to the engine from a Secret (render k8s "
+                           "--engine-env-secret) or the engine unit's EnvironmentFile")
+    in_url = next((k for k, v in profile.engine.env.items() if URL_CREDENTIALS_RE.search(str(v))), None)
+    if in_url is not None:
+        raise ProfileError(f"{config['source']}: field 'engine.env.{in_url}': its value is a URL with a user name or "
+                           "password (scheme://user:pass@host), and render never writes secrets into manifests or units: "
+                           "give the variable to the engine from a Secret (render k8s --engine-env-secret) or the engine "
                            "unit's EnvironmentFile")
     up_opts = UpOptions(overrides=overrides, drain_timeout_s=opts.drain_timeout_s, profiles_dirs=proxy_profiles_dirs)
     proxy = proxy_argv(profile, up_opts, key_args, engine_upstream(profile), python=python, state_dir=state_dir)

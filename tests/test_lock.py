@@ -701,3 +701,20 @@ def test_a_manifest_that_is_no_regular_file_is_refused_without_reading_it(cli, t
         code, checks = cli.verify("--manifest", str(path))
         assert code == ExitStatus.CHECK_FAILED
         assert checks["lock.manifest"] == ("fail", f"manifest {path} is {kind}, not a regular file")
+
+
+def test_credentials_in_a_url_value_and_other_secret_names_are_redacted(cli):
+    """Found by the lock review: only names matching KEY|TOKEN|SECRET|PASSWORD were redacted, so a
+    mirror URL with credentials (HF_ENDPOINT=https://user:pass@host/) or a *_PASSWD /
+    *_CREDENTIALS variable was pinned in clear in the manifest (a file operators copy around)."""
+    env = {"HF_ENDPOINT": "https://bob:hunter2@mirror.internal/hf", "NCCL_SOCKET_IFNAME": "eth0",
+           "VLLM_DB_PASSWD": "pw-in-clear", "HF_CREDENTIALS": "cred-in-clear"}
+    result = cli.lock(env=env)
+    assert result.exit_code == ExitStatus.OK, result.stderr
+    text = Path(result.json()["manifest"]).read_text()
+    for secret in ("hunter2", "bob:", "pw-in-clear", "cred-in-clear"):
+        assert secret not in text
+    m = json.loads(text)
+    assert m["env"]["HF_ENDPOINT"] == "https://<redacted>@mirror.internal/hf"
+    assert m["env"]["VLLM_DB_PASSWD"] == m["env"]["HF_CREDENTIALS"] == "<redacted>"
+    assert m["env"]["NCCL_SOCKET_IFNAME"] == "eth0"

@@ -444,3 +444,15 @@ def test_systemd_refuses_a_value_with_a_line_break(render, tmp_path, option):
     assert result.exit_code == ExitStatus.USAGE
     assert "line break" in result.stderr and result.stderr.count("\n") == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_a_url_with_credentials_in_engine_env_is_refused(render):
+    """What `lock` redacts, render refuses: a value holding `user:password@` would be written into
+    the unit or the Deployment in clear."""
+    for kind in (("k8s", "--image", IMAGE), ("systemd", "--allow-unauthenticated")):
+        result = render("render", kind[0], "tall", *kind[1:], "--set", "engine.env.HF_ENDPOINT=https://u:s3cr3t@mirror/hf")
+        assert result.exit_code == ExitStatus.CHECK_FAILED and result.stdout == ""
+        assert "field 'engine.env.HF_ENDPOINT': its value is a URL with a user name or password" in result.stderr
+        assert "s3cr3t" not in result.stderr
+        ok = render("render", kind[0], "tall", *kind[1:], "--set", "engine.env.HF_ENDPOINT=https://mirror/hf")
+        assert ok.exit_code == ExitStatus.OK, ok.stderr
