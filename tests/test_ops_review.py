@@ -1,0 +1,106 @@
+"""An SRE's and an attacker's review of the proxy in production (admission, metrics, request log,
+keys, drain, the HTTP layer), from experiments against a real `molctl proxy` in front of the fake
+engine with raw sockets and the openai SDK. Each test names how its defect was found."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import uvicorn
+
+from molctl.proxy.http_protocol import HeadHoldingHttpToolsProtocol
+from tests.helpers import free_port
+
+
+class _Server:
+    """uvicorn with the proxy's protocol and a small ASGI app, in a thread (as tests/test_http_protocol.py)."""
+
+    def __init__(self, app, timeout_keep_alive: float) -> None:
+        self.port = free_port()
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, http=HeadHoldingHttpToolsProtocol, lifespan="off",
+                                log_level="warning", loop="asyncio", timeout_keep_alive=timeout_keep_alive)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> _Server:
+        self.thread.start()
+        for _ in range(200):
+            if self.server.started:
+                return self
+            time.sleep(0.02)
+        raise TimeoutError("uvicorn did not start")
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def _closed_by_peer(sock: socket.socket, within: float) -> bool:
+    """True when the server closes `sock` (EOF or reset) within `within` seconds."""
+    sock.settimeout(within)
+    try:
+        while sock.recv(65536):
+            pass
+        return True
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_a_connection_that_never_completes_its_request_head_is_closed():
+    """Found holding 100 connections to a real proxy's public port, half sending nothing and half a
+    request head cut before its blank line (slowloris): after 20 s all 100 were still open (and
+    the proxy's 100 file descriptors with them). uvicorn arms its keep-alive timeout only after a
+    response, so a connection that never completes a request head was held for ever, before any
+    key is checked: anyone who can reach the port could use up the proxy's descriptors. Now a
+    request head must be complete within the keep-alive timeout (15 s in the proxy) of the
+    connection opening or of its first byte; a response in progress is never cut by it."""
+    release = threading.Event()
+
+    async def app(scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        if scope["path"] == "/slow":  # a long answer (a stream): longer than the head deadline
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+            await asyncio.to_thread(release.wait, 10)
+            await send({"type": "http.response.body", "body": b"ok"})
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    with _Server(app, timeout_keep_alive=1.0) as server:
+        addr = ("127.0.0.1", server.port)
+        silent = socket.create_connection(addr)
+        partial = socket.create_connection(addr)
+        partial.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n")
+        second = socket.create_connection(addr)  # one whole request, then half of the next one's head
+        second.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert second.recv(65536).startswith(b"HTTP/1.1 200")
+        second.sendall(b"GET / HTTP/1.1\r\nHo")
+        slow = socket.create_connection(addr)  # a response in progress for longer than the deadline
+        slow.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+        try:
+            assert _closed_by_peer(silent, 4), "a connection that sent nothing was kept"
+            assert _closed_by_peer(partial, 4), "a connection with half a request head was kept"
+            assert _closed_by_peer(second, 4), "half a head after a kept-alive request was kept"
+            time.sleep(0.5)
+            release.set()
+            slow.settimeout(5)
+            data = b""
+            while not data.endswith(b"0\r\n\r\n"):
+                chunk = slow.recv(65536)
+                assert chunk, f"the running response was cut: {data!r}"
+                data += chunk
+            assert data.startswith(b"HTTP/1.1 200") and b"ok" in data
+            # a request whose head arrives in time is served as before, on a new connection too
+            with socket.create_connection(addr, timeout=5) as ok:
+                ok.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert ok.recv(65536).startswith(b"HTTP/1.1 200")
+        finally:
+            release.set()
+            for s in (silent, partial, second, slow):
+                s.close()
