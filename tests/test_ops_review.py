@@ -5,14 +5,56 @@ engine with raw sockets and the openai SDK. Each test names how its defect was f
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import socket
 import threading
 import time
 
+import httpx
+import pytest
 import uvicorn
 
 from molctl.proxy.http_protocol import HeadHoldingHttpToolsProtocol
 from tests.helpers import free_port
+from tests.procs import fake_engine_argv, proxy_argv, running
+
+KEY = "sk-ops-review"
+
+
+class Stack:
+    """A real `molctl proxy` (key file, metrics listener) in front of the fake engine."""
+
+    def __init__(self, engine_url: str, proxy_url: str, metrics_url: str, log):
+        self.engine_url, self.proxy_url, self.metrics_url, self.log = engine_url, proxy_url, metrics_url, log
+
+    def counter(self, name: str, **labels: str) -> float:
+        total = 0.0
+        for line in httpx.get(self.metrics_url).text.splitlines():
+            m = re.fullmatch(r"([a-zA-Z_:][\w:]*)(?:\{(.*)\})? (\S+)", line)
+            if m and m.group(1) == name:
+                got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+                if all(got.get(k) == v for k, v in labels.items()):
+                    total += float(m.group(3))
+        return total
+
+    def request_lines(self) -> list[dict]:
+        return [json.loads(line) for line in self.log.read_text().splitlines() if line.startswith("{")]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ops")
+    keyfile = tmp / "keys"
+    keyfile.write_text(KEY + "\n")
+    keyfile.chmod(0o600)
+    engine_port, proxy_port, metrics_port = free_port(), free_port(), free_port()
+    engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
+    log = tmp / "proxy.log"
+    with running(fake_engine_argv(engine_port), engine_url + "/health"), \
+            running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(keyfile), "--store", "memory",
+                               "--metrics-port", str(metrics_port)), proxy_url + "/health", log=log):
+        yield Stack(engine_url, proxy_url, f"http://127.0.0.1:{metrics_port}/metrics", log)
 
 
 class _Server:
@@ -104,3 +146,27 @@ def test_a_connection_that_never_completes_its_request_head_is_closed():
             release.set()
             for s in (silent, partial, second, slow):
                 s.close()
+
+
+def test_key_guesses_on_the_probe_paths_are_logged_and_counted_and_head_is_a_probe(stack):
+    """Found sending POST, HEAD and DELETE to /health and /readyz with made-up keys: each was
+    answered 401, and none had a request log line or a requests_total count (the probe
+    exemption went by path alone), so key guessing there was invisible to the operator, and a
+    valid key there got a 404 (the 401/404 difference: a key oracle) unseen too. And HEAD /health,
+    the probe of some load balancers, was a 401. Now only GET and HEAD of /health and /readyz
+    are probes (not counted, not logged; HEAD answers as GET without a body); any other method
+    there is a request like any other: 401 without a key, logged and counted."""
+    before = stack.counter("molctl_proxy_requests_total", api="other", status="401")
+    lines_before = len(stack.request_lines())
+    for method in ("POST", "DELETE"):
+        for path in ("/health", "/readyz"):
+            r = httpx.request(method, stack.proxy_url + path, headers={"Authorization": "Bearer guess"})
+            assert r.status_code == 401, (method, path, r.status_code)
+    assert httpx.head(stack.proxy_url + "/health").status_code == 200
+    r = httpx.head(stack.proxy_url + "/readyz")
+    assert r.status_code in (200, 503) and r.content == b""
+    assert httpx.get(stack.proxy_url + "/health").status_code == 200
+    time.sleep(0.2)
+    assert stack.counter("molctl_proxy_requests_total", api="other", status="401") == before + 4
+    new = stack.request_lines()[lines_before:]
+    assert [(line["status"], line["error"], line["tenant"]) for line in new] == [(401, "invalid_api_key", None)] * 4, new
