@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import time
 from pathlib import Path
 
@@ -15,8 +16,19 @@ from molctl.errors import UsageError
 MAX_KEY_FILE_BYTES = 64 << 20
 
 
-def _read_bounded(path) -> bytes:
-    with open(path, "rb") as fh:
+def _read_bounded(path, regular_only: bool = False) -> bytes:
+    """At most MAX_KEY_FILE_BYTES of `path` (more is an OSError). `regular_only` (a reload): the
+    file is opened without blocking and the opened file itself must be regular, so a FIFO put in
+    its place after any check by name cannot block the read for ever."""
+    if regular_only:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise OSError(errno.EINVAL, "is not a regular file")
+        fh = os.fdopen(fd, "rb")
+    else:
+        fh = open(path, "rb")
+    with fh:
         data = fh.read(MAX_KEY_FILE_BYTES + 1)
     if len(data) > MAX_KEY_FILE_BYTES:
         raise OSError(errno.EFBIG, f"larger than {MAX_KEY_FILE_BYTES} bytes (expected one key per line)")
@@ -41,13 +53,14 @@ def load_keys_settled(path, pause_s: float = 0.05, limit_s: float = 2.0) -> list
     (`cat > keys`, a script writing line by line): the file is read until two reads `pause_s` apart
     agree, so a half-written file is not taken for the new key set (a key cut in two would lock its
     tenant out). A file still changing after `limit_s` is an OSError (EBUSY): the old keys stay.
+    Each read checks the opened file is regular (an OSError otherwise, never a blocked read).
     Blocks for at least `pause_s`: call it from a worker thread. Writing the new file beside the old
     one and renaming it over it (what editors and config management do) never needs this."""
     deadline = time.monotonic() + limit_s
-    data = _read_bounded(path)
+    data = _read_bounded(path, regular_only=True)
     while True:
         time.sleep(pause_s)
-        again = _read_bounded(path)
+        again = _read_bounded(path, regular_only=True)
         if again == data:
             return _parse_keys(data)
         if time.monotonic() > deadline:

@@ -1,6 +1,6 @@
 """The proxy's raw ASGI application (no framework on the hot path: BENCHMARKS.md has the numbers).
 
-Endpoints: GET /health (liveness, no auth), GET /readyz (no auth; 503 unless the engine answers
+Endpoints: GET|HEAD /health (liveness, no auth), GET|HEAD /readyz (no auth; 503 unless the engine answers
 and lists L0-L3 under the expected parent and the proxy is not draining; probe cached ~1 s),
 GET /v1/models, GET /v1/models/{id} (the public model; 404 for any other id),
 POST /v1/chat/completions, POST /v1/responses, GET|DELETE /v1/responses/{id},
@@ -59,7 +59,8 @@ log = logging.getLogger("molctl.proxy")
 request_log = logging.getLogger("molctl.proxy.requests")  # one JSON line per request (see request_line)
 REQUEST: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("molctl_proxy_request")
 REQUEST_ID_RE = re.compile(rb"[A-Za-z0-9._:/+=-]{1,128}")  # an incoming X-Request-Id we pass on as it is
-UNCOUNTED = ("/health", "/readyz")  # probes: neither counted nor logged per request
+UNCOUNTED = ("/health", "/readyz")  # probes (GET or HEAD): neither counted nor logged per request
+PROBE_METHODS = ("GET", "HEAD")  # another method on a probe path is a request like any other (401 without a key)
 
 Send = Callable[[dict], Awaitable[None]]
 Receive = Callable[[], Awaitable[dict]]
@@ -199,7 +200,7 @@ class ProxyApp:
             if not state["started"]:
                 await self._error(tracked, internal_error(rid), rid)
         finally:
-            if (scope["path"].rstrip("/") or "/") not in UNCOUNTED:  # as _route reads the path
+            if scope["method"] not in PROBE_METHODS or (scope["path"].rstrip("/") or "/") not in UNCOUNTED:  # as _route
                 self._count(scope, state, rid)
 
     def _count(self, scope: dict, state: dict[str, Any], rid: str) -> None:
@@ -216,10 +217,10 @@ class ProxyApp:
     async def _route(self, scope: dict, receive: Receive, send: Send, rid: str) -> None:
         path = scope["path"].rstrip("/") or "/"
         method = scope["method"]
-        if path == "/health" and method == "GET":
+        if path == "/health" and method in PROBE_METHODS:  # uvicorn sends no body to a HEAD
             await self._json(send, 200, {"status": "draining" if self.draining else "ok"})
             return
-        if path == "/readyz" and method == "GET":
+        if path == "/readyz" and method in PROBE_METHODS:
             ok, why = await self.ready()
             await self._json(send, 200 if ok else 503, {"status": "ready" if ok else "not_ready", "detail": why})
             return

@@ -11,7 +11,13 @@ largest single cost between the engine's answer and the client holding it (BENCH
 write, which it joins, or until the end of the current pass of the event loop (`call_soon`), so
 a head whose body comes later (a stream waiting for its first token) is never held longer than
 that pass. Order is kept; every other write goes straight through; `close()` sends what is held
-first. Everything else is uvicorn's own protocol, unchanged."""
+first.
+
+And one addition: a request head must be complete within `timeout_keep_alive` (15 s in the
+proxy) of the connection opening, or of the first byte of a later request on a kept-alive
+connection; else the connection is closed. uvicorn arms its keep-alive timeout only after a
+response, so a connection that sent nothing, or half a head (slowloris), was held for ever,
+before any key is checked. Everything else is uvicorn's own protocol, unchanged."""
 
 from __future__ import annotations
 
@@ -62,7 +68,44 @@ class HeadHoldingTransport:
 
 
 class HeadHoldingHttpToolsProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol on a HeadHoldingTransport (`uvicorn.Config(http=...)`)."""
+    """uvicorn's httptools protocol on a HeadHoldingTransport (`uvicorn.Config(http=...)`), with
+    the request head deadline (see the module docstring). A head that arrives whole in one read
+    (the usual case) arms no timer; a new connection arms one until its first head is complete."""
+
+    _in_head = True  # a request head is awaited or partly read
+    _head_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(HeadHoldingTransport(transport, asyncio.get_running_loop()))  # type: ignore[arg-type]
+        self._head_timer = self.loop.call_later(self.timeout_keep_alive, self._head_timeout)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._in_head and self._head_timer is None and self.parser is not None:
+            self._head_timer = self.loop.call_later(self.timeout_keep_alive, self._head_timeout)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._in_head = True
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        super().on_headers_complete()
+
+    def _head_timeout(self) -> None:
+        self._head_timer = None
+        if not self._in_head or self.transport.is_closing():
+            return
+        if self.cycle is not None and not self.cycle.response_complete:  # a response runs: never cut it
+            self._head_timer = self.loop.call_later(self.timeout_keep_alive, self._head_timeout)
+            return
+        self.transport.close()

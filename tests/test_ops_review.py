@@ -1,0 +1,209 @@
+"""An SRE's and an attacker's review of the proxy in production (admission, metrics, request log,
+keys, drain, the HTTP layer), from experiments against a real `molctl proxy` in front of the fake
+engine with raw sockets and the openai SDK. Each test names how its defect was found."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from molctl.proxy.http_protocol import HeadHoldingHttpToolsProtocol
+from tests.helpers import free_port
+from tests.procs import fake_engine_argv, proxy_argv, running
+
+KEY = "sk-ops-review"
+
+
+class Stack:
+    """A real `molctl proxy` (key file, metrics listener) in front of the fake engine."""
+
+    def __init__(self, engine_url: str, proxy_url: str, metrics_url: str, log):
+        self.engine_url, self.proxy_url, self.metrics_url, self.log = engine_url, proxy_url, metrics_url, log
+
+    def counter(self, name: str, **labels: str) -> float:
+        total = 0.0
+        for line in httpx.get(self.metrics_url).text.splitlines():
+            m = re.fullmatch(r"([a-zA-Z_:][\w:]*)(?:\{(.*)\})? (\S+)", line)
+            if m and m.group(1) == name:
+                got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+                if all(got.get(k) == v for k, v in labels.items()):
+                    total += float(m.group(3))
+        return total
+
+    def request_lines(self) -> list[dict]:
+        return [json.loads(line) for line in self.log.read_text().splitlines() if line.startswith("{")]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ops")
+    keyfile = tmp / "keys"
+    keyfile.write_text(KEY + "\n")
+    keyfile.chmod(0o600)
+    engine_port, proxy_port, metrics_port = free_port(), free_port(), free_port()
+    engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
+    log = tmp / "proxy.log"
+    with running(fake_engine_argv(engine_port), engine_url + "/health"), \
+            running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(keyfile), "--store", "memory",
+                               "--metrics-port", str(metrics_port)), proxy_url + "/health", log=log):
+        yield Stack(engine_url, proxy_url, f"http://127.0.0.1:{metrics_port}/metrics", log)
+
+
+class _Server:
+    """uvicorn with the proxy's protocol and a small ASGI app, in a thread (as tests/test_http_protocol.py)."""
+
+    def __init__(self, app, timeout_keep_alive: float) -> None:
+        self.port = free_port()
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, http=HeadHoldingHttpToolsProtocol, lifespan="off",
+                                log_level="warning", loop="asyncio", timeout_keep_alive=timeout_keep_alive)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> _Server:
+        self.thread.start()
+        for _ in range(200):
+            if self.server.started:
+                return self
+            time.sleep(0.02)
+        raise TimeoutError("uvicorn did not start")
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def _closed_by_peer(sock: socket.socket, within: float) -> bool:
+    """True when the server closes `sock` (EOF or reset) within `within` seconds."""
+    sock.settimeout(within)
+    try:
+        while sock.recv(65536):
+            pass
+        return True
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_a_connection_that_never_completes_its_request_head_is_closed():
+    """Found holding 100 connections to a real proxy's public port, half sending nothing and half a
+    request head cut before its blank line (slowloris): after 20 s all 100 were still open (and
+    the proxy's 100 file descriptors with them). uvicorn arms its keep-alive timeout only after a
+    response, so a connection that never completes a request head was held for ever, before any
+    key is checked: anyone who can reach the port could use up the proxy's descriptors. Now a
+    request head must be complete within the keep-alive timeout (15 s in the proxy) of the
+    connection opening or of its first byte; a response in progress is never cut by it."""
+    release = threading.Event()
+
+    async def app(scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        if scope["path"] == "/slow":  # a long answer (a stream): longer than the head deadline
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+            await asyncio.to_thread(release.wait, 10)
+            await send({"type": "http.response.body", "body": b"ok"})
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    with _Server(app, timeout_keep_alive=1.0) as server:
+        addr = ("127.0.0.1", server.port)
+        silent = socket.create_connection(addr)
+        partial = socket.create_connection(addr)
+        partial.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n")
+        second = socket.create_connection(addr)  # one whole request, then half of the next one's head
+        second.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert second.recv(65536).startswith(b"HTTP/1.1 200")
+        second.sendall(b"GET / HTTP/1.1\r\nHo")
+        slow = socket.create_connection(addr)  # a response in progress for longer than the deadline
+        slow.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+        try:
+            assert _closed_by_peer(silent, 4), "a connection that sent nothing was kept"
+            assert _closed_by_peer(partial, 4), "a connection with half a request head was kept"
+            assert _closed_by_peer(second, 4), "half a head after a kept-alive request was kept"
+            time.sleep(0.5)
+            release.set()
+            slow.settimeout(5)
+            data = b""
+            while not data.endswith(b"0\r\n\r\n"):
+                chunk = slow.recv(65536)
+                assert chunk, f"the running response was cut: {data!r}"
+                data += chunk
+            assert data.startswith(b"HTTP/1.1 200") and b"ok" in data
+            # a request whose head arrives in time is served as before, on a new connection too
+            with socket.create_connection(addr, timeout=5) as ok:
+                ok.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert ok.recv(65536).startswith(b"HTTP/1.1 200")
+        finally:
+            release.set()
+            for s in (silent, partial, second, slow):
+                s.close()
+
+
+def test_key_guesses_on_the_probe_paths_are_logged_and_counted_and_head_is_a_probe(stack):
+    """Found sending POST, HEAD and DELETE to /health and /readyz with made-up keys: each was
+    answered 401, and none had a request log line or a requests_total count (the probe
+    exemption went by path alone), so key guessing there was invisible to the operator, and a
+    valid key there got a 404 (the 401/404 difference: a key oracle) unseen too. And HEAD /health,
+    the probe of some load balancers, was a 401. Now only GET and HEAD of /health and /readyz
+    are probes (not counted, not logged; HEAD answers as GET without a body); any other method
+    there is a request like any other: 401 without a key, logged and counted."""
+    before = stack.counter("molctl_proxy_requests_total", api="other", status="401")
+    lines_before = len(stack.request_lines())
+    for method in ("POST", "DELETE"):
+        for path in ("/health", "/readyz"):
+            r = httpx.request(method, stack.proxy_url + path, headers={"Authorization": "Bearer guess"})
+            assert r.status_code == 401, (method, path, r.status_code)
+    assert httpx.head(stack.proxy_url + "/health").status_code == 200
+    r = httpx.head(stack.proxy_url + "/readyz")
+    assert r.status_code in (200, 503) and r.content == b""
+    assert httpx.get(stack.proxy_url + "/health").status_code == 200
+    time.sleep(0.2)
+    assert stack.counter("molctl_proxy_requests_total", api="other", status="401") == before + 4
+    new = stack.request_lines()[lines_before:]
+    assert [(line["status"], line["error"], line["tenant"]) for line in new] == [(401, "invalid_api_key", None)] * 4, new
+
+
+def test_a_key_file_swapped_for_a_fifo_during_a_reload_does_not_block_it(tmp_path):
+    """Found reviewing the SIGHUP path against a key file swapped while it is read: the proxy
+    checked that the file is regular (a FIFO would block the read) with a stat, then opened it by
+    name for each of the reads that must agree. A FIFO renamed over it between the stat and an
+    open blocked the worker thread for ever: every later SIGHUP was folded into that reload (no key
+    change took effect again) and the process could not exit (its executor thread never ended).
+    Now each read opens the file without blocking and checks the opened file itself."""
+    import os
+
+    from molctl.keys import load_keys_settled
+
+    key_file = tmp_path / "keys"
+    key_file.write_text(KEY + "\n")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo, 0o600)
+    outcome: list = []
+
+    def reload() -> None:
+        try:
+            outcome.append(load_keys_settled(key_file, pause_s=0.3))
+        except OSError as exc:
+            outcome.append(exc)
+
+    worker = threading.Thread(target=reload, daemon=True)
+    worker.start()
+    time.sleep(0.1)  # the first read is done; the second comes after pause_s
+    os.replace(fifo, key_file)
+    worker.join(5)
+    if worker.is_alive():  # unblock the stuck reader so the test process can end
+        with open(key_file, "wb"):
+            pass
+        worker.join(5)
+        pytest.fail("the reload blocked on a FIFO swapped in during its reads")
+    (exc,) = outcome
+    assert isinstance(exc, OSError) and "not a regular file" in str(exc), exc
