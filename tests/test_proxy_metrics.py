@@ -301,3 +301,16 @@ def test_probes_with_a_trailing_slash_are_neither_counted_nor_logged(s):
     assert wait_for(lambda: any(e["request_id"] == "after-probes" for e in s.request_lines()))
     assert not [e for e in s.request_lines() if e["request_id"] == "probe-slash"]
     assert s.value("molctl_proxy_requests_total", api="other") == other
+
+
+def test_the_proxy_process_series_are_exported(s):
+    """Found by the operations review: no process_* series, so a descriptor leak or memory growth of
+    a proxy running for weeks could not be alerted on. They describe the proxy process itself."""
+    import psutil
+
+    proc = psutil.Process(s.proxy_pid)
+    assert s.value("process_open_fds") == pytest.approx(proc.num_fds(), abs=4)
+    assert s.value("process_max_fds") > 0
+    assert s.value("process_resident_memory_bytes") == pytest.approx(proc.memory_info().rss, rel=0.2)
+    assert s.value("process_start_time_seconds") == pytest.approx(proc.create_time(), abs=2)
+    assert s.value("process_cpu_seconds_total") > 0

@@ -19,7 +19,7 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
@@ -85,6 +85,10 @@ class ProxyMetrics(Counters):
         }
         self._children: dict[tuple, Any] = {}
         self.registry.register(_Collector(self))
+        # the standard process_* series (CPU seconds, resident memory, open and max file
+        # descriptors, start time), read from /proc at scrape time: what an operator alerts on
+        # for a long-running proxy (a descriptor leak, memory growth); absent where /proc is not
+        ProcessCollector(registry=self.registry)
 
     def observe(self, name: str, seconds: float, **labels: str) -> None:
         # the labelled child cached per label set: prometheus_client's labels() validates and locks on every call
