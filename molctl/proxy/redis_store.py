@@ -221,7 +221,8 @@ class RedisTarget:
 
     @property
     def address(self) -> str:
-        return f"{'rediss' if self.tls else 'redis'}://{self.host}:{self.port}/{self.db}"
+        host = f"[{self.host}]" if ":" in self.host else self.host  # an IPv6 literal, as in a URL
+        return f"{'rediss' if self.tls else 'redis'}://{host}:{self.port}/{self.db}"
 
 
 def is_redis_spec(spec: str) -> bool:
@@ -229,10 +230,17 @@ def is_redis_spec(spec: str) -> bool:
 
 
 def parse_redis_url(spec: str) -> RedisTarget:
-    """ValueError (one line, what was expected) for anything but redis[s]://[user@]host[:port][/db]."""
-    parts = urlsplit(spec)
+    """ValueError (one line, what was expected) for anything but redis[s]://[user@]host[:port][/db]
+    (port 1-65535, db an ASCII number; an explicit port 0 is refused, not read as the default)."""
+    expected = "expected redis://host:port/db or rediss://host:port/db"
+    try:
+        parts = urlsplit(spec)
+        parts.hostname  # noqa: B018 - raises ValueError for a malformed IPv6 literal ("[::1")
+    except ValueError as exc:
+        shown = spec.split("://", 1)[0]  # never the rest: it may hold a user part (a mistyped password)
+        raise ValueError(f"{shown}://...: {exc} ({expected})") from None
     if parts.scheme not in ("redis", "rediss"):
-        raise ValueError(f"{spec!r}: expected redis://host:port/db or rediss://host:port/db")
+        raise ValueError(f"{spec!r}: {expected}")
     if parts.password is not None:
         raise ValueError("the URL holds a password: put it in proxy.store_password_file or the environment "
                          f"variable {PASSWORD_ENV}, never in the URL")
@@ -240,11 +248,13 @@ def parse_redis_url(spec: str) -> RedisTarget:
         raise ValueError(f"{parts.scheme}://...: no host (expected {parts.scheme}://host:port/db)")
     host_port = parts.netloc.rpartition("@")[2]  # never the user part in a message: it may be a mistyped password
     try:
-        port = parts.port or 6379
+        port = 6379 if parts.port is None else parts.port
     except ValueError:
-        raise ValueError(f"{parts.scheme}://{host_port}: the port is not a number from 1 to 65535") from None
+        port = 0
+    if not 1 <= port <= 65535:
+        raise ValueError(f"{parts.scheme}://{host_port}: the port is not a number from 1 to 65535")
     path = parts.path.strip("/")
-    if path and not path.isdigit():
+    if path and not (path.isascii() and path.isdigit()):
         raise ValueError(f"{parts.scheme}://{parts.hostname}:{port}/{path}: the database must be a number (e.g. /0)")
     if parts.query or parts.fragment:
         raise ValueError(f"{parts.scheme}://{parts.hostname}:{port}/{path}: no query or fragment expected")
