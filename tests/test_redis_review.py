@@ -4,14 +4,22 @@ engine, a real redis-server, the openai SDK) and pins its fix."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import subprocess
 import sys
+import time
 
+import openai
 import pytest
 
 from molctl.errors import ExitStatus
-from molctl.proxy.redis_store import parse_redis_url
-from tests.helpers import ROOT
+from molctl.proxy.conversations import TurnRecord
+from molctl.proxy.redis_store import RedisConversationStore, RedisResponseStore, RedisState, parse_redis_url
+from tests.helpers import ROOT, free_port
+from tests.procs import fake_engine_argv, proxy_argv, running
+from tests.redis_server import redis_server
+from tests.test_proxy import KEY, PUBLIC, keyfile  # noqa: F401 - fixture
 
 # ------------------------------------------------------------------------------ proxy.store URLs
 
@@ -34,3 +42,88 @@ def test_a_malformed_store_url_is_refused_naming_what_was_expected(url, why):
 
 def test_an_ipv6_store_address_is_shown_in_brackets():
     assert parse_redis_url("redis://[::1]:6380/2").address == "redis://[::1]:6380/2"  # was redis://::1:6380/2
+
+
+# ------------------------------------------------------------------------------ unreadable stored values
+
+
+@pytest.fixture(scope="module")
+def redis():
+    with redis_server() as server:
+        yield server
+
+
+@pytest.fixture
+def r(redis):
+    client = redis.client()
+    client.flushall()
+    yield client
+    client.close()
+
+
+def state(redis, **kw) -> RedisState:
+    return RedisState(parse_redis_url(redis.url), None, "tiny", replica_id=kw.pop("replica_id", "a"),
+                      advertise_upstream="http://engine-a", **kw)
+
+
+GARBAGE = [b"not json", b"[1, 2]", b'{"state": "summary"}', b'{"route": "L1", "state": "weird"}', b"\xff\xfe"]
+
+
+@pytest.mark.parametrize("garbage", GARBAGE)
+def test_an_unreadable_stored_value_is_ignored_not_a_crash(redis, r, garbage, caplog):
+    """Found by writing a non-JSON heartbeat and a turn without its route into the store of two
+    running replicas (a value of another molctl version, a hand edit): every request of the
+    conversation was a 500 (JSONDecodeError / KeyError in engine_for and load). Now such a value
+    is unknown (a turn folded verbatim, no binding, no fresh peer: takeover, a 404 for a
+    response), counted in store_errors_total and logged at most once a minute."""
+    async def main():
+        st = state(redis)
+        conv, resp = RedisConversationStore(st), RedisResponseStore(st)
+        turn, call = b"k" * 32, ("t1", "call_1")
+        r.set(conv._tkey(turn), garbage, ex=60)
+        r.set(conv._ckey(*call), garbage, ex=60)
+        r.set(st._replica_key("z"), garbage, px=60_000)
+        r.set(resp._key("t1", "resp_1"), garbage, ex=60)
+        assert await conv.load([turn], [call]) is False
+        assert conv.get_turn(turn) is None and conv.get_call(*call) is None
+        assert await conv.choose_engine("z") is None  # no usable heartbeat: this replica takes over
+        assert await resp.get_response("t1", "resp_1") is None
+        assert await resp.get_previous("t1", "resp_1") is None
+        # a turn written over an unreadable value replaces it (the merge script does not fail)
+        record = TurnRecord("L2")
+        conv.put_turn(turn, record)
+        await conv.flush()
+        assert json.loads(r.get(conv._tkey(turn)))["route"] == "L2"
+        assert st.errors_total >= 5 and not st.degraded
+        await st.close()
+
+    with caplog.at_level("WARNING", logger="molctl.proxy"):
+        asyncio.run(main())
+    unreadable = [rec.getMessage() for rec in caplog.records if "unreadable" in rec.getMessage()]
+    assert len(unreadable) == 1, unreadable  # once a minute, not per value
+
+
+def test_a_replica_serves_a_conversation_whose_stored_state_is_unreadable(redis, r, keyfile, tmp_path):
+    """The same through a real proxy and the openai SDK: a 200 answered by its own engine."""
+    engine_port, proxy_port = free_port(), free_port()
+    engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
+    with running(fake_engine_argv(engine_port), engine_url + "/health", log=tmp_path / "engine.log"), \
+            running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(keyfile), "--replica-id", "B",
+                               "--set", f"proxy.store={redis.url}"), proxy_url + "/readyz", log=tmp_path / "proxy.log"):
+        client = openai.OpenAI(base_url=proxy_url + "/v1", api_key=KEY, max_retries=0, timeout=15)
+        u1 = {"role": "user", "content": "[route:L1] one"}
+        a1 = client.chat.completions.create(model=PUBLIC, messages=[u1]).choices[0].message.content
+        [key] = r.keys("molctl:{tiny}:t:*")
+        deadline = time.monotonic() + 10
+        while json.loads(r.get(key))["state"] == "pending" and time.monotonic() < deadline:  # its summary hop
+            time.sleep(0.05)
+        turn = json.loads(r.get(key))
+        r.set(key, json.dumps({**turn, "replica": "Z"}), ex=60)  # the conversation is another replica's...
+        r.set("molctl:{tiny}:replica:Z", "not json", px=60_000)  # ...whose heartbeat is unreadable
+        u2 = {"role": "user", "content": "[route:L2] two"}
+        reply = client.chat.completions.create(model=PUBLIC, messages=[u1, {"role": "assistant", "content": a1}, u2])
+        assert reply.choices[0].message.content.startswith("answer-")
+        r.set(key, b"not json", ex=60)  # and now the turn itself
+        reply = client.chat.completions.create(model=PUBLIC, messages=[u1, {"role": "assistant", "content": a1}, u2])
+        assert reply.choices[0].message.content.startswith("answer-")
+    assert "Traceback" not in (tmp_path / "proxy.log").read_text()

@@ -115,14 +115,16 @@ local function trim(key, idx, stats, a)
   return n
 end
 """.replace("EVICT_BATCH", str(EVICT_BATCH))
-# a turn: never lower its rank (pending 0 < summary|failed 1 < stale 2); returns the stored JSON
+# a turn: never lower its rank (pending 0 < summary|failed 1 < stale 2); returns the stored JSON. A
+# stored value that is no turn (unreadable: another version's, a hand edit) is replaced.
 MERGE_TURN = """
 local new = cjson.decode(ARGV[1])
 local old_raw = redis.call('GET', KEYS[1])
 local rank = {pending = 0, summary = 1, failed = 1, stale = 2}
 local out = new
-if old_raw then
-  local old = cjson.decode(old_raw)
+local ok, old = false, nil
+if old_raw then ok, old = pcall(cjson.decode, old_raw) end
+if ok and type(old) == 'table' and rank[old.state] and type(old.route) == 'string' then
   if rank[new.state] > rank[old.state] then
     out.replica, out.route = old.replica, old.route
   else
@@ -166,9 +168,22 @@ def _keep_name(name: str) -> None:
         reads.names.append(name)
 
 
+def _decode(raw: bytes, **fields: type | tuple[type, ...]) -> dict[str, Any] | None:
+    """A stored JSON object whose `fields` have these types, else None: an unreadable value (written
+    by another molctl version, a hand edit, another program) is treated as absent, never a crash."""
+    try:
+        data = fastjson.loads(raw)
+    except ValueError:  # JSONDecodeError, UnicodeDecodeError
+        return None
+    if not isinstance(data, dict) or any(not isinstance(data.get(k), t) for k, t in fields.items()):
+        return None
+    return data
+
+
 def _record_json(raw: bytes) -> bytes:
     """A stored response's JSON (without the store keys kept before it: see GET_CHAIN)."""
-    return raw if raw[:1] == b"{" else raw[raw.index(b"\n") + 1:]
+    newline = raw.find(b"\n")
+    return raw if raw[:1] == b"{" or newline < 0 else raw[newline + 1:]
 
 
 # a response record and, in one round trip, the store keys its next request reads (see
@@ -414,6 +429,16 @@ class RedisState:
             log.warning("state store %s: %s refused by the server (%s)%s; counted in store_errors_total",
                         self.target.address, what, why, hint)
 
+    def unreadable(self, what: str, key: str) -> None:
+        """A stored value that is not what molctl writes there: ignored (as absent), counted, and
+        logged at most once per REFUSED_LOG_S."""
+        self.errors_total += 1
+        now = time.monotonic()
+        if now - self._refused_logged.get("unreadable", -REFUSED_LOG_S) >= REFUSED_LOG_S:
+            self._refused_logged["unreadable"] = now
+            log.warning("state store %s: an unreadable %s at %s was ignored (treated as absent; written by another "
+                        "molctl version or by hand?); counted in store_errors_total", self.target.address, what, key)
+
     def _failed(self, what: str, exc: BaseException) -> None:
         self.errors_total += 1
         self._retry_at = time.monotonic() + RETRY_S
@@ -645,11 +670,12 @@ class RedisState:
                 if ok:
                     old = await self._beat_write(lambda beat=beat: self.command("SET", key, beat, "PX", int(self.heartbeat_ttl_s * 1000),
                                                                                 "GET"))
-                    if wrote and old and not warned and json.loads(old).get("instance") != instance:
+                    prior = _decode(old) if old else None
+                    if wrote and old and not warned and (prior is None or prior.get("instance") != instance):
                         warned = True
                         log.warning("replica id %s is also used by another proxy (engine %s): give each replica its own "
                                     "--replica-id; until then each takes the other's conversations for its own (no affinity)",
-                                    self.replica_id, json.loads(old).get("upstream"))
+                                    self.replica_id, (prior or {}).get("upstream"))
                     wrote = True
                 else:
                     await self._beat_write(lambda: self.command("DEL", key))
@@ -674,7 +700,10 @@ class RedisState:
                 return None
             # fresh while the key lives: its TTL runs on the Redis server's clock (the replicas'
             # wall clocks may disagree; `at` is informational)
-            upstream = json.loads(raw).get("upstream") if raw else None
+            beat = _decode(raw, upstream=str) if raw else None
+            if raw and beat is None:
+                self.unreadable("heartbeat", self._replica_key(owner))
+            upstream = beat["upstream"] if beat else None
             checked = (now, upstream)
             self._peers[owner] = checked
         return EngineChoice(owner, checked[1]) if checked[1] else None
@@ -718,13 +747,17 @@ class RedisResponseStore:
             raw = " ".join(dict.fromkeys(reads.names)).encode() + b"\n" + raw
         await self.state.put(self._key(record["tenant"], record["id"]), "r", raw)
 
-    def _fresh(self, raw: bytes) -> ResponseRecord | None:
-        record = fastjson.loads(_record_json(raw))
-        return record if self.state.clock() - float(record.get("created_at", 0)) <= self.state.ttl_s else None
+    def _fresh(self, raw: bytes, key: str) -> ResponseRecord | None:
+        """The record, unless expired by its own clock or unreadable (then as absent: a 404)."""
+        record = _decode(_record_json(raw), created_at=(int, float))
+        if record is None:
+            self.state.unreadable("response", key)
+            return None
+        return record if self.state.clock() - float(record["created_at"]) <= self.state.ttl_s else None
 
     async def get_response(self, tenant: str, response_id: str) -> ResponseRecord | None:
         raw = await self.state.call("read", lambda: self.state.command("GET", self._key(tenant, response_id)))
-        return None if raw is None else self._fresh(raw)
+        return None if raw is None else self._fresh(raw, self._key(tenant, response_id))
 
     async def get_previous(self, tenant: str, response_id: str) -> ResponseRecord | None:
         """The response a request continues, and in the same round trip (one script) the current
@@ -735,9 +768,11 @@ class RedisResponseStore:
         raw = reply[0]
         if raw is None:
             return None
-        record = self._fresh(raw)
+        record = self._fresh(raw, self._key(tenant, response_id))
+        if record is None:
+            return None
         names = raw[:raw.index(b"\n")].split() if raw[:1] != b"{" else []  # ASCII whitespace, as the script splits
-        if record is not None and len(names) == len(reply) - 1:
+        if len(names) == len(reply) - 1:
             _REQUEST_READS.set(_RequestReads({n.decode(): v for n, v in zip(names, reply[1:], strict=True)}))
         return record
 
@@ -928,7 +963,10 @@ class RedisConversationStore:
         for key, raw in zip(turn_keys, values[:len(turn_keys)], strict=True):
             if raw is None:
                 continue
-            data = fastjson.loads(raw)
+            data = _decode(raw, route=str, state=str)
+            if data is None or data["state"] not in _STATES:
+                self.state.unreadable("turn", self._tkey(key))
+                continue
             record = self.cache.get_turn(key)
             if record is None:
                 record = TurnRecord(data["route"], replica=data.get("replica"))
@@ -942,7 +980,10 @@ class RedisConversationStore:
             _apply(record, data)
         for (tenant, call_id), raw in zip(calls, values[len(turn_keys):], strict=True):
             if raw is not None and self.cache.get_call(tenant, call_id) is None:
-                data = fastjson.loads(raw)
+                data = _decode(raw, route=str, name=(str, type(None)))
+                if data is None or "arguments" not in data:
+                    self.state.unreadable("tool-call binding", self._ckey(tenant, call_id))
+                    continue
                 self.cache.put_call(tenant, call_id, CallBinding(data["route"], data["arguments"], data["name"], data.get("replica")))
         return added
 
@@ -956,7 +997,10 @@ class RedisConversationStore:
             except StoreUnavailable:
                 return
             if raw is not None and not record.done.is_set():
-                data = fastjson.loads(raw)
+                data = _decode(raw, route=str, state=str)
+                if data is None or data["state"] not in _STATES:  # replaced by something unreadable: fold without it
+                    self.state.unreadable("turn", self._tkey(key))
+                    data = {"state": "failed"}
                 if data.get("state") != "pending":
                     _apply(record, data)
 
