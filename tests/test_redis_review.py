@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import httpx
 import openai
 import pytest
 
@@ -18,7 +19,7 @@ from molctl.proxy.conversations import TurnRecord
 from molctl.proxy.redis_store import RedisConversationStore, RedisResponseStore, RedisState, parse_redis_url
 from tests.helpers import ROOT, free_port
 from tests.procs import fake_engine_argv, proxy_argv, running
-from tests.redis_server import redis_server
+from tests.redis_server import RedisServer, redis_server
 from tests.test_proxy import KEY, PUBLIC, keyfile  # noqa: F401 - fixture
 
 # ------------------------------------------------------------------------------ proxy.store URLs
@@ -127,3 +128,62 @@ def test_a_replica_serves_a_conversation_whose_stored_state_is_unreadable(redis,
         reply = client.chat.completions.create(model=PUBLIC, messages=[u1, {"role": "assistant", "content": a1}, u2])
         assert reply.choices[0].message.content.startswith("answer-")
     assert "Traceback" not in (tmp_path / "proxy.log").read_text()
+
+
+# ------------------------------------------------------------------------------ a read-only store
+
+
+def test_a_read_only_store_is_refused_quietly_not_a_flapping_degradation(keyfile, tmp_path):
+    """Found by pointing a proxy at a Redis replica (`--replicaof`: what a primary becomes after a
+    failover): every heartbeat (SET) marked the store degraded, the next read marked it
+    'reachable again; shared state restored' (it was not), two warnings every 2 s for as long as
+    it lasted and a degradation counted each time; a write inside a script was handled as a
+    refusal instead (READONLY inside 'Error running script' was not recognised), so its
+    connection was never made again. Now READONLY is a refusal (logged once a minute with a hint,
+    counted, the store not degraded: chat and reads go on) whose connection is made again, so a
+    promoted server (or a DNS name that moved to the new primary) is written at once."""
+    primary = RedisServer().start()
+    replica = RedisServer(None, "--replicaof", "127.0.0.1", str(primary.port)).start()
+    engine_port, proxy_port, metrics_port = free_port(), free_port(), free_port()
+    engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
+    try:
+        with running(fake_engine_argv(engine_port), engine_url + "/health", log=tmp_path / "engine.log"), \
+                running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(keyfile), "--metrics-port",
+                                   str(metrics_port), "--set", f"proxy.store={replica.url}"), proxy_url + "/readyz",
+                        log=tmp_path / "proxy.log"):
+            client = openai.OpenAI(base_url=proxy_url + "/v1", api_key=KEY, max_retries=0, timeout=15)
+            deadline = time.monotonic() + 5  # more than two heartbeats and retry intervals
+            while time.monotonic() < deadline:
+                chat = client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "[route:L1] hi"}])
+                assert chat.choices[0].message.content.startswith("answer-")
+                with pytest.raises(openai.APIStatusError) as err:
+                    client.responses.create(model=PUBLIC, input="[route:L1] keep me")
+                assert err.value.status_code == 503 and err.value.body["code"] == "store_unavailable"
+                time.sleep(0.3)
+            m = _metrics(f"http://127.0.0.1:{metrics_port}")
+            assert m["molctl_proxy_state_store_degraded_total"] == 0 and m["molctl_proxy_state_store_errors_total"] > 0
+            text = (tmp_path / "proxy.log").read_text()
+            assert "reachable again" not in text and "degraded:" not in text
+            warned = [line for line in text.splitlines() if "read-only" in line]
+            assert len(warned) == 1 and "proxy.store" in warned[0], warned  # once, with the hint
+            # the replica is promoted (a failover): the next calls write on new connections, no restart
+            admin = replica.client()
+            admin.execute_command("REPLICAOF", "NO", "ONE")
+            admin.close()
+            deadline = time.monotonic() + 5
+            while True:
+                try:
+                    first = client.responses.create(model=PUBLIC, input="[route:L1] kept")
+                    break
+                except openai.APIStatusError:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.1)
+            assert client.responses.retrieve(first.id).id == first.id
+    finally:
+        replica.stop()
+        primary.stop()
+
+
+def _metrics(metrics_url: str) -> dict[str, float]:
+    text = httpx.get(metrics_url + "/metrics").text
+    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and not line.startswith("#")}

@@ -53,7 +53,8 @@ connection left with a reply half-read (a timeout, a cancelled call) is disconne
 A failure marks the store degraded (logged once, counted in `degraded_total`, `errors_total`);
 while degraded, calls fail at once for RETRY_S, then one call tries again, and the first
 success recovers (logged once): a stuck or lost Redis costs a request at most one timeout,
-and nothing needs a restart. Chat keeps answering from the local cache (folds of turns this
+and nothing needs a restart. An error the server answers (OOM, ACL, READONLY) fails that call
+only (`refused`: not degraded; READONLY also reconnects). Chat keeps answering from the local cache (folds of turns this
 process did not see are lost for the while); Responses requests that need state get a 503 with
 Retry-After (`StoreUnavailable`)."""
 
@@ -400,10 +401,8 @@ class RedisState:
             async with asyncio.timeout(self.call_timeout_s):
                 result = await fn()
         except redis.ResponseError as exc:
-            if isinstance(exc, redis.exceptions.ReadOnlyError):  # a failed-over primary: reconnect (DNS may move)
-                self._failed(what, exc)
-            else:  # the server answered and refused this command (OOM, ACL): it is reachable, only this call fails
-                self.refused(what, exc)
+            # the server answered and refused this command (OOM, ACL, READONLY): it is reachable, only this call fails
+            self.refused(what, exc)
             raise StoreUnavailable(str(exc)) from None
         except (redis.RedisError, OSError, TimeoutError) as exc:
             self._failed(what, exc)
@@ -414,11 +413,18 @@ class RedisState:
         return result
 
     def refused(self, what: str, exc: BaseException) -> None:
-        """Redis answered with an error (out of memory, no permission): counted; logged once per
-        kind of error and REFUSED_LOG_S. The store is not degraded: other calls still work."""
+        """Redis answered with an error (out of memory, no permission, a read-only replica): counted;
+        logged once per kind of error and REFUSED_LOG_S. The store is not degraded: other calls
+        (reads) still work. READONLY (the server is a replica: a failover, or proxy.store names a
+        replica) also drops the connections, so the next call connects again: a promoted server, or
+        a DNS name that moved to the new primary, is written at once. (Marking the store degraded
+        instead made it flap: each write degraded it, the next read "recovered" it.)"""
         self.errors_total += 1
         why = str(exc) or type(exc).__name__
-        kind = "maxmemory" if "maxmemory" in why else type(exc).__name__  # a script's OOM reads "Error running script ..."
+        # a script's errors read "Error running script ...: -READONLY ..." / "... OOM ... maxmemory"
+        kind = "maxmemory" if "maxmemory" in why else "readonly" if "READONLY" in why else type(exc).__name__
+        if kind == "readonly":
+            self._drop_pool()
         now = time.monotonic()
         if now - self._refused_logged.get(kind, -REFUSED_LOG_S) >= REFUSED_LOG_S:
             self._refused_logged[kind] = now
@@ -426,6 +432,9 @@ class RedisState:
             if kind == "maxmemory":
                 hint = ("; Redis is at maxmemory and evicts nothing: set maxmemory-policy volatile-lru (every molctl key "
                         "has a TTL) or raise maxmemory")
+            elif kind == "readonly":
+                hint = ("; the server is a read-only replica (a failover?): proxy.store must name the primary; "
+                        "reconnecting on every refusal, Responses requests that store state get 503 meanwhile")
             log.warning("state store %s: %s refused by the server (%s)%s; counted in store_errors_total",
                         self.target.address, what, why, hint)
 
@@ -448,7 +457,10 @@ class RedisState:
             why = str(exc) or type(exc).__name__
             log.warning("state store %s: %s failed (%s); degraded: chat continues without shared state, "
                         "Responses requests that need it get 503 until it is back", self.target.address, what, why)
-        # a timed-out connection may hold a half-read reply: drop the pool so the next call starts clean
+        self._drop_pool()  # a timed-out connection may hold a half-read reply: the next call starts clean
+
+    def _drop_pool(self) -> None:
+        """Close the connections (in the background); the next call connects again."""
         pool, self._pool, self._idle = self._pool, None, None  # closing the pool disconnects the idle one too
         if pool is not None:
             asyncio.get_running_loop().create_task(_close_quietly(pool))
