@@ -187,3 +187,20 @@ def test_a_read_only_store_is_refused_quietly_not_a_flapping_degradation(keyfile
 def _metrics(metrics_url: str) -> dict[str, float]:
     text = httpx.get(metrics_url + "/metrics").text
     return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and not line.startswith("#")}
+
+
+# ------------------------------------------------------------------------------ replica ids
+
+
+@pytest.mark.parametrize("bad", [" ", "a b", "x\ny", "tab\there", "A" * 300])
+def test_an_unusable_replica_id_stops_the_proxy_with_one_line(redis, keyfile, bad):
+    """Found by starting replicas with odd --replica-id values: every one was served. An id with a
+    newline forged log lines (the duplicate-id warning names it), a 100 kB one was copied into
+    every turn and tool-call binding of the store; a blank or spaced one is a templating slip.
+    Now: exit 2, one line naming --replica-id and what is expected."""
+    out = subprocess.run(proxy_argv("tiny", "http://127.0.0.1:9", free_port(), "--api-key-file", str(keyfile),
+                                    "--set", f"proxy.store={redis.url}", "--replica-id", bad),
+                         capture_output=True, text=True, cwd=ROOT, timeout=30)  # before the fix it served: a timeout
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == ExitStatus.USAGE and len(lines) == 1, out.stderr
+    assert "--replica-id" in lines[0] and "expected" in lines[0] and len(lines[0]) < 400

@@ -73,7 +73,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from molctl.errors import MolctlError
+from molctl.errors import MolctlError, UsageError
 from molctl.proxy import fastjson
 from molctl.proxy.conversations import CallBinding, MemoryStore, TurnRecord
 from molctl.proxy.engine_client import ENGINE, EngineChoice
@@ -297,6 +297,20 @@ def default_replica_id(port: int) -> str:
     return f"{socket.gethostname()}:{port}"
 
 
+MAX_REPLICA_ID = 200
+
+
+def check_replica_id(replica_id: str) -> str:
+    """The id as given, else a UsageError (one line, exit 2): 1 to MAX_REPLICA_ID printable
+    characters without whitespace. It is copied into every turn and tool-call binding, named in
+    log lines and keys (a newline would forge a log line; a blank or spaced id is a templating slip)."""
+    if not 0 < len(replica_id) <= MAX_REPLICA_ID or not replica_id.isprintable() or any(c.isspace() for c in replica_id):
+        shown = replica_id if len(replica_id) <= 40 else replica_id[:40] + "..."
+        raise UsageError(f"--replica-id {shown!r}: expected 1 to {MAX_REPLICA_ID} printable characters without "
+                         "whitespace (e.g. the pod or host name)")
+    return replica_id
+
+
 def _client_kwargs(target: RedisTarget, password: str | None) -> dict[str, Any]:
     kw: dict[str, Any] = {"host": target.host, "port": target.port, "db": target.db, "username": target.username,
                           "password": password, "socket_connect_timeout": CONNECT_TIMEOUT_S,
@@ -337,7 +351,7 @@ class RedisState:
                  heartbeat_s: float = HEARTBEAT_S, heartbeat_ttl_s: float = HEARTBEAT_TTL_S):
         self.target, self._password = target, password
         self.prefix = f"molctl:{{{profile}}}:"
-        self.replica_id, self.advertise_upstream = replica_id, advertise_upstream
+        self.replica_id, self.advertise_upstream = check_replica_id(replica_id), advertise_upstream
         self.ttl_s, self.max_entries, self.call_timeout_s, self.clock = int(max(1, ttl_s)), max_entries, call_timeout_s, clock
         self.heartbeat_s, self.heartbeat_ttl_s = heartbeat_s, heartbeat_ttl_s
         self._pool = None  # redis-py's BlockingConnectionPool, made on first use (_connection_pool)
