@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -204,3 +205,32 @@ def test_an_unusable_replica_id_stops_the_proxy_with_one_line(redis, keyfile, ba
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert out.returncode == ExitStatus.USAGE and len(lines) == 1, out.stderr
     assert "--replica-id" in lines[0] and "expected" in lines[0] and len(lines[0]) < 400
+
+
+# ------------------------------------------------------------------------------ a password-protected store
+
+
+def test_a_store_that_wants_a_password_when_none_is_configured_says_so(tmp_path, keyfile, state_dir):
+    """Found by starting a proxy and `molctl check` on a redis-server --requirepass without
+    MOLCTL_STORE_PASSWORD: the line quoted redis-py's 'HELLO must be called with the client
+    already authenticated, otherwise the HELLO AUTH <user> <pass> option can be used...' (check:
+    without even 'authentication failed'). Now it says that the server wants a password and none
+    is configured, and where it goes."""
+    from tests.helpers import Molctl
+    from tests.test_redis_store import SKIP_ALL_BUT_STATE, shared_profile
+
+    server = RedisServer(None, "--requirepass", "s3cret").start()
+    try:
+        env = {k: v for k, v in os.environ.items() if k != "MOLCTL_STORE_PASSWORD"}
+        out = subprocess.run(proxy_argv("tiny", "http://127.0.0.1:9", free_port(), "--api-key-file", str(keyfile),
+                                        "--set", f"proxy.store={server.url}"),
+                             capture_output=True, text=True, cwd=ROOT, timeout=60, env=env)
+        lines = [line for line in out.stderr.splitlines() if line.strip()]
+        assert out.returncode == ExitStatus.ERROR and len(lines) == 1, out.stderr
+        assert "requires a password and none is configured" in lines[0] and "HELLO" not in lines[0]
+        assert "proxy.store_password_file" in lines[0] and "MOLCTL_STORE_PASSWORD" in lines[0]
+        cli = Molctl(state_dir, [shared_profile(tmp_path, server.url)], in_process=True)
+        [store] = [c for c in cli("check", "shared", *SKIP_ALL_BUT_STATE, "--json").json()["checks"] if c["id"] == "state.store"]
+        assert store["status"] == "fail" and "requires a password and none is configured" in store["detail"], store
+    finally:
+        server.stop()

@@ -329,12 +329,22 @@ def ping_sync(target: RedisTarget, password: str | None, timeout_s: float = 2.0)
     try:
         client.ping()
         return None
-    except redis.AuthenticationError as exc:
-        return f"authentication failed ({exc}); the password comes from proxy.store_password_file or {PASSWORD_ENV}"
     except redis.RedisError as exc:
-        return str(exc) or type(exc).__name__
+        return _why(exc, password)
     finally:
         client.close()
+
+
+def _why(exc: BaseException, password: str | None) -> str:
+    """Why a store call from outside the proxy failed (one line). A server that wants a password
+    while none is configured says so (redis-py's own words there are about HELLO)."""
+    import redis
+
+    if isinstance(exc, redis.AuthenticationError) or "NOAUTH" in str(exc):
+        if password is None:
+            return f"the server requires a password and none is configured (proxy.store_password_file or {PASSWORD_ENV})"
+        return f"authentication failed ({exc}); the password comes from proxy.store_password_file or {PASSWORD_ENV}"
+    return str(exc) or type(exc).__name__
 
 
 def unreachable_error(target: RedisTarget, why: str) -> RedisConfigError:
@@ -1089,7 +1099,7 @@ def describe_sync(target: RedisTarget, password: str | None, profile: str) -> di
                 "responses_evicted": evicted.get("r_evicted", 0), "conversation_evicted": evicted.get("conv_evicted", 0),
                 "replicas": replicas}
     except redis.RedisError as exc:
-        raise unreachable_error(target, str(exc) or type(exc).__name__) from None
+        raise unreachable_error(target, _why(exc, password)) from None
     finally:
         client.close()
 
@@ -1119,6 +1129,6 @@ def prune_sync(target: RedisTarget, password: str | None, profile: str, ttl_s: f
             out[name + "evicted"] = len(victims)
         return out
     except redis.RedisError as exc:
-        raise unreachable_error(target, str(exc) or type(exc).__name__) from None
+        raise unreachable_error(target, _why(exc, password)) from None
     finally:
         client.close()
