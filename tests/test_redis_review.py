@@ -144,7 +144,8 @@ def test_a_read_only_store_is_refused_quietly_not_a_flapping_degradation(keyfile
     counted, the store not degraded: chat and reads go on) whose connection is made again, so a
     promoted server (or a DNS name that moved to the new primary) is written at once."""
     primary = RedisServer().start()
-    replica = RedisServer(None, "--replicaof", "127.0.0.1", str(primary.port)).start()
+    # (a replica writes the primary's snapshot to its --dir: the test's, not the working directory)
+    replica = RedisServer(None, "--replicaof", "127.0.0.1", str(primary.port), "--dir", str(tmp_path)).start()
     engine_port, proxy_port, metrics_port = free_port(), free_port(), free_port()
     engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
     try:
