@@ -143,9 +143,12 @@ def test_a_read_only_store_is_refused_quietly_not_a_flapping_degradation(keyfile
     connection was never made again. Now READONLY is a refusal (logged once a minute with a hint,
     counted, the store not degraded: chat and reads go on) whose connection is made again, so a
     promoted server (or a DNS name that moved to the new primary) is written at once."""
-    primary = RedisServer().start()
-    # (a replica writes the primary's snapshot to its --dir: the test's, not the working directory)
-    replica = RedisServer(None, "--replicaof", "127.0.0.1", str(primary.port), "--dir", str(tmp_path)).start()
+    # a replica's sync makes the primary write a snapshot and the replica keep it, each in its --dir:
+    # the test's, not the working directory
+    (tmp_path / "primary").mkdir()
+    (tmp_path / "replica").mkdir()
+    primary = RedisServer(None, "--dir", str(tmp_path / "primary")).start()
+    replica = RedisServer(None, "--replicaof", "127.0.0.1", str(primary.port), "--dir", str(tmp_path / "replica")).start()
     engine_port, proxy_port, metrics_port = free_port(), free_port(), free_port()
     engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
     try:
