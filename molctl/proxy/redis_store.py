@@ -53,7 +53,8 @@ connection left with a reply half-read (a timeout, a cancelled call) is disconne
 A failure marks the store degraded (logged once, counted in `degraded_total`, `errors_total`);
 while degraded, calls fail at once for RETRY_S, then one call tries again, and the first
 success recovers (logged once): a stuck or lost Redis costs a request at most one timeout,
-and nothing needs a restart. Chat keeps answering from the local cache (folds of turns this
+and nothing needs a restart. An error the server answers (OOM, ACL, READONLY) fails that call
+only (`refused`: not degraded; READONLY also reconnects). Chat keeps answering from the local cache (folds of turns this
 process did not see are lost for the while); Responses requests that need state get a 503 with
 Retry-After (`StoreUnavailable`)."""
 
@@ -72,7 +73,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from molctl.errors import MolctlError
+from molctl.errors import MolctlError, UsageError
 from molctl.proxy import fastjson
 from molctl.proxy.conversations import CallBinding, MemoryStore, TurnRecord
 from molctl.proxy.engine_client import ENGINE, EngineChoice
@@ -115,14 +116,16 @@ local function trim(key, idx, stats, a)
   return n
 end
 """.replace("EVICT_BATCH", str(EVICT_BATCH))
-# a turn: never lower its rank (pending 0 < summary|failed 1 < stale 2); returns the stored JSON
+# a turn: never lower its rank (pending 0 < summary|failed 1 < stale 2); returns the stored JSON. A
+# stored value that is no turn (unreadable: another version's, a hand edit) is replaced.
 MERGE_TURN = """
 local new = cjson.decode(ARGV[1])
 local old_raw = redis.call('GET', KEYS[1])
 local rank = {pending = 0, summary = 1, failed = 1, stale = 2}
 local out = new
-if old_raw then
-  local old = cjson.decode(old_raw)
+local ok, old = false, nil
+if old_raw then ok, old = pcall(cjson.decode, old_raw) end
+if ok and type(old) == 'table' and rank[old.state] and type(old.route) == 'string' then
   if rank[new.state] > rank[old.state] then
     out.replica, out.route = old.replica, old.route
   else
@@ -166,9 +169,22 @@ def _keep_name(name: str) -> None:
         reads.names.append(name)
 
 
+def _decode(raw: bytes, **fields: type | tuple[type, ...]) -> dict[str, Any] | None:
+    """A stored JSON object whose `fields` have these types, else None: an unreadable value (written
+    by another molctl version, a hand edit, another program) is treated as absent, never a crash."""
+    try:
+        data = fastjson.loads(raw)
+    except ValueError:  # JSONDecodeError, UnicodeDecodeError
+        return None
+    if not isinstance(data, dict) or any(not isinstance(data.get(k), t) for k, t in fields.items()):
+        return None
+    return data
+
+
 def _record_json(raw: bytes) -> bytes:
     """A stored response's JSON (without the store keys kept before it: see GET_CHAIN)."""
-    return raw if raw[:1] == b"{" else raw[raw.index(b"\n") + 1:]
+    newline = raw.find(b"\n")
+    return raw if raw[:1] == b"{" or newline < 0 else raw[newline + 1:]
 
 
 # a response record and, in one round trip, the store keys its next request reads (see
@@ -221,7 +237,8 @@ class RedisTarget:
 
     @property
     def address(self) -> str:
-        return f"{'rediss' if self.tls else 'redis'}://{self.host}:{self.port}/{self.db}"
+        host = f"[{self.host}]" if ":" in self.host else self.host  # an IPv6 literal, as in a URL
+        return f"{'rediss' if self.tls else 'redis'}://{host}:{self.port}/{self.db}"
 
 
 def is_redis_spec(spec: str) -> bool:
@@ -229,10 +246,17 @@ def is_redis_spec(spec: str) -> bool:
 
 
 def parse_redis_url(spec: str) -> RedisTarget:
-    """ValueError (one line, what was expected) for anything but redis[s]://[user@]host[:port][/db]."""
-    parts = urlsplit(spec)
+    """ValueError (one line, what was expected) for anything but redis[s]://[user@]host[:port][/db]
+    (port 1-65535, db an ASCII number; an explicit port 0 is refused, not read as the default)."""
+    expected = "expected redis://host:port/db or rediss://host:port/db"
+    try:
+        parts = urlsplit(spec)
+        parts.hostname  # noqa: B018 - raises ValueError for a malformed IPv6 literal ("[::1")
+    except ValueError as exc:
+        shown = spec.split("://", 1)[0]  # never the rest: it may hold a user part (a mistyped password)
+        raise ValueError(f"{shown}://...: {exc} ({expected})") from None
     if parts.scheme not in ("redis", "rediss"):
-        raise ValueError(f"{spec!r}: expected redis://host:port/db or rediss://host:port/db")
+        raise ValueError(f"{spec!r}: {expected}")
     if parts.password is not None:
         raise ValueError("the URL holds a password: put it in proxy.store_password_file or the environment "
                          f"variable {PASSWORD_ENV}, never in the URL")
@@ -240,11 +264,13 @@ def parse_redis_url(spec: str) -> RedisTarget:
         raise ValueError(f"{parts.scheme}://...: no host (expected {parts.scheme}://host:port/db)")
     host_port = parts.netloc.rpartition("@")[2]  # never the user part in a message: it may be a mistyped password
     try:
-        port = parts.port or 6379
+        port = 6379 if parts.port is None else parts.port
     except ValueError:
-        raise ValueError(f"{parts.scheme}://{host_port}: the port is not a number from 1 to 65535") from None
+        port = 0
+    if not 1 <= port <= 65535:
+        raise ValueError(f"{parts.scheme}://{host_port}: the port is not a number from 1 to 65535")
     path = parts.path.strip("/")
-    if path and not path.isdigit():
+    if path and not (path.isascii() and path.isdigit()):
         raise ValueError(f"{parts.scheme}://{parts.hostname}:{port}/{path}: the database must be a number (e.g. /0)")
     if parts.query or parts.fragment:
         raise ValueError(f"{parts.scheme}://{parts.hostname}:{port}/{path}: no query or fragment expected")
@@ -271,6 +297,20 @@ def default_replica_id(port: int) -> str:
     return f"{socket.gethostname()}:{port}"
 
 
+MAX_REPLICA_ID = 200
+
+
+def check_replica_id(replica_id: str) -> str:
+    """The id as given, else a UsageError (one line, exit 2): 1 to MAX_REPLICA_ID printable
+    characters without whitespace. It is copied into every turn and tool-call binding, named in
+    log lines and keys (a newline would forge a log line; a blank or spaced id is a templating slip)."""
+    if not 0 < len(replica_id) <= MAX_REPLICA_ID or not replica_id.isprintable() or any(c.isspace() for c in replica_id):
+        shown = replica_id if len(replica_id) <= 40 else replica_id[:40] + "..."
+        raise UsageError(f"--replica-id {shown!r}: expected 1 to {MAX_REPLICA_ID} printable characters without "
+                         "whitespace (e.g. the pod or host name)")
+    return replica_id
+
+
 def _client_kwargs(target: RedisTarget, password: str | None) -> dict[str, Any]:
     kw: dict[str, Any] = {"host": target.host, "port": target.port, "db": target.db, "username": target.username,
                           "password": password, "socket_connect_timeout": CONNECT_TIMEOUT_S,
@@ -289,12 +329,22 @@ def ping_sync(target: RedisTarget, password: str | None, timeout_s: float = 2.0)
     try:
         client.ping()
         return None
-    except redis.AuthenticationError as exc:
-        return f"authentication failed ({exc}); the password comes from proxy.store_password_file or {PASSWORD_ENV}"
     except redis.RedisError as exc:
-        return str(exc) or type(exc).__name__
+        return _why(exc, password)
     finally:
         client.close()
+
+
+def _why(exc: BaseException, password: str | None) -> str:
+    """Why a store call from outside the proxy failed (one line). A server that wants a password
+    while none is configured says so (redis-py's own words there are about HELLO)."""
+    import redis
+
+    if isinstance(exc, redis.AuthenticationError) or "NOAUTH" in str(exc):
+        if password is None:
+            return f"the server requires a password and none is configured (proxy.store_password_file or {PASSWORD_ENV})"
+        return f"authentication failed ({exc}); the password comes from proxy.store_password_file or {PASSWORD_ENV}"
+    return str(exc) or type(exc).__name__
 
 
 def unreachable_error(target: RedisTarget, why: str) -> RedisConfigError:
@@ -311,7 +361,7 @@ class RedisState:
                  heartbeat_s: float = HEARTBEAT_S, heartbeat_ttl_s: float = HEARTBEAT_TTL_S):
         self.target, self._password = target, password
         self.prefix = f"molctl:{{{profile}}}:"
-        self.replica_id, self.advertise_upstream = replica_id, advertise_upstream
+        self.replica_id, self.advertise_upstream = check_replica_id(replica_id), advertise_upstream
         self.ttl_s, self.max_entries, self.call_timeout_s, self.clock = int(max(1, ttl_s)), max_entries, call_timeout_s, clock
         self.heartbeat_s, self.heartbeat_ttl_s = heartbeat_s, heartbeat_ttl_s
         self._pool = None  # redis-py's BlockingConnectionPool, made on first use (_connection_pool)
@@ -375,10 +425,8 @@ class RedisState:
             async with asyncio.timeout(self.call_timeout_s):
                 result = await fn()
         except redis.ResponseError as exc:
-            if isinstance(exc, redis.exceptions.ReadOnlyError):  # a failed-over primary: reconnect (DNS may move)
-                self._failed(what, exc)
-            else:  # the server answered and refused this command (OOM, ACL): it is reachable, only this call fails
-                self.refused(what, exc)
+            # the server answered and refused this command (OOM, ACL, READONLY): it is reachable, only this call fails
+            self.refused(what, exc)
             raise StoreUnavailable(str(exc)) from None
         except (redis.RedisError, OSError, TimeoutError) as exc:
             self._failed(what, exc)
@@ -389,11 +437,18 @@ class RedisState:
         return result
 
     def refused(self, what: str, exc: BaseException) -> None:
-        """Redis answered with an error (out of memory, no permission): counted; logged once per
-        kind of error and REFUSED_LOG_S. The store is not degraded: other calls still work."""
+        """Redis answered with an error (out of memory, no permission, a read-only replica): counted;
+        logged once per kind of error and REFUSED_LOG_S. The store is not degraded: other calls
+        (reads) still work. READONLY (the server is a replica: a failover, or proxy.store names a
+        replica) also drops the connections, so the next call connects again: a promoted server, or
+        a DNS name that moved to the new primary, is written at once. (Marking the store degraded
+        instead made it flap: each write degraded it, the next read "recovered" it.)"""
         self.errors_total += 1
         why = str(exc) or type(exc).__name__
-        kind = "maxmemory" if "maxmemory" in why else type(exc).__name__  # a script's OOM reads "Error running script ..."
+        # a script's errors read "Error running script ...: -READONLY ..." / "... OOM ... maxmemory"
+        kind = "maxmemory" if "maxmemory" in why else "readonly" if "READONLY" in why else type(exc).__name__
+        if kind == "readonly":
+            self._drop_pool()
         now = time.monotonic()
         if now - self._refused_logged.get(kind, -REFUSED_LOG_S) >= REFUSED_LOG_S:
             self._refused_logged[kind] = now
@@ -401,8 +456,21 @@ class RedisState:
             if kind == "maxmemory":
                 hint = ("; Redis is at maxmemory and evicts nothing: set maxmemory-policy volatile-lru (every molctl key "
                         "has a TTL) or raise maxmemory")
+            elif kind == "readonly":
+                hint = ("; the server is a read-only replica (a failover?): proxy.store must name the primary; "
+                        "reconnecting on every refusal, Responses requests that store state get 503 meanwhile")
             log.warning("state store %s: %s refused by the server (%s)%s; counted in store_errors_total",
                         self.target.address, what, why, hint)
+
+    def unreadable(self, what: str, key: str) -> None:
+        """A stored value that is not what molctl writes there: ignored (as absent), counted, and
+        logged at most once per REFUSED_LOG_S."""
+        self.errors_total += 1
+        now = time.monotonic()
+        if now - self._refused_logged.get("unreadable", -REFUSED_LOG_S) >= REFUSED_LOG_S:
+            self._refused_logged["unreadable"] = now
+            log.warning("state store %s: an unreadable %s at %s was ignored (treated as absent; written by another "
+                        "molctl version or by hand?); counted in store_errors_total", self.target.address, what, key)
 
     def _failed(self, what: str, exc: BaseException) -> None:
         self.errors_total += 1
@@ -413,7 +481,10 @@ class RedisState:
             why = str(exc) or type(exc).__name__
             log.warning("state store %s: %s failed (%s); degraded: chat continues without shared state, "
                         "Responses requests that need it get 503 until it is back", self.target.address, what, why)
-        # a timed-out connection may hold a half-read reply: drop the pool so the next call starts clean
+        self._drop_pool()  # a timed-out connection may hold a half-read reply: the next call starts clean
+
+    def _drop_pool(self) -> None:
+        """Close the connections (in the background); the next call connects again."""
         pool, self._pool, self._idle = self._pool, None, None  # closing the pool disconnects the idle one too
         if pool is not None:
             asyncio.get_running_loop().create_task(_close_quietly(pool))
@@ -635,11 +706,12 @@ class RedisState:
                 if ok:
                     old = await self._beat_write(lambda beat=beat: self.command("SET", key, beat, "PX", int(self.heartbeat_ttl_s * 1000),
                                                                                 "GET"))
-                    if wrote and old and not warned and json.loads(old).get("instance") != instance:
+                    prior = _decode(old) if old else None
+                    if wrote and old and not warned and (prior is None or prior.get("instance") != instance):
                         warned = True
                         log.warning("replica id %s is also used by another proxy (engine %s): give each replica its own "
                                     "--replica-id; until then each takes the other's conversations for its own (no affinity)",
-                                    self.replica_id, json.loads(old).get("upstream"))
+                                    self.replica_id, (prior or {}).get("upstream"))
                     wrote = True
                 else:
                     await self._beat_write(lambda: self.command("DEL", key))
@@ -664,7 +736,10 @@ class RedisState:
                 return None
             # fresh while the key lives: its TTL runs on the Redis server's clock (the replicas'
             # wall clocks may disagree; `at` is informational)
-            upstream = json.loads(raw).get("upstream") if raw else None
+            beat = _decode(raw, upstream=str) if raw else None
+            if raw and beat is None:
+                self.unreadable("heartbeat", self._replica_key(owner))
+            upstream = beat["upstream"] if beat else None
             checked = (now, upstream)
             self._peers[owner] = checked
         return EngineChoice(owner, checked[1]) if checked[1] else None
@@ -708,13 +783,17 @@ class RedisResponseStore:
             raw = " ".join(dict.fromkeys(reads.names)).encode() + b"\n" + raw
         await self.state.put(self._key(record["tenant"], record["id"]), "r", raw)
 
-    def _fresh(self, raw: bytes) -> ResponseRecord | None:
-        record = fastjson.loads(_record_json(raw))
-        return record if self.state.clock() - float(record.get("created_at", 0)) <= self.state.ttl_s else None
+    def _fresh(self, raw: bytes, key: str) -> ResponseRecord | None:
+        """The record, unless expired by its own clock or unreadable (then as absent: a 404)."""
+        record = _decode(_record_json(raw), created_at=(int, float))
+        if record is None:
+            self.state.unreadable("response", key)
+            return None
+        return record if self.state.clock() - float(record["created_at"]) <= self.state.ttl_s else None
 
     async def get_response(self, tenant: str, response_id: str) -> ResponseRecord | None:
         raw = await self.state.call("read", lambda: self.state.command("GET", self._key(tenant, response_id)))
-        return None if raw is None else self._fresh(raw)
+        return None if raw is None else self._fresh(raw, self._key(tenant, response_id))
 
     async def get_previous(self, tenant: str, response_id: str) -> ResponseRecord | None:
         """The response a request continues, and in the same round trip (one script) the current
@@ -725,9 +804,11 @@ class RedisResponseStore:
         raw = reply[0]
         if raw is None:
             return None
-        record = self._fresh(raw)
+        record = self._fresh(raw, self._key(tenant, response_id))
+        if record is None:
+            return None
         names = raw[:raw.index(b"\n")].split() if raw[:1] != b"{" else []  # ASCII whitespace, as the script splits
-        if record is not None and len(names) == len(reply) - 1:
+        if len(names) == len(reply) - 1:
             _REQUEST_READS.set(_RequestReads({n.decode(): v for n, v in zip(names, reply[1:], strict=True)}))
         return record
 
@@ -918,7 +999,10 @@ class RedisConversationStore:
         for key, raw in zip(turn_keys, values[:len(turn_keys)], strict=True):
             if raw is None:
                 continue
-            data = fastjson.loads(raw)
+            data = _decode(raw, route=str, state=str)
+            if data is None or data["state"] not in _STATES:
+                self.state.unreadable("turn", self._tkey(key))
+                continue
             record = self.cache.get_turn(key)
             if record is None:
                 record = TurnRecord(data["route"], replica=data.get("replica"))
@@ -932,7 +1016,10 @@ class RedisConversationStore:
             _apply(record, data)
         for (tenant, call_id), raw in zip(calls, values[len(turn_keys):], strict=True):
             if raw is not None and self.cache.get_call(tenant, call_id) is None:
-                data = fastjson.loads(raw)
+                data = _decode(raw, route=str, name=(str, type(None)))
+                if data is None or "arguments" not in data:
+                    self.state.unreadable("tool-call binding", self._ckey(tenant, call_id))
+                    continue
                 self.cache.put_call(tenant, call_id, CallBinding(data["route"], data["arguments"], data["name"], data.get("replica")))
         return added
 
@@ -946,7 +1033,10 @@ class RedisConversationStore:
             except StoreUnavailable:
                 return
             if raw is not None and not record.done.is_set():
-                data = fastjson.loads(raw)
+                data = _decode(raw, route=str, state=str)
+                if data is None or data["state"] not in _STATES:  # replaced by something unreadable: fold without it
+                    self.state.unreadable("turn", self._tkey(key))
+                    data = {"state": "failed"}
                 if data.get("state") != "pending":
                     _apply(record, data)
 
@@ -1009,7 +1099,7 @@ def describe_sync(target: RedisTarget, password: str | None, profile: str) -> di
                 "responses_evicted": evicted.get("r_evicted", 0), "conversation_evicted": evicted.get("conv_evicted", 0),
                 "replicas": replicas}
     except redis.RedisError as exc:
-        raise unreachable_error(target, str(exc) or type(exc).__name__) from None
+        raise unreachable_error(target, _why(exc, password)) from None
     finally:
         client.close()
 
@@ -1039,6 +1129,6 @@ def prune_sync(target: RedisTarget, password: str | None, profile: str, ttl_s: f
             out[name + "evicted"] = len(victims)
         return out
     except redis.RedisError as exc:
-        raise unreachable_error(target, str(exc) or type(exc).__name__) from None
+        raise unreachable_error(target, _why(exc, password)) from None
     finally:
         client.close()
