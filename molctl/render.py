@@ -92,7 +92,6 @@ class RenderOptions:
     # systemd
     api_key_file: Path | None = None
     state_dir: Path | None = None
-    profiles_dirs: list[Path] = field(default_factory=list)
     user: str | None = None
 
 
@@ -386,7 +385,10 @@ def render_systemd(name: str, dirs: list[Path], opts: RenderOptions, warnings: l
         raise UsageError(f"--user {opts.user!r}: expected a user name")
     overrides = [*opts.overrides, *_store_overrides(opts)]
     state_dir = Path(opts.state_dir).absolute() if opts.state_dir else None
-    profiles_dirs = [Path(d).resolve() for d in opts.profiles_dirs]
+    # Every folder this invocation searched after the built-in one (`dirs` = profile_dirs(): the
+    # MOLCTL_PROFILES_DIR folders that exist, then --profiles-dir), named on the units' argv: `up`'s
+    # proxy inherits MOLCTL_PROFILES_DIR, a unit does not inherit the renderer's environment.
+    profiles_dirs = [Path(d).resolve() for d in dirs[1:] if Path(d).is_dir()]
     stack = load_stack(name, dirs, overrides, opts, key_args=key_args, python=sys.executable, state_dir=state_dir,
                        proxy_profiles_dirs=profiles_dirs)
     profile = stack.profile

@@ -1,0 +1,98 @@
+"""Found by the render review (an SRE deploying the output, a new user): each test failed before
+its fix. The systemd command lines are split as systemd 252 splits them (`_systemd_words`), not
+as a shell would."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from molctl.errors import ExitStatus
+from tests.helpers import Molctl
+
+IMAGE = "registry.example/molctl:1"
+_ESCAPES = {"a": "\a", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t", "v": "\v", "\\": "\\", '"': '"', "'": "'",
+            "s": " "}
+
+
+@pytest.fixture
+def render(tmp_path, monkeypatch) -> Molctl:
+    monkeypatch.delenv("MOLCTL_PROFILES_DIR", raising=False)
+    return Molctl(tmp_path / "never-created", in_process=True)
+
+
+def _systemd_words(value: str, *, exec_line: bool) -> list[str]:
+    """A unit setting's words as systemd reads them (src/core/load-fragment.c, extract_first_word
+    with EXTRACT_UNQUOTE|EXTRACT_CUNESCAPE): `%%` is `%` (any other `%X` is a specifier: refused
+    here), single and double quotes group, C escapes are decoded; on an Exec line `$$` is `$` (a
+    lone `$VAR` would be expanded: refused here)."""
+    if re.search(r"%[^%]", value.replace("%%", "")):
+        raise AssertionError(f"a systemd specifier in {value!r}")
+    value = value.replace("%%", "%")
+    words, i = [], 0
+    while True:
+        while i < len(value) and value[i] in " \t":
+            i += 1
+        if i >= len(value):
+            return words
+        word, quote = [], None
+        while i < len(value):
+            c = value[i]
+            if c == "\\":
+                nxt = value[i + 1:i + 2]
+                word.append(_ESCAPES.get(nxt, "\\" + nxt))
+                i += 2
+            elif quote:
+                quote = None if c == quote else quote
+                word += [] if quote is None else [c]
+                i += 1
+            elif c in " \t":
+                break
+            elif c in "\"'":
+                quote, i = c, i + 1
+            else:
+                word.append(c)
+                i += 1
+        assert quote is None, f"unterminated quote in {value!r}"
+        text = "".join(word)
+        if exec_line:
+            assert "$" not in text.replace("$$", ""), f"systemd would expand a variable in {text!r}"
+            text = text.replace("$$", "$")
+        words.append(text)
+
+
+def _unit(text: str) -> dict[str, list[str]]:
+    """`{key: [values]}` of one unit file (sections merged, repeated keys kept)."""
+    out: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        if "=" in line and not line.startswith(("#", "[")):
+            key, _, value = line.partition("=")
+            out.setdefault(key, []).append(value)
+    return out
+
+
+def _render_units(render: Molctl, tmp_path: Path, profile: str, *args: str, env: dict | None = None) -> dict[str, dict]:
+    out = tmp_path / "units"
+    result = render("render", "systemd", profile, *args, "--output", str(out), env=env)
+    assert result.exit_code == ExitStatus.OK, result.stderr
+    return {p.name.rsplit("-", 1)[1].removesuffix(".service"): _unit(p.read_text()) for p in out.iterdir()}
+
+
+# ------------------------------------------------------------------------------------ systemd
+
+def test_systemd_units_name_the_profile_folders_of_molctl_profiles_dir(render, tmp_path):
+    """A profile found through MOLCTL_PROFILES_DIR: `up` passes the variable on to the proxy it
+    spawns, but a unit does not inherit the renderer's environment: the proxy (and the readiness
+    wait) were started without that folder and failed with 'no profile named ...'."""
+    folder = tmp_path / "my profiles"
+    folder.mkdir()
+    source = (Path(__file__).resolve().parent.parent / "profiles" / "tiny.yaml").read_text()
+    (folder / "mine.yaml").write_text(source.replace("name: tiny", "name: mine", 1))
+    env = {"MOLCTL_PROFILES_DIR": f"{tmp_path / 'missing'}:{folder}"}
+    units = _render_units(render, tmp_path, "mine", "--allow-unauthenticated", env=env)
+    for unit, key in (("proxy", "ExecStart"), ("engine", "ExecStartPost")):  # the proxy, the engine's readiness wait
+        argv = _systemd_words(units[unit][key][0], exec_line=True)
+        dirs = [argv[i + 1] for i, a in enumerate(argv) if a == "--profiles-dir"]
+        assert dirs == [str(folder.resolve())], (unit, key, argv)  # a folder that does not exist is skipped, as up skips it
