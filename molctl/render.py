@@ -423,7 +423,7 @@ def render_systemd(name: str, dirs: list[Path], opts: RenderOptions, warnings: l
         *([f"UnsetEnvironment={' '.join(profile.engine.unset_env)}"] if profile.engine.unset_env else []),
         "KillMode=control-group",
         f"TimeoutStartSec={math.ceil(profile.engine.start_timeout_s) + WAIT_MARGIN_S}",
-        f"TimeoutStopSec={math.ceil(opts.stop_timeout_s)}",
+        f"TimeoutStopSec={_systemd_seconds(opts.stop_timeout_s)}",
         "Restart=on-failure",
         "RestartSec=10",
         "",
@@ -446,7 +446,7 @@ def render_systemd(name: str, dirs: list[Path], opts: RenderOptions, warnings: l
         "KillMode=control-group",
         "KillSignal=SIGTERM",
         f"TimeoutStartSec={math.ceil(PROXY_READY_TIMEOUT_S) + WAIT_MARGIN_S}",
-        f"TimeoutStopSec={math.ceil(opts.drain_timeout_s + STOP_MARGIN_S)}",
+        f"TimeoutStopSec={_systemd_seconds(opts.drain_timeout_s + STOP_MARGIN_S)}",
         "Restart=on-failure",
         "RestartSec=5",
         "",
@@ -459,6 +459,13 @@ def render_systemd(name: str, dirs: list[Path], opts: RenderOptions, warnings: l
             raise UsageError(f"systemd: {line.split('=', 1)[0]}= would hold a line break (which would start another "
                              f"directive), at ...{line[max(0, at - 60):at + 60]!r}...")
     return {engine_unit: "\n".join(engine_lines) + "\n", proxy_unit: "\n".join(proxy_lines) + "\n"}
+
+
+def _systemd_seconds(seconds: float) -> int:
+    """A Timeout*Sec= value: whole seconds, rounded up, at least 1. systemd reads 0 as no timeout
+    at all (load-fragment.c config_parse_service_timeout: 0 becomes USEC_INFINITY), the opposite of
+    `--stop-timeout 0` (SIGKILL right after SIGTERM)."""
+    return max(1, math.ceil(seconds))
 
 
 def _user_warnings(user: str | None, paths: list[Path | None]) -> list[str]:

@@ -96,3 +96,13 @@ def test_systemd_units_name_the_profile_folders_of_molctl_profiles_dir(render, t
         argv = _systemd_words(units[unit][key][0], exec_line=True)
         dirs = [argv[i + 1] for i, a in enumerate(argv) if a == "--profiles-dir"]
         assert dirs == [str(folder.resolve())], (unit, key, argv)  # a folder that does not exist is skipped, as up skips it
+
+
+def test_systemd_stop_timeout_zero_is_not_an_infinite_stop(render, tmp_path):
+    """`--stop-timeout 0` (SIGKILL right after SIGTERM, as `down --stop-timeout 0`) was rendered
+    `TimeoutStopSec=0`, which systemd reads as no timeout at all (load-fragment.c,
+    config_parse_service_timeout: 0 becomes USEC_INFINITY): a hung engine was never killed."""
+    units = _render_units(render, tmp_path, "tiny", "--allow-unauthenticated", "--stop-timeout", "0", "--drain-timeout", "0")
+    for unit in ("engine", "proxy"):
+        for key in ("TimeoutStopSec", "TimeoutStartSec"):
+            assert int(units[unit][key][0]) >= 1, (unit, key)
