@@ -407,7 +407,8 @@ def render_systemd(name: str, dirs: list[Path], opts: RenderOptions, warnings: l
     user = [f"User={opts.user}"] if opts.user else []
     engine_lines = [
         "[Unit]",
-        f"Description=molctl {name}: {profile.engine.kind} engine ({profile.engine.served_name}, {profile.engine.gpus} GPUs)",
+        f"Description=molctl {name}: {profile.engine.kind} engine ({_no_specifiers(profile.engine.served_name)}, "
+        f"{profile.engine.gpus} GPUs)",
         "After=network-online.target",
         "Wants=network-online.target",
         "",
@@ -432,7 +433,7 @@ def render_systemd(name: str, dirs: list[Path], opts: RenderOptions, warnings: l
     ]
     proxy_lines = [
         "[Unit]",
-        f"Description=molctl {name}: MoL proxy ({profile.served_model_name}, port {profile.proxy.port})",
+        f"Description=molctl {name}: MoL proxy ({_no_specifiers(profile.served_model_name)}, port {profile.proxy.port})",
         f"Requires={engine_unit}",
         f"After={engine_unit}",
         "",
@@ -493,6 +494,11 @@ def _exec_line(argv: list[str]) -> str:
         escaped = word.replace("\\", "\\\\").replace('"', '\\"').replace("$", "$$").replace("%", "%%")
         words.append(escaped if escaped and re.match(r"^[-\w./:=,+@]+$", escaped) else f'"{escaped}"')
     return " ".join(words)
+
+
+def _no_specifiers(text: str) -> str:
+    """`%` written `%%`: systemd expands specifiers (`%i`, `%n`, ...) in Description= too."""
+    return text.replace("%", "%%")
 
 
 def _env_assignment(key: str, value: str) -> str:

@@ -106,3 +106,14 @@ def test_systemd_stop_timeout_zero_is_not_an_infinite_stop(render, tmp_path):
     for unit in ("engine", "proxy"):
         for key in ("TimeoutStopSec", "TimeoutStartSec"):
             assert int(units[unit][key][0]) >= 1, (unit, key)
+
+
+def test_systemd_description_escapes_specifiers(render, tmp_path):
+    """Description= is subject to specifier expansion: a served model name `Tiny %i 100%` became
+    `Tiny  100` plus a bad-specifier error in the journal (`%i` the empty instance)."""
+    units = _render_units(render, tmp_path, "tiny", "--allow-unauthenticated", "--set", "served_model_name=Tiny %i 100%",
+                          "--set", "engine.served_name=base%n")
+    for unit, text in (("proxy", "Tiny %i 100%"), ("engine", "base%n")):
+        description = units[unit]["Description"][0]
+        assert not re.search(r"%[^%]", description.replace("%%", "")), description
+        assert text in description.replace("%%", "%")
