@@ -236,9 +236,9 @@ def _affinity_warnings(profile: Profile, opts: RenderOptions) -> list[str]:
 
 
 def k8s_escape(argv: list[str]) -> list[str]:
-    """`$` doubled: Kubernetes expands `$(VAR)` in command and args and reads `$$` as `$`, so the
-    container runs exactly `argv`. The --proxy-arg values are not escaped: `$(POD_NAME)` in them
-    is meant to expand."""
+    """`$` doubled: Kubernetes expands `$(VAR)` in command, args and env values and reads `$$` as
+    `$`, so the container runs exactly `argv` (gets exactly the value). The --proxy-arg values are
+    not escaped: `$(POD_NAME)` in them is meant to expand."""
     return [a.replace("$", "$$") for a in argv]
 
 
@@ -262,7 +262,8 @@ def _pod_spec(stack: Stack, opts: RenderOptions, obj_name: str, password_ref: di
     exec_probe = {"exec": {"command": [engine_python, "-c", PROBE_SCRIPT, engine_health, str(engine.health_timeout_s + 2)]},
                   "timeoutSeconds": probe_timeout}
     proxy_port = profile.proxy.port
-    env_vars = [{"name": k, "value": v} for k, v in stack.engine_env.items()]  # no secrets: load_stack refuses them
+    # no secrets (load_stack refuses them); `$` doubled: Kubernetes expands `$(VAR)` in env values as in args
+    env_vars = [{"name": k, "value": k8s_escape([v])[0]} for k, v in stack.engine_env.items()]
     engine_container = {
         "name": "engine",
         "image": opts.engine_image or opts.image,

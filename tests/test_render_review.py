@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 from molctl.errors import ExitStatus
 from tests.helpers import Molctl
@@ -117,3 +118,37 @@ def test_systemd_description_escapes_specifiers(render, tmp_path):
         description = units[unit]["Description"][0]
         assert not re.search(r"%[^%]", description.replace("%%", "")), description
         assert text in description.replace("%%", "%")
+
+
+# ------------------------------------------------------------------------------------ Kubernetes
+
+def _k8s(render: Molctl, profile: str, *extra: str) -> list[dict]:
+    result = render("render", "k8s", profile, "--image", IMAGE, *extra)
+    assert result.exit_code == ExitStatus.OK, result.stderr
+    return [d for d in yaml.safe_load_all(result.stdout) if d is not None]
+
+
+def _containers(objects: list[dict]) -> dict[str, dict]:
+    sts = next(o for o in objects if o["kind"] == "StatefulSet")
+    return {c["name"]: c for c in sts["spec"]["template"]["spec"]["containers"]}
+
+
+def _k8s_expand(value: str, defined: dict[str, str]) -> str:
+    """What the kubelet makes of an env value or an arg (k8s.io/kubernetes third_party/forked/
+    golang/expansion): `$$` is `$`, `$(NAME)` of a variable defined before it is its value."""
+    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+                  lambda m: "$" if m.group(0) == "$$" else defined.get(m.group(1), m.group(0)), value)
+
+
+def test_k8s_engine_env_values_survive_kubernetes_expansion(render):
+    """Kubernetes expands `$(VAR)` and reads `$$` as `$` in env values as in args (EnvVar.value):
+    the args were escaped, the engine's `engine.env` values were not, so `a$$b` reached the engine
+    as `a$b` and `$(HOME)` as another variable's value, not what `up` sets."""
+    value = "a$$b $(POD_NAME) $(HF_HUB_OFFLINE) 100%"
+    objects = _k8s(render, "tiny", "--set", f"engine.env.WEIRD={value}")
+    env = _containers(objects)["engine"]["env"]
+    defined: dict[str, str] = {}
+    for var in env:  # each value expanded against the variables defined before it, as the kubelet does
+        defined[var["name"]] = _k8s_expand(var["value"], defined)
+    assert defined["WEIRD"] == value
+    assert defined["HF_HUB_OFFLINE"] == "1"
