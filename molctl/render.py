@@ -175,8 +175,12 @@ def render_k8s(name: str, dirs: list[Path], opts: RenderOptions) -> tuple[list[d
         key_args = ["--allow-unauthenticated"]
     else:
         key_args = ["--api-key-file", f"{KEYS_MOUNT}/{KEYS_SECRET_KEY}"]
-    # The proxy listens on the pod IP (the Service reaches it there); the user's --set may say otherwise.
+    # The proxy listens on the pod IP (the Service reaches it there), and so does its metrics
+    # listener where the profile has one (a scrape reaches the pod IP, the Service never exposes
+    # it); the user's --set may say otherwise.
     overrides = [("proxy.host", "0.0.0.0"), *opts.overrides, *_store_overrides(opts)]
+    if stackconfig.load(name, dirs, overrides)[0].proxy.metrics_port:
+        overrides.insert(1, ("proxy.metrics_host", "0.0.0.0"))
     stack = load_stack(name, dirs, overrides, opts, key_args=key_args, python=opts.python, state_dir=Path(STATE_MOUNT),
                        proxy_profiles_dirs=[Path(PROFILES_MOUNT)], default_engine_python=opts.python)
     labels = {"app.kubernetes.io/name": "molctl", "app.kubernetes.io/instance": obj_name,
@@ -290,7 +294,7 @@ def _pod_spec(stack: Stack, opts: RenderOptions, obj_name: str, password_ref: di
     if password_ref is not None:
         downward.append({"name": STORE_PASSWORD_ENV, "valueFrom": {"secretKeyRef": password_ref}})
     ports = [{"name": "http", "containerPort": proxy_port, "protocol": "TCP"}]
-    metrics_port = getattr(profile.proxy, "metrics_port", None)  # the proxy's metrics listener, where the profile has one
+    metrics_port = profile.proxy.metrics_port  # the proxy's metrics listener (on the pod IP), where the profile has one
     if metrics_port:
         ports.append({"name": "metrics", "containerPort": metrics_port, "protocol": "TCP"})
     readyz_timeout = math.ceil(max(2.0, engine.health_timeout_s)) + 3

@@ -152,3 +152,30 @@ def test_k8s_engine_env_values_survive_kubernetes_expansion(render):
         defined[var["name"]] = _k8s_expand(var["value"], defined)
     assert defined["WEIRD"] == value
     assert defined["HF_HUB_OFFLINE"] == "1"
+
+
+def _proxy_profile(objects: list[dict]):
+    """The profile the rendered proxy runs with: the file with its `--set-json` overrides."""
+    import json
+
+    from molctl import stackconfig
+    from molctl.profiles import profile_dirs
+
+    args = _containers(objects)["proxy"]["args"]
+    overrides = [tuple(o) for o in json.loads(_k8s_expand(args[args.index("--set-json") + 1], {}))]
+    return stackconfig.load(args[args.index("proxy") + 1], profile_dirs(), overrides)[0]
+
+
+def test_k8s_metrics_listener_is_reachable_on_the_pod_ip(render):
+    """proxy.metrics_port: the proxy container declared a `metrics` port for a scrape config or a
+    PodMonitor, but the listener stayed on proxy.metrics_host's default 127.0.0.1, the pod's
+    loopback, so no scrape could reach it. Render now sets proxy.metrics_host=0.0.0.0 (still not on
+    the Service); the user's --set still wins."""
+    objects = _k8s(render, "tiny", "--set", "proxy.metrics_port=9400")
+    assert _proxy_profile(objects).proxy.metrics_host == "0.0.0.0"
+    service = next(o for o in objects if o["kind"] == "Service")
+    assert [p["name"] for p in service["spec"]["ports"]] == ["http"]
+    mine = _k8s(render, "tiny", "--set", "proxy.metrics_port=9400", "--set", "proxy.metrics_host=127.0.0.1")
+    assert _proxy_profile(mine).proxy.metrics_host == "127.0.0.1"
+    without = _k8s(render, "tiny")  # no listener: nothing added
+    assert "metrics_host" not in _containers(without)["proxy"]["args"][_containers(without)["proxy"]["args"].index("--set-json") + 1]
