@@ -49,6 +49,12 @@ STOP_MARGIN_S = 15  # on top of delay + drain + engine stop in terminationGraceP
 DEFAULT_PYTHON = "python3"  # the image's interpreter (molctl's; the engine's unless engine.python is set)
 MAX_REPLICAS = 2**31 - 1  # StatefulSet spec.replicas is an int32
 DNS_LABEL = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+# The objects' NAME: a Service name is a DNS-1035 label (a letter first), and a StatefulSet's pods
+# carry the label controller-revision-hash=NAME-<10 characters>, a label value of at most 63: a
+# longer NAME is accepted by the API server but never gets a pod (kubernetes/kubernetes#64023).
+MAX_NAME = 52
+OBJECT_NAME = re.compile(r"^[a-z]([a-z0-9-]*[a-z0-9])?$")
+LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$")
 QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|K|M|G|T)?$")
 
 # Exec probes in the engine container: the engine listens on engine.host (loopback by default),
@@ -164,7 +170,9 @@ def render_k8s(name: str, dirs: list[Path], opts: RenderOptions) -> tuple[list[d
     if not opts.image:
         raise UsageError("--image is required: the container image with molctl (and the engine, unless --engine-image)")
     obj_name = opts.name or f"molctl-{name}"
-    for label, value in (("--name", obj_name), ("--namespace", opts.namespace), ("--api-key-secret", opts.api_key_secret),
+    if opts.name is not None:
+        _check_object_name("--name", opts.name)
+    for label, value in (("--namespace", opts.namespace), ("--api-key-secret", opts.api_key_secret),
                          ("--model-pvc", opts.model_pvc), ("--engine-env-secret", opts.engine_env_secret)):
         if value is not None and not DNS_LABEL.match(value):
             raise UsageError(f"{label} {value!r}: expected a DNS label (lowercase letters, digits, '-', at most 63)")
@@ -183,6 +191,12 @@ def render_k8s(name: str, dirs: list[Path], opts: RenderOptions) -> tuple[list[d
         overrides.insert(1, ("proxy.metrics_host", "0.0.0.0"))
     stack = load_stack(name, dirs, overrides, opts, key_args=key_args, python=opts.python, state_dir=Path(STATE_MOUNT),
                        proxy_profiles_dirs=[Path(PROFILES_MOUNT)], default_engine_python=opts.python)
+    if opts.name is None:  # checked once the profile is known to exist (an unknown one is exit 3)
+        _check_object_name(f"the default name {obj_name!r} (molctl-PROFILE) is not usable: give --name;", obj_name)
+    if not LABEL_VALUE.match(name):
+        raise ProfileError(f"profile {name!r}: its name is the label molctl.io/profile of every object, and is no "
+                           "Kubernetes label value (at most 63 characters, ending in a letter or digit): rename the "
+                           "profile")
     labels = {"app.kubernetes.io/name": "molctl", "app.kubernetes.io/instance": obj_name,
               "app.kubernetes.io/managed-by": "molctl", "molctl.io/profile": name}
     meta = {"name": obj_name, "labels": labels}
@@ -213,6 +227,16 @@ def render_k8s(name: str, dirs: list[Path], opts: RenderOptions) -> tuple[list[d
                         "conversations and responses; a turn that reaches another pod loses them (use --store redis://...)")
     warnings += _affinity_warnings(stack.profile, opts)
     return [config_map, service, statefulset], warnings
+
+
+def _check_object_name(label: str, value: str) -> None:
+    """NAME, or the default molctl-PROFILE: what the API server and the StatefulSet controller take."""
+    if OBJECT_NAME.match(value) and len(value) <= MAX_NAME:
+        return
+    shown = label if label.endswith(";") else f"{label} {value!r}:"
+    raise UsageError(f"{shown} expected at most {MAX_NAME} lowercase letters, digits and '-', starting with a letter "
+                     "and ending with a letter or digit (a Service name; each pod of the StatefulSet carries the label "
+                     f"controller-revision-hash=NAME-<10 characters>, at most 63)")
 
 
 def _affinity_warnings(profile: Profile, opts: RenderOptions) -> list[str]:

@@ -179,3 +179,52 @@ def test_k8s_metrics_listener_is_reachable_on_the_pod_ip(render):
     assert _proxy_profile(mine).proxy.metrics_host == "127.0.0.1"
     without = _k8s(render, "tiny")  # no listener: nothing added
     assert "metrics_host" not in _containers(without)["proxy"]["args"][_containers(without)["proxy"]["args"].index("--set-json") + 1]
+
+
+def _one_line_error(result, status: ExitStatus) -> str:
+    assert result.exit_code == status, (result.exit_code, result.stderr)
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("molctl: error: "), result.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("bad", ["a" * 53, "1molctl"])
+def test_k8s_name_the_api_server_or_the_statefulset_controller_would_refuse(render, bad):
+    """`--name` accepted any DNS label of up to 63: a Service name must start with a letter
+    (DNS-1035), and a StatefulSet named over 52 characters is accepted by the API server but never
+    gets a pod: each pod carries the label controller-revision-hash=NAME-<10 characters>, a
+    label value of at most 63 (kubernetes/kubernetes#64023)."""
+    line = _one_line_error(render("render", "k8s", "tiny", "--image", IMAGE, "--name", bad), ExitStatus.USAGE)
+    assert f"--name {bad!r}" in line and "52" in line
+    assert _k8s(render, "tiny", "--name", "a" * 52)  # the longest that works
+
+
+def test_k8s_default_name_of_a_long_profile_says_to_give_name(render, tmp_path):
+    """A profile named over 45 characters: the default name molctl-PROFILE is too long, and the
+    error blamed `--name`, which the user never gave."""
+    folder = tmp_path / "profiles"
+    folder.mkdir()
+    long = "a-very-long-profile-name-for-the-staging-cluster-x"
+    source = (Path(__file__).resolve().parent.parent / "profiles" / "tiny.yaml").read_text()
+    (folder / f"{long}.yaml").write_text(source.replace("name: tiny", f"name: {long}", 1))
+    cli = Molctl(tmp_path / "never-created", [folder], in_process=True)
+    line = _one_line_error(cli("render", "k8s", long, "--image", IMAGE), ExitStatus.USAGE)
+    assert f"the default name 'molctl-{long}'" in line and "give --name" in line
+    result = cli("render", "k8s", long, "--image", IMAGE, "--name", "staging")
+    assert result.exit_code == ExitStatus.OK, result.stderr
+    unknown = cli("render", "k8s", long + "-nosuch", "--image", IMAGE)  # an unknown profile is still exit 3
+    assert unknown.exit_code == ExitStatus.CHECK_FAILED and "no profile named" in unknown.stderr
+
+
+def test_k8s_profile_name_that_is_no_label_value_is_refused(render, tmp_path):
+    """A profile named `tiny-` (the profile rule allows a trailing '-'): every object carried the
+    label molctl.io/profile=tiny-, which the API server refuses (a label value ends in a letter or
+    digit); render wrote it and blamed nothing."""
+    folder = tmp_path / "profiles"
+    folder.mkdir()
+    source = (Path(__file__).resolve().parent.parent / "profiles" / "tiny.yaml").read_text()
+    (folder / "tiny-.yaml").write_text(source.replace("name: tiny", "name: tiny-", 1))
+    cli = Molctl(tmp_path / "never-created", [folder], in_process=True)
+    line = _one_line_error(cli("render", "k8s", "tiny-", "--image", IMAGE, "--name", "tiny"), ExitStatus.CHECK_FAILED)
+    assert "'tiny-'" in line and "label value" in line
