@@ -48,6 +48,7 @@ WAIT_MARGIN_S = 10  # TimeoutStartSec over the ExecStartPost wait's --timeout: t
 STOP_MARGIN_S = 15  # on top of delay + drain + engine stop in terminationGracePeriodSeconds / TimeoutStopSec
 DEFAULT_PYTHON = "python3"  # the image's interpreter (molctl's; the engine's unless engine.python is set)
 MAX_REPLICAS = 2**31 - 1  # StatefulSet spec.replicas is an int32
+SECRET_ARG_RE = re.compile(r"(^|[-_])(key|token|secret|password|passwd|credentials?)($|[-_])", re.IGNORECASE)
 DNS_LABEL = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 # The objects' NAME: a Service name is a DNS-1035 label (a letter first), and a StatefulSet's pods
 # carry the label controller-revision-hash=NAME-<10 characters>, a label value of at most 63: a
@@ -132,9 +133,27 @@ def load_stack(name: str, dirs: list[Path], overrides: list[tuple[str, Any]], op
                            "password (scheme://user:pass@host), and render never writes secrets into manifests or units: "
                            "give the variable to the engine from a Secret (render k8s --engine-env-secret) or the engine "
                            "unit's EnvironmentFile")
+    _refuse_secret_args(profile, config["source"])
     up_opts = UpOptions(overrides=overrides, drain_timeout_s=opts.drain_timeout_s, profiles_dirs=proxy_profiles_dirs)
     proxy = proxy_argv(profile, up_opts, key_args, engine_upstream(profile), python=python, state_dir=state_dir)
     return Stack(profile, config, engine_argv(profile), engine_env(profile, base={}), proxy)
+
+
+def _refuse_secret_args(profile: Profile, source: str) -> None:
+    """An engine flag that is a secret (`api-key`, `hf-token`: a word of its name is KEY, TOKEN,
+    SECRET, PASSWORD, PASSWD or CREDENTIAL; `max-num-batched-tokens` and `ssl-keyfile` are not), or
+    whose value is a URL with a user name or password: it would be written in clear into the
+    args, the proxy's --set-json, the ConfigMap or ExecStart=."""
+    for flag, value in profile.engine.args.items():
+        if SECRET_ARG_RE.search(flag):
+            why = "its name says it is a secret"
+        elif any(URL_CREDENTIALS_RE.search(str(v)) for v in (value if isinstance(value, list) else [value])):
+            why = "its value is a URL with a user name or password (scheme://user:pass@host)"
+        else:
+            continue
+        raise ProfileError(f"{source}: field 'engine.args.{flag}': {why}, and render never writes secrets into "
+                           "manifests or units: give it to the engine through its environment (e.g. VLLM_API_KEY, "
+                           "HF_TOKEN) from a Secret (render k8s --engine-env-secret) or the engine unit's EnvironmentFile")
 
 
 def _check_common(opts: RenderOptions) -> None:

@@ -228,3 +228,21 @@ def test_k8s_profile_name_that_is_no_label_value_is_refused(render, tmp_path):
     cli = Molctl(tmp_path / "never-created", [folder], in_process=True)
     line = _one_line_error(cli("render", "k8s", "tiny-", "--image", IMAGE, "--name", "tiny"), ExitStatus.CHECK_FAILED)
     assert "'tiny-'" in line and "label value" in line
+
+
+@pytest.mark.parametrize(("flag", "value", "secret"), [
+    ("api-key", "sk-engine-123", "sk-engine-123"),  # vLLM / SGLang --api-key
+    ("hf-token", "hf_abc123", "hf_abc123"),  # vLLM --hf-token
+    ("otlp-traces-endpoint", "https://user:s3cr3t@otel.internal:4318", "s3cr3t"),
+])
+def test_a_secret_in_engine_args_is_refused(render, flag, value, secret):
+    """Render refused secrets in engine.env but wrote `engine.args.api-key` (and a URL with a
+    password) in clear into the container args, the proxy's --set-json and the ConfigMap, or the
+    units' ExecStart=: 'render never writes a secret' (contract, section 9)."""
+    for kind in (("k8s", "--image", IMAGE), ("systemd", "--allow-unauthenticated")):
+        result = render("render", kind[0], "tiny", *kind[1:], "--set", f"engine.args.{flag}={value}")
+        line = _one_line_error(result, ExitStatus.CHECK_FAILED)
+        assert f"engine.args.{flag}" in line and secret not in line
+    for harmless in ("max-num-batched-tokens=8192", "tokenizer-mode=auto", "ssl-keyfile=/etc/tls/key.pem"):
+        ok = render("render", "k8s", "tiny", "--image", IMAGE, "--set", f"engine.args.{harmless}")
+        assert ok.exit_code == ExitStatus.OK, ok.stderr
