@@ -61,12 +61,21 @@ QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|K|M|G|T)?$")
 # Exec probes in the engine container: the engine listens on engine.host (loopback by default),
 # which the kubelet's httpGet (to the pod IP) cannot reach; the engine's own Python can.
 PROBE_SCRIPT = "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=float(sys.argv[2]))"
-WAIT_GONE_SCRIPT = """import sys, time, urllib.request
-deadline = time.monotonic() + float(sys.argv[2])
-while time.monotonic() < deadline:
+# The engine's preStop: the kubelet runs it when the pod stops, and also when it restarts the
+# engine container alone after a failed liveness or startup probe (Kubernetes, "Container
+# Lifecycle Hooks"). Only in the first case does the proxy drain: wait while its /health says
+# "draining" (up to argv[3] s) and until it stops answering; a proxy still "ok" argv[1] s after the
+# start (its own preStop delay plus a margin) is not stopping, so the engine is stopped at once.
+DRAIN_SEEN_WITHIN_S = PRESTOP_DELAY_S + 5
+WAIT_GONE_SCRIPT = """import json, sys, time, urllib.request
+start = time.monotonic()
+while time.monotonic() - start < float(sys.argv[3]):
     try:
-        urllib.request.urlopen(sys.argv[1], timeout=2)
+        with urllib.request.urlopen(sys.argv[2], timeout=2) as answer:
+            draining = json.load(answer).get("status") == "draining"
     except Exception:
+        break
+    if not draining and time.monotonic() - start >= float(sys.argv[1]):
         break
     time.sleep(1)
 """
@@ -326,7 +335,7 @@ def _pod_spec(stack: Stack, opts: RenderOptions, obj_name: str, password_ref: di
                          "failureThreshold": math.ceil(profile.engine.start_timeout_s / STARTUP_PERIOD_S)},
         "livenessProbe": {**exec_probe, "periodSeconds": 30, "failureThreshold": 3},
         "lifecycle": {"preStop": {"exec": {"command": [
-            engine_python, "-c", WAIT_GONE_SCRIPT, f"http://127.0.0.1:{proxy_port}/health",
+            engine_python, "-c", WAIT_GONE_SCRIPT, str(DRAIN_SEEN_WITHIN_S), f"http://127.0.0.1:{proxy_port}/health",
             str(math.ceil(PRESTOP_DELAY_S + opts.drain_timeout_s + STOP_MARGIN_S))]}}},
     }
     if profile.engine.gpus > 0:

@@ -246,3 +246,76 @@ def test_a_secret_in_engine_args_is_refused(render, flag, value, secret):
     for harmless in ("max-num-batched-tokens=8192", "tokenizer-mode=auto", "ssl-keyfile=/etc/tls/key.pem"):
         ok = render("render", "k8s", "tiny", "--image", IMAGE, "--set", f"engine.args.{harmless}")
         assert ok.exit_code == ExitStatus.OK, ok.stderr
+
+
+class _ProxyHealth:
+    """A stand-in for the proxy's GET /health on 127.0.0.1: `{"status": "ok"}` until `drain_at`
+    seconds, `{"status": "draining"}` until `gone_at`, then nothing listens (the proxy exited)."""
+
+    def __init__(self, drain_at: float, gone_at: float):
+        import http.server
+        import json
+        import threading
+        import time
+
+        start = time.monotonic()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 (the http.server name)
+                status = "ok" if time.monotonic() - start < drain_at else "draining"
+                body = json.dumps({"status": status}).encode()
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.timer = threading.Timer(gone_at, self.close)
+        self.timer.start()
+
+    def close(self) -> None:
+        self.timer.cancel()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_k8s_engine_prestop_waits_for_a_draining_proxy_only(render):
+    """The engine's preStop waited until the proxy's /health stopped answering, up to the whole
+    drain budget. But the kubelet runs a preStop also when it restarts the container alone after a
+    failed liveness or startup probe (Container Lifecycle Hooks: 'due to an API request or
+    management event such as a liveness/startup probe failure'): the proxy keeps running, so a hung
+    engine was restarted only after 5 + drain + 15 s (620 s by default). Now it waits only while
+    the proxy drains (/health says `draining`), which it does within the proxy's preStop delay."""
+    import subprocess
+    import sys
+    import time
+
+    from molctl.render import PRESTOP_DELAY_S
+
+    restart, pod_stop = _ProxyHealth(drain_at=1e9, gone_at=60), _ProxyHealth(drain_at=1, gone_at=PRESTOP_DELAY_S + 7)
+    runs: dict[str, tuple[float, subprocess.Popen]] = {}
+    try:
+        for label, proxy in (("restart", restart), ("pod_stop", pod_stop)):
+            objects = _k8s(render, "tiny", "--python", sys.executable, "--drain-timeout", "30",
+                           "--set", f"proxy.port={proxy.port}")
+            command = _containers(objects)["engine"]["lifecycle"]["preStop"]["exec"]["command"]
+            runs[label] = (time.monotonic(), subprocess.Popen(command))
+        took = {}
+        for label, (started, proc) in runs.items():
+            proc.wait(timeout=40)
+            took[label] = time.monotonic() - started
+    finally:
+        restart.close()
+        pod_stop.close()
+        for _, proc in runs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert took["restart"] < PRESTOP_DELAY_S + 8, took  # the engine alone restarts: no wait for a drain
+    assert took["pod_stop"] >= PRESTOP_DELAY_S + 6, took  # the pod stops: waits until the proxy has drained and exited
