@@ -315,8 +315,12 @@ def _pod_spec(stack: Stack, opts: RenderOptions, obj_name: str, password_ref: di
     engine_python = stack.engine_argv[0]
     engine_health = f"{engine_upstream(profile)}/health"
     probe_timeout = math.ceil(engine.health_timeout_s) + 4  # the exec's own Python start-up included
+    # A failed liveness or startup probe restarts the engine container alone: within this grace (the
+    # preStop's wait for a drain that does not come, the engine's stop, the margin), not the pod's,
+    # which is sized for the proxy's whole drain.
     exec_probe = {"exec": {"command": [engine_python, "-c", PROBE_SCRIPT, engine_health, str(engine.health_timeout_s + 2)]},
-                  "timeoutSeconds": probe_timeout}
+                  "timeoutSeconds": probe_timeout,
+                  "terminationGracePeriodSeconds": math.ceil(DRAIN_SEEN_WITHIN_S + opts.stop_timeout_s + STOP_MARGIN_S)}
     proxy_port = profile.proxy.port
     # no secrets (load_stack refuses them); `$` doubled: Kubernetes expands `$(VAR)` in env values as in args
     env_vars = [{"name": k, "value": k8s_escape([v])[0]} for k, v in stack.engine_env.items()]

@@ -319,3 +319,23 @@ def test_k8s_engine_prestop_waits_for_a_draining_proxy_only(render):
                 proc.wait()
     assert took["restart"] < PRESTOP_DELAY_S + 8, took  # the engine alone restarts: no wait for a drain
     assert took["pod_stop"] >= PRESTOP_DELAY_S + 6, took  # the pod stops: waits until the proxy has drained and exited
+
+
+def test_k8s_engine_restart_after_a_failed_probe_has_its_own_grace(render):
+    """A failed liveness or startup probe restarts the engine container within the pod's
+    terminationGracePeriodSeconds (680 s by default: sized for the proxy's whole drain) unless the
+    probe names its own (Probe.terminationGracePeriodSeconds, GA in 1.28): a hung engine that
+    ignores SIGTERM was SIGKILLed only after 11 minutes. Its budget is the preStop's wait for a
+    drain that does not come, the engine's --stop-timeout and the margin."""
+    import kubernetes_validate
+
+    from molctl.render import DRAIN_SEEN_WITHIN_S, STOP_MARGIN_S
+
+    objects = _k8s(render, "venti", "--stop-timeout", "90")
+    engine = _containers(objects)["engine"]
+    pod_grace = next(o for o in objects if o["kind"] == "StatefulSet")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    for probe in ("startupProbe", "livenessProbe"):
+        grace = engine[probe]["terminationGracePeriodSeconds"]
+        assert DRAIN_SEEN_WITHIN_S + 90 <= grace <= DRAIN_SEEN_WITHIN_S + 90 + STOP_MARGIN_S < pod_grace, (probe, grace)
+    for obj in objects:
+        kubernetes_validate.validate(obj, "1.30.0", strict=True)
