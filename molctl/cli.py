@@ -712,8 +712,7 @@ def render_systemd_cmd(
 
     opts = RenderOptions(overrides=overrides_from(model_root, set_), drain_timeout_s=drain_timeout, stop_timeout_s=stop_timeout,
                          store=store, allow_unauthenticated=allow_unauthenticated, proxy_args=list(proxy_arg),
-                         api_key_file=api_key_file, state_dir=ctx.obj.state_dir, profiles_dirs=list(ctx.obj.profiles_dirs),
-                         user=user)
+                         api_key_file=api_key_file, state_dir=ctx.obj.state_dir, user=user)
     warnings: list[str] = []
     units = render_systemd(profile, ctx.obj.dirs(), opts, warnings)
     _render_out(units, systemd_stream(units), output, warnings)

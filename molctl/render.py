@@ -48,18 +48,34 @@ WAIT_MARGIN_S = 10  # TimeoutStartSec over the ExecStartPost wait's --timeout: t
 STOP_MARGIN_S = 15  # on top of delay + drain + engine stop in terminationGracePeriodSeconds / TimeoutStopSec
 DEFAULT_PYTHON = "python3"  # the image's interpreter (molctl's; the engine's unless engine.python is set)
 MAX_REPLICAS = 2**31 - 1  # StatefulSet spec.replicas is an int32
+SECRET_ARG_RE = re.compile(r"(^|[-_])(key|token|secret|password|passwd|credentials?)($|[-_])", re.IGNORECASE)
 DNS_LABEL = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+# The objects' NAME: a Service name is a DNS-1035 label (a letter first), and a StatefulSet's pods
+# carry the label controller-revision-hash=NAME-<10 characters>, a label value of at most 63: a
+# longer NAME is accepted by the API server but never gets a pod (kubernetes/kubernetes#64023).
+MAX_NAME = 52
+OBJECT_NAME = re.compile(r"^[a-z]([a-z0-9-]*[a-z0-9])?$")
+LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$")
 QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|K|M|G|T)?$")
 
 # Exec probes in the engine container: the engine listens on engine.host (loopback by default),
 # which the kubelet's httpGet (to the pod IP) cannot reach; the engine's own Python can.
 PROBE_SCRIPT = "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=float(sys.argv[2]))"
-WAIT_GONE_SCRIPT = """import sys, time, urllib.request
-deadline = time.monotonic() + float(sys.argv[2])
-while time.monotonic() < deadline:
+# The engine's preStop: the kubelet runs it when the pod stops, and also when it restarts the
+# engine container alone after a failed liveness or startup probe (Kubernetes, "Container
+# Lifecycle Hooks"). Only in the first case does the proxy drain: wait while its /health says
+# "draining" (up to argv[3] s) and until it stops answering; a proxy still "ok" argv[1] s after the
+# start (its own preStop delay plus a margin) is not stopping, so the engine is stopped at once.
+DRAIN_SEEN_WITHIN_S = PRESTOP_DELAY_S + 5
+WAIT_GONE_SCRIPT = """import json, sys, time, urllib.request
+start = time.monotonic()
+while time.monotonic() - start < float(sys.argv[3]):
     try:
-        urllib.request.urlopen(sys.argv[1], timeout=2)
+        with urllib.request.urlopen(sys.argv[2], timeout=2) as answer:
+            draining = json.load(answer).get("status") == "draining"
     except Exception:
+        break
+    if not draining and time.monotonic() - start >= float(sys.argv[1]):
         break
     time.sleep(1)
 """
@@ -92,7 +108,6 @@ class RenderOptions:
     # systemd
     api_key_file: Path | None = None
     state_dir: Path | None = None
-    profiles_dirs: list[Path] = field(default_factory=list)
     user: str | None = None
 
 
@@ -127,9 +142,27 @@ def load_stack(name: str, dirs: list[Path], overrides: list[tuple[str, Any]], op
                            "password (scheme://user:pass@host), and render never writes secrets into manifests or units: "
                            "give the variable to the engine from a Secret (render k8s --engine-env-secret) or the engine "
                            "unit's EnvironmentFile")
+    _refuse_secret_args(profile, config["source"])
     up_opts = UpOptions(overrides=overrides, drain_timeout_s=opts.drain_timeout_s, profiles_dirs=proxy_profiles_dirs)
     proxy = proxy_argv(profile, up_opts, key_args, engine_upstream(profile), python=python, state_dir=state_dir)
     return Stack(profile, config, engine_argv(profile), engine_env(profile, base={}), proxy)
+
+
+def _refuse_secret_args(profile: Profile, source: str) -> None:
+    """An engine flag that is a secret (`api-key`, `hf-token`: a word of its name is KEY, TOKEN,
+    SECRET, PASSWORD, PASSWD or CREDENTIAL; `max-num-batched-tokens` and `ssl-keyfile` are not), or
+    whose value is a URL with a user name or password: it would be written in clear into the
+    args, the proxy's --set-json, the ConfigMap or ExecStart=."""
+    for flag, value in profile.engine.args.items():
+        if SECRET_ARG_RE.search(flag):
+            why = "its name says it is a secret"
+        elif any(URL_CREDENTIALS_RE.search(str(v)) for v in (value if isinstance(value, list) else [value])):
+            why = "its value is a URL with a user name or password (scheme://user:pass@host)"
+        else:
+            continue
+        raise ProfileError(f"{source}: field 'engine.args.{flag}': {why}, and render never writes secrets into "
+                           "manifests or units: give it to the engine through its environment (e.g. VLLM_API_KEY, "
+                           "HF_TOKEN) from a Secret (render k8s --engine-env-secret) or the engine unit's EnvironmentFile")
 
 
 def _check_common(opts: RenderOptions) -> None:
@@ -165,7 +198,9 @@ def render_k8s(name: str, dirs: list[Path], opts: RenderOptions) -> tuple[list[d
     if not opts.image:
         raise UsageError("--image is required: the container image with molctl (and the engine, unless --engine-image)")
     obj_name = opts.name or f"molctl-{name}"
-    for label, value in (("--name", obj_name), ("--namespace", opts.namespace), ("--api-key-secret", opts.api_key_secret),
+    if opts.name is not None:
+        _check_object_name("--name", opts.name)
+    for label, value in (("--namespace", opts.namespace), ("--api-key-secret", opts.api_key_secret),
                          ("--model-pvc", opts.model_pvc), ("--engine-env-secret", opts.engine_env_secret)):
         if value is not None and not DNS_LABEL.match(value):
             raise UsageError(f"{label} {value!r}: expected a DNS label (lowercase letters, digits, '-', at most 63)")
@@ -176,10 +211,20 @@ def render_k8s(name: str, dirs: list[Path], opts: RenderOptions) -> tuple[list[d
         key_args = ["--allow-unauthenticated"]
     else:
         key_args = ["--api-key-file", f"{KEYS_MOUNT}/{KEYS_SECRET_KEY}"]
-    # The proxy listens on the pod IP (the Service reaches it there); the user's --set may say otherwise.
+    # The proxy listens on the pod IP (the Service reaches it there), and so does its metrics
+    # listener where the profile has one (a scrape reaches the pod IP, the Service never exposes
+    # it); the user's --set may say otherwise.
     overrides = [("proxy.host", "0.0.0.0"), *opts.overrides, *_store_overrides(opts)]
+    if stackconfig.load(name, dirs, overrides)[0].proxy.metrics_port:
+        overrides.insert(1, ("proxy.metrics_host", "0.0.0.0"))
     stack = load_stack(name, dirs, overrides, opts, key_args=key_args, python=opts.python, state_dir=Path(STATE_MOUNT),
                        proxy_profiles_dirs=[Path(PROFILES_MOUNT)], default_engine_python=opts.python)
+    if opts.name is None:  # checked once the profile is known to exist (an unknown one is exit 3)
+        _check_object_name(f"the default name {obj_name!r} (molctl-PROFILE) is not usable: give --name;", obj_name)
+    if not LABEL_VALUE.match(name):
+        raise ProfileError(f"profile {name!r}: its name is the label molctl.io/profile of every object, and is no "
+                           "Kubernetes label value (at most 63 characters, ending in a letter or digit): rename the "
+                           "profile")
     labels = {"app.kubernetes.io/name": "molctl", "app.kubernetes.io/instance": obj_name,
               "app.kubernetes.io/managed-by": "molctl", "molctl.io/profile": name}
     meta = {"name": obj_name, "labels": labels}
@@ -212,6 +257,16 @@ def render_k8s(name: str, dirs: list[Path], opts: RenderOptions) -> tuple[list[d
     return [config_map, service, statefulset], warnings
 
 
+def _check_object_name(label: str, value: str) -> None:
+    """NAME, or the default molctl-PROFILE: what the API server and the StatefulSet controller take."""
+    if OBJECT_NAME.match(value) and len(value) <= MAX_NAME:
+        return
+    shown = label if label.endswith(";") else f"{label} {value!r}:"
+    raise UsageError(f"{shown} expected at most {MAX_NAME} lowercase letters, digits and '-', starting with a letter "
+                     "and ending with a letter or digit (a Service name; each pod of the StatefulSet carries the label "
+                     f"controller-revision-hash=NAME-<10 characters>, at most 63)")
+
+
 def _affinity_warnings(profile: Profile, opts: RenderOptions) -> list[str]:
     """Replicas on a shared store whose engines their peers cannot reach: the engine on the pod's
     loopback, or advertised as the proxy's --upstream (the pod's own loopback). Peers then send a
@@ -237,9 +292,9 @@ def _affinity_warnings(profile: Profile, opts: RenderOptions) -> list[str]:
 
 
 def k8s_escape(argv: list[str]) -> list[str]:
-    """`$` doubled: Kubernetes expands `$(VAR)` in command and args and reads `$$` as `$`, so the
-    container runs exactly `argv`. The --proxy-arg values are not escaped: `$(POD_NAME)` in them
-    is meant to expand."""
+    """`$` doubled: Kubernetes expands `$(VAR)` in command, args and env values and reads `$$` as
+    `$`, so the container runs exactly `argv` (gets exactly the value). The --proxy-arg values are
+    not escaped: `$(POD_NAME)` in them is meant to expand."""
     return [a.replace("$", "$$") for a in argv]
 
 
@@ -260,10 +315,15 @@ def _pod_spec(stack: Stack, opts: RenderOptions, obj_name: str, password_ref: di
     engine_python = stack.engine_argv[0]
     engine_health = f"{engine_upstream(profile)}/health"
     probe_timeout = math.ceil(engine.health_timeout_s) + 4  # the exec's own Python start-up included
+    # A failed liveness or startup probe restarts the engine container alone: within this grace (the
+    # preStop's wait for a drain that does not come, the engine's stop, the margin), not the pod's,
+    # which is sized for the proxy's whole drain.
     exec_probe = {"exec": {"command": [engine_python, "-c", PROBE_SCRIPT, engine_health, str(engine.health_timeout_s + 2)]},
-                  "timeoutSeconds": probe_timeout}
+                  "timeoutSeconds": probe_timeout,
+                  "terminationGracePeriodSeconds": math.ceil(DRAIN_SEEN_WITHIN_S + opts.stop_timeout_s + STOP_MARGIN_S)}
     proxy_port = profile.proxy.port
-    env_vars = [{"name": k, "value": v} for k, v in stack.engine_env.items()]  # no secrets: load_stack refuses them
+    # no secrets (load_stack refuses them); `$` doubled: Kubernetes expands `$(VAR)` in env values as in args
+    env_vars = [{"name": k, "value": k8s_escape([v])[0]} for k, v in stack.engine_env.items()]
     engine_container = {
         "name": "engine",
         "image": opts.engine_image or opts.image,
@@ -279,7 +339,7 @@ def _pod_spec(stack: Stack, opts: RenderOptions, obj_name: str, password_ref: di
                          "failureThreshold": math.ceil(profile.engine.start_timeout_s / STARTUP_PERIOD_S)},
         "livenessProbe": {**exec_probe, "periodSeconds": 30, "failureThreshold": 3},
         "lifecycle": {"preStop": {"exec": {"command": [
-            engine_python, "-c", WAIT_GONE_SCRIPT, f"http://127.0.0.1:{proxy_port}/health",
+            engine_python, "-c", WAIT_GONE_SCRIPT, str(DRAIN_SEEN_WITHIN_S), f"http://127.0.0.1:{proxy_port}/health",
             str(math.ceil(PRESTOP_DELAY_S + opts.drain_timeout_s + STOP_MARGIN_S))]}}},
     }
     if profile.engine.gpus > 0:
@@ -290,7 +350,7 @@ def _pod_spec(stack: Stack, opts: RenderOptions, obj_name: str, password_ref: di
     if password_ref is not None:
         downward.append({"name": STORE_PASSWORD_ENV, "valueFrom": {"secretKeyRef": password_ref}})
     ports = [{"name": "http", "containerPort": proxy_port, "protocol": "TCP"}]
-    metrics_port = getattr(profile.proxy, "metrics_port", None)  # the proxy's metrics listener, where the profile has one
+    metrics_port = profile.proxy.metrics_port  # the proxy's metrics listener (on the pod IP), where the profile has one
     if metrics_port:
         ports.append({"name": "metrics", "containerPort": metrics_port, "protocol": "TCP"})
     readyz_timeout = math.ceil(max(2.0, engine.health_timeout_s)) + 3
@@ -386,7 +446,10 @@ def render_systemd(name: str, dirs: list[Path], opts: RenderOptions, warnings: l
         raise UsageError(f"--user {opts.user!r}: expected a user name")
     overrides = [*opts.overrides, *_store_overrides(opts)]
     state_dir = Path(opts.state_dir).absolute() if opts.state_dir else None
-    profiles_dirs = [Path(d).resolve() for d in opts.profiles_dirs]
+    # Every folder this invocation searched after the built-in one (`dirs` = profile_dirs(): the
+    # MOLCTL_PROFILES_DIR folders that exist, then --profiles-dir), named on the units' argv: `up`'s
+    # proxy inherits MOLCTL_PROFILES_DIR, a unit does not inherit the renderer's environment.
+    profiles_dirs = [Path(d).resolve() for d in dirs[1:] if Path(d).is_dir()]
     stack = load_stack(name, dirs, overrides, opts, key_args=key_args, python=sys.executable, state_dir=state_dir,
                        proxy_profiles_dirs=profiles_dirs)
     profile = stack.profile
@@ -405,7 +468,8 @@ def render_systemd(name: str, dirs: list[Path], opts: RenderOptions, warnings: l
     user = [f"User={opts.user}"] if opts.user else []
     engine_lines = [
         "[Unit]",
-        f"Description=molctl {name}: {profile.engine.kind} engine ({profile.engine.served_name}, {profile.engine.gpus} GPUs)",
+        f"Description=molctl {name}: {profile.engine.kind} engine ({_no_specifiers(profile.engine.served_name)}, "
+        f"{profile.engine.gpus} GPUs)",
         "After=network-online.target",
         "Wants=network-online.target",
         "",
@@ -421,7 +485,7 @@ def render_systemd(name: str, dirs: list[Path], opts: RenderOptions, warnings: l
         *([f"UnsetEnvironment={' '.join(profile.engine.unset_env)}"] if profile.engine.unset_env else []),
         "KillMode=control-group",
         f"TimeoutStartSec={math.ceil(profile.engine.start_timeout_s) + WAIT_MARGIN_S}",
-        f"TimeoutStopSec={math.ceil(opts.stop_timeout_s)}",
+        f"TimeoutStopSec={_systemd_seconds(opts.stop_timeout_s)}",
         "Restart=on-failure",
         "RestartSec=10",
         "",
@@ -430,7 +494,7 @@ def render_systemd(name: str, dirs: list[Path], opts: RenderOptions, warnings: l
     ]
     proxy_lines = [
         "[Unit]",
-        f"Description=molctl {name}: MoL proxy ({profile.served_model_name}, port {profile.proxy.port})",
+        f"Description=molctl {name}: MoL proxy ({_no_specifiers(profile.served_model_name)}, port {profile.proxy.port})",
         f"Requires={engine_unit}",
         f"After={engine_unit}",
         "",
@@ -444,7 +508,7 @@ def render_systemd(name: str, dirs: list[Path], opts: RenderOptions, warnings: l
         "KillMode=control-group",
         "KillSignal=SIGTERM",
         f"TimeoutStartSec={math.ceil(PROXY_READY_TIMEOUT_S) + WAIT_MARGIN_S}",
-        f"TimeoutStopSec={math.ceil(opts.drain_timeout_s + STOP_MARGIN_S)}",
+        f"TimeoutStopSec={_systemd_seconds(opts.drain_timeout_s + STOP_MARGIN_S)}",
         "Restart=on-failure",
         "RestartSec=5",
         "",
@@ -457,6 +521,13 @@ def render_systemd(name: str, dirs: list[Path], opts: RenderOptions, warnings: l
             raise UsageError(f"systemd: {line.split('=', 1)[0]}= would hold a line break (which would start another "
                              f"directive), at ...{line[max(0, at - 60):at + 60]!r}...")
     return {engine_unit: "\n".join(engine_lines) + "\n", proxy_unit: "\n".join(proxy_lines) + "\n"}
+
+
+def _systemd_seconds(seconds: float) -> int:
+    """A Timeout*Sec= value: whole seconds, rounded up, at least 1. systemd reads 0 as no timeout
+    at all (load-fragment.c config_parse_service_timeout: 0 becomes USEC_INFINITY), the opposite of
+    `--stop-timeout 0` (SIGKILL right after SIGTERM)."""
+    return max(1, math.ceil(seconds))
 
 
 def _user_warnings(user: str | None, paths: list[Path | None]) -> list[str]:
@@ -484,6 +555,11 @@ def _exec_line(argv: list[str]) -> str:
         escaped = word.replace("\\", "\\\\").replace('"', '\\"').replace("$", "$$").replace("%", "%%")
         words.append(escaped if escaped and re.match(r"^[-\w./:=,+@]+$", escaped) else f'"{escaped}"')
     return " ".join(words)
+
+
+def _no_specifiers(text: str) -> str:
+    """`%` written `%%`: systemd expands specifiers (`%i`, `%n`, ...) in Description= too."""
+    return text.replace("%", "%%")
 
 
 def _env_assignment(key: str, value: str) -> str:
