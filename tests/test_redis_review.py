@@ -238,3 +238,22 @@ def test_a_store_that_wants_a_password_when_none_is_configured_says_so(tmp_path,
         assert store["status"] == "fail" and "requires a password and none is configured" in store["detail"], store
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("url, shown", [("http://peer:s3cr3tpw@10.0.0.5:8100", "http://10.0.0.5:8100"),
+                                        ("http://10.0.0.5:8100/?token=abc", None),
+                                        ("http://10.0.0.5:8100#frag", None)])
+def test_an_advertised_upstream_with_credentials_or_a_query_stops_the_proxy(redis, keyfile, url, shown):
+    """Found by the Redis review (left there as not fixed): --advertise-upstream took
+    http://user:pass@host, which every heartbeat then wrote into the shared store in clear for all
+    peers to read, and queries or fragments no engine hop can use; the contract allows only
+    http(s)://HOST[:PORT][/PATH]. Now exit 2, one line, the password never echoed."""
+    out = subprocess.run(proxy_argv("tiny", "http://127.0.0.1:9", free_port(), "--api-key-file", str(keyfile),
+                                    "--set", f"proxy.store={redis.url}", "--advertise-upstream", url),
+                         capture_output=True, text=True, cwd=ROOT, timeout=30)
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == ExitStatus.USAGE and len(lines) == 1, out.stderr
+    assert "--advertise-upstream" in lines[0] and "expected http://HOST:PORT" in lines[0]
+    assert "s3cr3tpw" not in out.stderr
+    if shown:
+        assert shown in lines[0]

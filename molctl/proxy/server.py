@@ -201,19 +201,27 @@ def build_shared_state(profile, upstream: str, port: int, replica_id: str | None
 
 
 def _check_advertised(url: str, label: str) -> None:
-    """The engine URL this replica registers for its peers: an http(s) URL with a host (peers
-    would fail every hop to anything else), else a UsageError (one line, exit 2)."""
+    """The engine URL this replica registers for its peers: an http(s) URL with a host and at
+    most a path (peers would fail every hop to anything else; a `user:password@` would be stored
+    in the shared store in clear and read by every peer), else a UsageError (one line, exit 2)."""
     from urllib.parse import urlsplit
 
     from molctl.errors import UsageError
 
+    expected = "expected http://HOST:PORT, this replica's engine as its peers reach it"
     try:
         parts = urlsplit(url)
         ok = parts.scheme in ("http", "https") and bool(parts.hostname) and (parts.port is None or parts.port > 0)
     except ValueError:
         ok = False
     if not ok:
-        raise UsageError(f"{label} {url!r}: expected http://HOST:PORT, this replica's engine as its peers reach it")
+        raise UsageError(f"{label} {url!r}: {expected}")
+    if parts.username is not None or parts.password is not None:
+        shown = url.replace(parts.netloc, parts.netloc.rpartition("@")[2], 1)
+        raise UsageError(f"{label} {shown!r} carries a user name or password: {expected} (peers read it from the "
+                         "shared store in clear), without credentials")
+    if parts.query or parts.fragment:
+        raise UsageError(f"{label} {url!r} has a query or fragment: {expected}[/PATH]")
 
 
 def configure_request_log() -> None:
