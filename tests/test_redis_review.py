@@ -257,3 +257,31 @@ def test_an_advertised_upstream_with_credentials_or_a_query_stops_the_proxy(redi
     assert "s3cr3tpw" not in out.stderr
     if shown:
         assert shown in lines[0]
+
+
+def test_check_fails_on_a_read_only_replica_naming_its_primary(tmp_path, state_dir):
+    """Found by the Redis review (left there as not fixed): `molctl check` passed a proxy.store that
+    is a read-only replica (what a primary becomes after a failover), so `up` started a stack whose
+    every store write would be refused. Now state.store fails naming the primary; `state stats`
+    shows the role."""
+    from tests.helpers import Molctl
+    from tests.test_redis_store import SKIP_ALL_BUT_STATE, shared_profile
+
+    (tmp_path / "primary").mkdir()
+    (tmp_path / "replica").mkdir()
+    primary = RedisServer(None, "--dir", str(tmp_path / "primary")).start()
+    replica = RedisServer(None, "--replicaof", "127.0.0.1", str(primary.port), "--dir", str(tmp_path / "replica")).start()
+    try:
+        cli = Molctl(state_dir, [shared_profile(tmp_path / "r", replica.url)])
+        result = cli("check", "shared", *SKIP_ALL_BUT_STATE, "--json")
+        [check] = [c for c in result.json()["checks"] if c["id"] == "state.store"]
+        assert result.exit_code == ExitStatus.CHECK_FAILED
+        assert check["status"] == "fail" and "read-only replica of 127.0.0.1:" + str(primary.port) in check["detail"]
+        stats = cli("state", "stats", "shared", "--json").json()["redis"]
+        assert stats["role"] == "slave" and stats["primary"] == f"127.0.0.1:{primary.port}"
+        cli_p = Molctl(state_dir, [shared_profile(tmp_path / "p", primary.url)])
+        [ok] = [c for c in cli_p("check", "shared", *SKIP_ALL_BUT_STATE, "--json").json()["checks"] if c["id"] == "state.store"]
+        assert ok["status"] == "pass", ok
+    finally:
+        replica.stop()
+        primary.stop()

@@ -200,6 +200,10 @@ def _redis_store(profile: Profile) -> CheckResult:
         info = describe_sync(target, read_password(password_file), profile.name)
     except RedisConfigError as exc:
         return CheckResult("state.store", "fail", str(exc))
+    if info.get("role") == "slave":
+        return CheckResult("state.store", "fail", f"proxy.store {target.address} is a read-only replica of "
+                                                  f"{info['primary']}: every write would be refused (no response "
+                                                  "stored, no conversation state shared); name the primary")
     policy = info["maxmemory_policy"]
     bound = ("no maxmemory set: memory is bounded by the TTLs and proxy.store_max_entries only"
              if not info["maxmemory"] else f"maxmemory {info['maxmemory']} bytes, maxmemory-policy {policy}")

@@ -1090,6 +1090,7 @@ def describe_sync(target: RedisTarget, password: str | None, profile: str) -> di
     try:
         info = client.info("server")
         memory = client.info("memory")
+        replication = client.info("replication")
         evicted = {k.decode(): int(v) for k, v in (client.hgetall(prefix + "stats") or {}).items()}
         replicas = sorted(k.decode()[len(prefix) + len("replica:"):] for k in client.scan_iter(prefix + "replica:*", count=100))
         return {"address": target.address, "redis_version": info.get("redis_version"),
@@ -1097,7 +1098,11 @@ def describe_sync(target: RedisTarget, password: str | None, profile: str) -> di
                 "used_memory": int(memory.get("used_memory", 0)),
                 "responses": client.zcard(prefix + "idx:r"), "conversation_rows": client.zcard(prefix + "idx:conv"),
                 "responses_evicted": evicted.get("r_evicted", 0), "conversation_evicted": evicted.get("conv_evicted", 0),
-                "replicas": replicas}
+                "replicas": replicas,
+                # "slave": a read-only replica (what a primary becomes after a failover); every write refused
+                "role": replication.get("role"),
+                "primary": (f"{replication.get('master_host')}:{replication.get('master_port')}"
+                            if replication.get("role") == "slave" else None)}
     except redis.RedisError as exc:
         raise unreachable_error(target, _why(exc, password)) from None
     finally:
