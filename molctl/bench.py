@@ -408,11 +408,12 @@ async def _run_cell(target: Target, series: str, conc: int, pool: list[Req], opt
     return sorted(samples, key=lambda s: s["i"]), time.perf_counter() - t_start
 
 
-async def _run(target: Target, opts: BenchOptions, vram: VramSampler, samples_out, progress) -> list[dict]:
+async def _run(target: Target, opts: BenchOptions, vram: VramSampler, samples_out, progress, cells: list[dict]) -> None:
+    """Measure every series x concurrency cell in order, appending each finished cell to `cells`
+    (and its samples to `samples_out`): a Ctrl-C keeps the cells finished before it."""
     pool = workload(opts.seed)
     key_headers = {"Authorization": f"Bearer {opts.api_key}"} if opts.api_key else {}
     limits = httpx.Limits(max_connections=max(opts.concurrency) + 4, max_keepalive_connections=max(opts.concurrency) + 4)
-    cells = []
     async with httpx.AsyncClient(timeout=httpx.Timeout(opts.request_timeout_s), limits=limits, trust_env=False) as client:
         for series in opts.series:
             for conc in opts.concurrency:
@@ -436,7 +437,7 @@ async def _run(target: Target, opts: BenchOptions, vram: VramSampler, samples_ou
                     cell["proxy_metrics"] = ({k: round(pafter.get(f"molctl_proxy_{k}", 0) - pbefore.get(f"molctl_proxy_{k}", 0), 6)
                                               for k in PROXY_METRICS} if pbefore is not None and pafter is not None else None)
                 cells.append(cell)
-    return cells
+                samples_out.flush()
 
 
 def _check_proxy(target: Target, opts: BenchOptions) -> None:
@@ -522,10 +523,14 @@ def bench(ctx, name: str, opts: BenchOptions, gpu_probe=None, progress=None) -> 
         run_id, run_dir = new_run_dir(ctx.state_dir, name)
     vram = VramSampler(gpu_probe or NvmlProbe(), opts.vram_interval_s)
     started = time.time()
+    cells: list[dict] = []
+    interrupted = False
     vram.start()
     try:
         with open(run_dir / "samples.jsonl", "w", encoding="utf-8") as samples_out:
-            cells = asyncio.run(_run(target, opts, vram, samples_out, progress))
+            asyncio.run(_run(target, opts, vram, samples_out, progress, cells))
+    except KeyboardInterrupt:  # an hour-long run stopped by hand keeps what it measured
+        interrupted = True
     finally:
         vram.stop()
     base = {c["concurrency"]: c for c in cells if c["series"] == "base"}
@@ -554,8 +559,13 @@ def bench(ctx, name: str, opts: BenchOptions, gpu_probe=None, progress=None) -> 
         "notes": ["proxy: route + answer per request; the summaries it triggers run in the background on the "
                   "engine and are counted in proxy_metrics.summaries_total (and in the engine's request counts)"],
         "results": cells,
+        "interrupted": interrupted,
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    if interrupted:
+        total = len(opts.series) * len(opts.concurrency)
+        raise MolctlError(f"interrupted: {len(cells)} of {total} cells finished; their results are in "
+                          f"{run_dir / 'summary.json'} (\"interrupted\": true)", ExitStatus.INTERRUPTED)
     return summary
 
 

@@ -6,6 +6,8 @@ No speed is asserted beyond the injected ordering."""
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 
 import httpx
@@ -373,3 +375,36 @@ def test_status_shows_the_proxy_metrics_of_the_running_stack(host):
                                             "answers_in_flight", "queued"))  # counts, not 0.0
     human = host.inproc("status", "tiny")
     assert "tiny: proxy requests" in human.stdout
+
+
+def test_ctrl_c_keeps_the_cells_finished_before_it(host, tmp_path):
+    """Found by the lock/bench review: Ctrl-C during a long bench lost everything (samples.jsonl
+    only, no summary.json), though finished cells had been measured. Now the summary is written
+    with them and "interrupted": true, exit 130 naming it."""
+    import signal
+    import subprocess
+    import sys
+
+    host.config(answer_delay=0.05)
+    run_dir = tmp_path / "run"
+    env = {**os.environ, **host.env, "MOLCTL_STATE_DIR": str(host.state)}
+    proc = subprocess.Popen([sys.executable, "-m", "molctl", "bench", "tiny", "--api-key-file", str(host.key),
+                             "--series", "base,L0", "--concurrency", "1", "--duration", "1.5", "--output", str(run_dir)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    try:
+        samples = run_dir / "samples.jsonl"
+        deadline = time.monotonic() + 30  # the first cell (1.5 s) is done when its samples are flushed
+        while not (samples.exists() and samples.read_text().strip()):
+            assert time.monotonic() < deadline and proc.poll() is None, "the first cell never finished"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == ExitStatus.INTERRUPTED, err
+    assert "interrupted: 1 of 2 cells finished" in err and str(run_dir / "summary.json") in err
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["interrupted"] is True and [c["series"] for c in summary["results"]] == ["base"]
+    assert summary["results"][0]["requests"] >= 1
