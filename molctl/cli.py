@@ -491,8 +491,9 @@ def proxy_cmd(
     allow_unauthenticated: bool = typer.Option(False, "--allow-unauthenticated", help="Serve without an API key."),
     drain_timeout: float = typer.Option(600.0, "--drain-timeout", callback=_not_negative,
                                         help="On SIGTERM, seconds in-flight requests may take to finish (>= 0)."),
-    sse_keepalive: float = typer.Option(10.0, "--sse-keepalive", callback=_positive,
-                                        help="Seconds between SSE keep-alive comments while waiting (> 0)."),
+    sse_keepalive: Optional[float] = typer.Option(None, "--sse-keepalive", callback=_positive,
+                                                  help="Seconds between SSE keep-alive comments while waiting (> 0; "
+                                                       "default: the profile's proxy.sse_keepalive_s, 10)."),
     set_: List[str] = SET_OPT,
     set_json: Optional[str] = typer.Option(None, "--set-json", metavar="JSON",
                                            help="Overrides as typed data: a JSON list of [dotted.key, value] pairs "

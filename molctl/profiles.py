@@ -105,6 +105,7 @@ SCHEMA: dict[str, Any] = {
         "route_timeout_s": (int, float),
         "route_max_input_chars": int,
         "stream_write_timeout_s": (int, float),
+        "sse_keepalive_s": (int, float),
         "reasoning": str,
         "sampling_defaults": _MapOf(SCALAR),
         "store": str,  # the Responses API's state: sqlite (default), memory, sqlite:/abs/path.sqlite3
@@ -192,6 +193,9 @@ class ProxySpec:
     route_timeout_s: float = 10.0  # the route hop's own deadline; then the fallback route
     route_max_input_chars: int = 4000  # the router sees at most this much of the request
     stream_write_timeout_s: float = 60.0  # a stream client that reads nothing this long is dropped
+    # a stream's 200 waits this long for the first token, then `: keepalive` comments this often
+    # (keep it under the idle timeout of any load balancer between the clients and the proxy)
+    sse_keepalive_s: float = 10.0
     reasoning: str = "none"
     sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
     store: str = "sqlite"  # see molctl.proxy.sqlite_store.parse_store_spec
@@ -566,7 +570,7 @@ def _proxy_spec(data: dict[str, Any], v: _Validator) -> ProxySpec:
     if proxy.get("reasoning", "none") not in REASONING_STYLES:
         raise v.fail("proxy.reasoning", f"{proxy['reasoning']!r}: expected one of {', '.join(REASONING_STYLES)}")
     for key in ("max_output_tokens", "route_max_tokens", "summary_max_tokens", "summary_queue_max",
-                "route_timeout_s", "stream_write_timeout_s", "store_ttl_s", "store_max_bytes", "store_max_entries",
+                "route_timeout_s", "stream_write_timeout_s", "sse_keepalive_s", "store_ttl_s", "store_max_bytes", "store_max_entries",
                 "max_inflight", "max_queue", "queue_timeout_s", "route_inflight", "summary_inflight"):
         if proxy.get(key) is not None and proxy[key] <= 0:
             raise v.fail(f"proxy.{key}", "must be > 0")

@@ -117,7 +117,7 @@ def serve(app: ProxyApp, host: str, port: int, drain_timeout_s: float, key_file:
 
 
 def run_proxy(name: str, ctx, overrides, *, upstream: str, host: str, port: int | None, api_key_file: Path | None,
-              allow_unauthenticated: bool, drain_timeout: float, sse_keepalive: float,
+              allow_unauthenticated: bool, drain_timeout: float, sse_keepalive: float | None,
               log_max_bytes: int | None = None, log_backups: int = 2, replica_id: str | None = None,
               advertise_upstream: str | None = None, metrics_port: int | None = None) -> None:
     """Load the profile (with the start's overrides), the keys and the log rotation; serve until
@@ -147,11 +147,12 @@ def run_proxy(name: str, ctx, overrides, *, upstream: str, host: str, port: int 
         metrics_sock = bind_metrics(profile.proxy.metrics_host, profile.proxy.metrics_port)  # in use: exit 4
     metrics = {"metrics_port": profile.proxy.metrics_port, "metrics_host": profile.proxy.metrics_host,
                "metrics_sock": metrics_sock}
+    keepalive = sse_keepalive or profile.proxy.sse_keepalive_s  # the option wins over the profile
     shared = build_shared_state(profile, upstream, listen_port, replica_id, advertise_upstream)  # unreachable: one line, exit 1
     if shared is not None:
         from molctl.proxy.redis_store import RedisConversationStore, RedisResponseStore
 
-        app = ProxyApp(profile, get_engine(profile.engine.kind), upstream, keys, sse_keepalive_s=sse_keepalive,
+        app = ProxyApp(profile, get_engine(profile.engine.kind), upstream, keys, sse_keepalive_s=keepalive,
                        response_store=RedisResponseStore(shared), shared_state=shared,
                        store=RedisConversationStore(shared, summary_wait_s=profile.proxy.summary_wait_s), **metrics)
         serve(app, host, listen_port, drain_timeout, api_key_file)
@@ -160,7 +161,7 @@ def run_proxy(name: str, ctx, overrides, *, upstream: str, host: str, port: int 
     try:
         conversations = build_conversation_store(store)
         extra = {"store": conversations} if conversations is not None else {}
-        app = ProxyApp(profile, get_engine(profile.engine.kind), upstream, keys, sse_keepalive_s=sse_keepalive,
+        app = ProxyApp(profile, get_engine(profile.engine.kind), upstream, keys, sse_keepalive_s=keepalive,
                        response_store=store, **metrics, **extra)
         serve(app, host, listen_port, drain_timeout, api_key_file)
     finally:
