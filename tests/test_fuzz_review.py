@@ -65,3 +65,52 @@ def test_a_utf8_body_with_a_bom_is_still_read(s):
     raw = b"\xef\xbb\xbf" + body_with("chat", "hi").encode()
     r = httpx.post(s.proxy_url + PATHS["chat"], headers=AUTH, content=raw, timeout=30)
     assert r.status_code == 200, r.text
+
+
+SURROGATE_ARGS = '{"city": "\\ud800"}'  # valid JSON text (ASCII); what it decodes to holds a lone surrogate
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_call_arguments_that_decode_to_a_lone_surrogate_are_answered_not_a_500(s, stream):
+    """Found by the fuzzer's tool-call mutations: arguments whose JSON text escapes a lone surrogate
+    (the body itself is valid, so the body's surrogate check rightly lets it through) were
+    re-serialised into the conversation key's canonical form with the surrogate decoded, and
+    encoding that form failed: a 500 with a traceback, before any hop. The arguments are the
+    client's text, kept as sent (as arguments that are not JSON are)."""
+    messages = [{"role": "user", "content": "[route:L2] weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_s1", "type": "function", "function": {"name": "get_weather", "arguments": SURROGATE_ARGS}}]},
+                {"role": "tool", "tool_call_id": "call_s1", "content": "sunny"}]
+    r = httpx.post(s.proxy_url + PATHS["chat"], headers=AUTH, timeout=30,
+                   json={"model": PUBLIC, "messages": messages, "stream": stream})
+    assert r.status_code == 200, r.text
+    if stream:
+        assert r.text.rstrip().endswith("data: [DONE]") and '"error"' not in r.text
+    sent = s.log("answer")[0]["messages"]
+    assert sent[2]["tool_calls"][0]["function"]["arguments"] == SURROGATE_ARGS  # passed on as the client sent it
+
+
+def test_responses_function_call_arguments_that_decode_to_a_lone_surrogate_are_answered(s):
+    """The same through the Responses API (a `function_call` input item becomes a chat tool call)."""
+    r = httpx.post(s.proxy_url + PATHS["responses"], headers=AUTH, timeout=30, json={"model": PUBLIC, "input": [
+        {"role": "user", "content": "[route:L2] weather?"},
+        {"type": "function_call", "call_id": "call_s2", "name": "get_weather", "arguments": SURROGATE_ARGS},
+        {"type": "function_call_output", "call_id": "call_s2", "output": "sunny"}]})
+    assert r.status_code == 200, r.text
+    assert r.json()["status"] == "completed"
+
+
+def test_canonical_arguments_keep_their_form_and_never_hold_a_lone_surrogate():
+    """Keys are stored: the canonical form of ordinary arguments must not change; arguments that
+    would decode to a lone surrogate keep their text, so the key and the call binding can be
+    encoded (and written to a durable store)."""
+    from molctl.proxy.conversations import ConversationKeys, canonical_arguments
+
+    assert canonical_arguments('{"b": 1, "a": "\\u00e9\\ud83d\\ude00"}') == '{"a":"é😀","b":1}'
+    assert canonical_arguments(" not json ") == "not json"
+    assert canonical_arguments(SURROGATE_ARGS) == SURROGATE_ARGS
+    assert canonical_arguments(' {"a": "\\uDC00x"} ') == '{"a": "\\uDC00x"}'
+    canonical_arguments(SURROGATE_ARGS).encode("utf-8")
+    msg = {"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": SURROGATE_ARGS}}]}
+    keys = ConversationKeys("t", [{"role": "user", "content": "x"}, msg, {"role": "tool", "tool_call_id": "c", "content": "r"}])
+    assert len(keys.extend({"role": "assistant", "content": "ok"})) == 32
