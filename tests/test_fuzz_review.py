@@ -4,6 +4,8 @@ engine) found, each kept as a regression test."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -114,3 +116,74 @@ def test_canonical_arguments_keep_their_form_and_never_hold_a_lone_surrogate():
     msg = {"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": SURROGATE_ARGS}}]}
     keys = ConversationKeys("t", [{"role": "user", "content": "x"}, msg, {"role": "tool", "tool_call_id": "c", "content": "r"}])
     assert len(keys.extend({"role": "assistant", "content": "ok"})) == 32
+
+
+def ws_upgrade(proxy_url: str, path: str, key: str | None) -> tuple[int, dict[str, str], bytes]:
+    """A raw WebSocket upgrade request: (status, headers, body) of the answer."""
+    import socket
+    from urllib.parse import urlsplit
+
+    u = urlsplit(proxy_url)
+    head = (f"GET {path} HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n"
+            + (f"Authorization: Bearer {key}\r\n" if key else "") + "\r\n")
+    with socket.create_connection((u.hostname, u.port), timeout=10) as sock:
+        sock.sendall(head.encode())
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    raw_head, _, body = data.partition(b"\r\n\r\n")
+    lines = raw_head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    return int(lines[0].split()[1]), headers, body
+
+
+@pytest.mark.parametrize("key, status, code", [(KEY, 404, "not_found"), (None, 401, "invalid_api_key")])
+def test_a_websocket_upgrade_is_a_json_error_not_a_plain_500(s, key, status, code):
+    """Found with raw HTTP requests: a WebSocket upgrade (to any path, without any key) made the app
+    return without answering its `websocket` scope, and uvicorn answered a plain-text 500 and
+    logged "ASGI callable returned without sending handshake." at ERROR for each one. It is
+    answered as a request to an unknown endpoint: the OpenAI error shape, 401 or 404."""
+    got, headers, body = ws_upgrade(s.proxy_url, "/v1/chat/completions", key)
+    assert got == status, body
+    assert headers["content-type"].startswith("application/json") and headers.get("x-request-id")
+    err = json.loads(body)["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == code, err
+    assert httpx.get(s.proxy_url + "/v1/models", headers=AUTH, timeout=10).status_code == 200
+
+
+def test_a_websocket_upgrade_is_counted_and_logged_like_a_request(caplog):
+    """In-process: no ERROR, one request log line with its status; without the denial-response
+    extension the upgrade is closed before the handshake."""
+    import asyncio
+    import logging
+
+    from molctl.engines import get_engine
+    from molctl.proxy.app import ProxyApp
+    from tests.test_proxy import TINY
+
+    app = ProxyApp(TINY, get_engine("vllm"), "http://127.0.0.1:9", [KEY])
+
+    async def run(extensions):
+        sent: list[dict] = []
+
+        async def receive():
+            return {"type": "websocket.connect"}
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "websocket", "path": "/v1/responses", "query_string": b"", "extensions": extensions,
+                 "headers": [(b"authorization", f"Bearer {KEY}".encode())]}
+        await asyncio.wait_for(app(scope, receive, send), 5)
+        return sent
+
+    with caplog.at_level(logging.INFO, logger="molctl.proxy"):
+        sent = asyncio.run(run({"websocket.http.response": {}}))
+        closed = asyncio.run(run({}))
+    assert [m["type"] for m in sent] == ["websocket.http.response.start", "websocket.http.response.body"]
+    assert sent[0]["status"] == 404 and json.loads(sent[1]["body"])["error"]["code"] == "not_found"
+    assert closed == [{"type": "websocket.close", "code": 1008}]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "molctl.proxy.requests"]
+    assert [(line["api"], line["status"], line["error"]) for line in lines] == [("responses", 404, "not_found")] * 2
