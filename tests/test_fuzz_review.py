@@ -187,3 +187,14 @@ def test_a_websocket_upgrade_is_counted_and_logged_like_a_request(caplog):
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "molctl.proxy.requests"]
     assert [(line["api"], line["status"], line["error"]) for line in lines] == [("responses", 404, "not_found")] * 2
+
+
+@pytest.mark.parametrize("raw", [b"{}" + b" " * 140_000 + b"garbage", b"{ }" + b"x" * 140_000])
+def test_a_big_empty_object_with_trailing_data_is_invalid_json(s, raw):
+    """Found reading the big-body reader while fuzzing it (then confirmed with such a body): it
+    (bodies over 128 KiB, read one array element at a time) returned `{}` for an empty object
+    followed by anything, so `{} garbage...` was a 400 about a missing `model` instead of what the
+    same text is under 128 KiB, and what the contract says: invalid_json."""
+    r = httpx.post(s.proxy_url + PATHS["chat"], headers=AUTH, content=raw, timeout=30)
+    err = assert_error(r, 400, "invalid_json")
+    assert "Extra data" in err["message"]

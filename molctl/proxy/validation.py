@@ -64,6 +64,8 @@ def _loads_in_steps(text: str) -> Any:
     out: dict[str, Any] = {}
     i = ws(text, i + 1).end()
     if text[i:i + 1] == "}":
+        if ws(text, i + 1).end() != len(text):
+            raise ValueError("extra data")
         return out
     while True:
         if text[i:i + 1] != '"':
