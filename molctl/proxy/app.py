@@ -210,7 +210,9 @@ class ProxyApp:
         request to an unknown endpoint (401 without a key, else 404 `not_found`, JSON; counted and
         logged), with the ASGI denial response. Returning without an answer was uvicorn's plain-text
         500 and an ERROR line per upgrade attempt, without any key. A server without the denial
-        extension gets a close before the handshake (its 403)."""
+        extension gets a close before the handshake (its 403). uvicorn's websockets-sansio protocol
+        still logs "ASGI callable returned without completing handshake." after a denial response
+        (Kludex/uvicorn PR 3138); `ws="none"` in server.py would not load a WebSocket protocol at all."""
         denial = "websocket.http.response" in (scope.get("extensions") or {})
 
         async def as_denial(message: dict) -> None:
