@@ -159,6 +159,8 @@ class ProxyApp:
             await self._lifespan(receive, send)
             return
         if scope["type"] != "http":
+            if scope["type"] == "websocket":
+                await self._websocket(scope, send)
             return
         rid = incoming_request_id(scope["headers"]) or "req-" + os.urandom(8).hex()
         state: dict[str, Any] = {"started": False, "status": 499, "t0": time.monotonic(), "tenant": None, "plan": None}
@@ -202,6 +204,27 @@ class ProxyApp:
         finally:
             if scope["method"] not in PROBE_METHODS or (scope["path"].rstrip("/") or "/") not in UNCOUNTED:  # as _route
                 self._count(scope, state, rid)
+
+    async def _websocket(self, scope: dict, send: Send) -> None:
+        """A WebSocket upgrade: there is no WebSocket endpoint, so it is answered over HTTP as a
+        request to an unknown endpoint (401 without a key, else 404 `not_found`, JSON; counted and
+        logged), with the ASGI denial response. Returning without an answer was uvicorn's plain-text
+        500 and an ERROR line per upgrade attempt, without any key. A server without the denial
+        extension gets a close before the handshake (its 403). uvicorn's websockets-sansio protocol
+        still logs "ASGI callable returned without completing handshake." after a denial response
+        (Kludex/uvicorn PR 3138); `ws="none"` in server.py would not load a WebSocket protocol at all."""
+        denial = "websocket.http.response" in (scope.get("extensions") or {})
+
+        async def as_denial(message: dict) -> None:
+            if denial:
+                await send({**message, "type": "websocket." + message["type"]})  # websocket.http.response.*
+            elif message["type"] == "http.response.start":
+                await send({"type": "websocket.close", "code": 1008})
+
+        async def no_body() -> dict:  # never read: no endpoint takes the WEBSOCKET method
+            return {"type": "http.disconnect"}
+
+        await self({**scope, "type": "http", "method": "WEBSOCKET"}, no_body, as_denial)
 
     def _count(self, scope: dict, state: dict[str, Any], rid: str) -> None:
         """requests_total by API, status and stream, and the request's log line."""

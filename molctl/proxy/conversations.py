@@ -58,12 +58,26 @@ def text_of(content: Any) -> str:
 
 
 def canonical_arguments(arguments: Any) -> str:
+    """JSON argument text re-serialised canonically; text that is not JSON, or whose strings decode
+    to a lone surrogate (`"\\ud800"`: the text is valid UTF-8, what it decodes to is not, and could
+    be neither hashed nor stored), is kept as sent, stripped."""
     if isinstance(arguments, str):
         try:
-            return json.dumps(json.loads(arguments), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+            out = json.dumps(json.loads(arguments), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
         except ValueError:
             return arguments.strip()
+        if ("\\ud" in arguments or "\\uD" in arguments) and not _is_utf8(out):  # only an escape can make one
+            return arguments.strip()
+        return out
     return json.dumps(arguments, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def tool_calls_of(msg: dict[str, Any]) -> list[dict[str, Any]]:

@@ -46,7 +46,10 @@ STDLIB_DECODER = json.JSONDecoder(parse_float=_parse_float, parse_constant=_pars
 _LONG_DIGITS = re.compile(rb"[0-9]{19}")
 
 
-def loads(raw: bytes | str) -> Any:
+def loads(raw: bytes | str, utf8_only: bool = False) -> Any:
+    """`utf8_only` (a client's body): bytes the standard library would read as UTF-16/32, or as
+    UTF-8 holding encoded surrogates (its `surrogatepass`), are a UnicodeDecodeError instead (a
+    ValueError): a lone surrogate must never get past the request's checks as text."""
     as_bytes = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
     if not _LONG_DIGITS.search(as_bytes):
         try:
@@ -54,7 +57,7 @@ def loads(raw: bytes | str) -> Any:
         except orjson.JSONDecodeError:
             pass
     if isinstance(raw, (bytes, bytearray)):
-        raw = raw.decode(json.detect_encoding(raw), "surrogatepass")
+        raw = raw.decode("utf-8-sig") if utf8_only else raw.decode(json.detect_encoding(raw), "surrogatepass")
     return STDLIB_DECODER.decode(raw)
 
 

@@ -239,7 +239,8 @@ def _convert_input(value: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any
             raise invalid(f"The input item type '{kind}' is not supported.", f"{w}.type")
     ids = [i["id"] for i in items]
     if len(set(ids)) != len(ids):
-        raise duplicate_item(next(i for n, i in enumerate(ids) if i in ids[:n]))
+        seen: set[str] = set()  # the first repeated id, in one pass (`ids[:n]` per item was quadratic)
+        raise duplicate_item(next(i for i in ids if i in seen or seen.add(i)))  # type: ignore[func-returns-value]
     if not messages:
         raise invalid("'input' holds no message.", "input")
     if messages[-1]["role"] not in ("user", "tool"):

@@ -64,6 +64,8 @@ def _loads_in_steps(text: str) -> Any:
     out: dict[str, Any] = {}
     i = ws(text, i + 1).end()
     if text[i:i + 1] == "}":
+        if ws(text, i + 1).end() != len(text):
+            raise ValueError("extra data")
         return out
     while True:
         if text[i:i + 1] != '"':
@@ -125,7 +127,7 @@ def parse_body(raw: bytes, in_steps: bool = False) -> Any:
 
 def _loads(raw: bytes) -> Any:
     try:
-        return fastjson.loads(raw)
+        return fastjson.loads(raw, utf8_only=True)  # UTF-16 or encoded surrogates: invalid_json, as any non-UTF-8
     except RecursionError:
         raise invalid("The body is nested too deeply to be a chat request.") from None
     except ValueError as exc:  # includes UnicodeDecodeError (bytes that are not UTF-8)
