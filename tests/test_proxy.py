@@ -594,3 +594,33 @@ def test_conversation_store_is_bounded():
     assert store.stats()["bytes"] <= 10_000 and store.get_call("t", "big") is not None
     now[0] = 11.0
     assert store.get_call("t", "big") is None  # idle TTL
+
+
+def test_the_conversation_cache_accounts_for_the_memory_it_holds():
+    """Found by the fuzz review: each cached turn held ~1.4 KB (a dataclass with an eager
+    asyncio.Event and its waiter deque, plus the LRU's bookkeeping) while the byte cap counted
+    ~200 bytes, so the 256 MiB cap of proxy memory meant ~1.7 GiB. Records are now slotted with a
+    lazy Event, and the cache counts its per-entry overhead: accounted bytes within 1.5x of the
+    memory really allocated."""
+    import hashlib
+    import tracemalloc
+
+    from molctl.proxy.conversations import MemoryStore, TurnRecord
+
+    store = MemoryStore()
+    keys = [hashlib.sha256(str(i).encode()).digest() for i in range(5000)]
+    summaries = [f"summary of answer {i} about request {i}" for i in range(5000)]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for key, summary in zip(keys, summaries):
+            record = TurnRecord("L2")
+            record.set_summary(summary)
+            store.put_turn(key, record)
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    accounted = store.stats()["bytes"] - sum(len(s) for s in summaries)  # the summaries existed before
+    assert 1 / 1.5 <= held / accounted <= 1.5, (held / 5000, accounted / 5000)
+    record = store.get_turn(keys[0])
+    assert record.finished and record.done.is_set()  # a settled record's Event, made late, is set

@@ -346,14 +346,14 @@ class Orchestrator:
         """Wait (bounded) for pending summaries of turns this adapter will see folded; those still
         missing afterwards are folded without a summary, and stay so (marked stale)."""
         pending = [s.record for s in plan.history.segments
-                   if s.record is not None and s.record.route != plan.route and not s.record.done.is_set()]
+                   if s.record is not None and s.record.route != plan.route and not s.record.finished]
         if pending:
             try:
                 await asyncio.wait_for(asyncio.gather(*(r.done.wait() for r in pending)), self.profile.proxy.summary_wait_s)
             except TimeoutError:
                 pass
             for record in pending:
-                if not record.done.is_set():
+                if not record.finished:
                     record.mark_stale()  # a durable store persists it
 
     def answer_payload(self, plan: Plan) -> dict[str, Any]:

@@ -836,7 +836,7 @@ def _turn_state(record: TurnRecord) -> str:
         return "stale"
     if record.summary is not None:
         return "summary"
-    return "failed" if record.summary_failed or record.done.is_set() else "pending"
+    return "failed" if record.summary_failed or record.finished else "pending"
 
 
 def _apply(record: TurnRecord, data: dict[str, Any]) -> None:
@@ -849,7 +849,7 @@ def _apply(record: TurnRecord, data: dict[str, Any]) -> None:
     elif state == "failed":
         record.summary, record.summary_failed = None, True
     if state != "pending":
-        record.done.set()
+        record.settle()
     record.replica = data.get("replica") or record.replica
 
 
@@ -1026,13 +1026,13 @@ class RedisConversationStore:
     async def _poll(self, key: bytes, record: TurnRecord) -> None:
         """Another replica's turn whose summary is still being made: read it until it lands."""
         deadline = time.monotonic() + self.summary_wait_s
-        while not record.done.is_set() and time.monotonic() < deadline:
+        while not record.finished and time.monotonic() < deadline:
             await asyncio.sleep(self.poll_s)
             try:
                 raw = await self.state.call("read", lambda: self.state.command("GET", self._tkey(key)))
             except StoreUnavailable:
                 return
-            if raw is not None and not record.done.is_set():
+            if raw is not None and not record.finished:
                 data = _decode(raw, route=str, state=str)
                 if data is None or data["state"] not in _STATES:  # replaced by something unreadable: fold without it
                     self.state.unreadable("turn", self._tkey(key))

@@ -792,7 +792,7 @@ class SqliteConversationStore:
         route, summary, failed, stale = row
         # the summary of a turn recorded by an earlier process is final: one still in flight then never comes
         record = TurnRecord(route, summary, failed or summary is None, stale)
-        record.done.set()
+        record.settle()
         record.on_change = _Persist(self, key)
         self.cache.put_turn(key, record)
         return record
