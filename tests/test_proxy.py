@@ -613,7 +613,7 @@ def test_the_conversation_cache_accounts_for_the_memory_it_holds():
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]
-        for key, summary in zip(keys, summaries):
+        for key, summary in zip(keys, summaries, strict=True):
             record = TurnRecord("L2")
             record.set_summary(summary)
             store.put_turn(key, record)
