@@ -199,6 +199,9 @@ def show_logs(ctx, profile: str | None, component: str | None, follow: bool, lin
         raise UsageError(f"--component {component!r}: expected engine or proxy")
     if lines < 0:
         raise UsageError(f"--lines {lines}: expected 0 or more")
+    from molctl.status import check_readable
+
+    check_readable(ctx.state_dir)
     if profile:
         from molctl.stacks import known_or_recorded
 

@@ -23,6 +23,7 @@ from molctl.state import (
     LockHolder,
     Record,
     RecordProblem,
+    StateDirError,
     is_same_process,
     lock_holder,
     profiles_with_records,
@@ -30,9 +31,31 @@ from molctl.state import (
 )
 
 
+def check_readable(state_dir: Path) -> None:
+    """A state dir that exists but cannot be listed (another user's, mode 0700) is an error
+    (exit 1) for the read-side commands: `status` said "no stack is recorded" about it, `logs`
+    "no logs"."""
+    try:
+        os.listdir(state_dir)
+    except (FileNotFoundError, NotADirectoryError):  # none yet: nothing recorded; a file: profiles_with_records says so
+        return
+    except OSError as exc:
+        try:
+            st = os.stat(state_dir)
+            import pwd
+
+            owner = pwd.getpwuid(st.st_uid).pw_name
+        except (OSError, KeyError):
+            owner, st = "?", None
+        mode = f", mode {st.st_mode & 0o777:o}" if st is not None else ""
+        raise StateDirError(f"cannot read state dir {state_dir}: {exc.strerror or exc} (owner {owner}{mode}): "
+                            f"run molctl as {owner}, or choose the state dir with --state-dir") from None
+
+
 def status(ctx, name: str | None, gpu_probe=None) -> dict[str, Any]:
     """{"stacks": [...]}: every recorded stack (or the named one; an unknown name is exit 3)."""
     state_dir = ctx.state_dir
+    check_readable(state_dir)
     if name:
         known_or_recorded(ctx, name)
     holder = lock_holder(state_dir) if state_dir.exists() else None

@@ -171,3 +171,41 @@ def test_logs_follow_into_a_pipe_ends_when_the_reader_is_gone(tmp_path):
         proc.kill()
         proc.wait()
 
+
+# ------------------------------------------------------------------------------------------ status
+
+
+@pytest.fixture
+def unreadable_state_dir(state_dir, monkeypatch):
+    """The state dir of another user (mode 0700, `--state-dir /var/lib/molctl` read by an
+    operator who is not its owner): it cannot be listed (root reads it anyway, hence the patch;
+    reproduced for real with `setpriv --reuid=65534` against a running stack)."""
+    (state_dir / "tiny" / "logs").mkdir(parents=True)
+    (state_dir / "tiny" / "engine.json").write_text("{}")
+    (state_dir / "tiny" / "logs" / "engine-20260101-000000.log").write_text("hello\n")
+    denied = os.path.realpath(state_dir)
+    real_listdir, real_iterdir = os.listdir, Path.iterdir
+
+    def listdir(path="."):
+        if os.path.realpath(path) == denied:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_listdir(path)
+
+    def iterdir(self):
+        if os.path.realpath(self) == denied:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_iterdir(self)
+
+    monkeypatch.setattr(os, "listdir", listdir)
+    monkeypatch.setattr(Path, "iterdir", iterdir)
+    return state_dir
+
+
+@pytest.mark.parametrize("args", [("status",), ("status", "--json"), ("logs",)])
+def test_an_unreadable_state_dir_is_an_error_not_nothing_running(molctl, unreadable_state_dir, args):
+    """`molctl status` said "no stack is recorded" (exit 0) about a running, ready stack whose state
+    dir the caller could not read, and `status tiny` said `failed`; `logs` said "no logs"."""
+    r = molctl(*args)
+    assert r.exit_code == ExitStatus.ERROR, (r.stdout, r.stderr)
+    assert r.stdout == "" and r.stderr.count("\n") == 1, r.stderr
+    assert f"cannot read state dir {unreadable_state_dir}: Permission denied (owner " in r.stderr, r.stderr
