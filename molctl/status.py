@@ -75,7 +75,8 @@ def status(ctx, name: str | None, gpu_probe=None) -> dict[str, Any]:
             except ProfileError:
                 profile = None
         stack = _stack_status(state_dir, n, profile, records, problems, holder, gpu_probe)
-        orphans = {c: procs for (p, c), procs in unrecorded.items() if p == n}
+        unreadable = {p.component for p in problems}  # their processes are named by the unreadable record's line
+        orphans = {c: procs for (p, c), procs in unrecorded.items() if p == n and c not in unreadable}
         if orphans and stack["state"] not in ("starting", "stopping"):
             stack["problems"] = stack.get("problems", []) + [
                 f"{len(procs)} process(es) carry the {c}'s marker but no record names them (pid "
@@ -133,9 +134,11 @@ def _stack_status(state_dir: Path, name: str, profile: Profile | None, records: 
                 f"unlinked file; its disk space is freed only when it stops): `molctl logs {name}` reads it from {fd}"]
     if problems:
         marked = marked_for(state_dir, name, problems)
-        out["problems"] = out.get("problems", []) + [f"{p.component} record {p.path} is unreadable ({p.error}); "
-                           f"{len([m for m in marked if m[1] == os.path.realpath(p.path)])} process(es) carry its marker"
-                           for p in problems]
+        for p in problems:
+            pids = [str(proc.pid) for proc, path in marked if path == os.path.realpath(p.path)]
+            out["problems"] = out.get("problems", []) + [
+                f"{p.component} record {p.path} is unreadable ({p.error}); {len(pids)} process(es) carry its marker"
+                + (f" (pid {', '.join(pids)}): `molctl down {name} --force` stops them" if pids else "")]
         out["state"] = "degraded" if marked or left or any(c["alive"] for c in components) else "failed"
     if adapters is not None:
         out["adapters"] = adapters

@@ -209,3 +209,25 @@ def test_an_unreadable_state_dir_is_an_error_not_nothing_running(molctl, unreada
     assert r.exit_code == ExitStatus.ERROR, (r.stdout, r.stderr)
     assert r.stdout == "" and r.stderr.count("\n") == 1, r.stderr
     assert f"cannot read state dir {unreadable_state_dir}: Permission denied (owner " in r.stderr, r.stderr
+
+
+def test_an_unreadable_record_is_one_problem_naming_its_processes(host):
+    """A corrupted engine record gave two problems for the same engine: "unreadable; 1 process(es)
+    carry its marker" and "1 process(es) carry the engine's marker but no record names them (an
+    interrupted `up`?)": a wrong guess, with the pids only in the second."""
+    assert host.up().exit_code == ExitStatus.OK
+    engine_pid = host.records()["engine"].pid
+    record = host.state / "tiny" / "engine.json"
+    good = record.read_bytes()
+    record.write_bytes(good[:40])  # truncated (a full disk during a write by hand, a bad copy)
+    try:
+        r = host.molctl("status", "--json")
+        assert r.exit_code == ExitStatus.OK, r.stderr
+        (stack,) = r.json()["stacks"]
+        assert stack["state"] == "degraded"
+        (problem,) = stack["problems"]
+        assert problem.startswith(f"engine record {record} is unreadable (corrupt (JSONDecodeError"), problem
+        assert f"1 process(es) carry its marker (pid {engine_pid})" in problem, problem
+    finally:
+        record.write_bytes(good)
+
