@@ -94,24 +94,21 @@ def _stack_status(state_dir: Path, name: str, profile: Profile | None, records: 
     components = []
     left: dict[str, tuple[Record, list]] = {}  # component -> its record and processes outliving its leader
     now = time.time()
-    paths = {"engine": "/health", "proxy": "/readyz"}
+    alive = {c: is_same_process(r) for c, r in records.items()}
+    health = _probe_health(profile, {c: r for c, r in records.items() if alive[c]})
     for component in COMPONENTS:
         record = records.get(component)
         if record is None:
             continue
-        alive = is_same_process(record)
-        if not alive:
+        if not alive[component]:
             # vLLM's API server SIGKILLed (the OOM killer) leaves its EngineCore and workers,
             # which hold the GPU memory: found by the record's marker, as `down` finds them
             procs = members(record)
             if procs:
                 left[component] = (record, procs)
-        # the engine's /health may take its time (SGLang's generates a token); the proxy's /readyz asks it
-        timeout = get_engine(profile.engine.kind).health_timeout_s if profile else 1.0
-        timeout += 1.0 if component == "proxy" else 0.0
-        health = http_status(component_url(record) + paths[component], timeout=timeout) if alive else None
-        components.append({"name": component, "pid": record.pid, "alive": alive, "port": record.port,
-                           "health": health, "log": record.log, "uptime_s": round(now - record.started_at, 1) if alive else None})
+        components.append({"name": component, "pid": record.pid, "alive": alive[component], "port": record.port,
+                           "health": health.get(component), "log": record.log,
+                           "uptime_s": round(now - record.started_at, 1) if alive[component] else None})
     engine_ok = any(c["name"] == "engine" and c["health"] == 200 for c in components)
     adapters = _adapter_status(profile, records.get("engine")) if engine_ok else None
     state = _state_of(name, records, components, holder)
@@ -153,6 +150,26 @@ def _stack_status(state_dir: Path, name: str, profile: Profile | None, records: 
     if gpus:
         out["gpus"] = gpus
     return out
+
+
+PROXY_OWN_PROBE_S = 2.0  # the least the proxy's /readyz waits for the engine's /health (molctl.proxy.app)
+
+
+def _probe_health(profile: Profile | None, live: dict[str, Record]) -> dict[str, int | None]:
+    """component -> the HTTP status of the engine's /health or the proxy's /readyz, probed at
+    the same time (a hung engine costs one timeout, not one per component). The engine's may take
+    its time (SGLang's generates a token); the proxy's /readyz asks the engine itself, with at
+    least PROXY_OWN_PROBE_S, so it gets one second more than that: a healthy proxy reporting a
+    hung engine answers 503, not "no answer"."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    engine_s = get_engine(profile.engine.kind).health_timeout_s if profile else 1.0
+    probes = {"engine": ("/health", engine_s), "proxy": ("/readyz", max(PROXY_OWN_PROBE_S, engine_s) + 1.0)}
+    if not live:
+        return {}
+    with ThreadPoolExecutor(max_workers=len(live)) as pool:
+        futures = {c: pool.submit(http_status, component_url(r) + probes[c][0], probes[c][1]) for c, r in live.items()}
+        return {c: f.result() for c, f in futures.items()}
 
 
 STATUS_METRICS = {  # shown by `molctl status`: key -> (sample name, labels that must match)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -231,3 +232,24 @@ def test_an_unreadable_record_is_one_problem_naming_its_processes(host):
     finally:
         record.write_bytes(good)
 
+
+def test_status_of_a_hung_engine_is_quick_and_reads_the_proxys_answer(host):
+    """With the engine hung (SIGSTOP), `status` took 3.4 s (the engine's 1 s probe, then the
+    proxy's 2 s one) and, about one time in six, showed the healthy proxy as not answering: its
+    /readyz probe gave up after 2 s, exactly when the proxy's own probe of the engine did."""
+    assert host.up().exit_code == ExitStatus.OK
+    engine_pid = host.records()["engine"].pid
+    os.kill(engine_pid, signal.SIGSTOP)
+    time.sleep(1.2)  # the proxy reuses a ready answer for 1 s
+    try:
+        for _ in range(3):
+            t0 = time.monotonic()
+            r = host.molctl("status", "--json")
+            elapsed = time.monotonic() - t0
+            (stack,) = r.json()["stacks"]
+            comps = {c["name"]: c for c in stack["components"]}
+            assert comps["engine"]["alive"] and comps["engine"]["health"] is None
+            assert comps["proxy"]["health"] == 503, comps["proxy"]
+            assert stack["state"] == "degraded" and elapsed < 3.0, elapsed
+    finally:
+        os.kill(engine_pid, signal.SIGCONT)
