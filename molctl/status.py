@@ -16,7 +16,6 @@ from molctl.engines import get_engine
 from molctl.errors import ProfileError
 from molctl.processes import members, stack_pids
 from molctl.profiles import Profile, load_profile
-from molctl.readiness import http_status
 from molctl.stacks import component_url, known_or_recorded, marked_for, recorded_config, unrecorded_marked
 from molctl.state import (
     COMPONENTS,
@@ -106,9 +105,13 @@ def _stack_status(state_dir: Path, name: str, profile: Profile | None, records: 
             procs = members(record)
             if procs:
                 left[component] = (record, procs)
+        code, detail = health.get(component, (None, None))
         components.append({"name": component, "pid": record.pid, "alive": alive[component], "port": record.port,
-                           "health": health.get(component), "log": record.log,
+                           "health": code, "log": record.log,
                            "uptime_s": round(now - record.started_at, 1) if alive[component] else None})
+        why = _why_unhealthy(record, code, detail, _probes(profile)[component][1]) if alive[component] and code != 200 else None
+        if why:
+            components[-1]["detail"] = why
     engine_ok = any(c["name"] == "engine" and c["health"] == 200 for c in components)
     adapters = _adapter_status(profile, records.get("engine")) if engine_ok else None
     state = _state_of(name, records, components, holder)
@@ -155,21 +158,60 @@ def _stack_status(state_dir: Path, name: str, profile: Profile | None, records: 
 PROXY_OWN_PROBE_S = 2.0  # the least the proxy's /readyz waits for the engine's /health (molctl.proxy.app)
 
 
-def _probe_health(profile: Profile | None, live: dict[str, Record]) -> dict[str, int | None]:
-    """component -> the HTTP status of the engine's /health or the proxy's /readyz, probed at
+def _probes(profile: Profile | None) -> dict[str, tuple[str, float]]:
+    """component -> (path, timeout) of its health probe."""
+    engine_s = get_engine(profile.engine.kind).health_timeout_s if profile else 1.0
+    return {"engine": ("/health", engine_s), "proxy": ("/readyz", max(PROXY_OWN_PROBE_S, engine_s) + 1.0)}
+
+
+def _probe_health(profile: Profile | None, live: dict[str, Record]) -> dict[str, tuple[int | None, str | None]]:
+    """component -> (the HTTP status, the detail) of the engine's /health or the proxy's /readyz, probed at
     the same time (a hung engine costs one timeout, not one per component). The engine's may take
     its time (SGLang's generates a token); the proxy's /readyz asks the engine itself, with at
     least PROXY_OWN_PROBE_S, so it gets one second more than that: a healthy proxy reporting a
     hung engine answers 503, not "no answer"."""
     from concurrent.futures import ThreadPoolExecutor
 
-    engine_s = get_engine(profile.engine.kind).health_timeout_s if profile else 1.0
-    probes = {"engine": ("/health", engine_s), "proxy": ("/readyz", max(PROXY_OWN_PROBE_S, engine_s) + 1.0)}
+    probes = _probes(profile)
     if not live:
         return {}
     with ThreadPoolExecutor(max_workers=len(live)) as pool:
-        futures = {c: pool.submit(http_status, component_url(r) + probes[c][0], probes[c][1]) for c, r in live.items()}
-        return {c: f.result() for c, f in futures.items()}
+        futures = {c: pool.submit(_probe, component_url(r) + probes[c][0], probes[c][1]) for c, r in live.items()}
+        out = {c: f.result() for c, f in futures.items()}
+    if out.get("proxy", (None,))[0] == 200 and out.get("engine", (200,))[0] != 200:
+        # the proxy reuses a ready answer for up to 1 s (ready_cache_s): by now it asks the engine again
+        out["proxy"] = _probe(component_url(live["proxy"]) + probes["proxy"][0], probes["proxy"][1])
+    return out
+
+
+def _probe(url: str, timeout: float) -> tuple[int | None, str | None]:
+    """The HTTP status and, when not 200, the `detail` the proxy's /readyz gives (draining,
+    engine unreachable, adapters missing)."""
+    import httpx
+
+    try:
+        r = httpx.get(url, timeout=timeout, trust_env=False)
+    except httpx.HTTPError:
+        return None, None
+    try:
+        detail = r.json().get("detail") if r.status_code != 200 else None
+    except (ValueError, AttributeError):
+        detail = None
+    return r.status_code, detail if isinstance(detail, str) else None
+
+
+def _why_unhealthy(record: Record, health: int | None, detail: str | None, timeout_s: float) -> str | None:
+    """Why a live component is not healthy, in words (status said only `-` or `503`)."""
+    try:
+        with open(f"/proc/{record.pid}/stat") as fh:
+            stopped = fh.read().rpartition(")")[2].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        stopped = False
+    if stopped:
+        return f"stopped by a signal (SIGSTOP or Ctrl-Z): `kill -CONT {record.pid}` resumes it"
+    if health is None:
+        return f"no answer on {component_url(record)} within {timeout_s:g} s"
+    return detail
 
 
 STATUS_METRICS = {  # shown by `molctl status`: key -> (sample name, labels that must match)

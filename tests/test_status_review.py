@@ -253,3 +253,23 @@ def test_status_of_a_hung_engine_is_quick_and_reads_the_proxys_answer(host):
             assert stack["state"] == "degraded" and elapsed < 3.0, elapsed
     finally:
         os.kill(engine_pid, signal.SIGCONT)
+
+
+def test_status_says_why_a_live_component_is_not_healthy(host):
+    """A SIGSTOPped engine and the proxy in front of it were `health: null` and `503`, nothing
+    more: hung, stopped, draining or missing adapters all looked the same at 3 a.m."""
+    assert host.up().exit_code == ExitStatus.OK
+    engine_pid = host.records()["engine"].pid
+    os.kill(engine_pid, signal.SIGSTOP)
+    time.sleep(1.2)  # the proxy reuses a ready answer for 1 s
+    try:
+        (stack,) = host.molctl("status", "--json").json()["stacks"]
+        text = host.molctl("status").stdout
+    finally:
+        os.kill(engine_pid, signal.SIGCONT)
+    comps = {c["name"]: c for c in stack["components"]}
+    assert comps["engine"]["detail"] == f"stopped by a signal (SIGSTOP or Ctrl-Z): `kill -CONT {engine_pid}` resumes it"
+    assert comps["proxy"]["detail"] in ("engine unreachable", "engine /health answered None"), comps["proxy"]
+    assert f"tiny: engine (pid {engine_pid}) not healthy: stopped by a signal" in text, text
+    assert wait_for(lambda: host.molctl("status", "--json").json()["stacks"][0]["state"] == "ready")
+    assert all("detail" not in c for c in host.molctl("status", "--json").json()["stacks"][0]["components"])
