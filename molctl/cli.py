@@ -399,6 +399,19 @@ def logs_cmd(
         show_logs(ctx.obj, profile, component, follow, lines)
     except KeyboardInterrupt:  # the way to end -f: quietly
         raise typer.Exit(int(ExitStatus.INTERRUPTED)) from None
+    except BrokenPipeError:  # `molctl logs | head`: the reader has what it wanted; quietly, exit 0
+        _drop_stdout()
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's last flush into a closed pipe does
+    not print an error of its own."""
+    import os
+    import sys
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 demo_app = typer.Typer(help="The tiny demo model: a whole MoL stack on any machine, no GPU, no download.",

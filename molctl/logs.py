@@ -6,14 +6,18 @@ log at `logs.max_bytes` (`rotate_stdio`, keeping `logs.backups` parts as `.log.1
 
 from __future__ import annotations
 
+import errno
+import io
 import os
+import select
+import stat
 import threading
 import time
 from pathlib import Path
 
 from molctl.errors import UsageError
 from molctl.output import Output
-from molctl.processes import tail
+from molctl.processes import TAIL_LINE_MAX
 from molctl.state import COMPONENTS, component_logs, is_same_process, newest_log, read_records
 
 
@@ -57,6 +61,137 @@ FOLLOW_READ_MAX = 1 << 20  # bytes `logs -f` reads per component and poll (a log
 FOLLOW_LINE_MAX = 64 << 10  # bytes of a line without end that `logs -f` holds before showing it
 
 
+def _tail_start(fh, end: int, lines: int) -> int:
+    """Where the last `lines` lines of the file's first `end` bytes start (a final line without
+    newline counts), scanning backwards block by block: linear, whatever `lines` is. At most
+    `lines` * TAIL_LINE_MAX bytes back (the start may then fall inside a line)."""
+    if lines <= 0 or end <= 0:
+        return end
+    floor = max(0, end - lines * TAIL_LINE_MAX)
+    fh.seek(end - 1)
+    pos = end - 1 if fh.read(1) == b"\n" else end  # the newline ending the last line starts nothing
+    need = lines
+    while pos > floor:
+        step = min(FOLLOW_READ_MAX, pos - floor)
+        pos -= step
+        fh.seek(pos)
+        chunk = fh.read(step)
+        found = chunk.count(b"\n")
+        if found >= need:
+            i = len(chunk)
+            for _ in range(need):
+                i = chunk.rindex(b"\n", 0, i)
+            return pos + i + 1
+        need -= found
+    return floor
+
+
+class _Log:
+    """One component's log as `logs` reads it: an open file (still read after it is renamed or
+    deleted), the position, and a line not ended yet (bytes: a UTF-8 character may be split)."""
+
+    def __init__(self, comp: str, path: Path, out: Output, known: set[Path]):
+        self.comp, self.out, self.known = comp, out, known
+        self.fh = open(path, "rb")  # noqa: SIM115 - kept open while following; closed by close()
+        self.path, self.pos, self.partial, self.deleted = path, 0, b"", False
+
+    def close(self) -> None:
+        self.fh.close()
+
+    def say(self, text: str) -> None:
+        self.out.raw(f"[{self.comp}] {text}\n")
+
+    def tail(self, lines: int, follow: bool) -> None:
+        """The last `lines` lines; then the position is the end (a last line without end is held
+        when following, shown now otherwise)."""
+        end = os.fstat(self.fh.fileno()).st_size
+        start = _tail_start(self.fh, end, lines)
+        if start > 0 and lines > 0:
+            self.fh.seek(start - 1)
+            if self.fh.read(1) != b"\n":  # the byte bound cut a line: its start is left out
+                self.partial = b"..."
+        self.pos = start
+        while self.pos < end:
+            self.read(min(FOLLOW_READ_MAX, end - self.pos), long_lines="keep_end")
+        if not follow:
+            self.flush()
+
+    def read(self, limit: int = FOLLOW_READ_MAX, long_lines: str = "pieces") -> int:
+        """Show the complete lines of up to `limit` new bytes; how many were read. A line longer
+        than the cap is shown in pieces (following) or by its end (`long_lines="keep_end"`, the tail)."""
+        self.fh.seek(self.pos)
+        data = self.fh.read(limit)
+        self.pos += len(data)
+        if data:
+            *complete, rest = (self.partial + data).split(b"\n")
+            for line in complete:
+                self._show(line, keep_end=long_lines == "keep_end")
+            cap = TAIL_LINE_MAX if long_lines == "keep_end" else FOLLOW_LINE_MAX
+            if len(rest) > cap:
+                if long_lines == "keep_end":
+                    rest = b"..." + rest[-TAIL_LINE_MAX:]
+                else:  # a line without end (a dumped tensor): shown in pieces, not held
+                    self._show(rest)
+                    rest = b""
+            self.partial = rest
+        return len(data)
+
+    def _show(self, line: bytes, keep_end: bool = False) -> None:
+        if keep_end and len(line) > TAIL_LINE_MAX:
+            line = b"..." + line[-TAIL_LINE_MAX:]
+        self.say(line.removesuffix(b"\r").decode(errors="replace"))
+
+    def flush(self) -> None:
+        """Show a line not ended yet (the file is left, or was all there is to show)."""
+        if self.partial:
+            self._show(self.partial)
+            self.partial = b""
+
+    def drain(self) -> None:
+        while self.read() == FOLLOW_READ_MAX:
+            pass
+
+    def poll(self, newest: list[Path]) -> None:
+        """New bytes; then a restart's new log (a name not seen before), a rotation (another file
+        under the name) or a truncation (copytruncate) is followed, the old file read to its end
+        first."""
+        if self.read() == FOLLOW_READ_MAX:
+            return  # more to read: the switches wait for the end
+        new = [p for p in newest if p not in self.known]
+        self.known.update(newest)
+        if new:
+            self.drain()
+            self.flush()
+            self.say(f"==> new log {new[-1]} <==")
+            self.switch(new[-1])
+            return
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            if not self.deleted:
+                self.deleted = True
+                self.say(f"==> {self.path} was deleted: still reading the open file <==")
+            return
+        mine = os.fstat(self.fh.fileno())
+        if (st.st_ino, st.st_dev) != (mine.st_ino, mine.st_dev):
+            self.drain()
+            self.flush()
+            self.say(f"==> {self.path} was rotated <==")
+            self.switch(self.path)
+        elif mine.st_size < self.pos:
+            self.partial = b""
+            self.say(f"==> {self.path} was truncated <==")
+            self.pos = 0
+
+    def switch(self, path: Path) -> None:
+        try:
+            fh = open(path, "rb")  # noqa: SIM115 - see __init__
+        except OSError:
+            return
+        self.fh.close()
+        self.fh, self.path, self.pos, self.partial, self.deleted = fh, path, 0, b"", False
+
+
 def show_logs(ctx, profile: str | None, component: str | None, follow: bool, lines: int,
               out: Output | None = None, poll_s: float = 0.2, stop_after_s: float | None = None) -> None:
     out = out or Output()
@@ -64,70 +199,71 @@ def show_logs(ctx, profile: str | None, component: str | None, follow: bool, lin
         raise UsageError(f"--component {component!r}: expected engine or proxy")
     if lines < 0:
         raise UsageError(f"--lines {lines}: expected 0 or more")
+    from molctl.status import check_readable
+
+    check_readable(ctx.state_dir)
     if profile:
         from molctl.stacks import known_or_recorded
 
         known_or_recorded(ctx, profile)  # a typo is exit 3 listing the known profiles
     name = _pick_profile(ctx.state_dir, profile)
     components = [component] if component else list(COMPONENTS)
-    unlinked: dict[str, Path] = {}  # component -> its open stdout, where its log file was deleted
     records = read_records(ctx.state_dir, name)
-    for comp in components:
-        record = records.get(comp)
-        if record is not None and is_same_process(record) and (fd := deleted_log(record)) is not None:
-            unlinked[comp] = fd
-            out.raw(f"[{comp}] ==> {record.log} was deleted while pid {record.pid} runs: read from its open file "
-                    f"{fd} (the disk space is freed when it stops) <==\n")
-    current: dict[str, tuple[Path, int, int]] = {}  # path, position, inode
-    for comp in components:
-        path = unlinked.get(comp) or newest_log(ctx.state_dir, name, comp)
-        if path is None:
-            continue
-        for line in tail(path, lines):
-            out.raw(f"[{comp}] {line}\n")
-        st = path.stat()
-        current[comp] = (path, st.st_size, st.st_ino)
-    if not current and not follow:
-        raise UsageError(f"no {component or 'engine or proxy'} log for profile {name} in {ctx.state_dir / name / 'logs'}")
-    if not follow:
-        return
-    started = time.monotonic()
-    partial: dict[str, bytes] = {}  # a line not ended yet, per component (bytes: a UTF-8 character may be split)
-    while stop_after_s is None or time.monotonic() - started < stop_after_s:
+    known = {comp: set(component_logs(ctx.state_dir, name, comp)) for comp in components}
+    opened: dict[str, _Log] = {}
+    try:
         for comp in components:
-            newest = unlinked.get(comp) or newest_log(ctx.state_dir, name, comp)
-            if newest is None:
+            record = records.get(comp)
+            path = deleted_log(record) if record is not None and is_same_process(record) else None
+            if path is not None:
+                out.raw(f"[{comp}] ==> {record.log} was deleted while pid {record.pid} runs: read from its open file "
+                        f"{path} (the disk space is freed when it stops) <==\n")
+            path = path or newest_log(ctx.state_dir, name, comp)
+            if path is None:
                 continue
-            path, pos, ino = current.get(comp, (None, 0, None))
             try:
-                st = newest.stat()
-            except OSError:
+                opened[comp] = _Log(comp, path, out, known[comp])
+            except OSError as exc:
+                out.warn(f"cannot read the {comp} log {path}: {exc.strerror or exc}")
                 continue
-            if newest != path:
-                if path is not None:
-                    out.raw(f"[{comp}] ==> new log {newest} <==\n")
-                path, pos, ino = newest, 0, st.st_ino
-                partial[comp] = b""
-            elif st.st_ino != ino or st.st_size < pos:  # rotated (a new file under the same name)
-                out.raw(f"[{comp}] ==> {newest} was rotated <==\n")
-                pos, ino = 0, st.st_ino
-                partial[comp] = b""
-            try:
-                with open(path, "rb") as fh:
-                    fh.seek(pos)
-                    data = fh.read(FOLLOW_READ_MAX)
-            except OSError:
-                continue
-            if data:
-                *complete, rest = (partial.get(comp, b"") + data).split(b"\n")
-                for line in complete:
-                    out.raw(f"[{comp}] {line.decode(errors='replace')}\n")
-                if len(rest) > FOLLOW_LINE_MAX:  # a line without end (a dumped tensor): shown in pieces, not held
-                    out.raw(f"[{comp}] {rest.decode(errors='replace')}\n")
-                    rest = b""
-                partial[comp] = rest
-            current[comp] = (path, pos + len(data), ino)
-        time.sleep(poll_s)
+            opened[comp].tail(lines, follow)
+        if not opened and not follow:
+            raise UsageError(f"no {component or 'engine or proxy'} log for profile {name} in "
+                             f"{ctx.state_dir / name / 'logs'}")
+        started = time.monotonic()
+        while follow and (stop_after_s is None or time.monotonic() - started < stop_after_s):
+            for comp in components:
+                logs = component_logs(ctx.state_dir, name, comp)
+                if comp in opened:
+                    opened[comp].poll(logs)
+                elif logs:  # a component that had no log yet: its first one, from its start
+                    try:
+                        opened[comp] = _Log(comp, logs[-1], out, known[comp])
+                    except OSError:
+                        continue
+                    known[comp].update(logs)
+                    opened[comp].say(f"==> new log {logs[-1]} <==")
+                    opened[comp].read()
+            if _reader_gone(out.stdout):
+                raise BrokenPipeError(errno.EPIPE, "the reader of stdout is gone")
+            time.sleep(poll_s)
+    finally:
+        for log in opened.values():
+            log.close()
+
+
+def _reader_gone(stream) -> bool:
+    """stdout is a pipe whose reader exited (`logs -f | grep -m1 ready`): with nothing new to
+    write, no write would ever fail, so `-f` would wait forever."""
+    try:
+        fd = stream.fileno()
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return False
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        return False
+    poller = select.poll()
+    poller.register(fd, 0)  # POLLERR (the read end closed) is reported whatever is asked
+    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
 
 
 def rotate_now(path: Path, backups: int) -> None:
@@ -146,8 +282,6 @@ def rotate_stdio(max_bytes: int, backups: int, check_every_s: float = 1.0) -> th
     shifted, at most `backups` kept) and a new file is opened under the same name on fds 1 and 2.
     Everything the process writes is covered, tracebacks included. No-op when stdout is not a
     regular file."""
-    import stat
-
     try:
         st = os.fstat(1)
     except OSError:

@@ -158,6 +158,9 @@ class Output:
             if pm and pm.get("available"):
                 self.line(f"{stack['profile']}: proxy " + ", ".join(f"{k.replace('_', ' ')} {v:g}" for k, v in pm.items()
                                                                       if k not in ("available", "url")))
+            for c in stack["components"]:
+                if c.get("detail"):
+                    self.line(f"{stack['profile']}: {c['name']} (pid {c['pid']}) not healthy: {c['detail']}")
             for problem in stack.get("problems", []):
                 self.line(f"{stack['profile']}: {problem}")
             if stack.get("adapters") not in (None, "ok"):

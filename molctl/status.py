@@ -16,13 +16,13 @@ from molctl.engines import get_engine
 from molctl.errors import ProfileError
 from molctl.processes import members, stack_pids
 from molctl.profiles import Profile, load_profile
-from molctl.readiness import http_status
 from molctl.stacks import component_url, known_or_recorded, marked_for, recorded_config, unrecorded_marked
 from molctl.state import (
     COMPONENTS,
     LockHolder,
     Record,
     RecordProblem,
+    StateDirError,
     is_same_process,
     lock_holder,
     profiles_with_records,
@@ -30,9 +30,31 @@ from molctl.state import (
 )
 
 
+def check_readable(state_dir: Path) -> None:
+    """A state dir that exists but cannot be listed (another user's, mode 0700) is an error
+    (exit 1) for the read-side commands: `status` said "no stack is recorded" about it, `logs`
+    "no logs"."""
+    try:
+        os.listdir(state_dir)
+    except (FileNotFoundError, NotADirectoryError):  # none yet: nothing recorded; a file: profiles_with_records says so
+        return
+    except OSError as exc:
+        try:
+            st = os.stat(state_dir)
+            import pwd
+
+            owner = pwd.getpwuid(st.st_uid).pw_name
+        except (OSError, KeyError):
+            owner, st = "?", None
+        mode = f", mode {st.st_mode & 0o777:o}" if st is not None else ""
+        raise StateDirError(f"cannot read state dir {state_dir}: {exc.strerror or exc} (owner {owner}{mode}): "
+                            f"run molctl as {owner}, or choose the state dir with --state-dir") from None
+
+
 def status(ctx, name: str | None, gpu_probe=None) -> dict[str, Any]:
     """{"stacks": [...]}: every recorded stack (or the named one; an unknown name is exit 3)."""
     state_dir = ctx.state_dir
+    check_readable(state_dir)
     if name:
         known_or_recorded(ctx, name)
     holder = lock_holder(state_dir) if state_dir.exists() else None
@@ -52,7 +74,8 @@ def status(ctx, name: str | None, gpu_probe=None) -> dict[str, Any]:
             except ProfileError:
                 profile = None
         stack = _stack_status(state_dir, n, profile, records, problems, holder, gpu_probe)
-        orphans = {c: procs for (p, c), procs in unrecorded.items() if p == n}
+        unreadable = {p.component for p in problems}  # their processes are named by the unreadable record's line
+        orphans = {c: procs for (p, c), procs in unrecorded.items() if p == n and c not in unreadable}
         if orphans and stack["state"] not in ("starting", "stopping"):
             stack["problems"] = stack.get("problems", []) + [
                 f"{len(procs)} process(es) carry the {c}'s marker but no record names them (pid "
@@ -70,24 +93,25 @@ def _stack_status(state_dir: Path, name: str, profile: Profile | None, records: 
     components = []
     left: dict[str, tuple[Record, list]] = {}  # component -> its record and processes outliving its leader
     now = time.time()
-    paths = {"engine": "/health", "proxy": "/readyz"}
+    alive = {c: is_same_process(r) for c, r in records.items()}
+    health = _probe_health(profile, {c: r for c, r in records.items() if alive[c]})
     for component in COMPONENTS:
         record = records.get(component)
         if record is None:
             continue
-        alive = is_same_process(record)
-        if not alive:
+        if not alive[component]:
             # vLLM's API server SIGKILLed (the OOM killer) leaves its EngineCore and workers,
             # which hold the GPU memory: found by the record's marker, as `down` finds them
             procs = members(record)
             if procs:
                 left[component] = (record, procs)
-        # the engine's /health may take its time (SGLang's generates a token); the proxy's /readyz asks it
-        timeout = get_engine(profile.engine.kind).health_timeout_s if profile else 1.0
-        timeout += 1.0 if component == "proxy" else 0.0
-        health = http_status(component_url(record) + paths[component], timeout=timeout) if alive else None
-        components.append({"name": component, "pid": record.pid, "alive": alive, "port": record.port,
-                           "health": health, "log": record.log, "uptime_s": round(now - record.started_at, 1) if alive else None})
+        code, detail = health.get(component, (None, None))
+        components.append({"name": component, "pid": record.pid, "alive": alive[component], "port": record.port,
+                           "health": code, "log": record.log,
+                           "uptime_s": round(now - record.started_at, 1) if alive[component] else None})
+        why = _why_unhealthy(record, code, detail, _probes(profile)[component][1]) if alive[component] and code != 200 else None
+        if why:
+            components[-1]["detail"] = why
     engine_ok = any(c["name"] == "engine" and c["health"] == 200 for c in components)
     adapters = _adapter_status(profile, records.get("engine")) if engine_ok else None
     state = _state_of(name, records, components, holder)
@@ -110,9 +134,11 @@ def _stack_status(state_dir: Path, name: str, profile: Profile | None, records: 
                 f"unlinked file; its disk space is freed only when it stops): `molctl logs {name}` reads it from {fd}"]
     if problems:
         marked = marked_for(state_dir, name, problems)
-        out["problems"] = out.get("problems", []) + [f"{p.component} record {p.path} is unreadable ({p.error}); "
-                           f"{len([m for m in marked if m[1] == os.path.realpath(p.path)])} process(es) carry its marker"
-                           for p in problems]
+        for p in problems:
+            pids = [str(proc.pid) for proc, path in marked if path == os.path.realpath(p.path)]
+            out["problems"] = out.get("problems", []) + [
+                f"{p.component} record {p.path} is unreadable ({p.error}); {len(pids)} process(es) carry its marker"
+                + (f" (pid {', '.join(pids)}): `molctl down {name} --force` stops them" if pids else "")]
         out["state"] = "degraded" if marked or left or any(c["alive"] for c in components) else "failed"
     if adapters is not None:
         out["adapters"] = adapters
@@ -127,6 +153,65 @@ def _stack_status(state_dir: Path, name: str, profile: Profile | None, records: 
     if gpus:
         out["gpus"] = gpus
     return out
+
+
+PROXY_OWN_PROBE_S = 2.0  # the least the proxy's /readyz waits for the engine's /health (molctl.proxy.app)
+
+
+def _probes(profile: Profile | None) -> dict[str, tuple[str, float]]:
+    """component -> (path, timeout) of its health probe."""
+    engine_s = get_engine(profile.engine.kind).health_timeout_s if profile else 1.0
+    return {"engine": ("/health", engine_s), "proxy": ("/readyz", max(PROXY_OWN_PROBE_S, engine_s) + 1.0)}
+
+
+def _probe_health(profile: Profile | None, live: dict[str, Record]) -> dict[str, tuple[int | None, str | None]]:
+    """component -> (the HTTP status, the detail) of the engine's /health or the proxy's /readyz, probed at
+    the same time (a hung engine costs one timeout, not one per component). The engine's may take
+    its time (SGLang's generates a token); the proxy's /readyz asks the engine itself, with at
+    least PROXY_OWN_PROBE_S, so it gets one second more than that: a healthy proxy reporting a
+    hung engine answers 503, not "no answer"."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    probes = _probes(profile)
+    if not live:
+        return {}
+    with ThreadPoolExecutor(max_workers=len(live)) as pool:
+        futures = {c: pool.submit(_probe, component_url(r) + probes[c][0], probes[c][1]) for c, r in live.items()}
+        out = {c: f.result() for c, f in futures.items()}
+    if out.get("proxy", (None,))[0] == 200 and out.get("engine", (200,))[0] != 200:
+        # the proxy reuses a ready answer for up to 1 s (ready_cache_s): by now it asks the engine again
+        out["proxy"] = _probe(component_url(live["proxy"]) + probes["proxy"][0], probes["proxy"][1])
+    return out
+
+
+def _probe(url: str, timeout: float) -> tuple[int | None, str | None]:
+    """The HTTP status and, when not 200, the `detail` the proxy's /readyz gives (draining,
+    engine unreachable, adapters missing)."""
+    import httpx
+
+    try:
+        r = httpx.get(url, timeout=timeout, trust_env=False)
+    except httpx.HTTPError:
+        return None, None
+    try:
+        detail = r.json().get("detail") if r.status_code != 200 else None
+    except (ValueError, AttributeError):
+        detail = None
+    return r.status_code, detail if isinstance(detail, str) else None
+
+
+def _why_unhealthy(record: Record, health: int | None, detail: str | None, timeout_s: float) -> str | None:
+    """Why a live component is not healthy, in words (status said only `-` or `503`)."""
+    try:
+        with open(f"/proc/{record.pid}/stat") as fh:
+            stopped = fh.read().rpartition(")")[2].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        stopped = False
+    if stopped:
+        return f"stopped by a signal (SIGSTOP or Ctrl-Z): `kill -CONT {record.pid}` resumes it"
+    if health is None:
+        return f"no answer on {component_url(record)} within {timeout_s:g} s"
+    return detail
 
 
 STATUS_METRICS = {  # shown by `molctl status`: key -> (sample name, labels that must match)
