@@ -17,7 +17,7 @@ from pathlib import Path
 
 from molctl.errors import UsageError
 from molctl.output import Output
-from molctl.processes import TAIL_LINE_MAX
+from molctl.processes import TAIL_LINE_MAX, tail_start
 from molctl.state import COMPONENTS, component_logs, is_same_process, newest_log, read_records
 
 
@@ -61,31 +61,6 @@ FOLLOW_READ_MAX = 1 << 20  # bytes `logs -f` reads per component and poll (a log
 FOLLOW_LINE_MAX = 64 << 10  # bytes of a line without end that `logs -f` holds before showing it
 
 
-def _tail_start(fh, end: int, lines: int) -> int:
-    """Where the last `lines` lines of the file's first `end` bytes start (a final line without
-    newline counts), scanning backwards block by block: linear, whatever `lines` is. At most
-    `lines` * TAIL_LINE_MAX bytes back (the start may then fall inside a line)."""
-    if lines <= 0 or end <= 0:
-        return end
-    floor = max(0, end - lines * TAIL_LINE_MAX)
-    fh.seek(end - 1)
-    pos = end - 1 if fh.read(1) == b"\n" else end  # the newline ending the last line starts nothing
-    need = lines
-    while pos > floor:
-        step = min(FOLLOW_READ_MAX, pos - floor)
-        pos -= step
-        fh.seek(pos)
-        chunk = fh.read(step)
-        found = chunk.count(b"\n")
-        if found >= need:
-            i = len(chunk)
-            for _ in range(need):
-                i = chunk.rindex(b"\n", 0, i)
-            return pos + i + 1
-        need -= found
-    return floor
-
-
 class _Log:
     """One component's log as `logs` reads it: an open file (still read after it is renamed or
     deleted), the position, and a line not ended yet (bytes: a UTF-8 character may be split)."""
@@ -105,7 +80,7 @@ class _Log:
         """The last `lines` lines; then the position is the end (a last line without end is held
         when following, shown now otherwise)."""
         end = os.fstat(self.fh.fileno()).st_size
-        start = _tail_start(self.fh, end, lines)
+        start = tail_start(self.fh, end, lines)
         if start > 0 and lines > 0:
             self.fh.seek(start - 1)
             if self.fh.read(1) != b"\n":  # the byte bound cut a line: its start is left out

@@ -238,7 +238,33 @@ def _name(proc: psutil.Process) -> str:
         return "?"
 
 
+TAIL_BLOCK = 1 << 20  # bytes read per step when scanning a log backwards for its last lines
 TAIL_LINE_MAX = 4096  # bytes of one log line `tail` keeps (its end): a dumped tensor or JSON can make a huge one
+
+
+def tail_start(fh, end: int, lines: int) -> int:
+    """Where the last `lines` lines of the file's first `end` bytes start (a final line without
+    newline counts), scanning backwards block by block: linear, whatever `lines` is. At most
+    `lines` * TAIL_LINE_MAX bytes back (the start may then fall inside a line)."""
+    if lines <= 0 or end <= 0:
+        return end
+    floor = max(0, end - lines * TAIL_LINE_MAX)
+    fh.seek(end - 1)
+    pos = end - 1 if fh.read(1) == b"\n" else end  # the newline ending the last line starts nothing
+    need = lines
+    while pos > floor:
+        step = min(TAIL_BLOCK, pos - floor)
+        pos -= step
+        fh.seek(pos)
+        chunk = fh.read(step)
+        found = chunk.count(b"\n")
+        if found >= need:
+            i = len(chunk)
+            for _ in range(need):
+                i = chunk.rindex(b"\n", 0, i)
+            return pos + i + 1
+        need -= found
+    return floor
 
 
 def tail(path: Path | str, lines: int = 80) -> list[str]:
@@ -248,14 +274,10 @@ def tail(path: Path | str, lines: int = 80) -> list[str]:
         return []
     try:
         with open(path, "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            size = fh.tell()
-            block, data = 8192, b""
-            while size > 0 and data.count(b"\n") <= lines and len(data) < lines * TAIL_LINE_MAX:
-                step = min(block, size)
-                size -= step
-                fh.seek(size)
-                data = fh.read(step) + data
+            end = fh.seek(0, os.SEEK_END)
+            start = tail_start(fh, end, lines)
+            fh.seek(start)
+            data = fh.read(end - start)
     except OSError:
         return []
     return [line if len(line) <= TAIL_LINE_MAX else "..." + line[-TAIL_LINE_MAX:]

@@ -13,6 +13,7 @@ from typing import Any
 
 from molctl import stackconfig
 from molctl.engines import get_engine
+from molctl.engines.base import READYZ_ENGINE_PROBE_MIN_S
 from molctl.errors import ProfileError
 from molctl.processes import members, stack_pids
 from molctl.profiles import Profile, load_profile
@@ -155,20 +156,19 @@ def _stack_status(state_dir: Path, name: str, profile: Profile | None, records: 
     return out
 
 
-PROXY_OWN_PROBE_S = 2.0  # the least the proxy's /readyz waits for the engine's /health (molctl.proxy.app)
 
 
 def _probes(profile: Profile | None) -> dict[str, tuple[str, float]]:
     """component -> (path, timeout) of its health probe."""
     engine_s = get_engine(profile.engine.kind).health_timeout_s if profile else 1.0
-    return {"engine": ("/health", engine_s), "proxy": ("/readyz", max(PROXY_OWN_PROBE_S, engine_s) + 1.0)}
+    return {"engine": ("/health", engine_s), "proxy": ("/readyz", max(READYZ_ENGINE_PROBE_MIN_S, engine_s) + 1.0)}
 
 
 def _probe_health(profile: Profile | None, live: dict[str, Record]) -> dict[str, tuple[int | None, str | None]]:
     """component -> (the HTTP status, the detail) of the engine's /health or the proxy's /readyz, probed at
     the same time (a hung engine costs one timeout, not one per component). The engine's may take
     its time (SGLang's generates a token); the proxy's /readyz asks the engine itself, with at
-    least PROXY_OWN_PROBE_S, so it gets one second more than that: a healthy proxy reporting a
+    least READYZ_ENGINE_PROBE_MIN_S, so it gets one second more than that: a healthy proxy reporting a
     hung engine answers 503, not "no answer"."""
     from concurrent.futures import ThreadPoolExecutor
 

@@ -41,6 +41,12 @@ def render_args(args: Mapping[str, Any]) -> list[str]:
     return argv
 
 
+# the least the proxy's /readyz waits for the engine's /health (the engine's own health timeout
+# when longer); `molctl status` gives /readyz one second more, so a proxy reporting a hung engine
+# is read as its 503, not as "no answer"
+READYZ_ENGINE_PROBE_MIN_S = 2.0
+
+
 def run_probe_script(python: str, script: str, *args: str, timeout: float = 120) -> EngineInstall:
     """Run `script` under the engine's interpreter; it prints one JSON object on its last line."""
     try:

@@ -43,7 +43,7 @@ from urllib.parse import parse_qs
 
 import orjson
 
-from molctl.engines.base import Engine, adapter_problems
+from molctl.engines.base import READYZ_ENGINE_PROBE_MIN_S, Engine, adapter_problems
 from molctl.profiles import Profile
 from molctl.proxy import fastjson, responses
 from molctl.proxy.conversations import ConversationStore, MemoryStore
@@ -378,7 +378,7 @@ class ProxyApp:
 
     async def _probe_engine(self) -> tuple[bool, str]:
         try:
-            status, _ = await self.client.get("/health", timeout=max(2.0, self.engine.health_timeout_s))
+            status, _ = await self.client.get("/health", timeout=max(READYZ_ENGINE_PROBE_MIN_S, self.engine.health_timeout_s))
             if status != 200:
                 return False, f"engine /health answered {status}"
             status, body = await self.client.get("/v1/models")
