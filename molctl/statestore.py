@@ -12,7 +12,7 @@ from molctl.profiles import Profile, load_profile
 from molctl.proxy.sqlite_store import SqliteResponseStore, resolve_store
 
 
-def _open(profile: Profile, state_dir) -> tuple[dict[str, Any], SqliteResponseStore | None]:
+def _open(profile: Profile, state_dir, reads_only: bool = False) -> tuple[dict[str, Any], SqliteResponseStore | None]:
     p = profile.proxy
     kind, path = resolve_store(p.store, state_dir, profile.name)
     base: dict[str, Any] = {"profile": profile.name, "backend": kind, "path": str(path) if path else None,
@@ -21,7 +21,7 @@ def _open(profile: Profile, state_dir) -> tuple[dict[str, Any], SqliteResponseSt
     if not base["exists"]:
         return base, None
     return base, SqliteResponseStore(path, ttl_s=p.store_ttl_s, max_bytes=p.store_max_bytes,
-                                     max_entries=p.store_max_entries, create=False)
+                                     max_entries=p.store_max_entries, create=False, reads_only=reads_only)
 
 
 def _profile(name: str, ctx) -> Profile:
@@ -79,7 +79,7 @@ def state_stats(name: str, ctx) -> dict[str, Any]:
     profile = _profile(name, ctx)
     if profile.proxy.store.startswith(("redis://", "rediss://")):
         return _redis(profile, prune=False)
-    base, store = _open(profile, ctx.state_dir)
+    base, store = _open(profile, ctx.state_dir, reads_only=True)
     try:
         return {**base, **_counts(store)}
     finally:

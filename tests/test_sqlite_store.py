@@ -1386,3 +1386,24 @@ def test_a_put_never_evicts_its_own_record_nor_every_other_one_for_a_record_over
     assert [store.get_response("tenant-b", f"other_{i}") is not None for i in range(2)] == [True, True]
     assert store.get_response("tenant-a", "huge") is None and store.stats()["responses_evicted"] == 0
     store.close()
+
+
+def test_state_stats_reads_while_another_process_holds_the_write_lock(molctl, state_dir):
+    """Found by the status review: `state stats` opened the store with a BEGIN IMMEDIATE probe, so
+    while a writer held the write lock (a running proxy's commit, a long `state prune`, a sqlite3
+    shell in a transaction) the read-only command failed 'database is locked' after the busy
+    timeout. WAL readers never wait for a writer: stats reads at once."""
+    import sqlite3
+
+    _seed(state_dir, [2, 1])
+    writer = sqlite3.connect(str(store_path(state_dir, "tiny")), isolation_level=None)
+    try:
+        writer.execute("BEGIN IMMEDIATE")
+        result = molctl("state", "stats", "tiny", "--json")
+        assert result.exit_code == ExitStatus.OK, result.stderr
+        assert result.json()["responses"] == 2
+        prune = molctl("state", "prune", "tiny")  # a writer still waits for the lock, and says so
+        assert prune.exit_code != ExitStatus.OK and "locked" in prune.stderr
+    finally:
+        writer.execute("ROLLBACK")
+        writer.close()

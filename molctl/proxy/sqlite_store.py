@@ -223,8 +223,11 @@ class SqliteResponseStore:
 
     def __init__(self, path: Path | str, ttl_s: float = DEFAULT_TTL_S, max_bytes: int = DEFAULT_MAX_BYTES,
                  max_entries: int = DEFAULT_MAX_ENTRIES, clock: Callable[[], float] = time.time, create: bool = True,
-                 busy_timeout_s: float = BUSY_TIMEOUT_S, commit_delay_s: float = 0.0):
+                 busy_timeout_s: float = BUSY_TIMEOUT_S, commit_delay_s: float = 0.0, reads_only: bool = False):
         self.path = Path(path)
+        # a reader (`molctl state stats`): not checked for the write lock at open (WAL readers never
+        # wait for a writer; a running proxy or a long prune holding the write lock made it fail)
+        self.reads_only = reads_only
         # conversation rows: 0 writes them at the end of the loop pass that queued them; > 0 holds
         # them this long first, so the rows of that window share one transaction (a group commit)
         self.commit_delay_s = commit_delay_s
@@ -300,9 +303,10 @@ class SqliteResponseStore:
                 self._migrate_v1()
         conn.execute("PRAGMA synchronous=NORMAL")
         conn.execute("PRAGMA foreign_keys=OFF")
-        # writable and not locked by another writer (beyond busy_timeout): found now, not on the first request
-        conn.execute("BEGIN IMMEDIATE")
-        conn.execute("COMMIT")
+        if not self.reads_only:
+            # writable and not locked by another writer (beyond busy_timeout): found now, not on the first request
+            conn.execute("BEGIN IMMEDIATE")
+            conn.execute("COMMIT")
 
     def _migrate_v1(self) -> None:
         """v1 (responses only) -> v2: add the conversation tables in one transaction; every
