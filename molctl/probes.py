@@ -50,9 +50,35 @@ def _process_name(pid: int) -> str:
 
 
 class NvmlProbe:
-    """The real GPU probe (nvidia-ml-py)."""
+    """The real GPU probe (nvidia-ml-py). NVML calls can hang on a failing GPU or driver (an Xid
+    fault, a GPU fallen off the bus): the inventory is read in a daemon thread and given up after
+    `timeout_s`, a GpuUnavailable saying so, so `status`, `check` and `up` never hang on it."""
+
+    def __init__(self, timeout_s: float = 10.0):
+        self.timeout_s = timeout_s
 
     def inventory(self) -> GpuInventory:
+        import threading
+
+        result: list[GpuInventory | BaseException] = []
+
+        def read() -> None:
+            try:
+                result.append(self._inventory())
+            except BaseException as exc:  # handed to the caller's thread
+                result.append(exc)
+
+        worker = threading.Thread(target=read, name="nvml-inventory", daemon=True)
+        worker.start()
+        worker.join(self.timeout_s)
+        if not result:
+            raise GpuUnavailable(f"NVML did not answer within {self.timeout_s:g} s: a GPU or the driver may be hung "
+                                 "(check nvidia-smi, and dmesg for Xid errors)")
+        if isinstance(result[0], BaseException):
+            raise result[0]
+        return result[0]
+
+    def _inventory(self) -> GpuInventory:
         try:
             import pynvml
         except ImportError as exc:  # pragma: no cover - nvidia-ml-py is a dependency

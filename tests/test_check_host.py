@@ -217,3 +217,34 @@ def test_skip_of_an_unskippable_category_is_usage(molctl, category):
     r = molctl("check", "tiny", "--skip", category, "--skip", "engine", "--skip", "gpu")
     assert r.exit_code == 2 and f"--skip {category!r}: expected one of engine, gpu" in r.stderr, r.stderr
     assert "lock" not in molctl("check", "--help").stdout.split("--skip")[1].split("--")[0]
+
+
+def test_a_hung_nvml_is_given_up_not_waited_for(monkeypatch):
+    """From the status review (not fixed there): NVML calls hang on a failing GPU or driver, and
+    `status`, `check` and `up` called NvmlProbe with no time limit, so one hung GPU hung every
+    molctl command that looks at GPUs. The inventory is now given up after its timeout with a
+    GpuUnavailable that says why; an NVML that answers is read as before."""
+    import sys
+    import threading
+    import types
+
+    from molctl.probes import GpuUnavailable, NvmlProbe
+
+    release = threading.Event()
+    stub = types.ModuleType("pynvml")
+    stub.NVMLError = type("NVMLError", (Exception,), {})
+    stub.nvmlInit = lambda: release.wait(30)  # a hung driver call
+    stub.nvmlShutdown = lambda: None
+    stub.nvmlSystemGetDriverVersion = lambda: b"580.1"
+    stub.nvmlDeviceGetCount = lambda: 0
+    monkeypatch.setitem(sys.modules, "pynvml", stub)
+    try:
+        with pytest.raises(GpuUnavailable, match="NVML did not answer within 0.2 s"):
+            NvmlProbe(timeout_s=0.2).inventory()
+    finally:
+        release.set()
+    inventory = NvmlProbe(timeout_s=5).inventory()  # answering now
+    assert inventory.driver_version == "580.1" and inventory.devices == ()
+    stub.nvmlInit = lambda: (_ for _ in ()).throw(stub.NVMLError("Driver Not Loaded"))
+    with pytest.raises(GpuUnavailable, match="NVML init failed: Driver Not Loaded"):
+        NvmlProbe().inventory()  # an NVML error still reaches the caller as before
