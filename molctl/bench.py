@@ -109,10 +109,11 @@ def find_target(ctx, name: str) -> Target:
     from molctl.errors import ProfileError
     from molctl.profiles import load_profile
     from molctl.stacks import component_url, known_or_recorded, recorded_config
-    from molctl.state import is_same_process, read_records_checked
+    from molctl.state import check_own_state_dir, is_same_process, read_records_checked
     from molctl.status import metrics_url
 
     known_or_recorded(ctx, name)
+    check_own_state_dir(ctx.state_dir)  # another user's record could name the host the key is sent to
     records, problems = read_records_checked(ctx.state_dir, name)
     engine = records.get("engine")
     bad = next((p for p in problems if p.component == "engine"), None)

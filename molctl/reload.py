@@ -13,7 +13,7 @@ from typing import Any
 
 from molctl.errors import ConflictError, ExitStatus, MolctlError
 from molctl.stacks import known_or_recorded
-from molctl.state import is_same_process, read_records_checked
+from molctl.state import check_own_state_dir, is_same_process, read_records_checked
 
 
 class NotRunning(MolctlError):
@@ -25,6 +25,7 @@ class NotRunning(MolctlError):
 def reload(ctx, name: str, kill=os.kill) -> dict[str, Any]:
     """Send SIGHUP to PROFILE's proxy; returns {"profile", "pid", "signal"}. `kill` is injected for tests."""
     known_or_recorded(ctx, name)
+    check_own_state_dir(ctx.state_dir)  # another user's record could name any pid
     records, problems = read_records_checked(ctx.state_dir, name)
     bad = next((p for p in problems if p.component == "proxy"), None)
     if bad is not None:

@@ -272,9 +272,37 @@ def ensure_state_dir(state_dir: Path) -> None:
                             f"(choose another with --state-dir or MOLCTL_STATE_DIR)") from None
     if not stat.S_ISDIR(st.st_mode):
         raise StateDirError(f"state dir {state_dir} is not a directory")
+    if st.st_uid != os.geteuid():  # its records name the pids we signal, its files the paths we write
+        raise ProfileError(_foreign(state_dir, st.st_uid))
     if st.st_mode & 0o077:
         raise ProfileError(f"state dir {state_dir} has mode {stat.S_IMODE(st.st_mode):04o}, expected 0700 "
                            f"(records and logs may hold secrets): chmod 700 {state_dir}")
+
+
+def _foreign(state_dir: Path, uid: int) -> str:
+    import pwd
+
+    try:
+        owner = f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        owner = f"uid {uid}"
+    return (f"state dir {state_dir} is owned by {owner}, not by you (uid {os.geteuid()}): its records could name "
+            f"any process to signal and its files any path to write; run molctl as its owner, or choose another "
+            f"with --state-dir or MOLCTL_STATE_DIR")
+
+
+def check_own_state_dir(state_dir: Path) -> None:
+    """Refuse (StateDirError, exit 1) a state dir that exists and is owned by another user, before
+    a command acts on its records (`down`, `reload`, `bench`, `state prune`): whoever owns it
+    writes them, and a record names the pid that is signalled, the host a key is sent to. Root
+    running `molctl down` on a user's state dir (a shared parent, MOLCTL_STATE_DIR=/tmp/...) would
+    kill any process a forged record names. A missing state dir is left to the command."""
+    try:
+        st = os.stat(state_dir)
+    except OSError:
+        return
+    if st.st_uid != os.geteuid():
+        raise StateDirError(_foreign(state_dir, st.st_uid))
 
 
 @dataclass(frozen=True)
@@ -339,7 +367,7 @@ class StateLock:
 
     def __enter__(self) -> StateLock:
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         except OSError as exc:
             raise StateDirError(f"cannot take the state lock {self.path}: {exc.strerror or exc}") from None
         if not try_exclusive(fd):

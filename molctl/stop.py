@@ -21,6 +21,7 @@ from molctl.state import (
     RecordProblem,
     StateDirError,
     StateLock,
+    check_own_state_dir,
     process_state,
     profiles_with_records,
     read_records,
@@ -88,6 +89,7 @@ def down(ctx, name: str | None, drain_timeout_s: float, force: bool, progress: P
         known_or_recorded(ctx, name)
     if not state_dir.exists():
         return {"stopped": [], "message": "nothing is running"}
+    check_own_state_dir(state_dir)  # another user's records could name any pid
     lock = StateLock(state_dir, "down", name)
     try:
         lock.__enter__()

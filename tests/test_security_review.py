@@ -1,0 +1,97 @@
+"""Security review (an attacker's view): another local user's state dir, forged markers, planted
+symlinks and hard links where molctl writes. Each test failed before its fix."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from molctl import procid
+from molctl import state as state_mod
+from molctl.errors import ExitStatus, ProfileError
+from molctl.state import StateDirError, ensure_state_dir
+from tests.helpers import Molctl
+from tests.procs import stop
+
+NOBODY = 65534
+as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
+
+
+def _sleeper(user: int | None = None, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen(["sleep", "600"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True, cwd="/", user=user,
+                            env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **(env or {})})
+
+
+def _forged_record(pid: int) -> dict:
+    ticks = procid.start_ticks(pid)
+    return {"component": "engine", "pid": pid, "pgid": pid, "create_time": 0.0, "argv": ["x"], "port": 1,
+            "log": "/nonexistent", "started_at": 0.0, "start_ticks": ticks, "boot_id": procid.boot_id(),
+            "record_id": "", "host": "127.0.0.1", "config": {}}
+
+
+@as_root
+def test_down_refuses_another_users_state_dir_whose_records_name_our_processes(tmp_path):
+    """Found by building, as user nobody, a state dir (mode 0700) under a shared parent with a
+    record naming a root process (its pid, start ticks and boot id are public in /proc) and `lock`
+    a symlink to a root-owned file: root's `molctl --state-dir D down tiny` killed the process and
+    truncated the file. A state dir owned by another user is now refused before anything."""
+    tmp_path.chmod(0o711)
+    victim = _sleeper()
+    precious = tmp_path / "precious"
+    precious.write_text("precious\n")
+    state = tmp_path / "state"
+    try:
+        (state / "tiny").mkdir(parents=True, mode=0o700)
+        state.chmod(0o700)
+        (state / "tiny" / "engine.json").write_text(json.dumps(_forged_record(victim.pid)))
+        (state / "lock").symlink_to(precious)
+        for p in (state, state / "tiny", state / "tiny" / "engine.json"):
+            os.lchown(p, NOBODY, NOBODY)
+        os.lchown(state / "lock", NOBODY, NOBODY)
+        res = Molctl(state)("down", "tiny", "--stop-timeout", "1", "--drain-timeout", "1", timeout=60)
+        assert res.exit_code == ExitStatus.ERROR, res
+        assert "owned by nobody" in res.stderr and "not by you" in res.stderr, res.stderr
+        assert victim.poll() is None, "root's down killed the process a forged record named"
+        assert precious.read_text() == "precious\n"
+        for cmd in (("reload", "tiny"), ("bench", "tiny", "--requests", "1", "--series", "base")):
+            res = Molctl(state)(*cmd, timeout=60)
+            assert res.exit_code == ExitStatus.ERROR and "not by you" in res.stderr, (cmd, res)
+        assert victim.poll() is None
+    finally:
+        stop(victim)
+
+
+def test_a_state_dir_of_another_uid_is_refused_by_the_writers_and_the_actors(tmp_path, monkeypatch):
+    """The same, for any user: up, switch, lock and the proxy create files in the state dir through
+    `ensure_state_dir`, which checked the mode only (0700 of someone else passed)."""
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    ensure_state_dir(state)
+    state_mod.check_own_state_dir(state)
+    state_mod.check_own_state_dir(tmp_path / "missing")  # nothing to refuse yet
+    other = os.geteuid() + 1
+    monkeypatch.setattr(os, "geteuid", lambda: other)
+    with pytest.raises(ProfileError, match="not by you"):
+        ensure_state_dir(state)
+    with pytest.raises(StateDirError, match="not by you"):
+        state_mod.check_own_state_dir(state)
+
+
+def test_the_state_lock_does_not_follow_a_symlink(tmp_path):
+    """`STATE/lock` was opened with O_CREAT and truncated through whatever symlink stood there."""
+    from molctl.state import StateLock
+
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    target = tmp_path / "target"
+    target.write_text("keep me\n")
+    (state / "lock").symlink_to(target)
+    with pytest.raises(StateDirError, match="cannot take the state lock"):
+        with StateLock(state, "down", "tiny"):
+            pass
+    assert target.read_text() == "keep me\n"
+
