@@ -213,5 +213,29 @@ def marked_processes() -> list[tuple[int, str, str]]:
             continue
         if have_proc() and start_ticks(pid) is None:  # zombie or gone
             continue
+        if not _started_by_us(pid):
+            # anyone can put a marker in the environment of a process of theirs (a setuid program
+            # included): root's `down` and `up` killed it, `status` called the stack degraded
+            continue
         out.append((pid, *found))
     return out
+
+
+def _started_by_us(pid: int) -> bool:
+    """Whether `pid`'s real uid is ours, as it is for everything we spawn and its children (a
+    setuid program another user started keeps that user's real uid)."""
+    if have_proc():
+        try:
+            with open(PROC / str(pid) / "status", "rb") as fh:
+                for line in fh:
+                    if line.startswith(b"Uid:"):
+                        return int(line.split()[1]) == os.getuid()
+        except (OSError, ValueError, IndexError):
+            return False
+        return False
+    import psutil
+
+    try:
+        return psutil.Process(pid).uids().real == os.getuid()
+    except (psutil.Error, OSError):
+        return False

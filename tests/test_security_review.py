@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 
 import pytest
 
@@ -94,4 +95,32 @@ def test_the_state_lock_does_not_follow_a_symlink(tmp_path):
         with StateLock(state, "down", "tiny"):
             pass
     assert target.read_text() == "keep me\n"
+
+
+@as_root
+def test_a_forged_marker_in_another_users_process_is_not_ours(tmp_path):
+    """Found by starting, as user nobody, a process with MOLCTL_RECORD pointing into root's state
+    dir and any MOLCTL_RECORD_ID: root's `status` called the stack degraded ("carry the engine's
+    marker but no record names them") and root's `down` (and `up`, cleaning leftovers) killed it.
+    Only processes whose real uid is ours carry our markers."""
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    marker = {procid.MARKER_PATH: str(state / "tiny" / "engine.json"), procid.MARKER_ID: "0123456789abcdef" * 2}
+    forged = _sleeper(user=NOBODY, env=marker)
+    ours = _sleeper(env=marker)
+    try:
+        deadline = time.monotonic() + 5
+        while procid.environ_of(forged.pid) in (None, {}) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        pids = {pid for pid, _path, _rid in procid.marked_processes()}
+        assert ours.pid in pids
+        assert forged.pid not in pids
+        stop(ours)
+        res = Molctl(state)("status", "tiny", "--json")
+        assert json.loads(res.stdout)["stacks"][0]["state"] == "stopped", res
+        res = Molctl(state)("down", "tiny", "--stop-timeout", "1")
+        assert res.exit_code == ExitStatus.OK and forged.poll() is None, res
+    finally:
+        stop(forged)
+        stop(ours)
 
