@@ -615,11 +615,11 @@ def prepare_output(path: Path) -> Path:
     path = Path(path).absolute()
     if path.is_dir():
         raise UsageError(f"--output {path} is a directory: give the manifest's file name, e.g. {path / 'lock.json'}")
-    probe = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    # a name of its own, created new (O_EXCL, never through a symlink planted under a guessable name)
+    probe = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        with open(probe, "w"):
-            pass
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
     except OSError as exc:
         raise MolctlError(f"cannot write the manifest {path}: {exc.strerror or exc}") from None
     finally:

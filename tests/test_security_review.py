@@ -124,3 +124,20 @@ def test_a_forged_marker_in_another_users_process_is_not_ours(tmp_path):
         stop(forged)
         stop(ours)
 
+
+def test_lock_output_probe_never_follows_a_planted_symlink(tmp_path):
+    """Found by reading `prepare_output`: `lock --output DIR/m.json` proved DIR writable by
+    opening `DIR/.m.json.<pid>.tmp` with open(..., "w"): in a shared DIR (group-writable, or /tmp
+    without fs.protected_symlinks, as on this host) another user plants that name, pids are
+    guessable, as a symlink to a file of the operator's, which was truncated."""
+    from molctl.manifest import prepare_output
+
+    victim = tmp_path / "victim"
+    victim.write_text("do not truncate\n")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / f".m.json.{os.getpid()}.tmp").symlink_to(victim)
+    assert prepare_output(shared / "m.json") == shared / "m.json"
+    assert victim.read_text() == "do not truncate\n"
+    assert [p.name for p in shared.iterdir()] == [f".m.json.{os.getpid()}.tmp"]  # the probe is gone
+
