@@ -177,6 +177,13 @@ class HostLocks:
             fd = _open_lock_file(path)
         except OSError as exc:
             raise MolctlError(f"cannot open the host lock {path}: {exc.strerror or exc}") from None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            # a hard link another user made to a file of ours (fs.protected_hardlinks=0): writing
+            # the holder over it would overwrite that file
+            os.close(fd)
+            raise MolctlError(f"host lock {path} is not a plain file of its own (a hard link or a special file): "
+                              f"remove it, or set {LOCK_DIR_ENV}")
         if not try_exclusive(fd):
             holder = _read_holder(fd)
             os.close(fd)

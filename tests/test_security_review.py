@@ -141,3 +141,23 @@ def test_lock_output_probe_never_follows_a_planted_symlink(tmp_path):
     assert victim.read_text() == "do not truncate\n"
     assert [p.name for p in shared.iterdir()] == [f".m.json.{os.getpid()}.tmp"]  # the probe is gone
 
+
+def test_a_host_lock_file_hard_linked_to_another_file_is_refused(tmp_path):
+    """Found by reading `_open_lock_file`: a lock file that exists is opened O_RDWR (O_NOFOLLOW
+    stops symlinks, not hard links) and the holder's JSON written over it. In the 1777 lock dir,
+    on a host without fs.protected_hardlinks, another user hard-links `port-N.lock` to a file of
+    the operator's (root: /etc/shadow), whose content `up` then replaced."""
+    from molctl.errors import MolctlError
+    from molctl.hostlocks import HostLocks, holder_info
+
+    locks = tmp_path / "locks"
+    locks.mkdir()
+    victim = tmp_path / "victim"
+    victim.write_text("secret content that must stay\n")
+    os.link(victim, locks / "port-8100.lock")
+    with pytest.raises(MolctlError, match="hard link"):
+        HostLocks(locks).acquire("port", 8100, holder_info("tiny", "engine", tmp_path))
+    assert victim.read_text() == "secret content that must stay\n"
+    claim = HostLocks(locks).acquire("port", 8101, holder_info("tiny", "engine", tmp_path))  # a plain one works
+    claim.release()
+
