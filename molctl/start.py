@@ -149,8 +149,11 @@ def proxy_argv(profile: Profile, opts: UpOptions, key_args: list[str], upstream:
              "--port", str(profile.proxy.port), "--drain-timeout", str(opts.drain_timeout_s)]
     if profile.proxy.metrics_port:
         argv += ["--metrics-port", str(profile.proxy.metrics_port)]
-    if opts.overrides:
-        argv += ["--set-json", json.dumps([[k, v] for k, v in opts.overrides])]
+    # the engine's environment is no business of the proxy, and an argv is world-readable (ps,
+    # /proc/PID/cmdline): `--set engine.env.HF_TOKEN=...` put the token there
+    overrides = [[k, v] for k, v in opts.overrides if k != "engine.env" and not k.startswith("engine.env.")]
+    if overrides:
+        argv += ["--set-json", json.dumps(overrides)]
     log_opts = profile_log_options(profile)
     if log_opts:
         argv += log_opts

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -161,3 +162,26 @@ def test_a_host_lock_file_hard_linked_to_another_file_is_refused(tmp_path):
     claim = HostLocks(locks).acquire("port", 8101, holder_info("tiny", "engine", tmp_path))  # a plain one works
     claim.release()
 
+
+@pytest.fixture
+def host(tmp_path):
+    from tests.test_lifecycle import Host
+
+    h = Host(tmp_path)
+    yield h
+    h.cleanup()
+
+
+def test_an_engine_env_override_never_reaches_a_world_readable_argv(host):
+    """Found by `ps` on a stack started with `up --set engine.env.HF_TOKEN=...`: the proxy's argv
+    (readable by every local user: /proc/PID/cmdline) carried the token in `--set-json`, though the
+    proxy never reads the engine's environment. The engine still gets it, in its environment."""
+    res = host.up(env={"HF_TOKEN": "hf_not_on_argv_123"})
+    assert res.exit_code == ExitStatus.OK, res
+    records = host.records()
+    for component, record in records.items():
+        cmdline = Path(f"/proc/{record.pid}/cmdline").read_bytes()
+        assert b"hf_not_on_argv_123" not in cmdline, (component, cmdline)
+    engine_env = procid.environ_of(records["engine"].pid) or {}
+    assert engine_env.get("HF_TOKEN") == "hf_not_on_argv_123"
+    assert json.loads(host.molctl("status", "tiny", "--json").stdout)["stacks"][0]["state"] == "ready"
