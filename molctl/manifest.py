@@ -29,21 +29,10 @@ from typing import Any
 from molctl.errors import ExitStatus, MolctlError, UsageError
 from molctl.hashing import FileChanged, HashCache, HashProgress, HashRun, NotRegularFile, hash_files
 from molctl.profiles import ROUTES, Profile
+from molctl.redaction import redact_value
 
 FORMAT = 1
 KIND = "molctl.lock"
-SECRET_RE = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
-# the user-info part of a URL in any value (HF_ENDPOINT=https://user:pass@mirror/, a proxy URL)
-URL_CREDENTIALS_RE = re.compile(r"(?<=://)[^/\s@]+@")
-REDACTED = "<redacted>"
-
-
-def redact_value(name: str, value: str) -> str:
-    """A variable's value as a manifest may hold it: `<redacted>` for a secret's name, and a URL's
-    `user:password@` replaced by `<redacted>@` in any other value."""
-    if SECRET_RE.search(name):
-        return REDACTED
-    return URL_CREDENTIALS_RE.sub(REDACTED + "@", value)
 # Ambient variables that change what the engine does (the profile's own engine.env is always pinned).
 ENV_PREFIXES = ("VLLM_", "SGLANG_", "CUDA_", "NCCL_", "HF_", "HUGGING_FACE_", "TRANSFORMERS_", "TORCH", "PYTORCH_",
                 "TRITON_", "FLASHINFER_", "TOKENIZERS_", "OMP_", "MKL_", "NVIDIA_")

@@ -31,9 +31,9 @@ import yaml
 
 from molctl import __version__, stackconfig
 from molctl.errors import MolctlError, ProfileError, UsageError
-from molctl.manifest import SECRET_RE, URL_CREDENTIALS_RE  # what `molctl lock` redacts is what render refuses
 from molctl.profiles import Profile
 from molctl.readiness import proxy_url
+from molctl.redaction import SECRET_RE, URL_CREDENTIALS_RE, secret_engine_args  # what `lock` redacts, render refuses
 from molctl.start import PROXY_READY_TIMEOUT_S, UpOptions, engine_argv, engine_env, engine_upstream, proxy_argv
 from molctl.stop import ENGINE_STOP_TIMEOUT_S
 
@@ -48,7 +48,6 @@ WAIT_MARGIN_S = 10  # TimeoutStartSec over the ExecStartPost wait's --timeout: t
 STOP_MARGIN_S = 15  # on top of delay + drain + engine stop in terminationGracePeriodSeconds / TimeoutStopSec
 DEFAULT_PYTHON = "python3"  # the image's interpreter (molctl's; the engine's unless engine.python is set)
 MAX_REPLICAS = 2**31 - 1  # StatefulSet spec.replicas is an int32
-SECRET_ARG_RE = re.compile(r"(^|[-_])(key|token|secret|password|passwd|credentials?)($|[-_])", re.IGNORECASE)
 DNS_LABEL = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 # The objects' NAME: a Service name is a DNS-1035 label (a letter first), and a StatefulSet's pods
 # carry the label controller-revision-hash=NAME-<10 characters>, a label value of at most 63: a
@@ -153,13 +152,7 @@ def _refuse_secret_args(profile: Profile, source: str) -> None:
     SECRET, PASSWORD, PASSWD or CREDENTIAL; `max-num-batched-tokens` and `ssl-keyfile` are not), or
     whose value is a URL with a user name or password: it would be written in clear into the
     args, the proxy's --set-json, the ConfigMap or ExecStart=."""
-    for flag, value in profile.engine.args.items():
-        if SECRET_ARG_RE.search(flag):
-            why = "its name says it is a secret"
-        elif any(URL_CREDENTIALS_RE.search(str(v)) for v in (value if isinstance(value, list) else [value])):
-            why = "its value is a URL with a user name or password (scheme://user:pass@host)"
-        else:
-            continue
+    for flag, why in secret_engine_args(profile.engine.args)[:1]:
         raise ProfileError(f"{source}: field 'engine.args.{flag}': {why}, and render never writes secrets into "
                            "manifests or units: give it to the engine through its environment (e.g. VLLM_API_KEY, "
                            "HF_TOKEN) from a Secret (render k8s --engine-env-secret) or the engine unit's EnvironmentFile")

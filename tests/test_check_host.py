@@ -248,3 +248,20 @@ def test_a_hung_nvml_is_given_up_not_waited_for(monkeypatch):
     stub.nvmlInit = lambda: (_ for _ in ()).throw(stub.NVMLError("Driver Not Loaded"))
     with pytest.raises(GpuUnavailable, match="NVML init failed: Driver Not Loaded"):
         NvmlProbe().inventory()  # an NVML error still reaches the caller as before
+
+
+def test_a_secret_engine_flag_warns_that_every_local_user_can_read_it(run):
+    """From the security review (not fixed there): `render` refuses an engine flag carrying a
+    secret, but `up` put `--api-key sk-...` on the engine's command line, world-readable through ps,
+    without a word. check (and up's preflight) now warn, naming the flag and the way out."""
+    skip = ("engine", "gpu", "model", "adapter", "port")
+    report, checks = run(skip=skip)
+    assert checks["security.engine_args"][0] == "pass"
+    report, checks = run(skip=skip, sets=[("engine.args.api-key", "sk-engine-secret"),
+                                          ("engine.args.max-num-batched-tokens", 8192)])
+    assert report.ok and checks["security.engine_args"][0] == "warn"
+    detail = checks["security.engine_args"][1]
+    assert "engine.args.api-key" in detail and "VLLM_API_KEY" in detail and "sk-engine-secret" not in detail
+    assert "max-num-batched-tokens" not in detail
+    report, checks = run(skip=skip, sets=[("engine.args.download-dir", "https://u:pw@mirror/x")])
+    assert checks["security.engine_args"][0] == "warn" and "pw@" not in checks["security.engine_args"][1]

@@ -266,8 +266,25 @@ def run_security(profile: Profile, probes: Probes) -> list[CheckResult]:
                                "adapters; unset it"))
     else:
         out.append(CheckResult("security.runtime_lora", "pass", f"{RUNTIME_LORA} is not set"))
+    out.append(_engine_args_secrets(profile))
     out.append(_api_key_file(probes.api_key_file))
     return out
+
+
+def _engine_args_secrets(profile: Profile) -> CheckResult:
+    """An engine flag carrying a secret (`api-key`, `hf-token`, a URL with credentials) lands on
+    the engine's command line, which every local user reads (`ps`, /proc/PID/cmdline)."""
+    from molctl.redaction import secret_engine_args
+
+    found = secret_engine_args(profile.engine.args)
+    if not found:
+        return CheckResult("security.engine_args", "pass", "no engine flag carries a secret")
+    flag, why = found[0]
+    more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+    return CheckResult("security.engine_args", "warn",
+                       f"engine.args.{flag}{more}: {why}; on the engine's command line every local user can read it "
+                       "(ps): give it through the engine's environment instead (engine.env, e.g. VLLM_API_KEY for "
+                       "--api-key, HF_TOKEN)")
 
 
 def _api_key_file(path: Path | None) -> CheckResult:
