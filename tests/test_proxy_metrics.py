@@ -314,3 +314,25 @@ def test_the_proxy_process_series_are_exported(s):
     assert s.value("process_resident_memory_bytes") == pytest.approx(proc.memory_info().rss, rel=0.2)
     assert s.value("process_start_time_seconds") == pytest.approx(proc.create_time(), abs=2)
     assert s.value("process_cpu_seconds_total") > 0
+
+
+def test_a_busy_public_port_is_one_line_and_exit_4_before_the_store_is_opened(tmp_path):
+    """Found by the new-user walkthrough: `molctl proxy tiny --upstream ...` next to the running
+    demo (its port 8300 taken) ended with uvicorn's log lines and '[Errno 98] error while attempting
+    to bind', exit 3, after opening the running stack's SQLite store; the contract promises one
+    line, and a busy metrics port was already exit 4. Now the public port is bound first."""
+    import socket
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    state = tmp_path / "state"
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        p = subprocess.run([sys.executable, "-m", "molctl", "--state-dir", str(state), "proxy", "tiny", "--upstream",
+                            "http://127.0.0.1:9", "--port", str(port), "--allow-unauthenticated"],
+                           capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert p.returncode == 4, p.stderr
+    assert p.stderr.strip() == f"molctl: error: --port 127.0.0.1:{port}: Address already in use"
+    assert not list(state.glob("*/proxy-store.sqlite3"))  # nothing opened before the refusal

@@ -196,9 +196,10 @@ class MetricsListener:
             writer.close()
 
 
-def bind_metrics(host: str, port: int) -> socket.socket:
-    """Bind the metrics listener's socket before anything is served, so a port in use is one
-    clear error (ConflictError, exit 4) instead of a failed application start-up."""
+def bind_listener(host: str, port: int, host_field: str, port_field: str) -> socket.socket:
+    """Bind a listening socket before anything is served, so a port in use is one clear error
+    (ConflictError, exit 4, naming the field) instead of a server's multi-line failed start-up.
+    SO_REUSEADDR as any server sets it (a restart is not refused for the last run's TIME_WAIT)."""
     from molctl.errors import ConflictError
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET  # an IPv6 literal such as ::1
@@ -209,9 +210,14 @@ def bind_metrics(host: str, port: int) -> socket.socket:
 
         if exc.errno is not None and exc.errno < 0:  # the resolver's (a name that does not resolve), not os.strerror's
             why = (exc.strerror or str(exc)).split(" (while attempting", 1)[0]
-            raise ConflictError(f"proxy.metrics_host {host}: {why}") from None
+            raise ConflictError(f"{host_field} {host}: {why}") from None
         why = os.strerror(exc.errno) if exc.errno else str(exc)
-        raise ConflictError(f"proxy.metrics_port {host}:{port}: {why}") from None
+        raise ConflictError(f"{port_field} {host}:{port}: {why}") from None
+
+
+def bind_metrics(host: str, port: int) -> socket.socket:
+    """The metrics listener's socket (see bind_listener)."""
+    return bind_listener(host, port, "proxy.metrics_host", "proxy.metrics_port")
 
 
 def store_gauges(stats: dict[str, Any], store: str) -> dict[tuple[tuple[str, str], ...], float]:
