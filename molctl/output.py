@@ -349,6 +349,16 @@ class ConsoleProgress:
         self._stop_status()
 
 
+def _ttl(seconds: float) -> str:
+    """2592000 -> '2592000 s (30 days)'; short ones in seconds only (`:g` printed 2.592e+06 s)."""
+    text = f"{seconds:.0f} s" if seconds == int(seconds) else f"{seconds} s"
+    if seconds >= 86400:
+        text += f" ({seconds / 86400:g} days)"
+    elif seconds >= 3600:
+        text += f" ({seconds / 3600:g} hours)"
+    return text
+
+
 def _bytes(n: int) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
 
@@ -379,7 +389,7 @@ def _store_counts(data: dict) -> str:
     if data["backend"] == "redis":
         r, b = data["redis"], data["bounds"]
         return (f"{r['responses']} response(s), {r['conversation_rows']} chat conversation row(s) (turns and tool calls); "
-                f"evicted {r['responses_evicted']} + {r['conversation_evicted']}; bounds: ttl {b['ttl_s']:g} s per key "
+                f"evicted {r['responses_evicted']} + {r['conversation_evicted']}; bounds: ttl {_ttl(b['ttl_s'])} per key "
                 f"(Redis expires them), {b['max_entries']} per group")
 
     oldest = data["oldest_created_at"]
@@ -387,7 +397,7 @@ def _store_counts(data: dict) -> str:
     b = data["bounds"]
     return (f"{data['responses']} response(s), {_bytes(data['bytes'])} of records ({_bytes(data['file_bytes'])} on disk), "
             f"oldest {when}; {data['expired_pending']} expired not yet pruned; evicted {data['evicted']}, expired "
-            f"{data['expired']} since created; bounds: ttl {b['ttl_s']:g} s, {_bytes(b['max_bytes'])}, {b['max_entries']} responses"
+            f"{data['expired']} since created; bounds: ttl {_ttl(b['ttl_s'])}, {_bytes(b['max_bytes'])}, {b['max_entries']} responses"
             + _conversation_counts(data.get("conversations")))
 
 

@@ -1397,3 +1397,10 @@ def test_state_stats_reads_while_another_process_holds_the_write_lock(molctl, st
     finally:
         writer.execute("ROLLBACK")
         writer.close()
+
+
+def test_state_stats_text_shows_the_ttl_as_seconds_and_days(molctl, state_dir):
+    """Found by the new-user walkthrough: the text said `ttl 2.592e+06 s`."""
+    _seed(state_dir, [1])
+    text = molctl("state", "stats", "tiny").stdout
+    assert "ttl 2592000 s (30 days)" in text and "e+06" not in text
