@@ -81,8 +81,13 @@ class Holder:
         if not isinstance(data, dict):
             data = {}
         pid = data.get("pid")
-        return cls(pid if isinstance(pid, int) else None, data.get("user"), data.get("profile"), data.get("component"),
-                   data.get("state_dir"), data.get("command"))
+
+        def text(key: str) -> str | None:  # the file is world-writable: anything else is not a name
+            value = data.get(key)
+            return value if isinstance(value, str) and value else None
+
+        return cls(pid if isinstance(pid, int) and not isinstance(pid, bool) else None, text("user"), text("profile"),
+                   text("component"), text("state_dir"), text("command"))
 
     def owns(self, state_dir: Path | None, profiles: Iterable[str]) -> bool:
         """True when this claim belongs to one of `profiles` run from `state_dir`."""
@@ -103,9 +108,16 @@ class Holder:
         return ", ".join(who) or "another process (the lock file names no holder)"
 
     def stop_hint(self) -> str:
-        if self.profile and self.state_dir:
+        """The command that stops the holder, for the operator to copy: built from the lock file,
+        which any local user can write, so the state dir is shell-quoted and a profile that is
+        not a profile name gives no command at all."""
+        import shlex
+
+        from molctl.profiles import NAME_RE
+
+        if self.profile and self.state_dir and NAME_RE.match(self.profile):
             as_user = f" (as user {self.user})" if self.user and self.user != _user() else ""
-            return f"stop it with `molctl --state-dir {self.state_dir} down {self.profile}`{as_user}"
+            return f"stop it with `molctl --state-dir {shlex.quote(self.state_dir)} down {self.profile}`{as_user}"
         return "stop that process first"
 
 

@@ -185,3 +185,24 @@ def test_an_engine_env_override_never_reaches_a_world_readable_argv(host):
     engine_env = procid.environ_of(records["engine"].pid) or {}
     assert engine_env.get("HF_TOKEN") == "hf_not_on_argv_123"
     assert json.loads(host.molctl("status", "tiny", "--json").stdout)["stacks"][0]["state"] == "ready"
+
+
+def test_a_forged_lock_holder_cannot_put_a_command_in_the_stop_hint():
+    """From the security review (not fixed there): host lock files are world-writable, and the
+    holder they name is printed as "stop it with `molctl --state-dir X down P`", a command an
+    operator copies. A state dir with shell syntax is now quoted, a profile that is no profile
+    name gives no command, and fields of another type are ignored."""
+    import shlex
+
+    from molctl.hostlocks import Holder
+
+    evil = Holder.parse(json.dumps({"pid": 1, "profile": "tiny", "state_dir": "/x; rm -rf ~ #"}).encode())
+    hint = evil.stop_hint()
+    command = hint.split("`")[1]
+    assert shlex.split(command) == ["molctl", "--state-dir", "/x; rm -rf ~ #", "down", "tiny"]
+    assert Holder.parse(json.dumps({"profile": "tiny; reboot", "state_dir": "/s"}).encode()).stop_hint() == \
+        "stop that process first"
+    odd = Holder.parse(json.dumps({"pid": True, "user": ["root"], "profile": 7, "state_dir": {"a": 1}}).encode())
+    assert (odd.pid, odd.user, odd.profile, odd.state_dir) == (None, None, None, None)
+    fine = Holder.parse(json.dumps({"pid": 5, "profile": "venti", "state_dir": "/var/lib/molctl"}).encode())
+    assert fine.stop_hint().startswith("stop it with `molctl --state-dir /var/lib/molctl down venti`")
