@@ -265,3 +265,22 @@ def test_a_secret_engine_flag_warns_that_every_local_user_can_read_it(run):
     assert "max-num-batched-tokens" not in detail
     report, checks = run(skip=skip, sets=[("engine.args.download-dir", "https://u:pw@mirror/x")])
     assert checks["security.engine_args"][0] == "warn" and "pw@" not in checks["security.engine_args"][1]
+
+
+def test_a_key_file_owned_by_another_user_warns(run, tmp_path, monkeypatch):
+    """From the security review (not fixed there): the key file's owner was not looked at, so a
+    0600 file of another (non-root) user, read by the operator's proxy, let that user choose the
+    accepted keys. Owned by you or by root: pass; by anyone else: warn naming the owner."""
+    key = tmp_path / "key"
+    key.write_text("sk-test\n")
+    key.chmod(0o600)
+    skip = ("engine", "gpu", "model", "adapter", "port", "state")
+    report, checks = run(skip=skip, api_key_file=key)
+    assert checks["security.api_key_file"][0] == "pass"
+    me = os.geteuid()
+    monkeypatch.setattr(os, "geteuid", lambda: me + 4343)  # the file now belongs to someone else...
+    if me == 0:  # ...unless that is root, whose files are trusted: give it to a third uid
+        os.chown(key, 4242, -1)
+    report, checks = run(skip=skip, api_key_file=key)
+    assert report.ok and checks["security.api_key_file"][0] == "warn"
+    assert "neither you nor root" in checks["security.api_key_file"][1]

@@ -310,4 +310,13 @@ def _api_key_file(path: Path | None) -> CheckResult:
         return CheckResult(cid, "fail", f"API key file {path} is not UTF-8 text (expected one key per line)")
     if not keys:
         return CheckResult(cid, "fail", f"API key file {path} holds no key (expected one key per line)")
+    if st.st_uid not in (os.geteuid(), 0):  # its owner decides which keys the proxy accepts
+        import pwd
+
+        try:
+            owner = pwd.getpwuid(st.st_uid).pw_name
+        except KeyError:
+            owner = f"uid {st.st_uid}"
+        return CheckResult(cid, "warn", f"API key file {path} is owned by {owner}, neither you nor root: that user decides "
+                                        f"which keys the proxy accepts (chown it to yourself or root)")
     return CheckResult(cid, "pass", f"{path}: {len(keys)} key(s), mode {stat.S_IMODE(st.st_mode):04o}")
