@@ -13,11 +13,10 @@ import time
 
 import httpx
 import pytest
-import uvicorn
 
-from molctl.proxy.http_protocol import HeadHoldingHttpToolsProtocol
 from tests.helpers import free_port
 from tests.procs import fake_engine_argv, proxy_argv, running
+from tests.test_http_protocol import _Server
 
 KEY = "sk-ops-review"
 
@@ -55,29 +54,6 @@ def stack(tmp_path_factory):
             running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(keyfile), "--store", "memory",
                                "--metrics-port", str(metrics_port)), proxy_url + "/health", log=log):
         yield Stack(engine_url, proxy_url, f"http://127.0.0.1:{metrics_port}/metrics", log)
-
-
-class _Server:
-    """uvicorn with the proxy's protocol and a small ASGI app, in a thread (as tests/test_http_protocol.py)."""
-
-    def __init__(self, app, timeout_keep_alive: float) -> None:
-        self.port = free_port()
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, http=HeadHoldingHttpToolsProtocol, lifespan="off",
-                                log_level="warning", loop="asyncio", timeout_keep_alive=timeout_keep_alive)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> _Server:
-        self.thread.start()
-        for _ in range(200):
-            if self.server.started:
-                return self
-            time.sleep(0.02)
-        raise TimeoutError("uvicorn did not start")
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
 
 
 def _closed_by_peer(sock: socket.socket, within: float) -> bool:
