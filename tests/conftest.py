@@ -58,3 +58,21 @@ def molctl(state_dir, monkeypatch) -> Molctl:
 def free_ports() -> list[int]:
     """Two distinct free ports (engine, proxy)."""
     return _free_ports(2)
+
+
+# a real Redis-compatible server per test module (tests/redis_server.py), and a client on it
+# flushed before each test
+@pytest.fixture(scope="module")
+def redis():
+    from tests.redis_server import redis_server
+
+    with redis_server() as server:
+        yield server
+
+
+@pytest.fixture
+def r(redis):
+    client = redis.client()
+    client.flushall()
+    yield client
+    client.close()

@@ -20,7 +20,7 @@ from molctl.proxy.conversations import TurnRecord
 from molctl.proxy.redis_store import RedisConversationStore, RedisResponseStore, RedisState, parse_redis_url
 from tests.helpers import ROOT, free_port
 from tests.procs import fake_engine_argv, proxy_argv, running
-from tests.redis_server import RedisServer, redis_server
+from tests.redis_server import RedisServer
 from tests.test_proxy import KEY, PUBLIC, keyfile  # noqa: F401 - fixture
 
 # ------------------------------------------------------------------------------ proxy.store URLs
@@ -49,18 +49,6 @@ def test_an_ipv6_store_address_is_shown_in_brackets():
 # ------------------------------------------------------------------------------ unreadable stored values
 
 
-@pytest.fixture(scope="module")
-def redis():
-    with redis_server() as server:
-        yield server
-
-
-@pytest.fixture
-def r(redis):
-    client = redis.client()
-    client.flushall()
-    yield client
-    client.close()
 
 
 def state(redis, **kw) -> RedisState:

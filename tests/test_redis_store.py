@@ -34,18 +34,6 @@ from tests.test_proxy import KEY, PUBLIC, keyfile  # noqa: F401 - fixture
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
-@pytest.fixture(scope="module")
-def redis():
-    with redis_server() as server:
-        yield server
-
-
-@pytest.fixture
-def r(redis):
-    client = redis.client()
-    client.flushall()
-    yield client
-    client.close()
 
 
 def state(redis, profile="tiny", **kw) -> RedisState:
