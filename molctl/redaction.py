@@ -8,20 +8,30 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-# a variable whose name says it holds a secret (any case)
+# a variable whose name says it holds a secret (any case)...
 SECRET_RE = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
-# an engine flag that is a secret: a whole word of its name (`api-key`, `hf-token`; not
-# `max-num-batched-tokens` nor `ssl-keyfile`)
-SECRET_ARG_RE = re.compile(r"(^|[-_])(key|token|secret|password|passwd|credentials?)($|[-_])", re.IGNORECASE)
+# ...unless it names where a secret is (GOOGLE_APPLICATION_CREDENTIALS, AWS_SHARED_CREDENTIALS_FILE,
+# *_KEY_PATH) or is a tokenizer setting (TOKENIZERS_PARALLELISM)
+NOT_SECRET_RE = re.compile(r"(_FILE|_PATH|_DIR)$|^GOOGLE_APPLICATION_CREDENTIALS$|^TOKENIZERS_", re.IGNORECASE)
+# an engine flag that is a secret: its name ends in the secret word (`api-key`, `hf-token`,
+# `admin-api-key`; not `ssl-keyfile`, `max-num-batched-tokens`, `long-prefill-token-threshold`,
+# `bucket-time-to-first-token`) and its value is text (`allow-credentials: true`, vLLM's bare
+# `--hf-token` (use the cached login) and lists of numbers are no secrets)
+SECRET_ARG_RE = re.compile(r"(^|[-_])(key|token|secret|password|passwd|credentials?)$", re.IGNORECASE)
 # the user-info part of a URL in any value (HF_ENDPOINT=https://user:pass@mirror/, a proxy URL)
 URL_CREDENTIALS_RE = re.compile(r"(?<=://)[^/\s@]+@")
 REDACTED = "<redacted>"
 
 
+def is_secret_name(name: str) -> bool:
+    """An environment variable whose name says it holds a secret (see SECRET_RE, NOT_SECRET_RE)."""
+    return bool(SECRET_RE.search(name)) and not NOT_SECRET_RE.search(name)
+
+
 def redact_value(name: str, value: str) -> str:
     """A variable's value as a manifest may hold it: `<redacted>` for a secret's name, and a URL's
     `user:password@` replaced by `<redacted>@` in any other value."""
-    if SECRET_RE.search(name):
+    if is_secret_name(name):
         return REDACTED
     return URL_CREDENTIALS_RE.sub(REDACTED + "@", value)
 
@@ -31,7 +41,7 @@ def secret_engine_args(args: Mapping[str, Any]) -> list[tuple[str, str]]:
     URL with a user name or password."""
     out = []
     for flag, value in args.items():
-        if SECRET_ARG_RE.search(flag):
+        if SECRET_ARG_RE.search(flag) and isinstance(value, str) and value:
             out.append((flag, "its name says it is a secret"))
         elif any(URL_CREDENTIALS_RE.search(str(v)) for v in (value if isinstance(value, list) else [value])):
             out.append((flag, "its value is a URL with a user name or password (scheme://user:pass@host)"))

@@ -33,7 +33,7 @@ from molctl import __version__, stackconfig
 from molctl.errors import MolctlError, ProfileError, UsageError
 from molctl.profiles import Profile
 from molctl.readiness import proxy_url
-from molctl.redaction import SECRET_RE, URL_CREDENTIALS_RE, secret_engine_args  # what `lock` redacts, render refuses
+from molctl.redaction import URL_CREDENTIALS_RE, is_secret_name, secret_engine_args  # what `lock` redacts, render refuses
 from molctl.start import PROXY_READY_TIMEOUT_S, UpOptions, engine_argv, engine_env, engine_upstream, proxy_argv
 from molctl.stop import ENGINE_STOP_TIMEOUT_S
 
@@ -129,7 +129,7 @@ def load_stack(name: str, dirs: list[Path], overrides: list[tuple[str, Any]], op
     if default_engine_python and not config["data"]["engine"].get("python"):
         overrides = [*overrides, ("engine.python", default_engine_python)]
         profile, config = stackconfig.load(name, dirs, overrides)
-    secret = next((k for k in profile.engine.env if SECRET_RE.search(k)), None)
+    secret = next((k for k in profile.engine.env if is_secret_name(k)), None)
     if secret is not None:
         raise ProfileError(f"{config['source']}: field 'engine.env.{secret}': its name says it is a secret (KEY, TOKEN, "
                            "SECRET, PASSWORD, PASSWD or CREDENTIAL), and render never writes secrets into manifests or "

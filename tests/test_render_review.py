@@ -339,3 +339,32 @@ def test_k8s_engine_restart_after_a_failed_probe_has_its_own_grace(render):
         assert DRAIN_SEEN_WITHIN_S + 90 <= grace <= DRAIN_SEEN_WITHIN_S + 90 + STOP_MARGIN_S < pod_grace, (probe, grace)
     for obj in objects:
         kubernetes_validate.validate(obj, "1.30.0", strict=True)
+
+
+@pytest.mark.parametrize("profile, flag, value", [
+    ("venti", "long-prefill-token-threshold", "2048"), ("venti", "return-tokens-as-token-ids", "true"),
+    ("venti", "allow-credentials", "true"), ("venti", "ssl-keyfile", "/etc/tls/key.pem"),
+    ("venti", "max-num-batched-tokens", "8192"), ("venti", "hf-token", "true"),
+    ("venti-sglang", "bucket-time-to-first-token", "[0.1, 0.5]"),
+    ("venti-sglang", "bucket-inter-token-latency", "[0.01, 0.05]")])
+def test_ordinary_engine_flags_are_not_taken_for_secrets(render, profile, flag, value):
+    """Found by the regression review: the secret-flag rule matched any word of a flag's name, so
+    vLLM's long-prefill-token-threshold, return-tokens-as-token-ids, allow-credentials and SGLang's
+    bucket-*-token buckets made render exit 3 (and check warn). A secret flag's name now ends in
+    the secret word and its value is text (vLLM's bare --hf-token uses the cached login)."""
+    result = render("render", "systemd", profile, "--allow-unauthenticated", "--set", f"engine.args.{flag}={value}")
+    assert result.exit_code == ExitStatus.OK, result.stderr
+
+
+@pytest.mark.parametrize("name, value", [("GOOGLE_APPLICATION_CREDENTIALS", "/var/run/gcp/sa.json"),
+                                         ("AWS_SHARED_CREDENTIALS_FILE", "/etc/aws/credentials"),
+                                         ("TOKENIZERS_PARALLELISM", "false")])
+def test_variables_that_name_where_a_secret_is_are_not_secrets(render, name, value):
+    """Found by the regression review: GOOGLE_APPLICATION_CREDENTIALS (a path) was refused once
+    CREDENTIAL joined the secret names; the lock pins them in clear too."""
+    from molctl.redaction import redact_value
+
+    result = render("render", "systemd", "venti", "--allow-unauthenticated", "--set", f"engine.env.{name}={value}")
+    assert result.exit_code == ExitStatus.OK, result.stderr
+    assert redact_value(name, value) == value
+    assert redact_value("HF_TOKEN", "hf_x") == "<redacted>" and redact_value("MY_DB_PASSWD", "x") == "<redacted>"
