@@ -4,6 +4,7 @@ fakes: GPUs through NVML, TCP ports through bind(), processes through psutil."""
 from __future__ import annotations
 
 import errno
+import os
 import socket
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -54,8 +55,15 @@ class NvmlProbe:
     fault, a GPU fallen off the bus): the inventory is read in a daemon thread and given up after
     `timeout_s`, a GpuUnavailable saying so, so `status`, `check` and `up` never hang on it."""
 
-    def __init__(self, timeout_s: float = 10.0):
-        self.timeout_s = timeout_s
+    def __init__(self, timeout_s: float | None = None):
+        # MOLCTL_NVML_TIMEOUT_S overrides the default: a host without persistence mode initialises
+        # every GPU on the first NVML call, several seconds on an 8-GPU machine
+        if timeout_s is None:
+            try:
+                timeout_s = float(os.environ.get("MOLCTL_NVML_TIMEOUT_S", "30"))
+            except ValueError:
+                timeout_s = 30.0
+        self.timeout_s = timeout_s if timeout_s > 0 else 30.0  # NaN and negatives too
 
     def inventory(self) -> GpuInventory:
         import threading
@@ -73,7 +81,8 @@ class NvmlProbe:
         worker.join(self.timeout_s)
         if not result:
             raise GpuUnavailable(f"NVML did not answer within {self.timeout_s:g} s: a GPU or the driver may be hung "
-                                 "(check nvidia-smi, and dmesg for Xid errors)")
+                                 "(check nvidia-smi, and dmesg for Xid errors; without persistence mode the first "
+                                 "call initialises every GPU: nvidia-smi -pm 1, or raise MOLCTL_NVML_TIMEOUT_S)")
         if isinstance(result[0], BaseException):
             raise result[0]
         return result[0]

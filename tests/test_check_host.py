@@ -244,6 +244,10 @@ def test_a_hung_nvml_is_given_up_not_waited_for(monkeypatch):
     finally:
         release.set()
     inventory = NvmlProbe(timeout_s=5).inventory()  # answering now
+    monkeypatch.setenv("MOLCTL_NVML_TIMEOUT_S", "42")
+    assert NvmlProbe().timeout_s == 42  # an 8-GPU host without persistence mode may need longer
+    monkeypatch.setenv("MOLCTL_NVML_TIMEOUT_S", "nan")
+    assert NvmlProbe().timeout_s == 30
     assert inventory.driver_version == "580.1" and inventory.devices == ()
     stub.nvmlInit = lambda: (_ for _ in ()).throw(stub.NVMLError("Driver Not Loaded"))
     with pytest.raises(GpuUnavailable, match="NVML init failed: Driver Not Loaded"):
