@@ -336,3 +336,28 @@ def test_a_busy_public_port_is_one_line_and_exit_4_before_the_store_is_opened(tm
     assert p.returncode == 4, p.stderr
     assert p.stderr.strip() == f"molctl: error: --port 127.0.0.1:{port}: Address already in use"
     assert not list(state.glob("*/proxy-store.sqlite3"))  # nothing opened before the refusal
+
+
+def test_the_public_sockets_cover_every_address_of_a_host_name():
+    """Found by the regression review: binding the public port itself (for the one-line error)
+    first took only IPv4 for a name, where uvicorn's own bind took every address (`localhost`:
+    127.0.0.1 and ::1), and lost uvicorn's listen backlog of 2048."""
+    import socket
+
+    from molctl.proxy.metrics import bind_listeners
+
+    port = free_port()
+    socks = bind_listeners("localhost", port, "--host", "--port")
+    try:
+        wanted = {(i[0], i[4][0]) for i in socket.getaddrinfo("localhost", port, socket.AF_UNSPEC, socket.SOCK_STREAM)}
+        assert {(s.family, s.getsockname()[0]) for s in socks} == wanted
+        assert all(s.getsockname()[1] == port for s in socks)
+        for family, addr in wanted:
+            with socket.socket(family, socket.SOCK_STREAM) as client:
+                client.settimeout(5)
+                client.connect((addr, port))  # accepted into the backlog
+    finally:
+        for s in socks:
+            s.close()
+    (only,) = bind_listeners("127.0.0.1", port, "--host", "--port")
+    only.close()

@@ -196,10 +196,44 @@ class MetricsListener:
             writer.close()
 
 
-def bind_listener(host: str, port: int, host_field: str, port_field: str) -> socket.socket:
-    """Bind a listening socket before anything is served, so a port in use is one clear error
-    (ConflictError, exit 4, naming the field) instead of a server's multi-line failed start-up.
-    SO_REUSEADDR as any server sets it (a restart is not refused for the last run's TIME_WAIT)."""
+LISTEN_BACKLOG = 2048  # uvicorn's default, kept now that the proxy binds its own sockets
+
+
+def bind_listeners(host: str, port: int, host_field: str, port_field: str) -> list[socket.socket]:
+    """The proxy's public sockets, bound before anything is served, so a port in use is one clear
+    error (ConflictError, exit 4, naming the field) instead of uvicorn's multi-line failed start-up.
+    Every address `host` resolves to is bound, as uvicorn's own bind (asyncio's create_server) did:
+    both 127.0.0.1 and ::1 for `localhost`, an IPv6 socket IPv6-only; SO_REUSEADDR and uvicorn's
+    backlog, as there."""
+    from molctl.errors import ConflictError
+
+    try:
+        infos = socket.getaddrinfo(host, port, socket.AF_UNSPEC, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ConflictError(f"{host_field} {host}: {exc.strerror or exc}") from None
+    socks: list[socket.socket] = []
+    try:
+        for family, _type, _proto, _name, addr in dict.fromkeys((i[0], i[1], i[2], i[3], i[4]) for i in infos):
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(addr)
+            sock.listen(LISTEN_BACKLOG)
+    except OSError as exc:
+        for sock in socks:
+            sock.close()
+        import os
+
+        why = os.strerror(exc.errno) if exc.errno else str(exc)
+        raise ConflictError(f"{port_field} {host}:{port}: {why}") from None
+    return socks
+
+
+def bind_metrics(host: str, port: int) -> socket.socket:
+    """Bind the metrics listener's socket before anything is served, so a port in use is one
+    clear error (ConflictError, exit 4) instead of a failed application start-up."""
     from molctl.errors import ConflictError
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET  # an IPv6 literal such as ::1
@@ -210,14 +244,9 @@ def bind_listener(host: str, port: int, host_field: str, port_field: str) -> soc
 
         if exc.errno is not None and exc.errno < 0:  # the resolver's (a name that does not resolve), not os.strerror's
             why = (exc.strerror or str(exc)).split(" (while attempting", 1)[0]
-            raise ConflictError(f"{host_field} {host}: {why}") from None
+            raise ConflictError(f"proxy.metrics_host {host}: {why}") from None
         why = os.strerror(exc.errno) if exc.errno else str(exc)
-        raise ConflictError(f"{port_field} {host}:{port}: {why}") from None
-
-
-def bind_metrics(host: str, port: int) -> socket.socket:
-    """The metrics listener's socket (see bind_listener)."""
-    return bind_listener(host, port, "proxy.metrics_host", "proxy.metrics_port")
+        raise ConflictError(f"proxy.metrics_port {host}:{port}: {why}") from None
 
 
 def store_gauges(stats: dict[str, Any], store: str) -> dict[tuple[tuple[str, str], ...], float]:

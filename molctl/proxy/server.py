@@ -111,12 +111,12 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve(app: ProxyApp, host: str, port: int, drain_timeout_s: float, key_file: Path | None = None,
-          sock: socket.socket | None = None) -> None:
-    """Serve `app` until a signal ends the drain; on `sock` when given (bound already: see run_proxy)."""
+          socks: list[socket.socket] | None = None) -> None:
+    """Serve `app` until a signal ends the drain; on `socks` when given (bound already: see run_proxy)."""
     config = uvicorn.Config(app, host=host, port=port, loop="uvloop", http=HeadHoldingHttpToolsProtocol, lifespan="on",
                             access_log=False, log_level="info", timeout_graceful_shutdown=5,
                             timeout_keep_alive=15)
-    DrainingServer(config, app, drain_timeout_s, key_file).run(sockets=[sock] if sock is not None else None)
+    DrainingServer(config, app, drain_timeout_s, key_file).run(sockets=socks)
 
 
 def run_proxy(name: str, ctx, overrides, *, upstream: str, host: str, port: int | None, api_key_file: Path | None,
@@ -143,11 +143,11 @@ def run_proxy(name: str, ctx, overrides, *, upstream: str, host: str, port: int 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     configure_request_log()
     listen_port = port or profile.proxy.port
-    from molctl.proxy.metrics import bind_listener
+    from molctl.proxy.metrics import bind_listeners
 
     # the public port first, before the store is opened: in use is one line, exit 4 (not uvicorn's
     # log lines after the store of a running stack was opened)
-    public_sock = bind_listener(host, listen_port, "--host", "--port" if port else "proxy.port")
+    public_socks = bind_listeners(host, listen_port, "--host", "--port" if port else "proxy.port")
     metrics_sock = None
     if profile.proxy.metrics_port:
         from molctl.proxy.metrics import bind_metrics
@@ -163,7 +163,7 @@ def run_proxy(name: str, ctx, overrides, *, upstream: str, host: str, port: int 
         app = ProxyApp(profile, get_engine(profile.engine.kind), upstream, keys, sse_keepalive_s=keepalive,
                        response_store=RedisResponseStore(shared), shared_state=shared,
                        store=RedisConversationStore(shared, summary_wait_s=profile.proxy.summary_wait_s), **metrics)
-        serve(app, host, listen_port, drain_timeout, api_key_file, public_sock)
+        serve(app, host, listen_port, drain_timeout, api_key_file, public_socks)
         return
     store = build_response_store(profile, ctx.state_dir)  # a StoreError: one line, exit non-zero, nothing served
     try:
@@ -171,7 +171,7 @@ def run_proxy(name: str, ctx, overrides, *, upstream: str, host: str, port: int 
         extra = {"store": conversations} if conversations is not None else {}
         app = ProxyApp(profile, get_engine(profile.engine.kind), upstream, keys, sse_keepalive_s=keepalive,
                        response_store=store, **metrics, **extra)
-        serve(app, host, listen_port, drain_timeout, api_key_file, public_sock)
+        serve(app, host, listen_port, drain_timeout, api_key_file, public_socks)
     finally:
         store.close()
 
