@@ -91,6 +91,9 @@ def state_prune(name: str, ctx) -> dict[str, Any]:
     """Delete the expired responses and conversation rows, then evict oldest first over the size
     caps (each on its own counts); what was removed and what remains. Opening a schema-1 file
     migrates it (the conversation tables are added; nothing is removed)."""
+    from molctl.state import check_own_state_dir
+
+    check_own_state_dir(ctx.state_dir)  # deleting from another user's store (and its records decide the profile)
     profile = _profile(name, ctx)
     if profile.proxy.store.startswith(("redis://", "rediss://")):
         return _redis(profile, prune=True)

@@ -206,3 +206,24 @@ def test_a_forged_lock_holder_cannot_put_a_command_in_the_stop_hint():
     assert (odd.pid, odd.user, odd.profile, odd.state_dir) == (None, None, None, None)
     fine = Holder.parse(json.dumps({"pid": 5, "profile": "venti", "state_dir": "/var/lib/molctl"}).encode())
     assert fine.stop_hint().startswith("stop it with `molctl --state-dir /var/lib/molctl down venti`")
+
+
+def test_state_prune_refuses_another_users_state_dir(tmp_path, monkeypatch):
+    """From the regression review: check_own_state_dir's docstring names `state prune`, which did
+    not call it, so root could still delete from a user's store (whose records choose the profile)."""
+    from molctl import statestore
+
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    other = os.geteuid() + 1
+    monkeypatch.setattr(os, "geteuid", lambda: other)
+
+    class Ctx:
+        state_dir = state
+
+        @staticmethod
+        def dirs():
+            raise AssertionError("the profile must not be loaded before the state dir is checked")
+
+    with pytest.raises(StateDirError, match="not by you"):
+        statestore.state_prune("tiny", Ctx())
