@@ -276,9 +276,13 @@ def tail(path: Path | str, lines: int = 80) -> list[str]:
         with open(path, "rb") as fh:
             end = fh.seek(0, os.SEEK_END)
             start = tail_start(fh, end, lines)
+            mid_line = start > 0 and fh.seek(start - 1) >= 0 and fh.read(1) != b"\n"  # the byte bound cut a line
             fh.seek(start)
             data = fh.read(end - start)
     except OSError:
         return []
-    return [line if len(line) <= TAIL_LINE_MAX else "..." + line[-TAIL_LINE_MAX:]
-            for line in data.decode(errors="replace").splitlines()[-lines:]]
+    out = [line if len(line) <= TAIL_LINE_MAX else "..." + line[-TAIL_LINE_MAX:]
+           for line in data.decode(errors="replace").splitlines()[-lines:]]
+    if mid_line and out and not out[0].startswith("..."):
+        out[0] = "..." + out[0]
+    return out

@@ -273,3 +273,16 @@ def test_status_says_why_a_live_component_is_not_healthy(host):
     assert f"tiny: engine (pid {engine_pid}) not healthy: stopped by a signal" in text, text
     assert wait_for(lambda: host.molctl("status", "--json").json()["stacks"][0]["state"] == "ready")
     assert all("detail" not in c for c in host.molctl("status", "--json").json()["stacks"][0]["components"])
+
+
+def test_up_failure_tail_marks_a_line_cut_by_the_byte_bound(tmp_path):
+    """From the regression review: processes.tail (up's failure output) returned the end of a long
+    last line without the '...' marker when the byte bound fell inside it (the old code marked it)."""
+    from molctl.processes import TAIL_LINE_MAX, tail
+
+    log = tmp_path / "engine.log"
+    log.write_bytes(b"x\n" + b"y" * (3 * TAIL_LINE_MAX) + b"\n")
+    (line,) = tail(log, 1)
+    assert line.startswith("...y") and len(line) <= TAIL_LINE_MAX + 3
+    log.write_bytes(b"a\nb\nc")
+    assert tail(log, 2) == ["b", "c"] and tail(log, 9) == ["a", "b", "c"] and tail(log, 0) == []
