@@ -219,7 +219,19 @@ def _up_locked(profile: Profile, config: dict, ctx, opts: UpOptions, key_args: l
     # model-root typo) leaves what runs alone, as `switch` does; ports and GPU memory held by this
     # profile's own recorded processes count as its own.
     progress.step(f"preflight checks for {name}")
-    preflight(profile, state_dir, opts, progress, "nothing was started or stopped")
+    try:
+        preflight(profile, state_dir, opts, progress, "nothing was started or stopped")
+    except PreflightFailed as exc:
+        # GPU memory or processes of a stale stack that NVML does not attribute to its recorded
+        # pids (molctl in a container without the host's pid namespace: NVML lists host pids):
+        # clean the stale stack, as `up` did before it checked first, then check again
+        failed = {c.id for c in exc.report.checks if c.status == "fail"}
+        if not (records and "engine" not in live and failed <= {"gpu.memory", "gpu.processes"}):
+            raise
+        progress.step(f"the GPU checks failed while leftovers of {name} run: cleaning them up, then checking again")
+        clean_stale(state_dir, name, progress)
+        records, live = {}, {}
+        preflight(profile, state_dir, opts, progress, "nothing was started (the leftovers were stopped)")
 
     if "engine" in live:
         # An earlier `up` that died (terminal closed, molctl killed) left its engine loading:

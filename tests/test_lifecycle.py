@@ -442,3 +442,36 @@ def test_up_whose_preflight_fails_stops_nothing(host):
     assert r.exit_code == ExitStatus.OK, r.stderr
     assert gone([proxy_pid]) and host.records()["proxy"].pid != proxy_pid
     assert host.molctl("down").exit_code == ExitStatus.OK
+
+
+def test_up_cleans_leftovers_whose_gpu_memory_nvml_does_not_attribute_then_checks_again(host, monkeypatch):
+    """Found by the regression review of the preflight-first order: in a container without the
+    host's pid namespace NVML lists host pids, so the VRAM of a stale stack's orphaned workers is
+    not counted as the profile's own and gpu.memory failed ("nothing was started or stopped")
+    where `up` used to clean the leftovers first. Now a preflight whose only failures are the GPU
+    memory/process checks, with a stale stack recorded, cleans it and checks again."""
+    from molctl import probes
+
+    assert host.up("--set", "engine.gpus=1", env={"FAKE_CHILD": "1"}).exit_code == ExitStatus.OK  # --skip gpu
+    record = host.records()["engine"]
+    children = [p.pid for p in psutil.Process(record.pid).children(recursive=True)]
+    assert children
+    os.kill(record.pid, signal.SIGKILL)  # orphaned workers holding (in this story) the GPU
+    assert gone([record.pid])
+    gib = 1 << 30
+
+    def inventory(self):  # NVML's view: a host pid, not one this molctl can see, while they run
+        held = any(psutil.pid_exists(c) and psutil.Process(c).status() != psutil.STATUS_ZOMBIE for c in children)
+        procs = (probes.GpuProcess(4_000_000, "python", 130 * gib),) if held else ()
+        return probes.GpuInventory("580.1", (probes.GpuDevice(0, "H200", 140 * gib, (10 if held else 140) * gib, procs),))
+
+    monkeypatch.setattr(probes.NvmlProbe, "inventory", inventory)
+    args = host.args("--set", "engine.gpus=1", env={"FAKE_CHILD": "1"})
+    i = args.index("gpu")
+    del args[i - 1:i + 1]  # this time the GPU checks run (on the NVML view above)
+    inproc = Molctl(host.state, [host.profiles], in_process=True)
+    r = inproc("up", "tiny", *args, "--set", "engine.gpus=1")
+    assert r.exit_code == ExitStatus.OK, r.stdout + r.stderr
+    assert "cleaning them up, then checking again" in r.stdout
+    assert gone(children)
+    assert host.molctl("down").exit_code == ExitStatus.OK
