@@ -19,7 +19,10 @@ from tests.helpers import Molctl
 from tests.procs import stop
 
 NOBODY = 65534
-as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
+# Two tests act as another user for real where they can (as root: chown, spawn as nobody); run
+# as anyone else, they play that user by making molctl see another uid as its own (monkeypatch)
+# (MOLCTL_TEST_AS_USER=1 runs the second way as root too)
+AS_ROOT = os.geteuid() == 0 and not os.environ.get("MOLCTL_TEST_AS_USER")
 
 
 def _sleeper(user: int | None = None, env: dict | None = None) -> subprocess.Popen:
@@ -35,8 +38,7 @@ def _forged_record(pid: int) -> dict:
             "record_id": "", "host": "127.0.0.1", "config": {}}
 
 
-@as_root
-def test_down_refuses_another_users_state_dir_whose_records_name_our_processes(tmp_path):
+def test_down_refuses_another_users_state_dir_whose_records_name_our_processes(tmp_path, monkeypatch):
     """Found by building, as user nobody, a state dir (mode 0700) under a shared parent with a
     record naming a root process (its pid, start ticks and boot id are public in /proc) and `lock`
     a symlink to a root-owned file: root's `molctl --state-dir D down tiny` killed the process and
@@ -51,16 +53,22 @@ def test_down_refuses_another_users_state_dir_whose_records_name_our_processes(t
         state.chmod(0o700)
         (state / "tiny" / "engine.json").write_text(json.dumps(_forged_record(victim.pid)))
         (state / "lock").symlink_to(precious)
-        for p in (state, state / "tiny", state / "tiny" / "engine.json"):
-            os.lchown(p, NOBODY, NOBODY)
-        os.lchown(state / "lock", NOBODY, NOBODY)
-        res = Molctl(state)("down", "tiny", "--stop-timeout", "1", "--drain-timeout", "1", timeout=60)
+        if AS_ROOT:
+            for p in (state, state / "tiny", state / "tiny" / "engine.json"):
+                os.lchown(p, NOBODY, NOBODY)
+            os.lchown(state / "lock", NOBODY, NOBODY)
+            cli, owner = Molctl(state), "owned by nobody"
+        else:  # the dir is ours: molctl, in this process, believes it is someone else
+            me = os.geteuid()
+            monkeypatch.setattr(os, "geteuid", lambda: me + 1)
+            cli, owner = Molctl(state, in_process=True), f"owned by {__import__('pwd').getpwuid(me).pw_name}"
+        res = cli("down", "tiny", "--stop-timeout", "1", "--drain-timeout", "1", timeout=60)
         assert res.exit_code == ExitStatus.ERROR, res
-        assert "owned by nobody" in res.stderr and "not by you" in res.stderr, res.stderr
+        assert owner in res.stderr and "not by you" in res.stderr, res.stderr
         assert victim.poll() is None, "root's down killed the process a forged record named"
         assert precious.read_text() == "precious\n"
         for cmd in (("reload", "tiny"), ("bench", "tiny", "--requests", "1", "--series", "base")):
-            res = Molctl(state)(*cmd, timeout=60)
+            res = cli(*cmd, timeout=60)
             assert res.exit_code == ExitStatus.ERROR and "not by you" in res.stderr, (cmd, res)
         assert victim.poll() is None
     finally:
@@ -98,8 +106,7 @@ def test_the_state_lock_does_not_follow_a_symlink(tmp_path):
     assert target.read_text() == "keep me\n"
 
 
-@as_root
-def test_a_forged_marker_in_another_users_process_is_not_ours(tmp_path):
+def test_a_forged_marker_in_another_users_process_is_not_ours(tmp_path, monkeypatch):
     """Found by starting, as user nobody, a process with MOLCTL_RECORD pointing into root's state
     dir and any MOLCTL_RECORD_ID: root's `status` called the stack degraded ("carry the engine's
     marker but no record names them") and root's `down` (and `up`, cleaning leftovers) killed it.
@@ -107,7 +114,7 @@ def test_a_forged_marker_in_another_users_process_is_not_ours(tmp_path):
     state = tmp_path / "state"
     state.mkdir(mode=0o700)
     marker = {procid.MARKER_PATH: str(state / "tiny" / "engine.json"), procid.MARKER_ID: "0123456789abcdef" * 2}
-    forged = _sleeper(user=NOBODY, env=marker)
+    forged = _sleeper(user=NOBODY if AS_ROOT else None, env=marker)
     ours = _sleeper(env=marker)
     try:
         deadline = time.monotonic() + 5
@@ -115,11 +122,18 @@ def test_a_forged_marker_in_another_users_process_is_not_ours(tmp_path):
             time.sleep(0.02)
         pids = {pid for pid, _path, _rid in procid.marked_processes()}
         assert ours.pid in pids
+        cli = Molctl(state)
+        if not AS_ROOT:  # forged is ours in truth: molctl, in this process, takes another uid for its own
+            assert forged.pid in pids
+            me = os.getuid()
+            monkeypatch.setattr(os, "getuid", lambda: me + 1)
+            pids = {pid for pid, _path, _rid in procid.marked_processes()}
+            cli = Molctl(state, in_process=True)
         assert forged.pid not in pids
         stop(ours)
-        res = Molctl(state)("status", "tiny", "--json")
+        res = cli("status", "tiny", "--json")
         assert json.loads(res.stdout)["stacks"][0]["state"] == "stopped", res
-        res = Molctl(state)("down", "tiny", "--stop-timeout", "1")
+        res = cli("down", "tiny", "--stop-timeout", "1")
         assert res.exit_code == ExitStatus.OK and forged.poll() is None, res
     finally:
         stop(forged)
