@@ -279,13 +279,19 @@ def ensure_state_dir(state_dir: Path) -> None:
                            f"(records and logs may hold secrets): chmod 700 {state_dir}")
 
 
-def _foreign(state_dir: Path, uid: int) -> str:
+def user_name(uid: int) -> str | None:
+    """The login name of `uid`, or None when the passwd database has none (a container's uid)."""
     import pwd
 
     try:
-        owner = f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+        return pwd.getpwuid(uid).pw_name
     except KeyError:
-        owner = f"uid {uid}"
+        return None
+
+
+def _foreign(state_dir: Path, uid: int) -> str:
+    name = user_name(uid)
+    owner = f"{name} (uid {uid})" if name else f"uid {uid}"
     return (f"state dir {state_dir} is owned by {owner}, not by you (uid {os.geteuid()}): its records could name "
             f"any process to signal and its files any path to write; run molctl as its owner, or choose another "
             f"with --state-dir or MOLCTL_STATE_DIR")

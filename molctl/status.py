@@ -28,6 +28,7 @@ from molctl.state import (
     lock_holder,
     profiles_with_records,
     read_records_checked,
+    user_name,
 )
 
 
@@ -42,10 +43,8 @@ def check_readable(state_dir: Path) -> None:
     except OSError as exc:
         try:
             st = os.stat(state_dir)
-            import pwd
-
-            owner = pwd.getpwuid(st.st_uid).pw_name
-        except (OSError, KeyError):
+            owner = user_name(st.st_uid) or f"uid {st.st_uid}"
+        except OSError:
             owner, st = "?", None
         mode = f", mode {st.st_mode & 0o777:o}" if st is not None else ""
         raise StateDirError(f"cannot read state dir {state_dir}: {exc.strerror or exc} (owner {owner}{mode}): "

@@ -311,12 +311,9 @@ def _api_key_file(path: Path | None) -> CheckResult:
     if not keys:
         return CheckResult(cid, "fail", f"API key file {path} holds no key (expected one key per line)")
     if st.st_uid not in (os.geteuid(), 0):  # its owner decides which keys the proxy accepts
-        import pwd
+        from molctl.state import user_name
 
-        try:
-            owner = pwd.getpwuid(st.st_uid).pw_name
-        except KeyError:
-            owner = f"uid {st.st_uid}"
+        owner = user_name(st.st_uid) or f"uid {st.st_uid}"
         return CheckResult(cid, "warn", f"API key file {path} is owned by {owner}, neither you nor root: that user decides "
                                         f"which keys the proxy accepts (chown it to yourself or root)")
     return CheckResult(cid, "pass", f"{path}: {len(keys)} key(s), mode {stat.S_IMODE(st.st_mode):04o}")
