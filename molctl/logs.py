@@ -61,6 +61,14 @@ FOLLOW_READ_MAX = 1 << 20  # bytes `logs -f` reads per component and poll (a log
 FOLLOW_LINE_MAX = 64 << 10  # bytes of a line without end that `logs -f` holds before showing it
 
 
+def _keep_end(line: bytes) -> bytes:
+    """A line as the tail shows it: its last TAIL_LINE_MAX bytes after one `...` when longer (as
+    processes.tail). A line the byte bound already cut starts with that `...`; it is not counted
+    in the length nor marked again."""
+    text = line.removeprefix(b"...")
+    return line if len(text) <= TAIL_LINE_MAX else b"..." + text[-TAIL_LINE_MAX:]
+
+
 class _Log:
     """One component's log as `logs` reads it: an open file (still read after it is renamed or
     deleted), the position, and a line not ended yet (bytes: a UTF-8 character may be split)."""
@@ -104,7 +112,7 @@ class _Log:
             cap = TAIL_LINE_MAX if long_lines == "keep_end" else FOLLOW_LINE_MAX
             if len(rest) > cap:
                 if long_lines == "keep_end":
-                    rest = b"..." + rest[-TAIL_LINE_MAX:]
+                    rest = _keep_end(rest)
                 else:  # a line without end (a dumped tensor): shown in pieces, not held
                     self._show(rest)
                     rest = b""
@@ -112,8 +120,8 @@ class _Log:
         return len(data)
 
     def _show(self, line: bytes, keep_end: bool = False) -> None:
-        if keep_end and len(line) > TAIL_LINE_MAX:
-            line = b"..." + line[-TAIL_LINE_MAX:]
+        if keep_end:
+            line = _keep_end(line)
         self.say(line.removesuffix(b"\r").decode(errors="replace"))
 
     def flush(self) -> None:

@@ -4,6 +4,7 @@ through engine.python as in test_lifecycle.py; every process a test starts is st
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
 import re
@@ -538,6 +539,36 @@ def test_proxy_log_rotation_and_pruning(tmp_path):
     prune_logs(state, "tiny", "proxy", 2)
     assert sorted(p.name for p in logs.iterdir()) == ["proxy-2020-2.log", "proxy-2020-2.log.1",
                                                       "proxy-2020-3.log", "proxy-2020-3.log.1"]
+
+
+@pytest.mark.parametrize(("last", "shown"), [
+    (b"y" * 5000 + b"\n", "..." + "y" * 4095),  # the bound (4096 bytes back, the newline too) cuts it
+    (b"y" * 5000, "..." + "y" * 4096),
+    (b"y" * 4095 + b"\n", "y" * 4095),  # within the bound: whole, unmarked
+], ids=["long-line", "long-line-without-end", "line-within-the-bound"])
+def test_logs_n_marks_a_cut_last_line_once_as_the_tail_does(tmp_path, last, shown):
+    """Found reading `molctl logs -n 1` of a log whose last line was over 4 KiB (a dumped JSON):
+    it began with four dots. The byte bound (TAIL_LINE_MAX back) had cut the line and marked it
+    `...`, and the marked line, 3 bytes longer than the bound, was cut again with another `...`
+    (which kept one dot of the first and lost no byte of the line). Now it is shown as
+    processes.tail shows it (`up`'s log tail): one `...` and the line's end."""
+    from molctl.logs import show_logs
+    from molctl.output import Output
+    from molctl.processes import tail
+
+    logs = tmp_path / "state" / "tiny" / "logs"
+    logs.mkdir(parents=True)
+    log = logs / "proxy-20250101-000000.log"
+    log.write_bytes(b"first\n" + last)
+
+    class C:
+        state_dir = tmp_path / "state"
+
+    out = io.StringIO()
+    show_logs(C(), "tiny", "proxy", False, 1, Output(stdout=out))
+    (line,) = out.getvalue().splitlines()
+    assert line == "[proxy] " + shown, line[:20]
+    assert tail(log, 1) == [shown]
 
 
 def test_logs_follow_across_a_rotation(tmp_path):

@@ -124,6 +124,44 @@ def test_a_connection_that_never_completes_its_request_head_is_closed():
                 s.close()
 
 
+def _answer_to_raw(url: str, request: bytes) -> bytes:
+    """Everything the server sends back to `request` on a new connection, until it closes."""
+    host, port = url.rsplit("/", 1)[-1].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(request)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    return data
+
+
+@pytest.mark.parametrize(("request_bytes", "detail"), [
+    (b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n", "Invalid character in Content-Length"),
+    (b"BLAH\r\n\r\n", "Invalid method encountered"),
+    (b"GET /health HTTP/1.1\r\nHo\x01st: x\r\n\r\n", "Invalid header token"),
+    (b"GET /\xff HTTP/1.1\r\nHost: x\r\n\r\n", "Invalid char in url path"),
+], ids=["content-length", "method", "header-name", "path"])
+def test_a_request_that_is_not_valid_http_gets_a_json_error_like_every_other_400(stack, request_bytes, detail):
+    """Found sending a raw request with `Content-Length: abc` (and a bad method, a control
+    character in a header name, a non-ASCII byte in the path) to a real proxy: each was answered
+    by uvicorn's own `text/plain` "Invalid HTTP request received.", the one error of the proxy not
+    in the OpenAI shape (an SDK client reports it as an unparsable body). Now it is a 400 with
+    `code: invalid_http`, the parser's reason, `x-request-id`, and the connection closed; uvicorn's
+    warning is still logged."""
+    data = _answer_to_raw(stack.proxy_url, request_bytes)
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    assert lines[0] == "HTTP/1.1 400 Bad Request", data
+    assert headers["content-type"] == "application/json", headers
+    assert headers["connection"] == "close" and int(headers["content-length"]) == len(body), headers
+    assert headers["x-request-id"].startswith("req-"), headers
+    assert json.loads(body) == {"error": {"message": f"The request is not valid HTTP/1.1: {detail}.",
+                                          "type": "invalid_request_error", "param": None, "code": "invalid_http"}}
+    assert "Invalid HTTP request received." in stack.log.read_text()
+    assert httpx.get(stack.proxy_url + "/health").status_code == 200  # the proxy serves on
+
+
 def test_key_guesses_on_the_probe_paths_are_logged_and_counted_and_head_is_a_probe(stack):
     """Found sending POST, HEAD and DELETE to /health and /readyz with made-up keys: each was
     answered 401, and none had a request log line or a requests_total count (the probe

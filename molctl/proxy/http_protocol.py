@@ -17,14 +17,24 @@ And one addition: a request head must be complete within `timeout_keep_alive` (1
 proxy) of the connection opening, or of the first byte of a later request on a kept-alive
 connection; else the connection is closed. uvicorn arms its keep-alive timeout only after a
 response, so a connection that sent nothing, or half a head (slowloris), was held for ever,
-before any key is checked. Everything else is uvicorn's own protocol, unchanged."""
+before any key is checked.
+
+And a request httptools cannot parse (a bad request line, header or Content-Length, a broken
+chunk) is answered 400 in the proxy's error shape, `code: invalid_http`, not uvicorn's
+`text/plain` "Invalid HTTP request received.". Everything else is uvicorn's own protocol,
+unchanged."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 from typing import Any
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from molctl.proxy import fastjson
+from molctl.proxy.errors import ProxyError, shown
 
 RESPONSE_HEAD = b"HTTP/1.1 "
 
@@ -100,6 +110,27 @@ class HeadHoldingHttpToolsProtocol(HttpToolsProtocol):
             self._head_timer.cancel()
             self._head_timer = None
         super().on_headers_complete()
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a request httptools cannot parse (called, after uvicorn's warning,
+        while the parser's error is handled), as every other error of the proxy: a 400 with
+        `{"error": {..., "type": "invalid_request_error", "code": "invalid_http"}}`, the parser's
+        reason (a fixed text of llhttp's, never the client's bytes; cut at 80 characters, ASCII),
+        a new `x-request-id` and `connection: close`; then the connection is closed."""
+        exc = sys.exc_info()[1]
+        reason = str(exc).encode("ascii", "backslashreplace").decode("ascii") if exc is not None else ""
+        detail = shown((reason or msg).rstrip("."))
+        message = f"The request is not valid HTTP/1.1: {detail}" + ("" if detail.endswith("...") else ".")
+        body = fastjson.dumps_bytes(ProxyError(400, message, "invalid_request_error", "invalid_http").body())
+        content = [STATUS_LINE[400]]
+        for name, value in self.server_state.default_headers:
+            content.extend([name, b": ", value, b"\r\n"])
+        content.extend([b"content-type: application/json\r\n",
+                        b"content-length: " + str(len(body)).encode("ascii") + b"\r\n",
+                        b"x-request-id: req-" + os.urandom(8).hex().encode("ascii") + b"\r\n",
+                        b"connection: close\r\n\r\n", body])
+        self.transport.write(b"".join(content))
+        self.transport.close()
 
     def _head_timeout(self) -> None:
         self._head_timer = None
