@@ -9,6 +9,7 @@ import json
 import httpx
 import pytest
 
+from molctl.proxy.app import BIG_BODY
 from tests.test_proxy import KEY, PUBLIC, keyfile, s, stack  # noqa: F401 - fixtures
 
 AUTH = {"Authorization": f"Bearer {KEY}", "content-type": "application/json"}
@@ -41,7 +42,7 @@ def test_a_body_with_utf8_encoded_surrogates_is_invalid_json_not_a_500(s, api, b
     the standard library with `surrogatepass`, so a lone surrogate got past the check that only
     looks for `\\ud800`-style escapes; encoding the conversation key failed: a 500 with a
     traceback, for chat and the Responses API, small bodies and big ones (the worker-thread parse)."""
-    raw = body_with(api, "a\udcedb", pad=70_000 if big else 0).encode("utf-8", "surrogatepass")
+    raw = body_with(api, "a\udcedb", pad=BIG_BODY // 2 + 1000 if big else 0).encode("utf-8", "surrogatepass")
     raw = raw.replace("\udced".encode("utf-8", "surrogatepass"), b"\xed\xa0\x80")
     assert (len(raw) > 128 * 1024) == big
     r = httpx.post(s.proxy_url + PATHS[api], headers=AUTH, content=raw, timeout=30)
@@ -189,12 +190,12 @@ def test_a_websocket_upgrade_is_counted_and_logged_like_a_request(caplog):
     assert [(line["api"], line["status"], line["error"]) for line in lines] == [("responses", 404, "not_found")] * 2
 
 
-@pytest.mark.parametrize("raw", [b"{}" + b" " * 140_000 + b"garbage", b"{ }" + b"x" * 140_000])
+@pytest.mark.parametrize("raw", [b"{}" + b" " * (BIG_BODY + 10_000) + b"garbage", b"{ }" + b"x" * (BIG_BODY + 10_000)])
 def test_a_big_empty_object_with_trailing_data_is_invalid_json(s, raw):
     """Found reading the big-body reader while fuzzing it (then confirmed with such a body): it
-    (bodies over 128 KiB, read one array element at a time) returned `{}` for an empty object
+    (bodies over BIG_BODY, read one array element at a time) returned `{}` for an empty object
     followed by anything, so `{} garbage...` was a 400 about a missing `model` instead of what the
-    same text is under 128 KiB, and what the contract says: invalid_json."""
+    same text is under BIG_BODY, and what the contract says: invalid_json."""
     r = httpx.post(s.proxy_url + PATHS["chat"], headers=AUTH, content=raw, timeout=30)
     err = assert_error(r, 400, "invalid_json")
     assert "Extra data" in err["message"]
@@ -204,7 +205,7 @@ def test_a_duplicate_input_item_id_is_found_in_linear_time():
     """Found by timing big Responses inputs: the first repeated item id was looked for with
     `i in ids[:n]` for every item, quadratic when the duplicate is last: 20 000 items took 2.6 s
     of CPU and an 8 MiB body (about 180 000 items) minutes, one worker thread per request (the
-    event loop itself for bodies under 128 KiB) for an authenticated client's 400."""
+    event loop itself for bodies under BIG_BODY) for an authenticated client's 400."""
     import time
 
     from molctl.proxy.errors import ProxyError

@@ -18,10 +18,12 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 def test_json_nested_just_below_the_parsers_limit_is_a_400_not_a_500(s):
-    """A body over BIG_BODY (128 KiB) is parsed in a worker thread, whose shallow stack lets the parser accept
+    """A body over BIG_BODY is parsed in a worker thread, whose shallow stack lets the parser accept
     nesting that json.dumps (keys, payload) cannot encode again: that was a plain 500 (and a
     logged traceback). Any depth must be a JSON 400, or what the engine says about it."""
-    pad = "x " * 300_000
+    from molctl.proxy.app import BIG_BODY
+
+    pad = "x " * (BIG_BODY // 2 + 1000)
     statuses = {}
     for depth in range(950, 1000, 2):
         nest = "[" * depth + "]" * depth
@@ -255,3 +257,37 @@ def test_a_stream_choice_with_another_index_is_not_part_of_the_answer():
     text = "".join(c["delta"].get("content", "") for line in content.split(b"\n\n") if line.startswith(b"data: {")
                    for c in json.loads(line[6:])["choices"])
     assert text == "hello"
+
+
+@pytest.mark.parametrize("shape, in_thread", [
+    ("a short chat", False),
+    ("2100 messages", True),
+    ("one message of 2100 parts", True),
+    ("a body over BIG_BODY", True),
+])
+def test_only_big_requests_are_prepared_in_a_worker_thread(shape, in_thread):
+    """Parsing runs on the loop below BIG_BODY (orjson: ~10-20 ms for 1 MiB of tiny items); the
+    per-message preparation goes to a worker thread when the body holds over BIG_ITEMS messages
+    and content parts (a 1 MiB body of 4,000 tool-call turns takes ~50 ms of it), else it stays on
+    the loop: a worker thread's hand-offs cost more than a conversation of a few hundred KiB."""
+    import threading
+
+    from molctl.proxy.app import BIG_BODY, ProxyApp
+
+    user = {"role": "user", "content": "x"}
+    messages = {"a short chat": [user],
+                "2100 messages": [user] * 2100,
+                "one message of 2100 parts": [{"role": "user", "content": [{"type": "text", "text": "x"}] * 2100}],
+                "a body over BIG_BODY": [{"role": "user", "content": "x" * (BIG_BODY + 1)}]}[shape]
+    raw = json.dumps({"model": PUBLIC, "messages": messages}).encode()
+    app = ProxyApp(TINY, get_engine("vllm"), "http://127.0.0.1:9", None)
+    seen = []
+    prepare = app.orch.prepare
+
+    def recording(body, tenant):
+        seen.append(threading.current_thread() is threading.main_thread())
+        return prepare(body, tenant)
+
+    app.orch.prepare = recording
+    plan = asyncio.run(app._chat_plan(raw, "t"))
+    assert seen == [not in_thread] and plan.big is in_thread

@@ -494,7 +494,9 @@ def test_tool_loop_continues_on_its_adapter_after_a_proxy_restart(s, keyfile, tm
 
 
 def test_a_large_body_is_prepared_off_the_loop(s):
-    r = create(s, input=[{"role": "user", "content": "[route:L2] " + "x" * 200_000}])  # over BIG_BODY (128 KiB)
+    from molctl.proxy.app import BIG_BODY
+
+    r = create(s, input=[{"role": "user", "content": "[route:L2] " + "x" * (BIG_BODY + 10_000)}])  # parsed in steps
     assert r.status == "completed"
     r2 = create(s, input="[route:L2] and then?", previous_response_id=r.id)
     assert r2.status == "completed" and s.log("answer")[-1]["messages"][1]["content"].endswith("x" * 100)

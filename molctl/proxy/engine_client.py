@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import json
 import os
 import ssl
 import time
@@ -63,13 +62,14 @@ ENGINE: contextvars.ContextVar[EngineChoice | None] = contextvars.ContextVar("mo
 
 
 def dumps_in_steps(payload: dict[str, Any], step: int = 1000) -> bytes:
-    """json.dumps(payload), the messages `step` at a time: run in a worker thread, it lets the
-    event loop take the GIL between steps (one json.dumps of 8 MiB holds it for about 100 ms)."""
+    """The payload as JSON (`fastjson.dumps_bytes`), the messages `step` at a time: run in a worker
+    thread, it lets the event loop take the GIL between steps (225k messages in one call hold it
+    for ~25 ms with orjson, ~150 ms with the standard library, which this used before)."""
     rest = {k: v for k, v in payload.items() if k != "messages"}
     messages = payload.get("messages") or []
-    parts = [json.dumps(messages[i:i + step])[1:-1] for i in range(0, len(messages), step)]
-    head = json.dumps(rest)
-    return (head[:-1] + (", " if rest else "") + '"messages": [' + ", ".join(parts) + "]}").encode()
+    parts = [fastjson.dumps_bytes(messages[i:i + step])[1:-1] for i in range(0, len(messages), step)]
+    head = fastjson.dumps_bytes(rest)
+    return head[:-1] + (b"," if rest else b"") + b'"messages":[' + b",".join(parts) + b"]}"
 
 
 async def encode(payload: dict[str, Any], big: bool = False) -> bytes:
