@@ -59,6 +59,8 @@ def test_sglang_profile_and_adapter_naming():
                      "--lora-paths L0=/root/glm52_local/loras/L0"):
         assert expected in a
     p = load_profile("venti-sglang", profile_dirs())
+    # the harness's start_glm52_sglang_tp8_4lora.sh unsets its patch hooks before SGLang starts
+    assert {"PYTHONPATH", "MOL_PATCH_WORKER", "MOL_MINI_PATCH"} <= set(p.engine.unset_env)
     assert get_engine("sglang").adapter_model(p, "L2") == "glm52-fp8-official:L2"
     assert get_engine("vllm").adapter_model(p, "L2") == "L2"
 
