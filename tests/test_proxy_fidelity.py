@@ -519,3 +519,28 @@ def test_new_proxy_profile_fields_are_validated(field, value):
         load_profile("tiny", profile_dirs(), [(f"proxy.{field}", value)])
     assert f"proxy.{field}" in str(err.value)
     assert load_profile("tall", profile_dirs()).proxy.route_timeout_s > 0
+
+
+@pytest.mark.parametrize("effort, level, thinking", [
+    ("none", "none", False), ("minimal", "none", False), ("low", "high", True), ("medium", "high", True),
+    ("high", "high", True), ("xhigh", "max", True), ("max", "max", True),
+])
+def test_glm_profiles_send_glm52s_own_reasoning_levels(effort, level, thinking):
+    """GLM-5.2 has two thinking levels, high and max (its default); low/medium fold into high and
+    xhigh/max are max (Z.ai's GLM-5.2 notes; OpenRouter: "xhigh maps to max reasoning"). The proxy
+    sent xhigh/max as `high` and low/medium as they were, the wrong way round on a template that
+    reads anything but `high` as `max` (found by a review of the GPU profiles)."""
+    from molctl.engines import get_engine
+    from molctl.profiles import load_profile, profile_dirs
+    from molctl.proxy.orchestrator import Orchestrator
+
+    for name in ("venti", "venti-sglang"):
+        profile = load_profile(name, profile_dirs())
+        assert profile.proxy.reasoning == "glm"
+        orch = Orchestrator(profile, get_engine(profile.engine.kind), None, MemoryStore())
+        plan = orch.prepare({"model": profile.served_model_name, "reasoning_effort": effort,
+                             "messages": [{"role": "user", "content": "hi"}]}, "t")
+        plan.route = "L2"
+        payload = orch._build_answer(plan)
+        assert payload["reasoning_effort"] == level
+        assert payload["chat_template_kwargs"] == {"enable_thinking": thinking}

@@ -16,7 +16,8 @@ Defaults and choices, where the issue leaves room:
 - No temperature or thinking default is imposed; a profile may set `proxy.sampling_defaults`.
 - Reasoning controls per profile (`proxy.reasoning`): `glm`/`qwen` map `reasoning_effort`
   none|minimal to `chat_template_kwargs.enable_thinking=false` and any other effort to `true`;
-  `none` drops `reasoning_effort`. Client `chat_template_kwargs` are passed through.
+  `glm` also sends GLM-5.2's own level (`GLM_EFFORT`); `none` drops `reasoning_effort`. Client
+  `chat_template_kwargs` are passed through.
 - Route hop: its own deadline `proxy.route_timeout_s`; on timeout, an engine error or an
   unparseable label the fallback is the previous turn's route, else `proxy.default_route`
   (counted in `route_fallbacks_total`, timeouts also in `route_timeouts_total`). It sees the
@@ -148,6 +149,13 @@ def context_window(profile: Profile) -> int | None:
                 scale = {"": 1, "k": 1000, "K": 1024, "m": 1000**2, "M": 1024**2}[m.group(2)]
                 return int(float(m.group(1)) * scale) - margin
     return None
+
+
+# GLM-5.2 knows two thinking levels, `high` and `max` (its default): low and medium fold into
+# high, xhigh and max are max (Z.ai's GLM-5.2 migration notes; OpenRouter: "xhigh maps to max
+# reasoning"); none/minimal switch thinking off. Sending `low` as it was would not be "less than
+# high" on a template that reads anything but `high` as `max`.
+GLM_EFFORT = {"none": "none", "minimal": "none", "low": "high", "medium": "high", "high": "high", "xhigh": "max", "max": "max"}
 
 
 def prompt_token_bound(messages: list[dict[str, Any]], tools: Any) -> int:
@@ -381,8 +389,7 @@ class Orchestrator:
         if effort is not None and style != "none":
             kwargs.setdefault("enable_thinking", effort not in ("none", "minimal"))
             if style == "glm":
-                high = "high" if effort in ("xhigh", "max") else effort
-                payload["reasoning_effort"] = "none" if effort in ("none", "minimal") else high
+                payload["reasoning_effort"] = GLM_EFFORT[effort]
         if kwargs:
             payload["chat_template_kwargs"] = kwargs
         payload["model"] = self.adapter_models[plan.route]
