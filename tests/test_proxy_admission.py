@@ -234,3 +234,46 @@ def test_a_stream_queued_longer_than_the_keepalive_is_still_a_real_429(engine, k
     assert status == 429, detail
     retry_after, body = detail
     assert retry_after.isdigit() and int(retry_after) >= 1 and body["code"] == "rate_limit_exceeded"
+
+
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_a_route_hop_waits_for_an_answer_slot_not_inside_the_engine(engine, keyfile, tmp_path, api):
+    """Found by a review of the GPU profiles: route hops had a budget of their own, so with every
+    answer slot taken (max_inflight = the engine's max-num-seqs) a new request's route hop went
+    to the engine at once and waited there behind answers that can run for minutes, past
+    route_timeout_s: the request fell back to the previous or default adapter. The answer slot is
+    now taken before the route hop: while A's answer holds the only slot, B's route hop is not
+    sent; it goes once A's answer is done, and B is routed by its label."""
+    ctx, s = proxy(engine, keyfile, tmp_path, "proxy.max_inflight=1", "proxy.max_queue=4", "proxy.queue_timeout_s=60")
+    s.reset()
+    s.config(answer_delay=1.0)
+
+    def hops(rid: str) -> list[dict]:
+        return [e for e in httpx.get(s.engine_url + "/_log").json() if (e.get("request_id") or "").startswith(rid)]
+
+    async def one(client, rid: str, text: str):
+        headers = {"X-Request-Id": rid}
+        if api == "chat":
+            return await client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": text}],
+                                                        extra_headers=headers)
+        return await client.responses.create(model=PUBLIC, input=text, extra_headers=headers)
+
+    with ctx:
+        async def main():
+            async with s.client(KEYS[0]) as client:
+                a = asyncio.ensure_future(one(client, "req-slot-a", "[route:L1] first"))
+                while not any(e["hop"] == "answer" for e in hops("req-slot-a")):  # A's answer is running
+                    await asyncio.sleep(0.02)
+                b = asyncio.ensure_future(one(client, "req-slot-b", "[route:L3] second"))
+                await asyncio.sleep(0.5)  # B has arrived and waits for the slot
+                before = [e["hop"] for e in hops("req-slot-b")]
+                await asyncio.gather(a, b)
+                return before
+
+        b_hops_while_a_answered = asyncio.run(main())
+    assert b_hops_while_a_answered == []  # was ["route"]: sent while the engine was full
+    a_answer = next(e for e in hops("req-slot-a") if e["hop"] == "answer")
+    b_route = next(e for e in hops("req-slot-b") if e["hop"] == "route")
+    b_answer = next(e for e in hops("req-slot-b") if e["hop"] == "answer")
+    assert b_route["t"] >= a_answer["t"] + 0.9  # after A's 1 s answer
+    assert (a_answer["model"], b_answer["model"]) == ("L1", "L3")  # routed by their labels, no fallback

@@ -13,9 +13,11 @@ A refusal is `Rejected` with a `retry_after` in whole seconds, estimated from th
 service rate (slots released per second over the last `rate_window_s`) and the queue ahead.
 
 `Admission` holds the proxy's gates: answer hops (`proxy.max_inflight`, default the engine's
-own limit), route hops (`proxy.route_inflight`), each with the same queue bounds. Summary hops
-have their own slots in the orchestrator (`proxy.summary_inflight`), so none of these wait on
-another's budget. The clock is injected (tests drive it).
+own limit), route hops (`proxy.route_inflight`), each with the same queue bounds. A request takes
+its answer slot before its route hop (`Orchestrator.route`), so route and answer hops together
+never outnumber the engine's own limit, and a route hop never waits inside the engine behind
+running answers. Summary hops have their own slots in the orchestrator (`proxy.summary_inflight`),
+so summaries never take an answer's slot. The clock is injected (tests drive it).
 """
 
 from __future__ import annotations

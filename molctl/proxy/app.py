@@ -470,6 +470,7 @@ class ProxyApp:
                 work.result()
         finally:
             watch.cancel()
+            self.orch.release_answer_slot(plan)  # taken before the route hop: freed however the answer ended
             self.inflight -= 1
 
     async def _wait_disconnect(self, receive: Receive) -> None:

@@ -123,6 +123,7 @@ class Plan:
     record_key: bytes | None = None
     queue_wait_s: float = 0.0  # waited for an answer slot (admission)
     queued: bool = False  # waiting for an answer slot now (a stream holds its 200 meanwhile)
+    answer_slot: bool = False  # holds an answer slot (taken before the route hop, see `route`)
     # for the request's log line and metrics
     started: float = field(default_factory=time.monotonic)
     timings: dict[str, float] = field(default_factory=dict)  # route_s, answer_s, ttft_s
@@ -280,6 +281,13 @@ class Orchestrator:
         return payload
 
     async def route(self, plan: Plan) -> None:
+        """Decide the adapter. The request's answer slot is taken first (`_admit`): the route hop
+        then runs only when the engine has room for this request's answer, never queued inside the
+        engine behind `max-num-seqs` running answers (which can last minutes: the hop would pass
+        `route_timeout_s` and fall back to the wrong adapter). So the engine sees at most
+        `proxy.max_inflight` route and answer hops together, plus `summary_inflight` summaries.
+        The slot is released once the answer hop ends (`release_answer_slot`)."""
+        await self._admit(plan)
         if plan.messages[-1]["role"] == "tool":
             sticky = self._sticky_route(plan)
             if sticky is not None:
@@ -320,12 +328,16 @@ class Orchestrator:
 
     # ---------------------------------------------------------------- answer
     async def _admit(self, plan: Plan) -> None:
-        """Take an answer slot (released by the caller); a refusal is the client's 429. The wait is
-        kept on the plan (its log line) also when refused or abandoned while queued."""
+        """Take the request's answer slot unless it holds it (`release_answer_slot` frees it; the
+        app's request wrapper does too, whatever happened); a refusal is the client's 429. The wait
+        is kept on the plan (its log line) also when refused or abandoned while queued."""
+        if plan.answer_slot:
+            return
         queued_at = time.monotonic()
         plan.queued = True
         try:
             plan.queue_wait_s = await self.admission.answers.acquire(plan.tenant)
+            plan.answer_slot = True
         except Rejected as exc:
             plan.queue_wait_s = time.monotonic() - queued_at
             self.counters.inc("admission_rejections_total", reason=exc.reason)
@@ -336,6 +348,12 @@ class Orchestrator:
         finally:
             plan.queued = False
         self.counters.observe("queue_wait_seconds", plan.queue_wait_s)
+
+    def release_answer_slot(self, plan: Plan) -> None:
+        """Free the request's answer slot if it holds one (idempotent)."""
+        if plan.answer_slot:
+            plan.answer_slot = False
+            self.admission.answers.release()
 
     def _engine_error(self, exc: Exception, plan: Plan) -> None:
         """Count an answer hop's engine failure and log it once with the request id: the request's
@@ -416,7 +434,7 @@ class Orchestrator:
             self._engine_error(exc, plan)
             raise from_engine(exc, self.engine_names, self.public, sent_params(plan.body)) from None
         finally:
-            self.admission.answers.release()
+            self.release_answer_slot(plan)
             self._answered(plan, start)
         plan.usage = body.get("usage") if isinstance(body.get("usage"), dict) else None
         shaped = shaping.shape_completion(body, self.public, shaping.new_id())
@@ -478,7 +496,7 @@ class Orchestrator:
             self._engine_error(exc, plan)
             raise from_engine(exc, self.engine_names, self.public, sent_params(plan.body)) from None
         finally:
-            self.admission.answers.release()
+            self.release_answer_slot(plan)
             self._answered(plan, start)
             plan.usage = usage
             await upstream.aclose()
