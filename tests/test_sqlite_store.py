@@ -429,6 +429,66 @@ def test_turns_and_calls_survive_a_reopen(db):
     second.close()
 
 
+def test_get_turns_reads_the_cache_misses_in_one_query(db):
+    """A client that resends 600 earlier turns this proxy never recorded (or a proxy restarted
+    with a cold cache) paid one SELECT per turn on every request (~8 us each: 100 turns ~1 ms);
+    get_turns gives what get_turn gives, key by key, with one SELECT per 500 misses."""
+    from molctl.proxy.conversations import TurnRecord
+    from molctl.proxy.sqlite_store import SqliteConversationStore
+
+    clock = Clock()
+    store, conv = _conv(db, clock, ttl_s=10 * DAY)
+    stored = [bytes([i]) * 32 for i in range(1, 4)]
+    for i, key in enumerate(stored):
+        conv.put_turn(key, TurnRecord(f"L{i}", summary=f"s{i}"))
+    conv.write_queued()
+    clock.t += 11 * DAY
+    conv.put_turn(bytes([9]) * 32, TurnRecord("L3", summary="fresh"))  # written after the first three expired
+    conv.write_queued()
+    queued = bytes([8]) * 32
+    conv.put_turn(queued, TurnRecord("L1", summary="queued"))  # not written yet
+    store2 = SqliteResponseStore(db, clock=clock, ttl_s=10 * DAY)
+    cold = SqliteConversationStore(store2)
+    cold.put_turn(bytes([7]) * 32, TurnRecord("L2"))  # in the cold store's own cache and queue
+    absent = [bytes([100 + i % 100, i // 100]) * 16 for i in range(600)]
+    keys = [stored[0], bytes([9]) * 32, queued, bytes([7]) * 32, *absent, stored[2]]
+    statements = []
+    store2._conn.set_trace_callback(statements.append)
+    many = cold.get_turns(keys)
+    selects = [q for q in statements if q.lstrip().upper().startswith("SELECT")]
+    assert len(selects) == 2  # 601 misses (the queued row of another store is not visible): 2 chunks of <= 500
+    store2._conn.set_trace_callback(None)
+    cold2 = SqliteConversationStore(SqliteResponseStore(db, clock=clock, ttl_s=10 * DAY))
+    cold2.put_turn(bytes([7]) * 32, TurnRecord("L2"))
+    one = [cold2.get_turn(k) for k in keys]
+    shape = [None if r is None else (r.route, r.summary, r.summary_failed, r.stale) for r in many]
+    assert shape == [None if r is None else (r.route, r.summary, r.summary_failed, r.stale) for r in one]
+    assert shape[0] is None and shape[1] == ("L3", "fresh", False, False)  # expired / stored
+    assert shape[3] == ("L2", None, False, False) and shape[4:-1] == [None] * 600
+    assert cold.get_turns([bytes([9]) * 32])[0] is many[1]  # cached after the read, as get_turn does
+    store.close()
+    store2.close()
+
+
+def test_a_request_looks_its_earlier_turns_up_in_one_query(db):
+    """The orchestrator's prepare() uses get_turns when the store has it (SQLite)."""
+    from molctl.engines import get_engine
+    from molctl.profiles import load_profile, profile_dirs
+    from molctl.proxy.orchestrator import Orchestrator
+
+    store, conv = _conv(db)
+    profile = load_profile("tiny", profile_dirs())
+    orch = Orchestrator(profile, get_engine("vllm"), None, conv)
+    messages = [m for i in range(50) for m in ({"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"})]
+    statements = []
+    store._conn.set_trace_callback(statements.append)
+    plan = orch.prepare({"model": profile.served_model_name, "messages": [*messages, {"role": "user", "content": "next"}]}, "t")
+    store._conn.set_trace_callback(None)
+    assert len(plan.history.segments) == 50 and all(seg.record is None for seg in plan.history.segments)
+    assert len([q for q in statements if q.lstrip().upper().startswith("SELECT")]) == 1  # was 50
+    store.close()
+
+
 def test_stale_and_failed_summaries_persisted(db):
     from molctl.proxy.conversations import TurnRecord
 

@@ -202,7 +202,7 @@ class Orchestrator:
         check_request(body, self.public)
         messages = body["messages"]
         keys = ConversationKeys(tenant, messages)
-        history = split_history(messages, keys.at, self.store.get_turn)
+        history = split_history(messages, keys.at, self.store.get_turn, getattr(self.store, "get_turns", None))
         opts = body.get("stream_options") or {}
         return Plan(body=body, messages=messages, tenant=tenant, stream=bool(body.get("stream")),
                     include_usage=bool(opts.get("include_usage")), keys=keys, history=history,
@@ -217,7 +217,8 @@ class Orchestrator:
             return
         calls = [(plan.tenant, str(c.get("id"))) for c in self._trailing_calls(plan.messages)]
         if await load(list(plan.keys.at.values()), calls):
-            plan.history = await self._offload(plan, split_history, plan.messages, plan.keys.at, self.store.get_turn)
+            plan.history = await self._offload(plan, split_history, plan.messages, plan.keys.at, self.store.get_turn,
+                                               getattr(self.store, "get_turns", None))
         owner = None
         bound = [self.store.get_call(t, c) for t, c in calls]
         if bound and bound[0] is not None:

@@ -55,18 +55,22 @@ class History:
         return None
 
 
-def split_history(messages: list[dict[str, Any]], keys, lookup) -> History:
-    """keys[i] (a list, or a dict holding at least every turn end) is the key of messages[:i+1]."""
+def split_history(messages: list[dict[str, Any]], keys, lookup, lookup_many=None) -> History:
+    """keys[i] (a list, or a dict holding at least every turn end) is the key of messages[:i+1].
+    `lookup(key)` finds one turn's record; `lookup_many(keys)`, when given, all of them at once (a
+    store that reads them in one query: SqliteConversationStore.get_turns)."""
     head_end = 0
     while head_end < len(messages) and messages[head_end].get("role") in INSTRUCTION_ROLES:
         head_end += 1
-    segments: list[Segment] = []
+    bounds: list[tuple[int, int]] = []
     start = head_end
     for i in range(head_end, len(messages) - 1):  # the last message is the request itself
         if is_turn_end(messages[i]):
-            segments.append(Segment(start, i + 1, lookup(keys[i])))
+            bounds.append((start, i + 1))
             start = i + 1
-    return History(head_end, segments, start)
+    turn_keys = [keys[end - 1] for _, end in bounds]
+    records = lookup_many(turn_keys) if lookup_many is not None and turn_keys else [lookup(k) for k in turn_keys]
+    return History(head_end, [Segment(a, b, r) for (a, b), r in zip(bounds, records, strict=True)], start)
 
 
 def fold_text(profile: Profile, record: TurnRecord) -> str:
