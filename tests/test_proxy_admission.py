@@ -277,3 +277,31 @@ def test_a_route_hop_waits_for_an_answer_slot_not_inside_the_engine(engine, keyf
     b_answer = next(e for e in hops("req-slot-b") if e["hop"] == "answer")
     assert b_route["t"] >= a_answer["t"] + 0.9  # after A's 1 s answer
     assert (a_answer["model"], b_answer["model"]) == ("L1", "L3")  # routed by their labels, no fallback
+
+
+def test_a_request_waiting_for_another_adapters_summary_gives_its_slot_back(engine, keyfile, tmp_path):
+    """Found by the regression review of the route-under-slot change: X's second turn switches
+    adapter and waits (summary_wait_s) for its first turn's summary; it held the only answer slot
+    meanwhile, so an unrelated request Y of another key queued 3 s while the engine ran no
+    answer. Now the slot goes back during that wait: Y is answered at once, X still is after."""
+    ctx, s = proxy(engine, keyfile, tmp_path, "proxy.max_inflight=1", "proxy.summary_wait_s=3", "proxy.queue_timeout_s=60")
+    s.reset()
+    s.config(answer_delay=0.1, summary_delay=5.0)
+    with ctx:
+        async def main():
+            async with s.client(KEYS[0]) as x_client, s.client(KEYS[1]) as y_client:
+                u1 = {"role": "user", "content": "[route:L1] plan my trip"}
+                r1 = await x_client.chat.completions.create(model=PUBLIC, messages=[u1])
+                a1 = {"role": "assistant", "content": r1.choices[0].message.content}
+                x2 = asyncio.ensure_future(x_client.chat.completions.create(
+                    model=PUBLIC, messages=[u1, a1, {"role": "user", "content": "[route:L2] now write code"}]))
+                await asyncio.sleep(0.3)  # X's second turn waits for turn 1's summary (5 s; it waits 3)
+                start = time.monotonic()
+                y = await y_client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "[route:L0] hi"}])
+                y_s = time.monotonic() - start
+                x = await x2
+                return y_s, y, x
+
+        y_s, y, x = asyncio.run(main())
+    assert y.choices[0].message.content and x.choices[0].message.content
+    assert y_s < 1.5, y_s  # was ~3 s: queued behind X's idle slot

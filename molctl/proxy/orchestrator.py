@@ -287,7 +287,8 @@ class Orchestrator:
         engine behind `max-num-seqs` running answers (which can last minutes: the hop would pass
         `route_timeout_s` and fall back to the wrong adapter). So the engine sees at most
         `proxy.max_inflight` route and answer hops together, plus `summary_inflight` summaries.
-        The slot is released once the answer hop ends (`release_answer_slot`)."""
+        The slot is released once the answer hop ends (`release_answer_slot`), and given back
+        while the request waits for another adapter's summary (`_await_summaries`)."""
         await self._admit(plan)
         if plan.messages[-1]["role"] == "tool":
             sticky = self._sticky_route(plan)
@@ -337,18 +338,19 @@ class Orchestrator:
         queued_at = time.monotonic()
         plan.queued = True
         try:
-            plan.queue_wait_s = await self.admission.answers.acquire(plan.tenant)
+            waited = await self.admission.answers.acquire(plan.tenant)
             plan.answer_slot = True
         except Rejected as exc:
-            plan.queue_wait_s = time.monotonic() - queued_at
+            plan.queue_wait_s += time.monotonic() - queued_at
             self.counters.inc("admission_rejections_total", reason=exc.reason)
             raise overloaded(exc) from None
         except asyncio.CancelledError:  # the client went away while queued
-            plan.queue_wait_s = time.monotonic() - queued_at
+            plan.queue_wait_s += time.monotonic() - queued_at
             raise
         finally:
             plan.queued = False
-        self.counters.observe("queue_wait_seconds", plan.queue_wait_s)
+        plan.queue_wait_s += waited  # a request that gave its slot back for a summary waits twice
+        self.counters.observe("queue_wait_seconds", waited)
 
     def release_answer_slot(self, plan: Plan) -> None:
         """Free the request's answer slot if it holds one (idempotent)."""
@@ -377,6 +379,10 @@ class Orchestrator:
         pending = [s.record for s in plan.history.segments
                    if s.record is not None and s.record.route != plan.route and not s.record.finished]
         if pending:
+            # the slot goes back meanwhile (the answer hop's `_admit` takes one again): a request
+            # that waits up to summary_wait_s for another adapter's summary must not keep an
+            # answer slot idle while other requests queue for it
+            self.release_answer_slot(plan)
             try:
                 await asyncio.wait_for(asyncio.gather(*(r.done.wait() for r in pending)), self.profile.proxy.summary_wait_s)
             except TimeoutError:
