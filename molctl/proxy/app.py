@@ -25,9 +25,11 @@ Failures: a malformed request is a JSON 400 naming the field; anything unexpecte
 with its request id and answered as a JSON 500 in the OpenAI error shape naming that id (also in
 the `x-request-id` header, which every response carries). Bodies over BIG_BODY bytes are
 parsed (in steps) and prepared in a worker thread, and so is the preparation of a smaller body
-holding over BIG_ITEMS messages and content parts, so the event loop keeps serving; everything
-else runs on the loop, where orjson parses a MiB in 1-15 ms and a worker thread's hand-offs
-would cost more than the work (1.5 ms of CPU for a 260 KiB conversation, BENCHMARKS.md).
+holding over BIG_ITEMS messages, content parts, tool calls and tools, so the event loop keeps serving; everything
+else runs on the loop, where orjson parses a MiB in 1-25 ms and a worker thread's hand-offs
+would cost more than the work (1.5 ms of CPU for a 260 KiB conversation, BENCHMARKS.md); a body
+orjson cannot read (NaN, 19-digit numbers, invalid JSON) is read by the standard library in a
+worker thread, whatever its size.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ Receive = Callable[[], Awaitable[dict]]
 
 MAX_BODY = 8 * 1024 * 1024
 BIG_BODY = 1024 * 1024  # parse + prepare larger bodies in a worker thread, the parse in steps
-BIG_ITEMS = 2000  # prepare in a worker thread above this many messages + content parts (20k parts cost ~130 ms)
+BIG_ITEMS = 2000  # prepare in a worker thread above this many messages, parts, tool calls and tools (many_items)
 JSON_HEADERS = [(b"content-type", b"application/json")]
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                (b"x-accel-buffering", b"no")]
@@ -433,7 +435,7 @@ class ProxyApp:
     async def _chat_plan(self, raw: bytes, tenant: str) -> Plan:
         if len(raw) > BIG_BODY:
             return await asyncio.to_thread(self._plan, raw, tenant)
-        body = parse_body(raw)
+        body = await parse_on_loop(raw)
         if many_items(body, "messages"):
             plan = await asyncio.to_thread(self.orch.prepare, body, tenant)
             plan.big = True
@@ -616,7 +618,7 @@ class ProxyApp:
         if big:
             req = await asyncio.to_thread(self._responses_parse, raw)
         else:
-            body = parse_body(raw)
+            body = await parse_on_loop(raw)
             big = many_items(body, "input")
             req = await asyncio.to_thread(responses.parse_request, body, self.profile.served_model_name) if big else \
                 responses.parse_request(body, self.profile.served_model_name)
@@ -783,19 +785,34 @@ def internal_error(rid: str) -> ProxyError:
     return ProxyError(500, f"Internal proxy error (request id {rid}).", "server_error", "proxy_error")
 
 
+async def parse_on_loop(raw: bytes) -> Any:
+    """A body up to BIG_BODY: orjson on the event loop; what only the standard library reads (NaN,
+    19-digit numbers, invalid JSON: ~100 ms for a MiB of floats) in a worker thread."""
+    body = parse_body(raw, fast_only=True)
+    if body is fastjson.FALLBACK:
+        body = await asyncio.to_thread(parse_body, raw)
+    return body
+
+
 def many_items(body: Any, field: str) -> bool:
-    """Whether `body[field]` (a request's messages or input items) holds over BIG_ITEMS items and
-    content parts: its preparation then runs in a worker thread. Any shape; validation comes later."""
-    items = body.get(field) if isinstance(body, dict) else None
-    if not isinstance(items, list):
+    """Whether `body[field]` (a request's messages or input items) holds over BIG_ITEMS items,
+    content parts and tool calls, with the request's tools: its preparation then runs in a worker
+    thread. Any shape; validation comes later."""
+    if not isinstance(body, dict):
         return False
-    count = len(items)
+    items, tools = body.get(field), body.get("tools")
+    count = len(tools) if isinstance(tools, list) else 0
+    if not isinstance(items, list):
+        return count > BIG_ITEMS
+    count += len(items)
     if count > BIG_ITEMS:
         return True
     for item in items:
-        content = item.get("content") if isinstance(item, dict) else None
-        if isinstance(content, list):
-            count += len(content)
-            if count > BIG_ITEMS:
-                return True
+        if not isinstance(item, dict):
+            continue
+        for nested in (item.get("content"), item.get("tool_calls")):
+            if isinstance(nested, list):
+                count += len(nested)
+        if count > BIG_ITEMS:
+            return True
     return False

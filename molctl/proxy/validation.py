@@ -107,14 +107,21 @@ def _loads_in_steps(text: str) -> Any:
     return out
 
 
-def parse_body(raw: bytes, in_steps: bool = False) -> Any:
-    """JSON text -> Python, every failure a 400. `in_steps`: see `_loads_in_steps`."""
-    if in_steps:
+def parse_body(raw: bytes, in_steps: bool = False, fast_only: bool = False) -> Any:
+    """JSON text -> Python, every failure a 400. `in_steps`: see `_loads_in_steps`. `fast_only`
+    (the event loop): orjson's parse only, `fastjson.FALLBACK` where the standard library has to
+    read the text (NaN, 19-digit numbers, anything orjson refuses: invalid JSON included); the
+    caller then calls again without it from a worker thread."""
+    if fast_only:
+        body = fastjson.loads(raw, utf8_only=True, fast_only=True)
+        if body is fastjson.FALLBACK:
+            return body
+    elif in_steps:
         try:
             body = _loads_in_steps(raw.decode("utf-8"))
         except (ValueError, StopIteration, RecursionError):
             in_steps = False
-    if not in_steps:
+    if not in_steps and not fast_only:
         body = _loads(raw)
     # A lone surrogate can only arrive as a \\uD800-\\uDFFF escape; look only when one is there.
     if b"\\ud" in raw or b"\\uD" in raw:
