@@ -544,3 +544,21 @@ def test_glm_profiles_send_glm52s_own_reasoning_levels(effort, level, thinking):
         payload = orch._build_answer(plan)
         assert payload["reasoning_effort"] == level
         assert payload["chat_template_kwargs"] == {"enable_thinking": thinking}
+
+
+@pytest.mark.parametrize("bias", ['{"42": NaN}', '{"42": Infinity}', '{"42": "high"}', '{"42": true}', '[1]'])
+def test_a_logit_bias_that_is_not_finite_numbers_is_refused(bias):
+    """Found by the regression review (it reached the engine): vLLM 0.32 clamps each bias with
+    min(100, max(-100, bias)) (sampling_params.py), so a NaN became -100 and silently banned the
+    token; the sampling numbers are refused when not finite, and so is a bias now."""
+    from molctl.proxy import validation
+    from molctl.proxy.errors import ProxyError
+
+    body = validation.parse_body(('{"model": "' + PUBLIC + '", "messages": [{"role": "user", "content": "x"}], '
+                                  '"logit_bias": ' + bias + '}').encode())
+    with pytest.raises(ProxyError) as err:
+        validation.check_request(body, PUBLIC)
+    assert err.value.param == "logit_bias" and "finite numbers" in err.value.message
+    ok = validation.parse_body(('{"model": "' + PUBLIC + '", "messages": [{"role": "user", "content": "x"}], '
+                                '"logit_bias": {"42": -100, "7": 2.5}}').encode())
+    validation.check_request(ok, PUBLIC)

@@ -318,6 +318,12 @@ def check_request(body: Any, public_model: str) -> None:
             # NaN/Infinity (accepted by the JSON reader, as Python's): vLLM's pydantic takes them and
             # its range checks (temperature < 0) are false for NaN, so they would reach the sampler
             raise invalid(f"'{key}' must be a finite number.", key)
+    bias = body.get("logit_bias")
+    if bias is not None and (not isinstance(bias, dict) or not all(
+            not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) for v in bias.values())):
+        # as the sampling numbers: vLLM clamps each bias with min(100, max(-100, bias))
+        # (sampling_params.py), which makes a NaN -100: the token silently banned
+        raise invalid("'logit_bias' must map token ids to finite numbers.", "logit_bias")
     for key in ("prompt_cache_key", "safety_identifier", "user"):
         if body.get(key) is not None and not isinstance(body[key], str):
             raise invalid(f"'{key}' must be a string.", key)
