@@ -175,37 +175,3 @@ def test_retry_after_is_at_most_five_minutes():
         await gate.acquire("holder")
         assert 1 <= gate.retry_after() <= 300
     run(main())
-
-
-def test_background_work_gets_a_slot_only_when_no_request_waits():
-    """acquire_idle (a summary hop): a free slot at once when nobody waits; else behind every
-    request, whatever came first; a cancelled idle waiter leaves no trace, a granted one passes
-    its slot on."""
-    async def main():
-        gate = FairGate(1, 10, 30.0, FakeClock())
-        await gate.acquire_idle()  # free: at once
-        assert gate.inflight == 1 and gate.stats.admitted == 0
-        idle = asyncio.ensure_future(gate.acquire_idle())
-        await settle()
-        request = asyncio.ensure_future(gate.acquire("a"))  # came after the idle waiter
-        await settle()
-        gate.release()
-        await settle()
-        assert request.done() and not idle.done()  # the request goes first
-        gate.release()
-        await settle()
-        assert idle.done() and gate.inflight == 1
-        gone = asyncio.ensure_future(gate.acquire_idle())
-        granted_then_gone = asyncio.ensure_future(gate.acquire_idle())
-        last = asyncio.ensure_future(gate.acquire_idle())
-        await settle()
-        gone.cancel()  # waiting: leaves the line
-        await asyncio.gather(gone, return_exceptions=True)
-        gate.release()  # granted to the second ...
-        granted_then_gone.cancel()  # ... which is cancelled before it runs: the slot passes to the third
-        await asyncio.gather(granted_then_gone, return_exceptions=True)
-        await settle()
-        assert last.done() and gate.inflight == 1 and not gate.idle_waiters
-        gate.release()
-        assert gate.inflight == 0
-    run(main())

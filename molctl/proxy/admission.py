@@ -16,10 +16,8 @@ service rate (slots released per second over the last `rate_window_s`) and the q
 own limit), route hops (`proxy.route_inflight`), each with the same queue bounds. A request takes
 its answer slot before its route hop (`Orchestrator.route`), so route and answer hops together
 never outnumber the engine's own limit, and a route hop never waits inside the engine behind
-running answers. Summary hops have their own budget in the orchestrator
-(`proxy.summary_inflight`) and run in an answer slot too, taken only when no request waits for
-one (`acquire_idle`): the engine never holds more than `max_inflight` of the proxy's hops, and a
-summary never goes ahead of a request. The clock is injected (tests drive it).
+running answers. Summary hops have their own slots in the orchestrator (`proxy.summary_inflight`),
+so summaries never take an answer's slot. The clock is injected (tests drive it).
 """
 
 from __future__ import annotations
@@ -75,7 +73,6 @@ class FairGate:
         self.waiting = 0
         self.stats = GateStats()
         self._releases: deque[float] = deque()  # release times within rate_window_s
-        self.idle_waiters: deque[asyncio.Future] = deque()  # background work (`acquire_idle`), behind every request
 
     # ---------------------------------------------------------------- estimate
     def service_rate(self) -> float | None:
@@ -128,24 +125,6 @@ class FairGate:
             timer.cancel()
         return self.clock() - waiter.queued_at
 
-    async def acquire_idle(self) -> None:
-        """A slot for background work (a summary hop): free and no request waiting, else it waits
-        behind every request, oldest first, with no deadline of its own (the caller bounds it);
-        released with `release`. Not counted as admitted."""
-        if self.inflight < self.capacity and not self.waiting:
-            self.inflight += 1
-            return
-        future = asyncio.get_running_loop().create_future()
-        self.idle_waiters.append(future)
-        try:
-            await future
-        except asyncio.CancelledError:
-            if future.done() and not future.cancelled():
-                self.release()  # granted, but the caller went away: pass the slot on
-            else:
-                self.idle_waiters.remove(future)
-            raise
-
     def _expire(self, waiter: _Waiter) -> None:
         if not waiter.future.done():
             self._forget(waiter)
@@ -173,8 +152,7 @@ class FairGate:
             self.queues.pop(key, None)
 
     def release(self) -> None:
-        """Free a slot: the next key in turn gets it (its oldest waiter), else the oldest
-        background waiter (`acquire_idle`), else it is free."""
+        """Free a slot: the next key in turn gets it (its oldest waiter), else it is free."""
         now = self.clock()
         releases = self._releases
         releases.append(now)
@@ -191,11 +169,6 @@ class FairGate:
                 waiter.future.set_result(None)
                 self.stats.admitted += 1
                 return  # the slot passes on: inflight stays
-        while self.idle_waiters:
-            future = self.idle_waiters.popleft()
-            if not future.done():
-                future.set_result(None)
-                return
         self.inflight -= 1
 
     @asynccontextmanager

@@ -26,13 +26,11 @@ Defaults and choices, where the issue leaves room:
   makes the label the whole output).
 - Failed answers (an engine error, in a stream or not; finish reason `abort` or `error`) are
   neither recorded nor summarised; `abort`/`error` finish reasons reach the client as they are.
-- Summaries run in the background, at most `proxy.summary_inflight` at once, each in an answer
-  slot that it takes only when no request waits for one (so the engine never holds more than
-  `proxy.max_inflight` of the proxy's hops, and a summary never goes ahead of a request); at most
+- Summaries run in the background, at most `proxy.summary_inflight` at once; at most
   `proxy.summary_queue_max` wait for a slot (more are dropped: `summaries_dropped_total`). A
-  summary that can no longer help is dropped (`summaries_stale_total`): it waited longer than
-  `proxy.summary_wait_s` (for its turn or for an answer slot), or a later turn already folded its
-  turn without it (filling it in afterwards would only change that adapter's prompt prefix).
+  summary that can no longer help is dropped when its turn comes (`summaries_stale_total`): it
+  waited longer than `proxy.summary_wait_s`, or a later turn already folded its turn without
+  it (filling it in afterwards would only change that adapter's prompt prefix).
 - Large requests (more than BIG_MESSAGES messages) do their per-message work (keys, views,
   payload encoding) in a worker thread, so one 8 MiB body does not stall other requests.
 """
@@ -577,44 +575,6 @@ class Orchestrator:
         self.background.add(task)
         task.add_done_callback(self.background.discard)
 
-    async def _engine_room(self, queued: float) -> bool:
-        """Take an answer slot for a summary hop, only when no request waits for one (see
-        admission.py), until the summary would be stale (summary_wait_s after it was queued); False
-        when it did not get one by then (answers kept every slot: the summary could no longer help)."""
-        try:
-            async with asyncio.timeout(max(0.0, queued + self.profile.proxy.summary_wait_s - time.monotonic())):
-                await self.admission.answers.acquire_idle()
-            return True
-        except TimeoutError:
-            return False
-
-    async def _summary_hop(self, payload: dict[str, Any], record: TurnRecord, key: bytes, big: bool,
-                           request_id: str | None) -> None:
-        """The summary hop, retried once; its result (or its failure) is set on the record."""
-        for attempt in range(2):
-            try:
-                start = time.monotonic()
-                body = checked_completion(await self.client.chat(payload, "summary", timeout=self.summary_timeout_s,
-                                                                 big=big, request_id=request_id))
-                self.counters.observe("hop_seconds", time.monotonic() - start, hop="summary", adapter=record.route)
-                msg = ((body.get("choices") or [{}])[0]).get("message") or {}
-                reasoning = msg.get("reasoning_content") or msg.get("reasoning") or ""
-                text = (msg.get("content") or "").strip() or reasoning.strip()[:160]
-                if record.stale:  # a later turn folded this one without it: keep it that way
-                    self.counters.inc("summaries_stale_total")
-                    record.set_summary(None)
-                    return
-                self.counters.inc("summaries_total")
-                record.set_summary(text)
-                self.store.put_turn(key, record)  # recount its size with the summary
-                return
-            except (EngineHTTPError, EngineUnavailable) as exc:
-                log.warning("summary hop failed (attempt %d): %s", attempt + 1, exc)
-                if attempt == 0:
-                    self.counters.inc("summary_retries_total")
-        self.counters.inc("summary_failures_total")
-        record.set_summary(None)
-
     def _stale(self, record: TurnRecord, queued: float) -> bool:
         return record.stale or time.monotonic() - queued > self.profile.proxy.summary_wait_s
 
@@ -626,14 +586,33 @@ class Orchestrator:
                 self._summary_waiting -= 1
                 self._summary_running += 1
                 waiting = False
-                if self._stale(record, queued) or not await self._engine_room(queued):
+                if self._stale(record, queued):
                     self.counters.inc("summaries_stale_total")
                     record.set_summary(None)
                     return
-                try:
-                    await self._summary_hop(payload, record, key, big, request_id)
-                finally:
-                    self.admission.answers.release()
+                for attempt in range(2):
+                    try:
+                        start = time.monotonic()
+                        body = checked_completion(await self.client.chat(payload, "summary", timeout=self.summary_timeout_s,
+                                                                         big=big, request_id=request_id))
+                        self.counters.observe("hop_seconds", time.monotonic() - start, hop="summary", adapter=record.route)
+                        msg = ((body.get("choices") or [{}])[0]).get("message") or {}
+                        reasoning = msg.get("reasoning_content") or msg.get("reasoning") or ""
+                        text = (msg.get("content") or "").strip() or reasoning.strip()[:160]
+                        if record.stale:  # a later turn folded this one without it: keep it that way
+                            self.counters.inc("summaries_stale_total")
+                            record.set_summary(None)
+                            return
+                        self.counters.inc("summaries_total")
+                        record.set_summary(text)
+                        self.store.put_turn(key, record)  # recount its size with the summary
+                        return
+                    except (EngineHTTPError, EngineUnavailable) as exc:
+                        log.warning("summary hop failed (attempt %d): %s", attempt + 1, exc)
+                        if attempt == 0:
+                            self.counters.inc("summary_retries_total")
+                self.counters.inc("summary_failures_total")
+                record.set_summary(None)
         finally:
             if waiting:
                 self._summary_waiting -= 1
