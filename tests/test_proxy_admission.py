@@ -305,3 +305,52 @@ def test_a_request_waiting_for_another_adapters_summary_gives_its_slot_back(engi
         y_s, y, x = asyncio.run(main())
     assert y.choices[0].message.content and x.choices[0].message.content
     assert y_s < 1.5, y_s  # was ~3 s: queued behind X's idle slot
+
+
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_a_stream_that_gave_its_slot_back_for_a_summary_is_still_refused_with_a_real_429(engine, keyfile, tmp_path, api):
+    """Found by the review of the slot changes: X's streamed second turn switches adapter, gives
+    its slot back while it waits for turn 1's summary, and queues again; the keep-alives sent
+    during that wait had already answered 200, so a refusal at the second queue deadline was an
+    error frame inside a 200 stream. It now counts as queued until it has a slot again: a real
+    429 with Retry-After, as for any queued stream."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = proxy_argv("tiny", engine, port, "--api-key-file", str(keyfile), "--store", "memory", "--sse-keepalive", "0.2",
+                      "--set", "proxy.max_inflight=1", "--set", "proxy.queue_timeout_s=0.8", "--set", "proxy.summary_wait_s=1.5")
+    s = Stack(engine, url)
+    s.reset()
+    s.config(answer_delay=0.1, summary_delay=5.0, model_delay={"L3": 5.0})
+    with running(argv, url + "/health", log=tmp_path / "proxy.log"):
+        async def main():
+            async with s.client(KEYS[0]) as x_client, s.client(KEYS[1]) as other:
+                u1 = {"role": "user", "content": "[route:L1] plan my trip"}
+                r1 = await x_client.chat.completions.create(model=PUBLIC, messages=[u1])
+                turn2 = [u1, {"role": "assistant", "content": r1.choices[0].message.content},
+                         {"role": "user", "content": "[route:L2] now write code"}]
+
+                async def x2():
+                    try:
+                        if api == "chat":
+                            out = await x_client.chat.completions.create(model=PUBLIC, messages=turn2, stream=True)
+                        else:
+                            out = await x_client.responses.create(model=PUBLIC, input=turn2, stream=True)
+                        async for _ in out:
+                            pass
+                        return 200, None
+                    except openai.RateLimitError as exc:
+                        return 429, exc.response.headers.get("retry-after")
+                    except openai.APIError as exc:  # an error frame inside a 200 stream
+                        return 200, repr(exc)
+
+                x = asyncio.ensure_future(x2())
+                await asyncio.sleep(0.4)  # X2 routed, waits for turn 1's summary with its slot given back
+                slow = asyncio.ensure_future(other.chat.completions.create(
+                    model=PUBLIC, messages=[{"role": "user", "content": "[route:L3] takes the slot for 5 s"}]))
+                result = await x
+                await slow
+                return result
+
+        status, detail = asyncio.run(main())
+    assert status == 429, detail  # was a 200 stream ending in a rate_limit_exceeded error frame
+    assert detail is not None and detail.isdigit()

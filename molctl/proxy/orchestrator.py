@@ -381,8 +381,11 @@ class Orchestrator:
         if pending:
             # the slot goes back meanwhile (the answer hop's `_admit` takes one again): a request
             # that waits up to summary_wait_s for another adapter's summary must not keep an
-            # answer slot idle while other requests queue for it
-            self.release_answer_slot(plan)
+            # answer slot idle while other requests queue for it. Until it has one again it counts
+            # as queued: a stream sends no 200 or keep-alive, so a refusal then is a real 429.
+            if plan.answer_slot:
+                self.release_answer_slot(plan)
+                plan.queued = True
             try:
                 await asyncio.wait_for(asyncio.gather(*(r.done.wait() for r in pending)), self.profile.proxy.summary_wait_s)
             except TimeoutError:
