@@ -335,3 +335,39 @@ def test_what_only_the_standard_library_reads_is_parsed_in_a_worker_thread(api, 
         assert calls[0] == (True, True)  # orjson, on the loop
         assert calls[1:] == ([(False, False)] if fallback else []), (text, calls)
     assert proxy is not None
+
+
+def test_a_cancelled_request_cancels_its_answer_before_its_slot_is_freed():
+    """Found by the review of the slot changes: when uvicorn cancels request tasks at the drain
+    deadline, `_run` freed the request's answer slot while its answer task ran on (orphaned: it
+    then took slots and sent hops through a closing client, "Task exception was never
+    retrieved"). The answer is now cancelled and ended first."""
+    import types
+
+    from molctl.proxy.app import ProxyApp
+
+    app = ProxyApp(TINY, get_engine("vllm"), "http://127.0.0.1:9", None)
+    events = []
+
+    async def answer():
+        try:
+            await asyncio.sleep(30)
+        finally:
+            events.append("answer ended")
+
+    async def receive():
+        await asyncio.sleep(30)
+        return {"type": "http.disconnect"}
+
+    async def main():
+        plan = types.SimpleNamespace(answer_slot=False)
+        release = app.orch.release_answer_slot
+        app.orch.release_answer_slot = lambda p: (events.append("slot freed"), release(p))
+        task = asyncio.ensure_future(app._run(plan, receive, answer()))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await asyncio.sleep(0.05)
+
+    asyncio.run(main())
+    assert events == ["answer ended", "slot freed"]  # was: slot freed, the answer still running

@@ -470,6 +470,10 @@ class ProxyApp:
                 self.orch.abandon(plan)
             else:
                 work.result()
+        except asyncio.CancelledError:  # this request cancelled (uvicorn at the drain deadline): its answer too
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)  # ended before its slot is freed below
+            raise
         finally:
             watch.cancel()
             self.orch.release_answer_slot(plan)  # taken before the route hop: freed however the answer ended

@@ -386,10 +386,12 @@ class Orchestrator:
             if plan.answer_slot:
                 self.release_answer_slot(plan)
                 plan.queued = True
-            try:
-                await asyncio.wait_for(asyncio.gather(*(r.done.wait() for r in pending)), self.profile.proxy.summary_wait_s)
-            except TimeoutError:
-                pass
+            waits = [asyncio.ensure_future(r.done.wait()) for r in pending]
+            try:  # asyncio.wait, not wait_for(gather): a client gone meanwhile left an unretrieved gather error logged
+                await asyncio.wait(waits, timeout=self.profile.proxy.summary_wait_s)
+            finally:
+                for wait in waits:
+                    wait.cancel()
             for record in pending:
                 if not record.finished:
                     record.mark_stale()  # a durable store persists it
