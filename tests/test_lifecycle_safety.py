@@ -25,14 +25,7 @@ from molctl.profiles import builtin_profiles_dir
 from molctl.progress import SilentProgress
 from tests.helpers import ROOT, Molctl, exit_status, free_port, url, wait_for, wait_status
 from tests.procs import stop
-from tests.test_lifecycle import Host, gone
-
-
-@pytest.fixture
-def host(tmp_path):
-    h = Host(tmp_path)
-    yield h
-    h.cleanup()
+from tests.test_lifecycle import Host, gone, host  # noqa: F401 - fixture
 
 
 class Ctx:

@@ -18,14 +18,7 @@ import pytest
 from molctl.errors import ExitStatus
 from molctl.output import Output
 from tests.helpers import ROOT, wait_for
-from tests.test_lifecycle import Host
-
-
-@pytest.fixture
-def host(tmp_path):
-    h = Host(tmp_path)
-    yield h
-    h.cleanup()
+from tests.test_lifecycle import Host, host  # noqa: F401 - fixture
 
 
 class Ctx:
