@@ -55,7 +55,7 @@ from molctl.proxy.conversations import ConversationStore, MemoryStore
 from molctl.proxy.engine_client import EngineClient
 from molctl.proxy.errors import EngineUnavailable, ProxyError, invalid, shown
 from molctl.proxy.metrics import MetricsListener, ProxyMetrics, store_gauges
-from molctl.proxy.orchestrator import Orchestrator, Plan
+from molctl.proxy.orchestrator import BIG_MESSAGES, Orchestrator, Plan
 from molctl.proxy.response_store import MemoryResponseStore, ProxyResponses, ResponseStore, StoreBusy, as_proxy_store
 from molctl.proxy.sqlite_store import StoreError
 from molctl.proxy.validation import parse_body
@@ -72,7 +72,7 @@ Receive = Callable[[], Awaitable[dict]]
 
 MAX_BODY = 8 * 1024 * 1024
 BIG_BODY = 1024 * 1024  # parse + prepare larger bodies in a worker thread, the parse in steps
-BIG_ITEMS = 2000  # prepare in a worker thread above this many messages, parts, tool calls and tools (many_items)
+BIG_ITEMS = BIG_MESSAGES  # prepare in a worker thread above this many messages, parts, tool calls and tools (many_items)
 JSON_HEADERS = [(b"content-type", b"application/json")]
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                (b"x-accel-buffering", b"no")]

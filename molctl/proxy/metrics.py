@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 from collections.abc import Callable
 from typing import Any
@@ -213,7 +214,7 @@ def bind_listeners(host: str, port: int, host_field: str, port_field: str) -> li
         raise ConflictError(f"{host_field} {host}: {exc.strerror or exc}") from None
     socks: list[socket.socket] = []
     try:
-        for family, _type, _proto, _name, addr in dict.fromkeys((i[0], i[1], i[2], i[3], i[4]) for i in infos):
+        for family, _type, _proto, _name, addr in dict.fromkeys(infos):  # each address once, in order
             sock = socket.socket(family, socket.SOCK_STREAM)
             socks.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -224,8 +225,6 @@ def bind_listeners(host: str, port: int, host_field: str, port_field: str) -> li
     except OSError as exc:
         for sock in socks:
             sock.close()
-        import os
-
         why = os.strerror(exc.errno) if exc.errno else str(exc)
         raise ConflictError(f"{port_field} {host}:{port}: {why}") from None
     return socks
@@ -240,8 +239,6 @@ def bind_metrics(host: str, port: int) -> socket.socket:
     try:
         return socket.create_server((host, port), family=family, reuse_port=False)
     except OSError as exc:
-        import os
-
         if exc.errno is not None and exc.errno < 0:  # the resolver's (a name that does not resolve), not os.strerror's
             why = (exc.strerror or str(exc)).split(" (while attempting", 1)[0]
             raise ConflictError(f"proxy.metrics_host {host}: {why}") from None
