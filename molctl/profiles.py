@@ -122,6 +122,7 @@ SCHEMA: dict[str, Any] = {
         "summary_inflight": int,
         "metrics_port": (int, type(None)),
         "metrics_host": str,
+        "media_url_hosts": _ListOf(str),  # hosts whose image/audio/video URLs the engine may fetch ("*": any)
     },
     "logs": {  # retention of STATE/PROFILE/logs
         "keep": int,  # the N newest log files kept per component
@@ -138,6 +139,8 @@ SCHEMA: dict[str, Any] = {
 }
 
 MAX_GPUS = 1024
+MEDIA_HOST = re.compile(r"^(?:[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*"
+                        r"|\[[0-9A-Fa-f:.]+\])$")  # a DNS name or an IPv4 address, or an IPv6 one in brackets
 NON_EMPTY = ("served_model_name", "base_model", "model_root",
              "engine.served_name", "engine.host", "proxy.host")
 
@@ -219,6 +222,10 @@ class ProxySpec:
     # Prometheus metrics on their own listener (none unless set)
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
+    # Media a client names by URL is fetched by the engine (vLLM, SGLang), from the engine's host
+    # and network: any URL a key holder sends would be a request from inside the cluster. Only
+    # data: URLs unless the URL's host is listed here (lower case; "*": any http(s) URL).
+    media_url_hosts: tuple[str, ...] = ()
 
 
 DEFAULT_FOLD = "[This turn was handled by another specialist. Summary: {summary}]"
@@ -587,6 +594,13 @@ def _proxy_spec(data: dict[str, Any], v: _Validator) -> ProxySpec:
         raise v.fail("proxy.summary_wait_s", f"{_short(wait)}: expected seconds from 0 to 3600")
     if proxy.get("route_max_input_chars", 4000) < 200:
         raise v.fail("proxy.route_max_input_chars", "must be >= 200")
+    hosts = []
+    for i, host in enumerate(proxy.get("media_url_hosts", ())):
+        if host != "*" and not MEDIA_HOST.match(host):
+            raise v.fail(f"proxy.media_url_hosts[{i}]", f"{_short(host)}: expected a host name such as images.example.com "
+                                                        "(no scheme, port or path), an IP address, or \"*\" for any")
+        hosts.append(host.lower().strip("[]"))
+    proxy["media_url_hosts"] = tuple(hosts)
     if "store" in proxy:
         from molctl.proxy.sqlite_store import parse_store_spec
 

@@ -199,7 +199,7 @@ class Orchestrator:
     def prepare(self, body: Any, tenant: str) -> Plan:
         """Validate (see `validation`) and find the conversation's earlier turns. Linear in the
         number of messages; thread-safe with the store, so `app` may run it off the loop."""
-        check_request(body, self.public)
+        check_request(body, self.public, self.profile.proxy.media_url_hosts)
         messages = body["messages"]
         keys = ConversationKeys(tenant, messages)
         history = split_history(messages, keys.at, self.store.get_turn, getattr(self.store, "get_turns", None))

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from molctl.proxy.errors import ProxyError, invalid, shown
-from molctl.proxy.validation import EFFORTS, check_function_def, check_model
+from molctl.proxy.validation import EFFORTS, check_function_def, check_media_url, check_model
 
 ECHOED = ("instructions", "max_output_tokens", "metadata", "parallel_tool_calls", "previous_response_id",
           "prompt_cache_key", "safety_identifier", "temperature", "top_logprobs", "top_p", "truncation", "user")
@@ -148,7 +148,7 @@ class ResponsesRequest:
 
 # ------------------------------------------------------------------------ request
 
-def _parts_to_content(parts: Any, where: str, role: str) -> Any:
+def _parts_to_content(parts: Any, where: str, role: str, media_hosts: tuple[str, ...] = ()) -> Any:
     if isinstance(parts, str):
         return parts
     if not isinstance(parts, list):
@@ -168,6 +168,7 @@ def _parts_to_content(parts: Any, where: str, role: str) -> Any:
             url = part.get("image_url")
             if not isinstance(url, str):
                 raise invalid(f"'{w}.image_url' must be a URL or a data URL (file ids are not supported).", f"{w}.image_url")
+            check_media_url(url, f"{w}.image_url", media_hosts)
             image: dict[str, Any] = {"url": url}
             if part.get("detail") in ("low", "high", "auto"):
                 image["detail"] = part["detail"]
@@ -179,7 +180,7 @@ def _parts_to_content(parts: Any, where: str, role: str) -> Any:
     return out
 
 
-def _convert_input(value: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _convert_input(value: Any, media_hosts: tuple[str, ...] = ()) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """-> (chat messages, the input items as `/input_items` returns them)."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}], [
@@ -200,7 +201,7 @@ def _convert_input(value: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
                 raise invalid(f"'{w}.role' must be one of user, assistant, system, developer.", f"{w}.role")
-            content = _parts_to_content(item.get("content"), f"{w}.content", role)
+            content = _parts_to_content(item.get("content"), f"{w}.content", role, media_hosts)
             messages.append({"role": role, "content": content})
             parts = item.get("content")
             if isinstance(parts, str):
@@ -296,8 +297,9 @@ def _convert_text(text: Any) -> dict[str, Any] | None:
     raise invalid(f"The text format type '{kind}' is not supported.", "text.format.type")
 
 
-def parse_request(body: Any, public_model: str) -> ResponsesRequest:
-    """Validate a Responses request and translate what does not depend on the stored chain."""
+def parse_request(body: Any, public_model: str, media_hosts: tuple[str, ...] = ()) -> ResponsesRequest:
+    """Validate a Responses request and translate what does not depend on the stored chain.
+    `media_hosts`: `proxy.media_url_hosts` (validation.check_media_url)."""
     if not isinstance(body, dict):
         raise invalid("The request body must be a JSON object.")
     for key in body:
@@ -308,7 +310,7 @@ def parse_request(body: Any, public_model: str) -> ResponsesRequest:
     check_model(body, public_model)
     if "input" not in body:
         raise invalid("'input' is required.", "input")
-    messages, items = _convert_input(body["input"])
+    messages, items = _convert_input(body["input"], media_hosts)
     chat: dict[str, Any] = {"model": public_model}
     for key in ("stream", "store"):
         if body.get(key) is not None and not isinstance(body[key], bool):

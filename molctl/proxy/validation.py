@@ -171,7 +171,7 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def check_content(content: Any, where: str, required: bool) -> None:
+def check_content(content: Any, where: str, required: bool, media_hosts: tuple[str, ...] = ()) -> None:
     if content is None:
         if required:
             raise invalid(f"'{where}' is required.", where)
@@ -183,8 +183,45 @@ def check_content(content: Any, where: str, required: bool) -> None:
     for j, part in enumerate(content):
         if not isinstance(part, dict) or not isinstance(part.get("type"), str):
             raise invalid(f"'{where}[{j}]' must be an object with a 'type'.", f"{where}[{j}]")
-        if part["type"] == "text" and not isinstance(part.get("text"), str):
-            raise invalid(f"'{where}[{j}].text' must be a string.", f"{where}[{j}].text")
+        if part["type"] == "text":
+            if not isinstance(part.get("text"), str):
+                raise invalid(f"'{where}[{j}].text' must be a string.", f"{where}[{j}].text")
+            continue
+        for key in MEDIA_URL_KEYS:
+            if key in part:
+                check_media_url(part[key], f"{where}[{j}].{key}", media_hosts)
+
+
+MEDIA_URL_KEYS = ("image_url", "audio_url", "video_url")  # the parts vLLM and SGLang fetch by URL
+# An http(s) URL as every URL parser reads it alike: no user info (a@b), no backslash (urllib3,
+# which vLLM fetches through, ends the host at one; urlsplit does not), no space or control
+# character; the host a DNS name, an IPv4 or a bracketed IPv6 address. Group 1: the host.
+_MEDIA_URL = re.compile(r"https?://([A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\])(?::[0-9]{1,5})?(?:[/?#][^\x00-\x20\x7f\\]*)?",
+                        re.IGNORECASE | re.ASCII)
+
+
+def check_media_url(value: Any, where: str, hosts: tuple[str, ...]) -> None:
+    """A media part's URL (`{"url": ...}` or the URL itself, as vLLM reads both): a data: URL, or
+    an http(s) URL whose host is in `proxy.media_url_hosts` ("*": any). The engine would fetch
+    any other from its own network: cloud metadata endpoints, services on its loopback, internal
+    hosts (vLLM's media connector follows redirects and has no address rules; SGLang neither)."""
+    url = value.get("url") if isinstance(value, dict) else value
+    if isinstance(value, dict):
+        where += ".url"
+    if not isinstance(url, str):
+        raise invalid(f"'{where}' must be a string (a data: URL or an http(s) URL).", where)
+    if url[:5].lower() == "data:":
+        return
+    match = _MEDIA_URL.fullmatch(url)
+    if match is None:
+        raise invalid(f"'{where}' must be a data: URL or an http(s) URL with a plain host (no user name, backslash, "
+                      f"space or control character), not {url[:40]!r}.", where)
+    host = match.group(1).lower().strip("[]").rstrip(".")
+    if "*" in hosts or host in hosts:
+        return
+    raise ProxyError(400, f"'{where}': this server does not fetch media from {host[:80]!r} (the engine would fetch it from "
+                          "inside its network); send it inline as a data: URL, or ask the operator to add the host to "
+                          "proxy.media_url_hosts.", "invalid_request_error", "media_url_not_allowed", where)
 
 
 def check_tool_calls(calls: Any, where: str) -> None:
@@ -205,7 +242,7 @@ def check_tool_calls(calls: Any, where: str) -> None:
             raise invalid(f"'{w}.function.arguments' must be a string (JSON text).", f"{w}.function.arguments")
 
 
-def check_messages(messages: Any) -> None:
+def check_messages(messages: Any, media_hosts: tuple[str, ...] = ()) -> None:
     if not isinstance(messages, list) or not messages:
         raise invalid("'messages' must be a non-empty array.", "messages")
     for i, msg in enumerate(messages):
@@ -213,7 +250,7 @@ def check_messages(messages: Any) -> None:
             raise invalid(f"messages[{i}] must be an object with a role in {', '.join(ROLES)}.", f"messages[{i}]")
         role = msg["role"]
         where = f"messages[{i}]"
-        check_content(msg.get("content"), f"{where}.content", required=role in ("user", "tool", "system", "developer"))
+        check_content(msg.get("content"), f"{where}.content", role in ("user", "tool", "system", "developer"), media_hosts)
         if role == "assistant" and msg.get("tool_calls") is not None:
             check_tool_calls(msg["tool_calls"], f"{where}.tool_calls")
         if role == "tool" and not isinstance(msg.get("tool_call_id"), str):
@@ -277,8 +314,9 @@ def check_model(body: dict[str, Any], public_model: str) -> None:
                          "invalid_request_error", "model_not_found", "model")
 
 
-def check_request(body: Any, public_model: str) -> None:
-    """Everything about a chat request that does not need the conversation store."""
+def check_request(body: Any, public_model: str, media_hosts: tuple[str, ...] = ()) -> None:
+    """Everything about a chat request that does not need the conversation store. `media_hosts`:
+    `proxy.media_url_hosts` (see `check_media_url`)."""
     if not isinstance(body, dict):
         raise invalid("The request body must be a JSON object.")
     check_model(body, public_model)
@@ -287,7 +325,7 @@ def check_request(body: Any, public_model: str) -> None:
             raise invalid(f"'{key}' is not supported: {REJECTED[key]}.", key)
         if key not in KNOWN:
             raise invalid(f"Unrecognized request argument supplied: {key}", key)
-    check_messages(body.get("messages"))
+    check_messages(body.get("messages"), media_hosts)
     n = body.get("n")
     if n is not None and (isinstance(n, bool) or n != 1):  # true == 1 in Python, not in JSON
         raise invalid("Only n=1 is supported.", "n")

@@ -1,0 +1,122 @@
+"""Media named by URL (image_url, audio_url, video_url; the Responses API's input_image) is fetched
+by the engine, from the engine's host: the proxy lets through data: URLs and http(s) URLs whose
+host is in `proxy.media_url_hosts`, and refuses the rest with a 400 naming the field, before any
+hop. Driven by the official `openai` SDK against the fake engine (its log shows what reached it)."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from molctl.errors import ProfileError
+from molctl.profiles import load_profile, profile_dirs
+from molctl.proxy.errors import ProxyError
+from molctl.proxy.validation import check_media_url
+from tests.conftest import free_port
+from tests.procs import fake_engine_argv, proxy_argv, running
+from tests.test_proxy import KEY, PUBLIC, Stack, keyfile, s, stack  # noqa: F401 - fixtures
+
+PNG = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR4nGNgYGBgAAAABQABh6FO1AAAAABJRU5ErkJggg=="
+
+
+def image(url) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "text", "text": "[route:L2] what is this?"},
+                                         {"type": "image_url", "image_url": {"url": url}}]}]
+
+
+def refused(s, messages, stream=False) -> dict:
+    with pytest.raises(openai.BadRequestError) as err:
+        s.chat(messages, stream=stream)
+    assert err.value.status_code == 400
+    assert s.log() == []  # refused before the route hop: the engine saw nothing
+    return err.value.body
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("url", ["http://169.254.169.254/latest/meta-data/iam/", "http://127.0.0.1:8000/v1/models",
+                                 "https://images.example.com/cat.png", "http://[::1]/x", "HTTP://LOCALHOST/x"])
+def test_a_remote_media_url_is_refused_by_default(s, url, stream):
+    body = refused(s, image(url), stream)
+    assert body["code"] == "media_url_not_allowed" and body["param"] == "messages[0].content[1].image_url.url"
+    assert "proxy.media_url_hosts" in body["message"] and "data: URL" in body["message"]
+
+
+@pytest.mark.parametrize("part", [
+    {"type": "image_url", "image_url": "http://10.0.0.5/x.png"},  # the URL itself, as vLLM also reads it
+    {"type": "audio_url", "audio_url": {"url": "http://10.0.0.5/x.wav"}},
+    {"type": "video_url", "video_url": {"url": "http://10.0.0.5/x.mp4"}},
+])
+def test_every_part_the_engine_fetches_by_url_is_checked(s, part):
+    body = refused(s, [{"role": "user", "content": [part]}])
+    assert body["code"] == "media_url_not_allowed" and body["param"].startswith(f"messages[0].content[0].{part['type']}")
+
+
+@pytest.mark.parametrize("url", ["file:///etc/passwd", "ftp://images.example.com/x", "http://",
+                                 # parsers disagree on these hosts: urllib3 (vLLM's fetcher) ends the
+                                 # host at a backslash, urlsplit reads the part after the '@'
+                                 "http://169.254.169.254\\@images.example.com/", "http://images.example.com@10.0.0.5/",
+                                 "https://images.example.com/a b", "https://images.example.com/x\x00"])
+def test_urls_that_are_not_plain_http_are_refused_even_where_any_host_is_allowed(s, url):
+    body = refused(s, image(url))
+    assert body["code"] == "invalid_request_error" and body["param"] == "messages[0].content[1].image_url.url"
+    assert "plain host" in body["message"]
+    with pytest.raises(ProxyError, match="plain host"):
+        check_media_url(url, "image_url", ("*", "images.example.com"))
+
+
+def test_a_data_url_reaches_the_engine_unchanged(s):
+    r = s.chat(image(PNG))
+    assert r.choices[0].message.content
+    answer = s.log("answer")[-1]
+    assert answer["messages"][-1]["content"][1] == {"type": "image_url", "image_url": {"url": PNG}}
+    assert "[image]" in s.log("route")[-1]["messages"][-1]["content"]  # the router sees a placeholder
+
+
+def test_the_responses_api_checks_input_image_urls_too(s):
+    with pytest.raises(openai.BadRequestError) as err:
+        s.client.responses.create(model=PUBLIC, input=[{"role": "user", "content": [
+            {"type": "input_text", "text": "[route:L2] what is this?"},
+            {"type": "input_image", "image_url": "http://169.254.169.254/latest/"}]}])
+    assert err.value.body["code"] == "media_url_not_allowed" and err.value.body["param"] == "input[0].content[1].image_url"
+    assert s.log() == []
+    r = s.client.responses.create(model=PUBLIC, input=[{"role": "user", "content": [
+        {"type": "input_text", "text": "[route:L2] what is this?"}, {"type": "input_image", "image_url": PNG}]}])
+    assert r.output_text and s.log("answer")[-1]["messages"][-1]["content"][1]["image_url"]["url"] == PNG
+
+
+@pytest.fixture(scope="module")
+def media_stack(keyfile, tmp_path_factory):  # noqa: F811 - the fixture imported above
+    """A proxy whose profile lets the engine fetch from one host (given in mixed case)."""
+    logs = tmp_path_factory.mktemp("media-logs")
+    engine_port, proxy_port = free_port(), free_port()
+    engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
+    with running(fake_engine_argv(engine_port), engine_url + "/health", log=logs / "engine.log"), \
+            running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(keyfile),
+                               "--set", "proxy.media_url_hosts=[Images.Example.com]"),
+                    proxy_url + "/health", log=logs / "proxy.log"):
+        stack_ = Stack(engine_url, proxy_url)
+        stack_.reset()
+        yield stack_
+
+
+def test_listed_hosts_are_let_through_and_others_still_refused(media_stack):
+    media_stack.reset()
+    for url in ("https://images.example.com/cat.png", "http://IMAGES.example.com.:8080/cat.png?size=2#x"):
+        assert media_stack.chat(image(url)).choices[0].message.content
+        assert media_stack.log("answer")[-1]["messages"][-1]["content"][1]["image_url"]["url"] == url
+    media_stack.reset()
+    body = refused(media_stack, image("https://images.example.com.evil.net/cat.png"))
+    assert body["code"] == "media_url_not_allowed"
+
+
+@pytest.mark.parametrize("value, expected", [
+    (["https://images.example.com"], "proxy.media_url_hosts[0]"), (["images.example.com/x"], "expected a host name"),
+    (["ok.example.com", "a b"], "proxy.media_url_hosts[1]"), ("images.example.com", "a list of a string"),
+    ([""], "expected a host name"), (["user@host"], "expected a host name")])
+def test_the_media_host_list_is_validated(value, expected):
+    with pytest.raises(ProfileError) as err:
+        load_profile("tiny", profile_dirs(), [("proxy.media_url_hosts", value)])
+    assert expected in str(err.value) and "\n" not in str(err.value)
+    ok = load_profile("tiny", profile_dirs(), [("proxy.media_url_hosts", ["Images.Example.COM", "*", "10.0.0.5", "[::1]"])])
+    assert ok.proxy.media_url_hosts == ("images.example.com", "*", "10.0.0.5", "::1")
+    assert load_profile("tiny", profile_dirs()).proxy.media_url_hosts == ()
