@@ -95,13 +95,15 @@ def handle_errors(fn: Callable) -> Callable:
             return fn(*args, **kwargs)
         except MolctlError as exc:
             if exc.exit_status == ExitStatus.INTERRUPTED:  # already interrupted: a late Ctrl-C must not cut the report
-                import signal
+                from molctl.start import ignore_stop_signals
 
-                signal.signal(signal.SIGINT, signal.SIG_IGN)
+                ignore_stop_signals()
             Output().error(str(exc))
             raise typer.Exit(int(exc.exit_status)) from None
         except KeyboardInterrupt:
-            Output().error("interrupted")
+            from molctl.start import interrupted_by
+
+            Output().error(f"interrupted{interrupted_by()}")
             raise typer.Exit(int(ExitStatus.INTERRUPTED)) from None
         except OSError as exc:  # a file molctl needs (state dir, log, lock): one line, not a traceback
             where = f": {exc.filename}" if getattr(exc, "filename", None) else ""
@@ -252,10 +254,11 @@ def _up_options(ctx, model_root, set_, skip, timeout, api_key_file, allow_unauth
 
 def _run_start(profile: str, json_: bool, call) -> None:
     from molctl.output import ConsoleProgress, Output
-    from molctl.start import StartFailed
+    from molctl.start import StartFailed, interrupt_on_stop_signals
 
     out = Output(as_json=json_)
     progress = ConsoleProgress(out)
+    interrupt_on_stop_signals()  # SIGTERM and SIGHUP clean up as Ctrl-C does
     try:
         result = call(progress)
     except MolctlError as exc:
@@ -263,9 +266,9 @@ def _run_start(profile: str, json_: bool, call) -> None:
         out.start_failure(profile, exc)
         if isinstance(exc, StartFailed) or json_:
             if exc.exit_status == ExitStatus.INTERRUPTED:
-                import signal
+                from molctl.start import ignore_stop_signals
 
-                signal.signal(signal.SIGINT, signal.SIG_IGN)  # a late Ctrl-C must not cut the report
+                ignore_stop_signals()  # a late Ctrl-C must not cut the report
             out.error(str(exc))
             raise typer.Exit(int(exc.exit_status)) from None
         raise

@@ -428,7 +428,8 @@ class _Starter:
         interrupted = isinstance(exc, KeyboardInterrupt)
         if interrupted:
             _one_more_interrupt()
-            self.progress.step("interrupted: stopping what this command started (Ctrl-C again leaves it running)")
+            self.progress.step(f"interrupted{interrupted_by()}: stopping what this command started "
+                               "(Ctrl-C again leaves it running)")
         try:
             for record in reversed(self.started):
                 stop(record, 10.0)
@@ -444,23 +445,91 @@ class _Starter:
                               f"and ports: run `molctl down {self.name}` to stop it", ExitStatus.INTERRUPTED) from None
         if interrupted:
             kept = " (the engine started earlier keeps running: molctl down stops it)" if adopted_engine else ""
-            raise MolctlError(f"interrupted; everything this command started was stopped{kept}",
+            raise MolctlError(f"interrupted{interrupted_by()}; everything this command started was stopped{kept}",
                               ExitStatus.INTERRUPTED) from None
 
 
-def _one_more_interrupt() -> None:
-    """During the clean-up after a Ctrl-C: the next Ctrl-C interrupts it once (and is reported);
-    any further one is ignored, so it cannot cut the report or the exit short."""
+STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
+_received: list[str] = []  # the stop signal (other than Ctrl-C's) that interrupted this command
+
+
+def interrupt_on_stop_signals() -> None:
+    """`up` and `switch`: SIGTERM (`timeout`, systemd, a cancelled CI job) and SIGHUP (a closed
+    terminal or ssh session) interrupt as Ctrl-C does, so the clean-up stops what this command
+    started (exit 130) instead of leaving an engine loading with nobody waiting for it. After a
+    SIGHUP the terminal is gone: the output goes to /dev/null, so that writing it cannot cut the
+    clean-up short."""
+    for name in ("SIGTERM", "SIGHUP"):
+        _set_handler(name, _interrupt)
+
+
+def _interrupt(signum, frame) -> None:
     import signal
 
-    def once(signum, frame):
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        raise KeyboardInterrupt
+    _received.append(signal.Signals(signum).name)
+    if signum == signal.SIGHUP:
+        _detach_terminal()
+    raise KeyboardInterrupt
+
+
+def interrupted_by() -> str:
+    """' by SIGTERM' (or SIGHUP) for the messages of an interrupted command; '' for Ctrl-C."""
+    return f" by {_received[0]}" if _received else ""
+
+
+def _detach_terminal() -> None:
+    """Standard output and error to /dev/null where they are a terminal (a hung-up one fails every
+    write with EIO); files and pipes keep the report."""
+    import stat
 
     try:
-        signal.signal(signal.SIGINT, once)
-    except ValueError:  # not the main thread
+        null = os.open(os.devnull, os.O_WRONLY)
+    except OSError:
+        return
+    try:
+        devnull = os.fstat(null).st_rdev
+        for fd in (1, 2):
+            try:
+                st = os.fstat(fd)
+                if stat.S_ISCHR(st.st_mode) and st.st_rdev != devnull:
+                    os.dup2(null, fd)
+            except OSError:
+                pass
+    finally:
+        os.close(null)
+
+
+def ignore_stop_signals() -> None:
+    """Once a command reports its interruption: no later signal may cut the report or the exit."""
+    import signal
+
+    for name in STOP_SIGNALS:
+        _set_handler(name, signal.SIG_IGN)
+
+
+def _set_handler(name: str, handler) -> None:
+    import signal
+
+    try:
+        signal.signal(getattr(signal, name), handler)
+    except ValueError:  # not the main thread (tests calling in-process)
         pass
+
+
+def _one_more_interrupt() -> None:
+    """During the clean-up after an interruption: the next Ctrl-C, SIGTERM or SIGHUP interrupts it
+    once (and is reported); any further one is ignored, so it cannot cut the report or the exit
+    short."""
+    def once(signum, frame):
+        import signal
+
+        ignore_stop_signals()
+        if signum == signal.SIGHUP:
+            _detach_terminal()
+        raise KeyboardInterrupt
+
+    for name in STOP_SIGNALS:
+        _set_handler(name, once)
 
 
 def preflight(profile: Profile, state_dir: Path, opts: UpOptions, progress: Progress, consequence: str,
@@ -514,13 +583,22 @@ def switch(name: str, ctx, opts: UpOptions, progress: Progress) -> dict[str, Any
     ensure_state_dir(state_dir)
     with StateLock(state_dir, "switch", name):
         running = running_profiles(state_dir)
-        preflight(profile, state_dir, opts, progress, "the running stack was left alone",
-                  extra_skip={"port"}, own_profiles=running)
+        # ports included: those the running stacks hold count as their own (own_profiles), a
+        # stranger's fails the switch before the running stack is stopped
+        preflight(profile, state_dir, opts, progress, "the running stack was left alone", own_profiles=running)
         back = {p: recorded_config(read_records(state_dir, p)).get("up_command") or f"molctl up {p}"
                 for p in running if p != name}
         t0 = time.monotonic()
-        stopped = down_locked(state_dir, running, opts.drain_timeout_s, opts.stop_timeout_s, False,
-                              progress) if running else None
+        try:
+            stopped = down_locked(state_dir, running, opts.drain_timeout_s, opts.stop_timeout_s, False,
+                                  progress) if running else None
+        except (MolctlError, KeyboardInterrupt) as exc:
+            how = _old_stacks(state_dir, back, _explicit_state_dir(ctx))
+            if isinstance(exc, KeyboardInterrupt):
+                raise MolctlError(f"interrupted{interrupted_by()} while stopping the old stack: {how}",
+                                  ExitStatus.INTERRUPTED) from None
+            exc.args = (f"{exc}; {how}",)
+            raise
         t_down = time.monotonic() - t0
         try:
             result = _up_locked(profile, config, ctx, opts, key_args, progress)
@@ -538,3 +616,21 @@ def switch(name: str, ctx, opts: UpOptions, progress: Progress) -> dict[str, Any
                          "total_s": round(t_down + timings.get("total_s", 0.0), 2)}
     result["stopped"] = [s["profile"] for s in (stopped or {}).get("stopped", [])]
     return result
+
+
+def _old_stacks(state_dir: Path, back: dict[str, str], explicit_state_dir: Path | None) -> str:
+    """What a switch interrupted while stopping the old stack(s) left: per stack, what still runs,
+    and the commands that bring it back or finish the stop."""
+    import shlex
+
+    parts = []
+    for name, cmd in back.items():
+        running = [f"{c} (pid {r.pid})" for c, r in read_records(state_dir, name).items() if members(r)]
+        if running:
+            down = shlex.join(["molctl", *(["--state-dir", str(explicit_state_dir)] if explicit_state_dir else []),
+                               "down", name])
+            parts.append(f"the old stack {name} is partly stopped (still running: {', '.join(running)}): bring it back "
+                         f"with `{cmd}` or finish stopping it with `{down}`")
+        else:
+            parts.append(f"the old stack {name} was stopped: bring it back with `{cmd}`")
+    return "; ".join(parts) or "nothing was running"
