@@ -77,3 +77,46 @@ def test_an_interrupted_switch_says_what_of_the_old_stack_still_runs(host):
     finish = Molctl(None)(*down[1:], "--stop-timeout", "1")  # the printed command, verbatim
     assert finish.exit_code == ExitStatus.OK, finish.stderr
     assert gone([engine.pid]) and host.records() == {}
+
+
+def test_a_closed_terminal_stops_up_and_its_clean_up_finishes(host):
+    """The ssh session of an `up` ends: the kernel hangs up its terminal (SIGHUP to the session) and
+    every later write to it fails with EIO. The clean-up must not die on its own progress lines."""
+    import fcntl
+    import os
+    import pty
+    import subprocess
+    import sys
+    import termios
+    import threading
+
+    from tests.helpers import ROOT, wait_status
+
+    master, slave = pty.openpty()
+
+    def controlling_terminal():  # a login shell's session: the pty is its controlling terminal
+        os.setsid()
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    proc = subprocess.Popen([sys.executable, "-m", "molctl", *host.cli.argv("up", "tiny", *host.args(
+        env={"FAKE_STARTUP_DELAY": "60"}))], stdin=slave, stdout=slave, stderr=slave, cwd=ROOT,
+        preexec_fn=controlling_terminal)
+    os.close(slave)
+    host.procs.append(proc)
+    seen = bytearray()
+
+    def drain():  # the terminal's reader, until it is gone
+        try:
+            while chunk := os.read(master, 4096):
+                seen.extend(chunk)
+        except OSError:
+            pass
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    assert wait_for(lambda: "proxy" in host.records())
+    assert wait_for(lambda: _answers(component_url(host.records()["proxy"]) + "/health"), timeout=30)
+    pids = host.stack_pids()
+    os.close(master)  # the session ends
+    assert wait_status(proc, 60) == ExitStatus.INTERRUPTED, bytes(seen).decode(errors="replace")[-2000:]
+    assert gone(pids) and host.records() == {}
