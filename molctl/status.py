@@ -62,7 +62,8 @@ def status(ctx, name: str | None, gpu_probe=None) -> dict[str, Any]:
     if not name and holder is not None and holder.action in ("up", "switch") and holder.profile \
             and holder.profile not in names:
         names.append(holder.profile)  # in its preflight: no record written yet
-    unrecorded = unrecorded_marked(state_dir, names if name else None) if state_dir.exists() else {}
+    # also with the state dir deleted under a running stack (`rm -rf`): the markers still name it
+    unrecorded = unrecorded_marked(state_dir, names if name else None)
     names += sorted({p for p, _ in unrecorded} - set(names))  # spawned by an `up` killed before recording them
     stacks = []
     for n in names:
@@ -77,9 +78,10 @@ def status(ctx, name: str | None, gpu_probe=None) -> dict[str, Any]:
         unreadable = {p.component for p in problems}  # their processes are named by the unreadable record's line
         orphans = {c: procs for (p, c), procs in unrecorded.items() if p == n and c not in unreadable}
         if orphans and stack["state"] not in ("starting", "stopping"):
+            why = "an interrupted `up`?" if (state_dir / n).is_dir() else f"{state_dir / n} was deleted"
             stack["problems"] = stack.get("problems", []) + [
                 f"{len(procs)} process(es) carry the {c}'s marker but no record names them (pid "
-                f"{', '.join(str(x.pid) for x in procs)}; an interrupted `up`?): `molctl down {n}` stops them"
+                f"{', '.join(str(x.pid) for x in procs)}; {why}): `molctl down {n}` stops them"
                 for c, procs in sorted(orphans.items())]
             stack["state"] = "degraded"
         stacks.append(stack)

@@ -772,3 +772,68 @@ def test_a_switch_failing_on_a_file_error_still_says_how_to_go_back(host):
     assert len(bad.stderr.strip().splitlines()) == 1 and "logs" in bad.stderr
     assert "the old stack tiny was stopped: bring it back with `molctl" in bad.stderr, bad.stderr
     assert host.records("tiny-b") == {} and host.records("tiny") == {}
+
+
+# ------------------------------------------------------------------ the state dir deleted under a stack
+
+@pytest.fixture
+def deleted_state_stack(host):
+    """A running stack (its engine with a child, as vLLM's EngineCore) whose state dir is then
+    deleted (`rm -rf $MOLCTL_STATE_DIR`: an operator "resetting" molctl). Yields the processes;
+    whatever of them is still running at the end is SIGKILLed (the host's own cleanup runs `down`
+    only where the state dir exists)."""
+    procs = _up_and_delete_state(host, "tiny")
+    try:
+        yield procs
+    finally:
+        _kill_left(procs)
+
+
+def _up_and_delete_state(host: Host, profile: str, *extra: str) -> list[psutil.Process]:
+    import shutil
+
+    r = host.molctl("up", profile, *host.args(*extra, env={"FAKE_CHILD": "1"}))
+    assert r.exit_code == ExitStatus.OK, r.stdout + r.stderr
+    records = host.records(profile)
+    procs = [psutil.Process(records["proxy"].pid), psutil.Process(records["engine"].pid)]
+    procs += psutil.Process(records["engine"].pid).children(recursive=True)
+    assert len(procs) == 3
+    shutil.rmtree(host.state)
+    return procs
+
+
+def _kill_left(procs: list[psutil.Process]) -> None:
+    for p in procs:  # psutil checks the process is still the same one (pid and create time)
+        try:
+            if p.is_running():
+                p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=5)
+
+
+def _pids_in(text: str, procs: list[psutil.Process]) -> list[int]:
+    return [p.pid for p in procs if not re.search(rf"\b{p.pid}\b", text)]
+
+
+def test_status_names_the_processes_of_a_stack_whose_state_dir_was_deleted(host, deleted_state_stack):
+    """Found by the lifecycle review (D6): with the state dir deleted while a stack runs, `status`
+    said "no stack is recorded" and `status tiny --json` said `stopped`, while the engine, its child
+    and the proxy ran on carrying markers pointing into the state dir. Now the stack is `degraded`
+    with problems naming every process, and `status` does not create the state dir."""
+    procs = deleted_state_stack
+    for args in (("status", "--json"), ("status", "tiny", "--json")):
+        r = host.molctl(*args)
+        assert r.exit_code == ExitStatus.OK, r.stderr
+        (stack,) = r.json()["stacks"]
+        assert stack["profile"] == "tiny" and stack["state"] == "degraded", (args, stack)
+        problems = "\n".join(stack["problems"])
+        assert not _pids_in(problems, procs), problems
+        assert "molctl down tiny" in problems, problems
+    for args in (("status",), ("status", "tiny")):
+        r = host.molctl(*args)
+        assert r.exit_code == ExitStatus.OK, r.stderr
+        assert "degraded" in r.stdout and "no stack is recorded" not in r.stdout, r.stdout
+        assert not _pids_in(r.stdout, procs), r.stdout
+    assert not host.state.exists()
+    assert all(p.is_running() for p in procs)
