@@ -22,6 +22,7 @@ from molctl.state import (
     StateDirError,
     StateLock,
     check_own_state_dir,
+    ensure_state_dir,
     process_state,
     profiles_with_records,
     read_records,
@@ -88,7 +89,16 @@ def down(ctx, name: str | None, drain_timeout_s: float, force: bool, progress: P
     if name:
         known_or_recorded(ctx, name)
     if not state_dir.exists():
-        return {"stopped": [], "message": "nothing is running"}
+        # deleted under a running stack (`rm -rf`)? Its processes still carry markers naming it
+        left = unrecorded_marked(state_dir, [name] if name else None)
+        if not left:
+            return {"stopped": [], "message": "nothing is running"}
+        progress.warn(f"state dir {state_dir} does not exist, but {sum(len(p) for p in left.values())} process(es) "
+                      f"carry markers pointing into it (it was deleted under them?); stopping them")
+        try:
+            ensure_state_dir(state_dir)  # for the lock: an `up` taking it meanwhile is not raced
+        except StateDirError:
+            pass  # the lock cannot be taken below: a warning, the processes are still stopped
     check_own_state_dir(state_dir)  # another user's records could name any pid
     lock = StateLock(state_dir, "down", name)
     try:
@@ -156,7 +166,8 @@ def _down_unlisted(state_dir: Path, names: list[str] | None, drain_s: float, eng
     out: dict[str, dict] = {}
     groups = unrecorded_marked(state_dir, names)
     for (profile, component), procs in sorted(groups.items(), key=lambda kv: kv[0][1] != "proxy"):
-        progress.warn(f"{profile} {component}: no readable record, but {len(procs)} process(es) carry its marker; stopping them")
+        progress.warn(f"{profile} {component}: no readable record, but {len(procs)} process(es) carry its marker "
+                      f"(pid {', '.join(str(p.pid) for p in procs)}); stopping them")
         result = stop_processes(None, procs, drain_s if component == "proxy" else engine_s)
         entry = out.setdefault(profile, {"profile": profile, "components": {}})
         entry["components"][component] = "killed" if result.killed else "stopped"

@@ -837,3 +837,22 @@ def test_status_names_the_processes_of_a_stack_whose_state_dir_was_deleted(host,
         assert not _pids_in(r.stdout, procs), r.stdout
     assert not host.state.exists()
     assert all(p.is_running() for p in procs)
+
+
+@pytest.mark.parametrize("named", [False, True], ids=["down", "down tiny"])
+def test_down_stops_the_processes_of_a_stack_whose_state_dir_was_deleted(host, deleted_state_stack, named):
+    """Found by the lifecycle review (D6): with the state dir deleted while a stack runs, `down`
+    and `down tiny` said "nothing is running" (exit 0) and stopped nothing. Now both find the
+    processes by the markers pointing into this state dir (as `up` does), stop them and say so."""
+    procs = deleted_state_stack
+    r = host.molctl("down", *(["tiny"] if named else []), "--stop-timeout", "5", "--drain-timeout", "5", "--json")
+    assert r.exit_code == ExitStatus.OK, r.stderr
+    result = r.json()
+    assert result["message"] == "stopped tiny", result
+    (entry,) = result["stopped"]
+    assert entry["profile"] == "tiny" and set(entry["components"]) == {"engine", "proxy"}, entry
+    assert gone([p.pid for p in procs])
+    assert "proxy" in r.stderr and "engine" in r.stderr and "marker" in r.stderr, r.stderr
+    assert host.molctl("status", "--json").json()["stacks"] == []
+    again = host.molctl("down")
+    assert again.exit_code == ExitStatus.OK and again.stdout.strip() == "nothing is running", again.stdout
