@@ -105,12 +105,13 @@ def _pname(proc) -> str:
 
 
 def known_or_recorded(ctx, name: str) -> None:
-    """An unknown profile name (a typo) is exit 3 listing the known ones, unless records of it exist."""
+    """An unknown profile name (a typo) is exit 3 listing the known ones, unless records of it exist
+    or processes carry a marker of it (its folder, or the whole state dir, deleted under them)."""
     try:
         if (ctx.state_dir / name).is_dir():
             return
     except OSError:
         return
     dirs = ctx.dirs()
-    if name not in profile_files(dirs):
+    if name not in profile_files(dirs) and not marked_by_path(ctx.state_dir / name):
         raise stackconfig.unknown_profile(name, dirs)

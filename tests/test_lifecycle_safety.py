@@ -856,3 +856,25 @@ def test_down_stops_the_processes_of_a_stack_whose_state_dir_was_deleted(host, d
     assert host.molctl("status", "--json").json()["stacks"] == []
     again = host.molctl("down")
     assert again.exit_code == ExitStatus.OK and again.stdout.strip() == "nothing is running", again.stdout
+
+
+def test_status_and_down_find_the_processes_when_the_profile_file_is_gone_too(host):
+    """Found by the lifecycle review (D6), with a profile from a profiles folder: the state dir
+    deleted and the profile file removed since, `status P` and `down P` refused the name as an
+    unknown profile (exit 3: "known only when the state dir holds records of it"), while the
+    processes carrying its markers ran on. Processes carrying its marker make the name known."""
+    _add_tiny_b(host)
+    procs = _up_and_delete_state(host, "tiny-b")
+    try:
+        (host.profiles / "tiny-b.yaml").unlink()
+        r = host.molctl("status", "tiny-b", "--json")
+        assert r.exit_code == ExitStatus.OK, r.stderr
+        (stack,) = r.json()["stacks"]
+        assert stack["profile"] == "tiny-b" and stack["state"] == "degraded", stack
+        r = host.molctl("down", "tiny-b", "--stop-timeout", "5", "--drain-timeout", "5")
+        assert r.exit_code == ExitStatus.OK, r.stderr
+        assert r.stdout.strip() == "stopped tiny-b", r.stdout
+        assert gone([p.pid for p in procs])
+        assert host.molctl("status", "tiny-b").exit_code == ExitStatus.CHECK_FAILED  # unknown again
+    finally:
+        _kill_left(procs)
