@@ -287,6 +287,64 @@ _SCALARS = yaml.constructor.SafeConstructor()
 MAX_VALUES = 100_000  # a profile holds ~100; YAML aliases of aliases expand exponentially ("billion laughs")
 
 
+class Unreadable:
+    """A scalar PyYAML's constructor raised on (an integer past Python's int-string limit, an
+    impossible date, a tag that does not fit): kept in the data so that the validator reports it
+    like any bad value, naming its field and line (it was a traceback, exit 1)."""
+
+    def __init__(self, text: str, problem: str):
+        self.text = text
+        self.problem = problem
+
+    def __str__(self) -> str:
+        return f"{_short(self.text)!r}{self._digits()}: {self.problem}"
+
+    def _digits(self) -> str:
+        digits = self.text.lstrip("+-").replace("_", "")
+        return f" ({len(digits)} digits)" if len(digits) > 20 and digits.isdigit() else ""
+
+
+def _int_limit() -> int:
+    return sys.get_int_max_str_digits() or 4300  # 0: no limit set (then 4300, the default, as a bound to name)
+
+
+def _construct_problem(node: yaml.Node, exc: Exception) -> str:
+    if isinstance(exc, yaml.YAMLError):  # e.g. a tag no constructor reads
+        return getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    kind = node.tag.rpartition(":")[2]
+    what = {"int": "integer", "float": "number", "bool": "true/false"}.get(kind, kind)
+    if "Exceeds the limit" in str(exc):  # int() refuses more digits than sys.get_int_max_str_digits()
+        return f"not a valid {what}: more than {_int_limit()} digits"
+    if kind == "timestamp" and isinstance(exc, ValueError) and str(exc):  # datetime's own words: day out of range
+        return f"not a valid {what}: {str(exc).splitlines()[0]}"
+    return f"not a valid {what}"
+
+
+def _too_long_int(value: Any) -> bool:
+    """An int no message could print: str() raises past the int-string limit (a hexadecimal or
+    sexagesimal YAML integer is read without that limit)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        try:
+            str(value)
+        except ValueError:
+            return True
+    if isinstance(value, (list, dict)):
+        return any(_too_long_int(v) for v in (value.values() if isinstance(value, dict) else value))
+    return False
+
+
+def _scalar(node: yaml.Node) -> Any:
+    """A scalar node's value, or `Unreadable` where the constructor raises or makes an unprintable int."""
+    try:
+        value = _SCALARS.construct_object(node, deep=True)
+    except (yaml.YAMLError, ValueError, TypeError, AttributeError, OverflowError) as exc:
+        _SCALARS.recursive_objects.pop(node, None)  # else an alias of the same node reads as "recursive"
+        return Unreadable(str(node.value), _construct_problem(node, exc))
+    if _too_long_int(value):
+        return Unreadable(str(node.value), f"not a valid integer: more than {_int_limit()} digits")
+    return value
+
+
 def _construct(node: yaml.Node, path: str, lines: dict[str, int]) -> Any:
     lines[path] = node.start_mark.line + 1
     if len(lines) > MAX_VALUES:  # one entry per value constructed (an alias's copies have their own paths)
@@ -294,7 +352,7 @@ def _construct(node: yaml.Node, path: str, lines: dict[str, int]) -> Any:
     if isinstance(node, yaml.MappingNode):
         out: dict[str, Any] = {}
         for key_node, value_node in node.value:
-            key = str(key_node.value) if isinstance(key_node, yaml.ScalarNode) else str(_SCALARS.construct_object(key_node, deep=True))
+            key = str(key_node.value) if isinstance(key_node, yaml.ScalarNode) else _key(key_node)
             child = f"{path}.{key}" if path else key
             if key in out:
                 raise ProfileError(f"line {key_node.start_mark.line + 1}: duplicate key '{child}'", None)  # file: by caller
@@ -303,7 +361,17 @@ def _construct(node: yaml.Node, path: str, lines: dict[str, int]) -> Any:
     if isinstance(node, yaml.SequenceNode):
         return [_construct(item, f"{path}[{i}]", lines) for i, item in enumerate(node.value)]
     # scalars: the composer already resolved the tag (int, bool, null, float, str)
-    return _SCALARS.construct_object(node, deep=True)
+    return _scalar(node)
+
+
+def _key(node: yaml.Node) -> str:
+    """A complex mapping key (`? [a, b]`) as text; one that does not construct is one line."""
+    try:
+        value = _SCALARS.construct_object(node, deep=True)
+        return str(value)
+    except (yaml.YAMLError, ValueError, TypeError, AttributeError, OverflowError):
+        _SCALARS.recursive_objects.pop(node, None)
+        raise ProfileError(f"line {node.start_mark.line + 1}: a mapping key that cannot be read", None) from None
 
 
 def load_yaml_with_lines(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
@@ -336,16 +404,39 @@ def load_yaml_with_lines(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
 # Overrides.
 
 def parse_set_option(item: str) -> tuple[str, Any]:
-    """`engine.port=9000` -> ("engine.port", 9000). The value is read as a YAML scalar."""
+    """`engine.port=9000` -> ("engine.port", 9000). The value is read as YAML, as a profile file
+    is: a value the constructor cannot make (`engine.port=99...9`, 5000 digits) is `Unreadable`,
+    reported by the validator as "FILE (--set KEY): field 'KEY': ..." (it was a traceback)."""
     key, sep, raw = item.partition("=")
     key = key.strip()
     if not sep or not key or any(not part for part in key.split(".")):
         raise UsageError(f"--set {item!r}: expected dotted.key=value, e.g. engine.port=9000")
+    if not raw.strip():
+        return key, ""
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        node = yaml.compose(raw, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     except yaml.YAMLError:
-        value = raw
-    return key, value
+        return key, raw
+    if node is None:
+        return key, None
+    try:
+        value = _construct(node, "", {})
+    except ProfileError as exc:  # a duplicate key, an alias bomb
+        raise ProfileError(f"--set {key}: {exc}") from None
+    bad = _unreadable_in(value)
+    return key, value if bad is None or bad is value else Unreadable(raw, bad.problem)
+
+
+def _unreadable_in(value: Any) -> Unreadable | None:
+    """The first `Unreadable` in a value, or None."""
+    if isinstance(value, Unreadable):
+        return value
+    if isinstance(value, (list, dict)):
+        for v in (value.values() if isinstance(value, dict) else value):
+            bad = _unreadable_in(v)
+            if bad is not None:
+                return bad
+    return None
 
 
 def apply_overrides(data: dict[str, Any], overrides: Iterable[tuple[str, Any]]) -> None:
@@ -423,6 +514,11 @@ class _Validator:
                 known = ", ".join(sorted(schema))
                 raise self.fail(path, f"unknown key (expected one of: {known})")
             spec = schema[key]
+            bad = _unreadable_in(value) if not isinstance(spec, dict) or isinstance(value, Unreadable) else None
+            if bad is not None:
+                raise self.fail(path, str(bad))
+            if not isinstance(spec, dict) and _too_long_int(value):  # from code: no message could print it
+                raise self.fail(path, f"{_short(value)}: not a valid integer: more than {_int_limit()} digits")
             if isinstance(spec, dict):
                 if not isinstance(value, dict):
                     raise self.fail(path, f"expected a mapping, got {type(value).__name__}")
@@ -444,7 +540,10 @@ class _Validator:
 
 
 def _short(value: Any) -> str:
-    text = str(value)
+    try:
+        text = str(value)
+    except ValueError:  # an int past the int-string limit
+        return f"(an integer of about {int(value.bit_length() * math.log10(2)) + 1} digits)"
     return text if len(text) <= 20 else text[:20] + "..."
 
 
@@ -514,14 +613,14 @@ def _checked_name(name: str, expected_name: str | None, v: _Validator) -> str:
 def _check_ports(engine: dict[str, Any], proxy: dict[str, Any], v: _Validator) -> None:
     """Both ports are TCP ports, and they differ."""
     for port_key, section in (("engine.port", engine), ("proxy.port", proxy)):
-        if not 1 <= section["port"] <= 65535:
-            raise v.fail(port_key, f"{section['port']} is not a TCP port (1-65535)")
+        if not 1 <= section["port"] <= 65535:  # _short: a 4000-digit port was echoed whole
+            raise v.fail(port_key, f"{_short(section['port'])} is not a TCP port (1-65535)")
     if engine["port"] == proxy["port"]:
         raise v.fail("proxy.port", f"{proxy['port']} is also engine.port; they must differ")
     metrics = proxy.get("metrics_port")
     if metrics is not None:
         if not 1 <= metrics <= 65535:
-            raise v.fail("proxy.metrics_port", f"{metrics} is not a TCP port (1-65535)")
+            raise v.fail("proxy.metrics_port", f"{_short(metrics)} is not a TCP port (1-65535)")
         for other in ("engine.port", "proxy.port"):
             if metrics == (engine if other == "engine.port" else proxy)["port"]:
                 raise v.fail("proxy.metrics_port", f"{metrics} is also {other}; they must differ")
@@ -584,11 +683,11 @@ def _proxy_spec(data: dict[str, Any], v: _Validator) -> ProxySpec:
         if isinstance(proxy.get(key), float) and not math.isfinite(proxy[key]):  # YAML .inf / .nan
             raise v.fail(f"proxy.{key}", f"{proxy[key]}: must be a finite number > 0")
         if isinstance(proxy.get(key), int) and proxy[key] > 2 ** 53:  # a timer or a size past any float
-            raise v.fail(f"proxy.{key}", f"{str(proxy[key])[:20]}...: too large (at most {2 ** 53})")
+            raise v.fail(f"proxy.{key}", f"{_short(proxy[key])}: too large (at most {2 ** 53})")
     commit = proxy.get("state_commit_ms", 10.0)
     # the range alone: NaN fails it, and math.isfinite would raise on an int too large for a float
     if isinstance(commit, bool) or not (isinstance(commit, (int, float)) and 0 <= commit <= 1000):
-        raise v.fail("proxy.state_commit_ms", f"{commit}: expected a number of milliseconds from 0 to 1000")
+        raise v.fail("proxy.state_commit_ms", f"{_short(commit)}: expected a number of milliseconds from 0 to 1000")
     wait = proxy.get("summary_wait_s", 5.0)
     if not 0 <= wait <= 3600:  # NaN fails the range too; 0: the next turn never waits for a summary
         raise v.fail("proxy.summary_wait_s", f"{_short(wait)}: expected seconds from 0 to 3600")

@@ -274,3 +274,61 @@ def test_a_duplicate_key_names_its_line(tmp_path):
     with pytest.raises(ProfileError) as err:
         load_yaml_with_lines(path)
     assert str(err.value) == f"{path}: line 4: duplicate key 'engine.port'"
+
+
+def _user_profile(tmp_path: Path, old: str, new: str, name: str = "bad") -> tuple[Path, Path, int]:
+    """A copy of tiny named NAME in its own folder with `old` replaced: (folder, file, the new text's line)."""
+    text = (BUILTIN / "tiny.yaml").read_text().replace("name: tiny", f"name: {name}")
+    assert old in text
+    text = text.replace(old, new, 1)
+    path = write_user_profile(tmp_path / "user", text, name=name)
+    return path.parent, path, text[:text.index(new)].count("\n") + 1
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("9" * 5000, "'99999999999999999999...' (5000 digits): not a valid integer: more than 4300 digits"),
+    # hexadecimal is read without the limit, but then no message could print the number
+    ("0x" + "f" * 20000, "not a valid integer: more than 4300 digits"),
+    ("9" * 4000, "99999999999999999999... is not a TCP port (1-65535)")])
+def test_an_integer_past_the_int_string_limit_is_one_line(molctl, tmp_path, value, expected):
+    """Python refuses int('9' * 5000) (4300 digits at most): PyYAML's constructor raised it, a
+    67-line traceback (exit 1) from check/up, and `profiles` listed nothing (lifecycle review D1).
+    A 4000-digit port was one line echoing all 4000 digits."""
+    user, path, line = _user_profile(tmp_path, "  port: 8100\n", f"  port: {value}\n")
+    check = molctl("--profiles-dir", str(user), "check", "bad", "--json")
+    assert check.exit_code == ExitStatus.CHECK_FAILED and "Traceback" not in check.stderr, check.stderr
+    detail = check.json()["checks"][0]["detail"]
+    assert detail.startswith(f"{path}:{line}: field 'engine.port': ") and expected in detail, detail
+    assert len(detail) < 300
+    listed = molctl("--profiles-dir", str(user), "profiles")
+    assert listed.exit_code == ExitStatus.CHECK_FAILED and "tiny" in listed.stdout
+    (warning,) = listed.stderr.splitlines()
+    assert warning.startswith(f"molctl: warning: {path}:{line}: field 'engine.port': ") and expected in warning
+    assert len(warning) < 300
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("9" * 5000, "'99999999999999999999...' (5000 digits): not a valid integer: more than 4300 digits"),
+    ("0x" + "f" * 20000, "not a valid integer: more than 4300 digits"),
+    ("[1, " + "9" * 5000 + "]", "not a valid integer: more than 4300 digits")])
+def test_a_set_integer_past_the_int_string_limit_is_one_line(molctl, value, expected):
+    """`--set engine.port=999...9` was the same traceback; now one line naming the --set key."""
+    check = molctl("check", "tiny", "--set", f"engine.port={value}", "--json")
+    assert check.exit_code == ExitStatus.CHECK_FAILED and "Traceback" not in check.stderr, check.stderr
+    detail = check.json()["checks"][0]["detail"]
+    assert "tiny.yaml (--set engine.port): field 'engine.port': " in detail and expected in detail, detail
+    assert len(detail) < 300
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("2001-02-30", "'2001-02-30': not a valid timestamp: day is out of range for month"),
+    ("!!timestamp soon", "'soon': not a valid timestamp"),
+    ("!!int abc", "'abc': not a valid integer"), ("!!float abc", "'abc': not a valid number"),
+    ("!!foo x", "'x': could not determine a constructor for the tag")])
+def test_a_scalar_yaml_cannot_construct_is_one_line(molctl, tmp_path, value, expected):
+    """The same family as the long integers (lifecycle review D1): other values PyYAML's constructor
+    raises on (an impossible date, an explicit tag that does not fit) were tracebacks too."""
+    user, path, line = _user_profile(tmp_path, "description: ", f"description: {value}\n#")
+    check = molctl("--profiles-dir", str(user), "check", "bad", "--json")
+    assert check.exit_code == ExitStatus.CHECK_FAILED and "Traceback" not in check.stderr, check.stderr
+    assert check.json()["checks"][0]["detail"].startswith(f"{path}:{line}: field 'description': {expected}")
