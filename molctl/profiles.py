@@ -495,7 +495,7 @@ class _Validator:
         self.overridden = overridden
 
     def where(self, path: str) -> str:
-        if path in self.overridden or any(path.startswith(o + ".") for o in self.overridden):
+        if path in self.overridden or any(path.startswith((o + ".", o + "[")) for o in self.overridden):
             return f"{self.source} (--set {path})"
         probe = path
         while probe:
@@ -513,18 +513,7 @@ class _Validator:
             if key not in schema:
                 known = ", ".join(sorted(schema))
                 raise self.fail(path, f"unknown key (expected one of: {known})")
-            spec = schema[key]
-            bad = _unreadable_in(value) if not isinstance(spec, dict) or isinstance(value, Unreadable) else None
-            if bad is not None:
-                raise self.fail(path, str(bad))
-            if not isinstance(spec, dict) and _too_long_int(value):  # from code: no message could print it
-                raise self.fail(path, f"{_short(value)}: not a valid integer: more than {_int_limit()} digits")
-            if isinstance(spec, dict):
-                if not isinstance(value, dict):
-                    raise self.fail(path, f"expected a mapping, got {type(value).__name__}")
-                self.walk(value, spec, path + ".")
-            elif not _matches(value, spec):
-                raise self.fail(path, f"expected {_type_name(spec)}, got {value!r}")
+            self.check(path, value, schema[key])
         for req in REQUIRED:
             head, _, tail = req.partition(".")
             if prefix == "" and not tail and head not in data:
@@ -538,6 +527,30 @@ class _Validator:
                     if missing:
                         raise self.fail(sorted(missing)[0], "missing (required)")
 
+    def check(self, path: str, value: Any, spec: Any) -> None:
+        """One value against its type spec. A mapping's or a list's entries are checked one by one,
+        so that a bad entry is named (`engine.env.HF_HUB_OFFLINE`, `engine.args.x[1]`) with its own
+        line and only its own value: the whole mapping was printed, HF_TOKEN's value included."""
+        if isinstance(value, Unreadable):
+            raise self.fail(path, str(value))
+        if _too_long_int(value) and not isinstance(value, (list, dict)):  # from code: no message could print it
+            raise self.fail(path, f"{_short(value)}: not a valid integer: more than {_int_limit()} digits")
+        if isinstance(spec, dict):
+            if not isinstance(value, dict):
+                raise self.fail(path, f"expected a mapping, got {type(value).__name__}")
+            self.walk(value, spec, path + ".")
+        elif isinstance(spec, _MapOf) and isinstance(value, dict):
+            for key, item in value.items():
+                self.check(f"{path}.{key}", item, spec.item)
+        elif isinstance(spec, _ListOf) and isinstance(value, list):
+            for i, item in enumerate(value):
+                self.check(f"{path}[{i}]", item, spec.item)
+        elif not _matches(value, spec):
+            for option in spec if isinstance(spec, tuple) else ():  # a list value of a "scalar or list" field
+                if isinstance(option, _ListOf) and isinstance(value, list) or isinstance(option, _MapOf) and isinstance(value, dict):
+                    self.check(path, value, option)  # raises, naming the entry
+            raise self.fail(path, f"expected {_type_name(spec)}, got {_shown(value)}")
+
 
 def _short(value: Any) -> str:
     try:
@@ -545,6 +558,14 @@ def _short(value: Any) -> str:
     except ValueError:  # an int past the int-string limit
         return f"(an integer of about {int(value.bit_length() * math.log10(2)) + 1} digits)"
     return text if len(text) <= 20 else text[:20] + "..."
+
+
+def _shown(value: Any) -> str:
+    """A bad value as a message shows it: shortened, and never a mapping's contents (the other
+    entries of engine.env may be secrets)."""
+    if isinstance(value, dict):
+        return "a mapping"
+    return repr(_short(value)) if isinstance(value, str) else _short(value)
 
 
 def _env_str(value: Any) -> str:

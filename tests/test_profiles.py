@@ -332,3 +332,52 @@ def test_a_scalar_yaml_cannot_construct_is_one_line(molctl, tmp_path, value, exp
     check = molctl("--profiles-dir", str(user), "check", "bad", "--json")
     assert check.exit_code == ExitStatus.CHECK_FAILED and "Traceback" not in check.stderr, check.stderr
     assert check.json()["checks"][0]["detail"].startswith(f"{path}:{line}: field 'description': {expected}")
+
+
+SECRET_ENV = '    HF_TOKEN: "hf_SUPERSECRETTOKEN"\n'
+
+
+@pytest.mark.parametrize("old, new, field, expected", [
+    ('    HF_HUB_OFFLINE: "1"\n', SECRET_ENV + "    HF_HUB_OFFLINE: [1]\n", "engine.env.HF_HUB_OFFLINE",
+     "expected a string or an integer or a number or true/false, got [1]"),
+    ('    HF_HUB_OFFLINE: "1"\n', SECRET_ENV + "    HF_HUB_OFFLINE: {a: 1}\n", "engine.env.HF_HUB_OFFLINE", "got a mapping"),
+    ("    max-model-len: 2048\n", "    max-model-len: {a: 1}\n", "engine.args.max-model-len", "got a mapping"),
+    ("    max-model-len: 2048\n", "    max-model-len: null\n", "engine.args.max-model-len", "got None"),
+    # a list item: the item is named, not the list
+    ("    max-model-len: 2048\n", "    max-model-len: [1, [2]]\n", "engine.args.max-model-len[1]",
+     "expected a string or an integer or a number, got [2]")])
+def test_a_bad_entry_of_a_mapping_field_names_its_key_and_only_its_value(molctl, tmp_path, old, new, field, expected):
+    """A wrong-typed entry of engine.env or engine.args named only the parent field, at the parent's
+    line, and printed the whole mapping, HF_TOKEN's value included, in check, profiles, render and
+    up (lifecycle review D2): the entry is named with its own line and value, nothing else."""
+    user, path, line = _user_profile(tmp_path, old, new)
+    line += new.count("\n") - 1  # the entry is the last line written
+    want = f"{path}:{line}: field '{field}': "
+    check = molctl("--profiles-dir", str(user), "check", "bad", "--json")
+    assert check.exit_code == ExitStatus.CHECK_FAILED
+    detail = check.json()["checks"][0]["detail"]
+    assert detail.startswith(want) and detail.endswith(expected), detail
+    listed = molctl("--profiles-dir", str(user), "profiles")
+    rendered = molctl("--profiles-dir", str(user), "render", "systemd", "bad", "--allow-unauthenticated")
+    started = molctl("--profiles-dir", str(user), "up", "bad", "--allow-unauthenticated")
+    for result in (listed, rendered, started):
+        assert result.exit_code == ExitStatus.CHECK_FAILED and detail in result.stderr, result.stderr
+    for result in (check, listed, rendered, started):
+        assert "SUPERSECRET" not in result.stdout + result.stderr and "TRANSFORMERS_OFFLINE" not in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("key, value, expected", [
+    ("engine.env.HF_HUB_OFFLINE", "[1]", "field 'engine.env.HF_HUB_OFFLINE': expected a string or an integer or a number "
+                                          "or true/false, got [1]"),
+    ("proxy.sampling_defaults.top_p", "[0.9]", "field 'proxy.sampling_defaults.top_p': expected a string or an integer"),
+    ("prompts.adapters.L1", "7", "field 'prompts.adapters.L1': expected a string, got 7"),
+    ("engine.unset_env", "[PYTHONPATH, 7]", "field 'engine.unset_env[1]': expected a string, got 7")])
+def test_a_bad_set_entry_of_a_mapping_or_list_field_names_its_key(key, value, expected):
+    """The same through --set, and for every mapping or list field: the entry, not the parent."""
+    from molctl.profiles import parse_set_option
+
+    with pytest.raises(ProfileError) as err:
+        load_profile("tiny", profile_dirs(), [("engine.env.HF_TOKEN", "hf_SUPERSECRETTOKEN"),
+                                              parse_set_option(f"{key}={value}")])
+    message = str(err.value)
+    assert f"tiny.yaml (--set {key}" in message and expected in message and "SUPERSECRET" not in message, message
