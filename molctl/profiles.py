@@ -505,7 +505,8 @@ class _Validator:
         return str(self.source)
 
     def fail(self, path: str, message: str) -> ProfileError:
-        return ProfileError(f"{self.where(path)}: field '{path}': {message}")
+        shown = path if path.isprintable() else path.encode("unicode_escape").decode("ascii")  # a NUL in a key
+        return ProfileError(f"{self.where(path)}: field '{shown}': {message}")
 
     def walk(self, data: dict[str, Any], schema: dict[str, Any], prefix: str = "") -> None:
         for key, value in data.items():
@@ -598,6 +599,10 @@ def build_profile(data: dict[str, Any], source: Path, lines: dict[str, int] | No
             raise v.fail(key, "must not be empty")
 
     name = _checked_name(data["name"], expected_name, v)
+    for key, value in (("model_root", data["model_root"]), ("proxy.host", data["proxy"].get("host"))):
+        problem = _exec_problem(value) if isinstance(value, str) else None  # both reach an argv
+        if problem:
+            raise v.fail(key, problem)
     engine = _engine_spec(data["engine"], data["proxy"], v)
     proxy = _proxy_spec(data["proxy"], v)
     prompts = _prompts(data["prompts"], v)
@@ -673,6 +678,7 @@ def _engine_spec(data: dict[str, Any], proxy: dict[str, Any], v: _Validator) -> 
     for flag in eng.get("args", {}):
         if flag.startswith("-") or not re.match(r"^[a-z0-9][a-z0-9-]*$", flag):
             raise v.fail(f"engine.args.{flag}", "flag names are written without dashes, e.g. max-model-len")
+    _check_exec_strings(eng, v)
     return EngineSpec(
         kind=eng["kind"],
         version=eng["version"],
@@ -686,6 +692,56 @@ def _engine_spec(data: dict[str, Any], proxy: dict[str, Any], v: _Validator) -> 
         env={k: _env_str(val) for k, val in eng.get("env", {}).items()},
         unset_env=tuple(eng.get("unset_env", ())),
     )
+
+
+# One argv or environment string is at most 32 pages on Linux (MAX_ARG_STRLEN, 128 KiB with 4 KiB
+# pages): a longer one (an inline chat template) made exec fail with E2BIG after the preflight passed.
+MAX_ARG_BYTES = 32 * 4096 - 1  # without the terminating NUL
+
+
+def _exec_problem(text: str) -> str | None:
+    """Why exec would refuse this argv or environment string (subprocess raised ValueError or
+    UnicodeEncodeError, a traceback after `check` passed and after `switch` stopped the old stack)."""
+    if "\0" in text:
+        return "contains a NUL byte: no command-line argument or environment variable can hold one"
+    try:
+        size = len(os.fsencode(text))
+    except UnicodeError:
+        return f"not encodable as {sys.getfilesystemencoding()} (a lone surrogate?): exec cannot pass it"
+    if size > MAX_ARG_BYTES:
+        return f"{size} bytes: one command-line argument or environment variable holds at most {MAX_ARG_BYTES}"
+    return None
+
+
+def _env_name_problem(name: str) -> str | None:
+    if not name:
+        return "an environment variable name must not be empty"
+    if "=" in name:  # the environment's NAME=VALUE form (subprocess: "illegal environment variable name")
+        return f"{_short(name)!r}: an environment variable name cannot contain '='"
+    return _exec_problem(name)
+
+
+def _check_exec_strings(eng: dict[str, Any], v: _Validator) -> None:
+    """Every engine string that reaches exec (argv, environment) is one exec takes: env names
+    without '=', no NUL byte, encodable, within MAX_ARG_BYTES (checked here, so that `check`
+    fails and `up`/`switch` stop nothing)."""
+    for key in ("python", "host", "served_name"):
+        problem = _exec_problem(eng[key]) if isinstance(eng.get(key), str) else None
+        if problem:
+            raise v.fail(f"engine.{key}", problem)
+    for flag, value in eng.get("args", {}).items():
+        for i, item in enumerate(value) if isinstance(value, list) else [(None, value)]:
+            problem = _exec_problem(item) if isinstance(item, str) else None
+            if problem:
+                raise v.fail(f"engine.args.{flag}" + (f"[{i}]" if i is not None else ""), problem)
+    for name, value in eng.get("env", {}).items():
+        problem = _env_name_problem(name) or _exec_problem(f"{name}={_env_str(value)}")
+        if problem:
+            raise v.fail(f"engine.env.{name}", problem)
+    for i, name in enumerate(eng.get("unset_env", ())):
+        problem = _env_name_problem(name)
+        if problem:
+            raise v.fail(f"engine.unset_env[{i}]", problem)
 
 
 def _proxy_spec(data: dict[str, Any], v: _Validator) -> ProxySpec:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -278,7 +279,7 @@ def test_a_duplicate_key_names_its_line(tmp_path):
 
 def _user_profile(tmp_path: Path, old: str, new: str, name: str = "bad") -> tuple[Path, Path, int]:
     """A copy of tiny named NAME in its own folder with `old` replaced: (folder, file, the new text's line)."""
-    text = (BUILTIN / "tiny.yaml").read_text().replace("name: tiny", f"name: {name}")
+    text = re.sub(r"(?m)^name: tiny$", f"name: {name}", (BUILTIN / "tiny.yaml").read_text())
     assert old in text
     text = text.replace(old, new, 1)
     path = write_user_profile(tmp_path / "user", text, name=name)
@@ -381,3 +382,44 @@ def test_a_bad_set_entry_of_a_mapping_or_list_field_names_its_key(key, value, ex
                                               parse_set_option(f"{key}={value}")])
     message = str(err.value)
     assert f"tiny.yaml (--set {key}" in message and expected in message and "SUPERSECRET" not in message, message
+
+
+@pytest.mark.parametrize("old, new, field, expected", [
+    ('    HF_HUB_OFFLINE: "1"\n', '    HF_HUB_OFFLINE: "1"\n    "A=B": "1"\n', "engine.env.A=B",
+     "'A=B': an environment variable name cannot contain '='"),
+    ('    HF_HUB_OFFLINE: "1"\n', '    HF_HUB_OFFLINE: "1"\n    "": "1"\n', "engine.env.",
+     "an environment variable name must not be empty"),
+    ('    HF_HUB_OFFLINE: "1"\n', '    HF_HUB_OFFLINE: "1"\n    "A\\0B": "1"\n', "engine.env.A\\x00B", "contains a NUL byte"),
+    ('    HF_HUB_OFFLINE: "1"\n', '    HF_HUB_OFFLINE: "1\\0x"\n', "engine.env.HF_HUB_OFFLINE", "contains a NUL byte"),
+    ("    dtype: bfloat16\n", '    dtype: "bfloat16\\0"\n', "engine.args.dtype", "contains a NUL byte"),
+    ("    dtype: bfloat16\n", '    dtype: [a, "b\\0"]\n', "engine.args.dtype[1]", "contains a NUL byte"),
+    ("    - PYTHONPATH\n", "    - PYTHONPATH=x\n", "engine.unset_env[0]", "an environment variable name cannot contain '='"),
+    ("    - PYTHONPATH\n", '    - "PYTHON\\0PATH"\n', "engine.unset_env[0]", "contains a NUL byte"),
+    ("  served_name: tiny-mol-base\n", '  served_name: "tiny\\0"\n', "engine.served_name", "contains a NUL byte"),
+    ("  host: 127.0.0.1\n", '  host: "127.0.0.1\\0"\n', "engine.host", "contains a NUL byte")])
+def test_what_exec_refuses_fails_the_profile_not_the_start(molctl, tmp_path, old, new, field, expected):
+    """An env name with '=' or a NUL byte in an env or args value passed `check`; `up` then crashed
+    in subprocess with a traceback (exit 1), and `switch` had already stopped the running stack
+    (lifecycle review D3). The validator refuses them: one line, exit 3, nothing started or stopped."""
+    user, path, line = _user_profile(tmp_path, old, new)
+    line += new.count("\n") - 1
+    check = molctl("--profiles-dir", str(user), "check", "bad", "--json")
+    assert check.exit_code == ExitStatus.CHECK_FAILED
+    detail = check.json()["checks"][0]["detail"]
+    assert detail.startswith(f"{path}:{line}: field '{field}': ") and expected in detail and "\0" not in detail, detail
+    started = molctl("--profiles-dir", str(user), "up", "bad", "--allow-unauthenticated")
+    assert started.exit_code == ExitStatus.CHECK_FAILED and detail in started.stderr and "Traceback" not in started.stderr
+
+
+@pytest.mark.parametrize("key, value, expected", [
+    # one argv or environment string is at most 128 KiB on Linux (MAX_ARG_STRLEN): exec fails E2BIG
+    ("engine.args.chat-template", "x" * 200_000, "200000 bytes: one command-line argument or environment"),
+    ("engine.env.BIG", "x" * 200_000, "200004 bytes"),
+    # not encodable for exec (a lone surrogate, from code or a record)
+    ("engine.env.A", "\ud800", "not encodable"), ("engine.python", "/usr/bin/py\0", "contains a NUL byte"),
+    ("model_root", "/models\0", "contains a NUL byte"), ("proxy.host", "127.0.0.1\0", "contains a NUL byte")])
+def test_what_exec_refuses_through_set_is_one_line(key, value, expected):
+    with pytest.raises(ProfileError) as err:
+        load_profile("tiny", profile_dirs(), [(key, value)])
+    message = str(err.value)
+    assert f"(--set {key}): field '{key}': " in message and expected in message and len(message) < 400, message
