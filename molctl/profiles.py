@@ -829,11 +829,19 @@ def _adapter_spec(data: dict[str, Any], v: _Validator) -> AdapterSpec:
     )
 
 
+# Retention counts: the proxy's rotation renames part by part over `backups` names (a huge count
+# was a thread spinning at 100% CPU and a log never rotated), and `up` keeps `keep` files per
+# component; 1000 parts or files is more history than any operator reads, and cheap to walk.
+MAX_LOG_FILES = 1000
+
+
 def _log_spec(logs: dict[str, Any], v: _Validator) -> LogSpec:
-    """The `logs` section: keep >= 1, max_bytes and backups >= 0."""
-    for key, low in (("keep", 1), ("max_bytes", 0), ("backups", 0)):
-        if key in logs and logs[key] < low:
-            raise v.fail(f"logs.{key}", f"must be >= {low}")
+    """The `logs` section: keep 1 to MAX_LOG_FILES, backups 0 to MAX_LOG_FILES, max_bytes >= 0."""
+    if logs.get("max_bytes", 0) < 0:
+        raise v.fail("logs.max_bytes", "must be >= 0")
+    for key, low in (("keep", 1), ("backups", 0)):
+        if key in logs and not low <= logs[key] <= MAX_LOG_FILES:
+            raise v.fail(f"logs.{key}", f"{_short(logs[key])}: expected {low} to {MAX_LOG_FILES}")
     return LogSpec(**logs)
 
 

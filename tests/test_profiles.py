@@ -423,3 +423,16 @@ def test_what_exec_refuses_through_set_is_one_line(key, value, expected):
         load_profile("tiny", profile_dirs(), [(key, value)])
     message = str(err.value)
     assert f"(--set {key}): field '{key}': " in message and expected in message and len(message) < 400, message
+
+
+@pytest.mark.parametrize("key, value, expected", [
+    ("logs.backups", 10 ** 12, "1000000000000: expected 0 to 1000"), ("logs.backups", 1001, "1001: expected 0 to 1000"),
+    ("logs.backups", -1, "-1: expected 0 to 1000"), ("logs.keep", 10 ** 30, "10000000000000000000...: expected 1 to 1000"),
+    ("logs.keep", 0, "0: expected 1 to 1000")])
+def test_log_retention_counts_are_bounded(key, value, expected):
+    """`logs.backups=1000000000000` made the proxy's rotation thread loop over that many part
+    names at 100% CPU, the log never rotated (lifecycle review D7): both counts are bounded."""
+    with pytest.raises(ProfileError) as err:
+        load_profile("tiny", profile_dirs(), [(key, value)])
+    assert f"(--set {key}): field '{key}': {expected}" in str(err.value)
+    assert getattr(load_profile("tiny", profile_dirs(), [(key, 1000)]).logs, key.split(".")[1]) == 1000
