@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import stat
 import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -374,7 +375,24 @@ def _key(node: yaml.Node) -> str:
         raise ProfileError(f"line {node.start_mark.line + 1}: a mapping key that cannot be read", None) from None
 
 
+def _not_a_file(path: Path) -> str | None:
+    """Why `path` is no profile file to read: a directory, a dangling symbolic link, or something
+    else that is not a regular file (a FIFO would block the read forever)."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return f"is a dangling symbolic link (to {os.readlink(path)})" if path.is_symlink() else None
+    except OSError:
+        return None  # the read says why (a symlink loop, permissions)
+    if stat.S_ISDIR(mode):
+        return "is a directory"
+    return None if stat.S_ISREG(mode) else "is not a regular file"
+
+
 def load_yaml_with_lines(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
+    problem = _not_a_file(path)
+    if problem:
+        raise ProfileError(f"{path}: cannot read profile: {problem}")
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
@@ -858,13 +876,16 @@ def profile_dirs(extra: Iterable[str | Path] = ()) -> list[Path]:
 
 
 def profile_files(dirs: Iterable[Path]) -> dict[str, Path]:
-    """Name -> file, later folders replacing earlier ones."""
+    """Name -> file, later folders replacing earlier ones. A NAME.yaml that is not a readable
+    file (a directory, a dangling symlink) is listed too, so that loading it says so: it was
+    skipped, and `up NAME` said "no profile named". Such an entry whose stem is no profile name
+    (an editor's `.#NAME.yaml` lock link) is still skipped."""
     found: dict[str, Path] = {}
     for d in dirs:
         if not d.is_dir():
             continue
         for f in sorted(d.iterdir()):
-            if f.suffix in (".yaml", ".yml") and f.is_file():
+            if f.suffix in (".yaml", ".yml") and (f.is_file() or NAME_RE.match(f.stem)):
                 found[f.stem] = f
     return found
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 from pathlib import Path
@@ -436,3 +437,27 @@ def test_log_retention_counts_are_bounded(key, value, expected):
         load_profile("tiny", profile_dirs(), [(key, value)])
     assert f"(--set {key}): field '{key}': {expected}" in str(err.value)
     assert getattr(load_profile("tiny", profile_dirs(), [(key, 1000)]).logs, key.split(".")[1]) == 1000
+
+
+@pytest.mark.parametrize("make, expected", [
+    (lambda p: p.mkdir(), "is a directory"),
+    (lambda p: p.symlink_to(p.parent / "gone" / "bad.yaml"), "is a dangling symbolic link"),
+    (lambda p: p.symlink_to(p), "Too many levels of symbolic links"),
+    (lambda p: os.mkfifo(p), "is not a regular file")])
+def test_a_profile_entry_that_is_not_a_readable_file_is_named(molctl, tmp_path, make, expected):
+    """A bad.yaml in a profile folder that is a directory or a dangling symlink was skipped: `up bad`
+    said "no profile named 'bad'" and `profiles` warned about nothing (lifecycle review D9). It is
+    named like a file that does not load; a FIFO is refused without being opened (a read would block)."""
+    user = tmp_path / "user"
+    user.mkdir()
+    make(user / "bad.yaml")
+    os.symlink(user / "gone.yaml", user / ".#bad.yaml")  # an editor's lock link: not a profile name, ignored
+    for args in (["check", "bad", "--json"], ["up", "bad", "--allow-unauthenticated"]):
+        result = molctl("--profiles-dir", str(user), *args)
+        assert result.exit_code == ExitStatus.CHECK_FAILED
+        out = result.json()["checks"][0]["detail"] if "--json" in args else result.stderr
+        assert f"{user / 'bad.yaml'}: cannot read profile: {expected}" in out and "no profile named" not in out, out
+    listed = molctl("--profiles-dir", str(user), "profiles")
+    assert listed.exit_code == ExitStatus.CHECK_FAILED and "tiny" in listed.stdout
+    (warning,) = listed.stderr.splitlines()
+    assert warning.startswith(f"molctl: warning: {user / 'bad.yaml'}: cannot read profile: {expected}"), warning
