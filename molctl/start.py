@@ -451,6 +451,7 @@ class _Starter:
 
 STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
 _received: list[str] = []  # the stop signal (other than Ctrl-C's) that interrupted this command
+_armed: set[str] = {"SIGINT"}  # the stop signals that interrupt this command (not those it inherited ignored)
 
 
 def interrupt_on_stop_signals() -> None:
@@ -458,9 +459,18 @@ def interrupt_on_stop_signals() -> None:
     terminal or ssh session) interrupt as Ctrl-C does, so the clean-up stops what this command
     started (exit 130) instead of leaving an engine loading with nobody waiting for it. After a
     SIGHUP the terminal is gone: the output goes to /dev/null, so that writing it cannot cut the
-    clean-up short."""
+    clean-up short. A signal this process was started ignoring (`nohup`, `trap '' HUP TERM`) stays
+    ignored, as Python leaves an ignored SIGINT."""
     for name in ("SIGTERM", "SIGHUP"):
-        _set_handler(name, _interrupt)
+        if not _ignored(name):
+            _armed.add(name)
+            _set_handler(name, _interrupt)
+
+
+def _ignored(name: str) -> bool:
+    import signal
+
+    return signal.getsignal(getattr(signal, name)) == signal.SIG_IGN
 
 
 def _interrupt(signum, frame) -> None:
@@ -529,7 +539,8 @@ def _one_more_interrupt() -> None:
         raise KeyboardInterrupt
 
     for name in STOP_SIGNALS:
-        _set_handler(name, once)
+        if name in _armed:
+            _set_handler(name, once)
 
 
 def preflight(profile: Profile, state_dir: Path, opts: UpOptions, progress: Progress, consequence: str,

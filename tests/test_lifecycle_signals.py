@@ -120,3 +120,30 @@ def test_a_closed_terminal_stops_up_and_its_clean_up_finishes(host):
     os.close(master)  # the session ends
     assert wait_status(proc, 60) == ExitStatus.INTERRUPTED, bytes(seen).decode(errors="replace")[-2000:]
     assert gone(pids) and host.records() == {}
+
+
+def test_an_up_started_ignoring_sighup_keeps_ignoring_it(host):
+    """`nohup molctl up venti &`, then the ssh session ends: the SIGHUP nohup exists to absorb must
+    not stop the engine load (the review of the SIGTERM/SIGHUP change found it did)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from tests.helpers import ROOT, wait_status
+
+    def like_nohup():
+        os.setsid()
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+    proc = subprocess.Popen([sys.executable, "-m", "molctl", *host.cli.argv("up", "tiny", *host.args(
+        env={"FAKE_STARTUP_DELAY": "4"}))], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        preexec_fn=like_nohup)
+    host.procs.append(proc)
+    assert wait_for(lambda: "proxy" in host.records())
+    pids = host.stack_pids()
+    proc.send_signal(signal.SIGHUP)
+    time.sleep(1)
+    assert proc.poll() is None and all(map(_alive, pids))
+    assert wait_status(proc, 60) == ExitStatus.OK, proc.stderr.read()
+    assert set(host.records()) == {"engine", "proxy"}
