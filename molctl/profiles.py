@@ -293,9 +293,10 @@ class Unreadable:
     impossible date, a tag that does not fit): kept in the data so that the validator reports it
     like any bad value, naming its field and line (it was a traceback, exit 1)."""
 
-    def __init__(self, text: str, problem: str):
+    def __init__(self, text: str, problem: str, too_long: bool = False):
         self.text = text
         self.problem = problem
+        self.too_long = too_long  # a number past the int-string limit (not a tag or a date)
 
     def __str__(self) -> str:
         return f"{_short(self.text)!r}{self._digits()}: {self.problem}"
@@ -340,9 +341,9 @@ def _scalar(node: yaml.Node) -> Any:
         value = _SCALARS.construct_object(node, deep=True)
     except (yaml.YAMLError, ValueError, TypeError, AttributeError, OverflowError) as exc:
         _SCALARS.recursive_objects.pop(node, None)  # else an alias of the same node reads as "recursive"
-        return Unreadable(str(node.value), _construct_problem(node, exc))
+        return Unreadable(str(node.value), _construct_problem(node, exc), too_long="Exceeds the limit" in str(exc))
     if _too_long_int(value):
-        return Unreadable(str(node.value), f"not a valid integer: more than {_int_limit()} digits")
+        return Unreadable(str(node.value), f"not a valid integer: more than {_int_limit()} digits", too_long=True)
     return value
 
 
@@ -423,8 +424,10 @@ def load_yaml_with_lines(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
 
 def parse_set_option(item: str) -> tuple[str, Any]:
     """`engine.port=9000` -> ("engine.port", 9000). The value is read as YAML, as a profile file
-    is: a value the constructor cannot make (`engine.port=99...9`, 5000 digits) is `Unreadable`,
-    reported by the validator as "FILE (--set KEY): field 'KEY': ..." (it was a traceback)."""
+    is, except that what YAML cannot make of it is the text itself (`engine.env.PASS=!secret`: a
+    tag; `{a: 1, a: 2}`: a duplicate key), as it always was. A number too long to be one
+    (`engine.port=99...9`, 5000 digits) is `Unreadable`, reported by the validator as
+    "FILE (--set KEY): field 'KEY': ..." (it was a traceback)."""
     key, sep, raw = item.partition("=")
     key = key.strip()
     if not sep or not key or any(not part for part in key.split(".")):
@@ -439,10 +442,14 @@ def parse_set_option(item: str) -> tuple[str, Any]:
         return key, None
     try:
         value = _construct(node, "", {})
-    except ProfileError as exc:  # a duplicate key, an alias bomb
-        raise ProfileError(f"--set {key}: {exc}") from None
+    except ProfileError:  # a duplicate key, an alias bomb: the text, never expanded
+        return key, raw
     bad = _unreadable_in(value)
-    return key, value if bad is None or bad is value else Unreadable(raw, bad.problem)
+    if bad is None:
+        return key, value
+    if not bad.too_long:
+        return key, raw
+    return key, value if bad is value else Unreadable(raw, bad.problem, too_long=True)
 
 
 def _unreadable_in(value: Any) -> Unreadable | None:

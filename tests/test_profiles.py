@@ -461,3 +461,12 @@ def test_a_profile_entry_that_is_not_a_readable_file_is_named(molctl, tmp_path, 
     assert listed.exit_code == ExitStatus.CHECK_FAILED and "tiny" in listed.stdout
     (warning,) = listed.stderr.splitlines()
     assert warning.startswith(f"molctl: warning: {user / 'bad.yaml'}: cannot read profile: {expected}"), warning
+
+
+def test_set_values_yaml_cannot_make_are_the_text_itself(molctl):
+    """`--set engine.env.PASS=!secret` (a YAML tag to the parser) was always the text; reading --set
+    values like files made it an error (the review of that change)."""
+    for value in ("!secret", "!x y", "<<", "{a: 1, a: 2}"):
+        r = molctl("render", "systemd", "tiny", "--allow-unauthenticated", "--set", f"engine.env.X={value}")
+        assert r.exit_code == ExitStatus.OK, r.stderr
+        assert f'Environment="X={value}"' in r.stdout or f"Environment=X={value}" in r.stdout, r.stdout
