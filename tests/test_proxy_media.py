@@ -72,6 +72,16 @@ def test_a_data_url_reaches_the_engine_unchanged(s):
     assert "[image]" in s.log("route")[-1]["messages"][-1]["content"]  # the router sees a placeholder
 
 
+@pytest.mark.parametrize("part", [
+    {"type": "image_url", "image_url": None, "uuid": "img-1"},  # vLLM's cached media, named by its uuid
+    {"type": "image_url", "image_url": {"url": None}, "uuid": "img-1"},
+    {"type": "image_url", "image_url": {"url": PNG}, "video_url": None, "audio_url": None},  # every field serialised
+])
+def test_a_null_media_url_fetches_nothing_and_passes(s, part):
+    s.chat([{"role": "user", "content": [{"type": "text", "text": "[route:L2] what is this?"}, part]}])
+    assert s.log("answer")[-1]["messages"][-1]["content"][1] == part
+
+
 def test_the_responses_api_checks_input_image_urls_too(s):
     with pytest.raises(openai.BadRequestError) as err:
         s.client.responses.create(model=PUBLIC, input=[{"role": "user", "content": [

@@ -188,7 +188,7 @@ def check_content(content: Any, where: str, required: bool, media_hosts: tuple[s
                 raise invalid(f"'{where}[{j}].text' must be a string.", f"{where}[{j}].text")
             continue
         for key in MEDIA_URL_KEYS:
-            if key in part:
+            if part.get(key) is not None:  # null: nothing to fetch (vLLM's cached-media-by-uuid parts)
                 check_media_url(part[key], f"{where}[{j}].{key}", media_hosts)
 
 
@@ -208,6 +208,8 @@ def check_media_url(value: Any, where: str, hosts: tuple[str, ...]) -> None:
     url = value.get("url") if isinstance(value, dict) else value
     if isinstance(value, dict):
         where += ".url"
+        if url is None:  # as the key itself null: nothing is fetched
+            return
     if not isinstance(url, str):
         raise invalid(f"'{where}' must be a string (a data: URL or an http(s) URL).", where)
     if url[:5].lower() == "data:":
