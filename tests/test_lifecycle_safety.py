@@ -513,8 +513,12 @@ def test_proxy_log_rotation_and_pruning(tmp_path):
     from molctl.state import prune_logs
 
     log = tmp_path / "proxy-1.log"
-    script = ("import sys, time; from molctl.logs import rotate_stdio; rotate_stdio(2000, 2, 0.02)\n"
-              "for i in range(400):\n    print('x' * 50, flush=True); time.sleep(0.002)\ntime.sleep(0.1)\n")
+    # the writer ends once the last rotation is done (its file below the limit): a daemon thread
+    # stopped by the interpreter's exit between two renames left .2 without .1 (a loaded CI run)
+    script = ("import os, sys, time; from molctl.logs import rotate_stdio; rotate_stdio(2000, 2, 0.02)\n"
+              "for i in range(400):\n    print('x' * 50, flush=True); time.sleep(0.002)\n"
+              "deadline = time.monotonic() + 30\n"
+              "while os.fstat(1).st_size >= 2000 and time.monotonic() < deadline:\n    time.sleep(0.01)\n")
     with open(log, "ab") as fh:
         subprocess.run([sys.executable, "-c", script], stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, timeout=60, check=True)
     parts = sorted(p.name for p in tmp_path.iterdir())
