@@ -140,8 +140,11 @@ SCHEMA: dict[str, Any] = {
 }
 
 MAX_GPUS = 1024
-MEDIA_HOST = re.compile(r"^(?:[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*"
-                        r"|\[[0-9A-Fa-f:.]+\])$")  # a DNS name or an IPv4 address, or an IPv6 one in brackets
+# a DNS name or an IPv4 address, or an IPv6 one in brackets: a proxy.media_url_hosts entry, and
+# the host part of a media URL the proxy lets through (molctl.proxy.validation)
+MEDIA_HOST_PATTERN = (r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*"
+                      r"|\[[0-9A-Fa-f:.]+\]")
+MEDIA_HOST = re.compile(f"(?:{MEDIA_HOST_PATTERN})")
 NON_EMPTY = ("served_model_name", "base_model", "model_root",
              "engine.served_name", "engine.host", "proxy.host")
 
@@ -330,8 +333,6 @@ def _too_long_int(value: Any) -> bool:
             str(value)
         except ValueError:
             return True
-    if isinstance(value, (list, dict)):
-        return any(_too_long_int(v) for v in (value.values() if isinstance(value, dict) else value))
     return False
 
 
@@ -559,7 +560,7 @@ class _Validator:
         line and only its own value: the whole mapping was printed, HF_TOKEN's value included."""
         if isinstance(value, Unreadable):
             raise self.fail(path, str(value))
-        if _too_long_int(value) and not isinstance(value, (list, dict)):  # from code: no message could print it
+        if _too_long_int(value):  # from code (an override): no message could print it
             raise self.fail(path, f"{_short(value)}: not a valid integer: more than {_int_limit()} digits")
         if isinstance(spec, dict):
             if not isinstance(value, dict):
@@ -797,7 +798,7 @@ def _proxy_spec(data: dict[str, Any], v: _Validator) -> ProxySpec:
         raise v.fail("proxy.route_max_input_chars", "must be >= 200")
     hosts = []
     for i, host in enumerate(proxy.get("media_url_hosts", ())):
-        if host != "*" and not MEDIA_HOST.match(host):
+        if host != "*" and not MEDIA_HOST.fullmatch(host):
             raise v.fail(f"proxy.media_url_hosts[{i}]", f"{_short(host)}: expected a host name such as images.example.com "
                                                         "(no scheme, port or path), an IP address, or \"*\" for any")
         hosts.append(host.lower().strip("[]"))

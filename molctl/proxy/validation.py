@@ -28,6 +28,7 @@ import re
 from json.scanner import make_scanner
 from typing import Any
 
+from molctl.profiles import MEDIA_HOST_PATTERN
 from molctl.proxy import fastjson
 from molctl.proxy.errors import ProxyError, invalid
 
@@ -195,8 +196,9 @@ def check_content(content: Any, where: str, required: bool, media_hosts: tuple[s
 MEDIA_URL_KEYS = ("image_url", "audio_url", "video_url")  # the parts vLLM and SGLang fetch by URL
 # An http(s) URL as every URL parser reads it alike: no user info (a@b), no backslash (urllib3,
 # which vLLM fetches through, ends the host at one; urlsplit does not), no space or control
-# character; the host a DNS name, an IPv4 or a bracketed IPv6 address. Group 1: the host.
-_MEDIA_URL = re.compile(r"https?://([A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\])(?::[0-9]{1,5})?(?:[/?#][^\x00-\x20\x7f\\]*)?",
+# character; the host as a proxy.media_url_hosts entry is written (a trailing dot allowed).
+# Group 1: the host.
+_MEDIA_URL = re.compile(rf"https?://({MEDIA_HOST_PATTERN})\.?(?::[0-9]{{1,5}})?(?:[/?#][^\x00-\x20\x7f\\]*)?",
                         re.IGNORECASE | re.ASCII)
 
 
@@ -218,7 +220,7 @@ def check_media_url(value: Any, where: str, hosts: tuple[str, ...]) -> None:
     if match is None:
         raise invalid(f"'{where}' must be a data: URL or an http(s) URL with a plain host (no user name, backslash, "
                       f"space or control character), not {url[:40]!r}.", where)
-    host = match.group(1).lower().strip("[]").rstrip(".")
+    host = match.group(1).lower().strip("[]")
     if "*" in hosts or host in hosts:
         return
     raise ProxyError(400, f"'{where}': this server does not fetch media from {host[:80]!r} (the engine would fetch it from "
