@@ -12,11 +12,22 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 
 from tests.helpers import ROOT
 
 __all__ = ["ROOT", "FAKE_SGLANG_PKG", "fake_engine_argv", "fake_sglang_argv", "fake_engine_python", "proxy_argv",
-           "running", "stop", "wait_http"]
+           "running", "stop", "wait_http", "alive"]
+
+
+def alive(pid: int) -> bool:
+    """The process runs and is not a zombie. One psutil call that may find it gone: a
+    `pid_exists(p) and Process(p)` pair races with the exit between the two (CI saw
+    NoSuchProcess from exactly that)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def wait_http(url: str, timeout: float = 20.0, status: int | None = 200, proc: subprocess.Popen | None = None) -> None:

@@ -39,7 +39,7 @@ from molctl.profiles import load_profile, profile_dirs
 from molctl.proxy.errors import CONTEXT_MARKERS
 from molctl.state import read_records
 from tests.conftest import free_port
-from tests.procs import ROOT, fake_engine_argv, running
+from tests.procs import ROOT, alive, fake_engine_argv, running
 
 PUBLIC = "Macaron-Tiny-Demo"
 GLM5 = Template("glm5-like", {"default": (ROOT / "molctl" / "templates" / "glm5-like.jinja").read_text()}, {})
@@ -565,7 +565,7 @@ def test_up_after_sigkill_of_the_api_server(stack):
     r = stack.up()
     assert r.returncode == ExitStatus.OK, r.stdout + r.stderr
     for pid in old:
-        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        assert not alive(pid)
     reply = stack.client.chat.completions.create(model=PUBLIC, max_tokens=4, messages=[{"role": "user", "content": "hi"}])
     assert reply.choices[0].message.content is not None
 

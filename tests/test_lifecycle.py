@@ -23,7 +23,7 @@ from molctl.progress import SilentProgress
 from molctl.state import read_records
 from tests.helpers import CliResult, Molctl, free_ports, url, wait_status
 from tests.layouts import make_layout
-from tests.procs import fake_engine_python, stop
+from tests.procs import alive, fake_engine_python, stop
 
 PUBLIC = "Macaron-Tiny-Demo"
 
@@ -95,7 +95,7 @@ def port_free(port: int) -> bool:
 def gone(pids, timeout=5.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+        if not any(alive(p) for p in pids):
             return True
         time.sleep(0.05)
     return False
@@ -436,7 +436,7 @@ def test_up_whose_preflight_fails_stops_nothing(host):
         r = host.up()
     assert r.exit_code == ExitStatus.CONFLICT, r.stderr
     assert f"pid {os.getpid()}" in r.stderr and "nothing was started or stopped" in r.stderr
-    assert psutil.pid_exists(proxy_pid) and psutil.Process(proxy_pid).status() != psutil.STATUS_ZOMBIE
+    assert alive(proxy_pid)
     assert host.records()["proxy"].pid == proxy_pid
     r = host.up()  # the port is free again: the stale stack is cleaned up and started afresh
     assert r.exit_code == ExitStatus.OK, r.stderr
@@ -461,7 +461,7 @@ def test_up_cleans_leftovers_whose_gpu_memory_nvml_does_not_attribute_then_check
     gib = 1 << 30
 
     def inventory(self):  # NVML's view: a host pid, not one this molctl can see, while they run
-        held = any(psutil.pid_exists(c) and psutil.Process(c).status() != psutil.STATUS_ZOMBIE for c in children)
+        held = any(alive(c) for c in children)
         procs = (probes.GpuProcess(4_000_000, "python", 130 * gib),) if held else ()
         return probes.GpuInventory("580.1", (probes.GpuDevice(0, "H200", 140 * gib, (10 if held else 140) * gib, procs),))
 

@@ -24,7 +24,7 @@ from molctl.errors import ExitStatus
 from molctl.profiles import builtin_profiles_dir
 from molctl.progress import SilentProgress
 from tests.helpers import ROOT, Molctl, exit_status, free_port, url, wait_for, wait_status
-from tests.procs import stop
+from tests.procs import alive, stop
 from tests.test_lifecycle import Host, gone, host  # noqa: F401 - fixture
 
 
@@ -52,13 +52,6 @@ def _answers(url: str) -> bool:
         return False
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 # ------------------------------------------------------------------------------------- 1. pid reuse
 
 def test_stranger_in_a_dead_leaders_group_is_never_signalled(host):
@@ -79,13 +72,13 @@ def test_stranger_in_a_dead_leaders_group_is_never_signalled(host):
         (host.state / "tiny" / "engine.json").write_text(json.dumps(record))
         d = host.molctl("down")
         assert d.exit_code == ExitStatus.OK, d.stderr
-        assert _alive(stranger)
+        assert alive(stranger)
         (host.state / "tiny" / "engine.json").write_text(json.dumps(record))
         r = host.up()
         assert r.exit_code == ExitStatus.OK, r.stderr
-        assert _alive(stranger)
+        assert alive(stranger)
         assert host.molctl("down").exit_code == ExitStatus.OK
-        assert _alive(stranger)
+        assert alive(stranger)
     finally:
         os.kill(stranger, signal.SIGKILL)
 
@@ -198,14 +191,14 @@ def test_up_with_another_configuration_refuses_instead_of_killing_the_engine(hos
     assert "--restart" in other.stderr and "molctl down tiny" in other.stderr
     moved = host.molctl("up", "tiny", *host.args("--timeout", "5", engine_port=_other_port(host)))
     assert moved.exit_code == ExitStatus.CONFLICT, moved.stderr
-    assert host.records()["engine"].pid == engine_pid and _alive(engine_pid)
+    assert host.records()["engine"].pid == engine_pid and alive(engine_pid)
     # the same configuration is a no-op
     same = host.up("--json")
     assert same.exit_code == ExitStatus.OK and json.loads(same.stdout)["already_running"] is True
     # --restart applies the new one
     r = host.molctl("up", "tiny", *host.args("--restart", "--stop-timeout", "5"), "--set", "proxy.max_output_tokens=100")
     assert r.exit_code == ExitStatus.OK, r.stderr
-    assert not _alive(engine_pid) and host.records()["engine"].pid != engine_pid
+    assert not alive(engine_pid) and host.records()["engine"].pid != engine_pid
     assert host.records()["engine"].config["data"]["proxy"]["max_output_tokens"] == 100
 
 
@@ -350,7 +343,7 @@ def test_a_corrupt_record_is_reported_and_refused_without_force(host):
     assert stack["state"] == "degraded" and "unreadable" in stack["problems"][0], stack
     d = host.molctl("down")
     assert d.exit_code == ExitStatus.CONFLICT and "unreadable" in d.stderr and f"pid {engine.pid}" in d.stderr, d.stderr
-    assert _alive(engine.pid)
+    assert alive(engine.pid)
     u = host.up()
     assert u.exit_code == ExitStatus.CONFLICT and "--force" in u.stderr
     f = host.molctl("down", "--force")
@@ -373,7 +366,7 @@ def test_a_record_of_garbage_bytes_or_wrong_types_is_unreadable_not_a_traceback(
         assert "unreadable" in stack["problems"][0], (content, stack)
         for r in (host.molctl("down"), host.up()):
             assert r.exit_code == ExitStatus.CONFLICT and "unreadable" in r.stderr and "Traceback" not in r.stderr, r.stderr
-        assert _alive(engine.pid) and _alive(proxy.pid)
+        assert alive(engine.pid) and alive(proxy.pid)
     f = host.molctl("down", "--force")
     assert f.exit_code == ExitStatus.OK, f.stderr
     assert gone([engine.pid, proxy.pid]) and not path.exists()
@@ -468,7 +461,7 @@ def test_a_second_ctrl_c_during_clean_up_says_what_may_still_run(host):
     # fresh process is stopped where it was spawned, which is not what this test is about)
     assert wait_for(lambda: _answers(component_url(proxy) + "/health"), timeout=30)
     proc.send_signal(signal.SIGINT)
-    if not wait_for(lambda: not _alive(proxy.pid)):  # the clean-up stops the proxy first, then waits on the engine
+    if not wait_for(lambda: not alive(proxy.pid)):  # the clean-up stops the proxy first, then waits on the engine
         proc.kill()
         out, err = proc.communicate(timeout=30)
         pytest.fail(f"the proxy (pid {proxy.pid}) still runs 15 s after up's Ctrl-C; up's output:\n{out}\n{err}\n"

@@ -21,7 +21,7 @@ from molctl.errors import ExitStatus
 from molctl.state import read_records
 from tests.helpers import ROOT, Molctl, free_ports, wait_for
 from tests.layouts import make_layout
-from tests.procs import fake_engine_python
+from tests.procs import alive, fake_engine_python
 
 
 class Host:
@@ -70,10 +70,7 @@ def host(tmp_path):
 
 
 def gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
+    return not alive(pid)
 
 
 def test_down_of_a_sigstopped_stack_continues_it_so_that_sigterm_works(host):
