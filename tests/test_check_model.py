@@ -152,6 +152,28 @@ def test_adapter_declares_another_base(check, tmp_path):
     assert set(failures(report)) == {"adapter.L2.base"}
 
 
+@pytest.mark.parametrize("declared, ok", [
+    ("zai-org/GLM-5.2-FP8", True), ("/root/glm52_local", True), ("zai-org/GLM-5.2", True),
+    ("zai-org/GLM-5.1-FP8", False),  # same architecture, another checkpoint: loads and does the wrong thing
+    ("zai-org/GLM-5-FP8", False), ("zai-org/GLM-5.20", False), ("glm521", False),
+])
+def test_a_venti_adapter_must_name_glm_5_2_not_a_sibling_release(check, tmp_path, declared, ok):
+    """A base name matches where the declared text does not go on with more version digits: the
+    old substring rule (and the bare "GLM-5" in venti's list) passed adapters trained on GLM-5 or
+    GLM-5.1, which share GLM-5.2's tensor names and shapes, so vLLM loads them without a word."""
+    layout = venti_layout(tmp_path / "m")
+    cfg = layout.adapter_config("L1")
+    cfg["base_model_name_or_path"] = declared
+    layout.write_adapter_config("L1", cfg)
+    code, report = check("venti", tmp_path / "m")
+    if ok:
+        assert "adapter.L1.base" not in failures(report), failures(report)
+    else:
+        assert code == ExitStatus.CHECK_FAILED
+        assert set(failures(report)) == {"adapter.L1.base"}
+        assert repr(declared) in failures(report)["adapter.L1.base"]
+
+
 def test_adapter_targets_absent_modules(check, tmp_path):
     tall_layout(tmp_path / "m", targets=("q_proj", "c_attn"))
     code, report = check("tall", tmp_path / "m")

@@ -361,11 +361,21 @@ def _adapter_base(cid: str, cfg_path: Path, config: dict[str, Any], profile: Pro
         same_dir = declared and Path(declared).expanduser().resolve() == profile.base_dir.resolve()
     except (OSError, ValueError, RuntimeError):  # a NUL byte, a symlink loop: not the base directory
         same_dir = False
-    if same_dir or any(b.lower() in declared.lower() for b in spec.base_names):
+    if same_dir or any(names_base(declared, b) for b in spec.base_names):
         return CheckResult(f"{cid}.base", "pass", f"declared base {declared!r}")
     expected = " or ".join(repr(b) for b in spec.base_names)
     return CheckResult(f"{cid}.base", "fail",
-                       f"{cfg_path}: base_model_name_or_path is {declared!r}, expected a name containing {expected} or {profile.base_dir}")
+                       f"{cfg_path}: base_model_name_or_path is {declared!r}, expected a name containing {expected} "
+                       f"(not followed by more version digits) or {profile.base_dir}")
+
+
+def names_base(declared: str, base_name: str) -> bool:
+    """`base_name` occurs in `declared` (case-insensitive) where the text does not go on with more
+    version digits: "GLM-5.2" is in "zai-org/GLM-5.2-FP8" and "/root/glm52_local", not in
+    "GLM-5.20"; "GLM-5" is not in "GLM-5.1". Sibling releases share tensor names and shapes, so
+    vLLM loads an adapter trained on the wrong one without a word (peers-and-engines: base
+    compatibility)."""
+    return re.search(re.escape(base_name) + r"(?![0-9]|\.[0-9])", declared, re.IGNORECASE) is not None
 
 
 def _adapter_weights(cid: str, weights: Path, rank: int | None) -> tuple[SafetensorsHeader | None, CheckResult]:
