@@ -16,7 +16,8 @@ from molctl.stacks import component_url
 from molctl.state import lock_holder
 from tests.helpers import Molctl, exit_status, free_port, wait_for
 from tests.test_lifecycle import gone, host  # noqa: F401 - fixture
-from tests.test_lifecycle_safety import _add_tiny_b, _alive, _answers
+from tests.test_lifecycle_safety import _add_tiny_b, _answers
+from tests.procs import alive
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
@@ -50,7 +51,7 @@ def test_a_switch_to_ports_a_stranger_holds_stops_nothing(host):
     assert r.exit_code == ExitStatus.CONFLICT, r.stderr
     assert f"127.0.0.1:{port}" in r.stderr and "the running stack was left alone" in r.stderr
     assert "was stopped" not in r.stderr
-    assert host.stack_pids() == old and all(map(_alive, old))
+    assert host.stack_pids() == old and all(map(alive, old))
     # the ports the running stack holds are its own: the same switch on them goes through
     assert host.molctl("switch", "tiny-b", *host.args()).exit_code == ExitStatus.OK
 
@@ -62,7 +63,7 @@ def test_an_interrupted_switch_says_what_of_the_old_stack_still_runs(host):
     assert host.up(env={"FAKE_IGNORE_TERM": "1"}).exit_code == ExitStatus.OK  # the engine's stop takes its time
     records = host.records()
     proc = host.start("switch", "tiny-b", *host.args("--stop-timeout", "60"))
-    assert wait_for(lambda: not _alive(records["proxy"].pid), timeout=30)
+    assert wait_for(lambda: not alive(records["proxy"].pid), timeout=30)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert exit_status(proc.returncode) == ExitStatus.INTERRUPTED, err
@@ -73,7 +74,7 @@ def test_an_interrupted_switch_says_what_of_the_old_stack_still_runs(host):
     up, down = shlex.split(m.group(1)), shlex.split(m.group(2))
     assert up[0] == "molctl" and up[up.index("up"):][:2] == ["up", "tiny"], err
     assert down == ["molctl", "--state-dir", str(host.state.absolute()), "down", "tiny"], err
-    assert _alive(engine.pid)
+    assert alive(engine.pid)
     finish = Molctl(None)(*down[1:], "--stop-timeout", "1")  # the printed command, verbatim
     assert finish.exit_code == ExitStatus.OK, finish.stderr
     assert gone([engine.pid]) and host.records() == {}
@@ -144,6 +145,6 @@ def test_an_up_started_ignoring_sighup_keeps_ignoring_it(host):
     pids = host.stack_pids()
     proc.send_signal(signal.SIGHUP)
     time.sleep(1)
-    assert proc.poll() is None and all(map(_alive, pids))
+    assert proc.poll() is None and all(map(alive, pids))
     assert wait_status(proc, 60) == ExitStatus.OK, proc.stderr.read()
     assert set(host.records()) == {"engine", "proxy"}
