@@ -75,6 +75,12 @@ DEFAULT_CONFIG = {
     # a request without a hop header whose last message is a user message with exactly this text
     # is a summary hop (the upstream labels only its route hop, with X-MOL-Internal-Hop)
     "summary_marker": None,
+    # `--scheduling-policy` (argv, or config): a request whose `priority` is not 0 under "fcfs" is
+    # a 400, "Got priority N but Priority scheduling is not enabled." (vLLM's v0 engine and early
+    # v1 processors raise it in add_request; vLLM 0.32 ignores the field instead): the stricter
+    # behaviour, so a proxy sending priorities to an engine not started for them fails here.
+    # None: no check (the fake SGLang, which ignores the field unless started for it)
+    "scheduling_policy": "fcfs",
 }
 
 
@@ -206,11 +212,13 @@ async def chat(request: web.Request) -> web.StreamResponse:
     model = payload.get("model")
     STATE.log.append({"hop": hop, "model": model, "messages": payload.get("messages"), "payload": payload,
                       "t": time.time(), "request_id": request.headers.get("X-Request-Id")})
-    if cfg["strict"]:
-        rejected = strict_violation(payload)
-        if rejected is not None:
-            STATE.log[-1]["rejected"] = json.loads(rejected.text)["error"]["message"]
-            return rejected
+    rejected = strict_violation(payload) if cfg["strict"] else None
+    priority = payload.get("priority", 0)
+    if rejected is None and priority != 0 and cfg["scheduling_policy"] == "fcfs":
+        rejected = vllm_error(f"Got priority {priority} but Priority scheduling is not enabled.")
+    if rejected is not None:
+        STATE.log[-1]["rejected"] = json.loads(rejected.text)["error"]["message"]
+        return rejected
     usage = {"prompt_tokens": 10, "total_tokens": 13, "completion_tokens": 3,
              "prompt_tokens_details": {"cached_tokens": 4, "created_cache_tokens": 0, "multimodal_tokens": None},
              "completion_tokens_details": None}
@@ -438,9 +446,12 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--config", default="{}", help="initial config JSON")
+    parser.add_argument("--scheduling-policy", default=None)
     args, _ = parser.parse_known_args()
     STATE.base.update(json.loads(args.config))
     STATE.config.update(json.loads(args.config))
+    if args.scheduling_policy:
+        STATE.config["scheduling_policy"] = STATE.base["scheduling_policy"] = args.scheduling_policy
     if args.served_model_name:
         STATE.config["served_name"] = STATE.base["served_name"] = args.served_model_name
     env = os.environ

@@ -485,6 +485,9 @@ def main() -> None:
     for target in (base.STATE.base, base.STATE.config):
         target.update(json.loads(args.config))
         target["served_name"] = SGL.served
+        # SGLang ignores a request's priority unless --enable-priority-scheduling (its
+        # abort_on_priority_when_disabled is off by default): no vLLM-style 400 here
+        target["scheduling_policy"] = None
         if SGL.lora_paths:
             target["adapters"] = list(SGL.lora_paths)
     if env.get("FAKE_ADAPTERS") is not None:

@@ -77,10 +77,13 @@ def running(argv: list[str], ready_url: str | None = None, env: dict | None = No
             out.close()
 
 
-def fake_engine_argv(port: int, config: dict | None = None) -> list[str]:
+def fake_engine_argv(port: int, config: dict | None = None, scheduling_policy: str = "priority") -> list[str]:
+    """The fake vLLM, started as the tiny profile starts vLLM (`--scheduling-policy priority`:
+    the proxy's route hops carry a priority)."""
     import json
 
-    return [sys.executable, str(ROOT / "tests" / "fake_engine.py"), "--port", str(port), "--config", json.dumps(config or {})]
+    return [sys.executable, str(ROOT / "tests" / "fake_engine.py"), "--port", str(port), "--config", json.dumps(config or {}),
+            "--scheduling-policy", scheduling_policy]
 
 
 def proxy_argv(profile: str, upstream: str, port: int, *extra: str) -> list[str]:

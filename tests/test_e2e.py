@@ -264,6 +264,10 @@ def test_instructions_reach_every_hop_in_one_leading_system_message(stack):
     head = answer.split("<|im_end|>", 1)[0]  # identity, then the client's instructions in order
     assert head.index(identity) < head.index("Example Corp") < head.index("Answer in plain text"), head
     assert "You are the dispatcher" in by_hop(hops)["route"]["prompt"].split("<|im_end|>", 1)[0]
+    # the tiny profile starts vLLM with --scheduling-policy priority: the route hop, and only it,
+    # carries the urgent priority, and the real engine ran it (it is in the engine's request log)
+    assert by_hop(hops)["route"]["body"]["priority"] == -1
+    assert "priority" not in by_hop(hops)["answer"]["body"] and "priority" not in by_hop(hops)["summary"]["body"]
 
     convo += [{"role": "assistant", "content": text}, {"role": "system", "content": "From now on, answer in French."},
               {"role": "user", "content": "Plan a trip to Kyoto."}]

@@ -203,6 +203,15 @@ class Engine(abc.ABC):
     def adapter_model(self, profile: Profile, route: str) -> str:
         """The `model` field that selects an adapter in a request to the engine."""
 
+    def route_priority(self, profile: Profile) -> int | None:
+        """The `priority` field of the proxy's route hops, or None (not sent) unless the profile
+        starts the engine with priority scheduling (see the engine modules). A route hop is a few
+        tokens a request's answer waits on: in a full engine it then goes before the waiting
+        answers and summaries instead of behind them. Answers and summaries keep the engine's
+        default: summaries ranked last would starve under steady load, and an adapter switch
+        waits on its summary (the proxy-side version of that was tried and reverted, 2026-12-01)."""
+        return None
+
     # Readiness hooks (molctl.readiness calls these; the engine modules say what their engine does)
     # The path that reports the running server's version, or None: not checked at runtime.
     version_path: str | None = None

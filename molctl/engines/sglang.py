@@ -231,6 +231,15 @@ class SglangEngine(Engine):
     def adapter_model(self, profile: Profile, route: str) -> str:
         return f"{profile.engine.served_name}:{route}"
 
+    def route_priority(self, profile: Profile) -> int | None:
+        # `--enable-priority-scheduling`: a higher value runs first, unless
+        # `--schedule-low-priority-values-first` (server_args.py); without the first flag SGLang
+        # ignores the field (abort_on_priority_when_disabled is off by default), so none is sent.
+        args = profile.engine.args
+        if args.get("enable-priority-scheduling") is not True:
+            return None
+        return -1 if args.get("schedule-low-priority-values-first") is True else 1
+
     def guided_choice(self, labels: list[str]) -> dict:
         return {"regex": "(" + "|".join(labels) + ")"}
 

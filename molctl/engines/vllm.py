@@ -68,6 +68,13 @@ class VllmEngine(Engine):
     def adapter_model(self, profile: Profile, route: str) -> str:
         return route
 
+    def route_priority(self, profile: Profile) -> int | None:
+        # `--scheduling-policy priority`: the waiting queue ordered by (priority, arrival), lower
+        # first (vllm/v1/core/sched/scheduler.py, request_queue.py). Without it a non-zero
+        # priority is a 400 in the vLLM versions that check it ("Got priority N but Priority
+        # scheduling is not enabled.": the v0 engine and early v1 processors), so none is sent.
+        return -1 if profile.engine.args.get("scheduling-policy") == "priority" else None
+
     def guided_choice(self, labels: list[str]) -> dict:
         return {"structured_outputs": {"choice": labels}}
 

@@ -183,6 +183,7 @@ class Orchestrator:
         self.route_instruction = route_instruction(profile)
         self.summary_instruction = profile.substitute(profile.prompts.summary).strip()
         self.adapter_models = {r: engine.adapter_model(profile, r) for r in ROUTES}
+        self.route_priority = engine.route_priority(profile)
         self.engine_names = [*self.adapter_models.values(), *ROUTES, profile.engine.served_name]
         self.window = context_window(profile)
         self.route_tokens = min(profile.proxy.route_max_tokens, max(len(r) for r in ROUTES))
@@ -279,6 +280,8 @@ class Orchestrator:
         }
         if self.profile.proxy.reasoning != "none":
             payload["chat_template_kwargs"] = {"enable_thinking": False}
+        if self.route_priority is not None:
+            payload["priority"] = self.route_priority
         return payload
 
     async def route(self, plan: Plan) -> None:
