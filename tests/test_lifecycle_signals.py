@@ -15,9 +15,9 @@ from molctl.errors import ExitStatus
 from molctl.stacks import component_url
 from molctl.state import lock_holder
 from tests.helpers import Molctl, exit_status, free_port, wait_for
+from tests.procs import alive
 from tests.test_lifecycle import gone, host  # noqa: F401 - fixture
 from tests.test_lifecycle_safety import _add_tiny_b, _answers
-from tests.procs import alive
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
