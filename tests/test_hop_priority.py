@@ -87,3 +87,24 @@ def test_the_fake_engine_refuses_a_priority_as_vllm_without_priority_scheduling(
 def test_the_route_priority_follows_the_engines_own_flags(profile, sets, expected):
     p = load_profile(profile, profile_dirs(), sets)
     assert get_engine(p.engine.kind).route_priority(p) == expected
+
+
+def test_a_proxy_in_front_of_an_engine_without_priority_scheduling_drops_the_priority_once(keyfile, tmp_path):  # noqa: F811
+    """`molctl proxy tiny --upstream` in front of a vLLM started without the profile's
+    `--scheduling-policy priority` (the harness's scripts, say): the first route hop's 400 is
+    retried without the priority, said once in the proxy's log, and later route hops carry none;
+    every request is routed, none falls back."""
+    engine_port, proxy_port = free_ports(2)
+    engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
+    log = tmp_path / "proxy.log"
+    with running(fake_engine_argv(engine_port, scheduling_policy="fcfs"), engine_url + "/health"), \
+            running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(keyfile)), proxy_url + "/health",
+                    log=log):
+        st = Stack(engine_url, proxy_url)
+        for label in ("L1", "L3", "L2"):
+            assert st.chat([{"role": "user", "content": f"[route:{label}] go"}]).choices[0].message.content
+            assert [e["model"] for e in st.log("answer")][-1] == label
+        routes = st.log("route")
+        assert [e["payload"].get("priority") for e in routes] == [-1, None, None, None]
+        assert [("rejected" in e) for e in routes] == [True, False, False, False]
+    assert log.read_text().count("the engine refuses request priorities") == 1

@@ -169,6 +169,12 @@ def prompt_token_bound(messages: list[dict[str, Any]], tools: Any) -> int:
     return size + (len(fastjson.dumps_bytes(tools)) if tools else 0) + 64
 
 
+def refuses_priority(exc: EngineHTTPError) -> bool:
+    """vLLM's refusal of a request priority by an engine not started with priority scheduling
+    (a 400, "Got priority N but Priority scheduling is not enabled.")."""
+    return exc.status == 400 and "priority scheduling is not enabled" in exc.message().lower()
+
+
 class Orchestrator:
     def __init__(self, profile: Profile, engine: Engine, client: EngineClient, store: ConversationStore,
                  counters: Counters | None = None, summary_concurrency: int | None = None, summary_timeout_s: float = 120.0,
@@ -329,7 +335,20 @@ class Orchestrator:
 
     async def _route_hop(self, plan: Plan, payload: dict[str, Any]) -> dict[str, Any]:
         async with self.admission.routes.slot(plan.tenant):
-            return checked_completion(await self.client.chat(payload, "route", request_id=plan.request_id))
+            try:
+                return checked_completion(await self.client.chat(payload, "route", request_id=plan.request_id))
+            except EngineHTTPError as exc:
+                if "priority" not in payload or not refuses_priority(exc):
+                    raise
+                # `molctl proxy PROFILE --upstream` in front of an engine started without the
+                # profile's priority scheduling: said once, then route hops carry no priority
+                if self.route_priority is not None:
+                    self.route_priority = None
+                    log.warning("the engine refuses request priorities (%s): route hops are sent without "
+                                "one; start it with the profile's flags (vLLM: --scheduling-policy priority) "
+                                "or set engine.args.scheduling-policy: fcfs", exc.message())
+                payload = {k: v for k, v in payload.items() if k != "priority"}
+                return checked_completion(await self.client.chat(payload, "route", request_id=plan.request_id))
 
     # ---------------------------------------------------------------- answer
     async def _admit(self, plan: Plan) -> None:
