@@ -431,7 +431,8 @@ def make_app() -> web.Application:
 def main() -> None:
     """Also runs as a profile's engine (`engine.python` = a wrapper script): it then takes the
     vLLM-style argv and FAKE_* environment variables from the profile's engine.env:
-    FAKE_STARTUP_DELAY (s before listening), FAKE_EXIT (exit with this code during start-up),
+    FAKE_STARTUP_DELAY (s before listening), FAKE_STARTUP_GATE (a path: then wait until that file
+    exists, so that a test decides when the start-up ends, whatever the machine's speed), FAKE_EXIT (exit with this code during start-up),
     FAKE_IGNORE_TERM (ignore SIGTERM), FAKE_CHILD (`1`: leave a child process in the group, like
     vLLM's EngineCore; `retitle`: one that also renames itself with setproctitle, as vLLM's do;
     `gpu`: one that holds FAKE_GPU_GIB GiB (default 4) of CUDA memory through torch, for the checks
@@ -488,6 +489,9 @@ def main() -> None:
     for i in range(2):
         print(f"Loading safetensors checkpoint shards: {50 * (i + 1)}% Completed | {i + 1}/2", flush=True)
     time.sleep(float(env.get("FAKE_STARTUP_DELAY", "0")))
+    gate = env.get("FAKE_STARTUP_GATE")
+    while gate and not os.path.exists(gate):
+        time.sleep(0.05)
     if env.get("FAKE_EXIT"):
         print("RuntimeError: CUDA out of memory (simulated)", flush=True)
         sys.exit(int(env["FAKE_EXIT"]))

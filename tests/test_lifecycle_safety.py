@@ -244,14 +244,21 @@ def test_switch_holds_the_lock_throughout_and_a_failed_switch_says_how_to_go_bac
     _add_tiny_b(host)
     assert host.up().exit_code == ExitStatus.OK
     old = host.stack_pids()
-    proc = host.start("switch", "tiny-b", *host.args("--stop-timeout", "5", env={"FAKE_STARTUP_DELAY": "2"}))
+    # tiny-b's engine loads until the test opens the gate: a fixed delay raced with the blocked `up`
+    # below (a new interpreter, the CLI's imports, the profile), which on a loaded runner could reach
+    # the lock after the switch had finished ("profile tiny-b is running", not "switch tiny-b")
+    gate = host.tmp / "tiny-b-loaded"
+    proc = host.start("switch", "tiny-b", *host.args("--stop-timeout", "5", env={"FAKE_STARTUP_GATE": str(gate)}))
     from molctl.state import lock_holder
 
-    assert wait_for(lambda: "engine" in host.records("tiny-b"))
-    holder = lock_holder(host.state)
-    assert (holder.action, holder.profile) == ("switch", "tiny-b")  # not a second, separate `up tiny-b`
-    blocked = host.up()
-    assert blocked.exit_code == ExitStatus.CONFLICT and "switch tiny-b" in blocked.stderr
+    try:
+        assert wait_for(lambda: "engine" in host.records("tiny-b"))
+        holder = lock_holder(host.state)
+        assert (holder.action, holder.profile) == ("switch", "tiny-b")  # not a second, separate `up tiny-b`
+        blocked = host.up()
+        assert blocked.exit_code == ExitStatus.CONFLICT and "switch tiny-b" in blocked.stderr
+    finally:
+        gate.touch()
     assert wait_status(proc, 60) == ExitStatus.OK, proc.stderr.read()
     assert gone(old)
     # logs without a profile: the running stack (tiny-b), not exit 2
