@@ -21,7 +21,7 @@ from molctl.errors import ExitStatus
 from molctl.profiles import builtin_profiles_dir
 from molctl.progress import SilentProgress
 from molctl.state import read_records
-from tests.helpers import CliResult, Molctl, free_ports, url, wait_status
+from tests.helpers import CliResult, Molctl, free_ports, url, wait_for, wait_status
 from tests.layouts import make_layout
 from tests.procs import alive, fake_engine_python, stop
 
@@ -228,14 +228,18 @@ def test_record_with_reused_pid_is_never_signalled(host):
 
 
 def test_two_concurrent_ups(host):
-    first = host.start("up", "tiny", *host.args(env={"FAKE_STARTUP_DELAY": "3"}))
-    deadline = time.monotonic() + 10
-    while not (host.state / "tiny" / "engine.json").exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    r = host.up()
-    assert r.exit_code == ExitStatus.CONFLICT
-    assert "state lock" in r.stderr and f"pid {first.pid}" in r.stderr and "up tiny" in r.stderr
-    assert f"kill -INT {first.pid}" in r.stderr  # how to stop the holder
+    # the engine loads until the test opens the gate: with a fixed delay the second `up` (a new
+    # interpreter) could reach the lock after the first had finished, and exit 0 "already running"
+    gate = host.tmp / "loaded"
+    first = host.start("up", "tiny", *host.args(env={"FAKE_STARTUP_GATE": str(gate)}))
+    try:
+        assert wait_for(lambda: (host.state / "tiny" / "engine.json").exists(), 30)
+        r = host.up()
+        assert r.exit_code == ExitStatus.CONFLICT, r.stderr
+        assert "state lock" in r.stderr and f"pid {first.pid}" in r.stderr and "up tiny" in r.stderr
+        assert f"kill -INT {first.pid}" in r.stderr  # how to stop the holder
+    finally:
+        gate.touch()
     assert wait_status(first, 60) == ExitStatus.OK
 
 
