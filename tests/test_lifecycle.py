@@ -406,14 +406,19 @@ def test_down_keeps_the_record_while_nvml_shows_the_stack(host):
 
 
 def test_up_waits_for_an_engine_an_earlier_killed_up_left_loading(host):
-    first = host.start("up", "tiny", *host.args(env={"FAKE_STARTUP_DELAY": "4"}))
+    # The engine must still be loading when the second `up` (a new interpreter) looks at it, or that
+    # `up` finds the stack ready and never says "still running": 10 s of loading leaves room for the
+    # kill and a slow start on a loaded runner. Both calls use the same value: another engine.env is
+    # another configuration, which `up` refuses (CONFLICT).
+    loading = {"FAKE_STARTUP_DELAY": "10"}
+    first = host.start("up", "tiny", *host.args(env=loading))
     deadline = time.monotonic() + 10
     while "proxy" not in host.records() and time.monotonic() < deadline:
         time.sleep(0.05)
     engine_pid = host.records()["engine"].pid
     os.kill(first.pid, signal.SIGKILL)  # the terminal went away; the engine keeps loading
     first.wait(5)
-    r = host.up(env={"FAKE_STARTUP_DELAY": "4"})
+    r = host.up(env=loading)
     assert r.exit_code == ExitStatus.OK, r.stderr
     assert "still running" in r.stdout
     assert host.records()["engine"].pid == engine_pid  # adopted, not restarted
