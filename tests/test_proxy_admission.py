@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from molctl.profiles import load_profile, profile_dirs
-from tests.helpers import free_port
+from tests.helpers import free_port, wait_for
 from tests.procs import fake_engine_argv, proxy_argv, running
 
 KEYS = ["sk-adm-heavy", "sk-adm-light-1", "sk-adm-light-2"]
@@ -64,6 +64,16 @@ def proxy(engine_url: str, keyfile, tmp_path, *sets: str):
     argv = proxy_argv("tiny", engine_url, port, "--api-key-file", str(keyfile), "--store", "memory",
                       *(a for s in sets for a in ("--set", s)))
     return running(argv, url + "/health", log=tmp_path / "proxy.log"), Stack(engine_url, url)
+
+
+async def answering(s: Stack, text: str, timeout: float = 10.0) -> None:
+    """Wait until the engine has received the answer hop of `text`: its request holds an answer
+    slot (taken before the route hop) for the engine's whole answer_delay from then on. A fixed
+    sleep assumed that within 0.3-0.5 s on a loaded runner."""
+    deadline = time.monotonic() + timeout
+    while text not in await asyncio.to_thread(s.answers):
+        assert time.monotonic() < deadline, f"{text!r} not answered within {timeout} s"
+        await asyncio.sleep(0.05)
 
 
 async def ask(client: openai.AsyncOpenAI, text: str, api: str = "chat", stream: bool = False):
@@ -165,12 +175,15 @@ def test_wait_deadline_is_429_and_draining_stays_503(engine, keyfile, tmp_path):
             async with s.client(KEYS[2]) as client:
                 await ask(client, "in flight during the drain")
 
+        s.config(answer_delay=3.0)  # in flight for 3 s from its answer hop on: the drain waits for it
         holder = threading.Thread(target=lambda: asyncio.run(hold()))
         holder.start()
         try:
-            time.sleep(0.5)
+            # in flight (a fixed 0.5 s sleep could signal an idle proxy, which exits at once: the POST
+            # below then failed to connect instead of getting 503)
+            assert wait_for(lambda: "in flight during the drain" in s.answers(), 10)
             proc.send_signal(signal.SIGTERM)
-            time.sleep(0.3)
+            assert wait_for(lambda: httpx.get(s.proxy_url + "/health").json()["status"] == "draining", 5)
             r = httpx.post(s.proxy_url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEYS[1]}"},
                            json={"model": PUBLIC, "messages": [{"role": "user", "content": "x"}]})
             assert r.status_code == 503 and "retry-after" in r.headers
@@ -190,7 +203,7 @@ def test_the_log_line_of_a_refused_or_abandoned_request_shows_its_queue_wait(eng
         async def main():
             async with s.client(KEYS[0]) as client:
                 holder = asyncio.ensure_future(ask(client, "holds the slot"))
-                await asyncio.sleep(0.3)
+                await answering(s, "holds the slot")
                 refused = None
                 try:
                     await client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "refused"}],
@@ -228,7 +241,7 @@ def test_a_stream_queued_longer_than_the_keepalive_is_still_a_real_429(engine, k
         async def main():
             async with s.client(KEYS[0]) as holder_client, s.client(KEYS[1]) as client:
                 holder = asyncio.ensure_future(ask(holder_client, "holds the slot"))
-                await asyncio.sleep(0.3)
+                await answering(s, "holds the slot")
                 refused = await ask(client, "queued stream", api, stream=True)
                 await holder
                 return refused
