@@ -320,7 +320,9 @@ def test_a_request_waiting_for_another_adapters_summary_gives_its_slot_back(engi
 
         y_s, y, x = asyncio.run(main())
     assert y.choices[0].message.content and x.choices[0].message.content
-    assert y_s < 1.5, y_s  # was ~3 s: queued behind X's idle slot
+    # was ~3 s: queued behind X's idle slot until its 3 s summary wait ended; 2.5 s leaves a loaded
+    # runner room for Y's own route and answer hops and still tells the two apart
+    assert y_s < 2.5, y_s
 
 
 @pytest.mark.parametrize("api", ["chat", "responses"])
