@@ -117,9 +117,11 @@ def test_up_ready_status_and_down_with_children(host):
 
 def test_readiness_waits_for_the_warm_up(host):
     """/health is 503 until the warm-up request succeeded; the wait shows it as warming up."""
-    r = host.up("--timeout", "3", env={"FAKE_WARMUP_DELAY": "60"})
+    # 8 s for the fake launcher (a new interpreter, aiohttp, two children) to reach its 60 s warm-up
+    # on a loaded runner: with 3 s the phase shown could still be "loading model" or "KV cache"
+    r = host.up("--timeout", "8", env={"FAKE_WARMUP_DELAY": "60"})
     assert r.exit_code == ExitStatus.TIMEOUT, r.stderr
-    assert "not ready within 3 s" in r.stderr and "SGLang: warming up" in r.stderr
+    assert "not ready within 8 s" in r.stderr and "SGLang: warming up" in r.stderr
     assert host.records() == {} and host.sglang_children() == [] and port_free(host.engine_port)
 
 
