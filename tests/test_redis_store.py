@@ -244,17 +244,27 @@ def test_a_pending_turn_of_another_replica_is_awaited_until_its_summary_lands(re
     asyncio.run(main())
 
 
+async def _registered(b, owner: str, timeout: float = 10.0):
+    """b's view of `owner`'s registration, polled until it shows (its first heartbeat: a new Redis
+    connection and a SET, which a loaded runner may not land within a fixed sleep)."""
+    deadline = time.monotonic() + timeout
+    while (choice := await b.engine_for(owner)) is None and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    return choice
+
+
 def test_heartbeat_registers_and_lapses(redis, r):
     async def main():
-        a = state(redis, replica_id="a", advertise_upstream="http://10.0.0.1:8000", heartbeat_s=0.05, heartbeat_ttl_s=0.3)
+        # TTL 3 s: with 0.3 s the key expired on the server whenever this process stalled that long
+        # between beats; the lapse tested here is close() unregistering, at once (well within 3 s)
+        a = state(redis, replica_id="a", advertise_upstream="http://10.0.0.1:8000", heartbeat_s=0.05, heartbeat_ttl_s=3)
         b = state(redis, replica_id="b")
 
         async def healthy():
             return True
 
         a.start_heartbeat(healthy)
-        await asyncio.sleep(0.2)
-        choice = await b.engine_for("a")
+        choice = await _registered(b, "a")
         assert choice is not None and (choice.replica, choice.url) == ("a", "http://10.0.0.1:8000")
         assert await b.engine_for("b") is None  # its own conversations stay local
         assert await b.engine_for(None) is None
@@ -270,15 +280,16 @@ def test_a_heartbeat_is_fresh_by_its_redis_ttl_whatever_the_replicas_clocks(redi
     """Replica b's wall clock runs 30 s ahead of a's: a's heartbeat (alive in Redis) still counts
     as fresh for b; its freshness is the key's TTL on the Redis server, not the writers' clocks."""
     async def main():
-        a = state(redis, replica_id="a", advertise_upstream="http://10.0.0.1:8000", heartbeat_s=0.05, heartbeat_ttl_s=0.3)
+        # TTL 3 s (0.3 s could expire on the server during a stall): still far below b's 30 s lead,
+        # so a freshness judged by the clocks would still call a's beat stale
+        a = state(redis, replica_id="a", advertise_upstream="http://10.0.0.1:8000", heartbeat_s=0.05, heartbeat_ttl_s=3)
         b = state(redis, replica_id="b", clock=lambda: time.time() + 30)
 
         async def healthy():
             return True
 
         a.start_heartbeat(healthy)
-        await asyncio.sleep(0.2)
-        choice = await b.engine_for("a")
+        choice = await _registered(b, "a")
         assert choice is not None and choice.url == "http://10.0.0.1:8000"
         await a.close()
         await b.close()
@@ -303,7 +314,10 @@ def test_two_proxies_under_one_replica_id_are_reported(redis, r, caplog):
         b = state(redis, replica_id="gpu-node:8200", advertise_upstream="http://10.0.0.2:8000", heartbeat_s=0.02, heartbeat_ttl_s=1)
         a.start_heartbeat(healthy)
         b.start_heartbeat(healthy)
-        await asyncio.sleep(0.3)
+        deadline = time.monotonic() + 5  # until one says it (was a fixed 0.3 s)
+        while not [rec for rec in caplog.records if "replica id" in rec.getMessage()] and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)  # then more beats: each process must say it once, not at each beat
         await a.close()
         await b.close()
 
