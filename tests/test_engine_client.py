@@ -15,6 +15,7 @@ from molctl.proxy import fastjson
 from molctl.proxy.engine_client import STALE_CLOSE_S, EngineClient, checked_completion
 from molctl.proxy.errors import EngineHTTPError, EngineUnavailable
 from tests.conftest import free_port
+from tests.helpers import wait_for
 from tests.procs import fake_engine_argv, running
 
 PAYLOAD = {"model": "L1", "messages": [{"role": "user", "content": "héllo [route:L2]"}], "max_tokens": 8}
@@ -104,6 +105,9 @@ def test_stream_events_until_done_and_a_cancelled_stream_closes_the_request(engi
     try:
         first, idle = run(with_client(engine, first_then_cancel))
     finally:
+        # the engine (another process) logs the close at its next token write: polled, not assumed
+        # done within the 0.5 s above
+        wait_for(lambda: any(e.get("event") == "client_gone" for e in engine_log(engine)), 5)
         log = engine_log(engine)
         httpx.post(engine + "/_reset")
     assert "delta" in first["choices"][0] and idle == 0  # the unfinished connection is not pooled

@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from tests.helpers import free_port
+from tests.helpers import free_ports, wait_for
 from tests.procs import fake_engine_argv, proxy_argv, running
 from tests.test_http_protocol import _Server
 
@@ -47,7 +47,7 @@ def stack(tmp_path_factory):
     keyfile = tmp / "keys"
     keyfile.write_text(KEY + "\n")
     keyfile.chmod(0o600)
-    engine_port, proxy_port, metrics_port = free_port(), free_port(), free_port()
+    engine_port, proxy_port, metrics_port = free_ports(3)
     engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
     log = tmp / "proxy.log"
     with running(fake_engine_argv(engine_port), engine_url + "/health"), \
@@ -180,7 +180,9 @@ def test_key_guesses_on_the_probe_paths_are_logged_and_counted_and_head_is_a_pro
     r = httpx.head(stack.proxy_url + "/readyz")
     assert r.status_code in (200, 503) and r.content == b""
     assert httpx.get(stack.proxy_url + "/health").status_code == 200
-    time.sleep(0.2)
+    # the proxy counts and logs a request after its response: polled (was a fixed 0.2 s), then exact
+    wait_for(lambda: stack.counter("molctl_proxy_requests_total", api="other", status="401") >= before + 4, 5)
+    wait_for(lambda: len(stack.request_lines()) >= lines_before + 4, 5)
     assert stack.counter("molctl_proxy_requests_total", api="other", status="401") == before + 4
     new = stack.request_lines()[lines_before:]
     assert [(line["status"], line["error"], line["tenant"]) for line in new] == [(401, "invalid_api_key", None)] * 4, new
