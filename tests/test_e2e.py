@@ -35,10 +35,11 @@ import pytest
 from molctl.checks.template import Template, render
 from molctl.errors import ExitStatus
 from molctl.probes import PortProbe
+from molctl.processes import is_alive
 from molctl.profiles import load_profile, profile_dirs
 from molctl.proxy.errors import CONTEXT_MARKERS
 from molctl.state import read_records
-from tests.conftest import free_port
+from tests.helpers import free_port, free_ports
 from tests.procs import ROOT, alive, fake_engine_argv, running
 
 PUBLIC = "Macaron-Tiny-Demo"
@@ -59,7 +60,7 @@ class Stack:
         self.key = tmp / "key"
         self.key.write_text(KEY + "\n")
         self.key.chmod(0o600)
-        self.engine_port, self.proxy_port = free_port(), free_port()
+        self.engine_port, self.proxy_port = free_ports(2)
         self.engine = f"http://127.0.0.1:{self.engine_port}"
         self.endpoint = f"http://127.0.0.1:{self.proxy_port}/v1"
         self.client = openai.OpenAI(base_url=self.endpoint, api_key=KEY, max_retries=0, timeout=120)
@@ -581,9 +582,11 @@ def test_down_leaves_no_process_and_frees_the_ports(stack):
     r = stack.molctl("down", "--drain-timeout", "30")
     assert r.returncode == ExitStatus.OK, r.stderr
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in procs):
+    # is_alive: one guarded check (is_running() then status() raised NoSuchProcess when the zombie was
+    # reaped between the two), keeping psutil's pid-reuse check
+    while time.monotonic() < deadline and any(is_alive(p) for p in procs):
         time.sleep(0.1)
-    survivors = [p.pid for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    survivors = [p.pid for p in procs if is_alive(p)]
     assert not survivors, survivors
     probe = PortProbe()
     assert probe.is_free("127.0.0.1", stack.engine_port) and probe.is_free("127.0.0.1", stack.proxy_port)
