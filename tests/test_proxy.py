@@ -15,7 +15,7 @@ import pytest
 
 from molctl.errors import ExitStatus
 from molctl.profiles import load_profile, profile_dirs
-from tests.helpers import free_port
+from tests.helpers import free_ports
 from tests.procs import fake_engine_argv, proxy_argv, running, wait_http
 
 KEY, KEY2 = "sk-test-one", "sk-test-two"
@@ -95,7 +95,7 @@ def keyfile(tmp_path_factory):
 @pytest.fixture(scope="module")
 def stack(keyfile, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
-    engine_port, proxy_port, metrics_port = free_port(), free_port(), free_port()
+    engine_port, proxy_port, metrics_port = free_ports(3)
     engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
     # strict: the fake engine rejects what vLLM and the Qwen3.5/3.6 templates reject (tiny's window: 2048)
     with running(fake_engine_argv(engine_port, STRICT), engine_url + "/health", log=logs / "engine.log"), \
@@ -414,8 +414,7 @@ def test_proxy_refuses_to_start_without_a_key(tmp_path):
 
 
 def test_engine_down(keyfile, tmp_path):
-    dead = free_port()
-    port = free_port()
+    dead, port = free_ports(2)
     url = f"http://127.0.0.1:{port}"
     with running(proxy_argv("tiny", f"http://127.0.0.1:{dead}", port, "--api-key-file", str(keyfile)), url + "/health"):
         client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
@@ -448,7 +447,7 @@ def test_engine_retry_after_reaches_the_client_bounded(s, engine_says, client_ge
 # ------------------------------------------------------------------------ drain
 
 def test_sigterm_during_stream_drains(keyfile, tmp_path):
-    engine_port, port = free_port(), free_port()
+    engine_port, port = free_ports(2)
     engine_url, url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{port}"
     with running(fake_engine_argv(engine_port, {"answer_delay": 1.5}), engine_url + "/health"), \
             running(proxy_argv("tiny", engine_url, port, "--api-key-file", str(keyfile)), url + "/health") as proxy:
@@ -485,7 +484,7 @@ def test_sigterm_while_a_request_body_is_still_arriving_drains_it(keyfile):
     cancelled the request after 5 s, the client got a bare 500 (a traceback in the log)."""
     import socket
 
-    engine_port, port, metrics_port = free_port(), free_port(), free_port()
+    engine_port, port, metrics_port = free_ports(3)
     engine_url, url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{port}"
     metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     body = json.dumps({"model": PUBLIC, "messages": [{"role": "user", "content": "[route:L2] a slow upload"}]}).encode()
@@ -528,7 +527,7 @@ def test_a_stalled_upload_gets_a_408_and_does_not_hold_a_drain(keyfile):
     admitted request that stalls does not hold a drain (SIGTERM, `molctl down`) to its deadline."""
     import socket
 
-    engine_port, port, metrics_port = free_port(), free_port(), free_port()
+    engine_port, port, metrics_port = free_ports(3)
     engine_url, url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{port}"
     metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     with running(fake_engine_argv(engine_port), engine_url + "/health"), \
@@ -558,7 +557,7 @@ def test_a_stalled_upload_gets_a_408_and_does_not_hold_a_drain(keyfile):
 # ------------------------------------------------------------------------ SGLang
 
 def test_sglang_adapter_naming(keyfile):
-    engine_port, port = free_port(), free_port()
+    engine_port, port = free_ports(2)
     engine_url, url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{port}"
     with running(fake_engine_argv(engine_port, {"served_name": "glm52-fp8-official"}), engine_url + "/health"), \
             running(proxy_argv("venti-sglang", engine_url, port, "--api-key-file", str(keyfile)), url + "/health"):

@@ -19,8 +19,7 @@ import pytest
 
 from molctl.engines import get_engine
 from molctl.proxy.conversations import MemoryStore, TurnRecord
-from tests.conftest import free_port
-from tests.helpers import wait_for
+from tests.helpers import free_ports, wait_for
 from tests.procs import fake_engine_argv, proxy_argv, running
 from tests.test_proxy import IDENTITY, KEY, PUBLIC, STRICT, TINY, fold, keyfile, s, stack  # noqa: F401 - fixtures
 
@@ -492,7 +491,7 @@ def test_prompt_cache_key_and_safety_identifier_are_accepted(s):
 def test_metrics_answer_during_a_drain(keyfile):  # noqa: F811 - fixture
     import signal
 
-    engine_port, port, metrics_port = free_port(), free_port(), free_port()
+    engine_port, port, metrics_port = free_ports(3)
     engine_url, proxy = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{port}"
     metrics = f"http://127.0.0.1:{metrics_port}/metrics"
     with running(fake_engine_argv(engine_port, {**STRICT, "answer_delay": 2.0}), engine_url + "/health"), \

@@ -12,7 +12,7 @@ from molctl.errors import ProfileError
 from molctl.profiles import load_profile, profile_dirs
 from molctl.proxy.errors import ProxyError
 from molctl.proxy.validation import check_media_url
-from tests.conftest import free_port
+from tests.helpers import free_ports
 from tests.procs import fake_engine_argv, proxy_argv, running
 from tests.test_proxy import KEY, PUBLIC, Stack, keyfile, s, stack  # noqa: F401 - fixtures
 
@@ -98,7 +98,7 @@ def test_the_responses_api_checks_input_image_urls_too(s):
 def media_stack(keyfile, tmp_path_factory):  # noqa: F811 - the fixture imported above
     """A proxy whose profile lets the engine fetch from one host (given in mixed case)."""
     logs = tmp_path_factory.mktemp("media-logs")
-    engine_port, proxy_port = free_port(), free_port()
+    engine_port, proxy_port = free_ports(2)
     engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
     with running(fake_engine_argv(engine_port), engine_url + "/health", log=logs / "engine.log"), \
             running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(keyfile),

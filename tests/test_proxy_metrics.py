@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from molctl.status import proxy_metrics
-from tests.helpers import free_port, wait_for
+from tests.helpers import free_port, free_ports, wait_for
 from tests.procs import fake_engine_argv, proxy_argv, running
 from tests.test_proxy import PUBLIC
 
@@ -64,7 +64,7 @@ def s(tmp_path_factory):
     keyfile = tmp / "keys"
     keyfile.write_text(KEY + "\n")
     keyfile.chmod(0o600)
-    engine_port, proxy_port, metrics_port = free_port(), free_port(), free_port()
+    engine_port, proxy_port, metrics_port = free_ports(3)
     engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
     log = tmp / "proxy.log"
     with running(fake_engine_argv(engine_port), engine_url + "/health"), \
@@ -276,14 +276,15 @@ def test_an_ipv6_metrics_host_is_served_and_a_bad_one_is_named(tmp_path):
 
     from tests.helpers import ROOT
 
-    proxy_port, metrics_port = free_port(), free_port()
+    proxy_port, metrics_port = free_ports(2)
     argv = proxy_argv("tiny", "http://127.0.0.1:9", proxy_port, "--allow-unauthenticated", "--store", "memory",
                       "--metrics-port", str(metrics_port), "--set", "proxy.metrics_host=::1")
     with running(argv, f"http://127.0.0.1:{proxy_port}/health", log=tmp_path / "proxy.log"):
         r = httpx.get(f"http://[::1]:{metrics_port}/metrics")
         assert r.status_code == 200 and "molctl_proxy_requests_total" in r.text
-    p = subprocess.run(proxy_argv("tiny", "http://127.0.0.1:9", free_port(), "--allow-unauthenticated", "--store", "memory",
-                                  "--metrics-port", str(free_port()), "--set", "proxy.metrics_host=no-such-host.invalid"),
+    proxy_port, metrics_port = free_ports(2)
+    p = subprocess.run(proxy_argv("tiny", "http://127.0.0.1:9", proxy_port, "--allow-unauthenticated", "--store", "memory",
+                                  "--metrics-port", str(metrics_port), "--set", "proxy.metrics_host=no-such-host.invalid"),
                        capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert p.returncode == 4, p.stderr
     assert p.stderr.count("\n") == 1 and "no-such-host.invalid" in p.stderr and "Unknown error" not in p.stderr, p.stderr

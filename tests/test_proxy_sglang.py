@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from molctl.profiles import load_profile, profile_dirs
-from tests.helpers import free_port
+from tests.helpers import free_ports
 from tests.procs import fake_sglang_argv, proxy_argv, running
 
 KEY = "sk-test-sglang"
@@ -51,7 +51,7 @@ def keyfile(tmp_path_factory):
 
 
 def _stack(keyfile, logs, cache_report=True):
-    engine_port, proxy_port = free_port(), free_port()
+    engine_port, proxy_port = free_ports(2)
     engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
     # /health answers 200 only after the fake's warm-up, as SGLang's
     return (running(fake_sglang_argv(engine_port, SERVED, cache_report=cache_report), engine_url + "/health",

@@ -18,7 +18,7 @@ import pytest
 from molctl.errors import ExitStatus
 from molctl.proxy.conversations import TurnRecord
 from molctl.proxy.redis_store import RedisConversationStore, RedisResponseStore, RedisState, parse_redis_url
-from tests.helpers import ROOT, free_port
+from tests.helpers import ROOT, free_port, free_ports
 from tests.procs import fake_engine_argv, proxy_argv, running
 from tests.redis_server import RedisServer
 from tests.test_proxy import KEY, PUBLIC, keyfile  # noqa: F401 - fixture
@@ -95,7 +95,7 @@ def test_an_unreadable_stored_value_is_ignored_not_a_crash(redis, r, garbage, ca
 
 def test_a_replica_serves_a_conversation_whose_stored_state_is_unreadable(redis, r, keyfile, tmp_path):
     """The same through a real proxy and the openai SDK: a 200 answered by its own engine."""
-    engine_port, proxy_port = free_port(), free_port()
+    engine_port, proxy_port = free_ports(2)
     engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
     with running(fake_engine_argv(engine_port), engine_url + "/health", log=tmp_path / "engine.log"), \
             running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(keyfile), "--replica-id", "B",
@@ -137,7 +137,7 @@ def test_a_read_only_store_is_refused_quietly_not_a_flapping_degradation(keyfile
     (tmp_path / "replica").mkdir()
     primary = RedisServer(None, "--dir", str(tmp_path / "primary")).start()
     replica = RedisServer(None, "--replicaof", "127.0.0.1", str(primary.port), "--dir", str(tmp_path / "replica")).start()
-    engine_port, proxy_port, metrics_port = free_port(), free_port(), free_port()
+    engine_port, proxy_port, metrics_port = free_ports(3)
     engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
     try:
         with running(fake_engine_argv(engine_port), engine_url + "/health", log=tmp_path / "engine.log"), \

@@ -26,7 +26,7 @@ from molctl.proxy.redis_store import (
     parse_redis_url,
     read_password,
 )
-from tests.helpers import ROOT, free_port
+from tests.helpers import ROOT, free_port, free_ports
 from tests.procs import fake_engine_argv, proxy_argv, running
 from tests.redis_server import RedisServer, redis_server
 from tests.test_proxy import KEY, PUBLIC, keyfile  # noqa: F401 - fixture
@@ -652,8 +652,8 @@ def test_a_redis_out_of_memory_refuses_writes_but_is_not_lost(caplog):
 # ------------------------------------------------------------------------------ the proxy
 
 def test_proxy_refuses_to_start_when_redis_is_unreachable(keyfile):
-    port = free_port()
-    out = subprocess.run(proxy_argv("tiny", "http://127.0.0.1:9", free_port(), "--api-key-file", str(keyfile),
+    port, proxy_port = free_ports(2)  # nothing listens on the first (the store)
+    out = subprocess.run(proxy_argv("tiny", "http://127.0.0.1:9", proxy_port, "--api-key-file", str(keyfile),
                                     "--set", f"proxy.store=redis://127.0.0.1:{port}/0"),
                          capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.returncode == ExitStatus.ERROR
@@ -666,7 +666,7 @@ def test_proxy_refuses_to_start_when_redis_is_unreachable(keyfile):
 def served(keyfile, tmp_path):
     """A fake engine, a Redis of its own (it gets stopped) and a proxy on it."""
     server = RedisServer().start()
-    engine_port, proxy_port, metrics_port = free_port(), free_port(), free_port()
+    engine_port, proxy_port, metrics_port = free_ports(3)
     engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
     try:
         with running(fake_engine_argv(engine_port), engine_url + "/health", log=tmp_path / "engine.log"), \
@@ -821,7 +821,7 @@ def test_password_file_authenticates_and_a_wrong_one_is_one_line(tmp_path, keyfi
     try:
         pw = tmp_path / "store-password"
         pw.write_text("s3cret\n")
-        engine_port, proxy_port = free_port(), free_port()
+        engine_port, proxy_port = free_ports(2)
         engine_url = f"http://127.0.0.1:{engine_port}"
         with running(fake_engine_argv(engine_port), engine_url + "/health"), \
                 running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(keyfile), "--set",
@@ -875,7 +875,7 @@ def relayed(keyfile, tmp_path):
     """A proxy whose Redis connections pass through a relay that counts round trips."""
     from tests.redis_relay import redis_relay
 
-    engine_port, proxy_port = free_port(), free_port()
+    engine_port, proxy_port = free_ports(2)
     engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
     with redis_server() as server, redis_relay(server.port) as relay, \
             running(fake_engine_argv(engine_port), engine_url + "/health", log=tmp_path / "engine.log"), \

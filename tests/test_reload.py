@@ -40,7 +40,7 @@ def write_keys(path, *keys: str) -> None:
 def test_sighup_rereads_the_key_file_without_dropping_a_stream(tmp_path):
     keyfile = tmp_path / "keys"
     write_keys(keyfile, OLD)
-    engine_port, proxy_port = free_port(), free_port()
+    engine_port, proxy_port = free_ports(2)
     engine_url, proxy_url = url(engine_port), url(proxy_port)
     log = tmp_path / "proxy.log"
     with running(fake_engine_argv(engine_port, {"token_delay": 0.1, "answer_words": 30}), engine_url + "/health"), \
@@ -90,7 +90,7 @@ def test_a_key_file_being_rewritten_in_place_is_read_once_it_is_complete(tmp_pat
     keyfile = tmp_path / "keys"
     write_keys(keyfile, OLD)
     keys = [f"sk-inplace-{i:03d}" for i in range(60)]
-    engine_port, proxy_port = free_port(), free_port()
+    engine_port, proxy_port = free_ports(2)
     engine_url, proxy_url = url(engine_port), url(proxy_port)
     with running(fake_engine_argv(engine_port), engine_url + "/health"), \
             running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(keyfile), "--store", "memory"),
@@ -223,7 +223,7 @@ def test_a_key_file_with_a_bom_and_crlf_keeps_every_key(tmp_path):
     and after a SIGHUP (the BOM once stuck to the first key, which was then refused)."""
     key_file = tmp_path / "keys"
     key_file.write_bytes(("\ufeff" + OLD + "\r\nsk-reload-second\r\n").encode())
-    engine_port, proxy_port = free_port(), free_port()
+    engine_port, proxy_port = free_ports(2)
     engine_url, proxy_url = url(engine_port), url(proxy_port)
     with running(fake_engine_argv(engine_port), engine_url + "/health"), \
             running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(key_file), "--store", "memory"),
@@ -259,7 +259,7 @@ def test_a_sighup_before_the_proxy_serves_does_not_end_it(tmp_path):
 
     key_file = tmp_path / "keys"
     os.mkfifo(key_file, 0o600)
-    engine_port, proxy_port = free_port(), free_port()
+    engine_port, proxy_port = free_ports(2)
     engine_url, proxy_url = url(engine_port), url(proxy_port)
     with running(fake_engine_argv(engine_port), engine_url + "/health"):
         proc = subprocess.Popen(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(key_file), "--store", "memory"),
@@ -292,7 +292,7 @@ def test_a_comment_line_in_the_key_file_is_not_a_key(tmp_path):
     key_file = tmp_path / "keys"
     key_file.write_text("# Ansible managed\n  # rotated 2026-11\n" + OLD + "\n")
     key_file.chmod(0o600)
-    engine_port, proxy_port = free_port(), free_port()
+    engine_port, proxy_port = free_ports(2)
     engine_url, proxy_url = url(engine_port), url(proxy_port)
     with running(fake_engine_argv(engine_port), engine_url + "/health"), \
             running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(key_file), "--store", "memory"),
@@ -341,7 +341,7 @@ def test_a_sighup_with_a_key_file_it_cannot_take_keeps_the_old_keys(tmp_path, sw
     stay, the log says why, the proxy keeps serving."""
     key_file = tmp_path / "keys"
     write_keys(key_file, OLD)
-    engine_port, proxy_port = free_port(), free_port()
+    engine_port, proxy_port = free_ports(2)
     engine_url, proxy_url = url(engine_port), url(proxy_port)
     log = tmp_path / "proxy.log"
     with running(fake_engine_argv(engine_port), engine_url + "/health"), \

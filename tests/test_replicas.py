@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.helpers import free_port
+from tests.helpers import free_port, free_ports
 from tests.procs import fake_engine_argv, proxy_argv, running, stop
 from tests.redis_server import redis_server
 from tests.test_proxy import IDENTITY, KEY, PUBLIC, STRICT, fold, keyfile  # noqa: F401 - fixture
@@ -41,7 +41,7 @@ class Replica:
 
 
 def start_replica(stack, name: str, redis_url: str, keyfile, logs, *extra: str) -> tuple[Replica, object, object]:
-    engine_port, proxy_port, metrics_port = free_port(), free_port(), free_port()
+    engine_port, proxy_port, metrics_port = free_ports(3)
     engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
     engine = stack.enter_context(running(fake_engine_argv(engine_port, STRICT), engine_url + "/health",
                                          log=logs / f"engine-{name}.log"))

@@ -14,7 +14,7 @@ import pytest
 
 from molctl.engines.sglang import ENGINE
 from molctl.profiles import load_profile, profile_dirs
-from tests.helpers import free_port
+from tests.helpers import free_port, free_ports
 from tests.procs import FAKE_SGLANG_PKG, ROOT, fake_engine_python, fake_sglang_argv, proxy_argv, running
 
 sys.path.insert(0, str(FAKE_SGLANG_PKG))
@@ -113,7 +113,7 @@ def strict_sglang(tmp_path_factory):
     """The fake SGLang in strict mode with a 100-token window (--context-length 100), and the
     venti-sglang proxy in front of it."""
     logs = tmp_path_factory.mktemp("logs")
-    engine_port, proxy_port = free_port(), free_port()
+    engine_port, proxy_port = free_ports(2)
     engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
     keys = logs / "keys"
     keys.write_text("sk-review")

@@ -26,7 +26,7 @@ from molctl.proxy.sqlite_store import (
     parse_store_spec,
     store_path,
 )
-from tests.helpers import ROOT, free_port
+from tests.helpers import ROOT, free_port, free_ports
 
 DAY = 24 * 3600
 
@@ -264,7 +264,7 @@ def test_previous_response_id_survives_a_proxy_restart(tmp_path):
 
     from tests.procs import fake_engine_argv, running
 
-    state, engine_port, port = tmp_path / "state", free_port(), free_port()
+    state, (engine_port, port) = tmp_path / "state", free_ports(2)
     engine = f"http://127.0.0.1:{engine_port}"
     argv = [sys.executable, "-m", "molctl", "--state-dir", str(state), "proxy", "tiny", "--upstream", engine,
             "--port", str(port), "--allow-unauthenticated"]
@@ -597,7 +597,7 @@ def test_chat_continuity_survives_a_proxy_restart(tmp_path):
     def fold(summary: str) -> dict:
         return {"role": "assistant", "content": profile.prompts.fold.replace("{summary}", summary)}
 
-    state, engine_port, port = tmp_path / "state", free_port(), free_port()
+    state, (engine_port, port) = tmp_path / "state", free_ports(2)
     engine = f"http://127.0.0.1:{engine_port}"
     argv = [sys.executable, "-m", "molctl", "--state-dir", str(state), "proxy", "tiny", "--upstream", engine,
             "--port", str(port), "--allow-unauthenticated"]
@@ -823,7 +823,7 @@ def test_a_turn_survives_a_crash_once_the_client_has_its_answer(tmp_path, commit
 
     from tests.procs import fake_engine_argv, running
 
-    state, engine_port, port = tmp_path / "state", free_port(), free_port()
+    state, (engine_port, port) = tmp_path / "state", free_ports(2)
     engine = f"http://127.0.0.1:{engine_port}"
     argv = [sys.executable, "-m", "molctl", "--state-dir", str(state), "proxy", "tiny", "--upstream", engine,
             "--port", str(port), "--allow-unauthenticated", "--set", f"proxy.state_commit_ms={commit_ms}"]
@@ -872,7 +872,7 @@ def test_a_drain_waits_for_the_summaries_of_the_turns_it_answered(tmp_path):
 
     from tests.procs import fake_engine_argv, running
 
-    state, engine_port, port = tmp_path / "state", free_port(), free_port()
+    state, (engine_port, port) = tmp_path / "state", free_ports(2)
     engine = f"http://127.0.0.1:{engine_port}"
     argv = [sys.executable, "-m", "molctl", "--state-dir", str(state), "proxy", "tiny", "--upstream", engine,
             "--port", str(port), "--allow-unauthenticated"]
@@ -900,7 +900,7 @@ def test_a_drain_does_not_wait_past_its_deadline_for_a_hung_summary(tmp_path):
 
     from tests.procs import fake_engine_argv, running
 
-    state, engine_port, port = tmp_path / "state", free_port(), free_port()
+    state, (engine_port, port) = tmp_path / "state", free_ports(2)
     engine = f"http://127.0.0.1:{engine_port}"
     argv = [sys.executable, "-m", "molctl", "--state-dir", str(state), "proxy", "tiny", "--upstream", engine,
             "--port", str(port), "--allow-unauthenticated", "--drain-timeout", "1"]
@@ -945,7 +945,7 @@ def test_a_stored_response_is_readable_by_another_process_as_soon_as_the_client_
 
     from tests.procs import fake_engine_argv, running
 
-    state, engine_port, port_a, port_b = tmp_path / "state", free_port(), free_port(), free_port()
+    state, (engine_port, port_a, port_b) = tmp_path / "state", free_ports(3)
     engine = f"http://127.0.0.1:{engine_port}"
 
     def argv(port):
@@ -1380,7 +1380,7 @@ def test_a_store_fault_during_a_request_is_a_500_and_one_log_line_not_a_tracebac
 
     from tests.procs import fake_engine_argv, running
 
-    state, engine_port, port = tmp_path / "state", free_port(), free_port()
+    state, (engine_port, port) = tmp_path / "state", free_ports(2)
     engine, url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{port}"
     argv = [sys.executable, "-m", "molctl", "--state-dir", str(state), "proxy", "tiny", "--upstream", engine,
             "--port", str(port), "--allow-unauthenticated"]
