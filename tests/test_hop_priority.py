@@ -13,9 +13,7 @@ import pytest
 
 from molctl.engines import get_engine
 from molctl.profiles import load_profile, profile_dirs
-from tests.helpers import free_ports
-from tests.procs import fake_engine_argv, proxy_argv, running
-from tests.test_proxy import Stack, keyfile, s, stack  # noqa: F401 - fixtures
+from tests.test_proxy import keyfile, own_stack, s, stack  # noqa: F401 - fixtures
 
 
 def hops(s) -> dict[str, list[dict]]:
@@ -46,16 +44,9 @@ def test_route_hops_carry_the_urgent_priority_and_the_other_hops_none(s):
 @pytest.fixture(scope="module")
 def fcfs_stack(keyfile, tmp_path_factory):  # noqa: F811 - the fixture imported above
     """The tiny profile with vLLM's default policy, on an engine started the same way."""
-    logs = tmp_path_factory.mktemp("fcfs-logs")
-    engine_port, proxy_port = free_ports(2)
-    engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
-    with running(fake_engine_argv(engine_port, scheduling_policy="fcfs"), engine_url + "/health", log=logs / "engine.log"), \
-            running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(keyfile),
-                               "--set", "engine.args.scheduling-policy=fcfs"),
-                    proxy_url + "/health", log=logs / "proxy.log"):
-        stack_ = Stack(engine_url, proxy_url)
-        stack_.reset()
-        yield stack_
+    with own_stack(keyfile, tmp_path_factory.mktemp("fcfs-logs"), "--set", "engine.args.scheduling-policy=fcfs",
+                   scheduling_policy="fcfs") as st:
+        yield st
 
 
 def test_without_priority_scheduling_no_hop_carries_a_priority(fcfs_stack):
@@ -94,17 +85,12 @@ def test_a_proxy_in_front_of_an_engine_without_priority_scheduling_drops_the_pri
     `--scheduling-policy priority` (the harness's scripts, say): the first route hop's 400 is
     retried without the priority, said once in the proxy's log, and later route hops carry none;
     every request is routed, none falls back."""
-    engine_port, proxy_port = free_ports(2)
-    engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
-    log = tmp_path / "proxy.log"
-    with running(fake_engine_argv(engine_port, scheduling_policy="fcfs"), engine_url + "/health"), \
-            running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(keyfile)), proxy_url + "/health",
-                    log=log):
-        st = Stack(engine_url, proxy_url)
+    with own_stack(keyfile, tmp_path, scheduling_policy="fcfs") as st:
         for label in ("L1", "L3", "L2"):
             assert st.chat([{"role": "user", "content": f"[route:{label}] go"}]).choices[0].message.content
             assert [e["model"] for e in st.log("answer")][-1] == label
         routes = st.log("route")
         assert [e["payload"].get("priority") for e in routes] == [-1, None, None, None]
         assert [("rejected" in e) for e in routes] == [True, False, False, False]
+    log = tmp_path / "proxy.log"
     assert log.read_text().count("the engine refuses request priorities") == 1

@@ -3,6 +3,7 @@ the official `openai` SDK, non-stream and stream."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import signal
@@ -90,6 +91,21 @@ def keyfile(tmp_path_factory):
     path.write_text(f"{KEY}\n\n{KEY2}")  # blank line and no trailing newline are fine
     path.chmod(0o600)
     return path
+
+
+@contextlib.contextmanager
+def own_stack(keyfile, logs, *proxy_args: str, scheduling_policy: str = "priority"):
+    """A fake engine and a tiny-profile proxy started with extra arguments, for a test module's
+    own stack; the logs go to `logs` (engine.log, proxy.log)."""
+    engine_port, proxy_port = free_ports(2)
+    engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
+    with running(fake_engine_argv(engine_port, scheduling_policy=scheduling_policy), engine_url + "/health",
+                 log=logs / "engine.log"), \
+            running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(keyfile), *proxy_args),
+                    proxy_url + "/health", log=logs / "proxy.log"):
+        stack_ = Stack(engine_url, proxy_url)
+        stack_.reset()
+        yield stack_
 
 
 @pytest.fixture(scope="module")

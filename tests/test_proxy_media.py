@@ -12,9 +12,7 @@ from molctl.errors import ProfileError
 from molctl.profiles import load_profile, profile_dirs
 from molctl.proxy.errors import ProxyError
 from molctl.proxy.validation import check_media_url
-from tests.helpers import free_ports
-from tests.procs import fake_engine_argv, proxy_argv, running
-from tests.test_proxy import KEY, PUBLIC, Stack, keyfile, s, stack  # noqa: F401 - fixtures
+from tests.test_proxy import KEY, PUBLIC, keyfile, own_stack, s, stack  # noqa: F401 - fixtures
 
 PNG = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR4nGNgYGBgAAAABQABh6FO1AAAAABJRU5ErkJggg=="
 
@@ -97,16 +95,8 @@ def test_the_responses_api_checks_input_image_urls_too(s):
 @pytest.fixture(scope="module")
 def media_stack(keyfile, tmp_path_factory):  # noqa: F811 - the fixture imported above
     """A proxy whose profile lets the engine fetch from one host (given in mixed case)."""
-    logs = tmp_path_factory.mktemp("media-logs")
-    engine_port, proxy_port = free_ports(2)
-    engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
-    with running(fake_engine_argv(engine_port), engine_url + "/health", log=logs / "engine.log"), \
-            running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(keyfile),
-                               "--set", "proxy.media_url_hosts=[Images.Example.com]"),
-                    proxy_url + "/health", log=logs / "proxy.log"):
-        stack_ = Stack(engine_url, proxy_url)
-        stack_.reset()
-        yield stack_
+    with own_stack(keyfile, tmp_path_factory.mktemp("media-logs"), "--set", "proxy.media_url_hosts=[Images.Example.com]") as st:
+        yield st
 
 
 def test_listed_hosts_are_let_through_and_others_still_refused(media_stack):
