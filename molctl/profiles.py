@@ -848,6 +848,10 @@ def _adapter_spec(data: dict[str, Any], v: _Validator) -> AdapterSpec:
     for key in ("rank_equals", "rank_max"):  # a LoRA rank is at least 1
         if adapters.get(key) is not None and not 1 <= adapters[key] <= 2 ** 16:
             raise v.fail(f"adapters.{key}", f"{_short(adapters[key])}: expected a LoRA rank from 1 to {2 ** 16}")
+    for i, name in enumerate(adapters.get("base_names", ())):
+        if not name.strip() or name != name.strip():  # "" is in every declared base: every adapter would pass
+            raise v.fail(f"adapters.base_names[{i}]", f"{_short(name)}: expected a base model name such as GLM-5.2, "
+                                                      "not blank and without surrounding spaces")
     return AdapterSpec(
         rank_equals=adapters.get("rank_equals"),
         rank_max=adapters.get("rank_max"),

@@ -174,6 +174,17 @@ def test_a_venti_adapter_must_name_glm_5_2_not_a_sibling_release(check, tmp_path
         assert repr(declared) in failures(report)["adapter.L1.base"]
 
 
+@pytest.mark.parametrize("name", ["", "   ", " GLM-5.2"])
+def test_a_blank_or_padded_base_name_is_refused(name):
+    """"" is in every declared base: `adapters.base_names: [""]` passed every adapter."""
+    from molctl.errors import ProfileError
+    from molctl.profiles import load_profile, profile_dirs
+
+    with pytest.raises(ProfileError) as err:
+        load_profile("venti", profile_dirs(), [("adapters.base_names", ["GLM-5.2", name])])
+    assert "adapters.base_names[1]" in str(err.value) and "\n" not in str(err.value)
+
+
 def test_adapter_targets_absent_modules(check, tmp_path):
     tall_layout(tmp_path / "m", targets=("q_proj", "c_attn"))
     code, report = check("tall", tmp_path / "m")
