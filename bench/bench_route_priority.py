@@ -70,7 +70,7 @@ async def one_round(http: httpx.AsyncClient, profile, answers: int, tokens: int,
     route = {"model": "L0", "max_tokens": 2, "temperature": 0,
              "messages": route_messages(route_instruction(profile), route_input([request], profile.proxy.route_max_input_chars), None),
              **get_engine("vllm").guided_choice(list(ROUTES))}
-    priority = get_engine("vllm").route_priority(profile)
+    priority = get_engine("vllm").hop_priorities(profile).get("route")
     if priority is not None:
         route["priority"] = priority
     route_s = await timed(route)

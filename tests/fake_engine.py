@@ -76,11 +76,12 @@ DEFAULT_CONFIG = {
     # is a summary hop (the upstream labels only its route hop, with X-MOL-Internal-Hop)
     "summary_marker": None,
     # `--scheduling-policy` (argv, or config): a request whose `priority` is not 0 under "fcfs" is
-    # a 400, "Got priority N but Priority scheduling is not enabled." (vLLM's v0 engine and early
-    # v1 processors raise it in add_request; vLLM 0.32 ignores the field instead): the stricter
-    # behaviour, so a proxy sending priorities to an engine not started for them fails here.
-    # None: no check (the fake SGLang, which ignores the field unless started for it)
+    # a 400, "Got priority N but Priority scheduling is not enabled." (vLLM's v0 engine, in
+    # add_request; vLLM 0.32 ignores the field instead): the stricter behaviour, so a proxy sending
+    # priorities to an engine not started for them fails here. None: no check (the fake SGLang,
+    # which ignores the field unless started for it)
     "scheduling_policy": "fcfs",
+    "priority_refusal": None,  # that 400's message instead ("V1 does not support priority yet.": vLLM 0.8-0.9.1)
 }
 
 
@@ -215,7 +216,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
     rejected = strict_violation(payload) if cfg["strict"] else None
     priority = payload.get("priority", 0)
     if rejected is None and priority != 0 and cfg["scheduling_policy"] == "fcfs":
-        rejected = vllm_error(f"Got priority {priority} but Priority scheduling is not enabled.")
+        rejected = vllm_error(cfg["priority_refusal"] or f"Got priority {priority} but Priority scheduling is not enabled.")
     if rejected is not None:
         STATE.log[-1]["rejected"] = json.loads(rejected.text)["error"]["message"]
         return rejected

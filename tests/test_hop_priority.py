@@ -1,19 +1,25 @@
 """Route hops first in a full engine: when the profile starts the engine with priority scheduling
 (vLLM `--scheduling-policy priority`, as the shipped vLLM profiles do; SGLang
-`--enable-priority-scheduling`), the proxy's route hops carry a priority that puts them before
-waiting answers and summaries; answers and summaries keep the engine's default. Without it no
-priority is sent (vLLM versions that check it answer 400). Driven by the official `openai` SDK
-against the fake engine, which refuses a priority the way those vLLM versions do; the real
-vLLM 0.32 runs the tiny profile's route hops with it in tests/test_e2e.py."""
+`--enable-priority-scheduling`, opt-in), the proxy's hops carry priorities that put route hops
+before waiting answers and summaries, which rank equal. Without it no priority is sent, and an
+engine that refuses one (vLLM versions that check it answer 400) gets the route hop again without
+it. Driven by the official `openai` SDK against the fake engines (the fake vLLM refuses a
+priority the way those vLLM versions do); the real vLLM 0.32 runs the tiny profile's route hops
+with it in tests/test_e2e.py, and bench/bench_route_priority.py measures what it buys."""
 
 from __future__ import annotations
 
 import httpx
+import openai
 import pytest
 
 from molctl.engines import get_engine
 from molctl.profiles import load_profile, profile_dirs
-from tests.test_proxy import keyfile, own_stack, s, stack  # noqa: F401 - fixtures
+from tests.helpers import free_ports, wait_for
+from tests.procs import fake_sglang_argv, proxy_argv, running
+from tests.test_proxy import KEY, keyfile, own_stack, s, stack  # noqa: F401 - fixtures
+
+PUBLIC_SGL = load_profile("venti-sglang", profile_dirs()).served_model_name
 
 
 def hops(s) -> dict[str, list[dict]]:
@@ -25,8 +31,6 @@ def hops(s) -> dict[str, list[dict]]:
 
 
 def wait_summary(s) -> None:
-    from tests.helpers import wait_for
-
     assert wait_for(lambda: s.log("summary"), 10)
 
 
@@ -68,16 +72,37 @@ def test_the_fake_engine_refuses_a_priority_as_vllm_without_priority_scheduling(
 
 
 @pytest.mark.parametrize("profile, sets, expected", [
-    ("tiny", [], -1), ("tall", [], -1), ("venti", [], -1),
-    ("tiny", [("engine.args.scheduling-policy", "fcfs")], None),
-    ("venti-sglang", [], None),  # SGLang: opt-in, see the README
-    ("venti-sglang", [("engine.args.enable-priority-scheduling", True)], 1),  # higher runs first
+    ("tiny", [], {"route": -1}), ("tall", [], {"route": -1}), ("venti", [], {"route": -1}),
+    ("tiny", [("engine.args.scheduling-policy", "fcfs")], {}),
+    ("venti-sglang", [], {}),  # SGLang: opt-in, see the README
+    # higher runs first; every hop names its priority (SGLang's default is the lowest value)
+    ("venti-sglang", [("engine.args.enable-priority-scheduling", True)], {"route": 1, "answer": 0, "summary": 0}),
     ("venti-sglang", [("engine.args.enable-priority-scheduling", True),
-                      ("engine.args.schedule-low-priority-values-first", True)], -1),
+                      ("engine.args.schedule-low-priority-values-first", True)], {"route": -1, "answer": 0, "summary": 0}),
 ])
-def test_the_route_priority_follows_the_engines_own_flags(profile, sets, expected):
+def test_the_hop_priorities_follow_the_engines_own_flags(profile, sets, expected):
     p = load_profile(profile, profile_dirs(), sets)
-    assert get_engine(p.engine.kind).route_priority(p) == expected
+    assert get_engine(p.engine.kind).hop_priorities(p) == expected
+
+
+def test_on_sglang_every_hop_names_its_priority(keyfile, tmp_path):  # noqa: F811
+    """SGLang with --enable-priority-scheduling gives a request without a priority the lowest
+    value, and a waiting request preempts running ones more than 10 below it: the route hop's 1
+    above answers and summaries at 0 orders it first without preempting them."""
+    from tests.test_proxy_sglang import SERVED
+    from tests.test_proxy_sglang import Stack as SglStack
+
+    engine_port, proxy_port = free_ports(2)
+    engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
+    with running(fake_sglang_argv(engine_port, SERVED), engine_url + "/health"), \
+            running(proxy_argv("venti-sglang", engine_url, proxy_port, "--api-key-file", str(keyfile),
+                               "--set", "engine.args.enable-priority-scheduling=true"), proxy_url + "/health"):
+        st = SglStack(engine_url, proxy_url)
+        st.client = openai.OpenAI(base_url=proxy_url + "/v1", api_key=KEY, max_retries=0, timeout=30)
+        assert st.client.chat.completions.create(model=PUBLIC_SGL, messages=[
+            {"role": "user", "content": "[route:L2] write a parser"}]).choices[0].message.content
+        assert wait_for(lambda: st.log("summary"), 10)
+        assert {e["hop"]: e["payload"].get("priority") for e in st.log()} == {"route": 1, "answer": 0, "summary": 0}
 
 
 def test_a_proxy_in_front_of_an_engine_without_priority_scheduling_drops_the_priority_once(keyfile, tmp_path):  # noqa: F811
@@ -93,4 +118,51 @@ def test_a_proxy_in_front_of_an_engine_without_priority_scheduling_drops_the_pri
         assert [e["payload"].get("priority") for e in routes] == [-1, None, None, None]
         assert [("rejected" in e) for e in routes] == [True, False, False, False]
     log = tmp_path / "proxy.log"
-    assert log.read_text().count("the engine refuses request priorities") == 1
+    text = log.read_text()
+    assert text.count("refuses request priorities") == 1 and "--scheduling-policy priority" in text
+
+
+def test_vllm_0_8s_refusal_is_recognised_too(keyfile, tmp_path):  # noqa: F811
+    """vLLM 0.8-0.9.1's V1 processor refuses any priority with another text: every route hop fell
+    back to the default adapter, the log saying only "HTTP 400"."""
+    with own_stack(keyfile, tmp_path, scheduling_policy="fcfs") as st:
+        st.config(priority_refusal="V1 does not support priority yet.")
+        for label in ("L3", "L1"):
+            assert st.chat([{"role": "user", "content": f"[route:{label}] go"}]).choices[0].message.content
+            assert [e["model"] for e in st.log("answer")][-1] == label
+        assert [e["payload"].get("priority") for e in st.log("route")] == [-1, None, None]
+    assert "V1 does not support priority yet." in (tmp_path / "proxy.log").read_text()
+
+
+def test_a_refusal_is_kept_per_engine_and_tried_again_later(monkeypatch):
+    """One engine's refusal (a peer replica's, say) leaves priorities on the hops to the others,
+    and the refusing engine gets them again after PRIORITY_RETRY_S (restarted with the flag,
+    it needs no proxy restart)."""
+    from molctl.proxy import orchestrator
+    from molctl.proxy.conversations import MemoryStore
+    from molctl.proxy.engine_client import ENGINE, EngineChoice, EngineClient
+    from molctl.proxy.errors import EngineHTTPError
+
+    profile = load_profile("tiny", profile_dirs())
+    orch = orchestrator.Orchestrator(profile, get_engine("vllm"), EngineClient("http://127.0.0.1:9"), MemoryStore())
+    refusal = EngineHTTPError(400, {"error": {"message": "Got priority -1 but Priority scheduling is not enabled."}})
+
+    def route_priority() -> int | None:
+        payload: dict = {}
+        orch._set_priority(payload, "route")
+        return payload.get("priority")
+
+    token = ENGINE.set(EngineChoice("b", "http://10.0.0.2:8000/"))
+    try:
+        orch._priority_refusal(refusal)  # the peer engine refused
+        assert route_priority() is None
+    finally:
+        ENGINE.reset(token)
+    assert route_priority() == -1  # the own engine still gets it
+    monkeypatch.setattr(orchestrator, "PRIORITY_RETRY_S", 0.0)
+    token = ENGINE.set(EngineChoice("b", "http://10.0.0.2:8000"))
+    try:
+        assert route_priority() == -1  # tried again
+    finally:
+        ENGINE.reset(token)
+    assert orch.counters.values["route_priority_refusals_total"] == 1

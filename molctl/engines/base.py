@@ -203,14 +203,19 @@ class Engine(abc.ABC):
     def adapter_model(self, profile: Profile, route: str) -> str:
         """The `model` field that selects an adapter in a request to the engine."""
 
-    def route_priority(self, profile: Profile) -> int | None:
-        """The `priority` field of the proxy's route hops, or None (not sent) unless the profile
-        starts the engine with priority scheduling (see the engine modules). A route hop is a few
-        tokens a request's answer waits on: in a full engine it then goes before the waiting
-        answers and summaries instead of behind them. Answers and summaries keep the engine's
-        default: summaries ranked last would starve under steady load, and an adapter switch
-        waits on its summary (the proxy-side version of that was tried and reverted, 2026-12-01)."""
-        return None
+    # the engine flag that turns priority scheduling on (named in the proxy's warning when an
+    # engine refuses a priority)
+    priority_flag = ""
+
+    def hop_priorities(self, profile: Profile) -> dict[str, int]:
+        """The `priority` field of the proxy's hops, by hop ("route", "answer", "summary"; a hop
+        not named sends none): empty unless the profile starts the engine with priority
+        scheduling (see the engine modules). A route hop is a few tokens a request's answer waits
+        on: in a full engine it goes before the waiting answers and summaries instead of behind
+        them. Answers and summaries rank equal: summaries ranked last would starve under steady
+        load, and an adapter switch waits on its summary (the proxy-side version of that was
+        tried and reverted, 2026-12-01)."""
+        return {}
 
     # Readiness hooks (molctl.readiness calls these; the engine modules say what their engine does)
     # The path that reports the running server's version, or None: not checked at runtime.

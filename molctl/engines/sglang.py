@@ -200,6 +200,7 @@ class SglangEngine(Engine):
     lora_flag = "--lora-paths"
     memory_flag = "mem-fraction-static"
     running_flag = "max-running-requests"
+    priority_flag = "--enable-priority-scheduling"
     # SGLang takes a request's id from the body's `rid` (ChatCompletionRequest.rid, passed on by
     # serving_chat.py; the X-Request-Id header is not read) and keys its tokenizer, scheduler and
     # detokenizer state by it: a second request in flight with the same rid is refused since PR
@@ -231,14 +232,20 @@ class SglangEngine(Engine):
     def adapter_model(self, profile: Profile, route: str) -> str:
         return f"{profile.engine.served_name}:{route}"
 
-    def route_priority(self, profile: Profile) -> int | None:
+    def hop_priorities(self, profile: Profile) -> dict[str, int]:
         # `--enable-priority-scheduling`: a higher value runs first, unless
-        # `--schedule-low-priority-values-first` (server_args.py); without the first flag SGLang
-        # ignores the field (abort_on_priority_when_disabled is off by default), so none is sent.
+        # `--schedule-low-priority-values-first` (server_args.py). A request without a priority
+        # then gets the LOWEST value (scheduler.py _set_or_validate_priority: -sys.maxsize - 1),
+        # and a waiting request preempts running ones more than
+        # --priority-scheduling-preemption-threshold (10) below it: so every hop names its
+        # priority, answers and summaries 0, route hops 1 above them (ordered first in the queue,
+        # never a reason to preempt an answer). Without the flag SGLang ignores the field, unless
+        # --abort-on-priority-when-disabled (a 503): none is sent.
         args = profile.engine.args
         if args.get("enable-priority-scheduling") is not True:
-            return None
-        return -1 if args.get("schedule-low-priority-values-first") is True else 1
+            return {}
+        urgent = -1 if args.get("schedule-low-priority-values-first") is True else 1
+        return {"route": urgent, "answer": 0, "summary": 0}
 
     def guided_choice(self, labels: list[str]) -> dict:
         return {"regex": "(" + "|".join(labels) + ")"}

@@ -47,6 +47,7 @@ class VllmEngine(Engine):
     lora_flag = "--lora-modules"
     memory_flag = "gpu-memory-utilization"
     running_flag = "max-num-seqs"
+    priority_flag = "--scheduling-policy priority"
     # vLLM names the engine request after the X-Request-Id header, but logs the JSON body
     # (request_logger.log_request_body) under the body's `request_id` (a random uuid unless set,
     # vllm/entrypoints/openai/chat_completion/protocol.py): the proxy sets both to the hop's id.
@@ -68,12 +69,15 @@ class VllmEngine(Engine):
     def adapter_model(self, profile: Profile, route: str) -> str:
         return route
 
-    def route_priority(self, profile: Profile) -> int | None:
+    def hop_priorities(self, profile: Profile) -> dict[str, int]:
         # `--scheduling-policy priority`: the waiting queue ordered by (priority, arrival), lower
-        # first (vllm/v1/core/sched/scheduler.py, request_queue.py). Without it a non-zero
-        # priority is a 400 in the vLLM versions that check it ("Got priority N but Priority
-        # scheduling is not enabled.": the v0 engine and early v1 processors), so none is sent.
-        return -1 if profile.engine.args.get("scheduling-policy") == "priority" else None
+        # first, and KV-pressure preemption takes the highest (vllm/v1/core/sched/scheduler.py,
+        # request_queue.py); a running request is never preempted for a waiting one. A request's
+        # priority defaults to 0 (ChatCompletionRequest.priority), so answers and summaries need
+        # none. Without the flag no priority is sent: vLLM 0.32 ignores one, but older versions
+        # refuse it with a 400 ("Got priority N but Priority scheduling is not enabled." from the
+        # v0 engine, "V1 does not support priority yet." from the 0.8-0.9.1 V1 processor).
+        return {"route": -1} if profile.engine.args.get("scheduling-policy") == "priority" else {}
 
     def guided_choice(self, labels: list[str]) -> dict:
         return {"structured_outputs": {"choice": labels}}

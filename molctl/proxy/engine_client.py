@@ -513,6 +513,13 @@ class EngineClient:
         except ValueError:
             return conn.status, body.decode(errors="replace")
 
+    def target_url(self) -> str:
+        """The base URL of the engine this request's next hop goes to (see `_peer`)."""
+        choice = ENGINE.get()
+        if choice is None or choice.failed:
+            return self.base_url
+        return choice.url.rstrip("/")
+
     def _peer(self) -> EngineClient | None:
         """The client of the engine this request's conversation lives on (ENGINE, set by the
         orchestrator for proxy replicas on a shared store), or None for this proxy's own engine."""

@@ -38,6 +38,7 @@ HELP = {
     "route_decisions_total": "Routes chosen for answers (route hop or its fallback), by adapter.",
     "route_fallbacks_total": "Route hops whose label was not used, by reason (timeout, engine_error, no_slot, bad_label).",
     "route_timeouts_total": "Route hops that passed proxy.route_timeout_s.",
+    "route_priority_refusals_total": "Route hops an engine refused for their priority (sent again without one).",
     "sticky_tool_turns_total": "Tool results continued on the adapter that made the calls.",
     "unplaced_tool_turns_total": "Tool results whose calls were not found (routed afresh).",
     "summaries_total": "Summary hops done.",

@@ -86,6 +86,7 @@ class Counters:
 
     values: dict[str, int] = field(default_factory=lambda: {
         "requests_total": 0, "route_hops_total": 0, "route_fallbacks_total": 0, "route_timeouts_total": 0,
+        "route_priority_refusals_total": 0,
         "sticky_tool_turns_total": 0, "unplaced_tool_turns_total": 0, "summaries_total": 0,
         "summary_retries_total": 0, "summary_failures_total": 0, "summaries_dropped_total": 0,
         "summaries_stale_total": 0, "engine_errors_total": 0, "client_disconnects_total": 0,
@@ -169,10 +170,20 @@ def prompt_token_bound(messages: list[dict[str, Any]], tools: Any) -> int:
     return size + (len(fastjson.dumps_bytes(tools)) if tools else 0) + 64
 
 
+# What engines not started for priorities answer a request that has one: vLLM's v0 engine and
+# its 0.8-0.9.1 V1 processor (400s), SGLang with --abort-on-priority-when-disabled (a 503).
+PRIORITY_REFUSALS = ("priority scheduling is not enabled", "does not support priority", "using priority is disabled")
+# How long hops to an engine that refused a priority go without one before it is tried again (an
+# engine restarted with the flag gets priorities back without a proxy restart)
+PRIORITY_RETRY_S = 600.0
+
+
 def refuses_priority(exc: EngineHTTPError) -> bool:
-    """vLLM's refusal of a request priority by an engine not started with priority scheduling
-    (a 400, "Got priority N but Priority scheduling is not enabled.")."""
-    return exc.status == 400 and "priority scheduling is not enabled" in exc.message().lower()
+    """The engine refused the request for its priority (see PRIORITY_REFUSALS)."""
+    if exc.status not in (400, 503):
+        return False
+    message = exc.message().lower()
+    return any(m in message for m in PRIORITY_REFUSALS)
 
 
 class Orchestrator:
@@ -189,7 +200,8 @@ class Orchestrator:
         self.route_instruction = route_instruction(profile)
         self.summary_instruction = profile.substitute(profile.prompts.summary).strip()
         self.adapter_models = {r: engine.adapter_model(profile, r) for r in ROUTES}
-        self.route_priority = engine.route_priority(profile)
+        self.priorities = engine.hop_priorities(profile)
+        self._priority_refused: dict[str, float] = {}  # engine URL -> when it last refused a priority
         self.engine_names = [*self.adapter_models.values(), *ROUTES, profile.engine.served_name]
         self.window = context_window(profile)
         self.route_tokens = min(profile.proxy.route_max_tokens, max(len(r) for r in ROUTES))
@@ -286,9 +298,20 @@ class Orchestrator:
         }
         if self.profile.proxy.reasoning != "none":
             payload["chat_template_kwargs"] = {"enable_thinking": False}
-        if self.route_priority is not None:
-            payload["priority"] = self.route_priority
+        self._set_priority(payload, "route")
         return payload
+
+    def _set_priority(self, payload: dict[str, Any], hop: str) -> None:
+        """The hop's priority (`Engine.hop_priorities`) unless the engine the hop goes to refused
+        one less than PRIORITY_RETRY_S ago."""
+        priority = self.priorities.get(hop)
+        if priority is None:
+            return
+        if self._priority_refused:
+            refused = self._priority_refused.get(self.client.target_url())
+            if refused is not None and time.monotonic() - refused < PRIORITY_RETRY_S:
+                return
+        payload["priority"] = priority
 
     async def route(self, plan: Plan) -> None:
         """Decide the adapter. The request's answer slot is taken first (`_admit`): the route hop
@@ -323,7 +346,8 @@ class Orchestrator:
             log.warning("route hop timed out after %.1f s", self.profile.proxy.route_timeout_s)
         except (EngineHTTPError, EngineUnavailable, Rejected) as exc:
             reason = "no_slot" if isinstance(exc, Rejected) else "engine_error"
-            log.warning("route hop failed: %s", exc)
+            said = " ".join(exc.message().split())[:200] if isinstance(exc, EngineHTTPError) else ""
+            log.warning("route hop failed: %s%s", exc, f": {said}" if said else "")
         plan.timings["route_s"] = elapsed = time.monotonic() - start
         self.counters.observe("hop_seconds", elapsed, hop="route", adapter="L0")
         if label is None:
@@ -340,15 +364,22 @@ class Orchestrator:
             except EngineHTTPError as exc:
                 if "priority" not in payload or not refuses_priority(exc):
                     raise
-                # `molctl proxy PROFILE --upstream` in front of an engine started without the
-                # profile's priority scheduling: said once, then route hops carry no priority
-                if self.route_priority is not None:
-                    self.route_priority = None
-                    log.warning("the engine refuses request priorities (%s): route hops are sent without "
-                                "one; start it with the profile's flags (vLLM: --scheduling-policy priority) "
-                                "or set engine.args.scheduling-policy: fcfs", exc.message())
+                self._priority_refusal(exc)
                 payload = {k: v for k, v in payload.items() if k != "priority"}
                 return checked_completion(await self.client.chat(payload, "route", request_id=plan.request_id))
+
+    def _priority_refusal(self, exc: EngineHTTPError) -> None:
+        """An engine started without the profile's priority scheduling (`molctl proxy PROFILE
+        --upstream` in front of another start script, a peer replica's engine) refused a route
+        hop's priority: its hops go without one for PRIORITY_RETRY_S, said once per engine."""
+        url = self.client.target_url()
+        self.counters.inc("route_priority_refusals_total")
+        if url not in self._priority_refused:
+            flag = self.engine.priority_flag
+            log.warning("the engine at %s refuses request priorities (%s): its hops are sent without one, tried "
+                        "again every %.0f s; start it with the profile's %s, or take %s out of the profile",
+                        url, " ".join(exc.message().split())[:200], PRIORITY_RETRY_S, flag, flag)
+        self._priority_refused[url] = time.monotonic()
 
     # ---------------------------------------------------------------- answer
     async def _admit(self, plan: Plan) -> None:
@@ -447,6 +478,7 @@ class Orchestrator:
         payload["model"] = self.adapter_models[plan.route]
         payload["messages"] = plan.view
         payload["stream"] = plan.stream
+        self._set_priority(payload, "answer")
         if plan.stream:
             payload["stream_options"] = {"include_usage": True}
         return payload
@@ -577,6 +609,7 @@ class Orchestrator:
         }
         if self.profile.proxy.reasoning != "none":
             payload["chat_template_kwargs"] = {"enable_thinking": False}
+        self._set_priority(payload, "summary")
         return payload
 
     def abandon(self, plan: Plan) -> None:
