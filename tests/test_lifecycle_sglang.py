@@ -242,6 +242,8 @@ def test_engine_checks_read_the_installed_sglang(host):
     assert r.exit_code == ExitStatus.CHECK_FAILED
     flags = {c["id"]: c for c in json.loads(r.stdout)["checks"]}["engine.flags"]
     assert flags["status"] == "fail" and "no-such-sglang-flag" in flags["detail"]
+    r = host.molctl(*base, "--set", "engine.args.enable-priority-scheduling=true")  # the README's opt-in
+    assert r.exit_code == ExitStatus.OK, r.stdout
 
 
 def test_progress_phases_from_the_sglang_log():

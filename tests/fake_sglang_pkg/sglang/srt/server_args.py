@@ -52,6 +52,10 @@ class ServerArgs:
         parser.add_argument("--max-loras-per-batch", type=int, default=8)
         parser.add_argument("--max-loaded-loras", type=int, default=None)
         parser.add_argument("--lora-use-virtual-experts", action="store_true")
+        # priority scheduling (sgl-project/sglang#8746, merged 2025-09-17): README "Scheduling"
+        parser.add_argument("--enable-priority-scheduling", action="store_true")
+        parser.add_argument("--schedule-low-priority-values-first", action="store_true")
+        parser.add_argument("--priority-scheduling-preemption-threshold", type=int, default=10)
 
 
 def prepare_server_args(argv: list[str], parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
