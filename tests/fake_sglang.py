@@ -320,6 +320,12 @@ async def chat(request):
         return web.json_response(base.completion(model, {"content": "Sure! This request is about code, so the best "
                                                          "specialist is probably the coding one."}, "stop",
                                                  {"prompt_tokens": 10, "completion_tokens": 16, "total_tokens": 26}))
+    if base.STATE.config.get("abort_on_priority") and payload.get("priority") is not None:
+        # --abort-on-priority-when-disabled without --enable-priority-scheduling: any priority, 0
+        # included, is aborted with a 503 (scheduler.py _set_or_validate_priority)
+        base.STATE.log.append({"hop": request.headers.get("X-MoL-Hop"), "model": model, "messages": payload.get("messages"),
+                               "payload": payload, "t": time.time(), "rejected": "priority"})
+        return error("Using priority is disabled for this server. Please send a new request without a priority.", 503)
     rid = payload.get("rid")
     if rid is not None and rid in SGL.rids:
         # TokenizerManager refuses a request whose rid is in flight (PR #19035; before it the

@@ -166,3 +166,61 @@ def test_a_refusal_is_kept_per_engine_and_tried_again_later(monkeypatch):
     finally:
         ENGINE.reset(token)
     assert orch.counters.values["route_priority_refusals_total"] == 1
+
+
+def test_sglang_answers_and_summaries_name_a_priority_only_where_a_route_hop_took_one(monkeypatch):
+    """SGLang's answers and summaries carry their explicit 0 only to an engine that ran a route hop
+    with its priority: an engine started without the flag but with --abort-on-priority-when-disabled
+    refuses any priority with a 503, and only the route hop is sent again (a tool-result turn has no
+    route hop; a summary built after a refusal expired has no second chance)."""
+    from molctl.proxy import orchestrator
+    from molctl.proxy.conversations import MemoryStore
+    from molctl.proxy.engine_client import EngineClient
+    from molctl.proxy.errors import EngineHTTPError
+
+    profile = load_profile("venti-sglang", profile_dirs(), [("engine.args.enable-priority-scheduling", True)])
+    orch = orchestrator.Orchestrator(profile, get_engine("sglang"), EngineClient("http://127.0.0.1:9"), MemoryStore())
+
+    def priority(hop: str) -> int | None:
+        payload: dict = {}
+        orch._set_priority(payload, hop)
+        return payload.get("priority")
+
+    assert (priority("route"), priority("answer"), priority("summary")) == (1, None, None)  # no route hop yet
+    orch._priority_taken.add("http://127.0.0.1:9")  # what a route hop that ran with its priority records
+    assert (priority("route"), priority("answer"), priority("summary")) == (1, 0, 0)
+    orch._priority_refusal(EngineHTTPError(503, {"object": "error", "message": "Using priority is disabled for this "
+                                                 "server. Please send a new request without a priority."}))
+    assert (priority("route"), priority("answer"), priority("summary")) == (None, None, None)
+    monkeypatch.setattr(orchestrator, "PRIORITY_RETRY_S", 0.0)  # expired: the route hop tries again, the others wait
+    assert (priority("route"), priority("answer"), priority("summary")) == (1, None, None)
+
+
+def test_an_sglang_engine_that_aborts_priorities_loses_no_request(keyfile, tmp_path):  # noqa: F811
+    """The proxy's profile opts in, its engine aborts any priority (503): the route hop is sent
+    again without one, and the tool-result turn after it (no route hop) and the summary carry
+    none, so every request is answered and no summary fails."""
+    from tests.test_proxy_sglang import SERVED, TOOLS
+
+    engine_port, proxy_port = free_ports(2)
+    engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
+    with running(fake_sglang_argv(engine_port, SERVED), engine_url + "/health"), \
+            running(proxy_argv("venti-sglang", engine_url, proxy_port, "--api-key-file", str(keyfile),
+                               "--set", "engine.args.enable-priority-scheduling=true"), proxy_url + "/health"):
+        httpx.post(engine_url + "/_config", json={"abort_on_priority": True}).raise_for_status()
+        client = openai.OpenAI(base_url=proxy_url + "/v1", api_key=KEY, max_retries=0, timeout=30)
+        convo = [{"role": "user", "content": "[route:L1] [tool:get_weather] weather in Paris?"}]
+        first = client.chat.completions.create(model=PUBLIC_SGL, messages=convo, tools=TOOLS)
+        call = first.choices[0].message.tool_calls[0]
+        convo += [first.choices[0].message.model_dump(exclude_none=True),
+                  {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+        second = client.chat.completions.create(model=PUBLIC_SGL, messages=convo, tools=TOOLS)
+        assert second.choices[0].message.content
+        log = lambda: httpx.get(engine_url + "/_log").json()  # noqa: E731
+        assert wait_for(lambda: any(e["hop"] == "summary" for e in log()), 10)
+        entries = log()
+        # the route hop refused once and sent again, the tool-result turn sticky (no route hop),
+        # the summary of the answered turn (a turn of tool calls has none)
+        assert [(e["hop"], "rejected" in e) for e in entries] == [
+            ("route", True), ("route", False), ("answer", False), ("answer", False), ("summary", False)]
+        assert all("priority" not in e["payload"] for e in entries if "rejected" not in e)

@@ -202,6 +202,8 @@ class Orchestrator:
         self.adapter_models = {r: engine.adapter_model(profile, r) for r in ROUTES}
         self.priorities = engine.hop_priorities(profile)
         self._priority_refused: dict[str, float] = {}  # engine URL -> when it last refused a priority
+        self._priority_taken: set[str] = set()  # engine URLs that ran a route hop with its priority
+        self._priority_beyond_route = bool(self.priorities.keys() - {"route"})
         self.engine_names = [*self.adapter_models.values(), *ROUTES, profile.engine.served_name]
         self.window = context_window(profile)
         self.route_tokens = min(profile.proxy.route_max_tokens, max(len(r) for r in ROUTES))
@@ -303,12 +305,17 @@ class Orchestrator:
 
     def _set_priority(self, payload: dict[str, Any], hop: str) -> None:
         """The hop's priority (`Engine.hop_priorities`) unless the engine the hop goes to refused
-        one less than PRIORITY_RETRY_S ago."""
+        one less than PRIORITY_RETRY_S ago. Answers and summaries (SGLang's explicit 0) only to an
+        engine that ran a route hop with its priority: only the route hop is sent again without
+        one when refused (a tool-result turn has no route hop, a summary no second chance)."""
         priority = self.priorities.get(hop)
         if priority is None:
             return
-        if self._priority_refused:
-            refused = self._priority_refused.get(self.client.target_url())
+        if hop != "route" or self._priority_refused:
+            url = self.client.target_url()
+            if hop != "route" and url not in self._priority_taken:
+                return
+            refused = self._priority_refused.get(url)
             if refused is not None and time.monotonic() - refused < PRIORITY_RETRY_S:
                 return
         payload["priority"] = priority
@@ -360,7 +367,10 @@ class Orchestrator:
     async def _route_hop(self, plan: Plan, payload: dict[str, Any]) -> dict[str, Any]:
         async with self.admission.routes.slot(plan.tenant):
             try:
-                return checked_completion(await self.client.chat(payload, "route", request_id=plan.request_id))
+                body = await self.client.chat(payload, "route", request_id=plan.request_id)
+                if "priority" in payload and self._priority_beyond_route:
+                    self._priority_taken.add(self.client.target_url())
+                return checked_completion(body)
             except EngineHTTPError as exc:
                 if "priority" not in payload or not refuses_priority(exc):
                     raise
@@ -373,6 +383,7 @@ class Orchestrator:
         --upstream` in front of another start script, a peer replica's engine) refused a route
         hop's priority: its hops go without one for PRIORITY_RETRY_S, said once per engine."""
         url = self.client.target_url()
+        self._priority_taken.discard(url)
         self.counters.inc("route_priority_refusals_total")
         if url not in self._priority_refused:
             flag = self.engine.priority_flag
@@ -668,7 +679,8 @@ class Orchestrator:
                         self.store.put_turn(key, record)  # recount its size with the summary
                         return
                     except (EngineHTTPError, EngineUnavailable) as exc:
-                        log.warning("summary hop failed (attempt %d): %s", attempt + 1, exc)
+                        said = " ".join(exc.message().split())[:200] if isinstance(exc, EngineHTTPError) else ""
+                        log.warning("summary hop failed (attempt %d): %s%s", attempt + 1, exc, f": {said}" if said else "")
                         if attempt == 0:
                             self.counters.inc("summary_retries_total")
                 self.counters.inc("summary_failures_total")
