@@ -336,11 +336,15 @@ def _too_long_int(value: Any) -> bool:
     return False
 
 
+# what PyYAML's constructor raises on a node it cannot make a value of
+_CONSTRUCT_ERRORS = (yaml.YAMLError, ValueError, TypeError, AttributeError, OverflowError)
+
+
 def _scalar(node: yaml.Node) -> Any:
     """A scalar node's value, or `Unreadable` where the constructor raises or makes an unprintable int."""
     try:
         value = _SCALARS.construct_object(node, deep=True)
-    except (yaml.YAMLError, ValueError, TypeError, AttributeError, OverflowError) as exc:
+    except _CONSTRUCT_ERRORS as exc:
         _SCALARS.recursive_objects.pop(node, None)  # else an alias of the same node reads as "recursive"
         return Unreadable(str(node.value), _construct_problem(node, exc), too_long="Exceeds the limit" in str(exc))
     if _too_long_int(value):
@@ -372,7 +376,7 @@ def _key(node: yaml.Node) -> str:
     try:
         value = _SCALARS.construct_object(node, deep=True)
         return str(value)
-    except (yaml.YAMLError, ValueError, TypeError, AttributeError, OverflowError):
+    except _CONSTRUCT_ERRORS:
         _SCALARS.recursive_objects.pop(node, None)
         raise ProfileError(f"line {node.start_mark.line + 1}: a mapping key that cannot be read", None) from None
 

@@ -10,16 +10,13 @@ with it in tests/test_e2e.py, and bench/bench_route_priority.py measures what it
 from __future__ import annotations
 
 import httpx
-import openai
 import pytest
 
 from molctl.engines import get_engine
 from molctl.profiles import load_profile, profile_dirs
-from tests.helpers import free_ports, wait_for
-from tests.procs import fake_sglang_argv, proxy_argv, running
+from tests.helpers import wait_for
 from tests.test_proxy import KEY, keyfile, own_stack, s, stack  # noqa: F401 - fixtures
-
-PUBLIC_SGL = load_profile("venti-sglang", profile_dirs()).served_model_name
+from tests.test_proxy_sglang import PUBLIC as PUBLIC_SGL
 
 
 def hops(s) -> dict[str, list[dict]]:
@@ -89,16 +86,10 @@ def test_on_sglang_every_hop_names_its_priority(keyfile, tmp_path):  # noqa: F81
     """SGLang with --enable-priority-scheduling gives a request without a priority the lowest
     value, and a waiting request preempts running ones more than 10 below it: the route hop's 1
     above answers and summaries at 0 orders it first without preempting them."""
-    from tests.test_proxy_sglang import SERVED
-    from tests.test_proxy_sglang import Stack as SglStack
+    from tests.test_proxy_sglang import _stack
 
-    engine_port, proxy_port = free_ports(2)
-    engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
-    with running(fake_sglang_argv(engine_port, SERVED), engine_url + "/health"), \
-            running(proxy_argv("venti-sglang", engine_url, proxy_port, "--api-key-file", str(keyfile),
-                               "--set", "engine.args.enable-priority-scheduling=true"), proxy_url + "/health"):
-        st = SglStack(engine_url, proxy_url)
-        st.client = openai.OpenAI(base_url=proxy_url + "/v1", api_key=KEY, max_retries=0, timeout=30)
+    engine, proxy, st = _stack(keyfile, tmp_path, "--set", "engine.args.enable-priority-scheduling=true", key=KEY)
+    with engine, proxy:
         assert st.client.chat.completions.create(model=PUBLIC_SGL, messages=[
             {"role": "user", "content": "[route:L2] write a parser"}]).choices[0].message.content
         assert wait_for(lambda: st.log("summary"), 10)
@@ -200,15 +191,12 @@ def test_an_sglang_engine_that_aborts_priorities_loses_no_request(keyfile, tmp_p
     """The proxy's profile opts in, its engine aborts any priority (503): the route hop is sent
     again without one, and the tool-result turn after it (no route hop) and the summary carry
     none, so every request is answered and no summary fails."""
-    from tests.test_proxy_sglang import SERVED, TOOLS
+    from tests.test_proxy_sglang import TOOLS, _stack
 
-    engine_port, proxy_port = free_ports(2)
-    engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
-    with running(fake_sglang_argv(engine_port, SERVED), engine_url + "/health"), \
-            running(proxy_argv("venti-sglang", engine_url, proxy_port, "--api-key-file", str(keyfile),
-                               "--set", "engine.args.enable-priority-scheduling=true"), proxy_url + "/health"):
-        httpx.post(engine_url + "/_config", json={"abort_on_priority": True}).raise_for_status()
-        client = openai.OpenAI(base_url=proxy_url + "/v1", api_key=KEY, max_retries=0, timeout=30)
+    engine, proxy, st = _stack(keyfile, tmp_path, "--set", "engine.args.enable-priority-scheduling=true", key=KEY)
+    with engine, proxy:
+        st.config(abort_on_priority=True)
+        client = st.client
         convo = [{"role": "user", "content": "[route:L1] [tool:get_weather] weather in Paris?"}]
         first = client.chat.completions.create(model=PUBLIC_SGL, messages=convo, tools=TOOLS)
         call = first.choices[0].message.tool_calls[0]
@@ -216,9 +204,8 @@ def test_an_sglang_engine_that_aborts_priorities_loses_no_request(keyfile, tmp_p
                   {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
         second = client.chat.completions.create(model=PUBLIC_SGL, messages=convo, tools=TOOLS)
         assert second.choices[0].message.content
-        log = lambda: httpx.get(engine_url + "/_log").json()  # noqa: E731
-        assert wait_for(lambda: any(e["hop"] == "summary" for e in log()), 10)
-        entries = log()
+        assert wait_for(lambda: st.log("summary"), 10)
+        entries = st.log()
         # the route hop refused once and sent again, the tool-result turn sticky (no route hop),
         # the summary of the answered turn (a turn of tool calls has none)
         assert [(e["hop"], "rejected" in e) for e in entries] == [

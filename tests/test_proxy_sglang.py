@@ -28,9 +28,9 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 
 
 class Stack:
-    def __init__(self, engine_url: str, proxy_url: str):
+    def __init__(self, engine_url: str, proxy_url: str, key: str = KEY):
         self.engine_url, self.proxy_url = engine_url, proxy_url
-        self.client = openai.OpenAI(base_url=proxy_url + "/v1", api_key=KEY, max_retries=0, timeout=30)
+        self.client = openai.OpenAI(base_url=proxy_url + "/v1", api_key=key, max_retries=0, timeout=30)
 
     def config(self, **cfg):
         httpx.post(self.engine_url + "/_config", json=cfg).raise_for_status()
@@ -50,15 +50,17 @@ def keyfile(tmp_path_factory):
     return path
 
 
-def _stack(keyfile, logs, cache_report=True):
+def _stack(keyfile, logs, *proxy_args: str, cache_report=True, key: str = KEY):
+    """(engine, proxy) context managers and the Stack: the fake SGLang and a venti-sglang proxy
+    started with `proxy_args` (the proxy's key file `keyfile`, holding `key`)."""
     engine_port, proxy_port = free_ports(2)
     engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
     # /health answers 200 only after the fake's warm-up, as SGLang's
     return (running(fake_sglang_argv(engine_port, SERVED, cache_report=cache_report), engine_url + "/health",
                     log=logs / f"engine-{engine_port}.log"),
-            running(proxy_argv("venti-sglang", engine_url, proxy_port, "--api-key-file", str(keyfile)),
+            running(proxy_argv("venti-sglang", engine_url, proxy_port, "--api-key-file", str(keyfile), *proxy_args),
                     proxy_url + "/health", log=logs / f"proxy-{proxy_port}.log"),
-            Stack(engine_url, proxy_url))
+            Stack(engine_url, proxy_url, key))
 
 
 @pytest.fixture(scope="module")

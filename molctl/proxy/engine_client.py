@@ -523,10 +523,7 @@ class EngineClient:
     def _peer(self) -> EngineClient | None:
         """The client of the engine this request's conversation lives on (ENGINE, set by the
         orchestrator for proxy replicas on a shared store), or None for this proxy's own engine."""
-        choice = ENGINE.get()
-        if choice is None or choice.failed:
-            return None
-        url = choice.url.rstrip("/")
+        url = self.target_url()
         if url == self.base_url:
             return None
         peer = self._peers.get(url)
@@ -536,7 +533,7 @@ class EngineClient:
                                     max_connections=self._max_connections, keepalive_s=self.keepalive_s,
                                     request_id_field=self.request_id_field, request_id_unique=self.request_id_unique)
             except ValueError:  # an unusable URL in the store: nothing can be sent there, take over
-                choice.failed = True
+                ENGINE.get().failed = True  # a choice: its URL is not this proxy's own
                 return None
             peer._slots = asyncio.Semaphore(self._max_connections)
             self._peers[url] = peer

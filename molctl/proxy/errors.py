@@ -61,6 +61,10 @@ class EngineHTTPError(Exception):
             return str(err)
         return str(b or "")[:500]
 
+    def one_line(self, limit: int = 200) -> str:
+        """`message()` on one line, at most `limit` characters (for the proxy's log)."""
+        return " ".join(self.message().split())[:limit]
+
 
 CONTEXT_MARKERS = ("maximum context length", "maximum sequence length", "longer than the model's context length",
                    "exceeds the context length")

@@ -178,6 +178,12 @@ PRIORITY_REFUSALS = ("priority scheduling is not enabled", "does not support pri
 PRIORITY_RETRY_S = 600.0
 
 
+def described(exc: Exception) -> str:
+    """An engine failure for the log: an HTTP error with what the engine said."""
+    said = exc.one_line() if isinstance(exc, EngineHTTPError) else ""
+    return f"{exc}: {said}" if said else str(exc)
+
+
 def refuses_priority(exc: EngineHTTPError) -> bool:
     """The engine refused the request for its priority (see PRIORITY_REFUSALS)."""
     if exc.status not in (400, 503):
@@ -353,8 +359,7 @@ class Orchestrator:
             log.warning("route hop timed out after %.1f s", self.profile.proxy.route_timeout_s)
         except (EngineHTTPError, EngineUnavailable, Rejected) as exc:
             reason = "no_slot" if isinstance(exc, Rejected) else "engine_error"
-            said = " ".join(exc.message().split())[:200] if isinstance(exc, EngineHTTPError) else ""
-            log.warning("route hop failed: %s%s", exc, f": {said}" if said else "")
+            log.warning("route hop failed: %s", described(exc))
         plan.timings["route_s"] = elapsed = time.monotonic() - start
         self.counters.observe("hop_seconds", elapsed, hop="route", adapter="L0")
         if label is None:
@@ -389,7 +394,7 @@ class Orchestrator:
             flag = self.engine.priority_flag
             log.warning("the engine at %s refuses request priorities (%s): its hops are sent without one, tried "
                         "again every %.0f s; start it with the profile's %s, or take %s out of the profile",
-                        url, " ".join(exc.message().split())[:200], PRIORITY_RETRY_S, flag, flag)
+                        url, exc.one_line(), PRIORITY_RETRY_S, flag, flag)
         self._priority_refused[url] = time.monotonic()
 
     # ---------------------------------------------------------------- answer
@@ -429,9 +434,9 @@ class Orchestrator:
         status = exc.status if isinstance(exc, EngineHTTPError) else None
         self.counters.inc("engine_errors_total", status=str(status) if status is not None else "unreachable")
         if status is None or status >= 500 or getattr(exc, "in_stream", False):
-            why = exc.message() if isinstance(exc, EngineHTTPError) else str(exc)
+            why = exc.one_line(300) if isinstance(exc, EngineHTTPError) else " ".join(str(exc).split())[:300]
             log.warning("request %s: answer hop on %s failed: %s%s", plan.request_id, plan.route,
-                        f"HTTP {status}: " if status is not None else "", " ".join(why.split())[:300] or type(exc).__name__)
+                        f"HTTP {status}: " if status is not None else "", why or type(exc).__name__)
 
     def _answered(self, plan: Plan, start: float) -> None:
         plan.timings["answer_s"] = elapsed = time.monotonic() - start
@@ -679,8 +684,7 @@ class Orchestrator:
                         self.store.put_turn(key, record)  # recount its size with the summary
                         return
                     except (EngineHTTPError, EngineUnavailable) as exc:
-                        said = " ".join(exc.message().split())[:200] if isinstance(exc, EngineHTTPError) else ""
-                        log.warning("summary hop failed (attempt %d): %s%s", attempt + 1, exc, f": {said}" if said else "")
+                        log.warning("summary hop failed (attempt %d): %s", attempt + 1, described(exc))
                         if attempt == 0:
                             self.counters.inc("summary_retries_total")
                 self.counters.inc("summary_failures_total")
