@@ -175,6 +175,13 @@ class Engine(abc.ABC):
     # matching line wins; a label may use the regex groups ("{0}/{1}").
     phases: tuple[tuple[str, str], ...] = ()
 
+    # Vendor sampling and generation fields a client may send, forwarded on the answer hop as
+    # sent (never on the route or summary hop): name -> the JSON kind molctl.proxy.validation
+    # checks ("bool", "int", "number", "str", "ints", "strs", "object", "str_or_strs").
+    request_extensions: Mapping[str, str] = {}
+    # Vendor fields that would break the proxy's contract if passed on: name -> why (a 400).
+    refused_extensions: Mapping[str, str] = {}
+
     launch_module: str = ""  # python -m <this>
     model_flag: str = ""  # the flag naming the base model folder
     lora_flag: str = ""  # the flag taking NAME=PATH adapter pairs

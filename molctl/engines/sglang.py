@@ -210,6 +210,22 @@ class SglangEngine(Engine):
     version_path = "/get_server_info"
     health_timeout_s = 3.0
 
+    # SGLang's ChatCompletionRequest, "Extra parameters for SRT backend only"
+    # (python/sglang/srt/entrypoints/openai/protocol.py)
+    request_extensions = {
+        "top_k": "int", "min_p": "number", "repetition_penalty": "number", "min_tokens": "int",
+        "stop_token_ids": "ints", "stop_regex": "str_or_strs", "no_stop_trim": "bool", "ignore_eos": "bool",
+        "skip_special_tokens": "bool", "regex": "str", "ebnf": "str", "separate_reasoning": "bool",
+        "stream_reasoning": "bool",
+    }
+    refused_extensions = {
+        "lora_path": "the proxy chooses the adapter of every hop",
+        "input_ids": "pre-computed prompt tokens bypass the conversation the proxy builds",
+        "session_params": "engine sessions are not kept across the proxy's hops",
+        "custom_logit_processor": "custom logit processors are the operator's, not a client's",
+        "return_hidden_states": "hidden states are not part of the proxy's answer",
+    }
+
     def served_name_problem(self, name: str) -> str | None:
         # serving_base.py _parse_model_parameter splits `model` at the first ':' (issue #12745)
         if ":" in name:

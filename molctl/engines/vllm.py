@@ -63,6 +63,28 @@ class VllmEngine(Engine):
         (r"Application startup complete", "serving"),
     )
 
+    # vLLM 0.32's ChatCompletionRequest beyond OpenAI's fields
+    # (vllm/entrypoints/openai/chat_completion/protocol.py, "Ordered by official OpenAI API
+    # documentation" then the extra sampling and generation parameters). Its guided_* fields are
+    # removed there: vLLM ignores them with a warning and leaves the output unconstrained
+    # (_REMOVED_GUIDED_FIELDS in vllm/entrypoints/serve/engine/protocol.py), so they are refused.
+    request_extensions = {
+        "top_k": "int", "min_p": "number", "repetition_penalty": "number", "length_penalty": "number",
+        "ignore_eos": "bool", "min_tokens": "int", "stop_token_ids": "ints", "include_stop_str_in_output": "bool",
+        "skip_special_tokens": "bool", "spaces_between_special_tokens": "bool", "bad_words": "strs",
+        "allowed_token_ids": "ints", "prompt_logprobs": "int", "structured_outputs": "object",
+        "include_reasoning": "bool", "cache_salt": "str",
+    }
+    refused_extensions = {
+        **{f"guided_{k}": "vLLM no longer reads guided_* fields (the output would not be constrained); use "
+                          "response_format or structured_outputs"
+           for k in ("json", "regex", "choice", "grammar", "whitespace_pattern", "decoding_backend")},
+        "use_beam_search": "beam search returns several candidates, and the proxy keeps one conversation",
+        "truncate_prompt_tokens": "the proxy builds the prompt; truncating it would cut the conversation it folded",
+        "kv_transfer_params": "disaggregated-prefill transfer parameters are the operator's, not a client's",
+        "vllm_xargs": "custom logits-processor arguments are the operator's, not a client's",
+    }
+
     def probe_install(self, python: str) -> EngineInstall:
         return run_probe_script(python, PROBE_SCRIPT)
 
