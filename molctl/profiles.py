@@ -124,6 +124,7 @@ SCHEMA: dict[str, Any] = {
         "metrics_port": (int, type(None)),
         "metrics_host": str,
         "media_url_hosts": _ListOf(str),  # hosts whose image/audio/video URLs the engine may fetch ("*": any)
+        "max_request_head_bytes": int,  # a request's line and headers, at most (then 431/414)
     },
     "logs": {  # retention of STATE/PROFILE/logs
         "keep": int,  # the N newest log files kept per component
@@ -230,6 +231,9 @@ class ProxySpec:
     # and network: any URL a key holder sends would be a request from inside the cluster. Only
     # data: URLs unless the URL's host is listed here (lower case; "*": any http(s) URL).
     media_url_hosts: tuple[str, ...] = ()
+    # A request head (request line and headers) over this many bytes is answered 431 (414 for
+    # the request line) as soon as the bytes pass it, before they are parsed (nginx, Envoy: 64 KiB)
+    max_request_head_bytes: int = 64 * 1024
 
 
 DEFAULT_FOLD = "[This turn was handled by another specialist. Summary: {summary}]"
@@ -800,6 +804,9 @@ def _proxy_spec(data: dict[str, Any], v: _Validator) -> ProxySpec:
         raise v.fail("proxy.summary_wait_s", f"{_short(wait)}: expected seconds from 0 to 3600")
     if proxy.get("route_max_input_chars", 4000) < 200:
         raise v.fail("proxy.route_max_input_chars", "must be >= 200")
+    head = proxy.get("max_request_head_bytes", 64 * 1024)
+    if not 1024 <= head <= 64 * 1024 * 1024:
+        raise v.fail("proxy.max_request_head_bytes", f"{_short(head)}: expected bytes from 1024 to {64 * 1024 * 1024}")
     hosts = []
     for i, host in enumerate(proxy.get("media_url_hosts", ())):
         if host != "*" and not MEDIA_HOST.fullmatch(host):

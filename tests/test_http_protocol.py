@@ -104,9 +104,9 @@ def test_other_writes_pass_through_and_the_rest_of_the_interface_is_the_transpor
 class _Server:
     """uvicorn with the proxy's protocol and a small ASGI app, in a thread (also test_ops_review's)."""
 
-    def __init__(self, app, timeout_keep_alive: float = 5) -> None:
+    def __init__(self, app, timeout_keep_alive: float = 5, http: type = HeadHoldingHttpToolsProtocol) -> None:
         self.port = free_port()
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, http=HeadHoldingHttpToolsProtocol, lifespan="off",
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, http=http, lifespan="off",
                                 log_level="warning", loop="asyncio", timeout_keep_alive=timeout_keep_alive)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)

@@ -113,7 +113,12 @@ class DrainingServer(uvicorn.Server):
 def serve(app: ProxyApp, host: str, port: int, drain_timeout_s: float, key_file: Path | None = None,
           socks: list[socket.socket] | None = None) -> None:
     """Serve `app` until a signal ends the drain; on `socks` when given (bound already: see run_proxy)."""
-    config = uvicorn.Config(app, host=host, port=port, loop="uvloop", http=HeadHoldingHttpToolsProtocol, lifespan="on",
+    def refused(status: int) -> None:  # a request head over the bound (molctl.proxy.http_protocol)
+        app.counters.inc("requests_total", api="other", status=str(status), stream="false")
+
+    http = HeadHoldingHttpToolsProtocol.configured(max_head_bytes=app.profile.proxy.max_request_head_bytes,
+                                                   on_refused=refused)
+    config = uvicorn.Config(app, host=host, port=port, loop="uvloop", http=http, lifespan="on",
                             access_log=False, log_level="info", timeout_graceful_shutdown=5,
                             timeout_keep_alive=15)
     DrainingServer(config, app, drain_timeout_s, key_file).run(sockets=socks)
