@@ -126,6 +126,8 @@ SCHEMA: dict[str, Any] = {
         "media_url_hosts": _ListOf(str),  # hosts whose image/audio/video URLs the engine may fetch ("*": any)
         "max_request_head_bytes": int,  # a request's line and headers, at most (then 431/414)
     },
+        "request_fields": str,  # unknown request fields: "ignore" (logged once, counted) or "reject" (a 400)
+        "chat_template_kwargs": _ListOf(str),  # the chat_template_kwargs keys a client may set
     "logs": {  # retention of STATE/PROFILE/logs
         "keep": int,  # the N newest log files kept per component
         "max_bytes": int,  # the proxy's own log is rotated at this size (0 = never)
@@ -142,6 +144,7 @@ SCHEMA: dict[str, Any] = {
 
 MAX_GPUS = 1024
 # a DNS name or an IPv4 address, or an IPv6 one in brackets: a proxy.media_url_hosts entry, and
+REQUEST_FIELD_MODES = ("ignore", "reject")
 # the host part of a media URL the proxy lets through (molctl.proxy.validation)
 MEDIA_HOST_PATTERN = (r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*"
                       r"|\[[0-9A-Fa-f:.]+\]")
@@ -236,6 +239,13 @@ class ProxySpec:
     max_request_head_bytes: int = 64 * 1024
 
 
+    # A request field the proxy does not know (nor the engine module, see Engine.request_extensions):
+    # "ignore" accepts it, logs its name once and counts it, as vLLM itself does; "reject" is a 400.
+    request_fields: str = "ignore"
+    # The chat_template_kwargs keys a client may set (others are a 400): the thinking switches of
+    # the Qwen3.x and GLM templates. Any other variable reaches the template as is and can change
+    # what every rendering of the conversation looks like.
+    chat_template_kwargs: tuple[str, ...] = ("enable_thinking", "thinking", "clear_thinking", "preserve_thinking")
 DEFAULT_FOLD = "[This turn was handled by another specialist. Summary: {summary}]"
 
 
@@ -816,6 +826,11 @@ def _proxy_spec(data: dict[str, Any], v: _Validator) -> ProxySpec:
     proxy["media_url_hosts"] = tuple(hosts)
     if "store" in proxy:
         from molctl.proxy.sqlite_store import parse_store_spec
+    if proxy.get("request_fields", "ignore") not in REQUEST_FIELD_MODES:
+        raise v.fail("proxy.request_fields", f"{_short(proxy['request_fields'])}: expected one of "
+                                             f"{', '.join(REQUEST_FIELD_MODES)}")
+    if "chat_template_kwargs" in proxy:
+        proxy["chat_template_kwargs"] = tuple(proxy["chat_template_kwargs"])
 
         try:
             parse_store_spec(proxy["store"])

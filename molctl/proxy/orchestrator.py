@@ -41,7 +41,7 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -60,6 +60,7 @@ from molctl.proxy.conversations import (
 )
 from molctl.proxy.engine_client import ENGINE, EngineClient, checked_completion
 from molctl.proxy.errors import EngineHTTPError, EngineUnavailable, from_engine, overloaded
+from molctl.proxy.request_fields import FieldPolicy
 from molctl.proxy.validation import PASSTHROUGH, check_request
 from molctl.proxy.views import History, own_view, parse_label, route_input, route_messages, split_history, summary_messages
 
@@ -71,10 +72,11 @@ FAILED_FINISH = ("abort", "error")
 CLIENT_PARAMS = frozenset({*PASSTHROUGH, "tools"})
 
 
-def sent_params(body: dict[str, Any]) -> frozenset[str]:
-    """The CLIENT_PARAMS this request sent: the answer hop also carries the profile's
-    proxy.sampling_defaults, which the proxy built (an engine 400 on one names no client param)."""
-    return frozenset(k for k in CLIENT_PARAMS if body.get(k) is not None)
+def sent_params(body: dict[str, Any], extensions: Iterable[str] = ()) -> frozenset[str]:
+    """The CLIENT_PARAMS (and engine extensions) this request sent: the answer hop also carries
+    the profile's proxy.sampling_defaults, which the proxy built (an engine 400 on one names no
+    client param)."""
+    return frozenset(k for k in (*CLIENT_PARAMS, *extensions) if body.get(k) is not None)
 T = TypeVar("T")
 
 
@@ -90,7 +92,7 @@ class Counters:
         "sticky_tool_turns_total": 0, "unplaced_tool_turns_total": 0, "summaries_total": 0,
         "summary_retries_total": 0, "summary_failures_total": 0, "summaries_dropped_total": 0,
         "summaries_stale_total": 0, "engine_errors_total": 0, "client_disconnects_total": 0,
-        "stream_write_timeouts_total": 0, "internal_errors_total": 0,
+        "stream_write_timeouts_total": 0, "internal_errors_total": 0, "ignored_request_fields_total": 0,
     })
 
     labelled: dict[tuple[str, tuple[tuple[str, str], ...]], int] = field(default_factory=dict)
@@ -201,6 +203,7 @@ class Orchestrator:
         self.client = client
         self.store = store
         self.counters = counters or Counters()
+        self.fields = FieldPolicy.of(profile, engine, self.counters)
         self.public = profile.served_model_name
         self.identity = profile.substitute(profile.prompts.identity).strip()
         self.route_instruction = route_instruction(profile)
@@ -226,7 +229,7 @@ class Orchestrator:
     def prepare(self, body: Any, tenant: str) -> Plan:
         """Validate (see `validation`) and find the conversation's earlier turns. Linear in the
         number of messages; thread-safe with the store, so `app` may run it off the loop."""
-        check_request(body, self.public, self.profile.proxy.media_url_hosts)
+        check_request(body, self.public, self.profile.proxy.media_url_hosts, self.fields)
         messages = body["messages"]
         keys = ConversationKeys(tenant, messages)
         history = split_history(messages, keys.at, self.store.get_turn, getattr(self.store, "get_turns", None))
@@ -470,6 +473,7 @@ class Orchestrator:
         body = plan.body
         payload: dict[str, Any] = dict(self.profile.proxy.sampling_defaults)
         payload.update({k: body[k] for k in PASSTHROUGH if body.get(k) is not None})
+        payload.update(self.fields.forwarded(body))
         if body.get("tools"):
             payload["tools"] = body["tools"]
         elif payload.get("tool_choice") in ("auto", "none"):  # no tools: the same answer; vLLM would refuse it
@@ -514,7 +518,7 @@ class Orchestrator:
             body = checked_completion(await self.client.chat(payload, "answer", big=plan.big, request_id=plan.request_id))
         except (EngineHTTPError, EngineUnavailable) as exc:
             self._engine_error(exc, plan)
-            raise from_engine(exc, self.engine_names, self.public, sent_params(plan.body)) from None
+            raise from_engine(exc, self.engine_names, self.public, sent_params(plan.body, self.fields.extensions)) from None
         finally:
             self.release_answer_slot(plan)
             self._answered(plan, start)
@@ -576,7 +580,7 @@ class Orchestrator:
                 raise EngineHTTPError(502, "the engine's stream ended without a finish_reason", in_stream=True)
         except (EngineHTTPError, EngineUnavailable) as exc:
             self._engine_error(exc, plan)
-            raise from_engine(exc, self.engine_names, self.public, sent_params(plan.body)) from None
+            raise from_engine(exc, self.engine_names, self.public, sent_params(plan.body, self.fields.extensions)) from None
         finally:
             self.release_answer_slot(plan)
             self._answered(plan, start)

@@ -1,14 +1,18 @@
 """Request validation for POST /v1/chat/completions: the raw body to a checked dict, or a 400
 `invalid_request_error` that names the offending field (`param`).
 
-Choices, where the issue leaves room:
-- `n` other than 1, legacy `functions`, audio/prediction/web-search options and unknown
-  parameters are rejected with 400 (never silently dropped); null stands for "not given", as in
+Choices, where the issue leaves room (the whole field table: docs/contract.md "Request fields"):
+- `n` other than 1, legacy `functions`, audio output, and the fields `request_fields.REFUSED`
+  and the engine module refuse are 400s naming the field; null stands for "not given", as in
   OpenAI's schema (every one of them is nullable), and `modalities: ["text"]` asks for what every
-  answer is, so both are accepted; `store`, `metadata`,
-  `service_tier`, `prompt_cache_key`, `prompt_cache_retention`, `prompt_cache_options` and
-  `safety_identifier` are accepted and ignored (they do not change the answer; the engine's
-  prefix cache needs no key, retention or breakpoints).
+  answer is, so both are accepted. `store`, `metadata`, `service_tier`, `prompt_cache_key`,
+  `prompt_cache_retention`, `prompt_cache_options`, `safety_identifier`, `prediction`,
+  `verbosity`, `moderation` and `web_search_options` are accepted and ignored (they do not change
+  the answer an engine can give: the prefix cache needs no key, and the engine cannot search).
+- The engine module's extensions (vLLM's `ignore_eos`, `min_tokens`, `top_k`, ...) are checked
+  for their JSON kind and passed to the answer hop; any other unknown field is accepted and
+  ignored, noted once in the log and counted (`request_fields.FieldPolicy`), or a 400 with
+  `proxy.request_fields: reject`.
 - The shapes the engine's chat template will iterate over are checked here, so a malformed
   message fails as a 400 naming e.g. `messages[3].tool_calls[0].function`, never as a 500:
   roles, content (string, null or an array of typed parts), tool calls (objects with a
@@ -31,21 +35,19 @@ from typing import Any
 from molctl.profiles import MEDIA_HOST_PATTERN
 from molctl.proxy import fastjson
 from molctl.proxy.errors import ProxyError, invalid
+from molctl.proxy.request_fields import PERMISSIVE, FieldPolicy
 
 PASSTHROUGH = ("temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "logprobs",
-               "top_logprobs", "response_format", "tool_choice", "parallel_tool_calls", "logit_bias", "user",
-               "top_k", "min_p", "repetition_penalty")
-SAMPLING_NUMBERS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_p",
-                    "repetition_penalty")
+               "top_logprobs", "response_format", "tool_choice", "parallel_tool_calls", "logit_bias", "user")
+SAMPLING_NUMBERS = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
 ACCEPTED_IGNORED = ("store", "metadata", "service_tier", "prompt_cache_key", "prompt_cache_retention",
-                    "prompt_cache_options", "safety_identifier")
+                    "prompt_cache_options", "safety_identifier", "prediction", "verbosity", "moderation",
+                    "web_search_options")
 REJECTED = {"functions": "use 'tools' instead of the legacy 'functions'",
             "function_call": "use 'tool_choice' instead of the legacy 'function_call'",
-            "audio": "audio output is not supported", "modalities": "only text output is supported",
-            "prediction": "predicted outputs are not supported",
-            "web_search_options": "web search is not supported"}
-KNOWN = {"model", "messages", "stream", "stream_options", "n", "max_tokens", "max_completion_tokens",
-         "reasoning_effort", "chat_template_kwargs", "tools", *PASSTHROUGH, *ACCEPTED_IGNORED, *REJECTED}
+            "audio": "audio output is not supported", "modalities": "only text output is supported"}
+KNOWN = frozenset({"model", "messages", "stream", "stream_options", "n", "max_tokens", "max_completion_tokens",
+                   "reasoning_effort", "chat_template_kwargs", "tools", *PASSTHROUGH, *ACCEPTED_IGNORED, *REJECTED})
 ROLES = ("system", "developer", "user", "assistant", "tool")
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
@@ -318,17 +320,18 @@ def check_model(body: dict[str, Any], public_model: str) -> None:
                          "invalid_request_error", "model_not_found", "model")
 
 
-def check_request(body: Any, public_model: str, media_hosts: tuple[str, ...] = ()) -> None:
+def check_request(body: Any, public_model: str, media_hosts: tuple[str, ...] = (),
+                  fields: FieldPolicy = PERMISSIVE) -> None:
     """Everything about a chat request that does not need the conversation store. `media_hosts`:
-    `proxy.media_url_hosts` (see `check_media_url`)."""
+    `proxy.media_url_hosts` (see `check_media_url`); `fields`: the engine's extensions and what
+    to do with unknown fields (request_fields)."""
     if not isinstance(body, dict):
         raise invalid("The request body must be a JSON object.")
     check_model(body, public_model)
     for key in body:
         if key in REJECTED and body[key] is not None and not (key == "modalities" and body[key] == ["text"]):
             raise invalid(f"'{key}' is not supported: {REJECTED[key]}.", key)
-        if key not in KNOWN:
-            raise invalid(f"Unrecognized request argument supplied: {key}", key)
+    fields.check_extra(body, KNOWN, "chat")
     check_messages(body.get("messages"), media_hosts)
     n = body.get("n")
     if n is not None and (isinstance(n, bool) or n != 1):  # true == 1 in Python, not in JSON
@@ -348,8 +351,7 @@ def check_request(body: Any, public_model: str, media_hosts: tuple[str, ...] = (
     effort = body.get("reasoning_effort")
     if effort is not None and effort not in EFFORTS:
         raise invalid(f"'reasoning_effort' must be one of {', '.join(EFFORTS)}.", "reasoning_effort")
-    if body.get("chat_template_kwargs") is not None and not isinstance(body["chat_template_kwargs"], dict):
-        raise invalid("'chat_template_kwargs' must be an object.", "chat_template_kwargs")
+    fields.check_template_kwargs(body.get("chat_template_kwargs"), "chat_template_kwargs")
     if body.get("tools") is not None:
         check_tools(body["tools"])
     check_tool_choice(body.get("tool_choice"), body.get("tools"))
