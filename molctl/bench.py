@@ -33,7 +33,9 @@ import httpx
 from molctl.errors import ExitStatus, MolctlError, UsageError
 from molctl.profiles import ROUTES
 
-SERIES = ("base", "L0", "L1", "L2", "L3", "mix", "proxy")
+# `canary`: the adapter efficacy canary of `up` (molctl.canary), once per run (not per concurrency):
+# an engine whose adapter stopped having an effect shows in the bench report too
+SERIES = ("base", "L0", "L1", "L2", "L3", "mix", "proxy", "canary")
 FORMAT = 1
 # prompt lengths of the request pool (words; a word of the fixed vocabulary is about one token)
 PROMPT_WORDS = (16, 64, 256)
@@ -89,6 +91,7 @@ class Target:
     adapter_models: dict[str, str]  # L0 -> the engine's model field for it
     public_model: str
     metrics_url: str | None = None  # the proxy's metrics listener (proxy.metrics_port), if any
+    spec: Any = None  # the running stack's Profile (the canary's requests)
 
 
 @dataclass
@@ -135,7 +138,8 @@ def find_target(ctx, name: str) -> Target:
                   base_model=profile.engine.served_name,
                   adapter_models={r: kind.adapter_model(profile, r) for r in ROUTES},
                   public_model=profile.served_model_name,
-                  metrics_url=metrics_url(profile) if proxy_url and profile.proxy.metrics_port else None)
+                  metrics_url=metrics_url(profile) if proxy_url and profile.proxy.metrics_port else None,
+                  spec=profile)
 
 
 # ------------------------------------------------------------------------------- workload
@@ -417,6 +421,15 @@ async def _run(target: Target, opts: BenchOptions, vram: VramSampler, samples_ou
     limits = httpx.Limits(max_connections=max(opts.concurrency) + 4, max_keepalive_connections=max(opts.concurrency) + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(opts.request_timeout_s), limits=limits, trust_env=False) as client:
         for series in opts.series:
+            if series == "canary":
+                if progress is not None:
+                    progress("adapter efficacy canary")
+                before = await _scrape(client, target.engine_url + "/metrics")
+                cell = await _canary_cell(target, vram, samples_out)
+                cell["engine_metrics"] = _engine_delta(target.engine_kind, before,
+                                                       await _scrape(client, target.engine_url + "/metrics"))
+                cells.append(cell)
+                continue
             for conc in opts.concurrency:
                 if progress is not None:
                     progress(f"{series} at concurrency {conc}")
@@ -439,6 +452,38 @@ async def _run(target: Target, opts: BenchOptions, vram: VramSampler, samples_ou
                                               for k in PROXY_METRICS} if pbefore is not None and pafter is not None else None)
                 cells.append(cell)
                 samples_out.flush()
+
+
+async def _canary_cell(target: Target, vram: VramSampler, samples_out) -> dict[str, Any]:
+    """The `canary` series: molctl.canary once, its requests (base, L0-L3, one at a time) as the
+    cell's samples, an adapter with no effect counted as the error `no_effect`, the whole result
+    under `canary`."""
+    from molctl import canary
+    from molctl.engines import get_engine
+
+    vram.phase = "canary@1"
+    t0 = time.perf_counter()
+    result = await asyncio.to_thread(canary.run, target.spec, get_engine(target.engine_kind), target.engine_url)
+    wall = time.perf_counter() - t0
+    samples = []
+    asked = [("base", result.get("base"))] + list((result.get("adapters") or {}).items())
+    for i, (who, got) in enumerate(asked):
+        ok = got is not None
+        samples.append({"series": "canary", "concurrency": 1, "i": i, "prompt_id": None, "prompt_words": None,
+                        "adapter": None if who == "base" else who, "start_s": None, "ok": ok, "status": 200 if ok else None,
+                        "error": None if ok else "canary_error", "ttft_s": None, "total_s": got["seconds"] if ok else None,
+                        "output_tokens": len(got["tokens"]) if ok else None, "prompt_tokens": None})
+    failed = 1 + len(canary.ROUTES) - len(samples)
+    for s in samples:
+        samples_out.write(json.dumps(s) + "\n")
+    cell = {"series": "canary", "concurrency": 1, **_cell_summary(samples, wall), "engine_metrics": None,
+            "vram_peak": vram.peak(vram.phase), "canary": canary.brief(result)}
+    cell["requests"] += failed
+    if failed:
+        cell["errors"]["canary_error"] = cell["errors"].get("canary_error", 0) + failed
+    if result["no_effect"]:
+        cell["errors"]["no_effect"] = len(result["no_effect"])
+    return cell
 
 
 def _check_proxy(target: Target, opts: BenchOptions) -> None:
@@ -564,7 +609,8 @@ def bench(ctx, name: str, opts: BenchOptions, gpu_probe=None, progress=None) -> 
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     if interrupted:
-        total = len(opts.series) * len(opts.concurrency)
+        once = int("canary" in opts.series)
+        total = (len(opts.series) - once) * len(opts.concurrency) + once
         raise MolctlError(f"interrupted: {len(cells)} of {total} cells finished; their results are in "
                           f"{run_dir / 'summary.json'} (\"interrupted\": true)", ExitStatus.INTERRUPTED)
     return summary

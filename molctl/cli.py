@@ -119,7 +119,8 @@ SET_OPT = typer.Option([], "--set", metavar="KEY=VALUE",
 MODEL_ROOT_OPT = typer.Option(None, "--model-root",
                               help="Use this model root (base/ and loras/L0..L3) instead of the profile's model_root.")
 SKIP_OPT = typer.Option([], "--skip", metavar="CATEGORY",
-                        help="Skip a check category: engine, gpu, model, adapter, template, port, state, security (repeatable).")
+                        help="Skip a check category: engine, gpu, model, adapter, template, port, state, security, "
+                             "adapter-effect (the adapter efficacy canary) (repeatable).")
 
 
 def overrides_from(model_root: Optional[Path], sets: List[str]) -> list[tuple[str, object]]:
@@ -204,6 +205,8 @@ def check_cmd(
     verify: bool = VERIFY_OPT,
     manifest: Optional[Path] = MANIFEST_OPT,
     full_hash: bool = FULL_HASH_OPT,
+    live: bool = typer.Option(False, "--live", help="Also run the adapter efficacy canary against the profile's "
+                                                    "running engine (the adapter-effect category)."),
     json_: bool = JSON_OPT,
 ) -> None:
     """Validate the host, the model files and the engine before a long load. Exit 3 on any failure."""
@@ -213,7 +216,7 @@ def check_cmd(
     out = Output(as_json=json_)
     verify_opts = _verify_options(verify, manifest, full_hash)
     probes = Probes(verify=verify_opts) if verify_opts is not None else None
-    report = check_profile(profile, ctx.obj, overrides_from(model_root, set_), skip, api_key_file, probes)
+    report = check_profile(profile, ctx.obj, overrides_from(model_root, set_), skip, api_key_file, probes, live=live)
     out.check_report(report)
     if not report.ok:
         raise typer.Exit(int(ExitStatus.CHECK_FAILED))
@@ -432,10 +435,14 @@ def demo_init_cmd(
     if_missing: bool = typer.Option(False, "--if-missing", help="Do nothing when a complete tiny model is already there."),
     template: str = typer.Option("qwen3.6", "--template",
                                  help="Chat template rules: qwen3.6 (the Tall base's family; profile tiny) or glm5 (Venti's)."),
+    no_effect: List[str] = typer.Option([], "--no-effect", metavar="ROUTE=KIND",
+                                        help="Write adapter ROUTE with no effect, for the efficacy canary: zero-b (zero "
+                                             "lora_B) or off-target (o_proj only: no effect under --lora-target-modules "
+                                             "q_proj v_proj) (repeatable)."),
     json_: bool = JSON_OPT,
 ) -> None:
     """Generate the tiny base model (tokenizer, config, chat template, 2 safetensors shards) and LoRA adapters L0-L3."""
-    from molctl.demo import TEMPLATES, init_tiny
+    from molctl.demo import TEMPLATES, init_tiny, parse_no_effect
     from molctl.errors import UsageError
     from molctl.output import Output
     from molctl.profiles import load_profile
@@ -446,7 +453,8 @@ def demo_init_cmd(
         raise UsageError(f"--seed {seed}: expected 0 or more")
     out = Output(as_json=json_)
     root = directory or load_profile("tiny", ctx.obj.dirs()).model_root
-    result = init_tiny(root, seed=seed, force=force, if_missing=if_missing, template=template)
+    result = init_tiny(root, seed=seed, force=force, if_missing=if_missing, template=template,
+                       no_effect=parse_no_effect(no_effect))
     out.demo_init(result, template, seed)
 
 
@@ -574,8 +582,9 @@ def bench_cmd(
                                              help="Seconds per series and concurrency (default 2.5 when --requests is not given)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the prompt set and the mix's order."),
     max_tokens: int = typer.Option(32, "--max-tokens", min=1, help="max_tokens of every request."),
-    series: str = typer.Option(",".join(("base", "L0", "L1", "L2", "L3", "mix", "proxy")), "--series",
-                               help="Series to run (base is always measured first): base,L0,L1,L2,L3,mix,proxy."),
+    series: str = typer.Option(",".join(("base", "L0", "L1", "L2", "L3", "mix", "proxy", "canary")), "--series",
+                               help="Series to run (base is always measured first): base,L0,L1,L2,L3,mix,proxy,canary "
+                                    "(the adapter efficacy canary, once)."),
     request_timeout: float = typer.Option(60.0, "--request-timeout", callback=_positive, help="Seconds one request may take."),
     api_key_file: Optional[Path] = typer.Option(None, "--api-key-file", envvar="MOLCTL_API_KEY_FILE",
                                                 help="The proxy's API key (first line) for the proxy series. Or set MOLCTL_API_KEY."),

@@ -7,8 +7,9 @@ The layout is the upstream one, so the same checks, engine flags and proxy apply
 The base is a random Llama-architecture model (hidden 256, 2 layers, 4 heads, 2 KV heads, bf16,
 untied lm_head) with a byte-level BPE tokenizer trained on a built-in word list; each adapter is
 a rank-8 PEFT LoRA on q_proj/v_proj whose B matrices are non-zero, so every adapter changes
-greedy output. Operators also use it to smoke-test a new host (`molctl up tiny`) before copying a
-700 GB model onto it. Needs numpy and tokenizers (both come with vLLM; `pip install 'molctl[cpu]'`).
+greedy output (`--no-effect ROUTE=zero-b|off-target` writes one that does not: NO_EFFECT_KINDS).
+Operators also use it to smoke-test a new host (`molctl up tiny`) before copying a 700 GB model
+onto it. Needs numpy and tokenizers (both come with vLLM; `pip install 'molctl[cpu]'`).
 
 Chat templates (`--template`, written to `base/chat_template.jinja`, which transformers and vLLM
 prefer over `tokenizer_config.json`): the tiny model is as strict as the real bases, so a proxy
@@ -178,19 +179,34 @@ def _write_base(base: Path, vocab: int, rng) -> None:
     (base / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 4}, indent=1))
 
 
-def _write_adapter(d: Path, rng) -> None:
+# Adapters "with no effect" (`molctl demo init --no-effect ROUTE=KIND`), for proving the adapter
+# efficacy canary of `up` (molctl.canary) on a real engine:
+#   zero-b:     the usual q_proj/v_proj adapter with every lora_B weight zero (delta W = B A = 0);
+#   off-target: a working adapter on o_proj only, which an engine started with
+#               --lora-target-modules q_proj v_proj (ENGINE_TARGET_MODULES) leaves out: vLLM loads
+#               it, lists it and serves the base's output (vllm#55193).
+NO_EFFECT_KINDS = ("zero-b", "off-target")
+TARGETS = ("q_proj", "v_proj")
+OFF_TARGETS = ("o_proj",)
+ENGINE_TARGET_MODULES = ("q_proj", "v_proj")
+
+
+def _write_adapter(d: Path, rng, kind: str | None = None) -> None:
     import numpy as np
 
     d.mkdir(parents=True)
-    targets = ("q_proj", "v_proj")
-    out_dim = {"q_proj": HEADS * HEAD_DIM, "v_proj": KV_HEADS * HEAD_DIM}
+    targets = OFF_TARGETS if kind == "off-target" else TARGETS
+    in_dim = {"q_proj": HIDDEN, "v_proj": HIDDEN, "o_proj": HEADS * HEAD_DIM}
+    out_dim = {"q_proj": HEADS * HEAD_DIM, "v_proj": KV_HEADS * HEAD_DIM, "o_proj": HIDDEN}
     tensors, data = {}, {}
     for i in range(LAYERS):
         for t in targets:
             prefix = f"base_model.model.model.layers.{i}.self_attn.{t}"
-            a = rng.normal(0.0, 1.0 / np.sqrt(HIDDEN), (RANK, HIDDEN))
+            a = rng.normal(0.0, 1.0 / np.sqrt(in_dim[t]), (RANK, in_dim[t]))
             b = rng.normal(0.0, 0.5, (out_dim[t], RANK))  # non-zero: the adapter changes the output
-            tensors[f"{prefix}.lora_A.weight"] = ("BF16", (RANK, HIDDEN))
+            if kind == "zero-b":
+                b = np.zeros_like(b)
+            tensors[f"{prefix}.lora_A.weight"] = ("BF16", (RANK, in_dim[t]))
             tensors[f"{prefix}.lora_B.weight"] = ("BF16", (out_dim[t], RANK))
             data[f"{prefix}.lora_A.weight"], data[f"{prefix}.lora_B.weight"] = _bf16(a), _bf16(b)
     write_file(d / "adapter_model.safetensors", tensors, data=data, metadata={"format": "pt"})
@@ -212,11 +228,25 @@ def is_complete_but_template(root: Path) -> bool:
         (root / "loras" / r / "adapter_model.safetensors").is_file() for r in ROUTES)
 
 
+def parse_no_effect(items) -> dict[str, str]:
+    """`--no-effect L1=zero-b` (repeatable) -> {"L1": "zero-b"}; a bad item is a usage error."""
+    out: dict[str, str] = {}
+    for item in items:
+        route, _, kind = item.partition("=")
+        if route not in ROUTES or kind not in NO_EFFECT_KINDS:
+            raise UsageError(f"--no-effect {item!r}: expected ROUTE=KIND, ROUTE one of {', '.join(ROUTES)}, "
+                             f"KIND one of {', '.join(NO_EFFECT_KINDS)}")
+        out[route] = kind
+    return out
+
+
 def init_tiny(root: Path, seed: int = 0, force: bool = False, if_missing: bool = False,
-              template: str = DEFAULT_TEMPLATE) -> dict:
+              template: str = DEFAULT_TEMPLATE, no_effect: dict[str, str] | None = None) -> dict:
     """Write the tiny model to `root` (atomically: built in a sibling temp dir, then renamed).
 
-    `template` picks the chat template written to base/chat_template.jinja (see TEMPLATES)."""
+    `template` picks the chat template written to base/chat_template.jinja (see TEMPLATES);
+    `no_effect` ({route: kind}, see NO_EFFECT_KINDS) writes those adapters "with no effect"."""
+    no_effect = dict(no_effect or {})
     root = root.expanduser().absolute()
     text = template_text(template)
     if if_missing and is_complete(root):
@@ -242,7 +272,7 @@ def init_tiny(root: Path, seed: int = 0, force: bool = False, if_missing: bool =
         (base / TEMPLATE_FILE).write_text(text, encoding="utf-8")
         _write_base(base, vocab, rng)
         for i, route in enumerate(ROUTES):
-            _write_adapter(tmp / "loras" / route, np.random.default_rng(seed * 100 + i + 1))
+            _write_adapter(tmp / "loras" / route, np.random.default_rng(seed * 100 + i + 1), no_effect.get(route))
         root.parent.mkdir(parents=True, exist_ok=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -255,5 +285,8 @@ def init_tiny(root: Path, seed: int = 0, force: bool = False, if_missing: bool =
         shutil.rmtree(old)
     else:
         tmp.rename(root)
-    return {"root": str(root), "created": True, "vocab_size": vocab, "seed": seed, "adapters": list(ROUTES),
-            "template": template}
+    out = {"root": str(root), "created": True, "vocab_size": vocab, "seed": seed, "adapters": list(ROUTES),
+           "template": template}
+    if no_effect:
+        out["no_effect"] = no_effect
+    return out

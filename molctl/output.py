@@ -165,6 +165,10 @@ class Output:
                 self.line(f"{stack['profile']}: {problem}")
             if stack.get("adapters") not in (None, "ok"):
                 self.line(f"{stack['profile']}: adapters: {stack['adapters']}")
+            if stack.get("canary"):
+                from molctl.canary import summary_line
+
+                self.line(f"{stack['profile']}: {summary_line(stack['canary'])}")
             for g in stack.get("gpus", []):
                 self.line(f"  GPU {g['index']}: {g['used_bytes'] / 2**30:.1f} GiB used by the stack")
 

@@ -80,6 +80,7 @@ SCHEMA: dict[str, Any] = {
         "rank_equals": (int, type(None)),
         "rank_max": (int, type(None)),
         "base_names": _ListOf(str),
+        "effect_canary": bool,  # the adapter efficacy canary of `up`/`switch` (molctl.canary)
     },
     "engine": {
         "kind": str,
@@ -174,6 +175,7 @@ class AdapterSpec:
     rank_equals: int | None = None
     rank_max: int | None = None
     base_names: tuple[str, ...] = ()
+    effect_canary: bool = True  # `up` proves each adapter changes the base's output (molctl.canary)
 
 
 @dataclass(frozen=True)
@@ -882,6 +884,7 @@ def _adapter_spec(data: dict[str, Any], v: _Validator) -> AdapterSpec:
         rank_equals=adapters.get("rank_equals"),
         rank_max=adapters.get("rank_max"),
         base_names=tuple(adapters.get("base_names", ())),
+        effect_canary=adapters.get("effect_canary", True),
     )
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from molctl import stackconfig
+from molctl import canary, stackconfig
 from molctl.engines import get_engine
 from molctl.errors import ConflictError, ExitStatus, MolctlError
 from molctl.hostlocks import Claim, ClaimConflict, HostLocks, claim_components, holder_info, release_all
@@ -249,29 +249,38 @@ def _up_locked(profile: Profile, config: dict, ctx, opts: UpOptions, key_args: l
         claims = claim_components(HostLocks(), profile, state_dir, [c for c in COMPONENTS if c not in live], f"up {name}")
     except ClaimConflict as exc:
         raise ConflictError(f"{exc}; nothing was started") from None
+    canary_off = canary.enabled(profile, opts.skip)
+    timings: dict[str, float] = {}
     try:
         if "engine" in live:
             engine_record, engine_proc = live["engine"], Adopted(live["engine"])
         else:
             engine_record, engine_proc = starter.start_engine(claims.get("engine", []))
-        # The proxy starts while the engine loads (its /readyz stays 503 until the engine
-        # serves), so its own start-up is off the critical path.
+        # Without the canary the proxy starts while the engine loads (its /readyz stays 503
+        # until the engine serves), off the critical path. With it, the proxy starts once every
+        # adapter proved its effect: no client reaches a stack whose adapter does nothing.
         if "proxy" in live:
             starter.proxy = (live["proxy"], Adopted(live["proxy"]))
-        else:
+        elif canary_off:
             starter.proxy = starter.start_proxy(claims.get("proxy", []), component_url(engine_record))
         timeout = opts.timeout_s if opts.timeout_s is not None else profile.engine.start_timeout_s
         starter.wait_engine(engine_record, engine_proc, timeout)
-        t_engine = time.monotonic() - t0
+        timings["engine_ready_s"] = round(time.monotonic() - t0, 2)
+        result = starter.run_canary(engine_record, canary_off)
+        if isinstance(result.get("seconds"), (int, float)):
+            timings["canary_s"] = round(result["seconds"], 2)
+        if starter.proxy is None:
+            starter.proxy = starter.start_proxy(claims.get("proxy", []), component_url(engine_record))
         starter.wait_proxy(component_url(engine_record))
     except BaseException as exc:
         release_all(claims)
-        starter.clean_up(exc, adopted_engine=live.get("engine"))
+        starter.clean_up(exc, adopted_engine=live.get("engine"), adopted_proxy=live.get("proxy"))
         raise
     release_all(claims)
-    total = time.monotonic() - t0
-    return _result(profile, read_records(state_dir, name), already=False,
-                   timings={"engine_ready_s": round(t_engine, 2), "total_s": round(total, 2)})
+    timings["total_s"] = round(time.monotonic() - t0, 2)
+    out = _result(profile, read_records(state_dir, name), already=False, timings=timings)
+    out["canary"] = result
+    return out
 
 
 def _start_options(opts: UpOptions) -> list[str]:
@@ -405,6 +414,31 @@ class _Starter:
         raise StartFailed(f"the engine was not ready within {timeout:.0f} s ({probe.detail}); it was stopped "
                           f"(log: {record.log})", ExitStatus.TIMEOUT, tail(record.log, 20))
 
+    def run_canary(self, record: Record, off: str | None) -> dict[str, Any]:
+        """The adapter efficacy canary against the ready engine (molctl.canary), before the proxy
+        starts; its result goes into the engine's record (for `status`) and log. An adapter with
+        no effect, or a canary request that fails, stops the engine: exit 7."""
+        if off is not None:
+            result = canary.skipped(off)
+        else:
+            self.progress.step("adapter efficacy canary: the base model and L0-L3, greedy, with logprobs")
+            result = canary.run(self.profile, get_engine(self.profile.engine.kind), component_url(record))
+        line = canary.summary_line(result)
+        canary.append_to_log(record.log, line)
+        for warning in result.get("warnings", []):
+            self.progress.warn(warning)
+        if result["status"] in ("fail", "error"):
+            stop(record, self.opts.stop_timeout_s)
+            raise StartFailed(f"the engine is up but {canary.failure_message(result)}; it was stopped",
+                              ExitStatus.ADAPTERS)
+        self.progress.step(line)
+        record.extra = {**record.extra, "canary": result}
+        try:
+            write_record(self.state_dir, self.name, record)
+        except OSError as exc:  # the stack serves; only `status` lacks the canary's result
+            self.progress.warn(f"could not write the canary's result into the engine record: {exc.strerror or exc}")
+        return result
+
     def wait_proxy(self, upstream: str) -> None:
         deadline = time.monotonic() + PROXY_READY_TIMEOUT_S
         while True:
@@ -422,7 +456,7 @@ class _Starter:
             time.sleep(0.1)
 
     # failure ----------------------------------------------------------------------------------
-    def clean_up(self, exc: BaseException, adopted_engine: Record | None) -> None:
+    def clean_up(self, exc: BaseException, adopted_engine: Record | None, adopted_proxy: Record | None = None) -> None:
         """Stop what this invocation started (and an adopted engine that failed); a second Ctrl-C
         here is reported with what may still run and how to stop it."""
         interrupted = isinstance(exc, KeyboardInterrupt)
@@ -437,6 +471,9 @@ class _Starter:
             if isinstance(exc, StartFailed) and adopted_engine is not None:
                 stop(adopted_engine, 10.0)
                 remove_record(self.state_dir, self.name, "engine")
+            if isinstance(exc, StartFailed) and exc.exit_status == ExitStatus.ADAPTERS and adopted_proxy is not None:
+                stop(adopted_proxy, 10.0)  # it would serve an engine that was stopped
+                remove_record(self.state_dir, self.name, "proxy")
         except KeyboardInterrupt:
             left = [f"{r.component} (pid {r.pid})" for r in [*self.started, *([adopted_engine] if adopted_engine else [])]
                     if members(r)]

@@ -144,6 +144,11 @@ def _stack_status(state_dir: Path, name: str, profile: Profile | None, records: 
         out["state"] = "degraded" if marked or left or any(c["alive"] for c in components) else "failed"
     if adapters is not None:
         out["adapters"] = adapters
+    recorded_canary = (records["engine"].extra or {}).get("canary") if "engine" in records else None
+    if isinstance(recorded_canary, dict):  # the adapter efficacy canary of the `up` that started it
+        from molctl.canary import brief
+
+        out["canary"] = brief(recorded_canary)
     if "proxy" in records:
         out["endpoint"] = component_url(records["proxy"]) + "/v1"
         proxy_alive = any(c["name"] == "proxy" and c["alive"] for c in components)

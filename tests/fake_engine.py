@@ -3,7 +3,8 @@
 It logs every chat request it receives (hop header, model, messages, payload) and behaves by
 configuration (POST /_config, merged) and by directives in the user's text:
   [route:L2]    the route hop answers this label (unless config route_label is set)
-  [tool:NAME]   the answer hop answers with a call of tool NAME (unless the last message is a tool result)
+  [tool:NAME]   the answer hop answers with a call of tool NAME, arguments from its schema ([tool]: the
+                request's first tool) (unless the last message is a tool result)
 Answers never contain an adapter name: tests learn who answered from GET /_log.
 
 Strict mode (config `strict: true`, the default of the proxy contract tests) rejects what the
@@ -43,6 +44,11 @@ import time
 
 from aiohttp import web
 
+try:
+    from tests import fake_schema
+except ImportError:  # run as a script: tests/ is sys.path[0]
+    import fake_schema
+
 DEFAULT_CONFIG = {
     "served_name": "tiny-mol-base",
     "adapters": ["L0", "L1", "L2", "L3"],
@@ -66,6 +72,8 @@ DEFAULT_CONFIG = {
     # with vLLM's final chunk for a token the parser swallowed: an empty delta with the
     # finish_reason and that token's logprobs (vllm/entrypoints/openai/chat_completion/serving.py)
     "answer_logprobs": False,  # end the stream with [DONE] but no finish_reason (neither vLLM nor SGLang does)
+    "answer_reasoning": None,  # reasoning text of every answer (as a reasoning parser returns it)
+    "reasoning_field": "reasoning",  # where: vLLM 0.32's `reasoning`, or `reasoning_content` (SGLang, older vLLM)
     "strict": False,  # enforce vLLM's window rule and the Qwen3.5/3.6 template's role rules
     "max_model_len": 2048,  # the window in strict mode
     # per engine model (the base's served name or an adapter), for `molctl bench` (answer hops and direct requests):
@@ -82,6 +90,10 @@ DEFAULT_CONFIG = {
     # which ignores the field unless started for it)
     "scheduling_policy": "fcfs",
     "priority_refusal": None,  # that 400's message instead ("V1 does not support priority yet.": vLLM 0.8-0.9.1)
+    # the adapter efficacy canary (molctl.canary; /v1/completions here, /generate in the fake SGLang):
+    # each model answers its own greedy tokens and logprobs, except
+    "no_effect": [],  # adapters served "with no effect": the base model's tokens and logprobs (vllm#55193)
+    "same_as": {},  # {adapter: other adapter}: a copy under two names, the other's tokens and logprobs
 }
 
 
@@ -258,20 +270,25 @@ async def chat(request: web.Request) -> web.StreamResponse:
     n = STATE.counter
     tool = None
     if last.get("role") != "tool":
-        m = re.search(r"\[tool:(\w+)\]", text_of(last.get("content")))
-        tool = m.group(1) if m else None
+        # [tool:NAME] (or [tool]: the request's first tool): a call with arguments from its schema
+        m = fake_schema.TOOL_MARKER.search(text_of(last.get("content")))
+        tool = fake_schema.tool_named(payload, (m.group(1) or "") if m else None)
+    structured = fake_schema.structured_answer(payload)
     if tool:
-        args = json.dumps({"city": "Paris", "unit": "celsius", "days": 3})
-        call = {"id": f"call-{n}", "type": "function", "function": {"name": tool, "arguments": args}}
+        call = {"id": f"call-{n}", "type": "function", "function": {"name": tool[0], "arguments": tool[1]}}
         message, finish = {"content": None, "tool_calls": [call]}, "tool_calls"
     elif last.get("role") == "tool":
         message, finish = {"content": f"answer-{n} using {text_of(last.get('content'))}"}, "stop"
     else:
         message, finish = {"content": f"answer-{n}" + (" " + cfg["answer_word"]) * cfg["answer_words"]}, "stop"
+    elif structured is not None:
+        message, finish = {"content": structured}, "stop"
     finish = cfg["answer_finish"] or finish
     if not payload.get("stream"):
         body = completion(model, message, finish, usage)
         if cfg["answer_logprobs"] and payload.get("logprobs"):
+    if cfg["answer_reasoning"] is not None:  # a reasoning parser's output, in the field the engine names
+        message[cfg["reasoning_field"]] = cfg["answer_reasoning"]
             body["choices"][0]["logprobs"] = {"content": [logprob(p) for p in re.findall(r"\S+\s*", message["content"] or "")]}
         return web.json_response(body)
 
@@ -316,6 +333,10 @@ async def stream_body(resp, emit, message, finish, tool, cfg, payload, model, us
         call = message["tool_calls"][0]
         await emit({"tool_calls": [{"index": 0, "id": call["id"], "type": "function",
                                     "function": {"name": call["function"]["name"], "arguments": ""}}]})
+    field = cfg["reasoning_field"]
+    if message.get(field):
+        for piece in re.findall(r"\S+\s*", message[field]):
+            await emit({field: piece})
         args = call["function"]["arguments"]
         k = cfg["tool_arg_chunks"]
         size = -(-len(args) // k)
@@ -355,6 +376,46 @@ async def stream_body(resp, emit, message, finish, tool, cfg, payload, model, us
         await resp.write(b"data: " + json.dumps(last).encode() + b"\n\n")
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
+
+
+def canary_output(model: str, max_tokens: int, top: int) -> list[tuple[int, float, dict[int, float]]]:
+    """The greedy answer of `model` (the base's served name or an adapter) to any prompt: per
+    token (id, logprob, {id: logprob} of the top `top`), derived from the name of the model whose
+    weights answer (the base for an adapter in `no_effect`, the other for one in `same_as`)."""
+    import hashlib
+
+    cfg = STATE.config
+    if model in cfg["no_effect"]:
+        model = cfg["served_name"]
+    model = cfg["same_as"].get(model, model)
+    out = []
+    for i in range(max_tokens):
+        h = hashlib.sha256(f"{model}:{i}".encode()).digest()
+        ids = [100 + h[k] for k in range(top)]
+        ids = list(dict.fromkeys(ids)) or [100]
+        lps = [-0.1 - 0.7 * k - h[10 + k] / 255 for k in range(len(ids))]
+        out.append((ids[0], lps[0], dict(zip(ids, lps, strict=True))))
+    return out
+
+
+async def completions(request: web.Request) -> web.Response:
+    """vLLM's /v1/completions as the canary asks it (logprobs N, return_tokens_as_token_ids):
+    CompletionLogProbs with "token_id:ID" tokens (vllm/entrypoints/openai/completion/protocol.py)."""
+    payload = await request.json()
+    cfg = STATE.config
+    model = payload.get("model")
+    STATE.log.append({"hop": request.headers.get("X-MoL-Hop"), "model": model, "endpoint": "completions",
+                      "payload": payload, "t": time.time()})
+    if model != cfg["served_name"] and model not in cfg["adapters"]:
+        return vllm_error(f"The model `{model}` does not exist.", 404, "NotFoundError", param="model", suffix=False)
+    out = canary_output(model, int(payload.get("max_tokens") or 16), int(payload.get("logprobs") or 0) or 1)
+    logprobs = {"text_offset": list(range(len(out))), "token_logprobs": [lp for _, lp, _ in out],
+                "tokens": [f"token_id:{t}" for t, _, _ in out],
+                "top_logprobs": [{f"token_id:{k}": v for k, v in top.items()} for _, _, top in out]}
+    return web.json_response({"id": "cmpl-engine", "object": "text_completion", "created": int(time.time()), "model": model,
+                              "choices": [{"index": 0, "text": "".join(f" w{t}" for t, _, _ in out), "logprobs": logprobs,
+                                           "finish_reason": "length", "stop_reason": None}],
+                              "usage": {"prompt_tokens": 12, "completion_tokens": len(out), "total_tokens": 12 + len(out)}})
 
 
 async def health(request):
@@ -418,6 +479,7 @@ async def reset(request):
 def make_app() -> web.Application:
     app = web.Application(client_max_size=64 * 2**20)  # vLLM takes bodies of any size
     app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/completions", completions)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/version", version)
@@ -429,6 +491,19 @@ def make_app() -> web.Application:
     return app
 
 
+def apply_canary_env(*configs: dict) -> None:
+    """FAKE_NO_EFFECT (comma list of adapters served with no effect) and FAKE_SAME_AS
+    (`L3=L2,...`: an adapter answering as another) into the canary's config keys."""
+    import os
+
+    env = os.environ
+    for cfg in configs:
+        if env.get("FAKE_NO_EFFECT"):
+            cfg["no_effect"] = [a for a in env["FAKE_NO_EFFECT"].split(",") if a]
+        if env.get("FAKE_SAME_AS"):
+            cfg["same_as"] = dict(pair.split("=", 1) for pair in env["FAKE_SAME_AS"].split(",") if "=" in pair)
+
+
 def main() -> None:
     """Also runs as a profile's engine (`engine.python` = a wrapper script): it then takes the
     vLLM-style argv and FAKE_* environment variables from the profile's engine.env:
@@ -437,7 +512,8 @@ def main() -> None:
     FAKE_IGNORE_TERM (ignore SIGTERM), FAKE_CHILD (`1`: leave a child process in the group, like
     vLLM's EngineCore; `retitle`: one that also renames itself with setproctitle, as vLLM's do;
     `gpu`: one that holds FAKE_GPU_GIB GiB (default 4) of CUDA memory through torch, for the checks
-    on a real GPU host in tests/gpu_host_check.py), FAKE_ADAPTERS (comma list), FAKE_PARENT, FAKE_ANSWER_DELAY."""
+    on a real GPU host in tests/gpu_host_check.py), FAKE_ADAPTERS (comma list), FAKE_PARENT, FAKE_ANSWER_DELAY, FAKE_NO_EFFECT and
+    FAKE_SAME_AS (the canary's `no_effect` and `same_as`: see apply_canary_env)."""
     import os
     import signal
     import subprocess
@@ -487,6 +563,7 @@ def main() -> None:
         STATE.config["parent"] = env["FAKE_PARENT"]
     if env.get("FAKE_ANSWER_DELAY"):
         STATE.config["answer_delay"] = float(env["FAKE_ANSWER_DELAY"])
+    apply_canary_env(STATE.config, STATE.base)
     for i in range(2):
         print(f"Loading safetensors checkpoint shards: {50 * (i + 1)}% Completed | {i + 1}/2", flush=True)
     time.sleep(float(env.get("FAKE_STARTUP_DELAY", "0")))

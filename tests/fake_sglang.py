@@ -55,7 +55,8 @@ FAKE_TERM_POLL (s between the sigterm watchdog's checks, SGLang's 5 by default),
 FAKE_IGNORE_TERM=1 (a wedged launcher: SIGTERM and SIGQUIT ignored), FAKE_ORPHAN=1 (children do not
 arm PDEATHSIG: the orphaned-scheduler case,
 as versions that disable kill_itself_when_parent_died), FAKE_NO_CHILDREN=1, FAKE_ADAPTERS (comma
-list of the adapters that load), FAKE_PARENT, FAKE_SGLANG_VERSION, FAKE_ANSWER_DELAY.
+list of the adapters that load), FAKE_PARENT, FAKE_SGLANG_VERSION, FAKE_ANSWER_DELAY, FAKE_NO_EFFECT and
+FAKE_SAME_AS (the efficacy canary's adapters with no effect, or answering as another: fake_engine.py).
 """
 
 from __future__ import annotations
@@ -196,11 +197,29 @@ async def metrics(request):
 
 
 async def generate(request):
-    """The native /generate (only the warm-up uses it here): a finished request for the metrics,
-    the first one, so nothing is cached yet."""
-    await request.json()
+    """The native /generate: the warm-up's (a finished request for the metrics, the first one, so
+    nothing is cached yet), and the adapter efficacy canary's, with `return_logprob`: the adapter
+    named by `lora_path` (an adapter that is not loaded is a 400, as LoRARegistry.acquire), the
+    answer's meta_info `output_token_logprobs` [[logprob, token_id, None], ...] and
+    `output_top_logprobs` (one such list per token; text None without return_text_in_logprobs)
+    (tokenizer_manager.py add_logprob_return_values), from the fake vLLM's canary_output."""
+    payload = await request.json()
     SGL.finished(7, 8, 0)
-    return web.json_response({"text": " Paris.", "meta_info": {"id": "warmup", "finish_reason": {"type": "length"}}})
+    if not payload.get("return_logprob"):
+        return web.json_response({"text": " Paris.", "meta_info": {"id": "warmup", "finish_reason": {"type": "length"}}})
+    adapter = payload.get("lora_path")
+    base.STATE.log.append({"hop": request.headers.get("X-MoL-Hop"), "model": adapter, "endpoint": "generate",
+                           "payload": payload, "t": time.time()})
+    if adapter is not None and adapter not in loaded_adapters():
+        return error(f"The following requested LoRA adapters are not loaded: {adapter}\n"
+                     f"Loaded adapters: dict_keys({loaded_adapters()!r}).")
+    params = payload.get("sampling_params") or {}
+    out = base.canary_output(adapter or SGL.served, int(params.get("max_new_tokens") or 16),
+                             int(payload.get("top_logprobs_num") or 0) or 1)
+    meta = {"id": "canary", "finish_reason": {"type": "length", "length": len(out)}, "prompt_tokens": 12,
+            "completion_tokens": len(out), "output_token_logprobs": [[lp, t, None] for t, lp, _ in out],
+            "output_top_logprobs": [[[v, k, None] for k, v in top.items()] for _, _, top in out]}
+    return web.json_response({"text": "".join(f" w{t}" for t, _, _ in out), "meta_info": meta})
 
 
 def _strip_cached(usage: dict) -> dict:
@@ -502,6 +521,7 @@ def main() -> None:
         base.STATE.config["parent"] = base.STATE.base["parent"] = env["FAKE_PARENT"]
     if env.get("FAKE_ANSWER_DELAY"):
         base.STATE.config["answer_delay"] = base.STATE.base["answer_delay"] = float(env["FAKE_ANSWER_DELAY"])
+    base.apply_canary_env(base.STATE.config, base.STATE.base)
 
     print(f"fake sglang pid {os.getpid()} server_args=ServerArgs(model_path={args.model_path!r}, "
           f"served_model_name={SGL.served!r}, port={args.port}, tp_size={args.tp}, lora_paths={SGL.lora_paths!r})",

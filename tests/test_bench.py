@@ -117,7 +117,10 @@ def test_json_shape_run_dir_and_human_tables(host):
     assert s["profile"] == "tiny" and s["engine"]["base_model"] == "tiny-mol-base" and s["engine"]["kind"] == "vllm"
     assert s["workload"]["seed"] == 7 and s["workload"]["max_tokens"] == 8 and s["workload"]["concurrency"] == [1, 2]
     assert [(c["series"], c["concurrency"]) for c in s["results"]] == [
-        (name, c) for name in ("base", "L0", "L1", "L2", "L3", "mix", "proxy") for c in (1, 2)]
+        (name, c) for name in ("base", "L0", "L1", "L2", "L3", "mix", "proxy") for c in (1, 2)] + [("canary", 1)]
+    canary = s["results"].pop()  # the adapter efficacy canary, once: base and L0-L3, one request each
+    assert canary["requests"] == canary["ok"] == 5 and canary["errors"] == {} and canary["canary"]["status"] == "pass"
+    assert canary["engine_metrics"]["available"] and canary["total_s"]["p50"] > 0
     for c in s["results"]:
         assert set(c) >= {"requests", "ok", "errors", "ttft_s", "total_s", "output_tokens_per_s", "requests_per_s",
                           "wall_s", "engine_metrics", "vram_peak", "vs_base"}
@@ -137,9 +140,9 @@ def test_json_shape_run_dir_and_human_tables(host):
     # run directory
     run = Path(s["run_dir"])
     assert run.parent == host.state / "tiny" / "bench" and run.name == s["run_id"]
-    assert json.loads((run / "summary.json").read_text()) == s
+    assert json.loads((run / "summary.json").read_text()) == {**s, "results": [*s["results"], canary]}
     samples = (run / "samples.jsonl").read_text().splitlines()
-    assert len(samples) == 4 * 14
+    assert len(samples) == 4 * 14 + 5
     assert s["manifest"]["sha256"] and (run / "manifest.json").read_text() == '{"kind": "molctl-lock"}\n'
     # human output: one table per series, the ratio column, the run dir
     h = host.bench("--requests", "2", "--concurrency", "1", "--series", "base,L2")

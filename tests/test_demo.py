@@ -164,3 +164,40 @@ def test_force_keeps_the_old_model_when_the_new_one_cannot_be_built(molctl, tmp_
     monkeypatch.undo()
     assert molctl("demo", "init", str(root), "--force", "--seed", "3").exit_code == ExitStatus.OK
     assert digest(root) != before and sorted(p.name for p in tmp_path.iterdir() if p.name != "state") == ["tiny"]
+
+
+# ---------------------------------------------------------------- adapters with no effect (--no-effect)
+def tensor_bytes(path, name: str) -> bytes:
+    from molctl.safetensors import read_header
+
+    header = read_header(path)
+    start, end = header.tensors[name]["data_offsets"]
+    return path.read_bytes()[header.header_size + start:header.header_size + end]
+
+
+def test_no_effect_writes_a_zero_b_and_an_off_target_adapter_that_pass_the_checks(molctl, tmp_path):
+    """--no-effect L1=zero-b: L1's lora_B weights are all zero (its lora_A as usual); L3=off-target:
+    a working adapter on o_proj only. Both pass the static adapter checks: only the efficacy canary
+    of `up` can tell (tests/test_e2e.py proves it on the real vLLM)."""
+    r = molctl("demo", "init", str(tmp_path / "tiny"), "--no-effect", "L1=zero-b", "--no-effect", "L3=off-target", "--json")
+    assert r.exit_code == ExitStatus.OK and r.json()["no_effect"] == {"L1": "zero-b", "L3": "off-target"}
+    loras = tmp_path / "tiny" / "loras"
+    zero = loras / "L1" / "adapter_model.safetensors"
+    b = tensor_bytes(zero, "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight")
+    a = tensor_bytes(zero, "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight")
+    assert set(b) == {0} and set(a) != {0}
+    assert json.loads((loras / "L3" / "adapter_config.json").read_text())["target_modules"] == ["o_proj"]
+    from molctl.safetensors import read_header
+
+    names = read_header(loras / "L3" / "adapter_model.safetensors").tensors
+    assert {n.split(".")[-3] for n in names if n != "__metadata__"} == {"o_proj"}
+    assert json.loads((loras / "L0" / "adapter_config.json").read_text())["target_modules"] == ["q_proj", "v_proj"]
+    report = molctl("check", "tiny", "--model-root", str(tmp_path / "tiny"), "--skip", "engine", "--skip", "port", "--json")
+    assert report.exit_code == ExitStatus.OK, [c for c in report.json()["checks"] if c["status"] != "pass"]
+
+
+@pytest.mark.parametrize("item", ["L4=zero-b", "L1=half", "L1"])
+def test_a_bad_no_effect_item_is_a_usage_error(molctl, tmp_path, item):
+    r = molctl("demo", "init", str(tmp_path / "tiny"), "--no-effect", item)
+    assert r.exit_code == ExitStatus.USAGE and f"--no-effect {item!r}: expected ROUTE=KIND" in r.stderr
+    assert not (tmp_path / "tiny").exists()

@@ -116,3 +116,139 @@ def test_an_unknown_field_is_logged_once_and_a_400_in_strict_mode(keyfile, tmp_p
             st.chat(USER, extra_body={"client_metadata": {"a": "b"}})
         assert err.value.param == "client_metadata" and "request_fields" in err.value.message
         st.chat(USER, extra_body={"ignore_eos": True})  # an engine extension is no unknown field
+
+
+# ------------------------------------------------------------------------ the Responses API
+
+NAMESPACE = {"type": "namespace", "name": "crm", "description": "The customer database",
+             "tools": [{"type": "function", "name": "lookup", "description": "Find a customer",
+                        "parameters": {"type": "object", "properties": {"email": {"type": "string"}},
+                                       "required": ["email"]}},
+                       {"type": "custom", "name": "sql"}]}
+HOSTED = [{"type": "web_search"}, {"type": "file_search", "vector_store_ids": ["vs_1"]}, {"type": "code_interpreter",
+          "container": {"type": "auto"}}, {"type": "image_generation"}, {"type": "local_shell"},
+          {"type": "mcp", "server_label": "x", "server_url": "https://mcp.example.com"},
+          {"type": "custom", "name": "apply_patch"}, {"type": "computer_use_preview", "display_width": 1,
+                                                      "display_height": 1, "environment": "linux"}]
+SHELL = {"type": "function", "name": "shell", "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}
+
+
+def test_a_coding_agents_first_request_is_answered(s):
+    """A coding agent's first Responses request was refused three times in a row: 400 for
+    `client_metadata`, for a `namespace` tool, for a hosted `web_search` tool."""
+    r = post(s, "/v1/responses", input=[{"type": "message", "role": "developer", "content": "be brief"},
+                                        {"type": "message", "role": "user", "content": "[route:L2] hi"}],
+             client_metadata={"x": "y"}, tools=[SHELL, NAMESPACE, *HOSTED], parallel_tool_calls=False,
+             prompt_cache_key="k", text={"verbosity": "low"}, store=False, include=["reasoning.encrypted_content"],
+             reasoning={"effort": "low", "summary": "auto"}, service_tier="auto", truncation="auto", metadata={"a": "b"})
+    assert r.status_code == 200, r.text
+    tools = s.log("answer")[-1]["payload"]["tools"]
+    assert [t["function"]["name"] for t in tools] == ["shell", "crm__lookup"]  # hosted and custom tools left out
+    assert "The customer database" in tools[1]["function"]["description"]
+    assert r.json()["tools"][1]["type"] == "namespace"  # the request's tools echoed as sent
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_namespaced_call_comes_back_named_as_the_client_named_it_and_the_loop_closes(s, stream):
+    kw = {"model": PUBLIC, "tools": [SHELL, NAMESPACE], "store": False}
+    if stream:
+        with s.client.responses.stream(input="[route:L2] [tool:crm__lookup] who?", **kw) as events:
+            first = events.get_final_response()
+    else:
+        first = s.client.responses.create(input="[route:L2] [tool:crm__lookup] who?", **kw)
+    call = next(i for i in first.output if i.type == "function_call")
+    assert (call.name, call.namespace) == ("lookup", "crm")
+    assert json.loads(call.arguments) == {"email": "Paris"}  # from the function's own schema
+    second = s.client.responses.create(input=[
+        {"type": "message", "role": "user", "content": "[route:L2] [tool:crm__lookup] who?"},
+        {"type": "function_call", "call_id": call.call_id, "name": "lookup", "namespace": "crm",
+         "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "Ada"}], **kw)
+    assert second.output_text.endswith("using Ada")
+    sent = s.log("answer")[-1]["payload"]["messages"]
+    assert sent[-2]["tool_calls"][0]["function"]["name"] == "crm__lookup"
+
+
+@pytest.mark.parametrize("choice,expect_choice,expect_tools", [
+    ({"type": "function", "name": "lookup", "namespace": "crm"}, {"type": "function", "function": {"name": "crm__lookup"}},
+     ["shell", "crm__lookup"]),
+    ({"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "shell"}]}, "required",
+     ["shell"]),
+    ({"type": "web_search_preview"}, "auto", ["shell", "crm__lookup"]),
+    ({"type": "custom", "name": "apply_patch"}, "auto", ["shell", "crm__lookup"]),
+])
+def test_tool_choice_forms(s, choice, expect_choice, expect_tools):
+    r = post(s, "/v1/responses", input="[route:L2] go", tools=[SHELL, NAMESPACE, *HOSTED], tool_choice=choice)
+    assert r.status_code == 200, r.text
+    payload = s.log("answer")[-1]["payload"]
+    assert payload["tool_choice"] == expect_choice
+    assert [t["function"]["name"] for t in payload["tools"]] == expect_tools
+
+
+def test_only_hosted_tools_and_required_give_a_plain_answer(s):
+    r = post(s, "/v1/responses", input="[route:L2] go", tools=[{"type": "web_search"}], tool_choice="required")
+    assert r.status_code == 200, r.text
+    payload = s.log("answer")[-1]["payload"]
+    assert "tools" not in payload and "tool_choice" not in payload
+
+
+def test_items_of_tools_this_server_never_runs_are_left_out_and_unknown_items_are_400s(s):
+    r = post(s, "/v1/responses", input=[
+        {"type": "message", "role": "user", "content": "search"},
+        {"type": "web_search_call", "id": "ws_1", "status": "completed", "action": {"type": "search", "query": "q"}},
+        {"type": "custom_tool_call", "call_id": "c1", "name": "apply_patch", "input": "***"},
+        {"type": "custom_tool_call_output", "call_id": "c1", "output": "done"},
+        {"type": "message", "role": "user", "content": "[route:L2] and now?"}])
+    assert r.status_code == 200, r.text
+    sent = s.log("answer")[-1]["payload"]["messages"]
+    assert [m["role"] for m in sent[1:]] == ["user", "user"]  # after the identity system message
+    for item in ({"type": "item_reference", "id": "msg_1"}, {"type": "compaction", "encrypted_content": "x"}):
+        r = post(s, "/v1/responses", input=[item, {"type": "message", "role": "user", "content": "q"}])
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input[0].type", r.text
+
+
+@pytest.mark.parametrize("field", ["reasoning", "reasoning_content"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_reasoning_round_trips_with_store_false(s, field, stream):
+    """The reasoning items the proxy returned come back in a later input with store: false; the
+    answer hop gets that reasoning on the assistant message that made the call, in both the field
+    vLLM reads (`reasoning`) and the one SGLang reads (`reasoning_content`)."""
+    s.config(answer_reasoning="let me think it through", reasoning_field=field)
+    kw = {"model": PUBLIC, "tools": [SHELL], "store": False, "include": ["reasoning.encrypted_content"]}
+    if stream:
+        with s.client.responses.stream(input="[route:L2] [tool:shell] ls", **kw) as events:
+            first = events.get_final_response()
+    else:
+        first = s.client.responses.create(input="[route:L2] [tool:shell] ls", **kw)
+    rs = next(i for i in first.output if i.type == "reasoning")
+    assert rs.content[0].text == "let me think it through" and rs.encrypted_content
+    call = next(i for i in first.output if i.type == "function_call")
+    # as a store:false client resends it: only the opaque blob, the text stripped
+    back = {"type": "reasoning", "id": rs.id, "summary": [], "encrypted_content": rs.encrypted_content}
+    s.client.responses.create(input=[
+        {"type": "message", "role": "user", "content": "[route:L2] [tool:shell] ls"}, back,
+        {"type": "function_call", "call_id": call.call_id, "name": "shell", "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "a.txt"}], **kw)
+    assistant = s.log("answer")[-1]["payload"]["messages"][-2]
+    assert assistant["reasoning"] == assistant["reasoning_content"] == "let me think it through"
+    assert assistant["tool_calls"][0]["id"] == call.call_id
+
+
+def test_foreign_encrypted_reasoning_is_left_out(s):
+    r = post(s, "/v1/responses", input=[
+        {"type": "message", "role": "user", "content": "hi"},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "gAAAAB-openai-blob"},
+        {"type": "message", "role": "assistant", "content": "hello"},
+        {"type": "message", "role": "user", "content": "[route:L2] again"}])
+    assert r.status_code == 200, r.text
+    assistant = s.log("answer")[-1]["payload"]["messages"][-2]
+    assert assistant["role"] == "assistant" and "reasoning" not in assistant
+
+
+def test_vllm_extensions_pass_on_the_responses_api_too(s):
+    r = post(s, "/v1/responses", input="[route:L2] hi", ignore_eos=True, min_tokens=3)
+    assert r.status_code == 200, r.text
+    payload = s.log("answer")[-1]["payload"]
+    assert payload["ignore_eos"] is True and payload["min_tokens"] == 3
+    r = post(s, "/v1/responses", input="[route:L2] hi", chat_template="{{ x }}")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"

@@ -17,6 +17,9 @@ from molctl.probes import GpuProbe, NvmlProbe, PortProbe
 
 Status = Literal["pass", "warn", "fail", "skip"]
 CATEGORIES = ("profile", "engine", "gpu", "model", "adapter", "template", "port", "state", "security")
+# categories of a live engine, not of the host: the adapter efficacy canary (molctl.canary) that
+# `up`/`switch` run before the proxy starts and `check --live` runs against the running stack
+LIVE_CATEGORIES = ("adapter-effect",)
 
 
 @dataclass(frozen=True)
@@ -66,11 +69,12 @@ def validate_skip(skip: Iterable[str]) -> set[str]:
     """The --skip categories; an unknown one (or `profile`, which cannot be skipped) is a usage
     error (exit 2). `up` and `switch` call it before anything else, not only in their preflight."""
     skip = set(skip)
-    unknown = skip - (set(CATEGORIES) - {"profile"})  # `profile` cannot be skipped (it was accepted and ignored)
+    # `profile` cannot be skipped (it was accepted and ignored)
+    unknown = skip - (set(CATEGORIES) - {"profile"}) - set(LIVE_CATEGORIES)
     if unknown:
         from molctl.errors import UsageError
 
-        raise UsageError(f"--skip {sorted(unknown)[0]!r}: expected one of {', '.join(CATEGORIES[1:])}")
+        raise UsageError(f"--skip {sorted(unknown)[0]!r}: expected one of {', '.join(CATEGORIES[1:] + LIVE_CATEGORIES)}")
     return skip
 
 
@@ -100,9 +104,10 @@ def run_checks(profile, probes: Probes, skip: Iterable[str] = ()) -> Report:
 
 
 def check_profile(name: str, ctx, overrides: Iterable[tuple[str, Any]], skip: Iterable[str],
-                  api_key_file: Path | None = None, probes: Probes | None = None) -> Report:
+                  api_key_file: Path | None = None, probes: Probes | None = None, live: bool = False) -> Report:
     """`molctl check`: load the profile (a load failure becomes a failed `profile.valid` check)
-    and run the checks on this host. `ctx` gives state_dir and dirs() (the CLI's Context)."""
+    and run the checks on this host; `live` (`--live`): then the LIVE_CATEGORIES against the
+    profile's running stack (molctl.checks.live). `ctx` gives state_dir and dirs() (the CLI's Context)."""
     from molctl.errors import ProfileError
     from molctl.profiles import load_profile
 
@@ -110,7 +115,17 @@ def check_profile(name: str, ctx, overrides: Iterable[tuple[str, Any]], skip: It
         profile = load_profile(name, ctx.dirs(), overrides)
     except ProfileError as exc:
         return profile_failure(name, str(exc))
-    return run_checks(profile, host_probes(ctx.state_dir, profile.name, api_key_file, probes), skip)
+    probes = host_probes(ctx.state_dir, profile.name, api_key_file, probes)
+    report = run_checks(profile, probes, skip)
+    if live:
+        from molctl.checks import live as live_checks
+
+        for category in LIVE_CATEGORIES:
+            if category in set(skip):
+                report.checks.append(CheckResult(f"{category}.skipped", "skip", f"skipped (--skip {category})"))
+            else:
+                report.checks.extend(live_checks.run(profile, probes, ctx))
+    return report
 
 
 def host_probes(state_dir: Path, profile_name: str, api_key_file: Path | None, probes: Probes | None = None,

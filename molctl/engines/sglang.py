@@ -266,6 +266,29 @@ class SglangEngine(Engine):
     def guided_choice(self, labels: list[str]) -> dict:
         return {"regex": "(" + "|".join(labels) + ")"}
 
+    # The efficacy canary: the native /generate (no chat template), `return_logprob` with
+    # `top_logprobs_num`, the adapter as `lora_path` (its --lora-paths name; none: the base). The
+    # answer's meta_info holds `output_token_logprobs` [[logprob, token_id, text], ...] and
+    # `output_top_logprobs` (one such list per token) (managers/io_struct.py GenerateReqInput,
+    # tokenizer_manager.py add_logprob_return_values). Greedy needs no seed: temperature 0 is argmax.
+    canary_path = "/generate"
+
+    def canary_request(self, profile: Profile, route: str | None, prompt: str, max_tokens: int, top: int,
+                       seed: int) -> dict:
+        body = {"text": prompt, "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0},
+                "return_logprob": True, "top_logprobs_num": top}
+        if route is not None:
+            body["lora_path"] = route
+        return body
+
+    def canary_sample(self, body):
+        from molctl.canary import Sample
+
+        meta = body["meta_info"]
+        chosen = meta["output_token_logprobs"]
+        tops = [{str(t[1]): float(t[0]) for t in (row or [])} for row in meta.get("output_top_logprobs") or []]
+        return Sample(tokens=[int(t[1]) for t in chosen], logprobs=[float(t[0]) for t in chosen], top=tops)
+
     def health_detail(self, status: int) -> str:
         if status == 503:
             return "/health answers 503 (SGLang: warming up, shutting down, or its health check failed)"

@@ -104,5 +104,25 @@ class VllmEngine(Engine):
     def guided_choice(self, labels: list[str]) -> dict:
         return {"structured_outputs": {"choice": labels}}
 
+    # The efficacy canary: /v1/completions (no chat template between the prompt and the model),
+    # `logprobs: N` for the top N per token, the tokens as "token_id:ID" so that two tokens
+    # spelled alike never compare equal (vllm/entrypoints/openai/completion/protocol.py
+    # CompletionRequest.return_tokens_as_token_ids, CompletionLogProbs). N must stay within the
+    # engine's --max-logprobs (default 20).
+    canary_path = "/v1/completions"
+
+    def canary_request(self, profile: Profile, route: str | None, prompt: str, max_tokens: int, top: int,
+                       seed: int) -> dict:
+        model = profile.engine.served_name if route is None else self.adapter_model(profile, route)
+        return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "seed": seed,
+                "logprobs": top, "return_tokens_as_token_ids": True}
+
+    def canary_sample(self, body):
+        from molctl.canary import Sample
+
+        lp = body["choices"][0]["logprobs"]
+        tops = [{str(k): float(v) for k, v in (t or {}).items()} for t in lp["top_logprobs"]]
+        return Sample(tokens=list(lp["tokens"]), logprobs=[float(x) for x in lp["token_logprobs"]], top=tops)
+
 
 ENGINE = VllmEngine()

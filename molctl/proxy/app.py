@@ -589,7 +589,7 @@ class ProxyApp:
     def _responses_parse(self, raw: bytes) -> responses.ResponsesRequest:
         """A body over BIG_BODY, in a worker thread."""
         return responses.parse_request(parse_body(raw, in_steps=True), self.profile.served_model_name,
-                                       self.profile.proxy.media_url_hosts)
+                                       self.profile.proxy.media_url_hosts, self.orch.fields)
 
     async def _responses_previous(self, req: responses.ResponsesRequest, tenant: str) -> None:
         """The stored chain a request continues; a shared store that is down fails a request that
@@ -626,8 +626,8 @@ class ProxyApp:
             body = await parse_on_loop(raw)
             big = many_items(body, "input")
             hosts = self.profile.proxy.media_url_hosts
-            req = await asyncio.to_thread(responses.parse_request, body, self.profile.served_model_name, hosts) if big else \
-                responses.parse_request(body, self.profile.served_model_name, hosts)
+            args = (body, self.profile.served_model_name, hosts, self.orch.fields)
+            req = await asyncio.to_thread(responses.parse_request, *args) if big else responses.parse_request(*args)
         del raw
         await self._responses_previous(req, tenant)
         big = big or len(req.history) > BIG_ITEMS  # a long stored chain: prepared off the loop too

@@ -11,16 +11,41 @@ as a Response object (`response_object`), or its chat chunks as Responses stream
 (`StreamTranslator`).
 
 Choices, where the issue leaves room:
-- Function tools only (flat `{"type": "function", "name", "description", "parameters",
-  "strict"}`); any other tool type is a 400 naming it. `tool_choice` "auto"/"none"/"required" or
-  `{"type": "function", "name"}`.
+- Tools: function tools (flat `{"type": "function", "name", "description", "parameters",
+  "strict"}`) go to the engine; a `namespace` (a named group of function tools) is flattened to
+  its functions, each named `NAMESPACE__NAME` for the engine, and their calls come back with
+  `name` and `namespace` apart; any other tool type (hosted tools the engine cannot run:
+  `web_search`, `file_search`, `code_interpreter`, `computer_use_preview`, `image_generation`,
+  `mcp`, `local_shell`, `custom`, ...) is left out of the engine's list and noted in the log, never
+  a 400 that stops the client (the model never sees it, so no instruction needs to say so).
+  `tool_choice`: "auto"/"none"/"required", `{"type": "function", "name"[, "namespace"]}`,
+  `{"type": "allowed_tools", "mode", "tools"}` (the engine gets only those tools and the mode), or
+  a hosted tool's choice (noted; "auto", since that tool is not there).
+- Input items: messages, `function_call`, `function_call_output` and `reasoning` are converted;
+  the calls and outputs of hosted and custom tools (`web_search_call`, `computer_call_output`,
+  `custom_tool_call`, ...: see IGNORED_ITEMS) are left out of the prompt with a note in the log
+  (this server never ran them); `item_reference` and any other type are 400s naming the item, so
+  no instruction is dropped unseen.
+- Reasoning round trip: a `reasoning` item in the input (its `content` text, else its `summary`
+  text, else the `encrypted_content` this proxy returned) becomes the `reasoning` (vLLM) and
+  `reasoning_content` (SGLang) of the assistant message that follows it, as the engine produced
+  it; with `include: ["reasoning.encrypted_content"]` every reasoning item carries that text in
+  `encrypted_content`, zlib-compressed and base64-encoded behind `mol1.`: opaque to the client,
+  not secret (the same text is in the item's `content`). Foreign encrypted content (another
+  server's) is noted and left out.
 - `reasoning.effort` maps like chat's `reasoning_effort`; `reasoning.summary` is accepted and has
   no effect (the engine's reasoning text is returned whole as a `reasoning` item).
 - `text.format` json_schema / json_object -> chat `response_format`; `text` (the default) adds
   nothing.
-- `include`: `message.output_text.logprobs` (the engine's logprobs on the output text) is
-  accepted; so is `reasoning.encrypted_content` (Codex CLI sends it with `store: false`), which adds
-  nothing (there is no encrypted reasoning); any other value is a 400 naming it (no search).
+- `include`: `message.output_text.logprobs` (the engine's logprobs on the output text) and
+  `reasoning.encrypted_content` (see above) are honoured; any other string (the outputs of hosted
+  tools this server never runs) is accepted and noted: there is nothing to include.
+- Unknown top-level fields (a coding agent's `client_metadata`, ...) are accepted, noted once
+  and counted as in chat (request_fields.FieldPolicy); the engine's extensions pass to the answer
+  hop; `conversation`, `prompt` and `background: true` are 400s (ignoring them would drop the
+  conversation, the instructions or the mode the client asked for). `text.verbosity`,
+  `service_tier`, `max_tool_calls`, `stream_options`, `context_management` and the prompt-cache
+  options are accepted and ignored (no engine reads them; the proxy never compacts).
 - `truncation` "disabled" or "auto" is accepted and echoed; the proxy never drops items itself
   (a conversation past the window is a `context_length_exceeded` 400 either way).
 - `user`, `safety_identifier`, `prompt_cache_key`, `metadata` are accepted and echoed (`metadata`: OpenAI's
@@ -33,24 +58,55 @@ Choices, where the issue leaves room:
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 import os
 import re
 import time
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
 from molctl.proxy.errors import ProxyError, invalid, shown
+from molctl.proxy.request_fields import PERMISSIVE, FieldPolicy
 from molctl.proxy.validation import EFFORTS, check_function_def, check_media_url, check_model
 
 ECHOED = ("instructions", "max_output_tokens", "metadata", "parallel_tool_calls", "previous_response_id",
           "prompt_cache_key", "safety_identifier", "temperature", "top_logprobs", "top_p", "truncation", "user")
-KNOWN = {"model", "input", "stream", "store", "tools", "tool_choice", "text", "reasoning", "include", *ECHOED}
-# reasoning.encrypted_content (what Codex CLI sends with store=false) is accepted and gives nothing:
-# the proxy has no encrypted reasoning, and reasoning items sent back are ignored anyway
-INCLUDABLE = ("message.output_text.logprobs", "reasoning.encrypted_content")
+ACCEPTED_IGNORED = ("service_tier", "stream_options", "prompt_cache_retention", "prompt_cache_options",
+                    "max_tool_calls", "moderation", "context_management", "background_options")
+# ignoring these would drop what the client asked for: a 400 naming them when set
+UNSERVED = {"conversation": "the Conversations API is not served here; continue with previous_response_id",
+            "prompt": "stored prompt templates are not served here; send the text as instructions"}
+KNOWN = frozenset({"model", "input", "stream", "store", "tools", "tool_choice", "text", "reasoning", "include",
+                   "background", *ECHOED, *ACCEPTED_IGNORED, *UNSERVED})
+INCLUDE_LOGPROBS, INCLUDE_REASONING = "message.output_text.logprobs", "reasoning.encrypted_content"
 TEXT_PARTS = ("input_text", "output_text", "text")
+NAMESPACE_SEP = "__"  # a namespace's function as the engine sees it: NAMESPACE__NAME
+# Items of tools this server never runs (hosted and custom tools): a client's history may hold them
+IGNORED_ITEMS = frozenset({
+    "web_search_call", "file_search_call", "computer_call", "computer_call_output", "code_interpreter_call",
+    "image_generation_call", "local_shell_call", "local_shell_call_output", "shell_call", "shell_call_output",
+    "apply_patch_call", "apply_patch_call_output", "mcp_list_tools", "mcp_approval_request", "mcp_approval_response",
+    "mcp_call", "custom_tool_call", "custom_tool_call_output", "tool_search_call", "tool_search_output"})
+ENCRYPTED_PREFIX = "mol1."
+
+
+def encode_reasoning(text: str) -> str:
+    """A reasoning item's `encrypted_content`: the text, opaque to the client (see the module docstring)."""
+    return ENCRYPTED_PREFIX + base64.urlsafe_b64encode(zlib.compress(text.encode("utf-8"))).decode("ascii")
+
+
+def decode_reasoning(blob: str) -> str | None:
+    """The text of an `encrypted_content` this proxy made, else None."""
+    if not blob.startswith(ENCRYPTED_PREFIX):
+        return None
+    try:
+        data = zlib.decompressobj().decompress(base64.urlsafe_b64decode(blob[len(ENCRYPTED_PREFIX):]), 1 << 24)
+        return data.decode("utf-8")
+    except (ValueError, zlib.error):
+        return None
 
 
 def new_id(prefix: str) -> str:
@@ -99,6 +155,9 @@ class ResponsesRequest:
     stream: bool = False
     store: bool = True
     logprobs: bool = False
+    encrypted_reasoning: bool = False  # include: reasoning.encrypted_content
+    # a namespace's functions as the engine knows them: NAMESPACE__NAME -> (namespace, name)
+    namespaced: dict[str, tuple[str, str]] = field(default_factory=dict)
     prev: dict[str, Any] | None = None
     history: list[dict[str, Any]] = field(default_factory=list)  # the chain's chat messages
 
@@ -180,7 +239,35 @@ def _parts_to_content(parts: Any, where: str, role: str, media_hosts: tuple[str,
     return out
 
 
-def _convert_input(value: Any, media_hosts: tuple[str, ...] = ()) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _reasoning_text(item: dict[str, Any], where: str, fields: FieldPolicy) -> str | None:
+    """What a `reasoning` input item says: its content text, else its summary text, else the
+    `encrypted_content` this proxy made (another server's is noted and gives None)."""
+    for key, kinds in (("content", ("reasoning_text", "text")), ("summary", ("summary_text",))):
+        parts = item.get(key)
+        if parts is not None and not isinstance(parts, list):
+            raise invalid(f"'{where}.{key}' must be an array.", f"{where}.{key}")
+        texts = [p.get("text") for p in parts or () if isinstance(p, dict) and p.get("type") in kinds]
+        if any(not isinstance(t, str) for t in texts):
+            raise invalid(f"'{where}.{key}' parts need a string 'text'.", f"{where}.{key}")
+        if texts:
+            return "".join(texts) if key == "content" else "\n\n".join(texts)
+    blob = item.get("encrypted_content")
+    if blob is None:
+        return None
+    if not isinstance(blob, str):
+        raise invalid(f"'{where}.encrypted_content' must be a string.", f"{where}.encrypted_content")
+    text = decode_reasoning(blob)
+    if text is None:
+        fields.note_ignored("input[].encrypted_content", "responses", "reasoning another server encrypted; left out")
+    return text
+
+
+def flat_name(name: str, namespace: Any) -> str:
+    return f"{namespace}{NAMESPACE_SEP}{name}" if isinstance(namespace, str) and namespace else name
+
+
+def _convert_input(value: Any, media_hosts: tuple[str, ...] = (),
+                   fields: FieldPolicy = PERMISSIVE) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """-> (chat messages, the input items as `/input_items` returns them)."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}], [
@@ -190,6 +277,15 @@ def _convert_input(value: Any, media_hosts: tuple[str, ...] = ()) -> tuple[list[
         raise invalid("'input' must be a string or a non-empty array of input items.", "input")
     messages: list[dict[str, Any]] = []
     items: list[dict[str, Any]] = []
+    reasoning: list[str] = []  # reasoning items waiting for the assistant message they precede
+
+    def assistant(msg: dict[str, Any]) -> dict[str, Any]:
+        if reasoning:
+            msg["reasoning"] = msg["reasoning_content"] = "\n\n".join(reasoning)
+            reasoning.clear()
+        messages.append(msg)
+        return msg
+
     for i, item in enumerate(value):
         w = f"input[{i}]"
         if not isinstance(item, dict):
@@ -202,7 +298,11 @@ def _convert_input(value: Any, media_hosts: tuple[str, ...] = ()) -> tuple[list[
             if role not in ("user", "assistant", "system", "developer"):
                 raise invalid(f"'{w}.role' must be one of user, assistant, system, developer.", f"{w}.role")
             content = _parts_to_content(item.get("content"), f"{w}.content", role, media_hosts)
-            messages.append({"role": role, "content": content})
+            if role == "assistant":
+                assistant({"role": role, "content": content})
+            else:
+                reasoning.clear()  # reasoning belongs to the assistant turn right after it
+                messages.append({"role": role, "content": content})
             parts = item.get("content")
             if isinstance(parts, str):
                 parts = [{"type": "output_text" if role == "assistant" else "input_text", "text": parts}]
@@ -212,15 +312,20 @@ def _convert_input(value: Any, media_hosts: tuple[str, ...] = ()) -> tuple[list[
             for key in ("call_id", "name", "arguments"):
                 if not isinstance(item.get(key), str):
                     raise invalid(f"'{w}.{key}' must be a string.", f"{w}.{key}")
+            if item.get("namespace") is not None and not isinstance(item["namespace"], str):
+                raise invalid(f"'{w}.namespace' must be a string.", f"{w}.namespace")
             call = {"id": item["call_id"], "type": "function",
-                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+                    "function": {"name": flat_name(item["name"], item.get("namespace")), "arguments": item["arguments"]}}
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant":  # one assistant turn: its text, then its calls
+            if last is not None and last["role"] == "assistant" and not reasoning:  # one turn: its text, then its calls
                 last.setdefault("tool_calls", []).append(call)
             else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-            items.append({"id": item.get("id") or new_id("fc_"), "type": "function_call", "status": "completed",
-                          "call_id": item["call_id"], "name": item["name"], "arguments": item["arguments"]})
+                assistant({"role": "assistant", "content": None, "tool_calls": [call]})
+            out = {"id": item.get("id") or new_id("fc_"), "type": "function_call", "status": "completed",
+                   "call_id": item["call_id"], "name": item["name"], "arguments": item["arguments"]}
+            if item.get("namespace"):
+                out["namespace"] = item["namespace"]
+            items.append(out)
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
                 raise invalid(f"'{w}.call_id' must be a string.", f"{w}.call_id")
@@ -235,7 +340,14 @@ def _convert_input(value: Any, media_hosts: tuple[str, ...] = ()) -> tuple[list[
             items.append({"id": item.get("id") or new_id("fco_"), "type": "function_call_output", "status": "completed",
                           "call_id": item["call_id"], "output": output})
         elif kind == "reasoning":
-            continue  # an echoed reasoning item: the engine's chat templates drop earlier reasoning anyway
+            text = _reasoning_text(item, w, fields)
+            if text:
+                reasoning.append(text)
+        elif kind in IGNORED_ITEMS:
+            fields.note_ignored(f"input[].{kind}", "responses", "an item of a tool this server does not run; "
+                                                              "left out of the prompt")
+        elif kind == "item_reference":
+            raise invalid(f"'{w}': item references are not supported; send the item itself.", f"{w}.type")
         else:
             raise invalid(f"The input item type '{kind}' is not supported.", f"{w}.type")
     ids = [i["id"] for i in items]
@@ -249,36 +361,91 @@ def _convert_input(value: Any, media_hosts: tuple[str, ...] = ()) -> tuple[list[
     return messages, items
 
 
-def _convert_tools(tools: Any) -> list[dict[str, Any]]:
+def _function_tool(tool: dict[str, Any], where: str, namespace: dict[str, Any] | None = None) -> dict[str, Any]:
+    check_function_def(tool, where)
+    fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
+    if namespace is not None:
+        fn["name"] = flat_name(tool["name"], namespace["name"])
+        if namespace.get("description"):
+            fn["description"] = f"({namespace['name']}: {namespace['description']}) {tool.get('description') or ''}".strip()
+    return {"type": "function", "function": fn}
+
+
+def _convert_tools(tools: Any, fields: FieldPolicy = PERMISSIVE
+                   ) -> tuple[list[dict[str, Any]], dict[str, tuple[str, str]]]:
+    """-> (the chat tools, NAMESPACE__NAME -> (namespace, name) for the namespaces' functions)."""
     if not isinstance(tools, list):
-        raise invalid("'tools' must be an array of function tools.", "tools")
-    out = []
+        raise invalid("'tools' must be an array of tools.", "tools")
+    out: list[dict[str, Any]] = []
+    namespaced: dict[str, tuple[str, str]] = {}
     for i, tool in enumerate(tools):
         w = f"tools[{i}]"
-        if not isinstance(tool, dict):
-            raise invalid(f"'{w}' must be an object.", w)
-        if tool.get("type") != "function":
-            raise invalid(f"The tool type '{tool.get('type')}' is not supported; only 'function' tools are.", f"{w}.type")
-        check_function_def(tool, w)
-        fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
-        out.append({"type": "function", "function": fn})
-    return out
+        if not isinstance(tool, dict) or not isinstance(tool.get("type"), str):
+            raise invalid(f"'{w}' must be an object with a 'type'.", w)
+        kind = tool["type"]
+        if kind == "function":
+            out.append(_function_tool(tool, w))
+        elif kind == "namespace":
+            if not isinstance(tool.get("name"), str) or not tool["name"] or NAMESPACE_SEP in tool["name"]:
+                raise invalid(f"'{w}.name' must be a non-empty string without '{NAMESPACE_SEP}'.", f"{w}.name")
+            if not isinstance(tool.get("tools"), list):
+                raise invalid(f"'{w}.tools' must be an array of tools.", f"{w}.tools")
+            for j, inner in enumerate(tool["tools"]):
+                if not isinstance(inner, dict) or inner.get("type") != "function":
+                    fields.note_ignored(f"tools[].tools[].{(inner or {}).get('type') if isinstance(inner, dict) else '?'}",
+                                        "responses", "only a namespace's function tools reach the engine")
+                    continue
+                chat_tool = _function_tool(inner, f"{w}.tools[{j}]", tool)
+                namespaced[chat_tool["function"]["name"]] = (tool["name"], inner["name"])
+                out.append(chat_tool)
+        else:
+            fields.note_ignored(f"tools[].{kind}"[:80], "responses", "a tool the engine cannot run; left out of its tools")
+    names = [t["function"]["name"] for t in out]
+    if len(set(names)) != len(names):
+        raise invalid(f"Two tools are named {next(n for n in names if names.count(n) > 1)!r}.", "tools")
+    return out, namespaced
 
 
-def _convert_tool_choice(choice: Any) -> Any:
+def _convert_tool_choice(choice: Any, chat: dict[str, Any], fields: FieldPolicy = PERMISSIVE) -> None:
+    """Set chat's `tool_choice` (and narrow its `tools` for `allowed_tools`) from a Responses one."""
+    names = {t["function"]["name"] for t in chat.get("tools") or ()}
     if choice in ("auto", "none", "required"):
-        return choice
-    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
-        return {"type": "function", "function": {"name": choice["name"]}}
-    raise invalid("'tool_choice' must be 'auto', 'none', 'required' or {'type': 'function', 'name': ...}.", "tool_choice")
+        if choice != "required" or names:
+            chat["tool_choice"] = choice
+        else:
+            fields.note_ignored("tool_choice", "responses", "'required' with no tool the engine can run")
+        return
+    if not isinstance(choice, dict) or not isinstance(choice.get("type"), str):
+        raise invalid("'tool_choice' must be 'auto', 'none', 'required' or an object with a 'type'.", "tool_choice")
+    kind = choice["type"]
+    if kind == "function":
+        if not isinstance(choice.get("name"), str):
+            raise invalid("'tool_choice.name' must be a string.", "tool_choice.name")
+        chat["tool_choice"] = {"type": "function", "function": {"name": flat_name(choice["name"], choice.get("namespace"))}}
+    elif kind == "allowed_tools":
+        mode, allowed = choice.get("mode", "auto"), choice.get("tools")
+        if mode not in ("auto", "required") or not isinstance(allowed, list):
+            raise invalid("'tool_choice' allowed_tools needs a 'mode' of auto or required and an array 'tools'.",
+                          "tool_choice")
+        keep = {flat_name(t.get("name"), t.get("namespace")) for t in allowed
+                if isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("name"), str)}
+        chat["tools"] = [t for t in chat.get("tools") or () if t["function"]["name"] in keep]
+        if not chat["tools"]:
+            del chat["tools"]
+        elif mode == "required" or mode == "auto":
+            chat["tool_choice"] = mode
+    else:
+        fields.note_ignored(f"tool_choice.{kind}"[:80], "responses", "a tool the engine cannot run; 'auto' instead")
+        if names:
+            chat["tool_choice"] = "auto"
 
 
-def _convert_text(text: Any) -> dict[str, Any] | None:
+def _convert_text(text: Any, fields: FieldPolicy = PERMISSIVE) -> dict[str, Any] | None:
     if not isinstance(text, dict):
         raise invalid("'text' must be an object.", "text")
-    for key in text:
-        if key != "format":
-            raise invalid(f"'text.{key}' is not supported.", f"text.{key}")
+    if text.get("verbosity") not in (None, "low", "medium", "high"):
+        raise invalid("'text.verbosity' must be low, medium or high.", "text.verbosity")
+    fields.check_extra(text, ("format", "verbosity"), "responses", "text.")
     fmt = text.get("format")
     if fmt is None:
         return None
@@ -297,21 +464,25 @@ def _convert_text(text: Any) -> dict[str, Any] | None:
     raise invalid(f"The text format type '{kind}' is not supported.", "text.format.type")
 
 
-def parse_request(body: Any, public_model: str, media_hosts: tuple[str, ...] = ()) -> ResponsesRequest:
+def parse_request(body: Any, public_model: str, media_hosts: tuple[str, ...] = (),
+                  fields: FieldPolicy = PERMISSIVE) -> ResponsesRequest:
     """Validate a Responses request and translate what does not depend on the stored chain.
-    `media_hosts`: `proxy.media_url_hosts` (validation.check_media_url)."""
+    `media_hosts`: `proxy.media_url_hosts` (validation.check_media_url); `fields`: the engine's
+    extensions and what to do with unknown fields (request_fields)."""
     if not isinstance(body, dict):
         raise invalid("The request body must be a JSON object.")
-    for key in body:
-        if key == "background" and (body[key] is None or body[key] is False):  # the default: clients that send it
-            continue
-        if key not in KNOWN:
-            raise invalid(f"Unrecognized request argument supplied: {key}", key)
+    if body.get("background") not in (None, False):  # the default: clients that send it
+        raise invalid("'background' is not supported: there is no background mode; send background=false.",
+                      "background")
+    for key, why in UNSERVED.items():
+        if body.get(key) is not None:
+            raise invalid(f"'{key}' is not supported: {why}.", key)
+    fields.check_extra(body, KNOWN, "responses")
     check_model(body, public_model)
     if "input" not in body:
         raise invalid("'input' is required.", "input")
-    messages, items = _convert_input(body["input"], media_hosts)
-    chat: dict[str, Any] = {"model": public_model}
+    messages, items = _convert_input(body["input"], media_hosts, fields)
+    chat: dict[str, Any] = {"model": public_model, **fields.forwarded(body)}
     for key in ("stream", "store"):
         if body.get(key) is not None and not isinstance(body[key], bool):
             raise invalid(f"'{key}' must be a boolean.", key)
@@ -335,23 +506,22 @@ def parse_request(body: Any, public_model: str, media_hosts: tuple[str, ...] = (
         if not isinstance(body["parallel_tool_calls"], bool):
             raise invalid("'parallel_tool_calls' must be a boolean.", "parallel_tool_calls")
         chat["parallel_tool_calls"] = body["parallel_tool_calls"]
-    if body.get("tools"):
-        chat["tools"] = _convert_tools(body["tools"])
-    elif body.get("tools") is not None:
-        _convert_tools(body["tools"])
+    namespaced: dict[str, tuple[str, str]] = {}
+    if body.get("tools") is not None:
+        tools, namespaced = _convert_tools(body["tools"], fields)
+        if tools:
+            chat["tools"] = tools
     if body.get("tool_choice") is not None:
-        chat["tool_choice"] = _convert_tool_choice(body["tool_choice"])
+        _convert_tool_choice(body["tool_choice"], chat, fields)
     if body.get("text") is not None:
-        fmt = _convert_text(body["text"])
+        fmt = _convert_text(body["text"], fields)
         if fmt is not None:
             chat["response_format"] = fmt
     reasoning = body.get("reasoning")
     if reasoning is not None:
         if not isinstance(reasoning, dict):
             raise invalid("'reasoning' must be an object.", "reasoning")
-        for key in reasoning:
-            if key not in ("effort", "summary"):
-                raise invalid(f"'reasoning.{key}' is not supported.", f"reasoning.{key}")
+        fields.check_extra(reasoning, ("effort", "summary"), "responses", "reasoning.")
         if reasoning.get("effort") is not None:
             if reasoning["effort"] not in EFFORTS:
                 raise invalid(f"'reasoning.effort' must be one of {', '.join(EFFORTS)}.", "reasoning.effort")
@@ -372,10 +542,11 @@ def parse_request(body: Any, public_model: str, media_hosts: tuple[str, ...] = (
         if not isinstance(include, list):
             raise invalid("'include' must be an array.", "include")
         for i, value in enumerate(include):
-            if value not in INCLUDABLE:
-                raise invalid(f"The include value '{value}' is not supported (supported: {', '.join(INCLUDABLE)}).",
-                              f"include[{i}]")
-        logprobs = "message.output_text.logprobs" in include
+            if not isinstance(value, str):
+                raise invalid(f"'include[{i}]' must be a string.", f"include[{i}]")
+            if value not in (INCLUDE_LOGPROBS, INCLUDE_REASONING):
+                fields.note_ignored(f"include[].{value}"[:80], "responses", "nothing of it exists here")
+        logprobs = INCLUDE_LOGPROBS in include
     top = body.get("top_logprobs")
     if top is not None:
         if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20:
@@ -387,7 +558,8 @@ def parse_request(body: Any, public_model: str, media_hosts: tuple[str, ...] = (
     if body.get("user") is not None:
         chat["user"] = body["user"]
     return ResponsesRequest(body=body, chat=chat, messages=messages, input_items=items,
-                            stream=bool(body.get("stream")), store=body.get("store", True) is not False, logprobs=logprobs)
+                            stream=bool(body.get("stream")), store=body.get("store", True) is not False, logprobs=logprobs,
+                            encrypted_reasoning=INCLUDE_REASONING in (include or ()), namespaced=namespaced)
 
 
 # ------------------------------------------------------------------------ response
@@ -426,22 +598,45 @@ def status_of(finish: str | None) -> tuple[str, dict[str, Any] | None, dict[str,
     return "completed", None, None
 
 
-def output_items(message: dict[str, Any], status: str, logprobs: list | None = None) -> list[dict[str, Any]]:
+def public_call(item: dict[str, Any], req: ResponsesRequest) -> dict[str, Any]:
+    """A function_call item as the client named the function: a namespace's NAMESPACE__NAME
+    -> `name` and `namespace` apart (ResponsesRequest.namespaced)."""
+    split = req.namespaced.get(item["name"])
+    if split is not None:
+        item["namespace"], item["name"] = split
+    return item
+
+
+def engine_call_name(item: dict[str, Any]) -> str:
+    """A function_call item's name as the engine knows it (the inverse of `public_call`)."""
+    return flat_name(item["name"], item.get("namespace"))
+
+
+def reasoning_item(text: str, status: str, req: ResponsesRequest | None) -> dict[str, Any]:
+    item = {"id": new_id("rs_"), "type": "reasoning", "summary": [], "status": status,
+            "content": [{"type": "reasoning_text", "text": text}]}
+    if req is not None and req.encrypted_reasoning:
+        item["encrypted_content"] = encode_reasoning(text)
+    return item
+
+
+def output_items(message: dict[str, Any], status: str, logprobs: list | None = None,
+                 req: ResponsesRequest | None = None) -> list[dict[str, Any]]:
     """A chat assistant message -> Responses output items (reasoning, message, function calls)."""
     items: list[dict[str, Any]] = []
     item_status = "completed" if status == "completed" else "incomplete"
     reasoning = message.get("reasoning_content") or message.get("reasoning")
     if isinstance(reasoning, str) and reasoning:
-        items.append({"id": new_id("rs_"), "type": "reasoning", "summary": [], "status": item_status,
-                      "content": [{"type": "reasoning_text", "text": reasoning}]})
+        items.append(reasoning_item(reasoning, item_status, req))
     text = message.get("content") if isinstance(message.get("content"), str) else ""
     if text or not message.get("tool_calls"):  # an empty answer is still one (empty) message item
         items.append({"id": new_id("msg_"), "type": "message", "role": "assistant", "status": item_status,
                       "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]})
     for call in message.get("tool_calls") or []:
         fn = call.get("function") or {}
-        items.append({"id": new_id("fc_"), "type": "function_call", "status": item_status, "call_id": call.get("id"),
-                      "name": fn.get("name"), "arguments": fn.get("arguments") or ""})
+        item = {"id": new_id("fc_"), "type": "function_call", "status": item_status, "call_id": call.get("id"),
+                "name": fn.get("name"), "arguments": fn.get("arguments") or ""}
+        items.append(public_call(item, req) if req is not None else item)
     return items
 
 
@@ -512,7 +707,7 @@ def complete_response(req: ResponsesRequest, response_id: str, created_at: int, 
     choice = chat["choices"][0]
     status, incomplete, error = status_of(choice.get("finish_reason"))
     logprobs = shape_logprobs(choice.get("logprobs")) if req.logprobs else None
-    return response_object(req, response_id, created_at, status, output_items(choice["message"], status, logprobs),
+    return response_object(req, response_id, created_at, status, output_items(choice["message"], status, logprobs, req),
                            shape_usage(chat.get("usage")), error, incomplete)
 
 
@@ -575,6 +770,8 @@ class StreamTranslator:
         item["status"] = status
         part = item["content"][0]
         if item["type"] == "reasoning":
+            if self.req.encrypted_reasoning:
+                item["encrypted_content"] = encode_reasoning(part["text"])
             events = [self.ev("response.reasoning_text.done", item_id=item["id"], output_index=idx, content_index=0,
                               text=part["text"]),
                       self.ev("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0, part=part)]
@@ -589,6 +786,8 @@ class StreamTranslator:
         for _, item in sorted(self.calls.items()):
             idx = self.output.index(item)
             item["status"] = status
+            if "namespace" not in item:
+                public_call(item, self.req)
             events.append(self.ev("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
                                   arguments=item["arguments"]))
             events.append(self.ev("response.output_item.done", output_index=idx, item=item))
@@ -651,6 +850,8 @@ class StreamTranslator:
                     events += self._close_open()
                     item = {"id": new_id("fc_"), "type": "function_call", "status": "in_progress",
                             "call_id": call.get("id"), "name": fn.get("name") or "", "arguments": ""}
+                    if item["name"] in self.req.namespaced:  # engines send the whole name in the first delta
+                        public_call(item, self.req)
                     self.calls[index] = item
                     events += self._add(item)
                 else:
@@ -670,7 +871,7 @@ class StreamTranslator:
         calls = [i for i in self.output if i["type"] == "function_call"]
         if calls:
             msg["tool_calls"] = [{"id": c["call_id"], "type": "function",
-                                  "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
+                                  "function": {"name": engine_call_name(c), "arguments": c["arguments"]}} for c in calls]
         return msg
 
     def finish_events(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
