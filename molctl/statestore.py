@@ -2,7 +2,9 @@
 stateless chat's conversations: turns and tool-call bindings), inspected and pruned from outside
 the proxy (it may be running: SQLite's own locking and WAL let both work).
 
-Neither creates a missing store file. The shapes are in docs/contract.md."""
+Neither creates a missing store file. Both check the file's integrity when they open it (see
+molctl.proxy.sqlite_store): a damaged store is one line, exit 1, and nothing is written to it. The
+shapes are in docs/contract.md."""
 
 from __future__ import annotations
 
@@ -44,11 +46,11 @@ def _profile(name: str, ctx) -> Profile:
 
 def _counts(store: SqliteResponseStore | None) -> dict[str, Any]:
     if store is None:
-        return {"schema_version": None, "responses": 0, "bytes": 0, "file_bytes": 0, "evicted": 0, "expired": 0,
+        return {"schema_version": None, "integrity": None, "responses": 0, "bytes": 0, "file_bytes": 0, "evicted": 0, "expired": 0,
                 "expired_pending": 0, "oldest_created_at": None,
                 "conversations": {"turns": 0, "calls": 0, "bytes": 0, "evicted": 0, "expired": 0, "expired_pending": 0}}
     d = store.describe()
-    return {"schema_version": d["schema_version"], "responses": d["responses"], "bytes": d["responses_bytes"],
+    return {"schema_version": d["schema_version"], "integrity": d["integrity"], "responses": d["responses"], "bytes": d["responses_bytes"],
             "file_bytes": d["file_bytes"], "evicted": d["responses_evicted"], "expired": d["responses_expired"],
             "expired_pending": d["responses_expired_pending"], "oldest_created_at": d["responses_oldest_created_at"] or None,
             "conversations": {"turns": d["turns"], "calls": d["calls"], "bytes": d["conversation_bytes"],

@@ -93,6 +93,33 @@ def scrub(text: str, names: list[str], public: str) -> str:
     return text
 
 
+STORE_CAUSES = {"ENOSPC": "its disk is full (no space left on the device)", "EIO": "a disk I/O error"}
+STORE_RETRY_AFTER_S = 30
+
+
+def store_cause(exc: Exception) -> str:
+    """A failed store call's cause for `store_failures_total`: damaged, ENOSPC, EIO, locked or other."""
+    cause = getattr(exc, "cause", None)
+    if cause is None and type(exc).__name__ == "StoreBusy":  # another process's write lock (response_store)
+        return "locked"
+    return cause or "other"
+
+
+def store_failure(exc: Exception, rid: str) -> ProxyError | None:
+    """What the client gets for a failed store call (molctl.proxy.sqlite_store.StoreError) by its
+    cause: a damaged store is a 500 `store_damaged`, a write the disk refused a 503
+    `store_unavailable` naming why (with Retry-After); None for any other (the caller's 500)."""
+    cause = getattr(exc, "cause", None)
+    if cause == "damaged":
+        return ProxyError(500, f"The proxy's response store is damaged: the record could not be read or written "
+                          f"(request id {rid}).", "server_error", "store_damaged")
+    if cause in STORE_CAUSES:
+        return ProxyError(503, f"The proxy cannot store the response: {STORE_CAUSES[cause]} (request id {rid}). Retry "
+                          "later, or send `store: false`.", "server_error", "store_unavailable",
+                          headers={"retry-after": str(STORE_RETRY_AFTER_S)})
+    return None
+
+
 RETRY_AFTER_MAX_S = 300
 
 

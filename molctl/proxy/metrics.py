@@ -51,6 +51,7 @@ HELP = {
     "client_disconnects_total": "Clients that went away before their answer was complete.",
     "stream_write_timeouts_total": "Stream clients dropped for reading nothing for proxy.stream_write_timeout_s.",
     "internal_errors_total": "Unexpected proxy failures (answered 500).",
+    "store_failures_total": "Requests failed by the response store, by cause (ENOSPC, EIO, damaged, locked, other).",
     "state_store_degraded_total": "Times the shared (Redis) store became unreachable while serving.",
     "state_store_errors_total": "Shared (Redis) store calls that failed or timed out.",
     "state_affinity_remote_total": "Turns whose engine hops went to the engine of the replica owning the conversation.",
@@ -65,6 +66,7 @@ LABELLED = {
     "route_fallbacks_total": ("reason",),
     "admission_rejections_total": ("reason",),
     "engine_errors_total": ("status",),
+    "store_failures_total": ("cause",),
 }
 
 

@@ -20,7 +20,12 @@ stdlib `sqlite3`:
     `max_entries` / `max_bytes` with oldest-first eviction (counted in `stats()`);
   - a file that is not a database, is corrupted, has an unknown schema or stays locked by another
     process raises `StoreError` with one line naming the file: the proxy refuses to start rather
-    than serve from a silently empty store.
+    than serve from a silently empty store. An existing file is checked with `PRAGMA quick_check`
+    when it is opened, for at most `integrity_check_s` (QUICK_CHECK_S; a larger file is checked in
+    part, `integrity` says so): a damaged one raises StoreError (cause "damaged") saying what to
+    do. Damage found later (a read SQLite reports corrupt, a record whose JSON does not parse)
+    is a StoreError with cause "damaged" too, logged once; from then on the store takes no more
+    writes (`damaged`), so nothing new goes into a damaged file.
 
 Cost (bench/bench_store.py, BENCHMARKS.md; the CI host, 2 shared cores): per Responses request
 (one get + one put: a committed transaction, WAL, synchronous=NORMAL) ~0.1 ms for a 2 KiB record
@@ -82,6 +87,11 @@ DEFAULT_MAX_ENTRIES = 100_000
 BUSY_TIMEOUT_S = 2.0  # how long a call waits for another process's write lock before "locked"
 PRUNE_EVERY_S = 60.0  # expired rows are deleted by a put at most this often (they are invisible anyway)
 LOSS_LOG_EVERY_S = 10.0  # lost chat-state rows: one warning at once, then at most one per this many seconds
+WRITE_CAUSES = {"ENOSPC": "ENOSPC: no space left on the device", "EIO": "EIO: a disk I/O error",
+                "damaged": "the store is damaged"}
+QUICK_CHECK_S = 5.0  # PRAGMA quick_check at open, at most this long (a larger file is checked in part)
+DAMAGED_ADVICE = ("stop the proxy, then move the file aside with its -wal and -shm files to start with an empty "
+                  "store, or recover what it holds with `sqlite3 FILE .recover | sqlite3 NEW`")
 
 COLUMNS = ("tenant", "id", "created_at", "previous_response_id", "route")
 JSON_COLUMNS = ("messages", "input_items", "response")
@@ -158,7 +168,29 @@ TABLES = {"responses", "meta", "turns", "calls"}
 
 
 class StoreError(MolctlError):
-    """The state store cannot be used (one line naming the file)."""
+    """The state store cannot be used (one line naming the file). `cause`: "damaged" (SQLite reports
+    the file corrupt, or a record does not parse), an errno name for a failed write ("ENOSPC": the
+    disk is full; "EIO"), "locked" (another process's write lock, past the busy timeout), or None."""
+
+    cause: str | None = None
+
+    def __init__(self, message: str, cause: str | None = None):
+        super().__init__(message)
+        self.cause = cause
+
+
+def _cause(exc: BaseException) -> str | None:
+    """StoreError.cause for an sqlite3 error (its extended error name, Python 3.11+)."""
+    name = getattr(exc, "sqlite_errorname", "") or ""
+    if name.startswith(("SQLITE_CORRUPT", "SQLITE_NOTADB")) or str(exc).startswith(UNDECODABLE):
+        return "damaged"
+    if name == "SQLITE_FULL":
+        return "ENOSPC"
+    if name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")):
+        return "locked"
+    if name.startswith("SQLITE_IOERR"):
+        return "EIO"
+    return None
 
 
 def store_path(state_dir: Path, profile: str) -> Path:
@@ -207,10 +239,17 @@ def open_store(spec: str, state_dir: Path, profile: str, **bounds: Any):
     return SqliteResponseStore(path, **bounds)
 
 
+UNDECODABLE = "Could not decode to UTF-8"  # the sqlite3 module's error for a TEXT value that is not UTF-8
+
+
 def _why(exc: BaseException) -> str:
     text = str(exc) or type(exc).__name__
+    if text.startswith(UNDECODABLE):  # "... column 'messages' with text '<the record's text>'": never quoted
+        return f"damaged ({text.split(' with text ', 1)[0]}): {DAMAGED_ADVICE}"
     if "locked" in text or "busy" in text:
         return f"{text} (another process holds its write lock; is another proxy or `molctl state prune` using it?)"
+    if _cause(exc) == "damaged" and "malformed" in text:
+        return f"damaged ({text}): {DAMAGED_ADVICE}"
     if isinstance(exc, sqlite3.DatabaseError) and not isinstance(exc, sqlite3.OperationalError):
         return f"{text} (corrupted or not a molctl store: move it aside to start with an empty store)"
     return text
@@ -223,8 +262,14 @@ class SqliteResponseStore:
 
     def __init__(self, path: Path | str, ttl_s: float = DEFAULT_TTL_S, max_bytes: int = DEFAULT_MAX_BYTES,
                  max_entries: int = DEFAULT_MAX_ENTRIES, clock: Callable[[], float] = time.time, create: bool = True,
-                 busy_timeout_s: float = BUSY_TIMEOUT_S, commit_delay_s: float = 0.0, reads_only: bool = False):
+                 busy_timeout_s: float = BUSY_TIMEOUT_S, commit_delay_s: float = 0.0, reads_only: bool = False,
+                 integrity_check_s: float = QUICK_CHECK_S):
         self.path = Path(path)
+        self.integrity_check_s = integrity_check_s
+        # the open's quick_check: "ok", "new file", or "not finished in N s (...)"
+        self.integrity = "new file"
+        self.damaged: str | None = None  # the damage found while serving (then no more writes)
+        self.write_failure: str | None = None  # why the last write failed, no detail (cleared by the next commit)
         # a reader (`molctl state stats`): not checked for the write lock at open (WAL readers never
         # wait for a writer; a running proxy or a long prune holding the write lock made it fail)
         self.reads_only = reads_only
@@ -266,7 +311,10 @@ class SqliteResponseStore:
             self._replaced_logged = False
         except sqlite3.Error as exc:
             self.close()
-            raise StoreError(f"response store {self.path}: {_why(exc)}") from None
+            raise StoreError(f"response store {self.path}: {_why(exc)}", cause=_cause(exc)) from None
+        except StoreError:
+            self.close()
+            raise
 
     def _create_file(self) -> None:
         try:
@@ -299,6 +347,7 @@ class SqliteResponseStore:
             mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
             if mode != "wal":
                 raise StoreError(f"response store {self.path}: cannot switch to WAL (journal mode {mode})")
+            self._quick_check()  # before anything is written to it (a v1 migration included)
             if version == 1:
                 self._migrate_v1()
         conn.execute("PRAGMA synchronous=NORMAL")
@@ -307,6 +356,59 @@ class SqliteResponseStore:
             # writable and not locked by another writer (beyond busy_timeout): found now, not on the first request
             conn.execute("BEGIN IMMEDIATE")
             conn.execute("COMMIT")
+
+    def _quick_check(self) -> None:
+        """`PRAGMA quick_check` (the b-trees' structure, every page; not the indexes' contents), cut
+        off after integrity_check_s by a progress handler: a file too large to check in that time
+        is checked in part (said in `integrity` and logged); 0 skips it. Damage raises StoreError."""
+        conn = self._conn
+        if self.integrity_check_s <= 0:
+            self.integrity = "not checked"
+            return
+        deadline = time.monotonic() + self.integrity_check_s
+        conn.set_progress_handler(lambda: time.monotonic() >= deadline, 1000)
+        try:
+            problems = [row[0] for row in conn.execute("PRAGMA quick_check(3)")]
+        except sqlite3.OperationalError as exc:
+            if "interrupt" not in str(exc):
+                raise
+            mib = _size(self.path) / 2 ** 20
+            self.integrity = f"not finished in {self.integrity_check_s:g} s (a {mib:.1f} MiB file): checked in part"
+            log.warning("response store %s: integrity check %s", self.path, self.integrity)
+            return
+        finally:
+            conn.set_progress_handler(None, 0)
+        if problems != ["ok"]:
+            found = "; ".join(" ".join(p.split()) for p in problems)
+            raise StoreError(f"response store {self.path}: damaged (PRAGMA quick_check: {found[:300]}): "
+                             f"{DAMAGED_ADVICE}", cause="damaged")
+        self.integrity = "ok"
+
+    def health(self) -> str | None:
+        """Why the store serves in part (the proxy's /readyz says "degraded" with it), else None:
+        damage found while serving, or the last write failed (a full disk: every stored response
+        and chat-state row is refused until a write commits again)."""
+        if self.damaged is not None:
+            return "response store damaged (the proxy's log says where): restart it on a repaired or new store"
+        if self.write_failure is not None:
+            return f"response store writes failing ({self.write_failure})"
+        return None
+
+    def _write_failed(self, exc: BaseException) -> None:
+        cause = getattr(exc, "cause", None)
+        if cause not in (None, "locked"):  # locked: another process's transaction, not this store's state
+            self.write_failure = WRITE_CAUSES.get(cause, cause)
+
+    def _damage_seen(self, why: str) -> None:
+        """Damage found while serving: logged once; the store takes no more writes."""
+        if self.damaged is None:
+            self.damaged = why
+            log.error("response store %s is damaged (%s): it takes no more writes; %s", self.path, why, DAMAGED_ADVICE)
+
+    def _refuse_if_damaged(self, what: str) -> None:
+        if self.damaged is not None:
+            raise StoreError(f"response store {self.path}: {what} not written: the store is damaged ({self.damaged})",
+                             cause="damaged")
 
     def _migrate_v1(self) -> None:
         """v1 (responses only) -> v2: add the conversation tables in one transaction; every
@@ -333,6 +435,7 @@ class SqliteResponseStore:
         from any process). The chat rows queued so far go in the same transaction (one commit).
         `wait=False` (the proxy's puts): another process's write lock is not waited for; StoreBusy
         is raised at once, nothing written (LocalResponses tries again a little later)."""
+        self._refuse_if_damaged("response")
         row = _row(record)
         if row[-1] > self.max_bytes:  # evicting every other record could not make room: nothing is evicted
             raise StoreError(f"response store {self.path}: a record of {row[-1]} bytes is over proxy.store_max_bytes "
@@ -361,12 +464,14 @@ class SqliteResponseStore:
                     if turns or calls:
                         self._insert_rows(turns, calls, now)
                     conn.execute("COMMIT")
+                    self.write_failure = None
                 except BaseException:
                     _rollback(conn)
                     if turns or calls:  # back in the queue while the lock is held (see _put_back)
                         self._put_back(turns, calls)
                     raise
-        except (StoreError, StoreBusy):
+        except (StoreError, StoreBusy) as exc:
+            self._write_failed(exc)
             if turns or calls:  # not this put's own rows: their own flush writes them (or counts them lost)
                 self._schedule_flush()
             raise
@@ -392,13 +497,19 @@ class SqliteResponseStore:
                 (tenant, response_id, self.clock() - self.ttl_s)).fetchone()
         if row is None:
             return None
-        record: ResponseRecord = json.loads(row[8])
-        record.update(zip(COLUMNS, row[:5], strict=True))
-        record.update((k, json.loads(v)) for k, v in zip(JSON_COLUMNS, row[5:8], strict=True))
+        try:
+            record: ResponseRecord = json.loads(row[8])
+            record.update(zip(COLUMNS, row[:5], strict=True))
+            record.update((k, json.loads(v)) for k, v in zip(JSON_COLUMNS, row[5:8], strict=True))
+        except (ValueError, TypeError, AttributeError) as exc:  # JSON that does not parse, or not an object
+            why = f"the record of {response_id[:80]} does not parse ({type(exc).__name__})"
+            self._damage_seen(why)
+            raise StoreError(f"response store {self.path}: {why}: damaged", cause="damaged") from None
         return record
 
     def delete_response(self, tenant: str, response_id: str, wait: bool = True) -> bool:
         """`wait=False`: as put_response's (StoreBusy at once when another process holds the write lock)."""
+        self._refuse_if_damaged("delete")
         with self._locked("delete"):
             conn = self._conn
             if wait:
@@ -465,7 +576,8 @@ class SqliteResponseStore:
     def describe(self) -> dict[str, Any]:
         """stats() plus what `molctl state stats` shows: the file, its size on disk (with the WAL),
         the bounds, the rows already expired but not pruned."""
-        out: dict[str, Any] = {"backend": "sqlite", "path": str(self.path), "exists": True, "schema_version": SCHEMA_VERSION}
+        out: dict[str, Any] = {"backend": "sqlite", "path": str(self.path), "exists": True, "schema_version": SCHEMA_VERSION,
+                               "integrity": self.integrity}
         out.update(self.stats())
         with self._locked("stats"):
             cutoff = self.clock() - self.ttl_s
@@ -625,6 +737,7 @@ class SqliteResponseStore:
                 turns, calls = self._take_pending()
                 if not turns and not calls:
                     return 0
+                self._refuse_if_damaged("chat state")  # the rows are counted lost
                 conn = self._conn
                 if wait:
                     conn.execute("BEGIN IMMEDIATE")
@@ -637,7 +750,9 @@ class SqliteResponseStore:
                     _rollback(conn)
                     raise
                 self._busy_since = None
+                self.write_failure = None
         except StoreError as exc:
+            self._write_failed(exc)
             if self._conn is None:  # closed: what is still queued cannot be written any more
                 with self._pending_lock:
                     turns.update(self._pending_turns)
@@ -709,7 +824,10 @@ class SqliteResponseStore:
             try:
                 yield
             except sqlite3.Error as exc:
-                raise StoreError(f"response store {self.path}: {what} failed: {_why(exc)}") from None
+                cause = _cause(exc)
+                if cause == "damaged":
+                    self._damage_seen((str(exc) or type(exc).__name__).split(" with text ", 1)[0])
+                raise StoreError(f"response store {self.path}: {what} failed: {_why(exc)}", cause=cause) from None
 
     # Responses (column created_at) and chat state (turns and calls, column stamp) are bounded
     # alike, each group with its own counters in `meta` (prefix '' or 'conv_').

@@ -1,0 +1,70 @@
+"""A full disk is visible: a stored Response the disk refuses is a 503 `store_unavailable` naming
+the cause (ENOSPC) and the request id, `/readyz` says "degraded" with the reason until a write
+commits again, and `store_failures_total{cause="ENOSPC"}` counts it. Before, `/readyz` stayed
+ready and every stored Responses write failed as a generic 500. The disk is "full" here through
+SQLite's `max_page_count`, which fails a write with SQLITE_FULL as a full disk does."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from molctl.engines import get_engine
+from molctl.proxy.app import ProxyApp
+from molctl.proxy.sqlite_store import SqliteResponseStore
+from tests.helpers import free_port
+from tests.procs import fake_engine_argv, running
+from tests.test_proxy import PUBLIC, TINY
+
+
+async def _call(app, method: str, path: str, body: dict | None = None) -> tuple[int, dict[str, str], bytes]:
+    messages = [{"type": "http.request", "body": json.dumps(body).encode() if body else b"", "more_body": False}]
+    sent: list[dict] = []
+
+    async def receive():
+        return messages.pop(0) if messages else await asyncio.sleep(3600)
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": method, "path": path, "headers": [], "query_string": b""}
+    await asyncio.wait_for(app(scope, receive, send), 20)
+    headers = {k.decode(): v.decode() for k, v in sent[0].get("headers", [])}
+    return sent[0]["status"], headers, b"".join(m.get("body", b"") for m in sent[1:])
+
+
+def test_a_full_disk_is_a_503_naming_the_cause_a_degraded_readiness_and_a_counted_cause(tmp_path):
+    port = free_port()
+    store = SqliteResponseStore(tmp_path / "store.sqlite3")
+    with running(fake_engine_argv(port), f"http://127.0.0.1:{port}/health"):
+        app = ProxyApp(TINY, get_engine("vllm"), f"http://127.0.0.1:{port}", None, response_store=store)
+
+        async def run():
+            await app.startup()
+            try:
+                status, _, body = await _call(app, "GET", "/readyz")
+                assert (status, json.loads(body)["status"]) == (200, "ready"), body
+                pages = store._conn.execute("PRAGMA page_count").fetchone()[0]
+                store._conn.execute(f"PRAGMA max_page_count = {pages}")  # no page more: SQLITE_FULL
+                full = await _call(app, "POST", "/v1/responses", {"model": PUBLIC, "input": "x" * 20000})
+                degraded = await _call(app, "GET", "/readyz")
+                unstored = await _call(app, "POST", "/v1/responses", {"model": PUBLIC, "input": "y", "store": False})
+                store._conn.execute(f"PRAGMA max_page_count = {pages * 1000}")  # room again
+                stored = await _call(app, "POST", "/v1/responses", {"model": PUBLIC, "input": "z" * 20000})
+                ready = await _call(app, "GET", "/readyz")
+                return full, degraded, unstored, stored, ready
+            finally:
+                await app.shutdown()
+
+        full, degraded, unstored, stored, ready = asyncio.run(run())
+    status, headers, body = full
+    assert status == 503, body
+    error = json.loads(body)["error"]
+    assert error["code"] == "store_unavailable" and error["type"] == "server_error", error
+    assert "disk is full" in error["message"] and headers["x-request-id"] in error["message"], error
+    assert headers["retry-after"] == "30"
+    assert degraded[0] == 200 and json.loads(degraded[2]) == {
+        "status": "degraded", "detail": "response store writes failing (ENOSPC: no space left on the device)"}
+    assert unstored[0] == 200  # a request that stores nothing is served as before
+    assert stored[0] == 200 and json.loads(ready[2])["status"] == "ready"  # a write commits: ready again
+    assert app.counters.labelled[("store_failures_total", (("cause", "ENOSPC"),))] == 1
