@@ -53,7 +53,7 @@ from molctl.profiles import Profile
 from molctl.proxy import fastjson, responses
 from molctl.proxy.conversations import ConversationStore, MemoryStore
 from molctl.proxy.engine_client import EngineClient
-from molctl.proxy.errors import EngineUnavailable, ProxyError, invalid, shown
+from molctl.proxy.errors import EngineUnavailable, ProxyError, invalid, shown, store_cause, store_failure
 from molctl.proxy.metrics import MetricsListener, ProxyMetrics, store_gauges
 from molctl.proxy.orchestrator import BIG_MESSAGES, Orchestrator, Plan
 from molctl.proxy.response_store import MemoryResponseStore, ProxyResponses, ResponseStore, StoreBusy, as_proxy_store
@@ -196,11 +196,13 @@ class ProxyApp:
             if not state["started"]:
                 await self._error(tracked, invalid("The body is nested too deeply to be a chat request."), rid)
         except (StoreError, StoreBusy) as exc:  # an external fault (a full disk, another process's lock): one line
-            state["error"] = "proxy_error"
+            failure = store_failure(exc, rid) or internal_error(rid)
+            state["error"] = failure.code
             self.counters.inc("internal_errors_total")
+            self.counters.inc("store_failures_total", cause=store_cause(exc))
             log.warning("request %s failed: %s", rid, exc)
             if not state["started"]:
-                await self._error(tracked, internal_error(rid), rid)
+                await self._error(tracked, failure, rid)
         except Exception:  # a bug: logged once, answered in the OpenAI error shape
             state["error"] = "proxy_error"
             self.counters.inc("internal_errors_total")
@@ -251,7 +253,9 @@ class ProxyApp:
             return
         if path == "/readyz" and method in PROBE_METHODS:
             ok, why = await self.ready()
-            await self._json(send, 200 if ok else 503, {"status": "ready" if ok else "not_ready", "detail": why})
+            degraded = self.responses_degraded() if ok else None  # still serving: 200, with the reason
+            await self._json(send, 200 if ok else 503, {"status": "degraded" if degraded else "ready" if ok else "not_ready",
+                                                        "detail": degraded or why})
             return
         tenant = self._authenticate(scope)
         REQUEST.get()["tenant"] = tenant
@@ -375,6 +379,11 @@ class ProxyApp:
             ok, why = await self._probe_engine()
             self._ready = (time.monotonic(), ok, why)
             return ok, why
+
+    def responses_degraded(self) -> str | None:
+        """Why the local response store serves in part (damaged; writes failing), else None."""
+        health = getattr(getattr(self.responses, "store", None), "health", None)
+        return health() if health is not None else None
 
     def _ready_cached(self) -> bool:
         """A ready answer is reused for ready_cache_s; a not-ready one for at most 0.2 s, so
@@ -557,9 +566,11 @@ class ProxyApp:
             self.counters.inc("internal_errors_total")
             if isinstance(exc, (StoreError, StoreBusy)):  # an external fault: one line (see __call__)
                 log.warning("request %s: stream failed: %s", rid, exc)
+                self.counters.inc("store_failures_total", cause=store_cause(exc))
+                failure = store_failure(exc, rid) or internal_error(rid)
             else:
                 log.exception("request %s: stream failed", rid)
-            failure = internal_error(rid)
+                failure = internal_error(rid)
         finally:
             if pending is not None:
                 pending.cancel()
