@@ -202,9 +202,28 @@ def test_items_of_tools_this_server_never_runs_are_left_out_and_unknown_items_ar
     assert r.status_code == 200, r.text
     sent = s.log("answer")[-1]["payload"]["messages"]
     assert [m["role"] for m in sent[1:]] == ["user", "user"]  # after the identity system message
-    for item in ({"type": "item_reference", "id": "msg_1"}, {"type": "compaction", "encrypted_content": "x"}):
-        r = post(s, "/v1/responses", input=[item, {"type": "message", "role": "user", "content": "q"}])
-        assert r.status_code == 400 and r.json()["error"]["param"] == "input[0].type", r.text
+    r = post(s, "/v1/responses", input=[{"type": "compaction", "encrypted_content": "x"},
+                                        {"type": "message", "role": "user", "content": "q"}])
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input[0].type", r.text
+
+
+def test_item_references_name_stored_output_items(s):
+    """The AI SDK's Responses provider (store: true, its default) sends an earlier answer back as
+    {"type": "item_reference", "id"}; the proxy answered 400 for the item type."""
+    first = s.client.responses.create(model=PUBLIC, input="[route:L2] hi")
+    msg = next(i for i in first.output if i.type == "message")
+    r = post(s, "/v1/responses", input=[{"type": "message", "role": "user", "content": "[route:L2] hi"},
+                                        {"type": "item_reference", "id": msg.id},
+                                        {"type": "message", "role": "user", "content": "[route:L2] and?"}])
+    assert r.status_code == 200, r.text
+    sent = s.log("answer")[-1]["payload"]["messages"]
+    assert sent[-2] == {"role": "assistant", "content": first.output_text}
+    unstored = s.client.responses.create(model=PUBLIC, input="[route:L2] hi", store=False)
+    for item_id in (next(i for i in unstored.output if i.type == "message").id, "msg_nosuch"):
+        r = post(s, "/v1/responses", input=[{"type": "item_reference", "id": item_id},
+                                            {"type": "message", "role": "user", "content": "q"}])
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
+        assert item_id in r.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("field", ["reasoning", "reasoning_content"])

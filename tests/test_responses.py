@@ -362,7 +362,7 @@ def test_parameters_mapped_and_rejected(s):
                          ({"prompt": {"id": "pmpt_1"}}, "prompt"),
                          ({"include": [7]}, "include[0]"),
                          ({"text": {"verbosity": "loud"}}, "text.verbosity"),
-                         ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
+                         ({"input": [{"type": "item_reference", "id": "x"}]}, "input"),
                          ({"input": [{"type": "compaction_summary", "text": "x"}, {"role": "user", "content": "q"}]},
                           "input[0].type"),
                          ({"truncation": "middle"}, "truncation"),

@@ -615,6 +615,17 @@ class ProxyApp:
                 raise responses.not_found(previous, "previous_response_id")
             req.prev, req.history = record, list(record["messages"])
 
+    async def _responses_with_references(self, need: responses.NeedsReferences, tenant: str) -> responses.ResponsesRequest:
+        """Parse again with the output items the request's `item_reference`s name (each a stored
+        response of this tenant, found by the item's id: responses.ItemIds)."""
+        await self.responses.available()
+        records: dict[str, Any] = {}
+        for response_id in dict.fromkeys(filter(None, map(responses.response_of_item, need.ids))):
+            records[response_id] = await self.responses.get_response(tenant, response_id)
+        refs = responses.referenced_items(need.ids, records)
+        return responses.parse_request(need.body, self.profile.served_model_name, self.profile.proxy.media_url_hosts,
+                                       self.orch.fields, refs)
+
     def _responses_plan(self, req: responses.ResponsesRequest, tenant: str, big: bool) -> Plan:
         plan = self.orch.prepare(req.chat_body(), tenant)
         plan.big = plan.big or big
@@ -631,14 +642,16 @@ class ProxyApp:
     async def _responses_create_or_fail(self, scope: dict, receive: Receive, send: Send, tenant: str, rid: str) -> None:
         raw = await self._read_body(scope, receive)
         big = len(raw) > BIG_BODY
-        if big:
-            req = await asyncio.to_thread(self._responses_parse, raw)
-        else:
-            body = await parse_on_loop(raw)
-            big = many_items(body, "input")
-            hosts = self.profile.proxy.media_url_hosts
-            args = (body, self.profile.served_model_name, hosts, self.orch.fields)
-            req = await asyncio.to_thread(responses.parse_request, *args) if big else responses.parse_request(*args)
+        try:
+            if big:
+                req = await asyncio.to_thread(self._responses_parse, raw)
+            else:
+                body = await parse_on_loop(raw)
+                big = many_items(body, "input")
+                args = (body, self.profile.served_model_name, self.profile.proxy.media_url_hosts, self.orch.fields)
+                req = await asyncio.to_thread(responses.parse_request, *args) if big else responses.parse_request(*args)
+        except responses.NeedsReferences as need:  # item_reference inputs: their items from the store
+            req = await self._responses_with_references(need, tenant)
         del raw
         await self._responses_previous(req, tenant)
         big = big or len(req.history) > BIG_ITEMS  # a long stored chain: prepared off the loop too

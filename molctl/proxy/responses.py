@@ -113,6 +113,54 @@ def new_id(prefix: str) -> str:
     return prefix + os.urandom(12).hex()
 
 
+class ItemIds:
+    """Output item ids of one response: `PREFIX` + the response id's hex + a counter, so an
+    `item_reference` names the response that holds its item (`response_of_item`)."""
+
+    def __init__(self, response_id: str):
+        self.base = response_id.removeprefix("resp_")
+        self.n = 0
+
+    def __call__(self, prefix: str) -> str:
+        self.n += 1
+        return f"{prefix}{self.base}{self.n:04x}"
+
+
+def response_of_item(item_id: str) -> str | None:
+    """The response id an output item id of this proxy's (ItemIds) came from, else None."""
+    _, sep, rest = item_id.partition("_")
+    if not sep or len(rest) != 28 or not all(c in "0123456789abcdef" for c in rest):
+        return None
+    return "resp_" + rest[:24]
+
+
+class NeedsReferences(Exception):
+    """The input holds item references: the caller fetches them (`referenced_items`) and parses
+    `body` again with `refs`."""
+
+    def __init__(self, body: dict[str, Any], ids: list[str]):
+        super().__init__(ids)
+        self.body, self.ids = body, ids
+
+
+def item_not_found(item_id: str) -> ProxyError:
+    return invalid(f"Item with id {shown(item_id)} not found (items of responses created with store=false are not "
+                   "kept).", "input")
+
+
+def referenced_items(ids: list[str], records: dict[str, dict[str, Any] | None]) -> dict[str, dict[str, Any]]:
+    """item id -> the output item it names, from the stored records by response id (the first
+    id not found is a 400, as OpenAI's)."""
+    out: dict[str, dict[str, Any]] = {}
+    for item_id in ids:
+        record = records.get(response_of_item(item_id) or "")
+        item = next((i for i in ((record or {}).get("response") or {}).get("output") or () if i.get("id") == item_id), None)
+        if item is None:
+            raise item_not_found(item_id)
+        out[item_id] = item
+    return out
+
+
 def duplicate_item(item_id: str) -> ProxyError:
     return invalid(f"Duplicate item found with id {shown(item_id)}. Remove duplicate items from your input and try again.",
                    "input")
@@ -266,9 +314,10 @@ def flat_name(name: str, namespace: Any) -> str:
     return f"{namespace}{NAMESPACE_SEP}{name}" if isinstance(namespace, str) and namespace else name
 
 
-def _convert_input(value: Any, media_hosts: tuple[str, ...] = (),
-                   fields: FieldPolicy = PERMISSIVE) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """-> (chat messages, the input items as `/input_items` returns them)."""
+def _convert_input(value: Any, media_hosts: tuple[str, ...] = (), fields: FieldPolicy = PERMISSIVE,
+                   refs: dict[str, dict[str, Any]] | None = None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """-> (chat messages, the input items as `/input_items` returns them). `refs`: the items
+    `item_reference`s name (NeedsReferences)."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}], [
             {"id": new_id("msg_"), "type": "message", "role": "user", "status": "completed",
@@ -290,6 +339,8 @@ def _convert_input(value: Any, media_hosts: tuple[str, ...] = (),
         w = f"input[{i}]"
         if not isinstance(item, dict):
             raise invalid(f"'{w}' must be an object.", w)
+        if item.get("type") == "item_reference" and refs is not None and item.get("id") in refs:
+            item = refs[item["id"]]
         kind = item.get("type", "message")
         if item.get("id") is not None and not isinstance(item["id"], str):  # echoed by input_items, used by `after`
             raise invalid(f"'{w}.id' must be a string.", f"{w}.id")
@@ -346,8 +397,8 @@ def _convert_input(value: Any, media_hosts: tuple[str, ...] = (),
         elif kind in IGNORED_ITEMS:
             fields.note_ignored(f"input[].{kind}", "responses", "an item of a tool this server does not run; "
                                                               "left out of the prompt")
-        elif kind == "item_reference":
-            raise invalid(f"'{w}': item references are not supported; send the item itself.", f"{w}.type")
+        elif kind == "item_reference":  # without refs: references() found none to fetch
+            raise invalid(f"'{w}.id' must be the id of an output item of a stored response.", f"{w}.id")
         else:
             raise invalid(f"The input item type '{kind}' is not supported.", f"{w}.type")
     ids = [i["id"] for i in items]
@@ -464,11 +515,23 @@ def _convert_text(text: Any, fields: FieldPolicy = PERMISSIVE) -> dict[str, Any]
     raise invalid(f"The text format type '{kind}' is not supported.", "text.format.type")
 
 
+def references(body: Any) -> list[str]:
+    """The ids of the `item_reference` input items (what `NeedsReferences` asks the caller for)."""
+    items = body.get("input") if isinstance(body, dict) else None
+    if not isinstance(items, list):
+        return []
+    return [i["id"] for i in items if isinstance(i, dict) and i.get("type") == "item_reference" and isinstance(i.get("id"), str)]
+
+
 def parse_request(body: Any, public_model: str, media_hosts: tuple[str, ...] = (),
-                  fields: FieldPolicy = PERMISSIVE) -> ResponsesRequest:
+                  fields: FieldPolicy = PERMISSIVE, refs: dict[str, dict[str, Any]] | None = None) -> ResponsesRequest:
     """Validate a Responses request and translate what does not depend on the stored chain.
     `media_hosts`: `proxy.media_url_hosts` (validation.check_media_url); `fields`: the engine's
-    extensions and what to do with unknown fields (request_fields)."""
+    extensions and what to do with unknown fields (request_fields); `refs`: see NeedsReferences."""
+    if refs is None:
+        ids = references(body)
+        if ids:
+            raise NeedsReferences(body, ids)
     if not isinstance(body, dict):
         raise invalid("The request body must be a JSON object.")
     if body.get("background") not in (None, False):  # the default: clients that send it
@@ -481,7 +544,7 @@ def parse_request(body: Any, public_model: str, media_hosts: tuple[str, ...] = (
     check_model(body, public_model)
     if "input" not in body:
         raise invalid("'input' is required.", "input")
-    messages, items = _convert_input(body["input"], media_hosts, fields)
+    messages, items = _convert_input(body["input"], media_hosts, fields, refs)
     chat: dict[str, Any] = {"model": public_model, **fields.forwarded(body)}
     for key in ("stream", "store"):
         if body.get(key) is not None and not isinstance(body[key], bool):
@@ -612,8 +675,8 @@ def engine_call_name(item: dict[str, Any]) -> str:
     return flat_name(item["name"], item.get("namespace"))
 
 
-def reasoning_item(text: str, status: str, req: ResponsesRequest | None) -> dict[str, Any]:
-    item = {"id": new_id("rs_"), "type": "reasoning", "summary": [], "status": status,
+def reasoning_item(text: str, status: str, req: ResponsesRequest | None, ids: Any = new_id) -> dict[str, Any]:
+    item = {"id": ids("rs_"), "type": "reasoning", "summary": [], "status": status,
             "content": [{"type": "reasoning_text", "text": text}]}
     if req is not None and req.encrypted_reasoning:
         item["encrypted_content"] = encode_reasoning(text)
@@ -621,20 +684,21 @@ def reasoning_item(text: str, status: str, req: ResponsesRequest | None) -> dict
 
 
 def output_items(message: dict[str, Any], status: str, logprobs: list | None = None,
-                 req: ResponsesRequest | None = None) -> list[dict[str, Any]]:
-    """A chat assistant message -> Responses output items (reasoning, message, function calls)."""
+                 req: ResponsesRequest | None = None, ids: Any = new_id) -> list[dict[str, Any]]:
+    """A chat assistant message -> Responses output items (reasoning, message, function calls);
+    `ids`: their ids (ItemIds of the response)."""
     items: list[dict[str, Any]] = []
     item_status = "completed" if status == "completed" else "incomplete"
     reasoning = message.get("reasoning_content") or message.get("reasoning")
     if isinstance(reasoning, str) and reasoning:
-        items.append(reasoning_item(reasoning, item_status, req))
+        items.append(reasoning_item(reasoning, item_status, req, ids))
     text = message.get("content") if isinstance(message.get("content"), str) else ""
     if text or not message.get("tool_calls"):  # an empty answer is still one (empty) message item
-        items.append({"id": new_id("msg_"), "type": "message", "role": "assistant", "status": item_status,
+        items.append({"id": ids("msg_"), "type": "message", "role": "assistant", "status": item_status,
                       "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]})
     for call in message.get("tool_calls") or []:
         fn = call.get("function") or {}
-        item = {"id": new_id("fc_"), "type": "function_call", "status": item_status, "call_id": call.get("id"),
+        item = {"id": ids("fc_"), "type": "function_call", "status": item_status, "call_id": call.get("id"),
                 "name": fn.get("name"), "arguments": fn.get("arguments") or ""}
         items.append(public_call(item, req) if req is not None else item)
     return items
@@ -707,7 +771,8 @@ def complete_response(req: ResponsesRequest, response_id: str, created_at: int, 
     choice = chat["choices"][0]
     status, incomplete, error = status_of(choice.get("finish_reason"))
     logprobs = shape_logprobs(choice.get("logprobs")) if req.logprobs else None
-    return response_object(req, response_id, created_at, status, output_items(choice["message"], status, logprobs, req),
+    return response_object(req, response_id, created_at, status, output_items(choice["message"], status, logprobs, req,
+                                                                             ItemIds(response_id)),
                            shape_usage(chat.get("usage")), error, incomplete)
 
 
@@ -735,6 +800,7 @@ class StreamTranslator:
     def __init__(self, req: ResponsesRequest, response_id: str, created_at: int | None = None):
         self.req = req
         self.id = response_id
+        self.ids = ItemIds(response_id)
         self.created_at = created_at if created_at is not None else int(time.time())
         self.seq = 0
         self.output: list[dict[str, Any]] = []
@@ -798,10 +864,10 @@ class StreamTranslator:
         """Close the open item, open a reasoning or message item with its one (empty) part."""
         events = self._close_open()
         if kind == "reasoning":
-            item = {"id": new_id("rs_"), "type": "reasoning", "summary": [], "status": "in_progress", "content": []}
+            item = {"id": self.ids("rs_"), "type": "reasoning", "summary": [], "status": "in_progress", "content": []}
             part = {"type": "reasoning_text", "text": ""}
         else:
-            item = {"id": new_id("msg_"), "type": "message", "role": "assistant", "status": "in_progress", "content": []}
+            item = {"id": self.ids("msg_"), "type": "message", "role": "assistant", "status": "in_progress", "content": []}
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         events += self._add(item)
         events.append(self.ev("response.content_part.added", item_id=item["id"], output_index=len(self.output) - 1,
@@ -848,7 +914,7 @@ class StreamTranslator:
                 item = self.calls.get(index)
                 if item is None:
                     events += self._close_open()
-                    item = {"id": new_id("fc_"), "type": "function_call", "status": "in_progress",
+                    item = {"id": self.ids("fc_"), "type": "function_call", "status": "in_progress",
                             "call_id": call.get("id"), "name": fn.get("name") or "", "arguments": ""}
                     if item["name"] in self.req.namespaced:  # engines send the whole name in the first delta
                         public_call(item, self.req)
