@@ -1,7 +1,9 @@
 """`molctl down`, and stopping what an earlier stack left behind (used by `up` and `switch`).
 
 The proxy stops first (it drains in-flight requests), then the engine's processes (SIGTERM,
-a countdown, SIGKILL). Only processes proven ours are signalled (`molctl.processes`), and a
+a countdown, SIGKILL). The proxy is given its drain timeout plus PROXY_EXIT_GRACE_S before any
+SIGKILL: at its deadline it answers what is still running (503 `draining`) and writes its queued
+state, and that must not be cut short by a kill at the same deadline. Only processes proven ours are signalled (`molctl.processes`), and a
 record is removed only once no process it names survives, on the GPUs either. A record that
 cannot be read is reported, and its processes (found by their marker) are stopped only with
 --force."""
@@ -32,6 +34,14 @@ from molctl.state import (
 )
 
 ENGINE_STOP_TIMEOUT_S = 60.0
+# after the drain deadline: the proxy's answers to what was still running, its final state writes and
+# uvicorn's own graceful-shutdown timer (5 s), before `down` sends SIGKILL
+PROXY_EXIT_GRACE_S = 10.0
+
+
+def proxy_stop_timeout(drain_s: float) -> float:
+    """How long `down` waits for a proxy given `drain_s` to drain before SIGKILL."""
+    return drain_s + PROXY_EXIT_GRACE_S
 
 
 def clean_stale(state_dir: Path, name: str, progress: Progress) -> None:
@@ -168,7 +178,7 @@ def _down_unlisted(state_dir: Path, names: list[str] | None, drain_s: float, eng
     for (profile, component), procs in sorted(groups.items(), key=lambda kv: kv[0][1] != "proxy"):
         progress.warn(f"{profile} {component}: no readable record, but {len(procs)} process(es) carry its marker "
                       f"(pid {', '.join(str(p.pid) for p in procs)}); stopping them")
-        result = stop_processes(None, procs, drain_s if component == "proxy" else engine_s)
+        result = stop_processes(None, procs, proxy_stop_timeout(drain_s) if component == "proxy" else engine_s)
         entry = out.setdefault(profile, {"profile": profile, "components": {}})
         entry["components"][component] = "killed" if result.killed else "stopped"
         if not result.ok:
@@ -188,7 +198,7 @@ def _down_unreadable(state_dir: Path, name: str, problems: list[RecordProblem], 
         procs = [p for p, path in found if path == os.path.realpath(problem.path)]
         progress.warn(f"{name} {problem.component}: record {problem.path} is unreadable ({problem.error}); "
              f"--force: stopping the {len(procs)} process(es) carrying its marker")
-        result = stop_processes(None, procs, drain_s if problem.component == "proxy" else engine_s)
+        result = stop_processes(None, procs, proxy_stop_timeout(drain_s) if problem.component == "proxy" else engine_s)
         if not result.ok:
             raise MolctlError(f"{name} {problem.component}: process(es) survived SIGKILL: {', '.join(result.survivors)}")
         _remove(state_dir, name, problem.component, progress)
@@ -214,7 +224,7 @@ def down_one(state_dir: Path, name: str, drain_s: float, engine_s: float, force:
         record = records.get(component)
         if record is None:
             continue
-        timeout = drain_s if component == "proxy" else engine_s
+        timeout = proxy_stop_timeout(drain_s) if component == "proxy" else engine_s
         if not members(record):
             if process_state(record) == "uncertain" and not force:
                 progress.warn(f"{name} {component}: pid {record.pid} runs but cannot be verified as the recorded process "

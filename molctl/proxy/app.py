@@ -8,7 +8,9 @@ GET /v1/responses/{id}/input_items (the Responses API: `responses`). Metrics are
 are on their own listener (molctl.proxy.metrics, `proxy.metrics_port`).
 Auth: `Authorization: Bearer <key>` against the keys of the key file, compared in constant time.
 Drain: `start_drain()` (on SIGTERM) turns /readyz to 503 and answers new requests 503 with
-Retry-After while in-flight requests, streams included, run to completion.
+Retry-After while in-flight requests, streams included, run to completion; at the drain deadline
+`cut_requests()` answers those still running itself: a 503 `draining` naming the request id (an
+error frame `draining` and the stream's end for a stream already started).
 
 Streams and status codes: the `200` and the SSE headers are held back until the first chunk of
 the answer exists (the engine's first event, i.e. its first token) or until `sse_keepalive_s`
@@ -53,7 +55,7 @@ from molctl.profiles import Profile
 from molctl.proxy import fastjson, responses
 from molctl.proxy.conversations import ConversationStore, MemoryStore
 from molctl.proxy.engine_client import EngineClient
-from molctl.proxy.errors import EngineUnavailable, ProxyError, invalid, shown, store_cause, store_failure
+from molctl.proxy.errors import EngineUnavailable, ProxyError, draining, invalid, shown, store_cause, store_failure
 from molctl.proxy.metrics import MetricsListener, ProxyMetrics, store_gauges
 from molctl.proxy.orchestrator import BIG_MESSAGES, Orchestrator, Plan
 from molctl.proxy.response_store import MemoryResponseStore, ProxyResponses, ResponseStore, StoreBusy, as_proxy_store
@@ -110,6 +112,8 @@ class ProxyApp:
         self.admitted = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        self._running: dict[asyncio.Task, dict[str, Any]] = {}  # admitted requests' tasks, with their state
+        self._cut: asyncio.Future | None = None  # done at the drain deadline (cut_requests): streams end with it
         self._model = {"id": profile.served_model_name, "object": "model", "created": 0, "owned_by": "molctl"}
         self._models_body = json.dumps({"object": "list", "data": [self._model]}).encode()
 
@@ -152,6 +156,25 @@ class ProxyApp:
         _, pending = await asyncio.wait(tasks, timeout=max(0.0, timeout))
         return not pending
 
+    def cut_requests(self) -> int:
+        """The drain deadline: every admitted request still running is answered now, a 503
+        `draining` naming its request id. A stream sees the cut in its own loop (an error frame once
+        its 200 went out); any other request's task is cancelled and answered by `__call__`.
+        Returns how many were running; `wait_idle` then waits for their answers."""
+        cut = self._cut_future()
+        if not cut.done():
+            cut.set_result(None)
+        for task, state in list(self._running.items()):
+            if not state.get("streaming") and not task.done():
+                state["cut"] = True
+                task.cancel()
+        return len(self._running)
+
+    def _cut_future(self) -> asyncio.Future:
+        if self._cut is None:
+            self._cut = asyncio.get_running_loop().create_future()
+        return self._cut
+
     async def wait_idle(self, timeout: float) -> bool:
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
@@ -191,7 +214,12 @@ class ProxyApp:
             self.counters.inc("client_disconnects_total")
             state["disconnected"] = True
         except asyncio.CancelledError:
-            raise
+            if not state.get("cut"):
+                raise
+            asyncio.current_task().uncancel()  # cancelled by cut_requests (the drain deadline): answered here
+            state["error"] = "draining"
+            if not state["started"]:
+                await self._error(tracked, draining(rid), rid)
         except RecursionError:  # JSON the parser accepted (in a worker thread) but too deep to encode again
             if not state["started"]:
                 await self._error(tracked, invalid("The body is nested too deeply to be a chat request."), rid)
@@ -260,15 +288,17 @@ class ProxyApp:
         tenant = self._authenticate(scope)
         REQUEST.get()["tenant"] = tenant
         if self.draining:
-            raise ProxyError(503, "The server is shutting down; retry on another instance.", "server_error",
-                             "draining", headers={"retry-after": "5"})
+            raise draining()
         # admitted: a drain that starts from now on waits for this request, even while its body is
         # still arriving (counted from _run only, it was cut at uvicorn's 5 s shutdown grace: a 500)
         self.admitted += 1
         self._idle.clear()
+        task = asyncio.current_task()
+        self._running[task] = REQUEST.get()
         try:
             await self._dispatch(scope, receive, send, rid, tenant, path, method)
         finally:
+            self._running.pop(task, None)
             self.admitted -= 1
             if self.admitted == 0:
                 self._idle.set()
@@ -537,11 +567,16 @@ class ProxyApp:
         chunks = events if events is not None else self._chunks(plan)
         pending: asyncio.Future | None = None
         failure: ProxyError | None = None
+        REQUEST.get()["streaming"] = True  # the drain deadline ends it here (cut_requests), not by a cancel
+        cut = self._cut_future()
         try:
             while True:
                 if pending is None:
                     pending = asyncio.ensure_future(chunks.__anext__())
-                done, _ = await asyncio.wait({pending}, timeout=self.sse_keepalive_s)
+                done, _ = await asyncio.wait({pending, cut}, timeout=self.sse_keepalive_s,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if cut in done:
+                    raise draining(rid)
                 if not done:
                     if not started and plan.queued:
                         continue  # waiting for an answer slot (bounded): no 200 yet, a refusal stays a real 429

@@ -31,6 +31,13 @@ def invalid(message: str, param: str | None = None) -> ProxyError:
     return ProxyError(400, message, "invalid_request_error", "invalid_request_error", param)
 
 
+def draining(rid: str | None = None) -> ProxyError:
+    """503 `draining`: a new request during a drain, or (`rid`) one still running at its deadline."""
+    message = ("The server reached its drain deadline before this request finished (request id "
+               f"{rid}); retry on another instance." if rid else "The server is shutting down; retry on another instance.")
+    return ProxyError(503, message, "server_error", "draining", headers={"retry-after": "5"})
+
+
 def overloaded(exc) -> ProxyError:
     """Admission refused (molctl.proxy.admission.Rejected): 429 with its Retry-After."""
     why = "too many requests are waiting" if exc.reason == "queue_full" else "no capacity freed up in time"

@@ -3,6 +3,9 @@
 The first SIGTERM/SIGINT does not close the listener (uvicorn's default): the app starts
 draining (/readyz 503, new requests 503 + Retry-After), in-flight requests finish, then the
 summary hops of the turns they answered, all up to the drain deadline, then the server exits 0.
+At the deadline the requests still running are answered by the app (503 `draining` naming the
+request id; an error frame for a stream already started: ProxyApp.cut_requests) before the
+server exits, so uvicorn's graceful-shutdown timer finds nothing left to cut (its plain-text 500).
 A second signal exits at once. The summaries are waited for at most DRAIN_SUMMARIES_S (a hung
 engine must not hold a `molctl down` for the summary hops' own 120 s timeouts)."""
 
@@ -21,6 +24,7 @@ from molctl.proxy.http_protocol import HeadHoldingHttpToolsProtocol
 
 log = logging.getLogger("molctl.proxy")
 DRAIN_SUMMARIES_S = 30.0  # a drain waits this long at most for the summary hops of answered turns
+CUT_ANSWER_S = 2.0  # at the drain deadline: how long the 503 answers of the requests still running may take
 
 
 class DrainingServer(uvicorn.Server):
@@ -104,6 +108,10 @@ class DrainingServer(uvicorn.Server):
         finished = await self.proxy_app.wait_idle(self.drain_timeout_s)
         if finished:  # then the summary hops of the turns just answered, within the same deadline
             finished = await self.proxy_app.wait_background(min(deadline - loop.time(), DRAIN_SUMMARIES_S))
+        else:  # the deadline: what is still running is answered 503 draining by the app, not cut by uvicorn
+            left = self.proxy_app.cut_requests()
+            log.info("drain deadline reached: answering %d request(s) still running with 503 draining", left)
+            await self.proxy_app.wait_idle(CUT_ANSWER_S)
         log.info("drain %s; exiting", "complete" if finished else "deadline reached")
         # let the last frames reach their clients before connections are closed
         await asyncio.sleep(0.05)
