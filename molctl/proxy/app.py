@@ -55,7 +55,16 @@ from molctl.profiles import Profile
 from molctl.proxy import fastjson, responses
 from molctl.proxy.conversations import ConversationStore, MemoryStore
 from molctl.proxy.engine_client import EngineClient
-from molctl.proxy.errors import EngineUnavailable, ProxyError, draining, invalid, shown, store_cause, store_failure
+from molctl.proxy.errors import (
+    EngineUnavailable,
+    ProxyError,
+    draining,
+    invalid,
+    server_names,
+    shown,
+    store_cause,
+    store_failure,
+)
 from molctl.proxy.metrics import MetricsListener, ProxyMetrics, store_gauges
 from molctl.proxy.orchestrator import BIG_MESSAGES, Orchestrator, Plan
 from molctl.proxy.response_store import MemoryResponseStore, ProxyResponses, ResponseStore, StoreBusy, as_proxy_store
@@ -95,6 +104,7 @@ class ProxyApp:
                                    request_id_unique=engine.request_id_unique)
         self.counters = ProxyMetrics(self._gauges, self._store_counters)
         self.orch = Orchestrator(profile, engine, self.client, store or MemoryStore(), self.counters)
+        self.orch.engine_names.extend(server_names(profile, upstream))  # scrubbed from engine messages too
         self.metrics_listener = MetricsListener(self.counters, metrics_host, metrics_port, metrics_sock) if metrics_port else None
         self.responses = as_proxy_store(response_store if response_store is not None else MemoryResponseStore())
         # a shared store (molctl.proxy.redis_store): a heartbeat, closed on shutdown

@@ -83,20 +83,67 @@ NO_ROOM_LEFT = "max_tokens must be at least 1, got 0"
 LORA_REQUEST_RE = re.compile(r"LoRARequest\([^)]*\)")
 LORA_FIELD_RE = re.compile(r"\b(?:lora_int_id|lora_id|lora_name|lora_path|lora_local_path|lora_request)\s*[=:]\s*"
                            r"(?:'[^']*'|\"[^\"]*\"|[\w./-]+)[,;]?\s*")
-# An absolute or home-relative path of two or more components (URLs are left alone: their
-# slashes follow ':' or another '/').
-PATH_RE = re.compile(r"(?<![\w.:/~-])~?(?:/[\w.@+=,-]+){2,}/?")
+FILE_URL_RE = re.compile(r"file://[^\s'\"`<>]*")
+URL_RE = re.compile(r"\b(?:https?|wss?|grpc)://[^\s'\"`<>]+")
+# an IPv4 address or localhost (or a bracketed IPv6 one), with its port if any
+ADDRESS_RE = re.compile(r"(?<![\w.])(?:\d{1,3}(?:\.\d{1,3}){3}|localhost|\[[0-9A-Fa-f:]+\])(?::\d{1,5})?(?![\w.])")
+_PART = r"[\w.@+=,-]+"
+# An absolute or home-relative path of two or more components, a component holding spaces when
+# another follows it (`/srv/my models/L2`); URLs are left to URL_RE: their slashes follow ':' or '/'.
+PATH_RE = re.compile(rf"(?<![\w.:/~-])~?(?:/{_PART}(?: {_PART})*(?=/))+/{_PART}/?")
+# a relative path: three or more components (`loras/L2/adapter_config.json`), or any after ./ or ../
+RELATIVE_PATH_RE = re.compile(rf"(?<![\w.:/~-])(?:\.\.?/{_PART}(?:/{_PART})*|{_PART}(?:/{_PART}){{2,}})/?")
+# what a scrubbed message may still say of the engine's internals: then a generic message instead
+DOUBT_RE = re.compile(r"(?i)lora|adapter|safetensors|<path>/")
+# common decoration of a name in an engine's messages: lora-L2, adapter_L2, L2-v1, L2.3
+_PREFIX = r"(?:(?:lora|adapter|model)[-_ ]?)?"
+_SUFFIX = r"(?:[-_.]?v?\d+)?"
+
+
+def server_names(profile: Any, upstream: str) -> list[str]:
+    """What a profile tells of the server beside the engine's model names, for `scrub`: the model
+    root, base and adapter folders, the base model's names, the engine's address and URL."""
+    from urllib.parse import urlsplit
+
+    from molctl.profiles import ROUTES
+
+    names = [profile.base_model, *getattr(profile.adapters, "base_names", ()), upstream.rstrip("/"),
+             f"{profile.engine.host}:{profile.engine.port}"]
+    try:
+        names.append(urlsplit(upstream).netloc)
+    except ValueError:
+        pass
+    if profile.model_root is not None:
+        names += [str(profile.model_root), str(profile.base_dir), *(str(profile.adapter_dir(r)) for r in ROUTES)]
+    return [n for n in dict.fromkeys(names) if n and n.strip("./")]
 
 
 def scrub(text: str, names: list[str], public: str) -> str:
-    """Replace every engine-side model/adapter name in `text` with the public model name, and
-    drop what the engine's messages say about the server: file paths (`/srv/models/.../loras/L2`)
-    and LoRA internals (`LoRARequest(...)`, `lora_int_id=3`)."""
+    """Drop what an engine's message says about the server: every engine-side model, adapter and
+    base name in `names` (in any case, with common decoration: `lora-L2`, `adapter_L2`, `L2-v1`)
+    becomes the public model name; the paths and addresses in `names` (a configured folder, the
+    engine's URL), any other file path (absolute, `~/`, `file://`, relative, with spaces), URL
+    and IP address become `<path>` / `<address>`; LoRA internals (`LoRARequest(...)`,
+    `lora_int_id=3`) go."""
     text = LORA_REQUEST_RE.sub(public, text)
     text = LORA_FIELD_RE.sub("", text)
-    text = PATH_RE.sub("<path>", text)
+    models = []
     for name in sorted(names, key=len, reverse=True):
-        text = re.sub(rf"(?<![\w-]){re.escape(name)}(?![\w-])", public, text)
+        if "/" in name:  # a configured path or URL: as it is, and without its leading slash
+            text = text.replace(name, "<path>" if "://" not in name else "<address>")
+            if name.startswith("/"):
+                text = text.replace(name.lstrip("/"), "<path>")
+        elif re.fullmatch(r"[\w.-]+:\d+", name):  # host:port
+            text = text.replace(name, "<address>")
+        else:
+            models.append(name)
+    text = FILE_URL_RE.sub("<path>", text)
+    text = URL_RE.sub("<address>", text)
+    text = ADDRESS_RE.sub("<address>", text)
+    text = PATH_RE.sub("<path>", text)
+    text = RELATIVE_PATH_RE.sub("<path>", text)
+    for name in models:
+        text = re.sub(rf"(?i)(?<![A-Za-z0-9]){_PREFIX}{re.escape(name)}{_SUFFIX}(?![A-Za-z0-9])", public, text)
     return text
 
 
@@ -157,6 +204,8 @@ def from_engine(exc: Exception, names: list[str], public: str, client_params: fr
         return ProxyError(502, "The model backend is unavailable; retry later.", "server_error", "engine_unavailable")
     if isinstance(exc, EngineHTTPError):
         message = scrub(exc.message(), names, public)
+        if DOUBT_RE.search(message):  # still about the engine's internals: nothing of it reaches the client
+            message = ""
         code = exc.body.get("error", {}).get("code") if isinstance(exc.body, dict) and isinstance(exc.body.get("error"), dict) else None
         if exc.status in (400, 413) and (code == "context_length_exceeded" or any(m in message.lower() for m in CONTEXT_MARKERS)):
             return ProxyError(400, message, "invalid_request_error", "context_length_exceeded", "messages")
