@@ -22,6 +22,8 @@ def _open(profile: Profile, state_dir, reads_only: bool = False) -> tuple[dict[s
                             "bounds": {"ttl_s": p.store_ttl_s, "max_bytes": p.store_max_bytes, "max_entries": p.store_max_entries}}
     if not base["exists"]:
         return base, None
+    if reads_only and path.stat().st_size == 0:  # created, never written: a reader leaves it so (no schema)
+        return base, None
     return base, SqliteResponseStore(path, ttl_s=p.store_ttl_s, max_bytes=p.store_max_bytes,
                                      max_entries=p.store_max_entries, create=False, reads_only=reads_only)
 

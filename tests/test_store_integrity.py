@@ -176,3 +176,17 @@ def test_a_damaged_record_is_a_json_500_naming_the_request_id_not_a_traceback(tm
     text = log.read_text()
     assert "Traceback" not in text, text[-3000:]
     assert load_profile("tiny", profile_dirs()).served_model_name not in error["message"]
+
+
+def test_state_stats_never_writes_a_schema_into_an_empty_store_file(molctl, state_dir):
+    """`state stats` is a reader: a 0-byte store file (created, never written: a proxy killed at
+    once, a `touch`) stays 0 bytes; it is shown as a store without a schema, holding nothing."""
+    path = store_path(state_dir, "tiny")
+    path.parent.mkdir(mode=0o700)
+    path.touch(mode=0o600)
+    result = molctl("state", "stats", "tiny", "--json")
+    assert result.exit_code == ExitStatus.OK, result.stderr
+    data = result.json()
+    assert (data["exists"], data["schema_version"], data["responses"]) == (True, None, 0), data
+    assert path.stat().st_size == 0
+    assert not Path(str(path) + "-wal").exists()
