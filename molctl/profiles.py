@@ -126,9 +126,10 @@ SCHEMA: dict[str, Any] = {
         "metrics_host": str,
         "media_url_hosts": _ListOf(str),  # hosts whose image/audio/video URLs the engine may fetch ("*": any)
         "max_request_head_bytes": int,  # a request's line and headers, at most (then 431/414)
-    },
+        "request_body_timeout_s": (int, float),  # a request body's whole upload, at most (then 408)
         "request_fields": str,  # unknown request fields: "ignore" (logged once, counted) or "reject" (a 400)
         "chat_template_kwargs": _ListOf(str),  # the chat_template_kwargs keys a client may set
+    },
     "logs": {  # retention of STATE/PROFILE/logs
         "keep": int,  # the N newest log files kept per component
         "max_bytes": int,  # the proxy's own log is rotated at this size (0 = never)
@@ -144,8 +145,8 @@ SCHEMA: dict[str, Any] = {
 }
 
 MAX_GPUS = 1024
-# a DNS name or an IPv4 address, or an IPv6 one in brackets: a proxy.media_url_hosts entry, and
 REQUEST_FIELD_MODES = ("ignore", "reject")
+# a DNS name or an IPv4 address, or an IPv6 one in brackets: a proxy.media_url_hosts entry, and
 # the host part of a media URL the proxy lets through (molctl.proxy.validation)
 MEDIA_HOST_PATTERN = (r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*"
                       r"|\[[0-9A-Fa-f:.]+\]")
@@ -239,8 +240,9 @@ class ProxySpec:
     # A request head (request line and headers) over this many bytes is answered 431 (414 for
     # the request line) as soon as the bytes pass it, before they are parsed (nginx, Envoy: 64 KiB)
     max_request_head_bytes: int = 64 * 1024
-
-
+    # A request body must arrive whole within this many seconds of its head (then 408), however
+    # steadily it trickles (stream_write_timeout_s bounds the wait for each part of it)
+    request_body_timeout_s: float = 300.0
     # A request field the proxy does not know (nor the engine module, see Engine.request_extensions):
     # "ignore" accepts it, logs its name once and counts it, as vLLM itself does; "reject" is a 400.
     request_fields: str = "ignore"
@@ -248,6 +250,8 @@ class ProxySpec:
     # the Qwen3.x and GLM templates. Any other variable reaches the template as is and can change
     # what every rendering of the conversation looks like.
     chat_template_kwargs: tuple[str, ...] = ("enable_thinking", "thinking", "clear_thinking", "preserve_thinking")
+
+
 DEFAULT_FOLD = "[This turn was handled by another specialist. Summary: {summary}]"
 
 
@@ -799,7 +803,8 @@ def _proxy_spec(data: dict[str, Any], v: _Validator) -> ProxySpec:
     if proxy.get("reasoning", "none") not in REASONING_STYLES:
         raise v.fail("proxy.reasoning", f"{proxy['reasoning']!r}: expected one of {', '.join(REASONING_STYLES)}")
     for key in ("max_output_tokens", "route_max_tokens", "summary_max_tokens", "summary_queue_max",
-                "route_timeout_s", "stream_write_timeout_s", "sse_keepalive_s", "store_ttl_s", "store_max_bytes", "store_max_entries",
+                "route_timeout_s", "stream_write_timeout_s", "request_body_timeout_s", "sse_keepalive_s", "store_ttl_s",
+                "store_max_bytes", "store_max_entries",
                 "max_inflight", "max_queue", "queue_timeout_s", "route_inflight", "summary_inflight"):
         if proxy.get(key) is not None and proxy[key] <= 0:
             raise v.fail(f"proxy.{key}", "must be > 0")
@@ -826,13 +831,13 @@ def _proxy_spec(data: dict[str, Any], v: _Validator) -> ProxySpec:
                                                         "(no scheme, port or path), an IP address, or \"*\" for any")
         hosts.append(host.lower().strip("[]"))
     proxy["media_url_hosts"] = tuple(hosts)
-    if "store" in proxy:
-        from molctl.proxy.sqlite_store import parse_store_spec
     if proxy.get("request_fields", "ignore") not in REQUEST_FIELD_MODES:
         raise v.fail("proxy.request_fields", f"{_short(proxy['request_fields'])}: expected one of "
                                              f"{', '.join(REQUEST_FIELD_MODES)}")
     if "chat_template_kwargs" in proxy:
         proxy["chat_template_kwargs"] = tuple(proxy["chat_template_kwargs"])
+    if "store" in proxy:
+        from molctl.proxy.sqlite_store import parse_store_spec
 
         try:
             parse_store_spec(proxy["store"])

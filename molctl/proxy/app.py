@@ -447,17 +447,20 @@ class ProxyApp:
         return True, "engine ready"
 
     async def _read_body(self, scope: dict, receive: Receive) -> bytes:
-        """The body; a client that sends nothing of it for `proxy.stream_write_timeout_s` gets a 408
-        (an admitted request holds a drain: a stalled upload must not hold it to its deadline). A
-        Content-Length over MAX_BODY is a 413 before any of it is read (no `100 Continue` is sent)."""
+        """The body; a client that sends nothing of it for `proxy.stream_write_timeout_s`, or not all
+        of it within `proxy.request_body_timeout_s`, gets a 408 (an admitted request holds a drain:
+        a stalled or trickled upload must not hold it to its deadline). A Content-Length over
+        MAX_BODY is a 413 before any of it is read (no `100 Continue` is sent)."""
         for name, value in scope["headers"]:
             if name == b"content-length" and value.isdigit() and int(value) > MAX_BODY:
                 raise too_large(unread=True)
         chunks, size = [], 0
         idle_s = self.profile.proxy.stream_write_timeout_s
+        total_s = self.profile.proxy.request_body_timeout_s
         loop = asyncio.get_running_loop()
+        deadline = loop.time() + total_s
         try:
-            async with asyncio.timeout(idle_s) as idle:
+            async with asyncio.timeout(min(idle_s, total_s)) as idle:
                 while True:
                     message = await receive()
                     if message["type"] == "http.disconnect":
@@ -469,10 +472,12 @@ class ProxyApp:
                     chunks.append(body)
                     if not message.get("more_body"):
                         return b"".join(chunks)
-                    idle.reschedule(loop.time() + idle_s)
+                    idle.reschedule(min(loop.time() + idle_s, deadline))
         except TimeoutError:
-            raise ProxyError(408, f"No part of the request body arrived for {idle_s:g} s.", "invalid_request_error",
-                             "request_timeout", headers={"connection": "close"}) from None
+            why = (f"The request body did not arrive whole within {total_s:g} s." if loop.time() >= deadline else
+                   f"No part of the request body arrived for {idle_s:g} s.")
+            raise ProxyError(408, why, "invalid_request_error", "request_timeout",
+                             headers={"connection": "close"}) from None
 
     # ------------------------------------------------------------------ chat
     def _plan(self, raw: bytes, tenant: str) -> Plan:
