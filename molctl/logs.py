@@ -2,13 +2,17 @@
 restarts (a restart opens a new timestamped log; following switches to it) and rotations.
 
 Bounded: `up` keeps the `logs.keep` newest files per component, and the proxy rotates its own
-log at `logs.max_bytes` (`rotate_stdio`, keeping `logs.backups` parts as `.log.1`, `.log.2`)."""
+log at `logs.max_bytes` (`rotate_stdio`, keeping `logs.backups` parts as `.log.1`, `.log.2`).
+Control characters are escaped when a line is printed (`escape_controls`), and when the proxy
+writes its log (`EscapingFormatter`): a log never drives the reader's terminal."""
 
 from __future__ import annotations
 
 import errno
 import io
+import logging
 import os
+import re
 import select
 import stat
 import threading
@@ -59,6 +63,24 @@ def _pick_profile(state_dir: Path, profile: str | None) -> str:
 
 FOLLOW_READ_MAX = 1 << 20  # bytes `logs -f` reads per component and poll (a log that grew by gigabytes)
 FOLLOW_LINE_MAX = 64 << 10  # bytes of a line without end that `logs -f` holds before showing it
+
+
+# C0 controls but tab and line feed, DEL and the C1 controls (0x9b is a one-character CSI)
+CONTROLS_RE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def escape_controls(text: str) -> str:
+    """`text` with its terminal control characters shown as `\\xNN` (ESC, BEL, backspace, CR,
+    DEL, C1), so a log line cannot colour, move or rewrite the reader's terminal; tabs and line
+    feeds stay. Used when `molctl logs` prints a line and when the proxy writes its log."""
+    return CONTROLS_RE.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
+class EscapingFormatter(logging.Formatter):
+    """A logging.Formatter whose lines have their control characters escaped (escape_controls)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return escape_controls(super().format(record))
 
 
 def _keep_end(line: bytes) -> bytes:
@@ -122,7 +144,7 @@ class _Log:
     def _show(self, line: bytes, keep_end: bool = False) -> None:
         if keep_end:
             line = _keep_end(line)
-        self.say(line.removesuffix(b"\r").decode(errors="replace"))
+        self.say(escape_controls(line.removesuffix(b"\r").decode(errors="replace")))
 
     def flush(self) -> None:
         """Show a line not ended yet (the file is left, or was all there is to show)."""

@@ -154,6 +154,10 @@ def run_proxy(name: str, ctx, overrides, *, upstream: str, host: str, port: int 
 
         rotate_stdio(log_max_bytes, log_backups)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from molctl.logs import EscapingFormatter
+
+    for handler in logging.getLogger().handlers:  # an engine's message quoted in a line: escaped
+        handler.setFormatter(EscapingFormatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     configure_request_log()
     listen_port = port or profile.proxy.port
     from molctl.proxy.metrics import bind_listeners
