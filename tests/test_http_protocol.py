@@ -161,3 +161,42 @@ def test_under_uvicorn_keep_alive_responses_are_whole_and_a_stream_head_is_not_h
         first_chunk.set()
         rest = _read_until(sock, b"0\r\n\r\n", head.split(b"\r\n\r\n", 1)[1])
         assert b"data: 1" in rest
+
+
+def test_an_http_1_0_client_gets_a_close_delimited_body_never_chunked() -> None:
+    """RFC 9112 section 6.1: no Transfer-Encoding to an HTTP/1.0 client; a body without a length
+    is delimited by closing the connection. HTTP/1.1 clients still get chunked streams."""
+    async def app(scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        headers = [(b"content-type", b"text/event-stream")]
+        if scope["path"] == "/sized":
+            headers.append((b"content-length", b"2"))
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        if scope["path"] == "/sized":
+            await send({"type": "http.response.body", "body": b"ok"})
+            return
+        await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: 2\n\n", "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+    def exchange(port: int, request: bytes) -> bytes:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(request)
+            data = b""
+            while chunk := sock.recv(65536):
+                data += chunk
+            return data
+
+    with _Server(app) as server:
+        streamed = exchange(server.port, b"GET /stream HTTP/1.0\r\n\r\n")
+        sized = exchange(server.port, b"GET /sized HTTP/1.0\r\n\r\n")
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            sock.sendall(b"GET /stream HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            chunked = _read_until(sock, b"0\r\n\r\n")
+    head, _, body = streamed.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n"), streamed
+    assert b"transfer-encoding" not in head.lower() and b"connection: close" in head.lower(), head
+    assert body == b"data: 1\n\ndata: 2\n\n"
+    assert sized.endswith(b"\r\n\r\nok") and b"content-length: 2" in sized
+    assert b"transfer-encoding: chunked" in chunked

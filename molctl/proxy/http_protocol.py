@@ -36,7 +36,11 @@ client reads the answer rather than a reset (nginx's lingering close). A head pa
 a response still running on the connection (pipelining) is refused once that response, and any
 request queued behind it, is complete. Bytes of the next pipelined request that arrive in the same
 read as the end of the previous request are not counted, so a head can pass the bound by at most
-one read's size before it is refused. Everything else is uvicorn's own protocol, unchanged."""
+one read's size before it is refused.
+
+And an HTTP/1.0 request's response without a Content-Length (a stream) is delimited by closing the
+connection instead of uvicorn's `Transfer-Encoding: chunked`, which HTTP/1.0 does not know (RFC
+9112 section 6.1). Everything else is uvicorn's own protocol, unchanged."""
 
 from __future__ import annotations
 
@@ -99,6 +103,26 @@ class HeadHoldingTransport:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)
+
+
+def _close_delimited(cycle: Any, send: Callable[[dict], Any]) -> Callable[[dict], Any]:
+    """The ASGI `send` of an HTTP/1.0 request's cycle: a response without a Content-Length is
+    written as it comes and ended by closing the connection (uvicorn's cycle would write chunks).
+    The cycle is told it is not chunked and that each body message is exactly as long as it is."""
+    delimited = False
+
+    async def close_delimited(message: dict) -> None:
+        nonlocal delimited
+        if message["type"] == "http.response.start" and not cycle.response_started:
+            sized = any(name.lower() in (b"content-length", b"transfer-encoding") for name, _ in message.get("headers", ()))
+            if not sized and cycle.scope["method"] != "HEAD" and message["status"] not in (204, 304):
+                delimited = True
+                cycle.chunked_encoding, cycle.keep_alive = False, False
+        elif delimited and message["type"] == "http.response.body" and not cycle.response_complete:
+            cycle.expected_content_length = len(message.get("body", b""))
+        await send(message)
+
+    return close_delimited
 
 
 class HeadHoldingHttpToolsProtocol(HttpToolsProtocol):
@@ -171,6 +195,9 @@ class HeadHoldingHttpToolsProtocol(HttpToolsProtocol):
             self._head_timer.cancel()
             self._head_timer = None
         super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is not None and self.scope.get("http_version") == "1.0":
+            cycle.send = _close_delimited(cycle, cycle.send)  # run_asgi looks it up when the task starts
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
