@@ -27,6 +27,10 @@ from tests.helpers import ROOT, Molctl, exit_status, free_port, url, wait_for, w
 from tests.procs import alive, stop
 from tests.test_lifecycle import Host, gone, host  # noqa: F401 - fixture
 
+# The proxy starts while the engine loads only without the adapter efficacy canary (with it, after
+# the canary): the tests of a proxy running beside a loading engine start without it.
+EARLY_PROXY = ("--skip", "adapter-effect")
+
 
 class Ctx:
     def __init__(self, host: Host):
@@ -442,7 +446,7 @@ def test_a_read_only_state_dir_gives_one_line_and_down_still_stops(host, tmp_pat
 
 
 def test_a_proxy_that_dies_while_the_engine_loads_is_restarted(host):
-    proc = host.start("up", "tiny", *host.args(env={"FAKE_STARTUP_DELAY": "3"}))
+    proc = host.start("up", "tiny", *host.args(*EARLY_PROXY, env={"FAKE_STARTUP_DELAY": "3"}))
     assert wait_for(lambda: "proxy" in host.records())
     engine_pid, proxy_pid = host.records()["engine"].pid, host.records()["proxy"].pid
     os.kill(proxy_pid, signal.SIGKILL)
@@ -461,7 +465,7 @@ def test_unknown_profile_names_are_errors(host):
 def test_a_second_ctrl_c_during_clean_up_says_what_may_still_run(host):
     from molctl.stacks import component_url
 
-    proc = host.start("up", "tiny", *host.args(env={"FAKE_STARTUP_DELAY": "60", "FAKE_IGNORE_TERM": "1"}))
+    proc = host.start("up", "tiny", *host.args(*EARLY_PROXY, env={"FAKE_STARTUP_DELAY": "60", "FAKE_IGNORE_TERM": "1"}))
     assert wait_for(lambda: "proxy" in host.records())
     proxy = host.records()["proxy"]
     # the proxy serving: `up` is past recording it (a Ctrl-C in that window has its own path: the

@@ -17,14 +17,14 @@ from molctl.state import lock_holder
 from tests.helpers import Molctl, exit_status, free_port, wait_for
 from tests.procs import alive
 from tests.test_lifecycle import gone, host  # noqa: F401 - fixture
-from tests.test_lifecycle_safety import _add_tiny_b, _answers
+from tests.test_lifecycle_safety import EARLY_PROXY, _add_tiny_b, _answers
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_sigterm_or_sighup_during_up_stops_what_it_started(host, sig):
     """They used to end `up` silently (exit 143 or 129) with the engine left loading, the proxy
     running and nobody waiting for them."""
-    proc = host.start("up", "tiny", *host.args(env={"FAKE_STARTUP_DELAY": "60"}))
+    proc = host.start("up", "tiny", *host.args(*EARLY_PROXY, env={"FAKE_STARTUP_DELAY": "60"}))
     assert wait_for(lambda: "proxy" in host.records())
     assert wait_for(lambda: _answers(component_url(host.records()["proxy"]) + "/health"), timeout=30)
     pids = host.stack_pids()
@@ -100,7 +100,7 @@ def test_a_closed_terminal_stops_up_and_its_clean_up_finishes(host):
         fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
     proc = subprocess.Popen([sys.executable, "-m", "molctl", *host.cli.argv("up", "tiny", *host.args(
-        env={"FAKE_STARTUP_DELAY": "60"}))], stdin=slave, stdout=slave, stderr=slave, cwd=ROOT,
+        *EARLY_PROXY, env={"FAKE_STARTUP_DELAY": "60"}))], stdin=slave, stdout=slave, stderr=slave, cwd=ROOT,
         preexec_fn=controlling_terminal)
     os.close(slave)
     host.procs.append(proc)
@@ -138,7 +138,7 @@ def test_an_up_started_ignoring_sighup_keeps_ignoring_it(host):
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
     proc = subprocess.Popen([sys.executable, "-m", "molctl", *host.cli.argv("up", "tiny", *host.args(
-        env={"FAKE_STARTUP_DELAY": "4"}))], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        *EARLY_PROXY, env={"FAKE_STARTUP_DELAY": "4"}))], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
         preexec_fn=like_nohup)
     host.procs.append(proc)
     assert wait_for(lambda: "proxy" in host.records())
