@@ -21,7 +21,7 @@ EXIT_CODES_HELP = (
     "Exit codes: 0 ok; 1 unexpected error; 2 usage error; 3 a check or the profile failed; "
     "4 conflict (port or GPU claimed by another stack, another stack running, state lock held, "
     "a different configuration running, an unreadable record); 5 engine/proxy exited during start-up; "
-    "6 readiness timed out; 7 adapters missing or under the wrong parent; 130 interrupted."
+    "6 readiness timed out; 7 adapters missing, under the wrong parent or with no effect; 130 interrupted."
 )
 
 app = typer.Typer(

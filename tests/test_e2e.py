@@ -70,11 +70,12 @@ class Stack:
         return subprocess.run([sys.executable, "-m", "molctl", "--state-dir", str(self.state), *args],
                               capture_output=True, text=True, timeout=timeout, cwd=ROOT, stdin=subprocess.DEVNULL)
 
-    def up(self, debug: bool = True) -> subprocess.CompletedProcess:
+    def up(self, *more: str, debug: bool = True) -> subprocess.CompletedProcess:
         # debug: the request log's DEBUG lines hold each request's rendered prompt and JSON body
         extra = ["--set", "engine.env.VLLM_LOGGING_LEVEL=DEBUG"] if debug else []
         return self.molctl("up", "tiny", "--model-root", str(self.model), "--api-key-file", str(self.key), "--json",
-                           "--set", f"engine.port={self.engine_port}", "--set", f"proxy.port={self.proxy_port}", *extra)
+                           "--set", f"engine.port={self.engine_port}", "--set", f"proxy.port={self.proxy_port}", *extra,
+                           *more)
 
     def engine_log(self) -> str:
         return Path(read_records(self.state, "tiny")["engine"].log).read_text(errors="replace")
@@ -139,6 +140,7 @@ def stack(tmp_path_factory):
     try:
         r = s.up()
         assert r.returncode == ExitStatus.OK, r.stdout + r.stderr
+        s.up_result = json.loads(r.stdout)
         s.stack_processes()
         yield s
     finally:
@@ -401,6 +403,23 @@ def test_status_shows_ready(stack):
     assert {c["name"]: c["health"] for c in s["components"]} == {"engine": 200, "proxy": 200}
 
 
+def test_the_demo_passes_the_adapter_efficacy_canary(stack):
+    """`up` ran the canary (base and L0-L3 on /v1/completions, greedy, top-5 logprobs) before the
+    proxy started: every adapter changes the real engine's output; status and the engine log say
+    so; `check --live` runs it again against the running stack."""
+    canary = stack.up_result["canary"]
+    assert canary["status"] == "pass" and canary["no_effect"] == [] and canary["identical"] == [], canary
+    assert all(a["effect"] for a in canary["adapters"].values()) and len(canary["adapters"]) == 4
+    assert stack.up_result["timings"]["canary_s"] < 60
+    (s,) = json.loads(stack.molctl("status", "tiny", "--json").stdout)["stacks"]
+    assert s["canary"]["status"] == "pass"
+    assert "molctl: adapter efficacy canary pass" in stack.engine_log()
+    r = stack.molctl("check", "tiny", "--live", "--model-root", str(stack.model), "--skip", "port", "--json",
+                     "--set", f"engine.port={stack.engine_port}", "--set", f"proxy.port={stack.proxy_port}")
+    checks = {c["id"]: c["status"] for c in json.loads(r.stdout)["checks"]}
+    assert [checks[f"adapter-effect.{x}"] for x in ("running", "L0", "L1", "L2", "L3", "distinct")] == ["pass"] * 6, checks
+
+
 def test_bench_runs_every_series_against_the_real_engine(stack):
     """`molctl bench tiny` briefly (2 requests per series): the report's shape and samples in every
     series; no speed is asserted."""
@@ -408,14 +427,16 @@ def test_bench_runs_every_series_against_the_real_engine(stack):
                      "--api-key-file", str(stack.key), "--json", timeout=300)
     assert r.returncode == ExitStatus.OK, r.stdout + r.stderr
     s = json.loads(r.stdout)
-    assert [c["series"] for c in s["results"]] == ["base", "L0", "L1", "L2", "L3", "mix", "proxy"]
+    assert [c["series"] for c in s["results"]] == ["base", "L0", "L1", "L2", "L3", "mix", "proxy", "canary"]
+    canary = s["results"].pop()  # the adapter efficacy canary, once: base and L0-L3
+    assert canary["requests"] == canary["ok"] == 5 and canary["canary"]["status"] == "pass", canary
     for c in s["results"]:
         assert c["requests"] == 2 and c["ok"] == 2, c
         assert c["total_s"]["p50"] is not None and c["vs_base"]["total_p50"] is not None
         assert c["engine_metrics"]["available"] and "prefix_cache_queries" in c["engine_metrics"]["deltas"], c
     assert s["engine"]["base_model"] == "tiny-mol-base"
     run = Path(s["run_dir"])
-    assert (run / "summary.json").is_file() and len((run / "samples.jsonl").read_text().splitlines()) == 14
+    assert (run / "summary.json").is_file() and len((run / "samples.jsonl").read_text().splitlines()) == 14 + 5
 
 
 # ------------------------------------------------------------- the fake engine against the real one
@@ -591,3 +612,35 @@ def test_down_leaves_no_process_and_frees_the_ports(stack):
     probe = PortProbe()
     assert probe.is_free("127.0.0.1", stack.engine_port) and probe.is_free("127.0.0.1", stack.proxy_port)
     assert read_records(stack.state, "tiny") == {}
+
+
+def test_up_fails_with_exit_7_on_adapters_with_no_effect_and_leaves_no_process(tmp_path_factory):
+    """One more real vLLM start (last in the module: after its stack is down): the demo with L1's lora_B all
+    zero and L3 on o_proj only, served with --lora-target-modules q_proj v_proj (vllm#55193: L3
+    loads, is listed, answers 200, and changes nothing). `up` exits 7 naming both, before any
+    proxy starts, and leaves no process and no record."""
+    from molctl.processes import marked_by_path
+
+    s = Stack(tmp_path_factory.mktemp("e2e-no-effect"))
+    r = s.molctl("demo", "init", str(s.model), "--no-effect", "L1=zero-b", "--no-effect", "L3=off-target", "--json")
+    assert r.returncode == ExitStatus.OK and json.loads(r.stdout)["no_effect"] == {"L1": "zero-b", "L3": "off-target"}
+    try:
+        r = s.up("--set", "engine.args.lora-target-modules=[q_proj, v_proj]", debug=False)
+        assert r.returncode == ExitStatus.ADAPTERS, r.stdout + r.stderr
+        error = json.loads(r.stdout)["error"]
+        assert "adapter L1 has no effect" in error and "adapter L3 has no effect" in error, error
+        assert "adapter L0" not in error and "adapter L2" not in error, error
+        assert "it was stopped" in error and "\n" not in error
+        assert read_records(s.state, "tiny") == {}
+        assert marked_by_path(s.state) == []
+        assert not list((s.state / "tiny" / "logs").glob("proxy-*"))  # no proxy was ever started
+        log = next((s.state / "tiny" / "logs").glob("engine-*")).read_text(errors="replace")
+        assert "molctl: adapter efficacy canary fail" in log
+        probe = PortProbe()
+        assert probe.is_free("127.0.0.1", s.engine_port) and probe.is_free("127.0.0.1", s.proxy_port)
+    finally:
+        s.molctl("down", "--stop-timeout", "20", "--force")
+        left = [f"{p.pid} {p.name()}" for p, _ in marked_by_path(s.state)]
+        for p, _ in marked_by_path(s.state):
+            p.kill()
+        assert not left, left
