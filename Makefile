@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 MOLCTL := $(PY) -m molctl
 
-.PHONY: venv dev cpu test bench demo demo-down clean
+.PHONY: venv dev cpu clients test bench demo demo-down clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -22,12 +22,23 @@ $(VENV)/.stamp-cpu: $(VENV)/.stamp-dev
 	$(PIP) uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@
 
+# The client libraries the compatibility suite (tests/clients) drives, pinned, in an environment of
+# their own: their httpx/pydantic/openai pins must not reach vLLM's. Redone only when the pins change.
+CLIENTS_VENV := .venv-clients
+CLIENT_PINS  := openai==3.60.0 litellm==1.110.2 langchain-openai==1.8.1 pydantic-ai-slim[openai]==2.68.0
+$(CLIENTS_VENV)/.stamp: Makefile
+	$(PYTHON) -m venv $(CLIENTS_VENV)
+	$(CLIENTS_VENV)/bin/python -m pip --disable-pip-version-check -q install $(CLIENT_PINS)
+	touch $@
+
+clients: $(CLIENTS_VENV)/.stamp
+
 dev: $(VENV)/.stamp-dev
 cpu: $(VENV)/.stamp-cpu
 
 # Lint (ruff, configured in pyproject.toml), then the whole suite, the end-to-end tests against a
 # real vLLM included.
-test: $(VENV)/.stamp-cpu
+test: $(VENV)/.stamp-cpu $(CLIENTS_VENV)/.stamp
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q
 

@@ -277,18 +277,18 @@ async def chat(request: web.Request) -> web.StreamResponse:
     if tool:
         call = {"id": f"call-{n}", "type": "function", "function": {"name": tool[0], "arguments": tool[1]}}
         message, finish = {"content": None, "tool_calls": [call]}, "tool_calls"
+    elif structured is not None:
+        message, finish = {"content": structured}, "stop"
     elif last.get("role") == "tool":
         message, finish = {"content": f"answer-{n} using {text_of(last.get('content'))}"}, "stop"
     else:
         message, finish = {"content": f"answer-{n}" + (" " + cfg["answer_word"]) * cfg["answer_words"]}, "stop"
-    elif structured is not None:
-        message, finish = {"content": structured}, "stop"
+    if cfg["answer_reasoning"] is not None:  # a reasoning parser's output, in the field the engine names
+        message[cfg["reasoning_field"]] = cfg["answer_reasoning"]
     finish = cfg["answer_finish"] or finish
     if not payload.get("stream"):
         body = completion(model, message, finish, usage)
         if cfg["answer_logprobs"] and payload.get("logprobs"):
-    if cfg["answer_reasoning"] is not None:  # a reasoning parser's output, in the field the engine names
-        message[cfg["reasoning_field"]] = cfg["answer_reasoning"]
             body["choices"][0]["logprobs"] = {"content": [logprob(p) for p in re.findall(r"\S+\s*", message["content"] or "")]}
         return web.json_response(body)
 
@@ -329,14 +329,14 @@ def logprob(token: str) -> dict:
 async def stream_body(resp, emit, message, finish, tool, cfg, payload, model, usage, created):
     logprobs = cfg["answer_logprobs"] and payload.get("logprobs")
     await emit({"role": "assistant", "content": ""})
-    if tool:
-        call = message["tool_calls"][0]
-        await emit({"tool_calls": [{"index": 0, "id": call["id"], "type": "function",
-                                    "function": {"name": call["function"]["name"], "arguments": ""}}]})
     field = cfg["reasoning_field"]
     if message.get(field):
         for piece in re.findall(r"\S+\s*", message[field]):
             await emit({field: piece})
+    if tool:
+        call = message["tool_calls"][0]
+        await emit({"tool_calls": [{"index": 0, "id": call["id"], "type": "function",
+                                    "function": {"name": call["function"]["name"], "arguments": ""}}]})
         args = call["function"]["arguments"]
         k = cfg["tool_arg_chunks"]
         size = -(-len(args) // k)
