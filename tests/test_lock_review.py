@@ -214,7 +214,7 @@ def test_a_bad_series_names_the_bad_item(molctl, value, problem):
     result = molctl("bench", "tiny", "--series", value)
     assert result.exit_code == ExitStatus.USAGE, result.stderr
     assert result.stderr.strip() == (f"molctl: error: --series {value!r}: {problem}; expected a comma list of "
-                                      "base,L0,L1,L2,L3,mix,proxy")
+                                      "base,L0,L1,L2,L3,mix,proxy,canary")
 
 
 # ------------------------------------------------------------------------------- one-line errors
