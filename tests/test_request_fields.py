@@ -133,6 +133,14 @@ HOSTED = [{"type": "web_search"}, {"type": "file_search", "vector_store_ids": ["
 SHELL = {"type": "function", "name": "shell", "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}
 
 
+def respond(s, stream: bool, **kw):
+    """A Response, created whole or through the SDK's `responses.stream` helper."""
+    if not stream:
+        return s.client.responses.create(**kw)
+    with s.client.responses.stream(**kw) as events:
+        return events.get_final_response()
+
+
 def test_a_coding_agents_first_request_is_answered(s):
     """A coding agent's first Responses request was refused three times in a row: 400 for
     `client_metadata`, for a `namespace` tool, for a hosted `web_search` tool."""
@@ -151,11 +159,7 @@ def test_a_coding_agents_first_request_is_answered(s):
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_namespaced_call_comes_back_named_as_the_client_named_it_and_the_loop_closes(s, stream):
     kw = {"model": PUBLIC, "tools": [SHELL, NAMESPACE], "store": False}
-    if stream:
-        with s.client.responses.stream(input="[route:L2] [tool:crm__lookup] who?", **kw) as events:
-            first = events.get_final_response()
-    else:
-        first = s.client.responses.create(input="[route:L2] [tool:crm__lookup] who?", **kw)
+    first = respond(s, stream, input="[route:L2] [tool:crm__lookup] who?", **kw)
     call = next(i for i in first.output if i.type == "function_call")
     assert (call.name, call.namespace) == ("lookup", "crm")
     assert json.loads(call.arguments) == {"email": "Paris"}  # from the function's own schema
@@ -234,11 +238,7 @@ def test_reasoning_round_trips_with_store_false(s, field, stream):
     vLLM reads (`reasoning`) and the one SGLang reads (`reasoning_content`)."""
     s.config(answer_reasoning="let me think it through", reasoning_field=field)
     kw = {"model": PUBLIC, "tools": [SHELL], "store": False, "include": ["reasoning.encrypted_content"]}
-    if stream:
-        with s.client.responses.stream(input="[route:L2] [tool:shell] ls", **kw) as events:
-            first = events.get_final_response()
-    else:
-        first = s.client.responses.create(input="[route:L2] [tool:shell] ls", **kw)
+    first = respond(s, stream, input="[route:L2] [tool:shell] ls", **kw)
     rs = next(i for i in first.output if i.type == "reasoning")
     assert rs.content[0].text == "let me think it through" and rs.encrypted_content
     call = next(i for i in first.output if i.type == "function_call")

@@ -255,15 +255,15 @@ class Engine(abc.ABC):
     # model (route None) or one adapter, and where the answer's tokens and logprobs are.
     canary_path: str = "/v1/completions"
 
+    @abc.abstractmethod
     def canary_request(self, profile: Profile, route: str | None, prompt: str, max_tokens: int, top: int,
                        seed: int) -> dict[str, Any]:
         """The body of one greedy canary request of `max_tokens` tokens with `top` top logprobs."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def canary_sample(self, body: Any):
         """A `molctl.canary.Sample` from the answer's body (raises ValueError/KeyError/TypeError
         when the answer has no logprobs)."""
-        raise NotImplementedError
 
     def running_version(self, body: object) -> str | None:
         """The version in the body of `version_path`'s answer."""
