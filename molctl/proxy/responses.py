@@ -24,8 +24,9 @@ Choices, where the issue leaves room:
 - Input items: messages, `function_call`, `function_call_output` and `reasoning` are converted;
   the calls and outputs of hosted and custom tools (`web_search_call`, `computer_call_output`,
   `custom_tool_call`, ...: see IGNORED_ITEMS) are left out of the prompt with a note in the log
-  (this server never ran them); `item_reference` and any other type are 400s naming the item, so
-  no instruction is dropped unseen.
+  (this server never ran them); an `item_reference` is replaced by the output item it names, from
+  the tenant's stored responses (item ids carry their response's id: `ItemIds`), and one that names
+  no stored item is a 400 naming it, as is any other type, so no instruction is dropped unseen.
 - Reasoning round trip: a `reasoning` item in the input (its `content` text, else its `summary`
   text, else the `encrypted_content` this proxy returned) becomes the `reasoning` (vLLM) and
   `reasoning_content` (SGLang) of the assistant message that follows it, as the engine produced
