@@ -31,14 +31,22 @@ $(CLIENTS_VENV)/.stamp: Makefile
 	$(CLIENTS_VENV)/bin/python -m pip --disable-pip-version-check -q install $(CLIENT_PINS)
 	touch $@
 
-clients: $(CLIENTS_VENV)/.stamp
+# The JavaScript clients (tests/clients/js: the AI SDK, openai on npm), the versions package-lock.json
+# pins, installed by `npm ci` (Node.js and npm needed); redone only when the lock file changes. The
+# stamp lies in node_modules, so removing node_modules redoes it.
+CLIENTS_JS := tests/clients/js
+$(CLIENTS_JS)/node_modules/.stamp: $(CLIENTS_JS)/package-lock.json $(CLIENTS_JS)/package.json
+	cd $(CLIENTS_JS) && npm ci --no-audit --no-fund --prefer-offline
+	touch $@
+
+clients: $(CLIENTS_VENV)/.stamp $(CLIENTS_JS)/node_modules/.stamp
 
 dev: $(VENV)/.stamp-dev
 cpu: $(VENV)/.stamp-cpu
 
 # Lint (ruff, configured in pyproject.toml), then the whole suite, the end-to-end tests against a
 # real vLLM included.
-test: $(VENV)/.stamp-cpu $(CLIENTS_VENV)/.stamp
+test: $(VENV)/.stamp-cpu $(CLIENTS_VENV)/.stamp $(CLIENTS_JS)/node_modules/.stamp
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q
 
