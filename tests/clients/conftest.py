@@ -1,12 +1,14 @@
 """The compatibility suite's stack and runners: one fake engine (strict: it refuses what vLLM and
 the Qwen3.5/3.6 templates refuse) and one tiny-profile proxy for the whole package, and each
 client library run once per test module in its own environment (Python clients under
-.venv-clients, made by `make test`), its results and the engine's log of that run kept for the tests."""
+.venv-clients, JavaScript clients under tests/clients/js/node_modules, both made by `make clients`,
+part of `make test`), its results and the engine's log of that run kept for the tests."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from tests.test_proxy import KEY, PUBLIC, STRICT
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 CLIENTS_PYTHON = ROOT / ".venv-clients" / "bin" / "python"
+CLIENTS_JS = HERE / "js"
 
 
 class ClientStack:
@@ -60,3 +63,11 @@ def client_stack(tmp_path_factory):
 def python_client_argv(client: str) -> list[str]:
     assert CLIENTS_PYTHON.exists(), f"{CLIENTS_PYTHON} is missing: `make clients` (part of `make test`) makes it"
     return [str(CLIENTS_PYTHON), str(HERE / "py_clients.py"), client]
+
+
+def js_client_argv(client: str) -> list[str]:
+    node = shutil.which("node")
+    assert node, "node is not on PATH: the JavaScript clients (tests/clients/js) need Node.js and npm"
+    stamp = CLIENTS_JS / "node_modules" / ".stamp"
+    assert stamp.exists(), f"{stamp} is missing: `make clients` (part of `make test`) runs npm ci there"
+    return [node, str(CLIENTS_JS / "clients.mjs"), client]
