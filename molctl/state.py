@@ -354,7 +354,10 @@ class LockHolder:
     def stop_hint(self) -> str:
         if self.pid is None:
             return "wait for it"
-        return f"wait for it, or interrupt it with `kill -INT {self.pid}` (it stops what it started)"
+        # SIGTERM, not SIGINT: a non-interactive shell starts its background jobs (`molctl up &`
+        # in a script) with SIGINT ignored; `up` and `switch` clean up on SIGTERM as on Ctrl-C
+        then = " (SIGTERM: it stops what it started)" if self.action in ("up", "switch") else ""
+        return f"wait for it, or stop it with `kill {self.pid}`{then}"
 
 
 def _read_holder(fd: int) -> LockHolder:

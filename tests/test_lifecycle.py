@@ -237,7 +237,7 @@ def test_two_concurrent_ups(host):
         r = host.up()
         assert r.exit_code == ExitStatus.CONFLICT, r.stderr
         assert "state lock" in r.stderr and f"pid {first.pid}" in r.stderr and "up tiny" in r.stderr
-        assert f"kill -INT {first.pid}" in r.stderr  # how to stop the holder
+        assert f"`kill {first.pid}` (SIGTERM: it stops what it started)" in r.stderr  # how to stop the holder
     finally:
         gate.touch()
     assert wait_status(first, 60) == ExitStatus.OK

@@ -20,7 +20,7 @@ def test_the_holder_is_read_back_as_fields(state_dir):
             pass
         assert err.value.exit_status == ExitStatus.CONFLICT
         assert f"pid {os.getpid()} (molctl switch tiny-b, user {holder.user}" in str(err.value)
-        assert f"kill -INT {os.getpid()}" in str(err.value)
+        assert f"stop it with `kill {os.getpid()}` (SIGTERM: it stops what it started)" in str(err.value)
     assert lock_holder(state_dir) is None
 
 
@@ -104,3 +104,11 @@ def test_a_profiles_dir_that_does_not_exist_is_usage(tmp_path):
 
     r = Molctl(tmp_path / "state", [tmp_path / "nope"], in_process=True)("profiles")
     assert r.exit_code == ExitStatus.USAGE and f"--profiles-dir {tmp_path / 'nope'}: not a directory" in r.stderr
+
+
+def test_the_stop_hint_names_a_signal_a_scripted_background_job_does_not_ignore():
+    """`kill -INT PID` cannot stop an `up` started with `&` from a script (SIGINT ignored)."""
+    for action in ("up", "switch", "down"):
+        hint = LockHolder(pid=42, action=action, profile="tiny").stop_hint()
+        assert "-INT" not in hint and "`kill 42`" in hint
+        assert ("SIGTERM: it stops what it started" in hint) == (action != "down")
