@@ -620,6 +620,10 @@ def bench(ctx, name: str, opts: BenchOptions, gpu_probe=None, progress=None) -> 
 
 def load_run(state_dir: Path, profile: str | None, ref: str) -> dict:
     """A run's summary.json by directory, or by run id under STATE/PROFILE/bench (any profile when None)."""
+    if profile is not None:
+        from molctl.profiles import check_profile_name
+
+        check_profile_name(profile)
     path = Path(ref).expanduser()
     candidates = [path] if path.is_dir() else []
     if not candidates:

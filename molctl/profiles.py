@@ -114,6 +114,8 @@ SCHEMA: dict[str, Any] = {
         "store_ttl_s": (int, float),
         "store_max_bytes": int,
         "store_max_entries": int,
+        "store_tenant_max_bytes": (int, type(None)),  # one API key's share (None: a quarter of store_max_bytes)
+        "store_tenant_max_entries": (int, type(None)),  # likewise of store_max_entries
         "store_password_file": (str, type(None)),  # a redis:// store's password (else $MOLCTL_STORE_PASSWORD)
         "state_commit_ms": (int, float),  # chat-state rows to SQLite: one transaction per this window
         "advertise_upstream": (str, type(None)),  # this replica's engine URL as peers reach it (default: --upstream)
@@ -216,6 +218,10 @@ class ProxySpec:
     store_ttl_s: float = 30 * 24 * 3600  # stored responses expire after this (as the API)
     store_max_bytes: int = 1024 * 1024 * 1024  # record JSON kept at most; then oldest first evicted
     store_max_entries: int = 100_000
+    # one tenant's (API key's) quota: over it, its own oldest responses are evicted, never another
+    # tenant's (None: a quarter of store_max_bytes / store_max_entries; at most those)
+    store_tenant_max_bytes: int | None = None
+    store_tenant_max_entries: int | None = None
     store_password_file: str | None = None  # proxy.store redis://...: the password's file (never in the URL)
     # Chat conversation rows (folds, summaries, tool stickiness) go to the SQLite store in one
     # transaction per window of this many ms (a group commit: at 1 client a turn's row and its
@@ -804,7 +810,7 @@ def _proxy_spec(data: dict[str, Any], v: _Validator) -> ProxySpec:
         raise v.fail("proxy.reasoning", f"{proxy['reasoning']!r}: expected one of {', '.join(REASONING_STYLES)}")
     for key in ("max_output_tokens", "route_max_tokens", "summary_max_tokens", "summary_queue_max",
                 "route_timeout_s", "stream_write_timeout_s", "request_body_timeout_s", "sse_keepalive_s", "store_ttl_s",
-                "store_max_bytes", "store_max_entries",
+                "store_max_bytes", "store_max_entries", "store_tenant_max_bytes", "store_tenant_max_entries",
                 "max_inflight", "max_queue", "queue_timeout_s", "route_inflight", "summary_inflight"):
         if proxy.get(key) is not None and proxy[key] <= 0:
             raise v.fail(f"proxy.{key}", "must be > 0")
@@ -941,7 +947,20 @@ def load_profile_file(path: Path, overrides: Iterable[tuple[str, Any]] = ()) -> 
     return build_profile(data, path, lines, overrides, expected_name=path.stem)
 
 
+def check_profile_name(name: str) -> str:
+    """A PROFILE argument of any command: a profile name, the rule of a profile's own `name`
+    (`[a-z0-9][a-z0-9-]*`), so that it is never a path joined onto the state dir or a profiles
+    folder (`..`, `tiny/../tiny`). Exit 3 naming the value; a valid name no profile has is the
+    caller's "no profile named" answer."""
+    if not NAME_RE.fullmatch(name):
+        shown = repr(name) if len(name) <= 80 else repr(name[:80]) + "..."
+        raise ProfileError(f"bad profile name {shown}: expected [a-z0-9][a-z0-9-]* (a profile's name, "
+                           f"see `molctl profiles`)")
+    return name
+
+
 def load_profile(name: str, dirs: Iterable[Path], overrides: Iterable[tuple[str, Any]] = ()) -> Profile:
+    check_profile_name(name)
     dirs = list(dirs)
     files = profile_files(dirs)
     if name not in files:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from molctl.errors import ProfileError
-from molctl.profiles import Profile, build_profile, load_yaml_with_lines, profile_files
+from molctl.profiles import Profile, build_profile, check_profile_name, load_yaml_with_lines, profile_files
 
 
 def unknown_profile(name: str, dirs: list[Path]) -> ProfileError:
@@ -30,6 +30,7 @@ def unknown_profile(name: str, dirs: list[Path]) -> ProfileError:
 
 def load(name: str, dirs: Iterable[Path], overrides: Iterable[tuple[str, Any]] = ()) -> tuple[Profile, dict]:
     """The profile and the configuration to record for it."""
+    check_profile_name(name)
     dirs = list(dirs)
     files = profile_files(dirs)
     if name not in files:

@@ -13,7 +13,7 @@ from pathlib import Path
 from molctl import stackconfig
 from molctl.errors import ExitStatus, MolctlError
 from molctl.processes import is_alive, marked_by_path, stack_pids
-from molctl.profiles import profile_files
+from molctl.profiles import check_profile_name, profile_files
 from molctl.readiness import base_url, http_status
 from molctl.state import (
     COMPONENTS,
@@ -106,7 +106,9 @@ def _pname(proc) -> str:
 
 def known_or_recorded(ctx, name: str) -> None:
     """An unknown profile name (a typo) is exit 3 listing the known ones, unless records of it exist
-    or processes carry a marker of it (its folder, or the whole state dir, deleted under them)."""
+    or processes carry a marker of it (its folder, or the whole state dir, deleted under them).
+    A name that is no profile name (`..`, `tiny/../tiny`) is exit 3 before any path is joined."""
+    check_profile_name(name)
     try:
         if (ctx.state_dir / name).is_dir():
             return
