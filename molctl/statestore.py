@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from molctl.profiles import Profile, load_profile
-from molctl.proxy.sqlite_store import SqliteResponseStore, resolve_store
+from molctl.proxy.sqlite_store import SqliteResponseStore, resolve_store, tenant_bounds
 
 
 def _open(profile: Profile, state_dir, reads_only: bool = False) -> tuple[dict[str, Any], SqliteResponseStore | None]:
@@ -19,13 +19,14 @@ def _open(profile: Profile, state_dir, reads_only: bool = False) -> tuple[dict[s
     kind, path = resolve_store(p.store, state_dir, profile.name)
     base: dict[str, Any] = {"profile": profile.name, "backend": kind, "path": str(path) if path else None,
                             "exists": bool(path and path.exists()),
-                            "bounds": {"ttl_s": p.store_ttl_s, "max_bytes": p.store_max_bytes, "max_entries": p.store_max_entries}}
+                            "bounds": {"ttl_s": p.store_ttl_s, "max_bytes": p.store_max_bytes, "max_entries": p.store_max_entries,
+                                       **tenant_bounds(p)}}
     if not base["exists"]:
         return base, None
     if reads_only and path.stat().st_size == 0:  # created, never written: a reader leaves it so (no schema)
         return base, None
     return base, SqliteResponseStore(path, ttl_s=p.store_ttl_s, max_bytes=p.store_max_bytes,
-                                     max_entries=p.store_max_entries, create=False, reads_only=reads_only)
+                                     max_entries=p.store_max_entries, create=False, reads_only=reads_only, **tenant_bounds(p))
 
 
 def _profile(name: str, ctx) -> Profile:

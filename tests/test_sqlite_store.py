@@ -553,7 +553,7 @@ def test_schema_1_file_is_migrated_in_place(db):
 
     _v1_file(db)
     store = SqliteResponseStore(db, clock=Clock())
-    assert store.migrated_from == 1 and SCHEMA_VERSION == 2
+    assert store.migrated_from == 1 and SCHEMA_VERSION == 3
     assert store.get_response("tenant-a", "resp_v1")["response"] == {"id": "resp_v1"}  # nothing wiped
     assert store.stats()["responses"] == 1
     SqliteConversationStore(store).put_turn(b"k" * 32, TurnRecord("L1", summary="s"))
@@ -577,7 +577,7 @@ def test_state_stats_shows_conversations(molctl, state_dir):
     conv.put_call("anon", "call_1", CallBinding("L2", "{}", "f"))
     store.close()
     data = molctl("state", "stats", "tiny", "--json").json()
-    assert (data["conversations"]["turns"], data["conversations"]["calls"], data["schema_version"]) == (1, 1, 2)
+    assert (data["conversations"]["turns"], data["conversations"]["calls"], data["schema_version"]) == (1, 1, SCHEMA_VERSION)
     text = molctl("state", "stats", "tiny").stdout
     assert "1 turn(s), 1 tool call(s)" in text
 

@@ -275,10 +275,10 @@ def build_conversation_store(response_store):
 def build_response_store(profile, state_dir: Path):
     """The Responses API's store of this profile (`proxy.store` and its bounds): SQLite in
     STATE/PROFILE/proxy-store.sqlite3 by default (see molctl.proxy.sqlite_store)."""
-    from molctl.proxy.sqlite_store import open_store
+    from molctl.proxy.sqlite_store import open_store, tenant_bounds
 
     p = profile.proxy
     store = open_store(p.store, state_dir, profile.name, ttl_s=p.store_ttl_s, max_bytes=p.store_max_bytes,
-                       max_entries=p.store_max_entries, commit_delay_s=p.state_commit_ms / 1000)
+                       max_entries=p.store_max_entries, commit_delay_s=p.state_commit_ms / 1000, **tenant_bounds(p))
     log.info("response store: %s", getattr(store, "path", "memory (lost on restart)"))
     return store

@@ -13,11 +13,19 @@ stdlib `sqlite3`:
     texts); a unique index on (tenant, id) for the hot-path lookup, an index on created_at for
     expiry and eviction; running totals (rows, bytes, evicted, expired) kept in a `meta` table by
     triggers, so the caps are checked without a scan;
-  - the schema version in `PRAGMA user_version` (SCHEMA_VERSION = 2); a version-1 file is migrated
-    in place (tables added, see below); a file with any other version is refused with one line;
+  - the schema version in `PRAGMA user_version` (SCHEMA_VERSION = 3); a version-1 or -2 file is
+    migrated in place in one transaction (tables added, see below and CHAIN_SCHEMA; every row kept
+    and read in its own shape); a file with any other version is refused with one line;
+  - a chain's shared history is stored once (schema 3, CHAIN_SCHEMA): a response continuing the
+    newest response of its chain writes only its new messages (a segment), so a 50-turn chain's
+    bytes and each write's cost grow linearly, not quadratically; reading a response joins its
+    chain's segments. A chain's segments stay while any response of it lives (an evicted, expired
+    or deleted ancestor is itself a 404; its descendants keep their whole conversation);
   - bounds: `ttl_s` (30 days by default, as the API: an expired record is invisible at once and
     deleted by the next `put_response` that passes the prune interval, or by `prune()`), and
-    `max_entries` / `max_bytes` with oldest-first eviction (counted in `stats()`);
+    `max_entries` / `max_bytes`, and per tenant (API key) `tenant_max_entries` / `tenant_max_bytes`:
+    a tenant over its quota evicts its own oldest responses, never another's; over a global cap the
+    tenant holding the most evicts its oldest (`_evict_responses`; counted in `stats()`);
   - a file that is not a database, is corrupted, has an unknown schema or stays locked by another
     process raises `StoreError` with one line naming the file: the proxy refuses to start rather
     than serve from a silently empty store. An existing file is checked with `PRAGMA quick_check`
@@ -80,10 +88,12 @@ from molctl.proxy.response_store import BUSY_RETRY_S, DEFAULT_TTL_S, MemoryRespo
 
 log = logging.getLogger("molctl.proxy")
 
-SCHEMA_VERSION = 2  # 1: responses only; 2: + turns, calls (chat conversations)
+SCHEMA_VERSION = 3  # 1: responses only; 2: + turns, calls (chat conversations); 3: + chains, tenants (issue 32)
 STORE_FILE = "proxy-store.sqlite3"
 DEFAULT_MAX_BYTES = 1024 * 1024 * 1024  # 1 GiB of record JSON
 DEFAULT_MAX_ENTRIES = 100_000
+TENANT_SHARE = 4  # a tenant's default quota: a quarter of each global cap (proxy.store_tenant_max_*)
+EVICT_BATCH = 64  # eviction reads its candidates this many at a time
 BUSY_TIMEOUT_S = 2.0  # how long a call waits for another process's write lock before "locked"
 PRUNE_EVERY_S = 60.0  # expired rows are deleted by a put at most this often (they are invisible anyway)
 LOSS_LOG_EVERY_S = 10.0  # lost chat-state rows: one warning at once, then at most one per this many seconds
@@ -164,7 +174,71 @@ CREATE TRIGGER IF NOT EXISTS calls_del AFTER DELETE ON calls BEGIN
     UPDATE meta SET value = value - OLD.size WHERE key = 'conv_bytes';
 END;
 """
-TABLES = {"responses", "meta", "turns", "calls"}
+TABLES = {"responses", "meta", "turns", "calls", "chains", "segments", "tenants"}
+
+# version 3 (issue 32): a chain's shared history stored once, and per-tenant totals. A response that
+# continues the newest response of its chain (`previous_response_id` naming the chain's tip) stores
+# only its new messages as one `segments` row ([start, stop) of the conversation) in that chain; any
+# other response (a first one, a fork from an older response, a continuation of a v2 row) starts a
+# chain of its own with its whole conversation as one segment. `responses.messages` of such a row
+# is '[]' (a v2 row keeps its whole conversation there, chain NULL: both shapes are read). A chain
+# lives while a response references it (`refs`); when its tip goes, the segments past the newest
+# response left are dropped (`length`). `tenants`: rows and bytes (responses + segments) per tenant,
+# kept by the triggers as `meta` is, so the quotas are checked without a scan.
+CHAIN_SCHEMA = """
+ALTER TABLE responses ADD COLUMN chain INTEGER;
+ALTER TABLE responses ADD COLUMN n_messages INTEGER;
+CREATE TABLE IF NOT EXISTS chains (
+    id INTEGER PRIMARY KEY,
+    tenant TEXT NOT NULL,
+    length INTEGER NOT NULL,
+    refs INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS segments (
+    chain INTEGER NOT NULL,
+    start INTEGER NOT NULL,
+    stop INTEGER NOT NULL,
+    tenant TEXT NOT NULL,
+    messages TEXT NOT NULL,
+    size INTEGER NOT NULL,
+    PRIMARY KEY (chain, start)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS tenants (tenant TEXT PRIMARY KEY, rows INTEGER NOT NULL, bytes INTEGER NOT NULL) WITHOUT ROWID;
+INSERT INTO tenants (tenant, rows, bytes) SELECT tenant, count(*), sum(size) FROM responses GROUP BY tenant;
+CREATE INDEX IF NOT EXISTS responses_tenant_created_at ON responses (tenant, created_at);
+CREATE INDEX IF NOT EXISTS responses_chain ON responses (chain, n_messages) WHERE chain IS NOT NULL;
+DROP TRIGGER IF EXISTS responses_ins;
+DROP TRIGGER IF EXISTS responses_del;
+CREATE TRIGGER responses_ins AFTER INSERT ON responses BEGIN
+    UPDATE meta SET value = value + 1 WHERE key = 'rows';
+    UPDATE meta SET value = value + NEW.size WHERE key = 'bytes';
+    INSERT INTO tenants (tenant, rows, bytes) VALUES (NEW.tenant, 1, NEW.size)
+        ON CONFLICT (tenant) DO UPDATE SET rows = rows + 1, bytes = bytes + NEW.size;
+    UPDATE chains SET refs = refs + 1 WHERE id = NEW.chain;
+END;
+CREATE TRIGGER responses_del AFTER DELETE ON responses BEGIN
+    UPDATE meta SET value = value - 1 WHERE key = 'rows';
+    UPDATE meta SET value = value - OLD.size WHERE key = 'bytes';
+    UPDATE tenants SET rows = rows - 1, bytes = bytes - OLD.size WHERE tenant = OLD.tenant;
+    UPDATE chains SET refs = refs - 1 WHERE id = OLD.chain;
+    DELETE FROM chains WHERE id = OLD.chain AND refs <= 0;
+    UPDATE chains SET length = (SELECT coalesce(max(n_messages), 0) FROM responses WHERE chain = OLD.chain)
+        WHERE id = OLD.chain AND length = OLD.n_messages;
+    DELETE FROM segments WHERE chain = OLD.chain AND start >= (SELECT length FROM chains WHERE id = OLD.chain);
+END;
+CREATE TRIGGER chains_del AFTER DELETE ON chains BEGIN
+    DELETE FROM segments WHERE chain = OLD.id;
+END;
+CREATE TRIGGER segments_ins AFTER INSERT ON segments BEGIN
+    UPDATE meta SET value = value + NEW.size WHERE key = 'bytes';
+    INSERT INTO tenants (tenant, rows, bytes) VALUES (NEW.tenant, 0, NEW.size)
+        ON CONFLICT (tenant) DO UPDATE SET bytes = bytes + NEW.size;
+END;
+CREATE TRIGGER segments_del AFTER DELETE ON segments BEGIN
+    UPDATE meta SET value = value - OLD.size WHERE key = 'bytes';
+    UPDATE tenants SET bytes = bytes - OLD.size WHERE tenant = OLD.tenant;
+END;
+"""
 
 
 class StoreError(MolctlError):
@@ -191,6 +265,17 @@ def _cause(exc: BaseException) -> str | None:
     if name.startswith("SQLITE_IOERR"):
         return "EIO"
     return None
+
+
+def tenant_bounds(proxy: Any) -> dict[str, int]:
+    """A profile's per-tenant quotas (its `proxy` section): `store_tenant_max_bytes` and
+    `store_tenant_max_entries`, by default a quarter (TENANT_SHARE) of `store_max_bytes` and
+    `store_max_entries` (at least 1), never above them."""
+    out = {}
+    for name, cap in (("bytes", proxy.store_max_bytes), ("entries", proxy.store_max_entries)):
+        value = getattr(proxy, f"store_tenant_max_{name}", None)
+        out[f"tenant_max_{name}"] = min(cap, value) if value is not None else max(1, cap // TENANT_SHARE)
+    return out
 
 
 def store_path(state_dir: Path, profile: str) -> Path:
@@ -263,8 +348,14 @@ class SqliteResponseStore:
     def __init__(self, path: Path | str, ttl_s: float = DEFAULT_TTL_S, max_bytes: int = DEFAULT_MAX_BYTES,
                  max_entries: int = DEFAULT_MAX_ENTRIES, clock: Callable[[], float] = time.time, create: bool = True,
                  busy_timeout_s: float = BUSY_TIMEOUT_S, commit_delay_s: float = 0.0, reads_only: bool = False,
-                 integrity_check_s: float = QUICK_CHECK_S):
+                 integrity_check_s: float = QUICK_CHECK_S, tenant_max_bytes: int | None = None,
+                 tenant_max_entries: int | None = None):
         self.path = Path(path)
+        # one tenant's (API key's) quota: over it, that tenant's own oldest responses are evicted (None:
+        # the global cap, i.e. no quota of its own; the proxy passes the profile's, by default a quarter
+        # of the global caps: `tenant_bounds`); the global caps still hold as a last resort
+        self.tenant_max_bytes = min(max_bytes, tenant_max_bytes) if tenant_max_bytes is not None else max_bytes
+        self.tenant_max_entries = min(max_entries, tenant_max_entries) if tenant_max_entries is not None else max_entries
         self.integrity_check_s = integrity_check_s
         # the open's quick_check: "ok", "new file", or "not finished in N s (...)"
         self.integrity = "new file"
@@ -332,24 +423,24 @@ class SqliteResponseStore:
         if version == 0 and not tables:  # a new (empty) file
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("BEGIN IMMEDIATE")
-            for statement in _statements(SCHEMA) + _statements(CONVERSATION_SCHEMA):
+            for statement in _statements(SCHEMA) + _statements(CONVERSATION_SCHEMA) + _statements(CHAIN_SCHEMA):
                 conn.execute(statement)
             conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             conn.execute("COMMIT")
-        elif version not in (1, SCHEMA_VERSION):
+        elif version not in (1, 2, SCHEMA_VERSION):
             raise StoreError(f"response store {self.path}: schema version {version}, this molctl knows {SCHEMA_VERSION} "
                              f"(written by another molctl version; move it aside or use that version)")
         else:
-            needed = {"responses", "meta"} if version == 1 else TABLES
+            needed = {1: {"responses", "meta"}, 2: {"responses", "meta", "turns", "calls"}}.get(version, TABLES)
             if not needed <= tables:
                 raise StoreError(f"response store {self.path}: schema version {version} but tables missing "
                                  f"({', '.join(sorted(needed - tables))}): corrupted")
             mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
             if mode != "wal":
                 raise StoreError(f"response store {self.path}: cannot switch to WAL (journal mode {mode})")
-            self._quick_check()  # before anything is written to it (a v1 migration included)
-            if version == 1:
-                self._migrate_v1()
+            self._quick_check()  # before anything is written to it (a migration included)
+            if version < SCHEMA_VERSION:
+                self._migrate(version)
         conn.execute("PRAGMA synchronous=NORMAL")
         conn.execute("PRAGMA foreign_keys=OFF")
         if not self.reads_only:
@@ -410,36 +501,45 @@ class SqliteResponseStore:
             raise StoreError(f"response store {self.path}: {what} not written: the store is damaged ({self.damaged})",
                              cause="damaged")
 
-    def _migrate_v1(self) -> None:
-        """v1 (responses only) -> v2: add the conversation tables in one transaction; every
-        response stays. Idempotent (another process may have migrated it meanwhile)."""
+    def _migrate(self, version: int) -> None:
+        """v1 (responses only) -> v2 (the conversation tables added) -> v3 (chains, segments, per-tenant
+        totals; the triggers replaced), all in one transaction: a crash leaves the old version whole.
+        Every response stays as it is (a v2 row keeps its whole conversation and is read as such; the
+        first response continuing it starts a chain). Idempotent (another process may have migrated
+        it meanwhile: the version is read again under the write lock)."""
         conn = self._conn
         conn.execute("BEGIN IMMEDIATE")
         try:
-            if conn.execute("PRAGMA user_version").fetchone()[0] == 1:
-                for statement in _statements(CONVERSATION_SCHEMA):
-                    conn.execute(statement)
+            found = conn.execute("PRAGMA user_version").fetchone()[0]
+            if found < SCHEMA_VERSION:
+                steps = ([CONVERSATION_SCHEMA] if found == 1 else []) + [CHAIN_SCHEMA]
+                for script in steps:
+                    for statement in _statements(script):
+                        conn.execute(statement)
                 conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-                self.migrated_from = 1
+                self.migrated_from = found
             conn.execute("COMMIT")
         except BaseException:
             _rollback(conn)
             raise
         if self.migrated_from:
-            log.info("state store %s: migrated from schema version 1 to %d (chat conversations added)",
-                     self.path, SCHEMA_VERSION)
+            log.info("state store %s: migrated from schema version %d to %d (a chain's history stored once, "
+                     "per-tenant quotas)", self.path, self.migrated_from, SCHEMA_VERSION)
 
     # ------------------------------------------------------------------ protocol
     def put_response(self, record: ResponseRecord, wait: bool = True) -> None:
         """Committed before it returns (the proxy sends the response after it: readable at once,
-        from any process). The chat rows queued so far go in the same transaction (one commit).
+        from any process), in one transaction with its chain's new segment and the evictions it
+        causes. The chat rows queued so far go in the same transaction (one commit).
         `wait=False` (the proxy's puts): another process's write lock is not waited for; StoreBusy
-        is raised at once, nothing written (LocalResponses tries again a little later)."""
+        is raised at once, nothing written (LocalResponses tries again a little later).
+
+        `record["messages"]` is the whole conversation; when `previous_response_id` names the
+        newest response of a chain of this tenant, the record's messages start with that one's
+        (as the proxy builds them: `make_record`) and only the rest is written."""
         self._refuse_if_damaged("response")
-        row = _row(record)
-        if row[-1] > self.max_bytes:  # evicting every other record could not make room: nothing is evicted
-            raise StoreError(f"response store {self.path}: a record of {row[-1]} bytes is over proxy.store_max_bytes "
-                             f"({self.max_bytes}): not stored")
+        head = _row({**record, "messages": []})
+        messages = record.get("messages") or []
         turns: dict[bytes, tuple] = {}
         calls: dict[tuple[str, str], tuple] = {}
         try:
@@ -453,14 +553,12 @@ class SqliteResponseStore:
                         self._put_back(turns, calls)
                     raise StoreBusy(f"response store {self.path}: another process holds the write lock")
                 try:
-                    conn.execute("DELETE FROM responses WHERE tenant = ? AND id = ?", (row[0], row[1]))
-                    new = conn.execute("INSERT INTO responses (tenant, id, created_at, previous_response_id, route, messages, "
-                                       "input_items, response, extra, size) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", row).lastrowid
+                    new = self._insert_response(head, messages)
                     now = self.clock()
                     if not 0 <= now - self._last_prune < PRUNE_EVERY_S:  # also after the clock stepped back
                         self._expire_group("responses", now)
                         self._last_prune = now
-                    self._evict_group("responses", keep=new)
+                    self._evict_responses(head[0], keep=new)
                     if turns or calls:
                         self._insert_rows(turns, calls, now)
                     conn.execute("COMMIT")
@@ -475,6 +573,37 @@ class SqliteResponseStore:
             if turns or calls:  # not this put's own rows: their own flush writes them (or counts them lost)
                 self._schedule_flush()
             raise
+
+    def _insert_response(self, head: tuple, messages: list) -> int:
+        """Inside the put's transaction: the row (replacing one of the same id), its messages as a
+        segment of its chain (see CHAIN_SCHEMA); its rowid. A record whose whole conversation is
+        over a cap on its own is refused (StoreError) before anything is evicted."""
+        conn = self._conn
+        tenant, rid, previous = head[0], head[1], head[3]
+        conn.execute("DELETE FROM responses WHERE tenant = ? AND id = ?", (tenant, rid))
+        chain, base, inherited = None, 0, 0
+        if previous is not None:
+            tip = conn.execute("SELECT r.chain, r.n_messages FROM responses r JOIN chains c ON c.id = r.chain "
+                               "WHERE r.tenant = ? AND r.id = ? AND c.length = r.n_messages", (tenant, previous)).fetchone()
+            if tip is not None and tip[1] <= len(messages):
+                chain, base = tip
+                inherited = conn.execute("SELECT coalesce(sum(size), 0) FROM segments WHERE chain = ?", (chain,)).fetchone()[0]
+        text = _json(messages[base:]) if len(messages) > base else None
+        seg_size = len(text.encode()) if text is not None else 0
+        whole = head[-1] + seg_size + inherited  # what this response holds: its row and its conversation
+        for cap, name in ((self.max_bytes, "proxy.store_max_bytes"), (self.tenant_max_bytes, "proxy.store_tenant_max_bytes")):
+            if whole > cap:  # evicting every other record could not make room: nothing is evicted
+                raise StoreError(f"response store {self.path}: a record of {whole} bytes (with its conversation) is over "
+                                 f"{name} ({cap}): not stored")
+        if chain is None:
+            chain = conn.execute("INSERT INTO chains (tenant, length, refs) VALUES (?, 0, 0)", (tenant,)).lastrowid
+        if text is not None:
+            conn.execute("INSERT INTO segments (chain, start, stop, tenant, messages, size) VALUES (?, ?, ?, ?, ?, ?)",
+                         (chain, base, len(messages), tenant, text, seg_size))
+        conn.execute("UPDATE chains SET length = ? WHERE id = ?", (len(messages), chain))
+        return conn.execute("INSERT INTO responses (tenant, id, created_at, previous_response_id, route, messages, "
+                            "input_items, response, extra, size, chain, n_messages) "
+                            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", (*head, chain, len(messages))).lastrowid
 
     def _put_back(self, turns: dict[bytes, tuple], calls: dict[tuple[str, str], tuple]) -> None:
         """Rows taken for a transaction that failed, back in the queue (a row queued again since keeps
@@ -492,17 +621,24 @@ class SqliteResponseStore:
     def get_response(self, tenant: str, response_id: str) -> ResponseRecord | None:
         with self._locked("get"):
             row = self._conn.execute(
-                "SELECT tenant, id, created_at, previous_response_id, route, messages, input_items, response, extra "
-                "FROM responses WHERE tenant = ? AND id = ? AND created_at >= ?",
+                "SELECT tenant, id, created_at, previous_response_id, route, messages, input_items, response, extra, "
+                "chain, n_messages FROM responses WHERE tenant = ? AND id = ? AND created_at >= ?",
                 (tenant, response_id, self.clock() - self.ttl_s)).fetchone()
+            segments = None
+            if row is not None and row[9] is not None:  # its conversation: the chain's segments up to it
+                segments = self._conn.execute("SELECT start, stop, messages FROM segments WHERE chain = ? AND start < ? "
+                                              "ORDER BY start", (row[9], row[10])).fetchall()
         if row is None:
             return None
         try:
             record: ResponseRecord = json.loads(row[8])
             record.update(zip(COLUMNS, row[:5], strict=True))
             record.update((k, json.loads(v)) for k, v in zip(JSON_COLUMNS, row[5:8], strict=True))
+            if segments is not None:
+                record["messages"] = _conversation(segments, row[10])
         except (ValueError, TypeError, AttributeError) as exc:  # JSON that does not parse, or not an object
-            why = f"the record of {response_id[:80]} does not parse ({type(exc).__name__})"
+            why = (f"the conversation of {response_id[:80]} is incomplete ({exc})" if isinstance(exc, ChainGap)
+                   else f"the record of {response_id[:80]} does not parse ({type(exc).__name__})")
             self._damage_seen(why)
             raise StoreError(f"response store {self.path}: {why}: damaged", cause="damaged") from None
         return record
@@ -564,7 +700,7 @@ class SqliteResponseStore:
             conn.execute("BEGIN IMMEDIATE")
             try:
                 now = self.clock()
-                expired, evicted = self._expire_group("responses", now), self._evict_group("responses")
+                expired, evicted = self._expire_group("responses", now), self._evict_responses(None)
                 conv_expired, conv_evicted = self._expire_group("conversations", now), self._evict_group("conversations")
                 conn.execute("COMMIT")
             except BaseException:
@@ -589,7 +725,8 @@ class SqliteResponseStore:
                 f"SELECT count(*) FROM {t} WHERE stamp < ?", (cutoff,)).fetchone()[0] for t in ("turns", "calls"))
         out["file_bytes"] = sum(_size(Path(str(self.path) + sfx)) for sfx in ("", "-wal", "-shm"))
         out["mode"] = f"{stat.S_IMODE(self.path.stat().st_mode):04o}"
-        out["bounds"] = {"ttl_s": self.ttl_s, "max_bytes": self.max_bytes, "max_entries": self.max_entries}
+        out["bounds"] = {"ttl_s": self.ttl_s, "max_bytes": self.max_bytes, "max_entries": self.max_entries,
+                         "tenant_max_bytes": self.tenant_max_bytes, "tenant_max_entries": self.tenant_max_entries}
         return out
 
     def close(self) -> None:
@@ -841,6 +978,62 @@ class SqliteResponseStore:
             self._conn.execute("UPDATE meta SET value = value + ? WHERE key = ?", (n, prefix + "expired"))
         return n
 
+    def _evict_responses(self, tenant: str | None, keep: int | None = None) -> int:
+        """Inside a transaction: a tenant over its quota (`tenant_max_entries` responses or
+        `tenant_max_bytes`, its responses and their chains' segments) evicts its OWN oldest responses
+        (by created_at, then insertion order) until it is within it; then, as a last resort, while
+        the store is over a global cap, the tenant holding the most (bytes or responses, whichever
+        cap is exceeded) evicts its oldest. Never the response of rowid `keep` (the one being put:
+        its id goes to the client; after the clock stepped back it is the "oldest"). `tenant` None
+        (a prune): every tenant over its quota. Evicting a response never cuts another one's
+        conversation: a chain's segments go with the last response that needs them (CHAIN_SCHEMA).
+        Returns how many responses it evicted (counted in `meta`)."""
+        conn = self._conn
+        tenants = [tenant] if tenant is not None else [r[0] for r in conn.execute(
+            "SELECT tenant FROM tenants WHERE rows > ? OR bytes > ?", (self.tenant_max_entries, self.tenant_max_bytes))]
+        n = 0
+        for who in tenants:
+            n += self._evict_while(lambda who=who: conn.execute(
+                "SELECT rows > ? OR bytes > ? FROM tenants WHERE tenant = ?",
+                (self.tenant_max_entries, self.tenant_max_bytes, who)).fetchone(), lambda who=who: who, keep)
+
+        def over() -> tuple | None:
+            meta = dict(conn.execute("SELECT key, value FROM meta WHERE key IN ('rows', 'bytes')"))
+            return (meta["rows"] > self.max_entries or meta["bytes"] > self.max_bytes,)
+
+        def biggest() -> str | None:
+            meta = dict(conn.execute("SELECT key, value FROM meta WHERE key IN ('rows', 'bytes')"))
+            by = "bytes" if meta["bytes"] > self.max_bytes else "rows"
+            # the biggest tenant with a response to evict (not only the one being put)
+            row = conn.execute("SELECT t.tenant FROM tenants t WHERE EXISTS (SELECT 1 FROM responses r WHERE "
+                               "r.tenant = t.tenant AND r.rowid IS NOT ?) ORDER BY t." + by + " DESC, t.tenant LIMIT 1",
+                               (keep,)).fetchone()
+            return None if row is None else row[0]
+
+        n += self._evict_while(over, biggest, keep)
+        if n:
+            conn.execute("UPDATE meta SET value = value + ? WHERE key = 'evicted'", (n,))
+        return n
+
+    def _evict_while(self, over: Callable[[], tuple | None], tenant: Callable[[], str | None], keep: int | None) -> int:
+        """Delete the oldest response of `tenant()` while `over()` holds (one at a time: a chain's
+        segments may go with one, so the totals are read again after each); stops when nothing but
+        `keep` is left to evict (the store then stays over by that one response's conversation)."""
+        conn, n = self._conn, 0
+        while True:
+            state = over()
+            if state is None or not state[0]:
+                return n
+            who = tenant()
+            if who is None:
+                return n
+            victim = conn.execute("SELECT rowid FROM responses WHERE tenant = ? AND rowid IS NOT ? "
+                                  "ORDER BY created_at, rowid LIMIT 1", (who, keep)).fetchone()
+            if victim is None:  # nothing of this tenant's left to evict but the response being put
+                return n
+            conn.execute("DELETE FROM responses WHERE rowid = ?", victim)
+            n += 1
+
     def _evict_group(self, group: str, keep: int | None = None) -> int:
         """Oldest first (time, then insertion order) across the group's tables until both caps hold;
         never the response of rowid `keep` (the one being put: its id goes to the client, and after
@@ -1009,6 +1202,33 @@ def _statements(script: str) -> list[str]:
             out.append(text)
             buf = []
     return out
+
+
+class ChainGap(ValueError):
+    """A chained response's segments do not cover its conversation (the file was edited or damaged:
+    the store itself never removes a segment a live response needs)."""
+
+
+def _conversation(segments: list[tuple[int, int, str]], n: int) -> list:
+    """The conversation of a chained response: its chain's segments [start, stop) up to `n`
+    messages, joined into one JSON text and parsed once. ChainGap when they leave a hole."""
+    texts, at = [], 0
+    for start, stop, text in segments:
+        if start != at:
+            raise ChainGap(f"messages {at}-{start - 1} missing")
+        if text != "[]":
+            texts.append(text[1:-1])
+        at = stop
+    if at < n:
+        raise ChainGap(f"messages {at}-{n - 1} missing")
+    messages = json.loads("[" + ",".join(texts) + "]")
+    if len(messages) != at:
+        raise ChainGap(f"{len(messages)} messages where its chain counts {at}")
+    return messages[:n]
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
 def _row(record: ResponseRecord) -> tuple:
