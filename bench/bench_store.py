@@ -2,7 +2,8 @@
 the chain) + one `put_response` (the new one), in-process (`MemoryResponseStore`) against SQLite
 (`SqliteResponseStore`: WAL, synchronous=NORMAL, a file in a temp dir), side by side, for three
 record sizes, with the store already holding PREFILL records. Reports p50/p99 in microseconds and
-the p50 SQLite adds (target: <= 300 us, i.e. 0.3 ms per request).
+the p50 SQLite adds (target: <= 300 us, i.e. 0.3 ms per request). Then one long chain (50 and
+200 turns, `chain_bench`): the store's bytes and the per-write cost (`--chain`: only that).
 
 Then, when the proxy serves /v1/responses, the same comparison end to end: one client sending
 chained requests (`previous_response_id`) through a `molctl proxy --store memory` and a
@@ -78,6 +79,41 @@ def store_bench() -> list[dict]:
     return rows
 
 
+def chain_bench(turns: int = 50, text_bytes: int = 1024) -> dict:
+    """One conversation of `turns` chained responses, as the proxy stores it: each turn gets the
+    previous record, then puts one whose `messages` are the previous conversation plus this
+    turn's user message and answer (`text_bytes` each). Reports the store's bytes (the records'
+    JSON as the store counts it, and the file with its WAL) and the per-write cost (get + put) of
+    the first and the last 10 turns: with the shared history stored once, both stay flat."""
+    with tempfile.TemporaryDirectory() as d:
+        store = SqliteResponseStore(Path(d) / "store.sqlite3")
+        tenant, prev, times, puts = "0123456789abcdef", None, [], []
+        word = ("lorem ipsum dolor sit amet " * (text_bytes // 27 + 1))[:text_bytes]
+        for i in range(turns):
+            t0 = time.perf_counter()
+            history = store.get_response(tenant, prev)["messages"] if prev else []
+            rid = f"resp_{i:08d}"
+            t1 = time.perf_counter()
+            store.put_response({"id": rid, "tenant": tenant, "created_at": time.time(), "previous_response_id": prev,
+                                "route": "L2", "messages": [*history, {"role": "user", "content": f"{i} {word}"},
+                                                            {"role": "assistant", "content": f"{i} {word}"}],
+                                "input_items": [{"type": "message", "role": "user",
+                                                 "content": [{"type": "input_text", "text": f"{i} {word}"}]}],
+                                "response": {"id": rid, "object": "response", "status": "completed", "output": [
+                                    {"type": "message", "content": [{"type": "output_text", "text": f"{i} {word}"}]}]}})
+            t2 = time.perf_counter()
+            times.append((t2 - t0) * 1e6)
+            puts.append((t2 - t1) * 1e6)
+            prev = rid
+        assert len(store.get_response(tenant, prev)["messages"]) == 2 * turns
+        stats = store.stats()
+        store.close()
+        file_bytes = sum(p.stat().st_size for p in Path(d).iterdir())
+    return {"turns": turns, "store_bytes": stats["responses_bytes"], "file_bytes": file_bytes,
+            "first10_us": statistics.mean(times[:10]), "last10_us": statistics.mean(times[-10:]),
+            "put_first10_us": statistics.mean(puts[:10]), "put_last10_us": statistics.mean(puts[-10:])}
+
+
 def proxy_bench(requests: int = 400) -> list[dict] | None:
     """End to end through the proxy, one client, chained requests; None when the proxy has no
     /v1/responses endpoint yet."""
@@ -122,13 +158,22 @@ def proxy_bench(requests: int = 400) -> list[dict] | None:
 
 
 def main() -> None:
-    rows = store_bench()
-    print(f"response store, per request (get previous + put new), {PREFILL} records prefilled:")
-    print(f"{'record':>8} {'memory p50':>11} {'p99':>8} {'sqlite p50':>11} {'p99':>8} {'get p50':>8} {'added p50':>10}  target")
+    rows = [] if "--chain" in sys.argv else store_bench()  # --chain: the chain figures only
+    if rows:
+        print(f"response store, per request (get previous + put new), {PREFILL} records prefilled:")
+        print(f"{'record':>8} {'memory p50':>11} {'p99':>8} {'sqlite p50':>11} {'p99':>8} {'get p50':>8} {'added p50':>10}  target")
     for r in rows:
         ok = "ok" if r["added_p50_us"] <= TARGET_US else "OVER"
         print(f"{r['record']:>8} {r['memory_p50_us']:>9.1f}us {r['memory_p99_us']:>6.0f}us {r['sqlite_p50_us']:>9.1f}us "
               f"{r['sqlite_p99_us']:>6.0f}us {r['sqlite_get_p50_us']:>6.1f}us {r['added_p50_us']:>8.1f}us  <= {TARGET_US:.0f}us {ok}")
+    chains = [chain_bench(n) for n in (50, 200)]
+    print("one chain of N turns (1 KiB user message + 1 KiB answer a turn), SQLite:")
+    for c in chains:
+        print(f"  {c['turns']:>4} turns: store bytes {c['store_bytes']:>10,}  file {c['file_bytes']:>10,}  "
+              f"get+put first 10 {c['first10_us']:>6.0f} us, last 10 {c['last10_us']:>6.0f} us; "
+              f"put alone {c['put_first10_us']:>5.0f} / {c['put_last10_us']:>5.0f} us")
+    if "--chain" in sys.argv:
+        return
     e2e = proxy_bench()
     if e2e is None:
         print("proxy end to end: skipped (no /v1/responses endpoint in this proxy)")
@@ -138,7 +183,7 @@ def main() -> None:
             print(f"  --store {r['store']:<7} p50 {r['p50_ms']:.2f} ms  p99 {r['p99_ms']:.2f} ms")
         print(f"  sqlite adds {e2e[1]['p50_ms'] - e2e[0]['p50_ms']:+.2f} ms p50 (target <= 0.3 ms)")
     if "--json" in sys.argv:
-        print(json.dumps({"store": rows, "proxy": e2e}))
+        print(json.dumps({"store": rows, "chains": chains, "proxy": e2e}))
 
 
 if __name__ == "__main__":
