@@ -39,6 +39,8 @@ from molctl.processes import is_alive
 from molctl.profiles import load_profile, profile_dirs
 from molctl.proxy.errors import CONTEXT_MARKERS
 from molctl.state import read_records
+from tests.clients.cases import BASIC, RESPONSES
+from tests.clients.drivers import js_client_argv, python_client_argv, run_driver
 from tests.helpers import free_port, free_ports
 from tests.procs import ROOT, alive, fake_engine_argv, running
 
@@ -393,6 +395,42 @@ def test_later_turn_hits_the_prefix_cache(stack):
         convo += [{"role": "assistant", "content": reply.choices[0].message.content},
                   {"role": "user", "content": follow_ups[turn % len(follow_ups)]}]
     pytest.fail(f"five turns on five different adapters out of four: {seen}")
+
+
+# The client libraries on the real engine: every case whose features the tiny random model allows.
+# It calls no tool of its own accord, and a call forced by tool_choice ends at the token limit
+# (finish_reason "length", also directly: vLLM's structured outputs let it write whitespace), so
+# the clients that run the loop themselves stop there: pydantic-ai (which picks its own
+# tool_choice) and the AI SDK (which takes the next step only after finish "tool-calls").
+REAL_CLIENTS = {("py", "openai-chat"): BASIC, ("py", "openai-responses"): RESPONSES,
+                ("py", "litellm-completion"): BASIC, ("py", "litellm-responses"): RESPONSES,
+                ("py", "langchain-chat"): BASIC, ("py", "langchain-responses"): RESPONSES,
+                ("py", "pydantic-ai-chat"): ("plain", "stream", "multi_turn"),
+                ("py", "pydantic-ai-responses"): ("plain", "stream", "multi_turn", "chain", "store_false"),
+                ("js", "ai-sdk-responses"): ("plain", "stream", "multi_turn", "chain"),
+                ("js", "ai-sdk-chat"): ("plain", "stream", "multi_turn"),
+                ("js", "openai-chat"): BASIC, ("js", "openai-responses"): RESPONSES}
+
+
+@pytest.mark.parametrize("lang,client", REAL_CLIENTS)
+def test_client_libraries_run_unchanged_against_the_real_vllm(stack, lang, client):
+    """Each case ran without an error; a multi-turn case's second request reached the engine with
+    the first answer in an assistant message; a tool loop's result reached it in a tool message."""
+    before = len(stack.requests())
+    cases = REAL_CLIENTS[lang, client]
+    argv = (python_client_argv if lang == "py" else js_client_argv)(client)
+    results = run_driver([*argv, *cases], stack.endpoint, KEY, PUBLIC, timeout=600, MOL_FORCE_TOOL="1")
+    assert set(results) == set(cases)
+    bodies = [h["body"] for h in stack.hops()[before:] if h["body"]]
+    sent = [m for b in bodies for m in b.get("messages", ())]
+    for case, result in results.items():
+        assert "error" not in result, f"{case}: {result['error']}\n{result.get('trace', '')}"
+        assert isinstance(result["text"], str), (case, result)
+        if "first" in result:
+            assert any(m["role"] == "assistant" and result["first"] in str(m.get("content")) for m in sent), case
+        if "called" in result:
+            assert result["called"] == "get_weather", result
+            assert any(m["role"] == "tool" and "sunny in Paris" in str(m.get("content")) for m in sent), case
 
 
 def test_status_shows_ready(stack):

@@ -1,28 +1,17 @@
 """The compatibility suite's stack and runners: one fake engine (strict: it refuses what vLLM and
 the Qwen3.5/3.6 templates refuse) and one tiny-profile proxy for the whole package, and each
-client library run once per test module in its own environment (Python clients under
-.venv-clients, JavaScript clients under tests/clients/js/node_modules, both made by `make clients`,
-part of `make test`), its results and the engine's log of that run kept for the tests."""
+client library run once per test module in its own environment (drivers.py), its results and the
+engine's log of that run kept for the tests."""
 
 from __future__ import annotations
-
-import json
-import os
-import shutil
-import subprocess
-from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.clients.drivers import run_driver
 from tests.helpers import free_ports
 from tests.procs import fake_engine_argv, proxy_argv, running
 from tests.test_proxy import KEY, PUBLIC, STRICT
-
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
-CLIENTS_PYTHON = ROOT / ".venv-clients" / "bin" / "python"
-CLIENTS_JS = HERE / "js"
 
 
 class ClientStack:
@@ -35,15 +24,10 @@ class ClientStack:
     def reset(self) -> None:
         httpx.post(self.engine_url + "/_reset").raise_for_status()
 
-    def run(self, argv: list[str], timeout: float = 240) -> tuple[dict, list[dict]]:
+    def run(self, argv: list[str]) -> tuple[dict, list[dict]]:
         """Run one client driver; -> (its per-case results, the engine's log of the run)."""
         self.reset()
-        env = {**os.environ, "MOL_BASE_URL": self.proxy_url + "/v1", "MOL_KEY": KEY, "MOL_MODEL": PUBLIC,
-               "NO_PROXY": "127.0.0.1,localhost", "OPENAI_API_KEY": KEY}
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, stdin=subprocess.DEVNULL)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-        assert proc.returncode == 0 and lines, f"{argv[-1]} exited {proc.returncode}: {proc.stderr[-3000:]}"
-        return json.loads(lines[-1]), self.log()
+        return run_driver(argv, self.proxy_url + "/v1", KEY, PUBLIC), self.log()
 
 
 @pytest.fixture(scope="package")
@@ -60,14 +44,13 @@ def client_stack(tmp_path_factory):
         yield ClientStack(engine_url, proxy_url)
 
 
-def python_client_argv(client: str) -> list[str]:
-    assert CLIENTS_PYTHON.exists(), f"{CLIENTS_PYTHON} is missing: `make clients` (part of `make test`) makes it"
-    return [str(CLIENTS_PYTHON), str(HERE / "py_clients.py"), client]
+@pytest.fixture(scope="module")
+def runs(client_stack):
+    """run(argv) -> (results, engine log) of that driver, run once per module."""
+    cache: dict[tuple[str, ...], tuple[dict, list[dict]]] = {}
 
-
-def js_client_argv(client: str) -> list[str]:
-    node = shutil.which("node")
-    assert node, "node is not on PATH: the JavaScript clients (tests/clients/js) need Node.js and npm"
-    stamp = CLIENTS_JS / "node_modules" / ".stamp"
-    assert stamp.exists(), f"{stamp} is missing: `make clients` (part of `make test`) runs npm ci there"
-    return [node, str(CLIENTS_JS / "clients.mjs"), client]
+    def run(argv: list[str]) -> tuple[dict, list[dict]]:
+        if tuple(argv) not in cache:
+            cache[tuple(argv)] = client_stack.run(argv)
+        return cache[tuple(argv)]
+    return run

@@ -3,12 +3,14 @@ case -> {"text": the final answer, ...} or {"error": "Type: message"}.
 
 Run under the clients' own environment (.venv-clients, made by `make test`), not molctl's: the
 client libraries pin versions of httpx, pydantic and openai that vLLM's environment must not get.
-  python py_clients.py CLIENT          (MOL_BASE_URL, MOL_KEY, MOL_MODEL in the environment)
+  python py_clients.py CLIENT [CASE...]   (MOL_BASE_URL, MOL_KEY, MOL_MODEL in the environment)
 CLIENT: openai-chat, openai-responses, litellm-completion, litellm-responses, langchain-chat,
 langchain-responses, pydantic-ai-chat, pydantic-ai-responses.
 
 The prompts carry the fake engine's directives ([tool:get_weather]: the answer hop calls it;
-its answer to a tool result is "answer-N using RESULT")."""
+its answer to a tool result is "answer-N using RESULT"). MOL_FORCE_TOOL=1 (a real engine, whose
+tiny random model calls no tool of its own accord): the `openai` drivers name the tool in
+`tool_choice` (LiteLLM and LangChain likewise) on the request that must call it, which vLLM enforces with structured outputs."""
 
 from __future__ import annotations
 
@@ -26,10 +28,14 @@ SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "require
 CHAT_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
                                               "parameters": SCHEMA}}
 RESP_TOOL = {"type": "function", "name": "get_weather", "description": "Weather for a city", "parameters": SCHEMA}
+FORCE = os.environ.get("MOL_FORCE_TOOL") == "1"
+CHAT_FORCED = {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}} if FORCE else {}
+RESP_FORCED = {"tool_choice": {"type": "function", "name": "get_weather"}} if FORCE else {}
 
 
-def get_weather(city: str) -> str:
-    """Weather for a city."""
+def get_weather(city: str = "Paris") -> str:
+    """Weather for a city. The default: a tiny random model forced to call it (MOL_FORCE_TOOL) writes
+    `{}` as vLLM's structured outputs let it (whitespace until the token limit), as directly."""
     return WEATHER
 
 
@@ -61,7 +67,7 @@ def openai_chat():
 
     def tool_loop():
         msgs = [{"role": "user", "content": TOOL_ASK}]
-        msg = c.chat.completions.create(model=MODEL, messages=msgs, tools=[CHAT_TOOL]).choices[0].message
+        msg = c.chat.completions.create(model=MODEL, messages=msgs, tools=[CHAT_TOOL], **CHAT_FORCED).choices[0].message
         call = msg.tool_calls[0]
         msgs += [msg.model_dump(exclude_none=True),
                  {"role": "tool", "tool_call_id": call.id, "content": get_weather(**json.loads(call.function.arguments))}]
@@ -76,13 +82,16 @@ def openai_responses():
     c = openai_client()
 
     def stream():
-        deltas = []
+        deltas, incomplete = [], None
         with c.responses.stream(model=MODEL, input=ASK) as events:  # the SDK's streaming helper
             for event in events:
                 if event.type == "response.output_text.delta":
                     deltas.append(event.delta)
-            final = events.get_final_response()
-        return {"text": final.output_text, "chunks": len(deltas)}
+                elif event.type == "response.incomplete":  # the token limit (a random model's usual end)
+                    incomplete = event.response
+            # get_final_response() raises without a `response.completed`, as against OpenAI
+            final = incomplete or events.get_final_response()
+        return {"text": final.output_text, "chunks": len(deltas), "status": final.status}
 
     def multi_turn():
         first = c.responses.create(model=MODEL, input=ASK)
@@ -92,7 +101,7 @@ def openai_responses():
         return {"first": first.output_text, "text": second.output_text}
 
     def tool_loop():
-        first = c.responses.create(model=MODEL, input=TOOL_ASK, tools=[RESP_TOOL])
+        first = c.responses.create(model=MODEL, input=TOOL_ASK, tools=[RESP_TOOL], **RESP_FORCED)
         call = next(i for i in first.output if i.type == "function_call")
         final = c.responses.create(model=MODEL, previous_response_id=first.id, tools=[RESP_TOOL], input=[
             {"type": "function_call_output", "call_id": call.call_id,
@@ -106,7 +115,7 @@ def openai_responses():
 
     def store_false():
         first = c.responses.create(model=MODEL, input=TOOL_ASK, tools=[RESP_TOOL], store=False,
-                                   include=["reasoning.encrypted_content"])
+                                   include=["reasoning.encrypted_content"], **RESP_FORCED)
         call = next(i for i in first.output if i.type == "function_call")
         history = [{"role": "user", "content": TOOL_ASK}, *[i.model_dump(exclude_none=True) for i in first.output],
                    {"type": "function_call_output", "call_id": call.call_id, "output": WEATHER}]
@@ -147,7 +156,7 @@ def litellm_completion():
 
     def tool_loop():
         msgs = [{"role": "user", "content": TOOL_ASK}]
-        msg = litellm.completion(messages=msgs, tools=[CHAT_TOOL], **kw).choices[0].message
+        msg = litellm.completion(messages=msgs, tools=[CHAT_TOOL], **CHAT_FORCED, **kw).choices[0].message
         call = msg.tool_calls[0]
         msgs += [{"role": "assistant", "content": msg.content, "tool_calls": [
             {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
@@ -177,7 +186,7 @@ def litellm_responses():
         return {"first": first, "text": output_text(second)}
 
     def tool_loop():
-        first = litellm.responses(input=TOOL_ASK, tools=[RESP_TOOL], **kw)
+        first = litellm.responses(input=TOOL_ASK, tools=[RESP_TOOL], **RESP_FORCED, **kw)
         call = next(i for i in first.output if getattr(i, "type", None) == "function_call")
         final = litellm.responses(previous_response_id=first.id, tools=[RESP_TOOL], input=[
             {"type": "function_call_output", "call_id": call.call_id,
@@ -215,7 +224,7 @@ def langchain(responses_api: bool):
         return message.text if isinstance(message.text, str) else message.text()
 
     @tool
-    def weather(city: str) -> str:
+    def weather(city: str = "Paris") -> str:
         """Weather for a city."""
         return get_weather(city)
 
@@ -233,7 +242,7 @@ def langchain(responses_api: bool):
     def tool_loop():
         bound = llm().bind_tools([weather])
         msgs = [HumanMessage(TOOL_ASK)]
-        ai = bound.invoke(msgs)
+        ai = (llm().bind_tools([weather], tool_choice="get_weather") if FORCE else bound).invoke(msgs)
         call = ai.tool_calls[0]
         msgs += [ai, ToolMessage(weather.invoke(call["args"]), tool_call_id=call["id"])]
         return {"text": text(bound.invoke(msgs)), "called": call["name"]}
@@ -320,7 +329,10 @@ CLIENTS = {
 
 def main() -> None:
     results = {}
+    only = sys.argv[2:]
     for case, run in CLIENTS[sys.argv[1]]().items():
+        if only and case not in only:
+            continue
         try:
             results[case] = run()
         except Exception as exc:  # reported per case: the test names the case that failed

@@ -10,24 +10,14 @@ from __future__ import annotations
 import pytest
 
 from tests.clients.cases import BASIC, RESPONSES, check
-from tests.clients.conftest import js_client_argv
+from tests.clients.drivers import js_client_argv
 
 CLIENTS = {"ai-sdk-responses": RESPONSES, "ai-sdk-chat": BASIC, "openai-chat": BASIC, "openai-responses": RESPONSES}
 
 
-@pytest.fixture(scope="module")
-def runs(client_stack):
-    cache: dict[str, tuple[dict, list[dict]]] = {}
-
-    def run(client: str) -> tuple[dict, list[dict]]:
-        if client not in cache:
-            cache[client] = client_stack.run(js_client_argv(client))
-        return cache[client]
-    return run
-
 
 @pytest.mark.parametrize("client,case", [(c, k) for c, cases in CLIENTS.items() for k in cases])
 def test_js_client(runs, client, case):
-    results, log = runs(client)
+    results, log = runs(js_client_argv(client))
     assert set(results) == set(CLIENTS[client]), results.keys()
     check(case, results[case], log)

@@ -9,26 +9,16 @@ from __future__ import annotations
 import pytest
 
 from tests.clients.cases import BASIC, RESPONSES, check
-from tests.clients.conftest import python_client_argv
+from tests.clients.drivers import python_client_argv
 
 CLIENTS = {"openai-chat": BASIC, "openai-responses": RESPONSES, "litellm-completion": BASIC,
            "litellm-responses": RESPONSES, "langchain-chat": BASIC, "langchain-responses": RESPONSES,
            "pydantic-ai-chat": BASIC, "pydantic-ai-responses": RESPONSES}
 
 
-@pytest.fixture(scope="module")
-def runs(client_stack):
-    cache: dict[str, tuple[dict, list[dict]]] = {}
-
-    def run(client: str) -> tuple[dict, list[dict]]:
-        if client not in cache:
-            cache[client] = client_stack.run(python_client_argv(client))
-        return cache[client]
-    return run
-
 
 @pytest.mark.parametrize("client,case", [(c, k) for c, cases in CLIENTS.items() for k in cases])
 def test_python_client(runs, client, case):
-    results, log = runs(client)
+    results, log = runs(python_client_argv(client))
     assert set(results) == set(CLIENTS[client]), results.keys()
     check(case, results[case], log)

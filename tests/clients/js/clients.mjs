@@ -2,12 +2,14 @@
 // case -> {"text": the final answer, ...} or {"error": "Type: message"} (the shape
 // tests/clients/cases.py checks, as for py_clients.py).
 //
-//   node clients.mjs CLIENT          (MOL_BASE_URL, MOL_KEY, MOL_MODEL in the environment)
+//   node clients.mjs CLIENT [CASE...]   (MOL_BASE_URL, MOL_KEY, MOL_MODEL in the environment)
 // CLIENT: ai-sdk-responses, ai-sdk-chat, openai-chat, openai-responses.
 // The libraries are those package-lock.json pins, installed by `make clients` (npm ci).
 //
 // The prompts carry the fake engine's directives ([tool:get_weather]: the answer hop calls it;
-// its answer to a tool result is "answer-N using RESULT").
+// its answer to a tool result is "answer-N using RESULT"). MOL_FORCE_TOOL=1 (a real engine, whose
+// tiny random model calls no tool of its own accord): the request that must call the tool names it
+// in its tool choice, which vLLM enforces with structured outputs.
 
 import { createOpenAI } from "@ai-sdk/openai";
 import { generateText, jsonSchema, stepCountIs, streamText, tool } from "ai";
@@ -21,9 +23,14 @@ const FOLLOW_UP = "[route:L2] and then?";
 const SCHEMA = { type: "object", properties: { city: { type: "string" } }, required: ["city"] };
 const CHAT_TOOL = { type: "function", function: { name: "get_weather", description: "Weather for a city", parameters: SCHEMA } };
 const RESP_TOOL = { type: "function", name: "get_weather", description: "Weather for a city", parameters: SCHEMA };
+const FORCE = process.env.MOL_FORCE_TOOL === "1";
+const CHAT_FORCED = FORCE ? { tool_choice: { type: "function", function: { name: "get_weather" } } } : {};
+const RESP_FORCED = FORCE ? { tool_choice: { type: "function", name: "get_weather" } } : {};
 
-function getWeather({ city }) {
-  if (typeof city !== "string") throw new Error(`get_weather called without a city: ${JSON.stringify(city)}`);
+// A tiny random model forced to call it writes `{}` as vLLM's structured outputs let it
+// (whitespace until the token limit), also directly: the city is then Paris.
+function getWeather({ city = "Paris" }) {
+  if (typeof city !== "string") throw new Error(`get_weather called with a city that is no string: ${JSON.stringify(city)}`);
   return WEATHER;
 }
 
@@ -36,7 +43,9 @@ function aiSdk(responsesApi) {
   const weather = tool({ description: "Weather for a city", inputSchema: jsonSchema(SCHEMA), execute: async (args) => getWeather(args) });
 
   async function toolLoop(extra = {}) {
-    const result = await generateText({ ...common, prompt: TOOL_ASK, tools: { get_weather: weather }, stopWhen: stepCountIs(4), ...extra });
+    // forced: the first step only, so that the step after the tool result may answer in text
+    const forced = FORCE ? { prepareStep: ({ stepNumber }) => (stepNumber === 0 ? { toolChoice: { type: "tool", toolName: "get_weather" } } : {}) } : {};
+    const result = await generateText({ ...common, prompt: TOOL_ASK, tools: { get_weather: weather }, stopWhen: stepCountIs(4), ...forced, ...extra });
     const calls = result.steps.flatMap((s) => s.toolCalls);
     return { text: result.text, called: calls[0]?.toolName ?? null, steps: result.steps.length };
   }
@@ -100,7 +109,7 @@ function openaiChat() {
     },
     tool_loop: async () => {
       const msgs = [{ role: "user", content: TOOL_ASK }];
-      const msg = await ask(msgs, { tools: [CHAT_TOOL] });
+      const msg = await ask(msgs, { tools: [CHAT_TOOL], ...CHAT_FORCED });
       const call = msg.tool_calls[0];
       // the SDK's documented loop: the assistant message goes back as it came
       msgs.push(msg, { role: "tool", tool_call_id: call.id, content: getWeather(JSON.parse(call.function.arguments)) });
@@ -128,7 +137,7 @@ function openaiResponses() {
       return { first: first.output_text, text: second.output_text };
     },
     tool_loop: async () => {
-      const first = await create({ input: TOOL_ASK, tools: [RESP_TOOL] });
+      const first = await create({ input: TOOL_ASK, tools: [RESP_TOOL], ...RESP_FORCED });
       const call = first.output.find((i) => i.type === "function_call");
       const final = await create({ previous_response_id: first.id, tools: [RESP_TOOL], input: [
         { type: "function_call_output", call_id: call.call_id, output: getWeather(JSON.parse(call.arguments)) }] });
@@ -141,7 +150,7 @@ function openaiResponses() {
     },
     store_false: async () => {
       const opts = { tools: [RESP_TOOL], store: false, include: ["reasoning.encrypted_content"] };
-      const first = await create({ input: TOOL_ASK, ...opts });
+      const first = await create({ input: TOOL_ASK, ...opts, ...RESP_FORCED });
       const call = first.output.find((i) => i.type === "function_call");
       // the output items go back as they came (the documented stateless loop)
       const history = [{ role: "user", content: TOOL_ASK }, ...first.output,
@@ -168,8 +177,9 @@ function describe(err) {
 async function main() {
   const make = CLIENTS[process.argv[2]];
   if (!make) throw new Error(`unknown client ${process.argv[2]}; one of ${Object.keys(CLIENTS).join(", ")}`);
-  const results = {};
+  const results = {}, only = process.argv.slice(3);
   for (const [name, run] of Object.entries(make())) {
+    if (only.length && !only.includes(name)) continue;
     try {
       results[name] = await run();
     } catch (err) { // reported per case: the test names the case that failed
