@@ -552,7 +552,7 @@ class Orchestrator:
                 if first:
                     plan.timings["ttft_s"] = ttft = time.monotonic() - plan.started
                     self.counters.observe("ttft_seconds", ttft)
-                    yield shaping.chunk(rid, self.public, created, {"role": "assistant", "content": ""})
+                    yield shaping.chunk(rid, self.public, created, shaping.role_delta())
                     first = False
                 if event.get("usage"):
                     usage = shaping.shape_usage(event["usage"])
@@ -575,7 +575,7 @@ class Orchestrator:
                     if delta or choice.get("logprobs"):
                         yield shaping.chunk(rid, self.public, created, delta, logprobs=choice.get("logprobs"))
             if first:
-                yield shaping.chunk(rid, self.public, created, {"role": "assistant", "content": ""})
+                yield shaping.chunk(rid, self.public, created, shaping.role_delta())
             if finish is None:  # vLLM and SGLang always end a choice with one: the answer may be cut short
                 raise EngineHTTPError(502, "the engine's stream ended without a finish_reason", in_stream=True)
         except (EngineHTTPError, EngineUnavailable) as exc:

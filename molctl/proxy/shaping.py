@@ -64,9 +64,12 @@ def shape_usage(usage: Any) -> dict[str, Any] | None:
 
 
 def shape_message(message: dict[str, Any]) -> dict[str, Any]:
+    """The client's message: `role`, `content` and `refusal` always there (OpenAI's
+    ChatCompletionResponseMessage requires all three; null when the engine gave none)."""
     out = {k: message[k] for k in MESSAGE_KEYS if message.get(k) is not None}
     out["role"] = "assistant"
     out.setdefault("content", None)
+    out.setdefault("refusal", None)
     if message.get("tool_calls"):
         out["tool_calls"] = [shape_tool_call(c) for c in message["tool_calls"]]
     else:
@@ -89,6 +92,11 @@ def shape_completion(body: dict[str, Any], public_model: str, response_id: str) 
     if usage:
         out["usage"] = usage
     return out
+
+
+def role_delta() -> dict[str, Any]:
+    """The first delta of a stream, as OpenAI sends it: the role, empty content, a null refusal."""
+    return {"role": "assistant", "content": "", "refusal": None}
 
 
 def chunk(response_id: str, public_model: str, created: int, delta: dict[str, Any] | None,
