@@ -82,6 +82,7 @@ UNSERVED = {"conversation": "the Conversations API is not served here; continue 
             "prompt": "stored prompt templates are not served here; send the text as instructions"}
 KNOWN = frozenset({"model", "input", "stream", "store", "tools", "tool_choice", "text", "reasoning", "include",
                    "background", *ECHOED, *ACCEPTED_IGNORED, *UNSERVED})
+REASONING_UNUSED = ("generate_summary", "context", "mode")  # OpenAI's Reasoning fields this proxy does not use
 INCLUDE_LOGPROBS, INCLUDE_REASONING = "message.output_text.logprobs", "reasoning.encrypted_content"
 TEXT_PARTS = ("input_text", "output_text", "text")
 NAMESPACE_SEP = "__"  # a namespace's function as the engine sees it: NAMESPACE__NAME
@@ -311,6 +312,16 @@ def _reasoning_text(item: dict[str, Any], where: str, fields: FieldPolicy) -> st
     return text
 
 
+def item_type(item: dict[str, Any]) -> Any:
+    """An input item's `type`; absent or null is "not set" (OpenAI's EasyInputMessage and
+    ItemReferenceParam leave it optional, the latter nullable): a message when the item has a
+    `role`, else an `item_reference` when it has an `id`."""
+    kind = item.get("type")
+    if kind is None:
+        return "item_reference" if "role" not in item and "id" in item else "message"
+    return kind
+
+
 def flat_name(name: str, namespace: Any) -> str:
     return f"{namespace}{NAMESPACE_SEP}{name}" if isinstance(namespace, str) and namespace else name
 
@@ -340,9 +351,9 @@ def _convert_input(value: Any, media_hosts: tuple[str, ...] = (), fields: FieldP
         w = f"input[{i}]"
         if not isinstance(item, dict):
             raise invalid(f"'{w}' must be an object.", w)
-        if item.get("type") == "item_reference" and refs is not None and item.get("id") in refs:
+        if item_type(item) == "item_reference" and refs is not None and item.get("id") in refs:
             item = refs[item["id"]]
-        kind = item.get("type", "message")
+        kind = item_type(item)
         if item.get("id") is not None and not isinstance(item["id"], str):  # echoed by input_items, used by `after`
             raise invalid(f"'{w}.id' must be a string.", f"{w}.id")
         if kind == "message":
@@ -521,7 +532,7 @@ def references(body: Any) -> list[str]:
     items = body.get("input") if isinstance(body, dict) else None
     if not isinstance(items, list):
         return []
-    return [i["id"] for i in items if isinstance(i, dict) and i.get("type") == "item_reference" and isinstance(i.get("id"), str)]
+    return [i["id"] for i in items if isinstance(i, dict) and item_type(i) == "item_reference" and isinstance(i.get("id"), str)]
 
 
 def parse_request(body: Any, public_model: str, media_hosts: tuple[str, ...] = (),
@@ -585,7 +596,9 @@ def parse_request(body: Any, public_model: str, media_hosts: tuple[str, ...] = (
     if reasoning is not None:
         if not isinstance(reasoning, dict):
             raise invalid("'reasoning' must be an object.", "reasoning")
-        fields.check_extra(reasoning, ("effort", "summary"), "responses", "reasoning.")
+        # OpenAI's other Reasoning fields, explicit null: "not set", even with request_fields: reject
+        fields.check_extra({k: v for k, v in reasoning.items() if v is not None or k not in REASONING_UNUSED},
+                           ("effort", "summary"), "responses", "reasoning.")
         if reasoning.get("effort") is not None:
             if reasoning["effort"] not in EFFORTS:
                 raise invalid(f"'reasoning.effort' must be one of {', '.join(EFFORTS)}.", "reasoning.effort")
@@ -705,6 +718,11 @@ def output_items(message: dict[str, Any], status: str, logprobs: list | None = N
     return items
 
 
+def _or(value: Any, default: Any) -> Any:
+    """A request field echoed in the response: an explicit null is "not set", echoed as the default."""
+    return default if value is None else value
+
+
 def response_object(req: ResponsesRequest, response_id: str, created_at: int, status: str, output: list,
                     usage: dict[str, Any] | None = None, error: dict[str, Any] | None = None,
                     incomplete: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -723,7 +741,7 @@ def response_object(req: ResponsesRequest, response_id: str, created_at: int, st
         "max_output_tokens": b.get("max_output_tokens"),
         "model": b["model"],
         "output": output,
-        "parallel_tool_calls": b.get("parallel_tool_calls", True),
+        "parallel_tool_calls": _or(b.get("parallel_tool_calls"), True),
         "previous_response_id": b.get("previous_response_id"),
         "prompt_cache_key": b.get("prompt_cache_key"),
         "reasoning": {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")},
@@ -731,11 +749,11 @@ def response_object(req: ResponsesRequest, response_id: str, created_at: int, st
         "store": req.store,
         "temperature": b.get("temperature"),
         "text": {"format": fmt},
-        "tool_choice": b.get("tool_choice", "auto"),
+        "tool_choice": _or(b.get("tool_choice"), "auto"),
         "tools": b.get("tools") or [],
         "top_logprobs": b.get("top_logprobs"),
         "top_p": b.get("top_p"),
-        "truncation": b.get("truncation", "disabled"),
+        "truncation": _or(b.get("truncation"), "disabled"),
         "usage": usage,
         "user": b.get("user"),
         "metadata": b.get("metadata") or {},
@@ -785,8 +803,9 @@ def list_input_items(record: dict[str, Any], limit: int, order: str, after: str 
         ids = [i.get("id") for i in items]
         items = items[ids.index(after) + 1:] if after in ids else []
     page = items[:limit]
-    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+    # OpenAI's ResponseItemList requires both ids as strings (not nullable): "" for an empty page
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else "",
+            "last_id": page[-1]["id"] if page else "", "has_more": len(items) > limit}
 
 
 # ------------------------------------------------------------------------ stream
