@@ -154,6 +154,10 @@ def strict_violation(payload: dict) -> web.Response | None:
             return vllm_error("Unexpected message role.")
         if role == "system" and i > 0:
             return vllm_error("System message must be at the beginning.")
+        if role == "system" and isinstance(msg.get("content"), list) and any(
+                isinstance(p, dict) and p.get("type") not in ("text", None) for p in msg["content"]):
+            # the Qwen3.5/3.6 templates: raise_exception('System message cannot contain images.')
+            return vllm_error("System message cannot contain images.")
     if not any(m.get("role") == "user" for m in messages):
         return vllm_error("No user query found in messages.")
     prompt = estimate_tokens(payload)

@@ -120,3 +120,31 @@ def test_the_media_host_list_is_validated(value, expected):
     ok = load_profile("tiny", profile_dirs(), [("proxy.media_url_hosts", ["Images.Example.COM", "*", "10.0.0.5", "[::1]"])])
     assert ok.proxy.media_url_hosts == ("images.example.com", "*", "10.0.0.5", "::1")
     assert load_profile("tiny", profile_dirs()).proxy.media_url_hosts == ()
+
+
+@pytest.mark.parametrize("role", ["system", "developer"])
+def test_an_image_in_the_instructions_reaches_the_engine_as_an_image_in_a_user_message(s, role):
+    """An image part of a system or developer message was stringified (its whole base64 data URL)
+    into the one system message, on every hop; sent directly, Qwen3.6's template refuses an image
+    in a system message ("System message cannot contain images.")."""
+    instructions = {"role": role, "content": [{"type": "text", "text": "Describe what you see."},
+                                              {"type": "image_url", "image_url": {"url": PNG}}]}
+    r = s.chat([instructions, {"role": "user", "content": "[route:L2] what is this?"}])
+    assert r.choices[0].message.content
+    answer = s.log("answer")[-1]["messages"]
+    assert answer[0]["role"] == "system" and PNG not in str(answer[0]) and "Describe what you see." in answer[0]["content"]
+    assert answer[1] == {"role": "user", "content": [{"type": "text", "text": "[system note] attached to the instructions:"},
+                                                     {"type": "image_url", "image_url": {"url": PNG}}]}
+    assert PNG not in str(s.log("route")[-1]["messages"])  # the router sees the request only
+
+
+def test_an_image_in_a_later_system_message_stays_an_image_in_its_note(s):
+    first = [{"role": "user", "content": "[route:L2] hi"}]
+    reply = s.chat(first).choices[0].message.content
+    note = {"role": "system", "content": [{"type": "text", "text": "Now look at this."},
+                                          {"type": "image_url", "image_url": {"url": PNG}}]}
+    s.chat([*first, {"role": "assistant", "content": reply}, note, {"role": "user", "content": "[route:L2] and?"}])
+    answer = s.log("answer")[-1]["messages"]
+    assert {"role": "user", "content": [{"type": "text", "text": "[system note] Now look at this."},
+                                        {"type": "image_url", "image_url": {"url": PNG}}]} in answer
+    assert all(PNG not in str(m["content"]) for m in answer if isinstance(m["content"], str))

@@ -16,6 +16,11 @@ its own turn (the upstream off-by-one put it in the next one). For a target adap
   message `[system note] <text>` (both families render a user message anywhere; merging it into
   the leading system message would change the prefix of every earlier turn and lose where it
   was said). A folded turn keeps its notes along with its user messages.
+- non-text parts (images, audio, video, files) of system/developer content are never turned into
+  text: the templates accept them in user messages only (Qwen3.6: "System message cannot contain
+  images."), so the leading instructions' parts follow the system message as one user message
+  `[system note] attached to the instructions:` with the parts, and a mid-conversation note keeps
+  its parts after its text.
 The route hop sends its own instruction as its one system message and a bounded quote of the
 request (`route_input`); the summary hop is the answer hop's view plus two messages.
 The rendering depends only on the history and the records, so an adapter's view of turn k is a
@@ -78,25 +83,45 @@ def fold_text(profile: Profile, record: TurnRecord) -> str:
     return profile.prompts.fold.replace("{summary}", summary)
 
 
-def leading_system(identity: str, head: list[dict[str, Any]]) -> dict[str, Any]:
-    """The one system message: identity, then the client's instructions in order."""
-    texts = [identity]
+ATTACHED = SYSTEM_NOTE + "attached to the instructions:"
+
+
+def text_and_media(content: Any) -> tuple[str, list[dict[str, Any]]]:
+    """Instruction content -> (its text, its non-text parts as sent)."""
+    if not isinstance(content, list):
+        return text_of(content), []
+    texts = [p for p in content if not isinstance(p, dict) or isinstance(p.get("text"), str)]
+    media = [p for p in content if isinstance(p, dict) and not isinstance(p.get("text"), str)]
+    return text_of(texts), media
+
+
+def leading_system(identity: str, head: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The one system message (identity, then the client's instructions in order) and, when the
+    instructions carry non-text parts, the user message that holds them."""
+    texts, media = [identity], []
     for msg in head:
-        text = text_of(msg.get("content")).strip()
+        text, parts = text_and_media(msg.get("content"))
+        text = text.strip()
         if text and text != identity:  # a client that echoes the identity does not get it twice
             texts.append(text)
-    return {"role": "system", "content": "\n\n".join(texts)}
+        media.extend(parts)
+    system = {"role": "system", "content": "\n\n".join(texts)}
+    if not media:
+        return [system]
+    return [system, {"role": "user", "content": [{"type": "text", "text": ATTACHED}, *media]}]
 
 
 def as_note(msg: dict[str, Any]) -> dict[str, Any]:
     """A mid-conversation system/developer message, as the user-side note the templates accept."""
     if msg.get("role") in INSTRUCTION_ROLES:
-        return {"role": "user", "content": SYSTEM_NOTE + text_of(msg.get("content")).strip()}
+        text, media = text_and_media(msg.get("content"))
+        note = SYSTEM_NOTE + text.strip()
+        return {"role": "user", "content": [{"type": "text", "text": note}, *media] if media else note}
     return msg
 
 
 def own_view(profile: Profile, identity: str, messages: list[dict[str, Any]], history: History, target: str) -> list[dict[str, Any]]:
-    view: list[dict[str, Any]] = [leading_system(identity, messages[: history.head_end])]
+    view: list[dict[str, Any]] = leading_system(identity, messages[: history.head_end])
     for seg in history.segments:
         part = messages[seg.start: seg.end]
         if seg.record is None or seg.record.route == target:
