@@ -21,20 +21,27 @@ molctl from the families' documented behaviour (molctl/templates/), not copied:
   points at Qwen3.5's chat_template.jinja; the same refusal for late or repeated system messages
   in verl-project/verl#7725 and xinnan-tech/xiaozhi-esp32-server#3282); no `developer` role
   ("Unexpected message role.", e.g. 1CatAI/1Cat-vLLM#493); "No user query found in messages."
-  without a user turn (verl#7725); no images in the system message; tools in `<tools></tools>` in the
-  system turn and calls as `<tool_call><function=NAME><parameter=K>V</parameter></function>
+  without a user turn (verl#7725); no images in the system message; tools in `<tools></tools>` first
+  in the system turn, the client's system text after them (the Qwen3.6 template: `# Tools` opens
+  the system turn when tools are given), and calls as `<tool_call><function=NAME><parameter=K>V</parameter></function>
   </tool_call>` (docs.vllm.ai, vllm.parser.qwen3 "Qwen3 XML tool call format", the format of the
   `qwen3_coder` parser the Tall profile uses); tool results as `<tool_response>` blocks in one user
-  turn (Qwen3 function-calling docs); `<think>` kept only after the last user query and
+  turn (Qwen3 function-calling docs); a `<think>` block (empty without reasoning) on each assistant
+  message after the last user query (`loop.index0 > ns.last_query_index`), every one with
+  `preserve_thinking` (Qwen3.6), and
   `enable_thinking=false` closing an empty think block in the generation prompt (Qwen3.5 template
   as quoted in Comfy-Org/ComfyUI#15957).
 - `glm5`: the GLM-4.5 / 4.6 / 4.7 / GLM-5 rules. `[gMASK]<sop>`, `<|system|>` `<|user|>`
-  `<|assistant|>` `<|observation|>` turns; system messages accepted anywhere (the family's template
+  `<|assistant|>` `<|observation|>` turns; GLM-5.x's `<|system|>Reasoning Effort: Low|High|Max`
+  header from `reasoning_effort` right after `[gMASK]<sop>` (`low`/`high` as given, else `Max`:
+  sgl-project/sglang#28454, osaurus-ai/vmlx-swift#441), then the tools block; system messages accepted anywhere (the family's template
   renders each where it stands; THUDM/ChatGLM3 PROMPT.md: the system role "can be interspersed in
   the dialogue in design"); tool calls as
   `<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value></tool_call>` and results as one
   `<|observation|>` turn of `<tool_response>` blocks (the GLM-4.5 / 4.7 templates as quoted in
-  ik_llama.cpp discussion #753, and llama.cpp's GLM 4.5 chat-format parser); thinking on by
+  ik_llama.cpp discussion #753, llama.cpp's GLM 4.5 chat-format parser and its vendored
+  models/templates/GLM-4.6.jinja; list-valued tool content printed part by part as the vendor
+  template does, vllm#39614); reasoning kept after the last user message (`ns.last_user_index`), thinking on by
   default, `</think>` for earlier turns unless `clear_thinking=false`, `<|assistant|></think>` when
   `enable_thinking` is false (docs.z.ai "Thinking Mode"; the GLM-4.7 template). The real template skips an unknown
   role silently; this one raises on `developer` so the loss is visible.

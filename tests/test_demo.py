@@ -123,10 +123,10 @@ def test_qwen_rules():
 
 def test_glm_rules():
     text = render_demo("glm5", [SYS, USER, ANSWER, {"role": "system", "content": "Now in French."}, USER])
-    assert text == ("[gMASK]<sop><|system|>Be brief.<|user|>hi<|assistant|></think>hello"
+    assert text == ("[gMASK]<sop><|system|>Reasoning Effort: Max<|system|>Be brief.<|user|>hi<|assistant|></think>hello"
                     "<|system|>Now in French.<|user|>hi<|assistant|><think>")
     off = render_demo("glm5", [USER], chat_template_kwargs={"enable_thinking": False})
-    assert off == "[gMASK]<sop><|user|>hi<|assistant|></think>"
+    assert off == "[gMASK]<sop><|system|>Reasoning Effort: Max<|user|>hi<|assistant|></think>"
     kept = render_demo("glm5", [USER, {"role": "assistant", "content": "", "reasoning_content": "why"}, USER, ANSWER],
                        chat_template_kwargs={"clear_thinking": False})
     assert "<think>why</think>" in kept
