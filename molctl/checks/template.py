@@ -22,7 +22,14 @@ which no other check sees before real traffic does. So:
   content as ""); they are otherwise rendered exactly as sent (no developer-to-system rewriting,
   which only some engine versions do). A failure names the error, the hop and the shape.
 
-The render result is remembered in STATE/cache, keyed by the template, the profile and the
+- `template.prefix`: each hop's rendered prompt starts with the same hop's prompt of the previous
+  turn on the same adapter, in each sample conversation (route N -> route N+1, answer N -> the
+  next answer on that adapter), so the engine's prefix cache serves the history instead of a
+  second prefill. A break is a warning naming the hop, the turns and the first differing
+  characters (Qwen3.6's tools-first system turn, the last-query <think> rule and GLM-5.x's
+  effort header each break it when the hops differ in tools, messages or reasoning_effort).
+
+The render results are remembered in STATE/cache, keyed by the template, the profile and the
 proxy's source files (path, size, mtime): importing the proxy and compiling a real template
 cost ~0.2 s, a cache hit a few milliseconds, so `molctl check` stays about as fast as before.
 """
@@ -40,7 +47,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from molctl.checks import CheckResult, Probes
 from molctl.profiles import Profile
@@ -336,6 +343,82 @@ def _bounded_render(compiled, kwargs: dict[str, Any]) -> str:
         sys.settrace(previous)
 
 
+class Step(NamedTuple):
+    """One rendered prompt of a sample conversation, in the order the proxy sent it."""
+
+    hop: str
+    adapter: str
+    prompt: str
+    shape: str = ""
+    conversation: str = ""
+
+
+# The earlier hops a hop's prompt must extend: the previous turn's same hop on the same adapter in
+# the same conversation. A hop the proxy builds as the continuation of another (a summary that
+# continues its answer's prompt) is checked by adding it here, e.g. "summary": ("answer",), and
+# passing its steps: it is then compared with the latest of those hops before it.
+CONTINUES: dict[str, tuple[str, ...]] = {"route": ("route",), "answer": ("answer",)}
+
+
+class Break(NamedTuple):
+    step: Step
+    previous: Step
+    at: int  # the first character where they differ
+
+
+def prefix_breaks(steps: list[Step] | list[tuple[str, str, str]],
+                  continues: dict[str, tuple[str, ...]] | None = None) -> tuple[int, list[Break]]:
+    """(how many continuations were compared, the ones whose prompt does not start with the one it
+    continues). `steps` in the order sent; plain (hop, adapter, prompt) tuples are one conversation."""
+    continues = CONTINUES if continues is None else continues
+    latest: dict[tuple[str, str, str], Step] = {}
+    compared, breaks = 0, []
+    for raw in steps:
+        step = raw if isinstance(raw, Step) else Step(*raw)
+        prev = None
+        for hop in continues.get(step.hop, ()):
+            cand = latest.get((step.conversation, step.adapter, hop))
+            if cand is not None:
+                prev = cand
+        if prev is not None:
+            compared += 1
+            if not step.prompt.startswith(prev.prompt):
+                at = next((i for i, (a, b) in enumerate(zip(prev.prompt, step.prompt, strict=False)) if a != b),
+                          min(len(prev.prompt), len(step.prompt)))
+                breaks.append(Break(step, prev, at))
+        if step.hop in {h for hops in continues.values() for h in hops}:
+            latest[(step.conversation, step.adapter, step.hop)] = step
+    return compared, breaks
+
+
+def _around(text: str, at: int, width: int = 20) -> str:
+    """`width` characters either side of `at`, escaped (newlines as \\n), with ... where cut."""
+    piece = json.dumps(text[max(at - width, 0):at], ensure_ascii=False)[1:-1] + "|" + \
+        json.dumps(text[at:at + width], ensure_ascii=False)[1:-1]
+    return ("..." if at > width else "") + piece + ("..." if at + width < len(text) else "")
+
+
+def prefix_result(steps: list[Step] | list[tuple[str, str, str]], source: str = "the template") -> CheckResult:
+    compared, breaks = prefix_breaks(steps)
+    hops = ", ".join(CONTINUES)
+    if not breaks:
+        return CheckResult("template.prefix", "pass", f"{compared} continuations ({hops} hops, turn to turn on the "
+                                                      f"same adapter) extend the previous prompt with {source}")
+    first = breaks[0]
+    step, prev, at = first
+    turn = f" for shape '{step.shape}'" if step.shape else ""
+    since = f" of '{prev.shape}'" if prev.shape else ""
+    more = f"; {len(breaks)} of {compared} continuations break" if len(breaks) > 1 else ""
+    if len(breaks) > 1:
+        others = sorted({f"{b.step.hop}/{b.step.shape}" for b in breaks[1:]} - {f"{step.hop}/{step.shape}"})
+        if others:
+            more += f" (also {', '.join(others[:3])}{' and more' if len(others) > 3 else ''})"
+    return CheckResult("template.prefix", "warn",
+                       f"the {step.hop} hop on {step.adapter}{turn} does not extend its previous prompt{since} with "
+                       f"{source}: they part at character {at} of {len(prev.prompt)} (the engine prefills the rest "
+                       f"again): expected '{_around(prev.prompt, at)}', rendered '{_around(step.prompt, at)}'{more}")
+
+
 def _error_text(exc: BaseException) -> str:
     message = str(exc).strip() or type(exc).__name__
     first = message.splitlines()[0]
@@ -360,17 +443,18 @@ def _cache_path(profile: Profile, template: Template, probes: Probes) -> Path | 
     return probes.state_dir / "cache" / f"template-{h.hexdigest()[:24]}.json"
 
 
-def _cached(path: Path | None) -> CheckResult | None:
+def _cached(path: Path | None) -> list[CheckResult] | None:
     if path is None:
         return None
     try:
         data = json.loads(path.read_text())
-        return CheckResult("template.render", data["status"], data["detail"] + " (remembered from an earlier check)")
+        return [CheckResult(r["id"], r["status"], r["detail"] + " (remembered from an earlier check)")
+                for r in data["results"]]
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
-def _remember(path: Path | None, result: CheckResult) -> None:
+def _remember(path: Path | None, results: list[CheckResult]) -> None:
     if path is None:
         return
     try:
@@ -379,7 +463,7 @@ def _remember(path: Path | None, result: CheckResult) -> None:
             if old != path and time.time() - old.stat().st_mtime > 7 * 86400:
                 old.unlink(missing_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"status": result.status, "detail": result.detail}))
+        tmp.write_text(json.dumps({"results": [{"id": r.id, "status": r.status, "detail": r.detail} for r in results]}))
         os.replace(tmp, path)
     except OSError:
         pass
@@ -388,38 +472,52 @@ def _remember(path: Path | None, result: CheckResult) -> None:
 def run(profile: Profile, probes: Probes) -> list[CheckResult]:
     if not tokenizer_dir(profile).is_dir() and not profile.engine.args.get("chat-template"):
         return [CheckResult("template.found", "skip", f"{tokenizer_dir(profile)} is missing (see model.root)"),
-                CheckResult("template.render", "skip", "no template to render")]
+                CheckResult("template.render", "skip", "no template to render"),
+                CheckResult("template.prefix", "skip", "no template to render")]
     try:
         template = find_template(profile)
     except NotFound as exc:
         return [CheckResult("template.found", "warn", f"{exc}; {_fallback(profile)}"),
-                CheckResult("template.render", "skip", "no template to render")]
+                CheckResult("template.render", "skip", "no template to render"),
+                CheckResult("template.prefix", "skip", "no template to render")]
     except ValueError as exc:
         return [CheckResult("template.found", "fail", str(exc)),
-                CheckResult("template.render", "skip", "no template to render")]
+                CheckResult("template.render", "skip", "no template to render"),
+                CheckResult("template.prefix", "skip", "no template to render")]
     out = [CheckResult("template.found", "pass", f"{template.source} ({sum(map(len, template.texts.values()))} chars)")]
     cache = _cache_path(profile, template, probes)
     if (hit := _cached(cache)) is not None:
-        return [*out, hit]
+        return [*out, *hit]
     started = time.perf_counter()
-    result = _render_all(profile, template)
-    _remember(cache, result)
-    return [*out, CheckResult(result.id, result.status, f"{result.detail} (in {(time.perf_counter() - started) * 1000:.0f} ms)")]
+    results = _render_all(profile, template)
+    _remember(cache, results)
+    took = f" (in {(time.perf_counter() - started) * 1000:.0f} ms)"
+    return [*out, *(CheckResult(r.id, r.status, r.detail + took) for r in results)]
 
 
-def _render_all(profile: Profile, template: Template) -> CheckResult:
+def _render_all(profile: Profile, template: Template) -> list[CheckResult]:
     from molctl.proxy.samples import collect
 
     try:
         requests = collect(profile)
     except Exception as exc:  # the proxy itself failed on a sample: that is a finding too
-        return CheckResult("template.render", "fail", f"the proxy failed to build its sample requests: {_error_text(exc)}")
+        return [CheckResult("template.render", "fail", f"the proxy failed to build its sample requests: {_error_text(exc)}"),
+                CheckResult("template.prefix", "skip", "no sample requests")]
     failures: list[tuple[str, str, str]] = []
+    steps: list[Step] = []
     for req in requests:
         try:
-            render(template, req.payload)
+            text = render(template, req.payload)
         except Exception as exc:  # template errors, and TypeError/UndefinedError from a template that assumes shapes
             failures.append((req.hop, req.shape, _error_text(exc)))
+        else:
+            steps.append(Step(req.hop, str(req.payload.get("model")), text, req.shape, req.conversation))
+    return [_render_result(template, requests, failures),
+            prefix_result(steps, template.source) if not failures else
+            CheckResult("template.prefix", "skip", "not every request renders (see template.render)")]
+
+
+def _render_result(template: Template, requests: list, failures: list[tuple[str, str, str]]) -> CheckResult:
     shapes = len({r.shape for r in requests})
     if failures:
         hop, shape, error = failures[0]

@@ -45,6 +45,7 @@ class HopRequest:
     hop: str  # route | answer | summary
     shape: str  # the client situation that produced it
     payload: dict[str, Any]
+    conversation: str = ""  # the sample conversation (tenant) the turn belongs to; turns in order
 
 
 @dataclass
@@ -62,6 +63,7 @@ class _RecordingClient:
     def __init__(self) -> None:
         self.sent: list[HopRequest] = []
         self.turn: _Turn | None = None
+        self.conversation = ""
 
     async def start(self) -> None:
         pass
@@ -72,7 +74,7 @@ class _RecordingClient:
     async def chat(self, payload: dict[str, Any], hop: str, **_: Any) -> dict[str, Any]:
         turn = self.turn
         assert turn is not None
-        self.sent.append(HopRequest(hop, turn.shape, copy.deepcopy(payload)))
+        self.sent.append(HopRequest(hop, turn.shape, copy.deepcopy(payload), self.conversation))
         if hop == "route":
             message = {"role": "assistant", "content": turn.label or "L0"}
         elif hop == "answer":
@@ -163,7 +165,7 @@ async def collect_async(profile: Profile, stream: bool = False) -> list[HopReque
     orch = Orchestrator(profile, get_engine(profile.engine.kind), client, MemoryStore())  # type: ignore[arg-type]
     for tenant, turns in _conversations().items():
         for turn in turns:
-            client.turn = turn
+            client.turn, client.conversation = turn, tenant
             body = {"model": profile.served_model_name, "messages": copy.deepcopy(turn.messages), **copy.deepcopy(turn.extra)}
             if stream:
                 body["stream"] = True
