@@ -236,7 +236,8 @@ class ProxyApp:
         except (StoreError, StoreBusy) as exc:  # an external fault (a full disk, another process's lock): one line
             failure = store_failure(exc, rid) or internal_error(rid)
             state["error"] = failure.code
-            self.counters.inc("internal_errors_total")
+            if failure.status >= 500:  # not a record over its quota (a 400: the client's to change)
+                self.counters.inc("internal_errors_total")
             self.counters.inc("store_failures_total", cause=store_cause(exc))
             log.warning("request %s failed: %s", rid, exc)
             if not state["started"]:
@@ -613,12 +614,14 @@ class ProxyApp:
         except Exception as exc:
             if not started:
                 raise  # answered as a JSON 500 by __call__
-            self.counters.inc("internal_errors_total")
             if isinstance(exc, (StoreError, StoreBusy)):  # an external fault: one line (see __call__)
                 log.warning("request %s: stream failed: %s", rid, exc)
                 self.counters.inc("store_failures_total", cause=store_cause(exc))
                 failure = store_failure(exc, rid) or internal_error(rid)
+                if failure.status >= 500:
+                    self.counters.inc("internal_errors_total")
             else:
+                self.counters.inc("internal_errors_total")
                 log.exception("request %s: stream failed", rid)
                 failure = internal_error(rid)
         finally:

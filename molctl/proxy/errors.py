@@ -162,8 +162,14 @@ def store_cause(exc: Exception) -> str:
 def store_failure(exc: Exception, rid: str) -> ProxyError | None:
     """What the client gets for a failed store call (molctl.proxy.sqlite_store.StoreError) by its
     cause: a damaged store is a 500 `store_damaged`, a write the disk refused a 503
-    `store_unavailable` naming why (with Retry-After); None for any other (the caller's 500)."""
+    `store_unavailable` naming why (with Retry-After), a record over its byte quota on its own a 400
+    `store_quota_exceeded` naming the quota; None for any other (the caller's 500)."""
     cause = getattr(exc, "cause", None)
+    if cause == "quota":  # the record with its conversation is over a byte cap on its own (QuotaExceeded)
+        return ProxyError(400, f"The response cannot be stored: with its conversation it is {exc.size} bytes, over "
+                          f"this API key's stored-response quota ({exc.setting}: {exc.cap} bytes). Send `store: "
+                          f"false`, or start a new conversation (request id {rid}).", "invalid_request_error",
+                          "store_quota_exceeded", param="store")
     if cause == "damaged":
         return ProxyError(500, f"The proxy's response store is damaged: the record could not be read or written "
                           f"(request id {rid}).", "server_error", "store_damaged")

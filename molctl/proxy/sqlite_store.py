@@ -253,6 +253,17 @@ class StoreError(MolctlError):
         self.cause = cause
 
 
+class QuotaExceeded(StoreError):
+    """A record that is over a byte cap (`setting`: proxy.store_tenant_max_bytes or store_max_bytes)
+    on its own, with its conversation: not stored, nothing evicted (cause "quota"). The client's
+    mistake, not the store's: a 400 naming the quota (molctl.proxy.errors.store_failure), and the
+    store stays ready."""
+
+    def __init__(self, message: str, size: int, cap: int, setting: str):
+        super().__init__(message, cause="quota")
+        self.size, self.cap, self.setting = size, cap, setting
+
+
 def _cause(exc: BaseException) -> str | None:
     """StoreError.cause for an sqlite3 error (its extended error name, Python 3.11+)."""
     name = getattr(exc, "sqlite_errorname", "") or ""
@@ -487,7 +498,7 @@ class SqliteResponseStore:
 
     def _write_failed(self, exc: BaseException) -> None:
         cause = getattr(exc, "cause", None)
-        if cause not in (None, "locked"):  # locked: another process's transaction, not this store's state
+        if cause not in (None, "locked", "quota"):  # locked: another process's transaction, not this store's state
             self.write_failure = WRITE_CAUSES.get(cause, cause)
 
     def _damage_seen(self, why: str) -> None:
@@ -593,8 +604,8 @@ class SqliteResponseStore:
         whole = head[-1] + seg_size + inherited  # what this response holds: its row and its conversation
         for cap, name in ((self.max_bytes, "proxy.store_max_bytes"), (self.tenant_max_bytes, "proxy.store_tenant_max_bytes")):
             if whole > cap:  # evicting every other record could not make room: nothing is evicted
-                raise StoreError(f"response store {self.path}: a record of {whole} bytes (with its conversation) is over "
-                                 f"{name} ({cap}): not stored")
+                raise QuotaExceeded(f"response store {self.path}: a record of {whole} bytes (with its conversation) is over "
+                                    f"{name} ({cap}): not stored", whole, cap, name)
         if chain is None:
             chain = conn.execute("INSERT INTO chains (tenant, length, refs) VALUES (?, 0, 0)", (tenant,)).lastrowid
         if text is not None:
