@@ -69,10 +69,13 @@ def _redis(profile: Profile, prune: bool) -> dict[str, Any]:
     p = profile.proxy
     target = parse_redis_url(p.store)
     password = read_password(p.store_password_file)
-    out: dict[str, Any] = {"profile": profile.name, "backend": "redis", "path": None, "exists": True,
-                           "bounds": {"ttl_s": p.store_ttl_s, "max_entries": p.store_max_entries}}
+    bounds = {"ttl_s": p.store_ttl_s, "max_bytes": p.store_max_bytes, "max_entries": p.store_max_entries,
+              **tenant_bounds(p)}
+    out: dict[str, Any] = {"profile": profile.name, "backend": "redis", "path": None, "exists": True, "bounds": bounds}
     if prune:
-        out["removed"] = prune_sync(target, password, profile.name, p.store_ttl_s, p.store_max_entries)
+        out["removed"] = prune_sync(target, password, profile.name, p.store_ttl_s, p.store_max_entries,
+                                    max_bytes=p.store_max_bytes, tenant_max_entries=bounds["tenant_max_entries"],
+                                    tenant_max_bytes=bounds["tenant_max_bytes"])
     out["redis"] = describe_sync(target, password, profile.name)
     return out
 

@@ -6,6 +6,7 @@ stuck) through real `molctl proxy` processes driven by the openai SDK."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import pytest
 from molctl.errors import ExitStatus
 from molctl.proxy.conversations import CallBinding, TurnRecord
 from molctl.proxy.redis_store import (
+    SCRIPTS,
     RedisConversationStore,
     RedisResponseStore,
     RedisState,
@@ -135,7 +137,7 @@ def test_responses_per_tenant_and_profile_with_ttl_and_delete(redis, r):
 def test_count_cap_evicts_the_oldest(redis, r):
     async def main():
         now = [time.time()]
-        st = state(redis, max_entries=3, clock=lambda: now[0])
+        st = state(redis, max_entries=3, tenant_max_entries=3, clock=lambda: now[0])  # the global cap (one tenant)
         store = RedisResponseStore(st)
         for i in range(5):
             now[0] += 1
@@ -864,8 +866,8 @@ def label(argv: list[bytes]) -> str:
     name = argv[0].upper()
     if name == b"EVALSHA":
         nkeys, key = int(argv[2]), argv[3]
-        if b":r:" in key:
-            return "chain" if nkeys == 1 else "put r"
+        if b":r:" in key:  # a response's scripts: told apart by their SHA1
+            return RESPONSE_SCRIPTS.get(argv[1].decode(), "evalsha r")
         if b":c:" in key:
             return "put call"
         if b":t:" in key:
@@ -880,6 +882,10 @@ def request_trips(flights: list[list[list[bytes]]]) -> list[list[str]]:
     ones (heartbeats, the summary hop's write, a new pooled connection's set-up)."""
     trips = [sorted(x for x in map(label, flight) if x not in BACKGROUND) for flight in flights]
     return [t for t in trips if t]
+
+
+RESPONSE_SCRIPTS = {hashlib.sha1(SCRIPTS[name].encode()).hexdigest(): shown
+                    for name, shown in (("chain", "chain"), ("rput", "put r"), ("rdel", "delete r"))}
 
 
 @pytest.fixture
@@ -956,7 +962,7 @@ def test_the_count_cap_never_evicts_the_record_being_written(redis, r):
     store's put). The write's own key is never its victim; the cap still holds."""
     async def main():
         now = [time.time()]
-        st = state(redis, max_entries=3, clock=lambda: now[0])
+        st = state(redis, max_entries=3, tenant_max_entries=3, clock=lambda: now[0])  # the global cap (one tenant)
         store = RedisResponseStore(st)
         for i in range(3):
             now[0] += 1

@@ -23,13 +23,21 @@ not a target): PREFIX = `molctl:{PROFILE}:`
   - `c:TENANT:CALL_ID`   a tool-call binding {route, arguments, name, replica}, TTL as above;
   - `replica:ID`         a replica's heartbeat {upstream, at}, TTL HEARTBEAT_TTL_S;
   - `idx:r`, `idx:conv`  sorted sets (member: key, score: write time) for the count caps;
-  - `stats`              a hash of evicted counts.
+  - `idx:rt:TENANT`, `rsz`, `tb`, `tn`  the Responses records per tenant (key format 2, RESPONSES):
+                          the tenant's index, each record's size and tenant, bytes and count per tenant;
+  - `stats`              a hash of evicted counts, the records' bytes (r_bytes) and the key format.
 
-Bounded memory: every record key has a TTL (Redis drops it itself); each write trims its group's
-index (entries older than the TTL) and, past `proxy.store_max_entries`, deletes the oldest keys
-of the group (at most EVICT_BATCH per write). Memory is thus about max_entries x record size per
-group; configure Redis with `maxmemory` and `maxmemory-policy volatile-lru` (every molctl key has
-a TTL, so Redis may evict them under pressure; an evicted record is simply unknown, as in SQLite).
+Bounded memory: every record key has a TTL (Redis drops it itself). A Responses write (one script,
+RESPONSES) forgets expired index entries, then a tenant (API key) over its quota
+(`proxy.store_tenant_max_entries` / `_bytes`, by default a quarter of the global caps) evicts its
+own oldest, and as a last resort a store over `proxy.store_max_entries` / `store_max_bytes` evicts
+from the tenant holding the most (records of key format 1 first); never the record being written;
+a record over a byte cap on its own is refused before the write (QuotaExceeded: a 400). Each
+record holds its whole conversation (the SQLite store's chains are not kept on Redis). Chat state:
+past `proxy.store_max_entries`, the oldest keys of its group go (at most EVICT_BATCH per write).
+Configure Redis with `maxmemory` and `maxmemory-policy volatile-lru` (every molctl record key
+has a TTL, so Redis may evict them under pressure; an evicted record is simply unknown, as in
+SQLite; its accounting stays until its index entry expires or is evicted).
 
 Races between replicas. Responses records and call bindings are written once under unique ids.
 A turn key names one history plus its answer, so a later turn never shares a key with an
@@ -79,6 +87,7 @@ from molctl.proxy.conversations import CallBinding, MemoryStore, TurnRecord
 from molctl.proxy.engine_client import ENGINE, EngineChoice
 from molctl.proxy.errors import ProxyError
 from molctl.proxy.response_store import DEFAULT_TTL_S, ResponseRecord
+from molctl.proxy.sqlite_store import DEFAULT_MAX_BYTES, QuotaExceeded
 
 log = logging.getLogger("molctl.proxy")
 
@@ -89,6 +98,10 @@ RETRY_S = 1.0  # while degraded, calls fail at once for this long, then one trie
 HEARTBEAT_S = 2.0  # a replica refreshes its registration this often...
 HEARTBEAT_TTL_S = 6.0  # ...and it lapses this long after the last refresh
 EVICT_BATCH = 64
+EVICT_MAX = 1024  # a response write evicts at most this many (a large record over a byte quota of small ones)
+EXPIRE_BATCH = 256  # expired index entries a response write forgets (the rest: the next writes, or a prune)
+KEY_FORMAT = 2  # 1: one count cap per group; 2: + per-tenant quotas and byte totals (`stats` field "format")
+TENANT_SHARE = 4  # a tenant's default quota: a quarter of each global cap (as the SQLite store's)
 MAX_CONNECTIONS = 64  # per proxy process
 RETRY_AFTER_S = "2"
 REFUSED_LOG_S = 60.0  # an error the server answers (OOM, NOPERM) is logged at most this often per kind
@@ -209,7 +222,145 @@ return out
 """
 
 
-SCRIPTS = {"put": TRIM + PUT_CAPPED, "turn": TRIM + MERGE_TURN, "chain": GET_CHAIN}
+# Responses under per-tenant quotas (key format 2, issue 32), shared by the put, the delete and a
+# prune. Per response key K (`r:TENANT:ID`): its entry in `idx:r` (all tenants, by write time: the
+# global count), in `idx:rt:TENANT` (the tenant's, by write time) and in the hash `rsz` ("SIZE:TENANT",
+# SIZE the stored value's bytes); per tenant its bytes and its count in the sorted sets `tb` and `tn`
+# (the biggest tenant at the top); the global bytes in `stats` field r_bytes. An entry of `idx:r`
+# without an `rsz` field was written by key format 1 (no quotas): it is read as before, counts
+# towards the global count only and is the first victim of the global cap. Everything a write
+# changes is changed by its one script: replicas sharing the Redis always agree on the totals.
+RESPONSES = """
+local P = ARGV[1]
+local IDX, STATS, RSZ, TB, TN = P .. 'idx:r', P .. 'stats', P .. 'rsz', P .. 'tb', P .. 'tn'
+local function tidx(tenant) return P .. 'idx:rt:' .. tenant end
+-- drop a response key and its accounting (returns 1 when the key still existed)
+local function forget(key)
+  local gone = redis.call('DEL', key)
+  redis.call('ZREM', IDX, key)
+  local meta = redis.call('HGET', RSZ, key)
+  if meta then
+    local size, tenant = string.match(meta, '^(%d+):(.*)$')
+    redis.call('HDEL', RSZ, key)
+    redis.call('ZREM', tidx(tenant), key)
+    redis.call('HINCRBY', STATS, 'r_bytes', -tonumber(size))
+    redis.call('ZINCRBY', TB, -tonumber(size), tenant)
+    if tonumber(redis.call('ZINCRBY', TN, -1, tenant)) <= 0 then
+      redis.call('ZREM', TN, tenant)
+      redis.call('ZREM', TB, tenant)
+    end
+  end
+  return gone
+end
+-- index entries older than the TTL (their keys expired already, or do now): at most `limit`
+local function expire(idx, cutoff, limit)
+  local old = redis.call('ZRANGEBYSCORE', idx, '-inf', '(' .. cutoff, 'LIMIT', 0, limit)
+  for _, key in ipairs(old) do
+    forget(key)
+    redis.call('ZREM', idx, key)  -- a tenant index's entry whose accounting is gone already
+  end
+  return #old
+end
+-- the oldest response of a tenant but `keep` (nil: none left)
+local function oldest(tenant, keep)
+  for _, key in ipairs(redis.call('ZRANGE', tidx(tenant), 0, 1)) do
+    if key ~= keep then return key end
+  end
+  return nil
+end
+local function tenant_over(tenant, max_entries, max_bytes)
+  local n = tonumber(redis.call('ZSCORE', TN, tenant) or 0)
+  local b = tonumber(redis.call('ZSCORE', TB, tenant) or 0)
+  return n > max_entries or b > max_bytes
+end
+-- a tenant over its quota evicts its own oldest; returns how many
+local function evict_tenant(tenant, keep, max_entries, max_bytes, limit)
+  local n = 0
+  while n < limit and tenant_over(tenant, max_entries, max_bytes) do
+    local victim = oldest(tenant, keep)
+    if not victim then break end
+    forget(victim)
+    n = n + 1
+  end
+  return n
+end
+-- over a global cap (the last resort): a key format 1 entry at the head of the index first, else
+-- the oldest of the tenant holding the most (bytes or responses, whichever cap is exceeded)
+local function evict_global(keep, max_entries, max_bytes, limit)
+  local n = 0
+  while n < limit do
+    local by_bytes = tonumber(redis.call('HGET', STATS, 'r_bytes') or 0) > max_bytes
+    if not by_bytes and redis.call('ZCARD', IDX) <= max_entries then break end
+    local victim = nil
+    for _, key in ipairs(redis.call('ZRANGE', IDX, 0, 1)) do
+      if key ~= keep and redis.call('HEXISTS', RSZ, key) == 0 then victim = key; break end
+    end
+    if not victim then
+      for _, tenant in ipairs(redis.call('ZREVRANGE', by_bytes and TB or TN, 0, 1)) do
+        victim = oldest(tenant, keep)
+        if victim then break end
+      end
+    end
+    if not victim then break end
+    forget(victim)
+    n = n + 1
+  end
+  return n
+end
+"""
+# KEYS[1] the record; ARGV: prefix, value, ttl_s, now, tenant, max_entries, max_bytes,
+# tenant_max_entries, tenant_max_bytes. Returns how many responses it evicted.
+PUT_RESPONSE = """
+local key, value, ttl, now, tenant = KEYS[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
+local max_entries, max_bytes = tonumber(ARGV[6]), tonumber(ARGV[7])
+local tmax_entries, tmax_bytes = tonumber(ARGV[8]), tonumber(ARGV[9])
+-- first a write Redis refuses at maxmemory (noeviction): the whole script is then refused, nothing
+-- changed (once a script has written, e.g. a DEL, Redis lets its later writes through over maxmemory)
+redis.call('HSET', STATS, 'format', KEY_FORMAT)
+forget(key)  -- the same id written again: its old value's bytes go
+expire(IDX, now - ttl, EXPIRE_BATCH)
+expire(tidx(tenant), now - ttl, EXPIRE_BATCH)
+redis.call('SET', key, value, 'EX', ttl)
+redis.call('ZADD', IDX, now, key)
+redis.call('ZADD', tidx(tenant), now, key)
+redis.call('HSET', RSZ, key, #value .. ':' .. tenant)
+redis.call('HINCRBY', STATS, 'r_bytes', #value)
+redis.call('ZINCRBY', TB, #value, tenant)
+redis.call('ZINCRBY', TN, 1, tenant)
+local n = evict_tenant(tenant, key, tmax_entries, tmax_bytes, EVICT_MAX)
+n = n + evict_global(key, max_entries, max_bytes, EVICT_MAX - n)
+if n > 0 then redis.call('HINCRBY', STATS, 'r_evicted', n) end
+return n
+""".replace("EXPIRE_BATCH", str(EXPIRE_BATCH)).replace("EVICT_MAX", str(EVICT_MAX)).replace("KEY_FORMAT", str(KEY_FORMAT))
+# KEYS[1] the record; ARGV[1] prefix. 1 when it existed.
+DELETE_RESPONSE = """
+return forget(KEYS[1])
+"""
+# `molctl state prune` (ARGV: prefix, now, ttl_s, max_entries, max_bytes, tenant_max_entries,
+# tenant_max_bytes, limit): {expired, evicted, more (1: call again)}
+PRUNE_BATCH = 1000  # a prune's script call removes at most this many (then it is called again)
+PRUNE_RESPONSES = """
+local now, ttl, limit = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[8])
+local max_entries, max_bytes = tonumber(ARGV[4]), tonumber(ARGV[5])
+local tmax_entries, tmax_bytes = tonumber(ARGV[6]), tonumber(ARGV[7])
+local expired = expire(IDX, now - ttl, limit)
+local evicted = 0
+if expired < limit then
+  local tenants = {}
+  for _, t in ipairs(redis.call('ZRANGEBYSCORE', TN, '(' .. tmax_entries, '+inf')) do tenants[t] = true end
+  for _, t in ipairs(redis.call('ZRANGEBYSCORE', TB, '(' .. tmax_bytes, '+inf')) do tenants[t] = true end
+  for t in pairs(tenants) do
+    if evicted < limit then evicted = evicted + evict_tenant(t, nil, tmax_entries, tmax_bytes, limit - evicted) end
+  end
+  evicted = evicted + evict_global(nil, max_entries, max_bytes, limit - evicted)
+  if evicted > 0 then redis.call('HINCRBY', STATS, 'r_evicted', evicted) end
+end
+return {expired, evicted, (expired + evicted >= limit) and 1 or 0}
+"""
+
+
+SCRIPTS = {"put": TRIM + PUT_CAPPED, "turn": TRIM + MERGE_TURN, "chain": GET_CHAIN,
+           "rput": RESPONSES + PUT_RESPONSE, "rdel": RESPONSES + DELETE_RESPONSE}
 SCRIPT_SHA: dict[str, str] = {}
 
 
@@ -358,12 +509,21 @@ class RedisState:
     def __init__(self, target: RedisTarget, password: str | None, profile: str, *, replica_id: str,
                  advertise_upstream: str, ttl_s: float = DEFAULT_TTL_S, max_entries: int = 100_000,
                  call_timeout_s: float = CALL_TIMEOUT_S, clock: Callable[[], float] = time.time,
-                 heartbeat_s: float = HEARTBEAT_S, heartbeat_ttl_s: float = HEARTBEAT_TTL_S):
+                 heartbeat_s: float = HEARTBEAT_S, heartbeat_ttl_s: float = HEARTBEAT_TTL_S,
+                 max_bytes: int = DEFAULT_MAX_BYTES, tenant_max_entries: int | None = None,
+                 tenant_max_bytes: int | None = None):
         self.target, self._password = target, password
         self.prefix = f"molctl:{{{profile}}}:"
         self.replica_id, self.advertise_upstream = check_replica_id(replica_id), advertise_upstream
         self.ttl_s, self.max_entries, self.call_timeout_s, self.clock = int(max(1, ttl_s)), max_entries, call_timeout_s, clock
         self.heartbeat_s, self.heartbeat_ttl_s = heartbeat_s, heartbeat_ttl_s
+        # the Responses records' bounds (see RESPONSES): global caps, and one tenant's (API key's) quota,
+        # by default a quarter of each (as the SQLite store's: `tenant_bounds`), never above them
+        self.max_bytes = max_bytes
+        self.tenant_max_entries = min(max_entries, tenant_max_entries if tenant_max_entries is not None
+                                      else max(1, max_entries // TENANT_SHARE))
+        self.tenant_max_bytes = min(max_bytes, tenant_max_bytes if tenant_max_bytes is not None
+                                    else max(1, max_bytes // TENANT_SHARE))
         self._pool = None  # redis-py's BlockingConnectionPool, made on first use (_connection_pool)
         self._scripts_loaded = False  # SCRIPT LOAD done on the current connection pool's server
         self._batch: list[tuple[str, list[str], list[Any], asyncio.Future]] = []
@@ -530,6 +690,13 @@ class RedisState:
         """Store a record (TTL, the group's cap), started now: its future, to await (see _write)."""
         args = [value, self.ttl_s, self.clock(), self.max_entries, f"{group}_evicted"]
         return self._write("put", [key, self.prefix + "idx:" + group, self.prefix + "stats"], args)
+
+    def put_response(self, key: str, tenant: str, value: bytes) -> asyncio.Future:
+        """Store a Responses record under its tenant's quota and the global caps (RESPONSES), started
+        now: its future (how many responses it evicted; see _write)."""
+        args = [self.prefix, value, self.ttl_s, self.clock(), tenant, self.max_entries, self.max_bytes,
+                self.tenant_max_entries, self.tenant_max_bytes]
+        return self._write("rput", [key], args)
 
     def merge_turn(self, key: str, value: bytes) -> asyncio.Future:
         """Merge a turn's state (a later state is never overwritten), started now: its future, to
@@ -781,7 +948,12 @@ class RedisResponseStore:
         reads = _REQUEST_READS.get()
         if reads is not None and reads.names:
             raw = " ".join(dict.fromkeys(reads.names)).encode() + b"\n" + raw
-        await self.state.put(self._key(record["tenant"], record["id"]), "r", raw)
+        st = self.state
+        for cap, name in ((st.max_bytes, "proxy.store_max_bytes"), (st.tenant_max_bytes, "proxy.store_tenant_max_bytes")):
+            if len(raw) > cap:  # evicting every other record could not make room: refused before the write
+                raise QuotaExceeded(f"response store {st.target.address}: a record of {len(raw)} bytes (with its "
+                                    f"conversation) is over {name} ({cap}): not stored", len(raw), cap, name)
+        await st.put_response(self._key(record["tenant"], record["id"]), record["tenant"], raw)
 
     def _fresh(self, raw: bytes, key: str) -> ResponseRecord | None:
         """The record, unless expired by its own clock or unreadable (then as absent: a 404)."""
@@ -813,10 +985,8 @@ class RedisResponseStore:
         return record
 
     async def delete_response(self, tenant: str, response_id: str) -> bool:
-        key = self._key(tenant, response_id)
-
-        index = self.state.prefix + "idx:r"
-        deleted, _ = await self.state.call("delete", lambda: self.state.transaction(("DEL", key), ("ZREM", index, key)))
+        """Deleted with its accounting (one script: RESPONSES)."""
+        deleted = await self.state.script("delete", "rdel", [self._key(tenant, response_id)], [self.state.prefix])
         return bool(deleted)
 
     def stats(self) -> dict[str, int]:
@@ -1097,6 +1267,8 @@ def describe_sync(target: RedisTarget, password: str | None, profile: str) -> di
                 "maxmemory": int(memory.get("maxmemory", 0)), "maxmemory_policy": memory.get("maxmemory_policy"),
                 "used_memory": int(memory.get("used_memory", 0)),
                 "responses": client.zcard(prefix + "idx:r"), "conversation_rows": client.zcard(prefix + "idx:conv"),
+                "responses_bytes": evicted.get("r_bytes", 0), "tenants": client.zcard(prefix + "tn"),
+                "key_format": evicted.get("format", 1 if client.exists(prefix + "idx:r") else KEY_FORMAT),
                 "responses_evicted": evicted.get("r_evicted", 0), "conversation_evicted": evicted.get("conv_evicted", 0),
                 "replicas": replicas,
                 # "slave": a read-only replica (what a primary becomes after a failover); every write refused
@@ -1110,17 +1282,28 @@ def describe_sync(target: RedisTarget, password: str | None, profile: str) -> di
 
 
 def prune_sync(target: RedisTarget, password: str | None, profile: str, ttl_s: float, max_entries: int,
-               clock: Callable[[], float] = time.time) -> dict[str, int]:
-    """Redis expires the records itself (TTL) and each write evicts over the cap; this trims the
-    index entries of expired records and evicts what is over `max_entries` now (e.g. after the cap
-    was lowered). Returns what it removed."""
+               clock: Callable[[], float] = time.time, max_bytes: int = DEFAULT_MAX_BYTES,
+               tenant_max_entries: int | None = None, tenant_max_bytes: int | None = None) -> dict[str, int]:
+    """Redis expires the records itself (TTL) and each write evicts over the caps; this trims the
+    index entries of expired records and evicts what is over the caps now (e.g. after a cap was
+    lowered): responses under the same tenant quotas and global caps as a write (RESPONSES, in
+    script calls of at most PRUNE_BATCH each), chat state over `max_entries`. Returns what it removed."""
     import redis
 
     prefix = f"molctl:{{{profile}}}:"
     client = _sync_client(target, password)
-    out: dict[str, int] = {}
+    out: dict[str, int] = {"expired": 0, "evicted": 0}
+    t_entries = min(max_entries, tenant_max_entries if tenant_max_entries is not None else max(1, max_entries // TENANT_SHARE))
+    t_bytes = min(max_bytes, tenant_max_bytes if tenant_max_bytes is not None else max(1, max_bytes // TENANT_SHARE))
     try:
-        for group, name in (("r", ""), ("conv", "conversation_")):
+        prune = client.register_script(RESPONSES + PRUNE_RESPONSES)
+        more = 1
+        while more:
+            expired, evicted, more = prune(keys=[prefix + "idx:r"], args=[prefix, clock(), int(max(1, ttl_s)), max_entries,
+                                                                         max_bytes, t_entries, t_bytes, PRUNE_BATCH])
+            out["expired"] += expired
+            out["evicted"] += evicted
+        for group, name in (("conv", "conversation_"),):
             idx = prefix + "idx:" + group
             out[name + "expired"] = client.zremrangebyscore(idx, "-inf", clock() - ttl_s)
             over = client.zcard(idx) - max_entries

@@ -218,9 +218,11 @@ def build_shared_state(profile, upstream: str, port: int, replica_id: str | None
     advertised = advertise_upstream or p.advertise_upstream or upstream
     _check_advertised(advertised, "--advertise-upstream" if advertise_upstream else
                       "proxy.advertise_upstream" if p.advertise_upstream else "--upstream")
+    from molctl.proxy.sqlite_store import tenant_bounds
+
     state = RedisState(target, password, profile.name, replica_id=replica_id or default_replica_id(port),
-                       advertise_upstream=advertised,
-                       ttl_s=p.store_ttl_s, max_entries=p.store_max_entries)
+                       advertise_upstream=advertised, ttl_s=p.store_ttl_s, max_entries=p.store_max_entries,
+                       max_bytes=p.store_max_bytes, **tenant_bounds(p))
     log.info("state store: %s (shared; replica %s, engine advertised as %s)", target.address, state.replica_id,
              state.advertise_upstream)
     return state
