@@ -18,9 +18,11 @@ which no other check sees before real traffic does. So:
   no-op `{% generation %}`), renders each request of `molctl.proxy.samples` - route, answer and
   summary hops of sample conversations run through the proxy's own code - with that request's
   tools and `chat_template_kwargs`, `add_generation_prompt=True` and the tokenizer's bos/eos/unk/pad
-  tokens. Messages are prepared as vLLM does (tool-call arguments parsed to objects, a missing
-  content as ""); they are otherwise rendered exactly as sent (no developer-to-system rewriting,
-  which only some engine versions do). A failure names the error, the hop and the shape.
+  tokens. Messages and variables are prepared as vLLM 0.32 does (`engine_messages`,
+  `template_kwargs`: reasoning_effort and enable_thinking passed, reasoning copied to
+  reasoning_content, a tool message's text parts joined, tool-call arguments parsed to objects, a
+  non-object tool call refused); they are otherwise rendered as sent (no developer-to-system
+  rewriting, which only some engine versions do). A failure names the error, the hop and the shape.
 
 - `template.prefix`: each hop's rendered prompt starts with the same hop's prompt of the previous
   turn on the same adapter, in each sample conversation (route N -> route N+1, answer N -> the
@@ -261,43 +263,105 @@ def compile_template(text: str):
     return env.from_string(text)
 
 
-def engine_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages as vLLM hands them to the template: tool-call arguments parsed to objects (an
-    unparseable or non-object value becomes {}), a missing content as ""."""
+class EngineRefusal(ValueError):
+    """What vLLM answers 400 before the template runs (its message)."""
+
+
+def _parts(content: Any) -> list[Any]:
+    """A message's content as vLLM parses it: a string is one text part, None no part."""
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    return list(content) if isinstance(content, list) else [content]
+
+
+def _shaped(parts: list[Any], content_format: str) -> Any:
+    """vLLM 0.32 (renderers/chat_utils.py, _parse_chat_message_content_parts): "string" joins the
+    text parts with newlines; "openai" passes the parts as a list of {"type": "text", ...} dicts.
+    Non-text parts are kept as sent (the template decides: images in a system message raise)."""
+    texts = [p.get("text", "") for p in parts if isinstance(p, dict) and p.get("type") == "text"]
+    if len(texts) < len(parts):
+        return parts
+    if content_format == "openai":
+        return [{"type": "text", "text": t} for t in texts]
+    return "\n".join(texts)
+
+
+def _engine_tool_calls(calls: list[Any]) -> list[dict[str, Any]]:
+    """vLLM 0.32's _postprocess_messages: a non-object entry or a type other than function is a 400;
+    arguments parsed to an object (empty, unparseable or a JSON non-object: {}, with a warning)."""
+    fixed = []
+    for call in calls:
+        if not isinstance(call, dict):
+            raise EngineRefusal("assistant tool_calls entries must be objects.")
+        fn = call.get("function")
+        if call.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise EngineRefusal("chat completions only support assistant tool_calls of type 'function'.")
+        args = fn.get("arguments")
+        if args and not isinstance(args, dict):
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args)
+                except ValueError:
+                    args = None
+            args = args if isinstance(args, dict) else {}
+        fixed.append({**call, "function": {**fn, "arguments": args or {}}})
+    return fixed
+
+
+def engine_messages(messages: list[dict[str, Any]], content_format: str = "string") -> list[dict[str, Any]]:
+    """Messages as vLLM 0.32 hands them to the template (entrypoints/openai/chat_completion/
+    protocol.py, renderers/chat_utils.py): only role, content, tool_calls, tool_call_id, name and
+    the reasoning are kept; `reasoning_content` is read as `reasoning` and an assistant's reasoning
+    is passed as both `reasoning` and `reasoning_content`; content in `content_format` ("string"
+    or "openai", see `content_format`), a tool message's text parts always joined with newlines;
+    tool calls as `_engine_tool_calls` (an empty list dropped)."""
     out = []
     for msg in messages:
-        msg = dict(msg)
-        if msg.get("content") is None:
-            msg["content"] = ""
-        calls = msg.get("tool_calls")
-        if msg.get("role") == "assistant" and isinstance(calls, list):
-            if not calls:
-                msg.pop("tool_calls")
-            else:
-                fixed = []
-                for call in calls:
-                    call = dict(call)
-                    fn = dict(call.get("function") or {})
-                    args = fn.get("arguments")
-                    if isinstance(args, str):
-                        try:
-                            args = json.loads(args) if args else {}
-                        except ValueError:
-                            args = {}
-                    fn["arguments"] = args if isinstance(args, dict) else {}
-                    call["function"] = fn
-                    fixed.append(call)
-                msg["tool_calls"] = fixed
-        out.append(msg)
+        role = msg.get("role")
+        reasoning = msg.get("reasoning")
+        if reasoning is None:
+            reasoning = msg.get("reasoning_content")
+        parts = _parts(msg.get("content"))
+        shaped = _shaped(parts, "string" if role == "tool" else content_format)
+        one: dict[str, Any] = {"role": role, "content": shaped}
+        if role == "assistant":
+            calls = msg.get("tool_calls")
+            if isinstance(calls, list) and calls:
+                one["tool_calls"] = _engine_tool_calls(calls)
+            if reasoning is not None:
+                one["reasoning"] = one["reasoning_content"] = reasoning
+        elif role == "tool" and "tool_call_id" in msg:
+            one["tool_call_id"] = msg["tool_call_id"]
+        if isinstance(msg.get("name"), str):
+            one["name"] = msg["name"]
+        out.append(one)
     return out
 
 
-def render(template: Template, payload: dict[str, Any]) -> str:
-    """Render one engine request's messages; raises what the template raises."""
+def template_kwargs(payload: dict[str, Any]) -> dict[str, Any]:
+    """The variables vLLM 0.32 passes besides messages and tools (ChatCompletionRequest.
+    build_chat_params): the request's chat_template_kwargs, overridden by add_generation_prompt,
+    continue_final_message, documents and reasoning_effort where set, and enable_thinking =
+    (reasoning_effort != "none") when an effort is given and the kwargs do not set it."""
+    kwargs = dict(payload.get("chat_template_kwargs") or {})
+    effort = payload.get("reasoning_effort")
+    extra = {"add_generation_prompt": payload.get("add_generation_prompt", True),
+             "continue_final_message": payload.get("continue_final_message", False),
+             "documents": payload.get("documents"), "reasoning_effort": effort}
+    if effort is not None and "enable_thinking" not in kwargs:
+        extra["enable_thinking"] = effort != "none"
+    kwargs.update({k: v for k, v in extra.items() if v is not None and v != "auto"})  # vLLM's merge_kwargs
+    return kwargs
+
+
+def render(template: Template, payload: dict[str, Any], content_format: str = "string") -> str:
+    """Render one engine request as vLLM prepares it; raises what the template (or vLLM) raises."""
     tools = payload.get("tools") or None
     _, text = template.pick(bool(tools))
-    kwargs = dict(payload.get("chat_template_kwargs") or {})
-    kwargs.update(messages=engine_messages(payload["messages"]), tools=tools, add_generation_prompt=True)
+    kwargs = template_kwargs(payload)
+    kwargs.update(messages=engine_messages(payload["messages"], content_format), tools=tools)
     for key, value in template.tokens.items():
         kwargs.setdefault(key, value)
     return _bounded_render(compile_template(text), kwargs)
