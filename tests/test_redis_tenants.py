@@ -200,8 +200,9 @@ def test_two_replicas_on_one_redis_hold_one_tenant_quota(redis, r):
 
 def load_format1(r) -> float:
     """tests/data/redis-format1.json into the server: the keys molctl wrote before the tenant quotas
-    (key format 1: tools/ of this commit's parent wrote it; two chained responses of tenant-a, one
-    of tenant-b, a turn and a tool-call binding). Returns the clock the dump was taken at."""
+    (key format 1, written by redis_store.py as of commit 2a074a0 through its own API: two chained
+    responses of tenant-a, one of tenant-b, a turn and a tool-call binding). Returns the clock the
+    dump was taken at."""
     dump = json.loads(FORMAT1.read_text())
     for entry in dump["keys"]:
         key, value = entry["key"], entry["value"]
