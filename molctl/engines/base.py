@@ -158,6 +158,47 @@ def adapter_problems(profile: Profile, engine: Engine, models: object) -> list[s
     return problems
 
 
+def _ints(value: Any) -> list[int] | None:
+    """A JSON list of token ids, else None."""
+    if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return value
+    return None
+
+
+@dataclass
+class AnswerTokens:
+    """What the answer hop's engine reported of its tokens (issue 30): the prompt it rendered and
+    the tokens it generated, and whether generation ended on a stop token (EOS or one of
+    `stop_token_ids`), which the engine includes in `output` but which the chat template may
+    spell otherwise. `prompt`/`output` None: not reported (an engine that cannot, a stream that
+    hid them)."""
+
+    prompt: list[int] | None = None
+    output: list[int] | None = None
+    stop_token: bool = False
+
+    def complete(self) -> bool:
+        return self.prompt is not None and self.output is not None
+
+
+def continuation_ids(answer: AnswerTokens, suffix: list[int]) -> list[int]:
+    """The summary hop's token prompt: the answer hop's prompt ids, its generated ids, then the
+    `suffix` (end of the assistant turn, a user turn with the instruction, the generation
+    prompt; `Orchestrator.summary_suffix`). When generation ended on a stop token: the suffix
+    starts with that very token (Qwen's `<|im_end|>`, GLM's `<|user|>`): it is not repeated;
+    otherwise (an EOS the template never prints, e.g. `<|endoftext|>`) it is dropped, and the
+    suffix closes the turn as the template does. Everything before the suffix is the exact token
+    sequence the engine computed for the answer, so its KV blocks are in the prefix cache."""
+    assert answer.prompt is not None and answer.output is not None
+    output = answer.output
+    if answer.stop_token and output:
+        if suffix and suffix[0] == output[-1]:
+            suffix = suffix[1:]
+        else:
+            output = output[:-1]
+    return [*answer.prompt, *output, *suffix]
+
+
 class Engine(abc.ABC):
     """Base class; subclasses fill in the engine-specific parts."""
 
@@ -264,6 +305,44 @@ class Engine(abc.ABC):
     def canary_sample(self, body: Any):
         """A `molctl.canary.Sample` from the answer's body (raises ValueError/KeyError/TypeError
         when the answer has no logprobs)."""
+
+    # The summary hop as a continuation of the answer hop's tokens (issue 30; the proxy's
+    # `Orchestrator.summary_payload`). An engine that offers none of it keeps these defaults:
+    # no fields, nothing reported, and the proxy sends today's chat summary.
+    # The answer hop's fields that make the engine report its prompt and output token ids.
+    def answer_token_fields(self, stream: bool) -> dict[str, Any]:
+        return {}
+
+    def answer_tokens(self, body: dict[str, Any]) -> AnswerTokens:
+        """The token ids in a non-streamed answer's body."""
+        return AnswerTokens()
+
+    def stream_tokens(self, event: dict[str, Any], into: AnswerTokens) -> None:
+        """Accumulate the token ids of one stream event (choice 0) into `into`."""
+        del event, into  # this engine reports none
+
+    # The template probe (`Orchestrator.summary_suffix`): an endpoint that renders messages with
+    # the engine's own chat template and tokenizer and answers the token ids, without generating.
+    probe_path: str | None = None
+
+    def probe_request(self, model: str, messages: list[dict[str, Any]], generation_prompt: bool,
+                      kwargs: dict[str, Any] | None) -> dict[str, Any]:
+        """The probe's body: `generation_prompt` True adds the generation prompt; False leaves the
+        last (assistant) message open, as `continue_final_message` does."""
+        raise NotImplementedError
+
+    def probe_ids(self, body: Any) -> list[int] | None:
+        return None
+
+    # The token-prompt completion the summary hop sends, on an adapter
+    continuation_path: str | None = None
+
+    def continuation_request(self, model: str, route: str, ids: list[int], max_tokens: int) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def continuation_result(self, body: Any) -> tuple[str, dict[str, Any] | None]:
+        """(the generated text, the usage as OpenAI's: prompt_tokens, prompt_tokens_details.cached_tokens)."""
+        raise NotImplementedError
 
     def running_version(self, body: object) -> str | None:
         """The version in the body of `version_path`'s answer."""

@@ -8,7 +8,9 @@ development builds (`0.x.y.devN+g...`) would not match an `==` pin at runtime.""
 
 from __future__ import annotations
 
-from molctl.engines.base import Engine, EngineInstall, run_probe_script
+from typing import Any
+
+from molctl.engines.base import AnswerTokens, Engine, EngineInstall, _ints, run_probe_script
 from molctl.profiles import Profile
 
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -103,6 +105,79 @@ class VllmEngine(Engine):
 
     def guided_choice(self, labels: list[str]) -> dict:
         return {"structured_outputs": {"choice": labels}}
+
+    # The summary hop as a continuation of the answer's tokens (issue 30). vLLM 0.32:
+    # - `return_token_ids: true` on a chat request (ChatCompletionRequest.return_token_ids,
+    #   vllm/entrypoints/openai/chat_completion/protocol.py) puts the rendered prompt's ids in
+    #   the response's `prompt_token_ids` and the generated ids in each choice's `token_ids`
+    #   (serving.py chat_completion_full_generator). Streamed: `prompt_token_ids` on the first
+    #   (role) chunk only, each chunk's choice the `token_ids` of its delta, chunks whose delta the
+    #   parsers swallowed included (chat_completion_stream_generator: "If return_token_ids ...
+    #   we still need to send a chunk"). Both are withheld when the request sets
+    #   `include_reasoning: false` with a reasoning parser (`hide_stream_metadata`,
+    #   `suppress_metadata`): then nothing is reported and the proxy falls back.
+    # - The ids include the token generation stopped on: the scheduler appends the sampled token,
+    #   then `check_stop` (vllm/v1/core/sched/utils.py) ends the request on the EOS
+    #   (`stop_reason` None) or a `stop_token_ids` entry (`stop_reason` that id); a stop string
+    #   (`stop_reason` the string) truncates the text, not the ids.
+    # - `/tokenize` renders chat messages with the served template and tokenizer
+    #   (TokenizeChatRequest: messages, add_generation_prompt, continue_final_message,
+    #   chat_template_kwargs; vllm/entrypoints/serve/tokenize/protocol.py) and answers `tokens`.
+    # - `/v1/completions` takes a prompt of token ids (CompletionRequest.prompt: list[int]) and
+    #   an adapter as `model`, like chat; prefix-cache blocks are keyed by the tokens and the
+    #   LoRA (vllm/v1/core/kv_cache_utils.py, extra keys), so the answer's blocks are hit.
+    def answer_token_fields(self, stream: bool) -> dict[str, Any]:
+        return {"return_token_ids": True}
+
+    def answer_tokens(self, body: dict[str, Any]) -> AnswerTokens:
+        choice = (body.get("choices") or [{}])[0]
+        if not isinstance(choice, dict):
+            return AnswerTokens()
+        return AnswerTokens(_ints(body.get("prompt_token_ids")), _ints(choice.get("token_ids")), self._stopped(choice))
+
+    def stream_tokens(self, event: dict[str, Any], into: AnswerTokens) -> None:
+        prompt = _ints(event.get("prompt_token_ids"))
+        if prompt is not None:
+            into.prompt = prompt
+        for choice in event.get("choices") or ():
+            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                continue
+            ids = _ints(choice.get("token_ids"))
+            if ids is not None:
+                into.output = [*(into.output or ()), *ids]
+            if choice.get("finish_reason"):
+                into.stop_token = self._stopped(choice)
+
+    @staticmethod
+    def _stopped(choice: dict[str, Any]) -> bool:
+        reason = choice.get("stop_reason")
+        return choice.get("finish_reason") == "stop" and (reason is None or isinstance(reason, int))
+
+    probe_path = "/tokenize"
+
+    def probe_request(self, model: str, messages: list[dict[str, Any]], generation_prompt: bool,
+                      kwargs: dict[str, Any] | None) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": model, "messages": messages, "add_generation_prompt": generation_prompt,
+                                "continue_final_message": not generation_prompt}
+        if kwargs:
+            body["chat_template_kwargs"] = kwargs
+        return body
+
+    def probe_ids(self, body: Any) -> list[int] | None:
+        return _ints(body.get("tokens")) if isinstance(body, dict) else None
+
+    continuation_path = "/v1/completions"
+
+    def continuation_request(self, model: str, route: str, ids: list[int], max_tokens: int) -> dict[str, Any]:
+        return {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "stream": False}
+
+    def continuation_result(self, body: Any) -> tuple[str, dict[str, Any] | None]:
+        choice = (body.get("choices") or [{}])[0] if isinstance(body, dict) else {}
+        text = choice.get("text") if isinstance(choice, dict) else None
+        if not isinstance(text, str):
+            raise ValueError("the completion has no text")
+        usage = body.get("usage")
+        return text, usage if isinstance(usage, dict) else None
 
     # The efficacy canary: /v1/completions (no chat template between the prompt and the model),
     # `logprobs: N` for the top N per token, the tokens as "token_id:ID" so that two tokens

@@ -550,7 +550,7 @@ class EngineClient:
         return {REQUEST_ID_HEADER: hop_id}
 
     async def _open_chat(self, data: bytes, hop: str, headers: dict[str, str] | None,
-                         timeout: float | None) -> tuple[EngineClient, _Connection]:
+                         timeout: float | None, path: str = CHAT_PATH) -> tuple[EngineClient, _Connection]:
         """Send a chat hop to the request's engine (a peer's, see `_peer`, else the own one) and
         return the client that owns the connection. A peer engine that refuses the connection,
         never accepts it within the connect timeout or whose URL is unusable (nothing was sent in
@@ -558,18 +558,20 @@ class EngineClient:
         peer = self._peer()
         if peer is not None:
             try:
-                return peer, await peer._exchange(peer._request("POST", CHAT_PATH, data, hop, headers), timeout)
+                return peer, await peer._exchange(peer._request("POST", path, data, hop, headers), timeout)
             except _ConnectFailed:
                 ENGINE.get().failed = True
-        return self, await self._exchange(self._request("POST", CHAT_PATH, data, hop, headers), timeout)
+        return self, await self._exchange(self._request("POST", path, data, hop, headers), timeout)
 
     async def chat(self, payload: dict[str, Any], hop: str, timeout: float | None = None, big: bool = False,
-                   request_id: str | None = None) -> dict[str, Any]:
+                   request_id: str | None = None, path: str = CHAT_PATH) -> dict[str, Any]:
         """Non-streaming chat completion; raises EngineHTTPError / EngineUnavailable. `big`:
-        encode the payload in a worker thread; `request_id`: sent as X-Request-Id."""
+        encode the payload in a worker thread; `request_id`: sent as X-Request-Id. `path`: another
+        JSON endpoint of the same engine (the summary's token-prompt completion, the template
+        probe: `Engine.continuation_path`, `Engine.probe_path`)."""
         headers = self._hop_ids(payload, hop, request_id)
         data = await encode(payload, big)
-        owner, conn = await self._open_chat(data, hop, headers, timeout)
+        owner, conn = await self._open_chat(data, hop, headers, timeout, path)
         try:
             raw = await self._read_all(conn)
         finally:

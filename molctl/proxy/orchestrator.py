@@ -45,7 +45,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from molctl.engines.base import Engine
+from molctl.engines.base import AnswerTokens, Engine, continuation_ids
 from molctl.profiles import ROUTES, Profile, route_instruction
 from molctl.proxy import fastjson, shaping
 from molctl.proxy.admission import Admission, Rejected
@@ -58,11 +58,22 @@ from molctl.proxy.conversations import (
     text_of,
     tool_calls_of,
 )
-from molctl.proxy.engine_client import ENGINE, EngineClient, checked_completion
+from molctl.proxy.engine_client import CHAT_PATH, ENGINE, EngineClient, checked_completion
 from molctl.proxy.errors import EngineHTTPError, EngineUnavailable, from_engine, overloaded
 from molctl.proxy.request_fields import FieldPolicy
 from molctl.proxy.validation import PASSTHROUGH, check_request
-from molctl.proxy.views import History, own_view, parse_label, route_input, route_messages, split_history, summary_messages
+from molctl.proxy.views import (
+    PROBE_ANSWER,
+    PROBE_USER,
+    History,
+    own_view,
+    parse_label,
+    route_input,
+    route_messages,
+    split_history,
+    suffix_after,
+    summary_messages,
+)
 
 log = logging.getLogger("molctl.proxy")
 
@@ -93,6 +104,8 @@ class Counters:
         "summary_retries_total": 0, "summary_failures_total": 0, "summaries_dropped_total": 0,
         "summaries_stale_total": 0, "engine_errors_total": 0, "client_disconnects_total": 0,
         "stream_write_timeouts_total": 0, "internal_errors_total": 0, "ignored_request_fields_total": 0,
+        "summary_continuations_total": 0, "summary_chat_fallbacks_total": 0, "summary_window_skips_total": 0,
+        "summary_prompt_tokens_total": 0, "summary_cached_tokens_total": 0,
     })
 
     labelled: dict[tuple[str, tuple[tuple[str, str], ...]], int] = field(default_factory=dict)
@@ -134,6 +147,19 @@ class Plan:
     sticky: bool = False
     usage: dict[str, Any] | None = None
     request_id: str | None = None  # sent to the engine as X-Request-Id
+    tokens: AnswerTokens | None = None  # the answer hop's prompt and output token ids, as the engine reported them
+
+
+@dataclass
+class SummaryJob:
+    """What a summary hop needs once it has a slot: today's chat request (the fallback) and, for
+    the token continuation, the answer's token ids and the adapter."""
+
+    chat: dict[str, Any]
+    model: str
+    route: str
+    tokens: AnswerTokens | None
+    extra: dict[str, Any]  # answer-hop fields the continuation must repeat to hit its cache (vLLM cache_salt)
 
 
 def context_window(profile: Profile) -> int | None:
@@ -224,6 +250,10 @@ class Orchestrator:
         self._summary_running = 0
         self.summary_timeout_s = summary_timeout_s
         self.background: set[asyncio.Task] = set()
+        self._suffixes: dict[str, list[int]] = {}  # adapter model -> the summary suffix (`summary_suffix`)
+        self._suffix_failed: dict[str, float] = {}  # adapter model -> when its template probe last failed
+        self._suffix_lock = asyncio.Lock()
+        self._fallback_said: set[str] = set()
 
     # ---------------------------------------------------------------- validation
     def prepare(self, body: Any, tenant: str) -> Plan:
@@ -498,6 +528,9 @@ class Orchestrator:
         payload["model"] = self.adapter_models[plan.route]
         payload["messages"] = plan.view
         payload["stream"] = plan.stream
+        # the prompt's and answer's token ids, for the summary hop's continuation (never shown to
+        # the client: `shaping` keeps only standard fields)
+        payload.update(self.engine.answer_token_fields(plan.stream))
         self._set_priority(payload, "answer")
         if plan.stream:
             payload["stream_options"] = {"include_usage": True}
@@ -523,6 +556,7 @@ class Orchestrator:
             self.release_answer_slot(plan)
             self._answered(plan, start)
         plan.usage = body.get("usage") if isinstance(body.get("usage"), dict) else None
+        plan.tokens = self.engine.answer_tokens(body)
         shaped = shaping.shape_completion(body, self.public, shaping.new_id())
         if shaped["choices"][0]["finish_reason"] not in FAILED_FINISH:
             self.record(plan, shaped["choices"][0]["message"])
@@ -543,6 +577,7 @@ class Orchestrator:
         calls: dict[int, dict[str, Any]] = {}
         finish = None
         usage = None
+        tokens = plan.tokens = AnswerTokens()
         await self._admit(plan)
         start = time.monotonic()
         upstream = self.client.chat_stream(payload, "answer", big=plan.big, request_id=plan.request_id)
@@ -556,6 +591,7 @@ class Orchestrator:
                     first = False
                 if event.get("usage"):
                     usage = shaping.shape_usage(event["usage"])
+                self.engine.stream_tokens(event, tokens)
                 for choice in event.get("choices") or []:
                     if choice.get("index", 0) != 0:  # the proxy asks for one choice: another is not this answer
                         continue
@@ -619,6 +655,7 @@ class Orchestrator:
         plan.record = record
 
     def summary_payload(self, plan: Plan) -> dict[str, Any]:
+        """The chat summary: the fallback of the token continuation (`summary_request`)."""
         answer = {"role": "assistant", "content": text_of(plan.answer.get("content"))}
         payload: dict[str, Any] = {
             "model": self.adapter_models[plan.route],
@@ -650,15 +687,132 @@ class Orchestrator:
             return
         self._summary_waiting += 1
         # the task keeps the summary request only, not the client's request
+        salt = plan.body.get("cache_salt")
+        job = SummaryJob(self.summary_payload(plan), self.adapter_models[plan.route], plan.route, plan.tokens,
+                         {"cache_salt": salt} if isinstance(salt, str) and "cache_salt" in self.fields.extensions else {})
         task = asyncio.get_running_loop().create_task(
-            self._summarise(self.summary_payload(plan), record, key, time.monotonic(), plan.big, plan.request_id))
+            self._summarise(job, record, key, time.monotonic(), plan.big, plan.request_id))
         self.background.add(task)
         task.add_done_callback(self.background.discard)
 
     def _stale(self, record: TurnRecord, queued: float) -> bool:
         return record.stale or time.monotonic() - queued > self.profile.proxy.summary_wait_s
 
-    async def _summarise(self, payload: dict[str, Any], record: TurnRecord, key: bytes, queued: float, big: bool,
+    async def summary_suffix(self, model: str) -> list[int] | None:
+        """The tokens that follow an answer's own tokens in the summary hop: the end of the
+        assistant turn, a user turn with the summary instruction, the generation prompt with
+        thinking off (`enable_thinking: false` unless `proxy.reasoning` is none).
+
+        Derived from the engine itself, not written per family: the engine's template probe
+        (`Engine.probe_path`: vLLM's /tokenize) renders a probe conversation (a user message, a
+        sentinel answer) twice with the served template and tokenizer: once left open after the
+        answer's text (`continue_final_message`), once followed by the instruction and the
+        generation prompt. The suffix is what comes after the sentinel's last tokens
+        (`views.suffix_after`). So it is right for any template (Qwen's `<|im_end|>\n<|im_start|>
+        user`, GLM's `<|user|>`, the tiny demo's look-alikes) and tokenizer, and needs no template
+        copy in the proxy. The probe's tokens before the sentinel are not used: they render the
+        probe's own assistant turn, which both families render differently once a later user
+        query exists (Qwen's last_query_index, GLM's last_user_index), which is why the whole
+        summary prompt is not rendered this way. One probe pair per adapter model per proxy (an
+        adapter may carry its own tokenizer); a failed probe is tried again after
+        PRIORITY_RETRY_S, the summaries meanwhile fall back to the chat summary."""
+        if model in self._suffixes:
+            return self._suffixes[model]
+        failed = self._suffix_failed.get(model)
+        if failed is not None and time.monotonic() - failed < PRIORITY_RETRY_S:
+            return None
+        async with self._suffix_lock:
+            if model in self._suffixes:
+                return self._suffixes[model]
+            path = self.engine.probe_path
+            if path is None:
+                return None
+            kwargs = {"enable_thinking": False} if self.profile.proxy.reasoning != "none" else None
+            convo = [{"role": "user", "content": PROBE_USER}, {"role": "assistant", "content": PROBE_ANSWER}]
+            suffix = None
+            try:
+                left_open = self.engine.probe_ids(await self.client.chat(
+                    self.engine.probe_request(model, convo, False, kwargs), "summary", timeout=30, path=path))
+                closed = self.engine.probe_ids(await self.client.chat(
+                    self.engine.probe_request(model, [*convo, {"role": "user", "content": self.summary_instruction}], True,
+                                              kwargs), "summary", timeout=30, path=path))
+                if left_open and closed:
+                    suffix = suffix_after(left_open, closed)
+                why = "its tokens did not show where the answer ends"
+            except (EngineHTTPError, EngineUnavailable) as exc:
+                why = described(exc)
+            if suffix is None:
+                self._suffix_failed[model] = time.monotonic()
+                log.warning("the template probe for summaries on %s failed (%s): summaries are sent as chat requests, "
+                            "not as continuations of the answer's tokens", model, why)
+            else:
+                self._suffixes[model] = suffix
+                self._suffix_failed.pop(model, None)
+            return suffix
+
+    async def summary_request(self, job: SummaryJob) -> tuple[str, dict[str, Any]] | None:
+        """(path, body) of the summary hop, or None: it would not fit the engine's window.
+
+        The continuation (issue 30): the answer hop's prompt token ids + its generated ids + the
+        suffix (`summary_suffix`, `engines.base.continuation_ids`), as a completion with a token
+        prompt on the same adapter (`Engine.continuation_request`): every token before the
+        suffix is one the engine computed for the answer, so the engine's prefix cache serves
+        all of it but the last, partial KV block. Its prompt plus `proxy.summary_max_tokens`
+        must fit the window (`context_window`), else the summary is skipped
+        (`summary_window_skips_total`): the chat summary would not fit either. Without the
+        answer's token ids (an engine that reports none, a stream that hid them, SGLang streams)
+        or a suffix, today's chat summary (`summary_payload`), counted in
+        `summary_chat_fallbacks_total` and logged once per cause."""
+        tokens = job.tokens
+        suffix = None
+        if tokens is not None and tokens.complete() and self.engine.continuation_path is not None:
+            suffix = await self.summary_suffix(job.model)
+            cause = "probe"
+        else:
+            cause = "tokens"
+        if suffix is None or tokens is None:
+            self.counters.inc("summary_chat_fallbacks_total")
+            if cause not in self._fallback_said:
+                self._fallback_said.add(cause)
+                if cause == "tokens":
+                    log.warning("an answer hop came back without its token ids: its summary is sent as a chat request "
+                                "(counted in summary_chat_fallbacks_total; said once)")
+            return CHAT_PATH, job.chat
+        ids = continuation_ids(tokens, suffix)
+        limit = self.profile.proxy.summary_max_tokens
+        if self.window is not None and len(ids) + limit > self.window:
+            self.counters.inc("summary_window_skips_total")
+            return None
+        payload = self.engine.continuation_request(job.model, job.route, ids, limit)
+        payload.update(job.extra)
+        self._set_priority(payload, "summary")
+        return self.engine.continuation_path, payload
+
+    def _summary_text(self, path: str, body: dict[str, Any]) -> str:
+        if path != CHAT_PATH:
+            text, usage = self.engine.continuation_result(body)
+            self.counters.inc("summary_continuations_total")
+            if usage is not None:
+                self._count_usage(usage)
+            return text.strip()
+        body = checked_completion(body)
+        if isinstance(body.get("usage"), dict):
+            self._count_usage(body["usage"])
+        msg = ((body.get("choices") or [{}])[0]).get("message") or {}
+        reasoning = msg.get("reasoning_content") or msg.get("reasoning") or ""
+        return (msg.get("content") or "").strip() or reasoning.strip()[:160]
+
+    def _count_usage(self, usage: dict[str, Any]) -> None:
+        """The summary hops' prompt and cached tokens as the engine reports them (the cache share
+        of issue 30: summary_cached_tokens_total / summary_prompt_tokens_total)."""
+        prompt = usage.get("prompt_tokens")
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        if isinstance(prompt, int) and isinstance(cached, int):
+            self.counters.inc("summary_prompt_tokens_total", prompt)
+            self.counters.inc("summary_cached_tokens_total", cached)
+
+    async def _summarise(self, job: SummaryJob, record: TurnRecord, key: bytes, queued: float, big: bool,
                          request_id: str | None = None) -> None:
         waiting = True
         try:
@@ -670,15 +824,21 @@ class Orchestrator:
                     self.counters.inc("summaries_stale_total")
                     record.set_summary(None)
                     return
+                hop = await self.summary_request(job)
+                if hop is None:
+                    record.set_summary(None)
+                    return
+                path, payload = hop
                 for attempt in range(2):
                     try:
                         start = time.monotonic()
-                        body = checked_completion(await self.client.chat(payload, "summary", timeout=self.summary_timeout_s,
-                                                                         big=big, request_id=request_id))
+                        body = await self.client.chat(payload, "summary", timeout=self.summary_timeout_s, big=big,
+                                                      request_id=request_id, **({"path": path} if path != CHAT_PATH else {}))
                         self.counters.observe("hop_seconds", time.monotonic() - start, hop="summary", adapter=record.route)
-                        msg = ((body.get("choices") or [{}])[0]).get("message") or {}
-                        reasoning = msg.get("reasoning_content") or msg.get("reasoning") or ""
-                        text = (msg.get("content") or "").strip() or reasoning.strip()[:160]
+                        try:
+                            text = self._summary_text(path, body)
+                        except (ValueError, TypeError, AttributeError) as exc:
+                            raise EngineHTTPError(502, f"the engine's summary answer is unusable: {exc}") from None
                         if record.stale:  # a later turn folded this one without it: keep it that way
                             self.counters.inc("summaries_stale_total")
                             record.set_summary(None)

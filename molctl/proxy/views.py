@@ -22,7 +22,9 @@ its own turn (the upstream off-by-one put it in the next one). For a target adap
   `[system note] attached to the instructions:` with the parts, and a mid-conversation note keeps
   its parts after its text.
 The route hop sends its own instruction as its one system message and a bounded quote of the
-request (`route_input`); the summary hop is the answer hop's view plus two messages.
+request (`route_input`); the summary hop continues the answer hop's own tokens (the answer's
+prompt and output token ids, then `suffix_after`'s suffix: `Orchestrator.summary_request`), and
+its chat fallback is the answer hop's view plus two messages (`summary_messages`).
 The rendering depends only on the history and the records, so an adapter's view of turn k is a
 prefix of its view of turn k+1 and the engine's prefix cache reuses it.
 """
@@ -207,3 +209,25 @@ def parse_label(message: dict[str, Any]) -> str | None:
 def summary_messages(view: list[dict[str, Any]], answer: dict[str, Any], instruction: str) -> list[dict[str, Any]]:
     """Same prefix as the answer hop (prefix-cache friendly), then the answer and the instruction."""
     return [*view, answer, {"role": "user", "content": instruction}]
+
+
+# The template probe of the summary suffix (`Orchestrator.summary_suffix`): a conversation whose
+# answer ends in letters no template or instruction writes, so its last tokens occur once.
+PROBE_USER = "Hello."
+PROBE_ANSWER = "Qzx Vqj Zqxv"
+
+
+def suffix_after(left_open: list[int], closed: list[int], longest: int = 8) -> list[int] | None:
+    """What the template puts after an answer's text, in tokens: `left_open` is the probe
+    conversation rendered up to the end of the answer's text, `closed` the same conversation
+    followed by the instruction turn and the generation prompt. The answer's end is where the
+    longest tail of `left_open` (at most `longest` tokens) occurs exactly once in `closed`
+    (what precedes the answer's text may differ: the templates render an assistant turn before
+    the last user query differently); the suffix is everything after it. None when no tail
+    occurs once, or nothing follows."""
+    for k in range(min(longest, len(left_open)), 0, -1):
+        tail = left_open[-k:]
+        hits = [i for i in range(len(closed) - k + 1) if closed[i:i + k] == tail]
+        if len(hits) == 1:
+            return closed[hits[0] + k:] or None
+    return None
