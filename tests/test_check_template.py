@@ -140,7 +140,8 @@ def test_a_raising_template_names_the_message_hop_and_shape(tmp_path):
     assert r["template.render"].status == "fail"
     assert "'tool results are not supported'" in detail
     assert "answer hop for shape 'tool result'" in detail
-    assert "2 of" in detail and "summary/tool result" in detail  # the summary hop resends the tool exchange
+    assert "4 of" in detail and "summary/tool result" in detail  # the summary hop resends the tool exchange
+    assert "answer/multi-part tool result" in detail  # tool results as lists of text parts too
 
 
 def test_a_template_that_breaks_on_a_shape_is_reported_with_its_exception_type(tmp_path):

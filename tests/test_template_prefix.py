@@ -63,7 +63,7 @@ def test_the_demo_templates_warn_on_molctl_check(tmp_path):
         assert r["template.render"].status == "pass"
         prefix = r["template.prefix"]
         assert prefix.status == "warn" and "the route hop on L0 for shape 'folded turn'" in prefix.detail, prefix.detail
-        assert "of 8 continuations break" in prefix.detail
+        assert "of 9 continuations break" in prefix.detail
 
 
 def test_a_template_with_stable_answers_breaks_only_on_the_route_hop(tmp_path):

@@ -263,6 +263,89 @@ def compile_template(text: str):
     return env.from_string(text)
 
 
+# ------------------------------------------------------------------------------ content format
+CONTENT_FLAG = "chat-template-content-format"
+
+
+def detect_content_format(text: str) -> str:
+    """vLLM 0.32's `--chat-template-content-format auto` (renderers/hf.py, _detect_content_format and
+    _iter_nodes_assign_content_item), re-implemented on the template's Jinja AST: "openai" (content
+    passed as a list of parts) when a loop iterates over a message's content (`for x in
+    message.content`, a variable assigned from it, a macro parameter it is passed to, or a loop over
+    `content` outside macros), else "string"; "string" for a template that does not parse."""
+    import jinja2.nodes as nodes
+
+    try:
+        ast = compile_template(text).environment.parse(text)
+    except Exception:
+        return "string"
+
+    def var(node, name):
+        return isinstance(node, nodes.Name) and node.ctx == "load" and node.name == name
+
+    def attr(node, name, key):
+        if isinstance(node, nodes.Getitem):
+            return var(node.node, name) and isinstance(node.arg, nodes.Const) and node.arg.value == key
+        return isinstance(node, nodes.Getattr) and var(node.node, name) and node.attr == key
+
+    def access(node, name, key=None):
+        if isinstance(node, nodes.Filter):
+            return node.node is not None and access(node.node, name, key)
+        if isinstance(node, nodes.Test):
+            return access(node.node, name, key)
+        if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice):
+            return access(node.node, name, key)
+        return attr(node, name, key) if key else var(node, name)
+
+    names, queue = ["messages"], ["messages"]
+    while queue:  # variables assigned from messages (or a slice or filter of it)
+        current = queue.pop(0)
+        for assign in ast.find_all(nodes.Assign):
+            if access(assign.node, current) and isinstance(assign.target, nodes.Name):
+                names.append(assign.target.name)
+                if assign.target.name != current:
+                    queue.append(assign.target.name)
+    items = [loop.target.name for loop in ast.find_all(nodes.For) if isinstance(loop.target, nodes.Name)
+             and any(access(loop.iter, n) for n in names)]
+    bound: dict[int, set[str]] = {}
+    in_macros: set[int] = set()
+    for macro in ast.find_all(nodes.Macro):
+        params = {a.name for a in macro.args}
+        content_params = set()
+        for call in ast.find_all(nodes.Call):
+            if isinstance(call.node, nodes.Name) and call.node.name == macro.name:
+                for i, arg in enumerate(call.args):
+                    if i < len(macro.args) and any(access(arg, m, "content") for m in items):
+                        content_params.add(macro.args[i].name)
+                for kw in call.kwargs:
+                    if kw.key in params and any(access(kw.value, m, "content") for m in items):
+                        content_params.add(kw.key)
+        for loop in macro.find_all(nodes.For):
+            in_macros.add(id(loop))
+            if content_params:
+                bound[id(loop)] = content_params
+    for loop in ast.find_all(nodes.For):
+        it = loop.iter
+        if any(access(it, m, "content") for m in items):
+            return "openai"
+        if isinstance(it, nodes.Name) and (it.name in bound.get(id(loop), ()) or
+                                           (id(loop) not in in_macros and it.name == "content")):
+            return "openai"
+    return "string"
+
+
+def content_format(profile: Profile, template: Template) -> tuple[str, str]:
+    """(the content format the engine passes messages in, where that comes from): the profile's
+    engine flag, else the engine's auto detection on the template (the tools one when named). SGLang
+    has no such flag; its own detection follows the same rule (a loop over a message's content)."""
+    flag = profile.engine.args.get(CONTENT_FLAG)
+    if flag in ("string", "openai"):
+        return flag, f"engine.args.{CONTENT_FLAG}"
+    found = {detect_content_format(text) for text in template.texts.values()}
+    fmt = "openai" if "openai" in found else "string"
+    return fmt, f"{profile.engine.kind}'s auto detection on the template"
+
+
 class EngineRefusal(ValueError):
     """What vLLM answers 400 before the template runs (its message)."""
 
@@ -483,6 +566,24 @@ def prefix_result(steps: list[Step] | list[tuple[str, str, str]], source: str = 
                        f"again): expected '{_around(prev.prompt, at)}', rendered '{_around(step.prompt, at)}'{more}")
 
 
+def missing_text(payload: dict[str, Any], prompt: str) -> tuple[str, str] | None:
+    """(the role, the text) of the first tool result or instruction (system, developer, tool
+    message text) that does not reach the rendered prompt as text: absent, or printed as a
+    part dict (`{'type': 'text', ...}`, a template given list content it does not read)."""
+    for msg in payload.get("messages", []):
+        if msg.get("role") not in ("system", "developer", "tool"):
+            continue
+        for part in _parts(msg.get("content")):
+            if not (isinstance(part, dict) and part.get("type") == "text" and part.get("text", "").strip()):
+                continue
+            text = part["text"].strip()
+            lines = [line.strip() for line in text.splitlines() if line.strip()]
+            kept = all(line in prompt or json.dumps(line, ensure_ascii=False)[1:-1] in prompt for line in lines)
+            if not kept or "{'type': 'text'" in prompt:  # the part itself printed (Python's repr of a dict)
+                return msg["role"], text
+    return None
+
+
 def _error_text(exc: BaseException) -> str:
     message = str(exc).strip() or type(exc).__name__
     first = message.splitlines()[0]
@@ -567,15 +668,23 @@ def _render_all(profile: Profile, template: Template) -> list[CheckResult]:
     except Exception as exc:  # the proxy itself failed on a sample: that is a finding too
         return [CheckResult("template.render", "fail", f"the proxy failed to build its sample requests: {_error_text(exc)}"),
                 CheckResult("template.prefix", "skip", "no sample requests")]
+    fmt, why = content_format(profile, template)
     failures: list[tuple[str, str, str]] = []
     steps: list[Step] = []
     for req in requests:
         try:
-            text = render(template, req.payload)
+            text = render(template, req.payload, fmt)
         except Exception as exc:  # template errors, and TypeError/UndefinedError from a template that assumes shapes
             failures.append((req.hop, req.shape, _error_text(exc)))
-        else:
-            steps.append(Step(req.hop, str(req.payload.get("model")), text, req.shape, req.conversation))
+            continue
+        if (lost := missing_text(req.payload, text)) is not None:
+            role, gone = lost
+            shown = json.dumps(gone[:40], ensure_ascii=False)
+            what = "tool result" if role == "tool" else f"{role} instruction"
+            failures.append((req.hop, req.shape, f"the {what} {shown} is not in the prompt as text with content "
+                                                 f"format '{fmt}' ({why}); expected it verbatim"))
+            continue
+        steps.append(Step(req.hop, str(req.payload.get("model")), text, req.shape, req.conversation))
     return [_render_result(template, requests, failures),
             prefix_result(steps, template.source) if not failures else
             CheckResult("template.prefix", "skip", "not every request renders (see template.render)")]
@@ -591,8 +700,10 @@ def _render_result(template: Template, requests: list, failures: list[tuple[str,
             others = sorted({f"{h}/{s}" for h, s, _ in failures[1:]} - {f"{hop}/{shape}"})
             if others:
                 more += f" (also {', '.join(others[:3])}{' and more' if len(others) > 3 else ''})"
+        verb = "renders wrongly:" if error.startswith("the ") and "content format" in error else "raises"
+        shown = error if verb != "raises" else repr(error)
         return CheckResult("template.render", "fail",
-                           f"{template.source} raises {error!r} on the {hop} hop for shape '{shape}'{more}")
+                           f"{template.source} {verb} {shown} on the {hop} hop for shape '{shape}'{more}")
     return CheckResult("template.render", "pass",
                        f"{len(requests)} requests of {shapes} shapes (route, answer, summary hops) render with "
                        f"{template.source}")

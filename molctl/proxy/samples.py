@@ -12,7 +12,8 @@ the proxy sends them):
 - first turn; folded turn (another adapter answered the previous turn);
 - system and developer instructions (leading), developer instructions only;
 - mid-conversation system and developer messages, then that turn folded for another adapter;
-- tool call (two parallel calls), tool result (sticky: no route hop), tool turn folded.
+- tool call (two parallel calls), tool result (sticky: no route hop), tool turn folded;
+- multi-part: system, user and tool content as lists of text parts, a tool call and its result.
 Reasoning effort is set on some turns, so profiles with `proxy.reasoning` glm/qwen also send
 `chat_template_kwargs.enable_thinking` true and false.
 """
@@ -150,8 +151,21 @@ def _conversations() -> dict[str, list[_Turn]]:
         _Turn("folded tool turn", [tool_sys, ut, at, *results, final, _u("Write a script that checks the weather daily.")],
               "L2", _a("import requests ..."), {"tools": TOOLS}),
     ]
+    # content as lists of text parts, as agent clients send it: the engine's content format decides
+    # whether the template gets a string or the parts (vLLM's --chat-template-content-format)
+    def parts(*texts: str) -> list[dict[str, str]]:
+        return [{"type": "text", "text": t} for t in texts]
+    p_sys = {"role": "system", "content": parts("You are a coding agent.", "Run tests before you answer.")}
+    p_user = {"role": "user", "content": parts("Read config.toml", "and tell me the port.")}
+    p_call = _a(None, [{"id": "call_read", "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "config.toml"}'}}])
+    p_result = {"role": "tool", "tool_call_id": "call_read", "content": parts("port = 8200", "host = 127.0.0.1")}
+    multipart = [
+        _Turn("multi-part tool call", [p_sys, p_user], "L2", p_call, {"tools": TOOLS}),
+        _Turn("multi-part tool result", [p_sys, p_user, p_call, p_result], None, _a("The port is 8200."), {"tools": TOOLS}),
+    ]
     return {"sample-chat": chat, "sample-instructions": instructions, "sample-developer": developer_only,
-            "sample-tools": tools}
+            "sample-tools": tools, "sample-parts": multipart}
 
 
 async def collect_async(profile: Profile, stream: bool = False) -> list[HopRequest]:
