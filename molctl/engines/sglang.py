@@ -123,7 +123,9 @@ of each add_argument call, and the dataclass fields of PR #28814/#28919 (June 20
 
 from __future__ import annotations
 
-from molctl.engines.base import Engine, EngineInstall, run_probe_script
+from typing import Any
+
+from molctl.engines.base import AnswerTokens, Engine, EngineInstall, _ints, run_probe_script
 from molctl.profiles import Profile
 
 PROBE_SCRIPT = r"""
@@ -265,6 +267,70 @@ class SglangEngine(Engine):
 
     def guided_choice(self, labels: list[str]) -> dict:
         return {"regex": "(" + "|".join(labels) + ")"}
+
+    # The summary hop as a continuation of the answer's tokens (issue 30). SGLang 0.5.13
+    # (entrypoints/openai/protocol.py ChatCompletionRequest, serving_chat.py):
+    # - `return_prompt_token_ids: true` puts the rendered prompt's ids in each choice's
+    #   `prompt_token_ids`; `return_meta_info: true` the scheduler's meta_info in the choice's
+    #   `meta_info` (finish_reason {"type": "stop", "matched": <token id or string>}, and the
+    #   generated ids as `output_token_logprobs` [[logprob, id, text], ...] only when the request
+    #   asked for logprobs; `output_ids` only where the server returns token ids). Both are
+    #   refused with `stream: true` ("return_prompt_token_ids is not supported with
+    #   streaming"), so a streamed answer asks for neither and its summary is the chat one.
+    #   An answer without generated ids is the chat summary too (summary_chat_fallbacks_total):
+    #   not run against a real SGLang here (no CUDA), so which releases report them is open.
+    # - The native /generate takes `input_ids` and the adapter as `lora_path` (its --lora-paths
+    #   name; managers/io_struct.py GenerateReqInput) and answers `text` and `meta_info` with
+    #   `prompt_tokens` and `cached_tokens` (tokenizer_manager.py _compute_meta_info); the radix
+    #   cache is keyed by the tokens and the adapter.
+    # - The template probe: no /tokenize that renders chat messages in 0.5.13, so a 1-token chat
+    #   request with `return_prompt_token_ids` (and `continue_final_message` for the open form).
+    def answer_token_fields(self, stream: bool) -> dict[str, Any]:
+        return {} if stream else {"return_prompt_token_ids": True, "return_meta_info": True}
+
+    def answer_tokens(self, body: dict[str, Any]) -> AnswerTokens:
+        choice = (body.get("choices") or [{}])[0]
+        if not isinstance(choice, dict):
+            return AnswerTokens()
+        meta = choice.get("meta_info") if isinstance(choice.get("meta_info"), dict) else {}
+        output = _ints(meta.get("output_ids")) or _ints(choice.get("output_ids")) or _ints(choice.get("token_ids"))
+        if output is None and isinstance(meta.get("output_token_logprobs"), list):
+            rows = meta["output_token_logprobs"]
+            if all(isinstance(r, list) and len(r) >= 2 for r in rows):
+                output = _ints([r[1] for r in rows])
+        finish = meta.get("finish_reason") if isinstance(meta.get("finish_reason"), dict) else {}
+        stopped = finish.get("type") == "stop" and isinstance(finish.get("matched"), int)
+        return AnswerTokens(_ints(choice.get("prompt_token_ids")), output, stopped)
+
+    probe_path = "/v1/chat/completions"
+
+    def probe_request(self, model: str, messages: list[dict[str, Any]], generation_prompt: bool,
+                      kwargs: dict[str, Any] | None) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": 1, "temperature": 0,
+                                "return_prompt_token_ids": True, "continue_final_message": not generation_prompt}
+        if kwargs:
+            body["chat_template_kwargs"] = kwargs
+        return body
+
+    def probe_ids(self, body: Any) -> list[int] | None:
+        choice = ((body.get("choices") or [{}])[0]) if isinstance(body, dict) else {}
+        return _ints(choice.get("prompt_token_ids")) if isinstance(choice, dict) else None
+
+    continuation_path = "/generate"
+
+    def continuation_request(self, model: str, route: str, ids: list[int], max_tokens: int) -> dict[str, Any]:
+        return {"input_ids": ids, "lora_path": route, "stream": False,
+                "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0}}
+
+    def continuation_result(self, body: Any) -> tuple[str, dict[str, Any] | None]:
+        text = body.get("text") if isinstance(body, dict) else None
+        if not isinstance(text, str):
+            raise ValueError("the generate answer has no text")
+        meta = body.get("meta_info") if isinstance(body.get("meta_info"), dict) else {}
+        prompt, cached = meta.get("prompt_tokens"), meta.get("cached_tokens")
+        if not isinstance(prompt, int):
+            return text, None
+        return text, {"prompt_tokens": prompt, "prompt_tokens_details": {"cached_tokens": cached}}
 
     # The efficacy canary: the native /generate (no chat template), `return_logprob` with
     # `top_logprobs_num`, the adapter as `lora_path` (its --lora-paths name; none: the base). The
