@@ -94,6 +94,10 @@ DEFAULT_CONFIG = {
     # each model answers its own greedy tokens and logprobs, except
     "no_effect": [],  # adapters served "with no effect": the base model's tokens and logprobs (vllm#55193)
     "same_as": {},  # {adapter: other adapter}: a copy under two names, the other's tokens and logprobs
+    # Token ids (issue 30), off by default: an engine that ignores `return_token_ids` (vLLM before
+    # it had the field), whose summaries the proxy sends as chat requests. On: as vLLM 0.32 (see
+    # `render`, `tokenize`, `completions`).
+    "token_ids": False,
 }
 
 
@@ -187,10 +191,12 @@ class Engine:
         self.log: list[dict] = []
         self.counter = 0
         self.metrics = dict.fromkeys(METRICS, 0)
+        self.computed: list[tuple[str, tuple[int, ...], str]] = []
 
     def reset(self):
         self.config = dict(self.base)
         self.log = []
+        self.computed = []
 
 
 STATE = Engine()
@@ -200,6 +206,55 @@ def text_of(content) -> str:
     if isinstance(content, list):
         return " ".join(p.get("text", "") for p in content if isinstance(p, dict))
     return content if isinstance(content, str) else ""
+
+
+# The fake tokenizer and chat template of `token_ids` mode: a word is one token (100 + its CRC),
+# a message is <|im_start|> ROLE words <|im_end|>, the generation prompt <|im_start|> assistant,
+# the EOS <|im_end|> (the tiny profile's Qwen-like shape, in ids).
+IM_START, IM_END, ROLE_IDS = 1, 2, {"system": 3, "user": 4, "assistant": 5, "tool": 6}
+
+
+def words(text: str) -> list[int]:
+    import zlib
+
+    return [100 + zlib.crc32(w.encode()) % 50000 for w in text.split()]
+
+
+def render(messages: list, generation_prompt: bool = True, continue_final: bool = False) -> list[int]:
+    ids: list[int] = []
+    for msg in messages:
+        ids += [IM_START, ROLE_IDS.get(msg.get("role"), 7), *words(text_of(msg.get("content")))]
+        for call in msg.get("tool_calls") or []:
+            ids += words(json.dumps(call))
+        ids.append(IM_END)
+    if continue_final and ids:
+        ids.pop()
+    elif generation_prompt:
+        ids += [IM_START, ROLE_IDS["assistant"]]
+    return ids
+
+
+def remember(model: str, ids: list[int], text: str) -> None:
+    """What the engine computed for an answer (its prompt and output), for the fake prefix cache."""
+    STATE.computed.append((model, tuple(ids), text))
+
+
+def cache_hit(model: str, prompt: list[int]) -> tuple[int, str]:
+    """The longest prefix of `prompt` the fake prefix cache holds for `model` (whole sequences
+    computed before, minus their last token, as vLLM never computes the last sampled token's KV),
+    and the answer text of that sequence."""
+    best, text = 0, ""
+    for m, ids, answer in STATE.computed:
+        if m != model:
+            continue
+        n = 0
+        for a, b in zip(ids[:-1], prompt, strict=False):
+            if a != b:
+                break
+            n += 1
+        if n > best:
+            best, text = n, answer
+    return min(best, len(prompt) - 1), text
 
 
 def completion(model: str, message: dict, finish: str, usage: dict) -> dict:
@@ -290,8 +345,19 @@ async def chat(request: web.Request) -> web.StreamResponse:
     if cfg["answer_reasoning"] is not None:  # a reasoning parser's output, in the field the engine names
         message[cfg["reasoning_field"]] = cfg["answer_reasoning"]
     finish = cfg["answer_finish"] or finish
+    # return_token_ids (vllm/entrypoints/openai/chat_completion/serving.py): the prompt's ids on
+    # the response, the generated ids on the choice, the EOS (<|im_end|>) included when the
+    # answer stopped on it (check_stop appends the token first: vllm/v1/core/sched/utils.py)
+    token_mode = cfg["token_ids"] and payload.get("return_token_ids")
+    out_ids = words(message.get("content") or "") + ([IM_END] if finish == "stop" else [])
+    prompt_ids = render(messages) if token_mode else None
+    if token_mode and not message.get("tool_calls"):
+        remember(model, prompt_ids + out_ids, message.get("content") or "")
     if not payload.get("stream"):
         body = completion(model, message, finish, usage)
+        if token_mode:
+            body["prompt_token_ids"] = prompt_ids
+            body["choices"][0]["token_ids"] = out_ids
         if cfg["answer_logprobs"] and payload.get("logprobs"):
             body["choices"][0]["logprobs"] = {"content": [logprob(p) for p in re.findall(r"\S+\s*", message["content"] or "")]}
         return web.json_response(body)
@@ -312,7 +378,9 @@ async def chat(request: web.Request) -> web.StreamResponse:
         chunk = {"id": "chatcmpl-engine-" + model, "object": "chat.completion.chunk", "created": created,
                  "model": model, "choices": [choice]}
         if "role" in delta:
-            chunk.update(prompt_token_ids=None, prompt_text=None)
+            chunk.update(prompt_token_ids=prompt_ids, prompt_text=None)
+        elif token_mode:  # the delta's tokens; the finishing chunk the EOS
+            choice["token_ids"] = words(delta.get("content") or "") + ([IM_END] if finish_reason == "stop" else [])
         else:
             choice["token_ids"] = None
         chunk.update(extra or {})
@@ -412,6 +480,26 @@ async def completions(request: web.Request) -> web.Response:
                       "payload": payload, "t": time.time()})
     if model != cfg["served_name"] and model not in cfg["adapters"]:
         return vllm_error(f"The model `{model}` does not exist.", 404, "NotFoundError", param="model", suffix=False)
+    prompt = payload.get("prompt")
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        # a token prompt (CompletionRequest.prompt: list[int]), the summary's continuation: the
+        # window rule as for chat, then the usage with the fake prefix cache's cached tokens
+        window, max_tokens = cfg["max_model_len"], int(payload.get("max_tokens") or 16)
+        if cfg["strict"] and len(prompt) >= window:
+            return vllm_error(f"This model's maximum context length is {window} tokens. However, your prompt "
+                              f"contains at least {len(prompt)} input tokens.", param="input_tokens", value=len(prompt))
+        if cfg["summary_fail"] > 0:
+            cfg["summary_fail"] -= 1
+            return web.json_response({"error": {"message": "summary exploded", "code": 500}}, status=500)
+        await asyncio.sleep(cfg["summary_delay"])
+        cached, answered = cache_hit(model, prompt)
+        text = f"summary of {answered}"
+        return web.json_response({
+            "id": "cmpl-engine", "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": "stop", "stop_reason": None,
+                         "token_ids": None, "prompt_logprobs": None, "prompt_token_ids": None}],
+            "usage": {"prompt_tokens": len(prompt), "completion_tokens": min(3, max_tokens),
+                      "total_tokens": len(prompt) + 3, "prompt_tokens_details": {"cached_tokens": cached}}})
     out = canary_output(model, int(payload.get("max_tokens") or 16), int(payload.get("logprobs") or 0) or 1)
     logprobs = {"text_offset": list(range(len(out))), "token_logprobs": [lp for _, lp, _ in out],
                 "tokens": [f"token_id:{t}" for t, _, _ in out],
@@ -420,6 +508,22 @@ async def completions(request: web.Request) -> web.Response:
                               "choices": [{"index": 0, "text": "".join(f" w{t}" for t, _, _ in out), "logprobs": logprobs,
                                            "finish_reason": "length", "stop_reason": None}],
                               "usage": {"prompt_tokens": 12, "completion_tokens": len(out), "total_tokens": 12 + len(out)}})
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """vLLM's /tokenize for chat messages (TokenizeChatRequest: add_generation_prompt,
+    continue_final_message; vllm/entrypoints/serve/tokenize/protocol.py), rendered with `render`."""
+    payload = await request.json()
+    STATE.log.append({"hop": request.headers.get("X-MoL-Hop"), "model": payload.get("model"), "endpoint": "tokenize",
+                      "payload": payload, "t": time.time()})
+    if not STATE.config["token_ids"]:
+        return web.json_response({"detail": "Not Found"}, status=404)
+    if payload.get("add_generation_prompt") and payload.get("continue_final_message"):
+        return vllm_error("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+    tokens = render(payload.get("messages") or [], bool(payload.get("add_generation_prompt", True)),
+                    bool(payload.get("continue_final_message")))
+    return web.json_response({"count": len(tokens), "max_model_len": STATE.config["max_model_len"], "tokens": tokens,
+                              "token_strs": None})
 
 
 async def health(request):
@@ -484,6 +588,7 @@ def make_app() -> web.Application:
     app = web.Application(client_max_size=64 * 2**20)  # vLLM takes bodies of any size
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/tokenize", tokenize)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/version", version)
