@@ -43,15 +43,6 @@ POOL_SIZE = 64
 VOCAB = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
          "quebec romeo sierra tango uniform victor whiskey xray yankee zulu river stone cloud ember maple "
          "orbit pixel quartz saddle timber violet willow harbor lantern meadow").split()
-# engine /metrics counters whose deltas are reported (name -> key); missing ones are listed as such
-ENGINE_METRICS = {
-    "vllm": {"prefix_cache_hits": "vllm:prefix_cache_hits_total", "prefix_cache_queries": "vllm:prefix_cache_queries_total",
-             "preemptions": "vllm:num_preemptions_total", "queue_time_s_sum": "vllm:request_queue_time_seconds_sum",
-             "requests_finished": "vllm:request_success_total", "generation_tokens": "vllm:generation_tokens_total"},
-    "sglang": {"cached_tokens": "sglang:cached_tokens_total", "prompt_tokens": "sglang:prompt_tokens_total",
-               "generation_tokens": "sglang:generation_tokens_total", "requests_finished": "sglang:num_requests_total",
-               "queue_time_s_sum": "sglang:queue_time_seconds_sum"},
-}
 PROXY_METRICS = ("requests_total", "route_hops_total", "route_fallbacks_total", "route_timeouts_total",
                  "summaries_total", "summary_failures_total", "summaries_dropped_total", "engine_errors_total")
 
@@ -257,7 +248,9 @@ async def _scrape(client: httpx.AsyncClient, url: str, headers: dict | None = No
 
 
 def _engine_delta(kind: str, before: dict | None, after: dict | None) -> dict[str, Any]:
-    names = ENGINE_METRICS.get(kind, ENGINE_METRICS["vllm"])
+    from molctl.engines import get_engine
+
+    names = get_engine(kind).bench_metrics  # the engine /metrics counters whose deltas are reported
     if before is None or after is None:
         return {"available": False, "note": "the engine's /metrics did not answer", "deltas": {}, "missing": sorted(names)}
     deltas, missing = {}, []

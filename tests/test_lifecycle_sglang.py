@@ -354,13 +354,14 @@ def test_served_name_with_a_colon_is_refused_before_start(host):
 def test_engine_metrics_have_the_names_bench_reads(host):
     """--enable-metrics (venti-sglang passes it): /metrics carries every counter molctl bench
     reports for SGLang (metrics/collector.py names; cached tokens summed over cache_source)."""
-    from molctl.bench import ENGINE_METRICS, parse_metrics
+    from molctl.bench import parse_metrics
+    from molctl.engines import get_engine
 
     assert host.up().exit_code == ExitStatus.OK
     engine = url(host.engine_port)
     client = openai.OpenAI(base_url=engine + "/v1", api_key="none", max_retries=0)
     client.chat.completions.create(model=f"{SERVED}:L1", messages=[{"role": "user", "content": "hi"}])
     values = parse_metrics(httpx.get(engine + "/metrics").text)
-    assert set(ENGINE_METRICS["sglang"].values()) <= set(values)
+    assert set(get_engine("sglang").bench_metrics.values()) <= set(values)
     assert values["sglang:cached_tokens_total"] >= 4 and values["sglang:num_requests_total"] >= 1
     assert host.molctl("down").exit_code == ExitStatus.OK

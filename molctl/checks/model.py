@@ -212,10 +212,9 @@ def run_adapters(profile: Profile, probes: Probes) -> list[CheckResult]:
 # Capacity flags of seed 002 (warn level). The proxy serves the four adapters concurrently (the
 # route hop on L0 while answers and summaries run on L1-L3), so the engine should keep all four
 # resident in one batch; a larger --max-lora-rank than the largest real rank reserves memory for
-# nothing. Flag and default per engine: vLLM --max-loras (default 1), SGLang
-# --max-loras-per-batch (default 8).
+# nothing. Flag and default per engine: `Engine.max_loras_flag` (vLLM --max-loras, default 1;
+# SGLang --max-loras-per-batch, default 8).
 CONCURRENT_ADAPTERS = len(ROUTES)
-MAX_LORAS_FLAG = {"vllm": ("max-loras", 1), "sglang": ("max-loras-per-batch", 8)}
 
 
 def _real_ranks(profile: Profile) -> dict[str, int]:
@@ -243,7 +242,7 @@ def _capacity(profile: Profile, engine_max: int | None) -> list[CheckResult]:
                                    f"set engine.args.max-lora-rank to {top}"))
         elif top == engine_max:
             out.append(CheckResult("adapter.max-lora-rank", "pass", f"--max-lora-rank {engine_max} = the largest adapter rank"))
-    flag, default = MAX_LORAS_FLAG.get(profile.engine.kind, ("max-loras", 1))
+    flag, default = get_engine(profile.engine.kind).max_loras_flag
     value = profile.engine.args.get(flag)
     value = value if isinstance(value, int) and not isinstance(value, bool) else None
     effective = default if value is None else value

@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from molctl.checks import CheckResult, Probes
+from molctl.engines import get_engine
 from molctl.profiles import Profile
 
 JINJA_FILE = "chat_template.jinja"
@@ -150,11 +151,7 @@ def find_template(profile: Profile) -> Template:
 
 
 def _fallback(profile: Profile) -> str:
-    if profile.engine.kind == "sglang":
-        return ("SGLang falls back to a built-in conversation template guessed from the model path, if one "
-                "matches, else its chat endpoint cannot format messages")
-    return ("vLLM has no default (transformers >= 4.44), so /v1/chat/completions fails: 'default chat template is "
-            "no longer allowed'; give the model a template or set engine.args.chat-template")
+    return get_engine(profile.engine.kind).no_template_fallback
 
 
 # ---------------------------------------------------------------------------------- rendering

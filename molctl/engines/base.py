@@ -224,6 +224,12 @@ class Engine(abc.ABC):
     refused_extensions: Mapping[str, str] = {}
 
     launch_module: str = ""  # python -m <this>
+    # The flag bounding the adapters one batch holds, and the engine's default for it.
+    max_loras_flag: tuple[str, int] = ("max-loras", 1)
+    # `molctl bench`'s engine counters: report key -> the /metrics counter name.
+    bench_metrics: Mapping[str, str] = {}
+    # What the engine does with a chat request when the model has no chat template (`molctl check`).
+    no_template_fallback: str = ""
     model_flag: str = ""  # the flag naming the base model folder
     lora_flag: str = ""  # the flag taking NAME=PATH adapter pairs
 

@@ -202,6 +202,12 @@ class SglangEngine(Engine):
     lora_flag = "--lora-paths"
     memory_flag = "mem-fraction-static"
     running_flag = "max-running-requests"
+    max_loras_flag = ("max-loras-per-batch", 8)
+    bench_metrics = {"cached_tokens": "sglang:cached_tokens_total", "prompt_tokens": "sglang:prompt_tokens_total",
+                     "generation_tokens": "sglang:generation_tokens_total", "requests_finished": "sglang:num_requests_total",
+                     "queue_time_s_sum": "sglang:queue_time_seconds_sum"}
+    no_template_fallback = ("SGLang falls back to a built-in conversation template guessed from the model path, if "
+                            "one matches, else its chat endpoint cannot format messages")
     priority_flag = "--enable-priority-scheduling"
     # SGLang takes a request's id from the body's `rid` (ChatCompletionRequest.rid, passed on by
     # serving_chat.py; the X-Request-Id header is not read) and keys its tokenizer, scheduler and

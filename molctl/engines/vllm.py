@@ -49,6 +49,13 @@ class VllmEngine(Engine):
     lora_flag = "--lora-modules"
     memory_flag = "gpu-memory-utilization"
     running_flag = "max-num-seqs"
+    max_loras_flag = ("max-loras", 1)
+    bench_metrics = {"prefix_cache_hits": "vllm:prefix_cache_hits_total",
+                     "prefix_cache_queries": "vllm:prefix_cache_queries_total",
+                     "preemptions": "vllm:num_preemptions_total", "queue_time_s_sum": "vllm:request_queue_time_seconds_sum",
+                     "requests_finished": "vllm:request_success_total", "generation_tokens": "vllm:generation_tokens_total"}
+    no_template_fallback = ("vLLM has no default (transformers >= 4.44), so /v1/chat/completions fails: 'default chat "
+                            "template is no longer allowed'; give the model a template or set engine.args.chat-template")
     priority_flag = "--scheduling-policy priority"
     # vLLM names the engine request after the X-Request-Id header, but logs the JSON body
     # (request_logger.log_request_body) under the body's `request_id` (a random uuid unless set,
