@@ -224,6 +224,10 @@ class Engine(abc.ABC):
     refused_extensions: Mapping[str, str] = {}
 
     launch_module: str = ""  # python -m <this>
+    # The launch flag holding the context window, and how much less than it prompt + max_tokens may be.
+    window_flag: tuple[str, int] = ("max-model-len", 0)
+    # Lower-case fragments of the engine's refusal of a request priority it was not started for.
+    priority_refusals: tuple[str, ...] = ()
     # The flag bounding the adapters one batch holds, and the engine's default for it.
     max_loras_flag: tuple[str, int] = ("max-loras", 1)
     # `molctl bench`'s engine counters: report key -> the /metrics counter name.

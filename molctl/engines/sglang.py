@@ -203,6 +203,10 @@ class SglangEngine(Engine):
     memory_flag = "mem-fraction-static"
     running_flag = "max-running-requests"
     max_loras_flag = ("max-loras-per-batch", 8)
+    # input + max_new_tokens >= context-length is refused (TokenizerManager._validate_one_request)
+    window_flag = ("context-length", 1)
+    # --abort-on-priority-when-disabled: a 503 "... using priority is disabled ..."
+    priority_refusals = ("using priority is disabled",)
     bench_metrics = {"cached_tokens": "sglang:cached_tokens_total", "prompt_tokens": "sglang:prompt_tokens_total",
                      "generation_tokens": "sglang:generation_tokens_total", "requests_finished": "sglang:num_requests_total",
                      "queue_time_s_sum": "sglang:queue_time_seconds_sum"}

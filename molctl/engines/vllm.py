@@ -50,6 +50,12 @@ class VllmEngine(Engine):
     memory_flag = "gpu-memory-utilization"
     running_flag = "max-num-seqs"
     max_loras_flag = ("max-loras", 1)
+    # vLLM 0.32 cuts a max_tokens over the room left (api_utils.py get_max_tokens; earlier versions
+    # refused prompt + max_tokens > max-model-len) and refuses one over max-model-len itself.
+    window_flag = ("max-model-len", 0)
+    # the v0 engine: "Got priority N but Priority scheduling is not enabled."; the 0.8-0.9.1 V1
+    # processor: "V1 does not support priority yet." (400s)
+    priority_refusals = ("priority scheduling is not enabled", "does not support priority")
     bench_metrics = {"prefix_cache_hits": "vllm:prefix_cache_hits_total",
                      "prefix_cache_queries": "vllm:prefix_cache_queries_total",
                      "preemptions": "vllm:num_preemptions_total", "queue_time_s_sum": "vllm:request_queue_time_seconds_sum",

@@ -162,22 +162,19 @@ class SummaryJob:
     extra: dict[str, Any]  # answer-hop fields the continuation must repeat to hit its cache (vLLM cache_salt)
 
 
-def context_window(profile: Profile) -> int | None:
-    """The most prompt + max_tokens the engine takes, from the profile's launch flags; vLLM's
-    `k`/`m` (x1000) and `K`/`M` (x1024) suffixes are understood. SGLang refuses input +
-    max_new_tokens >= context-length (TokenizerManager._validate_one_request), so its usable
-    window is one token less. vLLM 0.32 cuts a max_tokens over the room left (api_utils.py
-    get_max_tokens; earlier versions refused prompt + max_tokens > max-model-len) and refuses one
-    over max-model-len itself: the proxy's limit stays within the window for both."""
-    for flag, margin in (("max-model-len", 0), ("context-length", 1)):
-        value = profile.engine.args.get(flag)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value - margin
-        if isinstance(value, str):
-            m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*", value)
-            if m:
-                scale = {"": 1, "k": 1000, "K": 1024, "m": 1000**2, "M": 1024**2}[m.group(2)]
-                return int(float(m.group(1)) * scale) - margin
+def context_window(profile: Profile, engine: Engine) -> int | None:
+    """The most prompt + max_tokens the engine takes, from its window flag in the profile's launch
+    flags less the engine's margin (`Engine.window_flag`); `k`/`m` (x1000) and `K`/`M` (x1024)
+    suffixes are understood, as vLLM reads them."""
+    flag, margin = engine.window_flag
+    value = profile.engine.args.get(flag)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value - margin
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*", value)
+        if m:
+            scale = {"": 1, "k": 1000, "K": 1024, "m": 1000**2, "M": 1024**2}[m.group(2)]
+            return int(float(m.group(1)) * scale) - margin
     return None
 
 
@@ -198,9 +195,6 @@ def prompt_token_bound(messages: list[dict[str, Any]], tools: Any) -> int:
     return size + (len(fastjson.dumps_bytes(tools)) if tools else 0) + 64
 
 
-# What engines not started for priorities answer a request that has one: vLLM's v0 engine and
-# its 0.8-0.9.1 V1 processor (400s), SGLang with --abort-on-priority-when-disabled (a 503).
-PRIORITY_REFUSALS = ("priority scheduling is not enabled", "does not support priority", "using priority is disabled")
 # How long hops to an engine that refused a priority go without one before it is tried again (an
 # engine restarted with the flag gets priorities back without a proxy restart)
 PRIORITY_RETRY_S = 600.0
@@ -212,12 +206,12 @@ def described(exc: Exception) -> str:
     return f"{exc}: {said}" if said else str(exc)
 
 
-def refuses_priority(exc: EngineHTTPError) -> bool:
-    """The engine refused the request for its priority (see PRIORITY_REFUSALS)."""
+def refuses_priority(exc: EngineHTTPError, engine: Engine) -> bool:
+    """The engine refused the request for its priority (`Engine.priority_refusals`)."""
     if exc.status not in (400, 503):
         return False
     message = exc.message().lower()
-    return any(m in message for m in PRIORITY_REFUSALS)
+    return any(m in message for m in engine.priority_refusals)
 
 
 class Orchestrator:
@@ -240,7 +234,7 @@ class Orchestrator:
         self._priority_taken: set[str] = set()  # engine URLs that ran a route hop with its priority
         self._priority_beyond_route = bool(self.priorities.keys() - {"route"})
         self.engine_names = [*self.adapter_models.values(), *ROUTES, profile.engine.served_name]
-        self.window = context_window(profile)
+        self.window = context_window(profile, engine)
         self.route_tokens = min(profile.proxy.route_max_tokens, max(len(r) for r in ROUTES))
         self.admission = admission or Admission.from_profile(profile, engine)
         summary_concurrency = summary_concurrency or profile.proxy.summary_inflight
@@ -410,7 +404,7 @@ class Orchestrator:
                     self._priority_taken.add(self.client.target_url())
                 return checked_completion(body)
             except EngineHTTPError as exc:
-                if "priority" not in payload or not refuses_priority(exc):
+                if "priority" not in payload or not refuses_priority(exc, self.engine):
                     raise
                 self._priority_refusal(exc)
                 payload = {k: v for k, v in payload.items() if k != "priority"}
