@@ -117,3 +117,22 @@ def test_continuation_ids_and_the_suffix_rules():
     closed = [10, 11, 50, 51, 60, 61, 99, 12, 70, 71, 99, 13]
     assert suffix_after(left_open, closed) == [99, 12, 70, 71, 99, 13]
     assert suffix_after([5, 6], [1, 2, 3]) is None
+
+
+def test_sglang_reads_its_own_shapes():
+    """SGLang 0.5.13's shapes (molctl/engines/sglang.py): the prompt ids and meta_info on the
+    choice, non-streamed only; the continuation a /generate with input_ids and lora_path."""
+    from molctl.engines import get_engine
+
+    sgl = get_engine("sglang")
+    assert sgl.answer_token_fields(stream=True) == {}
+    assert sgl.answer_token_fields(stream=False) == {"return_prompt_token_ids": True, "return_meta_info": True}
+    body = {"choices": [{"message": {"content": "hi"}, "prompt_token_ids": [1, 2],
+                         "meta_info": {"output_token_logprobs": [[-0.1, 7, "h"], [-0.2, 9, "<eos>"]],
+                                       "finish_reason": {"type": "stop", "matched": 9}}}]}
+    assert sgl.answer_tokens(body) == AnswerTokens([1, 2], [7, 9], True)
+    assert not sgl.answer_tokens({"choices": [{"prompt_token_ids": [1], "meta_info": {}}]}).complete()
+    assert sgl.continuation_request("base:L2", "L2", [1, 2], 32) == {
+        "input_ids": [1, 2], "lora_path": "L2", "stream": False, "sampling_params": {"max_new_tokens": 32, "temperature": 0}}
+    text, usage = sgl.continuation_result({"text": " done", "meta_info": {"prompt_tokens": 10, "cached_tokens": 8}})
+    assert text == " done" and usage == {"prompt_tokens": 10, "prompt_tokens_details": {"cached_tokens": 8}}
