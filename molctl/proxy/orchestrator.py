@@ -41,6 +41,7 @@ import asyncio
 import logging
 import re
 import time
+from array import array
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -682,7 +683,10 @@ class Orchestrator:
         self._summary_waiting += 1
         # the task keeps the summary request only, not the client's request
         salt = plan.body.get("cache_salt")
-        job = SummaryJob(self.summary_payload(plan), self.adapter_models[plan.route], plan.route, plan.tokens,
+        tokens = plan.tokens
+        if tokens is not None and tokens.complete():  # 4 bytes a token while queued, not a Python int's 28+8
+            tokens = AnswerTokens(array("l", tokens.prompt), array("l", tokens.output), tokens.stop_token)  # type: ignore[arg-type]
+        job = SummaryJob(self.summary_payload(plan), self.adapter_models[plan.route], plan.route, tokens,
                          {"cache_salt": salt} if isinstance(salt, str) and "cache_salt" in self.fields.extensions else {})
         task = asyncio.get_running_loop().create_task(
             self._summarise(job, record, key, time.monotonic(), plan.big, plan.request_id))
