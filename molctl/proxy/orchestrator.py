@@ -684,7 +684,7 @@ class Orchestrator:
         # the task keeps the summary request only, not the client's request
         salt = plan.body.get("cache_salt")
         tokens = plan.tokens
-        if tokens is not None and tokens.complete():  # 4 bytes a token while queued, not a Python int's 28+8
+        if tokens is not None and tokens.complete():  # 8 bytes a token while queued, not a Python int and its pointer (36)
             tokens = AnswerTokens(array("l", tokens.prompt), array("l", tokens.output), tokens.stop_token)  # type: ignore[arg-type]
         job = SummaryJob(self.summary_payload(plan), self.adapter_models[plan.route], plan.route, tokens,
                          {"cache_salt": salt} if isinstance(salt, str) and "cache_salt" in self.fields.extensions else {})
