@@ -12,8 +12,10 @@ import openai
 import pytest
 
 from molctl.engines import get_engine
+from molctl.proxy.errors import ProxyError
+from molctl.proxy.request_fields import FieldPolicy
 from tests.helpers import wait_for
-from tests.test_proxy import KEY, PUBLIC, keyfile, own_stack, s, stack  # noqa: F401 - fixtures
+from tests.proxy_stack import KEY, PUBLIC, TINY, own_stack
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 USER = [{"role": "user", "content": "[route:L2] hello"}]
@@ -116,6 +118,37 @@ def test_an_unknown_field_is_logged_once_and_a_400_in_strict_mode(keyfile, tmp_p
             st.chat(USER, extra_body={"client_metadata": {"a": "b"}})
         assert err.value.param == "client_metadata" and "request_fields" in err.value.message
         st.chat(USER, extra_body={"ignore_eos": True})  # an engine extension is no unknown field
+
+
+def test_forced_generation_keeps_the_operators_output_limit(s):
+    """`ignore_eos`/`min_tokens` without max_tokens on a prompt too long for the proxy's own bound
+    reached the engine with no limit: the answer filled the engine's window, past proxy.max_output_tokens."""
+    long = [{"role": "user", "content": "[route:L2] " + "word " * 358}]
+    s.chat(long)
+    assert "max_tokens" not in s.log("answer")[-1]["payload"]  # unforced: the engine fills the room left
+    s.chat(long, extra_body={"ignore_eos": True})
+    assert s.log("answer")[-1]["payload"]["max_tokens"] == TINY.proxy.max_output_tokens
+    s.chat(long, extra_body={"min_tokens": 8})
+    assert s.log("answer")[-1]["payload"]["max_tokens"] == TINY.proxy.max_output_tokens
+    with pytest.raises(openai.BadRequestError) as err:
+        s.chat(USER, extra_body={"min_tokens": 2048})
+    assert err.value.param == "min_tokens" and "proxy.max_output_tokens" in err.value.message
+
+
+def test_null_is_not_given_for_an_unknown_field_also_in_strict_mode():
+    """A null unknown field was a 400 with `proxy.request_fields: reject`, though a null is "not given"."""
+    policy = FieldPolicy(get_engine("vllm").request_extensions, reject_unknown=True)
+    policy.check_extra({"model": PUBLIC, "client_metadata": None}, {"model"}, "chat")
+    with pytest.raises(ProxyError, match="client_metadata"):
+        policy.check_extra({"model": PUBLIC, "client_metadata": {}}, {"model"}, "chat")
+
+
+def test_a_nested_key_named_like_a_refused_field_is_an_unknown_key_not_a_refusal():
+    """`reasoning: {"echo": true}` was refused as if it were the top-level `echo`."""
+    policy = FieldPolicy(get_engine("vllm").request_extensions)
+    policy.check_extra({"echo": True, "priority": 5}, ("effort", "summary"), "responses", "reasoning.")
+    with pytest.raises(ProxyError, match="'echo' is not supported"):
+        policy.check_extra({"echo": True}, {"model"}, "chat")
 
 
 # ------------------------------------------------------------------------ the Responses API

@@ -60,7 +60,7 @@ from molctl.proxy.conversations import (
     tool_calls_of,
 )
 from molctl.proxy.engine_client import CHAT_PATH, ENGINE, EngineClient, checked_completion
-from molctl.proxy.errors import EngineHTTPError, EngineUnavailable, from_engine, overloaded
+from molctl.proxy.errors import EngineHTTPError, EngineUnavailable, from_engine, invalid, overloaded
 from molctl.proxy.request_fields import FieldPolicy
 from molctl.proxy.validation import PASSTHROUGH, check_request
 from molctl.proxy.views import (
@@ -506,11 +506,18 @@ class Orchestrator:
         limit = self.profile.proxy.max_output_tokens
         # as vLLM reads them (ChatCompletionRequest.build_tok_params): max_completion_tokens first
         asked = body.get("max_completion_tokens") or body.get("max_tokens")
+        # ignore_eos / min_tokens (engine extensions) keep the model from ending the answer itself:
+        # without a limit it would fill the engine's window, past the operator's proxy.max_output_tokens
+        forced = body.get("ignore_eos") is True or bool(body.get("min_tokens"))
         if asked:
             payload["max_tokens"] = min(asked, limit)
-        elif self.window is not None and prompt_token_bound(plan.view, body.get("tools")) + limit <= self.window:
+        elif forced or (self.window is not None and prompt_token_bound(plan.view, body.get("tools")) + limit <= self.window):
             payload["max_tokens"] = limit
         # else: no max_tokens; the engine fills the room actually left in its window
+        least = body.get("min_tokens")
+        if isinstance(least, int) and least > payload.get("max_tokens", least):
+            raise invalid(f"'min_tokens' ({least}) must be at most the answer's token limit, {payload['max_tokens']} "
+                          "(max_tokens, at most this server's proxy.max_output_tokens).", "min_tokens")
         kwargs = dict(body.get("chat_template_kwargs") or {})
         effort = body.get("reasoning_effort")
         style = self.profile.proxy.reasoning

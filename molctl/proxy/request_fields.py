@@ -100,15 +100,18 @@ class FieldPolicy:
                 continue
             value = body[key]
             name = f"{where}{key}"
-            if key in self.refused and not _default(key, value):
+            top = not where  # refused fields and extensions are top-level names; nested keys are unknown ones
+            if top and key in self.refused and not _default(key, value):
                 raise invalid(f"'{name}' is not supported: {self.refused[key]}.", name)
-            if key in self.extensions and not where:
+            if top and key in self.extensions:
                 if value is not None:
                     test, wording = KINDS[self.extensions[key]]
                     if not test(value):
                         raise invalid(f"'{name}' must be {wording}.", name)
                 continue
-            if key in self.refused:  # null or false: what not sending it means
+            if top and key in self.refused:  # null or false: what not sending it means
+                continue
+            if value is None:  # null is "not given", also for a field this server does not know
                 continue
             if self.reject_unknown:
                 raise invalid(f"Unrecognized request argument supplied: {name} (this server's proxy.request_fields "
