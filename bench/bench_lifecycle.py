@@ -20,7 +20,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from molctl.errors import ExitStatus  # noqa: E402
 from molctl.profiles import builtin_profiles_dir  # noqa: E402
-from tests.test_lifecycle import Host  # noqa: E402
+from tests.lifecycle_host import Host  # noqa: E402
 
 STARTUP_DELAY = 2.0
 

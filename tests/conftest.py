@@ -7,6 +7,9 @@ import pytest
 
 from tests.helpers import CliResult, Molctl, free_port
 from tests.helpers import free_ports as _free_ports
+from tests.lifecycle_host import Host
+from tests.procs import fake_engine_argv, proxy_argv, running
+from tests.proxy_stack import KEY, KEY2, STRICT, Stack
 
 __all__ = ["CliResult", "free_port"]  # free_port: also imported from here by older test modules
 
@@ -76,3 +79,42 @@ def r(redis):
     client.flushall()
     yield client
     client.close()
+
+
+# The proxy test stack (tests/proxy_stack.py): one fake engine and proxy per test module that asks for it.
+@pytest.fixture(scope="module")
+def keyfile(tmp_path_factory):
+    path = tmp_path_factory.mktemp("keys") / "keys"
+    path.write_text(f"{KEY}\n\n{KEY2}")  # blank line and no trailing newline are fine
+    path.chmod(0o600)
+    return path
+
+
+@pytest.fixture(scope="module")
+def stack(keyfile, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("logs")
+    engine_port, proxy_port, metrics_port = _free_ports(3)
+    engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
+    # strict: the fake engine rejects what vLLM and the Qwen3.5/3.6 templates reject (tiny's window: 2048)
+    with running(fake_engine_argv(engine_port, STRICT), engine_url + "/health", log=logs / "engine.log"), \
+            running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(keyfile),
+                               # the profile field (what `up` passes); test_proxy_admission uses --sse-keepalive
+                               "--set", "proxy.sse_keepalive_s=0.2", "--set", "proxy.stream_write_timeout_s=2",
+                               "--set", "proxy.route_timeout_s=2",
+                               "--metrics-port", str(metrics_port)),
+                    proxy_url + "/health", log=logs / "proxy.log"):
+        yield Stack(engine_url, proxy_url, f"http://127.0.0.1:{metrics_port}")
+
+
+@pytest.fixture
+def s(stack):
+    stack.reset()
+    return stack
+
+
+# The lifecycle tests' host (tests/lifecycle_host.py), one per test.
+@pytest.fixture
+def host(tmp_path):
+    h = Host(tmp_path)
+    yield h
+    h.cleanup()

@@ -13,7 +13,7 @@ import pytest
 
 from molctl.canary import TOLERANCE, Sample, difference
 from molctl.errors import ExitStatus
-from tests.test_lifecycle import Host, gone, port_free
+from tests.lifecycle_host import Host, gone, port_free
 from tests.test_lifecycle_sglang import SGL, SglHost
 
 

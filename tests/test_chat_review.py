@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import httpx
 
-from tests.test_proxy import KEY, PUBLIC, TOOLS, keyfile, s, stack  # noqa: F401 - fixtures
+from tests.proxy_stack import KEY, PUBLIC, TOOLS
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 USER = [{"role": "user", "content": "[route:L2] hello"}]

@@ -195,7 +195,7 @@ def test_down_force_of_a_stack_with_one_unreadable_record_is_one_entry_proxy_fir
     stack, and "per stack, the proxy (drain) then the engine". With one record unreadable,
     `down --force` listed the profile twice (one entry per record kind), and with the engine's
     record the unreadable one it stopped the engine before draining the proxy."""
-    from tests.test_lifecycle import Host
+    from tests.lifecycle_host import Host
 
     host = Host(tmp_path)
     try:

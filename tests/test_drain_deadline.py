@@ -15,7 +15,7 @@ import httpx
 from molctl import stop
 from tests.helpers import free_ports, wait_for
 from tests.procs import fake_engine_argv, proxy_argv, running
-from tests.test_proxy import PUBLIC
+from tests.proxy_stack import PUBLIC
 
 
 def test_at_the_drain_deadline_what_is_left_is_answered_503_draining_then_the_proxy_exits(tmp_path):

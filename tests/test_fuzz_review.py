@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from molctl.proxy.app import BIG_BODY
-from tests.test_proxy import KEY, PUBLIC, keyfile, s, stack  # noqa: F401 - fixtures
+from tests.proxy_stack import KEY, PUBLIC
 
 AUTH = {"Authorization": f"Bearer {KEY}", "content-type": "application/json"}
 PATHS = {"chat": "/v1/chat/completions", "responses": "/v1/responses"}
@@ -161,7 +161,7 @@ def test_a_websocket_upgrade_is_counted_and_logged_like_a_request(caplog):
 
     from molctl.engines import get_engine
     from molctl.proxy.app import ProxyApp
-    from tests.test_proxy import TINY
+    from tests.proxy_stack import TINY
 
     app = ProxyApp(TINY, get_engine("vllm"), "http://127.0.0.1:9", [KEY])
 

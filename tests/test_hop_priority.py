@@ -15,7 +15,7 @@ import pytest
 from molctl.engines import get_engine
 from molctl.profiles import load_profile, profile_dirs
 from tests.helpers import wait_for
-from tests.test_proxy import KEY, keyfile, own_stack, s, stack  # noqa: F401 - fixtures
+from tests.proxy_stack import KEY, own_stack
 from tests.test_proxy_sglang import PUBLIC as PUBLIC_SGL
 
 
@@ -43,7 +43,7 @@ def test_route_hops_carry_the_urgent_priority_and_the_other_hops_none(s):
 
 
 @pytest.fixture(scope="module")
-def fcfs_stack(keyfile, tmp_path_factory):  # noqa: F811 - the fixture imported above
+def fcfs_stack(keyfile, tmp_path_factory):
     """The tiny profile with vLLM's default policy, on an engine started the same way."""
     with own_stack(keyfile, tmp_path_factory.mktemp("fcfs-logs"), "--set", "engine.args.scheduling-policy=fcfs",
                    scheduling_policy="fcfs") as st:
@@ -82,7 +82,7 @@ def test_the_hop_priorities_follow_the_engines_own_flags(profile, sets, expected
     assert get_engine(p.engine.kind).hop_priorities(p) == expected
 
 
-def test_on_sglang_every_hop_names_its_priority(keyfile, tmp_path):  # noqa: F811
+def test_on_sglang_every_hop_names_its_priority(keyfile, tmp_path):
     """SGLang with --enable-priority-scheduling gives a request without a priority the lowest
     value, and a waiting request preempts running ones more than 10 below it: the route hop's 1
     above answers and summaries at 0 orders it first without preempting them."""
@@ -96,7 +96,7 @@ def test_on_sglang_every_hop_names_its_priority(keyfile, tmp_path):  # noqa: F81
         assert {e["hop"]: e["payload"].get("priority") for e in st.log()} == {"route": 1, "answer": 0, "summary": 0}
 
 
-def test_a_proxy_in_front_of_an_engine_without_priority_scheduling_drops_the_priority_once(keyfile, tmp_path):  # noqa: F811
+def test_a_proxy_in_front_of_an_engine_without_priority_scheduling_drops_the_priority_once(keyfile, tmp_path):
     """`molctl proxy tiny --upstream` in front of a vLLM started without the profile's
     `--scheduling-policy priority` (the harness's scripts, say): the first route hop's 400 is
     retried without the priority, said once in the proxy's log, and later route hops carry none;
@@ -113,7 +113,7 @@ def test_a_proxy_in_front_of_an_engine_without_priority_scheduling_drops_the_pri
     assert text.count("refuses request priorities") == 1 and "--scheduling-policy priority" in text
 
 
-def test_vllm_0_8s_refusal_is_recognised_too(keyfile, tmp_path):  # noqa: F811
+def test_vllm_0_8s_refusal_is_recognised_too(keyfile, tmp_path):
     """vLLM 0.8-0.9.1's V1 processor refuses any priority with another text: every route hop fell
     back to the default adapter, the log saying only "HTTP 400"."""
     with own_stack(keyfile, tmp_path, scheduling_policy="fcfs") as st:
@@ -187,7 +187,7 @@ def test_sglang_answers_and_summaries_name_a_priority_only_where_a_route_hop_too
     assert (priority("route"), priority("answer"), priority("summary")) == (1, None, None)
 
 
-def test_an_sglang_engine_that_aborts_priorities_loses_no_request(keyfile, tmp_path):  # noqa: F811
+def test_an_sglang_engine_that_aborts_priorities_loses_no_request(keyfile, tmp_path):
     """The proxy's profile opts in, its engine aborts any priority (503): the route hop is sent
     again without one, and the tool-result turn after it (no route hop) and the summary carry
     none, so every request is answered and no summary fails."""

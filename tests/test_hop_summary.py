@@ -17,7 +17,7 @@ from molctl.engines.base import AnswerTokens, continuation_ids
 from molctl.proxy.views import suffix_after
 from tests.fake_engine import IM_END, IM_START, ROLE_IDS, render, words
 from tests.helpers import wait_for
-from tests.test_proxy import KEY, TINY, keyfile, s, stack  # noqa: F401 - fixtures
+from tests.proxy_stack import TINY
 
 
 def continuation(s) -> dict:

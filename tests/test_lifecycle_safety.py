@@ -24,8 +24,8 @@ from molctl.errors import ExitStatus
 from molctl.profiles import builtin_profiles_dir
 from molctl.progress import SilentProgress
 from tests.helpers import ROOT, Molctl, exit_status, free_port, url, wait_for, wait_status
+from tests.lifecycle_host import Host, gone
 from tests.procs import alive, stop
-from tests.test_lifecycle import Host, gone, host  # noqa: F401 - fixture
 
 # The proxy starts while the engine loads only without the adapter efficacy canary (with it, after
 # the canary): the tests of a proxy running beside a loading engine start without it.

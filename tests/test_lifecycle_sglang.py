@@ -25,7 +25,7 @@ import yaml
 from molctl.errors import ExitStatus
 from molctl.profiles import builtin_profiles_dir
 from tests.helpers import url
-from tests.test_lifecycle import PUBLIC, Host, gone, port_free
+from tests.lifecycle_host import PUBLIC, Host, gone, port_free
 
 SGL = "tiny-sglang"
 SERVED = "glm52-fp8-official"

@@ -15,8 +15,8 @@ from molctl.errors import ExitStatus
 from molctl.stacks import component_url
 from molctl.state import lock_holder
 from tests.helpers import Molctl, exit_status, free_port, wait_for
+from tests.lifecycle_host import gone
 from tests.procs import alive
-from tests.test_lifecycle import gone, host  # noqa: F401 - fixture
 from tests.test_lifecycle_safety import EARLY_PROXY, _add_tiny_b, _answers
 
 

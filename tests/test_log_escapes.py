@@ -14,7 +14,7 @@ import httpx
 from molctl.logs import _Log, escape_controls
 from tests.helpers import free_ports, wait_for
 from tests.procs import fake_engine_argv, proxy_argv, running
-from tests.test_proxy import PUBLIC
+from tests.proxy_stack import PUBLIC
 
 HOSTILE = "\x1b[31mred\x1b[0m \x1b]0;owned\x07 back\x08\x08 \r rewritten \x9b2J \x7f end\tok"
 

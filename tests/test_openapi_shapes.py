@@ -13,7 +13,7 @@ import json
 import httpx
 import pytest
 
-from tests.test_proxy import KEY, PUBLIC, keyfile, own_stack, s, stack  # noqa: F401 - fixtures
+from tests.proxy_stack import KEY, PUBLIC, own_stack
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 USER = [{"role": "user", "content": "[route:L2] hello"}]

@@ -3,9 +3,7 @@ the official `openai` SDK, non-stream and stream."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import re
 import signal
 import threading
 import time
@@ -15,120 +13,9 @@ import openai
 import pytest
 
 from molctl.errors import ExitStatus
-from molctl.profiles import load_profile, profile_dirs
 from tests.helpers import free_ports
 from tests.procs import fake_engine_argv, proxy_argv, running, wait_http
-
-KEY, KEY2 = "sk-test-one", "sk-test-two"
-TINY = load_profile("tiny", profile_dirs())
-PUBLIC = TINY.served_model_name
-IDENTITY = {"role": "system", "content": TINY.substitute(TINY.prompts.identity).strip()}
-LEAK = re.compile(r"(?<![A-Za-z0-9])L[0-3](?![0-9])|tiny-mol-base|glm52-fp8-official")
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
-
-
-STRICT = {"strict": True, "max_model_len": TINY.engine.args["max-model-len"]}
-
-
-def fold(summary: str) -> dict:
-    return {"role": "assistant", "content": TINY.prompts.fold.replace("{summary}", summary)}
-
-
-def parse_prometheus(text: str) -> dict[str, float]:
-    """Prometheus text -> {sample name: value}, labelled samples summed per name."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name_labels, value = line.rsplit(" ", 1)
-        name = name_labels.split("{", 1)[0]
-        out[name] = out.get(name, 0) + float(value)
-    return out
-
-
-class Stack:
-    def __init__(self, engine_url: str, proxy_url: str, metrics_url: str | None = None):
-        self.engine_url, self.proxy_url, self.metrics_url = engine_url, proxy_url, metrics_url
-        self.client = openai.OpenAI(base_url=proxy_url + "/v1", api_key=KEY, max_retries=0, timeout=30)
-
-    def config(self, **cfg):
-        httpx.post(self.engine_url + "/_config", json=cfg).raise_for_status()
-
-    def reset(self):
-        httpx.post(self.engine_url + "/_reset").raise_for_status()
-
-    def log(self, hop: str | None = None) -> list[dict]:
-        entries = httpx.get(self.engine_url + "/_log").json()
-        return [e for e in entries if hop is None or e["hop"] == hop]
-
-    def metrics(self) -> dict[str, float]:
-        """The proxy's metrics listener (no key), labelled series summed per name (0 for a
-        labelled counter with no series yet)."""
-        from collections import defaultdict
-
-        return defaultdict(float, parse_prometheus(httpx.get(self.metrics_url + "/metrics").text))
-
-    def chat(self, messages, stream=False, **kw):
-        if not stream:
-            return self.client.chat.completions.create(model=PUBLIC, messages=messages, **kw)
-        content, calls, chunks = "", {}, []
-        for chunk in self.client.chat.completions.create(model=PUBLIC, messages=messages, stream=True, **kw):
-            chunks.append((time.monotonic(), chunk))
-            for choice in chunk.choices:
-                content += choice.delta.content or ""
-                for tc in choice.delta.tool_calls or []:
-                    acc = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
-                    acc["id"] = tc.id or acc["id"]
-                    acc["name"] += (tc.function.name or "") if tc.function else ""
-                    acc["arguments"] += (tc.function.arguments or "") if tc.function else ""
-        return content, calls, chunks
-
-
-@pytest.fixture(scope="module")
-def keyfile(tmp_path_factory):
-    path = tmp_path_factory.mktemp("keys") / "keys"
-    path.write_text(f"{KEY}\n\n{KEY2}")  # blank line and no trailing newline are fine
-    path.chmod(0o600)
-    return path
-
-
-@contextlib.contextmanager
-def own_stack(keyfile, logs, *proxy_args: str, scheduling_policy: str = "priority"):
-    """A fake engine and a tiny-profile proxy started with extra arguments, for a test module's
-    own stack; the logs go to `logs` (engine.log, proxy.log)."""
-    engine_port, proxy_port = free_ports(2)
-    engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
-    with running(fake_engine_argv(engine_port, scheduling_policy=scheduling_policy), engine_url + "/health",
-                 log=logs / "engine.log"), \
-            running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(keyfile), *proxy_args),
-                    proxy_url + "/health", log=logs / "proxy.log"):
-        stack_ = Stack(engine_url, proxy_url)
-        stack_.reset()
-        yield stack_
-
-
-@pytest.fixture(scope="module")
-def stack(keyfile, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("logs")
-    engine_port, proxy_port, metrics_port = free_ports(3)
-    engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
-    # strict: the fake engine rejects what vLLM and the Qwen3.5/3.6 templates reject (tiny's window: 2048)
-    with running(fake_engine_argv(engine_port, STRICT), engine_url + "/health", log=logs / "engine.log"), \
-            running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(keyfile),
-                               # the profile field (what `up` passes); test_proxy_admission uses --sse-keepalive
-                               "--set", "proxy.sse_keepalive_s=0.2", "--set", "proxy.stream_write_timeout_s=2",
-                               "--set", "proxy.route_timeout_s=2",
-                               "--metrics-port", str(metrics_port)),
-                    proxy_url + "/health", log=logs / "proxy.log"):
-        yield Stack(engine_url, proxy_url, f"http://127.0.0.1:{metrics_port}")
-
-
-@pytest.fixture
-def s(stack):
-    stack.reset()
-    return stack
-
+from tests.proxy_stack import IDENTITY, KEY, KEY2, LEAK, PUBLIC, TINY, TOOLS, fold, parse_prometheus
 
 # ------------------------------------------------------------------------ conversation views
 

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from molctl.engines import get_engine
-from tests.test_proxy import KEY, PUBLIC, TINY, keyfile, s, stack  # noqa: F401 - fixtures
+from tests.proxy_stack import KEY, PUBLIC, TINY
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 

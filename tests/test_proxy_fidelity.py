@@ -21,7 +21,7 @@ from molctl.engines import get_engine
 from molctl.proxy.conversations import MemoryStore, TurnRecord
 from tests.helpers import free_ports, wait_for
 from tests.procs import fake_engine_argv, proxy_argv, running
-from tests.test_proxy import IDENTITY, KEY, PUBLIC, STRICT, TINY, fold, keyfile, s, stack  # noqa: F401 - fixtures
+from tests.proxy_stack import IDENTITY, KEY, PUBLIC, STRICT, TINY, fold
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
@@ -488,7 +488,7 @@ def test_prompt_cache_key_and_safety_identifier_are_accepted(s):
     assert "prompt_cache_key" not in payload and "safety_identifier" not in payload
 
 
-def test_metrics_answer_during_a_drain(keyfile):  # noqa: F811 - fixture
+def test_metrics_answer_during_a_drain(keyfile):
     import signal
 
     engine_port, port, metrics_port = free_ports(3)

@@ -12,7 +12,7 @@ from molctl.errors import ProfileError
 from molctl.profiles import load_profile, profile_dirs
 from molctl.proxy.errors import ProxyError
 from molctl.proxy.validation import check_media_url
-from tests.test_proxy import KEY, PUBLIC, keyfile, own_stack, s, stack  # noqa: F401 - fixtures
+from tests.proxy_stack import PUBLIC, own_stack
 
 PNG = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR4nGNgYGBgAAAABQABh6FO1AAAAABJRU5ErkJggg=="
 
@@ -93,7 +93,7 @@ def test_the_responses_api_checks_input_image_urls_too(s):
 
 
 @pytest.fixture(scope="module")
-def media_stack(keyfile, tmp_path_factory):  # noqa: F811 - the fixture imported above
+def media_stack(keyfile, tmp_path_factory):
     """A proxy whose profile lets the engine fetch from one host (given in mixed case)."""
     with own_stack(keyfile, tmp_path_factory.mktemp("media-logs"), "--set", "proxy.media_url_hosts=[Images.Example.com]") as st:
         yield st

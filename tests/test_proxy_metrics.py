@@ -17,7 +17,7 @@ import pytest
 from molctl.status import proxy_metrics
 from tests.helpers import free_port, free_ports, wait_for
 from tests.procs import fake_engine_argv, proxy_argv, running
-from tests.test_proxy import PUBLIC
+from tests.proxy_stack import PUBLIC
 
 KEY = "sk-metrics-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -20,8 +20,8 @@ from molctl.proxy.conversations import TurnRecord
 from molctl.proxy.redis_store import RedisConversationStore, RedisResponseStore, RedisState, parse_redis_url
 from tests.helpers import ROOT, free_port, free_ports
 from tests.procs import fake_engine_argv, proxy_argv, running
+from tests.proxy_stack import KEY, PUBLIC
 from tests.redis_server import RedisServer
-from tests.test_proxy import KEY, PUBLIC, keyfile  # noqa: F401 - fixture
 
 # ------------------------------------------------------------------------------ proxy.store URLs
 

@@ -30,8 +30,8 @@ from molctl.proxy.redis_store import (
 )
 from tests.helpers import ROOT, free_port, free_ports
 from tests.procs import fake_engine_argv, proxy_argv, running
+from tests.proxy_stack import KEY, PUBLIC
 from tests.redis_server import RedisServer, redis_server
-from tests.test_proxy import KEY, PUBLIC, keyfile  # noqa: F401 - fixture
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 

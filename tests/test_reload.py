@@ -21,7 +21,7 @@ from molctl.state import Record, read_records, write_record
 from tests.helpers import ROOT, Molctl, free_port, free_ports, url, wait_for
 from tests.layouts import make_layout
 from tests.procs import fake_engine_argv, fake_engine_python, proxy_argv, running, stop
-from tests.test_proxy import PUBLIC
+from tests.proxy_stack import PUBLIC
 
 OLD, NEW = "sk-reload-old", "sk-reload-new"
 

@@ -14,8 +14,8 @@ import pytest
 
 from tests.helpers import free_port, free_ports
 from tests.procs import fake_engine_argv, proxy_argv, running, stop
+from tests.proxy_stack import IDENTITY, KEY, PUBLIC, STRICT, fold
 from tests.redis_server import redis_server
-from tests.test_proxy import IDENTITY, KEY, PUBLIC, STRICT, fold, keyfile  # noqa: F401 - fixture
 
 
 class Replica:

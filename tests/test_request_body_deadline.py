@@ -13,7 +13,7 @@ import pytest
 
 from tests.helpers import free_ports
 from tests.procs import fake_engine_argv, proxy_argv, running
-from tests.test_proxy import PUBLIC
+from tests.proxy_stack import PUBLIC
 
 
 def test_a_trickled_body_gets_a_408_at_the_total_deadline():

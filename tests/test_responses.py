@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from molctl.proxy import responses
-from tests.test_proxy import IDENTITY, KEY, KEY2, LEAK, PUBLIC, fold, keyfile, s, stack  # noqa: F401 - fixtures
+from tests.proxy_stack import IDENTITY, KEY, KEY2, LEAK, PUBLIC, fold
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather for a city",
@@ -460,7 +460,7 @@ def test_memory_store_is_the_default_and_the_argument_is_used():
     from molctl.engines import get_engine
     from molctl.proxy.app import ProxyApp
     from molctl.proxy.response_store import MemoryResponseStore
-    from tests.test_proxy import TINY
+    from tests.proxy_stack import TINY
 
     store = MemoryResponseStore(max_entries=3)
     app = ProxyApp(TINY, get_engine(TINY.engine.kind), "http://127.0.0.1:9", ["k"], response_store=store)

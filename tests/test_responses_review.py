@@ -9,7 +9,7 @@ import json
 import httpx
 
 from molctl.proxy import responses
-from tests.test_proxy import KEY, PUBLIC, keyfile, s, stack  # noqa: F401 - fixtures
+from tests.proxy_stack import KEY, PUBLIC
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather for a city",

@@ -179,7 +179,7 @@ def test_a_host_lock_file_hard_linked_to_another_file_is_refused(tmp_path):
 
 @pytest.fixture
 def host(tmp_path):
-    from tests.test_lifecycle import Host
+    from tests.lifecycle_host import Host
 
     h = Host(tmp_path)
     yield h

@@ -367,7 +367,7 @@ def test_previous_response_id_survives_down_and_up(tmp_path):
     """`molctl up` gives the proxy its state dir: a chain continues across `down` and `up`."""
     import openai
 
-    from tests.test_lifecycle import Host
+    from tests.lifecycle_host import Host
 
     host = Host(tmp_path)
     try:

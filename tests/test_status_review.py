@@ -18,7 +18,6 @@ import pytest
 from molctl.errors import ExitStatus
 from molctl.output import Output
 from tests.helpers import ROOT, Molctl, wait_for
-from tests.test_lifecycle import Host, host  # noqa: F401 - fixture
 
 
 class Ctx:

@@ -14,7 +14,7 @@ from molctl.proxy.app import ProxyApp
 from molctl.proxy.sqlite_store import SqliteResponseStore
 from tests.helpers import free_port
 from tests.procs import fake_engine_argv, running
-from tests.test_proxy import PUBLIC, TINY
+from tests.proxy_stack import PUBLIC, TINY
 
 
 async def _call(app, method: str, path: str, body: dict | None = None) -> tuple[int, dict[str, str], bytes]:

@@ -11,7 +11,7 @@ import pytest
 from tests.clients.drivers import run_driver
 from tests.helpers import free_ports
 from tests.procs import fake_engine_argv, proxy_argv, running
-from tests.test_proxy import KEY, PUBLIC, STRICT
+from tests.proxy_stack import KEY, PUBLIC, STRICT
 
 
 class ClientStack:
