@@ -53,7 +53,9 @@ def _counts(store: SqliteResponseStore | None) -> dict[str, Any]:
                 "expired_pending": 0, "oldest_created_at": None,
                 "conversations": {"turns": 0, "calls": 0, "bytes": 0, "evicted": 0, "expired": 0, "expired_pending": 0}}
     d = store.describe()
-    return {"schema_version": d["schema_version"], "integrity": d["integrity"], "responses": d["responses"], "bytes": d["responses_bytes"],
+    pending = {"migration_pending": d["migration_pending"]} if "migration_pending" in d else {}
+    return {**pending, "schema_version": d["schema_version"], "integrity": d["integrity"], "responses": d["responses"],
+            "bytes": d["responses_bytes"],
             "file_bytes": d["file_bytes"], "evicted": d["responses_evicted"], "expired": d["responses_expired"],
             "expired_pending": d["responses_expired_pending"], "oldest_created_at": d["responses_oldest_created_at"] or None,
             "conversations": {"turns": d["turns"], "calls": d["calls"], "bytes": d["conversation_bytes"],

@@ -1464,3 +1464,30 @@ def test_state_stats_text_shows_the_ttl_as_seconds_and_days(molctl, state_dir):
     _seed(state_dir, [1])
     text = molctl("state", "stats", "tiny").stdout
     assert "ttl 2592000 s (30 days)" in text and "e+06" not in text
+
+
+def test_looking_at_an_older_store_never_migrates_it(molctl, state_dir):
+    """`state stats` and `check` migrated a schema-2 file to 3 in place: "just looking" made it one
+    the molctl still installed refuses, the rollback the contract advises (keep a copy) gone."""
+    import shutil
+
+    from molctl.checks.host import _state_store
+
+    path = store_path(state_dir, "tiny")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(Path(__file__).parent / "data" / "store-v2.sqlite3", path)
+    path.chmod(0o600)
+
+    def version() -> int:
+        conn = sqlite3.connect(path)
+        try:
+            return conn.execute("PRAGMA user_version").fetchone()[0]
+        finally:
+            conn.close()
+
+    data = molctl("state", "stats", "tiny", "--json").json()
+    assert data["schema_version"] == 2 and data["responses"] > 0 and version() == 2
+    check = _state_store(load_profile("tiny", profile_dirs()), state_dir)
+    assert check.status == "pass" and "schema 2: migrated when the proxy starts" in check.detail and version() == 2
+    assert molctl("state", "prune", "tiny", "--json").exit_code == ExitStatus.OK
+    assert version() == SCHEMA_VERSION  # prune writes: it migrates, as the proxy does

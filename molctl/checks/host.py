@@ -147,7 +147,7 @@ def run_state(profile: Profile, probes: Probes) -> list[CheckResult]:
 
 def _state_store(profile: Profile, state_dir: Path) -> CheckResult:
     """The proxy's response store (proxy.store): openable, writable, a schema this molctl knows."""
-    from molctl.proxy.sqlite_store import SqliteResponseStore, StoreError, resolve_store
+    from molctl.proxy.sqlite_store import SCHEMA_VERSION, SqliteResponseStore, StoreError, resolve_store
 
     kind, path = resolve_store(profile.proxy.store, state_dir, profile.name)
     if kind == "redis":
@@ -168,7 +168,7 @@ def _state_store(profile: Profile, state_dir: Path) -> CheckResult:
     if not os.access(path, os.R_OK | os.W_OK):
         return CheckResult("state.store", "fail", f"response store {path} is not readable and writable by you")
     try:
-        store = SqliteResponseStore(path, create=False, busy_timeout_s=1.0)
+        store = SqliteResponseStore(path, create=False, busy_timeout_s=1.0, migrate=False)
     except StoreError as exc:
         return CheckResult("state.store", "fail", str(exc))
     try:
@@ -177,7 +177,8 @@ def _state_store(profile: Profile, state_dir: Path) -> CheckResult:
         return CheckResult("state.store", "fail", str(exc))
     finally:
         store.close()
-    return CheckResult("state.store", "pass", f"{path}: writable, schema version known, {n} stored response(s)")
+    pending = f" (schema {store.file_version}: migrated when the proxy starts)" if store.file_version < SCHEMA_VERSION else ""
+    return CheckResult("state.store", "pass", f"{path}: writable, schema version known{pending}, {n} stored response(s)")
 
 
 def _redis_store(profile: Profile) -> CheckResult:

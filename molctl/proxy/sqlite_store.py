@@ -360,8 +360,13 @@ class SqliteResponseStore:
                  max_entries: int = DEFAULT_MAX_ENTRIES, clock: Callable[[], float] = time.time, create: bool = True,
                  busy_timeout_s: float = BUSY_TIMEOUT_S, commit_delay_s: float = 0.0, reads_only: bool = False,
                  integrity_check_s: float = QUICK_CHECK_S, tenant_max_bytes: int | None = None,
-                 tenant_max_entries: int | None = None):
+                 tenant_max_entries: int | None = None, migrate: bool | None = None):
         self.path = Path(path)
+        # an older schema is migrated at open, except for a reader or a check (`migrate` False, the
+        # default for reads_only): looking at a store never upgrades it, which an older molctl then
+        # refuses; `file_version` is the schema the file has
+        self.migrate = not reads_only if migrate is None else migrate
+        self.file_version = SCHEMA_VERSION
         # one tenant's (API key's) quota: over it, that tenant's own oldest responses are evicted (None:
         # the global cap, i.e. no quota of its own; the proxy passes the profile's, by default a quarter
         # of the global caps: `tenant_bounds`); the global caps still hold as a last resort
@@ -450,8 +455,10 @@ class SqliteResponseStore:
             if mode != "wal":
                 raise StoreError(f"response store {self.path}: cannot switch to WAL (journal mode {mode})")
             self._quick_check()  # before anything is written to it (a migration included)
-            if version < SCHEMA_VERSION:
+            self.file_version = version
+            if version < SCHEMA_VERSION and self.migrate:
                 self._migrate(version)
+                self.file_version = SCHEMA_VERSION
         conn.execute("PRAGMA synchronous=NORMAL")
         conn.execute("PRAGMA foreign_keys=OFF")
         if not self.reads_only:
@@ -723,17 +730,21 @@ class SqliteResponseStore:
     def describe(self) -> dict[str, Any]:
         """stats() plus what `molctl state stats` shows: the file, its size on disk (with the WAL),
         the bounds, the rows already expired but not pruned."""
-        out: dict[str, Any] = {"backend": "sqlite", "path": str(self.path), "exists": True, "schema_version": SCHEMA_VERSION,
-                               "integrity": self.integrity}
+        out: dict[str, Any] = {"backend": "sqlite", "path": str(self.path), "exists": True,
+                               "schema_version": self.file_version, "integrity": self.integrity}
+        if self.file_version < SCHEMA_VERSION:
+            out["migration_pending"] = (f"schema {self.file_version} -> {SCHEMA_VERSION} when a proxy or `state prune` "
+                                        "next opens it (an older molctl then refuses the file: keep a copy to roll back)")
         out.update(self.stats())
         with self._locked("stats"):
             cutoff = self.clock() - self.ttl_s
             out["responses_expired_pending"] = self._conn.execute(
                 "SELECT count(*) FROM responses WHERE created_at < ?", (cutoff,)).fetchone()[0]
+            conv = ("turns", "calls") if self.file_version >= 2 else ()  # a v1 file has no conversation tables
             out["turns"], out["calls"] = (self._conn.execute(f"SELECT count(*) FROM {t}").fetchone()[0]
-                                          for t in ("turns", "calls"))
+                                          if t in conv else 0 for t in ("turns", "calls"))
             out["conversation_expired_pending"] = sum(self._conn.execute(
-                f"SELECT count(*) FROM {t} WHERE stamp < ?", (cutoff,)).fetchone()[0] for t in ("turns", "calls"))
+                f"SELECT count(*) FROM {t} WHERE stamp < ?", (cutoff,)).fetchone()[0] for t in conv)
         out["file_bytes"] = sum(_size(Path(str(self.path) + sfx)) for sfx in ("", "-wal", "-shm"))
         out["mode"] = f"{stat.S_IMODE(self.path.stat().st_mode):04o}"
         out["bounds"] = {"ttl_s": self.ttl_s, "max_bytes": self.max_bytes, "max_entries": self.max_entries,
