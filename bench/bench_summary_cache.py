@@ -28,25 +28,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bare_vllm import start_vllm, stop_group  # noqa: E402
+
 from molctl.engines import get_engine  # noqa: E402
-from molctl.profiles import load_profile, profile_dirs  # noqa: E402
 from molctl.proxy.conversations import MemoryStore  # noqa: E402
 from molctl.proxy.engine_client import EngineClient  # noqa: E402
 from molctl.proxy.orchestrator import Orchestrator, SummaryJob  # noqa: E402
-from molctl.start import engine_env  # noqa: E402
-from tests.helpers import free_port  # noqa: E402
 
 WORDS = ("the user asked to fix the failing test in the repository then run the benchmarks again with "
          "new settings and report which numbers changed since the last release of the service").split()
@@ -59,26 +53,6 @@ TOOLS = [{"type": "function", "function": {
         "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}]
 
 
-def start(model: Path, window: int, log: Path) -> tuple[subprocess.Popen, str, object]:
-    port = free_port()
-    profile = load_profile("tiny", profile_dirs(), [("model_root", str(model)), ("engine.port", port),
-                                                    ("engine.args.max-model-len", window),
-                                                    ("engine.env.VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")])
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(get_engine("vllm").launch_argv(profile), env=engine_env(profile), stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("vLLM exited:\n" + "\n".join(log.read_text(errors="replace").splitlines()[-60:]))
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url, profile
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError("vLLM not ready in 600 s")
 
 
 def prose(rng: random.Random, words: int) -> str:
@@ -166,16 +140,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-summary-cache-") as tmp:
         model = Path(tmp) / "model"
         subprocess.run([sys.executable, "-m", "molctl", "demo", "init", str(model)], check=True, capture_output=True)
-        proc, url, profile = start(model, args.window, Path(tmp) / "vllm.log")
+        proc, url, profile = start_vllm(model, Path(tmp) / "vllm.log", [("engine.args.max-model-len", args.window),
+                                                                       ("engine.env.VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")])
         try:
             # the tiny tokenizer: about 3 tokens per word of this text
             rows = asyncio.run(measure(url, profile, args.tokens // 3, args.answer_tokens))
         finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+            stop_group(proc)
     if args.json:
         print(json.dumps(rows, indent=1))
         return

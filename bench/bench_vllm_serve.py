@@ -26,7 +26,6 @@ import collections
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -35,6 +34,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bare_vllm, also when loaded from a file path
+from bare_vllm import stop_group  # noqa: E402
+
 from molctl.state import read_records  # noqa: E402
 
 PUBLIC = "Macaron-Tiny-Demo"
@@ -146,13 +148,7 @@ def run_client(argv: list[str], env: dict, log: Path, timeout: float) -> None:
     try:
         rc = proc.wait(timeout)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+        stop_group(proc, grace=20)
     if rc != 0:
         raise RuntimeError(f"vllm bench serve exited {rc}:\n" + "\n".join(log.read_text(errors="replace").splitlines()[-40:]))
 
