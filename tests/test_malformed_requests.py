@@ -1,6 +1,7 @@
-"""Fuzzing review of the proxy's request handling: what a throwaway fuzzer (mutated chat and
-Responses bodies, raw HTTP, the `openai` SDK, against a real proxy in front of the strict fake
-engine) found, each kept as a regression test."""
+"""Malformed requests to the proxy are answered, never a 500: bodies that are not UTF-8 JSON (lone
+surrogates, UTF-16, a BOM, trailing data), tool-call arguments that decode to a lone surrogate,
+websocket upgrades, and linear-time checks of large inputs (a real proxy in front of the strict
+fake engine)."""
 
 from __future__ import annotations
 

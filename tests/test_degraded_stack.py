@@ -1,7 +1,7 @@
-"""An SRE's review of a RUNNING stack when things go wrong underneath it, with real processes:
-`molctl up tiny` against the fake engine (tests/fake_engine.py through a fake `engine.python`),
-then components SIGSTOPped, SIGKILLed, left as zombies; and the engine client with its pool full.
-Every process a test starts is stopped by it (`down --force`, process groups), even on failure."""
+"""A RUNNING stack when things go wrong underneath it, with real processes: `molctl up tiny` against
+the fake engine (tests/fake_engine.py through a fake `engine.python`), then components SIGSTOPped,
+SIGKILLed, left as zombies, logs deleted; and the engine client with its pool full. Every process a
+test starts is stopped by it (`down --force`, process groups), even on failure."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Review of the Chat Completions surface as real clients use it (the official `openai` SDK and raw
-httpx): request parameters checked or forwarded as vLLM reads them, stream chunk shapes. The proxy
-runs against the fake engine in strict mode (tests/test_proxy.py's stack)."""
+"""Chat Completions request parameters as real clients send them (the official `openai` SDK and raw
+httpx): checked or forwarded as vLLM reads them, and the stream chunk shapes. The proxy runs against
+the fake engine in strict mode (tests/test_proxy.py's stack)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
-"""An adversarial review of the Responses API (`/v1/responses`) as a client on the official `openai`
-SDK sees it, against the real proxy and the scripted fake engine (tests/fake_engine.py, strict).
-Each test names the defect it pins, how it was found, and the OpenAI shape it was checked against."""
+"""The Responses API (`/v1/responses`) as a client on the official `openai` SDK sees it: streamed
+items and the SDK's live snapshot, stream translator events, echoed items with
+`previous_response_id`, function calls and their outputs, empty answers. Against the real proxy and
+the scripted fake engine (tests/fake_engine.py, strict); each test names the OpenAI shape it was
+checked against."""
 
 from __future__ import annotations
 

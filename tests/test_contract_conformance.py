@@ -1,5 +1,6 @@
-"""docs/contract.md checked against what the commands really do (a contract conformance review):
-each test names the claim it holds the code (or the doc) to."""
+"""docs/contract.md against what the commands really do: the synopsis, usage errors and exit codes,
+JSON output shapes, the store a command uses, a closed output pipe. Each test names the claim it
+holds the code (or the doc) to."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""Adversarial review of issue 14 (a new user, an SRE at 3 a.m.): each test failed before its fix."""
+"""Lifecycle command options and small lifecycle edges: non-finite or invalid timeouts and proxy
+options are usage errors, the way back repeats the options a stack needed, a fresh claim names its
+holder, a state dir that is a file, `logs` of an unknown profile."""
 
 from __future__ import annotations
 

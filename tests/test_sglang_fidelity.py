@@ -1,5 +1,6 @@
-"""SGLang stand-ins held to what SGLang does (review of tests/fake_sglang.py,
-tests/fake_sglang_pkg and molctl/engines/sglang.py against sgl-project/sglang)."""
+"""SGLang stand-ins held to what SGLang does: tests/fake_sglang.py, tests/fake_sglang_pkg and
+molctl/engines/sglang.py checked against sgl-project/sglang (its argument parser, flag aliases,
+context-window rule and errors, metric names)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""Adversarial review of issue 8's proxy behaviours: what a hostile or unlucky client found, each
-kept as a regression test (against the strict fake engine, or the proxy's ASGI app in-process)."""
+"""The proxy's handling of hostile or unlucky clients and engines: deeply nested JSON, declared
+bodies over the limit, clients that leave mid-upload or stop reading, engine 200s without a usable
+choice, which requests are prepared in a worker thread, and cancellation freeing a slot (against
+the strict fake engine, or the proxy's ASGI app in-process)."""
 
 from __future__ import annotations
 
@@ -303,7 +305,7 @@ def test_only_big_requests_are_prepared_in_a_worker_thread(shape, in_thread):
 
 @pytest.mark.parametrize("api", ["chat", "responses"])
 def test_what_only_the_standard_library_reads_is_parsed_in_a_worker_thread(api, monkeypatch):
-    """Found by the regression review: bodies up to BIG_BODY are parsed on the loop, and the
+    """Guards a found bug: bodies up to BIG_BODY are parsed on the loop, and the
     standard library's fallback (NaN, 19-digit numbers, invalid JSON) ran there too: a MiB of
     floats with one NaN held the loop ~100 ms (/health p50 62 ms against 8 ms). orjson stays on
     the loop; the fallback goes to a worker thread, and its answer is the same."""
@@ -338,7 +340,7 @@ def test_what_only_the_standard_library_reads_is_parsed_in_a_worker_thread(api, 
 
 
 def test_a_cancelled_request_cancels_its_answer_before_its_slot_is_freed():
-    """Found by the review of the slot changes: when uvicorn cancels request tasks at the drain
+    """Guards a found bug: when uvicorn cancels request tasks at the drain
     deadline, `_run` freed the request's answer slot while its answer task ran on (orphaned: it
     then took slots and sent hops through a closing client, "Task exception was never
     retrieved"). The answer is now cancelled and ended first."""

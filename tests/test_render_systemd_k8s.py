@@ -1,6 +1,7 @@
-"""Found by the render review (an SRE deploying the output, a new user): each test failed before
-its fix. The systemd command lines are split as systemd 252 splits them (`_systemd_words`), not
-as a shell would."""
+"""`molctl render` output that systemd and Kubernetes accept and run as meant: systemd unit lines,
+stop timeouts and specifiers, Kubernetes names, env expansion, probes and preStop hooks, and secrets
+refused in engine args. The systemd command lines are split as systemd 252 splits them
+(`_systemd_words`), not as a shell would."""
 
 from __future__ import annotations
 
@@ -348,7 +349,7 @@ def test_k8s_engine_restart_after_a_failed_probe_has_its_own_grace(render):
     ("venti-sglang", "bucket-time-to-first-token", "[0.1, 0.5]"),
     ("venti-sglang", "bucket-inter-token-latency", "[0.01, 0.05]")])
 def test_ordinary_engine_flags_are_not_taken_for_secrets(render, profile, flag, value):
-    """Found by the regression review: the secret-flag rule matched any word of a flag's name, so
+    """Guards a found bug: the secret-flag rule matched any word of a flag's name, so
     vLLM's long-prefill-token-threshold, return-tokens-as-token-ids, allow-credentials and SGLang's
     bucket-*-token buckets made render exit 3 (and check warn). A secret flag's name now ends in
     the secret word and its value is text (vLLM's bare --hf-token uses the cached login)."""
@@ -360,7 +361,7 @@ def test_ordinary_engine_flags_are_not_taken_for_secrets(render, profile, flag, 
                                          ("AWS_SHARED_CREDENTIALS_FILE", "/etc/aws/credentials"),
                                          ("TOKENIZERS_PARALLELISM", "false")])
 def test_variables_that_name_where_a_secret_is_are_not_secrets(render, name, value):
-    """Found by the regression review: GOOGLE_APPLICATION_CREDENTIALS (a path) was refused once
+    """Guards a found bug: GOOGLE_APPLICATION_CREDENTIALS (a path) was refused once
     CREDENTIAL joined the secret names; the lock pins them in clear too."""
     from molctl.redaction import redact_value
 

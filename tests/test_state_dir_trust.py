@@ -1,5 +1,6 @@
-"""Security review (an attacker's view): another local user's state dir, forged markers, planted
-symlinks and hard links where molctl writes. Each test failed before its fix."""
+"""molctl trusts only what is its own: another local user's state dir, forged process markers,
+planted symlinks and hard links where molctl writes, forged lock holders, and engine env overrides
+kept out of a world-readable argv."""
 
 from __future__ import annotations
 
@@ -202,7 +203,7 @@ def test_an_engine_env_override_never_reaches_a_world_readable_argv(host):
 
 
 def test_a_forged_lock_holder_cannot_put_a_command_in_the_stop_hint():
-    """From the security review (not fixed there): host lock files are world-writable, and the
+    """Guards a found bug: host lock files are world-writable, and the
     holder they name is printed as "stop it with `molctl --state-dir X down P`", a command an
     operator copies. A state dir with shell syntax is now quoted, a profile that is no profile
     name gives no command, and fields of another type are ignored."""
@@ -223,7 +224,7 @@ def test_a_forged_lock_holder_cannot_put_a_command_in_the_stop_hint():
 
 
 def test_state_prune_refuses_another_users_state_dir(tmp_path, monkeypatch):
-    """From the regression review: check_own_state_dir's docstring names `state prune`, which did
+    """Guards a found bug: check_own_state_dir's docstring names `state prune`, which did
     not call it, so root could still delete from a user's store (whose records choose the profile)."""
     from molctl import statestore
 
