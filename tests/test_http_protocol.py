@@ -102,7 +102,7 @@ def test_other_writes_pass_through_and_the_rest_of_the_interface_is_the_transpor
 
 
 class _Server:
-    """uvicorn with the proxy's protocol and a small ASGI app, in a thread (also test_ops_review's)."""
+    """uvicorn with the proxy's protocol and a small ASGI app, in a thread (also test_proxy_rejected_traffic's)."""
 
     def __init__(self, app, timeout_keep_alive: float = 5, http: type = HeadHoldingHttpToolsProtocol) -> None:
         self.port = free_port()

@@ -397,3 +397,38 @@ def test_a_reload_reads_the_key_file_off_the_event_loop_and_coalesces_a_burst(tm
     assert reads == [False, False], reads  # in a worker thread; the burst made one more read
     assert ticks >= 5  # the loop ran during the reads
     assert list(app.keys.values()) == [hashlib.sha256(NEW.encode()).hexdigest()[:16]]
+
+
+def test_a_key_file_swapped_for_a_fifo_during_a_reload_does_not_block_it(tmp_path):
+    """Guards a found bug (a key file swapped while it is read): the proxy checked that the file is
+    regular (a FIFO would block the read) with a stat, then opened it by name for each of the reads
+    that must agree. A FIFO renamed over it between the stat and an
+    open blocked the worker thread for ever: every later SIGHUP was folded into that reload (no key
+    change took effect again) and the process could not exit (its executor thread never ended).
+    Now each read opens the file without blocking and checks the opened file itself."""
+    from molctl.keys import load_keys_settled
+
+    key_file = tmp_path / "keys"
+    key_file.write_text(OLD + "\n")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo, 0o600)
+    outcome: list = []
+
+    def reload() -> None:
+        try:
+            outcome.append(load_keys_settled(key_file, pause_s=0.3))
+        except OSError as exc:
+            outcome.append(exc)
+
+    worker = threading.Thread(target=reload, daemon=True)
+    worker.start()
+    time.sleep(0.1)  # the first read is done; the second comes after pause_s
+    os.replace(fifo, key_file)
+    worker.join(5)
+    if worker.is_alive():  # unblock the stuck reader so the test process can end
+        with open(key_file, "wb"):
+            pass
+        worker.join(5)
+        pytest.fail("the reload blocked on a FIFO swapped in during its reads")
+    (exc,) = outcome
+    assert isinstance(exc, OSError) and "not a regular file" in str(exc), exc

@@ -1,6 +1,7 @@
-"""An SRE's and an attacker's review of the proxy in production (admission, metrics, request log,
-keys, drain, the HTTP layer), from experiments against a real `molctl proxy` in front of the fake
-engine with raw sockets and the openai SDK. Each test names how its defect was found."""
+"""Traffic the proxy turns away before or at its key check, against a real `molctl proxy` (key file,
+metrics listener) in front of the fake engine, with raw sockets: a connection that never completes
+its request head is closed, a request that is not valid HTTP gets the JSON error shape, and key
+guesses on the probe paths are logged and counted."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from tests.helpers import free_ports, wait_for
 from tests.procs import fake_engine_argv, proxy_argv, running
 from tests.test_http_protocol import _Server
 
-KEY = "sk-ops-review"
+KEY = "sk-rejected-traffic"
 
 
 class Stack:
@@ -188,38 +189,3 @@ def test_key_guesses_on_the_probe_paths_are_logged_and_counted_and_head_is_a_pro
     assert [(line["status"], line["error"], line["tenant"]) for line in new] == [(401, "invalid_api_key", None)] * 4, new
 
 
-def test_a_key_file_swapped_for_a_fifo_during_a_reload_does_not_block_it(tmp_path):
-    """Found reviewing the SIGHUP path against a key file swapped while it is read: the proxy
-    checked that the file is regular (a FIFO would block the read) with a stat, then opened it by
-    name for each of the reads that must agree. A FIFO renamed over it between the stat and an
-    open blocked the worker thread for ever: every later SIGHUP was folded into that reload (no key
-    change took effect again) and the process could not exit (its executor thread never ended).
-    Now each read opens the file without blocking and checks the opened file itself."""
-    import os
-
-    from molctl.keys import load_keys_settled
-
-    key_file = tmp_path / "keys"
-    key_file.write_text(KEY + "\n")
-    fifo = tmp_path / "fifo"
-    os.mkfifo(fifo, 0o600)
-    outcome: list = []
-
-    def reload() -> None:
-        try:
-            outcome.append(load_keys_settled(key_file, pause_s=0.3))
-        except OSError as exc:
-            outcome.append(exc)
-
-    worker = threading.Thread(target=reload, daemon=True)
-    worker.start()
-    time.sleep(0.1)  # the first read is done; the second comes after pause_s
-    os.replace(fifo, key_file)
-    worker.join(5)
-    if worker.is_alive():  # unblock the stuck reader so the test process can end
-        with open(key_file, "wb"):
-            pass
-        worker.join(5)
-        pytest.fail("the reload blocked on a FIFO swapped in during its reads")
-    (exc,) = outcome
-    assert isinstance(exc, OSError) and "not a regular file" in str(exc), exc
