@@ -57,12 +57,30 @@ def totals_agree(r) -> dict[str, tuple[int, int]]:
         per.setdefault(tenant, [0, 0])
         per[tenant][0] += 1
         per[tenant][1] += int(size)
+    # key format 3: each chain's bytes counted once against its tenant; its references and length agree
+    links = {k.decode(): v.decode().split(":", 1) for k, v in r.hgetall(P + "rch").items()}
+    meta = {k.decode(): int(v) for k, v in r.hgetall(P + "chm").items()}
+    chains: dict[str, list[str]] = {}
+    for key, (count, cid) in links.items():
+        assert key in sizes and r.llen(P + "ch:" + cid) >= int(count), key
+        chains.setdefault(cid, []).append(key)
+    for cid, keys in chains.items():
+        items = r.lrange(P + "ch:" + cid, 0, -1)
+        assert meta["r:" + cid] == len(keys) and meta["l:" + cid] == len(items) and meta["b:" + cid] == sum(map(len, items))
+        per[sizes[keys[0]].split(":", 1)[1]][1] += meta["b:" + cid]
+    assert set(meta) == {f"{f}:{cid}" for cid in chains for f in "rlb"}
     assert {t.decode(): int(n) for t, n in r.zrange(P + "tn", 0, -1, withscores=True)} == {t: v[0] for t, v in per.items()}
     assert {t.decode(): int(b) for t, b in r.zrange(P + "tb", 0, -1, withscores=True)} == {t: v[1] for t, v in per.items()}
     assert int(r.hget(P + "stats", "r_bytes") or 0) == sum(v[1] for v in per.values())
     for tenant, (n, _) in per.items():
         assert r.zcard(P + "idx:rt:" + tenant) == n
     return {t: (v[0], v[1]) for t, v in per.items()}
+
+
+def held(r, key: str) -> int:
+    """What a response holds: its record and (key format 3) its chain's bytes, where it is the chain's only reference."""
+    count_cid = r.hget(P + "rch", key)
+    return r.strlen(key) + (int(r.hget(P + "chm", "b:" + count_cid.decode().split(":", 1)[1])) if count_cid else 0)
 
 
 async def live(store: RedisResponseStore, tenant: str, ids: list[str]) -> list[bool]:
@@ -93,7 +111,7 @@ def test_one_tenants_bulk_never_evicts_another_tenants_responses(redis, r):
     k = sum(a_live)  # A keeps its newest that fit its 32 KiB (its oldest went first)
     assert a_live == [False] * (200 - k) + [True] * k
     totals = totals_agree(r)
-    one = r.strlen(P + "r:tenant-a:resp_a199")
+    one = held(r, P + "r:tenant-a:resp_a199")
     assert totals["tenant-b"][0] == 20 and totals["tenant-a"][0] == k
     assert totals["tenant-a"][1] <= 32 * 1024 < totals["tenant-a"][1] + one
     assert int(r.hget(P + "stats", "r_evicted")) == 200 - k and int(r.hget(P + "stats", "format")) == KEY_FORMAT
@@ -111,8 +129,8 @@ def test_a_tenant_over_its_entry_quota_evicts_its_own_oldest(redis, r):
         return found
 
     assert asyncio.run(main()) == ([False, False, False, True, True, True], [True])
-    assert totals_agree(r) == {"tenant-a": (3, sum(r.strlen(P + f"r:tenant-a:resp_{i}") for i in (3, 4, 5))),
-                               "tenant-b": (1, r.strlen(P + "r:tenant-b:resp_other"))}
+    assert totals_agree(r) == {"tenant-a": (3, sum(held(r, P + f"r:tenant-a:resp_{i}") for i in (3, 4, 5))),
+                               "tenant-b": (1, held(r, P + "r:tenant-b:resp_other"))}
 
 
 def test_byte_totals_follow_puts_rewrites_deletes_and_the_byte_quota(redis, r):
@@ -122,10 +140,10 @@ def test_byte_totals_follow_puts_rewrites_deletes_and_the_byte_quota(redis, r):
         st = state(redis, clock=Clock(), max_entries=100, tenant_max_bytes=3000)
         store = RedisResponseStore(st)
         await store.put_response(rec("resp_1", "tenant-a", size=500))
-        one = r.strlen(P + "r:tenant-a:resp_1")
+        one = held(r, P + "r:tenant-a:resp_1")
         assert totals_agree(r) == {"tenant-a": (1, one)}
         await store.put_response(rec("resp_1", "tenant-a", size=900))  # the same id again: its old bytes go
-        assert totals_agree(r) == {"tenant-a": (1, r.strlen(P + "r:tenant-a:resp_1"))}
+        assert totals_agree(r) == {"tenant-a": (1, held(r, P + "r:tenant-a:resp_1"))}
         assert await store.delete_response("tenant-a", "resp_1") is True
         assert totals_agree(r) == {} and await store.delete_response("tenant-a", "resp_1") is False
         for i in range(6):  # ~640 bytes each: the 3000-byte quota holds four
@@ -243,8 +261,8 @@ def test_key_format_1_data_is_read_continued_deleted_and_evicted_first(redis, r)
         return after_cap
 
     assert asyncio.run(main()) == ([False, True, True], [True], [True])
-    assert r.zcard(P + "idx:r") == 3 and totals_agree(r) == {"tenant-a": (1, r.strlen(P + "r:tenant-a:resp_a3")),
-                                                             "tenant-c": (1, r.strlen(P + "r:tenant-c:resp_c1"))}
+    assert r.zcard(P + "idx:r") == 3 and totals_agree(r) == {"tenant-a": (1, held(r, P + "r:tenant-a:resp_a3")),
+                                                             "tenant-c": (1, held(r, P + "r:tenant-c:resp_c1"))}
     assert describe_sync(target, None, "tiny")["key_format"] == KEY_FORMAT
 
 

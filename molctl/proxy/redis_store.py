@@ -25,6 +25,9 @@ not a target): PREFIX = `molctl:{PROFILE}:`
   - `idx:r`, `idx:conv`  sorted sets (member: key, score: write time) for the count caps;
   - `idx:rt:TENANT`, `rsz`, `tb`, `tn`  the Responses records per tenant (key format 2, RESPONSES):
                           the tenant's index, each record's size and tenant, bytes and count per tenant;
+  - `ch:CID`, `rch`, `chm`  a chain's messages (a list, one JSON message an element; TTL refreshed by
+                          each write of the chain), each response's link to it, and per chain its
+                          references, length and bytes (key format 3, PUT_RESPONSE);
   - `stats`              a hash of evicted counts, the records' bytes (r_bytes) and the key format.
 
 Bounded memory: every record key has a TTL (Redis drops it itself). A Responses write (one script,
@@ -32,8 +35,12 @@ RESPONSES) forgets expired index entries, then a tenant (API key) over its quota
 (`proxy.store_tenant_max_entries` / `_bytes`, by default a quarter of the global caps) evicts its
 own oldest, and as a last resort a store over `proxy.store_max_entries` / `store_max_bytes` evicts
 from the tenant holding the most (records of key format 1 first); never the record being written;
-a record over a byte cap on its own is refused before the write (QuotaExceeded: a 400). Each
-record holds its whole conversation (the SQLite store's chains are not kept on Redis). Chat state:
+a record over a byte cap on its own is refused before the write (QuotaExceeded: a 400). A chain's
+shared history is stored once (key format 3): a continuation of its chain's newest response appends
+only its new messages (RPUSH, in the script that writes the record); a branch starts a chain of its
+own with its whole conversation; a read gets the record and LRANGE of its messages in one script
+(GET_CHAIN); a chain's list stays while a response references it, and its bytes count once against
+the tenant. Format-1 and -2 records (holding their own conversation) are still read. Chat state:
 past `proxy.store_max_entries`, the oldest keys of its group go (at most EVICT_BATCH per write).
 Configure Redis with `maxmemory` and `maxmemory-policy volatile-lru` (every molctl record key
 has a TTL, so Redis may evict them under pressure; an evicted record is simply unknown, as in
@@ -100,7 +107,7 @@ HEARTBEAT_TTL_S = 6.0  # ...and it lapses this long after the last refresh
 EVICT_BATCH = 64
 EVICT_MAX = 1024  # a response write evicts at most this many (a large record over a byte quota of small ones)
 EXPIRE_BATCH = 256  # expired index entries a response write forgets (the rest: the next writes, or a prune)
-KEY_FORMAT = 2  # 1: one count cap per group; 2: + per-tenant quotas and byte totals (`stats` field "format")
+KEY_FORMAT = 3  # 1: one count cap per group; 2: + per-tenant quotas and byte totals; 3: + chains (`stats` field "format")
 TENANT_SHARE = 4  # a tenant's default quota: a quarter of each global cap (as the SQLite store's)
 MAX_CONNECTIONS = 64  # per proxy process
 RETRY_AFTER_S = "2"
@@ -205,10 +212,23 @@ def _record_json(raw: bytes) -> bytes:
 # were kept with it (JSON never holds a raw newline), plain JSON otherwise. KEYS[1] the record;
 # ARGV[1] the key prefix. Returns {record or nil, value of each name (nil: absent)...}. The names
 # are keys of the same profile (one hash tag, one Cluster slot), as TRIM's victims are.
+# Key format 3: the reply's second element is the record's conversation from its chain,
+# {COUNT, message...} (fewer than COUNT messages: the chain's list was lost, e.g. evicted by Redis's
+# maxmemory policy), or false for a record holding its own (format 1 and 2).
 GET_CHAIN = """
 local raw = redis.call('GET', KEYS[1])
 if not raw then return {false} end
-local out = {raw}
+local out = {raw, false}
+local l = redis.call('HGET', ARGV[1] .. 'rch', KEYS[1])
+if l then
+  local n, cid = string.match(l, '^(%d+):(.*)$')
+  n = tonumber(n)
+  local msgs = {n}
+  if n > 0 then
+    for _, m in ipairs(redis.call('LRANGE', ARGV[1] .. 'ch:' .. cid, 0, n - 1)) do msgs[#msgs + 1] = m end
+  end
+  out[2] = msgs
+end
 if string.byte(raw, 1) == 123 then return out end
 local nl = string.find(raw, '\\n', 1, true)
 if not nl then return out end
@@ -233,18 +253,41 @@ return out
 RESPONSES = """
 local P = ARGV[1]
 local IDX, STATS, RSZ, TB, TN = P .. 'idx:r', P .. 'stats', P .. 'rsz', P .. 'tb', P .. 'tn'
+local RCH, CHM = P .. 'rch', P .. 'chm'
 local function tidx(tenant) return P .. 'idx:rt:' .. tenant end
--- drop a response key and its accounting (returns 1 when the key still existed)
+-- a response's chain reference (key format 3): {messages it holds, chain id} or nil
+local function link(key)
+  local l = redis.call('HGET', RCH, key)
+  if not l then return nil end
+  local n, cid = string.match(l, '^(%d+):(.*)$')
+  return {tonumber(n), cid}
+end
+-- one reference of a chain less; the bytes freed (the chain's own when that was its last reference)
+local function unref(cid)
+  if redis.call('HINCRBY', CHM, 'r:' .. cid, -1) > 0 then return 0 end
+  local bytes = tonumber(redis.call('HGET', CHM, 'b:' .. cid) or 0)
+  redis.call('HDEL', CHM, 'r:' .. cid, 'l:' .. cid, 'b:' .. cid)
+  redis.call('DEL', P .. 'ch:' .. cid)
+  return bytes
+end
+-- drop a response key and its accounting (returns 1 when the key still existed); its chain's
+-- messages stay while another response references the chain
 local function forget(key)
   local gone = redis.call('DEL', key)
   redis.call('ZREM', IDX, key)
   local meta = redis.call('HGET', RSZ, key)
   if meta then
     local size, tenant = string.match(meta, '^(%d+):(.*)$')
+    size = tonumber(size)
+    local l = link(key)
+    if l then
+      redis.call('HDEL', RCH, key)
+      size = size + unref(l[2])
+    end
     redis.call('HDEL', RSZ, key)
     redis.call('ZREM', tidx(tenant), key)
-    redis.call('HINCRBY', STATS, 'r_bytes', -tonumber(size))
-    redis.call('ZINCRBY', TB, -tonumber(size), tenant)
+    redis.call('HINCRBY', STATS, 'r_bytes', -size)
+    redis.call('ZINCRBY', TB, -size, tenant)
     if tonumber(redis.call('ZINCRBY', TN, -1, tenant)) <= 0 then
       redis.call('ZREM', TN, tenant)
       redis.call('ZREM', TB, tenant)
@@ -309,23 +352,52 @@ local function evict_global(keep, max_entries, max_bytes, limit)
 end
 """
 # KEYS[1] the record; ARGV: prefix, value, ttl_s, now, tenant, max_entries, max_bytes,
-# tenant_max_entries, tenant_max_bytes. Returns how many responses it evicted.
+# tenant_max_entries, tenant_max_bytes, the key of the response it continues ('' none), then each
+# message of its whole conversation (JSON). Returns how many responses it evicted.
+# Chains (key format 3): a response continuing the newest response of its chain (the one holding
+# the chain's length in messages) appends only its new messages to the chain's list `ch:CID`
+# (RPUSH); any other (a first response, a branch, a continuation of a format-2 record) starts a
+# chain of its own with its whole conversation. `rch` (response key -> "COUNT:CID") links a response
+# to its first COUNT messages; `chm` holds per chain its references (r:CID), length (l:CID) and
+# bytes (b:CID, counted once against the tenant, in `tb` and r_bytes). The list's TTL is refreshed by
+# each write of the chain (so it outlives its responses); it goes with its last reference.
 PUT_RESPONSE = """
 local key, value, ttl, now, tenant = KEYS[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
 local max_entries, max_bytes = tonumber(ARGV[6]), tonumber(ARGV[7])
 local tmax_entries, tmax_bytes = tonumber(ARGV[8]), tonumber(ARGV[9])
+local prev, first, nmsg = ARGV[10], 11, #ARGV - 10
 -- first a write Redis refuses at maxmemory (noeviction): the whole script is then refused, nothing
 -- changed (once a script has written, e.g. a DEL, Redis lets its later writes through over maxmemory)
 redis.call('HSET', STATS, 'format', KEY_FORMAT)
 forget(key)  -- the same id written again: its old value's bytes go
 expire(IDX, now - ttl, EXPIRE_BATCH)
 expire(tidx(tenant), now - ttl, EXPIRE_BATCH)
+local cid, base = nil, 0
+if prev ~= '' and redis.call('EXISTS', prev) == 1 then
+  local l = link(prev)
+  if l and l[1] <= nmsg and tonumber(redis.call('HGET', CHM, 'l:' .. l[2]) or -1) == l[1]
+     and redis.call('LLEN', P .. 'ch:' .. l[2]) == l[1] then
+    cid, base = l[2], l[1]
+  end
+end
+if not cid then cid = tostring(redis.call('HINCRBY', STATS, 'chain_seq', 1)) end
+local ckey, added = P .. 'ch:' .. cid, 0
+for i = first + base, #ARGV, 256 do
+  local stop = math.min(i + 255, #ARGV)
+  redis.call('RPUSH', ckey, unpack(ARGV, i, stop))
+  for j = i, stop do added = added + #ARGV[j] end
+end
+if redis.call('TTL', ckey) < ttl and redis.call('EXISTS', ckey) == 1 then redis.call('EXPIRE', ckey, ttl) end
+redis.call('HINCRBY', CHM, 'r:' .. cid, 1)
+redis.call('HSET', CHM, 'l:' .. cid, nmsg)
+redis.call('HINCRBY', CHM, 'b:' .. cid, added)
+redis.call('HSET', RCH, key, nmsg .. ':' .. cid)
 redis.call('SET', key, value, 'EX', ttl)
 redis.call('ZADD', IDX, now, key)
 redis.call('ZADD', tidx(tenant), now, key)
 redis.call('HSET', RSZ, key, #value .. ':' .. tenant)
-redis.call('HINCRBY', STATS, 'r_bytes', #value)
-redis.call('ZINCRBY', TB, #value, tenant)
+redis.call('HINCRBY', STATS, 'r_bytes', #value + added)
+redis.call('ZINCRBY', TB, #value + added, tenant)
 redis.call('ZINCRBY', TN, 1, tenant)
 local n = evict_tenant(tenant, key, tmax_entries, tmax_bytes, EVICT_MAX)
 n = n + evict_global(key, max_entries, max_bytes, EVICT_MAX - n)
@@ -691,11 +763,14 @@ class RedisState:
         args = [value, self.ttl_s, self.clock(), self.max_entries, f"{group}_evicted"]
         return self._write("put", [key, self.prefix + "idx:" + group, self.prefix + "stats"], args)
 
-    def put_response(self, key: str, tenant: str, value: bytes) -> asyncio.Future:
-        """Store a Responses record under its tenant's quota and the global caps (RESPONSES), started
+    def put_response(self, key: str, tenant: str, value: bytes, previous: str = "",
+                     messages: list[bytes] | tuple[()] = ()) -> asyncio.Future:
+        """Store a Responses record under its tenant's quota and the global caps (RESPONSES), with
+        its conversation `messages` (each one's JSON) in a chain (PUT_RESPONSE: only the new ones
+        when `previous`, the key of the response it continues, is its chain's newest), started
         now: its future (how many responses it evicted; see _write)."""
         args = [self.prefix, value, self.ttl_s, self.clock(), tenant, self.max_entries, self.max_bytes,
-                self.tenant_max_entries, self.tenant_max_bytes]
+                self.tenant_max_entries, self.tenant_max_bytes, previous, *messages]
         return self._write("rput", [key], args)
 
     def merge_turn(self, key: str, value: bytes) -> asyncio.Future:
@@ -944,28 +1019,43 @@ class RedisResponseStore:
         turns, its tool calls: kept by RedisConversationStore during this request), so that
         `get_previous` returns them with it. (`big`, the proxy's hint of a large request, is not
         used: the record is encoded on the loop, as every record of this store.)"""
-        raw = json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode()
+        messages = [json.dumps(m, ensure_ascii=False, separators=(",", ":")).encode() for m in record.get("messages") or ()]
+        raw = json.dumps({**record, "messages": []}, ensure_ascii=False, separators=(",", ":")).encode()
         reads = _REQUEST_READS.get()
         if reads is not None and reads.names:
             raw = " ".join(dict.fromkeys(reads.names)).encode() + b"\n" + raw
         st = self.state
+        whole = len(raw) + sum(map(len, messages))  # what it holds with its conversation (its chain's share included)
         for cap, name in ((st.max_bytes, "proxy.store_max_bytes"), (st.tenant_max_bytes, "proxy.store_tenant_max_bytes")):
-            if len(raw) > cap:  # evicting every other record could not make room: refused before the write
-                raise QuotaExceeded(f"response store {st.target.address}: a record of {len(raw)} bytes (with its "
-                                    f"conversation) is over {name} ({cap}): not stored", len(raw), cap, name)
-        await st.put_response(self._key(record["tenant"], record["id"]), record["tenant"], raw)
+            if whole > cap:  # evicting every other record could not make room: refused before the write
+                raise QuotaExceeded(f"response store {st.target.address}: a record of {whole} bytes (with its "
+                                    f"conversation) is over {name} ({cap}): not stored", whole, cap, name)
+        previous = record.get("previous_response_id")
+        await st.put_response(self._key(record["tenant"], record["id"]), record["tenant"], raw,
+                              self._key(record["tenant"], previous) if isinstance(previous, str) else "", messages)
 
-    def _fresh(self, raw: bytes, key: str) -> ResponseRecord | None:
-        """The record, unless expired by its own clock or unreadable (then as absent: a 404)."""
+    def _fresh(self, raw: bytes, key: str, chain: list | None = None) -> ResponseRecord | None:
+        """The record, unless expired by its own clock or unreadable (then as absent: a 404), with its
+        conversation from its chain (`chain`: GET_CHAIN's {COUNT, message...}; None: the record holds its own)."""
         record = _decode(_record_json(raw), created_at=(int, float))
+        if record is not None and chain is not None:
+            try:
+                if len(chain) - 1 != int(chain[0]):
+                    raise ValueError("chain shorter than the record")
+                record["messages"] = fastjson.loads(b"[" + b",".join(chain[1:]) + b"]")
+            except (ValueError, TypeError):
+                self.state.unreadable("response conversation (its chain's list is missing or short)", key)
+                return None
         if record is None:
             self.state.unreadable("response", key)
             return None
         return record if self.state.clock() - float(record["created_at"]) <= self.state.ttl_s else None
 
     async def get_response(self, tenant: str, response_id: str) -> ResponseRecord | None:
-        raw = await self.state.call("read", lambda: self.state.command("GET", self._key(tenant, response_id)))
-        return None if raw is None else self._fresh(raw, self._key(tenant, response_id))
+        """The record and its chain's messages in one round trip (GET_CHAIN)."""
+        key = self._key(tenant, response_id)
+        reply = await self.state.script("read", "chain", [key], [self.state.prefix])
+        return None if reply[0] is None else self._fresh(reply[0], key, reply[1])
 
     async def get_previous(self, tenant: str, response_id: str) -> ResponseRecord | None:
         """The response a request continues, and in the same round trip (one script) the current
@@ -976,12 +1066,12 @@ class RedisResponseStore:
         raw = reply[0]
         if raw is None:
             return None
-        record = self._fresh(raw, self._key(tenant, response_id))
+        record = self._fresh(raw, self._key(tenant, response_id), reply[1])
         if record is None:
             return None
         names = raw[:raw.index(b"\n")].split() if raw[:1] != b"{" else []  # ASCII whitespace, as the script splits
-        if len(names) == len(reply) - 1:
-            _REQUEST_READS.set(_RequestReads({n.decode(): v for n, v in zip(names, reply[1:], strict=True)}))
+        if len(names) == len(reply) - 2:
+            _REQUEST_READS.set(_RequestReads({n.decode(): v for n, v in zip(names, reply[2:], strict=True)}))
         return record
 
     async def delete_response(self, tenant: str, response_id: str) -> bool:
