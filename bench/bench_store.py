@@ -3,7 +3,8 @@ the chain) + one `put_response` (the new one), in-process (`MemoryResponseStore`
 (`SqliteResponseStore`: WAL, synchronous=NORMAL, a file in a temp dir), side by side, for three
 record sizes, with the store already holding PREFILL records. Reports p50/p99 in microseconds and
 the p50 SQLite adds (target: <= 300 us, i.e. 0.3 ms per request). Then one long chain (50 and
-200 turns, `chain_bench`): the store's bytes and the per-write cost (`--chain`: only that).
+200 turns, `chain_bench`): the store's bytes and the per-write cost (`--chain`: only that;
+`--redis`: the same chain on the Redis store too, `redis_chain_bench`, a redis-server started for it).
 
 Then, when the proxy serves /v1/responses, the same comparison end to end: one client sending
 chained requests (`previous_response_id`) through a `molctl proxy --store memory` and a
@@ -114,6 +115,54 @@ def chain_bench(turns: int = 50, text_bytes: int = 1024) -> dict:
             "put_first10_us": statistics.mean(puts[:10]), "put_last10_us": statistics.mean(puts[-10:])}
 
 
+def redis_chain_bench(turns: int = 50, text_bytes: int = 1024) -> dict:
+    """`chain_bench` on the Redis store (RedisResponseStore, key format 3) against a redis-server of
+    its own (tests/redis_server.py): the store's accounted bytes, the server's used_memory growth,
+    what key format 2 held for the same chain (every record its whole conversation) and the
+    per-write cost (get previous + put) of the first and the last 10 turns."""
+    import asyncio
+
+    from molctl.proxy.redis_store import RedisResponseStore, RedisState, parse_redis_url
+    from tests.redis_server import redis_server
+
+    word = ("lorem ipsum dolor sit amet " * (text_bytes // 27 + 1))[:text_bytes]
+    with redis_server() as server:
+        client = server.client()
+        client.flushall()
+        used0 = int(client.info("memory")["used_memory"])
+
+        async def run() -> tuple[list[float], int]:
+            st = RedisState(parse_redis_url(server.url), None, "bench", replica_id="bench", advertise_upstream="http://x",
+                            max_bytes=1 << 40, tenant_max_bytes=1 << 40)
+            store = RedisResponseStore(st)
+            tenant, prev, times, whole = "0123456789abcdef", None, [], 0
+            for i in range(turns):
+                t0 = time.perf_counter()
+                history = (await store.get_previous(tenant, prev))["messages"] if prev else []
+                rid = f"resp_{i:08d}"
+                record = {"id": rid, "tenant": tenant, "created_at": time.time(), "previous_response_id": prev,
+                          "route": "L2", "messages": [*history, {"role": "user", "content": f"{i} {word}"},
+                                                      {"role": "assistant", "content": f"{i} {word}"}],
+                          "input_items": [{"type": "message", "role": "user",
+                                           "content": [{"type": "input_text", "text": f"{i} {word}"}]}],
+                          "response": {"id": rid, "object": "response", "status": "completed", "output": [
+                              {"type": "message", "content": [{"type": "output_text", "text": f"{i} {word}"}]}]}}
+                await store.put_response(record)
+                times.append((time.perf_counter() - t0) * 1e6)
+                whole += len(json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode())
+                prev = rid
+            assert len((await store.get_response(tenant, prev))["messages"]) == 2 * turns
+            await st.close()
+            return times, whole
+
+        times, whole = asyncio.run(run())
+        stored = int(client.hget("molctl:{bench}:stats", "r_bytes"))
+        used = int(client.info("memory")["used_memory"]) - used0
+        client.close()
+    return {"turns": turns, "store_bytes": stored, "used_memory": used, "format2_bytes": whole,
+            "first10_us": statistics.mean(times[:10]), "last10_us": statistics.mean(times[-10:])}
+
+
 def proxy_bench(requests: int = 400) -> list[dict] | None:
     """End to end through the proxy, one client, chained requests; None when the proxy has no
     /v1/responses endpoint yet."""
@@ -172,6 +221,12 @@ def main() -> None:
         print(f"  {c['turns']:>4} turns: store bytes {c['store_bytes']:>10,}  file {c['file_bytes']:>10,}  "
               f"get+put first 10 {c['first10_us']:>6.0f} us, last 10 {c['last10_us']:>6.0f} us; "
               f"put alone {c['put_first10_us']:>5.0f} / {c['put_last10_us']:>5.0f} us")
+    if "--redis" in sys.argv:
+        print("the same chain on Redis (key format 3; format 2 held every record's whole conversation):")
+        for c in (redis_chain_bench(n) for n in (50, 200)):
+            print(f"  {c['turns']:>4} turns: store bytes {c['store_bytes']:>10,}  used_memory +{c['used_memory']:>10,}  "
+                  f"format 2 {c['format2_bytes']:>12,}  get+put first 10 {c['first10_us']:>6.0f} us, "
+                  f"last 10 {c['last10_us']:>6.0f} us")
     if "--chain" in sys.argv:
         return
     e2e = proxy_bench()
