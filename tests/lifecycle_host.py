@@ -1,6 +1,7 @@
 """One test's host for the lifecycle tests (`Host`): a state dir, a tiny-shaped model layout, free
 ports and a fake engine python; the `host` fixture (tests/conftest.py) hands out one per test and
-cleans up after it."""
+cleans up after it. Also what several lifecycle test modules share: `EARLY_PROXY`, `gone`,
+`add_tiny_b`, `answers`."""
 
 from __future__ import annotations
 
@@ -8,12 +9,18 @@ import subprocess
 import time
 from pathlib import Path
 
+import httpx
+
+from molctl.profiles import builtin_profiles_dir
 from molctl.state import read_records
 from tests.helpers import CliResult, Molctl, free_ports
 from tests.layouts import make_layout
 from tests.procs import alive, fake_engine_python, stop
 
 PUBLIC = "Macaron-Tiny-Demo"
+# The proxy starts while the engine loads only without the adapter efficacy canary (with it, after
+# the canary): the tests of a proxy running beside a loading engine start without it.
+EARLY_PROXY = ("--skip", "adapter-effect")
 
 
 class Host:
@@ -80,3 +87,18 @@ def gone(pids, timeout=5.0) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+def add_tiny_b(host: Host) -> None:
+    """A second profile, `tiny-b`, beside the host's `tiny` (another served model name)."""
+    other = (builtin_profiles_dir() / "tiny.yaml").read_text().replace("name: tiny", "name: tiny-b") \
+        .replace("served_model_name: Macaron-Tiny-Demo", "served_model_name: Macaron-Tiny-B")
+    (host.profiles / "tiny-b.yaml").write_text(other)
+
+
+def answers(url: str) -> bool:
+    """True when `url` answers 200 within a second."""
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False

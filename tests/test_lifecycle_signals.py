@@ -15,9 +15,8 @@ from molctl.errors import ExitStatus
 from molctl.stacks import component_url
 from molctl.state import lock_holder
 from tests.helpers import Molctl, exit_status, free_port, wait_for
-from tests.lifecycle_host import gone
+from tests.lifecycle_host import EARLY_PROXY, add_tiny_b, answers, gone
 from tests.procs import alive
-from tests.test_lifecycle_safety import EARLY_PROXY, _add_tiny_b, _answers
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
@@ -26,7 +25,7 @@ def test_sigterm_or_sighup_during_up_stops_what_it_started(host, sig):
     running and nobody waiting for them."""
     proc = host.start("up", "tiny", *host.args(*EARLY_PROXY, env={"FAKE_STARTUP_DELAY": "60"}))
     assert wait_for(lambda: "proxy" in host.records())
-    assert wait_for(lambda: _answers(component_url(host.records()["proxy"]) + "/health"), timeout=30)
+    assert wait_for(lambda: answers(component_url(host.records()["proxy"]) + "/health"), timeout=30)
     pids = host.stack_pids()
     assert len(pids) >= 2
     proc.send_signal(sig)
@@ -40,7 +39,7 @@ def test_sigterm_or_sighup_during_up_stops_what_it_started(host, sig):
 def test_a_switch_to_ports_a_stranger_holds_stops_nothing(host):
     """The switch's preflight skipped the port checks (the old stack holds the ports): a port held
     by a stranger was found only after the running stack had been stopped."""
-    _add_tiny_b(host)
+    add_tiny_b(host)
     assert host.up().exit_code == ExitStatus.OK
     old = host.stack_pids()
     with socket.socket() as stranger:
@@ -59,7 +58,7 @@ def test_a_switch_to_ports_a_stranger_holds_stops_nothing(host):
 def test_an_interrupted_switch_says_what_of_the_old_stack_still_runs(host):
     """A Ctrl-C while the switch stopped the old stack printed only "interrupted", with the public
     proxy already gone and the engine still running."""
-    _add_tiny_b(host)
+    add_tiny_b(host)
     assert host.up(env={"FAKE_IGNORE_TERM": "1"}).exit_code == ExitStatus.OK  # the engine's stop takes its time
     records = host.records()
     proc = host.start("switch", "tiny-b", *host.args("--stop-timeout", "60"))
@@ -116,7 +115,7 @@ def test_a_closed_terminal_stops_up_and_its_clean_up_finishes(host):
     reader = threading.Thread(target=drain, daemon=True)
     reader.start()
     assert wait_for(lambda: "proxy" in host.records())
-    assert wait_for(lambda: _answers(component_url(host.records()["proxy"]) + "/health"), timeout=30)
+    assert wait_for(lambda: answers(component_url(host.records()["proxy"]) + "/health"), timeout=30)
     pids = host.stack_pids()
     os.close(master)  # the session ends
     assert wait_status(proc, 60) == ExitStatus.INTERRUPTED, bytes(seen).decode(errors="replace")[-2000:]

@@ -15,9 +15,8 @@ import sys
 from molctl.errors import ExitStatus
 from molctl.state import lock_holder
 from tests.helpers import ROOT, wait_for
-from tests.lifecycle_host import gone
+from tests.lifecycle_host import EARLY_PROXY, gone
 from tests.procs import alive
-from tests.test_lifecycle_safety import EARLY_PROXY
 
 
 def _background_up(host) -> tuple[subprocess.Popen, int]:

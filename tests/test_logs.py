@@ -1,12 +1,12 @@
-"""The operator's read-side commands (`status`, `logs`, `state stats|prune`) reviewed as an SRE
-at 3 a.m.: each test reproduces a defect found by an experiment against real processes (fake
-engine stacks on free ports, their own state dir)."""
+"""`molctl logs` and the log files behind it: `-n` on big logs and long or cut lines, `-f` across a
+restart, a deletion, a truncation and a rotation, lines without an end and split characters, output
+into a pipe closed early; the byte-bounded tail `up` prints on a failure; the proxy log's rotation,
+pruning and the `logs.keep` profile field."""
 
 from __future__ import annotations
 
 import io
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -17,7 +17,7 @@ import pytest
 
 from molctl.errors import ExitStatus
 from molctl.output import Output
-from tests.helpers import ROOT, Molctl, wait_for
+from tests.helpers import ROOT, wait_for
 
 
 class Ctx:
@@ -165,117 +165,11 @@ def test_logs_follow_into_a_pipe_ends_when_the_reader_is_gone(tmp_path):
         proc.wait()
 
 
-# ------------------------------------------------------------------------------------------ status
-
-
-@pytest.fixture
-def unreadable_state_dir(state_dir, monkeypatch):
-    """The state dir of another user (mode 0700, `--state-dir /var/lib/molctl` read by an
-    operator who is not its owner): it cannot be listed (root reads it anyway, hence the patch;
-    reproduced for real with `setpriv --reuid=65534` against a running stack)."""
-    (state_dir / "tiny" / "logs").mkdir(parents=True)
-    (state_dir / "tiny" / "engine.json").write_text("{}")
-    (state_dir / "tiny" / "logs" / "engine-20260101-000000.log").write_text("hello\n")
-    denied = os.path.realpath(state_dir)
-    real_listdir, real_iterdir = os.listdir, Path.iterdir
-
-    def listdir(path="."):
-        if os.path.realpath(path) == denied:
-            raise PermissionError(13, "Permission denied", str(path))
-        return real_listdir(path)
-
-    def iterdir(self):
-        if os.path.realpath(self) == denied:
-            raise PermissionError(13, "Permission denied", str(self))
-        return real_iterdir(self)
-
-    monkeypatch.setattr(os, "listdir", listdir)
-    monkeypatch.setattr(Path, "iterdir", iterdir)
-    return state_dir
-
-
-@pytest.mark.parametrize("args", [("status",), ("status", "--json"), ("logs",)])
-def test_an_unreadable_state_dir_is_an_error_not_nothing_running(molctl, unreadable_state_dir, args):
-    """`molctl status` said "no stack is recorded" (exit 0) about a running, ready stack whose state
-    dir the caller could not read, and `status tiny` said `failed`; `logs` said "no logs"."""
-    r = molctl(*args)
-    assert r.exit_code == ExitStatus.ERROR, (r.stdout, r.stderr)
-    assert r.stdout == "" and r.stderr.count("\n") == 1, r.stderr
-    assert f"cannot read state dir {unreadable_state_dir}: Permission denied (owner " in r.stderr, r.stderr
-
-
-def test_an_unreadable_record_is_one_problem_naming_its_processes(host):
-    """A corrupted engine record gave two problems for the same engine: "unreadable; 1 process(es)
-    carry its marker" and "1 process(es) carry the engine's marker but no record names them (an
-    interrupted `up`?)": a wrong guess, with the pids only in the second."""
-    assert host.up().exit_code == ExitStatus.OK
-    engine_pid = host.records()["engine"].pid
-    record = host.state / "tiny" / "engine.json"
-    good = record.read_bytes()
-    record.write_bytes(good[:40])  # truncated (a full disk during a write by hand, a bad copy)
-    try:
-        r = host.molctl("status", "--json")
-        assert r.exit_code == ExitStatus.OK, r.stderr
-        (stack,) = r.json()["stacks"]
-        assert stack["state"] == "degraded"
-        (problem,) = stack["problems"]
-        assert problem.startswith(f"engine record {record} is unreadable (corrupt (JSONDecodeError"), problem
-        assert f"1 process(es) carry its marker (pid {engine_pid})" in problem, problem
-    finally:
-        record.write_bytes(good)
-
-
-def test_status_of_a_hung_engine_is_quick_and_reads_the_proxys_answer(host):
-    """With the engine hung (SIGSTOP), `status` took 3.4 s (the engine's 1 s probe, then the
-    proxy's 2 s one) and, about one time in six, showed the healthy proxy as not answering: its
-    /readyz probe gave up after 2 s, exactly when the proxy's own probe of the engine did."""
-    assert host.up().exit_code == ExitStatus.OK
-    engine_pid = host.records()["engine"].pid
-    os.kill(engine_pid, signal.SIGSTOP)
-    time.sleep(1.2)  # the proxy reuses a ready answer for 1 s
-    # timed in-process: a `python -m molctl` subprocess would add its interpreter start and imports
-    # (0.2-0.5 s idle, more on a loaded CI runner) to what is measured
-    inproc = Molctl(host.state, [host.profiles], in_process=True)
-    import molctl.cli  # noqa: F401 - imported before the clock starts
-    try:
-        for _ in range(3):
-            t0 = time.monotonic()
-            r = inproc("status", "--json")
-            elapsed = time.monotonic() - t0
-            assert r.exit_code == ExitStatus.OK, r.stderr
-            (stack,) = r.json()["stacks"]
-            comps = {c["name"]: c for c in stack["components"]}
-            assert comps["engine"]["alive"] and comps["engine"]["health"] is None
-            assert comps["proxy"]["health"] == 503, comps["proxy"]
-            # the floor is the proxy's own 2 s probe of the hung engine (READYZ_ENGINE_PROBE_MIN_S);
-            # probing one after the other (the engine's 1 s timeout, then the proxy's 2 s) takes 3 s or more
-            assert stack["state"] == "degraded" and elapsed < 2.9, elapsed
-    finally:
-        os.kill(engine_pid, signal.SIGCONT)
-
-
-def test_status_says_why_a_live_component_is_not_healthy(host):
-    """A SIGSTOPped engine and the proxy in front of it were `health: null` and `503`, nothing
-    more: hung, stopped, draining or missing adapters all looked the same at 3 a.m."""
-    assert host.up().exit_code == ExitStatus.OK
-    engine_pid = host.records()["engine"].pid
-    os.kill(engine_pid, signal.SIGSTOP)
-    time.sleep(1.2)  # the proxy reuses a ready answer for 1 s
-    try:
-        (stack,) = host.molctl("status", "--json").json()["stacks"]
-        text = host.molctl("status").stdout
-    finally:
-        os.kill(engine_pid, signal.SIGCONT)
-    comps = {c["name"]: c for c in stack["components"]}
-    assert comps["engine"]["detail"] == f"stopped by a signal (SIGSTOP or Ctrl-Z): `kill -CONT {engine_pid}` resumes it"
-    assert comps["proxy"]["detail"] in ("engine unreachable", "engine /health answered None"), comps["proxy"]
-    assert f"tiny: engine (pid {engine_pid}) not healthy: stopped by a signal" in text, text
-    assert wait_for(lambda: host.molctl("status", "--json").json()["stacks"][0]["state"] == "ready")
-    assert all("detail" not in c for c in host.molctl("status", "--json").json()["stacks"][0]["components"])
+# ---------------------------------------------------------------- the tail, rotation and retention
 
 
 def test_up_failure_tail_marks_a_line_cut_by_the_byte_bound(tmp_path):
-    """From the regression review: processes.tail (up's failure output) returned the end of a long
+    """Guards a found bug: processes.tail (up's failure output) returned the end of a long
     last line without the '...' marker when the byte bound fell inside it (the old code marked it)."""
     from molctl.processes import TAIL_LINE_MAX, tail
 
@@ -285,3 +179,136 @@ def test_up_failure_tail_marks_a_line_cut_by_the_byte_bound(tmp_path):
     assert line.startswith("...y") and len(line) <= TAIL_LINE_MAX + 3
     log.write_bytes(b"a\nb\nc")
     assert tail(log, 2) == ["b", "c"] and tail(log, 9) == ["a", "b", "c"] and tail(log, 0) == []
+
+
+def test_proxy_log_rotation_and_pruning(tmp_path):
+    from molctl.state import prune_logs
+
+    log = tmp_path / "proxy-1.log"
+    # the writer ends once the last rotation is done (its file below the limit): a daemon thread
+    # stopped by the interpreter's exit between two renames left .2 without .1 (a loaded CI run)
+    script = ("import os, sys, time; from molctl.logs import rotate_stdio; rotate_stdio(2000, 2, 0.02)\n"
+              "for i in range(400):\n    print('x' * 50, flush=True); time.sleep(0.002)\n"
+              "deadline = time.monotonic() + 30\n"
+              "while os.fstat(1).st_size >= 2000 and time.monotonic() < deadline:\n    time.sleep(0.01)\n")
+    with open(log, "ab") as fh:
+        subprocess.run([sys.executable, "-c", script], stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, timeout=60, check=True)
+    parts = sorted(p.name for p in tmp_path.iterdir())
+    assert parts == ["proxy-1.log", "proxy-1.log.1", "proxy-1.log.2"], parts
+    assert all(p.stat().st_size < 2000 + 4000 for p in tmp_path.iterdir())
+    # pruning keeps the N newest per component, with their rotated parts
+    state = tmp_path / "state"
+    logs = state / "tiny" / "logs"
+    logs.mkdir(parents=True)
+    for i in range(4):
+        p = logs / f"proxy-2020-{i}.log"
+        p.write_text("x")
+        Path(f"{p}.1").write_text("x")
+        os.utime(p, (1_600_000_000 + i,) * 2)
+    prune_logs(state, "tiny", "proxy", 2)
+    assert sorted(p.name for p in logs.iterdir()) == ["proxy-2020-2.log", "proxy-2020-2.log.1",
+                                                      "proxy-2020-3.log", "proxy-2020-3.log.1"]
+
+
+@pytest.mark.parametrize(("last", "shown"), [
+    (b"y" * 5000 + b"\n", "..." + "y" * 4095),  # the bound (4096 bytes back, the newline too) cuts it
+    (b"y" * 5000, "..." + "y" * 4096),
+    (b"y" * 4095 + b"\n", "y" * 4095),  # within the bound: whole, unmarked
+], ids=["long-line", "long-line-without-end", "line-within-the-bound"])
+def test_logs_n_marks_a_cut_last_line_once_as_the_tail_does(tmp_path, last, shown):
+    """Found reading `molctl logs -n 1` of a log whose last line was over 4 KiB (a dumped JSON):
+    it began with four dots. The byte bound (TAIL_LINE_MAX back) had cut the line and marked it
+    `...`, and the marked line, 3 bytes longer than the bound, was cut again with another `...`
+    (which kept one dot of the first and lost no byte of the line). Now it is shown as
+    processes.tail shows it (`up`'s log tail): one `...` and the line's end."""
+    from molctl.logs import show_logs
+    from molctl.output import Output
+    from molctl.processes import tail
+
+    logs = tmp_path / "state" / "tiny" / "logs"
+    logs.mkdir(parents=True)
+    log = logs / "proxy-20250101-000000.log"
+    log.write_bytes(b"first\n" + last)
+
+    class C:
+        state_dir = tmp_path / "state"
+
+    out = io.StringIO()
+    show_logs(C(), "tiny", "proxy", False, 1, Output(stdout=out))
+    (line,) = out.getvalue().splitlines()
+    assert line == "[proxy] " + shown, line[:20]
+    assert tail(log, 1) == [shown]
+
+
+def test_logs_follow_across_a_rotation(tmp_path):
+    import threading
+
+    from molctl.logs import show_logs
+    from molctl.output import Output
+
+    state = tmp_path / "state"
+    logs = state / "tiny" / "logs"
+    logs.mkdir(parents=True)
+    log = logs / "proxy-20250101-000000.log"
+    log.write_text("one\n" * 50)
+    out_path = tmp_path / "out.txt"
+
+    class C:
+        state_dir = state
+
+    def follow():
+        with open(out_path, "w") as fh:
+            show_logs(C(), "tiny", "proxy", True, 1, Output(stdout=fh), poll_s=0.02, stop_after_s=10)
+
+    t = threading.Thread(target=follow, daemon=True)
+    t.start()
+    assert wait_for(lambda: out_path.exists() and "one" in out_path.read_text())
+    os.replace(log, f"{log}.1")
+    log.write_text("after rotation\n")
+    assert wait_for(lambda: "after rotation" in out_path.read_text())
+    assert "was rotated" in out_path.read_text()
+
+
+def test_logs_follow_shows_a_line_without_end_in_pieces_and_keeps_split_characters(tmp_path):
+    """`logs -f` held a line without a newline whole in memory (a component printing megabytes
+    without one), and decoded each read apart (a UTF-8 character split across two reads came out
+    as two replacement characters)."""
+    import threading
+
+    from molctl import logs as logs_module
+    from molctl.output import Output
+
+    state = tmp_path / "state"
+    logs = state / "tiny" / "logs"
+    logs.mkdir(parents=True)
+    log = logs / "proxy-20250101-000000.log"
+    log.write_text("start\n")
+    out_path = tmp_path / "out.txt"
+
+    class C:
+        state_dir = state
+
+    def follow():
+        with open(out_path, "w") as fh:
+            logs_module.show_logs(C(), "tiny", "proxy", True, 1, Output(stdout=fh), poll_s=0.02, stop_after_s=10)
+
+    threading.Thread(target=follow, daemon=True).start()
+    assert wait_for(lambda: out_path.exists() and "start" in out_path.read_text())
+    with open(log, "ab") as fh:
+        fh.write("é".encode()[:1])
+        fh.flush()
+        time.sleep(0.2)  # read apart: the character's first byte, then the rest
+        fh.write("é".encode()[1:] + b" done\n")
+    assert wait_for(lambda: "é done" in out_path.read_text()), out_path.read_text()[-200:]
+    with open(log, "ab") as fh:
+        fh.write(b"x" * (logs_module.FOLLOW_LINE_MAX + 10))
+    assert wait_for(lambda: "x" * logs_module.FOLLOW_LINE_MAX in out_path.read_text())
+
+
+def test_log_retention_is_a_validated_profile_field():
+    from molctl.errors import ProfileError
+    from molctl.profiles import load_profile, profile_dirs
+
+    assert load_profile("tiny", profile_dirs(), [("logs.keep", 3)]).logs.keep == 3
+    with pytest.raises(ProfileError, match="logs.keep"):
+        load_profile("tiny", profile_dirs(), [("logs.keep", 0)])

@@ -1,10 +1,12 @@
-"""Issue 14: never signal a stranger, never lie, never kill a healthy engine. Fake engines run
-through engine.python as in test_lifecycle.py; every process a test starts is stopped."""
+"""What lifecycle commands guarantee about processes and records: never signal a stranger (pid
+reuse, orphans, a recycled group), never call a healthy stack dead, never kill a running engine for
+another configuration; records and claims that stay true through corrupt, unwritable or deleted
+state, a full disk, an `up` killed between spawn and record. Fake engines run through engine.python
+as in test_lifecycle.py; every process a test starts is stopped."""
 
 from __future__ import annotations
 
 import errno
-import io
 import json
 import os
 import re
@@ -24,12 +26,8 @@ from molctl.errors import ExitStatus
 from molctl.profiles import builtin_profiles_dir
 from molctl.progress import SilentProgress
 from tests.helpers import ROOT, Molctl, exit_status, free_port, url, wait_for, wait_status
-from tests.lifecycle_host import Host, gone
+from tests.lifecycle_host import EARLY_PROXY, Host, add_tiny_b, answers, gone
 from tests.procs import alive, stop
-
-# The proxy starts while the engine loads only without the adapter efficacy canary (with it, after
-# the canary): the tests of a proxy running beside a loading engine start without it.
-EARLY_PROXY = ("--skip", "adapter-effect")
 
 
 class Ctx:
@@ -41,19 +39,6 @@ class Ctx:
         from molctl.profiles import profile_dirs
 
         return profile_dirs([self._host.profiles])
-
-
-def _add_tiny_b(host: Host) -> None:
-    other = (builtin_profiles_dir() / "tiny.yaml").read_text().replace("name: tiny", "name: tiny-b") \
-        .replace("served_model_name: Macaron-Tiny-Demo", "served_model_name: Macaron-Tiny-B")
-    (host.profiles / "tiny-b.yaml").write_text(other)
-
-
-def _answers(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 # ------------------------------------------------------------------------------------- 1. pid reuse
@@ -245,7 +230,7 @@ def test_set_values_reach_the_proxy_as_typed_data_and_logs_are_pruned(host):
 # ------------------------------------------------------------------------------- 4. switch and its lock
 
 def test_switch_holds_the_lock_throughout_and_a_failed_switch_says_how_to_go_back(host):
-    _add_tiny_b(host)
+    add_tiny_b(host)
     assert host.up().exit_code == ExitStatus.OK
     old = host.stack_pids()
     # tiny-b's engine loads until the test opens the gate: a fixed delay raced with the blocked `up`
@@ -470,7 +455,7 @@ def test_a_second_ctrl_c_during_clean_up_says_what_may_still_run(host):
     proxy = host.records()["proxy"]
     # the proxy serving: `up` is past recording it (a Ctrl-C in that window has its own path: the
     # fresh process is stopped where it was spawned, which is not what this test is about)
-    assert wait_for(lambda: _answers(component_url(proxy) + "/health"), timeout=30)
+    assert wait_for(lambda: answers(component_url(proxy) + "/health"), timeout=30)
     proc.send_signal(signal.SIGINT)
     if not wait_for(lambda: not alive(proxy.pid)):  # the clean-up stops the proxy first, then waits on the engine
         proc.kill()
@@ -511,139 +496,6 @@ def test_down_counts_down_to_sigkill(host):
     assert d.exit_code == ExitStatus.OK, d.stderr
     assert "SIGKILL in 2 s" in d.stdout or "SIGKILL in 1 s" in d.stdout, d.stdout
     assert "sending SIGKILL" in d.stdout
-
-
-def test_proxy_log_rotation_and_pruning(tmp_path):
-    from molctl.state import prune_logs
-
-    log = tmp_path / "proxy-1.log"
-    # the writer ends once the last rotation is done (its file below the limit): a daemon thread
-    # stopped by the interpreter's exit between two renames left .2 without .1 (a loaded CI run)
-    script = ("import os, sys, time; from molctl.logs import rotate_stdio; rotate_stdio(2000, 2, 0.02)\n"
-              "for i in range(400):\n    print('x' * 50, flush=True); time.sleep(0.002)\n"
-              "deadline = time.monotonic() + 30\n"
-              "while os.fstat(1).st_size >= 2000 and time.monotonic() < deadline:\n    time.sleep(0.01)\n")
-    with open(log, "ab") as fh:
-        subprocess.run([sys.executable, "-c", script], stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, timeout=60, check=True)
-    parts = sorted(p.name for p in tmp_path.iterdir())
-    assert parts == ["proxy-1.log", "proxy-1.log.1", "proxy-1.log.2"], parts
-    assert all(p.stat().st_size < 2000 + 4000 for p in tmp_path.iterdir())
-    # pruning keeps the N newest per component, with their rotated parts
-    state = tmp_path / "state"
-    logs = state / "tiny" / "logs"
-    logs.mkdir(parents=True)
-    for i in range(4):
-        p = logs / f"proxy-2020-{i}.log"
-        p.write_text("x")
-        Path(f"{p}.1").write_text("x")
-        os.utime(p, (1_600_000_000 + i,) * 2)
-    prune_logs(state, "tiny", "proxy", 2)
-    assert sorted(p.name for p in logs.iterdir()) == ["proxy-2020-2.log", "proxy-2020-2.log.1",
-                                                      "proxy-2020-3.log", "proxy-2020-3.log.1"]
-
-
-@pytest.mark.parametrize(("last", "shown"), [
-    (b"y" * 5000 + b"\n", "..." + "y" * 4095),  # the bound (4096 bytes back, the newline too) cuts it
-    (b"y" * 5000, "..." + "y" * 4096),
-    (b"y" * 4095 + b"\n", "y" * 4095),  # within the bound: whole, unmarked
-], ids=["long-line", "long-line-without-end", "line-within-the-bound"])
-def test_logs_n_marks_a_cut_last_line_once_as_the_tail_does(tmp_path, last, shown):
-    """Found reading `molctl logs -n 1` of a log whose last line was over 4 KiB (a dumped JSON):
-    it began with four dots. The byte bound (TAIL_LINE_MAX back) had cut the line and marked it
-    `...`, and the marked line, 3 bytes longer than the bound, was cut again with another `...`
-    (which kept one dot of the first and lost no byte of the line). Now it is shown as
-    processes.tail shows it (`up`'s log tail): one `...` and the line's end."""
-    from molctl.logs import show_logs
-    from molctl.output import Output
-    from molctl.processes import tail
-
-    logs = tmp_path / "state" / "tiny" / "logs"
-    logs.mkdir(parents=True)
-    log = logs / "proxy-20250101-000000.log"
-    log.write_bytes(b"first\n" + last)
-
-    class C:
-        state_dir = tmp_path / "state"
-
-    out = io.StringIO()
-    show_logs(C(), "tiny", "proxy", False, 1, Output(stdout=out))
-    (line,) = out.getvalue().splitlines()
-    assert line == "[proxy] " + shown, line[:20]
-    assert tail(log, 1) == [shown]
-
-
-def test_logs_follow_across_a_rotation(tmp_path):
-    import threading
-
-    from molctl.logs import show_logs
-    from molctl.output import Output
-
-    state = tmp_path / "state"
-    logs = state / "tiny" / "logs"
-    logs.mkdir(parents=True)
-    log = logs / "proxy-20250101-000000.log"
-    log.write_text("one\n" * 50)
-    out_path = tmp_path / "out.txt"
-
-    class C:
-        state_dir = state
-
-    def follow():
-        with open(out_path, "w") as fh:
-            show_logs(C(), "tiny", "proxy", True, 1, Output(stdout=fh), poll_s=0.02, stop_after_s=10)
-
-    t = threading.Thread(target=follow, daemon=True)
-    t.start()
-    assert wait_for(lambda: out_path.exists() and "one" in out_path.read_text())
-    os.replace(log, f"{log}.1")
-    log.write_text("after rotation\n")
-    assert wait_for(lambda: "after rotation" in out_path.read_text())
-    assert "was rotated" in out_path.read_text()
-
-
-def test_logs_follow_shows_a_line_without_end_in_pieces_and_keeps_split_characters(tmp_path):
-    """`logs -f` held a line without a newline whole in memory (a component printing megabytes
-    without one), and decoded each read apart (a UTF-8 character split across two reads came out
-    as two replacement characters)."""
-    import threading
-
-    from molctl import logs as logs_module
-    from molctl.output import Output
-
-    state = tmp_path / "state"
-    logs = state / "tiny" / "logs"
-    logs.mkdir(parents=True)
-    log = logs / "proxy-20250101-000000.log"
-    log.write_text("start\n")
-    out_path = tmp_path / "out.txt"
-
-    class C:
-        state_dir = state
-
-    def follow():
-        with open(out_path, "w") as fh:
-            logs_module.show_logs(C(), "tiny", "proxy", True, 1, Output(stdout=fh), poll_s=0.02, stop_after_s=10)
-
-    threading.Thread(target=follow, daemon=True).start()
-    assert wait_for(lambda: out_path.exists() and "start" in out_path.read_text())
-    with open(log, "ab") as fh:
-        fh.write("é".encode()[:1])
-        fh.flush()
-        time.sleep(0.2)  # read apart: the character's first byte, then the rest
-        fh.write("é".encode()[1:] + b" done\n")
-    assert wait_for(lambda: "é done" in out_path.read_text()), out_path.read_text()[-200:]
-    with open(log, "ab") as fh:
-        fh.write(b"x" * (logs_module.FOLLOW_LINE_MAX + 10))
-    assert wait_for(lambda: "x" * logs_module.FOLLOW_LINE_MAX in out_path.read_text())
-
-
-def test_log_retention_is_a_validated_profile_field():
-    from molctl.errors import ProfileError
-    from molctl.profiles import load_profile, profile_dirs
-
-    assert load_profile("tiny", profile_dirs(), [("logs.keep", 3)]).logs.keep == 3
-    with pytest.raises(ProfileError, match="logs.keep"):
-        load_profile("tiny", profile_dirs(), [("logs.keep", 0)])
 
 
 # ------------------------------------------------------------------- a molctl killed between spawn and record
@@ -771,7 +623,7 @@ def test_a_record_write_that_fails_leaves_no_half_written_file(tmp_path, monkeyp
 def test_a_switch_failing_on_a_file_error_still_says_how_to_go_back(host):
     """Found making the new profile's log dir unusable (a file named `logs`): the old stack was
     stopped, and the error (`File exists`, exit 1) did not say so nor how to bring it back."""
-    _add_tiny_b(host)
+    add_tiny_b(host)
     assert host.up().exit_code == ExitStatus.OK
     (host.state / "tiny-b").mkdir(mode=0o700)
     (host.state / "tiny-b" / "logs").write_text("not a directory")
@@ -871,7 +723,7 @@ def test_status_and_down_find_the_processes_when_the_profile_file_is_gone_too(ho
     deleted and the profile file removed since, `status P` and `down P` refused the name as an
     unknown profile (exit 3: "known only when the state dir holds records of it"), while the
     processes carrying its markers ran on. Processes carrying its marker make the name known."""
-    _add_tiny_b(host)
+    add_tiny_b(host)
     procs = _up_and_delete_state(host, "tiny-b")
     try:
         (host.profiles / "tiny-b.yaml").unlink()
