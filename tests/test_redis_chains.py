@@ -211,3 +211,35 @@ def test_key_format_2_data_is_read_continued_and_deleted(redis, r):
     assert [g["messages"] for g in got] == [nxt["messages"], nxt2["messages"]]
     assert chains(r) == 1 and r.llen(P + "ch:1") == 8
     assert set(totals_agree(r)) == {"tenant-a"} and describe_sync(target, None, "tiny")["key_format"] == KEY_FORMAT
+
+
+def test_after_its_tip_goes_a_continuation_branches_and_a_lost_list_is_a_counted_404(redis, r):
+    """The chain's newest deleted: the chain keeps its length (no response is its newest any more),
+    so continuing the one before starts a chain of its own, whole; the old chain goes with its last
+    reference. A list Redis dropped itself (maxmemory eviction): its responses are unreadable (None,
+    counted), never a conversation with a gap, and a continuation of them starts afresh."""
+    async def main():
+        st = state(redis, clock=Clock())
+        store = RedisResponseStore(st)
+        turns = await chain(store, 3)
+        await store.delete_response("tenant-a", "resp_c2")
+        nxt = turn("resp_n", turns[1], 2)
+        await store.put_response(nxt)
+        got = await store.get_response("tenant-a", "resp_n")
+        totals_agree(r)
+        await store.delete_response("tenant-a", "resp_c0")
+        await store.delete_response("tenant-a", "resp_c1")
+        assert chains(r) == 1 and not r.exists(P + "ch:1")
+        r.delete(P + "ch:2")  # as Redis's own eviction would
+        errors = st.errors_total
+        lost = await store.get_response("tenant-a", "resp_n")
+        counted = st.errors_total - errors
+        await store.put_response(turn("resp_after", turns[1], 2))  # resp_n's chain is unusable: a new one
+        await store.delete_response("tenant-a", "resp_n")
+        await st.close()
+        return nxt, got, lost, counted
+
+    nxt, got, lost, counted = asyncio.run(main())
+    assert got["messages"] == nxt["messages"] and lost is None and counted == 1
+    assert r.llen(P + "ch:3") == 6 and chains(r) == 1
+    totals_agree(r)

@@ -360,7 +360,10 @@ end
 # chain of its own with its whole conversation. `rch` (response key -> "COUNT:CID") links a response
 # to its first COUNT messages; `chm` holds per chain its references (r:CID), length (l:CID) and
 # bytes (b:CID, counted once against the tenant, in `tb` and r_bytes). The list's TTL is refreshed by
-# each write of the chain (so it outlives its responses); it goes with its last reference.
+# each write of the chain (so it outlives its responses); it goes with its last reference. Unlike
+# SQLite's, a chain is never shortened: after its newest response goes, a continuation of an earlier
+# one is a branch (its messages past the rest stay counted until the chain goes). A list shorter than
+# its chain's length (Redis evicted it under maxmemory) is never continued; its responses read as unknown.
 PUT_RESPONSE = """
 local key, value, ttl, now, tenant = KEYS[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
 local max_entries, max_bytes = tonumber(ARGV[6]), tonumber(ARGV[7])
