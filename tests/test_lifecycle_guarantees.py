@@ -677,7 +677,7 @@ def _pids_in(text: str, procs: list[psutil.Process]) -> list[int]:
 
 
 def test_status_names_the_processes_of_a_stack_whose_state_dir_was_deleted(host, deleted_state_stack):
-    """Found by the lifecycle review (D6): with the state dir deleted while a stack runs, `status`
+    """Guards a found bug: with the state dir deleted while a stack runs, `status`
     said "no stack is recorded" and `status tiny --json` said `stopped`, while the engine, its child
     and the proxy ran on carrying markers pointing into the state dir. Now the stack is `degraded`
     with problems naming every process, and `status` does not create the state dir."""
@@ -701,7 +701,7 @@ def test_status_names_the_processes_of_a_stack_whose_state_dir_was_deleted(host,
 
 @pytest.mark.parametrize("named", [False, True], ids=["down", "down tiny"])
 def test_down_stops_the_processes_of_a_stack_whose_state_dir_was_deleted(host, deleted_state_stack, named):
-    """Found by the lifecycle review (D6): with the state dir deleted while a stack runs, `down`
+    """Guards a found bug: with the state dir deleted while a stack runs, `down`
     and `down tiny` said "nothing is running" (exit 0) and stopped nothing. Now both find the
     processes by the markers pointing into this state dir (as `up` does), stop them and say so."""
     procs = deleted_state_stack
@@ -719,7 +719,7 @@ def test_down_stops_the_processes_of_a_stack_whose_state_dir_was_deleted(host, d
 
 
 def test_status_and_down_find_the_processes_when_the_profile_file_is_gone_too(host):
-    """Found by the lifecycle review (D6), with a profile from a profiles folder: the state dir
+    """Guards a found bug, with a profile from a profiles folder: the state dir
     deleted and the profile file removed since, `status P` and `down P` refused the name as an
     unknown profile (exit 3: "known only when the state dir holds records of it"), while the
     processes carrying its markers ran on. Processes carrying its marker make the name known."""
