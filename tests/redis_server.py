@@ -70,3 +70,22 @@ def redis_server():
         yield server.start()
     finally:
         server.stop()
+
+
+def load_dump(r, path: Path) -> float:
+    """A key dump of an earlier molctl's Redis store (tests/data/redis-format*.json: strings base64,
+    zsets as [member, score] pairs, hashes as mappings) into the server `r` talks to; returns the
+    clock the dump was taken at."""
+    import base64
+    import json
+
+    dump = json.loads(path.read_text())
+    for entry in dump["keys"]:
+        key, value = entry["key"], entry["value"]
+        if entry["type"] == "string":
+            r.set(key, base64.b64decode(value), ex=3600)
+        elif entry["type"] == "zset":
+            r.zadd(key, {m: s for m, s in value})
+        else:
+            r.hset(key, mapping=value)
+    return dump["clock"]

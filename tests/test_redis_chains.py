@@ -8,11 +8,11 @@ format 2 (tests/data/redis-format2.json) is still read, continued and deleted.""
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 from pathlib import Path
 
 from molctl.proxy.redis_store import KEY_FORMAT, RedisResponseStore, describe_sync, parse_redis_url
+from tests.redis_server import load_dump
 from tests.test_redis_tenants import Clock, P, state, totals_agree
 
 FORMAT2 = Path(__file__).parent / "data" / "redis-format2.json"
@@ -173,16 +173,7 @@ def load_format2(r) -> float:
     """tests/data/redis-format2.json into the server: the keys molctl wrote with key format 2 (the
     tenant quotas, every record holding its whole conversation; written by redis_store.py at a3ee934
     through its own API: resp_a1 and its continuation resp_a2 of tenant-a, resp_b1 of tenant-b)."""
-    dump = json.loads(FORMAT2.read_text())
-    for entry in dump["keys"]:
-        key, value = entry["key"], entry["value"]
-        if entry["type"] == "string":
-            r.set(key, base64.b64decode(value), ex=3600)
-        elif entry["type"] == "zset":
-            r.zadd(key, {m: s for m, s in value})
-        else:
-            r.hset(key, mapping=value)
-    return dump["clock"]
+    return load_dump(r, FORMAT2)
 
 
 def test_key_format_2_data_is_read_continued_and_deleted(redis, r):

@@ -8,8 +8,6 @@ its own refused before the write (the 400 of tests/test_store_quota_error.py).""
 from __future__ import annotations
 
 import asyncio
-import base64
-import json
 import time
 from pathlib import Path
 
@@ -18,6 +16,7 @@ import pytest
 from molctl.proxy.errors import store_failure
 from molctl.proxy.redis_store import KEY_FORMAT, RedisResponseStore, RedisState, parse_redis_url, prune_sync
 from molctl.proxy.sqlite_store import QuotaExceeded
+from tests.redis_server import load_dump
 
 P = "molctl:{tiny}:"
 FORMAT1 = Path(__file__).parent / "data" / "redis-format1.json"
@@ -221,16 +220,7 @@ def load_format1(r) -> float:
     (key format 1, written by redis_store.py as of commit 2a074a0 through its own API: two chained
     responses of tenant-a, one of tenant-b, a turn and a tool-call binding). Returns the clock the
     dump was taken at."""
-    dump = json.loads(FORMAT1.read_text())
-    for entry in dump["keys"]:
-        key, value = entry["key"], entry["value"]
-        if entry["type"] == "string":
-            r.set(key, base64.b64decode(value), ex=3600)
-        elif entry["type"] == "zset":
-            r.zadd(key, {m: s for m, s in value})
-        else:
-            r.hset(key, mapping=value)
-    return dump["clock"]
+    return load_dump(r, FORMAT1)
 
 
 def test_key_format_1_data_is_read_continued_deleted_and_evicted_first(redis, r):
