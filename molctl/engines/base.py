@@ -335,11 +335,11 @@ class Engine(abc.ABC):
     # the engine's own chat template and tokenizer and answers the token ids, without generating.
     probe_path: str | None = None
 
+    @abc.abstractmethod
     def probe_request(self, model: str, messages: list[dict[str, Any]], generation_prompt: bool,
                       kwargs: dict[str, Any] | None) -> dict[str, Any]:
         """The probe's body: `generation_prompt` True adds the generation prompt; False leaves the
         last (assistant) message open, as `continue_final_message` does."""
-        raise NotImplementedError
 
     def probe_ids(self, body: Any) -> list[int] | None:
         return None
@@ -347,12 +347,13 @@ class Engine(abc.ABC):
     # The token-prompt completion the summary hop sends, on an adapter
     continuation_path: str | None = None
 
+    @abc.abstractmethod
     def continuation_request(self, model: str, route: str, ids: list[int], max_tokens: int) -> dict[str, Any]:
-        raise NotImplementedError
+        """The summary hop's body: the token prompt `ids` on `route`'s adapter (`model`), at most `max_tokens`."""
 
+    @abc.abstractmethod
     def continuation_result(self, body: Any) -> tuple[str, dict[str, Any] | None]:
         """(the generated text, the usage as OpenAI's: prompt_tokens, prompt_tokens_details.cached_tokens)."""
-        raise NotImplementedError
 
     def running_version(self, body: object) -> str | None:
         """The version in the body of `version_path`'s answer."""
