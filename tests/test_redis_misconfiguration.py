@@ -1,6 +1,7 @@
-"""Adversarial review of the shared Redis store and the proxy replicas (molctl.proxy.redis_store):
-each test reproduces a defect found by experiment against real processes (`molctl proxy`, the fake
-engine, a real redis-server, the openai SDK) and pins its fix."""
+"""A shared Redis store and its proxy replicas (molctl.proxy.redis_store) when something around them
+is wrong: a malformed store URL, unreadable stored values, a read-only replica, a missing password,
+a bad replica id or advertised upstream. Against real processes (`molctl proxy`, the fake engine,
+a real redis-server, the openai SDK); each test guards a found bug."""
 
 from __future__ import annotations
 
