@@ -44,10 +44,11 @@ clients: $(CLIENTS_VENV)/.stamp $(CLIENTS_JS)/node_modules/.stamp
 dev: $(VENV)/.stamp-dev
 cpu: $(VENV)/.stamp-cpu
 
-# Lint (ruff, configured in pyproject.toml), then the whole suite, the end-to-end tests against a
+# Lint and format check (ruff, configured in pyproject.toml), then the whole suite, the end-to-end tests against a
 # real vLLM included.
 test: $(VENV)/.stamp-cpu $(CLIENTS_VENV)/.stamp $(CLIENTS_JS)/node_modules/.stamp
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q
 
 # bench_proxy.py also runs the upstream harness's proxy (../shared/peers/mol-harness-*) when it is

@@ -21,15 +21,21 @@ from molctl.start import engine_env  # noqa: E402
 from tests.helpers import free_port  # noqa: E402
 
 
-def start_vllm(model: Path, log: Path, overrides: list[tuple[str, object]],
-               timeout: float = 600) -> tuple[subprocess.Popen, str, object]:
+def start_vllm(
+    model: Path, log: Path, overrides: list[tuple[str, object]], timeout: float = 600
+) -> tuple[subprocess.Popen, str, object]:
     """(process, URL, profile) of a tiny-profile vLLM on a free port with `overrides` (profile
     paths and values, as `--set`), ready; one that exits or is not ready in time raises."""
     port = free_port()
     profile = load_profile("tiny", profile_dirs(), [("model_root", str(model)), ("engine.port", port), *overrides])
     with open(log, "wb") as out:
-        proc = subprocess.Popen(get_engine("vllm").launch_argv(profile), env=engine_env(profile), stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            get_engine("vllm").launch_argv(profile),
+            env=engine_env(profile),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     try:

@@ -61,8 +61,25 @@ def main() -> None:
         size = sum(os.path.getsize(p) for p in layout.shards)
         tensors = len(layout.index()["weight_map"])
         env = dict(os.environ, MOLCTL_STATE_DIR=str(Path(tmp) / "state"))
-        check, code = timed([*MOLCTL, "check", "venti", "--model-root", str(root), "--skip", "gpu", "--skip", "engine",
-                             "--set", "engine.port=1", "--skip", "port"], 5, env)
+        check, code = timed(
+            [
+                *MOLCTL,
+                "check",
+                "venti",
+                "--model-root",
+                str(root),
+                "--skip",
+                "gpu",
+                "--skip",
+                "engine",
+                "--set",
+                "engine.port=1",
+                "--skip",
+                "port",
+            ],
+            5,
+            env,
+        )
         assert code == 0, "check of the generated Venti layout failed"
         help_, _ = timed([*MOLCTL, "--help"], 10, env)
         profiles, _ = timed([*MOLCTL, "profiles"], 10, env)
@@ -72,8 +89,10 @@ def main() -> None:
     print(f"molctl check venti (layout)   median {check * 1000:7.1f} ms")
     print(f"molctl --help                 median {help_ * 1000:7.1f} ms")
     print(f"molctl profiles               median {profiles * 1000:7.1f} ms")
-    print(f"molctl check tiny (--skip port): first run {tiny['first']:.1f} s; later runs median {tiny['later'] * 1000:.0f} ms; "
-          f"template result not remembered {tiny['render'] * 1000:.0f} ms; --skip template {tiny['skip'] * 1000:.0f} ms")
+    print(
+        f"molctl check tiny (--skip port): first run {tiny['first']:.1f} s; later runs median {tiny['later'] * 1000:.0f} ms; "
+        f"template result not remembered {tiny['render'] * 1000:.0f} ms; --skip template {tiny['skip'] * 1000:.0f} ms"
+    )
 
 
 if __name__ == "__main__":

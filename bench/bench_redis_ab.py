@@ -33,8 +33,14 @@ PUBLIC = "Macaron-Tiny-Demo"
 
 
 def start(argv: list[str], cwd: str, ready_url: str) -> subprocess.Popen:
-    proc = subprocess.Popen(argv, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        argv,
+        cwd=cwd,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     for _ in range(300):
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(ready_url, timeout=1).status_code == 200:
@@ -50,7 +56,7 @@ async def drive(urls: dict[str, str], requests: int) -> dict[str, list[float]]:
     kinds = list(urls)
     async with aiohttp.ClientSession() as session:
         for i in range(requests + 20):
-            for kind in kinds[i % 3:] + kinds[:i % 3]:
+            for kind in kinds[i % 3 :] + kinds[: i % 3]:
                 prev[kind], ms = await chained_response(session, urls[kind], i, prev.get(kind))
                 times[kind].append(ms)
     return {k: v[20:] for k, v in times.items()}  # warm-up
@@ -66,19 +72,45 @@ def main() -> None:
             engine = f"http://127.0.0.1:{engine_port}"
             procs.append(start(fake_engine_argv(engine_port), str(ROOT), engine + "/health"))
             urls = {}
-            for kind, cwd, spec in (("sqlite", str(ROOT), "sqlite"), ("redis-before", before, server.url),
-                                    ("redis-after", str(ROOT), server.url)):
+            for kind, cwd, spec in (
+                ("sqlite", str(ROOT), "sqlite"),
+                ("redis-before", before, server.url),
+                ("redis-after", str(ROOT), server.url),
+            ):
                 port = free_port()
-                argv = [sys.executable, "-m", "molctl", "--state-dir", state, "proxy", "tiny", "--upstream", engine,
-                        "--port", str(port), "--allow-unauthenticated", "--set", f"proxy.store={spec}"]
-                procs.append(start(argv + (["--replica-id", kind] if spec != "sqlite" else []), cwd,
-                                   f"http://127.0.0.1:{port}/readyz"))
+                argv = [
+                    sys.executable,
+                    "-m",
+                    "molctl",
+                    "--state-dir",
+                    state,
+                    "proxy",
+                    "tiny",
+                    "--upstream",
+                    engine,
+                    "--port",
+                    str(port),
+                    "--allow-unauthenticated",
+                    "--set",
+                    f"proxy.store={spec}",
+                ]
+                procs.append(
+                    start(
+                        argv + (["--replica-id", kind] if spec != "sqlite" else []),
+                        cwd,
+                        f"http://127.0.0.1:{port}/readyz",
+                    )
+                )
                 urls[kind] = f"http://127.0.0.1:{port}"
             times = asyncio.run(drive(urls, requests))
         base = statistics.median(times["sqlite"])
-        print(f"chained /v1/responses, 1 client, {requests} requests per proxy, interleaved; load {os.getloadavg()[0]:.2f}")
+        print(
+            f"chained /v1/responses, 1 client, {requests} requests per proxy, interleaved; load {os.getloadavg()[0]:.2f}"
+        )
         for kind, values in times.items():
-            print(f"  {kind:13} p50 {statistics.median(values):.2f} ms, added over sqlite {statistics.median(values) - base:+.2f} ms")
+            print(
+                f"  {kind:13} p50 {statistics.median(values):.2f} ms, added over sqlite {statistics.median(values) - base:+.2f} ms"
+            )
     finally:
         for proc in procs:
             stop(proc)

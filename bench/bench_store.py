@@ -30,13 +30,22 @@ TARGET_US = 300.0
 
 
 def make_record(i: int, size: int) -> dict:
-    words = ("lorem ipsum dolor sit amet " * (size // 27 + 1))[:size // 2]
-    return {"id": f"resp_{i:08d}", "tenant": "0123456789abcdef", "created_at": time.time(),
-            "previous_response_id": f"resp_{i - 1:08d}" if i else None, "route": "L2",
-            "messages": [{"role": "user", "content": words}, {"role": "assistant", "content": words}],
-            "input_items": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "next"}]}],
-            "response": {"id": f"resp_{i:08d}", "object": "response", "status": "completed",
-                         "output": [{"type": "message", "content": [{"type": "output_text", "text": "ok"}]}]}}
+    words = ("lorem ipsum dolor sit amet " * (size // 27 + 1))[: size // 2]
+    return {
+        "id": f"resp_{i:08d}",
+        "tenant": "0123456789abcdef",
+        "created_at": time.time(),
+        "previous_response_id": f"resp_{i - 1:08d}" if i else None,
+        "route": "L2",
+        "messages": [{"role": "user", "content": words}, {"role": "assistant", "content": words}],
+        "input_items": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "next"}]}],
+        "response": {
+            "id": f"resp_{i:08d}",
+            "object": "response",
+            "status": "completed",
+            "output": [{"type": "message", "content": [{"type": "output_text", "text": "ok"}]}],
+        },
+    }
 
 
 def pct(values: list[float], p: float) -> float:
@@ -73,10 +82,17 @@ def store_bench() -> list[dict]:
                 sql_store.get_response("0123456789abcdef", f"resp_{PREFILL + i:08d}")
                 get_only.append((time.perf_counter() - t0) * 1e6)
             sql_store.close()
-        rows.append({"record": label, "memory_p50_us": statistics.median(mem), "memory_p99_us": pct(mem, 0.99),
-                     "sqlite_p50_us": statistics.median(sql), "sqlite_p99_us": pct(sql, 0.99),
-                     "sqlite_get_p50_us": statistics.median(get_only),
-                     "added_p50_us": statistics.median(sql) - statistics.median(mem)})
+        rows.append(
+            {
+                "record": label,
+                "memory_p50_us": statistics.median(mem),
+                "memory_p99_us": pct(mem, 0.99),
+                "sqlite_p50_us": statistics.median(sql),
+                "sqlite_p99_us": pct(sql, 0.99),
+                "sqlite_get_p50_us": statistics.median(get_only),
+                "added_p50_us": statistics.median(sql) - statistics.median(mem),
+            }
+        )
     return rows
 
 
@@ -95,13 +111,29 @@ def chain_bench(turns: int = 50, text_bytes: int = 1024) -> dict:
             history = store.get_response(tenant, prev)["messages"] if prev else []
             rid = f"resp_{i:08d}"
             t1 = time.perf_counter()
-            store.put_response({"id": rid, "tenant": tenant, "created_at": time.time(), "previous_response_id": prev,
-                                "route": "L2", "messages": [*history, {"role": "user", "content": f"{i} {word}"},
-                                                            {"role": "assistant", "content": f"{i} {word}"}],
-                                "input_items": [{"type": "message", "role": "user",
-                                                 "content": [{"type": "input_text", "text": f"{i} {word}"}]}],
-                                "response": {"id": rid, "object": "response", "status": "completed", "output": [
-                                    {"type": "message", "content": [{"type": "output_text", "text": f"{i} {word}"}]}]}})
+            store.put_response(
+                {
+                    "id": rid,
+                    "tenant": tenant,
+                    "created_at": time.time(),
+                    "previous_response_id": prev,
+                    "route": "L2",
+                    "messages": [
+                        *history,
+                        {"role": "user", "content": f"{i} {word}"},
+                        {"role": "assistant", "content": f"{i} {word}"},
+                    ],
+                    "input_items": [
+                        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": f"{i} {word}"}]}
+                    ],
+                    "response": {
+                        "id": rid,
+                        "object": "response",
+                        "status": "completed",
+                        "output": [{"type": "message", "content": [{"type": "output_text", "text": f"{i} {word}"}]}],
+                    },
+                }
+            )
             t2 = time.perf_counter()
             times.append((t2 - t0) * 1e6)
             puts.append((t2 - t1) * 1e6)
@@ -110,9 +142,15 @@ def chain_bench(turns: int = 50, text_bytes: int = 1024) -> dict:
         stats = store.stats()
         store.close()
         file_bytes = sum(p.stat().st_size for p in Path(d).iterdir())
-    return {"turns": turns, "store_bytes": stats["responses_bytes"], "file_bytes": file_bytes,
-            "first10_us": statistics.mean(times[:10]), "last10_us": statistics.mean(times[-10:]),
-            "put_first10_us": statistics.mean(puts[:10]), "put_last10_us": statistics.mean(puts[-10:])}
+    return {
+        "turns": turns,
+        "store_bytes": stats["responses_bytes"],
+        "file_bytes": file_bytes,
+        "first10_us": statistics.mean(times[:10]),
+        "last10_us": statistics.mean(times[-10:]),
+        "put_first10_us": statistics.mean(puts[:10]),
+        "put_last10_us": statistics.mean(puts[-10:]),
+    }
 
 
 def redis_chain_bench(turns: int = 50, text_bytes: int = 1024) -> dict:
@@ -132,21 +170,42 @@ def redis_chain_bench(turns: int = 50, text_bytes: int = 1024) -> dict:
         used0 = int(client.info("memory")["used_memory"])
 
         async def run() -> tuple[list[float], int]:
-            st = RedisState(parse_redis_url(server.url), None, "bench", replica_id="bench", advertise_upstream="http://x",
-                            max_bytes=1 << 40, tenant_max_bytes=1 << 40)
+            st = RedisState(
+                parse_redis_url(server.url),
+                None,
+                "bench",
+                replica_id="bench",
+                advertise_upstream="http://x",
+                max_bytes=1 << 40,
+                tenant_max_bytes=1 << 40,
+            )
             store = RedisResponseStore(st)
             tenant, prev, times, whole = "0123456789abcdef", None, [], 0
             for i in range(turns):
                 t0 = time.perf_counter()
                 history = (await store.get_previous(tenant, prev))["messages"] if prev else []
                 rid = f"resp_{i:08d}"
-                record = {"id": rid, "tenant": tenant, "created_at": time.time(), "previous_response_id": prev,
-                          "route": "L2", "messages": [*history, {"role": "user", "content": f"{i} {word}"},
-                                                      {"role": "assistant", "content": f"{i} {word}"}],
-                          "input_items": [{"type": "message", "role": "user",
-                                           "content": [{"type": "input_text", "text": f"{i} {word}"}]}],
-                          "response": {"id": rid, "object": "response", "status": "completed", "output": [
-                              {"type": "message", "content": [{"type": "output_text", "text": f"{i} {word}"}]}]}}
+                record = {
+                    "id": rid,
+                    "tenant": tenant,
+                    "created_at": time.time(),
+                    "previous_response_id": prev,
+                    "route": "L2",
+                    "messages": [
+                        *history,
+                        {"role": "user", "content": f"{i} {word}"},
+                        {"role": "assistant", "content": f"{i} {word}"},
+                    ],
+                    "input_items": [
+                        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": f"{i} {word}"}]}
+                    ],
+                    "response": {
+                        "id": rid,
+                        "object": "response",
+                        "status": "completed",
+                        "output": [{"type": "message", "content": [{"type": "output_text", "text": f"{i} {word}"}]}],
+                    },
+                }
                 await store.put_response(record)
                 times.append((time.perf_counter() - t0) * 1e6)
                 whole += len(json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode())
@@ -159,8 +218,14 @@ def redis_chain_bench(turns: int = 50, text_bytes: int = 1024) -> dict:
         stored = int(client.hget("molctl:{bench}:stats", "r_bytes"))
         used = int(client.info("memory")["used_memory"]) - used0
         client.close()
-    return {"turns": turns, "store_bytes": stored, "used_memory": used, "format2_bytes": whole,
-            "first10_us": statistics.mean(times[:10]), "last10_us": statistics.mean(times[-10:])}
+    return {
+        "turns": turns,
+        "store_bytes": stored,
+        "used_memory": used,
+        "format2_bytes": whole,
+        "first10_us": statistics.mean(times[:10]),
+        "last10_us": statistics.mean(times[-10:]),
+    }
 
 
 def proxy_bench(requests: int = 400) -> list[dict] | None:
@@ -180,19 +245,37 @@ def proxy_bench(requests: int = 400) -> list[dict] | None:
     engine_port = free_port()
     engine = f"http://127.0.0.1:{engine_port}"
     specs = ("memory", "sqlite")
-    with tempfile.TemporaryDirectory() as state, running(fake_engine_argv(engine_port), engine + "/health"), \
-            contextlib.ExitStack() as stack, httpx.Client(timeout=30) as client:
+    with (
+        tempfile.TemporaryDirectory() as state,
+        running(fake_engine_argv(engine_port), engine + "/health"),
+        contextlib.ExitStack() as stack,
+        httpx.Client(timeout=30) as client,
+    ):
         urls = {}
         for spec in specs:  # both proxies at once, their requests interleaved: the same noise for both
             port = free_port()
-            argv = [sys.executable, "-m", "molctl", "--state-dir", state, "proxy", "tiny", "--upstream", engine,
-                    "--port", str(port), "--allow-unauthenticated", "--store", spec]
+            argv = [
+                sys.executable,
+                "-m",
+                "molctl",
+                "--state-dir",
+                state,
+                "proxy",
+                "tiny",
+                "--upstream",
+                engine,
+                "--port",
+                str(port),
+                "--allow-unauthenticated",
+                "--store",
+                spec,
+            ]
             stack.enter_context(running(argv, f"http://127.0.0.1:{port}/health"))
             urls[spec] = f"http://127.0.0.1:{port}/v1/responses"
         prev: dict[str, str | None] = dict.fromkeys(specs)
         times: dict[str, list[float]] = {spec: [] for spec in specs}
         for i in range(requests + 20):
-            for spec in (specs if i % 2 else specs[::-1]):
+            for spec in specs if i % 2 else specs[::-1]:
                 body = {"model": "Macaron-Tiny-Demo", "input": f"turn {i}", "max_output_tokens": 8}
                 if prev[spec] and i % 10:  # chains of 10 turns
                     body["previous_response_id"] = prev[spec]
@@ -203,30 +286,40 @@ def proxy_bench(requests: int = 400) -> list[dict] | None:
                 prev[spec] = r.json()["id"]
                 if i >= 20:  # warm-up excluded
                     times[spec].append(dt)
-    return [{"store": spec, "p50_ms": statistics.median(times[spec]), "p99_ms": pct(times[spec], 0.99)} for spec in specs]
+    return [
+        {"store": spec, "p50_ms": statistics.median(times[spec]), "p99_ms": pct(times[spec], 0.99)} for spec in specs
+    ]
 
 
 def main() -> None:
     rows = [] if "--chain" in sys.argv else store_bench()  # --chain: the chain figures only
     if rows:
         print(f"response store, per request (get previous + put new), {PREFILL} records prefilled:")
-        print(f"{'record':>8} {'memory p50':>11} {'p99':>8} {'sqlite p50':>11} {'p99':>8} {'get p50':>8} {'added p50':>10}  target")
+        print(
+            f"{'record':>8} {'memory p50':>11} {'p99':>8} {'sqlite p50':>11} {'p99':>8} {'get p50':>8} {'added p50':>10}  target"
+        )
     for r in rows:
         ok = "ok" if r["added_p50_us"] <= TARGET_US else "OVER"
-        print(f"{r['record']:>8} {r['memory_p50_us']:>9.1f}us {r['memory_p99_us']:>6.0f}us {r['sqlite_p50_us']:>9.1f}us "
-              f"{r['sqlite_p99_us']:>6.0f}us {r['sqlite_get_p50_us']:>6.1f}us {r['added_p50_us']:>8.1f}us  <= {TARGET_US:.0f}us {ok}")
+        print(
+            f"{r['record']:>8} {r['memory_p50_us']:>9.1f}us {r['memory_p99_us']:>6.0f}us {r['sqlite_p50_us']:>9.1f}us "
+            f"{r['sqlite_p99_us']:>6.0f}us {r['sqlite_get_p50_us']:>6.1f}us {r['added_p50_us']:>8.1f}us  <= {TARGET_US:.0f}us {ok}"
+        )
     chains = [chain_bench(n) for n in (50, 200)]
     print("one chain of N turns (1 KiB user message + 1 KiB answer a turn), SQLite:")
     for c in chains:
-        print(f"  {c['turns']:>4} turns: store bytes {c['store_bytes']:>10,}  file {c['file_bytes']:>10,}  "
-              f"get+put first 10 {c['first10_us']:>6.0f} us, last 10 {c['last10_us']:>6.0f} us; "
-              f"put alone {c['put_first10_us']:>5.0f} / {c['put_last10_us']:>5.0f} us")
+        print(
+            f"  {c['turns']:>4} turns: store bytes {c['store_bytes']:>10,}  file {c['file_bytes']:>10,}  "
+            f"get+put first 10 {c['first10_us']:>6.0f} us, last 10 {c['last10_us']:>6.0f} us; "
+            f"put alone {c['put_first10_us']:>5.0f} / {c['put_last10_us']:>5.0f} us"
+        )
     if "--redis" in sys.argv:
         print("the same chain on Redis (key format 3; format 2 held every record's whole conversation):")
         for c in (redis_chain_bench(n) for n in (50, 200)):
-            print(f"  {c['turns']:>4} turns: store bytes {c['store_bytes']:>10,}  used_memory +{c['used_memory']:>10,}  "
-                  f"format 2 {c['format2_bytes']:>12,}  get+put first 10 {c['first10_us']:>6.0f} us, "
-                  f"last 10 {c['last10_us']:>6.0f} us")
+            print(
+                f"  {c['turns']:>4} turns: store bytes {c['store_bytes']:>10,}  used_memory +{c['used_memory']:>10,}  "
+                f"format 2 {c['format2_bytes']:>12,}  get+put first 10 {c['first10_us']:>6.0f} us, "
+                f"last 10 {c['last10_us']:>6.0f} us"
+            )
     if "--chain" in sys.argv:
         return
     e2e = proxy_bench()

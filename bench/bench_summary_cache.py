@@ -42,17 +42,32 @@ from molctl.proxy.conversations import MemoryStore  # noqa: E402
 from molctl.proxy.engine_client import EngineClient  # noqa: E402
 from molctl.proxy.orchestrator import Orchestrator, SummaryJob  # noqa: E402
 
-WORDS = ("the user asked to fix the failing test in the repository then run the benchmarks again with "
-         "new settings and report which numbers changed since the last release of the service").split()
-TOOLS = [{"type": "function", "function": {
-    "name": "run", "description": "Run a shell command in the repository and return its output.",
-    "parameters": {"type": "object", "properties": {"command": {"type": "string", "description": "the command"}},
-                   "required": ["command"]}}},
-    {"type": "function", "function": {
-        "name": "read_file", "description": "Read a file of the repository.",
-        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}]
-
-
+WORDS = (
+    "the user asked to fix the failing test in the repository then run the benchmarks again with "
+    "new settings and report which numbers changed since the last release of the service"
+).split()
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "run",
+            "description": "Run a shell command in the repository and return its output.",
+            "parameters": {
+                "type": "object",
+                "properties": {"command": {"type": "string", "description": "the command"}},
+                "required": ["command"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "read_file",
+            "description": "Read a file of the repository.",
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
+        },
+    },
+]
 
 
 def prose(rng: random.Random, words: int) -> str:
@@ -73,9 +88,20 @@ def conversation(case: str, rng: random.Random, words: int) -> dict:
         body["tools"] = TOOLS
     if case == "tools + tool calls + reasoning":
         for i in range(2):
-            msgs.append({"role": "assistant", "content": "", "reasoning_content": "I should look: " + prose(rng, 40),
-                         "tool_calls": [{"id": f"call_{i}", "type": "function",
-                                         "function": {"name": "run", "arguments": json.dumps({"command": f"make test {i}"})}}]})
+            msgs.append(
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "reasoning_content": "I should look: " + prose(rng, 40),
+                    "tool_calls": [
+                        {
+                            "id": f"call_{i}",
+                            "type": "function",
+                            "function": {"name": "run", "arguments": json.dumps({"command": f"make test {i}"})},
+                        }
+                    ],
+                }
+            )
             msgs.append({"role": "tool", "tool_call_id": f"call_{i}", "content": prose(rng, 60)})
         body["stream"] = True
     return body
@@ -123,8 +149,16 @@ async def measure(url: str, profile, words: int, answer_tokens: int) -> list[dic
                 body = conversation(case, rng, words)
                 body["max_tokens"] = answer_tokens
                 prompt, cached, how = await one(orch, client, body, mode, f"{case}-{mode}")
-                rows.append({"case": case, "mode": mode, "summary_prompt_tokens": prompt, "cached_tokens": cached,
-                             "share": cached / prompt if prompt else 0.0, "sent_as": how})
+                rows.append(
+                    {
+                        "case": case,
+                        "mode": mode,
+                        "summary_prompt_tokens": prompt,
+                        "cached_tokens": cached,
+                        "share": cached / prompt if prompt else 0.0,
+                        "sent_as": how,
+                    }
+                )
     finally:
         await client.close()
     return rows
@@ -140,8 +174,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-summary-cache-") as tmp:
         model = Path(tmp) / "model"
         subprocess.run([sys.executable, "-m", "molctl", "demo", "init", str(model)], check=True, capture_output=True)
-        proc, url, profile = start_vllm(model, Path(tmp) / "vllm.log", [("engine.args.max-model-len", args.window),
-                                                                       ("engine.env.VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")])
+        proc, url, profile = start_vllm(
+            model,
+            Path(tmp) / "vllm.log",
+            [("engine.args.max-model-len", args.window), ("engine.env.VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")],
+        )
         try:
             # the tiny tokenizer: about 3 tokens per word of this text
             rows = asyncio.run(measure(url, profile, args.tokens // 3, args.answer_tokens))
@@ -150,12 +187,16 @@ def main() -> None:
     if args.json:
         print(json.dumps(rows, indent=1))
         return
-    print(f"summary hop prompt tokens served from the prefix cache (vLLM CPU, tiny, window {args.window}, "
-          f"~{args.tokens} tokens of history, answer <= {args.answer_tokens} tokens)")
+    print(
+        f"summary hop prompt tokens served from the prefix cache (vLLM CPU, tiny, window {args.window}, "
+        f"~{args.tokens} tokens of history, answer <= {args.answer_tokens} tokens)"
+    )
     print(f"{'case':32} {'mode':7} {'prompt':>7} {'cached':>7} {'share':>7}  sent as")
     for r in rows:
-        print(f"{r['case']:32} {r['mode']:7} {r['summary_prompt_tokens']:7d} {r['cached_tokens']:7d} "
-              f"{100 * r['share']:6.1f}%  {r['sent_as']}")
+        print(
+            f"{r['case']:32} {r['mode']:7} {r['summary_prompt_tokens']:7d} {r['cached_tokens']:7d} "
+            f"{100 * r['share']:6.1f}%  {r['sent_as']}"
+        )
 
 
 if __name__ == "__main__":

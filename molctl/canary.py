@@ -82,8 +82,7 @@ def sample(client: httpx.Client, url: str, engine, profile: Profile, route: str 
     body = engine.canary_request(profile, route, PROMPT, MAX_TOKENS, TOP_LOGPROBS, SEED)
     t0 = time.perf_counter()
     try:
-        r = client.post(url + engine.canary_path, json=body, headers={"X-MoL-Hop": "canary"},
-                        timeout=REQUEST_TIMEOUT_S)
+        r = client.post(url + engine.canary_path, json=body, headers={"X-MoL-Hop": "canary"}, timeout=REQUEST_TIMEOUT_S)
     except httpx.HTTPError as exc:
         raise CanaryError(f"the canary request to {who} failed: {type(exc).__name__}") from None
     seconds = time.perf_counter() - t0
@@ -120,16 +119,28 @@ def same(a: Sample, b: Sample, tolerance: float = TOLERANCE) -> tuple[bool, floa
     return match and diff <= tolerance, diff
 
 
-def run(profile: Profile, engine, url: str, client: httpx.Client | None = None,
-        log: Callable[[str], None] | None = None) -> dict[str, Any]:
+def run(
+    profile: Profile, engine, url: str, client: httpx.Client | None = None, log: Callable[[str], None] | None = None
+) -> dict[str, Any]:
     """The canary against the engine at `url`; never raises for the engine's answers (a failed
     request is status "error" with its line in `problems`)."""
     own = client is None
     client = client or httpx.Client(trust_env=False)
     t0 = time.perf_counter()
-    result: dict[str, Any] = {"status": "pass", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "top_logprobs": TOP_LOGPROBS,
-                              "tolerance": TOLERANCE, "checked_at": _now(), "base": None, "adapters": {},
-                              "no_effect": [], "identical": [], "problems": [], "warnings": []}
+    result: dict[str, Any] = {
+        "status": "pass",
+        "prompt": PROMPT,
+        "max_tokens": MAX_TOKENS,
+        "top_logprobs": TOP_LOGPROBS,
+        "tolerance": TOLERANCE,
+        "checked_at": _now(),
+        "base": None,
+        "adapters": {},
+        "no_effect": [],
+        "identical": [],
+        "problems": [],
+        "warnings": [],
+    }
     samples: dict[str, Sample] = {}
     try:
         try:
@@ -147,25 +158,32 @@ def run(profile: Profile, engine, url: str, client: httpx.Client | None = None,
             samples[route] = s
             match, diff = difference(s, base)
             effect = not (match and diff <= TOLERANCE)
-            result["adapters"][route] = {"effect": effect, "tokens_match": match, "max_logprob_diff": round(diff, 6),
-                                         "tokens": s.tokens, "seconds": round(s.seconds, 4)}
+            result["adapters"][route] = {
+                "effect": effect,
+                "tokens_match": match,
+                "max_logprob_diff": round(diff, 6),
+                "tokens": s.tokens,
+                "seconds": round(s.seconds, 4),
+            }
             if not effect:
                 result["no_effect"].append(route)
                 result["problems"].append(
                     f"adapter {route} has no effect: its {len(s.tokens)} greedy tokens and their top-{TOP_LOGPROBS} "
                     f"logprobs on the canary prompt match the base model's within {TOLERANCE:g} (largest "
                     f"difference {diff:.2g}); check its target modules against the engine's LoRA targets "
-                    f"(--lora-target-modules) and that its lora_B weights are not zero")
+                    f"(--lora-target-modules) and that its lora_B weights are not zero"
+                )
         routes = [r for r in ROUTES if r in samples and r not in result["no_effect"]]
         for i, a in enumerate(routes):
-            for b in routes[i + 1:]:
+            for b in routes[i + 1 :]:
                 twin, diff = same(samples[a], samples[b])
                 if twin:
                     result["identical"].append([a, b])
                     result["warnings"].append(
                         f"adapters {a} and {b} answer the canary prompt identically (tokens and top-{TOP_LOGPROBS} "
                         f"logprobs within {TOLERANCE:g}, largest difference {diff:.2g}): the same adapter under "
-                        "two names?")
+                        "two names?"
+                    )
         if result["no_effect"]:
             result["status"] = "fail"
         elif result["status"] == "pass" and result["warnings"]:
@@ -195,8 +213,10 @@ def summary_line(result: dict[str, Any]) -> str:
     took = f" in {result['seconds']:.2f} s" if isinstance(result.get("seconds"), (int, float)) else ""
     if status in ("fail", "error"):
         return f"adapter efficacy canary {status}{took}: " + "; ".join(result.get("problems") or ["?"])
-    diffs = ", ".join(f"{r} " + ("tokens differ" if not a["tokens_match"] else f"max |dlogprob| {a['max_logprob_diff']:.2g}")
-                      for r, a in (result.get("adapters") or {}).items())
+    diffs = ", ".join(
+        f"{r} " + ("tokens differ" if not a["tokens_match"] else f"max |dlogprob| {a['max_logprob_diff']:.2g}")
+        for r, a in (result.get("adapters") or {}).items()
+    )
     line = f"adapter efficacy canary {status}{took}: every adapter changes the base's output ({diffs})"
     if result.get("warnings"):
         line += "; " + "; ".join(result["warnings"])
@@ -205,13 +225,28 @@ def summary_line(result: dict[str, Any]) -> str:
 
 def brief(result: dict[str, Any]) -> dict[str, Any]:
     """What `status --json` shows of a recorded result: without the tokens themselves."""
-    out = {k: result[k] for k in ("status", "reason", "checked_at", "seconds", "tolerance", "no_effect", "identical",
-                                  "warnings", "problems") if k in result}
+    out = {
+        k: result[k]
+        for k in (
+            "status",
+            "reason",
+            "checked_at",
+            "seconds",
+            "tolerance",
+            "no_effect",
+            "identical",
+            "warnings",
+            "problems",
+        )
+        if k in result
+    }
     if result.get("base"):
         out["base_s"] = result["base"].get("seconds")
     if result.get("adapters"):
-        out["adapters"] = {r: {k: a.get(k) for k in ("effect", "tokens_match", "max_logprob_diff", "seconds")}
-                           for r, a in result["adapters"].items()}
+        out["adapters"] = {
+            r: {k: a.get(k) for k in ("effect", "tokens_match", "max_logprob_diff", "seconds")}
+            for r, a in result["adapters"].items()
+        }
     return out
 
 

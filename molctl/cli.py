@@ -27,7 +27,7 @@ EXIT_CODES_HELP = (
 app = typer.Typer(
     name="molctl",
     help="Operate a self-hosted Mixture-of-LoRA stack (engine + MoL proxy): check, start, stop, switch, inspect. "
-         "Contract (commands, exit codes, JSON shapes): docs/contract.md.",
+    "Contract (commands, exit codes, JSON shapes): docs/contract.md.",
     epilog=EXIT_CODES_HELP,
     no_args_is_help=True,
     add_completion=True,
@@ -61,13 +61,21 @@ def _version(value: bool) -> None:
 @app.callback()
 def _global(
     ctx: typer.Context,
-    state_dir: Optional[str] = typer.Option(None, "--state-dir", envvar="MOLCTL_STATE_DIR",
-                                             help="State dir (records, logs, lock). "
-                                                  "Default: $XDG_STATE_HOME/molctl or ~/.local/state/molctl."),
-    profiles_dir: List[Path] = typer.Option([], "--profiles-dir", metavar="DIR",
-                                            help="Extra profile folder, searched after the built-in one and "
-                                                 "MOLCTL_PROFILES_DIR (repeatable)."),
-    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
+    state_dir: Optional[str] = typer.Option(
+        None,
+        "--state-dir",
+        envvar="MOLCTL_STATE_DIR",
+        help="State dir (records, logs, lock). Default: $XDG_STATE_HOME/molctl or ~/.local/state/molctl.",
+    ),
+    profiles_dir: List[Path] = typer.Option(
+        [],
+        "--profiles-dir",
+        metavar="DIR",
+        help="Extra profile folder, searched after the built-in one and MOLCTL_PROFILES_DIR (repeatable).",
+    ),
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
 ) -> None:
     if state_dir is not None and not state_dir.strip():
         # `--state-dir "$UNSET"` was the current directory: up wrote its lock, records and logs there
@@ -114,13 +122,22 @@ def handle_errors(fn: Callable) -> Callable:
 
 
 JSON_OPT = typer.Option(False, "--json", help="Print the machine-readable result (the shapes are in docs/contract.md).")
-SET_OPT = typer.Option([], "--set", metavar="KEY=VALUE",
-                       help="Override a profile field before validation, e.g. engine.port=9000 (repeatable).")
-MODEL_ROOT_OPT = typer.Option(None, "--model-root",
-                              help="Use this model root (base/ and loras/L0..L3) instead of the profile's model_root.")
-SKIP_OPT = typer.Option([], "--skip", metavar="CATEGORY",
-                        help="Skip a check category: engine, gpu, model, adapter, template, port, state, security, "
-                             "adapter-effect (the adapter efficacy canary) (repeatable).")
+SET_OPT = typer.Option(
+    [],
+    "--set",
+    metavar="KEY=VALUE",
+    help="Override a profile field before validation, e.g. engine.port=9000 (repeatable).",
+)
+MODEL_ROOT_OPT = typer.Option(
+    None, "--model-root", help="Use this model root (base/ and loras/L0..L3) instead of the profile's model_root."
+)
+SKIP_OPT = typer.Option(
+    [],
+    "--skip",
+    metavar="CATEGORY",
+    help="Skip a check category: engine, gpu, model, adapter, template, port, state, security, "
+    "adapter-effect (the adapter efficacy canary) (repeatable).",
+)
 
 
 def overrides_from(model_root: Optional[Path], sets: List[str]) -> list[tuple[str, object]]:
@@ -149,11 +166,20 @@ def profiles_cmd(ctx: typer.Context, json_: bool = JSON_OPT) -> None:
         raise typer.Exit(int(ExitStatus.CHECK_FAILED))
 
 
-VERIFY_OPT = typer.Option(False, "--verify", help="Also compare the host with a `molctl lock` manifest (the `lock` check category).")
-MANIFEST_OPT = typer.Option(None, "--manifest", metavar="PATH",
-                            help="The manifest for --verify (implies it; default: the profile's newest in STATE/PROFILE/manifests).")
-FULL_HASH_OPT = typer.Option(False, "--full-hash", help="With --verify (implies it): read every pinned file and compare its SHA-256, "
-                                                        "not only sizes and mtimes.")
+VERIFY_OPT = typer.Option(
+    False, "--verify", help="Also compare the host with a `molctl lock` manifest (the `lock` check category)."
+)
+MANIFEST_OPT = typer.Option(
+    None,
+    "--manifest",
+    metavar="PATH",
+    help="The manifest for --verify (implies it; default: the profile's newest in STATE/PROFILE/manifests).",
+)
+FULL_HASH_OPT = typer.Option(
+    False,
+    "--full-hash",
+    help="With --verify (implies it): read every pinned file and compare its SHA-256, not only sizes and mtimes.",
+)
 
 
 def _verify_options(verify: bool, manifest: Optional[Path], full_hash: bool):
@@ -172,10 +198,20 @@ def lock_cmd(
     profile: str = typer.Argument(..., help="Profile to pin (see `molctl profiles`)."),
     model_root: Optional[Path] = MODEL_ROOT_OPT,
     set_: List[str] = SET_OPT,
-    jobs: Optional[int] = typer.Option(None, "--jobs", "-j", min=1,
-                                       help="Files hashed in parallel (default: the cores, at most 8; at most 2 on a rotational disk)."),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", metavar="PATH",
-                                          help="Where to write the manifest (default: STATE/PROFILE/manifests/lock-<UTC time>.json)."),
+    jobs: Optional[int] = typer.Option(
+        None,
+        "--jobs",
+        "-j",
+        min=1,
+        help="Files hashed in parallel (default: the cores, at most 8; at most 2 on a rotational disk).",
+    ),
+    output: Optional[Path] = typer.Option(
+        None,
+        "--output",
+        "-o",
+        metavar="PATH",
+        help="Where to write the manifest (default: STATE/PROFILE/manifests/lock-<UTC time>.json).",
+    ),
     json_: bool = JSON_OPT,
 ) -> None:
     """Pin what PROFILE would run: engine version and fingerprint, argv, env, base and adapter files (SHA-256), capacity flags."""
@@ -200,13 +236,20 @@ def check_cmd(
     model_root: Optional[Path] = MODEL_ROOT_OPT,
     set_: List[str] = SET_OPT,
     skip: List[str] = SKIP_OPT,
-    api_key_file: Optional[Path] = typer.Option(None, "--api-key-file", envvar="MOLCTL_API_KEY_FILE",
-                                                help="Also check this proxy API key file (mode 0600, one key per line)."),
+    api_key_file: Optional[Path] = typer.Option(
+        None,
+        "--api-key-file",
+        envvar="MOLCTL_API_KEY_FILE",
+        help="Also check this proxy API key file (mode 0600, one key per line).",
+    ),
     verify: bool = VERIFY_OPT,
     manifest: Optional[Path] = MANIFEST_OPT,
     full_hash: bool = FULL_HASH_OPT,
-    live: bool = typer.Option(False, "--live", help="Also run the adapter efficacy canary against the profile's "
-                                                    "running engine (the adapter-effect category)."),
+    live: bool = typer.Option(
+        False,
+        "--live",
+        help="Also run the adapter efficacy canary against the profile's running engine (the adapter-effect category).",
+    ),
     json_: bool = JSON_OPT,
 ) -> None:
     """Validate the host, the model files and the engine before a long load. Exit 3 on any failure."""
@@ -222,9 +265,15 @@ def check_cmd(
         raise typer.Exit(int(ExitStatus.CHECK_FAILED))
 
 
-KEY_FILE_OPT = typer.Option(None, "--api-key-file", envvar="MOLCTL_API_KEY_FILE",
-                            help="Proxy API keys, one per line (mode 0600). Or set MOLCTL_API_KEY.")
+KEY_FILE_OPT = typer.Option(
+    None,
+    "--api-key-file",
+    envvar="MOLCTL_API_KEY_FILE",
+    help="Proxy API keys, one per line (mode 0600). Or set MOLCTL_API_KEY.",
+)
 UNAUTH_OPT = typer.Option(False, "--allow-unauthenticated", help="Run the proxy without an API key.")
+
+
 def _positive(value: Optional[float]) -> Optional[float]:
     if value is not None and not (value > 0 and math.isfinite(value)):
         raise typer.BadParameter(f"{value:g}: expected a number of seconds > 0")
@@ -238,21 +287,48 @@ def _not_negative(value: Optional[float]) -> Optional[float]:
     return value
 
 
-TIMEOUT_OPT = typer.Option(None, "--timeout", callback=_positive,
-                           help="Seconds to wait for the engine (> 0; default: engine.start_timeout_s).")
-DRAIN_OPT = typer.Option(600.0, "--drain-timeout", callback=_not_negative,
-                         help="Seconds the proxy may take to finish in-flight requests on stop.")
-STOP_OPT = typer.Option(60.0, "--stop-timeout", callback=_not_negative,
-                        help="Seconds the engine may take after SIGTERM before SIGKILL (when a running stack is stopped).")
+TIMEOUT_OPT = typer.Option(
+    None, "--timeout", callback=_positive, help="Seconds to wait for the engine (> 0; default: engine.start_timeout_s)."
+)
+DRAIN_OPT = typer.Option(
+    600.0,
+    "--drain-timeout",
+    callback=_not_negative,
+    help="Seconds the proxy may take to finish in-flight requests on stop.",
+)
+STOP_OPT = typer.Option(
+    60.0,
+    "--stop-timeout",
+    callback=_not_negative,
+    help="Seconds the engine may take after SIGTERM before SIGKILL (when a running stack is stopped).",
+)
 
 
-def _up_options(ctx, model_root, set_, skip, timeout, api_key_file, allow_unauthenticated, drain_timeout,
-                stop_timeout=60.0, restart=False):
+def _up_options(
+    ctx,
+    model_root,
+    set_,
+    skip,
+    timeout,
+    api_key_file,
+    allow_unauthenticated,
+    drain_timeout,
+    stop_timeout=60.0,
+    restart=False,
+):
     from molctl.start import UpOptions
 
-    return UpOptions(overrides=overrides_from(model_root, set_), skip=skip, timeout_s=timeout, api_key_file=api_key_file,
-                     allow_unauthenticated=allow_unauthenticated, drain_timeout_s=drain_timeout,
-                     profiles_dirs=list(ctx.obj.profiles_dirs), stop_timeout_s=stop_timeout, restart=restart)
+    return UpOptions(
+        overrides=overrides_from(model_root, set_),
+        skip=skip,
+        timeout_s=timeout,
+        api_key_file=api_key_file,
+        allow_unauthenticated=allow_unauthenticated,
+        drain_timeout_s=drain_timeout,
+        profiles_dirs=list(ctx.obj.profiles_dirs),
+        stop_timeout_s=stop_timeout,
+        restart=restart,
+    )
 
 
 def _run_start(profile: str, json_: bool, call) -> None:
@@ -292,10 +368,16 @@ def up_cmd(
     allow_unauthenticated: bool = UNAUTH_OPT,
     drain_timeout: float = DRAIN_OPT,
     stop_timeout: float = STOP_OPT,
-    restart: bool = typer.Option(False, "--restart", help="Stop this profile's running stack first (drain, then stop), "
-                                                          "e.g. to run it with another configuration."),
-    verify: bool = typer.Option(False, "--verify", help="Refuse to start unless the host matches a `molctl lock` manifest "
-                                                        "(the `lock` category in the preflight)."),
+    restart: bool = typer.Option(
+        False,
+        "--restart",
+        help="Stop this profile's running stack first (drain, then stop), e.g. to run it with another configuration.",
+    ),
+    verify: bool = typer.Option(
+        False,
+        "--verify",
+        help="Refuse to start unless the host matches a `molctl lock` manifest (the `lock` category in the preflight).",
+    ),
     manifest: Optional[Path] = MANIFEST_OPT,
     full_hash: bool = FULL_HASH_OPT,
     json_: bool = JSON_OPT,
@@ -303,8 +385,9 @@ def up_cmd(
     """Check, start the engine, wait until it really serves L0-L3, start the proxy. Idempotent."""
     from molctl.start import up
 
-    opts = _up_options(ctx, model_root, set_, skip, timeout, api_key_file, allow_unauthenticated, drain_timeout,
-                       stop_timeout, restart)
+    opts = _up_options(
+        ctx, model_root, set_, skip, timeout, api_key_file, allow_unauthenticated, drain_timeout, stop_timeout, restart
+    )
     opts.verify = _verify_options(verify, manifest, full_hash)
     _run_start(profile, json_, lambda progress: up(profile, ctx.obj, opts, progress))
 
@@ -327,8 +410,9 @@ def switch_cmd(
     """Drain and stop whatever stack runs, then `up PROFILE`. A failing preflight stops nothing."""
     from molctl.start import switch
 
-    opts = _up_options(ctx, model_root, set_, skip, timeout, api_key_file, allow_unauthenticated, drain_timeout,
-                       stop_timeout)
+    opts = _up_options(
+        ctx, model_root, set_, skip, timeout, api_key_file, allow_unauthenticated, drain_timeout, stop_timeout
+    )
     _run_start(profile, json_, lambda progress: switch(profile, ctx.obj, opts, progress))
 
 
@@ -339,8 +423,12 @@ def down_cmd(
     profile: Optional[str] = typer.Argument(None, help="Profile to stop (default: every recorded stack)."),
     drain_timeout: float = DRAIN_OPT,
     stop_timeout: float = STOP_OPT,
-    force: bool = typer.Option(False, "--force", help="Remove records even when processes could not be verified gone; "
-                                                      "stop the processes an unreadable record's marker names."),
+    force: bool = typer.Option(
+        False,
+        "--force",
+        help="Remove records even when processes could not be verified gone; "
+        "stop the processes an unreadable record's marker names.",
+    ),
     json_: bool = JSON_OPT,
 ) -> None:
     """Proxy first (drain), then the engine group (SIGTERM, then SIGKILL); verify nothing survives."""
@@ -385,8 +473,10 @@ def reload_cmd(
     if json_:
         Output(as_json=True).json(result)  # indent 2, as every --json (docs/contract.md, section 3)
     else:
-        typer.echo(f"{profile}: sent SIGHUP to the proxy (pid {result['pid']}); it re-reads its key file "
-                   f"(molctl logs {profile} --component proxy shows the outcome)")
+        typer.echo(
+            f"{profile}: sent SIGHUP to the proxy (pid {result['pid']}); it re-reads its key file "
+            f"(molctl logs {profile} --component proxy shows the outcome)"
+        )
 
 
 @app.command("logs")
@@ -395,8 +485,12 @@ def logs_cmd(
     ctx: typer.Context,
     profile: Optional[str] = typer.Argument(None, help="Profile (default: the running stack, else the newest logs)."),
     component: Optional[str] = typer.Option(None, "--component", help="engine or proxy (default: both)."),
-    follow: bool = typer.Option(False, "-f", "--follow", help="Keep printing new lines, across restarts and rotations."),
-    lines: int = typer.Option(50, "-n", "--lines", help="Lines to print from the end of each log (0: none, e.g. with -f)."),
+    follow: bool = typer.Option(
+        False, "-f", "--follow", help="Keep printing new lines, across restarts and rotations."
+    ),
+    lines: int = typer.Option(
+        50, "-n", "--lines", help="Lines to print from the end of each log (0: none, e.g. with -f)."
+    ),
 ) -> None:
     """The last lines of the newest log of each component, prefixed; -f follows them."""
     from molctl.logs import show_logs
@@ -420,8 +514,9 @@ def _drop_stdout() -> None:
     os.close(devnull)
 
 
-demo_app = typer.Typer(help="The tiny demo model: a whole MoL stack on any machine, no GPU, no download.",
-                       no_args_is_help=True)
+demo_app = typer.Typer(
+    help="The tiny demo model: a whole MoL stack on any machine, no GPU, no download.", no_args_is_help=True
+)
 app.add_typer(demo_app, name="demo")
 
 
@@ -429,16 +524,27 @@ app.add_typer(demo_app, name="demo")
 @handle_errors
 def demo_init_cmd(
     ctx: typer.Context,
-    directory: Optional[Path] = typer.Argument(None, help="Where to write it (default: the tiny profile's model_root)."),
+    directory: Optional[Path] = typer.Argument(
+        None, help="Where to write it (default: the tiny profile's model_root)."
+    ),
     seed: int = typer.Option(0, "--seed", help="Random seed (the output is deterministic per seed)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing non-empty directory."),
-    if_missing: bool = typer.Option(False, "--if-missing", help="Do nothing when a complete tiny model is already there."),
-    template: str = typer.Option("qwen3.6", "--template",
-                                 help="Chat template rules: qwen3.6 (the Tall base's family; profile tiny) or glm5 (Venti's)."),
-    no_effect: List[str] = typer.Option([], "--no-effect", metavar="ROUTE=KIND",
-                                        help="Write adapter ROUTE with no effect, for the efficacy canary: zero-b (zero "
-                                             "lora_B) or off-target (o_proj only: no effect under --lora-target-modules "
-                                             "q_proj v_proj) (repeatable)."),
+    if_missing: bool = typer.Option(
+        False, "--if-missing", help="Do nothing when a complete tiny model is already there."
+    ),
+    template: str = typer.Option(
+        "qwen3.6",
+        "--template",
+        help="Chat template rules: qwen3.6 (the Tall base's family; profile tiny) or glm5 (Venti's).",
+    ),
+    no_effect: List[str] = typer.Option(
+        [],
+        "--no-effect",
+        metavar="ROUTE=KIND",
+        help="Write adapter ROUTE with no effect, for the efficacy canary: zero-b (zero "
+        "lora_B) or off-target (o_proj only: no effect under --lora-target-modules "
+        "q_proj v_proj) (repeatable).",
+    ),
     json_: bool = JSON_OPT,
 ) -> None:
     """Generate the tiny base model (tokenizer, config, chat template, 2 safetensors shards) and LoRA adapters L0-L3."""
@@ -453,8 +559,9 @@ def demo_init_cmd(
         raise UsageError(f"--seed {seed}: expected 0 or more")
     out = Output(as_json=json_)
     root = directory or load_profile("tiny", ctx.obj.dirs()).model_root
-    result = init_tiny(root, seed=seed, force=force, if_missing=if_missing, template=template,
-                       no_effect=parse_no_effect(no_effect))
+    result = init_tiny(
+        root, seed=seed, force=force, if_missing=if_missing, template=template, no_effect=parse_no_effect(no_effect)
+    )
     out.demo_init(result, template, seed)
 
 
@@ -510,32 +617,60 @@ def proxy_cmd(
     upstream: str = typer.Option(..., "--upstream", help="Engine base URL, e.g. http://127.0.0.1:8000."),
     host: str = typer.Option("127.0.0.1", "--host", help="Listen address (loopback unless told otherwise)."),
     port: Optional[int] = typer.Option(None, "--port", help="Listen port (default: the profile's proxy.port)."),
-    api_key_file: Optional[Path] = typer.Option(None, "--api-key-file", envvar="MOLCTL_API_KEY_FILE",
-                                                help="File with the accepted API keys, one per line."),
+    api_key_file: Optional[Path] = typer.Option(
+        None, "--api-key-file", envvar="MOLCTL_API_KEY_FILE", help="File with the accepted API keys, one per line."
+    ),
     allow_unauthenticated: bool = typer.Option(False, "--allow-unauthenticated", help="Serve without an API key."),
-    drain_timeout: float = typer.Option(600.0, "--drain-timeout", callback=_not_negative,
-                                        help="On SIGTERM, seconds in-flight requests may take to finish (>= 0)."),
-    sse_keepalive: Optional[float] = typer.Option(None, "--sse-keepalive", callback=_positive,
-                                                  help="Seconds between SSE keep-alive comments while waiting (> 0; "
-                                                       "default: the profile's proxy.sse_keepalive_s, 10)."),
+    drain_timeout: float = typer.Option(
+        600.0,
+        "--drain-timeout",
+        callback=_not_negative,
+        help="On SIGTERM, seconds in-flight requests may take to finish (>= 0).",
+    ),
+    sse_keepalive: Optional[float] = typer.Option(
+        None,
+        "--sse-keepalive",
+        callback=_positive,
+        help="Seconds between SSE keep-alive comments while waiting (> 0; "
+        "default: the profile's proxy.sse_keepalive_s, 10).",
+    ),
     set_: List[str] = SET_OPT,
-    set_json: Optional[str] = typer.Option(None, "--set-json", metavar="JSON",
-                                           help="Overrides as typed data: a JSON list of [dotted.key, value] pairs "
-                                                "(what `molctl up` passes; applied after --set)."),
-    log_max_bytes: Optional[int] = typer.Option(None, "--log-max-bytes", help="Rotate the log file stdout/stderr write to at this size."),
+    set_json: Optional[str] = typer.Option(
+        None,
+        "--set-json",
+        metavar="JSON",
+        help="Overrides as typed data: a JSON list of [dotted.key, value] pairs "
+        "(what `molctl up` passes; applied after --set).",
+    ),
+    log_max_bytes: Optional[int] = typer.Option(
+        None, "--log-max-bytes", help="Rotate the log file stdout/stderr write to at this size."
+    ),
     log_backups: int = typer.Option(2, "--log-backups", help="Rotated parts kept (.1, .2, ...)."),
-    store: Optional[str] = typer.Option(None, "--store", metavar="SPEC",
-                                        help="The Responses API's state store: sqlite (STATE/PROFILE/proxy-store.sqlite3), "
-                                             "memory, sqlite:/abs/path.sqlite3, or redis[s]://host:port/db shared by "
-                                             "replicas (default: the profile's proxy.store)."),
-    replica_id: Optional[str] = typer.Option(None, "--replica-id", help="With a redis:// store: this replica's id "
-                                             "(default: hostname:port)."),
-    advertise_upstream: Optional[str] = typer.Option(None, "--advertise-upstream", metavar="URL",
-                                                     help="With a redis:// store: this replica's engine URL as its peers "
-                                                          "reach it (default: proxy.advertise_upstream, else --upstream)."),
-    metrics_port: Optional[int] = typer.Option(None, "--metrics-port", metavar="N",
-                                               help="Serve Prometheus metrics on this port (on proxy.metrics_host; "
-                                                    "default: the profile's proxy.metrics_port, none when unset)."),
+    store: Optional[str] = typer.Option(
+        None,
+        "--store",
+        metavar="SPEC",
+        help="The Responses API's state store: sqlite (STATE/PROFILE/proxy-store.sqlite3), "
+        "memory, sqlite:/abs/path.sqlite3, or redis[s]://host:port/db shared by "
+        "replicas (default: the profile's proxy.store).",
+    ),
+    replica_id: Optional[str] = typer.Option(
+        None, "--replica-id", help="With a redis:// store: this replica's id (default: hostname:port)."
+    ),
+    advertise_upstream: Optional[str] = typer.Option(
+        None,
+        "--advertise-upstream",
+        metavar="URL",
+        help="With a redis:// store: this replica's engine URL as its peers "
+        "reach it (default: proxy.advertise_upstream, else --upstream).",
+    ),
+    metrics_port: Optional[int] = typer.Option(
+        None,
+        "--metrics-port",
+        metavar="N",
+        help="Serve Prometheus metrics on this port (on proxy.metrics_host; "
+        "default: the profile's proxy.metrics_port, none when unset).",
+    ),
 ) -> None:
     """Run the MoL proxy in the foreground: one public model, route -> answer -> summary over the adapters.
 
@@ -546,12 +681,23 @@ def proxy_cmd(
     from molctl.proxy.server import run_proxy
 
     store_override = [("proxy.store", store)] if store is not None else []
-    run_proxy(profile, ctx.obj, overrides_from(None, set_) + _typed_overrides(set_json) + store_override,
-              upstream=upstream, host=host,
-              port=port, api_key_file=api_key_file, allow_unauthenticated=allow_unauthenticated,
-              drain_timeout=drain_timeout, sse_keepalive=sse_keepalive, log_max_bytes=log_max_bytes,
-              log_backups=log_backups, replica_id=replica_id, advertise_upstream=advertise_upstream,
-              metrics_port=metrics_port)
+    run_proxy(
+        profile,
+        ctx.obj,
+        overrides_from(None, set_) + _typed_overrides(set_json) + store_override,
+        upstream=upstream,
+        host=host,
+        port=port,
+        api_key_file=api_key_file,
+        allow_unauthenticated=allow_unauthenticated,
+        drain_timeout=drain_timeout,
+        sse_keepalive=sse_keepalive,
+        log_max_bytes=log_max_bytes,
+        log_backups=log_backups,
+        replica_id=replica_id,
+        advertise_upstream=advertise_upstream,
+        metrics_port=metrics_port,
+    )
 
 
 def _typed_overrides(raw: Optional[str]) -> list[tuple[str, object]]:
@@ -563,7 +709,9 @@ def _typed_overrides(raw: Optional[str]) -> list[tuple[str, object]]:
         return []
     try:
         pairs = json.loads(raw)
-        if not isinstance(pairs, list) or not all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) for p in pairs):
+        if not isinstance(pairs, list) or not all(
+            isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) for p in pairs
+        ):
             raise ValueError("expected a list of [key, value] pairs")
     except ValueError as exc:
         raise UsageError(f"--set-json: {exc}") from None
@@ -574,23 +722,43 @@ def _typed_overrides(raw: Optional[str]) -> list[tuple[str, object]]:
 @handle_errors
 def bench_cmd(
     ctx: typer.Context,
-    profile: Optional[str] = typer.Argument(None, help="Profile whose running stack to measure "
-                                                       "(with --compare: where run ids are looked up)."),
+    profile: Optional[str] = typer.Argument(
+        None, help="Profile whose running stack to measure (with --compare: where run ids are looked up)."
+    ),
     concurrency: str = typer.Option("1,4,8", "--concurrency", help="Concurrency levels, comma-separated."),
     requests: Optional[int] = typer.Option(None, "--requests", min=1, help="Requests per series and concurrency."),
-    duration: Optional[float] = typer.Option(None, "--duration", callback=_positive,
-                                             help="Seconds per series and concurrency (default 2.5 when --requests is not given)."),
+    duration: Optional[float] = typer.Option(
+        None,
+        "--duration",
+        callback=_positive,
+        help="Seconds per series and concurrency (default 2.5 when --requests is not given).",
+    ),
     seed: int = typer.Option(0, "--seed", help="Seed of the prompt set and the mix's order."),
     max_tokens: int = typer.Option(32, "--max-tokens", min=1, help="max_tokens of every request."),
-    series: str = typer.Option(",".join(("base", "L0", "L1", "L2", "L3", "mix", "proxy", "canary")), "--series",
-                               help="Series to run (base is always measured first): base,L0,L1,L2,L3,mix,proxy,canary "
-                                    "(the adapter efficacy canary, once)."),
-    request_timeout: float = typer.Option(60.0, "--request-timeout", callback=_positive, help="Seconds one request may take."),
-    api_key_file: Optional[Path] = typer.Option(None, "--api-key-file", envvar="MOLCTL_API_KEY_FILE",
-                                                help="The proxy's API key (first line) for the proxy series. Or set MOLCTL_API_KEY."),
-    output: Optional[Path] = typer.Option(None, "--output", metavar="DIR", help="Run directory (default STATE/PROFILE/bench/RUN_ID)."),
-    compare: Optional[Tuple[str, str]] = typer.Option(None, "--compare", metavar="RUN_A RUN_B",
-                                                      help="Print the differences between two runs (run ids or run directories)."),
+    series: str = typer.Option(
+        ",".join(("base", "L0", "L1", "L2", "L3", "mix", "proxy", "canary")),
+        "--series",
+        help="Series to run (base is always measured first): base,L0,L1,L2,L3,mix,proxy,canary "
+        "(the adapter efficacy canary, once).",
+    ),
+    request_timeout: float = typer.Option(
+        60.0, "--request-timeout", callback=_positive, help="Seconds one request may take."
+    ),
+    api_key_file: Optional[Path] = typer.Option(
+        None,
+        "--api-key-file",
+        envvar="MOLCTL_API_KEY_FILE",
+        help="The proxy's API key (first line) for the proxy series. Or set MOLCTL_API_KEY.",
+    ),
+    output: Optional[Path] = typer.Option(
+        None, "--output", metavar="DIR", help="Run directory (default STATE/PROFILE/bench/RUN_ID)."
+    ),
+    compare: Optional[Tuple[str, str]] = typer.Option(
+        None,
+        "--compare",
+        metavar="RUN_A RUN_B",
+        help="Print the differences between two runs (run ids or run directories).",
+    ),
     json_: bool = JSON_OPT,
 ) -> None:
     """Measure the running stack: base-only, each adapter, a 25/25/25/25 mix, and through the proxy (seed 002)."""
@@ -600,22 +768,33 @@ def bench_cmd(
 
     out = Output(as_json=json_)
     if compare and all(compare):
-        out.bench(b.compare(b.load_run(ctx.obj.state_dir, profile, compare[0]),
-                            b.load_run(ctx.obj.state_dir, profile, compare[1])))
+        out.bench(
+            b.compare(
+                b.load_run(ctx.obj.state_dir, profile, compare[0]), b.load_run(ctx.obj.state_dir, profile, compare[1])
+            )
+        )
         return
     if profile is None:
         raise UsageError("bench needs PROFILE (or --compare RUN_A RUN_B)")
     if requests is not None and duration is not None:
         raise UsageError("--requests and --duration exclude each other")
-    opts = b.BenchOptions(concurrency=b.parse_concurrency(concurrency), requests=requests, duration_s=duration, seed=seed,
-                          max_tokens=max_tokens, series=b.parse_series(series), api_key=b.api_key_from(api_key_file),
-                          request_timeout_s=request_timeout,
-                          output=output.expanduser().absolute() if output is not None else None)
+    opts = b.BenchOptions(
+        concurrency=b.parse_concurrency(concurrency),
+        requests=requests,
+        duration_s=duration,
+        seed=seed,
+        max_tokens=max_tokens,
+        series=b.parse_series(series),
+        api_key=b.api_key_from(api_key_file),
+        request_timeout_s=request_timeout,
+        output=output.expanduser().absolute() if output is not None else None,
+    )
     out.bench(b.bench(ctx.obj, profile, opts, progress=None if json_ else lambda m: out.line(f"molctl: bench {m}")))
 
 
-state_app = typer.Typer(help="The proxy's durable state (the Responses API's stored responses) of a profile.",
-                        no_args_is_help=True)
+state_app = typer.Typer(
+    help="The proxy's durable state (the Responses API's stored responses) of a profile.", no_args_is_help=True
+)
 app.add_typer(state_app, name="state")
 
 
@@ -647,16 +826,31 @@ def state_prune_cmd(
     Output(as_json=json_).state_prune(state_prune(profile, ctx.obj))
 
 
-render_app = typer.Typer(help="Kubernetes manifests or systemd units for a stack, from the profile `up` uses "
-                              "(same argv; nothing is started, the state dir is not touched).",
-                         no_args_is_help=True)
+render_app = typer.Typer(
+    help="Kubernetes manifests or systemd units for a stack, from the profile `up` uses "
+    "(same argv; nothing is started, the state dir is not touched).",
+    no_args_is_help=True,
+)
 app.add_typer(render_app, name="render")
-RENDER_OUTPUT_OPT = typer.Option(None, "--output", "-o", metavar="DIR",
-                                 help="Write one file per object/unit into DIR (created if missing) instead of stdout.")
-RENDER_STORE_OPT = typer.Option(None, "--store", metavar="URL",
-                                help="The proxy's state store (proxy.store), e.g. redis://redis:6379/0 for replicas that share it.")
-RENDER_PROXY_ARG_OPT = typer.Option([], "--proxy-arg", metavar="ARG",
-                                    help="Append ARG to the proxy's argv (repeatable), e.g. --proxy-arg=--replica-id=$(POD_NAME).")
+RENDER_OUTPUT_OPT = typer.Option(
+    None,
+    "--output",
+    "-o",
+    metavar="DIR",
+    help="Write one file per object/unit into DIR (created if missing) instead of stdout.",
+)
+RENDER_STORE_OPT = typer.Option(
+    None,
+    "--store",
+    metavar="URL",
+    help="The proxy's state store (proxy.store), e.g. redis://redis:6379/0 for replicas that share it.",
+)
+RENDER_PROXY_ARG_OPT = typer.Option(
+    [],
+    "--proxy-arg",
+    metavar="ARG",
+    help="Append ARG to the proxy's argv (repeatable), e.g. --proxy-arg=--replica-id=$(POD_NAME).",
+)
 
 
 def _render_out(files: dict[str, str], stream: str, output: Optional[Path], warnings: list[str]) -> None:
@@ -678,27 +872,49 @@ def _render_out(files: dict[str, str], stream: str, output: Optional[Path], warn
 def render_k8s_cmd(
     ctx: typer.Context,
     profile: str = typer.Argument(..., help="Profile to render (see `molctl profiles`)."),
-    image: Optional[str] = typer.Option(None, "--image",
-                                        help="Container image with molctl (and the engine, unless --engine-image). Required."),
-    engine_image: Optional[str] = typer.Option(None, "--engine-image", help="Image of the engine container (default: --image)."),
-    python: str = typer.Option("python3", "--python", help="The interpreter in the image(s); the engine's unless engine.python is set."),
+    image: Optional[str] = typer.Option(
+        None, "--image", help="Container image with molctl (and the engine, unless --engine-image). Required."
+    ),
+    engine_image: Optional[str] = typer.Option(
+        None, "--engine-image", help="Image of the engine container (default: --image)."
+    ),
+    python: str = typer.Option(
+        "python3", "--python", help="The interpreter in the image(s); the engine's unless engine.python is set."
+    ),
     replicas: int = typer.Option(1, "--replicas", help="Pods, each a whole stack (>= 1)."),
     namespace: Optional[str] = typer.Option(None, "--namespace", "-n", help="metadata.namespace of every object."),
     name: Optional[str] = typer.Option(None, "--name", help="Name of the objects (default molctl-PROFILE)."),
     model_root: Optional[Path] = MODEL_ROOT_OPT,
     set_: List[str] = SET_OPT,
-    model_pvc: Optional[str] = typer.Option(None, "--model-pvc", metavar="CLAIM",
-                                            help="Mount the model root from this PersistentVolumeClaim "
-                                                 "(default: a hostPath at model_root)."),
-    shm_size: Optional[str] = typer.Option(None, "--shm-size", help="/dev/shm size (default 2Gi per GPU, 1Gi without GPUs)."),
-    engine_env_secret: Optional[str] = typer.Option(None, "--engine-env-secret", metavar="SECRET",
-                                                    help="Every key of this Secret becomes an engine variable (e.g. HF_TOKEN)."),
-    api_key_secret: Optional[str] = typer.Option(None, "--api-key-secret", metavar="SECRET",
-                                                 help="Secret whose key `api-keys` holds the proxy's keys (default NAME-api-keys)."),
+    model_pvc: Optional[str] = typer.Option(
+        None,
+        "--model-pvc",
+        metavar="CLAIM",
+        help="Mount the model root from this PersistentVolumeClaim (default: a hostPath at model_root).",
+    ),
+    shm_size: Optional[str] = typer.Option(
+        None, "--shm-size", help="/dev/shm size (default 2Gi per GPU, 1Gi without GPUs)."
+    ),
+    engine_env_secret: Optional[str] = typer.Option(
+        None,
+        "--engine-env-secret",
+        metavar="SECRET",
+        help="Every key of this Secret becomes an engine variable (e.g. HF_TOKEN).",
+    ),
+    api_key_secret: Optional[str] = typer.Option(
+        None,
+        "--api-key-secret",
+        metavar="SECRET",
+        help="Secret whose key `api-keys` holds the proxy's keys (default NAME-api-keys).",
+    ),
     allow_unauthenticated: bool = UNAUTH_OPT,
     store: Optional[str] = RENDER_STORE_OPT,
-    store_password_secret: Optional[str] = typer.Option(None, "--store-password-secret", metavar="SECRET[:KEY]",
-                                                        help="MOLCTL_STORE_PASSWORD from this Secret (key default: password)."),
+    store_password_secret: Optional[str] = typer.Option(
+        None,
+        "--store-password-secret",
+        metavar="SECRET[:KEY]",
+        help="MOLCTL_STORE_PASSWORD from this Secret (key default: password).",
+    ),
     proxy_arg: List[str] = RENDER_PROXY_ARG_OPT,
     drain_timeout: float = DRAIN_OPT,
     stop_timeout: float = STOP_OPT,
@@ -707,11 +923,25 @@ def render_k8s_cmd(
     """ConfigMap (the profile), Service (the proxy port) and StatefulSet (engine + proxy per pod) as YAML, like `helm template`."""
     from molctl.render import RenderOptions, k8s_files, k8s_stream, render_k8s
 
-    opts = RenderOptions(overrides=overrides_from(model_root, set_), drain_timeout_s=drain_timeout, stop_timeout_s=stop_timeout,
-                         store=store, allow_unauthenticated=allow_unauthenticated, proxy_args=list(proxy_arg), image=image,
-                         engine_image=engine_image, python=python, replicas=replicas, namespace=namespace, name=name,
-                         api_key_secret=api_key_secret, store_password_secret=store_password_secret, model_pvc=model_pvc,
-                         shm_size=shm_size, engine_env_secret=engine_env_secret)
+    opts = RenderOptions(
+        overrides=overrides_from(model_root, set_),
+        drain_timeout_s=drain_timeout,
+        stop_timeout_s=stop_timeout,
+        store=store,
+        allow_unauthenticated=allow_unauthenticated,
+        proxy_args=list(proxy_arg),
+        image=image,
+        engine_image=engine_image,
+        python=python,
+        replicas=replicas,
+        namespace=namespace,
+        name=name,
+        api_key_secret=api_key_secret,
+        store_password_secret=store_password_secret,
+        model_pvc=model_pvc,
+        shm_size=shm_size,
+        engine_env_secret=engine_env_secret,
+    )
     objects, warnings = render_k8s(profile, ctx.obj.dirs(), opts)
     _render_out(k8s_files(objects), k8s_stream(profile, objects), output, warnings)
 
@@ -723,8 +953,9 @@ def render_systemd_cmd(
     profile: str = typer.Argument(..., help="Profile to render (see `molctl profiles`)."),
     model_root: Optional[Path] = MODEL_ROOT_OPT,
     set_: List[str] = SET_OPT,
-    api_key_file: Optional[Path] = typer.Option(None, "--api-key-file", envvar="MOLCTL_API_KEY_FILE",
-                                                help="The key file the proxy unit reads (not read now)."),
+    api_key_file: Optional[Path] = typer.Option(
+        None, "--api-key-file", envvar="MOLCTL_API_KEY_FILE", help="The key file the proxy unit reads (not read now)."
+    ),
     allow_unauthenticated: bool = UNAUTH_OPT,
     store: Optional[str] = RENDER_STORE_OPT,
     proxy_arg: List[str] = RENDER_PROXY_ARG_OPT,
@@ -736,9 +967,17 @@ def render_systemd_cmd(
     """An engine unit and a proxy unit running the argv `up` would run on this host."""
     from molctl.render import RenderOptions, render_systemd, systemd_stream
 
-    opts = RenderOptions(overrides=overrides_from(model_root, set_), drain_timeout_s=drain_timeout, stop_timeout_s=stop_timeout,
-                         store=store, allow_unauthenticated=allow_unauthenticated, proxy_args=list(proxy_arg),
-                         api_key_file=api_key_file, state_dir=ctx.obj.state_dir, user=user)
+    opts = RenderOptions(
+        overrides=overrides_from(model_root, set_),
+        drain_timeout_s=drain_timeout,
+        stop_timeout_s=stop_timeout,
+        store=store,
+        allow_unauthenticated=allow_unauthenticated,
+        proxy_args=list(proxy_arg),
+        api_key_file=api_key_file,
+        state_dir=ctx.obj.state_dir,
+        user=user,
+    )
     warnings: list[str] = []
     units = render_systemd(profile, ctx.obj.dirs(), opts, warnings)
     _render_out(units, systemd_stream(units), output, warnings)

@@ -93,8 +93,10 @@ def _require():
         import numpy  # noqa: F401
         import tokenizers  # noqa: F401
     except ImportError as exc:
-        raise MolctlError(f"molctl demo init needs numpy and tokenizers ({exc.name} is missing): "
-                          "pip install 'molctl[cpu]' (or 'molctl[demo]')") from None
+        raise MolctlError(
+            f"molctl demo init needs numpy and tokenizers ({exc.name} is missing): "
+            "pip install 'molctl[cpu]' (or 'molctl[demo]')"
+        ) from None
 
 
 def _tokenizer(base: Path) -> int:
@@ -103,17 +105,34 @@ def _tokenizer(base: Path) -> int:
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    corpus = [" ".join(WORDS[i:i + 12]) for i in range(0, len(WORDS), 6)] + WORDS + [w.capitalize() for w in WORDS]
+    trainer = trainers.BpeTrainer(
+        vocab_size=512,
+        special_tokens=SPECIALS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    corpus = [" ".join(WORDS[i : i + 12]) for i in range(0, len(WORDS), 6)] + WORDS + [w.capitalize() for w in WORDS]
     tok.train_from_iterator(corpus * 3, trainer=trainer)
     tok.save(str(base / "tokenizer.json"))
-    (base / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "<|im_end|>",
-        "unk_token": "<unk>", "pad_token": "<|im_end|>", "model_max_length": 2048, "add_bos_token": False,
-    }, indent=1))
-    (base / "special_tokens_map.json").write_text(json.dumps(
-        {"bos_token": "<s>", "eos_token": "<|im_end|>", "unk_token": "<unk>", "pad_token": "<|im_end|>"}, indent=1))
+    (base / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<s>",
+                "eos_token": "<|im_end|>",
+                "unk_token": "<unk>",
+                "pad_token": "<|im_end|>",
+                "model_max_length": 2048,
+                "add_bos_token": False,
+            },
+            indent=1,
+        )
+    )
+    (base / "special_tokens_map.json").write_text(
+        json.dumps(
+            {"bos_token": "<s>", "eos_token": "<|im_end|>", "unk_token": "<unk>", "pad_token": "<|im_end|>"}, indent=1
+        )
+    )
     return tok.get_vocab_size()
 
 
@@ -136,19 +155,26 @@ def _bf16(array) -> bytes:
 
 
 def _base_tensors(vocab: int) -> dict[str, tuple[int, ...]]:
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, HIDDEN), "model.norm.weight": (HIDDEN,),
-                                          "lm_head.weight": (vocab, HIDDEN)}
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (vocab, HIDDEN),
+        "model.norm.weight": (HIDDEN,),
+        "lm_head.weight": (vocab, HIDDEN),
+    }
     for i in range(LAYERS):
         p = f"model.layers.{i}"
-        shapes.update({
-            f"{p}.input_layernorm.weight": (HIDDEN,), f"{p}.post_attention_layernorm.weight": (HIDDEN,),
-            f"{p}.self_attn.q_proj.weight": (HEADS * HEAD_DIM, HIDDEN),
-            f"{p}.self_attn.k_proj.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
-            f"{p}.self_attn.v_proj.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
-            f"{p}.self_attn.o_proj.weight": (HIDDEN, HEADS * HEAD_DIM),
-            f"{p}.mlp.gate_proj.weight": (INTERMEDIATE, HIDDEN), f"{p}.mlp.up_proj.weight": (INTERMEDIATE, HIDDEN),
-            f"{p}.mlp.down_proj.weight": (HIDDEN, INTERMEDIATE),
-        })
+        shapes.update(
+            {
+                f"{p}.input_layernorm.weight": (HIDDEN,),
+                f"{p}.post_attention_layernorm.weight": (HIDDEN,),
+                f"{p}.self_attn.q_proj.weight": (HEADS * HEAD_DIM, HIDDEN),
+                f"{p}.self_attn.k_proj.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
+                f"{p}.self_attn.v_proj.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
+                f"{p}.self_attn.o_proj.weight": (HIDDEN, HEADS * HEAD_DIM),
+                f"{p}.mlp.gate_proj.weight": (INTERMEDIATE, HIDDEN),
+                f"{p}.mlp.up_proj.weight": (INTERMEDIATE, HIDDEN),
+                f"{p}.mlp.down_proj.weight": (HIDDEN, INTERMEDIATE),
+            }
+        )
     return shapes
 
 
@@ -173,16 +199,37 @@ def _write_base(base: Path, vocab: int, rng) -> None:
         members = {n: ("BF16", shapes[n]) for n in names if split[n] == shard}
         write_file(base / fname, members, data={n: data[n] for n in members}, metadata={"format": "pt"})
         weight_map.update({n: fname for n in members})
-    (base / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": sum(len(v) for v in data.values())}, "weight_map": weight_map}, indent=1))
-    (base / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HIDDEN,
-        "intermediate_size": INTERMEDIATE, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
-        "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM, "vocab_size": vocab, "max_position_embeddings": 2048,
-        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 4, "pad_token_id": 4,
-        "attention_bias": False, "mlp_bias": False, "_name_or_path": BASE_NAME,
-    }, indent=1))
+    (base / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": sum(len(v) for v in data.values())}, "weight_map": weight_map}, indent=1)
+    )
+    (base / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": HIDDEN,
+                "intermediate_size": INTERMEDIATE,
+                "num_hidden_layers": LAYERS,
+                "num_attention_heads": HEADS,
+                "num_key_value_heads": KV_HEADS,
+                "head_dim": HEAD_DIM,
+                "vocab_size": vocab,
+                "max_position_embeddings": 2048,
+                "rms_norm_eps": 1e-5,
+                "rope_theta": 10000.0,
+                "hidden_act": "silu",
+                "tie_word_embeddings": False,
+                "torch_dtype": "bfloat16",
+                "bos_token_id": 1,
+                "eos_token_id": 4,
+                "pad_token_id": 4,
+                "attention_bias": False,
+                "mlp_bias": False,
+                "_name_or_path": BASE_NAME,
+            },
+            indent=1,
+        )
+    )
     (base / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 4}, indent=1))
 
 
@@ -217,22 +264,40 @@ def _write_adapter(d: Path, rng, kind: str | None = None) -> None:
             tensors[f"{prefix}.lora_B.weight"] = ("BF16", (out_dim[t], RANK))
             data[f"{prefix}.lora_A.weight"], data[f"{prefix}.lora_B.weight"] = _bf16(a), _bf16(b)
     write_file(d / "adapter_model.safetensors", tensors, data=data, metadata={"format": "pt"})
-    (d / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": RANK, "lora_alpha": ALPHA, "lora_dropout": 0.0,
-        "target_modules": list(targets), "bias": "none", "base_model_name_or_path": BASE_NAME,
-        "fan_in_fan_out": False, "inference_mode": True,
-    }, indent=1))
+    (d / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "peft_type": "LORA",
+                "task_type": "CAUSAL_LM",
+                "r": RANK,
+                "lora_alpha": ALPHA,
+                "lora_dropout": 0.0,
+                "target_modules": list(targets),
+                "bias": "none",
+                "base_model_name_or_path": BASE_NAME,
+                "fan_in_fan_out": False,
+                "inference_mode": True,
+            },
+            indent=1,
+        )
+    )
 
 
 def is_complete(root: Path) -> bool:
-    return (root / "base" / "model.safetensors.index.json").is_file() and (root / "base" / TEMPLATE_FILE).is_file() and all(
-        (root / "loras" / r / "adapter_model.safetensors").is_file() for r in ROUTES)
+    return (
+        (root / "base" / "model.safetensors.index.json").is_file()
+        and (root / "base" / TEMPLATE_FILE).is_file()
+        and all((root / "loras" / r / "adapter_model.safetensors").is_file() for r in ROUTES)
+    )
 
 
 def is_complete_but_template(root: Path) -> bool:
     base = root / "base"
-    return (base / "model.safetensors.index.json").is_file() and not (base / TEMPLATE_FILE).exists() and all(
-        (root / "loras" / r / "adapter_model.safetensors").is_file() for r in ROUTES)
+    return (
+        (base / "model.safetensors.index.json").is_file()
+        and not (base / TEMPLATE_FILE).exists()
+        and all((root / "loras" / r / "adapter_model.safetensors").is_file() for r in ROUTES)
+    )
 
 
 def parse_no_effect(items) -> dict[str, str]:
@@ -241,14 +306,22 @@ def parse_no_effect(items) -> dict[str, str]:
     for item in items:
         route, _, kind = item.partition("=")
         if route not in ROUTES or kind not in NO_EFFECT_KINDS:
-            raise UsageError(f"--no-effect {item!r}: expected ROUTE=KIND, ROUTE one of {', '.join(ROUTES)}, "
-                             f"KIND one of {', '.join(NO_EFFECT_KINDS)}")
+            raise UsageError(
+                f"--no-effect {item!r}: expected ROUTE=KIND, ROUTE one of {', '.join(ROUTES)}, "
+                f"KIND one of {', '.join(NO_EFFECT_KINDS)}"
+            )
         out[route] = kind
     return out
 
 
-def init_tiny(root: Path, seed: int = 0, force: bool = False, if_missing: bool = False,
-              template: str = DEFAULT_TEMPLATE, no_effect: dict[str, str] | None = None) -> dict:
+def init_tiny(
+    root: Path,
+    seed: int = 0,
+    force: bool = False,
+    if_missing: bool = False,
+    template: str = DEFAULT_TEMPLATE,
+    no_effect: dict[str, str] | None = None,
+) -> dict:
     """Write the tiny model to `root` (atomically: built in a sibling temp dir, then renamed).
 
     `template` picks the chat template written to base/chat_template.jinja (see TEMPLATES);
@@ -292,8 +365,14 @@ def init_tiny(root: Path, seed: int = 0, force: bool = False, if_missing: bool =
         shutil.rmtree(old)
     else:
         tmp.rename(root)
-    out = {"root": str(root), "created": True, "vocab_size": vocab, "seed": seed, "adapters": list(ROUTES),
-           "template": template}
+    out = {
+        "root": str(root),
+        "created": True,
+        "vocab_size": vocab,
+        "seed": seed,
+        "adapters": list(ROUTES),
+        "template": template,
+    }
     if no_effect:
         out["no_effect"] = no_effect
     return out

@@ -87,8 +87,13 @@ class FileChanged(OSError):
 
 
 def file_kind(mode: int) -> str:
-    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
         if test(mode):
             return name
     return "not a regular file"
@@ -124,8 +129,7 @@ def stat_file(path: str | Path) -> FileStat:
     return FileStat(str(path), real, st.st_size, st.st_mtime_ns, st.st_ino)
 
 
-def sha256_file(path: str, on_bytes: Callable[[int], None] | None = None,
-                stop: threading.Event | None = None) -> str:
+def sha256_file(path: str, on_bytes: Callable[[int], None] | None = None, stop: threading.Event | None = None) -> str:
     """The file's SHA-256 (hex), read in 8 MiB chunks; `on_bytes(n)` after each chunk; a set
     `stop` event ends it with `Interrupted`. Opened without blocking and checked to be a regular
     file (a FIFO swapped in after the stat must not hang the run)."""
@@ -175,7 +179,11 @@ class HashCache:
         if path is not None:
             try:
                 data = json.loads(_read_regular(path))
-                if isinstance(data, dict) and data.get("format") == CACHE_FORMAT and isinstance(data.get("files"), dict):
+                if (
+                    isinstance(data, dict)
+                    and data.get("format") == CACHE_FORMAT
+                    and isinstance(data.get("files"), dict)
+                ):
                     self.files = data["files"]
             except (OSError, ValueError, RecursionError):  # missing, damaged, nested too deep: start empty
                 pass
@@ -243,9 +251,15 @@ class HashRun:
 Hasher = Callable[..., str]  # (path, on_bytes, stop) -> hex digest
 
 
-def hash_files(paths: Iterable[str | Path], cache: HashCache | None = None, jobs: int | None = None,
-               progress: HashProgress | None = None, hasher: Hasher | None = None,
-               use_cache: bool = True, errors: dict[str, OSError] | None = None) -> HashRun:
+def hash_files(
+    paths: Iterable[str | Path],
+    cache: HashCache | None = None,
+    jobs: int | None = None,
+    progress: HashProgress | None = None,
+    hasher: Hasher | None = None,
+    use_cache: bool = True,
+    errors: dict[str, OSError] | None = None,
+) -> HashRun:
     """SHA-256 of every path (raises OSError for a file that cannot be read; with `errors` given,
     such a file is recorded there by path and the others are still hashed, in the same parallel
     pass). With `use_cache` False every file is read (`check --verify --full-hash`); the fresh
@@ -297,8 +311,15 @@ def _hash_one(hasher: Hasher, st: FileStat, on_bytes, stop) -> str:
     return digest
 
 
-def _hash_todo(todo: list[FileStat], run: HashRun, cache: HashCache, jobs: int, progress: HashProgress | None,
-               hasher: Hasher, errors: dict[str, OSError] | None = None) -> None:
+def _hash_todo(
+    todo: list[FileStat],
+    run: HashRun,
+    cache: HashCache,
+    jobs: int,
+    progress: HashProgress | None,
+    hasher: Hasher,
+    errors: dict[str, OSError] | None = None,
+) -> None:
     stop = threading.Event()
     on_bytes = progress.advance if progress is not None else None
     if progress is not None:

@@ -86,8 +86,14 @@ class Holder:
             value = data.get(key)
             return value if isinstance(value, str) and value else None
 
-        return cls(pid if isinstance(pid, int) and not isinstance(pid, bool) else None, text("user"), text("profile"),
-                   text("component"), text("state_dir"), text("command"))
+        return cls(
+            pid if isinstance(pid, int) and not isinstance(pid, bool) else None,
+            text("user"),
+            text("profile"),
+            text("component"),
+            text("state_dir"),
+            text("command"),
+        )
 
     def owns(self, state_dir: Path | None, profiles: Iterable[str]) -> bool:
         """True when this claim belongs to one of `profiles` run from `state_dir`."""
@@ -194,8 +200,10 @@ class HostLocks:
             # a hard link another user made to a file of ours (fs.protected_hardlinks=0): writing
             # the holder over it would overwrite that file
             os.close(fd)
-            raise MolctlError(f"host lock {path} is not a plain file of its own (a hard link or a special file): "
-                              f"remove it, or set {LOCK_DIR_ENV}")
+            raise MolctlError(
+                f"host lock {path} is not a plain file of its own (a hard link or a special file): "
+                f"remove it, or set {LOCK_DIR_ENV}"
+            )
         if not try_exclusive(fd):
             holder = _read_holder(fd)
             os.close(fd)
@@ -241,11 +249,19 @@ def _open_lock_file(path: Path) -> int:
     return os.open(path, os.O_RDONLY | flags)
 
 
-def holder_info(profile: str, component: str, state_dir: Path, pid: int | None = None,
-                command: str | None = None) -> dict[str, Any]:
-    return {"pid": pid or os.getpid(), "user": _user(), "uid": os.getuid(), "profile": profile,
-            "component": component, "state_dir": str(state_dir.absolute()), "command": command,
-            "since": time.time()}
+def holder_info(
+    profile: str, component: str, state_dir: Path, pid: int | None = None, command: str | None = None
+) -> dict[str, Any]:
+    return {
+        "pid": pid or os.getpid(),
+        "user": _user(),
+        "uid": os.getuid(),
+        "profile": profile,
+        "component": component,
+        "state_dir": str(state_dir.absolute()),
+        "command": command,
+        "since": time.time(),
+    }
 
 
 def gpu_indices(profile, environ: Mapping[str, str]) -> list[int]:
@@ -266,12 +282,15 @@ def stack_claims(profile) -> dict[str, list[tuple[str, int]]]:
     """What each component claims: the engine its port and GPUs, the proxy its port (and its
     metrics port when set)."""
     metrics = getattr(getattr(profile, "proxy", None), "metrics_port", None)
-    return {"engine": [("port", profile.engine.port)] + [("gpu", i) for i in gpu_indices(profile, os.environ)],
-            "proxy": [("port", profile.proxy.port)] + ([("port", metrics)] if metrics else [])}
+    return {
+        "engine": [("port", profile.engine.port)] + [("gpu", i) for i in gpu_indices(profile, os.environ)],
+        "proxy": [("port", profile.proxy.port)] + ([("port", metrics)] if metrics else []),
+    }
 
 
-def claim_components(locks: HostLocks, profile, state_dir: Path, components: Iterable[str],
-                     command: str) -> dict[str, list[Claim]]:
+def claim_components(
+    locks: HostLocks, profile, state_dir: Path, components: Iterable[str], command: str
+) -> dict[str, list[Claim]]:
     """Claim everything the given components need, all or nothing (ClaimConflict names the holder)."""
     wanted = stack_claims(profile)
     taken: dict[str, list[Claim]] = {}

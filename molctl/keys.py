@@ -64,7 +64,10 @@ def load_keys_settled(path, pause_s: float = 0.05, limit_s: float = 2.0) -> list
         if again == data:
             return _parse_keys(data)
         if time.monotonic() > deadline:
-            raise OSError(errno.EBUSY, f"still changing after {limit_s:g} s (write the new file beside it, then rename it over it)")
+            raise OSError(
+                errno.EBUSY,
+                f"still changing after {limit_s:g} s (write the new file beside it, then rename it over it)",
+            )
         data = again
 
 
@@ -76,8 +79,9 @@ def resolve_api_keys(api_key_file: Path | None, allow_unauthenticated: bool) -> 
         except OSError as exc:
             raise UsageError(f"--api-key-file {api_key_file}: {exc.strerror}") from None
         except UnicodeDecodeError as exc:
-            raise UsageError(f"--api-key-file {api_key_file}: not UTF-8 text (byte {exc.start}); "
-                             "expected one key per line") from None
+            raise UsageError(
+                f"--api-key-file {api_key_file}: not UTF-8 text (byte {exc.start}); expected one key per line"
+            ) from None
         if not keys:
             raise UsageError(f"--api-key-file {api_key_file} holds no key (expected one key per line)")
         return keys

@@ -197,8 +197,16 @@ class _Log:
         self.fh, self.path, self.pos, self.partial, self.deleted = fh, path, 0, b"", False
 
 
-def show_logs(ctx, profile: str | None, component: str | None, follow: bool, lines: int,
-              out: Output | None = None, poll_s: float = 0.2, stop_after_s: float | None = None) -> None:
+def show_logs(
+    ctx,
+    profile: str | None,
+    component: str | None,
+    follow: bool,
+    lines: int,
+    out: Output | None = None,
+    poll_s: float = 0.2,
+    stop_after_s: float | None = None,
+) -> None:
     out = out or Output()
     if component is not None and component not in COMPONENTS:
         raise UsageError(f"--component {component!r}: expected engine or proxy")
@@ -221,8 +229,10 @@ def show_logs(ctx, profile: str | None, component: str | None, follow: bool, lin
             record = records.get(comp)
             path = deleted_log(record) if record is not None and is_same_process(record) else None
             if path is not None:
-                out.raw(f"[{comp}] ==> {record.log} was deleted while pid {record.pid} runs: read from its open file "
-                        f"{path} (the disk space is freed when it stops) <==\n")
+                out.raw(
+                    f"[{comp}] ==> {record.log} was deleted while pid {record.pid} runs: read from its open file "
+                    f"{path} (the disk space is freed when it stops) <==\n"
+                )
             path = path or newest_log(ctx.state_dir, name, comp)
             if path is None:
                 continue
@@ -233,8 +243,9 @@ def show_logs(ctx, profile: str | None, component: str | None, follow: bool, lin
                 continue
             opened[comp].tail(lines, follow)
         if not opened and not follow:
-            raise UsageError(f"no {component or 'engine or proxy'} log for profile {name} in "
-                             f"{ctx.state_dir / name / 'logs'}")
+            raise UsageError(
+                f"no {component or 'engine or proxy'} log for profile {name} in {ctx.state_dir / name / 'logs'}"
+            )
         started = time.monotonic()
         while follow and (stop_after_s is None or time.monotonic() - started < stop_after_s):
             for comp in components:

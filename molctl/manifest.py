@@ -34,11 +34,33 @@ from molctl.redaction import redact_value
 FORMAT = 1
 KIND = "molctl.lock"
 # Ambient variables that change what the engine does (the profile's own engine.env is always pinned).
-ENV_PREFIXES = ("VLLM_", "SGLANG_", "CUDA_", "NCCL_", "HF_", "HUGGING_FACE_", "TRANSFORMERS_", "TORCH", "PYTORCH_",
-                "TRITON_", "FLASHINFER_", "TOKENIZERS_", "OMP_", "MKL_", "NVIDIA_")
+ENV_PREFIXES = (
+    "VLLM_",
+    "SGLANG_",
+    "CUDA_",
+    "NCCL_",
+    "HF_",
+    "HUGGING_FACE_",
+    "TRANSFORMERS_",
+    "TORCH",
+    "PYTORCH_",
+    "TRITON_",
+    "FLASHINFER_",
+    "TOKENIZERS_",
+    "OMP_",
+    "MKL_",
+    "NVIDIA_",
+)
 ENV_NAMES = ("LD_LIBRARY_PATH", "LD_PRELOAD", "PYTHONPATH", "PYTHONHOME")
-CAPACITY_FLAGS = ("max-loras", "max-lora-rank", "max-cpu-loras", "gpu-memory-utilization", "mem-fraction-static",
-                  "max-loras-per-batch", "max-loaded-loras")
+CAPACITY_FLAGS = (
+    "max-loras",
+    "max-lora-rank",
+    "max-cpu-loras",
+    "gpu-memory-utilization",
+    "mem-fraction-static",
+    "max-loras-per-batch",
+    "max-loaded-loras",
+)
 INDEX = "model.safetensors.index.json"
 
 
@@ -121,8 +143,14 @@ def engine_fingerprint(python: str, package: str) -> dict[str, Any]:
     where = f"cannot fingerprint {package} under engine.python {python}"
     try:
         # its own session: a wrapper script's children are stopped with it (timeout, Ctrl-C), none is orphaned
-        proc = subprocess.Popen([python, "-c", FINGERPRINT_SCRIPT, package], stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            [python, "-c", FINGERPRINT_SCRIPT, package],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
     except OSError as exc:
         raise ManifestError(f"{where}: {exc.strerror or exc}") from None
     try:
@@ -141,7 +169,9 @@ def engine_fingerprint(python: str, package: str) -> dict[str, Any]:
         last = (stderr.strip().splitlines() or ["no output"])[-1][:200]
         raise ManifestError(f"{where}: it printed no fingerprint (exit {proc.returncode}: {last})") from None
     if not data.get("found"):
-        raise ManifestError(f"{package} is not installed under engine.python {python} (molctl lock pins the installed engine)")
+        raise ManifestError(
+            f"{package} is not installed under engine.python {python} (molctl lock pins the installed engine)"
+        )
     return data
 
 
@@ -157,10 +187,18 @@ def engine_section(profile: Profile, state_dir: Path | None) -> dict[str, Any]:
     install = probe_install_cached(engine, python, cache)
     if not install.found:
         raise ManifestError(f"{install.error or engine.package + ' is not importable'} (engine.python = {python})")
-    return {"kind": engine.kind, "package": engine.package, "python": python, "python_real": fp.get("python"),
-            "python_version": fp.get("python_version"), "version": install.version,
-            "fingerprint": fp["digest"], "location": fp.get("location"), "dists": fp.get("dists", []),
-            "package_files": fp.get("files", 0)}
+    return {
+        "kind": engine.kind,
+        "package": engine.package,
+        "python": python,
+        "python_real": fp.get("python"),
+        "python_version": fp.get("python_version"),
+        "version": install.version,
+        "fingerprint": fp["digest"],
+        "location": fp.get("location"),
+        "dists": fp.get("dists", []),
+        "package_files": fp.get("files", 0),
+    }
 
 
 def pinned_env(profile: Profile, environ: dict[str, str] | None = None) -> dict[str, str]:
@@ -171,8 +209,7 @@ def pinned_env(profile: Profile, environ: dict[str, str] | None = None) -> dict[
     env = {k: v for k, v in base.items() if k not in profile.engine.unset_env}
     env.update(profile.engine.env)
     env.pop("MOLCTL_API_KEY", None)
-    keep = {k: v for k, v in env.items()
-            if k in profile.engine.env or k in ENV_NAMES or k.startswith(ENV_PREFIXES)}
+    keep = {k: v for k, v in env.items() if k in profile.engine.env or k in ENV_NAMES or k.startswith(ENV_PREFIXES)}
     return {k: redact_value(k, v) for k, v in sorted(keep.items())}
 
 
@@ -213,9 +250,12 @@ def config_essentials(profile: Profile) -> dict[str, Any]:
         return None
 
     quant = get("quantization_config")
-    return {"model_type": cfg.get("model_type"), "dtype": get("torch_dtype", "dtype"),
-            "quant_method": quant.get("quant_method") if isinstance(quant, dict) else None,
-            "max_position_embeddings": get("max_position_embeddings")}
+    return {
+        "model_type": cfg.get("model_type"),
+        "dtype": get("torch_dtype", "dtype"),
+        "quant_method": quant.get("quant_method") if isinstance(quant, dict) else None,
+        "max_position_embeddings": get("max_position_embeddings"),
+    }
 
 
 def template_digest(profile: Profile) -> dict[str, Any] | None:
@@ -240,8 +280,10 @@ def shard_names(profile: Profile) -> list[str]:
         raise ManifestError(f"{profile.base_dir / INDEX} has no 'weight_map' (run `molctl check {profile.name}`)")
     for name in weight_map.values():  # a shard is a file of base/, never a path out of it (/etc/passwd, ../x)
         if not isinstance(name, str) or not _inside(name):
-            raise ManifestError(f"{profile.base_dir / INDEX} names the shard {name!r}, not a file inside "
-                                f"{profile.base_dir} (run `molctl check {profile.name}`)")
+            raise ManifestError(
+                f"{profile.base_dir / INDEX} names the shard {name!r}, not a file inside "
+                f"{profile.base_dir} (run `molctl check {profile.name}`)"
+            )
     return sorted(set(weight_map.values()))
 
 
@@ -250,8 +292,10 @@ def _not_regular(path: Path) -> ManifestError:
     from molctl.hashing import file_kind
 
     try:
-        return ManifestError(f"{path} is {file_kind(os.stat(path).st_mode)}, not a regular file "
-                             f"(the engine cannot load it; remove it or replace it with the file)")
+        return ManifestError(
+            f"{path} is {file_kind(os.stat(path).st_mode)}, not a regular file "
+            f"(the engine cannot load it; remove it or replace it with the file)"
+        )
     except OSError as exc:
         if not os.path.islink(path):
             return ManifestError(f"{path} cannot be read: {exc.strerror or exc}")
@@ -293,10 +337,12 @@ def adapter_files(directory: Path, strict: bool = True) -> list[str]:
     engine might load is a file to pin). Anything but a regular file is refused when `strict`, else
     listed (as in `base_files`). A folder that cannot be read is refused when `strict` (its files
     would be left out of the manifest unseen), else skipped."""
+
     def unreadable(exc: OSError) -> None:
         if strict:
-            raise ManifestError(f"{exc.filename} cannot be read: {exc.strerror or exc} "
-                                f"(every file under {directory} is pinned)")
+            raise ManifestError(
+                f"{exc.filename} cannot be read: {exc.strerror or exc} (every file under {directory} is pinned)"
+            )
 
     out = []
     for d, subdirs, files in os.walk(directory, onerror=unreadable):
@@ -315,8 +361,12 @@ def adapter_files(directory: Path, strict: bool = True) -> list[str]:
 
 def adapter_meta(directory: Path) -> dict[str, Any]:
     cfg = _read_json_object(directory / "adapter_config.json")
-    return {"r": cfg.get("r"), "lora_alpha": cfg.get("lora_alpha"), "target_modules": cfg.get("target_modules"),
-            "base_model_name_or_path": cfg.get("base_model_name_or_path")}
+    return {
+        "r": cfg.get("r"),
+        "lora_alpha": cfg.get("lora_alpha"),
+        "target_modules": cfg.get("target_modules"),
+        "base_model_name_or_path": cfg.get("base_model_name_or_path"),
+    }
 
 
 def adapter_moe_layout(directory: Path) -> dict[str, Any] | None:
@@ -343,9 +393,12 @@ class LockResult:
 
     def summary(self) -> dict[str, Any]:
         s = self.manifest["summary"]
-        return {"profile": self.manifest["profile"], "manifest": str(self.path) if self.path else None,
-                "engine": {"kind": self.manifest["engine"]["kind"], "version": self.manifest["engine"]["version"]},
-                **s}
+        return {
+            "profile": self.manifest["profile"],
+            "manifest": str(self.path) if self.path else None,
+            "engine": {"kind": self.manifest["engine"]["kind"], "version": self.manifest["engine"]["version"]},
+            **s,
+        }
 
 
 def file_entry(path: Path, name: str, run: HashRun) -> dict[str, Any]:
@@ -358,8 +411,14 @@ def file_entry(path: Path, name: str, run: HashRun) -> dict[str, Any]:
     return entry
 
 
-def build(profile: Profile, state_dir: Path | None, jobs: int | None = None, progress: HashProgress | None = None,
-          hasher=None, environ: dict[str, str] | None = None) -> dict[str, Any]:
+def build(
+    profile: Profile,
+    state_dir: Path | None,
+    jobs: int | None = None,
+    progress: HashProgress | None = None,
+    hasher=None,
+    environ: dict[str, str] | None = None,
+) -> dict[str, Any]:
     """The manifest of `profile` on this host (every file hashed, through the hash cache)."""
     t0 = time.monotonic()
     if not profile.model_root.is_dir():
@@ -384,8 +443,10 @@ def build(profile: Profile, state_dir: Path | None, jobs: int | None = None, pro
     except NotRegularFile as exc:
         raise ManifestError(f"{exc.filename} {exc.strerror}") from None
     except FileChanged as exc:
-        raise ManifestError(f"{exc.filename} {exc.strerror}: run `molctl lock {profile.name}` again once it is "
-                            f"stable (the files hashed so far are cached)") from None
+        raise ManifestError(
+            f"{exc.filename} {exc.strerror}: run `molctl lock {profile.name}` again once it is "
+            f"stable (the files hashed so far are cached)"
+        ) from None
     except OSError as exc:
         if exc.filename and os.path.islink(exc.filename):  # a symlink loop, a link into a folder we cannot enter
             raise _not_regular(Path(exc.filename)) from None
@@ -413,9 +474,14 @@ def build(profile: Profile, state_dir: Path | None, jobs: int | None = None, pro
         "base_files": base_entries,
         "shards": shard_entries,
         "adapters": adapters,
-        "summary": {"files": run.files, "bytes": run.bytes, "hashed_files": run.hashed_files,
-                    "hashed_bytes": run.hashed_bytes, "cached_files": run.files - run.hashed_files,
-                    "seconds": round(time.monotonic() - t0, 3)},
+        "summary": {
+            "files": run.files,
+            "bytes": run.bytes,
+            "hashed_files": run.hashed_files,
+            "hashed_bytes": run.hashed_bytes,
+            "cached_files": run.files - run.hashed_files,
+            "seconds": round(time.monotonic() - t0, 3),
+        },
     }
 
 
@@ -522,12 +588,20 @@ def read(path: Path) -> dict[str, Any]:
         raise ManifestError(f"{path} {problem}")
     problem = _shape_problem(data)
     if problem:
-        raise ManifestError(f"{path} is not a valid molctl lock manifest: {problem} (write a new one: molctl lock PROFILE)")
+        raise ManifestError(
+            f"{path} is not a valid molctl lock manifest: {problem} (write a new one: molctl lock PROFILE)"
+        )
     return data
 
 
-_JSON_TYPES = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
-               type(None): "null"}
+_JSON_TYPES = {
+    list: "an array",
+    str: "a string",
+    int: "a number",
+    float: "a number",
+    bool: "a boolean",
+    type(None): "null",
+}
 
 
 def _kind_problem(data: Any) -> str | None:
@@ -539,8 +613,10 @@ def _kind_problem(data: Any) -> str | None:
         return f"is not a molctl lock manifest: field 'kind' is {data.get('kind')!r}, expected {KIND!r}"
     if data.get("format") != FORMAT:
         by = f" (written by molctl {data['molctl_version']})" if isinstance(data.get("molctl_version"), str) else ""
-        return (f"is a molctl lock manifest of format {data.get('format')!r}{by}; this molctl reads format {FORMAT} "
-                f"(molctl {_molctl_version()}): write a new one with molctl lock PROFILE")
+        return (
+            f"is a molctl lock manifest of format {data.get('format')!r}{by}; this molctl reads format {FORMAT} "
+            f"(molctl {_molctl_version()}): write a new one with molctl lock PROFILE"
+        )
     return None
 
 
@@ -550,14 +626,26 @@ _ENTRY = {"name": str, "size": int, "mtime_ns": int, "sha256": str}
 def _shape_problem(m: dict[str, Any]) -> str | None:
     """The first field of a manifest whose type is not what `molctl lock` writes (a hand-edited or
     damaged file must be one line, not a traceback in `check --verify`), or None."""
+
     def kind(value, want) -> bool:
         return isinstance(value, want) and not (want is int and isinstance(value, bool))
 
-    for key, want in (("profile", str), ("engine", dict), ("argv", list), ("env", dict), ("config", dict),
-                      ("capacity", dict), ("shards", list), ("base_files", list), ("adapters", dict)):
+    for key, want in (
+        ("profile", str),
+        ("engine", dict),
+        ("argv", list),
+        ("env", dict),
+        ("config", dict),
+        ("capacity", dict),
+        ("shards", list),
+        ("base_files", list),
+        ("adapters", dict),
+    ):
         if not kind(m.get(key), want):
             return f"field {key!r} is missing or not a {want.__name__}"
-    if m.get("template") is not None and not (isinstance(m["template"], dict) and isinstance(m["template"].get("sha256"), str)):
+    if m.get("template") is not None and not (
+        isinstance(m["template"], dict) and isinstance(m["template"].get("sha256"), str)
+    ):
         return "field 'template' is neither null nor an object with a 'sha256'"
     if not all(isinstance(a, str) for a in m["argv"]):
         return "field 'argv' holds a non-string"
@@ -582,11 +670,19 @@ def _shape_problem(m: dict[str, Any]) -> str | None:
 
 def _inside(name: str) -> bool:
     """A relative path that stays inside its folder (no `/etc/passwd`, no `../x`; no NUL, which no path holds)."""
-    return bool(name) and "\0" not in name and not os.path.isabs(name) and os.path.normpath(name).split(os.sep)[0] != ".."
+    return (
+        bool(name) and "\0" not in name and not os.path.isabs(name) and os.path.normpath(name).split(os.sep)[0] != ".."
+    )
 
 
-def lock(profile: Profile, state_dir: Path, output: Path | None = None, jobs: int | None = None,
-         progress: HashProgress | None = None, hasher=None) -> LockResult:
+def lock(
+    profile: Profile,
+    state_dir: Path,
+    output: Path | None = None,
+    jobs: int | None = None,
+    progress: HashProgress | None = None,
+    hasher=None,
+) -> LockResult:
     """`molctl lock`: build the manifest and write it (atomically). Where it goes is checked before
     anything is hashed: a 700 GB run must not end on an unwritable --output."""
     path = prepare_output(output or default_path(state_dir, profile.name))

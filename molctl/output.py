@@ -13,7 +13,7 @@ from typing import Any, TextIO
 STATUS_STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red", "skip": "dim"}
 
 
-_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7f) if c != 0x09} | {0x0a: "\\n", 0x0d: "\\r"}
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F) if c != 0x09} | {0x0A: "\\n", 0x0D: "\\r"}
 
 
 def one_line(message: str) -> str:
@@ -94,8 +94,18 @@ class Output:
             return
         self.table(
             ("name", "engine", "served model", "GPUs", "engine port", "proxy port", "source"),
-            [(r["name"], f"{r['engine']} {r['engine_version']}", r["served_model_name"], str(r["gpus"]),
-              str(r["engine_port"]), str(r["proxy_port"]), r["source"]) for r in rows],
+            [
+                (
+                    r["name"],
+                    f"{r['engine']} {r['engine_version']}",
+                    r["served_model_name"],
+                    str(r["gpus"]),
+                    str(r["engine_port"]),
+                    str(r["proxy_port"]),
+                    r["source"],
+                )
+                for r in rows
+            ],
         )
 
     def up_result(self, result: dict) -> None:
@@ -115,8 +125,13 @@ class Output:
         else the tail of the failing component's log on stderr (the error line follows)."""
         tail = getattr(exc, "log_tail", [])
         if self.as_json:
-            data = {"ok": False, "profile": profile, "exit_code": int(exc.exit_status), "error": str(exc),
-                    "log_tail": tail}
+            data = {
+                "ok": False,
+                "profile": profile,
+                "exit_code": int(exc.exit_status),
+                "error": str(exc),
+                "log_tail": tail,
+            }
             report = getattr(exc, "report", None)
             if report is not None:
                 data["checks"] = report.as_dict()["checks"]
@@ -139,25 +154,44 @@ class Output:
             return
         from rich.text import Text
 
-        style = {"ready": "green", "starting": "yellow", "degraded": "yellow", "stopping": "yellow",
-                 "failed": "bold red", "stopped": "dim"}
+        style = {
+            "ready": "green",
+            "starting": "yellow",
+            "degraded": "yellow",
+            "stopping": "yellow",
+            "failed": "bold red",
+            "stopped": "dim",
+        }
         rows = []
         for stack in data["stacks"]:
-            comps = stack["components"] or [{"name": "-", "pid": "-", "alive": False, "port": "-", "health": None,
-                                             "log": "", "uptime_s": None}]
+            comps = stack["components"] or [
+                {"name": "-", "pid": "-", "alive": False, "port": "-", "health": None, "log": "", "uptime_s": None}
+            ]
             for c in comps:
                 up_s = c.get("uptime_s")
-                rows.append((stack["profile"], Text(stack["state"], style=style.get(stack["state"], "")), c["name"],
-                             str(c["pid"]), "yes" if c["alive"] else "no", str(c["port"]), str(c["health"] or "-"),
-                             _duration(up_s) if up_s is not None else "-", c["log"]))
+                rows.append(
+                    (
+                        stack["profile"],
+                        Text(stack["state"], style=style.get(stack["state"], "")),
+                        c["name"],
+                        str(c["pid"]),
+                        "yes" if c["alive"] else "no",
+                        str(c["port"]),
+                        str(c["health"] or "-"),
+                        _duration(up_s) if up_s is not None else "-",
+                        c["log"],
+                    )
+                )
         self.table(("profile", "state", "component", "pid", "alive", "port", "health", "uptime", "log"), rows)
         for stack in data["stacks"]:
             if stack.get("endpoint") and stack["state"] in ("ready", "degraded"):
                 self.line(f"{stack['profile']}: model {stack.get('model')} at {stack['endpoint']}")
             pm = stack.get("proxy_metrics")
             if pm and pm.get("available"):
-                self.line(f"{stack['profile']}: proxy " + ", ".join(f"{k.replace('_', ' ')} {v:g}" for k, v in pm.items()
-                                                                      if k not in ("available", "url")))
+                self.line(
+                    f"{stack['profile']}: proxy "
+                    + ", ".join(f"{k.replace('_', ' ')} {v:g}" for k, v in pm.items() if k not in ("available", "url"))
+                )
             for c in stack["components"]:
                 if c.get("detail"):
                     self.line(f"{stack['profile']}: {c['name']} (pid {c['pid']}) not healthy: {c['detail']}")
@@ -184,9 +218,11 @@ class Output:
             self.json(summary)
             return
         cached = f", {summary['cached_files']} from the hash cache" if summary["cached_files"] else ""
-        self.line(f"locked {summary['profile']} ({summary['engine']['kind']} {summary['engine']['version']}): "
-                  f"{summary['files']} files, {_bytes(summary['bytes'])}; read {summary['hashed_files']} "
-                  f"({_bytes(summary['hashed_bytes'])}){cached} in {summary['seconds']:.1f} s")
+        self.line(
+            f"locked {summary['profile']} ({summary['engine']['kind']} {summary['engine']['version']}): "
+            f"{summary['files']} files, {_bytes(summary['bytes'])}; read {summary['hashed_files']} "
+            f"({_bytes(summary['hashed_bytes'])}){cached} in {summary['seconds']:.1f} s"
+        )
         self.line(f"manifest: {summary['manifest']}")
 
     def demo_init(self, result: dict, template: str, seed: int) -> None:
@@ -197,8 +233,10 @@ class Output:
         elif not result["created"]:
             self.line(f"tiny model already present in {result['root']}")
         else:
-            self.line(f"tiny model written to {result['root']} (vocab {result['vocab_size']}, adapters L0-L3, "
-                      f"{template} chat template, seed {seed})")
+            self.line(
+                f"tiny model written to {result['root']} (vocab {result['vocab_size']}, adapters L0-L3, "
+                f"{template} chat template, seed {seed})"
+            )
 
     def bench(self, data: dict) -> None:
         """`molctl bench`: one table per series (ratios to base-only at the same concurrency), or
@@ -212,13 +250,24 @@ class Output:
             rows = []
             for r in data["rows"]:
                 a, b, q = r["a"] or {}, r["b"] or {}, r["ratio"] or {}
-                rows.append((r["series"], str(r["concurrency"]),
-                             *(f"{ms(a.get(k))} -> {ms(b.get(k))} ({num(q.get(k), '{:.2f}x')})"
-                               for k in ("ttft_p50", "total_p50", "total_p95")),
-                             f"{num(a.get('requests_per_s'))} -> {num(b.get('requests_per_s'))} "
-                             f"({num(q.get('requests_per_s'), '{:.2f}x')})", f"{a.get('errors', '-')} -> {b.get('errors', '-')}"))
-            self.table(("series", "conc", "TTFT p50 ms", "total p50 ms", "total p95 ms", "req/s", "errors"), rows,
-                       title=f"molctl bench --compare {data['a']['run_id']} {data['b']['run_id']} (B/A)")
+                rows.append(
+                    (
+                        r["series"],
+                        str(r["concurrency"]),
+                        *(
+                            f"{ms(a.get(k))} -> {ms(b.get(k))} ({num(q.get(k), '{:.2f}x')})"
+                            for k in ("ttft_p50", "total_p50", "total_p95")
+                        ),
+                        f"{num(a.get('requests_per_s'))} -> {num(b.get('requests_per_s'))} "
+                        f"({num(q.get('requests_per_s'), '{:.2f}x')})",
+                        f"{a.get('errors', '-')} -> {b.get('errors', '-')}",
+                    )
+                )
+            self.table(
+                ("series", "conc", "TTFT p50 ms", "total p50 ms", "total p95 ms", "req/s", "errors"),
+                rows,
+                title=f"molctl bench --compare {data['a']['run_id']} {data['b']['run_id']} (B/A)",
+            )
             return
         for series in dict.fromkeys(c["series"] for c in data["results"]):
             rows = []
@@ -226,19 +275,52 @@ class Output:
                 vs = c["vs_base"] or {}
                 errs = ", ".join(f"{k} {v}" for k, v in sorted(c["errors"].items())) or "0"
                 vram = ", ".join(f"{g['index']}: {g['used_bytes'] / 2**30:.1f}G" for g in c["vram_peak"] or []) or "-"
-                rows.append((str(c["concurrency"]), f"{c['ok']}/{c['requests']}",
-                             *(ms(c[m][p]) for m in ("ttft_s", "total_s") for p in ("p50", "p95", "p99")),
-                             num(c["output_tokens_per_s"], "{:.1f}"), num(c["requests_per_s"]),
-                             num(vs.get("total_p50"), "{:.2f}x"), errs, vram))
-            self.table(("conc", "ok", "TTFT p50", "p95", "p99", "total p50", "p95", "p99", "tok/s", "req/s",
-                        "total p50 vs base", "errors", "VRAM peak"), rows, title=f"{series} (ms)")
+                rows.append(
+                    (
+                        str(c["concurrency"]),
+                        f"{c['ok']}/{c['requests']}",
+                        *(ms(c[m][p]) for m in ("ttft_s", "total_s") for p in ("p50", "p95", "p99")),
+                        num(c["output_tokens_per_s"], "{:.1f}"),
+                        num(c["requests_per_s"]),
+                        num(vs.get("total_p50"), "{:.2f}x"),
+                        errs,
+                        vram,
+                    )
+                )
+            self.table(
+                (
+                    "conc",
+                    "ok",
+                    "TTFT p50",
+                    "p95",
+                    "p99",
+                    "total p50",
+                    "p95",
+                    "p99",
+                    "tok/s",
+                    "req/s",
+                    "total p50 vs base",
+                    "errors",
+                    "VRAM peak",
+                ),
+                rows,
+                title=f"{series} (ms)",
+            )
             for c in (c for c in data["results"] if c["series"] == series and c.get("by_adapter")):
-                self.line("  by adapter at concurrency {}: {}".format(c["concurrency"], "; ".join(
-                    f"{k} p50 {ms(v['total_s']['p50'])} p95 {ms(v['total_s']['p95'])} ms, {sum(v['errors'].values())} err"
-                    for k, v in c["by_adapter"].items())))
+                self.line(
+                    "  by adapter at concurrency {}: {}".format(
+                        c["concurrency"],
+                        "; ".join(
+                            f"{k} p50 {ms(v['total_s']['p50'])} p95 {ms(v['total_s']['p95'])} ms, {sum(v['errors'].values())} err"
+                            for k, v in c["by_adapter"].items()
+                        ),
+                    )
+                )
         if data["vram"]["note"]:
             self.line(data["vram"]["note"])
-        self.line(f"run {data['run_id']}: {data['run_dir']}" + ("" if data["manifest"] else " (no molctl lock manifest)"))
+        self.line(
+            f"run {data['run_id']}: {data['run_dir']}" + ("" if data["manifest"] else " (no molctl lock manifest)")
+        )
 
     def state_stats(self, data: dict) -> None:
         """`molctl state stats`: the response store of a profile."""
@@ -257,9 +339,11 @@ class Output:
         self.line(_store_where(data))
         if data["exists"]:
             r = data["removed"]
-            self.line(f"pruned: {r['expired']} expired, {r['evicted']} evicted over the caps; chat conversation rows: "
-                      f"{r.get('conversation_expired', 0)} expired, {r.get('conversation_evicted', 0)} evicted; "
-                      f"now {_store_counts(data)}")
+            self.line(
+                f"pruned: {r['expired']} expired, {r['evicted']} evicted over the caps; chat conversation rows: "
+                f"{r.get('conversation_expired', 0)} expired, {r.get('conversation_evicted', 0)} evicted; "
+                f"now {_store_counts(data)}"
+            )
 
 
 class HashProgressBar:
@@ -282,9 +366,15 @@ class HashProgressBar:
             TransferSpeedColumn,
         )
 
-        self._progress = Progress(TextColumn(f"hashing {files} file(s)"), BarColumn(), DownloadColumn(),
-                                  TransferSpeedColumn(), TimeRemainingColumn(), console=Console(file=self.stream),
-                                  transient=True)
+        self._progress = Progress(
+            TextColumn(f"hashing {files} file(s)"),
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TimeRemainingColumn(),
+            console=Console(file=self.stream),
+            transient=True,
+        )
         self._progress.start()
         self._task = self._progress.add_task("hash", total=total_bytes)
 
@@ -377,9 +467,11 @@ def _duration(seconds: float) -> str:
 def _store_where(data: dict) -> str:
     if data["backend"] == "redis":
         r = data["redis"]
-        return (f"{data['profile']}: {r['address']} (redis {r['redis_version']}, shared by {len(r['replicas'])} registered "
-                f"replica(s): {', '.join(r['replicas']) or '-'}; maxmemory {r['maxmemory'] or 'unset'}, "
-                f"policy {r['maxmemory_policy']}, used {_bytes(r['used_memory'])})")
+        return (
+            f"{data['profile']}: {r['address']} (redis {r['redis_version']}, shared by {len(r['replicas'])} registered "
+            f"replica(s): {', '.join(r['replicas']) or '-'}; maxmemory {r['maxmemory'] or 'unset'}, "
+            f"policy {r['maxmemory_policy']}, used {_bytes(r['used_memory'])})"
+        )
     if data["backend"] == "memory":
         return f"{data['profile']}: proxy.store is memory: responses live in the proxy process only (nothing on disk)"
     if not data["exists"]:
@@ -392,22 +484,32 @@ def _store_counts(data: dict) -> str:
 
     if data["backend"] == "redis":
         r, b = data["redis"], data["bounds"]
-        return (f"{r['responses']} response(s), {r['conversation_rows']} chat conversation row(s) (turns and tool calls); "
-                f"evicted {r['responses_evicted']} + {r['conversation_evicted']}; bounds: ttl {_ttl(b['ttl_s'])} per key "
-                f"(Redis expires them), {b['max_entries']} per group")
+        return (
+            f"{r['responses']} response(s), {r['conversation_rows']} chat conversation row(s) (turns and tool calls); "
+            f"evicted {r['responses_evicted']} + {r['conversation_evicted']}; bounds: ttl {_ttl(b['ttl_s'])} per key "
+            f"(Redis expires them), {b['max_entries']} per group"
+        )
 
     oldest = data["oldest_created_at"]
-    when = "-" if oldest is None else datetime.datetime.fromtimestamp(oldest, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    when = (
+        "-"
+        if oldest is None
+        else datetime.datetime.fromtimestamp(oldest, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    )
     b = data["bounds"]
-    return (f"{data['responses']} response(s), {_bytes(data['bytes'])} of records ({_bytes(data['file_bytes'])} on disk), "
-            f"oldest {when}; {data['expired_pending']} expired not yet pruned; evicted {data['evicted']}, expired "
-            f"{data['expired']} since created; bounds: ttl {_ttl(b['ttl_s'])}, {_bytes(b['max_bytes'])}, {b['max_entries']} responses"
-            + _conversation_counts(data.get("conversations")))
+    return (
+        f"{data['responses']} response(s), {_bytes(data['bytes'])} of records ({_bytes(data['file_bytes'])} on disk), "
+        f"oldest {when}; {data['expired_pending']} expired not yet pruned; evicted {data['evicted']}, expired "
+        f"{data['expired']} since created; bounds: ttl {_ttl(b['ttl_s'])}, {_bytes(b['max_bytes'])}, {b['max_entries']} responses"
+        + _conversation_counts(data.get("conversations"))
+    )
 
 
 def _conversation_counts(c: dict | None) -> str:
     if not c:
         return ""
-    return (f"; chat conversations: {c['turns']} turn(s), {c['calls']} tool call(s), {_bytes(c['bytes'])}, "
-            f"{c['expired_pending']} expired not yet pruned, evicted {c['evicted']}, expired {c['expired']} "
-            f"(same bounds, counted apart)")
+    return (
+        f"; chat conversations: {c['turns']} turn(s), {c['calls']} tool call(s), {_bytes(c['bytes'])}, "
+        f"{c['expired_pending']} expired not yet pruned, evicted {c['evicted']}, expired {c['expired']} "
+        f"(same bounds, counted apart)"
+    )

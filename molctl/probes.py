@@ -80,9 +80,11 @@ class NvmlProbe:
         worker.start()
         worker.join(self.timeout_s)
         if not result:
-            raise GpuUnavailable(f"NVML did not answer within {self.timeout_s:g} s: a GPU or the driver may be hung "
-                                 "(check nvidia-smi, and dmesg for Xid errors; without persistence mode the first "
-                                 "call initialises every GPU: nvidia-smi -pm 1, or raise MOLCTL_NVML_TIMEOUT_S)")
+            raise GpuUnavailable(
+                f"NVML did not answer within {self.timeout_s:g} s: a GPU or the driver may be hung "
+                "(check nvidia-smi, and dmesg for Xid errors; without persistence mode the first "
+                "call initialises every GPU: nvidia-smi -pm 1, or raise MOLCTL_NVML_TIMEOUT_S)"
+            )
         if isinstance(result[0], BaseException):
             raise result[0]
         return result[0]
@@ -141,8 +143,13 @@ class PortProbe:
             conns = [c for c in psutil.net_connections(kind="tcp") if c.laddr and c.laddr.port == port]
         except psutil.AccessDenied:
             return False
-        closing = {psutil.CONN_TIME_WAIT, psutil.CONN_FIN_WAIT1, psutil.CONN_FIN_WAIT2, psutil.CONN_CLOSING,
-                   psutil.CONN_LAST_ACK}
+        closing = {
+            psutil.CONN_TIME_WAIT,
+            psutil.CONN_FIN_WAIT1,
+            psutil.CONN_FIN_WAIT2,
+            psutil.CONN_CLOSING,
+            psutil.CONN_LAST_ACK,
+        }
         return bool(conns) and all(c.status in closing and not c.pid for c in conns)
 
     def holder(self, port: int) -> tuple[int, str] | None:

@@ -29,8 +29,14 @@ from molctl import procid
 from molctl.state import Record, is_same_process
 
 
-def spawn(argv: Sequence[str], env: Mapping[str, str], log_path: Path, cwd: str | None = None,
-          marker: Mapping[str, str] | None = None, pass_fds: Sequence[int] = ()) -> subprocess.Popen:
+def spawn(
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    log_path: Path,
+    cwd: str | None = None,
+    marker: Mapping[str, str] | None = None,
+    pass_fds: Sequence[int] = (),
+) -> subprocess.Popen:
     """Start a component in its own session: stdin closed, umask 077, output appended to its log,
     the record's marker in its environment and as its working directory (`procid.run_dir`),
     `pass_fds` (host-wide lock files) inherited. A relative program path is resolved first, as
@@ -47,8 +53,18 @@ def spawn(argv: Sequence[str], env: Mapping[str, str], log_path: Path, cwd: str 
             argv[0] = os.path.abspath(argv[0])
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
-        return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=fd, stderr=subprocess.STDOUT,
-                                start_new_session=True, umask=0o077, cwd=cwd, close_fds=True, pass_fds=tuple(pass_fds))
+        return subprocess.Popen(
+            argv,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=fd,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            umask=0o077,
+            cwd=cwd,
+            close_fds=True,
+            pass_fds=tuple(pass_fds),
+        )
     finally:
         os.close(fd)
 
@@ -59,13 +75,32 @@ def new_marker(record_file: Path) -> dict[str, str]:
     return {procid.MARKER_ID: uuid.uuid4().hex, procid.MARKER_PATH: os.path.realpath(record_file)}
 
 
-def record_for(component: str, proc: subprocess.Popen, argv: Sequence[str], port: int, log_path: Path,
-               marker: Mapping[str, str] | None = None, host: str = "127.0.0.1", config: dict | None = None) -> Record:
+def record_for(
+    component: str,
+    proc: subprocess.Popen,
+    argv: Sequence[str],
+    port: int,
+    log_path: Path,
+    marker: Mapping[str, str] | None = None,
+    host: str = "127.0.0.1",
+    config: dict | None = None,
+) -> Record:
     ident = procid.identity(proc.pid)
-    return Record(component=component, pid=proc.pid, pgid=proc.pid, create_time=ident.create_time or time.time(),
-                  argv=list(argv), port=port, log=str(log_path), started_at=time.time(),
-                  start_ticks=ident.start_ticks, boot_id=ident.boot_id,
-                  record_id=(marker or {}).get(procid.MARKER_ID, ""), host=host, config=dict(config or {}))
+    return Record(
+        component=component,
+        pid=proc.pid,
+        pgid=proc.pid,
+        create_time=ident.create_time or time.time(),
+        argv=list(argv),
+        port=port,
+        log=str(log_path),
+        started_at=time.time(),
+        start_ticks=ident.start_ticks,
+        boot_id=ident.boot_id,
+        record_id=(marker or {}).get(procid.MARKER_ID, ""),
+        host=host,
+        config=dict(config or {}),
+    )
 
 
 def kill_fresh(proc: subprocess.Popen, gone_within_s: float = 2.0) -> None:
@@ -183,20 +218,32 @@ class StopResult:
         return not self.survivors
 
 
-def stop(record: Record, timeout_s: float, sleep: Callable[[float], None] = time.sleep,
-         on_escalate: Callable[[], None] | None = None, on_wait: Callable[[float], None] | None = None,
-         wait_every_s: float = 10.0) -> StopResult:
+def stop(
+    record: Record,
+    timeout_s: float,
+    sleep: Callable[[float], None] = time.sleep,
+    on_escalate: Callable[[], None] | None = None,
+    on_wait: Callable[[float], None] | None = None,
+    wait_every_s: float = 10.0,
+) -> StopResult:
     """SIGTERM (then SIGCONT: a stopped process acts on it) the component, wait up to
     `timeout_s`, SIGKILL what is left, verify.
     `on_wait(seconds_left)` is called every `wait_every_s` while it waits (a countdown)."""
-    return stop_processes(record, members(record), timeout_s, sleep, on_escalate, on_wait, wait_every_s,
-                          lambda: members(record))
+    return stop_processes(
+        record, members(record), timeout_s, sleep, on_escalate, on_wait, wait_every_s, lambda: members(record)
+    )
 
 
-def stop_processes(record: Record | None, procs: list[psutil.Process], timeout_s: float,
-                   sleep: Callable[[float], None] = time.sleep, on_escalate: Callable[[], None] | None = None,
-                   on_wait: Callable[[float], None] | None = None, wait_every_s: float = 10.0,
-                   rescan: Callable[[], list[psutil.Process]] | None = None) -> StopResult:
+def stop_processes(
+    record: Record | None,
+    procs: list[psutil.Process],
+    timeout_s: float,
+    sleep: Callable[[float], None] = time.sleep,
+    on_escalate: Callable[[], None] | None = None,
+    on_wait: Callable[[float], None] | None = None,
+    wait_every_s: float = 10.0,
+    rescan: Callable[[], list[psutil.Process]] | None = None,
+) -> StopResult:
     found = len(procs)
     if not procs:
         return StopResult(0, False, [])
@@ -281,8 +328,10 @@ def tail(path: Path | str, lines: int = 80) -> list[str]:
             data = fh.read(end - start)
     except OSError:
         return []
-    out = [line if len(line) <= TAIL_LINE_MAX else "..." + line[-TAIL_LINE_MAX:]
-           for line in data.decode(errors="replace").splitlines()[-lines:]]
+    out = [
+        line if len(line) <= TAIL_LINE_MAX else "..." + line[-TAIL_LINE_MAX:]
+        for line in data.decode(errors="replace").splitlines()[-lines:]
+    ]
     if mid_line and out and not out[0].startswith("..."):
         out[0] = "..." + out[0]
     return out

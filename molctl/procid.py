@@ -44,7 +44,7 @@ def _stat_fields(pid: int) -> list[str] | None:
         raw = (PROC / str(pid) / "stat").read_bytes().decode(errors="replace")
     except (OSError, ValueError):
         return None
-    return raw[raw.rfind(")") + 2:].split()
+    return raw[raw.rfind(")") + 2 :].split()
 
 
 def start_ticks(pid: int) -> int | None:

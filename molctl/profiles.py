@@ -52,6 +52,7 @@ def builtin_profiles_dir() -> Path:
 # (None allowed), `list_of(T)`, `map_of(T)` or a nested dict. `REQUIRED` marks keys that must
 # be present; everything else has a default in the dataclasses below.
 
+
 class _ListOf:
     def __init__(self, item: Any):
         self.item = item
@@ -150,21 +151,33 @@ MAX_GPUS = 1024
 REQUEST_FIELD_MODES = ("ignore", "reject")
 # a DNS name or an IPv4 address, or an IPv6 one in brackets: a proxy.media_url_hosts entry, and
 # the host part of a media URL the proxy lets through (molctl.proxy.validation)
-MEDIA_HOST_PATTERN = (r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*"
-                      r"|\[[0-9A-Fa-f:.]+\]")
+MEDIA_HOST_PATTERN = (
+    r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*"
+    r"|\[[0-9A-Fa-f:.]+\]"
+)
 MEDIA_HOST = re.compile(f"(?:{MEDIA_HOST_PATTERN})")
-NON_EMPTY = ("served_model_name", "base_model", "model_root",
-             "engine.served_name", "engine.host", "proxy.host")
+NON_EMPTY = ("served_model_name", "base_model", "model_root", "engine.served_name", "engine.host", "proxy.host")
 
 REQUIRED = {
-    "name", "served_model_name", "base_model", "model_root", "engine.kind", "engine.version",
-    "engine.port", "engine.served_name", "proxy.port", "prompts.identity", "prompts.route",
-    "prompts.summary", "prompts.adapters",
+    "name",
+    "served_model_name",
+    "base_model",
+    "model_root",
+    "engine.kind",
+    "engine.version",
+    "engine.port",
+    "engine.served_name",
+    "proxy.port",
+    "prompts.identity",
+    "prompts.route",
+    "prompts.summary",
+    "prompts.adapters",
 }
 
 
 # --------------------------------------------------------------------------------------------
 # Typed, immutable profile.
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -388,7 +401,9 @@ def _construct(node: yaml.Node, path: str, lines: dict[str, int]) -> Any:
             key = str(key_node.value) if isinstance(key_node, yaml.ScalarNode) else _key(key_node)
             child = f"{path}.{key}" if path else key
             if key in out:
-                raise ProfileError(f"line {key_node.start_mark.line + 1}: duplicate key '{child}'", None)  # file: by caller
+                raise ProfileError(
+                    f"line {key_node.start_mark.line + 1}: duplicate key '{child}'", None
+                )  # file: by caller
             out[key] = _construct(value_node, child, lines)
         return out
     if isinstance(node, yaml.SequenceNode):
@@ -453,6 +468,7 @@ def load_yaml_with_lines(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
 # --------------------------------------------------------------------------------------------
 # Overrides.
 
+
 def parse_set_option(item: str) -> tuple[str, Any]:
     """`engine.port=9000` -> ("engine.port", 9000). The value is read as YAML, as a profile file
     is, except that what YAML cannot make of it is the text itself (`engine.env.PASS=!secret`: a
@@ -488,7 +504,7 @@ def _unreadable_in(value: Any) -> Unreadable | None:
     if isinstance(value, Unreadable):
         return value
     if isinstance(value, (list, dict)):
-        for v in (value.values() if isinstance(value, dict) else value):
+        for v in value.values() if isinstance(value, dict) else value:
             bad = _unreadable_in(v)
             if bad is not None:
                 return bad
@@ -511,6 +527,7 @@ def apply_overrides(data: dict[str, Any], overrides: Iterable[tuple[str, Any]]) 
 
 # --------------------------------------------------------------------------------------------
 # Validation.
+
 
 def _type_name(spec: Any) -> str:
     if isinstance(spec, tuple):
@@ -604,7 +621,12 @@ class _Validator:
                 self.check(f"{path}[{i}]", item, spec.item)
         elif not _matches(value, spec):
             for option in spec if isinstance(spec, tuple) else ():  # a list value of a "scalar or list" field
-                if isinstance(option, _ListOf) and isinstance(value, list) or isinstance(option, _MapOf) and isinstance(value, dict):
+                if (
+                    isinstance(option, _ListOf)
+                    and isinstance(value, list)
+                    or isinstance(option, _MapOf)
+                    and isinstance(value, dict)
+                ):
                     self.check(path, value, option)  # raises, naming the entry
             raise self.fail(path, f"expected {_type_name(spec)}, got {_shown(value)}")
 
@@ -637,8 +659,13 @@ def _expand_path(raw: str, base: Path) -> Path:
     return path if path.is_absolute() else (base / path)
 
 
-def build_profile(data: dict[str, Any], source: Path, lines: dict[str, int] | None = None,
-                  overrides: Iterable[tuple[str, Any]] = (), expected_name: str | None = None) -> Profile:
+def build_profile(
+    data: dict[str, Any],
+    source: Path,
+    lines: dict[str, int] | None = None,
+    overrides: Iterable[tuple[str, Any]] = (),
+    expected_name: str | None = None,
+) -> Profile:
     """Validate raw profile data (after applying overrides) into an immutable `Profile`.
 
     The schema walk first (unknown keys, types, required fields), then each section's own rules
@@ -715,6 +742,7 @@ def _engine_spec(data: dict[str, Any], proxy: dict[str, Any], v: _Validator) -> 
     if eng["kind"] not in ENGINE_KINDS:
         raise v.fail("engine.kind", f"{eng['kind']!r}: expected one of {', '.join(ENGINE_KINDS)}")
     from packaging.specifiers import InvalidSpecifier, SpecifierSet
+
     try:
         SpecifierSet(eng["version"])
     except InvalidSpecifier:
@@ -729,7 +757,7 @@ def _engine_spec(data: dict[str, Any], proxy: dict[str, Any], v: _Validator) -> 
         raise v.fail("engine.gpus", f"{_short(eng['gpus'])}: expected 0 to {MAX_GPUS}")
     timeout = eng.get("start_timeout_s", 1)
     # the range alone: NaN fails it (.inf and huge ints made `render` raise and `up` wait forever)
-    if not 0 < timeout <= 2 ** 53:
+    if not 0 < timeout <= 2**53:
         raise v.fail("engine.start_timeout_s", f"{_short(timeout)}: must be a finite number of seconds > 0")
     for flag in eng.get("args", {}):
         if flag.startswith("-") or not re.match(r"^[a-z0-9][a-z0-9-]*$", flag):
@@ -808,16 +836,32 @@ def _proxy_spec(data: dict[str, Any], v: _Validator) -> ProxySpec:
         raise v.fail("proxy.default_route", f"{proxy['default_route']!r}: expected one of {', '.join(ROUTES)}")
     if proxy.get("reasoning", "none") not in REASONING_STYLES:
         raise v.fail("proxy.reasoning", f"{proxy['reasoning']!r}: expected one of {', '.join(REASONING_STYLES)}")
-    for key in ("max_output_tokens", "route_max_tokens", "summary_max_tokens", "summary_queue_max",
-                "route_timeout_s", "stream_write_timeout_s", "request_body_timeout_s", "sse_keepalive_s", "store_ttl_s",
-                "store_max_bytes", "store_max_entries", "store_tenant_max_bytes", "store_tenant_max_entries",
-                "max_inflight", "max_queue", "queue_timeout_s", "route_inflight", "summary_inflight"):
+    for key in (
+        "max_output_tokens",
+        "route_max_tokens",
+        "summary_max_tokens",
+        "summary_queue_max",
+        "route_timeout_s",
+        "stream_write_timeout_s",
+        "request_body_timeout_s",
+        "sse_keepalive_s",
+        "store_ttl_s",
+        "store_max_bytes",
+        "store_max_entries",
+        "store_tenant_max_bytes",
+        "store_tenant_max_entries",
+        "max_inflight",
+        "max_queue",
+        "queue_timeout_s",
+        "route_inflight",
+        "summary_inflight",
+    ):
         if proxy.get(key) is not None and proxy[key] <= 0:
             raise v.fail(f"proxy.{key}", "must be > 0")
         if isinstance(proxy.get(key), float) and not math.isfinite(proxy[key]):  # YAML .inf / .nan
             raise v.fail(f"proxy.{key}", f"{proxy[key]}: must be a finite number > 0")
-        if isinstance(proxy.get(key), int) and proxy[key] > 2 ** 53:  # a timer or a size past any float
-            raise v.fail(f"proxy.{key}", f"{_short(proxy[key])}: too large (at most {2 ** 53})")
+        if isinstance(proxy.get(key), int) and proxy[key] > 2**53:  # a timer or a size past any float
+            raise v.fail(f"proxy.{key}", f"{_short(proxy[key])}: too large (at most {2**53})")
     commit = proxy.get("state_commit_ms", 10.0)
     # the range alone: NaN fails it, and math.isfinite would raise on an int too large for a float
     if isinstance(commit, bool) or not (isinstance(commit, (int, float)) and 0 <= commit <= 1000):
@@ -833,13 +877,18 @@ def _proxy_spec(data: dict[str, Any], v: _Validator) -> ProxySpec:
     hosts = []
     for i, host in enumerate(proxy.get("media_url_hosts", ())):
         if host != "*" and not MEDIA_HOST.fullmatch(host):
-            raise v.fail(f"proxy.media_url_hosts[{i}]", f"{_short(host)}: expected a host name such as images.example.com "
-                                                        "(no scheme, port or path), an IP address, or \"*\" for any")
+            raise v.fail(
+                f"proxy.media_url_hosts[{i}]",
+                f"{_short(host)}: expected a host name such as images.example.com "
+                '(no scheme, port or path), an IP address, or "*" for any',
+            )
         hosts.append(host.lower().strip("[]"))
     proxy["media_url_hosts"] = tuple(hosts)
     if proxy.get("request_fields", "ignore") not in REQUEST_FIELD_MODES:
-        raise v.fail("proxy.request_fields", f"{_short(proxy['request_fields'])}: expected one of "
-                                             f"{', '.join(REQUEST_FIELD_MODES)}")
+        raise v.fail(
+            "proxy.request_fields",
+            f"{_short(proxy['request_fields'])}: expected one of {', '.join(REQUEST_FIELD_MODES)}",
+        )
     if "chat_template_kwargs" in proxy:
         proxy["chat_template_kwargs"] = tuple(proxy["chat_template_kwargs"])
     if "store" in proxy:
@@ -885,12 +934,14 @@ def _adapter_spec(data: dict[str, Any], v: _Validator) -> AdapterSpec:
     if adapters.get("rank_equals") is not None and adapters.get("rank_max") is not None:
         raise v.fail("adapters.rank_max", "set either rank_equals or rank_max, not both")
     for key in ("rank_equals", "rank_max"):  # a LoRA rank is at least 1
-        if adapters.get(key) is not None and not 1 <= adapters[key] <= 2 ** 16:
-            raise v.fail(f"adapters.{key}", f"{_short(adapters[key])}: expected a LoRA rank from 1 to {2 ** 16}")
+        if adapters.get(key) is not None and not 1 <= adapters[key] <= 2**16:
+            raise v.fail(f"adapters.{key}", f"{_short(adapters[key])}: expected a LoRA rank from 1 to {2**16}")
     for i, name in enumerate(adapters.get("base_names", ())):
         if not name.strip() or name != name.strip():  # "" is in every declared base: every adapter would pass
-            raise v.fail(f"adapters.base_names[{i}]", f"{_short(name)}: expected a base model name such as GLM-5.2, "
-                                                      "not blank and without surrounding spaces")
+            raise v.fail(
+                f"adapters.base_names[{i}]",
+                f"{_short(name)}: expected a base model name such as GLM-5.2, not blank and without surrounding spaces",
+            )
     return AdapterSpec(
         rank_equals=adapters.get("rank_equals"),
         rank_max=adapters.get("rank_max"),
@@ -917,6 +968,7 @@ def _log_spec(logs: dict[str, Any], v: _Validator) -> LogSpec:
 
 # --------------------------------------------------------------------------------------------
 # Discovery.
+
 
 def profile_dirs(extra: Iterable[str | Path] = ()) -> list[Path]:
     """Built-in folder first, then MOLCTL_PROFILES_DIR entries, then --profiles-dir entries."""
@@ -954,8 +1006,9 @@ def check_profile_name(name: str) -> str:
     caller's "no profile named" answer."""
     if not NAME_RE.fullmatch(name):
         shown = repr(name) if len(name) <= 80 else repr(name[:80]) + "..."
-        raise ProfileError(f"bad profile name {shown}: expected [a-z0-9][a-z0-9-]* (a profile's name, "
-                           f"see `molctl profiles`)")
+        raise ProfileError(
+            f"bad profile name {shown}: expected [a-z0-9][a-z0-9-]* (a profile's name, see `molctl profiles`)"
+        )
     return name
 
 
@@ -979,12 +1032,19 @@ def list_profiles(dirs: list[Path]) -> tuple[list[dict[str, Any]], list[str]]:
         except ProfileError as exc:
             problems.append(str(exc))
             continue
-        rows.append({
-            "name": p.name, "engine": p.engine.kind, "engine_version": p.engine.version,
-            "served_model_name": p.served_model_name, "gpus": p.engine.gpus,
-            "engine_port": p.engine.port, "proxy_port": p.proxy.port, "source": str(path),
-            "description": p.description,
-        })
+        rows.append(
+            {
+                "name": p.name,
+                "engine": p.engine.kind,
+                "engine_version": p.engine.version,
+                "served_model_name": p.served_model_name,
+                "gpus": p.engine.gpus,
+                "engine_port": p.engine.port,
+                "proxy_port": p.proxy.port,
+                "source": str(path),
+                "description": p.description,
+            }
+        )
     return rows, problems
 
 

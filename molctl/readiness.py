@@ -85,8 +85,9 @@ class EngineReadiness:
                 continue
             body = self.engine.smoke_request(self.profile, route)
             try:
-                r = self.client.post(self.url + "/v1/chat/completions", json=body, headers={"X-MoL-Hop": "readiness"},
-                                     timeout=60.0)
+                r = self.client.post(
+                    self.url + "/v1/chat/completions", json=body, headers={"X-MoL-Hop": "readiness"}, timeout=60.0
+                )
             except httpx.HTTPError as exc:
                 return Probe("starting", f"1-token completion on {route} failed: {type(exc).__name__}")
             if r.status_code in (400, 404, 422):  # refused, not busy: waiting changes nothing
@@ -114,9 +115,16 @@ class Poller(Protocol):
     def poll(self) -> Probe: ...
 
 
-def wait_ready(readiness: Poller, timeout_s: float, *, check_alive: Callable[[], None],
-               on_wait: Callable[[float, Probe], None], clock: Callable[[], float] = time.monotonic,
-               sleep: Callable[[float], None] = time.sleep, poll_s: float = POLL_S) -> tuple[Probe, float]:
+def wait_ready(
+    readiness: Poller,
+    timeout_s: float,
+    *,
+    check_alive: Callable[[], None],
+    on_wait: Callable[[float, Probe], None],
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+    poll_s: float = POLL_S,
+) -> tuple[Probe, float]:
     """Poll until the engine is ready, its adapters or version are wrong, or `timeout_s` passed;
     returns the last probe (state "ready", "adapters", "version", or anything else: timed out)
     and the seconds waited.

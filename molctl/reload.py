@@ -29,8 +29,9 @@ def reload(ctx, name: str, kill=os.kill) -> dict[str, Any]:
     records, problems = read_records_checked(ctx.state_dir, name)
     bad = next((p for p in problems if p.component == "proxy"), None)
     if bad is not None:
-        raise ConflictError(f"the proxy record of {name} cannot be read: {bad.path}: {bad.error} "
-                            f"(molctl status {name} shows what runs)")
+        raise ConflictError(
+            f"the proxy record of {name} cannot be read: {bad.path}: {bad.error} (molctl status {name} shows what runs)"
+        )
     record = records.get("proxy")
     if record is None:
         raise NotRunning(f"no proxy of {name} is recorded (molctl up {name} starts the stack)")

@@ -33,7 +33,11 @@ from molctl import __version__, stackconfig
 from molctl.errors import MolctlError, ProfileError, UsageError
 from molctl.profiles import Profile
 from molctl.readiness import proxy_url
-from molctl.redaction import URL_CREDENTIALS_RE, is_secret_name, secret_engine_args  # what `lock` redacts, render refuses
+from molctl.redaction import (
+    URL_CREDENTIALS_RE,
+    is_secret_name,
+    secret_engine_args,
+)  # what `lock` redacts, render refuses
 from molctl.start import PROXY_READY_TIMEOUT_S, UpOptions, engine_argv, engine_env, engine_upstream, proxy_argv
 from molctl.stop import ENGINE_STOP_TIMEOUT_S
 
@@ -121,8 +125,18 @@ class Stack:
     proxy_argv: list[str]  # without --proxy-arg
 
 
-def load_stack(name: str, dirs: list[Path], overrides: list[tuple[str, Any]], opts: RenderOptions, *, key_args: list[str],
-               python: str, state_dir: Path, proxy_profiles_dirs: list[Path], default_engine_python: str | None = None) -> Stack:
+def load_stack(
+    name: str,
+    dirs: list[Path],
+    overrides: list[tuple[str, Any]],
+    opts: RenderOptions,
+    *,
+    key_args: list[str],
+    python: str,
+    state_dir: Path,
+    proxy_profiles_dirs: list[Path],
+    default_engine_python: str | None = None,
+) -> Stack:
     """The profile with `overrides` (and `engine.python` = `default_engine_python` when the
     profile names none), and the engine and proxy argv `up` builds from it."""
     profile, config = stackconfig.load(name, dirs, overrides)
@@ -131,16 +145,20 @@ def load_stack(name: str, dirs: list[Path], overrides: list[tuple[str, Any]], op
         profile, config = stackconfig.load(name, dirs, overrides)
     secret = next((k for k in profile.engine.env if is_secret_name(k)), None)
     if secret is not None:
-        raise ProfileError(f"{config['source']}: field 'engine.env.{secret}': its name says it is a secret (KEY, TOKEN, "
-                           "SECRET, PASSWORD, PASSWD or CREDENTIAL), and render never writes secrets into manifests or "
-                           "units: remove it from the profile and give it to the engine from a Secret (render k8s "
-                           "--engine-env-secret) or the engine unit's EnvironmentFile")
+        raise ProfileError(
+            f"{config['source']}: field 'engine.env.{secret}': its name says it is a secret (KEY, TOKEN, "
+            "SECRET, PASSWORD, PASSWD or CREDENTIAL), and render never writes secrets into manifests or "
+            "units: remove it from the profile and give it to the engine from a Secret (render k8s "
+            "--engine-env-secret) or the engine unit's EnvironmentFile"
+        )
     in_url = next((k for k, v in profile.engine.env.items() if URL_CREDENTIALS_RE.search(str(v))), None)
     if in_url is not None:
-        raise ProfileError(f"{config['source']}: field 'engine.env.{in_url}': its value is a URL with a user name or "
-                           "password (scheme://user:pass@host), and render never writes secrets into manifests or units: "
-                           "give the variable to the engine from a Secret (render k8s --engine-env-secret) or the engine "
-                           "unit's EnvironmentFile")
+        raise ProfileError(
+            f"{config['source']}: field 'engine.env.{in_url}': its value is a URL with a user name or "
+            "password (scheme://user:pass@host), and render never writes secrets into manifests or units: "
+            "give the variable to the engine from a Secret (render k8s --engine-env-secret) or the engine "
+            "unit's EnvironmentFile"
+        )
     _refuse_secret_args(profile, config["source"])
     up_opts = UpOptions(overrides=overrides, drain_timeout_s=opts.drain_timeout_s, profiles_dirs=proxy_profiles_dirs)
     proxy = proxy_argv(profile, up_opts, key_args, engine_upstream(profile), python=python, state_dir=state_dir)
@@ -153,9 +171,11 @@ def _refuse_secret_args(profile: Profile, source: str) -> None:
     whose value is a URL with a user name or password: it would be written in clear into the
     args, the proxy's --set-json, the ConfigMap or ExecStart=."""
     for flag, why in secret_engine_args(profile.engine.args)[:1]:
-        raise ProfileError(f"{source}: field 'engine.args.{flag}': {why}, and render never writes secrets into "
-                           "manifests or units: give it to the engine through its environment (e.g. VLLM_API_KEY, "
-                           "HF_TOKEN) from a Secret (render k8s --engine-env-secret) or the engine unit's EnvironmentFile")
+        raise ProfileError(
+            f"{source}: field 'engine.args.{flag}': {why}, and render never writes secrets into "
+            "manifests or units: give it to the engine through its environment (e.g. VLLM_API_KEY, "
+            "HF_TOKEN) from a Secret (render k8s --engine-env-secret) or the engine unit's EnvironmentFile"
+        )
 
 
 def _check_common(opts: RenderOptions) -> None:
@@ -181,6 +201,7 @@ def default_shm_size(profile: Profile) -> str:
 
 # ------------------------------------------------------------------------------------ Kubernetes
 
+
 def render_k8s(name: str, dirs: list[Path], opts: RenderOptions) -> tuple[list[dict[str, Any]], list[str]]:
     """The objects, in apply order (ConfigMap, Service, StatefulSet), and warnings for the operator."""
     _check_common(opts)
@@ -193,8 +214,12 @@ def render_k8s(name: str, dirs: list[Path], opts: RenderOptions) -> tuple[list[d
     obj_name = opts.name or f"molctl-{name}"
     if opts.name is not None:
         _check_object_name("--name", opts.name)
-    for label, value in (("--namespace", opts.namespace), ("--api-key-secret", opts.api_key_secret),
-                         ("--model-pvc", opts.model_pvc), ("--engine-env-secret", opts.engine_env_secret)):
+    for label, value in (
+        ("--namespace", opts.namespace),
+        ("--api-key-secret", opts.api_key_secret),
+        ("--model-pvc", opts.model_pvc),
+        ("--engine-env-secret", opts.engine_env_secret),
+    ):
         if value is not None and not DNS_LABEL.match(value):
             raise UsageError(f"{label} {value!r}: expected a DNS label (lowercase letters, digits, '-', at most 63)")
     if opts.shm_size is not None and not QUANTITY.match(opts.shm_size):
@@ -210,29 +235,57 @@ def render_k8s(name: str, dirs: list[Path], opts: RenderOptions) -> tuple[list[d
     overrides = [("proxy.host", "0.0.0.0"), *opts.overrides, *_store_overrides(opts)]
     if stackconfig.load(name, dirs, overrides)[0].proxy.metrics_port:
         overrides.insert(1, ("proxy.metrics_host", "0.0.0.0"))
-    stack = load_stack(name, dirs, overrides, opts, key_args=key_args, python=opts.python, state_dir=Path(STATE_MOUNT),
-                       proxy_profiles_dirs=[Path(PROFILES_MOUNT)], default_engine_python=opts.python)
+    stack = load_stack(
+        name,
+        dirs,
+        overrides,
+        opts,
+        key_args=key_args,
+        python=opts.python,
+        state_dir=Path(STATE_MOUNT),
+        proxy_profiles_dirs=[Path(PROFILES_MOUNT)],
+        default_engine_python=opts.python,
+    )
     if opts.name is None:  # checked once the profile is known to exist (an unknown one is exit 3)
         _check_object_name(f"the default name {obj_name!r} (molctl-PROFILE) is not usable: give --name;", obj_name)
     if not LABEL_VALUE.match(name):
-        raise ProfileError(f"profile {name!r}: its name is the label molctl.io/profile of every object, and is no "
-                           "Kubernetes label value (at most 63 characters, ending in a letter or digit): rename the "
-                           "profile")
-    labels = {"app.kubernetes.io/name": "molctl", "app.kubernetes.io/instance": obj_name,
-              "app.kubernetes.io/managed-by": "molctl", "molctl.io/profile": name}
+        raise ProfileError(
+            f"profile {name!r}: its name is the label molctl.io/profile of every object, and is no "
+            "Kubernetes label value (at most 63 characters, ending in a letter or digit): rename the "
+            "profile"
+        )
+    labels = {
+        "app.kubernetes.io/name": "molctl",
+        "app.kubernetes.io/instance": obj_name,
+        "app.kubernetes.io/managed-by": "molctl",
+        "molctl.io/profile": name,
+    }
     meta = {"name": obj_name, "labels": labels}
     if opts.namespace:
         meta["namespace"] = opts.namespace
     source = Path(stack.config["source"])  # the file itself: the proxy loads it with the same overrides as `up`
-    config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {**meta, "name": f"{obj_name}-profile"},
-                  "data": {f"{name}.yaml": source.read_text(encoding="utf-8")}}
-    service = {"apiVersion": "v1", "kind": "Service", "metadata": meta,
-               "spec": {"type": "ClusterIP", "selector": {"app.kubernetes.io/instance": obj_name},
-                        "ports": [{"name": "http", "port": stack.profile.proxy.port, "targetPort": "http", "protocol": "TCP"}]}}
+    config_map = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {**meta, "name": f"{obj_name}-profile"},
+        "data": {f"{name}.yaml": source.read_text(encoding="utf-8")},
+    }
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": meta,
+        "spec": {
+            "type": "ClusterIP",
+            "selector": {"app.kubernetes.io/instance": obj_name},
+            "ports": [{"name": "http", "port": stack.profile.proxy.port, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
     pod = _pod_spec(stack, opts, obj_name, password_ref)
     annotations = {"molctl.io/config-digest": stack.config["digest"]}  # a changed configuration rolls the pods
     statefulset = {
-        "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": meta,
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": meta,
         "spec": {
             "serviceName": obj_name,
             "replicas": opts.replicas,
@@ -244,8 +297,10 @@ def render_k8s(name: str, dirs: list[Path], opts: RenderOptions) -> tuple[list[d
     }
     warnings = []
     if opts.replicas > 1 and not stack.profile.proxy.store.startswith(("redis://", "rediss://")):
-        warnings.append(f"--replicas {opts.replicas} with proxy.store {stack.profile.proxy.store!r}: each pod keeps its own "
-                        "conversations and responses; a turn that reaches another pod loses them (use --store redis://...)")
+        warnings.append(
+            f"--replicas {opts.replicas} with proxy.store {stack.profile.proxy.store!r}: each pod keeps its own "
+            "conversations and responses; a turn that reaches another pod loses them (use --store redis://...)"
+        )
     warnings += _affinity_warnings(stack.profile, opts)
     return [config_map, service, statefulset], warnings
 
@@ -255,9 +310,11 @@ def _check_object_name(label: str, value: str) -> None:
     if OBJECT_NAME.match(value) and len(value) <= MAX_NAME:
         return
     shown = label if label.endswith(";") else f"{label} {value!r}:"
-    raise UsageError(f"{shown} expected at most {MAX_NAME} lowercase letters, digits and '-', starting with a letter "
-                     "and ending with a letter or digit (a Service name; each pod of the StatefulSet carries the label "
-                     f"controller-revision-hash=NAME-<10 characters>, at most 63)")
+    raise UsageError(
+        f"{shown} expected at most {MAX_NAME} lowercase letters, digits and '-', starting with a letter "
+        "and ending with a letter or digit (a Service name; each pod of the StatefulSet carries the label "
+        f"controller-revision-hash=NAME-<10 characters>, at most 63)"
+    )
 
 
 def _affinity_warnings(profile: Profile, opts: RenderOptions) -> list[str]:
@@ -275,13 +332,17 @@ def _affinity_warnings(profile: Profile, opts: RenderOptions) -> list[str]:
     engine_loopback = profile.engine.host in ("localhost", "::1") or profile.engine.host.startswith("127.")
     if advertised and not engine_loopback:
         return []
-    why = (f"the engine listens on {profile.engine.host}" if engine_loopback else "") + \
-          (" and " if engine_loopback and not advertised else "") + \
-          ("" if advertised else f"each proxy advertises its engine as {engine_upstream(profile)} (its own pod)")
-    return [f"--replicas {opts.replicas} on the shared store {profile.proxy.store}: {why}, so a pod cannot reach its "
-            "peers' engines and conversation affinity is off (prefix caches are not reused across pods): add --set "
-            f"engine.host=0.0.0.0 --proxy-arg='--advertise-upstream=http://$(POD_IP):{profile.engine.port}' (and a "
-            "NetworkPolicy that keeps the engine port to the pods)"]
+    why = (
+        (f"the engine listens on {profile.engine.host}" if engine_loopback else "")
+        + (" and " if engine_loopback and not advertised else "")
+        + ("" if advertised else f"each proxy advertises its engine as {engine_upstream(profile)} (its own pod)")
+    )
+    return [
+        f"--replicas {opts.replicas} on the shared store {profile.proxy.store}: {why}, so a pod cannot reach its "
+        "peers' engines and conversation affinity is off (prefix caches are not reused across pods): add --set "
+        f"engine.host=0.0.0.0 --proxy-arg='--advertise-upstream=http://$(POD_IP):{profile.engine.port}' (and a "
+        "NetworkPolicy that keeps the engine port to the pods)"
+    ]
 
 
 def k8s_escape(argv: list[str]) -> list[str]:
@@ -296,7 +357,9 @@ def _secret_ref(label: str, spec: str | None, default_key: str) -> dict[str, str
         return None
     secret, _, key = spec.partition(":")
     if not DNS_LABEL.match(secret) or (key and not re.match(r"^[-._a-zA-Z0-9]+$", key)):
-        raise UsageError(f"{label} {spec!r}: expected SECRET or SECRET:KEY (a DNS label, a key of letters, digits, '-._')")
+        raise UsageError(
+            f"{label} {spec!r}: expected SECRET or SECRET:KEY (a DNS label, a key of letters, digits, '-._')"
+        )
     return {"name": secret, "key": key or default_key}
 
 
@@ -311,9 +374,11 @@ def _pod_spec(stack: Stack, opts: RenderOptions, obj_name: str, password_ref: di
     # A failed liveness or startup probe restarts the engine container alone: within this grace (the
     # preStop's wait for a drain that does not come, the engine's stop, the margin), not the pod's,
     # which is sized for the proxy's whole drain.
-    exec_probe = {"exec": {"command": [engine_python, "-c", PROBE_SCRIPT, engine_health, str(engine.health_timeout_s + 2)]},
-                  "timeoutSeconds": probe_timeout,
-                  "terminationGracePeriodSeconds": math.ceil(DRAIN_SEEN_WITHIN_S + opts.stop_timeout_s + STOP_MARGIN_S)}
+    exec_probe = {
+        "exec": {"command": [engine_python, "-c", PROBE_SCRIPT, engine_health, str(engine.health_timeout_s + 2)]},
+        "timeoutSeconds": probe_timeout,
+        "terminationGracePeriodSeconds": math.ceil(DRAIN_SEEN_WITHIN_S + opts.stop_timeout_s + STOP_MARGIN_S),
+    }
     proxy_port = profile.proxy.port
     # no secrets (load_stack refuses them); `$` doubled: Kubernetes expands `$(VAR)` in env values as in args
     env_vars = [{"name": k, "value": k8s_escape([v])[0]} for k, v in stack.engine_env.items()]
@@ -326,20 +391,38 @@ def _pod_spec(stack: Stack, opts: RenderOptions, obj_name: str, password_ref: di
         "env": env_vars,
         **({"envFrom": [{"secretRef": {"name": opts.engine_env_secret}}]} if opts.engine_env_secret else {}),
         "ports": [{"name": "engine", "containerPort": profile.engine.port, "protocol": "TCP"}],
-        "volumeMounts": [{"name": "model", "mountPath": str(profile.model_root), "readOnly": True},
-                         {"name": "dshm", "mountPath": "/dev/shm"}],
-        "startupProbe": {**exec_probe, "periodSeconds": STARTUP_PERIOD_S,
-                         "failureThreshold": math.ceil(profile.engine.start_timeout_s / STARTUP_PERIOD_S)},
+        "volumeMounts": [
+            {"name": "model", "mountPath": str(profile.model_root), "readOnly": True},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+        ],
+        "startupProbe": {
+            **exec_probe,
+            "periodSeconds": STARTUP_PERIOD_S,
+            "failureThreshold": math.ceil(profile.engine.start_timeout_s / STARTUP_PERIOD_S),
+        },
         "livenessProbe": {**exec_probe, "periodSeconds": 30, "failureThreshold": 3},
-        "lifecycle": {"preStop": {"exec": {"command": [
-            engine_python, "-c", WAIT_GONE_SCRIPT, str(DRAIN_SEEN_WITHIN_S), f"http://127.0.0.1:{proxy_port}/health",
-            str(math.ceil(PRESTOP_DELAY_S + opts.drain_timeout_s + STOP_MARGIN_S))]}}},
+        "lifecycle": {
+            "preStop": {
+                "exec": {
+                    "command": [
+                        engine_python,
+                        "-c",
+                        WAIT_GONE_SCRIPT,
+                        str(DRAIN_SEEN_WITHIN_S),
+                        f"http://127.0.0.1:{proxy_port}/health",
+                        str(math.ceil(PRESTOP_DELAY_S + opts.drain_timeout_s + STOP_MARGIN_S)),
+                    ]
+                }
+            }
+        },
     }
     if profile.engine.gpus > 0:
         gpus = {"nvidia.com/gpu": profile.engine.gpus}
         engine_container["resources"] = {"requests": dict(gpus), "limits": dict(gpus)}
-    downward = [{"name": n, "valueFrom": {"fieldRef": {"fieldPath": f}}}
-                for n, f in (("POD_NAME", "metadata.name"), ("POD_NAMESPACE", "metadata.namespace"), ("POD_IP", "status.podIP"))]
+    downward = [
+        {"name": n, "valueFrom": {"fieldRef": {"fieldPath": f}}}
+        for n, f in (("POD_NAME", "metadata.name"), ("POD_NAMESPACE", "metadata.namespace"), ("POD_IP", "status.podIP"))
+    ]
     if password_ref is not None:
         downward.append({"name": STORE_PASSWORD_ENV, "valueFrom": {"secretKeyRef": password_ref}})
     ports = [{"name": "http", "containerPort": proxy_port, "protocol": "TCP"}]
@@ -347,8 +430,10 @@ def _pod_spec(stack: Stack, opts: RenderOptions, obj_name: str, password_ref: di
     if metrics_port:
         ports.append({"name": "metrics", "containerPort": metrics_port, "protocol": "TCP"})
     readyz_timeout = math.ceil(max(2.0, engine.health_timeout_s)) + 3
-    proxy_mounts = [{"name": "profile", "mountPath": PROFILES_MOUNT, "readOnly": True},
-                    {"name": "state", "mountPath": STATE_MOUNT}]
+    proxy_mounts = [
+        {"name": "profile", "mountPath": PROFILES_MOUNT, "readOnly": True},
+        {"name": "state", "mountPath": STATE_MOUNT},
+    ]
     if not opts.allow_unauthenticated:
         proxy_mounts.append({"name": "api-keys", "mountPath": KEYS_MOUNT, "readOnly": True})
     proxy_container = {
@@ -359,10 +444,18 @@ def _pod_spec(stack: Stack, opts: RenderOptions, obj_name: str, password_ref: di
         "env": downward,
         "ports": ports,
         "volumeMounts": proxy_mounts,
-        "readinessProbe": {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 5,
-                           "timeoutSeconds": readyz_timeout, "failureThreshold": 2},
-        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10,
-                          "timeoutSeconds": 5, "failureThreshold": 3},
+        "readinessProbe": {
+            "httpGet": {"path": "/readyz", "port": "http"},
+            "periodSeconds": 5,
+            "timeoutSeconds": readyz_timeout,
+            "failureThreshold": 2,
+        },
+        "livenessProbe": {
+            "httpGet": {"path": "/health", "port": "http"},
+            "periodSeconds": 10,
+            "timeoutSeconds": 5,
+            "failureThreshold": 3,
+        },
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_DELAY_S}}},
     }
     model_volume: dict[str, Any] = {"name": "model"}
@@ -378,8 +471,16 @@ def _pod_spec(stack: Stack, opts: RenderOptions, obj_name: str, password_ref: di
     ]
     if not opts.allow_unauthenticated:
         secret = opts.api_key_secret or f"{obj_name}-api-keys"
-        volumes.append({"name": "api-keys", "secret": {"secretName": secret, "defaultMode": 0o440,
-                                                      "items": [{"key": KEYS_SECRET_KEY, "path": KEYS_SECRET_KEY}]}})
+        volumes.append(
+            {
+                "name": "api-keys",
+                "secret": {
+                    "secretName": secret,
+                    "defaultMode": 0o440,
+                    "items": [{"key": KEYS_SECRET_KEY, "path": KEYS_SECRET_KEY}],
+                },
+            }
+        )
     return {
         "terminationGracePeriodSeconds": grace_period_s(opts),
         "enableServiceLinks": False,  # no FOO_PORT=tcp://... variables from other Services in the engine's environment
@@ -405,8 +506,10 @@ _Dumper.add_representer(str, _str_representer)
 
 
 def k8s_yaml(objects: list[dict[str, Any]]) -> list[str]:
-    return [yaml.dump(o, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=1_000_000, allow_unicode=True)
-            for o in objects]
+    return [
+        yaml.dump(o, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=1_000_000, allow_unicode=True)
+        for o in objects
+    ]
 
 
 def k8s_stream(name: str, objects: list[dict[str, Any]]) -> str:
@@ -417,12 +520,18 @@ def k8s_stream(name: str, objects: list[dict[str, Any]]) -> str:
 
 def k8s_files(objects: list[dict[str, Any]]) -> dict[str, str]:
     """One file per object: `KIND-NAME.yaml` (kind in lowercase)."""
-    return {f"{o['kind'].lower()}-{o['metadata']['name']}.yaml": doc for o, doc in zip(objects, k8s_yaml(objects), strict=True)}
+    return {
+        f"{o['kind'].lower()}-{o['metadata']['name']}.yaml": doc
+        for o, doc in zip(objects, k8s_yaml(objects), strict=True)
+    }
 
 
 # ------------------------------------------------------------------------------------ systemd
 
-def render_systemd(name: str, dirs: list[Path], opts: RenderOptions, warnings: list[str] | None = None) -> dict[str, str]:
+
+def render_systemd(
+    name: str, dirs: list[Path], opts: RenderOptions, warnings: list[str] | None = None
+) -> dict[str, str]:
     """`{unit file name: text}`: the engine unit and the proxy unit, running the argv `up` would
     run on this host (this interpreter, these profile folders, this state dir). Warnings for the
     operator are appended to `warnings`."""
@@ -443,12 +552,21 @@ def render_systemd(name: str, dirs: list[Path], opts: RenderOptions, warnings: l
     # MOLCTL_PROFILES_DIR folders that exist, then --profiles-dir), named on the units' argv: `up`'s
     # proxy inherits MOLCTL_PROFILES_DIR, a unit does not inherit the renderer's environment.
     profiles_dirs = [Path(d).resolve() for d in dirs[1:] if Path(d).is_dir()]
-    stack = load_stack(name, dirs, overrides, opts, key_args=key_args, python=sys.executable, state_dir=state_dir,
-                       proxy_profiles_dirs=profiles_dirs)
+    stack = load_stack(
+        name,
+        dirs,
+        overrides,
+        opts,
+        key_args=key_args,
+        python=sys.executable,
+        state_dir=state_dir,
+        proxy_profiles_dirs=profiles_dirs,
+    )
     profile = stack.profile
     if warnings is not None:
-        warnings += _user_warnings(opts.user, [Path(sys.executable), state_dir, profile.model_root, opts.api_key_file,
-                                               *profiles_dirs])
+        warnings += _user_warnings(
+            opts.user, [Path(sys.executable), state_dir, profile.model_root, opts.api_key_file, *profiles_dirs]
+        )
     engine_unit, proxy_unit = f"molctl-{name}-engine.service", f"molctl-{name}-proxy.service"
     wait = [sys.executable, "-m", "molctl.waitready"]
     for d in profiles_dirs:
@@ -511,8 +629,10 @@ def render_systemd(name: str, dirs: list[Path], opts: RenderOptions, warnings: l
     for line in (*engine_lines, *proxy_lines):  # a line break would end the directive and start another one
         at = min((i for i in (line.find("\n"), line.find("\r")) if i >= 0), default=-1)
         if at >= 0:
-            raise UsageError(f"systemd: {line.split('=', 1)[0]}= would hold a line break (which would start another "
-                             f"directive), at ...{line[max(0, at - 60):at + 60]!r}...")
+            raise UsageError(
+                f"systemd: {line.split('=', 1)[0]}= would hold a line break (which would start another "
+                f"directive), at ...{line[max(0, at - 60) : at + 60]!r}..."
+            )
     return {engine_unit: "\n".join(engine_lines) + "\n", proxy_unit: "\n".join(proxy_lines) + "\n"}
 
 
@@ -531,13 +651,18 @@ def _user_warnings(user: str | None, paths: list[Path | None]) -> list[str]:
     if user is None or user == getpass.getuser():
         return []
     home = Path.home().resolve()
-    inside = [str(p) for p in paths if p is not None and (Path(p).expanduser().resolve() == home
-                                                          or home in Path(p).expanduser().resolve().parents)]
+    inside = [
+        str(p)
+        for p in paths
+        if p is not None and (Path(p).expanduser().resolve() == home or home in Path(p).expanduser().resolve().parents)
+    ]
     if not inside:
         return []
-    return [f"--user {user}: the units name {', '.join(dict.fromkeys(inside))} in {home}, the home of "
-            f"{getpass.getuser()}, which {user} may not be able to read: put them where {user} can (--model-root, "
-            "--state-dir, an interpreter outside the home) or render as that user"]
+    return [
+        f"--user {user}: the units name {', '.join(dict.fromkeys(inside))} in {home}, the home of "
+        f"{getpass.getuser()}, which {user} may not be able to read: put them where {user} can (--model-root, "
+        "--state-dir, an interpreter outside the home) or render as that user"
+    ]
 
 
 def _exec_line(argv: list[str]) -> str:
@@ -565,6 +690,7 @@ def systemd_stream(units: dict[str, str]) -> str:
 
 
 # ------------------------------------------------------------------------------------ output
+
 
 def write_files(directory: Path, files: dict[str, str]) -> list[Path]:
     """Write `files` into `directory` (created if missing): each to a temporary file first, then

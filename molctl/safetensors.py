@@ -17,10 +17,26 @@ from pathlib import Path
 from typing import Any
 
 DTYPE_BYTES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "F4": 1, "F6_E2M3": 1, "F6_E3M2": 1,
-    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-    "I32": 4, "U32": 4, "F32": 4,
-    "I64": 8, "U64": 8, "F64": 8, "C64": 8,
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E8M0": 1,
+    "F4": 1,
+    "F6_E2M3": 1,
+    "F6_E3M2": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+    "C64": 8,
 }
 MAX_HEADER = 100 * 1024 * 1024  # the format's own limit
 
@@ -86,7 +102,9 @@ def read_header(path: Path) -> SafetensorsHeader:
         if info["dtype"] == "F4":
             expected = (prod(shape) + 1) // 2
         if type(begin) is not int or type(end) is not int or begin < 0 or end - begin != expected:
-            raise HeaderError(f"tensor {name!r}: data_offsets [{begin}, {end}] do not match {info['dtype']} {info['shape']}")
+            raise HeaderError(
+                f"tensor {name!r}: data_offsets [{begin}, {end}] do not match {info['dtype']} {info['shape']}"
+            )
         if end > max_end:
             max_end = end
         spans.append((begin, end, name))
@@ -98,7 +116,11 @@ def read_header(path: Path) -> SafetensorsHeader:
     at = 0
     for begin, end, name in sorted(spans):  # the loader (safetensors' validate) wants the spans back to back from 0
         if begin != at:
-            what = "overlaps the tensor before it" if begin < at else f"leaves a gap (bytes {at}..{begin} belong to no tensor)"
+            what = (
+                "overlaps the tensor before it"
+                if begin < at
+                else f"leaves a gap (bytes {at}..{begin} belong to no tensor)"
+            )
             raise HeaderError(f"tensor {name!r}: data_offsets [{begin}, {end}] {what}")
         at = end
     return SafetensorsHeader(obj, metadata, 8 + n, size, data_end)
@@ -110,8 +132,13 @@ def _clip(value: Any, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def write_file(path: Path, tensors: dict[str, tuple[str, tuple[int, ...]]], data: dict[str, bytes] | None = None,
-               metadata: dict[str, str] | None = None, sparse: bool = False) -> None:
+def write_file(
+    path: Path,
+    tensors: dict[str, tuple[str, tuple[int, ...]]],
+    data: dict[str, bytes] | None = None,
+    metadata: dict[str, str] | None = None,
+    sparse: bool = False,
+) -> None:
     """Write a safetensors file. Without `data`, tensor bytes are zeros (or a hole when `sparse`).
 
     Used by `molctl demo init` and by tests to build layouts with real headers."""

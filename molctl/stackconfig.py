@@ -39,8 +39,13 @@ def load(name: str, dirs: Iterable[Path], overrides: Iterable[tuple[str, Any]] =
     overrides = [(k, v) for k, v in overrides]
     data, lines = load_yaml_with_lines(path)
     profile = build_profile(data, path, lines, overrides, expected_name=path.stem)  # applies the overrides to data
-    return profile, {"profile": name, "source": str(path), "data": data, "digest": digest(data),
-                     "overrides": [[k, v] for k, v in overrides]}
+    return profile, {
+        "profile": name,
+        "source": str(path),
+        "data": data,
+        "digest": digest(data),
+        "overrides": [[k, v] for k, v in overrides],
+    }
 
 
 def digest(data: dict) -> str:
@@ -83,8 +88,14 @@ def differences(old: dict, new: dict, limit: int = 3) -> str:
     return ", ".join(shown) + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
 
 
-def up_command(name: str, overrides: Iterable[tuple[str, Any]], key_args: list[str], state_dir: Path | None = None,
-               profiles_dirs: Iterable[Path] = (), options: Iterable[str] = ()) -> str:
+def up_command(
+    name: str,
+    overrides: Iterable[tuple[str, Any]],
+    key_args: list[str],
+    state_dir: Path | None = None,
+    profiles_dirs: Iterable[Path] = (),
+    options: Iterable[str] = (),
+) -> str:
     """The `molctl up` command line that starts this configuration again (values as JSON, which
     `--set` reads back as the same typed value), with the start's `options` (`--skip`,
     `--timeout`: a stack that needed them to start needs them again)."""

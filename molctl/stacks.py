@@ -33,16 +33,19 @@ def component_url(record: Record) -> str:
 
 def running_profiles(state_dir: Path) -> list[str]:
     """Profiles with a live process, or a record that cannot be read (it may hide one)."""
-    return [p for p in profiles_with_records(state_dir) if stack_pids(state_dir, p)
-            or read_records_checked(state_dir, p)[1]]
+    return [
+        p for p in profiles_with_records(state_dir) if stack_pids(state_dir, p) or read_records_checked(state_dir, p)[1]
+    ]
 
 
 def stack_ready(records: dict[str, Record]) -> bool:
     """Both recorded components alive and healthy, probed on their recorded host and port."""
     if set(records) != set(COMPONENTS) or not all(is_same_process(r) for r in records.values()):
         return False
-    return (http_status(component_url(records["engine"]) + "/health") == 200
-            and http_status(component_url(records["proxy"]) + "/readyz") == 200)
+    return (
+        http_status(component_url(records["engine"]) + "/health") == 200
+        and http_status(component_url(records["proxy"]) + "/readyz") == 200
+    )
 
 
 def recorded_config(records: dict[str, Record]) -> dict:
@@ -65,7 +68,7 @@ def unrecorded_marked(state_dir: Path, names: list[str] | None = None) -> dict[t
     ids: dict[str, dict[str, str]] = {}
     groups: dict[tuple[str, str], list] = {}
     for pid, path, rid in procid.marked_processes():
-        rel = path[len(root):].split("/") if path.startswith(root) else []
+        rel = path[len(root) :].split("/") if path.startswith(root) else []
         if len(rel) != 2 or not rel[1].endswith(".json") or (names is not None and rel[0] not in names):
             continue
         profile, component = rel[0], rel[1].removesuffix(".json")
@@ -92,9 +95,12 @@ def unreadable_records_error(state_dir: Path, name: str, problems: list[RecordPr
     found = marked_for(state_dir, name, problems)
     procs = ", ".join(f"pid {p.pid} ({_pname(p)})" for p, _ in found) or "none found"
     first = problems[0]
-    return MolctlError(f"{name}: the {first.component} record {first.path} is unreadable ({first.error}); "
-                       f"processes carrying its marker: {procs}; `molctl down {name} --force` stops them and "
-                       f"removes the record", ExitStatus.CONFLICT)
+    return MolctlError(
+        f"{name}: the {first.component} record {first.path} is unreadable ({first.error}); "
+        f"processes carrying its marker: {procs}; `molctl down {name} --force` stops them and "
+        f"removes the record",
+        ExitStatus.CONFLICT,
+    )
 
 
 def _pname(proc) -> str:

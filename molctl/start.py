@@ -134,8 +134,15 @@ def engine_upstream(profile: Profile) -> str:
     return base_url(profile.engine.host, profile.engine.port)
 
 
-def proxy_argv(profile: Profile, opts: UpOptions, key_args: list[str], upstream: str, *,
-               python: str = sys.executable, state_dir: Path | None = None) -> list[str]:
+def proxy_argv(
+    profile: Profile,
+    opts: UpOptions,
+    key_args: list[str],
+    upstream: str,
+    *,
+    python: str = sys.executable,
+    state_dir: Path | None = None,
+) -> list[str]:
     """The proxy's command line (`up` spawns it; `molctl render` writes it into manifests and
     units). The start's overrides travel as typed JSON (`--set-json`), never re-parsed as text:
     `--set 'served_model_name="2024"'` reaches the proxy as the string 2024. `state_dir` holds
@@ -145,8 +152,18 @@ def proxy_argv(profile: Profile, opts: UpOptions, key_args: list[str], upstream:
         argv += ["--state-dir", str(state_dir)]
     for d in opts.profiles_dirs:
         argv += ["--profiles-dir", str(Path(d).resolve())]
-    argv += ["proxy", profile.name, "--upstream", upstream, "--host", profile.proxy.host,
-             "--port", str(profile.proxy.port), "--drain-timeout", str(opts.drain_timeout_s)]
+    argv += [
+        "proxy",
+        profile.name,
+        "--upstream",
+        upstream,
+        "--host",
+        profile.proxy.host,
+        "--port",
+        str(profile.proxy.port),
+        "--drain-timeout",
+        str(opts.drain_timeout_s),
+    ]
     if profile.proxy.metrics_port:
         argv += ["--metrics-port", str(profile.proxy.metrics_port)]
     # the engine's environment is no business of the proxy, and an argv is world-readable (ps,
@@ -174,6 +191,7 @@ def _keep_logs(profile: Profile) -> int:
 
 # ----------------------------------------------------------------------------------------------- up
 
+
 def up(name: str, ctx, opts: UpOptions, progress: Progress) -> dict[str, Any]:
     """Start the stack; returns the result object (see docs/contract.md). Raises MolctlError subclasses."""
     from molctl.checks import validate_skip
@@ -186,12 +204,21 @@ def up(name: str, ctx, opts: UpOptions, progress: Progress) -> dict[str, Any]:
         return _up_locked(profile, config, ctx, opts, key_args, progress)
 
 
-def _up_locked(profile: Profile, config: dict, ctx, opts: UpOptions, key_args: list[str],
-               progress: Progress) -> dict[str, Any]:
+def _up_locked(
+    profile: Profile, config: dict, ctx, opts: UpOptions, key_args: list[str], progress: Progress
+) -> dict[str, Any]:
     state_dir, name = ctx.state_dir, profile.name
-    config = {**config, "up_command": stackconfig.up_command(name, opts.overrides, key_args, _explicit_state_dir(ctx),
-                                                             [Path(d).resolve() for d in opts.profiles_dirs],
-                                                             _start_options(opts))}
+    config = {
+        **config,
+        "up_command": stackconfig.up_command(
+            name,
+            opts.overrides,
+            key_args,
+            _explicit_state_dir(ctx),
+            [Path(d).resolve() for d in opts.profiles_dirs],
+            _start_options(opts),
+        ),
+    }
     t0 = time.monotonic()
     others = [p for p in running_profiles(state_dir) if p != name]
     if others:
@@ -207,9 +234,11 @@ def _up_locked(profile: Profile, config: dict, ctx, opts: UpOptions, key_args: l
     elif live:
         diff = _config_differs(records, config, profile)
         if diff:
-            raise ConflictError(f"profile {name} is running with a different configuration ({diff}); "
-                                f"to restart it with this one, add --restart (`molctl up {name} --restart ...`) "
-                                f"or run `molctl down {name}` first")
+            raise ConflictError(
+                f"profile {name} is running with a different configuration ({diff}); "
+                f"to restart it with this one, add --restart (`molctl up {name} --restart ...`) "
+                f"or run `molctl down {name}` first"
+            )
     if records and stack_ready(records):
         progress.step(f"profile {name} is already running and ready")
         return _result(profile, read_records(state_dir, name), already=True, timings={})
@@ -236,8 +265,10 @@ def _up_locked(profile: Profile, config: dict, ctx, opts: UpOptions, key_args: l
     if "engine" in live:
         # An earlier `up` that died (terminal closed, molctl killed) left its engine loading:
         # wait for it rather than throw an hour of loading away. Stop only what is stale.
-        progress.step(f"the {name} engine started earlier is still running (pid {live['engine'].pid}); "
-                      "waiting for it instead of restarting it")
+        progress.step(
+            f"the {name} engine started earlier is still running (pid {live['engine'].pid}); "
+            "waiting for it instead of restarting it"
+        )
         for component in [c for c in records if c not in live]:
             clean_component(state_dir, name, component, records[component], progress)
     elif records:
@@ -246,7 +277,9 @@ def _up_locked(profile: Profile, config: dict, ctx, opts: UpOptions, key_args: l
 
     starter = _Starter(profile, config, ctx, opts, key_args, progress)
     try:
-        claims = claim_components(HostLocks(), profile, state_dir, [c for c in COMPONENTS if c not in live], f"up {name}")
+        claims = claim_components(
+            HostLocks(), profile, state_dir, [c for c in COMPONENTS if c not in live], f"up {name}"
+        )
     except ClaimConflict as exc:
         raise ConflictError(f"{exc}; nothing was started") from None
     canary_off = canary.enabled(profile, opts.skip)
@@ -305,7 +338,9 @@ def _explicit_state_dir(ctx) -> Path | None:
     from molctl.state import default_state_dir
 
     try:
-        return None if Path(ctx.state_dir).absolute() == default_state_dir().absolute() else Path(ctx.state_dir).absolute()
+        return (
+            None if Path(ctx.state_dir).absolute() == default_state_dir().absolute() else Path(ctx.state_dir).absolute()
+        )
     except OSError:
         return Path(ctx.state_dir)
 
@@ -322,8 +357,9 @@ class _Starter:
         self.proxy_restarts = 0
 
     # spawning ---------------------------------------------------------------------------------
-    def _spawn(self, component: str, argv: list[str], env: dict[str, str], port: int, host: str,
-               claims: list[Claim]) -> tuple[Record, Any]:
+    def _spawn(
+        self, component: str, argv: list[str], env: dict[str, str], port: int, host: str, claims: list[Claim]
+    ) -> tuple[Record, Any]:
         log_path = new_log_path(self.state_dir, self.name, component)
         in_use = {r.log for r in read_records(self.state_dir, self.name).values()}
         prune_logs(self.state_dir, self.name, component, max(_keep_logs(self.profile) - 1, 0), in_use)
@@ -333,7 +369,9 @@ class _Starter:
         record = None
         try:
             for claim in claims:  # the component holds its claims now, for as long as it lives
-                claim.set_holder(holder_info(self.name, component, self.state_dir, pid=proc.pid, command=f"up {self.name}"))
+                claim.set_holder(
+                    holder_info(self.name, component, self.state_dir, pid=proc.pid, command=f"up {self.name}")
+                )
                 claim.release()
             record = record_for(component, proc, argv, port, log_path, marker, host=host, config=self.config)
             write_record(self.state_dir, self.name, record)
@@ -344,26 +382,35 @@ class _Starter:
                 if record is not None and isinstance(exc, KeyboardInterrupt):
                     remove_record(self.state_dir, self.name, component)
             if isinstance(exc, OSError):
-                raise MolctlError(f"could not write the {component} record {rpath}: {exc.strerror or exc}; "
-                                  f"the {component} (pid {proc.pid}) was stopped") from None
+                raise MolctlError(
+                    f"could not write the {component} record {rpath}: {exc.strerror or exc}; "
+                    f"the {component} (pid {proc.pid}) was stopped"
+                ) from None
             raise
         self.progress.step(f"{component} started (pid {proc.pid}), log: {log_path}")
         return record, proc
 
     def start_engine(self, claims: list[Claim]) -> tuple[Record, Any]:
         argv = engine_argv(self.profile)
-        return self._spawn("engine", argv, engine_env(self.profile), self.profile.engine.port,
-                           self.profile.engine.host, claims)
+        return self._spawn(
+            "engine", argv, engine_env(self.profile), self.profile.engine.port, self.profile.engine.host, claims
+        )
 
     def start_proxy(self, claims: list[Claim] | None, upstream: str) -> tuple[Record, Any]:
         if claims is None:
             try:
-                claims = claim_components(HostLocks(), self.profile, self.state_dir, ["proxy"], f"up {self.name}")["proxy"]
+                claims = claim_components(HostLocks(), self.profile, self.state_dir, ["proxy"], f"up {self.name}")[
+                    "proxy"
+                ]
             except ClaimConflict as exc:
                 raise StartFailed(f"cannot restart the proxy: {exc}", ExitStatus.CONFLICT) from None
         try:
-            argv = proxy_argv(self.profile, self.opts, self.key_args, upstream, state_dir=Path(self.state_dir).absolute())
-            return self._spawn("proxy", argv, dict(os.environ), self.profile.proxy.port, self.profile.proxy.host, claims)
+            argv = proxy_argv(
+                self.profile, self.opts, self.key_args, upstream, state_dir=Path(self.state_dir).absolute()
+            )
+            return self._spawn(
+                "proxy", argv, dict(os.environ), self.profile.proxy.port, self.profile.proxy.host, claims
+            )
         finally:
             release_all({"proxy": claims})
 
@@ -371,11 +418,17 @@ class _Starter:
         """The proxy died while the stack starts: restart it (bounded), keep the engine."""
         record, _ = self.proxy
         if self.proxy_restarts >= PROXY_RESTARTS:
-            raise StartFailed(f"the proxy exited with code {code} during start-up, also after {PROXY_RESTARTS} "
-                              f"restarts (log: {record.log})", ExitStatus.START_FAILED, tail(record.log, 80))
+            raise StartFailed(
+                f"the proxy exited with code {code} during start-up, also after {PROXY_RESTARTS} "
+                f"restarts (log: {record.log})",
+                ExitStatus.START_FAILED,
+                tail(record.log, 80),
+            )
         self.proxy_restarts += 1
-        self.progress.step(f"the proxy exited with code {code} (log: {record.log}); restarting it "
-                           f"({self.proxy_restarts} of {PROXY_RESTARTS}), the engine keeps running")
+        self.progress.step(
+            f"the proxy exited with code {code} (log: {record.log}); restarting it "
+            f"({self.proxy_restarts} of {PROXY_RESTARTS}), the engine keeps running"
+        )
         stop(record, 5.0)
         remove_record(self.state_dir, self.name, "proxy")
         self.started = [r for r in self.started if r is not record]
@@ -390,8 +443,11 @@ class _Starter:
         def check_alive() -> None:
             code = proc.poll()
             if code is not None:
-                raise StartFailed(f"the engine exited with code {code} during start-up (log: {record.log})",
-                                  ExitStatus.START_FAILED, tail(record.log, 80))
+                raise StartFailed(
+                    f"the engine exited with code {code} during start-up (log: {record.log})",
+                    ExitStatus.START_FAILED,
+                    tail(record.log, 80),
+                )
             if self.proxy is not None:
                 pcode = self.proxy[1].poll()
                 if pcode is not None:
@@ -401,8 +457,9 @@ class _Starter:
             phase = engine.phase(tail(record.log, 50)) or "starting"
             self.progress.waiting(elapsed, timeout, phase, probe.detail)
 
-        probe, elapsed = wait_ready(EngineReadiness(profile, engine, url=upstream), timeout, check_alive=check_alive,
-                                    on_wait=on_wait)
+        probe, elapsed = wait_ready(
+            EngineReadiness(profile, engine, url=upstream), timeout, check_alive=check_alive, on_wait=on_wait
+        )
         if probe.state == "ready":
             self.progress.step(f"engine ready after {elapsed:.1f} s")
             return
@@ -411,8 +468,11 @@ class _Starter:
             raise StartFailed(f"the engine is up but {probe.detail}; it was stopped", ExitStatus.ADAPTERS)
         if probe.state == "version":  # the running server is not the pinned engine version
             raise StartFailed(f"the engine is up but {probe.detail}; it was stopped", ExitStatus.CHECK_FAILED)
-        raise StartFailed(f"the engine was not ready within {timeout:.0f} s ({probe.detail}); it was stopped "
-                          f"(log: {record.log})", ExitStatus.TIMEOUT, tail(record.log, 20))
+        raise StartFailed(
+            f"the engine was not ready within {timeout:.0f} s ({probe.detail}); it was stopped (log: {record.log})",
+            ExitStatus.TIMEOUT,
+            tail(record.log, 20),
+        )
 
     def run_canary(self, record: Record, off: str | None) -> dict[str, Any]:
         """The adapter efficacy canary against the ready engine (molctl.canary), before the proxy
@@ -429,8 +489,9 @@ class _Starter:
             self.progress.warn(warning)
         if result["status"] in ("fail", "error"):
             stop(record, self.opts.stop_timeout_s)
-            raise StartFailed(f"the engine is up but {canary.failure_message(result)}; it was stopped",
-                              ExitStatus.ADAPTERS)
+            raise StartFailed(
+                f"the engine is up but {canary.failure_message(result)}; it was stopped", ExitStatus.ADAPTERS
+            )
         self.progress.step(line)
         record.extra = {**record.extra, "canary": result}
         try:
@@ -451,8 +512,11 @@ class _Starter:
             if http_status(component_url(record) + "/readyz") == 200:
                 return
             if time.monotonic() >= deadline:
-                raise StartFailed(f"the proxy was not ready within {PROXY_READY_TIMEOUT_S:.0f} s (log: {record.log})",
-                                  ExitStatus.START_FAILED, tail(record.log, 80))
+                raise StartFailed(
+                    f"the proxy was not ready within {PROXY_READY_TIMEOUT_S:.0f} s (log: {record.log})",
+                    ExitStatus.START_FAILED,
+                    tail(record.log, 80),
+                )
             time.sleep(0.1)
 
     # failure ----------------------------------------------------------------------------------
@@ -462,8 +526,9 @@ class _Starter:
         interrupted = isinstance(exc, KeyboardInterrupt)
         if interrupted:
             _one_more_interrupt()
-            self.progress.step(f"interrupted{interrupted_by()}: stopping what this command started "
-                               "(Ctrl-C again leaves it running)")
+            self.progress.step(
+                f"interrupted{interrupted_by()}: stopping what this command started (Ctrl-C again leaves it running)"
+            )
         try:
             for record in reversed(self.started):
                 stop(record, 10.0)
@@ -475,15 +540,23 @@ class _Starter:
                 stop(adopted_proxy, 10.0)  # it would serve an engine that was stopped
                 remove_record(self.state_dir, self.name, "proxy")
         except KeyboardInterrupt:
-            left = [f"{r.component} (pid {r.pid})" for r in [*self.started, *([adopted_engine] if adopted_engine else [])]
-                    if members(r)]
+            left = [
+                f"{r.component} (pid {r.pid})"
+                for r in [*self.started, *([adopted_engine] if adopted_engine else [])]
+                if members(r)
+            ]
             what = ", ".join(left) or "nothing"
-            raise MolctlError(f"interrupted again while stopping: still running: {what}; the engine may keep its GPUs "
-                              f"and ports: run `molctl down {self.name}` to stop it", ExitStatus.INTERRUPTED) from None
+            raise MolctlError(
+                f"interrupted again while stopping: still running: {what}; the engine may keep its GPUs "
+                f"and ports: run `molctl down {self.name}` to stop it",
+                ExitStatus.INTERRUPTED,
+            ) from None
         if interrupted:
             kept = " (the engine started earlier keeps running: molctl down stops it)" if adopted_engine else ""
-            raise MolctlError(f"interrupted{interrupted_by()}; everything this command started was stopped{kept}",
-                              ExitStatus.INTERRUPTED) from None
+            raise MolctlError(
+                f"interrupted{interrupted_by()}; everything this command started was stopped{kept}",
+                ExitStatus.INTERRUPTED,
+            ) from None
 
 
 STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
@@ -567,6 +640,7 @@ def _one_more_interrupt() -> None:
     """During the clean-up after an interruption: the next Ctrl-C, SIGTERM or SIGHUP interrupts it
     once (and is reported); any further one is ignored, so it cannot cut the report or the exit
     short."""
+
     def once(signum, frame):
         import signal
 
@@ -580,8 +654,15 @@ def _one_more_interrupt() -> None:
             _set_handler(name, once)
 
 
-def preflight(profile: Profile, state_dir: Path, opts: UpOptions, progress: Progress, consequence: str,
-              extra_skip: Iterable[str] = (), own_profiles: Iterable[str] = ()) -> None:
+def preflight(
+    profile: Profile,
+    state_dir: Path,
+    opts: UpOptions,
+    progress: Progress,
+    consequence: str,
+    extra_skip: Iterable[str] = (),
+    own_profiles: Iterable[str] = (),
+) -> None:
     """The `check` categories (honouring --skip); a failure raises: exit 4 when the only failures
     are ports or GPUs held by someone else, else exit 3. The progress shows only the failures
     and warnings; the error carries the whole report (for --json)."""
@@ -596,8 +677,12 @@ def preflight(profile: Profile, state_dir: Path, opts: UpOptions, progress: Prog
     failed = [c for c in report.checks if c.status == "fail"]
     if all(c.id.startswith("port.") or c.id == "gpu.lock" for c in failed):
         raise PreflightFailed(f"{failed[0].detail}; {consequence}", ExitStatus.CONFLICT, report)
-    raise PreflightFailed(f"preflight of {profile.name} failed: {len(failed)} check(s), first {failed[0].id}: "
-                          f"{failed[0].detail}; {consequence}", ExitStatus.CHECK_FAILED, report)
+    raise PreflightFailed(
+        f"preflight of {profile.name} failed: {len(failed)} check(s), first {failed[0].id}: "
+        f"{failed[0].detail}; {consequence}",
+        ExitStatus.CHECK_FAILED,
+        report,
+    )
 
 
 def _result(profile: Profile, records: dict[str, Record], already: bool, timings: dict[str, float]) -> dict[str, Any]:
@@ -615,6 +700,7 @@ def _result(profile: Profile, records: dict[str, Record], already: bool, timings
 
 
 # --------------------------------------------------------------------------------------------- switch
+
 
 def switch(name: str, ctx, opts: UpOptions, progress: Progress) -> dict[str, Any]:
     """Drain and stop whatever runs, then `up` the profile, holding the state lock throughout
@@ -634,17 +720,24 @@ def switch(name: str, ctx, opts: UpOptions, progress: Progress) -> dict[str, Any
         # ports included: those the running stacks hold count as their own (own_profiles), a
         # stranger's fails the switch before the running stack is stopped
         preflight(profile, state_dir, opts, progress, "the running stack was left alone", own_profiles=running)
-        back = {p: recorded_config(read_records(state_dir, p)).get("up_command") or f"molctl up {p}"
-                for p in running if p != name}
+        back = {
+            p: recorded_config(read_records(state_dir, p)).get("up_command") or f"molctl up {p}"
+            for p in running
+            if p != name
+        }
         t0 = time.monotonic()
         try:
-            stopped = down_locked(state_dir, running, opts.drain_timeout_s, opts.stop_timeout_s, False,
-                                  progress) if running else None
+            stopped = (
+                down_locked(state_dir, running, opts.drain_timeout_s, opts.stop_timeout_s, False, progress)
+                if running
+                else None
+            )
         except (MolctlError, KeyboardInterrupt) as exc:
             how = _old_stacks(state_dir, back, _explicit_state_dir(ctx))
             if isinstance(exc, KeyboardInterrupt):
-                raise MolctlError(f"interrupted{interrupted_by()} while stopping the old stack: {how}",
-                                  ExitStatus.INTERRUPTED) from None
+                raise MolctlError(
+                    f"interrupted{interrupted_by()} while stopping the old stack: {how}", ExitStatus.INTERRUPTED
+                ) from None
             exc.args = (f"{exc}; {how}",)
             raise
         t_down = time.monotonic() - t0
@@ -660,8 +753,11 @@ def switch(name: str, ctx, opts: UpOptions, progress: Progress) -> dict[str, Any
             raise
     timings = result.get("timings", {})
     # total_s of a switch covers the whole switch: the old stack's stop plus the new one's start
-    result["timings"] = {**timings, "stop_s": round(t_down, 2),
-                         "total_s": round(t_down + timings.get("total_s", 0.0), 2)}
+    result["timings"] = {
+        **timings,
+        "stop_s": round(t_down, 2),
+        "total_s": round(t_down + timings.get("total_s", 0.0), 2),
+    }
     result["stopped"] = [s["profile"] for s in (stopped or {}).get("stopped", [])]
     return result
 
@@ -675,10 +771,13 @@ def _old_stacks(state_dir: Path, back: dict[str, str], explicit_state_dir: Path 
     for name, cmd in back.items():
         running = [f"{c} (pid {r.pid})" for c, r in read_records(state_dir, name).items() if members(r)]
         if running:
-            down = shlex.join(["molctl", *(["--state-dir", str(explicit_state_dir)] if explicit_state_dir else []),
-                               "down", name])
-            parts.append(f"the old stack {name} is partly stopped (still running: {', '.join(running)}): bring it back "
-                         f"with `{cmd}` or finish stopping it with `{down}`")
+            down = shlex.join(
+                ["molctl", *(["--state-dir", str(explicit_state_dir)] if explicit_state_dir else []), "down", name]
+            )
+            parts.append(
+                f"the old stack {name} is partly stopped (still running: {', '.join(running)}): bring it back "
+                f"with `{cmd}` or finish stopping it with `{down}`"
+            )
         else:
             parts.append(f"the old stack {name} was stopped: bring it back with `{cmd}`")
     return "; ".join(parts) or "nothing was running"

@@ -200,11 +200,15 @@ def profiles_with_records(state_dir: Path) -> list[str]:
     try:
         if not state_dir.is_dir():
             if state_dir.exists():
-                raise StateDirError(f"state dir {state_dir} is not a directory "
-                                    "(choose another with --state-dir or MOLCTL_STATE_DIR)")
+                raise StateDirError(
+                    f"state dir {state_dir} is not a directory (choose another with --state-dir or MOLCTL_STATE_DIR)"
+                )
             return []
-        return sorted(d.name for d in state_dir.iterdir()
-                      if d.is_dir() and any(record_path(state_dir, d.name, c).exists() for c in COMPONENTS))
+        return sorted(
+            d.name
+            for d in state_dir.iterdir()
+            if d.is_dir() and any(record_path(state_dir, d.name, c).exists() for c in COMPONENTS)
+        )
     except OSError:
         return []
 
@@ -268,15 +272,19 @@ def ensure_state_dir(state_dir: Path) -> None:
         state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         st = state_dir.stat()
     except OSError as exc:
-        raise StateDirError(f"state dir {state_dir} is not usable: {exc.strerror or exc} "
-                            f"(choose another with --state-dir or MOLCTL_STATE_DIR)") from None
+        raise StateDirError(
+            f"state dir {state_dir} is not usable: {exc.strerror or exc} "
+            f"(choose another with --state-dir or MOLCTL_STATE_DIR)"
+        ) from None
     if not stat.S_ISDIR(st.st_mode):
         raise StateDirError(f"state dir {state_dir} is not a directory")
     if st.st_uid != os.geteuid():  # its records name the pids we signal, its files the paths we write
         raise ProfileError(_foreign(state_dir, st.st_uid))
     if st.st_mode & 0o077:
-        raise ProfileError(f"state dir {state_dir} has mode {stat.S_IMODE(st.st_mode):04o}, expected 0700 "
-                           f"(records and logs may hold secrets): chmod 700 {state_dir}")
+        raise ProfileError(
+            f"state dir {state_dir} has mode {stat.S_IMODE(st.st_mode):04o}, expected 0700 "
+            f"(records and logs may hold secrets): chmod 700 {state_dir}"
+        )
 
 
 def user_name(uid: int) -> str | None:
@@ -292,9 +300,11 @@ def user_name(uid: int) -> str | None:
 def _foreign(state_dir: Path, uid: int) -> str:
     name = user_name(uid)
     owner = f"{name} (uid {uid})" if name else f"uid {uid}"
-    return (f"state dir {state_dir} is owned by {owner}, not by you (uid {os.geteuid()}): its records could name "
-            f"any process to signal and its files any path to write; run molctl as its owner, or choose another "
-            f"with --state-dir or MOLCTL_STATE_DIR")
+    return (
+        f"state dir {state_dir} is owned by {owner}, not by you (uid {os.geteuid()}): its records could name "
+        f"any process to signal and its files any path to write; run molctl as its owner, or choose another "
+        f"with --state-dir or MOLCTL_STATE_DIR"
+    )
 
 
 def check_own_state_dir(state_dir: Path) -> None:
@@ -336,8 +346,13 @@ class LockHolder:
             value = data.get(key)
             return value if isinstance(value, kind) and not isinstance(value, bool) else None
 
-        return cls(typed("pid", int), typed("action", str), typed("profile", str), typed("user", str),
-                   typed("since", (int, float)))
+        return cls(
+            typed("pid", int),
+            typed("action", str),
+            typed("profile", str),
+            typed("user", str),
+            typed("since", (int, float)),
+        )
 
     def as_dict(self) -> dict[str, Any]:
         return {"pid": self.pid, "action": self.action, "profile": self.profile, "user": self.user, "since": self.since}
@@ -382,7 +397,9 @@ class StateLock:
         if not try_exclusive(fd):
             holder = _read_holder(fd)
             os.close(fd)
-            raise ConflictError(f"the state lock {self.path} is held by {holder.describe()}; {holder.stop_hint()}") from None
+            raise ConflictError(
+                f"the state lock {self.path} is held by {holder.describe()}; {holder.stop_hint()}"
+            ) from None
         import getpass
 
         try:

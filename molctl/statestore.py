@@ -17,16 +17,31 @@ from molctl.proxy.sqlite_store import SqliteResponseStore, resolve_store, tenant
 def _open(profile: Profile, state_dir, reads_only: bool = False) -> tuple[dict[str, Any], SqliteResponseStore | None]:
     p = profile.proxy
     kind, path = resolve_store(p.store, state_dir, profile.name)
-    base: dict[str, Any] = {"profile": profile.name, "backend": kind, "path": str(path) if path else None,
-                            "exists": bool(path and path.exists()),
-                            "bounds": {"ttl_s": p.store_ttl_s, "max_bytes": p.store_max_bytes, "max_entries": p.store_max_entries,
-                                       **tenant_bounds(p)}}
+    base: dict[str, Any] = {
+        "profile": profile.name,
+        "backend": kind,
+        "path": str(path) if path else None,
+        "exists": bool(path and path.exists()),
+        "bounds": {
+            "ttl_s": p.store_ttl_s,
+            "max_bytes": p.store_max_bytes,
+            "max_entries": p.store_max_entries,
+            **tenant_bounds(p),
+        },
+    }
     if not base["exists"]:
         return base, None
     if reads_only and path.stat().st_size == 0:  # created, never written: a reader leaves it so (no schema)
         return base, None
-    return base, SqliteResponseStore(path, ttl_s=p.store_ttl_s, max_bytes=p.store_max_bytes,
-                                     max_entries=p.store_max_entries, create=False, reads_only=reads_only, **tenant_bounds(p))
+    return base, SqliteResponseStore(
+        path,
+        ttl_s=p.store_ttl_s,
+        max_bytes=p.store_max_bytes,
+        max_entries=p.store_max_entries,
+        create=False,
+        reads_only=reads_only,
+        **tenant_bounds(p),
+    )
 
 
 def _profile(name: str, ctx) -> Profile:
@@ -49,18 +64,40 @@ def _profile(name: str, ctx) -> Profile:
 
 def _counts(store: SqliteResponseStore | None) -> dict[str, Any]:
     if store is None:
-        return {"schema_version": None, "integrity": None, "responses": 0, "bytes": 0, "file_bytes": 0, "evicted": 0, "expired": 0,
-                "expired_pending": 0, "oldest_created_at": None,
-                "conversations": {"turns": 0, "calls": 0, "bytes": 0, "evicted": 0, "expired": 0, "expired_pending": 0}}
+        return {
+            "schema_version": None,
+            "integrity": None,
+            "responses": 0,
+            "bytes": 0,
+            "file_bytes": 0,
+            "evicted": 0,
+            "expired": 0,
+            "expired_pending": 0,
+            "oldest_created_at": None,
+            "conversations": {"turns": 0, "calls": 0, "bytes": 0, "evicted": 0, "expired": 0, "expired_pending": 0},
+        }
     d = store.describe()
     pending = {"migration_pending": d["migration_pending"]} if "migration_pending" in d else {}
-    return {**pending, "schema_version": d["schema_version"], "integrity": d["integrity"], "responses": d["responses"],
-            "bytes": d["responses_bytes"],
-            "file_bytes": d["file_bytes"], "evicted": d["responses_evicted"], "expired": d["responses_expired"],
-            "expired_pending": d["responses_expired_pending"], "oldest_created_at": d["responses_oldest_created_at"] or None,
-            "conversations": {"turns": d["turns"], "calls": d["calls"], "bytes": d["conversation_bytes"],
-                              "evicted": d["conversation_evicted"], "expired": d["conversation_expired"],
-                              "expired_pending": d["conversation_expired_pending"]}}
+    return {
+        **pending,
+        "schema_version": d["schema_version"],
+        "integrity": d["integrity"],
+        "responses": d["responses"],
+        "bytes": d["responses_bytes"],
+        "file_bytes": d["file_bytes"],
+        "evicted": d["responses_evicted"],
+        "expired": d["responses_expired"],
+        "expired_pending": d["responses_expired_pending"],
+        "oldest_created_at": d["responses_oldest_created_at"] or None,
+        "conversations": {
+            "turns": d["turns"],
+            "calls": d["calls"],
+            "bytes": d["conversation_bytes"],
+            "evicted": d["conversation_evicted"],
+            "expired": d["conversation_expired"],
+            "expired_pending": d["conversation_expired_pending"],
+        },
+    }
 
 
 def _redis(profile: Profile, prune: bool) -> dict[str, Any]:
@@ -71,13 +108,24 @@ def _redis(profile: Profile, prune: bool) -> dict[str, Any]:
     p = profile.proxy
     target = parse_redis_url(p.store)
     password = read_password(p.store_password_file)
-    bounds = {"ttl_s": p.store_ttl_s, "max_bytes": p.store_max_bytes, "max_entries": p.store_max_entries,
-              **tenant_bounds(p)}
+    bounds = {
+        "ttl_s": p.store_ttl_s,
+        "max_bytes": p.store_max_bytes,
+        "max_entries": p.store_max_entries,
+        **tenant_bounds(p),
+    }
     out: dict[str, Any] = {"profile": profile.name, "backend": "redis", "path": None, "exists": True, "bounds": bounds}
     if prune:
-        out["removed"] = prune_sync(target, password, profile.name, p.store_ttl_s, p.store_max_entries,
-                                    max_bytes=p.store_max_bytes, tenant_max_entries=bounds["tenant_max_entries"],
-                                    tenant_max_bytes=bounds["tenant_max_bytes"])
+        out["removed"] = prune_sync(
+            target,
+            password,
+            profile.name,
+            p.store_ttl_s,
+            p.store_max_entries,
+            max_bytes=p.store_max_bytes,
+            tenant_max_entries=bounds["tenant_max_entries"],
+            tenant_max_bytes=bounds["tenant_max_bytes"],
+        )
     out["redis"] = describe_sync(target, password, profile.name)
     return out
 
@@ -109,8 +157,11 @@ def state_prune(name: str, ctx) -> dict[str, Any]:
         return _redis(profile, prune=True)
     base, store = _open(profile, ctx.state_dir)
     try:
-        removed = store.prune() if store is not None else {"expired": 0, "evicted": 0, "conversation_expired": 0,
-                                                            "conversation_evicted": 0}
+        removed = (
+            store.prune()
+            if store is not None
+            else {"expired": 0, "evicted": 0, "conversation_expired": 0, "conversation_evicted": 0}
+        )
         return {**base, "removed": removed, **_counts(store)}
     finally:
         if store is not None:

@@ -47,8 +47,10 @@ def check_readable(state_dir: Path) -> None:
         except OSError:
             owner, st = "?", None
         mode = f", mode {st.st_mode & 0o777:o}" if st is not None else ""
-        raise StateDirError(f"cannot read state dir {state_dir}: {exc.strerror or exc} (owner {owner}{mode}): "
-                            f"run molctl as {owner}, or choose the state dir with --state-dir") from None
+        raise StateDirError(
+            f"cannot read state dir {state_dir}: {exc.strerror or exc} (owner {owner}{mode}): "
+            f"run molctl as {owner}, or choose the state dir with --state-dir"
+        ) from None
 
 
 def status(ctx, name: str | None, gpu_probe=None) -> dict[str, Any]:
@@ -59,8 +61,13 @@ def status(ctx, name: str | None, gpu_probe=None) -> dict[str, Any]:
         known_or_recorded(ctx, name)
     holder = lock_holder(state_dir) if state_dir.exists() else None
     names = [name] if name else profiles_with_records(state_dir)
-    if not name and holder is not None and holder.action in ("up", "switch") and holder.profile \
-            and holder.profile not in names:
+    if (
+        not name
+        and holder is not None
+        and holder.action in ("up", "switch")
+        and holder.profile
+        and holder.profile not in names
+    ):
         names.append(holder.profile)  # in its preflight: no record written yet
     # also with the state dir deleted under a running stack (`rm -rf`): the markers still name it
     unrecorded = unrecorded_marked(state_dir, names if name else None)
@@ -82,14 +89,22 @@ def status(ctx, name: str | None, gpu_probe=None) -> dict[str, Any]:
             stack["problems"] = stack.get("problems", []) + [
                 f"{len(procs)} process(es) carry the {c}'s marker but no record names them (pid "
                 f"{', '.join(str(x.pid) for x in procs)}; {why}): `molctl down {n}` stops them"
-                for c, procs in sorted(orphans.items())]
+                for c, procs in sorted(orphans.items())
+            ]
             stack["state"] = "degraded"
         stacks.append(stack)
     return {"stacks": stacks}
 
 
-def _stack_status(state_dir: Path, name: str, profile: Profile | None, records: dict[str, Record],
-                  problems: list[RecordProblem], holder: LockHolder | None, gpu_probe) -> dict:
+def _stack_status(
+    state_dir: Path,
+    name: str,
+    profile: Profile | None,
+    records: dict[str, Record],
+    problems: list[RecordProblem],
+    holder: LockHolder | None,
+    gpu_probe,
+) -> dict:
     """Probe from the records (the host and port actually used, overrides included); the profile
     is the one recorded at the start."""
     components = []
@@ -108,10 +123,22 @@ def _stack_status(state_dir: Path, name: str, profile: Profile | None, records: 
             if procs:
                 left[component] = (record, procs)
         code, detail = health.get(component, (None, None))
-        components.append({"name": component, "pid": record.pid, "alive": alive[component], "port": record.port,
-                           "health": code, "log": record.log,
-                           "uptime_s": round(now - record.started_at, 1) if alive[component] else None})
-        why = _why_unhealthy(record, code, detail, _probes(profile)[component][1]) if alive[component] and code != 200 else None
+        components.append(
+            {
+                "name": component,
+                "pid": record.pid,
+                "alive": alive[component],
+                "port": record.port,
+                "health": code,
+                "log": record.log,
+                "uptime_s": round(now - record.started_at, 1) if alive[component] else None,
+            }
+        )
+        why = (
+            _why_unhealthy(record, code, detail, _probes(profile)[component][1])
+            if alive[component] and code != 200
+            else None
+        )
         if why:
             components[-1]["detail"] = why
     engine_ok = any(c["name"] == "engine" and c["health"] == 200 for c in components)
@@ -122,10 +149,12 @@ def _stack_status(state_dir: Path, name: str, profile: Profile | None, records: 
     out: dict[str, Any] = {"profile": name, "state": state, "components": components}
     if left and state not in ("starting", "stopping"):
         out["state"] = "degraded"  # something of the stack runs: not `failed`
-        out["problems"] = [f"the {c} (pid {r.pid}) is gone but {len(procs)} of its process(es) still run (pid "
-                           f"{', '.join(str(p.pid) for p in procs)}; they may hold GPU memory): `molctl down {name}` "
-                           f"stops them, `molctl up {name}` restarts the stack"
-                           for c, (r, procs) in left.items()]
+        out["problems"] = [
+            f"the {c} (pid {r.pid}) is gone but {len(procs)} of its process(es) still run (pid "
+            f"{', '.join(str(p.pid) for p in procs)}; they may hold GPU memory): `molctl down {name}` "
+            f"stops them, `molctl up {name}` restarts the stack"
+            for c, (r, procs) in left.items()
+        ]
     from molctl.logs import deleted_log
 
     for component, record in records.items():
@@ -133,14 +162,16 @@ def _stack_status(state_dir: Path, name: str, profile: Profile | None, records: 
         if fd is not None:  # the disk space an operator meant to free is still held
             out["problems"] = out.get("problems", []) + [
                 f"the {component} log {record.log} was deleted while it runs (pid {record.pid} writes on to the "
-                f"unlinked file; its disk space is freed only when it stops): `molctl logs {name}` reads it from {fd}"]
+                f"unlinked file; its disk space is freed only when it stops): `molctl logs {name}` reads it from {fd}"
+            ]
     if problems:
         marked = marked_for(state_dir, name, problems)
         for p in problems:
             pids = [str(proc.pid) for proc, path in marked if path == os.path.realpath(p.path)]
             out["problems"] = out.get("problems", []) + [
                 f"{p.component} record {p.path} is unreadable ({p.error}); {len(pids)} process(es) carry its marker"
-                + (f" (pid {', '.join(pids)}): `molctl down {name} --force` stops them" if pids else "")]
+                + (f" (pid {', '.join(pids)}): `molctl down {name} --force` stops them" if pids else "")
+            ]
         out["state"] = "degraded" if marked or left or any(c["alive"] for c in components) else "failed"
     if adapters is not None:
         out["adapters"] = adapters
@@ -160,8 +191,6 @@ def _stack_status(state_dir: Path, name: str, profile: Profile | None, records: 
     if gpus:
         out["gpus"] = gpus
     return out
-
-
 
 
 def _probes(profile: Profile | None) -> dict[str, tuple[str, float]]:
@@ -293,8 +322,9 @@ def _state_of(name: str, records: dict, components: list[dict], holder: LockHold
         return "starting"
     if not records:
         return "stopped"
-    if holder is not None and ((holder.action == "down" and (holder.profile is None or mine))
-                               or (holder.action == "switch" and not mine)):
+    if holder is not None and (
+        (holder.action == "down" and (holder.profile is None or mine)) or (holder.action == "switch" and not mine)
+    ):
         return "stopping"
     alive = [c for c in components if c["alive"]]
     if not alive:
@@ -319,4 +349,3 @@ def _gpu_usage(state_dir: Path, name: str, gpu_probe) -> list[dict]:
         if used:
             out.append({"index": d.index, "used_bytes": used, "total_bytes": d.total_bytes})
     return out
-

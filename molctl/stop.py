@@ -60,9 +60,11 @@ def clean_component(state_dir: Path, name: str, component: str, record: Record, 
         if not result.ok:
             raise MolctlError(f"could not stop leftover {component} processes: {', '.join(result.survivors)}")
     elif process_state(record) == "uncertain":
-        raise ConflictError(f"the {component} record of {name} names pid {record.pid}, which runs but cannot be "
-                            f"verified as the recorded process; it is not touched: check it, then "
-                            f"`molctl down {name} --force` removes the record")
+        raise ConflictError(
+            f"the {component} record of {name} names pid {record.pid}, which runs but cannot be "
+            f"verified as the recorded process; it is not touched: check it, then "
+            f"`molctl down {name} --force` removes the record"
+        )
     elif _pid_exists(record.pid):
         progress.step(f"stale {component} record: pid {record.pid} now belongs to another process; not touching it")
     remove_record(state_dir, name, component)
@@ -86,12 +88,20 @@ def _pid_exists(pid: int) -> bool:
     except psutil.AccessDenied:
         return True
 
+
 def _every(timeout_s: float) -> float:
     return 10.0 if timeout_s >= 30 else max(1.0, timeout_s / 3)
 
 
-def down(ctx, name: str | None, drain_timeout_s: float, force: bool, progress: Progress,
-         engine_timeout_s: float = ENGINE_STOP_TIMEOUT_S, gpu_probe=None) -> dict[str, Any]:
+def down(
+    ctx,
+    name: str | None,
+    drain_timeout_s: float,
+    force: bool,
+    progress: Progress,
+    engine_timeout_s: float = ENGINE_STOP_TIMEOUT_S,
+    gpu_probe=None,
+) -> dict[str, Any]:
     """Stop one profile's stack (or every recorded one) under the state lock; returns
     {"stopped": [{"profile", "components": {component: state}}], "message"}. A state lock that
     cannot be taken (an unusable state dir) is a warning: what can be found is still stopped."""
@@ -103,8 +113,10 @@ def down(ctx, name: str | None, drain_timeout_s: float, force: bool, progress: P
         left = unrecorded_marked(state_dir, [name] if name else None)
         if not left:
             return {"stopped": [], "message": "nothing is running"}
-        progress.warn(f"state dir {state_dir} does not exist, but {sum(len(p) for p in left.values())} process(es) "
-                      f"carry markers pointing into it (it was deleted under them?); stopping them")
+        progress.warn(
+            f"state dir {state_dir} does not exist, but {sum(len(p) for p in left.values())} process(es) "
+            f"carry markers pointing into it (it was deleted under them?); stopping them"
+        )
         try:
             ensure_state_dir(state_dir)  # for the lock: an `up` taking it meanwhile is not raced
         except StateDirError:
@@ -117,14 +129,23 @@ def down(ctx, name: str | None, drain_timeout_s: float, force: bool, progress: P
         progress.warn(f"{exc}; stopping what the records and markers name without it")
         lock = None
     try:
-        return down_locked(state_dir, [name] if name else None, drain_timeout_s, engine_timeout_s, force, progress, gpu_probe)
+        return down_locked(
+            state_dir, [name] if name else None, drain_timeout_s, engine_timeout_s, force, progress, gpu_probe
+        )
     finally:
         if lock is not None:
             lock.__exit__(None, None, None)
 
 
-def down_locked(state_dir: Path, names: list[str] | None, drain_s: float, engine_s: float, force: bool,
-                progress: Progress, gpu_probe=None) -> dict[str, Any]:
+def down_locked(
+    state_dir: Path,
+    names: list[str] | None,
+    drain_s: float,
+    engine_s: float,
+    force: bool,
+    progress: Progress,
+    gpu_probe=None,
+) -> dict[str, Any]:
     listed = names if names is not None else profiles_with_records(state_dir)
     stopped = []
     for n in listed:
@@ -135,8 +156,11 @@ def down_locked(state_dir: Path, names: list[str] | None, drain_s: float, engine
             raise unreadable_records_error(state_dir, n, problems)
         parts = []
         if problems:
-            parts.append(lambda n=n, problems=problems: _down_unreadable(state_dir, n, problems, drain_s, engine_s,
-                                                                         force, progress))
+            parts.append(
+                lambda n=n, problems=problems: _down_unreadable(
+                    state_dir, n, problems, drain_s, engine_s, force, progress
+                )
+            )
         if records:
             parts.append(lambda n=n: down_one(state_dir, n, drain_s, engine_s, force, progress, gpu_probe))
         if records and problems and "proxy" in records:
@@ -159,25 +183,31 @@ def down_locked(state_dir: Path, names: list[str] | None, drain_s: float, engine
 
 def clean_unrecorded(state_dir: Path, name: str, progress: Progress) -> None:
     """For `up`: stop the processes of this profile that carry its marker but no record names."""
-    for (_profile, component), procs in sorted(unrecorded_marked(state_dir, [name]).items(),
-                                               key=lambda kv: kv[0][1] != "proxy"):
-        progress.step(f"cleaning up {len(procs)} unrecorded process(es) carrying the {component}'s marker "
-                      f"(pid {', '.join(str(p.pid) for p in procs)})")
+    for (_profile, component), procs in sorted(
+        unrecorded_marked(state_dir, [name]).items(), key=lambda kv: kv[0][1] != "proxy"
+    ):
+        progress.step(
+            f"cleaning up {len(procs)} unrecorded process(es) carrying the {component}'s marker "
+            f"(pid {', '.join(str(p.pid) for p in procs)})"
+        )
         result = stop_processes(None, procs, 10.0)
         if not result.ok:
             raise MolctlError(f"could not stop leftover {component} processes: {', '.join(result.survivors)}")
 
 
-def _down_unlisted(state_dir: Path, names: list[str] | None, drain_s: float, engine_s: float,
-                   progress: Progress) -> list[dict]:
+def _down_unlisted(
+    state_dir: Path, names: list[str] | None, drain_s: float, engine_s: float, progress: Progress
+) -> list[dict]:
     """Processes carrying a marker of this state dir that no readable record names (a record never
     written, a state dir that cannot be read): the marker proves they are ours, so they are
     stopped, with a warning."""
     out: dict[str, dict] = {}
     groups = unrecorded_marked(state_dir, names)
     for (profile, component), procs in sorted(groups.items(), key=lambda kv: kv[0][1] != "proxy"):
-        progress.warn(f"{profile} {component}: no readable record, but {len(procs)} process(es) carry its marker "
-                      f"(pid {', '.join(str(p.pid) for p in procs)}); stopping them")
+        progress.warn(
+            f"{profile} {component}: no readable record, but {len(procs)} process(es) carry its marker "
+            f"(pid {', '.join(str(p.pid) for p in procs)}); stopping them"
+        )
         result = stop_processes(None, procs, proxy_stop_timeout(drain_s) if component == "proxy" else engine_s)
         entry = out.setdefault(profile, {"profile": profile, "components": {}})
         entry["components"][component] = "killed" if result.killed else "stopped"
@@ -186,8 +216,15 @@ def _down_unlisted(state_dir: Path, names: list[str] | None, drain_s: float, eng
     return list(out.values())
 
 
-def _down_unreadable(state_dir: Path, name: str, problems: list[RecordProblem], drain_s: float, engine_s: float,
-                     force: bool, progress: Progress) -> dict:
+def _down_unreadable(
+    state_dir: Path,
+    name: str,
+    problems: list[RecordProblem],
+    drain_s: float,
+    engine_s: float,
+    force: bool,
+    progress: Progress,
+) -> dict:
     """A corrupt or unreadable record: report it; find its processes by their marker; stop them
     and remove the record only with --force."""
     found = marked_for(state_dir, name, problems)
@@ -196,11 +233,15 @@ def _down_unreadable(state_dir: Path, name: str, problems: list[RecordProblem], 
     out: dict[str, Any] = {"profile": name, "components": {}}
     for problem in sorted(problems, key=lambda p: p.component != "proxy"):
         procs = [p for p, path in found if path == os.path.realpath(problem.path)]
-        progress.warn(f"{name} {problem.component}: record {problem.path} is unreadable ({problem.error}); "
-             f"--force: stopping the {len(procs)} process(es) carrying its marker")
+        progress.warn(
+            f"{name} {problem.component}: record {problem.path} is unreadable ({problem.error}); "
+            f"--force: stopping the {len(procs)} process(es) carrying its marker"
+        )
         result = stop_processes(None, procs, proxy_stop_timeout(drain_s) if problem.component == "proxy" else engine_s)
         if not result.ok:
-            raise MolctlError(f"{name} {problem.component}: process(es) survived SIGKILL: {', '.join(result.survivors)}")
+            raise MolctlError(
+                f"{name} {problem.component}: process(es) survived SIGKILL: {', '.join(result.survivors)}"
+            )
         _remove(state_dir, name, problem.component, progress)
         out["components"][problem.component] = "killed" if result.killed else ("stopped" if procs else "not running")
     return out
@@ -210,12 +251,15 @@ def _remove(state_dir: Path, name: str, component: str, progress: Progress) -> N
     try:
         remove_record(state_dir, name, component)
     except OSError as exc:
-        progress.warn(f"could not remove the {component} record {record_path(state_dir, name, component)}: "
-             f"{exc.strerror or exc} (its processes are gone; remove it by hand)")
+        progress.warn(
+            f"could not remove the {component} record {record_path(state_dir, name, component)}: "
+            f"{exc.strerror or exc} (its processes are gone; remove it by hand)"
+        )
 
 
-def down_one(state_dir: Path, name: str, drain_s: float, engine_s: float, force: bool, progress: Progress,
-             gpu_probe=None) -> dict:
+def down_one(
+    state_dir: Path, name: str, drain_s: float, engine_s: float, force: bool, progress: Progress, gpu_probe=None
+) -> dict:
     records = read_records(state_dir, name)
     out: dict[str, Any] = {"profile": name, "components": {}}
     pids = stack_pids(state_dir, name)
@@ -227,8 +271,10 @@ def down_one(state_dir: Path, name: str, drain_s: float, engine_s: float, force:
         timeout = proxy_stop_timeout(drain_s) if component == "proxy" else engine_s
         if not members(record):
             if process_state(record) == "uncertain" and not force:
-                progress.warn(f"{name} {component}: pid {record.pid} runs but cannot be verified as the recorded process "
-                     f"(a record of an older molctl); not signalled, record kept (--force removes it)")
+                progress.warn(
+                    f"{name} {component}: pid {record.pid} runs but cannot be verified as the recorded process "
+                    f"(a record of an older molctl); not signalled, record kept (--force removes it)"
+                )
                 out["components"][component] = "unverified"
                 kept = True
                 continue
@@ -237,13 +283,18 @@ def down_one(state_dir: Path, name: str, drain_s: float, engine_s: float, force:
             out["components"][component] = "not running"
             continue
         progress.step(f"{name} {component}: stopping (pid {record.pid}, up to {timeout:.0f} s, then SIGKILL)")
-        result = stop(record, timeout,
-                      on_escalate=lambda c=component: progress.step(f"{name} {c}: still running; sending SIGKILL"),
-                      on_wait=lambda left, c=component: progress.countdown(f"{name} {c}", left),
-                      wait_every_s=_every(timeout))
+        result = stop(
+            record,
+            timeout,
+            on_escalate=lambda c=component: progress.step(f"{name} {c}: still running; sending SIGKILL"),
+            on_wait=lambda left, c=component: progress.countdown(f"{name} {c}", left),
+            wait_every_s=_every(timeout),
+        )
         if not result.ok and not force:
-            raise MolctlError(f"{name} {component}: process(es) survived SIGKILL: {', '.join(result.survivors)}; "
-                              f"record kept in {state_dir / name} (--force removes it anyway)")
+            raise MolctlError(
+                f"{name} {component}: process(es) survived SIGKILL: {', '.join(result.survivors)}; "
+                f"record kept in {state_dir / name} (--force removes it anyway)"
+            )
         out["components"][component] = "killed" if result.killed else "stopped"
         if component == "proxy":
             _remove(state_dir, name, component, progress)
@@ -251,8 +302,10 @@ def down_one(state_dir: Path, name: str, drain_s: float, engine_s: float, force:
         return out
     leftover = _gpu_leftovers(pids, gpu_probe)
     if leftover and not force:
-        raise MolctlError(f"{name}: NVML still shows process(es) of the stack on the GPUs: {', '.join(leftover)}; "
-                          f"engine record kept in {state_dir / name} (--force removes it anyway)")
+        raise MolctlError(
+            f"{name}: NVML still shows process(es) of the stack on the GPUs: {', '.join(leftover)}; "
+            f"engine record kept in {state_dir / name} (--force removes it anyway)"
+        )
     engine = records.get("engine")
     if engine is not None and members(engine) and not force:  # never drop a record while a process it names runs
         raise MolctlError(f"{name} engine: still running after the stop; record kept (--force removes it anyway)")
@@ -270,4 +323,3 @@ def _gpu_leftovers(pids: set[int], gpu_probe) -> list[str]:
     except GpuUnavailable:
         return []
     return [f"GPU {d.index} pid {p.pid} {p.name}" for d in inventory.devices for p in d.processes if p.pid in pids]
-

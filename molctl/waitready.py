@@ -31,8 +31,11 @@ class _UrlReadiness:
 
     def poll(self) -> Probe:
         code = self.status(self.url)
-        return Probe("ready", f"{self.url} answered 200") if code == 200 else Probe(
-            "down", f"{self.url} answered {code}" if code else f"{self.url} is not answering")
+        return (
+            Probe("ready", f"{self.url} answered 200")
+            if code == 200
+            else Probe("down", f"{self.url} answered {code}" if code else f"{self.url} is not answering")
+        )
 
 
 def _engine_readiness(profile_name: str, profiles_dirs: list[Path], set_json: str | None):
@@ -60,10 +63,14 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--timeout", type=float, required=True)
     args = parser.parse_args(argv)
     try:
-        readiness = (_engine_readiness(args.profile, args.profiles_dir, args.set_json) if args.what == "engine"
-                     else _UrlReadiness(args.url))
-        probe, elapsed = wait_ready(readiness, args.timeout, check_alive=lambda: None, on_wait=lambda *_: None,
-                                    clock=time.monotonic, poll_s=1.0)
+        readiness = (
+            _engine_readiness(args.profile, args.profiles_dir, args.set_json)
+            if args.what == "engine"
+            else _UrlReadiness(args.url)
+        )
+        probe, elapsed = wait_ready(
+            readiness, args.timeout, check_alive=lambda: None, on_wait=lambda *_: None, clock=time.monotonic, poll_s=1.0
+        )
     except MolctlError as exc:
         print(f"molctl.waitready: {exc}", file=sys.stderr)
         return int(exc.exit_status)

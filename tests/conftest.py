@@ -96,13 +96,29 @@ def stack(keyfile, tmp_path_factory):
     engine_port, proxy_port, metrics_port = _free_ports(3)
     engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
     # strict: the fake engine rejects what vLLM and the Qwen3.5/3.6 templates reject (tiny's window: 2048)
-    with running(fake_engine_argv(engine_port, STRICT), engine_url + "/health", log=logs / "engine.log"), \
-            running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(keyfile),
-                               # the profile field (what `up` passes); test_proxy_admission uses --sse-keepalive
-                               "--set", "proxy.sse_keepalive_s=0.2", "--set", "proxy.stream_write_timeout_s=2",
-                               "--set", "proxy.route_timeout_s=2",
-                               "--metrics-port", str(metrics_port)),
-                    proxy_url + "/health", log=logs / "proxy.log"):
+    with (
+        running(fake_engine_argv(engine_port, STRICT), engine_url + "/health", log=logs / "engine.log"),
+        running(
+            proxy_argv(
+                "tiny",
+                engine_url,
+                proxy_port,
+                "--api-key-file",
+                str(keyfile),
+                # the profile field (what `up` passes); test_proxy_admission uses --sse-keepalive
+                "--set",
+                "proxy.sse_keepalive_s=0.2",
+                "--set",
+                "proxy.stream_write_timeout_s=2",
+                "--set",
+                "proxy.route_timeout_s=2",
+                "--metrics-port",
+                str(metrics_port),
+            ),
+            proxy_url + "/health",
+            log=logs / "proxy.log",
+        ),
+    ):
         yield Stack(engine_url, proxy_url, f"http://127.0.0.1:{metrics_port}")
 
 

@@ -101,8 +101,14 @@ DEFAULT_CONFIG = {
 }
 
 
-def vllm_error(message: str, status: int = 400, err_type: str = "BadRequestError", param: str | None = None,
-               value=None, suffix: bool = True) -> web.Response:
+def vllm_error(
+    message: str,
+    status: int = 400,
+    err_type: str = "BadRequestError",
+    param: str | None = None,
+    value=None,
+    suffix: bool = True,
+) -> web.Response:
     """vLLM's error body (vllm/entrypoints/serve/engine/protocol.py ErrorResponse). A
     VLLMValidationError (a `param`) reads "MESSAGE (parameter=P, value=V)" (vllm/exceptions.py
     VLLMValidationError.__str__) and names P in `param`; `suffix=False`: a `param` set without
@@ -110,8 +116,9 @@ def vllm_error(message: str, status: int = 400, err_type: str = "BadRequestError
     extras = ([f"parameter={param}"] if param is not None else []) + ([f"value={value}"] if value is not None else [])
     if extras and suffix:
         message = f"{message} ({', '.join(extras)})"
-    return web.json_response({"error": {"message": message, "type": err_type, "param": param, "code": status}},
-                             status=status)
+    return web.json_response(
+        {"error": {"message": message, "type": err_type, "param": param, "code": status}}, status=status
+    )
 
 
 def estimate_tokens(payload: dict) -> int:
@@ -130,8 +137,10 @@ def strict_violation(payload: dict) -> web.Response | None:
     """In vLLM 0.32's order: the request model's validators, the model, the output limit, the
     chat template, the prompt's length, then the sampling params."""
     if payload.get("tools") == []:
-        return vllm_error("`tools` must not be an empty array. Either provide at least one tool or omit the field "
-                          "entirely.", param="tools")
+        return vllm_error(
+            "`tools` must not be an empty array. Either provide at least one tool or omit the field entirely.",
+            param="tools",
+        )
     if payload.get("tool_choice") not in (None, "none") and payload.get("tools") is None:
         return vllm_error("When using `tool_choice`, `tools` must be set.", param="tool_choice")
     top = payload.get("top_logprobs")
@@ -140,15 +149,23 @@ def strict_violation(payload: dict) -> web.Response | None:
     cfg = STATE.config
     model = payload.get("model")
     if model and model != cfg["served_name"] and model not in cfg["adapters"]:
-        return vllm_error(f"The model `{model}` does not exist. Valid aliases: {cfg['served_name']}.", 404,
-                          "NotFoundError", param="model", suffix=False)
+        return vllm_error(
+            f"The model `{model}` does not exist. Valid aliases: {cfg['served_name']}.",
+            404,
+            "NotFoundError",
+            param="model",
+            suffix=False,
+        )
     window = cfg["max_model_len"]
     limit_param = "max_completion_tokens" if payload.get("max_completion_tokens") is not None else "max_tokens"
     limit = payload.get(limit_param)
     if limit is not None and limit > window:
         # a VLLMValidationError message with its own parameter=/value= suffix
-        return vllm_error(f"{limit_param}={limit} cannot be greater than max_model_len={window}. "
-                          f"Please request fewer output tokens.", param=limit_param, value=limit)
+        return vllm_error(
+            f"{limit_param}={limit} cannot be greater than max_model_len={window}. Please request fewer output tokens.",
+            param=limit_param,
+            value=limit,
+        )
     messages = payload.get("messages") or []
     if not messages:
         return vllm_error("Cannot apply chat template to an empty conversation. Provide at least one message.")
@@ -158,8 +175,11 @@ def strict_violation(payload: dict) -> web.Response | None:
             return vllm_error("Unexpected message role.")
         if role == "system" and i > 0:
             return vllm_error("System message must be at the beginning.")
-        if role == "system" and isinstance(msg.get("content"), list) and any(
-                isinstance(p, dict) and p.get("type") not in ("text", None) for p in msg["content"]):
+        if (
+            role == "system"
+            and isinstance(msg.get("content"), list)
+            and any(isinstance(p, dict) and p.get("type") not in ("text", None) for p in msg["content"])
+        ):
             # the Qwen3.5/3.6 templates: raise_exception('System message cannot contain images.')
             return vllm_error("System message cannot contain images.")
     if not any(m.get("role") == "user" for m in messages):
@@ -167,10 +187,13 @@ def strict_violation(payload: dict) -> web.Response | None:
     prompt = estimate_tokens(payload)
     if prompt > window:
         # tokenized with truncation at window + 1 (TokenizeParams.get_encode_kwargs), hence "at least"
-        return vllm_error(f"This model's maximum context length is {window} tokens. However, your prompt contains "
-                          f"at least {window + 1} input tokens, which exceeds this limit even without any output "
-                          f"tokens. Please reduce the length of the input prompt.", param="input_tokens",
-                          value=window + 1)
+        return vllm_error(
+            f"This model's maximum context length is {window} tokens. However, your prompt contains "
+            f"at least {window + 1} input tokens, which exceeds this limit even without any output "
+            f"tokens. Please reduce the length of the input prompt.",
+            param="input_tokens",
+            value=window + 1,
+        )
     room = window - prompt if limit is None else min(window - prompt, limit)
     if room < 1:
         return vllm_error(f"max_tokens must be at least 1, got {room}.", param="max_tokens", value=room)
@@ -180,8 +203,13 @@ def strict_violation(payload: dict) -> web.Response | None:
 # counters served on /metrics, vLLM's names (vllm/v1/metrics/loggers.py; a counter gets `_total`).
 # Only answer hops and direct requests count; `vllm:num_preemptions_total` stays 0; the queue-time
 # histogram (`vllm:request_queue_time_seconds_sum`) is left out on purpose (a metric that is missing).
-METRICS = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
-           "vllm:request_success_total", "vllm:generation_tokens_total")
+METRICS = (
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:num_preemptions_total",
+    "vllm:request_success_total",
+    "vllm:generation_tokens_total",
+)
 
 
 class Engine:
@@ -260,15 +288,41 @@ def cache_hit(model: str, prompt: list[int]) -> tuple[int, str]:
 def completion(model: str, message: dict, finish: str, usage: dict) -> dict:
     """vLLM 0.32's ChatCompletionResponse as it serialises (every field, nulls included; the
     message's `reasoning`, never `reasoning_content`: vllm/entrypoints/openai/chat_completion/protocol.py)."""
-    message = {"role": "assistant", "content": None, "refusal": None, "annotations": None, "audio": None,
-               "function_call": None, "reasoning": None, **message}
+    message = {
+        "role": "assistant",
+        "content": None,
+        "refusal": None,
+        "annotations": None,
+        "audio": None,
+        "function_call": None,
+        "reasoning": None,
+        **message,
+    }
     return {
-        "id": "chatcmpl-engine-" + model, "object": "chat.completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish,
-                     "stop_reason": None, "token_ids": None, "routed_experts": None}],
-        "service_tier": None, "system_fingerprint": "fp-engine", "usage": usage, "prompt_logprobs": None,
-        "prompt_token_ids": None, "prompt_text": None, "kv_transfer_params": {"engine": model},
-        "ec_transfer_params": None, "metrics": None,
+        "id": "chatcmpl-engine-" + model,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": message,
+                "logprobs": None,
+                "finish_reason": finish,
+                "stop_reason": None,
+                "token_ids": None,
+                "routed_experts": None,
+            }
+        ],
+        "service_tier": None,
+        "system_fingerprint": "fp-engine",
+        "usage": usage,
+        "prompt_logprobs": None,
+        "prompt_token_ids": None,
+        "prompt_text": None,
+        "kv_transfer_params": {"engine": model},
+        "ec_transfer_params": None,
+        "metrics": None,
     }
 
 
@@ -278,22 +332,40 @@ async def chat(request: web.Request) -> web.StreamResponse:
     hop = request.headers.get("X-MoL-Hop") or request.headers.get("X-MOL-Internal-Hop")
     messages = payload.get("messages") or []
     last = messages[-1] if messages else {}
-    if hop is None and cfg["summary_marker"] is not None and last.get("role") == "user" \
-            and last.get("content") == cfg["summary_marker"]:
+    if (
+        hop is None
+        and cfg["summary_marker"] is not None
+        and last.get("role") == "user"
+        and last.get("content") == cfg["summary_marker"]
+    ):
         hop = "summary"
     model = payload.get("model")
-    STATE.log.append({"hop": hop, "model": model, "messages": payload.get("messages"), "payload": payload,
-                      "t": time.time(), "request_id": request.headers.get("X-Request-Id")})
+    STATE.log.append(
+        {
+            "hop": hop,
+            "model": model,
+            "messages": payload.get("messages"),
+            "payload": payload,
+            "t": time.time(),
+            "request_id": request.headers.get("X-Request-Id"),
+        }
+    )
     rejected = strict_violation(payload) if cfg["strict"] else None
     priority = payload.get("priority", 0)
     if rejected is None and priority != 0 and cfg["scheduling_policy"] == "fcfs":
-        rejected = vllm_error(cfg["priority_refusal"] or f"Got priority {priority} but Priority scheduling is not enabled.")
+        rejected = vllm_error(
+            cfg["priority_refusal"] or f"Got priority {priority} but Priority scheduling is not enabled."
+        )
     if rejected is not None:
         STATE.log[-1]["rejected"] = json.loads(rejected.text)["error"]["message"]
         return rejected
-    usage = {"prompt_tokens": 10, "total_tokens": 13, "completion_tokens": 3,
-             "prompt_tokens_details": {"cached_tokens": 4, "created_cache_tokens": 0, "multimodal_tokens": None},
-             "completion_tokens_details": None}
+    usage = {
+        "prompt_tokens": 10,
+        "total_tokens": 13,
+        "completion_tokens": 3,
+        "prompt_tokens_details": {"cached_tokens": 4, "created_cache_tokens": 0, "multimodal_tokens": None},
+        "completion_tokens_details": None,
+    }
     if hop == "route":
         await asyncio.sleep(cfg["route_delay"])
         label = cfg["route_label"]
@@ -302,8 +374,11 @@ async def chat(request: web.Request) -> web.StreamResponse:
             user = next((m for m in reversed(messages) if m.get("role") == "user"), last)
             m = re.search(r"\[route:(L\d)\]", text_of(user.get("content")))
             label = m.group(1) if m else "L0"
-        msg = {"content": None, "reasoning": label} if cfg["route_in"] in ("reasoning", "reasoning_content") \
+        msg = (
+            {"content": None, "reasoning": label}
+            if cfg["route_in"] in ("reasoning", "reasoning_content")
             else {"content": label}
+        )
         return web.json_response(completion(model, msg, "stop", usage))
     if hop == "summary":
         await asyncio.sleep(cfg["summary_delay"])
@@ -318,7 +393,9 @@ async def chat(request: web.Request) -> web.StreamResponse:
     STATE.metrics["vllm:prefix_cache_hits_total"] += 4
     if model in cfg["model_error"]:
         err = cfg["model_error"][model]
-        body = err.get("body") or {"error": {"message": "injected", "type": "ServiceUnavailableError", "code": err["status"]}}
+        body = err.get("body") or {
+            "error": {"message": "injected", "type": "ServiceUnavailableError", "code": err["status"]}
+        }
         return web.json_response(body, status=err["status"], headers=err.get("headers"))
     STATE.metrics["vllm:request_success_total"] += 1
     STATE.metrics["vllm:generation_tokens_total"] += 3
@@ -359,7 +436,9 @@ async def chat(request: web.Request) -> web.StreamResponse:
             body["prompt_token_ids"] = prompt_ids
             body["choices"][0]["token_ids"] = out_ids
         if cfg["answer_logprobs"] and payload.get("logprobs"):
-            body["choices"][0]["logprobs"] = {"content": [logprob(p) for p in re.findall(r"\S+\s*", message["content"] or "")]}
+            body["choices"][0]["logprobs"] = {
+                "content": [logprob(p) for p in re.findall(r"\S+\s*", message["content"] or "")]
+            }
         return web.json_response(body)
 
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -375,8 +454,13 @@ async def chat(request: web.Request) -> web.StreamResponse:
         choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         if finish_reason is not None:
             choice["stop_reason"] = None
-        chunk = {"id": "chatcmpl-engine-" + model, "object": "chat.completion.chunk", "created": created,
-                 "model": model, "choices": [choice]}
+        chunk = {
+            "id": "chatcmpl-engine-" + model,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": [choice],
+        }
         if "role" in delta:
             chunk.update(prompt_token_ids=prompt_ids, prompt_text=None)
         elif token_mode:  # the delta's tokens; the finishing chunk the EOS
@@ -407,21 +491,37 @@ async def stream_body(resp, emit, message, finish, tool, cfg, payload, model, us
             await emit({field: piece})
     if tool:
         call = message["tool_calls"][0]
-        await emit({"tool_calls": [{"index": 0, "id": call["id"], "type": "function",
-                                    "function": {"name": call["function"]["name"], "arguments": ""}}]})
+        await emit(
+            {
+                "tool_calls": [
+                    {
+                        "index": 0,
+                        "id": call["id"],
+                        "type": "function",
+                        "function": {"name": call["function"]["name"], "arguments": ""},
+                    }
+                ]
+            }
+        )
         args = call["function"]["arguments"]
         k = cfg["tool_arg_chunks"]
         size = -(-len(args) // k)
         for i in range(0, len(args), size):
             await asyncio.sleep(cfg["token_delay"])
-            await emit({"tool_calls": [{"index": 0, "function": {"arguments": args[i:i + size]}}]})
+            await emit({"tool_calls": [{"index": 0, "function": {"arguments": args[i : i + size]}}]})
     else:
         for i, piece in enumerate(re.findall(r"\S+\s*", message["content"])):
             if cfg["stream_error_after"] is not None and i >= cfg["stream_error_after"]:
                 # vLLM: create_streaming_error_response(e), then [DONE]
                 # (vllm/entrypoints/openai/chat_completion/serving.py)
-                err = {"error": {"message": "EngineCore encountered an issue.", "type": "InternalServerError",
-                                 "param": None, "code": 500}}
+                err = {
+                    "error": {
+                        "message": "EngineCore encountered an issue.",
+                        "type": "InternalServerError",
+                        "param": None,
+                        "code": 500,
+                    }
+                }
                 await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
                 await resp.write(b"data: [DONE]\n\n")
                 await resp.write_eof()
@@ -440,11 +540,20 @@ async def stream_body(resp, emit, message, finish, tool, cfg, payload, model, us
         # the usage chunk: the stream's id and created, no choices, usage without multimodal_tokens
         # and completion_tokens_details (exclude_none), then the fingerprint
         details = {k: v for k, v in usage["prompt_tokens_details"].items() if v is not None}
-        last = {"id": "chatcmpl-engine-" + model, "object": "chat.completion.chunk", "created": created,
-                "model": model, "choices": [],
-                "usage": {"prompt_tokens": usage["prompt_tokens"], "total_tokens": usage["total_tokens"],
-                          "completion_tokens": usage["completion_tokens"], "prompt_tokens_details": details},
-                "system_fingerprint": "fp-engine"}
+        last = {
+            "id": "chatcmpl-engine-" + model,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": [],
+            "usage": {
+                "prompt_tokens": usage["prompt_tokens"],
+                "total_tokens": usage["total_tokens"],
+                "completion_tokens": usage["completion_tokens"],
+                "prompt_tokens_details": details,
+            },
+            "system_fingerprint": "fp-engine",
+        }
         await resp.write(b"data: " + json.dumps(last).encode() + b"\n\n")
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
@@ -476,8 +585,15 @@ async def completions(request: web.Request) -> web.Response:
     payload = await request.json()
     cfg = STATE.config
     model = payload.get("model")
-    STATE.log.append({"hop": request.headers.get("X-MoL-Hop"), "model": model, "endpoint": "completions",
-                      "payload": payload, "t": time.time()})
+    STATE.log.append(
+        {
+            "hop": request.headers.get("X-MoL-Hop"),
+            "model": model,
+            "endpoint": "completions",
+            "payload": payload,
+            "t": time.time(),
+        }
+    )
     if model != cfg["served_name"] and model not in cfg["adapters"]:
         return vllm_error(f"The model `{model}` does not exist.", 404, "NotFoundError", param="model", suffix=False)
     prompt = payload.get("prompt")
@@ -486,44 +602,96 @@ async def completions(request: web.Request) -> web.Response:
         # window rule as for chat, then the usage with the fake prefix cache's cached tokens
         window, max_tokens = cfg["max_model_len"], int(payload.get("max_tokens") or 16)
         if cfg["strict"] and len(prompt) >= window:
-            return vllm_error(f"This model's maximum context length is {window} tokens. However, your prompt "
-                              f"contains at least {len(prompt)} input tokens.", param="input_tokens", value=len(prompt))
+            return vllm_error(
+                f"This model's maximum context length is {window} tokens. However, your prompt "
+                f"contains at least {len(prompt)} input tokens.",
+                param="input_tokens",
+                value=len(prompt),
+            )
         if cfg["summary_fail"] > 0:
             cfg["summary_fail"] -= 1
             return web.json_response({"error": {"message": "summary exploded", "code": 500}}, status=500)
         await asyncio.sleep(cfg["summary_delay"])
         cached, answered = cache_hit(model, prompt)
         text = f"summary of {answered}"
-        return web.json_response({
-            "id": "cmpl-engine", "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": "stop", "stop_reason": None,
-                         "token_ids": None, "prompt_logprobs": None, "prompt_token_ids": None}],
-            "usage": {"prompt_tokens": len(prompt), "completion_tokens": min(3, max_tokens),
-                      "total_tokens": len(prompt) + 3, "prompt_tokens_details": {"cached_tokens": cached}}})
+        return web.json_response(
+            {
+                "id": "cmpl-engine",
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": text,
+                        "logprobs": None,
+                        "finish_reason": "stop",
+                        "stop_reason": None,
+                        "token_ids": None,
+                        "prompt_logprobs": None,
+                        "prompt_token_ids": None,
+                    }
+                ],
+                "usage": {
+                    "prompt_tokens": len(prompt),
+                    "completion_tokens": min(3, max_tokens),
+                    "total_tokens": len(prompt) + 3,
+                    "prompt_tokens_details": {"cached_tokens": cached},
+                },
+            }
+        )
     out = canary_output(model, int(payload.get("max_tokens") or 16), int(payload.get("logprobs") or 0) or 1)
-    logprobs = {"text_offset": list(range(len(out))), "token_logprobs": [lp for _, lp, _ in out],
-                "tokens": [f"token_id:{t}" for t, _, _ in out],
-                "top_logprobs": [{f"token_id:{k}": v for k, v in top.items()} for _, _, top in out]}
-    return web.json_response({"id": "cmpl-engine", "object": "text_completion", "created": int(time.time()), "model": model,
-                              "choices": [{"index": 0, "text": "".join(f" w{t}" for t, _, _ in out), "logprobs": logprobs,
-                                           "finish_reason": "length", "stop_reason": None}],
-                              "usage": {"prompt_tokens": 12, "completion_tokens": len(out), "total_tokens": 12 + len(out)}})
+    logprobs = {
+        "text_offset": list(range(len(out))),
+        "token_logprobs": [lp for _, lp, _ in out],
+        "tokens": [f"token_id:{t}" for t, _, _ in out],
+        "top_logprobs": [{f"token_id:{k}": v for k, v in top.items()} for _, _, top in out],
+    }
+    return web.json_response(
+        {
+            "id": "cmpl-engine",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": model,
+            "choices": [
+                {
+                    "index": 0,
+                    "text": "".join(f" w{t}" for t, _, _ in out),
+                    "logprobs": logprobs,
+                    "finish_reason": "length",
+                    "stop_reason": None,
+                }
+            ],
+            "usage": {"prompt_tokens": 12, "completion_tokens": len(out), "total_tokens": 12 + len(out)},
+        }
+    )
 
 
 async def tokenize(request: web.Request) -> web.Response:
     """vLLM's /tokenize for chat messages (TokenizeChatRequest: add_generation_prompt,
     continue_final_message; vllm/entrypoints/serve/tokenize/protocol.py), rendered with `render`."""
     payload = await request.json()
-    STATE.log.append({"hop": request.headers.get("X-MoL-Hop"), "model": payload.get("model"), "endpoint": "tokenize",
-                      "payload": payload, "t": time.time()})
+    STATE.log.append(
+        {
+            "hop": request.headers.get("X-MoL-Hop"),
+            "model": payload.get("model"),
+            "endpoint": "tokenize",
+            "payload": payload,
+            "t": time.time(),
+        }
+    )
     if not STATE.config["token_ids"]:
         return web.json_response({"detail": "Not Found"}, status=404)
     if payload.get("add_generation_prompt") and payload.get("continue_final_message"):
         return vllm_error("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
-    tokens = render(payload.get("messages") or [], bool(payload.get("add_generation_prompt", True)),
-                    bool(payload.get("continue_final_message")))
-    return web.json_response({"count": len(tokens), "max_model_len": STATE.config["max_model_len"], "tokens": tokens,
-                              "token_strs": None})
+    tokens = render(
+        payload.get("messages") or [],
+        bool(payload.get("add_generation_prompt", True)),
+        bool(payload.get("continue_final_message")),
+    )
+    return web.json_response(
+        {"count": len(tokens), "max_model_len": STATE.config["max_model_len"], "tokens": tokens, "token_strs": None}
+    )
 
 
 async def health(request):
@@ -538,12 +706,31 @@ async def models(request):
     created = int(time.time())
 
     def card(name, root, parent_name, window):
-        return {"id": name, "object": "model", "created": created, "owned_by": "vllm", "root": root,
-                "parent": parent_name, "max_model_len": window,
-                "permission": [{"id": f"modelperm-{name}", "object": "model_permission", "created": created,
-                                "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
-                                "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
-                                "organization": "*", "group": None, "is_blocking": False}]}
+        return {
+            "id": name,
+            "object": "model",
+            "created": created,
+            "owned_by": "vllm",
+            "root": root,
+            "parent": parent_name,
+            "max_model_len": window,
+            "permission": [
+                {
+                    "id": f"modelperm-{name}",
+                    "object": "model_permission",
+                    "created": created,
+                    "allow_create_engine": False,
+                    "allow_sampling": True,
+                    "allow_logprobs": True,
+                    "allow_search_indices": False,
+                    "allow_view": True,
+                    "allow_fine_tuning": False,
+                    "organization": "*",
+                    "group": None,
+                    "is_blocking": False,
+                }
+            ],
+        }
 
     data = [card(cfg["served_name"], "/models/base", None, cfg["max_model_len"])]
     data += [card(a, f"/models/loras/{a}", parent, None) for a in cfg["adapters"]]
@@ -651,8 +838,13 @@ def main() -> None:
     elif env.get("FAKE_CHILD") == "retitle":
         # As vLLM's EngineCore and workers do (vllm.utils set_process_title -> setproctitle), which
         # overwrites the memory /proc/PID/environ is read from: the environment marker is gone.
-        subprocess.Popen([sys.executable, "-c", "import setproctitle, time; "
-                          "setproctitle.setproctitle('VLLM::EngineCore'); time.sleep(600)"])
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "import setproctitle, time; setproctitle.setproctitle('VLLM::EngineCore'); time.sleep(600)",
+            ]
+        )
         print("spawned EngineCore-like child", flush=True)
     elif env.get("FAKE_CHILD") == "retitle-partial":
         # What /proc/PID/environ of vLLM 0.32's EngineCore shows here after setproctitle: not
@@ -662,9 +854,15 @@ def main() -> None:
         print("spawned EngineCore-like child", flush=True)
     elif env.get("FAKE_CHILD") == "gpu":
         gib = float(env.get("FAKE_GPU_GIB", "4"))
-        subprocess.Popen([sys.executable, "-c", "import time, torch; "
-                          f"x = torch.empty({int(gib * 2 ** 30)}, dtype=torch.uint8, device='cuda'); "
-                          "torch.cuda.synchronize(); time.sleep(600)"])
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "import time, torch; "
+                f"x = torch.empty({int(gib * 2**30)}, dtype=torch.uint8, device='cuda'); "
+                "torch.cuda.synchronize(); time.sleep(600)",
+            ]
+        )
         print(f"spawned EngineCore-like child holding {gib} GiB of GPU memory", flush=True)
     if env.get("FAKE_ADAPTERS") is not None:
         STATE.config["adapters"] = [a for a in env["FAKE_ADAPTERS"].split(",") if a]
@@ -683,8 +881,14 @@ def main() -> None:
         print("RuntimeError: CUDA out of memory (simulated)", flush=True)
         sys.exit(int(env["FAKE_EXIT"]))
     print("Application startup complete.", flush=True)
-    web.run_app(make_app(), host=args.host, port=args.port, print=None, access_log=None,
-                handle_signals=env.get("FAKE_IGNORE_TERM") != "1")
+    web.run_app(
+        make_app(),
+        host=args.host,
+        port=args.port,
+        print=None,
+        access_log=None,
+        handle_signals=env.get("FAKE_IGNORE_TERM") != "1",
+    )
 
 
 if __name__ == "__main__":

@@ -121,8 +121,12 @@ class Sgl:
         """metrics/collector.py TokenizerMetricsCollector.observe_one_finished_request: prompt and
         generation tokens and num_requests on every finished request, cached tokens only `if
         cached_tokens > 0`."""
-        for key, n in (("prompt_tokens", prompt), ("generation_tokens", generation), ("num_requests", 1),
-                       ("cached_tokens", cached)):
+        for key, n in (
+            ("prompt_tokens", prompt),
+            ("generation_tokens", generation),
+            ("num_requests", 1),
+            ("cached_tokens", cached),
+        ):
             if n > 0 or key != "cached_tokens":
                 self.counters[key] += n
                 self.observed.add(key)
@@ -134,8 +138,9 @@ SGL = Sgl()
 def error(message: str, status: int = 400) -> web.Response:
     """SGLang's OpenAI error body: serving_base.py create_error_response (ErrorResponse, err_type
     "BadRequestError", HTTP 400), as a client sees it (sglang issue #12745)."""
-    return web.json_response({"object": "error", "message": message, "type": "BadRequestError", "param": None,
-                              "code": status}, status=status)
+    return web.json_response(
+        {"object": "error", "message": message, "type": "BadRequestError", "param": None, "code": status}, status=status
+    )
 
 
 def loaded_adapters() -> list[str]:
@@ -159,17 +164,42 @@ async def health(request):
 
 async def models(request):
     parent = base.STATE.config["parent"] or SGL.served
-    data = [{"id": SGL.served, "object": "model", "created": int(time.time()), "owned_by": "sglang",
-             "root": SGL.served, "parent": None, "max_model_len": SGL.server_args.get("context_length")}]
-    data += [{"id": a, "object": "model", "created": int(time.time()), "owned_by": "sglang",
-              "root": SGL.lora_paths.get(a, a), "parent": parent, "max_model_len": None} for a in loaded_adapters()]
+    data = [
+        {
+            "id": SGL.served,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "sglang",
+            "root": SGL.served,
+            "parent": None,
+            "max_model_len": SGL.server_args.get("context_length"),
+        }
+    ]
+    data += [
+        {
+            "id": a,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "sglang",
+            "root": SGL.lora_paths.get(a, a),
+            "parent": parent,
+            "max_model_len": None,
+        }
+        for a in loaded_adapters()
+    ]
     return web.json_response({"object": "list", "data": data})
 
 
 async def model_info(request):
-    return web.json_response({"model_path": SGL.server_args.get("model_path"), "tokenizer_path":
-                              SGL.server_args.get("model_path"), "is_generation": True,
-                              "preferred_sampling_params": None, "weight_version": "default"})
+    return web.json_response(
+        {
+            "model_path": SGL.server_args.get("model_path"),
+            "tokenizer_path": SGL.server_args.get("model_path"),
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+        }
+    )
 
 
 async def server_info(request):
@@ -186,13 +216,18 @@ async def metrics(request):
     if not SGL.metrics:
         return web.Response(status=404)
     c, labels = SGL.counters, f'model_name="{SGL.served}"'
-    lines = [f'sglang:{key}_total{{{labels}}} {c[key]}' for key in ("prompt_tokens", "generation_tokens", "num_requests")
-             if key in SGL.observed]
+    lines = [
+        f"sglang:{key}_total{{{labels}}} {c[key]}"
+        for key in ("prompt_tokens", "generation_tokens", "num_requests")
+        if key in SGL.observed
+    ]
     if "cached_tokens" in SGL.observed:
         lines.append(f'sglang:cached_tokens_total{{{labels},cache_source="device"}} {c["cached_tokens"]}')
     if "num_requests" in SGL.observed:  # the scheduler's histogram, observed when a request leaves the queue
-        lines += [f'sglang:queue_time_seconds_sum{{{labels}}} {0.001 * c["num_requests"]}',
-                  f'sglang:queue_time_seconds_count{{{labels}}} {c["num_requests"]}']
+        lines += [
+            f"sglang:queue_time_seconds_sum{{{labels}}} {0.001 * c['num_requests']}",
+            f"sglang:queue_time_seconds_count{{{labels}}} {c['num_requests']}",
+        ]
     return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
 
@@ -206,19 +241,36 @@ async def generate(request):
     payload = await request.json()
     SGL.finished(7, 8, 0)
     if not payload.get("return_logprob"):
-        return web.json_response({"text": " Paris.", "meta_info": {"id": "warmup", "finish_reason": {"type": "length"}}})
+        return web.json_response(
+            {"text": " Paris.", "meta_info": {"id": "warmup", "finish_reason": {"type": "length"}}}
+        )
     adapter = payload.get("lora_path")
-    base.STATE.log.append({"hop": request.headers.get("X-MoL-Hop"), "model": adapter, "endpoint": "generate",
-                           "payload": payload, "t": time.time()})
+    base.STATE.log.append(
+        {
+            "hop": request.headers.get("X-MoL-Hop"),
+            "model": adapter,
+            "endpoint": "generate",
+            "payload": payload,
+            "t": time.time(),
+        }
+    )
     if adapter is not None and adapter not in loaded_adapters():
-        return error(f"The following requested LoRA adapters are not loaded: {adapter}\n"
-                     f"Loaded adapters: dict_keys({loaded_adapters()!r}).")
+        return error(
+            f"The following requested LoRA adapters are not loaded: {adapter}\n"
+            f"Loaded adapters: dict_keys({loaded_adapters()!r})."
+        )
     params = payload.get("sampling_params") or {}
-    out = base.canary_output(adapter or SGL.served, int(params.get("max_new_tokens") or 16),
-                             int(payload.get("top_logprobs_num") or 0) or 1)
-    meta = {"id": "canary", "finish_reason": {"type": "length", "length": len(out)}, "prompt_tokens": 12,
-            "completion_tokens": len(out), "output_token_logprobs": [[lp, t, None] for t, lp, _ in out],
-            "output_top_logprobs": [[[v, k, None] for k, v in top.items()] for _, _, top in out]}
+    out = base.canary_output(
+        adapter or SGL.served, int(params.get("max_new_tokens") or 16), int(payload.get("top_logprobs_num") or 0) or 1
+    )
+    meta = {
+        "id": "canary",
+        "finish_reason": {"type": "length", "length": len(out)},
+        "prompt_tokens": 12,
+        "completion_tokens": len(out),
+        "output_token_logprobs": [[lp, t, None] for t, lp, _ in out],
+        "output_top_logprobs": [[[v, k, None] for k, v in top.items()] for _, _, top in out],
+    }
     return web.json_response({"text": "".join(f" w{t}" for t, _, _ in out), "meta_info": meta})
 
 
@@ -252,21 +304,43 @@ async def stream_body(resp, emit, message, finish, tool, cfg, payload, model, us
     usage = _strip_cached(usage)
     abort = cfg.get("stream_abort")
     if abort is None and cfg["stream_error_after"] is not None:
-        abort = {"status": 500, "message": "Internal error in the scheduler (simulated).", "after": cfg["stream_error_after"]}
+        abort = {
+            "status": 500,
+            "message": "Internal error in the scheduler (simulated).",
+            "after": cfg["stream_error_after"],
+        }
     if abort is None:
         await _stream_body(resp, emit, message, finish, tool, cfg, payload, model, usage, created)
         return
-    pieces = re.findall(r"\S+\s*", message.get("content") or "")[:abort.get("after", 0)]
+    pieces = re.findall(r"\S+\s*", message.get("content") or "")[: abort.get("after", 0)]
     if pieces:
         await emit({"role": "assistant", "content": ""})
     for piece in pieces:
         await emit({"content": piece})
     status = abort["status"]
-    err = {"object": "error", "message": abort["message"], "type": HTTP_STATUS_NAMES[status], "param": None, "code": status}
+    err = {
+        "object": "error",
+        "message": abort["message"],
+        "type": HTTP_STATUS_NAMES[status],
+        "param": None,
+        "code": status,
+    }
     await resp.write(b"data: " + json.dumps({"error": err}).encode() + b"\n\n")
     if (payload.get("stream_options") or {}).get("include_usage"):
-        await resp.write(b"data: " + json.dumps({"id": "x", "object": "chat.completion.chunk", "created": 0, "model": model,
-                                                 "choices": [], "usage": usage}).encode() + b"\n\n")
+        await resp.write(
+            b"data: "
+            + json.dumps(
+                {
+                    "id": "x",
+                    "object": "chat.completion.chunk",
+                    "created": 0,
+                    "model": model,
+                    "choices": [],
+                    "usage": usage,
+                }
+            ).encode()
+            + b"\n\n"
+        )
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
 
@@ -298,10 +372,12 @@ def strict_violation(payload: dict) -> web.Response | None:
     if prompt >= window:
         return error(f"The input ({prompt} tokens) is longer than the model's context length ({window} tokens).")
     if max_new is not None and max_new + prompt >= window:
-        return error(f"Requested token count exceeds the model's maximum context length of {window} tokens. "
-                     f"You requested a total of {max_new + prompt} tokens: {prompt} tokens from the input messages "
-                     f"and {max_new} tokens for the completion. Please reduce the number of tokens in the input "
-                     f"messages or the completion to fit within the limit.")
+        return error(
+            f"Requested token count exceeds the model's maximum context length of {window} tokens. "
+            f"You requested a total of {max_new + prompt} tokens: {prompt} tokens from the input messages "
+            f"and {max_new} tokens for the completion. Please reduce the number of tokens in the input "
+            f"messages or the completion to fit within the limit."
+        )
     return None
 
 
@@ -318,32 +394,73 @@ async def chat(request):
     adapter = (model.split(":", 1)[1].strip() or None) if ":" in model else payload.get("lora_path")
     if adapter is not None and adapter not in loaded_adapters():
         # lora/lora_registry.py LoRARegistry.acquire: the message lists every loaded adapter
-        message = (f"The following requested LoRA adapters are not loaded: {adapter}\n"
-                   f"Loaded adapters: dict_keys({loaded_adapters()!r}).")
-        base.STATE.log.append({"hop": request.headers.get("X-MoL-Hop"), "model": model, "messages": payload.get("messages"),
-                               "payload": payload, "t": time.time(), "rejected": message})
+        message = (
+            f"The following requested LoRA adapters are not loaded: {adapter}\n"
+            f"Loaded adapters: dict_keys({loaded_adapters()!r})."
+        )
+        base.STATE.log.append(
+            {
+                "hop": request.headers.get("X-MoL-Hop"),
+                "model": model,
+                "messages": payload.get("messages"),
+                "payload": payload,
+                "t": time.time(),
+                "rejected": message,
+            }
+        )
         return error(message)
     if base.STATE.config["strict"]:
         rejected = strict_violation(payload)
         if rejected is not None:
-            base.STATE.log.append({"hop": request.headers.get("X-MoL-Hop"), "model": model,
-                                   "messages": payload.get("messages"), "payload": payload, "t": time.time(),
-                                   "rejected": json.loads(rejected.text)["message"]})
+            base.STATE.log.append(
+                {
+                    "hop": request.headers.get("X-MoL-Hop"),
+                    "model": model,
+                    "messages": payload.get("messages"),
+                    "payload": payload,
+                    "t": time.time(),
+                    "rejected": json.loads(rejected.text)["message"],
+                }
+            )
             return rejected
-    if request.headers.get("X-MoL-Hop") == "route" and not any(payload.get(k) for k in ("regex", "ebnf", "json_schema")) \
-            and (payload.get("response_format") or {}).get("type") != "json_schema":
+    if (
+        request.headers.get("X-MoL-Hop") == "route"
+        and not any(payload.get(k) for k in ("regex", "ebnf", "json_schema"))
+        and (payload.get("response_format") or {}).get("type") != "json_schema"
+    ):
         # no constraint: SGLang samples freely (there is no vLLM-style `choice`; a vLLM
         # `structured_outputs` field is not a ChatCompletionRequest field and constrains nothing)
-        base.STATE.log.append({"hop": "route", "model": model, "messages": payload.get("messages"),
-                               "payload": payload, "t": time.time(), "unconstrained": True})
-        return web.json_response(base.completion(model, {"content": "Sure! This request is about code, so the best "
-                                                         "specialist is probably the coding one."}, "stop",
-                                                 {"prompt_tokens": 10, "completion_tokens": 16, "total_tokens": 26}))
+        base.STATE.log.append(
+            {
+                "hop": "route",
+                "model": model,
+                "messages": payload.get("messages"),
+                "payload": payload,
+                "t": time.time(),
+                "unconstrained": True,
+            }
+        )
+        return web.json_response(
+            base.completion(
+                model,
+                {"content": "Sure! This request is about code, so the best specialist is probably the coding one."},
+                "stop",
+                {"prompt_tokens": 10, "completion_tokens": 16, "total_tokens": 26},
+            )
+        )
     if base.STATE.config.get("abort_on_priority") and payload.get("priority") is not None:
         # --abort-on-priority-when-disabled without --enable-priority-scheduling: any priority, 0
         # included, is aborted with a 503 (scheduler.py _set_or_validate_priority)
-        base.STATE.log.append({"hop": request.headers.get("X-MoL-Hop"), "model": model, "messages": payload.get("messages"),
-                               "payload": payload, "t": time.time(), "rejected": "priority"})
+        base.STATE.log.append(
+            {
+                "hop": request.headers.get("X-MoL-Hop"),
+                "model": model,
+                "messages": payload.get("messages"),
+                "payload": payload,
+                "t": time.time(),
+                "rejected": "priority",
+            }
+        )
         return error("Using priority is disabled for this server. Please send a new request without a priority.", 503)
     rid = payload.get("rid")
     if rid is not None and rid in SGL.rids:
@@ -411,8 +528,11 @@ def subprocess_watchdog() -> None:
         for child, name in zip(SGL.children, SGL.names, strict=True):
             code = child.poll()
             if code not in (None, 0):
-                print(f"Subprocess {name} (pid={child.pid}) crashed with exit code {code}. "
-                      f"Triggering SIGQUIT for cleanup...", flush=True)
+                print(
+                    f"Subprocess {name} (pid={child.pid}) crashed with exit code {code}. "
+                    f"Triggering SIGQUIT for cleanup...",
+                    flush=True,
+                )
                 os.kill(os.getpid(), signal.SIGQUIT)
                 return
 
@@ -426,8 +546,10 @@ async def warmup(url: str) -> None:
             print("Initialization failed. warmup error: AssertionError: <Response [500]> (simulated)", flush=True)
             kill_children()
             os.kill(os.getpid(), signal.SIGKILL)
-        async with session.post(url + "/generate", json={"text": "The capital city of France is",
-                                                         "sampling_params": {"temperature": 0, "max_new_tokens": 8}}) as r:
+        async with session.post(
+            url + "/generate",
+            json={"text": "The capital city of France is", "sampling_params": {"temperature": 0, "max_new_tokens": 8}},
+        ) as r:
             assert r.status == 200
     SGL.status = "up"
     print("The server is fired up and ready to roll!", flush=True)
@@ -443,8 +565,10 @@ async def serve(host: str, port: int) -> None:
     loop = asyncio.get_running_loop()
 
     def on_term():
-        print(f"SIGTERM received. signum={signal.SIGTERM!r} frame=None. Draining requests and shutting down...",
-              flush=True)
+        print(
+            f"SIGTERM received. signum={signal.SIGTERM!r} frame=None. Draining requests and shutting down...",
+            flush=True,
+        )
         SGL.gracefully_exit = True
 
     async def sigterm_watchdog():  # managers/tokenizer_manager.py sigterm_watchdog
@@ -463,8 +587,10 @@ async def serve(host: str, port: int) -> None:
     else:
         loop.add_signal_handler(signal.SIGTERM, on_term)
     SGL.running_phase = True
-    tasks = [asyncio.ensure_future(sigterm_watchdog()),
-             asyncio.ensure_future(warmup(f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"))]
+    tasks = [
+        asyncio.ensure_future(sigterm_watchdog()),
+        asyncio.ensure_future(warmup(f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}")),
+    ]
     await done.wait()
     del tasks
     kill_tree_and_self()
@@ -494,19 +620,29 @@ def main() -> None:
     if args.max_loaded_loras is not None:  # server_args.py check_lora_server_args
         assert args.max_loaded_loras >= args.max_loras_per_batch, (
             "max_loaded_loras should be greater than or equal to max_loras_per_batch. "
-            f"max_loaded_loras={args.max_loaded_loras}, max_loras_per_batch={args.max_loras_per_batch}")
+            f"max_loaded_loras={args.max_loaded_loras}, max_loras_per_batch={args.max_loras_per_batch}"
+        )
         assert len(SGL.lora_paths) <= args.max_loaded_loras, (
             "The number of LoRA paths should not exceed max_loaded_loras. "
-            f"max_loaded_loras={args.max_loaded_loras}, lora_paths={len(SGL.lora_paths)}")
+            f"max_loaded_loras={args.max_loaded_loras}, lora_paths={len(SGL.lora_paths)}"
+        )
     SGL.served = args.served_model_name or args.model_path  # server_args.py: defaults to model_path
     SGL.cache_report = args.enable_cache_report
     SGL.metrics = args.enable_metrics
     SGL.version = env.get("FAKE_SGLANG_VERSION", VERSION)
-    SGL.server_args = {"model_path": args.model_path, "served_model_name": SGL.served, "host": args.host,
-                       "port": args.port, "tp_size": args.tp, "context_length": args.context_length,
-                       "enable_lora": bool(SGL.lora_paths), "lora_paths": SGL.lora_paths,
-                       "max_loras_per_batch": args.max_loras_per_batch, "max_lora_rank": args.max_lora_rank,
-                       "enable_cache_report": args.enable_cache_report}
+    SGL.server_args = {
+        "model_path": args.model_path,
+        "served_model_name": SGL.served,
+        "host": args.host,
+        "port": args.port,
+        "tp_size": args.tp,
+        "context_length": args.context_length,
+        "enable_lora": bool(SGL.lora_paths),
+        "lora_paths": SGL.lora_paths,
+        "max_loras_per_batch": args.max_loras_per_batch,
+        "max_lora_rank": args.max_lora_rank,
+        "enable_cache_report": args.enable_cache_report,
+    }
     for target in (base.STATE.base, base.STATE.config):
         target.update(json.loads(args.config))
         target["served_name"] = SGL.served
@@ -523,9 +659,11 @@ def main() -> None:
         base.STATE.config["answer_delay"] = base.STATE.base["answer_delay"] = float(env["FAKE_ANSWER_DELAY"])
     base.apply_canary_env(base.STATE.config, base.STATE.base)
 
-    print(f"fake sglang pid {os.getpid()} server_args=ServerArgs(model_path={args.model_path!r}, "
-          f"served_model_name={SGL.served!r}, port={args.port}, tp_size={args.tp}, lora_paths={SGL.lora_paths!r})",
-          flush=True)
+    print(
+        f"fake sglang pid {os.getpid()} server_args=ServerArgs(model_path={args.model_path!r}, "
+        f"served_model_name={SGL.served!r}, port={args.port}, tp_size={args.tp}, lora_paths={SGL.lora_paths!r})",
+        flush=True,
+    )
     if env.get("FAKE_IGNORE_TERM") == "1":  # a wedged launcher: SIGTERM and the watchdog's SIGQUIT do nothing
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # else: no SIGTERM handler while loading (the tokenizer manager installs one with its event loop):
@@ -533,7 +671,9 @@ def main() -> None:
     signal.signal(signal.SIGQUIT, signal.SIG_IGN if env.get("FAKE_IGNORE_TERM") == "1" else on_sigquit)
     if env.get("FAKE_NO_CHILDREN") != "1":
         arm = "0" if env.get("FAKE_ORPHAN") == "1" else "1"
-        titles = [f"sglang::scheduler{f'_TP{r}' if args.tp > 1 else ''}" for r in range(args.tp)] + ["sglang::detokenizer"]
+        titles = [f"sglang::scheduler{f'_TP{r}' if args.tp > 1 else ''}" for r in range(args.tp)] + [
+            "sglang::detokenizer"
+        ]
         for rank, title in enumerate(titles):
             fail = env.get("FAKE_STARTUP_DELAY", "0") if env.get("FAKE_SCHEDULER_FAIL") == "1" and rank == 0 else "-"
             SGL.children.append(subprocess.Popen([sys.executable, "-c", CHILD, title, arm, fail]))

@@ -37,8 +37,23 @@ from tests.helpers import Molctl, free_ports
 from tests.layouts import make_layout
 from tests.procs import fake_engine_python
 
-CHECK_SKIPS = ["--skip", "model", "--skip", "adapter", "--skip", "template", "--skip", "engine",
-               "--skip", "port", "--skip", "state", "--skip", "security", "--json"]
+CHECK_SKIPS = [
+    "--skip",
+    "model",
+    "--skip",
+    "adapter",
+    "--skip",
+    "template",
+    "--skip",
+    "engine",
+    "--skip",
+    "port",
+    "--skip",
+    "state",
+    "--skip",
+    "security",
+    "--json",
+]
 
 
 class Report:
@@ -52,12 +67,22 @@ class Report:
 
 
 def smi() -> list[dict]:
-    out = subprocess.run(["nvidia-smi", "--query-gpu=index,name,memory.total,memory.free,driver_version",
-                          "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30).stdout
+    out = subprocess.run(
+        [
+            "nvidia-smi",
+            "--query-gpu=index,name,memory.total,memory.free,driver_version",
+            "--format=csv,noheader,nounits",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    ).stdout
     rows = []
     for line in out.strip().splitlines():
         index, name, total, free, driver = [x.strip() for x in line.split(",")]
-        rows.append({"index": int(index), "name": name, "total_mib": int(total), "free_mib": int(free), "driver": driver})
+        rows.append(
+            {"index": int(index), "name": name, "total_mib": int(total), "free_mib": int(free), "driver": driver}
+        )
     return rows
 
 
@@ -97,52 +122,111 @@ def main() -> int:
     inv = NvmlProbe().inventory()
     rows = smi()
     same = len(rows) == len(inv.devices) and all(
-        r["name"] == d.name and r["total_mib"] == d.total_bytes // 2 ** 20 and r["driver"] == inv.driver_version
-        for r, d in zip(rows, inv.devices, strict=True))
-    rep.expect("inventory: NvmlProbe agrees with nvidia-smi", same, nvml=[
-        {"index": d.index, "name": d.name, "total_mib": d.total_bytes // 2 ** 20, "free_mib": d.free_bytes // 2 ** 20,
-         "processes": [p.pid for p in d.processes]} for d in inv.devices], driver=inv.driver_version, smi=rows)
+        r["name"] == d.name and r["total_mib"] == d.total_bytes // 2**20 and r["driver"] == inv.driver_version
+        for r, d in zip(rows, inv.devices, strict=True)
+    )
+    rep.expect(
+        "inventory: NvmlProbe agrees with nvidia-smi",
+        same,
+        nvml=[
+            {
+                "index": d.index,
+                "name": d.name,
+                "total_mib": d.total_bytes // 2**20,
+                "free_mib": d.free_bytes // 2**20,
+                "processes": [p.pid for p in d.processes],
+            }
+            for d in inv.devices
+        ],
+        driver=inv.driver_version,
+        smi=rows,
+    )
     count = len(inv.devices)
 
     # 2. too few GPUs for the profile's engine.gpus
     r = cli("check", "tall", *CHECK_SKIPS)
     c = checks(r).get("gpu.count", {})
-    rep.expect("check tall (engine.gpus=8): gpu.count fails, exit 3 (check failed)",
-               r.exit_code == ExitStatus.CHECK_FAILED and c.get("status") == "fail" and f"{count} GPU(s) visible" in c.get("detail", ""),
-               exit=int(r.exit_code), check=c, stderr=r.stderr[-300:])
+    rep.expect(
+        "check tall (engine.gpus=8): gpu.count fails, exit 3 (check failed)",
+        r.exit_code == ExitStatus.CHECK_FAILED
+        and c.get("status") == "fail"
+        and f"{count} GPU(s) visible" in c.get("detail", ""),
+        exit=int(r.exit_code),
+        check=c,
+        stderr=r.stderr[-300:],
+    )
 
     # 3. the host's own count
     gpus = ["--set", f"engine.gpus={count}"]
     r = cli("check", "tall", *gpus, *CHECK_SKIPS)
     cs = checks(r)
-    rep.expect("check tall (engine.gpus=host count): every gpu.* passes", r.exit_code == 0 and all(
-        cs.get(i, {}).get("status") == "pass" for i in ("gpu.driver", "gpu.count", "gpu.memory", "gpu.processes", "gpu.lock")),
-        exit=int(r.exit_code), checks={k: v for k, v in cs.items() if k.startswith("gpu.")})
+    rep.expect(
+        "check tall (engine.gpus=host count): every gpu.* passes",
+        r.exit_code == 0
+        and all(
+            cs.get(i, {}).get("status") == "pass"
+            for i in ("gpu.driver", "gpu.count", "gpu.memory", "gpu.processes", "gpu.lock")
+        ),
+        exit=int(r.exit_code),
+        checks={k: v for k, v in cs.items() if k.startswith("gpu.")},
+    )
 
     # 4. a foreign CUDA process
-    total_gib = inv.devices[0].total_bytes / 2 ** 30
+    total_gib = inv.devices[0].total_bytes / 2**30
     hold = int(total_gib * 0.2)  # leaves under the 0.9 fraction free
-    foreign = subprocess.Popen([sys.executable, "-c", "import time, torch; "
-                                f"x = torch.empty({hold} * 2 ** 30, dtype=torch.uint8, device='cuda:0'); "
-                                "torch.cuda.synchronize(); time.sleep(300)"], start_new_session=True)
+    foreign = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time, torch; "
+            f"x = torch.empty({hold} * 2 ** 30, dtype=torch.uint8, device='cuda:0'); "
+            "torch.cuda.synchronize(); time.sleep(300)",
+        ],
+        start_new_session=True,
+    )
     try:
         seen = wait_gpu(lambda pids: foreign.pid in pids)
         r = cli("check", "tall", *gpus, *CHECK_SKIPS)
         cs = checks(r)
-        rep.expect(f"foreign CUDA process ({hold} GiB): gpu.processes fails naming it, gpu.memory fails",
-                   seen and r.exit_code == ExitStatus.CHECK_FAILED and cs.get("gpu.processes", {}).get("status") == "fail"
-                   and f"pid {foreign.pid}" in cs["gpu.processes"]["detail"]
-                   and cs.get("gpu.memory", {}).get("status") == "fail",
-                   nvml_saw_it=seen, exit=int(r.exit_code), checks={k: v for k, v in cs.items() if k.startswith("gpu.")})
+        rep.expect(
+            f"foreign CUDA process ({hold} GiB): gpu.processes fails naming it, gpu.memory fails",
+            seen
+            and r.exit_code == ExitStatus.CHECK_FAILED
+            and cs.get("gpu.processes", {}).get("status") == "fail"
+            and f"pid {foreign.pid}" in cs["gpu.processes"]["detail"]
+            and cs.get("gpu.memory", {}).get("status") == "fail",
+            nvml_saw_it=seen,
+            exit=int(r.exit_code),
+            checks={k: v for k, v in cs.items() if k.startswith("gpu.")},
+        )
     finally:
         os.killpg(foreign.pid, signal.SIGKILL)
         foreign.wait()
     rep.expect("foreign process gone from NVML after SIGKILL", wait_gpu(lambda pids: foreign.pid not in pids))
 
     # 5. up / check beside it / down, the engine's child holding GPU memory
-    up_args = ["--set", f"engine.python={python}", "--set", f"engine.port={engine_port}", "--set", f"proxy.port={proxy_port}",
-               "--set", "engine.gpus=1", "--set", "engine.env.FAKE_CHILD=gpu", "--set", "engine.env.FAKE_GPU_GIB=2",
-               "--model-root", str(model), "--skip", "engine", "--allow-unauthenticated", "--timeout", "120", "--json"]
+    up_args = [
+        "--set",
+        f"engine.python={python}",
+        "--set",
+        f"engine.port={engine_port}",
+        "--set",
+        f"proxy.port={proxy_port}",
+        "--set",
+        "engine.gpus=1",
+        "--set",
+        "engine.env.FAKE_CHILD=gpu",
+        "--set",
+        "engine.env.FAKE_GPU_GIB=2",
+        "--model-root",
+        str(model),
+        "--skip",
+        "engine",
+        "--allow-unauthenticated",
+        "--timeout",
+        "120",
+        "--json",
+    ]
 
     def up():
         t0 = time.monotonic()
@@ -157,25 +241,51 @@ def main() -> int:
 
     r, took = up()
     ok = r.exit_code == 0
-    rep.expect("up tiny with engine.gpus=1 (real preflight, GPU claim)", ok, exit=int(r.exit_code), seconds=round(took, 1),
-               stderr=r.stderr[-400:])
+    rep.expect(
+        "up tiny with engine.gpus=1 (real preflight, GPU claim)",
+        ok,
+        exit=int(r.exit_code),
+        seconds=round(took, 1),
+        stderr=r.stderr[-400:],
+    )
     if ok:
         on_gpu = wait_gpu(lambda pids: bool(pids & stack()))
         held = sorted(gpu_pids() & stack())
         rep.expect("the stack's engine child is on the GPU (NVML)", on_gpu, pids=held)
-        r = cli("check", "tiny", "--set", "engine.gpus=1", "--set", f"engine.port={engine_port}",
-                "--set", f"proxy.port={proxy_port}", "--model-root", str(model), "--skip", "engine", "--json")
+        r = cli(
+            "check",
+            "tiny",
+            "--set",
+            "engine.gpus=1",
+            "--set",
+            f"engine.port={engine_port}",
+            "--set",
+            f"proxy.port={proxy_port}",
+            "--model-root",
+            str(model),
+            "--skip",
+            "engine",
+            "--json",
+        )
         cs = checks(r)
-        rep.expect("check beside the running stack: its GPU process and claim are its own",
-                   cs.get("gpu.processes", {}).get("status") == "pass" and cs.get("gpu.lock", {}).get("status") == "pass",
-                   exit=int(r.exit_code), checks={k: v for k, v in cs.items() if k.startswith(("gpu.", "port."))})
+        rep.expect(
+            "check beside the running stack: its GPU process and claim are its own",
+            cs.get("gpu.processes", {}).get("status") == "pass" and cs.get("gpu.lock", {}).get("status") == "pass",
+            exit=int(r.exit_code),
+            checks={k: v for k, v in cs.items() if k.startswith(("gpu.", "port."))},
+        )
         s = cli("status", "--json")
         rep.expect("status while running", s.exit_code == 0, status=s.stdout[-800:])
         t0 = time.monotonic()
         d = cli("down", timeout=120)
-        rep.expect("down: exit 0, NVML shows none of the stack's processes", d.exit_code == 0 and not (gpu_pids() & set(held)),
-                   exit=int(d.exit_code), seconds=round(time.monotonic() - t0, 1), stderr=d.stderr[-400:],
-                   left=sorted(gpu_pids() & set(held)))
+        rep.expect(
+            "down: exit 0, NVML shows none of the stack's processes",
+            d.exit_code == 0 and not (gpu_pids() & set(held)),
+            exit=int(d.exit_code),
+            seconds=round(time.monotonic() - t0, 1),
+            stderr=d.stderr[-400:],
+            left=sorted(gpu_pids() & set(held)),
+        )
 
     # 6. orphaned worker: the leader SIGKILLed, its GPU child left
     r, took = up()
@@ -191,13 +301,23 @@ def main() -> int:
         st = cli("status", "--json")
         d = cli("down", timeout=120)
         freed = wait_gpu(lambda pids: not (pids & set(held)), timeout=30)
-        rep.expect("orphaned GPU worker after the leader's SIGKILL: down stops it and NVML frees it",
-                   orphan_alive and d.exit_code == 0 and freed, orphan=held, orphan_alive=orphan_alive,
-                   status=st.stdout[-400:], exit=int(d.exit_code), stderr=d.stderr[-400:])
+        rep.expect(
+            "orphaned GPU worker after the leader's SIGKILL: down stops it and NVML frees it",
+            orphan_alive and d.exit_code == 0 and freed,
+            orphan=held,
+            orphan_alive=orphan_alive,
+            status=st.stdout[-400:],
+            exit=int(d.exit_code),
+            stderr=d.stderr[-400:],
+        )
 
     cli("down", "--force", "--stop-timeout", "2", timeout=60)
-    report = {"host": os.uname().nodename, "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-              "steps": rep.steps, "ok": all(s["ok"] for s in rep.steps)}
+    report = {
+        "host": os.uname().nodename,
+        "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "steps": rep.steps,
+        "ok": all(s["ok"] for s in rep.steps),
+    }
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1, default=str))
     print("ALL OK" if report["ok"] else "SOME CHECKS FAILED", flush=True)

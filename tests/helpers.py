@@ -105,12 +105,24 @@ class Molctl:
 
             result = CliRunner().invoke(app, self.argv(*args), env=env, catch_exceptions=False)
             return CliResult(exit_status(result.exit_code), result.stdout, result.stderr)
-        proc = subprocess.run([sys.executable, "-m", "molctl", *self.argv(*args)], capture_output=True, text=True,
-                              timeout=timeout, cwd=ROOT, env={**os.environ, "COLUMNS": "200", **(env or {})})
+        proc = subprocess.run(
+            [sys.executable, "-m", "molctl", *self.argv(*args)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=ROOT,
+            env={**os.environ, "COLUMNS": "200", **(env or {})},
+        )
         return CliResult(exit_status(proc.returncode), proc.stdout, proc.stderr)
 
     def start(self, *args: str, env: dict | None = None) -> subprocess.Popen:
         """Run it in the background (its own session; the caller stops it: `tests.procs.stop`)."""
-        return subprocess.Popen([sys.executable, "-m", "molctl", *self.argv(*args)], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True,
-                                env={**os.environ, **(env or {})})
+        return subprocess.Popen(
+            [sys.executable, "-m", "molctl", *self.argv(*args)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )

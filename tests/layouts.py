@@ -56,9 +56,19 @@ def shard_tensors(n_shards: int, hidden: int, experts: int = 0) -> list[dict[str
     return shards
 
 
-def make_layout(root: Path, *, model_type: str, shards: int, rank: int, base_name: str,
-                hidden: int = 16, targets: tuple[str, ...] = ("q_proj", "v_proj"), sparse: bool = False,
-                shard_scale: int = 1, experts: int = 0) -> Layout:
+def make_layout(
+    root: Path,
+    *,
+    model_type: str,
+    shards: int,
+    rank: int,
+    base_name: str,
+    hidden: int = 16,
+    targets: tuple[str, ...] = ("q_proj", "v_proj"),
+    sparse: bool = False,
+    shard_scale: int = 1,
+    experts: int = 0,
+) -> Layout:
     """`shard_scale` multiplies the first dimension of every layer tensor (sparse, for big layouts)."""
     base = root / "base"
     base.mkdir(parents=True)
@@ -76,10 +86,18 @@ def make_layout(root: Path, *, model_type: str, shards: int, rank: int, base_nam
     for route in ("L0", "L1", "L2", "L3"):
         d = root / "loras" / route
         d.mkdir(parents=True)
-        (d / "adapter_config.json").write_text(json.dumps({
-            "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(targets),
-            "base_model_name_or_path": base_name, "task_type": "CAUSAL_LM",
-        }))
+        (d / "adapter_config.json").write_text(
+            json.dumps(
+                {
+                    "peft_type": "LORA",
+                    "r": rank,
+                    "lora_alpha": 2 * rank,
+                    "target_modules": list(targets),
+                    "base_model_name_or_path": base_name,
+                    "task_type": "CAUSAL_LM",
+                }
+            )
+        )
         lora = {}
         for layer in range(shards):
             for t in targets:

@@ -39,9 +39,23 @@ class Host:
         self.procs: list[subprocess.Popen] = []
 
     def args(self, *extra: str, env: dict | None = None, engine_port=None, proxy_port=None) -> list[str]:
-        sets = ["--set", f"engine.python={self.python}", "--set", f"engine.port={engine_port or self.engine_port}",
-                "--set", f"proxy.port={proxy_port or self.proxy_port}", "--model-root", str(self.model),
-                "--skip", "engine", "--skip", "gpu", "--allow-unauthenticated", "--timeout", "30"]
+        sets = [
+            "--set",
+            f"engine.python={self.python}",
+            "--set",
+            f"engine.port={engine_port or self.engine_port}",
+            "--set",
+            f"proxy.port={proxy_port or self.proxy_port}",
+            "--model-root",
+            str(self.model),
+            "--skip",
+            "engine",
+            "--skip",
+            "gpu",
+            "--allow-unauthenticated",
+            "--timeout",
+            "30",
+        ]
         for k, v in (env or {}).items():
             sets += ["--set", f"engine.env.{k}={v}"]
         return [*sets, *extra]
@@ -91,8 +105,12 @@ def gone(pids, timeout=5.0) -> bool:
 
 def add_tiny_b(host: Host) -> None:
     """A second profile, `tiny-b`, beside the host's `tiny` (another served model name)."""
-    other = (builtin_profiles_dir() / "tiny.yaml").read_text().replace("name: tiny", "name: tiny-b") \
+    other = (
+        (builtin_profiles_dir() / "tiny.yaml")
+        .read_text()
+        .replace("name: tiny", "name: tiny-b")
         .replace("served_model_name: Macaron-Tiny-Demo", "served_model_name: Macaron-Tiny-B")
+    )
     (host.profiles / "tiny-b.yaml").write_text(other)
 
 

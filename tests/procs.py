@@ -16,8 +16,18 @@ import psutil
 
 from tests.helpers import ROOT
 
-__all__ = ["ROOT", "FAKE_SGLANG_PKG", "fake_engine_argv", "fake_sglang_argv", "fake_engine_python", "proxy_argv",
-           "running", "stop", "wait_http", "alive"]
+__all__ = [
+    "ROOT",
+    "FAKE_SGLANG_PKG",
+    "fake_engine_argv",
+    "fake_sglang_argv",
+    "fake_engine_python",
+    "proxy_argv",
+    "running",
+    "stop",
+    "wait_http",
+    "alive",
+]
 
 
 def alive(pid: int) -> bool:
@@ -62,11 +72,23 @@ def stop(proc: subprocess.Popen, timeout: float = 10.0) -> None:
 
 
 @contextlib.contextmanager
-def running(argv: list[str], ready_url: str | None = None, env: dict | None = None, log: Path | None = None,
-            ready_status: int | None = 200):
+def running(
+    argv: list[str],
+    ready_url: str | None = None,
+    env: dict | None = None,
+    log: Path | None = None,
+    ready_status: int | None = 200,
+):
     out = open(log, "wb") if log else subprocess.DEVNULL
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                            env={**os.environ, **(env or {})}, start_new_session=True, cwd=ROOT)
+    proc = subprocess.Popen(
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **(env or {})},
+        start_new_session=True,
+        cwd=ROOT,
+    )
     try:
         if ready_url:
             wait_http(ready_url, status=ready_status, proc=proc)
@@ -82,8 +104,16 @@ def fake_engine_argv(port: int, config: dict | None = None, scheduling_policy: s
     the proxy's route hops carry a priority)."""
     import json
 
-    return [sys.executable, str(ROOT / "tests" / "fake_engine.py"), "--port", str(port), "--config", json.dumps(config or {}),
-            "--scheduling-policy", scheduling_policy]
+    return [
+        sys.executable,
+        str(ROOT / "tests" / "fake_engine.py"),
+        "--port",
+        str(port),
+        "--config",
+        json.dumps(config or {}),
+        "--scheduling-policy",
+        scheduling_policy,
+    ]
 
 
 def proxy_argv(profile: str, upstream: str, port: int, *extra: str) -> list[str]:
@@ -93,13 +123,29 @@ def proxy_argv(profile: str, upstream: str, port: int, *extra: str) -> list[str]
 FAKE_SGLANG_PKG = ROOT / "tests" / "fake_sglang_pkg"  # a fake `sglang` distribution (tests/fake_sglang.py)
 
 
-def fake_sglang_argv(port: int, served: str, adapters_root: str = "/models/loras", config: dict | None = None,
-                     cache_report: bool = True, *extra: str) -> list[str]:
+def fake_sglang_argv(
+    port: int,
+    served: str,
+    adapters_root: str = "/models/loras",
+    config: dict | None = None,
+    cache_report: bool = True,
+    *extra: str,
+) -> list[str]:
     """The fake SGLang launched as `python -m sglang.launch_server` would be, with L0-L3 loaded."""
     import json
 
-    argv = [sys.executable, str(ROOT / "tests" / "fake_sglang.py"), "--model-path", "/models/base",
-            "--served-model-name", served, "--port", str(port), "--config", json.dumps(config or {})]
+    argv = [
+        sys.executable,
+        str(ROOT / "tests" / "fake_sglang.py"),
+        "--model-path",
+        "/models/base",
+        "--served-model-name",
+        served,
+        "--port",
+        str(port),
+        "--config",
+        json.dumps(config or {}),
+    ]
     if cache_report:
         argv.append("--enable-cache-report")
     return [*argv, *extra, "--lora-paths", *(f"L{i}={adapters_root}/L{i}" for i in range(4))]
@@ -109,8 +155,10 @@ def fake_engine_python(path: Path) -> Path:
     """An `engine.python` for both fakes: `-m sglang.launch_server` (and `-c` probes) run the real
     interpreter with the fake sglang distribution on PYTHONPATH; anything else (a vLLM launch)
     runs tests/fake_engine.py."""
-    path.write_text(f"#!/bin/sh\nPYTHONPATH={FAKE_SGLANG_PKG}; export PYTHONPATH\n"
-                    f"if [ \"$1\" = \"-c\" ] || [ \"$2\" = \"sglang.launch_server\" ]; then exec {sys.executable} \"$@\"; fi\n"
-                    f"exec {sys.executable} {ROOT / 'tests' / 'fake_engine.py'} \"$@\"\n")
+    path.write_text(
+        f"#!/bin/sh\nPYTHONPATH={FAKE_SGLANG_PKG}; export PYTHONPATH\n"
+        f'if [ "$1" = "-c" ] || [ "$2" = "sglang.launch_server" ]; then exec {sys.executable} "$@"; fi\n'
+        f'exec {sys.executable} {ROOT / "tests" / "fake_engine.py"} "$@"\n'
+    )
     path.chmod(0o755)
     return path

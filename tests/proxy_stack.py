@@ -20,8 +20,16 @@ TINY = load_profile("tiny", profile_dirs())
 PUBLIC = TINY.served_model_name
 IDENTITY = {"role": "system", "content": TINY.substitute(TINY.prompts.identity).strip()}
 LEAK = re.compile(r"(?<![A-Za-z0-9])L[0-3](?![0-9])|tiny-mol-base|glm52-fp8-official")
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather for a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
 
 
 STRICT = {"strict": True, "max_model_len": TINY.engine.args["max-model-len"]}
@@ -87,10 +95,18 @@ def own_stack(keyfile, logs, *proxy_args: str, scheduling_policy: str = "priorit
     own stack; the logs go to `logs` (engine.log, proxy.log)."""
     engine_port, proxy_port = free_ports(2)
     engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
-    with running(fake_engine_argv(engine_port, scheduling_policy=scheduling_policy), engine_url + "/health",
-                 log=logs / "engine.log"), \
-            running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(keyfile), *proxy_args),
-                    proxy_url + "/health", log=logs / "proxy.log"):
+    with (
+        running(
+            fake_engine_argv(engine_port, scheduling_policy=scheduling_policy),
+            engine_url + "/health",
+            log=logs / "engine.log",
+        ),
+        running(
+            proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(keyfile), *proxy_args),
+            proxy_url + "/health",
+            log=logs / "proxy.log",
+        ),
+    ):
         stack_ = Stack(engine_url, proxy_url)
         stack_.reset()
         yield stack_

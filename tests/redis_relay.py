@@ -24,7 +24,7 @@ def parse_commands(buf: bytearray) -> list[list[bytes]]:
             if end < 0:
                 break
             out.append(bytes(buf[:end]).split())
-            del buf[:end + 2]
+            del buf[: end + 2]
             continue
         pos, argv = 0, []
         end = buf.find(b"\r\n", pos)
@@ -35,10 +35,10 @@ def parse_commands(buf: bytearray) -> list[list[bytes]]:
             end = buf.find(b"\r\n", pos)
             if end < 0:
                 break
-            size = int(buf[pos + 1:end])
+            size = int(buf[pos + 1 : end])
             if len(buf) < end + 2 + size + 2:
                 break
-            argv.append(bytes(buf[end + 2:end + 2 + size]))
+            argv.append(bytes(buf[end + 2 : end + 2 + size]))
             pos = end + 2 + size + 2
         if len(argv) < count:
             break

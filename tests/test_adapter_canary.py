@@ -88,8 +88,11 @@ def test_two_identical_adapters_are_a_warning_naming_both(host):
 def test_skip_adapter_effect_turns_it_off_and_is_recorded(vhost):
     r = vhost.up("--skip", "adapter-effect", "--json", env={"FAKE_NO_EFFECT": "L1"})
     assert r.exit_code == ExitStatus.OK, r.stderr
-    assert json.loads(r.stdout)["canary"] == {"status": "skipped", "reason": "--skip adapter-effect",
-                                              "checked_at": json.loads(r.stdout)["canary"]["checked_at"]}
+    assert json.loads(r.stdout)["canary"] == {
+        "status": "skipped",
+        "reason": "--skip adapter-effect",
+        "checked_at": json.loads(r.stdout)["canary"]["checked_at"],
+    }
     record = vhost.records()["engine"]
     assert record.extra["canary"]["status"] == "skipped"
     assert "--skip adapter-effect" in record.config["up_command"]
@@ -106,13 +109,29 @@ def test_the_profile_field_turns_it_off(vhost):
 
 def test_check_live_runs_the_canary_against_the_running_stack(vhost):
     assert vhost.up(env={"FAKE_SAME_AS": "L2=L0"}).exit_code == ExitStatus.OK
-    args = ["--set", f"engine.port={vhost.engine_port}", "--set", f"proxy.port={vhost.proxy_port}",
-            "--model-root", str(vhost.model), "--skip", "engine", "--skip", "gpu", "--skip", "port", "--json"]
+    args = [
+        "--set",
+        f"engine.port={vhost.engine_port}",
+        "--set",
+        f"proxy.port={vhost.proxy_port}",
+        "--model-root",
+        str(vhost.model),
+        "--skip",
+        "engine",
+        "--skip",
+        "gpu",
+        "--skip",
+        "port",
+        "--json",
+    ]
     r = vhost.molctl("check", "tiny", "--live", *args)
     checks = {c["id"]: c for c in r.json()["checks"]}
     assert r.exit_code == ExitStatus.OK, checks
     assert [checks[f"adapter-effect.{x}"]["status"] for x in ("running", "L0", "L1", "L2", "L3")] == ["pass"] * 5
-    assert checks["adapter-effect.distinct"]["status"] == "warn" and "L0 and L2" in checks["adapter-effect.distinct"]["detail"]
+    assert (
+        checks["adapter-effect.distinct"]["status"] == "warn"
+        and "L0 and L2" in checks["adapter-effect.distinct"]["detail"]
+    )
     # the same engine, now serving L1 with no effect (its config changed behind molctl's back)
     import httpx
 
@@ -120,14 +139,18 @@ def test_check_live_runs_the_canary_against_the_running_stack(vhost):
     r = vhost.molctl("check", "tiny", "--live", *args)
     checks = {c["id"]: c for c in r.json()["checks"]}
     assert r.exit_code == ExitStatus.CHECK_FAILED
-    assert checks["adapter-effect.L1"]["status"] == "fail" and "adapter L1 has no effect" in checks["adapter-effect.L1"]["detail"]
+    assert (
+        checks["adapter-effect.L1"]["status"] == "fail"
+        and "adapter L1 has no effect" in checks["adapter-effect.L1"]["detail"]
+    )
     skipped = vhost.molctl("check", "tiny", "--live", "--skip", "adapter-effect", *args).json()["checks"]
     assert {c["id"]: c["status"] for c in skipped}["adapter-effect.skipped"] == "skip"
 
 
 def test_check_live_without_a_running_stack_fails(vhost):
-    r = vhost.molctl("check", "tiny", "--live", "--model-root", str(vhost.model), "--skip", "engine", "--skip", "gpu",
-                     "--json")
+    r = vhost.molctl(
+        "check", "tiny", "--live", "--model-root", str(vhost.model), "--skip", "engine", "--skip", "gpu", "--json"
+    )
     checks = {c["id"]: c for c in r.json()["checks"]}
     assert r.exit_code == ExitStatus.CHECK_FAILED and checks["adapter-effect.running"]["status"] == "fail"
     assert "molctl up tiny" in checks["adapter-effect.running"]["detail"]

@@ -37,11 +37,13 @@ def test_free_slots_admit_at_once_and_release_frees_them():
         gate.release()
         gate.release()
         assert gate.inflight == 0 and gate.waiting == 0
+
     run(main())
 
 
 def test_waiters_of_different_keys_take_turns():
     """Key a queues 6 before b and c queue one each: b and c are served 2nd and 3rd, not after a's burst."""
+
     async def main():
         gate = FairGate(1, 100, 30.0, FakeClock())
         await gate.acquire("holder")
@@ -62,6 +64,7 @@ def test_waiters_of_different_keys_take_turns():
         assert order[:3] == ["a0", "b0", "c0"], order
         assert sorted(order) == sorted(["a0", "a1", "a2", "a3", "a4", "a5", "b0", "c0"])  # each exactly once
         assert gate.waiting == 0 and gate.inflight == 1  # the last one still holds its slot
+
     run(main())
 
 
@@ -84,6 +87,7 @@ def test_full_queue_refuses_the_newcomer_of_the_fullest_key():
             await settle()
         assert a[0].done() and b.done() and a[1].done()
         assert gate.stats.rejected["queue_full"] == 2
+
     run(main())
 
 
@@ -97,6 +101,7 @@ def test_deadline_refuses_and_leaves_the_queue_clean():
         assert gate.waiting == 0 and not gate.queues
         gate.release()
         assert gate.inflight == 0
+
     run(main())
 
 
@@ -112,6 +117,7 @@ def test_cancelled_waiter_leaves_no_trace_and_a_granted_one_passes_its_slot_on()
         await asyncio.gather(gone, return_exceptions=True)
         await settle()
         assert nxt.done() and gate.inflight == 1 and gate.waiting == 0
+
     run(main())
 
 
@@ -133,6 +139,7 @@ def test_retry_after_follows_the_service_rate():
         for w in waiters:
             w.cancel()
         await asyncio.gather(*waiters, return_exceptions=True)
+
     run(main())
 
 
@@ -146,7 +153,9 @@ def test_default_answer_budget_is_the_engines_limit():
     assert Admission.from_profile(sgl, get_engine("sglang")).answers.capacity == 12
     bare = load_profile("venti-sglang", profile_dirs(), unset)
     assert Admission.from_profile(bare, get_engine("sglang")).answers.capacity == get_engine("sglang").default_running
-    assert Admission.from_profile(load_profile("venti-sglang", profile_dirs()), get_engine("sglang")).answers.capacity == 8
+    assert (
+        Admission.from_profile(load_profile("venti-sglang", profile_dirs()), get_engine("sglang")).answers.capacity == 8
+    )
 
 
 def test_the_service_rate_keeps_only_its_window():
@@ -159,12 +168,14 @@ def test_the_service_rate_keeps_only_its_window():
             gate.release()
         assert len(gate._releases) <= 101  # 10 s at 10 per second, not all 1000
         assert gate.service_rate() == pytest.approx(10.0, rel=0.05)
+
     run(main())
 
 
 def test_retry_after_is_at_most_five_minutes():
     """A long queue deadline (an hour) or a slow service rate does not tell a refused client to
     come back in an hour: Retry-After stays within 1-300 s."""
+
     async def main():
         clock = FakeClock()
         gate = FairGate(1, 100, 3600, clock)
@@ -174,4 +185,5 @@ def test_retry_after_is_at_most_five_minutes():
         gate.release()
         await gate.acquire("holder")
         assert 1 <= gate.retry_after() <= 300
+
     run(main())

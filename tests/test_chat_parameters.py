@@ -53,8 +53,13 @@ def test_null_rejected_parameters_are_not_given_and_modalities_text_is_accepted(
 def test_prompt_cache_hints_are_accepted_and_ignored_like_prompt_cache_key(s):
     """The SDK's prompt_cache_retention / prompt_cache_options are cache hints like
     prompt_cache_key (accepted and ignored); they were 400 'Unrecognized request argument'."""
-    r = s.client.chat.completions.create(model=PUBLIC, messages=USER, prompt_cache_key="k", prompt_cache_retention="24h",
-                                         extra_body={"prompt_cache_options": {"ttl": "1h"}})
+    r = s.client.chat.completions.create(
+        model=PUBLIC,
+        messages=USER,
+        prompt_cache_key="k",
+        prompt_cache_retention="24h",
+        extra_body={"prompt_cache_options": {"ttl": "1h"}},
+    )
     assert r.choices[0].message.content.startswith("answer-")
     payload = s.log("answer")[-1]["payload"]
     assert not {"prompt_cache_key", "prompt_cache_retention", "prompt_cache_options"} & set(payload)
@@ -65,7 +70,9 @@ def test_tool_choice_is_checked_as_vllm_checks_it(s):
     forwarded, the client got the engine's 400 without `param`. `auto`/`none` without tools
     change nothing, so they are accepted and not forwarded."""
     bad_request(s, "tool_choice", messages=USER, tool_choice="required")
-    bad_request(s, "tool_choice", messages=USER, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}})
+    bad_request(
+        s, "tool_choice", messages=USER, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}
+    )
     bad_request(s, "tool_choice", messages=USER, tool_choice={"type": "function", "function": {"name": "get_weather"}})
     bad_request(s, "tool_choice", messages=USER, tools=TOOLS, tool_choice="any")
     bad_request(s, "tool_choice", messages=USER, tools=TOOLS, tool_choice={"type": "function", "name": "get_weather"})
@@ -73,8 +80,13 @@ def test_tool_choice_is_checked_as_vllm_checks_it(s):
         s.client.chat.completions.create(model=PUBLIC, messages=USER, tool_choice=choice)
         assert "tool_choice" not in s.log("answer")[-1]["payload"]
     named = {"type": "function", "function": {"name": "get_weather"}}
-    r = s.client.chat.completions.create(model=PUBLIC, tools=TOOLS, tool_choice=named, parallel_tool_calls=False,
-                                         messages=[{"role": "user", "content": "[route:L2] [tool:get_weather] x"}])
+    r = s.client.chat.completions.create(
+        model=PUBLIC,
+        tools=TOOLS,
+        tool_choice=named,
+        parallel_tool_calls=False,
+        messages=[{"role": "user", "content": "[route:L2] [tool:get_weather] x"}],
+    )
     assert r.choices[0].message.tool_calls[0].function.name == "get_weather"
     payload = s.log("answer")[-1]["payload"]
     assert payload["tool_choice"] == named and payload["tools"] == TOOLS and payload["parallel_tool_calls"] is False

@@ -40,21 +40,25 @@ def fake_vllm(site: Path, version: str, flags: list[str]) -> None:
     (pkg / "__init__.py").write_text(f"__version__ = {version!r}\n")
     (pkg / "entrypoints" / "__init__.py").write_text("")
     (pkg / "entrypoints" / "openai" / "__init__.py").write_text("")
-    (pkg / "entrypoints" / "openai" / "api_server.py").write_text(textwrap.dedent(f"""
+    (pkg / "entrypoints" / "openai" / "api_server.py").write_text(
+        textwrap.dedent(f"""
         import argparse
         parser = argparse.ArgumentParser()
         for flag in {flags!r}:
             parser.add_argument("--" + flag, nargs="*")
         if __name__ == "__main__":
             parser.parse_args()
-    """))
+    """)
+    )
 
 
 def fake_sglang(site: Path, version: str, flags: list[str]) -> None:
     pkg = site / "sglang"
     (pkg / "srt").mkdir(parents=True)
     (pkg / "__init__.py").write_text("raise ImportError('torchvision::nms does not exist')\n")  # like on a CPU host
-    (pkg / "srt" / "server_args.py").write_text("\n".join(f'parser.add_argument(\n    "--{f}", type=str)' for f in flags))
+    (pkg / "srt" / "server_args.py").write_text(
+        "\n".join(f'parser.add_argument(\n    "--{f}", type=str)' for f in flags)
+    )
     dist = site / f"sglang-{version}.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: sglang\nVersion: {version}\n")
@@ -151,7 +155,9 @@ def test_a_damaged_engine_cache_file_is_probed_again(venv_factory, state_dir, co
     assert report.ok and checks["engine.version"][0] == "pass", checks
 
 
-def test_the_fingerprint_of_this_interpreter_is_taken_in_process_and_equals_the_subprocess_one(venv_factory, monkeypatch):
+def test_the_fingerprint_of_this_interpreter_is_taken_in_process_and_equals_the_subprocess_one(
+    venv_factory, monkeypatch
+):
     """`check` fingerprints the engine package to find its cached probe; when engine.python is the
     interpreter running molctl (the demo's venv), the fingerprint is computed in-process (no
     interpreter start) and must be exactly what the probe script prints under that interpreter.

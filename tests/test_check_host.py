@@ -13,7 +13,7 @@ from molctl.probes import GpuDevice, GpuInventory, GpuProcess, GpuUnavailable
 from molctl.profiles import profile_dirs
 from tests.layouts import tall_layout
 
-GIB = 1024 ** 3
+GIB = 1024**3
 
 
 class FakeNvml:
@@ -23,10 +23,19 @@ class FakeNvml:
     def inventory(self):
         if self.error:
             raise GpuUnavailable(self.error)
-        return GpuInventory("580.95.05", tuple(
-            GpuDevice(i, "NVIDIA H200", self.total, self.free(i) if callable(self.free) else self.free,
-                      tuple(self.processes.get(i, ())))
-            for i in range(self.devices)))
+        return GpuInventory(
+            "580.95.05",
+            tuple(
+                GpuDevice(
+                    i,
+                    "NVIDIA H200",
+                    self.total,
+                    self.free(i) if callable(self.free) else self.free,
+                    tuple(self.processes.get(i, ())),
+                )
+                for i in range(self.devices)
+            ),
+        )
 
 
 class Ctx:
@@ -92,8 +101,9 @@ def test_gpu_selection_follows_cuda_visible_devices(run):
     # 16 GPUs, the orphan sits on GPU 12, the profile uses 0-7: not our problem
     report, checks = run(gpu=FakeNvml(devices=16, processes={12: [orphan]}))
     assert report.ok, checks
-    report, checks = run(gpu=FakeNvml(devices=16, processes={12: [orphan]}),
-                         environ={"CUDA_VISIBLE_DEVICES": "8,9,10,11,12,13,14,15"})
+    report, checks = run(
+        gpu=FakeNvml(devices=16, processes={12: [orphan]}), environ={"CUDA_VISIBLE_DEVICES": "8,9,10,11,12,13,14,15"}
+    )
     assert checks["gpu.processes"][0] == "fail"
 
 
@@ -114,12 +124,19 @@ def test_port_held_by_own_stack_passes(state_dir, free_ports, monkeypatch):
         sock.bind(("127.0.0.1", free_ports[1]))
         sock.listen()
         probes = Probes(gpu=FakeNvml(), environ={})
-        report = check_profile("tall", Ctx(state_dir), [("engine.port", free_ports[0]), ("proxy.port", free_ports[1])],
-                               ("engine", "gpu", "model", "adapter"), None, probes)
+        report = check_profile(
+            "tall",
+            Ctx(state_dir),
+            [("engine.port", free_ports[0]), ("proxy.port", free_ports[1])],
+            ("engine", "gpu", "model", "adapter"),
+            None,
+            probes,
+        )
         # no record: foreign
         assert {c.id: c.status for c in report.checks}["port.proxy"] == "fail"
         from molctl.checks import run_checks
         from molctl.profiles import load_profile
+
         profile = load_profile("tall", profile_dirs(), [("engine.port", free_ports[0]), ("proxy.port", free_ports[1])])
         probes.stack_pids = lambda: {os.getpid()}
         report = run_checks(profile, probes, ("engine", "gpu", "model", "adapter"))
@@ -141,11 +158,15 @@ def test_world_readable_key_file(run, tmp_path):
 
 
 def test_runtime_lora_updating_fails(run):
-    report, checks = run(skip=("engine", "gpu", "model", "adapter", "port"), environ={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"})
+    report, checks = run(
+        skip=("engine", "gpu", "model", "adapter", "port"), environ={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
+    )
     assert not report.ok
     assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" in checks["security.runtime_lora"][1]
-    report, checks = run(skip=("engine", "gpu", "model", "adapter", "port"),
-                         sets=[("engine.env.VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")])
+    report, checks = run(
+        skip=("engine", "gpu", "model", "adapter", "port"),
+        sets=[("engine.env.VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")],
+    )
     assert checks["security.runtime_lora"][0] == "fail" and "engine.env" in checks["security.runtime_lora"][1]
 
 
@@ -159,7 +180,10 @@ def test_state_dir_with_bad_permissions(run, state_dir):
     state_dir.chmod(0o755)
     report, checks = run(skip=("engine", "gpu", "model", "adapter", "port", "security"))
     assert not report.ok
-    assert checks["state.dir"] == ("fail", f"state dir {state_dir} has mode 0755, expected 0700 (chmod 700 {state_dir})")
+    assert checks["state.dir"] == (
+        "fail",
+        f"state dir {state_dir} has mode 0755, expected 0700 (chmod 700 {state_dir})",
+    )
 
 
 def test_full_check_with_fake_nvml_and_layout(run, tmp_path):
@@ -200,7 +224,9 @@ def test_metrics_port_is_checked_when_set(run):
     assert checks["port.metrics"][0] == "pass"
 
 
-@pytest.mark.parametrize("content, expected", [(b"# Ansible managed\n", "holds no key"), (b"\xff\xfe\x00", "not UTF-8")])
+@pytest.mark.parametrize(
+    "content, expected", [(b"# Ansible managed\n", "holds no key"), (b"\xff\xfe\x00", "not UTF-8")]
+)
 def test_a_key_file_the_proxy_would_refuse_fails_the_check(run, tmp_path, content, expected):
     """The check reads the key file as the proxy does: comments only is no key; binary is one line."""
     key = tmp_path / "key"
@@ -261,8 +287,9 @@ def test_a_secret_engine_flag_warns_that_every_local_user_can_read_it(run):
     skip = ("engine", "gpu", "model", "adapter", "port")
     report, checks = run(skip=skip)
     assert checks["security.engine_args"][0] == "pass"
-    report, checks = run(skip=skip, sets=[("engine.args.api-key", "sk-engine-secret"),
-                                          ("engine.args.max-num-batched-tokens", 8192)])
+    report, checks = run(
+        skip=skip, sets=[("engine.args.api-key", "sk-engine-secret"), ("engine.args.max-num-batched-tokens", 8192)]
+    )
     assert report.ok and checks["security.engine_args"][0] == "warn"
     detail = checks["security.engine_args"][1]
     assert "engine.args.api-key" in detail and "VLLM_API_KEY" in detail and "sk-engine-secret" not in detail

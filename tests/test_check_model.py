@@ -16,8 +16,22 @@ from tests.layouts import tall_layout, venti_layout
 def check(molctl, free_ports):
     def run(profile: str, root, *extra: str):
         engine_port, proxy_port = free_ports
-        result = molctl("check", profile, "--model-root", str(root), "--skip", "gpu", "--skip", "engine",
-                        "--set", f"engine.port={engine_port}", "--set", f"proxy.port={proxy_port}", "--json", *extra)
+        result = molctl(
+            "check",
+            profile,
+            "--model-root",
+            str(root),
+            "--skip",
+            "gpu",
+            "--skip",
+            "engine",
+            "--set",
+            f"engine.port={engine_port}",
+            "--set",
+            f"proxy.port={proxy_port}",
+            "--json",
+            *extra,
+        )
         report = result.json()
         assert report["ok"] is (result.exit_code == ExitStatus.OK)
         return result.exit_code, report
@@ -152,11 +166,18 @@ def test_adapter_declares_another_base(check, tmp_path):
     assert set(failures(report)) == {"adapter.L2.base"}
 
 
-@pytest.mark.parametrize("declared, ok", [
-    ("zai-org/GLM-5.2-FP8", True), ("/root/glm52_local", True), ("zai-org/GLM-5.2", True),
-    ("zai-org/GLM-5.1-FP8", False),  # same architecture, another checkpoint: loads and does the wrong thing
-    ("zai-org/GLM-5-FP8", False), ("zai-org/GLM-5.20", False), ("glm521", False),
-])
+@pytest.mark.parametrize(
+    "declared, ok",
+    [
+        ("zai-org/GLM-5.2-FP8", True),
+        ("/root/glm52_local", True),
+        ("zai-org/GLM-5.2", True),
+        ("zai-org/GLM-5.1-FP8", False),  # same architecture, another checkpoint: loads and does the wrong thing
+        ("zai-org/GLM-5-FP8", False),
+        ("zai-org/GLM-5.20", False),
+        ("glm521", False),
+    ],
+)
 def test_a_venti_adapter_must_name_glm_5_2_not_a_sibling_release(check, tmp_path, declared, ok):
     """A base name matches where the declared text does not go on with more version digits: the
     old substring rule (and the bare "GLM-5" in venti's list) passed adapters trained on GLM-5 or
@@ -176,7 +197,7 @@ def test_a_venti_adapter_must_name_glm_5_2_not_a_sibling_release(check, tmp_path
 
 @pytest.mark.parametrize("name", ["", "   ", " GLM-5.2"])
 def test_a_blank_or_padded_base_name_is_refused(name):
-    """"" is in every declared base: `adapters.base_names: [""]` passed every adapter."""
+    """ "" is in every declared base: `adapters.base_names: [""]` passed every adapter."""
     from molctl.errors import ProfileError
     from molctl.profiles import load_profile, profile_dirs
 
@@ -219,9 +240,14 @@ def test_adapter_weights_inconsistent_with_rank(check, tmp_path):
     layout.write_adapter_config("L0", cfg)
     # rewrite the weights with rank 32 shapes while the config says 64
     from molctl.safetensors import write_file
-    write_file(layout.adapter("L0") / "adapter_model.safetensors",
-               {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": ("BF16", (32, 16)),
-                "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": ("BF16", (16, 32))})
+
+    write_file(
+        layout.adapter("L0") / "adapter_model.safetensors",
+        {
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": ("BF16", (32, 16)),
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": ("BF16", (16, 32)),
+        },
+    )
     code, report = check("tall", tmp_path / "m")
     assert code == ExitStatus.CHECK_FAILED
     assert "lora_A.weight [32, 16]" in failures(report)["adapter.L0.weights"]
@@ -237,8 +263,20 @@ def test_model_root_is_symlink(check, tmp_path):
 
 def test_human_output_has_table_and_verdict(molctl, tmp_path, free_ports):
     tall_layout(tmp_path / "m", model_type="llama")
-    result = molctl("check", "tall", "--model-root", str(tmp_path / "m"), "--skip", "gpu", "--skip", "engine",
-                    "--set", f"engine.port={free_ports[0]}", "--set", f"proxy.port={free_ports[1]}")
+    result = molctl(
+        "check",
+        "tall",
+        "--model-root",
+        str(tmp_path / "m"),
+        "--skip",
+        "gpu",
+        "--skip",
+        "engine",
+        "--set",
+        f"engine.port={free_ports[0]}",
+        "--set",
+        f"proxy.port={free_ports[1]}",
+    )
     assert result.exit_code == ExitStatus.CHECK_FAILED
     assert "model.config" in result.stdout and "FAIL" in result.stdout
     assert result.stdout.strip().splitlines()[-1].startswith("FAILED: profile tall would not start")
@@ -250,8 +288,10 @@ def _entry(shape, offsets, dtype="F32"):
 
 HOSTILE_HEADERS = {  # header bytes -> what the model.headers detail says (data: 8 zero bytes after the header)
     "deeply nested": (b"[" * 100_000 + b"]" * 100_000, "not valid JSON"),
-    "5000-digit integer": (b'{"x": {"dtype": "F32", "shape": [' + b"9" * 5000 + b'], "data_offsets": [0, 8]}}',
-                           "not valid JSON"),
+    "5000-digit integer": (
+        b'{"x": {"dtype": "F32", "shape": [' + b"9" * 5000 + b'], "data_offsets": [0, 8]}}',
+        "not valid JSON",
+    ),
     "UTF-16": ("{}".encode("utf-16"), "not valid JSON"),
     "overlapping tensors": (json.dumps({"a": _entry([2], [0, 8]), "b": _entry([2], [0, 8])}).encode(), "overlaps"),
     "a gap before the data": (json.dumps({"a": _entry([1], [4, 8])}).encode(), "gap"),
@@ -269,8 +309,12 @@ def test_hostile_shard_header_is_a_failing_headers_check(check, tmp_path, case):
     raw, expected = HOSTILE_HEADERS[case]
     layout = tall_layout(tmp_path / "m")
     shard = layout.shards[3]
-    layout.write_index({"weight_map": {k: v for k, v in layout.index()["weight_map"].items() if v != shard.name}
-                        | {"a": shard.name, "b": shard.name, "x": shard.name}})
+    layout.write_index(
+        {
+            "weight_map": {k: v for k, v in layout.index()["weight_map"].items() if v != shard.name}
+            | {"a": shard.name, "b": shard.name, "x": shard.name}
+        }
+    )
     shard.write_bytes(struct.pack("<Q", len(raw)) + raw + b"\0" * 8)
     code, report = check("tall", tmp_path / "m")
     assert code == ExitStatus.CHECK_FAILED
@@ -306,9 +350,14 @@ def test_shard_reached_through_a_symlinked_folder_out_of_base_fails(check, tmp_p
     assert "outside" in failures(report)["model.shards"] and layout.shards[0].name in failures(report)["model.shards"]
 
 
-@pytest.mark.parametrize("where,check_id", [("base/model.safetensors.index.json", "model.index"),
-                                            ("base/config.json", "model.config"),
-                                            ("loras/L2/adapter_config.json", "adapter.L2.config")])
+@pytest.mark.parametrize(
+    "where,check_id",
+    [
+        ("base/model.safetensors.index.json", "model.index"),
+        ("base/config.json", "model.config"),
+        ("loras/L2/adapter_config.json", "adapter.L2.config"),
+    ],
+)
 @pytest.mark.parametrize("text", ["[" * 100_000, "9" * 5000])
 def test_json_nested_too_deep_or_with_a_huge_number_fails_the_check(check, tmp_path, where, check_id, text):
     """Was a traceback: RecursionError / ValueError (int max str digits) escaped the JSON loader."""
@@ -351,14 +400,34 @@ def _shard(path, header: dict, data: bytes, extra: bytes = b"") -> None:
 F32 = {"dtype": "F32"}
 
 
-@pytest.mark.parametrize("header, data, extra", [
-    ({"a": {**F32, "shape": [2], "data_offsets": [0, 8]}, "b": {**F32, "shape": [1], "data_offsets": [8, 12]}}, 12, 0),
-    ({"a": {**F32, "shape": [2], "data_offsets": [0, 8]}, "b": {**F32, "shape": [1], "data_offsets": [8, 12]}}, 12, 16),
-    ({"a": {**F32, "shape": [2], "data_offsets": [0, 8]}, "b": {**F32, "shape": [1], "data_offsets": [12, 16]}}, 16, 0),
-    ({"a": {**F32, "shape": [2], "data_offsets": [0, 8]}, "b": {**F32, "shape": [1], "data_offsets": [4, 8]}}, 8, 0),
-    ({"a": {**F32, "shape": [3], "data_offsets": [0, 8]}}, 8, 0),
-    ({"a": {**F32, "shape": [2], "data_offsets": [0, 8]}}, 4, 0),
-], ids=["valid", "trailing-bytes", "gap", "overlap", "shape-mismatch", "truncated"])
+@pytest.mark.parametrize(
+    "header, data, extra",
+    [
+        (
+            {"a": {**F32, "shape": [2], "data_offsets": [0, 8]}, "b": {**F32, "shape": [1], "data_offsets": [8, 12]}},
+            12,
+            0,
+        ),
+        (
+            {"a": {**F32, "shape": [2], "data_offsets": [0, 8]}, "b": {**F32, "shape": [1], "data_offsets": [8, 12]}},
+            12,
+            16,
+        ),
+        (
+            {"a": {**F32, "shape": [2], "data_offsets": [0, 8]}, "b": {**F32, "shape": [1], "data_offsets": [12, 16]}},
+            16,
+            0,
+        ),
+        (
+            {"a": {**F32, "shape": [2], "data_offsets": [0, 8]}, "b": {**F32, "shape": [1], "data_offsets": [4, 8]}},
+            8,
+            0,
+        ),
+        ({"a": {**F32, "shape": [3], "data_offsets": [0, 8]}}, 8, 0),
+        ({"a": {**F32, "shape": [2], "data_offsets": [0, 8]}}, 4, 0),
+    ],
+    ids=["valid", "trailing-bytes", "gap", "overlap", "shape-mismatch", "truncated"],
+)
 def test_the_header_check_agrees_with_the_safetensors_library(tmp_path, header, data, extra):
     """molctl's header reader is a stand-in for the loader the engine uses: it must refuse exactly
     what the real `safetensors` library (installed with the engine) refuses, and accept what it loads."""

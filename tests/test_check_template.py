@@ -14,10 +14,14 @@ from molctl.errors import ExitStatus
 from molctl.profiles import load_profile, profile_dirs
 from tests.layouts import make_layout, tall_layout
 
-SIMPLE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
-          "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-RAISES_ON_TOOL = ("{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('tool results are not "
-                  "supported') }}{% endif %}{{ m.content }}{% endfor %}")
+SIMPLE = (
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+RAISES_ON_TOOL = (
+    "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('tool results are not "
+    "supported') }}{% endif %}{{ m.content }}{% endfor %}"
+)
 
 
 def layout(tmp_path, **kw):
@@ -70,8 +74,9 @@ def test_chat_template_jinja_wins_over_tokenizer_config(tmp_path):
 def test_tokenizer_config_list_form_uses_tool_use_for_requests_with_tools(tmp_path):
     lay = layout(tmp_path)
     default = "{% if tools %}{{ raise_exception('default cannot render tools') }}{% endif %}" + SIMPLE
-    write_config(lay.base, chat_template=[{"name": "default", "template": default},
-                                          {"name": "tool_use", "template": SIMPLE}])
+    write_config(
+        lay.base, chat_template=[{"name": "default", "template": default}, {"name": "tool_use", "template": SIMPLE}]
+    )
     r = results(profile_for(lay.root))
     assert "named: default, tool_use" in r["template.found"].detail
     assert r["template.render"].status == "pass", r["template.render"].detail
@@ -80,10 +85,15 @@ def test_tokenizer_config_list_form_uses_tool_use_for_requests_with_tools(tmp_pa
 def test_list_form_without_tool_use_renders_tools_with_default(tmp_path):
     lay = layout(tmp_path)
     default = "{% if tools %}{{ raise_exception('default cannot render tools') }}{% endif %}" + SIMPLE
-    write_config(lay.base, chat_template=[{"name": "default", "template": default}, {"name": "rag", "template": SIMPLE}])
+    write_config(
+        lay.base, chat_template=[{"name": "default", "template": default}, {"name": "rag", "template": SIMPLE}]
+    )
     r = results(profile_for(lay.root))
     assert r["template.render"].status == "fail"
-    assert "default cannot render tools" in r["template.render"].detail and "shape 'tool call'" in r["template.render"].detail
+    assert (
+        "default cannot render tools" in r["template.render"].detail
+        and "shape 'tool call'" in r["template.render"].detail
+    )
 
 
 def test_engine_flag_file_overrides_the_model_template(tmp_path):
@@ -114,7 +124,10 @@ def test_missing_template_warns_with_the_engine_fallback(tmp_path):
     lay = tall_layout(tmp_path / "t")
     r = results(profile_for(lay.root, "tall"))
     assert r["template.found"].status == "warn"
-    assert "vLLM has no default" in r["template.found"].detail and "engine.args.chat-template" in r["template.found"].detail
+    assert (
+        "vLLM has no default" in r["template.found"].detail
+        and "engine.args.chat-template" in r["template.found"].detail
+    )
     assert r["template.render"].status == "skip"
     r = results(profile_for(lay.root, "venti-sglang"))
     assert r["template.found"].status == "warn" and "SGLang" in r["template.found"].detail
@@ -163,12 +176,15 @@ def test_hf_environment_features(tmp_path):
         "{% generation %}{{ m.content | tojson }}{% endgeneration %}"
         "{% for c in m.tool_calls or [] %}{% if c.function.arguments is not mapping %}"
         "{{ raise_exception('arguments must be an object') }}{% endif %}{{ c.function.arguments.city }}{% endfor %}"
-        "{% endfor %}")
+        "{% endfor %}"
+    )
     (lay.base / "chat_template.jinja").write_text(tpl)
     r = results(profile_for(lay.root))
     assert r["template.render"].status == "pass", r["template.render"].detail
-    out = tc.render(tc.find_template(profile_for(lay.root)),
-                    {"messages": [{"role": "user", "content": "café"}], "tools": [{"type": "function", "function": {"name": "f"}}]})
+    out = tc.render(
+        tc.find_template(profile_for(lay.root)),
+        {"messages": [{"role": "user", "content": "café"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
+    )
     assert '"café"' in out and '\n    "type": "function"' in out
 
 
@@ -176,12 +192,27 @@ def test_cli_fails_with_exit_3_and_remembers_the_result(molctl, tmp_path, state_
     lay = layout(tmp_path)
     (lay.base / "chat_template.jinja").write_text(RAISES_ON_TOOL)
     engine_port, proxy_port = free_ports
-    args = ("check", "tiny", "--model-root", str(lay.root), "--skip", "gpu", "--skip", "engine",
-            "--set", f"engine.port={engine_port}", "--set", f"proxy.port={proxy_port}", "--json")
+    args = (
+        "check",
+        "tiny",
+        "--model-root",
+        str(lay.root),
+        "--skip",
+        "gpu",
+        "--skip",
+        "engine",
+        "--set",
+        f"engine.port={engine_port}",
+        "--set",
+        f"proxy.port={proxy_port}",
+        "--json",
+    )
     first = molctl(*args)
     assert first.exit_code == ExitStatus.CHECK_FAILED
     checks = {c["id"]: c for c in first.json()["checks"]}
-    assert checks["template.render"]["status"] == "fail" and "shape 'tool result'" in checks["template.render"]["detail"]
+    assert (
+        checks["template.render"]["status"] == "fail" and "shape 'tool result'" in checks["template.render"]["detail"]
+    )
     again = {c["id"]: c for c in molctl(*args).json()["checks"]}
     assert again["template.render"]["status"] == "fail" and "remembered" in again["template.render"]["detail"]
     (lay.base / "chat_template.jinja").write_text(SIMPLE)  # a new template is checked afresh
@@ -194,8 +225,23 @@ def test_skip_template_category(molctl, tmp_path, free_ports):
     lay = layout(tmp_path)
     (lay.base / "chat_template.jinja").write_text(RAISES_ON_TOOL)
     engine_port, proxy_port = free_ports
-    result = molctl("check", "tiny", "--model-root", str(lay.root), "--skip", "gpu", "--skip", "engine", "--skip", "template",
-                    "--set", f"engine.port={engine_port}", "--set", f"proxy.port={proxy_port}", "--json")
+    result = molctl(
+        "check",
+        "tiny",
+        "--model-root",
+        str(lay.root),
+        "--skip",
+        "gpu",
+        "--skip",
+        "engine",
+        "--skip",
+        "template",
+        "--set",
+        f"engine.port={engine_port}",
+        "--set",
+        f"proxy.port={proxy_port}",
+        "--json",
+    )
     assert result.exit_code == ExitStatus.OK
     assert {"template.skipped"} == {c["id"] for c in result.json()["checks"] if c["id"].startswith("template")}
 
@@ -209,24 +255,33 @@ def test_demo_templates_pass_for_every_profile(tmp_path, name):
         assert r["template.render"].status == "pass", (profile, r["template.render"].detail)
 
 
-@pytest.mark.parametrize("text, expected", [
-    # nested loops of the sandbox's largest range: 10**10 iterations, rendering for hours
-    pytest.param("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "still rendering after",
-                 id="nested-loops"),
-    pytest.param("{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}", "renders more than",
-                 id="100-MB-in-chunks"),
-    pytest.param("{{ 'x' * 10**10 }}", "repeated 10000000000 times", id="10-GB-string"),  # folded at compile time before
-    pytest.param("{{ 'x' | center(10**10) }}", "a width of 10000000000", id="center-filter"),
-    pytest.param("{{ 'x'.ljust(10**10) }}", "a width of 10000000000", id="ljust-method"),
-    pytest.param("{{ 10 ** 100000000 }}", "too large to compute", id="huge-power"),
-    # format widths: gigabytes each (left over by the review)
-    pytest.param("{{ '%10000000000s' % 1 }}", "a width of 10000000000", id="percent-width"),
-    pytest.param("{{ '%.10000000000f' % 1.5 }}", "a width of 10000000000", id="percent-precision"),
-    pytest.param("{{ '%*s' % (10000000000, 'x') }}", "a width of 10000000000", id="percent-star"),
-    pytest.param("{{ '{:>10000000000}'.format(1) }}", "a width of 10000000000", id="format-method"),
-    pytest.param("{{ '{:{w}}'.format(1, w=10000000000) }}", "a width of 10000000000", id="format-method-nested"),
-    pytest.param("{{ '%10000000000s' | format(1) }}", "a width of 10000000000", id="format-filter"),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        # nested loops of the sandbox's largest range: 10**10 iterations, rendering for hours
+        pytest.param(
+            "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+            "still rendering after",
+            id="nested-loops",
+        ),
+        pytest.param(
+            "{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}", "renders more than", id="100-MB-in-chunks"
+        ),
+        pytest.param(
+            "{{ 'x' * 10**10 }}", "repeated 10000000000 times", id="10-GB-string"
+        ),  # folded at compile time before
+        pytest.param("{{ 'x' | center(10**10) }}", "a width of 10000000000", id="center-filter"),
+        pytest.param("{{ 'x'.ljust(10**10) }}", "a width of 10000000000", id="ljust-method"),
+        pytest.param("{{ 10 ** 100000000 }}", "too large to compute", id="huge-power"),
+        # format widths: gigabytes each (left over by the review)
+        pytest.param("{{ '%10000000000s' % 1 }}", "a width of 10000000000", id="percent-width"),
+        pytest.param("{{ '%.10000000000f' % 1.5 }}", "a width of 10000000000", id="percent-precision"),
+        pytest.param("{{ '%*s' % (10000000000, 'x') }}", "a width of 10000000000", id="percent-star"),
+        pytest.param("{{ '{:>10000000000}'.format(1) }}", "a width of 10000000000", id="format-method"),
+        pytest.param("{{ '{:{w}}'.format(1, w=10000000000) }}", "a width of 10000000000", id="format-method-nested"),
+        pytest.param("{{ '%10000000000s' | format(1) }}", "a width of 10000000000", id="format-filter"),
+    ],
+)
 def test_a_template_that_loops_or_renders_enormous_output_fails_bounded(tmp_path, monkeypatch, text, expected):
     """Were a hang (the check never ended) or gigabytes of memory: a render is bounded in time
     and size, and the unbounded operators are refused."""
@@ -234,14 +289,18 @@ def test_a_template_that_loops_or_renders_enormous_output_fails_bounded(tmp_path
     lay = layout(tmp_path)
     (lay.base / "chat_template.jinja").write_text(text)
     r = results(profile_for(lay.root))
-    assert r["template.render"].status == "fail" and expected in r["template.render"].detail, r["template.render"].detail
+    assert r["template.render"].status == "fail" and expected in r["template.render"].detail, r[
+        "template.render"
+    ].detail
 
 
 def test_large_numbers_that_are_only_formatted_are_fine(tmp_path):
     """The width checks look at widths: a timestamp formatted with % or str.format renders."""
     lay = layout(tmp_path)
-    text = ("{{ '%d %s' % (1700000000, 'x') }}{{ '{} {:>8}'.format(1700000000, 5) }}{{ '%08d' | format(1700000000) }}"
-            "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    text = (
+        "{{ '%d %s' % (1700000000, 'x') }}{{ '{} {:>8}'.format(1700000000, 5) }}{{ '%08d' | format(1700000000) }}"
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    )
     (lay.base / "chat_template.jinja").write_text(text)
     r = results(profile_for(lay.root))
     assert r["template.render"].status == "pass", r["template.render"].detail

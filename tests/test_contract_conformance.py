@@ -17,6 +17,7 @@ CONTRACT = ROOT / "docs" / "contract.md"
 
 # ------------------------------------------------------------------------- section 1, the synopsis
 
+
 def _synopsis_lines() -> list[str]:
     block = CONTRACT.read_text().split("```", 2)[1]
     lines: list[str] = []
@@ -52,8 +53,13 @@ def test_the_synopsis_names_every_option_of_every_command():
         documented.setdefault(name, set()).update(re.findall(r"(--[a-z][a-z0-9-]*)", line))
     problems = []
     for name, cmd in commands.items():
-        real = {o for p in cmd.params if getattr(p, "param_type_name", "") == "option"
-                for o in [*p.opts, *p.secondary_opts] if o.startswith("--")} - {"--help"}
+        real = {
+            o
+            for p in cmd.params
+            if getattr(p, "param_type_name", "") == "option"
+            for o in [*p.opts, *p.secondary_opts]
+            if o.startswith("--")
+        } - {"--help"}
         if real - documented[name]:
             problems.append(f"{name}: undocumented {sorted(real - documented[name])}")
         if documented[name] - real:
@@ -63,16 +69,20 @@ def test_the_synopsis_names_every_option_of_every_command():
 
 # ------------------------------------------------------------------------ section 2, one error line
 
-@pytest.mark.parametrize("args, names", [
-    (["up", "tiny", "--timeout", "0", "--allow-unauthenticated"], ["--timeout", "0", "> 0"]),
-    (["up", "tiny", "--drain-timeout", "nan", "--allow-unauthenticated"], ["--drain-timeout", "nan"]),
-    (["lock", "tiny", "--jobs", "0"], ["--jobs", "1"]),
-    (["logs", "tiny", "-n", "x"], ["--lines", "'x'"]),
-    (["up", "tiny", "--no-such-option"], ["--no-such-option"]),
-    (["up"], ["profile"]),
-    (["no-such-command"], ["no-such-command"]),
-    (["state", "stats"], ["profile"]),
-])
+
+@pytest.mark.parametrize(
+    "args, names",
+    [
+        (["up", "tiny", "--timeout", "0", "--allow-unauthenticated"], ["--timeout", "0", "> 0"]),
+        (["up", "tiny", "--drain-timeout", "nan", "--allow-unauthenticated"], ["--drain-timeout", "nan"]),
+        (["lock", "tiny", "--jobs", "0"], ["--jobs", "1"]),
+        (["logs", "tiny", "-n", "x"], ["--lines", "'x'"]),
+        (["up", "tiny", "--no-such-option"], ["--no-such-option"]),
+        (["up"], ["profile"]),
+        (["no-such-command"], ["no-such-command"]),
+        (["state", "stats"], ["profile"]),
+    ],
+)
 def test_a_usage_error_of_the_parser_is_one_error_line_and_exit_2(tmp_path, args, names):
     """Section 2: "Every error is one line on stderr, `molctl: error: <message>`" and a bad
     option is exit 2. Errors the option parser finds (a value a callback refuses, an unknown
@@ -102,10 +112,11 @@ def test_help_version_and_no_arguments_are_unchanged(tmp_path):
 
 # ------------------------------------------------------------- section 1, --skip is checked first
 
+
 @pytest.mark.parametrize("command", ["up", "switch"])
 @pytest.mark.parametrize("category", ["gpuu", "profile"])
 def test_a_bad_skip_is_exit_2_before_the_state_lock_and_the_running_stack(molctl, state_dir, command, category):
-    """"--skip CATEGORY: one of engine gpu ... anything else is exit 2", and `up` step 1 fails
+    """ "--skip CATEGORY: one of engine gpu ... anything else is exit 2", and `up` step 1 fails
     usage before anything. `up` checked --skip only in its preflight: with the state lock held
     (or another profile running, or this one with another configuration) a typo was exit 4, and
     `up tiny --skip gpuu` of a stack already running was exit 0 `already_running`."""
@@ -118,6 +129,7 @@ def test_a_bad_skip_is_exit_2_before_the_state_lock_and_the_running_stack(molctl
 
 
 # ----------------------------------------------------------------- section 3, reload --json indent
+
 
 def test_reload_json_is_one_document_with_indent_2(molctl, state_dir, tmp_path):
     """Section 3: "--json writes exactly one JSON document on stdout (indent 2)". `reload --json`
@@ -143,6 +155,7 @@ def test_reload_json_is_one_document_with_indent_2(molctl, state_dir, tmp_path):
 
 # ---------------------------------------------------- state stats/prune: the store the stack uses
 
+
 @pytest.mark.parametrize("command", ["stats", "prune"])
 def test_state_stats_and_prune_use_the_store_the_stack_was_started_with(molctl, state_dir, tmp_path, command):
     """`state stats|prune PROFILE` act on "the profile's response store" while "safe while the
@@ -155,10 +168,24 @@ def test_state_stats_and_prune_use_the_store_the_stack_was_started_with(molctl, 
     from molctl.state import Record, write_record
 
     alt = tmp_path / "alt.sqlite3"
-    _, config = stackconfig.load("tiny", profile_dirs([]), [("proxy.store", f"sqlite:{alt}"),
-                                                              ("proxy.store_ttl_s", 7776000)])
-    write_record(state_dir, "tiny", Record(component="proxy", pid=2 ** 22 + 1, pgid=2 ** 22 + 1, create_time=1.0,
-                                           argv=["molctl", "proxy"], port=1, log="", started_at=1.0, config=config))
+    _, config = stackconfig.load(
+        "tiny", profile_dirs([]), [("proxy.store", f"sqlite:{alt}"), ("proxy.store_ttl_s", 7776000)]
+    )
+    write_record(
+        state_dir,
+        "tiny",
+        Record(
+            component="proxy",
+            pid=2**22 + 1,
+            pgid=2**22 + 1,
+            create_time=1.0,
+            argv=["molctl", "proxy"],
+            port=1,
+            log="",
+            started_at=1.0,
+            config=config,
+        ),
+    )
     r = molctl("state", command, "tiny", "--json")
     assert r.exit_code == ExitStatus.OK, r.stderr
     out = r.json()
@@ -167,6 +194,7 @@ def test_state_stats_and_prune_use_the_store_the_stack_was_started_with(molctl, 
 
 
 # --------------------------------------------------------------- section 3, demo init --json shapes
+
 
 def _documented_demo_shapes() -> str:
     text = CONTRACT.read_text()
@@ -189,6 +217,7 @@ def test_demo_init_json_shapes_are_the_documented_ones(molctl, tmp_path):
 
 
 # ------------------------------------------------------ section 3, down --json: one entry per stack
+
 
 @pytest.mark.parametrize("corrupt", ["proxy", "engine"])
 def test_down_force_of_a_stack_with_one_unreadable_record_is_one_entry_proxy_first(tmp_path, corrupt):
@@ -227,8 +256,14 @@ def test_output_into_a_closed_pipe_is_no_traceback(argv, tmp_path):
     read_end, write_end = os.pipe()
     os.close(read_end)  # every write to stdout is EPIPE
     try:
-        proc = subprocess.run([sys.executable, "-m", "molctl", "--state-dir", str(tmp_path / "s"), *argv],
-                              stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=60, cwd=ROOT)
+        proc = subprocess.run(
+            [sys.executable, "-m", "molctl", "--state-dir", str(tmp_path / "s"), *argv],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+        )
     finally:
         os.close(write_end)
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]

@@ -39,9 +39,27 @@ class Host:
         self.stopped: list[int] = []  # SIGSTOPped pids, continued at the end whatever happened
 
     def up(self, *extra: str):
-        return self.cli("up", "tiny", "--set", f"engine.python={self.python}", "--set", f"engine.port={self.engine_port}",
-                        "--set", f"proxy.port={self.proxy_port}", "--model-root", str(self.model), "--skip", "engine",
-                        "--skip", "gpu", "--allow-unauthenticated", "--timeout", "30", *extra, env=self.env)
+        return self.cli(
+            "up",
+            "tiny",
+            "--set",
+            f"engine.python={self.python}",
+            "--set",
+            f"engine.port={self.engine_port}",
+            "--set",
+            f"proxy.port={self.proxy_port}",
+            "--model-root",
+            str(self.model),
+            "--skip",
+            "engine",
+            "--skip",
+            "gpu",
+            "--allow-unauthenticated",
+            "--timeout",
+            "30",
+            *extra,
+            env=self.env,
+        )
 
     def __call__(self, *args: str, timeout: float = 90):
         return self.cli(*args, env=self.env, timeout=timeout)
@@ -132,7 +150,9 @@ def test_a_log_file_deleted_under_a_running_component_is_reported_and_still_read
     Path(record.log).unlink()
     r = host("status", "--json")
     (stack,) = r.json()["stacks"]
-    assert stack["state"] == "ready" and any(record.log in p and "deleted" in p for p in stack.get("problems", [])), stack
+    assert stack["state"] == "ready" and any(record.log in p and "deleted" in p for p in stack.get("problems", [])), (
+        stack
+    )
     r = host("logs", "tiny", "--component", "engine", "-n", "3")
     assert r.exit_code == ExitStatus.OK, r.stderr
     lines = r.stdout.splitlines()
@@ -180,6 +200,7 @@ def test_a_dead_components_zombie_is_not_called_another_process(tmp_path):
 
 async def _hanging_chat_server(started: asyncio.Event):
     """/health answers 200 at once; anything else is read and never answered."""
+
     async def handle(reader, writer):
         try:
             while True:

@@ -14,7 +14,11 @@ from molctl.errors import ExitStatus
 
 
 def digest(root) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def test_deterministic_per_seed(tmp_path):
@@ -31,7 +35,9 @@ def test_deterministic_per_seed(tmp_path):
 def test_layout_passes_the_model_and_adapter_checks(molctl, tmp_path):
     result = molctl("demo", "init", str(tmp_path / "tiny"), "--json")
     assert result.exit_code == ExitStatus.OK and result.json()["created"] is True
-    report = molctl("check", "tiny", "--model-root", str(tmp_path / "tiny"), "--skip", "engine", "--skip", "port", "--json")
+    report = molctl(
+        "check", "tiny", "--model-root", str(tmp_path / "tiny"), "--skip", "engine", "--skip", "port", "--json"
+    )
     assert report.exit_code == ExitStatus.OK, [c for c in report.json()["checks"] if c["status"] != "pass"]
     statuses = {c["id"]: c["status"] for c in report.json()["checks"]}
     assert statuses["template.found"] == statuses["template.render"] == "pass"
@@ -54,8 +60,10 @@ ANSWER = {"role": "assistant", "content": "hello"}
 
 
 def render_demo(name, messages, **payload):
-    return render(Template(name, {"default": template_text(name)}, {"bos_token": "<s>", "eos_token": "<|im_end|>"}),
-                  {"messages": messages, **payload})
+    return render(
+        Template(name, {"default": template_text(name)}, {"bos_token": "<s>", "eos_token": "<|im_end|>"}),
+        {"messages": messages, **payload},
+    )
 
 
 def test_both_templates_written_and_selectable(molctl, tmp_path):
@@ -76,9 +84,13 @@ def test_default_template_is_qwen_and_the_tokenizer_loads_it(tmp_path):
     init_tiny(tmp_path / "t")
     assert (tmp_path / "t" / "base" / "chat_template.jinja").read_text() == template_text("qwen3.6")
     import transformers  # installed with the cpu extra (vLLM), which `make test` always has
+
     tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "t" / "base"))
     text = tok.apply_chat_template([SYS, USER], tokenize=False, add_generation_prompt=True)
-    assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n"
+    assert (
+        text
+        == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n"
+    )
     with pytest.raises(Exception, match="System message must be at the beginning"):
         tok.apply_chat_template([USER, SYS, USER], tokenize=False)
 
@@ -99,8 +111,17 @@ def test_strict_rules_refuse_developer_and_unknown_roles(name):
         render_demo(name, [{"role": "critic", "content": "x"}, USER])
     # arguments as the JSON string of the OpenAI API (vLLM parses them to an object first)
     with pytest.raises(Exception, match="arguments must be an object"):
-        compile_template(template_text(name)).render(messages=[USER, {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "a", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]}, {"role": "tool", "content": "r"}])
+        compile_template(template_text(name)).render(
+            messages=[
+                USER,
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [{"id": "a", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}],
+                },
+                {"role": "tool", "content": "r"},
+            ]
+        )
 
 
 def test_qwen_rules():
@@ -113,7 +134,9 @@ def test_qwen_rules():
     with pytest.raises(Exception, match="No messages provided"):
         render_demo("qwen3.6", [])
     with pytest.raises(Exception, match="System message cannot contain images"):
-        render_demo("qwen3.6", [{"role": "system", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}, USER])
+        render_demo(
+            "qwen3.6", [{"role": "system", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}, USER]
+        )
     off = render_demo("qwen3.6", [SYS, USER], chat_template_kwargs={"enable_thinking": False})
     assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     on = render_demo("qwen3.6", [SYS, USER, {"role": "assistant", "content": "<think>plan</think>done"}, USER])
@@ -123,12 +146,17 @@ def test_qwen_rules():
 
 def test_glm_rules():
     text = render_demo("glm5", [SYS, USER, ANSWER, {"role": "system", "content": "Now in French."}, USER])
-    assert text == ("[gMASK]<sop><|system|>Reasoning Effort: Max<|system|>Be brief.<|user|>hi<|assistant|></think>hello"
-                    "<|system|>Now in French.<|user|>hi<|assistant|><think>")
+    assert text == (
+        "[gMASK]<sop><|system|>Reasoning Effort: Max<|system|>Be brief.<|user|>hi<|assistant|></think>hello"
+        "<|system|>Now in French.<|user|>hi<|assistant|><think>"
+    )
     off = render_demo("glm5", [USER], chat_template_kwargs={"enable_thinking": False})
     assert off == "[gMASK]<sop><|system|>Reasoning Effort: Max<|user|>hi<|assistant|></think>"
-    kept = render_demo("glm5", [USER, {"role": "assistant", "content": "", "reasoning_content": "why"}, USER, ANSWER],
-                       chat_template_kwargs={"clear_thinking": False})
+    kept = render_demo(
+        "glm5",
+        [USER, {"role": "assistant", "content": "", "reasoning_content": "why"}, USER, ANSWER],
+        chat_template_kwargs={"clear_thinking": False},
+    )
     assert "<think>why</think>" in kept
 
 
@@ -172,14 +200,16 @@ def tensor_bytes(path, name: str) -> bytes:
 
     header = read_header(path)
     start, end = header.tensors[name]["data_offsets"]
-    return path.read_bytes()[header.header_size + start:header.header_size + end]
+    return path.read_bytes()[header.header_size + start : header.header_size + end]
 
 
 def test_no_effect_writes_a_zero_b_and_an_off_target_adapter_that_pass_the_checks(molctl, tmp_path):
     """--no-effect L1=zero-b: L1's lora_B weights are all zero (its lora_A as usual); L3=off-target:
     a working adapter on o_proj only. Both pass the static adapter checks: only the efficacy canary
     of `up` can tell (tests/test_e2e.py proves it on the real vLLM)."""
-    r = molctl("demo", "init", str(tmp_path / "tiny"), "--no-effect", "L1=zero-b", "--no-effect", "L3=off-target", "--json")
+    r = molctl(
+        "demo", "init", str(tmp_path / "tiny"), "--no-effect", "L1=zero-b", "--no-effect", "L3=off-target", "--json"
+    )
     assert r.exit_code == ExitStatus.OK and r.json()["no_effect"] == {"L1": "zero-b", "L3": "off-target"}
     loras = tmp_path / "tiny" / "loras"
     zero = loras / "L1" / "adapter_model.safetensors"
@@ -192,7 +222,9 @@ def test_no_effect_writes_a_zero_b_and_an_off_target_adapter_that_pass_the_check
     names = read_header(loras / "L3" / "adapter_model.safetensors").tensors
     assert {n.split(".")[-3] for n in names if n != "__metadata__"} == {"o_proj"}
     assert json.loads((loras / "L0" / "adapter_config.json").read_text())["target_modules"] == ["q_proj", "v_proj"]
-    report = molctl("check", "tiny", "--model-root", str(tmp_path / "tiny"), "--skip", "engine", "--skip", "port", "--json")
+    report = molctl(
+        "check", "tiny", "--model-root", str(tmp_path / "tiny"), "--skip", "engine", "--skip", "port", "--json"
+    )
     assert report.exit_code == ExitStatus.OK, [c for c in report.json()["checks"] if c["status"] != "pass"]
 
 

@@ -22,16 +22,31 @@ def test_at_the_drain_deadline_what_is_left_is_answered_503_draining_then_the_pr
     engine_port, port = free_ports(2)
     engine_url, url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{port}"
     log = tmp_path / "proxy.log"
-    argv = proxy_argv("tiny", engine_url, port, "--allow-unauthenticated", "--store", "memory", "--drain-timeout", "2",
-                      "--sse-keepalive", "0.5")
-    with running(fake_engine_argv(engine_port, {"answer_delay": 120}), engine_url + "/health"), \
-            running(argv, url + "/health", log=log) as proxy:
+    argv = proxy_argv(
+        "tiny",
+        engine_url,
+        port,
+        "--allow-unauthenticated",
+        "--store",
+        "memory",
+        "--drain-timeout",
+        "2",
+        "--sse-keepalive",
+        "0.5",
+    )
+    with (
+        running(fake_engine_argv(engine_port, {"answer_delay": 120}), engine_url + "/health"),
+        running(argv, url + "/health", log=log) as proxy,
+    ):
         got: dict[str, object] = {}
         stream_started = threading.Event()
 
         def plain() -> None:
-            got["plain"] = httpx.post(url + "/v1/chat/completions", timeout=60,
-                                      json={"model": PUBLIC, "messages": [{"role": "user", "content": "[route:L2] slow"}]})
+            got["plain"] = httpx.post(
+                url + "/v1/chat/completions",
+                timeout=60,
+                json={"model": PUBLIC, "messages": [{"role": "user", "content": "[route:L2] slow"}]},
+            )
 
         def streamed() -> None:
             body = {"model": PUBLIC, "stream": True, "messages": [{"role": "user", "content": "[route:L1] slow"}]}
@@ -48,8 +63,9 @@ def test_at_the_drain_deadline_what_is_left_is_answered_503_draining_then_the_pr
         for t in threads:
             t.start()
         assert stream_started.wait(20), "the stream's 200 never came"
-        assert wait_for(lambda: len([e for e in httpx.get(engine_url + "/_log").json()
-                                     if "slow" in json.dumps(e)]) >= 2, 10), "both answer hops at the engine"
+        assert wait_for(
+            lambda: len([e for e in httpx.get(engine_url + "/_log").json() if "slow" in json.dumps(e)]) >= 2, 10
+        ), "both answer hops at the engine"
         proxy.send_signal(signal.SIGTERM)
         for t in threads:
             t.join(30)
@@ -61,7 +77,7 @@ def test_at_the_drain_deadline_what_is_left_is_answered_503_draining_then_the_pr
     assert error["code"] == "draining" and error["type"] == "server_error", error
     assert r.headers["x-request-id"] in error["message"]
     assert got["stream_status"] == 200
-    frames = [f[len("data: "):] for f in got["stream"].split("\n\n") if f.startswith("data: ")]
+    frames = [f[len("data: ") :] for f in got["stream"].split("\n\n") if f.startswith("data: ")]
     assert frames[-1] == "[DONE]", got["stream"]
     frame = json.loads(frames[-2])["error"]
     assert frame["code"] == "draining" and got["stream_headers"]["x-request-id"] in frame["message"], frame

@@ -48,9 +48,13 @@ PUBLIC = "Macaron-Tiny-Demo"
 GLM5 = Template("glm5-like", {"default": (ROOT / "molctl" / "templates" / "glm5-like.jinja").read_text()}, {})
 KEY = "sk-e2e-key"
 ANSWER_TOKENS = 12
-REQUEST_RE = re.compile(r"Received request (\S+): params: SamplingParams\(.*?max_tokens=(\d+),.*?structured_outputs=(\w+).*?"
-                        r"lora_request: LoRARequest\(lora_name='(L\d)'")
-PROMPT_RE = re.compile(r"Request (\S+) details: prompt: ('(?:[^'\\\n]|\\.)*'|\"(?:[^\"\\\n]|\\.)*\"), prompt_token_ids:")
+REQUEST_RE = re.compile(
+    r"Received request (\S+): params: SamplingParams\(.*?max_tokens=(\d+),.*?structured_outputs=(\w+).*?"
+    r"lora_request: LoRARequest\(lora_name='(L\d)'"
+)
+PROMPT_RE = re.compile(
+    r"Request (\S+) details: prompt: ('(?:[^'\\\n]|\\.)*'|\"(?:[^\"\\\n]|\\.)*\"), prompt_token_ids:"
+)
 BODY_RE = re.compile(r"Request (\S+) JSON body: (\{.*)$", re.MULTILINE)
 
 
@@ -69,23 +73,45 @@ class Stack:
         self.seen: dict[int, float] = {}  # pid -> create time of every stack process and descendant seen
 
     def molctl(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "molctl", "--state-dir", str(self.state), *args],
-                              capture_output=True, text=True, timeout=timeout, cwd=ROOT, stdin=subprocess.DEVNULL)
+        return subprocess.run(
+            [sys.executable, "-m", "molctl", "--state-dir", str(self.state), *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=ROOT,
+            stdin=subprocess.DEVNULL,
+        )
 
     def up(self, *more: str, debug: bool = True) -> subprocess.CompletedProcess:
         # debug: the request log's DEBUG lines hold each request's rendered prompt and JSON body
         extra = ["--set", "engine.env.VLLM_LOGGING_LEVEL=DEBUG"] if debug else []
-        return self.molctl("up", "tiny", "--model-root", str(self.model), "--api-key-file", str(self.key), "--json",
-                           "--set", f"engine.port={self.engine_port}", "--set", f"proxy.port={self.proxy_port}",
-                           "--set", f"proxy.metrics_port={self.metrics_port}", *extra,
-                           *more)
+        return self.molctl(
+            "up",
+            "tiny",
+            "--model-root",
+            str(self.model),
+            "--api-key-file",
+            str(self.key),
+            "--json",
+            "--set",
+            f"engine.port={self.engine_port}",
+            "--set",
+            f"proxy.port={self.proxy_port}",
+            "--set",
+            f"proxy.metrics_port={self.metrics_port}",
+            *extra,
+            *more,
+        )
 
     def engine_log(self) -> str:
         return Path(read_records(self.state, "tiny")["engine"].log).read_text(errors="replace")
 
     def requests(self) -> list[tuple[str, int, bool, str]]:
         """(request id, max_tokens, structured outputs?, adapter) per request the engine received."""
-        return [(m.group(1), int(m.group(2)), m.group(3) != "None", m.group(4)) for m in REQUEST_RE.finditer(self.engine_log())]
+        return [
+            (m.group(1), int(m.group(2)), m.group(3) != "None", m.group(4))
+            for m in REQUEST_RE.finditer(self.engine_log())
+        ]
 
     def hops(self) -> list[dict]:
         """Per request the engine received, in order: id, hop (route/answer/summary), adapter, the
@@ -104,7 +130,9 @@ class Stack:
             prompt = prompts.get(rid)
             if prompt is None and body is not None and isinstance(body.get("prompt"), list):
                 # a token prompt (the summary continuing the answer's tokens), as text
-                prompt = httpx.post(self.engine + "/detokenize", json={"tokens": body["prompt"]}, timeout=30).json()["prompt"]
+                prompt = httpx.post(self.engine + "/detokenize", json={"tokens": body["prompt"]}, timeout=30).json()[
+                    "prompt"
+                ]
             out.append({"id": rid, "hop": hop, "adapter": adapter, "prompt": prompt, "body": body})
         return out
 
@@ -181,8 +209,16 @@ def test_engine_lists_the_adapters_under_the_base(stack):
 def test_adapters_change_greedy_output(stack):
     outputs = {}
     for model in ("tiny-mol-base", "L0", "L1", "L2", "L3"):
-        r = httpx.post(stack.engine + "/v1/chat/completions", timeout=60, json={
-            "model": model, "max_tokens": 8, "temperature": 0, "messages": [{"role": "user", "content": "hello there"}]})
+        r = httpx.post(
+            stack.engine + "/v1/chat/completions",
+            timeout=60,
+            json={
+                "model": model,
+                "max_tokens": 8,
+                "temperature": 0,
+                "messages": [{"role": "user", "content": "hello there"}],
+            },
+        )
         outputs[model] = r.json()["choices"][0]["message"]["content"]
     assert len(set(outputs.values())) == 5, outputs
 
@@ -196,8 +232,15 @@ def test_chat_through_the_proxy_reaches_route_answer_and_summary_adapters(stack,
         before = len(stack.requests())
         messages = [{"role": "user", "content": f"Please write {topic} ({stream})"}]
         if stream:
-            chunks = list(stack.client.chat.completions.create(model=PUBLIC, messages=messages, max_tokens=ANSWER_TOKENS,
-                                                               stream=True, stream_options={"include_usage": True}))
+            chunks = list(
+                stack.client.chat.completions.create(
+                    model=PUBLIC,
+                    messages=messages,
+                    max_tokens=ANSWER_TOKENS,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+            )
             assert chunks[0].choices[0].delta.role == "assistant"
             assert chunks[-1].usage.completion_tokens > 0
             assert all(c.model == PUBLIC for c in chunks)
@@ -220,9 +263,16 @@ def test_chat_through_the_proxy_reaches_route_answer_and_summary_adapters(stack,
     pytest.fail(f"the router kept choosing L0: {chosen}")
 
 
-WEATHER = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+WEATHER = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
 
 
 def chat_hops(stack: Stack, messages: list[dict], stream: bool = False, **extra) -> tuple[str, list[dict]]:
@@ -230,8 +280,11 @@ def chat_hops(stack: Stack, messages: list[dict], stream: bool = False, **extra)
     the reply's text and the engine requests it caused, once its background summary hop is in."""
     before = len(stack.requests())
     if stream:
-        chunks = list(stack.client.chat.completions.create(model=PUBLIC, messages=messages, max_tokens=ANSWER_TOKENS,
-                                                           stream=True, **extra))
+        chunks = list(
+            stack.client.chat.completions.create(
+                model=PUBLIC, messages=messages, max_tokens=ANSWER_TOKENS, stream=True, **extra
+            )
+        )
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason][-1]
     else:
@@ -258,7 +311,10 @@ def assert_one_leading_system(hop: dict) -> None:
     roles = [m["role"] for m in body["messages"]]
     assert roles[0] == "system" and roles.count("system") == 1 and "developer" not in roles, (hop["hop"], roles)
     glm = render(GLM5, body)
-    assert glm.startswith("[gMASK]<sop><|system|>") and "<|system|>" not in glm.split("<|user|>", 1)[1], (hop["hop"], glm)
+    assert glm.startswith("[gMASK]<sop><|system|>") and "<|system|>" not in glm.split("<|user|>", 1)[1], (
+        hop["hop"],
+        glm,
+    )
 
 
 def by_hop(hops: list[dict]) -> dict[str, dict]:
@@ -285,14 +341,20 @@ def test_instructions_reach_every_hop_in_one_leading_system_message(stack):
     assert by_hop(hops)["route"]["body"]["priority"] == -1
     assert "priority" not in by_hop(hops)["answer"]["body"] and "priority" not in by_hop(hops)["summary"]["body"]
 
-    convo += [{"role": "assistant", "content": text}, {"role": "system", "content": "From now on, answer in French."},
-              {"role": "user", "content": "Plan a trip to Kyoto."}]
+    convo += [
+        {"role": "assistant", "content": text},
+        {"role": "system", "content": "From now on, answer in French."},
+        {"role": "user", "content": "Plan a trip to Kyoto."},
+    ]
     text, hops = chat_hops(stack, convo, stream=True)
     for hop in hops:
         assert_one_leading_system(hop)
     for name in ("answer", "summary"):  # kept where it was said, as a note the templates accept
         prompt = by_hop(hops)[name]["prompt"]
-        assert "<|im_start|>user\n[system note] From now on, answer in French.<|im_end|>\n<|im_start|>user\nPlan a trip" in prompt
+        assert (
+            "<|im_start|>user\n[system note] From now on, answer in French.<|im_end|>\n<|im_start|>user\nPlan a trip"
+            in prompt
+        )
         assert "Example Corp" in prompt.split("<|im_end|>", 1)[0]
 
 
@@ -309,34 +371,53 @@ def test_tool_call_loop_through_the_proxy(stack):
     assert answer["body"]["tools"][0]["function"]["name"] == "get_weather"
     assert "# Tools" in answer["prompt"].split("<|im_end|>", 1)[0]
 
-    call = {"id": "call_e2e_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
-    convo += [{"role": "assistant", "content": None, "tool_calls": [call]},
-              {"role": "tool", "tool_call_id": "call_e2e_1", "content": '{"temp_c": 18, "sky": "sunny"}'}]
+    call = {
+        "id": "call_e2e_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
+    convo += [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_e2e_1", "content": '{"temp_c": 18, "sky": "sunny"}'},
+    ]
     _, hops = chat_hops(stack, convo, tools=WEATHER)  # a call the proxy did not issue: routed, not sticky
     for hop in hops:
         assert_one_leading_system(hop)
     prompt = by_hop(hops)["answer"]["prompt"]
-    assert "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>" in prompt
+    assert (
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
+        in prompt
+    )
     assert '<|im_start|>user\n<tool_response>\n{"temp_c": 18, "sky": "sunny"}\n</tool_response><|im_end|>' in prompt
     assert "What is the weather in Paris?" in by_hop(hops)["route"]["prompt"]  # the router sees the last user text
 
-    convo += [{"role": "assistant", "content": "It is 18 C and sunny in Paris."}, {"role": "user", "content": "And in Rome?"}]
+    convo += [
+        {"role": "assistant", "content": "It is 18 C and sunny in Paris."},
+        {"role": "user", "content": "And in Rome?"},
+    ]
     _, hops = chat_hops(stack, convo, tools=WEATHER)
     for hop in hops:
         assert_one_leading_system(hop)
     assert "And in Rome?" in by_hop(hops)["answer"]["prompt"]
 
 
-RESPONSES_WEATHER = [{"type": "function", "name": "get_weather", "description": "Current weather in a city.",
-                      "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+RESPONSES_WEATHER = [
+    {
+        "type": "function",
+        "name": "get_weather",
+        "description": "Current weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    }
+]
 
 
 def responses_hops(stack: Stack, **kwargs) -> tuple[object, list[dict]]:
     """One Responses API call through the proxy (the SDK raises on anything but a 200); returns the
     Response and the engine requests it caused, once its summary hop is in."""
     before = len(stack.requests())
-    resp = stack.client.responses.create(model=PUBLIC, max_output_tokens=ANSWER_TOKENS, tools=RESPONSES_WEATHER,
-                                         **kwargs)
+    resp = stack.client.responses.create(
+        model=PUBLIC, max_output_tokens=ANSWER_TOKENS, tools=RESPONSES_WEATHER, **kwargs
+    )
     assert resp.status in ("completed", "incomplete"), resp
     wait_for_requests(stack, before + 3)
     hops = stack.hops()[before:]
@@ -349,7 +430,9 @@ def test_responses_chain_of_three_with_a_tool_call(stack):
     middle, through `molctl up tiny`: every hop renders one leading system message, the second
     answer hop sees the call and its output verbatim, and the third sees the whole chain (the tool
     turn verbatim on the same adapter, folded to its summary on another)."""
-    r1, hops = responses_hops(stack, input="What is the weather in Paris?", instructions="Use the tools when they help.")
+    r1, hops = responses_hops(
+        stack, input="What is the weather in Paris?", instructions="Use the tools when they help."
+    )
     for hop in hops:
         assert_one_leading_system(hop)
     assert "Use the tools when they help." in by_hop(hops)["answer"]["prompt"].split("<|im_end|>", 1)[0]
@@ -360,8 +443,11 @@ def test_responses_chain_of_three_with_a_tool_call(stack):
     for hop in hops:
         assert_one_leading_system(hop)
     prompt = by_hop(hops)["answer"]["prompt"]
-    assert prompt.index("What is the weather in Paris?") < prompt.index("<function=get_weather>") \
+    assert (
+        prompt.index("What is the weather in Paris?")
+        < prompt.index("<function=get_weather>")
         < prompt.index('<tool_response>\n{"temp_c": 18}\n</tool_response>')
+    )
     tool_turn_adapter = by_hop(hops)["answer"]["adapter"]
     r3, hops = responses_hops(stack, previous_response_id=r2.id, input="And in Rome?")
     for hop in hops:
@@ -386,7 +472,10 @@ def test_later_turn_hits_the_prefix_cache(stack):
     turn's answer hop must reuse the conversation's prefix from the engine's cache."""
     # long enough to fill several KV-cache blocks (vLLM's CPU backend uses large blocks)
     trip = " ".join(f"On day {i} we visit temple {i}, eat dinner {i} and walk trail {i}." for i in range(25))
-    convo = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": f"Plan a trip to Kyoto: {trip}"}]
+    convo = [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": f"Plan a trip to Kyoto: {trip}"},
+    ]
     follow_ups = ["Now make day two cheaper.", "Add a museum.", "Fewer temples.", "Print it as a list."]
     seen: list[str] = []
     cached: list[int] = []
@@ -403,8 +492,10 @@ def test_later_turn_hits_the_prefix_cache(stack):
             return
         seen.append(adapter)
         time.sleep(0.5)  # the summary hop runs after the reply
-        convo += [{"role": "assistant", "content": reply.choices[0].message.content},
-                  {"role": "user", "content": follow_ups[turn % len(follow_ups)]}]
+        convo += [
+            {"role": "assistant", "content": reply.choices[0].message.content},
+            {"role": "user", "content": follow_ups[turn % len(follow_ups)]},
+        ]
     pytest.fail(f"five turns on five different adapters out of four: {seen}")
 
 
@@ -425,8 +516,11 @@ def test_a_summary_after_a_tool_declaring_answer_is_served_from_the_cache(stack)
         return sum(v for k, v in parse_prometheus(text).items() if k == name)
 
     step = " ".join(f"Step {i}: read file {i}, run test {i} and note result {i}." for i in range(25))
-    messages = [{"role": "system", "content": "Use the tools when they help."},
-                {"role": "user", "content": f"Fix the build of service {time.time_ns()}: {step}"}]
+    messages = [
+        {"role": "system", "content": "Use the tools when they help."},
+        {"role": "user", "content": f"Fix the build of service {time.time_ns()}: {step}"},
+    ]
+
     def settled(name: str) -> float:
         """The counter once no summary of an earlier test is still adding to it (unchanged for 2 s)."""
         value, since = proxy_metric(name), time.monotonic()
@@ -450,12 +544,23 @@ def test_a_summary_after_a_tool_declaring_answer_is_served_from_the_cache(stack)
     cached = proxy_metric("molctl_proxy_summary_cached_tokens_total") - cached0
     probe = [{"role": "user", "content": PROBE_USER}, {"role": "assistant", "content": PROBE_ANSWER}]
     instruction = summary_instruction(stack)
-    left_open = httpx.post(stack.engine + "/tokenize", json={"model": "L2", "messages": probe, "add_generation_prompt": False,
-                                                             "continue_final_message": True}).json()["tokens"]
-    closed = httpx.post(stack.engine + "/tokenize", json={"model": "L2", "add_generation_prompt": True, "messages": [
-        *probe, {"role": "user", "content": instruction}]}).json()["tokens"]
+    left_open = httpx.post(
+        stack.engine + "/tokenize",
+        json={"model": "L2", "messages": probe, "add_generation_prompt": False, "continue_final_message": True},
+    ).json()["tokens"]
+    closed = httpx.post(
+        stack.engine + "/tokenize",
+        json={
+            "model": "L2",
+            "add_generation_prompt": True,
+            "messages": [*probe, {"role": "user", "content": instruction}],
+        },
+    ).json()["tokens"]
     suffix = suffix_after(left_open, closed)
-    assert suffix and summary["body"]["prompt"][-len(suffix) + 1:] == suffix[1:], (suffix, summary["body"]["prompt"][-40:])
+    assert suffix and summary["body"]["prompt"][-len(suffix) + 1 :] == suffix[1:], (
+        suffix,
+        summary["body"]["prompt"][-40:],
+    )
     answered = prompt - len(suffix)
     assert cached >= 0.95 * answered and cached >= answered - 32, (prompt, cached, len(suffix))
 
@@ -470,14 +575,20 @@ def summary_instruction(stack: Stack) -> str:
 # (finish_reason "length", also directly: vLLM's structured outputs let it write whitespace), so
 # the clients that run the loop themselves stop there: pydantic-ai (which picks its own
 # tool_choice) and the AI SDK (which takes the next step only after finish "tool-calls").
-REAL_CLIENTS = {("py", "openai-chat"): BASIC, ("py", "openai-responses"): RESPONSES,
-                ("py", "litellm-completion"): BASIC, ("py", "litellm-responses"): RESPONSES,
-                ("py", "langchain-chat"): BASIC, ("py", "langchain-responses"): RESPONSES,
-                ("py", "pydantic-ai-chat"): ("plain", "stream", "multi_turn"),
-                ("py", "pydantic-ai-responses"): ("plain", "stream", "multi_turn", "chain", "store_false"),
-                ("js", "ai-sdk-responses"): ("plain", "stream", "multi_turn", "chain"),
-                ("js", "ai-sdk-chat"): ("plain", "stream", "multi_turn"),
-                ("js", "openai-chat"): BASIC, ("js", "openai-responses"): RESPONSES}
+REAL_CLIENTS = {
+    ("py", "openai-chat"): BASIC,
+    ("py", "openai-responses"): RESPONSES,
+    ("py", "litellm-completion"): BASIC,
+    ("py", "litellm-responses"): RESPONSES,
+    ("py", "langchain-chat"): BASIC,
+    ("py", "langchain-responses"): RESPONSES,
+    ("py", "pydantic-ai-chat"): ("plain", "stream", "multi_turn"),
+    ("py", "pydantic-ai-responses"): ("plain", "stream", "multi_turn", "chain", "store_false"),
+    ("js", "ai-sdk-responses"): ("plain", "stream", "multi_turn", "chain"),
+    ("js", "ai-sdk-chat"): ("plain", "stream", "multi_turn"),
+    ("js", "openai-chat"): BASIC,
+    ("js", "openai-responses"): RESPONSES,
+}
 
 
 @pytest.mark.parametrize("lang,client", REAL_CLIENTS)
@@ -498,8 +609,11 @@ def test_client_libraries_run_unchanged_against_the_real_vllm(stack, lang, clien
         assert "error" not in result, f"{case}: {result['error']}\n{result.get('trace', '')}"
         assert isinstance(result["text"], str), (case, result)
         if "first" in result:
-            assert any(m["role"] == "assistant" and (result["first"] in str(m.get("content"))
-                                                     or str(m.get("content")).startswith(folded)) for m in sent), case
+            assert any(
+                m["role"] == "assistant"
+                and (result["first"] in str(m.get("content")) or str(m.get("content")).startswith(folded))
+                for m in sent
+            ), case
         if "called" in result:
             assert result["called"] == "get_weather", result
             assert any(m["role"] == "tool" and "sunny in Paris" in str(m.get("content")) for m in sent), case
@@ -524,17 +638,43 @@ def test_the_demo_passes_the_adapter_efficacy_canary(stack):
     (s,) = json.loads(stack.molctl("status", "tiny", "--json").stdout)["stacks"]
     assert s["canary"]["status"] == "pass"
     assert "molctl: adapter efficacy canary pass" in stack.engine_log()
-    r = stack.molctl("check", "tiny", "--live", "--model-root", str(stack.model), "--skip", "port", "--json",
-                     "--set", f"engine.port={stack.engine_port}", "--set", f"proxy.port={stack.proxy_port}")
+    r = stack.molctl(
+        "check",
+        "tiny",
+        "--live",
+        "--model-root",
+        str(stack.model),
+        "--skip",
+        "port",
+        "--json",
+        "--set",
+        f"engine.port={stack.engine_port}",
+        "--set",
+        f"proxy.port={stack.proxy_port}",
+    )
     checks = {c["id"]: c["status"] for c in json.loads(r.stdout)["checks"]}
-    assert [checks[f"adapter-effect.{x}"] for x in ("running", "L0", "L1", "L2", "L3", "distinct")] == ["pass"] * 6, checks
+    assert [checks[f"adapter-effect.{x}"] for x in ("running", "L0", "L1", "L2", "L3", "distinct")] == ["pass"] * 6, (
+        checks
+    )
 
 
 def test_bench_runs_every_series_against_the_real_engine(stack):
     """`molctl bench tiny` briefly (2 requests per series): the report's shape and samples in every
     series; no speed is asserted."""
-    r = stack.molctl("bench", "tiny", "--requests", "2", "--concurrency", "1", "--max-tokens", "4",
-                     "--api-key-file", str(stack.key), "--json", timeout=300)
+    r = stack.molctl(
+        "bench",
+        "tiny",
+        "--requests",
+        "2",
+        "--concurrency",
+        "1",
+        "--max-tokens",
+        "4",
+        "--api-key-file",
+        str(stack.key),
+        "--json",
+        timeout=300,
+    )
     assert r.returncode == ExitStatus.OK, r.stdout + r.stderr
     s = json.loads(r.stdout)
     assert [c["series"] for c in s["results"]] == ["base", "L0", "L1", "L2", "L3", "mix", "proxy", "canary"]
@@ -573,8 +713,10 @@ CONFORMANCE = [
     ("auto-without-tools", {"messages": HI, "tool_choice": "auto", "max_tokens": 2}),
     ("empty-tools", {"messages": HI, "tools": [], "max_tokens": 2}),
     ("top-logprobs-without-logprobs", {"messages": HI, "top_logprobs": 2, "max_tokens": 2}),
-    ("limit-over-the-window-before-the-template", {"messages": [{"role": "developer", "content": "d"}, *HI],
-                                                   "max_tokens": 5000}),
+    (
+        "limit-over-the-window-before-the-template",
+        {"messages": [{"role": "developer", "content": "d"}, *HI], "max_tokens": 5000},
+    ),
     ("tool-choice-before-the-model", {"model": "L9", "messages": HI, "tool_choice": "required"}),
 ]
 
@@ -598,10 +740,16 @@ def error_view(r: httpx.Response) -> dict:
         return {"status": 200}
     err = r.json()["error"]
     message = err["message"]
-    return {"status": r.status_code, "keys": sorted(err), "type": err["type"], "code": err["code"],
-            "param": err["param"], "context": any(m in message.lower() for m in CONTEXT_MARKERS),
-            # the template's own wording differs (molctl's demo template names the role); the rest is vLLM's
-            "message": "Unexpected message role" if message.startswith("Unexpected message role") else message}
+    return {
+        "status": r.status_code,
+        "keys": sorted(err),
+        "type": err["type"],
+        "code": err["code"],
+        "param": err["param"],
+        "context": any(m in message.lower() for m in CONTEXT_MARKERS),
+        # the template's own wording differs (molctl's demo template names the role); the rest is vLLM's
+        "message": "Unexpected message role" if message.startswith("Unexpected message role") else message,
+    }
 
 
 def test_strict_fake_engine_agrees_with_vllm(stack, strict_fake):
@@ -617,7 +765,7 @@ def test_strict_fake_engine_agrees_with_vllm(stack, strict_fake):
 
 
 def sse(r: httpx.Response) -> list:
-    frames = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+    frames = [line[len("data: ") :] for line in r.text.splitlines() if line.startswith("data: ")]
     return [f if f == "[DONE]" else json.loads(f) for f in frames]
 
 
@@ -648,8 +796,10 @@ def test_fake_engine_streams_and_bodies_are_shaped_as_vllms(stack, strict_fake):
     httpx.post(strict_fake + "/_config", json={"answer_logprobs": True}).raise_for_status()
     eos = {"min_tokens": 2, "logit_bias": {"4": 100}}  # the tiny tokenizer's <|im_end|> is token 4
     shapes = {}
-    for name, body in [("usage", {"stream": True, "stream_options": {"include_usage": True}}),
-                       ("logprobs", {"stream": True, "logprobs": True})]:
+    for name, body in [
+        ("usage", {"stream": True, "stream_options": {"include_usage": True}}),
+        ("logprobs", {"stream": True, "logprobs": True}),
+    ]:
         for who, base in (("vllm", stack.engine), ("fake", strict_fake)):
             r = send(base, {"messages": HI, "max_tokens": 4, **eos, **body})
             assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"), r.text
@@ -668,8 +818,11 @@ def test_fake_engine_streams_and_bodies_are_shaped_as_vllms(stack, strict_fake):
         real, fake = shapes[name, "vllm"], shapes[name, "fake"]
 
         def without_content(shape):
-            return [x[:3] + ([k for k in x[3] if k != "content"],) + x[4:] if x[0] == "finish" else x
-                    for x in shape if x[0] != "content"]
+            return [
+                x[:3] + ([k for k in x[3] if k != "content"],) + x[4:] if x[0] == "finish" else x
+                for x in shape
+                if x[0] != "content"
+            ]
 
         assert without_content(real) == without_content(fake), (name, real, fake)
         real_content, fake_content = ({repr(x) for x in shape if x[0] == "content"} for shape in (real, fake))
@@ -679,14 +832,26 @@ def test_fake_engine_streams_and_bodies_are_shaped_as_vllms(stack, strict_fake):
     def body_keys(base):
         b = send(base, {"messages": HI, "max_tokens": 2, **eos}).json()
         (c,) = b["choices"]
-        return sorted(b), sorted(c), sorted(c["message"]), sorted(b["usage"]), sorted(b["usage"]["prompt_tokens_details"])
+        return (
+            sorted(b),
+            sorted(c),
+            sorted(c["message"]),
+            sorted(b["usage"]),
+            sorted(b["usage"]["prompt_tokens_details"]),
+        )
 
     assert body_keys(stack.engine) == body_keys(strict_fake)
 
     def card_keys(base):
         cards = httpx.get(base + "/v1/models").json()["data"]
-        return sorted(cards[0]), sorted(cards[0]["permission"][0]), cards[0]["parent"], cards[-1]["parent"], \
-            cards[-1]["max_model_len"], cards[0]["max_model_len"]
+        return (
+            sorted(cards[0]),
+            sorted(cards[0]["permission"][0]),
+            cards[0]["parent"],
+            cards[-1]["parent"],
+            cards[-1]["max_model_len"],
+            cards[0]["max_model_len"],
+        )
 
     assert card_keys(stack.engine) == card_keys(strict_fake)
 
@@ -706,11 +871,15 @@ def test_fake_engine_reports_token_ids_as_vllm(stack, strict_fake):
             (c,) = b["choices"]
             assert isinstance(b["prompt_token_ids"], list) and c["token_ids"][-1] == eos_id, (who, b)
             assert c["finish_reason"] == "stop" and c["stop_reason"] is None, (who, c)
-            frames = [f for f in sse(send(base, {"messages": HI, "max_tokens": 4, "stream": True, **eos})) if f != "[DONE]"]
+            frames = [
+                f for f in sse(send(base, {"messages": HI, "max_tokens": 4, "stream": True, **eos})) if f != "[DONE]"
+            ]
             assert isinstance(frames[0]["prompt_token_ids"], list), (who, frames[0])
             ids = [t for f in frames[1:] for ch in f["choices"] for t in ch.get("token_ids") or ()]
             assert ids[-1] == eos_id and frames[-1]["choices"][0]["finish_reason"] == "stop", (who, frames)
-            tokens = httpx.post(base + "/tokenize", json={"model": "L1", "messages": HI, "add_generation_prompt": True}).json()
+            tokens = httpx.post(
+                base + "/tokenize", json={"model": "L1", "messages": HI, "add_generation_prompt": True}
+            ).json()
             assert isinstance(tokens["tokens"], list) and tokens["count"] == len(tokens["tokens"]), (who, tokens)
     finally:
         httpx.post(strict_fake + "/_config", json={"token_ids": False}).raise_for_status()
@@ -727,7 +896,9 @@ def test_up_after_sigkill_of_the_api_server(stack):
     assert r.returncode == ExitStatus.OK, r.stdout + r.stderr
     for pid in old:
         assert not alive(pid)
-    reply = stack.client.chat.completions.create(model=PUBLIC, max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+    reply = stack.client.chat.completions.create(
+        model=PUBLIC, max_tokens=4, messages=[{"role": "user", "content": "hi"}]
+    )
     assert reply.choices[0].message.content is not None
 
 

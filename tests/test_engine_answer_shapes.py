@@ -14,9 +14,15 @@ import pytest
 from molctl.engines import get_engine
 from tests.proxy_stack import PUBLIC, TINY
 
-GOOD_HOP = {"route": {"choices": [{"index": 0, "message": {"role": "assistant", "content": "L2"}, "finish_reason": "stop"}]},
-            "answer": {"choices": [{"index": 0, "message": {"role": "assistant", "content": "hello"}, "finish_reason": "stop"}]},
-            "summary": {"choices": [{"index": 0, "message": {"role": "assistant", "content": "a summary"}, "finish_reason": "stop"}]}}
+GOOD_HOP = {
+    "route": {"choices": [{"index": 0, "message": {"role": "assistant", "content": "L2"}, "finish_reason": "stop"}]},
+    "answer": {
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "hello"}, "finish_reason": "stop"}]
+    },
+    "summary": {
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "a summary"}, "finish_reason": "stop"}]
+    },
+}
 
 
 async def hop_engine(bodies: dict[str, bytes]):
@@ -35,7 +41,9 @@ async def hop_engine(bodies: dict[str, bytes]):
                 hop = fields[b"X-MoL-Hop"].decode()
                 body = bodies.get(hop) or json.dumps(GOOD_HOP[hop]).encode()
                 kind = b"text/event-stream" if body.startswith(b"data:") else b"application/json"
-                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n%s" % (kind, len(body), body))
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n%s" % (kind, len(body), body)
+                )
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
             writer.close()
@@ -60,8 +68,13 @@ async def asgi_post(app, path: str, body: dict) -> tuple[int, bytes]:
     return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
 
 
-BAD_COMPLETIONS = [b'{"choices": [null]}', b'{"choices": "L2"}', b'{"choices": [{"message": "L2"}]}', b'{"choices": []}',
-                   b'{"choices": [{"message": {"role": "assistant", "content": ["L2"]}}]}']
+BAD_COMPLETIONS = [
+    b'{"choices": [null]}',
+    b'{"choices": "L2"}',
+    b'{"choices": [{"message": "L2"}]}',
+    b'{"choices": []}',
+    b'{"choices": [{"message": {"role": "assistant", "content": ["L2"]}}]}',
+]
 
 
 @pytest.mark.parametrize("bad", BAD_COMPLETIONS)
@@ -77,8 +90,11 @@ def test_a_200_without_a_usable_choice_on_each_hop(bad, api, caplog):
     from molctl.proxy.app import ProxyApp
 
     path = "/v1/chat/completions" if api == "chat" else "/v1/responses"
-    body = ({"model": PUBLIC, "messages": [{"role": "user", "content": "hi"}]} if api == "chat"
-            else {"model": PUBLIC, "input": "hi"})
+    body = (
+        {"model": PUBLIC, "messages": [{"role": "user", "content": "hi"}]}
+        if api == "chat"
+        else {"model": PUBLIC, "input": "hi"}
+    )
 
     async def hop(name: str):
         server, url = await hop_engine({name: bad})
@@ -112,10 +128,12 @@ def test_a_stream_choice_with_another_index_is_not_part_of_the_answer():
     (and to what the client saw as choice 0). Found injecting stream events with unexpected shapes."""
     from molctl.proxy.app import ProxyApp
 
-    frames = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
-              {"choices": [{"index": 0, "delta": {"content": "hel"}}, {"index": 1, "delta": {"content": "OTHER"}}]},
-              {"choices": [{"index": 1, "delta": {"content": "MORE"}}]},
-              {"choices": [{"index": 0, "delta": {"content": "lo"}, "finish_reason": "stop"}]}]
+    frames = [
+        {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+        {"choices": [{"index": 0, "delta": {"content": "hel"}}, {"index": 1, "delta": {"content": "OTHER"}}]},
+        {"choices": [{"index": 1, "delta": {"content": "MORE"}}]},
+        {"choices": [{"index": 0, "delta": {"content": "lo"}, "finish_reason": "stop"}]},
+    ]
     stream = b"".join(b"data: " + json.dumps(f).encode() + b"\n\n" for f in frames) + b"data: [DONE]\n\n"
 
     async def go():
@@ -123,8 +141,11 @@ def test_a_stream_choice_with_another_index_is_not_part_of_the_answer():
         app = ProxyApp(TINY, get_engine("vllm"), url, None)
         await app.startup()
         try:
-            status, content = await asgi_post(app, "/v1/chat/completions", {
-                "model": PUBLIC, "stream": True, "messages": [{"role": "user", "content": "hi"}]})
+            status, content = await asgi_post(
+                app,
+                "/v1/chat/completions",
+                {"model": PUBLIC, "stream": True, "messages": [{"role": "user", "content": "hi"}]},
+            )
             await asyncio.gather(*app.orch.background)
             return status, content, [v for _, (_, v, _) in app.orch.store._items.items()]
         finally:
@@ -134,6 +155,10 @@ def test_a_stream_choice_with_another_index_is_not_part_of_the_answer():
 
     status, content, _ = asyncio.run(go())
     assert status == 200
-    text = "".join(c["delta"].get("content", "") for line in content.split(b"\n\n") if line.startswith(b"data: {")
-                   for c in json.loads(line[6:])["choices"])
+    text = "".join(
+        c["delta"].get("content", "")
+        for line in content.split(b"\n\n")
+        if line.startswith(b"data: {")
+        for c in json.loads(line[6:])["choices"]
+    )
     assert text == "hello"

@@ -70,8 +70,10 @@ def test_engine_error_status_body_and_retry_after(engine):
     import httpx
 
     httpx.post(engine + "/_reset")
-    httpx.post(engine + "/_config", json={"answer_error": {"status": 503, "body": {"error": {"message": "busy"}},
-                                                           "headers": {"Retry-After": "7"}}})
+    httpx.post(
+        engine + "/_config",
+        json={"answer_error": {"status": 503, "body": {"error": {"message": "busy"}}, "headers": {"Retry-After": "7"}}},
+    )
     try:
         with pytest.raises(EngineHTTPError) as err:
             run(with_client(engine, lambda c: c.chat(PAYLOAD, "answer")))
@@ -136,7 +138,14 @@ async def scripted_server(answers: list[bytes]):
         connections.append(writer)
         while answers:
             head = await reader.readuntil(b"\r\n\r\n")
-            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")), 0)
+            length = next(
+                (
+                    int(line.split(b":")[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length")
+                ),
+                0,
+            )
             await reader.readexactly(length)
             answer = answers.pop(0)
             if answer.endswith(b"<close>"):
@@ -178,8 +187,12 @@ def test_a_kept_alive_connection_closed_by_the_engine_is_retried_once_on_a_new_o
 
 def test_a_body_ended_by_the_close_and_a_malformed_answer():
     async def go():
-        server, url, _ = await scripted_server([b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n{"n": 3}<close>',
-                                               b"NOT HTTP AT ALL\r\n\r\n<close>"])
+        server, url, _ = await scripted_server(
+            [
+                b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n{"n": 3}<close>',
+                b"NOT HTTP AT ALL\r\n\r\n<close>",
+            ]
+        )
         async with server:
             client = EngineClient(url)
             await client.start()
@@ -210,13 +223,16 @@ def test_a_non_json_answer_is_a_502():
     assert err.value.status == 502 and "oops" in err.value.body
 
 
-@pytest.mark.parametrize("text", [
-    '{"a": 1, "b": [1.5, -0.0, 1e-07, 1e16, true, null], "s": "h\\u00e9 \\ud83d\\ude00 \\n"}',
-    '{"big": 123456789012345678901234567890, "neg": -9223372036854775809}',
-    '[18446744073709551616, 1234567890123456789, 123456789012345678, "12345678901234567890"]',
-    '{"x": NaN, "y": [Infinity, -Infinity, 1e400]}',
-    '"\\ud800"',
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"a": 1, "b": [1.5, -0.0, 1e-07, 1e16, true, null], "s": "h\\u00e9 \\ud83d\\ude00 \\n"}',
+        '{"big": 123456789012345678901234567890, "neg": -9223372036854775809}',
+        '[18446744073709551616, 1234567890123456789, 123456789012345678, "12345678901234567890"]',
+        '{"x": NaN, "y": [Infinity, -Infinity, 1e400]}',
+        '"\\ud800"',
+    ],
+)
 def test_fastjson_gives_the_standard_librarys_values(text):
     ours = fastjson.loads(text.encode())
     theirs = json.loads(text)
@@ -242,21 +258,38 @@ def test_fastjson_refuses_what_the_standard_library_refuses_with_its_message(bad
     assert str(ours.value) == str(theirs.value)
 
 
-@pytest.mark.parametrize("msg", [
-    {"role": "user", "content": "plain"},
-    {"role": "user", "content": "tab\there \"quoted\" back\\slash \x00\x1f\x7f é 中文 \U0001F600 \u2028 \ufeff"},
-    {"role": "user", "content": [{"type": "text", "text": "part"}, {"type": "image_url", "image_url": {"url": "x"}}]},
-    {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
-                                                          "function": {"name": "f", "arguments": "{\"b\": 1, \"a\": 1e16}"}}]},
-    {"role": "tool", "tool_call_id": "c1", "content": "42"},
-    {"role": "tool", "tool_call_id": 7, "content": "an integer id"},
-])
+@pytest.mark.parametrize(
+    "msg",
+    [
+        {"role": "user", "content": "plain"},
+        {"role": "user", "content": 'tab\there "quoted" back\\slash \x00\x1f\x7f é 中文 \U0001f600 \u2028 \ufeff'},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "part"}, {"type": "image_url", "image_url": {"url": "x"}}],
+        },
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"b": 1, "a": 1e16}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "42"},
+        {"role": "tool", "tool_call_id": 7, "content": "an integer id"},
+    ],
+)
 def test_conversation_keys_keep_their_bytes(msg):
     """The keys are stored (SQLite): the fast canonical form is byte for byte the json.dumps one."""
     from molctl.proxy.conversations import canonical_arguments, canonical_message, text_of, tool_calls_of
 
-    calls = [[c.get("id"), (c.get("function") or {}).get("name"), canonical_arguments((c.get("function") or {}).get("arguments"))]
-             for c in tool_calls_of(msg)]
+    calls = [
+        [
+            c.get("id"),
+            (c.get("function") or {}).get("name"),
+            canonical_arguments((c.get("function") or {}).get("arguments")),
+        ]
+        for c in tool_calls_of(msg)
+    ]
     form = [msg.get("role"), text_of(msg.get("content")), calls, msg.get("tool_call_id")]
     assert canonical_message(msg) == json.dumps(form, separators=(",", ":"), ensure_ascii=False).encode()
 
@@ -267,7 +300,9 @@ def test_extra_request_headers_reach_the_engine_and_unsafe_ones_are_refused():
     async def handle(reader, writer):
         head = await reader.readuntil(b"\r\n\r\n")
         heads.append(head)
-        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+        length = next(
+            int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")
+        )
         await reader.readexactly(length)
         writer.write(ok(b'{"n": 1}'))
         await writer.drain()
@@ -298,7 +333,9 @@ def test_an_interim_1xx_answer_sent_apart_is_skipped_for_the_final_one():
     async def go():
         async def handle(reader, writer):
             head = await reader.readuntil(b"\r\n\r\n")
-            length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+            length = next(
+                int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")
+            )
             await reader.readexactly(length)
             for interim in (b"HTTP/1.1 100 Continue\r\n\r\n", b"HTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\n"):
                 writer.write(interim)
@@ -310,8 +347,9 @@ def test_an_interim_1xx_answer_sent_apart_is_skipped_for_the_final_one():
 
         server = await asyncio.start_server(handle, "127.0.0.1", 0)
         async with server:
-            return await with_client(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}",
-                                     lambda c: c.chat(PAYLOAD, "answer"))
+            return await with_client(
+                f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", lambda c: c.chat(PAYLOAD, "answer")
+            )
 
     assert run(go()) == {"n": 5}
 
@@ -324,7 +362,9 @@ def one_answer_then(later):
     async def handle(reader, writer):
         while True:
             head = await reader.readuntil(b"\r\n\r\n")
-            length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+            length = next(
+                int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")
+            )
             await reader.readexactly(length)
             requests.append(head)
             if len(requests) > 1:
@@ -340,6 +380,7 @@ def test_a_timeout_on_a_kept_alive_connection_is_not_sent_again():
     """Only a connection that the engine closed before answering is retried: an engine that took
     the request and stays silent past the deadline has it (sending it again would double the wait
     and the engine's work)."""
+
     async def go():
         async def silent(reader, writer):  # from the second request on
             await reader.read()  # until the client closes
@@ -366,6 +407,7 @@ def test_an_engine_that_dies_on_a_request_is_not_sent_it_again():
     came right after the send (the keep-alive race). An engine that had the request for a while and
     then went away (killed, crashed: maybe by this request) is not sent it again, and the error
     says what happened, not "cannot connect" from the retry (the SRE review)."""
+
     async def go():
         async def dies(reader, writer):  # works on the second request, then dies
             await asyncio.sleep(STALE_CLOSE_S + 0.3)
@@ -390,6 +432,7 @@ def test_an_engine_that_dies_on_a_request_is_not_sent_it_again():
 def test_a_request_cancelled_after_the_client_closed_ends_cancelled():
     """Shutdown closes the client while a summary hop waits for the engine, then cancels it: the
     task ends cancelled (no AttributeError from the closed pool, logged as an error at exit)."""
+
     async def go():
         async def handle(reader, writer):
             await reader.read()  # takes the request, never answers; returns once the client closed
@@ -418,24 +461,28 @@ ROLE = b'{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}
 STOP = b'{"choices": [{"index": 0, "delta": {"content": "!"}, "finish_reason": "stop"}]}'
 
 
-@pytest.mark.parametrize("frame", [
-    b"<html>oops</html>",  # not JSON
-    b'{"choices": [{"index": 0, "delta": {"content": "cut',  # a frame cut short
-    b"[1, 2]",  # JSON, not an object
-    b'{"choices": [null]}',
-    b'{"choices": {"index": 0}}',
-    b'{"choices": [{"index": 0, "delta": "text"}]}',
-    b'{"choices": [{"index": 0, "delta": {"content": 5}}]}',
-    b'{"choices": [{"index": 0, "delta": {"tool_calls": "f"}}]}',
-    b'{"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"name": 5}}]}}]}',
-    b'{"choices": [{"index": 0, "delta": {"tool_calls": [{"index": "a", "function": {"name": "f"}}]}}]}',
-    b'{"error": "boom"}',  # an error frame with a bare message
-])
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b"<html>oops</html>",  # not JSON
+        b'{"choices": [{"index": 0, "delta": {"content": "cut',  # a frame cut short
+        b"[1, 2]",  # JSON, not an object
+        b'{"choices": [null]}',
+        b'{"choices": {"index": 0}}',
+        b'{"choices": [{"index": 0, "delta": "text"}]}',
+        b'{"choices": [{"index": 0, "delta": {"content": 5}}]}',
+        b'{"choices": [{"index": 0, "delta": {"tool_calls": "f"}}]}',
+        b'{"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"name": 5}}]}}]}',
+        b'{"choices": [{"index": 0, "delta": {"tool_calls": [{"index": "a", "function": {"name": "f"}}]}}]}',
+        b'{"error": "boom"}',  # an error frame with a bare message
+    ],
+)
 def test_a_malformed_stream_event_fails_the_stream(frame):
     """A data frame that is not a JSON object was skipped (the answer went on without that piece,
     and was recorded and summarised); an event whose choices or delta have the wrong types reached
     the orchestrator and failed it with a TypeError/AttributeError (a 500 and a traceback). Both are
     the engine's failure: EngineHTTPError inside the stream (a 502 engine_error, or an SSE error frame)."""
+
     async def go():
         server, url, _ = await scripted_server([sse_answer(ROLE, frame, STOP, b"[DONE]")])
         async with server:
@@ -446,13 +493,16 @@ def test_a_malformed_stream_event_fails_the_stream(frame):
     assert err.value.in_stream and err.value.status in (500, 502)
 
 
-@pytest.mark.parametrize("frame", [
-    b'{"id": "x"}',  # no choices
-    b'{"choices": []}',
-    b'{"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}',
-    b'{"choices": [{"index": 0, "delta": null}]}',
-    b'{"choices": [{"index": 0, "delta": {"content": null, "tool_calls": null}}]}',
-])
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b'{"id": "x"}',  # no choices
+        b'{"choices": []}',
+        b'{"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}',
+        b'{"choices": [{"index": 0, "delta": null}]}',
+        b'{"choices": [{"index": 0, "delta": {"content": null, "tool_calls": null}}]}',
+    ],
+)
 def test_events_without_a_delta_are_not_failures(frame):
     async def go():
         server, url, _ = await scripted_server([sse_answer(ROLE, frame, STOP, b"[DONE]")])
@@ -482,7 +532,7 @@ def test_a_stream_line_split_over_many_reads_is_whole_and_a_line_past_the_cap_is
             return chunk
 
     line = b"data: " + b"x" * 5000 + b"\n"
-    pieces = [line[i:i + 7] for i in range(0, len(line), 7)] + [b"\ndata: [DONE]\n"]
+    pieces = [line[i : i + 7] for i in range(0, len(line), 7)] + [b"\ndata: [DONE]\n"]
     assert list(engine_client._lines(Conn(pieces))) == [line, b"\n", b"data: [DONE]\n"]
     monkeypatch.setattr(engine_client, "MAX_STREAM_LINE", 4000)
     with pytest.raises(EngineHTTPError) as err:
@@ -494,16 +544,37 @@ async def _drain(stream) -> list:
     return [event async for event in stream]
 
 
-@pytest.mark.parametrize("body", [
-    {}, {"choices": None}, {"choices": []}, {"choices": "abc"}, {"choices": {"0": {}}}, {"choices": [None]},
-    {"choices": [{"message": "hi"}]}, {"choices": [{"finish_reason": "stop"}]},
-    {"choices": [{"message": {"role": "assistant", "content": ["x"]}}]},
-    {"choices": [{"message": {"role": "assistant", "content": None, "tool_calls": "f"}}]},
-    {"choices": [{"message": {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": {}}}]}}]},
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {},
+        {"choices": None},
+        {"choices": []},
+        {"choices": "abc"},
+        {"choices": {"0": {}}},
+        {"choices": [None]},
+        {"choices": [{"message": "hi"}]},
+        {"choices": [{"finish_reason": "stop"}]},
+        {"choices": [{"message": {"role": "assistant", "content": ["x"]}}]},
+        {"choices": [{"message": {"role": "assistant", "content": None, "tool_calls": "f"}}]},
+        {
+            "choices": [
+                {
+                    "message": {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [{"function": {"name": "f", "arguments": {}}}],
+                    }
+                }
+            ]
+        },
+    ],
+)
 def test_a_completion_without_a_usable_choice_is_a_502(body):
     with pytest.raises(EngineHTTPError) as err:
         checked_completion(body)
     assert err.value.status == 502 and not err.value.in_stream
-    good = {"choices": [{"message": {"role": "assistant", "content": "hi", "tool_calls": None}, "finish_reason": "stop"}]}
+    good = {
+        "choices": [{"message": {"role": "assistant", "content": "hi", "tool_calls": None}, "finish_reason": "stop"}]
+    }
     assert checked_completion(good) is good

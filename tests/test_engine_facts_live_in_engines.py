@@ -17,16 +17,24 @@ def literal_kinds(path: Path) -> list[int]:
     tree = ast.parse(path.read_text(), str(path))
     allowed = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and (path.name, t.id) in ALLOWED
-                                                for t in node.targets):
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and (path.name, t.id) in ALLOWED for t in node.targets
+        ):
             allowed.update(id(n) for n in ast.walk(node.value))
-    return [node.lineno for node in ast.walk(tree)
-            if isinstance(node, ast.Constant) and node.value in KINDS and id(node) not in allowed]
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and node.value in KINDS and id(node) not in allowed
+    ]
 
 
 def test_no_engine_kind_literal_outside_the_engines_package():
-    found = [f"{path.relative_to(PACKAGE.parent)}:{line}" for path in sorted(PACKAGE.rglob("*.py"))
-             if path.relative_to(PACKAGE).parts[0] != "engines" for line in literal_kinds(path)]
+    found = [
+        f"{path.relative_to(PACKAGE.parent)}:{line}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path.relative_to(PACKAGE).parts[0] != "engines"
+        for line in literal_kinds(path)
+    ]
     assert not found, f"engine kinds as literals outside molctl/engines/ (make them Engine hooks): {found}"
 
 

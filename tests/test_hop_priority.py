@@ -45,8 +45,13 @@ def test_route_hops_carry_the_urgent_priority_and_the_other_hops_none(s):
 @pytest.fixture(scope="module")
 def fcfs_stack(keyfile, tmp_path_factory):
     """The tiny profile with vLLM's default policy, on an engine started the same way."""
-    with own_stack(keyfile, tmp_path_factory.mktemp("fcfs-logs"), "--set", "engine.args.scheduling-policy=fcfs",
-                   scheduling_policy="fcfs") as st:
+    with own_stack(
+        keyfile,
+        tmp_path_factory.mktemp("fcfs-logs"),
+        "--set",
+        "engine.args.scheduling-policy=fcfs",
+        scheduling_policy="fcfs",
+    ) as st:
         yield st
 
 
@@ -62,21 +67,34 @@ def test_without_priority_scheduling_no_hop_carries_a_priority(fcfs_stack):
 
 def test_the_fake_engine_refuses_a_priority_as_vllm_without_priority_scheduling(fcfs_stack):
     """The stand-in's rule the test above relies on (vLLM's add_request check)."""
-    r = httpx.post(fcfs_stack.engine_url + "/v1/chat/completions",
-                   json={"model": "L0", "priority": -1, "messages": [{"role": "user", "content": "hi"}]})
+    r = httpx.post(
+        fcfs_stack.engine_url + "/v1/chat/completions",
+        json={"model": "L0", "priority": -1, "messages": [{"role": "user", "content": "hi"}]},
+    )
     assert r.status_code == 400
     assert r.json()["error"]["message"] == "Got priority -1 but Priority scheduling is not enabled."
 
 
-@pytest.mark.parametrize("profile, sets, expected", [
-    ("tiny", [], {"route": -1}), ("tall", [], {"route": -1}), ("venti", [], {"route": -1}),
-    ("tiny", [("engine.args.scheduling-policy", "fcfs")], {}),
-    ("venti-sglang", [], {}),  # SGLang: opt-in, see the README
-    # higher runs first; every hop names its priority (SGLang's default is the lowest value)
-    ("venti-sglang", [("engine.args.enable-priority-scheduling", True)], {"route": 1, "answer": 0, "summary": 0}),
-    ("venti-sglang", [("engine.args.enable-priority-scheduling", True),
-                      ("engine.args.schedule-low-priority-values-first", True)], {"route": -1, "answer": 0, "summary": 0}),
-])
+@pytest.mark.parametrize(
+    "profile, sets, expected",
+    [
+        ("tiny", [], {"route": -1}),
+        ("tall", [], {"route": -1}),
+        ("venti", [], {"route": -1}),
+        ("tiny", [("engine.args.scheduling-policy", "fcfs")], {}),
+        ("venti-sglang", [], {}),  # SGLang: opt-in, see the README
+        # higher runs first; every hop names its priority (SGLang's default is the lowest value)
+        ("venti-sglang", [("engine.args.enable-priority-scheduling", True)], {"route": 1, "answer": 0, "summary": 0}),
+        (
+            "venti-sglang",
+            [
+                ("engine.args.enable-priority-scheduling", True),
+                ("engine.args.schedule-low-priority-values-first", True),
+            ],
+            {"route": -1, "answer": 0, "summary": 0},
+        ),
+    ],
+)
 def test_the_hop_priorities_follow_the_engines_own_flags(profile, sets, expected):
     p = load_profile(profile, profile_dirs(), sets)
     assert get_engine(p.engine.kind).hop_priorities(p) == expected
@@ -90,8 +108,13 @@ def test_on_sglang_every_hop_names_its_priority(keyfile, tmp_path):
 
     engine, proxy, st = _stack(keyfile, tmp_path, "--set", "engine.args.enable-priority-scheduling=true", key=KEY)
     with engine, proxy:
-        assert st.client.chat.completions.create(model=PUBLIC_SGL, messages=[
-            {"role": "user", "content": "[route:L2] write a parser"}]).choices[0].message.content
+        assert (
+            st.client.chat.completions.create(
+                model=PUBLIC_SGL, messages=[{"role": "user", "content": "[route:L2] write a parser"}]
+            )
+            .choices[0]
+            .message.content
+        )
         assert wait_for(lambda: st.log("summary"), 10)
         assert {e["hop"]: e["payload"].get("priority") for e in st.log()} == {"route": 1, "answer": 0, "summary": 0}
 
@@ -180,8 +203,15 @@ def test_sglang_answers_and_summaries_name_a_priority_only_where_a_route_hop_too
     assert (priority("route"), priority("answer"), priority("summary")) == (1, None, None)  # no route hop yet
     orch._priority_taken.add("http://127.0.0.1:9")  # what a route hop that ran with its priority records
     assert (priority("route"), priority("answer"), priority("summary")) == (1, 0, 0)
-    orch._priority_refusal(EngineHTTPError(503, {"object": "error", "message": "Using priority is disabled for this "
-                                                 "server. Please send a new request without a priority."}))
+    orch._priority_refusal(
+        EngineHTTPError(
+            503,
+            {
+                "object": "error",
+                "message": "Using priority is disabled for this server. Please send a new request without a priority.",
+            },
+        )
+    )
     assert (priority("route"), priority("answer"), priority("summary")) == (None, None, None)
     monkeypatch.setattr(orchestrator, "PRIORITY_RETRY_S", 0.0)  # expired: the route hop tries again, the others wait
     assert (priority("route"), priority("answer"), priority("summary")) == (1, None, None)
@@ -200,8 +230,10 @@ def test_an_sglang_engine_that_aborts_priorities_loses_no_request(keyfile, tmp_p
         convo = [{"role": "user", "content": "[route:L1] [tool:get_weather] weather in Paris?"}]
         first = client.chat.completions.create(model=PUBLIC_SGL, messages=convo, tools=TOOLS)
         call = first.choices[0].message.tool_calls[0]
-        convo += [first.choices[0].message.model_dump(exclude_none=True),
-                  {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+        convo += [
+            first.choices[0].message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": "sunny"},
+        ]
         second = client.chat.completions.create(model=PUBLIC_SGL, messages=convo, tools=TOOLS)
         assert second.choices[0].message.content
         assert wait_for(lambda: st.log("summary"), 10)
@@ -209,5 +241,10 @@ def test_an_sglang_engine_that_aborts_priorities_loses_no_request(keyfile, tmp_p
         # the route hop refused once and sent again, the tool-result turn sticky (no route hop),
         # the summary of the answered turn (a turn of tool calls has none)
         assert [(e["hop"], "rejected" in e) for e in entries] == [
-            ("route", True), ("route", False), ("answer", False), ("answer", False), ("summary", False)]
+            ("route", True),
+            ("route", False),
+            ("answer", False),
+            ("answer", False),
+            ("summary", False),
+        ]
         assert all("priority" not in e["payload"] for e in entries if "rejected" not in e)

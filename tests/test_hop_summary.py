@@ -71,15 +71,27 @@ def test_the_continuation_is_served_from_the_answers_cache_and_folds(s):
     first = [{"role": "user", "content": "[route:L2] " + "explain the parser " * 50}]
     r = s.chat(first)
     continuation(s)
-    prompt = wait_metric(s, "molctl_proxy_summary_prompt_tokens_total", before["molctl_proxy_summary_prompt_tokens_total"])
-    cached = s.metrics()["molctl_proxy_summary_cached_tokens_total"] - before["molctl_proxy_summary_cached_tokens_total"]
+    prompt = wait_metric(
+        s, "molctl_proxy_summary_prompt_tokens_total", before["molctl_proxy_summary_prompt_tokens_total"]
+    )
+    cached = (
+        s.metrics()["molctl_proxy_summary_cached_tokens_total"] - before["molctl_proxy_summary_cached_tokens_total"]
+    )
     prompt -= before["molctl_proxy_summary_prompt_tokens_total"]
     suffix = len(expected_suffix(s)) - 1
     assert cached == prompt - suffix - 1  # all but the suffix and the answer's last token (the fake's cache)
-    assert s.metrics()["molctl_proxy_summary_continuations_total"] == before["molctl_proxy_summary_continuations_total"] + 1
+    assert (
+        s.metrics()["molctl_proxy_summary_continuations_total"]
+        == before["molctl_proxy_summary_continuations_total"] + 1
+    )
     # the next turn on another adapter folds this one with the continuation's summary
-    s.chat([*first, {"role": "assistant", "content": r.choices[0].message.content},
-            {"role": "user", "content": "[route:L1] plan my trip"}])
+    s.chat(
+        [
+            *first,
+            {"role": "assistant", "content": r.choices[0].message.content},
+            {"role": "user", "content": "[route:L1] plan my trip"},
+        ]
+    )
     folded = s.log("answer")[-1]["messages"]
     assert any(f"summary of {r.choices[0].message.content}" in str(m.get("content")) for m in folded)
 
@@ -127,12 +139,25 @@ def test_sglang_reads_its_own_shapes():
     sgl = get_engine("sglang")
     assert sgl.answer_token_fields(stream=True) == {}
     assert sgl.answer_token_fields(stream=False) == {"return_prompt_token_ids": True, "return_meta_info": True}
-    body = {"choices": [{"message": {"content": "hi"}, "prompt_token_ids": [1, 2],
-                         "meta_info": {"output_token_logprobs": [[-0.1, 7, "h"], [-0.2, 9, "<eos>"]],
-                                       "finish_reason": {"type": "stop", "matched": 9}}}]}
+    body = {
+        "choices": [
+            {
+                "message": {"content": "hi"},
+                "prompt_token_ids": [1, 2],
+                "meta_info": {
+                    "output_token_logprobs": [[-0.1, 7, "h"], [-0.2, 9, "<eos>"]],
+                    "finish_reason": {"type": "stop", "matched": 9},
+                },
+            }
+        ]
+    }
     assert sgl.answer_tokens(body) == AnswerTokens([1, 2], [7, 9], True)
     assert not sgl.answer_tokens({"choices": [{"prompt_token_ids": [1], "meta_info": {}}]}).complete()
     assert sgl.continuation_request("base:L2", "L2", [1, 2], 32) == {
-        "input_ids": [1, 2], "lora_path": "L2", "stream": False, "sampling_params": {"max_new_tokens": 32, "temperature": 0}}
+        "input_ids": [1, 2],
+        "lora_path": "L2",
+        "stream": False,
+        "sampling_params": {"max_new_tokens": 32, "temperature": 0},
+    }
     text, usage = sgl.continuation_result({"text": " done", "meta_info": {"prompt_tokens": 10, "cached_tokens": 8}})
     assert text == " done" and usage == {"prompt_tokens": 10, "prompt_tokens_details": {"cached_tokens": 8}}

@@ -31,8 +31,16 @@ def test_samples_cover_every_hop_and_shape(requests):
     _, reqs = requests
     assert {r.hop for r in reqs} == {"route", "answer", "summary"}
     shapes = {r.shape for r in reqs}
-    assert {"first turn", "folded turn", "system and developer instructions", "developer instructions only",
-            "mid-conversation system and developer", "tool call", "tool result", "folded tool turn"} <= shapes
+    assert {
+        "first turn",
+        "folded turn",
+        "system and developer instructions",
+        "developer instructions only",
+        "mid-conversation system and developer",
+        "tool call",
+        "tool result",
+        "folded tool turn",
+    } <= shapes
     assert any("tools" in r.payload for r in reqs if r.hop == "answer")
     assert not any(r.hop == "route" for r in reqs if r.shape == "tool result")  # sticky tool turn
 
@@ -41,7 +49,12 @@ def test_one_leading_system_message_on_every_hop(requests):
     name, reqs = requests
     for r in reqs:
         roles = [m["role"] for m in r.payload["messages"]]
-        assert roles[0] == "system" and roles.count("system") == 1 and "developer" not in roles, (name, r.hop, r.shape, roles)
+        assert roles[0] == "system" and roles.count("system") == 1 and "developer" not in roles, (
+            name,
+            r.hop,
+            r.shape,
+            roles,
+        )
 
 
 def test_every_hop_renders_with_the_demo_template(requests, template):
@@ -86,10 +99,19 @@ def test_tool_calls_and_results_render_in_the_family_format(requests, template):
 
 
 def test_engine_messages_parse_tool_arguments_like_vllm():
-    msgs = engine_messages([{"role": "assistant", "content": None, "tool_calls": [
-        {"id": "a", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}},
-        {"id": "b", "type": "function", "function": {"name": "g", "arguments": "not json"}},
-        {"id": "c", "type": "function", "function": {"name": "h", "arguments": "[1]"}}]}])
+    msgs = engine_messages(
+        [
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": "a", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}},
+                    {"id": "b", "type": "function", "function": {"name": "g", "arguments": "not json"}},
+                    {"id": "c", "type": "function", "function": {"name": "h", "arguments": "[1]"}},
+                ],
+            }
+        ]
+    )
     assert msgs[0]["content"] == ""
     assert [c["function"]["arguments"] for c in msgs[0]["tool_calls"]] == [{"x": 1}, {}, {}]
 
@@ -105,6 +127,7 @@ def test_streaming_clients_cause_the_same_hop_messages():
     profile = load_profile("tiny", profile_dirs())
     plain = asyncio.run(collect_async(profile))
     streamed = asyncio.run(collect_async(profile, stream=True))
-    assert [(h.hop, h.shape, h.payload["messages"]) for h in streamed] == \
-        [(h.hop, h.shape, h.payload["messages"]) for h in plain]
+    assert [(h.hop, h.shape, h.payload["messages"]) for h in streamed] == [
+        (h.hop, h.shape, h.payload["messages"]) for h in plain
+    ]
     assert any(h.payload.get("stream") for h in streamed if h.hop == "answer")

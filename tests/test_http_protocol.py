@@ -106,8 +106,16 @@ class _Server:
 
     def __init__(self, app, timeout_keep_alive: float = 5, http: type = HeadHoldingHttpToolsProtocol) -> None:
         self.port = free_port()
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, http=http, lifespan="off",
-                                log_level="warning", loop="asyncio", timeout_keep_alive=timeout_keep_alive)
+        config = uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=self.port,
+            http=http,
+            lifespan="off",
+            log_level="warning",
+            loop="asyncio",
+            timeout_keep_alive=timeout_keep_alive,
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
@@ -140,8 +148,13 @@ def test_under_uvicorn_keep_alive_responses_are_whole_and_a_stream_head_is_not_h
         if scope["type"] != "http":
             return
         if scope["path"] == "/json":
-            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json"),
-                                                                                (b"content-length", b"12")]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", b"12")],
+                }
+            )
             await send({"type": "http.response.body", "body": b'{"ok": true}'})
             return
         # a stream whose first chunk waits for the client to have the head (as a slow first token would)
@@ -166,6 +179,7 @@ def test_under_uvicorn_keep_alive_responses_are_whole_and_a_stream_head_is_not_h
 def test_an_http_1_0_client_gets_a_close_delimited_body_never_chunked() -> None:
     """RFC 9112 section 6.1: no Transfer-Encoding to an HTTP/1.0 client; a body without a length
     is delimited by closing the connection. HTTP/1.1 clients still get chunked streams."""
+
     async def app(scope, receive, send) -> None:
         if scope["type"] != "http":
             return

@@ -82,14 +82,20 @@ def test_engine_never_healthy_times_out(host):
     assert "not ready within 2 s" in r.stderr
     assert host.records() == {}
     time.sleep(0.2)
-    assert not [p for p in psutil.process_iter(["cmdline"]) if str(host.engine_port) in " ".join(p.info["cmdline"] or [])]
+    assert not [
+        p for p in psutil.process_iter(["cmdline"]) if str(host.engine_port) in " ".join(p.info["cmdline"] or [])
+    ]
 
 
 def test_an_engine_that_times_out_is_stopped_within_the_stop_timeout(host):
     """An engine that ignores SIGTERM after `up` gave up waiting was killed after a fixed 60 s,
     not after `--stop-timeout` (the lifecycle review)."""
-    r = host.molctl("up", "tiny", *host.args("--timeout", "2", "--stop-timeout", "1",
-                                             env={"FAKE_STARTUP_DELAY": "60", "FAKE_IGNORE_TERM": "1"}), timeout=40)
+    r = host.molctl(
+        "up",
+        "tiny",
+        *host.args("--timeout", "2", "--stop-timeout", "1", env={"FAKE_STARTUP_DELAY": "60", "FAKE_IGNORE_TERM": "1"}),
+        timeout=40,
+    )
     assert r.exit_code == ExitStatus.TIMEOUT, r.stderr
     assert host.records() == {} and port_free(host.engine_port)
 
@@ -135,10 +141,23 @@ def test_record_with_reused_pid_is_never_signalled(host):
         rec_dir.mkdir(mode=0o700)
         from molctl import procid
 
-        (rec_dir / "engine.json").write_text(json.dumps({
-            "component": "engine", "pid": stranger.pid, "pgid": stranger.pid, "create_time": 1000.0, "argv": ["vllm"],
-            "port": host.engine_port, "log": "/nonexistent", "started_at": 1000.0,
-            "start_ticks": procid.start_ticks(stranger.pid) - 100, "boot_id": procid.boot_id(), "record_id": "r1"}))
+        (rec_dir / "engine.json").write_text(
+            json.dumps(
+                {
+                    "component": "engine",
+                    "pid": stranger.pid,
+                    "pgid": stranger.pid,
+                    "create_time": 1000.0,
+                    "argv": ["vllm"],
+                    "port": host.engine_port,
+                    "log": "/nonexistent",
+                    "started_at": 1000.0,
+                    "start_ticks": procid.start_ticks(stranger.pid) - 100,
+                    "boot_id": procid.boot_id(),
+                    "record_id": "r1",
+                }
+            )
+        )
         s = json.loads(host.molctl("status", "--json").stdout)
         assert s["stacks"][0]["state"] == "failed"
         r = host.up()
@@ -197,7 +216,9 @@ def test_down_waits_for_an_inflight_stream(host):
     result = {}
 
     def consume():
-        stream = client.chat.completions.create(model=PUBLIC, stream=True, messages=[{"role": "user", "content": "[route:L1] go"}])
+        stream = client.chat.completions.create(
+            model=PUBLIC, stream=True, messages=[{"role": "user", "content": "[route:L1] go"}]
+        )
         result["content"] = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
 
     t = threading.Thread(target=consume)
@@ -227,8 +248,12 @@ def test_leftover_children_after_the_leader_died(host):
 
 
 def test_up_refuses_while_another_profile_runs_and_switch(host):
-    other = (builtin_profiles_dir() / "tiny.yaml").read_text().replace("name: tiny", "name: tiny-b") \
+    other = (
+        (builtin_profiles_dir() / "tiny.yaml")
+        .read_text()
+        .replace("name: tiny", "name: tiny-b")
         .replace("served_model_name: Macaron-Tiny-Demo", "served_model_name: Macaron-Tiny-B")
+    )
     (host.profiles / "tiny-b.yaml").write_text(other)
     assert host.up().exit_code == ExitStatus.OK
     old = host.stack_pids()
@@ -318,7 +343,9 @@ def test_down_keeps_the_record_while_nvml_shows_the_stack(host):
 
     class StuckNvml:
         def inventory(self):
-            return GpuInventory("580", (GpuDevice(0, "H200", 141 << 30, 1 << 30, (GpuProcess(engine_pid, "VLLM::Worker", 70 << 30),)),))
+            return GpuInventory(
+                "580", (GpuDevice(0, "H200", 141 << 30, 1 << 30, (GpuProcess(engine_pid, "VLLM::Worker", 70 << 30),)),)
+            )
 
     class Ctx:
         state_dir = host.state
@@ -398,12 +425,14 @@ def test_up_cleans_leftovers_whose_gpu_memory_nvml_does_not_attribute_then_check
     def inventory(self):  # NVML's view: a host pid, not one this molctl can see, while they run
         held = any(alive(c) for c in children)
         procs = (probes.GpuProcess(4_000_000, "python", 130 * gib),) if held else ()
-        return probes.GpuInventory("580.1", (probes.GpuDevice(0, "H200", 140 * gib, (10 if held else 140) * gib, procs),))
+        return probes.GpuInventory(
+            "580.1", (probes.GpuDevice(0, "H200", 140 * gib, (10 if held else 140) * gib, procs),)
+        )
 
     monkeypatch.setattr(probes.NvmlProbe, "inventory", inventory)
     args = host.args("--set", "engine.gpus=1", env={"FAKE_CHILD": "1"})
     i = args.index("gpu")
-    del args[i - 1:i + 1]  # this time the GPU checks run (on the NVML view above)
+    del args[i - 1 : i + 1]  # this time the GPU checks run (on the NVML view above)
     inproc = Molctl(host.state, [host.profiles], in_process=True)
     r = inproc("up", "tiny", *args, "--set", "engine.gpus=1")
     assert r.exit_code == ExitStatus.OK, r.stdout + r.stderr

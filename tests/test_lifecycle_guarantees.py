@@ -43,19 +43,31 @@ class Ctx:
 
 # ------------------------------------------------------------------------------------- 1. pid reuse
 
+
 def test_stranger_in_a_dead_leaders_group_is_never_signalled(host):
     """A record names a leader that died; a stranger lives on in its process group (a recycled
     pgid, e.g. after a reboot). Neither `down` nor `up` may signal it."""
-    leader = subprocess.Popen(["sh", "-c", "sleep 120 & echo $!"], stdout=subprocess.PIPE, text=True,
-                              start_new_session=True)
+    leader = subprocess.Popen(
+        ["sh", "-c", "sleep 120 & echo $!"], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
     stranger = int(leader.stdout.readline())
     leader.wait(5)
     try:
-        assert os.getpgid(stranger) == leader.pid and not psutil.pid_exists(leader.pid) or \
-            psutil.Process(leader.pid).status() == psutil.STATUS_ZOMBIE
-        record = {"component": "engine", "pid": leader.pid, "pgid": leader.pid,
-                  "create_time": psutil.Process(stranger).create_time() - 3600, "argv": ["vllm"],
-                  "port": host.engine_port, "log": "/nonexistent", "started_at": time.time() - 3600}
+        assert (
+            os.getpgid(stranger) == leader.pid
+            and not psutil.pid_exists(leader.pid)
+            or psutil.Process(leader.pid).status() == psutil.STATUS_ZOMBIE
+        )
+        record = {
+            "component": "engine",
+            "pid": leader.pid,
+            "pgid": leader.pid,
+            "create_time": psutil.Process(stranger).create_time() - 3600,
+            "argv": ["vllm"],
+            "port": host.engine_port,
+            "log": "/nonexistent",
+            "started_at": time.time() - 3600,
+        }
         (host.state / "tiny").mkdir(mode=0o700, parents=True)
         host.state.chmod(0o700)
         (host.state / "tiny" / "engine.json").write_text(json.dumps(record))
@@ -122,6 +134,7 @@ def test_an_orphan_whose_environment_was_only_partly_overwritten_is_found(host):
 
 # ------------------------------------------------------------------------------------ 2. clock steps
 
+
 def test_a_wall_clock_step_does_not_make_a_healthy_stack_look_dead(host, monkeypatch):
     from molctl.state import is_same_process
     from molctl.status import status
@@ -157,9 +170,20 @@ def test_a_record_is_kept_while_its_process_cannot_be_verified(host):
     try:
         (host.state / "tiny").mkdir(mode=0o700, parents=True)
         host.state.chmod(0o700)
-        (host.state / "tiny" / "engine.json").write_text(json.dumps({
-            "component": "engine", "pid": sleeper.pid, "pgid": sleeper.pid, "create_time": 1000.0, "argv": ["vllm"],
-            "port": host.engine_port, "log": "/nonexistent", "started_at": 1000.0}))
+        (host.state / "tiny" / "engine.json").write_text(
+            json.dumps(
+                {
+                    "component": "engine",
+                    "pid": sleeper.pid,
+                    "pgid": sleeper.pid,
+                    "create_time": 1000.0,
+                    "argv": ["vllm"],
+                    "port": host.engine_port,
+                    "log": "/nonexistent",
+                    "started_at": 1000.0,
+                }
+            )
+        )
         d = host.molctl("down")
         assert d.exit_code == ExitStatus.OK and "cannot be verified" in d.stderr
         assert sleeper.poll() is None and "engine" in host.records()
@@ -170,6 +194,7 @@ def test_a_record_is_kept_while_its_process_cannot_be_verified(host):
 
 
 # ---------------------------------------------------------------------- 3. records describe the stack
+
 
 def test_up_with_another_configuration_refuses_instead_of_killing_the_engine(host):
     assert host.up().exit_code == ExitStatus.OK
@@ -185,7 +210,9 @@ def test_up_with_another_configuration_refuses_instead_of_killing_the_engine(hos
     same = host.up("--json")
     assert same.exit_code == ExitStatus.OK and json.loads(same.stdout)["already_running"] is True
     # --restart applies the new one
-    r = host.molctl("up", "tiny", *host.args("--restart", "--stop-timeout", "5"), "--set", "proxy.max_output_tokens=100")
+    r = host.molctl(
+        "up", "tiny", *host.args("--restart", "--stop-timeout", "5"), "--set", "proxy.max_output_tokens=100"
+    )
     assert r.exit_code == ExitStatus.OK, r.stderr
     assert not alive(engine_pid) and host.records()["engine"].pid != engine_pid
     assert host.records()["engine"].config["data"]["proxy"]["max_output_tokens"] == 100
@@ -204,8 +231,9 @@ def test_status_uses_the_recorded_configuration(host):
     (stack,) = json.loads(host.molctl("status", "--json").stdout)["stacks"]
     assert stack["state"] == "ready" and stack["adapters"] == "ok", stack
     # the profile file changes meanwhile: status still describes what runs
-    (host.profiles / "tiny.yaml").write_text((builtin_profiles_dir() / "tiny.yaml").read_text()
-                                             .replace("served_name: tiny-mol-base", "served_name: edited"))
+    (host.profiles / "tiny.yaml").write_text(
+        (builtin_profiles_dir() / "tiny.yaml").read_text().replace("served_name: tiny-mol-base", "served_name: edited")
+    )
     (stack,) = json.loads(host.molctl("status", "--json").stdout)["stacks"]
     assert stack["state"] == "ready" and stack["adapters"] == "ok", stack
 
@@ -228,6 +256,7 @@ def test_set_values_reach_the_proxy_as_typed_data_and_logs_are_pruned(host):
 
 
 # ------------------------------------------------------------------------------- 4. switch and its lock
+
 
 def test_switch_holds_the_lock_throughout_and_a_failed_switch_says_how_to_go_back(host):
     add_tiny_b(host)
@@ -268,6 +297,7 @@ def test_switch_holds_the_lock_throughout_and_a_failed_switch_says_how_to_go_bac
 
 # --------------------------------------------------------------------------- 5. host-wide port claims
 
+
 def test_two_ups_from_two_state_dirs_race_for_the_same_ports(host, tmp_path):
     (tmp_path / "b").mkdir()
     other = Host(tmp_path / "b")
@@ -286,9 +316,13 @@ def test_two_ups_from_two_state_dirs_race_for_the_same_ports(host, tmp_path):
         # check names the holder too
         args = loser.args()
         args = [a for a in args if a != "--allow-unauthenticated"]
-        del args[args.index("--timeout"):args.index("--timeout") + 2]
+        del args[args.index("--timeout") : args.index("--timeout") + 2]
         c = loser.molctl("check", "tiny", *args)
-        assert c.exit_code == ExitStatus.CHECK_FAILED and "claimed by" in c.stdout and str(winner.state.absolute()) in c.stdout
+        assert (
+            c.exit_code == ExitStatus.CHECK_FAILED
+            and "claimed by" in c.stdout
+            and str(winner.state.absolute()) in c.stdout
+        )
     finally:
         for p in procs:
             stop(p)
@@ -321,7 +355,9 @@ def test_gpu_claims_name_their_holder(tmp_path, host_lock_dir):
     try:
         (result,) = run_gpu_locks(tall, Probes(state_dir=tmp_path / "mine", environ={}))
         assert result.status == "fail" and "GPU 3 is claimed by" in result.detail and "profile venti" in result.detail
-        (result,) = run_gpu_locks(tall, Probes(state_dir=tmp_path / "other", environ={}, own_profiles=frozenset({"venti"})))
+        (result,) = run_gpu_locks(
+            tall, Probes(state_dir=tmp_path / "other", environ={}, own_profiles=frozenset({"venti"}))
+        )
         assert result.status == "pass"
     finally:
         claim.release()
@@ -330,6 +366,7 @@ def test_gpu_claims_name_their_holder(tmp_path, host_lock_dir):
 
 
 # ------------------------------------------------------------------------------------------ honesty
+
 
 def test_a_corrupt_record_is_reported_and_refused_without_force(host):
     assert host.up().exit_code == ExitStatus.OK
@@ -347,7 +384,6 @@ def test_a_corrupt_record_is_reported_and_refused_without_force(host):
     assert gone([engine.pid]) and not (host.state / "tiny" / "engine.json").exists()
 
 
-
 def test_a_record_of_garbage_bytes_or_wrong_types_is_unreadable_not_a_traceback(host):
     """Non-UTF-8 bytes made status, up and down raise UnicodeDecodeError (exit 1); `"port": "x"`
     made status and up raise httpx.InvalidURL; `"start_ticks": "x"` made up stop the live stack
@@ -361,7 +397,9 @@ def test_a_record_of_garbage_bytes_or_wrong_types_is_unreadable_not_a_traceback(
         (stack,) = json.loads(host.molctl("status", "--json").stdout)["stacks"]
         assert "unreadable" in stack["problems"][0], (content, stack)
         for r in (host.molctl("down"), host.up()):
-            assert r.exit_code == ExitStatus.CONFLICT and "unreadable" in r.stderr and "Traceback" not in r.stderr, r.stderr
+            assert r.exit_code == ExitStatus.CONFLICT and "unreadable" in r.stderr and "Traceback" not in r.stderr, (
+                r.stderr
+            )
         assert alive(engine.pid) and alive(proxy.pid)
     f = host.molctl("down", "--force")
     assert f.exit_code == ExitStatus.OK, f.stderr
@@ -401,8 +439,9 @@ def test_a_record_that_cannot_be_written_stops_the_component(host, monkeypatch):
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
     (engine,) = spawned  # the proxy was never started
     assert engine.poll() is not None and gone([engine.pid])
-    assert not [p for p in psutil.process_iter(["cmdline"])
-                if f"--port {host.engine_port}" in " ".join(p.info["cmdline"] or [])]
+    assert not [
+        p for p in psutil.process_iter(["cmdline"]) if f"--port {host.engine_port}" in " ".join(p.info["cmdline"] or [])
+    ]
     assert host.records() == {}
 
 
@@ -410,7 +449,9 @@ def test_a_read_only_state_dir_gives_one_line_and_down_still_stops(host, tmp_pat
     blocker = tmp_path / "file"
     blocker.write_text("")
     bad = host.molctl("--state-dir", str(blocker / "state"), "up", "tiny", *host.args())
-    assert bad.exit_code == ExitStatus.ERROR and "Traceback" not in bad.stderr and "not usable" in bad.stderr, bad.stderr
+    assert bad.exit_code == ExitStatus.ERROR and "Traceback" not in bad.stderr and "not usable" in bad.stderr, (
+        bad.stderr
+    )
     assert host.up().exit_code == ExitStatus.OK
     pids = host.stack_pids()
     # the profile's dir turns read-only (a remount, an immutable flag): its records cannot be removed
@@ -444,7 +485,11 @@ def test_a_proxy_that_dies_while_the_engine_loads_is_restarted(host):
 def test_unknown_profile_names_are_errors(host):
     for cmd in ("down", "status"):
         r = host.molctl(cmd, "tinny")
-        assert r.exit_code == ExitStatus.CHECK_FAILED and "no profile named 'tinny'" in r.stderr and "tiny" in r.stderr.split("known:")[1]
+        assert (
+            r.exit_code == ExitStatus.CHECK_FAILED
+            and "no profile named 'tinny'" in r.stderr
+            and "tiny" in r.stderr.split("known:")[1]
+        )
 
 
 def test_a_second_ctrl_c_during_clean_up_says_what_may_still_run(host):
@@ -460,8 +505,10 @@ def test_a_second_ctrl_c_during_clean_up_says_what_may_still_run(host):
     if not wait_for(lambda: not alive(proxy.pid)):  # the clean-up stops the proxy first, then waits on the engine
         proc.kill()
         out, err = proc.communicate(timeout=30)
-        pytest.fail(f"the proxy (pid {proxy.pid}) still runs 15 s after up's Ctrl-C; up's output:\n{out}\n{err}\n"
-                    f"the proxy's log:\n{Path(proxy.log).read_text()[-2000:]}")
+        pytest.fail(
+            f"the proxy (pid {proxy.pid}) still runs 15 s after up's Ctrl-C; up's output:\n{out}\n{err}\n"
+            f"the proxy's log:\n{Path(proxy.log).read_text()[-2000:]}"
+        )
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=30)
     assert exit_status(proc.returncode) == ExitStatus.INTERRUPTED, err
@@ -500,12 +547,19 @@ def test_down_counts_down_to_sigkill(host):
 
 # ------------------------------------------------------------------- a molctl killed between spawn and record
 
+
 def _up_killed_before_the_record_of(host: Host, component: str) -> list[int]:
     """`up`, SIGKILLed right after spawning `component` and before writing its record; the pids
     left running that carry that component's marker."""
     argv = [sys.executable, str(ROOT / "tests" / "kill_at.py"), *host.cli.argv("up", "tiny", *host.args())]
-    r = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=90,
-                       env={**os.environ, "KILL_AT": f"before_record:{component}"})
+    r = subprocess.run(
+        argv,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=90,
+        env={**os.environ, "KILL_AT": f"before_record:{component}"},
+    )
     assert r.returncode == -signal.SIGKILL, r.stderr
     path = os.path.realpath(host.state / "tiny" / f"{component}.json")
     orphans = [pid for pid, p, _rid in procid.marked_processes() if p == path]
@@ -541,8 +595,9 @@ def test_a_huge_log_line_gives_a_bounded_log_tail(host):
     from molctl.processes import tail
 
     noisy = host.tmp / "noisy-python"
-    noisy.write_text("#!/bin/sh\nhead -c 8000000 /dev/zero | tr '\\0' x\necho\n"
-                     "echo 'RuntimeError: the real cause'\nexit 3\n")
+    noisy.write_text(
+        "#!/bin/sh\nhead -c 8000000 /dev/zero | tr '\\0' x\necho\necho 'RuntimeError: the real cause'\nexit 3\n"
+    )
     noisy.chmod(0o755)
     host.python = noisy
     r = host.up()
@@ -562,8 +617,9 @@ def test_status_shows_what_an_up_killed_before_recording_it_spawned(host, compon
     orphans = _up_killed_before_the_record_of(host, component)
     (stack,) = host.molctl("status", "--json").json()["stacks"]
     assert stack["profile"] == "tiny" and stack["state"] == "degraded"
-    assert any(f"the {component}'s marker" in p and str(orphans[0]) in p and "molctl down tiny" in p
-               for p in stack["problems"]), stack
+    assert any(
+        f"the {component}'s marker" in p and str(orphans[0]) in p and "molctl down tiny" in p for p in stack["problems"]
+    ), stack
     assert host.molctl("status", "tiny", "--json").json()["stacks"][0]["state"] == "degraded"
 
 
@@ -574,8 +630,9 @@ def test_a_process_that_only_works_in_the_run_dir_is_never_signalled(host):
     assert host.up().exit_code == ExitStatus.OK
     record = host.records()["engine"]
     run = procid.run_dir(os.path.realpath(host.state / "tiny" / "engine.json"), record.record_id)
-    shell = subprocess.Popen(["sleep", "120"], cwd=run, start_new_session=True,
-                             env={"PATH": os.environ["PATH"], "HOME": str(host.tmp)})
+    shell = subprocess.Popen(
+        ["sleep", "120"], cwd=run, start_new_session=True, env={"PATH": os.environ["PATH"], "HOME": str(host.tmp)}
+    )
     try:
         assert wait_for(lambda: os.readlink(f"/proc/{shell.pid}/cwd") == str(run))
         assert shell.pid not in host.stack_pids()
@@ -635,6 +692,7 @@ def test_a_switch_failing_on_a_file_error_still_says_how_to_go_back(host):
 
 
 # ------------------------------------------------------------------ the state dir deleted under a stack
+
 
 @pytest.fixture
 def deleted_state_stack(host):

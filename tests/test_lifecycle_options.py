@@ -60,15 +60,21 @@ def test_logs_of_an_unknown_profile_is_exit_3(tmp_path):
     assert r.exit_code == ExitStatus.CHECK_FAILED and "no profile named 'tinny'" in r.stderr
 
 
-@pytest.mark.parametrize("args", [("down", "--drain-timeout", "nan"), ("down", "--stop-timeout", "nan"),
-                                  ("down", "--stop-timeout", "inf"), ("up", "tiny", "--timeout", "inf", "--allow-unauthenticated"),
-                                  ("switch", "tiny", "--drain-timeout", "nan", "--allow-unauthenticated")])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("down", "--drain-timeout", "nan"),
+        ("down", "--stop-timeout", "nan"),
+        ("down", "--stop-timeout", "inf"),
+        ("up", "tiny", "--timeout", "inf", "--allow-unauthenticated"),
+        ("switch", "tiny", "--drain-timeout", "nan", "--allow-unauthenticated"),
+    ],
+)
 def test_non_finite_timeouts_are_usage_errors(tmp_path, args):
     """`--drain-timeout nan` passed `< 0` and made every deadline expire at once: the proxy was
     SIGKILLed without draining."""
     r = Molctl(tmp_path / "state", in_process=True)(*args)
     assert r.exit_code == ExitStatus.USAGE
-
 
 
 @pytest.mark.parametrize("value", ["nan", "inf", "-1"])
@@ -79,11 +85,20 @@ def test_the_proxys_own_drain_timeout_is_checked_like_downs(tmp_path, value):
     from tests.helpers import free_port
 
     cli = Molctl(tmp_path / "state", in_process=False)
-    r = cli("proxy", "tiny", "--upstream", "http://127.0.0.1:9", "--port", str(free_port()), "--allow-unauthenticated",
-            "--drain-timeout", value, timeout=30)
+    r = cli(
+        "proxy",
+        "tiny",
+        "--upstream",
+        "http://127.0.0.1:9",
+        "--port",
+        str(free_port()),
+        "--allow-unauthenticated",
+        "--drain-timeout",
+        value,
+        timeout=30,
+    )
     assert r.exit_code == ExitStatus.USAGE, r.stderr
     assert "--drain-timeout" in r.stderr and "expected a number of seconds >= 0" in r.stderr
-
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "nan"])
@@ -94,8 +109,18 @@ def test_the_proxys_sse_keepalive_must_be_a_positive_number(tmp_path, value):
     from tests.helpers import free_port
 
     cli = Molctl(tmp_path / "state", in_process=False)
-    r = cli("proxy", "tiny", "--upstream", "http://127.0.0.1:9", "--port", str(free_port()), "--allow-unauthenticated",
-            "--sse-keepalive", value, timeout=30)
+    r = cli(
+        "proxy",
+        "tiny",
+        "--upstream",
+        "http://127.0.0.1:9",
+        "--port",
+        str(free_port()),
+        "--allow-unauthenticated",
+        "--sse-keepalive",
+        value,
+        timeout=30,
+    )
     assert r.exit_code == ExitStatus.USAGE, r.stderr
     assert "--sse-keepalive" in r.stderr and "expected a number of seconds > 0" in r.stderr
 
@@ -107,11 +132,17 @@ def test_the_way_back_repeats_the_options_the_stack_needed_to_start(tmp_path):
     from molctl.start import UpOptions, _start_options
 
     opts = UpOptions(skip=["engine", "gpu"], timeout_s=7200.0, drain_timeout_s=30.0)
-    cmd = stackconfig.up_command("venti", [("engine.port", 9000)], ["--allow-unauthenticated"], None, [],
-                                 _start_options(opts))
+    cmd = stackconfig.up_command(
+        "venti", [("engine.port", 9000)], ["--allow-unauthenticated"], None, [], _start_options(opts)
+    )
     argv = shlex.split(cmd)
     assert argv[:3] == ["molctl", "up", "venti"]
-    for option in (["--skip", "engine"], ["--skip", "gpu"], ["--timeout", "7200"], ["--drain-timeout", "30"],
-                   ["--set", "engine.port=9000"]):
-        assert any(argv[i:i + 2] == option for i in range(len(argv))), (option, argv)
+    for option in (
+        ["--skip", "engine"],
+        ["--skip", "gpu"],
+        ["--timeout", "7200"],
+        ["--drain-timeout", "30"],
+        ["--set", "engine.port=9000"],
+    ):
+        assert any(argv[i : i + 2] == option for i in range(len(argv))), (option, argv)
     assert _start_options(UpOptions()) == []

@@ -35,13 +35,27 @@ def sglang_profile() -> str:
     tiny = yaml.safe_load((builtin_profiles_dir() / "tiny.yaml").read_text())
     venti = yaml.safe_load((builtin_profiles_dir() / "venti-sglang.yaml").read_text())
     engine = dict(venti["engine"])
-    engine["args"] = {**venti["engine"]["args"], "tp": 1, "context-length": 2048, "max-lora-rank": 8,
-                      "max-loras-per-batch": 4}
+    engine["args"] = {
+        **venti["engine"]["args"],
+        "tp": 1,
+        "context-length": 2048,
+        "max-lora-rank": 8,
+        "max-loras-per-batch": 4,
+    }
     engine.update(gpus=0, port=tiny["engine"]["port"], start_timeout_s=600, unset_env=["PYTHONPATH"])
     engine["env"] = {**venti["engine"]["env"], "FAKE_TERM_POLL": "0.5"}  # SGLang polls every 5 s: tests are quicker
     proxy = {**tiny["proxy"], "reasoning": "glm"}
-    return yaml.safe_dump({**tiny, "name": SGL, "description": "tiny layout, venti-sglang engine (fake SGLang)",
-                           "engine": engine, "proxy": proxy}, sort_keys=False, allow_unicode=True)
+    return yaml.safe_dump(
+        {
+            **tiny,
+            "name": SGL,
+            "description": "tiny layout, venti-sglang engine (fake SGLang)",
+            "engine": engine,
+            "proxy": proxy,
+        },
+        sort_keys=False,
+        allow_unicode=True,
+    )
 
 
 class SglHost(Host):
@@ -65,8 +79,11 @@ class SglHost(Host):
         for p in psutil.process_iter(["cmdline", "cwd", "status"]):
             try:
                 title = " ".join(p.info["cmdline"] or [])
-                if title.startswith("sglang::") and str(p.info["cwd"] or "").startswith(str(self.state)) \
-                        and p.info["status"] != psutil.STATUS_ZOMBIE:
+                if (
+                    title.startswith("sglang::")
+                    and str(p.info["cwd"] or "").startswith(str(self.state))
+                    and p.info["status"] != psutil.STATUS_ZOMBIE
+                ):
                     out.append(p)
             except (psutil.Error, TypeError):
                 pass
@@ -231,8 +248,17 @@ def test_switch_between_sglang_and_vllm(host):
 def test_engine_checks_read_the_installed_sglang(host):
     """The preflight's engine checks against the fake sglang distribution: version from its
     metadata, flags from its srt/server_args.py add_argument lines (SGLang is never imported)."""
-    base = ["check", SGL, "--set", f"engine.python={host.python}", "--model-root", str(host.model), "--skip", "gpu",
-            "--json"]
+    base = [
+        "check",
+        SGL,
+        "--set",
+        f"engine.python={host.python}",
+        "--model-root",
+        str(host.model),
+        "--skip",
+        "gpu",
+        "--json",
+    ]
     r = host.molctl(*base)
     assert r.exit_code == ExitStatus.OK, r.stderr
     checks = {c["id"]: c for c in json.loads(r.stdout)["checks"]}

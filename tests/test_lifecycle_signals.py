@@ -67,11 +67,14 @@ def test_an_interrupted_switch_says_what_of_the_old_stack_still_runs(host):
     _, err = proc.communicate(timeout=60)
     assert exit_status(proc.returncode) == ExitStatus.INTERRUPTED, err
     engine = records["engine"]
-    m = re.search(r"interrupted while stopping the old stack: the old stack tiny is partly stopped \(still running: "
-                  rf"engine \(pid {engine.pid}\)\): bring it back with `([^`]+)` or finish stopping it with `([^`]+)`", err)
+    m = re.search(
+        r"interrupted while stopping the old stack: the old stack tiny is partly stopped \(still running: "
+        rf"engine \(pid {engine.pid}\)\): bring it back with `([^`]+)` or finish stopping it with `([^`]+)`",
+        err,
+    )
     assert m, err
     up, down = shlex.split(m.group(1)), shlex.split(m.group(2))
-    assert up[0] == "molctl" and up[up.index("up"):][:2] == ["up", "tiny"], err
+    assert up[0] == "molctl" and up[up.index("up") :][:2] == ["up", "tiny"], err
     assert down == ["molctl", "--state-dir", str(host.state.absolute()), "down", "tiny"], err
     assert alive(engine.pid)
     finish = Molctl(None)(*down[1:], "--stop-timeout", "1")  # the printed command, verbatim
@@ -98,9 +101,19 @@ def test_a_closed_terminal_stops_up_and_its_clean_up_finishes(host):
         os.setsid()
         fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
-    proc = subprocess.Popen([sys.executable, "-m", "molctl", *host.cli.argv("up", "tiny", *host.args(
-        *EARLY_PROXY, env={"FAKE_STARTUP_DELAY": "60"}))], stdin=slave, stdout=slave, stderr=slave, cwd=ROOT,
-        preexec_fn=controlling_terminal)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "molctl",
+            *host.cli.argv("up", "tiny", *host.args(*EARLY_PROXY, env={"FAKE_STARTUP_DELAY": "60"})),
+        ],
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        cwd=ROOT,
+        preexec_fn=controlling_terminal,
+    )
     os.close(slave)
     host.procs.append(proc)
     seen = bytearray()
@@ -136,9 +149,19 @@ def test_an_up_started_ignoring_sighup_keeps_ignoring_it(host):
         os.setsid()
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
-    proc = subprocess.Popen([sys.executable, "-m", "molctl", *host.cli.argv("up", "tiny", *host.args(
-        *EARLY_PROXY, env={"FAKE_STARTUP_DELAY": "4"}))], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-        preexec_fn=like_nohup)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "molctl",
+            *host.cli.argv("up", "tiny", *host.args(*EARLY_PROXY, env={"FAKE_STARTUP_DELAY": "4"})),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        preexec_fn=like_nohup,
+    )
     host.procs.append(proc)
     assert wait_for(lambda: "proxy" in host.records())
     pids = host.stack_pids()

@@ -49,8 +49,16 @@ def layout(tmp_path):
 def cli(molctl, layout, engine_python, free_ports):
     """`lock` and `check --verify` of the tall profile on `layout` with the fake engine."""
     engine_port, proxy_port = free_ports
-    common = ["--model-root", str(layout.root), "--set", f"engine.python={engine_python}",
-              "--set", f"engine.port={engine_port}", "--set", f"proxy.port={proxy_port}"]
+    common = [
+        "--model-root",
+        str(layout.root),
+        "--set",
+        f"engine.python={engine_python}",
+        "--set",
+        f"engine.port={engine_port}",
+        "--set",
+        f"proxy.port={proxy_port}",
+    ]
 
     class Cli:
         python = engine_python
@@ -60,8 +68,9 @@ def cli(molctl, layout, engine_python, free_ports):
             return molctl("lock", "tall", *common, "--json", *extra, env=env)
 
         def verify(self, *extra: str, env: dict | None = None):
-            result = molctl("check", "tall", *common, "--skip", "gpu", "--skip", "port", "--verify", "--json", *extra,
-                            env=env)
+            result = molctl(
+                "check", "tall", *common, "--skip", "gpu", "--skip", "port", "--verify", "--json", *extra, env=env
+            )
             report = result.json()
             assert report["ok"] is (result.exit_code == ExitStatus.OK)
             return result.exit_code, {c["id"]: (c["status"], c["detail"]) for c in report["checks"]}
@@ -117,9 +126,20 @@ def test_lock_then_verify_passes(cli, layout, molctl):
     assert "HF_TOKEN: pinned '<redacted>', found unset" in checks["lock.env"][1]
     code, checks = cli.verify(env=env)
     assert code == ExitStatus.OK, failures(checks)
-    for cid in ("lock.manifest", "lock.engine.kind", "lock.engine.version", "lock.engine.fingerprint", "lock.argv",
-                "lock.env", "lock.config", "lock.template", "lock.shards", "lock.base", "lock.adapter.L0",
-                "lock.adapter.L3"):
+    for cid in (
+        "lock.manifest",
+        "lock.engine.kind",
+        "lock.engine.version",
+        "lock.engine.fingerprint",
+        "lock.argv",
+        "lock.env",
+        "lock.config",
+        "lock.template",
+        "lock.shards",
+        "lock.base",
+        "lock.adapter.L0",
+        "lock.adapter.L3",
+    ):
         assert checks[cid][0] == "pass", (cid, checks.get(cid))
     assert "26 shards as pinned" in checks["lock.shards"][1]
     code, checks = cli.verify("--full-hash", env=env)
@@ -302,7 +322,10 @@ def test_hash_cache_skips_unchanged_files(cli, layout, monkeypatch):
     second = cli.lock().json()
     assert hasher.calls == [] and second["hashed_files"] == 0 and second["cached_files"] == second["files"]
     assert Path(first["manifest"]).exists() and Path(second["manifest"]).exists()
-    assert json.loads(Path(first["manifest"]).read_text())["shards"] == json.loads(Path(second["manifest"]).read_text())["shards"]
+    assert (
+        json.loads(Path(first["manifest"]).read_text())["shards"]
+        == json.loads(Path(second["manifest"]).read_text())["shards"]
+    )
     st = layout.shards[0].stat()
     os.utime(layout.shards[0], ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
     third = cli.lock().json()
@@ -372,8 +395,16 @@ def test_hash_files_parallel_matches_hashlib(tmp_path):
 # --------------------------------------------------------------------------------- up --verify
 def test_up_verify_refuses_a_swapped_adapter(molctl, layout, engine_python, free_ports):
     engine_port, proxy_port = free_ports
-    args = ["--model-root", str(layout.root), "--set", f"engine.python={engine_python}",
-            "--set", f"engine.port={engine_port}", "--set", f"proxy.port={proxy_port}"]
+    args = [
+        "--model-root",
+        str(layout.root),
+        "--set",
+        f"engine.python={engine_python}",
+        "--set",
+        f"engine.port={engine_port}",
+        "--set",
+        f"proxy.port={proxy_port}",
+    ]
     up = ["up", "tall", *args, "--skip", "gpu", "--allow-unauthenticated", "--verify", "--json"]
     result = molctl(*up)
     assert result.exit_code == ExitStatus.CHECK_FAILED
@@ -396,8 +427,22 @@ def test_up_verify_refuses_a_swapped_adapter(molctl, layout, engine_python, free
 def check(molctl, free_ports):
     def run(root, *extra: str) -> dict:
         engine_port, proxy_port = free_ports
-        result = molctl("check", "tall", "--model-root", str(root), "--skip", "gpu", "--skip", "engine",
-                        "--set", f"engine.port={engine_port}", "--set", f"proxy.port={proxy_port}", "--json", *extra)
+        result = molctl(
+            "check",
+            "tall",
+            "--model-root",
+            str(root),
+            "--skip",
+            "gpu",
+            "--skip",
+            "engine",
+            "--set",
+            f"engine.port={engine_port}",
+            "--set",
+            f"proxy.port={proxy_port}",
+            "--json",
+            *extra,
+        )
         return {c["id"]: (c["status"], c["detail"]) for c in result.json()["checks"]}
 
     return run
@@ -426,8 +471,15 @@ def test_max_loras_below_four_warns(check, layout):
 
 def test_moe_expert_targets_warn(check, tmp_path):
     root = tmp_path / "moe"
-    make_layout(root, model_type="qwen3_5_moe", shards=26, rank=64, base_name="Qwen/Qwen3.6-35B-A3B",
-                experts=2, targets=("q_proj", "down_proj"))
+    make_layout(
+        root,
+        model_type="qwen3_5_moe",
+        shards=26,
+        rank=64,
+        base_name="Qwen/Qwen3.6-35B-A3B",
+        experts=2,
+        targets=("q_proj", "down_proj"),
+    )
     checks = check(root)
     for route in ("L0", "L1", "L2", "L3"):
         status, detail = checks[f"adapter.{route}.moe"]
@@ -442,8 +494,11 @@ def test_moe_experts_in_adapter_weights_warn(check, layout):
     config = layout.adapter_config("L3")
     config["target_modules"] = ["q_proj", "v_proj", "experts"]
     layout.write_adapter_config("L3", config)
-    tensors = {f"base_model.model.model.layers.0.self_attn.{t}.lora_{ab}.weight": ("BF16", (64, 16) if ab == "A" else (16, 64))
-               for t in ("q_proj", "v_proj") for ab in "AB"}
+    tensors = {
+        f"base_model.model.model.layers.0.self_attn.{t}.lora_{ab}.weight": ("BF16", (64, 16) if ab == "A" else (16, 64))
+        for t in ("q_proj", "v_proj")
+        for ab in "AB"
+    }
     tensors["base_model.model.model.layers.0.mlp.experts.lora_A.weight"] = ("BF16", (2, 64, 16))
     write_file(d / "adapter_model.safetensors", tensors)
     status, detail = check(layout.root)["adapter.L3.moe"]
@@ -487,8 +542,9 @@ def test_non_regular_files_are_refused_without_hanging(cli, layout, molctl, tmp_
     result = sub("lock", "tall", *cli.args, timeout=60)
     assert result.exit_code == ExitStatus.CHECK_FAILED
     assert result.stderr.strip() == f"molctl: error: {shard} is a FIFO, not a regular file"
-    verify = sub("check", "tall", *cli.args, "--skip", "gpu", "--skip", "port", "--verify", "--full-hash", "--json",
-                 timeout=60)
+    verify = sub(
+        "check", "tall", *cli.args, "--skip", "gpu", "--skip", "port", "--verify", "--full-hash", "--json", timeout=60
+    )
     assert verify.exit_code == ExitStatus.CHECK_FAILED and "Traceback" not in verify.stderr
     checks = {c["id"]: c for c in verify.json()["checks"]}
     assert checks[f"lock.shard.{shard.name}"]["status"] == "fail"
@@ -511,7 +567,10 @@ def test_dangling_symlink_or_fifo_in_a_folder_is_one_line_exit_3(cli, layout, wh
     (folder / "extra.bin").symlink_to(folder / "nowhere")
     result = cli.lock()
     assert result.exit_code == ExitStatus.CHECK_FAILED
-    assert result.stderr.strip() == f"molctl: error: {folder / 'extra.bin'} is a dangling symlink (to {folder / 'nowhere'})"
+    assert (
+        result.stderr.strip()
+        == f"molctl: error: {folder / 'extra.bin'} is a dangling symlink (to {folder / 'nowhere'})"
+    )
     (folder / "extra.bin").unlink()
     os.mkfifo(folder / "extra.bin")
     result = cli.lock()
@@ -548,7 +607,9 @@ def test_a_file_written_to_while_hashed_is_neither_pinned_nor_cached(cli, layout
     result = cli.lock("--jobs", "1")
     assert result.exit_code == ExitStatus.CHECK_FAILED
     assert f"{layout.shards[1]} changed while it was being hashed" in result.stderr
-    assert not (molctl.state_dir / "tall" / "manifests").exists() or not any((molctl.state_dir / "tall" / "manifests").iterdir())
+    assert not (molctl.state_dir / "tall" / "manifests").exists() or not any(
+        (molctl.state_dir / "tall" / "manifests").iterdir()
+    )
     assert victim not in HashCache.in_state_dir(molctl.state_dir).files
     monkeypatch.setattr(hashing_mod, "sha256_file", REAL_SHA256)
     summary = cli.lock().json()
@@ -579,26 +640,43 @@ def test_a_symlinked_file_is_pinned_with_its_target(cli, layout, tmp_path):
     assert status == "fail" and f"now a symlink to {other} (pinned: {moved})" in detail
 
 
-@pytest.mark.parametrize("text, problem", [
-    ("garbage", "cannot be read"),
-    ("[]", "is not a molctl lock manifest"),
-    ('{"kind": "molctl.lock", "format": 1}', "field 'profile' is missing or not a str"),
-    ('{"kind": "molctl.lock", "format": 1, "profile": "tall", "engine": "x", "argv": [], "env": {}, "config": {}, '
-     '"capacity": {}, "shards": [], "base_files": [], "adapters": {}}', "field 'engine' is missing or not a dict"),
-    ('{"kind": "molctl.lock", "format": 1, "profile": "tall", "engine": {}, "argv": [], "env": {}, "config": {}, '
-     '"capacity": {}, "shards": [{"name": 1}], "base_files": [3], "adapters": {}}', "field 'shards[0].name'"),
-    ('{"kind": "molctl.lock", "format": 1, "profile": "tall", "engine": {}, "argv": [], "env": {}, "config": {}, '
-     '"capacity": {}, "shards": [], "base_files": [], "adapters": {"L0": {"files": [{"name": "a"}]}}}',
-     "field 'adapters.L0.files[0].size'"),
-    ('{"kind": "molctl.lock", "format": 1, "profile": "tall", "engine": {}, "argv": [], "env": {}, "config": {}, '
-     '"capacity": {}, "shards": [{"name": "../../../etc/shadow", "size": 1, "mtime_ns": 1, "sha256": "x"}], '
-     '"base_files": [], "adapters": {}}', "field 'shards[0].name' '../../../etc/shadow' is not a path inside its folder"),
-    # were tracebacks: RecursionError from the JSON loader, ValueError (embedded null byte) from os.stat
-    ('{"kind": "molctl.lock", "format": 1, "x": ' + "[" * 100_000 + "]" * 100_000 + "}", "cannot be read"),
-    ('{"kind": "molctl.lock", "format": 1, "profile": "tall", "engine": {}, "argv": [], "env": {}, "config": {}, '
-     '"capacity": {}, "shards": [{"name": "a\\u0000b", "size": 1, "mtime_ns": 1, "sha256": "x"}], '
-     '"base_files": [], "adapters": {}}', "field 'shards[0].name' 'a\\x00b' is not a path inside its folder"),
-])
+@pytest.mark.parametrize(
+    "text, problem",
+    [
+        ("garbage", "cannot be read"),
+        ("[]", "is not a molctl lock manifest"),
+        ('{"kind": "molctl.lock", "format": 1}', "field 'profile' is missing or not a str"),
+        (
+            '{"kind": "molctl.lock", "format": 1, "profile": "tall", "engine": "x", "argv": [], "env": {}, "config": {}, '
+            '"capacity": {}, "shards": [], "base_files": [], "adapters": {}}',
+            "field 'engine' is missing or not a dict",
+        ),
+        (
+            '{"kind": "molctl.lock", "format": 1, "profile": "tall", "engine": {}, "argv": [], "env": {}, "config": {}, '
+            '"capacity": {}, "shards": [{"name": 1}], "base_files": [3], "adapters": {}}',
+            "field 'shards[0].name'",
+        ),
+        (
+            '{"kind": "molctl.lock", "format": 1, "profile": "tall", "engine": {}, "argv": [], "env": {}, "config": {}, '
+            '"capacity": {}, "shards": [], "base_files": [], "adapters": {"L0": {"files": [{"name": "a"}]}}}',
+            "field 'adapters.L0.files[0].size'",
+        ),
+        (
+            '{"kind": "molctl.lock", "format": 1, "profile": "tall", "engine": {}, "argv": [], "env": {}, "config": {}, '
+            '"capacity": {}, "shards": [{"name": "../../../etc/shadow", "size": 1, "mtime_ns": 1, "sha256": "x"}], '
+            '"base_files": [], "adapters": {}}',
+            "field 'shards[0].name' '../../../etc/shadow' is not a path inside its folder",
+        ),
+        # were tracebacks: RecursionError from the JSON loader, ValueError (embedded null byte) from os.stat
+        ('{"kind": "molctl.lock", "format": 1, "x": ' + "[" * 100_000 + "]" * 100_000 + "}", "cannot be read"),
+        (
+            '{"kind": "molctl.lock", "format": 1, "profile": "tall", "engine": {}, "argv": [], "env": {}, "config": {}, '
+            '"capacity": {}, "shards": [{"name": "a\\u0000b", "size": 1, "mtime_ns": 1, "sha256": "x"}], '
+            '"base_files": [], "adapters": {}}',
+            "field 'shards[0].name' 'a\\x00b' is not a path inside its folder",
+        ),
+    ],
+)
 def test_a_damaged_manifest_is_one_failing_check_not_a_traceback(cli, tmp_path, text, problem):
     bad = tmp_path / "bad.json"
     bad.write_text(text)
@@ -616,8 +694,9 @@ def test_an_index_naming_a_shard_outside_base_is_refused(cli, layout, shard):
     layout.write_index(index)
     result = cli.lock()
     assert result.exit_code == ExitStatus.CHECK_FAILED
-    assert result.stderr.strip().startswith(f"molctl: error: {layout.base / mf.INDEX} names the shard {shard!r}, "
-                                            f"not a file inside {layout.base}")
+    assert result.stderr.strip().startswith(
+        f"molctl: error: {layout.base / mf.INDEX} names the shard {shard!r}, not a file inside {layout.base}"
+    )
 
 
 @pytest.mark.parametrize("name", ["config.json", mf.INDEX])
@@ -648,7 +727,9 @@ def test_a_hanging_engine_python_is_one_line_and_leaves_no_process(molctl, layou
     monkeypatch.setattr(mf, "FINGERPRINT_TIMEOUT_S", 1)
     result = molctl("lock", "tall", "--model-root", str(layout.root), "--set", f"engine.python={wrapper}")
     assert result.exit_code == ExitStatus.CHECK_FAILED
-    assert result.stderr == f"molctl: error: cannot fingerprint vllm under engine.python {wrapper}: no answer within 1 s\n"
+    assert (
+        result.stderr == f"molctl: error: cannot fingerprint vllm under engine.python {wrapper}: no answer within 1 s\n"
+    )
     assert not _alive(int(pidfile.read_text()))
     broken = tmp_path / "broken"
     broken.write_text("#!/bin/sh\necho 'no such module' >&2\nexit 4\n")
@@ -695,7 +776,10 @@ def test_full_hash_with_one_unreadable_file_reads_every_other_file_once(cli, lay
     code, checks = cli.verify("--full-hash")
     assert code == ExitStatus.CHECK_FAILED
     assert set(failures(checks)) == {f"lock.shard.{layout.shards[3].name}"}
-    assert failures(checks)[f"lock.shard.{layout.shards[3].name}"] == f"{layout.shards[3]} cannot be read: Permission denied"
+    assert (
+        failures(checks)[f"lock.shard.{layout.shards[3].name}"]
+        == f"{layout.shards[3]} cannot be read: Permission denied"
+    )
     assert sorted(calls) == sorted(set(calls)) and len(calls) == 26 + 2 + 8
 
 
@@ -712,8 +796,12 @@ def test_credentials_in_a_url_value_and_other_secret_names_are_redacted(cli):
     """Found by the lock review: only names matching KEY|TOKEN|SECRET|PASSWORD were redacted, so a
     mirror URL with credentials (HF_ENDPOINT=https://user:pass@host/) or a *_PASSWD /
     *_CREDENTIALS variable was pinned in clear in the manifest (a file operators copy around)."""
-    env = {"HF_ENDPOINT": "https://bob:hunter2@mirror.internal/hf", "NCCL_SOCKET_IFNAME": "eth0",
-           "VLLM_DB_PASSWD": "pw-in-clear", "HF_CREDENTIALS": "cred-in-clear"}
+    env = {
+        "HF_ENDPOINT": "https://bob:hunter2@mirror.internal/hf",
+        "NCCL_SOCKET_IFNAME": "eth0",
+        "VLLM_DB_PASSWD": "pw-in-clear",
+        "HF_CREDENTIALS": "cred-in-clear",
+    }
     result = cli.lock(env=env)
     assert result.exit_code == ExitStatus.OK, result.stderr
     text = Path(result.json()["manifest"]).read_text()
@@ -736,20 +824,32 @@ def test_two_locks_in_the_same_second_keep_both_manifests(tmp_path, monkeypatch)
     state = tmp_path / "state"
     profile = load_profile("tiny", [PROFILES], [("model_root", str(tmp_path / "m"))])
     # the same second for both runs: both pick the same free name before either writes
-    monkeypatch.setattr(mf, "time", types.SimpleNamespace(monotonic=time.monotonic, strftime=time.strftime,
-                                                          gmtime=lambda now=None: time.gmtime(1796130000)))
+    monkeypatch.setattr(
+        mf,
+        "time",
+        types.SimpleNamespace(
+            monotonic=time.monotonic, strftime=time.strftime, gmtime=lambda now=None: time.gmtime(1796130000)
+        ),
+    )
     both_built = threading.Barrier(2, timeout=10)
 
     def build(profile, state_dir, jobs=None, progress=None, hasher=None, environ=None):
         both_built.wait()  # both have chosen their path (prepare_output) before either writes
-        return {"profile": profile.name, "run": threading.current_thread().name,
-                "summary": {}, "engine": {"kind": "vllm", "version": "0"}}
+        return {
+            "profile": profile.name,
+            "run": threading.current_thread().name,
+            "summary": {},
+            "engine": {"kind": "vllm", "version": "0"},
+        }
 
     monkeypatch.setattr(mf, "build", build)
     results = {}
-    runs = [threading.Thread(target=lambda: results.setdefault(threading.current_thread().name,
-                                                                 mf.lock(profile, state)), name=f"run{i}")
-            for i in (1, 2)]
+    runs = [
+        threading.Thread(
+            target=lambda: results.setdefault(threading.current_thread().name, mf.lock(profile, state)), name=f"run{i}"
+        )
+        for i in (1, 2)
+    ]
     for t in runs:
         t.start()
     for t in runs:
@@ -784,7 +884,9 @@ def test_a_symlink_loop_in_a_folder_is_one_line_exit_3(cli, layout, where):
         (folder / target).symlink_to(name)
     result = cli.lock()
     assert result.exit_code == ExitStatus.CHECK_FAILED, result.stderr
-    assert result.stderr.strip() == f"molctl: error: {folder / name} is a symlink loop (to {target}), not a regular file"
+    assert (
+        result.stderr.strip() == f"molctl: error: {folder / name} is a symlink loop (to {target}), not a regular file"
+    )
 
 
 def test_verify_with_a_symlink_loop_in_base_reports_it(cli, layout):
@@ -816,18 +918,25 @@ def test_an_unreadable_folder_in_an_adapter_is_refused(cli, layout, monkeypatch)
     monkeypatch.setattr(os, "scandir", scandir)
     result = cli.lock()
     assert result.exit_code == ExitStatus.CHECK_FAILED, result.stdout
-    assert result.stderr.strip() == f"molctl: error: {sub} cannot be read: Permission denied (every file under " \
-                                    f"{layout.adapter('L3')} is pinned)"
+    assert (
+        result.stderr.strip() == f"molctl: error: {sub} cannot be read: Permission denied (every file under "
+        f"{layout.adapter('L3')} is pinned)"
+    )
 
 
 # ----------------------------------------------------------------- a manifest of another version
-@pytest.mark.parametrize("text, problem", [
-    ('{"kind": "molctl.lock", "format": 2, "molctl_version": "9.0"}',
-     "is a molctl lock manifest of format 2 (written by molctl 9.0); this molctl reads format 1"),
-    ('{"kind": "molctl.bench", "format": 1}', "field 'kind' is 'molctl.bench', expected 'molctl.lock'"),
-    ("[1, 2]", "is not a molctl lock manifest: an array in JSON, expected an object"),
-    ('"lock"', "is not a molctl lock manifest: a string in JSON, expected an object"),
-])
+@pytest.mark.parametrize(
+    "text, problem",
+    [
+        (
+            '{"kind": "molctl.lock", "format": 2, "molctl_version": "9.0"}',
+            "is a molctl lock manifest of format 2 (written by molctl 9.0); this molctl reads format 1",
+        ),
+        ('{"kind": "molctl.bench", "format": 1}', "field 'kind' is 'molctl.bench', expected 'molctl.lock'"),
+        ("[1, 2]", "is not a molctl lock manifest: an array in JSON, expected an object"),
+        ('"lock"', "is not a molctl lock manifest: a string in JSON, expected an object"),
+    ],
+)
 def test_a_manifest_of_another_format_or_kind_names_what_it_is(cli, tmp_path, text, problem):
     """Found feeding `check --verify --manifest` a manifest from a newer molctl: 'is not a molctl
     lock manifest (format 1)' named neither the format found nor what was expected of which field."""
@@ -875,8 +984,11 @@ def test_a_hash_cache_nested_too_deep_or_no_regular_file_is_ignored(tmp_path, da
 def _run(state: Path, profile: str, run_id: str, text: str | None = None) -> Path:
     d = state / profile / "bench" / run_id
     d.mkdir(parents=True)
-    (d / "summary.json").write_text(text if text is not None else json.dumps(
-        {"run_id": run_id, "run_dir": str(d), "profile": profile, "results": []}))
+    (d / "summary.json").write_text(
+        text
+        if text is not None
+        else json.dumps({"run_id": run_id, "run_dir": str(d), "profile": profile, "results": []})
+    )
     return d
 
 
@@ -901,26 +1013,31 @@ def test_compare_of_a_run_id_held_by_two_profiles_names_both(molctl, state_dir):
     assert result.exit_code == ExitStatus.USAGE, result.stdout
     assert result.stderr.strip() == (
         "molctl: error: bench run '20260101-000000' is in more than one profile (tall, tiny): "
-        "give PROFILE (molctl bench PROFILE --compare ...) or the run directory")
+        "give PROFILE (molctl bench PROFILE --compare ...) or the run directory"
+    )
     result = molctl("bench", "tiny", "--compare", "20260101-000000", "20260101-000001", "--json")
     assert result.exit_code == ExitStatus.OK, result.stderr
     assert result.json()["a"]["profile"] == "tiny"
 
 
 # --------------------------------------------------------------------------------- bench --series
-@pytest.mark.parametrize("value, problem", [
-    ("base,L0,L5,mix", "unknown 'L5'"),
-    ("base,,L0", "an empty item"),
-    ("base,", "an empty item"),
-    ("Base", "unknown 'Base'"),
-])
+@pytest.mark.parametrize(
+    "value, problem",
+    [
+        ("base,L0,L5,mix", "unknown 'L5'"),
+        ("base,,L0", "an empty item"),
+        ("base,", "an empty item"),
+        ("Base", "unknown 'Base'"),
+    ],
+)
 def test_a_bad_series_names_the_bad_item(molctl, value, problem):
     """Found with `--series base,L0,L5,mix`: the error repeated the whole list without saying which
     item was wrong, and `base,,L0` was accepted while `--concurrency 1,,2` is refused."""
     result = molctl("bench", "tiny", "--series", value)
     assert result.exit_code == ExitStatus.USAGE, result.stderr
-    assert result.stderr.strip() == (f"molctl: error: --series {value!r}: {problem}; expected a comma list of "
-                                      "base,L0,L1,L2,L3,mix,proxy,canary")
+    assert result.stderr.strip() == (
+        f"molctl: error: --series {value!r}: {problem}; expected a comma list of base,L0,L1,L2,L3,mix,proxy,canary"
+    )
 
 
 # ------------------------------------------------------------------------------- one-line errors

@@ -52,11 +52,19 @@ def test_the_proxy_writes_an_engine_message_into_its_log_escaped(tmp_path: Path)
     engine_url, url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{port}"
     error = {"status": 500, "body": {"error": {"message": "boom " + HOSTILE, "code": 500}}}
     log = tmp_path / "proxy.log"
-    with running(fake_engine_argv(engine_port, {"answer_error": error}), engine_url + "/health"), \
-            running(proxy_argv("tiny", engine_url, port, "--allow-unauthenticated", "--store", "memory"),
-                    url + "/health", log=log):
-        r = httpx.post(url + "/v1/chat/completions", timeout=30,
-                       json={"model": PUBLIC, "messages": [{"role": "user", "content": "[route:L2] hi"}]})
+    with (
+        running(fake_engine_argv(engine_port, {"answer_error": error}), engine_url + "/health"),
+        running(
+            proxy_argv("tiny", engine_url, port, "--allow-unauthenticated", "--store", "memory"),
+            url + "/health",
+            log=log,
+        ),
+    ):
+        r = httpx.post(
+            url + "/v1/chat/completions",
+            timeout=30,
+            json={"model": PUBLIC, "messages": [{"role": "user", "content": "[route:L2] hi"}]},
+        )
         assert r.status_code == 502, r.text
         assert wait_for(lambda: "answer hop" in log.read_text(), 10)
     raw = log.read_bytes()

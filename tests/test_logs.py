@@ -38,8 +38,12 @@ def _follow(state: Path, component: str, lines: int, stop_after_s: float) -> tup
     from molctl.logs import show_logs
 
     buf = io.StringIO()
-    t = threading.Thread(target=show_logs, args=(Ctx(state), "tiny", component, True, lines, Output(stdout=buf)),
-                         kwargs={"poll_s": 0.05, "stop_after_s": stop_after_s}, daemon=True)
+    t = threading.Thread(
+        target=show_logs,
+        args=(Ctx(state), "tiny", component, True, lines, Output(stdout=buf)),
+        kwargs={"poll_s": 0.05, "stop_after_s": stop_after_s},
+        daemon=True,
+    )
     t.start()
     return t, buf
 
@@ -142,8 +146,12 @@ def _big_log(tmp_path: Path) -> Path:
 def test_logs_into_a_pipe_closed_early_ends_quietly(tmp_path):
     """`molctl logs | head -1` printed `molctl: error: Broken pipe` and exited 1."""
     state = _big_log(tmp_path)
-    proc = subprocess.Popen([sys.executable, "-m", "molctl", "--state-dir", str(state), "logs", "tiny", "-n", "20000"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "molctl", "--state-dir", str(state), "logs", "tiny", "-n", "20000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=ROOT,
+    )
     proc.stdout.readline()
     proc.stdout.close()
     err = proc.stderr.read().decode()
@@ -154,8 +162,12 @@ def test_logs_follow_into_a_pipe_ends_when_the_reader_is_gone(tmp_path):
     """`molctl logs -f | grep -m1 ready` never ended once grep had its line: nothing new was
     written, so the closed pipe was never noticed."""
     state = _big_log(tmp_path)
-    proc = subprocess.Popen([sys.executable, "-m", "molctl", "--state-dir", str(state), "logs", "tiny", "-f", "-n", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "molctl", "--state-dir", str(state), "logs", "tiny", "-f", "-n", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=ROOT,
+    )
     try:
         proc.stdout.readline()
         proc.stdout.close()
@@ -187,12 +199,16 @@ def test_proxy_log_rotation_and_pruning(tmp_path):
     log = tmp_path / "proxy-1.log"
     # the writer ends once the last rotation is done (its file below the limit): a daemon thread
     # stopped by the interpreter's exit between two renames left .2 without .1 (a loaded CI run)
-    script = ("import os, sys, time; from molctl.logs import rotate_stdio; rotate_stdio(2000, 2, 0.02)\n"
-              "for i in range(400):\n    print('x' * 50, flush=True); time.sleep(0.002)\n"
-              "deadline = time.monotonic() + 30\n"
-              "while os.fstat(1).st_size >= 2000 and time.monotonic() < deadline:\n    time.sleep(0.01)\n")
+    script = (
+        "import os, sys, time; from molctl.logs import rotate_stdio; rotate_stdio(2000, 2, 0.02)\n"
+        "for i in range(400):\n    print('x' * 50, flush=True); time.sleep(0.002)\n"
+        "deadline = time.monotonic() + 30\n"
+        "while os.fstat(1).st_size >= 2000 and time.monotonic() < deadline:\n    time.sleep(0.01)\n"
+    )
     with open(log, "ab") as fh:
-        subprocess.run([sys.executable, "-c", script], stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, timeout=60, check=True)
+        subprocess.run(
+            [sys.executable, "-c", script], stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, timeout=60, check=True
+        )
     parts = sorted(p.name for p in tmp_path.iterdir())
     assert parts == ["proxy-1.log", "proxy-1.log.1", "proxy-1.log.2"], parts
     assert all(p.stat().st_size < 2000 + 4000 for p in tmp_path.iterdir())
@@ -206,15 +222,23 @@ def test_proxy_log_rotation_and_pruning(tmp_path):
         Path(f"{p}.1").write_text("x")
         os.utime(p, (1_600_000_000 + i,) * 2)
     prune_logs(state, "tiny", "proxy", 2)
-    assert sorted(p.name for p in logs.iterdir()) == ["proxy-2020-2.log", "proxy-2020-2.log.1",
-                                                      "proxy-2020-3.log", "proxy-2020-3.log.1"]
+    assert sorted(p.name for p in logs.iterdir()) == [
+        "proxy-2020-2.log",
+        "proxy-2020-2.log.1",
+        "proxy-2020-3.log",
+        "proxy-2020-3.log.1",
+    ]
 
 
-@pytest.mark.parametrize(("last", "shown"), [
-    (b"y" * 5000 + b"\n", "..." + "y" * 4095),  # the bound (4096 bytes back, the newline too) cuts it
-    (b"y" * 5000, "..." + "y" * 4096),
-    (b"y" * 4095 + b"\n", "y" * 4095),  # within the bound: whole, unmarked
-], ids=["long-line", "long-line-without-end", "line-within-the-bound"])
+@pytest.mark.parametrize(
+    ("last", "shown"),
+    [
+        (b"y" * 5000 + b"\n", "..." + "y" * 4095),  # the bound (4096 bytes back, the newline too) cuts it
+        (b"y" * 5000, "..." + "y" * 4096),
+        (b"y" * 4095 + b"\n", "y" * 4095),  # within the bound: whole, unmarked
+    ],
+    ids=["long-line", "long-line-without-end", "line-within-the-bound"],
+)
 def test_logs_n_marks_a_cut_last_line_once_as_the_tail_does(tmp_path, last, shown):
     """Found reading `molctl logs -n 1` of a log whose last line was over 4 KiB (a dumped JSON):
     it began with four dots. The byte bound (TAIL_LINE_MAX back) had cut the line and marked it

@@ -21,10 +21,16 @@ def body_with(api: str, text: str, pad: int = 0) -> str:
     """A valid request whose user text is `text` (JSON-escaped by the caller), padded past BIG_BODY on demand."""
     extra = f' "{"x " * pad}"' if pad else ""
     if api == "chat":
-        return (f'{{"model": "{PUBLIC}", "messages": [{{"role": "user", "content": "{text}"}}'
-                + (f', {{"role": "assistant", "content":{extra}}}, {{"role": "user", "content": "y"}}' if pad else "") + "]}")
-    return (f'{{"model": "{PUBLIC}", "input": [{{"role": "user", "content": "{text}"}}'
-            + (f', {{"role": "assistant", "content":{extra}}}, {{"role": "user", "content": "y"}}' if pad else "") + "]}")
+        return (
+            f'{{"model": "{PUBLIC}", "messages": [{{"role": "user", "content": "{text}"}}'
+            + (f', {{"role": "assistant", "content":{extra}}}, {{"role": "user", "content": "y"}}' if pad else "")
+            + "]}"
+        )
+    return (
+        f'{{"model": "{PUBLIC}", "input": [{{"role": "user", "content": "{text}"}}'
+        + (f', {{"role": "assistant", "content":{extra}}}, {{"role": "user", "content": "y"}}' if pad else "")
+        + "]}"
+    )
 
 
 def assert_error(r: httpx.Response, status: int, code: str) -> dict:
@@ -81,12 +87,23 @@ def test_tool_call_arguments_that_decode_to_a_lone_surrogate_are_answered_not_a_
     re-serialised into the conversation key's canonical form with the surrogate decoded, and
     encoding that form failed: a 500 with a traceback, before any hop. The arguments are the
     client's text, kept as sent (as arguments that are not JSON are)."""
-    messages = [{"role": "user", "content": "[route:L2] weather?"},
-                {"role": "assistant", "content": None, "tool_calls": [
-                    {"id": "call_s1", "type": "function", "function": {"name": "get_weather", "arguments": SURROGATE_ARGS}}]},
-                {"role": "tool", "tool_call_id": "call_s1", "content": "sunny"}]
-    r = httpx.post(s.proxy_url + PATHS["chat"], headers=AUTH, timeout=30,
-                   json={"model": PUBLIC, "messages": messages, "stream": stream})
+    messages = [
+        {"role": "user", "content": "[route:L2] weather?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "call_s1", "type": "function", "function": {"name": "get_weather", "arguments": SURROGATE_ARGS}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_s1", "content": "sunny"},
+    ]
+    r = httpx.post(
+        s.proxy_url + PATHS["chat"],
+        headers=AUTH,
+        timeout=30,
+        json={"model": PUBLIC, "messages": messages, "stream": stream},
+    )
     assert r.status_code == 200, r.text
     if stream:
         assert r.text.rstrip().endswith("data: [DONE]") and '"error"' not in r.text
@@ -96,10 +113,19 @@ def test_tool_call_arguments_that_decode_to_a_lone_surrogate_are_answered_not_a_
 
 def test_responses_function_call_arguments_that_decode_to_a_lone_surrogate_are_answered(s):
     """The same through the Responses API (a `function_call` input item becomes a chat tool call)."""
-    r = httpx.post(s.proxy_url + PATHS["responses"], headers=AUTH, timeout=30, json={"model": PUBLIC, "input": [
-        {"role": "user", "content": "[route:L2] weather?"},
-        {"type": "function_call", "call_id": "call_s2", "name": "get_weather", "arguments": SURROGATE_ARGS},
-        {"type": "function_call_output", "call_id": "call_s2", "output": "sunny"}]})
+    r = httpx.post(
+        s.proxy_url + PATHS["responses"],
+        headers=AUTH,
+        timeout=30,
+        json={
+            "model": PUBLIC,
+            "input": [
+                {"role": "user", "content": "[route:L2] weather?"},
+                {"type": "function_call", "call_id": "call_s2", "name": "get_weather", "arguments": SURROGATE_ARGS},
+                {"type": "function_call_output", "call_id": "call_s2", "output": "sunny"},
+            ],
+        },
+    )
     assert r.status_code == 200, r.text
     assert r.json()["status"] == "completed"
 
@@ -116,7 +142,9 @@ def test_canonical_arguments_keep_their_form_and_never_hold_a_lone_surrogate():
     assert canonical_arguments(' {"a": "\\uDC00x"} ') == '{"a": "\\uDC00x"}'
     canonical_arguments(SURROGATE_ARGS).encode("utf-8")
     msg = {"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": SURROGATE_ARGS}}]}
-    keys = ConversationKeys("t", [{"role": "user", "content": "x"}, msg, {"role": "tool", "tool_call_id": "c", "content": "r"}])
+    keys = ConversationKeys(
+        "t", [{"role": "user", "content": "x"}, msg, {"role": "tool", "tool_call_id": "c", "content": "r"}]
+    )
     assert len(keys.extend({"role": "assistant", "content": "ok"})) == 32
 
 
@@ -126,9 +154,12 @@ def ws_upgrade(proxy_url: str, path: str, key: str | None) -> tuple[int, dict[st
     from urllib.parse import urlsplit
 
     u = urlsplit(proxy_url)
-    head = (f"GET {path} HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-            "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n"
-            + (f"Authorization: Bearer {key}\r\n" if key else "") + "\r\n")
+    head = (
+        f"GET {path} HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n"
+        + (f"Authorization: Bearer {key}\r\n" if key else "")
+        + "\r\n"
+    )
     with socket.create_connection((u.hostname, u.port), timeout=10) as sock:
         sock.sendall(head.encode())
         data = b""
@@ -175,8 +206,13 @@ def test_a_websocket_upgrade_is_counted_and_logged_like_a_request(caplog):
         async def send(message):
             sent.append(message)
 
-        scope = {"type": "websocket", "path": "/v1/responses", "query_string": b"", "extensions": extensions,
-                 "headers": [(b"authorization", f"Bearer {KEY}".encode())]}
+        scope = {
+            "type": "websocket",
+            "path": "/v1/responses",
+            "query_string": b"",
+            "extensions": extensions,
+            "headers": [(b"authorization", f"Bearer {KEY}".encode())],
+        }
         await asyncio.wait_for(app(scope, receive, send), 5)
         return sent
 
@@ -213,7 +249,9 @@ def test_a_duplicate_input_item_id_is_found_in_linear_time():
     from molctl.proxy.responses import parse_request
 
     n = 60_000
-    items = [{"id": f"m{i}", "role": "user", "content": "u"} for i in range(n)] + [{"id": f"m{n - 1}", "role": "user", "content": "u"}]
+    items = [{"id": f"m{i}", "role": "user", "content": "u"} for i in range(n)] + [
+        {"id": f"m{n - 1}", "role": "user", "content": "u"}
+    ]
     start = time.monotonic()
     with pytest.raises(ProxyError) as caught:
         parse_request({"model": PUBLIC, "input": items}, PUBLIC)

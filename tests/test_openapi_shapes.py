@@ -17,36 +17,107 @@ from tests.proxy_stack import KEY, PUBLIC, own_stack
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 USER = [{"role": "user", "content": "[route:L2] hello"}]
-TOOL = {"type": "function", "name": "get_weather", "description": "Weather for a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+TOOL = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+}
 
 # CreateResponse's optional fields the proxy serves or accepts (every one is optional; all but
 # `input`, `model`, `text`, `tool_choice`, `tools`, `top_logprobs`, `user` and
 # `prompt_cache_options` are nullable too): null means "not set" for each
-OPTIONAL_FIELDS = ["background", "context_management", "include", "instructions", "max_output_tokens",
-                   "max_tool_calls", "metadata", "moderation", "parallel_tool_calls", "previous_response_id",
-                   "prompt_cache_key", "prompt_cache_options", "prompt_cache_retention", "reasoning",
-                   "safety_identifier", "service_tier", "store", "stream", "stream_options", "temperature", "text",
-                   "tool_choice", "tools", "top_logprobs", "top_p", "truncation", "user", "conversation", "prompt"]
+OPTIONAL_FIELDS = [
+    "background",
+    "context_management",
+    "include",
+    "instructions",
+    "max_output_tokens",
+    "max_tool_calls",
+    "metadata",
+    "moderation",
+    "parallel_tool_calls",
+    "previous_response_id",
+    "prompt_cache_key",
+    "prompt_cache_options",
+    "prompt_cache_retention",
+    "reasoning",
+    "safety_identifier",
+    "service_tier",
+    "store",
+    "stream",
+    "stream_options",
+    "temperature",
+    "text",
+    "tool_choice",
+    "tools",
+    "top_logprobs",
+    "top_p",
+    "truncation",
+    "user",
+    "conversation",
+    "prompt",
+]
 # nested optional fields, explicit null (EasyInputMessage.type, ItemReferenceParam.type, FunctionTool's,
 # Reasoning's, ResponseTextParam's, the content parts' and items' own)
 NESTED_NULLS = {
     "message type": {"input": [{"type": None, "role": "user", "content": "[route:L2] hello"}]},
-    "message id, status, phase": {"input": [{"type": "message", "role": "user", "id": None, "status": None, "phase": None,
-                                             "content": [{"type": "input_text", "text": "[route:L2] hi",
-                                                          "prompt_cache_breakpoint": None}]}]},
-    "function tool": {"tools": [{**TOOL, "description": None, "strict": None, "output_schema": None,
-                                 "allowed_callers": None}]},
-    "reasoning": {"reasoning": {"effort": None, "summary": None, "generate_summary": None, "context": None, "mode": None}},
+    "message id, status, phase": {
+        "input": [
+            {
+                "type": "message",
+                "role": "user",
+                "id": None,
+                "status": None,
+                "phase": None,
+                "content": [{"type": "input_text", "text": "[route:L2] hi", "prompt_cache_breakpoint": None}],
+            }
+        ]
+    },
+    "function tool": {
+        "tools": [{**TOOL, "description": None, "strict": None, "output_schema": None, "allowed_callers": None}]
+    },
+    "reasoning": {
+        "reasoning": {"effort": None, "summary": None, "generate_summary": None, "context": None, "mode": None}
+    },
     "text": {"text": {"format": None, "verbosity": None}},
-    "json schema format": {"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"},
-                                               "strict": None, "description": None}}},
-    "function call and output": {"input": [
-        {"role": "user", "content": "[route:L2] weather?"},
-        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}", "id": None,
-         "status": None, "namespace": None, "caller": None},
-        {"type": "function_call_output", "call_id": "call_1", "output": "sunny", "id": None, "status": None,
-         "name": None, "namespace": None, "caller": None}], "tools": [TOOL]},
+    "json schema format": {
+        "text": {
+            "format": {
+                "type": "json_schema",
+                "name": "x",
+                "schema": {"type": "object"},
+                "strict": None,
+                "description": None,
+            }
+        }
+    },
+    "function call and output": {
+        "input": [
+            {"role": "user", "content": "[route:L2] weather?"},
+            {
+                "type": "function_call",
+                "call_id": "call_1",
+                "name": "get_weather",
+                "arguments": "{}",
+                "id": None,
+                "status": None,
+                "namespace": None,
+                "caller": None,
+            },
+            {
+                "type": "function_call_output",
+                "call_id": "call_1",
+                "output": "sunny",
+                "id": None,
+                "status": None,
+                "name": None,
+                "namespace": None,
+                "caller": None,
+            },
+        ],
+        "tools": [TOOL],
+    },
 }
 
 
@@ -55,6 +126,7 @@ def post(s, path: str, **body) -> httpx.Response:
 
 
 # ------------------------------------------------------------------------ chat completions
+
 
 def test_a_chat_completion_message_carries_a_null_refusal(s):
     """ChatCompletionResponseMessage requires `refusal` (nullable): the proxy left it out."""
@@ -70,8 +142,10 @@ def test_a_chat_completion_message_carries_a_null_refusal(s):
 
 def test_a_tool_call_message_carries_a_null_refusal_too(s):
     raw = s.client.chat.completions.with_raw_response.create(
-        model=PUBLIC, messages=[{"role": "user", "content": "[route:L2] [tool:get_weather] now"}],
-        tools=[{"type": "function", "function": {k: v for k, v in TOOL.items() if k != "type"}}])
+        model=PUBLIC,
+        messages=[{"role": "user", "content": "[route:L2] [tool:get_weather] now"}],
+        tools=[{"type": "function", "function": {k: v for k, v in TOOL.items() if k != "type"}}],
+    )
     message = json.loads(raw.text)["choices"][0]["message"]
     assert message["tool_calls"] and message["content"] is None and message["refusal"] is None
 
@@ -89,23 +163,29 @@ def test_the_first_stream_delta_is_openais(s):
 
 # ------------------------------------------------------------------------ the Responses API
 
+
 def test_null_parallel_tool_calls_and_tool_choice_echo_their_defaults(s):
     """Response requires `parallel_tool_calls` (default true) and `tool_choice`, neither nullable:
     a request's null was echoed as null."""
-    r = s.client.responses.create(model=PUBLIC, input="[route:L2] hi", parallel_tool_calls=None, tool_choice=None,
-                                  truncation=None, tools=[TOOL])
+    r = s.client.responses.create(
+        model=PUBLIC, input="[route:L2] hi", parallel_tool_calls=None, tool_choice=None, truncation=None, tools=[TOOL]
+    )
     assert r.parallel_tool_calls is True and r.tool_choice == "auto" and r.truncation == "disabled"
     raw = httpx.get(f"{s.proxy_url}/v1/responses/{r.id}", headers=AUTH).json()
     assert (raw["parallel_tool_calls"], raw["tool_choice"], raw["truncation"]) == (True, "auto", "disabled")
     # a value sent is echoed as sent
-    r = s.client.responses.create(model=PUBLIC, input="[route:L2] hi", parallel_tool_calls=False, tool_choice="none",
-                                  tools=[TOOL])
+    r = s.client.responses.create(
+        model=PUBLIC, input="[route:L2] hi", parallel_tool_calls=False, tool_choice="none", tools=[TOOL]
+    )
     assert r.parallel_tool_calls is False and r.tool_choice == "none"
 
 
 def test_a_streamed_response_echoes_the_defaults_too(s):
-    events = list(s.client.responses.create(model=PUBLIC, input="[route:L2] hi", parallel_tool_calls=None,
-                                            tool_choice=None, stream=True))
+    events = list(
+        s.client.responses.create(
+            model=PUBLIC, input="[route:L2] hi", parallel_tool_calls=None, tool_choice=None, stream=True
+        )
+    )
     for event in (events[0], events[-1]):  # response.created, response.completed
         assert event.response.parallel_tool_calls is True and event.response.tool_choice == "auto", event.type
 
@@ -144,8 +224,11 @@ def test_an_item_reference_with_a_null_type_is_a_reference(s):
     first = s.client.responses.create(model=PUBLIC, input="[route:L2] hi")
     ref = first.output[0].id
     for item in ({"type": None, "id": ref}, {"id": ref}):
-        r = post(s, "/v1/responses", input=[{"role": "user", "content": "[route:L2] hi"}, item,
-                                            {"role": "user", "content": "[route:L2] again"}])
+        r = post(
+            s,
+            "/v1/responses",
+            input=[{"role": "user", "content": "[route:L2] hi"}, item, {"role": "user", "content": "[route:L2] again"}],
+        )
         assert r.status_code == 200, r.text
         answer = s.log("answer")[-1]
         assert {"role": "assistant", "content": first.output_text} in answer["messages"], answer["messages"]

@@ -15,11 +15,21 @@ BAD = ["..", ".", "tiny/../tiny", "../tiny", "tiny/", "/tmp", "Tiny", "tiny\n", 
 
 # (the words before PROFILE, the words after it)
 COMMANDS = [
-    (("down",), ()), (("status",), ()), (("logs",), ()), (("reload",), ()),
-    (("up",), ("--allow-unauthenticated",)), (("switch",), ("--allow-unauthenticated",)), (("check",), ()),
-    (("lock",), ()), (("state", "stats"), ()), (("state", "prune"), ()), (("bench",), ()),
-    (("bench",), ("--compare", "a", "b")), (("render", "systemd"), ("--allow-unauthenticated",)),
-    (("render", "k8s"), ("--image", "img")), (("proxy",), ("--upstream", "http://127.0.0.1:9", "--allow-unauthenticated")),
+    (("down",), ()),
+    (("status",), ()),
+    (("logs",), ()),
+    (("reload",), ()),
+    (("up",), ("--allow-unauthenticated",)),
+    (("switch",), ("--allow-unauthenticated",)),
+    (("check",), ()),
+    (("lock",), ()),
+    (("state", "stats"), ()),
+    (("state", "prune"), ()),
+    (("bench",), ()),
+    (("bench",), ("--compare", "a", "b")),
+    (("render", "systemd"), ("--allow-unauthenticated",)),
+    (("render", "k8s"), ("--image", "img")),
+    (("proxy",), ("--upstream", "http://127.0.0.1:9", "--allow-unauthenticated")),
 ]
 
 

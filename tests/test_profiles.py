@@ -24,13 +24,28 @@ def argv(name: str) -> list[str]:
 def test_venti_carries_the_upstream_flags():
     a = " ".join(argv("venti"))
     for expected in (
-        "-m vllm.entrypoints.openai.api_server", "--model /root/glm52_local/base",
-        "--served-model-name glm52-fp8-official", "--host 127.0.0.1", "--port 8000",
-        "--attention-backend FLASHMLA_SPARSE", "--tensor-parallel-size 8", "--pipeline-parallel-size 1",
-        "--gpu-memory-utilization 0.915", "--max-num-seqs 8", "--max-cudagraph-capture-size 8", "--enable-lora",
-        "--max-lora-rank 16", "--max-loras 4", "--max-cpu-loras 4", "--enable-prefix-caching",
-        "--max-model-len 262144", "--no-async-scheduling", "--reasoning-parser glm45", "--tool-call-parser glm47",
-        "--enable-auto-tool-choice", "--enable-prompt-tokens-details",
+        "-m vllm.entrypoints.openai.api_server",
+        "--model /root/glm52_local/base",
+        "--served-model-name glm52-fp8-official",
+        "--host 127.0.0.1",
+        "--port 8000",
+        "--attention-backend FLASHMLA_SPARSE",
+        "--tensor-parallel-size 8",
+        "--pipeline-parallel-size 1",
+        "--gpu-memory-utilization 0.915",
+        "--max-num-seqs 8",
+        "--max-cudagraph-capture-size 8",
+        "--enable-lora",
+        "--max-lora-rank 16",
+        "--max-loras 4",
+        "--max-cpu-loras 4",
+        "--enable-prefix-caching",
+        "--max-model-len 262144",
+        "--no-async-scheduling",
+        "--reasoning-parser glm45",
+        "--tool-call-parser glm47",
+        "--enable-auto-tool-choice",
+        "--enable-prompt-tokens-details",
         "--lora-modules L0=/root/glm52_local/loras/L0 L1=/root/glm52_local/loras/L1 "
         "L2=/root/glm52_local/loras/L2 L3=/root/glm52_local/loras/L3",
     ):
@@ -44,8 +59,14 @@ def test_venti_carries_the_upstream_flags():
 
 def test_tall_carries_the_upstream_flags():
     a = " ".join(argv("tall"))
-    for expected in ("--served-model-name macaron-tall-engine", "--max-lora-rank 64", "--enable-prompt-tokens-details",
-                     "--reasoning-parser qwen3", "--tool-call-parser qwen3_coder", "--enable-auto-tool-choice"):
+    for expected in (
+        "--served-model-name macaron-tall-engine",
+        "--max-lora-rank 64",
+        "--enable-prompt-tokens-details",
+        "--reasoning-parser qwen3",
+        "--tool-call-parser qwen3_coder",
+        "--enable-auto-tool-choice",
+    ):
         assert expected in a
     assert "--attention-backend" not in a
     p = load_profile("tall", profile_dirs())
@@ -55,10 +76,19 @@ def test_tall_carries_the_upstream_flags():
 
 def test_sglang_profile_and_adapter_naming():
     a = " ".join(argv("venti-sglang"))
-    for expected in ("-m sglang.launch_server", "--model-path /root/glm52_local/base", "--tp 8", "--context-length 262144",
-                     "--mem-fraction-static 0.93", "--max-loras-per-batch 2", "--lora-use-virtual-experts",
-                     "--disable-overlap-schedule", "--disable-cuda-graph", "--enable-cache-report",
-                     "--lora-paths L0=/root/glm52_local/loras/L0"):
+    for expected in (
+        "-m sglang.launch_server",
+        "--model-path /root/glm52_local/base",
+        "--tp 8",
+        "--context-length 262144",
+        "--mem-fraction-static 0.93",
+        "--max-loras-per-batch 2",
+        "--lora-use-virtual-experts",
+        "--disable-overlap-schedule",
+        "--disable-cuda-graph",
+        "--enable-cache-report",
+        "--lora-paths L0=/root/glm52_local/loras/L0",
+    ):
         assert expected in a
     p = load_profile("venti-sglang", profile_dirs())
     # the harness's start_glm52_sglang_tp8_4lora.sh unsets its patch hooks before SGLang starts
@@ -156,8 +186,14 @@ def test_profiles_lists_fields_and_reports_broken_files(molctl, tmp_path):
     result = molctl("profiles", "--json")
     assert result.exit_code == ExitStatus.OK
     venti = {p["name"]: p for p in result.json()["profiles"]}["venti"]
-    assert venti == {**venti, "engine": "vllm", "served_model_name": "Macaron-V1-Venti", "gpus": 8,
-                     "engine_port": 8000, "proxy_port": 8200}
+    assert venti == {
+        **venti,
+        "engine": "vllm",
+        "served_model_name": "Macaron-V1-Venti",
+        "gpus": 8,
+        "engine_port": 8000,
+        "proxy_port": 8200,
+    }
     user = tmp_path / "user"
     write_user_profile(user, "name: broken\nengine: [\n", name="broken")
     result = molctl("--profiles-dir", str(user), "profiles")
@@ -183,20 +219,33 @@ def test_shipped_profiles_copy_is_loadable(tmp_path):
     assert load_profile_file(tmp_path / "venti-b.yaml").name == "venti-b"
 
 
-@pytest.mark.parametrize("field, value, expected", [
-    ("max_inflight", 0, "must be > 0"), ("max_queue", -1, "must be > 0"), ("queue_timeout_s", 0, "must be > 0"),
-    ("route_inflight", 0, "must be > 0"), ("summary_inflight", 0, "must be > 0"), ("max_queue", "lots", "proxy.max_queue"),
-    ("metrics_port", 70000, "is not a TCP port"), ("metrics_port", 8300, "is also proxy.port"),
-    ("metrics_port", 8301, "is also engine.port"),
-    # YAML's .inf / .nan: an infinite queue deadline made every refusal a 500 (Retry-After overflow)
-    ("queue_timeout_s", float("inf"), "must be a finite number > 0"), ("queue_timeout_s", float("nan"), "finite"),
-    ("route_timeout_s", float("inf"), "finite"), ("queue_timeout_s", 10 ** 400, "too large"),
-    ("store_max_bytes", 2 ** 60, "too large"),
-    ("state_commit_ms", -1, "milliseconds from 0 to 1000"), ("state_commit_ms", 5000, "from 0 to 1000"),
-    ("state_commit_ms", float("nan"), "from 0 to 1000"), ("state_commit_ms", "soon", "proxy.state_commit_ms"),
-    ("state_commit_ms", True, "proxy.state_commit_ms"),
-    # an integer too large for a float (`--set proxy.state_commit_ms=1000...0`): one line, not an OverflowError
-    pytest.param("state_commit_ms", 10 ** 400, "from 0 to 1000", id="state_commit_ms-10**400")])
+@pytest.mark.parametrize(
+    "field, value, expected",
+    [
+        ("max_inflight", 0, "must be > 0"),
+        ("max_queue", -1, "must be > 0"),
+        ("queue_timeout_s", 0, "must be > 0"),
+        ("route_inflight", 0, "must be > 0"),
+        ("summary_inflight", 0, "must be > 0"),
+        ("max_queue", "lots", "proxy.max_queue"),
+        ("metrics_port", 70000, "is not a TCP port"),
+        ("metrics_port", 8300, "is also proxy.port"),
+        ("metrics_port", 8301, "is also engine.port"),
+        # YAML's .inf / .nan: an infinite queue deadline made every refusal a 500 (Retry-After overflow)
+        ("queue_timeout_s", float("inf"), "must be a finite number > 0"),
+        ("queue_timeout_s", float("nan"), "finite"),
+        ("route_timeout_s", float("inf"), "finite"),
+        ("queue_timeout_s", 10**400, "too large"),
+        ("store_max_bytes", 2**60, "too large"),
+        ("state_commit_ms", -1, "milliseconds from 0 to 1000"),
+        ("state_commit_ms", 5000, "from 0 to 1000"),
+        ("state_commit_ms", float("nan"), "from 0 to 1000"),
+        ("state_commit_ms", "soon", "proxy.state_commit_ms"),
+        ("state_commit_ms", True, "proxy.state_commit_ms"),
+        # an integer too large for a float (`--set proxy.state_commit_ms=1000...0`): one line, not an OverflowError
+        pytest.param("state_commit_ms", 10**400, "from 0 to 1000", id="state_commit_ms-10**400"),
+    ],
+)
 def test_admission_and_metrics_fields_are_validated(field, value, expected):
     """One line naming the field; the metrics port differs from both other ports."""
     from molctl.profiles import load_profile, profile_dirs
@@ -210,23 +259,33 @@ def test_admission_and_metrics_fields_are_validated(field, value, expected):
     assert ok.proxy.metrics_port == 9464 and ok.proxy.metrics_host == "127.0.0.1" and ok.proxy.max_inflight == 4
 
 
-@pytest.mark.parametrize("key, value, expected", [
-    # YAML .nan/.inf and integers past a float: `render systemd` raised (ceil), `check` raised or
-    # spent minutes building range(gpus), `up` without --timeout would have waited forever
-    ("engine.start_timeout_s", float("nan"), "finite number of seconds > 0"),
-    ("engine.start_timeout_s", float("inf"), "finite number of seconds > 0"),
-    ("engine.start_timeout_s", 10 ** 400, "10000000000000000000...: must be a finite"),
-    ("engine.gpus", 10 ** 30, "expected 0 to 1024"), ("engine.gpus", 100_000_000, "expected 0 to 1024"),
-    # `--set served_model_name=$UNSET`: a stack serving the model '' (YAML reads an empty value as '')
-    ("served_model_name", "", "must not be empty"), ("base_model", " ", "must not be empty"),
-    ("engine.served_name", "", "must not be empty"), ("engine.host", "", "must not be empty"),
-    ("proxy.host", "", "must not be empty"), ("model_root", "", "must not be empty"),
-    # accepted before: what the proxy or the model check made of them was untested
-    ("proxy.summary_wait_s", float("nan"), "expected seconds from 0 to 3600"),
-    ("proxy.summary_wait_s", -1, "expected seconds from 0 to 3600"),
-    ("proxy.summary_wait_s", 10 ** 30, "expected seconds from 0 to 3600"),
-    ("model.shards", -2, "expected a shard count"), ("model.shards", 0, "expected a shard count"),
-    ("adapters.rank_equals", 0, "expected a LoRA rank"), ("adapters.rank_equals", -8, "expected a LoRA rank")])
+@pytest.mark.parametrize(
+    "key, value, expected",
+    [
+        # YAML .nan/.inf and integers past a float: `render systemd` raised (ceil), `check` raised or
+        # spent minutes building range(gpus), `up` without --timeout would have waited forever
+        ("engine.start_timeout_s", float("nan"), "finite number of seconds > 0"),
+        ("engine.start_timeout_s", float("inf"), "finite number of seconds > 0"),
+        ("engine.start_timeout_s", 10**400, "10000000000000000000...: must be a finite"),
+        ("engine.gpus", 10**30, "expected 0 to 1024"),
+        ("engine.gpus", 100_000_000, "expected 0 to 1024"),
+        # `--set served_model_name=$UNSET`: a stack serving the model '' (YAML reads an empty value as '')
+        ("served_model_name", "", "must not be empty"),
+        ("base_model", " ", "must not be empty"),
+        ("engine.served_name", "", "must not be empty"),
+        ("engine.host", "", "must not be empty"),
+        ("proxy.host", "", "must not be empty"),
+        ("model_root", "", "must not be empty"),
+        # accepted before: what the proxy or the model check made of them was untested
+        ("proxy.summary_wait_s", float("nan"), "expected seconds from 0 to 3600"),
+        ("proxy.summary_wait_s", -1, "expected seconds from 0 to 3600"),
+        ("proxy.summary_wait_s", 10**30, "expected seconds from 0 to 3600"),
+        ("model.shards", -2, "expected a shard count"),
+        ("model.shards", 0, "expected a shard count"),
+        ("adapters.rank_equals", 0, "expected a LoRA rank"),
+        ("adapters.rank_equals", -8, "expected a LoRA rank"),
+    ],
+)
 def test_numbers_and_names_out_of_range_are_one_line(key, value, expected):
     with pytest.raises(ProfileError) as err:
         load_profile("tiny", profile_dirs(), [(key, value)])
@@ -284,14 +343,18 @@ def _user_profile(tmp_path: Path, old: str, new: str, name: str = "bad") -> tupl
     assert old in text
     text = text.replace(old, new, 1)
     path = write_user_profile(tmp_path / "user", text, name=name)
-    return path.parent, path, text[:text.index(new)].count("\n") + 1
+    return path.parent, path, text[: text.index(new)].count("\n") + 1
 
 
-@pytest.mark.parametrize("value, expected", [
-    ("9" * 5000, "'99999999999999999999...' (5000 digits): not a valid integer: more than 4300 digits"),
-    # hexadecimal is read without the limit, but then no message could print the number
-    ("0x" + "f" * 20000, "not a valid integer: more than 4300 digits"),
-    ("9" * 4000, "99999999999999999999... is not a TCP port (1-65535)")])
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        ("9" * 5000, "'99999999999999999999...' (5000 digits): not a valid integer: more than 4300 digits"),
+        # hexadecimal is read without the limit, but then no message could print the number
+        ("0x" + "f" * 20000, "not a valid integer: more than 4300 digits"),
+        ("9" * 4000, "99999999999999999999... is not a TCP port (1-65535)"),
+    ],
+)
 def test_an_integer_past_the_int_string_limit_is_one_line(molctl, tmp_path, value, expected):
     """Python refuses int('9' * 5000) (4300 digits at most): PyYAML's constructor raised it, a
     67-line traceback (exit 1) from check/up, and `profiles` listed nothing (lifecycle review D1).
@@ -309,10 +372,14 @@ def test_an_integer_past_the_int_string_limit_is_one_line(molctl, tmp_path, valu
     assert len(warning) < 300
 
 
-@pytest.mark.parametrize("value, expected", [
-    ("9" * 5000, "'99999999999999999999...' (5000 digits): not a valid integer: more than 4300 digits"),
-    ("0x" + "f" * 20000, "not a valid integer: more than 4300 digits"),
-    ("[1, " + "9" * 5000 + "]", "not a valid integer: more than 4300 digits")])
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        ("9" * 5000, "'99999999999999999999...' (5000 digits): not a valid integer: more than 4300 digits"),
+        ("0x" + "f" * 20000, "not a valid integer: more than 4300 digits"),
+        ("[1, " + "9" * 5000 + "]", "not a valid integer: more than 4300 digits"),
+    ],
+)
 def test_a_set_integer_past_the_int_string_limit_is_one_line(molctl, value, expected):
     """`--set engine.port=999...9` was the same traceback; now one line naming the --set key."""
     check = molctl("check", "tiny", "--set", f"engine.port={value}", "--json")
@@ -322,11 +389,16 @@ def test_a_set_integer_past_the_int_string_limit_is_one_line(molctl, value, expe
     assert len(detail) < 300
 
 
-@pytest.mark.parametrize("value, expected", [
-    ("2001-02-30", "'2001-02-30': not a valid timestamp: day is out of range for month"),
-    ("!!timestamp soon", "'soon': not a valid timestamp"),
-    ("!!int abc", "'abc': not a valid integer"), ("!!float abc", "'abc': not a valid number"),
-    ("!!foo x", "'x': could not determine a constructor for the tag")])
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        ("2001-02-30", "'2001-02-30': not a valid timestamp: day is out of range for month"),
+        ("!!timestamp soon", "'soon': not a valid timestamp"),
+        ("!!int abc", "'abc': not a valid integer"),
+        ("!!float abc", "'abc': not a valid number"),
+        ("!!foo x", "'x': could not determine a constructor for the tag"),
+    ],
+)
 def test_a_scalar_yaml_cannot_construct_is_one_line(molctl, tmp_path, value, expected):
     """The same family as the long integers (lifecycle review D1): other values PyYAML's constructor
     raises on (an impossible date, an explicit tag that does not fit) were tracebacks too."""
@@ -339,15 +411,32 @@ def test_a_scalar_yaml_cannot_construct_is_one_line(molctl, tmp_path, value, exp
 SECRET_ENV = '    HF_TOKEN: "hf_SUPERSECRETTOKEN"\n'
 
 
-@pytest.mark.parametrize("old, new, field, expected", [
-    ('    HF_HUB_OFFLINE: "1"\n', SECRET_ENV + "    HF_HUB_OFFLINE: [1]\n", "engine.env.HF_HUB_OFFLINE",
-     "expected a string or an integer or a number or true/false, got [1]"),
-    ('    HF_HUB_OFFLINE: "1"\n', SECRET_ENV + "    HF_HUB_OFFLINE: {a: 1}\n", "engine.env.HF_HUB_OFFLINE", "got a mapping"),
-    ("    max-model-len: 2048\n", "    max-model-len: {a: 1}\n", "engine.args.max-model-len", "got a mapping"),
-    ("    max-model-len: 2048\n", "    max-model-len: null\n", "engine.args.max-model-len", "got None"),
-    # a list item: the item is named, not the list
-    ("    max-model-len: 2048\n", "    max-model-len: [1, [2]]\n", "engine.args.max-model-len[1]",
-     "expected a string or an integer or a number, got [2]")])
+@pytest.mark.parametrize(
+    "old, new, field, expected",
+    [
+        (
+            '    HF_HUB_OFFLINE: "1"\n',
+            SECRET_ENV + "    HF_HUB_OFFLINE: [1]\n",
+            "engine.env.HF_HUB_OFFLINE",
+            "expected a string or an integer or a number or true/false, got [1]",
+        ),
+        (
+            '    HF_HUB_OFFLINE: "1"\n',
+            SECRET_ENV + "    HF_HUB_OFFLINE: {a: 1}\n",
+            "engine.env.HF_HUB_OFFLINE",
+            "got a mapping",
+        ),
+        ("    max-model-len: 2048\n", "    max-model-len: {a: 1}\n", "engine.args.max-model-len", "got a mapping"),
+        ("    max-model-len: 2048\n", "    max-model-len: null\n", "engine.args.max-model-len", "got None"),
+        # a list item: the item is named, not the list
+        (
+            "    max-model-len: 2048\n",
+            "    max-model-len: [1, [2]]\n",
+            "engine.args.max-model-len[1]",
+            "expected a string or an integer or a number, got [2]",
+        ),
+    ],
+)
 def test_a_bad_entry_of_a_mapping_field_names_its_key_and_only_its_value(molctl, tmp_path, old, new, field, expected):
     """A wrong-typed entry of engine.env or engine.args named only the parent field, at the parent's
     line, and printed the whole mapping, HF_TOKEN's value included, in check, profiles, render and
@@ -365,39 +454,81 @@ def test_a_bad_entry_of_a_mapping_field_names_its_key_and_only_its_value(molctl,
     for result in (listed, rendered, started):
         assert result.exit_code == ExitStatus.CHECK_FAILED and detail in result.stderr, result.stderr
     for result in (check, listed, rendered, started):
-        assert "SUPERSECRET" not in result.stdout + result.stderr and "TRANSFORMERS_OFFLINE" not in result.stdout + result.stderr
+        assert (
+            "SUPERSECRET" not in result.stdout + result.stderr
+            and "TRANSFORMERS_OFFLINE" not in result.stdout + result.stderr
+        )
 
 
-@pytest.mark.parametrize("key, value, expected", [
-    ("engine.env.HF_HUB_OFFLINE", "[1]", "field 'engine.env.HF_HUB_OFFLINE': expected a string or an integer or a number "
-                                          "or true/false, got [1]"),
-    ("proxy.sampling_defaults.top_p", "[0.9]", "field 'proxy.sampling_defaults.top_p': expected a string or an integer"),
-    ("prompts.adapters.L1", "7", "field 'prompts.adapters.L1': expected a string, got 7"),
-    ("engine.unset_env", "[PYTHONPATH, 7]", "field 'engine.unset_env[1]': expected a string, got 7")])
+@pytest.mark.parametrize(
+    "key, value, expected",
+    [
+        (
+            "engine.env.HF_HUB_OFFLINE",
+            "[1]",
+            "field 'engine.env.HF_HUB_OFFLINE': expected a string or an integer or a number or true/false, got [1]",
+        ),
+        (
+            "proxy.sampling_defaults.top_p",
+            "[0.9]",
+            "field 'proxy.sampling_defaults.top_p': expected a string or an integer",
+        ),
+        ("prompts.adapters.L1", "7", "field 'prompts.adapters.L1': expected a string, got 7"),
+        ("engine.unset_env", "[PYTHONPATH, 7]", "field 'engine.unset_env[1]': expected a string, got 7"),
+    ],
+)
 def test_a_bad_set_entry_of_a_mapping_or_list_field_names_its_key(key, value, expected):
     """The same through --set, and for every mapping or list field: the entry, not the parent."""
     from molctl.profiles import parse_set_option
 
     with pytest.raises(ProfileError) as err:
-        load_profile("tiny", profile_dirs(), [("engine.env.HF_TOKEN", "hf_SUPERSECRETTOKEN"),
-                                              parse_set_option(f"{key}={value}")])
+        load_profile(
+            "tiny", profile_dirs(), [("engine.env.HF_TOKEN", "hf_SUPERSECRETTOKEN"), parse_set_option(f"{key}={value}")]
+        )
     message = str(err.value)
     assert f"tiny.yaml (--set {key}" in message and expected in message and "SUPERSECRET" not in message, message
 
 
-@pytest.mark.parametrize("old, new, field, expected", [
-    ('    HF_HUB_OFFLINE: "1"\n', '    HF_HUB_OFFLINE: "1"\n    "A=B": "1"\n', "engine.env.A=B",
-     "'A=B': an environment variable name cannot contain '='"),
-    ('    HF_HUB_OFFLINE: "1"\n', '    HF_HUB_OFFLINE: "1"\n    "": "1"\n', "engine.env.",
-     "an environment variable name must not be empty"),
-    ('    HF_HUB_OFFLINE: "1"\n', '    HF_HUB_OFFLINE: "1"\n    "A\\0B": "1"\n', "engine.env.A\\x00B", "contains a NUL byte"),
-    ('    HF_HUB_OFFLINE: "1"\n', '    HF_HUB_OFFLINE: "1\\0x"\n', "engine.env.HF_HUB_OFFLINE", "contains a NUL byte"),
-    ("    dtype: bfloat16\n", '    dtype: "bfloat16\\0"\n', "engine.args.dtype", "contains a NUL byte"),
-    ("    dtype: bfloat16\n", '    dtype: [a, "b\\0"]\n', "engine.args.dtype[1]", "contains a NUL byte"),
-    ("    - PYTHONPATH\n", "    - PYTHONPATH=x\n", "engine.unset_env[0]", "an environment variable name cannot contain '='"),
-    ("    - PYTHONPATH\n", '    - "PYTHON\\0PATH"\n', "engine.unset_env[0]", "contains a NUL byte"),
-    ("  served_name: tiny-mol-base\n", '  served_name: "tiny\\0"\n', "engine.served_name", "contains a NUL byte"),
-    ("  host: 127.0.0.1\n", '  host: "127.0.0.1\\0"\n', "engine.host", "contains a NUL byte")])
+@pytest.mark.parametrize(
+    "old, new, field, expected",
+    [
+        (
+            '    HF_HUB_OFFLINE: "1"\n',
+            '    HF_HUB_OFFLINE: "1"\n    "A=B": "1"\n',
+            "engine.env.A=B",
+            "'A=B': an environment variable name cannot contain '='",
+        ),
+        (
+            '    HF_HUB_OFFLINE: "1"\n',
+            '    HF_HUB_OFFLINE: "1"\n    "": "1"\n',
+            "engine.env.",
+            "an environment variable name must not be empty",
+        ),
+        (
+            '    HF_HUB_OFFLINE: "1"\n',
+            '    HF_HUB_OFFLINE: "1"\n    "A\\0B": "1"\n',
+            "engine.env.A\\x00B",
+            "contains a NUL byte",
+        ),
+        (
+            '    HF_HUB_OFFLINE: "1"\n',
+            '    HF_HUB_OFFLINE: "1\\0x"\n',
+            "engine.env.HF_HUB_OFFLINE",
+            "contains a NUL byte",
+        ),
+        ("    dtype: bfloat16\n", '    dtype: "bfloat16\\0"\n', "engine.args.dtype", "contains a NUL byte"),
+        ("    dtype: bfloat16\n", '    dtype: [a, "b\\0"]\n', "engine.args.dtype[1]", "contains a NUL byte"),
+        (
+            "    - PYTHONPATH\n",
+            "    - PYTHONPATH=x\n",
+            "engine.unset_env[0]",
+            "an environment variable name cannot contain '='",
+        ),
+        ("    - PYTHONPATH\n", '    - "PYTHON\\0PATH"\n', "engine.unset_env[0]", "contains a NUL byte"),
+        ("  served_name: tiny-mol-base\n", '  served_name: "tiny\\0"\n', "engine.served_name", "contains a NUL byte"),
+        ("  host: 127.0.0.1\n", '  host: "127.0.0.1\\0"\n', "engine.host", "contains a NUL byte"),
+    ],
+)
 def test_what_exec_refuses_fails_the_profile_not_the_start(molctl, tmp_path, old, new, field, expected):
     """An env name with '=' or a NUL byte in an env or args value passed `check`; `up` then crashed
     in subprocess with a traceback (exit 1), and `switch` had already stopped the running stack
@@ -409,16 +540,24 @@ def test_what_exec_refuses_fails_the_profile_not_the_start(molctl, tmp_path, old
     detail = check.json()["checks"][0]["detail"]
     assert detail.startswith(f"{path}:{line}: field '{field}': ") and expected in detail and "\0" not in detail, detail
     started = molctl("--profiles-dir", str(user), "up", "bad", "--allow-unauthenticated")
-    assert started.exit_code == ExitStatus.CHECK_FAILED and detail in started.stderr and "Traceback" not in started.stderr
+    assert (
+        started.exit_code == ExitStatus.CHECK_FAILED and detail in started.stderr and "Traceback" not in started.stderr
+    )
 
 
-@pytest.mark.parametrize("key, value, expected", [
-    # one argv or environment string is at most 128 KiB on Linux (MAX_ARG_STRLEN): exec fails E2BIG
-    ("engine.args.chat-template", "x" * 200_000, "200000 bytes: one command-line argument or environment"),
-    ("engine.env.BIG", "x" * 200_000, "200004 bytes"),
-    # not encodable for exec (a lone surrogate, from code or a record)
-    ("engine.env.A", "\ud800", "not encodable"), ("engine.python", "/usr/bin/py\0", "contains a NUL byte"),
-    ("model_root", "/models\0", "contains a NUL byte"), ("proxy.host", "127.0.0.1\0", "contains a NUL byte")])
+@pytest.mark.parametrize(
+    "key, value, expected",
+    [
+        # one argv or environment string is at most 128 KiB on Linux (MAX_ARG_STRLEN): exec fails E2BIG
+        ("engine.args.chat-template", "x" * 200_000, "200000 bytes: one command-line argument or environment"),
+        ("engine.env.BIG", "x" * 200_000, "200004 bytes"),
+        # not encodable for exec (a lone surrogate, from code or a record)
+        ("engine.env.A", "\ud800", "not encodable"),
+        ("engine.python", "/usr/bin/py\0", "contains a NUL byte"),
+        ("model_root", "/models\0", "contains a NUL byte"),
+        ("proxy.host", "127.0.0.1\0", "contains a NUL byte"),
+    ],
+)
 def test_what_exec_refuses_through_set_is_one_line(key, value, expected):
     with pytest.raises(ProfileError) as err:
         load_profile("tiny", profile_dirs(), [(key, value)])
@@ -426,10 +565,16 @@ def test_what_exec_refuses_through_set_is_one_line(key, value, expected):
     assert f"(--set {key}): field '{key}': " in message and expected in message and len(message) < 400, message
 
 
-@pytest.mark.parametrize("key, value, expected", [
-    ("logs.backups", 10 ** 12, "1000000000000: expected 0 to 1000"), ("logs.backups", 1001, "1001: expected 0 to 1000"),
-    ("logs.backups", -1, "-1: expected 0 to 1000"), ("logs.keep", 10 ** 30, "10000000000000000000...: expected 1 to 1000"),
-    ("logs.keep", 0, "0: expected 1 to 1000")])
+@pytest.mark.parametrize(
+    "key, value, expected",
+    [
+        ("logs.backups", 10**12, "1000000000000: expected 0 to 1000"),
+        ("logs.backups", 1001, "1001: expected 0 to 1000"),
+        ("logs.backups", -1, "-1: expected 0 to 1000"),
+        ("logs.keep", 10**30, "10000000000000000000...: expected 1 to 1000"),
+        ("logs.keep", 0, "0: expected 1 to 1000"),
+    ],
+)
 def test_log_retention_counts_are_bounded(key, value, expected):
     """`logs.backups=1000000000000` made the proxy's rotation thread loop over that many part
     names at 100% CPU, the log never rotated (lifecycle review D7): both counts are bounded."""
@@ -439,11 +584,15 @@ def test_log_retention_counts_are_bounded(key, value, expected):
     assert getattr(load_profile("tiny", profile_dirs(), [(key, 1000)]).logs, key.split(".")[1]) == 1000
 
 
-@pytest.mark.parametrize("make, expected", [
-    (lambda p: p.mkdir(), "is a directory"),
-    (lambda p: p.symlink_to(p.parent / "gone" / "bad.yaml"), "is a dangling symbolic link"),
-    (lambda p: p.symlink_to(p), "Too many levels of symbolic links"),
-    (lambda p: os.mkfifo(p), "is not a regular file")])
+@pytest.mark.parametrize(
+    "make, expected",
+    [
+        (lambda p: p.mkdir(), "is a directory"),
+        (lambda p: p.symlink_to(p.parent / "gone" / "bad.yaml"), "is a dangling symbolic link"),
+        (lambda p: p.symlink_to(p), "Too many levels of symbolic links"),
+        (lambda p: os.mkfifo(p), "is not a regular file"),
+    ],
+)
 def test_a_profile_entry_that_is_not_a_readable_file_is_named(molctl, tmp_path, make, expected):
     """A bad.yaml in a profile folder that is a directory or a dangling symlink was skipped: `up bad`
     said "no profile named 'bad'" and `profiles` warned about nothing (lifecycle review D9). It is

@@ -19,6 +19,7 @@ from tests.proxy_stack import IDENTITY, KEY, KEY2, LEAK, PUBLIC, TINY, TOOLS, fo
 
 # ------------------------------------------------------------------------ conversation views
 
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_three_turns_across_two_adapters(s, stream):
     sys_msg = {"role": "system", "content": f"You are terse. ({stream})"}
@@ -92,7 +93,10 @@ def test_failed_summary_is_retried_once_and_counted(s):
     s.config(summary_fail=1)
     s.chat([{"role": "user", "content": "[route:L2] retry me"}])
     deadline = time.monotonic() + 5
-    while s.metrics()["molctl_proxy_summaries_total"] == before["molctl_proxy_summaries_total"] and time.monotonic() < deadline:
+    while (
+        s.metrics()["molctl_proxy_summaries_total"] == before["molctl_proxy_summaries_total"]
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.05)
     after = s.metrics()
     assert after["molctl_proxy_summary_retries_total"] == before["molctl_proxy_summary_retries_total"] + 1
@@ -109,8 +113,15 @@ def test_garbage_route_label_falls_back(s):
     u2 = {"role": "user", "content": "[route:L3] show a card"}
     a2 = s.chat([u1, {"role": "assistant", "content": a1}, u2]).choices[0].message.content
     s.config(route_label="???")
-    s.chat([u1, {"role": "assistant", "content": a1}, u2, {"role": "assistant", "content": a2},
-            {"role": "user", "content": "continue"}])
+    s.chat(
+        [
+            u1,
+            {"role": "assistant", "content": a1},
+            u2,
+            {"role": "assistant", "content": a2},
+            {"role": "user", "content": "continue"},
+        ]
+    )
     assert [e["model"] for e in s.log("answer")] == ["L2", "L3", "L3"]  # then the previous route
     assert s.metrics()["molctl_proxy_route_fallbacks_total"] == before + 2
 
@@ -123,6 +134,7 @@ def test_label_in_reasoning_field_is_accepted(s):
 
 # ------------------------------------------------------------------------ tools
 
+
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("reserialise", [False, True])
 def test_tool_result_continues_on_the_same_adapter(s, stream, reserialise):
@@ -130,13 +142,19 @@ def test_tool_result_continues_on_the_same_adapter(s, stream, reserialise):
     if stream:
         _, calls, _ = s.chat([u1], stream=True, tools=TOOLS)
         call = calls[0]
-        call_msg = {"id": call["id"], "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}
+        call_msg = {
+            "id": call["id"],
+            "type": "function",
+            "function": {"name": call["name"], "arguments": call["arguments"]},
+        }
     else:
         r = s.chat([u1], tools=TOOLS)
         assert r.choices[0].finish_reason == "tool_calls"
         call_msg = r.choices[0].message.tool_calls[0].model_dump()
     if reserialise:
-        call_msg["function"]["arguments"] = json.dumps(json.loads(call_msg["function"]["arguments"]), indent=2, sort_keys=True)
+        call_msg["function"]["arguments"] = json.dumps(
+            json.loads(call_msg["function"]["arguments"]), indent=2, sort_keys=True
+        )
     assistant = {"role": "assistant", "content": None, "tool_calls": [call_msg]}
     result = {"role": "tool", "tool_call_id": call_msg["id"], "content": "18C sunny"}
     routes_before = len(s.log("route"))
@@ -154,8 +172,13 @@ def test_tool_result_continues_on_the_same_adapter(s, stream, reserialise):
 def test_unplaced_tool_turn_is_routed_not_refused(s):
     before = s.metrics()["molctl_proxy_unplaced_tool_turns_total"]
     u1 = {"role": "user", "content": "[route:L1] call my bank"}
-    assistant = {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call-from-elsewhere", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]}
+    assistant = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "call-from-elsewhere", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+        ],
+    }
     result = {"role": "tool", "tool_call_id": "call-from-elsewhere", "content": "ok"}
     r = s.chat([u1, assistant, result], tools=TOOLS)
     assert r.choices[0].message.content
@@ -165,7 +188,9 @@ def test_unplaced_tool_turn_is_routed_not_refused(s):
 
 def test_tool_call_deltas_stream_live(s):
     s.config(token_delay=0.3, tool_arg_chunks=4)
-    _, calls, chunks = s.chat([{"role": "user", "content": "[route:L2] [tool:get_weather] now"}], stream=True, tools=TOOLS)
+    _, calls, chunks = s.chat(
+        [{"role": "user", "content": "[route:L2] [tool:get_weather] now"}], stream=True, tools=TOOLS
+    )
     tool_chunks = [t for t, c in chunks if c.choices and c.choices[0].delta.tool_calls]
     assert len(tool_chunks) >= 4
     end = chunks[-1][0]
@@ -177,11 +202,20 @@ def test_tool_call_deltas_stream_live(s):
 
 # ------------------------------------------------------------------------ what clients see
 
+
 def test_stream_shape_role_once_usage_and_keepalive(s):
     s.config(route_delay=0.5)
-    with httpx.stream("POST", s.proxy_url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
-                      json={"model": PUBLIC, "stream": True, "stream_options": {"include_usage": True},
-                            "messages": [{"role": "user", "content": "[route:L2] hi"}]}) as r:
+    with httpx.stream(
+        "POST",
+        s.proxy_url + "/v1/chat/completions",
+        headers={"Authorization": f"Bearer {KEY}"},
+        json={
+            "model": PUBLIC,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": "[route:L2] hi"}],
+        },
+    ) as r:
         raw = "".join(r.iter_text())
     assert raw.count(": keepalive") >= 2  # while the route hop ran
     frames = [f[6:] for f in raw.split("\n\n") if f.startswith("data: ")]
@@ -191,8 +225,12 @@ def test_stream_shape_role_once_usage_and_keepalive(s):
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] == 13
     assert len({c["id"] for c in chunks}) == 1 and all(c["model"] == PUBLIC for c in chunks)
     # without include_usage: no usage chunk
-    with httpx.stream("POST", s.proxy_url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
-                      json={"model": PUBLIC, "stream": True, "messages": [{"role": "user", "content": "[route:L2] hi"}]}) as r:
+    with httpx.stream(
+        "POST",
+        s.proxy_url + "/v1/chat/completions",
+        headers={"Authorization": f"Bearer {KEY}"},
+        json={"model": PUBLIC, "stream": True, "messages": [{"role": "user", "content": "[route:L2] hi"}]},
+    ) as r:
         raw = "".join(r.iter_text())
     assert '"usage"' not in raw
 
@@ -207,31 +245,55 @@ def test_no_adapter_name_anywhere(s):
         seen.append(body)
 
     for route in ("L0", "L1", "L2", "L3"):
-        r = httpx.post(url, headers=h, json={"model": PUBLIC, "messages": [{"role": "user", "content": f"[route:{route}] x"}]})
+        r = httpx.post(
+            url, headers=h, json={"model": PUBLIC, "messages": [{"role": "user", "content": f"[route:{route}] x"}]}
+        )
         assert r.status_code == 200
         record(r, r.text)
         body = r.json()
         assert body["model"] == PUBLIC and body["id"].startswith("chatcmpl-") and "engine" not in body["id"]
         assert set(body) <= {"id", "object", "created", "model", "choices", "usage"}
         assert set(body["choices"][0]) == {"index", "message", "finish_reason", "logprobs"}
-        with httpx.stream("POST", url, headers=h, json={"model": PUBLIC, "stream": True, "messages": [
-                {"role": "user", "content": f"[route:{route}] [tool:get_weather] y"}], "tools": TOOLS}) as sr:
+        with httpx.stream(
+            "POST",
+            url,
+            headers=h,
+            json={
+                "model": PUBLIC,
+                "stream": True,
+                "messages": [{"role": "user", "content": f"[route:{route}] [tool:get_weather] y"}],
+                "tools": TOOLS,
+            },
+        ) as sr:
             record(sr, "".join(sr.iter_text()))
-    for bad in ({"model": "L2", "messages": [{"role": "user", "content": "x"}]},
-                {"model": PUBLIC, "n": 2, "messages": [{"role": "user", "content": "x"}]},
-                {"model": PUBLIC, "messages": []}):
+    for bad in (
+        {"model": "L2", "messages": [{"role": "user", "content": "x"}]},
+        {"model": PUBLIC, "n": 2, "messages": [{"role": "user", "content": "x"}]},
+        {"model": PUBLIC, "messages": []},
+    ):
         r = httpx.post(url, headers=h, json=bad)
         assert r.status_code in (400, 404)
         record(r, r.text)
-    s.config(answer_error={"status": 404, "body": {"error": {"message": "The model `L2` does not exist.", "code": 404}}})
+    s.config(
+        answer_error={"status": 404, "body": {"error": {"message": "The model `L2` does not exist.", "code": 404}}}
+    )
     r = httpx.post(url, headers=h, json={"model": PUBLIC, "messages": [{"role": "user", "content": "[route:L2] z"}]})
     record(r, r.text)
-    s.config(answer_error={"status": 400, "body": {"error": {"message": "adapter L2 of tiny-mol-base rejected the request", "code": 400}}})
+    s.config(
+        answer_error={
+            "status": 400,
+            "body": {"error": {"message": "adapter L2 of tiny-mol-base rejected the request", "code": 400}},
+        }
+    )
     r = httpx.post(url, headers=h, json={"model": PUBLIC, "messages": [{"role": "user", "content": "[route:L2] z"}]})
     assert r.status_code == 400
     record(r, r.text)
-    with httpx.stream("POST", url, headers=h, json={"model": PUBLIC, "stream": True,
-                                                     "messages": [{"role": "user", "content": "[route:L2] z"}]}) as sr:
+    with httpx.stream(
+        "POST",
+        url,
+        headers=h,
+        json={"model": PUBLIC, "stream": True, "messages": [{"role": "user", "content": "[route:L2] z"}]},
+    ) as sr:
         record(sr, "".join(sr.iter_text()))
     r = httpx.get(s.proxy_url + "/v1/models", headers=h)
     record(r, r.text)
@@ -252,16 +314,32 @@ def test_error_shapes_and_codes(s):
     with pytest.raises(openai.BadRequestError) as err:
         s.chat([{"role": "user", "content": "x"}], extra_body={"echo": True})
     assert err.value.param == "echo"
-    s.config(answer_error={"status": 400, "body": {"error": {
-        "message": "This model's maximum context length is 2048 tokens. However, you requested 4000 tokens.", "code": 400}}})
+    s.config(
+        answer_error={
+            "status": 400,
+            "body": {
+                "error": {
+                    "message": "This model's maximum context length is 2048 tokens. However, you requested 4000 tokens.",
+                    "code": 400,
+                }
+            },
+        }
+    )
     with pytest.raises(openai.BadRequestError) as err:
         s.chat([{"role": "user", "content": "[route:L2] long"}])
     assert err.value.code == "context_length_exceeded" and "2048 tokens" in err.value.message
 
 
 def test_request_parameters(s):
-    s.chat([{"role": "user", "content": "[route:L2] p"}], temperature=0.7, top_p=0.9, seed=3, max_tokens=10**6,
-           stop=["\n\n"], reasoning_effort="low")
+    s.chat(
+        [{"role": "user", "content": "[route:L2] p"}],
+        temperature=0.7,
+        top_p=0.9,
+        seed=3,
+        max_tokens=10**6,
+        stop=["\n\n"],
+        reasoning_effort="low",
+    )
     payload = s.log("answer")[-1]["payload"]
     assert (payload["temperature"], payload["top_p"], payload["seed"], payload["stop"]) == (0.7, 0.9, 3, ["\n\n"])
     assert payload["max_tokens"] == TINY.proxy.max_output_tokens  # clamped
@@ -281,6 +359,7 @@ def test_every_engine_request_carries_the_hop_header(s):
 
 
 # ------------------------------------------------------------------------ auth, health, readiness
+
 
 def test_auth(s):
     url = s.proxy_url + "/v1/chat/completions"
@@ -311,8 +390,13 @@ def test_proxy_refuses_to_start_without_a_key(tmp_path):
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "molctl", "proxy", "tiny", "--upstream", "http://127.0.0.1:9"],
-                       capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"}, timeout=30)
+    r = subprocess.run(
+        [sys.executable, "-m", "molctl", "proxy", "tiny", "--upstream", "http://127.0.0.1:9"],
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/bin:/bin"},
+        timeout=30,
+    )
     assert r.returncode == ExitStatus.USAGE and "--allow-unauthenticated" in r.stderr
 
 
@@ -332,8 +416,11 @@ def test_engine_down(keyfile, tmp_path):
 
 def test_engine_503_is_503(s):
     s.config(answer_error={"status": 503, "body": {"error": {"message": "EngineDeadError"}}})
-    r = httpx.post(s.proxy_url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
-                   json={"model": PUBLIC, "messages": [{"role": "user", "content": "[route:L2] x"}]})
+    r = httpx.post(
+        s.proxy_url + "/v1/chat/completions",
+        headers={"Authorization": f"Bearer {KEY}"},
+        json={"model": PUBLIC, "messages": [{"role": "user", "content": "[route:L2] x"}]},
+    )
     assert r.status_code == 503 and r.headers.get("retry-after")
 
 
@@ -341,25 +428,34 @@ def test_engine_503_is_503(s):
 def test_engine_retry_after_reaches_the_client_bounded(s, engine_says, client_gets):
     """The engine's Retry-After is passed on between 1 s and 5 min: a 0 would make clients retry
     in a tight loop, a huge value would park them for years."""
-    s.config(answer_error={"status": 503, "body": {"error": {"message": "busy"}}, "headers": {"Retry-After": engine_says}})
-    r = httpx.post(s.proxy_url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
-                   json={"model": PUBLIC, "messages": [{"role": "user", "content": "[route:L2] x"}]})
+    s.config(
+        answer_error={"status": 503, "body": {"error": {"message": "busy"}}, "headers": {"Retry-After": engine_says}}
+    )
+    r = httpx.post(
+        s.proxy_url + "/v1/chat/completions",
+        headers={"Authorization": f"Bearer {KEY}"},
+        json={"model": PUBLIC, "messages": [{"role": "user", "content": "[route:L2] x"}]},
+    )
     assert r.status_code == 503 and r.headers["retry-after"] == client_gets
 
 
 # ------------------------------------------------------------------------ drain
 
+
 def test_sigterm_during_stream_drains(keyfile, tmp_path):
     engine_port, port = free_ports(2)
     engine_url, url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{port}"
-    with running(fake_engine_argv(engine_port, {"answer_delay": 1.5}), engine_url + "/health"), \
-            running(proxy_argv("tiny", engine_url, port, "--api-key-file", str(keyfile)), url + "/health") as proxy:
+    with (
+        running(fake_engine_argv(engine_port, {"answer_delay": 1.5}), engine_url + "/health"),
+        running(proxy_argv("tiny", engine_url, port, "--api-key-file", str(keyfile)), url + "/health") as proxy,
+    ):
         client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=20)
         result = {}
 
         def consume():
-            stream = client.chat.completions.create(model=PUBLIC, stream=True,
-                                                    messages=[{"role": "user", "content": "[route:L2] slow"}])
+            stream = client.chat.completions.create(
+                model=PUBLIC, stream=True, messages=[{"role": "user", "content": "[route:L2] slow"}]
+            )
             result["content"] = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
 
         t = threading.Thread(target=consume)
@@ -371,13 +467,15 @@ def test_sigterm_during_stream_drains(keyfile, tmp_path):
         proxy.send_signal(signal.SIGTERM)
         time.sleep(0.2)
         assert httpx.get(url + "/readyz").status_code == 503
-        r = httpx.post(url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
-                       json={"model": PUBLIC, "messages": [{"role": "user", "content": "x"}]})
+        r = httpx.post(
+            url + "/v1/chat/completions",
+            headers={"Authorization": f"Bearer {KEY}"},
+            json={"model": PUBLIC, "messages": [{"role": "user", "content": "x"}]},
+        )
         assert r.status_code == 503 and r.headers["retry-after"] and r.json()["error"]["code"] == "draining"
         t.join(15)
         assert result.get("content", "").startswith("answer-")
         assert proxy.wait(10) == 0
-
 
 
 def test_sigterm_while_a_request_body_is_still_arriving_drains_it(keyfile):
@@ -391,13 +489,21 @@ def test_sigterm_while_a_request_body_is_still_arriving_drains_it(keyfile):
     engine_url, url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{port}"
     metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     body = json.dumps({"model": PUBLIC, "messages": [{"role": "user", "content": "[route:L2] a slow upload"}]}).encode()
-    with running(fake_engine_argv(engine_port, {"answer_delay": 6.0}), engine_url + "/health"), \
-            running(proxy_argv("tiny", engine_url, port, "--api-key-file", str(keyfile), "--metrics-port", str(metrics_port)),
-                    url + "/health") as proxy:
+    with (
+        running(fake_engine_argv(engine_port, {"answer_delay": 6.0}), engine_url + "/health"),
+        running(
+            proxy_argv("tiny", engine_url, port, "--api-key-file", str(keyfile), "--metrics-port", str(metrics_port)),
+            url + "/health",
+        ) as proxy,
+    ):
         conn = socket.create_connection(("127.0.0.1", port), timeout=30)
         try:
-            conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\nAuthorization: Bearer " + KEY.encode() +
-                         b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body[:10])
+            conn.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\nAuthorization: Bearer "
+                + KEY.encode()
+                + b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+                + body[:10]
+            )
             deadline = time.monotonic() + 10
             while parse_prometheus(httpx.get(metrics_url).text).get("molctl_proxy_admitted_requests") != 1:
                 assert time.monotonic() < deadline, "the request was not admitted"
@@ -423,7 +529,6 @@ def test_sigterm_while_a_request_body_is_still_arriving_drains_it(keyfile):
         assert proxy.wait(15) == 0
 
 
-
 def test_a_stalled_upload_gets_a_408_and_does_not_hold_a_drain(keyfile):
     """A client that sends its head and part of its body, then nothing: after
     proxy.stream_write_timeout_s without a byte it gets a 408 and its connection is closed, so an
@@ -433,13 +538,30 @@ def test_a_stalled_upload_gets_a_408_and_does_not_hold_a_drain(keyfile):
     engine_port, port, metrics_port = free_ports(3)
     engine_url, url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{port}"
     metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
-    with running(fake_engine_argv(engine_port), engine_url + "/health"), \
-            running(proxy_argv("tiny", engine_url, port, "--api-key-file", str(keyfile), "--metrics-port", str(metrics_port),
-                               "--set", "proxy.stream_write_timeout_s=1"), url + "/health") as proxy:
+    with (
+        running(fake_engine_argv(engine_port), engine_url + "/health"),
+        running(
+            proxy_argv(
+                "tiny",
+                engine_url,
+                port,
+                "--api-key-file",
+                str(keyfile),
+                "--metrics-port",
+                str(metrics_port),
+                "--set",
+                "proxy.stream_write_timeout_s=1",
+            ),
+            url + "/health",
+        ) as proxy,
+    ):
         conn = socket.create_connection(("127.0.0.1", port), timeout=30)
         try:
-            conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\nAuthorization: Bearer " + KEY.encode() +
-                         b"\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"model\"")
+            conn.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\nAuthorization: Bearer "
+                + KEY.encode()
+                + b'\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"model"'
+            )
             deadline = time.monotonic() + 10
             while parse_prometheus(httpx.get(metrics_url).text).get("molctl_proxy_admitted_requests") != 1:
                 assert time.monotonic() < deadline, "the request was not admitted"
@@ -459,13 +581,18 @@ def test_a_stalled_upload_gets_a_408_and_does_not_hold_a_drain(keyfile):
 
 # ------------------------------------------------------------------------ SGLang
 
+
 def test_sglang_adapter_naming(keyfile):
     engine_port, port = free_ports(2)
     engine_url, url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{port}"
-    with running(fake_engine_argv(engine_port, {"served_name": "glm52-fp8-official"}), engine_url + "/health"), \
-            running(proxy_argv("venti-sglang", engine_url, port, "--api-key-file", str(keyfile)), url + "/health"):
+    with (
+        running(fake_engine_argv(engine_port, {"served_name": "glm52-fp8-official"}), engine_url + "/health"),
+        running(proxy_argv("venti-sglang", engine_url, port, "--api-key-file", str(keyfile)), url + "/health"),
+    ):
         client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
-        r = client.chat.completions.create(model="Macaron-V1-Venti", messages=[{"role": "user", "content": "[route:L2] x"}])
+        r = client.chat.completions.create(
+            model="Macaron-V1-Venti", messages=[{"role": "user", "content": "[route:L2] x"}]
+        )
         assert r.model == "Macaron-V1-Venti"
         log = httpx.get(engine_url + "/_log").json()
         route, answer = log[0], log[1]
@@ -477,8 +604,12 @@ def test_sglang_adapter_naming(keyfile):
 
 def test_client_disconnect_cancels_the_engine_request(s):
     s.config(token_delay=0.2, answer_words=30)
-    with httpx.stream("POST", s.proxy_url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
-                      json={"model": PUBLIC, "stream": True, "messages": [{"role": "user", "content": "[route:L2] long"}]}) as r:
+    with httpx.stream(
+        "POST",
+        s.proxy_url + "/v1/chat/completions",
+        headers={"Authorization": f"Bearer {KEY}"},
+        json={"model": PUBLIC, "stream": True, "messages": [{"role": "user", "content": "[route:L2] long"}]},
+    ) as r:
         for line in r.iter_lines():
             if '"content": "answer-' in line or '"content":"answer-' in line:
                 break  # got the first token: hang up

@@ -61,8 +61,16 @@ def engine(tmp_path_factory):
 def proxy(engine_url: str, keyfile, tmp_path, *sets: str):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    argv = proxy_argv("tiny", engine_url, port, "--api-key-file", str(keyfile), "--store", "memory",
-                      *(a for s in sets for a in ("--set", s)))
+    argv = proxy_argv(
+        "tiny",
+        engine_url,
+        port,
+        "--api-key-file",
+        str(keyfile),
+        "--store",
+        "memory",
+        *(a for s in sets for a in ("--set", s)),
+    )
     return running(argv, url + "/health", log=tmp_path / "proxy.log"), Stack(engine_url, url)
 
 
@@ -81,7 +89,9 @@ async def ask(client: openai.AsyncOpenAI, text: str, api: str = "chat", stream: 
     start = time.monotonic()
     try:
         if api == "chat":
-            out = await client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": text}], stream=stream)
+            out = await client.chat.completions.create(
+                model=PUBLIC, messages=[{"role": "user", "content": text}], stream=stream
+            )
         else:
             out = await client.responses.create(model=PUBLIC, input=text, stream=stream)
         if stream:
@@ -100,6 +110,7 @@ def test_a_heavy_key_does_not_starve_the_others(engine, keyfile, tmp_path):
     s.reset()
     s.config(answer_delay=0.25)
     with ctx:
+
         async def main():
             heavy, light1, light2 = clients = [s.client(k) for k in KEYS]
             solo = [await ask(light1, f"solo-{i}-{uuid.uuid4().hex}") for i in range(3)]
@@ -140,6 +151,7 @@ def test_overflow_is_429_with_retry_after(engine, keyfile, tmp_path, api, stream
     s.config(answer_delay=1.5)
     texts = [f"over-{i}-{uuid.uuid4().hex}" for i in range(10)]
     with ctx:
+
         async def main():
             async with s.client(KEYS[0]) as client:
                 return await asyncio.gather(*(ask(client, t, api, stream) for t in texts))
@@ -159,6 +171,7 @@ def test_wait_deadline_is_429_and_draining_stays_503(engine, keyfile, tmp_path):
     s.reset()
     s.config(answer_delay=1.5)
     with ctx as proc:
+
         async def main():
             async with s.client(KEYS[1]) as client:
                 first = asyncio.ensure_future(ask(client, "first"))
@@ -170,6 +183,7 @@ def test_wait_deadline_is_429_and_draining_stays_503(engine, keyfile, tmp_path):
         assert first[1] == 200
         assert late[1] == 429 and late[2][0].isdigit()
         assert s.answers() == ["first"]
+
         # a draining proxy (one request still in flight) answers 503, not 429
         async def hold():
             async with s.client(KEYS[2]) as client:
@@ -184,8 +198,11 @@ def test_wait_deadline_is_429_and_draining_stays_503(engine, keyfile, tmp_path):
             assert wait_for(lambda: "in flight during the drain" in s.answers(), 10)
             proc.send_signal(signal.SIGTERM)
             assert wait_for(lambda: httpx.get(s.proxy_url + "/health").json()["status"] == "draining", 5)
-            r = httpx.post(s.proxy_url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEYS[1]}"},
-                           json={"model": PUBLIC, "messages": [{"role": "user", "content": "x"}]})
+            r = httpx.post(
+                s.proxy_url + "/v1/chat/completions",
+                headers={"Authorization": f"Bearer {KEYS[1]}"},
+                json={"model": PUBLIC, "messages": [{"role": "user", "content": "x"}]},
+            )
             assert r.status_code == 503 and "retry-after" in r.headers
         finally:
             holder.join(30)
@@ -200,20 +217,27 @@ def test_the_log_line_of_a_refused_or_abandoned_request_shows_its_queue_wait(eng
     s.reset()
     s.config(answer_delay=2.0)
     with ctx:
+
         async def main():
             async with s.client(KEYS[0]) as client:
                 holder = asyncio.ensure_future(ask(client, "holds the slot"))
                 await answering(s, "holds the slot")
                 refused = None
                 try:
-                    await client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "refused"}],
-                                                         extra_headers={"X-Request-Id": "rid-refused"})
+                    await client.chat.completions.create(
+                        model=PUBLIC,
+                        messages=[{"role": "user", "content": "refused"}],
+                        extra_headers={"X-Request-Id": "rid-refused"},
+                    )
                 except openai.RateLimitError:
                     refused = 429
                 async with s.client(KEYS[1]) as impatient:
                     with pytest.raises(openai.APITimeoutError):
                         await impatient.with_options(timeout=0.3).chat.completions.create(
-                            model=PUBLIC, messages=[{"role": "user", "content": "left"}], extra_headers={"X-Request-Id": "rid-left"})
+                            model=PUBLIC,
+                            messages=[{"role": "user", "content": "left"}],
+                            extra_headers={"X-Request-Id": "rid-left"},
+                        )
                 await holder
                 return refused
 
@@ -232,12 +256,26 @@ def test_a_stream_queued_longer_than_the_keepalive_is_still_a_real_429(engine, k
     not an error frame inside a 200 stream (the SDK raises RateLimitError, and can back off)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    argv = proxy_argv("tiny", engine, port, "--api-key-file", str(keyfile), "--store", "memory", "--sse-keepalive", "0.2",
-                      "--set", "proxy.max_inflight=1", "--set", "proxy.queue_timeout_s=1.5")
+    argv = proxy_argv(
+        "tiny",
+        engine,
+        port,
+        "--api-key-file",
+        str(keyfile),
+        "--store",
+        "memory",
+        "--sse-keepalive",
+        "0.2",
+        "--set",
+        "proxy.max_inflight=1",
+        "--set",
+        "proxy.queue_timeout_s=1.5",
+    )
     s = Stack(engine, url)
     s.reset()
     s.config(answer_delay=3.0)
     with running(argv, url + "/health", log=tmp_path / "proxy.log"):
+
         async def main():
             async with s.client(KEYS[0]) as holder_client, s.client(KEYS[1]) as client:
                 holder = asyncio.ensure_future(ask(holder_client, "holds the slot"))
@@ -270,11 +308,13 @@ def test_a_route_hop_waits_for_an_answer_slot_not_inside_the_engine(engine, keyf
     async def one(client, rid: str, text: str):
         headers = {"X-Request-Id": rid}
         if api == "chat":
-            return await client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": text}],
-                                                        extra_headers=headers)
+            return await client.chat.completions.create(
+                model=PUBLIC, messages=[{"role": "user", "content": text}], extra_headers=headers
+            )
         return await client.responses.create(model=PUBLIC, input=text, extra_headers=headers)
 
     with ctx:
+
         async def main():
             async with s.client(KEYS[0]) as client:
                 a = asyncio.ensure_future(one(client, "req-slot-a", "[route:L1] first"))
@@ -300,20 +340,28 @@ def test_a_request_waiting_for_another_adapters_summary_gives_its_slot_back(engi
     adapter and waits (summary_wait_s) for its first turn's summary; it held the only answer slot
     meanwhile, so an unrelated request Y of another key queued 3 s while the engine ran no
     answer. Now the slot goes back during that wait: Y is answered at once, X still is after."""
-    ctx, s = proxy(engine, keyfile, tmp_path, "proxy.max_inflight=1", "proxy.summary_wait_s=3", "proxy.queue_timeout_s=60")
+    ctx, s = proxy(
+        engine, keyfile, tmp_path, "proxy.max_inflight=1", "proxy.summary_wait_s=3", "proxy.queue_timeout_s=60"
+    )
     s.reset()
     s.config(answer_delay=0.1, summary_delay=5.0)
     with ctx:
+
         async def main():
             async with s.client(KEYS[0]) as x_client, s.client(KEYS[1]) as y_client:
                 u1 = {"role": "user", "content": "[route:L1] plan my trip"}
                 r1 = await x_client.chat.completions.create(model=PUBLIC, messages=[u1])
                 a1 = {"role": "assistant", "content": r1.choices[0].message.content}
-                x2 = asyncio.ensure_future(x_client.chat.completions.create(
-                    model=PUBLIC, messages=[u1, a1, {"role": "user", "content": "[route:L2] now write code"}]))
+                x2 = asyncio.ensure_future(
+                    x_client.chat.completions.create(
+                        model=PUBLIC, messages=[u1, a1, {"role": "user", "content": "[route:L2] now write code"}]
+                    )
+                )
                 await asyncio.sleep(0.3)  # X's second turn waits for turn 1's summary (5 s; it waits 3)
                 start = time.monotonic()
-                y = await y_client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "[route:L0] hi"}])
+                y = await y_client.chat.completions.create(
+                    model=PUBLIC, messages=[{"role": "user", "content": "[route:L0] hi"}]
+                )
                 y_s = time.monotonic() - start
                 x = await x2
                 return y_s, y, x
@@ -326,7 +374,9 @@ def test_a_request_waiting_for_another_adapters_summary_gives_its_slot_back(engi
 
 
 @pytest.mark.parametrize("api", ["chat", "responses"])
-def test_a_stream_that_gave_its_slot_back_for_a_summary_is_still_refused_with_a_real_429(engine, keyfile, tmp_path, api):
+def test_a_stream_that_gave_its_slot_back_for_a_summary_is_still_refused_with_a_real_429(
+    engine, keyfile, tmp_path, api
+):
     """Found by the review of the slot changes: X's streamed second turn switches adapter, gives
     its slot back while it waits for turn 1's summary, and queues again; the keep-alives sent
     during that wait had already answered 200, so a refusal at the second queue deadline was an
@@ -334,18 +384,37 @@ def test_a_stream_that_gave_its_slot_back_for_a_summary_is_still_refused_with_a_
     429 with Retry-After, as for any queued stream."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    argv = proxy_argv("tiny", engine, port, "--api-key-file", str(keyfile), "--store", "memory", "--sse-keepalive", "0.2",
-                      "--set", "proxy.max_inflight=1", "--set", "proxy.queue_timeout_s=0.8", "--set", "proxy.summary_wait_s=1.5")
+    argv = proxy_argv(
+        "tiny",
+        engine,
+        port,
+        "--api-key-file",
+        str(keyfile),
+        "--store",
+        "memory",
+        "--sse-keepalive",
+        "0.2",
+        "--set",
+        "proxy.max_inflight=1",
+        "--set",
+        "proxy.queue_timeout_s=0.8",
+        "--set",
+        "proxy.summary_wait_s=1.5",
+    )
     s = Stack(engine, url)
     s.reset()
     s.config(answer_delay=0.1, summary_delay=5.0, model_delay={"L3": 5.0})
     with running(argv, url + "/health", log=tmp_path / "proxy.log"):
+
         async def main():
             async with s.client(KEYS[0]) as x_client, s.client(KEYS[1]) as other:
                 u1 = {"role": "user", "content": "[route:L1] plan my trip"}
                 r1 = await x_client.chat.completions.create(model=PUBLIC, messages=[u1])
-                turn2 = [u1, {"role": "assistant", "content": r1.choices[0].message.content},
-                         {"role": "user", "content": "[route:L2] now write code"}]
+                turn2 = [
+                    u1,
+                    {"role": "assistant", "content": r1.choices[0].message.content},
+                    {"role": "user", "content": "[route:L2] now write code"},
+                ]
 
                 async def x2():
                     try:
@@ -363,8 +432,11 @@ def test_a_stream_that_gave_its_slot_back_for_a_summary_is_still_refused_with_a_
 
                 x = asyncio.ensure_future(x2())
                 await asyncio.sleep(0.4)  # X2 routed, waits for turn 1's summary with its slot given back
-                slow = asyncio.ensure_future(other.chat.completions.create(
-                    model=PUBLIC, messages=[{"role": "user", "content": "[route:L3] takes the slot for 5 s"}]))
+                slow = asyncio.ensure_future(
+                    other.chat.completions.create(
+                        model=PUBLIC, messages=[{"role": "user", "content": "[route:L3] takes the slot for 5 s"}]
+                    )
+                )
                 result = await x
                 await slow
                 return result

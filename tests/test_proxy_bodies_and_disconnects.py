@@ -29,10 +29,21 @@ def test_json_nested_just_below_the_parsers_limit_is_a_400_not_a_500(s):
     statuses = {}
     for depth in range(950, 1000, 2):
         nest = "[" * depth + "]" * depth
-        raw = ('{"model": "' + PUBLIC + '", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": '
-               + nest + '}, {"type": "text", "text": "' + pad + '"}]}]}').encode()
-        r = httpx.post(s.proxy_url + "/v1/chat/completions", headers={**AUTH, "content-type": "application/json"},
-                       content=raw, timeout=30)
+        raw = (
+            '{"model": "'
+            + PUBLIC
+            + '", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": '
+            + nest
+            + '}, {"type": "text", "text": "'
+            + pad
+            + '"}]}]}'
+        ).encode()
+        r = httpx.post(
+            s.proxy_url + "/v1/chat/completions",
+            headers={**AUTH, "content-type": "application/json"},
+            content=raw,
+            timeout=30,
+        )
         statuses[depth] = r.status_code
         assert r.headers["content-type"].startswith("application/json")
     assert 500 not in statuses.values(), statuses
@@ -125,8 +136,10 @@ def test_a_declared_body_over_the_limit_is_a_413_before_the_upload(s, path):
 
     url = urlsplit(s.proxy_url)
     with socket.create_connection((url.hostname, url.port), timeout=30) as sock:
-        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
-                     "Content-Type: application/json\r\nContent-Length: 99999999\r\nExpect: 100-continue\r\n\r\n".encode())
+        sock.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+            "Content-Type: application/json\r\nContent-Length: 99999999\r\nExpect: 100-continue\r\n\r\n".encode()
+        )
         answer = b""
         while data := sock.recv(65536):  # until the proxy closes the connection
             answer += data
@@ -136,14 +149,17 @@ def test_a_declared_body_over_the_limit_is_a_413_before_the_upload(s, path):
     assert b'"code":"request_too_large"' in rest
 
 
-@pytest.mark.parametrize("shape, in_thread", [
-    ("a short chat", False),
-    ("2100 messages", True),
-    ("one message of 2100 parts", True),
-    ("one assistant message of 2100 tool calls", True),
-    ("2100 tools", True),
-    ("a body over BIG_BODY", True),
-])
+@pytest.mark.parametrize(
+    "shape, in_thread",
+    [
+        ("a short chat", False),
+        ("2100 messages", True),
+        ("one message of 2100 parts", True),
+        ("one assistant message of 2100 tool calls", True),
+        ("2100 tools", True),
+        ("a body over BIG_BODY", True),
+    ],
+)
 def test_only_big_requests_are_prepared_in_a_worker_thread(shape, in_thread):
     """Parsing runs on the loop below BIG_BODY (orjson: ~10-20 ms for 1 MiB of tiny items); the
     per-message preparation goes to a worker thread when the body holds over BIG_ITEMS messages
@@ -154,16 +170,30 @@ def test_only_big_requests_are_prepared_in_a_worker_thread(shape, in_thread):
     from molctl.proxy.app import BIG_BODY, ProxyApp
 
     user = {"role": "user", "content": "x"}
-    messages = {"a short chat": [user],
-                "2100 messages": [user] * 2100,
-                "one message of 2100 parts": [{"role": "user", "content": [{"type": "text", "text": "x"}] * 2100}],
-                "one assistant message of 2100 tool calls": [user, {"role": "assistant", "content": None, "tool_calls": [
-                    {"id": f"c{i}", "type": "function", "function": {"name": "f", "arguments": "{}"}} for i in range(2100)]}, user],
-                "2100 tools": [user],
-                "a body over BIG_BODY": [{"role": "user", "content": "x" * (BIG_BODY + 1)}]}[shape]
+    messages = {
+        "a short chat": [user],
+        "2100 messages": [user] * 2100,
+        "one message of 2100 parts": [{"role": "user", "content": [{"type": "text", "text": "x"}] * 2100}],
+        "one assistant message of 2100 tool calls": [
+            user,
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": f"c{i}", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+                    for i in range(2100)
+                ],
+            },
+            user,
+        ],
+        "2100 tools": [user],
+        "a body over BIG_BODY": [{"role": "user", "content": "x" * (BIG_BODY + 1)}],
+    }[shape]
     body = {"model": PUBLIC, "messages": messages}
     if shape == "2100 tools":
-        body["tools"] = [{"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object"}}} for i in range(2100)]
+        body["tools"] = [
+            {"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object"}}} for i in range(2100)
+        ]
     raw = json.dumps(body).encode()
     app = ProxyApp(TINY, get_engine("vllm"), "http://127.0.0.1:9", None)
     seen = []
@@ -199,10 +229,12 @@ def test_what_only_the_standard_library_reads_is_parsed_in_a_worker_thread(api, 
     monkeypatch.setattr(app_module, "parse_body", recording)
     proxy = ProxyApp(TINY, get_engine("vllm"), "http://127.0.0.1:9", None)
     field = "messages" if api == "chat" else "input"
-    for text, fallback in (('[{"role": "user", "content": "x"}], "temperature": 0.5', False),
-                           ('[{"role": "user", "content": "x"}], "temperature": NaN', True),
-                           ('[{"role": "user", "content": "x"}], "seed": 12345678901234567890', True),
-                           ('[{"role": "user", "content": "x"}', True)):
+    for text, fallback in (
+        ('[{"role": "user", "content": "x"}], "temperature": 0.5', False),
+        ('[{"role": "user", "content": "x"}], "temperature": NaN', True),
+        ('[{"role": "user", "content": "x"}], "seed": 12345678901234567890', True),
+        ('[{"role": "user", "content": "x"}', True),
+    ):
         calls.clear()
         raw = ('{"model": "' + PUBLIC + '", "' + field + '": ' + text + "}").encode()
         try:

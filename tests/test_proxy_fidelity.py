@@ -37,12 +37,18 @@ def one_leading_system(entry: dict) -> bool:
 
 # ------------------------------------------------------------------------ the strict fake itself
 
+
 def test_strict_fake_engine_rejects_what_vllm_and_qwen_reject(s):
     def post(messages, **kw):
-        return httpx.post(s.engine_url + "/v1/chat/completions", headers={"X-MoL-Hop": "answer"},
-                          json={"model": "L2", "messages": messages, **kw})
+        return httpx.post(
+            s.engine_url + "/v1/chat/completions",
+            headers={"X-MoL-Hop": "answer"},
+            json={"model": "L2", "messages": messages, **kw},
+        )
 
-    r = post([{"role": "user", "content": "a"}, {"role": "system", "content": "late"}, {"role": "user", "content": "b"}])
+    r = post(
+        [{"role": "user", "content": "a"}, {"role": "system", "content": "late"}, {"role": "user", "content": "b"}]
+    )
     assert r.status_code == 400 and r.json()["error"]["message"] == "System message must be at the beginning."
     r = post([{"role": "developer", "content": "d"}, {"role": "user", "content": "b"}])
     assert r.status_code == 400 and "Unexpected message role" in r.json()["error"]["message"]
@@ -58,6 +64,7 @@ def test_strict_fake_engine_rejects_what_vllm_and_qwen_reject(s):
 
 
 # ------------------------------------------------------------------------ 1. context window
+
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_prompt_that_fits_the_window_succeeds_without_a_client_limit(s, stream):
@@ -77,6 +84,7 @@ def test_a_prompt_that_fits_the_window_succeeds_without_a_client_limit(s, stream
 
 # ------------------------------------------------------------------------ 2. system and developer messages
 
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_system_and_developer_instructions_reach_every_hop_as_one_leading_system_message(s, stream):
     sys_msg = {"role": "system", "content": "You are terse."}
@@ -94,7 +102,19 @@ def test_system_and_developer_instructions_reach_every_hop_as_one_leading_system
     u2 = {"role": "user", "content": "[route:L1] plan my trip"}
     a2 = ask([sys_msg, dev, u1, {"role": "assistant", "content": a1}, mid_dev, mid_sys, u2])
     u3 = {"role": "user", "content": "[route:L2] and fix the parser"}
-    ask([sys_msg, dev, u1, {"role": "assistant", "content": a1}, mid_dev, mid_sys, u2, {"role": "assistant", "content": a2}, u3])
+    ask(
+        [
+            sys_msg,
+            dev,
+            u1,
+            {"role": "assistant", "content": a1},
+            mid_dev,
+            mid_sys,
+            u2,
+            {"role": "assistant", "content": a2},
+            u3,
+        ]
+    )
     assert wait_for(lambda: len(s.log("summary")) >= 3)
     entries = [e for e in s.log() if "messages" in e and e["messages"]]
     assert not [e.get("rejected") for e in entries if e.get("rejected")]
@@ -102,7 +122,10 @@ def test_system_and_developer_instructions_reach_every_hop_as_one_leading_system
     answers = s.log("answer")
     expected = IDENTITY["content"] + "\n\nYou are terse.\n\nAnswer in French."
     assert all(e["messages"][0] == {"role": "system", "content": expected} for e in answers)
-    notes = [{"role": "user", "content": "[system note] Use tabs."}, {"role": "user", "content": "[system note] The user is on mobile."}]
+    notes = [
+        {"role": "user", "content": "[system note] Use tabs."},
+        {"role": "user", "content": "[system note] The user is on mobile."},
+    ]
     # the mid-conversation instructions are kept in L1's view and in L2's, where turn 2 is folded
     assert answers[1]["messages"][-3:-1] == notes
     assert answers[2]["messages"][3:5] == notes and answers[2]["messages"][-2] == fold(f"summary of {a2}")
@@ -113,7 +136,9 @@ def test_continuity_survives_a_changing_system_prompt(s):
     a1 = s.chat([{"role": "system", "content": "Now: 10:00:01. Context: doc A"}, u1]).choices[0].message.content
     assert wait_for(lambda: len(s.log("summary")) >= 1)
     u2 = {"role": "user", "content": "[route:L1] now plan my trip"}
-    s.chat([{"role": "system", "content": "Now: 10:00:09. Context: doc B"}, u1, {"role": "assistant", "content": a1}, u2])
+    s.chat(
+        [{"role": "system", "content": "Now: 10:00:09. Context: doc B"}, u1, {"role": "assistant", "content": a1}, u2]
+    )
     answer = s.log("answer")[-1]
     assert answer["model"] == "L1"
     assert answer["messages"][-2] == fold(f"summary of {a1}")  # the earlier turn was recognised and folded
@@ -122,18 +147,24 @@ def test_continuity_survives_a_changing_system_prompt(s):
 
 # ------------------------------------------------------------------------ 3. errors inside a stream
 
+
 def test_an_engine_error_frame_mid_stream_reaches_the_client_and_nothing_is_recorded(s):
     s.config(answer_words=6, stream_error_after=3)
     received = ""
     with pytest.raises(openai.APIError) as err:
-        for chunk in s.client.chat.completions.create(model=PUBLIC, stream=True,
-                                                      messages=[{"role": "user", "content": "[route:L2] long"}]):
+        for chunk in s.client.chat.completions.create(
+            model=PUBLIC, stream=True, messages=[{"role": "user", "content": "[route:L2] long"}]
+        ):
             for choice in chunk.choices:
                 assert choice.finish_reason in (None,)  # never a "stop" for a truncated answer
                 received += choice.delta.content or ""
     assert received.startswith("answer-") and "failed while answering" in str(err.value.message)
-    with httpx.stream("POST", url(s), headers=AUTH, json={"model": PUBLIC, "stream": True, "messages": [
-            {"role": "user", "content": "[route:L2] again"}]}) as r:
+    with httpx.stream(
+        "POST",
+        url(s),
+        headers=AUTH,
+        json={"model": PUBLIC, "stream": True, "messages": [{"role": "user", "content": "[route:L2] again"}]},
+    ) as r:
         raw = "".join(r.iter_text())
     frames = [f[6:] for f in raw.split("\n\n") if f.startswith("data: ")]
     assert frames[-1] == "[DONE]" and "error" in json.loads(frames[-2])
@@ -147,8 +178,9 @@ def test_a_stream_that_ends_without_a_finish_reason_is_an_error_and_nothing_is_r
     s.config(answer_words=3, stream_no_finish=True)
     received, finishes = "", []
     with pytest.raises(openai.APIError) as err:
-        for chunk in s.client.chat.completions.create(model=PUBLIC, stream=True,
-                                                      messages=[{"role": "user", "content": "[route:L2] cut"}]):
+        for chunk in s.client.chat.completions.create(
+            model=PUBLIC, stream=True, messages=[{"role": "user", "content": "[route:L2] cut"}]
+        ):
             for choice in chunk.choices:
                 finishes.append(choice.finish_reason)
                 received += choice.delta.content or ""
@@ -173,6 +205,7 @@ def test_abort_finish_reason_is_kept_and_not_summarised(s, stream):
 
 # ------------------------------------------------------------------------ 4. status codes of streams
 
+
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses"])
 def test_a_model_that_is_not_a_string_is_a_400_not_an_unknown_model(s, path):
     body = {"model": 7, "messages": [{"role": "user", "content": "x"}], "input": "x"}
@@ -184,9 +217,16 @@ def test_a_model_that_is_not_a_string_is_a_400_not_an_unknown_model(s, path):
     assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
 
 
-@pytest.mark.parametrize("raw, param", [(b'"temperature": NaN', "temperature"), (b'"top_p": Infinity', "top_p"),
-                                        (b'"presence_penalty": -Infinity', "presence_penalty"),
-                                        (b'"top_k": "5"', "top_k"), (b'"min_p": true', "min_p")])
+@pytest.mark.parametrize(
+    "raw, param",
+    [
+        (b'"temperature": NaN', "temperature"),
+        (b'"top_p": Infinity', "top_p"),
+        (b'"presence_penalty": -Infinity', "presence_penalty"),
+        (b'"top_k": "5"', "top_k"),
+        (b'"min_p": true', "min_p"),
+    ],
+)
 def test_sampling_numbers_must_be_finite(s, raw, param):
     """NaN and Infinity (Python's JSON reader takes them) passed vLLM's range checks (NaN < 0 is
     false) and reached the sampler; now a 400 naming the field, as for any malformed value."""
@@ -194,26 +234,49 @@ def test_sampling_numbers_must_be_finite(s, raw, param):
     r = httpx.post(url(s), headers={**AUTH, "Content-Type": "application/json"}, content=body)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert not s.log("answer")
-    ok = s.client.chat.completions.create(model=PUBLIC, temperature=0.7, top_p=1, messages=[{"role": "user", "content": "[route:L2] y"}])
+    ok = s.client.chat.completions.create(
+        model=PUBLIC, temperature=0.7, top_p=1, messages=[{"role": "user", "content": "[route:L2] y"}]
+    )
     assert ok.choices[0].message.content.startswith("answer-")
 
 
-@pytest.mark.parametrize("engine_param, shown", [("temperature", "temperature"),
-                                                  ("response_format.json_schema", "response_format.json_schema"),
-                                                  ("messages[1].content", None), ("model", None), (None, None),
-                                                  ("top_k", None)])
+@pytest.mark.parametrize(
+    "engine_param, shown",
+    [
+        ("temperature", "temperature"),
+        ("response_format.json_schema", "response_format.json_schema"),
+        ("messages[1].content", None),
+        ("model", None),
+        (None, None),
+        ("top_k", None),
+    ],
+)
 def test_an_engine_400_names_the_clients_parameter_when_it_is_one(s, engine_param, shown):
     """vLLM's 400s carry `param` (VLLMValidationError.parameter); the proxy dropped it, so a client
     could not tell which of its parameters was refused. Kept for a parameter passed on as the client
     sent it; never for one the proxy built (an index into its rewritten messages, the adapter's model,
     a field the client did not send: the answer hop also carries the profile's proxy.sampling_defaults)."""
-    s.config(answer_error={"status": 400, "body": {"error": {
-        "message": "temperature must be non-negative, got -1.0.", "type": "BadRequestError", "param": engine_param,
-        "code": 400}}})
+    s.config(
+        answer_error={
+            "status": 400,
+            "body": {
+                "error": {
+                    "message": "temperature must be non-negative, got -1.0.",
+                    "type": "BadRequestError",
+                    "param": engine_param,
+                    "code": 400,
+                }
+            },
+        }
+    )
     schema = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}
     with pytest.raises(openai.BadRequestError) as err:
-        s.client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "[route:L2] x"}],
-                                         temperature=0.5, response_format=schema)
+        s.client.chat.completions.create(
+            model=PUBLIC,
+            messages=[{"role": "user", "content": "[route:L2] x"}],
+            temperature=0.5,
+            response_format=schema,
+        )
     assert err.value.body["param"] == shown and err.value.body["code"] == "invalid_request_error"
 
 
@@ -222,9 +285,19 @@ def test_a_prompt_that_fills_the_window_exactly_is_a_context_overflow(s, client_
     """vLLM 0.32 answers a prompt of exactly max-model-len tokens with "max_tokens must be at least
     1, got 0. (parameter=max_tokens, value=0)" (the room left, checked by SamplingParams), not a
     context-length message: the client got a generic 400 naming its own max_tokens=5."""
-    s.config(answer_error={"status": 400, "body": {"error": {
-        "message": "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
-        "type": "BadRequestError", "param": "max_tokens", "code": 400}}})
+    s.config(
+        answer_error={
+            "status": 400,
+            "body": {
+                "error": {
+                    "message": "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
+                    "type": "BadRequestError",
+                    "param": "max_tokens",
+                    "code": 400,
+                }
+            },
+        }
+    )
     extra = {"max_tokens": client_limit} if client_limit else {}
     with pytest.raises(openai.BadRequestError) as err:
         s.client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "[route:L2] x"}], **extra)
@@ -235,32 +308,74 @@ def test_a_prompt_that_fills_the_window_exactly_is_a_context_overflow(s, client_
 @pytest.mark.parametrize("stream", [False, True])
 def test_errors_before_the_first_token_keep_their_status_in_streams(s, stream):
     msgs = [{"role": "user", "content": "[route:L2] x"}]
-    s.config(answer_error={"status": 400, "body": {"error": {
-        "message": "This model's maximum context length is 2048 tokens. However, your prompt contains 3000 input tokens.",
-        "type": "BadRequestError", "param": None, "code": 400}}})
+    s.config(
+        answer_error={
+            "status": 400,
+            "body": {
+                "error": {
+                    "message": "This model's maximum context length is 2048 tokens. However, your prompt contains 3000 input tokens.",
+                    "type": "BadRequestError",
+                    "param": None,
+                    "code": 400,
+                }
+            },
+        }
+    )
     with pytest.raises(openai.BadRequestError) as err:
         s.client.chat.completions.create(model=PUBLIC, messages=msgs, stream=stream)
     assert err.value.status_code == 400 and err.value.code == "context_length_exceeded"
-    s.config(answer_error={"status": 503, "body": {"error": {"message": "EngineDeadError"}}, "headers": {"Retry-After": "7"}})
+    s.config(
+        answer_error={"status": 503, "body": {"error": {"message": "EngineDeadError"}}, "headers": {"Retry-After": "7"}}
+    )
     r = httpx.post(url(s), headers=AUTH, json={"model": PUBLIC, "messages": msgs, "stream": stream})
     assert r.status_code == 503 and r.headers["retry-after"] == "7"
-    assert r.headers["content-type"].startswith("application/json") and r.json()["error"]["code"] == "engine_unavailable"
+    assert (
+        r.headers["content-type"].startswith("application/json") and r.json()["error"]["code"] == "engine_unavailable"
+    )
     assert r.headers["x-request-id"].startswith("req-")
 
 
 # ------------------------------------------------------------------------ 5. malformed bodies
 
-@pytest.mark.parametrize("raw, param", [
-    (b"[" * 50_000, None),
-    (json.dumps({"model": PUBLIC, "messages": [{"role": "user", "content": "\ud800 lone"}]}).encode(), "messages[0].content"),
-    (json.dumps({"model": PUBLIC, "messages": [{"role": "user", "content": "x"}],
-                 "tools": [{"type": "function", "function": "get_weather"}]}).encode(), "tools[0].function"),
-    (json.dumps({"model": PUBLIC, "messages": [
-        {"role": "user", "content": "x"},
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function", "function": "f"}]},
-        {"role": "tool", "tool_call_id": "c", "content": "r"}]}).encode(), "messages[1].tool_calls[0].function"),
-    (json.dumps({"model": PUBLIC, "messages": [{"role": "user", "content": 42}]}).encode(), "messages[0].content"),
-])
+
+@pytest.mark.parametrize(
+    "raw, param",
+    [
+        (b"[" * 50_000, None),
+        (
+            json.dumps({"model": PUBLIC, "messages": [{"role": "user", "content": "\ud800 lone"}]}).encode(),
+            "messages[0].content",
+        ),
+        (
+            json.dumps(
+                {
+                    "model": PUBLIC,
+                    "messages": [{"role": "user", "content": "x"}],
+                    "tools": [{"type": "function", "function": "get_weather"}],
+                }
+            ).encode(),
+            "tools[0].function",
+        ),
+        (
+            json.dumps(
+                {
+                    "model": PUBLIC,
+                    "messages": [
+                        {"role": "user", "content": "x"},
+                        {
+                            "role": "assistant",
+                            "content": None,
+                            "tool_calls": [{"id": "c", "type": "function", "function": "f"}],
+                        },
+                        {"role": "tool", "tool_call_id": "c", "content": "r"},
+                    ],
+                }
+            ).encode(),
+            "messages[1].tool_calls[0].function",
+        ),
+        (json.dumps({"model": PUBLIC, "messages": [{"role": "user", "content": 42}]}).encode(), "messages[0].content"),
+    ],
+)
 def test_malformed_bodies_are_json_400_naming_the_field(s, raw, param):
     r = httpx.post(url(s), headers={**AUTH, "content-type": "application/json"}, content=raw)
     assert r.status_code == 400, r.text
@@ -274,8 +389,11 @@ def test_a_null_stream_is_the_default_like_every_other_null_parameter(s):
     """`"stream": null` was a 400 ("'stream' must be a boolean") while every other optional
     parameter may be null, as in OpenAI's schema (`boolean or null`, default false) and vLLM's;
     clients that serialise unset fields as null sent it. Found sending each parameter as null."""
-    r = httpx.post(url(s), headers=AUTH, json={"model": PUBLIC, "messages": [{"role": "user", "content": "x"}],
-                                               "stream": None, "stream_options": None})
+    r = httpx.post(
+        url(s),
+        headers=AUTH,
+        json={"model": PUBLIC, "messages": [{"role": "user", "content": "x"}], "stream": None, "stream_options": None},
+    )
     assert r.status_code == 200, r.text
     assert r.json()["object"] == "chat.completion"
     assert s.log("answer")[-1]["payload"]["stream"] is False
@@ -338,6 +456,7 @@ def test_an_unexpected_failure_is_a_json_500_with_a_request_id_logged_once(caplo
 
 # ------------------------------------------------------------------------ 6. route hop bounds
 
+
 def test_route_hop_has_a_deadline_and_falls_back(s):
     before = s.metrics()
     s.config(route_delay=4.0)  # the fixture's proxy.route_timeout_s is 2
@@ -353,8 +472,14 @@ def test_route_hop_has_a_deadline_and_falls_back(s):
 def test_route_hop_input_is_bounded(s):
     image = "data:image/png;base64," + "QUFB" * 50_000
     paste = "[route:L1] " + "loremipsumdolorsitamet " * 700  # 16 kB, but few words: the answer fits the window
-    s.chat([{"role": "user", "content": [{"type": "text", "text": paste},
-                                         {"type": "image_url", "image_url": {"url": image}}]}])
+    s.chat(
+        [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": paste}, {"type": "image_url", "image_url": {"url": image}}],
+            }
+        ]
+    )
     route = s.log("route")[-1]
     quoted = route["messages"][1]["content"]
     assert len(quoted) < TINY.proxy.route_max_input_chars + 300
@@ -364,6 +489,7 @@ def test_route_hop_input_is_bounded(s):
 
 
 # ------------------------------------------------------------------------ 7. background summaries
+
 
 def test_summary_queue_is_bounded_and_stale_summaries_are_dropped():
     from molctl.proxy.orchestrator import Orchestrator
@@ -401,6 +527,7 @@ def test_summary_queue_is_bounded_and_stale_summaries_are_dropped():
 
 # ------------------------------------------------------------------------ 8. one request must not block the loop
 
+
 def test_a_huge_request_does_not_block_the_event_loop(s):
     messages = [{"role": "user", "content": "x"}] * 225_000
     body = json.dumps({"model": PUBLIC, "messages": messages}).encode()
@@ -434,6 +561,7 @@ def test_a_huge_request_does_not_block_the_event_loop(s):
 
 # ------------------------------------------------------------------------ 9. smaller ones
 
+
 def test_store_byte_count_never_goes_negative():
     store = MemoryStore(max_entries=1)
     record = TurnRecord("L1")
@@ -452,11 +580,18 @@ def test_a_stream_client_that_stops_reading_is_dropped_and_the_engine_request_ca
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     try:
         sock.connect(("127.0.0.1", int(port)))
-        sock.sendall((f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
-                      f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode())
+        sock.sendall(
+            (
+                f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}"
+            ).encode()
+        )
         # never read: the proxy's writes block; after proxy.stream_write_timeout_s (2 s here) it gives up
         ok = wait_for(lambda: any(e.get("event") == "client_gone" for e in s.log()), timeout=20)
-        assert ok, ({k: v for k, v in s.metrics().items() if "stream" in k or "summar" in k}, [(e["hop"], e.get("event")) for e in s.log()])
+        assert ok, (
+            {k: v for k, v in s.metrics().items() if "stream" in k or "summar" in k},
+            [(e["hop"], e.get("event")) for e in s.log()],
+        )
         assert s.metrics()["molctl_proxy_stream_write_timeouts_total"] == before + 1
     finally:
         sock.close()
@@ -465,9 +600,13 @@ def test_a_stream_client_that_stops_reading_is_dropped_and_the_engine_request_ca
 
 
 def test_engine_400_messages_do_not_leak_paths_or_lora_internals(s):
-    message = ("Error loading LoRARequest(lora_name='L2', lora_int_id=3, lora_path='/srv/models/venti/loras/L2'): "
-               "file /srv/models/venti/loras/L2/adapter_config.json is invalid (lora_int_id=3)")
-    s.config(answer_error={"status": 400, "body": {"error": {"message": message, "type": "BadRequestError", "code": 400}}})
+    message = (
+        "Error loading LoRARequest(lora_name='L2', lora_int_id=3, lora_path='/srv/models/venti/loras/L2'): "
+        "file /srv/models/venti/loras/L2/adapter_config.json is invalid (lora_int_id=3)"
+    )
+    s.config(
+        answer_error={"status": 400, "body": {"error": {"message": message, "type": "BadRequestError", "code": 400}}}
+    )
     with pytest.raises(openai.BadRequestError) as err:
         s.chat([{"role": "user", "content": "[route:L2] x"}])
     text = json.dumps(err.value.body)
@@ -494,11 +633,21 @@ def test_metrics_answer_during_a_drain(keyfile):
     engine_port, port, metrics_port = free_ports(3)
     engine_url, proxy = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{port}"
     metrics = f"http://127.0.0.1:{metrics_port}/metrics"
-    with running(fake_engine_argv(engine_port, {**STRICT, "answer_delay": 2.0}), engine_url + "/health"), \
-            running(proxy_argv("tiny", engine_url, port, "--api-key-file", str(keyfile), "--metrics-port", str(metrics_port)),
-                    proxy + "/health") as proc:
-        t = threading.Thread(target=lambda: httpx.post(proxy + "/v1/chat/completions", headers=AUTH, timeout=20, json={
-            "model": PUBLIC, "messages": [{"role": "user", "content": "[route:L2] slow"}]}))
+    with (
+        running(fake_engine_argv(engine_port, {**STRICT, "answer_delay": 2.0}), engine_url + "/health"),
+        running(
+            proxy_argv("tiny", engine_url, port, "--api-key-file", str(keyfile), "--metrics-port", str(metrics_port)),
+            proxy + "/health",
+        ) as proc,
+    ):
+        t = threading.Thread(
+            target=lambda: httpx.post(
+                proxy + "/v1/chat/completions",
+                headers=AUTH,
+                timeout=20,
+                json={"model": PUBLIC, "messages": [{"role": "user", "content": "[route:L2] slow"}]},
+            )
+        )
         t.start()
         assert wait_for(lambda: httpx.get(engine_url + "/_log").json() != [])
         proc.send_signal(signal.SIGTERM)
@@ -509,8 +658,16 @@ def test_metrics_answer_during_a_drain(keyfile):
         t.join(20)
 
 
-@pytest.mark.parametrize("field, value", [("route_timeout_s", 0), ("summary_queue_max", -1), ("stream_write_timeout_s", 0),
-                                          ("route_max_input_chars", 10), ("route_timeout_s", "soon")])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("route_timeout_s", 0),
+        ("summary_queue_max", -1),
+        ("stream_write_timeout_s", 0),
+        ("route_max_input_chars", 10),
+        ("route_timeout_s", "soon"),
+    ],
+)
 def test_new_proxy_profile_fields_are_validated(field, value):
     from molctl.profiles import ProfileError, load_profile, profile_dirs
 
@@ -520,10 +677,18 @@ def test_new_proxy_profile_fields_are_validated(field, value):
     assert load_profile("tall", profile_dirs()).proxy.route_timeout_s > 0
 
 
-@pytest.mark.parametrize("effort, level, thinking", [
-    ("none", "none", False), ("minimal", "none", False), ("low", "high", True), ("medium", "high", True),
-    ("high", "high", True), ("xhigh", "max", True), ("max", "max", True),
-])
+@pytest.mark.parametrize(
+    "effort, level, thinking",
+    [
+        ("none", "none", False),
+        ("minimal", "none", False),
+        ("low", "high", True),
+        ("medium", "high", True),
+        ("high", "high", True),
+        ("xhigh", "max", True),
+        ("max", "max", True),
+    ],
+)
 def test_glm_profiles_send_glm52s_own_reasoning_levels(effort, level, thinking):
     """GLM-5.2 has two thinking levels, high and max (its default); low/medium fold into high and
     xhigh/max are max (Z.ai's GLM-5.2 notes; OpenRouter: "xhigh maps to max reasoning"). The proxy
@@ -537,15 +702,21 @@ def test_glm_profiles_send_glm52s_own_reasoning_levels(effort, level, thinking):
         profile = load_profile(name, profile_dirs())
         assert profile.proxy.reasoning == "glm"
         orch = Orchestrator(profile, get_engine(profile.engine.kind), None, MemoryStore())
-        plan = orch.prepare({"model": profile.served_model_name, "reasoning_effort": effort,
-                             "messages": [{"role": "user", "content": "hi"}]}, "t")
+        plan = orch.prepare(
+            {
+                "model": profile.served_model_name,
+                "reasoning_effort": effort,
+                "messages": [{"role": "user", "content": "hi"}],
+            },
+            "t",
+        )
         plan.route = "L2"
         payload = orch._build_answer(plan)
         assert payload["reasoning_effort"] == level
         assert payload["chat_template_kwargs"] == {"enable_thinking": thinking}
 
 
-@pytest.mark.parametrize("bias", ['{"42": NaN}', '{"42": Infinity}', '{"42": "high"}', '{"42": true}', '[1]'])
+@pytest.mark.parametrize("bias", ['{"42": NaN}', '{"42": Infinity}', '{"42": "high"}', '{"42": true}', "[1]"])
 def test_a_logit_bias_that_is_not_finite_numbers_is_refused(bias):
     """Found by the regression review (it reached the engine): vLLM 0.32 clamps each bias with
     min(100, max(-100, bias)) (sampling_params.py), so a NaN became -100 and silently banned the
@@ -553,11 +724,18 @@ def test_a_logit_bias_that_is_not_finite_numbers_is_refused(bias):
     from molctl.proxy import validation
     from molctl.proxy.errors import ProxyError
 
-    body = validation.parse_body(('{"model": "' + PUBLIC + '", "messages": [{"role": "user", "content": "x"}], '
-                                  '"logit_bias": ' + bias + '}').encode())
+    body = validation.parse_body(
+        (
+            '{"model": "' + PUBLIC + '", "messages": [{"role": "user", "content": "x"}], "logit_bias": ' + bias + "}"
+        ).encode()
+    )
     with pytest.raises(ProxyError) as err:
         validation.check_request(body, PUBLIC)
     assert err.value.param == "logit_bias" and "finite numbers" in err.value.message
-    ok = validation.parse_body(('{"model": "' + PUBLIC + '", "messages": [{"role": "user", "content": "x"}], '
-                                '"logit_bias": {"42": -100, "7": 2.5}}').encode())
+    ok = validation.parse_body(
+        (
+            '{"model": "' + PUBLIC + '", "messages": [{"role": "user", "content": "x"}], '
+            '"logit_bias": {"42": -100, "7": 2.5}}'
+        ).encode()
+    )
     validation.check_request(ok, PUBLIC)

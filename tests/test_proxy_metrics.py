@@ -67,10 +67,26 @@ def s(tmp_path_factory):
     engine_port, proxy_port, metrics_port = free_ports(3)
     engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
     log = tmp / "proxy.log"
-    with running(fake_engine_argv(engine_port), engine_url + "/health"), \
-            running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(keyfile), "--store", "memory",
-                               "--metrics-port", str(metrics_port), "--set", "proxy.route_timeout_s=2"),
-                    proxy_url + "/health", log=log) as proxy:
+    with (
+        running(fake_engine_argv(engine_port), engine_url + "/health"),
+        running(
+            proxy_argv(
+                "tiny",
+                engine_url,
+                proxy_port,
+                "--api-key-file",
+                str(keyfile),
+                "--store",
+                "memory",
+                "--metrics-port",
+                str(metrics_port),
+                "--set",
+                "proxy.route_timeout_s=2",
+            ),
+            proxy_url + "/health",
+            log=log,
+        ) as proxy,
+    ):
         yield Stack(engine_url, proxy_url, f"http://127.0.0.1:{metrics_port}/metrics", log, proxy.pid)
 
 
@@ -78,7 +94,9 @@ def test_metrics_listener_counts_requests_hops_and_states(s):
     s.config()
     before = s.value("molctl_proxy_requests_total", api="chat", status="200", stream="false")
     s.client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "[route:L2] hello"}])
-    for _ in s.client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "[route:L3] hi"}], stream=True):
+    for _ in s.client.chat.completions.create(
+        model=PUBLIC, messages=[{"role": "user", "content": "[route:L3] hi"}], stream=True
+    ):
         pass
     s.client.responses.create(model=PUBLIC, input="[route:L1] there")
     assert s.value("molctl_proxy_requests_total", api="chat", status="200", stream="false") == before + 1
@@ -112,11 +130,17 @@ def test_failures_are_counted_by_reason_and_status(s):
 
 def test_label_values_are_bounded_and_the_public_port_has_no_metrics(s):
     s.config()
-    s.client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "[route:L2] secret-words-here"}])
-    allowed = {"hop": {"route", "answer", "summary"}, "adapter": {"L0", "L1", "L2", "L3", "none"},
-               "api": {"chat", "responses", "models", "other"}, "stream": {"true", "false"},
-               "reason": {"timeout", "engine_error", "no_slot", "bad_label", "queue_full", "deadline"},
-               "store": {"conversations", "responses"}}
+    s.client.chat.completions.create(
+        model=PUBLIC, messages=[{"role": "user", "content": "[route:L2] secret-words-here"}]
+    )
+    allowed = {
+        "hop": {"route", "answer", "summary"},
+        "adapter": {"L0", "L1", "L2", "L3", "none"},
+        "api": {"chat", "responses", "models", "other"},
+        "stream": {"true", "false"},
+        "reason": {"timeout", "engine_error", "no_slot", "bad_label", "queue_full", "deadline"},
+        "store": {"conversations", "responses"},
+    }
     for name, labels, _ in s.samples():
         for k, v in labels.items():
             if k == "status":
@@ -158,17 +182,28 @@ def test_idle_connections_to_the_metrics_port_are_bounded(s):
 
 def test_request_id_is_passed_on_and_each_request_logs_one_json_line(s):
     s.config()
-    r = httpx.post(s.proxy_url + "/v1/chat/completions", headers={**AUTH, "X-Request-Id": "client-id.42"},
-                   json={"model": PUBLIC, "messages": [{"role": "user", "content": "[route:L2] trace me"}]})
+    r = httpx.post(
+        s.proxy_url + "/v1/chat/completions",
+        headers={**AUTH, "X-Request-Id": "client-id.42"},
+        json={"model": PUBLIC, "messages": [{"role": "user", "content": "[route:L2] trace me"}]},
+    )
     assert r.status_code == 200 and r.headers["x-request-id"] == "client-id.42"
     # each hop carries the request's id and its own name (header, and the body field vLLM logs)
     hops = [e for e in s.engine_log() if (e.get("request_id") or "").startswith("client-id.42-")]
-    assert {(e["hop"], e["request_id"]) for e in hops} >= {("route", "client-id.42-route"), ("answer", "client-id.42-answer")}
+    assert {(e["hop"], e["request_id"]) for e in hops} >= {
+        ("route", "client-id.42-route"),
+        ("answer", "client-id.42-answer"),
+    }
     assert all(e["payload"]["request_id"] == e["request_id"] for e in hops)
-    assert wait_for(lambda: any(e["hop"] == "summary" and e.get("request_id") == "client-id.42-summary" for e in s.engine_log()))
+    assert wait_for(
+        lambda: any(e["hop"] == "summary" and e.get("request_id") == "client-id.42-summary" for e in s.engine_log())
+    )
     # an invalid incoming id is replaced, never echoed
-    bad = httpx.post(s.proxy_url + "/v1/chat/completions", headers={**AUTH, "X-Request-Id": "x" * 200},
-                     json={"model": PUBLIC, "messages": [{"role": "user", "content": "[route:L1] again"}], "stream": True})
+    bad = httpx.post(
+        s.proxy_url + "/v1/chat/completions",
+        headers={**AUTH, "X-Request-Id": "x" * 200},
+        json={"model": PUBLIC, "messages": [{"role": "user", "content": "[route:L1] again"}], "stream": True},
+    )
     assert bad.status_code == 200 and re.fullmatch(r"req-[0-9a-f]{16}", bad.headers["x-request-id"])
     unauth = httpx.get(s.proxy_url + "/v1/models", headers={"X-Request-Id": "anon-1"})
     assert unauth.status_code == 401 and unauth.headers["x-request-id"] == "anon-1"
@@ -194,17 +229,27 @@ def test_a_failed_request_logs_its_error_code_and_the_engines_reason(s):
     """A stream that failed after its 200 (the engine died mid-answer) was logged as status 200 with
     nothing else, and an answer hop's engine failure had no log line saying why (the SRE review)."""
     s.config(answer_words=6, stream_error_after=3)
-    with httpx.stream("POST", s.proxy_url + "/v1/chat/completions", headers={**AUTH, "X-Request-Id": "cut-1"},
-                      json={"model": PUBLIC, "stream": True, "messages": [{"role": "user", "content": "[route:L2] cut"}]}) as r:
+    with httpx.stream(
+        "POST",
+        s.proxy_url + "/v1/chat/completions",
+        headers={**AUTH, "X-Request-Id": "cut-1"},
+        json={"model": PUBLIC, "stream": True, "messages": [{"role": "user", "content": "[route:L2] cut"}]},
+    ) as r:
         body = "".join(r.iter_text())
     assert r.status_code == 200 and '"error"' in body
     s.config(answer_error={"status": 500, "body": {"error": {"message": "EngineCore died", "code": 500}}})
-    r = httpx.post(s.proxy_url + "/v1/chat/completions", headers={**AUTH, "X-Request-Id": "down-1"},
-                   json={"model": PUBLIC, "messages": [{"role": "user", "content": "[route:L2] x"}]})
+    r = httpx.post(
+        s.proxy_url + "/v1/chat/completions",
+        headers={**AUTH, "X-Request-Id": "down-1"},
+        json={"model": PUBLIC, "messages": [{"role": "user", "content": "[route:L2] x"}]},
+    )
     assert r.status_code == 502
     s.config()
-    ok = httpx.post(s.proxy_url + "/v1/chat/completions", headers={**AUTH, "X-Request-Id": "fine-1"},
-                    json={"model": PUBLIC, "messages": [{"role": "user", "content": "[route:L2] y"}]})
+    ok = httpx.post(
+        s.proxy_url + "/v1/chat/completions",
+        headers={**AUTH, "X-Request-Id": "fine-1"},
+        json={"model": PUBLIC, "messages": [{"role": "user", "content": "[route:L2] y"}]},
+    )
     assert ok.status_code == 200
 
     def line(rid):
@@ -221,7 +266,10 @@ def test_a_failed_request_logs_its_error_code_and_the_engines_reason(s):
 
 def test_status_reads_a_missing_listener_as_unavailable():
     port = free_port()
-    assert proxy_metrics(f"http://127.0.0.1:{port}/metrics") == {"available": False, "url": f"http://127.0.0.1:{port}/metrics"}
+    assert proxy_metrics(f"http://127.0.0.1:{port}/metrics") == {
+        "available": False,
+        "url": f"http://127.0.0.1:{port}/metrics",
+    }
 
 
 def test_a_busy_metrics_port_is_one_line_and_exit_4(tmp_path):
@@ -233,9 +281,28 @@ def test_a_busy_metrics_port_is_one_line_and_exit_4(tmp_path):
 
     with socket.create_server(("127.0.0.1", 0)) as busy:
         port = busy.getsockname()[1]
-        p = subprocess.run([sys.executable, "-m", "molctl", "proxy", "tiny", "--upstream", "http://127.0.0.1:9",
-                            "--port", str(free_port()), "--allow-unauthenticated", "--store", "memory", "--metrics-port", str(port)],
-                           capture_output=True, text=True, timeout=60, cwd=ROOT)
+        p = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "molctl",
+                "proxy",
+                "tiny",
+                "--upstream",
+                "http://127.0.0.1:9",
+                "--port",
+                str(free_port()),
+                "--allow-unauthenticated",
+                "--store",
+                "memory",
+                "--metrics-port",
+                str(port),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+        )
     assert p.returncode == 4, p.stderr
     assert p.stderr.strip() == f"molctl: error: proxy.metrics_port 127.0.0.1:{port}: Address already in use"
 
@@ -259,8 +326,13 @@ def test_each_app_has_its_own_registry():
 
 def test_a_client_that_leaves_mid_stream_is_logged_as_such(s):
     s.config(token_delay=0.2, answer_words=20)
-    with httpx.stream("POST", s.proxy_url + "/v1/chat/completions", headers={**AUTH, "X-Request-Id": "leaver-1"}, timeout=30,
-                      json={"model": PUBLIC, "messages": [{"role": "user", "content": "[route:L2] go"}], "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        s.proxy_url + "/v1/chat/completions",
+        headers={**AUTH, "X-Request-Id": "leaver-1"},
+        timeout=30,
+        json={"model": PUBLIC, "messages": [{"role": "user", "content": "[route:L2] go"}], "stream": True},
+    ) as r:
         assert r.status_code == 200
         next(r.iter_lines())  # the first frame, then hang up
     assert wait_for(lambda: any(e["request_id"] == "leaver-1" for e in s.request_lines()))
@@ -277,17 +349,44 @@ def test_an_ipv6_metrics_host_is_served_and_a_bad_one_is_named(tmp_path):
     from tests.helpers import ROOT
 
     proxy_port, metrics_port = free_ports(2)
-    argv = proxy_argv("tiny", "http://127.0.0.1:9", proxy_port, "--allow-unauthenticated", "--store", "memory",
-                      "--metrics-port", str(metrics_port), "--set", "proxy.metrics_host=::1")
+    argv = proxy_argv(
+        "tiny",
+        "http://127.0.0.1:9",
+        proxy_port,
+        "--allow-unauthenticated",
+        "--store",
+        "memory",
+        "--metrics-port",
+        str(metrics_port),
+        "--set",
+        "proxy.metrics_host=::1",
+    )
     with running(argv, f"http://127.0.0.1:{proxy_port}/health", log=tmp_path / "proxy.log"):
         r = httpx.get(f"http://[::1]:{metrics_port}/metrics")
         assert r.status_code == 200 and "molctl_proxy_requests_total" in r.text
     proxy_port, metrics_port = free_ports(2)
-    p = subprocess.run(proxy_argv("tiny", "http://127.0.0.1:9", proxy_port, "--allow-unauthenticated", "--store", "memory",
-                                  "--metrics-port", str(metrics_port), "--set", "proxy.metrics_host=no-such-host.invalid"),
-                       capture_output=True, text=True, timeout=60, cwd=ROOT)
+    p = subprocess.run(
+        proxy_argv(
+            "tiny",
+            "http://127.0.0.1:9",
+            proxy_port,
+            "--allow-unauthenticated",
+            "--store",
+            "memory",
+            "--metrics-port",
+            str(metrics_port),
+            "--set",
+            "proxy.metrics_host=no-such-host.invalid",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert p.returncode == 4, p.stderr
-    assert p.stderr.count("\n") == 1 and "no-such-host.invalid" in p.stderr and "Unknown error" not in p.stderr, p.stderr
+    assert p.stderr.count("\n") == 1 and "no-such-host.invalid" in p.stderr and "Unknown error" not in p.stderr, (
+        p.stderr
+    )
 
 
 def test_probes_with_a_trailing_slash_are_neither_counted_nor_logged(s):
@@ -331,9 +430,26 @@ def test_a_busy_public_port_is_one_line_and_exit_4_before_the_store_is_opened(tm
     state = tmp_path / "state"
     with socket.create_server(("127.0.0.1", 0)) as busy:
         port = busy.getsockname()[1]
-        p = subprocess.run([sys.executable, "-m", "molctl", "--state-dir", str(state), "proxy", "tiny", "--upstream",
-                            "http://127.0.0.1:9", "--port", str(port), "--allow-unauthenticated"],
-                           capture_output=True, text=True, timeout=60, cwd=ROOT)
+        p = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "molctl",
+                "--state-dir",
+                str(state),
+                "proxy",
+                "tiny",
+                "--upstream",
+                "http://127.0.0.1:9",
+                "--port",
+                str(port),
+                "--allow-unauthenticated",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+        )
     assert p.returncode == 4, p.stderr
     assert p.stderr.strip() == f"molctl: error: --port 127.0.0.1:{port}: Address already in use"
     assert not list(state.glob("*/proxy-store.sqlite3"))  # nothing opened before the refusal

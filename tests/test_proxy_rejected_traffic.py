@@ -51,9 +51,24 @@ def stack(tmp_path_factory):
     engine_port, proxy_port, metrics_port = free_ports(3)
     engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
     log = tmp / "proxy.log"
-    with running(fake_engine_argv(engine_port), engine_url + "/health"), \
-            running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(keyfile), "--store", "memory",
-                               "--metrics-port", str(metrics_port)), proxy_url + "/health", log=log):
+    with (
+        running(fake_engine_argv(engine_port), engine_url + "/health"),
+        running(
+            proxy_argv(
+                "tiny",
+                engine_url,
+                proxy_port,
+                "--api-key-file",
+                str(keyfile),
+                "--store",
+                "memory",
+                "--metrics-port",
+                str(metrics_port),
+            ),
+            proxy_url + "/health",
+            log=log,
+        ),
+    ):
         yield Stack(engine_url, proxy_url, f"http://127.0.0.1:{metrics_port}/metrics", log)
 
 
@@ -136,12 +151,16 @@ def _answer_to_raw(url: str, request: bytes) -> bytes:
     return data
 
 
-@pytest.mark.parametrize(("request_bytes", "detail"), [
-    (b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n", "Invalid character in Content-Length"),
-    (b"BLAH\r\n\r\n", "Invalid method encountered"),
-    (b"GET /health HTTP/1.1\r\nHo\x01st: x\r\n\r\n", "Invalid header token"),
-    (b"GET /\xff HTTP/1.1\r\nHost: x\r\n\r\n", "Invalid char in url path"),
-], ids=["content-length", "method", "header-name", "path"])
+@pytest.mark.parametrize(
+    ("request_bytes", "detail"),
+    [
+        (b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n", "Invalid character in Content-Length"),
+        (b"BLAH\r\n\r\n", "Invalid method encountered"),
+        (b"GET /health HTTP/1.1\r\nHo\x01st: x\r\n\r\n", "Invalid header token"),
+        (b"GET /\xff HTTP/1.1\r\nHost: x\r\n\r\n", "Invalid char in url path"),
+    ],
+    ids=["content-length", "method", "header-name", "path"],
+)
 def test_a_request_that_is_not_valid_http_gets_a_json_error_like_every_other_400(stack, request_bytes, detail):
     """Found sending a raw request with `Content-Length: abc` (and a bad method, a control
     character in a header name, a non-ASCII byte in the path) to a real proxy: each was answered
@@ -157,8 +176,14 @@ def test_a_request_that_is_not_valid_http_gets_a_json_error_like_every_other_400
     assert headers["content-type"] == "application/json", headers
     assert headers["connection"] == "close" and int(headers["content-length"]) == len(body), headers
     assert headers["x-request-id"].startswith("req-"), headers
-    assert json.loads(body) == {"error": {"message": f"The request is not valid HTTP/1.1: {detail}.",
-                                          "type": "invalid_request_error", "param": None, "code": "invalid_http"}}
+    assert json.loads(body) == {
+        "error": {
+            "message": f"The request is not valid HTTP/1.1: {detail}.",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "invalid_http",
+        }
+    }
     assert "Invalid HTTP request received." in stack.log.read_text()
     assert httpx.get(stack.proxy_url + "/health").status_code == 200  # the proxy serves on
 
@@ -186,6 +211,6 @@ def test_key_guesses_on_the_probe_paths_are_logged_and_counted_and_head_is_a_pro
     wait_for(lambda: len(stack.request_lines()) >= lines_before + 4, 5)
     assert stack.counter("molctl_proxy_requests_total", api="other", status="401") == before + 4
     new = stack.request_lines()[lines_before:]
-    assert [(line["status"], line["error"], line["tenant"]) for line in new] == [(401, "invalid_api_key", None)] * 4, new
-
-
+    assert [(line["status"], line["error"], line["tenant"]) for line in new] == [(401, "invalid_api_key", None)] * 4, (
+        new
+    )

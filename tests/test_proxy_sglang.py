@@ -23,8 +23,16 @@ VENTI = load_profile("venti-sglang", profile_dirs())
 PUBLIC = VENTI.served_model_name
 SERVED = VENTI.engine.served_name
 LEAK = re.compile(r"(?<![A-Za-z0-9])L[0-3](?![0-9])|glm52-fp8-official")
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather for a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
 
 
 class Stack:
@@ -56,11 +64,19 @@ def _stack(keyfile, logs, *proxy_args: str, cache_report=True, key: str = KEY):
     engine_port, proxy_port = free_ports(2)
     engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
     # /health answers 200 only after the fake's warm-up, as SGLang's
-    return (running(fake_sglang_argv(engine_port, SERVED, cache_report=cache_report), engine_url + "/health",
-                    log=logs / f"engine-{engine_port}.log"),
-            running(proxy_argv("venti-sglang", engine_url, proxy_port, "--api-key-file", str(keyfile), *proxy_args),
-                    proxy_url + "/health", log=logs / f"proxy-{proxy_port}.log"),
-            Stack(engine_url, proxy_url, key))
+    return (
+        running(
+            fake_sglang_argv(engine_port, SERVED, cache_report=cache_report),
+            engine_url + "/health",
+            log=logs / f"engine-{engine_port}.log",
+        ),
+        running(
+            proxy_argv("venti-sglang", engine_url, proxy_port, "--api-key-file", str(keyfile), *proxy_args),
+            proxy_url + "/health",
+            log=logs / f"proxy-{proxy_port}.log",
+        ),
+        Stack(engine_url, proxy_url, key),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -99,9 +115,17 @@ def test_adapter_naming_and_route_constraint(s, stream):
 def test_usage_reports_cached_tokens(s):
     r = s.client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "[route:L1] hi"}])
     assert r.usage.total_tokens == 13 and r.usage.prompt_tokens_details.cached_tokens == 4
-    with httpx.stream("POST", s.proxy_url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
-                      json={"model": PUBLIC, "stream": True, "stream_options": {"include_usage": True},
-                            "messages": [{"role": "user", "content": "[route:L3] hi"}]}) as resp:
+    with httpx.stream(
+        "POST",
+        s.proxy_url + "/v1/chat/completions",
+        headers={"Authorization": f"Bearer {KEY}"},
+        json={
+            "model": PUBLIC,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": "[route:L3] hi"}],
+        },
+    ) as resp:
         raw = "".join(resp.iter_text())
     frames = [f[6:] for f in raw.split("\n\n") if f.startswith("data: ")]
     assert frames[-1] == "[DONE]"
@@ -110,10 +134,17 @@ def test_usage_reports_cached_tokens(s):
 
 
 def test_tool_call_stream(s):
-    chunks = list(s.client.chat.completions.create(
-        model=PUBLIC, stream=True, tools=TOOLS,
-        messages=[{"role": "user", "content": "[route:L2] [tool:get_weather] now"}]))
-    args = "".join(tc.function.arguments or "" for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or [])
+    chunks = list(
+        s.client.chat.completions.create(
+            model=PUBLIC,
+            stream=True,
+            tools=TOOLS,
+            messages=[{"role": "user", "content": "[route:L2] [tool:get_weather] now"}],
+        )
+    )
+    args = "".join(
+        tc.function.arguments or "" for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []
+    )
     assert json.loads(args)["city"] == "Paris"
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
 
@@ -124,8 +155,9 @@ def test_unloaded_adapter_error_names_no_adapter(s, stream):
     # LoRA adapters are not loaded: L2\nLoaded adapters: dict_keys(['L0', 'L1', 'L3'])."}: every loaded name
     s.config(adapters=["L0", "L1", "L3"])
     body = {"model": PUBLIC, "stream": stream, "messages": [{"role": "user", "content": "[route:L2] x"}]}
-    with httpx.stream("POST", s.proxy_url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
-                      json=body) as r:
+    with httpx.stream(
+        "POST", s.proxy_url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, json=body
+    ) as r:
         text = "".join(r.iter_text())
     assert r.status_code >= 400 or '"error"' in text
     assert not LEAK.search(text), text
@@ -136,15 +168,29 @@ def test_unloaded_adapter_error_names_no_adapter(s, stream):
 def test_every_route_hop_carries_the_regex(s):
     """SGLang has no `choice`: a route hop without `regex` samples freely (the fake then answers
     prose). Every route request the proxy sends, whatever the client's request, is constrained."""
-    history = [{"role": "user", "content": "[route:L2] write a parser"}, {"role": "assistant", "content": "done"},
-               {"role": "user", "content": "[route:L1] now plan my trip"}]
+    history = [
+        {"role": "user", "content": "[route:L2] write a parser"},
+        {"role": "assistant", "content": "done"},
+        {"role": "user", "content": "[route:L1] now plan my trip"},
+    ]
     s.client.chat.completions.create(model=PUBLIC, messages=history)
     list(s.client.chat.completions.create(model=PUBLIC, stream=True, messages=history))
-    s.client.chat.completions.create(model=PUBLIC, tools=TOOLS, tool_choice="auto",
-                                     messages=[{"role": "user", "content": "[route:L3] [tool:get_weather] x"}])
-    s.client.chat.completions.create(model=PUBLIC, max_tokens=5, temperature=1.5, response_format={"type": "json_object"},
-                                     messages=[{"role": "system", "content": "be brief"},
-                                               {"role": "user", "content": [{"type": "text", "text": "[route:L0] hi"}]}])
+    s.client.chat.completions.create(
+        model=PUBLIC,
+        tools=TOOLS,
+        tool_choice="auto",
+        messages=[{"role": "user", "content": "[route:L3] [tool:get_weather] x"}],
+    )
+    s.client.chat.completions.create(
+        model=PUBLIC,
+        max_tokens=5,
+        temperature=1.5,
+        response_format={"type": "json_object"},
+        messages=[
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "[route:L0] hi"}]},
+        ],
+    )
     routes = s.log("route")
     assert len(routes) == 4
     for entry in routes:
@@ -177,8 +223,12 @@ def test_without_cache_report_no_cached_tokens(keyfile, tmp_path):
 
 
 def _stream(s, content="hello"):
-    return httpx.post(s.proxy_url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=30,
-                      json={"model": PUBLIC, "stream": True, "messages": [{"role": "user", "content": content}]})
+    return httpx.post(
+        s.proxy_url + "/v1/chat/completions",
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=30,
+        json={"model": PUBLIC, "stream": True, "messages": [{"role": "user", "content": content}]},
+    )
 
 
 def test_an_sglang_abort_before_the_first_token_is_a_real_http_error(s):
@@ -205,7 +255,10 @@ def test_an_sglang_abort_mid_stream_ends_it_with_an_error_frame(s):
     frames = [json.loads(e) for e in events[:-1]]
     text = "".join((c.get("delta") or {}).get("content") or "" for f in frames for c in f.get("choices") or [])
     assert text.startswith("answer-") and "word" not in text  # the piece before the abort, then nothing
-    assert frames[-1]["error"]["code"] == "engine_error" and "Internal error in the scheduler" in frames[-1]["error"]["message"]
+    assert (
+        frames[-1]["error"]["code"] == "engine_error"
+        and "Internal error in the scheduler" in frames[-1]["error"]["message"]
+    )
     assert not any(c.get("finish_reason") for f in frames for c in f.get("choices") or [])
 
 
@@ -219,9 +272,12 @@ def test_each_hop_carries_a_unique_rid_even_when_the_client_repeats_its_request_
     s.config(answer_delay=0.5)
 
     def ask(text):
-        return httpx.post(s.proxy_url + "/v1/chat/completions", timeout=30,
-                          headers={"Authorization": f"Bearer {KEY}", "X-Request-Id": "same-id"},
-                          json={"model": PUBLIC, "messages": [{"role": "user", "content": f"[route:L2] {text}"}]})
+        return httpx.post(
+            s.proxy_url + "/v1/chat/completions",
+            timeout=30,
+            headers={"Authorization": f"Bearer {KEY}", "X-Request-Id": "same-id"},
+            json={"model": PUBLIC, "messages": [{"role": "user", "content": f"[route:L2] {text}"}]},
+        )
 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         answers = list(pool.map(ask, ["one", "two"]))

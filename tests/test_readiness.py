@@ -34,15 +34,24 @@ class Script:
 
 def wait(script: Script, clock: Clock, timeout: float, check_alive=lambda: None):
     waited = []
-    probe, elapsed = wait_ready(script, timeout, check_alive=check_alive,
-                                on_wait=lambda e, p: waited.append((e, p.state)), clock=clock, sleep=clock.sleep)
+    probe, elapsed = wait_ready(
+        script,
+        timeout,
+        check_alive=check_alive,
+        on_wait=lambda e, p: waited.append((e, p.state)),
+        clock=clock,
+        sleep=clock.sleep,
+    )
     return probe, elapsed, waited
 
 
 def test_ready_after_a_few_polls():
     clock = Clock()
-    script = Script(Probe("down", "not listening yet"), Probe("starting", "/health answers 503"),
-                    Probe("ready", "health, adapters and a 1-token completion per adapter"))
+    script = Script(
+        Probe("down", "not listening yet"),
+        Probe("starting", "/health answers 503"),
+        Probe("ready", "health, adapters and a 1-token completion per adapter"),
+    )
     probe, elapsed, waited = wait(script, clock, timeout=60)
     assert probe.state == "ready" and script.polls == 3
     assert clock.sleeps == [POLL_S, POLL_S] and elapsed == 2 * POLL_S
@@ -80,14 +89,17 @@ def test_an_exited_process_ends_the_wait_before_the_next_probe():
     assert script.polls == 2 and len(calls) == 3
 
 
-@pytest.mark.parametrize("host, port, url", [
-    ("127.0.0.1", 8100, "http://127.0.0.1:8100"),
-    ("0.0.0.0", 8100, "http://127.0.0.1:8100"),
-    ("::", 8300, "http://127.0.0.1:8300"),
-    ("::1", 8300, "http://[::1]:8300"),
-    ("fd00::5", 9000, "http://[fd00::5]:9000"),
-    ("gpu-host.internal", 9000, "http://gpu-host.internal:9000"),
-])
+@pytest.mark.parametrize(
+    "host, port, url",
+    [
+        ("127.0.0.1", 8100, "http://127.0.0.1:8100"),
+        ("0.0.0.0", 8100, "http://127.0.0.1:8100"),
+        ("::", 8300, "http://127.0.0.1:8300"),
+        ("::1", 8300, "http://[::1]:8300"),
+        ("fd00::5", 9000, "http://[fd00::5]:9000"),
+        ("gpu-host.internal", 9000, "http://gpu-host.internal:9000"),
+    ],
+)
 def test_base_url_brackets_ipv6_and_reaches_wildcards_through_loopback(host, port, url):
     assert base_url(host, port) == url
 
@@ -99,8 +111,14 @@ def _engine_transport(smoke_status: int):
         if request.url.path == "/health":
             return httpx.Response(200)
         if request.url.path == "/v1/models":
-            return httpx.Response(200, json={"object": "list", "data": [{"id": "tiny-mol-base", "parent": None}] + [
-                {"id": f"L{i}", "parent": "tiny-mol-base"} for i in range(4)]})
+            return httpx.Response(
+                200,
+                json={
+                    "object": "list",
+                    "data": [{"id": "tiny-mol-base", "parent": None}]
+                    + [{"id": f"L{i}", "parent": "tiny-mol-base"} for i in range(4)],
+                },
+            )
         if smoke_status != 200:
             return httpx.Response(smoke_status, json={"error": {"message": "The model `L0` does not exist."}})
         return httpx.Response(200, json={"choices": [{"message": {"content": "x"}}]})
@@ -120,8 +138,9 @@ def test_a_refused_readiness_smoke_is_final_not_starting(status, state):
     from molctl.readiness import EngineReadiness
 
     profile = load_profile("tiny", profile_dirs())
-    probe = EngineReadiness(profile, get_engine("vllm"), httpx.Client(transport=_engine_transport(status)),
-                            url="http://engine").poll()
+    probe = EngineReadiness(
+        profile, get_engine("vllm"), httpx.Client(transport=_engine_transport(status)), url="http://engine"
+    ).poll()
     assert probe.state == state, probe
     if state == "adapters":
         assert f"answered {status}: The model `L0` does not exist." in probe.detail

@@ -21,15 +21,30 @@ TEXT = "lorem ipsum " * 85  # ~1 KiB a message
 
 def turn(rid: str, prev: dict | None, i: int, tenant: str = "tenant-a", t: float | None = None) -> dict:
     """The record the proxy stores for turn `i` continuing `prev`: its whole conversation."""
-    messages = (prev["messages"] if prev else []) + [{"role": "user", "content": f"{i} {TEXT}"},
-                                                     {"role": "assistant", "content": f"answer {i}"}]
-    return {"id": rid, "tenant": tenant, "created_at": t if t is not None else Clock().t,
-            "previous_response_id": prev["id"] if prev else None, "route": "L1", "messages": messages,
-            "input_items": [], "response": {"id": rid}}
+    messages = (prev["messages"] if prev else []) + [
+        {"role": "user", "content": f"{i} {TEXT}"},
+        {"role": "assistant", "content": f"answer {i}"},
+    ]
+    return {
+        "id": rid,
+        "tenant": tenant,
+        "created_at": t if t is not None else Clock().t,
+        "previous_response_id": prev["id"] if prev else None,
+        "route": "L1",
+        "messages": messages,
+        "input_items": [],
+        "response": {"id": rid},
+    }
 
 
-async def chain(store: RedisResponseStore, n: int, name: str = "c", tenant: str = "tenant-a", after: dict | None = None,
-                t: float | None = None) -> list[dict]:
+async def chain(
+    store: RedisResponseStore,
+    n: int,
+    name: str = "c",
+    tenant: str = "tenant-a",
+    after: dict | None = None,
+    t: float | None = None,
+) -> list[dict]:
     out, prev = [], after
     for i in range(n):
         prev = turn(f"resp_{name}{i}", prev, i, tenant, t)
@@ -64,7 +79,9 @@ def test_a_50_turn_chain_grows_linearly_and_reads_back_whole(redis, r):
     assert sizes[-1] < 50 * (steps[0] + 64)
     whole = sum(len(json.dumps(t, separators=(",", ":"))) for t in turns)  # what full copies would hold
     assert sizes[-1] * 10 < whole
-    assert [g["messages"] for g in got] == [t["messages"] for t in turns] and prev_read["messages"] == turns[-1]["messages"]
+    assert [g["messages"] for g in got] == [t["messages"] for t in turns] and prev_read["messages"] == turns[-1][
+        "messages"
+    ]
     assert chains(r) == 1 and r.llen(P + "ch:1") == 100
     totals_agree(r)
 
@@ -157,8 +174,11 @@ def test_two_store_objects_on_one_redis_share_one_chain(redis, r):
         # concurrent continuations of the same tip: one appends, the other branches; both read whole
         x, y = turn("resp_x", prev, 6), turn("resp_y", prev, 6)
         await asyncio.gather(sa.put_response(x), sb.put_response(y))
-        got = [await sb.get_response("tenant-a", "resp_x"), await sa.get_response("tenant-a", "resp_y"),
-               await sa.get_response("tenant-a", "resp_5")]
+        got = [
+            await sb.get_response("tenant-a", "resp_x"),
+            await sa.get_response("tenant-a", "resp_y"),
+            await sa.get_response("tenant-a", "resp_5"),
+        ]
         await a.close()
         await b.close()
         return prev, x, y, got
@@ -209,6 +229,7 @@ def test_after_its_tip_goes_a_continuation_branches_and_a_lost_list_is_a_counted
     so continuing the one before starts a chain of its own, whole; the old chain goes with its last
     reference. A list Redis dropped itself (maxmemory eviction): its responses are unreadable (None,
     counted), never a conversation with a gap, and a continuation of them starts afresh."""
+
     async def main():
         st = state(redis, clock=Clock())
         store = RedisResponseStore(st)

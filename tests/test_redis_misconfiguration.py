@@ -27,17 +27,35 @@ from tests.redis_server import RedisServer
 # ------------------------------------------------------------------------------ proxy.store URLs
 
 
-@pytest.mark.parametrize("url, why", [
-    ("redis://127.0.0.1:0/0", "port is not a number from 1 to 65535"),  # was: silently port 6379
-    ("redis://127.0.0.1:6379/\u0663", "database must be a number"),  # an Arabic-Indic 3: was db 3
-    ("redis://[::1/0", "expected redis://host:port/db"),  # was: the bare "Invalid IPv6 URL"
-])
+@pytest.mark.parametrize(
+    "url, why",
+    [
+        ("redis://127.0.0.1:0/0", "port is not a number from 1 to 65535"),  # was: silently port 6379
+        ("redis://127.0.0.1:6379/\u0663", "database must be a number"),  # an Arabic-Indic 3: was db 3
+        ("redis://[::1/0", "expected redis://host:port/db"),  # was: the bare "Invalid IPv6 URL"
+    ],
+)
 def test_a_malformed_store_url_is_refused_naming_what_was_expected(url, why):
     with pytest.raises(ValueError, match=why):
         parse_redis_url(url)
-    out = subprocess.run([sys.executable, "-m", "molctl", "proxy", "tiny", "--upstream", "http://127.0.0.1:9",
-                          "--allow-unauthenticated", "--set", f"proxy.store={url}"],
-                         capture_output=True, text=True, cwd=ROOT, timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "molctl",
+            "proxy",
+            "tiny",
+            "--upstream",
+            "http://127.0.0.1:9",
+            "--allow-unauthenticated",
+            "--set",
+            f"proxy.store={url}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert out.returncode == ExitStatus.CHECK_FAILED and len(lines) == 1, out.stderr
     assert "proxy.store" in lines[0] and why in lines[0]
@@ -50,11 +68,15 @@ def test_an_ipv6_store_address_is_shown_in_brackets():
 # ------------------------------------------------------------------------------ unreadable stored values
 
 
-
-
 def state(redis, **kw) -> RedisState:
-    return RedisState(parse_redis_url(redis.url), None, "tiny", replica_id=kw.pop("replica_id", "a"),
-                      advertise_upstream="http://engine-a", **kw)
+    return RedisState(
+        parse_redis_url(redis.url),
+        None,
+        "tiny",
+        replica_id=kw.pop("replica_id", "a"),
+        advertise_upstream="http://engine-a",
+        **kw,
+    )
 
 
 GARBAGE = [b"not json", b"[1, 2]", b'{"state": "summary"}', b'{"route": "L1", "state": "weird"}', b"\xff\xfe"]
@@ -67,6 +89,7 @@ def test_an_unreadable_stored_value_is_ignored_not_a_crash(redis, r, garbage, ca
     conversation was a 500 (JSONDecodeError / KeyError in engine_for and load). Now such a value
     is unknown (a turn folded verbatim, no binding, no fresh peer: takeover, a 404 for a
     response), counted in store_errors_total and logged at most once a minute."""
+
     async def main():
         st = state(redis)
         conv, resp = RedisConversationStore(st), RedisResponseStore(st)
@@ -98,9 +121,24 @@ def test_a_replica_serves_a_conversation_whose_stored_state_is_unreadable(redis,
     """The same through a real proxy and the openai SDK: a 200 answered by its own engine."""
     engine_port, proxy_port = free_ports(2)
     engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
-    with running(fake_engine_argv(engine_port), engine_url + "/health", log=tmp_path / "engine.log"), \
-            running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(keyfile), "--replica-id", "B",
-                               "--set", f"proxy.store={redis.url}"), proxy_url + "/readyz", log=tmp_path / "proxy.log"):
+    with (
+        running(fake_engine_argv(engine_port), engine_url + "/health", log=tmp_path / "engine.log"),
+        running(
+            proxy_argv(
+                "tiny",
+                engine_url,
+                proxy_port,
+                "--api-key-file",
+                str(keyfile),
+                "--replica-id",
+                "B",
+                "--set",
+                f"proxy.store={redis.url}",
+            ),
+            proxy_url + "/readyz",
+            log=tmp_path / "proxy.log",
+        ),
+    ):
         client = openai.OpenAI(base_url=proxy_url + "/v1", api_key=KEY, max_retries=0, timeout=15)
         u1 = {"role": "user", "content": "[route:L1] one"}
         a1 = client.chat.completions.create(model=PUBLIC, messages=[u1]).choices[0].message.content
@@ -137,18 +175,36 @@ def test_a_read_only_store_is_refused_quietly_not_a_flapping_degradation(keyfile
     (tmp_path / "primary").mkdir()
     (tmp_path / "replica").mkdir()
     primary = RedisServer(None, "--dir", str(tmp_path / "primary")).start()
-    replica = RedisServer(None, "--replicaof", "127.0.0.1", str(primary.port), "--dir", str(tmp_path / "replica")).start()
+    replica = RedisServer(
+        None, "--replicaof", "127.0.0.1", str(primary.port), "--dir", str(tmp_path / "replica")
+    ).start()
     engine_port, proxy_port, metrics_port = free_ports(3)
     engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
     try:
-        with running(fake_engine_argv(engine_port), engine_url + "/health", log=tmp_path / "engine.log"), \
-                running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(keyfile), "--metrics-port",
-                                   str(metrics_port), "--set", f"proxy.store={replica.url}"), proxy_url + "/readyz",
-                        log=tmp_path / "proxy.log"):
+        with (
+            running(fake_engine_argv(engine_port), engine_url + "/health", log=tmp_path / "engine.log"),
+            running(
+                proxy_argv(
+                    "tiny",
+                    engine_url,
+                    proxy_port,
+                    "--api-key-file",
+                    str(keyfile),
+                    "--metrics-port",
+                    str(metrics_port),
+                    "--set",
+                    f"proxy.store={replica.url}",
+                ),
+                proxy_url + "/readyz",
+                log=tmp_path / "proxy.log",
+            ),
+        ):
             client = openai.OpenAI(base_url=proxy_url + "/v1", api_key=KEY, max_retries=0, timeout=15)
             deadline = time.monotonic() + 5  # more than two heartbeats and retry intervals
             while time.monotonic() < deadline:
-                chat = client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "[route:L1] hi"}])
+                chat = client.chat.completions.create(
+                    model=PUBLIC, messages=[{"role": "user", "content": "[route:L1] hi"}]
+                )
                 assert chat.choices[0].message.content.startswith("answer-")
                 with pytest.raises(openai.APIStatusError) as err:
                     client.responses.create(model=PUBLIC, input="[route:L1] keep me")
@@ -192,9 +248,23 @@ def test_an_unusable_replica_id_stops_the_proxy_with_one_line(redis, keyfile, ba
     newline forged log lines (the duplicate-id warning names it), a 100 kB one was copied into
     every turn and tool-call binding of the store; a blank or spaced one is a templating slip.
     Now: exit 2, one line naming --replica-id and what is expected."""
-    out = subprocess.run(proxy_argv("tiny", "http://127.0.0.1:9", free_port(), "--api-key-file", str(keyfile),
-                                    "--set", f"proxy.store={redis.url}", "--replica-id", bad),
-                         capture_output=True, text=True, cwd=ROOT, timeout=30)  # before the fix it served: a timeout
+    out = subprocess.run(
+        proxy_argv(
+            "tiny",
+            "http://127.0.0.1:9",
+            free_port(),
+            "--api-key-file",
+            str(keyfile),
+            "--set",
+            f"proxy.store={redis.url}",
+            "--replica-id",
+            bad,
+        ),
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=30,
+    )  # before the fix it served: a timeout
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert out.returncode == ExitStatus.USAGE and len(lines) == 1, out.stderr
     assert "--replica-id" in lines[0] and "expected" in lines[0] and len(lines[0]) < 400
@@ -215,31 +285,67 @@ def test_a_store_that_wants_a_password_when_none_is_configured_says_so(tmp_path,
     server = RedisServer(None, "--requirepass", "s3cret").start()
     try:
         env = {k: v for k, v in os.environ.items() if k != "MOLCTL_STORE_PASSWORD"}
-        out = subprocess.run(proxy_argv("tiny", "http://127.0.0.1:9", free_port(), "--api-key-file", str(keyfile),
-                                        "--set", f"proxy.store={server.url}"),
-                             capture_output=True, text=True, cwd=ROOT, timeout=60, env=env)
+        out = subprocess.run(
+            proxy_argv(
+                "tiny",
+                "http://127.0.0.1:9",
+                free_port(),
+                "--api-key-file",
+                str(keyfile),
+                "--set",
+                f"proxy.store={server.url}",
+            ),
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=60,
+            env=env,
+        )
         lines = [line for line in out.stderr.splitlines() if line.strip()]
         assert out.returncode == ExitStatus.ERROR and len(lines) == 1, out.stderr
         assert "requires a password and none is configured" in lines[0] and "HELLO" not in lines[0]
         assert "proxy.store_password_file" in lines[0] and "MOLCTL_STORE_PASSWORD" in lines[0]
         cli = Molctl(state_dir, [shared_profile(tmp_path, server.url)], in_process=True)
-        [store] = [c for c in cli("check", "shared", *SKIP_ALL_BUT_STATE, "--json").json()["checks"] if c["id"] == "state.store"]
+        [store] = [
+            c
+            for c in cli("check", "shared", *SKIP_ALL_BUT_STATE, "--json").json()["checks"]
+            if c["id"] == "state.store"
+        ]
         assert store["status"] == "fail" and "requires a password and none is configured" in store["detail"], store
     finally:
         server.stop()
 
 
-@pytest.mark.parametrize("url, shown", [("http://peer:s3cr3tpw@10.0.0.5:8100", "http://10.0.0.5:8100"),
-                                        ("http://10.0.0.5:8100/?token=abc", None),
-                                        ("http://10.0.0.5:8100#frag", None)])
+@pytest.mark.parametrize(
+    "url, shown",
+    [
+        ("http://peer:s3cr3tpw@10.0.0.5:8100", "http://10.0.0.5:8100"),
+        ("http://10.0.0.5:8100/?token=abc", None),
+        ("http://10.0.0.5:8100#frag", None),
+    ],
+)
 def test_an_advertised_upstream_with_credentials_or_a_query_stops_the_proxy(redis, keyfile, url, shown):
     """Found by the Redis review (left there as not fixed): --advertise-upstream took
     http://user:pass@host, which every heartbeat then wrote into the shared store in clear for all
     peers to read, and queries or fragments no engine hop can use; the contract allows only
     http(s)://HOST[:PORT][/PATH]. Now exit 2, one line, the password never echoed."""
-    out = subprocess.run(proxy_argv("tiny", "http://127.0.0.1:9", free_port(), "--api-key-file", str(keyfile),
-                                    "--set", f"proxy.store={redis.url}", "--advertise-upstream", url),
-                         capture_output=True, text=True, cwd=ROOT, timeout=30)
+    out = subprocess.run(
+        proxy_argv(
+            "tiny",
+            "http://127.0.0.1:9",
+            free_port(),
+            "--api-key-file",
+            str(keyfile),
+            "--set",
+            f"proxy.store={redis.url}",
+            "--advertise-upstream",
+            url,
+        ),
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=30,
+    )
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert out.returncode == ExitStatus.USAGE and len(lines) == 1, out.stderr
     assert "--advertise-upstream" in lines[0] and "expected http://HOST:PORT" in lines[0]
@@ -259,7 +365,9 @@ def test_check_fails_on_a_read_only_replica_naming_its_primary(tmp_path, state_d
     (tmp_path / "primary").mkdir()
     (tmp_path / "replica").mkdir()
     primary = RedisServer(None, "--dir", str(tmp_path / "primary")).start()
-    replica = RedisServer(None, "--replicaof", "127.0.0.1", str(primary.port), "--dir", str(tmp_path / "replica")).start()
+    replica = RedisServer(
+        None, "--replicaof", "127.0.0.1", str(primary.port), "--dir", str(tmp_path / "replica")
+    ).start()
     try:
         cli = Molctl(state_dir, [shared_profile(tmp_path / "r", replica.url)])
         result = cli("check", "shared", *SKIP_ALL_BUT_STATE, "--json")
@@ -269,7 +377,11 @@ def test_check_fails_on_a_read_only_replica_naming_its_primary(tmp_path, state_d
         stats = cli("state", "stats", "shared", "--json").json()["redis"]
         assert stats["role"] == "slave" and stats["primary"] == f"127.0.0.1:{primary.port}"
         cli_p = Molctl(state_dir, [shared_profile(tmp_path / "p", primary.url)])
-        [ok] = [c for c in cli_p("check", "shared", *SKIP_ALL_BUT_STATE, "--json").json()["checks"] if c["id"] == "state.store"]
+        [ok] = [
+            c
+            for c in cli_p("check", "shared", *SKIP_ALL_BUT_STATE, "--json").json()["checks"]
+            if c["id"] == "state.store"
+        ]
         assert ok["status"] == "pass", ok
     finally:
         replica.stop()

@@ -36,17 +36,28 @@ from tests.redis_server import RedisServer, redis_server
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
-
-
 def state(redis, profile="tiny", **kw) -> RedisState:
-    return RedisState(parse_redis_url(redis.url), None, profile, replica_id=kw.pop("replica_id", "a"),
-                      advertise_upstream=kw.pop("advertise_upstream", "http://engine-a"), **kw)
+    return RedisState(
+        parse_redis_url(redis.url),
+        None,
+        profile,
+        replica_id=kw.pop("replica_id", "a"),
+        advertise_upstream=kw.pop("advertise_upstream", "http://engine-a"),
+        **kw,
+    )
 
 
 def record(rid: str, tenant: str = "t1", created_at: float | None = None) -> dict:
-    return {"id": rid, "tenant": tenant, "created_at": time.time() if created_at is None else created_at,
-            "previous_response_id": None, "route": "L1",
-            "messages": [{"role": "user", "content": "hi"}], "input_items": [], "response": {"id": rid}}
+    return {
+        "id": rid,
+        "tenant": tenant,
+        "created_at": time.time() if created_at is None else created_at,
+        "previous_response_id": None,
+        "route": "L1",
+        "messages": [{"role": "user", "content": "hi"}],
+        "input_items": [],
+        "response": {"id": rid},
+    }
 
 
 def other_clients(r) -> list[str]:
@@ -67,10 +78,17 @@ async def no_other_clients(r, within_s: float = 2.0) -> list[str]:
 
 # ------------------------------------------------------------------------------ configuration
 
+
 def test_url_parsing_refuses_a_password_and_bad_parts():
     t = parse_redis_url("rediss://app@cache.internal:6380/3")
-    assert (t.host, t.port, t.db, t.tls, t.username, t.address) == ("cache.internal", 6380, 3, True, "app",
-                                                                     "rediss://cache.internal:6380/3")
+    assert (t.host, t.port, t.db, t.tls, t.username, t.address) == (
+        "cache.internal",
+        6380,
+        3,
+        True,
+        "app",
+        "rediss://cache.internal:6380/3",
+    )
     assert parse_redis_url("redis://localhost").address == "redis://localhost:6379/0"
     with pytest.raises(ValueError, match="holds a password.*store_password_file.*MOLCTL_STORE_PASSWORD") as err:
         parse_redis_url("redis://:s3cret@h:6379/0")
@@ -79,14 +97,24 @@ def test_url_parsing_refuses_a_password_and_bad_parts():
         with pytest.raises(ValueError, match=why):
             parse_redis_url(bad)
     # a password typed where the user name goes (redis://PASSWORD@host) is never echoed by an error
-    for bad in ("redis://hunter2@h:99999/0", "redis://hunter2@h:x/0", "redis://hunter2@h:6379/x?db=1", "redis://hunter2@:6379/0"):
+    for bad in (
+        "redis://hunter2@h:99999/0",
+        "redis://hunter2@h:x/0",
+        "redis://hunter2@h:6379/x?db=1",
+        "redis://hunter2@:6379/0",
+    ):
         with pytest.raises(ValueError) as err:
             parse_redis_url(bad)
         assert "hunter2" not in str(err.value)
     # nor by proxy.store's own check, for a URL of an unknown scheme (Redis://, redis+sentinel://, valkey://)
     from molctl.proxy.sqlite_store import parse_store_spec
 
-    for bad in ("Redis://:hunter2@h/0", "redis+sentinel://u:hunter2@h:26379/0", "valkey://hunter2@h/0", "Redis://:a/hunter2@h/0"):
+    for bad in (
+        "Redis://:hunter2@h/0",
+        "redis+sentinel://u:hunter2@h:26379/0",
+        "valkey://hunter2@h/0",
+        "Redis://:a/hunter2@h/0",
+    ):
         with pytest.raises(ValueError, match="expected 'sqlite'") as err:
             parse_store_spec(bad)
         assert "hunter2" not in str(err.value) and "@h" in str(err.value)
@@ -101,15 +129,31 @@ def test_password_from_file_or_environment(tmp_path):
 
 
 def test_a_password_in_the_profile_url_is_one_line_naming_proxy_store(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "molctl", "proxy", "tiny", "--upstream", "http://127.0.0.1:9",
-                          "--allow-unauthenticated", "--set", "proxy.store=redis://:hunter2@127.0.0.1:6379/0"],
-                         capture_output=True, text=True, cwd=ROOT, timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "molctl",
+            "proxy",
+            "tiny",
+            "--upstream",
+            "http://127.0.0.1:9",
+            "--allow-unauthenticated",
+            "--set",
+            "proxy.store=redis://:hunter2@127.0.0.1:6379/0",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
     assert out.returncode == ExitStatus.CHECK_FAILED
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "proxy.store" in lines[0] and "password" in lines[0] and "hunter2" not in out.stderr
 
 
 # ------------------------------------------------------------------------------ records
+
 
 def test_responses_per_tenant_and_profile_with_ttl_and_delete(redis, r):
     async def main():
@@ -153,6 +197,7 @@ def test_count_cap_evicts_the_oldest(redis, r):
 def test_turn_merge_never_lowers_a_turn_between_replicas(redis, r):
     """Replica B folded a turn without its summary (stale); A's summary arriving later is dropped,
     and A's local record learns it. A fresh put of the same turn never erases a summary."""
+
     async def main():
         a = RedisConversationStore(state(redis, replica_id="a"))
         b = RedisConversationStore(state(redis, replica_id="b"))
@@ -198,6 +243,7 @@ def test_a_chained_read_brings_the_conversations_current_state_in_one_script(red
     `load` of the same request uses them instead of reading again (only keys it lacks are read).
     Plain reads see the record as before; another tenant sees nothing; a record stored without
     keys (plain JSON) still reads."""
+
     async def main():
         a = RedisConversationStore(state(redis, replica_id="a"))
         b = RedisConversationStore(state(redis, replica_id="b"))
@@ -297,6 +343,7 @@ def test_heartbeat_registers_and_lapses(redis, r):
 def test_a_heartbeat_is_fresh_by_its_redis_ttl_whatever_the_replicas_clocks(redis, r):
     """Replica b's wall clock runs 30 s ahead of a's: a's heartbeat (alive in Redis) still counts
     as fresh for b; its freshness is the key's TTL on the Redis server, not the writers' clocks."""
+
     async def main():
         # TTL 3 s (0.3 s could expire on the server during a stall): still far below b's 30 s lead,
         # so a freshness judged by the clocks would still call a's beat stale
@@ -319,6 +366,7 @@ def test_two_proxies_under_one_replica_id_are_reported(redis, r, caplog):
     """Two processes heartbeat under one id (the default HOSTNAME:PORT on hosts cloned with one
     hostname): each takes the other's conversations for its own, affinity between them is lost.
     The heartbeat notices another writer and logs it once; a lone replica logs nothing."""
+
     async def main():
         async def healthy():
             return True
@@ -328,8 +376,20 @@ def test_two_proxies_under_one_replica_id_are_reported(redis, r, caplog):
         await asyncio.sleep(0.2)
         await lone.close()
         assert not [rec for rec in caplog.records if "replica id" in rec.getMessage()]
-        a = state(redis, replica_id="gpu-node:8200", advertise_upstream="http://10.0.0.1:8000", heartbeat_s=0.02, heartbeat_ttl_s=1)
-        b = state(redis, replica_id="gpu-node:8200", advertise_upstream="http://10.0.0.2:8000", heartbeat_s=0.02, heartbeat_ttl_s=1)
+        a = state(
+            redis,
+            replica_id="gpu-node:8200",
+            advertise_upstream="http://10.0.0.1:8000",
+            heartbeat_s=0.02,
+            heartbeat_ttl_s=1,
+        )
+        b = state(
+            redis,
+            replica_id="gpu-node:8200",
+            advertise_upstream="http://10.0.0.2:8000",
+            heartbeat_s=0.02,
+            heartbeat_ttl_s=1,
+        )
         a.start_heartbeat(healthy)
         b.start_heartbeat(healthy)
         deadline = time.monotonic() + 5  # until one says it (was a fixed 0.3 s)
@@ -349,6 +409,7 @@ def test_two_proxies_under_one_replica_id_are_reported(redis, r, caplog):
 def test_lost_store_fails_fast_then_recovers():
     server = RedisServer().start()
     try:
+
         async def main():
             st = state(server)
             store = RedisResponseStore(st)
@@ -381,6 +442,7 @@ def test_a_redis_restarted_while_the_proxy_was_idle_costs_no_call():
     reconnects once inside its timeout instead of failing (and failing every call for 1 s)."""
     server = RedisServer().start()
     try:
+
         async def main():
             st = state(server)
             store = RedisResponseStore(st)
@@ -400,6 +462,7 @@ def test_a_redis_restarted_while_the_proxy_was_idle_costs_no_call():
 def test_a_script_flush_costs_no_write(redis, r):
     """SCRIPT FLUSH (an operator, a failover to a server without the scripts): the writes that
     met NOSCRIPT are sent again with the scripts loaded, none is lost."""
+
     async def main():
         st = state(redis)
         store = RedisResponseStore(st)
@@ -463,11 +526,17 @@ def test_a_reply_cut_mid_way_is_never_read_by_the_next_call(redis, r):
     """A call cancelled while its reply was half-read (e.g. its request went away): that
     connection is disconnected, never pooled again; the next call gets its own reply, not the
     rest of the old one, and the store stays healthy (a cancellation is no outage)."""
+
     async def main():
         relay = _CuttingRelay(redis.port)
         port = await relay.start()
-        st = RedisState(parse_redis_url(f"redis://127.0.0.1:{port}/0"), None, "tiny", replica_id="a",
-                        advertise_upstream="http://engine-a")
+        st = RedisState(
+            parse_redis_url(f"redis://127.0.0.1:{port}/0"),
+            None,
+            "tiny",
+            replica_id="a",
+            advertise_upstream="http://engine-a",
+        )
         store = RedisResponseStore(st)
         big = record("resp_1")
         big["messages"][0]["content"] = "x" * 5000
@@ -495,13 +564,18 @@ def test_an_error_reply_inside_a_write_batch_fails_that_write_only(redis, r, cap
     """Writes started together share one round trip; a command the server refuses (here a turn
     key holding another type) fails its own write (counted, logged), the others land, and the
     connection's later replies stay in order."""
+
     async def main():
         st = state(redis)
         bad, good = st.prefix + "t:bad", st.prefix + "c:t1:call_1"
         r.rpush(bad, "not a turn")
         merged, put = await asyncio.gather(
-            st.merge_turn(bad, json.dumps({"route": "L1", "summary": None, "state": "pending", "replica": "a", "at": 1}).encode()),
-            st.put(good, "conv", b'{"route": "L1"}'), return_exceptions=True)
+            st.merge_turn(
+                bad, json.dumps({"route": "L1", "summary": None, "state": "pending", "replica": "a", "at": 1}).encode()
+            ),
+            st.put(good, "conv", b'{"route": "L1"}'),
+            return_exceptions=True,
+        )
         assert isinstance(merged, StoreUnavailable) and "WRONGTYPE" in merged.why
         assert put == 0 and r.get(good) == b'{"route": "L1"}'
         assert not st.degraded and st.errors_total == 1
@@ -527,8 +601,10 @@ def test_more_concurrent_calls_than_connections_wait_their_turn(redis, r, monkey
         store = RedisResponseStore(st)
         await store.put_response(record("resp_1"))
         for _ in range(3):
-            got = await asyncio.gather(*(store.get_response("t1", "resp_1") for _ in range(40)),
-                                       *(store.put_response(record(f"resp_w{i}")) for i in range(20)))
+            got = await asyncio.gather(
+                *(store.get_response("t1", "resp_1") for _ in range(40)),
+                *(store.put_response(record(f"resp_w{i}")) for i in range(20)),
+            )
             assert [g["id"] for g in got[:40]] == ["resp_1"] * 40
         assert len(st._connection_pool()._in_use_connections) + len(st._connection_pool()._available_connections) == 1
         assert not st.degraded and st.errors_total == 0
@@ -540,6 +616,7 @@ def test_more_concurrent_calls_than_connections_wait_their_turn(redis, r, monkey
 def test_a_write_started_before_close_lands_before_the_connections_close(redis, r):
     """A write started in the pass that closes the store (a summary's turn at shutdown) goes out
     before close() returns; it was sent after, on a client reopened for it that nothing closed."""
+
     async def main():
         st = state(redis)
         await st.put(st.prefix + "c:t1:call_0", "conv", b"{}")
@@ -579,6 +656,7 @@ def test_close_and_a_degradation_close_the_pools_connections(redis, r):
 def test_a_call_after_close_fails_at_once_and_opens_no_connection(redis, r):
     """A write or read started after close() (a summary finishing during shutdown) gets
     StoreUnavailable at once; it used to open a new client that nothing closed."""
+
     def others() -> list[str]:
         return [c["cmd"] for c in r.client_list() if c["id"] != str(r.client_id())]
 
@@ -586,8 +664,11 @@ def test_a_call_after_close_fails_at_once_and_opens_no_connection(redis, r):
         st = state(redis)
         await st.put(st.prefix + "c:t1:call_1", "conv", b"{}")
         await st.close()
-        for attempt in (lambda: st.put(st.prefix + "c:t1:call_2", "conv", b"{}"), st.available,
-                        lambda: RedisResponseStore(st).get_response("t1", "resp_x")):
+        for attempt in (
+            lambda: st.put(st.prefix + "c:t1:call_2", "conv", b"{}"),
+            st.available,
+            lambda: RedisResponseStore(st).get_response("t1", "resp_x"),
+        ):
             with pytest.raises(StoreUnavailable):
                 await attempt()
         await asyncio.sleep(0.1)
@@ -602,6 +683,7 @@ def test_a_call_in_flight_when_its_pool_is_dropped_leaves_no_connection_open(red
     """Another call's failure drops the pool while a call is in flight: that call's connection is
     closed with the pool, it reconnects once and is answered, and its connection is closed when it
     is done (it went back to the dropped pool, open, and stayed open for the process's life)."""
+
     async def main():
         st = state(redis, call_timeout_s=10.0)
         slow = asyncio.create_task(st.call("debug", lambda: st.command("DEBUG", "SLEEP", "0.3")))
@@ -617,6 +699,7 @@ def test_a_call_in_flight_when_its_pool_is_dropped_leaves_no_connection_open(red
 def test_a_connection_the_server_closed_while_idle_costs_no_call(redis, r):
     """Redis closed the store's idle connections (CLIENT KILL, its idle timeout): the next call
     reconnects once within its timeout and succeeds; the store stays healthy."""
+
     async def main():
         st = state(redis)
         store = RedisResponseStore(st)
@@ -638,6 +721,7 @@ def test_a_redis_out_of_memory_refuses_writes_but_is_not_lost(caplog):
     the store is not marked lost, so reads (a retrieve, a chain's previous response) still work."""
     server = RedisServer(None, "--maxmemory-policy", "noeviction").start()
     try:
+
         async def main():
             st = state(server)
             store = RedisResponseStore(st)
@@ -665,11 +749,24 @@ def test_a_redis_out_of_memory_refuses_writes_but_is_not_lost(caplog):
 
 # ------------------------------------------------------------------------------ the proxy
 
+
 def test_proxy_refuses_to_start_when_redis_is_unreachable(keyfile):
     port, proxy_port = free_ports(2)  # nothing listens on the first (the store)
-    out = subprocess.run(proxy_argv("tiny", "http://127.0.0.1:9", proxy_port, "--api-key-file", str(keyfile),
-                                    "--set", f"proxy.store=redis://127.0.0.1:{port}/0"),
-                         capture_output=True, text=True, cwd=ROOT, timeout=60)
+    out = subprocess.run(
+        proxy_argv(
+            "tiny",
+            "http://127.0.0.1:9",
+            proxy_port,
+            "--api-key-file",
+            str(keyfile),
+            "--set",
+            f"proxy.store=redis://127.0.0.1:{port}/0",
+        ),
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
     assert out.returncode == ExitStatus.ERROR
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, out.stderr
@@ -683,9 +780,24 @@ def served(keyfile, tmp_path):
     engine_port, proxy_port, metrics_port = free_ports(3)
     engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
     try:
-        with running(fake_engine_argv(engine_port), engine_url + "/health", log=tmp_path / "engine.log"), \
-                running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(keyfile), "--metrics-port", str(metrics_port),
-                                   "--set", f"proxy.store={server.url}"), proxy_url + "/health", log=tmp_path / "proxy.log"):
+        with (
+            running(fake_engine_argv(engine_port), engine_url + "/health", log=tmp_path / "engine.log"),
+            running(
+                proxy_argv(
+                    "tiny",
+                    engine_url,
+                    proxy_port,
+                    "--api-key-file",
+                    str(keyfile),
+                    "--metrics-port",
+                    str(metrics_port),
+                    "--set",
+                    f"proxy.store={server.url}",
+                ),
+                proxy_url + "/health",
+                log=tmp_path / "proxy.log",
+            ),
+        ):
             client = openai.OpenAI(base_url=proxy_url + "/v1", api_key=KEY, max_retries=0, timeout=15)
             yield server, proxy_url, f"http://127.0.0.1:{metrics_port}", client
     finally:
@@ -703,12 +815,16 @@ def test_redis_lost_while_serving_then_back(served, tmp_path):
     first = client.responses.create(model=PUBLIC, input="[route:L1] hello")
     server.stop()
     # stateless chat keeps answering
-    chat = client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "[route:L2] still there?"}])
+    chat = client.chat.completions.create(
+        model=PUBLIC, messages=[{"role": "user", "content": "[route:L2] still there?"}]
+    )
     assert chat.choices[0].message.content.startswith("answer-")
     # Responses requests that need state: 503 with Retry-After (a chain, a stored response, a retrieve)
-    for call in (lambda: client.responses.create(model=PUBLIC, input="more", previous_response_id=first.id),
-                 lambda: client.responses.create(model=PUBLIC, input="[route:L1] new"),
-                 lambda: client.responses.retrieve(first.id)):
+    for call in (
+        lambda: client.responses.create(model=PUBLIC, input="more", previous_response_id=first.id),
+        lambda: client.responses.create(model=PUBLIC, input="[route:L1] new"),
+        lambda: client.responses.retrieve(first.id),
+    ):
         with pytest.raises(openai.APIStatusError) as err:
             call()
         assert err.value.status_code == 503 and err.value.response.headers["retry-after"] == "2"
@@ -756,7 +872,9 @@ def test_a_stuck_redis_never_hangs_a_request(served):
 
 # ------------------------------------------------------------------------------ check, state stats|prune
 
-SKIP_ALL_BUT_STATE = [a for c in ("engine", "gpu", "model", "adapter", "template", "port", "security") for a in ("--skip", c)]
+SKIP_ALL_BUT_STATE = [
+    a for c in ("engine", "gpu", "model", "adapter", "template", "port", "security") for a in ("--skip", c)
+]
 
 
 def shared_profile(tmp_path, store_url: str) -> Path:
@@ -795,8 +913,14 @@ def test_check_and_state_stats_prune_on_redis(redis, r, tmp_path, state_dir):
     assert "pruned: 0 expired" in cli("state", "prune", "shared").stdout
     # unreachable: the check fails with the address; stats is one line, exit 1
     down = Molctl(state_dir, [shared_profile(tmp_path / "x", f"redis://127.0.0.1:{free_port()}/0")], in_process=True)
-    [check] = [c for c in down("check", "shared", *SKIP_ALL_BUT_STATE, "--json").json()["checks"] if c["id"] == "state.store"]
-    assert check["status"] == "fail" and "unreachable" in check["detail"] and "proxy.store redis://127.0.0.1:" in check["detail"]
+    [check] = [
+        c for c in down("check", "shared", *SKIP_ALL_BUT_STATE, "--json").json()["checks"] if c["id"] == "state.store"
+    ]
+    assert (
+        check["status"] == "fail"
+        and "unreachable" in check["detail"]
+        and "proxy.store redis://127.0.0.1:" in check["detail"]
+    )
     result = down("state", "stats", "shared")
     assert result.exit_code == ExitStatus.ERROR and result.stderr.count("\n") == 1 and "unreachable" in result.stderr
 
@@ -810,7 +934,11 @@ def test_check_warns_of_maxmemory_under_noeviction(redis, r, tmp_path, state_dir
     r.config_set("maxmemory", "512mb")
     r.config_set("maxmemory-policy", "noeviction")
     try:
-        [check] = [c for c in cli("check", "shared", *SKIP_ALL_BUT_STATE, "--json").json()["checks"] if c["id"] == "state.store"]
+        [check] = [
+            c
+            for c in cli("check", "shared", *SKIP_ALL_BUT_STATE, "--json").json()["checks"]
+            if c["id"] == "state.store"
+        ]
     finally:
         r.config_set("maxmemory", "0")
     assert check["status"] == "warn" and "noeviction" in check["detail"] and "volatile-lru" in check["detail"]
@@ -837,18 +965,45 @@ def test_password_file_authenticates_and_a_wrong_one_is_one_line(tmp_path, keyfi
         pw.write_text("s3cret\n")
         engine_port, proxy_port = free_ports(2)
         engine_url = f"http://127.0.0.1:{engine_port}"
-        with running(fake_engine_argv(engine_port), engine_url + "/health"), \
-                running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(keyfile), "--set",
-                                   f"proxy.store={server.url}", "--set", f"proxy.store_password_file={pw}"),
-                        f"http://127.0.0.1:{proxy_port}/readyz") as proc:
+        with (
+            running(fake_engine_argv(engine_port), engine_url + "/health"),
+            running(
+                proxy_argv(
+                    "tiny",
+                    engine_url,
+                    proxy_port,
+                    "--api-key-file",
+                    str(keyfile),
+                    "--set",
+                    f"proxy.store={server.url}",
+                    "--set",
+                    f"proxy.store_password_file={pw}",
+                ),
+                f"http://127.0.0.1:{proxy_port}/readyz",
+            ) as proc,
+        ):
             client = openai.OpenAI(base_url=f"http://127.0.0.1:{proxy_port}/v1", api_key=KEY, max_retries=0, timeout=15)
             first = client.responses.create(model=PUBLIC, input="[route:L1] hi")
             assert client.responses.retrieve(first.id).id == first.id
             assert "s3cret" not in " ".join(proc.args)  # never on argv
         pw.write_text("wrong\n")
-        out = subprocess.run(proxy_argv("tiny", engine_url, free_port(), "--api-key-file", str(keyfile), "--set",
-                                        f"proxy.store={server.url}", "--set", f"proxy.store_password_file={pw}"),
-                             capture_output=True, text=True, cwd=ROOT, timeout=60)
+        out = subprocess.run(
+            proxy_argv(
+                "tiny",
+                engine_url,
+                free_port(),
+                "--api-key-file",
+                str(keyfile),
+                "--set",
+                f"proxy.store={server.url}",
+                "--set",
+                f"proxy.store_password_file={pw}",
+            ),
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=60,
+        )
         lines = [line for line in out.stderr.splitlines() if line.strip()]
         assert out.returncode == ExitStatus.ERROR and len(lines) == 1
         assert f"proxy.store {server.url}: unreachable: authentication failed" in lines[0] and "wrong" not in out.stderr
@@ -884,8 +1039,10 @@ def request_trips(flights: list[list[list[bytes]]]) -> list[list[str]]:
     return [t for t in trips if t]
 
 
-RESPONSE_SCRIPTS = {hashlib.sha1(SCRIPTS[name].encode()).hexdigest(): shown
-                    for name, shown in (("chain", "chain"), ("rput", "put r"), ("rdel", "delete r"))}
+RESPONSE_SCRIPTS = {
+    hashlib.sha1(SCRIPTS[name].encode()).hexdigest(): shown
+    for name, shown in (("chain", "chain"), ("rput", "put r"), ("rdel", "delete r"))
+}
 
 
 @pytest.fixture
@@ -895,10 +1052,18 @@ def relayed(keyfile, tmp_path):
 
     engine_port, proxy_port = free_ports(2)
     engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
-    with redis_server() as server, redis_relay(server.port) as relay, \
-            running(fake_engine_argv(engine_port), engine_url + "/health", log=tmp_path / "engine.log"), \
-            running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(keyfile), "--set", f"proxy.store={relay.url}"),
-                    proxy_url + "/health", log=tmp_path / "proxy.log"):
+    with (
+        redis_server() as server,
+        redis_relay(server.port) as relay,
+        running(fake_engine_argv(engine_port), engine_url + "/health", log=tmp_path / "engine.log"),
+        running(
+            proxy_argv(
+                "tiny", engine_url, proxy_port, "--api-key-file", str(keyfile), "--set", f"proxy.store={relay.url}"
+            ),
+            proxy_url + "/health",
+            log=tmp_path / "proxy.log",
+        ),
+    ):
         yield relay, openai.OpenAI(base_url=proxy_url + "/v1", api_key=KEY, max_retries=0, timeout=15)
 
 
@@ -915,8 +1080,10 @@ def test_round_trips_of_a_chained_responses_request_and_a_chat_turn(relayed):
     def trips_of(call):
         """The request's round trips, counted once the earlier turns' summaries were written."""
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and \
-                sum(label(c) in ("turn summary", "turn failed") for f in relay.since(0) for c in f) < summaries_expected:
+        while (
+            time.monotonic() < deadline
+            and sum(label(c) in ("turn summary", "turn failed") for f in relay.since(0) for c in f) < summaries_expected
+        ):
             time.sleep(0.02)
         mark = relay.snapshot()
         result = call()
@@ -927,22 +1094,35 @@ def test_round_trips_of_a_chained_responses_request_and_a_chat_turn(relayed):
     client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "[route:L2] warm"}])
     summaries_expected = 2
 
-    second, trips = trips_of(lambda: client.responses.create(model=PUBLIC, input="[route:L1] more", previous_response_id=first.id))
+    second, trips = trips_of(
+        lambda: client.responses.create(model=PUBLIC, input="[route:L1] more", previous_response_id=first.id)
+    )
     assert trips == [["chain"], ["put r", "turn pending"]]
     summaries_expected += 1
     # streamed: the turn and the response are written in one pipeline too
-    _, trips = trips_of(lambda: list(client.responses.create(model=PUBLIC, input="[route:L2] again", previous_response_id=second.id,
-                                                              stream=True)))
+    _, trips = trips_of(
+        lambda: list(
+            client.responses.create(model=PUBLIC, input="[route:L2] again", previous_response_id=second.id, stream=True)
+        )
+    )
     assert trips == [["chain"], ["put r", "turn pending"]]
     summaries_expected += 1
     # a tool call: its binding is kept with the response, so the tool result's request reads it in the same script
-    called, trips = trips_of(lambda: client.responses.create(model=PUBLIC, input="[tool:get_weather] Paris?", tools=TOOLS,
-                                                             previous_response_id=second.id))
+    called, trips = trips_of(
+        lambda: client.responses.create(
+            model=PUBLIC, input="[tool:get_weather] Paris?", tools=TOOLS, previous_response_id=second.id
+        )
+    )
     assert trips == [["chain"], ["put call", "put r"]]
     call = next(item for item in called.output if item.type == "function_call")
-    answered, trips = trips_of(lambda: client.responses.create(
-        model=PUBLIC, previous_response_id=called.id, tools=TOOLS,
-        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "18C sunny"}]))
+    answered, trips = trips_of(
+        lambda: client.responses.create(
+            model=PUBLIC,
+            previous_response_id=called.id,
+            tools=TOOLS,
+            input=[{"type": "function_call_output", "call_id": call.call_id, "output": "18C sunny"}],
+        )
+    )
     assert answered.status == "completed" and trips == [["chain"], ["put r", "turn pending"]]
     summaries_expected += 1
     # chat: the first turn writes once; the next turn reads its history's turns once and writes once
@@ -950,7 +1130,10 @@ def test_round_trips_of_a_chained_responses_request_and_a_chat_turn(relayed):
     reply, trips = trips_of(lambda: client.chat.completions.create(model=PUBLIC, messages=messages))
     assert trips == [["turn pending"]]
     summaries_expected += 1
-    messages += [{"role": "assistant", "content": reply.choices[0].message.content}, {"role": "user", "content": "[route:L3] next"}]
+    messages += [
+        {"role": "assistant", "content": reply.choices[0].message.content},
+        {"role": "user", "content": "[route:L3] next"},
+    ]
     _, trips = trips_of(lambda: client.chat.completions.create(model=PUBLIC, messages=messages))
     assert trips == [["mget"], ["turn pending"]]
 
@@ -960,6 +1143,7 @@ def test_the_count_cap_never_evicts_the_record_being_written(redis, r):
     or lags its peers wrote the "oldest" entry, and at the cap its own write evicted it at once: the
     client got an id that was already a 404. Found with an injected clock at the cap (as the SQLite
     store's put). The write's own key is never its victim; the cap still holds."""
+
     async def main():
         now = [time.time()]
         st = state(redis, max_entries=3, tenant_max_entries=3, clock=lambda: now[0])  # the global cap (one tenant)
@@ -969,7 +1153,9 @@ def test_the_count_cap_never_evicts_the_record_being_written(redis, r):
             await store.put_response(record(f"resp_{i}", created_at=now[0]))
         now[0] -= 3600
         await store.put_response(record("after_the_step", created_at=now[0]))
-        found = [await store.get_response("t1", rid) is not None for rid in ("resp_0", "resp_1", "resp_2", "after_the_step")]
+        found = [
+            await store.get_response("t1", rid) is not None for rid in ("resp_0", "resp_1", "resp_2", "after_the_step")
+        ]
         await st.close()
         return found
 

@@ -23,14 +23,28 @@ FORMAT1 = Path(__file__).parent / "data" / "redis-format1.json"
 
 
 def state(redis, clock=None, **kw) -> RedisState:
-    return RedisState(parse_redis_url(redis.url), None, "tiny", replica_id=kw.pop("replica_id", "a"),
-                      advertise_upstream="http://engine-a", clock=clock or time.time, **kw)
+    return RedisState(
+        parse_redis_url(redis.url),
+        None,
+        "tiny",
+        replica_id=kw.pop("replica_id", "a"),
+        advertise_upstream="http://engine-a",
+        clock=clock or time.time,
+        **kw,
+    )
 
 
 def rec(rid: str, tenant: str, size: int = 100, t: float | None = None) -> dict:
-    return {"id": rid, "tenant": tenant, "created_at": time.time() if t is None else t, "previous_response_id": None,
-            "route": "L1", "messages": [{"role": "user", "content": "x" * size}], "input_items": [],
-            "response": {"id": rid}}
+    return {
+        "id": rid,
+        "tenant": tenant,
+        "created_at": time.time() if t is None else t,
+        "previous_response_id": None,
+        "route": "L1",
+        "messages": [{"role": "user", "content": "x" * size}],
+        "input_items": [],
+        "response": {"id": rid},
+    }
 
 
 class Clock:
@@ -65,11 +79,19 @@ def totals_agree(r) -> dict[str, tuple[int, int]]:
         chains.setdefault(cid, []).append(key)
     for cid, keys in chains.items():
         items = r.lrange(P + "ch:" + cid, 0, -1)
-        assert meta["r:" + cid] == len(keys) and meta["l:" + cid] == len(items) and meta["b:" + cid] == sum(map(len, items))
+        assert (
+            meta["r:" + cid] == len(keys)
+            and meta["l:" + cid] == len(items)
+            and meta["b:" + cid] == sum(map(len, items))
+        )
         per[sizes[keys[0]].split(":", 1)[1]][1] += meta["b:" + cid]
     assert set(meta) == {f"{f}:{cid}" for cid in chains for f in "rlb"}
-    assert {t.decode(): int(n) for t, n in r.zrange(P + "tn", 0, -1, withscores=True)} == {t: v[0] for t, v in per.items()}
-    assert {t.decode(): int(b) for t, b in r.zrange(P + "tb", 0, -1, withscores=True)} == {t: v[1] for t, v in per.items()}
+    assert {t.decode(): int(n) for t, n in r.zrange(P + "tn", 0, -1, withscores=True)} == {
+        t: v[0] for t, v in per.items()
+    }
+    assert {t.decode(): int(b) for t, b in r.zrange(P + "tb", 0, -1, withscores=True)} == {
+        t: v[1] for t, v in per.items()
+    }
     assert int(r.hget(P + "stats", "r_bytes") or 0) == sum(v[1] for v in per.values())
     for tenant, (n, _) in per.items():
         assert r.zcard(P + "idx:rt:" + tenant) == n
@@ -91,6 +113,7 @@ def test_one_tenants_bulk_never_evicts_another_tenants_responses(redis, r):
     KiB of bodies (far over its quota, a quarter of each cap by default, and over the global byte
     cap). Before, eviction was global oldest-first and A's bulk evicted all of B's; now A evicts
     its own oldest only and every one of B's is still stored."""
+
     async def main():
         st = state(redis, clock=Clock(), max_entries=200, max_bytes=128 * 1024)
         store = RedisResponseStore(st)
@@ -123,18 +146,24 @@ def test_a_tenant_over_its_entry_quota_evicts_its_own_oldest(redis, r):
         await store.put_response(rec("resp_other", "tenant-b"))
         for i in range(6):
             await store.put_response(rec(f"resp_{i}", "tenant-a"))
-        found = await live(store, "tenant-a", [f"resp_{i}" for i in range(6)]), await live(store, "tenant-b", ["resp_other"])
+        found = (
+            await live(store, "tenant-a", [f"resp_{i}" for i in range(6)]),
+            await live(store, "tenant-b", ["resp_other"]),
+        )
         await st.close()
         return found
 
     assert asyncio.run(main()) == ([False, False, False, True, True, True], [True])
-    assert totals_agree(r) == {"tenant-a": (3, sum(held(r, P + f"r:tenant-a:resp_{i}") for i in (3, 4, 5))),
-                               "tenant-b": (1, held(r, P + "r:tenant-b:resp_other"))}
+    assert totals_agree(r) == {
+        "tenant-a": (3, sum(held(r, P + f"r:tenant-a:resp_{i}") for i in (3, 4, 5))),
+        "tenant-b": (1, held(r, P + "r:tenant-b:resp_other")),
+    }
 
 
 def test_byte_totals_follow_puts_rewrites_deletes_and_the_byte_quota(redis, r):
     """Every put, rewrite of an id, delete and eviction moves the totals by the stored value's bytes
     (the record with the store keys kept before it), in the script that does it."""
+
     async def main():
         st = state(redis, clock=Clock(), max_entries=100, tenant_max_bytes=3000)
         store = RedisResponseStore(st)
@@ -159,6 +188,7 @@ def test_byte_totals_follow_puts_rewrites_deletes_and_the_byte_quota(redis, r):
 def test_the_global_caps_hold_as_a_last_resort_evicting_from_the_biggest_tenant(redis, r):
     """Every tenant within its quota, the store over its cap: the tenant holding the most evicts its
     oldest (by responses over the entry cap, by bytes over the byte cap); the others keep theirs."""
+
     async def main():
         st = state(redis, clock=Clock(), max_entries=10, tenant_max_entries=6)
         store = RedisResponseStore(st)
@@ -168,9 +198,11 @@ def test_the_global_caps_hold_as_a_last_resort_evicting_from_the_biggest_tenant(
             await store.put_response(rec(f"mid_{i}", "tenant-mid"))
         for i in range(2):
             await store.put_response(rec(f"new_{i}", "tenant-new"))
-        by_count = (await live(store, "tenant-big", [f"big_{i}" for i in range(6)]),
-                    await live(store, "tenant-mid", [f"mid_{i}" for i in range(4)]),
-                    await live(store, "tenant-new", ["new_0", "new_1"]))
+        by_count = (
+            await live(store, "tenant-big", [f"big_{i}" for i in range(6)]),
+            await live(store, "tenant-mid", [f"mid_{i}" for i in range(4)]),
+            await live(store, "tenant-new", ["new_0", "new_1"]),
+        )
         await st.close()
         r.flushall()
         st = state(redis, clock=Clock(), max_entries=100, max_bytes=8000, tenant_max_bytes=8000)
@@ -180,8 +212,10 @@ def test_the_global_caps_hold_as_a_last_resort_evicting_from_the_biggest_tenant(
         for i in range(6):
             await store.put_response(rec(f"thin_{i}", "tenant-thin", size=100))  # ~1.3 KB
         await store.put_response(rec("last", "tenant-thin", size=1000))  # ~1.1 KB more: over 8000 by ~1 KB
-        by_bytes = (await live(store, "tenant-fat", [f"fat_{i}" for i in range(3)]),
-                    await live(store, "tenant-thin", [f"thin_{i}" for i in range(6)] + ["last"]))
+        by_bytes = (
+            await live(store, "tenant-fat", [f"fat_{i}" for i in range(3)]),
+            await live(store, "tenant-thin", [f"thin_{i}" for i in range(6)] + ["last"]),
+        )
         await st.close()
         return by_count, by_bytes
 
@@ -195,16 +229,24 @@ def test_two_replicas_on_one_redis_hold_one_tenant_quota(redis, r):
     """Two store objects (two proxy replicas) write the same tenant at once, interleaved in batches:
     the quota is checked and enforced inside each write's script, so the tenant ends at exactly
     its quota, the totals agree, and each replica reads the other's newest."""
+
     async def main():
         a = RedisResponseStore(state(redis, clock=Clock(), replica_id="a", max_entries=1000, tenant_max_entries=7))
         b = RedisResponseStore(state(redis, clock=Clock(), replica_id="b", max_entries=1000, tenant_max_entries=7))
         await b.put_response(rec("resp_other", "tenant-b"))
         for n in range(10):  # each round: 8 concurrent writes from each replica (each one pipeline)
-            await asyncio.gather(*(s.put_response(rec(f"resp_{s.state.replica_id}{n}_{i}", "tenant-a"))
-                                   for i in range(8) for s in (a, b)))
-        newest = [await a.get_response("tenant-a", "resp_b9_7") is not None,
-                  await b.get_response("tenant-a", "resp_a9_7") is not None,
-                  await a.get_response("tenant-b", "resp_other") is not None]
+            await asyncio.gather(
+                *(
+                    s.put_response(rec(f"resp_{s.state.replica_id}{n}_{i}", "tenant-a"))
+                    for i in range(8)
+                    for s in (a, b)
+                )
+            )
+        newest = [
+            await a.get_response("tenant-a", "resp_b9_7") is not None,
+            await b.get_response("tenant-a", "resp_a9_7") is not None,
+            await a.get_response("tenant-b", "resp_other") is not None,
+        ]
         for s in (a, b):
             await s.state.close()
         return newest
@@ -240,25 +282,36 @@ def test_key_format_1_data_is_read_continued_deleted_and_evicted_first(redis, r)
         first = await store.get_response("tenant-a", "resp_a1")
         prev = await store.get_previous("tenant-a", "resp_a2")
         assert first["messages"][0]["content"] == "hello" and len(prev["messages"]) == 4
-        await store.put_response({**rec("resp_a3", "tenant-a", t=t0), "previous_response_id": "resp_a2",
-                                  "messages": prev["messages"] + [{"role": "user", "content": "again"}]})
+        await store.put_response(
+            {
+                **rec("resp_a3", "tenant-a", t=t0),
+                "previous_response_id": "resp_a2",
+                "messages": prev["messages"] + [{"role": "user", "content": "again"}],
+            }
+        )
         assert (await live(store, "tenant-a", ["resp_a1", "resp_a2", "resp_a3"])) == [True, True, True]
         await store.put_response(rec("resp_c1", "tenant-c", t=t0))  # 5 over a global cap of 4: the oldest old one goes
-        after_cap = (await live(store, "tenant-a", ["resp_a1", "resp_a2", "resp_a3"]),
-                     await live(store, "tenant-b", ["resp_b1"]), await live(store, "tenant-c", ["resp_c1"]))
+        after_cap = (
+            await live(store, "tenant-a", ["resp_a1", "resp_a2", "resp_a3"]),
+            await live(store, "tenant-b", ["resp_b1"]),
+            await live(store, "tenant-c", ["resp_c1"]),
+        )
         assert await store.delete_response("tenant-b", "resp_b1") is True
         await st.close()
         return after_cap
 
     assert asyncio.run(main()) == ([False, True, True], [True], [True])
-    assert r.zcard(P + "idx:r") == 3 and totals_agree(r) == {"tenant-a": (1, held(r, P + "r:tenant-a:resp_a3")),
-                                                             "tenant-c": (1, held(r, P + "r:tenant-c:resp_c1"))}
+    assert r.zcard(P + "idx:r") == 3 and totals_agree(r) == {
+        "tenant-a": (1, held(r, P + "r:tenant-a:resp_a3")),
+        "tenant-c": (1, held(r, P + "r:tenant-c:resp_c1")),
+    }
     assert describe_sync(target, None, "tiny")["key_format"] == KEY_FORMAT
 
 
 def test_prune_applies_the_tenant_quotas_and_expires_with_the_totals(redis, r):
     """`molctl state prune` (prune_sync): index entries past the TTL are forgotten with their bytes;
     a quota lowered since the writes is applied now, per tenant, as a write would."""
+
     async def main():
         st = state(redis, clock=Clock(), max_entries=1000)
         store = RedisResponseStore(st)
@@ -280,6 +333,7 @@ def test_prune_applies_the_tenant_quotas_and_expires_with_the_totals(redis, r):
 def test_a_record_over_its_quota_on_its_own_is_refused_before_the_write(redis, r):
     """On Redis the size is known before the write: nothing is sent, nothing evicted; the error is
     the one SQLite raises (cause "quota"), which the proxy answers with a 400 naming the quota."""
+
     async def main():
         st = state(redis, max_entries=100, tenant_max_bytes=2000)
         store = RedisResponseStore(st)
@@ -294,7 +348,11 @@ def test_a_record_over_its_quota_on_its_own_is_refused_before_the_write(redis, r
     exc = asyncio.run(main())
     assert not r.exists(P + "r:tenant-a:resp_big") and totals_agree(r)["tenant-a"][0] == 1
     failure = store_failure(exc, "req_1")
-    assert (failure.status, failure.type, failure.code, failure.param) == (400, "invalid_request_error",
-                                                                             "store_quota_exceeded", "store")
+    assert (failure.status, failure.type, failure.code, failure.param) == (
+        400,
+        "invalid_request_error",
+        "store_quota_exceeded",
+        "store",
+    )
     assert "proxy.store_tenant_max_bytes: 2000 bytes" in failure.message and "`store: false`" in failure.message
     assert "req_1" in failure.message and "\n" not in failure.message

@@ -43,17 +43,23 @@ def test_sighup_rereads_the_key_file_without_dropping_a_stream(tmp_path):
     engine_port, proxy_port = free_ports(2)
     engine_url, proxy_url = url(engine_port), url(proxy_port)
     log = tmp_path / "proxy.log"
-    with running(fake_engine_argv(engine_port, {"token_delay": 0.1, "answer_words": 30}), engine_url + "/health"), \
-            running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(keyfile), "--store", "memory"),
-                    proxy_url + "/health", log=log) as proc:
+    with (
+        running(fake_engine_argv(engine_port, {"token_delay": 0.1, "answer_words": 30}), engine_url + "/health"),
+        running(
+            proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(keyfile), "--store", "memory"),
+            proxy_url + "/health",
+            log=log,
+        ) as proc,
+    ):
         assert status_with(proxy_url, OLD) == 200 and status_with(proxy_url, NEW) == 401
         streamed: dict = {}
 
         def stream():  # about 3 s of tokens, begun with the old key
             client = openai.OpenAI(base_url=proxy_url + "/v1", api_key=OLD, max_retries=0, timeout=30)
             text = ""
-            for chunk in client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "long"}],
-                                                        stream=True):
+            for chunk in client.chat.completions.create(
+                model=PUBLIC, messages=[{"role": "user", "content": "long"}], stream=True
+            ):
                 for choice in chunk.choices:
                     text += choice.delta.content or ""
                 streamed["chunks"] = streamed.get("chunks", 0) + 1
@@ -92,9 +98,14 @@ def test_a_key_file_being_rewritten_in_place_is_read_once_it_is_complete(tmp_pat
     keys = [f"sk-inplace-{i:03d}" for i in range(60)]
     engine_port, proxy_port = free_ports(2)
     engine_url, proxy_url = url(engine_port), url(proxy_port)
-    with running(fake_engine_argv(engine_port), engine_url + "/health"), \
-            running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(keyfile), "--store", "memory"),
-                    proxy_url + "/health", log=tmp_path / "proxy.log") as proc:
+    with (
+        running(fake_engine_argv(engine_port), engine_url + "/health"),
+        running(
+            proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(keyfile), "--store", "memory"),
+            proxy_url + "/health",
+            log=tmp_path / "proxy.log",
+        ) as proc,
+    ):
         with open(keyfile, "w") as fh:  # in place: truncated, then a line every 10 ms
             fh.write(keys[0][:6])
             fh.flush()
@@ -158,9 +169,27 @@ class Host:
         self.cli = Molctl(self.state)
 
     def up(self):
-        return self.cli("up", "tiny", "--set", f"engine.python={self.python}", "--set", f"engine.port={self.engine_port}",
-                        "--set", f"proxy.port={self.proxy_port}", "--model-root", str(self.model), "--skip", "engine",
-                        "--skip", "gpu", "--api-key-file", str(self.key), "--timeout", "30", env=self.env)
+        return self.cli(
+            "up",
+            "tiny",
+            "--set",
+            f"engine.python={self.python}",
+            "--set",
+            f"engine.port={self.engine_port}",
+            "--set",
+            f"proxy.port={self.proxy_port}",
+            "--model-root",
+            str(self.model),
+            "--skip",
+            "engine",
+            "--skip",
+            "gpu",
+            "--api-key-file",
+            str(self.key),
+            "--timeout",
+            "30",
+            env=self.env,
+        )
 
 
 def test_molctl_reload_signals_the_recorded_proxy(tmp_path):
@@ -200,9 +229,22 @@ def test_reload_never_signals_a_foreign_process(molctl, state_dir, case):
         assert r.exit_code == ExitStatus.CONFLICT and "proxy record of tiny cannot be read" in r.stderr
         return
     # a record naming this very test process (alive, but not the process molctl recorded)
-    write_record(state_dir, "tiny", Record(component="proxy", pid=os.getpid(), pgid=os.getpgid(0), create_time=1.0,
-                                           argv=["molctl", "proxy"], port=free_port(), log="", started_at=1.0,
-                                           start_ticks=1, record_id="not-this-process"))
+    write_record(
+        state_dir,
+        "tiny",
+        Record(
+            component="proxy",
+            pid=os.getpid(),
+            pgid=os.getpgid(0),
+            create_time=1.0,
+            argv=["molctl", "proxy"],
+            port=free_port(),
+            log="",
+            started_at=1.0,
+            start_ticks=1,
+            record_id="not-this-process",
+        ),
+    )
     sent = []
 
     class Ctx:
@@ -225,9 +267,14 @@ def test_a_key_file_with_a_bom_and_crlf_keeps_every_key(tmp_path):
     key_file.write_bytes(("\ufeff" + OLD + "\r\nsk-reload-second\r\n").encode())
     engine_port, proxy_port = free_ports(2)
     engine_url, proxy_url = url(engine_port), url(proxy_port)
-    with running(fake_engine_argv(engine_port), engine_url + "/health"), \
-            running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(key_file), "--store", "memory"),
-                    proxy_url + "/health", log=tmp_path / "proxy.log") as proc:
+    with (
+        running(fake_engine_argv(engine_port), engine_url + "/health"),
+        running(
+            proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(key_file), "--store", "memory"),
+            proxy_url + "/health",
+            log=tmp_path / "proxy.log",
+        ) as proc,
+    ):
         assert status_with(proxy_url, OLD) == 200
         assert status_with(proxy_url, "sk-reload-second") == 200
         key_file.write_bytes(("\ufeff" + NEW + "\r\n").encode())
@@ -244,9 +291,25 @@ def test_a_key_file_that_is_not_text_is_one_line_and_exit_2(tmp_path):
 
     key_file = tmp_path / "keys"
     key_file.write_bytes(b"\xff\xfe\x00not a key file")
-    r = subprocess.run([sys.executable, "-m", "molctl", "proxy", "tiny", "--upstream", "http://127.0.0.1:9",
-                        "--api-key-file", str(key_file), "--store", "memory"],
-                       capture_output=True, text=True, timeout=60, cwd=ROOT)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "molctl",
+            "proxy",
+            "tiny",
+            "--upstream",
+            "http://127.0.0.1:9",
+            "--api-key-file",
+            str(key_file),
+            "--store",
+            "memory",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert r.returncode == ExitStatus.USAGE, r.stderr
     assert r.stderr.count("\n") == 1 and str(key_file) in r.stderr and "UTF-8" in r.stderr
 
@@ -262,9 +325,14 @@ def test_a_sighup_before_the_proxy_serves_does_not_end_it(tmp_path):
     engine_port, proxy_port = free_ports(2)
     engine_url, proxy_url = url(engine_port), url(proxy_port)
     with running(fake_engine_argv(engine_port), engine_url + "/health"):
-        proc = subprocess.Popen(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(key_file), "--store", "memory"),
-                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True, cwd=ROOT)
+        proc = subprocess.Popen(
+            proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(key_file), "--store", "memory"),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            cwd=ROOT,
+        )
         try:
             with open(key_file, "w") as writer:  # returns once the proxy opened the file to read it
                 proc.send_signal(signal.SIGHUP)
@@ -294,9 +362,14 @@ def test_a_comment_line_in_the_key_file_is_not_a_key(tmp_path):
     key_file.chmod(0o600)
     engine_port, proxy_port = free_ports(2)
     engine_url, proxy_url = url(engine_port), url(proxy_port)
-    with running(fake_engine_argv(engine_port), engine_url + "/health"), \
-            running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(key_file), "--store", "memory"),
-                    proxy_url + "/health", log=tmp_path / "proxy.log"):
+    with (
+        running(fake_engine_argv(engine_port), engine_url + "/health"),
+        running(
+            proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(key_file), "--store", "memory"),
+            proxy_url + "/health",
+            log=tmp_path / "proxy.log",
+        ),
+    ):
         assert status_with(proxy_url, "# Ansible managed") == 401
         assert status_with(proxy_url, "# rotated 2026-11") == 401
         assert status_with(proxy_url, OLD) == 200
@@ -329,13 +402,17 @@ def _fifo_key_file(path) -> None:
     os.mkfifo(path, 0o600)
 
 
-@pytest.mark.parametrize("swap, logged", [
-    # reading a FIFO (nobody writing) would block the reload for ever
-    (_fifo_key_file, "is not a regular file"),
-    # found flooding SIGHUP with hostile key files: a 68 MB file (2 million keys) was re-read on the
-    # event loop, which answered nothing for ~3 s, and its keys replaced the old ones (450 MB held)
-    (_huge_key_file, f"not reloaded (larger than {64 << 20} bytes"),
-], ids=["fifo", "over-the-bound"])
+@pytest.mark.parametrize(
+    "swap, logged",
+    [
+        # reading a FIFO (nobody writing) would block the reload for ever
+        (_fifo_key_file, "is not a regular file"),
+        # found flooding SIGHUP with hostile key files: a 68 MB file (2 million keys) was re-read on the
+        # event loop, which answered nothing for ~3 s, and its keys replaced the old ones (450 MB held)
+        (_huge_key_file, f"not reloaded (larger than {64 << 20} bytes"),
+    ],
+    ids=["fifo", "over-the-bound"],
+)
 def test_a_sighup_with_a_key_file_it_cannot_take_keeps_the_old_keys(tmp_path, swap, logged):
     """A key file that is not a regular file, or is over the bound, is not reloaded: the old keys
     stay, the log says why, the proxy keeps serving."""
@@ -344,9 +421,14 @@ def test_a_sighup_with_a_key_file_it_cannot_take_keeps_the_old_keys(tmp_path, sw
     engine_port, proxy_port = free_ports(2)
     engine_url, proxy_url = url(engine_port), url(proxy_port)
     log = tmp_path / "proxy.log"
-    with running(fake_engine_argv(engine_port), engine_url + "/health"), \
-            running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(key_file), "--store", "memory"),
-                    proxy_url + "/health", log=log) as proc:
+    with (
+        running(fake_engine_argv(engine_port), engine_url + "/health"),
+        running(
+            proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(key_file), "--store", "memory"),
+            proxy_url + "/health",
+            log=log,
+        ) as proc,
+    ):
         swap(key_file)
         proc.send_signal(signal.SIGHUP)
         assert wait_for(lambda: logged in log.read_text(), timeout=10), log.read_text()[-2000:]

@@ -60,8 +60,14 @@ def _containers(objects: list[dict]) -> dict[str, dict]:
     return {c["name"]: c for c in pod["containers"]}
 
 
-def _up_spawns(profile_name: str, overrides: list, key_args: list[str], state_dir: Path, profiles_dirs: list[Path],
-               drain_timeout_s: float = 600.0) -> dict[str, tuple[list[str], dict, str]]:
+def _up_spawns(
+    profile_name: str,
+    overrides: list,
+    key_args: list[str],
+    state_dir: Path,
+    profiles_dirs: list[Path],
+    drain_timeout_s: float = 600.0,
+) -> dict[str, tuple[list[str], dict, str]]:
     """What `up` spawns for this profile and options: `{component: (argv, env, upstream)}`,
     captured at `_Starter._spawn` (the code `up` runs), nothing started."""
     from molctl import stackconfig
@@ -88,6 +94,7 @@ def _up_spawns(profile_name: str, overrides: list, key_args: list[str], state_di
 
 
 # ------------------------------------------------------------------------------------ Kubernetes
+
 
 @pytest.mark.parametrize("profile", PROFILES)
 def test_k8s_manifests_validate_offline(render, profile):
@@ -126,20 +133,36 @@ def test_k8s_budgets_and_gpus_follow_the_profile(render, profile):
     else:
         assert "nvidia.com/gpu" not in yaml.safe_dump(objects)
     shm = next(v for v in pod["volumes"] if v["name"] == "dshm")["emptyDir"]
-    assert shm["medium"] == "Memory" and shm["sizeLimit"] == (f"{2 * prof.engine.gpus}Gi" if prof.engine.gpus else "1Gi")
+    assert shm["medium"] == "Memory" and shm["sizeLimit"] == (
+        f"{2 * prof.engine.gpus}Gi" if prof.engine.gpus else "1Gi"
+    )
     assert "resources" not in proxy
 
 
 @pytest.mark.parametrize("profile", PROFILES)
 def test_k8s_args_are_the_argv_up_runs(render, profile):
-    objects = _k8s(render, profile, "--python", sys.executable, "--model-root", "/models/mol", "--set", "proxy.max_output_tokens=64")
+    objects = _k8s(
+        render,
+        profile,
+        "--python",
+        sys.executable,
+        "--model-root",
+        "/models/mol",
+        "--set",
+        "proxy.max_output_tokens=64",
+    )
     containers = _containers(objects)
     # `up` with the settings render applies: the proxy on every address, the engine's interpreter
     # named, the key file where the Secret is mounted, the state dir in its emptyDir
-    overrides = [("proxy.host", "0.0.0.0"), ("model_root", "/models/mol"), ("proxy.max_output_tokens", 64),
-                 ("engine.python", sys.executable)]
-    spawned = _up_spawns(profile, overrides, ["--api-key-file", f"{KEYS_MOUNT}/api-keys"], Path(STATE_MOUNT),
-                         [Path(PROFILES_MOUNT)])
+    overrides = [
+        ("proxy.host", "0.0.0.0"),
+        ("model_root", "/models/mol"),
+        ("proxy.max_output_tokens", 64),
+        ("engine.python", sys.executable),
+    ]
+    spawned = _up_spawns(
+        profile, overrides, ["--api-key-file", f"{KEYS_MOUNT}/api-keys"], Path(STATE_MOUNT), [Path(PROFILES_MOUNT)]
+    )
     engine_argv, engine_env, _ = spawned["engine"]
     assert containers["engine"]["args"] == engine_argv
     assert containers["proxy"]["args"] == spawned["proxy"][0]
@@ -153,7 +176,10 @@ def test_k8s_args_are_the_argv_up_runs(render, profile):
     # the model is mounted where the argv reads it
     mounts = {m["name"]: m for m in containers["engine"]["volumeMounts"]}
     assert mounts["model"]["mountPath"] == "/models/mol" and mounts["model"]["readOnly"] is True
-    assert engine_argv[engine_argv.index("--model" if prof.engine.kind == "vllm" else "--model-path") + 1] == "/models/mol/base"
+    assert (
+        engine_argv[engine_argv.index("--model" if prof.engine.kind == "vllm" else "--model-path") + 1]
+        == "/models/mol/base"
+    )
     volumes = {v["name"]: v for v in _by_kind(objects)["StatefulSet"]["spec"]["template"]["spec"]["volumes"]}
     assert volumes["model"]["hostPath"] == {"path": "/models/mol", "type": "Directory"}
     # the profile file the proxy's --profiles-dir reads
@@ -164,7 +190,9 @@ def test_k8s_service_targets_only_the_proxy_port(render):
     prof = load_profile("venti", profile_dirs())
     objects = _k8s(render, "venti")
     service = _by_kind(objects)["Service"]
-    assert service["spec"]["ports"] == [{"name": "http", "port": prof.proxy.port, "targetPort": "http", "protocol": "TCP"}]
+    assert service["spec"]["ports"] == [
+        {"name": "http", "port": prof.proxy.port, "targetPort": "http", "protocol": "TCP"}
+    ]
     named = {p["name"]: (c["name"], p["containerPort"]) for c in _containers(objects).values() for p in c["ports"]}
     assert named["http"] == ("proxy", prof.proxy.port)
     assert service["spec"]["selector"] == _by_kind(objects)["StatefulSet"]["spec"]["selector"]["matchLabels"]
@@ -172,8 +200,18 @@ def test_k8s_service_targets_only_the_proxy_port(render):
 
 
 def test_k8s_secrets_are_references(render):
-    objects = _k8s(render, "tall", "--api-key-secret", "mol-keys", "--store", "memory",
-                   "--store-password-secret", "redis-auth:pw", "--engine-env-secret", "hf-token")
+    objects = _k8s(
+        render,
+        "tall",
+        "--api-key-secret",
+        "mol-keys",
+        "--store",
+        "memory",
+        "--store-password-secret",
+        "redis-auth:pw",
+        "--engine-env-secret",
+        "hf-token",
+    )
     proxy, engine = _containers(objects)["proxy"], _containers(objects)["engine"]
     pod = _by_kind(objects)["StatefulSet"]["spec"]["template"]["spec"]
     keys = next(v for v in pod["volumes"] if v["name"] == "api-keys")
@@ -198,8 +236,19 @@ def test_secret_in_engine_env_is_refused(render):
 
 
 def test_k8s_store_and_replica_identity(render):
-    result = render("render", "k8s", "tiny", "--image", IMAGE, "--replicas", "3", "--store", "memory",
-                    "--proxy-arg=--log-backups=3", "--proxy-arg=$(POD_NAME)-extra")
+    result = render(
+        "render",
+        "k8s",
+        "tiny",
+        "--image",
+        IMAGE,
+        "--replicas",
+        "3",
+        "--store",
+        "memory",
+        "--proxy-arg=--log-backups=3",
+        "--proxy-arg=$(POD_NAME)-extra",
+    )
     assert result.exit_code == ExitStatus.OK
     objects = [d for d in yaml.safe_load_all(result.stdout) if d]
     proxy = _containers(objects)["proxy"]
@@ -228,9 +277,23 @@ def test_k8s_on_a_redis_store(render):
     """--store redis://...: the URL travels as proxy.store, the password only as a Secret
     reference; with the engine reachable and advertised on the pod IP there is no warning."""
     url = "redis://redis.mol.svc:6379/0"
-    result = render("render", "k8s", "tiny", "--image", IMAGE, "--replicas", "2", "--store", url,
-                    "--store-password-secret", "redis-auth", "--set", "engine.host=0.0.0.0",
-                    "--proxy-arg=--replica-id=$(POD_NAME)", "--proxy-arg=--advertise-upstream=http://$(POD_IP):8100")
+    result = render(
+        "render",
+        "k8s",
+        "tiny",
+        "--image",
+        IMAGE,
+        "--replicas",
+        "2",
+        "--store",
+        url,
+        "--store-password-secret",
+        "redis-auth",
+        "--set",
+        "engine.host=0.0.0.0",
+        "--proxy-arg=--replica-id=$(POD_NAME)",
+        "--proxy-arg=--advertise-upstream=http://$(POD_IP):8100",
+    )
     assert result.exit_code == ExitStatus.OK, result.stderr
     assert result.stderr == ""
     objects = [d for d in yaml.safe_load_all(result.stdout) if d]
@@ -248,7 +311,9 @@ def test_k8s_replicas_on_a_redis_store_warn_when_peers_cannot_reach_the_engines(
     """Each pod's engine on the pod's loopback (the default engine.host) or advertised as the
     loopback (no --advertise-upstream): a peer's hops would land on its own engine while recorded
     as the owner's (or be refused), so affinity is off: render says how to turn it on."""
-    result = render("render", "k8s", "tiny", "--image", IMAGE, "--replicas", "2", "--store", "redis://redis:6379/0", *extra)
+    result = render(
+        "render", "k8s", "tiny", "--image", IMAGE, "--replicas", "2", "--store", "redis://redis:6379/0", *extra
+    )
     assert result.exit_code == ExitStatus.OK, result.stderr
     assert "conversation affinity" in result.stderr and "--advertise-upstream=http://$(POD_IP):8100" in result.stderr
     assert "engine.host=0.0.0.0" in result.stderr
@@ -279,26 +344,56 @@ def test_k8s_output_dir_one_file_per_object(render, tmp_path):
     files = sorted(p.name for p in out.iterdir())
     assert files == ["configmap-molctl-tiny-profile.yaml", "service-molctl-tiny.yaml", "statefulset-molctl-tiny.yaml"]
     assert [yaml.safe_load((out / f).read_text()) for f in files] == [stdout_docs[0], stdout_docs[1], stdout_docs[2]]
-    assert result.stdout.splitlines() == [f"wrote {out / f}" for f in
-                                          ("configmap-molctl-tiny-profile.yaml", "service-molctl-tiny.yaml",
-                                           "statefulset-molctl-tiny.yaml")]
+    assert result.stdout.splitlines() == [
+        f"wrote {out / f}"
+        for f in ("configmap-molctl-tiny-profile.yaml", "service-molctl-tiny.yaml", "statefulset-molctl-tiny.yaml")
+    ]
 
 
-@pytest.mark.parametrize(("args", "status", "says"), [
-    (("render", "k8s", "nosuch", "--image", IMAGE), ExitStatus.CHECK_FAILED, "no profile named 'nosuch' (known:"),
-    (("render", "k8s", "tiny", "--image", IMAGE, "--replicas", "0"), ExitStatus.USAGE, "--replicas 0: expected at least 1"),
-    (("render", "k8s", "tiny", "--image", IMAGE, "--replicas", "2147483648"), ExitStatus.USAGE,
-     "--replicas 2147483648: expected 1 to 2147483647"),
-    (("render", "k8s", "tiny"), ExitStatus.USAGE, "--image is required"),
-    (("render", "k8s", "tiny", "--image", IMAGE, "--namespace", "Bad_NS"), ExitStatus.USAGE, "--namespace 'Bad_NS'"),
-    (("render", "k8s", "tiny", "--image", IMAGE, "--shm-size", "lots"), ExitStatus.USAGE, "--shm-size 'lots'"),
-    (("render", "k8s", "tiny", "--image", IMAGE, "--store-password-secret", "a:b:c d"), ExitStatus.USAGE,
-     "--store-password-secret"),
-    (("render", "k8s", "tiny", "--image", IMAGE, "--store", "postgres://x"), ExitStatus.CHECK_FAILED, "field 'proxy.store'"),
-    (("render", "k8s", "tiny", "--image", IMAGE, "--set", "engine.gpus=-1"), ExitStatus.CHECK_FAILED, "engine.gpus"),
-    (("render", "systemd", "tiny"), ExitStatus.USAGE, "--api-key-file F"),
-    (("render", "systemd", "nosuch", "--allow-unauthenticated"), ExitStatus.CHECK_FAILED, "no profile named 'nosuch'"),
-])
+@pytest.mark.parametrize(
+    ("args", "status", "says"),
+    [
+        (("render", "k8s", "nosuch", "--image", IMAGE), ExitStatus.CHECK_FAILED, "no profile named 'nosuch' (known:"),
+        (
+            ("render", "k8s", "tiny", "--image", IMAGE, "--replicas", "0"),
+            ExitStatus.USAGE,
+            "--replicas 0: expected at least 1",
+        ),
+        (
+            ("render", "k8s", "tiny", "--image", IMAGE, "--replicas", "2147483648"),
+            ExitStatus.USAGE,
+            "--replicas 2147483648: expected 1 to 2147483647",
+        ),
+        (("render", "k8s", "tiny"), ExitStatus.USAGE, "--image is required"),
+        (
+            ("render", "k8s", "tiny", "--image", IMAGE, "--namespace", "Bad_NS"),
+            ExitStatus.USAGE,
+            "--namespace 'Bad_NS'",
+        ),
+        (("render", "k8s", "tiny", "--image", IMAGE, "--shm-size", "lots"), ExitStatus.USAGE, "--shm-size 'lots'"),
+        (
+            ("render", "k8s", "tiny", "--image", IMAGE, "--store-password-secret", "a:b:c d"),
+            ExitStatus.USAGE,
+            "--store-password-secret",
+        ),
+        (
+            ("render", "k8s", "tiny", "--image", IMAGE, "--store", "postgres://x"),
+            ExitStatus.CHECK_FAILED,
+            "field 'proxy.store'",
+        ),
+        (
+            ("render", "k8s", "tiny", "--image", IMAGE, "--set", "engine.gpus=-1"),
+            ExitStatus.CHECK_FAILED,
+            "engine.gpus",
+        ),
+        (("render", "systemd", "tiny"), ExitStatus.USAGE, "--api-key-file F"),
+        (
+            ("render", "systemd", "nosuch", "--allow-unauthenticated"),
+            ExitStatus.CHECK_FAILED,
+            "no profile named 'nosuch'",
+        ),
+    ],
+)
 def test_bad_inputs_one_line(render, args, status, says):
     result = render(*args)
     assert result.exit_code == status
@@ -313,7 +408,8 @@ def test_bad_output_dir(render, tmp_path):
     a_file.write_text("x")
     result = render("render", "k8s", "tiny", "--image", IMAGE, "--output", str(a_file))
     assert result.exit_code == ExitStatus.USAGE and result.stderr.strip() == (
-        f"molctl: error: --output {a_file}: exists and is not a directory")
+        f"molctl: error: --output {a_file}: exists and is not a directory"
+    )
     result = render("render", "systemd", "tiny", "--allow-unauthenticated", "--output", str(a_file / "sub"))
     assert result.exit_code == ExitStatus.ERROR
     assert result.stderr.strip().startswith(f"molctl: error: --output {a_file / 'sub'}: cannot create it")
@@ -322,13 +418,14 @@ def test_bad_output_dir(render, tmp_path):
 
 # ------------------------------------------------------------------------------------ systemd
 
+
 def _units(text: str) -> dict[str, dict[str, dict[str, list[str]]]]:
     """`{unit: {section: {key: [values]}}}` from `render systemd`'s stream (repeated keys kept)."""
     units: dict[str, dict[str, dict[str, list[str]]]] = {}
     unit = section = None
     for line in text.splitlines():
         if line.startswith("# ---- "):
-            unit = line[len("# ---- "):]
+            unit = line[len("# ---- ") :]
             units[unit] = {}
         elif line.startswith("[") and line.endswith("]"):
             section = line[1:-1]
@@ -355,14 +452,18 @@ def test_systemd_units(render, profile, tmp_path):
     # systemd's start budget outlasts the readiness wait's own timeout, so the wait's one-line reason
     # (e.g. adapters missing) reaches the journal before systemd kills the start
     for service in (engine, proxy):
-        wait_timeout = float(shlex.split(service["ExecStartPost"][0])[shlex.split(service["ExecStartPost"][0]).index("--timeout") + 1])
+        wait_timeout = float(
+            shlex.split(service["ExecStartPost"][0])[shlex.split(service["ExecStartPost"][0]).index("--timeout") + 1]
+        )
         assert int(service["TimeoutStartSec"][0]) >= wait_timeout + 10
     assert engine["TimeoutStartSec"] == [str(math.ceil(prof.engine.start_timeout_s) + 10)]
     assert proxy["TimeoutStopSec"] == [str(120 + STOP_MARGIN_S)]
     assert engine["TimeoutStopSec"] == [str(math.ceil(ENGINE_STOP_TIMEOUT_S))]
     assert proxy_unit["Unit"]["Requires"] == proxy_unit["Unit"]["After"] == [f"molctl-{profile}-engine.service"]
     # the argv `up` runs on this host (this interpreter, this state dir, this key file)
-    spawned = _up_spawns(profile, [], ["--api-key-file", str(key_file.resolve())], render.state_dir, [], drain_timeout_s=120.0)
+    spawned = _up_spawns(
+        profile, [], ["--api-key-file", str(key_file.resolve())], render.state_dir, [], drain_timeout_s=120.0
+    )
     assert shlex.split(engine["ExecStart"][0]) == spawned["engine"][0]
     assert shlex.split(proxy["ExecStart"][0]) == spawned["proxy"][0]
     assert engine["Environment"] == [f'"{k}={v}"' for k, v in prof.engine.env.items()]
@@ -372,15 +473,33 @@ def test_systemd_units(render, profile, tmp_path):
     assert shlex.split(proxy["ExecStartPost"][0])[3:5] == ["url", f"http://127.0.0.1:{prof.proxy.port}/readyz"]
     if shutil.which("systemd-analyze"):  # optional: the real parser, where systemd is installed
         out = tmp_path / "units"
-        assert render("render", "systemd", profile, "--api-key-file", str(key_file), "--output", str(out)).exit_code == 0
-        verify = subprocess.run(["systemd-analyze", "verify", *sorted(str(p) for p in out.iterdir())],
-                                capture_output=True, text=True, timeout=60, cwd=out)
+        assert (
+            render("render", "systemd", profile, "--api-key-file", str(key_file), "--output", str(out)).exit_code == 0
+        )
+        verify = subprocess.run(
+            ["systemd-analyze", "verify", *sorted(str(p) for p in out.iterdir())],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=out,
+        )
         assert verify.returncode == 0, verify.stderr
 
 
 def test_systemd_store_and_overrides_reach_both_argvs(render, tmp_path):
-    result = render("render", "systemd", "tiny", "--allow-unauthenticated", "--store", "memory",
-                    "--set", "engine.port=9100", "--user", "molctl", "--proxy-arg=--log-backups=3")
+    result = render(
+        "render",
+        "systemd",
+        "tiny",
+        "--allow-unauthenticated",
+        "--store",
+        "memory",
+        "--set",
+        "engine.port=9100",
+        "--user",
+        "molctl",
+        "--proxy-arg=--log-backups=3",
+    )
     units = _units(result.stdout)
     engine, proxy = (units[f"molctl-tiny-{c}.service"]["Service"] for c in ("engine", "proxy"))
     proxy_argv = shlex.split(proxy["ExecStart"][0])
@@ -397,22 +516,42 @@ def test_systemd_user_warned_of_paths_in_the_renderers_home(render, tmp_path):
     units would name paths that user may not reach (a 0700 home): render warns and names them."""
     home = tmp_path / "home"
     (home / "models").mkdir(parents=True)
-    result = render("render", "systemd", "tiny", "--allow-unauthenticated", "--user", "molctl",
-                    "--model-root", str(home / "models"), env={"HOME": str(home)})
+    result = render(
+        "render",
+        "systemd",
+        "tiny",
+        "--allow-unauthenticated",
+        "--user",
+        "molctl",
+        "--model-root",
+        str(home / "models"),
+        env={"HOME": str(home)},
+    )
     assert result.exit_code == ExitStatus.OK, result.stderr
     assert "--user molctl" in result.stderr and str(home / "models") in result.stderr
-    elsewhere = render("render", "systemd", "tiny", "--allow-unauthenticated", "--user", "molctl",
-                       "--model-root", str(tmp_path / "srv"), env={"HOME": str(home)})
+    elsewhere = render(
+        "render",
+        "systemd",
+        "tiny",
+        "--allow-unauthenticated",
+        "--user",
+        "molctl",
+        "--model-root",
+        str(tmp_path / "srv"),
+        env={"HOME": str(home)},
+    )
     assert elsewhere.exit_code == ExitStatus.OK and elsewhere.stderr == ""
 
 
 # ------------------------------------------------------------------------------------ waitready
 
+
 def _waitready(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     from tests.helpers import ROOT
 
-    return subprocess.run([sys.executable, "-m", "molctl.waitready", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "molctl.waitready", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
 
 
 def test_waitready_engine_against_the_fake_engine():
@@ -423,7 +562,9 @@ def test_waitready_engine_against_the_fake_engine():
         assert ok.returncode == 0, ok.stderr
         assert "engine ready" in ok.stderr
     missing_port = free_port()
-    with running(fake_engine_argv(missing_port, {"adapters": ["L0", "L1", "L2"]}), f"http://127.0.0.1:{missing_port}/health"):
+    with running(
+        fake_engine_argv(missing_port, {"adapters": ["L0", "L1", "L2"]}), f"http://127.0.0.1:{missing_port}/health"
+    ):
         bad = _waitready("engine", "tiny", "--timeout", "30", "--set-json", f'[["engine.port", {missing_port}]]')
         assert bad.returncode == ExitStatus.ADAPTERS and "adapter L3 is missing" in bad.stderr
 
@@ -435,8 +576,13 @@ def test_waitready_url_times_out_on_a_closed_port():
     assert f"http://127.0.0.1:{port}/readyz is not answering" in result.stderr
 
 
-@pytest.mark.parametrize("option", [["--model-root", "/srv/m\nExecStartPre=/bin/touch /tmp/pwned"],
-                                    ["--set", 'engine.env.FOO="a\\nExecStartPre=/bin/touch /tmp/pwned"']])
+@pytest.mark.parametrize(
+    "option",
+    [
+        ["--model-root", "/srv/m\nExecStartPre=/bin/touch /tmp/pwned"],
+        ["--set", 'engine.env.FOO="a\\nExecStartPre=/bin/touch /tmp/pwned"'],
+    ],
+)
 def test_systemd_refuses_a_value_with_a_line_break(render, tmp_path, option):
     """A line break in the model root or an engine variable was written as is: the unit got an
     extra `ExecStartPre=` line (found feeding render hostile values)."""
@@ -450,7 +596,9 @@ def test_a_url_with_credentials_in_engine_env_is_refused(render):
     """What `lock` redacts, render refuses: a value holding `user:password@` would be written into
     the unit or the Deployment in clear."""
     for kind in (("k8s", "--image", IMAGE), ("systemd", "--allow-unauthenticated")):
-        result = render("render", kind[0], "tall", *kind[1:], "--set", "engine.env.HF_ENDPOINT=https://u:s3cr3t@mirror/hf")
+        result = render(
+            "render", kind[0], "tall", *kind[1:], "--set", "engine.env.HF_ENDPOINT=https://u:s3cr3t@mirror/hf"
+        )
         assert result.exit_code == ExitStatus.CHECK_FAILED and result.stdout == ""
         assert "field 'engine.env.HF_ENDPOINT': its value is a URL with a user name or password" in result.stderr
         assert "s3cr3t" not in result.stderr

@@ -15,8 +15,19 @@ from molctl.errors import ExitStatus
 from tests.helpers import Molctl
 
 IMAGE = "registry.example/molctl:1"
-_ESCAPES = {"a": "\a", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t", "v": "\v", "\\": "\\", '"': '"', "'": "'",
-            "s": " "}
+_ESCAPES = {
+    "a": "\a",
+    "b": "\b",
+    "f": "\f",
+    "n": "\n",
+    "r": "\r",
+    "t": "\t",
+    "v": "\v",
+    "\\": "\\",
+    '"': '"',
+    "'": "'",
+    "s": " ",
+}
 
 
 @pytest.fixture
@@ -43,7 +54,7 @@ def _systemd_words(value: str, *, exec_line: bool) -> list[str]:
         while i < len(value):
             c = value[i]
             if c == "\\":
-                nxt = value[i + 1:i + 2]
+                nxt = value[i + 1 : i + 2]
                 word.append(_ESCAPES.get(nxt, "\\" + nxt))
                 i += 2
             elif quote:
@@ -84,6 +95,7 @@ def _render_units(render: Molctl, tmp_path: Path, profile: str, *args: str, env:
 
 # ------------------------------------------------------------------------------------ systemd
 
+
 def test_systemd_units_name_the_profile_folders_of_molctl_profiles_dir(render, tmp_path):
     """A profile found through MOLCTL_PROFILES_DIR: `up` passes the variable on to the proxy it
     spawns, but a unit does not inherit the renderer's environment: the proxy (and the readiness
@@ -97,14 +109,20 @@ def test_systemd_units_name_the_profile_folders_of_molctl_profiles_dir(render, t
     for unit, key in (("proxy", "ExecStart"), ("engine", "ExecStartPost")):  # the proxy, the engine's readiness wait
         argv = _systemd_words(units[unit][key][0], exec_line=True)
         dirs = [argv[i + 1] for i, a in enumerate(argv) if a == "--profiles-dir"]
-        assert dirs == [str(folder.resolve())], (unit, key, argv)  # a folder that does not exist is skipped, as up skips it
+        assert dirs == [str(folder.resolve())], (
+            unit,
+            key,
+            argv,
+        )  # a folder that does not exist is skipped, as up skips it
 
 
 def test_systemd_stop_timeout_zero_is_not_an_infinite_stop(render, tmp_path):
     """`--stop-timeout 0` (SIGKILL right after SIGTERM, as `down --stop-timeout 0`) was rendered
     `TimeoutStopSec=0`, which systemd reads as no timeout at all (load-fragment.c,
     config_parse_service_timeout: 0 becomes USEC_INFINITY): a hung engine was never killed."""
-    units = _render_units(render, tmp_path, "tiny", "--allow-unauthenticated", "--stop-timeout", "0", "--drain-timeout", "0")
+    units = _render_units(
+        render, tmp_path, "tiny", "--allow-unauthenticated", "--stop-timeout", "0", "--drain-timeout", "0"
+    )
     for unit in ("engine", "proxy"):
         for key in ("TimeoutStopSec", "TimeoutStartSec"):
             assert int(units[unit][key][0]) >= 1, (unit, key)
@@ -113,8 +131,16 @@ def test_systemd_stop_timeout_zero_is_not_an_infinite_stop(render, tmp_path):
 def test_systemd_description_escapes_specifiers(render, tmp_path):
     """Description= is subject to specifier expansion: a served model name `Tiny %i 100%` became
     `Tiny  100` plus a bad-specifier error in the journal (`%i` the empty instance)."""
-    units = _render_units(render, tmp_path, "tiny", "--allow-unauthenticated", "--set", "served_model_name=Tiny %i 100%",
-                          "--set", "engine.served_name=base%n")
+    units = _render_units(
+        render,
+        tmp_path,
+        "tiny",
+        "--allow-unauthenticated",
+        "--set",
+        "served_model_name=Tiny %i 100%",
+        "--set",
+        "engine.served_name=base%n",
+    )
     for unit, text in (("proxy", "Tiny %i 100%"), ("engine", "base%n")):
         description = units[unit]["Description"][0]
         assert not re.search(r"%[^%]", description.replace("%%", "")), description
@@ -122,6 +148,7 @@ def test_systemd_description_escapes_specifiers(render, tmp_path):
 
 
 # ------------------------------------------------------------------------------------ Kubernetes
+
 
 def _k8s(render: Molctl, profile: str, *extra: str) -> list[dict]:
     result = render("render", "k8s", profile, "--image", IMAGE, *extra)
@@ -137,8 +164,11 @@ def _containers(objects: list[dict]) -> dict[str, dict]:
 def _k8s_expand(value: str, defined: dict[str, str]) -> str:
     """What the kubelet makes of an env value or an arg (k8s.io/kubernetes third_party/forked/
     golang/expansion): `$$` is `$`, `$(NAME)` of a variable defined before it is its value."""
-    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
-                  lambda m: "$" if m.group(0) == "$$" else defined.get(m.group(1), m.group(0)), value)
+    return re.sub(
+        r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+        lambda m: "$" if m.group(0) == "$$" else defined.get(m.group(1), m.group(0)),
+        value,
+    )
 
 
 def test_k8s_engine_env_values_survive_kubernetes_expansion(render):
@@ -179,7 +209,10 @@ def test_k8s_metrics_listener_is_reachable_on_the_pod_ip(render):
     mine = _k8s(render, "tiny", "--set", "proxy.metrics_port=9400", "--set", "proxy.metrics_host=127.0.0.1")
     assert _proxy_profile(mine).proxy.metrics_host == "127.0.0.1"
     without = _k8s(render, "tiny")  # no listener: nothing added
-    assert "metrics_host" not in _containers(without)["proxy"]["args"][_containers(without)["proxy"]["args"].index("--set-json") + 1]
+    assert (
+        "metrics_host"
+        not in _containers(without)["proxy"]["args"][_containers(without)["proxy"]["args"].index("--set-json") + 1]
+    )
 
 
 def _one_line_error(result, status: ExitStatus) -> str:
@@ -231,11 +264,14 @@ def test_k8s_profile_name_that_is_no_label_value_is_refused(render, tmp_path):
     assert "'tiny-'" in line and "label value" in line
 
 
-@pytest.mark.parametrize(("flag", "value", "secret"), [
-    ("api-key", "sk-engine-123", "sk-engine-123"),  # vLLM / SGLang --api-key
-    ("hf-token", "hf_abc123", "hf_abc123"),  # vLLM --hf-token
-    ("otlp-traces-endpoint", "https://user:s3cr3t@otel.internal:4318", "s3cr3t"),
-])
+@pytest.mark.parametrize(
+    ("flag", "value", "secret"),
+    [
+        ("api-key", "sk-engine-123", "sk-engine-123"),  # vLLM / SGLang --api-key
+        ("hf-token", "hf_abc123", "hf_abc123"),  # vLLM --hf-token
+        ("otlp-traces-endpoint", "https://user:s3cr3t@otel.internal:4318", "s3cr3t"),
+    ],
+)
 def test_a_secret_in_engine_args_is_refused(render, flag, value, secret):
     """Render refused secrets in engine.env but wrote `engine.args.api-key` (and a URL with a
     password) in clear into the container args, the proxy's --set-json and the ConfigMap, or the
@@ -303,8 +339,9 @@ def test_k8s_engine_prestop_waits_for_a_draining_proxy_only(render):
     runs: dict[str, tuple[float, subprocess.Popen]] = {}
     try:
         for label, proxy in (("restart", restart), ("pod_stop", pod_stop)):
-            objects = _k8s(render, "tiny", "--python", sys.executable, "--drain-timeout", "30",
-                           "--set", f"proxy.port={proxy.port}")
+            objects = _k8s(
+                render, "tiny", "--python", sys.executable, "--drain-timeout", "30", "--set", f"proxy.port={proxy.port}"
+            )
             command = _containers(objects)["engine"]["lifecycle"]["preStop"]["exec"]["command"]
             runs[label] = (time.monotonic(), subprocess.Popen(command))
         took = {}
@@ -334,7 +371,9 @@ def test_k8s_engine_restart_after_a_failed_probe_has_its_own_grace(render):
 
     objects = _k8s(render, "venti", "--stop-timeout", "90")
     engine = _containers(objects)["engine"]
-    pod_grace = next(o for o in objects if o["kind"] == "StatefulSet")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    pod_grace = next(o for o in objects if o["kind"] == "StatefulSet")["spec"]["template"]["spec"][
+        "terminationGracePeriodSeconds"
+    ]
     for probe in ("startupProbe", "livenessProbe"):
         grace = engine[probe]["terminationGracePeriodSeconds"]
         assert DRAIN_SEEN_WITHIN_S + 90 <= grace <= DRAIN_SEEN_WITHIN_S + 90 + STOP_MARGIN_S < pod_grace, (probe, grace)
@@ -342,12 +381,19 @@ def test_k8s_engine_restart_after_a_failed_probe_has_its_own_grace(render):
         kubernetes_validate.validate(obj, "1.30.0", strict=True)
 
 
-@pytest.mark.parametrize("profile, flag, value", [
-    ("venti", "long-prefill-token-threshold", "2048"), ("venti", "return-tokens-as-token-ids", "true"),
-    ("venti", "allow-credentials", "true"), ("venti", "ssl-keyfile", "/etc/tls/key.pem"),
-    ("venti", "max-num-batched-tokens", "8192"), ("venti", "hf-token", "true"),
-    ("venti-sglang", "bucket-time-to-first-token", "[0.1, 0.5]"),
-    ("venti-sglang", "bucket-inter-token-latency", "[0.01, 0.05]")])
+@pytest.mark.parametrize(
+    "profile, flag, value",
+    [
+        ("venti", "long-prefill-token-threshold", "2048"),
+        ("venti", "return-tokens-as-token-ids", "true"),
+        ("venti", "allow-credentials", "true"),
+        ("venti", "ssl-keyfile", "/etc/tls/key.pem"),
+        ("venti", "max-num-batched-tokens", "8192"),
+        ("venti", "hf-token", "true"),
+        ("venti-sglang", "bucket-time-to-first-token", "[0.1, 0.5]"),
+        ("venti-sglang", "bucket-inter-token-latency", "[0.01, 0.05]"),
+    ],
+)
 def test_ordinary_engine_flags_are_not_taken_for_secrets(render, profile, flag, value):
     """Guards a found bug: the secret-flag rule matched any word of a flag's name, so
     vLLM's long-prefill-token-threshold, return-tokens-as-token-ids, allow-credentials and SGLang's
@@ -357,9 +403,14 @@ def test_ordinary_engine_flags_are_not_taken_for_secrets(render, profile, flag, 
     assert result.exit_code == ExitStatus.OK, result.stderr
 
 
-@pytest.mark.parametrize("name, value", [("GOOGLE_APPLICATION_CREDENTIALS", "/var/run/gcp/sa.json"),
-                                         ("AWS_SHARED_CREDENTIALS_FILE", "/etc/aws/credentials"),
-                                         ("TOKENIZERS_PARALLELISM", "false")])
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("GOOGLE_APPLICATION_CREDENTIALS", "/var/run/gcp/sa.json"),
+        ("AWS_SHARED_CREDENTIALS_FILE", "/etc/aws/credentials"),
+        ("TOKENIZERS_PARALLELISM", "false"),
+    ],
+)
 def test_variables_that_name_where_a_secret_is_are_not_secrets(render, name, value):
     """Guards a found bug: GOOGLE_APPLICATION_CREDENTIALS (a path) was refused once
     CREDENTIAL joined the secret names; the lock pins them in clear too."""

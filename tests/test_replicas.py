@@ -28,7 +28,9 @@ class Replica:
 
     def metrics(self) -> dict[str, float]:
         text = httpx.get(self.metrics_url + "/metrics").text  # the metrics listener: no key
-        return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and not line.startswith("#")}
+        return {
+            line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and not line.startswith("#")
+        }
 
     def reset(self) -> None:
         httpx.post(self.engine_url + "/_reset").raise_for_status()
@@ -36,19 +38,39 @@ class Replica:
     def chat(self, messages: list[dict], stream: bool = False) -> str:
         if not stream:
             return self.client.chat.completions.create(model=PUBLIC, messages=messages).choices[0].message.content
-        return "".join(c.choices[0].delta.content or "" for c in
-                       self.client.chat.completions.create(model=PUBLIC, messages=messages, stream=True) if c.choices)
+        return "".join(
+            c.choices[0].delta.content or ""
+            for c in self.client.chat.completions.create(model=PUBLIC, messages=messages, stream=True)
+            if c.choices
+        )
 
 
 def start_replica(stack, name: str, redis_url: str, keyfile, logs, *extra: str) -> tuple[Replica, object, object]:
     engine_port, proxy_port, metrics_port = free_ports(3)
     engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
-    engine = stack.enter_context(running(fake_engine_argv(engine_port, STRICT), engine_url + "/health",
-                                         log=logs / f"engine-{name}.log"))
-    proxy = stack.enter_context(running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(keyfile),
-                                                   "--set", f"proxy.store={redis_url}", "--replica-id", name,
-                                                   "--metrics-port", str(metrics_port), *extra),
-                                        proxy_url + "/readyz", log=logs / f"proxy-{name}.log"))
+    engine = stack.enter_context(
+        running(fake_engine_argv(engine_port, STRICT), engine_url + "/health", log=logs / f"engine-{name}.log")
+    )
+    proxy = stack.enter_context(
+        running(
+            proxy_argv(
+                "tiny",
+                engine_url,
+                proxy_port,
+                "--api-key-file",
+                str(keyfile),
+                "--set",
+                f"proxy.store={redis_url}",
+                "--replica-id",
+                name,
+                "--metrics-port",
+                str(metrics_port),
+                *extra,
+            ),
+            proxy_url + "/readyz",
+            log=logs / f"proxy-{name}.log",
+        )
+    )
     return Replica(name, engine_url, proxy_url, f"http://127.0.0.1:{metrics_port}"), engine, proxy
 
 
@@ -78,7 +100,9 @@ def system_only() -> dict:
 @pytest.mark.parametrize("stream", [False, True])
 def test_turns_alternating_between_replicas_keep_folds_and_land_on_one_engine(ab, stream):
     a, b = ab
-    u = [{"role": "user", "content": f"[route:{r}] step {i} ({stream})"} for i, r in enumerate(["L2", "L1", "L2", "L3"])]
+    u = [
+        {"role": "user", "content": f"[route:{r}] step {i} ({stream})"} for i, r in enumerate(["L2", "L1", "L2", "L3"])
+    ]
     history: list[dict] = []
     answers = []
     for i, replica in enumerate([a, b, a, b]):
@@ -96,8 +120,16 @@ def test_turns_alternating_between_replicas_keep_folds_and_land_on_one_engine(ab
     # folds with the summaries made on the engine, whichever replica made them
     assert answer_views[1] == [sys_msg, u[0], fold(f"summary of {answers[0]}"), u[1]]
     assert answer_views[2] == [sys_msg, u[0], A[0], u[1], fold(f"summary of {answers[1]}"), u[2]]
-    assert answer_views[3] == [sys_msg, u[0], fold(f"summary of {answers[0]}"), u[1], fold(f"summary of {answers[1]}"),
-                               u[2], fold(f"summary of {answers[2]}"), u[3]]
+    assert answer_views[3] == [
+        sys_msg,
+        u[0],
+        fold(f"summary of {answers[0]}"),
+        u[1],
+        fold(f"summary of {answers[1]}"),
+        u[2],
+        fold(f"summary of {answers[2]}"),
+        u[3],
+    ]
     # and each replica saw the other's records: B served turns 2 and 4 through A's engine
     assert [e["model"] for e in hops if e["hop"] == "summary"][:3] == ["L2", "L1", "L2"]
 
@@ -108,8 +140,11 @@ def test_tool_call_continues_on_the_adapter_and_engine_that_issued_it(ab):
     u1 = {"role": "user", "content": "[route:L3] [tool:get_weather] weather?"}
     first = a.client.chat.completions.create(model=PUBLIC, messages=[u1], tools=tools).choices[0].message
     [call] = first.tool_calls
-    follow = [u1, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
-              {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    follow = [
+        u1,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny"},
+    ]
     reply = b.client.chat.completions.create(model=PUBLIC, messages=follow, tools=tools).choices[0].message.content
     assert "sunny" in reply
     assert b.log() == []
@@ -127,9 +162,11 @@ def test_responses_chain_created_on_one_replica_continues_on_the_other(ab):
     assert third.status == "completed"
     assert b.log() == []
     views = [e["messages"] for e in a.log("answer")]
-    assert views[1][1:] == [{"role": "user", "content": "[route:L1] remember the number 7"},
-                            {"role": "assistant", "content": first.output_text},
-                            {"role": "user", "content": "[route:L1] which number?"}]
+    assert views[1][1:] == [
+        {"role": "user", "content": "[route:L1] remember the number 7"},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "[route:L1] which number?"},
+    ]
 
 
 def test_a_replica_killed_mid_conversation_is_taken_over(cluster, keyfile):
@@ -160,8 +197,14 @@ def test_a_replica_killed_mid_conversation_is_taken_over(cluster, keyfile):
     assert [e["model"] for e in b.log("answer")] == ["L1", "L2"]
     assert len(b.log("route")) == 2 and len(b.log("summary")) == 2
     # B took the conversation over with its folds: turn 1 (L2, made on C) is folded with C's summary
-    assert views[0] == [system_only(), u[0], {"role": "assistant", "content": answers[0]}, u[1],
-                        fold(f"summary of {answers[1]}"), u[2]]
+    assert views[0] == [
+        system_only(),
+        u[0],
+        {"role": "assistant", "content": answers[0]},
+        u[1],
+        fold(f"summary of {answers[1]}"),
+        u[2],
+    ]
 
 
 def test_a_replica_stopped_cleanly_is_taken_over_even_though_its_engine_still_runs(cluster, keyfile):
@@ -200,8 +243,15 @@ def test_a_peer_engine_that_never_accepts_the_connection_is_taken_over(cluster, 
         blackhole.listen(0)
         filler = stack.enter_context(socket.create_connection(blackhole.getsockname()))  # the backlog is full:
         assert filler  # further connections are never accepted (their SYNs are dropped)
-        c, _, _ = start_replica(stack, "C2", redis.url, keyfile, logs,
-                                "--advertise-upstream", f"http://127.0.0.1:{blackhole.getsockname()[1]}")
+        c, _, _ = start_replica(
+            stack,
+            "C2",
+            redis.url,
+            keyfile,
+            logs,
+            "--advertise-upstream",
+            f"http://127.0.0.1:{blackhole.getsockname()[1]}",
+        )
         u1 = {"role": "user", "content": "[route:L2] first"}
         a1 = c.chat([u1])
         u2 = {"role": "user", "content": "[route:L2] second"}
@@ -240,9 +290,23 @@ def test_a_bad_advertise_upstream_stops_the_proxy_with_one_line(cluster, keyfile
     from tests.helpers import ROOT
 
     redis, _, _, _ = cluster
-    out = subprocess.run(proxy_argv("tiny", "http://127.0.0.1:9", free_port(), "--api-key-file", str(keyfile),
-                                    "--set", f"proxy.store={redis.url}", "--advertise-upstream", bad),
-                         capture_output=True, text=True, cwd=ROOT, timeout=60)
+    out = subprocess.run(
+        proxy_argv(
+            "tiny",
+            "http://127.0.0.1:9",
+            free_port(),
+            "--api-key-file",
+            str(keyfile),
+            "--set",
+            f"proxy.store={redis.url}",
+            "--advertise-upstream",
+            bad,
+        ),
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert out.returncode == ExitStatus.USAGE and len(lines) == 1, out.stderr
     assert f"--advertise-upstream {bad!r}: expected http://HOST:PORT" in lines[0]

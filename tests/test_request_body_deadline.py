@@ -20,15 +20,28 @@ def test_a_trickled_body_gets_a_408_at_the_total_deadline():
     engine_port, port = free_ports(2)
     engine_url, url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{port}"
     body = json.dumps({"model": PUBLIC, "messages": [{"role": "user", "content": "x" * 40}]}).encode()
-    argv = proxy_argv("tiny", engine_url, port, "--allow-unauthenticated", "--store", "memory",
-                      "--set", "proxy.request_body_timeout_s=1")
-    with running(fake_engine_argv(engine_port), engine_url + "/health"), running(argv, url + "/health"), \
-            socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n" % len(body))
+    argv = proxy_argv(
+        "tiny",
+        engine_url,
+        port,
+        "--allow-unauthenticated",
+        "--store",
+        "memory",
+        "--set",
+        "proxy.request_body_timeout_s=1",
+    )
+    with (
+        running(fake_engine_argv(engine_port), engine_url + "/health"),
+        running(argv, url + "/health"),
+        socket.create_connection(("127.0.0.1", port), timeout=10) as sock,
+    ):
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body)
+        )
         sent = 0
         while sent < len(body) and not select.select([sock], [], [], 0)[0]:
-            sock.sendall(body[sent:sent + 1])  # a byte every 0.2 s: never idle for long
+            sock.sendall(body[sent : sent + 1])  # a byte every 0.2 s: never idle for long
             sent += 1
             time.sleep(0.2)
         data = b""
@@ -40,7 +53,7 @@ def test_a_trickled_body_gets_a_408_at_the_total_deadline():
     assert sent < len(body), "the whole body was taken"
     head, _, rest = data.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 408 "), data
-    error = json.loads(rest[rest.index(b"{"):rest.rindex(b"}") + 1])  # chunked or not
+    error = json.loads(rest[rest.index(b"{") : rest.rindex(b"}") + 1])  # chunked or not
     assert error["error"]["code"] == "request_timeout" and "1 s" in error["error"]["message"], error
 
 

@@ -18,24 +18,83 @@ ROOT = Path(__file__).resolve().parents[1]
 # The request properties of CreateChatCompletionRequest and CreateResponse in openai/openai-openapi
 # (openapi.json, December 2026), allOf parts included.
 OPENAI_CHAT = (
-    "audio", "frequency_penalty", "function_call", "functions", "logit_bias", "logprobs", "max_completion_tokens",
-    "max_tokens", "messages", "metadata", "modalities", "model", "moderation", "n", "parallel_tool_calls",
-    "prediction", "presence_penalty", "prompt_cache_key", "prompt_cache_options", "prompt_cache_retention",
-    "reasoning_effort", "response_format", "safety_identifier", "seed", "service_tier", "stop", "store", "stream",
-    "stream_options", "temperature", "tool_choice", "tools", "top_logprobs", "top_p", "user", "verbosity",
-    "web_search_options")
+    "audio",
+    "frequency_penalty",
+    "function_call",
+    "functions",
+    "logit_bias",
+    "logprobs",
+    "max_completion_tokens",
+    "max_tokens",
+    "messages",
+    "metadata",
+    "modalities",
+    "model",
+    "moderation",
+    "n",
+    "parallel_tool_calls",
+    "prediction",
+    "presence_penalty",
+    "prompt_cache_key",
+    "prompt_cache_options",
+    "prompt_cache_retention",
+    "reasoning_effort",
+    "response_format",
+    "safety_identifier",
+    "seed",
+    "service_tier",
+    "stop",
+    "store",
+    "stream",
+    "stream_options",
+    "temperature",
+    "tool_choice",
+    "tools",
+    "top_logprobs",
+    "top_p",
+    "user",
+    "verbosity",
+    "web_search_options",
+)
 OPENAI_RESPONSES = (
-    "background", "context_management", "conversation", "include", "input", "instructions", "max_output_tokens",
-    "max_tool_calls", "metadata", "model", "moderation", "parallel_tool_calls", "previous_response_id", "prompt",
-    "prompt_cache_key", "prompt_cache_options", "prompt_cache_retention", "reasoning", "safety_identifier",
-    "service_tier", "store", "stream", "stream_options", "temperature", "text", "tool_choice", "tools",
-    "top_logprobs", "top_p", "truncation", "user")
+    "background",
+    "context_management",
+    "conversation",
+    "include",
+    "input",
+    "instructions",
+    "max_output_tokens",
+    "max_tool_calls",
+    "metadata",
+    "model",
+    "moderation",
+    "parallel_tool_calls",
+    "previous_response_id",
+    "prompt",
+    "prompt_cache_key",
+    "prompt_cache_options",
+    "prompt_cache_retention",
+    "reasoning",
+    "safety_identifier",
+    "service_tier",
+    "store",
+    "stream",
+    "stream_options",
+    "temperature",
+    "text",
+    "tool_choice",
+    "tools",
+    "top_logprobs",
+    "top_p",
+    "truncation",
+    "user",
+)
 
 
 def table_section() -> str:
     text = (ROOT / "docs" / "contract.md").read_text()
     start = text.index("### Request fields")
-    return text[start:text.index("\n### ", start + 1)]
+    return text[start : text.index("\n### ", start + 1)]
 
 
 def named(section: str) -> set[str]:
@@ -43,7 +102,7 @@ def named(section: str) -> set[str]:
 
 
 def part(section: str, heading: str, end: str) -> str:
-    return section[section.index(heading):section.index(end)]
+    return section[section.index(heading) : section.index(end)]
 
 
 @pytest.mark.parametrize("field", OPENAI_CHAT)
@@ -62,6 +121,9 @@ def test_every_responses_field_of_the_reference_is_known_and_in_the_table(field)
 def test_every_engine_extension_and_refusal_is_in_the_table(kind):
     engine = get_engine(kind)
     section = table_section()
-    missing = [f for f in (*engine.request_extensions, *engine.refused_extensions, *REFUSED)
-               if f not in named(section) and not (f.startswith("guided_") and "guided_json" in section)]
+    missing = [
+        f
+        for f in (*engine.request_extensions, *engine.refused_extensions, *REFUSED)
+        if f not in named(section) and not (f.startswith("guided_") and "guided_json" in section)
+    ]
     assert not missing, f"{kind}: not in docs/contract.md's Request fields: {missing}"

@@ -28,10 +28,17 @@ def post(s, path: str = "/v1/chat/completions", **body) -> httpx.Response:
 def test_vllm_bench_serve_requests_are_answered_and_ignore_eos_reaches_the_answer_hop_only(s):
     """`vllm bench serve --backend openai-chat --dataset-name random` forces ignore_eos: true
     (vllm/benchmarks/lib/endpoint_request_func.py); the proxy answered 400 for it, 40 of 40."""
-    body = {"messages": USER, "max_completion_tokens": 16, "stream": True, "stream_options": {"include_usage": True},
-            "ignore_eos": True, "temperature": 0.0}
-    with httpx.stream("POST", s.proxy_url + "/v1/chat/completions", headers=AUTH, json={"model": PUBLIC, **body},
-                      timeout=30) as r:
+    body = {
+        "messages": USER,
+        "max_completion_tokens": 16,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+        "temperature": 0.0,
+    }
+    with httpx.stream(
+        "POST", s.proxy_url + "/v1/chat/completions", headers=AUTH, json={"model": PUBLIC, **body}, timeout=30
+    ) as r:
         assert r.status_code == 200, r.read()
         text = r.read().decode()
     assert "data: [DONE]" in text
@@ -42,11 +49,24 @@ def test_vllm_bench_serve_requests_are_answered_and_ignore_eos_reaches_the_answe
         assert all("ignore_eos" not in e["payload"] for e in s.log(hop)), hop
 
 
-EXTENSIONS = {"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1, "length_penalty": 1.0, "min_tokens": 2,
-              "stop_token_ids": [7, 8], "include_stop_str_in_output": True, "skip_special_tokens": False,
-              "spaces_between_special_tokens": False, "bad_words": ["bad"], "allowed_token_ids": [1, 2, 3],
-              "prompt_logprobs": 1, "structured_outputs": {"choice": ["a", "b"]}, "include_reasoning": False,
-              "cache_salt": "salt", "ignore_eos": True}
+EXTENSIONS = {
+    "top_k": 5,
+    "min_p": 0.1,
+    "repetition_penalty": 1.1,
+    "length_penalty": 1.0,
+    "min_tokens": 2,
+    "stop_token_ids": [7, 8],
+    "include_stop_str_in_output": True,
+    "skip_special_tokens": False,
+    "spaces_between_special_tokens": False,
+    "bad_words": ["bad"],
+    "allowed_token_ids": [1, 2, 3],
+    "prompt_logprobs": 1,
+    "structured_outputs": {"choice": ["a", "b"]},
+    "include_reasoning": False,
+    "cache_salt": "salt",
+    "ignore_eos": True,
+}
 
 
 def test_every_vllm_extension_is_passed_to_the_answer_hop_as_sent(s):
@@ -58,27 +78,50 @@ def test_every_vllm_extension_is_passed_to_the_answer_hop_as_sent(s):
     assert all(route.get(k) != v for k, v in EXTENSIONS.items())
 
 
-@pytest.mark.parametrize("field,value", [("ignore_eos", "yes"), ("min_tokens", 1.5), ("stop_token_ids", ["7"]),
-                                         ("bad_words", "bad"), ("min_p", "Infinity"), ("top_k", True),
-                                         ("structured_outputs", "json")])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("ignore_eos", "yes"),
+        ("min_tokens", 1.5),
+        ("stop_token_ids", ["7"]),
+        ("bad_words", "bad"),
+        ("min_p", "Infinity"),
+        ("top_k", True),
+        ("structured_outputs", "json"),
+    ],
+)
 def test_an_extension_of_the_wrong_kind_is_a_400_naming_it(s, field, value):
     before = len(s.log())
     raw = json.dumps({"model": PUBLIC, "messages": USER, field: value})
     if value == "Infinity":  # a JSON number Python's reader takes
         raw = raw.replace('"Infinity"', "Infinity")
-    r = httpx.post(s.proxy_url + "/v1/chat/completions", headers={**AUTH, "Content-Type": "application/json"},
-                   content=raw, timeout=30)
+    r = httpx.post(
+        s.proxy_url + "/v1/chat/completions",
+        headers={**AUTH, "Content-Type": "application/json"},
+        content=raw,
+        timeout=30,
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
     assert field in r.json()["error"]["message"]
     assert len(s.log()) == before  # refused before any hop
 
 
-@pytest.mark.parametrize("field,value", [
-    ("echo", True), ("add_generation_prompt", False), ("continue_final_message", True),
-    ("chat_template", "{{ messages }}"), ("priority", 5), ("lora_request", {"lora_name": "L3"}),
-    ("guided_json", {"type": "object"}), ("use_beam_search", True), ("truncate_prompt_tokens", 10),
-    ("chat_template_kwargs", {"tools": []}), ("documents", [{"title": "t", "text": "x"}]),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("echo", True),
+        ("add_generation_prompt", False),
+        ("continue_final_message", True),
+        ("chat_template", "{{ messages }}"),
+        ("priority", 5),
+        ("lora_request", {"lora_name": "L3"}),
+        ("guided_json", {"type": "object"}),
+        ("use_beam_search", True),
+        ("truncate_prompt_tokens", 10),
+        ("chat_template_kwargs", {"tools": []}),
+        ("documents", [{"title": "t", "text": "x"}]),
+    ],
+)
 def test_fields_that_would_break_the_contract_are_a_400_naming_them_and_why(s, field, value):
     before = len(s.log())
     with pytest.raises(openai.BadRequestError) as err:
@@ -89,8 +132,16 @@ def test_fields_that_would_break_the_contract_are_a_400_naming_them_and_why(s, f
 
 
 def test_refused_fields_at_what_the_proxy_does_anyway_are_accepted(s):
-    s.chat(USER, extra_body={"echo": False, "add_generation_prompt": True, "continue_final_message": False,
-                             "priority": 0, "chat_template_kwargs": {"enable_thinking": False}})
+    s.chat(
+        USER,
+        extra_body={
+            "echo": False,
+            "add_generation_prompt": True,
+            "continue_final_message": False,
+            "priority": 0,
+            "chat_template_kwargs": {"enable_thinking": False},
+        },
+    )
     answer = s.log("answer")[-1]["payload"]
     assert answer["chat_template_kwargs"] == {"enable_thinking": False}
     assert "echo" not in answer and "add_generation_prompt" not in answer
@@ -153,17 +204,35 @@ def test_a_nested_key_named_like_a_refused_field_is_an_unknown_key_not_a_refusal
 
 # ------------------------------------------------------------------------ the Responses API
 
-NAMESPACE = {"type": "namespace", "name": "crm", "description": "The customer database",
-             "tools": [{"type": "function", "name": "lookup", "description": "Find a customer",
-                        "parameters": {"type": "object", "properties": {"email": {"type": "string"}},
-                                       "required": ["email"]}},
-                       {"type": "custom", "name": "sql"}]}
-HOSTED = [{"type": "web_search"}, {"type": "file_search", "vector_store_ids": ["vs_1"]}, {"type": "code_interpreter",
-          "container": {"type": "auto"}}, {"type": "image_generation"}, {"type": "local_shell"},
-          {"type": "mcp", "server_label": "x", "server_url": "https://mcp.example.com"},
-          {"type": "custom", "name": "apply_patch"}, {"type": "computer_use_preview", "display_width": 1,
-                                                      "display_height": 1, "environment": "linux"}]
-SHELL = {"type": "function", "name": "shell", "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}
+NAMESPACE = {
+    "type": "namespace",
+    "name": "crm",
+    "description": "The customer database",
+    "tools": [
+        {
+            "type": "function",
+            "name": "lookup",
+            "description": "Find a customer",
+            "parameters": {"type": "object", "properties": {"email": {"type": "string"}}, "required": ["email"]},
+        },
+        {"type": "custom", "name": "sql"},
+    ],
+}
+HOSTED = [
+    {"type": "web_search"},
+    {"type": "file_search", "vector_store_ids": ["vs_1"]},
+    {"type": "code_interpreter", "container": {"type": "auto"}},
+    {"type": "image_generation"},
+    {"type": "local_shell"},
+    {"type": "mcp", "server_label": "x", "server_url": "https://mcp.example.com"},
+    {"type": "custom", "name": "apply_patch"},
+    {"type": "computer_use_preview", "display_width": 1, "display_height": 1, "environment": "linux"},
+]
+SHELL = {
+    "type": "function",
+    "name": "shell",
+    "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}},
+}
 
 
 def respond(s, stream: bool, **kw):
@@ -177,11 +246,25 @@ def respond(s, stream: bool, **kw):
 def test_a_coding_agents_first_request_is_answered(s):
     """A coding agent's first Responses request was refused three times in a row: 400 for
     `client_metadata`, for a `namespace` tool, for a hosted `web_search` tool."""
-    r = post(s, "/v1/responses", input=[{"type": "message", "role": "developer", "content": "be brief"},
-                                        {"type": "message", "role": "user", "content": "[route:L2] hi"}],
-             client_metadata={"x": "y"}, tools=[SHELL, NAMESPACE, *HOSTED], parallel_tool_calls=False,
-             prompt_cache_key="k", text={"verbosity": "low"}, store=False, include=["reasoning.encrypted_content"],
-             reasoning={"effort": "low", "summary": "auto"}, service_tier="auto", truncation="auto", metadata={"a": "b"})
+    r = post(
+        s,
+        "/v1/responses",
+        input=[
+            {"type": "message", "role": "developer", "content": "be brief"},
+            {"type": "message", "role": "user", "content": "[route:L2] hi"},
+        ],
+        client_metadata={"x": "y"},
+        tools=[SHELL, NAMESPACE, *HOSTED],
+        parallel_tool_calls=False,
+        prompt_cache_key="k",
+        text={"verbosity": "low"},
+        store=False,
+        include=["reasoning.encrypted_content"],
+        reasoning={"effort": "low", "summary": "auto"},
+        service_tier="auto",
+        truncation="auto",
+        metadata={"a": "b"},
+    )
     assert r.status_code == 200, r.text
     tools = s.log("answer")[-1]["payload"]["tools"]
     assert [t["function"]["name"] for t in tools] == ["shell", "crm__lookup"]  # hosted and custom tools left out
@@ -196,24 +279,42 @@ def test_a_namespaced_call_comes_back_named_as_the_client_named_it_and_the_loop_
     call = next(i for i in first.output if i.type == "function_call")
     assert (call.name, call.namespace) == ("lookup", "crm")
     assert json.loads(call.arguments) == {"email": "Paris"}  # from the function's own schema
-    second = s.client.responses.create(input=[
-        {"type": "message", "role": "user", "content": "[route:L2] [tool:crm__lookup] who?"},
-        {"type": "function_call", "call_id": call.call_id, "name": "lookup", "namespace": "crm",
-         "arguments": call.arguments},
-        {"type": "function_call_output", "call_id": call.call_id, "output": "Ada"}], **kw)
+    second = s.client.responses.create(
+        input=[
+            {"type": "message", "role": "user", "content": "[route:L2] [tool:crm__lookup] who?"},
+            {
+                "type": "function_call",
+                "call_id": call.call_id,
+                "name": "lookup",
+                "namespace": "crm",
+                "arguments": call.arguments,
+            },
+            {"type": "function_call_output", "call_id": call.call_id, "output": "Ada"},
+        ],
+        **kw,
+    )
     assert second.output_text.endswith("using Ada")
     sent = s.log("answer")[-1]["payload"]["messages"]
     assert sent[-2]["tool_calls"][0]["function"]["name"] == "crm__lookup"
 
 
-@pytest.mark.parametrize("choice,expect_choice,expect_tools", [
-    ({"type": "function", "name": "lookup", "namespace": "crm"}, {"type": "function", "function": {"name": "crm__lookup"}},
-     ["shell", "crm__lookup"]),
-    ({"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "shell"}]}, "required",
-     ["shell"]),
-    ({"type": "web_search_preview"}, "auto", ["shell", "crm__lookup"]),
-    ({"type": "custom", "name": "apply_patch"}, "auto", ["shell", "crm__lookup"]),
-])
+@pytest.mark.parametrize(
+    "choice,expect_choice,expect_tools",
+    [
+        (
+            {"type": "function", "name": "lookup", "namespace": "crm"},
+            {"type": "function", "function": {"name": "crm__lookup"}},
+            ["shell", "crm__lookup"],
+        ),
+        (
+            {"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "shell"}]},
+            "required",
+            ["shell"],
+        ),
+        ({"type": "web_search_preview"}, "auto", ["shell", "crm__lookup"]),
+        ({"type": "custom", "name": "apply_patch"}, "auto", ["shell", "crm__lookup"]),
+    ],
+)
 def test_tool_choice_forms(s, choice, expect_choice, expect_tools):
     r = post(s, "/v1/responses", input="[route:L2] go", tools=[SHELL, NAMESPACE, *HOSTED], tool_choice=choice)
     assert r.status_code == 200, r.text
@@ -230,17 +331,30 @@ def test_only_hosted_tools_and_required_give_a_plain_answer(s):
 
 
 def test_items_of_tools_this_server_never_runs_are_left_out_and_unknown_items_are_400s(s):
-    r = post(s, "/v1/responses", input=[
-        {"type": "message", "role": "user", "content": "search"},
-        {"type": "web_search_call", "id": "ws_1", "status": "completed", "action": {"type": "search", "query": "q"}},
-        {"type": "custom_tool_call", "call_id": "c1", "name": "apply_patch", "input": "***"},
-        {"type": "custom_tool_call_output", "call_id": "c1", "output": "done"},
-        {"type": "message", "role": "user", "content": "[route:L2] and now?"}])
+    r = post(
+        s,
+        "/v1/responses",
+        input=[
+            {"type": "message", "role": "user", "content": "search"},
+            {
+                "type": "web_search_call",
+                "id": "ws_1",
+                "status": "completed",
+                "action": {"type": "search", "query": "q"},
+            },
+            {"type": "custom_tool_call", "call_id": "c1", "name": "apply_patch", "input": "***"},
+            {"type": "custom_tool_call_output", "call_id": "c1", "output": "done"},
+            {"type": "message", "role": "user", "content": "[route:L2] and now?"},
+        ],
+    )
     assert r.status_code == 200, r.text
     sent = s.log("answer")[-1]["payload"]["messages"]
     assert [m["role"] for m in sent[1:]] == ["user", "user"]  # after the identity system message
-    r = post(s, "/v1/responses", input=[{"type": "compaction", "encrypted_content": "x"},
-                                        {"type": "message", "role": "user", "content": "q"}])
+    r = post(
+        s,
+        "/v1/responses",
+        input=[{"type": "compaction", "encrypted_content": "x"}, {"type": "message", "role": "user", "content": "q"}],
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "input[0].type", r.text
 
 
@@ -249,16 +363,25 @@ def test_item_references_name_stored_output_items(s):
     {"type": "item_reference", "id"}; the proxy answered 400 for the item type."""
     first = s.client.responses.create(model=PUBLIC, input="[route:L2] hi")
     msg = next(i for i in first.output if i.type == "message")
-    r = post(s, "/v1/responses", input=[{"type": "message", "role": "user", "content": "[route:L2] hi"},
-                                        {"type": "item_reference", "id": msg.id},
-                                        {"type": "message", "role": "user", "content": "[route:L2] and?"}])
+    r = post(
+        s,
+        "/v1/responses",
+        input=[
+            {"type": "message", "role": "user", "content": "[route:L2] hi"},
+            {"type": "item_reference", "id": msg.id},
+            {"type": "message", "role": "user", "content": "[route:L2] and?"},
+        ],
+    )
     assert r.status_code == 200, r.text
     sent = s.log("answer")[-1]["payload"]["messages"]
     assert sent[-2] == {"role": "assistant", "content": first.output_text}
     unstored = s.client.responses.create(model=PUBLIC, input="[route:L2] hi", store=False)
     for item_id in (next(i for i in unstored.output if i.type == "message").id, "msg_nosuch"):
-        r = post(s, "/v1/responses", input=[{"type": "item_reference", "id": item_id},
-                                            {"type": "message", "role": "user", "content": "q"}])
+        r = post(
+            s,
+            "/v1/responses",
+            input=[{"type": "item_reference", "id": item_id}, {"type": "message", "role": "user", "content": "q"}],
+        )
         assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
         assert item_id in r.json()["error"]["message"]
 
@@ -277,21 +400,31 @@ def test_reasoning_round_trips_with_store_false(s, field, stream):
     call = next(i for i in first.output if i.type == "function_call")
     # as a store:false client resends it: only the opaque blob, the text stripped
     back = {"type": "reasoning", "id": rs.id, "summary": [], "encrypted_content": rs.encrypted_content}
-    s.client.responses.create(input=[
-        {"type": "message", "role": "user", "content": "[route:L2] [tool:shell] ls"}, back,
-        {"type": "function_call", "call_id": call.call_id, "name": "shell", "arguments": call.arguments},
-        {"type": "function_call_output", "call_id": call.call_id, "output": "a.txt"}], **kw)
+    s.client.responses.create(
+        input=[
+            {"type": "message", "role": "user", "content": "[route:L2] [tool:shell] ls"},
+            back,
+            {"type": "function_call", "call_id": call.call_id, "name": "shell", "arguments": call.arguments},
+            {"type": "function_call_output", "call_id": call.call_id, "output": "a.txt"},
+        ],
+        **kw,
+    )
     assistant = s.log("answer")[-1]["payload"]["messages"][-2]
     assert assistant["reasoning"] == assistant["reasoning_content"] == "let me think it through"
     assert assistant["tool_calls"][0]["id"] == call.call_id
 
 
 def test_foreign_encrypted_reasoning_is_left_out(s):
-    r = post(s, "/v1/responses", input=[
-        {"type": "message", "role": "user", "content": "hi"},
-        {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "gAAAAB-openai-blob"},
-        {"type": "message", "role": "assistant", "content": "hello"},
-        {"type": "message", "role": "user", "content": "[route:L2] again"}])
+    r = post(
+        s,
+        "/v1/responses",
+        input=[
+            {"type": "message", "role": "user", "content": "hi"},
+            {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "gAAAAB-openai-blob"},
+            {"type": "message", "role": "assistant", "content": "hello"},
+            {"type": "message", "role": "user", "content": "[route:L2] again"},
+        ],
+    )
     assert r.status_code == 200, r.text
     assistant = s.log("answer")[-1]["payload"]["messages"][-2]
     assert assistant["role"] == "assistant" and "reasoning" not in assistant

@@ -33,14 +33,20 @@ async def _ok_app(scope, receive, send) -> None:
         if not message.get("more_body"):
             break
     body = json.dumps({"path": scope["path"], "body_bytes": size}).encode()
-    await send({"type": "http.response.start", "status": 200,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
 def _limited(refused: list[int] | None = None):
-    return HeadHoldingHttpToolsProtocol.configured(max_head_bytes=LIMIT,
-                                                   on_refused=refused.append if refused is not None else None)
+    return HeadHoldingHttpToolsProtocol.configured(
+        max_head_bytes=LIMIT, on_refused=refused.append if refused is not None else None
+    )
 
 
 def _answer(sock: socket.socket) -> bytes:
@@ -79,8 +85,10 @@ def _read_response(sock: socket.socket, have: bytes = b"") -> tuple[bytes, bytes
 def test_a_header_past_the_bound_is_answered_431_before_the_head_ends() -> None:
     """The head never ends: the answer comes from the bytes counted as they arrived."""
     refused: list[int] = []
-    with _Server(_ok_app, http=_limited(refused)) as server, \
-            socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+    with (
+        _Server(_ok_app, http=_limited(refused)) as server,
+        socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock,
+    ):
         sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (2 * LIMIT))
         status, headers, body = _split(_answer(sock))
     assert status == "HTTP/1.1 431 Request Header Fields Too Large"
@@ -88,17 +96,24 @@ def test_a_header_past_the_bound_is_answered_431_before_the_head_ends() -> None:
     assert int(headers["content-length"]) == len(body)
     rid = headers["x-request-id"]
     assert re.fullmatch(r"req-[0-9a-f]{16}", rid), rid
-    assert json.loads(body) == {"error": {
-        "message": f"The request head (request line and headers) exceeds {LIMIT} bytes "
-                   f"(proxy.max_request_head_bytes; request id {rid}).",
-        "type": "invalid_request_error", "param": None, "code": "request_header_too_large"}}
+    assert json.loads(body) == {
+        "error": {
+            "message": f"The request head (request line and headers) exceeds {LIMIT} bytes "
+            f"(proxy.max_request_head_bytes; request id {rid}).",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "request_header_too_large",
+        }
+    }
     assert refused == [431]
 
 
 def test_a_request_line_past_the_bound_is_answered_414() -> None:
     refused: list[int] = []
-    with _Server(_ok_app, http=_limited(refused)) as server, \
-            socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+    with (
+        _Server(_ok_app, http=_limited(refused)) as server,
+        socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock,
+    ):
         sock.sendall(b"GET /" + b"a" * (2 * LIMIT))
         status, headers, body = _split(_answer(sock))
     assert status.startswith("HTTP/1.1 414 "), status
@@ -113,8 +128,10 @@ def test_heads_within_the_bound_are_served_and_bodies_do_not_count() -> None:
     and then, on the same kept-alive connection, a head over the bound: only that one is refused
     (the count starts again with each request)."""
     refused: list[int] = []
-    with _Server(_ok_app, http=_limited(refused)) as server, \
-            socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+    with (
+        _Server(_ok_app, http=_limited(refused)) as server,
+        socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock,
+    ):
         head = b"GET /near HTTP/1.1\r\nHost: x\r\nX-Pad: "
         near = head + b"p" * (LIMIT - len(head) - 4) + b"\r\n\r\n"
         assert len(near) == LIMIT
@@ -148,9 +165,13 @@ def test_a_head_past_the_bound_behind_a_running_response_is_refused_after_it() -
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"4")]})
         await send({"type": "http.response.body", "body": b"done"})
 
-    with _Server(slow_app, http=_limited()) as server, \
-            socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
-        sock.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\nGET /big HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (2 * LIMIT))
+    with (
+        _Server(slow_app, http=_limited()) as server,
+        socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock,
+    ):
+        sock.sendall(
+            b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\nGET /big HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (2 * LIMIT)
+        )
         release.set()
         data = _answer(sock)
     head, _, after = data.partition(b"\r\n\r\n")
@@ -173,10 +194,23 @@ def proxy(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("head")
     engine_port, proxy_port, metrics_port = free_ports(3)
     engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
-    with running(fake_engine_argv(engine_port), engine_url + "/health"), \
-            running(proxy_argv("tiny", engine_url, proxy_port, "--allow-unauthenticated", "--store", "memory",
-                               "--metrics-port", str(metrics_port)), proxy_url + "/health",
-                    log=tmp / "proxy.log") as proc:
+    with (
+        running(fake_engine_argv(engine_port), engine_url + "/health"),
+        running(
+            proxy_argv(
+                "tiny",
+                engine_url,
+                proxy_port,
+                "--allow-unauthenticated",
+                "--store",
+                "memory",
+                "--metrics-port",
+                str(metrics_port),
+            ),
+            proxy_url + "/health",
+            log=tmp / "proxy.log",
+        ) as proc,
+    ):
         yield proc, proxy_url, f"http://127.0.0.1:{metrics_port}/metrics"
 
 
@@ -198,6 +232,7 @@ def test_a_64_mib_header_costs_the_proxy_no_more_than_a_small_bounded_size(proxy
     request = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (64 * 1024 * 1024) + b"\r\n\r\n"
     host, port = proxy_url.rsplit("/", 1)[1].split(":")
     with socket.create_connection((host, int(port)), timeout=30) as sock:
+
         def send(data: bytes) -> None:
             try:
                 sock.sendall(data)
@@ -213,7 +248,7 @@ def test_a_64_mib_header_costs_the_proxy_no_more_than_a_small_bounded_size(proxy
     assert json.loads(body)["error"]["code"] == "request_header_too_large"
     assert headers["x-request-id"] in json.loads(body)["error"]["message"]
     grown = _peak_rss_bytes(proc.pid) - before
-    assert grown < 16 * 1024 * 1024, f"the proxy's peak RSS grew by {grown / 2 ** 20:.1f} MiB"
+    assert grown < 16 * 1024 * 1024, f"the proxy's peak RSS grew by {grown / 2**20:.1f} MiB"
     assert httpx.get(proxy_url + "/health").status_code == 200
     assert wait_for(lambda: _requests_total(metrics_url, "431") == 1, 5)
 
@@ -223,7 +258,10 @@ def test_the_bound_is_a_profile_field_from_1_kib_to_64_mib() -> None:
     from molctl.profiles import load_profile, profile_dirs
 
     assert load_profile("tiny", profile_dirs()).proxy.max_request_head_bytes == 64 * 1024
-    assert load_profile("tiny", profile_dirs(), [("proxy.max_request_head_bytes", 8192)]).proxy.max_request_head_bytes == 8192
+    assert (
+        load_profile("tiny", profile_dirs(), [("proxy.max_request_head_bytes", 8192)]).proxy.max_request_head_bytes
+        == 8192
+    )
     for bad in (0, 1023, 64 * 1024 * 1024 + 1):
         with pytest.raises(ProfileError, match=r"proxy\.max_request_head_bytes"):
             load_profile("tiny", profile_dirs(), [("proxy.max_request_head_bytes", bad)])

@@ -15,8 +15,14 @@ from molctl.proxy import responses
 from tests.proxy_stack import IDENTITY, KEY, KEY2, LEAK, PUBLIC, fold
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
-TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather for a city",
-          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "name": "get_weather",
+        "description": "Weather for a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    }
+]
 
 
 def system(extra: str | None = None) -> dict:
@@ -33,6 +39,7 @@ def stream_create(s, **kw):
 
 
 # ------------------------------------------------------------------------ create / retrieve / delete
+
 
 def test_create_with_a_string_input(s):
     r = create(s, input="[route:L2] write a parser", instructions="Be terse.", metadata={"k": "v"})
@@ -51,16 +58,26 @@ def test_create_with_a_string_input(s):
 
 
 def test_create_with_items_input(s):
-    r = create(s, input=[
-        {"role": "developer", "content": "Answer in French."},
-        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "[route:L1] bonjour"}]},
-        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "salut"}]},
-        {"role": "user", "content": "[route:L1] encore"},
-    ], temperature=0.2, top_p=0.9, max_output_tokens=50)
+    r = create(
+        s,
+        input=[
+            {"role": "developer", "content": "Answer in French."},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "[route:L1] bonjour"}]},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "salut"}]},
+            {"role": "user", "content": "[route:L1] encore"},
+        ],
+        temperature=0.2,
+        top_p=0.9,
+        max_output_tokens=50,
+    )
     assert r.status == "completed" and r.temperature == 0.2 and r.max_output_tokens == 50
     [answer] = s.log("answer")
-    assert answer["messages"] == [system("Answer in French."), {"role": "user", "content": "[route:L1] bonjour"},
-                                  {"role": "assistant", "content": "salut"}, {"role": "user", "content": "[route:L1] encore"}]
+    assert answer["messages"] == [
+        system("Answer in French."),
+        {"role": "user", "content": "[route:L1] bonjour"},
+        {"role": "assistant", "content": "salut"},
+        {"role": "user", "content": "[route:L1] encore"},
+    ]
     assert answer["payload"]["temperature"] == 0.2 and answer["payload"]["max_tokens"] == 50
 
 
@@ -74,10 +91,13 @@ def test_retrieve_delete_then_404(s):
         s.client.responses.retrieve(r.id)
     with pytest.raises(openai.NotFoundError) as err:
         create(s, input="again", previous_response_id=r.id)
-    assert err.value.body == {"message": f"Previous response with id '{r.id}' not found (deleted, created with "
-                                         "store=false, or expired or evicted from the proxy's store).",
-                              "type": "invalid_request_error", "param": "previous_response_id",
-                              "code": "previous_response_not_found"}
+    assert err.value.body == {
+        "message": f"Previous response with id '{r.id}' not found (deleted, created with "
+        "store=false, or expired or evicted from the proxy's store).",
+        "type": "invalid_request_error",
+        "param": "previous_response_id",
+        "code": "previous_response_not_found",
+    }
     assert httpx.delete(f"{s.proxy_url}/v1/responses/{r.id}", headers=AUTH).status_code == 404
 
 
@@ -89,8 +109,12 @@ def test_input_items_paginated(s):
     every = [i.content[0].text for i in s.client.responses.input_items.list(r.id, order="asc")]  # the SDK pages on
     assert every == [f"[route:L2] m{i}" for i in range(5)]
     desc = s.client.responses.input_items.list(r.id, limit=10)
-    assert [i.content[0].text for i in desc.data] == [f"[route:L2] m{i}" for i in reversed(range(5))] and not desc.has_more
-    raw = httpx.get(f"{s.proxy_url}/v1/responses/{r.id}/input_items?limit=2&after={page.last_id}&order=asc", headers=AUTH).json()
+    assert [i.content[0].text for i in desc.data] == [
+        f"[route:L2] m{i}" for i in reversed(range(5))
+    ] and not desc.has_more
+    raw = httpx.get(
+        f"{s.proxy_url}/v1/responses/{r.id}/input_items?limit=2&after={page.last_id}&order=asc", headers=AUTH
+    ).json()
     assert [i["content"][0]["text"] for i in raw["data"]] == ["[route:L2] m2", "[route:L2] m3"]
     assert httpx.get(f"{s.proxy_url}/v1/responses/{r.id}/input_items?limit=0", headers=AUTH).status_code == 400
 
@@ -133,21 +157,48 @@ def test_retrieve_with_stream_false_in_any_spelling_and_cancel_as_openai_answers
 def test_a_context_overflow_names_input_not_messages(s):
     """The engine's window error names the chat request's `messages`, a parameter a Responses
     client never sent: OpenAI names `input`. Stream (before the first token) and not."""
-    s.config(answer_error={"status": 400, "body": {"error": {
-        "message": "This model's maximum context length is 2048 tokens. However, your prompt contains 3000 input tokens.",
-        "type": "BadRequestError", "param": None, "code": 400}}})
+    s.config(
+        answer_error={
+            "status": 400,
+            "body": {
+                "error": {
+                    "message": "This model's maximum context length is 2048 tokens. However, your prompt contains 3000 input tokens.",
+                    "type": "BadRequestError",
+                    "param": None,
+                    "code": 400,
+                }
+            },
+        }
+    )
     for stream in (False, True):
-        r = httpx.post(s.proxy_url + "/v1/responses", headers=AUTH,
-                       json={"model": PUBLIC, "input": "[route:L2] long", "stream": stream})
+        r = httpx.post(
+            s.proxy_url + "/v1/responses",
+            headers=AUTH,
+            json={"model": PUBLIC, "input": "[route:L2] long", "stream": stream},
+        )
         assert r.status_code == 400, r.text
         assert r.json()["error"]["code"] == "context_length_exceeded" and r.json()["error"]["param"] == "input"
 
 
 def test_an_engine_400_on_the_response_format_names_text_format(s):
-    s.config(answer_error={"status": 400, "body": {"error": {
-        "message": "Invalid JSON schema.", "type": "BadRequestError", "param": "response_format", "code": 400}}})
-    r = httpx.post(s.proxy_url + "/v1/responses", headers=AUTH, json={
-        "model": PUBLIC, "input": "[route:L2] x", "text": {"format": {"type": "json_object"}}})
+    s.config(
+        answer_error={
+            "status": 400,
+            "body": {
+                "error": {
+                    "message": "Invalid JSON schema.",
+                    "type": "BadRequestError",
+                    "param": "response_format",
+                    "code": 400,
+                }
+            },
+        }
+    )
+    r = httpx.post(
+        s.proxy_url + "/v1/responses",
+        headers=AUTH,
+        json={"model": PUBLIC, "input": "[route:L2] x", "text": {"format": {"type": "json_object"}}},
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "text.format", r.text
 
 
@@ -184,8 +235,10 @@ def test_background_at_its_default_is_accepted_and_long_ids_are_cut(s):
     with pytest.raises(openai.BadRequestError) as err:
         create(s, input="[route:L2] hi", extra_body={"background": True})
     assert err.value.body["param"] == "background"
-    for call in (lambda: s.client.responses.retrieve("resp_" + "9" * 10_000),
-                 lambda: create(s, input="x", previous_response_id="resp_" + "9" * 100_000)):
+    for call in (
+        lambda: s.client.responses.retrieve("resp_" + "9" * 10_000),
+        lambda: create(s, input="x", previous_response_id="resp_" + "9" * 100_000),
+    ):
         with pytest.raises(openai.NotFoundError) as err:
             call()
         assert len(err.value.body["message"]) < 300
@@ -202,13 +255,23 @@ def test_an_input_item_id_must_be_a_string(s):
 
 # ------------------------------------------------------------------------ stream
 
+
 def test_stream_event_sequence(s):
     events = stream_create(s, input="[route:L2] stream me")
     types = [e.type for e in events]
-    assert types[:5] == ["response.created", "response.in_progress", "response.output_item.added",
-                         "response.content_part.added", "response.output_text.delta"]
-    assert types[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
-                          "response.completed"]
+    assert types[:5] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+    ]
+    assert types[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
     assert [e.sequence_number for e in events] == list(range(len(events)))
     deltas = [e for e in events if e.type == "response.output_text.delta"]
     text = "".join(d.delta for d in deltas)
@@ -227,9 +290,19 @@ def test_stream_context_manager(s):
 
 
 def test_stream_error_before_first_token_keeps_its_status(s):
-    s.config(answer_error={"status": 503, "body": {"error": {"message": "busy", "code": 503}}, "headers": {"Retry-After": "7"}})
-    r = httpx.post(s.proxy_url + "/v1/responses", headers=AUTH, json={"model": PUBLIC, "input": "[route:L2] x", "stream": True})
-    assert r.status_code == 503 and r.headers["retry-after"] == "7" and r.json()["error"]["code"] == "engine_unavailable"
+    s.config(
+        answer_error={
+            "status": 503,
+            "body": {"error": {"message": "busy", "code": 503}},
+            "headers": {"Retry-After": "7"},
+        }
+    )
+    r = httpx.post(
+        s.proxy_url + "/v1/responses", headers=AUTH, json={"model": PUBLIC, "input": "[route:L2] x", "stream": True}
+    )
+    assert (
+        r.status_code == 503 and r.headers["retry-after"] == "7" and r.json()["error"]["code"] == "engine_unavailable"
+    )
 
 
 def test_stream_failure_after_first_token_is_response_failed(s):
@@ -242,6 +315,7 @@ def test_stream_failure_after_first_token_is_response_failed(s):
 
 
 # ------------------------------------------------------------------------ chains
+
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_chain_across_two_adapters_and_a_branch(s, stream):
@@ -266,8 +340,14 @@ def test_chain_across_two_adapters_and_a_branch(s, stream):
     # instructions are this request's only; the other adapter's turn is folded with its summary
     assert answers[0]["messages"] == [system("Be terse."), u1]
     assert answers[1]["messages"] == [system(), u1, fold(f"summary of {a1}"), u2]
-    assert answers[2]["messages"] == [system("Be kind."), u1, {"role": "assistant", "content": a1}, u2,
-                                      fold(f"summary of {a2}"), u3]
+    assert answers[2]["messages"] == [
+        system("Be kind."),
+        u1,
+        {"role": "assistant", "content": a1},
+        u2,
+        fold(f"summary of {a2}"),
+        u3,
+    ]
     # a branch from the first response sees r1's conversation only
     u4 = {"role": "user", "content": "[route:L2] add tests instead"}
     r4 = ask(u4["content"], r1.id)
@@ -301,25 +381,48 @@ def test_function_tool_loop_stays_on_the_adapter(s, stream):
     assert len(s.log("route")) == routes  # no route hop
     answers = s.log("answer")
     assert [a["model"] for a in answers] == ["L3", "L3"]
-    assistant = {"role": "assistant", "content": None, "tool_calls": [
-        {"id": call.call_id, "type": "function", "function": {"name": "get_weather", "arguments": call.arguments}}]}
-    assert answers[1]["messages"] == [system(), {"role": "user", "content": first}, assistant,
-                                      {"role": "tool", "tool_call_id": call.call_id, "content": "18C sunny"}]
+    assistant = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": call.call_id, "type": "function", "function": {"name": "get_weather", "arguments": call.arguments}}
+        ],
+    }
+    assert answers[1]["messages"] == [
+        system(),
+        {"role": "user", "content": first},
+        assistant,
+        {"role": "tool", "tool_call_id": call.call_id, "content": "18C sunny"},
+    ]
     chat_tool = {k: TOOLS[0][k] for k in ("name", "description", "parameters")}
     assert answers[1]["payload"]["tools"] == [{"type": "function", "function": chat_tool}]
 
 
 def test_function_call_items_in_the_input(s):
-    r = create(s, input=[
-        {"role": "user", "content": "[route:L1] weather?"},
-        {"type": "function_call", "call_id": "call-x", "name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"},
-        {"type": "function_call_output", "call_id": "call-x", "output": "2C snow"},
-    ], tools=TOOLS)
+    r = create(
+        s,
+        input=[
+            {"role": "user", "content": "[route:L1] weather?"},
+            {"type": "function_call", "call_id": "call-x", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
+            {"type": "function_call_output", "call_id": "call-x", "output": "2C snow"},
+        ],
+        tools=TOOLS,
+    )
     assert "2C snow" in r.output_text
     assert s.log("answer")[-1]["messages"][2:] == [
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call-x", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
-        {"role": "tool", "tool_call_id": "call-x", "content": "2C snow"}]
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call-x",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call-x", "content": "2C snow"},
+    ]
 
 
 def test_store_false_keeps_nothing(s):
@@ -340,35 +443,60 @@ def test_another_tenants_id_is_404(s):
         other.responses.input_items.list(r.id)
     with pytest.raises(openai.NotFoundError):
         other.responses.create(model=PUBLIC, input="x", previous_response_id=r.id)
-    assert httpx.delete(f"{s.proxy_url}/v1/responses/{r.id}", headers={"Authorization": f"Bearer {KEY2}"}).status_code == 404
+    assert (
+        httpx.delete(f"{s.proxy_url}/v1/responses/{r.id}", headers={"Authorization": f"Bearer {KEY2}"}).status_code
+        == 404
+    )
     assert s.client.responses.retrieve(r.id).id == r.id  # still there for its owner
 
 
 # ------------------------------------------------------------------------ parameters
 
+
 def test_parameters_mapped_and_rejected(s):
-    r = create(s, input="[route:L2] json please", reasoning={"effort": "none"},
-               text={"format": {"type": "json_schema", "name": "out", "schema": {"type": "object"}}},
-               tool_choice="auto", parallel_tool_calls=False, truncation="auto", user="u1", safety_identifier="s1",
-               prompt_cache_key="k1", include=["message.output_text.logprobs"])
+    r = create(
+        s,
+        input="[route:L2] json please",
+        reasoning={"effort": "none"},
+        text={"format": {"type": "json_schema", "name": "out", "schema": {"type": "object"}}},
+        tool_choice="auto",
+        parallel_tool_calls=False,
+        truncation="auto",
+        user="u1",
+        safety_identifier="s1",
+        prompt_cache_key="k1",
+        include=["message.output_text.logprobs"],
+    )
     assert r.text.format.type == "json_schema" and r.parallel_tool_calls is False and r.truncation == "auto"
     payload = s.log("answer")[-1]["payload"]
-    assert payload["response_format"] == {"type": "json_schema", "json_schema": {"name": "out", "schema": {"type": "object"}}}
+    assert payload["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "out", "schema": {"type": "object"}},
+    }
     assert payload["parallel_tool_calls"] is False
     assert "reasoning_effort" not in payload  # mapped as chat's reasoning_effort: the tiny profile has no mapping
-    assert responses.parse_request({"model": "m", "input": "x", "reasoning": {"effort": "low"}}, "m").chat["reasoning_effort"] == "low"
+    assert (
+        responses.parse_request({"model": "m", "input": "x", "reasoning": {"effort": "low"}}, "m").chat[
+            "reasoning_effort"
+        ]
+        == "low"
+    )
     assert payload["logprobs"] is True and payload["user"] == "u1"
-    for extra, param in (({"background": True}, "background"), ({"conversation": "c1"}, "conversation"),
-                         ({"prompt": {"id": "pmpt_1"}}, "prompt"),
-                         ({"include": [7]}, "include[0]"),
-                         ({"text": {"verbosity": "loud"}}, "text.verbosity"),
-                         ({"input": [{"type": "item_reference", "id": "x"}]}, "input"),
-                         ({"input": [{"type": "compaction_summary", "text": "x"}, {"role": "user", "content": "q"}]},
-                          "input[0].type"),
-                         ({"truncation": "middle"}, "truncation"),
-                         ({"input": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}, "input"),
-                         ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
-                          "input[0].content[0].type")):
+    for extra, param in (
+        ({"background": True}, "background"),
+        ({"conversation": "c1"}, "conversation"),
+        ({"prompt": {"id": "pmpt_1"}}, "prompt"),
+        ({"include": [7]}, "include[0]"),
+        ({"text": {"verbosity": "loud"}}, "text.verbosity"),
+        ({"input": [{"type": "item_reference", "id": "x"}]}, "input"),
+        ({"input": [{"type": "compaction_summary", "text": "x"}, {"role": "user", "content": "q"}]}, "input[0].type"),
+        ({"truncation": "middle"}, "truncation"),
+        ({"input": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}, "input"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+            "input[0].content[0].type",
+        ),
+    ):
         body = {"model": PUBLIC, "input": "x", **extra}
         resp = httpx.post(s.proxy_url + "/v1/responses", headers=AUTH, json=body)
         assert resp.status_code == 400, (extra, resp.text)
@@ -398,9 +526,17 @@ def test_length_finish_is_incomplete(s):
 
 def test_reasoning_is_a_reasoning_item():
     req = responses.parse_request({"model": "m", "input": "x"}, "m")
-    chat = {"choices": [{"message": {"role": "assistant", "content": "42", "reasoning_content": "think"},
-                         "finish_reason": "stop"}], "usage": {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12,
-                                                              "completion_tokens_details": {"reasoning_tokens": 3}}}
+    chat = {
+        "choices": [
+            {"message": {"role": "assistant", "content": "42", "reasoning_content": "think"}, "finish_reason": "stop"}
+        ],
+        "usage": {
+            "prompt_tokens": 5,
+            "completion_tokens": 7,
+            "total_tokens": 12,
+            "completion_tokens_details": {"reasoning_tokens": 3},
+        },
+    }
     r = responses.complete_response(req, "resp_1", 0, chat)
     assert [i["type"] for i in r["output"]] == ["reasoning", "message"]
     assert r["output"][0]["content"] == [{"type": "reasoning_text", "text": "think"}]
@@ -419,6 +555,7 @@ def test_reasoning_is_a_reasoning_item():
 
 # ------------------------------------------------------------------------ what clients see
 
+
 def test_no_adapter_name_anywhere(s):
     seen: list[str] = []
     url = s.proxy_url + "/v1/responses"
@@ -433,19 +570,31 @@ def test_no_adapter_name_anywhere(s):
         assert r.status_code == 200
         record(r, r.text)
         ids.append(r.json()["id"])
-        with httpx.stream("POST", url, headers=AUTH, json={"model": PUBLIC, "stream": True, "tools": TOOLS,
-                                                            "input": f"[route:{route}] [tool:get_weather] y"}) as sr:
+        with httpx.stream(
+            "POST",
+            url,
+            headers=AUTH,
+            json={"model": PUBLIC, "stream": True, "tools": TOOLS, "input": f"[route:{route}] [tool:get_weather] y"},
+        ) as sr:
             record(sr, "".join(sr.iter_text()))
     for rid in ids:
         for path in (f"/v1/responses/{rid}", f"/v1/responses/{rid}/input_items"):
             r = httpx.get(s.proxy_url + path, headers=AUTH)
             record(r, re.sub(r"\[route:L\d\]", "", r.text))  # input items echo the client's own text
-    for bad in ({"model": "L2", "input": "x"}, {"model": PUBLIC, "input": "x", "previous_response_id": "resp_L2"},
-                {"model": PUBLIC, "input": []}):
+    for bad in (
+        {"model": "L2", "input": "x"},
+        {"model": PUBLIC, "input": "x", "previous_response_id": "resp_L2"},
+        {"model": PUBLIC, "input": []},
+    ):
         r = httpx.post(url, headers=AUTH, json=bad)
         assert r.status_code in (400, 404)
         record(r, r.text.replace("resp_L2", "resp_X"))  # the client's own id is echoed back
-    s.config(answer_error={"status": 400, "body": {"error": {"message": "adapter L2 of tiny-mol-base rejected it", "code": 400}}})
+    s.config(
+        answer_error={
+            "status": 400,
+            "body": {"error": {"message": "adapter L2 of tiny-mol-base rejected it", "code": 400}},
+        }
+    )
     r = httpx.post(url, headers=AUTH, json={"model": PUBLIC, "input": "[route:L2] z"})
     assert r.status_code == 400
     record(r, r.text)
@@ -465,7 +614,9 @@ def test_memory_store_is_the_default_and_the_argument_is_used():
     store = MemoryResponseStore(max_entries=3)
     app = ProxyApp(TINY, get_engine(TINY.engine.kind), "http://127.0.0.1:9", ["k"], response_store=store)
     assert app.responses.store is store  # behind the proxy's async interface (LocalResponses)
-    assert isinstance(ProxyApp(TINY, get_engine(TINY.engine.kind), "http://127.0.0.1:9", ["k"]).responses.store, MemoryResponseStore)
+    assert isinstance(
+        ProxyApp(TINY, get_engine(TINY.engine.kind), "http://127.0.0.1:9", ["k"]).responses.store, MemoryResponseStore
+    )
 
 
 def test_tool_loop_continues_on_its_adapter_after_a_proxy_restart(s, keyfile, tmp_path):
@@ -476,8 +627,9 @@ def test_tool_loop_continues_on_its_adapter_after_a_proxy_restart(s, keyfile, tm
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    argv = proxy_argv("tiny", s.engine_url, port, "--api-key-file", str(keyfile), "--store",
-                      f"sqlite:{tmp_path / 'store.sqlite3'}")
+    argv = proxy_argv(
+        "tiny", s.engine_url, port, "--api-key-file", str(keyfile), "--store", f"sqlite:{tmp_path / 'store.sqlite3'}"
+    )
     env = {"MOLCTL_STATE_DIR": str(tmp_path / "state")}
     with running(argv, url + "/health", env=env, log=tmp_path / "p1.log"):
         client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=30)
@@ -486,8 +638,12 @@ def test_tool_loop_continues_on_its_adapter_after_a_proxy_restart(s, keyfile, tm
     with running(argv, url + "/health", env=env, log=tmp_path / "p2.log"):
         client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=30)
         routes = len(s.log("route"))
-        r2 = client.responses.create(model=PUBLIC, previous_response_id=r1.id, tools=TOOLS,
-                                     input=[{"type": "function_call_output", "call_id": call.call_id, "output": "2C"}])
+        r2 = client.responses.create(
+            model=PUBLIC,
+            previous_response_id=r1.id,
+            tools=TOOLS,
+            input=[{"type": "function_call_output", "call_id": call.call_id, "output": "2C"}],
+        )
         assert "2C" in r2.output_text
         assert len(s.log("route")) == routes
         assert [a["model"] for a in s.log("answer")] == ["L1", "L1"]
@@ -510,7 +666,13 @@ def test_an_in_process_store_behind_the_proxys_async_interface_writes_a_large_re
     import threading
     import time
 
-    from molctl.proxy.response_store import BIG_RECORD, MANY_MESSAGES, LocalResponses, MemoryResponseStore, as_proxy_store
+    from molctl.proxy.response_store import (
+        BIG_RECORD,
+        MANY_MESSAGES,
+        LocalResponses,
+        MemoryResponseStore,
+        as_proxy_store,
+    )
 
     class Recording(MemoryResponseStore):
         slow_puts = True  # as SQLite's
@@ -535,8 +697,12 @@ def test_an_in_process_store_behind_the_proxys_async_interface_writes_a_large_re
         await proxy_store.put_response(record("many", [{"role": "user", "content": "m"}] * (MANY_MESSAGES + 1)))
         await proxy_store.put_response(record("hinted", [{"role": "user", "content": "hi"}]), big=True)
         got = await proxy_store.get_previous("t", "small")
-        return threading.current_thread().name, got, await proxy_store.delete_response("t", "small"), \
-            await proxy_store.delete_response("t", "small")
+        return (
+            threading.current_thread().name,
+            got,
+            await proxy_store.delete_response("t", "small"),
+            await proxy_store.delete_response("t", "small"),
+        )
 
     store = Recording()
     loop_thread, got, deleted, again = asyncio.run(main(store))

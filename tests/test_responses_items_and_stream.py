@@ -14,20 +14,28 @@ from molctl.proxy import responses
 from tests.proxy_stack import KEY, PUBLIC
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
-TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather for a city",
-          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "name": "get_weather",
+        "description": "Weather for a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    }
+]
 
 
 def raw_events(s, **body) -> list[dict]:
     """POST /v1/responses with stream=true: the events as sent (each frame's JSON, in order)."""
-    with httpx.stream("POST", s.proxy_url + "/v1/responses", headers=AUTH, timeout=30,
-                      json={"model": PUBLIC, "stream": True, **body}) as r:
+    with httpx.stream(
+        "POST", s.proxy_url + "/v1/responses", headers=AUTH, timeout=30, json={"model": PUBLIC, "stream": True, **body}
+    ) as r:
         assert r.status_code == 200, r.read()
         text = r.read().decode()
     return [json.loads(block.split("data: ", 1)[1]) for block in text.split("\n\n") if "data: " in block]
 
 
 # ------------------------------------------------------------------------ stream events
+
 
 def test_a_streamed_item_is_announced_empty_and_the_sdks_live_snapshot_is_the_text_so_far(s):
     """`response.output_item.added` carried the message item with its first delta already in its
@@ -74,16 +82,19 @@ def test_a_stream_translator_event_is_a_snapshot_of_its_moment():
     events += tr.feed({"choices": [{"delta": {"content": "2"}, "logprobs": lp}]})
     events += tr.feed({"choices": [{"delta": {}, "finish_reason": "stop"}]})
     closing, final = tr.finish_events()
-    assert [json.dumps(e) for e in events[:len(sent)]] == sent
+    assert [json.dumps(e) for e in events[: len(sent)]] == sent
     added = [e for e in events if e["type"] == "response.output_item.added"]
     assert [a["item"]["content"] for a in added] == [[], []]
     parts = [e["part"] for e in events if e["type"] == "response.content_part.added"]
-    assert parts == [{"type": "reasoning_text", "text": ""},
-                     {"type": "output_text", "text": "", "annotations": [], "logprobs": []}]
+    assert parts == [
+        {"type": "reasoning_text", "text": ""},
+        {"type": "output_text", "text": "", "annotations": [], "logprobs": []},
+    ]
     assert final["output"][1]["content"][0]["text"] == "42" and len(final["output"][1]["content"][0]["logprobs"]) == 2
 
 
 # ------------------------------------------------------------------------ previous_response_id + input
+
 
 def post(s, **body) -> httpx.Response:
     return httpx.post(s.proxy_url + "/v1/responses", headers=AUTH, json={"model": PUBLIC, **body}, timeout=30)
@@ -106,15 +117,20 @@ def test_items_echoed_with_previous_response_id_are_refused_not_sent_twice(s):
     output = {"type": "function_call_output", "call_id": call.call_id, "output": "2C"}
     r = post(s, previous_response_id=r1.id, tools=TOOLS, input=[call.model_dump(exclude_none=True), output])
     assert r.status_code == 400, r.text
-    assert r.json()["error"] == {"message": f"Duplicate item found with id {call.id}. Remove duplicate items from "
-                                            "your input and try again.", "type": "invalid_request_error",
-                                 "param": "input", "code": "invalid_request_error"}
+    assert r.json()["error"] == {
+        "message": f"Duplicate item found with id {call.id}. Remove duplicate items from your input and try again.",
+        "type": "invalid_request_error",
+        "param": "input",
+        "code": "invalid_request_error",
+    }
     r2 = s.client.responses.create(model=PUBLIC, previous_response_id=r1.id, tools=TOOLS, input=[output])
     assert "2C" in r2.output_text
     [message] = r2.output
     again = {"type": "message", "role": "user", "content": "[route:L3] and tomorrow?"}
-    for items in ([message.model_dump(exclude_none=True), again],  # the previous response's output
-                  [{"id": i.id, **again} for i in s.client.responses.input_items.list(r2.id).data][:1]):
+    for items in (
+        [message.model_dump(exclude_none=True), again],  # the previous response's output
+        [{"id": i.id, **again} for i in s.client.responses.input_items.list(r2.id).data][:1],
+    ):
         r = post(s, previous_response_id=r2.id, input=items)
         assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
     mine = {"id": "msg_mine", **again}
@@ -143,19 +159,35 @@ def test_a_function_call_must_be_answered_and_an_output_must_answer_a_call(s):
     assert r.status_code == 400, r.text
     assert r.json()["error"]["message"] == f"No tool output found for function call {call.call_id}."
     assert r.json()["error"]["param"] == "input"
-    r = post(s, previous_response_id=r1.id, input=[{"type": "function_call_output", "call_id": "call-nope", "output": "x"}])
+    r = post(
+        s, previous_response_id=r1.id, input=[{"type": "function_call_output", "call_id": "call-nope", "output": "x"}]
+    )
     assert r.status_code == 400, r.text
     assert r.json()["error"]["message"] == "No tool call found for function call output with call_id call-nope."
-    r = post(s, input=[{"role": "user", "content": "q"},
-                       {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
-                       {"role": "user", "content": "q2"}])
+    r = post(
+        s,
+        input=[
+            {"role": "user", "content": "q"},
+            {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+            {"role": "user", "content": "q2"},
+        ],
+    )
     assert r.status_code == 400 and "c1" in r.json()["error"]["message"], r.text
-    r = post(s, input=[{"role": "user", "content": "q"}, {"type": "function_call_output", "call_id": "c2", "output": "x"}])
+    r = post(
+        s, input=[{"role": "user", "content": "q"}, {"type": "function_call_output", "call_id": "c2", "output": "x"}]
+    )
     assert r.status_code == 400 and "c2" in r.json()["error"]["message"], r.text
     assert len(s.log("answer")) == answers
     # answered, the loop goes on as before (on its adapter, no route hop)
-    r2 = s.client.responses.create(model=PUBLIC, previous_response_id=r1.id, tools=TOOLS, input=[
-        {"type": "function_call_output", "call_id": call.call_id, "output": "2C"}, {"role": "user", "content": "thanks"}])
+    r2 = s.client.responses.create(
+        model=PUBLIC,
+        previous_response_id=r1.id,
+        tools=TOOLS,
+        input=[
+            {"type": "function_call_output", "call_id": call.call_id, "output": "2C"},
+            {"role": "user", "content": "thanks"},
+        ],
+    )
     assert r2.status == "completed"
 
 
@@ -163,19 +195,33 @@ def test_every_parallel_call_needs_its_output():
     """Two calls in the previous response, one output in the input: OpenAI's `No tool output
     found for function call …` for the other (the translation alone, with a stored record)."""
     calls = [{"id": f"call-{i}", "type": "function", "function": {"name": "f", "arguments": "{}"}} for i in (1, 2)]
-    prev = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": calls}],
-            "input_items": [], "response": {"output": []}, "route": "L1"}
-    req = responses.parse_request({"model": "m", "input": [{"type": "function_call_output", "call_id": "call-1",
-                                                             "output": "x"}]}, "m")
+    prev = {
+        "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": calls}],
+        "input_items": [],
+        "response": {"output": []},
+        "route": "L1",
+    }
+    req = responses.parse_request(
+        {"model": "m", "input": [{"type": "function_call_output", "call_id": "call-1", "output": "x"}]}, "m"
+    )
     req.prev, req.history = prev, list(prev["messages"])
     try:
         req.chat_body()
     except responses.ProxyError as exc:
-        assert exc.status == 400 and exc.message == "No tool output found for function call call-2." and exc.param == "input"
+        assert (
+            exc.status == 400
+            and exc.message == "No tool output found for function call call-2."
+            and exc.param == "input"
+        )
     else:
         raise AssertionError("accepted")
-    both = responses.parse_request({"model": "m", "input": [{"type": "function_call_output", "call_id": f"call-{i}",
-                                                              "output": "x"} for i in (2, 1)]}, "m")
+    both = responses.parse_request(
+        {
+            "model": "m",
+            "input": [{"type": "function_call_output", "call_id": f"call-{i}", "output": "x"} for i in (2, 1)],
+        },
+        "m",
+    )
     both.prev, both.history = prev, list(prev["messages"])
     assert [m["role"] for m in both.chat_body()["messages"]] == ["user", "assistant", "tool", "tool"]
 
@@ -199,10 +245,20 @@ def test_an_empty_streamed_answer_still_has_its_message_item():
         events += tr.feed({"choices": [{"delta": {}, "finish_reason": "stop"}]})
         closing, final = tr.finish_events()
         message = {"role": "assistant", "content": "", **(deltas[0] if deltas else {})}
-        plain = responses.complete_response(req, "resp_2", 0, {"choices": [{"message": message, "finish_reason": "stop"}]})
+        plain = responses.complete_response(
+            req, "resp_2", 0, {"choices": [{"message": message, "finish_reason": "stop"}]}
+        )
         assert [i["type"] for i in final["output"]] == [i["type"] for i in plain["output"]]
-        assert final["output"][-1]["content"] == [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}]
+        assert final["output"][-1]["content"] == [
+            {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        ]
         types = [e["type"] for e in events + closing]
-        assert types[-6:] == ["response.output_item.added", "response.content_part.added", "response.output_text.done",
-                              "response.content_part.done", "response.output_item.done", "response.completed"]
+        assert types[-6:] == [
+            "response.output_item.added",
+            "response.content_part.added",
+            "response.output_text.done",
+            "response.content_part.done",
+            "response.output_item.done",
+            "response.completed",
+        ]
         assert [e["sequence_number"] for e in events + closing] == list(range(len(types)))

@@ -22,11 +22,21 @@ from tests.procs import alive
 def _background_up(host) -> tuple[subprocess.Popen, int]:
     """`bash -c 'molctl up tiny ... & echo $!; wait $!; echo rc=$?'`: the shell prints the job's
     pid, waits for it and prints its exit status."""
-    argv = [sys.executable, "-m", "molctl",
-            *host.cli.argv("up", "tiny", *host.args(*EARLY_PROXY, env={"FAKE_STARTUP_DELAY": "60"}))]
+    argv = [
+        sys.executable,
+        "-m",
+        "molctl",
+        *host.cli.argv("up", "tiny", *host.args(*EARLY_PROXY, env={"FAKE_STARTUP_DELAY": "60"})),
+    ]
     script = f"{shlex.join(argv)} & echo $!; wait $!; echo rc=$?"
-    shell = subprocess.Popen(["bash", "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             cwd=ROOT, start_new_session=True)
+    shell = subprocess.Popen(
+        ["bash", "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        start_new_session=True,
+    )
     host.procs.append(shell)
     return shell, int(shell.stdout.readline())
 

@@ -38,8 +38,12 @@ def fake_python(tmp_path_factory) -> Path:
 def test_the_fake_launcher_refuses_an_unknown_flag():
     """launch_server.py: prepare_server_args(sys.argv[1:]) -> parser.parse_args (server_args.py):
     SGLang has no vLLM-style --max-model-len; the launch ends at once, exit 2."""
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "fake_sglang.py"), "--model-path", "/m",
-                           "--max-model-len", "2048"], capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "fake_sglang.py"), "--model-path", "/m", "--max-model-len", "2048"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert proc.returncode == 2 and "unrecognized arguments: --max-model-len 2048" in proc.stderr
 
 
@@ -71,11 +75,12 @@ def test_the_flag_probe_reads_the_source_where_sglang_does_not_import(fake_pytho
     src = pkg / "srt" / "server_args.py"
     src.write_text("raise ImportError('libcuda.so.1: cannot open shared object file')\n" + src.read_text())
     python = tmp_path / "python"
-    python.write_text(f"#!/bin/sh\nPYTHONPATH={tmp_path} exec {sys.executable} \"$@\"\n")
+    python.write_text(f'#!/bin/sh\nPYTHONPATH={tmp_path} exec {sys.executable} "$@"\n')
     python.chmod(0o755)
     assert probe(python) == probe(fake_python)
 
-    src.write_text(textwrap.dedent('''\
+    src.write_text(
+        textwrap.dedent("""\
         raise ImportError("no CUDA")
         class ServerArgs:
             model_path: A[
@@ -92,9 +97,11 @@ def test_the_flag_probe_reads_the_source_where_sglang_does_not_import(fake_pytho
                     "--reasoning-parser",
                     type=str,
                 )
-        '''))
+        """)
+    )
     (pkg / "srt" / "arg_groups" / "fields").mkdir(parents=True)
-    (pkg / "srt" / "arg_groups" / "fields" / "parallel.py").write_text(textwrap.dedent('''\
+    (pkg / "srt" / "arg_groups" / "fields" / "parallel.py").write_text(
+        textwrap.dedent("""\
         class ParallelFields:
             tp_size: A[
                 int,
@@ -103,7 +110,8 @@ def test_the_flag_probe_reads_the_source_where_sglang_does_not_import(fake_pytho
                     aliases=["--tensor-parallel-size"],
                 ),
             ] = 1
-        '''))
+        """)
+    )
     flags = probe(python)
     assert {"model-path", "model", "host", "reasoning-parser", "tp-size", "tp", "tensor-parallel-size"} <= flags
     assert not any(f.startswith("enable-dsa") for f in flags)
@@ -119,11 +127,17 @@ def strict_sglang(tmp_path_factory):
     keys = logs / "keys"
     keys.write_text("sk-review")
     keys.chmod(0o600)
-    argv = fake_sglang_argv(engine_port, VENTI.engine.served_name, "/models/loras", {"strict": True}, True,
-                            "--context-length", "100")
-    with running(argv, engine_url + "/health", log=logs / "engine.log"), \
-            running(proxy_argv("venti-sglang", engine_url, proxy_port, "--api-key-file", str(keys)),
-                    proxy_url + "/health", log=logs / "proxy.log"):
+    argv = fake_sglang_argv(
+        engine_port, VENTI.engine.served_name, "/models/loras", {"strict": True}, True, "--context-length", "100"
+    )
+    with (
+        running(argv, engine_url + "/health", log=logs / "engine.log"),
+        running(
+            proxy_argv("venti-sglang", engine_url, proxy_port, "--api-key-file", str(keys)),
+            proxy_url + "/health",
+            log=logs / "proxy.log",
+        ),
+    ):
         yield engine_url, proxy_url
 
 
@@ -143,10 +157,16 @@ def test_the_window_rule_is_sglangs(strict_sglang):
     assert r.status_code == 400
     body = r.json()
     assert body["object"] == "error" and body["type"] == "BadRequestError" and "error" not in body
-    assert body["message"].startswith("Requested token count exceeds the model's maximum context length of 100 "
-                                      "tokens. You requested a total of 100 tokens: 94 tokens")
-    assert _chat(engine_url, {"model": model, "max_tokens": 5,
-                              "messages": [{"role": "user", "content": words}]}).status_code == 200
+    assert body["message"].startswith(
+        "Requested token count exceeds the model's maximum context length of 100 "
+        "tokens. You requested a total of 100 tokens: 94 tokens"
+    )
+    assert (
+        _chat(
+            engine_url, {"model": model, "max_tokens": 5, "messages": [{"role": "user", "content": words}]}
+        ).status_code
+        == 200
+    )
     long = " ".join(["w"] * 96)
     r = _chat(engine_url, {"model": model, "messages": [{"role": "user", "content": long}]})
     assert r.status_code == 400
@@ -156,15 +176,17 @@ def test_the_window_rule_is_sglangs(strict_sglang):
 def test_sglangs_window_errors_reach_the_client_as_context_length_exceeded(strict_sglang):
     _, proxy_url = strict_sglang
     long = "[route:L1] " + " ".join(["w"] * 120)
-    r = _chat(proxy_url, {"model": VENTI.served_model_name, "messages": [{"role": "user", "content": long}]},
-              key="sk-review")
+    r = _chat(
+        proxy_url, {"model": VENTI.served_model_name, "messages": [{"role": "user", "content": long}]}, key="sk-review"
+    )
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["code"] == "context_length_exceeded" and "context length" in err["message"]
 
 
-@pytest.mark.parametrize("name, flag, sends_limit", [("venti", "max-model-len", True),
-                                                     ("venti-sglang", "context-length", False)])
+@pytest.mark.parametrize(
+    "name, flag, sends_limit", [("venti", "max-model-len", True), ("venti-sglang", "context-length", False)]
+)
 def test_the_answer_hop_never_asks_sglang_for_its_whole_window(name, flag, sends_limit):
     """vLLM takes prompt + max_tokens == max-model-len; SGLang refuses input + max_new_tokens >=
     context-length (TokenizerManager._validate_one_request; sglang test/srt/
@@ -177,10 +199,13 @@ def test_the_answer_hop_never_asks_sglang_for_its_whole_window(name, flag, sends
     from molctl.proxy.orchestrator import Orchestrator, prompt_token_bound
 
     def payload(window: int, limit: int) -> tuple[dict, int]:
-        profile = load_profile(name, profile_dirs(), [(f"engine.args.{flag}", window), ("proxy.max_output_tokens", limit)])
+        profile = load_profile(
+            name, profile_dirs(), [(f"engine.args.{flag}", window), ("proxy.max_output_tokens", limit)]
+        )
         orch = Orchestrator(profile, get_engine(profile.engine.kind), None, MemoryStore())
-        plan = orch.prepare({"model": profile.served_model_name, "messages": [{"role": "user", "content": "hello " * 50}]},
-                            "t")
+        plan = orch.prepare(
+            {"model": profile.served_model_name, "messages": [{"role": "user", "content": "hello " * 50}]}, "t"
+        )
         plan.route = "L2"
         built = orch._build_answer(plan)
         return built, prompt_token_bound(plan.view, None)
@@ -206,12 +231,17 @@ def test_bench_counts_an_sglang_counter_born_during_the_run(tmp_path):
     with running(argv, engine_url + "/health", log=tmp_path / "engine.log"):
         before = parse_metrics(httpx.get(engine_url + "/metrics").text)
         assert "sglang:num_requests_total" in before and "sglang:cached_tokens_total" not in before
-        r = httpx.post(engine_url + "/v1/chat/completions", timeout=30,
-                       json={"model": f"{VENTI.engine.served_name}:L1", "messages": [{"role": "user", "content": "hi"}]})
+        r = httpx.post(
+            engine_url + "/v1/chat/completions",
+            timeout=30,
+            json={"model": f"{VENTI.engine.served_name}:L1", "messages": [{"role": "user", "content": "hi"}]},
+        )
         assert r.status_code == 200, r.text
         after = parse_metrics(httpx.get(engine_url + "/metrics").text)
     delta = _engine_delta("sglang", before, after)
-    assert delta["missing"] == [] and delta["deltas"]["cached_tokens"] == 4 and delta["deltas"]["requests_finished"] == 1
+    assert (
+        delta["missing"] == [] and delta["deltas"]["cached_tokens"] == 4 and delta["deltas"]["requests_finished"] == 1
+    )
     # a counter that is gone afterwards (an engine restarted between the scrapes) stays missing
     assert "cached_tokens" in _engine_delta("sglang", after, before)["missing"]
 
@@ -222,8 +252,12 @@ def test_the_fake_launcher_refuses_an_unknown_parser(flag, value):
     `--tool-call-parser` `choices=list(FunctionCallParser.ToolCallParserEnum.keys())`: a parser
     SGLang does not have ends the launch (exit 2); the fake took any string. venti-sglang's
     (glm45 reasoning, glm47 tool calls, docs/basic_usage/glm45.md) parse."""
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "fake_sglang.py"), "--model-path", "/m", flag, value],
-                          capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "fake_sglang.py"), "--model-path", "/m", flag, value],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert proc.returncode == 2 and f"argument {flag}: invalid choice: '{value}'" in proc.stderr
     args = prepare_server_args(ENGINE.launch_argv(VENTI)[3:])
     assert (args.reasoning_parser, args.tool_call_parser) == ("glm45", "glm47")

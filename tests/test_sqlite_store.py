@@ -39,11 +39,20 @@ class Clock:
         return self.t
 
 
-def record(rid: str, tenant: str = "tenant-a", created_at: float = 1_800_000_000.0, text: str = "hello", **extra) -> dict:
-    return {"id": rid, "tenant": tenant, "created_at": created_at, "previous_response_id": extra.pop("prev", None),
-            "messages": [{"role": "user", "content": text}, {"role": "assistant", "content": "hi"}],
-            "input_items": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}],
-            "response": {"id": rid, "object": "response", "output_text": "hi"}, "route": "L2", **extra}
+def record(
+    rid: str, tenant: str = "tenant-a", created_at: float = 1_800_000_000.0, text: str = "hello", **extra
+) -> dict:
+    return {
+        "id": rid,
+        "tenant": tenant,
+        "created_at": created_at,
+        "previous_response_id": extra.pop("prev", None),
+        "messages": [{"role": "user", "content": text}, {"role": "assistant", "content": "hi"}],
+        "input_items": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}],
+        "response": {"id": rid, "object": "response", "output_text": "hi"},
+        "route": "L2",
+        **extra,
+    }
 
 
 @pytest.fixture
@@ -52,6 +61,7 @@ def db(tmp_path) -> Path:
 
 
 # ------------------------------------------------------------------------------ the store itself
+
 
 def test_put_get_delete_per_tenant(db):
     store = SqliteResponseStore(db, clock=Clock())
@@ -136,7 +146,13 @@ def test_eviction_oldest_first_by_count_and_bytes(db):
     for i in range(5):
         clock.t += 1
         store.put_response(record(f"resp_{i}", created_at=clock.t))
-    assert [store.get_response("tenant-a", f"resp_{i}") is not None for i in range(5)] == [False, False, True, True, True]
+    assert [store.get_response("tenant-a", f"resp_{i}") is not None for i in range(5)] == [
+        False,
+        False,
+        True,
+        True,
+        True,
+    ]
     assert store.stats()["responses_evicted"] == 2
     store.close()
 
@@ -187,7 +203,8 @@ def test_a_store_file_deleted_or_replaced_under_the_proxy_is_reported(db, caplog
         assert store.stats()["file_replaced"] == 1
     assert [r.message for r in caplog.records].count(
         f"response store {db} was deleted or replaced while this proxy runs: what it stores from now on is lost "
-        "when it restarts (restart it to use the file at that path)") == 1
+        "when it restarts (restart it to use the file at that path)"
+    ) == 1
     store.close()
 
 
@@ -230,9 +247,23 @@ def test_store_spec_and_profile_field():
 
 # ------------------------------------------------------------------------------ molctl proxy
 
+
 def _proxy(state: Path, port: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "molctl", "--state-dir", str(state), "proxy", "tiny", "--upstream",
-            "http://127.0.0.1:9", "--port", str(port), "--allow-unauthenticated", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "molctl",
+        "--state-dir",
+        str(state),
+        "proxy",
+        "tiny",
+        "--upstream",
+        "http://127.0.0.1:9",
+        "--port",
+        str(port),
+        "--allow-unauthenticated",
+        *extra,
+    ]
 
 
 def test_proxy_refuses_a_corrupted_store(tmp_path):
@@ -266,21 +297,35 @@ def test_previous_response_id_survives_a_proxy_restart(tmp_path):
 
     state, (engine_port, port) = tmp_path / "state", free_ports(2)
     engine = f"http://127.0.0.1:{engine_port}"
-    argv = [sys.executable, "-m", "molctl", "--state-dir", str(state), "proxy", "tiny", "--upstream", engine,
-            "--port", str(port), "--allow-unauthenticated"]
+    argv = [
+        sys.executable,
+        "-m",
+        "molctl",
+        "--state-dir",
+        str(state),
+        "proxy",
+        "tiny",
+        "--upstream",
+        engine,
+        "--port",
+        str(port),
+        "--allow-unauthenticated",
+    ]
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
     model = load_profile("tiny", profile_dirs()).served_model_name
     with running(fake_engine_argv(engine_port), engine + "/health"):
         with running(argv, f"http://127.0.0.1:{port}/health"):
             first = client.responses.create(model=model, input="remember the word apple", max_output_tokens=16)
         with running(argv, f"http://127.0.0.1:{port}/health"):  # a new proxy process on the same state dir
-            second = client.responses.create(model=model, input="which word?", previous_response_id=first.id,
-                                             max_output_tokens=16)
+            second = client.responses.create(
+                model=model, input="which word?", previous_response_id=first.id, max_output_tokens=16
+            )
             assert second.previous_response_id == first.id
             assert client.responses.retrieve(first.id).id == first.id
 
 
 # ------------------------------------------------------------------------------ molctl state, molctl check
+
 
 def _seed(state: Path, ages_days: list[float]) -> None:
     now = time.time()
@@ -300,11 +345,18 @@ def test_state_stats_and_prune(molctl, state_dir):
 
     _seed(state_dir, [40, 31, 2, 1])
     data = molctl("state", "stats", "tiny", "--json").json()
-    assert (data["exists"], data["responses"], data["expired_pending"], data["schema_version"]) == (True, 4, 2, SCHEMA_VERSION)
+    assert (data["exists"], data["responses"], data["expired_pending"], data["schema_version"]) == (
+        True,
+        4,
+        2,
+        SCHEMA_VERSION,
+    )
     assert data["bytes"] > 0 and data["file_bytes"] >= data["bytes"] and data["bounds"]["ttl_s"] == 30 * DAY
     assert abs(data["oldest_created_at"] - (time.time() - 40 * DAY)) < 60
     text = molctl("state", "stats", "tiny")
-    assert text.exit_code == ExitStatus.OK and "4 response(s)" in text.stdout and "2 expired not yet pruned" in text.stdout
+    assert (
+        text.exit_code == ExitStatus.OK and "4 response(s)" in text.stdout and "2 expired not yet pruned" in text.stdout
+    )
 
     result = molctl("state", "prune", "tiny", "--json")
     assert result.exit_code == ExitStatus.OK, result.stderr
@@ -326,7 +378,9 @@ def test_state_stats_of_a_corrupted_store_fails_with_one_line(molctl, state_dir)
     assert result.stderr.count("\n") == 1 and str(path) in result.stderr
 
 
-SKIP_ALL_BUT_STATE = [a for c in ("engine", "gpu", "model", "adapter", "template", "port", "security") for a in ("--skip", c)]
+SKIP_ALL_BUT_STATE = [
+    a for c in ("engine", "gpu", "model", "adapter", "template", "port", "security") for a in ("--skip", c)
+]
 
 
 def _store_check(molctl) -> tuple[str, str]:
@@ -380,8 +434,9 @@ def test_previous_response_id_survives_down_and_up(tmp_path):
         assert store_path(host.state, "tiny").is_file()
         assert host.molctl("down").exit_code == ExitStatus.OK
         assert host.up().exit_code == ExitStatus.OK
-        second = client.responses.create(model=model, input="which word?", previous_response_id=first.id,
-                                         max_output_tokens=16)
+        second = client.responses.create(
+            model=model, input="which word?", previous_response_id=first.id, max_output_tokens=16
+        )
         assert second.previous_response_id == first.id
         stats = host.molctl("state", "stats", "tiny", "--json").json()
         assert stats["responses"] == 2
@@ -390,6 +445,7 @@ def test_previous_response_id_survives_down_and_up(tmp_path):
 
 
 # ------------------------------------------------------------------------------ chat conversations (schema 2)
+
 
 def _conv(db: Path, clock=None, **bounds):
     from molctl.proxy.sqlite_store import SqliteConversationStore
@@ -416,7 +472,12 @@ def test_turns_and_calls_survive_a_reopen(db):
 
     second, conv = _conv(db, clock)  # a new process on the same file
     back = conv.get_turn(key)
-    assert (back.route, back.summary, back.summary_failed, back.stale) == ("L2", "the user asked for a parser", False, False)
+    assert (back.route, back.summary, back.summary_failed, back.stale) == (
+        "L2",
+        "the user asked for a parser",
+        False,
+        False,
+    )
     assert back.done.is_set()  # nobody waits for a summary recorded by another process
     pending = conv.get_turn(other)
     assert (pending.route, pending.summary, pending.summary_failed) == ("L1", None, True) and pending.done.is_set()
@@ -479,10 +540,14 @@ def test_a_request_looks_its_earlier_turns_up_in_one_query(db):
     store, conv = _conv(db)
     profile = load_profile("tiny", profile_dirs())
     orch = Orchestrator(profile, get_engine("vllm"), None, conv)
-    messages = [m for i in range(50) for m in ({"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"})]
+    messages = [
+        m for i in range(50) for m in ({"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"})
+    ]
     statements = []
     store._conn.set_trace_callback(statements.append)
-    plan = orch.prepare({"model": profile.served_model_name, "messages": [*messages, {"role": "user", "content": "next"}]}, "t")
+    plan = orch.prepare(
+        {"model": profile.served_model_name, "messages": [*messages, {"role": "user", "content": "next"}]}, "t"
+    )
     store._conn.set_trace_callback(None)
     assert len(plan.history.segments) == 50 and all(seg.record is None for seg in plan.history.segments)
     assert len([q for q in statements if q.lstrip().upper().startswith("SELECT")]) == 1  # was 50
@@ -541,9 +606,12 @@ def _v1_file(db: Path) -> None:
     for statement in _statements(SCHEMA):
         conn.execute(statement)
     conn.execute("PRAGMA user_version = 1")
-    conn.execute("INSERT INTO responses (tenant, id, created_at, previous_response_id, route, messages, input_items, "
-                 "response, extra, size) VALUES ('tenant-a', 'resp_v1', ?, NULL, 'L2', '[]', '[]', '{\"id\":\"resp_v1\"}', "
-                 "'{}', 20)", (1_800_000_000.0,))
+    conn.execute(
+        "INSERT INTO responses (tenant, id, created_at, previous_response_id, route, messages, input_items, "
+        "response, extra, size) VALUES ('tenant-a', 'resp_v1', ?, NULL, 'L2', '[]', '[]', '{\"id\":\"resp_v1\"}', "
+        "'{}', 20)",
+        (1_800_000_000.0,),
+    )
     conn.close()
 
 
@@ -577,7 +645,11 @@ def test_state_stats_shows_conversations(molctl, state_dir):
     conv.put_call("anon", "call_1", CallBinding("L2", "{}", "f"))
     store.close()
     data = molctl("state", "stats", "tiny", "--json").json()
-    assert (data["conversations"]["turns"], data["conversations"]["calls"], data["schema_version"]) == (1, 1, SCHEMA_VERSION)
+    assert (data["conversations"]["turns"], data["conversations"]["calls"], data["schema_version"]) == (
+        1,
+        1,
+        SCHEMA_VERSION,
+    )
     text = molctl("state", "stats", "tiny").stdout
     assert "1 turn(s), 1 tool call(s)" in text
 
@@ -599,12 +671,31 @@ def test_chat_continuity_survives_a_proxy_restart(tmp_path):
 
     state, (engine_port, port) = tmp_path / "state", free_ports(2)
     engine = f"http://127.0.0.1:{engine_port}"
-    argv = [sys.executable, "-m", "molctl", "--state-dir", str(state), "proxy", "tiny", "--upstream", engine,
-            "--port", str(port), "--allow-unauthenticated"]
+    argv = [
+        sys.executable,
+        "-m",
+        "molctl",
+        "--state-dir",
+        str(state),
+        "proxy",
+        "tiny",
+        "--upstream",
+        engine,
+        "--port",
+        str(port),
+        "--allow-unauthenticated",
+    ]
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=30)
     model = profile.served_model_name
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
 
     def log(hop: str) -> list[dict]:
         return [e for e in httpx.get(engine + "/_log").json() if e["hop"] == hop]
@@ -647,6 +738,7 @@ def test_chat_continuity_survives_a_proxy_restart(tmp_path):
 
 
 # ------------------------------------------------------------------------------ writes off the request's path
+
 
 async def _loop_gaps(stop, gaps: list[float]) -> None:
     """Appends the event loop's gaps between 5 ms ticks until `stop` is set (a blocked loop: a long gap)."""
@@ -825,13 +917,29 @@ def test_a_turn_survives_a_crash_once_the_client_has_its_answer(tmp_path, commit
 
     state, (engine_port, port) = tmp_path / "state", free_ports(2)
     engine = f"http://127.0.0.1:{engine_port}"
-    argv = [sys.executable, "-m", "molctl", "--state-dir", str(state), "proxy", "tiny", "--upstream", engine,
-            "--port", str(port), "--allow-unauthenticated", "--set", f"proxy.state_commit_ms={commit_ms}"]
+    argv = [
+        sys.executable,
+        "-m",
+        "molctl",
+        "--state-dir",
+        str(state),
+        "proxy",
+        "tiny",
+        "--upstream",
+        engine,
+        "--port",
+        str(port),
+        "--allow-unauthenticated",
+        "--set",
+        f"proxy.state_commit_ms={commit_ms}",
+    ]
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=30)
     model = load_profile("tiny", profile_dirs()).served_model_name
     with running(fake_engine_argv(engine_port), engine + "/health"):
         with running(argv, f"http://127.0.0.1:{port}/health") as proxy:
-            client.chat.completions.create(model=model, messages=[{"role": "user", "content": "[route:L2] write a parser"}])
+            client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "[route:L2] write a parser"}]
+            )
             client.models.list()  # answered on a later pass than the one that sent the chat answer
             if commit_ms:  # the window's timer writes it, no later request needed (a busy host: it may run late)
                 deadline = time.monotonic() + 20
@@ -874,13 +982,27 @@ def test_a_drain_waits_for_the_summaries_of_the_turns_it_answered(tmp_path):
 
     state, (engine_port, port) = tmp_path / "state", free_ports(2)
     engine = f"http://127.0.0.1:{engine_port}"
-    argv = [sys.executable, "-m", "molctl", "--state-dir", str(state), "proxy", "tiny", "--upstream", engine,
-            "--port", str(port), "--allow-unauthenticated"]
+    argv = [
+        sys.executable,
+        "-m",
+        "molctl",
+        "--state-dir",
+        str(state),
+        "proxy",
+        "tiny",
+        "--upstream",
+        engine,
+        "--port",
+        str(port),
+        "--allow-unauthenticated",
+    ]
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=30)
     model = load_profile("tiny", profile_dirs()).served_model_name
     with running(fake_engine_argv(engine_port, {"summary_delay": 1.0}), engine + "/health"):
         with running(argv, f"http://127.0.0.1:{port}/health") as proxy:
-            client.chat.completions.create(model=model, messages=[{"role": "user", "content": "[route:L2] write a parser"}])
+            client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "[route:L2] write a parser"}]
+            )
             proxy.send_signal(signal.SIGTERM)  # the summary hop is in flight for another second
             assert proxy.wait(30) == 0
     store = SqliteResponseStore(store_path(state, "tiny"))
@@ -902,13 +1024,29 @@ def test_a_drain_does_not_wait_past_its_deadline_for_a_hung_summary(tmp_path):
 
     state, (engine_port, port) = tmp_path / "state", free_ports(2)
     engine = f"http://127.0.0.1:{engine_port}"
-    argv = [sys.executable, "-m", "molctl", "--state-dir", str(state), "proxy", "tiny", "--upstream", engine,
-            "--port", str(port), "--allow-unauthenticated", "--drain-timeout", "1"]
+    argv = [
+        sys.executable,
+        "-m",
+        "molctl",
+        "--state-dir",
+        str(state),
+        "proxy",
+        "tiny",
+        "--upstream",
+        engine,
+        "--port",
+        str(port),
+        "--allow-unauthenticated",
+        "--drain-timeout",
+        "1",
+    ]
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=30)
     model = load_profile("tiny", profile_dirs()).served_model_name
     with running(fake_engine_argv(engine_port, {"summary_delay": 120.0}), engine + "/health") as fake:
         with running(argv, f"http://127.0.0.1:{port}/health") as proxy:
-            client.chat.completions.create(model=model, messages=[{"role": "user", "content": "[route:L2] write a parser"}])
+            client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "[route:L2] write a parser"}]
+            )
             proxy.send_signal(signal.SIGTERM)
             assert proxy.wait(20) == 0  # the drain's 1 s, not the 30 s summary bound nor the hop's 120 s
         os.killpg(fake.pid, signal.SIGKILL)  # its handler sleeps on: no graceful stop to wait for
@@ -949,20 +1087,35 @@ def test_a_stored_response_is_readable_by_another_process_as_soon_as_the_client_
     engine = f"http://127.0.0.1:{engine_port}"
 
     def argv(port):
-        return [sys.executable, "-m", "molctl", "--state-dir", str(state), "proxy", "tiny", "--upstream", engine,
-                "--port", str(port), "--allow-unauthenticated"]
+        return [
+            sys.executable,
+            "-m",
+            "molctl",
+            "--state-dir",
+            str(state),
+            "proxy",
+            "tiny",
+            "--upstream",
+            engine,
+            "--port",
+            str(port),
+            "--allow-unauthenticated",
+        ]
 
     def client(port):
         return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=30)
 
     model = load_profile("tiny", profile_dirs()).served_model_name
-    with running(fake_engine_argv(engine_port), engine + "/health"), \
-            running(argv(port_a), f"http://127.0.0.1:{port_a}/health"), \
-            running(argv(port_b), f"http://127.0.0.1:{port_b}/health"):
+    with (
+        running(fake_engine_argv(engine_port), engine + "/health"),
+        running(argv(port_a), f"http://127.0.0.1:{port_a}/health"),
+        running(argv(port_b), f"http://127.0.0.1:{port_b}/health"),
+    ):
         first = client(port_a).responses.create(model=model, input="remember the word apple", max_output_tokens=16)
         assert client(port_b).responses.retrieve(first.id).id == first.id
-        second = client(port_b).responses.create(model=model, input="which word?", previous_response_id=first.id,
-                                                 max_output_tokens=16)
+        second = client(port_b).responses.create(
+            model=model, input="which word?", previous_response_id=first.id, max_output_tokens=16
+        )
         assert second.previous_response_id == first.id
 
 
@@ -1027,13 +1180,19 @@ def test_a_failure_that_ends_the_transaction_is_reported_with_its_own_cause(db, 
     from molctl.proxy.conversations import TurnRecord
 
     store = SqliteResponseStore(db, clock=Clock())
-    store._conn.execute("CREATE TRIGGER fail_turn BEFORE INSERT ON turns WHEN NEW.route = 'L9' "
-                        "BEGIN SELECT RAISE(ROLLBACK, 'disk went away'); END")
-    store._conn.execute("CREATE TRIGGER fail_response BEFORE INSERT ON responses WHEN NEW.route = 'L9' "
-                        "BEGIN SELECT RAISE(ROLLBACK, 'disk went away'); END")
+    store._conn.execute(
+        "CREATE TRIGGER fail_turn BEFORE INSERT ON turns WHEN NEW.route = 'L9' "
+        "BEGIN SELECT RAISE(ROLLBACK, 'disk went away'); END"
+    )
+    store._conn.execute(
+        "CREATE TRIGGER fail_response BEFORE INSERT ON responses WHEN NEW.route = 'L9' "
+        "BEGIN SELECT RAISE(ROLLBACK, 'disk went away'); END"
+    )
     store.put_turn_row(b"a" * 32, TurnRecord("L9"))  # no event loop here: written (and failed) at once
     assert store.conv_write_errors == 1
-    assert [m.split("put failed: ")[1][:14] for m in (r.getMessage() for r in caplog.records) if "not persisted" in m] == ["disk went away"]
+    assert [
+        m.split("put failed: ")[1][:14] for m in (r.getMessage() for r in caplog.records) if "not persisted" in m
+    ] == ["disk went away"]
     with pytest.raises(StoreError, match="put failed: disk went away"):
         store.put_response(record("resp_1", route="L9"))
     store.put_turn_row(b"b" * 32, TurnRecord("L1"))
@@ -1053,8 +1212,10 @@ def test_a_failed_response_put_keeps_the_chat_rows_it_took(db):
     from molctl.proxy.sqlite_store import SqliteConversationStore
 
     store = SqliteResponseStore(db, clock=Clock(), commit_delay_s=0.05)
-    store._conn.execute("CREATE TRIGGER fail_response BEFORE INSERT ON responses WHEN NEW.route = 'L9' "
-                        "BEGIN SELECT RAISE(ROLLBACK, 'disk went away'); END")
+    store._conn.execute(
+        "CREATE TRIGGER fail_response BEFORE INSERT ON responses WHEN NEW.route = 'L9' "
+        "BEGIN SELECT RAISE(ROLLBACK, 'disk went away'); END"
+    )
     conv = SqliteConversationStore(store)
 
     async def turn_then_failing_response():
@@ -1382,8 +1543,20 @@ def test_a_store_fault_during_a_request_is_a_500_and_one_log_line_not_a_tracebac
 
     state, (engine_port, port) = tmp_path / "state", free_ports(2)
     engine, url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{port}"
-    argv = [sys.executable, "-m", "molctl", "--state-dir", str(state), "proxy", "tiny", "--upstream", engine,
-            "--port", str(port), "--allow-unauthenticated"]
+    argv = [
+        sys.executable,
+        "-m",
+        "molctl",
+        "--state-dir",
+        str(state),
+        "proxy",
+        "tiny",
+        "--upstream",
+        engine,
+        "--port",
+        str(port),
+        "--allow-unauthenticated",
+    ]
     model = load_profile("tiny", profile_dirs()).served_model_name
     log = tmp_path / "proxy.log"
     with running(fake_engine_argv(engine_port), engine + "/health"), running(argv, url + "/health", log=log):
@@ -1391,8 +1564,9 @@ def test_a_store_fault_during_a_request_is_a_500_and_one_log_line_not_a_tracebac
         other.execute("BEGIN IMMEDIATE")
         try:
             plain = httpx.post(url + "/v1/responses", json={"model": model, "input": "hi"}, timeout=30)
-            with httpx.stream("POST", url + "/v1/responses", json={"model": model, "input": "hi", "stream": True},
-                              timeout=30) as streamed:
+            with httpx.stream(
+                "POST", url + "/v1/responses", json={"model": model, "input": "hi", "stream": True}, timeout=30
+            ) as streamed:
                 events = "".join(streamed.iter_text())
         finally:
             other.execute("ROLLBACK")

@@ -27,16 +27,35 @@ AS_ROOT = os.geteuid() == 0 and not os.environ.get("MOLCTL_TEST_AS_USER")
 
 
 def _sleeper(user: int | None = None, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen(["sleep", "600"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True, cwd="/", user=user,
-                            env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **(env or {})})
+    return subprocess.Popen(
+        ["sleep", "600"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        cwd="/",
+        user=user,
+        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **(env or {})},
+    )
 
 
 def _forged_record(pid: int) -> dict:
     ticks = procid.start_ticks(pid)
-    return {"component": "engine", "pid": pid, "pgid": pid, "create_time": 0.0, "argv": ["x"], "port": 1,
-            "log": "/nonexistent", "started_at": 0.0, "start_ticks": ticks, "boot_id": procid.boot_id(),
-            "record_id": "", "host": "127.0.0.1", "config": {}}
+    return {
+        "component": "engine",
+        "pid": pid,
+        "pgid": pid,
+        "create_time": 0.0,
+        "argv": ["x"],
+        "port": 1,
+        "log": "/nonexistent",
+        "started_at": 0.0,
+        "start_ticks": ticks,
+        "boot_id": procid.boot_id(),
+        "record_id": "",
+        "host": "127.0.0.1",
+        "config": {},
+    }
 
 
 def test_down_refuses_another_users_state_dir_whose_records_name_our_processes(tmp_path, monkeypatch):
@@ -215,8 +234,10 @@ def test_a_forged_lock_holder_cannot_put_a_command_in_the_stop_hint():
     hint = evil.stop_hint()
     command = hint.split("`")[1]
     assert shlex.split(command) == ["molctl", "--state-dir", "/x; rm -rf ~ #", "down", "tiny"]
-    assert Holder.parse(json.dumps({"profile": "tiny; reboot", "state_dir": "/s"}).encode()).stop_hint() == \
-        "stop that process first"
+    assert (
+        Holder.parse(json.dumps({"profile": "tiny; reboot", "state_dir": "/s"}).encode()).stop_hint()
+        == "stop that process first"
+    )
     odd = Holder.parse(json.dumps({"pid": True, "user": ["root"], "profile": 7, "state_dir": {"a": 1}}).encode())
     assert (odd.pid, odd.user, odd.profile, odd.state_dir) == (None, None, None, None)
     fine = Holder.parse(json.dumps({"pid": 5, "profile": "venti", "state_dir": "/var/lib/molctl"}).encode())

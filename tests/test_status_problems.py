@@ -85,6 +85,7 @@ def test_status_of_a_hung_engine_is_quick_and_reads_the_proxys_answer(host):
     # (0.2-0.5 s idle, more on a loaded CI runner) to what is measured
     inproc = Molctl(host.state, [host.profiles], in_process=True)
     import molctl.cli  # noqa: F401 - imported before the clock starts
+
     try:
         for _ in range(3):
             t0 = time.monotonic()

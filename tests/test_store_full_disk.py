@@ -64,7 +64,9 @@ def test_a_full_disk_is_a_503_naming_the_cause_a_degraded_readiness_and_a_counte
     assert "disk is full" in error["message"] and headers["x-request-id"] in error["message"], error
     assert headers["retry-after"] == "30"
     assert degraded[0] == 200 and json.loads(degraded[2]) == {
-        "status": "degraded", "detail": "response store writes failing (ENOSPC: no space left on the device)"}
+        "status": "degraded",
+        "detail": "response store writes failing (ENOSPC: no space left on the device)",
+    }
     assert unstored[0] == 200  # a request that stores nothing is served as before
     assert stored[0] == 200 and json.loads(ready[2])["status"] == "ready"  # a write commits: ready again
     assert app.counters.labelled[("store_failures_total", (("cause", "ENOSPC"),))] == 1

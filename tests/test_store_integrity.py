@@ -41,7 +41,7 @@ def _damage(path: Path) -> None:
     """64 KiB of random bytes (fixed seed) in the middle of the file, on a page boundary."""
     data = bytearray(path.read_bytes())
     middle = (len(data) // 2) // 4096 * 4096
-    data[middle:middle + 65536] = random.Random(32).randbytes(65536)
+    data[middle : middle + 65536] = random.Random(32).randbytes(65536)
     path.write_bytes(bytes(data))
 
 
@@ -116,8 +116,20 @@ def test_a_record_whose_json_is_damaged_is_a_clear_error(tmp_path):
 
 
 def _proxy_argv(state: Path, port: int, upstream: str = "http://127.0.0.1:9") -> list[str]:
-    return [sys.executable, "-m", "molctl", "--state-dir", str(state), "proxy", "tiny", "--upstream", upstream,
-            "--port", str(port), "--allow-unauthenticated"]
+    return [
+        sys.executable,
+        "-m",
+        "molctl",
+        "--state-dir",
+        str(state),
+        "proxy",
+        "tiny",
+        "--upstream",
+        upstream,
+        "--port",
+        str(port),
+        "--allow-unauthenticated",
+    ]
 
 
 def _state(tmp_path: Path) -> tuple[Path, Path]:
@@ -163,8 +175,10 @@ def test_a_damaged_record_is_a_json_500_naming_the_request_id_not_a_traceback(tm
     engine_port, port = free_ports(2)
     engine, url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{port}"
     log = tmp_path / "proxy.log"
-    with running(fake_engine_argv(engine_port), engine + "/health"), \
-            running(_proxy_argv(state, port, engine), url + "/health", log=log):
+    with (
+        running(fake_engine_argv(engine_port), engine + "/health"),
+        running(_proxy_argv(state, port, engine), url + "/health", log=log),
+    ):
         r = httpx.get(url + "/v1/responses/resp_bad", timeout=10)
         ready = httpx.get(url + "/readyz", timeout=10)
     assert r.status_code == 500, r.text

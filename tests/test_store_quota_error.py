@@ -31,9 +31,13 @@ def test_the_proxy_answers_a_record_over_its_quota_with_a_400_and_stays_ready(tm
             try:
                 over = await _call(app, "POST", "/v1/responses", {"model": PUBLIC, "input": "x" * 6000})
                 ready = await _call(app, "GET", "/readyz")
-                unstored = await _call(app, "POST", "/v1/responses", {"model": PUBLIC, "input": "x" * 6000, "store": False})
+                unstored = await _call(
+                    app, "POST", "/v1/responses", {"model": PUBLIC, "input": "x" * 6000, "store": False}
+                )
                 small = await _call(app, "POST", "/v1/responses", {"model": PUBLIC, "input": "hi"})
-                streamed = await _call(app, "POST", "/v1/responses", {"model": PUBLIC, "input": "x" * 6000, "stream": True})
+                streamed = await _call(
+                    app, "POST", "/v1/responses", {"model": PUBLIC, "input": "x" * 6000, "stream": True}
+                )
                 return over, ready, unstored, small, streamed
             finally:
                 await app.shutdown()

@@ -16,7 +16,9 @@ import pytest
 from molctl.proxy.sqlite_store import SCHEMA_VERSION, SqliteResponseStore, StoreError, tenant_bounds
 
 T0 = 1_800_000_000.0
-V2_FILE = Path(__file__).parent / "data" / "store-v2.sqlite3"  # written by SqliteResponseStore at schema 2 (commit e884bd9)
+V2_FILE = (
+    Path(__file__).parent / "data" / "store-v2.sqlite3"
+)  # written by SqliteResponseStore at schema 2 (commit e884bd9)
 
 
 class Clock:
@@ -33,9 +35,16 @@ def turn(i: int, size: int) -> list[dict]:
 
 
 def rec(rid: str, tenant: str, messages: list[dict], prev: str | None = None, t: float = T0) -> dict:
-    return {"id": rid, "tenant": tenant, "created_at": t, "previous_response_id": prev, "route": "L2",
-            "messages": messages, "input_items": [{"type": "message", "role": "user", "content": messages[-2]["content"][:40]}],
-            "response": {"id": rid, "object": "response", "output_text": messages[-1]["content"][:40]}}
+    return {
+        "id": rid,
+        "tenant": tenant,
+        "created_at": t,
+        "previous_response_id": prev,
+        "route": "L2",
+        "messages": messages,
+        "input_items": [{"type": "message", "role": "user", "content": messages[-2]["content"][:40]}],
+        "response": {"id": rid, "object": "response", "output_text": messages[-1]["content"][:40]},
+    }
 
 
 class Chain:
@@ -50,7 +59,9 @@ class Chain:
     def next(self) -> str:
         history = self.store.get_response(self.tenant, self.prev)["messages"] if self.prev else []
         rid = f"resp_{self.name}_{self.i}"
-        self.store.put_response(rec(rid, self.tenant, [*history, *turn(self.i, self.size)], self.prev, self.store.clock()))
+        self.store.put_response(
+            rec(rid, self.tenant, [*history, *turn(self.i, self.size)], self.prev, self.store.clock())
+        )
         self.prev, self.i = rid, self.i + 1
         return rid
 
@@ -63,18 +74,29 @@ def totals_agree(db: Path) -> None:
     sbytes = conn.execute("SELECT coalesce(sum(size), 0) FROM segments").fetchone()[0]
     assert (meta["rows"], meta["bytes"]) == (rows, rbytes + sbytes)
     for tenant, trows, tbytes in conn.execute("SELECT tenant, rows, bytes FROM tenants"):
-        r, b = conn.execute("SELECT count(*), coalesce(sum(size), 0) FROM responses WHERE tenant = ?", (tenant,)).fetchone()
+        r, b = conn.execute(
+            "SELECT count(*), coalesce(sum(size), 0) FROM responses WHERE tenant = ?", (tenant,)
+        ).fetchone()
         s = conn.execute("SELECT coalesce(sum(size), 0) FROM segments WHERE tenant = ?", (tenant,)).fetchone()[0]
         assert (trows, tbytes) == (r, b + s), tenant
     # no orphans: every chain is referenced, every segment's chain exists
-    assert conn.execute("SELECT count(*) FROM chains c WHERE NOT EXISTS (SELECT 1 FROM responses r WHERE r.chain = c.id)"
-                        ).fetchone()[0] == 0
-    assert conn.execute("SELECT count(*) FROM segments s WHERE NOT EXISTS (SELECT 1 FROM chains c WHERE c.id = s.chain)"
-                        ).fetchone()[0] == 0
+    assert (
+        conn.execute(
+            "SELECT count(*) FROM chains c WHERE NOT EXISTS (SELECT 1 FROM responses r WHERE r.chain = c.id)"
+        ).fetchone()[0]
+        == 0
+    )
+    assert (
+        conn.execute(
+            "SELECT count(*) FROM segments s WHERE NOT EXISTS (SELECT 1 FROM chains c WHERE c.id = s.chain)"
+        ).fetchone()[0]
+        == 0
+    )
     conn.close()
 
 
 # ------------------------------------------------------------------------------ quotas
+
 
 def test_one_tenants_bulk_never_evicts_another_tenants_responses(tmp_path):
     """The issue's numbers at 1/1024 scale: a 32 KiB cap, tenant B's 20 small responses, then
@@ -142,11 +164,14 @@ def test_profile_fields_and_their_defaults(tmp_path):
     from molctl.profiles import ProxySpec
 
     assert tenant_bounds(ProxySpec(port=1)) == {"tenant_max_bytes": 256 * 1024 * 1024, "tenant_max_entries": 25_000}
-    assert tenant_bounds(ProxySpec(port=1, store_tenant_max_bytes=10 ** 12, store_tenant_max_entries=7)) == {
-        "tenant_max_bytes": 1024 ** 3, "tenant_max_entries": 7}  # never above the global cap
+    assert tenant_bounds(ProxySpec(port=1, store_tenant_max_bytes=10**12, store_tenant_max_entries=7)) == {
+        "tenant_max_bytes": 1024**3,
+        "tenant_max_entries": 7,
+    }  # never above the global cap
 
 
 # ------------------------------------------------------------------------------ the shared history
+
 
 def test_a_50_turn_chain_grows_linearly_not_quadratically(tmp_path):
     db = tmp_path / "store.sqlite3"
@@ -199,7 +224,9 @@ def test_evicting_or_deleting_ancestors_never_cuts_a_live_responses_conversation
     assert store.get_response("tenant-a", ids[3])["messages"] == [m for j in range(4) for m in turn(j, 10)]
     chain.prev = ids[3]
     chain.next()
-    assert store.get_response("tenant-a", chain.prev)["messages"] == [m for j in range(4) for m in turn(j, 10)] + turn(6, 10)
+    assert store.get_response("tenant-a", chain.prev)["messages"] == [m for j in range(4) for m in turn(j, 10)] + turn(
+        6, 10
+    )
     totals_agree(db)
     for rid in (ids[3], chain.prev):
         store.delete_response("tenant-a", rid)
@@ -231,15 +258,18 @@ def test_a_chain_with_a_missing_segment_is_one_clear_error_not_a_traceback(tmp_p
     conn.execute("DELETE FROM segments WHERE start = 2")  # by hand: the store never does this
     conn.commit()
     conn.close()
-    with pytest.raises(StoreError, match=rf"the conversation of {ids[2]} is incomplete \(messages 2-3 missing\): damaged"):
+    with pytest.raises(
+        StoreError, match=rf"the conversation of {ids[2]} is incomplete \(messages 2-3 missing\): damaged"
+    ):
         store.get_response("tenant-a", ids[2])
 
 
 def test_random_puts_deletes_and_evictions_keep_the_totals_and_every_conversation(tmp_path):
     db = tmp_path / "store.sqlite3"
     rng = random.Random(32)
-    store = SqliteResponseStore(db, max_entries=40, tenant_max_entries=15, max_bytes=60_000, tenant_max_bytes=30_000,
-                                clock=Clock())
+    store = SqliteResponseStore(
+        db, max_entries=40, tenant_max_entries=15, max_bytes=60_000, tenant_max_bytes=30_000, clock=Clock()
+    )
     expected: dict[tuple[str, str], list] = {}
     for n in range(300):
         tenant = rng.choice(["t1", "t2", "t3"])
@@ -267,6 +297,7 @@ def test_random_puts_deletes_and_evictions_keep_the_totals_and_every_conversatio
 
 # ------------------------------------------------------------------------------ migration
 
+
 def test_a_schema_2_store_opens_migrated_and_serves_both_shapes(tmp_path):
     """The file was written by the schema-2 code (each response holding its whole conversation):
     opened, it is migrated in place in one transaction, every response reads as before, the totals
@@ -276,11 +307,14 @@ def test_a_schema_2_store_opens_migrated_and_serves_both_shapes(tmp_path):
     conn = sqlite3.connect(db)
     assert conn.execute("PRAGMA user_version").fetchone()[0] == 2
     conn.close()
-    store = SqliteResponseStore(db, clock=lambda: T0 + 10, ttl_s=10 ** 9)
+    store = SqliteResponseStore(db, clock=lambda: T0 + 10, ttl_s=10**9)
     assert store.migrated_from == 2 and SCHEMA_VERSION == 3
     v2 = store.get_response("tenant-a", "resp_v2_2")
-    assert v2["messages"] == [m for i in range(3) for m in ({"role": "user", "content": f"question {i}"},
-                                                            {"role": "assistant", "content": f"answer {i}"})]
+    assert v2["messages"] == [
+        m
+        for i in range(3)
+        for m in ({"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i}"})
+    ]
     assert v2["response"] == {"id": "resp_v2_2", "object": "response", "output_text": "answer 2"}
     assert store.get_response("tenant-b", "resp_v2_b")["route"] == "L1"
     assert store.get_turn_row(b"k" * 32) == ("L2", "a summary", False, False)
@@ -288,6 +322,6 @@ def test_a_schema_2_store_opens_migrated_and_serves_both_shapes(tmp_path):
     store.put_response(rec("resp_v3", "tenant-a", [*v2["messages"], *turn(3, 10)], "resp_v2_2", T0 + 11))
     assert store.get_response("tenant-a", "resp_v3")["messages"] == [*v2["messages"], *turn(3, 10)]
     store.close()
-    again = SqliteResponseStore(db, clock=lambda: T0 + 12, ttl_s=10 ** 9)  # reopened: already at 3
+    again = SqliteResponseStore(db, clock=lambda: T0 + 12, ttl_s=10**9)  # reopened: already at 3
     assert again.migrated_from is None and again.stats()["responses"] == 5
     totals_agree(db)

@@ -14,11 +14,15 @@ from molctl.profiles import load_profile, profile_dirs
 from tests.layouts import make_layout
 
 # reads user content as parts, so detected "openai", and prints the other roles' content raw
-PARTS_FOR_USERS = ("{% for m in messages %}<|{{ m.role }}|>{% if m.role == 'user' and m.content is not string %}"
-                   "{% for p in m.content %}{{ p.text }}{% endfor %}{% else %}{{ m.content }}{% endif %}{% endfor %}"
-                   "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-DROPS_TOOLS = ("{% for m in messages %}{% if m.role != 'tool' %}<|{{ m.role }}|>{{ m.content }}{% endif %}{% endfor %}"
-               "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+PARTS_FOR_USERS = (
+    "{% for m in messages %}<|{{ m.role }}|>{% if m.role == 'user' and m.content is not string %}"
+    "{% for p in m.content %}{{ p.text }}{% endfor %}{% else %}{{ m.content }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+DROPS_TOOLS = (
+    "{% for m in messages %}{% if m.role != 'tool' %}<|{{ m.role }}|>{{ m.content }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 SYNTHETIC = {
     "plain": "{% for m in messages %}{{ m.content }}{% endfor %}",
     "loop": "{% for m in messages %}{% for p in m['content'] %}{{ p.text }}{% endfor %}{% endfor %}",
@@ -44,7 +48,11 @@ def test_detection_matches_vllm(name):
 
 
 def test_the_demo_templates_are_detected_as_openai():
-    assert tc.detect_content_format(template_text("qwen3.6")) == tc.detect_content_format(template_text("glm5")) == "openai"
+    assert (
+        tc.detect_content_format(template_text("qwen3.6"))
+        == tc.detect_content_format(template_text("glm5"))
+        == "openai"
+    )
 
 
 def test_a_template_that_prints_parts_as_dicts_fails_with_the_detected_format(tmp_path):
@@ -73,7 +81,9 @@ def test_the_multi_part_shapes_render_their_text_on_the_demo_templates(tmp_path)
 def test_the_glm_profile_pins_string_content():
     venti = load_profile("venti", profile_dirs())
     assert venti.engine.args["chat-template-content-format"] == "string"
-    assert tc.content_format(venti, tc.Template("t", {"default": template_text("glm5")}, {})) == \
-        ("string", "engine.args.chat-template-content-format")
+    assert tc.content_format(venti, tc.Template("t", {"default": template_text("glm5")}, {})) == (
+        "string",
+        "engine.args.chat-template-content-format",
+    )
     tiny = load_profile("tiny", profile_dirs())
     assert tc.content_format(tiny, tc.Template("t", {"default": template_text("qwen3.6")}, {}))[0] == "openai"

@@ -10,8 +10,10 @@ from molctl.demo import template_text
 from molctl.profiles import load_profile, profile_dirs
 from tests.layouts import make_layout
 
-SIMPLE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
-          "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+SIMPLE = (
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 def check(tmp_path, text, profile="tiny"):
@@ -22,16 +24,25 @@ def check(tmp_path, text, profile="tiny"):
 
 
 def test_prefix_breaks_compares_each_hop_with_its_previous_turn_on_the_same_adapter():
-    steps = [("answer", "L1", "<s>a"), ("answer", "L2", "<x>"), ("route", "L0", "<s>a"),
-             ("answer", "L1", "<s>ab"), ("answer", "L2", "<y>"), ("route", "L0", "<s>b")]
+    steps = [
+        ("answer", "L1", "<s>a"),
+        ("answer", "L2", "<x>"),
+        ("route", "L0", "<s>a"),
+        ("answer", "L1", "<s>ab"),
+        ("answer", "L2", "<y>"),
+        ("route", "L0", "<s>b"),
+    ]
     compared, breaks = tc.prefix_breaks(steps)
     assert compared == 3
     assert [(b.step.hop, b.step.adapter, b.at) for b in breaks] == [("answer", "L2", 1), ("route", "L0", 3)]
 
 
 def test_conversations_are_compared_apart():
-    steps = [tc.Step("answer", "L1", "abc", "t1", "one"), tc.Step("answer", "L1", "xyz", "t1", "two"),
-             tc.Step("answer", "L1", "abcd", "t2", "one")]
+    steps = [
+        tc.Step("answer", "L1", "abc", "t1", "one"),
+        tc.Step("answer", "L1", "xyz", "t1", "two"),
+        tc.Step("answer", "L1", "abcd", "t2", "one"),
+    ]
     assert tc.prefix_breaks(steps) == (1, [])
 
 
@@ -44,8 +55,12 @@ def test_a_hop_built_as_a_continuation_can_join_the_check():
 
 
 def test_the_warning_names_the_hop_and_shows_the_divergence_escaped():
-    result = tc.prefix_result([("answer", "L1", "<|im_start|>system\nBe brief.\n<|im_start|>assistant\n<think>\n"),
-                               ("answer", "L1", "<|im_start|>system\nBe brief.\n<|im_start|>assistant\nhello")])
+    result = tc.prefix_result(
+        [
+            ("answer", "L1", "<|im_start|>system\nBe brief.\n<|im_start|>assistant\n<think>\n"),
+            ("answer", "L1", "<|im_start|>system\nBe brief.\n<|im_start|>assistant\nhello"),
+        ]
+    )
     assert result.id == "template.prefix" and result.status == "warn"
     assert "\n" not in result.detail
     assert "the answer hop on L1" in result.detail and "part at character 51 of 59" in result.detail
@@ -73,6 +88,9 @@ def test_a_template_with_stable_answers_breaks_only_on_the_route_hop(tmp_path):
 
 
 def test_prefix_is_skipped_when_a_request_does_not_render(tmp_path):
-    r = check(tmp_path, "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools') }}"
-                        "{% endif %}{{ m.content }}{% endfor %}")
+    r = check(
+        tmp_path,
+        "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools') }}"
+        "{% endif %}{{ m.content }}{% endfor %}",
+    )
     assert r["template.render"].status == "fail" and r["template.prefix"].status == "skip"

@@ -16,8 +16,12 @@ from molctl.demo import template_text
 SYS = {"role": "system", "content": "Be brief."}
 USER = {"role": "user", "content": "hi"}
 TOOLS = [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}}}]
-CALL = {"role": "assistant", "content": "", "reasoning_content": "need f",
-        "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+CALL = {
+    "role": "assistant",
+    "content": "",
+    "reasoning_content": "need f",
+    "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+}
 RESULT = {"role": "tool", "tool_call_id": "c", "content": "ok"}
 
 
@@ -43,16 +47,23 @@ def test_glm_tools_block_right_after_the_prompt_start():
 def test_qwen_think_block_only_after_the_last_user_query():
     turn = [SYS, USER, CALL, RESULT]  # the tool turn: its assistant message is after the last query
     assert "<|im_start|>assistant\n<think>\nneed f\n</think>\n\n<tool_call>" in draw("qwen3.6", turn, tools=TOOLS)
-    later = draw("qwen3.6", [*turn, {"role": "assistant", "content": "done"}, {"role": "user", "content": "next"}],
-                 tools=TOOLS)
+    later = draw(
+        "qwen3.6", [*turn, {"role": "assistant", "content": "done"}, {"role": "user", "content": "next"}], tools=TOOLS
+    )
     assert "<|im_start|>assistant\n<tool_call>" in later and "need f" not in later  # now before the last query
     # an assistant message after the last query without reasoning still gets an (empty) block
     assert "<|im_start|>assistant\n<think>\n\n</think>\n\n<tool_call>" in draw(
-        "qwen3.6", [SYS, USER, {**CALL, "reasoning_content": None}, RESULT], tools=TOOLS)
+        "qwen3.6", [SYS, USER, {**CALL, "reasoning_content": None}, RESULT], tools=TOOLS
+    )
 
 
 def test_qwen_preserve_thinking_keeps_every_block():
-    msgs = [SYS, USER, {"role": "assistant", "content": "x", "reasoning_content": "r"}, {"role": "user", "content": "again"}]
+    msgs = [
+        SYS,
+        USER,
+        {"role": "assistant", "content": "x", "reasoning_content": "r"},
+        {"role": "user", "content": "again"},
+    ]
     assert "<think>" not in draw("qwen3.6", msgs).split("<|im_start|>assistant\n")[1]
     kept = draw("qwen3.6", msgs, chat_template_kwargs={"preserve_thinking": True})
     assert "<|im_start|>assistant\n<think>\nr\n</think>\n\nx<|im_end|>" in kept
@@ -68,6 +79,7 @@ def test_glm_reasoning_kept_only_after_the_last_user_message():
 def test_glm_effort_header_from_reasoning_effort():
     def header(**payload):
         return draw("glm5", [USER], chat_template_kwargs=payload).split("<|user|>")[0]
+
     assert header() == "[gMASK]<sop><|system|>Reasoning Effort: Max"
     assert header(reasoning_effort="high") == "[gMASK]<sop><|system|>Reasoning Effort: High"
     assert header(reasoning_effort="low") == "[gMASK]<sop><|system|>Reasoning Effort: Low"

@@ -36,11 +36,21 @@ def test_turn_boundary_includes_the_answer():
     assert h.tail_start == 5
     system = {"role": "system", "content": ID + "\n\nS"}  # identity + the client's system text: one message
     assert own_view(P, ID, msgs, h, "L2") == [
-        system, u("q1"), a("a1"), u("q2"),
-        a(P.prompts.fold.replace("{summary}", "did q2")), u("q3")]
+        system,
+        u("q1"),
+        a("a1"),
+        u("q2"),
+        a(P.prompts.fold.replace("{summary}", "did q2")),
+        u("q3"),
+    ]
     assert own_view(P, ID, msgs, h, "L1") == [
-        system, u("q1"), a(P.prompts.fold.replace("{summary}", "did q1")),
-        u("q2"), a("a2"), u("q3")]
+        system,
+        u("q1"),
+        a(P.prompts.fold.replace("{summary}", "did q1")),
+        u("q2"),
+        a("a2"),
+        u("q3"),
+    ]
 
 
 def test_other_adapters_tool_exchange_is_folded_and_own_kept_verbatim():
@@ -68,14 +78,26 @@ def test_identity_present_once_and_one_system_message():
 
 
 def test_mid_conversation_instructions_become_notes_and_survive_folding():
-    msgs = [u("q1"), {"role": "developer", "content": "be brief"}, a("a1"), {"role": "system", "content": "now French"}, u("q2")]
+    msgs = [
+        u("q1"),
+        {"role": "developer", "content": "be brief"},
+        a("a1"),
+        {"role": "system", "content": "now French"},
+        u("q2"),
+    ]
     h = history_of(msgs, {2: TurnRecord("L2", summary="did q1")})
     own = own_view(P, ID, msgs, h, "L2")
     other = own_view(P, ID, msgs, h, "L1")
     note = lambda t: u("[system note] " + t)  # noqa: E731
     assert own == [{"role": "system", "content": ID}, u("q1"), note("be brief"), a("a1"), note("now French"), u("q2")]
-    assert other == [{"role": "system", "content": ID}, u("q1"), note("be brief"),
-                     a(P.prompts.fold.replace("{summary}", "did q1")), note("now French"), u("q2")]
+    assert other == [
+        {"role": "system", "content": ID},
+        u("q1"),
+        note("be brief"),
+        a(P.prompts.fold.replace("{summary}", "did q1")),
+        note("now French"),
+        u("q2"),
+    ]
     for view in (own, other):
         assert [m["role"] for m in view].count("system") == 1 and view[0]["role"] == "system"
 

@@ -74,7 +74,9 @@ def validate_skip(skip: Iterable[str]) -> set[str]:
     if unknown:
         from molctl.errors import UsageError
 
-        raise UsageError(f"--skip {sorted(unknown)[0]!r}: expected one of {', '.join(CATEGORIES[1:] + LIVE_CATEGORIES)}")
+        raise UsageError(
+            f"--skip {sorted(unknown)[0]!r}: expected one of {', '.join(CATEGORIES[1:] + LIVE_CATEGORIES)}"
+        )
     return skip
 
 
@@ -103,8 +105,15 @@ def run_checks(profile, probes: Probes, skip: Iterable[str] = ()) -> Report:
     return Report(profile.name, results)
 
 
-def check_profile(name: str, ctx, overrides: Iterable[tuple[str, Any]], skip: Iterable[str],
-                  api_key_file: Path | None = None, probes: Probes | None = None, live: bool = False) -> Report:
+def check_profile(
+    name: str,
+    ctx,
+    overrides: Iterable[tuple[str, Any]],
+    skip: Iterable[str],
+    api_key_file: Path | None = None,
+    probes: Probes | None = None,
+    live: bool = False,
+) -> Report:
     """`molctl check`: load the profile (a load failure becomes a failed `profile.valid` check)
     and run the checks on this host; `live` (`--live`): then the LIVE_CATEGORIES against the
     profile's running stack (molctl.checks.live). `ctx` gives state_dir and dirs() (the CLI's Context)."""
@@ -128,8 +137,13 @@ def check_profile(name: str, ctx, overrides: Iterable[tuple[str, Any]], skip: It
     return report
 
 
-def host_probes(state_dir: Path, profile_name: str, api_key_file: Path | None, probes: Probes | None = None,
-                own_profiles: Iterable[str] = ()) -> Probes:
+def host_probes(
+    state_dir: Path,
+    profile_name: str,
+    api_key_file: Path | None,
+    probes: Probes | None = None,
+    own_profiles: Iterable[str] = (),
+) -> Probes:
     """The probes of this host for one profile (`check`, and the preflight of `up`/`switch`).
     `own_profiles`: stacks of this state dir that count as this profile's own (what a `switch`
     is about to stop): their processes, ports, GPU memory and host-wide claims are not foreign."""

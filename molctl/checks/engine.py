@@ -31,21 +31,41 @@ def run(profile: Profile, probes: Probes) -> list[CheckResult]:
         version = Version(install.version or "")
         public = Version(version.public)
     except InvalidVersion:
-        out.append(CheckResult("engine.version", "fail", f"{engine.package} reports version {install.version!r}, which is not a version"))
+        out.append(
+            CheckResult(
+                "engine.version",
+                "fail",
+                f"{engine.package} reports version {install.version!r}, which is not a version",
+            )
+        )
         public = None
     if public is not None:
         if pin.contains(public, prereleases=True):
             out.append(CheckResult("engine.version", "pass", f"{engine.package} {install.version} matches {pin}"))
         else:
-            out.append(CheckResult("engine.version", "fail",
-                                   f"{engine.package} {install.version} under {python} does not match engine.version {pin}"))
+            out.append(
+                CheckResult(
+                    "engine.version",
+                    "fail",
+                    f"{engine.package} {install.version} under {python} does not match engine.version {pin}",
+                )
+            )
 
     passed = engine.profile_flags(profile)
     unknown = [f"--{f}" for f in passed if f not in install.flags]
     if unknown:
-        out.append(CheckResult("engine.flags", "fail",
-                               f"{engine.package} {install.version} does not accept {describe(unknown, 5)} (from {profile.source} "
-                               "engine.args)"))
+        out.append(
+            CheckResult(
+                "engine.flags",
+                "fail",
+                f"{engine.package} {install.version} does not accept {describe(unknown, 5)} (from {profile.source} "
+                "engine.args)",
+            )
+        )
     else:
-        out.append(CheckResult("engine.flags", "pass", f"all {len(passed)} flags accepted by {engine.package} {install.version}"))
+        out.append(
+            CheckResult(
+                "engine.flags", "pass", f"all {len(passed)} flags accepted by {engine.package} {install.version}"
+            )
+        )
     return out

@@ -23,21 +23,41 @@ def run(profile: Profile, probes: Probes, ctx) -> list[CheckResult]:
     records = read_records(ctx.state_dir, profile.name)
     engine_record = records.get("engine")
     if engine_record is None or not is_same_process(engine_record):
-        return [CheckResult(f"{cat}.running", "fail", f"no live engine of {profile.name} is recorded in "
-                                                       f"{ctx.state_dir} (molctl up {profile.name} starts it)")]
+        return [
+            CheckResult(
+                f"{cat}.running",
+                "fail",
+                f"no live engine of {profile.name} is recorded in {ctx.state_dir} (molctl up {profile.name} starts it)",
+            )
+        ]
     # the stack as it was started (its overrides included), not the profile file as it is now
     running = stackconfig.profile_from(recorded_config(records)) or profile
     result = canary.run(running, get_engine(running.engine.kind), component_url(engine_record))
     if result["status"] == "error":
         return [CheckResult(f"{cat}.running", "fail", canary.failure_message(result))]
-    out = [CheckResult(f"{cat}.running", "pass", f"asked the engine at {component_url(engine_record)} "
-                                                 f"({result['seconds']:.2f} s for the base and {len(ROUTES)} adapters)")]
+    out = [
+        CheckResult(
+            f"{cat}.running",
+            "pass",
+            f"asked the engine at {component_url(engine_record)} "
+            f"({result['seconds']:.2f} s for the base and {len(ROUTES)} adapters)",
+        )
+    ]
     for route in ROUTES:
         a = result["adapters"][route]
         if a["effect"]:
-            how = "other greedy tokens" if not a["tokens_match"] else f"logprobs moved by up to {a['max_logprob_diff']:.2g}"
-            out.append(CheckResult(f"{cat}.{route}", "pass", f"adapter {route} changes the base model's output "
-                                                              f"on the canary prompt ({how})"))
+            how = (
+                "other greedy tokens"
+                if not a["tokens_match"]
+                else f"logprobs moved by up to {a['max_logprob_diff']:.2g}"
+            )
+            out.append(
+                CheckResult(
+                    f"{cat}.{route}",
+                    "pass",
+                    f"adapter {route} changes the base model's output on the canary prompt ({how})",
+                )
+            )
         else:
             line = next(p for p in result["problems"] if p.startswith(f"adapter {route} "))
             out.append(CheckResult(f"{cat}.{route}", "fail", line))

@@ -44,16 +44,22 @@ def run(profile: Profile, probes: Probes) -> list[CheckResult]:
         path = mf.newest(probes.state_dir, profile.name) if probes.state_dir is not None else None
         if path is None:
             where = mf.manifest_dir(probes.state_dir, profile.name) if probes.state_dir is not None else "the state dir"
-            return [CheckResult("lock.manifest", "fail",
-                                f"no manifest of {profile.name} in {where}: run `molctl lock {profile.name}` first "
-                                f"(or pass --manifest PATH)")]
+            return [
+                CheckResult(
+                    "lock.manifest",
+                    "fail",
+                    f"no manifest of {profile.name} in {where}: run `molctl lock {profile.name}` first "
+                    f"(or pass --manifest PATH)",
+                )
+            ]
     try:
         pinned = mf.read(path)
     except mf.ManifestError as exc:
         return [CheckResult("lock.manifest", "fail", str(exc))]
     if pinned.get("profile") != profile.name:
-        return [CheckResult("lock.manifest", "fail",
-                            f"{path} pins profile {pinned.get('profile')!r}, not {profile.name!r}")]
+        return [
+            CheckResult("lock.manifest", "fail", f"{path} pins profile {pinned.get('profile')!r}, not {profile.name!r}")
+        ]
     out = [CheckResult("lock.manifest", "pass", f"{path} (locked {pinned.get('created_at')})")]
     out += _engine(profile, probes, pinned)
     out += _launch(profile, probes, pinned)
@@ -70,19 +76,34 @@ def _engine(profile: Profile, probes: Probes, pinned: dict) -> list[CheckResult]
     try:
         found = mf.engine_section(profile, probes.state_dir)
     except mf.ManifestError as exc:
-        return [CheckResult("lock.engine.version", "fail", f"pinned {want.get('package')} {want.get('version')}, found: {exc}")]
+        return [
+            CheckResult(
+                "lock.engine.version", "fail", f"pinned {want.get('package')} {want.get('version')}, found: {exc}"
+            )
+        ]
     out = []
-    for key, cid in (("kind", "lock.engine.kind"), ("version", "lock.engine.version"),
-                     ("fingerprint", "lock.engine.fingerprint")):
+    for key, cid in (
+        ("kind", "lock.engine.kind"),
+        ("version", "lock.engine.version"),
+        ("fingerprint", "lock.engine.fingerprint"),
+    ):
         if want.get(key) == found.get(key):
             out.append(CheckResult(cid, "pass", f"{found['package']} {key} {_short(found.get(key))} as pinned"))
         else:
             extra = ""
             if key == "fingerprint":
-                extra = (f" ({found.get('location')}: {found.get('package_files')} files, "
-                         f"{', '.join(found.get('dists') or []) or 'no dist-info RECORD'}; reinstalled, upgraded or edited)")
-            out.append(CheckResult(cid, "fail", f"{found['package']} {key}: pinned {_short(want.get(key))}, "
-                                                f"found {_short(found.get(key))} under {found['python']}{extra}"))
+                extra = (
+                    f" ({found.get('location')}: {found.get('package_files')} files, "
+                    f"{', '.join(found.get('dists') or []) or 'no dist-info RECORD'}; reinstalled, upgraded or edited)"
+                )
+            out.append(
+                CheckResult(
+                    cid,
+                    "fail",
+                    f"{found['package']} {key}: pinned {_short(want.get(key))}, "
+                    f"found {_short(found.get(key))} under {found['python']}{extra}",
+                )
+            )
     return out
 
 
@@ -104,8 +125,11 @@ def _launch(profile: Profile, probes: Probes, pinned: dict) -> list[CheckResult]
         out.append(CheckResult("lock.argv", "fail", f"launch argv differs: {argv_diff(want_argv, argv)}"))
 
     want_env, env = pinned.get("env") or {}, mf.pinned_env(profile, dict(probes.environ))
-    diff = [f"{k}: pinned {_env_value(want_env, k)}, found {_env_value(env, k)}"
-            for k in sorted(set(want_env) | set(env)) if want_env.get(k) != env.get(k)]
+    diff = [
+        f"{k}: pinned {_env_value(want_env, k)}, found {_env_value(env, k)}"
+        for k in sorted(set(want_env) | set(env))
+        if want_env.get(k) != env.get(k)
+    ]
     if diff:
         out.append(CheckResult("lock.env", "fail", f"engine environment differs: {describe(diff, 4)}"))
     else:
@@ -114,8 +138,13 @@ def _launch(profile: Profile, probes: Probes, pinned: dict) -> list[CheckResult]
     want_cap, cap = pinned.get("capacity") or {}, mf.capacity(profile)
     for flag in sorted(set(want_cap) | set(cap)):
         if want_cap.get(flag) != cap.get(flag):
-            out.append(CheckResult(f"lock.capacity.{flag}", "fail",
-                                   f"--{flag}: pinned {_flag_value(want_cap, flag)}, found {_flag_value(cap, flag)}"))
+            out.append(
+                CheckResult(
+                    f"lock.capacity.{flag}",
+                    "fail",
+                    f"--{flag}: pinned {_flag_value(want_cap, flag)}, found {_flag_value(cap, flag)}",
+                )
+            )
     return out
 
 
@@ -154,20 +183,30 @@ def _model(profile: Profile, pinned: dict) -> list[CheckResult]:
         out.append(CheckResult("lock.config", "fail", str(exc)))
     else:
         want = pinned.get("config") or {}
-        diff = [f"{k}: pinned {want.get(k)!r}, found {cfg.get(k)!r}" for k in sorted(set(want) | set(cfg))
-                if want.get(k) != cfg.get(k)]
-        out.append(CheckResult("lock.config", "fail", f"{profile.base_dir / 'config.json'}: {'; '.join(diff)}") if diff
-                   else CheckResult("lock.config", "pass", ", ".join(f"{k} {v}" for k, v in cfg.items() if v is not None)))
+        diff = [
+            f"{k}: pinned {want.get(k)!r}, found {cfg.get(k)!r}"
+            for k in sorted(set(want) | set(cfg))
+            if want.get(k) != cfg.get(k)
+        ]
+        out.append(
+            CheckResult("lock.config", "fail", f"{profile.base_dir / 'config.json'}: {'; '.join(diff)}")
+            if diff
+            else CheckResult("lock.config", "pass", ", ".join(f"{k} {v}" for k, v in cfg.items() if v is not None))
+        )
     try:
         tpl = mf.template_digest(profile)
     except mf.ManifestError as exc:
         return [*out, CheckResult("lock.template", "fail", str(exc))]
     want_t = pinned.get("template")
     if (want_t or {}).get("sha256") == (tpl or {}).get("sha256"):
-        out.append(CheckResult("lock.template", "pass", f"chat template {_short((tpl or {}).get('sha256', 'none'))} as pinned"))
+        out.append(
+            CheckResult("lock.template", "pass", f"chat template {_short((tpl or {}).get('sha256', 'none'))} as pinned")
+        )
     else:
+
         def show(t):
             return f"{_short(t['sha256'])} ({t['source']})" if t else "no template"
+
         out.append(CheckResult("lock.template", "fail", f"chat template: pinned {show(want_t)}, found {show(tpl)}"))
     return out
 
@@ -223,29 +262,41 @@ def _files(profile: Profile, probes: Probes, pinned: dict, verify: Verify) -> li
     changed: dict[str, str] = {}
     for item in items:
         if item.entry is None:
-            results[item.cid] = CheckResult(item.cid, "fail", f"{item.path} is not pinned by the manifest "
-                                                               f"(added since `molctl lock {profile.name}`)")
+            results[item.cid] = CheckResult(
+                item.cid,
+                "fail",
+                f"{item.path} is not pinned by the manifest (added since `molctl lock {profile.name}`)",
+            )
             continue
         try:
             st = os.stat(item.path)
         except FileNotFoundError:
             dangling = f" (a dangling symlink to {os.readlink(item.path)})" if os.path.islink(item.path) else ""
-            results[item.cid] = CheckResult(item.cid, "fail", f"{item.path} is missing{dangling} (pinned: {item.entry['size']} "
-                                                               f"bytes, sha256 {_short(item.entry['sha256'])})")
+            results[item.cid] = CheckResult(
+                item.cid,
+                "fail",
+                f"{item.path} is missing{dangling} (pinned: {item.entry['size']} "
+                f"bytes, sha256 {_short(item.entry['sha256'])})",
+            )
             continue
         except OSError as exc:
             dangling = f" (a dangling symlink to {os.readlink(item.path)})" if os.path.islink(item.path) else ""
             results[item.cid] = CheckResult(item.cid, "fail", f"{item.path}: {exc.strerror}{dangling}")
             continue
         if not stat.S_ISREG(st.st_mode):  # never opened: a FIFO would block, /dev/zero never ends
-            results[item.cid] = CheckResult(item.cid, "fail", f"{item.path} is {file_kind(st.st_mode)}, not a regular file "
-                                                               f"(pinned: {item.entry['size']} bytes)")
+            results[item.cid] = CheckResult(
+                item.cid,
+                "fail",
+                f"{item.path} is {file_kind(st.st_mode)}, not a regular file (pinned: {item.entry['size']} bytes)",
+            )
             continue
         what = []
         real, abspath = os.path.realpath(item.path), os.path.abspath(item.path)
         if item.entry.get("real_path", abspath) != real:
-            what.append(f"now {'a symlink to ' + real if real != abspath else 'no longer a symlink'}"
-                        f" (pinned: {item.entry.get('real_path', 'not a symlink')})")
+            what.append(
+                f"now {'a symlink to ' + real if real != abspath else 'no longer a symlink'}"
+                f" (pinned: {item.entry.get('real_path', 'not a symlink')})"
+            )
         if st.st_size != item.entry["size"]:
             what.append(f"size {item.entry['size']} -> {st.st_size}")
         if st.st_mtime_ns != item.entry["mtime_ns"]:
@@ -259,9 +310,12 @@ def _files(profile: Profile, probes: Probes, pinned: dict, verify: Verify) -> li
         # --full-hash reads every file (a file replaced with its size and mtime restored is caught);
         # a changed file is read in any case. The fresh results update the hash cache.
         cache = HashCache.in_state_dir(probes.state_dir)
-        errors: dict[str, OSError] = {}  # a file that cannot be read fails alone; the others are hashed in the same pass
-        hashed = hash_files([str(i.path) for i in to_hash], cache, verify.jobs, None, verify.hasher,
-                            use_cache=False, errors=errors).sha256
+        errors: dict[
+            str, OSError
+        ] = {}  # a file that cannot be read fails alone; the others are hashed in the same pass
+        hashed = hash_files(
+            [str(i.path) for i in to_hash], cache, verify.jobs, None, verify.hasher, use_cache=False, errors=errors
+        ).sha256
         for item in to_hash:
             exc = errors.get(str(item.path))
             if exc is not None:
@@ -271,14 +325,21 @@ def _files(profile: Profile, probes: Probes, pinned: dict, verify: Verify) -> li
         digest = hashed.get(str(item.path))
         if digest != item.entry["sha256"]:
             why = f" ({changed[item.cid]})" if item.cid in changed else " (same size and mtime: replaced in place)"
-            results[item.cid] = CheckResult(item.cid, "fail", f"{item.path}: sha256 pinned {_short(item.entry['sha256'])}, "
-                                                              f"found {_short(digest)}{why}{_adapter_config_diff(item)}")
+            results[item.cid] = CheckResult(
+                item.cid,
+                "fail",
+                f"{item.path}: sha256 pinned {_short(item.entry['sha256'])}, "
+                f"found {_short(digest)}{why}{_adapter_config_diff(item)}",
+            )
         elif item.cid in changed:
-            results[item.cid] = CheckResult(item.cid, "warn", f"{item.path}: {changed[item.cid]}, content as pinned "
-                                                              f"(sha256 {_short(digest)}); `molctl lock {profile.name}` re-pins it")
+            results[item.cid] = CheckResult(
+                item.cid,
+                "warn",
+                f"{item.path}: {changed[item.cid]}, content as pinned "
+                f"(sha256 {_short(digest)}); `molctl lock {profile.name}` re-pins it",
+            )
     out: list[CheckResult] = []
-    how = ("sha256 read and matched" if verify.full_hash
-           else "size and mtime unchanged; --full-hash reads them")
+    how = "sha256 read and matched" if verify.full_hash else "size and mtime unchanged; --full-hash reads them"
     for group, label in groups.items():
         members = [i for i in items if i.group == group]
         out.extend(results[i.cid] for i in members if i.cid in results)
@@ -301,5 +362,7 @@ def _adapter_config_diff(item: _Pinned) -> str:
         now = mf.adapter_meta(item.path.parent)
     except mf.ManifestError:
         return ""
-    diff = [f"{k} {json.dumps(item.meta.get(k))} -> {json.dumps(now.get(k))}" for k in now if item.meta.get(k) != now.get(k)]
+    diff = [
+        f"{k} {json.dumps(item.meta.get(k))} -> {json.dumps(now.get(k))}" for k in now if item.meta.get(k) != now.get(k)
+    ]
     return f"; {', '.join(diff)}" if diff else ""

@@ -85,14 +85,18 @@ def _parse_weight_map(profile: Profile) -> tuple[dict[str, str] | None, str | No
         return None, f"{profile.base_dir / INDEX} has no 'weight_map' object (expected tensor name -> shard file)"
     for tensor, shard in weight_map.items():  # a shard is a file of base/, never a path out of it (/etc/passwd, ../x)
         if not isinstance(shard, str) or not _inside(shard):
-            return None, (f"{profile.base_dir / INDEX} assigns {tensor!r} to {shard!r}, expected the name of a "
-                          f"shard file inside {profile.base_dir}")
+            return None, (
+                f"{profile.base_dir / INDEX} assigns {tensor!r} to {shard!r}, expected the name of a "
+                f"shard file inside {profile.base_dir}"
+            )
     return weight_map, None
 
 
 def _inside(name: str) -> bool:
     """A relative path that stays inside its folder (as `molctl lock` wants it: no `/etc/passwd`, no `../x`, no NUL)."""
-    return bool(name) and "\0" not in name and not os.path.isabs(name) and os.path.normpath(name).split(os.sep)[0] != ".."
+    return (
+        bool(name) and "\0" not in name and not os.path.isabs(name) and os.path.normpath(name).split(os.sep)[0] != ".."
+    )
 
 
 def run_model(profile: Profile, probes: Probes) -> list[CheckResult]:
@@ -102,7 +106,11 @@ def run_model(profile: Profile, probes: Probes) -> list[CheckResult]:
         return [CheckResult("model.root", "fail", f"model root {root} is a symlink (expected a real directory)")]
     if not root.is_dir():
         hint = f"; {profile.model.hint}" if profile.model.hint else ""
-        return [CheckResult("model.root", "fail", f"model root {root} is not a directory (set model_root or --model-root{hint})")]
+        return [
+            CheckResult(
+                "model.root", "fail", f"model root {root} is not a directory (set model_root or --model-root{hint})"
+            )
+        ]
     if root.resolve() != root.absolute():
         return [CheckResult("model.root", "fail", f"model root {root} resolves to {root.resolve()} through a symlink")]
     results.append(CheckResult("model.root", "pass", f"{root} is a real directory"))
@@ -114,8 +122,13 @@ def run_model(profile: Profile, probes: Probes) -> list[CheckResult]:
     elif not isinstance(config, dict):
         results.append(CheckResult("model.config", "fail", f"{profile.base_dir / 'config.json'} is not a JSON object"))
     elif want is not None and config.get("model_type") != want:
-        results.append(CheckResult("model.config", "fail",
-                                   f"{profile.base_dir / 'config.json'}: model_type is {config.get('model_type')!r}, expected {want!r}"))
+        results.append(
+            CheckResult(
+                "model.config",
+                "fail",
+                f"{profile.base_dir / 'config.json'}: model_type is {config.get('model_type')!r}, expected {want!r}",
+            )
+        )
     else:
         results.append(CheckResult("model.config", "pass", f"model_type {config.get('model_type')!r}"))
 
@@ -128,8 +141,13 @@ def run_model(profile: Profile, probes: Probes) -> list[CheckResult]:
         shards.setdefault(shard, set()).add(tensor)
     want_shards = profile.model.shards
     if want_shards is not None and len(shards) != want_shards:
-        results.append(CheckResult("model.index", "fail",
-                                   f"{profile.base_dir / INDEX} names {len(shards)} shard files, expected exactly {want_shards}"))
+        results.append(
+            CheckResult(
+                "model.index",
+                "fail",
+                f"{profile.base_dir / INDEX} names {len(shards)} shard files, expected exactly {want_shards}",
+            )
+        )
     else:
         results.append(CheckResult("model.index", "pass", f"{len(weight_map)} tensors in {len(shards)} shards"))
 
@@ -156,13 +174,19 @@ def run_model(profile: Profile, probes: Probes) -> list[CheckResult]:
         elif extra:
             header_problems.append(f"{path} holds {describe(extra)}, which {INDEX} does not assign to it")
     if file_problems:
-        results.append(CheckResult("model.shards", "fail", f"{len(file_problems)} shard(s) bad: {describe(file_problems, 2)}"))
+        results.append(
+            CheckResult("model.shards", "fail", f"{len(file_problems)} shard(s) bad: {describe(file_problems, 2)}")
+        )
     else:
         results.append(CheckResult("model.shards", "pass", f"{len(shards)} shard files present, real and non-empty"))
     if header_problems:
-        results.append(CheckResult("model.headers", "fail", f"{len(header_problems)} shard(s) bad: {describe(header_problems, 2)}"))
+        results.append(
+            CheckResult("model.headers", "fail", f"{len(header_problems)} shard(s) bad: {describe(header_problems, 2)}")
+        )
     elif not file_problems:
-        results.append(CheckResult("model.headers", "pass", "every shard header parses, matches the index and fits the file"))
+        results.append(
+            CheckResult("model.headers", "pass", "every shard header parses, matches the index and fits the file")
+        )
     return results
 
 
@@ -170,7 +194,7 @@ def _adapter_module_path(tensor: str) -> str:
     module = tensor.split(".lora_")[0]
     for prefix in ("base_model.model.",):
         if module.startswith(prefix):
-            module = module[len(prefix):]
+            module = module[len(prefix) :]
     return module
 
 
@@ -236,22 +260,34 @@ def _capacity(profile: Profile, engine_max: int | None) -> list[CheckResult]:
     if engine_max is not None and len(ranks) == len(ROUTES):
         top = max(ranks.values())
         if top < engine_max:
-            out.append(CheckResult("adapter.max-lora-rank", "warn",
-                                   f"--max-lora-rank {engine_max} is above the largest adapter rank {top} "
-                                   f"({', '.join(f'{k} r={v}' for k, v in ranks.items())}): memory reserved for nothing; "
-                                   f"set engine.args.max-lora-rank to {top}"))
+            out.append(
+                CheckResult(
+                    "adapter.max-lora-rank",
+                    "warn",
+                    f"--max-lora-rank {engine_max} is above the largest adapter rank {top} "
+                    f"({', '.join(f'{k} r={v}' for k, v in ranks.items())}): memory reserved for nothing; "
+                    f"set engine.args.max-lora-rank to {top}",
+                )
+            )
         elif top == engine_max:
-            out.append(CheckResult("adapter.max-lora-rank", "pass", f"--max-lora-rank {engine_max} = the largest adapter rank"))
+            out.append(
+                CheckResult("adapter.max-lora-rank", "pass", f"--max-lora-rank {engine_max} = the largest adapter rank")
+            )
     flag, default = get_engine(profile.engine.kind).max_loras_flag
     value = profile.engine.args.get(flag)
     value = value if isinstance(value, int) and not isinstance(value, bool) else None
     effective = default if value is None else value
     shown = f"--{flag} {value}" if value is not None else f"--{flag} unset (the engine's default {default})"
     if effective < CONCURRENT_ADAPTERS:
-        out.append(CheckResult("adapter.max-loras", "warn",
-                               f"{shown} is below the {CONCURRENT_ADAPTERS} adapters the proxy serves concurrently "
-                               f"(route hop on L0, answers and summaries on L1-L3): requests for the others wait for a "
-                               f"slot; set engine.args.{flag} to {CONCURRENT_ADAPTERS}"))
+        out.append(
+            CheckResult(
+                "adapter.max-loras",
+                "warn",
+                f"{shown} is below the {CONCURRENT_ADAPTERS} adapters the proxy serves concurrently "
+                f"(route hop on L0, answers and summaries on L1-L3): requests for the others wait for a "
+                f"slot; set engine.args.{flag} to {CONCURRENT_ADAPTERS}",
+            )
+        )
     else:
         out.append(CheckResult("adapter.max-loras", "pass", f"{shown} >= {CONCURRENT_ADAPTERS} concurrent adapters"))
     return out
@@ -290,15 +326,22 @@ def _check_adapter(profile: Profile, route: str, base: BaseNames, engine_max: in
 EXPERT_RE = re.compile(r"(^|\.)experts(\.|$)")
 
 
-def _adapter_moe(cid: str, cfg_path: Path, config: dict[str, Any], header: SafetensorsHeader,
-                 base: BaseNames) -> CheckResult | None:
+def _adapter_moe(
+    cid: str, cfg_path: Path, config: dict[str, Any], header: SafetensorsHeader, base: BaseNames
+) -> CheckResult | None:
     """`adapter.Lk.moe` (only as a warning): the adapter targets MoE expert weights: LoRA tensors
     under `.experts.`, a target module named like `experts`, or a target module name (w1/w2/w3,
     gate_up_proj, down_proj...) that the base has inside `.experts.`. vLLM does not validate MoE
     LoRA layouts (2D per-expert vs 3D fused, `is_3d_lora_weight`) and can serve wrong output
     without an error (seed 002): such an adapter needs a known-answer test, not just a load."""
     targets = config.get("target_modules")
-    names = [targets] if isinstance(targets, str) else [t for t in targets if isinstance(t, str)] if isinstance(targets, list) else []
+    names = (
+        [targets]
+        if isinstance(targets, str)
+        else [t for t in targets if isinstance(t, str)]
+        if isinstance(targets, list)
+        else []
+    )
     expert_tensors = [n for n in header.tensors if ".lora_" in n and ".experts." in n]
     found = []
     if expert_tensors:
@@ -308,16 +351,22 @@ def _adapter_moe(cid: str, cfg_path: Path, config: dict[str, Any], header: Safet
     if named:
         found.append(f"target_modules {describe(named)}")
     if base:
-        inside = [t for t in names if t not in named and re.search(rf"\.experts\.(\d+\.)?{re.escape(t.rsplit('.', 1)[-1])}\.",
-                                                                     base.joined)]
+        inside = [
+            t
+            for t in names
+            if t not in named and re.search(rf"\.experts\.(\d+\.)?{re.escape(t.rsplit('.', 1)[-1])}\.", base.joined)
+        ]
         if inside:
             found.append(f"target_modules {describe(inside)}, which the base has inside .experts.")
     if not found:
         return None
-    return CheckResult(f"{cid}.moe", "warn",
-                       f"{cfg_path}: targets MoE expert weights ({'; '.join(found)}); vLLM does not validate MoE LoRA "
-                       f"layouts (2D per-expert vs 3D fused, is_3d_lora_weight) and can serve wrong output without an "
-                       f"error: test it with known inputs before trusting it")
+    return CheckResult(
+        f"{cid}.moe",
+        "warn",
+        f"{cfg_path}: targets MoE expert weights ({'; '.join(found)}); vLLM does not validate MoE LoRA "
+        f"layouts (2D per-expert vs 3D fused, is_3d_lora_weight) and can serve wrong output without an "
+        f"error: test it with known inputs before trusting it",
+    )
 
 
 def _adapter_config(cid: str, cfg_path: Path) -> tuple[dict[str, Any] | None, CheckResult]:
@@ -332,8 +381,9 @@ def _adapter_config(cid: str, cfg_path: Path) -> tuple[dict[str, Any] | None, Ch
     return config, CheckResult(f"{cid}.config", "pass", f"{cfg_path} is a LoRA config")
 
 
-def _adapter_rank(cid: str, cfg_path: Path, config: dict[str, Any], profile: Profile,
-                  engine_max: int | None) -> tuple[int | None, CheckResult]:
+def _adapter_rank(
+    cid: str, cfg_path: Path, config: dict[str, Any], profile: Profile, engine_max: int | None
+) -> tuple[int | None, CheckResult]:
     """`r` is a positive integer within the profile's rank rule and the engine's --max-lora-rank.
     Returns the rank to check the weights' shapes against (None when `r` is not a usable number)."""
     rank = config.get("r")
@@ -341,11 +391,17 @@ def _adapter_rank(cid: str, cfg_path: Path, config: dict[str, Any], profile: Pro
     if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
         return None, CheckResult(f"{cid}.rank", "fail", f"{cfg_path}: r is {rank!r}, expected a positive integer")
     if spec.rank_equals is not None and rank != spec.rank_equals:
-        return rank, CheckResult(f"{cid}.rank", "fail", f"{cfg_path}: r is {rank}, profile {profile.name} requires r == {spec.rank_equals}")
+        return rank, CheckResult(
+            f"{cid}.rank", "fail", f"{cfg_path}: r is {rank}, profile {profile.name} requires r == {spec.rank_equals}"
+        )
     if spec.rank_max is not None and rank > spec.rank_max:
-        return rank, CheckResult(f"{cid}.rank", "fail", f"{cfg_path}: r is {rank}, profile {profile.name} requires r <= {spec.rank_max}")
+        return rank, CheckResult(
+            f"{cid}.rank", "fail", f"{cfg_path}: r is {rank}, profile {profile.name} requires r <= {spec.rank_max}"
+        )
     if engine_max is not None and rank > engine_max:
-        return rank, CheckResult(f"{cid}.rank", "fail", f"{cfg_path}: r is {rank}, above the engine's --max-lora-rank {engine_max}")
+        return rank, CheckResult(
+            f"{cid}.rank", "fail", f"{cfg_path}: r is {rank}, above the engine's --max-lora-rank {engine_max}"
+        )
     return rank, CheckResult(f"{cid}.rank", "pass", f"r = {rank}")
 
 
@@ -363,9 +419,12 @@ def _adapter_base(cid: str, cfg_path: Path, config: dict[str, Any], profile: Pro
     if same_dir or any(names_base(declared, b) for b in spec.base_names):
         return CheckResult(f"{cid}.base", "pass", f"declared base {declared!r}")
     expected = " or ".join(repr(b) for b in spec.base_names)
-    return CheckResult(f"{cid}.base", "fail",
-                       f"{cfg_path}: base_model_name_or_path is {declared!r}, expected a name containing {expected} "
-                       f"(not followed by more version digits) or {profile.base_dir}")
+    return CheckResult(
+        f"{cid}.base",
+        "fail",
+        f"{cfg_path}: base_model_name_or_path is {declared!r}, expected a name containing {expected} "
+        f"(not followed by more version digits) or {profile.base_dir}",
+    )
 
 
 def names_base(declared: str, base_name: str) -> bool:
@@ -400,18 +459,26 @@ def _adapter_weights(cid: str, weights: Path, rank: int | None) -> tuple[Safeten
     return header, CheckResult(f"{cid}.weights", "pass", f"{len(header.tensors)} tensors, shapes consistent with r")
 
 
-def _adapter_targets(cid: str, cfg_path: Path, weights: Path, config: dict[str, Any], header: SafetensorsHeader,
-                     base: BaseNames) -> CheckResult:
+def _adapter_targets(
+    cid: str, cfg_path: Path, weights: Path, config: dict[str, Any], header: SafetensorsHeader, base: BaseNames
+) -> CheckResult:
     """Every targeted module name (declared in `target_modules`, and found in the weights) exists
     in the base's tensor names (fail: the engine would silently ignore it); a module path that
     differs from the base's only by prefix is a warning."""
     if not base:
         return CheckResult(f"{cid}.targets", "skip", "base index unreadable; see model.index")
     targets = config.get("target_modules")
-    if targets is not None and not isinstance(targets, str) and not (
-            isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
-        return CheckResult(f"{cid}.targets", "fail", f"{cfg_path}: target_modules is {_clip(targets)}, expected a list of "
-                                                     f"module names or a regular expression string")
+    if (
+        targets is not None
+        and not isinstance(targets, str)
+        and not (isinstance(targets, list) and all(isinstance(t, str) for t in targets))
+    ):
+        return CheckResult(
+            f"{cid}.targets",
+            "fail",
+            f"{cfg_path}: target_modules is {_clip(targets)}, expected a list of "
+            f"module names or a regular expression string",
+        )
     declared_missing = []
     if isinstance(targets, list):
         declared_missing = [t for t in targets if isinstance(t, str) and not base.has_module_name(t.rsplit(".", 1)[-1])]
@@ -419,14 +486,20 @@ def _adapter_targets(cid: str, cfg_path: Path, weights: Path, config: dict[str, 
     unknown_names = sorted(n for n in {p.rsplit(".", 1)[-1] for p in paths} if not base.has_module_name(n))
     if declared_missing or unknown_names:
         names = sorted(set(declared_missing) | set(unknown_names))
-        return CheckResult(f"{cid}.targets", "fail",
-                           f"{cfg_path}: targets module(s) {describe(names)} that no tensor of the base model has (the engine would "
-                           "silently ignore them)")
+        return CheckResult(
+            f"{cid}.targets",
+            "fail",
+            f"{cfg_path}: targets module(s) {describe(names)} that no tensor of the base model has (the engine would "
+            "silently ignore them)",
+        )
     unmatched = [p for p in paths if not base.has_module_path(p)]
     if unmatched:
-        return CheckResult(f"{cid}.targets", "warn",
-                           f"{weights}: module path(s) {describe(unmatched, 2)} do not match the base's tensor names exactly (prefix "
-                           "differs; check the engine maps them)")
+        return CheckResult(
+            f"{cid}.targets",
+            "warn",
+            f"{weights}: module path(s) {describe(unmatched, 2)} do not match the base's tensor names exactly (prefix "
+            "differs; check the engine maps them)",
+        )
     return CheckResult(f"{cid}.targets", "pass", f"{len(paths)} targeted modules exist in the base")
 
 

@@ -123,13 +123,17 @@ def find_template(profile: Profile) -> Template:
         path = Path(flag).expanduser()
         try:
             if path.is_file():
-                return Template(f"{path} (engine flag chat-template)", {"default": path.read_text(encoding="utf-8")}, tokens)
+                return Template(
+                    f"{path} (engine flag chat-template)", {"default": path.read_text(encoding="utf-8")}, tokens
+                )
         except OSError:
             pass
         if any(c in flag for c in "{}\n"):
             return Template("the engine flag chat-template (inline)", {"default": flag}, tokens)
-        raise NotFound(f"engine flag chat-template {flag!r} names no file here (a built-in template name of the "
-                       f"engine is not rendered by this check)")
+        raise NotFound(
+            f"engine flag chat-template {flag!r} names no file here (a built-in template name of the "
+            f"engine is not rendered by this check)"
+        )
 
     jinja = directory / JINJA_FILE
     if jinja.is_file():
@@ -144,10 +148,14 @@ def find_template(profile: Profile) -> Template:
     if isinstance(value, list) and value:
         named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
         if not named or not all(isinstance(k, str) and isinstance(v, str) for k, v in named.items()):
-            raise ValueError(f"{directory / TOKENIZER_CONFIG}: chat_template list entries need a string 'name' and 'template'")
+            raise ValueError(
+                f"{directory / TOKENIZER_CONFIG}: chat_template list entries need a string 'name' and 'template'"
+            )
         return Template(f"{directory / TOKENIZER_CONFIG} chat_template (named: {', '.join(named)})", named, tokens)
-    raise NotFound(f"no chat template: no {JINJA_FILE} or 'chat_template' in {directory / TOKENIZER_CONFIG}, "
-                   "and no engine flag chat-template")
+    raise NotFound(
+        f"no chat template: no {JINJA_FILE} or 'chat_template' in {directory / TOKENIZER_CONFIG}, "
+        "and no engine flag chat-template"
+    )
 
 
 def _fallback(profile: Profile) -> str:
@@ -195,14 +203,25 @@ def compile_template(text: str):
         def call_binop(self, context, operator, left, right):
             if operator == "%" and isinstance(left, str):  # '%10000000000s' % 1
                 _check_format(left, PERCENT_WIDTHS, right if isinstance(right, tuple) else (right,), {})
-            if operator == "*" and (isinstance(left, int) and isinstance(right, (str, list, tuple)) or
-                                    isinstance(right, int) and isinstance(left, (str, list, tuple))):
+            if operator == "*" and (
+                isinstance(left, int)
+                and isinstance(right, (str, list, tuple))
+                or isinstance(right, int)
+                and isinstance(left, (str, list, tuple))
+            ):
                 count, seq = (left, right) if isinstance(left, int) else (right, left)
                 if count * len(seq) > MAX_OUTPUT:
-                    raise SecurityError(f"a sequence of {len(seq)} repeated {count} times is above the "
-                                        f"{MAX_OUTPUT}-character limit of a rendered prompt")
-            if operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1 \
-                    and right * max(abs(left).bit_length(), 1) > 1_000_000:
+                    raise SecurityError(
+                        f"a sequence of {len(seq)} repeated {count} times is above the "
+                        f"{MAX_OUTPUT}-character limit of a rendered prompt"
+                    )
+            if (
+                operator == "**"
+                and isinstance(left, int)
+                and isinstance(right, int)
+                and abs(left) > 1
+                and right * max(abs(left).bit_length(), 1) > 1_000_000
+            ):
                 raise SecurityError(f"{left} ** {right} is too large to compute")
             return super().call_binop(context, operator, left, right)
 
@@ -220,6 +239,7 @@ def compile_template(text: str):
             def bounded(*args, **kwargs):  # '{:>10000000000}'.format(1), '{:{w}}'.format(1, w=10**10)
                 _check_format(value.__self__, BRACE_WIDTHS, args, kwargs)
                 return wrapped(*args, **kwargs)
+
             return bounded
 
     def _check_format(fmt, pattern, args, kwargs):
@@ -233,13 +253,16 @@ def compile_template(text: str):
     def _check_sizes(args, kwargs):
         for value in (*args, *kwargs.values()):
             if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_OUTPUT:
-                raise SecurityError(f"a width of {value} is above the {MAX_OUTPUT}-character limit of a rendered prompt")
+                raise SecurityError(
+                    f"a width of {value} is above the {MAX_OUTPUT}-character limit of a rendered prompt"
+                )
 
     def sized(fn):
         @functools.wraps(fn)  # keeps Jinja's pass_context/pass_environment marks
         def wrapper(value, *args, **kwargs):
             _check_sizes(args, kwargs)
             return fn(value, *args, **kwargs)
+
         return wrapper
 
     env = Bounded(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
@@ -302,8 +325,11 @@ def detect_content_format(text: str) -> str:
                 names.append(assign.target.name)
                 if assign.target.name != current:
                     queue.append(assign.target.name)
-    items = [loop.target.name for loop in ast.find_all(nodes.For) if isinstance(loop.target, nodes.Name)
-             and any(access(loop.iter, n) for n in names)]
+    items = [
+        loop.target.name
+        for loop in ast.find_all(nodes.For)
+        if isinstance(loop.target, nodes.Name) and any(access(loop.iter, n) for n in names)
+    ]
     bound: dict[int, set[str]] = {}
     in_macros: set[int] = set()
     for macro in ast.find_all(nodes.Macro):
@@ -325,8 +351,9 @@ def detect_content_format(text: str) -> str:
         it = loop.iter
         if any(access(it, m, "content") for m in items):
             return "openai"
-        if isinstance(it, nodes.Name) and (it.name in bound.get(id(loop), ()) or
-                                           (id(loop) not in in_macros and it.name == "content")):
+        if isinstance(it, nodes.Name) and (
+            it.name in bound.get(id(loop), ()) or (id(loop) not in in_macros and it.name == "content")
+        ):
             return "openai"
     return "string"
 
@@ -427,9 +454,12 @@ def template_kwargs(payload: dict[str, Any]) -> dict[str, Any]:
     (reasoning_effort != "none") when an effort is given and the kwargs do not set it."""
     kwargs = dict(payload.get("chat_template_kwargs") or {})
     effort = payload.get("reasoning_effort")
-    extra = {"add_generation_prompt": payload.get("add_generation_prompt", True),
-             "continue_final_message": payload.get("continue_final_message", False),
-             "documents": payload.get("documents"), "reasoning_effort": effort}
+    extra = {
+        "add_generation_prompt": payload.get("add_generation_prompt", True),
+        "continue_final_message": payload.get("continue_final_message", False),
+        "documents": payload.get("documents"),
+        "reasoning_effort": effort,
+    }
     if effort is not None and "enable_thinking" not in kwargs:
         extra["enable_thinking"] = effort != "none"
     kwargs.update({k: v for k, v in extra.items() if v is not None and v != "auto"})  # vLLM's merge_kwargs
@@ -510,8 +540,9 @@ class Break(NamedTuple):
     at: int  # the first character where they differ
 
 
-def prefix_breaks(steps: list[Step] | list[tuple[str, str, str]],
-                  continues: dict[str, tuple[str, ...]] | None = None) -> tuple[int, list[Break]]:
+def prefix_breaks(
+    steps: list[Step] | list[tuple[str, str, str]], continues: dict[str, tuple[str, ...]] | None = None
+) -> tuple[int, list[Break]]:
     """(how many continuations were compared, the ones whose prompt does not start with the one it
     continues). `steps` in the order sent; plain (hop, adapter, prompt) tuples are one conversation."""
     continues = CONTINUES if continues is None else continues
@@ -527,8 +558,10 @@ def prefix_breaks(steps: list[Step] | list[tuple[str, str, str]],
         if prev is not None:
             compared += 1
             if not step.prompt.startswith(prev.prompt):
-                at = next((i for i, (a, b) in enumerate(zip(prev.prompt, step.prompt, strict=False)) if a != b),
-                          min(len(prev.prompt), len(step.prompt)))
+                at = next(
+                    (i for i, (a, b) in enumerate(zip(prev.prompt, step.prompt, strict=False)) if a != b),
+                    min(len(prev.prompt), len(step.prompt)),
+                )
                 breaks.append(Break(step, prev, at))
         if step.hop in {h for hops in continues.values() for h in hops}:
             latest[(step.conversation, step.adapter, step.hop)] = step
@@ -537,8 +570,11 @@ def prefix_breaks(steps: list[Step] | list[tuple[str, str, str]],
 
 def _around(text: str, at: int, width: int = 20) -> str:
     """`width` characters either side of `at`, escaped (newlines as \\n), with ... where cut."""
-    piece = json.dumps(text[max(at - width, 0):at], ensure_ascii=False)[1:-1] + "|" + \
-        json.dumps(text[at:at + width], ensure_ascii=False)[1:-1]
+    piece = (
+        json.dumps(text[max(at - width, 0) : at], ensure_ascii=False)[1:-1]
+        + "|"
+        + json.dumps(text[at : at + width], ensure_ascii=False)[1:-1]
+    )
     return ("..." if at > width else "") + piece + ("..." if at + width < len(text) else "")
 
 
@@ -546,8 +582,12 @@ def prefix_result(steps: list[Step] | list[tuple[str, str, str]], source: str = 
     compared, breaks = prefix_breaks(steps)
     hops = ", ".join(CONTINUES)
     if not breaks:
-        return CheckResult("template.prefix", "pass", f"{compared} continuations ({hops} hops, turn to turn on the "
-                                                      f"same adapter) extend the previous prompt with {source}")
+        return CheckResult(
+            "template.prefix",
+            "pass",
+            f"{compared} continuations ({hops} hops, turn to turn on the "
+            f"same adapter) extend the previous prompt with {source}",
+        )
     first = breaks[0]
     step, prev, at = first
     turn = f" for shape '{step.shape}'" if step.shape else ""
@@ -557,10 +597,13 @@ def prefix_result(steps: list[Step] | list[tuple[str, str, str]], source: str = 
         others = sorted({f"{b.step.hop}/{b.step.shape}" for b in breaks[1:]} - {f"{step.hop}/{step.shape}"})
         if others:
             more += f" (also {', '.join(others[:3])}{' and more' if len(others) > 3 else ''})"
-    return CheckResult("template.prefix", "warn",
-                       f"the {step.hop} hop on {step.adapter}{turn} does not extend its previous prompt{since} with "
-                       f"{source}: they part at character {at} of {len(prev.prompt)} (the engine prefills the rest "
-                       f"again): expected '{_around(prev.prompt, at)}', rendered '{_around(step.prompt, at)}'{more}")
+    return CheckResult(
+        "template.prefix",
+        "warn",
+        f"the {step.hop} hop on {step.adapter}{turn} does not extend its previous prompt{since} with "
+        f"{source}: they part at character {at} of {len(prev.prompt)} (the engine prefills the rest "
+        f"again): expected '{_around(prev.prompt, at)}', rendered '{_around(step.prompt, at)}'{more}",
+    )
 
 
 def missing_text(payload: dict[str, Any], prompt: str) -> tuple[str, str] | None:
@@ -597,8 +640,12 @@ def _cache_path(profile: Profile, template: Template, probes: Probes) -> Path | 
     h.update(json.dumps([template.source, template.texts, template.tokens], sort_keys=True).encode())
     h.update(repr(profile).encode())
     root = Path(molctl.__file__).parent
-    for base, pattern in ((Path(molctl.proxy.__file__).parent, "*.py"), (root / "engines", "*.py"),
-                          (Path(__file__).parent, "template.py"), (root, "profiles.py")):
+    for base, pattern in (
+        (Path(molctl.proxy.__file__).parent, "*.py"),
+        (root / "engines", "*.py"),
+        (Path(__file__).parent, "template.py"),
+        (root, "profiles.py"),
+    ):
         for path in sorted(base.glob(pattern)):
             st = path.stat()
             h.update(f"{path}:{st.st_size}:{st.st_mtime_ns};".encode())
@@ -610,8 +657,10 @@ def _cached(path: Path | None) -> list[CheckResult] | None:
         return None
     try:
         data = json.loads(path.read_text())
-        return [CheckResult(r["id"], r["status"], r["detail"] + " (remembered from an earlier check)")
-                for r in data["results"]]
+        return [
+            CheckResult(r["id"], r["status"], r["detail"] + " (remembered from an earlier check)")
+            for r in data["results"]
+        ]
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -633,19 +682,25 @@ def _remember(path: Path | None, results: list[CheckResult]) -> None:
 
 def run(profile: Profile, probes: Probes) -> list[CheckResult]:
     if not tokenizer_dir(profile).is_dir() and not profile.engine.args.get("chat-template"):
-        return [CheckResult("template.found", "skip", f"{tokenizer_dir(profile)} is missing (see model.root)"),
-                CheckResult("template.render", "skip", "no template to render"),
-                CheckResult("template.prefix", "skip", "no template to render")]
+        return [
+            CheckResult("template.found", "skip", f"{tokenizer_dir(profile)} is missing (see model.root)"),
+            CheckResult("template.render", "skip", "no template to render"),
+            CheckResult("template.prefix", "skip", "no template to render"),
+        ]
     try:
         template = find_template(profile)
     except NotFound as exc:
-        return [CheckResult("template.found", "warn", f"{exc}; {_fallback(profile)}"),
-                CheckResult("template.render", "skip", "no template to render"),
-                CheckResult("template.prefix", "skip", "no template to render")]
+        return [
+            CheckResult("template.found", "warn", f"{exc}; {_fallback(profile)}"),
+            CheckResult("template.render", "skip", "no template to render"),
+            CheckResult("template.prefix", "skip", "no template to render"),
+        ]
     except ValueError as exc:
-        return [CheckResult("template.found", "fail", str(exc)),
-                CheckResult("template.render", "skip", "no template to render"),
-                CheckResult("template.prefix", "skip", "no template to render")]
+        return [
+            CheckResult("template.found", "fail", str(exc)),
+            CheckResult("template.render", "skip", "no template to render"),
+            CheckResult("template.prefix", "skip", "no template to render"),
+        ]
     out = [CheckResult("template.found", "pass", f"{template.source} ({sum(map(len, template.texts.values()))} chars)")]
     cache = _cache_path(profile, template, probes)
     if (hit := _cached(cache)) is not None:
@@ -663,8 +718,12 @@ def _render_all(profile: Profile, template: Template) -> list[CheckResult]:
     try:
         requests = collect(profile)
     except Exception as exc:  # the proxy itself failed on a sample: that is a finding too
-        return [CheckResult("template.render", "fail", f"the proxy failed to build its sample requests: {_error_text(exc)}"),
-                CheckResult("template.prefix", "skip", "no sample requests")]
+        return [
+            CheckResult(
+                "template.render", "fail", f"the proxy failed to build its sample requests: {_error_text(exc)}"
+            ),
+            CheckResult("template.prefix", "skip", "no sample requests"),
+        ]
     fmt, why = content_format(profile, template)
     failures: list[tuple[str, str, str]] = []
     steps: list[Step] = []
@@ -678,13 +737,22 @@ def _render_all(profile: Profile, template: Template) -> list[CheckResult]:
             role, gone = lost
             shown = json.dumps(gone[:40], ensure_ascii=False)
             what = "tool result" if role == "tool" else f"{role} instruction"
-            failures.append((req.hop, req.shape, f"the {what} {shown} is not in the prompt as text with content "
-                                                 f"format '{fmt}' ({why}); expected it verbatim"))
+            failures.append(
+                (
+                    req.hop,
+                    req.shape,
+                    f"the {what} {shown} is not in the prompt as text with content "
+                    f"format '{fmt}' ({why}); expected it verbatim",
+                )
+            )
             continue
         steps.append(Step(req.hop, str(req.payload.get("model")), text, req.shape, req.conversation))
-    return [_render_result(template, requests, failures),
-            prefix_result(steps, template.source) if not failures else
-            CheckResult("template.prefix", "skip", "not every request renders (see template.render)")]
+    return [
+        _render_result(template, requests, failures),
+        prefix_result(steps, template.source)
+        if not failures
+        else CheckResult("template.prefix", "skip", "not every request renders (see template.render)"),
+    ]
 
 
 def _render_result(template: Template, requests: list, failures: list[tuple[str, str, str]]) -> CheckResult:
@@ -699,8 +767,11 @@ def _render_result(template: Template, requests: list, failures: list[tuple[str,
                 more += f" (also {', '.join(others[:3])}{' and more' if len(others) > 3 else ''})"
         verb = "renders wrongly:" if error.startswith("the ") and "content format" in error else "raises"
         shown = error if verb != "raises" else repr(error)
-        return CheckResult("template.render", "fail",
-                           f"{template.source} {verb} {shown} on the {hop} hop for shape '{shape}'{more}")
-    return CheckResult("template.render", "pass",
-                       f"{len(requests)} requests of {shapes} shapes (route, answer, summary hops) render with "
-                       f"{template.source}")
+        return CheckResult(
+            "template.render", "fail", f"{template.source} {verb} {shown} on the {hop} hop for shape '{shape}'{more}"
+        )
+    return CheckResult(
+        "template.render",
+        "pass",
+        f"{len(requests)} requests of {shapes} shapes (route, answer, summary hops) render with {template.source}",
+    )

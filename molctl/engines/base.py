@@ -50,8 +50,9 @@ READYZ_ENGINE_PROBE_MIN_S = 2.0
 def run_probe_script(python: str, script: str, *args: str, timeout: float = 120) -> EngineInstall:
     """Run `script` under the engine's interpreter; it prints one JSON object on its last line."""
     try:
-        proc = subprocess.run([python, "-c", script, *args], capture_output=True, text=True,
-                              timeout=timeout, stdin=subprocess.DEVNULL)
+        proc = subprocess.run(
+            [python, "-c", script, *args], capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
+        )
     except FileNotFoundError:
         return EngineInstall(found=False, error=f"engine.python {python!r} does not exist")
     except PermissionError:
@@ -63,8 +64,12 @@ def run_probe_script(python: str, script: str, *args: str, timeout: float = 120)
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         return EngineInstall(found=False, error=f"{python} failed (exit {proc.returncode}): {tail}")
     data = json.loads(lines[-1])
-    return EngineInstall(found=data.get("found", False), version=data.get("version"),
-                         flags=frozenset(data.get("flags", ())), error=data.get("error"))
+    return EngineInstall(
+        found=data.get("found", False),
+        version=data.get("version"),
+        flags=frozenset(data.get("flags", ())),
+        error=data.get("error"),
+    )
 
 
 # Run as a script under engine.python, or exec'd here (`install_fingerprint`) when engine.python is
@@ -106,8 +111,13 @@ def install_fingerprint(python: str, package: str) -> dict[str, Any]:
         namespace: dict[str, Any] = {}
         exec(FINGERPRINT_SCRIPT, namespace)  # noqa: S102 - our own constant; not run as __main__
         return namespace["fingerprint"](package)
-    proc = subprocess.run([python, "-c", FINGERPRINT_SCRIPT, package], capture_output=True, text=True,
-                          timeout=30, stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        [python, "-c", FINGERPRINT_SCRIPT, package],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        stdin=subprocess.DEVNULL,
+    )
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -240,13 +250,20 @@ class Engine(abc.ABC):
     def launch_argv(self, profile: Profile) -> list[str]:
         e = profile.engine
         return [
-            profile.engine_python, "-m", self.launch_module,
-            self.model_flag, str(profile.base_dir),
-            "--served-model-name", e.served_name,
-            "--host", e.host,
-            "--port", str(e.port),
+            profile.engine_python,
+            "-m",
+            self.launch_module,
+            self.model_flag,
+            str(profile.base_dir),
+            "--served-model-name",
+            e.served_name,
+            "--host",
+            e.host,
+            "--port",
+            str(e.port),
             *render_args(e.args),
-            self.lora_flag, *self.adapter_pairs(profile),
+            self.lora_flag,
+            *self.adapter_pairs(profile),
         ]
 
     @abc.abstractmethod
@@ -299,16 +316,21 @@ class Engine(abc.ABC):
 
     def smoke_request(self, profile: Profile, route: str) -> dict[str, Any]:
         """The 1-token chat completion `up` sends to each adapter before it calls the stack ready."""
-        return {"model": self.adapter_model(profile, route), "max_tokens": 1, "temperature": 0,
-                "messages": [{"role": "user", "content": "ping"}]}
+        return {
+            "model": self.adapter_model(profile, route),
+            "max_tokens": 1,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": "ping"}],
+        }
 
     # The adapter efficacy canary (molctl.canary): where it asks, what it sends for the base
     # model (route None) or one adapter, and where the answer's tokens and logprobs are.
     canary_path: str = "/v1/completions"
 
     @abc.abstractmethod
-    def canary_request(self, profile: Profile, route: str | None, prompt: str, max_tokens: int, top: int,
-                       seed: int) -> dict[str, Any]:
+    def canary_request(
+        self, profile: Profile, route: str | None, prompt: str, max_tokens: int, top: int, seed: int
+    ) -> dict[str, Any]:
         """The body of one greedy canary request of `max_tokens` tokens with `top` top logprobs."""
 
     @abc.abstractmethod
@@ -336,8 +358,9 @@ class Engine(abc.ABC):
     probe_path: str | None = None
 
     @abc.abstractmethod
-    def probe_request(self, model: str, messages: list[dict[str, Any]], generation_prompt: bool,
-                      kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    def probe_request(
+        self, model: str, messages: list[dict[str, Any]], generation_prompt: bool, kwargs: dict[str, Any] | None
+    ) -> dict[str, Any]:
         """The probe's body: `generation_prompt` True adds the generation prompt; False leaves the
         last (assistant) message open, as `continue_final_message` does."""
 
@@ -370,8 +393,14 @@ class Engine(abc.ABC):
             ok = Version(Version(version).public) in SpecifierSet(profile.engine.version, prereleases=True)
         except (InvalidVersion, ValueError):
             return f"the running {self.package} reports version {version!r}, which is not a version"
-        return None if ok else (f"the running {self.package} reports version {version}, "
-                                f"which does not match engine.version {profile.engine.version}")
+        return (
+            None
+            if ok
+            else (
+                f"the running {self.package} reports version {version}, "
+                f"which does not match engine.version {profile.engine.version}"
+            )
+        )
 
     # Shared helpers -----------------------------------------------------------------------
     def profile_flags(self, profile: Profile) -> list[str]:

@@ -207,11 +207,17 @@ class SglangEngine(Engine):
     window_flag = ("context-length", 1)
     # --abort-on-priority-when-disabled: a 503 "... using priority is disabled ..."
     priority_refusals = ("using priority is disabled",)
-    bench_metrics = {"cached_tokens": "sglang:cached_tokens_total", "prompt_tokens": "sglang:prompt_tokens_total",
-                     "generation_tokens": "sglang:generation_tokens_total", "requests_finished": "sglang:num_requests_total",
-                     "queue_time_s_sum": "sglang:queue_time_seconds_sum"}
-    no_template_fallback = ("SGLang falls back to a built-in conversation template guessed from the model path, if "
-                            "one matches, else its chat endpoint cannot format messages")
+    bench_metrics = {
+        "cached_tokens": "sglang:cached_tokens_total",
+        "prompt_tokens": "sglang:prompt_tokens_total",
+        "generation_tokens": "sglang:generation_tokens_total",
+        "requests_finished": "sglang:num_requests_total",
+        "queue_time_s_sum": "sglang:queue_time_seconds_sum",
+    }
+    no_template_fallback = (
+        "SGLang falls back to a built-in conversation template guessed from the model path, if "
+        "one matches, else its chat endpoint cannot format messages"
+    )
     priority_flag = "--enable-priority-scheduling"
     # SGLang takes a request's id from the body's `rid` (ChatCompletionRequest.rid, passed on by
     # serving_chat.py; the X-Request-Id header is not read) and keys its tokenizer, scheduler and
@@ -225,9 +231,18 @@ class SglangEngine(Engine):
     # SGLang's ChatCompletionRequest, "Extra parameters for SRT backend only"
     # (python/sglang/srt/entrypoints/openai/protocol.py)
     request_extensions = {
-        "top_k": "int", "min_p": "number", "repetition_penalty": "number", "min_tokens": "int",
-        "stop_token_ids": "ints", "stop_regex": "str_or_strs", "no_stop_trim": "bool", "ignore_eos": "bool",
-        "skip_special_tokens": "bool", "regex": "str", "ebnf": "str", "separate_reasoning": "bool",
+        "top_k": "int",
+        "min_p": "number",
+        "repetition_penalty": "number",
+        "min_tokens": "int",
+        "stop_token_ids": "ints",
+        "stop_regex": "str_or_strs",
+        "no_stop_trim": "bool",
+        "ignore_eos": "bool",
+        "skip_special_tokens": "bool",
+        "regex": "str",
+        "ebnf": "str",
+        "separate_reasoning": "bool",
         "stream_reasoning": "bool",
     }
     refused_extensions = {
@@ -243,6 +258,7 @@ class SglangEngine(Engine):
         if ":" in name:
             return f"{name!r} contains ':', which SGLang reads as base:adapter (serving_base.py)"
         return None  # the default /health generates a token and answers after >= 1 s
+
     phases = (
         (r"server_args=|ServerArgs\(", "engine config"),
         (r"Load weight begin", "loading model"),
@@ -314,10 +330,17 @@ class SglangEngine(Engine):
 
     probe_path = "/v1/chat/completions"
 
-    def probe_request(self, model: str, messages: list[dict[str, Any]], generation_prompt: bool,
-                      kwargs: dict[str, Any] | None) -> dict[str, Any]:
-        body: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": 1, "temperature": 0,
-                                "return_prompt_token_ids": True, "continue_final_message": not generation_prompt}
+    def probe_request(
+        self, model: str, messages: list[dict[str, Any]], generation_prompt: bool, kwargs: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": model,
+            "messages": messages,
+            "max_tokens": 1,
+            "temperature": 0,
+            "return_prompt_token_ids": True,
+            "continue_final_message": not generation_prompt,
+        }
         if kwargs:
             body["chat_template_kwargs"] = kwargs
         return body
@@ -329,8 +352,12 @@ class SglangEngine(Engine):
     continuation_path = "/generate"
 
     def continuation_request(self, model: str, route: str, ids: list[int], max_tokens: int) -> dict[str, Any]:
-        return {"input_ids": ids, "lora_path": route, "stream": False,
-                "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0}}
+        return {
+            "input_ids": ids,
+            "lora_path": route,
+            "stream": False,
+            "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0},
+        }
 
     def continuation_result(self, body: Any) -> tuple[str, dict[str, Any] | None]:
         text = body.get("text") if isinstance(body, dict) else None
@@ -349,10 +376,15 @@ class SglangEngine(Engine):
     # tokenizer_manager.py add_logprob_return_values). Greedy needs no seed: temperature 0 is argmax.
     canary_path = "/generate"
 
-    def canary_request(self, profile: Profile, route: str | None, prompt: str, max_tokens: int, top: int,
-                       seed: int) -> dict:
-        body = {"text": prompt, "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0},
-                "return_logprob": True, "top_logprobs_num": top}
+    def canary_request(
+        self, profile: Profile, route: str | None, prompt: str, max_tokens: int, top: int, seed: int
+    ) -> dict:
+        body = {
+            "text": prompt,
+            "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0},
+            "return_logprob": True,
+            "top_logprobs_num": top,
+        }
         if route is not None:
             body["lora_path"] = route
         return body

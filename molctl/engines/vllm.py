@@ -56,12 +56,18 @@ class VllmEngine(Engine):
     # the v0 engine: "Got priority N but Priority scheduling is not enabled."; the 0.8-0.9.1 V1
     # processor: "V1 does not support priority yet." (400s)
     priority_refusals = ("priority scheduling is not enabled", "does not support priority")
-    bench_metrics = {"prefix_cache_hits": "vllm:prefix_cache_hits_total",
-                     "prefix_cache_queries": "vllm:prefix_cache_queries_total",
-                     "preemptions": "vllm:num_preemptions_total", "queue_time_s_sum": "vllm:request_queue_time_seconds_sum",
-                     "requests_finished": "vllm:request_success_total", "generation_tokens": "vllm:generation_tokens_total"}
-    no_template_fallback = ("vLLM has no default (transformers >= 4.44), so /v1/chat/completions fails: 'default chat "
-                            "template is no longer allowed'; give the model a template or set engine.args.chat-template")
+    bench_metrics = {
+        "prefix_cache_hits": "vllm:prefix_cache_hits_total",
+        "prefix_cache_queries": "vllm:prefix_cache_queries_total",
+        "preemptions": "vllm:num_preemptions_total",
+        "queue_time_s_sum": "vllm:request_queue_time_seconds_sum",
+        "requests_finished": "vllm:request_success_total",
+        "generation_tokens": "vllm:generation_tokens_total",
+    }
+    no_template_fallback = (
+        "vLLM has no default (transformers >= 4.44), so /v1/chat/completions fails: 'default chat "
+        "template is no longer allowed'; give the model a template or set engine.args.chat-template"
+    )
     priority_flag = "--scheduling-policy priority"
     # vLLM names the engine request after the X-Request-Id header, but logs the JSON body
     # (request_logger.log_request_body) under the body's `request_id` (a random uuid unless set,
@@ -84,16 +90,29 @@ class VllmEngine(Engine):
     # removed there: vLLM ignores them with a warning and leaves the output unconstrained
     # (_REMOVED_GUIDED_FIELDS in vllm/entrypoints/serve/engine/protocol.py), so they are refused.
     request_extensions = {
-        "top_k": "int", "min_p": "number", "repetition_penalty": "number", "length_penalty": "number",
-        "ignore_eos": "bool", "min_tokens": "int", "stop_token_ids": "ints", "include_stop_str_in_output": "bool",
-        "skip_special_tokens": "bool", "spaces_between_special_tokens": "bool", "bad_words": "strs",
-        "allowed_token_ids": "ints", "prompt_logprobs": "int", "structured_outputs": "object",
-        "include_reasoning": "bool", "cache_salt": "str",
+        "top_k": "int",
+        "min_p": "number",
+        "repetition_penalty": "number",
+        "length_penalty": "number",
+        "ignore_eos": "bool",
+        "min_tokens": "int",
+        "stop_token_ids": "ints",
+        "include_stop_str_in_output": "bool",
+        "skip_special_tokens": "bool",
+        "spaces_between_special_tokens": "bool",
+        "bad_words": "strs",
+        "allowed_token_ids": "ints",
+        "prompt_logprobs": "int",
+        "structured_outputs": "object",
+        "include_reasoning": "bool",
+        "cache_salt": "str",
     }
     refused_extensions = {
-        **{f"guided_{k}": "vLLM no longer reads guided_* fields (the output would not be constrained); use "
-                          "response_format or structured_outputs"
-           for k in ("json", "regex", "choice", "grammar", "whitespace_pattern", "decoding_backend")},
+        **{
+            f"guided_{k}": "vLLM no longer reads guided_* fields (the output would not be constrained); use "
+            "response_format or structured_outputs"
+            for k in ("json", "regex", "choice", "grammar", "whitespace_pattern", "decoding_backend")
+        },
         "use_beam_search": "beam search returns several candidates, and the proxy keeps one conversation",
         "truncate_prompt_tokens": "the proxy builds the prompt; truncating it would cut the conversation it folded",
         "kv_transfer_params": "disaggregated-prefill transfer parameters are the operator's, not a client's",
@@ -168,10 +187,15 @@ class VllmEngine(Engine):
 
     probe_path = "/tokenize"
 
-    def probe_request(self, model: str, messages: list[dict[str, Any]], generation_prompt: bool,
-                      kwargs: dict[str, Any] | None) -> dict[str, Any]:
-        body: dict[str, Any] = {"model": model, "messages": messages, "add_generation_prompt": generation_prompt,
-                                "continue_final_message": not generation_prompt}
+    def probe_request(
+        self, model: str, messages: list[dict[str, Any]], generation_prompt: bool, kwargs: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": model,
+            "messages": messages,
+            "add_generation_prompt": generation_prompt,
+            "continue_final_message": not generation_prompt,
+        }
         if kwargs:
             body["chat_template_kwargs"] = kwargs
         return body
@@ -199,11 +223,19 @@ class VllmEngine(Engine):
     # engine's --max-logprobs (default 20).
     canary_path = "/v1/completions"
 
-    def canary_request(self, profile: Profile, route: str | None, prompt: str, max_tokens: int, top: int,
-                       seed: int) -> dict:
+    def canary_request(
+        self, profile: Profile, route: str | None, prompt: str, max_tokens: int, top: int, seed: int
+    ) -> dict:
         model = profile.engine.served_name if route is None else self.adapter_model(profile, route)
-        return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "seed": seed,
-                "logprobs": top, "return_tokens_as_token_ids": True}
+        return {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "seed": seed,
+            "logprobs": top,
+            "return_tokens_as_token_ids": True,
+        }
 
     def canary_sample(self, body):
         from molctl.canary import Sample

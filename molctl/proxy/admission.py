@@ -59,8 +59,14 @@ class GateStats:
 
 
 class FairGate:
-    def __init__(self, capacity: int, max_queue: int, timeout_s: float, clock: Clock = time.monotonic,
-                 rate_window_s: float = 30.0):
+    def __init__(
+        self,
+        capacity: int,
+        max_queue: int,
+        timeout_s: float,
+        clock: Clock = time.monotonic,
+        rate_window_s: float = 30.0,
+    ):
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
         self.capacity = capacity
@@ -183,12 +189,20 @@ class FairGate:
 class Admission:
     """The proxy's gates (see the module docstring)."""
 
-    def __init__(self, max_inflight: int, max_queue: int, queue_timeout_s: float, route_inflight: int,
-                 clock: Clock = time.monotonic):
+    def __init__(
+        self,
+        max_inflight: int,
+        max_queue: int,
+        queue_timeout_s: float,
+        route_inflight: int,
+        clock: Clock = time.monotonic,
+    ):
         self.answers = FairGate(max_inflight, max_queue, queue_timeout_s, clock)
         self.routes = FairGate(route_inflight, max_queue, queue_timeout_s, clock)
 
     @classmethod
     def from_profile(cls, profile, engine, clock: Clock = time.monotonic) -> Admission:
         p = profile.proxy
-        return cls(p.max_inflight or engine.max_running(profile), p.max_queue, p.queue_timeout_s, p.route_inflight, clock)
+        return cls(
+            p.max_inflight or engine.max_running(profile), p.max_queue, p.queue_timeout_s, p.route_inflight, clock
+        )

@@ -83,10 +83,15 @@ Receive = Callable[[], Awaitable[dict]]
 
 MAX_BODY = 8 * 1024 * 1024
 BIG_BODY = 1024 * 1024  # parse + prepare larger bodies in a worker thread, the parse in steps
-BIG_ITEMS = BIG_MESSAGES  # prepare in a worker thread above this many messages, parts, tool calls and tools (many_items)
+BIG_ITEMS = (
+    BIG_MESSAGES  # prepare in a worker thread above this many messages, parts, tool calls and tools (many_items)
+)
 JSON_HEADERS = [(b"content-type", b"application/json")]
-SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-               (b"x-accel-buffering", b"no")]
+SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
 
 
 class ClientGone(Exception):
@@ -94,18 +99,32 @@ class ClientGone(Exception):
 
 
 class ProxyApp:
-    def __init__(self, profile: Profile, engine: Engine, upstream: str, keys: list[str] | None,
-                 store: ConversationStore | None = None, sse_keepalive_s: float = 10.0, ready_cache_s: float = 1.0,
-                 response_store: ResponseStore | ProxyResponses | None = None, shared_state: Any = None, metrics_port: int | None = None,
-                 metrics_host: str = "127.0.0.1", metrics_sock=None):
+    def __init__(
+        self,
+        profile: Profile,
+        engine: Engine,
+        upstream: str,
+        keys: list[str] | None,
+        store: ConversationStore | None = None,
+        sse_keepalive_s: float = 10.0,
+        ready_cache_s: float = 1.0,
+        response_store: ResponseStore | ProxyResponses | None = None,
+        shared_state: Any = None,
+        metrics_port: int | None = None,
+        metrics_host: str = "127.0.0.1",
+        metrics_sock=None,
+    ):
         self.profile = profile
         self.engine = engine
-        self.client = EngineClient(upstream, request_id_field=engine.request_id_field,
-                                   request_id_unique=engine.request_id_unique)
+        self.client = EngineClient(
+            upstream, request_id_field=engine.request_id_field, request_id_unique=engine.request_id_unique
+        )
         self.counters = ProxyMetrics(self._gauges, self._store_counters)
         self.orch = Orchestrator(profile, engine, self.client, store or MemoryStore(), self.counters)
         self.orch.engine_names.extend(server_names(profile, upstream))  # scrubbed from engine messages too
-        self.metrics_listener = MetricsListener(self.counters, metrics_host, metrics_port, metrics_sock) if metrics_port else None
+        self.metrics_listener = (
+            MetricsListener(self.counters, metrics_host, metrics_port, metrics_sock) if metrics_port else None
+        )
         self.responses = as_proxy_store(response_store if response_store is not None else MemoryResponseStore())
         # a shared store (molctl.proxy.redis_store): a heartbeat, closed on shutdown
         self.shared_state = shared_state
@@ -277,8 +296,15 @@ class ProxyApp:
         """requests_total by API, status and stream, and the request's log line."""
         plan: Plan | None = state["plan"]
         path = scope["path"]
-        api = "chat" if path.startswith("/v1/chat/") else "responses" if path.startswith("/v1/responses") else \
-            "models" if path.startswith("/v1/models") else "other"
+        api = (
+            "chat"
+            if path.startswith("/v1/chat/")
+            else "responses"
+            if path.startswith("/v1/responses")
+            else "models"
+            if path.startswith("/v1/models")
+            else "other"
+        )
         stream = bool(plan is not None and plan.stream)
         self.counters.inc("requests_total", api=api, status=str(state["status"]), stream="true" if stream else "false")
         if request_log.isEnabledFor(logging.INFO):
@@ -293,8 +319,11 @@ class ProxyApp:
         if path == "/readyz" and method in PROBE_METHODS:
             ok, why = await self.ready()
             degraded = self.responses_degraded() if ok else None  # still serving: 200, with the reason
-            await self._json(send, 200 if ok else 503, {"status": "degraded" if degraded else "ready" if ok else "not_ready",
-                                                        "detail": degraded or why})
+            await self._json(
+                send,
+                200 if ok else 503,
+                {"status": "degraded" if degraded else "ready" if ok else "not_ready", "detail": degraded or why},
+            )
             return
         tenant = self._authenticate(scope)
         REQUEST.get()["tenant"] = tenant
@@ -314,17 +343,23 @@ class ProxyApp:
             if self.admitted == 0:
                 self._idle.set()
 
-    async def _dispatch(self, scope: dict, receive: Receive, send: Send, rid: str, tenant: str, path: str,
-                        method: str) -> None:
+    async def _dispatch(
+        self, scope: dict, receive: Receive, send: Send, rid: str, tenant: str, path: str, method: str
+    ) -> None:
         if path == "/v1/models" and method == "GET":
             await send({"type": "http.response.start", "status": 200, "headers": JSON_HEADERS})
             await send({"type": "http.response.body", "body": self._models_body})
             return
         if path.startswith("/v1/models/") and method == "GET":
-            model_id = path[len("/v1/models/"):]
+            model_id = path[len("/v1/models/") :]
             if model_id != self.profile.served_model_name:
-                raise ProxyError(404, f"The model '{shown(model_id)}' does not exist.", "invalid_request_error",
-                                 "model_not_found", "model")
+                raise ProxyError(
+                    404,
+                    f"The model '{shown(model_id)}' does not exist.",
+                    "invalid_request_error",
+                    "model_not_found",
+                    "model",
+                )
             await self._json(send, 200, self._model)
             return
         if path == "/v1/chat/completions" and method == "POST":
@@ -334,7 +369,7 @@ class ProxyApp:
             await self._responses_create(scope, receive, send, tenant, rid)
             return
         if path.startswith("/v1/responses/"):
-            rest = path[len("/v1/responses/"):]
+            rest = path[len("/v1/responses/") :]
             if rest.endswith("/input_items") and "/" not in rest[: -len("/input_items")] and method == "GET":
                 await self._responses_input_items(scope, send, tenant, rest[: -len("/input_items")], rid)
                 return
@@ -349,9 +384,14 @@ class ProxyApp:
                 # OpenAI cancels only background responses (400 for the others); this proxy runs none
                 if await self.responses.get_response(tenant, rest[: -len("/cancel")]) is None:
                     raise responses.not_found(rest[: -len("/cancel")])
-                raise invalid("Only responses created with background=true can be cancelled; this proxy runs no "
-                              "background responses (each is complete when its request returns).", "response_id")
-        raise ProxyError(404, f"Unknown endpoint: {method} {shown(scope['path'])}", "invalid_request_error", "not_found", "path")
+                raise invalid(
+                    "Only responses created with background=true can be cancelled; this proxy runs no "
+                    "background responses (each is complete when its request returns).",
+                    "response_id",
+                )
+        raise ProxyError(
+            404, f"Unknown endpoint: {method} {shown(scope['path'])}", "invalid_request_error", "not_found", "path"
+        )
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -376,8 +416,13 @@ class ProxyApp:
         token = header[7:].strip() if header[:7].lower() == b"bearer " else b""
         tenant = self.keys.get(hashlib.sha256(token).digest()) if token else None
         if tenant is None:
-            raise ProxyError(401, "Incorrect API key provided.", "authentication_error", "invalid_api_key",
-                             headers={"www-authenticate": "Bearer"})
+            raise ProxyError(
+                401,
+                "Incorrect API key provided.",
+                "authentication_error",
+                "invalid_api_key",
+                headers={"www-authenticate": "Bearer"},
+            )
         return tenant
 
     async def _json(self, send: Send, status: int, body: Any, headers: dict[str, str] | None = None) -> None:
@@ -394,14 +439,23 @@ class ProxyApp:
         adm = self.orch.admission
         conversations = self.orch.store.stats()  # one read per scrape (SQLite: a query)
         return {
-            "inflight_hops": {(("hop", "answer"),): adm.answers.inflight, (("hop", "route"),): adm.routes.inflight,
-                              (("hop", "summary"),): self.orch._summary_running},
-            "queue_depth": {(("hop", "answer"),): adm.answers.waiting, (("hop", "route"),): adm.routes.waiting,
-                            (("hop", "summary"),): self.orch._summary_waiting},
+            "inflight_hops": {
+                (("hop", "answer"),): adm.answers.inflight,
+                (("hop", "route"),): adm.routes.inflight,
+                (("hop", "summary"),): self.orch._summary_running,
+            },
+            "queue_depth": {
+                (("hop", "answer"),): adm.answers.waiting,
+                (("hop", "route"),): adm.routes.waiting,
+                (("hop", "summary"),): self.orch._summary_waiting,
+            },
             "inflight_requests": {(): self.inflight},
             "admitted_requests": {(): self.admitted},
             "draining": {(): int(self.draining)},
-            "store": {**store_gauges(conversations, "conversations"), **store_gauges(self.responses.stats(), "responses")},
+            "store": {
+                **store_gauges(conversations, "conversations"),
+                **store_gauges(self.responses.stats(), "responses"),
+            },
             "state_store_up": {(): 1 - conversations.get("store_degraded", 0)},
         }
 
@@ -434,7 +488,9 @@ class ProxyApp:
 
     async def _probe_engine(self) -> tuple[bool, str]:
         try:
-            status, _ = await self.client.get("/health", timeout=max(READYZ_ENGINE_PROBE_MIN_S, self.engine.health_timeout_s))
+            status, _ = await self.client.get(
+                "/health", timeout=max(READYZ_ENGINE_PROBE_MIN_S, self.engine.health_timeout_s)
+            )
             if status != 200:
                 return False, f"engine /health answered {status}"
             status, body = await self.client.get("/v1/models")
@@ -475,10 +531,14 @@ class ProxyApp:
                         return b"".join(chunks)
                     idle.reschedule(min(loop.time() + idle_s, deadline))
         except TimeoutError:
-            why = (f"The request body did not arrive whole within {total_s:g} s." if loop.time() >= deadline else
-                   f"No part of the request body arrived for {idle_s:g} s.")
-            raise ProxyError(408, why, "invalid_request_error", "request_timeout",
-                             headers={"connection": "close"}) from None
+            why = (
+                f"The request body did not arrive whole within {total_s:g} s."
+                if loop.time() >= deadline
+                else f"No part of the request body arrived for {idle_s:g} s."
+            )
+            raise ProxyError(
+                408, why, "invalid_request_error", "request_timeout", headers={"connection": "close"}
+            ) from None
 
     # ------------------------------------------------------------------ chat
     def _plan(self, raw: bytes, tenant: str) -> Plan:
@@ -508,7 +568,9 @@ class ProxyApp:
         del raw
         self._track(plan, rid)
         await self.orch.load(plan)
-        await self._run(plan, receive, self._stream(plan, send, rid) if plan.stream else self._complete(plan, send, rid))
+        await self._run(
+            plan, receive, self._stream(plan, send, rid) if plan.stream else self._complete(plan, send, rid)
+        )
 
     async def _run(self, plan: Plan, receive: Receive, coro: Awaitable[None]) -> None:
         """Run one answer (`coro`) while watching the client: a disconnect cancels it."""
@@ -561,9 +623,16 @@ class ProxyApp:
     def _chat_error_frame(exc: ProxyError) -> bytes:
         return b"data: " + json.dumps(exc.body()).encode() + b"\n\n"
 
-    async def _stream(self, plan: Plan, send: Send, rid: str, events: AsyncIterator[Any] | None = None,
-                      frame: Callable[[Any], bytes] | None = None, error_frame: Callable[[ProxyError], bytes] | None = None,
-                      end: bytes | None = b"data: [DONE]\n\n") -> None:
+    async def _stream(
+        self,
+        plan: Plan,
+        send: Send,
+        rid: str,
+        events: AsyncIterator[Any] | None = None,
+        frame: Callable[[Any], bytes] | None = None,
+        error_frame: Callable[[ProxyError], bytes] | None = None,
+        end: bytes | None = b"data: [DONE]\n\n",
+    ) -> None:
         """See the module docstring: headers wait for the first chunk or sse_keepalive_s. Chat by
         default; the Responses API passes its own events, framing and end (no [DONE])."""
         frame = frame or self._chat_frame
@@ -574,8 +643,13 @@ class ProxyApp:
         async def write(data: bytes, more: bool = True) -> None:
             nonlocal started
             if not started:
-                await send({"type": "http.response.start", "status": 200,
-                            "headers": SSE_HEADERS + [(b"x-request-id", rid.encode())]})
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 200,
+                        "headers": SSE_HEADERS + [(b"x-request-id", rid.encode())],
+                    }
+                )
                 started = True
             async with asyncio.timeout(write_timeout):
                 await send({"type": "http.response.body", "body": data, "more_body": more})
@@ -589,8 +663,9 @@ class ProxyApp:
             while True:
                 if pending is None:
                     pending = asyncio.ensure_future(chunks.__anext__())
-                done, _ = await asyncio.wait({pending, cut}, timeout=self.sse_keepalive_s,
-                                             return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait(
+                    {pending, cut}, timeout=self.sse_keepalive_s, return_when=asyncio.FIRST_COMPLETED
+                )
                 if cut in done:
                     raise draining(rid)
                 if not done:
@@ -648,12 +723,15 @@ class ProxyApp:
             return
         self.orch.start_summary(plan)
 
-
     # ------------------------------------------------------------------ Responses API
     def _responses_parse(self, raw: bytes) -> responses.ResponsesRequest:
         """A body over BIG_BODY, in a worker thread."""
-        return responses.parse_request(parse_body(raw, in_steps=True), self.profile.served_model_name,
-                                       self.profile.proxy.media_url_hosts, self.orch.fields)
+        return responses.parse_request(
+            parse_body(raw, in_steps=True),
+            self.profile.served_model_name,
+            self.profile.proxy.media_url_hosts,
+            self.orch.fields,
+        )
 
     async def _responses_previous(self, req: responses.ResponsesRequest, tenant: str) -> None:
         """The stored chain a request continues; a shared store that is down fails a request that
@@ -668,7 +746,9 @@ class ProxyApp:
                 raise responses.not_found(previous, "previous_response_id")
             req.prev, req.history = record, list(record["messages"])
 
-    async def _responses_with_references(self, need: responses.NeedsReferences, tenant: str) -> responses.ResponsesRequest:
+    async def _responses_with_references(
+        self, need: responses.NeedsReferences, tenant: str
+    ) -> responses.ResponsesRequest:
         """Parse again with the output items the request's `item_reference`s name (each a stored
         response of this tenant, found by the item's id: responses.ItemIds)."""
         await self.responses.available()
@@ -676,8 +756,9 @@ class ProxyApp:
         for response_id in dict.fromkeys(filter(None, map(responses.response_of_item, need.ids))):
             records[response_id] = await self.responses.get_response(tenant, response_id)
         refs = responses.referenced_items(need.ids, records)
-        return responses.parse_request(need.body, self.profile.served_model_name, self.profile.proxy.media_url_hosts,
-                                       self.orch.fields, refs)
+        return responses.parse_request(
+            need.body, self.profile.served_model_name, self.profile.proxy.media_url_hosts, self.orch.fields, refs
+        )
 
     def _responses_plan(self, req: responses.ResponsesRequest, tenant: str, big: bool) -> Plan:
         plan = self.orch.prepare(req.chat_body(), tenant)
@@ -708,7 +789,11 @@ class ProxyApp:
         del raw
         await self._responses_previous(req, tenant)
         big = big or len(req.history) > BIG_ITEMS  # a long stored chain: prepared off the loop too
-        plan = await asyncio.to_thread(self._responses_plan, req, tenant, big) if big else self._responses_plan(req, tenant, big)
+        plan = (
+            await asyncio.to_thread(self._responses_plan, req, tenant, big)
+            if big
+            else self._responses_plan(req, tenant, big)
+        )
         await self.orch.load(plan)
         self._track(plan, rid)
         if not plan.stream:
@@ -717,8 +802,9 @@ class ProxyApp:
         translator = responses.StreamTranslator(req, responses.new_id("resp_"))
 
         def error_event(exc: ProxyError) -> bytes:
-            return responses.sse(translator.ev("error", code=exc.code, message=exc.message,
-                                               param=responses.public_param(exc.param)))
+            return responses.sse(
+                translator.ev("error", code=exc.code, message=exc.message, param=responses.public_param(exc.param))
+            )
 
         events = self._responses_events(plan, req, translator, tenant)
         await self._run(plan, receive, self._stream(plan, send, rid, events, responses.sse, error_event, end=None))
@@ -737,12 +823,18 @@ class ProxyApp:
                 return
         await self.orch.route(plan)
 
-    async def _responses_keep(self, req: responses.ResponsesRequest, plan: Plan, tenant: str, response: dict[str, Any]) -> None:
+    async def _responses_keep(
+        self, req: responses.ResponsesRequest, plan: Plan, tenant: str, response: dict[str, Any]
+    ) -> None:
         """Store a complete (or incomplete) answer (a large one from a worker thread: LocalResponses)."""
         if req.store and response["status"] != "failed" and plan.answer is not None and plan.route is not None:
-            await self.responses.put_response(responses.make_record(req, tenant, response, plan.answer, plan.route), big=plan.big)
+            await self.responses.put_response(
+                responses.make_record(req, tenant, response, plan.answer, plan.route), big=plan.big
+            )
 
-    async def _responses_complete(self, plan: Plan, req: responses.ResponsesRequest, send: Send, tenant: str, rid: str) -> None:
+    async def _responses_complete(
+        self, plan: Plan, req: responses.ResponsesRequest, send: Send, tenant: str, rid: str
+    ) -> None:
         await self._responses_route(plan, req)
         chat = await self.orch.complete(plan, persist=False)  # a shared store writes the turn and the record together
         response = responses.complete_response(req, responses.new_id("resp_"), int(time.time()), chat)
@@ -751,8 +843,9 @@ class ProxyApp:
         await self._json(send, 200, response, {"x-request-id": rid})
         self.orch.start_summary(plan)
 
-    async def _responses_events(self, plan: Plan, req: responses.ResponsesRequest, tr: responses.StreamTranslator,
-                                tenant: str) -> AsyncIterator[dict[str, Any]]:
+    async def _responses_events(
+        self, plan: Plan, req: responses.ResponsesRequest, tr: responses.StreamTranslator, tenant: str
+    ) -> AsyncIterator[dict[str, Any]]:
         """Nothing is yielded before the engine's first token, so an early failure keeps its
         status (see `_stream`); a failure after that is a `response.failed` event."""
         await self._responses_route(plan, req)
@@ -778,7 +871,9 @@ class ProxyApp:
         closing, final = tr.finish_events()
         if plan.answer is not None:
             self.orch.record(plan, plan.answer)
-        await self._responses_keep(req, plan, tenant, final)  # before the last event: the next request may follow at once
+        await self._responses_keep(
+            req, plan, tenant, final
+        )  # before the last event: the next request may follow at once
         await self.orch.persisted()
         for event in closing:
             yield event
@@ -787,8 +882,9 @@ class ProxyApp:
         if delete:
             if not await self.responses.delete_response(tenant, response_id):
                 raise responses.not_found(response_id)
-            await self._json(send, 200, {"id": response_id, "object": "response.deleted", "deleted": True},
-                             {"x-request-id": rid})
+            await self._json(
+                send, 200, {"id": response_id, "object": "response.deleted", "deleted": True}, {"x-request-id": rid}
+            )
             return
         record = await self.responses.get_response(tenant, response_id)
         if record is None:
@@ -812,8 +908,9 @@ class ProxyApp:
         record = await self.responses.get_response(tenant, response_id)
         if record is None:
             raise responses.not_found(response_id)
-        await self._json(send, 200, responses.list_input_items(record, limit, order, query.get("after")),
-                         {"x-request-id": rid})
+        await self._json(
+            send, 200, responses.list_input_items(record, limit, order, query.get("after")), {"x-request-id": rid}
+        )
 
 
 def incoming_request_id(headers: list[tuple[bytes, bytes]]) -> str | None:
@@ -831,20 +928,30 @@ def request_line(rid: str, state: dict[str, Any], api: str, plan: Plan | None, t
     usage = (plan.usage if plan is not None else None) or {}
     details = usage.get("prompt_tokens_details") or {}
     timings = plan.timings if plan is not None else {}
-    return orjson.dumps({  # orjson: the same JSON as json.dumps for these str/int/float/bool/None values, ~10x faster
-        "ts": round(time.time(), 3), "request_id": rid, "tenant": state["tenant"], "api": api,
-        "stream": plan.stream if plan is not None else None, "status": state["status"],
-        "route": plan.route if plan is not None else None, "fallback": plan.fallback if plan is not None else None,
-        "sticky": plan.sticky if plan is not None else None,
-        "queue_s": round(plan.queue_wait_s, 4) if plan is not None else None,
-        "route_s": _round4(timings.get("route_s")), "answer_s": _round4(timings.get("answer_s")), "ttft_s": _round4(timings.get("ttft_s")),
-        "total_s": round(total_s, 4),
-        "tokens_in": usage.get("prompt_tokens"), "tokens_out": usage.get("completion_tokens"),
-        "tokens_cached": details.get("cached_tokens") if isinstance(details, dict) else None,
-        "client_disconnect": bool(state.get("disconnected")),
-        # the error code the client got (its status, or the error frame ending a 200 stream); null if none
-        "error": state.get("error"),
-    }).decode()
+    return orjson.dumps(
+        {  # orjson: the same JSON as json.dumps for these str/int/float/bool/None values, ~10x faster
+            "ts": round(time.time(), 3),
+            "request_id": rid,
+            "tenant": state["tenant"],
+            "api": api,
+            "stream": plan.stream if plan is not None else None,
+            "status": state["status"],
+            "route": plan.route if plan is not None else None,
+            "fallback": plan.fallback if plan is not None else None,
+            "sticky": plan.sticky if plan is not None else None,
+            "queue_s": round(plan.queue_wait_s, 4) if plan is not None else None,
+            "route_s": _round4(timings.get("route_s")),
+            "answer_s": _round4(timings.get("answer_s")),
+            "ttft_s": _round4(timings.get("ttft_s")),
+            "total_s": round(total_s, 4),
+            "tokens_in": usage.get("prompt_tokens"),
+            "tokens_out": usage.get("completion_tokens"),
+            "tokens_cached": details.get("cached_tokens") if isinstance(details, dict) else None,
+            "client_disconnect": bool(state.get("disconnected")),
+            # the error code the client got (its status, or the error frame ending a 200 stream); null if none
+            "error": state.get("error"),
+        }
+    ).decode()
 
 
 def _round4(value: float | None) -> float | None:
@@ -860,8 +967,13 @@ def key_table(keys: list[str]) -> dict[bytes, str]:
 
 def too_large(unread: bool = False) -> ProxyError:
     """413; `unread`: the body was not read, so the connection is closed after the answer."""
-    return ProxyError(413, f"The request body exceeds {MAX_BODY} bytes.", "invalid_request_error", "request_too_large",
-                      headers={"connection": "close"} if unread else None)
+    return ProxyError(
+        413,
+        f"The request body exceeds {MAX_BODY} bytes.",
+        "invalid_request_error",
+        "request_too_large",
+        headers={"connection": "close"} if unread else None,
+    )
 
 
 def internal_error(rid: str) -> ProxyError:

@@ -86,8 +86,14 @@ def tool_calls_of(msg: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def canonical_message(msg: dict[str, Any]) -> bytes:
-    calls = [[c.get("id"), (c.get("function") or {}).get("name"), canonical_arguments((c.get("function") or {}).get("arguments"))]
-             for c in tool_calls_of(msg)]
+    calls = [
+        [
+            c.get("id"),
+            (c.get("function") or {}).get("name"),
+            canonical_arguments((c.get("function") or {}).get("arguments")),
+        ]
+        for c in tool_calls_of(msg)
+    ]
     form = [msg.get("role"), text_of(msg.get("content")), calls, msg.get("tool_call_id")]
     call_id = form[3]
     if not calls and type(form[0]) is str and (call_id is None or type(call_id) is str):
@@ -230,8 +236,13 @@ class MemoryStore:
     stored (a turn whose summary arrives later) never drives the byte count negative; putting
     the same key again recounts it (the orchestrator does so once a summary is set)."""
 
-    def __init__(self, max_entries: int = 100_000, max_bytes: int = 256 * 1024 * 1024, ttl_s: float = 6 * 3600,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        max_entries: int = 100_000,
+        max_bytes: int = 256 * 1024 * 1024,
+        ttl_s: float = 6 * 3600,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.max_entries, self.max_bytes, self.ttl_s, self.clock = max_entries, max_bytes, ttl_s, clock
         self._items: OrderedDict[Any, tuple[float, Any, int]] = OrderedDict()
         self._bytes = 0

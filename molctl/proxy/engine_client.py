@@ -67,14 +67,14 @@ def dumps_in_steps(payload: dict[str, Any], step: int = 1000) -> bytes:
     for ~25 ms with orjson, ~150 ms with the standard library, which this used before)."""
     rest = {k: v for k, v in payload.items() if k != "messages"}
     messages = payload.get("messages") or []
-    parts = [fastjson.dumps_bytes(messages[i:i + step])[1:-1] for i in range(0, len(messages), step)]
+    parts = [fastjson.dumps_bytes(messages[i : i + step])[1:-1] for i in range(0, len(messages), step)]
     head = fastjson.dumps_bytes(rest)
     return head[:-1] + (b"," if rest else b"") + b'"messages":[' + b",".join(parts) + b"]}"
 
 
 async def encode(payload: dict[str, Any], big: bool = False) -> bytes:
     if big or len(payload.get("messages") or ()) > BIG_PAYLOAD_MESSAGES:
-        return (await asyncio.to_thread(dumps_in_steps, payload))
+        return await asyncio.to_thread(dumps_in_steps, payload)
     return fastjson.dumps_bytes(payload)
 
 
@@ -247,7 +247,9 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
-        if 100 <= self.status < 200 and self.status != 101:  # an interim answer (100 Continue, 103): the real one follows
+        if (
+            100 <= self.status < 200 and self.status != 101
+        ):  # an interim answer (100 Continue, 103): the real one follows
             self._interim = True
             self.headers = Headers()
             self._framed = False
@@ -356,9 +358,16 @@ _NO_SLOT = _NoSlot()
 
 
 class EngineClient:
-    def __init__(self, base_url: str, connect_timeout: float = 5.0, read_timeout: float = 1800.0,
-                 max_connections: int = 512, keepalive_s: float = 15.0, request_id_field: str | None = None,
-                 request_id_unique: bool = False):
+    def __init__(
+        self,
+        base_url: str,
+        connect_timeout: float = 5.0,
+        read_timeout: float = 1800.0,
+        max_connections: int = 512,
+        keepalive_s: float = 15.0,
+        request_id_field: str | None = None,
+        request_id_unique: bool = False,
+    ):
         self.request_id_field = request_id_field  # see Engine.request_id_field
         self.request_id_unique = request_id_unique  # see Engine.request_id_unique
         self.base_url = base_url.rstrip("/")
@@ -398,8 +407,9 @@ class EngineClient:
         self._slots = None
 
     # ---- connections
-    def _request(self, method: str, path: str, body: bytes | None, hop: str | None,
-                 headers: dict[str, str] | None = None) -> bytes:
+    def _request(
+        self, method: str, path: str, body: bytes | None, hop: str | None, headers: dict[str, str] | None = None
+    ) -> bytes:
         """The request's bytes. `headers`: extra ones (e.g. a request id), names and values that
         are header-safe (no CR/LF: refused with ValueError)."""
         head = f"{method} {self._prefix}{path} HTTP/1.1\r\nHost: {self._host_header}\r\n"
@@ -426,11 +436,17 @@ class EngineClient:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.connect_timeout):
-                _, conn = await loop.create_connection(lambda: _Connection(loop, self.read_timeout), self._host, self._port,
-                                                       ssl=self._ssl_context, server_hostname=self._host if self._ssl else None)
+                _, conn = await loop.create_connection(
+                    lambda: _Connection(loop, self.read_timeout),
+                    self._host,
+                    self._port,
+                    ssl=self._ssl_context,
+                    server_hostname=self._host if self._ssl else None,
+                )
         except (TimeoutError, OSError, ssl.SSLError) as exc:
-            raise _ConnectFailed(f"cannot connect to the engine at {self._host}:{self._port}: "
-                                    f"{str(exc) or type(exc).__name__}") from None
+            raise _ConnectFailed(
+                f"cannot connect to the engine at {self._host}:{self._port}: {str(exc) or type(exc).__name__}"
+            ) from None
         return conn
 
     async def _exchange(self, request: bytes, timeout: float | None, limited: bool = True) -> _Connection:
@@ -464,13 +480,19 @@ class EngineClient:
                     return conn
                 except EngineUnavailable:
                     self._drop(conn)
-                    if reused and conn.closed_by_engine and not conn.got_bytes \
-                            and conn.closed_at - conn.sent_at <= STALE_CLOSE_S:
+                    if (
+                        reused
+                        and conn.closed_by_engine
+                        and not conn.got_bytes
+                        and conn.closed_at - conn.sent_at <= STALE_CLOSE_S
+                    ):
                         conn, reused = None, False
                         continue
                     if conn.closed_by_engine and not conn.got_bytes:  # it had the request: it died on it
-                        raise EngineUnavailable(f"the engine closed the connection {conn.closed_at - conn.sent_at:.1f} s "
-                                                "into the request without answering (it stopped or crashed)") from None
+                        raise EngineUnavailable(
+                            f"the engine closed the connection {conn.closed_at - conn.sent_at:.1f} s "
+                            "into the request without answering (it stopped or crashed)"
+                        ) from None
                     raise
                 except BaseException:
                     self._drop(conn)
@@ -529,9 +551,15 @@ class EngineClient:
         peer = self._peers.get(url)
         if peer is None:
             try:
-                peer = EngineClient(url, connect_timeout=self.connect_timeout, read_timeout=self.read_timeout,
-                                    max_connections=self._max_connections, keepalive_s=self.keepalive_s,
-                                    request_id_field=self.request_id_field, request_id_unique=self.request_id_unique)
+                peer = EngineClient(
+                    url,
+                    connect_timeout=self.connect_timeout,
+                    read_timeout=self.read_timeout,
+                    max_connections=self._max_connections,
+                    keepalive_s=self.keepalive_s,
+                    request_id_field=self.request_id_field,
+                    request_id_unique=self.request_id_unique,
+                )
             except ValueError:  # an unusable URL in the store: nothing can be sent there, take over
                 ENGINE.get().failed = True  # a choice: its URL is not this proxy's own
                 return None
@@ -549,8 +577,9 @@ class EngineClient:
             payload[self.request_id_field] = f"{hop_id}-{os.urandom(4).hex()}" if self.request_id_unique else hop_id
         return {REQUEST_ID_HEADER: hop_id}
 
-    async def _open_chat(self, data: bytes, hop: str, headers: dict[str, str] | None,
-                         timeout: float | None, path: str = CHAT_PATH) -> tuple[EngineClient, _Connection]:
+    async def _open_chat(
+        self, data: bytes, hop: str, headers: dict[str, str] | None, timeout: float | None, path: str = CHAT_PATH
+    ) -> tuple[EngineClient, _Connection]:
         """Send a chat hop to the request's engine (a peer's, see `_peer`, else the own one) and
         return the client that owns the connection. A peer engine that refuses the connection,
         never accepts it within the connect timeout or whose URL is unusable (nothing was sent in
@@ -563,8 +592,15 @@ class EngineClient:
                 ENGINE.get().failed = True
         return self, await self._exchange(self._request("POST", path, data, hop, headers), timeout)
 
-    async def chat(self, payload: dict[str, Any], hop: str, timeout: float | None = None, big: bool = False,
-                   request_id: str | None = None, path: str = CHAT_PATH) -> dict[str, Any]:
+    async def chat(
+        self,
+        payload: dict[str, Any],
+        hop: str,
+        timeout: float | None = None,
+        big: bool = False,
+        request_id: str | None = None,
+        path: str = CHAT_PATH,
+    ) -> dict[str, Any]:
         """Non-streaming chat completion; raises EngineHTTPError / EngineUnavailable. `big`:
         encode the payload in a worker thread; `request_id`: sent as X-Request-Id. `path`: another
         JSON endpoint of the same engine (the summary's token-prompt completion, the template
@@ -587,8 +623,9 @@ class EngineClient:
             raise EngineHTTPError(502, raw.decode(errors="replace")[:500])
         return body
 
-    async def chat_stream(self, payload: dict[str, Any], hop: str, big: bool = False,
-                          request_id: str | None = None) -> AsyncIterator[dict[str, Any]]:
+    async def chat_stream(
+        self, payload: dict[str, Any], hop: str, big: bool = False, request_id: str | None = None
+    ) -> AsyncIterator[dict[str, Any]]:
         """Streaming chat completion: yields each SSE `data:` JSON object until `[DONE]`.
 
         Cancelling the consumer closes the connection, which makes the engine abort the request."""
@@ -618,7 +655,9 @@ class EngineClient:
                 except ValueError:
                     event = None
                 if not isinstance(event, dict):  # a lost or cut frame: the answer would be missing a piece
-                    raise EngineHTTPError(502, "the engine sent a stream event that is not a JSON object", in_stream=True)
+                    raise EngineHTTPError(
+                        502, "the engine sent a stream event that is not a JSON object", in_stream=True
+                    )
                 failure = error_frame(event)
                 if failure is not None:
                     raise failure
@@ -652,17 +691,19 @@ def _lines(conn: _Connection):
                 if end < 0:
                     break
                 if parts:
-                    parts.append(chunk[start:end + 1])
+                    parts.append(chunk[start : end + 1])
                     yield b"".join(parts)
                     parts, size = [], 0
                 else:
-                    yield chunk[start:end + 1]
+                    yield chunk[start : end + 1]
                 start = end + 1
             if start < len(chunk):
                 parts.append(chunk[start:] if start else chunk)
                 size += len(chunk) - start
                 if size > MAX_STREAM_LINE:
-                    raise EngineHTTPError(502, f"the engine sent a stream line over {MAX_STREAM_LINE} bytes", in_stream=True)
+                    raise EngineHTTPError(
+                        502, f"the engine sent a stream line over {MAX_STREAM_LINE} bytes", in_stream=True
+                    )
             continue
         if conn.done or conn.error is not None:
             if conn.error is not None and not conn.done:

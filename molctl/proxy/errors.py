@@ -7,8 +7,15 @@ from typing import Any
 
 
 class ProxyError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 code: str | None = None, param: str | None = None, headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -33,16 +40,25 @@ def invalid(message: str, param: str | None = None) -> ProxyError:
 
 def draining(rid: str | None = None) -> ProxyError:
     """503 `draining`: a new request during a drain, or (`rid`) one still running at its deadline."""
-    message = ("The server reached its drain deadline before this request finished (request id "
-               f"{rid}); retry on another instance." if rid else "The server is shutting down; retry on another instance.")
+    message = (
+        "The server reached its drain deadline before this request finished (request id "
+        f"{rid}); retry on another instance."
+        if rid
+        else "The server is shutting down; retry on another instance."
+    )
     return ProxyError(503, message, "server_error", "draining", headers={"retry-after": "5"})
 
 
 def overloaded(exc) -> ProxyError:
     """Admission refused (molctl.proxy.admission.Rejected): 429 with its Retry-After."""
     why = "too many requests are waiting" if exc.reason == "queue_full" else "no capacity freed up in time"
-    return ProxyError(429, f"The server is overloaded ({why}); retry after {exc.retry_after} s.", "rate_limit_error",
-                      "rate_limit_exceeded", headers={"retry-after": str(exc.retry_after)})
+    return ProxyError(
+        429,
+        f"The server is overloaded ({why}); retry after {exc.retry_after} s.",
+        "rate_limit_error",
+        "rate_limit_exceeded",
+        headers={"retry-after": str(exc.retry_after)},
+    )
 
 
 class EngineUnavailable(Exception):
@@ -73,16 +89,22 @@ class EngineHTTPError(Exception):
         return " ".join(self.message().split())[:limit]
 
 
-CONTEXT_MARKERS = ("maximum context length", "maximum sequence length", "longer than the model's context length",
-                   "exceeds the context length")
+CONTEXT_MARKERS = (
+    "maximum context length",
+    "maximum sequence length",
+    "longer than the model's context length",
+    "exceeds the context length",
+)
 
 
 NO_ROOM_LEFT = "max_tokens must be at least 1, got 0"
 
 
 LORA_REQUEST_RE = re.compile(r"LoRARequest\([^)]*\)")
-LORA_FIELD_RE = re.compile(r"\b(?:lora_int_id|lora_id|lora_name|lora_path|lora_local_path|lora_request)\s*[=:]\s*"
-                           r"(?:'[^']*'|\"[^\"]*\"|[\w./-]+)[,;]?\s*")
+LORA_FIELD_RE = re.compile(
+    r"\b(?:lora_int_id|lora_id|lora_name|lora_path|lora_local_path|lora_request)\s*[=:]\s*"
+    r"(?:'[^']*'|\"[^\"]*\"|[\w./-]+)[,;]?\s*"
+)
 FILE_URL_RE = re.compile(r"file://[^\s'\"`<>]*")
 URL_RE = re.compile(r"\b(?:https?|wss?|grpc)://[^\s'\"`<>]+")
 # an IPv4 address or localhost (or a bracketed IPv6 one), with its port if any
@@ -107,8 +129,12 @@ def server_names(profile: Any, upstream: str) -> list[str]:
 
     from molctl.profiles import ROUTES
 
-    names = [profile.base_model, *getattr(profile.adapters, "base_names", ()), upstream.rstrip("/"),
-             f"{profile.engine.host}:{profile.engine.port}"]
+    names = [
+        profile.base_model,
+        *getattr(profile.adapters, "base_names", ()),
+        upstream.rstrip("/"),
+        f"{profile.engine.host}:{profile.engine.port}",
+    ]
     try:
         names.append(urlsplit(upstream).netloc)
     except ValueError:
@@ -166,17 +192,31 @@ def store_failure(exc: Exception, rid: str) -> ProxyError | None:
     `store_quota_exceeded` naming the quota; None for any other (the caller's 500)."""
     cause = getattr(exc, "cause", None)
     if cause == "quota":  # the record with its conversation is over a byte cap on its own (QuotaExceeded)
-        return ProxyError(400, f"The response cannot be stored: with its conversation it is {exc.size} bytes, over "
-                          f"this API key's stored-response quota ({exc.setting}: {exc.cap} bytes). Send `store: "
-                          f"false`, or start a new conversation (request id {rid}).", "invalid_request_error",
-                          "store_quota_exceeded", param="store")
+        return ProxyError(
+            400,
+            f"The response cannot be stored: with its conversation it is {exc.size} bytes, over "
+            f"this API key's stored-response quota ({exc.setting}: {exc.cap} bytes). Send `store: "
+            f"false`, or start a new conversation (request id {rid}).",
+            "invalid_request_error",
+            "store_quota_exceeded",
+            param="store",
+        )
     if cause == "damaged":
-        return ProxyError(500, f"The proxy's response store is damaged: the record could not be read or written "
-                          f"(request id {rid}).", "server_error", "store_damaged")
+        return ProxyError(
+            500,
+            f"The proxy's response store is damaged: the record could not be read or written (request id {rid}).",
+            "server_error",
+            "store_damaged",
+        )
     if cause in STORE_CAUSES:
-        return ProxyError(503, f"The proxy cannot store the response: {STORE_CAUSES[cause]} (request id {rid}). Retry "
-                          "later, or send `store: false`.", "server_error", "store_unavailable",
-                          headers={"retry-after": str(STORE_RETRY_AFTER_S)})
+        return ProxyError(
+            503,
+            f"The proxy cannot store the response: {STORE_CAUSES[cause]} (request id {rid}). Retry "
+            "later, or send `store: false`.",
+            "server_error",
+            "store_unavailable",
+            headers={"retry-after": str(STORE_RETRY_AFTER_S)},
+        )
     return None
 
 
@@ -204,7 +244,9 @@ def _client_param(exc: EngineHTTPError, client_params: frozenset[str]) -> str | 
     return None
 
 
-def from_engine(exc: Exception, names: list[str], public: str, client_params: frozenset[str] = frozenset()) -> ProxyError:
+def from_engine(
+    exc: Exception, names: list[str], public: str, client_params: frozenset[str] = frozenset()
+) -> ProxyError:
     """Map an engine failure to what the client sees."""
     if isinstance(exc, EngineUnavailable):
         return ProxyError(502, "The model backend is unavailable; retry later.", "server_error", "engine_unavailable")
@@ -212,23 +254,48 @@ def from_engine(exc: Exception, names: list[str], public: str, client_params: fr
         message = scrub(exc.message(), names, public)
         if DOUBT_RE.search(message):  # still about the engine's internals: nothing of it reaches the client
             message = ""
-        code = exc.body.get("error", {}).get("code") if isinstance(exc.body, dict) and isinstance(exc.body.get("error"), dict) else None
-        if exc.status in (400, 413) and (code == "context_length_exceeded" or any(m in message.lower() for m in CONTEXT_MARKERS)):
+        code = (
+            exc.body.get("error", {}).get("code")
+            if isinstance(exc.body, dict) and isinstance(exc.body.get("error"), dict)
+            else None
+        )
+        if exc.status in (400, 413) and (
+            code == "context_length_exceeded" or any(m in message.lower() for m in CONTEXT_MARKERS)
+        ):
             return ProxyError(400, message, "invalid_request_error", "context_length_exceeded", "messages")
         if exc.status == 400 and message.startswith(NO_ROOM_LEFT):
             # vLLM 0.32 for a prompt of exactly max-model-len tokens: the room left for output is 0
             # (api_utils.py get_max_tokens, then SamplingParams' check); the proxy refuses a client
             # max_tokens below 1 itself, so this is always the window, not the client's limit
-            return ProxyError(400, "The prompt fills the model's context window, leaving no room for output "
-                              f"({message})", "invalid_request_error", "context_length_exceeded", "messages")
+            return ProxyError(
+                400,
+                f"The prompt fills the model's context window, leaving no room for output ({message})",
+                "invalid_request_error",
+                "context_length_exceeded",
+                "messages",
+            )
         if exc.status in (400, 422):
-            return ProxyError(400, message or "The request was rejected by the model backend.", "invalid_request_error",
-                              "invalid_request_error", _client_param(exc, client_params))
+            return ProxyError(
+                400,
+                message or "The request was rejected by the model backend.",
+                "invalid_request_error",
+                "invalid_request_error",
+                _client_param(exc, client_params),
+            )
         if exc.status == 503:
-            return ProxyError(503, "The model backend is not ready; retry later.", "server_error", "engine_unavailable",
-                              headers={"retry-after": _retry_after(exc)})
+            return ProxyError(
+                503,
+                "The model backend is not ready; retry later.",
+                "server_error",
+                "engine_unavailable",
+                headers={"retry-after": _retry_after(exc)},
+            )
         if exc.in_stream:
-            return ProxyError(502, "The model backend failed while answering" + (f": {message}" if message else "."),
-                              "server_error", "engine_error")
+            return ProxyError(
+                502,
+                "The model backend failed while answering" + (f": {message}" if message else "."),
+                "server_error",
+                "engine_error",
+            )
         return ProxyError(502, "The model backend failed to answer.", "server_error", "engine_error")
     return ProxyError(500, "Internal proxy error.", "server_error", "proxy_error")

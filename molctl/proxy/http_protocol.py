@@ -114,7 +114,9 @@ def _close_delimited(cycle: Any, send: Callable[[dict], Any]) -> Callable[[dict]
     async def close_delimited(message: dict) -> None:
         nonlocal delimited
         if message["type"] == "http.response.start" and not cycle.response_started:
-            sized = any(name.lower() in (b"content-length", b"transfer-encoding") for name, _ in message.get("headers", ()))
+            sized = any(
+                name.lower() in (b"content-length", b"transfer-encoding") for name, _ in message.get("headers", ())
+            )
             if not sized and cycle.scope["method"] != "HEAD" and message["status"] not in (204, 304):
                 delimited = True
                 cycle.chunked_encoding, cycle.keep_alive = False, False
@@ -142,12 +144,16 @@ class HeadHoldingHttpToolsProtocol(HttpToolsProtocol):
     _upgraded = False
 
     @classmethod
-    def configured(cls, max_head_bytes: int = MAX_HEAD_BYTES,
-                   on_refused: Callable[[int], None] | None = None) -> type[HeadHoldingHttpToolsProtocol]:
+    def configured(
+        cls, max_head_bytes: int = MAX_HEAD_BYTES, on_refused: Callable[[int], None] | None = None
+    ) -> type[HeadHoldingHttpToolsProtocol]:
         """This protocol with a request head bound of `max_head_bytes` and `on_refused` (a plain
         function: it is stored on the class) called with the status of each refused head."""
-        return type(cls.__name__, (cls,), {"max_head_bytes": max_head_bytes,
-                                           "on_refused": staticmethod(on_refused) if on_refused else None})
+        return type(
+            cls.__name__,
+            (cls,),
+            {"max_head_bytes": max_head_bytes, "on_refused": staticmethod(on_refused) if on_refused else None},
+        )
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(HeadHoldingTransport(transport, asyncio.get_running_loop()))  # type: ignore[arg-type]
@@ -228,12 +234,20 @@ class HeadHoldingHttpToolsProtocol(HttpToolsProtocol):
         rid = "req-" + os.urandom(8).hex()
         limit = self.max_head_bytes
         if status == 414:
-            error = ProxyError(414, f"The request line exceeds {limit} bytes (proxy.max_request_head_bytes; "
-                                    f"request id {rid}).", "invalid_request_error", "url_too_long")
+            error = ProxyError(
+                414,
+                f"The request line exceeds {limit} bytes (proxy.max_request_head_bytes; request id {rid}).",
+                "invalid_request_error",
+                "url_too_long",
+            )
         else:
-            error = ProxyError(431, f"The request head (request line and headers) exceeds {limit} bytes "
-                                    f"(proxy.max_request_head_bytes; request id {rid}).", "invalid_request_error",
-                               "request_header_too_large")
+            error = ProxyError(
+                431,
+                f"The request head (request line and headers) exceeds {limit} bytes "
+                f"(proxy.max_request_head_bytes; request id {rid}).",
+                "invalid_request_error",
+                "request_header_too_large",
+            )
         client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
         log.warning("request %s: %s sent a request head over %d bytes: answered %d", rid, client, limit, status)
         self._write_error(error, rid)
@@ -251,10 +265,15 @@ class HeadHoldingHttpToolsProtocol(HttpToolsProtocol):
         content = [STATUS_LINE[error.status]]
         for name, value in self.server_state.default_headers:
             content.extend([name, b": ", value, b"\r\n"])
-        content.extend([b"content-type: application/json\r\n",
-                        b"content-length: " + str(len(body)).encode("ascii") + b"\r\n",
-                        b"x-request-id: " + rid.encode("ascii") + b"\r\n",
-                        b"connection: close\r\n\r\n", body])
+        content.extend(
+            [
+                b"content-type: application/json\r\n",
+                b"content-length: " + str(len(body)).encode("ascii") + b"\r\n",
+                b"x-request-id: " + rid.encode("ascii") + b"\r\n",
+                b"connection: close\r\n\r\n",
+                body,
+            ]
+        )
         self.transport.write(b"".join(content))
 
     def send_400_response(self, msg: str) -> None:
@@ -267,7 +286,9 @@ class HeadHoldingHttpToolsProtocol(HttpToolsProtocol):
         reason = str(exc).encode("ascii", "backslashreplace").decode("ascii") if exc is not None else ""
         detail = shown((reason or msg).rstrip("."))
         message = f"The request is not valid HTTP/1.1: {detail}" + ("" if detail.endswith("...") else ".")
-        self._write_error(ProxyError(400, message, "invalid_request_error", "invalid_http"), "req-" + os.urandom(8).hex())
+        self._write_error(
+            ProxyError(400, message, "invalid_request_error", "invalid_http"), "req-" + os.urandom(8).hex()
+        )
         self.transport.close()
 
     def _head_timeout(self) -> None:

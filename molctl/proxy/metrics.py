@@ -76,21 +76,36 @@ LABELLED = {
 
 
 class ProxyMetrics(Counters):
-    def __init__(self, gauges: Callable[[], dict[str, dict[tuple[tuple[str, str], ...], float]]] | None = None,
-                 external: Callable[[], dict[str, float]] | None = None):
+    def __init__(
+        self,
+        gauges: Callable[[], dict[str, dict[tuple[tuple[str, str], ...], float]]] | None = None,
+        external: Callable[[], dict[str, float]] | None = None,
+    ):
         super().__init__()
         self.registry = CollectorRegistry(auto_describe=False)
         self.gauges = gauges or (lambda: {})
         # counters kept elsewhere (a shared store's degradations, affinity), read at scrape time
         self.external = external or (lambda: {})
         self.histograms = {
-            "hop_seconds": Histogram(PREFIX + "hop_seconds", "Engine hop latency, by hop (route, answer, summary) and adapter.",
-                                     ["hop", "adapter"], buckets=LATENCY_BUCKETS, registry=self.registry),
-            "ttft_seconds": Histogram(PREFIX + "time_to_first_token_seconds",
-                                      "Stream requests: from the parsed request to the engine's first token.",
-                                      buckets=LATENCY_BUCKETS, registry=self.registry),
-            "queue_wait_seconds": Histogram(PREFIX + "queue_wait_seconds", "Time answers waited for an answer slot (admission).",
-                                            buckets=LATENCY_BUCKETS, registry=self.registry),
+            "hop_seconds": Histogram(
+                PREFIX + "hop_seconds",
+                "Engine hop latency, by hop (route, answer, summary) and adapter.",
+                ["hop", "adapter"],
+                buckets=LATENCY_BUCKETS,
+                registry=self.registry,
+            ),
+            "ttft_seconds": Histogram(
+                PREFIX + "time_to_first_token_seconds",
+                "Stream requests: from the parsed request to the engine's first token.",
+                buckets=LATENCY_BUCKETS,
+                registry=self.registry,
+            ),
+            "queue_wait_seconds": Histogram(
+                PREFIX + "queue_wait_seconds",
+                "Time answers waited for an answer slot (admission).",
+                buckets=LATENCY_BUCKETS,
+                registry=self.registry,
+            ),
         }
         self._children: dict[tuple, Any] = {}
         self.registry.register(_Collector(self))
@@ -178,8 +193,11 @@ class MetricsListener:
         if self.open_connections >= self.MAX_CONNECTIONS:
             self.refused_connections += 1
             if self.refused_connections == 1 or self.refused_connections % 1000 == 0:
-                log.warning("metrics listener: %d connections open, closing new ones (%d so far)",
-                            self.open_connections, self.refused_connections)
+                log.warning(
+                    "metrics listener: %d connections open, closing new ones (%d so far)",
+                    self.open_connections,
+                    self.refused_connections,
+                )
             writer.transport.abort()
             return
         self.open_connections += 1
@@ -196,8 +214,11 @@ class MetricsListener:
                 status, ctype, body = "200 OK", CONTENT_TYPE_LATEST, self.metrics.exposition()
             else:
                 status, ctype, body = "404 Not Found", "text/plain; charset=utf-8", b"only GET /metrics here\n"
-            writer.write(f"HTTP/1.1 {status}\r\ncontent-type: {ctype}\r\ncontent-length: {len(body)}\r\n"
-                         f"connection: close\r\n\r\n".encode() + body)
+            writer.write(
+                f"HTTP/1.1 {status}\r\ncontent-type: {ctype}\r\ncontent-length: {len(body)}\r\n"
+                f"connection: close\r\n\r\n".encode()
+                + body
+            )
             await asyncio.wait_for(writer.drain(), self.IO_TIMEOUT_S)
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ConnectionError, ValueError):
             writer.transport.abort()  # close() would wait to flush to a client that does not read
@@ -256,5 +277,8 @@ def bind_metrics(host: str, port: int) -> socket.socket:
 
 def store_gauges(stats: dict[str, Any], store: str) -> dict[tuple[tuple[str, str], ...], float]:
     """A store's numeric stats as gauge samples labelled by store and field."""
-    return {(("field", k), ("store", store)): float(v) for k, v in stats.items()
-            if isinstance(v, (int, float)) and not k.endswith("_total") and k != "store_degraded"}
+    return {
+        (("field", k), ("store", store)): float(v)
+        for k, v in stats.items()
+        if isinstance(v, (int, float)) and not k.endswith("_total") and k != "store_degraded"
+    }

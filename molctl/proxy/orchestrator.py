@@ -89,6 +89,8 @@ def sent_params(body: dict[str, Any], extensions: Iterable[str] = ()) -> frozens
     the profile's proxy.sampling_defaults, which the proxy built (an engine 400 on one names no
     client param)."""
     return frozenset(k for k in (*CLIENT_PARAMS, *extensions) if body.get(k) is not None)
+
+
 T = TypeVar("T")
 
 
@@ -98,16 +100,32 @@ class Counters:
     labelled series. Exported by molctl.proxy.metrics (its ProxyMetrics adds the histograms
     `observe` feeds; here it is a no-op)."""
 
-    values: dict[str, int] = field(default_factory=lambda: {
-        "requests_total": 0, "route_hops_total": 0, "route_fallbacks_total": 0, "route_timeouts_total": 0,
-        "route_priority_refusals_total": 0,
-        "sticky_tool_turns_total": 0, "unplaced_tool_turns_total": 0, "summaries_total": 0,
-        "summary_retries_total": 0, "summary_failures_total": 0, "summaries_dropped_total": 0,
-        "summaries_stale_total": 0, "engine_errors_total": 0, "client_disconnects_total": 0,
-        "stream_write_timeouts_total": 0, "internal_errors_total": 0, "ignored_request_fields_total": 0,
-        "summary_continuations_total": 0, "summary_chat_fallbacks_total": 0, "summary_window_skips_total": 0,
-        "summary_prompt_tokens_total": 0, "summary_cached_tokens_total": 0,
-    })
+    values: dict[str, int] = field(
+        default_factory=lambda: {
+            "requests_total": 0,
+            "route_hops_total": 0,
+            "route_fallbacks_total": 0,
+            "route_timeouts_total": 0,
+            "route_priority_refusals_total": 0,
+            "sticky_tool_turns_total": 0,
+            "unplaced_tool_turns_total": 0,
+            "summaries_total": 0,
+            "summary_retries_total": 0,
+            "summary_failures_total": 0,
+            "summaries_dropped_total": 0,
+            "summaries_stale_total": 0,
+            "engine_errors_total": 0,
+            "client_disconnects_total": 0,
+            "stream_write_timeouts_total": 0,
+            "internal_errors_total": 0,
+            "ignored_request_fields_total": 0,
+            "summary_continuations_total": 0,
+            "summary_chat_fallbacks_total": 0,
+            "summary_window_skips_total": 0,
+            "summary_prompt_tokens_total": 0,
+            "summary_cached_tokens_total": 0,
+        }
+    )
 
     labelled: dict[tuple[str, tuple[tuple[str, str], ...]], int] = field(default_factory=dict)
 
@@ -183,7 +201,15 @@ def context_window(profile: Profile, engine: Engine) -> int | None:
 # high, xhigh and max are max (Z.ai's GLM-5.2 migration notes; OpenRouter: "xhigh maps to max
 # reasoning"); none/minimal switch thinking off. Sending `low` as it was would not be "less than
 # high" on a template that reads anything but `high` as `max`.
-GLM_EFFORT = {"none": "none", "minimal": "none", "low": "high", "medium": "high", "high": "high", "xhigh": "max", "max": "max"}
+GLM_EFFORT = {
+    "none": "none",
+    "minimal": "none",
+    "low": "high",
+    "medium": "high",
+    "high": "high",
+    "xhigh": "max",
+    "max": "max",
+}
 
 
 def prompt_token_bound(messages: list[dict[str, Any]], tools: Any) -> int:
@@ -192,7 +218,7 @@ def prompt_token_bound(messages: list[dict[str, Any]], tools: Any) -> int:
     framing outweighs the template's markup). orjson, 1000 messages per call (GIL-friendly steps
     in a worker thread); the standard library's ASCII-escaped text, 40x slower (0.6 ms for a
     260 KiB conversation), was only a looser bound."""
-    size = sum(len(fastjson.dumps_bytes(messages[i:i + 1000])) for i in range(0, len(messages), 1000))
+    size = sum(len(fastjson.dumps_bytes(messages[i : i + 1000])) for i in range(0, len(messages), 1000))
     return size + (len(fastjson.dumps_bytes(tools)) if tools else 0) + 64
 
 
@@ -216,9 +242,17 @@ def refuses_priority(exc: EngineHTTPError, engine: Engine) -> bool:
 
 
 class Orchestrator:
-    def __init__(self, profile: Profile, engine: Engine, client: EngineClient, store: ConversationStore,
-                 counters: Counters | None = None, summary_concurrency: int | None = None, summary_timeout_s: float = 120.0,
-                 admission: Admission | None = None):
+    def __init__(
+        self,
+        profile: Profile,
+        engine: Engine,
+        client: EngineClient,
+        store: ConversationStore,
+        counters: Counters | None = None,
+        summary_concurrency: int | None = None,
+        summary_timeout_s: float = 120.0,
+        admission: Admission | None = None,
+    ):
         self.profile = profile
         self.engine = engine
         self.client = client
@@ -259,9 +293,16 @@ class Orchestrator:
         keys = ConversationKeys(tenant, messages)
         history = split_history(messages, keys.at, self.store.get_turn, getattr(self.store, "get_turns", None))
         opts = body.get("stream_options") or {}
-        return Plan(body=body, messages=messages, tenant=tenant, stream=bool(body.get("stream")),
-                    include_usage=bool(opts.get("include_usage")), keys=keys, history=history,
-                    big=len(messages) > BIG_MESSAGES)
+        return Plan(
+            body=body,
+            messages=messages,
+            tenant=tenant,
+            stream=bool(body.get("stream")),
+            include_usage=bool(opts.get("include_usage")),
+            keys=keys,
+            history=history,
+            big=len(messages) > BIG_MESSAGES,
+        )
 
     async def load(self, plan: Plan) -> None:
         """A shared store (Redis: proxy replicas) is read here, once per request after `prepare`,
@@ -272,8 +313,14 @@ class Orchestrator:
             return
         calls = [(plan.tenant, str(c.get("id"))) for c in self._trailing_calls(plan.messages)]
         if await load(list(plan.keys.at.values()), calls):
-            plan.history = await self._offload(plan, split_history, plan.messages, plan.keys.at, self.store.get_turn,
-                                               getattr(self.store, "get_turns", None))
+            plan.history = await self._offload(
+                plan,
+                split_history,
+                plan.messages,
+                plan.keys.at,
+                self.store.get_turn,
+                getattr(self.store, "get_turns", None),
+            )
         owner = None
         bound = [self.store.get_call(t, c) for t, c in calls]
         if bound and bound[0] is not None:
@@ -316,7 +363,11 @@ class Orchestrator:
         for call in calls:
             binding = self.store.get_call(plan.tenant, str(call.get("id")))
             fn = call.get("function") or {}
-            if binding is None or binding.name != fn.get("name") or binding.arguments != canonical_arguments(fn.get("arguments")):
+            if (
+                binding is None
+                or binding.name != fn.get("name")
+                or binding.arguments != canonical_arguments(fn.get("arguments"))
+            ):
                 return None
             routes.add(binding.route)
         return routes.pop() if len(routes) == 1 else None
@@ -325,8 +376,9 @@ class Orchestrator:
         previous = plan.history.last_record()
         payload: dict[str, Any] = {
             "model": self.adapter_models["L0"],
-            "messages": route_messages(self.route_instruction,
-                                       route_input(plan.messages, self.profile.proxy.route_max_input_chars), previous),
+            "messages": route_messages(
+                self.route_instruction, route_input(plan.messages, self.profile.proxy.route_max_input_chars), previous
+            ),
             "max_tokens": self.route_tokens,
             "temperature": 0,
             "stream": False,
@@ -420,9 +472,15 @@ class Orchestrator:
         self.counters.inc("route_priority_refusals_total")
         if url not in self._priority_refused:
             flag = self.engine.priority_flag
-            log.warning("the engine at %s refuses request priorities (%s): its hops are sent without one, tried "
-                        "again every %.0f s; start it with the profile's %s, or take %s out of the profile",
-                        url, exc.one_line(), PRIORITY_RETRY_S, flag, flag)
+            log.warning(
+                "the engine at %s refuses request priorities (%s): its hops are sent without one, tried "
+                "again every %.0f s; start it with the profile's %s, or take %s out of the profile",
+                url,
+                exc.one_line(),
+                PRIORITY_RETRY_S,
+                flag,
+                flag,
+            )
         self._priority_refused[url] = time.monotonic()
 
     # ---------------------------------------------------------------- answer
@@ -463,8 +521,13 @@ class Orchestrator:
         self.counters.inc("engine_errors_total", status=str(status) if status is not None else "unreachable")
         if status is None or status >= 500 or getattr(exc, "in_stream", False):
             why = exc.one_line(300) if isinstance(exc, EngineHTTPError) else " ".join(str(exc).split())[:300]
-            log.warning("request %s: answer hop on %s failed: %s%s", plan.request_id, plan.route,
-                        f"HTTP {status}: " if status is not None else "", why or type(exc).__name__)
+            log.warning(
+                "request %s: answer hop on %s failed: %s%s",
+                plan.request_id,
+                plan.route,
+                f"HTTP {status}: " if status is not None else "",
+                why or type(exc).__name__,
+            )
 
     def _answered(self, plan: Plan, start: float) -> None:
         plan.timings["answer_s"] = elapsed = time.monotonic() - start
@@ -473,8 +536,11 @@ class Orchestrator:
     async def _await_summaries(self, plan: Plan) -> None:
         """Wait (bounded) for pending summaries of turns this adapter will see folded; those still
         missing afterwards are folded without a summary, and stay so (marked stale)."""
-        pending = [s.record for s in plan.history.segments
-                   if s.record is not None and s.record.route != plan.route and not s.record.finished]
+        pending = [
+            s.record
+            for s in plan.history.segments
+            if s.record is not None and s.record.route != plan.route and not s.record.finished
+        ]
         if pending:
             # the slot goes back meanwhile (the answer hop's `_admit` takes one again): a request
             # that waits up to summary_wait_s for another adapter's summary must not keep an
@@ -511,13 +577,18 @@ class Orchestrator:
         forced = body.get("ignore_eos") is True or bool(body.get("min_tokens"))
         if asked:
             payload["max_tokens"] = min(asked, limit)
-        elif forced or (self.window is not None and prompt_token_bound(plan.view, body.get("tools")) + limit <= self.window):
+        elif forced or (
+            self.window is not None and prompt_token_bound(plan.view, body.get("tools")) + limit <= self.window
+        ):
             payload["max_tokens"] = limit
         # else: no max_tokens; the engine fills the room actually left in its window
         least = body.get("min_tokens")
         if isinstance(least, int) and least > payload.get("max_tokens", least):
-            raise invalid(f"'min_tokens' ({least}) must be at most the answer's token limit, {payload['max_tokens']} "
-                          "(max_tokens, at most this server's proxy.max_output_tokens).", "min_tokens")
+            raise invalid(
+                f"'min_tokens' ({least}) must be at most the answer's token limit, {payload['max_tokens']} "
+                "(max_tokens, at most this server's proxy.max_output_tokens).",
+                "min_tokens",
+            )
         kwargs = dict(body.get("chat_template_kwargs") or {})
         effort = body.get("reasoning_effort")
         style = self.profile.proxy.reasoning
@@ -550,10 +621,14 @@ class Orchestrator:
         await self._admit(plan)
         start = time.monotonic()
         try:
-            body = checked_completion(await self.client.chat(payload, "answer", big=plan.big, request_id=plan.request_id))
+            body = checked_completion(
+                await self.client.chat(payload, "answer", big=plan.big, request_id=plan.request_id)
+            )
         except (EngineHTTPError, EngineUnavailable) as exc:
             self._engine_error(exc, plan)
-            raise from_engine(exc, self.engine_names, self.public, sent_params(plan.body, self.fields.extensions)) from None
+            raise from_engine(
+                exc, self.engine_names, self.public, sent_params(plan.body, self.fields.extensions)
+            ) from None
         finally:
             self.release_answer_slot(plan)
             self._answered(plan, start)
@@ -618,7 +693,9 @@ class Orchestrator:
                 raise EngineHTTPError(502, "the engine's stream ended without a finish_reason", in_stream=True)
         except (EngineHTTPError, EngineUnavailable) as exc:
             self._engine_error(exc, plan)
-            raise from_engine(exc, self.engine_names, self.public, sent_params(plan.body, self.fields.extensions)) from None
+            raise from_engine(
+                exc, self.engine_names, self.public, sent_params(plan.body, self.fields.extensions)
+            ) from None
         finally:
             self.release_answer_slot(plan)
             self._answered(plan, start)
@@ -628,8 +705,10 @@ class Orchestrator:
         if finish not in FAILED_FINISH:
             message: dict[str, Any] = {"role": "assistant", "content": "".join(content)}
             if calls:
-                message["tool_calls"] = [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
-                                         for _, c in sorted(calls.items())]
+                message["tool_calls"] = [
+                    {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+                    for _, c in sorted(calls.items())
+                ]
             if persist:
                 self.record(plan, message)  # before the final frames: the client's next turn may follow at once
                 await self.persisted()
@@ -648,8 +727,11 @@ class Orchestrator:
         if calls:
             for call in calls:
                 fn = call.get("function") or {}
-                self.store.put_call(plan.tenant, str(call.get("id")),
-                                    CallBinding(plan.route, canonical_arguments(fn.get("arguments")), str(fn.get("name"))))
+                self.store.put_call(
+                    plan.tenant,
+                    str(call.get("id")),
+                    CallBinding(plan.route, canonical_arguments(fn.get("arguments")), str(fn.get("name"))),
+                )
             return
         record = TurnRecord(plan.route)
         plan.record_key = plan.keys.extend(message)
@@ -691,12 +773,20 @@ class Orchestrator:
         # the task keeps the summary request only, not the client's request
         salt = plan.body.get("cache_salt")
         tokens = plan.tokens
-        if tokens is not None and tokens.complete():  # 8 bytes a token while queued, not a Python int and its pointer (36)
+        if (
+            tokens is not None and tokens.complete()
+        ):  # 8 bytes a token while queued, not a Python int and its pointer (36)
             tokens = AnswerTokens(array("l", tokens.prompt), array("l", tokens.output), tokens.stop_token)  # type: ignore[arg-type]
-        job = SummaryJob(self.summary_payload(plan), self.adapter_models[plan.route], plan.route, tokens,
-                         {"cache_salt": salt} if isinstance(salt, str) and "cache_salt" in self.fields.extensions else {})
+        job = SummaryJob(
+            self.summary_payload(plan),
+            self.adapter_models[plan.route],
+            plan.route,
+            tokens,
+            {"cache_salt": salt} if isinstance(salt, str) and "cache_salt" in self.fields.extensions else {},
+        )
         task = asyncio.get_running_loop().create_task(
-            self._summarise(job, record, key, time.monotonic(), plan.big, plan.request_id))
+            self._summarise(job, record, key, time.monotonic(), plan.big, plan.request_id)
+        )
         self.background.add(task)
         task.add_done_callback(self.background.discard)
 
@@ -736,11 +826,21 @@ class Orchestrator:
             convo = [{"role": "user", "content": PROBE_USER}, {"role": "assistant", "content": PROBE_ANSWER}]
             suffix = None
             try:
-                left_open = self.engine.probe_ids(await self.client.chat(
-                    self.engine.probe_request(model, convo, False, kwargs), "summary", timeout=30, path=path))
-                closed = self.engine.probe_ids(await self.client.chat(
-                    self.engine.probe_request(model, [*convo, {"role": "user", "content": self.summary_instruction}], True,
-                                              kwargs), "summary", timeout=30, path=path))
+                left_open = self.engine.probe_ids(
+                    await self.client.chat(
+                        self.engine.probe_request(model, convo, False, kwargs), "summary", timeout=30, path=path
+                    )
+                )
+                closed = self.engine.probe_ids(
+                    await self.client.chat(
+                        self.engine.probe_request(
+                            model, [*convo, {"role": "user", "content": self.summary_instruction}], True, kwargs
+                        ),
+                        "summary",
+                        timeout=30,
+                        path=path,
+                    )
+                )
                 if left_open and closed:
                     suffix = suffix_after(left_open, closed)
                 why = "its tokens did not show where the answer ends"
@@ -748,8 +848,12 @@ class Orchestrator:
                 why = described(exc)
             if suffix is None:
                 self._suffix_failed[model] = time.monotonic()
-                log.warning("the template probe for summaries on %s failed (%s): summaries are sent as chat requests, "
-                            "not as continuations of the answer's tokens", model, why)
+                log.warning(
+                    "the template probe for summaries on %s failed (%s): summaries are sent as chat requests, "
+                    "not as continuations of the answer's tokens",
+                    model,
+                    why,
+                )
             else:
                 self._suffixes[model] = suffix
                 self._suffix_failed.pop(model, None)
@@ -780,8 +884,10 @@ class Orchestrator:
             if cause not in self._fallback_said:
                 self._fallback_said.add(cause)
                 if cause == "tokens":
-                    log.warning("an answer hop came back without its token ids: its summary is sent as a chat request "
-                                "(counted in summary_chat_fallbacks_total; said once)")
+                    log.warning(
+                        "an answer hop came back without its token ids: its summary is sent as a chat request "
+                        "(counted in summary_chat_fallbacks_total; said once)"
+                    )
             return CHAT_PATH, job.chat
         ids = continuation_ids(tokens, suffix)
         limit = self.profile.proxy.summary_max_tokens
@@ -817,8 +923,9 @@ class Orchestrator:
             self.counters.inc("summary_prompt_tokens_total", prompt)
             self.counters.inc("summary_cached_tokens_total", cached)
 
-    async def _summarise(self, job: SummaryJob, record: TurnRecord, key: bytes, queued: float, big: bool,
-                         request_id: str | None = None) -> None:
+    async def _summarise(
+        self, job: SummaryJob, record: TurnRecord, key: bytes, queued: float, big: bool, request_id: str | None = None
+    ) -> None:
         waiting = True
         try:
             async with self._summary_slots:
@@ -837,9 +944,17 @@ class Orchestrator:
                 for attempt in range(2):
                     try:
                         start = time.monotonic()
-                        body = await self.client.chat(payload, "summary", timeout=self.summary_timeout_s, big=big,
-                                                      request_id=request_id, **({"path": path} if path != CHAT_PATH else {}))
-                        self.counters.observe("hop_seconds", time.monotonic() - start, hop="summary", adapter=record.route)
+                        body = await self.client.chat(
+                            payload,
+                            "summary",
+                            timeout=self.summary_timeout_s,
+                            big=big,
+                            request_id=request_id,
+                            **({"path": path} if path != CHAT_PATH else {}),
+                        )
+                        self.counters.observe(
+                            "hop_seconds", time.monotonic() - start, hop="summary", adapter=record.route
+                        )
                         try:
                             text = self._summary_text(path, body)
                         except (ValueError, TypeError, AttributeError) as exc:

@@ -107,7 +107,9 @@ HEARTBEAT_TTL_S = 6.0  # ...and it lapses this long after the last refresh
 EVICT_BATCH = 64
 EVICT_MAX = 1024  # a response write evicts at most this many (a large record over a byte quota of small ones)
 EXPIRE_BATCH = 256  # expired index entries a response write forgets (the rest: the next writes, or a prune)
-KEY_FORMAT = 3  # 1: one count cap per group; 2: + per-tenant quotas and byte totals; 3: + chains (`stats` field "format")
+KEY_FORMAT = (
+    3  # 1: one count cap per group; 2: + per-tenant quotas and byte totals; 3: + chains (`stats` field "format")
+)
 TENANT_SHARE = 4  # a tenant's default quota: a quarter of each global cap (as the SQLite store's)
 MAX_CONNECTIONS = 64  # per proxy process
 RETRY_AFTER_S = "2"
@@ -160,8 +162,9 @@ return raw
 
 
 # the write tasks of the current request (set by RedisConversationStore.load): `flush` waits for these only
-_REQUEST_WRITES: contextvars.ContextVar[list[asyncio.Future] | None] = contextvars.ContextVar("molctl_store_writes",
-                                                                                             default=None)
+_REQUEST_WRITES: contextvars.ContextVar[list[asyncio.Future] | None] = contextvars.ContextVar(
+    "molctl_store_writes", default=None
+)
 
 
 class _RequestReads:
@@ -178,7 +181,9 @@ class _RequestReads:
         self.names: list[str] = []
 
 
-_REQUEST_READS: contextvars.ContextVar[_RequestReads | None] = contextvars.ContextVar("molctl_store_reads", default=None)
+_REQUEST_READS: contextvars.ContextVar[_RequestReads | None] = contextvars.ContextVar(
+    "molctl_store_reads", default=None
+)
 _NAME_SPACES = frozenset(b" \t\n\r\x0b\x0c")  # what the chain script splits names on
 
 
@@ -204,7 +209,7 @@ def _decode(raw: bytes, **fields: type | tuple[type, ...]) -> dict[str, Any] | N
 def _record_json(raw: bytes) -> bytes:
     """A stored response's JSON (without the store keys kept before it: see GET_CHAIN)."""
     newline = raw.find(b"\n")
-    return raw if raw[:1] == b"{" or newline < 0 else raw[newline + 1:]
+    return raw if raw[:1] == b"{" or newline < 0 else raw[newline + 1 :]
 
 
 # a response record and, in one round trip, the store keys its next request reads (see
@@ -364,7 +369,8 @@ end
 # SQLite's, a chain is never shortened: after its newest response goes, a continuation of an earlier
 # one is a branch (its messages past the rest stay counted until the chain goes). A list shorter than
 # its chain's length (Redis evicted it under maxmemory) is never continued; its responses read as unknown.
-PUT_RESPONSE = """
+PUT_RESPONSE = (
+    """
 local key, value, ttl, now, tenant = KEYS[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
 local max_entries, max_bytes = tonumber(ARGV[6]), tonumber(ARGV[7])
 local tmax_entries, tmax_bytes = tonumber(ARGV[8]), tonumber(ARGV[9])
@@ -406,7 +412,10 @@ local n = evict_tenant(tenant, key, tmax_entries, tmax_bytes, EVICT_MAX)
 n = n + evict_global(key, max_entries, max_bytes, EVICT_MAX - n)
 if n > 0 then redis.call('HINCRBY', STATS, 'r_evicted', n) end
 return n
-""".replace("EXPIRE_BATCH", str(EXPIRE_BATCH)).replace("EVICT_MAX", str(EVICT_MAX)).replace("KEY_FORMAT", str(KEY_FORMAT))
+""".replace("EXPIRE_BATCH", str(EXPIRE_BATCH))
+    .replace("EVICT_MAX", str(EVICT_MAX))
+    .replace("KEY_FORMAT", str(KEY_FORMAT))
+)
 # KEYS[1] the record; ARGV[1] prefix. 1 when it existed.
 DELETE_RESPONSE = """
 return forget(KEYS[1])
@@ -434,8 +443,13 @@ return {expired, evicted, (expired + evicted >= limit) and 1 or 0}
 """
 
 
-SCRIPTS = {"put": TRIM + PUT_CAPPED, "turn": TRIM + MERGE_TURN, "chain": GET_CHAIN,
-           "rput": RESPONSES + PUT_RESPONSE, "rdel": RESPONSES + DELETE_RESPONSE}
+SCRIPTS = {
+    "put": TRIM + PUT_CAPPED,
+    "turn": TRIM + MERGE_TURN,
+    "chain": GET_CHAIN,
+    "rput": RESPONSES + PUT_RESPONSE,
+    "rdel": RESPONSES + DELETE_RESPONSE,
+}
 SCRIPT_SHA: dict[str, str] = {}
 
 
@@ -443,8 +457,13 @@ class StoreUnavailable(ProxyError):
     """The shared store cannot be reached: a 503 with Retry-After for requests that need state."""
 
     def __init__(self, why: str = ""):
-        super().__init__(503, "The proxy's state store is unavailable; retry shortly.", "server_error", "store_unavailable",
-                         headers={"retry-after": RETRY_AFTER_S})
+        super().__init__(
+            503,
+            "The proxy's state store is unavailable; retry shortly.",
+            "server_error",
+            "store_unavailable",
+            headers={"retry-after": RETRY_AFTER_S},
+        )
         self.why = why
 
 
@@ -484,8 +503,10 @@ def parse_redis_url(spec: str) -> RedisTarget:
     if parts.scheme not in ("redis", "rediss"):
         raise ValueError(f"{spec!r}: {expected}")
     if parts.password is not None:
-        raise ValueError("the URL holds a password: put it in proxy.store_password_file or the environment "
-                         f"variable {PASSWORD_ENV}, never in the URL")
+        raise ValueError(
+            "the URL holds a password: put it in proxy.store_password_file or the environment "
+            f"variable {PASSWORD_ENV}, never in the URL"
+        )
     if not parts.hostname:
         raise ValueError(f"{parts.scheme}://...: no host (expected {parts.scheme}://host:port/db)")
     host_port = parts.netloc.rpartition("@")[2]  # never the user part in a message: it may be a mistyped password
@@ -500,8 +521,14 @@ def parse_redis_url(spec: str) -> RedisTarget:
         raise ValueError(f"{parts.scheme}://{parts.hostname}:{port}/{path}: the database must be a number (e.g. /0)")
     if parts.query or parts.fragment:
         raise ValueError(f"{parts.scheme}://{parts.hostname}:{port}/{path}: no query or fragment expected")
-    return RedisTarget(spec, parts.hostname, port, int(path or 0), parts.scheme == "rediss",
-                       unquote(parts.username) if parts.username else None)
+    return RedisTarget(
+        spec,
+        parts.hostname,
+        port,
+        int(path or 0),
+        parts.scheme == "rediss",
+        unquote(parts.username) if parts.username else None,
+    )
 
 
 def read_password(password_file: str | None, environ: dict[str, str] | None = None) -> str | None:
@@ -511,10 +538,14 @@ def read_password(password_file: str | None, environ: dict[str, str] | None = No
         try:
             text = Path(password_file).expanduser().read_text()
         except OSError as exc:
-            raise RedisConfigError(f"proxy.store_password_file {password_file}: cannot read it ({exc.strerror or exc})") from None
+            raise RedisConfigError(
+                f"proxy.store_password_file {password_file}: cannot read it ({exc.strerror or exc})"
+            ) from None
         first = text.strip().splitlines()[0].strip() if text.strip() else ""
         if not first:
-            raise RedisConfigError(f"proxy.store_password_file {password_file}: empty (expected the password on its first line)")
+            raise RedisConfigError(
+                f"proxy.store_password_file {password_file}: empty (expected the password on its first line)"
+            )
         return first
     return env.get(PASSWORD_ENV) or None
 
@@ -530,18 +561,31 @@ def check_replica_id(replica_id: str) -> str:
     """The id as given, else a UsageError (one line, exit 2): 1 to MAX_REPLICA_ID printable
     characters without whitespace. It is copied into every turn and tool-call binding, named in
     log lines and keys (a newline would forge a log line; a blank or spaced id is a templating slip)."""
-    if not 0 < len(replica_id) <= MAX_REPLICA_ID or not replica_id.isprintable() or any(c.isspace() for c in replica_id):
+    if (
+        not 0 < len(replica_id) <= MAX_REPLICA_ID
+        or not replica_id.isprintable()
+        or any(c.isspace() for c in replica_id)
+    ):
         shown = replica_id if len(replica_id) <= 40 else replica_id[:40] + "..."
-        raise UsageError(f"--replica-id {shown!r}: expected 1 to {MAX_REPLICA_ID} printable characters without "
-                         "whitespace (e.g. the pod or host name)")
+        raise UsageError(
+            f"--replica-id {shown!r}: expected 1 to {MAX_REPLICA_ID} printable characters without "
+            "whitespace (e.g. the pod or host name)"
+        )
     return replica_id
 
 
 def _client_kwargs(target: RedisTarget, password: str | None) -> dict[str, Any]:
-    kw: dict[str, Any] = {"host": target.host, "port": target.port, "db": target.db, "username": target.username,
-                          "password": password, "socket_connect_timeout": CONNECT_TIMEOUT_S,
-                          "socket_timeout": CALL_TIMEOUT_S, "decode_responses": False,
-                          "health_check_interval": 0}
+    kw: dict[str, Any] = {
+        "host": target.host,
+        "port": target.port,
+        "db": target.db,
+        "username": target.username,
+        "password": password,
+        "socket_connect_timeout": CONNECT_TIMEOUT_S,
+        "socket_timeout": CALL_TIMEOUT_S,
+        "decode_responses": False,
+        "health_check_interval": 0,
+    }
     if target.tls:
         kw["ssl"] = True
     return kw
@@ -551,6 +595,7 @@ def ping_sync(target: RedisTarget, password: str | None, timeout_s: float = 2.0)
     """None when Redis answers PING within timeout_s, else why not (one line). For start-up and
     `molctl check` (a plain blocking client: nothing else runs then)."""
     import redis
+
     client = _sync_client(target, password, timeout_s)
     try:
         client.ping()
@@ -568,7 +613,9 @@ def _why(exc: BaseException, password: str | None) -> str:
 
     if isinstance(exc, redis.AuthenticationError) or "NOAUTH" in str(exc):
         if password is None:
-            return f"the server requires a password and none is configured (proxy.store_password_file or {PASSWORD_ENV})"
+            return (
+                f"the server requires a password and none is configured (proxy.store_password_file or {PASSWORD_ENV})"
+            )
         return f"authentication failed ({exc}); the password comes from proxy.store_password_file or {PASSWORD_ENV}"
     return str(exc) or type(exc).__name__
 
@@ -581,24 +628,43 @@ class RedisState:
     """The connection, its health, the key layout and the replica registry (see the module docstring).
     `clock`: wall time (records carry it; the caps and the heartbeats compare it across replicas)."""
 
-    def __init__(self, target: RedisTarget, password: str | None, profile: str, *, replica_id: str,
-                 advertise_upstream: str, ttl_s: float = DEFAULT_TTL_S, max_entries: int = 100_000,
-                 call_timeout_s: float = CALL_TIMEOUT_S, clock: Callable[[], float] = time.time,
-                 heartbeat_s: float = HEARTBEAT_S, heartbeat_ttl_s: float = HEARTBEAT_TTL_S,
-                 max_bytes: int = DEFAULT_MAX_BYTES, tenant_max_entries: int | None = None,
-                 tenant_max_bytes: int | None = None):
+    def __init__(
+        self,
+        target: RedisTarget,
+        password: str | None,
+        profile: str,
+        *,
+        replica_id: str,
+        advertise_upstream: str,
+        ttl_s: float = DEFAULT_TTL_S,
+        max_entries: int = 100_000,
+        call_timeout_s: float = CALL_TIMEOUT_S,
+        clock: Callable[[], float] = time.time,
+        heartbeat_s: float = HEARTBEAT_S,
+        heartbeat_ttl_s: float = HEARTBEAT_TTL_S,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        tenant_max_entries: int | None = None,
+        tenant_max_bytes: int | None = None,
+    ):
         self.target, self._password = target, password
         self.prefix = f"molctl:{{{profile}}}:"
         self.replica_id, self.advertise_upstream = check_replica_id(replica_id), advertise_upstream
-        self.ttl_s, self.max_entries, self.call_timeout_s, self.clock = int(max(1, ttl_s)), max_entries, call_timeout_s, clock
+        self.ttl_s, self.max_entries, self.call_timeout_s, self.clock = (
+            int(max(1, ttl_s)),
+            max_entries,
+            call_timeout_s,
+            clock,
+        )
         self.heartbeat_s, self.heartbeat_ttl_s = heartbeat_s, heartbeat_ttl_s
         # the Responses records' bounds (see RESPONSES): global caps, and one tenant's (API key's) quota,
         # by default a quarter of each (as the SQLite store's: `tenant_bounds`), never above them
         self.max_bytes = max_bytes
-        self.tenant_max_entries = min(max_entries, tenant_max_entries if tenant_max_entries is not None
-                                      else max(1, max_entries // TENANT_SHARE))
-        self.tenant_max_bytes = min(max_bytes, tenant_max_bytes if tenant_max_bytes is not None
-                                    else max(1, max_bytes // TENANT_SHARE))
+        self.tenant_max_entries = min(
+            max_entries, tenant_max_entries if tenant_max_entries is not None else max(1, max_entries // TENANT_SHARE)
+        )
+        self.tenant_max_bytes = min(
+            max_bytes, tenant_max_bytes if tenant_max_bytes is not None else max(1, max_bytes // TENANT_SHARE)
+        )
         self._pool = None  # redis-py's BlockingConnectionPool, made on first use (_connection_pool)
         self._scripts_loaded = False  # SCRIPT LOAD done on the current connection pool's server
         self._batch: list[tuple[str, list[str], list[Any], asyncio.Future]] = []
@@ -638,7 +704,9 @@ class RedisState:
             pool_kw["socket_timeout"] = None
             if kw.get("ssl"):
                 pool_kw["connection_class"] = aioredis.SSLConnection
-            self._pool = aioredis.BlockingConnectionPool(max_connections=MAX_CONNECTIONS, timeout=self.call_timeout_s, **pool_kw)
+            self._pool = aioredis.BlockingConnectionPool(
+                max_connections=MAX_CONNECTIONS, timeout=self.call_timeout_s, **pool_kw
+            )
             self._scripts_loaded = False
         return self._pool
 
@@ -689,13 +757,22 @@ class RedisState:
             self._refused_logged[kind] = now
             hint = ""
             if kind == "maxmemory":
-                hint = ("; Redis is at maxmemory and evicts nothing: set maxmemory-policy volatile-lru (every molctl key "
-                        "has a TTL) or raise maxmemory")
+                hint = (
+                    "; Redis is at maxmemory and evicts nothing: set maxmemory-policy volatile-lru (every molctl key "
+                    "has a TTL) or raise maxmemory"
+                )
             elif kind == "readonly":
-                hint = ("; the server is a read-only replica (a failover?): proxy.store must name the primary; "
-                        "reconnecting on every refusal, Responses requests that store state get 503 meanwhile")
-            log.warning("state store %s: %s refused by the server (%s)%s; counted in store_errors_total",
-                        self.target.address, what, why, hint)
+                hint = (
+                    "; the server is a read-only replica (a failover?): proxy.store must name the primary; "
+                    "reconnecting on every refusal, Responses requests that store state get 503 meanwhile"
+                )
+            log.warning(
+                "state store %s: %s refused by the server (%s)%s; counted in store_errors_total",
+                self.target.address,
+                what,
+                why,
+                hint,
+            )
 
     def unreadable(self, what: str, key: str) -> None:
         """A stored value that is not what molctl writes there: ignored (as absent), counted, and
@@ -704,8 +781,13 @@ class RedisState:
         now = time.monotonic()
         if now - self._refused_logged.get("unreadable", -REFUSED_LOG_S) >= REFUSED_LOG_S:
             self._refused_logged["unreadable"] = now
-            log.warning("state store %s: an unreadable %s at %s was ignored (treated as absent; written by another "
-                        "molctl version or by hand?); counted in store_errors_total", self.target.address, what, key)
+            log.warning(
+                "state store %s: an unreadable %s at %s was ignored (treated as absent; written by another "
+                "molctl version or by hand?); counted in store_errors_total",
+                self.target.address,
+                what,
+                key,
+            )
 
     def _failed(self, what: str, exc: BaseException) -> None:
         self.errors_total += 1
@@ -714,8 +796,13 @@ class RedisState:
             self.degraded = True
             self.degraded_total += 1
             why = str(exc) or type(exc).__name__
-            log.warning("state store %s: %s failed (%s); degraded: chat continues without shared state, "
-                        "Responses requests that need it get 503 until it is back", self.target.address, what, why)
+            log.warning(
+                "state store %s: %s failed (%s); degraded: chat continues without shared state, "
+                "Responses requests that need it get 503 until it is back",
+                self.target.address,
+                what,
+                why,
+            )
         self._drop_pool()  # a timed-out connection may hold a half-read reply: the next call starts clean
 
     def _drop_pool(self) -> None:
@@ -757,8 +844,11 @@ class RedisState:
             await _close_quietly(pool)
 
     def stats(self) -> dict[str, int]:
-        return {"store_degraded": int(self.degraded), "store_degraded_total": self.degraded_total,
-                "store_errors_total": self.errors_total}
+        return {
+            "store_degraded": int(self.degraded),
+            "store_degraded_total": self.degraded_total,
+            "store_errors_total": self.errors_total,
+        }
 
     # ---------------------------------------------------------------- records
     def put(self, key: str, group: str, value: bytes) -> asyncio.Future:
@@ -766,14 +856,26 @@ class RedisState:
         args = [value, self.ttl_s, self.clock(), self.max_entries, f"{group}_evicted"]
         return self._write("put", [key, self.prefix + "idx:" + group, self.prefix + "stats"], args)
 
-    def put_response(self, key: str, tenant: str, value: bytes, previous: str = "",
-                     messages: list[bytes] | tuple[()] = ()) -> asyncio.Future:
+    def put_response(
+        self, key: str, tenant: str, value: bytes, previous: str = "", messages: list[bytes] | tuple[()] = ()
+    ) -> asyncio.Future:
         """Store a Responses record under its tenant's quota and the global caps (RESPONSES), with
         its conversation `messages` (each one's JSON) in a chain (PUT_RESPONSE: only the new ones
         when `previous`, the key of the response it continues, is its chain's newest), started
         now: its future (how many responses it evicted; see _write)."""
-        args = [self.prefix, value, self.ttl_s, self.clock(), tenant, self.max_entries, self.max_bytes,
-                self.tenant_max_entries, self.tenant_max_bytes, previous, *messages]
+        args = [
+            self.prefix,
+            value,
+            self.ttl_s,
+            self.clock(),
+            tenant,
+            self.max_entries,
+            self.max_bytes,
+            self.tenant_max_entries,
+            self.tenant_max_bytes,
+            previous,
+            *messages,
+        ]
         return self._write("rput", [key], args)
 
     def merge_turn(self, key: str, value: bytes) -> asyncio.Future:
@@ -897,7 +999,9 @@ class RedisState:
         batch, self._batch = self._batch, []
 
         def run(entries):
-            return self._exchange([("EVALSHA", SCRIPT_SHA[script], len(keys), *keys, *args) for script, keys, args, _ in entries])
+            return self._exchange(
+                [("EVALSHA", SCRIPT_SHA[script], len(keys), *keys, *args) for script, keys, args, _ in entries]
+            )
 
         async def send():
             if not self._scripts_loaded:
@@ -949,14 +1053,18 @@ class RedisState:
                 ok = bool(await healthy())
                 beat = json.dumps({"upstream": self.advertise_upstream, "at": self.clock(), "instance": instance})
                 if ok:
-                    old = await self._beat_write(lambda beat=beat: self.command("SET", key, beat, "PX", int(self.heartbeat_ttl_s * 1000),
-                                                                                "GET"))
+                    old = await self._beat_write(
+                        lambda beat=beat: self.command("SET", key, beat, "PX", int(self.heartbeat_ttl_s * 1000), "GET")
+                    )
                     prior = _decode(old) if old else None
                     if wrote and old and not warned and (prior is None or prior.get("instance") != instance):
                         warned = True
-                        log.warning("replica id %s is also used by another proxy (engine %s): give each replica its own "
-                                    "--replica-id; until then each takes the other's conversations for its own (no affinity)",
-                                    self.replica_id, (prior or {}).get("upstream"))
+                        log.warning(
+                            "replica id %s is also used by another proxy (engine %s): give each replica its own "
+                            "--replica-id; until then each takes the other's conversations for its own (no affinity)",
+                            self.replica_id,
+                            (prior or {}).get("upstream"),
+                        )
                     wrote = True
                 else:
                     await self._beat_write(lambda: self.command("DEL", key))
@@ -1022,20 +1130,35 @@ class RedisResponseStore:
         turns, its tool calls: kept by RedisConversationStore during this request), so that
         `get_previous` returns them with it. (`big`, the proxy's hint of a large request, is not
         used: the record is encoded on the loop, as every record of this store.)"""
-        messages = [json.dumps(m, ensure_ascii=False, separators=(",", ":")).encode() for m in record.get("messages") or ()]
+        messages = [
+            json.dumps(m, ensure_ascii=False, separators=(",", ":")).encode() for m in record.get("messages") or ()
+        ]
         raw = json.dumps({**record, "messages": []}, ensure_ascii=False, separators=(",", ":")).encode()
         reads = _REQUEST_READS.get()
         if reads is not None and reads.names:
             raw = " ".join(dict.fromkeys(reads.names)).encode() + b"\n" + raw
         st = self.state
         whole = len(raw) + sum(map(len, messages))  # what it holds with its conversation (its chain's share included)
-        for cap, name in ((st.max_bytes, "proxy.store_max_bytes"), (st.tenant_max_bytes, "proxy.store_tenant_max_bytes")):
+        for cap, name in (
+            (st.max_bytes, "proxy.store_max_bytes"),
+            (st.tenant_max_bytes, "proxy.store_tenant_max_bytes"),
+        ):
             if whole > cap:  # evicting every other record could not make room: refused before the write
-                raise QuotaExceeded(f"response store {st.target.address}: a record of {whole} bytes (with its "
-                                    f"conversation) is over {name} ({cap}): not stored", whole, cap, name)
+                raise QuotaExceeded(
+                    f"response store {st.target.address}: a record of {whole} bytes (with its "
+                    f"conversation) is over {name} ({cap}): not stored",
+                    whole,
+                    cap,
+                    name,
+                )
         previous = record.get("previous_response_id")
-        await st.put_response(self._key(record["tenant"], record["id"]), record["tenant"], raw,
-                              self._key(record["tenant"], previous) if isinstance(previous, str) else "", messages)
+        await st.put_response(
+            self._key(record["tenant"], record["id"]),
+            record["tenant"],
+            raw,
+            self._key(record["tenant"], previous) if isinstance(previous, str) else "",
+            messages,
+        )
 
     def _fresh(self, raw: bytes, key: str, chain: list | None = None) -> ResponseRecord | None:
         """The record, unless expired by its own clock or unreadable (then as absent: a 404), with its
@@ -1072,7 +1195,7 @@ class RedisResponseStore:
         record = self._fresh(raw, self._key(tenant, response_id), reply[1])
         if record is None:
             return None
-        names = raw[:raw.index(b"\n")].split() if raw[:1] != b"{" else []  # ASCII whitespace, as the script splits
+        names = raw[: raw.index(b"\n")].split() if raw[:1] != b"{" else []  # ASCII whitespace, as the script splits
         if len(names) == len(reply) - 2:
             _REQUEST_READS.set(_RequestReads({n.decode(): v for n, v in zip(names, reply[2:], strict=True)}))
         return record
@@ -1139,8 +1262,9 @@ class RedisConversationStore:
     or `summary_wait_s` passes. Failures are counted by the RedisState (degraded) and never fail
     a chat request."""
 
-    def __init__(self, state: RedisState, cache: MemoryStore | None = None, summary_wait_s: float = 5.0,
-                 poll_s: float = 0.05):
+    def __init__(
+        self, state: RedisState, cache: MemoryStore | None = None, summary_wait_s: float = 5.0, poll_s: float = 0.05
+    ):
         self.state = state
         self.cache = cache if cache is not None else MemoryStore()
         self.summary_wait_s, self.poll_s = summary_wait_s, poll_s
@@ -1183,21 +1307,33 @@ class RedisConversationStore:
     def put_call(self, tenant: str, call_id: str, binding: CallBinding) -> None:
         if binding.replica is None:
             binding.replica = _serving(self.state.replica_id)
-        raw = json.dumps({"route": binding.route, "arguments": binding.arguments, "name": binding.name,
-                          "replica": binding.replica}).encode()
+        raw = json.dumps(
+            {"route": binding.route, "arguments": binding.arguments, "name": binding.name, "replica": binding.replica}
+        ).encode()
         self._start_write(lambda: self.state.put(self._ckey(tenant, call_id), "conv", raw))
         _keep_name(self._cname(tenant, call_id))
         self.cache.put_call(tenant, call_id, binding)
 
     def stats(self) -> dict[str, int]:
-        return {**self.cache.stats(), **self.state.stats(), "affinity_remote_total": self.affinity_remote_total,
-                "affinity_takeovers_total": self.affinity_takeovers_total}
+        return {
+            **self.cache.stats(),
+            **self.state.stats(),
+            "affinity_remote_total": self.affinity_remote_total,
+            "affinity_takeovers_total": self.affinity_takeovers_total,
+        }
 
     # ---------------------------------------------------------------- writes
     def _write_turn(self, key: bytes, record: TurnRecord) -> None:
         # the script decodes it and stores its own encoding (cjson): orjson's bytes store the same turn
-        raw = fastjson.dumps_bytes({"route": record.route, "summary": record.summary, "state": _turn_state(record),
-                                    "replica": record.replica, "at": self.state.clock()})
+        raw = fastjson.dumps_bytes(
+            {
+                "route": record.route,
+                "summary": record.summary,
+                "state": _turn_state(record),
+                "replica": record.replica,
+                "at": self.state.clock(),
+            }
+        )
 
         def written(future: asyncio.Future) -> None:
             if future.cancelled() or future.exception() is not None:  # StoreUnavailable: counted by the state
@@ -1208,7 +1344,9 @@ class RedisConversationStore:
 
         self._start_write(lambda: self.state.merge_turn(self._tkey(key), raw), written)
 
-    def _start_write(self, start: Callable[[], asyncio.Future], then: Callable[[asyncio.Future], None] | None = None) -> None:
+    def _start_write(
+        self, start: Callable[[], asyncio.Future], then: Callable[[asyncio.Future], None] | None = None
+    ) -> None:
         """Start a batched write (its future joins this request's writes: see flush); `then` runs
         when it is done, before `flush` returns. A failed write is counted by the state, never raised."""
         try:
@@ -1259,7 +1397,7 @@ class RedisConversationStore:
             prefetched = {**prefetched, **dict(zip(missing, got, strict=True))}
         values = [prefetched[n] for n in names]
         added = False
-        for key, raw in zip(turn_keys, values[:len(turn_keys)], strict=True):
+        for key, raw in zip(turn_keys, values[: len(turn_keys)], strict=True):
             if raw is None:
                 continue
             data = _decode(raw, route=str, state=str)
@@ -1272,18 +1410,23 @@ class RedisConversationStore:
                 record.on_change = _Persist(self, key)
                 self.cache.put_turn(key, record)
                 added = True
-                if data.get("state") == "pending" and self.state.clock() - float(data.get("at", 0)) < self.summary_wait_s:
+                if (
+                    data.get("state") == "pending"
+                    and self.state.clock() - float(data.get("at", 0)) < self.summary_wait_s
+                ):
                     self._track(asyncio.get_running_loop().create_task(self._poll(key, record)))
                 elif data.get("state") == "pending":
                     data["state"] = "failed"  # its summary never came in time: fold without it
             _apply(record, data)
-        for (tenant, call_id), raw in zip(calls, values[len(turn_keys):], strict=True):
+        for (tenant, call_id), raw in zip(calls, values[len(turn_keys) :], strict=True):
             if raw is not None and self.cache.get_call(tenant, call_id) is None:
                 data = _decode(raw, route=str, name=(str, type(None)))
                 if data is None or "arguments" not in data:
                     self.state.unreadable("tool-call binding", self._ckey(tenant, call_id))
                     continue
-                self.cache.put_call(tenant, call_id, CallBinding(data["route"], data["arguments"], data["name"], data.get("replica")))
+                self.cache.put_call(
+                    tenant, call_id, CallBinding(data["route"], data["arguments"], data["name"], data.get("replica"))
+                )
         return added
 
     async def _poll(self, key: bytes, record: TurnRecord) -> None:
@@ -1325,8 +1468,18 @@ def _retrieve(future: asyncio.Future) -> None:
         future.exception()
 
 
-__all__ = ["RedisState", "RedisResponseStore", "RedisConversationStore", "RedisTarget", "StoreUnavailable",
-           "RedisConfigError", "parse_redis_url", "read_password", "ping_sync", "is_redis_spec"]
+__all__ = [
+    "RedisState",
+    "RedisResponseStore",
+    "RedisConversationStore",
+    "RedisTarget",
+    "StoreUnavailable",
+    "RedisConfigError",
+    "parse_redis_url",
+    "read_password",
+    "ping_sync",
+    "is_redis_spec",
+]
 
 
 # ---------------------------------------------------------------------- from outside the proxy
@@ -1355,28 +1508,48 @@ def describe_sync(target: RedisTarget, password: str | None, profile: str) -> di
         memory = client.info("memory")
         replication = client.info("replication")
         evicted = {k.decode(): int(v) for k, v in (client.hgetall(prefix + "stats") or {}).items()}
-        replicas = sorted(k.decode()[len(prefix) + len("replica:"):] for k in client.scan_iter(prefix + "replica:*", count=100))
-        return {"address": target.address, "redis_version": info.get("redis_version"),
-                "maxmemory": int(memory.get("maxmemory", 0)), "maxmemory_policy": memory.get("maxmemory_policy"),
-                "used_memory": int(memory.get("used_memory", 0)),
-                "responses": client.zcard(prefix + "idx:r"), "conversation_rows": client.zcard(prefix + "idx:conv"),
-                "responses_bytes": evicted.get("r_bytes", 0), "tenants": client.zcard(prefix + "tn"),
-                "key_format": evicted.get("format", 1 if client.exists(prefix + "idx:r") else KEY_FORMAT),
-                "responses_evicted": evicted.get("r_evicted", 0), "conversation_evicted": evicted.get("conv_evicted", 0),
-                "replicas": replicas,
-                # "slave": a read-only replica (what a primary becomes after a failover); every write refused
-                "role": replication.get("role"),
-                "primary": (f"{replication.get('master_host')}:{replication.get('master_port')}"
-                            if replication.get("role") == "slave" else None)}
+        replicas = sorted(
+            k.decode()[len(prefix) + len("replica:") :] for k in client.scan_iter(prefix + "replica:*", count=100)
+        )
+        return {
+            "address": target.address,
+            "redis_version": info.get("redis_version"),
+            "maxmemory": int(memory.get("maxmemory", 0)),
+            "maxmemory_policy": memory.get("maxmemory_policy"),
+            "used_memory": int(memory.get("used_memory", 0)),
+            "responses": client.zcard(prefix + "idx:r"),
+            "conversation_rows": client.zcard(prefix + "idx:conv"),
+            "responses_bytes": evicted.get("r_bytes", 0),
+            "tenants": client.zcard(prefix + "tn"),
+            "key_format": evicted.get("format", 1 if client.exists(prefix + "idx:r") else KEY_FORMAT),
+            "responses_evicted": evicted.get("r_evicted", 0),
+            "conversation_evicted": evicted.get("conv_evicted", 0),
+            "replicas": replicas,
+            # "slave": a read-only replica (what a primary becomes after a failover); every write refused
+            "role": replication.get("role"),
+            "primary": (
+                f"{replication.get('master_host')}:{replication.get('master_port')}"
+                if replication.get("role") == "slave"
+                else None
+            ),
+        }
     except redis.RedisError as exc:
         raise unreachable_error(target, _why(exc, password)) from None
     finally:
         client.close()
 
 
-def prune_sync(target: RedisTarget, password: str | None, profile: str, ttl_s: float, max_entries: int,
-               clock: Callable[[], float] = time.time, max_bytes: int = DEFAULT_MAX_BYTES,
-               tenant_max_entries: int | None = None, tenant_max_bytes: int | None = None) -> dict[str, int]:
+def prune_sync(
+    target: RedisTarget,
+    password: str | None,
+    profile: str,
+    ttl_s: float,
+    max_entries: int,
+    clock: Callable[[], float] = time.time,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    tenant_max_entries: int | None = None,
+    tenant_max_bytes: int | None = None,
+) -> dict[str, int]:
     """Redis expires the records itself (TTL) and each write evicts over the caps; this trims the
     index entries of expired records and evicts what is over the caps now (e.g. after a cap was
     lowered): responses under the same tenant quotas and global caps as a write (RESPONSES, in
@@ -1386,14 +1559,18 @@ def prune_sync(target: RedisTarget, password: str | None, profile: str, ttl_s: f
     prefix = f"molctl:{{{profile}}}:"
     client = _sync_client(target, password)
     out: dict[str, int] = {"expired": 0, "evicted": 0}
-    t_entries = min(max_entries, tenant_max_entries if tenant_max_entries is not None else max(1, max_entries // TENANT_SHARE))
+    t_entries = min(
+        max_entries, tenant_max_entries if tenant_max_entries is not None else max(1, max_entries // TENANT_SHARE)
+    )
     t_bytes = min(max_bytes, tenant_max_bytes if tenant_max_bytes is not None else max(1, max_bytes // TENANT_SHARE))
     try:
         prune = client.register_script(RESPONSES + PRUNE_RESPONSES)
         more = 1
         while more:
-            expired, evicted, more = prune(keys=[prefix + "idx:r"], args=[prefix, clock(), int(max(1, ttl_s)), max_entries,
-                                                                         max_bytes, t_entries, t_bytes, PRUNE_BATCH])
+            expired, evicted, more = prune(
+                keys=[prefix + "idx:r"],
+                args=[prefix, clock(), int(max(1, ttl_s)), max_entries, max_bytes, t_entries, t_bytes, PRUNE_BATCH],
+            )
             out["expired"] += expired
             out["evicted"] += evicted
         for group, name in (("conv", "conversation_"),):
@@ -1402,7 +1579,7 @@ def prune_sync(target: RedisTarget, password: str | None, profile: str, ttl_s: f
             over = client.zcard(idx) - max_entries
             victims = client.zrange(idx, 0, over - 1) if over > 0 else []
             for i in range(0, len(victims), 500):
-                chunk = victims[i:i + 500]
+                chunk = victims[i : i + 500]
                 client.delete(*chunk)
                 client.zrem(idx, *chunk)
             if victims:

@@ -67,8 +67,10 @@ KINDS = {
     "str": (lambda v: isinstance(v, str), "a string"),
     "ints": (lambda v: isinstance(v, list) and all(map(_int, v)), "an array of integers"),
     "strs": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "an array of strings"),
-    "str_or_strs": (lambda v: isinstance(v, str) or (isinstance(v, list) and all(isinstance(x, str) for x in v)),
-                    "a string or an array of strings"),
+    "str_or_strs": (
+        lambda v: isinstance(v, str) or (isinstance(v, list) and all(isinstance(x, str) for x in v)),
+        "a string or an array of strings",
+    ),
     "object": (lambda v: isinstance(v, dict), "an object"),
 }
 
@@ -76,9 +78,14 @@ KINDS = {
 class FieldPolicy:
     """One proxy's rules for fields beyond the API's known set (see the module docstring)."""
 
-    def __init__(self, extensions: Mapping[str, str] | None = None, refused: Mapping[str, str] | None = None,
-                 reject_unknown: bool = False, template_kwargs: tuple[str, ...] | None = None,
-                 counters: Any = None):
+    def __init__(
+        self,
+        extensions: Mapping[str, str] | None = None,
+        refused: Mapping[str, str] | None = None,
+        reject_unknown: bool = False,
+        template_kwargs: tuple[str, ...] | None = None,
+        counters: Any = None,
+    ):
         self.extensions = dict(extensions or {})
         self.refused = {**REFUSED, **(refused or {})}
         self.reject_unknown = reject_unknown
@@ -89,8 +96,13 @@ class FieldPolicy:
 
     @classmethod
     def of(cls, profile: Any, engine: Any, counters: Any = None) -> FieldPolicy:
-        return cls(engine.request_extensions, engine.refused_extensions, profile.proxy.request_fields == "reject",
-                   tuple(profile.proxy.chat_template_kwargs), counters)
+        return cls(
+            engine.request_extensions,
+            engine.refused_extensions,
+            profile.proxy.request_fields == "reject",
+            tuple(profile.proxy.chat_template_kwargs),
+            counters,
+        )
 
     def check_extra(self, body: Mapping[str, Any], known: Any, api: str, where: str = "") -> None:
         """Every key of `body` not in `known`: an extension checked, a refused one a 400, the rest
@@ -114,8 +126,10 @@ class FieldPolicy:
             if value is None:  # null is "not given", also for a field this server does not know
                 continue
             if self.reject_unknown:
-                raise invalid(f"Unrecognized request argument supplied: {name} (this server's proxy.request_fields "
-                              "is 'reject').", name)
+                raise invalid(
+                    f"Unrecognized request argument supplied: {name} (this server's proxy.request_fields is 'reject').",
+                    name,
+                )
             self.note_ignored(name, api)
 
     def note_ignored(self, name: str, api: str, why: str = "not a field this server knows") -> None:
@@ -142,8 +156,11 @@ class FieldPolicy:
         for key in kwargs:
             if key not in self.template_kwargs:
                 allowed = ", ".join(self.template_kwargs) or "none"
-                raise invalid(f"'{where}.{key}' is not a template variable this server lets clients set "
-                              f"(proxy.chat_template_kwargs: {allowed}).", f"{where}.{key}")
+                raise invalid(
+                    f"'{where}.{key}' is not a template variable this server lets clients set "
+                    f"(proxy.chat_template_kwargs: {allowed}).",
+                    f"{where}.{key}",
+                )
 
 
 PERMISSIVE = FieldPolicy()  # no engine extensions, unknown fields ignored: for callers without a profile

@@ -59,9 +59,13 @@ class ProxyResponses(Protocol):
 
     async def get_response(self, tenant: str, response_id: str) -> ResponseRecord | None: ...
 
-    async def get_previous(self, tenant: str, response_id: str) -> ResponseRecord | None: ...  # the record a request continues
+    async def get_previous(
+        self, tenant: str, response_id: str
+    ) -> ResponseRecord | None: ...  # the record a request continues
 
-    async def put_response(self, record: ResponseRecord, big: bool = False) -> None: ...  # big: a hint (a large request)
+    async def put_response(
+        self, record: ResponseRecord, big: bool = False
+    ) -> None: ...  # big: a hint (a large request)
 
     async def delete_response(self, tenant: str, response_id: str) -> bool: ...
 
@@ -104,8 +108,11 @@ class LocalResponses:
         if not self._offload:
             self.store.put_response(record)
             return
-        offload = (big or len(messages) > MANY_MESSAGES or
-                   sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)) > BIG_RECORD)
+        offload = (
+            big
+            or len(messages) > MANY_MESSAGES
+            or sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)) > BIG_RECORD
+        )
         await self._unless_busy(offload, self.store.put_response, record, False)
 
     async def delete_response(self, tenant: str, response_id: str) -> bool:
@@ -149,8 +156,7 @@ class MemoryResponseStore:
 
     slow_puts = False
 
-    def __init__(self, max_entries: int = 10_000, ttl_s: float = DEFAULT_TTL_S,
-                 clock: Callable[[], float] = time.time):
+    def __init__(self, max_entries: int = 10_000, ttl_s: float = DEFAULT_TTL_S, clock: Callable[[], float] = time.time):
         self.max_entries, self.ttl_s, self.clock = max_entries, ttl_s, clock
         self._items: OrderedDict[tuple[str, str], ResponseRecord] = OrderedDict()
         self.evicted = 0

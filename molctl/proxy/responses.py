@@ -73,25 +73,81 @@ from molctl.proxy.errors import ProxyError, invalid, shown
 from molctl.proxy.request_fields import PERMISSIVE, FieldPolicy
 from molctl.proxy.validation import EFFORTS, check_function_def, check_media_url, check_model
 
-ECHOED = ("instructions", "max_output_tokens", "metadata", "parallel_tool_calls", "previous_response_id",
-          "prompt_cache_key", "safety_identifier", "temperature", "top_logprobs", "top_p", "truncation", "user")
-ACCEPTED_IGNORED = ("service_tier", "stream_options", "prompt_cache_retention", "prompt_cache_options",
-                    "max_tool_calls", "moderation", "context_management", "background_options")
+ECHOED = (
+    "instructions",
+    "max_output_tokens",
+    "metadata",
+    "parallel_tool_calls",
+    "previous_response_id",
+    "prompt_cache_key",
+    "safety_identifier",
+    "temperature",
+    "top_logprobs",
+    "top_p",
+    "truncation",
+    "user",
+)
+ACCEPTED_IGNORED = (
+    "service_tier",
+    "stream_options",
+    "prompt_cache_retention",
+    "prompt_cache_options",
+    "max_tool_calls",
+    "moderation",
+    "context_management",
+    "background_options",
+)
 # ignoring these would drop what the client asked for: a 400 naming them when set
-UNSERVED = {"conversation": "the Conversations API is not served here; continue with previous_response_id",
-            "prompt": "stored prompt templates are not served here; send the text as instructions"}
-KNOWN = frozenset({"model", "input", "stream", "store", "tools", "tool_choice", "text", "reasoning", "include",
-                   "background", *ECHOED, *ACCEPTED_IGNORED, *UNSERVED})
+UNSERVED = {
+    "conversation": "the Conversations API is not served here; continue with previous_response_id",
+    "prompt": "stored prompt templates are not served here; send the text as instructions",
+}
+KNOWN = frozenset(
+    {
+        "model",
+        "input",
+        "stream",
+        "store",
+        "tools",
+        "tool_choice",
+        "text",
+        "reasoning",
+        "include",
+        "background",
+        *ECHOED,
+        *ACCEPTED_IGNORED,
+        *UNSERVED,
+    }
+)
 REASONING_UNUSED = ("generate_summary", "context", "mode")  # OpenAI's Reasoning fields this proxy does not use
 INCLUDE_LOGPROBS, INCLUDE_REASONING = "message.output_text.logprobs", "reasoning.encrypted_content"
 TEXT_PARTS = ("input_text", "output_text", "text")
 NAMESPACE_SEP = "__"  # a namespace's function as the engine sees it: NAMESPACE__NAME
 # Items of tools this server never runs (hosted and custom tools): a client's history may hold them
-IGNORED_ITEMS = frozenset({
-    "web_search_call", "file_search_call", "computer_call", "computer_call_output", "code_interpreter_call",
-    "image_generation_call", "local_shell_call", "local_shell_call_output", "shell_call", "shell_call_output",
-    "apply_patch_call", "apply_patch_call_output", "mcp_list_tools", "mcp_approval_request", "mcp_approval_response",
-    "mcp_call", "custom_tool_call", "custom_tool_call_output", "tool_search_call", "tool_search_output"})
+IGNORED_ITEMS = frozenset(
+    {
+        "web_search_call",
+        "file_search_call",
+        "computer_call",
+        "computer_call_output",
+        "code_interpreter_call",
+        "image_generation_call",
+        "local_shell_call",
+        "local_shell_call_output",
+        "shell_call",
+        "shell_call_output",
+        "apply_patch_call",
+        "apply_patch_call_output",
+        "mcp_list_tools",
+        "mcp_approval_request",
+        "mcp_approval_response",
+        "mcp_call",
+        "custom_tool_call",
+        "custom_tool_call_output",
+        "tool_search_call",
+        "tool_search_output",
+    }
+)
 ENCRYPTED_PREFIX = "mol1."
 
 
@@ -105,7 +161,7 @@ def decode_reasoning(blob: str) -> str | None:
     if not blob.startswith(ENCRYPTED_PREFIX):
         return None
     try:
-        data = zlib.decompressobj().decompress(base64.urlsafe_b64decode(blob[len(ENCRYPTED_PREFIX):]), 1 << 24)
+        data = zlib.decompressobj().decompress(base64.urlsafe_b64decode(blob[len(ENCRYPTED_PREFIX) :]), 1 << 24)
         return data.decode("utf-8")
     except (ValueError, zlib.error):
         return None
@@ -146,8 +202,9 @@ class NeedsReferences(Exception):
 
 
 def item_not_found(item_id: str) -> ProxyError:
-    return invalid(f"Item with id {shown(item_id)} not found (items of responses created with store=false are not "
-                   "kept).", "input")
+    return invalid(
+        f"Item with id {shown(item_id)} not found (items of responses created with store=false are not kept).", "input"
+    )
 
 
 def referenced_items(ids: list[str], records: dict[str, dict[str, Any] | None]) -> dict[str, dict[str, Any]]:
@@ -156,7 +213,9 @@ def referenced_items(ids: list[str], records: dict[str, dict[str, Any] | None]) 
     out: dict[str, dict[str, Any]] = {}
     for item_id in ids:
         record = records.get(response_of_item(item_id) or "")
-        item = next((i for i in ((record or {}).get("response") or {}).get("output") or () if i.get("id") == item_id), None)
+        item = next(
+            (i for i in ((record or {}).get("response") or {}).get("output") or () if i.get("id") == item_id), None
+        )
         if item is None:
             raise item_not_found(item_id)
         out[item_id] = item
@@ -164,8 +223,9 @@ def referenced_items(ids: list[str], records: dict[str, dict[str, Any] | None]) 
 
 
 def duplicate_item(item_id: str) -> ProxyError:
-    return invalid(f"Duplicate item found with id {shown(item_id)}. Remove duplicate items from your input and try again.",
-                   "input")
+    return invalid(
+        f"Duplicate item found with id {shown(item_id)}. Remove duplicate items from your input and try again.", "input"
+    )
 
 
 def public_param(param: str | None) -> str | None:
@@ -190,9 +250,14 @@ def not_found(response_id: str, param: str | None = None) -> ProxyError:
     if param == "previous_response_id":
         # Each stored response holds its whole conversation, so a chain never needs its earlier
         # responses; only the one named here must still be stored.
-        return ProxyError(404, f"Previous response with id '{shown(response_id)}' not found (deleted, created with "
-                          "store=false, or expired or evicted from the proxy's store).", "invalid_request_error",
-                          "previous_response_not_found", "previous_response_id")
+        return ProxyError(
+            404,
+            f"Previous response with id '{shown(response_id)}' not found (deleted, created with "
+            "store=false, or expired or evicted from the proxy's store).",
+            "invalid_request_error",
+            "previous_response_not_found",
+            "previous_response_id",
+        )
     return ProxyError(404, f"Response with id '{shown(response_id)}' not found.", "invalid_request_error", "not_found")
 
 
@@ -248,14 +313,17 @@ class ResponsesRequest:
                 pending[call["id"]] = None
             if msg["role"] == "tool":
                 if msg["tool_call_id"] not in seen:
-                    raise invalid(f"No tool call found for function call output with call_id "
-                                  f"{shown(msg['tool_call_id'])}.", "input")
+                    raise invalid(
+                        f"No tool call found for function call output with call_id {shown(msg['tool_call_id'])}.",
+                        "input",
+                    )
                 pending.pop(msg["tool_call_id"], None)
         if pending:
             raise invalid(f"No tool output found for function call {shown(str(next(iter(pending))))}.", "input")
 
 
 # ------------------------------------------------------------------------ request
+
 
 def _parts_to_content(parts: Any, where: str, role: str, media_hosts: tuple[str, ...] = ()) -> Any:
     if isinstance(parts, str):
@@ -276,7 +344,9 @@ def _parts_to_content(parts: Any, where: str, role: str, media_hosts: tuple[str,
         elif kind == "input_image" and role == "user":
             url = part.get("image_url")
             if not isinstance(url, str):
-                raise invalid(f"'{w}.image_url' must be a URL or a data URL (file ids are not supported).", f"{w}.image_url")
+                raise invalid(
+                    f"'{w}.image_url' must be a URL or a data URL (file ids are not supported).", f"{w}.image_url"
+                )
             check_media_url(url, f"{w}.image_url", media_hosts)
             image: dict[str, Any] = {"url": url}
             if part.get("detail") in ("low", "high", "auto"):
@@ -326,14 +396,24 @@ def flat_name(name: str, namespace: Any) -> str:
     return f"{namespace}{NAMESPACE_SEP}{name}" if isinstance(namespace, str) and namespace else name
 
 
-def _convert_input(value: Any, media_hosts: tuple[str, ...] = (), fields: FieldPolicy = PERMISSIVE,
-                   refs: dict[str, dict[str, Any]] | None = None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _convert_input(
+    value: Any,
+    media_hosts: tuple[str, ...] = (),
+    fields: FieldPolicy = PERMISSIVE,
+    refs: dict[str, dict[str, Any]] | None = None,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """-> (chat messages, the input items as `/input_items` returns them). `refs`: the items
     `item_reference`s name (NeedsReferences)."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}], [
-            {"id": new_id("msg_"), "type": "message", "role": "user", "status": "completed",
-             "content": [{"type": "input_text", "text": value}]}]
+            {
+                "id": new_id("msg_"),
+                "type": "message",
+                "role": "user",
+                "status": "completed",
+                "content": [{"type": "input_text", "text": value}],
+            }
+        ]
     if not isinstance(value, list) or not value:
         raise invalid("'input' must be a string or a non-empty array of input items.", "input")
     messages: list[dict[str, Any]] = []
@@ -369,23 +449,39 @@ def _convert_input(value: Any, media_hosts: tuple[str, ...] = (), fields: FieldP
             parts = item.get("content")
             if isinstance(parts, str):
                 parts = [{"type": "output_text" if role == "assistant" else "input_text", "text": parts}]
-            items.append({"id": item.get("id") or new_id("msg_"), "type": "message", "role": role,
-                          "status": item.get("status") or "completed", "content": parts})
+            items.append(
+                {
+                    "id": item.get("id") or new_id("msg_"),
+                    "type": "message",
+                    "role": role,
+                    "status": item.get("status") or "completed",
+                    "content": parts,
+                }
+            )
         elif kind == "function_call":
             for key in ("call_id", "name", "arguments"):
                 if not isinstance(item.get(key), str):
                     raise invalid(f"'{w}.{key}' must be a string.", f"{w}.{key}")
             if item.get("namespace") is not None and not isinstance(item["namespace"], str):
                 raise invalid(f"'{w}.namespace' must be a string.", f"{w}.namespace")
-            call = {"id": item["call_id"], "type": "function",
-                    "function": {"name": flat_name(item["name"], item.get("namespace")), "arguments": item["arguments"]}}
+            call = {
+                "id": item["call_id"],
+                "type": "function",
+                "function": {"name": flat_name(item["name"], item.get("namespace")), "arguments": item["arguments"]},
+            }
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and not reasoning:  # one turn: its text, then its calls
                 last.setdefault("tool_calls", []).append(call)
             else:
                 assistant({"role": "assistant", "content": None, "tool_calls": [call]})
-            out = {"id": item.get("id") or new_id("fc_"), "type": "function_call", "status": "completed",
-                   "call_id": item["call_id"], "name": item["name"], "arguments": item["arguments"]}
+            out = {
+                "id": item.get("id") or new_id("fc_"),
+                "type": "function_call",
+                "status": "completed",
+                "call_id": item["call_id"],
+                "name": item["name"],
+                "arguments": item["arguments"],
+            }
             if item.get("namespace"):
                 out["namespace"] = item["namespace"]
             items.append(out)
@@ -400,15 +496,23 @@ def _convert_input(value: Any, media_hosts: tuple[str, ...] = (), fields: FieldP
             else:
                 raise invalid(f"'{w}.output' must be a string or an array of text parts.", f"{w}.output")
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": text})
-            items.append({"id": item.get("id") or new_id("fco_"), "type": "function_call_output", "status": "completed",
-                          "call_id": item["call_id"], "output": output})
+            items.append(
+                {
+                    "id": item.get("id") or new_id("fco_"),
+                    "type": "function_call_output",
+                    "status": "completed",
+                    "call_id": item["call_id"],
+                    "output": output,
+                }
+            )
         elif kind == "reasoning":
             text = _reasoning_text(item, w, fields)
             if text:
                 reasoning.append(text)
         elif kind in IGNORED_ITEMS:
-            fields.note_ignored(f"input[].{kind}", "responses", "an item of a tool this server does not run; "
-                                                              "left out of the prompt")
+            fields.note_ignored(
+                f"input[].{kind}", "responses", "an item of a tool this server does not run; left out of the prompt"
+            )
         elif kind == "item_reference":  # without refs: references() found none to fetch
             raise invalid(f"'{w}.id' must be the id of an output item of a stored response.", f"{w}.id")
         else:
@@ -430,12 +534,15 @@ def _function_tool(tool: dict[str, Any], where: str, namespace: dict[str, Any] |
     if namespace is not None:
         fn["name"] = flat_name(tool["name"], namespace["name"])
         if namespace.get("description"):
-            fn["description"] = f"({namespace['name']}: {namespace['description']}) {tool.get('description') or ''}".strip()
+            fn["description"] = (
+                f"({namespace['name']}: {namespace['description']}) {tool.get('description') or ''}".strip()
+            )
     return {"type": "function", "function": fn}
 
 
-def _convert_tools(tools: Any, fields: FieldPolicy = PERMISSIVE
-                   ) -> tuple[list[dict[str, Any]], dict[str, tuple[str, str]]]:
+def _convert_tools(
+    tools: Any, fields: FieldPolicy = PERMISSIVE
+) -> tuple[list[dict[str, Any]], dict[str, tuple[str, str]]]:
     """-> (the chat tools, NAMESPACE__NAME -> (namespace, name) for the namespaces' functions)."""
     if not isinstance(tools, list):
         raise invalid("'tools' must be an array of tools.", "tools")
@@ -455,14 +562,19 @@ def _convert_tools(tools: Any, fields: FieldPolicy = PERMISSIVE
                 raise invalid(f"'{w}.tools' must be an array of tools.", f"{w}.tools")
             for j, inner in enumerate(tool["tools"]):
                 if not isinstance(inner, dict) or inner.get("type") != "function":
-                    fields.note_ignored(f"tools[].tools[].{(inner or {}).get('type') if isinstance(inner, dict) else '?'}",
-                                        "responses", "only a namespace's function tools reach the engine")
+                    fields.note_ignored(
+                        f"tools[].tools[].{(inner or {}).get('type') if isinstance(inner, dict) else '?'}",
+                        "responses",
+                        "only a namespace's function tools reach the engine",
+                    )
                     continue
                 chat_tool = _function_tool(inner, f"{w}.tools[{j}]", tool)
                 namespaced[chat_tool["function"]["name"]] = (tool["name"], inner["name"])
                 out.append(chat_tool)
         else:
-            fields.note_ignored(f"tools[].{kind}"[:80], "responses", "a tool the engine cannot run; left out of its tools")
+            fields.note_ignored(
+                f"tools[].{kind}"[:80], "responses", "a tool the engine cannot run; left out of its tools"
+            )
     names = [t["function"]["name"] for t in out]
     if len(set(names)) != len(names):
         raise invalid(f"Two tools are named {next(n for n in names if names.count(n) > 1)!r}.", "tools")
@@ -484,14 +596,21 @@ def _convert_tool_choice(choice: Any, chat: dict[str, Any], fields: FieldPolicy 
     if kind == "function":
         if not isinstance(choice.get("name"), str):
             raise invalid("'tool_choice.name' must be a string.", "tool_choice.name")
-        chat["tool_choice"] = {"type": "function", "function": {"name": flat_name(choice["name"], choice.get("namespace"))}}
+        chat["tool_choice"] = {
+            "type": "function",
+            "function": {"name": flat_name(choice["name"], choice.get("namespace"))},
+        }
     elif kind == "allowed_tools":
         mode, allowed = choice.get("mode", "auto"), choice.get("tools")
         if mode not in ("auto", "required") or not isinstance(allowed, list):
-            raise invalid("'tool_choice' allowed_tools needs a 'mode' of auto or required and an array 'tools'.",
-                          "tool_choice")
-        keep = {flat_name(t.get("name"), t.get("namespace")) for t in allowed
-                if isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("name"), str)}
+            raise invalid(
+                "'tool_choice' allowed_tools needs a 'mode' of auto or required and an array 'tools'.", "tool_choice"
+            )
+        keep = {
+            flat_name(t.get("name"), t.get("namespace"))
+            for t in allowed
+            if isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("name"), str)
+        }
         chat["tools"] = [t for t in chat.get("tools") or () if t["function"]["name"] in keep]
         if not chat["tools"]:
             del chat["tools"]
@@ -532,11 +651,20 @@ def references(body: Any) -> list[str]:
     items = body.get("input") if isinstance(body, dict) else None
     if not isinstance(items, list):
         return []
-    return [i["id"] for i in items if isinstance(i, dict) and item_type(i) == "item_reference" and isinstance(i.get("id"), str)]
+    return [
+        i["id"]
+        for i in items
+        if isinstance(i, dict) and item_type(i) == "item_reference" and isinstance(i.get("id"), str)
+    ]
 
 
-def parse_request(body: Any, public_model: str, media_hosts: tuple[str, ...] = (),
-                  fields: FieldPolicy = PERMISSIVE, refs: dict[str, dict[str, Any]] | None = None) -> ResponsesRequest:
+def parse_request(
+    body: Any,
+    public_model: str,
+    media_hosts: tuple[str, ...] = (),
+    fields: FieldPolicy = PERMISSIVE,
+    refs: dict[str, dict[str, Any]] | None = None,
+) -> ResponsesRequest:
     """Validate a Responses request and translate what does not depend on the stored chain.
     `media_hosts`: `proxy.media_url_hosts` (validation.check_media_url); `fields`: the engine's
     extensions and what to do with unknown fields (request_fields); `refs`: see NeedsReferences."""
@@ -547,8 +675,9 @@ def parse_request(body: Any, public_model: str, media_hosts: tuple[str, ...] = (
     if not isinstance(body, dict):
         raise invalid("The request body must be a JSON object.")
     if body.get("background") not in (None, False):  # the default: clients that send it
-        raise invalid("'background' is not supported: there is no background mode; send background=false.",
-                      "background")
+        raise invalid(
+            "'background' is not supported: there is no background mode; send background=false.", "background"
+        )
     for key, why in UNSERVED.items():
         if body.get(key) is not None:
             raise invalid(f"'{key}' is not supported: {why}.", key)
@@ -597,8 +726,12 @@ def parse_request(body: Any, public_model: str, media_hosts: tuple[str, ...] = (
         if not isinstance(reasoning, dict):
             raise invalid("'reasoning' must be an object.", "reasoning")
         # OpenAI's other Reasoning fields, explicit null: "not set", even with request_fields: reject
-        fields.check_extra({k: v for k, v in reasoning.items() if v is not None or k not in REASONING_UNUSED},
-                           ("effort", "summary"), "responses", "reasoning.")
+        fields.check_extra(
+            {k: v for k, v in reasoning.items() if v is not None or k not in REASONING_UNUSED},
+            ("effort", "summary"),
+            "responses",
+            "reasoning.",
+        )
         if reasoning.get("effort") is not None:
             if reasoning["effort"] not in EFFORTS:
                 raise invalid(f"'reasoning.effort' must be one of {', '.join(EFFORTS)}.", "reasoning.effort")
@@ -608,11 +741,18 @@ def parse_request(body: Any, public_model: str, media_hosts: tuple[str, ...] = (
     if body.get("truncation") not in (None, "auto", "disabled"):
         raise invalid("'truncation' must be 'auto' or 'disabled'.", "truncation")
     metadata = body.get("metadata")
-    if metadata is not None and (not isinstance(metadata, dict) or len(metadata) > 16
-                                 or not all(isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
-                                            for k, v in metadata.items())):
-        raise invalid("'metadata' must be an object of at most 16 pairs: string keys of up to 64 characters, "
-                      "string values of up to 512.", "metadata")
+    if metadata is not None and (
+        not isinstance(metadata, dict)
+        or len(metadata) > 16
+        or not all(
+            isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512 for k, v in metadata.items()
+        )
+    ):
+        raise invalid(
+            "'metadata' must be an object of at most 16 pairs: string keys of up to 64 characters, "
+            "string values of up to 512.",
+            "metadata",
+        )
     include = body.get("include")
     logprobs = False
     if include is not None:
@@ -634,12 +774,21 @@ def parse_request(body: Any, public_model: str, media_hosts: tuple[str, ...] = (
         chat["logprobs"] = True
     if body.get("user") is not None:
         chat["user"] = body["user"]
-    return ResponsesRequest(body=body, chat=chat, messages=messages, input_items=items,
-                            stream=bool(body.get("stream")), store=body.get("store", True) is not False, logprobs=logprobs,
-                            encrypted_reasoning=INCLUDE_REASONING in (include or ()), namespaced=namespaced)
+    return ResponsesRequest(
+        body=body,
+        chat=chat,
+        messages=messages,
+        input_items=items,
+        stream=bool(body.get("stream")),
+        store=body.get("store", True) is not False,
+        logprobs=logprobs,
+        encrypted_reasoning=INCLUDE_REASONING in (include or ()),
+        namespaced=namespaced,
+    )
 
 
 # ------------------------------------------------------------------------ response
+
 
 def shape_usage(usage: dict[str, Any] | None) -> dict[str, Any] | None:
     if not usage:
@@ -648,7 +797,9 @@ def shape_usage(usage: dict[str, Any] | None) -> dict[str, Any] | None:
         "input_tokens": usage.get("prompt_tokens", 0),
         "input_tokens_details": {"cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)},
         "output_tokens": usage.get("completion_tokens", 0),
-        "output_tokens_details": {"reasoning_tokens": (usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)},
+        "output_tokens_details": {
+            "reasoning_tokens": (usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
+        },
         "total_tokens": usage.get("total_tokens", 0),
     }
 
@@ -658,9 +809,18 @@ def shape_logprobs(chat_logprobs: Any) -> list[dict[str, Any]]:
     out = []
     for lp in content or []:
         if isinstance(lp, dict) and isinstance(lp.get("token"), str):
-            out.append({"token": lp["token"], "logprob": lp.get("logprob", 0.0), "bytes": lp.get("bytes") or [],
-                        "top_logprobs": [{"token": t.get("token"), "logprob": t.get("logprob"), "bytes": t.get("bytes") or []}
-                                         for t in lp.get("top_logprobs") or [] if isinstance(t, dict)]})
+            out.append(
+                {
+                    "token": lp["token"],
+                    "logprob": lp.get("logprob", 0.0),
+                    "bytes": lp.get("bytes") or [],
+                    "top_logprobs": [
+                        {"token": t.get("token"), "logprob": t.get("logprob"), "bytes": t.get("bytes") or []}
+                        for t in lp.get("top_logprobs") or []
+                        if isinstance(t, dict)
+                    ],
+                }
+            )
     return out
 
 
@@ -690,15 +850,25 @@ def engine_call_name(item: dict[str, Any]) -> str:
 
 
 def reasoning_item(text: str, status: str, req: ResponsesRequest | None, ids: Any = new_id) -> dict[str, Any]:
-    item = {"id": ids("rs_"), "type": "reasoning", "summary": [], "status": status,
-            "content": [{"type": "reasoning_text", "text": text}]}
+    item = {
+        "id": ids("rs_"),
+        "type": "reasoning",
+        "summary": [],
+        "status": status,
+        "content": [{"type": "reasoning_text", "text": text}],
+    }
     if req is not None and req.encrypted_reasoning:
         item["encrypted_content"] = encode_reasoning(text)
     return item
 
 
-def output_items(message: dict[str, Any], status: str, logprobs: list | None = None,
-                 req: ResponsesRequest | None = None, ids: Any = new_id) -> list[dict[str, Any]]:
+def output_items(
+    message: dict[str, Any],
+    status: str,
+    logprobs: list | None = None,
+    req: ResponsesRequest | None = None,
+    ids: Any = new_id,
+) -> list[dict[str, Any]]:
     """A chat assistant message -> Responses output items (reasoning, message, function calls);
     `ids`: their ids (ItemIds of the response)."""
     items: list[dict[str, Any]] = []
@@ -708,12 +878,25 @@ def output_items(message: dict[str, Any], status: str, logprobs: list | None = N
         items.append(reasoning_item(reasoning, item_status, req, ids))
     text = message.get("content") if isinstance(message.get("content"), str) else ""
     if text or not message.get("tool_calls"):  # an empty answer is still one (empty) message item
-        items.append({"id": ids("msg_"), "type": "message", "role": "assistant", "status": item_status,
-                      "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]})
+        items.append(
+            {
+                "id": ids("msg_"),
+                "type": "message",
+                "role": "assistant",
+                "status": item_status,
+                "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}],
+            }
+        )
     for call in message.get("tool_calls") or []:
         fn = call.get("function") or {}
-        item = {"id": ids("fc_"), "type": "function_call", "status": item_status, "call_id": call.get("id"),
-                "name": fn.get("name"), "arguments": fn.get("arguments") or ""}
+        item = {
+            "id": ids("fc_"),
+            "type": "function_call",
+            "status": item_status,
+            "call_id": call.get("id"),
+            "name": fn.get("name"),
+            "arguments": fn.get("arguments") or "",
+        }
         items.append(public_call(item, req) if req is not None else item)
     return items
 
@@ -723,9 +906,16 @@ def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
-def response_object(req: ResponsesRequest, response_id: str, created_at: int, status: str, output: list,
-                    usage: dict[str, Any] | None = None, error: dict[str, Any] | None = None,
-                    incomplete: dict[str, Any] | None = None) -> dict[str, Any]:
+def response_object(
+    req: ResponsesRequest,
+    response_id: str,
+    created_at: int,
+    status: str,
+    output: list,
+    usage: dict[str, Any] | None = None,
+    error: dict[str, Any] | None = None,
+    incomplete: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     b = req.body
     fmt = (b.get("text") or {}).get("format") or {"type": "text"}
     reasoning = b.get("reasoning") or {}
@@ -764,16 +954,25 @@ def assistant_message(message: dict[str, Any]) -> dict[str, Any]:
     """The chat message kept in the chain (reasoning left out, as clients resend it in chat)."""
     out: dict[str, Any] = {"role": "assistant", "content": message.get("content") if message.get("content") else None}
     if message.get("tool_calls"):
-        out["tool_calls"] = [{"id": c.get("id"), "type": "function",
-                              "function": {"name": (c.get("function") or {}).get("name"),
-                                           "arguments": (c.get("function") or {}).get("arguments") or ""}}
-                             for c in message["tool_calls"]]
+        out["tool_calls"] = [
+            {
+                "id": c.get("id"),
+                "type": "function",
+                "function": {
+                    "name": (c.get("function") or {}).get("name"),
+                    "arguments": (c.get("function") or {}).get("arguments") or "",
+                },
+            }
+            for c in message["tool_calls"]
+        ]
     elif out["content"] is None:
         out["content"] = ""
     return out
 
 
-def make_record(req: ResponsesRequest, tenant: str, response: dict[str, Any], answer: dict[str, Any], route: str) -> dict[str, Any]:
+def make_record(
+    req: ResponsesRequest, tenant: str, response: dict[str, Any], answer: dict[str, Any], route: str
+) -> dict[str, Any]:
     return {
         "id": response["id"],
         "tenant": tenant,
@@ -790,9 +989,16 @@ def complete_response(req: ResponsesRequest, response_id: str, created_at: int, 
     choice = chat["choices"][0]
     status, incomplete, error = status_of(choice.get("finish_reason"))
     logprobs = shape_logprobs(choice.get("logprobs")) if req.logprobs else None
-    return response_object(req, response_id, created_at, status, output_items(choice["message"], status, logprobs, req,
-                                                                             ItemIds(response_id)),
-                           shape_usage(chat.get("usage")), error, incomplete)
+    return response_object(
+        req,
+        response_id,
+        created_at,
+        status,
+        output_items(choice["message"], status, logprobs, req, ItemIds(response_id)),
+        shape_usage(chat.get("usage")),
+        error,
+        incomplete,
+    )
 
 
 def list_input_items(record: dict[str, Any], limit: int, order: str, after: str | None) -> dict[str, Any]:
@@ -801,14 +1007,20 @@ def list_input_items(record: dict[str, Any], limit: int, order: str, after: str 
         items.reverse()
     if after is not None:
         ids = [i.get("id") for i in items]
-        items = items[ids.index(after) + 1:] if after in ids else []
+        items = items[ids.index(after) + 1 :] if after in ids else []
     page = items[:limit]
     # OpenAI's ResponseItemList requires both ids as strings (not nullable): "" for an empty page
-    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else "",
-            "last_id": page[-1]["id"] if page else "", "has_more": len(items) > limit}
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else "",
+        "last_id": page[-1]["id"] if page else "",
+        "has_more": len(items) > limit,
+    }
 
 
 # ------------------------------------------------------------------------ stream
+
 
 def sse(event: dict[str, Any]) -> bytes:
     return f"event: {event['type']}\ndata: ".encode() + json.dumps(event, ensure_ascii=False).encode() + b"\n\n"
@@ -839,8 +1051,10 @@ class StreamTranslator:
         return response_object(self.req, self.id, self.created_at, status, kw.pop("output", []), **kw)
 
     def start(self) -> list[dict[str, Any]]:
-        return [self.ev("response.created", response=self.snapshot("in_progress")),
-                self.ev("response.in_progress", response=self.snapshot("in_progress"))]
+        return [
+            self.ev("response.created", response=self.snapshot("in_progress")),
+            self.ev("response.in_progress", response=self.snapshot("in_progress")),
+        ]
 
     def _add(self, item: dict[str, Any]) -> list[dict[str, Any]]:
         self.output.append(item)
@@ -858,13 +1072,28 @@ class StreamTranslator:
         if item["type"] == "reasoning":
             if self.req.encrypted_reasoning:
                 item["encrypted_content"] = encode_reasoning(part["text"])
-            events = [self.ev("response.reasoning_text.done", item_id=item["id"], output_index=idx, content_index=0,
-                              text=part["text"]),
-                      self.ev("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0, part=part)]
+            events = [
+                self.ev(
+                    "response.reasoning_text.done",
+                    item_id=item["id"],
+                    output_index=idx,
+                    content_index=0,
+                    text=part["text"],
+                ),
+                self.ev("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0, part=part),
+            ]
         else:
-            events = [self.ev("response.output_text.done", item_id=item["id"], output_index=idx, content_index=0,
-                              text=part["text"], logprobs=part["logprobs"]),
-                      self.ev("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0, part=part)]
+            events = [
+                self.ev(
+                    "response.output_text.done",
+                    item_id=item["id"],
+                    output_index=idx,
+                    content_index=0,
+                    text=part["text"],
+                    logprobs=part["logprobs"],
+                ),
+                self.ev("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0, part=part),
+            ]
         return events + [self.ev("response.output_item.done", output_index=idx, item=item)]
 
     def _close_calls(self, status: str = "completed") -> list[dict[str, Any]]:
@@ -874,8 +1103,14 @@ class StreamTranslator:
             item["status"] = status
             if "namespace" not in item:
                 public_call(item, self.req)
-            events.append(self.ev("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
-                                  arguments=item["arguments"]))
+            events.append(
+                self.ev(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=idx,
+                    arguments=item["arguments"],
+                )
+            )
             events.append(self.ev("response.output_item.done", output_index=idx, item=item))
         self.calls = {}
         return events
@@ -887,11 +1122,24 @@ class StreamTranslator:
             item = {"id": self.ids("rs_"), "type": "reasoning", "summary": [], "status": "in_progress", "content": []}
             part = {"type": "reasoning_text", "text": ""}
         else:
-            item = {"id": self.ids("msg_"), "type": "message", "role": "assistant", "status": "in_progress", "content": []}
+            item = {
+                "id": self.ids("msg_"),
+                "type": "message",
+                "role": "assistant",
+                "status": "in_progress",
+                "content": [],
+            }
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         events += self._add(item)
-        events.append(self.ev("response.content_part.added", item_id=item["id"], output_index=len(self.output) - 1,
-                              content_index=0, part=copy.deepcopy(part)))
+        events.append(
+            self.ev(
+                "response.content_part.added",
+                item_id=item["id"],
+                output_index=len(self.output) - 1,
+                content_index=0,
+                part=copy.deepcopy(part),
+            )
+        )
         item["content"].append(part)
         self.open = item
         return events
@@ -905,12 +1153,23 @@ class StreamTranslator:
         part = item["content"][0]
         part["text"] += delta
         if kind == "reasoning":
-            events.append(self.ev("response.reasoning_text.delta", item_id=item["id"], output_index=idx, content_index=0,
-                                  delta=delta))
+            events.append(
+                self.ev(
+                    "response.reasoning_text.delta", item_id=item["id"], output_index=idx, content_index=0, delta=delta
+                )
+            )
         else:
             part["logprobs"].extend(logprobs)
-            events.append(self.ev("response.output_text.delta", item_id=item["id"], output_index=idx, content_index=0,
-                                  delta=delta, logprobs=logprobs))
+            events.append(
+                self.ev(
+                    "response.output_text.delta",
+                    item_id=item["id"],
+                    output_index=idx,
+                    content_index=0,
+                    delta=delta,
+                    logprobs=logprobs,
+                )
+            )
         return events
 
     def feed(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
@@ -934,8 +1193,14 @@ class StreamTranslator:
                 item = self.calls.get(index)
                 if item is None:
                     events += self._close_open()
-                    item = {"id": self.ids("fc_"), "type": "function_call", "status": "in_progress",
-                            "call_id": call.get("id"), "name": fn.get("name") or "", "arguments": ""}
+                    item = {
+                        "id": self.ids("fc_"),
+                        "type": "function_call",
+                        "status": "in_progress",
+                        "call_id": call.get("id"),
+                        "name": fn.get("name") or "",
+                        "arguments": "",
+                    }
                     if item["name"] in self.req.namespaced:  # engines send the whole name in the first delta
                         public_call(item, self.req)
                     self.calls[index] = item
@@ -945,8 +1210,14 @@ class StreamTranslator:
                     item["name"] += fn.get("name") or ""
                 if fn.get("arguments"):
                     item["arguments"] += fn["arguments"]
-                    events.append(self.ev("response.function_call_arguments.delta", item_id=item["id"],
-                                          output_index=self.output.index(item), delta=fn["arguments"]))
+                    events.append(
+                        self.ev(
+                            "response.function_call_arguments.delta",
+                            item_id=item["id"],
+                            output_index=self.output.index(item),
+                            delta=fn["arguments"],
+                        )
+                    )
             if choice.get("finish_reason"):
                 self.finish = choice["finish_reason"]
         return events
@@ -956,8 +1227,14 @@ class StreamTranslator:
         msg: dict[str, Any] = {"role": "assistant", "content": self.message["content"]}
         calls = [i for i in self.output if i["type"] == "function_call"]
         if calls:
-            msg["tool_calls"] = [{"id": c["call_id"], "type": "function",
-                                  "function": {"name": engine_call_name(c), "arguments": c["arguments"]}} for c in calls]
+            msg["tool_calls"] = [
+                {
+                    "id": c["call_id"],
+                    "type": "function",
+                    "function": {"name": engine_call_name(c), "arguments": c["arguments"]},
+                }
+                for c in calls
+            ]
         return msg
 
     def finish_events(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -969,12 +1246,17 @@ class StreamTranslator:
             events += self._open("message")  # no text, no call: one empty message item, as `output_items` makes
         events += self._close_open(item_status) + self._close_calls(item_status)
         final = self.snapshot(status, output=self.output, usage=self.usage, error=error, incomplete=incomplete)
-        kind = {"completed": "response.completed", "incomplete": "response.incomplete", "failed": "response.failed"}[status]
+        kind = {"completed": "response.completed", "incomplete": "response.incomplete", "failed": "response.failed"}[
+            status
+        ]
         return events + [self.ev(kind, response=final)], final
 
     def failed(self, exc: ProxyError) -> list[dict[str, Any]]:
         """The engine failed after the stream started: close what is open and say so."""
         events = self._close_open("incomplete") + self._close_calls("incomplete")
         error = {"code": "server_error", "message": exc.message}
-        return events + [self.ev("response.failed", response=self.snapshot("failed", output=self.output, error=error,
-                                                                           usage=self.usage))]
+        return events + [
+            self.ev(
+                "response.failed", response=self.snapshot("failed", output=self.output, error=error, usage=self.usage)
+            )
+        ]

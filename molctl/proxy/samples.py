@@ -28,14 +28,30 @@ from typing import Any
 from molctl.profiles import Profile
 
 TOOLS = [
-    {"type": "function", "function": {
-        "name": "get_weather", "description": "Current weather in a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["C", "F"]}},
-                       "required": ["city"]}}},
-    {"type": "function", "function": {
-        "name": "book_table", "description": "Book a restaurant table.",
-        "parameters": {"type": "object", "properties": {"name": {"type": "string"}, "people": {"type": "integer"}},
-                       "required": ["name", "people"]}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["C", "F"]}},
+                "required": ["city"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "book_table",
+            "description": "Book a restaurant table.",
+            "parameters": {
+                "type": "object",
+                "properties": {"name": {"type": "string"}, "people": {"type": "integer"}},
+                "required": ["name", "people"],
+            },
+        },
+    },
 ]
 
 
@@ -82,9 +98,16 @@ class _RecordingClient:
             message = copy.deepcopy(turn.answer)
         else:
             message = {"role": "assistant", "content": f"Summary: {turn.shape}; nothing left open."}
-        return {"id": "chatcmpl-sample", "object": "chat.completion", "created": 0, "model": payload.get("model"),
-                "choices": [{"index": 0, "message": message, "finish_reason": "tool_calls" if message.get("tool_calls") else "stop"}],
-                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+        return {
+            "id": "chatcmpl-sample",
+            "object": "chat.completion",
+            "created": 0,
+            "model": payload.get("model"),
+            "choices": [
+                {"index": 0, "message": message, "finish_reason": "tool_calls" if message.get("tool_calls") else "stop"}
+            ],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+        }
 
     async def chat_stream(self, payload: dict[str, Any], hop: str, **kwargs: Any):
         """The same reply as `chat`, as the engine streams it: one delta, then finish and usage."""
@@ -94,8 +117,12 @@ class _RecordingClient:
         if delta.get("tool_calls"):
             delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(delta["tool_calls"])]
         yield {"id": body["id"], "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta}]}
-        yield {"id": body["id"], "object": "chat.completion.chunk",
-               "choices": [{"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}], "usage": body["usage"]}
+        yield {
+            "id": body["id"],
+            "object": "chat.completion.chunk",
+            "choices": [{"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}],
+            "usage": body["usage"],
+        }
 
 
 def _u(text: str) -> dict[str, Any]:
@@ -111,8 +138,14 @@ def _a(text: str | None, calls: list[dict[str, Any]] | None = None) -> dict[str,
 
 def _conversations() -> dict[str, list[_Turn]]:
     """tenant -> turns; each turn's messages are what the client resends (history + new message)."""
-    u1, a1 = _u("Plan a weekend trip to Kyoto for two."), _a("Day 1: Fushimi Inari early, then Gion. Day 2: Arashiyama.")
-    u2, a2 = _u("Now write a Python function that prints that itinerary."), _a("def itinerary():\n    print('Day 1 ...')")
+    u1, a1 = (
+        _u("Plan a weekend trip to Kyoto for two."),
+        _a("Day 1: Fushimi Inari early, then Gion. Day 2: Arashiyama."),
+    )
+    u2, a2 = (
+        _u("Now write a Python function that prints that itinerary."),
+        _a("def itinerary():\n    print('Day 1 ...')"),
+    )
     s_mid = {"role": "system", "content": "From now on, answer in French."}
     d_mid = {"role": "developer", "content": "Keep answers under 50 words."}
     u3, a3 = _u("Add type hints to it."), _a("def itinerary() -> None: ...")
@@ -121,8 +154,13 @@ def _conversations() -> dict[str, list[_Turn]]:
         _Turn("first turn", [u1], "L1", a1, {}),
         _Turn("folded turn", [u1, a1, u2], "L2", a2, {"reasoning_effort": "high"}),
         _Turn("mid-conversation system and developer", [u1, a1, u2, a2, s_mid, d_mid, u3], "L2", a3, {}),
-        _Turn("folded turn with mid-conversation system and developer", [u1, a1, u2, a2, s_mid, d_mid, u3, a3, u4],
-              "L1", _a("Try a ryokan near Hanamikoji."), {}),
+        _Turn(
+            "folded turn with mid-conversation system and developer",
+            [u1, a1, u2, a2, s_mid, d_mid, u3, a3, u4],
+            "L1",
+            _a("Try a ryokan near Hanamikoji."),
+            {},
+        ),
     ]
 
     sys_ = {"role": "system", "content": "You are the assistant of Example Corp. Today is Monday."}
@@ -130,42 +168,86 @@ def _conversations() -> dict[str, list[_Turn]]:
     ui1, ai1 = _u("Who are you?"), _a("I am the Example Corp assistant.")
     instructions = [
         _Turn("system and developer instructions", [sys_, dev, ui1], "L0", ai1, {"reasoning_effort": "none"}),
-        _Turn("system and developer instructions, next turn", [sys_, dev, ui1, ai1, _u("Build me a signup form.")],
-              "L3", _a("<form>...</form>"), {"reasoning_effort": "medium"}),
+        _Turn(
+            "system and developer instructions, next turn",
+            [sys_, dev, ui1, ai1, _u("Build me a signup form.")],
+            "L3",
+            _a("<form>...</form>"),
+            {"reasoning_effort": "medium"},
+        ),
     ]
-    developer_only = [_Turn("developer instructions only", [dev, _u("Fix the failing test in utils.py.")], "L2",
-                            _a("The assertion compares str to int; cast first."), {})]
+    developer_only = [
+        _Turn(
+            "developer instructions only",
+            [dev, _u("Fix the failing test in utils.py.")],
+            "L2",
+            _a("The assertion compares str to int; cast first."),
+            {},
+        )
+    ]
 
-    calls = [{"id": "call_paris", "type": "function",
-              "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "C"}'}},
-             {"id": "call_book", "type": "function",
-              "function": {"name": "book_table", "arguments": '{"name": "Chez Marie", "people": 2}'}}]
+    calls = [
+        {
+            "id": "call_paris",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "C"}'},
+        },
+        {
+            "id": "call_book",
+            "type": "function",
+            "function": {"name": "book_table", "arguments": '{"name": "Chez Marie", "people": 2}'},
+        },
+    ]
     ut, at = _u("What is the weather in Paris, and book Chez Marie for two."), _a(None, calls)
-    results = [{"role": "tool", "tool_call_id": "call_paris", "content": '{"temp": 18, "sky": "sunny"}'},
-               {"role": "tool", "tool_call_id": "call_book", "content": "booked: table 7 at 20:00"}]
+    results = [
+        {"role": "tool", "tool_call_id": "call_paris", "content": '{"temp": 18, "sky": "sunny"}'},
+        {"role": "tool", "tool_call_id": "call_book", "content": "booked: table 7 at 20:00"},
+    ]
     final = _a("It is 18 C and sunny in Paris; Chez Marie is booked for two at 20:00 (table 7).")
     tool_sys = {"role": "system", "content": "Use the tools when they help."}
     tools = [
         _Turn("tool call", [tool_sys, ut], "L1", at, {"tools": TOOLS}),
         _Turn("tool result", [tool_sys, ut, at, *results], None, final, {"tools": TOOLS}),
-        _Turn("folded tool turn", [tool_sys, ut, at, *results, final, _u("Write a script that checks the weather daily.")],
-              "L2", _a("import requests ..."), {"tools": TOOLS}),
+        _Turn(
+            "folded tool turn",
+            [tool_sys, ut, at, *results, final, _u("Write a script that checks the weather daily.")],
+            "L2",
+            _a("import requests ..."),
+            {"tools": TOOLS},
+        ),
     ]
+
     # content as lists of text parts, as agent clients send it: the engine's content format decides
     # whether the template gets a string or the parts (vLLM's --chat-template-content-format)
     def parts(*texts: str) -> list[dict[str, str]]:
         return [{"type": "text", "text": t} for t in texts]
+
     p_sys = {"role": "system", "content": parts("You are a coding agent.", "Run tests before you answer.")}
     p_user = {"role": "user", "content": parts("Read config.toml", "and tell me the port.")}
-    p_call = _a(None, [{"id": "call_read", "type": "function",
-                        "function": {"name": "get_weather", "arguments": '{"city": "config.toml"}'}}])
+    p_call = _a(
+        None,
+        [
+            {
+                "id": "call_read",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "config.toml"}'},
+            }
+        ],
+    )
     p_result = {"role": "tool", "tool_call_id": "call_read", "content": parts("port = 8200", "host = 127.0.0.1")}
     multipart = [
         _Turn("multi-part tool call", [p_sys, p_user], "L2", p_call, {"tools": TOOLS}),
-        _Turn("multi-part tool result", [p_sys, p_user, p_call, p_result], None, _a("The port is 8200."), {"tools": TOOLS}),
+        _Turn(
+            "multi-part tool result", [p_sys, p_user, p_call, p_result], None, _a("The port is 8200."), {"tools": TOOLS}
+        ),
     ]
-    return {"sample-chat": chat, "sample-instructions": instructions, "sample-developer": developer_only,
-            "sample-tools": tools, "sample-parts": multipart}
+    return {
+        "sample-chat": chat,
+        "sample-instructions": instructions,
+        "sample-developer": developer_only,
+        "sample-tools": tools,
+        "sample-parts": multipart,
+    }
 
 
 async def collect_async(profile: Profile, stream: bool = False) -> list[HopRequest]:
@@ -180,7 +262,11 @@ async def collect_async(profile: Profile, stream: bool = False) -> list[HopReque
     for tenant, turns in _conversations().items():
         for turn in turns:
             client.turn, client.conversation = turn, tenant
-            body = {"model": profile.served_model_name, "messages": copy.deepcopy(turn.messages), **copy.deepcopy(turn.extra)}
+            body = {
+                "model": profile.served_model_name,
+                "messages": copy.deepcopy(turn.messages),
+                **copy.deepcopy(turn.extra),
+            }
             if stream:
                 body["stream"] = True
             plan = orch.prepare(body, tenant)

@@ -43,7 +43,9 @@ class DrainingServer(uvicorn.Server):
         if self.key_file is not None:
             self._loop.add_signal_handler(signal.SIGHUP, self.reload_keys)
         else:
-            self._loop.add_signal_handler(signal.SIGHUP, lambda: log.warning("SIGHUP: no key file to re-read; keys unchanged"))
+            self._loop.add_signal_handler(
+                signal.SIGHUP, lambda: log.warning("SIGHUP: no key file to re-read; keys unchanged")
+            )
 
     def reload_keys(self) -> None:
         """The SIGHUP handler (on the loop): the key file is read and hashed in a worker thread (a
@@ -60,8 +62,11 @@ class DrainingServer(uvicorn.Server):
             try:
                 table = await asyncio.to_thread(self._read_key_table)
             except Exception:  # noqa: BLE001 - never kill the loop's task; the old keys stay
-                log.exception("SIGHUP: key file %s not reloaded; keeping the %d old key(s)", self.key_file,
-                              len(self.proxy_app.keys))
+                log.exception(
+                    "SIGHUP: key file %s not reloaded; keeping the %d old key(s)",
+                    self.key_file,
+                    len(self.proxy_app.keys),
+                )
                 table = None
             if table is not None:
                 self.proxy_app.keys = table
@@ -79,16 +84,25 @@ class DrainingServer(uvicorn.Server):
 
         try:
             if not stat.S_ISREG(os.stat(self.key_file).st_mode):  # a FIFO would block the reload for ever
-                log.error("SIGHUP: key file %s is not a regular file; keeping the %d old key(s)", self.key_file,
-                          len(self.proxy_app.keys))
+                log.error(
+                    "SIGHUP: key file %s is not a regular file; keeping the %d old key(s)",
+                    self.key_file,
+                    len(self.proxy_app.keys),
+                )
                 return None
             keys = load_keys_settled(self.key_file)  # not a file caught half-written
         except (OSError, UnicodeDecodeError) as exc:
-            log.error("SIGHUP: key file %s not reloaded (%s); keeping the %d old key(s)", self.key_file,
-                      getattr(exc, "strerror", None) or type(exc).__name__, len(self.proxy_app.keys))
+            log.error(
+                "SIGHUP: key file %s not reloaded (%s); keeping the %d old key(s)",
+                self.key_file,
+                getattr(exc, "strerror", None) or type(exc).__name__,
+                len(self.proxy_app.keys),
+            )
             return None
         if not keys:
-            log.error("SIGHUP: key file %s holds no key; keeping the %d old key(s)", self.key_file, len(self.proxy_app.keys))
+            log.error(
+                "SIGHUP: key file %s holds no key; keeping the %d old key(s)", self.key_file, len(self.proxy_app.keys)
+            )
             return None
         return key_table(keys)
 
@@ -118,24 +132,55 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def serve(app: ProxyApp, host: str, port: int, drain_timeout_s: float, key_file: Path | None = None,
-          socks: list[socket.socket] | None = None) -> None:
+def serve(
+    app: ProxyApp,
+    host: str,
+    port: int,
+    drain_timeout_s: float,
+    key_file: Path | None = None,
+    socks: list[socket.socket] | None = None,
+) -> None:
     """Serve `app` until a signal ends the drain; on `socks` when given (bound already: see run_proxy)."""
+
     def refused(status: int) -> None:  # a request head over the bound (molctl.proxy.http_protocol)
         app.counters.inc("requests_total", api="other", status=str(status), stream="false")
 
-    http = HeadHoldingHttpToolsProtocol.configured(max_head_bytes=app.profile.proxy.max_request_head_bytes,
-                                                   on_refused=refused)
-    config = uvicorn.Config(app, host=host, port=port, loop="uvloop", http=http, lifespan="on",
-                            access_log=False, log_level="info", timeout_graceful_shutdown=5,
-                            timeout_keep_alive=15)
+    http = HeadHoldingHttpToolsProtocol.configured(
+        max_head_bytes=app.profile.proxy.max_request_head_bytes, on_refused=refused
+    )
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        loop="uvloop",
+        http=http,
+        lifespan="on",
+        access_log=False,
+        log_level="info",
+        timeout_graceful_shutdown=5,
+        timeout_keep_alive=15,
+    )
     DrainingServer(config, app, drain_timeout_s, key_file).run(sockets=socks)
 
 
-def run_proxy(name: str, ctx, overrides, *, upstream: str, host: str, port: int | None, api_key_file: Path | None,
-              allow_unauthenticated: bool, drain_timeout: float, sse_keepalive: float | None,
-              log_max_bytes: int | None = None, log_backups: int = 2, replica_id: str | None = None,
-              advertise_upstream: str | None = None, metrics_port: int | None = None) -> None:
+def run_proxy(
+    name: str,
+    ctx,
+    overrides,
+    *,
+    upstream: str,
+    host: str,
+    port: int | None,
+    api_key_file: Path | None,
+    allow_unauthenticated: bool,
+    drain_timeout: float,
+    sse_keepalive: float | None,
+    log_max_bytes: int | None = None,
+    log_backups: int = 2,
+    replica_id: str | None = None,
+    advertise_upstream: str | None = None,
+    metrics_port: int | None = None,
+) -> None:
     """Load the profile (with the start's overrides), the keys and the log rotation; serve until
     a signal ends the drain. `ctx` gives dirs() (the CLI's Context)."""
     from molctl.engines import get_engine
@@ -170,24 +215,45 @@ def run_proxy(name: str, ctx, overrides, *, upstream: str, host: str, port: int 
         from molctl.proxy.metrics import bind_metrics
 
         metrics_sock = bind_metrics(profile.proxy.metrics_host, profile.proxy.metrics_port)  # in use: exit 4
-    metrics = {"metrics_port": profile.proxy.metrics_port, "metrics_host": profile.proxy.metrics_host,
-               "metrics_sock": metrics_sock}
+    metrics = {
+        "metrics_port": profile.proxy.metrics_port,
+        "metrics_host": profile.proxy.metrics_host,
+        "metrics_sock": metrics_sock,
+    }
     keepalive = sse_keepalive or profile.proxy.sse_keepalive_s  # the option wins over the profile
-    shared = build_shared_state(profile, upstream, listen_port, replica_id, advertise_upstream)  # unreachable: one line, exit 1
+    shared = build_shared_state(
+        profile, upstream, listen_port, replica_id, advertise_upstream
+    )  # unreachable: one line, exit 1
     if shared is not None:
         from molctl.proxy.redis_store import RedisConversationStore, RedisResponseStore
 
-        app = ProxyApp(profile, get_engine(profile.engine.kind), upstream, keys, sse_keepalive_s=keepalive,
-                       response_store=RedisResponseStore(shared), shared_state=shared,
-                       store=RedisConversationStore(shared, summary_wait_s=profile.proxy.summary_wait_s), **metrics)
+        app = ProxyApp(
+            profile,
+            get_engine(profile.engine.kind),
+            upstream,
+            keys,
+            sse_keepalive_s=keepalive,
+            response_store=RedisResponseStore(shared),
+            shared_state=shared,
+            store=RedisConversationStore(shared, summary_wait_s=profile.proxy.summary_wait_s),
+            **metrics,
+        )
         serve(app, host, listen_port, drain_timeout, api_key_file, public_socks)
         return
     store = build_response_store(profile, ctx.state_dir)  # a StoreError: one line, exit non-zero, nothing served
     try:
         conversations = build_conversation_store(store)
         extra = {"store": conversations} if conversations is not None else {}
-        app = ProxyApp(profile, get_engine(profile.engine.kind), upstream, keys, sse_keepalive_s=keepalive,
-                       response_store=store, **metrics, **extra)
+        app = ProxyApp(
+            profile,
+            get_engine(profile.engine.kind),
+            upstream,
+            keys,
+            sse_keepalive_s=keepalive,
+            response_store=store,
+            **metrics,
+            **extra,
+        )
         serve(app, host, listen_port, drain_timeout, api_key_file, public_socks)
     finally:
         store.close()
@@ -216,15 +282,33 @@ def build_shared_state(profile, upstream: str, port: int, replica_id: str | None
     if why is not None:
         raise unreachable_error(target, why)
     advertised = advertise_upstream or p.advertise_upstream or upstream
-    _check_advertised(advertised, "--advertise-upstream" if advertise_upstream else
-                      "proxy.advertise_upstream" if p.advertise_upstream else "--upstream")
+    _check_advertised(
+        advertised,
+        "--advertise-upstream"
+        if advertise_upstream
+        else "proxy.advertise_upstream"
+        if p.advertise_upstream
+        else "--upstream",
+    )
     from molctl.proxy.sqlite_store import tenant_bounds
 
-    state = RedisState(target, password, profile.name, replica_id=replica_id or default_replica_id(port),
-                       advertise_upstream=advertised, ttl_s=p.store_ttl_s, max_entries=p.store_max_entries,
-                       max_bytes=p.store_max_bytes, **tenant_bounds(p))
-    log.info("state store: %s (shared; replica %s, engine advertised as %s)", target.address, state.replica_id,
-             state.advertise_upstream)
+    state = RedisState(
+        target,
+        password,
+        profile.name,
+        replica_id=replica_id or default_replica_id(port),
+        advertise_upstream=advertised,
+        ttl_s=p.store_ttl_s,
+        max_entries=p.store_max_entries,
+        max_bytes=p.store_max_bytes,
+        **tenant_bounds(p),
+    )
+    log.info(
+        "state store: %s (shared; replica %s, engine advertised as %s)",
+        target.address,
+        state.replica_id,
+        state.advertise_upstream,
+    )
     return state
 
 
@@ -246,8 +330,10 @@ def _check_advertised(url: str, label: str) -> None:
         raise UsageError(f"{label} {url!r}: {expected}")
     if parts.username is not None or parts.password is not None:
         shown = url.replace(parts.netloc, parts.netloc.rpartition("@")[2], 1)
-        raise UsageError(f"{label} {shown!r} carries a user name or password: {expected} (peers read it from the "
-                         "shared store in clear), without credentials")
+        raise UsageError(
+            f"{label} {shown!r} carries a user name or password: {expected} (peers read it from the "
+            "shared store in clear), without credentials"
+        )
     if parts.query or parts.fragment:
         raise UsageError(f"{label} {url!r} has a query or fragment: {expected}[/PATH]")
 
@@ -280,7 +366,15 @@ def build_response_store(profile, state_dir: Path):
     from molctl.proxy.sqlite_store import open_store, tenant_bounds
 
     p = profile.proxy
-    store = open_store(p.store, state_dir, profile.name, ttl_s=p.store_ttl_s, max_bytes=p.store_max_bytes,
-                       max_entries=p.store_max_entries, commit_delay_s=p.state_commit_ms / 1000, **tenant_bounds(p))
+    store = open_store(
+        p.store,
+        state_dir,
+        profile.name,
+        ttl_s=p.store_ttl_s,
+        max_bytes=p.store_max_bytes,
+        max_entries=p.store_max_entries,
+        commit_delay_s=p.state_commit_ms / 1000,
+        **tenant_bounds(p),
+    )
     log.info("response store: %s", getattr(store, "path", "memory (lost on restart)"))
     return store

@@ -99,8 +99,14 @@ def role_delta() -> dict[str, Any]:
     return {"role": "assistant", "content": "", "refusal": None}
 
 
-def chunk(response_id: str, public_model: str, created: int, delta: dict[str, Any] | None,
-          finish_reason: str | None = None, logprobs: Any = None) -> dict[str, Any]:
+def chunk(
+    response_id: str,
+    public_model: str,
+    created: int,
+    delta: dict[str, Any] | None,
+    finish_reason: str | None = None,
+    logprobs: Any = None,
+) -> dict[str, Any]:
     return {
         "id": response_id,
         "object": "chat.completion.chunk",
@@ -111,8 +117,14 @@ def chunk(response_id: str, public_model: str, created: int, delta: dict[str, An
 
 
 def usage_chunk(response_id: str, public_model: str, created: int, usage: dict[str, Any]) -> dict[str, Any]:
-    return {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": public_model,
-            "choices": [], "usage": usage}
+    return {
+        "id": response_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": public_model,
+        "choices": [],
+        "usage": usage,
+    }
 
 
 def shape_delta(delta: dict[str, Any]) -> dict[str, Any]:

@@ -97,11 +97,16 @@ EVICT_BATCH = 64  # eviction reads its candidates this many at a time
 BUSY_TIMEOUT_S = 2.0  # how long a call waits for another process's write lock before "locked"
 PRUNE_EVERY_S = 60.0  # expired rows are deleted by a put at most this often (they are invisible anyway)
 LOSS_LOG_EVERY_S = 10.0  # lost chat-state rows: one warning at once, then at most one per this many seconds
-WRITE_CAUSES = {"ENOSPC": "ENOSPC: no space left on the device", "EIO": "EIO: a disk I/O error",
-                "damaged": "the store is damaged"}
+WRITE_CAUSES = {
+    "ENOSPC": "ENOSPC: no space left on the device",
+    "EIO": "EIO: a disk I/O error",
+    "damaged": "the store is damaged",
+}
 QUICK_CHECK_S = 5.0  # PRAGMA quick_check at open, at most this long (a larger file is checked in part)
-DAMAGED_ADVICE = ("stop the proxy, then move the file aside with its -wal and -shm files to start with an empty "
-                  "store, or recover what it holds with `sqlite3 FILE .recover | sqlite3 NEW`")
+DAMAGED_ADVICE = (
+    "stop the proxy, then move the file aside with its -wal and -shm files to start with an empty "
+    "store, or recover what it holds with `sqlite3 FILE .recover | sqlite3 NEW`"
+)
 
 COLUMNS = ("tenant", "id", "created_at", "previous_response_id", "route")
 JSON_COLUMNS = ("messages", "input_items", "response")
@@ -304,13 +309,15 @@ def parse_store_spec(spec: str) -> tuple[str, Path | None]:
         parse_redis_url(spec)
         return "redis", None
     if spec.startswith("sqlite:"):
-        path = spec[len("sqlite:"):]
+        path = spec[len("sqlite:") :]
         if not path or not os.path.isabs(path):
             raise ValueError(f"{spec!r}: the path after 'sqlite:' must be absolute")
         return "sqlite", Path(path)
     shown = re.sub(r"^([^:/]*://).*@", r"\1***@", spec)  # a URL's user part may hold a password: never echoed
-    raise ValueError(f"{shown!r}: expected 'sqlite', 'memory', 'sqlite:/absolute/path.sqlite3', redis://host:port/db "
-                     "or rediss://host:port/db")
+    raise ValueError(
+        f"{shown!r}: expected 'sqlite', 'memory', 'sqlite:/absolute/path.sqlite3', redis://host:port/db "
+        "or rediss://host:port/db"
+    )
 
 
 def resolve_store(spec: str, state_dir: Path, profile: str) -> tuple[str, Path | None]:
@@ -356,11 +363,22 @@ class SqliteResponseStore:
 
     slow_puts = True  # a put encodes JSON and commits: LocalResponses sends large ones to a worker thread
 
-    def __init__(self, path: Path | str, ttl_s: float = DEFAULT_TTL_S, max_bytes: int = DEFAULT_MAX_BYTES,
-                 max_entries: int = DEFAULT_MAX_ENTRIES, clock: Callable[[], float] = time.time, create: bool = True,
-                 busy_timeout_s: float = BUSY_TIMEOUT_S, commit_delay_s: float = 0.0, reads_only: bool = False,
-                 integrity_check_s: float = QUICK_CHECK_S, tenant_max_bytes: int | None = None,
-                 tenant_max_entries: int | None = None, migrate: bool | None = None):
+    def __init__(
+        self,
+        path: Path | str,
+        ttl_s: float = DEFAULT_TTL_S,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        max_entries: int = DEFAULT_MAX_ENTRIES,
+        clock: Callable[[], float] = time.time,
+        create: bool = True,
+        busy_timeout_s: float = BUSY_TIMEOUT_S,
+        commit_delay_s: float = 0.0,
+        reads_only: bool = False,
+        integrity_check_s: float = QUICK_CHECK_S,
+        tenant_max_bytes: int | None = None,
+        tenant_max_entries: int | None = None,
+        migrate: bool | None = None,
+    ):
         self.path = Path(path)
         # an older schema is migrated at open, except for a reader or a check (`migrate` False, the
         # default for reads_only): looking at a store never upgrades it, which an older molctl then
@@ -371,7 +389,9 @@ class SqliteResponseStore:
         # the global cap, i.e. no quota of its own; the proxy passes the profile's, by default a quarter
         # of the global caps: `tenant_bounds`); the global caps still hold as a last resort
         self.tenant_max_bytes = min(max_bytes, tenant_max_bytes) if tenant_max_bytes is not None else max_bytes
-        self.tenant_max_entries = min(max_entries, tenant_max_entries) if tenant_max_entries is not None else max_entries
+        self.tenant_max_entries = (
+            min(max_entries, tenant_max_entries) if tenant_max_entries is not None else max_entries
+        )
         self.integrity_check_s = integrity_check_s
         # the open's quick_check: "ok", "new file", or "not finished in N s (...)"
         self.integrity = "new file"
@@ -408,11 +428,14 @@ class SqliteResponseStore:
             self._create_file()
         elif 0 < _size(self.path) < 100:  # shorter than SQLite's header: SQLite would take a 1-byte file for
             # an empty database and write a new store over it (a 50-byte one is "not a database")
-            raise StoreError(f"response store {self.path}: {_size(self.path)} bytes, not a database "
-                             "(corrupted or not a molctl store: move it aside to start with an empty store)")
+            raise StoreError(
+                f"response store {self.path}: {_size(self.path)} bytes, not a database "
+                "(corrupted or not a molctl store: move it aside to start with an empty store)"
+            )
         try:
-            self._conn = sqlite3.connect(str(self.path), timeout=busy_timeout_s, isolation_level=None,
-                                         check_same_thread=False)
+            self._conn = sqlite3.connect(
+                str(self.path), timeout=busy_timeout_s, isolation_level=None, check_same_thread=False
+            )
             self._setup()
             self._identity = _identity(self.path)  # the file this connection writes (see `file_replaced`)
             self._replaced_logged = False
@@ -444,13 +467,17 @@ class SqliteResponseStore:
             conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             conn.execute("COMMIT")
         elif version not in (1, 2, SCHEMA_VERSION):
-            raise StoreError(f"response store {self.path}: schema version {version}, this molctl knows {SCHEMA_VERSION} "
-                             f"(written by another molctl version; move it aside or use that version)")
+            raise StoreError(
+                f"response store {self.path}: schema version {version}, this molctl knows {SCHEMA_VERSION} "
+                f"(written by another molctl version; move it aside or use that version)"
+            )
         else:
             needed = {1: {"responses", "meta"}, 2: {"responses", "meta", "turns", "calls"}}.get(version, TABLES)
             if not needed <= tables:
-                raise StoreError(f"response store {self.path}: schema version {version} but tables missing "
-                                 f"({', '.join(sorted(needed - tables))}): corrupted")
+                raise StoreError(
+                    f"response store {self.path}: schema version {version} but tables missing "
+                    f"({', '.join(sorted(needed - tables))}): corrupted"
+                )
             mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
             if mode != "wal":
                 raise StoreError(f"response store {self.path}: cannot switch to WAL (journal mode {mode})")
@@ -481,7 +508,7 @@ class SqliteResponseStore:
         except sqlite3.OperationalError as exc:
             if "interrupt" not in str(exc):
                 raise
-            mib = _size(self.path) / 2 ** 20
+            mib = _size(self.path) / 2**20
             self.integrity = f"not finished in {self.integrity_check_s:g} s (a {mib:.1f} MiB file): checked in part"
             log.warning("response store %s: integrity check %s", self.path, self.integrity)
             return
@@ -489,8 +516,10 @@ class SqliteResponseStore:
             conn.set_progress_handler(None, 0)
         if problems != ["ok"]:
             found = "; ".join(" ".join(p.split()) for p in problems)
-            raise StoreError(f"response store {self.path}: damaged (PRAGMA quick_check: {found[:300]}): "
-                             f"{DAMAGED_ADVICE}", cause="damaged")
+            raise StoreError(
+                f"response store {self.path}: damaged (PRAGMA quick_check: {found[:300]}): {DAMAGED_ADVICE}",
+                cause="damaged",
+            )
         self.integrity = "ok"
 
     def health(self) -> str | None:
@@ -516,8 +545,10 @@ class SqliteResponseStore:
 
     def _refuse_if_damaged(self, what: str) -> None:
         if self.damaged is not None:
-            raise StoreError(f"response store {self.path}: {what} not written: the store is damaged ({self.damaged})",
-                             cause="damaged")
+            raise StoreError(
+                f"response store {self.path}: {what} not written: the store is damaged ({self.damaged})",
+                cause="damaged",
+            )
 
     def _migrate(self, version: int) -> None:
         """v1 (responses only) -> v2 (the conversation tables added) -> v3 (chains, segments, per-tenant
@@ -541,8 +572,13 @@ class SqliteResponseStore:
             _rollback(conn)
             raise
         if self.migrated_from:
-            log.info("state store %s: migrated from schema version %d to %d (a chain's history stored once, "
-                     "per-tenant quotas)", self.path, self.migrated_from, SCHEMA_VERSION)
+            log.info(
+                "state store %s: migrated from schema version %d to %d (a chain's history stored once, "
+                "per-tenant quotas)",
+                self.path,
+                self.migrated_from,
+                SCHEMA_VERSION,
+            )
 
     # ------------------------------------------------------------------ protocol
     def put_response(self, record: ResponseRecord, wait: bool = True) -> None:
@@ -601,27 +637,45 @@ class SqliteResponseStore:
         conn.execute("DELETE FROM responses WHERE tenant = ? AND id = ?", (tenant, rid))
         chain, base, inherited = None, 0, 0
         if previous is not None:
-            tip = conn.execute("SELECT r.chain, r.n_messages FROM responses r JOIN chains c ON c.id = r.chain "
-                               "WHERE r.tenant = ? AND r.id = ? AND c.length = r.n_messages", (tenant, previous)).fetchone()
+            tip = conn.execute(
+                "SELECT r.chain, r.n_messages FROM responses r JOIN chains c ON c.id = r.chain "
+                "WHERE r.tenant = ? AND r.id = ? AND c.length = r.n_messages",
+                (tenant, previous),
+            ).fetchone()
             if tip is not None and tip[1] <= len(messages):
                 chain, base = tip
-                inherited = conn.execute("SELECT coalesce(sum(size), 0) FROM segments WHERE chain = ?", (chain,)).fetchone()[0]
+                inherited = conn.execute(
+                    "SELECT coalesce(sum(size), 0) FROM segments WHERE chain = ?", (chain,)
+                ).fetchone()[0]
         text = _json(messages[base:]) if len(messages) > base else None
         seg_size = len(text.encode()) if text is not None else 0
         whole = head[-1] + seg_size + inherited  # what this response holds: its row and its conversation
-        for cap, name in ((self.max_bytes, "proxy.store_max_bytes"), (self.tenant_max_bytes, "proxy.store_tenant_max_bytes")):
+        for cap, name in (
+            (self.max_bytes, "proxy.store_max_bytes"),
+            (self.tenant_max_bytes, "proxy.store_tenant_max_bytes"),
+        ):
             if whole > cap:  # evicting every other record could not make room: nothing is evicted
-                raise QuotaExceeded(f"response store {self.path}: a record of {whole} bytes (with its conversation) is over "
-                                    f"{name} ({cap}): not stored", whole, cap, name)
+                raise QuotaExceeded(
+                    f"response store {self.path}: a record of {whole} bytes (with its conversation) is over "
+                    f"{name} ({cap}): not stored",
+                    whole,
+                    cap,
+                    name,
+                )
         if chain is None:
             chain = conn.execute("INSERT INTO chains (tenant, length, refs) VALUES (?, 0, 0)", (tenant,)).lastrowid
         if text is not None:
-            conn.execute("INSERT INTO segments (chain, start, stop, tenant, messages, size) VALUES (?, ?, ?, ?, ?, ?)",
-                         (chain, base, len(messages), tenant, text, seg_size))
+            conn.execute(
+                "INSERT INTO segments (chain, start, stop, tenant, messages, size) VALUES (?, ?, ?, ?, ?, ?)",
+                (chain, base, len(messages), tenant, text, seg_size),
+            )
         conn.execute("UPDATE chains SET length = ? WHERE id = ?", (len(messages), chain))
-        return conn.execute("INSERT INTO responses (tenant, id, created_at, previous_response_id, route, messages, "
-                            "input_items, response, extra, size, chain, n_messages) "
-                            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", (*head, chain, len(messages))).lastrowid
+        return conn.execute(
+            "INSERT INTO responses (tenant, id, created_at, previous_response_id, route, messages, "
+            "input_items, response, extra, size, chain, n_messages) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (*head, chain, len(messages)),
+        ).lastrowid
 
     def _put_back(self, turns: dict[bytes, tuple], calls: dict[tuple[str, str], tuple]) -> None:
         """Rows taken for a transaction that failed, back in the queue (a row queued again since keeps
@@ -641,11 +695,14 @@ class SqliteResponseStore:
             row = self._conn.execute(
                 "SELECT tenant, id, created_at, previous_response_id, route, messages, input_items, response, extra, "
                 "chain, n_messages FROM responses WHERE tenant = ? AND id = ? AND created_at >= ?",
-                (tenant, response_id, self.clock() - self.ttl_s)).fetchone()
+                (tenant, response_id, self.clock() - self.ttl_s),
+            ).fetchone()
             segments = None
             if row is not None and row[9] is not None:  # its conversation: the chain's segments up to it
-                segments = self._conn.execute("SELECT start, stop, messages FROM segments WHERE chain = ? AND start < ? "
-                                              "ORDER BY start", (row[9], row[10])).fetchall()
+                segments = self._conn.execute(
+                    "SELECT start, stop, messages FROM segments WHERE chain = ? AND start < ? ORDER BY start",
+                    (row[9], row[10]),
+                ).fetchall()
         if row is None:
             return None
         try:
@@ -655,8 +712,11 @@ class SqliteResponseStore:
             if segments is not None:
                 record["messages"] = _conversation(segments, row[10])
         except (ValueError, TypeError, AttributeError) as exc:  # JSON that does not parse, or not an object
-            why = (f"the conversation of {response_id[:80]} is incomplete ({exc})" if isinstance(exc, ChainGap)
-                   else f"the record of {response_id[:80]} does not parse ({type(exc).__name__})")
+            why = (
+                f"the conversation of {response_id[:80]} is incomplete ({exc})"
+                if isinstance(exc, ChainGap)
+                else f"the record of {response_id[:80]} does not parse ({type(exc).__name__})"
+            )
             self._damage_seen(why)
             raise StoreError(f"response store {self.path}: {why}: damaged", cause="damaged") from None
         return record
@@ -693,10 +753,15 @@ class SqliteResponseStore:
         with self._locked("stats"):
             meta = dict(self._conn.execute("SELECT key, value FROM meta"))
             oldest = self._conn.execute("SELECT min(created_at) FROM responses").fetchone()[0]
-        return {"responses": meta.get("rows", 0), "responses_bytes": meta.get("bytes", 0),
-                "responses_evicted": meta.get("evicted", 0), "responses_expired": meta.get("expired", 0),
-                "responses_oldest_created_at": int(oldest or 0), **_conv_stats(meta),
-                "file_replaced": int(self.file_replaced())}
+        return {
+            "responses": meta.get("rows", 0),
+            "responses_bytes": meta.get("bytes", 0),
+            "responses_evicted": meta.get("evicted", 0),
+            "responses_expired": meta.get("expired", 0),
+            "responses_oldest_created_at": int(oldest or 0),
+            **_conv_stats(meta),
+            "file_replaced": int(self.file_replaced()),
+        }
 
     def file_replaced(self) -> bool:
         """Whether the store's path no longer names the file this connection writes (deleted or
@@ -705,8 +770,11 @@ class SqliteResponseStore:
         replaced = _identity(self.path) != self._identity
         if replaced and not self._replaced_logged:
             self._replaced_logged = True
-            log.warning("response store %s was deleted or replaced while this proxy runs: what it stores from now "
-                        "on is lost when it restarts (restart it to use the file at that path)", self.path)
+            log.warning(
+                "response store %s was deleted or replaced while this proxy runs: what it stores from now "
+                "on is lost when it restarts (restart it to use the file at that path)",
+                self.path,
+            )
         return replaced
 
     def prune(self) -> dict[str, int]:
@@ -719,36 +787,59 @@ class SqliteResponseStore:
             try:
                 now = self.clock()
                 expired, evicted = self._expire_group("responses", now), self._evict_responses(None)
-                conv_expired, conv_evicted = self._expire_group("conversations", now), self._evict_group("conversations")
+                conv_expired, conv_evicted = (
+                    self._expire_group("conversations", now),
+                    self._evict_group("conversations"),
+                )
                 conn.execute("COMMIT")
             except BaseException:
                 _rollback(conn)
                 raise
-        return {"expired": expired, "evicted": evicted, "conversation_expired": conv_expired,
-                "conversation_evicted": conv_evicted}
+        return {
+            "expired": expired,
+            "evicted": evicted,
+            "conversation_expired": conv_expired,
+            "conversation_evicted": conv_evicted,
+        }
 
     def describe(self) -> dict[str, Any]:
         """stats() plus what `molctl state stats` shows: the file, its size on disk (with the WAL),
         the bounds, the rows already expired but not pruned."""
-        out: dict[str, Any] = {"backend": "sqlite", "path": str(self.path), "exists": True,
-                               "schema_version": self.file_version, "integrity": self.integrity}
+        out: dict[str, Any] = {
+            "backend": "sqlite",
+            "path": str(self.path),
+            "exists": True,
+            "schema_version": self.file_version,
+            "integrity": self.integrity,
+        }
         if self.file_version < SCHEMA_VERSION:
-            out["migration_pending"] = (f"schema {self.file_version} -> {SCHEMA_VERSION} when a proxy or `state prune` "
-                                        "next opens it (an older molctl then refuses the file: keep a copy to roll back)")
+            out["migration_pending"] = (
+                f"schema {self.file_version} -> {SCHEMA_VERSION} when a proxy or `state prune` "
+                "next opens it (an older molctl then refuses the file: keep a copy to roll back)"
+            )
         out.update(self.stats())
         with self._locked("stats"):
             cutoff = self.clock() - self.ttl_s
             out["responses_expired_pending"] = self._conn.execute(
-                "SELECT count(*) FROM responses WHERE created_at < ?", (cutoff,)).fetchone()[0]
+                "SELECT count(*) FROM responses WHERE created_at < ?", (cutoff,)
+            ).fetchone()[0]
             conv = ("turns", "calls") if self.file_version >= 2 else ()  # a v1 file has no conversation tables
-            out["turns"], out["calls"] = (self._conn.execute(f"SELECT count(*) FROM {t}").fetchone()[0]
-                                          if t in conv else 0 for t in ("turns", "calls"))
-            out["conversation_expired_pending"] = sum(self._conn.execute(
-                f"SELECT count(*) FROM {t} WHERE stamp < ?", (cutoff,)).fetchone()[0] for t in conv)
+            out["turns"], out["calls"] = (
+                self._conn.execute(f"SELECT count(*) FROM {t}").fetchone()[0] if t in conv else 0
+                for t in ("turns", "calls")
+            )
+            out["conversation_expired_pending"] = sum(
+                self._conn.execute(f"SELECT count(*) FROM {t} WHERE stamp < ?", (cutoff,)).fetchone()[0] for t in conv
+            )
         out["file_bytes"] = sum(_size(Path(str(self.path) + sfx)) for sfx in ("", "-wal", "-shm"))
         out["mode"] = f"{stat.S_IMODE(self.path.stat().st_mode):04o}"
-        out["bounds"] = {"ttl_s": self.ttl_s, "max_bytes": self.max_bytes, "max_entries": self.max_entries,
-                         "tenant_max_bytes": self.tenant_max_bytes, "tenant_max_entries": self.tenant_max_entries}
+        out["bounds"] = {
+            "ttl_s": self.ttl_s,
+            "max_bytes": self.max_bytes,
+            "max_entries": self.max_entries,
+            "tenant_max_bytes": self.tenant_max_bytes,
+            "tenant_max_entries": self.tenant_max_entries,
+        }
         return out
 
     def close(self) -> None:
@@ -775,11 +866,23 @@ class SqliteResponseStore:
     def queue_turn_row(self, key: bytes, record: TurnRecord) -> None:
         size = 64 + len(key) + len(record.route) + len((record.summary or "").encode())
         with self._pending_lock:
-            self._pending_turns[key] = (record.route, record.summary, int(record.summary_failed), int(record.stale), size)
+            self._pending_turns[key] = (
+                record.route,
+                record.summary,
+                int(record.summary_failed),
+                int(record.stale),
+                size,
+            )
         self._schedule_flush()
 
     def queue_call_row(self, tenant: str, call_id: str, binding: CallBinding) -> None:
-        size = 64 + len(tenant.encode()) + len(call_id.encode()) + len(binding.name.encode()) + len(binding.arguments.encode())
+        size = (
+            64
+            + len(tenant.encode())
+            + len(call_id.encode())
+            + len(binding.name.encode())
+            + len(binding.arguments.encode())
+        )
         with self._pending_lock:
             self._pending_calls[(tenant, call_id)] = (binding.route, binding.name, binding.arguments, size)
         self._schedule_flush()
@@ -798,8 +901,10 @@ class SqliteResponseStore:
         if queued is not None:
             return queued[0], queued[1], bool(queued[2]), bool(queued[3])
         with self._locked("get turn"):
-            row = self._conn.execute("SELECT route, summary, summary_failed, stale FROM turns WHERE key = ? AND stamp >= ?",
-                                     (key, self.clock() - self.ttl_s)).fetchone()
+            row = self._conn.execute(
+                "SELECT route, summary, summary_failed, stale FROM turns WHERE key = ? AND stamp >= ?",
+                (key, self.clock() - self.ttl_s),
+            ).fetchone()
         return None if row is None else (row[0], row[1], bool(row[2]), bool(row[3]))
 
     def get_turn_rows(self, keys: list[bytes]) -> dict[bytes, tuple[str, str | None, bool, bool]]:
@@ -815,11 +920,13 @@ class SqliteResponseStore:
                 rest.append(key)
         oldest = self.clock() - self.ttl_s
         for i in range(0, len(rest), 500):  # well under SQLite's bound on a statement's parameters
-            chunk = rest[i:i + 500]
+            chunk = rest[i : i + 500]
             with self._locked("get turns"):
                 rows = self._conn.execute(
                     "SELECT key, route, summary, summary_failed, stale FROM turns WHERE stamp >= ? AND key IN "
-                    f"({','.join('?' * len(chunk))})", (oldest, *chunk)).fetchall()
+                    f"({','.join('?' * len(chunk))})",
+                    (oldest, *chunk),
+                ).fetchall()
             for key, route, summary, failed, stale in rows:
                 found[bytes(key)] = (route, summary, bool(failed), bool(stale))
         return found
@@ -829,8 +936,10 @@ class SqliteResponseStore:
         if queued is not None:
             return CallBinding(queued[0], queued[2], queued[1])
         with self._locked("get call"):
-            row = self._conn.execute("SELECT route, arguments, name FROM calls WHERE tenant = ? AND call_id = ? AND stamp >= ?",
-                                     (tenant, call_id, self.clock() - self.ttl_s)).fetchone()
+            row = self._conn.execute(
+                "SELECT route, arguments, name FROM calls WHERE tenant = ? AND call_id = ? AND stamp >= ?",
+                (tenant, call_id, self.clock() - self.ttl_s),
+            ).fetchone()
         return None if row is None else CallBinding(*row)
 
     def pending_rows(self) -> int:
@@ -877,12 +986,17 @@ class SqliteResponseStore:
         conn = self._conn
         if turns:
             conn.executemany("DELETE FROM turns WHERE key = ?", ((k,) for k in turns))
-            conn.executemany("INSERT INTO turns (key, stamp, route, summary, summary_failed, stale, size) "
-                             "VALUES (?, ?, ?, ?, ?, ?, ?)", ((k, now, *v) for k, v in turns.items()))
+            conn.executemany(
+                "INSERT INTO turns (key, stamp, route, summary, summary_failed, stale, size) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                ((k, now, *v) for k, v in turns.items()),
+            )
         if calls:
             conn.executemany("DELETE FROM calls WHERE tenant = ? AND call_id = ?", calls.keys())
-            conn.executemany("INSERT INTO calls (tenant, call_id, stamp, route, name, arguments, size) "
-                             "VALUES (?, ?, ?, ?, ?, ?, ?)", ((*k, now, *v) for k, v in calls.items()))
+            conn.executemany(
+                "INSERT INTO calls (tenant, call_id, stamp, route, name, arguments, size) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                ((*k, now, *v) for k, v in calls.items()),
+            )
         if not 0 <= now - self._last_conv_prune < PRUNE_EVERY_S:  # also after the clock stepped back
             self._expire_group("conversations", now)
             self._last_conv_prune = now
@@ -990,12 +1104,16 @@ class SqliteResponseStore:
 
     # Responses (column created_at) and chat state (turns and calls, column stamp) are bounded
     # alike, each group with its own counters in `meta` (prefix '' or 'conv_').
-    _GROUPS = {"responses": ("", (("responses", "created_at"),)),
-               "conversations": ("conv_", (("turns", "stamp"), ("calls", "stamp")))}
+    _GROUPS = {
+        "responses": ("", (("responses", "created_at"),)),
+        "conversations": ("conv_", (("turns", "stamp"), ("calls", "stamp"))),
+    }
 
     def _expire_group(self, group: str, now: float) -> int:
         prefix, tables = self._GROUPS[group]
-        n = sum(self._conn.execute(f"DELETE FROM {t} WHERE {col} < ?", (now - self.ttl_s,)).rowcount for t, col in tables)
+        n = sum(
+            self._conn.execute(f"DELETE FROM {t} WHERE {col} < ?", (now - self.ttl_s,)).rowcount for t, col in tables
+        )
         if n:
             self._conn.execute("UPDATE meta SET value = value + ? WHERE key = ?", (n, prefix + "expired"))
         return n
@@ -1011,13 +1129,27 @@ class SqliteResponseStore:
         conversation: a chain's segments go with the last response that needs them (CHAIN_SCHEMA).
         Returns how many responses it evicted (counted in `meta`)."""
         conn = self._conn
-        tenants = [tenant] if tenant is not None else [r[0] for r in conn.execute(
-            "SELECT tenant FROM tenants WHERE rows > ? OR bytes > ?", (self.tenant_max_entries, self.tenant_max_bytes))]
+        tenants = (
+            [tenant]
+            if tenant is not None
+            else [
+                r[0]
+                for r in conn.execute(
+                    "SELECT tenant FROM tenants WHERE rows > ? OR bytes > ?",
+                    (self.tenant_max_entries, self.tenant_max_bytes),
+                )
+            ]
+        )
         n = 0
         for who in tenants:
-            n += self._evict_while(lambda who=who: conn.execute(
-                "SELECT rows > ? OR bytes > ? FROM tenants WHERE tenant = ?",
-                (self.tenant_max_entries, self.tenant_max_bytes, who)).fetchone(), lambda who=who: who, keep)
+            n += self._evict_while(
+                lambda who=who: conn.execute(
+                    "SELECT rows > ? OR bytes > ? FROM tenants WHERE tenant = ?",
+                    (self.tenant_max_entries, self.tenant_max_bytes, who),
+                ).fetchone(),
+                lambda who=who: who,
+                keep,
+            )
 
         def over() -> tuple | None:
             meta = dict(conn.execute("SELECT key, value FROM meta WHERE key IN ('rows', 'bytes')"))
@@ -1027,9 +1159,11 @@ class SqliteResponseStore:
             meta = dict(conn.execute("SELECT key, value FROM meta WHERE key IN ('rows', 'bytes')"))
             by = "bytes" if meta["bytes"] > self.max_bytes else "rows"
             # the biggest tenant with a response to evict (not only the one being put)
-            row = conn.execute("SELECT t.tenant FROM tenants t WHERE EXISTS (SELECT 1 FROM responses r WHERE "
-                               "r.tenant = t.tenant AND r.rowid IS NOT ?) ORDER BY t." + by + " DESC, t.tenant LIMIT 1",
-                               (keep,)).fetchone()
+            row = conn.execute(
+                "SELECT t.tenant FROM tenants t WHERE EXISTS (SELECT 1 FROM responses r WHERE "
+                "r.tenant = t.tenant AND r.rowid IS NOT ?) ORDER BY t." + by + " DESC, t.tenant LIMIT 1",
+                (keep,),
+            ).fetchone()
             return None if row is None else row[0]
 
         n += self._evict_while(over, biggest, keep)
@@ -1049,8 +1183,10 @@ class SqliteResponseStore:
             who = tenant()
             if who is None:
                 return n
-            victim = conn.execute("SELECT rowid FROM responses WHERE tenant = ? AND rowid IS NOT ? "
-                                  "ORDER BY created_at, rowid LIMIT 1", (who, keep)).fetchone()
+            victim = conn.execute(
+                "SELECT rowid FROM responses WHERE tenant = ? AND rowid IS NOT ? ORDER BY created_at, rowid LIMIT 1",
+                (who, keep),
+            ).fetchone()
             if victim is None:  # nothing of this tenant's left to evict but the response being put
                 return n
             conn.execute("DELETE FROM responses WHERE rowid = ?", victim)
@@ -1061,7 +1197,9 @@ class SqliteResponseStore:
         never the response of rowid `keep` (the one being put: its id goes to the client, and after
         the clock stepped back it is the "oldest")."""
         prefix, tables = self._GROUPS[group]
-        meta = dict(self._conn.execute("SELECT key, value FROM meta WHERE key IN (?, ?)", (prefix + "rows", prefix + "bytes")))
+        meta = dict(
+            self._conn.execute("SELECT key, value FROM meta WHERE key IN (?, ?)", (prefix + "rows", prefix + "bytes"))
+        )
         over_rows = meta[prefix + "rows"] - self.max_entries
         over_bytes = meta[prefix + "bytes"] - self.max_bytes
         if over_rows <= 0 and over_bytes <= 0:
@@ -1078,7 +1216,7 @@ class SqliteResponseStore:
             over_bytes -= size
         for table, rowids in victims.items():
             for i in range(0, len(rowids), 500):
-                chunk = rowids[i:i + 500]
+                chunk = rowids[i : i + 500]
                 self._conn.execute(f"DELETE FROM {table} WHERE rowid IN ({','.join('?' * len(chunk))})", chunk)
         n = sum(len(r) for r in victims.values())
         self._conn.execute("UPDATE meta SET value = value + ? WHERE key = ?", (n, prefix + "evicted"))
@@ -1156,8 +1294,10 @@ class SqliteConversationStore:
         if not missing:
             return records
         rows = self._read(self.db.get_turn_rows, missing) or {}
-        return [record if record is not None else (self._cached(key, rows[key]) if key in rows else None)
-                for key, record in zip(keys, records, strict=True)]
+        return [
+            record if record is not None else (self._cached(key, rows[key]) if key in rows else None)
+            for key, record in zip(keys, records, strict=True)
+        ]
 
     def _cached(self, key: bytes, row: tuple[str, str | None, bool, bool]) -> TurnRecord:
         route, summary, failed, stale = row
@@ -1202,8 +1342,12 @@ class SqliteConversationStore:
 
 
 def _conv_stats(meta: dict[str, int]) -> dict[str, int]:
-    return {"conversation_rows": meta.get("conv_rows", 0), "conversation_bytes": meta.get("conv_bytes", 0),
-            "conversation_evicted": meta.get("conv_evicted", 0), "conversation_expired": meta.get("conv_expired", 0)}
+    return {
+        "conversation_rows": meta.get("conv_rows", 0),
+        "conversation_bytes": meta.get("conv_bytes", 0),
+        "conversation_evicted": meta.get("conv_evicted", 0),
+        "conversation_expired": meta.get("conv_expired", 0),
+    }
 
 
 def _rollback(conn: sqlite3.Connection) -> None:
@@ -1255,12 +1399,22 @@ def _json(value: Any) -> str:
 
 def _row(record: ResponseRecord) -> tuple:
     extra = {k: v for k, v in record.items() if k not in COLUMNS and k not in JSON_COLUMNS}
-    texts = [json.dumps(record.get(k, [] if k != "response" else {}), ensure_ascii=False, separators=(",", ":"))
-             for k in JSON_COLUMNS]
+    texts = [
+        json.dumps(record.get(k, [] if k != "response" else {}), ensure_ascii=False, separators=(",", ":"))
+        for k in JSON_COLUMNS
+    ]
     extra_text = json.dumps(extra, ensure_ascii=False, separators=(",", ":"))
     size = sum(len(t.encode()) for t in texts) + len(extra_text.encode())
-    return (record["tenant"], record["id"], float(record["created_at"]), record.get("previous_response_id"),
-            record.get("route"), *texts, extra_text, size)
+    return (
+        record["tenant"],
+        record["id"],
+        float(record["created_at"]),
+        record.get("previous_response_id"),
+        record.get("route"),
+        *texts,
+        extra_text,
+        size,
+    )
 
 
 def _identity(path: Path) -> tuple[int, int] | None:

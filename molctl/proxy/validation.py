@@ -37,17 +37,58 @@ from molctl.proxy import fastjson
 from molctl.proxy.errors import ProxyError, invalid
 from molctl.proxy.request_fields import PERMISSIVE, FieldPolicy
 
-PASSTHROUGH = ("temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "logprobs",
-               "top_logprobs", "response_format", "tool_choice", "parallel_tool_calls", "logit_bias", "user")
+PASSTHROUGH = (
+    "temperature",
+    "top_p",
+    "stop",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "logprobs",
+    "top_logprobs",
+    "response_format",
+    "tool_choice",
+    "parallel_tool_calls",
+    "logit_bias",
+    "user",
+)
 SAMPLING_NUMBERS = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
-ACCEPTED_IGNORED = ("store", "metadata", "service_tier", "prompt_cache_key", "prompt_cache_retention",
-                    "prompt_cache_options", "safety_identifier", "prediction", "verbosity", "moderation",
-                    "web_search_options")
-REJECTED = {"functions": "use 'tools' instead of the legacy 'functions'",
-            "function_call": "use 'tool_choice' instead of the legacy 'function_call'",
-            "audio": "audio output is not supported", "modalities": "only text output is supported"}
-KNOWN = frozenset({"model", "messages", "stream", "stream_options", "n", "max_tokens", "max_completion_tokens",
-                   "reasoning_effort", "chat_template_kwargs", "tools", *PASSTHROUGH, *ACCEPTED_IGNORED, *REJECTED})
+ACCEPTED_IGNORED = (
+    "store",
+    "metadata",
+    "service_tier",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "prompt_cache_options",
+    "safety_identifier",
+    "prediction",
+    "verbosity",
+    "moderation",
+    "web_search_options",
+)
+REJECTED = {
+    "functions": "use 'tools' instead of the legacy 'functions'",
+    "function_call": "use 'tool_choice' instead of the legacy 'function_call'",
+    "audio": "audio output is not supported",
+    "modalities": "only text output is supported",
+}
+KNOWN = frozenset(
+    {
+        "model",
+        "messages",
+        "stream",
+        "stream_options",
+        "n",
+        "max_tokens",
+        "max_completion_tokens",
+        "reasoning_effort",
+        "chat_template_kwargs",
+        "tools",
+        *PASSTHROUGH,
+        *ACCEPTED_IGNORED,
+        *REJECTED,
+    }
+)
 ROLES = ("system", "developer", "user", "assistant", "tool")
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
@@ -62,33 +103,33 @@ def _loads_in_steps(text: str) -> Any:
     it for about 100 ms). Any surprise raises ValueError; the caller then uses json.loads."""
     ws, scan = _WS.match, _SCAN
     i = ws(text, 0).end()
-    if text[i:i + 1] != "{":
+    if text[i : i + 1] != "{":
         raise ValueError("not an object")
     out: dict[str, Any] = {}
     i = ws(text, i + 1).end()
-    if text[i:i + 1] == "}":
+    if text[i : i + 1] == "}":
         if ws(text, i + 1).end() != len(text):
             raise ValueError("extra data")
         return out
     while True:
-        if text[i:i + 1] != '"':
+        if text[i : i + 1] != '"':
             raise ValueError("expected a key")
         key, i = scan(text, i)
         i = ws(text, i).end()
-        if text[i:i + 1] != ":":
+        if text[i : i + 1] != ":":
             raise ValueError("expected ':'")
         i = ws(text, i + 1).end()
-        if text[i:i + 1] == "[":
+        if text[i : i + 1] == "[":
             items: list[Any] = []
             i = ws(text, i + 1).end()
-            if text[i:i + 1] == "]":
+            if text[i : i + 1] == "]":
                 i += 1
             else:
                 while True:
                     item, i = scan(text, i)
                     items.append(item)
                     i = ws(text, i).end()
-                    c = text[i:i + 1]
+                    c = text[i : i + 1]
                     i = ws(text, i + 1).end()
                     if c == "]":
                         break
@@ -99,7 +140,7 @@ def _loads_in_steps(text: str) -> Any:
             value, i = scan(text, i)
         out[key] = value
         i = ws(text, i).end()
-        c = text[i:i + 1]
+        c = text[i : i + 1]
         i = ws(text, i + 1).end()
         if c == "}":
             break
@@ -135,8 +176,9 @@ def parse_body(raw: bytes, in_steps: bool = False, fast_only: bool = False) -> A
     if b"\\ud" in raw or b"\\uD" in raw:
         where = _lone_surrogate(body, "")
         if where is not None:
-            raise invalid(f"{where or 'The body'} contains a lone UTF-16 surrogate, which is not valid text.",
-                          where or None)
+            raise invalid(
+                f"{where or 'The body'} contains a lone UTF-16 surrogate, which is not valid text.", where or None
+            )
     return body
 
 
@@ -200,8 +242,9 @@ MEDIA_URL_KEYS = ("image_url", "audio_url", "video_url")  # the parts vLLM and S
 # which vLLM fetches through, ends the host at one; urlsplit does not), no space or control
 # character; the host as a proxy.media_url_hosts entry is written (a trailing dot allowed).
 # Group 1: the host.
-_MEDIA_URL = re.compile(rf"https?://({MEDIA_HOST_PATTERN})\.?(?::[0-9]{{1,5}})?(?:[/?#][^\x00-\x20\x7f\\]*)?",
-                        re.IGNORECASE | re.ASCII)
+_MEDIA_URL = re.compile(
+    rf"https?://({MEDIA_HOST_PATTERN})\.?(?::[0-9]{{1,5}})?(?:[/?#][^\x00-\x20\x7f\\]*)?", re.IGNORECASE | re.ASCII
+)
 
 
 def check_media_url(value: Any, where: str, hosts: tuple[str, ...]) -> None:
@@ -220,14 +263,23 @@ def check_media_url(value: Any, where: str, hosts: tuple[str, ...]) -> None:
         return
     match = _MEDIA_URL.fullmatch(url)
     if match is None:
-        raise invalid(f"'{where}' must be a data: URL or an http(s) URL with a plain host (no user name, backslash, "
-                      f"space or control character), not {url[:40]!r}.", where)
+        raise invalid(
+            f"'{where}' must be a data: URL or an http(s) URL with a plain host (no user name, backslash, "
+            f"space or control character), not {url[:40]!r}.",
+            where,
+        )
     host = match.group(1).lower().strip("[]")
     if "*" in hosts or host in hosts:
         return
-    raise ProxyError(400, f"'{where}': this server does not fetch media from {host[:80]!r} (the engine would fetch it from "
-                          "inside its network); send it inline as a data: URL, or ask the operator to add the host to "
-                          "proxy.media_url_hosts.", "invalid_request_error", "media_url_not_allowed", where)
+    raise ProxyError(
+        400,
+        f"'{where}': this server does not fetch media from {host[:80]!r} (the engine would fetch it from "
+        "inside its network); send it inline as a data: URL, or ask the operator to add the host to "
+        "proxy.media_url_hosts.",
+        "invalid_request_error",
+        "media_url_not_allowed",
+        where,
+    )
 
 
 def check_tool_calls(calls: Any, where: str) -> None:
@@ -256,7 +308,9 @@ def check_messages(messages: Any, media_hosts: tuple[str, ...] = ()) -> None:
             raise invalid(f"messages[{i}] must be an object with a role in {', '.join(ROLES)}.", f"messages[{i}]")
         role = msg["role"]
         where = f"messages[{i}]"
-        check_content(msg.get("content"), f"{where}.content", role in ("user", "tool", "system", "developer"), media_hosts)
+        check_content(
+            msg.get("content"), f"{where}.content", role in ("user", "tool", "system", "developer"), media_hosts
+        )
         if role == "assistant" and msg.get("tool_calls") is not None:
             check_tool_calls(msg["tool_calls"], f"{where}.tool_calls")
         if role == "tool" and not isinstance(msg.get("tool_call_id"), str):
@@ -289,13 +343,21 @@ def check_tool_choice(choice: Any, tools: Any) -> None:
         if not names:
             raise invalid("'tool_choice' 'required' needs at least one tool in 'tools'.", "tool_choice")
         return
-    if not isinstance(choice, dict) or choice.get("type", "function") != "function" \
-            or not isinstance(choice.get("function"), dict) or not isinstance(choice["function"].get("name"), str):
-        raise invalid("'tool_choice' must be 'none', 'auto', 'required' or "
-                      "{'type': 'function', 'function': {'name': ...}}.", "tool_choice")
+    if (
+        not isinstance(choice, dict)
+        or choice.get("type", "function") != "function"
+        or not isinstance(choice.get("function"), dict)
+        or not isinstance(choice["function"].get("name"), str)
+    ):
+        raise invalid(
+            "'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}.",
+            "tool_choice",
+        )
     if choice["function"]["name"] not in names:
-        raise invalid(f"'tool_choice' names the function '{choice['function']['name'][:80]}', which is not in 'tools'.",
-                      "tool_choice")
+        raise invalid(
+            f"'tool_choice' names the function '{choice['function']['name'][:80]}', which is not in 'tools'.",
+            "tool_choice",
+        )
 
 
 def check_function_def(fn: dict[str, Any], where: str) -> None:
@@ -316,12 +378,18 @@ def check_model(body: dict[str, Any], public_model: str) -> None:
     if not isinstance(model, str):  # a malformed request, not an unknown model
         raise invalid("'model' must be a string.", "model")
     if model != public_model:
-        raise ProxyError(404, f"The requested model does not exist; this endpoint serves '{public_model}'.",
-                         "invalid_request_error", "model_not_found", "model")
+        raise ProxyError(
+            404,
+            f"The requested model does not exist; this endpoint serves '{public_model}'.",
+            "invalid_request_error",
+            "model_not_found",
+            "model",
+        )
 
 
-def check_request(body: Any, public_model: str, media_hosts: tuple[str, ...] = (),
-                  fields: FieldPolicy = PERMISSIVE) -> None:
+def check_request(
+    body: Any, public_model: str, media_hosts: tuple[str, ...] = (), fields: FieldPolicy = PERMISSIVE
+) -> None:
     """Everything about a chat request that does not need the conversation store. `media_hosts`:
     `proxy.media_url_hosts` (see `check_media_url`); `fields`: the engine's extensions and what
     to do with unknown fields (request_fields)."""

@@ -122,16 +122,18 @@ def as_note(msg: dict[str, Any]) -> dict[str, Any]:
     return msg
 
 
-def own_view(profile: Profile, identity: str, messages: list[dict[str, Any]], history: History, target: str) -> list[dict[str, Any]]:
+def own_view(
+    profile: Profile, identity: str, messages: list[dict[str, Any]], history: History, target: str
+) -> list[dict[str, Any]]:
     view: list[dict[str, Any]] = leading_system(identity, messages[: history.head_end])
     for seg in history.segments:
-        part = messages[seg.start: seg.end]
+        part = messages[seg.start : seg.end]
         if seg.record is None or seg.record.route == target:
             view.extend(map(as_note, part))
         else:
             view.extend(as_note(m) for m in part if m.get("role") in ("user", "system", "developer"))
             view.append({"role": "assistant", "content": fold_text(profile, seg.record)})
-    view.extend(map(as_note, messages[history.tail_start:]))
+    view.extend(map(as_note, messages[history.tail_start :]))
     return view
 
 
@@ -142,8 +144,14 @@ def last_user_text(messages: list[dict[str, Any]]) -> str:
     return ""
 
 
-PART_PLACEHOLDERS = {"image_url": "[image]", "input_image": "[image]", "input_audio": "[audio]", "file": "[file]",
-                     "input_file": "[file]", "video_url": "[video]"}
+PART_PLACEHOLDERS = {
+    "image_url": "[image]",
+    "input_image": "[image]",
+    "input_audio": "[audio]",
+    "file": "[file]",
+    "input_file": "[file]",
+    "video_url": "[video]",
+}
 
 
 def route_input(messages: list[dict[str, Any]], max_chars: int) -> str:
@@ -174,7 +182,7 @@ def route_input(messages: list[dict[str, Any]], max_chars: int) -> str:
     marker = "\n[... {} characters omitted ...]\n"
     keep = max(max_chars - len(marker) - 8, 2)
     head, tail = keep * 2 // 3, keep - keep * 2 // 3
-    return text[:head] + marker.format(len(text) - head - tail) + text[len(text) - tail:]
+    return text[:head] + marker.format(len(text) - head - tail) + text[len(text) - tail :]
 
 
 def route_messages(instruction: str, request_text: str, previous: TurnRecord | None) -> list[dict[str, Any]]:
@@ -227,7 +235,7 @@ def suffix_after(left_open: list[int], closed: list[int], longest: int = 8) -> l
     occurs once, or nothing follows."""
     for k in range(min(longest, len(left_open)), 0, -1):
         tail = left_open[-k:]
-        hits = [i for i in range(len(closed) - k + 1) if closed[i:i + k] == tail]
+        hits = [i for i in range(len(closed) - k + 1) if closed[i : i + k] == tail]
         if len(hits) == 1:
-            return closed[hits[0] + k:] or None
+            return closed[hits[0] + k :] or None
     return None

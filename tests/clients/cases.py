@@ -13,8 +13,11 @@ def answers(log: list[dict]) -> list[dict]:
 
 def saw(log: list[dict], text: str) -> bool:
     """Some answer hop carried `text` in an assistant message (the conversation came back)."""
-    return any(m.get("role") == "assistant" and text in str(m.get("content"))
-               for e in answers(log) for m in e["payload"]["messages"])
+    return any(
+        m.get("role") == "assistant" and text in str(m.get("content"))
+        for e in answers(log)
+        for m in e["payload"]["messages"]
+    )
 
 
 def check(case: str, result: dict, log: list[dict]) -> None:

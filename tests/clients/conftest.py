@@ -38,9 +38,14 @@ def client_stack(tmp_path_factory):
     keys = logs / "keys"
     keys.write_text(KEY)
     keys.chmod(0o600)
-    with running(fake_engine_argv(engine_port, STRICT), engine_url + "/health", log=logs / "engine.log"), \
-            running(proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(keys)), proxy_url + "/health",
-                    log=logs / "proxy.log"):
+    with (
+        running(fake_engine_argv(engine_port, STRICT), engine_url + "/health", log=logs / "engine.log"),
+        running(
+            proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(keys)),
+            proxy_url + "/health",
+            log=logs / "proxy.log",
+        ),
+    ):
         yield ClientStack(engine_url, proxy_url)
 
 
@@ -53,4 +58,5 @@ def runs(client_stack):
         if tuple(argv) not in cache:
             cache[tuple(argv)] = client_stack.run(argv)
         return cache[tuple(argv)]
+
     return run

@@ -30,8 +30,15 @@ def js_client_argv(client: str) -> list[str]:
 
 def run_driver(argv: list[str], base_url: str, key: str, model: str, timeout: float = 240, **env: str) -> dict:
     """Run one driver against `base_url` (the proxy's /v1) -> its per-case results."""
-    env = {**os.environ, "MOL_BASE_URL": base_url, "MOL_KEY": key, "MOL_MODEL": model,
-           "NO_PROXY": "127.0.0.1,localhost", "OPENAI_API_KEY": key, **env}
+    env = {
+        **os.environ,
+        "MOL_BASE_URL": base_url,
+        "MOL_KEY": key,
+        "MOL_MODEL": model,
+        "NO_PROXY": "127.0.0.1,localhost",
+        "OPENAI_API_KEY": key,
+        **env,
+    }
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, stdin=subprocess.DEVNULL)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     assert proc.returncode == 0 and lines, f"{argv[1]} exited {proc.returncode}: {proc.stderr[-3000:]}"

@@ -15,7 +15,6 @@ from tests.clients.drivers import js_client_argv
 CLIENTS = {"ai-sdk-responses": RESPONSES, "ai-sdk-chat": BASIC, "openai-chat": BASIC, "openai-responses": RESPONSES}
 
 
-
 @pytest.mark.parametrize("client,case", [(c, k) for c, cases in CLIENTS.items() for k in cases])
 def test_js_client(runs, client, case):
     results, log = runs(js_client_argv(client))

@@ -11,10 +11,16 @@ import pytest
 from tests.clients.cases import BASIC, RESPONSES, check
 from tests.clients.drivers import python_client_argv
 
-CLIENTS = {"openai-chat": BASIC, "openai-responses": RESPONSES, "litellm-completion": BASIC,
-           "litellm-responses": RESPONSES, "langchain-chat": BASIC, "langchain-responses": RESPONSES,
-           "pydantic-ai-chat": BASIC, "pydantic-ai-responses": RESPONSES}
-
+CLIENTS = {
+    "openai-chat": BASIC,
+    "openai-responses": RESPONSES,
+    "litellm-completion": BASIC,
+    "litellm-responses": RESPONSES,
+    "langchain-chat": BASIC,
+    "langchain-responses": RESPONSES,
+    "pydantic-ai-chat": BASIC,
+    "pydantic-ai-responses": RESPONSES,
+}
 
 
 @pytest.mark.parametrize("client,case", [(c, k) for c, cases in CLIENTS.items() for k in cases])

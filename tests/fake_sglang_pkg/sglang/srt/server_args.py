@@ -16,12 +16,45 @@ import argparse
 # `choices=list(FunctionCallParser.ToolCallParserEnum.keys())` (srt/function_call/
 # function_call_parser.py), so an unknown parser is argparse's "invalid choice" (exit 2). The
 # registries as of early 2026 (glm47 came with PR #15333, Dec 2025); later versions add more.
-REASONING_PARSERS = ["deepseek-r1", "deepseek-v3", "glm45", "gpt-oss", "kimi", "kimi_k2", "mimo", "qwen3",
-                     "qwen3-thinking", "minimax", "minimax-append-think", "step3", "step3p5", "mistral",
-                     "nemotron_3", "interns1"]
-TOOL_CALL_PARSERS = ["deepseekv3", "deepseekv31", "deepseekv32", "glm", "glm45", "glm47", "gpt-oss", "kimi_k2",
-                     "llama3", "mimo", "mistral", "pythonic", "qwen", "qwen25", "qwen3_coder", "step3", "minimax-m2",
-                     "trinity", "interns1"]
+REASONING_PARSERS = [
+    "deepseek-r1",
+    "deepseek-v3",
+    "glm45",
+    "gpt-oss",
+    "kimi",
+    "kimi_k2",
+    "mimo",
+    "qwen3",
+    "qwen3-thinking",
+    "minimax",
+    "minimax-append-think",
+    "step3",
+    "step3p5",
+    "mistral",
+    "nemotron_3",
+    "interns1",
+]
+TOOL_CALL_PARSERS = [
+    "deepseekv3",
+    "deepseekv31",
+    "deepseekv32",
+    "glm",
+    "glm45",
+    "glm47",
+    "gpt-oss",
+    "kimi_k2",
+    "llama3",
+    "mimo",
+    "mistral",
+    "pythonic",
+    "qwen",
+    "qwen25",
+    "qwen3_coder",
+    "step3",
+    "minimax-m2",
+    "trinity",
+    "interns1",
+]
 
 
 class ServerArgs:
