@@ -27,7 +27,7 @@ from bare_vllm import start_vllm, stop_group  # noqa: E402
 
 from molctl.engines import get_engine  # noqa: E402
 from molctl.profiles import ROUTES, route_instruction  # noqa: E402
-from molctl.proxy.views import route_input, route_messages  # noqa: E402
+from molctl.proxy.pipeline.views import route_input, route_messages  # noqa: E402
 
 
 async def one_round(http: httpx.AsyncClient, profile, answers: int, tokens: int, i: int) -> tuple[float, list[float]]:

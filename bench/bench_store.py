@@ -233,7 +233,7 @@ def proxy_bench(requests: int = 400) -> list[dict] | None:
     /v1/responses endpoint yet."""
     import httpx
 
-    from molctl.proxy import app as app_module
+    from molctl.proxy.http import app as app_module
 
     if "/v1/responses" not in Path(app_module.__file__).read_text():
         return None

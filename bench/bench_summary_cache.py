@@ -11,9 +11,9 @@ run so nothing is cached from an earlier one):
 - tools + tool calls + reasoning: the turn in progress has assistant tool calls with
   `reasoning_content` and their tool results (the answer is streamed).
 Each case runs twice, on its own copy of the conversation:
-- before: the chat summary of main before issue 30 (`Orchestrator.summary_payload`, unchanged:
+- before: the chat summary of main before issue 30 (`Summaries.summary_payload`, unchanged:
   the answer hop's messages + the answer + the instruction as a user message, no tools);
-- after: the proxy's summary hop (`Orchestrator.summary_request`: the answer's prompt and output
+- after: the proxy's summary hop (`Summaries.summary_request`: the answer's prompt and output
   token ids + the suffix, as a token-prompt /v1/completions on the same adapter).
 The tiny profile's window (2048, its model's max_position_embeddings) is raised to `--window`
 (VLLM_ALLOW_LONG_MAX_MODEL_LEN=1; a random model does not care): the summary instruction alone is
@@ -40,7 +40,8 @@ from bare_vllm import start_vllm, stop_group  # noqa: E402
 from molctl.engines import get_engine  # noqa: E402
 from molctl.proxy.conversations import MemoryStore  # noqa: E402
 from molctl.proxy.engine_client import EngineClient  # noqa: E402
-from molctl.proxy.orchestrator import Orchestrator, SummaryJob  # noqa: E402
+from molctl.proxy.pipeline.run import Orchestrator  # noqa: E402
+from molctl.proxy.pipeline.summary import SummaryJob  # noqa: E402
 
 WORDS = (
     "the user asked to fix the failing test in the repository then run the benchmarks again with "
@@ -123,11 +124,11 @@ async def one(orch: Orchestrator, client: EngineClient, body: dict, mode: str, t
         await orch.complete(plan)
     assert plan.record is not None, "the answer was a tool call: no summary"
     if mode == "before":
-        usage = (await client.chat(orch.summary_payload(plan), "summary"))["usage"]
+        usage = (await client.chat(orch.summaries.summary_payload(plan), "summary"))["usage"]
         how = "chat"
     else:
-        job = SummaryJob(orch.summary_payload(plan), orch.adapter_models["L2"], "L2", plan.tokens, {})
-        hop = await orch.summary_request(job)
+        job = SummaryJob(orch.summaries.summary_payload(plan), orch.adapter_models["L2"], "L2", plan.tokens, {})
+        hop = await orch.summaries.summary_request(job)
         assert hop is not None, "the summary did not fit the window"
         path, payload = hop
         usage = (await client.chat(payload, "summary", path=path))["usage"]

@@ -678,7 +678,7 @@ def proxy_cmd(
     import signal
 
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until the reload handler exists (see molctl/__main__.py)
-    from molctl.proxy.server import run_proxy
+    from molctl.proxy.http.server import run_proxy
 
     store_override = [("proxy.store", store)] if store is not None else []
     run_proxy(

@@ -150,7 +150,7 @@ SCHEMA: dict[str, Any] = {
 MAX_GPUS = 1024
 REQUEST_FIELD_MODES = ("ignore", "reject")
 # a DNS name or an IPv4 address, or an IPv6 one in brackets: a proxy.media_url_hosts entry, and
-# the host part of a media URL the proxy lets through (molctl.proxy.validation)
+# the host part of a media URL the proxy lets through (molctl.proxy.apis.chat_validation)
 MEDIA_HOST_PATTERN = (
     r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*"
     r"|\[[0-9A-Fa-f:.]+\]"
@@ -243,7 +243,7 @@ class ProxySpec:
     # Responses are committed before their body is sent, whatever this says.
     state_commit_ms: float = 10.0
     advertise_upstream: str | None = None  # replicas: this proxy's engine as its peers reach it
-    # admission control (molctl.proxy.admission)
+    # admission control (molctl.proxy.pipeline.admission)
     max_inflight: int | None = None  # answer hops in flight; None: engine.args max-num-seqs / max-running-requests
     max_queue: int = 256  # requests waiting for a slot, all keys together; more: 429
     queue_timeout_s: float = 30.0  # a request waiting longer for a slot: 429

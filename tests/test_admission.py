@@ -1,4 +1,4 @@
-"""molctl.proxy.admission driven directly: slots, per-key round-robin, queue bounds, deadline,
+"""molctl.proxy.pipeline.admission driven directly: slots, per-key round-robin, queue bounds, deadline,
 Retry-After from the service rate (the clock is a fake the test moves)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 from molctl.engines import get_engine
 from molctl.profiles import load_profile, profile_dirs
-from molctl.proxy.admission import Admission, FairGate, Rejected
+from molctl.proxy.pipeline.admission import Admission, FairGate, Rejected
 
 
 class FakeClock:

@@ -508,7 +508,7 @@ def test_a_summary_after_a_tool_declaring_answer_is_served_from_the_cache(stack)
     summary instruction in 110 tokens) is over 5% of any prompt that fits, so the bound is on the
     rest: at least 95% of it and all but its last partial 32-token block (BENCHMARKS.md: 96-97% of
     the whole prompt at 4,000 tokens)."""
-    from molctl.proxy.views import PROBE_ANSWER, PROBE_USER, suffix_after
+    from molctl.proxy.pipeline.views import PROBE_ANSWER, PROBE_USER, suffix_after
     from tests.proxy_stack import parse_prometheus
 
     def proxy_metric(name: str) -> float:

@@ -87,7 +87,7 @@ def test_a_200_without_a_usable_choice_on_each_hop(bad, api, caplog):
     settled); an empty choices list was answered as an empty, complete answer, recorded and
     summarised. Now: route falls back (engine_error), answer is a 502 engine_error (not recorded),
     summary is a counted failure."""
-    from molctl.proxy.app import ProxyApp
+    from molctl.proxy.http.app import ProxyApp
 
     path = "/v1/chat/completions" if api == "chat" else "/v1/responses"
     body = (
@@ -126,7 +126,7 @@ def test_a_200_without_a_usable_choice_on_each_hop(bad, api, caplog):
 def test_a_stream_choice_with_another_index_is_not_part_of_the_answer():
     """The proxy asks the engine for one choice; a delta for choice 1 was appended to the answer
     (and to what the client saw as choice 0). Found injecting stream events with unexpected shapes."""
-    from molctl.proxy.app import ProxyApp
+    from molctl.proxy.http.app import ProxyApp
 
     frames = [
         {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},

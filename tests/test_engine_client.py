@@ -516,7 +516,7 @@ def test_a_stream_line_split_over_many_reads_is_whole_and_a_line_past_the_cap_is
     """A line in pieces over many reads is joined once (the splitter kept rescanning it from its
     start: a 50 MB line took 18 s of CPU) and a line with no end is bounded: past MAX_STREAM_LINE it
     is the engine's failure, not memory without limit."""
-    from molctl.proxy import engine_client
+    from molctl.proxy import engine_wire
 
     class Conn:  # what _lines reads: body chunks, then done
         def __init__(self, chunks):
@@ -533,10 +533,10 @@ def test_a_stream_line_split_over_many_reads_is_whole_and_a_line_past_the_cap_is
 
     line = b"data: " + b"x" * 5000 + b"\n"
     pieces = [line[i : i + 7] for i in range(0, len(line), 7)] + [b"\ndata: [DONE]\n"]
-    assert list(engine_client._lines(Conn(pieces))) == [line, b"\n", b"data: [DONE]\n"]
-    monkeypatch.setattr(engine_client, "MAX_STREAM_LINE", 4000)
+    assert list(engine_wire._lines(Conn(pieces))) == [line, b"\n", b"data: [DONE]\n"]
+    monkeypatch.setattr(engine_wire, "MAX_STREAM_LINE", 4000)
     with pytest.raises(EngineHTTPError) as err:
-        list(engine_client._lines(Conn(pieces)))
+        list(engine_wire._lines(Conn(pieces)))
     assert err.value.status == 502 and err.value.in_stream
 
 

@@ -13,8 +13,8 @@ import pytest
 
 from molctl.engines import get_engine
 from molctl.profiles import load_profile, profile_dirs
-from molctl.proxy.app import ProxyApp
 from molctl.proxy.errors import EngineHTTPError, from_engine
+from molctl.proxy.http.app import ProxyApp
 
 VENTI = load_profile("venti", profile_dirs())
 UPSTREAM = "http://10.0.0.11:8100"

@@ -152,33 +152,27 @@ def test_a_refusal_is_kept_per_engine_and_tried_again_later(monkeypatch):
     """One engine's refusal (a peer replica's, say) leaves priorities on the hops to the others,
     and the refusing engine gets them again after PRIORITY_RETRY_S (restarted with the flag,
     it needs no proxy restart)."""
-    from molctl.proxy import orchestrator
     from molctl.proxy.conversations import MemoryStore
-    from molctl.proxy.engine_client import ENGINE, EngineChoice, EngineClient
+    from molctl.proxy.engine_client import EngineChoice, EngineClient
     from molctl.proxy.errors import EngineHTTPError
+    from molctl.proxy.pipeline import priority
+    from molctl.proxy.pipeline.run import Orchestrator
 
     profile = load_profile("tiny", profile_dirs())
-    orch = orchestrator.Orchestrator(profile, get_engine("vllm"), EngineClient("http://127.0.0.1:9"), MemoryStore())
+    orch = Orchestrator(profile, get_engine("vllm"), EngineClient("http://127.0.0.1:9"), MemoryStore())
     refusal = EngineHTTPError(400, {"error": {"message": "Got priority -1 but Priority scheduling is not enabled."}})
 
-    def route_priority() -> int | None:
+    def route_priority(engine: EngineChoice | None = None) -> int | None:
         payload: dict = {}
-        orch._set_priority(payload, "route")
+        orch.priority.mark(payload, "route", engine)
         return payload.get("priority")
 
-    token = ENGINE.set(EngineChoice("b", "http://10.0.0.2:8000/"))
-    try:
-        orch._priority_refusal(refusal)  # the peer engine refused
-        assert route_priority() is None
-    finally:
-        ENGINE.reset(token)
+    peer = EngineChoice("b", "http://10.0.0.2:8000/")
+    orch.priority.refused(refusal, peer)  # the peer engine refused
+    assert route_priority(peer) is None
     assert route_priority() == -1  # the own engine still gets it
-    monkeypatch.setattr(orchestrator, "PRIORITY_RETRY_S", 0.0)
-    token = ENGINE.set(EngineChoice("b", "http://10.0.0.2:8000"))
-    try:
-        assert route_priority() == -1  # tried again
-    finally:
-        ENGINE.reset(token)
+    monkeypatch.setattr(priority, "PRIORITY_RETRY_S", 0.0)
+    assert route_priority(EngineChoice("b", "http://10.0.0.2:8000")) == -1  # tried again
     assert orch.counters.values["route_priority_refusals_total"] == 1
 
 
@@ -187,33 +181,35 @@ def test_sglang_answers_and_summaries_name_a_priority_only_where_a_route_hop_too
     with its priority: an engine started without the flag but with --abort-on-priority-when-disabled
     refuses any priority with a 503, and only the route hop is sent again (a tool-result turn has no
     route hop; a summary built after a refusal expired has no second chance)."""
-    from molctl.proxy import orchestrator
     from molctl.proxy.conversations import MemoryStore
     from molctl.proxy.engine_client import EngineClient
     from molctl.proxy.errors import EngineHTTPError
+    from molctl.proxy.pipeline import priority as policy
+    from molctl.proxy.pipeline.run import Orchestrator
 
     profile = load_profile("venti-sglang", profile_dirs(), [("engine.args.enable-priority-scheduling", True)])
-    orch = orchestrator.Orchestrator(profile, get_engine("sglang"), EngineClient("http://127.0.0.1:9"), MemoryStore())
+    orch = Orchestrator(profile, get_engine("sglang"), EngineClient("http://127.0.0.1:9"), MemoryStore())
 
     def priority(hop: str) -> int | None:
         payload: dict = {}
-        orch._set_priority(payload, hop)
+        orch.priority.mark(payload, hop, None)
         return payload.get("priority")
 
     assert (priority("route"), priority("answer"), priority("summary")) == (1, None, None)  # no route hop yet
-    orch._priority_taken.add("http://127.0.0.1:9")  # what a route hop that ran with its priority records
+    orch.priority.taken.add("http://127.0.0.1:9")  # what a route hop that ran with its priority records
     assert (priority("route"), priority("answer"), priority("summary")) == (1, 0, 0)
-    orch._priority_refusal(
+    orch.priority.refused(
         EngineHTTPError(
             503,
             {
                 "object": "error",
                 "message": "Using priority is disabled for this server. Please send a new request without a priority.",
             },
-        )
+        ),
+        None,
     )
     assert (priority("route"), priority("answer"), priority("summary")) == (None, None, None)
-    monkeypatch.setattr(orchestrator, "PRIORITY_RETRY_S", 0.0)  # expired: the route hop tries again, the others wait
+    monkeypatch.setattr(policy, "PRIORITY_RETRY_S", 0.0)  # expired: the route hop tries again, the others wait
     assert (priority("route"), priority("answer"), priority("summary")) == (1, None, None)
 
 

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from molctl.engines.base import AnswerTokens, continuation_ids
-from molctl.proxy.views import suffix_after
+from molctl.proxy.pipeline.views import suffix_after
 from tests.fake_engine import IM_END, IM_START, ROLE_IDS, render, words
 from tests.helpers import wait_for
 from tests.proxy_stack import TINY

@@ -9,7 +9,7 @@ import threading
 
 import uvicorn
 
-from molctl.proxy.http_protocol import HeadHoldingHttpToolsProtocol, HeadHoldingTransport
+from molctl.proxy.http.protocol import HeadHoldingHttpToolsProtocol, HeadHoldingTransport
 from tests.helpers import free_port
 
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n"

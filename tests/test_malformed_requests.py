@@ -10,7 +10,7 @@ import json
 import httpx
 import pytest
 
-from molctl.proxy.app import BIG_BODY
+from molctl.proxy.http.body import BIG_BODY
 from tests.proxy_stack import KEY, PUBLIC
 
 AUTH = {"Authorization": f"Bearer {KEY}", "content-type": "application/json"}
@@ -192,7 +192,7 @@ def test_a_websocket_upgrade_is_counted_and_logged_like_a_request(caplog):
     import logging
 
     from molctl.engines import get_engine
-    from molctl.proxy.app import ProxyApp
+    from molctl.proxy.http.app import ProxyApp
     from tests.proxy_stack import TINY
 
     app = ProxyApp(TINY, get_engine("vllm"), "http://127.0.0.1:9", [KEY])
@@ -245,8 +245,8 @@ def test_a_duplicate_input_item_id_is_found_in_linear_time():
     event loop itself for bodies under BIG_BODY) for an authenticated client's 400."""
     import time
 
+    from molctl.proxy.apis.responses.protocol import parse_request
     from molctl.proxy.errors import ProxyError
-    from molctl.proxy.responses import parse_request
 
     n = 60_000
     items = [{"id": f"m{i}", "role": "user", "content": "u"} for i in range(n)] + [

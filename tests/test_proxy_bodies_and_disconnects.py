@@ -23,7 +23,7 @@ def test_json_nested_just_below_the_parsers_limit_is_a_400_not_a_500(s):
     """A body over BIG_BODY is parsed in a worker thread, whose shallow stack lets the parser accept
     nesting that json.dumps (keys, payload) cannot encode again: that was a plain 500 (and a
     logged traceback). Any depth must be a JSON 400, or what the engine says about it."""
-    from molctl.proxy.app import BIG_BODY
+    from molctl.proxy.http.body import BIG_BODY
 
     pad = "x " * (BIG_BODY // 2 + 1000)
     statuses = {}
@@ -52,7 +52,7 @@ def test_json_nested_just_below_the_parsers_limit_is_a_400_not_a_500(s):
 def test_a_write_timeout_on_the_last_frame_is_a_dropped_client_not_an_internal_error(caplog):
     """A client that stops reading just before `data: [DONE]` was logged as an internal error with
     a traceback, and its recorded turn was never released (a later turn waited summary_wait_s)."""
-    from molctl.proxy.app import ProxyApp
+    from molctl.proxy.http.app import ProxyApp
 
     profile = dataclasses.replace(TINY, proxy=dataclasses.replace(TINY.proxy, stream_write_timeout_s=0.2))
     app = ProxyApp(profile, get_engine("vllm"), "http://127.0.0.1:9", None)
@@ -62,7 +62,7 @@ def test_a_write_timeout_on_the_last_frame_is_a_dropped_client_not_an_internal_e
         plan.route = "L2"
         plans.append(plan)
 
-    async def stream(plan):
+    async def stream(plan, persist=True):
         app.orch.record(plan, {"role": "assistant", "content": "hi"})
         yield {"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": "stop"}]}
 
@@ -100,7 +100,7 @@ def test_a_client_that_leaves_mid_upload_is_a_disconnect_not_an_exception(path, 
     """A client that closed its connection halfway through its request body (found with a raw socket:
     Content-Length 10, 2 bytes sent, closed) made the app raise CancelledError out of the ASGI call:
     uvicorn logged "Exception in ASGI application" with a traceback for each such client."""
-    from molctl.proxy.app import ProxyApp
+    from molctl.proxy.http.app import ProxyApp
 
     app = ProxyApp(TINY, get_engine("vllm"), "http://127.0.0.1:9", None)
     sent: list[dict] = []
@@ -167,7 +167,8 @@ def test_only_big_requests_are_prepared_in_a_worker_thread(shape, in_thread):
     the loop: a worker thread's hand-offs cost more than a conversation of a few hundred KiB."""
     import threading
 
-    from molctl.proxy.app import BIG_BODY, ProxyApp
+    from molctl.proxy.http.app import ProxyApp
+    from molctl.proxy.http.body import BIG_BODY
 
     user = {"role": "user", "content": "x"}
     messages = {
@@ -204,7 +205,7 @@ def test_only_big_requests_are_prepared_in_a_worker_thread(shape, in_thread):
         return prepare(body, tenant)
 
     app.orch.prepare = recording
-    plan = asyncio.run(app._chat_plan(raw, "t"))
+    plan = asyncio.run(app.chat.plan(raw, "t"))
     assert seen == [not in_thread] and plan.big is in_thread
 
 
@@ -216,8 +217,8 @@ def test_what_only_the_standard_library_reads_is_parsed_in_a_worker_thread(api, 
     the loop; the fallback goes to a worker thread, and its answer is the same."""
     import threading
 
-    from molctl.proxy import app as app_module
-    from molctl.proxy.app import ProxyApp
+    from molctl.proxy.http import body as app_module
+    from molctl.proxy.http.app import ProxyApp
 
     calls = []
     parse = app_module.parse_body
@@ -253,7 +254,8 @@ def test_a_cancelled_request_cancels_its_answer_before_its_slot_is_freed():
     retrieved"). The answer is now cancelled and ended first."""
     import types
 
-    from molctl.proxy.app import ProxyApp
+    from molctl.proxy.http.app import ProxyApp
+    from molctl.proxy.pipeline.plan import RequestState
 
     app = ProxyApp(TINY, get_engine("vllm"), "http://127.0.0.1:9", None)
     events = []
@@ -272,7 +274,7 @@ def test_a_cancelled_request_cancels_its_answer_before_its_slot_is_freed():
         plan = types.SimpleNamespace(answer_slot=False)
         release = app.orch.release_answer_slot
         app.orch.release_answer_slot = lambda p: (events.append("slot freed"), release(p))
-        task = asyncio.ensure_future(app._run(plan, receive, answer()))
+        task = asyncio.ensure_future(app.run(plan, receive, RequestState("r"), answer()))
         await asyncio.sleep(0.05)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

@@ -401,8 +401,8 @@ def test_a_null_stream_is_the_default_like_every_other_null_parameter(s):
 
 def test_n_true_is_not_n_1():
     """`"n": true` passed as n=1 (True == 1 in Python); JSON's true is not a number."""
+    from molctl.proxy.apis.chat_validation import check_request
     from molctl.proxy.errors import ProxyError
-    from molctl.proxy.validation import check_request
 
     base = {"model": PUBLIC, "messages": [{"role": "user", "content": "x"}]}
     check_request({**base, "n": 1}, PUBLIC)
@@ -421,7 +421,7 @@ def test_a_long_path_or_model_id_is_not_echoed_whole(s):
 
 
 def test_an_unexpected_failure_is_a_json_500_with_a_request_id_logged_once(caplog):
-    from molctl.proxy.app import ProxyApp
+    from molctl.proxy.http.app import ProxyApp
 
     app = ProxyApp(TINY, get_engine("vllm"), "http://127.0.0.1:9", None)
 
@@ -492,7 +492,7 @@ def test_route_hop_input_is_bounded(s):
 
 
 def test_summary_queue_is_bounded_and_stale_summaries_are_dropped():
-    from molctl.proxy.orchestrator import Orchestrator
+    from molctl.proxy.pipeline.run import Orchestrator
 
     profile = dataclasses.replace(TINY, proxy=dataclasses.replace(TINY.proxy, summary_queue_max=2, summary_wait_s=0.2))
 
@@ -696,7 +696,7 @@ def test_glm_profiles_send_glm52s_own_reasoning_levels(effort, level, thinking):
     reads anything but `high` as `max` (found by a review of the GPU profiles)."""
     from molctl.engines import get_engine
     from molctl.profiles import load_profile, profile_dirs
-    from molctl.proxy.orchestrator import Orchestrator
+    from molctl.proxy.pipeline.run import Orchestrator
 
     for name in ("venti", "venti-sglang"):
         profile = load_profile(name, profile_dirs())
@@ -721,7 +721,7 @@ def test_a_logit_bias_that_is_not_finite_numbers_is_refused(bias):
     """Found by the regression review (it reached the engine): vLLM 0.32 clamps each bias with
     min(100, max(-100, bias)) (sampling_params.py), so a NaN became -100 and silently banned the
     token; the sampling numbers are refused when not finite, and so is a bias now."""
-    from molctl.proxy import validation
+    from molctl.proxy.apis import chat_validation as validation
     from molctl.proxy.errors import ProxyError
 
     body = validation.parse_body(

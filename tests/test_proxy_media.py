@@ -10,8 +10,8 @@ import pytest
 
 from molctl.errors import ProfileError
 from molctl.profiles import load_profile, profile_dirs
+from molctl.proxy.apis.chat_validation import check_media_url
 from molctl.proxy.errors import ProxyError
-from molctl.proxy.validation import check_media_url
 from tests.proxy_stack import PUBLIC, own_stack
 
 PNG = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR4nGNgYGBgAAAABQABh6FO1AAAAABJRU5ErkJggg=="

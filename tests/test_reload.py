@@ -443,7 +443,7 @@ def test_a_reload_reads_the_key_file_off_the_event_loop_and_coalesces_a_burst(tm
     import uvicorn
 
     from molctl import keys as keys_module
-    from molctl.proxy.server import DrainingServer
+    from molctl.proxy.http.server import DrainingServer
 
     key_file = tmp_path / "keys"
     write_keys(key_file, NEW)

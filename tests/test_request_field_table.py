@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from molctl.engines import get_engine
-from molctl.proxy import responses, validation
-from molctl.proxy.request_fields import REFUSED
+from molctl.proxy.apis import chat_validation as validation
+from molctl.proxy.apis.request_fields import REFUSED
+from molctl.proxy.apis.responses import protocol as responses
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -107,13 +108,13 @@ def part(section: str, heading: str, end: str) -> str:
 
 @pytest.mark.parametrize("field", OPENAI_CHAT)
 def test_every_chat_field_of_the_reference_is_known_and_in_the_table(field):
-    assert field in validation.KNOWN, f"chat field {field!r} is not classified by validation.py"
+    assert field in validation.KNOWN, f"chat field {field!r} is not classified by chat_validation.py"
     assert field in named(part(table_section(), "Chat Completions:", "Responses (")), field
 
 
 @pytest.mark.parametrize("field", OPENAI_RESPONSES)
 def test_every_responses_field_of_the_reference_is_known_and_in_the_table(field):
-    assert field in responses.KNOWN, f"responses field {field!r} is not classified by responses.py"
+    assert field in responses.KNOWN, f"responses field {field!r} is not classified by apis/responses/protocol.py"
     assert field in named(part(table_section(), "Responses (", "Engine extensions")), field
 
 

@@ -12,8 +12,8 @@ import openai
 import pytest
 
 from molctl.engines import get_engine
+from molctl.proxy.apis.request_fields import FieldPolicy
 from molctl.proxy.errors import ProxyError
-from molctl.proxy.request_fields import FieldPolicy
 from tests.helpers import wait_for
 from tests.proxy_stack import KEY, PUBLIC, TINY, own_stack
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from molctl.proxy.http_protocol import HeadHoldingHttpToolsProtocol
+from molctl.proxy.http.protocol import HeadHoldingHttpToolsProtocol
 from tests.helpers import free_ports, wait_for
 from tests.procs import fake_engine_argv, proxy_argv, running
 from tests.test_http_protocol import _Server

@@ -11,7 +11,8 @@ import httpx
 import openai
 import pytest
 
-from molctl.proxy import responses
+from molctl.proxy.apis.responses import events as resp_events
+from molctl.proxy.apis.responses import protocol
 from tests.proxy_stack import IDENTITY, KEY, KEY2, LEAK, PUBLIC, fold
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -206,12 +207,12 @@ def test_engine_params_read_as_the_responses_request_writes_them():
     """Chat nests a function tool's fields and a named tool_choice under `function`; a Responses
     request has them flat, so an engine 400 naming `tools[0].function.parameters` is shown as
     `tools[0].parameters` (the regression review)."""
-    assert responses.public_param("tools[0].function.parameters") == "tools[0].parameters"
-    assert responses.public_param("tools[12].function") == "tools[12]"
-    assert responses.public_param("tool_choice.function.name") == "tool_choice.name"
-    assert responses.public_param("messages[3].content") == "input"
-    assert responses.public_param("response_format.json_schema") == "text.format"
-    assert responses.public_param("temperature") == "temperature" and responses.public_param(None) is None
+    assert protocol.public_param("tools[0].function.parameters") == "tools[0].parameters"
+    assert protocol.public_param("tools[12].function") == "tools[12]"
+    assert protocol.public_param("tool_choice.function.name") == "tool_choice.name"
+    assert protocol.public_param("messages[3].content") == "input"
+    assert protocol.public_param("response_format.json_schema") == "text.format"
+    assert protocol.public_param("temperature") == "temperature" and protocol.public_param(None) is None
 
 
 def test_a_nan_temperature_is_a_400_naming_it(s):
@@ -476,7 +477,7 @@ def test_parameters_mapped_and_rejected(s):
     assert payload["parallel_tool_calls"] is False
     assert "reasoning_effort" not in payload  # mapped as chat's reasoning_effort: the tiny profile has no mapping
     assert (
-        responses.parse_request({"model": "m", "input": "x", "reasoning": {"effort": "low"}}, "m").chat[
+        protocol.parse_request({"model": "m", "input": "x", "reasoning": {"effort": "low"}}, "m").chat[
             "reasoning_effort"
         ]
         == "low"
@@ -525,7 +526,7 @@ def test_length_finish_is_incomplete(s):
 
 
 def test_reasoning_is_a_reasoning_item():
-    req = responses.parse_request({"model": "m", "input": "x"}, "m")
+    req = protocol.parse_request({"model": "m", "input": "x"}, "m")
     chat = {
         "choices": [
             {"message": {"role": "assistant", "content": "42", "reasoning_content": "think"}, "finish_reason": "stop"}
@@ -537,11 +538,11 @@ def test_reasoning_is_a_reasoning_item():
             "completion_tokens_details": {"reasoning_tokens": 3},
         },
     }
-    r = responses.complete_response(req, "resp_1", 0, chat)
+    r = resp_events.complete_response(req, "resp_1", 0, chat)
     assert [i["type"] for i in r["output"]] == ["reasoning", "message"]
     assert r["output"][0]["content"] == [{"type": "reasoning_text", "text": "think"}]
     assert r["usage"]["output_tokens_details"] == {"reasoning_tokens": 3}
-    tr = responses.StreamTranslator(req, "resp_2", 0)
+    tr = resp_events.StreamTranslator(req, "resp_2", 0)
     events = tr.start()
     for delta in ({"reasoning_content": "thi"}, {"reasoning_content": "nk"}, {"content": "4"}, {"content": "2"}):
         events += tr.feed({"choices": [{"delta": delta}]})
@@ -607,7 +608,7 @@ def test_no_adapter_name_anywhere(s):
 
 def test_memory_store_is_the_default_and_the_argument_is_used():
     from molctl.engines import get_engine
-    from molctl.proxy.app import ProxyApp
+    from molctl.proxy.http.app import ProxyApp
     from molctl.proxy.response_store import MemoryResponseStore
     from tests.proxy_stack import TINY
 
@@ -650,7 +651,7 @@ def test_tool_loop_continues_on_its_adapter_after_a_proxy_restart(s, keyfile, tm
 
 
 def test_a_large_body_is_prepared_off_the_loop(s):
-    from molctl.proxy.app import BIG_BODY
+    from molctl.proxy.http.body import BIG_BODY
 
     r = create(s, input=[{"role": "user", "content": "[route:L2] " + "x" * (BIG_BODY + 10_000)}])  # parsed in steps
     assert r.status == "completed"

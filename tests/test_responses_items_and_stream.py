@@ -10,7 +10,8 @@ import json
 
 import httpx
 
-from molctl.proxy import responses
+from molctl.proxy.apis.responses import events as resp_events
+from molctl.proxy.apis.responses import protocol
 from tests.proxy_stack import KEY, PUBLIC
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -72,8 +73,8 @@ def test_a_streamed_item_is_announced_empty_and_the_sdks_live_snapshot_is_the_te
 def test_a_stream_translator_event_is_a_snapshot_of_its_moment():
     """The same defect in the translator alone, with logprobs (the fake engine sends none) and
     reasoning: an event made while a chunk is fed must not change when later deltas arrive."""
-    req = responses.parse_request({"model": "m", "input": "x", "include": ["message.output_text.logprobs"]}, "m")
-    tr = responses.StreamTranslator(req, "resp_1", 0)
+    req = protocol.parse_request({"model": "m", "input": "x", "include": ["message.output_text.logprobs"]}, "m")
+    tr = resp_events.StreamTranslator(req, "resp_1", 0)
     lp = {"content": [{"token": "4", "logprob": -0.1, "bytes": [52], "top_logprobs": []}]}
     events = tr.start()
     events += tr.feed({"choices": [{"delta": {"reasoning_content": "think"}}]})
@@ -201,13 +202,13 @@ def test_every_parallel_call_needs_its_output():
         "response": {"output": []},
         "route": "L1",
     }
-    req = responses.parse_request(
+    req = protocol.parse_request(
         {"model": "m", "input": [{"type": "function_call_output", "call_id": "call-1", "output": "x"}]}, "m"
     )
     req.prev, req.history = prev, list(prev["messages"])
     try:
         req.chat_body()
-    except responses.ProxyError as exc:
+    except protocol.ProxyError as exc:
         assert (
             exc.status == 400
             and exc.message == "No tool output found for function call call-2."
@@ -215,7 +216,7 @@ def test_every_parallel_call_needs_its_output():
         )
     else:
         raise AssertionError("accepted")
-    both = responses.parse_request(
+    both = protocol.parse_request(
         {
             "model": "m",
             "input": [{"type": "function_call_output", "call_id": f"call-{i}", "output": "x"} for i in (2, 1)],
@@ -237,15 +238,15 @@ def test_an_empty_streamed_answer_still_has_its_message_item():
     `output_item.added` / `content_part.added` / `output_text.done` / `content_part.done` /
     `output_item.done` (developers.openai.com/api/reference/resources/responses/streaming-events)."""
     for deltas in ([], [{"reasoning_content": "think"}]):
-        req = responses.parse_request({"model": "m", "input": "x"}, "m")
-        tr = responses.StreamTranslator(req, "resp_1", 0)
+        req = protocol.parse_request({"model": "m", "input": "x"}, "m")
+        tr = resp_events.StreamTranslator(req, "resp_1", 0)
         events = tr.start() + tr.feed({"choices": [{"delta": {"role": "assistant", "content": ""}}]})
         for delta in deltas:
             events += tr.feed({"choices": [{"delta": delta}]})
         events += tr.feed({"choices": [{"delta": {}, "finish_reason": "stop"}]})
         closing, final = tr.finish_events()
         message = {"role": "assistant", "content": "", **(deltas[0] if deltas else {})}
-        plain = responses.complete_response(
+        plain = resp_events.complete_response(
             req, "resp_2", 0, {"choices": [{"message": message, "finish_reason": "stop"}]}
         )
         assert [i["type"] for i in final["output"]] == [i["type"] for i in plain["output"]]

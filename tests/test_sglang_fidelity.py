@@ -196,7 +196,7 @@ def test_the_answer_hop_never_asks_sglang_for_its_whole_window(name, flag, sends
     from molctl.engines import get_engine
     from molctl.profiles import load_profile, profile_dirs
     from molctl.proxy.conversations import MemoryStore
-    from molctl.proxy.orchestrator import Orchestrator, prompt_token_bound
+    from molctl.proxy.pipeline.run import Orchestrator, prompt_token_bound
 
     def payload(window: int, limit: int) -> tuple[dict, int]:
         profile = load_profile(

@@ -535,7 +535,7 @@ def test_a_request_looks_its_earlier_turns_up_in_one_query(db):
     """The orchestrator's prepare() uses get_turns when the store has it (SQLite)."""
     from molctl.engines import get_engine
     from molctl.profiles import load_profile, profile_dirs
-    from molctl.proxy.orchestrator import Orchestrator
+    from molctl.proxy.pipeline.run import Orchestrator
 
     store, conv = _conv(db)
     profile = load_profile("tiny", profile_dirs())
@@ -836,7 +836,7 @@ def test_a_commit_delay_groups_the_rows_of_its_window_into_one_transaction(db):
 
 def test_the_proxy_opens_its_store_with_the_profiles_commit_window(tmp_path):
     from molctl.profiles import load_profile, profile_dirs
-    from molctl.proxy.server import build_response_store
+    from molctl.proxy.http.server import build_response_store
 
     default = build_response_store(load_profile("tiny", profile_dirs()), tmp_path)
     assert default.commit_delay_s == 0.01

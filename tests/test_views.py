@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from molctl.profiles import load_profile, profile_dirs
 from molctl.proxy.conversations import TurnRecord, extend_key, prefix_keys
-from molctl.proxy.views import own_view, parse_label, route_messages, split_history
+from molctl.proxy.pipeline.routing import parse_label
+from molctl.proxy.pipeline.views import own_view, route_messages, split_history
 
 P = load_profile("tiny", profile_dirs())
 ID = "IDENTITY"

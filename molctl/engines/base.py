@@ -194,7 +194,7 @@ class AnswerTokens:
 def continuation_ids(answer: AnswerTokens, suffix: list[int]) -> list[int]:
     """The summary hop's token prompt: the answer hop's prompt ids, its generated ids, then the
     `suffix` (end of the assistant turn, a user turn with the instruction, the generation
-    prompt; `Orchestrator.summary_suffix`). When generation ended on a stop token: the suffix
+    prompt; `Summaries.summary_suffix`). When generation ended on a stop token: the suffix
     starts with that very token (Qwen's `<|im_end|>`, GLM's `<|user|>`): it is not repeated;
     otherwise (an EOS the template never prints, e.g. `<|endoftext|>`) it is dropped, and the
     suffix closes the turn as the template does. Everything before the suffix is the exact token
@@ -227,7 +227,7 @@ class Engine(abc.ABC):
     phases: tuple[tuple[str, str], ...] = ()
 
     # Vendor sampling and generation fields a client may send, forwarded on the answer hop as
-    # sent (never on the route or summary hop): name -> the JSON kind molctl.proxy.validation
+    # sent (never on the route or summary hop): name -> the JSON kind molctl.proxy.apis.chat_validation
     # checks ("bool", "int", "number", "str", "ints", "strs", "object", "str_or_strs").
     request_extensions: Mapping[str, str] = {}
     # Vendor fields that would break the proxy's contract if passed on: name -> why (a 400).
@@ -339,7 +339,7 @@ class Engine(abc.ABC):
         when the answer has no logprobs)."""
 
     # The summary hop as a continuation of the answer hop's tokens (issue 30; the proxy's
-    # `Orchestrator.summary_payload`). An engine that offers none of it keeps these defaults:
+    # `Summaries.summary_payload`). An engine that offers none of it keeps these defaults:
     # no fields, nothing reported, and the proxy sends today's chat summary.
     # The answer hop's fields that make the engine report its prompt and output token ids.
     def answer_token_fields(self, stream: bool) -> dict[str, Any]:
@@ -353,7 +353,7 @@ class Engine(abc.ABC):
         """Accumulate the token ids of one stream event (choice 0) into `into`."""
         del event, into  # this engine reports none
 
-    # The template probe (`Orchestrator.summary_suffix`): an endpoint that renders messages with
+    # The template probe (`Summaries.summary_suffix`): an endpoint that renders messages with
     # the engine's own chat template and tokenizer and answers the token ids, without generating.
     probe_path: str | None = None
 

@@ -1,25 +1,38 @@
 """The MoL proxy: one public OpenAI-compatible model in front of the engine's four adapters.
 
-A request: `server` (uvicorn, drain on SIGTERM; `run_proxy` is `molctl proxy`) -> `app` (auth,
-endpoints) -> `orchestrator` (route hop or tool stickiness -> answer hop -> record -> summary).
+A request: `http.server` (uvicorn, drain on SIGTERM; `run_proxy` is `molctl proxy`) -> `http.app`
+(auth, request ids, body limits) -> `apis` (the wire shape to a plan) -> `pipeline.run` (prepare ->
+load -> route -> answer -> record -> summary) -> back through `apis` and `http.sse` as bytes.
 Its modules, one line each:
-- `admission`: how many hops of each kind are in flight at the engine, and who waits.
-- `app`: the raw ASGI application: auth, request ids, endpoints, the Responses flow, drain.
+- `apis.chat`: POST /v1/chat/completions: the body to a plan, the pipeline's answer back.
+- `apis.chat_validation`: chat request validation: the raw body to a checked dict, or a 400 naming the field.
+- `apis.models`: GET /v1/models and /v1/models/{id}: the one public model.
+- `apis.request_fields`: which request fields are honoured, passed to the engine, ignored or refused.
+- `apis.responses.convert`: Responses input items, tools, tool choice and text format as chat's.
+- `apis.responses.events`: Response objects, stored records, input_items pages, the stream translator.
+- `apis.responses.handlers`: the Responses endpoints: create, get, delete, input_items, cancel.
+- `apis.responses.protocol`: Responses request validation and its translation to a chat request.
 - `conversations`: conversation state found from the history itself (keys, turn records, tool calls).
 - `engine_client`: the one keep-alive HTTP/1.1 client to the engine (and its replicas).
+- `engine_wire`: one keep-alive connection to the engine, parsed by httptools, and its body's lines.
 - `errors`: the errors the proxy answers, in the OpenAI shape, and the engine's errors scrubbed.
 - `fastjson`: JSON on the hot path (orjson where it gives the standard library's values).
-- `http_protocol`: uvicorn's httptools protocol with the request-head bound and one-send heads.
-- `metrics`: the Prometheus metrics, on their own listener.
-- `orchestrator`: one chat request's hops, and the background summaries.
+- `http.app`: the raw ASGI application: auth, request ids, drain, dispatch to the APIs, the log line.
+- `http.body`: request bodies: read within their bounds, parsed on the loop or in a worker thread.
+- `http.protocol`: uvicorn's httptools protocol with the request-head bound and one-send heads.
+- `http.server`: `molctl proxy`: the proxy under uvicorn with drain-on-SIGTERM.
+- `http.sse`: the held-back-200 SSE writer.
+- `metrics`: the plain counters and the Prometheus metrics, on their own listener.
+- `pipeline.admission`: how many hops of each kind are in flight at the engine, and who waits.
+- `pipeline.plan`: the request plan and the request state, as fields.
+- `pipeline.priority`: the one hop-priority policy.
+- `pipeline.routing`: the route hop, label parsing, its fallback and the one sticky tool-turn rule.
+- `pipeline.run`: the pipeline's entry points shared by chat and Responses (prepare, load, answer, stream).
+- `pipeline.summary`: the background summary hops.
+- `pipeline.views`: what each hop sends: the router's messages, each adapter's view, the summary request.
 - `redis_store`: the shared state of proxy replicas on Redis (or Valkey).
-- `request_fields`: which request fields are honoured, passed to the engine, ignored or refused.
 - `response_store`: the Responses API's stored records, per tenant (the in-memory backend).
-- `responses`: the Responses API on top of the chat machinery (conversion, objects, stream events).
 - `samples`: sample conversations `molctl check`'s template category renders through this code.
-- `server`: `molctl proxy`: the proxy under uvicorn with drain-on-SIGTERM.
 - `shaping`: the one place that shapes what clients see (public model name, own ids, no engine extras).
 - `sqlite_store`: the durable state on SQLite (stored responses, chat's turn records).
-- `validation`: chat request validation: the raw body to a checked dict, or a 400 naming the field.
-- `views`: what each hop sends: the router's messages, each adapter's view, the summary request.
 """

@@ -16,9 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-import httptools
-
 from molctl.proxy import fastjson
+from molctl.proxy.engine_wire import _Connection, _lines
 from molctl.proxy.errors import EngineHTTPError, EngineUnavailable
 
 HOP_HEADER = "X-MoL-Hop"
@@ -56,8 +55,9 @@ class EngineChoice:
     failed: bool = False
 
 
-# Set once per request by the orchestrator (`Orchestrator.load`); tasks started by the request
-# (its summary hop) inherit it. None: this proxy's own upstream.
+# The request's choice as the Redis store reads it (redis_store._serving: the replica a write
+# names), set with `Plan.engine` by `Orchestrator.load`; the client itself takes the choice as an
+# argument (`engine=`) and never reads this.
 ENGINE: contextvars.ContextVar[EngineChoice | None] = contextvars.ContextVar("molctl_engine", default=None)
 
 
@@ -164,184 +164,6 @@ def event_problem(event: dict[str, Any]) -> str | None:
         if delta is not None and _bad_message(delta, True):
             return "a malformed delta"
     return None
-
-
-READ_HIGH_WATER = 1 << 20  # a stream's unread bytes above this pause reading from the engine
-
-
-class Headers(dict):
-    """Response headers, names lower-cased; get() in any case."""
-
-    def get(self, name: str, default: Any = None) -> Any:
-        return dict.get(self, name.lower(), default)
-
-
-class _Connection(asyncio.Protocol):
-    """One HTTP/1.1 connection to the engine, one request at a time. The reader waits on
-    `_wait()`, which returns after each parser event (headers, body bytes, end, failure)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, read_timeout: float):
-        self.loop = loop
-        self.read_timeout = read_timeout
-        self.transport: asyncio.Transport | None = None
-        self.parser = httptools.HttpResponseParser(self)
-        self.closed = False
-        self.idle_since = 0.0
-        self.slot: Any = None  # the slots semaphore the request on it holds (EngineClient._exchange)
-        self._waiter: asyncio.Future | None = None
-        self._timer: asyncio.TimerHandle | None = None
-        self._reset()
-
-    def _reset(self) -> None:
-        self.status = 0
-        self.headers = Headers()
-        self.body: deque[bytes] = deque()
-        self.buffered = 0
-        self.headers_done = False
-        self.done = False
-        self.keep_alive = False
-        self.error: EngineUnavailable | None = None
-        self.got_bytes = False
-        self.closed_by_engine = False  # the engine closed it (not a timeout or a malformed answer): see _exchange
-        self.sent_at = 0.0  # loop time of the request's send; closed_at: of the engine's close
-        self.closed_at = 0.0
-        self._framed = False  # Content-Length or chunked: the end is known without a close
-        self._interim = False  # parsing a 1xx answer, which is skipped
-        self._paused = False
-        self._deadline = float("inf")
-        self._last_read = 0.0
-
-    # ---- asyncio.Protocol
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-
-    def connection_lost(self, exc) -> None:
-        self.closed = True
-        self._cancel_timer()
-        if not self.done and self.error is None:
-            if self.headers_done and not self._framed:
-                self.done = True  # a body delimited by the close
-            else:
-                self.error = EngineUnavailable(str(exc) if exc else "the engine closed the connection")
-                self.closed_by_engine = True
-                self.closed_at = self.loop.time()
-        self._wake()
-
-    def data_received(self, data: bytes) -> None:
-        self.got_bytes = True
-        self._last_read = self.loop.time()
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self._fail(f"malformed HTTP response from the engine: {exc}")
-
-    def eof_received(self):
-        return False  # close the transport
-
-    # ---- httptools callbacks
-    def on_header(self, name: bytes, value: bytes) -> None:
-        key = name.decode("latin-1").lower()
-        if key in ("content-length", "transfer-encoding"):
-            self._framed = True
-        self.headers[key] = value.decode("latin-1")
-
-    def on_headers_complete(self) -> None:
-        self.status = self.parser.get_status_code()
-        if (
-            100 <= self.status < 200 and self.status != 101
-        ):  # an interim answer (100 Continue, 103): the real one follows
-            self._interim = True
-            self.headers = Headers()
-            self._framed = False
-            return
-        self.headers_done = True
-        self._wake()
-
-    def on_body(self, body: bytes) -> None:
-        self.body.append(body)
-        self.buffered += len(body)
-        if self.buffered > READ_HIGH_WATER and not self._paused and self.transport is not None:
-            self._paused = True
-            self.transport.pause_reading()
-        self._wake()
-
-    def on_message_complete(self) -> None:
-        if self._interim:
-            self._interim = False
-            return
-        self.done = True
-        self.keep_alive = self.parser.should_keep_alive()
-        self._cancel_timer()
-        self._wake()
-
-    # ---- the client's side
-    def send(self, request: bytes, timeout: float | None) -> None:
-        self._reset()
-        now = self.loop.time()
-        self._last_read = self.sent_at = now
-        if timeout:
-            self._deadline = now + timeout
-        self._arm(min(self._deadline, now + self.read_timeout))
-        self.transport.write(request)
-
-    def take_body(self) -> bytes:
-        data = b"".join(self.body) if len(self.body) != 1 else self.body[0]
-        self.body.clear()
-        self.buffered = 0
-        if self._paused and not self.closed:
-            self._paused = False
-            self.transport.resume_reading()
-        return data
-
-    async def wait(self) -> None:
-        """Until the next parser event; raises the connection's failure."""
-        if self.error is not None:
-            raise self.error
-        self._waiter = self.loop.create_future()
-        try:
-            await self._waiter
-        finally:
-            self._waiter = None
-        if self.error is not None:
-            raise self.error
-
-    def abort(self) -> None:
-        self.closed = True
-        self._cancel_timer()
-        if self.transport is not None:
-            self.transport.abort()
-
-    def _fail(self, why: str) -> None:
-        if self.error is None and not self.done:
-            self.error = EngineUnavailable(why)
-        self.abort()
-        self._wake()
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    def _arm(self, when: float) -> None:
-        self._cancel_timer()
-        self._timer = self.loop.call_at(when, self._check_timeout)
-
-    def _cancel_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
-    def _check_timeout(self) -> None:
-        """The total deadline (if any) and the read timeout (no byte for read_timeout s)."""
-        self._timer = None
-        if self.done:
-            return
-        now = self.loop.time()
-        next_check = min(self._deadline, self._last_read + self.read_timeout)
-        if now >= next_check:
-            self._fail("TimeoutError")
-        else:
-            self._arm(next_check)
 
 
 class _NoSlot:
@@ -535,17 +357,16 @@ class EngineClient:
         except ValueError:
             return conn.status, body.decode(errors="replace")
 
-    def target_url(self) -> str:
-        """The base URL of the engine this request's next hop goes to (see `_peer`)."""
-        choice = ENGINE.get()
-        if choice is None or choice.failed:
+    def target_url(self, engine: EngineChoice | None = None) -> str:
+        """The base URL of the engine a hop for `engine` (the request's choice) goes to (see `_peer`)."""
+        if engine is None or engine.failed:
             return self.base_url
-        return choice.url.rstrip("/")
+        return engine.url.rstrip("/")
 
-    def _peer(self) -> EngineClient | None:
-        """The client of the engine this request's conversation lives on (ENGINE, set by the
-        orchestrator for proxy replicas on a shared store), or None for this proxy's own engine."""
-        url = self.target_url()
+    def _peer(self, engine: EngineChoice | None) -> EngineClient | None:
+        """The client of the engine this request's conversation lives on (`engine`, chosen by the
+        pipeline for proxy replicas on a shared store), or None for this proxy's own engine."""
+        url = self.target_url(engine)
         if url == self.base_url:
             return None
         peer = self._peers.get(url)
@@ -561,7 +382,7 @@ class EngineClient:
                     request_id_unique=self.request_id_unique,
                 )
             except ValueError:  # an unusable URL in the store: nothing can be sent there, take over
-                ENGINE.get().failed = True  # a choice: its URL is not this proxy's own
+                engine.failed = True  # a choice: its URL is not this proxy's own
                 return None
             peer._slots = asyncio.Semaphore(self._max_connections)
             self._peers[url] = peer
@@ -578,18 +399,24 @@ class EngineClient:
         return {REQUEST_ID_HEADER: hop_id}
 
     async def _open_chat(
-        self, data: bytes, hop: str, headers: dict[str, str] | None, timeout: float | None, path: str = CHAT_PATH
+        self,
+        data: bytes,
+        hop: str,
+        headers: dict[str, str] | None,
+        timeout: float | None,
+        path: str = CHAT_PATH,
+        engine: EngineChoice | None = None,
     ) -> tuple[EngineClient, _Connection]:
         """Send a chat hop to the request's engine (a peer's, see `_peer`, else the own one) and
         return the client that owns the connection. A peer engine that refuses the connection,
         never accepts it within the connect timeout or whose URL is unusable (nothing was sent in
         any case) is given up for the rest of the request: this replica takes over."""
-        peer = self._peer()
+        peer = self._peer(engine)
         if peer is not None:
             try:
                 return peer, await peer._exchange(peer._request("POST", path, data, hop, headers), timeout)
             except _ConnectFailed:
-                ENGINE.get().failed = True
+                engine.failed = True
         return self, await self._exchange(self._request("POST", path, data, hop, headers), timeout)
 
     async def chat(
@@ -600,14 +427,16 @@ class EngineClient:
         big: bool = False,
         request_id: str | None = None,
         path: str = CHAT_PATH,
+        engine: EngineChoice | None = None,
     ) -> dict[str, Any]:
         """Non-streaming chat completion; raises EngineHTTPError / EngineUnavailable. `big`:
         encode the payload in a worker thread; `request_id`: sent as X-Request-Id. `path`: another
         JSON endpoint of the same engine (the summary's token-prompt completion, the template
-        probe: `Engine.continuation_path`, `Engine.probe_path`)."""
+        probe: `Engine.continuation_path`, `Engine.probe_path`); `engine`: the request's engine
+        choice (None: this proxy's own upstream)."""
         headers = self._hop_ids(payload, hop, request_id)
         data = await encode(payload, big)
-        owner, conn = await self._open_chat(data, hop, headers, timeout, path)
+        owner, conn = await self._open_chat(data, hop, headers, timeout, path, engine)
         try:
             raw = await self._read_all(conn)
         finally:
@@ -624,14 +453,19 @@ class EngineClient:
         return body
 
     async def chat_stream(
-        self, payload: dict[str, Any], hop: str, big: bool = False, request_id: str | None = None
+        self,
+        payload: dict[str, Any],
+        hop: str,
+        big: bool = False,
+        request_id: str | None = None,
+        engine: EngineChoice | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
         """Streaming chat completion: yields each SSE `data:` JSON object until `[DONE]`.
 
         Cancelling the consumer closes the connection, which makes the engine abort the request."""
         headers = self._hop_ids(payload, hop, request_id)
         data = await encode(payload, big)
-        owner, conn = await self._open_chat(data, hop, headers, None)
+        owner, conn = await self._open_chat(data, hop, headers, None, engine=engine)
         try:
             if conn.status != 200:
                 raise http_error(conn.status, await owner._read_all(conn), conn.headers)
@@ -670,45 +504,3 @@ class EngineClient:
             raise EngineUnavailable("the engine's stream ended without [DONE]")
         finally:
             owner._release(conn)
-
-
-MAX_STREAM_LINE = 64 << 20  # one SSE line (one event's JSON); a longer one is the engine's failure
-
-
-def _lines(conn: _Connection):
-    """The body's lines (each with its newline; the last one without, at the end), or None when
-    the caller must `await conn.wait()` for more bytes (a generator cannot await). Linear in the
-    line's length: each chunk is searched once (a 50 MB line rescanned from its start on every
-    chunk took 18 s of CPU); a line over MAX_STREAM_LINE raises EngineHTTPError 502."""
-    parts: list[bytes] = []  # the current line's pieces from earlier chunks
-    size = 0
-    while True:
-        if conn.body:
-            chunk = conn.take_body()
-            start = 0
-            while True:
-                end = chunk.find(b"\n", start)
-                if end < 0:
-                    break
-                if parts:
-                    parts.append(chunk[start : end + 1])
-                    yield b"".join(parts)
-                    parts, size = [], 0
-                else:
-                    yield chunk[start : end + 1]
-                start = end + 1
-            if start < len(chunk):
-                parts.append(chunk[start:] if start else chunk)
-                size += len(chunk) - start
-                if size > MAX_STREAM_LINE:
-                    raise EngineHTTPError(
-                        502, f"the engine sent a stream line over {MAX_STREAM_LINE} bytes", in_stream=True
-                    )
-            continue
-        if conn.done or conn.error is not None:
-            if conn.error is not None and not conn.done:
-                raise conn.error
-            if parts:
-                yield b"".join(parts)
-            return
-        yield None

@@ -50,7 +50,7 @@ def draining(rid: str | None = None) -> ProxyError:
 
 
 def overloaded(exc) -> ProxyError:
-    """Admission refused (molctl.proxy.admission.Rejected): 429 with its Retry-After."""
+    """Admission refused (molctl.proxy.pipeline.admission.Rejected): 429 with its Retry-After."""
     why = "too many requests are waiting" if exc.reason == "queue_full" else "no capacity freed up in time"
     return ProxyError(
         429,

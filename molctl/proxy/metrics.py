@@ -1,6 +1,6 @@
 """The proxy's Prometheus metrics (prometheus-client), served on their own listener.
 
-`ProxyMetrics` is the orchestrator's `Counters` plus histograms, in a registry of its own (one
+`ProxyMetrics` is `Counters` (the pipeline's plain counters) plus histograms, in a registry of its own (one
 per app, so tests can run several). The counters are exported by a collector at scrape time
 (the hot path only adds to a dict); gauges are read at scrape time from `gauges()`.
 Every label takes values from a small fixed set (hop, adapter L0-L3, API, status code, reason):
@@ -18,13 +18,12 @@ import logging
 import os
 import socket
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
-
-from molctl.proxy.orchestrator import Counters
 
 log = logging.getLogger("molctl.proxy")
 
@@ -73,6 +72,51 @@ LABELLED = {
     "engine_errors_total": ("status",),
     "store_failures_total": ("cause",),
 }
+
+
+@dataclass
+class Counters:
+    """Plain counters; `inc` with labels (a small fixed set of values each) also counts the
+    labelled series. Exported by molctl.proxy.metrics (its ProxyMetrics adds the histograms
+    `observe` feeds; here it is a no-op)."""
+
+    values: dict[str, int] = field(
+        default_factory=lambda: {
+            "requests_total": 0,
+            "route_hops_total": 0,
+            "route_fallbacks_total": 0,
+            "route_timeouts_total": 0,
+            "route_priority_refusals_total": 0,
+            "sticky_tool_turns_total": 0,
+            "unplaced_tool_turns_total": 0,
+            "summaries_total": 0,
+            "summary_retries_total": 0,
+            "summary_failures_total": 0,
+            "summaries_dropped_total": 0,
+            "summaries_stale_total": 0,
+            "engine_errors_total": 0,
+            "client_disconnects_total": 0,
+            "stream_write_timeouts_total": 0,
+            "internal_errors_total": 0,
+            "ignored_request_fields_total": 0,
+            "summary_continuations_total": 0,
+            "summary_chat_fallbacks_total": 0,
+            "summary_window_skips_total": 0,
+            "summary_prompt_tokens_total": 0,
+            "summary_cached_tokens_total": 0,
+        }
+    )
+
+    labelled: dict[tuple[str, tuple[tuple[str, str], ...]], int] = field(default_factory=dict)
+
+    def inc(self, name: str, n: int = 1, **labels: str) -> None:
+        self.values[name] = self.values.get(name, 0) + n
+        if labels:
+            key = (name, tuple(sorted(labels.items())))
+            self.labelled[key] = self.labelled.get(key, 0) + n
+
+    def observe(self, name: str, seconds: float, **labels: str) -> None:
+        """A latency sample (hop_seconds, ttft_seconds, queue_wait_seconds); see ProxyMetrics."""
 
 
 class ProxyMetrics(Counters):

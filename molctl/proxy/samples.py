@@ -255,7 +255,7 @@ async def collect_async(profile: Profile, stream: bool = False) -> list[HopReque
     streaming or not: the hops' messages are the same either way)."""
     from molctl.engines import get_engine
     from molctl.proxy.conversations import MemoryStore
-    from molctl.proxy.orchestrator import Orchestrator
+    from molctl.proxy.pipeline.run import Orchestrator
 
     client = _RecordingClient()
     orch = Orchestrator(profile, get_engine(profile.engine.kind), client, MemoryStore())  # type: ignore[arg-type]

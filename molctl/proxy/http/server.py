@@ -19,8 +19,8 @@ from pathlib import Path
 
 import uvicorn
 
-from molctl.proxy.app import ProxyApp, key_table
-from molctl.proxy.http_protocol import HeadHoldingHttpToolsProtocol
+from molctl.proxy.http.app import ProxyApp, key_table
+from molctl.proxy.http.protocol import HeadHoldingHttpToolsProtocol
 
 log = logging.getLogger("molctl.proxy")
 DRAIN_SUMMARIES_S = 30.0  # a drain waits this long at most for the summary hops of answered turns
@@ -142,7 +142,7 @@ def serve(
 ) -> None:
     """Serve `app` until a signal ends the drain; on `socks` when given (bound already: see run_proxy)."""
 
-    def refused(status: int) -> None:  # a request head over the bound (molctl.proxy.http_protocol)
+    def refused(status: int) -> None:  # a request head over the bound (molctl.proxy.http.protocol)
         app.counters.inc("requests_total", api="other", status=str(status), stream="false")
 
     http = HeadHoldingHttpToolsProtocol.configured(
@@ -194,42 +194,20 @@ def run_proxy(
 
         raise UsageError(f"--metrics-port {profile.proxy.metrics_port} is also --port; they must differ")
     keys = resolve_api_keys(api_key_file, allow_unauthenticated)
-    if log_max_bytes:
-        from molctl.logs import rotate_stdio
-
-        rotate_stdio(log_max_bytes, log_backups)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from molctl.logs import EscapingFormatter
-
-    for handler in logging.getLogger().handlers:  # an engine's message quoted in a line: escaped
-        handler.setFormatter(EscapingFormatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
-    configure_request_log()
+    _configure_logging(log_max_bytes, log_backups)
     listen_port = port or profile.proxy.port
-    from molctl.proxy.metrics import bind_listeners
-
-    # the public port first, before the store is opened: in use is one line, exit 4 (not uvicorn's
-    # log lines after the store of a running stack was opened)
-    public_socks = bind_listeners(host, listen_port, "--host", "--port" if port else "proxy.port")
-    metrics_sock = None
-    if profile.proxy.metrics_port:
-        from molctl.proxy.metrics import bind_metrics
-
-        metrics_sock = bind_metrics(profile.proxy.metrics_host, profile.proxy.metrics_port)  # in use: exit 4
-    metrics = {
-        "metrics_port": profile.proxy.metrics_port,
-        "metrics_host": profile.proxy.metrics_host,
-        "metrics_sock": metrics_sock,
-    }
+    public_socks, metrics = _bind(profile, host, port, listen_port)
     keepalive = sse_keepalive or profile.proxy.sse_keepalive_s  # the option wins over the profile
     shared = build_shared_state(
         profile, upstream, listen_port, replica_id, advertise_upstream
     )  # unreachable: one line, exit 1
+    engine = get_engine(profile.engine.kind)
     if shared is not None:
         from molctl.proxy.redis_store import RedisConversationStore, RedisResponseStore
 
         app = ProxyApp(
             profile,
-            get_engine(profile.engine.kind),
+            engine,
             upstream,
             keys,
             sse_keepalive_s=keepalive,
@@ -245,18 +223,45 @@ def run_proxy(
         conversations = build_conversation_store(store)
         extra = {"store": conversations} if conversations is not None else {}
         app = ProxyApp(
-            profile,
-            get_engine(profile.engine.kind),
-            upstream,
-            keys,
-            sse_keepalive_s=keepalive,
-            response_store=store,
-            **metrics,
-            **extra,
+            profile, engine, upstream, keys, sse_keepalive_s=keepalive, response_store=store, **metrics, **extra
         )
         serve(app, host, listen_port, drain_timeout, api_key_file, public_socks)
     finally:
         store.close()
+
+
+def _configure_logging(log_max_bytes: int | None, log_backups: int) -> None:
+    """The log rotation, the line format (an engine's message quoted in a line: escaped), the request log."""
+    if log_max_bytes:
+        from molctl.logs import rotate_stdio
+
+        rotate_stdio(log_max_bytes, log_backups)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from molctl.logs import EscapingFormatter
+
+    for handler in logging.getLogger().handlers:  # an engine's message quoted in a line: escaped
+        handler.setFormatter(EscapingFormatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    configure_request_log()
+
+
+def _bind(profile, host: str, port: int | None, listen_port: int) -> tuple[list[socket.socket], dict]:
+    """The public listener, then the metrics one (each in use: one line, exit 4), and the app's metrics options."""
+    from molctl.proxy.metrics import bind_listeners
+
+    # the public port first, before the store is opened: in use is one line, exit 4 (not uvicorn's
+    # log lines after the store of a running stack was opened)
+    public_socks = bind_listeners(host, listen_port, "--host", "--port" if port else "proxy.port")
+    metrics_sock = None
+    if profile.proxy.metrics_port:
+        from molctl.proxy.metrics import bind_metrics
+
+        metrics_sock = bind_metrics(profile.proxy.metrics_host, profile.proxy.metrics_port)  # in use: exit 4
+    metrics = {
+        "metrics_port": profile.proxy.metrics_port,
+        "metrics_host": profile.proxy.metrics_host,
+        "metrics_sock": metrics_sock,
+    }
+    return public_socks, metrics
 
 
 def build_shared_state(profile, upstream: str, port: int, replica_id: str | None, advertise_upstream: str | None):

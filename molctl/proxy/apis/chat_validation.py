@@ -1,28 +1,16 @@
 """Request validation for POST /v1/chat/completions: the raw body to a checked dict, or a 400
 `invalid_request_error` that names the offending field (`param`).
 
-Choices, where the issue leaves room (the whole field table: docs/contract.md "Request fields"):
-- `n` other than 1, legacy `functions`, audio output, and the fields `request_fields.REFUSED`
-  and the engine module refuse are 400s naming the field; null stands for "not given", as in
-  OpenAI's schema (every one of them is nullable), and `modalities: ["text"]` asks for what every
-  answer is, so both are accepted. `store`, `metadata`, `service_tier`, `prompt_cache_key`,
-  `prompt_cache_retention`, `prompt_cache_options`, `safety_identifier`, `prediction`,
-  `verbosity`, `moderation` and `web_search_options` are accepted and ignored (they do not change
-  the answer an engine can give: the prefix cache needs no key, and the engine cannot search).
-- The engine module's extensions (vLLM's `ignore_eos`, `min_tokens`, `top_k`, ...) are checked
-  for their JSON kind and passed to the answer hop; any other unknown field is accepted and
-  ignored, noted once in the log and counted (`request_fields.FieldPolicy`), or a 400 with
-  `proxy.request_fields: reject`.
-- The shapes the engine's chat template will iterate over are checked here, so a malformed
-  message fails as a 400 naming e.g. `messages[3].tool_calls[0].function`, never as a 500:
-  roles, content (string, null or an array of typed parts), tool calls (objects with a
-  `function` object holding a string `name` and string `arguments`), `tool_call_id`, tools.
-- `tool_choice` is checked as vLLM checks it (vllm/entrypoints/openai/chat_completion/protocol.py
-  check_tool_usage) so the 400 names it: `required` or a named function needs `tools` (the named
-  one among them); `auto`/`none` without tools mean what no tools mean, and are not forwarded.
-  `top_logprobs` (0-20) needs `logprobs: true` (check_logprobs there, and OpenAI's schema).
-- JSON nested deeper than the parser's recursion limit and strings holding a lone UTF-16
-  surrogate (valid JSON escapes, but not encodable as UTF-8 for the engine) are 400s too.
+`parse_body` reads the bytes (orjson, or the standard library for what only it reads);
+`check_request` checks the body against the field table (docs/contract.md "Request fields"):
+refused fields are 400s naming the field; accepted-and-ignored ones pass; the engine module's
+extensions are checked for their JSON kind and passed to the answer hop; any other unknown field
+is noted and counted (`request_fields.FieldPolicy`) or a 400 with `proxy.request_fields: reject`.
+The shapes the engine's chat template iterates over (roles, content, tool calls, tools,
+`tool_choice`, `top_logprobs`) are checked here, so a malformed message is a 400 naming e.g.
+`messages[3].tool_calls[0].function`, never a 500; so are JSON nested past the parser's
+recursion limit and strings holding a lone UTF-16 surrogate. docs/design/proxy.md, "Chat
+request validation", has each choice.
 """
 
 from __future__ import annotations
@@ -34,8 +22,8 @@ from typing import Any
 
 from molctl.profiles import MEDIA_HOST_PATTERN
 from molctl.proxy import fastjson
+from molctl.proxy.apis.request_fields import PERMISSIVE, FieldPolicy
 from molctl.proxy.errors import ProxyError, invalid
-from molctl.proxy.request_fields import PERMISSIVE, FieldPolicy
 
 PASSTHROUGH = (
     "temperature",

@@ -2,44 +2,29 @@
 the summary request. Pure functions over the client's messages and the found turn records.
 
 A *turn* runs from the first message after the previous turn up to and including the
-assistant's final answer (an assistant message without tool calls), so the answer belongs to
-its own turn (the upstream off-by-one put it in the next one). For a target adapter:
-- its own turns, and turns whose adapter is unknown, are kept verbatim (user, assistant, tool
-  calls and results);
-- another adapter's turn is folded: its user message(s) verbatim, then one assistant message
-  with that turn's summary (profile `prompts.fold`);
-- exactly ONE leading system message on every hop: the identity text, then the client's
-  leading system/developer instructions in order, joined by blank lines (Qwen3.5/3.6 templates
-  raise "System message must be at the beginning." on a second system message, vLLM issue
-  41114, and no base template knows the `developer` role, so none reaches the engine);
-- a system or developer message that arrives mid-conversation is kept where it was, as a user
-  message `[system note] <text>` (both families render a user message anywhere; merging it into
-  the leading system message would change the prefix of every earlier turn and lose where it
-  was said). A folded turn keeps its notes along with its user messages.
-- non-text parts (images, audio, video, files) of system/developer content are never turned into
-  text: the templates accept them in user messages only (Qwen3.6: "System message cannot contain
-  images."), so the leading instructions' parts follow the system message as one user message
-  `[system note] attached to the instructions:` with the parts, and a mid-conversation note keeps
-  its parts after its text.
-The route hop sends its own instruction as its one system message and a bounded quote of the
-request (`route_input`); the summary hop continues the answer hop's own tokens (the answer's
-prompt and output token ids, then `suffix_after`'s suffix: `Orchestrator.summary_request`), and
-its chat fallback is the answer hop's view plus two messages (`summary_messages`).
-The rendering depends only on the history and the records, so an adapter's view of turn k is a
-prefix of its view of turn k+1 and the engine's prefix cache reuses it.
+assistant's final answer (an assistant message without tool calls). For a target adapter
+(`own_view`): its own turns, and turns whose adapter is unknown, are kept verbatim; another
+adapter's turn is folded (its user messages verbatim, then one assistant message with that
+turn's summary, profile `prompts.fold`); every hop has exactly ONE leading system message (the
+identity text, then the client's leading system/developer instructions); a system or developer
+message mid-conversation is kept where it was, as a user message `[system note] <text>`; non-text
+parts of system/developer content follow as a user message. The route hop sends its own
+instruction and a bounded quote of the request (`route_input`, `route_messages`); the summary
+hop continues the answer hop's own tokens (`suffix_after`, `Summaries.summary_request`), its chat
+fallback is the answer hop's view plus two messages (`summary_messages`). An adapter's view of
+turn k is a prefix of its view of turn k+1, so the engine's prefix cache reuses it.
+docs/design/proxy.md, "Views: what each hop sends", has the reasons for each rule.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
-from molctl.profiles import ROUTES, Profile
+from molctl.profiles import Profile
 from molctl.proxy.conversations import INSTRUCTION_ROLES, TurnRecord, is_turn_end, text_of
 
 SYSTEM_NOTE = "[system note] "
-LABEL_RE = re.compile(r"(?<![A-Za-z0-9])(L[0-3])(?![0-9])", re.IGNORECASE)
 
 
 @dataclass
@@ -201,25 +186,12 @@ def route_messages(instruction: str, request_text: str, previous: TurnRecord | N
     return [{"role": "system", "content": instruction}, {"role": "user", "content": body}]
 
 
-def parse_label(message: dict[str, Any]) -> str | None:
-    """Lenient: the first L0-L3 in content, else in the reasoning fields."""
-    for field_name in ("content", "reasoning_content", "reasoning"):
-        text = message.get(field_name)
-        if isinstance(text, str):
-            match = LABEL_RE.search(text)
-            if match:
-                label = match.group(1).upper()
-                if label in ROUTES:
-                    return label
-    return None
-
-
 def summary_messages(view: list[dict[str, Any]], answer: dict[str, Any], instruction: str) -> list[dict[str, Any]]:
     """Same prefix as the answer hop (prefix-cache friendly), then the answer and the instruction."""
     return [*view, answer, {"role": "user", "content": instruction}]
 
 
-# The template probe of the summary suffix (`Orchestrator.summary_suffix`): a conversation whose
+# The template probe of the summary suffix (`Summaries.summary_suffix`): a conversation whose
 # answer ends in letters no template or instruction writes, so its last tokens occur once.
 PROBE_USER = "Hello."
 PROBE_ANSWER = "Qzx Vqj Zqxv"

@@ -1,46 +1,16 @@
-"""uvicorn's httptools protocol with one change: a response's head leaves in the same send as
-its body.
+"""uvicorn's httptools protocol with one change and three additions (`HeadHoldingHttpToolsProtocol`).
 
-uvicorn writes the status line and headers (`http.response.start`) and then the body
-(`http.response.body`) as two transport writes: two send() system calls and, on the client's
-side, two wake-ups for one small JSON answer (it reads the head, then waits again for the body).
-Measured on the benchmark's 2-core VM at 1 client, that second write and wake-up were the
-largest single cost between the engine's answer and the client holding it (BENCHMARKS.md).
-
-`HeadHoldingTransport` holds a write that starts a response head (`HTTP/1.1 `) until the next
-write, which it joins, or until the end of the current pass of the event loop (`call_soon`), so
-a head whose body comes later (a stream waiting for its first token) is never held longer than
-that pass. Order is kept; every other write goes straight through; `close()` sends what is held
-first.
-
-And one addition: a request head must be complete within `timeout_keep_alive` (15 s in the
-proxy) of the connection opening, or of the first byte of a later request on a kept-alive
-connection; else the connection is closed. uvicorn arms its keep-alive timeout only after a
-response, so a connection that sent nothing, or half a head (slowloris), was held for ever,
-before any key is checked.
-
-And a request httptools cannot parse (a bad request line, header or Content-Length, a broken
-chunk) is answered 400 in the proxy's error shape, `code: invalid_http`, not uvicorn's
-`text/plain` "Invalid HTTP request received.".
-
-And a request head (request line and headers) is bounded: `max_head_bytes` (the profile's
-`proxy.max_request_head_bytes`, 64 KiB by default, as nginx and Envoy). The bytes of a head are
-counted as they arrive, before the parser sees them: the parser is fed at most the bytes left
-under the bound, so a head past it is never parsed nor kept (httptools grows a header, and uvicorn
-the URL, by bytes concatenation: a 64 MiB header grew the process by 100+ MB and stalled the event
-loop for seconds). Past the bound the answer is a 431 `request_header_too_large` (a 414
-`url_too_long` while the request line is not complete) in the proxy's error shape, with a new
-request id in the message and `x-request-id`, then `connection: close`: the write side is shut
-after the answer and what the client still sends is read and dropped for at most LINGER_S, so the
-client reads the answer rather than a reset (nginx's lingering close). A head past the bound behind
-a response still running on the connection (pipelining) is refused once that response, and any
-request queued behind it, is complete. Bytes of the next pipelined request that arrive in the same
-read as the end of the previous request are not counted, so a head can pass the bound by at most
-one read's size before it is refused.
-
-And an HTTP/1.0 request's response without a Content-Length (a stream) is delimited by closing the
-connection instead of uvicorn's `Transfer-Encoding: chunked`, which HTTP/1.0 does not know (RFC
-9112 section 6.1). Everything else is uvicorn's own protocol, unchanged."""
+The change: a response's head leaves in the same send as its body (`HeadHoldingTransport` holds a
+write that starts a response head until the next write, which it joins, or until the end of the
+current pass of the event loop), saving a send() and a client wake-up per small answer.
+The additions: a request head must be complete within `timeout_keep_alive` (15 s) of the
+connection opening or of the first byte of a later request (slowloris); a request httptools
+cannot parse is a 400 `invalid_http` in the proxy's error shape; a request head is bounded by
+`max_head_bytes` (`proxy.max_request_head_bytes`, 64 KiB), counted before the parser sees it:
+past it a 431 `request_header_too_large` (a 414 `url_too_long` for the request line), then
+`connection: close` with a lingering close. docs/design/proxy.md, "The uvicorn protocol", has
+the measurements and the details.
+"""
 
 from __future__ import annotations
 

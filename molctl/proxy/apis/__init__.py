@@ -1,0 +1,1 @@
+"""Thin translators between the wire shapes (chat, models, Responses) and the pipeline."""

@@ -1,0 +1,1 @@
+"""The Responses API: `protocol` (parsing), `convert` (input and tools), `events`, `handlers`."""

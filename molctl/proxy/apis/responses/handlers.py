@@ -1,0 +1,224 @@
+"""The Responses API's endpoints: create (POST /v1/responses), get, delete, input_items, cancel.
+
+`ResponsesAPI.create` parses the request (`protocol`), loads the stored chain it continues (a
+shared store that is down fails it here, before any engine work), and runs it through the
+pipeline's entry points (`Orchestrator.answer` / `chunks`, with `persist=False`: the turn and the
+stored response are written together), shaping the answer (`events`). Stored responses are per
+tenant; another tenant's id is a 404, never a 403.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from molctl.profiles import Profile
+from molctl.proxy.apis.chat_validation import parse_body
+from molctl.proxy.apis.responses import events
+from molctl.proxy.apis.responses.convert import new_id
+from molctl.proxy.apis.responses.protocol import (
+    NeedsReferences,
+    ResponsesRequest,
+    not_found,
+    parse_request,
+    public_param,
+    referenced_items,
+    response_of_item,
+)
+from molctl.proxy.errors import ProxyError, invalid
+from molctl.proxy.http.body import BIG_BODY, BIG_ITEMS, many_items, parse_on_loop
+from molctl.proxy.pipeline.plan import Plan
+from molctl.proxy.pipeline.run import Orchestrator
+from molctl.proxy.response_store import ProxyResponses
+
+
+class ResponsesAPI:
+    def __init__(self, orch: Orchestrator, profile: Profile, store: ProxyResponses):
+        self.orch = orch
+        self.profile = profile
+        self.responses = store
+
+    # ------------------------------------------------------------------ create
+    async def create(self, ex: Any) -> None:
+        try:
+            await self._create(ex)
+        except ProxyError as exc:
+            exc.param = public_param(exc.param)
+            raise
+
+    async def _create(self, ex: Any) -> None:
+        tenant = ex.tenant
+        req, big = await self._request(await ex.body(), tenant)
+        await self._previous(req, tenant)
+        big = big or len(req.history) > BIG_ITEMS  # a long stored chain: prepared off the loop too
+        plan = await asyncio.to_thread(self._plan, req, tenant, big) if big else self._plan(req, tenant, big)
+        await self.orch.load(plan)
+        ex.track(plan)
+        if not plan.stream:
+            await ex.run(plan, self._complete(plan, req, ex))
+            return
+        translator = events.StreamTranslator(req, new_id("resp_"))
+
+        def error_event(exc: ProxyError) -> bytes:
+            return events.sse(translator.ev("error", code=exc.code, message=exc.message, param=public_param(exc.param)))
+
+        await ex.run(plan, self._stream(plan, req, translator, ex, error_event))
+
+    async def _stream(
+        self, plan: Plan, req: ResponsesRequest, tr: events.StreamTranslator, ex: Any, error_event
+    ) -> None:
+        chunks = self._events(plan, req, tr, ex)
+        done = await ex.stream(
+            plan, chunks, frame=events.sse, error_frame=error_event, end=None, abandon=lambda: self.orch.abandon(plan)
+        )
+        if done:
+            self.orch.start_summary(plan)
+
+    def _parse(self, raw: bytes) -> ResponsesRequest:
+        """A body over BIG_BODY, in a worker thread."""
+        return parse_request(
+            parse_body(raw, in_steps=True),
+            self.profile.served_model_name,
+            self.profile.proxy.media_url_hosts,
+            self.orch.fields,
+        )
+
+    async def _request(self, raw: bytes, tenant: str) -> tuple[ResponsesRequest, bool]:
+        """The parsed request, and whether it is big (prepared in a worker thread)."""
+        big = len(raw) > BIG_BODY
+        try:
+            if big:
+                req = await asyncio.to_thread(self._parse, raw)
+            else:
+                body = await parse_on_loop(raw)
+                big = many_items(body, "input")
+                args = (body, self.profile.served_model_name, self.profile.proxy.media_url_hosts, self.orch.fields)
+                req = await asyncio.to_thread(parse_request, *args) if big else parse_request(*args)
+        except NeedsReferences as need:  # item_reference inputs: their items from the store
+            req = await self._with_references(need, tenant)
+        return req, big
+
+    async def _previous(self, req: ResponsesRequest, tenant: str) -> None:
+        """The stored chain a request continues; a shared store that is down fails a request that
+        needs state (a chain, or store=true) here, before any engine work (503 + Retry-After)."""
+        previous = req.body.get("previous_response_id")
+        if previous is not None or req.store:
+            await self.responses.available()
+        if previous is not None:
+            # a shared store reads the chain's conversation state in the same round trip
+            record = await self.responses.get_previous(tenant, previous)
+            if record is None:
+                raise not_found(previous, "previous_response_id")
+            req.prev, req.history = record, list(record["messages"])
+
+    async def _with_references(self, need: NeedsReferences, tenant: str) -> ResponsesRequest:
+        """Parse again with the output items the request's `item_reference`s name (each a stored
+        response of this tenant, found by the item's id: protocol.ItemIds)."""
+        await self.responses.available()
+        records: dict[str, Any] = {}
+        for response_id in dict.fromkeys(filter(None, map(response_of_item, need.ids))):
+            records[response_id] = await self.responses.get_response(tenant, response_id)
+        refs = referenced_items(need.ids, records)
+        return parse_request(
+            need.body, self.profile.served_model_name, self.profile.proxy.media_url_hosts, self.orch.fields, refs
+        )
+
+    def _plan(self, req: ResponsesRequest, tenant: str, big: bool) -> Plan:
+        plan = self.orch.prepare(req.chat_body(), tenant)
+        plan.big = plan.big or big
+        plan.include_usage = True  # the Response's usage
+        plan.previous, plan.new_messages = req.prev, req.messages  # the sticky tool-turn rule reads them
+        return plan
+
+    async def _keep(self, req: ResponsesRequest, plan: Plan, tenant: str, response: dict[str, Any]) -> None:
+        """Store a complete (or incomplete) answer (a large one from a worker thread: LocalResponses)."""
+        if req.store and response["status"] != "failed" and plan.answer is not None and plan.route is not None:
+            await self.responses.put_response(
+                events.make_record(req, tenant, response, plan.answer, plan.route), big=plan.big
+            )
+
+    async def _complete(self, plan: Plan, req: ResponsesRequest, ex: Any) -> None:
+        chat = await self.orch.answer(plan, persist=False)  # a shared store writes the turn and the record together
+        response = events.complete_response(req, new_id("resp_"), int(time.time()), chat)
+        await self._keep(req, plan, ex.tenant, response)
+        await self.orch.persisted()
+        await ex.json(200, response)
+        self.orch.start_summary(plan)
+
+    async def _events(
+        self, plan: Plan, req: ResponsesRequest, tr: events.StreamTranslator, ex: Any
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Nothing is yielded before the engine's first token, so an early failure keeps its
+        status (see `http.sse`); a failure after that is a `response.failed` event."""
+        answer = self.orch.chunks(plan, persist=False)  # recorded below: the turn and the response in one write
+        started = False
+        try:
+            async for chunk in answer:
+                if not started:
+                    started = True
+                    for event in tr.start():
+                        yield event
+                for event in tr.feed(chunk):
+                    yield event
+        except ProxyError as exc:
+            if not started:
+                raise
+            ex.state.error = exc.code or exc.type  # a 200 that ended in response.failed
+            for event in tr.failed(exc):
+                yield event
+            return
+        finally:
+            await answer.aclose()
+        closing, final = tr.finish_events()
+        if plan.answer is not None:
+            self.orch.record(plan, plan.answer)
+        await self._keep(req, plan, ex.tenant, final)  # before the last event: the next request may follow at once
+        await self.orch.persisted()
+        for event in closing:
+            yield event
+
+    # ------------------------------------------------------------------ stored responses
+    async def get(self, ex: Any, response_id: str) -> None:
+        stream = ex.query().get("stream", ["false"])[-1]
+        if stream.strip().lower() not in ("false", "0", ""):  # the SDK may send False, 0
+            raise invalid("Streaming a stored response (stream=true) is not supported.", "stream")
+        record = await self.responses.get_response(ex.tenant, response_id)
+        if record is None:
+            raise not_found(response_id)
+        await ex.json(200, record["response"])
+
+    async def delete(self, ex: Any, response_id: str) -> None:
+        if not await self.responses.delete_response(ex.tenant, response_id):
+            raise not_found(response_id)
+        await ex.json(200, {"id": response_id, "object": "response.deleted", "deleted": True})
+
+    async def cancel(self, ex: Any, response_id: str) -> None:
+        """OpenAI cancels only background responses (400 for the others); this proxy runs none."""
+        if await self.responses.get_response(ex.tenant, response_id) is None:
+            raise not_found(response_id)
+        raise invalid(
+            "Only responses created with background=true can be cancelled; this proxy runs no "
+            "background responses (each is complete when its request returns).",
+            "response_id",
+        )
+
+    async def input_items(self, ex: Any, response_id: str) -> None:
+        query = {k: v[-1] for k, v in ex.query().items()}
+        for key in query:
+            if key not in ("limit", "order", "after", "include", "include[]"):  # the SDK sends include[]=…
+                raise invalid(f"Unrecognized query parameter: {key}", key)
+        try:
+            limit = int(query.get("limit", "20"))
+        except ValueError:
+            limit = 0
+        if not 1 <= limit <= 100:
+            raise invalid("'limit' must be an integer from 1 to 100.", "limit")
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise invalid("'order' must be 'asc' or 'desc'.", "order")
+        record = await self.responses.get_response(ex.tenant, response_id)
+        if record is None:
+            raise not_found(response_id)
+        await ex.json(200, events.list_input_items(record, limit, order, query.get("after")))

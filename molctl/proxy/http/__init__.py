@@ -1,0 +1,1 @@
+"""Bytes <-> request plans: the ASGI app, the uvicorn protocol, the SSE writer, the server."""

@@ -1,0 +1,1 @@
+"""The request pipeline: prepare -> load -> route -> answer -> record -> summary (see `run`)."""

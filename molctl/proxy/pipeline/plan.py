@@ -1,0 +1,70 @@
+"""The request plan: everything decided about one request, as fields.
+
+`RequestState` is one HTTP request's state from its first byte to its log line (tenant, request
+id, status, the streaming/disconnected/cut/error flags, its `Plan` once the body is parsed);
+`Plan` is what the pipeline decides for a chat or Responses answer (history, route, the chosen
+engine, the answer, its turn record, timings). Both travel as arguments, never in a ContextVar.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from molctl.engines.base import AnswerTokens
+from molctl.proxy.conversations import ConversationKeys, TurnRecord
+from molctl.proxy.engine_client import EngineChoice
+from molctl.proxy.pipeline.views import History
+
+
+@dataclass
+class Plan:
+    """Everything decided about one request."""
+
+    body: dict[str, Any]
+    messages: list[dict[str, Any]]
+    tenant: str
+    stream: bool
+    include_usage: bool
+    keys: ConversationKeys
+    history: History
+    big: bool = False
+    route: str | None = None
+    view: list[dict[str, Any]] = field(default_factory=list)
+    answer: dict[str, Any] | None = None
+    record: TurnRecord | None = None  # set for a final answer; its summary hop is still to run
+    record_key: bytes | None = None
+    queue_wait_s: float = 0.0  # waited for an answer slot (admission)
+    queued: bool = False  # waiting for an answer slot now (a stream holds its 200 meanwhile)
+    answer_slot: bool = False  # holds an answer slot (taken before the route hop, see `route`)
+    # for the request's log line and metrics
+    started: float = field(default_factory=time.monotonic)
+    timings: dict[str, float] = field(default_factory=dict)  # route_s, answer_s, ttft_s
+    fallback: str | None = None  # why the route hop's label was not used
+    sticky: bool = False
+    usage: dict[str, Any] | None = None
+    request_id: str | None = None  # sent to the engine as X-Request-Id
+    tokens: AnswerTokens | None = None  # the answer hop's prompt and output token ids, as the engine reported them
+    # the engine of this request's hops (conversation affinity, `run.Orchestrator.load`); None: the own upstream
+    engine: EngineChoice | None = None
+    # a Responses request continuing a stored response: that record and this request's new messages
+    # (the sticky tool-turn rule reads the record's calls, `routing.sticky_route`)
+    previous: dict[str, Any] | None = None
+    new_messages: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class RequestState:
+    """One HTTP request, from its head to its log line (`http.app`)."""
+
+    request_id: str
+    t0: float = field(default_factory=time.monotonic)
+    tenant: str | None = None
+    started: bool = False  # the response head went out
+    status: int = 499  # the status sent (499: none, the client left first)
+    plan: Plan | None = None
+    streaming: bool = False  # a stream: the drain deadline ends it in its own loop, not by a cancel
+    cut: bool = False  # cancelled by the drain deadline (answered `draining`)
+    disconnected: bool = False
+    error: str | None = None  # the error code the client got (a status or an error frame)
