@@ -138,6 +138,17 @@ def _a(text: str | None, calls: list[dict[str, Any]] | None = None) -> dict[str,
 
 def _conversations() -> dict[str, list[_Turn]]:
     """tenant -> turns; each turn's messages are what the client resends (history + new message)."""
+    instructions, developer_only = _instruction_turns()
+    return {
+        "sample-chat": _chat_turns(),
+        "sample-instructions": instructions,
+        "sample-developer": developer_only,
+        "sample-tools": _tool_turns(),
+        "sample-parts": _multipart_turns(),
+    }
+
+
+def _chat_turns() -> list[_Turn]:
     u1, a1 = (
         _u("Plan a weekend trip to Kyoto for two."),
         _a("Day 1: Fushimi Inari early, then Gion. Day 2: Arashiyama."),
@@ -162,7 +173,10 @@ def _conversations() -> dict[str, list[_Turn]]:
             {},
         ),
     ]
+    return chat
 
+
+def _instruction_turns() -> tuple[list[_Turn], list[_Turn]]:
     sys_ = {"role": "system", "content": "You are the assistant of Example Corp. Today is Monday."}
     dev = {"role": "developer", "content": "Answer in plain text, no markdown."}
     ui1, ai1 = _u("Who are you?"), _a("I am the Example Corp assistant.")
@@ -185,7 +199,10 @@ def _conversations() -> dict[str, list[_Turn]]:
             {},
         )
     ]
+    return instructions, developer_only
 
+
+def _tool_turns() -> list[_Turn]:
     calls = [
         {
             "id": "call_paris",
@@ -216,7 +233,10 @@ def _conversations() -> dict[str, list[_Turn]]:
             {"tools": TOOLS},
         ),
     ]
+    return tools
 
+
+def _multipart_turns() -> list[_Turn]:
     # content as lists of text parts, as agent clients send it: the engine's content format decides
     # whether the template gets a string or the parts (vLLM's --chat-template-content-format)
     def parts(*texts: str) -> list[dict[str, str]]:
@@ -241,13 +261,7 @@ def _conversations() -> dict[str, list[_Turn]]:
             "multi-part tool result", [p_sys, p_user, p_call, p_result], None, _a("The port is 8200."), {"tools": TOOLS}
         ),
     ]
-    return {
-        "sample-chat": chat,
-        "sample-instructions": instructions,
-        "sample-developer": developer_only,
-        "sample-tools": tools,
-        "sample-parts": multipart,
-    }
+    return multipart
 
 
 async def collect_async(profile: Profile, stream: bool = False) -> list[HopRequest]:

@@ -203,19 +203,7 @@ def run_proxy(
     )  # unreachable: one line, exit 1
     engine = get_engine(profile.engine.kind)
     if shared is not None:
-        from molctl.proxy.redis_store import RedisConversationStore, RedisResponseStore
-
-        app = ProxyApp(
-            profile,
-            engine,
-            upstream,
-            keys,
-            sse_keepalive_s=keepalive,
-            response_store=RedisResponseStore(shared),
-            shared_state=shared,
-            store=RedisConversationStore(shared, summary_wait_s=profile.proxy.summary_wait_s),
-            **metrics,
-        )
+        app = _shared_app(profile, engine, upstream, keys, keepalive, shared, metrics)
         serve(app, host, listen_port, drain_timeout, api_key_file, public_socks)
         return
     store = build_response_store(profile, ctx.state_dir)  # a StoreError: one line, exit non-zero, nothing served
@@ -228,6 +216,23 @@ def run_proxy(
         serve(app, host, listen_port, drain_timeout, api_key_file, public_socks)
     finally:
         store.close()
+
+
+def _shared_app(profile, engine, upstream: str, keys, keepalive: float, shared, metrics: dict) -> ProxyApp:
+    """The app of a replica on a shared store (`proxy.store: redis://...`)."""
+    from molctl.proxy.redis_store import RedisConversationStore, RedisResponseStore
+
+    return ProxyApp(
+        profile,
+        engine,
+        upstream,
+        keys,
+        sse_keepalive_s=keepalive,
+        response_store=RedisResponseStore(shared),
+        shared_state=shared,
+        store=RedisConversationStore(shared, summary_wait_s=profile.proxy.summary_wait_s),
+        **metrics,
+    )
 
 
 def _configure_logging(log_max_bytes: int | None, log_backups: int) -> None:
