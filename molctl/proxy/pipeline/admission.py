@@ -14,9 +14,9 @@ service rate (slots released per second over the last `rate_window_s`) and the q
 
 `Admission` holds the proxy's gates: answer hops (`proxy.max_inflight`, default the engine's
 own limit), route hops (`proxy.route_inflight`), each with the same queue bounds. A request takes
-its answer slot before its route hop (`Orchestrator.route`), so route and answer hops together
+its answer slot before its route hop (`routing.Router.route`), so route and answer hops together
 never outnumber the engine's own limit, and a route hop never waits inside the engine behind
-running answers. Summary hops have their own slots in the orchestrator (`proxy.summary_inflight`),
+running answers. Summary hops have their own slots (`summary.Summaries`, `proxy.summary_inflight`),
 so summaries never take an answer's slot. The clock is injected (tests drive it).
 """
 

@@ -143,7 +143,7 @@ class Orchestrator:
     # ---------------------------------------------------------------- validation
     def prepare(self, body: Any, tenant: str) -> Plan:
         """Validate (see `apis.chat_validation`) and find the conversation's earlier turns. Linear in the
-        number of messages; thread-safe with the store, so `app` may run it off the loop."""
+        number of messages; thread-safe with the store, so an API may run it off the loop."""
         check_request(body, self.public, self.profile.proxy.media_url_hosts, self.fields)
         messages = body["messages"]
         keys = ConversationKeys(tenant, messages)
