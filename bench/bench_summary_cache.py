@@ -38,9 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bare_vllm import start_vllm, stop_group  # noqa: E402
 
 from molctl.engines import get_engine  # noqa: E402
-from molctl.proxy.conversations import MemoryStore  # noqa: E402
 from molctl.proxy.engine_client import EngineClient  # noqa: E402
 from molctl.proxy.orchestrator import Orchestrator, SummaryJob  # noqa: E402
+from molctl.proxy.store.memory import MemoryStore  # noqa: E402
 
 WORDS = (
     "the user asked to fix the failing test in the repository then run the benchmarks again with "

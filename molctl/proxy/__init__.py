@@ -12,14 +12,31 @@ Its modules, one line each:
 - `http_protocol`: uvicorn's httptools protocol with the request-head bound and one-send heads.
 - `metrics`: the Prometheus metrics, on their own listener.
 - `orchestrator`: one chat request's hops, and the background summaries.
-- `redis_store`: the shared state of proxy replicas on Redis (or Valkey).
 - `request_fields`: which request fields are honoured, passed to the engine, ignored or refused.
-- `response_store`: the Responses API's stored records, per tenant (the in-memory backend).
 - `responses`: the Responses API on top of the chat machinery (conversion, objects, stream events).
 - `samples`: sample conversations `molctl check`'s template category renders through this code.
 - `server`: `molctl proxy`: the proxy under uvicorn with drain-on-SIGTERM.
 - `shaping`: the one place that shapes what clients see (public model name, own ids, no engine extras).
-- `sqlite_store`: the durable state on SQLite (stored responses, chat's turn records).
+- `store`: the state stores (package): the contracts and the one factory of a `proxy.store` spec.
+- `store.base`: the ConversationStore / ResponseStore / RecordStore contracts, StoreScope, the store errors.
+- `store.factory`: the one place a spec (sqlite, memory, sqlite:/path, redis://) becomes stores.
+- `store.local`: in-process record stores behind the proxy's async interface (LocalResponses).
+- `store.memory`: the in-memory backends (Responses records, chat's MemoryStore).
+- `store.writebehind`: the write-behind front of the SQLite and Redis conversation stores.
+- `store.sqlite`: the SQLite backend (package).
+- `store.sqlite.store`: SqliteResponseStore, the profile's SQLite file.
+- `store.sqlite.schema`: the file's schema, migrations, integrity check and errors.
+- `store.sqlite.responses`: the Responses records on SQLite (chains, quotas, eviction).
+- `store.sqlite.conversations`: chat's turn and call rows on SQLite (SqliteConversationStore).
+- `store.sqlite.admin`: `molctl state` on SQLite (describe, prune).
+- `store.redis`: the Redis backend, shared by proxy replicas (package).
+- `store.redis.target`: the store's URL, password, blocking client and errors.
+- `store.redis.connection`: RedisState, a process's connection, health and batched writes.
+- `store.redis.scripts`: the Lua scripts.
+- `store.redis.responses`: the Responses records on Redis.
+- `store.redis.conversations`: chat's shared state on Redis (RedisConversationStore, RedisScope).
+- `store.redis.replicas`: the replica registry (heartbeats, conversation affinity).
+- `store.redis.admin`: `molctl state` and `molctl check` on Redis (describe, prune).
 - `validation`: chat request validation: the raw body to a checked dict, or a 400 naming the field.
 - `views`: what each hop sends: the router's messages, each adapter's view, the summary request.
 """

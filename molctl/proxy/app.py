@@ -53,7 +53,6 @@ import orjson
 from molctl.engines.base import READYZ_ENGINE_PROBE_MIN_S, Engine, adapter_problems
 from molctl.profiles import Profile
 from molctl.proxy import fastjson, responses
-from molctl.proxy.conversations import ConversationStore, MemoryStore
 from molctl.proxy.engine_client import EngineClient
 from molctl.proxy.errors import (
     EngineUnavailable,
@@ -67,8 +66,9 @@ from molctl.proxy.errors import (
 )
 from molctl.proxy.metrics import MetricsListener, ProxyMetrics, store_gauges
 from molctl.proxy.orchestrator import BIG_MESSAGES, Orchestrator, Plan
-from molctl.proxy.response_store import MemoryResponseStore, ProxyResponses, ResponseStore, StoreBusy, as_proxy_store
-from molctl.proxy.sqlite_store import StoreError
+from molctl.proxy.store.base import ConversationStore, RecordStore, ResponseStore, StoreBusy, StoreError, StoreScope
+from molctl.proxy.store.local import as_proxy_store
+from molctl.proxy.store.memory import MemoryResponseStore, MemoryStore
 from molctl.proxy.validation import parse_body
 
 log = logging.getLogger("molctl.proxy")
@@ -108,7 +108,7 @@ class ProxyApp:
         store: ConversationStore | None = None,
         sse_keepalive_s: float = 10.0,
         ready_cache_s: float = 1.0,
-        response_store: ResponseStore | ProxyResponses | None = None,
+        response_store: RecordStore | ResponseStore | None = None,
         shared_state: Any = None,
         metrics_port: int | None = None,
         metrics_host: str = "127.0.0.1",
@@ -126,7 +126,7 @@ class ProxyApp:
             MetricsListener(self.counters, metrics_host, metrics_port, metrics_sock) if metrics_port else None
         )
         self.responses = as_proxy_store(response_store if response_store is not None else MemoryResponseStore())
-        # a shared store (molctl.proxy.redis_store): a heartbeat, closed on shutdown
+        # a shared store (molctl.proxy.store.redis): a heartbeat, closed on shutdown
         self.shared_state = shared_state
         self.keys: dict[bytes, str] = {}
         self.set_keys(keys or [])
@@ -477,8 +477,7 @@ class ProxyApp:
 
     def responses_degraded(self) -> str | None:
         """Why the local response store serves in part (damaged; writes failing), else None."""
-        health = getattr(getattr(self.responses, "store", None), "health", None)
-        return health() if health is not None else None
+        return self.responses.health()
 
     def _ready_cached(self) -> bool:
         """A ready answer is reused for ready_cache_s; a not-ready one for at most 0.2 s, so
@@ -733,7 +732,7 @@ class ProxyApp:
             self.orch.fields,
         )
 
-    async def _responses_previous(self, req: responses.ResponsesRequest, tenant: str) -> None:
+    async def _responses_previous(self, req: responses.ResponsesRequest, tenant: str, scope: StoreScope) -> None:
         """The stored chain a request continues; a shared store that is down fails a request that
         needs state (a chain, or store=true) here, before any engine work (503 + Retry-After)."""
         previous = req.body.get("previous_response_id")
@@ -741,7 +740,7 @@ class ProxyApp:
             await self.responses.available()
         if previous is not None:
             # a shared store reads the chain's conversation state in the same round trip
-            record = await self.responses.get_previous(tenant, previous)
+            record = await self.responses.get_previous(tenant, previous, scope)
             if record is None:
                 raise responses.not_found(previous, "previous_response_id")
             req.prev, req.history = record, list(record["messages"])
@@ -787,13 +786,15 @@ class ProxyApp:
         except responses.NeedsReferences as need:  # item_reference inputs: their items from the store
             req = await self._responses_with_references(need, tenant)
         del raw
-        await self._responses_previous(req, tenant)
+        store_scope = self.orch.store.open_scope()  # the chain's state read with it, used by load
+        await self._responses_previous(req, tenant, store_scope)
         big = big or len(req.history) > BIG_ITEMS  # a long stored chain: prepared off the loop too
         plan = (
             await asyncio.to_thread(self._responses_plan, req, tenant, big)
             if big
             else self._responses_plan(req, tenant, big)
         )
+        plan.scope = store_scope
         await self.orch.load(plan)
         self._track(plan, rid)
         if not plan.stream:
@@ -829,7 +830,7 @@ class ProxyApp:
         """Store a complete (or incomplete) answer (a large one from a worker thread: LocalResponses)."""
         if req.store and response["status"] != "failed" and plan.answer is not None and plan.route is not None:
             await self.responses.put_response(
-                responses.make_record(req, tenant, response, plan.answer, plan.route), big=plan.big
+                responses.make_record(req, tenant, response, plan.answer, plan.route), big=plan.big, scope=plan.scope
             )
 
     async def _responses_complete(
@@ -839,7 +840,7 @@ class ProxyApp:
         chat = await self.orch.complete(plan, persist=False)  # a shared store writes the turn and the record together
         response = responses.complete_response(req, responses.new_id("resp_"), int(time.time()), chat)
         await self._responses_keep(req, plan, tenant, response)
-        await self.orch.persisted()
+        await self.orch.persisted(plan)
         await self._json(send, 200, response, {"x-request-id": rid})
         self.orch.start_summary(plan)
 
@@ -874,7 +875,7 @@ class ProxyApp:
         await self._responses_keep(
             req, plan, tenant, final
         )  # before the last event: the next request may follow at once
-        await self.orch.persisted()
+        await self.orch.persisted(plan)
         for event in closing:
             yield event
 

@@ -53,7 +53,6 @@ from molctl.proxy.admission import Admission, Rejected
 from molctl.proxy.conversations import (
     CallBinding,
     ConversationKeys,
-    ConversationStore,
     TurnRecord,
     canonical_arguments,
     text_of,
@@ -62,6 +61,7 @@ from molctl.proxy.conversations import (
 from molctl.proxy.engine_client import CHAT_PATH, ENGINE, EngineClient, checked_completion
 from molctl.proxy.errors import EngineHTTPError, EngineUnavailable, from_engine, invalid, overloaded
 from molctl.proxy.request_fields import FieldPolicy
+from molctl.proxy.store.base import ConversationStore, StoreScope
 from molctl.proxy.validation import PASSTHROUGH, check_request
 from molctl.proxy.views import (
     PROBE_ANSWER,
@@ -167,6 +167,7 @@ class Plan:
     usage: dict[str, Any] | None = None
     request_id: str | None = None  # sent to the engine as X-Request-Id
     tokens: AnswerTokens | None = None  # the answer hop's prompt and output token ids, as the engine reported them
+    scope: StoreScope | None = None  # the request's state in the store (open_scope)
 
 
 @dataclass
@@ -291,7 +292,7 @@ class Orchestrator:
         check_request(body, self.public, self.profile.proxy.media_url_hosts, self.fields)
         messages = body["messages"]
         keys = ConversationKeys(tenant, messages)
-        history = split_history(messages, keys.at, self.store.get_turn, getattr(self.store, "get_turns", None))
+        history = split_history(messages, keys.at, self.store.get_turn, self.store.get_turns)
         opts = body.get("stream_options") or {}
         return Plan(
             body=body,
@@ -302,24 +303,24 @@ class Orchestrator:
             keys=keys,
             history=history,
             big=len(messages) > BIG_MESSAGES,
+            scope=self.store.open_scope(),
         )
 
     async def load(self, plan: Plan) -> None:
         """A shared store (Redis: proxy replicas) is read here, once per request after `prepare`,
         and the engine of the request's hops is chosen (conversation affinity: the replica whose
         engine served the conversation last, when its heartbeat is fresh). Nothing for local stores."""
-        load = getattr(self.store, "load", None)
-        if load is None:
+        if not self.store.shared:
             return
         calls = [(plan.tenant, str(c.get("id"))) for c in self._trailing_calls(plan.messages)]
-        if await load(list(plan.keys.at.values()), calls):
+        if await self.store.load(list(plan.keys.at.values()), calls, plan.scope):
             plan.history = await self._offload(
                 plan,
                 split_history,
                 plan.messages,
                 plan.keys.at,
                 self.store.get_turn,
-                getattr(self.store, "get_turns", None),
+                self.store.get_turns,
             )
         owner = None
         bound = [self.store.get_call(t, c) for t, c in calls]
@@ -327,13 +328,11 @@ class Orchestrator:
             owner = bound[0].replica
         elif plan.history.last_record() is not None:
             owner = plan.history.last_record().replica
-        ENGINE.set(await self.store.choose_engine(owner))
+        ENGINE.set(await self.store.choose_engine(owner, plan.scope))
 
-    async def persisted(self) -> None:
+    async def persisted(self, plan: Plan) -> None:
         """A shared store's writes of this request are done (bounded): the next turn may reach another replica."""
-        flush = getattr(self.store, "flush", None)
-        if flush is not None:
-            await flush()
+        await self.store.flush(plan.scope)
 
     @staticmethod
     def _trailing_calls(msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -557,7 +556,7 @@ class Orchestrator:
                     wait.cancel()
             for record in pending:
                 if not record.finished:
-                    record.mark_stale()  # a durable store persists it
+                    self.store.mark_stale(record, plan.scope)  # a durable store persists it
 
     def answer_payload(self, plan: Plan) -> dict[str, Any]:
         """The answer hop's request; `plan.view` must be set (`own_view`)."""
@@ -638,7 +637,7 @@ class Orchestrator:
         if shaped["choices"][0]["finish_reason"] not in FAILED_FINISH:
             self.record(plan, shaped["choices"][0]["message"])
             if persist:
-                await self.persisted()
+                await self.persisted(plan)
         return shaped
 
     async def stream(self, plan: Plan, persist: bool = True) -> AsyncIterator[dict[str, Any]]:
@@ -711,7 +710,7 @@ class Orchestrator:
                 ]
             if persist:
                 self.record(plan, message)  # before the final frames: the client's next turn may follow at once
-                await self.persisted()
+                await self.persisted(plan)
             else:
                 plan.answer = message
         yield shaping.chunk(rid, self.public, created, {}, finish)
@@ -731,11 +730,12 @@ class Orchestrator:
                     plan.tenant,
                     str(call.get("id")),
                     CallBinding(plan.route, canonical_arguments(fn.get("arguments")), str(fn.get("name"))),
+                    plan.scope,
                 )
             return
         record = TurnRecord(plan.route)
         plan.record_key = plan.keys.extend(message)
-        self.store.put_turn(plan.record_key, record)
+        self.store.put_turn(plan.record_key, record, plan.scope)
         plan.record = record
 
     def summary_payload(self, plan: Plan) -> dict[str, Any]:
