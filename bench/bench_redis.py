@@ -28,8 +28,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from molctl.proxy.conversations import TurnRecord  # noqa: E402
-from molctl.proxy.redis_store import RedisConversationStore, RedisResponseStore, RedisState, parse_redis_url  # noqa: E402
-from molctl.proxy.sqlite_store import SqliteConversationStore, SqliteResponseStore  # noqa: E402
+from molctl.proxy.store.redis.connection import RedisState
+from molctl.proxy.store.redis.conversations import RedisConversationStore
+from molctl.proxy.store.redis.responses import RedisResponseStore
+from molctl.proxy.store.redis.target import parse_redis_url  # noqa: E402
+from molctl.proxy.store.sqlite.conversations import SqliteConversationStore
+from molctl.proxy.store.sqlite.store import SqliteResponseStore  # noqa: E402
 from tests.helpers import free_port  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 
@@ -100,19 +104,17 @@ async def chat_case(store, n: int, fresh) -> list[float]:
     for keys in history:
         for k in keys:
             store.put_turn(k, TurnRecord("L1", summary="s" * 200, summary_failed=False))
-        if hasattr(store, "flush"):
-            await store.flush()
+        await store.flush()
     store = fresh()  # a process that did not see those turns (another replica)
 
     async def one(i: int) -> None:
         keys = history[i]
-        if hasattr(store, "load"):
-            await store.load(keys, [])
+        scope = store.open_scope()
+        await store.load(keys, [], scope)  # a local store: nothing to read
         for k in keys:
             store.get_turn(k)
-        store.put_turn(os.urandom(32), TurnRecord("L2"))
-        if hasattr(store, "flush"):
-            await store.flush()
+        store.put_turn(os.urandom(32), TurnRecord("L2"), scope)
+        await store.flush(scope)
 
     return await clients(n, ROUNDS, one, WALL)
 

@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from molctl.proxy.response_store import MemoryResponseStore  # noqa: E402
-from molctl.proxy.sqlite_store import SqliteResponseStore  # noqa: E402
+from molctl.proxy.store.memory import MemoryResponseStore  # noqa: E402
+from molctl.proxy.store.sqlite.store import SqliteResponseStore  # noqa: E402
 
 PREFILL = 5000
 ROUNDS = 2000
@@ -160,7 +160,9 @@ def redis_chain_bench(turns: int = 50, text_bytes: int = 1024) -> dict:
     per-write cost (get previous + put) of the first and the last 10 turns."""
     import asyncio
 
-    from molctl.proxy.redis_store import RedisResponseStore, RedisState, parse_redis_url
+    from molctl.proxy.store.redis.connection import RedisState
+    from molctl.proxy.store.redis.responses import RedisResponseStore
+    from molctl.proxy.store.redis.target import parse_redis_url
     from tests.redis_server import redis_server
 
     word = ("lorem ipsum dolor sit amet " * (text_bytes // 27 + 1))[:text_bytes]

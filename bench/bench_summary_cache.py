@@ -38,10 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bare_vllm import start_vllm, stop_group  # noqa: E402
 
 from molctl.engines import get_engine  # noqa: E402
-from molctl.proxy.conversations import MemoryStore  # noqa: E402
 from molctl.proxy.engine_client import EngineClient  # noqa: E402
 from molctl.proxy.pipeline.run import Orchestrator  # noqa: E402
 from molctl.proxy.pipeline.summary import SummaryJob  # noqa: E402
+from molctl.proxy.store.memory import MemoryStore  # noqa: E402
 
 WORDS = (
     "the user asked to fix the failing test in the repository then run the benchmarks again with "

@@ -227,7 +227,7 @@ class ProxySpec:
     sse_keepalive_s: float = 10.0
     reasoning: str = "none"
     sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
-    store: str = "sqlite"  # see molctl.proxy.sqlite_store.parse_store_spec
+    store: str = "sqlite"  # see molctl.proxy.store.factory.parse_store_spec
     store_ttl_s: float = 30 * 24 * 3600  # stored responses expire after this (as the API)
     store_max_bytes: int = 1024 * 1024 * 1024  # record JSON kept at most; then oldest first evicted
     store_max_entries: int = 100_000
@@ -892,7 +892,7 @@ def _proxy_spec(data: dict[str, Any], v: _Validator) -> ProxySpec:
     if "chat_template_kwargs" in proxy:
         proxy["chat_template_kwargs"] = tuple(proxy["chat_template_kwargs"])
     if "store" in proxy:
-        from molctl.proxy.sqlite_store import parse_store_spec
+        from molctl.proxy.store.factory import parse_store_spec
 
         try:
             parse_store_spec(proxy["store"])

@@ -3,7 +3,7 @@ stateless chat's conversations: turns and tool-call bindings), inspected and pru
 the proxy (it may be running: SQLite's own locking and WAL let both work).
 
 Neither creates a missing store file. Both check the file's integrity when they open it (see
-molctl.proxy.sqlite_store): a damaged store is one line, exit 1, and nothing is written to it. The
+molctl.proxy.store.sqlite.schema): a damaged store is one line, exit 1, and nothing is written to it. The
 shapes are in docs/contract.md."""
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 from molctl.profiles import Profile, load_profile
-from molctl.proxy.sqlite_store import SqliteResponseStore, resolve_store, tenant_bounds
+from molctl.proxy.store.factory import resolve_store, tenant_bounds
+from molctl.proxy.store.sqlite import admin as sqlite_admin
+from molctl.proxy.store.sqlite.store import SqliteResponseStore
 
 
 def _open(profile: Profile, state_dir, reads_only: bool = False) -> tuple[dict[str, Any], SqliteResponseStore | None]:
@@ -76,7 +78,7 @@ def _counts(store: SqliteResponseStore | None) -> dict[str, Any]:
             "oldest_created_at": None,
             "conversations": {"turns": 0, "calls": 0, "bytes": 0, "evicted": 0, "expired": 0, "expired_pending": 0},
         }
-    d = store.describe()
+    d = sqlite_admin.describe(store)
     pending = {"migration_pending": d["migration_pending"]} if "migration_pending" in d else {}
     return {
         **pending,
@@ -103,7 +105,8 @@ def _counts(store: SqliteResponseStore | None) -> dict[str, Any]:
 def _redis(profile: Profile, prune: bool) -> dict[str, Any]:
     """A shared Redis store (`proxy.store: redis://...`): its counts from the server (and, for
     prune, the index trimmed and the caps applied); one line naming proxy.store when unreachable."""
-    from molctl.proxy.redis_store import describe_sync, parse_redis_url, prune_sync, read_password
+    from molctl.proxy.store.redis import admin as redis_admin
+    from molctl.proxy.store.redis.target import parse_redis_url, read_password
 
     p = profile.proxy
     target = parse_redis_url(p.store)
@@ -116,7 +119,7 @@ def _redis(profile: Profile, prune: bool) -> dict[str, Any]:
     }
     out: dict[str, Any] = {"profile": profile.name, "backend": "redis", "path": None, "exists": True, "bounds": bounds}
     if prune:
-        out["removed"] = prune_sync(
+        out["removed"] = redis_admin.prune(
             target,
             password,
             profile.name,
@@ -126,7 +129,7 @@ def _redis(profile: Profile, prune: bool) -> dict[str, Any]:
             tenant_max_entries=bounds["tenant_max_entries"],
             tenant_max_bytes=bounds["tenant_max_bytes"],
         )
-    out["redis"] = describe_sync(target, password, profile.name)
+    out["redis"] = redis_admin.describe(target, password, profile.name)
     return out
 
 
@@ -158,7 +161,7 @@ def state_prune(name: str, ctx) -> dict[str, Any]:
     base, store = _open(profile, ctx.state_dir)
     try:
         removed = (
-            store.prune()
+            sqlite_admin.prune(store)
             if store is not None
             else {"expired": 0, "evicted": 0, "conversation_expired": 0, "conversation_evicted": 0}
         )

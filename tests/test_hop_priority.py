@@ -152,11 +152,11 @@ def test_a_refusal_is_kept_per_engine_and_tried_again_later(monkeypatch):
     """One engine's refusal (a peer replica's, say) leaves priorities on the hops to the others,
     and the refusing engine gets them again after PRIORITY_RETRY_S (restarted with the flag,
     it needs no proxy restart)."""
-    from molctl.proxy.conversations import MemoryStore
     from molctl.proxy.engine_client import EngineChoice, EngineClient
     from molctl.proxy.errors import EngineHTTPError
     from molctl.proxy.pipeline import priority
     from molctl.proxy.pipeline.run import Orchestrator
+    from molctl.proxy.store.memory import MemoryStore
 
     profile = load_profile("tiny", profile_dirs())
     orch = Orchestrator(profile, get_engine("vllm"), EngineClient("http://127.0.0.1:9"), MemoryStore())
@@ -181,11 +181,11 @@ def test_sglang_answers_and_summaries_name_a_priority_only_where_a_route_hop_too
     with its priority: an engine started without the flag but with --abort-on-priority-when-disabled
     refuses any priority with a 503, and only the route hop is sent again (a tool-result turn has no
     route hop; a summary built after a refusal expired has no second chance)."""
-    from molctl.proxy.conversations import MemoryStore
     from molctl.proxy.engine_client import EngineClient
     from molctl.proxy.errors import EngineHTTPError
     from molctl.proxy.pipeline import priority as policy
     from molctl.proxy.pipeline.run import Orchestrator
+    from molctl.proxy.store.memory import MemoryStore
 
     profile = load_profile("venti-sglang", profile_dirs(), [("engine.args.enable-priority-scheduling", True)])
     orch = Orchestrator(profile, get_engine("sglang"), EngineClient("http://127.0.0.1:9"), MemoryStore())

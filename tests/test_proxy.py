@@ -623,7 +623,8 @@ def test_client_disconnect_cancels_the_engine_request(s):
 
 
 def test_conversation_store_is_bounded():
-    from molctl.proxy.conversations import CallBinding, MemoryStore, TurnRecord
+    from molctl.proxy.conversations import CallBinding, TurnRecord
+    from molctl.proxy.store.memory import MemoryStore
 
     now = [0.0]
     store = MemoryStore(max_entries=3, max_bytes=10_000, ttl_s=10, clock=lambda: now[0])
@@ -645,7 +646,8 @@ def test_the_conversation_cache_accounts_for_the_memory_it_holds():
     import hashlib
     import tracemalloc
 
-    from molctl.proxy.conversations import MemoryStore, TurnRecord
+    from molctl.proxy.conversations import TurnRecord
+    from molctl.proxy.store.memory import MemoryStore
 
     store = MemoryStore()
     keys = [hashlib.sha256(str(i).encode()).digest() for i in range(5000)]

@@ -18,7 +18,8 @@ import openai
 import pytest
 
 from molctl.engines import get_engine
-from molctl.proxy.conversations import MemoryStore, TurnRecord
+from molctl.proxy.conversations import TurnRecord
+from molctl.proxy.store.memory import MemoryStore
 from tests.helpers import free_ports, wait_for
 from tests.procs import fake_engine_argv, proxy_argv, running
 from tests.proxy_stack import IDENTITY, KEY, PUBLIC, STRICT, TINY, fold

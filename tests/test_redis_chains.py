@@ -11,7 +11,10 @@ import asyncio
 import json
 from pathlib import Path
 
-from molctl.proxy.redis_store import KEY_FORMAT, RedisResponseStore, describe_sync, parse_redis_url
+from molctl.proxy.store.redis import admin as redis_admin
+from molctl.proxy.store.redis.responses import RedisResponseStore
+from molctl.proxy.store.redis.scripts import KEY_FORMAT
+from molctl.proxy.store.redis.target import parse_redis_url
 from tests.redis_server import load_dump
 from tests.test_redis_tenants import Clock, P, state, totals_agree
 
@@ -199,7 +202,7 @@ def load_format2(r) -> float:
 def test_key_format_2_data_is_read_continued_and_deleted(redis, r):
     t0 = load_format2(r)
     target = parse_redis_url(redis.url)
-    assert describe_sync(target, None, "tiny")["key_format"] == 2
+    assert redis_admin.describe(target, None, "tiny")["key_format"] == 2
 
     async def main():
         st = state(redis, clock=Clock(t0))
@@ -221,7 +224,9 @@ def test_key_format_2_data_is_read_continued_and_deleted(redis, r):
     assert [m["content"] for m in first["messages"]] == ["hello", "hi"] and len(prev["messages"]) == 4
     assert [g["messages"] for g in got] == [nxt["messages"], nxt2["messages"]]
     assert chains(r) == 1 and r.llen(P + "ch:1") == 8
-    assert set(totals_agree(r)) == {"tenant-a"} and describe_sync(target, None, "tiny")["key_format"] == KEY_FORMAT
+    assert (
+        set(totals_agree(r)) == {"tenant-a"} and redis_admin.describe(target, None, "tiny")["key_format"] == KEY_FORMAT
+    )
 
 
 def test_after_its_tip_goes_a_continuation_branches_and_a_lost_list_is_a_counted_404(redis, r):

@@ -1,4 +1,4 @@
-"""A shared Redis store and its proxy replicas (molctl.proxy.redis_store) when something around them
+"""A shared Redis store and its proxy replicas (molctl.proxy.store.redis) when something around them
 is wrong: a malformed store URL, unreadable stored values, a read-only replica, a missing password,
 a bad replica id or advertised upstream. Against real processes (`molctl proxy`, the fake engine,
 a real redis-server, the openai SDK); each test guards a found bug."""
@@ -18,7 +18,10 @@ import pytest
 
 from molctl.errors import ExitStatus
 from molctl.proxy.conversations import TurnRecord
-from molctl.proxy.redis_store import RedisConversationStore, RedisResponseStore, RedisState, parse_redis_url
+from molctl.proxy.store.redis.connection import RedisState
+from molctl.proxy.store.redis.conversations import RedisConversationStore
+from molctl.proxy.store.redis.responses import RedisResponseStore
+from molctl.proxy.store.redis.target import parse_redis_url
 from tests.helpers import ROOT, free_port, free_ports
 from tests.procs import fake_engine_argv, proxy_argv, running
 from tests.proxy_stack import KEY, PUBLIC
@@ -98,7 +101,7 @@ def test_an_unreadable_stored_value_is_ignored_not_a_crash(redis, r, garbage, ca
         r.set(conv._ckey(*call), garbage, ex=60)
         r.set(st._replica_key("z"), garbage, px=60_000)
         r.set(resp._key("t1", "resp_1"), garbage, ex=60)
-        assert await conv.load([turn], [call]) is False
+        assert await conv.load([turn], [call], conv.open_scope()) is False
         assert conv.get_turn(turn) is None and conv.get_call(*call) is None
         assert await conv.choose_engine("z") is None  # no usable heartbeat: this replica takes over
         assert await resp.get_response("t1", "resp_1") is None

@@ -1,4 +1,4 @@
-"""The Redis backend of the proxy's state (molctl.proxy.redis_store) against a real redis-server:
+"""The Redis backend of the proxy's state (molctl.proxy.store.redis) against a real redis-server:
 records per tenant and profile, TTLs, the count cap, the atomic turn merge between replicas,
 the replica heartbeat, and the failure behaviour (unreachable at start, lost while serving,
 stuck) through real `molctl proxy` processes driven by the openai SDK."""
@@ -19,15 +19,11 @@ import pytest
 
 from molctl.errors import ExitStatus
 from molctl.proxy.conversations import CallBinding, TurnRecord
-from molctl.proxy.redis_store import (
-    SCRIPTS,
-    RedisConversationStore,
-    RedisResponseStore,
-    RedisState,
-    StoreUnavailable,
-    parse_redis_url,
-    read_password,
-)
+from molctl.proxy.store.redis.connection import RedisState
+from molctl.proxy.store.redis.conversations import RedisConversationStore
+from molctl.proxy.store.redis.responses import RedisResponseStore
+from molctl.proxy.store.redis.scripts import SCRIPTS
+from molctl.proxy.store.redis.target import StoreUnavailable, parse_redis_url, read_password
 from tests.helpers import ROOT, free_port, free_ports
 from tests.procs import fake_engine_argv, proxy_argv, running
 from tests.proxy_stack import KEY, PUBLIC
@@ -107,7 +103,7 @@ def test_url_parsing_refuses_a_password_and_bad_parts():
             parse_redis_url(bad)
         assert "hunter2" not in str(err.value)
     # nor by proxy.store's own check, for a URL of an unknown scheme (Redis://, redis+sentinel://, valkey://)
-    from molctl.proxy.sqlite_store import parse_store_spec
+    from molctl.proxy.store.factory import parse_store_spec
 
     for bad in (
         "Redis://:hunter2@h/0",
@@ -205,7 +201,7 @@ def test_turn_merge_never_lowers_a_turn_between_replicas(redis, r):
         rec_a = TurnRecord("L1")
         a.put_turn(key, rec_a)
         await a.flush()
-        assert await b.load([key], []) is True
+        assert await b.load([key], [], b.open_scope()) is True
         rec_b = b.get_turn(key)
         assert rec_b.route == "L1" and rec_b.replica == "a" and not rec_b.done.is_set()  # pending on A: B polls
         rec_b.mark_stale()
@@ -229,7 +225,7 @@ def test_turn_merge_never_lowers_a_turn_between_replicas(redis, r):
         # tool-call bindings
         a.put_call("t1", "call-1", CallBinding("L2", "{}", "get_weather"))
         await a.flush()
-        assert await b.load([], [("t1", "call-1")]) is False
+        assert await b.load([], [("t1", "call-1")], b.open_scope()) is False
         assert b.get_call("t1", "call-1") == CallBinding("L2", "{}", "get_weather", "a")
         for s in (a, b):
             await s.state.close()
@@ -251,12 +247,13 @@ def test_a_chained_read_brings_the_conversations_current_state_in_one_script(red
         turn, other = b"q" * 32, b"o" * 32
 
         async def request_on_a() -> TurnRecord:  # each request runs in a task of its own, as under uvicorn
-            await a.load([], [])
+            scope = a.open_scope()
+            await a.load([], [], scope)
             rec = TurnRecord("L1")
-            a.put_turn(turn, rec)
-            a.put_call("t1", "call-9", CallBinding("L1", "{}", "f"))
-            await on_a.put_response(record("resp_1"))
-            await a.flush()
+            a.put_turn(turn, rec, scope)
+            a.put_call("t1", "call-9", CallBinding("L1", "{}", "f"), scope)
+            await on_a.put_response(record("resp_1"), scope=scope)
+            await a.flush(scope)
             return rec
 
         rec = await asyncio.create_task(request_on_a())
@@ -269,9 +266,10 @@ def test_a_chained_read_brings_the_conversations_current_state_in_one_script(red
         await a.flush()
 
         async def request_on_b() -> None:
-            assert (await on_b.get_previous("t1", "resp_1"))["id"] == "resp_1"
+            scope = b.open_scope()
+            assert (await on_b.get_previous("t1", "resp_1", scope))["id"] == "resp_1"
             r.delete(a._tkey(turn), a._ckey("t1", "call-9"))  # gone now: what load finds came with the record
-            assert await b.load([turn, other], [("t1", "call-9")]) is True
+            assert await b.load([turn, other], [("t1", "call-9")], scope) is True
             seen = b.get_turn(turn)
             assert (seen.summary, seen.replica, seen.done.is_set()) == ("S", "a", True)
             assert b.get_turn(other).route == "L2"  # not kept with the record: read by the load
@@ -296,7 +294,7 @@ def test_a_pending_turn_of_another_replica_is_awaited_until_its_summary_lands(re
         rec = TurnRecord("L1")
         a.put_turn(key, rec)
         await a.flush()
-        await b.load([key], [])
+        await b.load([key], [], b.open_scope())
         seen = b.get_turn(key)
         assert not seen.done.is_set()
         rec.set_summary("it landed")
@@ -592,7 +590,7 @@ def test_an_error_reply_inside_a_write_batch_fails_that_write_only(redis, r, cap
 def test_more_concurrent_calls_than_connections_wait_their_turn(redis, r, monkeypatch):
     """MAX_CONNECTIONS bounds the connections; calls beyond it wait for one (within their timeout),
     also while the store keeps its last connection aside for the next call: every call is answered."""
-    import molctl.proxy.redis_store as redis_store
+    import molctl.proxy.store.redis.connection as redis_store
 
     monkeypatch.setattr(redis_store, "MAX_CONNECTIONS", 1)
 
@@ -633,7 +631,7 @@ def test_close_and_a_degradation_close_the_pools_connections(redis, r):
     """The pool's connections are closed when the store closes and when a failure drops the pool
     (they stayed open: redis-py leaves a pool it was given open; a stalling Redis left up to
     MAX_CONNECTIONS sockets per degradation behind)."""
-    import molctl.proxy.redis_store as redis_store
+    import molctl.proxy.store.redis.connection as redis_store
 
     def others() -> list[str]:
         return [c["cmd"] for c in r.client_list() if c["id"] != str(r.client_id())]

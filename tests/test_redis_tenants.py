@@ -1,4 +1,4 @@
-"""Issue 32 on the shared Redis store (molctl.proxy.redis_store, key format 2), against a real
+"""Issue 32 on the shared Redis store (molctl.proxy.store.redis, key format 2), against a real
 redis-server: per-tenant quotas (entries and bytes) with eviction inside the tenant that went over,
 the global caps as a last resort (from the tenant holding the most), byte totals that agree with
 what is stored, two replicas on one Redis holding one tenant quota, data written by key format 1
@@ -14,8 +14,12 @@ from pathlib import Path
 import pytest
 
 from molctl.proxy.errors import store_failure
-from molctl.proxy.redis_store import KEY_FORMAT, RedisResponseStore, RedisState, parse_redis_url, prune_sync
-from molctl.proxy.sqlite_store import QuotaExceeded
+from molctl.proxy.store.base import QuotaExceeded
+from molctl.proxy.store.redis import admin as redis_admin
+from molctl.proxy.store.redis.connection import RedisState
+from molctl.proxy.store.redis.responses import RedisResponseStore
+from molctl.proxy.store.redis.scripts import KEY_FORMAT
+from molctl.proxy.store.redis.target import parse_redis_url
 from tests.redis_server import load_dump
 
 P = "molctl:{tiny}:"
@@ -270,11 +274,11 @@ def test_key_format_1_data_is_read_continued_deleted_and_evicted_first(redis, r)
     before, with the store keys kept before their JSON; a new write is accounted beside them; they
     count towards the global entry cap only and are its first victims; a delete or a prune
     handles them. `state stats` tells the formats apart."""
-    from molctl.proxy.redis_store import describe_sync
+    from molctl.proxy.store.redis import admin as redis_admin
 
     t0 = load_format1(r)
     target = parse_redis_url(redis.url)
-    assert describe_sync(target, None, "tiny")["key_format"] == 1
+    assert redis_admin.describe(target, None, "tiny")["key_format"] == 1
 
     async def main():
         st = state(redis, clock=Clock(t0), max_entries=4, tenant_max_entries=4)
@@ -305,7 +309,7 @@ def test_key_format_1_data_is_read_continued_deleted_and_evicted_first(redis, r)
         "tenant-a": (1, held(r, P + "r:tenant-a:resp_a3")),
         "tenant-c": (1, held(r, P + "r:tenant-c:resp_c1")),
     }
-    assert describe_sync(target, None, "tiny")["key_format"] == KEY_FORMAT
+    assert redis_admin.describe(target, None, "tiny")["key_format"] == KEY_FORMAT
 
 
 def test_prune_applies_the_tenant_quotas_and_expires_with_the_totals(redis, r):
@@ -323,7 +327,7 @@ def test_prune_applies_the_tenant_quotas_and_expires_with_the_totals(redis, r):
 
     asyncio.run(main())
     r.zadd(P + "idx:r", {P + "r:tenant-a:gone": 1.0})  # an entry whose record expired long ago
-    removed = prune_sync(parse_redis_url(redis.url), None, "tiny", 3600, 1000, tenant_max_entries=3)
+    removed = redis_admin.prune(parse_redis_url(redis.url), None, "tiny", 3600, 1000, tenant_max_entries=3)
     assert removed == {"expired": 1, "evicted": 2, "conversation_expired": 0, "conversation_evicted": 0}
     totals = totals_agree(r)
     assert totals["tenant-a"][0] == 3 and totals["tenant-b"][0] == 2

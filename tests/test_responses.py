@@ -609,7 +609,7 @@ def test_no_adapter_name_anywhere(s):
 def test_memory_store_is_the_default_and_the_argument_is_used():
     from molctl.engines import get_engine
     from molctl.proxy.http.app import ProxyApp
-    from molctl.proxy.response_store import MemoryResponseStore
+    from molctl.proxy.store.memory import MemoryResponseStore
     from tests.proxy_stack import TINY
 
     store = MemoryResponseStore(max_entries=3)
@@ -660,20 +660,15 @@ def test_a_large_body_is_prepared_off_the_loop(s):
 
 
 def test_an_in_process_store_behind_the_proxys_async_interface_writes_a_large_record_from_a_worker_thread():
-    """LocalResponses (molctl/proxy/response_store.py): gets and small puts on the event loop's
+    """LocalResponses (molctl/proxy/store/local.py): gets and small puts on the event loop's
     thread, a large record (text, message count, or a large request's hint) from a worker thread
     when the store's puts are slow (SQLite's); the memory store's always on the loop."""
     import asyncio
     import threading
     import time
 
-    from molctl.proxy.response_store import (
-        BIG_RECORD,
-        MANY_MESSAGES,
-        LocalResponses,
-        MemoryResponseStore,
-        as_proxy_store,
-    )
+    from molctl.proxy.store.local import BIG_RECORD, MANY_MESSAGES, LocalResponses, as_proxy_store
+    from molctl.proxy.store.memory import MemoryResponseStore
 
     class Recording(MemoryResponseStore):
         slow_puts = True  # as SQLite's
@@ -714,7 +709,7 @@ def test_an_in_process_store_behind_the_proxys_async_interface_writes_a_large_re
     memory.slow_puts = False  # the memory store's own value
     loop_thread, *_ = asyncio.run(main(memory))
     assert all(memory.threads[k] == loop_thread for k in ("small", "long", "many", "hinted"))
-    from molctl.proxy.sqlite_store import SqliteResponseStore
+    from molctl.proxy.store.sqlite.store import SqliteResponseStore
 
     assert SqliteResponseStore.slow_puts and not MemoryResponseStore.slow_puts
 
@@ -725,7 +720,7 @@ def test_the_memory_store_is_safe_for_a_put_from_a_worker_thread_during_a_get_on
     same record in between (it raised KeyError: a 500 on GET /v1/responses/{id})."""
     import threading
 
-    from molctl.proxy.response_store import MemoryResponseStore
+    from molctl.proxy.store.memory import MemoryResponseStore
 
     def record(rid: str, created_at: float) -> dict:
         return {"id": rid, "tenant": "t", "created_at": created_at, "messages": []}

@@ -195,8 +195,8 @@ def test_the_answer_hop_never_asks_sglang_for_its_whole_window(name, flag, sends
     window exactly must not get it (the engine then gives the room left)."""
     from molctl.engines import get_engine
     from molctl.profiles import load_profile, profile_dirs
-    from molctl.proxy.conversations import MemoryStore
     from molctl.proxy.pipeline.run import Orchestrator, prompt_token_bound
+    from molctl.proxy.store.memory import MemoryStore
 
     def payload(window: int, limit: int) -> tuple[dict, int]:
         profile = load_profile(

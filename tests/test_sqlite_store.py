@@ -1,4 +1,4 @@
-"""The SQLite response store (molctl.proxy.sqlite_store): records per tenant, durability across
+"""The SQLite response store (molctl.proxy.store.sqlite): records per tenant, durability across
 reopen and proxy restarts, TTL and eviction with an injected clock, mode 0600, a corrupted /
 locked / foreign-schema file refused with one line (by the store, `molctl proxy`, `molctl check`),
 and `molctl state stats|prune`."""
@@ -17,15 +17,12 @@ import pytest
 
 from molctl.errors import ExitStatus, ProfileError
 from molctl.profiles import load_profile, profile_dirs
-from molctl.proxy.response_store import MemoryResponseStore
-from molctl.proxy.sqlite_store import (
-    SCHEMA_VERSION,
-    SqliteResponseStore,
-    StoreError,
-    open_store,
-    parse_store_spec,
-    store_path,
-)
+from molctl.proxy.store.base import StoreError
+from molctl.proxy.store.factory import open_store, parse_store_spec
+from molctl.proxy.store.memory import MemoryResponseStore
+from molctl.proxy.store.sqlite import admin as sqlite_admin
+from molctl.proxy.store.sqlite.schema import SCHEMA_VERSION, store_path
+from molctl.proxy.store.sqlite.store import SqliteResponseStore
 from tests.helpers import ROOT, free_port, free_ports
 
 DAY = 24 * 3600
@@ -116,7 +113,12 @@ def test_ttl_expired_invisible_then_pruned(db):
     assert store.get_response("tenant-a", "resp_old") is None
     assert store.get_response("tenant-a", "resp_new") is not None
     assert store.stats()["responses"] == 2  # still on disk until pruned
-    assert store.prune() == {"expired": 1, "evicted": 0, "conversation_expired": 0, "conversation_evicted": 0}
+    assert sqlite_admin.prune(store) == {
+        "expired": 1,
+        "evicted": 0,
+        "conversation_expired": 0,
+        "conversation_evicted": 0,
+    }
     stats = store.stats()
     assert (stats["responses"], stats["responses_expired"]) == (1, 1)
     clock.t += 5 * DAY  # resp_new expires too: the next put (past the prune interval) deletes it
@@ -448,7 +450,7 @@ def test_previous_response_id_survives_down_and_up(tmp_path):
 
 
 def _conv(db: Path, clock=None, **bounds):
-    from molctl.proxy.sqlite_store import SqliteConversationStore
+    from molctl.proxy.store.sqlite.conversations import SqliteConversationStore
 
     store = SqliteResponseStore(db, clock=clock or Clock(), **bounds)
     return store, SqliteConversationStore(store)
@@ -495,7 +497,7 @@ def test_get_turns_reads_the_cache_misses_in_one_query(db):
     with a cold cache) paid one SELECT per turn on every request (~8 us each: 100 turns ~1 ms);
     get_turns gives what get_turn gives, key by key, with one SELECT per 500 misses."""
     from molctl.proxy.conversations import TurnRecord
-    from molctl.proxy.sqlite_store import SqliteConversationStore
+    from molctl.proxy.store.sqlite.conversations import SqliteConversationStore
 
     clock = Clock()
     store, conv = _conv(db, clock, ttl_s=10 * DAY)
@@ -580,7 +582,7 @@ def test_conversation_rows_ttl_caps_and_stats(db):
     store, conv = _conv(db, clock, ttl_s=10 * DAY, max_entries=3)
     conv.put_turn(b"a" * 32, TurnRecord("L1", summary="x"))
     clock.t += 11 * DAY
-    from molctl.proxy.sqlite_store import SqliteConversationStore
+    from molctl.proxy.store.sqlite.conversations import SqliteConversationStore
 
     cold = SqliteConversationStore(store)  # no cache: what a restarted proxy sees
     assert cold.get_turn(b"a" * 32) is None  # expired: invisible at once
@@ -592,14 +594,14 @@ def test_conversation_rows_ttl_caps_and_stats(db):
     cold = SqliteConversationStore(store)
     assert [cold.get_call("t", f"call_{i}") is not None for i in range(4)] == [False, True, True, True]  # oldest first
     assert stats["responses"] == 0  # counted apart from the responses
-    described = store.describe()
+    described = sqlite_admin.describe(store)
     assert (described["turns"], described["calls"], described["conversation_expired_pending"]) == (0, 3, 0)
     store.close()
 
 
 def _v1_file(db: Path) -> None:
     """A schema-1 file as the previous molctl wrote it (responses only), with one response."""
-    from molctl.proxy.sqlite_store import SCHEMA, _statements
+    from molctl.proxy.store.sqlite.schema import SCHEMA, _statements
 
     conn = sqlite3.connect(db, isolation_level=None)
     conn.execute("PRAGMA journal_mode=WAL")
@@ -617,7 +619,7 @@ def _v1_file(db: Path) -> None:
 
 def test_schema_1_file_is_migrated_in_place(db):
     from molctl.proxy.conversations import TurnRecord
-    from molctl.proxy.sqlite_store import SqliteConversationStore
+    from molctl.proxy.store.sqlite.conversations import SqliteConversationStore
 
     _v1_file(db)
     store = SqliteResponseStore(db, clock=Clock())
@@ -637,7 +639,7 @@ def test_schema_1_file_is_migrated_in_place(db):
 
 def test_state_stats_shows_conversations(molctl, state_dir):
     from molctl.proxy.conversations import CallBinding, TurnRecord
-    from molctl.proxy.sqlite_store import SqliteConversationStore
+    from molctl.proxy.store.sqlite.conversations import SqliteConversationStore
 
     store = open_store("sqlite", state_dir, "tiny")
     conv = SqliteConversationStore(store)
@@ -765,8 +767,9 @@ def test_rows_of_one_loop_pass_are_one_transaction_written_after_the_pass(db):
     after the pass, every row queued in the pass in one committed transaction."""
     import asyncio
 
-    from molctl.proxy.conversations import CallBinding, MemoryStore, TurnRecord
-    from molctl.proxy.sqlite_store import SqliteConversationStore
+    from molctl.proxy.conversations import CallBinding, TurnRecord
+    from molctl.proxy.store.memory import MemoryStore
+    from molctl.proxy.store.sqlite.conversations import SqliteConversationStore
 
     store = SqliteResponseStore(db, clock=Clock())
     statements: list[str] = []
@@ -801,7 +804,7 @@ def test_a_commit_delay_groups_the_rows_of_its_window_into_one_transaction(db):
     import asyncio
 
     from molctl.proxy.conversations import TurnRecord
-    from molctl.proxy.sqlite_store import SqliteConversationStore
+    from molctl.proxy.store.sqlite.conversations import SqliteConversationStore
 
     store = SqliteResponseStore(db, clock=Clock(), commit_delay_s=1.0)  # long: a stalled host cannot end it early
     statements: list[str] = []
@@ -836,7 +839,7 @@ def test_a_commit_delay_groups_the_rows_of_its_window_into_one_transaction(db):
 
 def test_the_proxy_opens_its_store_with_the_profiles_commit_window(tmp_path):
     from molctl.profiles import load_profile, profile_dirs
-    from molctl.proxy.http.server import build_response_store
+    from molctl.proxy.store.factory import build_response_store
 
     default = build_response_store(load_profile("tiny", profile_dirs()), tmp_path)
     assert default.commit_delay_s == 0.01
@@ -851,7 +854,7 @@ def test_close_writes_what_is_queued(db):
     import asyncio
 
     from molctl.proxy.conversations import CallBinding, TurnRecord
-    from molctl.proxy.sqlite_store import SqliteConversationStore
+    from molctl.proxy.store.sqlite.conversations import SqliteConversationStore
 
     store = SqliteResponseStore(db, clock=Clock())
     conv = SqliteConversationStore(store)
@@ -876,7 +879,7 @@ def test_a_failed_flush_is_logged_and_counted_never_raised(db, caplog):
     import asyncio
 
     from molctl.proxy.conversations import TurnRecord
-    from molctl.proxy.sqlite_store import SqliteConversationStore
+    from molctl.proxy.store.sqlite.conversations import SqliteConversationStore
 
     store = SqliteResponseStore(db, clock=Clock(), busy_timeout_s=0.1)
     conv = SqliteConversationStore(store)
@@ -1063,7 +1066,7 @@ def test_a_put_from_a_worker_thread_or_after_close_is_not_left_queued(db):
     import threading
 
     from molctl.proxy.conversations import TurnRecord
-    from molctl.proxy.sqlite_store import SqliteConversationStore
+    from molctl.proxy.store.sqlite.conversations import SqliteConversationStore
 
     store = SqliteResponseStore(db, clock=Clock())
     conv = SqliteConversationStore(store)
@@ -1124,7 +1127,7 @@ def test_a_response_put_commits_the_queued_chat_rows_with_it(db):
     import asyncio
 
     from molctl.proxy.conversations import TurnRecord
-    from molctl.proxy.sqlite_store import SqliteConversationStore
+    from molctl.proxy.store.sqlite.conversations import SqliteConversationStore
 
     store = SqliteResponseStore(db, clock=Clock())
     statements: list[str] = []
@@ -1149,7 +1152,7 @@ def test_a_loop_that_stops_before_its_flush_does_not_block_the_next_ones(db):
     import asyncio
 
     from molctl.proxy.conversations import TurnRecord
-    from molctl.proxy.sqlite_store import SqliteConversationStore
+    from molctl.proxy.store.sqlite.conversations import SqliteConversationStore
 
     store = SqliteResponseStore(db, clock=Clock())
     conv = SqliteConversationStore(store)
@@ -1209,7 +1212,7 @@ def test_a_failed_response_put_keeps_the_chat_rows_it_took(db):
     import asyncio
 
     from molctl.proxy.conversations import TurnRecord
-    from molctl.proxy.sqlite_store import SqliteConversationStore
+    from molctl.proxy.store.sqlite.conversations import SqliteConversationStore
 
     store = SqliteResponseStore(db, clock=Clock(), commit_delay_s=0.05)
     store._conn.execute(
@@ -1239,7 +1242,7 @@ def test_rows_queued_on_a_running_loop_after_close_are_all_counted_lost(db):
     import asyncio
 
     from molctl.proxy.conversations import TurnRecord
-    from molctl.proxy.sqlite_store import SqliteConversationStore
+    from molctl.proxy.store.sqlite.conversations import SqliteConversationStore
 
     store = SqliteResponseStore(db, clock=Clock())
     conv = SqliteConversationStore(store)
@@ -1315,7 +1318,7 @@ def test_a_failed_put_in_a_worker_thread_never_writes_a_turns_older_state_over_a
     import threading
 
     from molctl.proxy.conversations import TurnRecord
-    from molctl.proxy.sqlite_store import SqliteConversationStore
+    from molctl.proxy.store.sqlite.conversations import SqliteConversationStore
 
     in_put, release, flushed = threading.Event(), threading.Event(), threading.Event()
 
@@ -1377,7 +1380,7 @@ def test_the_loops_flush_never_waits_on_the_event_loop_for_another_processs_writ
     import asyncio
 
     from molctl.proxy.conversations import TurnRecord
-    from molctl.proxy.sqlite_store import SqliteConversationStore
+    from molctl.proxy.store.sqlite.conversations import SqliteConversationStore
 
     store = SqliteResponseStore(db, clock=Clock(), commit_delay_s=0.01, busy_timeout_s=1.0)
     conv = SqliteConversationStore(store)
@@ -1430,8 +1433,8 @@ def test_a_responses_put_or_delete_never_waits_on_the_event_loop_for_another_pro
     import asyncio
 
     from molctl.proxy.conversations import TurnRecord
-    from molctl.proxy.response_store import LocalResponses
-    from molctl.proxy.sqlite_store import SqliteConversationStore
+    from molctl.proxy.store.local import LocalResponses
+    from molctl.proxy.store.sqlite.conversations import SqliteConversationStore
 
     store = SqliteResponseStore(db, clock=Clock(), commit_delay_s=5.0, busy_timeout_s=3.0)
     store.put_response(record("old"))
@@ -1496,9 +1499,9 @@ def test_a_flush_failing_every_window_warns_once_then_at_most_every_10_s(db, cap
     import asyncio
     import logging
 
-    from molctl.proxy import sqlite_store
     from molctl.proxy.conversations import TurnRecord
-    from molctl.proxy.sqlite_store import SqliteConversationStore
+    from molctl.proxy.store.sqlite import conversations as sqlite_store
+    from molctl.proxy.store.sqlite.conversations import SqliteConversationStore
 
     store = SqliteResponseStore(db, clock=Clock(), commit_delay_s=0)
     conv = SqliteConversationStore(store)

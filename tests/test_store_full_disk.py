@@ -11,7 +11,7 @@ import json
 
 from molctl.engines import get_engine
 from molctl.proxy.http.app import ProxyApp
-from molctl.proxy.sqlite_store import SqliteResponseStore
+from molctl.proxy.store.sqlite.store import SqliteResponseStore
 from tests.helpers import free_port
 from tests.procs import fake_engine_argv, running
 from tests.proxy_stack import PUBLIC, TINY

@@ -19,7 +19,10 @@ import pytest
 
 from molctl.errors import ExitStatus
 from molctl.profiles import load_profile, profile_dirs
-from molctl.proxy.sqlite_store import SqliteResponseStore, StoreError, store_path
+from molctl.proxy.store.base import StoreError
+from molctl.proxy.store.sqlite import admin as sqlite_admin
+from molctl.proxy.store.sqlite.schema import store_path
+from molctl.proxy.store.sqlite.store import SqliteResponseStore
 from tests.helpers import ROOT, free_port, free_ports
 from tests.procs import fake_engine_argv, running
 from tests.test_sqlite_store import record
@@ -65,7 +68,7 @@ def test_the_check_is_bounded_in_time_and_says_when_it_did_not_finish(tmp_path):
     store = SqliteResponseStore(path, integrity_check_s=1e-9)
     try:
         assert store.integrity.startswith("not finished in 1e-09 s (a "), store.integrity
-        assert store.describe()["integrity"] == store.integrity
+        assert sqlite_admin.describe(store)["integrity"] == store.integrity
         assert store.get_response("tenant-a", "resp_7")["id"] == "resp_7"  # the store is usable
     finally:
         store.close()

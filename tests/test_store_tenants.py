@@ -1,4 +1,4 @@
-"""Issue 32, "One tenant can evict everyone", on the SQLite store (molctl.proxy.sqlite_store):
+"""Issue 32, "One tenant can evict everyone", on the SQLite store (molctl.proxy.store.sqlite):
 per-tenant quotas with eviction inside the tenant that went over, a chain's shared history stored
 once (schema 3: chains and segments), what eviction and deletion do to a chain, and a store file
 written by the schema-2 code (tests/data/store-v2.sqlite3) opening and serving after migration."""
@@ -13,7 +13,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from molctl.proxy.sqlite_store import SCHEMA_VERSION, SqliteResponseStore, StoreError, tenant_bounds
+from molctl.proxy.store.base import StoreError
+from molctl.proxy.store.factory import tenant_bounds
+from molctl.proxy.store.sqlite import admin as sqlite_admin
+from molctl.proxy.store.sqlite.schema import SCHEMA_VERSION
+from molctl.proxy.store.sqlite.store import SqliteResponseStore
 
 T0 = 1_800_000_000.0
 V2_FILE = (
@@ -243,7 +247,7 @@ def test_expiry_keeps_the_history_of_the_responses_still_live(tmp_path):
         history = [*history, *turn(i, 10)]
         store.put_response(rec(f"resp_{i}", "tenant-a", history, f"resp_{i - 1}" if i else None, T0 + t))
     now[0] = T0 + 11.5  # the first two are past the TTL now, the third is not
-    assert store.prune()["expired"] == 2
+    assert sqlite_admin.prune(store)["expired"] == 2
     assert store.get_response("tenant-a", "resp_0") is None
     assert store.get_response("tenant-a", "resp_2")["messages"] == history
     totals_agree(db)

@@ -201,7 +201,10 @@ def run_state(profile: Profile, probes: Probes) -> list[CheckResult]:
 
 def _state_store(profile: Profile, state_dir: Path) -> CheckResult:
     """The proxy's response store (proxy.store): openable, writable, a schema this molctl knows."""
-    from molctl.proxy.sqlite_store import SCHEMA_VERSION, SqliteResponseStore, StoreError, resolve_store
+    from molctl.proxy.store.base import StoreError
+    from molctl.proxy.store.factory import resolve_store
+    from molctl.proxy.store.sqlite.schema import SCHEMA_VERSION
+    from molctl.proxy.store.sqlite.store import SqliteResponseStore
 
     kind, path = resolve_store(profile.proxy.store, state_dir, profile.name)
     if kind == "redis":
@@ -248,7 +251,8 @@ def _state_store(profile: Profile, state_dir: Path) -> CheckResult:
 def _redis_store(profile: Profile) -> CheckResult:
     """A shared Redis store: the password readable, the server answering PING within 2 s, and
     its eviction policy (volatile-lru or allkeys-lru recommended: molctl keys all have TTLs)."""
-    from molctl.proxy.redis_store import RedisConfigError, describe_sync, parse_redis_url, read_password
+    from molctl.proxy.store.redis.admin import describe
+    from molctl.proxy.store.redis.target import RedisConfigError, parse_redis_url, read_password
 
     target = parse_redis_url(profile.proxy.store)
     password_file = profile.proxy.store_password_file
@@ -266,7 +270,7 @@ def _redis_store(profile: Profile) -> CheckResult:
                 f"(chmod 600 {password_file})",
             )
     try:
-        info = describe_sync(target, read_password(password_file), profile.name)
+        info = describe(target, read_password(password_file), profile.name)
     except RedisConfigError as exc:
         return CheckResult("state.store", "fail", str(exc))
     if info.get("role") == "slave":

@@ -30,9 +30,26 @@ Its modules, one line each:
 - `pipeline.run`: the pipeline's entry points shared by chat and Responses (prepare, load, answer, stream).
 - `pipeline.summary`: the background summary hops.
 - `pipeline.views`: what each hop sends: the router's messages, each adapter's view, the summary request.
-- `redis_store`: the shared state of proxy replicas on Redis (or Valkey).
-- `response_store`: the Responses API's stored records, per tenant (the in-memory backend).
 - `samples`: sample conversations `molctl check`'s template category renders through this code.
 - `shaping`: the one place that shapes what clients see (public model name, own ids, no engine extras).
-- `sqlite_store`: the durable state on SQLite (stored responses, chat's turn records).
+- `store`: the state stores (package): the contracts and the one factory of a `proxy.store` spec.
+- `store.base`: the ConversationStore / ResponseStore / RecordStore contracts, StoreScope, the store errors.
+- `store.factory`: the one place a spec (sqlite, memory, sqlite:/path, redis://) becomes stores.
+- `store.local`: in-process record stores behind the proxy's async interface (LocalResponses).
+- `store.memory`: the in-memory backends (Responses records, chat's MemoryStore).
+- `store.writebehind`: the write-behind front of the SQLite and Redis conversation stores.
+- `store.sqlite`: the SQLite backend (package).
+- `store.sqlite.store`: SqliteResponseStore, the profile's SQLite file.
+- `store.sqlite.schema`: the file's schema, migrations, integrity check and errors.
+- `store.sqlite.responses`: the Responses records on SQLite (chains, quotas, eviction).
+- `store.sqlite.conversations`: chat's turn and call rows on SQLite (SqliteConversationStore).
+- `store.sqlite.admin`: `molctl state` on SQLite (describe, prune).
+- `store.redis`: the Redis backend, shared by proxy replicas (package).
+- `store.redis.target`: the store's URL, password, blocking client and errors.
+- `store.redis.connection`: RedisState, a process's connection, health and batched writes.
+- `store.redis.scripts`: the Lua scripts.
+- `store.redis.responses`: the Responses records on Redis.
+- `store.redis.conversations`: chat's shared state on Redis (RedisConversationStore, RedisScope).
+- `store.redis.replicas`: the replica registry (heartbeats, conversation affinity).
+- `store.redis.admin`: `molctl state` and `molctl check` on Redis (describe, prune).
 """

@@ -14,12 +14,9 @@ same prefix finds the record: which adapter answered that turn, and the turn's s
 Tool calls are bound separately by (tenant, tool_call_id) with the canonical arguments, so a
 client that re-serialises argument JSON still lands on the adapter that issued the call.
 
-`ConversationStore` is the small interface the proxy (and later the Responses API) uses; the
-in-memory implementation bounds entries, bytes and idle time, and lives as long as the process.
-The durable one (`molctl.proxy.sqlite_store.SqliteConversationStore`, `proxy.store: sqlite`)
-keeps a `MemoryStore` as its hot cache and writes every record through to the profile's SQLite
-file; a `TurnRecord` tells its store when it changes later (`on_change`: its summary arrived or
-failed, or it was marked stale) so the store can persist that too.
+The records live in a `ConversationStore` (molctl.proxy.store.base: in memory, on SQLite or on
+Redis); a `TurnRecord` tells its store when it changes later (`on_change`: its summary arrived or
+failed, or it was marked stale) so a durable store can persist that too.
 """
 
 from __future__ import annotations
@@ -27,12 +24,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import threading
-import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import orjson
 
@@ -213,86 +207,3 @@ class CallBinding:
 
     def size(self) -> int:
         return 120 + len(self.arguments) + len(self.name)
-
-
-class ConversationStore(Protocol):
-    def get_turn(self, key: bytes) -> TurnRecord | None: ...
-    def put_turn(self, key: bytes, record: TurnRecord) -> None: ...
-    def get_call(self, tenant: str, call_id: str) -> CallBinding | None: ...
-    def put_call(self, tenant: str, call_id: str, binding: CallBinding) -> None: ...
-    def stats(self) -> dict[str, int]: ...
-
-
-# what an entry costs beside its value's own size(): the key (32-byte digest and its tuple), the
-# LRU's (stamp, value, size) tuple and the OrderedDict's node; measured with tracemalloc
-ENTRY_OVERHEAD = 270
-
-
-class MemoryStore:
-    """LRU with a cap on entries and approximate bytes (the values' size() plus ENTRY_OVERHEAD
-    each: close to the memory really held), and an idle TTL checked on access.
-
-    Each entry remembers the size it was counted with, so a value that grows after it was
-    stored (a turn whose summary arrives later) never drives the byte count negative; putting
-    the same key again recounts it (the orchestrator does so once a summary is set)."""
-
-    def __init__(
-        self,
-        max_entries: int = 100_000,
-        max_bytes: int = 256 * 1024 * 1024,
-        ttl_s: float = 6 * 3600,
-        clock: Callable[[], float] = time.monotonic,
-    ):
-        self.max_entries, self.max_bytes, self.ttl_s, self.clock = max_entries, max_bytes, ttl_s, clock
-        self._items: OrderedDict[Any, tuple[float, Any, int]] = OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()  # large requests look turns up from a worker thread
-
-    def _get(self, key: Any) -> Any:
-        with self._lock:
-            return self._get_locked(key)
-
-    def _get_locked(self, key: Any) -> Any:
-        item = self._items.get(key)
-        if item is None:
-            return None
-        stamp, value, size = item
-        now = self.clock()
-        if now - stamp > self.ttl_s:
-            self._drop(key)
-            return None
-        self._items[key] = (now, value, size)
-        self._items.move_to_end(key)
-        return value
-
-    def _put(self, key: Any, value: Any) -> None:
-        with self._lock:
-            self._put_locked(key, value)
-
-    def _put_locked(self, key: Any, value: Any) -> None:
-        if key in self._items:
-            self._drop(key)
-        size = value.size() + ENTRY_OVERHEAD
-        self._items[key] = (self.clock(), value, size)
-        self._bytes += size
-        while self._items and (len(self._items) > self.max_entries or self._bytes > self.max_bytes):
-            self._drop(next(iter(self._items)))
-
-    def _drop(self, key: Any) -> None:
-        _, _, size = self._items.pop(key)
-        self._bytes -= size
-
-    def get_turn(self, key: bytes) -> TurnRecord | None:
-        return self._get(("t", key))
-
-    def put_turn(self, key: bytes, record: TurnRecord) -> None:
-        self._put(("t", key), record)
-
-    def get_call(self, tenant: str, call_id: str) -> CallBinding | None:
-        return self._get(("c", tenant, call_id))
-
-    def put_call(self, tenant: str, call_id: str, binding: CallBinding) -> None:
-        self._put(("c", tenant, call_id), binding)
-
-    def stats(self) -> dict[str, int]:
-        return {"entries": len(self._items), "bytes": self._bytes}

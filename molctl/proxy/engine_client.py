@@ -6,7 +6,6 @@ engine requests per turn; BENCHMARKS.md, "Proxy overhead")."""
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import os
 import ssl
 import time
@@ -53,12 +52,6 @@ class EngineChoice:
     replica: str
     url: str
     failed: bool = False
-
-
-# The request's choice as the Redis store reads it (redis_store._serving: the replica a write
-# names), set with `Plan.engine` by `Orchestrator.load`; the client itself takes the choice as an
-# argument (`engine=`) and never reads this.
-ENGINE: contextvars.ContextVar[EngineChoice | None] = contextvars.ContextVar("molctl_engine", default=None)
 
 
 def dumps_in_steps(payload: dict[str, Any], step: int = 1000) -> bytes:

@@ -180,13 +180,13 @@ STORE_RETRY_AFTER_S = 30
 def store_cause(exc: Exception) -> str:
     """A failed store call's cause for `store_failures_total`: damaged, ENOSPC, EIO, locked or other."""
     cause = getattr(exc, "cause", None)
-    if cause is None and type(exc).__name__ == "StoreBusy":  # another process's write lock (response_store)
+    if cause is None and type(exc).__name__ == "StoreBusy":  # another process's write lock (molctl.proxy.store.base)
         return "locked"
     return cause or "other"
 
 
 def store_failure(exc: Exception, rid: str) -> ProxyError | None:
-    """What the client gets for a failed store call (molctl.proxy.sqlite_store.StoreError) by its
+    """What the client gets for a failed store call (molctl.proxy.store.base.StoreError) by its
     cause: a damaged store is a 500 `store_damaged`, a write the disk refused a 503
     `store_unavailable` naming why (with Retry-After), a record over its byte quota on its own a 400
     `store_quota_exceeded` naming the quota; None for any other (the caller's 500)."""

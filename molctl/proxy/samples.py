@@ -268,8 +268,8 @@ async def collect_async(profile: Profile, stream: bool = False) -> list[HopReque
     """Every engine request the proxy sends for the sample conversations, in order (the clients
     streaming or not: the hops' messages are the same either way)."""
     from molctl.engines import get_engine
-    from molctl.proxy.conversations import MemoryStore
     from molctl.proxy.pipeline.run import Orchestrator
+    from molctl.proxy.store.memory import MemoryStore
 
     client = _RecordingClient()
     orch = Orchestrator(profile, get_engine(profile.engine.kind), client, MemoryStore())  # type: ignore[arg-type]

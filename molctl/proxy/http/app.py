@@ -39,7 +39,6 @@ from molctl.proxy import fastjson
 from molctl.proxy.apis.chat import ChatAPI
 from molctl.proxy.apis.models import ModelsAPI
 from molctl.proxy.apis.responses.handlers import ResponsesAPI
-from molctl.proxy.conversations import ConversationStore, MemoryStore
 from molctl.proxy.engine_client import EngineClient
 from molctl.proxy.errors import (
     EngineUnavailable,
@@ -56,8 +55,9 @@ from molctl.proxy.http.sse import SSEWriter, internal_error
 from molctl.proxy.metrics import MetricsListener, ProxyMetrics, store_gauges
 from molctl.proxy.pipeline.plan import Plan, RequestState
 from molctl.proxy.pipeline.run import Orchestrator
-from molctl.proxy.response_store import MemoryResponseStore, ProxyResponses, ResponseStore, StoreBusy, as_proxy_store
-from molctl.proxy.sqlite_store import StoreError
+from molctl.proxy.store.base import ConversationStore, RecordStore, ResponseStore, StoreBusy, StoreError
+from molctl.proxy.store.local import as_proxy_store
+from molctl.proxy.store.memory import MemoryResponseStore, MemoryStore
 
 log = logging.getLogger("molctl.proxy")
 request_log = logging.getLogger("molctl.proxy.requests")  # one JSON line per request (see request_line)
@@ -127,7 +127,7 @@ class ProxyApp:
         store: ConversationStore | None = None,
         sse_keepalive_s: float = 10.0,
         ready_cache_s: float = 1.0,
-        response_store: ResponseStore | ProxyResponses | None = None,
+        response_store: RecordStore | ResponseStore | None = None,
         shared_state: Any = None,
         metrics_port: int | None = None,
         metrics_host: str = "127.0.0.1",
@@ -145,7 +145,7 @@ class ProxyApp:
             MetricsListener(self.counters, metrics_host, metrics_port, metrics_sock) if metrics_port else None
         )
         self.responses = as_proxy_store(response_store if response_store is not None else MemoryResponseStore())
-        # a shared store (molctl.proxy.redis_store): a heartbeat, closed on shutdown
+        # a shared store (molctl.proxy.store.redis): a heartbeat, closed on shutdown
         self.shared_state = shared_state
         self.keys: dict[bytes, str] = {}
         self.set_keys(keys or [])
@@ -478,8 +478,7 @@ class ProxyApp:
 
     def responses_degraded(self) -> str | None:
         """Why the local response store serves in part (damaged; writes failing), else None."""
-        health = getattr(getattr(self.responses, "store", None), "health", None)
-        return health() if health is not None else None
+        return self.responses.health()
 
     def _ready_cached(self) -> bool:
         """A ready answer is reused for ready_cache_s; a not-ready one for at most 0.2 s, so

@@ -21,6 +21,7 @@ import uvicorn
 
 from molctl.proxy.http.app import ProxyApp, key_table
 from molctl.proxy.http.protocol import HeadHoldingHttpToolsProtocol
+from molctl.proxy.store.factory import open_stores
 
 log = logging.getLogger("molctl.proxy")
 DRAIN_SUMMARIES_S = 30.0  # a drain waits this long at most for the summary hops of answered turns
@@ -198,41 +199,24 @@ def run_proxy(
     listen_port = port or profile.proxy.port
     public_socks, metrics = _bind(profile, host, port, listen_port)
     keepalive = sse_keepalive or profile.proxy.sse_keepalive_s  # the option wins over the profile
-    shared = build_shared_state(
-        profile, upstream, listen_port, replica_id, advertise_upstream
-    )  # unreachable: one line, exit 1
-    engine = get_engine(profile.engine.kind)
-    if shared is not None:
-        app = _shared_app(profile, engine, upstream, keys, keepalive, shared, metrics)
-        serve(app, host, listen_port, drain_timeout, api_key_file, public_socks)
-        return
-    store = build_response_store(profile, ctx.state_dir)  # a StoreError: one line, exit non-zero, nothing served
+    # unreachable Redis or a StoreError: one line, exit non-zero, nothing served
+    stores = open_stores(profile, ctx.state_dir, upstream, listen_port, replica_id, advertise_upstream)
     try:
-        conversations = build_conversation_store(store)
-        extra = {"store": conversations} if conversations is not None else {}
+        extra = {"store": stores.conversations} if stores.conversations is not None else {}
         app = ProxyApp(
-            profile, engine, upstream, keys, sse_keepalive_s=keepalive, response_store=store, **metrics, **extra
+            profile,
+            get_engine(profile.engine.kind),
+            upstream,
+            keys,
+            sse_keepalive_s=keepalive,
+            response_store=stores.responses,
+            shared_state=stores.shared,
+            **metrics,
+            **extra,
         )
         serve(app, host, listen_port, drain_timeout, api_key_file, public_socks)
     finally:
-        store.close()
-
-
-def _shared_app(profile, engine, upstream: str, keys, keepalive: float, shared, metrics: dict) -> ProxyApp:
-    """The app of a replica on a shared store (`proxy.store: redis://...`)."""
-    from molctl.proxy.redis_store import RedisConversationStore, RedisResponseStore
-
-    return ProxyApp(
-        profile,
-        engine,
-        upstream,
-        keys,
-        sse_keepalive_s=keepalive,
-        response_store=RedisResponseStore(shared),
-        shared_state=shared,
-        store=RedisConversationStore(shared, summary_wait_s=profile.proxy.summary_wait_s),
-        **metrics,
-    )
+        stores.close()
 
 
 def _configure_logging(log_max_bytes: int | None, log_backups: int) -> None:
@@ -269,85 +253,6 @@ def _bind(profile, host: str, port: int | None, listen_port: int) -> tuple[list[
     return public_socks, metrics
 
 
-def build_shared_state(profile, upstream: str, port: int, replica_id: str | None, advertise_upstream: str | None):
-    """For `proxy.store: redis://...` (replicas sharing their state): the RedisState of this
-    replica, after one PING (2 s) so that an unreachable store fails the start with one line
-    naming proxy.store and its address (exit 1). None for the local backends."""
-    from molctl.proxy.redis_store import (
-        RedisState,
-        default_replica_id,
-        is_redis_spec,
-        parse_redis_url,
-        ping_sync,
-        read_password,
-        unreachable_error,
-    )
-
-    p = profile.proxy
-    if not is_redis_spec(p.store):
-        return None
-    target = parse_redis_url(p.store)  # validated with the profile
-    password = read_password(p.store_password_file)
-    why = ping_sync(target, password)
-    if why is not None:
-        raise unreachable_error(target, why)
-    advertised = advertise_upstream or p.advertise_upstream or upstream
-    _check_advertised(
-        advertised,
-        "--advertise-upstream"
-        if advertise_upstream
-        else "proxy.advertise_upstream"
-        if p.advertise_upstream
-        else "--upstream",
-    )
-    from molctl.proxy.sqlite_store import tenant_bounds
-
-    state = RedisState(
-        target,
-        password,
-        profile.name,
-        replica_id=replica_id or default_replica_id(port),
-        advertise_upstream=advertised,
-        ttl_s=p.store_ttl_s,
-        max_entries=p.store_max_entries,
-        max_bytes=p.store_max_bytes,
-        **tenant_bounds(p),
-    )
-    log.info(
-        "state store: %s (shared; replica %s, engine advertised as %s)",
-        target.address,
-        state.replica_id,
-        state.advertise_upstream,
-    )
-    return state
-
-
-def _check_advertised(url: str, label: str) -> None:
-    """The engine URL this replica registers for its peers: an http(s) URL with a host and at
-    most a path (peers would fail every hop to anything else; a `user:password@` would be stored
-    in the shared store in clear and read by every peer), else a UsageError (one line, exit 2)."""
-    from urllib.parse import urlsplit
-
-    from molctl.errors import UsageError
-
-    expected = "expected http://HOST:PORT, this replica's engine as its peers reach it"
-    try:
-        parts = urlsplit(url)
-        ok = parts.scheme in ("http", "https") and bool(parts.hostname) and (parts.port is None or parts.port > 0)
-    except ValueError:
-        ok = False
-    if not ok:
-        raise UsageError(f"{label} {url!r}: {expected}")
-    if parts.username is not None or parts.password is not None:
-        shown = url.replace(parts.netloc, parts.netloc.rpartition("@")[2], 1)
-        raise UsageError(
-            f"{label} {shown!r} carries a user name or password: {expected} (peers read it from the "
-            "shared store in clear), without credentials"
-        )
-    if parts.query or parts.fragment:
-        raise UsageError(f"{label} {url!r} has a query or fragment: {expected}[/PATH]")
-
-
 def configure_request_log() -> None:
     """The per-request JSON lines (logger molctl.proxy.requests) go to stderr as they are: one
     JSON object a line, no prefix, so they can be parsed line by line."""
@@ -358,33 +263,3 @@ def configure_request_log() -> None:
         request_log.addHandler(handler)
         request_log.propagate = False
         request_log.setLevel(logging.INFO)
-
-
-def build_conversation_store(response_store):
-    """Stateless chat's conversation state in the same SQLite file when `proxy.store` is sqlite
-    (durable across restarts); None for a memory store (the app keeps a MemoryStore)."""
-    from molctl.proxy.sqlite_store import SqliteConversationStore, SqliteResponseStore
-
-    if isinstance(response_store, SqliteResponseStore):
-        return SqliteConversationStore(response_store)
-    return None
-
-
-def build_response_store(profile, state_dir: Path):
-    """The Responses API's store of this profile (`proxy.store` and its bounds): SQLite in
-    STATE/PROFILE/proxy-store.sqlite3 by default (see molctl.proxy.sqlite_store)."""
-    from molctl.proxy.sqlite_store import open_store, tenant_bounds
-
-    p = profile.proxy
-    store = open_store(
-        p.store,
-        state_dir,
-        profile.name,
-        ttl_s=p.store_ttl_s,
-        max_bytes=p.store_max_bytes,
-        max_entries=p.store_max_entries,
-        commit_delay_s=p.state_commit_ms / 1000,
-        **tenant_bounds(p),
-    )
-    log.info("response store: %s", getattr(store, "path", "memory (lost on restart)"))
-    return store

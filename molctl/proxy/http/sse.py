@@ -19,8 +19,7 @@ from typing import Any
 
 from molctl.proxy.errors import ProxyError, draining, store_cause, store_failure
 from molctl.proxy.pipeline.plan import Plan, RequestState
-from molctl.proxy.response_store import StoreBusy
-from molctl.proxy.sqlite_store import StoreError
+from molctl.proxy.store.base import StoreBusy, StoreError
 
 log = logging.getLogger("molctl.proxy")
 

@@ -16,6 +16,7 @@ from molctl.engines.base import AnswerTokens
 from molctl.proxy.conversations import ConversationKeys, TurnRecord
 from molctl.proxy.engine_client import EngineChoice
 from molctl.proxy.pipeline.views import History
+from molctl.proxy.store.base import StoreScope
 
 
 @dataclass
@@ -48,6 +49,7 @@ class Plan:
     tokens: AnswerTokens | None = None  # the answer hop's prompt and output token ids, as the engine reported them
     # the engine of this request's hops (conversation affinity, `run.Orchestrator.load`); None: the own upstream
     engine: EngineChoice | None = None
+    scope: StoreScope | None = None  # the request's state in the store (`open_scope`)
     # a Responses request continuing a stored response: that record and this request's new messages
     # (the sticky tool-turn rule reads the record's calls, `routing.sticky_route`)
     previous: dict[str, Any] | None = None

@@ -26,12 +26,11 @@ from molctl.proxy.apis.request_fields import FieldPolicy
 from molctl.proxy.conversations import (
     CallBinding,
     ConversationKeys,
-    ConversationStore,
     TurnRecord,
     canonical_arguments,
     tool_calls_of,
 )
-from molctl.proxy.engine_client import ENGINE, EngineClient, checked_completion
+from molctl.proxy.engine_client import EngineClient, checked_completion
 from molctl.proxy.errors import EngineHTTPError, EngineUnavailable, from_engine, invalid, overloaded
 from molctl.proxy.metrics import Counters
 from molctl.proxy.pipeline.admission import Admission, Rejected
@@ -40,6 +39,7 @@ from molctl.proxy.pipeline.priority import PriorityPolicy
 from molctl.proxy.pipeline.routing import Router, trailing_calls
 from molctl.proxy.pipeline.summary import Summaries
 from molctl.proxy.pipeline.views import own_view, split_history
+from molctl.proxy.store.base import ConversationStore
 
 log = logging.getLogger("molctl.proxy")
 
@@ -147,7 +147,7 @@ class Orchestrator:
         check_request(body, self.public, self.profile.proxy.media_url_hosts, self.fields)
         messages = body["messages"]
         keys = ConversationKeys(tenant, messages)
-        history = split_history(messages, keys.at, self.store.get_turn, getattr(self.store, "get_turns", None))
+        history = split_history(messages, keys.at, self.store.get_turn, self.store.get_turns)
         opts = body.get("stream_options") or {}
         return Plan(
             body=body,
@@ -158,24 +158,24 @@ class Orchestrator:
             keys=keys,
             history=history,
             big=len(messages) > BIG_MESSAGES,
+            scope=self.store.open_scope(),
         )
 
     async def load(self, plan: Plan) -> None:
         """A shared store (Redis: proxy replicas) is read here, once per request after `prepare`,
         and the engine of the request's hops is chosen (conversation affinity: the replica whose
         engine served the conversation last, when its heartbeat is fresh). Nothing for local stores."""
-        load = getattr(self.store, "load", None)
-        if load is None:
+        if not self.store.shared:
             return
         calls = [(plan.tenant, str(c.get("id"))) for c in trailing_calls(plan.messages)]
-        if await load(list(plan.keys.at.values()), calls):
+        if await self.store.load(list(plan.keys.at.values()), calls, plan.scope):
             plan.history = await self._offload(
                 plan,
                 split_history,
                 plan.messages,
                 plan.keys.at,
                 self.store.get_turn,
-                getattr(self.store, "get_turns", None),
+                self.store.get_turns,
             )
         owner = None
         bound = [self.store.get_call(t, c) for t, c in calls]
@@ -183,14 +183,11 @@ class Orchestrator:
             owner = bound[0].replica
         elif plan.history.last_record() is not None:
             owner = plan.history.last_record().replica
-        plan.engine = await self.store.choose_engine(owner)
-        ENGINE.set(plan.engine)  # read by the Redis store alone (the replica a write names), see engine_client
+        plan.engine = await self.store.choose_engine(owner, plan.scope)
 
-    async def persisted(self) -> None:
+    async def persisted(self, plan: Plan) -> None:
         """A shared store's writes of this request are done (bounded): the next turn may reach another replica."""
-        flush = getattr(self.store, "flush", None)
-        if flush is not None:
-            await flush()
+        await self.store.flush(plan.scope)
 
     async def _offload(self, plan: Plan, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.to_thread(fn, *args) if plan.big else fn(*args)
@@ -290,7 +287,7 @@ class Orchestrator:
                     wait.cancel()
             for record in pending:
                 if not record.finished:
-                    record.mark_stale()  # a durable store persists it
+                    self.store.mark_stale(record, plan.scope)  # a durable store persists it
 
     def answer_payload(self, plan: Plan) -> dict[str, Any]:
         """The answer hop's request; `plan.view` must be set (`own_view`)."""
@@ -348,7 +345,7 @@ class Orchestrator:
 
     async def complete(self, plan: Plan, persist: bool = True) -> dict[str, Any]:
         """Non-streaming answer; returns the client body and records the turn. `persist=False`:
-        the caller awaits `persisted()` itself (after its own writes: one round trip for both)."""
+        the caller awaits `persisted(plan)` itself (after its own writes: one round trip for both)."""
         await self._await_summaries(plan)
         payload = await self._offload(plan, self._build_answer, plan)
         await self._admit(plan)
@@ -371,7 +368,7 @@ class Orchestrator:
         if shaped["choices"][0]["finish_reason"] not in FAILED_FINISH:
             self.record(plan, shaped["choices"][0]["message"])
             if persist:
-                await self.persisted()
+                await self.persisted(plan)
         return shaped
 
     async def stream(self, plan: Plan, persist: bool = True) -> AsyncIterator[dict[str, Any]]:
@@ -379,7 +376,7 @@ class Orchestrator:
         first chunk comes with the engine's first event, i.e. once the first token exists; an
         engine failure raises ProxyError, before or after the first chunk. `persist=False`: the
         answer is only kept in `plan.answer`; the caller records it (`record`) and awaits
-        `persisted()` with its own writes (one round trip for all)."""
+        `persisted(plan)` with its own writes (one round trip for all)."""
         await self._await_summaries(plan)
         payload = await self._offload(plan, self._build_answer, plan)
         said = _Streamed(shaping.new_id(), int(time.time()), self.public)
@@ -417,7 +414,7 @@ class Orchestrator:
         if finish not in FAILED_FINISH:
             if persist:
                 self.record(plan, said.message())  # before the final frames: the client's next turn may follow at once
-                await self.persisted()
+                await self.persisted(plan)
             else:
                 plan.answer = said.message()
         yield said.chunk({}, finish)
@@ -437,11 +434,12 @@ class Orchestrator:
                     plan.tenant,
                     str(call.get("id")),
                     CallBinding(plan.route, canonical_arguments(fn.get("arguments")), str(fn.get("name"))),
+                    plan.scope,
                 )
             return
         record = TurnRecord(plan.route)
         plan.record_key = plan.keys.extend(message)
-        self.store.put_turn(plan.record_key, record)
+        self.store.put_turn(plan.record_key, record, plan.scope)
         plan.record = record
 
     def abandon(self, plan: Plan) -> None:

@@ -50,7 +50,7 @@ class History:
 def split_history(messages: list[dict[str, Any]], keys, lookup, lookup_many=None) -> History:
     """keys[i] (a list, or a dict holding at least every turn end) is the key of messages[:i+1].
     `lookup(key)` finds one turn's record; `lookup_many(keys)`, when given, all of them at once (a
-    store that reads them in one query: SqliteConversationStore.get_turns)."""
+    store that reads them in one query: ConversationStore.get_turns)."""
     head_end = 0
     while head_end < len(messages) and messages[head_end].get("role") in INSTRUCTION_ROLES:
         head_end += 1

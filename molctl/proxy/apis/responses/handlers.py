@@ -31,11 +31,11 @@ from molctl.proxy.errors import ProxyError, invalid
 from molctl.proxy.http.body import BIG_BODY, BIG_ITEMS, many_items, parse_on_loop
 from molctl.proxy.pipeline.plan import Plan
 from molctl.proxy.pipeline.run import Orchestrator
-from molctl.proxy.response_store import ProxyResponses
+from molctl.proxy.store.base import ResponseStore, StoreScope
 
 
 class ResponsesAPI:
-    def __init__(self, orch: Orchestrator, profile: Profile, store: ProxyResponses):
+    def __init__(self, orch: Orchestrator, profile: Profile, store: ResponseStore):
         self.orch = orch
         self.profile = profile
         self.responses = store
@@ -51,9 +51,11 @@ class ResponsesAPI:
     async def _create(self, ex: Any) -> None:
         tenant = ex.tenant
         req, big = await self._request(await ex.body(), tenant)
-        await self._previous(req, tenant)
+        store_scope = self.orch.store.open_scope()  # the chain's state read with it, used by load
+        await self._previous(req, tenant, store_scope)
         big = big or len(req.history) > BIG_ITEMS  # a long stored chain: prepared off the loop too
         plan = await asyncio.to_thread(self._plan, req, tenant, big) if big else self._plan(req, tenant, big)
+        plan.scope = store_scope
         await self.orch.load(plan)
         ex.track(plan)
         if not plan.stream:
@@ -100,7 +102,7 @@ class ResponsesAPI:
             req = await self._with_references(need, tenant)
         return req, big
 
-    async def _previous(self, req: ResponsesRequest, tenant: str) -> None:
+    async def _previous(self, req: ResponsesRequest, tenant: str, scope: StoreScope) -> None:
         """The stored chain a request continues; a shared store that is down fails a request that
         needs state (a chain, or store=true) here, before any engine work (503 + Retry-After)."""
         previous = req.body.get("previous_response_id")
@@ -108,7 +110,7 @@ class ResponsesAPI:
             await self.responses.available()
         if previous is not None:
             # a shared store reads the chain's conversation state in the same round trip
-            record = await self.responses.get_previous(tenant, previous)
+            record = await self.responses.get_previous(tenant, previous, scope)
             if record is None:
                 raise not_found(previous, "previous_response_id")
             req.prev, req.history = record, list(record["messages"])
@@ -136,14 +138,14 @@ class ResponsesAPI:
         """Store a complete (or incomplete) answer (a large one from a worker thread: LocalResponses)."""
         if req.store and response["status"] != "failed" and plan.answer is not None and plan.route is not None:
             await self.responses.put_response(
-                events.make_record(req, tenant, response, plan.answer, plan.route), big=plan.big
+                events.make_record(req, tenant, response, plan.answer, plan.route), big=plan.big, scope=plan.scope
             )
 
     async def _complete(self, plan: Plan, req: ResponsesRequest, ex: Any) -> None:
         chat = await self.orch.answer(plan, persist=False)  # a shared store writes the turn and the record together
         response = events.complete_response(req, new_id("resp_"), int(time.time()), chat)
         await self._keep(req, plan, ex.tenant, response)
-        await self.orch.persisted()
+        await self.orch.persisted(plan)
         await ex.json(200, response)
         self.orch.start_summary(plan)
 
@@ -175,7 +177,7 @@ class ResponsesAPI:
         if plan.answer is not None:
             self.orch.record(plan, plan.answer)
         await self._keep(req, plan, ex.tenant, final)  # before the last event: the next request may follow at once
-        await self.orch.persisted()
+        await self.orch.persisted(plan)
         for event in closing:
             yield event
 

@@ -1,0 +1,2 @@
+"""The SQLite backend (`proxy.store: sqlite`, `sqlite:/path`): `store` (SqliteResponseStore, the
+file's connection), `schema` (tables, migrations, integrity), `responses`, `conversations`, `admin`."""
