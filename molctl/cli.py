@@ -183,10 +183,10 @@ FULL_HASH_OPT = typer.Option(
 
 
 def _verify_options(verify: bool, manifest: Optional[Path], full_hash: bool):
-    """A `molctl.checks.lock.Verify` when --verify, --manifest or --full-hash is given, else None."""
+    """A `molctl.checks.verify.Verify` when --verify, --manifest or --full-hash is given, else None."""
     if not (verify or manifest is not None or full_hash):
         return None
-    from molctl.checks.lock import Verify
+    from molctl.checks.verify import Verify
 
     return Verify(manifest=manifest.expanduser().absolute() if manifest is not None else None, full_hash=full_hash)
 
@@ -253,7 +253,8 @@ def check_cmd(
     json_: bool = JSON_OPT,
 ) -> None:
     """Validate the host, the model files and the engine before a long load. Exit 3 on any failure."""
-    from molctl.checks import Probes, check_profile
+    from molctl.checks import check_profile
+    from molctl.checks.result import Probes
     from molctl.output import Output
 
     out = Output(as_json=json_)

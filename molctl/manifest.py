@@ -7,7 +7,7 @@ capacity flags.
 
 The manifest is JSON (shape in docs/contract.md), written atomically (temp file, fsync, rename),
 so Ctrl-C never leaves a half-written one; by default `STATE/PROFILE/manifests/lock-<UTC time>.json`.
-`check --verify` (molctl/checks/lock.py) compares a manifest with the host.
+`check --verify` (molctl/checks/verify.py) compares a manifest with the host.
 """
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ class UpOptions:
     profiles_dirs: list[Path] = field(default_factory=list)
     restart: bool = False  # stop this profile's running stack first (another configuration, or a plain restart)
     stop_timeout_s: float = ENGINE_STOP_TIMEOUT_S  # for what `up --restart` / `switch` stop
-    verify: Any = None  # `up --verify`: a molctl.checks.lock.Verify; the preflight adds the `lock` category
+    verify: Any = None  # `up --verify`: a molctl.checks.verify.Verify; the preflight adds the `lock` category
 
 
 PROXY_SECRET_ENV = ("MOLCTL_API_KEY", "MOLCTL_STORE_PASSWORD")  # the proxy's secrets: never the engine's

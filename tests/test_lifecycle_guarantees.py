@@ -345,8 +345,8 @@ def test_claims_are_held_by_the_components_and_freed_on_exit(host, host_lock_dir
 
 
 def test_gpu_claims_name_their_holder(tmp_path, host_lock_dir):
-    from molctl.checks import Probes
     from molctl.checks.host import run_gpu_locks
+    from molctl.checks.result import Probes
     from molctl.hostlocks import HostLocks, holder_info
     from molctl.profiles import load_profile, profile_dirs
 

@@ -7,7 +7,7 @@ import os
 import stat
 from pathlib import Path
 
-from molctl.checks import CheckResult, Probes, describe
+from molctl.checks.result import CheckResult, Probes, describe
 from molctl.engines import get_engine
 from molctl.probes import GpuUnavailable
 from molctl.profiles import Profile

@@ -15,7 +15,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from molctl.checks import CheckResult, Probes, describe
+from molctl.checks.result import CheckResult, Probes, describe
 from molctl.engines import get_engine
 from molctl.profiles import ROUTES, Profile
 from molctl.safetensors import HeaderError, SafetensorsHeader, read_header

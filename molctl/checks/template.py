@@ -51,7 +51,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from molctl.checks import CheckResult, Probes
+from molctl.checks.result import CheckResult, Probes
 from molctl.engines import get_engine
 from molctl.profiles import Profile
 

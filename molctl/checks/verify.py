@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from molctl.checks import CheckResult, Probes, describe
+from molctl.checks.result import CheckResult, Probes, describe
 from molctl.hashing import file_kind
 from molctl.profiles import ROUTES, Profile
 
