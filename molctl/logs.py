@@ -22,20 +22,15 @@ from pathlib import Path
 from molctl.errors import UsageError
 from molctl.output import Output
 from molctl.processes import TAIL_LINE_MAX, tail_start
-from molctl.state import COMPONENTS, component_logs, is_same_process, newest_log, read_records
-
-
-def deleted_log(record) -> Path | None:
-    """For a live component (check `is_same_process` first) whose log file, the record's `log`,
-    was deleted while it runs (an operator freeing disk space): its stdout, which it writes on to,
-    as /proc/PID/fd/1 (readable by the same user; the disk space is freed only when it stops);
-    None otherwise."""
-    fd = Path(f"/proc/{record.pid}/fd/1")
-    try:
-        target = os.readlink(fd)
-    except OSError:
-        return None
-    return fd if target == f"{record.log} (deleted)" else None
+from molctl.state import (
+    COMPONENTS,
+    check_readable,
+    component_logs,
+    deleted_log,
+    is_same_process,
+    newest_log,
+    read_records,
+)
 
 
 def _pick_profile(state_dir: Path, profile: str | None) -> str:
@@ -212,8 +207,6 @@ def show_logs(
         raise UsageError(f"--component {component!r}: expected engine or proxy")
     if lines < 0:
         raise UsageError(f"--lines {lines}: expected 0 or more")
-    from molctl.status import check_readable
-
     check_readable(ctx.state_dir)
     if profile:
         from molctl.stacks import known_or_recorded

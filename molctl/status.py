@@ -23,34 +23,13 @@ from molctl.state import (
     LockHolder,
     Record,
     RecordProblem,
-    StateDirError,
+    check_readable,
+    deleted_log,
     is_same_process,
     lock_holder,
     profiles_with_records,
     read_records_checked,
-    user_name,
 )
-
-
-def check_readable(state_dir: Path) -> None:
-    """A state dir that exists but cannot be listed (another user's, mode 0700) is an error
-    (exit 1) for the read-side commands: `status` said "no stack is recorded" about it, `logs`
-    "no logs"."""
-    try:
-        os.listdir(state_dir)
-    except (FileNotFoundError, NotADirectoryError):  # none yet: nothing recorded; a file: profiles_with_records says so
-        return
-    except OSError as exc:
-        try:
-            st = os.stat(state_dir)
-            owner = user_name(st.st_uid) or f"uid {st.st_uid}"
-        except OSError:
-            owner, st = "?", None
-        mode = f", mode {st.st_mode & 0o777:o}" if st is not None else ""
-        raise StateDirError(
-            f"cannot read state dir {state_dir}: {exc.strerror or exc} (owner {owner}{mode}): "
-            f"run molctl as {owner}, or choose the state dir with --state-dir"
-        ) from None
 
 
 def status(ctx, name: str | None, gpu_probe=None) -> dict[str, Any]:
@@ -155,8 +134,6 @@ def _stack_status(
             f"stops them, `molctl up {name}` restarts the stack"
             for c, (r, procs) in left.items()
         ]
-    from molctl.logs import deleted_log
-
     for component, record in records.items():
         fd = deleted_log(record) if any(c["name"] == component and c["alive"] for c in components) else None
         if fd is not None:  # the disk space an operator meant to free is still held
