@@ -808,9 +808,9 @@ def state_stats_cmd(
 ) -> None:
     """The store's file, counts, bytes, oldest response, evicted/expired totals and bounds (never creates it)."""
     from molctl.output import Output
-    from molctl.statestore import state_stats
+    from molctl.storeadmin import store_stats
 
-    Output(as_json=json_).state_stats(state_stats(profile, ctx.obj))
+    Output(as_json=json_).store_stats(store_stats(profile, ctx.obj))
 
 
 @state_app.command("prune")
@@ -822,9 +822,9 @@ def state_prune_cmd(
 ) -> None:
     """Delete expired responses, then evict oldest first over the size caps (safe while the proxy runs)."""
     from molctl.output import Output
-    from molctl.statestore import state_prune
+    from molctl.storeadmin import store_prune
 
-    Output(as_json=json_).state_prune(state_prune(profile, ctx.obj))
+    Output(as_json=json_).store_prune(store_prune(profile, ctx.obj))
 
 
 render_app = typer.Typer(

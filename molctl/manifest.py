@@ -387,7 +387,7 @@ def adapter_moe_layout(directory: Path) -> dict[str, Any] | None:
 
 # ----------------------------------------------------------------------------------------- build
 @dataclass
-class LockResult:
+class ManifestResult:
     manifest: dict[str, Any]
     path: Path | None = None
 
@@ -682,7 +682,7 @@ def lock(
     jobs: int | None = None,
     progress: HashProgress | None = None,
     hasher=None,
-) -> LockResult:
+) -> ManifestResult:
     """`molctl lock`: build the manifest and write it (atomically). Where it goes is checked before
     anything is hashed: a 700 GB run must not end on an unwritable --output."""
     path = prepare_output(output or default_path(state_dir, profile.name))
@@ -691,7 +691,7 @@ def lock(
         path = write_atomic(path, manifest, replace=output is not None)
     except OSError as exc:
         raise MolctlError(f"cannot write the manifest {path}: {exc.strerror or exc}") from None
-    return LockResult(manifest, path)
+    return ManifestResult(manifest, path)
 
 
 def prepare_output(path: Path) -> Path:

@@ -2,7 +2,7 @@
 and wait until it really serves.
 
 Every start holds the state lock (a `switch` holds it from its preflight to the end of its
-`up`). Before spawning, `up` claims the stack's ports and GPUs host-wide (`molctl.hostlocks`);
+`up`). Before spawning, `up` claims the stack's ports and GPUs host-wide (`molctl.claims`);
 each component inherits its claims. A component is recorded right after it is spawned (pid,
 start ticks, marker id, argv, host, port, log, the configuration it was started with); a record
 that cannot be written stops the component at once. What a failed or interrupted start spawned
@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from molctl import canary, stackconfig
+from molctl.claims import Claim, ClaimConflict, HostClaims, claim_components, holder_info, release_all
 from molctl.engines import get_engine
 from molctl.errors import ConflictError, ExitStatus, MolctlError
-from molctl.hostlocks import Claim, ClaimConflict, HostLocks, claim_components, holder_info, release_all
 from molctl.processes import kill_fresh, members, new_marker, record_for, spawn, stop, tail
 from molctl.profiles import Profile
 from molctl.progress import Progress
@@ -278,7 +278,7 @@ def _up_locked(
     starter = _Starter(profile, config, ctx, opts, key_args, progress)
     try:
         claims = claim_components(
-            HostLocks(), profile, state_dir, [c for c in COMPONENTS if c not in live], f"up {name}"
+            HostClaims(), profile, state_dir, [c for c in COMPONENTS if c not in live], f"up {name}"
         )
     except ClaimConflict as exc:
         raise ConflictError(f"{exc}; nothing was started") from None
@@ -399,7 +399,7 @@ class _Starter:
     def start_proxy(self, claims: list[Claim] | None, upstream: str) -> tuple[Record, Any]:
         if claims is None:
             try:
-                claims = claim_components(HostLocks(), self.profile, self.state_dir, ["proxy"], f"up {self.name}")[
+                claims = claim_components(HostClaims(), self.profile, self.state_dir, ["proxy"], f"up {self.name}")[
                     "proxy"
                 ]
             except ClaimConflict as exc:

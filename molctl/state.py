@@ -147,7 +147,7 @@ def write_record(state_dir: Path, profile: str, record: Record) -> None:
         raise
 
 
-def process_state(record: Record) -> str:
+def liveness(record: Record) -> str:
     """'alive' (the recorded process runs), 'gone' (it does not: the pid is free or now names
     another process) or 'uncertain' (a record without start ticks whose pid lives with another
     create time: a reused pid, or a wall-clock step; never signalled, its record kept)."""
@@ -178,7 +178,7 @@ def process_state(record: Record) -> str:
 
 def is_same_process(record: Record) -> bool:
     """True when the record's pid is alive and is still the process that was recorded."""
-    return process_state(record) == "alive"
+    return liveness(record) == "alive"
 
 
 def remove_record(state_dir: Path, profile: str, component: str) -> None:

@@ -22,19 +22,19 @@ from collections.abc import Callable
 from pathlib import Path
 
 from molctl.errors import ExitStatus, MolctlError
-from molctl.readiness import Probe, http_status, wait_ready
+from molctl.readiness import Poll, http_status, wait_ready
 
 
 class _UrlReadiness:
     def __init__(self, url: str, status: Callable[[str], int | None] = http_status):
         self.url, self.status = url, status
 
-    def poll(self) -> Probe:
+    def poll(self) -> Poll:
         code = self.status(self.url)
         return (
-            Probe("ready", f"{self.url} answered 200")
+            Poll("ready", f"{self.url} answered 200")
             if code == 200
-            else Probe("down", f"{self.url} answered {code}" if code else f"{self.url} is not answering")
+            else Poll("down", f"{self.url} answered {code}" if code else f"{self.url} is not answering")
         )
 
 
