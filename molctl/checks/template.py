@@ -4,36 +4,20 @@ A template that refuses the proxy's messages (Qwen3.5/3.6: "System message must 
 beginning.", vllm#41114; an unknown role) makes the engine answer 400 to every affected request,
 which no other check sees before real traffic does. So:
 
-- `template.found`: the template the engine will use, in the engine's order: the profile's
-  `engine.args.chat-template` (a file, or the template text itself), else `chat_template.jinja`
-  in the tokenizer directory (`engine.args.tokenizer`, default the base model dir; transformers
-  prefers that file), else `chat_template` in its `tokenizer_config.json` (a string, or the
-  list-of-dicts form with named templates: `tool_use` for requests with tools when present,
-  else `default`). None: a warning naming what the engine does instead (vLLM: no default since
-  transformers 4.44, so its chat endpoint fails; SGLang: a built-in template guessed from the
-  model path, if any).
-- `template.render`: the template, compiled once (cached per text) in a sandboxed Jinja
-  environment like Hugging Face's (ImmutableSandboxedEnvironment, trim_blocks, lstrip_blocks,
-  loopcontrols, `raise_exception`, `tojson` with ensure_ascii=False and indent, `strftime_now`, a
-  no-op `{% generation %}`), renders each request of `molctl.proxy.samples` - route, answer and
-  summary hops of sample conversations run through the proxy's own code - with that request's
-  tools and `chat_template_kwargs`, `add_generation_prompt=True` and the tokenizer's bos/eos/unk/pad
-  tokens. Messages and variables are prepared as vLLM 0.32 does (`engine_messages`,
-  `template_kwargs`: reasoning_effort and enable_thinking passed, reasoning copied to
-  reasoning_content, a tool message's text parts joined, tool-call arguments parsed to objects, a
-  non-object tool call refused); they are otherwise rendered as sent (no developer-to-system
-  rewriting, which only some engine versions do). A failure names the error, the hop and the shape.
-
+- `template.found`: the template the engine will use, found in the engine's order (the profile's
+  `engine.args.chat-template`, else `chat_template.jinja`, else `tokenizer_config.json`); none is
+  a warning naming what the engine does instead.
+- `template.render`: the template, compiled once in a sandboxed Jinja environment like Hugging
+  Face's (`compile_template`), renders each request of `molctl.proxy.samples` with messages and
+  variables prepared as vLLM 0.32 does (`engine_messages`, `template_kwargs`); a failure names
+  the error, the hop and the shape.
 - `template.prefix`: each hop's rendered prompt starts with the same hop's prompt of the previous
-  turn on the same adapter, in each sample conversation (route N -> route N+1, answer N -> the
-  next answer on that adapter), so the engine's prefix cache serves the history instead of a
-  second prefill. A break is a warning naming the hop, the turns and the first differing
-  characters (Qwen3.6's tools-first system turn, the last-query <think> rule and GLM-5.x's
-  effort header each break it when the hops differ in tools, messages or reasoning_effort).
+  turn on the same adapter, so the engine's prefix cache serves the history; a break is a warning.
 
-The render results are remembered in STATE/cache, keyed by the template, the profile and the
-proxy's source files (path, size, mtime): importing the proxy and compiling a real template
-cost ~0.2 s, a cache hit a few milliseconds, so `molctl check` stays about as fast as before.
+Entry points: `run(profile, probes)` (the category), `Template`, `render`, `engine_messages`,
+`template_kwargs`, `detect_content_format`. The render results are cached in STATE/cache, keyed by
+the template, the profile and the proxy's source files. The details (lookup order, the Jinja
+environment, the preparation rules, the cache): docs/design/template-checks.md.
 """
 
 from __future__ import annotations
