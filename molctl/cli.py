@@ -922,7 +922,8 @@ def render_k8s_cmd(
     output: Optional[Path] = RENDER_OUTPUT_OPT,
 ) -> None:
     """ConfigMap (the profile), Service (the proxy port) and StatefulSet (engine + proxy per pod) as YAML, like `helm template`."""
-    from molctl.render import RenderOptions, k8s_files, k8s_stream, render_k8s
+    from molctl.render import RenderOptions
+    from molctl.render.k8s import k8s_files, k8s_stream, render_k8s
 
     opts = RenderOptions(
         overrides=overrides_from(model_root, set_),
@@ -966,7 +967,8 @@ def render_systemd_cmd(
     output: Optional[Path] = RENDER_OUTPUT_OPT,
 ) -> None:
     """An engine unit and a proxy unit running the argv `up` would run on this host."""
-    from molctl.render import RenderOptions, render_systemd, systemd_stream
+    from molctl.render import RenderOptions
+    from molctl.render.systemd import render_systemd, systemd_stream
 
     opts = RenderOptions(
         overrides=overrides_from(model_root, set_),
