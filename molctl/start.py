@@ -220,6 +220,34 @@ def _up_locked(
         ),
     }
     t0 = time.monotonic()
+    records, live = _recorded_for_up(profile, config, state_dir, opts, progress)
+    if records and stack_ready(records):
+        progress.step(f"profile {name} is already running and ready")
+        return _result(profile, read_records(state_dir, name), already=True, timings={})
+    clean_unrecorded(state_dir, name, progress)  # spawned by an `up` killed before it could record them
+    records, live = _preflight_for_up(profile, state_dir, opts, progress, records, live)
+    live = _adopt_or_clean(state_dir, name, records, live, progress)
+
+    starter = _Starter(profile, config, ctx, opts, key_args, progress)
+    try:
+        claims = claim_components(
+            HostClaims(), profile, state_dir, [c for c in COMPONENTS if c not in live], f"up {name}"
+        )
+    except ClaimConflict as exc:
+        raise ConflictError(f"{exc}; nothing was started") from None
+    timings, result = _start_missing(starter, profile, opts, claims, live, t0)
+    timings["total_s"] = round(time.monotonic() - t0, 2)
+    out = _result(profile, read_records(state_dir, name), already=False, timings=timings)
+    out["canary"] = result
+    return out
+
+
+def _recorded_for_up(
+    profile: Profile, config: dict, state_dir: Path, opts: UpOptions, progress: Progress
+) -> tuple[dict, dict]:
+    """The profile's records and those of them that are alive; refuses another running profile, an
+    unreadable record, or a live stack of another configuration (unless --restart, which stops it)."""
+    name = profile.name
     others = [p for p in running_profiles(state_dir) if p != name]
     if others:
         raise ConflictError(f"profile {others[0]} is running on this host; use `molctl switch {name}` to replace it")
@@ -239,14 +267,16 @@ def _up_locked(
                 f"to restart it with this one, add --restart (`molctl up {name} --restart ...`) "
                 f"or run `molctl down {name}` first"
             )
-    if records and stack_ready(records):
-        progress.step(f"profile {name} is already running and ready")
-        return _result(profile, read_records(state_dir, name), already=True, timings={})
-    clean_unrecorded(state_dir, name, progress)  # spawned by an `up` killed before it could record them
+    return records, live
 
-    # Before anything recorded is stopped: a preflight that fails (a port taken by a stranger, a
-    # model-root typo) leaves what runs alone, as `switch` does; ports and GPU memory held by this
-    # profile's own recorded processes count as its own.
+
+def _preflight_for_up(
+    profile: Profile, state_dir: Path, opts: UpOptions, progress: Progress, records: dict, live: dict
+) -> tuple[dict, dict]:
+    """The preflight, before anything recorded is stopped: a preflight that fails (a port taken by
+    a stranger, a model-root typo) leaves what runs alone, as `switch` does; ports and GPU memory
+    held by this profile's own recorded processes count as its own."""
+    name = profile.name
     progress.step(f"preflight checks for {name}")
     try:
         preflight(profile, state_dir, opts, progress, "nothing was started or stopped")
@@ -261,7 +291,11 @@ def _up_locked(
         clean_stale(state_dir, name, progress)
         records, live = {}, {}
         preflight(profile, state_dir, opts, progress, "nothing was started (the leftovers were stopped)")
+    return records, live
 
+
+def _adopt_or_clean(state_dir: Path, name: str, records: dict, live: dict, progress: Progress) -> dict:
+    """What of the recorded stack `up` adopts (a live engine); the rest is stopped. Returns the live records."""
     if "engine" in live:
         # An earlier `up` that died (terminal closed, molctl killed) left its engine loading:
         # wait for it rather than throw an hour of loading away. Stop only what is stale.
@@ -274,14 +308,15 @@ def _up_locked(
     elif records:
         clean_stale(state_dir, name, progress)
         live = {}
+    return live
 
-    starter = _Starter(profile, config, ctx, opts, key_args, progress)
-    try:
-        claims = claim_components(
-            HostClaims(), profile, state_dir, [c for c in COMPONENTS if c not in live], f"up {name}"
-        )
-    except ClaimConflict as exc:
-        raise ConflictError(f"{exc}; nothing was started") from None
+
+def _start_missing(
+    starter: _Starter, profile: Profile, opts: UpOptions, claims: dict, live: dict, t0: float
+) -> tuple[dict[str, float], dict[str, Any]]:
+    """Start (or adopt) the engine, run the canary, start the proxy; wait for each. Returns the
+    timings and the canary's result; on any failure the claims are released and what this `up`
+    started is cleaned up."""
     canary_off = canary.enabled(profile, opts.skip)
     timings: dict[str, float] = {}
     try:
@@ -310,10 +345,7 @@ def _up_locked(
         starter.clean_up(exc, adopted_engine=live.get("engine"), adopted_proxy=live.get("proxy"))
         raise
     release_all(claims)
-    timings["total_s"] = round(time.monotonic() - t0, 2)
-    out = _result(profile, read_records(state_dir, name), already=False, timings=timings)
-    out["canary"] = result
-    return out
+    return timings, result
 
 
 def _start_options(opts: UpOptions) -> list[str]:
