@@ -222,8 +222,27 @@ class _Pinned:
 
 
 def _files(profile: Profile, probes: Probes, pinned: dict, verify: Verify) -> list[CheckResult]:
+    items, groups = _pinned_items(profile, pinned)
+    results: dict[str, CheckResult] = {}
+    to_hash: list[_Pinned] = []
+    changed: dict[str, str] = {}
+    for item in items:
+        problem, what = _stat_compare(profile, item)
+        if problem is not None:
+            results[item.cid] = problem
+            continue
+        if what:
+            changed[item.cid] = ", ".join(what)
+        if what or verify.full_hash:
+            to_hash.append(item)
+    if to_hash:
+        results.update(_hash_compare(profile, probes, verify, to_hash, changed))
+    return _grouped(items, groups, results, verify)
+
+
+def _pinned_items(profile: Profile, pinned: dict) -> tuple[list[_Pinned], dict[str, str]]:
+    """Every file the manifest pins or the host has, and the groups of the summary rows."""
     from molctl import manifest as mf
-    from molctl.hashing import HashCache, hash_files
 
     items: list[_Pinned] = []
     groups: dict[str, str] = {}  # group id -> what it is
@@ -256,55 +275,59 @@ def _files(profile: Profile, probes: Probes, pinned: dict, verify: Verify) -> li
         for name in sorted(set(want) | now):
             meta = pinned_adapter if name == "adapter_config.json" else None
             items.append(_Pinned(group, f"{group}.{name}", d / name, want.get(name), meta))
+    return items, groups
+
+
+def _stat_compare(profile: Profile, item: _Pinned) -> tuple[CheckResult | None, list[str]]:
+    """A failing row for a file that is not pinned, missing or not a regular file; else what its
+    stat says changed since the pin (nothing: as pinned, unless --full-hash reads otherwise)."""
+    if item.entry is None:
+        return CheckResult(
+            item.cid,
+            "fail",
+            f"{item.path} is not pinned by the manifest (added since `molctl lock {profile.name}`)",
+        ), []
+    try:
+        st = os.stat(item.path)
+    except FileNotFoundError:
+        dangling = f" (a dangling symlink to {os.readlink(item.path)})" if os.path.islink(item.path) else ""
+        return CheckResult(
+            item.cid,
+            "fail",
+            f"{item.path} is missing{dangling} (pinned: {item.entry['size']} "
+            f"bytes, sha256 {_short(item.entry['sha256'])})",
+        ), []
+    except OSError as exc:
+        dangling = f" (a dangling symlink to {os.readlink(item.path)})" if os.path.islink(item.path) else ""
+        return CheckResult(item.cid, "fail", f"{item.path}: {exc.strerror}{dangling}"), []
+    if not stat.S_ISREG(st.st_mode):  # never opened: a FIFO would block, /dev/zero never ends
+        return CheckResult(
+            item.cid,
+            "fail",
+            f"{item.path} is {file_kind(st.st_mode)}, not a regular file (pinned: {item.entry['size']} bytes)",
+        ), []
+    what = []
+    real, abspath = os.path.realpath(item.path), os.path.abspath(item.path)
+    if item.entry.get("real_path", abspath) != real:
+        what.append(
+            f"now {'a symlink to ' + real if real != abspath else 'no longer a symlink'}"
+            f" (pinned: {item.entry.get('real_path', 'not a symlink')})"
+        )
+    if st.st_size != item.entry["size"]:
+        what.append(f"size {item.entry['size']} -> {st.st_size}")
+    if st.st_mtime_ns != item.entry["mtime_ns"]:
+        what.append("mtime changed")
+    return None, what
+
+
+def _hash_compare(
+    profile: Profile, probes: Probes, verify: Verify, to_hash: list[_Pinned], changed: dict[str, str]
+) -> dict[str, CheckResult]:
+    """The rows of the files read: unreadable, content other than pinned, or pinned content whose
+    stat changed (a warning)."""
+    from molctl.hashing import HashCache, hash_files
 
     results: dict[str, CheckResult] = {}
-    to_hash: list[_Pinned] = []
-    changed: dict[str, str] = {}
-    for item in items:
-        if item.entry is None:
-            results[item.cid] = CheckResult(
-                item.cid,
-                "fail",
-                f"{item.path} is not pinned by the manifest (added since `molctl lock {profile.name}`)",
-            )
-            continue
-        try:
-            st = os.stat(item.path)
-        except FileNotFoundError:
-            dangling = f" (a dangling symlink to {os.readlink(item.path)})" if os.path.islink(item.path) else ""
-            results[item.cid] = CheckResult(
-                item.cid,
-                "fail",
-                f"{item.path} is missing{dangling} (pinned: {item.entry['size']} "
-                f"bytes, sha256 {_short(item.entry['sha256'])})",
-            )
-            continue
-        except OSError as exc:
-            dangling = f" (a dangling symlink to {os.readlink(item.path)})" if os.path.islink(item.path) else ""
-            results[item.cid] = CheckResult(item.cid, "fail", f"{item.path}: {exc.strerror}{dangling}")
-            continue
-        if not stat.S_ISREG(st.st_mode):  # never opened: a FIFO would block, /dev/zero never ends
-            results[item.cid] = CheckResult(
-                item.cid,
-                "fail",
-                f"{item.path} is {file_kind(st.st_mode)}, not a regular file (pinned: {item.entry['size']} bytes)",
-            )
-            continue
-        what = []
-        real, abspath = os.path.realpath(item.path), os.path.abspath(item.path)
-        if item.entry.get("real_path", abspath) != real:
-            what.append(
-                f"now {'a symlink to ' + real if real != abspath else 'no longer a symlink'}"
-                f" (pinned: {item.entry.get('real_path', 'not a symlink')})"
-            )
-        if st.st_size != item.entry["size"]:
-            what.append(f"size {item.entry['size']} -> {st.st_size}")
-        if st.st_mtime_ns != item.entry["mtime_ns"]:
-            what.append("mtime changed")
-        if what:
-            changed[item.cid] = ", ".join(what)
-        if what or verify.full_hash:
-            to_hash.append(item)
     hashed: dict[str, str] = {}
     if to_hash:
         # --full-hash reads every file (a file replaced with its size and mtime restored is caught);
@@ -338,6 +361,11 @@ def _files(profile: Profile, probes: Probes, pinned: dict, verify: Verify) -> li
                 f"{item.path}: {changed[item.cid]}, content as pinned "
                 f"(sha256 {_short(digest)}); `molctl lock {profile.name}` re-pins it",
             )
+    return results
+
+
+def _grouped(items: list[_Pinned], groups: dict[str, str], results: dict[str, CheckResult], verify: Verify):
+    """Each group's failing and warning rows, then one passing row for its files as pinned."""
     out: list[CheckResult] = []
     how = "sha256 read and matched" if verify.full_hash else "size and mtime unchanged; --full-hash reads them"
     for group, label in groups.items():
