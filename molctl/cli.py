@@ -764,14 +764,17 @@ def bench_cmd(
 ) -> None:
     """Measure the running stack: base-only, each adapter, a 25/25/25/25 mix, and through the proxy (seed 002)."""
     from molctl import bench as b
+    from molctl.bench.compare import compare as compare_runs
+    from molctl.bench.compare import load_run
+    from molctl.bench.run import bench
     from molctl.errors import UsageError
     from molctl.output import Output
 
     out = Output(as_json=json_)
     if compare and all(compare):
         out.bench(
-            b.compare(
-                b.load_run(ctx.obj.state_dir, profile, compare[0]), b.load_run(ctx.obj.state_dir, profile, compare[1])
+            compare_runs(
+                load_run(ctx.obj.state_dir, profile, compare[0]), load_run(ctx.obj.state_dir, profile, compare[1])
             )
         )
         return
@@ -790,7 +793,7 @@ def bench_cmd(
         request_timeout_s=request_timeout,
         output=output.expanduser().absolute() if output is not None else None,
     )
-    out.bench(b.bench(ctx.obj, profile, opts, progress=None if json_ else lambda m: out.line(f"molctl: bench {m}")))
+    out.bench(bench(ctx.obj, profile, opts, progress=None if json_ else lambda m: out.line(f"molctl: bench {m}")))
 
 
 state_app = typer.Typer(
