@@ -141,7 +141,7 @@ SKIP_OPT = typer.Option(
 
 
 def overrides_from(model_root: Optional[Path], sets: List[str]) -> list[tuple[str, object]]:
-    from molctl.profiles import parse_set_option
+    from molctl.profileyaml import parse_set_option
 
     out: list[tuple[str, object]] = []
     if model_root is not None:
@@ -813,7 +813,7 @@ def state_stats_cmd(
     from molctl.output import Output
     from molctl.storeadmin import store_stats
 
-    Output(as_json=json_).store_stats(store_stats(profile, ctx.obj))
+    Output(as_json=json_).state_stats(store_stats(profile, ctx.obj))
 
 
 @state_app.command("prune")
@@ -827,7 +827,7 @@ def state_prune_cmd(
     from molctl.output import Output
     from molctl.storeadmin import store_prune
 
-    Output(as_json=json_).store_prune(store_prune(profile, ctx.obj))
+    Output(as_json=json_).state_prune(store_prune(profile, ctx.obj))
 
 
 render_app = typer.Typer(
