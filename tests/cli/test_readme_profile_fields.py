@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from molctl import profiles as pf
+from molctl.profileyaml import _ListOf, _MapOf
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 HEADING = "### Profile fields"
@@ -34,11 +35,11 @@ def type_text(spec: Any) -> str:
         return "number"
     if isinstance(spec, tuple):
         return " or ".join(type_text(s) for s in spec)
-    if isinstance(spec, pf._ListOf):
+    if isinstance(spec, _ListOf):
         return (
             f"list of ({type_text(spec.item)})" if isinstance(spec.item, tuple) else f"list of {type_text(spec.item)}"
         )
-    if isinstance(spec, pf._MapOf):
+    if isinstance(spec, _MapOf):
         return f"map of ({type_text(spec.item)})" if isinstance(spec.item, tuple) else f"map of {type_text(spec.item)}"
     return TYPE_WORDS[spec]
 
