@@ -237,7 +237,8 @@ def _up_options(
 
 def _run_start(profile: str, json_: bool, call) -> None:
     from molctl.output import ConsoleProgress, Output
-    from molctl.start import StartFailed, interrupt_on_stop_signals
+    from molctl.start import StartFailed
+    from molctl.stopsignals import interrupt_on_stop_signals
 
     out = Output(as_json=json_)
     progress = ConsoleProgress(out)
@@ -249,7 +250,7 @@ def _run_start(profile: str, json_: bool, call) -> None:
         out.start_failure(profile, exc)
         if isinstance(exc, StartFailed) or json_:
             if exc.exit_status == ExitStatus.INTERRUPTED:
-                from molctl.start import ignore_stop_signals
+                from molctl.stopsignals import ignore_stop_signals
 
                 ignore_stop_signals()  # a late Ctrl-C must not cut the report
             out.error(str(exc))

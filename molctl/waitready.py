@@ -41,9 +41,9 @@ class _UrlReadiness:
 def _engine_readiness(profile_name: str, profiles_dirs: list[Path], set_json: str | None):
     from molctl import stackconfig
     from molctl.engines import get_engine
+    from molctl.launch import engine_upstream
     from molctl.profiles import profile_dirs
     from molctl.readiness import EngineReadiness
-    from molctl.start import engine_upstream
 
     overrides = [(k, v) for k, v in json.loads(set_json)] if set_json else []
     profile, _ = stackconfig.load(profile_name, profile_dirs(profiles_dirs), overrides)

@@ -13,6 +13,7 @@ import yaml
 
 from molctl import __version__, stackconfig
 from molctl.errors import ProfileError, UsageError
+from molctl.launch import engine_upstream
 from molctl.profiles import Profile
 from molctl.render import (
     DNS_LABEL,
@@ -40,7 +41,6 @@ from molctl.render import (
     grace_period_s,
     load_stack,
 )
-from molctl.start import engine_upstream
 
 
 def render_k8s(name: str, dirs: list[Path], opts: RenderOptions) -> tuple[list[dict[str, Any]], list[str]]:
