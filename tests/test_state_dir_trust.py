@@ -165,7 +165,7 @@ def test_lock_output_probe_never_follows_a_planted_symlink(tmp_path):
     opening `DIR/.m.json.<pid>.tmp` with open(..., "w"): in a shared DIR (group-writable, or /tmp
     without fs.protected_symlinks, as on this host) another user plants that name, pids are
     guessable, as a symlink to a file of the operator's, which was truncated."""
-    from molctl.manifest import prepare_output
+    from molctl.manifestfile import prepare_output
 
     victim = tmp_path / "victim"
     victim.write_text("do not truncate\n")

@@ -112,7 +112,7 @@ def new_run_dir(state_dir: Path, profile: str, now: float | None = None) -> tupl
 
 def _manifest(state_dir: Path, profile: str, run_dir: Path) -> dict | None:
     try:
-        from molctl.manifest import newest
+        from molctl.manifestfile import newest
     except ImportError:
         return None
     path = newest(state_dir, profile)

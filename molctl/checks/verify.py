@@ -22,6 +22,8 @@ from typing import Any
 
 from molctl.checks.result import CheckResult, Probes, describe
 from molctl.hashing import file_kind
+from molctl.manifestfile import ManifestError, manifest_dir, newest
+from molctl.manifestfile import read as read_manifest
 from molctl.profiles import ROUTES, Profile
 
 
@@ -36,14 +38,13 @@ class Verify:
 
 
 def run(profile: Profile, probes: Probes) -> list[CheckResult]:
-    from molctl import manifest as mf
 
     verify: Verify = getattr(probes, "verify", None) or Verify()
     path = verify.manifest
     if path is None:
-        path = mf.newest(probes.state_dir, profile.name) if probes.state_dir is not None else None
+        path = newest(probes.state_dir, profile.name) if probes.state_dir is not None else None
         if path is None:
-            where = mf.manifest_dir(probes.state_dir, profile.name) if probes.state_dir is not None else "the state dir"
+            where = manifest_dir(probes.state_dir, profile.name) if probes.state_dir is not None else "the state dir"
             return [
                 CheckResult(
                     "lock.manifest",
@@ -53,8 +54,8 @@ def run(profile: Profile, probes: Probes) -> list[CheckResult]:
                 )
             ]
     try:
-        pinned = mf.read(path)
-    except mf.ManifestError as exc:
+        pinned = read_manifest(path)
+    except ManifestError as exc:
         return [CheckResult("lock.manifest", "fail", str(exc))]
     if pinned.get("profile") != profile.name:
         return [
@@ -75,7 +76,7 @@ def _engine(profile: Profile, probes: Probes, pinned: dict) -> list[CheckResult]
     want = pinned.get("engine") or {}
     try:
         found = mf.engine_section(profile, probes.state_dir)
-    except mf.ManifestError as exc:
+    except ManifestError as exc:
         return [
             CheckResult(
                 "lock.engine.version", "fail", f"pinned {want.get('package')} {want.get('version')}, found: {exc}"
@@ -179,7 +180,7 @@ def _model(profile: Profile, pinned: dict) -> list[CheckResult]:
     out = []
     try:
         cfg = mf.config_essentials(profile)
-    except mf.ManifestError as exc:
+    except ManifestError as exc:
         out.append(CheckResult("lock.config", "fail", str(exc)))
     else:
         want = pinned.get("config") or {}
@@ -195,7 +196,7 @@ def _model(profile: Profile, pinned: dict) -> list[CheckResult]:
         )
     try:
         tpl = mf.template_digest(profile)
-    except mf.ManifestError as exc:
+    except ManifestError as exc:
         return [*out, CheckResult("lock.template", "fail", str(exc))]
     want_t = pinned.get("template")
     if (want_t or {}).get("sha256") == (tpl or {}).get("sha256"):
@@ -248,7 +249,7 @@ def _pinned_items(profile: Profile, pinned: dict) -> tuple[list[_Pinned], dict[s
     groups: dict[str, str] = {}  # group id -> what it is
     try:
         shards_now = set(mf.shard_names(profile))
-    except mf.ManifestError:
+    except ManifestError:
         shards_now = set()
     want_shards = {e["name"]: e for e in pinned.get("shards") or []}
     groups["lock.shards"] = "shards"
@@ -257,7 +258,7 @@ def _pinned_items(profile: Profile, pinned: dict) -> tuple[list[_Pinned], dict[s
     want_base = {e["name"]: e for e in pinned.get("base_files") or []}
     try:
         base_now = set(mf.base_files(profile, sorted(shards_now | set(want_shards)), strict=False))
-    except mf.ManifestError:
+    except ManifestError:
         base_now = set()
     groups["lock.base"] = "base files"
     for name in sorted(set(want_base) | base_now):
@@ -388,7 +389,7 @@ def _adapter_config_diff(item: _Pinned) -> str:
 
     try:
         now = mf.adapter_meta(item.path.parent)
-    except mf.ManifestError:
+    except ManifestError:
         return ""
     diff = [
         f"{k} {json.dumps(item.meta.get(k))} -> {json.dumps(now.get(k))}" for k in now if item.meta.get(k) != now.get(k)
