@@ -434,23 +434,7 @@ def build(
         adapters[route] = {"path": str(d), **adapter_meta(d), "moe": adapter_moe_layout(d), "files": adapter_files(d)}
     paths = [profile.base_dir / n for n in shards + base]
     paths += [profile.adapter_dir(r) / f for r in ROUTES for f in adapters[r]["files"]]
-    try:
-        run = hash_files(paths, HashCache.in_state_dir(state_dir), jobs, progress, hasher)
-    except FileNotFoundError as exc:
-        if exc.filename and os.path.islink(exc.filename):
-            raise _not_regular(Path(exc.filename)) from None
-        raise ManifestError(f"{exc.filename} is missing (run `molctl check {profile.name}`)") from None
-    except NotRegularFile as exc:
-        raise ManifestError(f"{exc.filename} {exc.strerror}") from None
-    except FileChanged as exc:
-        raise ManifestError(
-            f"{exc.filename} {exc.strerror}: run `molctl lock {profile.name}` again once it is "
-            f"stable (the files hashed so far are cached)"
-        ) from None
-    except OSError as exc:
-        if exc.filename and os.path.islink(exc.filename):  # a symlink loop, a link into a folder we cannot enter
-            raise _not_regular(Path(exc.filename)) from None
-        raise ManifestError(f"cannot read {exc.filename}: {exc.strerror}") from None
+    run = _hash_all(profile, paths, state_dir, jobs, progress, hasher)
     shard_entries = [file_entry(profile.base_dir / n, n, run) for n in shards]
     base_entries = [file_entry(profile.base_dir / n, n, run) for n in base]
     for route, a in adapters.items():
@@ -483,6 +467,30 @@ def build(
             "seconds": round(time.monotonic() - t0, 3),
         },
     }
+
+
+def _hash_all(
+    profile: Profile, paths: list[Path], state_dir: Path | None, jobs: int | None, progress, hasher
+) -> HashRun:
+    """Every file hashed (through the hash cache); a file that is missing, not regular, changing
+    or unreadable is a ManifestError naming it."""
+    try:
+        return hash_files(paths, HashCache.in_state_dir(state_dir), jobs, progress, hasher)
+    except FileNotFoundError as exc:
+        if exc.filename and os.path.islink(exc.filename):
+            raise _not_regular(Path(exc.filename)) from None
+        raise ManifestError(f"{exc.filename} is missing (run `molctl check {profile.name}`)") from None
+    except NotRegularFile as exc:
+        raise ManifestError(f"{exc.filename} {exc.strerror}") from None
+    except FileChanged as exc:
+        raise ManifestError(
+            f"{exc.filename} {exc.strerror}: run `molctl lock {profile.name}` again once it is "
+            f"stable (the files hashed so far are cached)"
+        ) from None
+    except OSError as exc:
+        if exc.filename and os.path.islink(exc.filename):  # a symlink loop, a link into a folder we cannot enter
+            raise _not_regular(Path(exc.filename)) from None
+        raise ManifestError(f"cannot read {exc.filename}: {exc.strerror}") from None
 
 
 def lock(
