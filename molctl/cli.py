@@ -6,15 +6,30 @@ contract (commands, exit codes, JSON shapes) is in docs/contract.md."""
 
 from __future__ import annotations
 
-import functools
-import math
 import os
 from pathlib import Path
-from typing import Callable, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import typer
 
 from molctl import __version__
+from molctl.clibase import (
+    DRAIN_OPT,
+    JSON_OPT,
+    KEY_FILE_OPT,
+    MODEL_ROOT_OPT,
+    SET_OPT,
+    SKIP_OPT,
+    STOP_OPT,
+    TIMEOUT_OPT,
+    UNAUTH_OPT,
+    Context,
+    _positive,
+    handle_errors,
+    overrides_from,
+)
+from molctl.cliproxy import proxy_cmd, state_app
+from molctl.clirender import render_app
 from molctl.errors import ExitStatus, MolctlError
 
 EXIT_CODES_HELP = (
@@ -33,21 +48,6 @@ app = typer.Typer(
     add_completion=True,
     pretty_exceptions_enable=False,
 )
-
-
-class Context:
-    """Global options, resolved once per invocation."""
-
-    def __init__(self, state_dir: Optional[Path], profiles_dirs: List[Path]):
-        from molctl.state import default_state_dir
-
-        self.state_dir = state_dir.expanduser().absolute() if state_dir else default_state_dir()
-        self.profiles_dirs = profiles_dirs
-
-    def dirs(self) -> list[Path]:
-        from molctl.profiles import profile_dirs
-
-        return profile_dirs(self.profiles_dirs)
 
 
 def _version(value: bool) -> None:
@@ -92,64 +92,6 @@ def _global(
     ctx.obj = Context(Path(state_dir) if state_dir is not None else None, profiles_dir)
 
 
-def handle_errors(fn: Callable) -> Callable:
-    """Map MolctlError to its one-line message and exit code; Ctrl-C to 130."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        from molctl.output import Output
-
-        try:
-            return fn(*args, **kwargs)
-        except MolctlError as exc:
-            if exc.exit_status == ExitStatus.INTERRUPTED:  # already interrupted: a late Ctrl-C must not cut the report
-                from molctl.start import ignore_stop_signals
-
-                ignore_stop_signals()
-            Output().error(str(exc))
-            raise typer.Exit(int(exc.exit_status)) from None
-        except KeyboardInterrupt:
-            from molctl.start import interrupted_by
-
-            Output().error(f"interrupted{interrupted_by()}")
-            raise typer.Exit(int(ExitStatus.INTERRUPTED)) from None
-        except OSError as exc:  # a file molctl needs (state dir, log, lock): one line, not a traceback
-            where = f": {exc.filename}" if getattr(exc, "filename", None) else ""
-            Output().error(f"{exc.strerror or exc}{where}")
-            raise typer.Exit(int(ExitStatus.ERROR)) from None
-
-    return wrapper
-
-
-JSON_OPT = typer.Option(False, "--json", help="Print the machine-readable result (the shapes are in docs/contract.md).")
-SET_OPT = typer.Option(
-    [],
-    "--set",
-    metavar="KEY=VALUE",
-    help="Override a profile field before validation, e.g. engine.port=9000 (repeatable).",
-)
-MODEL_ROOT_OPT = typer.Option(
-    None, "--model-root", help="Use this model root (base/ and loras/L0..L3) instead of the profile's model_root."
-)
-SKIP_OPT = typer.Option(
-    [],
-    "--skip",
-    metavar="CATEGORY",
-    help="Skip a check category: engine, gpu, model, adapter, template, port, state, security, "
-    "adapter-effect (the adapter efficacy canary) (repeatable).",
-)
-
-
-def overrides_from(model_root: Optional[Path], sets: List[str]) -> list[tuple[str, object]]:
-    from molctl.profiles import parse_set_option
-
-    out: list[tuple[str, object]] = []
-    if model_root is not None:
-        out.append(("model_root", str(model_root.expanduser().absolute())))
-    out.extend(parse_set_option(s) for s in sets)
-    return out
-
-
 @app.command("profiles")
 @handle_errors
 def profiles_cmd(ctx: typer.Context, json_: bool = JSON_OPT) -> None:
@@ -183,10 +125,10 @@ FULL_HASH_OPT = typer.Option(
 
 
 def _verify_options(verify: bool, manifest: Optional[Path], full_hash: bool):
-    """A `molctl.checks.lock.Verify` when --verify, --manifest or --full-hash is given, else None."""
+    """A `molctl.checks.verify.Verify` when --verify, --manifest or --full-hash is given, else None."""
     if not (verify or manifest is not None or full_hash):
         return None
-    from molctl.checks.lock import Verify
+    from molctl.checks.verify import Verify
 
     return Verify(manifest=manifest.expanduser().absolute() if manifest is not None else None, full_hash=full_hash)
 
@@ -253,7 +195,8 @@ def check_cmd(
     json_: bool = JSON_OPT,
 ) -> None:
     """Validate the host, the model files and the engine before a long load. Exit 3 on any failure."""
-    from molctl.checks import Probes, check_profile
+    from molctl.checks import check_profile
+    from molctl.checks.result import Probes
     from molctl.output import Output
 
     out = Output(as_json=json_)
@@ -263,45 +206,6 @@ def check_cmd(
     out.check_report(report)
     if not report.ok:
         raise typer.Exit(int(ExitStatus.CHECK_FAILED))
-
-
-KEY_FILE_OPT = typer.Option(
-    None,
-    "--api-key-file",
-    envvar="MOLCTL_API_KEY_FILE",
-    help="Proxy API keys, one per line (mode 0600). Or set MOLCTL_API_KEY.",
-)
-UNAUTH_OPT = typer.Option(False, "--allow-unauthenticated", help="Run the proxy without an API key.")
-
-
-def _positive(value: Optional[float]) -> Optional[float]:
-    if value is not None and not (value > 0 and math.isfinite(value)):
-        raise typer.BadParameter(f"{value:g}: expected a number of seconds > 0")
-    return value
-
-
-def _not_negative(value: Optional[float]) -> Optional[float]:
-    # nan would pass `< 0` and make every deadline expire at once (no drain, an instant SIGKILL)
-    if value is not None and not (value >= 0 and math.isfinite(value)):
-        raise typer.BadParameter(f"{value:g}: expected a number of seconds >= 0")
-    return value
-
-
-TIMEOUT_OPT = typer.Option(
-    None, "--timeout", callback=_positive, help="Seconds to wait for the engine (> 0; default: engine.start_timeout_s)."
-)
-DRAIN_OPT = typer.Option(
-    600.0,
-    "--drain-timeout",
-    callback=_not_negative,
-    help="Seconds the proxy may take to finish in-flight requests on stop.",
-)
-STOP_OPT = typer.Option(
-    60.0,
-    "--stop-timeout",
-    callback=_not_negative,
-    help="Seconds the engine may take after SIGTERM before SIGKILL (when a running stack is stopped).",
-)
 
 
 def _up_options(
@@ -333,7 +237,8 @@ def _up_options(
 
 def _run_start(profile: str, json_: bool, call) -> None:
     from molctl.output import ConsoleProgress, Output
-    from molctl.start import StartFailed, interrupt_on_stop_signals
+    from molctl.start import StartFailed
+    from molctl.stopsignals import interrupt_on_stop_signals
 
     out = Output(as_json=json_)
     progress = ConsoleProgress(out)
@@ -345,7 +250,7 @@ def _run_start(profile: str, json_: bool, call) -> None:
         out.start_failure(profile, exc)
         if isinstance(exc, StartFailed) or json_:
             if exc.exit_status == ExitStatus.INTERRUPTED:
-                from molctl.start import ignore_stop_signals
+                from molctl.stopsignals import ignore_stop_signals
 
                 ignore_stop_signals()  # a late Ctrl-C must not cut the report
             out.error(str(exc))
@@ -609,113 +514,7 @@ def _parser_error(exc) -> int:
     return int(exc.exit_code)
 
 
-@app.command("proxy")
-@handle_errors
-def proxy_cmd(
-    ctx: typer.Context,
-    profile: str = typer.Argument(..., help="Profile whose served model, prompts and limits the proxy uses."),
-    upstream: str = typer.Option(..., "--upstream", help="Engine base URL, e.g. http://127.0.0.1:8000."),
-    host: str = typer.Option("127.0.0.1", "--host", help="Listen address (loopback unless told otherwise)."),
-    port: Optional[int] = typer.Option(None, "--port", help="Listen port (default: the profile's proxy.port)."),
-    api_key_file: Optional[Path] = typer.Option(
-        None, "--api-key-file", envvar="MOLCTL_API_KEY_FILE", help="File with the accepted API keys, one per line."
-    ),
-    allow_unauthenticated: bool = typer.Option(False, "--allow-unauthenticated", help="Serve without an API key."),
-    drain_timeout: float = typer.Option(
-        600.0,
-        "--drain-timeout",
-        callback=_not_negative,
-        help="On SIGTERM, seconds in-flight requests may take to finish (>= 0).",
-    ),
-    sse_keepalive: Optional[float] = typer.Option(
-        None,
-        "--sse-keepalive",
-        callback=_positive,
-        help="Seconds between SSE keep-alive comments while waiting (> 0; "
-        "default: the profile's proxy.sse_keepalive_s, 10).",
-    ),
-    set_: List[str] = SET_OPT,
-    set_json: Optional[str] = typer.Option(
-        None,
-        "--set-json",
-        metavar="JSON",
-        help="Overrides as typed data: a JSON list of [dotted.key, value] pairs "
-        "(what `molctl up` passes; applied after --set).",
-    ),
-    log_max_bytes: Optional[int] = typer.Option(
-        None, "--log-max-bytes", help="Rotate the log file stdout/stderr write to at this size."
-    ),
-    log_backups: int = typer.Option(2, "--log-backups", help="Rotated parts kept (.1, .2, ...)."),
-    store: Optional[str] = typer.Option(
-        None,
-        "--store",
-        metavar="SPEC",
-        help="The Responses API's state store: sqlite (STATE/PROFILE/proxy-store.sqlite3), "
-        "memory, sqlite:/abs/path.sqlite3, or redis[s]://host:port/db shared by "
-        "replicas (default: the profile's proxy.store).",
-    ),
-    replica_id: Optional[str] = typer.Option(
-        None, "--replica-id", help="With a redis:// store: this replica's id (default: hostname:port)."
-    ),
-    advertise_upstream: Optional[str] = typer.Option(
-        None,
-        "--advertise-upstream",
-        metavar="URL",
-        help="With a redis:// store: this replica's engine URL as its peers "
-        "reach it (default: proxy.advertise_upstream, else --upstream).",
-    ),
-    metrics_port: Optional[int] = typer.Option(
-        None,
-        "--metrics-port",
-        metavar="N",
-        help="Serve Prometheus metrics on this port (on proxy.metrics_host; "
-        "default: the profile's proxy.metrics_port, none when unset).",
-    ),
-) -> None:
-    """Run the MoL proxy in the foreground: one public model, route -> answer -> summary over the adapters.
-
-    The key may also come from the environment (MOLCTL_API_KEY, one key), never from argv."""
-    import signal
-
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until the reload handler exists (see molctl/__main__.py)
-    from molctl.proxy.http.server import run_proxy
-
-    store_override = [("proxy.store", store)] if store is not None else []
-    run_proxy(
-        profile,
-        ctx.obj,
-        overrides_from(None, set_) + _typed_overrides(set_json) + store_override,
-        upstream=upstream,
-        host=host,
-        port=port,
-        api_key_file=api_key_file,
-        allow_unauthenticated=allow_unauthenticated,
-        drain_timeout=drain_timeout,
-        sse_keepalive=sse_keepalive,
-        log_max_bytes=log_max_bytes,
-        log_backups=log_backups,
-        replica_id=replica_id,
-        advertise_upstream=advertise_upstream,
-        metrics_port=metrics_port,
-    )
-
-
-def _typed_overrides(raw: Optional[str]) -> list[tuple[str, object]]:
-    import json
-
-    from molctl.errors import UsageError
-
-    if not raw:
-        return []
-    try:
-        pairs = json.loads(raw)
-        if not isinstance(pairs, list) or not all(
-            isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) for p in pairs
-        ):
-            raise ValueError("expected a list of [key, value] pairs")
-    except ValueError as exc:
-        raise UsageError(f"--set-json: {exc}") from None
-    return [(k, v) for k, v in pairs]
+app.command("proxy")(proxy_cmd)
 
 
 @app.command("bench")
@@ -763,14 +562,17 @@ def bench_cmd(
 ) -> None:
     """Measure the running stack: base-only, each adapter, a 25/25/25/25 mix, and through the proxy (seed 002)."""
     from molctl import bench as b
+    from molctl.bench.compare import compare as compare_runs
+    from molctl.bench.compare import load_run
+    from molctl.bench.run import bench
     from molctl.errors import UsageError
     from molctl.output import Output
 
     out = Output(as_json=json_)
     if compare and all(compare):
         out.bench(
-            b.compare(
-                b.load_run(ctx.obj.state_dir, profile, compare[0]), b.load_run(ctx.obj.state_dir, profile, compare[1])
+            compare_runs(
+                load_run(ctx.obj.state_dir, profile, compare[0]), load_run(ctx.obj.state_dir, profile, compare[1])
             )
         )
         return
@@ -789,195 +591,10 @@ def bench_cmd(
         request_timeout_s=request_timeout,
         output=output.expanduser().absolute() if output is not None else None,
     )
-    out.bench(b.bench(ctx.obj, profile, opts, progress=None if json_ else lambda m: out.line(f"molctl: bench {m}")))
+    out.bench(bench(ctx.obj, profile, opts, progress=None if json_ else lambda m: out.line(f"molctl: bench {m}")))
 
 
-state_app = typer.Typer(
-    help="The proxy's durable state (the Responses API's stored responses) of a profile.", no_args_is_help=True
-)
 app.add_typer(state_app, name="state")
 
 
-@state_app.command("stats")
-@handle_errors
-def state_stats_cmd(
-    ctx: typer.Context,
-    profile: str = typer.Argument(..., help="Profile whose store to describe (see `molctl profiles`)."),
-    json_: bool = JSON_OPT,
-) -> None:
-    """The store's file, counts, bytes, oldest response, evicted/expired totals and bounds (never creates it)."""
-    from molctl.output import Output
-    from molctl.statestore import state_stats
-
-    Output(as_json=json_).state_stats(state_stats(profile, ctx.obj))
-
-
-@state_app.command("prune")
-@handle_errors
-def state_prune_cmd(
-    ctx: typer.Context,
-    profile: str = typer.Argument(..., help="Profile whose store to prune."),
-    json_: bool = JSON_OPT,
-) -> None:
-    """Delete expired responses, then evict oldest first over the size caps (safe while the proxy runs)."""
-    from molctl.output import Output
-    from molctl.statestore import state_prune
-
-    Output(as_json=json_).state_prune(state_prune(profile, ctx.obj))
-
-
-render_app = typer.Typer(
-    help="Kubernetes manifests or systemd units for a stack, from the profile `up` uses "
-    "(same argv; nothing is started, the state dir is not touched).",
-    no_args_is_help=True,
-)
 app.add_typer(render_app, name="render")
-RENDER_OUTPUT_OPT = typer.Option(
-    None,
-    "--output",
-    "-o",
-    metavar="DIR",
-    help="Write one file per object/unit into DIR (created if missing) instead of stdout.",
-)
-RENDER_STORE_OPT = typer.Option(
-    None,
-    "--store",
-    metavar="URL",
-    help="The proxy's state store (proxy.store), e.g. redis://redis:6379/0 for replicas that share it.",
-)
-RENDER_PROXY_ARG_OPT = typer.Option(
-    [],
-    "--proxy-arg",
-    metavar="ARG",
-    help="Append ARG to the proxy's argv (repeatable), e.g. --proxy-arg=--replica-id=$(POD_NAME).",
-)
-
-
-def _render_out(files: dict[str, str], stream: str, output: Optional[Path], warnings: list[str]) -> None:
-    from molctl.output import Output
-    from molctl.render import write_files
-
-    out = Output()
-    for warning in warnings:
-        out.warn(warning)
-    if output is None:
-        out.raw(stream)
-        return
-    for path in write_files(output, files):
-        out.raw(f"wrote {path}\n")
-
-
-@render_app.command("k8s")
-@handle_errors
-def render_k8s_cmd(
-    ctx: typer.Context,
-    profile: str = typer.Argument(..., help="Profile to render (see `molctl profiles`)."),
-    image: Optional[str] = typer.Option(
-        None, "--image", help="Container image with molctl (and the engine, unless --engine-image). Required."
-    ),
-    engine_image: Optional[str] = typer.Option(
-        None, "--engine-image", help="Image of the engine container (default: --image)."
-    ),
-    python: str = typer.Option(
-        "python3", "--python", help="The interpreter in the image(s); the engine's unless engine.python is set."
-    ),
-    replicas: int = typer.Option(1, "--replicas", help="Pods, each a whole stack (>= 1)."),
-    namespace: Optional[str] = typer.Option(None, "--namespace", "-n", help="metadata.namespace of every object."),
-    name: Optional[str] = typer.Option(None, "--name", help="Name of the objects (default molctl-PROFILE)."),
-    model_root: Optional[Path] = MODEL_ROOT_OPT,
-    set_: List[str] = SET_OPT,
-    model_pvc: Optional[str] = typer.Option(
-        None,
-        "--model-pvc",
-        metavar="CLAIM",
-        help="Mount the model root from this PersistentVolumeClaim (default: a hostPath at model_root).",
-    ),
-    shm_size: Optional[str] = typer.Option(
-        None, "--shm-size", help="/dev/shm size (default 2Gi per GPU, 1Gi without GPUs)."
-    ),
-    engine_env_secret: Optional[str] = typer.Option(
-        None,
-        "--engine-env-secret",
-        metavar="SECRET",
-        help="Every key of this Secret becomes an engine variable (e.g. HF_TOKEN).",
-    ),
-    api_key_secret: Optional[str] = typer.Option(
-        None,
-        "--api-key-secret",
-        metavar="SECRET",
-        help="Secret whose key `api-keys` holds the proxy's keys (default NAME-api-keys).",
-    ),
-    allow_unauthenticated: bool = UNAUTH_OPT,
-    store: Optional[str] = RENDER_STORE_OPT,
-    store_password_secret: Optional[str] = typer.Option(
-        None,
-        "--store-password-secret",
-        metavar="SECRET[:KEY]",
-        help="MOLCTL_STORE_PASSWORD from this Secret (key default: password).",
-    ),
-    proxy_arg: List[str] = RENDER_PROXY_ARG_OPT,
-    drain_timeout: float = DRAIN_OPT,
-    stop_timeout: float = STOP_OPT,
-    output: Optional[Path] = RENDER_OUTPUT_OPT,
-) -> None:
-    """ConfigMap (the profile), Service (the proxy port) and StatefulSet (engine + proxy per pod) as YAML, like `helm template`."""
-    from molctl.render import RenderOptions, k8s_files, k8s_stream, render_k8s
-
-    opts = RenderOptions(
-        overrides=overrides_from(model_root, set_),
-        drain_timeout_s=drain_timeout,
-        stop_timeout_s=stop_timeout,
-        store=store,
-        allow_unauthenticated=allow_unauthenticated,
-        proxy_args=list(proxy_arg),
-        image=image,
-        engine_image=engine_image,
-        python=python,
-        replicas=replicas,
-        namespace=namespace,
-        name=name,
-        api_key_secret=api_key_secret,
-        store_password_secret=store_password_secret,
-        model_pvc=model_pvc,
-        shm_size=shm_size,
-        engine_env_secret=engine_env_secret,
-    )
-    objects, warnings = render_k8s(profile, ctx.obj.dirs(), opts)
-    _render_out(k8s_files(objects), k8s_stream(profile, objects), output, warnings)
-
-
-@render_app.command("systemd")
-@handle_errors
-def render_systemd_cmd(
-    ctx: typer.Context,
-    profile: str = typer.Argument(..., help="Profile to render (see `molctl profiles`)."),
-    model_root: Optional[Path] = MODEL_ROOT_OPT,
-    set_: List[str] = SET_OPT,
-    api_key_file: Optional[Path] = typer.Option(
-        None, "--api-key-file", envvar="MOLCTL_API_KEY_FILE", help="The key file the proxy unit reads (not read now)."
-    ),
-    allow_unauthenticated: bool = UNAUTH_OPT,
-    store: Optional[str] = RENDER_STORE_OPT,
-    proxy_arg: List[str] = RENDER_PROXY_ARG_OPT,
-    user: Optional[str] = typer.Option(None, "--user", help="User= of both units (default: root, systemd's default)."),
-    drain_timeout: float = DRAIN_OPT,
-    stop_timeout: float = STOP_OPT,
-    output: Optional[Path] = RENDER_OUTPUT_OPT,
-) -> None:
-    """An engine unit and a proxy unit running the argv `up` would run on this host."""
-    from molctl.render import RenderOptions, render_systemd, systemd_stream
-
-    opts = RenderOptions(
-        overrides=overrides_from(model_root, set_),
-        drain_timeout_s=drain_timeout,
-        stop_timeout_s=stop_timeout,
-        store=store,
-        allow_unauthenticated=allow_unauthenticated,
-        proxy_args=list(proxy_arg),
-        api_key_file=api_key_file,
-        state_dir=ctx.obj.state_dir,
-        user=user,
-    )
-    warnings: list[str] = []
-    units = render_systemd(profile, ctx.obj.dirs(), opts, warnings)
-    _render_out(units, systemd_stream(units), output, warnings)

@@ -11,46 +11,9 @@ greedy output (`--no-effect ROUTE=zero-b|off-target` writes one that does not: N
 Operators also use it to smoke-test a new host (`molctl up tiny`) before copying a 700 GB model
 onto it. Needs numpy and tokenizers (both come with vLLM; `pip install 'molctl[cpu]'`).
 
-Chat templates (`--template`, written to `base/chat_template.jinja`, which transformers and vLLM
-prefer over `tokenizer_config.json`): the tiny model is as strict as the real bases, so a proxy
-that sends a message list those bases refuse fails on the demo too. Both files are written for
-molctl from the families' documented behaviour (molctl/templates/), not copied:
-
-- `qwen3.6` (default; profile `tiny`): the Qwen3.5 / Qwen3.6 rules. One system message, first,
-  else "System message must be at the beginning." (vllm-project/vllm#41114, whose maintainer
-  points at Qwen3.5's chat_template.jinja; the same refusal for late or repeated system messages
-  in verl-project/verl#7725 and xinnan-tech/xiaozhi-esp32-server#3282); no `developer` role
-  ("Unexpected message role.", e.g. 1CatAI/1Cat-vLLM#493); "No user query found in messages."
-  without a user turn (verl#7725); no images in the system message; tools in `<tools></tools>` first
-  in the system turn, the client's system text after them (the Qwen3.6 template: `# Tools` opens
-  the system turn when tools are given), and calls as `<tool_call><function=NAME><parameter=K>V</parameter></function>
-  </tool_call>` (docs.vllm.ai, vllm.parser.qwen3 "Qwen3 XML tool call format", the format of the
-  `qwen3_coder` parser the Tall profile uses); tool results as `<tool_response>` blocks in one user
-  turn (Qwen3 function-calling docs); a `<think>` block (empty without reasoning) on each assistant
-  message after the last user query (`loop.index0 > ns.last_query_index`), every one with
-  `preserve_thinking` (Qwen3.6), and
-  `enable_thinking=false` closing an empty think block in the generation prompt (Qwen3.5 template
-  as quoted in Comfy-Org/ComfyUI#15957).
-- `glm5`: the GLM-4.5 / 4.6 / 4.7 / GLM-5 rules. `[gMASK]<sop>`, `<|system|>` `<|user|>`
-  `<|assistant|>` `<|observation|>` turns; GLM-5.x's `<|system|>Reasoning Effort: Low|High|Max`
-  header from `reasoning_effort` right after `[gMASK]<sop>` (`low`/`high` as given, else `Max`:
-  sgl-project/sglang#28454, osaurus-ai/vmlx-swift#441), then the tools block; system messages accepted anywhere (the family's template
-  renders each where it stands; THUDM/ChatGLM3 PROMPT.md: the system role "can be interspersed in
-  the dialogue in design"); tool calls as
-  `<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value></tool_call>` and results as one
-  `<|observation|>` turn of `<tool_response>` blocks (the GLM-4.5 / 4.7 templates as quoted in
-  ik_llama.cpp discussion #753, llama.cpp's GLM 4.5 chat-format parser and its vendored
-  models/templates/GLM-4.6.jinja; list-valued tool content printed part by part as the vendor
-  template does, vllm#39614); reasoning kept after the last user message (`ns.last_user_index`), thinking on by
-  default, `</think>` for earlier turns unless `clear_thinking=false`, `<|assistant|></think>` when
-  `enable_thinking` is false (docs.z.ai "Thinking Mode"; the GLM-4.7 template). The real template skips an unknown
-  role silently; this one raises on `developer` so the loss is visible.
-
-Both name `developer` explicitly: vLLM 0.32 (renderers/hf.py, safe_apply_chat_template) rewrites
-developer messages to system, and merges the system messages, for templates that do not name the
-role, which would hide the bug on the demo while Tall's pinned vLLM still refuses it.
-Control tokens stay plain text in the tiny tokenizer (a random model must not emit `<tool_call>`
-by chance); the weights and tokenizer are the same for both templates.
+Chat templates (`--template`, written to `base/chat_template.jinja`): `qwen3.6` (default; profile
+`tiny`) and `glm5`, written for molctl from the families' documented behaviour (molctl/templates/),
+as strict as the real bases; the rules and their sources: docs/design/demo-templates.md.
 """
 
 from __future__ import annotations

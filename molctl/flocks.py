@@ -1,5 +1,5 @@
 """flock helpers shared by the state lock (`molctl.state`) and the host-wide port/GPU claims
-(`molctl.hostlocks`): both are files held with `flock` whose content names the holder."""
+(`molctl.claims`): both are files held with `flock` whose content names the holder."""
 
 from __future__ import annotations
 

@@ -22,20 +22,15 @@ from pathlib import Path
 from molctl.errors import UsageError
 from molctl.output import Output
 from molctl.processes import TAIL_LINE_MAX, tail_start
-from molctl.state import COMPONENTS, component_logs, is_same_process, newest_log, read_records
-
-
-def deleted_log(record) -> Path | None:
-    """For a live component (check `is_same_process` first) whose log file, the record's `log`,
-    was deleted while it runs (an operator freeing disk space): its stdout, which it writes on to,
-    as /proc/PID/fd/1 (readable by the same user; the disk space is freed only when it stops);
-    None otherwise."""
-    fd = Path(f"/proc/{record.pid}/fd/1")
-    try:
-        target = os.readlink(fd)
-    except OSError:
-        return None
-    return fd if target == f"{record.log} (deleted)" else None
+from molctl.state import (
+    COMPONENTS,
+    check_readable,
+    component_logs,
+    deleted_log,
+    is_same_process,
+    newest_log,
+    read_records,
+)
 
 
 def _pick_profile(state_dir: Path, profile: str | None) -> str:
@@ -212,8 +207,6 @@ def show_logs(
         raise UsageError(f"--component {component!r}: expected engine or proxy")
     if lines < 0:
         raise UsageError(f"--lines {lines}: expected 0 or more")
-    from molctl.status import check_readable
-
     check_readable(ctx.state_dir)
     if profile:
         from molctl.stacks import known_or_recorded
@@ -225,47 +218,59 @@ def show_logs(
     known = {comp: set(component_logs(ctx.state_dir, name, comp)) for comp in components}
     opened: dict[str, _Log] = {}
     try:
-        for comp in components:
-            record = records.get(comp)
-            path = deleted_log(record) if record is not None and is_same_process(record) else None
-            if path is not None:
-                out.raw(
-                    f"[{comp}] ==> {record.log} was deleted while pid {record.pid} runs: read from its open file "
-                    f"{path} (the disk space is freed when it stops) <==\n"
-                )
-            path = path or newest_log(ctx.state_dir, name, comp)
-            if path is None:
-                continue
-            try:
-                opened[comp] = _Log(comp, path, out, known[comp])
-            except OSError as exc:
-                out.warn(f"cannot read the {comp} log {path}: {exc.strerror or exc}")
-                continue
-            opened[comp].tail(lines, follow)
+        _open_logs(ctx.state_dir, name, components, records, known, opened, out, lines, follow)
         if not opened and not follow:
             raise UsageError(
                 f"no {component or 'engine or proxy'} log for profile {name} in {ctx.state_dir / name / 'logs'}"
             )
-        started = time.monotonic()
-        while follow and (stop_after_s is None or time.monotonic() - started < stop_after_s):
-            for comp in components:
-                logs = component_logs(ctx.state_dir, name, comp)
-                if comp in opened:
-                    opened[comp].poll(logs)
-                elif logs:  # a component that had no log yet: its first one, from its start
-                    try:
-                        opened[comp] = _Log(comp, logs[-1], out, known[comp])
-                    except OSError:
-                        continue
-                    known[comp].update(logs)
-                    opened[comp].say(f"==> new log {logs[-1]} <==")
-                    opened[comp].read()
-            if _reader_gone(out.stdout):
-                raise BrokenPipeError(errno.EPIPE, "the reader of stdout is gone")
-            time.sleep(poll_s)
+        if follow:
+            _follow(ctx.state_dir, name, components, known, opened, out, poll_s, stop_after_s)
     finally:
         for log in opened.values():
             log.close()
+
+
+def _open_logs(state_dir: Path, name: str, components, records, known, opened, out, lines: int, follow: bool) -> None:
+    """Open each component's newest log (a deleted one through the process's open file) into
+    `opened` and print its last `lines`."""
+    for comp in components:
+        record = records.get(comp)
+        path = deleted_log(record) if record is not None and is_same_process(record) else None
+        if path is not None:
+            out.raw(
+                f"[{comp}] ==> {record.log} was deleted while pid {record.pid} runs: read from its open file "
+                f"{path} (the disk space is freed when it stops) <==\n"
+            )
+        path = path or newest_log(state_dir, name, comp)
+        if path is None:
+            continue
+        try:
+            opened[comp] = _Log(comp, path, out, known[comp])
+        except OSError as exc:
+            out.warn(f"cannot read the {comp} log {path}: {exc.strerror or exc}")
+            continue
+        opened[comp].tail(lines, follow)
+
+
+def _follow(state_dir: Path, name: str, components, known, opened, out, poll_s: float, stop_after_s) -> None:
+    """Follow the opened logs across rotations and restarts until interrupted (or `stop_after_s`)."""
+    started = time.monotonic()
+    while stop_after_s is None or time.monotonic() - started < stop_after_s:
+        for comp in components:
+            logs = component_logs(state_dir, name, comp)
+            if comp in opened:
+                opened[comp].poll(logs)
+            elif logs:  # a component that had no log yet: its first one, from its start
+                try:
+                    opened[comp] = _Log(comp, logs[-1], out, known[comp])
+                except OSError:
+                    continue
+                known[comp].update(logs)
+                opened[comp].say(f"==> new log {logs[-1]} <==")
+                opened[comp].read()
+        if _reader_gone(out.stdout):
+            raise BrokenPipeError(errno.EPIPE, "the reader of stdout is gone")
+        time.sleep(poll_s)
 
 
 def _reader_gone(stream) -> bool:

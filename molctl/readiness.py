@@ -1,4 +1,4 @@
-"""HTTP probes of a starting or running stack (httpx; the CLI's probes are not on a hot path).
+"""HTTP polls of a starting or running stack (httpx; the CLI's polls are not on a hot path).
 
 Engine readiness, for vLLM and SGLang alike: `/health` 200, then `/v1/models` lists L0-L3 with
 the profile's engine-side base name as parent, then (engines that report it: SGLang) the running
@@ -41,7 +41,9 @@ def proxy_url(profile: Profile) -> str:
 
 
 @dataclass
-class Probe:
+class Poll:
+    """The outcome of one readiness poll."""
+
     state: str  # "down" | "starting" | "adapters" | "version" | "ready"
     detail: str
 
@@ -54,31 +56,31 @@ class EngineReadiness:
         self.smoke_ok: set[str] = set()
         self.version_ok = False
 
-    def poll(self) -> Probe:
+    def poll(self) -> Poll:
         try:
             r = self.client.get(self.url + "/health", timeout=3.0)
         except httpx.HTTPError:
-            return Probe("down", "not listening yet")
+            return Poll("down", "not listening yet")
         if r.status_code != 200:
-            return Probe("starting", self.engine.health_detail(r.status_code))
+            return Poll("starting", self.engine.health_detail(r.status_code))
         try:
             models = self.client.get(self.url + "/v1/models").json()
         except (httpx.HTTPError, ValueError):
-            return Probe("starting", "/v1/models not answering")
+            return Poll("starting", "/v1/models not answering")
         problems = adapter_problems(self.profile, self.engine, models)
         if problems:
-            return Probe("adapters", "; ".join(problems))
+            return Poll("adapters", "; ".join(problems))
         if self.engine.version_path and not self.version_ok:
             try:
                 r = self.client.get(self.url + self.engine.version_path)
                 body = r.json() if r.status_code == 200 else None
             except (httpx.HTTPError, ValueError):
-                return Probe("starting", f"{self.engine.version_path} not answering")
+                return Poll("starting", f"{self.engine.version_path} not answering")
             if body is None:
-                return Probe("starting", f"{self.engine.version_path} answered {r.status_code}")
+                return Poll("starting", f"{self.engine.version_path} answered {r.status_code}")
             problem = self.engine.version_problem(self.profile, self.engine.running_version(body))
             if problem:
-                return Probe("version", problem)
+                return Poll("version", problem)
             self.version_ok = True
         for route in ROUTES:
             if route in self.smoke_ok:
@@ -89,13 +91,13 @@ class EngineReadiness:
                     self.url + "/v1/chat/completions", json=body, headers={"X-MoL-Hop": "readiness"}, timeout=60.0
                 )
             except httpx.HTTPError as exc:
-                return Probe("starting", f"1-token completion on {route} failed: {type(exc).__name__}")
+                return Poll("starting", f"1-token completion on {route} failed: {type(exc).__name__}")
             if r.status_code in (400, 404, 422):  # refused, not busy: waiting changes nothing
-                return Probe("adapters", f"1-token completion on {route} answered {r.status_code}: {_message(r)}")
+                return Poll("adapters", f"1-token completion on {route} answered {r.status_code}: {_message(r)}")
             if r.status_code != 200:
-                return Probe("starting", f"1-token completion on {route} answered {r.status_code}")
+                return Poll("starting", f"1-token completion on {route} answered {r.status_code}")
             self.smoke_ok.add(route)
-        return Probe("ready", "health, adapters and a 1-token completion per adapter")
+        return Poll("ready", "health, adapters and a 1-token completion per adapter")
 
 
 def _message(r: httpx.Response) -> str:
@@ -112,7 +114,7 @@ POLL_S = 0.5  # "about once a second" or better: a refused connect costs nothing
 
 
 class Poller(Protocol):
-    def poll(self) -> Probe: ...
+    def poll(self) -> Poll: ...
 
 
 def wait_ready(
@@ -120,16 +122,16 @@ def wait_ready(
     timeout_s: float,
     *,
     check_alive: Callable[[], None],
-    on_wait: Callable[[float, Probe], None],
+    on_wait: Callable[[float, Poll], None],
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
     poll_s: float = POLL_S,
-) -> tuple[Probe, float]:
+) -> tuple[Poll, float]:
     """Poll until the engine is ready, its adapters or version are wrong, or `timeout_s` passed;
-    returns the last probe (state "ready", "adapters", "version", or anything else: timed out)
+    returns the last poll (state "ready", "adapters", "version", or anything else: timed out)
     and the seconds waited.
-    `check_alive()` runs before every probe (it raises when a watched process exited);
-    `on_wait(elapsed, probe)` after every probe that is not final."""
+    `check_alive()` runs before every poll (it raises when a watched process exited);
+    `on_wait(elapsed, poll)` after every poll that is not final."""
     start = clock()
     deadline = start + timeout_s
     while True:

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from molctl.errors import ProfileError
-from molctl.profiles import Profile, build_profile, check_profile_name, load_yaml_with_lines, profile_files
+from molctl.profiles import Profile, build_profile, check_profile_name, profile_files
+from molctl.profileyaml import load_yaml_with_lines
 
 
 def unknown_profile(name: str, dirs: list[Path]) -> ProfileError:

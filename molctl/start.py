@@ -2,18 +2,17 @@
 and wait until it really serves.
 
 Every start holds the state lock (a `switch` holds it from its preflight to the end of its
-`up`). Before spawning, `up` claims the stack's ports and GPUs host-wide (`molctl.hostlocks`);
+`up`). Before spawning, `up` claims the stack's ports and GPUs host-wide (`molctl.claims`);
 each component inherits its claims. A component is recorded right after it is spawned (pid,
 start ticks, marker id, argv, host, port, log, the configuration it was started with); a record
 that cannot be written stops the component at once. What a failed or interrupted start spawned
 is stopped again; an engine an earlier, interrupted `up` left loading is adopted, not restarted.
+The command lines come from molctl.launch, the reaction to stop signals from molctl.stopsignals.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -21,9 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from molctl import canary, stackconfig
+from molctl.claims import Claim, ClaimConflict, HostClaims, claim_components, holder_info, release_all
 from molctl.engines import get_engine
 from molctl.errors import ConflictError, ExitStatus, MolctlError
-from molctl.hostlocks import Claim, ClaimConflict, HostLocks, claim_components, holder_info, release_all
+from molctl.launch import engine_argv, engine_env, proxy_argv
 from molctl.processes import kill_fresh, members, new_marker, record_for, spawn, stop, tail
 from molctl.profiles import Profile
 from molctl.progress import Progress
@@ -44,6 +44,7 @@ from molctl.state import (
     write_record,
 )
 from molctl.stop import ENGINE_STOP_TIMEOUT_S, clean_component, clean_stale, clean_unrecorded, down_locked, down_one
+from molctl.stopsignals import _one_more_interrupt, interrupted_by
 
 PROXY_READY_TIMEOUT_S = 60.0
 PROXY_RESTARTS = 3  # a proxy that dies while the engine loads is restarted, the engine kept
@@ -76,20 +77,7 @@ class UpOptions:
     profiles_dirs: list[Path] = field(default_factory=list)
     restart: bool = False  # stop this profile's running stack first (another configuration, or a plain restart)
     stop_timeout_s: float = ENGINE_STOP_TIMEOUT_S  # for what `up --restart` / `switch` stop
-    verify: Any = None  # `up --verify`: a molctl.checks.lock.Verify; the preflight adds the `lock` category
-
-
-PROXY_SECRET_ENV = ("MOLCTL_API_KEY", "MOLCTL_STORE_PASSWORD")  # the proxy's secrets: never the engine's
-
-
-def engine_env(profile: Profile, base: dict[str, str] | None = None) -> dict[str, str]:
-    """The engine's environment: `base` (default: this process's) without `engine.unset_env`,
-    plus `engine.env`, never the proxy's secrets. `molctl render` passes an empty base."""
-    env = {k: v for k, v in (os.environ if base is None else base).items() if k not in profile.engine.unset_env}
-    env.update(profile.engine.env)
-    for name in PROXY_SECRET_ENV:
-        env.pop(name, None)
-    return env
+    verify: Any = None  # `up --verify`: a molctl.checks.verify.Verify; the preflight adds the `lock` category
 
 
 class Adopted:
@@ -121,68 +109,6 @@ def resolve_key_option(opts: UpOptions) -> list[str]:
     if opts.api_key_file is not None:
         return ["--api-key-file", str(opts.api_key_file.resolve())]
     return [] if keys else ["--allow-unauthenticated"]
-
-
-def engine_argv(profile: Profile) -> list[str]:
-    """The engine's command line (`up` spawns it; `molctl render` writes it into manifests and units)."""
-    return get_engine(profile.engine.kind).launch_argv(profile)
-
-
-def engine_upstream(profile: Profile) -> str:
-    """The engine URL the proxy is given (`--upstream`): the engine's listen address, a wildcard
-    one reached through loopback (what `up` passes, from the engine's record)."""
-    return base_url(profile.engine.host, profile.engine.port)
-
-
-def proxy_argv(
-    profile: Profile,
-    opts: UpOptions,
-    key_args: list[str],
-    upstream: str,
-    *,
-    python: str = sys.executable,
-    state_dir: Path | None = None,
-) -> list[str]:
-    """The proxy's command line (`up` spawns it; `molctl render` writes it into manifests and
-    units). The start's overrides travel as typed JSON (`--set-json`), never re-parsed as text:
-    `--set 'served_model_name="2024"'` reaches the proxy as the string 2024. `state_dir` holds
-    its response store (STATE/PROFILE)."""
-    argv = [python, "-m", "molctl"]
-    if state_dir is not None:
-        argv += ["--state-dir", str(state_dir)]
-    for d in opts.profiles_dirs:
-        argv += ["--profiles-dir", str(Path(d).resolve())]
-    argv += [
-        "proxy",
-        profile.name,
-        "--upstream",
-        upstream,
-        "--host",
-        profile.proxy.host,
-        "--port",
-        str(profile.proxy.port),
-        "--drain-timeout",
-        str(opts.drain_timeout_s),
-    ]
-    if profile.proxy.metrics_port:
-        argv += ["--metrics-port", str(profile.proxy.metrics_port)]
-    # the engine's environment is no business of the proxy, and an argv is world-readable (ps,
-    # /proc/PID/cmdline): `--set engine.env.HF_TOKEN=...` put the token there
-    overrides = [[k, v] for k, v in opts.overrides if k != "engine.env" and not k.startswith("engine.env.")]
-    if overrides:
-        argv += ["--set-json", json.dumps(overrides)]
-    log_opts = profile_log_options(profile)
-    if log_opts:
-        argv += log_opts
-    return argv + key_args
-
-
-def profile_log_options(profile: Profile) -> list[str]:
-    logs = getattr(profile, "logs", None)
-    max_bytes = getattr(logs, "max_bytes", None)
-    if not max_bytes:
-        return []
-    return ["--log-max-bytes", str(int(max_bytes)), "--log-backups", str(int(getattr(logs, "backups", 2)))]
 
 
 def _keep_logs(profile: Profile) -> int:
@@ -220,6 +146,34 @@ def _up_locked(
         ),
     }
     t0 = time.monotonic()
+    records, live = _recorded_for_up(profile, config, state_dir, opts, progress)
+    if records and stack_ready(records):
+        progress.step(f"profile {name} is already running and ready")
+        return _result(profile, read_records(state_dir, name), already=True, timings={})
+    clean_unrecorded(state_dir, name, progress)  # spawned by an `up` killed before it could record them
+    records, live = _preflight_for_up(profile, state_dir, opts, progress, records, live)
+    live = _adopt_or_clean(state_dir, name, records, live, progress)
+
+    starter = _Starter(profile, config, ctx, opts, key_args, progress)
+    try:
+        claims = claim_components(
+            HostClaims(), profile, state_dir, [c for c in COMPONENTS if c not in live], f"up {name}"
+        )
+    except ClaimConflict as exc:
+        raise ConflictError(f"{exc}; nothing was started") from None
+    timings, result = _start_missing(starter, profile, opts, claims, live, t0)
+    timings["total_s"] = round(time.monotonic() - t0, 2)
+    out = _result(profile, read_records(state_dir, name), already=False, timings=timings)
+    out["canary"] = result
+    return out
+
+
+def _recorded_for_up(
+    profile: Profile, config: dict, state_dir: Path, opts: UpOptions, progress: Progress
+) -> tuple[dict, dict]:
+    """The profile's records and those of them that are alive; refuses another running profile, an
+    unreadable record, or a live stack of another configuration (unless --restart, which stops it)."""
+    name = profile.name
     others = [p for p in running_profiles(state_dir) if p != name]
     if others:
         raise ConflictError(f"profile {others[0]} is running on this host; use `molctl switch {name}` to replace it")
@@ -239,14 +193,16 @@ def _up_locked(
                 f"to restart it with this one, add --restart (`molctl up {name} --restart ...`) "
                 f"or run `molctl down {name}` first"
             )
-    if records and stack_ready(records):
-        progress.step(f"profile {name} is already running and ready")
-        return _result(profile, read_records(state_dir, name), already=True, timings={})
-    clean_unrecorded(state_dir, name, progress)  # spawned by an `up` killed before it could record them
+    return records, live
 
-    # Before anything recorded is stopped: a preflight that fails (a port taken by a stranger, a
-    # model-root typo) leaves what runs alone, as `switch` does; ports and GPU memory held by this
-    # profile's own recorded processes count as its own.
+
+def _preflight_for_up(
+    profile: Profile, state_dir: Path, opts: UpOptions, progress: Progress, records: dict, live: dict
+) -> tuple[dict, dict]:
+    """The preflight, before anything recorded is stopped: a preflight that fails (a port taken by
+    a stranger, a model-root typo) leaves what runs alone, as `switch` does; ports and GPU memory
+    held by this profile's own recorded processes count as its own."""
+    name = profile.name
     progress.step(f"preflight checks for {name}")
     try:
         preflight(profile, state_dir, opts, progress, "nothing was started or stopped")
@@ -261,7 +217,11 @@ def _up_locked(
         clean_stale(state_dir, name, progress)
         records, live = {}, {}
         preflight(profile, state_dir, opts, progress, "nothing was started (the leftovers were stopped)")
+    return records, live
 
+
+def _adopt_or_clean(state_dir: Path, name: str, records: dict, live: dict, progress: Progress) -> dict:
+    """What of the recorded stack `up` adopts (a live engine); the rest is stopped. Returns the live records."""
     if "engine" in live:
         # An earlier `up` that died (terminal closed, molctl killed) left its engine loading:
         # wait for it rather than throw an hour of loading away. Stop only what is stale.
@@ -274,14 +234,15 @@ def _up_locked(
     elif records:
         clean_stale(state_dir, name, progress)
         live = {}
+    return live
 
-    starter = _Starter(profile, config, ctx, opts, key_args, progress)
-    try:
-        claims = claim_components(
-            HostLocks(), profile, state_dir, [c for c in COMPONENTS if c not in live], f"up {name}"
-        )
-    except ClaimConflict as exc:
-        raise ConflictError(f"{exc}; nothing was started") from None
+
+def _start_missing(
+    starter: _Starter, profile: Profile, opts: UpOptions, claims: dict, live: dict, t0: float
+) -> tuple[dict[str, float], dict[str, Any]]:
+    """Start (or adopt) the engine, run the canary, start the proxy; wait for each. Returns the
+    timings and the canary's result; on any failure the claims are released and what this `up`
+    started is cleaned up."""
     canary_off = canary.enabled(profile, opts.skip)
     timings: dict[str, float] = {}
     try:
@@ -310,10 +271,7 @@ def _up_locked(
         starter.clean_up(exc, adopted_engine=live.get("engine"), adopted_proxy=live.get("proxy"))
         raise
     release_all(claims)
-    timings["total_s"] = round(time.monotonic() - t0, 2)
-    out = _result(profile, read_records(state_dir, name), already=False, timings=timings)
-    out["canary"] = result
-    return out
+    return timings, result
 
 
 def _start_options(opts: UpOptions) -> list[str]:
@@ -399,7 +357,7 @@ class _Starter:
     def start_proxy(self, claims: list[Claim] | None, upstream: str) -> tuple[Record, Any]:
         if claims is None:
             try:
-                claims = claim_components(HostLocks(), self.profile, self.state_dir, ["proxy"], f"up {self.name}")[
+                claims = claim_components(HostClaims(), self.profile, self.state_dir, ["proxy"], f"up {self.name}")[
                     "proxy"
                 ]
             except ClaimConflict as exc:
@@ -557,101 +515,6 @@ class _Starter:
                 f"interrupted{interrupted_by()}; everything this command started was stopped{kept}",
                 ExitStatus.INTERRUPTED,
             ) from None
-
-
-STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
-_received: list[str] = []  # the stop signal (other than Ctrl-C's) that interrupted this command
-_armed: set[str] = {"SIGINT"}  # the stop signals that interrupt this command (not those it inherited ignored)
-
-
-def interrupt_on_stop_signals() -> None:
-    """`up` and `switch`: SIGTERM (`timeout`, systemd, a cancelled CI job) and SIGHUP (a closed
-    terminal or ssh session) interrupt as Ctrl-C does, so the clean-up stops what this command
-    started (exit 130) instead of leaving an engine loading with nobody waiting for it. After a
-    SIGHUP the terminal is gone: the output goes to /dev/null, so that writing it cannot cut the
-    clean-up short. A signal this process was started ignoring (`nohup`, `trap '' HUP TERM`) stays
-    ignored, as Python leaves an ignored SIGINT."""
-    for name in ("SIGTERM", "SIGHUP"):
-        if not _ignored(name):
-            _armed.add(name)
-            _set_handler(name, _interrupt)
-
-
-def _ignored(name: str) -> bool:
-    import signal
-
-    return signal.getsignal(getattr(signal, name)) == signal.SIG_IGN
-
-
-def _interrupt(signum, frame) -> None:
-    import signal
-
-    _received.append(signal.Signals(signum).name)
-    if signum == signal.SIGHUP:
-        _detach_terminal()
-    raise KeyboardInterrupt
-
-
-def interrupted_by() -> str:
-    """' by SIGTERM' (or SIGHUP) for the messages of an interrupted command; '' for Ctrl-C."""
-    return f" by {_received[0]}" if _received else ""
-
-
-def _detach_terminal() -> None:
-    """Standard output and error to /dev/null where they are a terminal (a hung-up one fails every
-    write with EIO); files and pipes keep the report."""
-    import stat
-
-    try:
-        null = os.open(os.devnull, os.O_WRONLY)
-    except OSError:
-        return
-    try:
-        devnull = os.fstat(null).st_rdev
-        for fd in (1, 2):
-            try:
-                st = os.fstat(fd)
-                if stat.S_ISCHR(st.st_mode) and st.st_rdev != devnull:
-                    os.dup2(null, fd)
-            except OSError:
-                pass
-    finally:
-        os.close(null)
-
-
-def ignore_stop_signals() -> None:
-    """Once a command reports its interruption: no later signal may cut the report or the exit."""
-    import signal
-
-    for name in STOP_SIGNALS:
-        _set_handler(name, signal.SIG_IGN)
-
-
-def _set_handler(name: str, handler) -> None:
-    import signal
-
-    try:
-        signal.signal(getattr(signal, name), handler)
-    except ValueError:  # not the main thread (tests calling in-process)
-        pass
-
-
-def _one_more_interrupt() -> None:
-    """During the clean-up after an interruption: the next Ctrl-C, SIGTERM or SIGHUP interrupts it
-    once (and is reported); any further one is ignored, so it cannot cut the report or the exit
-    short."""
-
-    def once(signum, frame):
-        import signal
-
-        ignore_stop_signals()
-        if signum == signal.SIGHUP:
-            _detach_terminal()
-        raise KeyboardInterrupt
-
-    for name in STOP_SIGNALS:
-        if name in _armed:
-            _set_handler(name, once)
 
 
 def preflight(

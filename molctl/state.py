@@ -147,7 +147,7 @@ def write_record(state_dir: Path, profile: str, record: Record) -> None:
         raise
 
 
-def process_state(record: Record) -> str:
+def liveness(record: Record) -> str:
     """'alive' (the recorded process runs), 'gone' (it does not: the pid is free or now names
     another process) or 'uncertain' (a record without start ticks whose pid lives with another
     create time: a reused pid, or a wall-clock step; never signalled, its record kept)."""
@@ -178,7 +178,7 @@ def process_state(record: Record) -> str:
 
 def is_same_process(record: Record) -> bool:
     """True when the record's pid is alive and is still the process that was recorded."""
-    return process_state(record) == "alive"
+    return liveness(record) == "alive"
 
 
 def remove_record(state_dir: Path, profile: str, component: str) -> None:
@@ -239,6 +239,19 @@ def component_logs(state_dir: Path, profile: str, component: str) -> list[Path]:
 def newest_log(state_dir: Path, profile: str, component: str) -> Path | None:
     logs = component_logs(state_dir, profile, component)
     return logs[-1] if logs else None
+
+
+def deleted_log(record) -> Path | None:
+    """For a live component (check `is_same_process` first) whose log file, the record's `log`,
+    was deleted while it runs (an operator freeing disk space): its stdout, which it writes on to,
+    as /proc/PID/fd/1 (readable by the same user; the disk space is freed only when it stops);
+    None otherwise."""
+    fd = Path(f"/proc/{record.pid}/fd/1")
+    try:
+        target = os.readlink(fd)
+    except OSError:
+        return None
+    return fd if target == f"{record.log} (deleted)" else None
 
 
 def prune_logs(state_dir: Path, profile: str, component: str, keep: int, in_use: set[str] = frozenset()) -> list[Path]:
@@ -319,6 +332,27 @@ def check_own_state_dir(state_dir: Path) -> None:
         return
     if st.st_uid != os.geteuid():
         raise StateDirError(_foreign(state_dir, st.st_uid))
+
+
+def check_readable(state_dir: Path) -> None:
+    """A state dir that exists but cannot be listed (another user's, mode 0700) is an error
+    (exit 1) for the read-side commands: `status` said "no stack is recorded" about it, `logs`
+    "no logs"."""
+    try:
+        os.listdir(state_dir)
+    except (FileNotFoundError, NotADirectoryError):  # none yet: nothing recorded; a file: profiles_with_records says so
+        return
+    except OSError as exc:
+        try:
+            st = os.stat(state_dir)
+            owner = user_name(st.st_uid) or f"uid {st.st_uid}"
+        except OSError:
+            owner, st = "?", None
+        mode = f", mode {st.st_mode & 0o777:o}" if st is not None else ""
+        raise StateDirError(
+            f"cannot read state dir {state_dir}: {exc.strerror or exc} (owner {owner}{mode}): "
+            f"run molctl as {owner}, or choose the state dir with --state-dir"
+        ) from None
 
 
 @dataclass(frozen=True)

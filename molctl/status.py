@@ -23,34 +23,13 @@ from molctl.state import (
     LockHolder,
     Record,
     RecordProblem,
-    StateDirError,
+    check_readable,
+    deleted_log,
     is_same_process,
     lock_holder,
     profiles_with_records,
     read_records_checked,
-    user_name,
 )
-
-
-def check_readable(state_dir: Path) -> None:
-    """A state dir that exists but cannot be listed (another user's, mode 0700) is an error
-    (exit 1) for the read-side commands: `status` said "no stack is recorded" about it, `logs`
-    "no logs"."""
-    try:
-        os.listdir(state_dir)
-    except (FileNotFoundError, NotADirectoryError):  # none yet: nothing recorded; a file: profiles_with_records says so
-        return
-    except OSError as exc:
-        try:
-            st = os.stat(state_dir)
-            owner = user_name(st.st_uid) or f"uid {st.st_uid}"
-        except OSError:
-            owner, st = "?", None
-        mode = f", mode {st.st_mode & 0o777:o}" if st is not None else ""
-        raise StateDirError(
-            f"cannot read state dir {state_dir}: {exc.strerror or exc} (owner {owner}{mode}): "
-            f"run molctl as {owner}, or choose the state dir with --state-dir"
-        ) from None
 
 
 def status(ctx, name: str | None, gpu_probe=None) -> dict[str, Any]:
@@ -107,6 +86,24 @@ def _stack_status(
 ) -> dict:
     """Probe from the records (the host and port actually used, overrides included); the profile
     is the one recorded at the start."""
+    components, left = _components(profile, records)
+    engine_ok = any(c["name"] == "engine" and c["health"] == 200 for c in components)
+    adapters = _adapter_status(profile, records.get("engine")) if engine_ok else None
+    state = _state_of(name, records, components, holder)
+    if state == "ready" and adapters not in (None, "ok"):
+        state = "degraded"
+    out: dict[str, Any] = {"profile": name, "state": state, "components": components}
+    _add_problems(out, state_dir, name, records, problems, components, left)
+    if adapters is not None:
+        out["adapters"] = adapters
+    _add_details(out, state_dir, name, profile, records, components, gpu_probe)
+    return out
+
+
+def _components(
+    profile: Profile | None, records: dict[str, Record]
+) -> tuple[list[dict[str, Any]], dict[str, tuple[Record, list]]]:
+    """Each recorded component as `status` shows it, and the processes that outlive a dead leader."""
     components = []
     left: dict[str, tuple[Record, list]] = {}  # component -> its record and processes outliving its leader
     now = time.time()
@@ -141,12 +138,21 @@ def _stack_status(
         )
         if why:
             components[-1]["detail"] = why
-    engine_ok = any(c["name"] == "engine" and c["health"] == 200 for c in components)
-    adapters = _adapter_status(profile, records.get("engine")) if engine_ok else None
-    state = _state_of(name, records, components, holder)
-    if state == "ready" and adapters not in (None, "ok"):
-        state = "degraded"
-    out: dict[str, Any] = {"profile": name, "state": state, "components": components}
+    return components, left
+
+
+def _add_problems(
+    out: dict[str, Any],
+    state_dir: Path,
+    name: str,
+    records: dict[str, Record],
+    problems: list[RecordProblem],
+    components: list[dict[str, Any]],
+    left: dict[str, tuple[Record, list]],
+) -> None:
+    """`problems` (and the state they make degraded or failed): processes outliving their leader,
+    a log deleted while it is written, unreadable records."""
+    state = out["state"]
     if left and state not in ("starting", "stopping"):
         out["state"] = "degraded"  # something of the stack runs: not `failed`
         out["problems"] = [
@@ -155,8 +161,6 @@ def _stack_status(
             f"stops them, `molctl up {name}` restarts the stack"
             for c, (r, procs) in left.items()
         ]
-    from molctl.logs import deleted_log
-
     for component, record in records.items():
         fd = deleted_log(record) if any(c["name"] == component and c["alive"] for c in components) else None
         if fd is not None:  # the disk space an operator meant to free is still held
@@ -173,8 +177,18 @@ def _stack_status(
                 + (f" (pid {', '.join(pids)}): `molctl down {name} --force` stops them" if pids else "")
             ]
         out["state"] = "degraded" if marked or left or any(c["alive"] for c in components) else "failed"
-    if adapters is not None:
-        out["adapters"] = adapters
+
+
+def _add_details(
+    out: dict[str, Any],
+    state_dir: Path,
+    name: str,
+    profile: Profile | None,
+    records: dict[str, Record],
+    components: list[dict[str, Any]],
+    gpu_probe,
+) -> None:
+    """The recorded canary, the endpoint, the proxy's metrics, the model and the GPUs in use."""
     recorded_canary = (records["engine"].extra or {}).get("canary") if "engine" in records else None
     if isinstance(recorded_canary, dict):  # the adapter efficacy canary of the `up` that started it
         from molctl.canary import brief
@@ -190,7 +204,6 @@ def _stack_status(
     gpus = _gpu_usage(state_dir, name, gpu_probe) if out["state"] != "stopped" else []
     if gpus:
         out["gpus"] = gpus
-    return out
 
 
 def _probes(profile: Profile | None) -> dict[str, tuple[str, float]]:

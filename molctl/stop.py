@@ -25,7 +25,7 @@ from molctl.state import (
     StateLock,
     check_own_state_dir,
     ensure_state_dir,
-    process_state,
+    liveness,
     profiles_with_records,
     read_records,
     read_records_checked,
@@ -59,7 +59,7 @@ def clean_component(state_dir: Path, name: str, component: str, record: Record, 
         result = stop(record, 10.0)
         if not result.ok:
             raise MolctlError(f"could not stop leftover {component} processes: {', '.join(result.survivors)}")
-    elif process_state(record) == "uncertain":
+    elif liveness(record) == "uncertain":
         raise ConflictError(
             f"the {component} record of {name} names pid {record.pid}, which runs but cannot be "
             f"verified as the recorded process; it is not touched: check it, then "
@@ -270,7 +270,7 @@ def down_one(
             continue
         timeout = proxy_stop_timeout(drain_s) if component == "proxy" else engine_s
         if not members(record):
-            if process_state(record) == "uncertain" and not force:
+            if liveness(record) == "uncertain" and not force:
                 progress.warn(
                     f"{name} {component}: pid {record.pid} runs but cannot be verified as the recorded process "
                     f"(a record of an older molctl); not signalled, record kept (--force removes it)"

@@ -22,28 +22,28 @@ from collections.abc import Callable
 from pathlib import Path
 
 from molctl.errors import ExitStatus, MolctlError
-from molctl.readiness import Probe, http_status, wait_ready
+from molctl.readiness import Poll, http_status, wait_ready
 
 
 class _UrlReadiness:
     def __init__(self, url: str, status: Callable[[str], int | None] = http_status):
         self.url, self.status = url, status
 
-    def poll(self) -> Probe:
+    def poll(self) -> Poll:
         code = self.status(self.url)
         return (
-            Probe("ready", f"{self.url} answered 200")
+            Poll("ready", f"{self.url} answered 200")
             if code == 200
-            else Probe("down", f"{self.url} answered {code}" if code else f"{self.url} is not answering")
+            else Poll("down", f"{self.url} answered {code}" if code else f"{self.url} is not answering")
         )
 
 
 def _engine_readiness(profile_name: str, profiles_dirs: list[Path], set_json: str | None):
     from molctl import stackconfig
     from molctl.engines import get_engine
+    from molctl.launch import engine_upstream
     from molctl.profiles import profile_dirs
     from molctl.readiness import EngineReadiness
-    from molctl.start import engine_upstream
 
     overrides = [(k, v) for k, v in json.loads(set_json)] if set_json else []
     profile, _ = stackconfig.load(profile_name, profile_dirs(profiles_dirs), overrides)

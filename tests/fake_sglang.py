@@ -2,7 +2,7 @@
 lifecycle and proxy tests: a real SGLang cannot run here (no CUDA). It reuses the fake vLLM's
 chat behaviour (tests/fake_engine.py: directives, /_log, /_config, /_reset) and changes what
 SGLang does differently; each behaviour cites where SGLang does it (paths in sgl-project/sglang;
-the facts are summarised in molctl/engines/sglang.py).
+the facts are summarised in docs/engines/sglang.md).
 
 Start-up, in SGLang's order:
   0. parses its argv with the fake package's ServerArgs parser, strictly (launch_server.py

@@ -244,8 +244,9 @@ def test_proxy_series_needs_the_key(host, monkeypatch):
 
 
 def test_vram_sampled_through_the_injected_probe(host):
-    from molctl.bench import BenchOptions, bench
-    from molctl.cli import Context
+    from molctl.bench import BenchOptions
+    from molctl.bench.run import bench
+    from molctl.clibase import Context
 
     class Probe:
         calls = 0
@@ -295,7 +296,8 @@ def test_nothing_running_is_exit_3_without_a_traceback(tmp_path, molctl):
 def test_connection_error_kind_and_percentiles():
     import asyncio
 
-    from molctl.bench import _one, _percentiles, parse_metrics, workload
+    from molctl.bench import workload
+    from molctl.bench.measure import _one, _percentiles, parse_metrics
 
     async def refused():
         async with httpx.AsyncClient(trust_env=False) as client:
@@ -372,7 +374,7 @@ def test_output_must_be_a_new_or_empty_directory(host, tmp_path):
 
 
 def test_run_ids_of_the_same_second_never_share_a_directory(tmp_path):
-    from molctl.bench import new_run_dir
+    from molctl.bench.run import new_run_dir
 
     got = [new_run_dir(tmp_path, "tiny", now=1_800_000_000) for _ in range(3)]
     assert [rid for rid, _ in got] == ["20270115-080000", "20270115-080000-2", "20270115-080000-3"]
@@ -397,7 +399,7 @@ def test_compare_of_a_fifo_summary_does_not_hang(molctl):
 def test_a_malformed_stream_frame_is_a_stream_error_not_a_crash(frame):
     import asyncio
 
-    from molctl.bench import _one
+    from molctl.bench.measure import _one
 
     def handler(request):
         return httpx.Response(
@@ -415,7 +417,7 @@ def test_a_malformed_stream_frame_is_a_stream_error_not_a_crash(frame):
 def test_usage_of_another_type_falls_back_to_the_counted_chunks():
     import asyncio
 
-    from molctl.bench import _cell_summary, _one
+    from molctl.bench.measure import _cell_summary, _one
 
     frames = [
         '{"choices": [{"delta": {"content": "a"}}]}',

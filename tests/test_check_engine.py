@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from molctl.checks import Probes, check_profile
+from molctl.checks import check_profile
+from molctl.checks.result import Probes
 from molctl.engines import get_engine
 from molctl.profiles import load_profile, profile_dirs
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from molctl.checks import Probes, check_profile
+from molctl.checks import check_profile
+from molctl.checks.result import Probes
 from molctl.probes import GpuDevice, GpuInventory, GpuProcess, GpuUnavailable
 from molctl.profiles import profile_dirs
 from tests.layouts import tall_layout

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from molctl.checks import Probes
 from molctl.checks import template as tc
+from molctl.checks.result import Probes
 from molctl.demo import template_text
 from molctl.errors import ExitStatus
 from molctl.profiles import load_profile, profile_dirs

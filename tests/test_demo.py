@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from molctl.checks.template import Template, compile_template, render
+from molctl.checks.jinja_sandbox import compile_template
+from molctl.checks.template import Template, render
 from molctl.demo import TEMPLATES, init_tiny, template_text
 from molctl.errors import ExitStatus
 

@@ -330,10 +330,10 @@ def test_two_ups_from_two_state_dirs_race_for_the_same_ports(host, tmp_path):
 
 
 def test_claims_are_held_by_the_components_and_freed_on_exit(host, host_lock_dir):
-    from molctl.hostlocks import HostLocks
+    from molctl.claims import HostClaims
 
     assert host.up().exit_code == ExitStatus.OK
-    locks = HostLocks(host_lock_dir)
+    locks = HostClaims(host_lock_dir)
     engine, proxy = host.records()["engine"], host.records()["proxy"]
     assert locks.holder("port", host.engine_port).pid == engine.pid
     assert locks.holder("port", host.proxy_port).pid == proxy.pid
@@ -345,23 +345,23 @@ def test_claims_are_held_by_the_components_and_freed_on_exit(host, host_lock_dir
 
 
 def test_gpu_claims_name_their_holder(tmp_path, host_lock_dir):
-    from molctl.checks import Probes
-    from molctl.checks.host import run_gpu_locks
-    from molctl.hostlocks import HostLocks, holder_info
+    from molctl.checks.host import run_gpu_claims
+    from molctl.checks.result import Probes
+    from molctl.claims import HostClaims, holder_info
     from molctl.profiles import load_profile, profile_dirs
 
     tall = load_profile("tall", profile_dirs())
-    claim = HostLocks(host_lock_dir).acquire("gpu", 3, holder_info("venti", "engine", tmp_path / "other"))
+    claim = HostClaims(host_lock_dir).acquire("gpu", 3, holder_info("venti", "engine", tmp_path / "other"))
     try:
-        (result,) = run_gpu_locks(tall, Probes(state_dir=tmp_path / "mine", environ={}))
+        (result,) = run_gpu_claims(tall, Probes(state_dir=tmp_path / "mine", environ={}))
         assert result.status == "fail" and "GPU 3 is claimed by" in result.detail and "profile venti" in result.detail
-        (result,) = run_gpu_locks(
+        (result,) = run_gpu_claims(
             tall, Probes(state_dir=tmp_path / "other", environ={}, own_profiles=frozenset({"venti"}))
         )
         assert result.status == "pass"
     finally:
         claim.release()
-    (result,) = run_gpu_locks(tall, Probes(state_dir=tmp_path / "mine", environ={}))
+    (result,) = run_gpu_claims(tall, Probes(state_dir=tmp_path / "mine", environ={}))
     assert result.status == "pass"
 
 

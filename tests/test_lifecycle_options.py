@@ -12,15 +12,15 @@ import threading
 
 import pytest
 
+from molctl.claims import Claim, HostClaims, holder_info
 from molctl.errors import ExitStatus
-from molctl.hostlocks import Claim, HostLocks, holder_info
 from tests.helpers import Molctl
 
 
 def test_a_claim_just_taken_names_its_holder(tmp_path):
     """Two `up`s racing: the loser read the winner's lock file between its creation (empty) and
     the holder's name being written, and said "the lock file names no holder"."""
-    locks = HostLocks(tmp_path)
+    locks = HostClaims(tmp_path)
     path = locks.path("port", 4711)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     try:

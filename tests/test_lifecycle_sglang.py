@@ -380,7 +380,7 @@ def test_served_name_with_a_colon_is_refused_before_start(host):
 def test_engine_metrics_have_the_names_bench_reads(host):
     """--enable-metrics (venti-sglang passes it): /metrics carries every counter molctl bench
     reports for SGLang (metrics/collector.py names; cached tokens summed over cache_source)."""
-    from molctl.bench import parse_metrics
+    from molctl.bench.measure import parse_metrics
     from molctl.engines import get_engine
 
     assert host.up().exit_code == ExitStatus.OK

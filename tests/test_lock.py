@@ -19,6 +19,7 @@ import pytest
 
 from molctl import hashing as hashing_mod
 from molctl import manifest as mf
+from molctl import manifestfile as mff
 from molctl.errors import ExitStatus
 from molctl.hashing import HashCache, hash_files
 from molctl.profiles import load_profile
@@ -367,9 +368,9 @@ def test_write_atomic_interrupted_leaves_nothing(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(mf.json, "dump", boom)
+    monkeypatch.setattr(mff.json, "dump", boom)
     with pytest.raises(KeyboardInterrupt):
-        mf.write_atomic(target, {"kind": mf.KIND})
+        mff.write_atomic(target, {"kind": mff.KIND})
     assert list((tmp_path / "m").iterdir()) == []
 
 
@@ -825,7 +826,7 @@ def test_two_locks_in_the_same_second_keep_both_manifests(tmp_path, monkeypatch)
     profile = load_profile("tiny", [PROFILES], [("model_root", str(tmp_path / "m"))])
     # the same second for both runs: both pick the same free name before either writes
     monkeypatch.setattr(
-        mf,
+        mff,
         "time",
         types.SimpleNamespace(
             monotonic=time.monotonic, strftime=time.strftime, gmtime=lambda now=None: time.gmtime(1796130000)
@@ -858,7 +859,7 @@ def test_two_locks_in_the_same_second_keep_both_manifests(tmp_path, monkeypatch)
     assert len(set(paths.values())) == 2, paths
     for name, path in paths.items():
         assert json.loads(path.read_text())["run"] == name
-    names = sorted(p.name for p in mf.manifest_dir(state, "tiny").iterdir())
+    names = sorted(p.name for p in mff.manifest_dir(state, "tiny").iterdir())
     assert names == ["lock-20261201-130000-2.json", "lock-20261201-130000.json"], names
 
 

@@ -328,7 +328,7 @@ def test_a_yaml_alias_bomb_is_one_line_not_a_hang(molctl, tmp_path):
 
 def test_a_duplicate_key_names_its_line(tmp_path):
     """A duplicate key was reported without a line number."""
-    from molctl.profiles import load_yaml_with_lines
+    from molctl.profileyaml import load_yaml_with_lines
 
     path = tmp_path / "dup.yaml"
     path.write_text("name: dup\nengine:\n  port: 1\n  port: 2\n")
@@ -479,7 +479,7 @@ def test_a_bad_entry_of_a_mapping_field_names_its_key_and_only_its_value(molctl,
 )
 def test_a_bad_set_entry_of_a_mapping_or_list_field_names_its_key(key, value, expected):
     """The same through --set, and for every mapping or list field: the entry, not the parent."""
-    from molctl.profiles import parse_set_option
+    from molctl.profileyaml import parse_set_option
 
     with pytest.raises(ProfileError) as err:
         load_profile(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from molctl.readiness import POLL_S, Probe, base_url, wait_ready
+from molctl.readiness import POLL_S, Poll, base_url, wait_ready
 
 
 class Clock:
@@ -24,10 +24,10 @@ class Clock:
 class Script:
     """Answers the probes in order, then repeats the last one."""
 
-    def __init__(self, *probes: Probe):
+    def __init__(self, *probes: Poll):
         self.probes, self.polls = list(probes), 0
 
-    def poll(self) -> Probe:
+    def poll(self) -> Poll:
         self.polls += 1
         return self.probes.pop(0) if len(self.probes) > 1 else self.probes[0]
 
@@ -48,9 +48,9 @@ def wait(script: Script, clock: Clock, timeout: float, check_alive=lambda: None)
 def test_ready_after_a_few_polls():
     clock = Clock()
     script = Script(
-        Probe("down", "not listening yet"),
-        Probe("starting", "/health answers 503"),
-        Probe("ready", "health, adapters and a 1-token completion per adapter"),
+        Poll("down", "not listening yet"),
+        Poll("starting", "/health answers 503"),
+        Poll("ready", "health, adapters and a 1-token completion per adapter"),
     )
     probe, elapsed, waited = wait(script, clock, timeout=60)
     assert probe.state == "ready" and script.polls == 3
@@ -60,7 +60,7 @@ def test_ready_after_a_few_polls():
 
 def test_times_out_at_the_deadline_with_the_last_probe():
     clock = Clock()
-    probe, elapsed, waited = wait(Script(Probe("starting", "/v1/models not answering")), clock, timeout=3.2)
+    probe, elapsed, waited = wait(Script(Poll("starting", "/v1/models not answering")), clock, timeout=3.2)
     assert probe.state == "starting" and probe.detail == "/v1/models not answering"
     assert elapsed == pytest.approx(3.2)
     # polls every POLL_S, the last sleep shortened to end exactly at the deadline
@@ -70,13 +70,13 @@ def test_times_out_at_the_deadline_with_the_last_probe():
 
 def test_wrong_adapters_end_the_wait_at_once():
     clock = Clock()
-    probe, elapsed, _ = wait(Script(Probe("down", "x"), Probe("adapters", "L3 missing")), clock, timeout=60)
+    probe, elapsed, _ = wait(Script(Poll("down", "x"), Poll("adapters", "L3 missing")), clock, timeout=60)
     assert probe.state == "adapters" and elapsed == POLL_S
 
 
 def test_an_exited_process_ends_the_wait_before_the_next_probe():
     clock = Clock()
-    script = Script(Probe("down", "not listening yet"))
+    script = Script(Poll("down", "not listening yet"))
     calls = []
 
     def check_alive():

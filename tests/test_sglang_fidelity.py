@@ -223,7 +223,7 @@ def test_bench_counts_an_sglang_counter_born_during_the_run(tmp_path):
     (metrics/collector.py TokenizerMetricsCollector.observe_one_finished_request). On a fresh engine
     the warm-up request hit no cache, so the counter appears during the first bench series: its
     delta is its value, not "missing" (bench reported cached_tokens as missing)."""
-    from molctl.bench import _engine_delta, parse_metrics
+    from molctl.bench.measure import _engine_delta, parse_metrics
 
     port = free_port()
     engine_url = f"http://127.0.0.1:{port}"

@@ -165,7 +165,7 @@ def test_lock_output_probe_never_follows_a_planted_symlink(tmp_path):
     opening `DIR/.m.json.<pid>.tmp` with open(..., "w"): in a shared DIR (group-writable, or /tmp
     without fs.protected_symlinks, as on this host) another user plants that name, pids are
     guessable, as a symlink to a file of the operator's, which was truncated."""
-    from molctl.manifest import prepare_output
+    from molctl.manifestfile import prepare_output
 
     victim = tmp_path / "victim"
     victim.write_text("do not truncate\n")
@@ -182,8 +182,8 @@ def test_a_host_lock_file_hard_linked_to_another_file_is_refused(tmp_path):
     stops symlinks, not hard links) and the holder's JSON written over it. In the 1777 lock dir,
     on a host without fs.protected_hardlinks, another user hard-links `port-N.lock` to a file of
     the operator's (root: /etc/shadow), whose content `up` then replaced."""
+    from molctl.claims import HostClaims, holder_info
     from molctl.errors import MolctlError
-    from molctl.hostlocks import HostLocks, holder_info
 
     locks = tmp_path / "locks"
     locks.mkdir()
@@ -191,9 +191,9 @@ def test_a_host_lock_file_hard_linked_to_another_file_is_refused(tmp_path):
     victim.write_text("secret content that must stay\n")
     os.link(victim, locks / "port-8100.lock")
     with pytest.raises(MolctlError, match="hard link"):
-        HostLocks(locks).acquire("port", 8100, holder_info("tiny", "engine", tmp_path))
+        HostClaims(locks).acquire("port", 8100, holder_info("tiny", "engine", tmp_path))
     assert victim.read_text() == "secret content that must stay\n"
-    claim = HostLocks(locks).acquire("port", 8101, holder_info("tiny", "engine", tmp_path))  # a plain one works
+    claim = HostClaims(locks).acquire("port", 8101, holder_info("tiny", "engine", tmp_path))  # a plain one works
     claim.release()
 
 
@@ -228,7 +228,7 @@ def test_a_forged_lock_holder_cannot_put_a_command_in_the_stop_hint():
     name gives no command, and fields of another type are ignored."""
     import shlex
 
-    from molctl.hostlocks import Holder
+    from molctl.claims import Holder
 
     evil = Holder.parse(json.dumps({"pid": 1, "profile": "tiny", "state_dir": "/x; rm -rf ~ #"}).encode())
     hint = evil.stop_hint()
@@ -247,7 +247,7 @@ def test_a_forged_lock_holder_cannot_put_a_command_in_the_stop_hint():
 def test_state_prune_refuses_another_users_state_dir(tmp_path, monkeypatch):
     """Guards a found bug: check_own_state_dir's docstring names `state prune`, which did
     not call it, so root could still delete from a user's store (whose records choose the profile)."""
-    from molctl import statestore
+    from molctl import storeadmin
 
     state = tmp_path / "state"
     state.mkdir(mode=0o700)
@@ -262,4 +262,4 @@ def test_state_prune_refuses_another_users_state_dir(tmp_path, monkeypatch):
             raise AssertionError("the profile must not be loaded before the state dir is checked")
 
     with pytest.raises(StateDirError, match="not by you"):
-        statestore.state_prune("tiny", Ctx())
+        storeadmin.store_prune("tiny", Ctx())

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from molctl.checks import Probes
 from molctl.checks import template as tc
+from molctl.checks.jinja_sandbox import detect_content_format
+from molctl.checks.result import Probes
 from molctl.demo import template_text
 from molctl.profiles import load_profile, profile_dirs
 from tests.layouts import make_layout
@@ -44,15 +45,11 @@ def check(tmp_path, text, profile="tiny", *sets):
 def test_detection_matches_vllm(name):
     hf = pytest.importorskip("vllm.renderers.hf")
     text = SYNTHETIC.get(name) or template_text(name)
-    assert tc.detect_content_format(text) == hf._detect_content_format(text, default="string")
+    assert detect_content_format(text) == hf._detect_content_format(text, default="string")
 
 
 def test_the_demo_templates_are_detected_as_openai():
-    assert (
-        tc.detect_content_format(template_text("qwen3.6"))
-        == tc.detect_content_format(template_text("glm5"))
-        == "openai"
-    )
+    assert detect_content_format(template_text("qwen3.6")) == detect_content_format(template_text("glm5")) == "openai"
 
 
 def test_a_template_that_prints_parts_as_dicts_fails_with_the_detected_format(tmp_path):

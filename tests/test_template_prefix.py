@@ -4,8 +4,8 @@ warning naming the hop, the turns and the first differing characters, escaped.""
 
 from __future__ import annotations
 
-from molctl.checks import Probes
 from molctl.checks import template as tc
+from molctl.checks.result import Probes
 from molctl.demo import template_text
 from molctl.profiles import load_profile, profile_dirs
 from tests.layouts import make_layout

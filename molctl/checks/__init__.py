@@ -7,62 +7,18 @@ exact file, value and expectation.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from molctl.probes import GpuProbe, NvmlProbe, PortProbe
+from molctl.checks import engine, host, model, template, verify
+from molctl.checks import live as live_checks
+from molctl.checks.result import CheckResult, Probes, Report
 
-Status = Literal["pass", "warn", "fail", "skip"]
 CATEGORIES = ("profile", "engine", "gpu", "model", "adapter", "template", "port", "state", "security")
 # categories of a live engine, not of the host: the adapter efficacy canary (molctl.canary) that
 # `up`/`switch` run before the proxy starts and `check --live` runs against the running stack
 LIVE_CATEGORIES = ("adapter-effect",)
-
-
-@dataclass(frozen=True)
-class CheckResult:
-    id: str
-    status: Status
-    detail: str
-
-    def as_dict(self) -> dict[str, str]:
-        return {"id": self.id, "status": self.status, "detail": self.detail}
-
-
-@dataclass
-class Probes:
-    """Everything the checks learn about the host comes through here (tests inject fakes)."""
-
-    gpu: GpuProbe = field(default_factory=NvmlProbe)
-    ports: PortProbe = field(default_factory=PortProbe)
-    state_dir: Path | None = None
-    environ: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
-    api_key_file: Path | None = None
-    stack_pids: Callable[[], set[int]] = field(default_factory=lambda: set)
-    own_profiles: frozenset[str] = frozenset()  # stacks of state_dir whose host-wide claims are not foreign
-    verify: Any = None  # a molctl.checks.lock.Verify: add the `lock` category (check/up --verify)
-
-
-@dataclass
-class Report:
-    profile: str
-    checks: list[CheckResult]
-
-    @property
-    def ok(self) -> bool:
-        return not any(c.status == "fail" for c in self.checks)
-
-    def as_dict(self) -> dict:
-        return {"profile": self.profile, "ok": self.ok, "checks": [c.as_dict() for c in self.checks]}
-
-    def counts(self) -> dict[str, int]:
-        out = {s: 0 for s in ("pass", "warn", "fail", "skip")}
-        for c in self.checks:
-            out[c.status] += 1
-        return out
 
 
 def validate_skip(skip: Iterable[str]) -> set[str]:
@@ -81,8 +37,6 @@ def validate_skip(skip: Iterable[str]) -> set[str]:
 
 
 def run_checks(profile, probes: Probes, skip: Iterable[str] = ()) -> Report:
-    from molctl.checks import engine, host, lock, model, template
-
     skip = validate_skip(skip)
     runners = {
         "engine": engine.run,
@@ -95,7 +49,7 @@ def run_checks(profile, probes: Probes, skip: Iterable[str] = ()) -> Report:
         "security": host.run_security,
     }
     if probes.verify is not None:  # `--verify`: the host compared with a `molctl lock` manifest, last
-        runners["lock"] = lock.run
+        runners["lock"] = verify.run
     results = [CheckResult("profile.valid", "pass", f"{profile.source} is a valid profile")]
     for category, runner in runners.items():
         if category in skip:
@@ -127,8 +81,6 @@ def check_profile(
     probes = host_probes(ctx.state_dir, profile.name, api_key_file, probes)
     report = run_checks(profile, probes, skip)
     if live:
-        from molctl.checks import live as live_checks
-
         for category in LIVE_CATEGORIES:
             if category in set(skip):
                 report.checks.append(CheckResult(f"{category}.skipped", "skip", f"skipped (--skip {category})"))
@@ -161,9 +113,3 @@ def host_probes(
 def profile_failure(name: str, message: str) -> Report:
     """A report for a profile that failed to load (so `check --json` keeps its shape)."""
     return Report(name, [CheckResult("profile.valid", "fail", message)])
-
-
-def describe(paths: list[str], limit: int = 3) -> str:
-    """'a, b, c and 4 more' for details that must stay one line."""
-    shown = ", ".join(paths[:limit])
-    return shown + (f" and {len(paths) - limit} more" if len(paths) > limit else "")

@@ -8,7 +8,7 @@ from __future__ import annotations
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from molctl.checks import CheckResult, Probes, describe
+from molctl.checks.result import CheckResult, Probes, describe
 from molctl.engines import get_engine
 from molctl.engines.base import probe_install_cached
 from molctl.profiles import Profile

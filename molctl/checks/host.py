@@ -7,7 +7,7 @@ import os
 import stat
 from pathlib import Path
 
-from molctl.checks import CheckResult, Probes, describe
+from molctl.checks.result import CheckResult, Probes, describe
 from molctl.engines import get_engine
 from molctl.probes import GpuUnavailable
 from molctl.profiles import Profile
@@ -32,16 +32,16 @@ def _own(profile: Profile, probes: Probes) -> set[str]:
 
 def _claim_holder(kind: str, key: int, profile: Profile, probes: Probes):
     """(holder, is_own) of the host-wide claim on a port / GPU index, or (None, False) when free."""
-    from molctl.hostlocks import HostLocks
+    from molctl.claims import HostClaims
 
-    holder = HostLocks().holder(kind, key)
+    holder = HostClaims().holder(kind, key)
     if holder is None:
         return None, False
     return holder, holder.owns(probes.state_dir, _own(profile, probes))
 
 
-def run_gpu_locks(profile: Profile, probes: Probes) -> list[CheckResult]:
-    from molctl.hostlocks import gpu_indices
+def run_gpu_claims(profile: Profile, probes: Probes) -> list[CheckResult]:
+    from molctl.claims import gpu_indices
 
     indices = gpu_indices(profile, probes.environ)
     if not indices:
@@ -62,7 +62,7 @@ def run_gpu(profile: Profile, probes: Probes) -> list[CheckResult]:
     want = profile.engine.gpus
     if want == 0:
         return [CheckResult("gpu.count", "pass", f"profile {profile.name} needs no GPU")]
-    return _run_gpu(profile, probes, want) + run_gpu_locks(profile, probes)
+    return _run_gpu(profile, probes, want) + run_gpu_claims(profile, probes)
 
 
 def _run_gpu(profile: Profile, probes: Probes, want: int) -> list[CheckResult]:

@@ -9,7 +9,7 @@ changes the base model's greedy tokens or logprobs, fail when it does not;
 
 from __future__ import annotations
 
-from molctl.checks import CheckResult, Probes
+from molctl.checks.result import CheckResult, Probes
 from molctl.profiles import ROUTES, Profile
 
 

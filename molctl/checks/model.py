@@ -15,7 +15,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from molctl.checks import CheckResult, Probes, describe
+from molctl.checks.result import CheckResult, Probes, describe
 from molctl.engines import get_engine
 from molctl.profiles import ROUTES, Profile
 from molctl.safetensors import HeaderError, SafetensorsHeader, read_header
@@ -114,24 +114,7 @@ def run_model(profile: Profile, probes: Probes) -> list[CheckResult]:
     if root.resolve() != root.absolute():
         return [CheckResult("model.root", "fail", f"model root {root} resolves to {root.resolve()} through a symlink")]
     results.append(CheckResult("model.root", "pass", f"{root} is a real directory"))
-
-    config, problem = _load_json(profile.base_dir / "config.json")
-    want = profile.model.model_type
-    if problem:
-        results.append(CheckResult("model.config", "fail", problem))
-    elif not isinstance(config, dict):
-        results.append(CheckResult("model.config", "fail", f"{profile.base_dir / 'config.json'} is not a JSON object"))
-    elif want is not None and config.get("model_type") != want:
-        results.append(
-            CheckResult(
-                "model.config",
-                "fail",
-                f"{profile.base_dir / 'config.json'}: model_type is {config.get('model_type')!r}, expected {want!r}",
-            )
-        )
-    else:
-        results.append(CheckResult("model.config", "pass", f"model_type {config.get('model_type')!r}"))
-
+    results.append(_config_result(profile))
     weight_map, problem = load_weight_map(profile)
     if problem:
         results.append(CheckResult("model.index", "fail", problem))
@@ -150,7 +133,30 @@ def run_model(profile: Profile, probes: Probes) -> list[CheckResult]:
         )
     else:
         results.append(CheckResult("model.index", "pass", f"{len(weight_map)} tensors in {len(shards)} shards"))
+    return results + _shard_results(profile, shards)
 
+
+def _config_result(profile: Profile) -> CheckResult:
+    """`model.config`: the base's config.json is a JSON object of the profile's model_type."""
+    config, problem = _load_json(profile.base_dir / "config.json")
+    want = profile.model.model_type
+    if problem:
+        return CheckResult("model.config", "fail", problem)
+    if not isinstance(config, dict):
+        return CheckResult("model.config", "fail", f"{profile.base_dir / 'config.json'} is not a JSON object")
+    if want is not None and config.get("model_type") != want:
+        return CheckResult(
+            "model.config",
+            "fail",
+            f"{profile.base_dir / 'config.json'}: model_type is {config.get('model_type')!r}, expected {want!r}",
+        )
+    return CheckResult("model.config", "pass", f"model_type {config.get('model_type')!r}")
+
+
+def _shard_results(profile: Profile, shards: dict[str, set[str]]) -> list[CheckResult]:
+    """`model.shards` (each shard a real, non-empty file inside the base dir) and `model.headers`
+    (each header parses and holds exactly the tensors the index assigns to it)."""
+    results: list[CheckResult] = []
     file_problems: list[str] = []
     header_problems: list[str] = []
     for shard in sorted(shards):

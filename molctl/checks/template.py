@@ -4,41 +4,24 @@ A template that refuses the proxy's messages (Qwen3.5/3.6: "System message must 
 beginning.", vllm#41114; an unknown role) makes the engine answer 400 to every affected request,
 which no other check sees before real traffic does. So:
 
-- `template.found`: the template the engine will use, in the engine's order: the profile's
-  `engine.args.chat-template` (a file, or the template text itself), else `chat_template.jinja`
-  in the tokenizer directory (`engine.args.tokenizer`, default the base model dir; transformers
-  prefers that file), else `chat_template` in its `tokenizer_config.json` (a string, or the
-  list-of-dicts form with named templates: `tool_use` for requests with tools when present,
-  else `default`). None: a warning naming what the engine does instead (vLLM: no default since
-  transformers 4.44, so its chat endpoint fails; SGLang: a built-in template guessed from the
-  model path, if any).
-- `template.render`: the template, compiled once (cached per text) in a sandboxed Jinja
-  environment like Hugging Face's (ImmutableSandboxedEnvironment, trim_blocks, lstrip_blocks,
-  loopcontrols, `raise_exception`, `tojson` with ensure_ascii=False and indent, `strftime_now`, a
-  no-op `{% generation %}`), renders each request of `molctl.proxy.samples` - route, answer and
-  summary hops of sample conversations run through the proxy's own code - with that request's
-  tools and `chat_template_kwargs`, `add_generation_prompt=True` and the tokenizer's bos/eos/unk/pad
-  tokens. Messages and variables are prepared as vLLM 0.32 does (`engine_messages`,
-  `template_kwargs`: reasoning_effort and enable_thinking passed, reasoning copied to
-  reasoning_content, a tool message's text parts joined, tool-call arguments parsed to objects, a
-  non-object tool call refused); they are otherwise rendered as sent (no developer-to-system
-  rewriting, which only some engine versions do). A failure names the error, the hop and the shape.
-
+- `template.found`: the template the engine will use, found in the engine's order (the profile's
+  `engine.args.chat-template`, else `chat_template.jinja`, else `tokenizer_config.json`); none is
+  a warning naming what the engine does instead.
+- `template.render`: the template, compiled once in a sandboxed Jinja environment like Hugging
+  Face's (molctl.checks.jinja_sandbox), renders each request of `molctl.proxy.samples` with messages and
+  variables prepared as vLLM 0.32 does (`engine_messages`, `template_kwargs`); a failure names
+  the error, the hop and the shape.
 - `template.prefix`: each hop's rendered prompt starts with the same hop's prompt of the previous
-  turn on the same adapter, in each sample conversation (route N -> route N+1, answer N -> the
-  next answer on that adapter), so the engine's prefix cache serves the history instead of a
-  second prefill. A break is a warning naming the hop, the turns and the first differing
-  characters (Qwen3.6's tools-first system turn, the last-query <think> rule and GLM-5.x's
-  effort header each break it when the hops differ in tools, messages or reasoning_effort).
+  turn on the same adapter, so the engine's prefix cache serves the history; a break is a warning.
 
-The render results are remembered in STATE/cache, keyed by the template, the profile and the
-proxy's source files (path, size, mtime): importing the proxy and compiling a real template
-cost ~0.2 s, a cache hit a few milliseconds, so `molctl check` stays about as fast as before.
+Entry points: `run(profile, probes)` (the category), `Template`, `render`, `engine_messages`,
+`template_kwargs`, `content_format`. The render results are cached in STATE/cache, keyed by
+the template, the profile and the proxy's source files. The details (lookup order, the Jinja
+environment, the preparation rules, the cache): docs/design/template-checks.md.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
@@ -46,12 +29,10 @@ import re
 import sys
 import time
 from dataclasses import dataclass
-from datetime import datetime
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from molctl.checks import CheckResult, Probes
+from molctl.checks.result import CheckResult, Probes
 from molctl.engines import get_engine
 from molctl.profiles import Profile
 
@@ -162,200 +143,7 @@ def _fallback(profile: Profile) -> str:
     return get_engine(profile.engine.kind).no_template_fallback
 
 
-# ---------------------------------------------------------------------------------- rendering
-@lru_cache(maxsize=16)
-def compile_template(text: str):
-    """Compile `text` like Hugging Face's apply_chat_template does (cached per text)."""
-    import jinja2
-    from jinja2.exceptions import SecurityError
-    from jinja2.ext import Extension, loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class Generation(Extension):
-        """`{% generation %}...{% endgeneration %}` (assistant-token masks in training templates): a no-op."""
-
-        tags = {"generation"}
-
-        def parse(self, parser):
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-        def _render(self, caller):
-            return caller()
-
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    def strftime_now(fmt):
-        return datetime.now().strftime(fmt)
-
-    class Bounded(ImmutableSandboxedEnvironment):
-        """`*` and `**` are intercepted (and so never folded at compile time): `'x' * 10**10` or
-        `10 ** 10**8` would take the memory or the CPU of the host; a width above MAX_OUTPUT given
-        to a string method (`'x'.ljust(10**10)`) or a width filter is refused for the same reason."""
-
-        intercepted_binops = frozenset({"*", "**", "%"})
-
-        def call_binop(self, context, operator, left, right):
-            if operator == "%" and isinstance(left, str):  # '%10000000000s' % 1
-                _check_format(left, PERCENT_WIDTHS, right if isinstance(right, tuple) else (right,), {})
-            if operator == "*" and (
-                isinstance(left, int)
-                and isinstance(right, (str, list, tuple))
-                or isinstance(right, int)
-                and isinstance(left, (str, list, tuple))
-            ):
-                count, seq = (left, right) if isinstance(left, int) else (right, left)
-                if count * len(seq) > MAX_OUTPUT:
-                    raise SecurityError(
-                        f"a sequence of {len(seq)} repeated {count} times is above the "
-                        f"{MAX_OUTPUT}-character limit of a rendered prompt"
-                    )
-            if (
-                operator == "**"
-                and isinstance(left, int)
-                and isinstance(right, int)
-                and abs(left) > 1
-                and right * max(abs(left).bit_length(), 1) > 1_000_000
-            ):
-                raise SecurityError(f"{left} ** {right} is too large to compute")
-            return super().call_binop(context, operator, left, right)
-
-        def call(self, __context, __obj, *args, **kwargs):
-            if isinstance(getattr(__obj, "__self__", None), str):  # 'x'.ljust(N), .center, .zfill, .expandtabs
-                _check_sizes(args, kwargs)
-            return super().call(__context, __obj, *args, **kwargs)
-
-        def wrap_str_format(self, value):  # Jinja's sandboxed str.format / format_map, bounded
-            wrapped = super().wrap_str_format(value)
-            if wrapped is None:
-                return None
-
-            @functools.wraps(wrapped)
-            def bounded(*args, **kwargs):  # '{:>10000000000}'.format(1), '{:{w}}'.format(1, w=10**10)
-                _check_format(value.__self__, BRACE_WIDTHS, args, kwargs)
-                return wrapped(*args, **kwargs)
-
-            return bounded
-
-    def _check_format(fmt, pattern, args, kwargs):
-        """A format string's widths and precisions; its arguments too where they can be widths
-        (`%*s`, `{:{w}}`): a large number that is only formatted ('%d' % 1700000000) is fine."""
-        if "*" in fmt or ":{" in fmt:
-            _check_sizes(args, kwargs)
-        for numbers in pattern.findall(fmt):
-            _check_sizes(tuple(int(n) for n in numbers if n), {})
-
-    def _check_sizes(args, kwargs):
-        for value in (*args, *kwargs.values()):
-            if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_OUTPUT:
-                raise SecurityError(
-                    f"a width of {value} is above the {MAX_OUTPUT}-character limit of a rendered prompt"
-                )
-
-    def sized(fn):
-        @functools.wraps(fn)  # keeps Jinja's pass_context/pass_environment marks
-        def wrapper(value, *args, **kwargs):
-            _check_sizes(args, kwargs)
-            return fn(value, *args, **kwargs)
-
-        return wrapper
-
-    env = Bounded(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
-    for name in ("center", "indent", "wordwrap", "truncate"):  # filters with a width: `'x' | center(10**10)`
-        env.filters[name] = sized(env.filters[name])
-    do_format = env.filters["format"]
-
-    @functools.wraps(do_format)
-    def bounded_format(value, *args, **kwargs):  # '%10000000000s' | format(1)
-        if isinstance(value, str):
-            _check_format(value, PERCENT_WIDTHS, args, kwargs)
-        return do_format(value, *args, **kwargs)
-
-    env.filters["format"] = bounded_format
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    return env.from_string(text)
-
-
-# ------------------------------------------------------------------------------ content format
 CONTENT_FLAG = "chat-template-content-format"
-
-
-def detect_content_format(text: str) -> str:
-    """vLLM 0.32's `--chat-template-content-format auto` (renderers/hf.py, _detect_content_format and
-    _iter_nodes_assign_content_item), re-implemented on the template's Jinja AST: "openai" (content
-    passed as a list of parts) when a loop iterates over a message's content (`for x in
-    message.content`, a variable assigned from it, a macro parameter it is passed to, or a loop over
-    `content` outside macros), else "string"; "string" for a template that does not parse."""
-    import jinja2.nodes as nodes
-
-    try:
-        ast = compile_template(text).environment.parse(text)
-    except Exception:
-        return "string"
-
-    def var(node, name):
-        return isinstance(node, nodes.Name) and node.ctx == "load" and node.name == name
-
-    def attr(node, name, key):
-        if isinstance(node, nodes.Getitem):
-            return var(node.node, name) and isinstance(node.arg, nodes.Const) and node.arg.value == key
-        return isinstance(node, nodes.Getattr) and var(node.node, name) and node.attr == key
-
-    def access(node, name, key=None):
-        if isinstance(node, nodes.Filter):
-            return node.node is not None and access(node.node, name, key)
-        if isinstance(node, nodes.Test):
-            return access(node.node, name, key)
-        if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice):
-            return access(node.node, name, key)
-        return attr(node, name, key) if key else var(node, name)
-
-    names, queue = ["messages"], ["messages"]
-    while queue:  # variables assigned from messages (or a slice or filter of it)
-        current = queue.pop(0)
-        for assign in ast.find_all(nodes.Assign):
-            if access(assign.node, current) and isinstance(assign.target, nodes.Name):
-                names.append(assign.target.name)
-                if assign.target.name != current:
-                    queue.append(assign.target.name)
-    items = [
-        loop.target.name
-        for loop in ast.find_all(nodes.For)
-        if isinstance(loop.target, nodes.Name) and any(access(loop.iter, n) for n in names)
-    ]
-    bound: dict[int, set[str]] = {}
-    in_macros: set[int] = set()
-    for macro in ast.find_all(nodes.Macro):
-        params = {a.name for a in macro.args}
-        content_params = set()
-        for call in ast.find_all(nodes.Call):
-            if isinstance(call.node, nodes.Name) and call.node.name == macro.name:
-                for i, arg in enumerate(call.args):
-                    if i < len(macro.args) and any(access(arg, m, "content") for m in items):
-                        content_params.add(macro.args[i].name)
-                for kw in call.kwargs:
-                    if kw.key in params and any(access(kw.value, m, "content") for m in items):
-                        content_params.add(kw.key)
-        for loop in macro.find_all(nodes.For):
-            in_macros.add(id(loop))
-            if content_params:
-                bound[id(loop)] = content_params
-    for loop in ast.find_all(nodes.For):
-        it = loop.iter
-        if any(access(it, m, "content") for m in items):
-            return "openai"
-        if isinstance(it, nodes.Name) and (
-            it.name in bound.get(id(loop), ()) or (id(loop) not in in_macros and it.name == "content")
-        ):
-            return "openai"
-    return "string"
 
 
 def content_format(profile: Profile, template: Template) -> tuple[str, str]:
@@ -365,6 +153,8 @@ def content_format(profile: Profile, template: Template) -> tuple[str, str]:
     flag = profile.engine.args.get(CONTENT_FLAG)
     if flag in ("string", "openai"):
         return flag, f"engine.args.{CONTENT_FLAG}"
+    from molctl.checks.jinja_sandbox import detect_content_format
+
     found = {detect_content_format(text) for text in template.texts.values()}
     fmt = "openai" if "openai" in found else "string"
     return fmt, f"{profile.engine.kind}'s auto detection on the template"
@@ -474,6 +264,8 @@ def render(template: Template, payload: dict[str, Any], content_format: str = "s
     kwargs.update(messages=engine_messages(payload["messages"], content_format), tools=tools)
     for key, value in template.tokens.items():
         kwargs.setdefault(key, value)
+    from molctl.checks.jinja_sandbox import compile_template
+
     return _bounded_render(compile_template(text), kwargs)
 
 

@@ -1,125 +1,16 @@
 """SGLang (pinned 0.5.13.post1): `sglang.launch_server`, adapters selected with `model=<base>:<adapter>`.
 
-What SGLang does, and what molctl does about it. Read from SGLang's own source with the `search`
-tool (paths are in sgl-project/sglang; "PR"/"issue" are its GitHub threads). A real SGLang
-cannot run on molctl's CI host (no CUDA: its import fails on the CPU), so these facts are what
-`tests/fake_sglang.py` scripts, each behaviour citing the same place.
+`ENGINE` is this module's `molctl.engines.base.Engine`: flags and facts as attributes (launch
+module, LoRA and capacity flags, priority refusals, metric names, `version_path`), the installed
+flags (`probe_install`: SGLang's own argument parser, or its source where it does not import),
+adapter naming (`adapter_model`), the route hop's `regex` constraint (`guided_choice`), hop
+priorities, the template probe and summary continuation, the efficacy canary's request, and what
+a 503 from /health means (`health_detail`).
 
-Start-up and readiness (python/sglang/srt/entrypoints/http_server.py, engine.py):
-- `launch_server` first runs `_launch_subprocesses`: the scheduler process(es) (one per TP rank,
-  managers/scheduler.py `run_scheduler_process`) and the detokenizer process
-  (managers/detokenizer_manager.py) load the model while the launcher waits for their "ready"
-  pipe message. Nothing listens on the port during the whole load: a connect is refused.
-- Then uvicorn serves, with `tokenizer_manager.server_status = ServerStatus.Starting`. `/health`
-  and `/health_generate` are ONE handler (`health_generate`): it answers 503 while the status is
-  Starting, and 503 once SIGTERM set `gracefully_exit`; otherwise it sends a 1-token generate
-  (input_ids [0]) and answers 200 if the scheduler/detokenizer answered within
-  HEALTH_CHECK_TIMEOUT (20 s; else 503 and status UnHealthy). It checks only after
-  `asyncio.sleep(1)`: a healthy /health takes at least 1 s (`health_timeout_s`), and every probe
-  is a generate request. With SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0 (default true) /health
-  answers 200 at once (still 503 while starting or shutting down) and only /health_generate
-  generates; venti-sglang sets it, as molctl status, the proxy's /readyz and `up` poll /health.
-  `/get_model_info`, `/get_server_info` and `/v1/models` answer 200 as soon as uvicorn listens,
-  i.e. before the warm-up.
-- The warm-up thread (`_wait_and_warmup` -> `_execute_server_warmup`) polls `/get_model_info`,
-  then POSTs a real `/generate` ("The capital city of France is", max_new_tokens 8); only when
-  that answers 200 does it set ServerStatus.Up and log "The server is fired up and ready to
-  roll!". A failed warm-up logs "Initialization failed. warmup error" and kills the process
-  tree. So on SGLang `/health` 200 already means "warmed up and serving"; molctl still checks
-  the adapters, the version and a 1-token completion per adapter (an adapter can load and do
-  nothing), like on vLLM. A 503 while starting is shown as "warming up" (`health_detail`).
-- Log phases for the progress line (`phases` below): "server_args=ServerArgs(...)" printed at
-  start, "Load weight begin", "Loading safetensors checkpoint shards: ... n/N", "Load weight
-  end", "KV Cache is allocated" / "Memory pool end", "Capture cuda graph" / "Capturing batches",
-  "Uvicorn running on" / "Application startup complete" (warm-up under way), then "The server is
-  fired up and ready to roll!".
-
-Adapters:
-- `--lora-paths` takes `<PATH>`, `<NAME>=<PATH>` or a JSON object
-  `{"lora_name":str,"lora_path":str,"pinned":bool}` per adapter (docs/advanced_features/lora.md,
-  server_args.py); it implies `--enable-lora`. molctl passes `L0=DIR ... L3=DIR`.
-  `--max-loras-per-batch` (default 8) is the GPU adapter-pool size, `--max-loaded-loras` the CPU
-  cap (>= max-loras-per-batch), `--max-lora-rank` the largest rank (inferred from the adapters
-  when unset; molctl's model check reads it via `max_lora_rank`).
-- `/v1/models` lists, since PR #12229 (Oct 2025, before 0.5.13), the base card (`parent` null)
-  and one card per loaded adapter: `id` = lora_name (bare: "L2"), `root` = its path, `parent` =
-  the served model name (http_server.py `available_models`, `lora_registry.get_all_adapters()`).
-  So `adapter_problems` reads the same `{id: parent}` shape as on vLLM (`listed_adapters`).
-- A request selects an adapter with `model="<served-name>:<adapter>"` (PR #11570, Oct 2025:
-  entrypoints/openai/serving_base.py `_parse_model_parameter` / `_resolve_lora_path`), or with
-  the older `lora_path` body field; the `model:adapter` form wins when both are given. The
-  split is at the FIRST ':' and the base part is never checked, so a served name with a ':'
-  (sglang issue #12745: `gpt-oss:120b`) selects an adapter "120b": engine.served_name must not
-  contain ':'. An adapter that is not loaded is a 400 `{"object": "error", "type":
-  "BadRequestError", "message": "The following requested LoRA adapters are not loaded: L2\n
-  Loaded adapters: dict_keys([...])."}` (lora/lora_registry.py `acquire`, serving_base.py
-  `create_error_response`; streaming too: serving_chat.py kick-starts the generator before the
-  200), a message naming every loaded adapter: the proxy must never pass it on.
-  molctl uses the `model` form everywhere (`adapter_model`),
-  also for the 1-token readiness smoke (`smoke_request`: `{"model": "<base>:L<n>", "max_tokens":
-  1, ...}` to /v1/chat/completions, the OpenAI endpoint the proxy uses, not the native
-  /generate).
-
-Version: `/get_server_info` returns the server args, the scheduler info and
-`"version": __version__` (http_server.py `get_server_info`); molctl reads it after the adapters
-and stops the engine (exit 3) when it does not match `engine.version` (`version_path`).
-
-Shutdown (managers/tokenizer_manager.py `SignalHandler`, utils `kill_itself_when_parent_died`,
-launch_server.py):
-- SIGTERM on the launcher: "SIGTERM received. ... Draining requests and shutting down..." sets
-  `gracefully_exit` (/health turns 503); `sigterm_watchdog` notices within 5 s (it polls every
-  5 s), logs "Gracefully exiting... Remaining number of requests N" every 5 s while requests
-  are in flight (no upper bound: molctl's stop timeout is the bound), then
-  `kill_process_tree(os.getpid(), include_parent=True)`: the children, then the launcher kills
-  itself with SIGKILL (its exit status is -9 even on a clean stop). While loading there is no
-  handler yet: SIGTERM ends the launcher at once.
-- Child failure: a scheduler that raises logs "Scheduler hit an exception: ..." and SIGQUITs the
-  launcher: "Received sigquit from a child process. It usually means the child failed.", tree
-  killed, launcher SIGKILLed (entrypoints/engine.py launch_phase_sigquit_handler), so a crash
-  while loading reads "exited with code -9" and the reason is in the log. Once the schedulers are
-  ready, `SubprocessWatchdog` (utils/watchdog.py, PR #18582, in 0.5.13) polls the children every
-  1 s; any non-zero exit (a scheduler SIGKILLed by the OOM killer, or SIGTERMed by `molctl down`,
-  which signals every member) SIGQUITs the launcher, which kills the tree: a dead scheduler
-  never leaves a launcher that looks alive, and `down` finishes within about a second.
-- The scheduler and detokenizer rename themselves (`setproctitle("sglang::scheduler...")`,
-  "sglang::detokenizer"), which wipes the environment marker in /proc/PID/environ: molctl finds
-  them by the second marker, the run-dir cwd (molctl/procid.py), as for vLLM's EngineCore.
-- They arm PR_SET_PDEATHSIG=SIGKILL (`kill_itself_when_parent_died`), so a SIGKILLed launcher
-  usually takes them along; but some versions disable it ("does not work for `--dp 2`"), and it
-  fires per parent thread, so an orphaned scheduler holding the GPUs is possible: `up`/`down`
-  stop leftover marked processes whether or not their leader lives.
-
-Metrics, usage, parsers, structured output:
-- `--enable-metrics` serves Prometheus `/metrics`; `--enable-cache-report` adds
-  `usage.prompt_tokens_details.cached_tokens` (entrypoints/openai/usage_processor.py,
-  serving_chat.py `enable_cache_report=...`), in the final stream chunk too when
-  `stream_options.include_usage`; without it SGLang reports no cached tokens.
-- GLM-5 parsers: `--reasoning-parser glm45` (reasoning in `reasoning_content`), `--tool-call-parser
-  glm45` / `glm47` (function_call/ detectors), as venti-sglang passes.
-- Structured output on the OpenAI endpoint: the request fields `regex`, `ebnf` or `json_schema`
-  (response_format) of ChatCompletionRequest (entrypoints/openai/protocol.py), one at a time
-  ("Only one constraint parameter (`json_schema`, `regex`, or `ebnf`) can be specified",
-  docs structured_outputs); there is no vLLM-style `choice`. The route hop sends
-  `regex: "(L0|L1|L2|L3)"` (`guided_choice`) with thinking off
-  (`chat_template_kwargs.enable_thinking: false`). With `--reasoning-parser`, SGLang wraps the
-  grammar in `ReasonerGrammarObject` (constrained/reasoner_grammar_backend.py), which lifts it
-  until the think-end token only when the request reasons: `maybe_init_reasoning(reasoning)`
-  starts it constrained (tokens_after_think_end = 0) when `require_reasoning` is false, and
-  serving_chat.py `_get_reasoning_from_request` makes glm45 reason by default unless
-  `enable_thinking` is false. So the route hop is constrained from its first token (not run on
-  a real GLM-5 here). The proxy still reads the label leniently (content or reasoning_content)
-  and falls back to `default_route`.
-
-Flags (`probe_install`): the launch parses with `prepare_server_args(sys.argv[1:])`
-(server_args.py: `ServerArgs.add_cli_args(parser)`, `parser.parse_args`): an unknown flag ends it
-(exit 2), an alias is as good as the name ("--tensor-parallel-size", "--tp-size" in one
-add_argument call; "--model-path", "--model"), and argparse's abbreviations are taken: the
-documented `--tp 2`, which venti-sglang passes, is a prefix of --tp-size alone (no `--tp` is
-declared). The probe builds that parser where SGLang imports (the GPU host) and lists every
-option string plus every prefix that names one long option alone; where it does not import (no
-CUDA: its utils import torch/torchvision at import time) it reads the source: the option strings
-of each add_argument call, and the dataclass fields of PR #28814/#28919 (June 2026, after 0.5.13:
-`tp_size: A[int, Arg(aliases=[...])]` -> --tp-size, in server_args.py and srt/arg_groups/)."""
+What SGLang does (start-up, /health, adapters, version, shutdown, metrics, structured output,
+flag parsing), each fact with the SGLang source it was read from, and what molctl does about it:
+docs/engines/sglang.md. tests/fake_sglang.py scripts the same facts.
+"""
 
 from __future__ import annotations
 

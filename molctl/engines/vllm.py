@@ -1,10 +1,10 @@
 """vLLM: OpenAI API server, adapters selected with `model=<adapter name>`, guided choice via
-`structured_outputs`. Flags are validated against the installed version's own `--help`.
+`structured_outputs`.
 
-Readiness hooks: the base class's (`/health` 503/500 is shown as is; /v1/models cards `{id,
-parent}`; the 1-token smoke names the adapter as `model`). `version_path` stays None: the
-preflight reads the version from the same installed package the launch runs, and vLLM's
-development builds (`0.x.y.devN+g...`) would not match an `==` pin at runtime."""
+`ENGINE` is this module's `molctl.engines.base.Engine`: flags and facts as attributes, the
+installed flags and version (`probe_install`: the API server's own `--help`), the base class's
+readiness hooks, the template probe, summary continuation and the efficacy canary's request.
+What vLLM does that these rely on, and why `version_path` stays None: docs/engines/vllm.md."""
 
 from __future__ import annotations
 

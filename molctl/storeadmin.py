@@ -1,4 +1,4 @@
-"""`molctl state stats|prune PROFILE`: the proxy's state store of a profile (stored responses and
+"""`molctl state stats|prune PROFILE`: the proxy's store of a profile (stored responses and
 stateless chat's conversations: turns and tool-call bindings), inspected and pruned from outside
 the proxy (it may be running: SQLite's own locking and WAL let both work).
 
@@ -133,7 +133,7 @@ def _redis(profile: Profile, prune: bool) -> dict[str, Any]:
     return out
 
 
-def state_stats(name: str, ctx) -> dict[str, Any]:
+def store_stats(name: str, ctx) -> dict[str, Any]:
     """Counts, bytes (record JSON, and the file on disk with its WAL), oldest created_at, the
     evicted/expired totals and the bounds. A memory store (`proxy.store: memory`) keeps nothing
     on disk: its counts are zeros. A Redis store: `_redis`."""
@@ -148,7 +148,7 @@ def state_stats(name: str, ctx) -> dict[str, Any]:
             store.close()
 
 
-def state_prune(name: str, ctx) -> dict[str, Any]:
+def store_prune(name: str, ctx) -> dict[str, Any]:
     """Delete the expired responses and conversation rows, then evict oldest first over the size
     caps (each on its own counts); what was removed and what remains. Opening a schema-1 file
     migrates it (the conversation tables are added; nothing is removed)."""

@@ -20,8 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from molctl.checks import CheckResult, Probes, describe
+from molctl.checks.result import CheckResult, Probes, describe
 from molctl.hashing import file_kind
+from molctl.manifestfile import ManifestError, manifest_dir, newest
+from molctl.manifestfile import read as read_manifest
 from molctl.profiles import ROUTES, Profile
 
 
@@ -36,14 +38,13 @@ class Verify:
 
 
 def run(profile: Profile, probes: Probes) -> list[CheckResult]:
-    from molctl import manifest as mf
 
     verify: Verify = getattr(probes, "verify", None) or Verify()
     path = verify.manifest
     if path is None:
-        path = mf.newest(probes.state_dir, profile.name) if probes.state_dir is not None else None
+        path = newest(probes.state_dir, profile.name) if probes.state_dir is not None else None
         if path is None:
-            where = mf.manifest_dir(probes.state_dir, profile.name) if probes.state_dir is not None else "the state dir"
+            where = manifest_dir(probes.state_dir, profile.name) if probes.state_dir is not None else "the state dir"
             return [
                 CheckResult(
                     "lock.manifest",
@@ -53,8 +54,8 @@ def run(profile: Profile, probes: Probes) -> list[CheckResult]:
                 )
             ]
     try:
-        pinned = mf.read(path)
-    except mf.ManifestError as exc:
+        pinned = read_manifest(path)
+    except ManifestError as exc:
         return [CheckResult("lock.manifest", "fail", str(exc))]
     if pinned.get("profile") != profile.name:
         return [
@@ -75,7 +76,7 @@ def _engine(profile: Profile, probes: Probes, pinned: dict) -> list[CheckResult]
     want = pinned.get("engine") or {}
     try:
         found = mf.engine_section(profile, probes.state_dir)
-    except mf.ManifestError as exc:
+    except ManifestError as exc:
         return [
             CheckResult(
                 "lock.engine.version", "fail", f"pinned {want.get('package')} {want.get('version')}, found: {exc}"
@@ -179,7 +180,7 @@ def _model(profile: Profile, pinned: dict) -> list[CheckResult]:
     out = []
     try:
         cfg = mf.config_essentials(profile)
-    except mf.ManifestError as exc:
+    except ManifestError as exc:
         out.append(CheckResult("lock.config", "fail", str(exc)))
     else:
         want = pinned.get("config") or {}
@@ -195,7 +196,7 @@ def _model(profile: Profile, pinned: dict) -> list[CheckResult]:
         )
     try:
         tpl = mf.template_digest(profile)
-    except mf.ManifestError as exc:
+    except ManifestError as exc:
         return [*out, CheckResult("lock.template", "fail", str(exc))]
     want_t = pinned.get("template")
     if (want_t or {}).get("sha256") == (tpl or {}).get("sha256"):
@@ -222,14 +223,33 @@ class _Pinned:
 
 
 def _files(profile: Profile, probes: Probes, pinned: dict, verify: Verify) -> list[CheckResult]:
+    items, groups = _pinned_items(profile, pinned)
+    results: dict[str, CheckResult] = {}
+    to_hash: list[_Pinned] = []
+    changed: dict[str, str] = {}
+    for item in items:
+        problem, what = _stat_compare(profile, item)
+        if problem is not None:
+            results[item.cid] = problem
+            continue
+        if what:
+            changed[item.cid] = ", ".join(what)
+        if what or verify.full_hash:
+            to_hash.append(item)
+    if to_hash:
+        results.update(_hash_compare(profile, probes, verify, to_hash, changed))
+    return _grouped(items, groups, results, verify)
+
+
+def _pinned_items(profile: Profile, pinned: dict) -> tuple[list[_Pinned], dict[str, str]]:
+    """Every file the manifest pins or the host has, and the groups of the summary rows."""
     from molctl import manifest as mf
-    from molctl.hashing import HashCache, hash_files
 
     items: list[_Pinned] = []
     groups: dict[str, str] = {}  # group id -> what it is
     try:
         shards_now = set(mf.shard_names(profile))
-    except mf.ManifestError:
+    except ManifestError:
         shards_now = set()
     want_shards = {e["name"]: e for e in pinned.get("shards") or []}
     groups["lock.shards"] = "shards"
@@ -238,7 +258,7 @@ def _files(profile: Profile, probes: Probes, pinned: dict, verify: Verify) -> li
     want_base = {e["name"]: e for e in pinned.get("base_files") or []}
     try:
         base_now = set(mf.base_files(profile, sorted(shards_now | set(want_shards)), strict=False))
-    except mf.ManifestError:
+    except ManifestError:
         base_now = set()
     groups["lock.base"] = "base files"
     for name in sorted(set(want_base) | base_now):
@@ -256,55 +276,59 @@ def _files(profile: Profile, probes: Probes, pinned: dict, verify: Verify) -> li
         for name in sorted(set(want) | now):
             meta = pinned_adapter if name == "adapter_config.json" else None
             items.append(_Pinned(group, f"{group}.{name}", d / name, want.get(name), meta))
+    return items, groups
+
+
+def _stat_compare(profile: Profile, item: _Pinned) -> tuple[CheckResult | None, list[str]]:
+    """A failing row for a file that is not pinned, missing or not a regular file; else what its
+    stat says changed since the pin (nothing: as pinned, unless --full-hash reads otherwise)."""
+    if item.entry is None:
+        return CheckResult(
+            item.cid,
+            "fail",
+            f"{item.path} is not pinned by the manifest (added since `molctl lock {profile.name}`)",
+        ), []
+    try:
+        st = os.stat(item.path)
+    except FileNotFoundError:
+        dangling = f" (a dangling symlink to {os.readlink(item.path)})" if os.path.islink(item.path) else ""
+        return CheckResult(
+            item.cid,
+            "fail",
+            f"{item.path} is missing{dangling} (pinned: {item.entry['size']} "
+            f"bytes, sha256 {_short(item.entry['sha256'])})",
+        ), []
+    except OSError as exc:
+        dangling = f" (a dangling symlink to {os.readlink(item.path)})" if os.path.islink(item.path) else ""
+        return CheckResult(item.cid, "fail", f"{item.path}: {exc.strerror}{dangling}"), []
+    if not stat.S_ISREG(st.st_mode):  # never opened: a FIFO would block, /dev/zero never ends
+        return CheckResult(
+            item.cid,
+            "fail",
+            f"{item.path} is {file_kind(st.st_mode)}, not a regular file (pinned: {item.entry['size']} bytes)",
+        ), []
+    what = []
+    real, abspath = os.path.realpath(item.path), os.path.abspath(item.path)
+    if item.entry.get("real_path", abspath) != real:
+        what.append(
+            f"now {'a symlink to ' + real if real != abspath else 'no longer a symlink'}"
+            f" (pinned: {item.entry.get('real_path', 'not a symlink')})"
+        )
+    if st.st_size != item.entry["size"]:
+        what.append(f"size {item.entry['size']} -> {st.st_size}")
+    if st.st_mtime_ns != item.entry["mtime_ns"]:
+        what.append("mtime changed")
+    return None, what
+
+
+def _hash_compare(
+    profile: Profile, probes: Probes, verify: Verify, to_hash: list[_Pinned], changed: dict[str, str]
+) -> dict[str, CheckResult]:
+    """The rows of the files read: unreadable, content other than pinned, or pinned content whose
+    stat changed (a warning)."""
+    from molctl.hashing import HashCache, hash_files
 
     results: dict[str, CheckResult] = {}
-    to_hash: list[_Pinned] = []
-    changed: dict[str, str] = {}
-    for item in items:
-        if item.entry is None:
-            results[item.cid] = CheckResult(
-                item.cid,
-                "fail",
-                f"{item.path} is not pinned by the manifest (added since `molctl lock {profile.name}`)",
-            )
-            continue
-        try:
-            st = os.stat(item.path)
-        except FileNotFoundError:
-            dangling = f" (a dangling symlink to {os.readlink(item.path)})" if os.path.islink(item.path) else ""
-            results[item.cid] = CheckResult(
-                item.cid,
-                "fail",
-                f"{item.path} is missing{dangling} (pinned: {item.entry['size']} "
-                f"bytes, sha256 {_short(item.entry['sha256'])})",
-            )
-            continue
-        except OSError as exc:
-            dangling = f" (a dangling symlink to {os.readlink(item.path)})" if os.path.islink(item.path) else ""
-            results[item.cid] = CheckResult(item.cid, "fail", f"{item.path}: {exc.strerror}{dangling}")
-            continue
-        if not stat.S_ISREG(st.st_mode):  # never opened: a FIFO would block, /dev/zero never ends
-            results[item.cid] = CheckResult(
-                item.cid,
-                "fail",
-                f"{item.path} is {file_kind(st.st_mode)}, not a regular file (pinned: {item.entry['size']} bytes)",
-            )
-            continue
-        what = []
-        real, abspath = os.path.realpath(item.path), os.path.abspath(item.path)
-        if item.entry.get("real_path", abspath) != real:
-            what.append(
-                f"now {'a symlink to ' + real if real != abspath else 'no longer a symlink'}"
-                f" (pinned: {item.entry.get('real_path', 'not a symlink')})"
-            )
-        if st.st_size != item.entry["size"]:
-            what.append(f"size {item.entry['size']} -> {st.st_size}")
-        if st.st_mtime_ns != item.entry["mtime_ns"]:
-            what.append("mtime changed")
-        if what:
-            changed[item.cid] = ", ".join(what)
-        if what or verify.full_hash:
-            to_hash.append(item)
     hashed: dict[str, str] = {}
     if to_hash:
         # --full-hash reads every file (a file replaced with its size and mtime restored is caught);
@@ -338,6 +362,11 @@ def _files(profile: Profile, probes: Probes, pinned: dict, verify: Verify) -> li
                 f"{item.path}: {changed[item.cid]}, content as pinned "
                 f"(sha256 {_short(digest)}); `molctl lock {profile.name}` re-pins it",
             )
+    return results
+
+
+def _grouped(items: list[_Pinned], groups: dict[str, str], results: dict[str, CheckResult], verify: Verify):
+    """Each group's failing and warning rows, then one passing row for its files as pinned."""
     out: list[CheckResult] = []
     how = "sha256 read and matched" if verify.full_hash else "size and mtime unchanged; --full-hash reads them"
     for group, label in groups.items():
@@ -360,7 +389,7 @@ def _adapter_config_diff(item: _Pinned) -> str:
 
     try:
         now = mf.adapter_meta(item.path.parent)
-    except mf.ManifestError:
+    except ManifestError:
         return ""
     diff = [
         f"{k} {json.dumps(item.meta.get(k))} -> {json.dumps(now.get(k))}" for k in now if item.meta.get(k) != now.get(k)

@@ -3,8 +3,8 @@
 The state lock only serialises the commands of one state dir; two operators (two users, two
 state dirs) starting at the same moment would both find a port free by `bind()`, and vLLM's
 SO_REUSEPORT would then let two engines share it. So before spawning, `up` claims every port of
-the stack and every GPU index the engine uses: one lock file per port / device in a host-wide
-directory (`MOLCTL_LOCK_DIR`, else `/run/lock/molctl`, else `<tmp>/molctl-locks`; mode 1777
+the stack and every GPU index the engine uses: one claim file per port / device in a host-wide
+claim dir (`MOLCTL_LOCK_DIR`, else `/run/lock/molctl`, else `<tmp>/molctl-locks`; mode 1777
 like /tmp, each file owned by its creator), taken with `flock` and inherited by the component
 process (`pass_fds`), so it is held exactly as long as that process lives: the kernel frees it
 on any exit, and no stale lock can exist. The file's content names the holder (JSON: pid, user,
@@ -26,11 +26,11 @@ from typing import Any
 from molctl.errors import ConflictError, MolctlError
 from molctl.flocks import holder_if_held, try_exclusive
 
-LOCK_DIR_ENV = "MOLCTL_LOCK_DIR"
+CLAIM_DIR_ENV = "MOLCTL_LOCK_DIR"
 
 
-def lock_dir() -> Path:
-    env = os.environ.get(LOCK_DIR_ENV)
+def claim_dir() -> Path:
+    env = os.environ.get(CLAIM_DIR_ENV)
     if env:
         return Path(env).expanduser()
     run = Path("/run/lock")
@@ -46,10 +46,10 @@ def _ensure_dir(d: Path) -> None:
     except FileExistsError:
         pass
     except OSError as exc:
-        raise MolctlError(f"cannot create the host lock dir {d}: {exc.strerror or exc} (set {LOCK_DIR_ENV})") from None
+        raise MolctlError(f"cannot create the host lock dir {d}: {exc.strerror or exc} (set {CLAIM_DIR_ENV})") from None
     st = os.lstat(d)
     if not stat.S_ISDIR(st.st_mode):
-        raise MolctlError(f"host lock dir {d} is not a directory (set {LOCK_DIR_ENV})")
+        raise MolctlError(f"host lock dir {d} is not a directory (set {CLAIM_DIR_ENV})")
 
 
 def _user() -> str:
@@ -177,9 +177,9 @@ class Claim:
             self.fd = None
 
 
-class HostLocks:
+class HostClaims:
     def __init__(self, directory: Path | None = None):
-        self.dir = directory or lock_dir()
+        self.dir = directory or claim_dir()
 
     def path(self, kind: str, key: int) -> Path:
         return self.dir / f"{kind}-{key}.lock"
@@ -202,7 +202,7 @@ class HostLocks:
             os.close(fd)
             raise MolctlError(
                 f"host lock {path} is not a plain file of its own (a hard link or a special file): "
-                f"remove it, or set {LOCK_DIR_ENV}"
+                f"remove it, or set {CLAIM_DIR_ENV}"
             )
         if not try_exclusive(fd):
             holder = _read_holder(fd)
@@ -289,7 +289,7 @@ def stack_claims(profile) -> dict[str, list[tuple[str, int]]]:
 
 
 def claim_components(
-    locks: HostLocks, profile, state_dir: Path, components: Iterable[str], command: str
+    host: HostClaims, profile, state_dir: Path, components: Iterable[str], command: str
 ) -> dict[str, list[Claim]]:
     """Claim everything the given components need, all or nothing (ClaimConflict names the holder)."""
     wanted = stack_claims(profile)
@@ -299,7 +299,7 @@ def claim_components(
             taken[component] = []
             for kind, key in wanted[component]:
                 info = holder_info(profile.name, component, state_dir, command=command)
-                taken[component].append(locks.acquire(kind, key, info))
+                taken[component].append(host.acquire(kind, key, info))
     except BaseException:
         release_all(taken)
         raise

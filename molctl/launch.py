@@ -1,0 +1,91 @@
+"""The engine's and the proxy's command lines and environment (`engine_argv`, `engine_env`,
+`proxy_argv`, `engine_upstream`): what `molctl up` spawns and `molctl render` writes into
+manifests and units, from one code path."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from molctl.engines import get_engine
+from molctl.profiles import Profile
+from molctl.readiness import base_url
+
+if TYPE_CHECKING:
+    from molctl.start import UpOptions
+PROXY_SECRET_ENV = ("MOLCTL_API_KEY", "MOLCTL_STORE_PASSWORD")  # the proxy's secrets: never the engine's
+
+
+def engine_env(profile: Profile, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The engine's environment: `base` (default: this process's) without `engine.unset_env`,
+    plus `engine.env`, never the proxy's secrets. `molctl render` passes an empty base."""
+    env = {k: v for k, v in (os.environ if base is None else base).items() if k not in profile.engine.unset_env}
+    env.update(profile.engine.env)
+    for name in PROXY_SECRET_ENV:
+        env.pop(name, None)
+    return env
+
+
+def engine_argv(profile: Profile) -> list[str]:
+    """The engine's command line (`up` spawns it; `molctl render` writes it into manifests and units)."""
+    return get_engine(profile.engine.kind).launch_argv(profile)
+
+
+def engine_upstream(profile: Profile) -> str:
+    """The engine URL the proxy is given (`--upstream`): the engine's listen address, a wildcard
+    one reached through loopback (what `up` passes, from the engine's record)."""
+    return base_url(profile.engine.host, profile.engine.port)
+
+
+def proxy_argv(
+    profile: Profile,
+    opts: UpOptions,
+    key_args: list[str],
+    upstream: str,
+    *,
+    python: str = sys.executable,
+    state_dir: Path | None = None,
+) -> list[str]:
+    """The proxy's command line (`up` spawns it; `molctl render` writes it into manifests and
+    units). The start's overrides travel as typed JSON (`--set-json`), never re-parsed as text:
+    `--set 'served_model_name="2024"'` reaches the proxy as the string 2024. `state_dir` holds
+    its response store (STATE/PROFILE)."""
+    argv = [python, "-m", "molctl"]
+    if state_dir is not None:
+        argv += ["--state-dir", str(state_dir)]
+    for d in opts.profiles_dirs:
+        argv += ["--profiles-dir", str(Path(d).resolve())]
+    argv += [
+        "proxy",
+        profile.name,
+        "--upstream",
+        upstream,
+        "--host",
+        profile.proxy.host,
+        "--port",
+        str(profile.proxy.port),
+        "--drain-timeout",
+        str(opts.drain_timeout_s),
+    ]
+    if profile.proxy.metrics_port:
+        argv += ["--metrics-port", str(profile.proxy.metrics_port)]
+    # the engine's environment is no business of the proxy, and an argv is world-readable (ps,
+    # /proc/PID/cmdline): `--set engine.env.HF_TOKEN=...` put the token there
+    overrides = [[k, v] for k, v in opts.overrides if k != "engine.env" and not k.startswith("engine.env.")]
+    if overrides:
+        argv += ["--set-json", json.dumps(overrides)]
+    log_opts = profile_log_options(profile)
+    if log_opts:
+        argv += log_opts
+    return argv + key_args
+
+
+def profile_log_options(profile: Profile) -> list[str]:
+    logs = getattr(profile, "logs", None)
+    max_bytes = getattr(logs, "max_bytes", None)
+    if not max_bytes:
+        return []
+    return ["--log-max-bytes", str(int(max_bytes)), "--log-backups", str(int(getattr(logs, "backups", 2)))]
