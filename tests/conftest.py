@@ -5,13 +5,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import CliResult, Molctl, free_port
+from tests.helpers import Molctl
 from tests.helpers import free_ports as _free_ports
 from tests.lifecycle_host import Host
 from tests.procs import fake_engine_argv, proxy_argv, running
 from tests.proxy_stack import KEY, KEY2, STRICT, Stack
-
-__all__ = ["CliResult", "free_port"]  # free_port: also imported from here by older test modules
 
 # A run started in the background by a non-interactive shell (`pytest ... &` in a script, some CI
 # runners) has SIGINT ignored, and an ignored signal stays ignored in every process it starts: each

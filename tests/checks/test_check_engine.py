@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
 from molctl.checks import Probes, check_profile
-from molctl.engines import get_engine
-from molctl.profiles import load_profile, profile_dirs
+from molctl.profiles import profile_dirs
+from tests.fake_vllm import fake_vllm, profile_flags
 
 SKIP_ALL_BUT_ENGINE = ("gpu", "model", "adapter", "port", "state", "security")
 
@@ -32,24 +31,6 @@ def venv_factory(tmp_path_factory):
         return made[name]
 
     return make
-
-
-def fake_vllm(site: Path, version: str, flags: list[str]) -> None:
-    pkg = site / "vllm"
-    (pkg / "entrypoints" / "openai").mkdir(parents=True)
-    (pkg / "__init__.py").write_text(f"__version__ = {version!r}\n")
-    (pkg / "entrypoints" / "__init__.py").write_text("")
-    (pkg / "entrypoints" / "openai" / "__init__.py").write_text("")
-    (pkg / "entrypoints" / "openai" / "api_server.py").write_text(
-        textwrap.dedent(f"""
-        import argparse
-        parser = argparse.ArgumentParser()
-        for flag in {flags!r}:
-            parser.add_argument("--" + flag, nargs="*")
-        if __name__ == "__main__":
-            parser.parse_args()
-    """)
-    )
 
 
 def fake_sglang(site: Path, version: str, flags: list[str]) -> None:
@@ -76,11 +57,6 @@ def run_engine_check(state_dir, profile: str, python: Path, *sets):
     overrides = [("engine.python", str(python)), *sets]
     report = check_profile(profile, Ctx(state_dir), overrides, SKIP_ALL_BUT_ENGINE, None, Probes(environ={}))
     return report, {c.id: (c.status, c.detail) for c in report.checks}
-
-
-def profile_flags(name: str) -> list[str]:
-    p = load_profile(name, profile_dirs())
-    return get_engine(p.engine.kind).profile_flags(p)
 
 
 def test_vllm_matching_version_and_flags(venv_factory, state_dir):

@@ -22,7 +22,7 @@ from molctl import manifest as mf
 from molctl.errors import ExitStatus
 from molctl.hashing import HashCache, hash_files
 from molctl.profiles import load_profile
-from tests.checks.test_check_engine import fake_vllm, profile_flags
+from tests.fake_vllm import fake_vllm, profile_flags
 from tests.helpers import Molctl
 from tests.layouts import make_layout, tall_layout
 

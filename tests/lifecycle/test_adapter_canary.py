@@ -13,8 +13,8 @@ import pytest
 
 from molctl.canary import TOLERANCE, Sample, difference
 from molctl.errors import ExitStatus
-from tests.lifecycle.test_lifecycle_sglang import SGL, SglHost
 from tests.lifecycle_host import Host, gone, port_free
+from tests.sglang_host import SGL, SglHost
 
 
 @pytest.fixture(params=["vllm", "sglang"])

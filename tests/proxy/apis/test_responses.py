@@ -12,17 +12,9 @@ import openai
 import pytest
 
 from molctl.proxy import responses
-from tests.proxy_stack import IDENTITY, KEY, KEY2, LEAK, PUBLIC, fold
+from tests.proxy_stack import IDENTITY, KEY, KEY2, LEAK, PUBLIC, RESPONSES_TOOLS, fold
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
-TOOLS = [
-    {
-        "type": "function",
-        "name": "get_weather",
-        "description": "Weather for a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-    }
-]
 
 
 def system(extra: str | None = None) -> dict:
@@ -360,12 +352,12 @@ def test_chain_across_two_adapters_and_a_branch(s, stream):
 def test_function_tool_loop_stays_on_the_adapter(s, stream):
     first = f"[route:L3] [tool:get_weather] weather in Paris? {stream}"
     if stream:
-        events = stream_create(s, input=first, tools=TOOLS)
+        events = stream_create(s, input=first, tools=RESPONSES_TOOLS)
         types = [e.type for e in events]
         assert "response.function_call_arguments.delta" in types and "response.function_call_arguments.done" in types
         r1 = events[-1].response
     else:
-        r1 = create(s, input=first, tools=TOOLS)
+        r1 = create(s, input=first, tools=RESPONSES_TOOLS)
     [call] = r1.output
     assert call.type == "function_call" and call.name == "get_weather" and call.id.startswith("fc_")
     assert json.loads(call.arguments) == {"city": "Paris"}  # built from the tool's schema
@@ -373,10 +365,12 @@ def test_function_tool_loop_stays_on_the_adapter(s, stream):
     routes = len(s.log("route"))
     follow = [{"type": "function_call_output", "call_id": call.call_id, "output": "18C sunny"}]
     if stream:
-        with s.client.responses.stream(model=PUBLIC, input=follow, previous_response_id=r1.id, tools=TOOLS) as st:
+        with s.client.responses.stream(
+            model=PUBLIC, input=follow, previous_response_id=r1.id, tools=RESPONSES_TOOLS
+        ) as st:
             r2 = st.get_final_response()
     else:
-        r2 = create(s, input=follow, previous_response_id=r1.id, tools=TOOLS)
+        r2 = create(s, input=follow, previous_response_id=r1.id, tools=RESPONSES_TOOLS)
     assert "18C sunny" in r2.output_text
     assert len(s.log("route")) == routes  # no route hop
     answers = s.log("answer")
@@ -394,7 +388,7 @@ def test_function_tool_loop_stays_on_the_adapter(s, stream):
         assistant,
         {"role": "tool", "tool_call_id": call.call_id, "content": "18C sunny"},
     ]
-    chat_tool = {k: TOOLS[0][k] for k in ("name", "description", "parameters")}
+    chat_tool = {k: RESPONSES_TOOLS[0][k] for k in ("name", "description", "parameters")}
     assert answers[1]["payload"]["tools"] == [{"type": "function", "function": chat_tool}]
 
 
@@ -406,7 +400,7 @@ def test_function_call_items_in_the_input(s):
             {"type": "function_call", "call_id": "call-x", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
             {"type": "function_call_output", "call_id": "call-x", "output": "2C snow"},
         ],
-        tools=TOOLS,
+        tools=RESPONSES_TOOLS,
     )
     assert "2C snow" in r.output_text
     assert s.log("answer")[-1]["messages"][2:] == [
@@ -574,7 +568,12 @@ def test_no_adapter_name_anywhere(s):
             "POST",
             url,
             headers=AUTH,
-            json={"model": PUBLIC, "stream": True, "tools": TOOLS, "input": f"[route:{route}] [tool:get_weather] y"},
+            json={
+                "model": PUBLIC,
+                "stream": True,
+                "tools": RESPONSES_TOOLS,
+                "input": f"[route:{route}] [tool:get_weather] y",
+            },
         ) as sr:
             record(sr, "".join(sr.iter_text()))
     for rid in ids:
@@ -633,7 +632,7 @@ def test_tool_loop_continues_on_its_adapter_after_a_proxy_restart(s, keyfile, tm
     env = {"MOLCTL_STATE_DIR": str(tmp_path / "state")}
     with running(argv, url + "/health", env=env, log=tmp_path / "p1.log"):
         client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=30)
-        r1 = client.responses.create(model=PUBLIC, input="[route:L1] [tool:get_weather] Oslo?", tools=TOOLS)
+        r1 = client.responses.create(model=PUBLIC, input="[route:L1] [tool:get_weather] Oslo?", tools=RESPONSES_TOOLS)
         [call] = r1.output
     with running(argv, url + "/health", env=env, log=tmp_path / "p2.log"):
         client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=30)
@@ -641,7 +640,7 @@ def test_tool_loop_continues_on_its_adapter_after_a_proxy_restart(s, keyfile, tm
         r2 = client.responses.create(
             model=PUBLIC,
             previous_response_id=r1.id,
-            tools=TOOLS,
+            tools=RESPONSES_TOOLS,
             input=[{"type": "function_call_output", "call_id": call.call_id, "output": "2C"}],
         )
         assert "2C" in r2.output_text

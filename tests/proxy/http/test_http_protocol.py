@@ -7,10 +7,8 @@ import asyncio
 import socket
 import threading
 
-import uvicorn
-
-from molctl.proxy.http_protocol import HeadHoldingHttpToolsProtocol, HeadHoldingTransport
-from tests.helpers import free_port
+from molctl.proxy.http_protocol import HeadHoldingTransport
+from tests.http_server import Server
 
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n"
 
@@ -101,37 +99,6 @@ def test_other_writes_pass_through_and_the_rest_of_the_interface_is_the_transpor
     assert buffered == len(HEAD)  # the held head counts as buffered
 
 
-class _Server:
-    """uvicorn with the proxy's protocol and a small ASGI app, in a thread (also test_proxy_rejected_traffic's)."""
-
-    def __init__(self, app, timeout_keep_alive: float = 5, http: type = HeadHoldingHttpToolsProtocol) -> None:
-        self.port = free_port()
-        config = uvicorn.Config(
-            app,
-            host="127.0.0.1",
-            port=self.port,
-            http=http,
-            lifespan="off",
-            log_level="warning",
-            loop="asyncio",
-            timeout_keep_alive=timeout_keep_alive,
-        )
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> _Server:
-        self.thread.start()
-        for _ in range(200):
-            if self.server.started:
-                return self
-            threading.Event().wait(0.02)
-        raise TimeoutError("uvicorn did not start")
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-
-
 def _read_until(sock: socket.socket, marker: bytes, have: bytes = b"") -> bytes:
     while marker not in have:
         chunk = sock.recv(65536)
@@ -163,7 +130,7 @@ def test_under_uvicorn_keep_alive_responses_are_whole_and_a_stream_head_is_not_h
         await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
         await send({"type": "http.response.body", "body": b""})
 
-    with _Server(app) as server, socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+    with Server(app) as server, socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
         for _ in range(3):  # keep-alive: several responses on one connection
             sock.sendall(b"GET /json HTTP/1.1\r\nHost: x\r\n\r\n")
             data = _read_until(sock, b'{"ok": true}')
@@ -202,7 +169,7 @@ def test_an_http_1_0_client_gets_a_close_delimited_body_never_chunked() -> None:
                 data += chunk
             return data
 
-    with _Server(app) as server:
+    with Server(app) as server:
         streamed = exchange(server.port, b"GET /stream HTTP/1.0\r\n\r\n")
         sized = exchange(server.port, b"GET /sized HTTP/1.0\r\n\r\n")
         with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:

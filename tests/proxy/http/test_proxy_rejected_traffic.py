@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from tests.helpers import free_ports, wait_for
+from tests.http_server import Server
 from tests.procs import fake_engine_argv, proxy_argv, running
-from tests.proxy.http.test_http_protocol import _Server
 
 KEY = "sk-rejected-traffic"
 
@@ -106,7 +106,7 @@ def test_a_connection_that_never_completes_its_request_head_is_closed():
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
         await send({"type": "http.response.body", "body": b"ok"})
 
-    with _Server(app, timeout_keep_alive=1.0) as server:
+    with Server(app, timeout_keep_alive=1.0) as server:
         addr = ("127.0.0.1", server.port)
         silent = socket.create_connection(addr)
         partial = socket.create_connection(addr)

@@ -17,8 +17,8 @@ import pytest
 
 from molctl.proxy.http_protocol import HeadHoldingHttpToolsProtocol
 from tests.helpers import free_ports, wait_for
+from tests.http_server import Server
 from tests.procs import fake_engine_argv, proxy_argv, running
-from tests.proxy.http.test_http_protocol import _Server
 
 LIMIT = 4096
 
@@ -86,7 +86,7 @@ def test_a_header_past_the_bound_is_answered_431_before_the_head_ends() -> None:
     """The head never ends: the answer comes from the bytes counted as they arrived."""
     refused: list[int] = []
     with (
-        _Server(_ok_app, http=_limited(refused)) as server,
+        Server(_ok_app, http=_limited(refused)) as server,
         socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock,
     ):
         sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (2 * LIMIT))
@@ -111,7 +111,7 @@ def test_a_header_past_the_bound_is_answered_431_before_the_head_ends() -> None:
 def test_a_request_line_past_the_bound_is_answered_414() -> None:
     refused: list[int] = []
     with (
-        _Server(_ok_app, http=_limited(refused)) as server,
+        Server(_ok_app, http=_limited(refused)) as server,
         socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock,
     ):
         sock.sendall(b"GET /" + b"a" * (2 * LIMIT))
@@ -129,7 +129,7 @@ def test_heads_within_the_bound_are_served_and_bodies_do_not_count() -> None:
     (the count starts again with each request)."""
     refused: list[int] = []
     with (
-        _Server(_ok_app, http=_limited(refused)) as server,
+        Server(_ok_app, http=_limited(refused)) as server,
         socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock,
     ):
         head = b"GET /near HTTP/1.1\r\nHost: x\r\nX-Pad: "
@@ -166,7 +166,7 @@ def test_a_head_past_the_bound_behind_a_running_response_is_refused_after_it() -
         await send({"type": "http.response.body", "body": b"done"})
 
     with (
-        _Server(slow_app, http=_limited()) as server,
+        Server(slow_app, http=_limited()) as server,
         socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock,
     ):
         sock.sendall(

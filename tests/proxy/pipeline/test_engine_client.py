@@ -14,8 +14,7 @@ import pytest
 from molctl.proxy import fastjson
 from molctl.proxy.engine_client import STALE_CLOSE_S, EngineClient, checked_completion
 from molctl.proxy.errors import EngineHTTPError, EngineUnavailable
-from tests.conftest import free_port
-from tests.helpers import wait_for
+from tests.helpers import free_port, wait_for
 from tests.procs import fake_engine_argv, running
 
 PAYLOAD = {"model": "L1", "messages": [{"role": "user", "content": "héllo [route:L2]"}], "max_tokens": 8}

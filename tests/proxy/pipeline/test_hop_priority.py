@@ -15,8 +15,9 @@ import pytest
 from molctl.engines import get_engine
 from molctl.profiles import load_profile, profile_dirs
 from tests.helpers import wait_for
-from tests.proxy.pipeline.test_proxy_sglang import PUBLIC as PUBLIC_SGL
-from tests.proxy_stack import KEY, own_stack
+from tests.proxy_stack import KEY, TOOLS, own_stack
+from tests.sglang_stack import PUBLIC as PUBLIC_SGL
+from tests.sglang_stack import sglang_stack
 
 
 def hops(s) -> dict[str, list[dict]]:
@@ -104,9 +105,7 @@ def test_on_sglang_every_hop_names_its_priority(keyfile, tmp_path):
     """SGLang with --enable-priority-scheduling gives a request without a priority the lowest
     value, and a waiting request preempts running ones more than 10 below it: the route hop's 1
     above answers and summaries at 0 orders it first without preempting them."""
-    from tests.proxy.pipeline.test_proxy_sglang import _stack
-
-    engine, proxy, st = _stack(keyfile, tmp_path, "--set", "engine.args.enable-priority-scheduling=true", key=KEY)
+    engine, proxy, st = sglang_stack(keyfile, tmp_path, "--set", "engine.args.enable-priority-scheduling=true", key=KEY)
     with engine, proxy:
         assert (
             st.client.chat.completions.create(
@@ -221,9 +220,7 @@ def test_an_sglang_engine_that_aborts_priorities_loses_no_request(keyfile, tmp_p
     """The proxy's profile opts in, its engine aborts any priority (503): the route hop is sent
     again without one, and the tool-result turn after it (no route hop) and the summary carry
     none, so every request is answered and no summary fails."""
-    from tests.proxy.pipeline.test_proxy_sglang import TOOLS, _stack
-
-    engine, proxy, st = _stack(keyfile, tmp_path, "--set", "engine.args.enable-priority-scheduling=true", key=KEY)
+    engine, proxy, st = sglang_stack(keyfile, tmp_path, "--set", "engine.args.enable-priority-scheduling=true", key=KEY)
     with engine, proxy:
         st.config(abort_on_priority=True)
         client = st.client

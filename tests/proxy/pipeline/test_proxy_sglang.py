@@ -11,17 +11,10 @@ import re
 import time
 
 import httpx
-import openai
 import pytest
 
-from molctl.profiles import load_profile, profile_dirs
-from tests.helpers import free_ports
-from tests.procs import fake_sglang_argv, proxy_argv, running
+from tests.sglang_stack import KEY, PUBLIC, SERVED, sglang_stack
 
-KEY = "sk-test-sglang"
-VENTI = load_profile("venti-sglang", profile_dirs())
-PUBLIC = VENTI.served_model_name
-SERVED = VENTI.engine.served_name
 LEAK = re.compile(r"(?<![A-Za-z0-9])L[0-3](?![0-9])|glm52-fp8-official")
 TOOLS = [
     {
@@ -35,21 +28,6 @@ TOOLS = [
 ]
 
 
-class Stack:
-    def __init__(self, engine_url: str, proxy_url: str, key: str = KEY):
-        self.engine_url, self.proxy_url = engine_url, proxy_url
-        self.client = openai.OpenAI(base_url=proxy_url + "/v1", api_key=key, max_retries=0, timeout=30)
-
-    def config(self, **cfg):
-        httpx.post(self.engine_url + "/_config", json=cfg).raise_for_status()
-
-    def reset(self):
-        httpx.post(self.engine_url + "/_reset").raise_for_status()
-
-    def log(self, hop: str | None = None) -> list[dict]:
-        return [e for e in httpx.get(self.engine_url + "/_log").json() if hop is None or e["hop"] == hop]
-
-
 @pytest.fixture(scope="module")
 def keyfile(tmp_path_factory):
     path = tmp_path_factory.mktemp("keys") / "keys"
@@ -58,30 +36,9 @@ def keyfile(tmp_path_factory):
     return path
 
 
-def _stack(keyfile, logs, *proxy_args: str, cache_report=True, key: str = KEY):
-    """(engine, proxy) context managers and the Stack: the fake SGLang and a venti-sglang proxy
-    started with `proxy_args` (the proxy's key file `keyfile`, holding `key`)."""
-    engine_port, proxy_port = free_ports(2)
-    engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
-    # /health answers 200 only after the fake's warm-up, as SGLang's
-    return (
-        running(
-            fake_sglang_argv(engine_port, SERVED, cache_report=cache_report),
-            engine_url + "/health",
-            log=logs / f"engine-{engine_port}.log",
-        ),
-        running(
-            proxy_argv("venti-sglang", engine_url, proxy_port, "--api-key-file", str(keyfile), *proxy_args),
-            proxy_url + "/health",
-            log=logs / f"proxy-{proxy_port}.log",
-        ),
-        Stack(engine_url, proxy_url, key),
-    )
-
-
 @pytest.fixture(scope="module")
 def stack(keyfile, tmp_path_factory):
-    engine, proxy, st = _stack(keyfile, tmp_path_factory.mktemp("logs"))
+    engine, proxy, st = sglang_stack(keyfile, tmp_path_factory.mktemp("logs"))
     with engine, proxy:
         yield st
 
@@ -216,7 +173,7 @@ def test_readyz_follows_the_adapter_list(s):
 
 
 def test_without_cache_report_no_cached_tokens(keyfile, tmp_path):
-    engine, proxy, st = _stack(keyfile, tmp_path, cache_report=False)
+    engine, proxy, st = sglang_stack(keyfile, tmp_path, cache_report=False)
     with engine, proxy:
         r = st.client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "[route:L1] hi"}])
         assert r.usage.total_tokens == 13 and r.usage.prompt_tokens_details is None

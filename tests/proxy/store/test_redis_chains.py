@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from molctl.proxy.redis_store import KEY_FORMAT, RedisResponseStore, describe_sync, parse_redis_url
-from tests.proxy.store.test_redis_tenants import Clock, P, state, totals_agree
+from tests.redis_helpers import Clock, P, state, totals_agree
 from tests.redis_server import load_dump
 
 FORMAT2 = Path(__file__).parents[2] / "data" / "redis-format2.json"

@@ -280,7 +280,7 @@ def test_a_store_that_wants_a_password_when_none_is_configured_says_so(tmp_path,
     without even 'authentication failed'). Now it says that the server wants a password and none
     is configured, and where it goes."""
     from tests.helpers import Molctl
-    from tests.proxy.store.test_redis_store import SKIP_ALL_BUT_STATE, shared_profile
+    from tests.redis_helpers import SKIP_ALL_BUT_STATE, shared_profile
 
     server = RedisServer(None, "--requirepass", "s3cret").start()
     try:
@@ -360,7 +360,7 @@ def test_check_fails_on_a_read_only_replica_naming_its_primary(tmp_path, state_d
     every store write would be refused. Now state.store fails naming the primary; `state stats`
     shows the role."""
     from tests.helpers import Molctl
-    from tests.proxy.store.test_redis_store import SKIP_ALL_BUT_STATE, shared_profile
+    from tests.redis_helpers import SKIP_ALL_BUT_STATE, shared_profile
 
     (tmp_path / "primary").mkdir()
     (tmp_path / "replica").mkdir()

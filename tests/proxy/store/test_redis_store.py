@@ -11,7 +11,6 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -30,7 +29,8 @@ from molctl.proxy.redis_store import (
 )
 from tests.helpers import ROOT, free_port, free_ports
 from tests.procs import fake_engine_argv, proxy_argv, running
-from tests.proxy_stack import KEY, PUBLIC
+from tests.proxy_stack import KEY, PUBLIC, RESPONSES_TOOLS
+from tests.redis_helpers import SKIP_ALL_BUT_STATE, shared_profile
 from tests.redis_server import RedisServer, redis_server
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -872,19 +872,6 @@ def test_a_stuck_redis_never_hangs_a_request(served):
 
 # ------------------------------------------------------------------------------ check, state stats|prune
 
-SKIP_ALL_BUT_STATE = [
-    a for c in ("engine", "gpu", "model", "adapter", "template", "port", "security") for a in ("--skip", c)
-]
-
-
-def shared_profile(tmp_path, store_url: str) -> Path:
-    """A profile `shared`: tiny with proxy.store on Redis (state stats|prune read the profile as it is)."""
-    d = tmp_path / "profiles"
-    d.mkdir(parents=True)
-    text = (ROOT / "profiles" / "tiny.yaml").read_text().replace("name: tiny", "name: shared", 1)
-    (d / "shared.yaml").write_text(text.replace("proxy:\n", f"proxy:\n  store: {store_url}\n", 1))
-    return d
-
 
 def test_check_and_state_stats_prune_on_redis(redis, r, tmp_path, state_dir):
     from tests.helpers import Molctl
@@ -1072,8 +1059,6 @@ def test_round_trips_of_a_chained_responses_request_and_a_chat_turn(relayed):
     response and its conversation's turns (or tool calls) together, one pipeline writes the new
     turn and the new response; a chat turn with history two: the turns' MGET and the write.
     Counted at the socket (a relay), not timed: before, a chained request made three."""
-    from tests.proxy.apis.test_responses import TOOLS
-
     relay, client = relayed
     summaries_expected = 0
 
@@ -1110,7 +1095,7 @@ def test_round_trips_of_a_chained_responses_request_and_a_chat_turn(relayed):
     # a tool call: its binding is kept with the response, so the tool result's request reads it in the same script
     called, trips = trips_of(
         lambda: client.responses.create(
-            model=PUBLIC, input="[tool:get_weather] Paris?", tools=TOOLS, previous_response_id=second.id
+            model=PUBLIC, input="[tool:get_weather] Paris?", tools=RESPONSES_TOOLS, previous_response_id=second.id
         )
     )
     assert trips == [["chain"], ["put call", "put r"]]
@@ -1119,7 +1104,7 @@ def test_round_trips_of_a_chained_responses_request_and_a_chat_turn(relayed):
         lambda: client.responses.create(
             model=PUBLIC,
             previous_response_id=called.id,
-            tools=TOOLS,
+            tools=RESPONSES_TOOLS,
             input=[{"type": "function_call_output", "call_id": call.call_id, "output": "18C sunny"}],
         )
     )

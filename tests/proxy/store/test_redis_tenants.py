@@ -14,24 +14,12 @@ from pathlib import Path
 import pytest
 
 from molctl.proxy.errors import store_failure
-from molctl.proxy.redis_store import KEY_FORMAT, RedisResponseStore, RedisState, parse_redis_url, prune_sync
+from molctl.proxy.redis_store import KEY_FORMAT, RedisResponseStore, parse_redis_url, prune_sync
 from molctl.proxy.sqlite_store import QuotaExceeded
+from tests.redis_helpers import Clock, P, state, totals_agree
 from tests.redis_server import load_dump
 
-P = "molctl:{tiny}:"
 FORMAT1 = Path(__file__).parents[2] / "data" / "redis-format1.json"
-
-
-def state(redis, clock=None, **kw) -> RedisState:
-    return RedisState(
-        parse_redis_url(redis.url),
-        None,
-        "tiny",
-        replica_id=kw.pop("replica_id", "a"),
-        advertise_upstream="http://engine-a",
-        clock=clock or time.time,
-        **kw,
-    )
 
 
 def rec(rid: str, tenant: str, size: int = 100, t: float | None = None) -> dict:
@@ -45,57 +33,6 @@ def rec(rid: str, tenant: str, size: int = 100, t: float | None = None) -> dict:
         "input_items": [],
         "response": {"id": rid},
     }
-
-
-class Clock:
-    """Wall time that moves a millisecond a call: every write has its own index score."""
-
-    def __init__(self, t: float | None = None):
-        self.t = time.time() if t is None else t
-
-    def __call__(self) -> float:
-        self.t += 0.001
-        return self.t
-
-
-def totals_agree(r) -> dict[str, tuple[int, int]]:
-    """The script's totals against what is stored: per tenant (responses, bytes) and overall; every
-    accounted key exists (or expired), every index agrees. Returns the per-tenant totals."""
-    sizes = {k.decode(): v.decode() for k, v in r.hgetall(P + "rsz").items()}
-    per: dict[str, list[int]] = {}
-    for key, meta in sizes.items():
-        size, tenant = meta.split(":", 1)
-        assert r.strlen(key) == int(size), key
-        assert r.zscore(P + "idx:rt:" + tenant, key) is not None and r.zscore(P + "idx:r", key) is not None
-        per.setdefault(tenant, [0, 0])
-        per[tenant][0] += 1
-        per[tenant][1] += int(size)
-    # key format 3: each chain's bytes counted once against its tenant; its references and length agree
-    links = {k.decode(): v.decode().split(":", 1) for k, v in r.hgetall(P + "rch").items()}
-    meta = {k.decode(): int(v) for k, v in r.hgetall(P + "chm").items()}
-    chains: dict[str, list[str]] = {}
-    for key, (count, cid) in links.items():
-        assert key in sizes and r.llen(P + "ch:" + cid) >= int(count), key
-        chains.setdefault(cid, []).append(key)
-    for cid, keys in chains.items():
-        items = r.lrange(P + "ch:" + cid, 0, -1)
-        assert (
-            meta["r:" + cid] == len(keys)
-            and meta["l:" + cid] == len(items)
-            and meta["b:" + cid] == sum(map(len, items))
-        )
-        per[sizes[keys[0]].split(":", 1)[1]][1] += meta["b:" + cid]
-    assert set(meta) == {f"{f}:{cid}" for cid in chains for f in "rlb"}
-    assert {t.decode(): int(n) for t, n in r.zrange(P + "tn", 0, -1, withscores=True)} == {
-        t: v[0] for t, v in per.items()
-    }
-    assert {t.decode(): int(b) for t, b in r.zrange(P + "tb", 0, -1, withscores=True)} == {
-        t: v[1] for t, v in per.items()
-    }
-    assert int(r.hget(P + "stats", "r_bytes") or 0) == sum(v[1] for v in per.values())
-    for tenant, (n, _) in per.items():
-        assert r.zcard(P + "idx:rt:" + tenant) == n
-    return {t: (v[0], v[1]) for t, v in per.items()}
 
 
 def held(r, key: str) -> int:

@@ -27,6 +27,7 @@ from molctl.proxy.sqlite_store import (
     store_path,
 )
 from tests.helpers import ROOT, free_port, free_ports
+from tests.response_records import record
 
 DAY = 24 * 3600
 
@@ -37,22 +38,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.t
-
-
-def record(
-    rid: str, tenant: str = "tenant-a", created_at: float = 1_800_000_000.0, text: str = "hello", **extra
-) -> dict:
-    return {
-        "id": rid,
-        "tenant": tenant,
-        "created_at": created_at,
-        "previous_response_id": extra.pop("prev", None),
-        "messages": [{"role": "user", "content": text}, {"role": "assistant", "content": "hi"}],
-        "input_items": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}],
-        "response": {"id": rid, "object": "response", "output_text": "hi"},
-        "route": "L2",
-        **extra,
-    }
 
 
 @pytest.fixture

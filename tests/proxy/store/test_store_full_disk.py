@@ -12,25 +12,10 @@ import json
 from molctl.engines import get_engine
 from molctl.proxy.app import ProxyApp
 from molctl.proxy.sqlite_store import SqliteResponseStore
+from tests.asgi import asgi_call
 from tests.helpers import free_port
 from tests.procs import fake_engine_argv, running
 from tests.proxy_stack import PUBLIC, TINY
-
-
-async def _call(app, method: str, path: str, body: dict | None = None) -> tuple[int, dict[str, str], bytes]:
-    messages = [{"type": "http.request", "body": json.dumps(body).encode() if body else b"", "more_body": False}]
-    sent: list[dict] = []
-
-    async def receive():
-        return messages.pop(0) if messages else await asyncio.sleep(3600)
-
-    async def send(message):
-        sent.append(message)
-
-    scope = {"type": "http", "method": method, "path": path, "headers": [], "query_string": b""}
-    await asyncio.wait_for(app(scope, receive, send), 20)
-    headers = {k.decode(): v.decode() for k, v in sent[0].get("headers", [])}
-    return sent[0]["status"], headers, b"".join(m.get("body", b"") for m in sent[1:])
 
 
 def test_a_full_disk_is_a_503_naming_the_cause_a_degraded_readiness_and_a_counted_cause(tmp_path):
@@ -42,16 +27,18 @@ def test_a_full_disk_is_a_503_naming_the_cause_a_degraded_readiness_and_a_counte
         async def run():
             await app.startup()
             try:
-                status, _, body = await _call(app, "GET", "/readyz")
+                status, _, body = await asgi_call(app, "GET", "/readyz")
                 assert (status, json.loads(body)["status"]) == (200, "ready"), body
                 pages = store._conn.execute("PRAGMA page_count").fetchone()[0]
                 store._conn.execute(f"PRAGMA max_page_count = {pages}")  # no page more: SQLITE_FULL
-                full = await _call(app, "POST", "/v1/responses", {"model": PUBLIC, "input": "x" * 20000})
-                degraded = await _call(app, "GET", "/readyz")
-                unstored = await _call(app, "POST", "/v1/responses", {"model": PUBLIC, "input": "y", "store": False})
+                full = await asgi_call(app, "POST", "/v1/responses", {"model": PUBLIC, "input": "x" * 20000})
+                degraded = await asgi_call(app, "GET", "/readyz")
+                unstored = await asgi_call(
+                    app, "POST", "/v1/responses", {"model": PUBLIC, "input": "y", "store": False}
+                )
                 store._conn.execute(f"PRAGMA max_page_count = {pages * 1000}")  # room again
-                stored = await _call(app, "POST", "/v1/responses", {"model": PUBLIC, "input": "z" * 20000})
-                ready = await _call(app, "GET", "/readyz")
+                stored = await asgi_call(app, "POST", "/v1/responses", {"model": PUBLIC, "input": "z" * 20000})
+                ready = await asgi_call(app, "GET", "/readyz")
                 return full, degraded, unstored, stored, ready
             finally:
                 await app.shutdown()

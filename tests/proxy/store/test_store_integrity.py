@@ -22,7 +22,7 @@ from molctl.profiles import load_profile, profile_dirs
 from molctl.proxy.sqlite_store import SqliteResponseStore, StoreError, store_path
 from tests.helpers import ROOT, free_port, free_ports
 from tests.procs import fake_engine_argv, running
-from tests.proxy.store.test_sqlite_store import record
+from tests.response_records import record
 
 N = 300
 

@@ -11,9 +11,9 @@ import json
 from molctl.engines import get_engine
 from molctl.proxy.app import ProxyApp
 from molctl.proxy.sqlite_store import SqliteResponseStore
+from tests.asgi import asgi_call
 from tests.helpers import free_port
 from tests.procs import fake_engine_argv, running
-from tests.proxy.store.test_store_full_disk import _call
 from tests.proxy_stack import PUBLIC, TINY
 
 
@@ -29,13 +29,13 @@ def test_the_proxy_answers_a_record_over_its_quota_with_a_400_and_stays_ready(tm
         async def run():
             await app.startup()
             try:
-                over = await _call(app, "POST", "/v1/responses", {"model": PUBLIC, "input": "x" * 6000})
-                ready = await _call(app, "GET", "/readyz")
-                unstored = await _call(
+                over = await asgi_call(app, "POST", "/v1/responses", {"model": PUBLIC, "input": "x" * 6000})
+                ready = await asgi_call(app, "GET", "/readyz")
+                unstored = await asgi_call(
                     app, "POST", "/v1/responses", {"model": PUBLIC, "input": "x" * 6000, "store": False}
                 )
-                small = await _call(app, "POST", "/v1/responses", {"model": PUBLIC, "input": "hi"})
-                streamed = await _call(
+                small = await asgi_call(app, "POST", "/v1/responses", {"model": PUBLIC, "input": "hi"})
+                streamed = await asgi_call(
                     app, "POST", "/v1/responses", {"model": PUBLIC, "input": "x" * 6000, "stream": True}
                 )
                 return over, ready, unstored, small, streamed
