@@ -20,6 +20,19 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+@pytest.fixture(autouse=True)
+def signal_dispositions():
+    """Each test ends with the signal dispositions it started with. A command run in-process sets
+    the test process's own: `molctl proxy` ignores SIGHUP until its reload handler exists, and an
+    ignored signal stays ignored in every process a later test starts (a SIGHUP sent to its `up`
+    would do nothing)."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM)}
+    yield
+    for sig, handler in saved.items():
+        if signal.getsignal(sig) != handler and handler is not None:
+            signal.signal(sig, handler)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def private_default_state_dir(tmp_path_factory):
     """Nothing a test starts (a proxy without --state-dir, and its response store) writes to the
