@@ -66,7 +66,7 @@ def main() -> None:
                 t0 = time.monotonic()
                 assert host.molctl("status").exit_code == ExitStatus.OK
                 status.append(time.monotonic() - t0)
-            from tests.conftest import free_port
+            from tests.helpers import free_port
 
             total, after_ready, result = timed_up(host, "tiny-b", "switch", port=free_port())
             print(f"fake engine start-up delay {STARTUP_DELAY:.1f} s; medians")

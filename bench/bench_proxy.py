@@ -42,7 +42,7 @@ import aiohttp
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from tests.conftest import free_port  # noqa: E402
+from tests.helpers import free_port  # noqa: E402
 from tests.procs import fake_engine_argv, proxy_argv, running  # noqa: E402
 
 ANSWER_DELAY = 0.05

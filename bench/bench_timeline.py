@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 import bench_proxy as bp  # noqa: E402
 
-from tests.conftest import free_port  # noqa: E402
+from tests.helpers import free_port  # noqa: E402
 from tests.procs import fake_engine_argv, proxy_argv, running  # noqa: E402
 
 

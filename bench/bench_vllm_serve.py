@@ -219,7 +219,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.output_len in (8, 32):
         ap.error("--output-len must differ from the route and summary hops' max_tokens (8, 32)")
-    from tests.test_e2e import KEY, Stack  # the e2e tests' stack: molctl up/down, leftovers killed
+    from tests.e2e.test_e2e import KEY, Stack  # the e2e tests' stack: molctl up/down, leftovers killed
 
     runs: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -5,13 +5,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import CliResult, Molctl, free_port
+from tests.helpers import Molctl
 from tests.helpers import free_ports as _free_ports
 from tests.lifecycle_host import Host
 from tests.procs import fake_engine_argv, proxy_argv, running
 from tests.proxy_stack import KEY, KEY2, STRICT, Stack
-
-__all__ = ["CliResult", "free_port"]  # free_port: also imported from here by older test modules
 
 # A run started in the background by a non-interactive shell (`pytest ... &` in a script, some CI
 # runners) has SIGINT ignored, and an ignored signal stays ignored in every process it starts: each
@@ -20,6 +18,19 @@ __all__ = ["CliResult", "free_port"]  # free_port: also imported from here by ol
 # every child at exec, so the children start as from a terminal whatever started pytest.
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+@pytest.fixture(autouse=True)
+def signal_dispositions():
+    """Each test ends with the signal dispositions it started with. A command run in-process sets
+    the test process's own: `molctl proxy` ignores SIGHUP until its reload handler exists, and an
+    ignored signal stays ignored in every process a later test starts (a SIGHUP sent to its `up`
+    would do nothing)."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM)}
+    yield
+    for sig, handler in saved.items():
+        if signal.getsignal(sig) != handler and handler is not None:
+            signal.signal(sig, handler)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -9,7 +9,7 @@ Answers never contain an adapter name: tests learn who answered from GET /_log.
 
 Strict mode (config `strict: true`, the default of the proxy contract tests) rejects what the
 real bases reject, with vLLM 0.32's status, message, `param` and order (checked against a real
-vLLM 0.32 by tests/test_e2e.py test_strict_fake_engine_agrees_with_vllm):
+vLLM 0.32 by tests/e2e/test_e2e.py test_strict_fake_engine_agrees_with_vllm):
 - the request model's checks (vllm/entrypoints/openai/chat_completion/protocol.py check_tool_usage,
   check_logprobs): `tools: []`, a `tool_choice` other than "none" without tools, `top_logprobs`
   without `logprobs: true` (400, param the field, message + " (parameter=FIELD)");

@@ -30,6 +30,14 @@ TOOLS = [
         },
     }
 ]
+RESPONSES_TOOLS = [  # the same tool in the Responses API's shape
+    {
+        "type": "function",
+        "name": "get_weather",
+        "description": "Weather for a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    }
+]
 
 
 STRICT = {"strict": True, "max_model_len": TINY.engine.args["max-model-len"]}

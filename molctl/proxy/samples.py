@@ -1,6 +1,6 @@
 """Sample client conversations run through the proxy's own code, to see the exact engine requests
 each hop sends: `molctl check`'s template category renders them with the model's chat template,
-and tests/test_hop_templates.py renders them with both demo templates.
+and tests/proxy/pipeline/test_hop_templates.py renders them with both demo templates.
 
 Nothing here copies a message list by hand: each sample is a client request that goes through
 `Orchestrator.prepare`, `route`, `complete` and `start_summary` with a recording engine client
