@@ -155,3 +155,25 @@ def test_the_live_view_in_a_terminal_quits_with_q_and_ctrl_c(running_stack):
     assert status == "EXIT=0"
     _, status = _live(running_stack, "C-c")
     assert status == "EXIT=130"
+
+
+def test_a_starting_stack_shows_the_engines_load_phase(host, tmp_path):
+    gate = tmp_path / "gate"
+    up = host.start("up", "tiny", *host.args(env={"FAKE_STARTUP_GATE": str(gate)}))
+
+    def frame() -> dict | None:
+        r = host.molctl("top", "tiny", "--json")
+        return json.loads(r.stdout) if r.exit_code == ExitStatus.OK else None
+
+    try:
+        # the fake engine logs vLLM's shard lines, then waits for the gate: the phase `up` prints
+        assert wait_for(lambda: (frame() or {}).get("engine_phase") == "shards loaded 2/2", timeout=30), frame()
+        data = frame()
+        assert data["state"] == "starting" and data["metrics"] is None  # tiny sets no proxy.metrics_port
+        once = host.molctl("top", "tiny", "--once")
+        assert "state starting" in once.stdout and "engine shards loaded 2/2" in once.stdout
+        assert "no proxy metrics: no proxy.metrics_port in the profile" in once.stdout
+    finally:
+        gate.touch()
+        up.wait(60)
+    assert up.returncode == ExitStatus.OK
