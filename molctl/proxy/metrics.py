@@ -29,8 +29,8 @@ log = logging.getLogger("molctl.proxy")
 
 PREFIX = "molctl_proxy_"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
-# vLLM's own bucket boundaries (vllm/v1/metrics/loggers.py, PrometheusStatLogger: time_to_first_token_seconds
-# and request_latency_buckets of e2e_request_latency_seconds), so proxy and engine histograms line up
+# vLLM's own bucket boundaries of time_to_first_token_seconds and e2e_request_latency_seconds (vLLM 0.32:
+# vllm/v1/metrics/buckets.py, used by loggers.py's PrometheusStatLogger), so proxy and engine histograms line up
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
 TTFT_BUCKETS += (80.0, 160.0, 640.0, 2560.0)
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)

@@ -95,9 +95,15 @@ def test_latency_histograms_use_vllms_buckets_by_api_and_adapter(s):
     assert buckets(s, "molctl_proxy_e2e_request_latency_seconds", api="chat", adapter="L3") == list(
         REQUEST_LATENCY_BUCKETS
     )
-    # vLLM's boundaries (vllm/v1/metrics/loggers.py): the first and last of each
-    assert (TTFT_BUCKETS[0], TTFT_BUCKETS[-1]) == (0.001, 2560.0)
-    assert (REQUEST_LATENCY_BUCKETS[0], REQUEST_LATENCY_BUCKETS[-1]) == (0.3, 7680.0)
+
+
+def test_the_bucket_boundaries_are_those_of_the_installed_vllm():
+    # vLLM 0.32 keeps its defaults in vllm/v1/metrics/buckets.py (earlier: inline in loggers.py)
+    from vllm.v1.metrics.buckets import REQUEST_LATENCY_BUCKETS as VLLM_E2E
+    from vllm.v1.metrics.buckets import TIME_TO_FIRST_TOKEN_BUCKETS as VLLM_TTFT
+
+    assert tuple(TTFT_BUCKETS) == tuple(VLLM_TTFT)
+    assert tuple(REQUEST_LATENCY_BUCKETS) == tuple(VLLM_E2E)
 
 
 def test_requests_running_and_waiting_follow_admission(keyfile, tmp_path):
