@@ -136,15 +136,16 @@ class Counters:
         cached_tokens, when the engine reports it) and generated tokens, by hop and adapter."""
         if not isinstance(usage, dict):
             return
-        labels = {"hop": hop, "adapter": adapter or "none"}
-        prompt, generated = usage.get("prompt_tokens"), usage.get("completion_tokens")
         details = usage.get("prompt_tokens_details")
-        cached = details.get("cached_tokens") if isinstance(details, dict) else None
-        for name, n in (("prompt_tokens_total", prompt), ("cached_tokens_total", cached)):
-            if isinstance(n, int) and not isinstance(n, bool) and n >= 0:
-                self.inc(name, n, **labels)
-        if isinstance(generated, int) and not isinstance(generated, bool) and generated >= 0:
-            self.inc("generation_tokens_total", generated, **labels)
+        labels = (("adapter", adapter or "none"), ("hop", hop))  # sorted, as `inc` keys them
+        for name, n in (
+            ("prompt_tokens_total", usage.get("prompt_tokens")),
+            ("cached_tokens_total", details.get("cached_tokens") if isinstance(details, dict) else None),
+            ("generation_tokens_total", usage.get("completion_tokens")),
+        ):
+            if type(n) is int and n >= 0:  # not a bool, not a float
+                key = (name, labels)
+                self.labelled[key] = self.labelled.get(key, 0) + n
 
     def finished(self, api: str, plan: Any, seconds: float) -> None:
         """A chat or Responses request that ran its answer hop ended after `seconds`: its end-to-end
