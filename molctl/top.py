@@ -45,9 +45,6 @@ class Scrape:
             if all(dict(labels).get(k) == x for k, x in want.items())
         )
 
-    def has(self, name: str) -> bool:
-        return bool(self.samples.get(name))
-
     def buckets(self, name: str, **want: str) -> dict[float, float]:
         """le -> cumulative count of the histogram `name` (its `_bucket` samples), summed over the other labels."""
         out: dict[float, float] = {}
@@ -143,8 +140,9 @@ def numbers(new: Scrape, old: Scrape | None = None) -> dict[str, Any]:
             "failed": int(new.total(P + "summary_failures_total")),
         },
     }
-    if new.has(P + "speculative_total"):  # only a proxy with a speculative hop exports it
-        hit, miss = grown(P + "speculative_total", outcome="hit"), grown(P + "speculative_total", outcome="miss")
+    spec = P + "speculative_total"
+    if new.total(spec, outcome="hit") + new.total(spec, outcome="miss") > 0:  # a speculative hop ran (not only skips)
+        hit, miss = grown(spec, outcome="hit"), grown(spec, outcome="miss")
         out["speculative_hit_ratio"] = _ratio(hit, hit + miss)
     return out
 

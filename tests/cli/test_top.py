@@ -74,11 +74,14 @@ def test_numbers_come_from_two_scrapes_of_the_proxys_exposition():
 def test_the_speculative_hit_ratio_shows_when_the_proxy_exports_it():
     text = exposition(ProxyMetrics()) + (
         "# TYPE molctl_proxy_speculative counter\n"
-        'molctl_proxy_speculative_total{outcome="hit"} 3.0\n'
-        'molctl_proxy_speculative_total{outcome="miss"} 1.0\n'
-        'molctl_proxy_speculative_total{outcome="skipped"} 5.0\n'
+        'molctl_proxy_speculative_total{outcome="hit",reason=""} 3.0\n'
+        'molctl_proxy_speculative_total{outcome="miss",reason=""} 1.0\n'
+        'molctl_proxy_speculative_total{outcome="skipped",reason="first_turn"} 5.0\n'
     )
     assert numbers(parse(text, at=10.0))["speculative_hit_ratio"] == 0.75
+    # only skips (speculation off): nothing to show
+    skipped = exposition(ProxyMetrics()) + 'molctl_proxy_speculative_total{outcome="skipped",reason="disabled"} 9.0\n'
+    assert "speculative_hit_ratio" not in numbers(parse(skipped, at=10.0))
 
 
 def test_nothing_running_is_one_line_and_exit_3(molctl):
