@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 MOLCTL := $(PY) -m molctl
 
-.PHONY: venv dev cpu clients test bench demo demo-down clean
+.PHONY: venv dev cpu clients prometheus test bench demo demo-down clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -41,12 +41,22 @@ $(CLIENTS_JS)/node_modules/.stamp: $(CLIENTS_JS)/package-lock.json $(CLIENTS_JS)
 
 clients: $(CLIENTS_VENV)/.stamp $(CLIENTS_JS)/node_modules/.stamp
 
+# Debian's Prometheus server, for the Grafana dashboard's test (tests/grafana): fetched without a root
+# install (`apt-get download` into a temporary folder, `dpkg -x`), only its binary kept, as
+# $(VENV)/bin/prometheus.
+$(VENV)/.stamp-prometheus: | $(PY)
+	tmp=$$(mktemp -d) && chmod 755 $$tmp && (cd $$tmp && apt-get download prometheus && dpkg -x prometheus_*.deb root) \
+	  && cp $$tmp/root/usr/bin/prometheus $(VENV)/bin/prometheus; rc=$$?; rm -rf $$tmp; exit $$rc
+	touch $@
+
+prometheus: $(VENV)/.stamp-prometheus
+
 dev: $(VENV)/.stamp-dev
 cpu: $(VENV)/.stamp-cpu
 
 # Lint and format check (ruff, configured in pyproject.toml), then the whole suite, the end-to-end tests against a
 # real vLLM included.
-test: $(VENV)/.stamp-cpu $(CLIENTS_VENV)/.stamp $(CLIENTS_JS)/node_modules/.stamp
+test: $(VENV)/.stamp-cpu $(VENV)/.stamp-prometheus $(CLIENTS_VENV)/.stamp $(CLIENTS_JS)/node_modules/.stamp
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q

@@ -408,6 +408,25 @@ def logs_cmd(
         _drop_stdout()
 
 
+@app.command("top")
+@handle_errors
+def top_cmd(
+    ctx: typer.Context,
+    profile: Optional[str] = typer.Argument(None, help="Profile (default: the running stack)."),
+    once: bool = typer.Option(False, "--once", help="Print one frame (figures since the proxy started) and exit."),
+    json_: bool = JSON_OPT,
+) -> None:
+    """A live view of the running stack, refreshed each second (q or Ctrl-C quits): state, load phase,
+    requests/s, p50/p95 per hop, TTFT, adapter mix, cache hit ratio, admission, summaries."""
+    from molctl.output import Output
+    from molctl.top import run
+
+    try:
+        run(ctx.obj, profile, once, json_, Output(as_json=json_))
+    except KeyboardInterrupt:  # a way to end the live view: quietly
+        raise typer.Exit(int(ExitStatus.INTERRUPTED)) from None
+
+
 def _drop_stdout() -> None:
     """Point stdout at /dev/null, so that the interpreter's last flush into a closed pipe does
     not print an error of its own."""

@@ -212,6 +212,11 @@ METRICS = (
 )
 
 
+# and vLLM's scheduler gauges (same file): requests running (here: chat requests being answered), waiting
+# (the fake has no scheduler queue: 0) and the KV cache's usage (no KV cache: 0)
+GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+
+
 class Engine:
     def __init__(self):
         self.base = dict(DEFAULT_CONFIG)  # DEFAULT_CONFIG + the --config given at start (kept by /_reset)
@@ -219,6 +224,7 @@ class Engine:
         self.log: list[dict] = []
         self.counter = 0
         self.metrics = dict.fromkeys(METRICS, 0)
+        self.running = 0  # chat requests being answered (vllm:num_requests_running)
         self.computed: list[tuple[str, tuple[int, ...], str]] = []
 
     def reset(self):
@@ -327,6 +333,14 @@ def completion(model: str, message: dict, finish: str, usage: dict) -> dict:
 
 
 async def chat(request: web.Request) -> web.StreamResponse:
+    STATE.running += 1
+    try:
+        return await answer_chat(request)
+    finally:
+        STATE.running -= 1
+
+
+async def answer_chat(request: web.Request) -> web.StreamResponse:
     payload = await request.json()
     cfg = STATE.config
     hop = request.headers.get("X-MoL-Hop") or request.headers.get("X-MOL-Internal-Hop")
@@ -742,6 +756,10 @@ async def metrics(request):
     for name, value in STATE.metrics.items():
         if name.endswith("_total"):
             lines.append(f"# TYPE {name.removesuffix('_total')} counter")
+        lines.append(f'{name}{{engine="0",model_name="{STATE.config["served_name"]}"}} {float(value)}')
+    gauges = dict(zip(GAUGES, (STATE.running, 0, 0.0), strict=True))
+    for name, value in gauges.items():
+        lines.append(f"# TYPE {name} gauge")
         lines.append(f'{name}{{engine="0",model_name="{STATE.config["served_name"]}"}} {float(value)}')
     return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 

@@ -29,6 +29,12 @@ log = logging.getLogger("molctl.proxy")
 
 PREFIX = "molctl_proxy_"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+# vLLM's own bucket boundaries of time_to_first_token_seconds and e2e_request_latency_seconds (vLLM 0.32:
+# vllm/v1/metrics/buckets.py, used by loggers.py's PrometheusStatLogger), so proxy and engine histograms line up
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
+TTFT_BUCKETS += (80.0, 160.0, 640.0, 2560.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
+REQUEST_LATENCY_BUCKETS += (240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 # what each counter counts (HELP text); a counter not listed is still exported
 HELP = {
@@ -60,6 +66,10 @@ HELP = {
     "state_store_errors_total": "Shared (Redis) store calls that failed or timed out.",
     "state_affinity_remote_total": "Turns whose engine hops went to the engine of the replica owning the conversation.",
     "state_affinity_takeovers_total": "Conversations taken over from a replica whose heartbeat had lapsed.",
+    "prompt_tokens_total": "Prompt tokens of engine hops, by hop and adapter, as the engine reported them (usage).",
+    "cached_tokens_total": "Prompt tokens of engine hops the engine served from its prefix cache "
+    "(usage.prompt_tokens_details.cached_tokens), by hop and adapter.",
+    "generation_tokens_total": "Tokens engine hops generated, by hop and adapter (usage.completion_tokens).",
 }
 
 
@@ -71,6 +81,9 @@ LABELLED = {
     "admission_rejections_total": ("reason",),
     "engine_errors_total": ("status",),
     "store_failures_total": ("cause",),
+    "prompt_tokens_total": ("adapter", "hop"),
+    "cached_tokens_total": ("adapter", "hop"),
+    "generation_tokens_total": ("adapter", "hop"),
 }
 
 
@@ -116,7 +129,34 @@ class Counters:
             self.labelled[key] = self.labelled.get(key, 0) + n
 
     def observe(self, name: str, seconds: float, **labels: str) -> None:
-        """A latency sample (hop_seconds, ttft_seconds, queue_wait_seconds); see ProxyMetrics."""
+        """A latency sample (hop_seconds, ttft_seconds, e2e_seconds, queue_wait_seconds); see ProxyMetrics."""
+
+    def usage(self, hop: str, adapter: str | None, usage: Any) -> None:
+        """One engine hop's token counts from its OpenAI usage: prompt, cached (prompt_tokens_details.
+        cached_tokens, when the engine reports it) and generated tokens, by hop and adapter."""
+        if not isinstance(usage, dict):
+            return
+        details = usage.get("prompt_tokens_details")
+        labels = (("adapter", adapter or "none"), ("hop", hop))  # sorted, as `inc` keys them
+        for name, n in (
+            ("prompt_tokens_total", usage.get("prompt_tokens")),
+            ("cached_tokens_total", details.get("cached_tokens") if isinstance(details, dict) else None),
+            ("generation_tokens_total", usage.get("completion_tokens")),
+        ):
+            if type(n) is int and n >= 0:  # not a bool, not a float
+                key = (name, labels)
+                self.labelled[key] = self.labelled.get(key, 0) + n
+
+    def finished(self, api: str, plan: Any, seconds: float) -> None:
+        """A chat or Responses request that ran its answer hop ended after `seconds`: its end-to-end
+        latency and, for a stream, its time to first token (`plan.timings["ttft_s"]`), by API and adapter."""
+        if plan is None or "answer_s" not in plan.timings:
+            return
+        adapter = plan.route or "none"
+        ttft = plan.timings.get("ttft_s")
+        if ttft is not None:
+            self.observe("ttft_seconds", ttft, api=api, adapter=adapter)
+        self.observe("e2e_seconds", seconds, api=api, adapter=adapter)
 
 
 class ProxyMetrics(Counters):
@@ -140,8 +180,16 @@ class ProxyMetrics(Counters):
             ),
             "ttft_seconds": Histogram(
                 PREFIX + "time_to_first_token_seconds",
-                "Stream requests: from the parsed request to the engine's first token.",
-                buckets=LATENCY_BUCKETS,
+                "Stream requests: from the parsed request to the engine's first token, by API and adapter.",
+                ["api", "adapter"],
+                buckets=TTFT_BUCKETS,
+                registry=self.registry,
+            ),
+            "e2e_seconds": Histogram(
+                PREFIX + "e2e_request_latency_seconds",
+                "Chat and Responses requests that ran an answer hop: from the request to its end, by API and adapter.",
+                ["api", "adapter"],
+                buckets=REQUEST_LATENCY_BUCKETS,
                 registry=self.registry,
             ),
             "queue_wait_seconds": Histogram(

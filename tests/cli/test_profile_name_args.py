@@ -19,6 +19,7 @@ COMMANDS = [
     (("status",), ()),
     (("logs",), ()),
     (("reload",), ()),
+    (("top",), ()),
     (("up",), ("--allow-unauthenticated",)),
     (("switch",), ("--allow-unauthenticated",)),
     (("check",), ()),

@@ -627,6 +627,38 @@ def test_status_shows_ready(stack):
     assert {c["name"]: c["health"] for c in s["components"]} == {"engine": 200, "proxy": 200}
 
 
+def test_top_and_the_dashboards_engine_series_read_the_real_stack(stack):
+    """The real vLLM's usage (cached tokens included, streams too) reaches the proxy's per-adapter
+    token counters and `molctl top --json`; every vLLM series the Grafana dashboard graphs exists
+    on the real engine. One long conversation sent five times: whichever adapters the router picks,
+    one answers it twice (four adapters), the second time from its prefix cache."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    trip = " ".join(f"On day {i} we visit temple {i}, eat dinner {i} and walk trail {i}." for i in range(25))
+    convo = [{"role": "user", "content": f"Plan a trip to Kyoto: {trip}"}]
+    for i in range(5):
+        if i % 2:
+            for _ in stack.client.chat.completions.create(
+                model=PUBLIC, messages=convo, max_tokens=ANSWER_TOKENS, stream=True
+            ):
+                pass
+        else:
+            stack.client.chat.completions.create(model=PUBLIC, messages=convo, max_tokens=ANSWER_TOKENS)
+    r = stack.molctl("top", "tiny", "--json")
+    assert r.returncode == ExitStatus.OK, r.stderr
+    top = json.loads(r.stdout)
+    assert top["state"] == "ready" and top["engine_phase"] == "serving"
+    m = top["metrics"]
+    assert m["hops"]["answer"]["count"] >= 5 and m["ttft"]["count"] >= 2
+    assert any(ratio for ratio in m["cache_hit_ratio"].values()), m["cache_hit_ratio"]
+    dashboard = (ROOT / "docs" / "grafana" / "molctl-proxy.json").read_text()
+    graphed = set(re.findall(r"vllm:[a-z_]+", dashboard))
+    exported = {
+        s.name for f in text_string_to_metric_families(httpx.get(stack.engine + "/metrics").text) for s in f.samples
+    }
+    assert graphed and graphed <= exported, graphed - exported
+
+
 def test_the_demo_passes_the_adapter_efficacy_canary(stack):
     """`up` ran the canary (base and L0-L3 on /v1/completions, greedy, top-5 logprobs) before the
     proxy started: every adapter changes the real engine's output; status and the engine log say

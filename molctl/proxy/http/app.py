@@ -332,6 +332,7 @@ class ProxyApp:
         )
         stream = bool(plan is not None and plan.stream)
         self.counters.inc("requests_total", api=api, status=str(state.status), stream="true" if stream else "false")
+        self.counters.finished(api, plan, time.monotonic() - state.t0)
         if request_log.isEnabledFor(logging.INFO):
             request_log.info(request_line(state, api, time.monotonic() - state.t0))
 
@@ -450,6 +451,8 @@ class ProxyApp:
                 (("hop", "route"),): adm.routes.waiting,
                 (("hop", "summary"),): self.orch.summaries.waiting,
             },
+            "num_requests_running": {(): adm.answers.inflight},  # vLLM's names: answer slots held
+            "num_requests_waiting": {(): adm.answers.waiting},  # and requests waiting for one
             "inflight_requests": {(): self.inflight},
             "admitted_requests": {(): self.admitted},
             "draining": {(): int(self.draining)},

@@ -149,6 +149,7 @@ class Router:
             async with asyncio.timeout(self.profile.proxy.route_timeout_s):  # no task per call (wait_for makes one)
                 body = await self._route_hop(plan, payload)
             label = parse_label(((body.get("choices") or [{}])[0]).get("message") or {})
+            self.counters.usage("route", "L0", body.get("usage"))
         except TimeoutError:
             reason = "timeout"
             self.counters.inc("route_timeouts_total")

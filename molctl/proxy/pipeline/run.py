@@ -363,6 +363,7 @@ class Orchestrator:
             self.release_answer_slot(plan)
             self._answered(plan, start)
         plan.usage = body.get("usage") if isinstance(body.get("usage"), dict) else None
+        self.counters.usage("answer", plan.route, plan.usage)
         plan.tokens = self.engine.answer_tokens(body)
         shaped = shaping.shape_completion(body, self.public, shaping.new_id())
         if shaped["choices"][0]["finish_reason"] not in FAILED_FINISH:
@@ -390,8 +391,7 @@ class Orchestrator:
             first = True
             async for event in upstream:
                 if first:
-                    plan.timings["ttft_s"] = ttft = time.monotonic() - plan.started
-                    self.counters.observe("ttft_seconds", ttft)
+                    plan.timings["ttft_s"] = time.monotonic() - plan.started  # observed at the end (`finished`)
                     yield said.chunk(shaping.role_delta())
                     first = False
                 for chunk in said.feed(event, self.engine, tokens):
@@ -409,6 +409,7 @@ class Orchestrator:
             self.release_answer_slot(plan)
             self._answered(plan, start)
             plan.usage = said.usage
+            self.counters.usage("answer", plan.route, said.usage)
             await upstream.aclose()
         finish = shaping.finish_reason(said.finish, bool(said.calls))
         if finish not in FAILED_FINISH:

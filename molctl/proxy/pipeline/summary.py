@@ -236,23 +236,25 @@ class Summaries:
         self.priority.mark(payload, "summary", job.engine)
         return self.engine.continuation_path, payload
 
-    def _summary_text(self, path: str, body: dict[str, Any]) -> str:
+    def _summary_text(self, path: str, body: dict[str, Any], adapter: str) -> str:
         if path != CHAT_PATH:
             text, usage = self.engine.continuation_result(body)
             self.counters.inc("summary_continuations_total")
             if usage is not None:
-                self._count_usage(usage)
+                self._count_usage(usage, adapter)
             return text.strip()
         body = checked_completion(body)
         if isinstance(body.get("usage"), dict):
-            self._count_usage(body["usage"])
+            self._count_usage(body["usage"], adapter)
         msg = ((body.get("choices") or [{}])[0]).get("message") or {}
         reasoning = msg.get("reasoning_content") or msg.get("reasoning") or ""
         return (msg.get("content") or "").strip() or reasoning.strip()[:160]
 
-    def _count_usage(self, usage: dict[str, Any]) -> None:
+    def _count_usage(self, usage: dict[str, Any], adapter: str) -> None:
         """The summary hops' prompt and cached tokens as the engine reports them (the cache share
-        of issue 30: summary_cached_tokens_total / summary_prompt_tokens_total)."""
+        of issue 30: summary_cached_tokens_total / summary_prompt_tokens_total), and by adapter
+        (`Counters.usage`)."""
+        self.counters.usage("summary", adapter, usage)
         prompt = usage.get("prompt_tokens")
         details = usage.get("prompt_tokens_details")
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
@@ -316,7 +318,7 @@ class Summaries:
         )
         self.counters.observe("hop_seconds", time.monotonic() - start, hop="summary", adapter=record.route)
         try:
-            text = self._summary_text(path, body)
+            text = self._summary_text(path, body, record.route)
         except (ValueError, TypeError, AttributeError) as exc:
             raise EngineHTTPError(502, f"the engine's summary answer is unusable: {exc}") from None
         if record.stale:  # a later turn folded this one without it: keep it that way
