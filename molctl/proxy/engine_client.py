@@ -10,7 +10,7 @@ import os
 import ssl
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -204,6 +204,7 @@ class EngineClient:
         self._busy: set[_Connection] = set()
         self._ssl_context: ssl.SSLContext | None = None
         self._peers: dict[str, EngineClient] = {}  # other replicas' engines (conversation affinity)
+        self.tracing: Any = None  # molctl.proxy.tracing.Tracing when traces are on: a span per hop
 
     async def start(self) -> None:
         if self._slots is None:
@@ -391,6 +392,13 @@ class EngineClient:
             payload[self.request_id_field] = f"{hop_id}-{os.urandom(4).hex()}" if self.request_id_unique else hop_id
         return {REQUEST_ID_HEADER: hop_id}
 
+    def _headers(
+        self, payload: dict[str, Any], hop: str, request_id: str | None, trace: dict[str, str] | None
+    ) -> dict[str, str] | None:
+        """The hop's extra headers: its ids (`_hop_ids`) and, with traces on, its traceparent/tracestate."""
+        headers = self._hop_ids(payload, hop, request_id)
+        return headers if not trace else {**(headers or {}), **trace}
+
     async def _open_chat(
         self,
         data: bytes,
@@ -421,13 +429,38 @@ class EngineClient:
         request_id: str | None = None,
         path: str = CHAT_PATH,
         engine: EngineChoice | None = None,
+        source: str | None = None,
     ) -> dict[str, Any]:
         """Non-streaming chat completion; raises EngineHTTPError / EngineUnavailable. `big`:
         encode the payload in a worker thread; `request_id`: sent as X-Request-Id. `path`: another
         JSON endpoint of the same engine (the summary's token-prompt completion, the template
         probe: `Engine.continuation_path`, `Engine.probe_path`); `engine`: the request's engine
-        choice (None: this proxy's own upstream)."""
-        headers = self._hop_ids(payload, hop, request_id)
+        choice (None: this proxy's own upstream); `source`: how the hop's adapter was chosen (its
+        span's mol.route.source, when traces are on)."""
+        if self.tracing is None:
+            return await self._chat(payload, hop, timeout, big, request_id, path, engine, None)
+        span = self.tracing.hop(hop, path, payload, source, (self._host, self._port))
+        try:
+            body = await self._chat(payload, hop, timeout, big, request_id, path, engine, span.headers)
+        except BaseException as exc:
+            span.end(exc)
+            raise
+        span.answered(body)
+        span.end()
+        return body
+
+    async def _chat(
+        self,
+        payload: dict[str, Any],
+        hop: str,
+        timeout: float | None,
+        big: bool,
+        request_id: str | None,
+        path: str,
+        engine: EngineChoice | None,
+        trace: dict[str, str] | None,
+    ) -> dict[str, Any]:
+        headers = self._headers(payload, hop, request_id, trace)
         data = await encode(payload, big)
         owner, conn = await self._open_chat(data, hop, headers, timeout, path, engine)
         try:
@@ -445,18 +478,56 @@ class EngineClient:
             raise EngineHTTPError(502, raw.decode(errors="replace")[:500])
         return body
 
-    async def chat_stream(
+    def chat_stream(
         self,
         payload: dict[str, Any],
         hop: str,
         big: bool = False,
         request_id: str | None = None,
         engine: EngineChoice | None = None,
-    ) -> AsyncIterator[dict[str, Any]]:
+        source: str | None = None,
+    ) -> AsyncGenerator[dict[str, Any], None]:
         """Streaming chat completion: yields each SSE `data:` JSON object until `[DONE]`.
 
-        Cancelling the consumer closes the connection, which makes the engine abort the request."""
-        headers = self._hop_ids(payload, hop, request_id)
+        Cancelling the consumer closes the connection, which makes the engine abort the request.
+        With traces on, the hop's span ends when the stream is closed (`source`: see `chat`)."""
+        if self.tracing is None:
+            return self._stream(payload, hop, big, request_id, engine, None)
+        return self._traced_stream(payload, hop, big, request_id, engine, source)
+
+    async def _traced_stream(
+        self,
+        payload: dict[str, Any],
+        hop: str,
+        big: bool,
+        request_id: str | None,
+        engine: EngineChoice | None,
+        source: str | None,
+    ) -> AsyncIterator[dict[str, Any]]:
+        span = self.tracing.hop(hop, CHAT_PATH, payload, source, (self._host, self._port))
+        inner = self._stream(payload, hop, big, request_id, engine, span.headers)
+        error: BaseException | None = None
+        try:
+            async for event in inner:
+                span.event(event)
+                yield event
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            await inner.aclose()
+            span.end(error)
+
+    async def _stream(
+        self,
+        payload: dict[str, Any],
+        hop: str,
+        big: bool,
+        request_id: str | None,
+        engine: EngineChoice | None,
+        trace: dict[str, str] | None,
+    ) -> AsyncIterator[dict[str, Any]]:
+        headers = self._headers(payload, hop, request_id, trace)
         data = await encode(payload, big)
         owner, conn = await self._open_chat(data, hop, headers, None, engine=engine)
         try:
