@@ -433,6 +433,7 @@ def _engine_spec(data: dict[str, Any], proxy: dict[str, Any], v: _Validator) -> 
     for flag in eng.get("args", {}):
         if flag.startswith("-") or not re.match(r"^[a-z0-9][a-z0-9-]*$", flag):
             raise v.fail(f"engine.args.{flag}", "flag names are written without dashes, e.g. max-model-len")
+    _check_trace_endpoint(eng, get_engine(eng["kind"]).trace_flags, v)
     _check_exec_strings(eng, v)
     return EngineSpec(
         kind=eng["kind"],
@@ -448,6 +449,20 @@ def _engine_spec(data: dict[str, Any], proxy: dict[str, Any], v: _Validator) -> 
         unset_env=tuple(eng.get("unset_env", ())),
         otlp_traces_endpoint=eng.get("otlp_traces_endpoint") or None,
     )
+
+
+def _check_trace_endpoint(eng: dict[str, Any], flags: tuple[str, ...], v: _Validator) -> None:
+    """engine.otlp_traces_endpoint: one word, and its flags not also among engine.args."""
+    endpoint = eng.get("otlp_traces_endpoint")
+    if not endpoint:
+        return
+    if not re.fullmatch(r"\S+", endpoint):
+        raise v.fail("engine.otlp_traces_endpoint", f"{_short(endpoint)}: expected a collector address without spaces")
+    for flag in flags:
+        if flag[2:] in eng.get("args", {}):
+            raise v.fail(
+                "engine.otlp_traces_endpoint", f"the engine's {flag} is also set as engine.args.{flag[2:]}: set one"
+            )
 
 
 # One argv or environment string is at most 32 pages on Linux (MAX_ARG_STRLEN, 128 KiB with 4 KiB
@@ -481,7 +496,7 @@ def _check_exec_strings(eng: dict[str, Any], v: _Validator) -> None:
     """Every engine string that reaches exec (argv, environment) is one exec takes: env names
     without '=', no NUL byte, encodable, within MAX_ARG_BYTES (checked here, so that `check`
     fails and `up`/`switch` stop nothing)."""
-    for key in ("python", "host", "served_name"):
+    for key in ("python", "host", "served_name", "otlp_traces_endpoint"):
         problem = _exec_problem(eng[key]) if isinstance(eng.get(key), str) else None
         if problem:
             raise v.fail(f"engine.{key}", problem)
