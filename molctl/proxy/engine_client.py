@@ -357,6 +357,13 @@ class EngineClient:
             return self.base_url
         return engine.url.rstrip("/")
 
+    def _address(self, engine: EngineChoice | None) -> tuple[str, int]:
+        """The host and port a hop for `engine` goes to (its span's server.address/port)."""
+        if engine is None or engine.failed:
+            return self._host, self._port
+        url = urlsplit(self.target_url(engine))
+        return url.hostname or "", url.port or (443 if url.scheme == "https" else 80)
+
     def _peer(self, engine: EngineChoice | None) -> EngineClient | None:
         """The client of the engine this request's conversation lives on (`engine`, chosen by the
         pipeline for proxy replicas on a shared store), or None for this proxy's own engine."""
@@ -439,15 +446,14 @@ class EngineClient:
         span's mol.route.source, when traces are on)."""
         if self.tracing is None:
             return await self._chat(payload, hop, timeout, big, request_id, path, engine, None)
-        span = self.tracing.hop(hop, path, payload, source, (self._host, self._port))
-        try:
-            body = await self._chat(payload, hop, timeout, big, request_id, path, engine, span.headers)
-        except BaseException as exc:
-            span.end(exc)
-            raise
-        span.answered(body)
-        span.end()
-        return body
+        return await self.tracing.chat(
+            hop,
+            path,
+            payload,
+            source,
+            self._address(engine),
+            lambda trace: self._chat(payload, hop, timeout, big, request_id, path, engine, trace),
+        )
 
     async def _chat(
         self,
@@ -493,30 +499,14 @@ class EngineClient:
         With traces on, the hop's span ends when the stream is closed (`source`: see `chat`)."""
         if self.tracing is None:
             return self._stream(payload, hop, big, request_id, engine, None)
-        return self._traced_stream(payload, hop, big, request_id, engine, source)
-
-    async def _traced_stream(
-        self,
-        payload: dict[str, Any],
-        hop: str,
-        big: bool,
-        request_id: str | None,
-        engine: EngineChoice | None,
-        source: str | None,
-    ) -> AsyncIterator[dict[str, Any]]:
-        span = self.tracing.hop(hop, CHAT_PATH, payload, source, (self._host, self._port))
-        inner = self._stream(payload, hop, big, request_id, engine, span.headers)
-        error: BaseException | None = None
-        try:
-            async for event in inner:
-                span.event(event)
-                yield event
-        except BaseException as exc:
-            error = exc
-            raise
-        finally:
-            await inner.aclose()
-            span.end(error)
+        return self.tracing.stream(
+            hop,
+            CHAT_PATH,
+            payload,
+            source,
+            self._address(engine),
+            lambda trace: self._stream(payload, hop, big, request_id, engine, trace),
+        )
 
     async def _stream(
         self,

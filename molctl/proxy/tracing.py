@@ -12,7 +12,7 @@ is in docs/design/tracing.md.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 from molctl.errors import ExitStatus, MolctlError
@@ -160,6 +160,52 @@ class Tracing:
         headers: dict[str, str] = {}
         self.propagator.inject(headers, context=self.trace.set_span_in_context(span))
         return HopSpan(self, span, hop, headers)
+
+    async def chat(
+        self,
+        hop: str,
+        path: str,
+        payload: dict[str, Any],
+        source: str | None,
+        peer: tuple[str, int],
+        send: Callable[[dict[str, str]], Awaitable[dict[str, Any]]],
+    ) -> dict[str, Any]:
+        """One whole hop (`EngineClient.chat`) in its span: `send(headers)` makes the request
+        with the span's traceparent."""
+        span = self.hop(hop, path, payload, source, peer)
+        try:
+            body = await send(span.headers)
+        except BaseException as exc:
+            span.end(exc)
+            raise
+        span.answered(body)
+        span.end()
+        return body
+
+    async def stream(
+        self,
+        hop: str,
+        path: str,
+        payload: dict[str, Any],
+        source: str | None,
+        peer: tuple[str, int],
+        open_stream: Callable[[dict[str, str]], AsyncGenerator[dict[str, Any], None]],
+    ) -> AsyncIterator[dict[str, Any]]:
+        """A streamed hop (`EngineClient.chat_stream`) in its span, which starts with the first
+        read and ends when the stream is closed."""
+        span = self.hop(hop, path, payload, source, peer)
+        inner = open_stream(span.headers)
+        error: BaseException | None = None
+        try:
+            async for event in inner:
+                span.event(event)
+                yield event
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            await inner.aclose()
+            span.end(error)
 
 
 class ServerSpan:

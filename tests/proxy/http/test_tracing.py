@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import httpx
+import openai
 import pytest
 
 from molctl.proxy import tracing
@@ -169,6 +170,31 @@ def test_a_responses_chain_shares_its_conversation_id(traced):
         assert spans[0]["attributes"]["gen_ai.conversation.id"] == first.id, rid
         assert spans[0]["name"] == f"chat {PUBLIC}"
         assert by_hop(spans)["answer"]["attributes"]["mol.adapter"] == "L3"
+
+
+def test_an_engine_failure_marks_the_hop_span_and_a_5xx_the_server_span(traced):
+    receiver, on, _ = traced
+    on.reset()
+    # vLLM's error body (vllm/entrypoints/openai/engine/protocol.py ErrorResponse)
+    error = {"error": {"message": "boom", "type": "InternalServerError", "param": None, "code": 500}}
+    on.config(answer_error={"status": 500, "body": error})
+    rid = "req-trace-engine-error"
+    try:
+        with pytest.raises(openai.InternalServerError):
+            on.client.chat.completions.create(
+                model=PUBLIC,
+                messages=[{"role": "user", "content": "[route:L2] fail please"}],
+                extra_headers={"x-request-id": rid},
+            )
+    finally:
+        on.config(answer_error=None)
+    spans = of_request(receiver.wait_for(hops_done(rid, "route", "answer")), rid)
+    answer = by_hop(spans)["answer"]
+    assert answer["status"] == 2 and answer["attributes"]["error.type"] == "500"
+    assert by_hop(spans)["route"]["status"] == 0
+    server = spans[0]
+    assert server["status"] == 2 and server["attributes"]["http.response.status_code"] >= 500
+    assert server["attributes"]["error.type"]
 
 
 def test_tracing_off_exports_nothing_and_sends_no_traceparent(traced):
