@@ -26,6 +26,7 @@ PROTOCOLS = ("http/protobuf", "grpc")
 EXTRA = "pip install 'molctl[otel]'"
 PROVIDER = "molctl"  # gen_ai.provider.name of the server span: the proxy is what its clients call
 UNTRACED = ("/health", "/readyz")  # probes: no span (they are neither counted nor logged either)
+CLOSE_S = 2.0  # the proxy's shutdown waits this long at most for the last spans' export
 ANSWER_HOP = "answer"  # its finish reasons and usage are the request's: copied onto the server span
 
 
@@ -54,7 +55,7 @@ def start(profile: Any, engine: Any, env: Mapping[str, str] = os.environ) -> Tra
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
         if protocol == "grpc":
-            exporter = _grpc_exporter(profile.proxy.otlp_endpoint)
+            exporter = _grpc_exporter(profile.proxy.otlp_endpoint, next(v for v in PROTOCOL_VARIABLES if env.get(v)))
         else:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
@@ -66,18 +67,18 @@ def start(profile: Any, engine: Any, env: Mapping[str, str] = os.environ) -> Tra
             ExitStatus.CHECK_FAILED,
         ) from None
     resource = Resource.create({"service.name": env.get("OTEL_SERVICE_NAME") or DEFAULT_SERVICE})
-    provider = TracerProvider(resource=resource)
+    provider = TracerProvider(resource=resource, shutdown_on_exit=False)  # `close` does, bounded
     provider.add_span_processor(BatchSpanProcessor(exporter))
     capture = (env.get(CAPTURE_VARIABLE) or "").strip().lower() in CAPTURE_ON
     return Tracing(provider, profile, engine, capture)
 
 
-def _grpc_exporter(endpoint: str | None) -> Any:
+def _grpc_exporter(endpoint: str | None, variable: str) -> Any:
     try:
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     except ImportError:
         raise MolctlError(
-            "OTEL_EXPORTER_OTLP_PROTOCOL=grpc needs opentelemetry-exporter-otlp-proto-grpc: "
+            f"{variable}=grpc needs opentelemetry-exporter-otlp-proto-grpc: "
             "pip install opentelemetry-exporter-otlp-proto-grpc (or use http/protobuf)",
             ExitStatus.CHECK_FAILED,
         ) from None
@@ -103,8 +104,13 @@ class Tracing:
         self.capture = capture
 
     def close(self) -> None:
-        """Export what is still buffered and stop (the proxy's shutdown)."""
-        self.provider.shutdown()
+        """Export what is still buffered and stop (the proxy's shutdown), waiting at most CLOSE_S:
+        a collector that is down (the exporter retries for ~10 s) does not hold the proxy's exit."""
+        import threading
+
+        closing = threading.Thread(target=self.provider.shutdown, name="otel-shutdown", daemon=True)
+        closing.start()
+        closing.join(CLOSE_S)
 
     # ---------------------------------------------------------------- the server span
     def server(self, scope: dict) -> ServerSpan | None:

@@ -313,3 +313,20 @@ def test_a_profile_endpoint_that_is_no_url_is_one_line_naming_the_field():
     assert str(err.value).endswith(
         "field 'proxy.otlp_endpoint': collector:4318: expected a collector URL such as http://HOST:4318"
     )
+
+
+def test_grpc_is_used_when_its_exporter_is_installed_and_named_when_not(monkeypatch):
+    from molctl.engines import get_engine
+    from molctl.errors import MolctlError
+
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}
+    traces = tracing.start(TINY, get_engine("vllm"), env)  # the venv has opentelemetry-exporter-otlp-proto-grpc
+    assert traces is not None
+    traces.close()
+    monkeypatch.setitem(sys.modules, "opentelemetry.exporter.otlp.proto.grpc.trace_exporter", None)
+    with pytest.raises(MolctlError) as err:
+        tracing.start(TINY, get_engine("vllm"), env)
+    assert str(err.value) == (
+        "OTEL_EXPORTER_OTLP_PROTOCOL=grpc needs opentelemetry-exporter-otlp-proto-grpc: "
+        "pip install opentelemetry-exporter-otlp-proto-grpc (or use http/protobuf)"
+    )
