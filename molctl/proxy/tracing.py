@@ -125,11 +125,15 @@ class Tracing:
                 carrier[name.decode()] = value.decode("latin-1")
         parent = self.propagator.extract(carrier) if carrier else None
         method = scope["method"]
+        attributes = {"http.request.method": method, "url.path": path, "url.scheme": scope.get("scheme", "http")}
+        route = http_route(path)
+        if route is not None:
+            attributes["http.route"] = route
         span = self.tracer.start_span(
-            f"{method} {path}",
+            f"{method} {route}" if route else method,  # the HTTP conventions' low-cardinality name
             context=parent,
             kind=self.trace.SpanKind.SERVER,
-            attributes={"http.request.method": method, "url.path": path, "url.scheme": scope.get("scheme", "http")},
+            attributes=attributes,
         )
         token = self.context.attach(self.trace.set_span_in_context(span, parent))
         return ServerSpan(self, span, token)
@@ -314,6 +318,27 @@ class HopSpan:
                 parent.set_attributes(
                     {k: v for k, v in found.items() if k.startswith(("gen_ai.usage", "gen_ai.response.finish"))}
                 )
+
+
+HTTP_ROUTES = ("/v1/chat/completions", "/v1/responses", "/v1/models")
+ID_ROUTES = (  # (prefix, suffix, template) of the endpoints whose path holds an id
+    ("/v1/responses/", "/input_items", "/v1/responses/{id}/input_items"),
+    ("/v1/responses/", "/cancel", "/v1/responses/{id}/cancel"),
+    ("/v1/responses/", "", "/v1/responses/{id}"),
+    ("/v1/models/", "", "/v1/models/{id}"),
+)
+
+
+def http_route(path: str) -> str | None:
+    """The endpoint's route template (`http.route`), or None for a path no endpoint serves."""
+    if path in HTTP_ROUTES:
+        return path
+    for prefix, suffix, template in ID_ROUTES:
+        if path.startswith(prefix) and path.endswith(suffix):
+            middle = path[len(prefix) : len(path) - len(suffix)]
+            if middle and "/" not in middle:
+                return template
+    return None
 
 
 def _json(value: Any) -> str:

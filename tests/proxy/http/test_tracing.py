@@ -170,6 +170,12 @@ def test_a_responses_chain_shares_its_conversation_id(traced):
         assert spans[0]["attributes"]["gen_ai.conversation.id"] == first.id, rid
         assert spans[0]["name"] == f"chat {PUBLIC}"
         assert by_hop(spans)["answer"]["attributes"]["mol.adapter"] == "L3"
+    on.client.responses.retrieve(first.id, extra_headers={"x-request-id": "req-trace-get"})
+    get = receiver.wait_for(lambda spans: of_request(spans, "req-trace-get"))
+    server = of_request(get, "req-trace-get")[0]
+    assert server["name"] == "GET /v1/responses/{id}" and server["attributes"]["http.route"] == "/v1/responses/{id}"
+    assert server["attributes"]["url.path"] == f"/v1/responses/{first.id}"
+    assert "gen_ai.request.model" not in server["attributes"]
 
 
 def test_an_engine_failure_marks_the_hop_span_and_a_5xx_the_server_span(traced):
