@@ -17,7 +17,7 @@ from molctl.proxy import tracing
 from tests.helpers import free_ports
 from tests.otlp_receiver import OtlpReceiver
 from tests.procs import ROOT, fake_engine_argv, proxy_argv, running
-from tests.proxy_stack import PUBLIC, TINY, Stack
+from tests.proxy_stack import PUBLIC, TINY, TOOLS, Stack
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
@@ -176,6 +176,39 @@ def test_a_responses_chain_shares_its_conversation_id(traced):
     assert server["name"] == "GET /v1/responses/{id}" and server["attributes"]["http.route"] == "/v1/responses/{id}"
     assert server["attributes"]["url.path"] == f"/v1/responses/{first.id}"
     assert "gen_ai.request.model" not in server["attributes"]
+
+
+def answer_source(receiver: OtlpReceiver, rid: str) -> tuple[str, bool]:
+    """The answer hop span's mol.route.source, and whether the request made a route hop."""
+    spans = of_request(receiver.wait_for(hops_done(rid, "answer")), rid)
+    return by_hop(spans)["answer"]["attributes"]["mol.route.source"], "route" in by_hop(spans)
+
+
+def test_the_answer_span_says_how_its_adapter_was_chosen(traced):
+    receiver, on, _ = traced
+    on.reset()
+    ask = {"role": "user", "content": "[route:L3] [tool:get_weather] weather in Oslo?"}
+    first = on.client.chat.completions.create(
+        model=PUBLIC, messages=[ask], tools=TOOLS, extra_headers={"x-request-id": "req-trace-tool"}
+    )
+    call = first.choices[0].message.tool_calls[0].model_dump()
+    turn = [ask, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    turn.append({"role": "tool", "tool_call_id": call["id"], "content": "18C sunny"})
+    on.client.chat.completions.create(
+        model=PUBLIC, messages=turn, tools=TOOLS, extra_headers={"x-request-id": "req-trace-sticky"}
+    )
+    on.config(route_label="no label here")
+    try:
+        on.client.chat.completions.create(
+            model=PUBLIC,
+            messages=[{"role": "user", "content": "which adapter?"}],
+            extra_headers={"x-request-id": "req-trace-fallback"},
+        )
+    finally:
+        on.config(route_label=None)
+    assert answer_source(receiver, "req-trace-tool") == ("router", True)
+    assert answer_source(receiver, "req-trace-sticky") == ("sticky", False)  # a tool result: no route hop
+    assert answer_source(receiver, "req-trace-fallback") == ("fallback", True)
 
 
 def test_an_engine_failure_marks_the_hop_span_and_a_5xx_the_server_span(traced):
