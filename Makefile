@@ -78,6 +78,7 @@ bench: $(VENV)/.stamp-cpu
 	$(PY) bench/bench_route_priority.py
 	$(PY) bench/bench_summary_cache.py
 	$(PY) bench/bench_vllm_serve.py
+	$(PY) bench/bench_tracing.py
 
 # The main job on the embedded default: the tiny profile on a real vLLM (CPU), behind the proxy.
 demo: $(VENV)/.stamp-cpu

@@ -83,6 +83,7 @@ SCHEMA: dict[str, Any] = {
         "args": _MapOf(ARG_VALUE),
         "env": _MapOf(SCALAR),  # numbers and booleans become strings ("1"/"0" for booleans)
         "unset_env": _ListOf(str),
+        "otlp_traces_endpoint": (str, type(None)),  # the engine's own OTLP traces (Engine.trace_argv)
     },
     "proxy": {
         "host": str,
@@ -120,6 +121,7 @@ SCHEMA: dict[str, Any] = {
         "request_body_timeout_s": (int, float),  # a request body's whole upload, at most (then 408)
         "request_fields": str,  # unknown request fields: "ignore" (logged once, counted) or "reject" (a 400)
         "chat_template_kwargs": _ListOf(str),  # the chat_template_kwargs keys a client may set
+        "otlp_endpoint": (str, type(None)),  # the proxy's OTLP collector (molctl.proxy.tracing)
     },
     "logs": {  # retention of STATE/PROFILE/logs
         "keep": int,  # the N newest log files kept per component
@@ -195,6 +197,7 @@ class EngineSpec:
     args: Mapping[str, Any] = field(default_factory=dict)
     env: Mapping[str, str] = field(default_factory=dict)
     unset_env: tuple[str, ...] = ()
+    otlp_traces_endpoint: str | None = None  # the engine exports its own spans here (Engine.trace_argv)
 
 
 @dataclass(frozen=True)
@@ -257,6 +260,8 @@ class ProxySpec:
     # the Qwen3.x and GLM templates. Any other variable reaches the template as is and can change
     # what every rendering of the conversation looks like.
     chat_template_kwargs: tuple[str, ...] = ("enable_thinking", "thinking", "clear_thinking", "preserve_thinking")
+    # OpenTelemetry traces of the proxy to this collector (as OTEL_EXPORTER_OTLP_ENDPOINT; molctl.proxy.tracing)
+    otlp_endpoint: str | None = None
 
 
 DEFAULT_FOLD = "[This turn was handled by another specialist. Summary: {summary}]"
@@ -428,6 +433,7 @@ def _engine_spec(data: dict[str, Any], proxy: dict[str, Any], v: _Validator) -> 
     for flag in eng.get("args", {}):
         if flag.startswith("-") or not re.match(r"^[a-z0-9][a-z0-9-]*$", flag):
             raise v.fail(f"engine.args.{flag}", "flag names are written without dashes, e.g. max-model-len")
+    _check_trace_endpoint(eng, get_engine(eng["kind"]).trace_flags, v)
     _check_exec_strings(eng, v)
     return EngineSpec(
         kind=eng["kind"],
@@ -441,7 +447,22 @@ def _engine_spec(data: dict[str, Any], proxy: dict[str, Any], v: _Validator) -> 
         args=dict(eng.get("args", {})),
         env={k: _env_str(val) for k, val in eng.get("env", {}).items()},
         unset_env=tuple(eng.get("unset_env", ())),
+        otlp_traces_endpoint=eng.get("otlp_traces_endpoint") or None,
     )
+
+
+def _check_trace_endpoint(eng: dict[str, Any], flags: tuple[str, ...], v: _Validator) -> None:
+    """engine.otlp_traces_endpoint: one word, and its flags not also among engine.args."""
+    endpoint = eng.get("otlp_traces_endpoint")
+    if not endpoint:
+        return
+    if not re.fullmatch(r"\S+", endpoint):
+        raise v.fail("engine.otlp_traces_endpoint", f"{_short(endpoint)}: expected a collector address without spaces")
+    for flag in flags:
+        if flag[2:] in eng.get("args", {}):
+            raise v.fail(
+                "engine.otlp_traces_endpoint", f"the engine's {flag} is also set as engine.args.{flag[2:]}: set one"
+            )
 
 
 # One argv or environment string is at most 32 pages on Linux (MAX_ARG_STRLEN, 128 KiB with 4 KiB
@@ -475,7 +496,7 @@ def _check_exec_strings(eng: dict[str, Any], v: _Validator) -> None:
     """Every engine string that reaches exec (argv, environment) is one exec takes: env names
     without '=', no NUL byte, encodable, within MAX_ARG_BYTES (checked here, so that `check`
     fails and `up`/`switch` stop nothing)."""
-    for key in ("python", "host", "served_name"):
+    for key in ("python", "host", "served_name", "otlp_traces_endpoint"):
         problem = _exec_problem(eng[key]) if isinstance(eng.get(key), str) else None
         if problem:
             raise v.fail(f"engine.{key}", problem)
@@ -527,6 +548,9 @@ def _proxy_spec(data: dict[str, Any], v: _Validator) -> ProxySpec:
             parse_store_spec(proxy["store"])
         except ValueError as exc:
             raise v.fail("proxy.store", str(exc)) from None
+    endpoint = proxy.get("otlp_endpoint")
+    if endpoint is not None and not re.fullmatch(r"https?://[^\s/?#]+(/[^\s?#]*)?", endpoint):
+        raise v.fail("proxy.otlp_endpoint", f"{_short(endpoint)}: expected a collector URL such as http://HOST:4318")
     return ProxySpec(**proxy)
 
 

@@ -362,6 +362,8 @@ async def answer_chat(request: web.Request) -> web.StreamResponse:
             "payload": payload,
             "t": time.time(),
             "request_id": request.headers.get("X-Request-Id"),
+            # W3C trace context, as vLLM reads it (vllm/tracing/otel.py extract_trace_context)
+            "traceparent": request.headers.get("traceparent"),
         }
     )
     rejected = strict_violation(payload) if cfg["strict"] else None
@@ -606,6 +608,7 @@ async def completions(request: web.Request) -> web.Response:
             "endpoint": "completions",
             "payload": payload,
             "t": time.time(),
+            "traceparent": request.headers.get("traceparent"),
         }
     )
     if model != cfg["served_name"] and model not in cfg["adapters"]:
@@ -692,6 +695,7 @@ async def tokenize(request: web.Request) -> web.Response:
             "endpoint": "tokenize",
             "payload": payload,
             "t": time.time(),
+            "traceparent": request.headers.get("traceparent"),
         }
     )
     if not STATE.config["token_ids"]:

@@ -246,6 +246,9 @@ class Engine(abc.ABC):
     no_template_fallback: str = ""
     model_flag: str = ""  # the flag naming the base model folder
     lora_flag: str = ""  # the flag taking NAME=PATH adapter pairs
+    # The flags that send the engine's own OpenTelemetry spans to `engine.otlp_traces_endpoint`
+    # (the endpoint follows the last); the proxy's hop spans are their parents (W3C traceparent).
+    trace_flags: tuple[str, ...] = ()
 
     def launch_argv(self, profile: Profile) -> list[str]:
         e = profile.engine
@@ -262,9 +265,15 @@ class Engine(abc.ABC):
             "--port",
             str(e.port),
             *render_args(e.args),
+            *self.trace_argv(profile),
             self.lora_flag,
             *self.adapter_pairs(profile),
         ]
+
+    def trace_argv(self, profile: Profile) -> list[str]:
+        """The engine's tracing flags for `engine.otlp_traces_endpoint` (none when it is unset)."""
+        endpoint = profile.engine.otlp_traces_endpoint
+        return [*self.trace_flags, endpoint] if endpoint and self.trace_flags else []
 
     @abc.abstractmethod
     def probe_install(self, python: str) -> EngineInstall:

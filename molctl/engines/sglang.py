@@ -91,6 +91,9 @@ class SglangEngine(Engine):
     launch_module = "sglang.launch_server"
     model_flag = "--model-path"
     lora_flag = "--lora-paths"
+    # server_args.py: --enable-trace, and --otlp-traces-endpoint HOST:PORT (gRPC by default; an
+    # http://.../v1/traces URL with OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf)
+    trace_flags = ("--enable-trace", "--otlp-traces-endpoint")
     memory_flag = "mem-fraction-static"
     running_flag = "max-running-requests"
     max_loras_flag = ("max-loras-per-batch", 8)

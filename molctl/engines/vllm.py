@@ -47,6 +47,10 @@ class VllmEngine(Engine):
     launch_module = API_SERVER_MODULE
     model_flag = "--model"
     lora_flag = "--lora-modules"
+    # ObservabilityConfig.otlp_traces_endpoint (vllm/engine/arg_utils.py): a collector URL; the
+    # protocol is OTEL_EXPORTER_OTLP_TRACES_PROTOCOL's (grpc by default); vLLM continues the
+    # traceparent of each request (vllm/tracing/otel.py extract_trace_context)
+    trace_flags = ("--otlp-traces-endpoint",)
     memory_flag = "gpu-memory-utilization"
     running_flag = "max-num-seqs"
     max_loras_flag = ("max-loras", 1)

@@ -52,4 +52,5 @@ Its modules, one line each:
 - `store.redis.conversations`: chat's shared state on Redis (RedisConversationStore, RedisScope).
 - `store.redis.replicas`: the replica registry (heartbeats, conversation affinity).
 - `store.redis.admin`: `molctl state` and `molctl check` on Redis (describe, prune).
+- `tracing`: OpenTelemetry traces: a server span per request, a client span per hop, traceparent to the engine.
 """

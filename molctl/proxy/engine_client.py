@@ -10,7 +10,7 @@ import os
 import ssl
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -204,6 +204,7 @@ class EngineClient:
         self._busy: set[_Connection] = set()
         self._ssl_context: ssl.SSLContext | None = None
         self._peers: dict[str, EngineClient] = {}  # other replicas' engines (conversation affinity)
+        self.tracing: Any = None  # molctl.proxy.tracing.Tracing when traces are on: a span per hop
 
     async def start(self) -> None:
         if self._slots is None:
@@ -356,6 +357,13 @@ class EngineClient:
             return self.base_url
         return engine.url.rstrip("/")
 
+    def _address(self, engine: EngineChoice | None) -> tuple[str, int]:
+        """The host and port a hop for `engine` goes to (its span's server.address/port)."""
+        if engine is None or engine.failed:
+            return self._host, self._port
+        url = urlsplit(self.target_url(engine))
+        return url.hostname or "", url.port or (443 if url.scheme == "https" else 80)
+
     def _peer(self, engine: EngineChoice | None) -> EngineClient | None:
         """The client of the engine this request's conversation lives on (`engine`, chosen by the
         pipeline for proxy replicas on a shared store), or None for this proxy's own engine."""
@@ -391,6 +399,13 @@ class EngineClient:
             payload[self.request_id_field] = f"{hop_id}-{os.urandom(4).hex()}" if self.request_id_unique else hop_id
         return {REQUEST_ID_HEADER: hop_id}
 
+    def _headers(
+        self, payload: dict[str, Any], hop: str, request_id: str | None, trace: dict[str, str] | None
+    ) -> dict[str, str] | None:
+        """The hop's extra headers: its ids (`_hop_ids`) and, with traces on, its traceparent/tracestate."""
+        headers = self._hop_ids(payload, hop, request_id)
+        return headers if not trace else {**(headers or {}), **trace}
+
     async def _open_chat(
         self,
         data: bytes,
@@ -421,13 +436,37 @@ class EngineClient:
         request_id: str | None = None,
         path: str = CHAT_PATH,
         engine: EngineChoice | None = None,
+        source: str | None = None,
     ) -> dict[str, Any]:
         """Non-streaming chat completion; raises EngineHTTPError / EngineUnavailable. `big`:
         encode the payload in a worker thread; `request_id`: sent as X-Request-Id. `path`: another
         JSON endpoint of the same engine (the summary's token-prompt completion, the template
         probe: `Engine.continuation_path`, `Engine.probe_path`); `engine`: the request's engine
-        choice (None: this proxy's own upstream)."""
-        headers = self._hop_ids(payload, hop, request_id)
+        choice (None: this proxy's own upstream); `source`: how the hop's adapter was chosen (its
+        span's mol.route.source, when traces are on)."""
+        if self.tracing is None:
+            return await self._chat(payload, hop, timeout, big, request_id, path, engine, None)
+        return await self.tracing.chat(
+            hop,
+            path,
+            payload,
+            source,
+            self._address(engine),
+            lambda trace: self._chat(payload, hop, timeout, big, request_id, path, engine, trace),
+        )
+
+    async def _chat(
+        self,
+        payload: dict[str, Any],
+        hop: str,
+        timeout: float | None,
+        big: bool,
+        request_id: str | None,
+        path: str,
+        engine: EngineChoice | None,
+        trace: dict[str, str] | None,
+    ) -> dict[str, Any]:
+        headers = self._headers(payload, hop, request_id, trace)
         data = await encode(payload, big)
         owner, conn = await self._open_chat(data, hop, headers, timeout, path, engine)
         try:
@@ -445,18 +484,40 @@ class EngineClient:
             raise EngineHTTPError(502, raw.decode(errors="replace")[:500])
         return body
 
-    async def chat_stream(
+    def chat_stream(
         self,
         payload: dict[str, Any],
         hop: str,
         big: bool = False,
         request_id: str | None = None,
         engine: EngineChoice | None = None,
-    ) -> AsyncIterator[dict[str, Any]]:
+        source: str | None = None,
+    ) -> AsyncGenerator[dict[str, Any], None]:
         """Streaming chat completion: yields each SSE `data:` JSON object until `[DONE]`.
 
-        Cancelling the consumer closes the connection, which makes the engine abort the request."""
-        headers = self._hop_ids(payload, hop, request_id)
+        Cancelling the consumer closes the connection, which makes the engine abort the request.
+        With traces on, the hop's span ends when the stream is closed (`source`: see `chat`)."""
+        if self.tracing is None:
+            return self._stream(payload, hop, big, request_id, engine, None)
+        return self.tracing.stream(
+            hop,
+            CHAT_PATH,
+            payload,
+            source,
+            self._address(engine),
+            lambda trace: self._stream(payload, hop, big, request_id, engine, trace),
+        )
+
+    async def _stream(
+        self,
+        payload: dict[str, Any],
+        hop: str,
+        big: bool,
+        request_id: str | None,
+        engine: EngineChoice | None,
+        trace: dict[str, str] | None,
+    ) -> AsyncIterator[dict[str, Any]]:
+        headers = self._headers(payload, hop, request_id, trace)
         data = await encode(payload, big)
         owner, conn = await self._open_chat(data, hop, headers, None, engine=engine)
         try:

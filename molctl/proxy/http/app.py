@@ -35,7 +35,7 @@ import orjson
 
 from molctl.engines.base import READYZ_ENGINE_PROBE_MIN_S, Engine, adapter_problems
 from molctl.profiles import Profile
-from molctl.proxy import fastjson
+from molctl.proxy import fastjson, tracing
 from molctl.proxy.apis.chat import ChatAPI
 from molctl.proxy.apis.models import ModelsAPI
 from molctl.proxy.apis.responses.handlers import ResponsesAPI
@@ -138,6 +138,7 @@ class ProxyApp:
         self.client = EngineClient(
             upstream, request_id_field=engine.request_id_field, request_id_unique=engine.request_id_unique
         )
+        self.client.tracing = self.tracing = tracing.start(profile, engine)  # None: traces are off
         self.counters = ProxyMetrics(self._gauges, self._store_counters)
         self.orch = Orchestrator(profile, engine, self.client, store or MemoryStore(), self.counters)
         self.orch.engine_names.extend(server_names(profile, upstream))  # scrubbed from engine messages too
@@ -189,6 +190,8 @@ class ProxyApp:
             await self.metrics_listener.close()
         await self.client.close()
         self.responses.close()
+        if self.tracing is not None:
+            self.tracing.close()
         if self.shared_state is not None:
             await self.shared_state.close()
 
@@ -243,6 +246,7 @@ class ProxyApp:
             return
         rid = incoming_request_id(scope["headers"]) or "req-" + os.urandom(8).hex()
         state = RequestState(rid)
+        span = self.tracing.server(scope) if self.tracing is not None else None  # made current: the hops' parent
 
         async def tracked(message: dict) -> None:
             if message["type"] == "http.response.start":
@@ -269,6 +273,8 @@ class ProxyApp:
         finally:
             if scope["method"] not in PROBE_METHODS or (scope["path"].rstrip("/") or "/") not in UNCOUNTED:  # as _route
                 self._count(scope, state)
+            if span is not None:
+                span.end(state)
 
     def _failure(self, exc: Exception, state: RequestState) -> ProxyError | None:
         """What a request that raised `exc` is answered (None: nothing, the client left), counted and logged."""

@@ -54,6 +54,7 @@ class Plan:
     # (the sticky tool-turn rule reads the record's calls, `routing.sticky_route`)
     previous: dict[str, Any] | None = None
     new_messages: list[dict[str, Any]] = field(default_factory=list)
+    conversation_id: str | None = None  # a Responses chain's first response id (gen_ai.conversation.id)
 
 
 @dataclass

@@ -40,6 +40,7 @@ from molctl.proxy.pipeline.routing import Router, trailing_calls
 from molctl.proxy.pipeline.summary import Summaries
 from molctl.proxy.pipeline.views import own_view, split_history
 from molctl.proxy.store.base import ConversationStore
+from molctl.proxy.tracing import route_source
 
 log = logging.getLogger("molctl.proxy")
 
@@ -352,7 +353,14 @@ class Orchestrator:
         start = time.monotonic()
         try:
             body = checked_completion(
-                await self.client.chat(payload, "answer", big=plan.big, request_id=plan.request_id, engine=plan.engine)
+                await self.client.chat(
+                    payload,
+                    "answer",
+                    big=plan.big,
+                    request_id=plan.request_id,
+                    engine=plan.engine,
+                    source=route_source(plan.sticky, plan.fallback),
+                )
             )
         except (EngineHTTPError, EngineUnavailable) as exc:
             self._engine_error(exc, plan)
@@ -385,7 +393,12 @@ class Orchestrator:
         await self._admit(plan)
         start = time.monotonic()
         upstream = self.client.chat_stream(
-            payload, "answer", big=plan.big, request_id=plan.request_id, engine=plan.engine
+            payload,
+            "answer",
+            big=plan.big,
+            request_id=plan.request_id,
+            engine=plan.engine,
+            source=route_source(plan.sticky, plan.fallback),
         )
         try:
             first = True

@@ -198,6 +198,14 @@ def assistant_message(message: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def conversation_of(previous: dict[str, Any] | None) -> str | None:
+    """The chain a request continues, named by its first response's id (the record of `previous`
+    keeps it; a record written before it was kept names itself); None for a chain's first response."""
+    if previous is None:
+        return None
+    return previous.get("conversation_id") or previous.get("id")
+
+
 def make_record(
     req: ResponsesRequest, tenant: str, response: dict[str, Any], answer: dict[str, Any], route: str
 ) -> dict[str, Any]:
@@ -206,6 +214,7 @@ def make_record(
         "tenant": tenant,
         "created_at": response["created_at"],
         "previous_response_id": req.body.get("previous_response_id"),
+        "conversation_id": conversation_of(req.prev) or response["id"],
         "messages": [*req.history, *req.messages, assistant_message(answer)],
         "input_items": req.input_items,
         "response": response,

@@ -62,6 +62,7 @@ class ResponsesAPI:
             await ex.run(plan, self._complete(plan, req, ex))
             return
         translator = events.StreamTranslator(req, new_id("resp_"))
+        plan.conversation_id = plan.conversation_id or translator.id
 
         def error_event(exc: ProxyError) -> bytes:
             return events.sse(translator.ev("error", code=exc.code, message=exc.message, param=public_param(exc.param)))
@@ -132,6 +133,7 @@ class ResponsesAPI:
         plan.big = plan.big or big
         plan.include_usage = True  # the Response's usage
         plan.previous, plan.new_messages = req.prev, req.messages  # the sticky tool-turn rule reads them
+        plan.conversation_id = events.conversation_of(req.prev)
         return plan
 
     async def _keep(self, req: ResponsesRequest, plan: Plan, tenant: str, response: dict[str, Any]) -> None:
@@ -144,6 +146,7 @@ class ResponsesAPI:
     async def _complete(self, plan: Plan, req: ResponsesRequest, ex: Any) -> None:
         chat = await self.orch.answer(plan, persist=False)  # a shared store writes the turn and the record together
         response = events.complete_response(req, new_id("resp_"), int(time.time()), chat)
+        plan.conversation_id = plan.conversation_id or response["id"]
         await self._keep(req, plan, ex.tenant, response)
         await self.orch.persisted(plan)
         await ex.json(200, response)

@@ -89,6 +89,9 @@ class ServerArgs:
         parser.add_argument("--enable-priority-scheduling", action="store_true")
         parser.add_argument("--schedule-low-priority-values-first", action="store_true")
         parser.add_argument("--priority-scheduling-preemption-threshold", type=int, default=10)
+        # request tracing (server_args.py; docs/references/production_request_trace.md)
+        parser.add_argument("--enable-trace", action="store_true")
+        parser.add_argument("--otlp-traces-endpoint", type=str, default="localhost:4317")
 
 
 def prepare_server_args(argv: list[str], parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:

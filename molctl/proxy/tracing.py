@@ -1,0 +1,397 @@
+"""OpenTelemetry traces: one server span per request, one client span per engine hop.
+
+On when `proxy.otlp_endpoint` is set or the standard variables name a collector
+(OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_EXPORTER_OTLP_TRACES_ENDPOINT); off otherwise, and then the
+SDK is never imported and the hot path pays one `None` check per request and per hop
+(`ProxyApp.tracing`, `EngineClient.tracing`). `start(profile, engine)` builds a `Tracing` or None.
+The span names and attributes follow the OpenTelemetry GenAI semantic conventions v1.37.0; the
+reasoning (what goes on which span, the parentage, traceparent to the engine, content capture)
+is in docs/design/tracing.md.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any
+
+from molctl.errors import ExitStatus, MolctlError
+
+ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+PROTOCOL_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
+CAPTURE_VARIABLE = "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"
+CAPTURE_ON = ("true", "1", "span_only", "span_and_event")  # the variable's values that put content on spans
+DEFAULT_SERVICE = "molctl-proxy"
+PROTOCOLS = ("http/protobuf", "grpc")
+EXTRA = "pip install 'molctl[otel]'"
+PROVIDER = "molctl"  # gen_ai.provider.name of the server span: the proxy is what its clients call
+UNTRACED = ("/health", "/readyz")  # probes: no span (they are neither counted nor logged either)
+CLOSE_S = 2.0  # the proxy's shutdown waits this long at most for the last spans' export
+ANSWER_HOP = "answer"  # its finish reasons and usage are the request's: copied onto the server span
+
+
+def wanted(profile: Any, env: Mapping[str, str] = os.environ) -> bool:
+    """Whether traces are on: the profile's endpoint, or a standard endpoint variable."""
+    return bool(profile.proxy.otlp_endpoint) or any(env.get(v) for v in ENDPOINT_VARIABLES)
+
+
+def route_source(sticky: bool, fallback: str | None) -> str:
+    """mol.route.source of an answer hop: how its adapter was chosen."""
+    return "sticky" if sticky else "fallback" if fallback else "router"
+
+
+def start(profile: Any, engine: Any, env: Mapping[str, str] = os.environ) -> Tracing | None:
+    """The proxy's tracing, or None when off. A missing SDK or exporter, or a protocol the proxy
+    cannot export with, is a one-line MolctlError (exit 3) naming what to install or set."""
+    if not wanted(profile, env):
+        return None
+    protocol = next((env[v].strip() for v in PROTOCOL_VARIABLES if env.get(v)), "http/protobuf")
+    if protocol not in PROTOCOLS:
+        name = next(v for v in PROTOCOL_VARIABLES if env.get(v))
+        raise MolctlError(f"{name}={protocol!r}: expected one of {', '.join(PROTOCOLS)}", ExitStatus.CHECK_FAILED)
+    try:
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        if protocol == "grpc":
+            exporter = _grpc_exporter(profile.proxy.otlp_endpoint, next(v for v in PROTOCOL_VARIABLES if env.get(v)))
+        else:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+            endpoint = profile.proxy.otlp_endpoint
+            exporter = OTLPSpanExporter(endpoint=endpoint.rstrip("/") + "/v1/traces" if endpoint else None)
+    except ImportError as exc:
+        raise MolctlError(
+            f"tracing is on (proxy.otlp_endpoint or OTEL_EXPORTER_OTLP_*ENDPOINT) but {exc.name} is missing: {EXTRA}",
+            ExitStatus.CHECK_FAILED,
+        ) from None
+    resource = Resource.create({"service.name": env.get("OTEL_SERVICE_NAME") or DEFAULT_SERVICE})
+    provider = TracerProvider(resource=resource, shutdown_on_exit=False)  # `close` does, bounded
+    provider.add_span_processor(BatchSpanProcessor(exporter))
+    capture = (env.get(CAPTURE_VARIABLE) or "").strip().lower() in CAPTURE_ON
+    return Tracing(provider, profile, engine, capture)
+
+
+def _grpc_exporter(endpoint: str | None, variable: str) -> Any:
+    try:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    except ImportError:
+        raise MolctlError(
+            f"{variable}=grpc needs opentelemetry-exporter-otlp-proto-grpc: "
+            "pip install opentelemetry-exporter-otlp-proto-grpc (or use http/protobuf)",
+            ExitStatus.CHECK_FAILED,
+        ) from None
+    return OTLPSpanExporter(endpoint=endpoint or None)
+
+
+class Tracing:
+    """The tracer, the W3C propagator, and what every span of this proxy says."""
+
+    def __init__(self, provider: Any, profile: Any, engine: Any, capture: bool):
+        from opentelemetry import context, trace
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        from molctl.profiles import ROUTES
+
+        self.provider = provider
+        self.tracer = provider.get_tracer("molctl.proxy")
+        self.trace, self.context = trace, context
+        self.propagator = TraceContextTextMapPropagator()
+        self.public = profile.served_model_name
+        self.provider_name = engine.kind  # gen_ai.provider.name of the hops: the engine (vllm, sglang)
+        self.labels = {engine.adapter_model(profile, r): r for r in ROUTES}  # engine model -> L0..L3
+        self.capture = capture
+
+    def close(self) -> None:
+        """Export what is still buffered and stop (the proxy's shutdown), waiting at most CLOSE_S:
+        a collector that is down (the exporter retries for ~10 s) does not hold the proxy's exit."""
+        import threading
+
+        closing = threading.Thread(target=self.provider.shutdown, name="otel-shutdown", daemon=True)
+        closing.start()
+        closing.join(CLOSE_S)
+
+    # ---------------------------------------------------------------- the server span
+    def server(self, scope: dict) -> ServerSpan | None:
+        """The request's server span, made current (its hops' parent), continuing an incoming
+        `traceparent`/`tracestate`; None for the probes."""
+        path = scope["path"].rstrip("/") or "/"
+        if path in UNTRACED:
+            return None
+        carrier = {}
+        for name, value in scope["headers"]:
+            if name in (b"traceparent", b"tracestate"):
+                carrier[name.decode()] = value.decode("latin-1")
+        parent = self.propagator.extract(carrier) if carrier else None
+        method = scope["method"]
+        attributes = {"http.request.method": method, "url.path": path, "url.scheme": scope.get("scheme", "http")}
+        route = http_route(path)
+        if route is not None:
+            attributes["http.route"] = route
+        span = self.tracer.start_span(
+            f"{method} {route}" if route else method,  # the HTTP conventions' low-cardinality name
+            context=parent,
+            kind=self.trace.SpanKind.SERVER,
+            attributes=attributes,
+        )
+        token = self.context.attach(self.trace.set_span_in_context(span, parent))
+        return ServerSpan(self, span, token)
+
+    # ---------------------------------------------------------------- hop spans
+    def hop(self, hop: str, path: str, payload: dict[str, Any], source: str | None, peer: tuple[str, int]) -> HopSpan:
+        """A client span for one engine request, a child of the current (server) span; its
+        `headers` carry it to the engine as W3C traceparent/tracestate."""
+        operation = "chat" if path.endswith("/chat/completions") else "text_completion"
+        model = payload.get("model")
+        attributes: dict[str, Any] = {
+            "gen_ai.operation.name": operation,
+            "gen_ai.provider.name": self.provider_name,
+            "mol.hop": hop,
+            "server.address": peer[0],
+            "server.port": peer[1],
+        }
+        if isinstance(model, str):
+            attributes["gen_ai.request.model"] = model
+            if model in self.labels:
+                attributes["mol.adapter"] = self.labels[model]
+        if source is not None:
+            attributes["mol.route.source"] = source
+        for field, key in (("max_tokens", "gen_ai.request.max_tokens"), ("temperature", "gen_ai.request.temperature")):
+            if isinstance(payload.get(field), int | float) and not isinstance(payload.get(field), bool):
+                attributes[key] = payload[field]
+        if self.capture and isinstance(payload.get("messages"), list):
+            attributes["gen_ai.input.messages"] = _json(input_messages(payload["messages"]))
+        span = self.tracer.start_span(
+            f"{operation} {model}" if isinstance(model, str) else operation,
+            kind=self.trace.SpanKind.CLIENT,
+            attributes=attributes,
+        )
+        headers: dict[str, str] = {}
+        self.propagator.inject(headers, context=self.trace.set_span_in_context(span))
+        return HopSpan(self, span, hop, headers)
+
+    async def chat(
+        self,
+        hop: str,
+        path: str,
+        payload: dict[str, Any],
+        source: str | None,
+        peer: tuple[str, int],
+        send: Callable[[dict[str, str]], Awaitable[dict[str, Any]]],
+    ) -> dict[str, Any]:
+        """One whole hop (`EngineClient.chat`) in its span: `send(headers)` makes the request
+        with the span's traceparent."""
+        span = self.hop(hop, path, payload, source, peer)
+        try:
+            body = await send(span.headers)
+        except BaseException as exc:
+            span.end(exc)
+            raise
+        span.answered(body)
+        span.end()
+        return body
+
+    async def stream(
+        self,
+        hop: str,
+        path: str,
+        payload: dict[str, Any],
+        source: str | None,
+        peer: tuple[str, int],
+        open_stream: Callable[[dict[str, str]], AsyncGenerator[dict[str, Any], None]],
+    ) -> AsyncIterator[dict[str, Any]]:
+        """A streamed hop (`EngineClient.chat_stream`) in its span, which starts with the first
+        read and ends when the stream is closed."""
+        span = self.hop(hop, path, payload, source, peer)
+        inner = open_stream(span.headers)
+        error: BaseException | None = None
+        try:
+            async for event in inner:
+                span.event(event)
+                yield event
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            await inner.aclose()
+            span.end(error)
+
+
+class ServerSpan:
+    """A request's server span until the request's log line (`end`)."""
+
+    def __init__(self, tracing: Tracing, span: Any, token: Any):
+        self.tracing, self.span, self.token = tracing, span, token
+
+    def end(self, state: Any) -> None:
+        """Detach it (the request task's context) and end it with the request's outcome."""
+        self.tracing.context.detach(self.token)
+        span = self.span
+        span.set_attribute("http.response.status_code", state.status)
+        span.set_attribute("mol.request.id", state.request_id)
+        plan = state.plan
+        if plan is not None:  # a chat or Responses answer: named as the GenAI inference span
+            span.update_name(f"chat {self.tracing.public}")
+            span.set_attributes(
+                {
+                    "gen_ai.operation.name": "chat",
+                    "gen_ai.provider.name": PROVIDER,
+                    "gen_ai.request.model": self.tracing.public,
+                }
+            )
+            if getattr(plan, "conversation_id", None):
+                span.set_attribute("gen_ai.conversation.id", plan.conversation_id)
+        if state.status >= 500:  # a server span's error: a 5xx (a 4xx is the client's)
+            span.set_attribute("error.type", state.error or str(state.status))
+            span.set_status(self.tracing.trace.StatusCode.ERROR)
+        elif state.error is not None:
+            span.set_attribute("error.type", state.error)
+        span.end()
+
+
+class HopSpan:
+    """One hop's client span: what the engine answered goes on it (`answered`, `event`), then `end`."""
+
+    def __init__(self, tracing: Tracing, span: Any, hop: str, headers: dict[str, str]):
+        self.tracing, self.span, self.hop, self.headers = tracing, span, hop, headers
+        self.finish: list[str] = []
+        self.usage: dict[str, Any] | None = None
+        self.text: list[str] | None = [] if tracing.capture else None
+        self.message: dict[str, Any] | None = None
+        self.meta: dict[str, Any] = {}
+
+    def answered(self, body: dict[str, Any]) -> None:
+        """A whole response: its finish reasons, usage, id and model."""
+        self._meta(body)
+        for choice in body.get("choices") or ():
+            if isinstance(choice, dict):
+                if choice.get("finish_reason"):
+                    self.finish.append(str(choice["finish_reason"]))
+                if self.text is not None and isinstance(choice.get("message"), dict):
+                    self.message = choice["message"]
+
+    def event(self, event: dict[str, Any]) -> None:
+        """One stream event (the proxy asks for one choice: its index 0)."""
+        self._meta(event)
+        for choice in event.get("choices") or ():
+            if choice.get("index", 0) != 0:
+                continue
+            if choice.get("finish_reason"):
+                self.finish.append(str(choice["finish_reason"]))
+            delta = choice.get("delta") or {}
+            if self.text is not None and isinstance(delta.get("content"), str):
+                self.text.append(delta["content"])
+
+    def _meta(self, body: dict[str, Any]) -> None:
+        if isinstance(body.get("usage"), dict):
+            self.usage = body["usage"]
+        if "gen_ai.response.id" not in self.meta and isinstance(body.get("id"), str):
+            self.meta["gen_ai.response.id"] = body["id"]
+        if "gen_ai.response.model" not in self.meta and isinstance(body.get("model"), str):
+            self.meta["gen_ai.response.model"] = body["model"]
+
+    def end(self, error: BaseException | None = None) -> None:
+        span = self.span
+        found = dict(self.meta)
+        if self.finish:
+            found["gen_ai.response.finish_reasons"] = self.finish
+        usage = self.usage or {}
+        for field, key in (
+            ("prompt_tokens", "gen_ai.usage.input_tokens"),
+            ("completion_tokens", "gen_ai.usage.output_tokens"),
+        ):
+            if isinstance(usage.get(field), int):
+                found[key] = usage[field]
+        span.set_attributes(found)
+        if self.text is not None and (self.message is not None or self.text):
+            message = self.message or {"role": "assistant", "content": "".join(self.text)}
+            span.set_attribute("gen_ai.output.messages", _json(output_messages(message, self.finish)))
+        if isinstance(error, Exception):
+            status = getattr(error, "status", None)
+            span.set_attribute("error.type", str(status) if status is not None else type(error).__name__)
+            span.set_status(self.tracing.trace.StatusCode.ERROR, str(error)[:200])
+        span.end()
+        if self.hop == ANSWER_HOP:  # the request's answer: its outcome on the server span too
+            parent = self.tracing.trace.get_current_span()
+            if parent.is_recording():
+                parent.set_attributes(
+                    {k: v for k, v in found.items() if k.startswith(("gen_ai.usage", "gen_ai.response.finish"))}
+                )
+
+
+HTTP_ROUTES = ("/v1/chat/completions", "/v1/responses", "/v1/models")
+ID_ROUTES = (  # (prefix, suffix, template) of the endpoints whose path holds an id
+    ("/v1/responses/", "/input_items", "/v1/responses/{id}/input_items"),
+    ("/v1/responses/", "/cancel", "/v1/responses/{id}/cancel"),
+    ("/v1/responses/", "", "/v1/responses/{id}"),
+    ("/v1/models/", "", "/v1/models/{id}"),
+)
+
+
+def http_route(path: str) -> str | None:
+    """The endpoint's route template (`http.route`), or None for a path no endpoint serves."""
+    if path in HTTP_ROUTES:
+        return path
+    for prefix, suffix, template in ID_ROUTES:
+        if path.startswith(prefix) and path.endswith(suffix):
+            middle = path[len(prefix) : len(path) - len(suffix)]
+            if middle and "/" not in middle:
+                return template
+    return None
+
+
+def _json(value: Any) -> str:
+    from molctl.proxy import fastjson
+
+    return fastjson.dumps_bytes(value).decode()
+
+
+def _parts(content: Any) -> list[dict[str, Any]]:
+    """A message's content as GenAI `parts`: text as it is, other parts by their type only."""
+    if isinstance(content, str):
+        return [{"type": "text", "content": content}] if content else []
+    parts = []
+    for part in content if isinstance(content, list) else ():
+        if isinstance(part, dict) and part.get("type") == "text":
+            parts.append({"type": "text", "content": part.get("text")})
+        elif isinstance(part, dict):
+            parts.append({"type": str(part.get("type"))})
+    return parts
+
+
+def _calls(message: dict[str, Any]) -> list[dict[str, Any]]:
+    calls = []
+    for call in message.get("tool_calls") or ():
+        fn = call.get("function") or {} if isinstance(call, dict) else {}
+        calls.append(
+            {"type": "tool_call", "id": call.get("id"), "name": fn.get("name"), "arguments": fn.get("arguments")}
+        )
+    return calls
+
+
+def input_messages(messages: list[Any]) -> list[dict[str, Any]]:
+    """gen_ai.input.messages: chat messages in the conventions' role + parts shape."""
+    out = []
+    for message in messages:
+        if not isinstance(message, dict):
+            continue
+        if message.get("role") == "tool":
+            parts = [
+                {"type": "tool_call_response", "id": message.get("tool_call_id"), "response": message.get("content")}
+            ]
+        else:
+            parts = _parts(message.get("content")) + _calls(message)
+        out.append({"role": message.get("role"), "parts": parts})
+    return out
+
+
+def output_messages(message: dict[str, Any], finish: list[str]) -> list[dict[str, Any]]:
+    """gen_ai.output.messages: the answer, with its finish reason."""
+    return [
+        {
+            "role": message.get("role") or "assistant",
+            "parts": _parts(message.get("content")) + _calls(message),
+            "finish_reason": finish[0] if finish else None,
+        }
+    ]
