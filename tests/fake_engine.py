@@ -390,7 +390,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
         return web.json_response(completion(model, {"content": f"summary of {answered}"}, "stop", usage))
     # answer hop (also a "speculative" one: the same request under another hop name). A client
     # that goes away meanwhile cancels the handler (run_app's handler_cancellation), as vLLM's
-    # with_cancellation does for a non-streamed request (vllm/entrypoints/utils.py): logged
+    # with_cancellation does for a non-streamed request (vllm/entrypoints/serve/utils/api_utils.py): logged
     try:
         await asyncio.sleep(cfg["answer_delay"] + cfg["model_delay"].get(model, 0.0))
     except asyncio.CancelledError:
