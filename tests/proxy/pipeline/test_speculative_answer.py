@@ -5,6 +5,7 @@ per-model answer text and delays, and the disconnects it sees, as vLLM aborts th
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -23,9 +24,10 @@ def spec_stack(keyfile, tmp_path_factory):
     from tests.helpers import free_ports
 
     (metrics_port,) = free_ports(1)
+    logs = tmp_path_factory.mktemp("spec-logs")
     with own_stack(
         keyfile,
-        tmp_path_factory.mktemp("spec-logs"),
+        logs,
         "--set",
         "proxy.route_timeout_s=1",
         "--set",
@@ -34,7 +36,13 @@ def spec_stack(keyfile, tmp_path_factory):
         str(metrics_port),
     ) as st:
         st.metrics_url = f"http://127.0.0.1:{metrics_port}"
+        st.proxy_log = logs / "proxy.log"
         yield st
+
+
+def request_lines(s: Stack) -> list[dict]:
+    """The proxy's JSON request log lines."""
+    return [json.loads(ln) for ln in s.proxy_log.read_text().splitlines() if ln.startswith('{"ts"')]
 
 
 @pytest.fixture
@@ -246,3 +254,22 @@ def test_the_sdk_sees_the_headers_on_an_error_free_first_turn(sp):
     )
     assert float(raw.headers["x-mol-route-ms"]) >= 0 and float(raw.headers["x-mol-overhead-ms"]) >= 0
     assert isinstance(raw.parse(), openai.types.chat.ChatCompletion)
+
+
+def test_the_request_log_says_the_route_source_and_the_speculative_outcome(sp):
+    convo = first_turn(sp)
+    sp.config(route_delay=0.2, token_delay=0.05, answer_words=20, model_text={"L1": ROUTED})
+    sp.chat([*convo, {"role": "user", "content": "[route:L1] plan a trip"}], stream=True)
+    sp.config(route_delay=0.0, token_delay=0.0, answer_words=0)
+    sp.chat([*convo, {"role": "user", "content": "[route:L2] keep going"}])
+    assert wait_for(lambda: len(request_lines(sp)) >= 3, 5)
+    first, miss, hit = request_lines(sp)[-3:]
+    assert (first["speculative"], first["speculative_reason"], first["route_source"]) == (
+        "skipped",
+        "first_turn",
+        "classified",
+    )
+    assert miss["speculative"] == "miss" and miss["route"] == "L1" and miss["speculative_reason"] is None
+    assert miss["speculative_wasted_prompt"] is not None and miss["speculative_wasted_generated"] is not None
+    assert hit["speculative"] == "hit" and hit["speculative_wasted_prompt"] is None
+    assert all(line["overhead_s"] is not None and line["route_s"] is not None for line in (first, miss, hit))
