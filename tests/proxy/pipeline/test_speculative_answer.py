@@ -257,13 +257,14 @@ def test_the_sdk_sees_the_headers_on_an_error_free_first_turn(sp):
 
 
 def test_the_request_log_says_the_route_source_and_the_speculative_outcome(sp):
+    before = len(request_lines(sp))
     convo = first_turn(sp)
     sp.config(route_delay=0.2, token_delay=0.05, answer_words=20, model_text={"L1": ROUTED})
     sp.chat([*convo, {"role": "user", "content": "[route:L1] plan a trip"}], stream=True)
     sp.config(route_delay=0.0, token_delay=0.0, answer_words=0)
     sp.chat([*convo, {"role": "user", "content": "[route:L2] keep going"}])
-    assert wait_for(lambda: len(request_lines(sp)) >= 3, 5)
-    first, miss, hit = request_lines(sp)[-3:]
+    assert wait_for(lambda: len(request_lines(sp)) >= before + 3, 5)
+    first, miss, hit = request_lines(sp)[before : before + 3]
     assert (first["speculative"], first["speculative_reason"], first["route_source"]) == (
         "skipped",
         "first_turn",
