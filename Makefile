@@ -76,6 +76,7 @@ bench: $(VENV)/.stamp-cpu
 	$(PY) bench/bench_lifecycle.py
 	$(PY) bench/bench_e2e.py
 	$(PY) bench/bench_route_priority.py
+	$(PY) bench/bench_speculative.py
 	$(PY) bench/bench_summary_cache.py
 	$(PY) bench/bench_vllm_serve.py
 	$(PY) bench/bench_tracing.py

@@ -96,6 +96,7 @@ SCHEMA: dict[str, Any] = {
         "summary_queue_max": int,
         "route_timeout_s": (int, float),
         "route_max_input_chars": int,
+        "speculative_answer": bool,  # the answer hop on the conversation's adapter alongside the route hop
         "stream_write_timeout_s": (int, float),
         "sse_keepalive_s": (int, float),
         "reasoning": str,
@@ -212,6 +213,9 @@ class ProxySpec:
     summary_queue_max: int = 256  # summaries waiting for a slot; more are dropped (counted)
     route_timeout_s: float = 10.0  # the route hop's own deadline; then the fallback route
     route_max_input_chars: int = 4000  # the router sees at most this much of the request
+    # a follow-up turn's answer starts on the conversation's adapter alongside the route hop, held
+    # until the route decides (molctl.proxy.pipeline.speculative)
+    speculative_answer: bool = True
     stream_write_timeout_s: float = 60.0  # a stream client that reads nothing this long is dropped
     # a stream's 200 waits this long for the first token, then `: keepalive` comments this often
     # (keep it under the idle timeout of any load balancer between the clients and the proxy)

@@ -79,6 +79,7 @@ DEFAULT_CONFIG = {
     # per engine model (the base's served name or an adapter), for `molctl bench` (answer hops and direct requests):
     "model_delay": {},  # {model: seconds before the first chunk}
     "model_error": {},  # {model: {"status": 503, "body"?: {...}, "headers"?: {...}}}
+    "model_text": {},  # {model: text}: that model's answers say this text instead of "answer-N"
     # for other proxies (bench/bench_proxy.py runs the upstream harness's proxy against this engine):
     # a request without a hop header whose last message is a user message with exactly this text
     # is a summary hop (the upstream labels only its route hop, with X-MOL-Internal-Hop)
@@ -403,8 +404,14 @@ async def answer_chat(request: web.Request) -> web.StreamResponse:
             return web.json_response({"error": {"message": "summary exploded", "code": 500}}, status=500)
         answered = text_of(messages[-2].get("content")) if len(messages) >= 2 else ""
         return web.json_response(completion(model, {"content": f"summary of {answered}"}, "stop", usage))
-    # answer hop
-    await asyncio.sleep(cfg["answer_delay"] + cfg["model_delay"].get(model, 0.0))
+    # answer hop (also a "speculative" one: the same request under another hop name). A client
+    # that goes away meanwhile cancels the handler (run_app's handler_cancellation), as vLLM's
+    # with_cancellation does for a non-streamed request (vllm/entrypoints/serve/utils/api_utils.py): logged
+    try:
+        await asyncio.sleep(cfg["answer_delay"] + cfg["model_delay"].get(model, 0.0))
+    except asyncio.CancelledError:
+        STATE.log.append({"hop": hop, "model": model, "event": "client_gone", "t": time.time()})
+        raise
     STATE.metrics["vllm:prefix_cache_queries_total"] += 10
     STATE.metrics["vllm:prefix_cache_hits_total"] += 4
     if model in cfg["model_error"]:
@@ -434,7 +441,8 @@ async def answer_chat(request: web.Request) -> web.StreamResponse:
     elif last.get("role") == "tool":
         message, finish = {"content": f"answer-{n} using {text_of(last.get('content'))}"}, "stop"
     else:
-        message, finish = {"content": f"answer-{n}" + (" " + cfg["answer_word"]) * cfg["answer_words"]}, "stop"
+        text = cfg["model_text"].get(model) or f"answer-{n}"
+        message, finish = {"content": text + (" " + cfg["answer_word"]) * cfg["answer_words"]}, "stop"
     if cfg["answer_reasoning"] is not None:  # a reasoning parser's output, in the field the engine names
         message[cfg["reasoning_field"]] = cfg["answer_reasoning"]
     finish = cfg["answer_finish"] or finish
@@ -910,6 +918,7 @@ def main() -> None:
         print=None,
         access_log=None,
         handle_signals=env.get("FAKE_IGNORE_TERM") != "1",
+        handler_cancellation=True,  # a client gone cancels its request, as in vLLM (with_cancellation)
     )
 
 

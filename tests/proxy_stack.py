@@ -59,6 +59,15 @@ def parse_prometheus(text: str) -> dict[str, float]:
     return out
 
 
+def answers_of(log: list[dict]) -> list[dict]:
+    """The engine requests of a fake engine's log that answered a client request, in order: its
+    answer hop, or the held speculative hop where there was none (a hit; a miss's held hop is
+    followed by the answer hop of the same client request id)."""
+    sent = [e for e in log if e.get("hop") in ("answer", "speculative") and "event" not in e]
+    answered = {e["request_id"].rsplit("-", 1)[0] for e in sent if e["hop"] == "answer" and e.get("request_id")}
+    return [e for e in sent if e["hop"] == "answer" or (e.get("request_id") or "").rsplit("-", 1)[0] not in answered]
+
+
 class Stack:
     def __init__(self, engine_url: str, proxy_url: str, metrics_url: str | None = None):
         self.engine_url, self.proxy_url, self.metrics_url = engine_url, proxy_url, metrics_url
@@ -73,6 +82,9 @@ class Stack:
     def log(self, hop: str | None = None) -> list[dict]:
         entries = httpx.get(self.engine_url + "/_log").json()
         return [e for e in entries if hop is None or e["hop"] == hop]
+
+    def answers(self) -> list[dict]:
+        return answers_of(self.log())
 
     def metrics(self) -> dict[str, float]:
         """The proxy's metrics listener (no key), labelled series summed per name (0 for a

@@ -28,6 +28,7 @@ Its modules, one line each:
 - `pipeline.priority`: the one hop-priority policy.
 - `pipeline.routing`: the route hop, label parsing, its fallback and the one sticky tool-turn rule.
 - `pipeline.run`: the pipeline's entry points shared by chat and Responses (prepare, load, answer, stream).
+- `pipeline.speculative`: the speculative answer on the conversation's adapter, held until the route decides.
 - `pipeline.summary`: the background summary hops.
 - `pipeline.views`: what each hop sends: the router's messages, each adapter's view, the summary request.
 - `samples`: sample conversations `molctl check`'s template category renders through this code.

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -271,6 +272,9 @@ async def collect_async(profile: Profile, stream: bool = False) -> list[HopReque
     from molctl.proxy.pipeline.run import Orchestrator
     from molctl.proxy.store.memory import MemoryStore
 
+    # without the speculative answer: its request is the answer hop's own, byte for byte, so it
+    # adds no rendering to check, and a held hop would make the turns' hops depend on timing
+    profile = dataclasses.replace(profile, proxy=dataclasses.replace(profile.proxy, speculative_answer=False))
     client = _RecordingClient()
     orch = Orchestrator(profile, get_engine(profile.engine.kind), client, MemoryStore())  # type: ignore[arg-type]
     for tenant, turns in _conversations().items():

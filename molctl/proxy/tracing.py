@@ -27,17 +27,14 @@ EXTRA = "pip install 'molctl[otel]'"
 PROVIDER = "molctl"  # gen_ai.provider.name of the server span: the proxy is what its clients call
 UNTRACED = ("/health", "/readyz")  # probes: no span (they are neither counted nor logged either)
 CLOSE_S = 2.0  # the proxy's shutdown waits this long at most for the last spans' export
-ANSWER_HOP = "answer"  # its finish reasons and usage are the request's: copied onto the server span
+# hops whose finish reasons and usage are the request's, copied onto the server span: the answer, or a
+# speculative answer the route hop agreed with (a missed one is closed before it reports either)
+ANSWER_HOPS = ("answer", "speculative")
 
 
 def wanted(profile: Any, env: Mapping[str, str] = os.environ) -> bool:
     """Whether traces are on: the profile's endpoint, or a standard endpoint variable."""
     return bool(profile.proxy.otlp_endpoint) or any(env.get(v) for v in ENDPOINT_VARIABLES)
-
-
-def route_source(sticky: bool, fallback: str | None) -> str:
-    """mol.route.source of an answer hop: how its adapter was chosen."""
-    return "sticky" if sticky else "fallback" if fallback else "router"
 
 
 def start(profile: Any, engine: Any, env: Mapping[str, str] = os.environ) -> Tracing | None:
@@ -312,7 +309,7 @@ class HopSpan:
             span.set_attribute("error.type", str(status) if status is not None else type(error).__name__)
             span.set_status(self.tracing.trace.StatusCode.ERROR, str(error)[:200])
         span.end()
-        if self.hop == ANSWER_HOP:  # the request's answer: its outcome on the server span too
+        if self.hop in ANSWER_HOPS:  # the request's answer: its outcome on the server span too
             parent = self.tracing.trace.get_current_span()
             if parent.is_recording():
                 parent.set_attributes(

@@ -8,7 +8,8 @@ RESPONSES = (*BASIC, "chain", "store_false")
 
 
 def answers(log: list[dict]) -> list[dict]:
-    return [e for e in log if e.get("hop") == "answer" and "payload" in e]
+    """The answer hops, and the speculative ones (the same request: a follow-up's answer on a hit)."""
+    return [e for e in log if e.get("hop") in ("answer", "speculative") and "payload" in e]
 
 
 def saw(log: list[dict], text: str) -> bool:

@@ -134,7 +134,7 @@ class Stack:
                     "prompt"
                 ]
             out.append({"id": rid, "hop": hop, "adapter": adapter, "prompt": prompt, "body": body})
-        return out
+        return speculative_hops(out)
 
     def metric(self, name: str) -> float:
         text = httpx.get(self.engine + "/metrics").text
@@ -186,6 +186,29 @@ def stack(tmp_path_factory):
         left = s.kill_leftovers()
         if left:
             print(f"killed processes `down` left behind: {left}")
+
+
+def speculative_hops(hops: list[dict]) -> list[dict]:
+    """The proxy names each hop in its request id (`<client id>-<hop>`): a speculative answer that
+    was the answer (a hit) is that request's answer hop; one followed by an answer hop of the same
+    client request (a miss, aborted) is `speculative`."""
+    answered = {m.group(1) for h in hops if (m := re.search(r"(req-[0-9a-f]+)-answer", h["id"]))}
+    for h in hops:
+        m = re.search(r"(req-[0-9a-f]+)-speculative", h["id"])
+        if m:
+            h["hop"] = "speculative" if m.group(1) in answered else "answer"
+    return hops
+
+
+def settled_hops(stack: Stack, before: int, timeout: float = 60) -> list[dict]:
+    """The engine requests since `before` once the turn's summary hop is in (a missed speculative
+    answer adds one request to the turn's three), without the missed speculative one."""
+    deadline = time.monotonic() + timeout
+    hops = stack.hops()[before:]
+    while time.monotonic() < deadline and not any(h["hop"] == "summary" for h in hops):
+        time.sleep(0.2)
+        hops = stack.hops()[before:]
+    return [h for h in hops if h["hop"] != "speculative"]
 
 
 def wait_for_requests(stack: Stack, count: int, timeout: float = 60) -> list:
@@ -291,8 +314,7 @@ def chat_hops(stack: Stack, messages: list[dict], stream: bool = False, **extra)
         reply = stack.client.chat.completions.create(model=PUBLIC, messages=messages, max_tokens=ANSWER_TOKENS, **extra)
         text, finish = reply.choices[0].message.content or "", reply.choices[0].finish_reason
     assert finish in ("stop", "length"), finish  # a random model does not call tools
-    wait_for_requests(stack, before + 3)
-    hops = stack.hops()[before:]
+    hops = settled_hops(stack, before)
     assert sorted(h["hop"] for h in hops) == ["answer", "route", "summary"], hops
     return text, hops
 
@@ -419,8 +441,7 @@ def responses_hops(stack: Stack, **kwargs) -> tuple[object, list[dict]]:
         model=PUBLIC, max_output_tokens=ANSWER_TOKENS, tools=RESPONSES_WEATHER, **kwargs
     )
     assert resp.status in ("completed", "incomplete"), resp
-    wait_for_requests(stack, before + 3)
-    hops = stack.hops()[before:]
+    hops = settled_hops(stack, before)
     assert sorted(h["hop"] for h in hops) == ["answer", "route", "summary"], hops
     return resp, hops
 
@@ -484,7 +505,7 @@ def test_later_turn_hits_the_prefix_cache(stack):
         hits_before = stack.metric("vllm:prefix_cache_hits_total")
         reply = stack.client.chat.completions.create(model=PUBLIC, messages=convo, max_tokens=ANSWER_TOKENS)
         hits_after = stack.metric("vllm:prefix_cache_hits_total")
-        (adapter,) = [r[3] for r in wait_for_requests(stack, before + 3)[before:] if r[1] == ANSWER_TOKENS]
+        (adapter,) = [h["adapter"] for h in settled_hops(stack, before) if h["hop"] == "answer"]
         cached.append(reply.usage.prompt_tokens_details.cached_tokens)
         if adapter in seen:
             assert hits_after > hits_before, (hits_before, hits_after)
@@ -497,6 +518,48 @@ def test_later_turn_hits_the_prefix_cache(stack):
             {"role": "user", "content": follow_ups[turn % len(follow_ups)]},
         ]
     pytest.fail(f"five turns on five different adapters out of four: {seen}")
+
+
+def test_a_missed_speculative_answer_is_aborted_in_the_engine_and_never_shown(stack):
+    """A follow-up turn's answer starts on the conversation's adapter alongside the route hop (the
+    speculative answer, held). The router is a random model, so follow-ups run until one changes
+    adapter: the held request is aborted in vLLM (its request log says so) and the client's text
+    is the routed adapter's greedy answer, not the held adapter's."""
+    first = [{"role": "user", "content": "Write a haiku about the rain in spring."}]
+    before = len(stack.requests())
+    reply = stack.client.chat.completions.create(model=PUBLIC, messages=first, max_tokens=ANSWER_TOKENS, temperature=0)
+    settled_hops(stack, before)
+    convo = [*first, {"role": "assistant", "content": reply.choices[0].message.content}]
+    follow_ups = ["Now a limerick about a cat.", "Write a SQL query.", "Plan a trip to Rome.", "Fix this bug: x = 1 +"]
+    follow_ups += ["Translate 'hello' into French.", "Prove that 2 is prime.", "Draw an ASCII house.", "Sort [3,1,2]."]
+    for text in follow_ups:
+        before = len(stack.requests())
+        messages = [*convo, {"role": "user", "content": text}]
+        chunks = stack.client.chat.completions.create(
+            model=PUBLIC, messages=messages, max_tokens=ANSWER_TOKENS, temperature=0, stream=True
+        )
+        said = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        settled_hops(stack, before)
+        hops = stack.hops()[before:]
+        held = [h for h in hops if h["hop"] == "speculative"]
+        if not held:
+            continue  # the route kept the adapter: a hit
+        (answer,) = [h for h in hops if h["hop"] == "answer"]
+        assert held[0]["adapter"] != answer["adapter"]
+        client_id = re.search(r"(req-[0-9a-f]+)-speculative", held[0]["id"]).group(1)
+        aborted = re.findall(r"Aborted request\(s\) (\S+)\.", stack.engine_log())
+        assert any(f"{client_id}-speculative" in rid for rid in aborted), aborted
+        assert not any(f"{client_id}-answer" in rid for rid in aborted)
+
+        def direct(body: dict) -> str:
+            body = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "request_id")}
+            r = httpx.post(stack.engine + "/v1/chat/completions", json=body, timeout=120)
+            return r.json()["choices"][0]["message"]["content"] or ""
+
+        assert said == direct(answer["body"])  # the routed adapter's greedy answer, whole
+        assert said != direct(held[0]["body"])  # not the held adapter's (adapters change greedy output)
+        return
+    pytest.fail("no follow-up turn changed the conversation's adapter")
 
 
 def test_a_summary_after_a_tool_declaring_answer_is_served_from_the_cache(stack):

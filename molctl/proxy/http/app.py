@@ -51,7 +51,7 @@ from molctl.proxy.errors import (
     store_failure,
 )
 from molctl.proxy.http.body import ClientGone, read_body
-from molctl.proxy.http.sse import SSEWriter, internal_error
+from molctl.proxy.http.sse import SSEWriter, internal_error, timing_headers
 from molctl.proxy.metrics import MetricsListener, ProxyMetrics, store_gauges
 from molctl.proxy.pipeline.plan import Plan, RequestState
 from molctl.proxy.pipeline.run import Orchestrator
@@ -102,11 +102,13 @@ class Exchange:
         self.state.plan = plan
 
     async def json(self, status: int, body: Any, raw: bytes | None = None) -> None:
+        timing = timing_headers(self.state.plan)  # an answer's x-mol-route-ms, x-mol-overhead-ms
         if raw is not None:
-            await self.send({"type": "http.response.start", "status": status, "headers": JSON_HEADERS})
+            await self.send({"type": "http.response.start", "status": status, "headers": JSON_HEADERS + timing})
             await self.send({"type": "http.response.body", "body": raw})
             return
-        await write_json(self.send, status, body, {"x-request-id": self.state.request_id})
+        extra = {k.decode(): v.decode() for k, v in timing}
+        await write_json(self.send, status, body, {"x-request-id": self.state.request_id, **extra})
 
     async def run(self, plan: Plan, coro: Awaitable[None]) -> None:
         """Run one answer while watching the client (`ProxyApp.run`)."""
@@ -557,6 +559,7 @@ def request_line(state: RequestState, api: str, total_s: float) -> str:
     usage = (plan.usage if plan is not None else None) or {}
     details = usage.get("prompt_tokens_details") or {}
     timings = plan.timings if plan is not None else {}
+    wasted = plan.speculative_wasted if plan is not None else None
     return orjson.dumps(
         {  # orjson: the same JSON as json.dumps for these str/int/float/bool/None values, ~10x faster
             "ts": round(time.time(), 3),
@@ -568,10 +571,16 @@ def request_line(state: RequestState, api: str, total_s: float) -> str:
             "route": plan.route if plan is not None else None,
             "fallback": plan.fallback if plan is not None else None,
             "sticky": plan.sticky if plan is not None else None,
+            "route_source": plan.route_source if plan is not None else None,
+            "speculative": plan.speculative if plan is not None else None,
+            "speculative_reason": plan.speculative_reason if plan is not None else None,
+            "speculative_wasted_prompt": wasted[0] if wasted else None,
+            "speculative_wasted_generated": wasted[1] if wasted else None,
             "queue_s": round(plan.queue_wait_s, 4) if plan is not None else None,
             "route_s": _round4(timings.get("route_s")),
             "answer_s": _round4(timings.get("answer_s")),
             "ttft_s": _round4(timings.get("ttft_s")),
+            "overhead_s": _round4(timings.get("overhead_s")),
             "total_s": round(total_s, 4),
             "tokens_in": usage.get("prompt_tokens"),
             "tokens_out": usage.get("completion_tokens"),

@@ -33,6 +33,19 @@ SSE_HEADERS = [
 CHAT_END = b"data: [DONE]\n\n"
 
 
+def timing_headers(plan: Plan | None) -> list[tuple[bytes, bytes]]:
+    """An answer's `x-mol-route-ms` (the route decision's time; 0 without a route hop) and
+    `x-mol-overhead-ms` (the time the proxy added before the answer's first token, or before a
+    whole answer's body), each once known: a stream's head that a keep-alive sent early has
+    only what was known then. No adapter names."""
+    if plan is None or plan.route is None:
+        return []
+    out = [(b"x-mol-route-ms", b"%.1f" % (plan.timings.get("route_s", 0.0) * 1000))]
+    if "overhead_s" in plan.timings:
+        out.append((b"x-mol-overhead-ms", b"%.1f" % (plan.timings["overhead_s"] * 1000)))
+    return out
+
+
 def chat_frame(chunk: Any) -> bytes:
     return b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n"
 
@@ -69,7 +82,7 @@ class SSEWriter:
     ) -> bool:
         """Write `chunks` as SSE; True when the client has the whole stream. `abandon` is called
         as soon as the client will not get it whole (a failure, a dropped client)."""
-        out = _Out(send, state.request_id, self.write_timeout_s)
+        out = _Out(send, state.request_id, self.write_timeout_s, lambda: timing_headers(plan))
         state.streaming = True  # the drain deadline ends it here (cut_requests), not by a cancel
         try:
             failure = await self._pump(out, state, plan, chunks, frame)
@@ -158,8 +171,9 @@ class SSEWriter:
 class _Out:
     """The stream's writes: the held-back head goes out with the first one; each write bounded."""
 
-    def __init__(self, send: Send, rid: str, timeout_s: float):
+    def __init__(self, send: Send, rid: str, timeout_s: float, extra: Callable[[], list] = lambda: []):
         self.send, self.rid, self.timeout_s = send, rid, timeout_s
+        self.extra = extra  # headers known when the head goes out (`timing_headers`)
         self.started = False
 
     async def write(self, data: bytes, more: bool = True) -> None:
@@ -168,7 +182,7 @@ class _Out:
                 {
                     "type": "http.response.start",
                     "status": 200,
-                    "headers": SSE_HEADERS + [(b"x-request-id", self.rid.encode())],
+                    "headers": SSE_HEADERS + [(b"x-request-id", self.rid.encode()), *self.extra()],
                 }
             )
             self.started = True

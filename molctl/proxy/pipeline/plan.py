@@ -55,6 +55,15 @@ class Plan:
     previous: dict[str, Any] | None = None
     new_messages: list[dict[str, Any]] = field(default_factory=list)
     conversation_id: str | None = None  # a Responses chain's first response id (gen_ai.conversation.id)
+    # the speculative answer (`speculative`): the hop held while the route hop runs, the held hop
+    # that is the answer (a hit), and for the log line: hit, miss, skipped (with its reason) or
+    # cancelled (the request ended before the route decided), and a miss's wasted tokens
+    speculation: Any = None
+    held: Any = None
+    speculative: str | None = None
+    speculative_reason: str | None = None
+    speculative_wasted: tuple[int, int] | None = None  # (prompt, generated) tokens
+    route_source: str | None = None  # classified, sticky or fallback
 
 
 @dataclass

@@ -101,6 +101,7 @@ class Router:
         admission: Admission,
         priority: PriorityPolicy,
         admit: Callable[[Plan], Awaitable[None]],
+        speculate: Callable[[Plan], None] = lambda plan: None,
     ):
         self.profile = profile
         self.engine = engine
@@ -110,6 +111,7 @@ class Router:
         self.admission = admission
         self.priority = priority
         self.admit = admit
+        self.speculate = speculate  # called just before the route hop (`speculative.Speculation.start`)
         self.route_instruction = route_instruction(profile)
         self.router_model = engine.adapter_model(profile, "L0")
         self.route_tokens = min(profile.proxy.route_max_tokens, max(len(r) for r in ROUTES))
@@ -120,7 +122,9 @@ class Router:
             return False
         plan.route = sticky
         plan.sticky = True
+        plan.route_source = "sticky"
         self.counters.inc("sticky_tool_turns_total")
+        self.counters.inc("route_sources_total", source="sticky", reason="")
         return True
 
     async def route(self, plan: Plan) -> None:
@@ -141,6 +145,7 @@ class Router:
             self.counters.inc("unplaced_tool_turns_total")
         previous = plan.history.last_record()
         payload = self.route_payload(plan)
+        self.speculate(plan)
         self.counters.inc("route_hops_total")
         label = None
         reason = "bad_label"
@@ -163,6 +168,8 @@ class Router:
             plan.fallback = reason
             self.counters.inc("route_fallbacks_total", reason=reason)
             label = previous.route if previous is not None else self.profile.proxy.default_route
+        plan.route_source = "classified" if plan.fallback is None else "fallback"
+        self.counters.inc("route_sources_total", source=plan.route_source, reason=plan.fallback or "")
         self.counters.inc("route_decisions_total", adapter=label)
         plan.route = label
 

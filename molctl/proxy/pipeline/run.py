@@ -12,6 +12,7 @@ failed answers, summaries, large requests) are in docs/design/proxy.md, "The pip
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import re
 import time
@@ -37,10 +38,10 @@ from molctl.proxy.pipeline.admission import Admission, Rejected
 from molctl.proxy.pipeline.plan import Plan
 from molctl.proxy.pipeline.priority import PriorityPolicy
 from molctl.proxy.pipeline.routing import Router, trailing_calls
+from molctl.proxy.pipeline.speculative import Speculation
 from molctl.proxy.pipeline.summary import Summaries
 from molctl.proxy.pipeline.views import own_view, split_history
 from molctl.proxy.store.base import ConversationStore
-from molctl.proxy.tracing import route_source
 
 log = logging.getLogger("molctl.proxy")
 
@@ -126,7 +127,12 @@ class Orchestrator:
         self.window = context_window(profile, engine)
         self.admission = admission or Admission.from_profile(profile, engine)
         self.priority = PriorityPolicy(profile, engine, client, self.counters)
-        self.router = Router(profile, engine, client, store, self.counters, self.admission, self.priority, self._admit)
+        self.speculation = Speculation(
+            profile.proxy.speculative_answer, engine, client, self.counters, self.admission.answers
+        )
+        self.router = Router(
+            profile, engine, client, store, self.counters, self.admission, self.priority, self._admit, self._speculate
+        )
         self.summaries = Summaries(
             profile,
             engine,
@@ -197,7 +203,10 @@ class Orchestrator:
     async def answer(self, plan: Plan, persist: bool = True) -> dict[str, Any]:
         """Route, then the whole answer (`complete`): the chat completion the client gets."""
         await self.route(plan)
-        return await self.complete(plan, persist)
+        try:
+            return await self.complete(plan, persist)
+        finally:
+            await self._close_held(plan)
 
     async def chunks(self, plan: Plan, persist: bool = True) -> AsyncIterator[dict[str, Any]]:
         """Route, then the streamed answer (`stream`); closing this generator closes the engine
@@ -209,10 +218,34 @@ class Orchestrator:
                 yield chunk
         finally:
             await answer.aclose()
+            await self._close_held(plan)
+
+    async def _close_held(self, plan: Plan) -> None:
+        """A held speculative answer is never left running past its request (a no-op once read whole)."""
+        if plan.held is not None:
+            await plan.held.cancel()
 
     async def route(self, plan: Plan) -> None:
-        """Decide the adapter (`routing.Router.route`)."""
-        await self.router.route(plan)
+        """Decide the adapter (`routing.Router.route`), with the speculative answer on the
+        conversation's adapter held meanwhile (`speculative`): kept on a hit, closed on a miss,
+        and closed with the request if it ends first."""
+        try:
+            await self.router.route(plan)
+        except BaseException:
+            await self.speculation.discard(plan)
+            raise
+        await self.speculation.settle(plan)
+
+    def _speculate(self, plan: Plan) -> None:
+        self.speculation.start(plan, lambda adapter: self._offload(plan, self._speculative_request, plan, adapter))
+
+    def _speculative_request(self, plan: Plan, adapter: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """The answer hop's view and request on `adapter`, exactly as `_build_answer` makes them
+        once the route says `adapter` (a copy of the plan: the route is not decided yet)."""
+        draft = copy.copy(plan)
+        draft.route = adapter
+        payload = self._build_answer(draft)
+        return draft.view, payload
 
     # ---------------------------------------------------------------- answer
     async def _admit(self, plan: Plan) -> None:
@@ -344,24 +377,47 @@ class Orchestrator:
         plan.view = own_view(self.profile, self.identity, plan.messages, plan.history, plan.route)
         return self.answer_payload(plan)
 
+    async def _payload(self, plan: Plan) -> dict[str, Any] | None:
+        """The answer hop's request, or None: the held speculative hop is the answer (a hit; its
+        request was this one, built for the same adapter)."""
+        held = plan.held
+        if held is not None:
+            await held.ready.wait()
+            if held.payload is not None:
+                plan.view = held.view
+                return None
+            plan.held = None  # its build refused the request: the routed build says why
+        await self._await_summaries(plan)
+        return await self._offload(plan, self._build_answer, plan)
+
+    def _overhead(self, plan: Plan, sent: float, engine_first: float | None) -> None:
+        """The time the proxy added before the answer's first token (a whole answer: before its
+        body): the client's wait so far less the engine's own time for the answer hop."""
+        now = time.monotonic()
+        plan.timings["overhead_s"] = max(0.0, (now - plan.started) - ((engine_first or now) - sent))
+
     async def complete(self, plan: Plan, persist: bool = True) -> dict[str, Any]:
         """Non-streaming answer; returns the client body and records the turn. `persist=False`:
         the caller awaits `persisted(plan)` itself (after its own writes: one round trip for both)."""
-        await self._await_summaries(plan)
-        payload = await self._offload(plan, self._build_answer, plan)
+        payload = await self._payload(plan)
         await self._admit(plan)
-        start = time.monotonic()
+        held = plan.held
+        start = held.sent_at if payload is None else time.monotonic()
         try:
-            body = checked_completion(
-                await self.client.chat(
-                    payload,
-                    "answer",
-                    big=plan.big,
-                    request_id=plan.request_id,
-                    engine=plan.engine,
-                    source=route_source(plan.sticky, plan.fallback),
+            if payload is None:
+                body = checked_completion(await held.result())
+            else:
+                body = checked_completion(
+                    await self.client.chat(
+                        payload,
+                        "answer",
+                        big=plan.big,
+                        request_id=plan.request_id,
+                        engine=plan.engine,
+                        source=plan.route_source,
+                    )
                 )
-            )
+            self._overhead(plan, start, held.done_at if payload is None else None)
         except (EngineHTTPError, EngineUnavailable) as exc:
             self._engine_error(exc, plan)
             raise from_engine(
@@ -386,24 +442,29 @@ class Orchestrator:
         engine failure raises ProxyError, before or after the first chunk. `persist=False`: the
         answer is only kept in `plan.answer`; the caller records it (`record`) and awaits
         `persisted(plan)` with its own writes (one round trip for all)."""
-        await self._await_summaries(plan)
-        payload = await self._offload(plan, self._build_answer, plan)
+        payload = await self._payload(plan)
         said = _Streamed(shaping.new_id(), int(time.time()), self.public)
         tokens = plan.tokens = AnswerTokens()
         await self._admit(plan)
-        start = time.monotonic()
-        upstream = self.client.chat_stream(
-            payload,
-            "answer",
-            big=plan.big,
-            request_id=plan.request_id,
-            engine=plan.engine,
-            source=route_source(plan.sticky, plan.fallback),
+        held = plan.held
+        start = held.sent_at if payload is None else time.monotonic()
+        upstream = (
+            held.events()
+            if payload is None
+            else self.client.chat_stream(
+                payload,
+                "answer",
+                big=plan.big,
+                request_id=plan.request_id,
+                engine=plan.engine,
+                source=plan.route_source,
+            )
         )
         try:
             first = True
             async for event in upstream:
                 if first:
+                    self._overhead(plan, start, held.first_at if payload is None else None)
                     plan.timings["ttft_s"] = time.monotonic() - plan.started  # observed at the end (`finished`)
                     yield said.chunk(shaping.role_delta())
                     first = False

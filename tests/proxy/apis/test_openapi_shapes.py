@@ -230,7 +230,7 @@ def test_an_item_reference_with_a_null_type_is_a_reference(s):
             input=[{"role": "user", "content": "[route:L2] hi"}, item, {"role": "user", "content": "[route:L2] again"}],
         )
         assert r.status_code == 200, r.text
-        answer = s.log("answer")[-1]
+        answer = s.answers()[-1]
         assert {"role": "assistant", "content": first.output_text} in answer["messages"], answer["messages"]
 
 

@@ -94,7 +94,7 @@ def test_urls_that_are_not_plain_http_are_refused_even_where_any_host_is_allowed
 def test_a_data_url_reaches_the_engine_unchanged(s):
     r = s.chat(image(PNG))
     assert r.choices[0].message.content
-    answer = s.log("answer")[-1]
+    answer = s.answers()[-1]
     assert answer["messages"][-1]["content"][1] == {"type": "image_url", "image_url": {"url": PNG}}
     assert "[image]" in s.log("route")[-1]["messages"][-1]["content"]  # the router sees a placeholder
 
@@ -114,7 +114,7 @@ def test_a_data_url_reaches_the_engine_unchanged(s):
 )
 def test_a_null_media_url_fetches_nothing_and_passes(s, part):
     s.chat([{"role": "user", "content": [{"type": "text", "text": "[route:L2] what is this?"}, part]}])
-    assert s.log("answer")[-1]["messages"][-1]["content"][1] == part
+    assert s.answers()[-1]["messages"][-1]["content"][1] == part
 
 
 def test_the_responses_api_checks_input_image_urls_too(s):
@@ -147,7 +147,7 @@ def test_the_responses_api_checks_input_image_urls_too(s):
             }
         ],
     )
-    assert r.output_text and s.log("answer")[-1]["messages"][-1]["content"][1]["image_url"]["url"] == PNG
+    assert r.output_text and s.answers()[-1]["messages"][-1]["content"][1]["image_url"]["url"] == PNG
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +163,7 @@ def test_listed_hosts_are_let_through_and_others_still_refused(media_stack):
     media_stack.reset()
     for url in ("https://images.example.com/cat.png", "http://IMAGES.example.com.:8080/cat.png?size=2#x"):
         assert media_stack.chat(image(url)).choices[0].message.content
-        assert media_stack.log("answer")[-1]["messages"][-1]["content"][1]["image_url"]["url"] == url
+        assert media_stack.answers()[-1]["messages"][-1]["content"][1]["image_url"]["url"] == url
     media_stack.reset()
     body = refused(media_stack, image("https://images.example.com.evil.net/cat.png"))
     assert body["code"] == "media_url_not_allowed"
@@ -205,7 +205,7 @@ def test_an_image_in_the_instructions_reaches_the_engine_as_an_image_in_a_user_m
     }
     r = s.chat([instructions, {"role": "user", "content": "[route:L2] what is this?"}])
     assert r.choices[0].message.content
-    answer = s.log("answer")[-1]["messages"]
+    answer = s.answers()[-1]["messages"]
     assert (
         answer[0]["role"] == "system" and PNG not in str(answer[0]) and "Describe what you see." in answer[0]["content"]
     )
@@ -227,7 +227,7 @@ def test_an_image_in_a_later_system_message_stays_an_image_in_its_note(s):
         "content": [{"type": "text", "text": "Now look at this."}, {"type": "image_url", "image_url": {"url": PNG}}],
     }
     s.chat([*first, {"role": "assistant", "content": reply}, note, {"role": "user", "content": "[route:L2] and?"}])
-    answer = s.log("answer")[-1]["messages"]
+    answer = s.answers()[-1]["messages"]
     assert {
         "role": "user",
         "content": [

@@ -42,7 +42,7 @@ def test_vllm_bench_serve_requests_are_answered_and_ignore_eos_reaches_the_answe
         assert r.status_code == 200, r.read()
         text = r.read().decode()
     assert "data: [DONE]" in text
-    answer = s.log("answer")[-1]["payload"]
+    answer = s.answers()[-1]["payload"]
     assert answer["ignore_eos"] is True and answer["max_tokens"] == 16
     assert wait_for(lambda: s.log("summary"), 10)
     for hop in ("route", "summary"):
@@ -72,7 +72,7 @@ EXTENSIONS = {
 def test_every_vllm_extension_is_passed_to_the_answer_hop_as_sent(s):
     assert set(EXTENSIONS) == set(get_engine("vllm").request_extensions)  # the test covers the whole table
     s.chat(USER, extra_body=EXTENSIONS)
-    answer = s.log("answer")[-1]["payload"]
+    answer = s.answers()[-1]["payload"]
     assert {k: answer.get(k) for k in EXTENSIONS} == EXTENSIONS
     route = s.log("route")[-1]["payload"]  # its own structured_outputs (the labels), none of the client's
     assert all(route.get(k) != v for k, v in EXTENSIONS.items())
@@ -142,7 +142,7 @@ def test_refused_fields_at_what_the_proxy_does_anyway_are_accepted(s):
             "chat_template_kwargs": {"enable_thinking": False},
         },
     )
-    answer = s.log("answer")[-1]["payload"]
+    answer = s.answers()[-1]["payload"]
     assert answer["chat_template_kwargs"] == {"enable_thinking": False}
     assert "echo" not in answer and "add_generation_prompt" not in answer
 
@@ -151,7 +151,7 @@ def test_unknown_fields_are_accepted_ignored_and_counted(s):
     """A client's `client_metadata` (and any field the proxy does not know) was a 400."""
     before = s.metrics()["molctl_proxy_ignored_request_fields_total"]
     s.chat(USER, extra_body={"client_metadata": {"a": "b"}, "frobnicate": 1})
-    answer = s.log("answer")[-1]["payload"]
+    answer = s.answers()[-1]["payload"]
     assert "client_metadata" not in answer and "frobnicate" not in answer
     assert s.metrics()["molctl_proxy_ignored_request_fields_total"] == before + 2
 
@@ -176,11 +176,11 @@ def test_forced_generation_keeps_the_operators_output_limit(s):
     reached the engine with no limit: the answer filled the engine's window, past proxy.max_output_tokens."""
     long = [{"role": "user", "content": "[route:L2] " + "word " * 358}]
     s.chat(long)
-    assert "max_tokens" not in s.log("answer")[-1]["payload"]  # unforced: the engine fills the room left
+    assert "max_tokens" not in s.answers()[-1]["payload"]  # unforced: the engine fills the room left
     s.chat(long, extra_body={"ignore_eos": True})
-    assert s.log("answer")[-1]["payload"]["max_tokens"] == TINY.proxy.max_output_tokens
+    assert s.answers()[-1]["payload"]["max_tokens"] == TINY.proxy.max_output_tokens
     s.chat(long, extra_body={"min_tokens": 8})
-    assert s.log("answer")[-1]["payload"]["max_tokens"] == TINY.proxy.max_output_tokens
+    assert s.answers()[-1]["payload"]["max_tokens"] == TINY.proxy.max_output_tokens
     with pytest.raises(openai.BadRequestError) as err:
         s.chat(USER, extra_body={"min_tokens": 2048})
     assert err.value.param == "min_tokens" and "proxy.max_output_tokens" in err.value.message
@@ -266,7 +266,7 @@ def test_a_coding_agents_first_request_is_answered(s):
         metadata={"a": "b"},
     )
     assert r.status_code == 200, r.text
-    tools = s.log("answer")[-1]["payload"]["tools"]
+    tools = s.answers()[-1]["payload"]["tools"]
     assert [t["function"]["name"] for t in tools] == ["shell", "crm__lookup"]  # hosted and custom tools left out
     assert "The customer database" in tools[1]["function"]["description"]
     assert r.json()["tools"][1]["type"] == "namespace"  # the request's tools echoed as sent
@@ -294,7 +294,7 @@ def test_a_namespaced_call_comes_back_named_as_the_client_named_it_and_the_loop_
         **kw,
     )
     assert second.output_text.endswith("using Ada")
-    sent = s.log("answer")[-1]["payload"]["messages"]
+    sent = s.answers()[-1]["payload"]["messages"]
     assert sent[-2]["tool_calls"][0]["function"]["name"] == "crm__lookup"
 
 
@@ -318,7 +318,7 @@ def test_a_namespaced_call_comes_back_named_as_the_client_named_it_and_the_loop_
 def test_tool_choice_forms(s, choice, expect_choice, expect_tools):
     r = post(s, "/v1/responses", input="[route:L2] go", tools=[SHELL, NAMESPACE, *HOSTED], tool_choice=choice)
     assert r.status_code == 200, r.text
-    payload = s.log("answer")[-1]["payload"]
+    payload = s.answers()[-1]["payload"]
     assert payload["tool_choice"] == expect_choice
     assert [t["function"]["name"] for t in payload["tools"]] == expect_tools
 
@@ -326,7 +326,7 @@ def test_tool_choice_forms(s, choice, expect_choice, expect_tools):
 def test_only_hosted_tools_and_required_give_a_plain_answer(s):
     r = post(s, "/v1/responses", input="[route:L2] go", tools=[{"type": "web_search"}], tool_choice="required")
     assert r.status_code == 200, r.text
-    payload = s.log("answer")[-1]["payload"]
+    payload = s.answers()[-1]["payload"]
     assert "tools" not in payload and "tool_choice" not in payload
 
 
@@ -348,7 +348,7 @@ def test_items_of_tools_this_server_never_runs_are_left_out_and_unknown_items_ar
         ],
     )
     assert r.status_code == 200, r.text
-    sent = s.log("answer")[-1]["payload"]["messages"]
+    sent = s.answers()[-1]["payload"]["messages"]
     assert [m["role"] for m in sent[1:]] == ["user", "user"]  # after the identity system message
     r = post(
         s,
@@ -373,7 +373,7 @@ def test_item_references_name_stored_output_items(s):
         ],
     )
     assert r.status_code == 200, r.text
-    sent = s.log("answer")[-1]["payload"]["messages"]
+    sent = s.answers()[-1]["payload"]["messages"]
     assert sent[-2] == {"role": "assistant", "content": first.output_text}
     unstored = s.client.responses.create(model=PUBLIC, input="[route:L2] hi", store=False)
     for item_id in (next(i for i in unstored.output if i.type == "message").id, "msg_nosuch"):
@@ -409,7 +409,7 @@ def test_reasoning_round_trips_with_store_false(s, field, stream):
         ],
         **kw,
     )
-    assistant = s.log("answer")[-1]["payload"]["messages"][-2]
+    assistant = s.answers()[-1]["payload"]["messages"][-2]
     assert assistant["reasoning"] == assistant["reasoning_content"] == "let me think it through"
     assert assistant["tool_calls"][0]["id"] == call.call_id
 
@@ -426,14 +426,14 @@ def test_foreign_encrypted_reasoning_is_left_out(s):
         ],
     )
     assert r.status_code == 200, r.text
-    assistant = s.log("answer")[-1]["payload"]["messages"][-2]
+    assistant = s.answers()[-1]["payload"]["messages"][-2]
     assert assistant["role"] == "assistant" and "reasoning" not in assistant
 
 
 def test_vllm_extensions_pass_on_the_responses_api_too(s):
     r = post(s, "/v1/responses", input="[route:L2] hi", ignore_eos=True, min_tokens=3)
     assert r.status_code == 200, r.text
-    payload = s.log("answer")[-1]["payload"]
+    payload = s.answers()[-1]["payload"]
     assert payload["ignore_eos"] is True and payload["min_tokens"] == 3
     r = post(s, "/v1/responses", input="[route:L2] hi", chat_template="{{ x }}")
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"

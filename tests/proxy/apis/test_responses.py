@@ -345,7 +345,7 @@ def test_chain_across_two_adapters_and_a_branch(s, stream):
     u4 = {"role": "user", "content": "[route:L2] add tests instead"}
     r4 = ask(u4["content"], r1.id)
     assert r4.previous_response_id == r1.id
-    assert s.log("answer")[3]["messages"] == [system(), u1, {"role": "assistant", "content": a1}, u4]
+    assert s.answers()[3]["messages"] == [system(), u1, {"role": "assistant", "content": a1}, u4]
     assert [i.content[0].text for i in s.client.responses.input_items.list(r3.id).data] == [u3["content"]]
 
 

@@ -138,7 +138,11 @@ def test_label_values_are_bounded_and_the_public_port_has_no_metrics(s):
         "adapter": {"L0", "L1", "L2", "L3", "none"},
         "api": {"chat", "responses", "models", "other"},
         "stream": {"true", "false"},
-        "reason": {"timeout", "engine_error", "no_slot", "bad_label", "queue_full", "deadline"},
+        "reason": {"timeout", "engine_error", "no_slot", "bad_label", "queue_full", "deadline", ""}
+        | {"first_turn", "tool_turn", "admission", "summary_pending", "disabled"},
+        "outcome": {"hit", "miss", "skipped"},
+        "source": {"classified", "sticky", "fallback"},
+        "kind": {"prompt", "generated"},
         "store": {"conversations", "responses"},
     }
     for name, labels, _ in s.samples():

@@ -116,7 +116,7 @@ def test_an_incoming_traceparent_is_continued_through_every_hop_to_the_engine(tr
         assert span["attributes"]["gen_ai.provider.name"] == "vllm"
     assert hops["route"]["attributes"]["mol.adapter"] == "L0"
     answer = hops["answer"]["attributes"]
-    assert answer["mol.adapter"] == "L2" and answer["mol.route.source"] == "router"
+    assert answer["mol.adapter"] == "L2" and answer["mol.route.source"] == "classified"
     assert hops["answer"]["name"] == f"chat {answer['gen_ai.request.model']}"
     assert answer["gen_ai.response.finish_reasons"] == ["stop"]
     assert answer["gen_ai.usage.output_tokens"] == resp.usage.completion_tokens
@@ -206,7 +206,7 @@ def test_the_answer_span_says_how_its_adapter_was_chosen(traced):
         )
     finally:
         on.config(route_label=None)
-    assert answer_source(receiver, "req-trace-tool") == ("router", True)
+    assert answer_source(receiver, "req-trace-tool") == ("classified", True)
     assert answer_source(receiver, "req-trace-sticky") == ("sticky", False)  # a tool result: no route hop
     assert answer_source(receiver, "req-trace-fallback") == ("fallback", True)
 

@@ -61,7 +61,7 @@ def test_own_view_is_a_prefix_turn_after_turn(s):
     a1 = s.chat([u1]).choices[0].message.content
     u2 = {"role": "user", "content": "[route:L3] add a button"}
     s.chat([u1, {"role": "assistant", "content": a1}, u2])
-    first, second = s.log("answer")
+    first, second = s.answers()  # the second: the held speculative hop (a hit)
     assert second["messages"][: len(first["messages"])] == first["messages"]
 
 
@@ -122,7 +122,7 @@ def test_garbage_route_label_falls_back(s):
             {"role": "user", "content": "continue"},
         ]
     )
-    assert [e["model"] for e in s.log("answer")] == ["L2", "L3", "L3"]  # then the previous route
+    assert [e["model"] for e in s.answers()] == ["L2", "L3", "L3"]  # then the previous route
     assert s.metrics()["molctl_proxy_route_fallbacks_total"] == before + 2
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from tests.helpers import free_port, free_ports
 from tests.procs import fake_engine_argv, proxy_argv, running, stop
-from tests.proxy_stack import IDENTITY, KEY, PUBLIC, STRICT, fold
+from tests.proxy_stack import IDENTITY, KEY, PUBLIC, STRICT, answers_of, fold
 from tests.redis_server import redis_server
 
 
@@ -25,6 +25,9 @@ class Replica:
 
     def log(self, hop: str | None = None) -> list[dict]:
         return [e for e in httpx.get(self.engine_url + "/_log").json() if hop is None or e["hop"] == hop]
+
+    def answers(self) -> list[dict]:
+        return answers_of(self.log())
 
     def metrics(self) -> dict[str, float]:
         text = httpx.get(self.metrics_url + "/metrics").text  # the metrics listener: no key
@@ -148,7 +151,7 @@ def test_tool_call_continues_on_the_adapter_and_engine_that_issued_it(ab):
     reply = b.client.chat.completions.create(model=PUBLIC, messages=follow, tools=tools).choices[0].message.content
     assert "sunny" in reply
     assert b.log() == []
-    assert [e["model"] for e in a.log("answer")] == ["L3", "L3"]  # sticky: no route hop for the tool result
+    assert [e["model"] for e in a.answers()] == ["L3", "L3"]  # sticky: no route hop for the tool result
     assert len(a.log("route")) == 1
 
 
@@ -161,7 +164,7 @@ def test_responses_chain_created_on_one_replica_continues_on_the_other(ab):
     third = a.client.responses.create(model=PUBLIC, input="[route:L1] and again", previous_response_id=second.id)
     assert third.status == "completed"
     assert b.log() == []
-    views = [e["messages"] for e in a.log("answer")]
+    views = [e["messages"] for e in a.answers()]
     assert views[1][1:] == [
         {"role": "user", "content": "[route:L1] remember the number 7"},
         {"role": "assistant", "content": first.output_text},
@@ -187,14 +190,14 @@ def test_a_replica_killed_mid_conversation_is_taken_over(cluster, keyfile):
 
         turn(c, 0)
         turn(b, 1)  # C is alive: B's hops go to C's engine
-        assert b.log() == [] and [e["model"] for e in c.log("answer")] == ["L1", "L2"]
+        assert b.log() == [] and [e["model"] for e in c.answers()] == ["L1", "L2"]
         os.killpg(c_proxy.pid, signal.SIGKILL)  # the whole replica dies: its proxy (its heartbeat still fresh)...
         c_proxy.wait(10)
         stop(c_engine)  # ...and its engine: B's hops find it refusing connections and B takes over at once
         turn(b, 2)
         turn(b, 3)
-    views = [e["messages"] for e in b.log("answer")]
-    assert [e["model"] for e in b.log("answer")] == ["L1", "L2"]
+    views = [e["messages"] for e in b.answers()]
+    assert [e["model"] for e in b.answers()] == ["L1", "L2"]
     assert len(b.log("route")) == 2 and len(b.log("summary")) == 2
     # B took the conversation over with its folds: turn 1 (L2, made on C) is folded with C's summary
     assert views[0] == [
@@ -222,9 +225,9 @@ def test_a_replica_stopped_cleanly_is_taken_over_even_though_its_engine_still_ru
         stop(d_proxy)  # SIGTERM: drained, unregistered; D's engine keeps running
         u2 = {"role": "user", "content": "[route:L3] second"}
         b.chat([u1, {"role": "assistant", "content": a1}, u2])
-        assert [e["model"] for e in d.log("answer")] == ["L3"]  # nothing more reached D's engine
-    assert [e["model"] for e in b.log("answer")] == ["L3"]
-    assert b.log("answer")[0]["messages"][1:] == [u1, {"role": "assistant", "content": a1}, u2]
+        assert [e["model"] for e in d.answers()] == ["L3"]  # nothing more reached D's engine
+    assert [e["model"] for e in b.answers()] == ["L3"]
+    assert b.answers()[0]["messages"][1:] == [u1, {"role": "assistant", "content": a1}, u2]
     assert b.metrics()["molctl_proxy_state_affinity_takeovers_total"] == before + 1
 
 
@@ -257,8 +260,8 @@ def test_a_peer_engine_that_never_accepts_the_connection_is_taken_over(cluster, 
         u2 = {"role": "user", "content": "[route:L2] second"}
         a2 = b.chat([u1, {"role": "assistant", "content": a1}, u2])
         assert a2.startswith("answer-")
-    assert [e["model"] for e in b.log("answer")] == ["L2"]
-    assert b.log("answer")[0]["messages"][1:] == [u1, {"role": "assistant", "content": a1}, u2]
+    assert [e["model"] for e in b.answers()] == ["L2"]
+    assert b.answers()[0]["messages"][1:] == [u1, {"role": "assistant", "content": a1}, u2]
 
 
 def test_a_peer_advertising_an_unusable_url_is_taken_over(cluster, keyfile):
@@ -279,7 +282,7 @@ def test_a_peer_advertising_an_unusable_url_is_taken_over(cluster, keyfile):
         client.close()
         u2 = {"role": "user", "content": "[route:L1] second"}
         assert b.chat([u1, {"role": "assistant", "content": a1}, u2]).startswith("answer-")
-    assert [e["model"] for e in b.log("answer")] == ["L1"]
+    assert [e["model"] for e in b.answers()] == ["L1"]
 
 
 @pytest.mark.parametrize("bad", ["10.0.0.5:8100", "ftp://10.0.0.5:8100", "http://"])
