@@ -19,6 +19,7 @@ Its modules, one line each:
 - `fastjson`: JSON on the hot path (orjson where it gives the standard library's values).
 - `http.app`: the raw ASGI application: auth, request ids, drain, dispatch to the APIs, the log line.
 - `http.body`: request bodies: read within their bounds, parsed on the loop or in a worker thread.
+- `http.requestlog`: the request's log line, one JSON object per request.
 - `http.protocol`: uvicorn's httptools protocol with the request-head bound and one-send heads.
 - `http.server`: `molctl proxy`: the proxy under uvicorn with drain-on-SIGTERM.
 - `http.sse`: the held-back-200 SSE writer.

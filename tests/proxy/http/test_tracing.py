@@ -165,11 +165,15 @@ def test_a_responses_chain_shares_its_conversation_id(traced):
         extra_headers={"x-request-id": "req-trace-resp-2"},
     )
     assert [e.type for e in second][-1] == "response.completed"
-    for rid in ("req-trace-resp-1", "req-trace-resp-2"):
-        spans = of_request(receiver.wait_for(hops_done(rid, "answer")), rid)
+    # the follow-up keeps its adapter: its answer is the speculative hop the route hop agreed with
+    for rid, hop in (("req-trace-resp-1", "answer"), ("req-trace-resp-2", "speculative")):
+        spans = of_request(receiver.wait_for(hops_done(rid, "route", hop)), rid)
         assert spans[0]["attributes"]["gen_ai.conversation.id"] == first.id, rid
         assert spans[0]["name"] == f"chat {PUBLIC}"
-        assert by_hop(spans)["answer"]["attributes"]["mol.adapter"] == "L3"
+        assert spans[0]["attributes"]["gen_ai.response.finish_reasons"] == ["stop"], rid
+        assert by_hop(spans)[hop]["attributes"]["mol.adapter"] == "L3"
+        assert by_hop(spans)[hop]["parent_id"] == spans[0]["span_id"]
+    assert "answer" not in by_hop(of_request(list(receiver.spans), "req-trace-resp-2"))
     on.client.responses.retrieve(first.id, extra_headers={"x-request-id": "req-trace-get"})
     get = receiver.wait_for(lambda spans: of_request(spans, "req-trace-get"))
     server = of_request(get, "req-trace-get")[0]
