@@ -21,8 +21,9 @@ from tests.proxy_stack import PUBLIC, own_stack
 
 DASHBOARD = ROOT / "docs" / "grafana" / "molctl-proxy.json"
 PROMETHEUS = Path(sys.prefix) / "bin" / "prometheus"
-# what Grafana substitutes in the queries: its rate interval, and the dashboard's own variables' defaults
-VARIABLES = {"$__rate_interval": "1m", "$engine_job": "vllm"}
+# what Grafana substitutes in the queries: a rate interval (5m: the whole test's traffic stays in the
+# window on a slow machine), and the dashboard's own variables' defaults
+VARIABLES = {"$__rate_interval": "5m", "$engine_job": "vllm"}
 
 
 def panels(dashboard: dict) -> list[dict]:
@@ -57,7 +58,7 @@ def test_the_dashboard_is_grafana_json_with_a_prometheus_datasource_variable():
     titles = " ".join(p["title"] for p in panels(dashboard))
     for topic in ("Hop latency", "Time to first token", "Adapter mix", "Cache hit ratio by adapter", "Admission"):
         assert topic in titles
-    assert "Summaries" in titles and "Engine" in titles
+    assert "Summaries" in titles and "Engine" in titles and "Speculative answer hit ratio" in titles
 
 
 def prometheus_config(path: Path, proxy_metrics: str, engine: str) -> Path:
@@ -92,15 +93,21 @@ def scraped(prometheus: str, expr: str) -> float | None:
 
 
 def traffic(stack) -> None:
-    """Answers on every adapter (whole and streamed, chat and Responses: the summaries follow), a
-    route label the proxy cannot use (a fallback) and a burst past the one answer slot and one
-    queue place (a 429)."""
+    """Answers on every adapter (whole and streamed, chat and Responses: the summaries follow),
+    follow-ups the speculative answer hits and misses, a route label the proxy cannot use (a
+    fallback) and a burst past the two answer slots and one queue place (a 429)."""
     for adapter in ("L0", "L1", "L2", "L3"):
         stack.chat([{"role": "user", "content": f"[route:{adapter}] hello"}])
         stack.chat([{"role": "user", "content": f"[route:{adapter}] streamed"}], stream=True)
     with stack.client.responses.stream(model=PUBLIC, input="[route:L1] streamed") as events:
         for _ in events:
             pass
+    # follow-ups: one that keeps its adapter (a speculative hit), one that changes it (a miss)
+    ask = [{"role": "user", "content": "[route:L2] keep"}]
+    said = stack.chat(ask).choices[0].message.content
+    turns = [*ask, {"role": "assistant", "content": said}]
+    kept = stack.chat([*turns, {"role": "user", "content": "[route:L2] again"}], stream=True)
+    stack.chat([*turns, {"role": "assistant", "content": kept[0]}, {"role": "user", "content": "[route:L3] now"}])
     stack.config(route_label="not-a-route")
     stack.chat([{"role": "user", "content": "unroutable"}])
     stack.config(route_label=None, answer_delay=0.5)
@@ -112,7 +119,7 @@ def traffic(stack) -> None:
         except openai.RateLimitError:
             refused.append(i)
 
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(5)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -126,7 +133,7 @@ def test_every_panel_query_returns_data_from_a_real_prometheus(keyfile, tmp_path
         pytest.fail(f"no Prometheus server at {PROMETHEUS}: run `make prometheus` (Debian's package, no root needed)")
     dashboard = json.loads(DASHBOARD.read_text())
     metrics_port, prometheus_port = free_ports(2)
-    limits = ("--set", "proxy.max_inflight=1", "--set", "proxy.max_queue=1")
+    limits = ("--set", "proxy.max_inflight=2", "--set", "proxy.max_queue=1")
     with own_stack(keyfile, tmp_path, *limits, "--metrics-port", str(metrics_port)) as stack:
         stack.metrics_url = f"http://127.0.0.1:{metrics_port}"
         config = prometheus_config(
