@@ -113,15 +113,16 @@ def numbers(new: Scrape, old: Scrape | None = None) -> dict[str, Any]:
     def grown(name: str, **want: str) -> float:
         return new.total(name, **want) - (old.total(name, **want) if old is not None else 0.0)
 
-    decisions = {a: grown(P + "route_decisions_total", adapter=a) for a in ADAPTERS}
-    routed = sum(decisions.values())
+    # the answer hops by adapter (every answer: routed, fallen back or sticky; route_decisions_total misses sticky)
+    answers = {a: grown(P + "hop_seconds_count", hop="answer", adapter=a) for a in ADAPTERS}
+    answered = sum(answers.values())
     out: dict[str, Any] = {
         "window_s": round(window, 3) if window else None,
         "since_start": old is None,
         "requests_per_s": per_s(grown(P + "requests_total")),
         "hops": {hop: _latency(new, old, P + "hop_seconds", hop=hop) for hop in HOPS},
         "ttft": _latency(new, old, P + "time_to_first_token_seconds"),
-        "adapter_mix": {a: _ratio(n, routed) for a, n in decisions.items()},
+        "adapter_mix": {a: _ratio(n, answered) for a, n in answers.items()},
         "cache_hit_ratio": {
             a: _ratio(
                 grown(P + "cached_tokens_total", hop="answer", adapter=a),
