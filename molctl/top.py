@@ -148,6 +148,19 @@ def numbers(new: Scrape, old: Scrape | None = None) -> dict[str, Any]:
     return out
 
 
+def restarted(new: Scrape, old: Scrape) -> bool:
+    """Whether the proxy restarted between two scrapes: another process start time, or a counter
+    (a `_total`, or a histogram's `_count`/`_bucket`) that went down, as Prometheus finds a reset."""
+    if new.total("process_start_time_seconds") != old.total("process_start_time_seconds"):
+        return True
+    for name, samples in old.samples.items():
+        if name.endswith(("_total", "_count", "_bucket")):
+            now = new.samples.get(name, {})
+            if any(now.get(labels, 0.0) < v for labels, v in samples.items()):
+                return True
+    return False
+
+
 # ---------------------------------------------------------------------------- the stack
 
 
@@ -238,12 +251,18 @@ class Top:
         if scrape is None:
             out["metrics"] = None
             return out
+        out["metrics"] = numbers(scrape, self.older(scrape))
+        return out
+
+    def older(self, scrape: Scrape) -> Scrape | None:
+        """Keep `scrape` in the ring and return the one about WINDOW_S before it (None: the first
+        scrape, or the first since the proxy restarted, whose counters began again from 0)."""
+        if self.scrapes and restarted(scrape, self.scrapes[-1]):
+            self.scrapes.clear()
         self.scrapes.append(scrape)
         while len(self.scrapes) > 1 and scrape.at - self.scrapes[1].at >= WINDOW_S:
             self.scrapes.popleft()
-        older = self.scrapes[0] if len(self.scrapes) > 1 else None
-        out["metrics"] = numbers(scrape, older)
-        return out
+        return self.scrapes[0] if len(self.scrapes) > 1 else None
 
 
 # ---------------------------------------------------------------------------- rendering
