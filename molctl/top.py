@@ -284,6 +284,7 @@ def _pct(v: float | None) -> str:
 
 def frame(snap: dict[str, Any], metrics_url: str | None = None, live: bool = False):
     """A rich renderable of one snapshot (`live`: with the key that quits)."""
+    from rich.columns import Columns
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
@@ -316,9 +317,8 @@ def frame(snap: dict[str, Any], metrics_url: str | None = None, live: bool = Fal
         adapters.add_column(col, justify="right" if col else "left")
     for a in ADAPTERS:
         adapters.add_row(a, _pct(m["adapter_mix"][a]), _pct(m["cache_hit_ratio"][a]))
-    grid = Table.grid(padding=(0, 4))
-    grid.add_row(latency, adapters)
-    return Group(head, summary, grid)
+    # side by side where they fit, else one under the other (a narrow terminal): never squeezed into ellipses
+    return Group(head, summary, Columns([latency, adapters], padding=(0, 4)))
 
 
 # ---------------------------------------------------------------------------- the command
