@@ -12,6 +12,7 @@ is in docs/design/tracing.md.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
@@ -23,6 +24,8 @@ CAPTURE_VARIABLE = "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"
 CAPTURE_ON = ("true", "1", "span_only", "span_and_event")  # the variable's values that put content on spans
 DEFAULT_SERVICE = "molctl-proxy"
 PROTOCOLS = ("http/protobuf", "grpc")
+# an endpoint variable's value, as molctl.profiles checks proxy.otlp_endpoint; gRPC's exporter also takes HOST:PORT
+ENDPOINT_URL = {"http/protobuf": r"https?://[^\s/?#]+(/[^\s?#]*)?", "grpc": r"(https?://)?[^\s/?#]+(/[^\s?#]*)?"}
 EXTRA = "pip install 'molctl[otel]'"
 PROVIDER = "molctl"  # gen_ai.provider.name of the server span: the proxy is what its clients call
 UNTRACED = ("/health", "/readyz")  # probes: no span (they are neither counted nor logged either)
@@ -49,6 +52,8 @@ def start(profile: Any, engine: Any, env: Mapping[str, str] = os.environ) -> Tra
     if protocol not in PROTOCOLS:
         name = next(v for v in PROTOCOL_VARIABLES if env.get(v))
         raise MolctlError(f"{name}={protocol!r}: expected one of {', '.join(PROTOCOLS)}", ExitStatus.CHECK_FAILED)
+    if not profile.proxy.otlp_endpoint:  # the profile's own field is checked when the profile loads
+        _check_endpoint_variable(env, protocol)
     try:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
@@ -71,6 +76,28 @@ def start(profile: Any, engine: Any, env: Mapping[str, str] = os.environ) -> Tra
     provider.add_span_processor(BatchSpanProcessor(exporter))
     capture = (env.get(CAPTURE_VARIABLE) or "").strip().lower() in CAPTURE_ON
     return Tracing(provider, profile, engine, capture)
+
+
+def _check_endpoint_variable(env: Mapping[str, str], protocol: str) -> None:
+    """The endpoint variable the exporter reads (the traces one first, as the SDK does) is a URL, as
+    `proxy.otlp_endpoint` must be: else a one-line MolctlError (exit 3) rather than an export error
+    logged for every batch while no span ever arrives."""
+    name = next(v for v in ENDPOINT_VARIABLES if env.get(v))
+    value = env[name]
+    if not re.fullmatch(ENDPOINT_URL[protocol], value) or not _port_parses(value):
+        example = "http://HOST:4318" if protocol == "http/protobuf" else "http://HOST:4317 or HOST:4317"
+        raise MolctlError(f"{name}={value!r}: expected a collector URL such as {example}", ExitStatus.CHECK_FAILED)
+
+
+def _port_parses(value: str) -> bool:
+    """Whether the address's host and port parse (an unclosed [IPv6 or a port that is no number do not)."""
+    from urllib.parse import urlsplit
+
+    try:
+        port = urlsplit(value if "://" in value else "//" + value).port  # ValueError when it does not parse
+    except ValueError:
+        return False
+    return port is None or port > 0
 
 
 def _grpc_exporter(endpoint: str | None, variable: str) -> Any:

@@ -5,6 +5,7 @@ it as vLLM reads it). The proxy is driven by the official openai SDK against the
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -369,3 +370,42 @@ def test_grpc_is_used_when_its_exporter_is_installed_and_named_when_not(monkeypa
         "OTEL_EXPORTER_OTLP_PROTOCOL=grpc needs opentelemetry-exporter-otlp-proto-grpc: "
         "pip install opentelemetry-exporter-otlp-proto-grpc (or use http/protobuf)"
     )
+
+
+@pytest.mark.parametrize(
+    ("variables", "line"),
+    [
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "not a url"}, "OTEL_EXPORTER_OTLP_ENDPOINT='not a url'"),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "ftp://collector:4318"}, "OTEL_EXPORTER_OTLP_ENDPOINT='ftp://collector:4318'"),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://[::1"}, "OTEL_EXPORTER_OTLP_ENDPOINT='http://[::1'"),
+        (
+            {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:port"},
+            "OTEL_EXPORTER_OTLP_ENDPOINT='http://collector:port'",
+        ),
+        (  # the traces variable is the one the exporter reads
+            {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "collector:4318", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"},
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT='collector:4318'",
+        ),
+    ],
+)
+def test_an_endpoint_variable_that_is_no_url_is_one_line_and_exit_3(variables, line):
+    """Guards a found bug: the proxy served, logging an export error per batch, and no span ever left."""
+    from molctl.engines import get_engine
+    from molctl.errors import ExitStatus, MolctlError
+
+    with pytest.raises(MolctlError) as err:
+        tracing.start(TINY, get_engine("vllm"), variables)
+    assert err.value.exit_status == ExitStatus.CHECK_FAILED
+    assert str(err.value) == f"{line}: expected a collector URL such as http://HOST:4318"
+
+
+def test_grpc_takes_host_and_port_and_the_profile_field_wins_over_a_bad_variable():
+    from molctl.engines import get_engine
+    from molctl.errors import MolctlError
+
+    grpc = {"OTEL_EXPORTER_OTLP_ENDPOINT": "127.0.0.1:4317", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}
+    tracing.start(TINY, get_engine("vllm"), grpc).close()
+    with pytest.raises(MolctlError, match="expected a collector URL such as http://HOST:4317 or HOST:4317"):
+        tracing.start(TINY, get_engine("vllm"), {**grpc, "OTEL_EXPORTER_OTLP_ENDPOINT": "not a url"})
+    profile = dataclasses.replace(TINY, proxy=dataclasses.replace(TINY.proxy, otlp_endpoint="http://127.0.0.1:9"))
+    tracing.start(profile, get_engine("vllm"), {"OTEL_EXPORTER_OTLP_ENDPOINT": "not a url"}).close()
