@@ -11,6 +11,7 @@ is in docs/design/tracing.md.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
@@ -30,6 +31,8 @@ EXTRA = "pip install 'molctl[otel]'"
 PROVIDER = "molctl"  # gen_ai.provider.name of the server span: the proxy is what its clients call
 UNTRACED = ("/health", "/readyz")  # probes: no span (they are neither counted nor logged either)
 CLOSE_S = 2.0  # the proxy's shutdown waits this long at most for the last spans' export
+# the OpenTelemetry API's loggers that warn about a malformed incoming traceparent/tracestate (its text included)
+CLIENT_HEADER_LOGGERS = ("opentelemetry.trace.span", "opentelemetry.trace.propagation.tracecontext")
 ANSWER_HOP = "answer"  # its finish reasons and usage are the request's: copied onto the server span
 
 
@@ -125,6 +128,8 @@ class Tracing:
         self.tracer = provider.get_tracer("molctl.proxy")
         self.trace, self.context = trace, context
         self.propagator = TraceContextTextMapPropagator()
+        for name in CLIENT_HEADER_LOGGERS:  # their warnings quote a client's header verbatim, before any key check
+            logging.getLogger(name).setLevel(logging.ERROR)
         self.public = profile.served_model_name
         self.provider_name = engine.kind  # gen_ai.provider.name of the hops: the engine (vllm, sglang)
         self.labels = {engine.adapter_model(profile, r): r for r in ROUTES}  # engine model -> L0..L3

@@ -409,3 +409,31 @@ def test_grpc_takes_host_and_port_and_the_profile_field_wins_over_a_bad_variable
         tracing.start(TINY, get_engine("vllm"), {**grpc, "OTEL_EXPORTER_OTLP_ENDPOINT": "not a url"})
     profile = dataclasses.replace(TINY, proxy=dataclasses.replace(TINY.proxy, otlp_endpoint="http://127.0.0.1:9"))
     tracing.start(profile, get_engine("vllm"), {"OTEL_EXPORTER_OTLP_ENDPOINT": "not a url"}).close()
+
+
+def test_a_malformed_tracestate_never_reaches_the_log(keyfile, tmp_path):
+    """Guards a found bug: OpenTelemetry's warning quoted any client's tracestate (keyless too) in the log."""
+    engine_port, port, otlp_port = free_ports(3)
+    engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{port}"
+    log = tmp_path / "proxy.log"
+    with (
+        OtlpReceiver(otlp_port) as receiver,
+        running(fake_engine_argv(engine_port), engine_url + "/health", log=tmp_path / "engine.log"),
+        running(
+            proxy_argv("tiny", engine_url, port, "--api-key-file", str(keyfile)),
+            proxy_url + "/health",
+            env={**OFF, "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url, "OTEL_BSP_SCHEDULE_DELAY": "50"},
+            log=log,
+        ),
+    ):
+        parent = f"00-{TRACE_ID}-{CLIENT_SPAN}-01"
+        for state in ('FORGED {"request_id": "x"}', "a=b,FORGED member", "a=" + "FORGED" * 2000):
+            r = httpx.get(proxy_url + "/v1/models", headers={"traceparent": parent, "tracestate": state})
+            assert r.status_code == 401
+        r = httpx.get(proxy_url + "/v1/models", headers={"traceparent": "00-" + "f" * 600, "x-request-id": "req-long"})
+        assert r.status_code == 401
+        spans = receiver.wait_for(lambda spans: len([s for s in spans if s["kind"] == "SERVER"]) == 4)
+    assert len([s for s in spans if s["trace_id"] == TRACE_ID]) == 3  # the traceparent is still continued
+    text = log.read_text()
+    assert "FORGED" not in text and "fffffffff" not in text
+    assert text.count('"status":401') == 4  # the request lines are still written
