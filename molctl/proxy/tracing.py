@@ -33,6 +33,15 @@ UNTRACED = ("/health", "/readyz")  # probes: no span (they are neither counted n
 CLOSE_S = 2.0  # the proxy's shutdown waits this long at most for the last spans' export
 # the OpenTelemetry API's loggers that warn about a malformed incoming traceparent/tracestate (its text included)
 CLIENT_HEADER_LOGGERS = ("opentelemetry.trace.span", "opentelemetry.trace.propagation.tracecontext")
+# the SDK's loggers of a collector that is down or slow: a line per retry, per batch, and per span dropped from
+# a full queue (that one on the event loop, as spans end): let through at most one record per EXPORT_LOG_EVERY_S
+EXPORT_LOGGERS = (
+    "opentelemetry.sdk._shared_internal",
+    "opentelemetry.sdk.trace.export",
+    "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+    "opentelemetry.exporter.otlp.proto.grpc.exporter",
+)
+EXPORT_LOG_EVERY_S = 60.0
 ANSWER_HOP = "answer"  # its finish reasons and usage are the request's: copied onto the server span
 
 
@@ -130,6 +139,10 @@ class Tracing:
         self.propagator = TraceContextTextMapPropagator()
         for name in CLIENT_HEADER_LOGGERS:  # their warnings quote a client's header verbatim, before any key check
             logging.getLogger(name).setLevel(logging.ERROR)
+        for name in EXPORT_LOGGERS:
+            logger = logging.getLogger(name)
+            if not any(isinstance(f, _Sparse) for f in logger.filters):
+                logger.addFilter(_Sparse())
         self.public = profile.served_model_name
         self.provider_name = engine.kind  # gen_ai.provider.name of the hops: the engine (vllm, sglang)
         self.labels = {engine.adapter_model(profile, r): r for r in ROUTES}  # engine model -> L0..L3
@@ -248,6 +261,23 @@ class Tracing:
         finally:
             await inner.aclose()
             span.end(error)
+
+
+class _Sparse(logging.Filter):
+    """A logger's records, at most one per EXPORT_LOG_EVERY_S (the first at once)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.next = 0.0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        import time
+
+        now = time.monotonic()
+        if now < self.next:
+            return False
+        self.next = now + EXPORT_LOG_EVERY_S
+        return True
 
 
 class ServerSpan:

@@ -437,3 +437,25 @@ def test_a_malformed_tracestate_never_reaches_the_log(keyfile, tmp_path):
     text = log.read_text()
     assert "FORGED" not in text and "fffffffff" not in text
     assert text.count('"status":401') == 4  # the request lines are still written
+
+
+def test_a_collector_that_is_down_is_logged_once_a_minute_not_per_retry(monkeypatch, caplog):
+    """Guards a found bug: the OTLP/HTTP exporter logged every retry of every batch (about one line a second)."""
+    import logging
+    import time
+
+    from molctl.engines import get_engine
+
+    (port,) = free_ports(1)  # nothing listens there
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{port}")  # the SDK reads os.environ
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    with caplog.at_level(logging.WARNING):
+        traces = tracing.start(TINY, get_engine("vllm"), os.environ)
+        try:
+            traces.tracer.start_span("chat L1").end()
+            time.sleep(3.5)  # the exporter's retries: after about 1 s, then 2 s more (each logged before)
+        finally:
+            traces.close()
+    exporter = "opentelemetry.exporter.otlp.proto.http.trace_exporter"
+    said = [r.getMessage() for r in caplog.records if r.name == exporter]
+    assert len(said) == 1 and said[0].startswith("Transient error"), said
