@@ -326,7 +326,8 @@ def frame(snap: dict[str, Any], metrics_url: str | None = None, live: bool = Fal
 
 def run(ctx, name: str | None, once: bool, as_json: bool, out) -> None:
     """`molctl top`: --json prints one snapshot's numbers, --once one frame; else the live view
-    until q (returns) or Ctrl-C (KeyboardInterrupt: the CLI's exit 130)."""
+    until q (returns) or Ctrl-C (KeyboardInterrupt: the CLI's exit 130); not on a terminal, a
+    frame a second until Ctrl-C or the reader goes away (rich's broken-pipe exit: quietly, 1)."""
     target = find_target(ctx, name)
     top = Top(ctx, target)
     if as_json:
@@ -341,6 +342,10 @@ def run(ctx, name: str | None, once: bool, as_json: bool, out) -> None:
 def _live(top: Top, out) -> None:
     from rich.live import Live
 
+    if not out.console.is_terminal:  # a pipe or a file: a frame a second, one after another (as `top -b`)
+        while True:
+            out.console.print(frame(top.snapshot(), top.target.metrics_url))  # written and flushed at once
+            time.sleep(REFRESH_S)
     with _Keys() as keys, Live(console=out.console, auto_refresh=False, screen=False) as live:
         while True:
             live.update(frame(top.snapshot(), top.target.metrics_url, live=True), refresh=True)
