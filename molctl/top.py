@@ -113,15 +113,16 @@ def numbers(new: Scrape, old: Scrape | None = None) -> dict[str, Any]:
     def grown(name: str, **want: str) -> float:
         return new.total(name, **want) - (old.total(name, **want) if old is not None else 0.0)
 
-    decisions = {a: grown(P + "route_decisions_total", adapter=a) for a in ADAPTERS}
-    routed = sum(decisions.values())
+    # the answer hops by adapter (every answer: routed, fallen back or sticky; route_decisions_total misses sticky)
+    answers = {a: grown(P + "hop_seconds_count", hop="answer", adapter=a) for a in ADAPTERS}
+    answered = sum(answers.values())
     out: dict[str, Any] = {
         "window_s": round(window, 3) if window else None,
         "since_start": old is None,
         "requests_per_s": per_s(grown(P + "requests_total")),
         "hops": {hop: _latency(new, old, P + "hop_seconds", hop=hop) for hop in HOPS},
         "ttft": _latency(new, old, P + "time_to_first_token_seconds"),
-        "adapter_mix": {a: _ratio(n, routed) for a, n in decisions.items()},
+        "adapter_mix": {a: _ratio(n, answered) for a, n in answers.items()},
         "cache_hit_ratio": {
             a: _ratio(
                 grown(P + "cached_tokens_total", hop="answer", adapter=a),
@@ -145,6 +146,19 @@ def numbers(new: Scrape, old: Scrape | None = None) -> dict[str, Any]:
         hit, miss = grown(spec, outcome="hit"), grown(spec, outcome="miss")
         out["speculative_hit_ratio"] = _ratio(hit, hit + miss)
     return out
+
+
+def restarted(new: Scrape, old: Scrape) -> bool:
+    """Whether the proxy restarted between two scrapes: another process start time, or a counter
+    (a `_total`, or a histogram's `_count`/`_bucket`) that went down, as Prometheus finds a reset."""
+    if new.total("process_start_time_seconds") != old.total("process_start_time_seconds"):
+        return True
+    for name, samples in old.samples.items():
+        if name.endswith(("_total", "_count", "_bucket")):
+            now = new.samples.get(name, {})
+            if any(now.get(labels, 0.0) < v for labels, v in samples.items()):
+                return True
+    return False
 
 
 # ---------------------------------------------------------------------------- the stack
@@ -237,12 +251,18 @@ class Top:
         if scrape is None:
             out["metrics"] = None
             return out
+        out["metrics"] = numbers(scrape, self.older(scrape))
+        return out
+
+    def older(self, scrape: Scrape) -> Scrape | None:
+        """Keep `scrape` in the ring and return the one about WINDOW_S before it (None: the first
+        scrape, or the first since the proxy restarted, whose counters began again from 0)."""
+        if self.scrapes and restarted(scrape, self.scrapes[-1]):
+            self.scrapes.clear()
         self.scrapes.append(scrape)
         while len(self.scrapes) > 1 and scrape.at - self.scrapes[1].at >= WINDOW_S:
             self.scrapes.popleft()
-        older = self.scrapes[0] if len(self.scrapes) > 1 else None
-        out["metrics"] = numbers(scrape, older)
-        return out
+        return self.scrapes[0] if len(self.scrapes) > 1 else None
 
 
 # ---------------------------------------------------------------------------- rendering
@@ -264,6 +284,7 @@ def _pct(v: float | None) -> str:
 
 def frame(snap: dict[str, Any], metrics_url: str | None = None, live: bool = False):
     """A rich renderable of one snapshot (`live`: with the key that quits)."""
+    from rich.columns import Columns
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
@@ -296,9 +317,8 @@ def frame(snap: dict[str, Any], metrics_url: str | None = None, live: bool = Fal
         adapters.add_column(col, justify="right" if col else "left")
     for a in ADAPTERS:
         adapters.add_row(a, _pct(m["adapter_mix"][a]), _pct(m["cache_hit_ratio"][a]))
-    grid = Table.grid(padding=(0, 4))
-    grid.add_row(latency, adapters)
-    return Group(head, summary, grid)
+    # side by side where they fit, else one under the other (a narrow terminal): never squeezed into ellipses
+    return Group(head, summary, Columns([latency, adapters], padding=(0, 4)))
 
 
 # ---------------------------------------------------------------------------- the command
@@ -306,7 +326,8 @@ def frame(snap: dict[str, Any], metrics_url: str | None = None, live: bool = Fal
 
 def run(ctx, name: str | None, once: bool, as_json: bool, out) -> None:
     """`molctl top`: --json prints one snapshot's numbers, --once one frame; else the live view
-    until q (returns) or Ctrl-C (KeyboardInterrupt: the CLI's exit 130)."""
+    until q (returns) or Ctrl-C (KeyboardInterrupt: the CLI's exit 130); not on a terminal, a
+    frame a second until Ctrl-C or the reader goes away (rich's broken-pipe exit: quietly, 1)."""
     target = find_target(ctx, name)
     top = Top(ctx, target)
     if as_json:
@@ -321,6 +342,10 @@ def run(ctx, name: str | None, once: bool, as_json: bool, out) -> None:
 def _live(top: Top, out) -> None:
     from rich.live import Live
 
+    if not out.console.is_terminal:  # a pipe or a file: a frame a second, one after another (as `top -b`)
+        while True:
+            out.console.print(frame(top.snapshot(), top.target.metrics_url))  # written and flushed at once
+            time.sleep(REFRESH_S)
     with _Keys() as keys, Live(console=out.console, auto_refresh=False, screen=False) as live:
         while True:
             live.update(frame(top.snapshot(), top.target.metrics_url, live=True), refresh=True)

@@ -73,6 +73,7 @@ HELP = {
     "cached_tokens_total": "Prompt tokens of engine hops the engine served from its prefix cache "
     "(usage.prompt_tokens_details.cached_tokens), by hop and adapter.",
     "generation_tokens_total": "Tokens engine hops generated, by hop and adapter (usage.completion_tokens).",
+    "ignored_request_fields_total": "Request fields accepted and not used (unknown ones included), by API.",
 }
 
 
@@ -87,6 +88,7 @@ LABELLED = {
     "admission_rejections_total": ("reason",),
     "engine_errors_total": ("status",),
     "store_failures_total": ("cause",),
+    "ignored_request_fields_total": ("api",),
     "prompt_tokens_total": ("adapter", "hop"),
     "cached_tokens_total": ("adapter", "hop"),
     "generation_tokens_total": ("adapter", "hop"),

@@ -11,7 +11,9 @@ is in docs/design/tracing.md.
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
@@ -23,10 +25,23 @@ CAPTURE_VARIABLE = "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"
 CAPTURE_ON = ("true", "1", "span_only", "span_and_event")  # the variable's values that put content on spans
 DEFAULT_SERVICE = "molctl-proxy"
 PROTOCOLS = ("http/protobuf", "grpc")
+# an endpoint variable's value, as molctl.profiles checks proxy.otlp_endpoint; gRPC's exporter also takes HOST:PORT
+ENDPOINT_URL = {"http/protobuf": r"https?://[^\s/?#]+(/[^\s?#]*)?", "grpc": r"(https?://)?[^\s/?#]+(/[^\s?#]*)?"}
 EXTRA = "pip install 'molctl[otel]'"
 PROVIDER = "molctl"  # gen_ai.provider.name of the server span: the proxy is what its clients call
 UNTRACED = ("/health", "/readyz")  # probes: no span (they are neither counted nor logged either)
 CLOSE_S = 2.0  # the proxy's shutdown waits this long at most for the last spans' export
+# the OpenTelemetry API's loggers that warn about a malformed incoming traceparent/tracestate (its text included)
+CLIENT_HEADER_LOGGERS = ("opentelemetry.trace.span", "opentelemetry.trace.propagation.tracecontext")
+# the SDK's loggers of a collector that is down or slow: a line per retry, per batch, and per span dropped from
+# a full queue (that one on the event loop, as spans end): let through at most one record per EXPORT_LOG_EVERY_S
+EXPORT_LOGGERS = (
+    "opentelemetry.sdk._shared_internal",
+    "opentelemetry.sdk.trace.export",
+    "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+    "opentelemetry.exporter.otlp.proto.grpc.exporter",
+)
+EXPORT_LOG_EVERY_S = 60.0
 # hops whose finish reasons and usage are the request's, copied onto the server span: the answer, or a
 # speculative answer the route hop agreed with (a missed one is closed before it reports either)
 ANSWER_HOPS = ("answer", "speculative")
@@ -46,6 +61,8 @@ def start(profile: Any, engine: Any, env: Mapping[str, str] = os.environ) -> Tra
     if protocol not in PROTOCOLS:
         name = next(v for v in PROTOCOL_VARIABLES if env.get(v))
         raise MolctlError(f"{name}={protocol!r}: expected one of {', '.join(PROTOCOLS)}", ExitStatus.CHECK_FAILED)
+    if not profile.proxy.otlp_endpoint:  # the profile's own field is checked when the profile loads
+        _check_endpoint_variable(env, protocol)
     try:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
@@ -68,6 +85,28 @@ def start(profile: Any, engine: Any, env: Mapping[str, str] = os.environ) -> Tra
     provider.add_span_processor(BatchSpanProcessor(exporter))
     capture = (env.get(CAPTURE_VARIABLE) or "").strip().lower() in CAPTURE_ON
     return Tracing(provider, profile, engine, capture)
+
+
+def _check_endpoint_variable(env: Mapping[str, str], protocol: str) -> None:
+    """The endpoint variable the exporter reads (the traces one first, as the SDK does) is a URL, as
+    `proxy.otlp_endpoint` must be: else a one-line MolctlError (exit 3) rather than an export error
+    logged for every batch while no span ever arrives."""
+    name = next(v for v in ENDPOINT_VARIABLES if env.get(v))
+    value = env[name]
+    if not re.fullmatch(ENDPOINT_URL[protocol], value) or not _port_parses(value):
+        example = "http://HOST:4318" if protocol == "http/protobuf" else "http://HOST:4317 or HOST:4317"
+        raise MolctlError(f"{name}={value!r}: expected a collector URL such as {example}", ExitStatus.CHECK_FAILED)
+
+
+def _port_parses(value: str) -> bool:
+    """Whether the address's host and port parse (an unclosed [IPv6 or a port that is no number do not)."""
+    from urllib.parse import urlsplit
+
+    try:
+        port = urlsplit(value if "://" in value else "//" + value).port  # ValueError when it does not parse
+    except ValueError:
+        return False
+    return port is None or port > 0
 
 
 def _grpc_exporter(endpoint: str | None, variable: str) -> Any:
@@ -95,6 +134,12 @@ class Tracing:
         self.tracer = provider.get_tracer("molctl.proxy")
         self.trace, self.context = trace, context
         self.propagator = TraceContextTextMapPropagator()
+        for name in CLIENT_HEADER_LOGGERS:  # their warnings quote a client's header verbatim, before any key check
+            logging.getLogger(name).setLevel(logging.ERROR)
+        for name in EXPORT_LOGGERS:
+            logger = logging.getLogger(name)
+            if not any(isinstance(f, _Sparse) for f in logger.filters):
+                logger.addFilter(_Sparse())
         self.public = profile.served_model_name
         self.provider_name = engine.kind  # gen_ai.provider.name of the hops: the engine (vllm, sglang)
         self.labels = {engine.adapter_model(profile, r): r for r in ROUTES}  # engine model -> L0..L3
@@ -213,6 +258,23 @@ class Tracing:
         finally:
             await inner.aclose()
             span.end(error)
+
+
+class _Sparse(logging.Filter):
+    """A logger's records, at most one per EXPORT_LOG_EVERY_S (the first at once)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.next = 0.0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        import time
+
+        now = time.monotonic()
+        if now < self.next:
+            return False
+        self.next = now + EXPORT_LOG_EVERY_S
+        return True
 
 
 class ServerSpan:

@@ -5,6 +5,7 @@ it as vLLM reads it). The proxy is driven by the official openai SDK against the
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -373,3 +374,92 @@ def test_grpc_is_used_when_its_exporter_is_installed_and_named_when_not(monkeypa
         "OTEL_EXPORTER_OTLP_PROTOCOL=grpc needs opentelemetry-exporter-otlp-proto-grpc: "
         "pip install opentelemetry-exporter-otlp-proto-grpc (or use http/protobuf)"
     )
+
+
+@pytest.mark.parametrize(
+    ("variables", "line"),
+    [
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "not a url"}, "OTEL_EXPORTER_OTLP_ENDPOINT='not a url'"),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "ftp://collector:4318"}, "OTEL_EXPORTER_OTLP_ENDPOINT='ftp://collector:4318'"),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://[::1"}, "OTEL_EXPORTER_OTLP_ENDPOINT='http://[::1'"),
+        (
+            {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:port"},
+            "OTEL_EXPORTER_OTLP_ENDPOINT='http://collector:port'",
+        ),
+        (  # the traces variable is the one the exporter reads
+            {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "collector:4318", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"},
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT='collector:4318'",
+        ),
+    ],
+)
+def test_an_endpoint_variable_that_is_no_url_is_one_line_and_exit_3(variables, line):
+    """Guards a found bug: the proxy served, logging an export error per batch, and no span ever left."""
+    from molctl.engines import get_engine
+    from molctl.errors import ExitStatus, MolctlError
+
+    with pytest.raises(MolctlError) as err:
+        tracing.start(TINY, get_engine("vllm"), variables)
+    assert err.value.exit_status == ExitStatus.CHECK_FAILED
+    assert str(err.value) == f"{line}: expected a collector URL such as http://HOST:4318"
+
+
+def test_grpc_takes_host_and_port_and_the_profile_field_wins_over_a_bad_variable():
+    from molctl.engines import get_engine
+    from molctl.errors import MolctlError
+
+    grpc = {"OTEL_EXPORTER_OTLP_ENDPOINT": "127.0.0.1:4317", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}
+    tracing.start(TINY, get_engine("vllm"), grpc).close()
+    with pytest.raises(MolctlError, match="expected a collector URL such as http://HOST:4317 or HOST:4317"):
+        tracing.start(TINY, get_engine("vllm"), {**grpc, "OTEL_EXPORTER_OTLP_ENDPOINT": "not a url"})
+    profile = dataclasses.replace(TINY, proxy=dataclasses.replace(TINY.proxy, otlp_endpoint="http://127.0.0.1:9"))
+    tracing.start(profile, get_engine("vllm"), {"OTEL_EXPORTER_OTLP_ENDPOINT": "not a url"}).close()
+
+
+def test_a_malformed_tracestate_never_reaches_the_log(keyfile, tmp_path):
+    """Guards a found bug: OpenTelemetry's warning quoted any client's tracestate (keyless too) in the log."""
+    engine_port, port, otlp_port = free_ports(3)
+    engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{port}"
+    log = tmp_path / "proxy.log"
+    with (
+        OtlpReceiver(otlp_port) as receiver,
+        running(fake_engine_argv(engine_port), engine_url + "/health", log=tmp_path / "engine.log"),
+        running(
+            proxy_argv("tiny", engine_url, port, "--api-key-file", str(keyfile)),
+            proxy_url + "/health",
+            env={**OFF, "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url, "OTEL_BSP_SCHEDULE_DELAY": "50"},
+            log=log,
+        ),
+    ):
+        parent = f"00-{TRACE_ID}-{CLIENT_SPAN}-01"
+        for state in ('FORGED {"request_id": "x"}', "a=b,FORGED member", "a=" + "FORGED" * 2000):
+            r = httpx.get(proxy_url + "/v1/models", headers={"traceparent": parent, "tracestate": state})
+            assert r.status_code == 401
+        r = httpx.get(proxy_url + "/v1/models", headers={"traceparent": "00-" + "f" * 600, "x-request-id": "req-long"})
+        assert r.status_code == 401
+        spans = receiver.wait_for(lambda spans: len([s for s in spans if s["kind"] == "SERVER"]) == 4)
+    assert len([s for s in spans if s["trace_id"] == TRACE_ID]) == 3  # the traceparent is still continued
+    text = log.read_text()
+    assert "FORGED" not in text and "fffffffff" not in text
+    assert text.count('"status":401') == 4  # the request lines are still written
+
+
+def test_a_collector_that_is_down_is_logged_once_a_minute_not_per_retry(monkeypatch, caplog):
+    """Guards a found bug: the OTLP/HTTP exporter logged every retry of every batch (about one line a second)."""
+    import logging
+    import time
+
+    from molctl.engines import get_engine
+
+    (port,) = free_ports(1)  # nothing listens there
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{port}")  # the SDK reads os.environ
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    with caplog.at_level(logging.WARNING):
+        traces = tracing.start(TINY, get_engine("vllm"), os.environ)
+        try:
+            traces.tracer.start_span("chat L1").end()
+            time.sleep(3.5)  # the exporter's retries: after about 1 s, then 2 s more (each logged before)
+        finally:
+            traces.close()
+    exporter = "opentelemetry.exporter.otlp.proto.http.trace_exporter"
+    said = [r.getMessage() for r in caplog.records if r.name == exporter]
+    assert len(said) == 1 and said[0].startswith("Transient error"), said
