@@ -259,6 +259,7 @@ class Orchestrator:
         try:
             waited = await self.admission.answers.acquire(plan.tenant)
             plan.answer_slot = True
+            self.speculation.make_room()  # a held hop that counted on this slot is closed
         except Rejected as exc:
             plan.queue_wait_s += time.monotonic() - queued_at
             self.counters.inc("admission_rejections_total", reason=exc.reason)
