@@ -99,14 +99,15 @@ class HeldHop:
         self.task = asyncio.ensure_future(run(self))
 
     async def pump(self, upstream: AsyncIterator[dict[str, Any]]) -> None:
-        """Buffer a stream's events (the engine is never held back by the client's pace)."""
+        """Buffer a stream's events (the engine is never held back by the client's pace) and how
+        the stream ended: the reader (`events`) raises its failure, whatever it was."""
         try:
             async for event in upstream:
                 if self.first_at is None:
                     self.first_at = time.monotonic()
                 self._count(event)
                 self.queue.put_nowait(event)
-        except (EngineHTTPError, EngineUnavailable, ProxyError) as exc:
+        except Exception as exc:  # any failure reaches the reader: it never waits on a queue nobody fills
             self.queue.put_nowait(_End(exc))
         else:
             self.queue.put_nowait(_End())
