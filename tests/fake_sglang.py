@@ -450,7 +450,9 @@ async def chat(request):
         )
     if base.STATE.config.get("abort_on_priority") and payload.get("priority") is not None:
         # --abort-on-priority-when-disabled without --enable-priority-scheduling: any priority, 0
-        # included, is aborted with a 503 (scheduler.py _set_or_validate_priority)
+        # included, is aborted with a 503 (scheduler.py _set_or_validate_priority), once the
+        # request reached the scheduler (config `abort_delay`: seconds before the 503)
+        await asyncio.sleep(base.STATE.config.get("abort_delay") or 0)
         base.STATE.log.append(
             {
                 "hop": request.headers.get("X-MoL-Hop"),

@@ -259,6 +259,7 @@ class Orchestrator:
         try:
             waited = await self.admission.answers.acquire(plan.tenant)
             plan.answer_slot = True
+            self.speculation.make_room()  # a held hop that counted on this slot is closed
         except Rejected as exc:
             plan.queue_wait_s += time.monotonic() - queued_at
             self.counters.inc("admission_rejections_total", reason=exc.reason)
@@ -383,12 +384,21 @@ class Orchestrator:
         held = plan.held
         if held is not None:
             await held.ready.wait()
-            if held.payload is not None:
+            if held.payload is not None and self._priority_holds(plan, held.payload):
                 plan.view = held.view
                 return None
-            plan.held = None  # its build refused the request: the routed build says why
+            await held.cancel()
+            plan.held = None  # its build refused the request (the routed build says why), or its priority is stale
         await self._await_summaries(plan)
         return await self._offload(plan, self._build_answer, plan)
+
+    def _priority_holds(self, plan: Plan, payload: dict[str, Any]) -> bool:
+        """Whether a held request carries the priority the answer hop would carry now: the route
+        hop that ran beside it may have found the engine refusing priorities (`PriorityPolicy`),
+        and the held request would then fail where the routed one does not."""
+        now: dict[str, Any] = {}
+        self.priority.mark(now, "answer", plan.engine)
+        return now.get("priority") == payload.get("priority")
 
     def _overhead(self, plan: Plan, sent: float, engine_first: float | None) -> None:
         """The time the proxy added before the answer's first token (a whole answer: before its

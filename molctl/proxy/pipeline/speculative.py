@@ -92,20 +92,22 @@ class HeldHop:
         self.body: dict[str, Any] | None = None
         self.error: BaseException | None = None
         self.task: asyncio.Task | None = None
+        self.preempted = False  # closed before the route decided: a request took the slot it counted on
         self.ready = asyncio.Event()  # `view` and `payload` are built (payload None: the build refused)
 
     def start(self, run: Callable[[HeldHop], Awaitable[None]]) -> None:
         self.task = asyncio.ensure_future(run(self))
 
     async def pump(self, upstream: AsyncIterator[dict[str, Any]]) -> None:
-        """Buffer a stream's events (the engine is never held back by the client's pace)."""
+        """Buffer a stream's events (the engine is never held back by the client's pace) and how
+        the stream ended: the reader (`events`) raises its failure, whatever it was."""
         try:
             async for event in upstream:
                 if self.first_at is None:
                     self.first_at = time.monotonic()
                 self._count(event)
                 self.queue.put_nowait(event)
-        except (EngineHTTPError, EngineUnavailable, ProxyError) as exc:
+        except Exception as exc:  # any failure reaches the reader: it never waits on a queue nobody fills
             self.queue.put_nowait(_End(exc))
         else:
             self.queue.put_nowait(_End())
@@ -181,7 +183,11 @@ class Speculation:
         self.client = client
         self.counters = counters
         self.answers = answers
-        self.inflight = 0  # held hops not yet settled
+        self.held: list[HeldHop] = []  # held hops not yet settled, oldest first
+
+    @property
+    def inflight(self) -> int:
+        return len(self.held)
 
     def _skip(self, plan: Plan, reason: str) -> None:
         plan.speculative, plan.speculative_reason = "skipped", reason
@@ -195,7 +201,7 @@ class Speculation:
             self._skip(plan, reason)
             return
         held = plan.speculation = HeldHop(conversation_adapter(plan), self.engine)  # type: ignore[arg-type]
-        self.inflight += 1
+        self.held.append(held)
         held.start(lambda hop: self._run(plan, hop, build))
 
     async def _run(self, plan: Plan, hop: HeldHop, build: Build) -> None:
@@ -215,9 +221,21 @@ class Speculation:
 
     def _unheld(self, plan: Plan) -> HeldHop | None:
         held, plan.speculation = plan.speculation, None
-        if held is not None:
-            self.inflight -= 1
+        if held in self.held:
+            self.held.remove(held)
         return held
+
+    def make_room(self) -> None:
+        """A request took an answer slot: while the running held hops and the slots taken are
+        more than the gate's capacity, the newest running held hop is closed (a held hop never
+        keeps an engine sequence a real request's slot counts on; its request's routed answer is
+        built as without speculation, `settle`). A held hop the engine finished holds none."""
+        running = [h for h in self.held if h.task is not None and not h.task.done()]
+        while running and self.answers.inflight + len(running) > self.answers.capacity:
+            hop = running.pop()
+            self.held.remove(hop)
+            hop.preempted = True
+            hop.task.cancel()  # type: ignore[union-attr]  # its connection closes: the engine aborts it
 
     async def settle(self, plan: Plan) -> None:
         """The route is decided: a hit keeps the held hop as the answer (`plan.held`), a miss
@@ -228,6 +246,11 @@ class Speculation:
             if plan.speculative is None:
                 self._skip(plan, "disabled" if not self.enabled else "tool_turn")
             return
+        if held.preempted:
+            await held.cancel()
+            self._skip(plan, "admission")
+            self._waste(plan, held)
+            return
         if held.adapter == plan.route:
             plan.speculative = "hit"
             plan.held = held
@@ -236,6 +259,9 @@ class Speculation:
         await held.cancel()
         plan.speculative = "miss"
         self.counters.inc("speculative_total", outcome="miss", reason="")
+        self._waste(plan, held)
+
+    def _waste(self, plan: Plan, held: HeldHop) -> None:
         prompt, generated = held.wasted()
         plan.speculative_wasted = (prompt, generated)
         self.counters.inc("speculative_wasted_tokens_total", prompt, kind="prompt")
