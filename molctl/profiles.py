@@ -552,8 +552,10 @@ def _proxy_spec(data: dict[str, Any], v: _Validator) -> ProxySpec:
             parse_store_spec(proxy["store"])
         except ValueError as exc:
             raise v.fail("proxy.store", str(exc)) from None
+    from molctl.proxy.tracing import collector_address
+
     endpoint = proxy.get("otlp_endpoint")
-    if endpoint is not None and not re.fullmatch(r"https?://[^\s/?#]+(/[^\s?#]*)?", endpoint):
+    if endpoint is not None and not collector_address(endpoint):
         raise v.fail("proxy.otlp_endpoint", f"{_short(endpoint)}: expected a collector URL such as http://HOST:4318")
     return ProxySpec(**proxy)
 

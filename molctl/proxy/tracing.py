@@ -25,7 +25,7 @@ CAPTURE_VARIABLE = "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"
 CAPTURE_ON = ("true", "1", "span_only", "span_and_event")  # the variable's values that put content on spans
 DEFAULT_SERVICE = "molctl-proxy"
 PROTOCOLS = ("http/protobuf", "grpc")
-# an endpoint variable's value, as molctl.profiles checks proxy.otlp_endpoint; gRPC's exporter also takes HOST:PORT
+# an endpoint variable's value and proxy.otlp_endpoint (`collector_address`); gRPC's exporter also takes HOST:PORT
 ENDPOINT_URL = {"http/protobuf": r"https?://[^\s/?#]+(/[^\s?#]*)?", "grpc": r"(https?://)?[^\s/?#]+(/[^\s?#]*)?"}
 EXTRA = "pip install 'molctl[otel]'"
 PROVIDER = "molctl"  # gen_ai.provider.name of the server span: the proxy is what its clients call
@@ -93,15 +93,18 @@ def _check_endpoint_variable(env: Mapping[str, str], protocol: str) -> None:
     logged for every batch while no span ever arrives."""
     name = next(v for v in ENDPOINT_VARIABLES if env.get(v))
     value = env[name]
-    if not re.fullmatch(ENDPOINT_URL[protocol], value) or not _port_parses(value):
+    if not collector_address(value, protocol):
         example = "http://HOST:4318" if protocol == "http/protobuf" else "http://HOST:4317 or HOST:4317"
         raise MolctlError(f"{name}={value!r}: expected a collector URL such as {example}", ExitStatus.CHECK_FAILED)
 
 
-def _port_parses(value: str) -> bool:
-    """Whether the address's host and port parse (an unclosed [IPv6 or a port that is no number do not)."""
+def collector_address(value: str, protocol: str = "http/protobuf") -> bool:
+    """Whether `value` is a collector address the exporter of `protocol` can send to: a URL (gRPC
+    also HOST:PORT) whose host and port parse (an unclosed [IPv6 or a port that is no number do not)."""
     from urllib.parse import urlsplit
 
+    if not re.fullmatch(ENDPOINT_URL[protocol], value):
+        return False
     try:
         port = urlsplit(value if "://" in value else "//" + value).port  # ValueError when it does not parse
     except ValueError:

@@ -348,14 +348,16 @@ def test_tracing_is_off_without_an_endpoint_and_never_imports_the_sdk():
     assert out.stdout.strip() == "[]"
 
 
-def test_a_profile_endpoint_that_is_no_url_is_one_line_naming_the_field():
+@pytest.mark.parametrize("endpoint", ["collector:4318", "http://[::1", "http://c:port"])
+def test_a_profile_endpoint_that_is_no_url_is_one_line_naming_the_field(endpoint):
+    """An unclosed IPv6 host or a port that is no number passed the profile check, as the variable's did once."""
     from molctl.errors import ProfileError
     from molctl.profiles import load_profile, profile_dirs
 
     with pytest.raises(ProfileError) as err:
-        load_profile("tiny", profile_dirs(), [("proxy.otlp_endpoint", "collector:4318")])
+        load_profile("tiny", profile_dirs(), [("proxy.otlp_endpoint", endpoint)])
     assert str(err.value).endswith(
-        "field 'proxy.otlp_endpoint': collector:4318: expected a collector URL such as http://HOST:4318"
+        f"field 'proxy.otlp_endpoint': {endpoint}: expected a collector URL such as http://HOST:4318"
     )
 
 
