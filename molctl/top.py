@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from molctl.bench import NothingRunning
+from molctl.bench import NothingRunning, running_profile
 
 WINDOW_S = 10.0  # live: rates and percentiles over about the last 10 s
 REFRESH_S = 1.0
@@ -176,11 +176,8 @@ class Target:
 
 def find_target(ctx, name: str | None) -> Target:
     """The named stack, or the one running; NothingRunning (exit 3, one line) when nothing of it runs."""
-    from molctl import stackconfig
     from molctl.engines import get_engine
-    from molctl.errors import ProfileError
-    from molctl.profiles import load_profile
-    from molctl.stacks import known_or_recorded, recorded_config
+    from molctl.stacks import known_or_recorded
     from molctl.state import check_readable, is_same_process, profiles_with_records, read_records_checked
     from molctl.status import metrics_url
 
@@ -192,12 +189,7 @@ def find_target(ctx, name: str | None) -> Target:
         records, _ = read_records_checked(ctx.state_dir, n)
         if not any(is_same_process(r) for r in records.values()):
             continue
-        profile = stackconfig.profile_from(recorded_config(records))
-        if profile is None:
-            try:
-                profile = load_profile(n, ctx.dirs())
-            except ProfileError as exc:
-                raise NothingRunning(f"{n}: the running stack's profile cannot be read: {exc}") from None
+        profile = running_profile(ctx, n, records)
         engine = records.get("engine")
         return Target(
             n,

@@ -60,6 +60,23 @@ class NothingRunning(MolctlError):
     exit_status = ExitStatus.CHECK_FAILED
 
 
+def running_profile(ctx, name: str, records: dict) -> Any:
+    """The Profile a running stack of `name` was started with (its records' configuration), else
+    its profile file as it is now; neither readable: NothingRunning naming the profile."""
+    from molctl import stackconfig
+    from molctl.errors import ProfileError
+    from molctl.profiles import load_profile
+    from molctl.stacks import recorded_config
+
+    profile = stackconfig.profile_from(recorded_config(records))
+    if profile is not None:
+        return profile
+    try:
+        return load_profile(name, ctx.dirs())
+    except ProfileError as exc:
+        raise NothingRunning(f"{name}: the running stack's profile cannot be read: {exc}") from None
+
+
 @dataclass
 class BenchOptions:
     concurrency: list[int] = field(default_factory=lambda: [1, 4, 8])

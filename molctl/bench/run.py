@@ -22,6 +22,7 @@ from molctl.bench import (
     NothingRunning,
     Target,
     ratio,
+    running_profile,
 )
 from molctl.bench.measure import VramSampler, _run
 from molctl.errors import ExitStatus, MolctlError, UsageError
@@ -30,11 +31,8 @@ from molctl.profiles import ROUTES
 
 def find_target(ctx, name: str) -> Target:
     """The running stack of PROFILE from its records (exit 3 when nothing of it runs)."""
-    from molctl import stackconfig
     from molctl.engines import get_engine
-    from molctl.errors import ProfileError
-    from molctl.profiles import load_profile
-    from molctl.stacks import component_url, known_or_recorded, recorded_config
+    from molctl.stacks import component_url, known_or_recorded
     from molctl.state import check_own_state_dir, is_same_process, read_records_checked
     from molctl.status import metrics_url
 
@@ -50,12 +48,7 @@ def find_target(ctx, name: str) -> Target:
         )
     if engine is None or not is_same_process(engine):
         raise NothingRunning(f"nothing is running for {name}: no live engine recorded (molctl up {name} starts it)")
-    profile = stackconfig.profile_from(recorded_config(records))
-    if profile is None:
-        try:
-            profile = load_profile(name, ctx.dirs())
-        except ProfileError as exc:
-            raise NothingRunning(f"{name}: the running stack's profile cannot be read: {exc}") from None
+    profile = running_profile(ctx, name, records)
     kind = get_engine(profile.engine.kind)
     proxy = records.get("proxy")
     proxy_url = component_url(proxy) if proxy is not None and is_same_process(proxy) else None
