@@ -102,6 +102,11 @@ def prompt_token_bound(messages: list[dict[str, Any]], tools: Any) -> int:
     return size + (len(fastjson.dumps_bytes(tools)) if tools else 0) + 64
 
 
+def answer_call(plan: Plan) -> dict[str, Any]:
+    """The engine client's arguments of the request's answer hop, whole or streamed."""
+    return {"big": plan.big, "request_id": plan.request_id, "engine": plan.engine, "source": plan.route_source}
+
+
 class Orchestrator:
     def __init__(
         self,
@@ -417,16 +422,7 @@ class Orchestrator:
             if payload is None:
                 body = checked_completion(await held.result())
             else:
-                body = checked_completion(
-                    await self.client.chat(
-                        payload,
-                        "answer",
-                        big=plan.big,
-                        request_id=plan.request_id,
-                        engine=plan.engine,
-                        source=plan.route_source,
-                    )
-                )
+                body = checked_completion(await self.client.chat(payload, "answer", **answer_call(plan)))
             self._overhead(plan, start, held.done_at if payload is None else None)
         except (EngineHTTPError, EngineUnavailable) as exc:
             self._engine_error(exc, plan)
@@ -458,18 +454,7 @@ class Orchestrator:
         await self._admit(plan)
         held = plan.held
         start = held.sent_at if payload is None else time.monotonic()
-        upstream = (
-            held.events()
-            if payload is None
-            else self.client.chat_stream(
-                payload,
-                "answer",
-                big=plan.big,
-                request_id=plan.request_id,
-                engine=plan.engine,
-                source=plan.route_source,
-            )
-        )
+        upstream = held.events() if payload is None else self.client.chat_stream(payload, "answer", **answer_call(plan))
         try:
             first = True
             async for event in upstream:
