@@ -106,11 +106,12 @@ class Stack:
     def engine_log(self) -> str:
         return Path(read_records(self.state, "tiny")["engine"].log).read_text(errors="replace")
 
-    def requests(self) -> list[tuple[str, int, bool, str]]:
-        """(request id, max_tokens, structured outputs?, adapter) per request the engine received."""
+    def requests(self, log: str | None = None) -> list[tuple[str, int, bool, str]]:
+        """(request id, max_tokens, structured outputs?, adapter) per request the engine received
+        (in `log`, the engine log read once by the caller, else read now)."""
         return [
             (m.group(1), int(m.group(2)), m.group(3) != "None", m.group(4))
-            for m in REQUEST_RE.finditer(self.engine_log())
+            for m in REQUEST_RE.finditer(self.engine_log() if log is None else log)
         ]
 
     def hops(self) -> list[dict]:
@@ -120,7 +121,9 @@ class Stack:
         prompts = {m.group(1): ast.literal_eval(m.group(2)) for m in PROMPT_RE.finditer(log)}
         bodies = {m.group(1): m.group(2) for m in BODY_RE.finditer(log)}
         out = []
-        for rid, max_tokens, structured, adapter in self.requests():
+        # one read for the requests, prompts and bodies: a request logged between two reads would
+        # be found without its body (a summary hop arriving just then)
+        for rid, max_tokens, structured, adapter in self.requests(log):
             hop = "route" if structured else {ANSWER_TOKENS: "answer", 32: "summary"}.get(max_tokens, "other")
             # chat requests are logged as chatcmpl-ID, completions (the summary's continuation) as
             # cmpl-ID-N, N the prompt's index (vllm/entrypoints/openai/completion/serving.py)
