@@ -42,10 +42,10 @@ $(CLIENTS_JS)/node_modules/.stamp: $(CLIENTS_JS)/package-lock.json $(CLIENTS_JS)
 clients: $(CLIENTS_VENV)/.stamp $(CLIENTS_JS)/node_modules/.stamp
 
 # Debian's Prometheus server, for the Grafana dashboard's test (tests/grafana): fetched without a root
-# install (`apt-get download` into a temporary folder, `dpkg -x`), only its binary kept, as
-# $(VENV)/bin/prometheus.
+# install (`apt-get download` into a temporary folder, after an `apt-get update` when the package
+# lists are stale, `dpkg -x`), only its binary kept, as $(VENV)/bin/prometheus.
 $(VENV)/.stamp-prometheus: | $(PY)
-	tmp=$$(mktemp -d) && chmod 755 $$tmp && (cd $$tmp && apt-get download prometheus && dpkg -x prometheus_*.deb root) \
+	tmp=$$(mktemp -d) && chmod 755 $$tmp && (cd $$tmp && { apt-get download prometheus || { apt-get update -qq && apt-get download prometheus; }; } && dpkg -x prometheus_*.deb root) \
 	  && cp $$tmp/root/usr/bin/prometheus $(VENV)/bin/prometheus; rc=$$?; rm -rf $$tmp; exit $$rc
 	touch $@
 
