@@ -49,6 +49,12 @@ READY_REQUEST_TIMEOUT_S = 5.0
 READY_TIMEOUT_S = 60.0
 
 
+def ready_deadline_s(base: float = READY_TIMEOUT_S) -> float:
+    """`base` seconds, scaled by how loaded the machine is now (the 1-minute load average per
+    core, at least 1): a start that takes 20 s on a quiet machine takes longer on a busy one."""
+    return base * max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+
+
 def sglang_health_request_timeout() -> float:
     """The per-poll timeout for the scripted SGLang's /health: its documented generate time plus
     the slack every readiness poll gets."""
@@ -59,13 +65,15 @@ def sglang_health_request_timeout() -> float:
 
 def wait_http(
     url: str,
-    timeout: float = READY_TIMEOUT_S,
+    timeout: float | None = None,
     status: int | None = 200,
     proc: subprocess.Popen | None = None,
     request_timeout: float = READY_REQUEST_TIMEOUT_S,
 ) -> None:
     """Poll `url` until it answers `status` (any status when None), each poll allowed
-    `request_timeout` (what the server is documented to take, plus slack), within `timeout`."""
+    `request_timeout` (what the server is documented to take, plus slack), within `timeout`
+    (default: READY_TIMEOUT_S scaled by the machine's load, `ready_deadline_s`)."""
+    timeout = ready_deadline_s() if timeout is None else timeout
     deadline = time.monotonic() + timeout
     last = None
     while time.monotonic() < deadline:
