@@ -5,7 +5,8 @@
 - `FAKE_NVML=WHERE:KIND`: the call that fails. WHERE: init, driver, count, handle, name, memory,
   processes, shutdown. KIND: an NVML error code's name as nvidia-ml-py spells its class
   (DriverNotLoaded, GpuIsLost, LibraryNotFound, ...), `mismatch`, or `OSError` (not NVML's).
-- `FAKE_NVML_DEVICES` (default 8), `FAKE_NVML_DRIVER` (default 580.95.05): what a healthy NVML reports.
+- `FAKE_NVML_DEVICES` (default 8), `FAKE_NVML_DRIVER` (default 580.95.05): what a healthy NVML reports;
+  `FAKE_NVML_PIDS` (comma-separated): compute processes on GPU 0, 1 GiB each.
 
 What it mimics, from nvidia-ml-py 13.615.71's pynvml.py:
 - `NVMLError(Exception)` carries the return code in `value`; `NVMLError(code)` constructs the
@@ -129,4 +130,5 @@ def nvmlDeviceGetMemoryInfo(handle):
 
 def nvmlDeviceGetComputeRunningProcesses(handle):
     _fail("processes")
-    return []
+    pids = [int(p) for p in os.environ.get("FAKE_NVML_PIDS", "").split(",") if p] if handle == 0 else []
+    return [SimpleNamespace(pid=pid, usedGpuMemory=1 << 30) for pid in pids]

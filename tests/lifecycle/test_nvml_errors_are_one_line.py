@@ -65,12 +65,30 @@ def test_the_fake_answers_like_a_healthy_nvml_when_told_nothing(molctl, fake_nvm
     assert checks["gpu.count"] == checks["gpu.memory"] == checks["gpu.processes"] == "pass", checks
 
 
+def nvml_env(host, where: str) -> dict:
+    """`status`/`down` (processes of their own) import the fake binding first; it lists the
+    stack's engine on GPU 0, so an NVML that answers shows it there."""
+    engine = host.records()["engine"].pid
+    return {"PYTHONPATH": str(FAKE_NVML), "FAKE_NVML": where, "FAKE_NVML_PIDS": str(engine)}
+
+
+def test_status_and_down_see_the_fake_when_it_answers(host):
+    """The premise of the next test: the commands read the fake (status shows the engine's GPU
+    memory, down keeps the record while NVML lists the engine)."""
+    assert host.up().exit_code == ExitStatus.OK
+    r = host.molctl("status", "tiny", "--json", env=nvml_env(host, ""))
+    (stack,) = json.loads(r.stdout)["stacks"]
+    assert stack["gpus"] == [{"index": 0, "used_bytes": 1 << 30, "total_bytes": 141 << 30}], stack
+    r = host.molctl("down", env=nvml_env(host, ""))
+    assert r.exit_code != ExitStatus.OK and "NVML still shows process(es) of the stack" in r.stderr, r.stderr
+
+
 @pytest.mark.parametrize("where", sorted(CASES))
 def test_status_and_down_go_on_without_the_gpu_view(host, where):
-    """`status` and `down` (processes of their own, importing the fake binding first) read a
-    running stack and stop it as if the host had no GPU view, with no traceback."""
+    """`status` and `down` read a running stack and stop it as if the host had no GPU view, with
+    no traceback."""
     assert host.up().exit_code == ExitStatus.OK
-    nvml = {"PYTHONPATH": str(FAKE_NVML), "FAKE_NVML": where}
+    nvml = nvml_env(host, where)
     r = host.molctl("status", "tiny", "--json", env=nvml)
     assert r.exit_code == ExitStatus.OK and "Traceback" not in r.stderr, r.stderr
     (stack,) = json.loads(r.stdout)["stacks"]
