@@ -102,7 +102,7 @@ demo: $(VENV)/.stamp-cpu
 # dist/molctl-VERSION-py3-none-any.whl, with the built-in profiles, templates and docs inside.
 .PHONY: wheel
 wheel: $(VENV)/.stamp-dev
-	rm -f dist/molctl-*.whl
+	rm -rf build dist/molctl-*.whl  # build/: setuptools would keep a removed module's old copy
 	$(PIP) wheel --no-deps --no-build-isolation -w dist .
 
 demo-down: $(VENV)/.stamp-dev
