@@ -5,7 +5,8 @@ naming the file, the line (where YAML tells it) and the dotted field. `--set dot
 and `--model-root` overrides are applied to the raw data *before* validation, so an override
 is checked exactly like a value written in the file.
 
-Built-in profiles live in the repository's `profiles/` folder; user folders given with
+Built-in profiles live in the package (`molctl/profiles_builtin`, a link to the repository's
+`profiles/` in a checkout, copies in a wheel); user folders given with
 `--profiles-dir` or `MOLCTL_PROFILES_DIR` (os.pathsep-separated) are searched after it, and a
 later folder's `NAME.yaml` replaces an earlier one of the same name.
 """
@@ -37,12 +38,9 @@ PH_LABELS = "{{ROUTE_LABELS}}"
 
 
 def builtin_profiles_dir() -> Path:
-    """The shipped `profiles/` folder (beside the package in a checkout or editable install)."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here.parent / "profiles", Path(sys.prefix) / "share" / "molctl" / "profiles"):
-        if candidate.is_dir():
-            return candidate
-    return here.parent / "profiles"
+    """The shipped profiles: `profiles_builtin` beside this module, resolved (in a checkout or an
+    editable install that is the repository's `profiles/`; in a wheel, the package's own copies)."""
+    return (Path(__file__).parent / "profiles_builtin").resolve()
 
 
 # --------------------------------------------------------------------------------------------
@@ -726,9 +724,17 @@ def load_profile(name: str, dirs: Iterable[Path], overrides: Iterable[tuple[str,
 
 
 def list_profiles(dirs: list[Path]) -> tuple[list[dict[str, Any]], list[str]]:
-    """`molctl profiles`: a row per profile found, and a one-line problem per file that does not load."""
+    """`molctl profiles`: a row per profile found, and a one-line problem per file that does not load.
+    No profile file at all is a ProfileError naming the folders searched (an install without its
+    built-in profiles listed an empty table and exited 0)."""
     rows, problems = [], []
-    for _name, path in sorted(profile_files(dirs).items()):
+    files = profile_files(dirs)
+    if not files:
+        searched = ", ".join(str(d) for d in dirs)
+        raise ProfileError(
+            f"no profile found (searched: {searched}); give a folder of NAME.yaml files with --profiles-dir"
+        )
+    for _name, path in sorted(files.items()):
         try:
             p = load_profile_file(path)
         except ProfileError as exc:

@@ -23,6 +23,7 @@ class EngineInstall:
     version: str | None = None
     flags: frozenset[str] = field(default_factory=frozenset)
     error: str | None = None
+    note: str | None = None  # how it was read, when that matters (a device pinned for the probe)
 
 
 def render_args(args: Mapping[str, Any]) -> list[str]:
@@ -47,11 +48,19 @@ def render_args(args: Mapping[str, Any]) -> list[str]:
 READYZ_ENGINE_PROBE_MIN_S = 2.0
 
 
-def run_probe_script(python: str, script: str, *args: str, timeout: float = 120) -> EngineInstall:
-    """Run `script` under the engine's interpreter; it prints one JSON object on its last line."""
+def run_probe_script(
+    python: str, script: str, *args: str, timeout: float = 120, env: Mapping[str, str] | None = None
+) -> EngineInstall:
+    """Run `script` under the engine's interpreter (`env`: variables added to ours); it prints one
+    JSON object on its last line."""
     try:
         proc = subprocess.run(
-            [python, "-c", script, *args], capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
+            [python, "-c", script, *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **env} if env else None,
         )
     except FileNotFoundError:
         return EngineInstall(found=False, error=f"engine.python {python!r} does not exist")
@@ -136,7 +145,7 @@ def probe_install_cached(engine: Engine, python: str, cache_dir: Path | None) ->
     path = cache_dir / f"engine-{engine.kind}-{key}.json"
     try:
         data = json.loads(path.read_text())
-        return EngineInstall(found=True, version=data["version"], flags=frozenset(data["flags"]))
+        return EngineInstall(found=True, version=data["version"], flags=frozenset(data["flags"]), note=data.get("note"))
     except (OSError, ValueError, KeyError, TypeError):  # TypeError: a cache file of another shape (a traceback)
         pass
     install = engine.probe_install(python)
@@ -144,7 +153,9 @@ def probe_install_cached(engine: Engine, python: str, cache_dir: Path | None) ->
         try:
             cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"version": install.version, "flags": sorted(install.flags)}))
+            tmp.write_text(
+                json.dumps({"version": install.version, "flags": sorted(install.flags), "note": install.note})
+            )
             os.replace(tmp, path)
         except OSError:
             pass
