@@ -46,6 +46,12 @@ IGNORED_ITEMS = frozenset(
     }
 )
 ENCRYPTED_PREFIX = "mol1."
+# What reasoning `encrypted_content` may inflate to (a 21 KB item inflated to 16 MiB, 8 of them
+# peaked the proxy at 699 MB): an item at most 4 MiB (about 1M tokens of text, past any answer's
+# reasoning at proxy.max_output_tokens), a request's items together at most 8 MiB (the body limit:
+# no more text than a client may send in the clear).
+REASONING_ITEM_MAX = 4 << 20
+REASONING_REQUEST_MAX = 8 << 20
 
 
 def encode_reasoning(text: str) -> str:
@@ -53,12 +59,16 @@ def encode_reasoning(text: str) -> str:
     return ENCRYPTED_PREFIX + base64.urlsafe_b64encode(zlib.compress(text.encode("utf-8"))).decode("ascii")
 
 
-def decode_reasoning(blob: str) -> str | None:
-    """The text of an `encrypted_content` this proxy made, else None."""
+def decode_reasoning(blob: str, limit: int = REASONING_ITEM_MAX) -> str | None:
+    """The text of an `encrypted_content` this proxy made, else None; OverflowError when it
+    inflates past `limit` bytes (it is never inflated further than that)."""
     if not blob.startswith(ENCRYPTED_PREFIX):
         return None
     try:
-        data = zlib.decompressobj().decompress(base64.urlsafe_b64decode(blob[len(ENCRYPTED_PREFIX) :]), 1 << 24)
+        inflate = zlib.decompressobj()
+        data = inflate.decompress(base64.urlsafe_b64decode(blob[len(ENCRYPTED_PREFIX) :]), limit + 1)
+        if len(data) > limit:
+            raise OverflowError(limit)
         return data.decode("utf-8")
     except (ValueError, zlib.error):
         return None
@@ -108,9 +118,11 @@ def _parts_to_content(parts: Any, where: str, role: str, media_hosts: tuple[str,
     return out
 
 
-def _reasoning_text(item: dict[str, Any], where: str, fields: FieldPolicy) -> str | None:
-    """What a `reasoning` input item says: its content text, else its summary text, else the
-    `encrypted_content` this proxy made (another server's is noted and gives None)."""
+def _reasoning_text(item: dict[str, Any], where: str, fields: FieldPolicy, room: int) -> tuple[str | None, int]:
+    """(What a `reasoning` input item says, the bytes inflated for it): its content text, else
+    its summary text, else the `encrypted_content` this proxy made (another server's is noted and
+    gives None), which may inflate to at most REASONING_ITEM_MAX bytes and `room` (what the
+    request's earlier items left of REASONING_REQUEST_MAX): past either it is a 400 naming it."""
     for key, kinds in (("content", ("reasoning_text", "text")), ("summary", ("summary_text",))):
         parts = item.get(key)
         if parts is not None and not isinstance(parts, list):
@@ -119,16 +131,25 @@ def _reasoning_text(item: dict[str, Any], where: str, fields: FieldPolicy) -> st
         if any(not isinstance(t, str) for t in texts):
             raise invalid(f"'{where}.{key}' parts need a string 'text'.", f"{where}.{key}")
         if texts:
-            return "".join(texts) if key == "content" else "\n\n".join(texts)
+            return "".join(texts) if key == "content" else "\n\n".join(texts), 0
     blob = item.get("encrypted_content")
     if blob is None:
-        return None
+        return None, 0
+    field = f"{where}.encrypted_content"
     if not isinstance(blob, str):
-        raise invalid(f"'{where}.encrypted_content' must be a string.", f"{where}.encrypted_content")
-    text = decode_reasoning(blob)
+        raise invalid(f"'{field}' must be a string.", field)
+    try:
+        text = decode_reasoning(blob, min(REASONING_ITEM_MAX, room))
+    except OverflowError:
+        raise invalid(
+            f"'{field}' inflates past {min(REASONING_ITEM_MAX, room)} bytes (at most {REASONING_ITEM_MAX} "
+            f"per item, {REASONING_REQUEST_MAX} for a request's reasoning items together).",
+            field,
+        ) from None
     if text is None:
         fields.note_ignored("input[].encrypted_content", "responses", "reasoning another server encrypted; left out")
-    return text
+        return None, 0
+    return text, len(text.encode("utf-8"))
 
 
 def item_type(item: dict[str, Any]) -> Any:
@@ -194,6 +215,7 @@ class _Input:
         self.messages: list[dict[str, Any]] = []
         self.items: list[dict[str, Any]] = []
         self.reasoning: list[str] = []  # reasoning items waiting for the assistant message they precede
+        self.inflated = 0  # bytes of encrypted reasoning inflated so far (REASONING_REQUEST_MAX)
 
     def assistant(self, msg: dict[str, Any]) -> dict[str, Any]:
         if self.reasoning:
@@ -213,7 +235,8 @@ class _Input:
         elif kind == "function_call_output":
             self.function_call_output(item, w)
         elif kind == "reasoning":
-            text = _reasoning_text(item, w, self.fields)
+            text, inflated = _reasoning_text(item, w, self.fields, REASONING_REQUEST_MAX - self.inflated)
+            self.inflated += inflated
             if text:
                 self.reasoning.append(text)
         elif kind in IGNORED_ITEMS:
