@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import os
+import re
 import zlib
 from typing import Any
 
@@ -20,6 +21,10 @@ from molctl.proxy.errors import ProxyError, invalid, shown
 
 TEXT_PARTS = ("input_text", "output_text", "text")
 NAMESPACE_SEP = "__"  # a namespace's function as the engine sees it: NAMESPACE__NAME
+# a namespace's name becomes part of its functions' names at the engine (NAMESPACE__NAME): the
+# characters a function name may hold (OpenAI: a-z, A-Z, 0-9, underscores and dashes; dots too)
+NAMESPACE_NAME = re.compile(r"(?!.*__)[A-Za-z0-9_.-]{1,64}")
+HOSTED_KIND = re.compile(r"[a-z][a-z0-9_]*")  # OpenAI's hosted tool types: web_search, mcp, ...
 
 IGNORED_ITEMS = frozenset(
     {
@@ -335,6 +340,36 @@ def _function_tool(tool: dict[str, Any], where: str, namespace: dict[str, Any] |
     return {"type": "function", "function": fn}
 
 
+def _hosted_kind(kind: str, where: str, kinds: tuple[str, ...]) -> None:
+    """A tool type the engine cannot run is a hosted tool's (lower-case snake case, as all of
+    OpenAI's are) and none of `kinds` in another spelling: `"Function"` is a 400, as in chat."""
+    if kind.lower() in kinds or not HOSTED_KIND.fullmatch(kind):
+        raise invalid(f"The tool type {shown(kind)} is not supported; expected one of {', '.join(kinds)}.", where)
+
+
+def _namespace_tools(tool: dict[str, Any], w: str, fields: FieldPolicy) -> list[tuple[dict[str, Any], str]]:
+    """A namespace's function tools as (chat tool, its own name); a nested namespace or a misspelt type is a 400
+    naming it, a hosted or custom tool inside one is noted and left out."""
+    if not isinstance(tool.get("name"), str) or not NAMESPACE_NAME.fullmatch(tool["name"]):
+        raise invalid(
+            f"'{w}.name' must be a non-empty name of letters, digits, '_', '-' or '.' without '{NAMESPACE_SEP}'.",
+            f"{w}.name",
+        )
+    if not isinstance(tool.get("tools"), list):
+        raise invalid(f"'{w}.tools' must be an array of tools.", f"{w}.tools")
+    out = []
+    for j, inner in enumerate(tool["tools"]):
+        where = f"{w}.tools[{j}]"
+        if not isinstance(inner, dict) or not isinstance(inner.get("type"), str):
+            raise invalid(f"'{where}' must be an object with a 'type'.", where)
+        if inner["type"] == "function":
+            out.append((_function_tool(inner, where, tool), inner["name"]))
+            continue
+        _hosted_kind(inner["type"], f"{where}.type", ("function", "namespace"))
+        fields.note_ignored(f"tools[].tools[].{inner['type']}"[:80], "responses", "only a namespace's functions run")
+    return out
+
+
 def _convert_tools(
     tools: Any, fields: FieldPolicy = PERMISSIVE
 ) -> tuple[list[dict[str, Any]], dict[str, tuple[str, str]]]:
@@ -351,22 +386,11 @@ def _convert_tools(
         if kind == "function":
             out.append(_function_tool(tool, w))
         elif kind == "namespace":
-            if not isinstance(tool.get("name"), str) or not tool["name"] or NAMESPACE_SEP in tool["name"]:
-                raise invalid(f"'{w}.name' must be a non-empty string without '{NAMESPACE_SEP}'.", f"{w}.name")
-            if not isinstance(tool.get("tools"), list):
-                raise invalid(f"'{w}.tools' must be an array of tools.", f"{w}.tools")
-            for j, inner in enumerate(tool["tools"]):
-                if not isinstance(inner, dict) or inner.get("type") != "function":
-                    fields.note_ignored(
-                        f"tools[].tools[].{(inner or {}).get('type') if isinstance(inner, dict) else '?'}",
-                        "responses",
-                        "only a namespace's function tools reach the engine",
-                    )
-                    continue
-                chat_tool = _function_tool(inner, f"{w}.tools[{j}]", tool)
-                namespaced[chat_tool["function"]["name"]] = (tool["name"], inner["name"])
+            for chat_tool, name in _namespace_tools(tool, w, fields):
+                namespaced[chat_tool["function"]["name"]] = (tool["name"], name)
                 out.append(chat_tool)
         else:
+            _hosted_kind(kind, f"{w}.type", ("function", "namespace"))
             fields.note_ignored(
                 f"tools[].{kind}"[:80], "responses", "a tool the engine cannot run; left out of its tools"
             )
@@ -377,13 +401,17 @@ def _convert_tools(
 
 
 def _convert_tool_choice(choice: Any, chat: dict[str, Any], fields: FieldPolicy = PERMISSIVE) -> None:
-    """Set chat's `tool_choice` (and narrow its `tools` for `allowed_tools`) from a Responses one."""
+    """Set chat's `tool_choice` (and narrow its `tools` for `allowed_tools`) from a Responses
+    one. A choice the engine cannot follow (`required` with no function tool to call) is a 400
+    naming it, never dropped."""
     names = {t["function"]["name"] for t in chat.get("tools") or ()}
     if choice in ("auto", "none", "required"):
-        if choice != "required" or names:
-            chat["tool_choice"] = choice
-        else:
-            fields.note_ignored("tool_choice", "responses", "'required' with no tool the engine can run")
+        if choice == "required" and not names:
+            raise invalid(
+                "'tool_choice' is 'required' but no function tool is declared (hosted tools do not run here).",
+                "tool_choice",
+            )
+        chat["tool_choice"] = choice
         return
     if not isinstance(choice, dict) or not isinstance(choice.get("type"), str):
         raise invalid("'tool_choice' must be 'auto', 'none', 'required' or an object with a 'type'.", "tool_choice")
@@ -396,25 +424,36 @@ def _convert_tool_choice(choice: Any, chat: dict[str, Any], fields: FieldPolicy 
             "function": {"name": flat_name(choice["name"], choice.get("namespace"))},
         }
     elif kind == "allowed_tools":
-        mode, allowed = choice.get("mode", "auto"), choice.get("tools")
-        if mode not in ("auto", "required") or not isinstance(allowed, list):
-            raise invalid(
-                "'tool_choice' allowed_tools needs a 'mode' of auto or required and an array 'tools'.", "tool_choice"
-            )
-        keep = {
-            flat_name(t.get("name"), t.get("namespace"))
-            for t in allowed
-            if isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("name"), str)
-        }
-        chat["tools"] = [t for t in chat.get("tools") or () if t["function"]["name"] in keep]
-        if not chat["tools"]:
-            del chat["tools"]
-        elif mode == "required" or mode == "auto":
-            chat["tool_choice"] = mode
+        _allowed_tools(choice, chat)
     else:
         fields.note_ignored(f"tool_choice.{kind}"[:80], "responses", "a tool the engine cannot run; 'auto' instead")
         if names:
             chat["tool_choice"] = "auto"
+
+
+def _allowed_tools(choice: dict[str, Any], chat: dict[str, Any]) -> None:
+    """`allowed_tools`: the engine gets only the named function tools, and the mode; `required`
+    naming no declared function tool is a 400 (nothing could be called)."""
+    mode, allowed = choice.get("mode", "auto"), choice.get("tools")
+    if mode not in ("auto", "required") or not isinstance(allowed, list):
+        raise invalid(
+            "'tool_choice' allowed_tools needs a 'mode' of auto or required and an array 'tools'.", "tool_choice"
+        )
+    keep = {
+        flat_name(t.get("name"), t.get("namespace"))
+        for t in allowed
+        if isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("name"), str)
+    }
+    chat["tools"] = [t for t in chat.get("tools") or () if t["function"]["name"] in keep]
+    if chat["tools"]:
+        chat["tool_choice"] = mode
+        return
+    del chat["tools"]
+    if mode == "required":
+        raise invalid(
+            "'tool_choice.tools' names no declared function tool, and mode 'required' needs one to call.",
+            "tool_choice.tools",
+        )
 
 
 def _convert_text(text: Any, fields: FieldPolicy = PERMISSIVE) -> dict[str, Any] | None:
