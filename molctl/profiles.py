@@ -94,6 +94,7 @@ SCHEMA: dict[str, Any] = {
         "summary_max_tokens": int,
         "summary_wait_s": (int, float),
         "summary_queue_max": int,
+        "summary_job_max_bytes": int,  # what one queued summary keeps, at most (then it is dropped)
         "route_timeout_s": (int, float),
         "route_max_input_chars": int,
         "speculative_answer": bool,  # the answer hop on the conversation's adapter alongside the route hop
@@ -212,6 +213,10 @@ class ProxySpec:
     summary_max_tokens: int = 192
     summary_wait_s: float = 5.0
     summary_queue_max: int = 256  # summaries waiting for a slot; more are dropped (counted)
+    # What one queued summary keeps, at most (summary.SummaryJob.size): its continuation's token
+    # ids at 4 bytes each (a whole 262,144-token window: 1 MiB), or the chat fallback's JSON; a
+    # summary over it is dropped (counted). So the queue keeps at most summary_queue_max times it.
+    summary_job_max_bytes: int = 4 * 1024 * 1024
     route_timeout_s: float = 10.0  # the route hop's own deadline; then the fallback route
     route_max_input_chars: int = 4000  # the router sees at most this much of the request
     # a follow-up turn's answer starts on the conversation's adapter alongside the route hop, held
@@ -587,6 +592,7 @@ def _check_proxy_limits(proxy: dict[str, Any], v: _Validator) -> None:
         "route_inflight",
         "summary_inflight",
         "engine_body_max_bytes",
+        "summary_job_max_bytes",
     ):
         if proxy.get(key) is not None and proxy[key] <= 0:
             raise v.fail(f"proxy.{key}", "must be > 0")
