@@ -170,7 +170,7 @@ def adapter_problems(profile: Profile, engine: Engine, models: object) -> list[s
 
 def _ints(value: Any) -> list[int] | None:
     """A JSON list of token ids, else None."""
-    if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+    if isinstance(value, list) and set(map(type, value)) <= {int}:  # 4x a per-item isinstance (256k ids: 6 ms)
         return value
     return None
 

@@ -17,6 +17,8 @@ from array import array
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from molctl.engines.base import AnswerTokens, Engine, continuation_ids
 from molctl.profiles import ROUTES, Profile
 from molctl.proxy import fastjson
@@ -37,8 +39,9 @@ log = logging.getLogger("molctl.proxy")
 class SummaryJob:
     """What a queued summary hop keeps until it has a slot, and no more (issue 40: the token
     lists and the chat fallback's messages, 2.85 MB a summary at 150k tokens): the continuation's
-    whole prompt as 4-byte ids when the summary suffix is known, else the answer's token ids
-    likewise and the chat request (the fallback) as its JSON bytes; `size()` of it is bounded by
+    whole prompt as JSON when the summary suffix is known (about 7 bytes a token, sent as it is:
+    no int objects are made again), else the answer's token ids as 4-byte arrays and the chat
+    request (the fallback) as its JSON bytes; `size()` of it is bounded by
     `proxy.summary_job_max_bytes`."""
 
     chat: bytes | None  # the chat summary's JSON (`summary_payload`); None when `ids` is set
@@ -47,14 +50,13 @@ class SummaryJob:
     tokens: AnswerTokens | None  # the answer's ids as arrays, while the suffix is not known yet
     extra: dict[str, Any]  # answer-hop fields the continuation must repeat to hit its cache (vLLM cache_salt)
     engine: EngineChoice | None = None  # the request's engine (conversation affinity): the summary goes there too
-    ids: array | None = None  # the continuation's prompt (`continuation_ids`), built at queue time
+    ids: bytes | None = None  # the continuation's prompt (`continuation_ids`) as a JSON array, built at queue time
+    count: int = 0  # how many ids that is
 
     def size(self) -> int:
-        """The bytes it keeps: the chat JSON and the token arrays (the rest is a few hundred)."""
-        arrays = [self.ids] if self.ids is not None else []
-        if self.tokens is not None:
-            arrays += [a for a in (self.tokens.prompt, self.tokens.output) if a is not None]
-        return len(self.chat or b"") + sum(len(a) * a.itemsize for a in arrays)  # type: ignore[arg-type]
+        """The bytes it keeps: the JSON and the token arrays (the rest is a few hundred)."""
+        arrays = [a for a in (self.tokens.prompt, self.tokens.output) if a is not None] if self.tokens else []
+        return len(self.chat or b"") + len(self.ids or b"") + sum(len(a) * a.itemsize for a in arrays)  # type: ignore[attr-defined]
 
 
 def compact_ids(ids: list[int]) -> array:
@@ -153,8 +155,8 @@ class Summaries:
         complete = tokens is not None and tokens.complete() and self.engine.continuation_path is not None
         suffix = self._suffixes.get(model) if complete else None
         if suffix is not None:
-            ids = compact_ids(continuation_ids(tokens, suffix))  # type: ignore[arg-type]
-            return SummaryJob(None, model, plan.route, None, extra, plan.engine, ids)
+            ids = continuation_ids(tokens, suffix)  # type: ignore[arg-type]
+            return SummaryJob(None, model, plan.route, None, extra, plan.engine, fastjson.dumps_bytes(ids), len(ids))
         if complete:
             tokens = AnswerTokens(compact_ids(tokens.prompt), compact_ids(tokens.output), tokens.stop_token)  # type: ignore[arg-type, union-attr]
         chat = fastjson.dumps_bytes(self.summary_payload(plan))
@@ -243,7 +245,7 @@ class Summaries:
         or a suffix, today's chat summary (`summary_payload`), counted in
         `summary_chat_fallbacks_total` and logged once per cause."""
         if job.ids is not None:
-            return self._continuation(job, job.ids.tolist())
+            return self._continuation(job, orjson.Fragment(job.ids), job.count)
         tokens = job.tokens
         suffix = None
         if tokens is not None and tokens.complete() and self.engine.continuation_path is not None:
@@ -261,12 +263,14 @@ class Summaries:
                         "(counted in summary_chat_fallbacks_total; said once)"
                     )
             return CHAT_PATH, fastjson.loads(job.chat)  # type: ignore[arg-type]
-        return self._continuation(job, continuation_ids(tokens, suffix))
+        ids = continuation_ids(tokens, suffix)
+        return self._continuation(job, ids, len(ids))
 
-    def _continuation(self, job: SummaryJob, ids: list[int]) -> tuple[str, dict[str, Any]] | None:
-        """The continuation hop of `ids`, or None: with the summary's tokens it passes the window."""
+    def _continuation(self, job: SummaryJob, ids: Any, count: int) -> tuple[str, dict[str, Any]] | None:
+        """The continuation hop of `ids` (`count` of them; a list, or its JSON as an orjson
+        Fragment), or None: with the summary's tokens it passes the window."""
         limit = self.profile.proxy.summary_max_tokens
-        if self.window is not None and len(ids) + limit > self.window:
+        if self.window is not None and count + limit > self.window:
             self.counters.inc("summary_window_skips_total")
             return None
         payload = self.engine.continuation_request(job.model, job.route, ids, limit)

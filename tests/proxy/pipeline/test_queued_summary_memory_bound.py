@@ -1,17 +1,19 @@
 """What a queued summary keeps is small and bounded by the profile (issue 40): a queued summary
 kept the answer's token lists and the whole chat-fallback payload (2.85 MB at 150k tokens, about
-730 MB at the default queue of 256). Now: the continuation's ids at 4 bytes a token when the
-summary suffix is known, else the ids and the chat request's JSON; over
+730 MB at the default queue of 256). Now: the continuation's ids as one JSON array (about 7 bytes a
+token) when the summary suffix is known, else the ids at 4 bytes each and the chat request's JSON; over
 `proxy.summary_job_max_bytes` the summary is dropped and counted."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 from types import SimpleNamespace
 
 from molctl.engines.base import AnswerTokens
 from molctl.engines.vllm import ENGINE
+from molctl.proxy import fastjson
 from molctl.proxy.apis.request_fields import PERMISSIVE
 from molctl.proxy.conversations import TurnRecord
 from molctl.proxy.pipeline.priority import PriorityPolicy
@@ -55,13 +57,17 @@ def plan(words: int = 10_000) -> SimpleNamespace:
     )
 
 
-def test_a_queued_summary_with_a_known_suffix_keeps_4_bytes_a_token_and_no_chat_payload():
+def test_a_queued_summary_with_a_known_suffix_keeps_its_ids_json_and_no_chat_payload():
     """Guards the 2.85 MB per queued summary: token lists (36 bytes a token) and the chat payload."""
     s, _ = summaries()
     s._suffixes[s.adapter_models["L1"]] = [7, 8, 9]
-    job = s._job(plan())
+    p = plan()
+    job = s._job(p)
     assert job.chat is None and job.tokens is None
-    assert job.size() == 4 * (TOKENS + 1000 + 3 - 1)  # the stop token is the suffix's first: not repeated
+    ids = [*range(TOKENS), *range(999), 7, 8, 9]  # the stop token ends the output: the suffix's first is dropped
+    assert job.size() == len(json.dumps(ids, separators=(",", ":"))) < 8 * (TOKENS + 1000)
+    path, body = asyncio.run(s.summary_request(job))
+    assert json.loads(fastjson.dumps_bytes(body))["prompt"] == ids
 
 
 def test_without_the_suffix_the_ids_and_the_chat_json_are_kept_and_the_request_is_the_same():
