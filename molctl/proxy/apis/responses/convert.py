@@ -15,7 +15,7 @@ import re
 import zlib
 from typing import Any
 
-from molctl.proxy.apis.chat_validation import check_function_def, check_media_url
+from molctl.proxy.apis.chat_validation import check_finite, check_function_def, check_media_url
 from molctl.proxy.apis.request_fields import PERMISSIVE, FieldPolicy
 from molctl.proxy.errors import ProxyError, invalid, shown
 
@@ -475,6 +475,9 @@ def _convert_text(text: Any, fields: FieldPolicy = PERMISSIVE) -> dict[str, Any]
     if kind == "json_schema":
         if not isinstance(fmt.get("schema"), dict) or not isinstance(fmt.get("name"), str):
             raise invalid("'text.format' json_schema needs a string 'name' and an object 'schema'.", "text.format")
+        check_finite(fmt["schema"], "text.format.schema")
+        if fmt.get("strict") is not None and not isinstance(fmt["strict"], bool):
+            raise invalid("'text.format.strict' must be a boolean.", "text.format.strict")
         schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if fmt.get(k) is not None}
         return {"type": "json_schema", "json_schema": schema}
     raise invalid(f"The text format type '{kind}' is not supported.", "text.format.type")
