@@ -12,7 +12,8 @@ hop is the speculative one, held and handed on.
     python bench/bench_long_context.py [--sizes 32768 131072 262144] [--output 4096] [--inflight 4]
 
 Reports per size, stream mode and turn: the proxy's CPU per request (user + system, psutil,
-background summary included: read once the summary hop is in the engine's log) with token ids
+background summary included: read once the proxy counted it; after one warm-up turn, which
+runs the template probe a proxy runs once) with token ids
 and without, their ratio; the client's wall time through the proxy and directly (the answer
 hop's request alone, to the engine) and the difference. Then the proxy's RSS growth per
 in-flight 256k-token request (`--inflight` requests held at the engine at once), and the bytes a
@@ -95,6 +96,7 @@ class Stack:
         proc = self._proxy_cm.__enter__()
         self.proc = psutil.Process(proc.pid)
         self.http = httpx.Client(headers={"authorization": f"Bearer {KEY}"}, timeout=600)
+        self.turn([{"role": "user", "content": "[route:L2] warm up"}], False)  # the template probe, once per proxy
         return self
 
     def __exit__(self, *exc) -> None:

@@ -45,6 +45,7 @@ CHAT_PATH = "/v1/chat/completions"
 # window's prompt and output token ids are under 2.5 MB, its text at most a few MB; the rest is
 # room for logprobs (about 1.5 KB per token at top_logprobs 20, 131,072 tokens: 200 MB).
 MAX_ENGINE_BODY = 512 << 20
+LIFT_HOPS = ("answer", "speculative")  # hops whose answers' token ids go on to the summary as they came
 
 
 @dataclass
@@ -500,8 +501,8 @@ class EngineClient:
         status = conn.status
         if status != 200:
             raise http_error(status, raw, conn.headers)
-        try:
-            body = fastjson.loads(raw)
+        try:  # an answer's long token-id arrays are kept as their text (fastjson.loads_lifting)
+            body = fastjson.loads_lifting(raw) if hop in LIFT_HOPS else fastjson.loads(raw)
         except ValueError:
             body = None
         if not isinstance(body, dict):
@@ -562,8 +563,8 @@ class EngineClient:
                 data_lines = []
                 if event_data == b"[DONE]":
                     return
-                try:
-                    event = fastjson.loads(event_data)
+                try:  # vLLM's first event carries the prompt's ids: kept as text (fastjson.loads_lifting)
+                    event = fastjson.loads_lifting(event_data) if hop in LIFT_HOPS else fastjson.loads(event_data)
                 except ValueError:
                     event = None
                 if not isinstance(event, dict):  # a lost or cut frame: the answer would be missing a piece

@@ -19,7 +19,7 @@ from typing import Any
 
 import orjson
 
-from molctl.engines.base import AnswerTokens, Engine, continuation_ids
+from molctl.engines.base import AnswerTokens, Engine, RawIds, continuation_ids
 from molctl.profiles import ROUTES, Profile
 from molctl.proxy import fastjson
 from molctl.proxy.apis.request_fields import FieldPolicy
@@ -57,6 +57,20 @@ class SummaryJob:
         """The bytes it keeps: the JSON and the token arrays (the rest is a few hundred)."""
         arrays = [a for a in (self.tokens.prompt, self.tokens.output) if a is not None] if self.tokens else []
         return len(self.chat or b"") + len(self.ids or b"") + sum(len(a) * a.itemsize for a in arrays)  # type: ignore[attr-defined]
+
+
+def continuation_json(tokens: AnswerTokens, suffix: list[int]) -> tuple[bytes, int]:
+    """`continuation_ids` as a JSON array and its length; a prompt the engine client kept as its
+    text (`RawIds`) is joined as it is, never parsed (256k ids: 1 ms, not 25)."""
+    prompt = tokens.prompt
+    if not isinstance(prompt, RawIds):
+        ids = continuation_ids(tokens, suffix)
+        return fastjson.dumps_bytes(ids), len(ids)
+    rest = continuation_ids(AnswerTokens([], tokens.output, tokens.stop_token), suffix)
+    if not rest:
+        return prompt.text, prompt.count
+    tail = fastjson.dumps_bytes(rest)
+    return prompt.text.rstrip()[:-1] + b"," + tail[1:], prompt.count + len(rest)
 
 
 def compact_ids(ids: list[int]) -> array:
@@ -155,8 +169,8 @@ class Summaries:
         complete = tokens is not None and tokens.complete() and self.engine.continuation_path is not None
         suffix = self._suffixes.get(model) if complete else None
         if suffix is not None:
-            ids = continuation_ids(tokens, suffix)  # type: ignore[arg-type]
-            return SummaryJob(None, model, plan.route, None, extra, plan.engine, fastjson.dumps_bytes(ids), len(ids))
+            text, count = continuation_json(tokens, suffix)  # type: ignore[arg-type]
+            return SummaryJob(None, model, plan.route, None, extra, plan.engine, text, count)
         if complete:
             tokens = AnswerTokens(compact_ids(tokens.prompt), compact_ids(tokens.output), tokens.stop_token)  # type: ignore[arg-type, union-attr]
         chat = fastjson.dumps_bytes(self.summary_payload(plan))
