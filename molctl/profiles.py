@@ -214,7 +214,7 @@ class ProxySpec:
     summary_wait_s: float = 5.0
     summary_queue_max: int = 256  # summaries waiting for a slot; more are dropped (counted)
     # What one queued summary keeps, at most (summary.SummaryJob.size): its continuation's token
-    # ids at 4 bytes each (a whole 262,144-token window: 1 MiB), or the chat fallback's JSON; a
+    # ids as JSON, about 7 bytes each (a whole 262,144-token window: 1.8 MB), or the chat fallback's JSON; a
     # summary over it is dropped (counted). So the queue keeps at most summary_queue_max times it.
     summary_job_max_bytes: int = 4 * 1024 * 1024
     route_timeout_s: float = 10.0  # the route hop's own deadline; then the fallback route
