@@ -179,9 +179,30 @@ def adapter_problems(profile: Profile, engine: Engine, models: object) -> list[s
     return problems
 
 
+class RawIds:
+    """Token ids kept as the JSON array text the engine sent (`fastjson.loads_lifting`): 256k ids
+    are 1.8 MB of bytes, not 256k int objects (9 MB, 19 ms to make), and go on to the summary
+    hop as they came (`proxy.pipeline.summary`)."""
+
+    __slots__ = ("text", "count")
+
+    def __init__(self, text: bytes, count: int):
+        self.text, self.count = text, count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __iter__(self):
+        import json
+
+        return iter(json.loads(self.text))
+
+
 def _ints(value: Any) -> list[int] | None:
-    """A JSON list of token ids, else None."""
-    if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+    """A JSON list of token ids (or the engine client's RawIds of one), else None."""
+    if isinstance(value, RawIds):
+        return value  # type: ignore[return-value]
+    if isinstance(value, list) and set(map(type, value)) <= {int}:  # 4x a per-item isinstance (256k ids: 6 ms)
         return value
     return None
 

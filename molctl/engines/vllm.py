@@ -199,8 +199,11 @@ class VllmEngine(Engine):
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                 continue
             ids = _ints(choice.get("token_ids"))
-            if ids is not None:
-                into.output = [*(into.output or ()), *ids]
+            if ids is not None:  # in place: a new list per event was quadratic in the answer's length
+                if into.output is None:
+                    into.output = list(ids)
+                else:
+                    into.output.extend(ids)
             if choice.get("finish_reason"):
                 into.stop_token = self._stopped(choice)
 
