@@ -71,6 +71,7 @@ bench: $(VENV)/.stamp-cpu
 	$(PY) bench/bench_lock.py
 	$(PY) bench/bench_proxy.py $(BENCH_PROXY_ARGS)
 	$(PY) bench/bench_long_conversation.py
+	$(PY) bench/bench_long_context.py
 	$(PY) bench/bench_store.py
 	$(PY) bench/bench_redis.py
 	$(PY) bench/bench_lifecycle.py
