@@ -196,7 +196,12 @@ def _convert_input(
         w = f"input[{i}]"
         if not isinstance(item, dict):
             raise invalid(f"'{w}' must be an object.", w)
-        if item_type(item) == "item_reference" and refs is not None and item.get("id") in refs:
+        if (
+            item_type(item) == "item_reference"
+            and refs is not None
+            and isinstance(item.get("id"), str)
+            and item["id"] in refs
+        ):
             item = refs[item["id"]]
         conv.add(item, w)
     messages, items = conv.messages, conv.items
@@ -231,6 +236,8 @@ class _Input:
 
     def add(self, item: dict[str, Any], w: str) -> None:
         kind = item_type(item)
+        if not isinstance(kind, str):  # a list or an object is no type name (nor a set or dict key)
+            raise invalid(f"'{w}.type' must be a string.", f"{w}.type")
         if item.get("id") is not None and not isinstance(item["id"], str):  # echoed by input_items, used by `after`
             raise invalid(f"'{w}.id' must be a string.", f"{w}.id")
         if kind == "message":
