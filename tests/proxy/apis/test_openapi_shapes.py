@@ -208,7 +208,8 @@ def test_an_explicit_null_of_an_optional_request_field_is_not_set(s, field):
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["status"] == "completed" and body["parallel_tool_calls"] is True and body["tool_choice"] == "auto"
-    assert body["tools"] == [] and body["metadata"] == {} and body["text"] == {"format": {"type": "text"}}
+    assert body["tools"] == [] and body["metadata"] == {}
+    assert body["text"] == {"format": {"type": "text"}, "verbosity": "medium"}
 
 
 @pytest.mark.parametrize("case", NESTED_NULLS, ids=str)

@@ -130,7 +130,8 @@ def output_items(
 
 
 def _or(value: Any, default: Any) -> Any:
-    """A request field echoed in the response: an explicit null is "not set", echoed as the default."""
+    """A request field echoed in the response: an explicit null is "not set", echoed as the default
+    (OpenAI's Response object carries the effective values: temperature and top_p 1.0, penalties 0)."""
     return default if value is None else value
 
 
@@ -165,12 +166,16 @@ def response_object(
         "reasoning": {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")},
         "safety_identifier": b.get("safety_identifier"),
         "store": req.store,
-        "temperature": b.get("temperature"),
-        "text": {"format": fmt},
+        "temperature": _or(b.get("temperature"), 1.0),
+        "text": {"format": fmt, "verbosity": _or((b.get("text") or {}).get("verbosity"), "medium")},
         "tool_choice": _or(b.get("tool_choice"), "auto"),
         "tools": b.get("tools") or [],
-        "top_logprobs": b.get("top_logprobs"),
-        "top_p": b.get("top_p"),
+        "top_logprobs": _or(b.get("top_logprobs"), 0),
+        "top_p": _or(b.get("top_p"), 1.0),
+        "presence_penalty": _or(b.get("presence_penalty"), 0.0),
+        "frequency_penalty": _or(b.get("frequency_penalty"), 0.0),
+        "max_tool_calls": b.get("max_tool_calls"),
+        "service_tier": "default",
         "truncation": _or(b.get("truncation"), "disabled"),
         "usage": usage,
         "user": b.get("user"),

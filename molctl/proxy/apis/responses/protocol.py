@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from molctl.proxy.apis.chat_validation import EFFORTS, check_model
+from molctl.proxy.apis.chat_validation import EFFORTS, SAMPLING_NUMBERS, check_model
 from molctl.proxy.apis.request_fields import PERMISSIVE, FieldPolicy
 from molctl.proxy.apis.responses.convert import (
     _convert_input,
@@ -35,6 +35,8 @@ ECHOED = (
     "metadata",
     "parallel_tool_calls",
     "previous_response_id",
+    "presence_penalty",
+    "frequency_penalty",
     "prompt_cache_key",
     "safety_identifier",
     "temperature",
@@ -311,7 +313,7 @@ def _sampling(body: dict[str, Any], chat: dict[str, Any]) -> None:
             raise invalid(f"'{key}' must be a string.", key)
     if body.get("stream"):
         chat["stream"] = True
-    for key in ("temperature", "top_p"):
+    for key in SAMPLING_NUMBERS:  # the penalties too, as the chat endpoint forwards them
         v = body.get(key)
         if v is not None:
             if isinstance(v, bool) or not isinstance(v, (int, float)):
@@ -357,7 +359,9 @@ def _check_echoed(body: dict[str, Any]) -> None:
         not isinstance(metadata, dict)
         or len(metadata) > 16
         or not all(
-            isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512 for k, v in metadata.items()
+            # a null value is accepted, as OpenAI does (it is echoed as sent)
+            isinstance(k, str) and len(k) <= 64 and (v is None or isinstance(v, str) and len(v) <= 512)
+            for k, v in metadata.items()
         )
     ):
         raise invalid(
