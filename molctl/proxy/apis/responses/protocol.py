@@ -265,6 +265,7 @@ def parse_request(
             chat["response_format"] = fmt
     _reasoning(body.get("reasoning"), chat, fields)
     _check_echoed(body)
+    _check_accepted(body)
     include = body.get("include")
     logprobs = _logprobs(body, include, chat, fields)
     if body.get("user") is not None:
@@ -348,6 +349,24 @@ def _reasoning(reasoning: Any, chat: dict[str, Any], fields: FieldPolicy) -> Non
         chat["reasoning_effort"] = reasoning["effort"]
     if reasoning.get("summary") not in (None, "auto", "concise", "detailed"):
         raise invalid("'reasoning.summary' must be auto, concise or detailed.", "reasoning.summary")
+
+
+SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")  # OpenAI's Response service_tier values
+
+
+def _check_accepted(body: dict[str, Any]) -> None:
+    """Accepted fields that have no effect here are still checked for OpenAI's types, so a client's
+    typo is a 400 naming it rather than silently taken."""
+    if body.get("service_tier") is not None and body["service_tier"] not in SERVICE_TIERS:
+        raise invalid(f"'service_tier' must be one of {', '.join(SERVICE_TIERS)}.", "service_tier")
+    options = body.get("stream_options")
+    if options is not None and (
+        not isinstance(options, dict) or not isinstance(options.get("include_obfuscation", False), bool)
+    ):
+        raise invalid("'stream_options' must be an object; its 'include_obfuscation' a boolean.", "stream_options")
+    calls = body.get("max_tool_calls")
+    if calls is not None and (isinstance(calls, bool) or not isinstance(calls, int) or calls < 0):
+        raise invalid("'max_tool_calls' must be a non-negative integer.", "max_tool_calls")
 
 
 def _check_echoed(body: dict[str, Any]) -> None:

@@ -1,4 +1,5 @@
-"""Malformed Responses input items are 400s naming the field, never 500s (issue 42): a list or an
+"""Malformed Responses input items, and wrong-typed fields accepted for OpenAI compatibility, are
+400s naming the field, never 500s or silently taken (issue 42): a list or an
 object as an item's `type`, or an `item_reference` whose `id` is a list, reached set and dict
 lookups and answered 500 `proxy_error` with a TypeError in the log."""
 
@@ -59,3 +60,25 @@ def test_a_malformed_item_is_a_400_naming_its_field(answers, index):
 def test_the_proxy_serves_on_and_counts_no_internal_error(answers):
     _, valid_status, internal_errors = answers
     assert valid_status == 200 and internal_errors == 0
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("service_tier", "gold"), ("service_tier", 3), ("stream_options", []), ("max_tool_calls", "2")],
+    ids=str,
+)
+def test_a_wrong_typed_accepted_field_is_a_400_naming_it(field, value):
+    """Guards the accepted-but-unused fields that took any value unchecked (issue 42)."""
+    from molctl.proxy.apis.responses.protocol import parse_request
+    from molctl.proxy.errors import ProxyError
+
+    with pytest.raises(ProxyError) as err:
+        parse_request({"model": PUBLIC, "input": "hi", field: value}, PUBLIC)
+    assert err.value.status == 400 and err.value.param == field
+
+
+def test_the_accepted_fields_take_openai_values():
+    from molctl.proxy.apis.responses.protocol import parse_request
+
+    body = {"service_tier": "flex", "stream_options": {"include_obfuscation": False}, "max_tool_calls": 3}
+    assert parse_request({"model": PUBLIC, "input": "hi", **body}, PUBLIC).messages[-1]["content"] == "hi"
