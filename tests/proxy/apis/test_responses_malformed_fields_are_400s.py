@@ -82,3 +82,25 @@ def test_the_accepted_fields_take_openai_values():
 
     body = {"service_tier": "flex", "stream_options": {"include_obfuscation": False}, "max_tool_calls": 3}
     assert parse_request({"model": PUBLIC, "input": "hi", **body}, PUBLIC).messages[-1]["content"] == "hi"
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"text": {"format": {"type": "json_schema", "name": "", "schema": {}}}}, "text.format.name"),
+        ({"text": {"format": {"type": "json_schema", "name": "a b", "schema": {}}}}, "text.format.name"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,x", "detail": 1}]}]},
+            "input[0].content[0].detail",
+        ),
+    ],
+    ids=str,
+)
+def test_a_schema_name_or_image_detail_openai_refuses_is_a_400(body, param):
+    """Guards an empty schema name and an unknown image detail, which were forwarded or dropped."""
+    from molctl.proxy.apis.responses.protocol import parse_request
+    from molctl.proxy.errors import ProxyError
+
+    with pytest.raises(ProxyError) as err:
+        parse_request({"model": PUBLIC, "input": "hi", **body}, PUBLIC)
+    assert err.value.status == 400 and err.value.param == param

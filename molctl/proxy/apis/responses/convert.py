@@ -113,8 +113,11 @@ def _parts_to_content(parts: Any, where: str, role: str, media_hosts: tuple[str,
                 )
             check_media_url(url, f"{w}.image_url", media_hosts)
             image: dict[str, Any] = {"url": url}
-            if part.get("detail") in ("low", "high", "auto"):
-                image["detail"] = part["detail"]
+            detail = part.get("detail")
+            if detail is not None and detail not in IMAGE_DETAILS:
+                raise invalid(f"'{w}.detail' must be one of {', '.join(IMAGE_DETAILS)}.", f"{w}.detail")
+            if detail is not None:
+                image["detail"] = detail
             out.append({"type": "image_url", "image_url": image})
         else:
             raise invalid(f"The content part type '{kind}' is not supported here.", f"{w}.type")
@@ -155,6 +158,10 @@ def _reasoning_text(item: dict[str, Any], where: str, fields: FieldPolicy, room:
         fields.note_ignored("input[].encrypted_content", "responses", "reasoning another server encrypted; left out")
         return None, 0
     return text, len(text.encode("utf-8"))
+
+
+IMAGE_DETAILS = ("low", "high", "auto")  # an input_image's `detail`, as OpenAI takes it
+SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 def item_type(item: dict[str, Any]) -> Any:
@@ -482,6 +489,10 @@ def _convert_text(text: Any, fields: FieldPolicy = PERMISSIVE) -> dict[str, Any]
     if kind == "json_schema":
         if not isinstance(fmt.get("schema"), dict) or not isinstance(fmt.get("name"), str):
             raise invalid("'text.format' json_schema needs a string 'name' and an object 'schema'.", "text.format")
+        if not SCHEMA_NAME.fullmatch(fmt["name"]):  # OpenAI: a-z, A-Z, 0-9, underscores and dashes, up to 64
+            raise invalid(
+                "'text.format.name' must be 1 to 64 letters, digits, underscores or dashes.", "text.format.name"
+            )
         check_finite(fmt["schema"], "text.format.schema")
         if fmt.get("strict") is not None and not isinstance(fmt["strict"], bool):
             raise invalid("'text.format.strict' must be a boolean.", "text.format.strict")
