@@ -1,6 +1,6 @@
 """The Response object carries OpenAI's effective values, and the sampling fields the chat endpoint
 forwards reach the engine from /v1/responses too (issue 42): temperature and top_p were null
-(OpenAI: 1.0), top_logprobs null (0), service_tier, the penalties, max_tool_calls and
+(OpenAI: 1.0), top_logprobs null (0), completed_at, service_tier, the penalties, max_tool_calls and
 text.verbosity absent; the penalties were logged as unknown and dropped; a null metadata value
 was refused where OpenAI accepts it."""
 
@@ -59,6 +59,7 @@ def test_the_response_object_carries_the_effective_sampling_values(answers):
     assert (r["temperature"], r["top_p"], r["top_logprobs"]) == (1.0, 1.0, 0)
     assert (r["presence_penalty"], r["frequency_penalty"], r["max_tool_calls"]) == (0.0, 0.0, None)
     assert r["service_tier"] == "default" and r["text"] == {"format": {"type": "text"}, "verbosity": "medium"}
+    assert r["status"] == "completed" and r["completed_at"] >= r["created_at"]
 
 
 def test_the_penalties_reach_the_answer_hop_and_are_echoed(answers):

@@ -152,6 +152,8 @@ def response_object(
         "id": response_id,
         "object": "response",
         "created_at": created_at,
+        # when the answer completed (OpenAI sets it on `completed` only); a stored record keeps it
+        "completed_at": int(time.time()) if status == "completed" else None,
         "status": status,
         "background": False,
         "error": error,
