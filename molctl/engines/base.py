@@ -376,6 +376,24 @@ class Engine(abc.ABC):
     def probe_ids(self, body: Any) -> list[int] | None:
         return None
 
+    # Measuring a chat hop's prompt (`molctl.proxy.pipeline.window`): a request to `probe_path`
+    # that renders and tokenizes the hop's messages as the chat request would, without generating.
+    def length_request(self, payload: dict[str, Any]) -> dict[str, Any] | None:
+        """The measurement's body for a chat payload (None: this engine cannot measure one)."""
+        del payload
+        return None
+
+    def length_of(self, body: Any) -> int | None:
+        """The prompt's token count in the measurement's answer."""
+        return None
+
+    def shortens_max_tokens(self, version: str | None) -> bool:
+        """Whether this engine version cuts a max_tokens that overflows the window to the room left
+        (False: it refuses the request, or the version is unknown). The proxy fits max_tokens
+        itself on every version; `check` reports the version's behaviour."""
+        del version
+        return False
+
     # The token-prompt completion the summary hop sends, on an adapter
     continuation_path: str | None = None
 

@@ -27,6 +27,7 @@ from molctl.proxy.pipeline.plan import Plan
 from molctl.proxy.pipeline.priority import PRIORITY_RETRY_S, PriorityPolicy
 from molctl.proxy.pipeline.routing import described
 from molctl.proxy.pipeline.views import PROBE_ANSWER, PROBE_USER, suffix_after, summary_messages
+from molctl.proxy.pipeline.window import WindowFit
 from molctl.proxy.store.base import ConversationStore
 
 log = logging.getLogger("molctl.proxy")
@@ -67,6 +68,7 @@ class Summaries:
         self.fields = fields
         self.priority = priority
         self.window = window
+        self.window_fit = WindowFit(engine, client, window, counters)
         self.summary_instruction = profile.substitute(profile.prompts.summary).strip()
         self.adapter_models = {r: engine.adapter_model(profile, r) for r in ROUTES}
         self._slots = asyncio.Semaphore(concurrency)
@@ -225,6 +227,7 @@ class Summaries:
                         "an answer hop came back without its token ids: its summary is sent as a chat request "
                         "(counted in summary_chat_fallbacks_total; said once)"
                     )
+            await self.window_fit.fit(job.chat, "summary", job.engine)
             return CHAT_PATH, job.chat
         ids = continuation_ids(tokens, suffix)
         limit = self.profile.proxy.summary_max_tokens
