@@ -78,6 +78,10 @@ import fake_engine as base  # noqa: E402
 from aiohttp import ClientSession, web  # noqa: E402
 
 VERSION = "0.5.13.post1"
+# /health's generate waits this long before checking (http_server.py health_generate:
+# `await asyncio.sleep(1)`), so a 200 takes at least this; readiness waits size their per-request
+# timeout from it (tests/procs.py SGLANG_HEALTH_REQUEST_TIMEOUT_S).
+HEALTH_GENERATE_S = 1.0
 
 CHILD = r"""
 import ctypes, os, signal, sys, time
@@ -158,7 +162,7 @@ async def health(request):
         return web.Response(status=503)
     if request.path == "/health" and not health_generation():
         return web.Response(status=200)
-    await asyncio.sleep(1)  # the 1-token generate; last_receive_tstamp is checked after asyncio.sleep(1)
+    await asyncio.sleep(HEALTH_GENERATE_S)  # the 1-token generate; last_receive_tstamp is checked after it
     return web.Response(status=base.STATE.config["health_status"])
 
 

@@ -26,6 +26,7 @@ __all__ = [
     "running",
     "stop",
     "wait_http",
+    "sglang_health_request_timeout",
     "alive",
 ]
 
@@ -40,21 +41,53 @@ def alive(pid: int) -> bool:
         return False
 
 
-def wait_http(url: str, timeout: float = 20.0, status: int | None = 200, proc: subprocess.Popen | None = None) -> None:
+# Readiness waits. A stand-in that answers at once gets READY_REQUEST_TIMEOUT_S per poll; the
+# scripted SGLang's /health answers only after its documented generate (fake_sglang.py
+# HEALTH_GENERATE_S, >= 1 s), so its polls wait that plus the same slack: a poll never races the
+# answer it waits for, however loaded the machine. The overall deadline only bounds a failure.
+READY_REQUEST_TIMEOUT_S = 5.0
+READY_TIMEOUT_S = 60.0
+
+
+def ready_deadline_s(base: float = READY_TIMEOUT_S) -> float:
+    """`base` seconds, scaled by how loaded the machine is now (the 1-minute load average per
+    core, at least 1): a start that takes 20 s on a quiet machine takes longer on a busy one."""
+    return base * max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+
+
+def sglang_health_request_timeout() -> float:
+    """The per-poll timeout for the scripted SGLang's /health: its documented generate time plus
+    the slack every readiness poll gets."""
+    from tests.fake_sglang import HEALTH_GENERATE_S
+
+    return HEALTH_GENERATE_S + READY_REQUEST_TIMEOUT_S
+
+
+def wait_http(
+    url: str,
+    timeout: float | None = None,
+    status: int | None = 200,
+    proc: subprocess.Popen | None = None,
+    request_timeout: float = READY_REQUEST_TIMEOUT_S,
+) -> None:
+    """Poll `url` until it answers `status` (any status when None), each poll allowed
+    `request_timeout` (what the server is documented to take, plus slack), within `timeout`
+    (default: READY_TIMEOUT_S scaled by the machine's load, `ready_deadline_s`)."""
+    timeout = ready_deadline_s() if timeout is None else timeout
     deadline = time.monotonic() + timeout
     last = None
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"process exited with {proc.returncode} before {url} answered")
         try:
-            r = httpx.get(url, timeout=1.0)
+            r = httpx.get(url, timeout=max(0.1, min(request_timeout, deadline - time.monotonic())))
             if status is None or r.status_code == status:
                 return
             last = r.status_code
         except httpx.HTTPError as exc:
             last = exc
         time.sleep(0.05)
-    raise TimeoutError(f"{url} not ready after {timeout} s (last: {last})")
+    raise TimeoutError(f"{url} not ready after {timeout} s (last: {last!r})")
 
 
 def stop(proc: subprocess.Popen, timeout: float = 10.0) -> None:
@@ -78,7 +111,10 @@ def running(
     env: dict | None = None,
     log: Path | None = None,
     ready_status: int | None = 200,
+    ready_request_timeout: float = READY_REQUEST_TIMEOUT_S,
 ):
+    """Start `argv` in its own session; once `ready_url` answers `ready_status` (each poll allowed
+    `ready_request_timeout`), yield it; stop its whole process group on the way out."""
     out = open(log, "wb") if log else subprocess.DEVNULL
     proc = subprocess.Popen(
         argv,
@@ -91,7 +127,7 @@ def running(
     )
     try:
         if ready_url:
-            wait_http(ready_url, status=ready_status, proc=proc)
+            wait_http(ready_url, status=ready_status, proc=proc, request_timeout=ready_request_timeout)
         yield proc
     finally:
         stop(proc)

@@ -9,7 +9,7 @@ import openai
 
 from molctl.profiles import load_profile, profile_dirs
 from tests.helpers import free_ports
-from tests.procs import fake_sglang_argv, proxy_argv, running
+from tests.procs import fake_sglang_argv, proxy_argv, running, sglang_health_request_timeout
 
 KEY = "sk-test-sglang"
 VENTI = load_profile("venti-sglang", profile_dirs())
@@ -43,6 +43,7 @@ def sglang_stack(keyfile, logs, *proxy_args: str, cache_report=True, key: str = 
             fake_sglang_argv(engine_port, SERVED, cache_report=cache_report),
             engine_url + "/health",
             log=logs / f"engine-{engine_port}.log",
+            ready_request_timeout=sglang_health_request_timeout(),
         ),
         running(
             proxy_argv("venti-sglang", engine_url, proxy_port, "--api-key-file", str(keyfile), *proxy_args),

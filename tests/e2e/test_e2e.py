@@ -43,7 +43,7 @@ from tests.clients.cases import BASIC, RESPONSES
 from tests.clients.drivers import js_client_argv, python_client_argv, run_driver
 from tests.engine_versions import VLLM_CURRENT
 from tests.helpers import free_port, free_ports
-from tests.procs import ROOT, alive, fake_engine_argv, running
+from tests.procs import ROOT, alive, fake_engine_argv, proxy_argv, running
 
 PUBLIC = "Macaron-Tiny-Demo"
 GLM5 = Template("glm5-like", {"default": (ROOT / "molctl" / "templates" / "glm5-like.jinja").read_text()}, {})
@@ -529,46 +529,71 @@ def test_later_turn_hits_the_prefix_cache(stack):
     pytest.fail(f"five turns on five different adapters out of four: {seen}")
 
 
+def seeding_proxy(stack: Stack, adapter: str):
+    """A second proxy on the stack's engine and conversation store whose route hop always falls
+    back (a 1 ms route deadline) to `adapter` (its `proxy.default_route`): a first turn sent through
+    it is answered on `adapter` and stored as that conversation's adapter, which the stack's own
+    proxy reads for the next turn. The engine log and the store are the stack's."""
+    port = free_port()
+    store = stack.state / "tiny" / "proxy-store.sqlite3"
+    argv = [
+        *proxy_argv("tiny", stack.engine, port, "--api-key-file", str(stack.key)),
+        *("--set", f"model_root={stack.model}", "--set", f"proxy.store=sqlite:{store}"),
+        *("--set", f"proxy.default_route={adapter}", "--set", "proxy.route_timeout_s=0.001"),
+    ]
+    url = f"http://127.0.0.1:{port}"
+    return running(argv, url + "/health", log=stack.tmp / f"seeding-proxy-{adapter}.log"), url + "/v1"
+
+
 def test_a_missed_speculative_answer_is_aborted_in_the_engine_and_never_shown(stack):
     """A follow-up turn's answer starts on the conversation's adapter alongside the route hop (the
-    speculative answer, held). The router is a random model, so follow-ups run until one changes
-    adapter: the held request is aborted in vLLM (its request log says so) and the client's text
-    is the routed adapter's greedy answer, not the held adapter's."""
-    first = [{"role": "user", "content": "Write a haiku about the rain in spring."}]
-    before = len(stack.requests())
-    reply = stack.client.chat.completions.create(model=PUBLIC, messages=first, max_tokens=ANSWER_TOKENS, temperature=0)
-    settled_hops(stack, before)
-    convo = [*first, {"role": "assistant", "content": reply.choices[0].message.content}]
-    follow_ups = ["Now a limerick about a cat.", "Write a SQL query.", "Plan a trip to Rome.", "Fix this bug: x = 1 +"]
-    follow_ups += ["Translate 'hello' into French.", "Prove that 2 is prime.", "Draw an ASCII house.", "Sort [3,1,2]."]
-    for text in follow_ups:
-        before = len(stack.requests())
-        messages = [*convo, {"role": "user", "content": text}]
-        chunks = stack.client.chat.completions.create(
-            model=PUBLIC, messages=messages, max_tokens=ANSWER_TOKENS, temperature=0, stream=True
-        )
-        said = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        settled_hops(stack, before)
-        hops = stack.hops()[before:]
-        held = [h for h in hops if h["hop"] == "speculative"]
-        if not held:
-            continue  # the route kept the adapter: a hit
-        (answer,) = [h for h in hops if h["hop"] == "answer"]
-        assert held[0]["adapter"] != answer["adapter"]
-        client_id = re.search(r"(req-[0-9a-f]+)-speculative", held[0]["id"]).group(1)
-        aborted = re.findall(r"Aborted request\(s\) (\S+)\.", stack.engine_log())
-        assert any(f"{client_id}-speculative" in rid for rid in aborted), aborted
-        assert not any(f"{client_id}-answer" in rid for rid in aborted)
+    speculative answer, held). The conversation's adapter is set, not left to the random router:
+    its first turn goes through a proxy whose route always falls back to a chosen adapter, so a
+    follow-up the router classifies as any other adapter misses, whatever the tiny model's weights
+    make of the text. Four seeds cover every label the router may give. On a miss the held request
+    is aborted in vLLM (its request log says so) and the client's text is the routed adapter's
+    greedy answer, not the held adapter's. Guards the miss that depended on the router's choice."""
+    follow_ups = ["Now a limerick about a cat.", "Write a SQL query.", "Plan a trip to Rome."]
+    for seeded in ("L0", "L1", "L2", "L3"):
+        first = [{"role": "user", "content": f"Write a haiku about the rain in spring ({seeded})."}]
+        seeder, seeder_url = seeding_proxy(stack, seeded)
+        with seeder:
+            client = openai.OpenAI(base_url=seeder_url, api_key=KEY, max_retries=0, timeout=120)
+            before = len(stack.requests())
+            reply = client.chat.completions.create(
+                model=PUBLIC, messages=first, max_tokens=ANSWER_TOKENS, temperature=0
+            )
+            (answered,) = [h for h in settled_hops(stack, before) if h["hop"] == "answer"]
+            assert answered["adapter"] == seeded
+        convo = [*first, {"role": "assistant", "content": reply.choices[0].message.content}]
+        for text in follow_ups:
+            before = len(stack.requests())
+            messages = [*convo, {"role": "user", "content": text}]
+            chunks = stack.client.chat.completions.create(
+                model=PUBLIC, messages=messages, max_tokens=ANSWER_TOKENS, temperature=0, stream=True
+            )
+            said = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            settled_hops(stack, before)
+            hops = stack.hops()[before:]
+            held = [h for h in hops if h["hop"] == "speculative"]
+            if not held:
+                continue  # a hit (or a turn not speculated): no held request to abort
+            (answer,) = [h for h in hops if h["hop"] == "answer"]
+            assert held[0]["adapter"] == seeded != answer["adapter"]
+            client_id = re.search(r"(req-[0-9a-f]+)-speculative", held[0]["id"]).group(1)
+            aborted = re.findall(r"Aborted request\(s\) (\S+)\.", stack.engine_log())
+            assert any(f"{client_id}-speculative" in rid for rid in aborted), aborted
+            assert not any(f"{client_id}-answer" in rid for rid in aborted)
 
-        def direct(body: dict) -> str:
-            body = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "request_id")}
-            r = httpx.post(stack.engine + "/v1/chat/completions", json=body, timeout=120)
-            return r.json()["choices"][0]["message"]["content"] or ""
+            def direct(body: dict) -> str:
+                body = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "request_id")}
+                r = httpx.post(stack.engine + "/v1/chat/completions", json=body, timeout=120)
+                return r.json()["choices"][0]["message"]["content"] or ""
 
-        assert said == direct(answer["body"])  # the routed adapter's greedy answer, whole
-        assert said != direct(held[0]["body"])  # not the held adapter's (adapters change greedy output)
-        return
-    pytest.fail("no follow-up turn changed the conversation's adapter")
+            assert said == direct(answer["body"])  # the routed adapter's greedy answer, whole
+            assert said != direct(held[0]["body"])  # not the held adapter's (adapters change greedy output)
+            return
+    pytest.fail("the router gave each seeded adapter's follow-ups that same adapter: no miss to observe")
 
 
 def test_a_summary_after_a_tool_declaring_answer_is_served_from_the_cache(stack):

@@ -16,7 +16,15 @@ import pytest
 from molctl.engines.sglang import ENGINE
 from molctl.profiles import load_profile, profile_dirs
 from tests.helpers import free_port, free_ports
-from tests.procs import FAKE_SGLANG_PKG, ROOT, fake_engine_python, fake_sglang_argv, proxy_argv, running
+from tests.procs import (
+    FAKE_SGLANG_PKG,
+    ROOT,
+    fake_engine_python,
+    fake_sglang_argv,
+    proxy_argv,
+    running,
+    sglang_health_request_timeout,
+)
 
 sys.path.insert(0, str(FAKE_SGLANG_PKG))
 from sglang.srt.server_args import prepare_server_args  # noqa: E402  (the fake package's parser)
@@ -131,7 +139,9 @@ def strict_sglang(tmp_path_factory):
         engine_port, VENTI.engine.served_name, "/models/loras", {"strict": True}, True, "--context-length", "100"
     )
     with (
-        running(argv, engine_url + "/health", log=logs / "engine.log"),
+        running(
+            argv, engine_url + "/health", log=logs / "engine.log", ready_request_timeout=sglang_health_request_timeout()
+        ),
         running(
             proxy_argv("venti-sglang", engine_url, proxy_port, "--api-key-file", str(keys)),
             proxy_url + "/health",
@@ -228,7 +238,9 @@ def test_bench_counts_an_sglang_counter_born_during_the_run(tmp_path):
     port = free_port()
     engine_url = f"http://127.0.0.1:{port}"
     argv = fake_sglang_argv(port, VENTI.engine.served_name, "/models/loras", {}, True, "--enable-metrics")
-    with running(argv, engine_url + "/health", log=tmp_path / "engine.log"):
+    with running(
+        argv, engine_url + "/health", log=tmp_path / "engine.log", ready_request_timeout=sglang_health_request_timeout()
+    ):
         before = parse_metrics(httpx.get(engine_url + "/metrics").text)
         assert "sglang:num_requests_total" in before and "sglang:cached_tokens_total" not in before
         r = httpx.post(
