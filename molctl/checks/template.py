@@ -191,6 +191,7 @@ def _engine_tool_calls(calls: list[Any]) -> list[dict[str, Any]]:
     by "{}" as the proxy replaces it in every hop (`molctl.proxy.tool_arguments.repaired`), which
     is what vLLM 0.32 makes of it and what keeps vLLM 0.24 from refusing it."""
     from molctl.proxy.tool_arguments import repaired
+
     fixed = []
     for call in calls:
         if not isinstance(call, dict):

@@ -23,6 +23,8 @@ class EngineInstall:
     version: str | None = None
     flags: frozenset[str] = field(default_factory=frozenset)
     error: str | None = None
+    # the OpenTelemetry modules the engine's tracing imports that its environment lacks (None: not probed)
+    trace_missing: tuple[str, ...] | None = None
 
 
 def render_args(args: Mapping[str, Any]) -> list[str]:
@@ -69,7 +71,29 @@ def run_probe_script(python: str, script: str, *args: str, timeout: float = 120)
         version=data.get("version"),
         flags=frozenset(data.get("flags", ())),
         error=data.get("error"),
+        trace_missing=tuple(data["trace_missing"]) if isinstance(data.get("trace_missing"), list) else None,
     )
+
+
+# Appended to an engine's probe script (`TRACE_MODULES` replaced by the engine's `trace_modules`): which
+# of them its environment cannot find, in `out["trace_missing"]`. find_spec imports only the parent
+# packages, never the exporters themselves.
+TRACE_PROBE = r"""
+missing = []
+for name in TRACE_MODULES:
+    try:
+        if importlib.util.find_spec(name) is None:
+            missing.append(name)
+    except (ImportError, ValueError):
+        missing.append(name)
+out["trace_missing"] = missing
+"""
+
+
+def with_trace_probe(script: str, modules: tuple[str, ...]) -> str:
+    """`script` (which prints `out` as JSON on its last line) reporting `trace_missing` too."""
+    head, _, tail = script.rpartition("print(json.dumps(out))")
+    return head + TRACE_PROBE.replace("TRACE_MODULES", repr(modules)) + "print(json.dumps(out))" + tail
 
 
 # Run as a script under engine.python, or exec'd here (`install_fingerprint`) when engine.python is
@@ -136,7 +160,12 @@ def probe_install_cached(engine: Engine, python: str, cache_dir: Path | None) ->
     path = cache_dir / f"engine-{engine.kind}-{key}.json"
     try:
         data = json.loads(path.read_text())
-        return EngineInstall(found=True, version=data["version"], flags=frozenset(data["flags"]))
+        return EngineInstall(
+            found=True,
+            version=data["version"],
+            flags=frozenset(data["flags"]),
+            trace_missing=tuple(data["trace_missing"]),
+        )
     except (OSError, ValueError, KeyError, TypeError):  # TypeError: a cache file of another shape (a traceback)
         pass
     install = engine.probe_install(python)
@@ -144,7 +173,15 @@ def probe_install_cached(engine: Engine, python: str, cache_dir: Path | None) ->
         try:
             cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"version": install.version, "flags": sorted(install.flags)}))
+            tmp.write_text(
+                json.dumps(
+                    {
+                        "version": install.version,
+                        "flags": sorted(install.flags),
+                        "trace_missing": list(install.trace_missing or ()),
+                    }
+                )
+            )
             os.replace(tmp, path)
         except OSError:
             pass
@@ -249,6 +286,14 @@ class Engine(abc.ABC):
     # The flags that send the engine's own OpenTelemetry spans to `engine.otlp_traces_endpoint`
     # (the endpoint follows the last); the proxy's hop spans are their parents (W3C traceparent).
     trace_flags: tuple[str, ...] = ()
+    # What the engine's tracing imports (`engine.otlp_traces_endpoint` set): `check` fails when the
+    # engine's environment lacks one, instead of the engine dying at start; and how to install them.
+    trace_modules: tuple[str, ...] = (
+        "opentelemetry.sdk.trace",
+        "opentelemetry.exporter.otlp.proto.grpc.trace_exporter",
+        "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+    )
+    trace_install: str = ""
 
     def launch_argv(self, profile: Profile) -> list[str]:
         e = profile.engine
@@ -304,6 +349,8 @@ class Engine(abc.ABC):
     # Readiness hooks (molctl.readiness calls these; the engine modules say what their engine does)
     # The path that reports the running server's version, or None: not checked at runtime.
     version_path: str | None = None
+    # asked when `version_path` answers 404 (an older release of the engine), or None
+    version_fallback_path: str | None = None
     # Seconds a healthy engine may take to answer /health: callers that probe it (status, the
     # proxy's /readyz, `up`) should wait at least this long before calling it unreachable.
     health_timeout_s: float = 1.0

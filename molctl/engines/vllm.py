@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from molctl.engines.base import AnswerTokens, Engine, EngineInstall, _ints, run_probe_script
+from molctl.engines.base import AnswerTokens, Engine, EngineInstall, _ints, run_probe_script, with_trace_probe
 from molctl.profiles import Profile
 
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -51,6 +51,9 @@ class VllmEngine(Engine):
     # protocol is OTEL_EXPORTER_OTLP_TRACES_PROTOCOL's (grpc by default); vLLM continues the
     # traceparent of each request (vllm/tracing/otel.py extract_trace_context)
     trace_flags = ("--otlp-traces-endpoint",)
+    # vllm/tracing/otel.py imports the SDK and both OTLP trace exporters (grpc, http) and, with
+    # --otlp-traces-endpoint set, refuses to start without them (is_otel_available; 0.24 and 0.32)
+    trace_install = "pip install opentelemetry-sdk opentelemetry-exporter-otlp"
     memory_flag = "gpu-memory-utilization"
     running_flag = "max-num-seqs"
     max_loras_flag = ("max-loras", 1)
@@ -124,7 +127,7 @@ class VllmEngine(Engine):
     }
 
     def probe_install(self, python: str) -> EngineInstall:
-        return run_probe_script(python, PROBE_SCRIPT)
+        return run_probe_script(python, with_trace_probe(PROBE_SCRIPT, self.trace_modules))
 
     def adapter_model(self, profile: Profile, route: str) -> str:
         return route
