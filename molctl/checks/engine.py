@@ -41,7 +41,8 @@ def run(profile: Profile, probes: Probes) -> list[CheckResult]:
         public = None
     if public is not None:
         if pin.contains(public, prereleases=True):
-            out.append(CheckResult("engine.version", "pass", f"{engine.package} {install.version} matches {pin}"))
+            note = "" if engine.shortens_max_tokens(str(public)) else engine.overflow_note
+            out.append(CheckResult("engine.version", "pass", f"{engine.package} {install.version} matches {pin}{note}"))
         else:
             out.append(
                 CheckResult(

@@ -434,6 +434,9 @@ class Engine(abc.ABC):
         """The prompt's token count in the measurement's answer."""
         return None
 
+    # `check`'s engine.version detail for a version that does not shorten max_tokens (empty: nothing to say)
+    overflow_note: str = ""
+
     def shortens_max_tokens(self, version: str | None) -> bool:
         """Whether this engine version cuts a max_tokens that overflows the window to the room left
         (False: it refuses the request, or the version is unknown). The proxy fits max_tokens

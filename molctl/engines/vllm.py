@@ -244,6 +244,10 @@ class VllmEngine(Engine):
     # max_tokens to the room left (vllm/entrypoints/serve/utils/api_utils.py, get_max_tokens). The
     # versions between were not read: treated as refusing, the side that needs the proxy's fit.
     SHORTENS_FROM = "0.32.0"
+    overflow_note = (
+        " (this version refuses prompt + max_tokens over max-model-len and json.loads history tool-call "
+        "arguments: the proxy cuts max_tokens to the room left and sends unparseable arguments as {})"
+    )
 
     def shortens_max_tokens(self, version: str | None) -> bool:
         from packaging.version import InvalidVersion, Version

@@ -200,3 +200,16 @@ def test_sglang_without_its_tracing_extra_fails_check(venv_factory, state_dir):
     )
     status, detail = checks["engine.tracing"]
     assert status == "fail" and "sglang[tracing]" in detail
+
+
+def test_check_says_what_the_proxy_does_for_a_version_that_refuses_overflowing_limits(venv_factory, state_dir):
+    """The version facts live in the engine module, keyed by the version `check` reads: 0.24.0 refuses
+    prompt + max_tokens over the window (vllm/renderers/params.py), 0.32.0 cuts (api_utils.py)."""
+    python, site = venv_factory("vllm-facts")
+    fake_vllm(site, "0.24.0", profile_flags("tall"))
+    _, old = run_engine_check(state_dir, "tall", python)
+    assert "refuses prompt + max_tokens" in old["engine.version"][1]
+    python, site = venv_factory("vllm-facts-new")
+    fake_vllm(site, "0.32.0", profile_flags("tall"))
+    _, new = run_engine_check(state_dir, "tall", python, ("engine.version", "==0.32.0"))
+    assert new["engine.version"][0] == "pass" and "refuses" not in new["engine.version"][1]
