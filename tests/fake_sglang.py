@@ -56,7 +56,8 @@ FAKE_TERM_POLL (s between the sigterm watchdog's checks, SGLang's 5 by default),
 FAKE_IGNORE_TERM=1 (a wedged launcher: SIGTERM and SIGQUIT ignored), FAKE_ORPHAN=1 (children do not
 arm PDEATHSIG: the orphaned-scheduler case,
 as versions that disable kill_itself_when_parent_died), FAKE_NO_CHILDREN=1, FAKE_ADAPTERS (comma
-list of the adapters that load), FAKE_PARENT, FAKE_SGLANG_VERSION, FAKE_ANSWER_DELAY, FAKE_NO_EFFECT and
+list of the adapters that load), FAKE_PARENT, FAKE_SGLANG_VERSION, FAKE_NO_SERVER_INFO=1 (an older
+release: /get_server_info only), FAKE_ANSWER_DELAY, FAKE_NO_EFFECT and
 FAKE_SAME_AS (the efficacy canary's adapters with no effect, or answering as another: fake_engine.py).
 """
 
@@ -505,7 +506,8 @@ def make_app() -> web.Application:
     app.router.add_get("/health_generate", health)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/get_model_info", model_info)
-    app.router.add_get("/server_info", server_info)
+    if os.environ.get("FAKE_NO_SERVER_INFO") != "1":  # a release from before /server_info
+        app.router.add_get("/server_info", server_info)
     app.router.add_get("/get_server_info", get_server_info)
     app.router.add_post("/generate", generate)
     app.router.add_get("/metrics", metrics)
