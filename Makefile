@@ -89,6 +89,7 @@ bench: $(VENV)/.stamp-cpu
 	$(PY) bench/bench_lock.py
 	$(PY) bench/bench_proxy.py $(BENCH_PROXY_ARGS)
 	$(PY) bench/bench_long_conversation.py
+	$(PY) bench/bench_long_context.py
 	$(PY) bench/bench_store.py
 	$(PY) bench/bench_redis.py
 	$(PY) bench/bench_lifecycle.py
@@ -115,6 +116,13 @@ demo: $(VENV)/.stamp-cpu
 	@echo "  chat:   $(PY) examples/chat.py 'your message'"
 	@echo "  logs:   $(MOLCTL) logs tiny -f"
 	@echo "  stop:   $(MOLCTL) down      (or: make demo-down)"
+
+# The wheel an operator installs (README, "Install on a GPU host"; the Containerfile copies it):
+# dist/molctl-VERSION-py3-none-any.whl, with the built-in profiles, templates and docs inside.
+.PHONY: wheel
+wheel: $(VENV)/.stamp-dev
+	rm -rf build dist/molctl-*.whl  # build/: setuptools would keep a removed module's old copy
+	$(PIP) wheel --no-deps --no-build-isolation -w dist .
 
 demo-down: $(VENV)/.stamp-dev
 	$(MOLCTL) down

@@ -42,7 +42,7 @@ EXIT_CODES_HELP = (
 app = typer.Typer(
     name="molctl",
     help="Operate a self-hosted Mixture-of-LoRA stack (engine + MoL proxy): check, start, stop, switch, inspect. "
-    "Contract (commands, exit codes, JSON shapes): docs/contract.md.",
+    "Contract (commands, exit codes, JSON shapes): docs/contract.md (installed with the package as molctl/docs/contract.md).",
     epilog=EXIT_CODES_HELP,
     no_args_is_help=True,
     add_completion=True,

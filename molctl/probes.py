@@ -85,36 +85,68 @@ class NvmlProbe:
                 "(check nvidia-smi, and dmesg for Xid errors; without persistence mode the first "
                 "call initialises every GPU: nvidia-smi -pm 1, or raise MOLCTL_NVML_TIMEOUT_S)"
             )
-        if isinstance(result[0], BaseException):
-            raise result[0]
-        return result[0]
+        answer = result[0]
+        if isinstance(answer, GpuInventory):
+            return answer
+        if isinstance(answer, Exception) and not isinstance(answer, GpuUnavailable):
+            # whatever else the binding raised (ctypes, a decode): one line, never a traceback
+            raise GpuUnavailable(f"NVML failed: {type(answer).__name__}: {answer}") from None
+        raise answer
 
     def _inventory(self) -> GpuInventory:
         try:
             import pynvml
         except ImportError as exc:  # pragma: no cover - nvidia-ml-py is a dependency
             raise GpuUnavailable(f"nvidia-ml-py is not installed: {exc}") from None
+        errors = nvml_errors(pynvml)
         try:
             pynvml.nvmlInit()
-        except pynvml.NVMLError as exc:
-            raise GpuUnavailable(f"NVML init failed: {exc} (no NVIDIA driver on this host?)") from None
+        except errors as exc:
+            raise GpuUnavailable(f"NVML init failed: {_nvml_text(exc)} (no NVIDIA driver on this host?)") from None
+        step = "the driver version"
         try:
             driver = pynvml.nvmlSystemGetDriverVersion()
             driver = driver.decode() if isinstance(driver, bytes) else driver
+            step = "the GPU count"
             devices = []
             for i in range(pynvml.nvmlDeviceGetCount()):
+                step = f"GPU {i}"
                 handle = pynvml.nvmlDeviceGetHandleByIndex(i)
                 name = pynvml.nvmlDeviceGetName(handle)
                 name = name.decode() if isinstance(name, bytes) else name
                 mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
+                step = f"GPU {i}'s compute processes"
                 procs = []
                 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
                     used = getattr(p, "usedGpuMemory", None)
                     procs.append(GpuProcess(p.pid, _process_name(p.pid), used if isinstance(used, int) else None))
                 devices.append(GpuDevice(i, name, int(mem.total), int(mem.free), tuple(procs)))
             return GpuInventory(driver, tuple(devices))
+        except errors as exc:
+            raise GpuUnavailable(f"NVML failed reading {step}: {_nvml_text(exc)}") from None
         finally:
-            pynvml.nvmlShutdown()
+            try:
+                pynvml.nvmlShutdown()
+            except errors:
+                pass  # what was read stands; a failure to read has its own message
+
+
+def nvml_errors(pynvml) -> tuple[type[BaseException], ...]:
+    """What nvidia-ml-py raises: `NVMLError` and its per-code subclasses (`NVMLError_GpuIsLost`,
+    `NVMLError_DriverNotLoaded`, ... made by `_extractNVMLErrorsAsClasses`), and (nvidia-ml-py 13)
+    `NVMLLibraryMismatchError`, which is no NVMLError (pynvml.py: `class
+    NVMLLibraryMismatchError(Exception)`): the unversioned calls such as
+    `nvmlDeviceGetComputeRunningProcesses` raise it when the driver's libnvidia-ml lacks the
+    versioned function the binding picked (`throwOnVersionMismatch`), i.e. a driver older than
+    the binding."""
+    mismatch = getattr(pynvml, "NVMLLibraryMismatchError", None)
+    return (pynvml.NVMLError, *((mismatch,) if isinstance(mismatch, type) else ()))
+
+
+def _nvml_text(exc: BaseException) -> str:
+    """`GPU is lost (NVMLError_GpuIsLost)`: NVML's message and the binding's class name."""
+    text = " ".join(str(exc).split()) or "no message"
+    return f"{text} ({type(exc).__name__})"
 
 
 class PortProbe:
@@ -166,3 +198,42 @@ class PortProbe:
             if conn.laddr and conn.laddr.port == port and conn.pid:
                 return conn.pid, _process_name(conn.pid)
         return None
+
+
+# Runs under engine.python: torch's version and CUDA runtime from torch/version.py (the file torch's
+# build writes: `__version__`, `cuda`), read without importing torch (seconds, and on a host without
+# a GPU its CUDA initialisation is not wanted).
+TORCH_BUILD_SCRIPT = r"""
+import importlib.util, json, os
+spec = importlib.util.find_spec("torch")
+out = {"found": False}
+if spec is not None and spec.submodule_search_locations:
+    path = os.path.join(list(spec.submodule_search_locations)[0], "version.py")
+    names = {}
+    with open(path) as f:
+        exec(compile(f.read(), path, "exec"), names)
+    out = {"found": True, "version": str(names.get("__version__") or ""), "cuda": names.get("cuda")}
+print(json.dumps(out))
+"""
+
+
+def torch_build(python: str, timeout: float = 30):
+    """The engine environment's torch build (`molctl.cudacompat.TorchBuild`), None when `python`
+    has no torch. Raises OSError (no such interpreter, it failed) or subprocess.TimeoutExpired."""
+    import json
+    import subprocess
+
+    from molctl.cudacompat import TorchBuild
+
+    proc = subprocess.run(
+        [python, "-c", TORCH_BUILD_SCRIPT], capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise OSError(f"{python} failed (exit {proc.returncode}): {tail}")
+    data = json.loads(lines[-1])
+    if not data.get("found"):
+        return None
+    cuda = data.get("cuda")
+    return TorchBuild(str(data.get("version") or "?"), cuda if isinstance(cuda, str) and cuda else None)

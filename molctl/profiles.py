@@ -5,7 +5,8 @@ naming the file, the line (where YAML tells it) and the dotted field. `--set dot
 and `--model-root` overrides are applied to the raw data *before* validation, so an override
 is checked exactly like a value written in the file.
 
-Built-in profiles live in the repository's `profiles/` folder; user folders given with
+Built-in profiles live in the package (`molctl/profiles_builtin`, a link to the repository's
+`profiles/` in a checkout, copies in a wheel); user folders given with
 `--profiles-dir` or `MOLCTL_PROFILES_DIR` (os.pathsep-separated) are searched after it, and a
 later folder's `NAME.yaml` replaces an earlier one of the same name.
 """
@@ -37,12 +38,9 @@ PH_LABELS = "{{ROUTE_LABELS}}"
 
 
 def builtin_profiles_dir() -> Path:
-    """The shipped `profiles/` folder (beside the package in a checkout or editable install)."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here.parent / "profiles", Path(sys.prefix) / "share" / "molctl" / "profiles"):
-        if candidate.is_dir():
-            return candidate
-    return here.parent / "profiles"
+    """The shipped profiles: `profiles_builtin` beside this module, resolved (in a checkout or an
+    editable install that is the repository's `profiles/`; in a wheel, the package's own copies)."""
+    return (Path(__file__).parent / "profiles_builtin").resolve()
 
 
 # --------------------------------------------------------------------------------------------
@@ -94,6 +92,7 @@ SCHEMA: dict[str, Any] = {
         "summary_max_tokens": int,
         "summary_wait_s": (int, float),
         "summary_queue_max": int,
+        "summary_job_max_bytes": int,  # what one queued summary keeps, at most (then it is dropped)
         "route_timeout_s": (int, float),
         "route_max_input_chars": int,
         "speculative_answer": bool,  # the answer hop on the conversation's adapter alongside the route hop
@@ -119,6 +118,7 @@ SCHEMA: dict[str, Any] = {
         "metrics_host": str,
         "media_url_hosts": _ListOf(str),  # hosts whose image/audio/video URLs the engine may fetch ("*": any)
         "max_request_head_bytes": int,  # a request's line and headers, at most (then 431/414)
+        "engine_body_max_bytes": int,  # a non-streamed engine answer's body, at most (then 502)
         "request_body_timeout_s": (int, float),  # a request body's whole upload, at most (then 408)
         "request_fields": str,  # unknown request fields: "ignore" (logged once, counted) or "reject" (a 400)
         "chat_template_kwargs": _ListOf(str),  # the chat_template_kwargs keys a client may set
@@ -211,6 +211,10 @@ class ProxySpec:
     summary_max_tokens: int = 192
     summary_wait_s: float = 5.0
     summary_queue_max: int = 256  # summaries waiting for a slot; more are dropped (counted)
+    # What one queued summary keeps, at most (summary.SummaryJob.size): its continuation's token
+    # ids as JSON, about 7 bytes each (a whole 262,144-token window: 1.8 MB), or the chat fallback's JSON; a
+    # summary over it is dropped (counted). So the queue keeps at most summary_queue_max times it.
+    summary_job_max_bytes: int = 4 * 1024 * 1024
     route_timeout_s: float = 10.0  # the route hop's own deadline; then the fallback route
     route_max_input_chars: int = 4000  # the router sees at most this much of the request
     # a follow-up turn's answer starts on the conversation's adapter alongside the route hop, held
@@ -254,6 +258,9 @@ class ProxySpec:
     # A request head (request line and headers) over this many bytes is answered 431 (414 for
     # the request line) as soon as the bytes pass it, before they are parsed (nginx, Envoy: 64 KiB)
     max_request_head_bytes: int = 64 * 1024
+    # A non-streamed engine answer's body is read whole up to this many bytes; past it the hop
+    # fails with a 502 naming this field (molctl.proxy.engine_client.MAX_ENGINE_BODY: why 512 MiB)
+    engine_body_max_bytes: int = 512 * 1024 * 1024
     # A request body must arrive whole within this many seconds of its head (then 408), however
     # steadily it trickles (stream_write_timeout_s bounds the wait for each part of it)
     request_body_timeout_s: float = 300.0
@@ -582,6 +589,8 @@ def _check_proxy_limits(proxy: dict[str, Any], v: _Validator) -> None:
         "queue_timeout_s",
         "route_inflight",
         "summary_inflight",
+        "engine_body_max_bytes",
+        "summary_job_max_bytes",
     ):
         if proxy.get(key) is not None and proxy[key] <= 0:
             raise v.fail(f"proxy.{key}", "must be > 0")
@@ -726,9 +735,17 @@ def load_profile(name: str, dirs: Iterable[Path], overrides: Iterable[tuple[str,
 
 
 def list_profiles(dirs: list[Path]) -> tuple[list[dict[str, Any]], list[str]]:
-    """`molctl profiles`: a row per profile found, and a one-line problem per file that does not load."""
+    """`molctl profiles`: a row per profile found, and a one-line problem per file that does not load.
+    No profile file at all is a ProfileError naming the folders searched (an install without its
+    built-in profiles listed an empty table and exited 0)."""
     rows, problems = [], []
-    for _name, path in sorted(profile_files(dirs).items()):
+    files = profile_files(dirs)
+    if not files:
+        searched = ", ".join(str(d) for d in dirs)
+        raise ProfileError(
+            f"no profile found (searched: {searched}); give a folder of NAME.yaml files with --profiles-dir"
+        )
+    for _name, path in sorted(files.items()):
         try:
             p = load_profile_file(path)
         except ProfileError as exc:

@@ -24,6 +24,11 @@ from molctl.bench import NothingRunning, running_profile
 
 WINDOW_S = 10.0  # live: rates and percentiles over about the last 10 s
 REFRESH_S = 1.0
+# One metrics scrape, at most: its whole answer within METRICS_DEADLINE_S (a per-read timeout
+# alone let a trickling answer hold top for minutes) and METRICS_MAX_BYTES (the proxy's own
+# exposition is tens of KB; a 300 MB answer is not its metrics)
+METRICS_DEADLINE_S = 2.0
+METRICS_MAX_BYTES = 16 << 20
 HOPS = ("route", "answer", "summary")
 ADAPTERS = ("L0", "L1", "L2", "L3")
 P = "molctl_proxy_"
@@ -161,6 +166,44 @@ def restarted(new: Scrape, old: Scrape) -> bool:
     return False
 
 
+def fetch_metrics(url: str) -> tuple[str | None, str | None]:
+    """(The metrics listener's answer, None) or (None, why not): a 200 whose whole body came
+    within METRICS_DEADLINE_S and METRICS_MAX_BYTES."""
+    import httpx
+
+    deadline = time.monotonic() + METRICS_DEADLINE_S
+    parts: list[bytes] = []
+    size = 0
+    try:
+        with httpx.stream("GET", url, timeout=min(1.0, METRICS_DEADLINE_S), trust_env=False) as r:
+            if r.status_code != 200:
+                return None, f"it answers {r.status_code}"
+            for chunk in r.iter_bytes():  # decoded: the bound holds for a compressed answer too
+                parts.append(chunk)
+                size += len(chunk)
+                if size > METRICS_MAX_BYTES:
+                    return None, f"its answer passed {METRICS_MAX_BYTES} bytes"
+                if time.monotonic() > deadline:
+                    return None, f"its answer took over {METRICS_DEADLINE_S:g} s"
+    except httpx.HTTPError:
+        return None, "it does not answer"
+    return b"".join(parts).decode("utf-8", errors="replace"), None
+
+
+def unanswered_phase(phase: str | None, pid: int | None) -> str | None:
+    """The engine's phase when its /health does not answer 200: its log's phase, except that a
+    process stopped by a signal (SIGSTOP, a debugger) is "stopped", and one whose log says it
+    was serving is "not answering": its last log line is not its state now."""
+    import psutil
+
+    try:
+        if pid is not None and psutil.Process(pid).status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+            return "stopped (SIGSTOP)"
+    except psutil.Error:
+        pass
+    return "not answering" if phase == "serving" else phase
+
+
 # ---------------------------------------------------------------------------- the stack
 
 
@@ -207,17 +250,22 @@ class Top:
     def __init__(self, ctx, target: Target):
         self.ctx, self.target = ctx, target
         self.scrapes: deque[Scrape] = deque()
+        self.why: str | None = None  # why the last scrape gave no metrics
 
     def scrape(self) -> Scrape | None:
-        import httpx
-
+        """The proxy's metrics now, or None (why in `self.why`: no answer, not 200, past the
+        deadline or the size bound, not Prometheus text)."""
+        self.why = None
         if self.target.metrics_url is None:
             return None
-        try:
-            r = httpx.get(self.target.metrics_url, timeout=1.0, trust_env=False)
-        except httpx.HTTPError:
+        text, self.why = fetch_metrics(self.target.metrics_url)
+        if text is None:
             return None
-        return parse(r.text) if r.status_code == 200 else None
+        try:
+            return parse(text)
+        except (ValueError, TypeError, IndexError, KeyError):  # prometheus-client's parser on other text
+            self.why = "its answer is not Prometheus text"
+            return None
 
     def state(self) -> dict[str, Any]:
         """The stack's state and, while the engine is not ready, its load phase (from its log)."""
@@ -232,6 +280,8 @@ class Top:
             phase = "serving" if engine["health"] == 200 else "starting"
             if engine["health"] != 200 and self.target.engine_log:
                 phase = self.target.engine.phase(tail(self.target.engine_log, 50)) or phase
+            if engine["health"] != 200:
+                phase = unanswered_phase(phase, engine.get("pid"))
         health = {c["name"]: c["health"] for c in stack["components"]}
         return {"state": stack["state"], "engine_phase": phase, "health": health}
 
@@ -274,8 +324,9 @@ def _pct(v: float | None) -> str:
     return "-" if v is None else f"{v * 100:.0f}%"
 
 
-def frame(snap: dict[str, Any], metrics_url: str | None = None, live: bool = False):
-    """A rich renderable of one snapshot (`live`: with the key that quits)."""
+def frame(snap: dict[str, Any], metrics_url: str | None = None, live: bool = False, why: str | None = None):
+    """A rich renderable of one snapshot (`live`: with the key that quits; `why`: why the
+    metrics are missing, `Top.why`)."""
     from rich.columns import Columns
     from rich.console import Group
     from rich.table import Table
@@ -290,7 +341,7 @@ def frame(snap: dict[str, Any], metrics_url: str | None = None, live: bool = Fal
     )
     m = snap["metrics"]
     if m is None:
-        why = "no proxy.metrics_port in the profile" if metrics_url is None else f"{metrics_url} does not answer"
+        why = "no proxy.metrics_port in the profile" if metrics_url is None else f"{metrics_url}: {why or 'no answer'}"
         return Group(head, Text(f"no proxy metrics: {why}", style="yellow"))
     span = "since the proxy started" if m["since_start"] else f"last {m['window_s']:.0f} s"
     summary = Text(
@@ -326,7 +377,7 @@ def run(ctx, name: str | None, once: bool, as_json: bool, out) -> None:
         out.json(top.snapshot())
         return
     if once:
-        out.console.print(frame(top.snapshot(), target.metrics_url))
+        out.console.print(frame(top.snapshot(), target.metrics_url, why=top.why))
         return
     _live(top, out)
 
@@ -336,15 +387,53 @@ def _live(top: Top, out) -> None:
 
     if not out.console.is_terminal:  # a pipe or a file: a frame a second, one after another (as `top -b`)
         while True:
-            out.console.print(frame(top.snapshot(), top.target.metrics_url))  # written and flushed at once
+            snap = top.snapshot()
+            out.console.print(frame(snap, top.target.metrics_url, why=top.why))  # written and flushed at once
             time.sleep(REFRESH_S)
+    snaps = _Snapshots(top)
     with _Keys() as keys, Live(console=out.console, auto_refresh=False, screen=False) as live:
         while True:
-            live.update(frame(top.snapshot(), top.target.metrics_url, live=True), refresh=True)
+            snap, why = snaps.latest()
+            live.update(frame(snap, top.target.metrics_url, live=True, why=why), refresh=True)
             deadline = time.monotonic() + REFRESH_S
             while (left := deadline - time.monotonic()) > 0:
                 if keys.read(left) in ("q", "Q"):
                     return
+
+
+class _Snapshots:
+    """Snapshots taken one after another in a daemon thread, so that the live view draws a frame
+    every REFRESH_S and reads keys all the time, however long the stack takes to answer (a
+    stopped proxy's probes time out: 6 s a frame, q unread meanwhile). A snapshot older than
+    2 x REFRESH_S is shown with its age."""
+
+    def __init__(self, top: Top):
+        import threading
+
+        self.top = top
+        self.lock = threading.Lock()
+        self.snap: tuple[dict[str, Any], str | None, float] | None = None
+        self.ready = threading.Event()
+        threading.Thread(target=self._run, name="molctl-top-snapshots", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            started = time.monotonic()
+            snap = self.top.snapshot()
+            with self.lock:
+                self.snap = (snap, self.top.why, time.monotonic())
+            self.ready.set()
+            time.sleep(max(0.0, REFRESH_S - (time.monotonic() - started)))
+
+    def latest(self) -> tuple[dict[str, Any], str | None]:
+        """The newest snapshot (waiting for the first one) and why its metrics are missing."""
+        self.ready.wait()
+        with self.lock:
+            snap, why, at = self.snap  # type: ignore[misc]
+        age = time.monotonic() - at
+        if age > 2 * REFRESH_S:
+            snap = {**snap, "state": f"{snap['state']} (as of {age:.0f} s ago: the stack is slow to answer)"}
+        return snap, why
 
 
 class _Keys:

@@ -24,7 +24,8 @@ def run(profile: Profile, probes: Probes) -> list[CheckResult]:
         return [CheckResult("engine.package", "fail", f"{why} (engine.python = {python})")]
     if install.error and not install.flags:
         return [CheckResult("engine.package", "fail", f"{engine.package} under {python}: {install.error}")]
-    out = [CheckResult("engine.package", "pass", f"{engine.package} importable by {python}")]
+    note = f"; {install.note}" if install.note else ""
+    out = [CheckResult("engine.package", "pass", f"{engine.package} importable by {python}{note}")]
 
     pin = SpecifierSet(profile.engine.version)
     try:

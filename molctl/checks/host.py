@@ -77,7 +77,7 @@ def _run_gpu(profile: Profile, probes: Probes, want: int) -> list[CheckResult]:
                 "host without GPUs)",
             )
         ]
-    out = [CheckResult("gpu.driver", "pass", f"NVIDIA driver {inv.driver_version}")]
+    out = [_driver(profile, probes, inv.driver_version)]
     if len(inv.devices) < want:
         out.append(
             CheckResult(
@@ -130,6 +130,36 @@ def _run_gpu(profile: Profile, probes: Probes, want: int) -> list[CheckResult]:
     else:
         out.append(CheckResult("gpu.processes", "pass", "no foreign compute processes on the profile's GPUs"))
     return out
+
+
+def _driver(profile: Profile, probes: Probes, driver: str) -> CheckResult:
+    """gpu.driver: the driver NVML reports against the CUDA runtime of engine.python's torch
+    (molctl.cudacompat: NVIDIA's minimum driver per CUDA version)."""
+    import subprocess
+
+    from molctl.cudacompat import driver_verdict
+
+    python = profile.engine_python
+    try:
+        build = probes.torch_build(python)
+    except (OSError, ValueError, subprocess.TimeoutExpired) as exc:
+        return CheckResult(
+            "gpu.driver", "warn", f"NVIDIA driver {driver}; the CUDA runtime under engine.python is unknown: {exc}"
+        )
+    if build is None:
+        return CheckResult(
+            "gpu.driver",
+            "warn",
+            f"NVIDIA driver {driver}; engine.python {python} has no torch: no CUDA runtime to compare",
+        )
+    if build.cuda is None:
+        return CheckResult(
+            "gpu.driver",
+            "warn",
+            f"NVIDIA driver {driver}; torch {build.version} under {python} is a CPU build: the engine will not use the GPUs",
+        )
+    status, why = driver_verdict(driver, build.cuda)
+    return CheckResult("gpu.driver", status, f"{why} (torch {build.version} under {python})")
 
 
 def _mib(value: int | None) -> str:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from molctl.probes import GpuProbe, NvmlProbe, PortProbe
+from molctl.probes import GpuProbe, NvmlProbe, PortProbe, torch_build
 
 Status = Literal["pass", "warn", "fail", "skip"]
 
@@ -37,6 +37,8 @@ class Probes:
     stack_pids: Callable[[], set[int]] = field(default_factory=lambda: set)
     own_profiles: frozenset[str] = frozenset()  # stacks of state_dir whose host-wide claims are not foreign
     verify: Any = None  # a molctl.checks.verify.Verify: add the `lock` category (check/up --verify)
+    # engine.python -> its torch build (molctl.cudacompat.TorchBuild; None: no torch): the CUDA runtime gpu.driver compares
+    torch_build: Callable[[str], Any] = field(default_factory=lambda: torch_build)
 
 
 @dataclass

@@ -41,6 +41,10 @@ print(json.dumps(out))
 """.replace("API_SERVER_MODULE", API_SERVER_MODULE)
 
 
+# The environment that pins vLLM's platform to the CPU (see VllmEngine.probe_install).
+CPU_PIN = {"VLLM_TARGET_DEVICE": "cpu"}
+
+
 class VllmEngine(Engine):
     kind = "vllm"
     package = "vllm"
@@ -127,7 +131,23 @@ class VllmEngine(Engine):
     }
 
     def probe_install(self, python: str) -> EngineInstall:
-        return run_probe_script(python, with_trace_probe(PROBE_SCRIPT, self.trace_modules))
+        """The API server's flags from its --help. vLLM builds that parser only after picking a
+        platform: `DeviceConfig.__post_init__` (vllm/config/device.py) raises "Failed to infer
+        device type" when `vllm.platforms` resolved none, which is what a CUDA build sees on a host
+        without a GPU (NVML finds no driver or device, the version has no `+cpu`). Then the probe
+        runs again with the device pinned to the CPU, `VLLM_TARGET_DEVICE=cpu`, which selects the
+        CPU platform (vllm/platforms/__init__.py: `cpu_platform_plugin`, and "an explicit CPU
+        target is authoritative" in `resolve_current_platform_cls_qualname`): the version and the
+        flags need no device, and the result says how they were read."""
+        install = run_probe_script(python, with_trace_probe(PROBE_SCRIPT, self.trace_modules))
+        if not install.flags and install.error and "Failed to infer device type" in install.error:
+            pinned = run_probe_script(python, with_trace_probe(PROBE_SCRIPT, self.trace_modules), env=CPU_PIN)
+            if pinned.flags:
+                pinned.note = (
+                    "read with the device pinned to the CPU (VLLM_TARGET_DEVICE=cpu): vLLM found no GPU on this host"
+                )
+                return pinned
+        return install
 
     def adapter_model(self, profile: Profile, route: str) -> str:
         return route
@@ -182,8 +202,11 @@ class VllmEngine(Engine):
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                 continue
             ids = _ints(choice.get("token_ids"))
-            if ids is not None:
-                into.output = [*(into.output or ()), *ids]
+            if ids is not None:  # in place: a new list per event was quadratic in the answer's length
+                if into.output is None:
+                    into.output = list(ids)
+                else:
+                    into.output.extend(ids)
             if choice.get("finish_reason"):
                 into.stop_token = self._stopped(choice)
 

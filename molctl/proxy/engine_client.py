@@ -41,6 +41,11 @@ class _ConnectFailed(EngineUnavailable):
 
 BIG_PAYLOAD_MESSAGES = 2000  # serialise larger payloads in a thread, off the event loop
 CHAT_PATH = "/v1/chat/completions"
+# A non-streamed answer's body, at most, by default (`proxy.engine_body_max_bytes`): a 262,144-token
+# window's prompt and output token ids are under 2.5 MB, its text at most a few MB; the rest is
+# room for logprobs (about 1.5 KB per token at top_logprobs 20, 131,072 tokens: 200 MB).
+MAX_ENGINE_BODY = 512 << 20
+LIFT_HOPS = ("answer", "speculative")  # hops whose answers' token ids go on to the summary as they came
 
 
 @dataclass
@@ -182,7 +187,9 @@ class EngineClient:
         keepalive_s: float = 15.0,
         request_id_field: str | None = None,
         request_id_unique: bool = False,
+        max_body: int = MAX_ENGINE_BODY,
     ):
+        self.max_body = max_body  # a non-streamed answer's body, at most (`_read_all`)
         self.request_id_field = request_id_field  # see Engine.request_id_field
         self.request_id_unique = request_id_unique  # see Engine.request_id_unique
         self.base_url = base_url.rstrip("/")
@@ -335,9 +342,26 @@ class EngineClient:
         conn.slot = None
 
     async def _read_all(self, conn: _Connection) -> bytes:
-        while not conn.done:
+        """The whole body, taken as it arrives: taking it resumes a connection paused past
+        READ_HIGH_WATER, so a body of any size ends (a body left in the connection until the end
+        waited out the read timeout past 1 MiB). Past `max_body` bytes the connection is closed
+        and the answer is a 502 naming the bound (`proxy.engine_body_max_bytes`)."""
+        parts: list[bytes] = []
+        size = 0
+        while True:
+            if conn.body:
+                part = conn.take_body()
+                size += len(part)
+                if size > self.max_body:
+                    conn.abort()
+                    raise EngineHTTPError(
+                        502, f"the engine's answer passed {self.max_body} bytes (proxy.engine_body_max_bytes)"
+                    )
+                parts.append(part)
+                continue
+            if conn.done:
+                return parts[0] if len(parts) == 1 else b"".join(parts)
             await conn.wait()
-        return conn.take_body()
 
     # ---- requests
     async def get(self, path: str, timeout: float = 2.0, headers: dict[str, str] | None = None) -> tuple[int, Any]:
@@ -381,6 +405,7 @@ class EngineClient:
                     keepalive_s=self.keepalive_s,
                     request_id_field=self.request_id_field,
                     request_id_unique=self.request_id_unique,
+                    max_body=self.max_body,
                 )
             except ValueError:  # an unusable URL in the store: nothing can be sent there, take over
                 engine.failed = True  # a choice: its URL is not this proxy's own
@@ -476,8 +501,8 @@ class EngineClient:
         status = conn.status
         if status != 200:
             raise http_error(status, raw, conn.headers)
-        try:
-            body = fastjson.loads(raw)
+        try:  # an answer's long token-id arrays are kept as their text (fastjson.loads_lifting)
+            body = fastjson.loads_lifting(raw) if hop in LIFT_HOPS else fastjson.loads(raw)
         except ValueError:
             body = None
         if not isinstance(body, dict):
@@ -538,8 +563,8 @@ class EngineClient:
                 data_lines = []
                 if event_data == b"[DONE]":
                     return
-                try:
-                    event = fastjson.loads(event_data)
+                try:  # vLLM's first event carries the prompt's ids: kept as text (fastjson.loads_lifting)
+                    event = fastjson.loads_lifting(event_data) if hop in LIFT_HOPS else fastjson.loads(event_data)
                 except ValueError:
                     event = None
                 if not isinstance(event, dict):  # a lost or cut frame: the answer would be missing a piece

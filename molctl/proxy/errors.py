@@ -109,6 +109,18 @@ FILE_URL_RE = re.compile(r"file://[^\s'\"`<>]*")
 URL_RE = re.compile(r"\b(?:https?|wss?|grpc)://[^\s'\"`<>]+")
 # an IPv4 address or localhost (or a bracketed IPv6 one), with its port if any
 ADDRESS_RE = re.compile(r"(?<![\w.])(?:\d{1,3}(?:\.\d{1,3}){3}|localhost|\[[0-9A-Fa-f:]+\])(?::\d{1,5})?(?![\w.])")
+# an IPv6 address without brackets: compressed (`::`, `fe80::1%eth0`) or all eight groups; a
+# time such as 05:39:42 has neither
+IPV6_RE = re.compile(
+    r"(?<![\w:.])(?:[0-9A-Fa-f]{0,4}(?::[0-9A-Fa-f]{0,4})*::[0-9A-Fa-f]{0,4}(?::[0-9A-Fa-f]{0,4})*"
+    r"|[0-9A-Fa-f]{1,4}(?::[0-9A-Fa-f]{1,4}){7})(?:%[\w.-]+)?(?![\w:.])"
+)
+# a host name with its port: dotted with a letter in its last label (`engine-0.molctl.svc.cluster.local:8000`),
+# or one label with a hyphen (`engine-0:8000`)
+HOST_PORT_RE = re.compile(
+    r"(?<![\w.-])(?:[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z0-9-]*[A-Za-z][A-Za-z0-9-]*"
+    r"|[A-Za-z][A-Za-z0-9]*-[A-Za-z0-9-]+):\d{1,5}(?![\w.])"
+)
 _PART = r"[\w.@+=,-]+"
 # An absolute or home-relative path of two or more components, a component holding spaces when
 # another follows it (`/srv/my models/L2`); URLs are left to URL_RE: their slashes follow ':' or '/'.
@@ -166,6 +178,8 @@ def scrub(text: str, names: list[str], public: str) -> str:
     text = FILE_URL_RE.sub("<path>", text)
     text = URL_RE.sub("<address>", text)
     text = ADDRESS_RE.sub("<address>", text)
+    text = IPV6_RE.sub("<address>", text)
+    text = HOST_PORT_RE.sub("<address>", text)
     text = PATH_RE.sub("<path>", text)
     text = RELATIVE_PATH_RE.sub("<path>", text)
     for name in models:

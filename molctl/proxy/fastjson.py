@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 import orjson
@@ -83,3 +84,38 @@ def dumps_bytes(value: Any) -> bytes:
         return orjson.dumps(value, default=_fragment)
     except (orjson.JSONEncodeError, TypeError):
         return json.dumps(value).encode()
+
+
+LIFT_MIN = 64 << 10  # a top-level integer array of at least this many bytes (~9k token ids) is lifted
+_LIFTABLE = re.compile(rb'"(\w+)"\s*:\s*\[(?=[0-9])')  # a key whose array starts with a digit
+_NOT_INT_LIST = bytes(range(256)).translate(None, b"0123456789, \n\r\t")
+
+
+def loads_lifting(raw: bytes) -> Any:
+    """`loads` of an engine answer, its long top-level arrays of non-negative integers (a
+    prompt's token ids: 7 bytes a token) kept as their text, `engines.base.RawIds`, not parsed
+    into int objects. An array found elsewhere than at the top level (or a surprise) is parsed
+    whole as by `loads`."""
+    from molctl.engines.base import RawIds
+
+    if len(raw) < LIFT_MIN:
+        return loads(raw)
+    parts, lifted, pos = [], {}, 0
+    for m in _LIFTABLE.finditer(raw):
+        start = m.end() - 1
+        end = raw.find(b"]", start)
+        if start < pos or end < 0 or end - start < LIFT_MIN:
+            continue
+        text = raw[start : end + 1]
+        if text[1:-1].translate(None, _NOT_INT_LIST) != text[1:-1] or text.endswith(b",]"):
+            continue  # not only digits and commas
+        key = m.group(1).decode()
+        parts += [raw[pos:start], b"0"]
+        lifted[key], pos = RawIds(text, text.count(b",") + 1), end + 1
+    if not lifted:
+        return loads(raw)
+    body = loads(b"".join([*parts, raw[pos:]]))
+    if not isinstance(body, dict) or any(body.get(k) != 0 for k in lifted):  # not all at the top level
+        return loads(raw)
+    body.update(lifted)
+    return body

@@ -220,12 +220,38 @@ def check_content(content: Any, where: str, required: bool, media_hosts: tuple[s
             if not isinstance(part.get("text"), str):
                 raise invalid(f"'{where}[{j}].text' must be a string.", f"{where}[{j}].text")
             continue
+        if part["type"] not in CONTENT_PART_TYPES:
+            raise invalid(
+                f"The content part type {part['type'][:40]!r} is not supported; expected one of "
+                f"{', '.join(CONTENT_PART_TYPES)}.",
+                f"{where}[{j}].type",
+            )
         for key in MEDIA_URL_KEYS:
             if part.get(key) is not None:  # null: nothing to fetch (vLLM's cached-media-by-uuid parts)
                 check_media_url(part[key], f"{where}[{j}].{key}", media_hosts)
 
 
 MEDIA_URL_KEYS = ("image_url", "audio_url", "video_url")  # the parts vLLM and SGLang fetch by URL
+# The content part types vLLM's chat parser knows (vllm/entrypoints/chat_utils.py MM_PARSER_MAP,
+# and `refusal`); another is a 400 here, naming it, instead of the engine's "Unknown part type".
+CONTENT_PART_TYPES = (
+    "text",
+    "input_text",
+    "output_text",
+    "thinking",
+    "refusal",
+    "image_url",
+    "input_image",
+    "image_embeds",
+    "image_pil",
+    "audio_url",
+    "input_audio",
+    "audio_embeds",
+    "video_url",
+    "video_embeds",
+    "prompt_embeds",
+    "file",
+)
 # An http(s) URL as every URL parser reads it alike: no user info (a@b), no backslash (urllib3,
 # which vLLM fetches through, ends the host at one; urlsplit does not), no space or control
 # character; the host as a proxy.media_url_hosts entry is written (a trailing dot allowed).
@@ -322,6 +348,42 @@ def check_tools(tools: Any) -> None:
         check_function_def(fn, f"{w}.function")
 
 
+def non_finite_at(value: Any, where: str) -> str | None:
+    """The path of the first NaN or infinity in a JSON value (Python's reader takes them; a
+    schema holding one reaches the engine's guided decoding), or None."""
+    stack = [(value, where)]
+    while stack:
+        v, w = stack.pop()
+        if isinstance(v, float) and not math.isfinite(v):
+            return w
+        if isinstance(v, dict):
+            stack.extend((item, f"{w}.{k}") for k, item in reversed(v.items()))
+        elif isinstance(v, list):
+            stack.extend((item, f"{w}[{i}]") for i, item in reversed(list(enumerate(v))))
+    return None
+
+
+def check_finite(value: Any, where: str) -> None:
+    """A 400 naming the first NaN or infinity in `value` (`non_finite_at`)."""
+    if value is not None:
+        at = non_finite_at(value, where)
+        if at is not None:
+            raise invalid(f"'{at}' must be a finite number (NaN and infinities are not JSON).", at)
+
+
+def check_values(body: dict[str, Any]) -> None:
+    """`seed` (an integer, as vLLM's 64-bit field) and the schema of `response_format`: values the
+    engine would take silently or misread, each a 400 naming it."""
+    seed = body.get("seed")
+    if seed is not None and (not _is_int(seed) or not -(2**63) <= seed < 2**63):
+        raise invalid("'seed' must be an integer (64-bit).", "seed")
+    fmt = body.get("response_format")
+    check_finite(fmt, "response_format")
+    schema = fmt.get("json_schema") if isinstance(fmt, dict) else None
+    if isinstance(schema, dict) and schema.get("strict") is not None and not isinstance(schema["strict"], bool):
+        raise invalid("'response_format.json_schema.strict' must be a boolean.", "response_format.json_schema.strict")
+
+
 def check_tool_choice(choice: Any, tools: Any) -> None:
     """`none`, `auto`, `required` or `{"type": "function", "function": {"name"}}` naming one of `tools`."""
     if choice is None or choice in ("none", "auto"):
@@ -354,6 +416,9 @@ def check_function_def(fn: dict[str, Any], where: str) -> None:
         raise invalid(f"'{where}.name' must be a non-empty string.", f"{where}.name")
     if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
         raise invalid(f"'{where}.parameters' must be an object (a JSON Schema).", f"{where}.parameters")
+    check_finite(fn.get("parameters"), f"{where}.parameters")
+    if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
+        raise invalid(f"'{where}.strict' must be a boolean.", f"{where}.strict")
     if fn.get("description") is not None and not isinstance(fn["description"], str):
         raise invalid(f"'{where}.description' must be a string.", f"{where}.description")
 
@@ -408,6 +473,7 @@ def check_request(
     if effort is not None and effort not in EFFORTS:
         raise invalid(f"'reasoning_effort' must be one of {', '.join(EFFORTS)}.", "reasoning_effort")
     fields.check_template_kwargs(body.get("chat_template_kwargs"), "chat_template_kwargs")
+    check_values(body)
     if body.get("tools") is not None:
         check_tools(body["tools"])
     check_tool_choice(body.get("tool_choice"), body.get("tools"))

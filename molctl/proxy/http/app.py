@@ -137,7 +137,10 @@ class ProxyApp:
         self.profile = profile
         self.engine = engine
         self.client = EngineClient(
-            upstream, request_id_field=engine.request_id_field, request_id_unique=engine.request_id_unique
+            upstream,
+            request_id_field=engine.request_id_field,
+            request_id_unique=engine.request_id_unique,
+            max_body=profile.proxy.engine_body_max_bytes,
         )
         self.client.tracing = self.tracing = tracing.start(profile, engine)  # None: traces are off
         self.counters = ProxyMetrics(self._gauges, self._store_counters)

@@ -448,7 +448,7 @@ class Orchestrator:
             self._answered(plan, start)
         plan.usage = body.get("usage") if isinstance(body.get("usage"), dict) else None
         self.counters.usage("answer", plan.route, plan.usage)
-        plan.tokens = self.engine.answer_tokens(body)
+        plan.tokens = held.tokens if payload is None else self.engine.answer_tokens(body)  # a hit's: read once
         shaped = shaping.shape_completion(body, self.public, shaping.new_id())
         if shaped["choices"][0]["finish_reason"] not in FAILED_FINISH:
             self.record(plan, shaped["choices"][0]["message"])

@@ -26,6 +26,11 @@ from molctl.proxy.pipeline.plan import Plan
 HOP = "speculative"  # the hop name the engine sees (X-MoL-Hop, the request id's suffix)
 # why a turn was not speculated (the `reason` label of speculative_total{outcome="skipped"})
 SKIP_REASONS = ("disabled", "first_turn", "tool_turn", "admission", "summary_pending")
+# A held stream's events buffered ahead of its reader, at most: past it the hop stops reading the
+# engine's stream, which backs up into the engine as a routed stream's slow client does (unbounded,
+# a slow reader on a hit made the proxy hold 90 MB for a 100k-token answer). The route decides
+# within a few events (a 2-token decode), so the engine is not held back before it.
+HELD_EVENTS_MAX = 256
 Build = Callable[[str], Awaitable[tuple[list[dict[str, Any]], dict[str, Any]]]]
 
 
@@ -88,7 +93,7 @@ class HeldHop:
         self.tokens = AnswerTokens()
         self.generated = 0  # events with generated output (a stream without token ids: ~1 token each)
         self.usage: dict[str, Any] | None = None
-        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.queue: asyncio.Queue[Any] = asyncio.Queue(HELD_EVENTS_MAX)
         self.body: dict[str, Any] | None = None
         self.error: BaseException | None = None
         self.task: asyncio.Task | None = None
@@ -99,18 +104,19 @@ class HeldHop:
         self.task = asyncio.ensure_future(run(self))
 
     async def pump(self, upstream: AsyncIterator[dict[str, Any]]) -> None:
-        """Buffer a stream's events (the engine is never held back by the client's pace) and how
-        the stream ended: the reader (`events`) raises its failure, whatever it was."""
+        """Buffer a stream's events, at most HELD_EVENTS_MAX ahead of the reader (then the
+        client's pace holds the engine back, as on a routed stream), and how the stream ended:
+        the reader (`events`) raises its failure, whatever it was."""
         try:
             async for event in upstream:
                 if self.first_at is None:
                     self.first_at = time.monotonic()
                 self._count(event)
-                self.queue.put_nowait(event)
+                await self.queue.put(event)
         except Exception as exc:  # any failure reaches the reader: it never waits on a queue nobody fills
-            self.queue.put_nowait(_End(exc))
+            await self.queue.put(_End(exc))
         else:
-            self.queue.put_nowait(_End())
+            await self.queue.put(_End())
         finally:
             self.done_at = time.monotonic()
             await upstream.aclose()  # not read whole: the connection closes, the engine aborts it

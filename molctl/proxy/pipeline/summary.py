@@ -17,8 +17,11 @@ from array import array
 from dataclasses import dataclass
 from typing import Any
 
-from molctl.engines.base import AnswerTokens, Engine, continuation_ids
+import orjson
+
+from molctl.engines.base import AnswerTokens, Engine, RawIds, continuation_ids
 from molctl.profiles import ROUTES, Profile
+from molctl.proxy import fastjson
 from molctl.proxy.apis.request_fields import FieldPolicy
 from molctl.proxy.conversations import TurnRecord, text_of
 from molctl.proxy.engine_client import CHAT_PATH, EngineChoice, EngineClient, checked_completion
@@ -35,15 +38,48 @@ log = logging.getLogger("molctl.proxy")
 
 @dataclass
 class SummaryJob:
-    """What a summary hop needs once it has a slot: today's chat request (the fallback) and, for
-    the token continuation, the answer's token ids and the adapter."""
+    """What a queued summary hop keeps until it has a slot, and no more (issue 40: the token
+    lists and the chat fallback's messages, 2.85 MB a summary at 150k tokens): the continuation's
+    whole prompt as JSON when the summary suffix is known (about 7 bytes a token, sent as it is:
+    no int objects are made again), else the answer's token ids as 4-byte arrays and the chat
+    request (the fallback) as its JSON bytes; `size()` of it is bounded by
+    `proxy.summary_job_max_bytes`."""
 
-    chat: dict[str, Any]
+    chat: bytes | None  # the chat summary's JSON (`summary_payload`); None when `ids` is set
     model: str
     route: str
-    tokens: AnswerTokens | None
+    tokens: AnswerTokens | None  # the answer's ids as arrays, while the suffix is not known yet
     extra: dict[str, Any]  # answer-hop fields the continuation must repeat to hit its cache (vLLM cache_salt)
     engine: EngineChoice | None = None  # the request's engine (conversation affinity): the summary goes there too
+    ids: bytes | None = None  # the continuation's prompt (`continuation_ids`) as a JSON array, built at queue time
+    count: int = 0  # how many ids that is
+
+    def size(self) -> int:
+        """The bytes it keeps: the JSON and the token arrays (the rest is a few hundred)."""
+        arrays = [a for a in (self.tokens.prompt, self.tokens.output) if a is not None] if self.tokens else []
+        return len(self.chat or b"") + len(self.ids or b"") + sum(len(a) * a.itemsize for a in arrays)  # type: ignore[attr-defined]
+
+
+def continuation_json(tokens: AnswerTokens, suffix: list[int]) -> tuple[bytes, int]:
+    """`continuation_ids` as a JSON array and its length; a prompt the engine client kept as its
+    text (`RawIds`) is joined as it is, never parsed (256k ids: 1 ms, not 25)."""
+    prompt = tokens.prompt
+    if not isinstance(prompt, RawIds):
+        ids = continuation_ids(tokens, suffix)
+        return fastjson.dumps_bytes(ids), len(ids)
+    rest = continuation_ids(AnswerTokens([], tokens.output, tokens.stop_token), suffix)
+    if not rest:
+        return prompt.text, prompt.count
+    tail = fastjson.dumps_bytes(rest)
+    return prompt.text.rstrip()[:-1] + b"," + tail[1:], prompt.count + len(rest)
+
+
+def compact_ids(ids: list[int]) -> array:
+    """Token ids as 4 bytes each (every vocabulary fits), 8 for a value that does not."""
+    try:
+        return array("i", ids)
+    except OverflowError:
+        return array("q", ids)
 
 
 class Summaries:
@@ -107,27 +143,40 @@ class Summaries:
             self.counters.inc("summaries_dropped_total")
             record.set_summary(None)
             return
+        job = self._job(plan)
+        if job.size() > self.profile.proxy.summary_job_max_bytes:
+            self.counters.inc("summaries_dropped_total")
+            record.set_summary(None)
+            if "size" not in self._fallback_said:
+                self._fallback_said.add("size")
+                log.warning(
+                    "a summary would keep %d bytes while queued, over proxy.summary_job_max_bytes (%d): "
+                    "dropped (counted in summaries_dropped_total; said once)",
+                    job.size(),
+                    self.profile.proxy.summary_job_max_bytes,
+                )
+            return
         self.waiting += 1
-        # the task keeps the summary request only, not the client's request
-        salt = plan.body.get("cache_salt")
-        tokens = plan.tokens
-        if (
-            tokens is not None and tokens.complete()
-        ):  # 8 bytes a token while queued, not a Python int and its pointer (36)
-            tokens = AnswerTokens(array("l", tokens.prompt), array("l", tokens.output), tokens.stop_token)  # type: ignore[arg-type]
-        job = SummaryJob(
-            self.summary_payload(plan),
-            self.adapter_models[plan.route],
-            plan.route,
-            tokens,
-            {"cache_salt": salt} if isinstance(salt, str) and "cache_salt" in self.fields.extensions else {},
-            plan.engine,
-        )
         task = asyncio.get_running_loop().create_task(
             self._summarise(job, record, key, time.monotonic(), plan.big, plan.request_id)
         )
         self.background.add(task)
         task.add_done_callback(self.background.discard)
+
+    def _job(self, plan: Plan) -> SummaryJob:
+        """The queued summary: the summary request only, not the client's request (`SummaryJob`)."""
+        salt = plan.body.get("cache_salt")
+        extra = {"cache_salt": salt} if isinstance(salt, str) and "cache_salt" in self.fields.extensions else {}
+        model, tokens = self.adapter_models[plan.route], plan.tokens
+        complete = tokens is not None and tokens.complete() and self.engine.continuation_path is not None
+        suffix = self._suffixes.get(model) if complete else None
+        if suffix is not None:
+            text, count = continuation_json(tokens, suffix)  # type: ignore[arg-type]
+            return SummaryJob(None, model, plan.route, None, extra, plan.engine, text, count)
+        if complete:
+            tokens = AnswerTokens(compact_ids(tokens.prompt), compact_ids(tokens.output), tokens.stop_token)  # type: ignore[arg-type, union-attr]
+        chat = fastjson.dumps_bytes(self.summary_payload(plan))
+        return SummaryJob(chat, model, plan.route, tokens if complete else None, extra, plan.engine)
 
     def _stale(self, record: TurnRecord, queued: float) -> bool:
         return record.stale or time.monotonic() - queued > self.profile.proxy.summary_wait_s
@@ -211,6 +260,8 @@ class Summaries:
         answer's token ids (an engine that reports none, a stream that hid them, SGLang streams)
         or a suffix, today's chat summary (`summary_payload`), counted in
         `summary_chat_fallbacks_total` and logged once per cause."""
+        if job.ids is not None:
+            return self._continuation(job, orjson.Fragment(job.ids), job.count)
         tokens = job.tokens
         suffix = None
         if tokens is not None and tokens.complete() and self.engine.continuation_path is not None:
@@ -229,11 +280,19 @@ class Summaries:
                         "an answer hop came back without its token ids: its summary is sent as a chat request "
                         "(counted in summary_chat_fallbacks_total; said once)"
                     )
-            await self.window_fit.fit(job.chat, "summary", job.engine)
-            return CHAT_PATH, job.chat
+            chat: bytes = job.chat  # type: ignore[assignment]
+            # a MiB of JSON takes orjson 5-20 ms to read: off the event loop, as a big body's parse
+            payload = fastjson.loads(chat) if len(chat) < 1 << 20 else await asyncio.to_thread(fastjson.loads, chat)
+            await self.window_fit.fit(payload, "summary", job.engine)
+            return CHAT_PATH, payload
         ids = continuation_ids(tokens, suffix)
+        return self._continuation(job, ids, len(ids))
+
+    def _continuation(self, job: SummaryJob, ids: Any, count: int) -> tuple[str, dict[str, Any]] | None:
+        """The continuation hop of `ids` (`count` of them; a list, or its JSON as an orjson
+        Fragment), or None: with the summary's tokens it passes the window."""
         limit = self.profile.proxy.summary_max_tokens
-        if self.window is not None and len(ids) + limit > self.window:
+        if self.window is not None and count + limit > self.window:
             self.counters.inc("summary_window_skips_total")
             return None
         payload = self.engine.continuation_request(job.model, job.route, ids, limit)

@@ -323,11 +323,11 @@ def test_tool_choice_forms(s, choice, expect_choice, expect_tools):
     assert [t["function"]["name"] for t in payload["tools"]] == expect_tools
 
 
-def test_only_hosted_tools_and_required_give_a_plain_answer(s):
+def test_only_hosted_tools_and_required_is_a_400_naming_tool_choice(s):
+    """Guards the dropped instruction (issue 40): 'required' with nothing to call was sent as a plain answer."""
     r = post(s, "/v1/responses", input="[route:L2] go", tools=[{"type": "web_search"}], tool_choice="required")
-    assert r.status_code == 200, r.text
-    payload = s.answers()[-1]["payload"]
-    assert "tools" not in payload and "tool_choice" not in payload
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "tool_choice"
 
 
 def test_items_of_tools_this_server_never_runs_are_left_out_and_unknown_items_are_400s(s):

@@ -11,15 +11,20 @@ from __future__ import annotations
 
 import base64
 import os
+import re
 import zlib
 from typing import Any
 
-from molctl.proxy.apis.chat_validation import check_function_def, check_media_url
+from molctl.proxy.apis.chat_validation import check_finite, check_function_def, check_media_url
 from molctl.proxy.apis.request_fields import PERMISSIVE, FieldPolicy
 from molctl.proxy.errors import ProxyError, invalid, shown
 
 TEXT_PARTS = ("input_text", "output_text", "text")
 NAMESPACE_SEP = "__"  # a namespace's function as the engine sees it: NAMESPACE__NAME
+# a namespace's name becomes part of its functions' names at the engine (NAMESPACE__NAME): the
+# characters a function name may hold (OpenAI: a-z, A-Z, 0-9, underscores and dashes; dots too)
+NAMESPACE_NAME = re.compile(r"(?!.*__)[A-Za-z0-9_.-]{1,64}")
+HOSTED_KIND = re.compile(r"[a-z][a-z0-9_]*")  # OpenAI's hosted tool types: web_search, mcp, ...
 
 IGNORED_ITEMS = frozenset(
     {
@@ -46,6 +51,12 @@ IGNORED_ITEMS = frozenset(
     }
 )
 ENCRYPTED_PREFIX = "mol1."
+# What reasoning `encrypted_content` may inflate to (a 21 KB item inflated to 16 MiB, 8 of them
+# peaked the proxy at 699 MB): an item at most 4 MiB (about 1M tokens of text, past any answer's
+# reasoning at proxy.max_output_tokens), a request's items together at most 8 MiB (the body limit:
+# no more text than a client may send in the clear).
+REASONING_ITEM_MAX = 4 << 20
+REASONING_REQUEST_MAX = 8 << 20
 
 
 def encode_reasoning(text: str) -> str:
@@ -53,12 +64,16 @@ def encode_reasoning(text: str) -> str:
     return ENCRYPTED_PREFIX + base64.urlsafe_b64encode(zlib.compress(text.encode("utf-8"))).decode("ascii")
 
 
-def decode_reasoning(blob: str) -> str | None:
-    """The text of an `encrypted_content` this proxy made, else None."""
+def decode_reasoning(blob: str, limit: int = REASONING_ITEM_MAX) -> str | None:
+    """The text of an `encrypted_content` this proxy made, else None; OverflowError when it
+    inflates past `limit` bytes (it is never inflated further than that)."""
     if not blob.startswith(ENCRYPTED_PREFIX):
         return None
     try:
-        data = zlib.decompressobj().decompress(base64.urlsafe_b64decode(blob[len(ENCRYPTED_PREFIX) :]), 1 << 24)
+        inflate = zlib.decompressobj()
+        data = inflate.decompress(base64.urlsafe_b64decode(blob[len(ENCRYPTED_PREFIX) :]), limit + 1)
+        if len(data) > limit:
+            raise OverflowError(limit)
         return data.decode("utf-8")
     except (ValueError, zlib.error):
         return None
@@ -108,9 +123,11 @@ def _parts_to_content(parts: Any, where: str, role: str, media_hosts: tuple[str,
     return out
 
 
-def _reasoning_text(item: dict[str, Any], where: str, fields: FieldPolicy) -> str | None:
-    """What a `reasoning` input item says: its content text, else its summary text, else the
-    `encrypted_content` this proxy made (another server's is noted and gives None)."""
+def _reasoning_text(item: dict[str, Any], where: str, fields: FieldPolicy, room: int) -> tuple[str | None, int]:
+    """(What a `reasoning` input item says, the bytes inflated for it): its content text, else
+    its summary text, else the `encrypted_content` this proxy made (another server's is noted and
+    gives None), which may inflate to at most REASONING_ITEM_MAX bytes and `room` (what the
+    request's earlier items left of REASONING_REQUEST_MAX): past either it is a 400 naming it."""
     for key, kinds in (("content", ("reasoning_text", "text")), ("summary", ("summary_text",))):
         parts = item.get(key)
         if parts is not None and not isinstance(parts, list):
@@ -119,16 +136,25 @@ def _reasoning_text(item: dict[str, Any], where: str, fields: FieldPolicy) -> st
         if any(not isinstance(t, str) for t in texts):
             raise invalid(f"'{where}.{key}' parts need a string 'text'.", f"{where}.{key}")
         if texts:
-            return "".join(texts) if key == "content" else "\n\n".join(texts)
+            return "".join(texts) if key == "content" else "\n\n".join(texts), 0
     blob = item.get("encrypted_content")
     if blob is None:
-        return None
+        return None, 0
+    field = f"{where}.encrypted_content"
     if not isinstance(blob, str):
-        raise invalid(f"'{where}.encrypted_content' must be a string.", f"{where}.encrypted_content")
-    text = decode_reasoning(blob)
+        raise invalid(f"'{field}' must be a string.", field)
+    try:
+        text = decode_reasoning(blob, min(REASONING_ITEM_MAX, room))
+    except OverflowError:
+        raise invalid(
+            f"'{field}' inflates past {min(REASONING_ITEM_MAX, room)} bytes (at most {REASONING_ITEM_MAX} "
+            f"per item, {REASONING_REQUEST_MAX} for a request's reasoning items together).",
+            field,
+        ) from None
     if text is None:
         fields.note_ignored("input[].encrypted_content", "responses", "reasoning another server encrypted; left out")
-    return text
+        return None, 0
+    return text, len(text.encode("utf-8"))
 
 
 def item_type(item: dict[str, Any]) -> Any:
@@ -194,6 +220,7 @@ class _Input:
         self.messages: list[dict[str, Any]] = []
         self.items: list[dict[str, Any]] = []
         self.reasoning: list[str] = []  # reasoning items waiting for the assistant message they precede
+        self.inflated = 0  # bytes of encrypted reasoning inflated so far (REASONING_REQUEST_MAX)
 
     def assistant(self, msg: dict[str, Any]) -> dict[str, Any]:
         if self.reasoning:
@@ -213,7 +240,8 @@ class _Input:
         elif kind == "function_call_output":
             self.function_call_output(item, w)
         elif kind == "reasoning":
-            text = _reasoning_text(item, w, self.fields)
+            text, inflated = _reasoning_text(item, w, self.fields, REASONING_REQUEST_MAX - self.inflated)
+            self.inflated += inflated
             if text:
                 self.reasoning.append(text)
         elif kind in IGNORED_ITEMS:
@@ -312,6 +340,36 @@ def _function_tool(tool: dict[str, Any], where: str, namespace: dict[str, Any] |
     return {"type": "function", "function": fn}
 
 
+def _hosted_kind(kind: str, where: str, kinds: tuple[str, ...]) -> None:
+    """A tool type the engine cannot run is a hosted tool's (lower-case snake case, as all of
+    OpenAI's are) and none of `kinds` in another spelling: `"Function"` is a 400, as in chat."""
+    if kind.lower() in kinds or not HOSTED_KIND.fullmatch(kind):
+        raise invalid(f"The tool type {shown(kind)} is not supported; expected one of {', '.join(kinds)}.", where)
+
+
+def _namespace_tools(tool: dict[str, Any], w: str, fields: FieldPolicy) -> list[tuple[dict[str, Any], str]]:
+    """A namespace's function tools as (chat tool, its own name); a nested namespace or a misspelt type is a 400
+    naming it, a hosted or custom tool inside one is noted and left out."""
+    if not isinstance(tool.get("name"), str) or not NAMESPACE_NAME.fullmatch(tool["name"]):
+        raise invalid(
+            f"'{w}.name' must be a non-empty name of letters, digits, '_', '-' or '.' without '{NAMESPACE_SEP}'.",
+            f"{w}.name",
+        )
+    if not isinstance(tool.get("tools"), list):
+        raise invalid(f"'{w}.tools' must be an array of tools.", f"{w}.tools")
+    out = []
+    for j, inner in enumerate(tool["tools"]):
+        where = f"{w}.tools[{j}]"
+        if not isinstance(inner, dict) or not isinstance(inner.get("type"), str):
+            raise invalid(f"'{where}' must be an object with a 'type'.", where)
+        if inner["type"] == "function":
+            out.append((_function_tool(inner, where, tool), inner["name"]))
+            continue
+        _hosted_kind(inner["type"], f"{where}.type", ("function", "namespace"))
+        fields.note_ignored(f"tools[].tools[].{inner['type']}"[:80], "responses", "only a namespace's functions run")
+    return out
+
+
 def _convert_tools(
     tools: Any, fields: FieldPolicy = PERMISSIVE
 ) -> tuple[list[dict[str, Any]], dict[str, tuple[str, str]]]:
@@ -328,22 +386,11 @@ def _convert_tools(
         if kind == "function":
             out.append(_function_tool(tool, w))
         elif kind == "namespace":
-            if not isinstance(tool.get("name"), str) or not tool["name"] or NAMESPACE_SEP in tool["name"]:
-                raise invalid(f"'{w}.name' must be a non-empty string without '{NAMESPACE_SEP}'.", f"{w}.name")
-            if not isinstance(tool.get("tools"), list):
-                raise invalid(f"'{w}.tools' must be an array of tools.", f"{w}.tools")
-            for j, inner in enumerate(tool["tools"]):
-                if not isinstance(inner, dict) or inner.get("type") != "function":
-                    fields.note_ignored(
-                        f"tools[].tools[].{(inner or {}).get('type') if isinstance(inner, dict) else '?'}",
-                        "responses",
-                        "only a namespace's function tools reach the engine",
-                    )
-                    continue
-                chat_tool = _function_tool(inner, f"{w}.tools[{j}]", tool)
-                namespaced[chat_tool["function"]["name"]] = (tool["name"], inner["name"])
+            for chat_tool, name in _namespace_tools(tool, w, fields):
+                namespaced[chat_tool["function"]["name"]] = (tool["name"], name)
                 out.append(chat_tool)
         else:
+            _hosted_kind(kind, f"{w}.type", ("function", "namespace"))
             fields.note_ignored(
                 f"tools[].{kind}"[:80], "responses", "a tool the engine cannot run; left out of its tools"
             )
@@ -354,13 +401,17 @@ def _convert_tools(
 
 
 def _convert_tool_choice(choice: Any, chat: dict[str, Any], fields: FieldPolicy = PERMISSIVE) -> None:
-    """Set chat's `tool_choice` (and narrow its `tools` for `allowed_tools`) from a Responses one."""
+    """Set chat's `tool_choice` (and narrow its `tools` for `allowed_tools`) from a Responses
+    one. A choice the engine cannot follow (`required` with no function tool to call) is a 400
+    naming it, never dropped."""
     names = {t["function"]["name"] for t in chat.get("tools") or ()}
     if choice in ("auto", "none", "required"):
-        if choice != "required" or names:
-            chat["tool_choice"] = choice
-        else:
-            fields.note_ignored("tool_choice", "responses", "'required' with no tool the engine can run")
+        if choice == "required" and not names:
+            raise invalid(
+                "'tool_choice' is 'required' but no function tool is declared (hosted tools do not run here).",
+                "tool_choice",
+            )
+        chat["tool_choice"] = choice
         return
     if not isinstance(choice, dict) or not isinstance(choice.get("type"), str):
         raise invalid("'tool_choice' must be 'auto', 'none', 'required' or an object with a 'type'.", "tool_choice")
@@ -373,25 +424,36 @@ def _convert_tool_choice(choice: Any, chat: dict[str, Any], fields: FieldPolicy 
             "function": {"name": flat_name(choice["name"], choice.get("namespace"))},
         }
     elif kind == "allowed_tools":
-        mode, allowed = choice.get("mode", "auto"), choice.get("tools")
-        if mode not in ("auto", "required") or not isinstance(allowed, list):
-            raise invalid(
-                "'tool_choice' allowed_tools needs a 'mode' of auto or required and an array 'tools'.", "tool_choice"
-            )
-        keep = {
-            flat_name(t.get("name"), t.get("namespace"))
-            for t in allowed
-            if isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("name"), str)
-        }
-        chat["tools"] = [t for t in chat.get("tools") or () if t["function"]["name"] in keep]
-        if not chat["tools"]:
-            del chat["tools"]
-        elif mode == "required" or mode == "auto":
-            chat["tool_choice"] = mode
+        _allowed_tools(choice, chat)
     else:
         fields.note_ignored(f"tool_choice.{kind}"[:80], "responses", "a tool the engine cannot run; 'auto' instead")
         if names:
             chat["tool_choice"] = "auto"
+
+
+def _allowed_tools(choice: dict[str, Any], chat: dict[str, Any]) -> None:
+    """`allowed_tools`: the engine gets only the named function tools, and the mode; `required`
+    naming no declared function tool is a 400 (nothing could be called)."""
+    mode, allowed = choice.get("mode", "auto"), choice.get("tools")
+    if mode not in ("auto", "required") or not isinstance(allowed, list):
+        raise invalid(
+            "'tool_choice' allowed_tools needs a 'mode' of auto or required and an array 'tools'.", "tool_choice"
+        )
+    keep = {
+        flat_name(t.get("name"), t.get("namespace"))
+        for t in allowed
+        if isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("name"), str)
+    }
+    chat["tools"] = [t for t in chat.get("tools") or () if t["function"]["name"] in keep]
+    if chat["tools"]:
+        chat["tool_choice"] = mode
+        return
+    del chat["tools"]
+    if mode == "required":
+        raise invalid(
+            "'tool_choice.tools' names no declared function tool, and mode 'required' needs one to call.",
+            "tool_choice.tools",
+        )
 
 
 def _convert_text(text: Any, fields: FieldPolicy = PERMISSIVE) -> dict[str, Any] | None:
@@ -413,6 +475,9 @@ def _convert_text(text: Any, fields: FieldPolicy = PERMISSIVE) -> dict[str, Any]
     if kind == "json_schema":
         if not isinstance(fmt.get("schema"), dict) or not isinstance(fmt.get("name"), str):
             raise invalid("'text.format' json_schema needs a string 'name' and an object 'schema'.", "text.format")
+        check_finite(fmt["schema"], "text.format.schema")
+        if fmt.get("strict") is not None and not isinstance(fmt["strict"], bool):
+            raise invalid("'text.format.strict' must be a boolean.", "text.format.strict")
         schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if fmt.get(k) is not None}
         return {"type": "json_schema", "json_schema": schema}
     raise invalid(f"The text format type '{kind}' is not supported.", "text.format.type")
