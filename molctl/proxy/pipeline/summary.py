@@ -267,7 +267,7 @@ class Summaries:
         if tokens is not None and tokens.complete() and self.engine.continuation_path is not None:
             suffix = await self.summary_suffix(job.model, job.engine)
             cause = "probe"
-        elif not self.engine.answer_token_fields(False):
+        elif (tokens is None or not tokens.complete()) and not self.engine.answer_token_fields(False):
             cause = "engine"  # never asked (SGLang: its chat answers carry no generated ids)
         else:
             cause = "tokens"
