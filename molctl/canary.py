@@ -31,7 +31,8 @@ from typing import Any
 
 import httpx
 
-from molctl.profiles import ROUTES, Profile
+from molctl.profiles import Profile
+from molctl.routes import ROUTES
 
 CATEGORY = "adapter-effect"  # `--skip adapter-effect`; the check ids of `check --live`
 PROMPT = "The list of things to pack for a long trip by train: a map, a"

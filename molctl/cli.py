@@ -220,7 +220,7 @@ def _up_options(
     stop_timeout=60.0,
     restart=False,
 ):
-    from molctl.start import UpOptions
+    from molctl.launch import UpOptions
 
     return UpOptions(
         overrides=overrides_from(model_root, set_),

@@ -23,7 +23,7 @@ import shutil
 from pathlib import Path
 
 from molctl.errors import MolctlError, UsageError
-from molctl.profiles import ROUTES
+from molctl.routes import ROUTES
 from molctl.safetensors import write_file
 
 BASE_NAME = "tiny-mol-llama"

@@ -7,16 +7,34 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 from molctl.engines import get_engine
 from molctl.profiles import Profile
 from molctl.readiness import base_url
+from molctl.stop import ENGINE_STOP_TIMEOUT_S
 
-if TYPE_CHECKING:
-    from molctl.start import UpOptions
 PROXY_SECRET_ENV = ("MOLCTL_API_KEY", "MOLCTL_STORE_PASSWORD")  # the proxy's secrets: never the engine's
+
+
+@dataclass
+class UpOptions:
+    """What `up` (and `switch`, `render`) was asked: the overrides, the checks skipped, the proxy's
+    key and drain, where profiles are looked up, and how a running stack is replaced."""
+
+    overrides: list[tuple[str, Any]] = field(default_factory=list)
+    skip: Iterable[str] = ()
+    timeout_s: float | None = None
+    api_key_file: Path | None = None
+    allow_unauthenticated: bool = False
+    drain_timeout_s: float = 600.0
+    profiles_dirs: list[Path] = field(default_factory=list)
+    restart: bool = False  # stop this profile's running stack first (another configuration, or a plain restart)
+    stop_timeout_s: float = ENGINE_STOP_TIMEOUT_S  # for what `up --restart` / `switch` stop
+    verify: Any = None  # `up --verify`: a molctl.checks.verify.Verify; the preflight adds the `lock` category
 
 
 def engine_env(profile: Profile, base: dict[str, str] | None = None) -> dict[str, str]:

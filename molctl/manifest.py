@@ -36,8 +36,9 @@ from molctl.manifestfile import (
     prepare_output,
     write_atomic,
 )
-from molctl.profiles import ROUTES, Profile
+from molctl.profiles import Profile
 from molctl.redaction import redact_value
+from molctl.routes import ROUTES
 
 # Ambient variables that change what the engine does (the profile's own engine.env is always pinned).
 ENV_PREFIXES = (

@@ -24,9 +24,9 @@ from typing import Any
 
 from molctl.errors import ProfileError
 from molctl.profileyaml import _ListOf, _MapOf, _short, _Validator, apply_overrides, load_yaml_with_lines
+from molctl.routes import ROUTES
 
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]*$")
-ROUTES = ("L0", "L1", "L2", "L3")
 ENGINE_KINDS = ("vllm", "sglang")
 REASONING_STYLES = ("glm", "qwen", "none")
 

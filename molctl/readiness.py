@@ -18,7 +18,8 @@ from typing import Protocol
 import httpx
 
 from molctl.engines.base import Engine, adapter_problems
-from molctl.profiles import ROUTES, Profile
+from molctl.profiles import Profile
+from molctl.routes import ROUTES
 
 
 def connect_host(host: str) -> str:

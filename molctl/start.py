@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ from molctl import canary, stackconfig
 from molctl.claims import Claim, ClaimConflict, HostClaims, claim_components, holder_info, release_all
 from molctl.engines import get_engine
 from molctl.errors import ConflictError, ExitStatus, MolctlError
-from molctl.launch import engine_argv, engine_env, proxy_argv
+from molctl.launch import UpOptions, engine_argv, engine_env, proxy_argv
 from molctl.processes import kill_fresh, members, new_marker, record_for, spawn, stop, tail
 from molctl.profiles import Profile
 from molctl.progress import Progress
@@ -43,7 +42,7 @@ from molctl.state import (
     remove_record,
     write_record,
 )
-from molctl.stop import ENGINE_STOP_TIMEOUT_S, clean_component, clean_stale, clean_unrecorded, down_locked, down_one
+from molctl.stop import clean_component, clean_stale, clean_unrecorded, down_locked, down_one
 from molctl.stopsignals import _one_more_interrupt, interrupted_by
 
 PROXY_READY_TIMEOUT_S = 60.0
@@ -64,20 +63,6 @@ class PreflightFailed(MolctlError):
     def __init__(self, message: str, exit_status: ExitStatus, report):
         super().__init__(message, exit_status)
         self.report = report
-
-
-@dataclass
-class UpOptions:
-    overrides: list[tuple[str, Any]] = field(default_factory=list)
-    skip: Iterable[str] = ()
-    timeout_s: float | None = None
-    api_key_file: Path | None = None
-    allow_unauthenticated: bool = False
-    drain_timeout_s: float = 600.0
-    profiles_dirs: list[Path] = field(default_factory=list)
-    restart: bool = False  # stop this profile's running stack first (another configuration, or a plain restart)
-    stop_timeout_s: float = ENGINE_STOP_TIMEOUT_S  # for what `up --restart` / `switch` stop
-    verify: Any = None  # `up --verify`: a molctl.checks.verify.Verify; the preflight adds the `lock` category
 
 
 class Adopted:

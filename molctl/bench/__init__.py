@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from molctl.errors import ExitStatus, MolctlError, UsageError
-from molctl.profiles import ROUTES
+from molctl.routes import ROUTES
 
 # `canary`: the adapter efficacy canary of `up` (molctl.canary), once per run (not per concurrency):
 # an engine whose adapter stopped having an effect shows in the bench report too

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 
 from molctl.bench import PROXY_METRICS, BenchOptions, Req, Target, workload
-from molctl.profiles import ROUTES
+from molctl.routes import ROUTES
 
 
 def _percentiles(values: list[float]) -> dict[str, float | None]:

@@ -26,7 +26,7 @@ from molctl.bench import (
 )
 from molctl.bench.measure import VramSampler, _run
 from molctl.errors import ExitStatus, MolctlError, UsageError
-from molctl.profiles import ROUTES
+from molctl.routes import ROUTES
 
 
 def find_target(ctx, name: str) -> Target:

@@ -20,7 +20,7 @@ from jinja2.exceptions import SecurityError
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from molctl.checks.template import BRACE_WIDTHS, MAX_OUTPUT, PERCENT_WIDTHS
+from molctl.checks.render_limits import BRACE_WIDTHS, MAX_OUTPUT, PERCENT_WIDTHS
 
 
 @lru_cache(maxsize=16)

@@ -10,7 +10,8 @@ changes the base model's greedy tokens or logprobs, fail when it does not;
 from __future__ import annotations
 
 from molctl.checks.result import CheckResult, Probes
-from molctl.profiles import ROUTES, Profile
+from molctl.profiles import Profile
+from molctl.routes import ROUTES
 
 
 def run(profile: Profile, probes: Probes, ctx) -> list[CheckResult]:

@@ -17,7 +17,8 @@ from typing import Any
 
 from molctl.checks.result import CheckResult, Probes, describe
 from molctl.engines import get_engine
-from molctl.profiles import ROUTES, Profile
+from molctl.profiles import Profile
+from molctl.routes import ROUTES
 from molctl.safetensors import HeaderError, SafetensorsHeader, read_header
 
 INDEX = "model.safetensors.index.json"

@@ -25,13 +25,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from molctl.checks.render_limits import MAX_OUTPUT, RENDER_TIMEOUT_S
 from molctl.checks.result import CheckResult, Probes
 from molctl.engines import get_engine
 from molctl.profiles import Profile
@@ -267,13 +267,6 @@ def render(template: Template, payload: dict[str, Any], content_format: str = "s
     from molctl.checks.jinja_sandbox import compile_template
 
     return _bounded_render(compile_template(text), kwargs)
-
-
-MAX_OUTPUT = 4 * 1024 * 1024  # characters of one rendered prompt (a real one is kilobytes)
-# the widths and precisions of printf-style and str.format format strings (a huge one allocates it)
-PERCENT_WIDTHS = re.compile(r"%(?:\([^)]*\))?[#0 +-]*(\d+)?(?:\.(\d+))?")
-BRACE_WIDTHS = re.compile(r"\{[^{}]*:[^{}]*?(\d+)(?:\.(\d+))?[^{}]*\}")
-RENDER_TIMEOUT_S = 5.0  # of one render (a real one takes milliseconds)
 
 
 class RenderLimit(Exception):

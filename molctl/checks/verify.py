@@ -24,7 +24,8 @@ from molctl.checks.result import CheckResult, Probes, describe
 from molctl.hashing import file_kind
 from molctl.manifestfile import ManifestError, manifest_dir, newest
 from molctl.manifestfile import read as read_manifest
-from molctl.profiles import ROUTES, Profile
+from molctl.profiles import Profile
+from molctl.routes import ROUTES
 
 
 @dataclass

@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from molctl.profiles import ROUTES, Profile
+from molctl.profiles import Profile
+from molctl.proxy.fastjson import RawIds
+from molctl.routes import ROUTES
 
 
 @dataclass
@@ -214,25 +216,6 @@ def adapter_problems(profile: Profile, engine: Engine, models: object) -> list[s
         elif listed[name] != parent:
             problems.append(f"adapter {route} is attached to parent {listed[name]!r}, expected {parent!r}")
     return problems
-
-
-class RawIds:
-    """Token ids kept as the JSON array text the engine sent (`fastjson.loads_lifting`): 256k ids
-    are 1.8 MB of bytes, not 256k int objects (9 MB, 19 ms to make), and go on to the summary
-    hop as they came (`proxy.pipeline.summary`)."""
-
-    __slots__ = ("text", "count")
-
-    def __init__(self, text: bytes, count: int):
-        self.text, self.count = text, count
-
-    def __len__(self) -> int:
-        return self.count
-
-    def __iter__(self):
-        import json
-
-        return iter(json.loads(self.text))
 
 
 def _ints(value: Any) -> list[int] | None:

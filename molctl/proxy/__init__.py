@@ -4,6 +4,7 @@ A request: `http.server` (uvicorn, drain on SIGTERM; `run_proxy` is `molctl prox
 (auth, request ids, body limits) -> `apis` (the wire shape to a plan) -> `pipeline.run` (prepare ->
 load -> route -> answer -> record -> summary) -> back through `apis` and `http.sse` as bytes.
 Its modules, one line each:
+- `affinity`: conversation affinity between replicas: the engine a conversation's hops go to.
 - `apis.chat`: POST /v1/chat/completions: the body to a plan, the pipeline's answer back.
 - `apis.chat_validation`: chat request validation: the raw body to a checked dict, or a 400 naming the field.
 - `apis.models`: GET /v1/models and /v1/models/{id}: the one public model.

@@ -11,11 +11,11 @@ import ssl
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
 from molctl.proxy import fastjson
+from molctl.proxy.affinity import EngineChoice
 from molctl.proxy.engine_wire import _Connection, _lines
 from molctl.proxy.errors import EngineHTTPError, EngineUnavailable
 
@@ -46,17 +46,6 @@ CHAT_PATH = "/v1/chat/completions"
 # room for logprobs (about 1.5 KB per token at top_logprobs 20, 131,072 tokens: 200 MB).
 MAX_ENGINE_BODY = 512 << 20
 LIFT_HOPS = ("answer", "speculative")  # hops whose answers' token ids go on to the summary as they came
-
-
-@dataclass
-class EngineChoice:
-    """Conversation affinity (proxy replicas on a shared store): the request's chat hops go to
-    `url`, the engine of `replica`, instead of this proxy's own upstream. `failed` is set when
-    that engine refused the connection: the remaining hops go to the own engine (a takeover)."""
-
-    replica: str
-    url: str
-    failed: bool = False
 
 
 def dumps_in_steps(payload: dict[str, Any], step: int = 1000) -> bytes:

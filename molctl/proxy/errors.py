@@ -139,7 +139,7 @@ def server_names(profile: Any, upstream: str) -> list[str]:
     root, base and adapter folders, the base model's names, the engine's address and URL."""
     from urllib.parse import urlsplit
 
-    from molctl.profiles import ROUTES
+    from molctl.routes import ROUTES
 
     names = [
         profile.base_model,

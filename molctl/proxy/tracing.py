@@ -131,7 +131,7 @@ class Tracing:
         from opentelemetry import context, trace
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-        from molctl.profiles import ROUTES
+        from molctl.routes import ROUTES
 
         self.provider = provider
         self.tracer = provider.get_tracer("molctl.proxy")

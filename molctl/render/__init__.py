@@ -33,14 +33,13 @@ from typing import Any
 
 from molctl import stackconfig
 from molctl.errors import MolctlError, ProfileError, UsageError
-from molctl.launch import engine_argv, engine_env, engine_upstream, proxy_argv
+from molctl.launch import UpOptions, engine_argv, engine_env, engine_upstream, proxy_argv
 from molctl.profiles import Profile
 from molctl.redaction import (
     URL_CREDENTIALS_RE,
     is_secret_name,
     secret_engine_args,
 )  # what `lock` redacts, render refuses
-from molctl.start import UpOptions
 from molctl.stop import ENGINE_STOP_TIMEOUT_S
 
 PROFILES_MOUNT = "/etc/molctl/profiles"  # the ConfigMap with the profile file (the proxy's --profiles-dir)

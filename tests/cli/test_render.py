@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from molctl.errors import ExitStatus
+from molctl.launch import UpOptions
 from molctl.profiles import load_profile, profile_dirs
 from molctl.readiness import base_url
 from molctl.render import (
@@ -27,7 +28,7 @@ from molctl.render import (
     STATE_MOUNT,
     STOP_MARGIN_S,
 )
-from molctl.start import UpOptions, _Starter
+from molctl.start import _Starter
 from molctl.stop import ENGINE_STOP_TIMEOUT_S
 from tests.helpers import Molctl, free_port
 from tests.procs import fake_engine_argv, running

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from molctl.engines.base import AnswerTokens
+from molctl.proxy.affinity import EngineChoice
 from molctl.proxy.conversations import ConversationKeys, TurnRecord
-from molctl.proxy.engine_client import EngineChoice
 from molctl.proxy.pipeline.views import History
 from molctl.proxy.store.base import StoreScope
 

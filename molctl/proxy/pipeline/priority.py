@@ -13,7 +13,8 @@ from typing import Any
 
 from molctl.engines.base import Engine
 from molctl.profiles import Profile
-from molctl.proxy.engine_client import EngineChoice, EngineClient
+from molctl.proxy.affinity import EngineChoice
+from molctl.proxy.engine_client import EngineClient
 from molctl.proxy.errors import EngineHTTPError
 
 log = logging.getLogger("molctl.proxy")

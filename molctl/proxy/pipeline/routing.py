@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from molctl.engines.base import Engine
-from molctl.profiles import ROUTES, Profile, route_instruction
+from molctl.profiles import Profile, route_instruction
 from molctl.proxy.conversations import canonical_arguments, tool_calls_of
 from molctl.proxy.engine_client import EngineClient, checked_completion
 from molctl.proxy.errors import EngineHTTPError, EngineUnavailable
@@ -26,6 +26,7 @@ from molctl.proxy.pipeline.plan import Plan
 from molctl.proxy.pipeline.priority import PriorityPolicy
 from molctl.proxy.pipeline.views import route_input, route_messages
 from molctl.proxy.store.base import ConversationStore
+from molctl.routes import ROUTES
 
 log = logging.getLogger("molctl.proxy")
 

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 from molctl.engines.base import AnswerTokens, Engine
-from molctl.profiles import ROUTES, Profile
+from molctl.profiles import Profile
 from molctl.proxy import shaping
 from molctl.proxy.apis.chat_validation import PASSTHROUGH, check_request
 from molctl.proxy.apis.request_fields import FieldPolicy
@@ -44,6 +44,7 @@ from molctl.proxy.pipeline.views import own_view, split_history
 from molctl.proxy.pipeline.window import prompt_token_bound
 from molctl.proxy.store.base import ConversationStore
 from molctl.proxy.tool_arguments import repair_history
+from molctl.routes import ROUTES
 
 log = logging.getLogger("molctl.proxy")
 

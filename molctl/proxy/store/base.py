@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 from molctl.errors import MolctlError
 
 if TYPE_CHECKING:
+    from molctl.proxy.affinity import EngineChoice
     from molctl.proxy.conversations import CallBinding, TurnRecord
-    from molctl.proxy.engine_client import EngineChoice
 
 ResponseRecord = dict[str, Any]
 

@@ -151,7 +151,8 @@ def test_a_refusal_is_kept_per_engine_and_tried_again_later(monkeypatch):
     """One engine's refusal (a peer replica's, say) leaves priorities on the hops to the others,
     and the refusing engine gets them again after PRIORITY_RETRY_S (restarted with the flag,
     it needs no proxy restart)."""
-    from molctl.proxy.engine_client import EngineChoice, EngineClient
+    from molctl.proxy.affinity import EngineChoice
+    from molctl.proxy.engine_client import EngineClient
     from molctl.proxy.errors import EngineHTTPError
     from molctl.proxy.pipeline import priority
     from molctl.proxy.pipeline.run import Orchestrator

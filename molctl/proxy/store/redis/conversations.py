@@ -13,8 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 from molctl.proxy import fastjson
+from molctl.proxy.affinity import EngineChoice
 from molctl.proxy.conversations import CallBinding, TurnRecord
-from molctl.proxy.engine_client import EngineChoice
 from molctl.proxy.store.base import StoreScope
 from molctl.proxy.store.memory import MemoryStore
 from molctl.proxy.store.redis.connection import RedisState

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from molctl.errors import UsageError
-from molctl.proxy.engine_client import EngineChoice
+from molctl.proxy.affinity import EngineChoice
 from molctl.proxy.store.redis.target import StoreUnavailable, _decode
 
 log = logging.getLogger("molctl.proxy")

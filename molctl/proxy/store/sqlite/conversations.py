@@ -12,7 +12,7 @@ import logging
 import sqlite3
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from molctl.proxy.conversations import CallBinding, TurnRecord
 from molctl.proxy.store.base import StoreError, StoreScope
@@ -20,9 +20,6 @@ from molctl.proxy.store.local import BUSY_RETRY_S
 from molctl.proxy.store.memory import MemoryStore
 from molctl.proxy.store.sqlite.schema import LOSS_LOG_EVERY_S, PRUNE_EVERY_S, _rollback
 from molctl.proxy.store.writebehind import WriteBehind
-
-if TYPE_CHECKING:
-    from molctl.proxy.store.sqlite.store import SqliteResponseStore
 
 log = logging.getLogger("molctl.proxy")
 
@@ -284,7 +281,9 @@ class SqliteConversationStore(WriteBehind):
     a row: the commit is what a batch shares); get_turn on a cache miss
     ~10-25 us (one indexed SELECT; ~7-10 us for a key that is not there), a cache hit ~1 us."""
 
-    def __init__(self, db: SqliteResponseStore, cache: MemoryStore | None = None):
+    def __init__(self, db: Rows, cache: MemoryStore | None = None):
+        """`db`: the SqliteResponseStore that mixes `Rows` in (named by its mixin: the store
+        module imports this one)."""
         super().__init__(cache)
         self.db = db
         self.read_errors = 0
