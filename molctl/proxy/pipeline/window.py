@@ -14,6 +14,7 @@ context-length 400 names it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -25,6 +26,8 @@ log = logging.getLogger("molctl.proxy")
 
 # the measurement's own timeout: a render and a tokenization, no generation
 MEASURE_TIMEOUT_S = 30.0
+# above this many messages the prompt's bound is computed in a worker thread (the event loop stays free)
+BIG_MESSAGES = 2000
 
 
 def prompt_token_bound(messages: list[dict[str, Any]], tools: Any) -> int:
@@ -59,7 +62,8 @@ class WindowFit:
         """Cut `payload["max_tokens"]` to the room left when it would overflow the window
         (counted in `max_tokens_shortened_total` by hop). A prompt that cannot be measured is
         sent as it is (logged once per cause)."""
-        if self.fits(payload):
+        many = len(payload.get("messages") or ()) > BIG_MESSAGES
+        if await asyncio.to_thread(self.fits, payload) if many else self.fits(payload):
             return
         prompt = await self.measure(payload, engine)
         if prompt is None or self.window is None:

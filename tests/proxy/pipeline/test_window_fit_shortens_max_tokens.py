@@ -92,3 +92,9 @@ def test_vllm_versions_from_0_32_cut_max_tokens_and_earlier_ones_refuse():
     assert not VLLM.shortens_max_tokens("0.24.0+cpu")
     assert VLLM.shortens_max_tokens("0.32.0") and VLLM.shortens_max_tokens("0.33.1")
     assert not VLLM.shortens_max_tokens(None) and not VLLM.shortens_max_tokens("not-a-version")
+
+
+def test_a_conversation_of_many_messages_is_bounded_off_the_event_loop_and_cut_alike():
+    body = {"model": "L1", "messages": [{"role": "user", "content": "w"}] * 3000, "max_tokens": 200}
+    body, client, _ = fit(1900, body)
+    assert body["max_tokens"] == 2048 - 1900 and len(client.sent) == 1
