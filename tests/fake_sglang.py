@@ -17,7 +17,7 @@ Start-up, in SGLang's order:
      allocated" (model_executor/model_runner.py); nothing listens meanwhile (http_server.py
      launch_server runs _launch_subprocesses before uvicorn);
   4. serves with status Starting: /health and /health_generate (one handler) answer 503,
-     /get_model_info, /get_server_info and /v1/models 200 (http_server.py health_generate);
+     /get_model_info, /server_info, /get_server_info and /v1/models 200 (http_server.py health_generate);
   5. warm-up: polls /get_model_info, POSTs /generate, then status Up and "The server is fired up
      and ready to roll!" (http_server.py _execute_server_warmup / _wait_and_warmup); a failed
      warm-up kills the process tree.
@@ -29,7 +29,8 @@ Serving:
     `lora_path` field is the older form, the model form wins); an adapter that is not loaded is
     a 400; usage has `prompt_tokens_details.cached_tokens` only with --enable-cache-report
     (entrypoints/openai/usage_processor.py);
-  - /get_server_info: the server args plus `"version": __version__` (http_server.py).
+  - /server_info: the server args plus `"version": __version__`; /get_server_info answers the same
+    and logs "Endpoint '/get_server_info' is deprecated ..." on every call (http_server.py).
   - /health: 503 while Starting or shutting down; otherwise, by default
     (SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION true), a 1-token generate checked after
     `asyncio.sleep(1)`, so a 200 takes at least 1 s; with that variable 0/false /health answers
@@ -55,7 +56,8 @@ FAKE_TERM_POLL (s between the sigterm watchdog's checks, SGLang's 5 by default),
 FAKE_IGNORE_TERM=1 (a wedged launcher: SIGTERM and SIGQUIT ignored), FAKE_ORPHAN=1 (children do not
 arm PDEATHSIG: the orphaned-scheduler case,
 as versions that disable kill_itself_when_parent_died), FAKE_NO_CHILDREN=1, FAKE_ADAPTERS (comma
-list of the adapters that load), FAKE_PARENT, FAKE_SGLANG_VERSION, FAKE_ANSWER_DELAY, FAKE_NO_EFFECT and
+list of the adapters that load), FAKE_PARENT, FAKE_SGLANG_VERSION, FAKE_NO_SERVER_INFO=1 (an older
+release: /get_server_info only), FAKE_ANSWER_DELAY, FAKE_NO_EFFECT and
 FAKE_SAME_AS (the efficacy canary's adapters with no effect, or answering as another: fake_engine.py).
 """
 
@@ -207,7 +209,20 @@ async def model_info(request):
 
 
 async def server_info(request):
+    """/server_info: the server args, the scheduler's info, `internal_states` and `version`
+    (entrypoints/http_server.py server_info)."""
     return web.json_response({**SGL.server_args, "internal_states": [{}], "version": SGL.version})
+
+
+async def get_server_info(request):
+    """/get_server_info: the same answer, with a deprecation warning logged on every call
+    (http_server.py get_server_info)."""
+    print(
+        "Endpoint '/get_server_info' is deprecated and will be removed in a future version. "
+        "Please use '/server_info' instead.",
+        flush=True,
+    )
+    return await server_info(request)
 
 
 async def metrics(request):
@@ -491,7 +506,9 @@ def make_app() -> web.Application:
     app.router.add_get("/health_generate", health)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/get_model_info", model_info)
-    app.router.add_get("/get_server_info", server_info)
+    if os.environ.get("FAKE_NO_SERVER_INFO") != "1":  # a release from before /server_info
+        app.router.add_get("/server_info", server_info)
+    app.router.add_get("/get_server_info", get_server_info)
     app.router.add_post("/generate", generate)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/_log", base.get_log)

@@ -42,7 +42,8 @@ def run(profile: Profile, probes: Probes) -> list[CheckResult]:
         public = None
     if public is not None:
         if pin.contains(public, prereleases=True):
-            out.append(CheckResult("engine.version", "pass", f"{engine.package} {install.version} matches {pin}"))
+            note = "" if engine.shortens_max_tokens(str(public)) else engine.overflow_note
+            out.append(CheckResult("engine.version", "pass", f"{engine.package} {install.version} matches {pin}{note}"))
         else:
             out.append(
                 CheckResult(
@@ -51,6 +52,22 @@ def run(profile: Profile, probes: Probes) -> list[CheckResult]:
                     f"{engine.package} {install.version} under {python} does not match engine.version {pin}",
                 )
             )
+
+    endpoint = profile.engine.otlp_traces_endpoint
+    if endpoint and install.trace_missing:
+        out.append(
+            CheckResult(
+                "engine.tracing",
+                "fail",
+                f"engine.otlp_traces_endpoint is set ({endpoint}) but {python} lacks "
+                f"{describe(list(install.trace_missing), 3)}, which {engine.package}'s tracing imports: "
+                f"{engine.trace_install} there, or unset engine.otlp_traces_endpoint",
+            )
+        )
+    elif endpoint and install.trace_missing is not None:
+        out.append(
+            CheckResult("engine.tracing", "pass", f"OpenTelemetry's SDK and OTLP exporters importable by {python}")
+        )
 
     passed = engine.profile_flags(profile)
     unknown = [f"--{f}" for f in passed if f not in install.flags]

@@ -187,7 +187,11 @@ def _shaped(parts: list[Any], content_format: str) -> Any:
 
 def _engine_tool_calls(calls: list[Any]) -> list[dict[str, Any]]:
     """vLLM 0.32's _postprocess_messages: a non-object entry or a type other than function is a 400;
-    arguments parsed to an object (empty, unparseable or a JSON non-object: {}, with a warning)."""
+    arguments parsed to an object (empty: {}). Unparseable or JSON non-object text is first replaced
+    by "{}" as the proxy replaces it in every hop (`molctl.proxy.tool_arguments.repaired`), which
+    is what vLLM 0.32 makes of it and what keeps vLLM 0.24 from refusing it."""
+    from molctl.proxy.tool_arguments import repaired
+
     fixed = []
     for call in calls:
         if not isinstance(call, dict):
@@ -195,13 +199,9 @@ def _engine_tool_calls(calls: list[Any]) -> list[dict[str, Any]]:
         fn = call.get("function")
         if call.get("type", "function") != "function" or not isinstance(fn, dict):
             raise EngineRefusal("chat completions only support assistant tool_calls of type 'function'.")
-        args = fn.get("arguments")
+        args = repaired(fn.get("arguments")) or fn.get("arguments")
         if args and not isinstance(args, dict):
-            if isinstance(args, str):
-                try:
-                    args = json.loads(args)
-                except ValueError:
-                    args = None
+            args = json.loads(args) if isinstance(args, str) else None
             args = args if isinstance(args, dict) else {}
         fixed.append({**call, "function": {**fn, "arguments": args or {}}})
     return fixed

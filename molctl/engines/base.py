@@ -25,6 +25,8 @@ class EngineInstall:
     version: str | None = None
     flags: frozenset[str] = field(default_factory=frozenset)
     error: str | None = None
+    # the OpenTelemetry modules the engine's tracing imports that its environment lacks (None: not probed)
+    trace_missing: tuple[str, ...] | None = None
     note: str | None = None  # how it was read, when that matters (a device pinned for the probe)
 
 
@@ -80,7 +82,29 @@ def run_probe_script(
         version=data.get("version"),
         flags=frozenset(data.get("flags", ())),
         error=data.get("error"),
+        trace_missing=tuple(data["trace_missing"]) if isinstance(data.get("trace_missing"), list) else None,
     )
+
+
+# Appended to an engine's probe script (`TRACE_MODULES` replaced by the engine's `trace_modules`): which
+# of them its environment cannot find, in `out["trace_missing"]`. find_spec imports only the parent
+# packages, never the exporters themselves.
+TRACE_PROBE = r"""
+missing = []
+for name in TRACE_MODULES:
+    try:
+        if importlib.util.find_spec(name) is None:
+            missing.append(name)
+    except (ImportError, ValueError):
+        missing.append(name)
+out["trace_missing"] = missing
+"""
+
+
+def with_trace_probe(script: str, modules: tuple[str, ...]) -> str:
+    """`script` (which prints `out` as JSON on its last line) reporting `trace_missing` too."""
+    head, _, tail = script.rpartition("print(json.dumps(out))")
+    return head + TRACE_PROBE.replace("TRACE_MODULES", repr(modules)) + "print(json.dumps(out))" + tail
 
 
 # Run as a script under engine.python, or exec'd here (`install_fingerprint`) when engine.python is
@@ -147,7 +171,13 @@ def probe_install_cached(engine: Engine, python: str, cache_dir: Path | None) ->
     path = cache_dir / f"engine-{engine.kind}-{key}.json"
     try:
         data = json.loads(path.read_text())
-        return EngineInstall(found=True, version=data["version"], flags=frozenset(data["flags"]), note=data.get("note"))
+        return EngineInstall(
+            found=True,
+            version=data["version"],
+            flags=frozenset(data["flags"]),
+            trace_missing=tuple(data["trace_missing"]),
+            note=data.get("note"),
+        )
     except (OSError, ValueError, KeyError, TypeError):  # TypeError: a cache file of another shape (a traceback)
         pass
     install = engine.probe_install(python)
@@ -156,7 +186,14 @@ def probe_install_cached(engine: Engine, python: str, cache_dir: Path | None) ->
             cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
             tmp.write_text(
-                json.dumps({"version": install.version, "flags": sorted(install.flags), "note": install.note})
+                json.dumps(
+                    {
+                        "version": install.version,
+                        "flags": sorted(install.flags),
+                        "trace_missing": list(install.trace_missing or ()),
+                        "note": install.note,
+                    }
+                )
             )
             os.replace(tmp, path)
         except OSError:
@@ -264,6 +301,14 @@ class Engine(abc.ABC):
     # The flags that send the engine's own OpenTelemetry spans to `engine.otlp_traces_endpoint`
     # (the endpoint follows the last); the proxy's hop spans are their parents (W3C traceparent).
     trace_flags: tuple[str, ...] = ()
+    # What the engine's tracing imports (`engine.otlp_traces_endpoint` set): `check` fails when the
+    # engine's environment lacks one, instead of the engine dying at start; and how to install them.
+    trace_modules: tuple[str, ...] = (
+        "opentelemetry.sdk.trace",
+        "opentelemetry.exporter.otlp.proto.grpc.trace_exporter",
+        "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+    )
+    trace_install: str = ""
 
     def launch_argv(self, profile: Profile) -> list[str]:
         e = profile.engine
@@ -319,6 +364,8 @@ class Engine(abc.ABC):
     # Readiness hooks (molctl.readiness calls these; the engine modules say what their engine does)
     # The path that reports the running server's version, or None: not checked at runtime.
     version_path: str | None = None
+    # asked when `version_path` answers 404 (an older release of the engine), or None
+    version_fallback_path: str | None = None
     # Seconds a healthy engine may take to answer /health: callers that probe it (status, the
     # proxy's /readyz, `up`) should wait at least this long before calling it unreachable.
     health_timeout_s: float = 1.0
@@ -390,6 +437,27 @@ class Engine(abc.ABC):
 
     def probe_ids(self, body: Any) -> list[int] | None:
         return None
+
+    # Measuring a chat hop's prompt (`molctl.proxy.pipeline.window`): a request to `probe_path`
+    # that renders and tokenizes the hop's messages as the chat request would, without generating.
+    def length_request(self, payload: dict[str, Any]) -> dict[str, Any] | None:
+        """The measurement's body for a chat payload (None: this engine cannot measure one)."""
+        del payload
+        return None
+
+    def length_of(self, body: Any) -> int | None:
+        """The prompt's token count in the measurement's answer."""
+        return None
+
+    # `check`'s engine.version detail for a version that does not shorten max_tokens (empty: nothing to say)
+    overflow_note: str = ""
+
+    def shortens_max_tokens(self, version: str | None) -> bool:
+        """Whether this engine version cuts a max_tokens that overflows the window to the room left
+        (False: it refuses the request, or the version is unknown). The proxy fits max_tokens
+        itself on every version; `check` reports the version's behaviour."""
+        del version
+        return False
 
     # The token-prompt completion the summary hop sends, on an adapter
     continuation_path: str | None = None

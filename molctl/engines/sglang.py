@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from molctl.engines.base import AnswerTokens, Engine, EngineInstall, _ints, run_probe_script
+from molctl.engines.base import AnswerTokens, Engine, EngineInstall, _ints, run_probe_script, with_trace_probe
 from molctl.profiles import Profile
 
 PROBE_SCRIPT = r"""
@@ -94,6 +94,9 @@ class SglangEngine(Engine):
     # server_args.py: --enable-trace, and --otlp-traces-endpoint HOST:PORT (gRPC by default; an
     # http://.../v1/traces URL with OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf)
     trace_flags = ("--enable-trace", "--otlp-traces-endpoint")
+    # srt/tracing/trace.py imports the SDK and the OTLP exporters inside a try (ImportError: tracing
+    # off), and --enable-trace then fails at start; they come with the `tracing` extra
+    trace_install = "pip install 'sglang[tracing]'"
     memory_flag = "mem-fraction-static"
     running_flag = "max-running-requests"
     max_loras_flag = ("max-loras-per-batch", 8)
@@ -119,7 +122,11 @@ class SglangEngine(Engine):
     # #19035 (Feb 2026) and crashed or hung the server before; so the hop id plus a random suffix
     request_id_field = "rid"
     request_id_unique = True
-    version_path = "/get_server_info"
+    # /server_info: the server args, scheduler info and `version`; /get_server_info answers the
+    # same with a deprecation warning logged on every call (entrypoints/http_server.py). Older
+    # releases have only /get_server_info: readiness asks it when /server_info answers 404.
+    version_path = "/server_info"
+    version_fallback_path = "/get_server_info"
     health_timeout_s = 3.0
 
     # SGLang's ChatCompletionRequest, "Extra parameters for SRT backend only"
@@ -165,7 +172,7 @@ class SglangEngine(Engine):
     )
 
     def probe_install(self, python: str) -> EngineInstall:
-        return run_probe_script(python, PROBE_SCRIPT)
+        return run_probe_script(python, with_trace_probe(PROBE_SCRIPT, self.trace_modules))
 
     def adapter_model(self, profile: Profile, route: str) -> str:
         return f"{profile.engine.served_name}:{route}"
@@ -188,25 +195,28 @@ class SglangEngine(Engine):
     def guided_choice(self, labels: list[str]) -> dict:
         return {"regex": "(" + "|".join(labels) + ")"}
 
-    # The summary hop as a continuation of the answer's tokens (issue 30). SGLang 0.5.13
-    # (entrypoints/openai/protocol.py ChatCompletionRequest, serving_chat.py):
+    # The summary hop as a continuation of the answer's tokens (issue 30). SGLang 0.5.13.post1
+    # (entrypoints/openai/protocol.py ChatCompletionRequest, serving_chat.py,
+    # managers/tokenizer_manager.py):
     # - `return_prompt_token_ids: true` puts the rendered prompt's ids in each choice's
-    #   `prompt_token_ids`; `return_meta_info: true` the scheduler's meta_info in the choice's
-    #   `meta_info` (finish_reason {"type": "stop", "matched": <token id or string>}, and the
-    #   generated ids as `output_token_logprobs` [[logprob, id, text], ...] only when the request
-    #   asked for logprobs; `output_ids` only where the server returns token ids). Both are
-    #   refused with `stream: true` ("return_prompt_token_ids is not supported with
-    #   streaming"), so a streamed answer asks for neither and its summary is the chat one.
-    #   An answer without generated ids is the chat summary too (summary_chat_fallbacks_total):
-    #   not run against a real SGLang here (no CUDA), so which releases report them is open.
+    #   `prompt_token_ids` (refused with `stream: true`), but a chat answer carries its generated
+    #   ids only as `output_token_logprobs` in `meta_info`, which the tokenizer manager fills only
+    #   when the request asked for logprobs (`_handle_batch_output` -> `add_logprob_return_values`
+    #   under `return_logprob`); `output_ids` are withheld from the OpenAI serving path. Asking for
+    #   logprobs on every answer would compute them for every token and show them to a client
+    #   that did not ask. So the answer hop asks for none of it (it used to ask for the prompt ids:
+    #   up to the window's 262k ids per response, parsed for nothing, as no answer ever carried
+    #   its output ids), and every SGLang summary is the chat summary
+    #   (summary_chat_fallbacks_total).
     # - The native /generate takes `input_ids` and the adapter as `lora_path` (its --lora-paths
     #   name; managers/io_struct.py GenerateReqInput) and answers `text` and `meta_info` with
     #   `prompt_tokens` and `cached_tokens` (tokenizer_manager.py _compute_meta_info); the radix
-    #   cache is keyed by the tokens and the adapter.
+    #   cache is keyed by the tokens and the adapter. `answer_tokens` reads the shapes an answer
+    #   with logprobs would carry, should a later release report the ids without them.
     # - The template probe: no /tokenize that renders chat messages in 0.5.13, so a 1-token chat
     #   request with `return_prompt_token_ids` (and `continue_final_message` for the open form).
     def answer_token_fields(self, stream: bool) -> dict[str, Any]:
-        return {} if stream else {"return_prompt_token_ids": True, "return_meta_info": True}
+        return {}
 
     def answer_tokens(self, body: dict[str, Any]) -> AnswerTokens:
         choice = (body.get("choices") or [{}])[0]

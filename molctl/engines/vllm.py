@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from molctl.engines.base import AnswerTokens, Engine, EngineInstall, _ints, run_probe_script
+from molctl.engines.base import AnswerTokens, Engine, EngineInstall, _ints, run_probe_script, with_trace_probe
 from molctl.profiles import Profile
 
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -55,11 +55,14 @@ class VllmEngine(Engine):
     # protocol is OTEL_EXPORTER_OTLP_TRACES_PROTOCOL's (grpc by default); vLLM continues the
     # traceparent of each request (vllm/tracing/otel.py extract_trace_context)
     trace_flags = ("--otlp-traces-endpoint",)
+    # vllm/tracing/otel.py imports the SDK and both OTLP trace exporters (grpc, http) and, with
+    # --otlp-traces-endpoint set, refuses to start without them (is_otel_available; 0.24 and 0.32)
+    trace_install = "pip install opentelemetry-sdk opentelemetry-exporter-otlp"
     memory_flag = "gpu-memory-utilization"
     running_flag = "max-num-seqs"
     max_loras_flag = ("max-loras", 1)
-    # vLLM 0.32 cuts a max_tokens over the room left (api_utils.py get_max_tokens; earlier versions
-    # refused prompt + max_tokens > max-model-len) and refuses one over max-model-len itself.
+    # vLLM 0.32 cuts a max_tokens over the room left (`shortens_max_tokens`); 0.24 refuses
+    # prompt + max_tokens > max-model-len; both take prompt + max_tokens == max-model-len.
     window_flag = ("max-model-len", 0)
     # the v0 engine: "Got priority N but Priority scheduling is not enabled."; the 0.8-0.9.1 V1
     # processor: "V1 does not support priority yet." (400s)
@@ -136,9 +139,9 @@ class VllmEngine(Engine):
         CPU platform (vllm/platforms/__init__.py: `cpu_platform_plugin`, and "an explicit CPU
         target is authoritative" in `resolve_current_platform_cls_qualname`): the version and the
         flags need no device, and the result says how they were read."""
-        install = run_probe_script(python, PROBE_SCRIPT)
+        install = run_probe_script(python, with_trace_probe(PROBE_SCRIPT, self.trace_modules))
         if not install.flags and install.error and "Failed to infer device type" in install.error:
-            pinned = run_probe_script(python, PROBE_SCRIPT, env=CPU_PIN)
+            pinned = run_probe_script(python, with_trace_probe(PROBE_SCRIPT, self.trace_modules), env=CPU_PIN)
             if pinned.flags:
                 pinned.note = (
                     "read with the device pinned to the CPU (VLLM_TARGET_DEVICE=cpu): vLLM found no GPU on this host"
@@ -229,6 +232,53 @@ class VllmEngine(Engine):
 
     def probe_ids(self, body: Any) -> list[int] | None:
         return _ints(body.get("tokens")) if isinstance(body, dict) else None
+
+    # A chat hop's prompt measured by `/tokenize` (TokenizeChatRequest: messages, tools,
+    # chat_template_kwargs, add_generation_prompt; the same fields in 0.24 and 0.32,
+    # vllm/entrypoints/serve/tokenize/protocol.py), rendered with the chat request's template and
+    # tokenizer. The chat request passes `reasoning_effort` (and `enable_thinking` from it unless
+    # set) to the template as kwargs (ChatCompletionRequest.build_chat_params, both versions): the
+    # measurement does too. Tools are always rendered (a `tool_choice: none` request may render
+    # none): the count is then an upper bound, never less.
+    def length_request(self, payload: dict[str, Any]) -> dict[str, Any] | None:
+        kwargs = dict(payload.get("chat_template_kwargs") or {})
+        effort = payload.get("reasoning_effort")
+        if effort is not None:
+            kwargs.setdefault("reasoning_effort", effort)
+            kwargs.setdefault("enable_thinking", effort != "none")
+        body: dict[str, Any] = {
+            "model": payload["model"],
+            "messages": payload["messages"],
+            "add_generation_prompt": True,
+        }
+        if payload.get("tools"):
+            body["tools"] = payload["tools"]
+        if kwargs:
+            body["chat_template_kwargs"] = kwargs
+        return body
+
+    def length_of(self, body: Any) -> int | None:
+        count = body.get("count") if isinstance(body, dict) else None
+        return count if isinstance(count, int) and not isinstance(count, bool) else None
+
+    # Output limits over the window: vLLM 0.24.0 refuses prompt + max_tokens > max-model-len with a
+    # 400 (TokenizeParams.max_input_tokens is max-model-len less the request's max_tokens,
+    # vllm/renderers/params.py, _token_len_check); 0.32.0 holds no output room back there and cuts
+    # max_tokens to the room left (vllm/entrypoints/serve/utils/api_utils.py, get_max_tokens). The
+    # versions between were not read: treated as refusing, the side that needs the proxy's fit.
+    SHORTENS_FROM = "0.32.0"
+    overflow_note = (
+        " (this version refuses prompt + max_tokens over max-model-len and json.loads history tool-call "
+        "arguments: the proxy cuts max_tokens to the room left and sends unparseable arguments as {})"
+    )
+
+    def shortens_max_tokens(self, version: str | None) -> bool:
+        from packaging.version import InvalidVersion, Version
+
+        try:
+            return version is not None and Version(Version(version).public) >= Version(self.SHORTENS_FROM)
+        except InvalidVersion:
+            return False
 
     continuation_path = "/v1/completions"
 

@@ -74,6 +74,8 @@ HELP = {
     "(usage.prompt_tokens_details.cached_tokens), by hop and adapter.",
     "generation_tokens_total": "Tokens engine hops generated, by hop and adapter (usage.completion_tokens).",
     "ignored_request_fields_total": "Request fields accepted and not used (unknown ones included), by API.",
+    "max_tokens_shortened_total": "Hops whose max_tokens was cut to the room their prompt left in the engine window, by hop.",
+    "tool_arguments_repaired_total": "History tool calls whose arguments were not a JSON object, sent as {} (as vLLM 0.32).",
 }
 
 
@@ -89,6 +91,7 @@ LABELLED = {
     "engine_errors_total": ("status",),
     "store_failures_total": ("cause",),
     "ignored_request_fields_total": ("api",),
+    "max_tokens_shortened_total": ("hop",),
     "prompt_tokens_total": ("adapter", "hop"),
     "cached_tokens_total": ("adapter", "hop"),
     "generation_tokens_total": ("adapter", "hop"),
@@ -125,6 +128,7 @@ class Counters:
             "summary_window_skips_total": 0,
             "summary_prompt_tokens_total": 0,
             "summary_cached_tokens_total": 0,
+            "tool_arguments_repaired_total": 0,
         }
     )
 

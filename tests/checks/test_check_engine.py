@@ -154,3 +154,62 @@ def test_the_fingerprint_of_this_interpreter_is_taken_in_process_and_equals_the_
     assert len(calls) == 1
     assert here == there and here["origin"].endswith("__init__.py")
     assert "origin" not in base.install_fingerprint(sys.executable, "no_such_package_molctl")
+
+
+def fake_opentelemetry(site: Path, *modules: str) -> None:
+    """Empty modules at the dotted names the engine's tracing imports (what find_spec looks for)."""
+    for name in modules:
+        *pkgs, leaf = name.split(".")
+        d = site
+        for p in pkgs:
+            d = d / p
+            d.mkdir(exist_ok=True)
+            (d / "__init__.py").touch()
+        (d / f"{leaf}.py").touch()
+
+
+def test_a_traces_endpoint_fails_check_when_the_engine_lacks_opentelemetry(venv_factory, state_dir):
+    """vLLM refuses to start with --otlp-traces-endpoint and no OpenTelemetry (vllm/tracing/otel.py,
+    is_otel_available); SGLang needs its `tracing` extra: `check` says so before the load."""
+    python, site = venv_factory("vllm-no-otel")
+    fake_vllm(site, "0.24.0", profile_flags("tall") + ["otlp-traces-endpoint"])
+    endpoint = ("engine.otlp_traces_endpoint", "http://127.0.0.1:4317")
+    report, checks = run_engine_check(state_dir, "tall", python, endpoint)
+    status, detail = checks["engine.tracing"]
+    assert status == "fail" and not report.ok
+    assert "opentelemetry.sdk.trace" in detail and "pip install opentelemetry-sdk" in detail and str(python) in detail
+    _, without = run_engine_check(state_dir, "tall", python)
+    assert "engine.tracing" not in without
+
+
+def test_a_traces_endpoint_passes_check_with_opentelemetry_installed(venv_factory, state_dir):
+    from molctl.engines.vllm import ENGINE
+
+    python, site = venv_factory("vllm-otel")
+    fake_vllm(site, "0.24.0", profile_flags("tall") + ["otlp-traces-endpoint"])
+    fake_opentelemetry(site, *ENGINE.trace_modules)
+    _, checks = run_engine_check(state_dir, "tall", python, ("engine.otlp_traces_endpoint", "http://127.0.0.1:4317"))
+    assert checks["engine.tracing"][0] == "pass", checks
+
+
+def test_sglang_without_its_tracing_extra_fails_check(venv_factory, state_dir):
+    python, site = venv_factory("sglang-no-otel")
+    fake_sglang(site, "0.5.13.post1", profile_flags("venti-sglang") + ["enable-trace", "otlp-traces-endpoint"])
+    _, checks = run_engine_check(
+        state_dir, "venti-sglang", python, ("engine.otlp_traces_endpoint", "http://127.0.0.1:4317")
+    )
+    status, detail = checks["engine.tracing"]
+    assert status == "fail" and "sglang[tracing]" in detail
+
+
+def test_check_says_what_the_proxy_does_for_a_version_that_refuses_overflowing_limits(venv_factory, state_dir):
+    """The version facts live in the engine module, keyed by the version `check` reads: 0.24.0 refuses
+    prompt + max_tokens over the window (vllm/renderers/params.py), 0.32.0 cuts (api_utils.py)."""
+    python, site = venv_factory("vllm-facts")
+    fake_vllm(site, "0.24.0", profile_flags("tall"))
+    _, old = run_engine_check(state_dir, "tall", python)
+    assert "refuses prompt + max_tokens" in old["engine.version"][1]
+    python, site = venv_factory("vllm-facts-new")
+    fake_vllm(site, "0.32.0", profile_flags("tall"))
+    _, new = run_engine_check(state_dir, "tall", python, ("engine.version", "==0.32.0"))
+    assert new["engine.version"][0] == "pass" and "refuses" not in new["engine.version"][1]

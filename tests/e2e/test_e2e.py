@@ -41,6 +41,7 @@ from molctl.proxy.errors import CONTEXT_MARKERS
 from molctl.state import read_records
 from tests.clients.cases import BASIC, RESPONSES
 from tests.clients.drivers import js_client_argv, python_client_argv, run_driver
+from tests.engine_versions import VLLM_CURRENT
 from tests.helpers import free_port, free_ports
 from tests.procs import ROOT, alive, fake_engine_argv, proxy_argv, running
 
@@ -59,8 +60,9 @@ BODY_RE = re.compile(r"Request (\S+) JSON body: (\{.*)$", re.MULTILINE)
 
 
 class Stack:
-    def __init__(self, tmp: Path):
+    def __init__(self, tmp: Path, engine: tuple[str, Path | None] = (VLLM_CURRENT, None)):
         self.tmp = tmp
+        self.version, self.python = engine
         self.state = tmp / "state"
         self.model = tmp / "tiny"
         self.key = tmp / "key"
@@ -85,6 +87,10 @@ class Stack:
     def up(self, *more: str, debug: bool = True) -> subprocess.CompletedProcess:
         # debug: the request log's DEBUG lines hold each request's rendered prompt and JSON body
         extra = ["--set", "engine.env.VLLM_LOGGING_LEVEL=DEBUG"] if debug else []
+        if self.python is not None:  # another release's environment, as a GPU profile names its own
+            extra += ["--set", f"engine.python={self.python}", "--set", f'engine.version="=={self.version}"']
+            if debug and self.version != VLLM_CURRENT:  # its request log without the JSON body line
+                extra += ["--set", f"engine.env.PYTHONPATH={ROOT / 'tests' / 'vllm_body_log'}"]
         return self.molctl(
             "up",
             "tiny",
@@ -174,8 +180,8 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    s = Stack(tmp_path_factory.mktemp("e2e"))
+def stack(tmp_path_factory, engine):
+    s = Stack(tmp_path_factory.mktemp("e2e"), engine)
     r = s.molctl("demo", "init", str(s.model))
     assert r.returncode == ExitStatus.OK, r.stderr
     try:
@@ -710,6 +716,62 @@ def test_client_libraries_run_unchanged_against_the_real_vllm(stack, lang, clien
             assert any(m["role"] == "tool" and "sunny in Paris" in str(m.get("content")) for m in sent), case
 
 
+def conversation_of(stack: Stack, tokens: int) -> list[dict]:
+    """A conversation whose messages render to `tokens` tokens or a few more on the engine's own
+    template (its /tokenize on the base model, without the proxy's identity prompt)."""
+
+    def count(messages: list[dict]) -> int:
+        body = {"model": "tiny-mol-base", "messages": messages, "add_generation_prompt": True}
+        return httpx.post(stack.engine + "/tokenize", json=body, timeout=60).json()["count"]
+
+    turns: list[dict] = []
+    while True:
+        turns += [
+            {"role": "user", "content": f"Tell me about city number {len(turns)} and its old harbour."},
+            {"role": "assistant", "content": "It has a harbour, a market and a long history of trade. " * 4},
+        ]
+        messages = [*turns, {"role": "user", "content": "Which of them is the oldest?"}]
+        n = count(messages)
+        if n >= tokens:
+            return messages
+
+
+def test_the_six_everyday_requests_answer_200_on_every_engine_version(stack):
+    """Issue 38's six requests, through the proxy on the tiny profile's 2048-token window: a plain
+    chat and its follow-up; a ~1,850-token conversation with the client's max_tokens 200 (vLLM 0.24
+    refuses prompt + max_tokens over the window, 0.32 cuts it); the same with ignore_eos (the
+    proxy adds its proxy.max_output_tokens): the answer fills the window and ends with "length";
+    a history tool call whose arguments are malformed JSON (0.24 json.loads them). The openai SDK
+    raises on anything but a 200."""
+    first = stack.client.chat.completions.create(model=PUBLIC, messages=HI, max_tokens=ANSWER_TOKENS)
+    follow = [*HI, {"role": "assistant", "content": first.choices[0].message.content}]
+    follow.append({"role": "user", "content": "And then?"})
+    assert stack.client.chat.completions.create(model=PUBLIC, messages=follow, max_tokens=ANSWER_TOKENS).choices
+
+    long = conversation_of(stack, 1850)
+    reply = stack.client.chat.completions.create(model=PUBLIC, messages=long, max_tokens=200)
+    assert reply.usage.prompt_tokens + reply.usage.completion_tokens <= WINDOW
+    forced = stack.client.chat.completions.create(model=PUBLIC, messages=long, extra_body={"ignore_eos": True})
+    assert forced.choices[0].finish_reason == "length"
+    assert forced.usage.prompt_tokens + forced.usage.completion_tokens == WINDOW, forced.usage
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Par'}}
+    broken = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        {"role": "user", "content": "Thanks. And tomorrow?"},
+    ]
+    before = len(stack.requests())
+    reply = stack.client.chat.completions.create(
+        model=PUBLIC, messages=broken, tools=WEATHER, tool_choice="none", max_tokens=ANSWER_TOKENS
+    )
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    (answer,) = [h for h in settled_hops(stack, before) if h["hop"] == "answer"]
+    (sent,) = [m for m in answer["body"]["messages"] if m.get("tool_calls")]
+    assert sent["tool_calls"][0]["function"]["arguments"] == "{}"  # as vLLM 0.32 reads it, on every release
+
+
 def test_status_shows_ready(stack):
     r = stack.molctl("status", "tiny", "--json")
     assert r.returncode == ExitStatus.OK, r.stderr
@@ -718,6 +780,7 @@ def test_status_shows_ready(stack):
     assert {c["name"]: c["health"] for c in s["components"]} == {"engine": 200, "proxy": 200}
 
 
+@pytest.mark.engines(f"vllm-{VLLM_CURRENT}")  # the dashboard graphs the current release's series
 def test_top_and_the_dashboards_engine_series_read_the_real_stack(stack):
     """The real vLLM's usage (cached tokens included, streams too) reaches the proxy's per-adapter
     token counters and `molctl top --json`; every vLLM series the Grafana dashboard graphs exists
@@ -781,6 +844,7 @@ def test_the_demo_passes_the_adapter_efficacy_canary(stack):
     )
 
 
+@pytest.mark.engines(f"vllm-{VLLM_CURRENT}")  # the benchmark's numbers are the current release's
 def test_bench_runs_every_series_against_the_real_engine(stack):
     """`molctl bench tiny` briefly (2 requests per series): the report's shape and samples in every
     series; no speed is asserted."""
@@ -875,6 +939,7 @@ def error_view(r: httpx.Response) -> dict:
     }
 
 
+@pytest.mark.engines(f"vllm-{VLLM_CURRENT}")  # the strict fake engine scripts vLLM 0.32
 def test_strict_fake_engine_agrees_with_vllm(stack, strict_fake):
     """Each request the proxy's tests send the strict fake engine, sent to the real vLLM 0.32 too:
     the same status, error body shape, type, code and param, the same message (the context-length
@@ -911,6 +976,7 @@ def stream_shape(frames: list) -> list:
     return [s for i, s in enumerate(shape) if i == 0 or s != shape[i - 1]]
 
 
+@pytest.mark.engines(f"vllm-{VLLM_CURRENT}")  # the strict fake engine scripts vLLM 0.32
 def test_fake_engine_streams_and_bodies_are_shaped_as_vllms(stack, strict_fake):
     """A short answer ended by the EOS token (finish "stop"; the real engine is pushed to it once
     min_tokens allows), streamed with usage and with logprobs, and not streamed: the same chunk sequence
@@ -979,6 +1045,7 @@ def test_fake_engine_streams_and_bodies_are_shaped_as_vllms(stack, strict_fake):
     assert card_keys(stack.engine) == card_keys(strict_fake)
 
 
+@pytest.mark.engines(f"vllm-{VLLM_CURRENT}")  # the strict fake engine scripts vLLM 0.32
 def test_fake_engine_reports_token_ids_as_vllm(stack, strict_fake):
     """The fake's `token_ids` mode (tests/proxy/pipeline/test_hop_summary.py) against vLLM 0.32's
     `return_token_ids`: the prompt's ids on the body (streamed: on the role chunk), the generated

@@ -101,6 +101,27 @@ def test_running_version_is_checked_against_the_pin(host):
     assert host.records() == {} and host.sglang_children() == []
 
 
+DEPRECATED = "Endpoint '/get_server_info' is deprecated"
+
+
+def test_readiness_reads_the_version_from_server_info_without_a_deprecation_warning(host):
+    """SGLang 0.5.13 logs a deprecation warning on every /get_server_info call (http_server.py):
+    readiness asks /server_info, so the engine log holds none."""
+    r = host.up()
+    assert r.exit_code == ExitStatus.OK, r.stderr
+    assert DEPRECATED not in engine_log(host)
+    assert host.molctl("down").exit_code == ExitStatus.OK
+
+
+def test_an_sglang_without_server_info_is_read_at_get_server_info(host):
+    """A release from before /server_info (FAKE_NO_SERVER_INFO): its 404 sends readiness to the old
+    path, whose version is still checked against the pin."""
+    r = host.up(env={"FAKE_NO_SERVER_INFO": "1", "FAKE_SGLANG_VERSION": "0.5.3"})
+    assert r.exit_code == ExitStatus.CHECK_FAILED, r.stderr
+    assert "reports version 0.5.3, which does not match engine.version ==0.5.13.post1" in r.stderr
+    assert DEPRECATED in engine_log(host)
+
+
 def test_crash_while_loading(host):
     r = host.up(env={"FAKE_EXIT": "3", "FAKE_STARTUP_DELAY": "0.5"})
     assert r.exit_code == ExitStatus.START_FAILED, r.stderr

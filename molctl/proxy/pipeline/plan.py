@@ -64,6 +64,7 @@ class Plan:
     speculative_reason: str | None = None
     speculative_wasted: tuple[int, int] | None = None  # (prompt, generated) tokens
     route_source: str | None = None  # classified, sticky or fallback
+    repaired: list[int] = field(default_factory=list)  # messages whose tool-call arguments became {} (`tool_arguments`)
 
 
 @dataclass

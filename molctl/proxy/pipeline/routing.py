@@ -116,6 +116,7 @@ class Router:
         self.route_instruction = route_instruction(profile)
         self.router_model = engine.adapter_model(profile, "L0")
         self.route_tokens = min(profile.proxy.route_max_tokens, max(len(r) for r in ROUTES))
+        self.window_fit: Any = None  # `window.WindowFit`, set by the orchestrator
 
     def _stick(self, plan: Plan, store: ConversationStore | None) -> bool:
         sticky = sticky_route(plan, store)
@@ -148,6 +149,8 @@ class Router:
         payload = self.route_payload(plan)
         self.speculate(plan)
         self.counters.inc("route_hops_total")
+        if self.window_fit is not None:
+            await self.window_fit.fit(payload, "route", plan.engine)
         label = None
         reason = "bad_label"
         start = time.monotonic()

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 from molctl.engines.base import AnswerTokens, Engine
 from molctl.profiles import Profile
-from molctl.proxy import fastjson, shaping
+from molctl.proxy import shaping
 from molctl.proxy.apis.chat_validation import PASSTHROUGH, check_request
 from molctl.proxy.apis.request_fields import FieldPolicy
 from molctl.proxy.conversations import (
@@ -41,7 +41,9 @@ from molctl.proxy.pipeline.routing import Router, trailing_calls
 from molctl.proxy.pipeline.speculative import Speculation
 from molctl.proxy.pipeline.summary import Summaries
 from molctl.proxy.pipeline.views import own_view, split_history
+from molctl.proxy.pipeline.window import prompt_token_bound
 from molctl.proxy.store.base import ConversationStore
+from molctl.proxy.tool_arguments import repair_history
 from molctl.routes import ROUTES
 
 log = logging.getLogger("molctl.proxy")
@@ -93,16 +95,6 @@ GLM_EFFORT = {
 }
 
 
-def prompt_token_bound(messages: list[dict[str, Any]], tools: Any) -> int:
-    """An upper bound of the prompt's tokens: the bytes of the messages as JSON (UTF-8 bytes, escapes
-    included, >= the text's UTF-8 bytes >= tokens of a byte-level tokenizer; the per-message JSON
-    framing outweighs the template's markup). orjson, 1000 messages per call (GIL-friendly steps
-    in a worker thread); the standard library's ASCII-escaped text, 40x slower (0.6 ms for a
-    260 KiB conversation), was only a looser bound."""
-    size = sum(len(fastjson.dumps_bytes(messages[i : i + 1000])) for i in range(0, len(messages), 1000))
-    return size + (len(fastjson.dumps_bytes(tools)) if tools else 0) + 64
-
-
 def answer_call(plan: Plan) -> dict[str, Any]:
     """The engine client's arguments of the request's answer hop, whole or streamed."""
     return {"big": plan.big, "request_id": plan.request_id, "engine": plan.engine, "source": plan.route_source}
@@ -152,6 +144,8 @@ class Orchestrator:
             summary_timeout_s,
         )
         self.background = self.summaries.background  # the summary hops running or queued
+        self.window_fit = self.summaries.window_fit  # every chat hop's max_tokens within the window
+        self.router.window_fit = self.window_fit
 
     # ---------------------------------------------------------------- validation
     def prepare(self, body: Any, tenant: str) -> Plan:
@@ -161,6 +155,10 @@ class Orchestrator:
         messages = body["messages"]
         keys = ConversationKeys(tenant, messages)
         history = split_history(messages, keys.at, self.store.get_turn, self.store.get_turns)
+        # the conversation's keys are the client's own messages; every hop gets them repaired
+        messages, repaired = repair_history(messages)
+        if repaired:
+            self.counters.inc("tool_arguments_repaired_total", len(repaired))
         opts = body.get("stream_options") or {}
         return Plan(
             body=body,
@@ -172,6 +170,7 @@ class Orchestrator:
             history=history,
             big=len(messages) > BIG_MESSAGES,
             scope=self.store.open_scope(),
+            repaired=repaired,
         )
 
     async def load(self, plan: Plan) -> None:
@@ -235,6 +234,14 @@ class Orchestrator:
         """Decide the adapter (`routing.Router.route`), with the speculative answer on the
         conversation's adapter held meanwhile (`speculative`): kept on a hit, closed on a miss,
         and closed with the request if it ends first."""
+        if plan.repaired:
+            log.warning(
+                "request %s: tool-call arguments that are not a JSON object replaced by {} in message%s %s "
+                "(as vLLM 0.32 does; counted in tool_arguments_repaired_total)",
+                plan.request_id,
+                "s" if len(plan.repaired) > 1 else "",
+                ", ".join(map(str, plan.repaired)),
+            )
         try:
             await self.router.route(plan)
         except BaseException:
@@ -243,7 +250,12 @@ class Orchestrator:
         await self.speculation.settle(plan)
 
     def _speculate(self, plan: Plan) -> None:
-        self.speculation.start(plan, lambda adapter: self._offload(plan, self._speculative_request, plan, adapter))
+        self.speculation.start(plan, lambda adapter: self._speculative_fitted(plan, adapter))
+
+    async def _speculative_fitted(self, plan: Plan, adapter: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        view, payload = await self._offload(plan, self._speculative_request, plan, adapter)
+        await self.window_fit.fit(payload, "answer", plan.engine)
+        return view, payload
 
     def _speculative_request(self, plan: Plan, adapter: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """The answer hop's view and request on `adapter`, exactly as `_build_answer` makes them
@@ -396,7 +408,9 @@ class Orchestrator:
             await held.cancel()
             plan.held = None  # its build refused the request (the routed build says why), or its priority is stale
         await self._await_summaries(plan)
-        return await self._offload(plan, self._build_answer, plan)
+        payload = await self._offload(plan, self._build_answer, plan)
+        await self.window_fit.fit(payload, "answer", plan.engine)
+        return payload
 
     def _priority_holds(self, plan: Plan, payload: dict[str, Any]) -> bool:
         """Whether a held request carries the priority the answer hop would carry now: the route

@@ -32,6 +32,7 @@ from molctl.proxy.pipeline.plan import Plan
 from molctl.proxy.pipeline.priority import PRIORITY_RETRY_S, PriorityPolicy
 from molctl.proxy.pipeline.routing import described
 from molctl.proxy.pipeline.views import PROBE_ANSWER, PROBE_USER, suffix_after, summary_messages
+from molctl.proxy.pipeline.window import WindowFit
 from molctl.proxy.store.base import ConversationStore
 from molctl.routes import ROUTES
 
@@ -106,6 +107,7 @@ class Summaries:
         self.fields = fields
         self.priority = priority
         self.window = window
+        self.window_fit = WindowFit(engine, client, window, counters)
         self.summary_instruction = profile.substitute(profile.prompts.summary).strip()
         self.adapter_models = {r: engine.adapter_model(profile, r) for r in ROUTES}
         self._slots = asyncio.Semaphore(concurrency)
@@ -268,6 +270,8 @@ class Summaries:
         if tokens is not None and tokens.complete() and self.engine.continuation_path is not None:
             suffix = await self.summary_suffix(job.model, job.engine)
             cause = "probe"
+        elif (tokens is None or not tokens.complete()) and not self.engine.answer_token_fields(False):
+            cause = "engine"  # never asked (SGLang: its chat answers carry no generated ids)
         else:
             cause = "tokens"
         if suffix is None or tokens is None:
@@ -281,9 +285,9 @@ class Summaries:
                     )
             chat: bytes = job.chat  # type: ignore[assignment]
             # a MiB of JSON takes orjson 5-20 ms to read: off the event loop, as a big body's parse
-            return CHAT_PATH, fastjson.loads(chat) if len(chat) < 1 << 20 else await asyncio.to_thread(
-                fastjson.loads, chat
-            )
+            payload = fastjson.loads(chat) if len(chat) < 1 << 20 else await asyncio.to_thread(fastjson.loads, chat)
+            await self.window_fit.fit(payload, "summary", job.engine)
+            return CHAT_PATH, payload
         ids = continuation_ids(tokens, suffix)
         return self._continuation(job, ids, len(ids))
 

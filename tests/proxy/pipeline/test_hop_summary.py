@@ -132,13 +132,15 @@ def test_continuation_ids_and_the_suffix_rules():
 
 
 def test_sglang_reads_its_own_shapes():
-    """SGLang 0.5.13's shapes (molctl/engines/sglang.py): the prompt ids and meta_info on the
-    choice, non-streamed only; the continuation a /generate with input_ids and lora_path."""
+    """SGLang 0.5.13's shapes (molctl/engines/sglang.py): an answer asks for no token ids (its
+    chat answers carry no generated ids without logprobs, so its summaries are chat ones); an
+    answer with logprobs would carry them in meta_info; the continuation a /generate with
+    input_ids and lora_path."""
     from molctl.engines import get_engine
 
     sgl = get_engine("sglang")
     assert sgl.answer_token_fields(stream=True) == {}
-    assert sgl.answer_token_fields(stream=False) == {"return_prompt_token_ids": True, "return_meta_info": True}
+    assert sgl.answer_token_fields(stream=False) == {}
     body = {
         "choices": [
             {
