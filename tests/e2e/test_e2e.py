@@ -529,6 +529,9 @@ def test_later_turn_hits_the_prefix_cache(stack):
     pytest.fail(f"five turns on five different adapters out of four: {seen}")
 
 
+HELD_TOKENS = 200  # a follow-up's answer in the missed-speculation test: long enough to be running at the route's end
+
+
 def seeding_proxy(stack: Stack, adapter: str):
     """A second proxy on the stack's engine and conversation store whose route hop always falls
     back (a 1 ms route deadline) to `adapter` (its `proxy.default_route`): a first turn sent through
@@ -552,8 +555,12 @@ def test_a_missed_speculative_answer_is_aborted_in_the_engine_and_never_shown(st
     follow-up the router classifies as any other adapter misses, whatever the tiny model's weights
     make of the text. Four seeds cover every label the router may give. On a miss the held request
     is aborted in vLLM (its request log says so) and the client's text is the routed adapter's
-    greedy answer, not the held adapter's. Guards the miss that depended on the router's choice."""
+    greedy answer, not the held adapter's. The follow-ups ask for HELD_TOKENS tokens with
+    `ignore_eos`, so the held answer is still generating when the route decides (a 12-token one
+    could finish first on a fast engine, and a finished request is not aborted). Guards the miss
+    that depended on the router's choice."""
     follow_ups = ["Now a limerick about a cat.", "Write a SQL query.", "Plan a trip to Rome."]
+    long_answer = {"max_tokens": HELD_TOKENS, "temperature": 0, "extra_body": {"ignore_eos": True}}
     for seeded in ("L0", "L1", "L2", "L3"):
         first = [{"role": "user", "content": f"Write a haiku about the rain in spring ({seeded})."}]
         seeder, seeder_url = seeding_proxy(stack, seeded)
@@ -569,16 +576,14 @@ def test_a_missed_speculative_answer_is_aborted_in_the_engine_and_never_shown(st
         for text in follow_ups:
             before = len(stack.requests())
             messages = [*convo, {"role": "user", "content": text}]
-            chunks = stack.client.chat.completions.create(
-                model=PUBLIC, messages=messages, max_tokens=ANSWER_TOKENS, temperature=0, stream=True
-            )
+            chunks = stack.client.chat.completions.create(model=PUBLIC, messages=messages, stream=True, **long_answer)
             said = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
             settled_hops(stack, before)
             hops = stack.hops()[before:]
             held = [h for h in hops if h["hop"] == "speculative"]
             if not held:
                 continue  # a hit (or a turn not speculated): no held request to abort
-            (answer,) = [h for h in hops if h["hop"] == "answer"]
+            (answer,) = [h for h in hops if re.search(r"req-[0-9a-f]+-answer", h["id"])]  # by id: not 12 tokens
             assert held[0]["adapter"] == seeded != answer["adapter"]
             client_id = re.search(r"(req-[0-9a-f]+)-speculative", held[0]["id"]).group(1)
             aborted = re.findall(r"Aborted request\(s\) (\S+)\.", stack.engine_log())
