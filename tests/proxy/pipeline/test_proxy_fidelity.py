@@ -536,8 +536,9 @@ def test_a_huge_request_does_not_block_the_event_loop(s):
     result = {}
 
     def big():
+        t0 = time.monotonic()
         r = httpx.post(url(s), headers={**AUTH, "content-type": "application/json"}, content=body, timeout=120)
-        result["status"], result["body"] = r.status_code, r.json()
+        result["status"], result["body"], result["seconds"] = r.status_code, r.json(), time.monotonic() - t0
 
     with httpx.Client(timeout=10) as probe:
         baseline = []
@@ -557,7 +558,10 @@ def test_a_huge_request_does_not_block_the_event_loop(s):
     # strict engine: 225k messages do not fit tiny's window; what matters is that the proxy got there
     assert result["status"] == 400 and result["body"]["error"]["code"] == "context_length_exceeded", result
     assert len(lags) >= 5
-    assert max(lags) - statistics.median(baseline) < 0.1, (max(lags), sorted(lags)[-5:], statistics.median(baseline))
+    # a ratio in one run, not a fixed deadline (the machine may be loaded): a loop blocked while the
+    # body is parsed stalls a probe for most of the request's time; a free one, for a sliver of it
+    stall = max(lags) - statistics.median(baseline)
+    assert stall < 0.25 * result["seconds"], (stall, result["seconds"], sorted(lags)[-5:])
 
 
 # ------------------------------------------------------------------------ 9. smaller ones
