@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from molctl.profiles import Profile
+from molctl.profilespec import Profile
 from molctl.proxy.fastjson import RawIds
 from molctl.routes import ROUTES
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from molctl.engines.base import AnswerTokens, Engine, EngineInstall, _ints, run_probe_script, with_trace_probe
-from molctl.profiles import Profile
+from molctl.profilespec import Profile
 
 PROBE_SCRIPT = r"""
 import argparse, importlib.metadata, importlib.util, json, os, re

@@ -62,7 +62,8 @@ def test_version_and_flags_are_read_with_the_device_pinned_to_the_cpu(cuda_build
     checks = engine_checks(state_dir, cuda_build, profile)
     status, detail = checks["engine.package"]
     assert status == "pass" and "pinned to the CPU (VLLM_TARGET_DEVICE=cpu)" in detail, detail
-    assert checks["engine.version"] == ("pass", "vllm 0.24.0 matches ==0.24.0")
+    status, detail = checks["engine.version"]  # then what this version refuses, and how the proxy avoids it
+    assert status == "pass" and detail.startswith("vllm 0.24.0 matches ==0.24.0"), detail
     assert checks["engine.flags"][0] == "pass" and checks["engine.flags"][1].startswith("all "), checks
     assert checks["engine.flags"][1].endswith("flags accepted by vllm 0.24.0")
 

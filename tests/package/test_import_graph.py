@@ -1,6 +1,5 @@
 """The package's import graph, read from the source (imports inside functions and under
-TYPE_CHECKING count: they close a circle as well as a top-level one): no import circle but the one
-known below, which may only shrink."""
+TYPE_CHECKING count: they close a circle as well as a top-level one): no import circle."""
 
 from __future__ import annotations
 
@@ -8,9 +7,6 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-# profiles validates engine.served_name with the engine module's rule, and the engine modules
-# read Profile: the one circle left, to be cut by field registration (issue 41, step 2).
-KNOWN_CIRCLE = {"molctl.engines", "molctl.engines.base", "molctl.profiles"}
 
 
 def module_names(root: Path) -> dict[str, Path]:
@@ -87,10 +83,9 @@ def circles(graph: dict[str, set[str]]) -> list[set[str]]:
     return found
 
 
-def test_no_import_circle_but_the_known_one():
-    found = circles(import_graph(ROOT))
-    unknown = [sorted(c) for c in found if not c <= KNOWN_CIRCLE]
-    assert not unknown, f"import circles (cut the arrow that runs back up): {unknown}"
+def test_no_import_circle():
+    found = [sorted(c) for c in circles(import_graph(ROOT))]
+    assert not found, f"import circles (cut the arrow that runs back up): {found}"
 
 
 def test_the_scan_finds_a_circle_closed_inside_a_function_or_under_type_checking(tmp_path):
