@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
+from molctl.engines.base import Sample
 from molctl.profiles import Profile
 from molctl.routes import ROUTES
 
@@ -47,17 +47,6 @@ REQUEST_TIMEOUT_S = 120.0  # one request of a few tokens; a CPU engine under loa
 
 class CanaryError(Exception):
     """A canary request failed (not answered, refused, or an answer without logprobs)."""
-
-
-@dataclass
-class Sample:
-    """One model's answer to the canary prompt: per generated token, the token, its logprob and
-    the top logprobs at that position ({token: logprob})."""
-
-    tokens: list[Any] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top: list[dict[str, float]] = field(default_factory=list)
-    seconds: float = 0.0
 
 
 def enabled(profile: Profile, skip) -> str | None:

@@ -11,6 +11,11 @@ from typing import Callable, List, Optional
 
 import typer
 
+# The owners of profile checks register them when imported (molctl.profilechecks): every command
+# that loads a profile runs them.
+import molctl.engines  # noqa: F401
+import molctl.proxy.store.factory  # noqa: F401
+import molctl.proxy.tracing  # noqa: F401
 from molctl.errors import ExitStatus, MolctlError
 
 

@@ -2,24 +2,22 @@
 restarts (a restart opens a new timestamped log; following switches to it) and rotations.
 
 Bounded: `up` keeps the `logs.keep` newest files per component, and the proxy rotates its own
-log at `logs.max_bytes` (`rotate_stdio`, keeping `logs.backups` parts as `.log.1`, `.log.2`).
-Control characters are escaped when a line is printed (`escape_controls`), and when the proxy
+log at `logs.max_bytes` (`molctl.logfiles.rotate_stdio`, keeping `logs.backups` parts as `.log.1`, `.log.2`).
+Control characters are escaped (`molctl.logfiles.escape_controls`) when a line is printed, and when the proxy
 writes its log (`EscapingFormatter`): a log never drives the reader's terminal."""
 
 from __future__ import annotations
 
 import errno
 import io
-import logging
 import os
-import re
 import select
 import stat
-import threading
 import time
 from pathlib import Path
 
 from molctl.errors import UsageError
+from molctl.logfiles import escape_controls
 from molctl.output import Output
 from molctl.processes import TAIL_LINE_MAX, tail_start
 from molctl.state import (
@@ -58,24 +56,6 @@ def _pick_profile(state_dir: Path, profile: str | None) -> str:
 
 FOLLOW_READ_MAX = 1 << 20  # bytes `logs -f` reads per component and poll (a log that grew by gigabytes)
 FOLLOW_LINE_MAX = 64 << 10  # bytes of a line without end that `logs -f` holds before showing it
-
-
-# C0 controls but tab and line feed, DEL and the C1 controls (0x9b is a one-character CSI)
-CONTROLS_RE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-
-
-def escape_controls(text: str) -> str:
-    """`text` with its terminal control characters shown as `\\xNN` (ESC, BEL, backspace, CR,
-    DEL, C1), so a log line cannot colour, move or rewrite the reader's terminal; tabs and line
-    feeds stay. Used when `molctl logs` prints a line and when the proxy writes its log."""
-    return CONTROLS_RE.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
-
-
-class EscapingFormatter(logging.Formatter):
-    """A logging.Formatter whose lines have their control characters escaped (escape_controls)."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        return escape_controls(super().format(record))
 
 
 def _keep_end(line: bytes) -> bytes:
@@ -285,55 +265,3 @@ def _reader_gone(stream) -> bool:
     poller = select.poll()
     poller.register(fd, 0)  # POLLERR (the read end closed) is reported whatever is asked
     return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
-
-
-def rotate_now(path: Path, backups: int) -> None:
-    """`path` -> `path.1` -> `path.2` ... (at most `backups` parts; 0 = truncate in place)."""
-    if backups <= 0:
-        return
-    for i in range(backups, 0, -1):
-        src = Path(f"{path}.{i - 1}") if i > 1 else path
-        if src.exists():
-            os.replace(src, Path(f"{path}.{i}"))
-
-
-def rotate_stdio(max_bytes: int, backups: int, check_every_s: float = 1.0) -> threading.Thread | None:
-    """Size-based rotation of the log file this process's stdout/stderr write to (the proxy's
-    own log, opened by `up`): when it exceeds `max_bytes`, it is renamed to `.1` (older parts
-    shifted, at most `backups` kept) and a new file is opened under the same name on fds 1 and 2.
-    Everything the process writes is covered, tracebacks included. No-op when stdout is not a
-    regular file."""
-    try:
-        st = os.fstat(1)
-    except OSError:
-        return None
-    if not stat.S_ISREG(st.st_mode):
-        return None
-    path = Path(os.readlink("/proc/self/fd/1")) if os.path.exists("/proc/self/fd/1") else None
-    if path is None or not path.is_absolute():
-        return None
-
-    def loop() -> None:
-        while True:
-            time.sleep(check_every_s)
-            try:
-                if os.fstat(1).st_size < max_bytes:
-                    continue
-                import sys
-
-                sys.stdout.flush()
-                sys.stderr.flush()
-                if backups > 0:
-                    rotate_now(path, backups)
-                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-                    os.dup2(fd, 1)
-                    os.dup2(fd, 2)
-                    os.close(fd)
-                else:
-                    os.ftruncate(1, 0)
-            except OSError:
-                continue
-
-    thread = threading.Thread(target=loop, name="log-rotation", daemon=True)
-    thread.start()
-    return thread

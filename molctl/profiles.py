@@ -21,9 +21,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from molctl import profilechecks
 from molctl.errors import ProfileError
 from molctl.profilespec import (
-    DEFAULT_FOLD,
     PH_DESCRIPTIONS,
     PH_LABELS,
     REQUIRED,
@@ -35,13 +35,12 @@ from molctl.profilespec import (
     Profile,
     Prompts,
     ProxySpec,
+    declared,
 )
 from molctl.profileyaml import _short, _Validator, apply_overrides, load_yaml_with_lines
 from molctl.routes import ROUTES
 
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]*$")
-ENGINE_KINDS = ("vllm", "sglang")
-REASONING_STYLES = ("glm", "qwen", "none")
 
 
 def builtin_profiles_dir() -> Path:
@@ -50,8 +49,6 @@ def builtin_profiles_dir() -> Path:
     return (Path(__file__).parent / "profiles_builtin").resolve()
 
 
-MAX_GPUS = 1024
-REQUEST_FIELD_MODES = ("ignore", "reject")
 # a DNS name or an IPv4 address, or an IPv6 one in brackets: a proxy.media_url_hosts entry, and
 # the host part of a media URL the proxy lets through (molctl.proxy.apis.chat_validation)
 MEDIA_HOST_PATTERN = (
@@ -94,6 +91,7 @@ def build_profile(
     apply_overrides(data, overrides)
     v = _Validator(source, lines or {}, {k for k, _ in overrides}, REQUIRED)
     v.walk(data, SCHEMA)
+    _check_declared(Profile, data, "", v)
     for key in NON_EMPTY:  # `--set served_model_name=$UNSET_VAR` gave a stack serving model ''
         head, _, tail = key.partition(".")
         value = data.get(head, {}).get(tail) if tail else data.get(head)
@@ -109,17 +107,14 @@ def build_profile(
     proxy = _proxy_spec(data["proxy"], v)
     prompts = _prompts(data["prompts"], v)
     adapters = _adapter_spec(data.get("adapters", {}), v)
-    shards = data.get("model", {}).get("shards")
-    if shards is not None and not 1 <= shards <= 100_000:  # the base's safetensors shard count
-        raise v.fail("model.shards", f"{_short(shards)}: expected a shard count from 1 to 100000")
     base = source.parent if source else Path.cwd()
     return Profile(
+        **({"description": data["description"]} if "description" in data else {}),
         name=name,
-        description=data.get("description", ""),
         served_model_name=data["served_model_name"],
         base_model=data["base_model"],
         model_root=_expand_path(data["model_root"], base),
-        model=ModelSpec(**data.get("model", {})),
+        model=ModelSpec(**data.get("model", {})),  # the sections' defaults are their declarations'
         adapters=adapters,
         engine=engine,
         proxy=proxy,
@@ -127,6 +122,35 @@ def build_profile(
         source=source,
         logs=_log_spec(data.get("logs", {}), v),
     )
+
+
+def _check_declared(cls: type, values: dict[str, Any], prefix: str, v: _Validator) -> None:
+    """The declared rules of every field of `cls` present in `values` (and of its sections):
+    `choices`, `positive` (finite, > 0, at most 2**53: a timer or a size past any float) and
+    `between`. The range comparisons alone reject NaN; a boolean is no number here."""
+    for name, f in declared(cls):
+        if name not in values or values[name] is None:
+            continue
+        value, dotted, meta = values[name], prefix + name, f.metadata
+        if "section" in meta:
+            _check_declared(meta["section"], values[name], dotted + ".", v)
+        elif meta["choices"] and value not in meta["choices"]:
+            raise v.fail(dotted, f"{_short(value)!r}: expected one of {', '.join(meta['choices'])}")
+        elif meta["positive"] and not 0 < value <= 2**53:
+            raise v.fail(dotted, _not_positive(value))
+        elif meta["between"] and not (
+            not isinstance(value, bool) and meta["between"][0] <= value <= meta["between"][1]
+        ):
+            low, high, what = meta["between"]
+            raise v.fail(dotted, f"{_short(value)}: expected {what} from {low} to {high}")
+
+
+def _not_positive(value: float) -> str:
+    if value <= 0:
+        return "must be > 0"
+    if value > 2**53 and value != math.inf:  # a timer or a size past any float
+        return f"{_short(value)}: too large (at most {2**53})"
+    return f"{_short(value)}: must be a finite number > 0"  # NaN or infinity (YAML .nan, .inf)
 
 
 def _checked_name(name: str, expected_name: str | None, v: _Validator) -> str:
@@ -158,59 +182,38 @@ def _engine_spec(data: dict[str, Any], proxy: dict[str, Any], v: _Validator) -> 
     """The `engine` section: a known kind, a PEP 440 version pin, ports (with the proxy's), GPUs,
     a positive start timeout, flags written without dashes; env values become strings."""
     eng = dict(data)
-    if eng["kind"] not in ENGINE_KINDS:
-        raise v.fail("engine.kind", f"{eng['kind']!r}: expected one of {', '.join(ENGINE_KINDS)}")
     from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
     try:
         SpecifierSet(eng["version"])
     except InvalidSpecifier:
         raise v.fail("engine.version", f"{eng['version']!r} is not a version specifier (e.g. ==0.24.0)") from None
-    from molctl.engines import get_engine  # here: the engine modules import this one
-
-    problem = get_engine(eng["kind"]).served_name_problem(eng["served_name"])
-    if problem:
-        raise v.fail("engine.served_name", problem)
     _check_ports(eng, proxy, v)
-    if not 0 <= eng.get("gpus", 0) <= MAX_GPUS:  # a huge count made `check` raise or build a list for minutes
-        raise v.fail("engine.gpus", f"{_short(eng['gpus'])}: expected 0 to {MAX_GPUS}")
-    timeout = eng.get("start_timeout_s", 1)
-    # the range alone: NaN fails it (.inf and huge ints made `render` raise and `up` wait forever)
-    if not 0 < timeout <= 2**53:
-        raise v.fail("engine.start_timeout_s", f"{_short(timeout)}: must be a finite number of seconds > 0")
     for flag in eng.get("args", {}):
         if flag.startswith("-") or not re.match(r"^[a-z0-9][a-z0-9-]*$", flag):
             raise v.fail(f"engine.args.{flag}", "flag names are written without dashes, e.g. max-model-len")
-    _check_trace_endpoint(eng, get_engine(eng["kind"]).trace_flags, v)
+    _check_trace_endpoint(eng, v)
     _check_exec_strings(eng, v)
-    return EngineSpec(
-        kind=eng["kind"],
-        version=eng["version"],
-        served_name=eng["served_name"],
-        port=eng["port"],
-        python=os.path.expanduser(eng["python"]) if eng.get("python") else "",
-        host=eng.get("host", "127.0.0.1"),
-        gpus=eng.get("gpus", 0),
-        start_timeout_s=eng.get("start_timeout_s", 3600),
-        args=dict(eng.get("args", {})),
-        env={k: _env_str(val) for k, val in eng.get("env", {}).items()},
-        unset_env=tuple(eng.get("unset_env", ())),
-        otlp_traces_endpoint=eng.get("otlp_traces_endpoint") or None,
-    )
+    problem = profilechecks.problem("engine", eng)  # the engine module's own rules
+    if problem:
+        raise v.fail(*problem)
+    for key in ("python", "otlp_traces_endpoint"):  # null or empty: the declared default
+        if not eng.get(key):
+            eng.pop(key, None)
+    if "python" in eng:
+        eng["python"] = os.path.expanduser(eng["python"])
+    if "env" in eng:
+        eng["env"] = {k: _env_str(val) for k, val in eng["env"].items()}
+    if "unset_env" in eng:
+        eng["unset_env"] = tuple(eng["unset_env"])
+    return EngineSpec(**eng)
 
 
-def _check_trace_endpoint(eng: dict[str, Any], flags: tuple[str, ...], v: _Validator) -> None:
-    """engine.otlp_traces_endpoint: one word, and its flags not also among engine.args."""
+def _check_trace_endpoint(eng: dict[str, Any], v: _Validator) -> None:
+    """engine.otlp_traces_endpoint: one word (the engine module checks its flags against engine.args)."""
     endpoint = eng.get("otlp_traces_endpoint")
-    if not endpoint:
-        return
-    if not re.fullmatch(r"\S+", endpoint):
+    if endpoint and not re.fullmatch(r"\S+", endpoint):
         raise v.fail("engine.otlp_traces_endpoint", f"{_short(endpoint)}: expected a collector address without spaces")
-    for flag in flags:
-        if flag[2:] in eng.get("args", {}):
-            raise v.fail(
-                "engine.otlp_traces_endpoint", f"the engine's {flag} is also set as engine.args.{flag[2:]}: set one"
-            )
 
 
 # One argv or environment string is at most 32 pages on Linux (MAX_ARG_STRLEN, 128 KiB with 4 KiB
@@ -269,9 +272,6 @@ def _proxy_spec(data: dict[str, Any], v: _Validator) -> ProxySpec:
     proxy = dict(data)
     if proxy.get("default_route", "L2") not in ROUTES:
         raise v.fail("proxy.default_route", f"{proxy['default_route']!r}: expected one of {', '.join(ROUTES)}")
-    if proxy.get("reasoning", "none") not in REASONING_STYLES:
-        raise v.fail("proxy.reasoning", f"{proxy['reasoning']!r}: expected one of {', '.join(REASONING_STYLES)}")
-    _check_proxy_limits(proxy, v)
     hosts = []
     for i, host in enumerate(proxy.get("media_url_hosts", ())):
         if host != "*" and not MEDIA_HOST.fullmatch(host):
@@ -282,71 +282,14 @@ def _proxy_spec(data: dict[str, Any], v: _Validator) -> ProxySpec:
             )
         hosts.append(host.lower().strip("[]"))
     proxy["media_url_hosts"] = tuple(hosts)
-    if proxy.get("request_fields", "ignore") not in REQUEST_FIELD_MODES:
-        raise v.fail(
-            "proxy.request_fields",
-            f"{_short(proxy['request_fields'])}: expected one of {', '.join(REQUEST_FIELD_MODES)}",
-        )
     if "chat_template_kwargs" in proxy:
         proxy["chat_template_kwargs"] = tuple(proxy["chat_template_kwargs"])
-    if "store" in proxy:
-        from molctl.proxy.store.factory import parse_store_spec
-
-        try:
-            parse_store_spec(proxy["store"])
-        except ValueError as exc:
-            raise v.fail("proxy.store", str(exc)) from None
-    from molctl.proxy.tracing import collector_address
-
-    endpoint = proxy.get("otlp_endpoint")
-    if endpoint is not None and not collector_address(endpoint):
-        raise v.fail("proxy.otlp_endpoint", f"{_short(endpoint)}: expected a collector URL such as http://HOST:4318")
+    for name in ("proxy.store", "proxy.otlp_endpoint"):  # their owners' grammars
+        if proxy.get(name.split(".")[1]) is not None:
+            problem = profilechecks.problem(name, proxy)
+            if problem:
+                raise v.fail(*problem)
     return ProxySpec(**proxy)
-
-
-def _check_proxy_limits(proxy: dict[str, Any], v: _Validator) -> None:
-    """Positive, finite limits and timers; the ranges of state_commit_ms, summary_wait_s,
-    route_max_input_chars and max_request_head_bytes."""
-    for key in (
-        "max_output_tokens",
-        "route_max_tokens",
-        "summary_max_tokens",
-        "summary_queue_max",
-        "route_timeout_s",
-        "stream_write_timeout_s",
-        "request_body_timeout_s",
-        "sse_keepalive_s",
-        "store_ttl_s",
-        "store_max_bytes",
-        "store_max_entries",
-        "store_tenant_max_bytes",
-        "store_tenant_max_entries",
-        "max_inflight",
-        "max_queue",
-        "queue_timeout_s",
-        "route_inflight",
-        "summary_inflight",
-        "engine_body_max_bytes",
-        "summary_job_max_bytes",
-    ):
-        if proxy.get(key) is not None and proxy[key] <= 0:
-            raise v.fail(f"proxy.{key}", "must be > 0")
-        if isinstance(proxy.get(key), float) and not math.isfinite(proxy[key]):  # YAML .inf / .nan
-            raise v.fail(f"proxy.{key}", f"{proxy[key]}: must be a finite number > 0")
-        if isinstance(proxy.get(key), int) and proxy[key] > 2**53:  # a timer or a size past any float
-            raise v.fail(f"proxy.{key}", f"{_short(proxy[key])}: too large (at most {2**53})")
-    commit = proxy.get("state_commit_ms", 10.0)
-    # the range alone: NaN fails it, and math.isfinite would raise on an int too large for a float
-    if isinstance(commit, bool) or not (isinstance(commit, (int, float)) and 0 <= commit <= 1000):
-        raise v.fail("proxy.state_commit_ms", f"{_short(commit)}: expected a number of milliseconds from 0 to 1000")
-    wait = proxy.get("summary_wait_s", 5.0)
-    if not 0 <= wait <= 3600:  # NaN fails the range too; 0: the next turn never waits for a summary
-        raise v.fail("proxy.summary_wait_s", f"{_short(wait)}: expected seconds from 0 to 3600")
-    if proxy.get("route_max_input_chars", 4000) < 200:
-        raise v.fail("proxy.route_max_input_chars", "must be >= 200")
-    head = proxy.get("max_request_head_bytes", 64 * 1024)
-    if not 1024 <= head <= 64 * 1024 * 1024:
-        raise v.fail("proxy.max_request_head_bytes", f"{_short(head)}: expected bytes from 1024 to {64 * 1024 * 1024}")
 
 
 def _prompts(data: dict[str, Any], v: _Validator) -> Prompts:
@@ -367,13 +310,7 @@ def _prompts(data: dict[str, Any], v: _Validator) -> Prompts:
     for ph in (PH_DESCRIPTIONS, PH_LABELS):
         if ph not in prompts["route"]:
             raise v.fail("prompts.route", f"must contain the placeholder {ph}")
-    return Prompts(
-        identity=prompts["identity"],
-        route=prompts["route"],
-        summary=prompts["summary"],
-        adapters=dict(prompts["adapters"]),
-        fold=prompts.get("fold", DEFAULT_FOLD),
-    )
+    return Prompts(**prompts)
 
 
 def _adapter_spec(data: dict[str, Any], v: _Validator) -> AdapterSpec:
@@ -381,36 +318,24 @@ def _adapter_spec(data: dict[str, Any], v: _Validator) -> AdapterSpec:
     adapters = dict(data)
     if adapters.get("rank_equals") is not None and adapters.get("rank_max") is not None:
         raise v.fail("adapters.rank_max", "set either rank_equals or rank_max, not both")
-    for key in ("rank_equals", "rank_max"):  # a LoRA rank is at least 1
-        if adapters.get(key) is not None and not 1 <= adapters[key] <= 2**16:
-            raise v.fail(f"adapters.{key}", f"{_short(adapters[key])}: expected a LoRA rank from 1 to {2**16}")
     for i, name in enumerate(adapters.get("base_names", ())):
         if not name.strip() or name != name.strip():  # "" is in every declared base: every adapter would pass
             raise v.fail(
                 f"adapters.base_names[{i}]",
                 f"{_short(name)}: expected a base model name such as GLM-5.2, not blank and without surrounding spaces",
             )
-    return AdapterSpec(
-        rank_equals=adapters.get("rank_equals"),
-        rank_max=adapters.get("rank_max"),
-        base_names=tuple(adapters.get("base_names", ())),
-        effect_canary=adapters.get("effect_canary", True),
-    )
+    if "base_names" in adapters:
+        adapters["base_names"] = tuple(adapters["base_names"])
+    return AdapterSpec(**adapters)
 
 
 # Retention counts: the proxy's rotation renames part by part over `backups` names (a huge count
 # was a thread spinning at 100% CPU and a log never rotated), and `up` keeps `keep` files per
 # component; 1000 parts or files is more history than any operator reads, and cheap to walk.
-MAX_LOG_FILES = 1000
 
 
 def _log_spec(logs: dict[str, Any], v: _Validator) -> LogSpec:
-    """The `logs` section: keep 1 to MAX_LOG_FILES, backups 0 to MAX_LOG_FILES, max_bytes >= 0."""
-    if logs.get("max_bytes", 0) < 0:
-        raise v.fail("logs.max_bytes", "must be >= 0")
-    for key, low in (("keep", 1), ("backups", 0)):
-        if key in logs and not low <= logs[key] <= MAX_LOG_FILES:
-            raise v.fail(f"logs.{key}", f"{_short(logs[key])}: expected {low} to {MAX_LOG_FILES}")
+    """The `logs` section (its ranges are declared: `_check_declared`)."""
     return LogSpec(**logs)
 
 

@@ -4,8 +4,8 @@ it becomes. Validation and loading, which build it: `molctl.profiles`."""
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -18,260 +18,392 @@ PH_DESCRIPTIONS = "{{ROUTE_DESCRIPTIONS}}"
 PH_LABELS = "{{ROUTE_LABELS}}"
 
 # --------------------------------------------------------------------------------------------
-# Schema: a nested mapping of key -> type spec. A type spec is a Python type, a tuple of types
-# (None allowed), `list_of(T)`, `map_of(T)` or a nested dict. `REQUIRED` marks keys that must
-# be present; everything else has a default in the dataclasses below.
-
+# Every field is declared once, below, with `setting`: its YAML type spec (a Python type, a tuple
+# of types (None allowed), `_ListOf(T)` or `_MapOf(T)`), its default (none: required), its range
+# or choices, and the line the README's table shows. The schema (`SCHEMA`, `REQUIRED`), the
+# generic range checks (`molctl.profiles`) and the README's table (tests/cli/test_readme_profile_fields.py
+# prints its rows) are derived from the declarations; a section is a field declared with `section`.
 
 SCALAR = (str, int, float, bool)
 ARG_VALUE = (str, int, float, bool, _ListOf((str, int, float)))
+ENGINE_KINDS = ("vllm", "sglang")
+REASONING_STYLES = ("glm", "qwen", "none")
+REQUEST_FIELD_MODES = ("ignore", "reject")
+MAX_GPUS = 1024  # a huge count made `check` raise or build a list for minutes
+MAX_LOG_FILES = 1000
 
-SCHEMA: dict[str, Any] = {
-    "name": str,
-    "description": str,
-    "served_model_name": str,
-    "base_model": str,
-    "model_root": str,
-    "model": {
-        "model_type": (str, type(None)),
-        "shards": (int, type(None)),
-        "hint": (str, type(None)),  # how to obtain the model, shown when model_root is missing
-    },
-    "adapters": {
-        "rank_equals": (int, type(None)),
-        "rank_max": (int, type(None)),
-        "base_names": _ListOf(str),
-        "effect_canary": bool,  # the adapter efficacy canary of `up`/`switch` (molctl.canary)
-    },
-    "engine": {
-        "kind": str,
-        "version": str,
-        "python": (str, type(None)),
-        "host": str,
-        "port": int,
-        "gpus": int,
-        "start_timeout_s": (int, float),
-        "served_name": str,
-        "args": _MapOf(ARG_VALUE),
-        "env": _MapOf(SCALAR),  # numbers and booleans become strings ("1"/"0" for booleans)
-        "unset_env": _ListOf(str),
-        "otlp_traces_endpoint": (str, type(None)),  # the engine's own OTLP traces (Engine.trace_argv)
-    },
-    "proxy": {
-        "host": str,
-        "port": int,
-        "default_route": str,
-        "max_output_tokens": int,
-        "route_max_tokens": int,
-        "summary_max_tokens": int,
-        "summary_wait_s": (int, float),
-        "summary_queue_max": int,
-        "summary_job_max_bytes": int,  # what one queued summary keeps, at most (then it is dropped)
-        "route_timeout_s": (int, float),
-        "route_max_input_chars": int,
-        "speculative_answer": bool,  # the answer hop on the conversation's adapter alongside the route hop
-        "stream_write_timeout_s": (int, float),
-        "sse_keepalive_s": (int, float),
-        "reasoning": str,
-        "sampling_defaults": _MapOf(SCALAR),
-        "store": str,  # the Responses API's state: sqlite (default), memory, sqlite:/abs/path.sqlite3
-        "store_ttl_s": (int, float),
-        "store_max_bytes": int,
-        "store_max_entries": int,
-        "store_tenant_max_bytes": (int, type(None)),  # one API key's share (None: a quarter of store_max_bytes)
-        "store_tenant_max_entries": (int, type(None)),  # likewise of store_max_entries
-        "store_password_file": (str, type(None)),  # a redis:// store's password (else $MOLCTL_STORE_PASSWORD)
-        "state_commit_ms": (int, float),  # chat-state rows to SQLite: one transaction per this window
-        "advertise_upstream": (str, type(None)),  # this replica's engine URL as peers reach it (default: --upstream)
-        "max_inflight": (int, type(None)),  # answer hops at the engine at once (None: the engine's own limit)
-        "max_queue": int,
-        "queue_timeout_s": (int, float),
-        "route_inflight": int,
-        "summary_inflight": int,
-        "metrics_port": (int, type(None)),
-        "metrics_host": str,
-        "media_url_hosts": _ListOf(str),  # hosts whose image/audio/video URLs the engine may fetch ("*": any)
-        "max_request_head_bytes": int,  # a request's line and headers, at most (then 431/414)
-        "engine_body_max_bytes": int,  # a non-streamed engine answer's body, at most (then 502)
-        "request_body_timeout_s": (int, float),  # a request body's whole upload, at most (then 408)
-        "request_fields": str,  # unknown request fields: "ignore" (logged once, counted) or "reject" (a 400)
-        "chat_template_kwargs": _ListOf(str),  # the chat_template_kwargs keys a client may set
-        "otlp_endpoint": (str, type(None)),  # the proxy's OTLP collector (molctl.proxy.tracing)
-    },
-    "logs": {  # retention of STATE/PROFILE/logs
-        "keep": int,  # the N newest log files kept per component
-        "max_bytes": int,  # the proxy's own log is rotated at this size (0 = never)
-        "backups": int,  # rotated parts kept of it
-    },
-    "prompts": {
-        "identity": str,
-        "route": str,
-        "summary": str,
-        "fold": str,
-        "adapters": _MapOf(str),
-    },
-}
 
-REQUIRED = {
-    "name",
-    "served_model_name",
-    "base_model",
-    "model_root",
-    "engine.kind",
-    "engine.version",
-    "engine.port",
-    "engine.served_name",
-    "proxy.port",
-    "prompts.identity",
-    "prompts.route",
-    "prompts.summary",
-    "prompts.adapters",
-}
+def setting(
+    spec: Any,
+    default: Any = MISSING,
+    *,
+    doc: str,
+    factory: Callable[[], Any] | None = None,
+    positive: bool = False,
+    between: tuple[float, float, str] | None = None,
+    choices: tuple[str, ...] | None = None,
+) -> Any:
+    """One profile field: `spec` its YAML type, `default` (none: required), `doc` the README's
+    line; `positive`: finite and > 0 when set; `between=(low, high, what)`: low <= value <= high;
+    `choices`: one of these strings."""
+    meta = {"spec": spec, "doc": doc, "positive": positive, "between": between, "choices": choices}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def section(cls: type, required: bool = False) -> Any:
+    """A nested mapping of the profile, its fields declared by the dataclass `cls`."""
+    if required:
+        return field(metadata={"section": cls})
+    return field(default_factory=cls, metadata={"section": cls})
+
+
+def declared(cls: type) -> Iterator[tuple[str, Any]]:
+    """(name, dataclass field) of each YAML field of `cls`, in declaration order (sections too)."""
+    for f in fields(cls):
+        if "spec" in f.metadata or "section" in f.metadata:
+            yield f.name, f
+
+
+def default_of(cls: type, name: str) -> Any:
+    """The declared default of field `name` of `cls` (for code outside a profile that needs it)."""
+    f = cls.__dataclass_fields__[name]
+    return f.default_factory() if f.default is MISSING else f.default
+
+
+def schema_of(cls: type) -> dict[str, Any]:
+    """The nested schema mapping (key -> type spec or nested mapping) the declarations of `cls` give."""
+    return {
+        name: schema_of(f.metadata["section"]) if "section" in f.metadata else f.metadata["spec"]
+        for name, f in declared(cls)
+    }
+
+
+def required_of(cls: type, prefix: str = "") -> set[str]:
+    """The dotted names of the fields of `cls` without a default."""
+    out = set()
+    for name, f in declared(cls):
+        if "section" in f.metadata:
+            out |= required_of(f.metadata["section"], f"{prefix}{name}.")
+        elif f.default is MISSING and f.default_factory is MISSING:
+            out.add(prefix + name)
+    return out
 
 
 # --------------------------------------------------------------------------------------------
-# Typed, immutable profile.
+# Typed, immutable profile: the declarations.
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelSpec:
-    model_type: str | None = None
-    shards: int | None = None
-    hint: str | None = None
+    model_type: str | None = setting(
+        (str, type(None)), None, doc="the base's `config.json` `model_type` the checks expect"
+    )
+    shards: int | None = setting(
+        (int, type(None)),
+        None,
+        doc="the number of safetensors shards the checks expect",
+        between=(1, 100_000, "a shard count"),
+    )
+    hint: str | None = setting(
+        (str, type(None)), None, doc="how to obtain the model, shown when `model_root` is missing"
+    )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class AdapterSpec:
-    rank_equals: int | None = None
-    rank_max: int | None = None
-    base_names: tuple[str, ...] = ()
-    effect_canary: bool = True  # `up` proves each adapter changes the base's output (molctl.canary)
+    rank_equals: int | None = setting(
+        (int, type(None)),
+        None,
+        doc="every adapter's LoRA rank must equal this (1 to 65536; not with `rank_max`)",
+        between=(1, 2**16, "a LoRA rank"),
+    )
+    rank_max: int | None = setting(
+        (int, type(None)),
+        None,
+        doc="every adapter's LoRA rank at most this (1 to 65536; not with `rank_equals`)",
+        between=(1, 2**16, "a LoRA rank"),
+    )
+    base_names: tuple[str, ...] = setting(
+        _ListOf(str), (), doc="base model names an adapter may declare (not blank, no surrounding spaces)"
+    )
+    effect_canary: bool = setting(
+        bool, True, doc="`up` and `switch` prove each adapter changes the base's output (`check --live` too)"
+    )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EngineSpec:
-    kind: str
-    version: str
-    served_name: str
-    port: int
-    python: str = ""
-    host: str = "127.0.0.1"
-    gpus: int = 0
-    start_timeout_s: float = 3600
-    args: Mapping[str, Any] = field(default_factory=dict)
-    env: Mapping[str, str] = field(default_factory=dict)
-    unset_env: tuple[str, ...] = ()
-    otlp_traces_endpoint: str | None = None  # the engine exports its own spans here (Engine.trace_argv)
+    kind: str = setting(str, doc="`vllm` or `sglang`", choices=ENGINE_KINDS)
+    version: str = setting(
+        str, doc="a PEP 440 specifier of the installed engine; a local suffix like `+cu130` is ignored"
+    )
+    python: str = setting(
+        (str, type(None)), "", doc="the engine environment's interpreter; empty: the one running molctl"
+    )
+    host: str = setting(str, "127.0.0.1", doc="the engine's listen address")
+    port: int = setting(int, doc="the engine's port (not the proxy's)")
+    gpus: int = setting(int, 0, doc="GPUs the engine uses, 0 to 1024", between=(0, MAX_GPUS, "a GPU count"))
+    start_timeout_s: float = setting(
+        (int, float), 3600, doc="how long `up` waits for the engine to be ready (finite, > 0)", positive=True
+    )
+    served_name: str = setting(str, doc="the base's name at the engine")
+    args: Mapping[str, Any] = setting(
+        _MapOf(ARG_VALUE), factory=dict, doc="engine flags, flag -> value, written without dashes; `true` = bare flag"
+    )
+    env: Mapping[str, str] = setting(
+        _MapOf(SCALAR),
+        factory=dict,
+        doc="the engine's environment (numbers and booleans become strings, booleans `1`/`0`)",
+    )
+    unset_env: tuple[str, ...] = setting(
+        _ListOf(str), (), doc="variables removed from the engine's environment (names not empty, without `=`)"
+    )
+    otlp_traces_endpoint: str | None = setting(
+        (str, type(None)),
+        None,
+        doc=(
+            "the engine's own OpenTelemetry traces go to this collector (vLLM `--otlp-traces-endpoint`; "
+            "SGLang `--enable-trace --otlp-traces-endpoint`); the proxy's hop spans are their parents"
+        ),
+    )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ProxySpec:
-    port: int
-    host: str = "127.0.0.1"
-    default_route: str = "L2"
-    max_output_tokens: int = 131072
-    route_max_tokens: int = 24
-    summary_max_tokens: int = 192
-    summary_wait_s: float = 5.0
-    summary_queue_max: int = 256  # summaries waiting for a slot; more are dropped (counted)
+    host: str = setting(str, "127.0.0.1", doc="the proxy's listen address")
+    port: int = setting(int, doc="the proxy's port")
+    default_route: str = setting(str, "L2", doc="the route (`L0`..`L3`) when the route hop fails or answers no label")
+    max_output_tokens: int = setting(int, 131072, doc="the most tokens an answer may ask for", positive=True)
+    route_max_tokens: int = setting(
+        int,
+        24,
+        doc="the route hop's token budget; it never asks for more than the longest label has characters (2 with `L0`..`L3`)",
+        positive=True,
+    )
+    summary_max_tokens: int = setting(int, 192, doc="a summary's token budget", positive=True)
+    summary_wait_s: float = setting(
+        (int, float),
+        5.0,
+        doc="how long a turn waits for a pending summary it would fold, 0 to 3600",
+        between=(0, 3600, "seconds"),
+    )
+    summary_queue_max: int = setting(
+        int, 256, doc="summaries waiting for a slot; more are dropped (counted)", positive=True
+    )
     # What one queued summary keeps, at most (summary.SummaryJob.size): its continuation's token
     # ids as JSON, about 7 bytes each (a whole 262,144-token window: 1.8 MB), or the chat fallback's JSON; a
     # summary over it is dropped (counted). So the queue keeps at most summary_queue_max times it.
-    summary_job_max_bytes: int = 4 * 1024 * 1024
-    route_timeout_s: float = 10.0  # the route hop's own deadline; then the fallback route
-    route_max_input_chars: int = 4000  # the router sees at most this much of the request
+    summary_job_max_bytes: int = setting(
+        int,
+        4194304,
+        doc=(
+            "what one queued summary keeps at most: its continuation's token ids as JSON, about 7 bytes "
+            "a token (a whole 262,144-token window: 1.8 MB), or the chat fallback's JSON; a summary "
+            "over it is dropped (counted in `summaries_dropped_total`), so queued summaries keep at "
+            "most `summary_queue_max` times this"
+        ),
+        positive=True,
+    )
+    route_timeout_s: float = setting(
+        (int, float), 10.0, doc="the route hop's own deadline; then the default route", positive=True
+    )
+    route_max_input_chars: int = setting(
+        int, 4000, doc="the most of a request the route hop sees (at least 200)", between=(200, 2**53, "characters")
+    )
     # a follow-up turn's answer starts on the conversation's adapter alongside the route hop, held
     # until the route decides (molctl.proxy.pipeline.speculative)
-    speculative_answer: bool = True
-    stream_write_timeout_s: float = 60.0  # a stream client that reads nothing this long is dropped
+    speculative_answer: bool = setting(
+        bool,
+        True,
+        doc=(
+            "a follow-up turn's answer starts on the conversation's adapter alongside the route hop, "
+            "held until the route decides (on by default: most follow-ups keep their adapter, and a "
+            'miss is cancelled at once; see "The speculative answer")'
+        ),
+    )
+    stream_write_timeout_s: float = setting(
+        (int, float), 60.0, doc="a stream client that reads nothing this long is dropped", positive=True
+    )
     # a stream's 200 waits this long for the first token, then `: keepalive` comments this often
     # (keep it under the idle timeout of any load balancer between the clients and the proxy)
-    sse_keepalive_s: float = 10.0
-    reasoning: str = "none"
-    sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
-    store: str = "sqlite"  # see molctl.proxy.store.factory.parse_store_spec
-    store_ttl_s: float = 30 * 24 * 3600  # stored responses expire after this (as the API)
-    store_max_bytes: int = 1024 * 1024 * 1024  # record JSON kept at most; then oldest first evicted
-    store_max_entries: int = 100_000
+    sse_keepalive_s: float = setting(
+        (int, float),
+        10.0,
+        doc="a stream's first-token wait and keep-alive interval: keep it under the idle timeout of a load balancer in front",
+        positive=True,
+    )
+    reasoning: str = setting(str, "none", doc="`glm`, `qwen` or `none`", choices=REASONING_STYLES)
+    sampling_defaults: Mapping[str, Any] = setting(
+        _MapOf(SCALAR),
+        factory=dict,
+        doc="scalar sampling parameters such as `temperature` or `top_p` sent on the answer hop; a value the client sends wins",
+    )
+    store: str = setting(
+        str,
+        "sqlite",
+        doc="the Responses API's and chat's state: `sqlite`, `memory`, `sqlite:/abs/path.sqlite3` or `redis://...`",
+    )
+    store_ttl_s: float = setting(
+        (int, float), 2592000, doc="stored responses expire after this (30 days)", positive=True
+    )
+    store_max_bytes: int = setting(
+        int, 1073741824, doc="stored JSON at most (1 GiB); then oldest first evicted", positive=True
+    )
+    store_max_entries: int = setting(int, 100000, doc="stored responses at most", positive=True)
     # one tenant's (API key's) quota: over it, its own oldest responses are evicted, never another
     # tenant's (None: a quarter of store_max_bytes / store_max_entries; at most those)
-    store_tenant_max_bytes: int | None = None
-    store_tenant_max_entries: int | None = None
-    store_password_file: str | None = None  # proxy.store redis://...: the password's file (never in the URL)
+    store_tenant_max_bytes: int | None = setting(
+        (int, type(None)), None, doc="one API key's share of `store_max_bytes` (null: a quarter of it)", positive=True
+    )
+    store_tenant_max_entries: int | None = setting(
+        (int, type(None)), None, doc="one API key's share of `store_max_entries` (null: a quarter of it)", positive=True
+    )
+    store_password_file: str | None = setting(
+        (str, type(None)), None, doc="a `redis://` store's password, never in the URL (else `$MOLCTL_STORE_PASSWORD`)"
+    )
     # Chat conversation rows (folds, summaries, tool stickiness) go to the SQLite store in one
     # transaction per window of this many ms (a group commit: at 1 client a turn's row and its
     # summary share one commit, under load many turns do); a proxy crash loses at most this
     # window's rows (a drain or stop writes them). 0: at the end of each event-loop pass. Stored
     # Responses are committed before their body is sent, whatever this says.
-    state_commit_ms: float = 10.0
-    advertise_upstream: str | None = None  # replicas: this proxy's engine as its peers reach it
+    state_commit_ms: float = setting(
+        (int, float),
+        10.0,
+        doc="chat state's group-commit window in ms, 0 to 1000",
+        between=(0, 1000, "a number of milliseconds"),
+    )
+    advertise_upstream: str | None = setting(
+        (str, type(None)), None, doc="proxy replicas: this host's engine as its peers reach it (default: `--upstream`)"
+    )
     # admission control (molctl.proxy.pipeline.admission)
-    max_inflight: int | None = None  # answer hops in flight; None: engine.args max-num-seqs / max-running-requests
-    max_queue: int = 256  # requests waiting for a slot, all keys together; more: 429
-    queue_timeout_s: float = 30.0  # a request waiting longer for a slot: 429
-    route_inflight: int = 4  # route hops in flight (their own budget)
-    summary_inflight: int = 2  # summary hops in flight (their own budget)
+    max_inflight: int | None = setting(
+        (int, type(None)),
+        None,
+        doc="answer hops at the engine at once (null: the engine's own limit); see Admission control",
+        positive=True,
+    )
+    max_queue: int = setting(int, 256, doc="requests waiting for a slot, all keys together; more: 429", positive=True)
+    queue_timeout_s: float = setting((int, float), 30.0, doc="a request waiting longer for a slot: 429", positive=True)
+    route_inflight: int = setting(int, 4, doc="route hops in flight (their own budget)", positive=True)
+    summary_inflight: int = setting(int, 2, doc="summary hops in flight (their own budget)", positive=True)
     # Prometheus metrics on their own listener (none unless set)
-    metrics_port: int | None = None
-    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = setting(
+        (int, type(None)), None, doc="the Prometheus metrics listener's port (none unless set); see Metrics"
+    )
+    metrics_host: str = setting(str, "127.0.0.1", doc="the metrics listener's address")
     # Media a client names by URL is fetched by the engine (vLLM, SGLang), from the engine's host
     # and network: any URL a key holder sends would be a request from inside the cluster. Only
     # data: URLs unless the URL's host is listed here (lower case; "*": any http(s) URL).
-    media_url_hosts: tuple[str, ...] = ()
+    media_url_hosts: tuple[str, ...] = setting(
+        _ListOf(str),
+        (),
+        doc=(
+            "hosts the engine may fetch images, audio and video from when a client names them by URL "
+            "(`*`: any); none: only inline `data:` URLs, see Media URLs"
+        ),
+    )
     # A request head (request line and headers) over this many bytes is answered 431 (414 for
     # the request line) as soon as the bytes pass it, before they are parsed (nginx, Envoy: 64 KiB)
-    max_request_head_bytes: int = 64 * 1024
+    max_request_head_bytes: int = setting(
+        int,
+        65536,
+        doc="a request's line and headers at most, 1024 to 64 MiB: past it a 431 (414 for the request line), before any key is checked",
+        between=(1024, 64 * 1024 * 1024, "bytes"),
+    )
     # A non-streamed engine answer's body is read whole up to this many bytes; past it the hop
     # fails with a 502 naming this field (molctl.proxy.engine_client.MAX_ENGINE_BODY: why 512 MiB)
-    engine_body_max_bytes: int = 512 * 1024 * 1024
+    engine_body_max_bytes: int = setting(
+        int,
+        536870912,
+        doc=(
+            "a non-streamed engine answer's body is read whole up to this (512 MiB: a 262,144-token "
+            "window's token ids are under 2.5 MB, the rest is room for logprobs); past it the hop is a "
+            "502 naming this field"
+        ),
+        positive=True,
+    )
     # A request body must arrive whole within this many seconds of its head (then 408), however
     # steadily it trickles (stream_write_timeout_s bounds the wait for each part of it)
-    request_body_timeout_s: float = 300.0
+    request_body_timeout_s: float = setting(
+        (int, float), 300.0, doc="a request body must arrive whole within this of its head (then 408)", positive=True
+    )
     # A request field the proxy does not know (nor the engine module, see Engine.request_extensions):
     # "ignore" accepts it, logs its name once and counts it, as vLLM itself does; "reject" is a 400.
-    request_fields: str = "ignore"
+    request_fields: str = setting(
+        str,
+        "ignore",
+        doc="a request field neither the proxy nor the engine module knows: `ignore` (logged once, counted) or `reject` (a 400)",
+        choices=REQUEST_FIELD_MODES,
+    )
     # The chat_template_kwargs keys a client may set (others are a 400): the thinking switches of
     # the Qwen3.x and GLM templates. Any other variable reaches the template as is and can change
     # what every rendering of the conversation looks like.
-    chat_template_kwargs: tuple[str, ...] = ("enable_thinking", "thinking", "clear_thinking", "preserve_thinking")
+    chat_template_kwargs: tuple[str, ...] = setting(
+        _ListOf(str),
+        ("enable_thinking", "thinking", "clear_thinking", "preserve_thinking"),
+        doc="the `chat_template_kwargs` keys a client may set (others are a 400)",
+    )
     # OpenTelemetry traces of the proxy to this collector (as OTEL_EXPORTER_OTLP_ENDPOINT; molctl.proxy.tracing)
-    otlp_endpoint: str | None = None
+    otlp_endpoint: str | None = setting(
+        (str, type(None)),
+        None,
+        doc=(
+            "OpenTelemetry traces of the proxy to this OTLP collector (its base URL, as "
+            "`OTEL_EXPORTER_OTLP_ENDPOINT`: `http://HOST:4318`); unset: the standard "
+            "`OTEL_EXPORTER_OTLP_*` variables decide, off without them"
+        ),
+    )
 
 
 DEFAULT_FOLD = "[This turn was handled by another specialist. Summary: {summary}]"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LogSpec:
-    keep: int = 10
-    max_bytes: int = 100 * 1024 * 1024
-    backups: int = 2
+    keep: int = setting(
+        int, 10, doc="the newest log files kept per component, 1 to 1000", between=(1, MAX_LOG_FILES, "a file count")
+    )
+    max_bytes: int = setting(
+        int,
+        104857600,
+        doc="the proxy's own log is rotated at this size (100 MiB; 0 = never)",
+        between=(0, 2**53, "bytes"),
+    )
+    backups: int = setting(
+        int, 2, doc="rotated parts kept of it, 0 to 1000", between=(0, MAX_LOG_FILES, "a part count")
+    )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Prompts:
-    identity: str
-    route: str
-    summary: str
-    adapters: Mapping[str, str]
+    identity: str = setting(str, doc="the system prompt of every hop (`{{MODEL_NAME}}`, `{{BASE_MODEL}}`)")
+    route: str = setting(
+        str, doc="the route hop's prompt; must contain `{{ROUTE_DESCRIPTIONS}}` and `{{ROUTE_LABELS}}`"
+    )
+    summary: str = setting(str, doc="the summary hop's prompt")
     # How another adapter's turn appears in an adapter's own view; {summary} is replaced.
-    fold: str = DEFAULT_FOLD
+    fold: str = setting(
+        str, DEFAULT_FOLD, doc="how another adapter's turn appears in an adapter's view; must contain `{summary}`"
+    )
+    adapters: Mapping[str, str] = setting(_MapOf(str), doc="one description per route, exactly `L0`..`L3`")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Profile:
-    name: str
-    served_model_name: str
-    base_model: str
-    model_root: Path
-    engine: EngineSpec
-    proxy: ProxySpec
-    prompts: Prompts
-    model: ModelSpec = ModelSpec()
-    adapters: AdapterSpec = AdapterSpec()
-    description: str = ""
-    source: Path | None = None
-    logs: LogSpec = LogSpec()
+    name: str = setting(str, doc="the profile's name, equal to its file name (`[a-z0-9][a-z0-9-]*`)")
+    description: str = setting(str, "", doc="one line shown by `molctl profiles`")
+    served_model_name: str = setting(str, doc="the model name clients send and see")
+    base_model: str = setting(str, doc="the base model's name (`{{BASE_MODEL}}` in prompts)")
+    model_root: Path = setting(str, doc="the folder holding `base/` and `loras/L0`..`L3`")
+    model: ModelSpec = section(ModelSpec)
+    adapters: AdapterSpec = section(AdapterSpec)
+    engine: EngineSpec = section(EngineSpec, required=True)
+    proxy: ProxySpec = section(ProxySpec, required=True)
+    logs: LogSpec = section(LogSpec)
+    prompts: Prompts = section(Prompts, required=True)
+    source: Path | None = None  # the file it was read from (not a YAML field)
 
     @property
     def base_dir(self) -> Path:
@@ -286,3 +418,7 @@ class Profile:
 
     def substitute(self, text: str) -> str:
         return text.replace(PH_MODEL, self.served_model_name).replace(PH_BASE, self.base_model)
+
+
+SCHEMA: dict[str, Any] = schema_of(Profile)
+REQUIRED: set[str] = required_of(Profile)

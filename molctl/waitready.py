@@ -21,6 +21,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import molctl.engines  # noqa: F401 - these three register their profile checks (molctl.profilechecks)
+import molctl.proxy.store.factory  # noqa: F401
+import molctl.proxy.tracing  # noqa: F401
 from molctl.errors import ExitStatus, MolctlError
 from molctl.readiness import Poll, http_status, wait_ready
 

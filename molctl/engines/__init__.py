@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import importlib
 
+from molctl import profilechecks
 from molctl.engines.base import Engine
 
 
 def get_engine(kind: str) -> Engine:
     module = importlib.import_module(f"molctl.engines.{kind}")
     return module.ENGINE
+
+
+profilechecks.register("engine", lambda eng: get_engine(eng["kind"]).profile_problem(eng))

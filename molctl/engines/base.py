@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from molctl.profilespec import Profile
-from molctl.proxy.fastjson import RawIds
 from molctl.routes import ROUTES
 
 
@@ -218,6 +219,34 @@ def adapter_problems(profile: Profile, engine: Engine, models: object) -> list[s
     return problems
 
 
+@dataclass
+class Sample:
+    """One model's answer to the adapter efficacy canary's prompt (`molctl.canary`): per generated token, the token, its logprob and
+    the top logprobs at that position ({token: logprob})."""
+
+    tokens: list[Any] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top: list[dict[str, float]] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+class RawIds:
+    """Token ids kept as the JSON array text the engine sent (`molctl.proxy.fastjson.loads_lifting`): 256k ids
+    are 1.8 MB of bytes, not 256k int objects (9 MB, 19 ms to make), and go on to the summary
+    hop as they came (`proxy.pipeline.summary`)."""
+
+    __slots__ = ("text", "count")
+
+    def __init__(self, text: bytes, count: int):
+        self.text, self.count = text, count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __iter__(self):
+        return iter(orjson.loads(self.text))
+
+
 def _ints(value: Any) -> list[int] | None:
     """A JSON list of token ids (or the engine client's RawIds of one), else None."""
     if isinstance(value, RawIds):
@@ -374,6 +403,21 @@ class Engine(abc.ABC):
         """Why the engine could not serve adapters under this base name, or None."""
         return None
 
+    def profile_problem(self, eng: Mapping[str, Any]) -> tuple[str, str] | None:
+        """The profile's `engine` section against this engine's rules (registered with
+        `molctl.profilechecks` by `molctl.engines`): (field, what is wrong) or None."""
+        problem = self.served_name_problem(eng["served_name"])
+        if problem:
+            return "engine.served_name", problem
+        if eng.get("otlp_traces_endpoint"):
+            for flag in self.trace_flags:  # the flags the endpoint sets must not also be set by hand
+                if flag[2:] in eng.get("args", {}):
+                    return (
+                        "engine.otlp_traces_endpoint",
+                        f"the engine's {flag} is also set as engine.args.{flag[2:]}: set one",
+                    )
+        return None
+
     def listed_adapters(self, models: object) -> dict[str, object] | None:
         """`{card id: its parent}` from a /v1/models body (None: not a model list). vLLM and
         SGLang both answer OpenAI's ModelList, an adapter's card naming the base as `parent`."""
@@ -406,7 +450,7 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def canary_sample(self, body: Any):
-        """A `molctl.canary.Sample` from the answer's body (raises ValueError/KeyError/TypeError
+        """A `Sample` from the answer's body (raises ValueError/KeyError/TypeError
         when the answer has no logprobs)."""
 
     # The summary hop as a continuation of the answer hop's tokens (issue 30; the proxy's

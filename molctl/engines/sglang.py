@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from molctl.engines.base import AnswerTokens, Engine, EngineInstall, _ints, run_probe_script, with_trace_probe
+from molctl.engines.base import AnswerTokens, Engine, EngineInstall, Sample, _ints, run_probe_script, with_trace_probe
 from molctl.profilespec import Profile
 
 PROBE_SCRIPT = r"""
@@ -294,8 +294,6 @@ class SglangEngine(Engine):
         return body
 
     def canary_sample(self, body):
-        from molctl.canary import Sample
-
         meta = body["meta_info"]
         chosen = meta["output_token_logprobs"]
         tops = [{str(t[1]): float(t[0]) for t in (row or [])} for row in meta.get("output_top_logprobs") or []]

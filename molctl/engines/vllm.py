@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from molctl.engines.base import AnswerTokens, Engine, EngineInstall, _ints, run_probe_script, with_trace_probe
+from molctl.engines.base import AnswerTokens, Engine, EngineInstall, Sample, _ints, run_probe_script, with_trace_probe
 from molctl.profilespec import Profile
 
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -315,8 +315,6 @@ class VllmEngine(Engine):
         }
 
     def canary_sample(self, body):
-        from molctl.canary import Sample
-
         lp = body["choices"][0]["logprobs"]
         tops = [{str(k): float(v) for k, v in (t or {}).items()} for t in lp["top_logprobs"]]
         return Sample(tokens=list(lp["tokens"]), logprobs=[float(x) for x in lp["token_logprobs"]], top=tops)

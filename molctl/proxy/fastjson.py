@@ -24,6 +24,8 @@ from typing import Any
 
 import orjson
 
+from molctl.engines.base import RawIds
+
 
 class NonFinite(float):
     """A NaN or an infinity decoded by the standard library (orjson refuses them)."""
@@ -89,23 +91,6 @@ def dumps_bytes(value: Any) -> bytes:
 LIFT_MIN = 64 << 10  # a top-level integer array of at least this many bytes (~9k token ids) is lifted
 _LIFTABLE = re.compile(rb'"(\w+)"\s*:\s*\[(?=[0-9])')  # a key whose array starts with a digit
 _NOT_INT_LIST = bytes(range(256)).translate(None, b"0123456789, \n\r\t")
-
-
-class RawIds:
-    """Token ids kept as the JSON array text the engine sent (`loads_lifting`): 256k ids
-    are 1.8 MB of bytes, not 256k int objects (9 MB, 19 ms to make), and go on to the summary
-    hop as they came (`proxy.pipeline.summary`)."""
-
-    __slots__ = ("text", "count")
-
-    def __init__(self, text: bytes, count: int):
-        self.text, self.count = text, count
-
-    def __len__(self) -> int:
-        return self.count
-
-    def __iter__(self):
-        return iter(loads(self.text))
 
 
 def loads_lifting(raw: bytes) -> Any:

@@ -17,6 +17,7 @@ import re
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
+from molctl import profilechecks
 from molctl.errors import ExitStatus, MolctlError
 
 ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
@@ -110,6 +111,18 @@ def collector_address(value: str, protocol: str = "http/protobuf") -> bool:
     except ValueError:
         return False
     return port is None or port > 0
+
+
+def _endpoint_field_problem(proxy) -> tuple[str, str] | None:
+    """`proxy.otlp_endpoint` of a profile (registered with molctl.profilechecks)."""
+    endpoint = proxy["otlp_endpoint"]
+    if collector_address(endpoint):
+        return None
+    shown = endpoint if len(endpoint) <= 20 else endpoint[:20] + "..."  # as profile errors shorten values
+    return "proxy.otlp_endpoint", f"{shown}: expected a collector URL such as http://HOST:4318"
+
+
+profilechecks.register("proxy.otlp_endpoint", _endpoint_field_problem)
 
 
 def _grpc_exporter(endpoint: str | None, variable: str) -> Any:

@@ -264,11 +264,11 @@ def test_admission_and_metrics_fields_are_validated(field, value, expected):
     [
         # YAML .nan/.inf and integers past a float: `render systemd` raised (ceil), `check` raised or
         # spent minutes building range(gpus), `up` without --timeout would have waited forever
-        ("engine.start_timeout_s", float("nan"), "finite number of seconds > 0"),
-        ("engine.start_timeout_s", float("inf"), "finite number of seconds > 0"),
-        ("engine.start_timeout_s", 10**400, "10000000000000000000...: must be a finite"),
-        ("engine.gpus", 10**30, "expected 0 to 1024"),
-        ("engine.gpus", 100_000_000, "expected 0 to 1024"),
+        ("engine.start_timeout_s", float("nan"), "finite number > 0"),
+        ("engine.start_timeout_s", float("inf"), "finite number > 0"),
+        ("engine.start_timeout_s", 10**400, "10000000000000000000...: too large"),
+        ("engine.gpus", 10**30, "expected a GPU count from 0 to 1024"),
+        ("engine.gpus", 100_000_000, "expected a GPU count from 0 to 1024"),
         # `--set served_model_name=$UNSET`: a stack serving the model '' (YAML reads an empty value as '')
         ("served_model_name", "", "must not be empty"),
         ("base_model", " ", "must not be empty"),
@@ -568,11 +568,11 @@ def test_what_exec_refuses_through_set_is_one_line(key, value, expected):
 @pytest.mark.parametrize(
     "key, value, expected",
     [
-        ("logs.backups", 10**12, "1000000000000: expected 0 to 1000"),
-        ("logs.backups", 1001, "1001: expected 0 to 1000"),
-        ("logs.backups", -1, "-1: expected 0 to 1000"),
-        ("logs.keep", 10**30, "10000000000000000000...: expected 1 to 1000"),
-        ("logs.keep", 0, "0: expected 1 to 1000"),
+        ("logs.backups", 10**12, "1000000000000: expected a part count from 0 to 1000"),
+        ("logs.backups", 1001, "1001: expected a part count from 0 to 1000"),
+        ("logs.backups", -1, "-1: expected a part count from 0 to 1000"),
+        ("logs.keep", 10**30, "10000000000000000000...: expected a file count from 1 to 1000"),
+        ("logs.keep", 0, "0: expected a file count from 1 to 1000"),
     ],
 )
 def test_log_retention_counts_are_bounded(key, value, expected):

@@ -1,8 +1,8 @@
-"""The README's table of profile fields names every field of the profile schema
-(`molctl.profiles.SCHEMA`) with its type and default, and nothing else.
+"""The README's table of profile fields is the profile's declarations (`molctl.profilespec`,
+`setting`): every declared field with its type, default and doc line, and nothing else.
 
-`python -m tests.cli.test_readme_profile_fields` prints the field, type and default columns the
-schema gives, to paste into the table when a field is added."""
+`python -m tests.cli.test_readme_profile_fields` prints the table's rows from the declarations, to
+paste into the README when a field is added."""
 
 from __future__ import annotations
 
@@ -13,20 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from molctl import profiles as pf
+from molctl.profilespec import declared
 from molctl.profileyaml import _ListOf, _MapOf
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 HEADING = "### Profile fields"
-# the dataclass that holds each section's values, and so its defaults
-SECTIONS = {
-    "": pf.Profile,
-    "model": pf.ModelSpec,
-    "adapters": pf.AdapterSpec,
-    "engine": pf.EngineSpec,
-    "proxy": pf.ProxySpec,
-    "logs": pf.LogSpec,
-    "prompts": pf.Prompts,
-}
 TYPE_WORDS = {str: "string", int: "integer", float: "number", bool: "boolean", type(None): "null"}
 
 
@@ -44,11 +35,9 @@ def type_text(spec: Any) -> str:
     return TYPE_WORDS[spec]
 
 
-def default_text(dotted: str) -> str:
-    if dotted in pf.REQUIRED:
+def default_text(f: dataclasses.Field) -> str:
+    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
         return "required"
-    section, _, name = dotted.rpartition(".")
-    (f,) = [f for f in dataclasses.fields(SECTIONS[section]) if f.name == name]
     value = f.default_factory() if f.default is dataclasses.MISSING else f.default
     if isinstance(value, tuple):
         value = list(value)
@@ -57,18 +46,17 @@ def default_text(dotted: str) -> str:
     return f"`{json.dumps(value)}`"
 
 
-def schema_fields(schema: Mapping[str, Any] = pf.SCHEMA, prefix: str = "") -> Iterator[tuple[str, str, str]]:
-    """(field, type, default) of every leaf of the schema, in its order."""
-    for key, spec in schema.items():
-        dotted = prefix + key
-        if isinstance(spec, dict):
-            yield from schema_fields(spec, dotted + ".")
+def schema_fields(cls: type = pf.Profile, prefix: str = "") -> Iterator[tuple[str, str, str, str]]:
+    """(field, type, default, doc) of every declared field (`molctl.profilespec.setting`), in order."""
+    for name, f in declared(cls):
+        if "section" in f.metadata:
+            yield from schema_fields(f.metadata["section"], f"{prefix}{name}.")
         else:
-            yield dotted, type_text(spec), default_text(dotted)
+            yield prefix + name, type_text(f.metadata["spec"]), default_text(f), f.metadata["doc"]
 
 
-def readme_fields() -> list[tuple[str, str, str]]:
-    """(field, type, default) of each row of the README's table under HEADING."""
+def readme_fields() -> list[tuple[str, str, str, str]]:
+    """(field, type, default, doc) of each row of the README's table under HEADING."""
     text = README.read_text()
     assert HEADING in text, f"README.md has no {HEADING!r} section"
     rows = []
@@ -77,37 +65,37 @@ def readme_fields() -> list[tuple[str, str, str]]:
             break
         if line.startswith("| `"):
             cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
-            rows.append((cells[0].strip("`"), cells[1], cells[2]))
+            rows.append((cells[0].strip("`"), cells[1], cells[2], cells[3]))
     return rows
 
 
 def test_every_schema_field_is_in_the_table():
-    documented = {f for f, _, _ in readme_fields()}
-    missing = [f for f, _, _ in schema_fields() if f not in documented]
+    documented = {f for f, *_ in readme_fields()}
+    missing = [f for f, *_ in schema_fields() if f not in documented]
     assert not missing, f"README.md's profile field table lacks {missing}"
 
 
 def test_the_table_names_no_field_the_schema_lacks():
-    known = {f for f, _, _ in schema_fields()}
-    extra = [f for f, _, _ in readme_fields() if f not in known]
+    known = {f for f, *_ in schema_fields()}
+    extra = [f for f, *_ in readme_fields() if f not in known]
     assert not extra, f"README.md's profile field table names fields the schema lacks: {extra}"
 
 
 def test_each_field_is_in_the_table_once():
-    names = [f for f, _, _ in readme_fields()]
+    names = [f for f, *_ in readme_fields()]
     assert len(names) == len(set(names))
 
 
-def test_types_and_defaults_are_the_schemas():
-    expected = {f: (t, d) for f, t, d in schema_fields()}
+def test_types_defaults_and_docs_are_the_declarations():
+    expected = {f: rest for f, *rest in schema_fields()}
     wrong = [
-        f"{f}: table says {t!r}, {d!r}; schema says {expected[f]}"
-        for f, t, d in readme_fields()
-        if f in expected and (t, d) != expected[f]
+        f"{f}: table says {tuple(rest)!r}; the declaration says {expected[f]}"
+        for f, *rest in readme_fields()
+        if f in expected and tuple(rest) != tuple(expected[f])
     ]
     assert not wrong, "\n".join(wrong)
 
 
 if __name__ == "__main__":
-    for field, type_, default in schema_fields():
-        print(f"| `{field}` | {type_} | {default} |")
+    for field, type_, default, doc in schema_fields():
+        print(f"| `{field}` | {type_} | {default} | {doc} |")

@@ -11,7 +11,8 @@ import json
 
 import pytest
 
-from molctl.canary import TOLERANCE, Sample, difference
+from molctl.canary import TOLERANCE, difference
+from molctl.engines.base import Sample
 from molctl.errors import ExitStatus
 from tests.lifecycle_host import Host, gone, port_free
 from tests.sglang_host import SGL, SglHost

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import httpx
 
-from molctl.logs import _Log, escape_controls
+from molctl.logfiles import escape_controls
+from molctl.logs import _Log
 from tests.helpers import free_ports, wait_for
 from tests.procs import fake_engine_argv, proxy_argv, running
 from tests.proxy_stack import PUBLIC

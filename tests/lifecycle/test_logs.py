@@ -200,7 +200,7 @@ def test_proxy_log_rotation_and_pruning(tmp_path):
     # the writer ends once the last rotation is done (its file below the limit): a daemon thread
     # stopped by the interpreter's exit between two renames left .2 without .1 (a loaded CI run)
     script = (
-        "import os, sys, time; from molctl.logs import rotate_stdio; rotate_stdio(2000, 2, 0.02)\n"
+        "import os, sys, time; from molctl.logfiles import rotate_stdio; rotate_stdio(2000, 2, 0.02)\n"
         "for i in range(400):\n    print('x' * 50, flush=True); time.sleep(0.002)\n"
         "deadline = time.monotonic() + 30\n"
         "while os.fstat(1).st_size >= 2000 and time.monotonic() < deadline:\n    time.sleep(0.01)\n"

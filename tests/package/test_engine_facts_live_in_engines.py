@@ -9,7 +9,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "molctl"
 KINDS = {"vllm", "sglang"}
-ALLOWED = {("profiles.py", "ENGINE_KINDS")}  # the schema's list of kinds
+ALLOWED = {("profilespec.py", "ENGINE_KINDS")}  # the schema's list of kinds
 
 
 def literal_kinds(path: Path) -> list[int]:
@@ -39,6 +39,6 @@ def test_no_engine_kind_literal_outside_the_engines_package():
 
 
 def test_the_scan_finds_a_kind_literal_and_spares_the_kinds_list(tmp_path):
-    probe = tmp_path / "profiles.py"
+    probe = tmp_path / "profilespec.py"
     probe.write_text('ENGINE_KINDS = ("vllm", "sglang")\nif kind == "sglang":\n    pass\n')
     assert literal_kinds(probe) == [2]

@@ -98,3 +98,103 @@ def test_the_scan_finds_a_circle_closed_inside_a_function_or_under_type_checking
     (pkg / "sub" / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from molctl import a\n")
     (pkg / "d.py").write_text("import molctl.a\n")
     assert circles(import_graph(tmp_path)) == [{"molctl.a", "molctl.sub.b", "molctl.sub.c"}]
+
+
+# The package's layers, lowest first: a module may import its own layer and the ones below it,
+# never one above (counting imports inside functions and under TYPE_CHECKING). A module takes
+# the layer of the longest name below that matches it; every module must match one.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    (
+        "foundation",
+        (
+            "molctl",
+            "molctl.errors",
+            "molctl.routes",
+            "molctl.hashing",
+            "molctl.redaction",
+            "molctl.procid",
+            "molctl.flocks",
+            "molctl.cudacompat",
+            "molctl.safetensors",
+            "molctl.stopsignals",
+            "molctl.progress",
+            "molctl.keys",
+            "molctl.probes",
+            "molctl.logfiles",
+        ),
+    ),
+    ("host state", ("molctl.state", "molctl.processes")),
+    (
+        "profile",
+        ("molctl.profileyaml", "molctl.profilespec", "molctl.profilechecks", "molctl.profiles", "molctl.stackconfig"),
+    ),
+    ("engines", ("molctl.engines",)),
+    ("proxy", ("molctl.proxy",)),
+    (
+        "operations",
+        (
+            "molctl.bench",
+            "molctl.canary",
+            "molctl.checks",
+            "molctl.claims",
+            "molctl.demo",
+            "molctl.launch",
+            "molctl.logs",
+            "molctl.manifest",
+            "molctl.manifestfile",
+            "molctl.output",
+            "molctl.readiness",
+            "molctl.reload",
+            "molctl.render",
+            "molctl.stacks",
+            "molctl.start",
+            "molctl.status",
+            "molctl.stop",
+            "molctl.storeadmin",
+            "molctl.top",
+            "molctl.waitready",
+        ),
+    ),
+    ("cli", ("molctl.__main__", "molctl.cli")),
+]
+
+
+def layer_of(module: str) -> int | None:
+    """The index in LAYERS of the longest prefix (whole dotted parts) that names `module`."""
+    best, best_len = None, -1
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            hit = module == prefix or (module.startswith(prefix + ".") and prefix != "molctl")
+            if hit and len(prefix) > best_len:
+                best, best_len = index, len(prefix)
+    if best is None and module.startswith("molctl.cli"):  # cli, clibase, cliproxy, clirender...
+        best = len(LAYERS) - 1
+    return best
+
+
+def upward_arrows(graph: dict[str, set[str]]) -> list[str]:
+    arrows = []
+    for module, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            if layer_of(target) > layer_of(module):
+                arrows.append(f"{module} ({LAYERS[layer_of(module)][0]}) -> {target} ({LAYERS[layer_of(target)][0]})")
+    return arrows
+
+
+def test_every_module_has_a_layer():
+    loose = [m for m in import_graph(ROOT) if layer_of(m) is None]
+    assert not loose, f"modules in no layer of LAYERS (add them where they belong): {loose}"
+
+
+def test_no_import_runs_from_a_lower_layer_to_a_higher_one():
+    arrows = upward_arrows(import_graph(ROOT))
+    assert not arrows, "imports that run back up a layer:\n" + "\n".join(arrows)
+
+
+def test_the_layer_scan_finds_an_import_inside_a_function(tmp_path):
+    pkg = tmp_path / "molctl"
+    (pkg / "engines").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "engines" / "__init__.py").write_text("def f():\n    from molctl import start\n")
+    (pkg / "start.py").write_text("import molctl.engines\n")
+    assert upward_arrows(import_graph(tmp_path)) == ["molctl.engines (engines) -> molctl.start (operations)"]

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import uvicorn
 
+import molctl.engines  # noqa: F401 - registers its profile checks (molctl.profilechecks), as the two below
+import molctl.proxy.tracing  # noqa: F401
 from molctl.proxy.http.app import ProxyApp, key_table
 from molctl.proxy.http.protocol import HeadHoldingHttpToolsProtocol
 from molctl.proxy.store.factory import open_stores
@@ -222,11 +224,11 @@ def run_proxy(
 def _configure_logging(log_max_bytes: int | None, log_backups: int) -> None:
     """The log rotation, the line format (an engine's message quoted in a line: escaped), the request log."""
     if log_max_bytes:
-        from molctl.logs import rotate_stdio
+        from molctl.logfiles import rotate_stdio
 
         rotate_stdio(log_max_bytes, log_backups)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from molctl.logs import EscapingFormatter
+    from molctl.logfiles import EscapingFormatter
 
     for handler in logging.getLogger().handlers:  # an engine's message quoted in a line: escaped
         handler.setFormatter(EscapingFormatter("%(asctime)s %(name)s %(levelname)s %(message)s"))

@@ -19,7 +19,7 @@ from typing import Any
 
 import orjson
 
-from molctl.engines.base import AnswerTokens, Engine, continuation_ids
+from molctl.engines.base import AnswerTokens, Engine, RawIds, continuation_ids
 from molctl.profiles import Profile
 from molctl.proxy import fastjson
 from molctl.proxy.affinity import EngineChoice
@@ -27,7 +27,6 @@ from molctl.proxy.apis.request_fields import FieldPolicy
 from molctl.proxy.conversations import TurnRecord, text_of
 from molctl.proxy.engine_client import CHAT_PATH, EngineClient, checked_completion
 from molctl.proxy.errors import EngineHTTPError, EngineUnavailable
-from molctl.proxy.fastjson import RawIds
 from molctl.proxy.pipeline.plan import Plan
 from molctl.proxy.pipeline.priority import PRIORITY_RETRY_S, PriorityPolicy
 from molctl.proxy.pipeline.routing import described

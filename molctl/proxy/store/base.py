@@ -18,6 +18,7 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
 from molctl.errors import MolctlError
+from molctl.profilespec import ProxySpec, default_of
 
 if TYPE_CHECKING:
     from molctl.proxy.affinity import EngineChoice
@@ -25,9 +26,10 @@ if TYPE_CHECKING:
 
 ResponseRecord = dict[str, Any]
 
-DEFAULT_TTL_S = 30 * 24 * 3600  # as the OpenAI API keeps stored responses
-DEFAULT_MAX_BYTES = 1024 * 1024 * 1024  # 1 GiB of record JSON
-DEFAULT_MAX_ENTRIES = 100_000
+# the profile's declared defaults (proxy.store_ttl_s, store_max_bytes, store_max_entries)
+DEFAULT_TTL_S = default_of(ProxySpec, "store_ttl_s")
+DEFAULT_MAX_BYTES = default_of(ProxySpec, "store_max_bytes")
+DEFAULT_MAX_ENTRIES = default_of(ProxySpec, "store_max_entries")
 TENANT_SHARE = 4  # a tenant's default quota: a quarter of each global cap (proxy.store_tenant_max_*)
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from molctl import profilechecks
 from molctl.proxy.store.base import TENANT_SHARE, ConversationStore, RecordStore, ResponseStore
 from molctl.proxy.store.memory import MemoryResponseStore
 from molctl.proxy.store.sqlite.conversations import SqliteConversationStore
@@ -90,6 +91,18 @@ def parse_store_spec(spec: str) -> tuple[str, Path | None]:
         f"{shown!r}: expected 'sqlite', 'memory', 'sqlite:/absolute/path.sqlite3', redis://host:port/db "
         "or rediss://host:port/db"
     )
+
+
+def _store_field_problem(proxy) -> tuple[str, str] | None:
+    """`proxy.store` of a profile (registered with molctl.profilechecks)."""
+    try:
+        parse_store_spec(proxy["store"])
+    except ValueError as exc:
+        return "proxy.store", str(exc)
+    return None
+
+
+profilechecks.register("proxy.store", _store_field_problem)
 
 
 def resolve_store(spec: str, state_dir: Path, profile: str) -> tuple[str, Path | None]:
