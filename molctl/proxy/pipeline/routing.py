@@ -1,10 +1,14 @@
 """The route hop and the one sticky tool-turn rule, for chat and Responses alike.
 
-`Router.route(plan)` decides the adapter: a trailing run of tool results continues on the adapter
-that issued the calls (`sticky_route`: the stored response a Responses request continues, else
-the store's call bindings); otherwise the route hop (L0 labels the turn, `parse_label`), with its
-fallback (the previous turn's route, else `proxy.default_route`) on a timeout, an engine error or
-an unparseable label.
+The two stages of the route sequence that decide the adapter (the sequence itself, with the answer
+slot and the speculative answer between them, is `run.Orchestrator.route`):
+
+- `Router.stick(plan, store)`: a trailing run of tool results continues on the adapter that issued
+  the calls (`sticky_route`: the stored response a Responses request continues, else the store's
+  call bindings);
+- `Router.classify(plan)`: the route hop (L0 labels the turn, `parse_label`), with its fallback
+  (the previous turn's route, else `proxy.default_route`) on a timeout, an engine error or an
+  unparseable label.
 """
 
 from __future__ import annotations
@@ -13,7 +17,6 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from molctl.engines.base import Engine
@@ -101,8 +104,7 @@ class Router:
         counters: Any,
         admission: Admission,
         priority: PriorityPolicy,
-        admit: Callable[[Plan], Awaitable[None]],
-        speculate: Callable[[Plan], None] = lambda plan: None,
+        window_fit: Any,
     ):
         self.profile = profile
         self.engine = engine
@@ -111,15 +113,15 @@ class Router:
         self.counters = counters
         self.admission = admission
         self.priority = priority
-        self.admit = admit
-        self.speculate = speculate  # called just before the route hop (`speculative.Speculation.start`)
+        self.window_fit = window_fit  # `window.WindowFit`: the route hop's max_tokens within the window
         self.route_instruction = route_instruction(profile)
         self.router_model = engine.adapter_model(profile, "L0")
         self.route_tokens = min(profile.proxy.route_max_tokens, max(len(r) for r in ROUTES))
-        self.window_fit: Any = None  # `window.WindowFit`, set by the orchestrator
 
-    def _stick(self, plan: Plan, store: ConversationStore | None) -> bool:
-        sticky = sticky_route(plan, store)
+    def stick(self, plan: Plan, stored_chain: bool) -> bool:
+        """The sticky tool-turn rule (`sticky_route`) on the stored response a Responses request
+        continues (`stored_chain`), else on the store's call bindings: True when it decided."""
+        sticky = sticky_route(plan, None if stored_chain else self.store)
         if sticky is None:
             return False
         plan.route = sticky
@@ -129,28 +131,13 @@ class Router:
         self.counters.inc("route_sources_total", source="sticky", reason="")
         return True
 
-    async def route(self, plan: Plan) -> None:
-        """Decide the adapter. A Responses request's stored chain is asked first (no slot needed).
-        Else the request's answer slot is taken first (`admit`): the route hop then runs only when
-        the engine has room for this request's answer, never queued inside the engine behind
-        `max-num-seqs` running answers (which can last minutes: the hop would pass
-        `route_timeout_s` and fall back to the wrong adapter). So the engine sees at most
-        `proxy.max_inflight` route and answer hops together, plus `summary_inflight` summaries.
-        The slot is released once the answer hop ends (`release_answer_slot`), and given back
-        while the request waits for another adapter's summary (`_await_summaries`)."""
-        if plan.previous is not None and self._stick(plan, None):
-            return
-        await self.admit(plan)
-        if plan.messages[-1]["role"] == "tool":
-            if self._stick(plan, self.store):
-                return
-            self.counters.inc("unplaced_tool_turns_total")
+    async def classify(self, plan: Plan) -> None:
+        """The route hop decides the adapter; on a timeout, an engine error, a refused slot or no
+        label, the fallback: the previous turn's route, else `proxy.default_route`."""
         previous = plan.history.last_record()
         payload = self.route_payload(plan)
-        self.speculate(plan)
         self.counters.inc("route_hops_total")
-        if self.window_fit is not None:
-            await self.window_fit.fit(payload, "route", plan.engine)
+        await self.window_fit.fit(payload, "route", plan.engine)
         label = None
         reason = "bad_label"
         start = time.monotonic()

@@ -128,9 +128,6 @@ class Orchestrator:
         self.speculation = Speculation(
             profile.proxy.speculative_answer, engine, client, self.counters, self.admission.answers
         )
-        self.router = Router(
-            profile, engine, client, store, self.counters, self.admission, self.priority, self._admit, self._speculate
-        )
         self.summaries = Summaries(
             profile,
             engine,
@@ -145,7 +142,9 @@ class Orchestrator:
         )
         self.background = self.summaries.background  # the summary hops running or queued
         self.window_fit = self.summaries.window_fit  # every chat hop's max_tokens within the window
-        self.router.window_fit = self.window_fit
+        self.router = Router(
+            profile, engine, client, store, self.counters, self.admission, self.priority, self.window_fit
+        )
 
     # ---------------------------------------------------------------- validation
     def prepare(self, body: Any, tenant: str) -> Plan:
@@ -231,9 +230,43 @@ class Orchestrator:
             await plan.held.cancel()
 
     async def route(self, plan: Plan) -> None:
-        """Decide the adapter (`routing.Router.route`), with the speculative answer on the
-        conversation's adapter held meanwhile (`speculative`): kept on a hit, closed on a miss,
-        and closed with the request if it ends first."""
+        """The route sequence, in order: sticky -> admit -> speculate -> classify -> settle.
+
+        1. sticky: tool results answering a stored response's calls continue on its adapter (no
+           answer slot needed: `Router.stick`);
+        2. admit: the request's answer slot is taken (`_admit`) before any hop, so the route hop
+           runs only when the engine has room for this request's answer, never queued inside the
+           engine behind `max-num-seqs` running answers (it would pass `route_timeout_s` and fall
+           back to the wrong adapter); the engine sees at most `proxy.max_inflight` route and
+           answer hops together, plus `summary_inflight` summaries. The slot is released once the
+           answer hop ends (`release_answer_slot`) and given back while the request waits for
+           another adapter's summary (`_await_summaries`). Then tool results bound to one
+           adapter's calls in the store continue on it (`Router.stick`);
+        3. speculate: the answer on the conversation's adapter starts, held (`speculative`);
+        4. classify: the route hop decides the adapter (`Router.classify`);
+        5. settle: the held answer is kept on a hit, closed on a miss (`Speculation.settle`);
+           closed with the request if it ends first (`discard`)."""
+        self._log_repaired(plan)
+        try:
+            if not (plan.previous is not None and self.router.stick(plan, stored_chain=True)):
+                await self._admit(plan)
+                if not self._tool_turn_stuck(plan):
+                    self._speculate(plan)
+                    await self.router.classify(plan)
+        except BaseException:
+            await self.speculation.discard(plan)
+            raise
+        await self.speculation.settle(plan)
+
+    def _tool_turn_stuck(self, plan: Plan) -> bool:
+        if plan.messages[-1]["role"] != "tool":
+            return False
+        if self.router.stick(plan, stored_chain=False):
+            return True
+        self.counters.inc("unplaced_tool_turns_total")
+        return False
+
+    def _log_repaired(self, plan: Plan) -> None:
         if plan.repaired:
             log.warning(
                 "request %s: tool-call arguments that are not a JSON object replaced by {} in message%s %s "
@@ -242,12 +275,6 @@ class Orchestrator:
                 "s" if len(plan.repaired) > 1 else "",
                 ", ".join(map(str, plan.repaired)),
             )
-        try:
-            await self.router.route(plan)
-        except BaseException:
-            await self.speculation.discard(plan)
-            raise
-        await self.speculation.settle(plan)
 
     def _speculate(self, plan: Plan) -> None:
         self.speculation.start(plan, lambda adapter: self._speculative_fitted(plan, adapter))
