@@ -200,7 +200,6 @@ class EngineClient:
         self._busy: set[_Connection] = set()
         self._ssl_context: ssl.SSLContext | None = None
         self._peers: dict[str, EngineClient] = {}  # other replicas' engines (conversation affinity)
-        self.tracing: Any = None  # molctl.proxy.tracing.Tracing when traces are on: a span per hop
 
     async def start(self) -> None:
         if self._slots is None:
@@ -370,7 +369,7 @@ class EngineClient:
             return self.base_url
         return engine.url.rstrip("/")
 
-    def _address(self, engine: EngineChoice | None) -> tuple[str, int]:
+    def address(self, engine: EngineChoice | None) -> tuple[str, int]:
         """The host and port a hop for `engine` goes to (its span's server.address/port)."""
         if engine is None or engine.failed:
             return self._host, self._port
@@ -445,41 +444,21 @@ class EngineClient:
         self,
         payload: dict[str, Any],
         hop: str,
+        *,
         timeout: float | None = None,
         big: bool = False,
         request_id: str | None = None,
         path: str = CHAT_PATH,
         engine: EngineChoice | None = None,
-        source: str | None = None,
+        source: str | None = None,  # read by the traced client (tracing.TracedEngineClient)
+        trace: dict[str, str] | None = None,
     ) -> dict[str, Any]:
         """Non-streaming chat completion; raises EngineHTTPError / EngineUnavailable. `big`:
         encode the payload in a worker thread; `request_id`: sent as X-Request-Id. `path`: another
         JSON endpoint of the same engine (the summary's token-prompt completion, the template
         probe: `Engine.continuation_path`, `Engine.probe_path`); `engine`: the request's engine
         choice (None: this proxy's own upstream); `source`: how the hop's adapter was chosen (its
-        span's mol.route.source, when traces are on)."""
-        if self.tracing is None:
-            return await self._chat(payload, hop, timeout, big, request_id, path, engine, None)
-        return await self.tracing.chat(
-            hop,
-            path,
-            payload,
-            source,
-            self._address(engine),
-            lambda trace: self._chat(payload, hop, timeout, big, request_id, path, engine, trace),
-        )
-
-    async def _chat(
-        self,
-        payload: dict[str, Any],
-        hop: str,
-        timeout: float | None,
-        big: bool,
-        request_id: str | None,
-        path: str,
-        engine: EngineChoice | None,
-        trace: dict[str, str] | None,
-    ) -> dict[str, Any]:
+        span's mol.route.source, with traces on); `trace`: the hop span's traceparent/tracestate."""
         headers = self._headers(payload, hop, request_id, trace)
         data = await encode(payload, big)
         owner, conn = await self._open_chat(data, hop, headers, timeout, path, engine)
@@ -502,25 +481,18 @@ class EngineClient:
         self,
         payload: dict[str, Any],
         hop: str,
+        *,
         big: bool = False,
         request_id: str | None = None,
         engine: EngineChoice | None = None,
-        source: str | None = None,
+        source: str | None = None,  # read by the traced client (tracing.TracedEngineClient)
+        trace: dict[str, str] | None = None,
     ) -> AsyncGenerator[dict[str, Any], None]:
         """Streaming chat completion: yields each SSE `data:` JSON object until `[DONE]`.
 
         Cancelling the consumer closes the connection, which makes the engine abort the request.
-        With traces on, the hop's span ends when the stream is closed (`source`: see `chat`)."""
-        if self.tracing is None:
-            return self._stream(payload, hop, big, request_id, engine, None)
-        return self.tracing.stream(
-            hop,
-            CHAT_PATH,
-            payload,
-            source,
-            self._address(engine),
-            lambda trace: self._stream(payload, hop, big, request_id, engine, trace),
-        )
+        `source`, `trace`: see `chat`."""
+        return self._stream(payload, hop, big, request_id, engine, trace)
 
     async def _stream(
         self,

@@ -14,11 +14,12 @@ from __future__ import annotations
 import logging
 import os
 import re
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from molctl import profilechecks
 from molctl.errors import ExitStatus, MolctlError
+from molctl.proxy.engine_client import CHAT_PATH
 
 ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 PROTOCOL_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
@@ -229,20 +230,24 @@ class Tracing:
         self.propagator.inject(headers, context=self.trace.set_span_in_context(span))
         return HopSpan(self, span, hop, headers)
 
-    async def chat(
-        self,
-        hop: str,
-        path: str,
-        payload: dict[str, Any],
-        source: str | None,
-        peer: tuple[str, int],
-        send: Callable[[dict[str, str]], Awaitable[dict[str, Any]]],
-    ) -> dict[str, Any]:
-        """One whole hop (`EngineClient.chat`) in its span: `send(headers)` makes the request
-        with the span's traceparent."""
-        span = self.hop(hop, path, payload, source, peer)
+
+class TracedEngineClient:
+    """An `EngineClient` whose every chat hop is a client span of the request's server span
+    (`Tracing.hop`), its traceparent sent to the engine; everything else is the wrapped client's.
+    The proxy hands it to the pipeline when traces are on (`http.app`)."""
+
+    def __init__(self, client: Any, tracing: Tracing):
+        self.client, self.tracing = client, tracing
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
+
+    async def chat(self, payload: dict[str, Any], hop: str, **kwargs: Any) -> dict[str, Any]:
+        """`EngineClient.chat` in the hop's span: ended when the answer is read, with its usage."""
+        path = kwargs.get("path", CHAT_PATH)
+        span = self.tracing.hop(hop, path, payload, kwargs.get("source"), self.client.address(kwargs.get("engine")))
         try:
-            body = await send(span.headers)
+            body = await self.client.chat(payload, hop, trace=span.headers, **kwargs)
         except BaseException as exc:
             span.end(exc)
             raise
@@ -250,19 +255,13 @@ class Tracing:
         span.end()
         return body
 
-    async def stream(
-        self,
-        hop: str,
-        path: str,
-        payload: dict[str, Any],
-        source: str | None,
-        peer: tuple[str, int],
-        open_stream: Callable[[dict[str, str]], AsyncGenerator[dict[str, Any], None]],
-    ) -> AsyncIterator[dict[str, Any]]:
-        """A streamed hop (`EngineClient.chat_stream`) in its span, which starts with the first
-        read and ends when the stream is closed."""
-        span = self.hop(hop, path, payload, source, peer)
-        inner = open_stream(span.headers)
+    async def chat_stream(self, payload: dict[str, Any], hop: str, **kwargs: Any) -> AsyncIterator[dict[str, Any]]:
+        """`EngineClient.chat_stream` in the hop's span, which starts with the first read and ends
+        when the stream is closed."""
+        span = self.tracing.hop(
+            hop, CHAT_PATH, payload, kwargs.get("source"), self.client.address(kwargs.get("engine"))
+        )
+        inner = self.client.chat_stream(payload, hop, trace=span.headers, **kwargs)
         error: BaseException | None = None
         try:
             async for event in inner:

@@ -142,9 +142,11 @@ class ProxyApp:
             request_id_unique=engine.request_id_unique,
             max_body=profile.proxy.engine_body_max_bytes,
         )
-        self.client.tracing = self.tracing = tracing.start(profile, engine)  # None: traces are off
+        self.tracing = tracing.start(profile, engine)  # None: traces are off
+        # the pipeline's hops: each a span of its request's when traces are on
+        hops = self.client if self.tracing is None else tracing.TracedEngineClient(self.client, self.tracing)
         self.counters = ProxyMetrics(self._gauges, self._store_counters)
-        self.orch = Orchestrator(profile, engine, self.client, store or MemoryStore(), self.counters)
+        self.orch = Orchestrator(profile, engine, hops, store or MemoryStore(), self.counters)
         self.orch.engine_names.extend(server_names(profile, upstream))  # scrubbed from engine messages too
         self.metrics_listener = (
             MetricsListener(self.counters, metrics_host, metrics_port, metrics_sock) if metrics_port else None
