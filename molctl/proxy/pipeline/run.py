@@ -16,7 +16,7 @@ import copy
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any, TypeVar
 
 from molctl.engines.base import AnswerTokens, Engine
@@ -491,7 +491,7 @@ class Orchestrator:
         answer is only kept in `plan.answer`; the caller records it (`record`) and awaits
         `persisted(plan)` with its own writes (one round trip for all)."""
         payload = await self._payload(plan)
-        said = _Streamed(shaping.new_id(), int(time.time()), self.public)
+        said = shaping.StreamedAnswer(shaping.new_id(), int(time.time()), self.public)
         tokens = plan.tokens = AnswerTokens()
         await self._admit(plan)
         held = plan.held
@@ -564,51 +564,3 @@ class Orchestrator:
         """Called once the client has the complete response (body sent, or after [DONE]): the
         turn's summary hop (`summary.Summaries.start`)."""
         self.summaries.start(plan)
-
-
-class _Streamed:
-    """What a streamed answer said so far (its text, tool calls, finish reason, usage), and its
-    chunks as the client gets them."""
-
-    def __init__(self, rid: str, created: int, public: str):
-        self.rid, self.created, self.public = rid, created, public
-        self.content: list[str] = []
-        self.calls: dict[int, dict[str, Any]] = {}
-        self.finish: str | None = None
-        self.usage: dict[str, Any] | None = None
-
-    def chunk(self, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> dict[str, Any]:
-        return shaping.chunk(self.rid, self.public, self.created, delta, finish, logprobs)
-
-    def feed(self, event: dict[str, Any], engine: Engine, tokens: AnswerTokens) -> Iterator[dict[str, Any]]:
-        """The client chunks of one engine event (its usage and token ids kept)."""
-        if event.get("usage"):
-            self.usage = shaping.shape_usage(event["usage"])
-        engine.stream_tokens(event, tokens)
-        for choice in event.get("choices") or []:
-            if choice.get("index", 0) != 0:  # the proxy asks for one choice: another is not this answer
-                continue
-            delta = shaping.shape_delta(choice.get("delta") or {})
-            if isinstance(delta.get("content"), str):
-                self.content.append(delta["content"])
-            for call in delta.get("tool_calls", ()):
-                acc = self.calls.setdefault(call.get("index", 0), {"id": None, "name": "", "arguments": ""})
-                acc["id"] = call.get("id") or acc["id"]
-                fn = call.get("function") or {}
-                acc["name"] += fn.get("name") or ""
-                acc["arguments"] += fn.get("arguments") or ""
-            if choice.get("finish_reason"):
-                self.finish = choice["finish_reason"]
-            # an empty delta may still carry logprobs: vLLM's last chunk for a token its
-            # parser swallowed (an end token) has them with the finish_reason
-            if delta or choice.get("logprobs"):
-                yield self.chunk(delta, logprobs=choice.get("logprobs"))
-
-    def message(self) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "assistant", "content": "".join(self.content)}
-        if self.calls:
-            message["tool_calls"] = [
-                {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
-                for _, c in sorted(self.calls.items())
-            ]
-        return message
