@@ -182,7 +182,7 @@ def test_responses_in_a_conversation_fold_earlier_turns_as_a_chain(s, stream):
             final = events[-1].response
         else:
             final = s.client.responses.create(model=PUBLIC, input=text, conversation={"id": conv.id})
-        assert final.status == "completed"
+        assert final.status == "completed" and final.conversation.id == conv.id
         return final
 
     u1 = {"role": "user", "content": f"[route:L2] write a parser {stream}"}
@@ -208,6 +208,8 @@ def test_responses_in_a_conversation_fold_earlier_turns_as_a_chain(s, stream):
     assert [(i.type, i.role) for i in items] == [("message", "user"), ("message", "assistant")] * 3
     assert [i.id for i in items[1::2]] == [r1.output[0].id, r2.output[0].id, r3.output[0].id]
     assert s.client.conversations.retrieve(conv.id).metadata == {"stream": str(stream)}
+    resent = post(s, "/v1/responses", {"model": PUBLIC, "conversation": conv.id, "input": [items[0].model_dump()]})
+    assert resent.status_code == 400 and "Duplicate item" in resent.json()["error"]["message"]
 
 
 def test_a_tool_call_in_a_conversation_must_be_answered_and_stays_on_its_adapter(s):

@@ -115,3 +115,21 @@ def test_a_compaction_item_not_made_here_is_a_400(s):
         timeout=30,
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "input[0].encrypted_content"
+
+
+def test_a_tool_loop_turn_folds_into_its_user_message_and_one_item(s):
+    tools = [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]
+    first = s.client.responses.create(model=PUBLIC, input="[route:L3] [tool:get_weather] weather?", tools=tools)
+    [call] = [i for i in first.output if i.type == "function_call"]
+    second = s.client.responses.create(
+        model=PUBLIC,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}],
+        tools=tools,
+        previous_response_id=first.id,
+    )
+    verbatim = compact(s, previous_response_id=first.id).json()["output"]  # the turn is still in progress
+    assert [i["type"] for i in verbatim] == ["message", "function_call"]
+    assert verbatim[1]["call_id"] == call.call_id and verbatim[1]["name"] == "get_weather"
+    out = compacted_until(s, 1, previous_response_id=second.id)["output"]
+    assert [i["type"] for i in out] == ["message", "compaction"]
+    assert decode_compaction(out[1]["encrypted_content"]) == fold_text(f"summary of {second.output_text}")

@@ -75,9 +75,10 @@ def parse_items(
     return out
 
 
-def history_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The chat messages of a conversation's stored items (validated when they were added)."""
-    conv = _Input((), PERMISSIVE)
+def history_messages(items: list[dict[str, Any]], media_hosts: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """The chat messages of a conversation's stored items (validated when they were added;
+    `media_hosts`: proxy.media_url_hosts, as when they were)."""
+    conv = _Input(media_hosts, PERMISSIVE)
     for i, item in enumerate(items):
         conv.add(item, f"conversation.items[{i}]")
     return conv.messages

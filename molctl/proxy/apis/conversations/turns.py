@@ -15,7 +15,7 @@ from molctl.proxy.apis.conversations.items import duplicate, history_messages
 from molctl.proxy.apis.conversations.records import ConversationRecords, conversation_not_found
 
 
-async def load(records: ConversationRecords, req: Any, tenant: str) -> None:
+async def load(records: ConversationRecords, req: Any, tenant: str, media_hosts: tuple[str, ...] = ()) -> None:
     """The conversation's items as the request's history (404 naming `conversation` when it is not
     this tenant's); an input item with the id of an item the conversation holds is a 400."""
     record = await records.get(tenant, req.conversation_id)
@@ -25,7 +25,7 @@ async def load(records: ConversationRecords, req: Any, tenant: str) -> None:
     for item in req.input_items:
         if item["id"] in known:
             raise duplicate(item["id"], "input")
-    req.history = history_messages(record["items"])
+    req.history = history_messages(record["items"], media_hosts)
 
 
 async def append(records: ConversationRecords, req: Any, tenant: str, response: dict[str, Any]) -> None:

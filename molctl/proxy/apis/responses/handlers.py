@@ -119,7 +119,7 @@ class ResponsesAPI:
         if previous is not None or req.store or req.conversation_id is not None:
             await self.responses.available()
         if req.conversation_id is not None:  # its items are the history (excludes previous_response_id)
-            await turns.load(self.conversations, req, tenant)
+            await turns.load(self.conversations, req, tenant, self.profile.proxy.media_url_hosts)
         if previous is not None:
             # a shared store reads the chain's conversation state in the same round trip
             record = await self.responses.get_previous(tenant, previous, scope)
