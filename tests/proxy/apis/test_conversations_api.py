@@ -144,9 +144,20 @@ def test_bad_update_items_and_query_fields_are_400s(s):
     ]:
         r = post(s, path, body)
         assert (r.status_code, r.json()["error"]["param"]) == (400, param), (path, body, r.text)
-    for query, param in [("limit=0", "limit"), ("limit=x", "limit"), ("order=up", "order"), ("page=2", "page")]:
+    for query, param in [
+        ("limit=0", "limit"),
+        ("limit=x", "limit"),
+        ("order=up", "order"),
+        ("page=2", "page"),
+        ("include=x", "include"),
+    ]:
         r = get(s, f"/v1/conversations/{conv.id}/items?{query}")
         assert (r.status_code, r.json()["error"]["param"]) == (400, param)
+    ok = get(
+        s,
+        f"/v1/conversations/{conv.id}/items?include[]=message.output_text.logprobs&include=reasoning.encrypted_content",
+    )
+    assert ok.status_code == 200, ok.text
     assert get(s, "/v1/conversations/conv_nope").status_code == 404
     assert get(s, "/v1/conversations/" + "a" * 5000).status_code == 404
 

@@ -16,6 +16,16 @@ from molctl.proxy.http.body import parse_on_loop
 PATH = "/v1/conversations"
 QUERY_LIST = ("limit", "order", "after", "include", "include[]")
 QUERY_INCLUDE = ("include", "include[]")
+INCLUDE_VALUES = (  # OpenAI's IncludeEnum
+    "file_search_call.results",
+    "web_search_call.results",
+    "web_search_call.action.sources",
+    "message.input_image.image_url",
+    "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs",
+    "reasoning.encrypted_content",
+    "message.output_text.logprobs",
+)
 
 
 def check_metadata(value: Any, param: str = "metadata") -> dict[str, Any]:
@@ -87,11 +97,17 @@ class ConversationsAPI:
 
     @staticmethod
     def _query(ex: Any, allowed: tuple[str, ...]) -> dict[str, str]:
-        query = {k: v[-1] for k, v in ex.query().items()}
-        for key in query:
+        """The query's parameters (the last value of each); `include` values must be OpenAI's
+        IncludeEnum (accepted: conversation items are text, nothing more is there to include)."""
+        raw = ex.query()
+        for key in raw:
             if key not in allowed:
                 raise invalid(f"Unrecognized query parameter: {key[:80]}", key[:80])
-        return query
+        for key in QUERY_INCLUDE:
+            for value in raw.get(key, ()):
+                if value not in INCLUDE_VALUES:
+                    raise invalid(f"'include' values must be among {', '.join(INCLUDE_VALUES)}.", "include")
+        return {k: v[-1] for k, v in raw.items()}
 
     async def _record(self, ex: Any, conversation_id: str) -> dict[str, Any]:
         record = await self.records.get(ex.tenant, conversation_id)
