@@ -133,3 +133,15 @@ def test_a_tool_loop_turn_folds_into_its_user_message_and_one_item(s):
     out = compacted_until(s, 1, previous_response_id=second.id)["output"]
     assert [i["type"] for i in out] == ["message", "compaction"]
     assert decode_compaction(out[1]["encrypted_content"]) == fold_text(f"summary of {second.output_text}")
+
+
+def test_a_long_context_is_compacted_off_the_event_loop_alike(s):
+    """Past BIG_ITEMS messages the turns are looked up in a worker thread: the same answer."""
+    from molctl.proxy.http.body import BIG_ITEMS
+
+    items = []
+    for i in range(BIG_ITEMS // 2 + 1):
+        items += [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]
+    out = compact(s, input=items).json()["output"]
+    assert len(out) == len(items)
+    assert [i["content"][0]["text"] for i in out] == [i["content"] for i in items]

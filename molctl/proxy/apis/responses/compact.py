@@ -18,6 +18,7 @@ compaction is refused (400 naming it).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -27,7 +28,7 @@ from molctl.proxy.apis.responses.compaction_item import encode_compaction
 from molctl.proxy.apis.responses.convert import _Input, new_id
 from molctl.proxy.apis.responses.protocol import not_found
 from molctl.proxy.errors import invalid
-from molctl.proxy.http.body import parse_on_loop
+from molctl.proxy.http.body import BIG_ITEMS, parse_on_loop
 from molctl.proxy.pipeline.views import fold_text
 
 KNOWN = (
@@ -166,7 +167,13 @@ async def compact(api: Any, ex: Any) -> None:
 
 async def compacted(api: Any, tenant: str, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The compacted items of `messages` (see the module docstring)."""
-    plan = api.orch.prepare({"model": api.profile.served_model_name, "messages": [*messages, END]}, tenant)
+    body = {"model": api.profile.served_model_name, "messages": [*messages, END]}
+    # linear in the messages: a long context is looked up off the event loop (prepare is thread-safe)
+    plan = (
+        await asyncio.to_thread(api.orch.prepare, body, tenant)
+        if len(messages) > BIG_ITEMS
+        else api.orch.prepare(body, tenant)
+    )
     await api.orch.load(plan)  # a shared store: the turns read from it
     history = plan.history
     out: list[dict[str, Any]] = []

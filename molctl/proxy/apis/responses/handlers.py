@@ -200,7 +200,11 @@ class ResponsesAPI:
 
     async def compact(self, ex: Any) -> None:
         """POST /v1/responses/compact (apis.responses.compact)."""
-        await compact.compact(self, ex)
+        try:
+            await compact.compact(self, ex)
+        except ProxyError as exc:
+            exc.param = public_param(exc.param)
+            raise
 
     # ------------------------------------------------------------------ stored responses
     async def get(self, ex: Any, response_id: str) -> None:
