@@ -118,6 +118,7 @@ def test_another_tenants_conversation_is_a_404(s):
         ("/v1/conversations", {"items": [{"type": "message", "role": "robot", "content": "hi"}]}, "items[0].role"),
         ("/v1/conversations", {"items": [{"role": "user", "content": "hi", "id": ["a"]}]}, "items[0].id"),
         ("/v1/conversations", {"items": [{"type": "item_reference", "id": "msg_x"}]}, "items[0].type"),
+        ("/v1/conversations", {"items": [{"role": "user", "content": "hi", "status": ["done"]}]}, "items[0].status"),
         ("/v1/conversations", {"items": [{"role": "user", "content": "x"}] * 21}, "items"),
         ("/v1/conversations", {"title": "x"}, "title"),
         ("/v1/conversations", [1], None),

@@ -18,6 +18,7 @@ from molctl.proxy.errors import ProxyError, invalid, shown
 
 MAX_ADDED = 20  # items per create or add, as OpenAI's CreateConversationBody and items.create
 KINDS = ("message", "function_call", "function_call_output", "reasoning")
+STATUSES = ("in_progress", "completed", "incomplete")  # an item's status, as OpenAI's items have it
 ID_MAX = 128  # an item id's length (a longer one is never stored)
 
 
@@ -59,6 +60,8 @@ def parse_items(
         item_id = item.get("id")
         if item_id is not None and (not isinstance(item_id, str) or not 0 < len(item_id) <= ID_MAX):
             raise invalid(f"'{w}.id' must be a string of 1 to {ID_MAX} characters.", f"{w}.id")
+        if item.get("status") is not None and item["status"] not in STATUSES:
+            raise invalid(f"'{w}.status' must be one of {', '.join(STATUSES)}.", f"{w}.status")
         before = len(conv.items)
         conv.add(item, w)  # validates it as an input item (400s name `w`)
         if kind == "reasoning":
