@@ -107,11 +107,18 @@ class _Held:
     async def __aenter__(self) -> None:
         lock, users = self.table.get(self.key) or (asyncio.Lock(), 0)
         self.table[self.key] = (lock, users + 1)
-        await lock.acquire()
+        try:
+            await lock.acquire()
+        except BaseException:  # cancelled while waiting (the client left): no longer a user
+            self._leave()
+            raise
 
     async def __aexit__(self, *exc: object) -> None:
+        self.table[self.key][0].release()
+        self._leave()
+
+    def _leave(self) -> None:
         lock, users = self.table[self.key]
-        lock.release()
         if users <= 1:
             del self.table[self.key]
         else:
