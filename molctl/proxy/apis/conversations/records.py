@@ -132,6 +132,10 @@ class ResponsesOnly(ResponseStore):
     def __init__(self, store: ResponseStore):
         self.inner = store
 
+    def __getattr__(self, name: str) -> Any:
+        """Whatever else the store offers (a method added to it later), from the store itself."""
+        return getattr(self.inner, name)
+
     async def available(self) -> None:
         await self.inner.available()
 
