@@ -176,6 +176,8 @@ def test_bad_conversation_on_responses_is_a_400(s, conversation, extra, param):
     r = post(s, "/v1/responses", {"model": PUBLIC, "input": "hi", "conversation": conversation, **extra})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+    if "previous_response_id" in extra:
+        assert r.json()["error"]["code"] == "mutually_exclusive_parameters"
     assert s.log() == []  # refused before any engine work
 
 

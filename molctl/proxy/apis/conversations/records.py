@@ -177,8 +177,12 @@ def conversation_param(body: dict[str, Any]) -> str | None:
     elif not isinstance(value, str):
         raise invalid("'conversation' must be a conversation id or an object with its 'id'.", "conversation")
     if body.get("previous_response_id") is not None:
-        raise invalid(
-            "Mutually exclusive parameters: 'previous_response_id' and 'conversation' cannot both be set.",
+        raise ProxyError(  # OpenAI's code; `param` names the field (OpenAI's is null)
+            400,
+            "Mutually exclusive parameters: Ensure you are only providing one of: 'previous_response_id' or "
+            "'conversation'.",
+            "invalid_request_error",
+            "mutually_exclusive_parameters",
             "conversation",
         )
     return value
