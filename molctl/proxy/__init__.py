@@ -7,11 +7,17 @@ Its modules, one line each:
 - `affinity`: conversation affinity between replicas: the engine a conversation's hops go to.
 - `apis.chat`: POST /v1/chat/completions: the body to a plan, the pipeline's answer back.
 - `apis.chat_validation`: chat request validation: the raw body to a checked dict, or a 400 naming the field.
+- `apis.conversations.handlers`: the Conversations API's endpoints (/v1/conversations, its items).
+- `apis.conversations.items`: conversation items: checked as input items, back to chat messages, paged.
+- `apis.conversations.records`: conversation records on the response store; `ResponsesOnly`.
+- `apis.conversations.turns`: `conversation` on POST /v1/responses: its items as history, the answer's added.
 - `apis.models`: GET /v1/models and /v1/models/{id}: the one public model.
 - `apis.request_fields`: which request fields are honoured, passed to the engine, ignored or refused.
+- `apis.responses.compact`: POST /v1/responses/compact: the context folded from the kept summaries.
+- `apis.responses.compaction_item`: the compaction item's `encrypted_content` (the fold text, compressed).
 - `apis.responses.convert`: Responses input items, tools, tool choice and text format as chat's.
 - `apis.responses.events`: Response objects, stored records, input_items pages, the stream translator.
-- `apis.responses.handlers`: the Responses endpoints: create, get, delete, input_items, cancel.
+- `apis.responses.handlers`: the Responses endpoints: create, get, delete, input_items, cancel, compact.
 - `apis.responses.protocol`: Responses request validation and its translation to a chat request.
 - `conversations`: conversation state found from the history itself (keys, turn records, tool calls).
 - `engine_client`: the one keep-alive HTTP/1.1 client to the engine (and its replicas).

@@ -394,8 +394,10 @@ class HopSpan:
                 )
 
 
-HTTP_ROUTES = ("/v1/chat/completions", "/v1/responses", "/v1/models")
+HTTP_ROUTES = ("/v1/chat/completions", "/v1/responses", "/v1/responses/compact", "/v1/models", "/v1/conversations")
 ID_ROUTES = (  # (prefix, suffix, template) of the endpoints whose path holds an id
+    ("/v1/conversations/", "/items", "/v1/conversations/{id}/items"),
+    ("/v1/conversations/", "", "/v1/conversations/{id}"),
     ("/v1/responses/", "/input_items", "/v1/responses/{id}/input_items"),
     ("/v1/responses/", "/cancel", "/v1/responses/{id}/cancel"),
     ("/v1/responses/", "", "/v1/responses/{id}"),
@@ -407,6 +409,9 @@ def http_route(path: str) -> str | None:
     """The endpoint's route template (`http.route`), or None for a path no endpoint serves."""
     if path in HTTP_ROUTES:
         return path
+    parts = path.split("/")  # /v1/conversations/{id}/items/{item_id}: two ids
+    if len(parts) == 6 and path.startswith("/v1/conversations/") and parts[4] == "items" and parts[3] and parts[5]:
+        return "/v1/conversations/{id}/items/{item_id}"
     for prefix, suffix, template in ID_ROUTES:
         if path.startswith(prefix) and path.endswith(suffix):
             middle = path[len(prefix) : len(path) - len(suffix)]

@@ -9,7 +9,8 @@ persistence or retries (`pipeline`).
 Endpoints: GET|HEAD /health (liveness, no auth), GET|HEAD /readyz (no auth; 503 unless the engine
 answers and lists L0-L3 under the expected parent and the proxy is not draining; probe cached
 ~1 s), GET /v1/models, GET /v1/models/{id}, POST /v1/chat/completions, POST /v1/responses,
-GET|DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items, POST /v1/responses/{id}/cancel.
+GET|DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items, POST /v1/responses/{id}/cancel,
+POST /v1/responses/compact, and the Conversations API under /v1/conversations (apis.conversations).
 Metrics are on their own listener (`metrics`, `proxy.metrics_port`).
 Drain: `start_drain()` (on SIGTERM) turns /readyz to 503 and answers new requests 503 with
 Retry-After while in-flight requests run to completion; at the drain deadline `cut_requests()`
@@ -35,6 +36,8 @@ from molctl.engines.base import READYZ_ENGINE_PROBE_MIN_S, Engine, adapter_probl
 from molctl.profiles import Profile
 from molctl.proxy import fastjson, tracing
 from molctl.proxy.apis.chat import ChatAPI
+from molctl.proxy.apis.conversations.handlers import ConversationsAPI
+from molctl.proxy.apis.conversations.records import ConversationRecords, ResponsesOnly
 from molctl.proxy.apis.models import ModelsAPI
 from molctl.proxy.apis.responses.handlers import ResponsesAPI
 from molctl.proxy.engine_client import EngineClient
@@ -172,7 +175,9 @@ class ProxyApp:
         self.sse = SSEWriter(self.counters, sse_keepalive_s, profile.proxy.stream_write_timeout_s, self._cut_future)
         self.chat = ChatAPI(self.orch)
         self.models = ModelsAPI(profile.served_model_name)
-        self.responses_api = ResponsesAPI(self.orch, profile, self.responses)
+        conversations = ConversationRecords(self.responses)  # conversations: records of the same store
+        self.responses_api = ResponsesAPI(self.orch, profile, ResponsesOnly(self.responses), conversations)
+        self.conversations_api = ConversationsAPI(conversations, profile, self.orch.fields)
 
     def set_keys(self, keys: list[str]) -> None:
         """The accepted keys (see `key_table`), replaced at once."""
@@ -337,7 +342,7 @@ class ProxyApp:
             "chat"
             if path.startswith("/v1/chat/")
             else "responses"
-            if path.startswith("/v1/responses")
+            if path.startswith(("/v1/responses", "/v1/conversations"))
             else "models"
             if path.startswith("/v1/models")
             else "other"
@@ -389,6 +394,10 @@ class ProxyApp:
             await self.chat.create(ex)
         elif path == "/v1/responses" and method == "POST":
             await self.responses_api.create(ex)
+        elif path == "/v1/responses/compact" and method == "POST":
+            await self.responses_api.compact(ex)
+        elif path.startswith("/v1/conversations") and await self.conversations_api.dispatch(ex, path, method):
+            pass
         elif not (path.startswith("/v1/responses/") and await self._dispatch_response(ex, path, method)):
             raise ProxyError(
                 404,

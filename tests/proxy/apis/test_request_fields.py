@@ -353,9 +353,16 @@ def test_items_of_tools_this_server_never_runs_are_left_out_and_unknown_items_ar
     r = post(
         s,
         "/v1/responses",
-        input=[{"type": "compaction", "encrypted_content": "x"}, {"type": "message", "role": "user", "content": "q"}],
+        input=[{"type": "hologram", "content": "x"}, {"type": "message", "role": "user", "content": "q"}],
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "input[0].type", r.text
+    # a compaction item is served (POST /v1/responses/compact), but only one this proxy made
+    r = post(
+        s,
+        "/v1/responses",
+        input=[{"type": "compaction", "encrypted_content": "x"}, {"type": "message", "role": "user", "content": "q"}],
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input[0].encrypted_content", r.text
 
 
 def test_item_references_name_stored_output_items(s):

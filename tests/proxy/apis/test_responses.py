@@ -479,7 +479,7 @@ def test_parameters_mapped_and_rejected(s):
     assert payload["logprobs"] is True and payload["user"] == "u1"
     for extra, param in (
         ({"background": True}, "background"),
-        ({"conversation": "c1"}, "conversation"),
+        ({"conversation": ["c1"]}, "conversation"),  # served (apis.conversations): a malformed one
         ({"prompt": {"id": "pmpt_1"}}, "prompt"),
         ({"include": [7]}, "include[0]"),
         ({"text": {"verbosity": "loud"}}, "text.verbosity"),

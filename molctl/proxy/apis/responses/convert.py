@@ -17,6 +17,7 @@ from typing import Any
 
 from molctl.proxy.apis.chat_validation import check_finite, check_function_def, check_media_url
 from molctl.proxy.apis.request_fields import PERMISSIVE, FieldPolicy
+from molctl.proxy.apis.responses.compaction_item import decode_compaction
 from molctl.proxy.errors import ProxyError, invalid, shown
 
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -258,6 +259,8 @@ class _Input:
             self.inflated += inflated
             if text:
                 self.reasoning.append(text)
+        elif kind == "compaction":  # of POST /v1/responses/compact: the folded turn's assistant message
+            self.compaction(item, w)
         elif kind in IGNORED_ITEMS:
             self.fields.note_ignored(
                 f"input[].{kind}", "responses", "an item of a tool this server does not run; left out of the prompt"
@@ -319,6 +322,21 @@ class _Input:
         if item.get("namespace"):
             out["namespace"] = item["namespace"]
         self.items.append(out)
+
+    def compaction(self, item: dict[str, Any], w: str) -> None:
+        text = decode_compaction(item.get("encrypted_content"))
+        if text is None:
+            raise invalid(
+                f"'{w}.encrypted_content' must be a compaction item made by this server.", f"{w}.encrypted_content"
+            )
+        self.assistant({"role": "assistant", "content": text})
+        self.items.append(
+            {
+                "id": item.get("id") or new_id("cmp_"),
+                "type": "compaction",
+                "encrypted_content": item["encrypted_content"],
+            }
+        )
 
     def function_call_output(self, item: dict[str, Any], w: str) -> None:
         if not isinstance(item.get("call_id"), str):

@@ -16,7 +16,9 @@ from typing import Any
 
 from molctl.profiles import Profile
 from molctl.proxy.apis.chat_validation import parse_body
-from molctl.proxy.apis.responses import events
+from molctl.proxy.apis.conversations import turns
+from molctl.proxy.apis.conversations.records import ConversationRecords
+from molctl.proxy.apis.responses import compact, events
 from molctl.proxy.apis.responses.convert import new_id
 from molctl.proxy.apis.responses.protocol import (
     NeedsReferences,
@@ -35,10 +37,17 @@ from molctl.proxy.store.base import ResponseStore, StoreScope
 
 
 class ResponsesAPI:
-    def __init__(self, orch: Orchestrator, profile: Profile, store: ResponseStore):
+    def __init__(
+        self,
+        orch: Orchestrator,
+        profile: Profile,
+        store: ResponseStore,
+        conversations: ConversationRecords | None = None,
+    ):
         self.orch = orch
         self.profile = profile
         self.responses = store
+        self.conversations = conversations or ConversationRecords(store)  # `conversation` (apis.conversations)
 
     # ------------------------------------------------------------------ create
     async def create(self, ex: Any) -> None:
@@ -107,8 +116,10 @@ class ResponsesAPI:
         """The stored chain a request continues; a shared store that is down fails a request that
         needs state (a chain, or store=true) here, before any engine work (503 + Retry-After)."""
         previous = req.body.get("previous_response_id")
-        if previous is not None or req.store:
+        if previous is not None or req.store or req.conversation_id is not None:
             await self.responses.available()
+        if req.conversation_id is not None:  # its items are the history (excludes previous_response_id)
+            await turns.load(self.conversations, req, tenant, self.profile.proxy.media_url_hosts)
         if previous is not None:
             # a shared store reads the chain's conversation state in the same round trip
             record = await self.responses.get_previous(tenant, previous, scope)
@@ -133,11 +144,14 @@ class ResponsesAPI:
         plan.big = plan.big or big
         plan.include_usage = True  # the Response's usage
         plan.previous, plan.new_messages = req.prev, req.messages  # the sticky tool-turn rule reads them
-        plan.conversation_id = events.conversation_of(req.prev)
+        plan.conversation_id = req.conversation_id or events.conversation_of(req.prev)
         return plan
 
     async def _keep(self, req: ResponsesRequest, plan: Plan, tenant: str, response: dict[str, Any]) -> None:
-        """Store a complete (or incomplete) answer (a large one from a worker thread: LocalResponses)."""
+        """Store a complete (or incomplete) answer (a large one from a worker thread: LocalResponses),
+        and add its items to its conversation."""
+        if req.conversation_id is not None and response["status"] != "failed":
+            await turns.append(self.conversations, req, tenant, response)
         if req.store and response["status"] != "failed" and plan.answer is not None and plan.route is not None:
             await self.responses.put_response(
                 events.make_record(req, tenant, response, plan.answer, plan.route), big=plan.big, scope=plan.scope
@@ -183,6 +197,14 @@ class ResponsesAPI:
         await self.orch.persisted(plan)
         for event in closing:
             yield event
+
+    async def compact(self, ex: Any) -> None:
+        """POST /v1/responses/compact (apis.responses.compact)."""
+        try:
+            await compact.compact(self, ex)
+        except ProxyError as exc:
+            exc.param = public_param(exc.param)
+            raise
 
     # ------------------------------------------------------------------ stored responses
     async def get(self, ex: Any, response_id: str) -> None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from molctl.proxy.apis.chat_validation import EFFORTS, SAMPLING_NUMBERS, check_model
+from molctl.proxy.apis.conversations.records import conversation_param
 from molctl.proxy.apis.request_fields import PERMISSIVE, FieldPolicy
 from molctl.proxy.apis.responses.convert import (
     _convert_input,
@@ -57,7 +58,6 @@ ACCEPTED_IGNORED = (
 )
 # ignoring these would drop what the client asked for: a 400 naming them when set
 UNSERVED = {
-    "conversation": "the Conversations API is not served here; continue with previous_response_id",
     "prompt": "stored prompt templates are not served here; send the text as instructions",
 }
 KNOWN = frozenset(
@@ -72,6 +72,7 @@ KNOWN = frozenset(
         "reasoning",
         "include",
         "background",
+        "conversation",
         *ECHOED,
         *ACCEPTED_IGNORED,
         *UNSERVED,
@@ -179,6 +180,7 @@ class ResponsesRequest:
     namespaced: dict[str, tuple[str, str]] = field(default_factory=dict)
     prev: dict[str, Any] | None = None
     history: list[dict[str, Any]] = field(default_factory=list)  # the chain's chat messages
+    conversation_id: str | None = None  # `conversation` (apis.conversations): its items are the history
 
     def chat_body(self) -> dict[str, Any]:
         """The chat request (after the stored chain, if any, was loaded into `prev` / `history`)."""
@@ -280,6 +282,7 @@ def parse_request(
         logprobs=logprobs,
         encrypted_reasoning=INCLUDE_REASONING in (include or ()),
         namespaced=namespaced,
+        conversation_id=conversation_param(body),
     )
 
 
