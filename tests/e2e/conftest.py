@@ -34,7 +34,6 @@ def engine(request):
     return request.param
 
 
-
 def pytest_collection_modifyitems(items):
     for item in items:
         callspec = getattr(item, "callspec", None)
