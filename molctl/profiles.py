@@ -301,6 +301,9 @@ def _proxy_spec(data: dict[str, Any], v: _Validator) -> ProxySpec:
     endpoint = proxy.get("otlp_endpoint")
     if endpoint is not None and not collector_address(endpoint):
         raise v.fail("proxy.otlp_endpoint", f"{_short(endpoint)}: expected a collector URL such as http://HOST:4318")
+    prefix = proxy.get("scheduler_objectives")
+    if prefix is not None and not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,236}[a-z0-9])?", prefix):
+        raise v.fail("proxy.scheduler_objectives", f"{_short(prefix)}: expected an object name prefix (a-z, 0-9, '-')")
     return ProxySpec(**proxy)
 
 

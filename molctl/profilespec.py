@@ -97,6 +97,7 @@ SCHEMA: dict[str, Any] = {
         "request_fields": str,  # unknown request fields: "ignore" (logged once, counted) or "reject" (a 400)
         "chat_template_kwargs": _ListOf(str),  # the chat_template_kwargs keys a client may set
         "otlp_endpoint": (str, type(None)),  # the proxy's OTLP collector (molctl.proxy.tracing)
+        "scheduler_objectives": (str, type(None)),  # llm-d's scheduler in front: its objectives' prefix
     },
     "logs": {  # retention of STATE/PROFILE/logs
         "keep": int,  # the N newest log files kept per component
@@ -236,6 +237,10 @@ class ProxySpec:
     chat_template_kwargs: tuple[str, ...] = ("enable_thinking", "thinking", "clear_thinking", "preserve_thinking")
     # OpenTelemetry traces of the proxy to this collector (as OTEL_EXPORTER_OTLP_ENDPOINT; molctl.proxy.tracing)
     otlp_endpoint: str | None = None
+    # llm-d's scheduler between the proxy and the engines (render k8s --scheduler llm-d): the prefix
+    # of its InferenceObjectives (PREFIX-route, -answer, -summary); set, the hops carry the headers
+    # it reads (molctl.proxy.scheduler_hints) and the replicas' own affinity redirect is off
+    scheduler_objectives: str | None = None
 
 
 DEFAULT_FOLD = "[This turn was handled by another specialist. Summary: {summary}]"
