@@ -148,7 +148,13 @@ def _k8s_stack(name: str, dirs: list[Path], opts: RenderOptions, llmd_name: str 
 
         overrides[1:1] = [("engine.host", "0.0.0.0"), ("proxy.scheduler_objectives", llmd_name)]
         upstream = router_upstream(llmd_name, opts)
-    if stackconfig.load(name, dirs, overrides)[0].proxy.metrics_port:
+    profile = stackconfig.load(name, dirs, overrides)[0]
+    if llmd_name is not None and profile.proxy.max_inflight is None:
+        from molctl.render.llmd import proxy_share
+
+        # each proxy's share of all the engines' running slots (the default is one engine's)
+        overrides.insert(1, ("proxy.max_inflight", proxy_share(profile, opts)))
+    if profile.proxy.metrics_port:
         overrides.insert(1, ("proxy.metrics_host", "0.0.0.0"))
     return load_stack(
         name,

@@ -327,6 +327,17 @@ def llmd_values(obj_name: str, stack: Stack) -> dict[str, Any]:
     }
 
 
+def proxy_share(profile: Any, opts: RenderOptions) -> int:
+    """`proxy.max_inflight` of each proxy when the profile sets none: its share of the answer hops
+    all the engines run at once (--replicas x the engine's max-num-seqs, over --proxy-replicas),
+    so the proxies together keep every engine busy and the EPP's flow control queues the rest (the
+    proxy's own default, one engine's max-num-seqs, would leave engines idle behind few proxies)."""
+    from molctl.engines import get_engine
+
+    running = get_engine(profile.engine.kind).max_running(profile)
+    return max(1, math.ceil(opts.replicas * running / max(1, opts.proxy_replicas)))
+
+
 def check_llmd(stack: Stack, opts: RenderOptions) -> None:
     """llm-d's picker scores vLLM pods (its metrics, its LoRA info): a SGLang profile is refused."""
     if stack.profile.engine.kind != "vllm":

@@ -146,8 +146,18 @@ def test_the_pool_selects_the_engines_and_the_proxy_goes_through_the_router(rend
     (proxy_container,) = proxy["spec"]["template"]["spec"]["containers"]
     pargs = proxy_container["args"]
     assert pargs[pargs.index("--upstream") + 1] == "http://molctl-venti-pool-epp:8081"
-    assert '["proxy.scheduler_objectives", "molctl-venti"]' in pargs[pargs.index("--set-json") + 1]
+    set_json = pargs[pargs.index("--set-json") + 1]
+    assert '["proxy.scheduler_objectives", "molctl-venti"]' in set_json
+    # venti's max-num-seqs is 8: 3 engines x 8 running slots over 5 proxies, rounded up
+    assert '["proxy.max_inflight", 5]' in set_json
     assert pool["spec"]["endpointPickerRef"]["name"] == "molctl-venti-pool-epp"
+
+
+def test_a_profile_or_set_max_inflight_is_kept(render, tmp_path):
+    objects, _ = _llmd(render, tmp_path / "out", "venti", "--set", "proxy.max_inflight=3")
+    args = objects["deployment-molctl-venti-proxy.yaml"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    set_json = args[args.index("--set-json") + 1]
+    assert '"proxy.max_inflight", 3]' in set_json and set_json.count("proxy.max_inflight") == 1
 
 
 def test_one_objective_per_hop_route_above_answer_above_summary(render, tmp_path):
@@ -265,3 +275,32 @@ def test_the_default_stays_the_per_pod_stack(render, tmp_path):
     kinds = [d["kind"] for d in yaml.safe_load_all(result.stdout) if d]
     assert kinds == ["ConfigMap", "Service", "StatefulSet"]
     assert "proxy.scheduler_objectives" not in result.stdout
+
+
+def test_the_readme_walkthrough_names_every_object_and_value_it_renders(render, tmp_path):
+    """README "Beyond one host on Kubernetes with llm-d": every file, object name, label and
+    values key the render writes is named there (NAME spelled as NAME or molctl-venti)."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## Beyond one host on Kubernetes with llm-d", 1)[1].split("\n## ", 1)[0]
+    objects, values = _llmd(render, tmp_path / "out")
+
+    def named(text: str) -> bool:
+        return text in section or text.replace("molctl-venti", "NAME") in section
+
+    for fname, obj in objects.items():
+        assert named(fname.removesuffix(".yaml").split("-", 1)[1]) or named(fname), fname
+        assert named(obj["metadata"]["name"]) and obj["kind"] in section, fname
+    assert "helm/llm-d-router-values.yaml" in section
+    for key, value in values["router"].items():
+        assert f"`{key}" in section, key
+        if isinstance(value, dict):
+            for sub in value:
+                if key != "epp" or sub != "pluginsCustomConfig":
+                    assert re.search(rf"\b{sub}\b", section), f"{key}.{sub}"
+    config = yaml.safe_load(values["router"]["epp"]["pluginsCustomConfig"]["molctl-plugins.yaml"])
+    for plugin in config["plugins"]:
+        assert f"`{plugin['type']}`" in section, plugin["type"]
+    for label in ("app.kubernetes.io/instance", "molctl.io/component", "meta.helm.sh/release-name"):
+        assert label in section, label
+    for header in ("x-session-id", "x-llm-d-inference-objective", "x-llm-d-inference-fairness-id"):
+        assert header in section, header
