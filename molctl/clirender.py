@@ -89,7 +89,8 @@ def render_k8s_cmd(
         None,
         "--cache-pvc",
         metavar="CLAIM",
-        help="--scheduler llm-d: the engines' compile caches on this PersistentVolumeClaim (default: an emptyDir).",
+        help="--scheduler llm-d: the engines' compile caches on this PersistentVolumeClaim, ReadWriteMany (every "
+        "engine pod mounts it; default: an emptyDir per pod).",
     ),
     namespace: Optional[str] = typer.Option(None, "--namespace", "-n", help="metadata.namespace of every object."),
     name: Optional[str] = typer.Option(None, "--name", help="Name of the objects (default molctl-PROFILE)."),

@@ -318,6 +318,9 @@ def llmd_values(obj_name: str, stack: Stack) -> dict[str, Any]:
             "extraServicePorts": [{"name": "http", "port": ROUTER_PORT, "protocol": "TCP", "targetPort": ROUTER_PORT}],
             "proxy": {"enabled": True, "proxyType": "envoy", "mode": "sidecar"},
             "epp": {
+                # the session-affinity scorer is an Alpha plugin in v0.10.0: the EPP refuses to start
+                # with it unless --allow-experimental-plugins (plugin/registry.go, ValidatePluginStability)
+                "flags": {"allow-experimental-plugins": True},
                 "pluginsConfigFile": PLUGINS_FILE,
                 "pluginsCustomConfig": {
                     PLUGINS_FILE: yaml.safe_dump(picker_config(stack), sort_keys=False, default_flow_style=False)

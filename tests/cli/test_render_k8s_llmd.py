@@ -193,7 +193,9 @@ def _known(value, default, path: str) -> None:
     maps the chart leaves open (matchLabels, pluginsCustomConfig) are the user's."""
     if isinstance(default, dict) and isinstance(value, dict):
         for key, sub in value.items():
-            if path in ("router.modelServers", "router.epp") and key in ("matchLabels", "pluginsCustomConfig"):
+            # open maps: the chart reads them whole (modelServers.matchLabels, epp.pluginsCustomConfig,
+            # and epp.flags: each rendered as --KEY=VALUE, routerlib templates/_deployment.yaml)
+            if path in ("router.modelServers", "router.epp") and key in ("matchLabels", "pluginsCustomConfig", "flags"):
                 assert isinstance(sub, dict), path + "." + key
                 continue
             assert key in default, f"{path}.{key}: not a value of the chart"
@@ -235,6 +237,14 @@ def test_the_router_values_fit_the_chart(render, tmp_path):
         "session-affinity-scorer",
     ):
         assert weights[scorer] > 0, scorer
+    stability = dict(
+        line.split()
+        for line in (DATA / "epp-plugin-stability.txt").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    )
+    assert types <= set(stability), types - set(stability)  # types the EPP v0.10.0 registers
+    if "Alpha" in {stability[t] for t in types}:
+        assert router["epp"]["flags"]["allow-experimental-plugins"] is True
     session = next(p for p in config["plugins"] if p["type"] == "session-affinity-scorer")
     assert session["parameters"]["strategy"] == "session_id"
     assert session["parameters"]["sessionIdConfig"]["sources"] == [{"header": "x-session-id"}]

@@ -2,8 +2,9 @@
 llm-d`), every hop carries what the Endpoint Picker reads: the conversation's `x-session-id` (the
 same on every turn, so the turns meet their prefix cache), the hop's InferenceObjective in
 `x-llm-d-inference-objective` (route, answer, summary) and the tenant's
-`x-llm-d-inference-fairness-id` (a digest, never the key). Without the field none is sent. Driven
-by the official `openai` SDK against the scripted engine, which records each hop's headers."""
+`x-llm-d-inference-fairness-id` (a digest, never the key), beside the `traceparent` tracing sends.
+Without the field none is sent. Driven by the official `openai` SDK against the scripted engine,
+which records each hop's headers."""
 
 from __future__ import annotations
 
@@ -13,18 +14,41 @@ import re
 import openai
 import pytest
 
+from molctl.proxy import tracing
 from molctl.proxy.scheduler_hints import FAIRNESS_HEADER, OBJECTIVE_HEADER, SESSION_HEADER
-from tests.helpers import wait_for
-from tests.proxy_stack import KEY, KEY2, PUBLIC, own_stack
+from tests.helpers import free_ports, wait_for
+from tests.otlp_receiver import OtlpReceiver
+from tests.procs import fake_engine_argv, proxy_argv, running
+from tests.proxy_stack import KEY, KEY2, PUBLIC, Stack
 
 PREFIX = "molctl-tiny"
 HEX32 = re.compile(r"^[0-9a-f]{32}$")
+TRACEPARENT = re.compile(r"^00-[0-9a-f]{32}-[0-9a-f]{16}-0[01]$")
 
 
 @pytest.fixture(scope="module")
 def llmd(keyfile, tmp_path_factory):
-    with own_stack(keyfile, tmp_path_factory.mktemp("llmd"), "--set", f"proxy.scheduler_objectives={PREFIX}") as s:
-        yield s
+    """A fake engine and a tiny proxy with the field set and traces on (to tests/otlp_receiver.py)."""
+    logs = tmp_path_factory.mktemp("llmd")
+    engine_port, proxy_port, otlp_port = free_ports(3)
+    engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
+    off = {v: "" for v in (*tracing.ENDPOINT_VARIABLES, tracing.CAPTURE_VARIABLE)}
+    with OtlpReceiver(otlp_port) as receiver:
+        env = {**off, "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url, "OTEL_BSP_SCHEDULE_DELAY": "50"}
+        argv = proxy_argv(
+            "tiny",
+            engine_url,
+            proxy_port,
+            "--api-key-file",
+            str(keyfile),
+            "--set",
+            f"proxy.scheduler_objectives={PREFIX}",
+        )
+        with (
+            running(fake_engine_argv(engine_port), engine_url + "/health", log=logs / "engine.log"),
+            running(argv, proxy_url + "/health", env=env, log=logs / "proxy.log"),
+        ):
+            yield Stack(engine_url, proxy_url)
 
 
 @pytest.fixture
@@ -57,6 +81,7 @@ def test_each_hop_carries_its_objective_the_session_and_the_tenant(sched):
             assert headers[OBJECTIVE_HEADER] == f"{PREFIX}-{objective}", entry["hop"]
             assert HEX32.match(headers[SESSION_HEADER]) and HEX32.match(headers[FAIRNESS_HEADER])
             assert KEY not in str(headers)
+            assert TRACEPARENT.match(entry["traceparent"] or ""), entry["hop"]  # tracing on: beside them
     sessions = {e["scheduler"][SESSION_HEADER] for e in first + second}
     tenants = {e["scheduler"][FAIRNESS_HEADER] for e in first + second}
     assert len(sessions) == 1 and len(tenants) == 1  # a conversation's turns meet on one pod's cache
