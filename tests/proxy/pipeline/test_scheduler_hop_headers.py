@@ -23,7 +23,7 @@ from tests.proxy_stack import KEY, KEY2, PUBLIC, Stack
 
 PREFIX = "molctl-tiny"
 HEX32 = re.compile(r"^[0-9a-f]{32}$")
-TRACEPARENT = re.compile(r"^00-[0-9a-f]{32}-[0-9a-f]{16}-0[01]$")
+TRACEPARENT = re.compile(r"^00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")  # W3C trace context
 
 
 @pytest.fixture(scope="module")
