@@ -2,24 +2,24 @@
 scheduler (the Gateway API Inference Extension's Endpoint Picker as llm-d-router v0.10 ships it),
 and the proxy as a stateless tier of N replicas on the shared store whose upstream is the router.
 
-What it renders (`render_llmd`), in apply order:
+What it renders (`llmd_objects`), in apply order:
 - ConfigMap NAME-profile: the profile file (the proxy's --profiles-dir), as the per-pod stack's;
+- Service NAME and Deployment NAME-proxy: --proxy-replicas proxies, upstream the router's Service
+  NAME-pool-epp:8081 (the chart's Envoy listener), with `proxy.scheduler_objectives: NAME`, so
+  each hop carries the headers the picker reads (`molctl.proxy.scheduler_hints`) and the
+  proxy's own cross-replica affinity redirect is off;
 - Deployment NAME-engine: --replicas vLLM pods running the profile's argv (the adapters as
   --lora-modules), on the pod IP, labelled for the pool, with a startup probe covering
   engine.start_timeout_s (an hour by default), the model and the engine's caches (vLLM's
   torch.compile and Triton caches, XDG_CACHE_HOME) on volumes; a rolling update never surges an
   extra pod (maxSurge 0: no second set of GPUs);
-- Deployment NAME-proxy and Service NAME: --proxy-replicas proxies, upstream the router's Service
-  NAME-pool-epp:8081 (the chart's Envoy listener), with `proxy.scheduler_objectives: NAME`, so
-  each hop carries the headers the picker reads (`molctl.proxy.scheduler_hints`) and the
-  proxy's own cross-replica affinity redirect is off;
 - InferencePool NAME-pool (inference.networking.k8s.io/v1) and one InferenceObjective
   (llm-d.ai/v1alpha2) per hop, NAME-route > NAME-answer > NAME-summary. The chart creates the same
   objects from the values (`router.inferencePool.create`, `router.inferenceObjectives`); these
   carry Helm's adoption metadata (release NAME-pool), so `kubectl apply` first and `helm
   install NAME-pool` after (or the other way round) leave one set of objects;
-- the values of the llm-d-router-standalone chart (`llmd_values`): model servers, the pool, the
-  objectives, the scorer plugins with weights and flow control.
+- and, beside them, the values of the llm-d-router-standalone chart (`llmd_values`): model
+  servers, the pool, the objectives, the scorer plugins with weights and flow control.
 """
 
 from __future__ import annotations
