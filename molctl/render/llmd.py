@@ -305,7 +305,7 @@ def llmd_values(obj_name: str, stack: Stack) -> dict[str, Any]:
     return {
         "router": {
             "modelServers": {
-                "type": "vllm",
+                "type": _model_server(stack),
                 "protocol": "http",
                 "targetPorts": [{"number": stack.profile.engine.port}],
                 "matchLabels": _selector(obj_name, "engine"),
@@ -341,9 +341,15 @@ def proxy_share(profile: Any, opts: RenderOptions) -> int:
     return max(1, math.ceil(opts.replicas * running / max(1, opts.proxy_replicas)))
 
 
+def _model_server(stack: Stack) -> str | None:
+    from molctl.engines import get_engine
+
+    return get_engine(stack.profile.engine.kind).llmd_model_server
+
+
 def check_llmd(stack: Stack, opts: RenderOptions) -> None:
     """llm-d's picker scores vLLM pods (its metrics, its LoRA info): a SGLang profile is refused."""
-    if stack.profile.engine.kind != "vllm":
+    if _model_server(stack) is None:
         raise UsageError(
             f"--scheduler llm-d: the profile's engine.kind is {stack.profile.engine.kind!r}; llm-d's scheduler "
             "is rendered for vLLM engines only (use the default --scheduler stack)"
