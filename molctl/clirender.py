@@ -84,7 +84,9 @@ def render_k8s_cmd(
         "llm-d-router-standalone chart, values written to DIR/helm/), the proxy a stateless Deployment; for "
         "many engines, where queue, KV-cache, prefix and LoRA-aware placement pays. Needs --output.",
     ),
-    proxy_replicas: int = typer.Option(2, "--proxy-replicas", help="--scheduler llm-d: proxy pods (>= 1)."),
+    proxy_replicas: Optional[int] = typer.Option(
+        None, "--proxy-replicas", help="--scheduler llm-d: proxy pods (>= 1, default 2)."
+    ),
     cache_pvc: Optional[str] = typer.Option(
         None,
         "--cache-pvc",
@@ -155,10 +157,15 @@ def render_k8s_cmd(
         shm_size=shm_size,
         engine_env_secret=engine_env_secret,
         scheduler=scheduler,
-        proxy_replicas=proxy_replicas,
+        proxy_replicas=2 if proxy_replicas is None else proxy_replicas,
         cache_pvc=cache_pvc,
     )
     if scheduler != "llm-d":
+        for label, given in (("--proxy-replicas", proxy_replicas), ("--cache-pvc", cache_pvc)):
+            if given is not None:
+                raise UsageError(
+                    f"{label}: only with --scheduler llm-d (each pod of the default stack has its own proxy)"
+                )
         objects, warnings = render_k8s(profile, ctx.obj.dirs(), opts)
         _render_out(k8s_files(objects), k8s_stream(profile, objects), output, warnings)
         return

@@ -269,6 +269,8 @@ def test_an_sglang_profile_is_refused_in_one_line(render, tmp_path):
         (["--scheduler", "llm-d"], "--scheduler llm-d: give --output DIR"),
         (["--scheduler", "llm-d", "--proxy-replicas", "0", "-o", "OUT"], "--proxy-replicas 0: expected at least 1"),
         (["--scheduler", "llm-d", "--cache-pvc", "Bad_Claim", "-o", "OUT"], "--cache-pvc 'Bad_Claim'"),
+        (["--proxy-replicas", "3", "-o", "OUT"], "--proxy-replicas: only with --scheduler llm-d"),
+        (["--cache-pvc", "cache", "-o", "OUT"], "--cache-pvc: only with --scheduler llm-d"),
     ],
 )
 def test_bad_scheduler_options_are_usage_errors(render, tmp_path, extra, expected):
