@@ -220,7 +220,8 @@ def _engines(
 
 
 def _helm_meta(name: str, obj_name: str, opts: RenderOptions) -> dict[str, Any]:
-    """Metadata Helm (3.2+) adopts an existing object by: the release's name and namespace."""
+    """Metadata by which Helm (3.2+, helm/helm#7649) adopts an existing object into a release
+    instead of refusing the install: the label managed-by Helm, the release's name and namespace."""
     meta: dict[str, Any] = {
         "labels": {"app.kubernetes.io/managed-by": "Helm", "molctl.io/instance": obj_name},
         "annotations": {
