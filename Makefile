@@ -100,6 +100,8 @@ bench: $(VENV)/.stamp-cpu
 	$(PY) bench/bench_route_priority.py
 	$(PY) bench/bench_speculative.py
 	$(PY) bench/bench_summary_cache.py
+	$(PY) bench/bench_llmd_scheduler.py
+	$(PY) bench/bench_llmd_scheduler.py --heavy 0.25
 	$(PY) bench/bench_vllm_serve.py
 	$(PY) bench/bench_tracing.py
 

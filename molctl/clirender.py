@@ -9,6 +9,7 @@ from typing import List, Optional
 import typer
 
 from molctl.clibase import DRAIN_OPT, MODEL_ROOT_OPT, SET_OPT, STOP_OPT, UNAUTH_OPT, handle_errors, overrides_from
+from molctl.errors import UsageError
 
 render_app = typer.Typer(
     help="Kubernetes manifests or systemd units for a stack, from the profile `up` uses "
@@ -70,7 +71,29 @@ def render_k8s_cmd(
     python: str = typer.Option(
         "python3", "--python", help="The interpreter in the image(s); the engine's unless engine.python is set."
     ),
-    replicas: int = typer.Option(1, "--replicas", help="Pods, each a whole stack (>= 1)."),
+    replicas: int = typer.Option(
+        1, "--replicas", help="Pods, each a whole stack (>= 1); with --scheduler llm-d: engine pods."
+    ),
+    scheduler: str = typer.Option(
+        "stack",
+        "--scheduler",
+        metavar="stack|llm-d",
+        help="stack (default): each pod a whole stack (engine + proxy), the proxies' own conversation "
+        "affinity on a shared store; for one to a few engines, no cluster add-ons. llm-d: the engines "
+        "(vLLM) their own Deployment behind llm-d's scheduler (Gateway API Inference Extension CRDs and the "
+        "llm-d-router-standalone chart, values written to DIR/helm/), the proxy a stateless Deployment; for "
+        "many engines, where queue, KV-cache, prefix and LoRA-aware placement pays. Needs --output.",
+    ),
+    proxy_replicas: Optional[int] = typer.Option(
+        None, "--proxy-replicas", help="--scheduler llm-d: proxy pods (>= 1, default 2)."
+    ),
+    cache_pvc: Optional[str] = typer.Option(
+        None,
+        "--cache-pvc",
+        metavar="CLAIM",
+        help="--scheduler llm-d: the engines' compile caches on this PersistentVolumeClaim, ReadWriteMany (every "
+        "engine pod mounts it; default: an emptyDir per pod).",
+    ),
     namespace: Optional[str] = typer.Option(None, "--namespace", "-n", help="metadata.namespace of every object."),
     name: Optional[str] = typer.Option(None, "--name", help="Name of the objects (default molctl-PROFILE)."),
     model_root: Optional[Path] = MODEL_ROOT_OPT,
@@ -109,9 +132,11 @@ def render_k8s_cmd(
     stop_timeout: float = STOP_OPT,
     output: Optional[Path] = RENDER_OUTPUT_OPT,
 ) -> None:
-    """ConfigMap (the profile), Service (the proxy port) and StatefulSet (engine + proxy per pod) as YAML, like `helm template`."""
+    """ConfigMap (the profile), Service (the proxy port) and StatefulSet (engine + proxy per pod) as YAML, like
+    `helm template`; with --scheduler llm-d: engine and proxy Deployments, InferencePool, InferenceObjectives
+    and the llm-d router chart's values."""
     from molctl.render import RenderOptions
-    from molctl.render.k8s import k8s_files, k8s_stream, render_k8s
+    from molctl.render.k8s import k8s_files, k8s_stream, render_k8s, render_k8s_llmd
 
     opts = RenderOptions(
         overrides=overrides_from(model_root, set_),
@@ -131,9 +156,26 @@ def render_k8s_cmd(
         model_pvc=model_pvc,
         shm_size=shm_size,
         engine_env_secret=engine_env_secret,
+        scheduler=scheduler,
+        proxy_replicas=2 if proxy_replicas is None else proxy_replicas,
+        cache_pvc=cache_pvc,
     )
-    objects, warnings = render_k8s(profile, ctx.obj.dirs(), opts)
-    _render_out(k8s_files(objects), k8s_stream(profile, objects), output, warnings)
+    if scheduler != "llm-d":
+        for label, given in (("--proxy-replicas", proxy_replicas), ("--cache-pvc", cache_pvc)):
+            if given is not None:
+                raise UsageError(
+                    f"{label}: only with --scheduler llm-d (each pod of the default stack has its own proxy)"
+                )
+        objects, warnings = render_k8s(profile, ctx.obj.dirs(), opts)
+        _render_out(k8s_files(objects), k8s_stream(profile, objects), output, warnings)
+        return
+    if output is None:
+        raise UsageError(
+            "--scheduler llm-d: give --output DIR (the manifests, and the router chart's values in DIR/helm/)"
+        )
+    objects, values, warnings = render_k8s_llmd(profile, ctx.obj.dirs(), opts)
+    _render_out(k8s_files(objects), "", output, warnings)
+    _render_out(values, "", output / "helm", [])
 
 
 @render_app.command("systemd")

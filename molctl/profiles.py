@@ -289,6 +289,9 @@ def _proxy_spec(data: dict[str, Any], v: _Validator) -> ProxySpec:
             problem = profilechecks.problem(name, proxy)
             if problem:
                 raise v.fail(*problem)
+    prefix = proxy.get("scheduler_objectives")
+    if prefix is not None and not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,236}[a-z0-9])?", prefix):
+        raise v.fail("proxy.scheduler_objectives", f"{_short(prefix)}: expected an object name prefix (a-z, 0-9, '-')")
     return ProxySpec(**proxy)
 
 

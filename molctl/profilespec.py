@@ -355,6 +355,20 @@ class ProxySpec:
             "`OTEL_EXPORTER_OTLP_*` variables decide, off without them"
         ),
     )
+    # llm-d's scheduler between the proxy and the engines (render k8s --scheduler llm-d): the prefix
+    # of its InferenceObjectives (PREFIX-route, -answer, -summary); set, the hops carry the headers
+    # it reads (molctl.proxy.scheduler_hints) and the replicas' own affinity redirect is off
+    scheduler_objectives: str | None = setting(
+        (str, type(None)),
+        None,
+        doc=(
+            "llm-d's scheduler sits between the proxies and the engines (`render k8s --scheduler llm-d` sets "
+            "it to NAME): the prefix of its InferenceObjectives; each hop then carries `x-session-id`, "
+            "`x-llm-d-inference-objective: PREFIX-route`/`-answer`/`-summary` and "
+            "`x-llm-d-inference-fairness-id`, and the replicas' own affinity redirect is off (see \"Beyond "
+            'one host on Kubernetes with llm-d")'
+        ),
+    )
 
 
 DEFAULT_FOLD = "[This turn was handled by another specialist. Summary: {summary}]"

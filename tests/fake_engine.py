@@ -218,6 +218,9 @@ METRICS = (
 GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
 
 
+SCHEDULER_HEADERS = ("x-session-id", "x-llm-d-inference-objective", "x-llm-d-inference-fairness-id")
+
+
 class Engine:
     def __init__(self):
         self.base = dict(DEFAULT_CONFIG)  # DEFAULT_CONFIG + the --config given at start (kept by /_reset)
@@ -365,6 +368,8 @@ async def answer_chat(request: web.Request) -> web.StreamResponse:
             "request_id": request.headers.get("X-Request-Id"),
             # W3C trace context, as vLLM reads it (vllm/tracing/otel.py extract_trace_context)
             "traceparent": request.headers.get("traceparent"),
+            # what llm-d's Endpoint Picker reads (molctl.proxy.scheduler_hints); None when absent
+            "scheduler": {h: request.headers.get(h) for h in SCHEDULER_HEADERS},
         }
     )
     rejected = strict_violation(payload) if cfg["strict"] else None
@@ -617,6 +622,7 @@ async def completions(request: web.Request) -> web.Response:
             "payload": payload,
             "t": time.time(),
             "traceparent": request.headers.get("traceparent"),
+            "scheduler": {h: request.headers.get(h) for h in SCHEDULER_HEADERS},
         }
     )
     if model != cfg["served_name"] and model not in cfg["adapters"]:
@@ -704,6 +710,7 @@ async def tokenize(request: web.Request) -> web.Response:
             "payload": payload,
             "t": time.time(),
             "traceparent": request.headers.get("traceparent"),
+            "scheduler": {h: request.headers.get(h) for h in SCHEDULER_HEADERS},
         }
     )
     if not STATE.config["token_ids"]:

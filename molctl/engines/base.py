@@ -327,6 +327,9 @@ class Engine(abc.ABC):
     no_template_fallback: str = ""
     model_flag: str = ""  # the flag naming the base model folder
     lora_flag: str = ""  # the flag taking NAME=PATH adapter pairs
+    # llm-d-router's `modelServers.type` for this engine when `render k8s --scheduler llm-d`
+    # renders it (its picker reads the engine's metrics and LoRA info by that type); None: not offered
+    llmd_model_server: str | None = None
     # The flags that send the engine's own OpenTelemetry spans to `engine.otlp_traces_endpoint`
     # (the endpoint follows the last); the proxy's hop spans are their parents (W3C traceparent).
     trace_flags: tuple[str, ...] = ()

@@ -47,6 +47,7 @@ CPU_PIN = {"VLLM_TARGET_DEVICE": "cpu"}
 
 class VllmEngine(Engine):
     kind = "vllm"
+    llmd_model_server = "vllm"
     package = "vllm"
     launch_module = API_SERVER_MODULE
     model_flag = "--model"

@@ -41,6 +41,7 @@ Its modules, one line each:
 - `pipeline.views`: what each hop sends: the router's messages, each adapter's view, the summary request.
 - `pipeline.window`: every hop's max_tokens within the engine's window (a prompt bound, else measured).
 - `tool_arguments`: history tool-call arguments that are not a JSON object, sent as {} (as vLLM 0.32).
+- `scheduler_hints`: the headers llm-d's scheduler reads on each hop (session, objective, tenant).
 - `samples`: sample conversations `molctl check`'s template category renders through this code.
 - `shaping`: the one place that shapes what clients see (public model name, own ids, no engine extras).
 - `store`: the state stores (package): the contracts and the one factory of a `proxy.store` spec.

@@ -18,6 +18,7 @@ from molctl.proxy import fastjson
 from molctl.proxy.affinity import EngineChoice
 from molctl.proxy.engine_wire import _Connection, _lines
 from molctl.proxy.errors import EngineHTTPError, EngineUnavailable
+from molctl.proxy.scheduler_hints import hop_headers
 
 HOP_HEADER = "X-MoL-Hop"
 REQUEST_ID_HEADER = "X-Request-Id"  # the client request's id on every hop, so engine logs can be joined
@@ -413,10 +414,19 @@ class EngineClient:
         return {REQUEST_ID_HEADER: hop_id}
 
     def _headers(
-        self, payload: dict[str, Any], hop: str, request_id: str | None, trace: dict[str, str] | None
+        self,
+        payload: dict[str, Any],
+        hop: str,
+        request_id: str | None,
+        trace: dict[str, str] | None,
+        engine: EngineChoice | None = None,
     ) -> dict[str, str] | None:
-        """The hop's extra headers: its ids (`_hop_ids`) and, with traces on, its traceparent/tracestate."""
+        """The hop's extra headers: its ids (`_hop_ids`), with traces on its traceparent/tracestate,
+        and with a scheduler in front (`engine.scheduler`) what it reads (`scheduler_hints`)."""
         headers = self._hop_ids(payload, hop, request_id)
+        scheduler = hop_headers(hop, engine)
+        if scheduler:
+            headers = {**(headers or {}), **scheduler}
         return headers if not trace else {**(headers or {}), **trace}
 
     async def _open_chat(
@@ -459,7 +469,7 @@ class EngineClient:
         probe: `Engine.continuation_path`, `Engine.probe_path`); `engine`: the request's engine
         choice (None: this proxy's own upstream); `source`: how the hop's adapter was chosen (its
         span's mol.route.source, with traces on); `trace`: the hop span's traceparent/tracestate."""
-        headers = self._headers(payload, hop, request_id, trace)
+        headers = self._headers(payload, hop, request_id, trace, engine)
         data = await encode(payload, big)
         owner, conn = await self._open_chat(data, hop, headers, timeout, path, engine)
         try:
@@ -503,7 +513,7 @@ class EngineClient:
         engine: EngineChoice | None,
         trace: dict[str, str] | None,
     ) -> AsyncIterator[dict[str, Any]]:
-        headers = self._headers(payload, hop, request_id, trace)
+        headers = self._headers(payload, hop, request_id, trace, engine)
         data = await encode(payload, big)
         owner, conn = await self._open_chat(data, hop, headers, None, engine=engine)
         try:

@@ -109,6 +109,9 @@ class RenderOptions:
     engine_env_secret: str | None = None  # every key of this Secret becomes an engine variable (HF_TOKEN, ...)
     model_pvc: str | None = None  # the model from this PersistentVolumeClaim instead of a hostPath
     shm_size: str | None = None
+    scheduler: str = "stack"  # stack (each pod a whole stack) or llm-d (molctl.render.llmd)
+    proxy_replicas: int = 2  # --scheduler llm-d: the proxy Deployment's replicas
+    cache_pvc: str | None = None  # --scheduler llm-d: the engines' cache volume (default: an emptyDir)
     # systemd
     api_key_file: Path | None = None
     state_dir: Path | None = None
@@ -137,9 +140,11 @@ def load_stack(
     state_dir: Path,
     proxy_profiles_dirs: list[Path],
     default_engine_python: str | None = None,
+    upstream: str | None = None,
 ) -> Stack:
     """The profile with `overrides` (and `engine.python` = `default_engine_python` when the
-    profile names none), and the engine and proxy argv `up` builds from it."""
+    profile names none), and the engine and proxy argv `up` builds from it; `upstream`: the
+    proxy's --upstream (default: the profile's engine, as `up`)."""
     profile, config = stackconfig.load(name, dirs, overrides)
     if default_engine_python and not config["data"]["engine"].get("python"):
         overrides = [*overrides, ("engine.python", default_engine_python)]
@@ -162,7 +167,9 @@ def load_stack(
         )
     _refuse_secret_args(profile, config["source"])
     up_opts = UpOptions(overrides=overrides, drain_timeout_s=opts.drain_timeout_s, profiles_dirs=proxy_profiles_dirs)
-    proxy = proxy_argv(profile, up_opts, key_args, engine_upstream(profile), python=python, state_dir=state_dir)
+    proxy = proxy_argv(
+        profile, up_opts, key_args, upstream or engine_upstream(profile), python=python, state_dir=state_dir
+    )
     return Stack(profile, config, engine_argv(profile), engine_env(profile, base={}), proxy)
 
 

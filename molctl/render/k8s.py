@@ -44,11 +44,30 @@ from molctl.render import (
 
 
 def render_k8s(name: str, dirs: list[Path], opts: RenderOptions) -> tuple[list[dict[str, Any]], list[str]]:
-    """The objects, in apply order (ConfigMap, Service, StatefulSet), and warnings for the operator."""
+    """The objects, in apply order (ConfigMap, Service, StatefulSet; with --scheduler llm-d those of
+    `molctl.render.llmd`), and warnings for the operator."""
+    objects, _, warnings = _render(name, dirs, opts)
+    return objects, warnings
+
+
+def render_k8s_llmd(
+    name: str, dirs: list[Path], opts: RenderOptions
+) -> tuple[list[dict[str, Any]], dict[str, str], list[str]]:
+    """--scheduler llm-d: the objects, the router chart's values file ({file name: text}) and warnings."""
+    from molctl.render.llmd import VALUES_FILE, llmd_values
+
+    objects, stack, warnings = _render(name, dirs, opts)
+    obj_name = opts.name or f"molctl-{name}"
+    header = f"# molctl {__version__}: molctl render k8s {name} --scheduler llm-d (llm-d-router-standalone v0.10.0)\n"
+    return objects, {VALUES_FILE: header + k8s_yaml([llmd_values(obj_name, stack)])[0]}, warnings
+
+
+def _render(name: str, dirs: list[Path], opts: RenderOptions) -> tuple[list[dict[str, Any]], Stack, list[str]]:
     _check_k8s_options(opts)
     obj_name = opts.name or f"molctl-{name}"
     password_ref = _secret_ref("--store-password-secret", opts.store_password_secret, "password")
-    stack = _k8s_stack(name, dirs, opts)
+    llmd = opts.scheduler == "llm-d"
+    stack = _k8s_stack(name, dirs, opts, obj_name if llmd else None)
     if opts.name is None:  # checked once the profile is known to exist (an unknown one is exit 3)
         _check_object_name(f"the default name {obj_name!r} (molctl-PROFILE) is not usable: give --name;", obj_name)
     if not LABEL_VALUE.match(name):
@@ -57,19 +76,39 @@ def render_k8s(name: str, dirs: list[Path], opts: RenderOptions) -> tuple[list[d
             "Kubernetes label value (at most 63 characters, ending in a letter or digit): rename the "
             "profile"
         )
-    objects = _k8s_objects(name, obj_name, stack, opts, password_ref)
+    if llmd:
+        from molctl.engines import get_engine
+        from molctl.render.llmd import base_labels, check_llmd, llmd_objects
+
+        check_llmd(stack, opts)
+        meta = {"name": obj_name, "labels": base_labels(name, obj_name)}
+        if opts.namespace:
+            meta["namespace"] = opts.namespace
+        proxy = _proxy_container(stack, opts, get_engine(stack.profile.engine.kind), password_ref)
+        volumes = [v for v in _volumes(stack.profile, opts, obj_name) if v["name"] in ("profile", "state", "api-keys")]
+        objects = llmd_objects(name, obj_name, stack, opts, config_map(name, obj_name, stack, meta), proxy, volumes)
+    else:
+        objects = _k8s_objects(name, obj_name, stack, opts, password_ref)
     warnings = []
-    if opts.replicas > 1 and not stack.profile.proxy.store.startswith(("redis://", "rediss://")):
+    replicas = opts.proxy_replicas if llmd else opts.replicas
+    if replicas > 1 and not stack.profile.proxy.store.startswith(("redis://", "rediss://")):
         warnings.append(
-            f"--replicas {opts.replicas} with proxy.store {stack.profile.proxy.store!r}: each pod keeps its own "
+            f"{'--proxy-replicas' if llmd else '--replicas'} {replicas} with proxy.store "
+            f"{stack.profile.proxy.store!r}: each pod keeps its own "
             "conversations and responses; a turn that reaches another pod loses them (use --store redis://...)"
         )
-    warnings += _affinity_warnings(stack.profile, opts)
-    return objects, warnings
+    if not llmd:  # with llm-d the scheduler places the hops, not the proxies' affinity
+        warnings += _affinity_warnings(stack.profile, opts)
+    return objects, stack, warnings
+
+
+SCHEDULERS = ("stack", "llm-d")
 
 
 def _check_k8s_options(opts: RenderOptions) -> None:
     _check_common(opts)
+    if opts.scheduler not in SCHEDULERS:
+        raise UsageError(f"--scheduler {opts.scheduler!r}: expected one of {', '.join(SCHEDULERS)}")
     if opts.replicas < 1:
         raise UsageError(f"--replicas {opts.replicas}: expected at least 1")
     if opts.replicas > MAX_REPLICAS:  # spec.replicas is an int32: the API server would refuse the object
@@ -90,8 +129,11 @@ def _check_k8s_options(opts: RenderOptions) -> None:
         raise UsageError(f"--shm-size {opts.shm_size!r}: expected a Kubernetes quantity, e.g. 16Gi")
 
 
-def _k8s_stack(name: str, dirs: list[Path], opts: RenderOptions) -> Stack:
-    """The stack as a pod runs it: the proxy on the pod IP, the mounts' paths for keys, state and profiles."""
+def _k8s_stack(name: str, dirs: list[Path], opts: RenderOptions, llmd_name: str | None = None) -> Stack:
+    """The stack as a pod runs it: the proxy on the pod IP, the mounts' paths for keys, state and
+    profiles. `llmd_name` (--scheduler llm-d, the objects' name): the engine on its pod IP too (the
+    router reaches it there), the proxy's upstream the router and its hops the scheduler's
+    headers (`proxy.scheduler_objectives`)."""
     if opts.allow_unauthenticated:
         key_args = ["--allow-unauthenticated"]
     else:
@@ -100,7 +142,19 @@ def _k8s_stack(name: str, dirs: list[Path], opts: RenderOptions) -> Stack:
     # listener where the profile has one (a scrape reaches the pod IP, the Service never exposes
     # it); the user's --set may say otherwise.
     overrides = [("proxy.host", "0.0.0.0"), *opts.overrides, *_store_overrides(opts)]
-    if stackconfig.load(name, dirs, overrides)[0].proxy.metrics_port:
+    upstream = None
+    if llmd_name is not None:
+        from molctl.render.llmd import router_upstream
+
+        overrides[1:1] = [("engine.host", "0.0.0.0"), ("proxy.scheduler_objectives", llmd_name)]
+        upstream = router_upstream(llmd_name, opts)
+    profile = stackconfig.load(name, dirs, overrides)[0]
+    if llmd_name is not None and profile.proxy.max_inflight is None:
+        from molctl.render.llmd import proxy_share
+
+        # each proxy's share of all the engines' running slots (the default is one engine's)
+        overrides.insert(1, ("proxy.max_inflight", proxy_share(profile, opts)))
+    if profile.proxy.metrics_port:
         overrides.insert(1, ("proxy.metrics_host", "0.0.0.0"))
     return load_stack(
         name,
@@ -112,7 +166,20 @@ def _k8s_stack(name: str, dirs: list[Path], opts: RenderOptions) -> Stack:
         state_dir=Path(STATE_MOUNT),
         proxy_profiles_dirs=[Path(PROFILES_MOUNT)],
         default_engine_python=opts.python,
+        upstream=upstream,
     )
+
+
+def config_map(name: str, obj_name: str, stack: Stack, meta: dict[str, Any]) -> dict[str, Any]:
+    """The profile file, mounted where the proxy's --profiles-dir points: the proxy loads it with
+    the same overrides as `up`."""
+    source = Path(stack.config["source"])
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {**meta, "name": f"{obj_name}-profile"},
+        "data": {f"{name}.yaml": source.read_text(encoding="utf-8")},
+    }
 
 
 def _k8s_objects(
@@ -128,13 +195,6 @@ def _k8s_objects(
     meta = {"name": obj_name, "labels": labels}
     if opts.namespace:
         meta["namespace"] = opts.namespace
-    source = Path(stack.config["source"])  # the file itself: the proxy loads it with the same overrides as `up`
-    config_map = {
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": {**meta, "name": f"{obj_name}-profile"},
-        "data": {f"{name}.yaml": source.read_text(encoding="utf-8")},
-    }
     service = {
         "apiVersion": "v1",
         "kind": "Service",
@@ -160,7 +220,7 @@ def _k8s_objects(
             "template": {"metadata": {"labels": labels, "annotations": annotations}, "spec": pod},
         },
     }
-    return [config_map, service, statefulset]
+    return [config_map(name, obj_name, stack, meta), service, statefulset]
 
 
 def _check_object_name(label: str, value: str) -> None:

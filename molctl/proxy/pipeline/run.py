@@ -42,6 +42,7 @@ from molctl.proxy.pipeline.speculative import Speculation
 from molctl.proxy.pipeline.summary import Summaries
 from molctl.proxy.pipeline.views import own_view, split_history
 from molctl.proxy.pipeline.window import prompt_token_bound
+from molctl.proxy.scheduler_hints import SchedulerHints
 from molctl.proxy.store.base import ConversationStore
 from molctl.proxy.tool_arguments import repair_history
 from molctl.routes import ROUTES
@@ -115,6 +116,7 @@ class Orchestrator:
         self.profile = profile
         self.engine = engine
         self.client = client
+        self.hints = SchedulerHints.of(profile)
         self.store = store
         self.counters = counters or Counters()
         self.fields = FieldPolicy.of(profile, engine, self.counters)
@@ -175,7 +177,11 @@ class Orchestrator:
     async def load(self, plan: Plan) -> None:
         """A shared store (Redis: proxy replicas) is read here, once per request after `prepare`,
         and the engine of the request's hops is chosen (conversation affinity: the replica whose
-        engine served the conversation last, when its heartbeat is fresh). Nothing for local stores."""
+        engine served the conversation last, when its heartbeat is fresh). Nothing for local stores.
+        With a scheduler in front (`proxy.scheduler_objectives`) the hops go to the own upstream
+        with its headers (`scheduler_hints`) and no replica's engine is chosen here."""
+        if self.hints is not None:
+            plan.engine = self.hints.choice(plan.tenant, plan.messages, self.client.base_url)
         if not self.store.shared:
             return
         calls = [(plan.tenant, str(c.get("id"))) for c in trailing_calls(plan.messages)]
@@ -188,6 +194,8 @@ class Orchestrator:
                 self.store.get_turn,
                 self.store.get_turns,
             )
+        if self.hints is not None:
+            return
         owner = None
         bound = [self.store.get_call(t, c) for t, c in calls]
         if bound and bound[0] is not None:
