@@ -23,7 +23,11 @@ def shape_usage(usage: dict[str, Any] | None) -> dict[str, Any] | None:
         return None
     return {
         "input_tokens": usage.get("prompt_tokens", 0),
-        "input_tokens_details": {"cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)},
+        # cache_write_tokens: required by OpenAI's ResponseUsage; vLLM and SGLang report no cache writes
+        "input_tokens_details": {
+            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+            "cache_write_tokens": 0,
+        },
         "output_tokens": usage.get("completion_tokens", 0),
         "output_tokens_details": {
             "reasoning_tokens": (usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
@@ -148,7 +152,7 @@ def response_object(
     b = req.body
     fmt = (b.get("text") or {}).get("format") or {"type": "text"}
     reasoning = b.get("reasoning") or {}
-    return {
+    out = {
         "id": response_id,
         "object": "response",
         "created_at": created_at,
@@ -171,7 +175,7 @@ def response_object(
         "temperature": _or(b.get("temperature"), 1.0),
         "text": {"format": fmt, "verbosity": _or((b.get("text") or {}).get("verbosity"), "medium")},
         "tool_choice": _or(b.get("tool_choice"), "auto"),
-        "tools": b.get("tools") or [],
+        "tools": req.tools,
         "top_logprobs": _or(b.get("top_logprobs"), 0),
         "top_p": _or(b.get("top_p"), 1.0),
         "presence_penalty": _or(b.get("presence_penalty"), 0.0),
@@ -183,6 +187,10 @@ def response_object(
         "user": b.get("user"),
         "metadata": b.get("metadata") or {},
     }
+    for key in ("user", "usage"):  # OpenAI's Response has these optional, never null: left out when unset
+        if out[key] is None:
+            del out[key]
+    return out
 
 
 def assistant_message(message: dict[str, Any]) -> dict[str, Any]:
@@ -351,6 +359,7 @@ class StreamTranslator:
                 self.ev(
                     "response.function_call_arguments.done",
                     item_id=item["id"],
+                    name=item["name"],
                     output_index=idx,
                     arguments=item["arguments"],
                 )
