@@ -152,7 +152,10 @@ def response_object(
     b = req.body
     fmt = (b.get("text") or {}).get("format") or {"type": "text"}
     reasoning = b.get("reasoning") or {}
-    out = {
+    # `user` and `usage` null while unset: OpenAI's own examples (ResponseCreatedEvent) and Open
+    # Responses' ResponseResource (both required, nullable) have them so; openai-openapi's schema
+    # types them non-null, the one place the two specs disagree
+    return {
         "id": response_id,
         "object": "response",
         "created_at": created_at,
@@ -187,10 +190,6 @@ def response_object(
         "user": b.get("user"),
         "metadata": b.get("metadata") or {},
     }
-    for key in ("user", "usage"):  # OpenAI's Response has these optional, never null: left out when unset
-        if out[key] is None:
-            del out[key]
-    return out
 
 
 def assistant_message(message: dict[str, Any]) -> dict[str, Any]:
@@ -272,6 +271,13 @@ def list_input_items(record: dict[str, Any], limit: int, order: str, after: str 
 
 
 # ------------------------------------------------------------------------ stream
+
+
+def error_event(tr: StreamTranslator, exc: ProxyError, param: str | None) -> dict[str, Any]:
+    """The stream's `error` event: OpenAI's fields flat (ResponseErrorEvent) and Open Responses'
+    `error` object (ErrorStreamingEvent), so a client of either spec reads it."""
+    error = {"type": exc.type, "code": exc.code, "message": exc.message, "param": param}
+    return tr.ev("error", code=exc.code, message=exc.message, param=param, error=error)
 
 
 def sse(event: dict[str, Any]) -> bytes:

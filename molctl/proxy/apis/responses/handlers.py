@@ -65,7 +65,7 @@ class ResponsesAPI:
         plan.conversation_id = plan.conversation_id or translator.id
 
         def error_event(exc: ProxyError) -> bytes:
-            return events.sse(translator.ev("error", code=exc.code, message=exc.message, param=public_param(exc.param)))
+            return events.sse(events.error_event(translator, exc, public_param(exc.param)))
 
         await ex.run(plan, self._stream(plan, req, translator, ex, error_event))
 
