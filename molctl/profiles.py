@@ -323,6 +323,7 @@ def _check_proxy_limits(proxy: dict[str, Any], v: _Validator) -> None:
         "store_tenant_max_entries",
         "max_inflight",
         "max_queue",
+        "background_max_per_tenant",
         "queue_timeout_s",
         "route_inflight",
         "summary_inflight",

@@ -84,6 +84,7 @@ SCHEMA: dict[str, Any] = {
         "state_commit_ms": (int, float),  # chat-state rows to SQLite: one transaction per this window
         "advertise_upstream": (str, type(None)),  # this replica's engine URL as peers reach it (default: --upstream)
         "max_inflight": (int, type(None)),  # answer hops at the engine at once (None: the engine's own limit)
+        "background_max_per_tenant": int,  # background responses queued or in progress per API key (then 429)
         "max_queue": int,
         "queue_timeout_s": (int, float),
         "route_inflight": int,
@@ -208,6 +209,9 @@ class ProxySpec:
     # admission control (molctl.proxy.pipeline.admission)
     max_inflight: int | None = None  # answer hops in flight; None: engine.args max-num-seqs / max-running-requests
     max_queue: int = 256  # requests waiting for a slot, all keys together; more: 429
+    # /v1/responses `background: true`: one API key's responses queued or in progress at once; more: 429
+    # (each holds an answer slot while it runs, as a foreground request does)
+    background_max_per_tenant: int = 16
     queue_timeout_s: float = 30.0  # a request waiting longer for a slot: 429
     route_inflight: int = 4  # route hops in flight (their own budget)
     summary_inflight: int = 2  # summary hops in flight (their own budget)

@@ -183,6 +183,7 @@ class ProxyApp:
             await self.metrics_listener.start()
         if self.shared_state is not None:
             self.shared_state.start_heartbeat(self._engine_healthy)
+        self.responses_api.background.start()  # background responses' leases and sweep
 
     async def _engine_healthy(self) -> bool:
         return (await self.ready())[0]
@@ -190,6 +191,7 @@ class ProxyApp:
     async def shutdown(self) -> None:
         for task in list(self.orch.background):
             task.cancel()
+        await self.responses_api.background.close()  # its running jobs failed, naming why, while the store is open
         if self.metrics_listener is not None:
             await self.metrics_listener.close()
         await self.client.close()

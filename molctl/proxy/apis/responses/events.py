@@ -162,7 +162,7 @@ def response_object(
         # when the answer completed (OpenAI sets it on `completed` only); a stored record keeps it
         "completed_at": int(time.time()) if status == "completed" else None,
         "status": status,
-        "background": False,
+        "background": bool(b.get("background")),
         "error": error,
         "incomplete_details": incomplete,
         "instructions": b.get("instructions"),

@@ -296,10 +296,11 @@ def _check_top(body: Any, public_model: str, fields: FieldPolicy, refs: dict[str
             raise NeedsReferences(body, ids)
     if not isinstance(body, dict):
         raise invalid("The request body must be a JSON object.")
-    if body.get("background") not in (None, False):  # the default: clients that send it
-        raise invalid(
-            "'background' is not supported: there is no background mode; send background=false.", "background"
-        )
+    background = body.get("background")
+    if background is not None and not isinstance(background, bool):
+        raise invalid("'background' must be a boolean.", "background")
+    if background and body.get("store") is False:  # as OpenAI: a background response is polled from the store
+        raise invalid("Background mode requires store=true: a background response is retrieved by its id.", "store")
     for key, why in UNSERVED.items():
         if body.get(key) is not None:
             raise invalid(f"'{key}' is not supported: {why}.", key)
