@@ -47,6 +47,7 @@ from molctl.proxy.errors import (
     shown,
     store_cause,
     store_failure,
+    websocket_mode,
 )
 from molctl.proxy.http.body import ClientGone, read_body
 from molctl.proxy.http.requestlog import request_line
@@ -312,9 +313,9 @@ class ProxyApp:
         return internal_error(rid)
 
     async def _websocket(self, scope: dict, send: Send) -> None:
-        """A WebSocket upgrade: there is no WebSocket endpoint, so it is answered over HTTP as a
-        request to an unknown endpoint (401 without a key, else 404 `not_found`, JSON; counted and
-        logged), with the ASGI denial response; a server without the denial extension gets a close
+        """A WebSocket upgrade: there is no WebSocket endpoint, so it is answered over HTTP (401
+        without a key; to /v1/responses a 400 naming OpenAI's WebSocket mode; else 404 `not_found`;
+        JSON, counted and logged), with the ASGI denial response; a server without the denial extension gets a close
         before the handshake (its 403). docs/design/proxy.md, "WebSocket upgrades"."""
         denial = "websocket.http.response" in (scope.get("extensions") or {})
 
@@ -389,6 +390,8 @@ class ProxyApp:
             await self.chat.create(ex)
         elif path == "/v1/responses" and method == "POST":
             await self.responses_api.create(ex)
+        elif path == "/v1/responses" and method == "WEBSOCKET":
+            raise websocket_mode()
         elif not (path.startswith("/v1/responses/") and await self._dispatch_response(ex, path, method)):
             raise ProxyError(
                 404,
