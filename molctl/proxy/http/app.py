@@ -208,11 +208,13 @@ class ProxyApp:
     async def wait_background(self, timeout: float) -> bool:
         """Wait for the background summary hops (a drain: a turn answered just before SIGTERM keeps
         its summary, written to the state store before exit); False when some outlast `timeout`
-        (they are cancelled at shutdown: their turns stay without a summary, as after a failed one)."""
-        tasks = list(self.orch.background)
+        (they are cancelled at shutdown: their turns stay without a summary, as after a failed one).
+        Background responses running here are waited for too (those still running at shutdown fail,
+        naming why: apis.responses.background)."""
+        tasks = list(self.orch.background) + list(self.responses_api.background.tasks.values())
         if not tasks:
             return True
-        log.info("drain: waiting for %d summary hop(s)", len(tasks))
+        log.info("drain: waiting for %d summary hop(s) and background response(s)", len(tasks))
         _, pending = await asyncio.wait(tasks, timeout=max(0.0, timeout))
         return not pending
 

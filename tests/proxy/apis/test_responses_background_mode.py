@@ -22,6 +22,7 @@ from molctl.proxy.errors import ProxyError
 from tests.helpers import free_ports
 from tests.procs import fake_engine_argv, proxy_argv, running
 from tests.proxy_stack import KEY, PUBLIC
+from tests.response_schemas import check
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 BODY = {"model": PUBLIC, "input": "[route:L2] plan a trip", "background": True}
@@ -112,6 +113,8 @@ def test_a_background_response_is_queued_then_polled_to_completion(tmp_path, key
         done = wait_status(url, queued["id"], ("completed", "failed", "cancelled"))
         assert done["status"] == "completed" and done["background"] is True, done
         assert done["output"][0]["content"][0]["text"].startswith("answer-")
+        check("Response", queued)  # both shapes as OpenAI's and Open Responses' schemas have them
+        check("Response", done)
         assert [e["hop"] for e in engine_log(fresh) if e.get("hop") in ("route", "answer")] == ["route", "answer"]
         # the full record is stored: its input items, and a continuation of it
         assert httpx.get(f"{url}/v1/responses/{queued['id']}/input_items", headers=AUTH).status_code == 200
@@ -127,6 +130,7 @@ def test_cancel_stops_it_and_aborts_the_engine_request(tmp_path, keyfile, fresh,
         assert get(url, rid).json()["status"] == "in_progress"
         r = httpx.post(f"{url}/v1/responses/{rid}/cancel", headers=AUTH)
         assert r.status_code == 200 and r.json()["status"] == "cancelled", r.text
+        check("Response", r.json())
         assert wait_for(lambda: any(e.get("event") == "client_gone" for e in engine_log(fresh)))  # aborted
         assert get(url, rid).json()["status"] == "cancelled"
         again = httpx.post(f"{url}/v1/responses/{rid}/cancel", headers=AUTH)  # idempotent
@@ -140,6 +144,8 @@ def test_a_stream_resumes_after_a_sequence_number_from_the_stored_events(tmp_pat
         assert live.status_code == 200
         events = sse(live.text)
         assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        for event in events:
+            check("ResponseStreamEvent", event)
         assert events[-1]["type"] == "response.completed" and events[-1]["response"]["background"] is True
         rid = events[-1]["response"]["id"]
         whole = sse(get(url, rid, stream="true").text)
@@ -178,6 +184,22 @@ def test_a_killed_replica_s_response_is_failed_with_a_reason_not_left_in_progres
         failed = wait_status(url, rid, ("failed",))
         assert failed["status"] == "failed", failed
         assert "stopped before it finished" in failed["error"]["message"]
+        check("Response", failed)
+
+
+def test_a_replica_that_stops_cleanly_fails_its_running_response_at_once(tmp_path, keyfile, fresh):
+    """SIGTERM with a short drain: the response still running at its end is failed by the stopping
+    replica itself, naming why (the next one need not wait for a lease to lapse)."""
+    httpx.post(fresh + "/_config", json={"answer_delay": 60.0}).raise_for_status()
+    store = ["--state-dir", str(tmp_path / "state")]
+    with proxy(tmp_path, keyfile, fresh, store, "--drain-timeout", "1", name="first") as (url, proc):
+        rid = post(url, BODY).json()["id"]
+        assert wait_for(lambda: get(url, rid).json()["status"] == "in_progress")
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
+    with proxy(tmp_path, keyfile, fresh, store, name="second") as (url, _):
+        failed = get(url, rid).json()
+        assert failed["status"] == "failed" and "replica running it stopped" in failed["error"]["message"], failed
 
 
 def test_two_replicas_on_redis_leave_a_live_owner_alone_and_cancel_across(tmp_path, keyfile, fresh):
