@@ -185,6 +185,8 @@ def test_a_killed_replica_s_response_is_failed_with_a_reason_not_left_in_progres
         assert failed["status"] == "failed", failed
         assert "stopped before it finished" in failed["error"]["message"]
         check("Response", failed)
+        replay = sse(get(url, rid, stream="true").text)  # a follower learns it too
+        assert replay[-1]["type"] == "response.failed" and replay[-1]["response"]["error"] == failed["error"]
 
 
 def test_a_replica_that_stops_cleanly_fails_its_running_response_at_once(tmp_path, keyfile, fresh):
@@ -243,3 +245,4 @@ def test_a_foreground_response_is_neither_cancelled_nor_streamed_again(tmp_path,
         r = get(url, rid, stream="true")
         assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
         assert httpx.post(f"{url}/v1/responses/resp_0123/cancel", headers=AUTH).status_code == 404
+        assert get(url, "resp_0123", stream="true").status_code == 404

@@ -122,9 +122,9 @@ class Background:
         tenant, rid = key
         complete = False
         try:
-            await self.jobs.set_state(tenant, rid, "in_progress", snapshot("in_progress"))
-            await self._pump(key, stream, snapshot)
-            complete = True
+            if await self.jobs.set_state(tenant, rid, "in_progress", snapshot("in_progress")):
+                await self._pump(key, stream, snapshot)
+                complete = True  # else it was cancelled (or deleted) before it started: nothing runs
         except asyncio.CancelledError:
             why = "the proxy replica running it stopped" if self.closing else None
             if why is not None:
@@ -217,9 +217,14 @@ class Background:
                 return
             job = await self.jobs.get(tenant, response_id)
             if job is None or job["status"] not in ACTIVE:
-                for event in await self.jobs.events(tenant, response_id, after):  # written just before it ended
-                    yield event
-                return
+                last = None
+                for last in await self.jobs.events(tenant, response_id, after):  # written just before it ended
+                    yield last
+                    after = last["sequence_number"]
+                if job is not None and job["status"] == "failed" and (last is None or last["type"] not in END_EVENTS):
+                    # failed by a sweep or a stop, not by its stream: the event says so (not stored)
+                    yield {"type": "response.failed", "sequence_number": after + 1, "response": job["response"]}
+                return  # a cancelled one ends with its last event: OpenAI's stream has no cancel event
             if changed is None:  # running on another replica (or not started yet): poll the store
                 await asyncio.sleep(POLL_S)
             else:

@@ -199,6 +199,8 @@ class ResponsesAPI:
         if stream.strip().lower() not in ("false", "0", ""):  # the SDK may send False, 0
             after = background.starting_after(query)
             if await self.background.get(ex.tenant, response_id) is None:
+                if await self.responses.get_response(ex.tenant, response_id) is None:
+                    raise not_found(response_id)
                 raise invalid(
                     "Only a background response (background=true) can be streamed again (stream=true).", "stream"
                 )
