@@ -48,7 +48,10 @@ def test_a_hosted_tool_keeps_its_schema_keys_and_an_unpublished_type_is_echoed_a
 )
 def test_a_hosted_tool_without_a_required_key_is_a_400_naming_it(tool, param):
     err = refused(tools=[tool])
-    assert err.param == param and "Missing required parameter" in err.message
+    assert (err.param, err.code) == (
+        param,
+        "missing_required_parameter",
+    ) and "Missing required parameter" in err.message
 
 
 @pytest.mark.parametrize("limit", [0, 1, 12, 15])

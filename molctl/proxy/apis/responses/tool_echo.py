@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from molctl.proxy.errors import invalid
+from molctl.proxy.errors import ProxyError
 
 # tool type -> (the keys its schema declares, the keys it requires besides `type`); openai-openapi
 # commit f85dbe223d40e1a31cba812ab2d755c7e98a92a3, components.schemas.Tool's alternatives
@@ -97,7 +97,13 @@ def _hosted(tool: dict[str, Any], where: str) -> dict[str, Any]:
     keys, required = known
     for key in required:
         if tool.get(key) is None:
-            raise invalid(f"Missing required parameter: '{where}.{key}'.", f"{where}.{key}")
+            raise ProxyError(
+                400,
+                f"Missing required parameter: '{where}.{key}'.",
+                "invalid_request_error",
+                "missing_required_parameter",  # OpenAI's code for it
+                f"{where}.{key}",
+            )
     return {"type": tool["type"], **{k: tool[k] for k in keys if tool.get(k) is not None}}
 
 
