@@ -119,3 +119,24 @@ def test_sqlite_makes_its_tables_with_the_first_job_only(tmp_path):
         assert {"background_jobs", "background_events"} <= tables()
     finally:
         store.close()
+
+
+def test_the_jobs_live_in_the_store_behind_its_wrappers(tmp_path):
+    """A view of the response store (an object holding it as `inner`, as the Conversations API's
+    ResponsesOnly does) around LocalResponses: the jobs still go to the SQLite file, not to memory."""
+    from molctl.proxy.store.memory import MemoryResponseStore
+    from molctl.proxy.store.sqlite.background import SqliteBackground
+
+    class View:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    store = SqliteResponseStore(tmp_path / "store.sqlite3")
+    try:
+        assert isinstance(background_store_for(View(View(LocalResponses(store)))), SqliteBackground)
+        assert isinstance(background_store_for(LocalResponses(MemoryResponseStore())), MemoryBackground)
+    finally:
+        store.close()
