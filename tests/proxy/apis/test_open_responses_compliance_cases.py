@@ -8,6 +8,12 @@ pydantic models of openresponses-types), each stream event as its streaming-even
 suite's SSE parser checks), the final response of a stream taken from its terminal event, then
 the case's own checks (output present, status completed, function_call items and events).
 
+The cases of both of that file's versions are here (the newer adds `function-call-roundtrip` and
+`previous-response-id`, two requests each); left out: `file-input` (a PDF as `input_file`: not a
+text-only model's case; the proxy refuses file parts, a 400 naming them) and the optional
+`file-search` / `offline-web-search`, which the suite itself skips unless configured with a vector
+store or web search (hosted tools never run here).
+
 One change, for the scripted engine: the tool-calling cases' user text ends with `[tool]`, the fake
 engine's directive to answer with a call of the request's tool (a real model decides on its own).
 The image case runs on the scripted engine, which takes the image part as vLLM's API does; tiny's
@@ -146,3 +152,38 @@ def test_open_responses_compliance_case(stack, case):
         assert "response.function_call_arguments.delta" in kinds
         assert "response.function_call_arguments.done" in kinds
         assert any(e["item"]["type"] == "function_call" for e in done)
+
+
+def two_turns(stack, first: dict, second) -> tuple[dict, dict]:
+    """Two requests, the second built from the first's response (`second(response)`), each parsed as the suite does."""
+    one, _ = run_case(stack, first, False)
+    open_types.ResponseResource.model_validate(one)
+    two, _ = run_case(stack, second(one), False)
+    return one, two
+
+
+def test_open_responses_previous_response_id_case(stack):
+    first = {"input": "Remember this code word: papaya. Reply with only OK."}
+    one, two = two_turns(
+        stack, first, lambda r: {"previous_response_id": r["id"], "input": "What code word did I ask you to remember?"}
+    )
+    response = open_types.ResponseResource.model_validate(two)
+    assert response.output and response.status == "completed" and two["previous_response_id"] == one["id"]
+
+
+def test_open_responses_function_call_roundtrip_case(stack):
+    first = {
+        "input": "Use the weather tool to get the temperature in San Francisco. [tool]",
+        "tools": [WEATHER],
+        "tool_choice": {"type": "function", "name": "get_weather"},
+    }
+
+    def answer(response: dict) -> dict:
+        call = next((i for i in response["output"] if i["type"] == "function_call"), None)
+        assert call is not None and call.get("call_id"), "First response did not include a function_call with call_id"
+        output = {"type": "function_call_output", "call_id": call["call_id"], "output": "64 degrees and clear"}
+        return {"previous_response_id": response["id"], "input": [output]}
+
+    _, two = two_turns(stack, first, answer)
+    response = open_types.ResponseResource.model_validate(two)
+    assert response.output and response.status == "completed", two
