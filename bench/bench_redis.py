@@ -182,7 +182,7 @@ def store_bench(redis_url: str) -> list[dict]:
 
 async def chained_response(session, url: str, i: int, previous: str | None) -> tuple[str, float]:
     """Request `i` of a /v1/responses chain (a new chain every 10th): its id and its time (ms)."""
-    body = {"model": PUBLIC, "input": f"[route:L2] turn {i}", "max_output_tokens": 8}
+    body = {"model": PUBLIC, "input": f"[route:L2] turn {i}", "max_output_tokens": 16}
     if previous and i % 10:
         body["previous_response_id"] = previous
     t0 = time.perf_counter()

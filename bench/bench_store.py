@@ -278,7 +278,7 @@ def proxy_bench(requests: int = 400) -> list[dict] | None:
         times: dict[str, list[float]] = {spec: [] for spec in specs}
         for i in range(requests + 20):
             for spec in specs if i % 2 else specs[::-1]:
-                body = {"model": "Macaron-Tiny-Demo", "input": f"turn {i}", "max_output_tokens": 8}
+                body = {"model": "Macaron-Tiny-Demo", "input": f"turn {i}", "max_output_tokens": 16}
                 if prev[spec] and i % 10:  # chains of 10 turns
                     body["previous_response_id"] = prev[spec]
                 t0 = time.perf_counter()

@@ -284,6 +284,13 @@ class ProxySpec:
         doc="answer hops at the engine at once (null: the engine's own limit); see Admission control",
         positive=True,
     )
+    # /v1/responses `background: true`: each holds an answer slot while it runs, as a foreground request does
+    background_max_per_tenant: int = setting(
+        int,
+        16,
+        doc="one API key's `background: true` responses queued or in progress at once; more: 429 `rate_limit_exceeded`",
+        positive=True,
+    )
     max_queue: int = setting(int, 256, doc="requests waiting for a slot, all keys together; more: 429", positive=True)
     queue_timeout_s: float = setting((int, float), 30.0, doc="a request waiting longer for a slot: 429", positive=True)
     route_inflight: int = setting(int, 4, doc="route hops in flight (their own budget)", positive=True)

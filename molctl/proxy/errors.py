@@ -38,6 +38,20 @@ def invalid(message: str, param: str | None = None) -> ProxyError:
     return ProxyError(400, message, "invalid_request_error", "invalid_request_error", param)
 
 
+def websocket_mode() -> ProxyError:
+    """A WebSocket upgrade to /v1/responses: OpenAI's WebSocket mode (`response.create` events over
+    one socket) is not served; the same requests go over HTTP."""
+    return ProxyError(
+        400,
+        "WebSocket mode of the Responses API (response.create events over a WebSocket to /v1/responses) "
+        "is not supported here; send each turn as POST /v1/responses with stream=true (Server-Sent Events) "
+        "and previous_response_id.",
+        "invalid_request_error",
+        "websocket_mode_not_supported",
+        None,
+    )
+
+
 def draining(rid: str | None = None) -> ProxyError:
     """503 `draining`: a new request during a drain, or (`rid`) one still running at its deadline."""
     message = (

@@ -48,7 +48,7 @@ from tests.procs import ROOT, alive, fake_engine_argv, proxy_argv, running
 PUBLIC = "Macaron-Tiny-Demo"
 GLM5 = Template("glm5-like", {"default": (ROOT / "molctl" / "templates" / "glm5-like.jinja").read_text()}, {})
 KEY = "sk-e2e-key"
-ANSWER_TOKENS = 12
+ANSWER_TOKENS = 16  # OpenAI's floor for max_output_tokens (the Responses case uses it)
 REQUEST_RE = re.compile(
     r"Received request (\S+): params: SamplingParams\(.*?max_tokens=(\d+),.*?structured_outputs=(\w+).*?"
     r"lora_request: LoRARequest\(lora_name='(L\d)'"

@@ -50,6 +50,7 @@ from molctl.proxy.errors import (
     shown,
     store_cause,
     store_failure,
+    websocket_mode,
 )
 from molctl.proxy.http.body import ClientGone, read_body
 from molctl.proxy.http.requestlog import request_line
@@ -190,6 +191,7 @@ class ProxyApp:
             await self.metrics_listener.start()
         if self.shared_state is not None:
             self.shared_state.start_heartbeat(self._engine_healthy)
+        self.responses_api.background.start()  # background responses' leases and sweep
 
     async def _engine_healthy(self) -> bool:
         return (await self.ready())[0]
@@ -197,6 +199,7 @@ class ProxyApp:
     async def shutdown(self) -> None:
         for task in list(self.orch.background):
             task.cancel()
+        await self.responses_api.background.close()  # its running jobs failed, naming why, while the store is open
         if self.metrics_listener is not None:
             await self.metrics_listener.close()
         await self.client.close()
@@ -212,11 +215,13 @@ class ProxyApp:
     async def wait_background(self, timeout: float) -> bool:
         """Wait for the background summary hops (a drain: a turn answered just before SIGTERM keeps
         its summary, written to the state store before exit); False when some outlast `timeout`
-        (they are cancelled at shutdown: their turns stay without a summary, as after a failed one)."""
-        tasks = list(self.orch.background)
+        (they are cancelled at shutdown: their turns stay without a summary, as after a failed one).
+        Background responses running here are waited for too (those still running at shutdown fail,
+        naming why: apis.responses.background)."""
+        tasks = list(self.orch.background) + list(self.responses_api.background.tasks.values())
         if not tasks:
             return True
-        log.info("drain: waiting for %d summary hop(s)", len(tasks))
+        log.info("drain: waiting for %d summary hop(s) and background response(s)", len(tasks))
         _, pending = await asyncio.wait(tasks, timeout=max(0.0, timeout))
         return not pending
 
@@ -317,9 +322,9 @@ class ProxyApp:
         return internal_error(rid)
 
     async def _websocket(self, scope: dict, send: Send) -> None:
-        """A WebSocket upgrade: there is no WebSocket endpoint, so it is answered over HTTP as a
-        request to an unknown endpoint (401 without a key, else 404 `not_found`, JSON; counted and
-        logged), with the ASGI denial response; a server without the denial extension gets a close
+        """A WebSocket upgrade: there is no WebSocket endpoint, so it is answered over HTTP (401
+        without a key; to /v1/responses a 400 naming OpenAI's WebSocket mode; else 404 `not_found`;
+        JSON, counted and logged), with the ASGI denial response; a server without the denial extension gets a close
         before the handshake (its 403). docs/design/proxy.md, "WebSocket upgrades"."""
         denial = "websocket.http.response" in (scope.get("extensions") or {})
 
@@ -398,6 +403,8 @@ class ProxyApp:
             await self.responses_api.compact(ex)
         elif path.startswith("/v1/conversations") and await self.conversations_api.dispatch(ex, path, method):
             pass
+        elif path == "/v1/responses" and method == "WEBSOCKET":
+            raise websocket_mode()
         elif not (path.startswith("/v1/responses/") and await self._dispatch_response(ex, path, method)):
             raise ProxyError(
                 404,

@@ -223,10 +223,11 @@ def test_include_encrypted_reasoning_is_accepted_as_codex_sends_it(s):
 
 def test_background_at_its_default_is_accepted_and_long_ids_are_cut(s):
     """`background: false` (the default, sent by clients that send every field) was a 400 as an
-    unknown parameter; true stays a 400. A 10-100 KB id was quoted whole in the 404."""
+    unknown parameter; a non-boolean is a 400 (true runs it in the background:
+    test_responses_background_mode.py). A 10-100 KB id was quoted whole in the 404."""
     assert create(s, input="[route:L2] hi", extra_body={"background": False}).status == "completed"
     with pytest.raises(openai.BadRequestError) as err:
-        create(s, input="[route:L2] hi", extra_body={"background": True})
+        create(s, input="[route:L2] hi", extra_body={"background": 1})
     assert err.value.body["param"] == "background"
     for call in (
         lambda: s.client.responses.retrieve("resp_" + "9" * 10_000),
@@ -478,7 +479,7 @@ def test_parameters_mapped_and_rejected(s):
     )
     assert payload["logprobs"] is True and payload["user"] == "u1"
     for extra, param in (
-        ({"background": True}, "background"),
+        ({"background": "yes"}, "background"),
         ({"conversation": ["c1"]}, "conversation"),  # served (apis.conversations): a malformed one
         ({"prompt": {"id": "pmpt_1"}}, "prompt"),
         ({"include": [7]}, "include[0]"),

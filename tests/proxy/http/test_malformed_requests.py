@@ -171,13 +171,21 @@ def ws_upgrade(proxy_url: str, path: str, key: str | None) -> tuple[int, dict[st
     return int(lines[0].split()[1]), headers, body
 
 
-@pytest.mark.parametrize("key, status, code", [(KEY, 404, "not_found"), (None, 401, "invalid_api_key")])
-def test_a_websocket_upgrade_is_a_json_error_not_a_plain_500(s, key, status, code):
+@pytest.mark.parametrize(
+    "path, key, status, code",
+    [
+        ("/v1/chat/completions", KEY, 404, "not_found"),
+        ("/v1/chat/completions", None, 401, "invalid_api_key"),
+        ("/v1/responses", KEY, 400, "websocket_mode_not_supported"),  # OpenAI's WebSocket mode, named
+        ("/v1/responses", None, 401, "invalid_api_key"),
+    ],
+)
+def test_a_websocket_upgrade_is_a_json_error_not_a_plain_500(s, path, key, status, code):
     """Found with raw HTTP requests: a WebSocket upgrade (to any path, without any key) made the app
     return without answering its `websocket` scope, and uvicorn answered a plain-text 500 and
     logged "ASGI callable returned without sending handshake." at ERROR for each one. It is
     answered as a request to an unknown endpoint: the OpenAI error shape, 401 or 404."""
-    got, headers, body = ws_upgrade(s.proxy_url, "/v1/chat/completions", key)
+    got, headers, body = ws_upgrade(s.proxy_url, path, key)
     assert got == status, body
     assert headers["content-type"].startswith("application/json") and headers.get("x-request-id")
     err = json.loads(body)["error"]
@@ -220,11 +228,13 @@ def test_a_websocket_upgrade_is_counted_and_logged_like_a_request(caplog):
         sent = asyncio.run(run({"websocket.http.response": {}}))
         closed = asyncio.run(run({}))
     assert [m["type"] for m in sent] == ["websocket.http.response.start", "websocket.http.response.body"]
-    assert sent[0]["status"] == 404 and json.loads(sent[1]["body"])["error"]["code"] == "not_found"
+    code = "websocket_mode_not_supported"  # OpenAI's WebSocket mode on /v1/responses, named (issue 42)
+    assert sent[0]["status"] == 400 and json.loads(sent[1]["body"])["error"]["code"] == code
+    assert "WebSocket mode" in json.loads(sent[1]["body"])["error"]["message"]
     assert closed == [{"type": "websocket.close", "code": 1008}]
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "molctl.proxy.requests"]
-    assert [(line["api"], line["status"], line["error"]) for line in lines] == [("responses", 404, "not_found")] * 2
+    assert [(line["api"], line["status"], line["error"]) for line in lines] == [("responses", 400, code)] * 2
 
 
 @pytest.mark.parametrize("raw", [b"{}" + b" " * (BIG_BODY + 10_000) + b"garbage", b"{ }" + b"x" * (BIG_BODY + 10_000)])

@@ -23,7 +23,11 @@ def shape_usage(usage: dict[str, Any] | None) -> dict[str, Any] | None:
         return None
     return {
         "input_tokens": usage.get("prompt_tokens", 0),
-        "input_tokens_details": {"cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)},
+        # cache_write_tokens: required by OpenAI's ResponseUsage; vLLM and SGLang report no cache writes
+        "input_tokens_details": {
+            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+            "cache_write_tokens": 0,
+        },
         "output_tokens": usage.get("completion_tokens", 0),
         "output_tokens_details": {
             "reasoning_tokens": (usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
@@ -148,6 +152,9 @@ def response_object(
     b = req.body
     fmt = (b.get("text") or {}).get("format") or {"type": "text"}
     reasoning = b.get("reasoning") or {}
+    # `user` and `usage` null while unset: OpenAI's own examples (ResponseCreatedEvent) and Open
+    # Responses' ResponseResource (both required, nullable) have them so; openai-openapi's schema
+    # types them non-null, the one place the two specs disagree
     return {
         "id": response_id,
         "object": "response",
@@ -155,7 +162,7 @@ def response_object(
         # when the answer completed (OpenAI sets it on `completed` only); a stored record keeps it
         "completed_at": int(time.time()) if status == "completed" else None,
         "status": status,
-        "background": False,
+        "background": bool(b.get("background")),
         "error": error,
         "incomplete_details": incomplete,
         "instructions": b.get("instructions"),
@@ -171,7 +178,7 @@ def response_object(
         "temperature": _or(b.get("temperature"), 1.0),
         "text": {"format": fmt, "verbosity": _or((b.get("text") or {}).get("verbosity"), "medium")},
         "tool_choice": _or(b.get("tool_choice"), "auto"),
-        "tools": b.get("tools") or [],
+        "tools": req.tools,
         "top_logprobs": _or(b.get("top_logprobs"), 0),
         "top_p": _or(b.get("top_p"), 1.0),
         "presence_penalty": _or(b.get("presence_penalty"), 0.0),
@@ -266,6 +273,13 @@ def list_input_items(record: dict[str, Any], limit: int, order: str, after: str 
 # ------------------------------------------------------------------------ stream
 
 
+def error_event(tr: StreamTranslator, exc: ProxyError, param: str | None) -> dict[str, Any]:
+    """The stream's `error` event: OpenAI's fields flat (ResponseErrorEvent) and Open Responses'
+    `error` object (ErrorStreamingEvent), so a client of either spec reads it."""
+    error = {"type": exc.type, "code": exc.code, "message": exc.message, "param": param}
+    return tr.ev("error", code=exc.code, message=exc.message, param=param, error=error)
+
+
 def sse(event: dict[str, Any]) -> bytes:
     return f"event: {event['type']}\ndata: ".encode() + json.dumps(event, ensure_ascii=False).encode() + b"\n\n"
 
@@ -351,6 +365,7 @@ class StreamTranslator:
                 self.ev(
                     "response.function_call_arguments.done",
                     item_id=item["id"],
+                    name=item["name"],
                     output_index=idx,
                     arguments=item["arguments"],
                 )

@@ -18,7 +18,7 @@ from molctl.profiles import Profile
 from molctl.proxy.apis.chat_validation import parse_body
 from molctl.proxy.apis.conversations import turns
 from molctl.proxy.apis.conversations.records import ConversationRecords
-from molctl.proxy.apis.responses import compact, events
+from molctl.proxy.apis.responses import background, compact, events
 from molctl.proxy.apis.responses.convert import new_id
 from molctl.proxy.apis.responses.protocol import (
     NeedsReferences,
@@ -33,6 +33,7 @@ from molctl.proxy.errors import ProxyError, invalid
 from molctl.proxy.http.body import BIG_BODY, BIG_ITEMS, many_items, parse_on_loop
 from molctl.proxy.pipeline.plan import Plan
 from molctl.proxy.pipeline.run import Orchestrator
+from molctl.proxy.store.background_backends import background_store_for
 from molctl.proxy.store.base import ResponseStore, StoreScope
 
 
@@ -48,6 +49,9 @@ class ResponsesAPI:
         self.profile = profile
         self.responses = store
         self.conversations = conversations or ConversationRecords(store)  # `conversation` (apis.conversations)
+        self.background = background.Background(
+            background_store_for(store), profile.proxy.background_max_per_tenant
+        )  # background: true (started and stopped with the app)
 
     # ------------------------------------------------------------------ create
     async def create(self, ex: Any) -> None:
@@ -60,6 +64,9 @@ class ResponsesAPI:
     async def _create(self, ex: Any) -> None:
         tenant = ex.tenant
         req, big = await self._request(await ex.body(), tenant)
+        if req.body.get("background"):
+            await background.create(self, ex, req, big)
+            return
         store_scope = self.orch.store.open_scope()  # the chain's state read with it, used by load
         await self._previous(req, tenant, store_scope)
         big = big or len(req.history) > BIG_ITEMS  # a long stored chain: prepared off the loop too
@@ -74,7 +81,7 @@ class ResponsesAPI:
         plan.conversation_id = plan.conversation_id or translator.id
 
         def error_event(exc: ProxyError) -> bytes:
-            return events.sse(translator.ev("error", code=exc.code, message=exc.message, param=public_param(exc.param)))
+            return events.sse(events.error_event(translator, exc, public_param(exc.param)))
 
         await ex.run(plan, self._stream(plan, req, translator, ex, error_event))
 
@@ -208,28 +215,47 @@ class ResponsesAPI:
 
     # ------------------------------------------------------------------ stored responses
     async def get(self, ex: Any, response_id: str) -> None:
-        stream = ex.query().get("stream", ["false"])[-1]
+        """A stored response, or a background one's job (its events with `stream=true`: background.follow)."""
+        query = ex.query()
+        stream = query.get("stream", ["false"])[-1]
         if stream.strip().lower() not in ("false", "0", ""):  # the SDK may send False, 0
-            raise invalid("Streaming a stored response (stream=true) is not supported.", "stream")
+            after = background.starting_after(query)
+            if await self.background.get(ex.tenant, response_id) is None:
+                if await self.responses.get_response(ex.tenant, response_id) is None:
+                    raise not_found(response_id)
+                raise invalid(
+                    "Only a background response (background=true) can be streamed again (stream=true).", "stream"
+                )
+            follow = self.background.follow(ex.tenant, response_id, after)
+            await background.write_followed(ex.send, ex.state.request_id, follow, events.sse)
+            return
         record = await self.responses.get_response(ex.tenant, response_id)
         if record is None:
-            raise not_found(response_id)
+            job = await self.background.get(ex.tenant, response_id)
+            if job is None:
+                raise not_found(response_id)
+            await ex.json(200, job)
+            return
         await ex.json(200, record["response"])
 
     async def delete(self, ex: Any, response_id: str) -> None:
-        if not await self.responses.delete_response(ex.tenant, response_id):
+        deleted = await self.responses.delete_response(ex.tenant, response_id)
+        if await self.background.get(ex.tenant, response_id) is not None:
+            await self.background.cancel_quietly(ex.tenant, response_id)
+            deleted = await self.background.jobs.delete(ex.tenant, response_id) or deleted
+        if not deleted:
             raise not_found(response_id)
         await ex.json(200, {"id": response_id, "object": "response.deleted", "deleted": True})
 
     async def cancel(self, ex: Any, response_id: str) -> None:
-        """OpenAI cancels only background responses (400 for the others); this proxy runs none."""
+        """A background response's cancel (background.Background.cancel); any other is a 400, as OpenAI's."""
+        cancelled = await self.background.cancel(ex.tenant, response_id)
+        if cancelled is not None:
+            await ex.json(200, cancelled)
+            return
         if await self.responses.get_response(ex.tenant, response_id) is None:
             raise not_found(response_id)
-        raise invalid(
-            "Only responses created with background=true can be cancelled; this proxy runs no "
-            "background responses (each is complete when its request returns).",
-            "response_id",
-        )
+        raise invalid("Only responses created with background=true can be cancelled.", "response_id")
 
     async def input_items(self, ex: Any, response_id: str) -> None:
         query = {k: v[-1] for k, v in ex.query().items()}

@@ -28,6 +28,7 @@ from molctl.proxy.apis.responses.convert import (
     duplicate_item,
     item_type,
 )
+from molctl.proxy.apis.responses.tool_echo import echo_tools
 from molctl.proxy.errors import ProxyError, invalid, shown
 
 ECHOED = (
@@ -79,6 +80,7 @@ KNOWN = frozenset(
     }
 )
 REASONING_UNUSED = ("generate_summary", "context", "mode")  # OpenAI's Reasoning fields this proxy does not use
+MIN_OUTPUT_TOKENS = 16  # OpenAI refuses a smaller max_output_tokens
 INCLUDE_LOGPROBS, INCLUDE_REASONING = "message.output_text.logprobs", "reasoning.encrypted_content"
 
 
@@ -181,6 +183,7 @@ class ResponsesRequest:
     prev: dict[str, Any] | None = None
     history: list[dict[str, Any]] = field(default_factory=list)  # the chain's chat messages
     conversation_id: str | None = None  # `conversation` (apis.conversations): its items are the history
+    tools: list[dict[str, Any]] = field(default_factory=list)  # the Response's `tools` (tool_echo)
 
     def chat_body(self) -> dict[str, Any]:
         """The chat request (after the stored chain, if any, was loaded into `prev` / `history`)."""
@@ -259,6 +262,7 @@ def parse_request(
         tools, namespaced = _convert_tools(body["tools"], fields)
         if tools:
             chat["tools"] = tools
+    echoed = echo_tools(body.get("tools"))
     if body.get("tool_choice") is not None:
         _convert_tool_choice(body["tool_choice"], chat, fields)
     if body.get("text") is not None:
@@ -283,6 +287,7 @@ def parse_request(
         encrypted_reasoning=INCLUDE_REASONING in (include or ()),
         namespaced=namespaced,
         conversation_id=conversation_param(body),
+        tools=echoed,
     )
 
 
@@ -294,10 +299,11 @@ def _check_top(body: Any, public_model: str, fields: FieldPolicy, refs: dict[str
             raise NeedsReferences(body, ids)
     if not isinstance(body, dict):
         raise invalid("The request body must be a JSON object.")
-    if body.get("background") not in (None, False):  # the default: clients that send it
-        raise invalid(
-            "'background' is not supported: there is no background mode; send background=false.", "background"
-        )
+    background = body.get("background")
+    if background is not None and not isinstance(background, bool):
+        raise invalid("'background' must be a boolean.", "background")
+    if background and body.get("store") is False:  # as OpenAI: a background response is polled from the store
+        raise invalid("Background mode requires store=true: a background response is retrieved by its id.", "store")
     for key, why in UNSERVED.items():
         if body.get(key) is not None:
             raise invalid(f"'{key}' is not supported: {why}.", key)
@@ -325,8 +331,17 @@ def _sampling(body: dict[str, Any], chat: dict[str, Any]) -> None:
             chat[key] = v
     limit = body.get("max_output_tokens")
     if limit is not None:
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise invalid("'max_output_tokens' must be a positive integer.", "max_output_tokens")
+        if isinstance(limit, bool) or not isinstance(limit, int):
+            raise invalid("'max_output_tokens' must be an integer.", "max_output_tokens")
+        if limit < MIN_OUTPUT_TOKENS:  # OpenAI's floor: integer_below_min_value
+            raise ProxyError(
+                400,
+                f"Invalid 'max_output_tokens': integer below minimum value. Expected a value >= "
+                f"{MIN_OUTPUT_TOKENS}, but got {limit} instead.",
+                "invalid_request_error",
+                "integer_below_min_value",
+                "max_output_tokens",
+            )
         chat["max_tokens"] = limit
     if body.get("parallel_tool_calls") is not None:
         if not isinstance(body["parallel_tool_calls"], bool):
