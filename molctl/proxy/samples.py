@@ -287,6 +287,7 @@ async def collect_async(profile: Profile, stream: bool = False) -> list[HopReque
             }
             if stream:
                 body["stream"] = True
+            orch.check(body)
             plan = orch.prepare(body, tenant)
             await orch.route(plan)
             if stream:

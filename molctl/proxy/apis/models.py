@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-from typing import Any
 
+from molctl.proxy.apis.exchange import Exchange
 from molctl.proxy.errors import ProxyError, shown
 
 
@@ -14,10 +14,10 @@ class ModelsAPI:
         self.model = {"id": served_model_name, "object": "model", "created": 0, "owned_by": "molctl"}
         self.list_body = json.dumps({"object": "list", "data": [self.model]}).encode()
 
-    async def list(self, ex: Any) -> None:
+    async def list(self, ex: Exchange) -> None:
         await ex.json(200, None, raw=self.list_body)
 
-    async def get(self, ex: Any, model_id: str) -> None:
+    async def get(self, ex: Exchange, model_id: str) -> None:
         if model_id != self.name:
             raise ProxyError(
                 404,

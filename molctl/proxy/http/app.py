@@ -29,13 +29,14 @@ import os
 import re
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import parse_qs
 
 from molctl.engines.base import READYZ_ENGINE_PROBE_MIN_S, Engine, adapter_problems
 from molctl.profiles import Profile
 from molctl.proxy import fastjson, tracing
 from molctl.proxy.apis.chat import ChatAPI
+from molctl.proxy.apis.chat_validation import parse_body
 from molctl.proxy.apis.conversations.handlers import ConversationsAPI
 from molctl.proxy.apis.conversations.records import ConversationRecords, ResponsesOnly
 from molctl.proxy.apis.models import ModelsAPI
@@ -52,7 +53,7 @@ from molctl.proxy.errors import (
     store_failure,
     websocket_mode,
 )
-from molctl.proxy.http.body import ClientGone, read_body
+from molctl.proxy.http.body import BIG_BODY, ClientGone, many_items, parse_on_loop, read_body
 from molctl.proxy.http.requestlog import request_line
 from molctl.proxy.http.sse import SSEWriter, internal_error, timing_headers
 from molctl.proxy.metrics import MetricsListener, ProxyMetrics, store_gauges
@@ -81,8 +82,12 @@ async def write_json(send: Send, status: int, body: Any, headers: dict[str, str]
     await send({"type": "http.response.body", "body": raw})
 
 
+T = TypeVar("T")
+
+
 class Exchange:
-    """One request as an API handler sees it: its body, query, state, and the ways to answer."""
+    """One request as an API handler sees it (`apis.exchange.Exchange`): its body, query, state,
+    and the ways to answer."""
 
     def __init__(self, app: ProxyApp, scope: dict, receive: Receive, send: Send, state: RequestState):
         self.app, self.scope, self.receive, self.send, self.state = app, scope, receive, send, state
@@ -96,6 +101,16 @@ class Exchange:
         return await read_body(
             self.scope["headers"], self.receive, proxy.stream_write_timeout_s, proxy.request_body_timeout_s
         )
+
+    async def json_body(self, items_key: str, build: Callable[[Any], T]) -> tuple[T, bool]:
+        """See `apis.exchange.Exchange.json_body`: the one body policy of every API."""
+        raw = await self.body()
+        if len(raw) > BIG_BODY:  # parsed in steps, and built, in a worker thread
+            return await asyncio.to_thread(lambda: build(parse_body(raw, in_steps=True))), True
+        body = await parse_on_loop(raw)
+        if many_items(body, items_key):
+            return await asyncio.to_thread(build, body), True
+        return build(body), False
 
     def query(self) -> dict[str, list[str]]:
         return parse_qs(self.scope.get("query_string", b"").decode("latin-1"))

@@ -1,7 +1,7 @@
 """The pipeline's entry points, shared by chat and the Responses API: one request's hops in order.
 
-`Orchestrator.prepare(body, tenant)` validates a chat body and finds the conversation's earlier
-turns (a Plan); `load(plan)` reads a shared store and chooses the engine; `answer(plan)` and
+`Orchestrator.check(body)` validates a chat body (the chat API's edge); `prepare(body, tenant)`
+finds the conversation's earlier turns (a Plan); `load(plan)` reads a shared store and chooses the engine; `answer(plan)` and
 `chunks(plan)` route (`routing`) and run the answer hop, whole or streamed, recording the turn;
 `start_summary(plan)` starts the background summary (`summary`) once the client has the answer,
 `abandon(plan)` when it has not; `release_answer_slot(plan)` frees the answer slot (`admission`).
@@ -149,10 +149,15 @@ class Orchestrator:
         )
 
     # ---------------------------------------------------------------- validation
-    def prepare(self, body: Any, tenant: str) -> Plan:
-        """Validate (see `apis.chat_validation`) and find the conversation's earlier turns. Linear in the
-        number of messages; thread-safe with the store, so an API may run it off the loop."""
+    def check(self, body: Any) -> None:
+        """A chat body against everything that does not need the store (`apis.chat_validation`):
+        the chat API's edge. A Responses body is checked at its own edge and translated into a
+        valid chat body, so it is not checked again."""
         check_request(body, self.public, self.profile.proxy.media_url_hosts, self.fields)
+
+    def prepare(self, body: dict[str, Any], tenant: str) -> Plan:
+        """The plan of a checked chat body: the conversation's earlier turns found. Linear in the
+        number of messages; thread-safe with the store, so an API may run it off the loop."""
         messages = body["messages"]
         keys = ConversationKeys(tenant, messages)
         history = split_history(messages, keys.at, self.store.get_turn, self.store.get_turns)

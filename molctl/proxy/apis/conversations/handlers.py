@@ -9,6 +9,7 @@ from typing import Any
 from molctl.profiles import Profile
 from molctl.proxy.apis.conversations.items import item_not_found, list_page, parse_items
 from molctl.proxy.apis.conversations.records import ConversationRecords, conversation_not_found
+from molctl.proxy.apis.exchange import Exchange
 from molctl.proxy.apis.request_fields import PERMISSIVE, FieldPolicy
 from molctl.proxy.errors import invalid
 from molctl.proxy.http.body import parse_on_loop
@@ -53,7 +54,7 @@ class ConversationsAPI:
         self.media_hosts = profile.proxy.media_url_hosts
         self.fields = fields
 
-    async def dispatch(self, ex: Any, path: str, method: str) -> bool:
+    async def dispatch(self, ex: Exchange, path: str, method: str) -> bool:
         """Routes /v1/conversations[/{id}[/items[/{item_id}]]]; False: no such endpoint."""
         if path == PATH:
             if method != "POST":
@@ -83,7 +84,7 @@ class ConversationsAPI:
         return True
 
     # ------------------------------------------------------------------ helpers
-    async def _body(self, ex: Any, allowed: tuple[str, ...], empty_ok: bool) -> dict[str, Any]:
+    async def _body(self, ex: Exchange, allowed: tuple[str, ...], empty_ok: bool) -> dict[str, Any]:
         raw = await ex.body()
         if not raw.strip() and empty_ok:
             return {}
@@ -96,7 +97,7 @@ class ConversationsAPI:
         return body
 
     @staticmethod
-    def _query(ex: Any, allowed: tuple[str, ...]) -> dict[str, str]:
+    def _query(ex: Exchange, allowed: tuple[str, ...]) -> dict[str, str]:
         """The query's parameters (the last value of each); `include` values must be OpenAI's
         IncludeEnum (accepted: conversation items are text, nothing more is there to include)."""
         raw = ex.query()
@@ -109,14 +110,14 @@ class ConversationsAPI:
                     raise invalid(f"'include' values must be among {', '.join(INCLUDE_VALUES)}.", "include")
         return {k: v[-1] for k, v in raw.items()}
 
-    async def _record(self, ex: Any, conversation_id: str) -> dict[str, Any]:
+    async def _record(self, ex: Exchange, conversation_id: str) -> dict[str, Any]:
         record = await self.records.get(ex.tenant, conversation_id)
         if record is None:
             raise conversation_not_found(conversation_id)
         return record
 
     # ------------------------------------------------------------------ conversations
-    async def create(self, ex: Any) -> None:
+    async def create(self, ex: Exchange) -> None:
         body = await self._body(ex, ("metadata", "items"), empty_ok=True)
         metadata = check_metadata(body.get("metadata"))
         items = parse_items(body.get("items"), "items", set(), self.media_hosts, self.fields)
@@ -124,11 +125,11 @@ class ConversationsAPI:
         await self.records.put(record)
         await ex.json(200, record["conversation"])
 
-    async def get(self, ex: Any, conversation_id: str) -> None:
+    async def get(self, ex: Exchange, conversation_id: str) -> None:
         self._query(ex, ())
         await ex.json(200, (await self._record(ex, conversation_id))["conversation"])
 
-    async def update(self, ex: Any, conversation_id: str) -> None:
+    async def update(self, ex: Exchange, conversation_id: str) -> None:
         body = await self._body(ex, ("metadata",), empty_ok=False)
         if "metadata" not in body:
             raise invalid("'metadata' is required.", "metadata")
@@ -139,14 +140,14 @@ class ConversationsAPI:
             await self.records.put(record)
         await ex.json(200, record["conversation"])
 
-    async def delete(self, ex: Any, conversation_id: str) -> None:
+    async def delete(self, ex: Exchange, conversation_id: str) -> None:
         async with self.records.lock(ex.tenant, conversation_id):
             if not await self.records.delete(ex.tenant, conversation_id):
                 raise conversation_not_found(conversation_id)
         await ex.json(200, {"id": conversation_id, "object": "conversation.deleted", "deleted": True})
 
     # ------------------------------------------------------------------ items
-    async def list_items(self, ex: Any, conversation_id: str) -> None:
+    async def list_items(self, ex: Exchange, conversation_id: str) -> None:
         query = self._query(ex, QUERY_LIST)
         try:
             limit = int(query.get("limit", "20"))
@@ -160,7 +161,7 @@ class ConversationsAPI:
         record = await self._record(ex, conversation_id)
         await ex.json(200, list_page(record["items"], limit, order, query.get("after")))
 
-    async def add_items(self, ex: Any, conversation_id: str) -> None:
+    async def add_items(self, ex: Exchange, conversation_id: str) -> None:
         self._query(ex, QUERY_INCLUDE)
         body = await self._body(ex, ("items",), empty_ok=False)
         async with self.records.lock(ex.tenant, conversation_id):
@@ -171,7 +172,7 @@ class ConversationsAPI:
             await self.records.put(record)
         await ex.json(200, list_page(added, len(added), "asc", None))
 
-    async def get_item(self, ex: Any, conversation_id: str, item_id: str) -> None:
+    async def get_item(self, ex: Exchange, conversation_id: str, item_id: str) -> None:
         self._query(ex, QUERY_INCLUDE)
         record = await self._record(ex, conversation_id)
         item = next((i for i in record["items"] if i["id"] == item_id), None)
@@ -179,7 +180,7 @@ class ConversationsAPI:
             raise item_not_found(item_id)
         await ex.json(200, item)
 
-    async def delete_item(self, ex: Any, conversation_id: str, item_id: str) -> None:
+    async def delete_item(self, ex: Exchange, conversation_id: str, item_id: str) -> None:
         async with self.records.lock(ex.tenant, conversation_id):
             record = await self._record(ex, conversation_id)
             kept = [i for i in record["items"] if i["id"] != item_id]

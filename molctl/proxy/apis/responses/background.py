@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator, Callable
 from types import SimpleNamespace
 from typing import Any
 
+from molctl.proxy.apis.exchange import Exchange
 from molctl.proxy.apis.responses import events
 from molctl.proxy.apis.responses.convert import new_id
 from molctl.proxy.errors import ProxyError, invalid
@@ -274,7 +275,7 @@ async def write_followed(send: Callable, request_id: str, events: AsyncIterator[
     await send({"type": "http.response.body", "body": b""})
 
 
-async def create(api: Any, ex: Any, req: Any, big: bool) -> None:
+async def create(api: Any, ex: Exchange, req: Any, big: bool) -> None:
     """POST /v1/responses with `background: true` (`api`: the ResponsesAPI): the chain loaded and the
     request planned as a foreground one, the job stored `queued`, the answer started in its task;
     the answer is the `queued` Response (or, with `stream: true`, the job's events as they come)."""

@@ -23,12 +23,13 @@ import time
 from typing import Any
 
 from molctl.proxy.apis.chat_validation import check_model
+from molctl.proxy.apis.exchange import Exchange
 from molctl.proxy.apis.request_fields import PERMISSIVE
 from molctl.proxy.apis.responses.compaction_item import encode_compaction
 from molctl.proxy.apis.responses.convert import _Input, new_id
 from molctl.proxy.apis.responses.protocol import not_found
 from molctl.proxy.errors import invalid
-from molctl.proxy.http.body import BIG_ITEMS, parse_on_loop
+from molctl.proxy.http.body import BIG_ITEMS
 from molctl.proxy.pipeline.views import fold_text
 
 KNOWN = (
@@ -132,9 +133,9 @@ def items_of(msg: dict[str, Any]) -> list[dict[str, Any]]:
     return items
 
 
-async def compact(api: Any, ex: Any) -> None:
+async def compact(api: Any, ex: Exchange) -> None:
     """The endpoint (`api`: the ResponsesAPI: its orchestrator, profile and store)."""
-    body = await parse_on_loop(await ex.body())
+    body, _ = await ex.json_body("input", lambda body: body)
     _check(body, api.profile.served_model_name)
     history: list[dict[str, Any]] = []
     previous = body.get("previous_response_id")

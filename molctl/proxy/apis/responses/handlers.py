@@ -15,9 +15,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from molctl.profiles import Profile
-from molctl.proxy.apis.chat_validation import parse_body
 from molctl.proxy.apis.conversations import turns
 from molctl.proxy.apis.conversations.records import ConversationRecords
+from molctl.proxy.apis.exchange import Exchange
 from molctl.proxy.apis.responses import background, compact, events
 from molctl.proxy.apis.responses.convert import new_id
 from molctl.proxy.apis.responses.protocol import (
@@ -30,7 +30,7 @@ from molctl.proxy.apis.responses.protocol import (
     response_of_item,
 )
 from molctl.proxy.errors import ProxyError, invalid
-from molctl.proxy.http.body import BIG_BODY, BIG_ITEMS, many_items, parse_on_loop
+from molctl.proxy.http.body import BIG_ITEMS, many_items
 from molctl.proxy.pipeline.plan import Plan
 from molctl.proxy.pipeline.run import Orchestrator
 from molctl.proxy.store.background_backends import background_store_for
@@ -54,16 +54,16 @@ class ResponsesAPI:
         )  # background: true (started and stopped with the app)
 
     # ------------------------------------------------------------------ create
-    async def create(self, ex: Any) -> None:
+    async def create(self, ex: Exchange) -> None:
         try:
             await self._create(ex)
         except ProxyError as exc:
             exc.param = public_param(exc.param)
             raise
 
-    async def _create(self, ex: Any) -> None:
+    async def _create(self, ex: Exchange) -> None:
         tenant = ex.tenant
-        req, big = await self._request(await ex.body(), tenant)
+        req, big = await self._request(ex, tenant)
         if req.body.get("background"):
             await background.create(self, ex, req, big)
             return
@@ -86,7 +86,7 @@ class ResponsesAPI:
         await ex.run(plan, self._stream(plan, req, translator, ex, error_event))
 
     async def _stream(
-        self, plan: Plan, req: ResponsesRequest, tr: events.StreamTranslator, ex: Any, error_event
+        self, plan: Plan, req: ResponsesRequest, tr: events.StreamTranslator, ex: Exchange, error_event
     ) -> None:
         chunks = self._events(plan, req, tr, ex)
         done = await ex.stream(
@@ -95,29 +95,16 @@ class ResponsesAPI:
         if done:
             self.orch.start_summary(plan)
 
-    def _parse(self, raw: bytes) -> ResponsesRequest:
-        """A body over BIG_BODY, in a worker thread."""
-        return parse_request(
-            parse_body(raw, in_steps=True),
-            self.profile.served_model_name,
-            self.profile.proxy.media_url_hosts,
-            self.orch.fields,
-        )
+    def _parse(self, body: Any) -> ResponsesRequest:
+        """The request checked at this edge (`protocol.parse_request`)."""
+        return parse_request(body, self.profile.served_model_name, self.profile.proxy.media_url_hosts, self.orch.fields)
 
-    async def _request(self, raw: bytes, tenant: str) -> tuple[ResponsesRequest, bool]:
+    async def _request(self, ex: Exchange, tenant: str) -> tuple[ResponsesRequest, bool]:
         """The parsed request, and whether it is big (prepared in a worker thread)."""
-        big = len(raw) > BIG_BODY
         try:
-            if big:
-                req = await asyncio.to_thread(self._parse, raw)
-            else:
-                body = await parse_on_loop(raw)
-                big = many_items(body, "input")
-                args = (body, self.profile.served_model_name, self.profile.proxy.media_url_hosts, self.orch.fields)
-                req = await asyncio.to_thread(parse_request, *args) if big else parse_request(*args)
+            return await ex.json_body("input", self._parse)
         except NeedsReferences as need:  # item_reference inputs: their items from the store
-            req = await self._with_references(need, tenant)
-        return req, big
+            return await self._with_references(need, tenant), many_items(need.body, "input")
 
     async def _previous(self, req: ResponsesRequest, tenant: str, scope: StoreScope) -> None:
         """The stored chain a request continues; a shared store that is down fails a request that
@@ -164,7 +151,7 @@ class ResponsesAPI:
                 events.make_record(req, tenant, response, plan.answer, plan.route), big=plan.big, scope=plan.scope
             )
 
-    async def _complete(self, plan: Plan, req: ResponsesRequest, ex: Any) -> None:
+    async def _complete(self, plan: Plan, req: ResponsesRequest, ex: Exchange) -> None:
         chat = await self.orch.answer(plan, persist=False)  # a shared store writes the turn and the record together
         response = events.complete_response(req, new_id("resp_"), int(time.time()), chat)
         plan.conversation_id = plan.conversation_id or response["id"]
@@ -174,7 +161,7 @@ class ResponsesAPI:
         self.orch.start_summary(plan)
 
     async def _events(
-        self, plan: Plan, req: ResponsesRequest, tr: events.StreamTranslator, ex: Any
+        self, plan: Plan, req: ResponsesRequest, tr: events.StreamTranslator, ex: Exchange
     ) -> AsyncIterator[dict[str, Any]]:
         """Nothing is yielded before the engine's first token, so an early failure keeps its
         status (see `http.sse`); a failure after that is a `response.failed` event."""
@@ -205,7 +192,7 @@ class ResponsesAPI:
         for event in closing:
             yield event
 
-    async def compact(self, ex: Any) -> None:
+    async def compact(self, ex: Exchange) -> None:
         """POST /v1/responses/compact (apis.responses.compact)."""
         try:
             await compact.compact(self, ex)
@@ -214,7 +201,7 @@ class ResponsesAPI:
             raise
 
     # ------------------------------------------------------------------ stored responses
-    async def get(self, ex: Any, response_id: str) -> None:
+    async def get(self, ex: Exchange, response_id: str) -> None:
         """A stored response, or a background one's job (its events with `stream=true`: background.follow)."""
         query = ex.query()
         stream = query.get("stream", ["false"])[-1]
@@ -238,7 +225,7 @@ class ResponsesAPI:
             return
         await ex.json(200, record["response"])
 
-    async def delete(self, ex: Any, response_id: str) -> None:
+    async def delete(self, ex: Exchange, response_id: str) -> None:
         deleted = await self.responses.delete_response(ex.tenant, response_id)
         if await self.background.get(ex.tenant, response_id) is not None:
             await self.background.cancel_quietly(ex.tenant, response_id)
@@ -247,7 +234,7 @@ class ResponsesAPI:
             raise not_found(response_id)
         await ex.json(200, {"id": response_id, "object": "response.deleted", "deleted": True})
 
-    async def cancel(self, ex: Any, response_id: str) -> None:
+    async def cancel(self, ex: Exchange, response_id: str) -> None:
         """A background response's cancel (background.Background.cancel); any other is a 400, as OpenAI's."""
         cancelled = await self.background.cancel(ex.tenant, response_id)
         if cancelled is not None:
@@ -257,7 +244,7 @@ class ResponsesAPI:
             raise not_found(response_id)
         raise invalid("Only responses created with background=true can be cancelled.", "response_id")
 
-    async def input_items(self, ex: Any, response_id: str) -> None:
+    async def input_items(self, ex: Exchange, response_id: str) -> None:
         query = {k: v[-1] for k, v in ex.query().items()}
         for key in query:
             if key not in ("limit", "order", "after", "include", "include[]"):  # the SDK sends include[]=…
