@@ -139,7 +139,7 @@ def _loads_in_steps(text: str) -> Any:
     return out
 
 
-def _finite_number(v: Any) -> bool:
+def finite_number(v: Any) -> bool:
     """A JSON number that is neither NaN nor an infinity (a bool is no number here)."""
     return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
 
@@ -485,12 +485,12 @@ def check_request(
             raise invalid("'top_logprobs' requires 'logprobs' to be true.", "top_logprobs")
     for key in SAMPLING_NUMBERS:  # the range is the engine's to check (its 400 names the field)
         v = body.get(key)
-        if v is not None and not _finite_number(v):
+        if v is not None and not finite_number(v):
             # NaN/Infinity (accepted by the JSON reader, as Python's): vLLM's pydantic takes them and
             # its range checks (temperature < 0) are false for NaN, so they would reach the sampler
             raise invalid(f"'{key}' must be a finite number.", key)
     bias = body.get("logit_bias")
-    if bias is not None and (not isinstance(bias, dict) or not all(map(_finite_number, bias.values()))):
+    if bias is not None and (not isinstance(bias, dict) or not all(map(finite_number, bias.values()))):
         # as the sampling numbers: vLLM clamps each bias with min(100, max(-100, bias))
         # (sampling_params.py), which makes a NaN -100: the token silently banned
         raise invalid("'logit_bias' must map token ids to finite numbers.", "logit_bias")

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from molctl.engines import get_engine
+from molctl.proxy.http.app import Exchange
 from tests.proxy_stack import KEY, PUBLIC, TINY
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -93,6 +94,20 @@ def test_a_write_timeout_on_the_last_frame_is_a_dropped_client_not_an_internal_e
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert plans[0].record is None  # abandoned: nobody waits for its summary
     assert not app.orch.background  # and no summary hop was started
+
+
+class BodyExchange(Exchange):
+    """The app's Exchange with its body given (json_body's policy, without a request)."""
+
+    def __init__(self, raw: bytes):
+        self.raw = raw
+
+    async def body(self) -> bytes:
+        return self.raw
+
+
+def body_exchange(raw: bytes) -> BodyExchange:
+    return BodyExchange(raw)
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses"])
@@ -205,8 +220,8 @@ def test_only_big_requests_are_prepared_in_a_worker_thread(shape, in_thread):
         return prepare(body, tenant)
 
     app.orch.prepare = recording
-    plan = asyncio.run(app.chat.plan(raw, "t"))
-    assert seen == [not in_thread] and plan.big is in_thread
+    plan, big = asyncio.run(body_exchange(raw).json_body("messages", lambda body: app.chat._plan(body, "t")))
+    assert seen == [not in_thread] and big is in_thread
 
 
 @pytest.mark.parametrize("api", ["chat", "responses"])

@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from molctl.proxy.apis.chat_validation import EFFORTS, SAMPLING_NUMBERS, check_model
+from molctl.proxy.apis.chat_validation import EFFORTS, SAMPLING_NUMBERS, check_model, finite_number
 from molctl.proxy.apis.conversations.records import conversation_param
 from molctl.proxy.apis.request_fields import PERMISSIVE, FieldPolicy
 from molctl.proxy.apis.responses.convert import (
@@ -328,6 +328,8 @@ def _sampling(body: dict[str, Any], chat: dict[str, Any]) -> None:
         if v is not None:
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise invalid(f"'{key}' must be a number.", key)
+            if not finite_number(v):  # NaN/Infinity: vLLM's range checks are false for NaN (chat_validation)
+                raise invalid(f"'{key}' must be a finite number.", key)
             chat[key] = v
     limit = body.get("max_output_tokens")
     if limit is not None:
