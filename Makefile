@@ -74,13 +74,13 @@ cpu: $(VENV)/.stamp-cpu
 
 # Lint and format check (ruff, configured in pyproject.toml), then the whole suite, the end-to-end tests against a
 # real vLLM included, on TEST_WORKERS pytest-xdist workers (most tests wait on processes and sockets: more workers
-# than cores pays); each vLLM release's end-to-end tests stay on one worker (tests/e2e/conftest.py). The 25 slowest
+# than cores pays); a test module, and each vLLM release's end-to-end tests, stay on one worker (tests/xdist_stacks.py). The 25 slowest
 # tests are listed at the end. TEST_WORKERS=0: one process, as before.
 TEST_WORKERS ?= 4
 test: $(VENV)/.stamp-cpu $(VLLM_PINNED_VENV)/.stamp $(VENV)/.stamp-prometheus $(CLIENTS_VENV)/.stamp $(CLIENTS_JS)/node_modules/.stamp
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --durations=25
 
 # bench_proxy.py also runs the upstream harness's proxy (../shared/peers/mol-harness-*) when it is
 # there (its requirements: this venv, else bench/.venv-upstream, made once). Extra `molctl proxy`

