@@ -314,8 +314,8 @@ class ServerSpan:
                     "gen_ai.request.model": self.tracing.public,
                 }
             )
-            if getattr(plan, "conversation_id", None):
-                span.set_attribute("gen_ai.conversation.id", plan.conversation_id)
+            if plan.responses.conversation_id:
+                span.set_attribute("gen_ai.conversation.id", plan.responses.conversation_id)
         if state.status >= 500:  # a server span's error: a 5xx (a 4xx is the client's)
             span.set_attribute("error.type", state.error or str(state.status))
             span.set_status(self.tracing.trace.StatusCode.ERROR)

@@ -16,7 +16,7 @@ def request_line(state: RequestState, api: str, total_s: float) -> str:
     usage = (plan.usage if plan is not None else None) or {}
     details = usage.get("prompt_tokens_details") or {}
     timings = plan.timings if plan is not None else {}
-    wasted = plan.speculative_wasted if plan is not None else None
+    wasted = plan.speculation.wasted if plan is not None else None
     return orjson.dumps(
         {  # orjson: the same JSON as json.dumps for these str/int/float/bool/None values, ~10x faster
             "ts": round(time.time(), 3),
@@ -26,14 +26,14 @@ def request_line(state: RequestState, api: str, total_s: float) -> str:
             "stream": plan.stream if plan is not None else None,
             "status": state.status,
             "route": plan.route if plan is not None else None,
-            "fallback": plan.fallback if plan is not None else None,
-            "sticky": plan.sticky if plan is not None else None,
-            "route_source": plan.route_source if plan is not None else None,
-            "speculative": plan.speculative if plan is not None else None,
-            "speculative_reason": plan.speculative_reason if plan is not None else None,
+            "fallback": plan.decision.fallback if plan is not None else None,
+            "sticky": plan.decision.sticky if plan is not None else None,
+            "route_source": plan.decision.source if plan is not None else None,
+            "speculative": plan.speculation.outcome if plan is not None else None,
+            "speculative_reason": plan.speculation.reason if plan is not None else None,
             "speculative_wasted_prompt": wasted[0] if wasted else None,
             "speculative_wasted_generated": wasted[1] if wasted else None,
-            "queue_s": round(plan.queue_wait_s, 4) if plan is not None else None,
+            "queue_s": round(plan.slot.wait_s, 4) if plan is not None else None,
             "route_s": _round4(timings.get("route_s")),
             "answer_s": _round4(timings.get("answer_s")),
             "ttft_s": _round4(timings.get("ttft_s")),

@@ -4,7 +4,7 @@
 (the engine's first event, i.e. its first token) or once `sse_keepalive_s` passed, whichever comes
 first; a failure before then is answered as without stream (same status, JSON body, headers), a
 failure after it is an error frame (`error_frame`) and the stream's end. While the request waits
-for an answer slot (`plan.queued`) no keep-alive goes out, so a refusal there is a real 429. A
+for an answer slot (`plan.slot.queued`) no keep-alive goes out, so a refusal there is a real 429. A
 client that reads nothing for `proxy.stream_write_timeout_s` is dropped; the drain deadline
 (`cut`) ends a stream with a `draining` error. docs/design/proxy.md, "Streams and status codes".
 """
@@ -129,7 +129,7 @@ class SSEWriter:
                 if cut in done:
                     raise draining(rid)
                 if not done:
-                    if not out.started and plan.queued:
+                    if not out.started and plan.slot.queued:
                         continue  # waiting for an answer slot (bounded): no 200 yet, a refusal stays a real 429
                     await out.write(b": keepalive\n\n")
                     continue

@@ -71,7 +71,7 @@ def sticky_route(plan: Plan, store: ConversationStore | None) -> str | None:
     across a proxy restart: its route, and the calls of its last message); else the store's call
     bindings (each call's name and arguments must match its binding)."""
     if store is None:
-        prev, new = plan.previous, plan.new_messages
+        prev, new = plan.responses.previous, plan.responses.new_messages
         if prev is None or not prev.get("route") or not new or not all(m["role"] == "tool" for m in new):
             return None
         last = prev["messages"][-1] if prev.get("messages") else {}
@@ -125,8 +125,8 @@ class Router:
         if sticky is None:
             return False
         plan.route = sticky
-        plan.sticky = True
-        plan.route_source = "sticky"
+        plan.decision.sticky = True
+        plan.decision.source = "sticky"
         self.counters.inc("sticky_tool_turns_total")
         self.counters.inc("route_sources_total", source="sticky", reason="")
         return True
@@ -156,11 +156,11 @@ class Router:
         plan.timings["route_s"] = elapsed = time.monotonic() - start
         self.counters.observe("hop_seconds", elapsed, hop="route", adapter="L0")
         if label is None:
-            plan.fallback = reason
+            plan.decision.fallback = reason
             self.counters.inc("route_fallbacks_total", reason=reason)
             label = previous.route if previous is not None else self.profile.proxy.default_route
-        plan.route_source = "classified" if plan.fallback is None else "fallback"
-        self.counters.inc("route_sources_total", source=plan.route_source, reason=plan.fallback or "")
+        plan.decision.source = "classified" if plan.decision.fallback is None else "fallback"
+        self.counters.inc("route_sources_total", source=plan.decision.source, reason=plan.decision.fallback or "")
         self.counters.inc("route_decisions_total", adapter=label)
         plan.route = label
 

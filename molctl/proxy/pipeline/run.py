@@ -98,7 +98,7 @@ GLM_EFFORT = {
 
 def answer_call(plan: Plan) -> dict[str, Any]:
     """The engine client's arguments of the request's answer hop, whole or streamed."""
-    return {"big": plan.big, "request_id": plan.request_id, "engine": plan.engine, "source": plan.route_source}
+    return {"big": plan.big, "request_id": plan.request_id, "engine": plan.engine, "source": plan.decision.source}
 
 
 class Orchestrator:
@@ -239,8 +239,8 @@ class Orchestrator:
 
     async def _close_held(self, plan: Plan) -> None:
         """A held speculative answer is never left running past its request (a no-op once read whole)."""
-        if plan.held is not None:
-            await plan.held.cancel()
+        if plan.speculation.answer is not None:
+            await plan.speculation.answer.cancel()
 
     async def route(self, plan: Plan) -> None:
         """The route sequence, in order: sticky -> admit -> speculate -> classify -> settle.
@@ -261,7 +261,7 @@ class Orchestrator:
            closed with the request if it ends first (`discard`)."""
         self._log_repaired(plan)
         try:
-            if not (plan.previous is not None and self.router.stick(plan, stored_chain=True)):
+            if not (plan.responses.previous is not None and self.router.stick(plan, stored_chain=True)):
                 await self._admit(plan)
                 if not self._tool_turn_stuck(plan):
                     self._speculate(plan)
@@ -310,30 +310,30 @@ class Orchestrator:
         """Take the request's answer slot unless it holds it (`release_answer_slot` frees it; the
         app's request wrapper does too, whatever happened); a refusal is the client's 429. The wait
         is kept on the plan (its log line) also when refused or abandoned while queued."""
-        if plan.answer_slot:
+        if plan.slot.held:
             return
         queued_at = time.monotonic()
-        plan.queued = True
+        plan.slot.queued = True
         try:
             waited = await self.admission.answers.acquire(plan.tenant)
-            plan.answer_slot = True
+            plan.slot.held = True
             self.speculation.make_room()  # a held hop that counted on this slot is closed
         except Rejected as exc:
-            plan.queue_wait_s += time.monotonic() - queued_at
+            plan.slot.wait_s += time.monotonic() - queued_at
             self.counters.inc("admission_rejections_total", reason=exc.reason)
             raise overloaded(exc) from None
         except asyncio.CancelledError:  # the client went away while queued
-            plan.queue_wait_s += time.monotonic() - queued_at
+            plan.slot.wait_s += time.monotonic() - queued_at
             raise
         finally:
-            plan.queued = False
-        plan.queue_wait_s += waited  # a request that gave its slot back for a summary waits twice
+            plan.slot.queued = False
+        plan.slot.wait_s += waited  # a request that gave its slot back for a summary waits twice
         self.counters.observe("queue_wait_seconds", waited)
 
     def release_answer_slot(self, plan: Plan) -> None:
         """Free the request's answer slot if it holds one (idempotent)."""
-        if plan.answer_slot:
-            plan.answer_slot = False
+        if plan.slot.held:
+            plan.slot.held = False
             self.admission.answers.release()
 
     def _engine_error(self, exc: Exception, plan: Plan) -> None:
@@ -369,9 +369,9 @@ class Orchestrator:
             # that waits up to summary_wait_s for another adapter's summary must not keep an
             # answer slot idle while other requests queue for it. Until it has one again it counts
             # as queued: a stream sends no 200 or keep-alive, so a refusal then is a real 429.
-            if plan.answer_slot:
+            if plan.slot.held:
                 self.release_answer_slot(plan)
-                plan.queued = True
+                plan.slot.queued = True
             waits = [asyncio.ensure_future(r.done.wait()) for r in pending]
             try:  # asyncio.wait, not wait_for(gather): a client gone meanwhile left an unretrieved gather error logged
                 await asyncio.wait(waits, timeout=self.profile.proxy.summary_wait_s)
@@ -439,14 +439,16 @@ class Orchestrator:
     async def _payload(self, plan: Plan) -> dict[str, Any] | None:
         """The answer hop's request, or None: the held speculative hop is the answer (a hit; its
         request was this one, built for the same adapter)."""
-        held = plan.held
+        held = plan.speculation.answer
         if held is not None:
             await held.ready.wait()
             if held.payload is not None and self._priority_holds(plan, held.payload):
                 plan.view = held.view
                 return None
             await held.cancel()
-            plan.held = None  # its build refused the request (the routed build says why), or its priority is stale
+            plan.speculation.answer = (
+                None  # its build refused the request (the routed build says why), or its priority is stale
+            )
         await self._await_summaries(plan)
         payload = await self._offload(plan, self._build_answer, plan)
         await self.window_fit.fit(payload, "answer", plan.engine)
@@ -471,7 +473,7 @@ class Orchestrator:
         the caller awaits `persisted(plan)` itself (after its own writes: one round trip for both)."""
         payload = await self._payload(plan)
         await self._admit(plan)
-        held = plan.held
+        held = plan.speculation.answer
         start = held.sent_at if payload is None else time.monotonic()
         try:
             if payload is None:
@@ -507,7 +509,7 @@ class Orchestrator:
         said = shaping.StreamedAnswer(shaping.new_id(), int(time.time()), self.public)
         tokens = plan.tokens = AnswerTokens()
         await self._admit(plan)
-        held = plan.held
+        held = plan.speculation.answer
         start = held.sent_at if payload is None else time.monotonic()
         upstream = held.events() if payload is None else self.client.chat_stream(payload, "answer", **answer_call(plan))
         try:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from molctl.engines.vllm import ENGINE
-from molctl.proxy.pipeline.speculative import HELD_EVENTS_MAX, HeldHop
+from molctl.proxy.pipeline.heldhop import HELD_EVENTS_MAX, HeldHop
 
 
 class Upstream:

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from molctl.engines import get_engine
-from molctl.proxy.pipeline.speculative import HeldHop
+from molctl.proxy.pipeline.heldhop import HeldHop
 
 
 def test_a_held_stream_failing_unexpectedly_raises_in_its_reader():

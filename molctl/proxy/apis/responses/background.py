@@ -288,7 +288,7 @@ async def create(api: Any, ex: Exchange, req: Any, big: bool) -> None:
     await api.orch.load(plan)
     ex.track(plan)
     tr = events.StreamTranslator(req, new_id("resp_"))
-    plan.conversation_id = plan.conversation_id or tr.id
+    plan.responses.conversation_id = plan.responses.conversation_id or tr.id
     queued = tr.snapshot("queued")
     await api.background.admit(tenant, queued)
     shim = SimpleNamespace(tenant=tenant, state=SimpleNamespace(error=None))

@@ -78,7 +78,7 @@ class ResponsesAPI:
             await ex.run(plan, self._complete(plan, req, ex))
             return
         translator = events.StreamTranslator(req, new_id("resp_"))
-        plan.conversation_id = plan.conversation_id or translator.id
+        plan.responses.conversation_id = plan.responses.conversation_id or translator.id
 
         def error_event(exc: ProxyError) -> bytes:
             return events.sse(events.error_event(translator, exc, public_param(exc.param)))
@@ -137,8 +137,11 @@ class ResponsesAPI:
         plan = self.orch.prepare(req.chat_body(), tenant)
         plan.big = plan.big or big
         plan.include_usage = True  # the Response's usage
-        plan.previous, plan.new_messages = req.prev, req.messages  # the sticky tool-turn rule reads them
-        plan.conversation_id = req.conversation_id or events.conversation_of(req.prev)
+        plan.responses.previous, plan.responses.new_messages = (
+            req.prev,
+            req.messages,
+        )  # the sticky tool-turn rule reads them
+        plan.responses.conversation_id = req.conversation_id or events.conversation_of(req.prev)
         return plan
 
     async def _keep(self, req: ResponsesRequest, plan: Plan, tenant: str, response: dict[str, Any]) -> None:
@@ -154,7 +157,7 @@ class ResponsesAPI:
     async def _complete(self, plan: Plan, req: ResponsesRequest, ex: Exchange) -> None:
         chat = await self.orch.answer(plan, persist=False)  # a shared store writes the turn and the record together
         response = events.complete_response(req, new_id("resp_"), int(time.time()), chat)
-        plan.conversation_id = plan.conversation_id or response["id"]
+        plan.responses.conversation_id = plan.responses.conversation_id or response["id"]
         await self._keep(req, plan, ex.tenant, response)
         await self.orch.persisted(plan)
         await ex.json(200, response)
