@@ -20,7 +20,7 @@ from molctl.render import (
     _store_overrides,
     load_stack,
 )
-from molctl.start import PROXY_READY_TIMEOUT_S
+from molctl.starter import PROXY_READY_TIMEOUT_S
 
 
 def render_systemd(

@@ -28,7 +28,7 @@ from molctl.render import (
     STATE_MOUNT,
     STOP_MARGIN_S,
 )
-from molctl.start import _Starter
+from molctl.starter import _Starter
 from molctl.stop import ENGINE_STOP_TIMEOUT_S
 from tests.helpers import Molctl, free_port
 from tests.procs import fake_engine_argv, running
