@@ -56,6 +56,7 @@ SCHEMA: dict[str, Any] = {
         "env": _MapOf(SCALAR),  # numbers and booleans become strings ("1"/"0" for booleans)
         "unset_env": _ListOf(str),
         "otlp_traces_endpoint": (str, type(None)),  # the engine's own OTLP traces (Engine.trace_argv)
+        "cache_dir": (str, type(None)),  # molctl.enginecache; relative: below STATE/PROFILE
     },
     "proxy": {
         "host": str,
@@ -162,6 +163,7 @@ class EngineSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     unset_env: tuple[str, ...] = ()
     otlp_traces_endpoint: str | None = None  # the engine exports its own spans here (Engine.trace_argv)
+    cache_dir: str = ""  # the engine's persistent cache dir (molctl.enginecache); "": STATE/PROFILE/engine-cache
 
 
 @dataclass(frozen=True)

@@ -118,6 +118,9 @@ def _up_locked(
     timings["total_s"] = round(time.monotonic() - t0, 2)
     out = _result(profile, read_records(state_dir, name), already=False, timings=timings)
     out["canary"] = result
+    out["eta"] = starter.estimate.summary()
+    if starter.cache:
+        out["cache"] = starter.cache
     return out
 
 
@@ -224,6 +227,10 @@ def _start_missing(
         starter.clean_up(exc, adopted_engine=live.get("engine"), adopted_proxy=live.get("proxy"))
         raise
     release_all(claims)
+    start = starter.record_start()
+    if start is not None:
+        timings["phases"] = start["phases"]
+        timings["start_s"] = start["total_s"]
     return timings, result
 
 

@@ -9,11 +9,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from molctl import canary
+from molctl import canary, enginecache, starthistory
 from molctl.claims import Claim, ClaimConflict, HostClaims, claim_components, holder_info, release_all
 from molctl.engines import get_engine
 from molctl.errors import ExitStatus, MolctlError
 from molctl.launch import UpOptions, engine_argv, engine_env, proxy_argv
+from molctl.phases import PhaseClock
 from molctl.processes import kill_fresh, members, new_marker, record_for, spawn, stop, tail
 from molctl.profiles import Profile
 from molctl.progress import Progress
@@ -67,6 +68,9 @@ class _Starter:
         self.started: list[Record] = []
         self.proxy: tuple[Record, Any] | None = None
         self.proxy_restarts = 0
+        self.estimate = starthistory.estimate(self.state_dir, self.name)
+        self.phases: PhaseClock | None = None  # set when this `up` spawns the engine (not for an adopted one)
+        self.cache: dict[str, Any] = {}  # the engine cache dir and whether it held anything (molctl.enginecache)
 
     # spawning ---------------------------------------------------------------------------------
     def _spawn(
@@ -104,9 +108,51 @@ class _Starter:
 
     def start_engine(self, claims: list[Claim]) -> tuple[Record, Any]:
         argv = engine_argv(self.profile)
-        return self._spawn(
-            "engine", argv, engine_env(self.profile), self.profile.engine.port, self.profile.engine.host, claims
+        self.cache = enginecache.prepare(self.profile, self.state_dir)
+        env = engine_env(self.profile, cache_dir=Path(self.cache["dir"]))
+        self.progress.step(
+            f"engine cache {self.cache['dir']}: "
+            + ("warm (kept from earlier starts)" if self.cache["warm"] else "empty (this start fills it)")
         )
+        record, proc = self._spawn("engine", argv, env, self.profile.engine.port, self.profile.engine.host, claims)
+        self.phases = PhaseClock(get_engine(self.profile.engine.kind).phases, record.log)
+        self.progress.step(starthistory.eta_text(self.estimate, 0.0, "config"))
+        return record, proc
+
+    def enter(self, phase: str) -> None:
+        """molctl's own phases (canary, proxy) of a start this `up` spawned the engine of."""
+        if self.phases is not None:
+            self.phases.feed_log()
+            self.phases.enter(phase)
+
+    def record_start(self) -> dict[str, Any] | None:
+        """After a start that ends ready: its phases into this host's history (STATE/PROFILE/
+        starts.json) and the engine record (`status`); returns `timings.phases`. A history that
+        cannot be written is a warning: the stack serves."""
+        if self.phases is None:
+            return None
+        total = self.phases.elapsed()
+        phases = self.phases.durations(total)
+        self.cache["compile_cache"] = self.phases.compile_cache
+        kind = self.profile.engine.kind
+        try:
+            starthistory.append(
+                self.state_dir, self.name, starthistory.entry(total, phases, kind, self.cache.get("warm"))
+            )
+        except OSError as exc:
+            self.progress.warn(f"could not record this start's phases: {exc.strerror or exc}")
+        record = read_records(self.state_dir, self.name).get("engine")
+        if record is not None:
+            record.extra = {
+                **record.extra,
+                "start": {"total_s": round(total, 2), "phases": phases},
+                "cache": self.cache,
+            }
+            try:
+                write_record(self.state_dir, self.name, record)
+            except OSError as exc:
+                self.progress.warn(f"could not write the start's phases into the engine record: {exc.strerror or exc}")
+        return {"total_s": round(total, 2), "phases": phases}
 
     def start_proxy(self, claims: list[Claim] | None, upstream: str) -> tuple[Record, Any]:
         if claims is None:
@@ -166,8 +212,12 @@ class _Starter:
                     self._proxy_exited(pcode, upstream)
 
         def on_wait(elapsed: float, probe) -> None:
-            phase = engine.phase(tail(record.log, 50)) or "starting"
-            self.progress.waiting(elapsed, timeout, phase, probe.detail)
+            if self.phases is None:  # an adopted engine: its phase from its log's tail
+                self.progress.waiting(elapsed, timeout, engine.phase(tail(record.log, 50)) or "starting", probe.detail)
+                return
+            self.phases.feed_log()
+            eta = starthistory.eta_text(self.estimate, self.phases.elapsed(), self.phases.current)
+            self.progress.waiting(elapsed, timeout, self.phases.label(), probe.detail, eta=eta)
 
         probe, elapsed = wait_ready(
             EngineReadiness(profile, engine, url=upstream), timeout, check_alive=check_alive, on_wait=on_wait
@@ -193,6 +243,7 @@ class _Starter:
         if off is not None:
             result = canary.skipped(off)
         else:
+            self.enter("canary")
             self.progress.step("adapter efficacy canary: the base model and L0-L3, greedy, with logprobs")
             result = canary.run(self.profile, get_engine(self.profile.engine.kind), component_url(record))
         line = canary.summary_line(result)
@@ -213,6 +264,7 @@ class _Starter:
         return result
 
     def wait_proxy(self, upstream: str) -> None:
+        self.enter("proxy")
         deadline = time.monotonic() + PROXY_READY_TIMEOUT_S
         while True:
             record, proc = self.proxy

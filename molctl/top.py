@@ -201,7 +201,7 @@ def unanswered_phase(phase: str | None, pid: int | None) -> str | None:
             return "stopped (SIGSTOP)"
     except psutil.Error:
         pass
-    return "not answering" if phase == "serving" else phase
+    return "not answering" if phase is not None and phase.endswith("serving") else phase
 
 
 # ---------------------------------------------------------------------------- the stack
