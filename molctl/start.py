@@ -205,7 +205,9 @@ def _start_missing(
         if "engine" in live:
             engine_record, engine_proc = live["engine"], Adopted(live["engine"])
         else:
+            starter.prepare_cache()
             engine_record, engine_proc = starter.start_engine(claims.get("engine", []))
+            starter.watch_phases(engine_record)
         # Without the canary the proxy starts while the engine loads (its /readyz stays 503
         # until the engine serves), off the critical path. With it, the proxy starts once every
         # adapter proved its effect: no client reaches a stack whose adapter does nothing.

@@ -106,18 +106,21 @@ class _Starter:
         self.progress.step(f"{component} started (pid {proc.pid}), log: {log_path}")
         return record, proc
 
+    def prepare_cache(self) -> None:
+        """The engine's persistent cache dir, created; whether an earlier start left it warm."""
+        self.cache = enginecache.prepare(self.profile, self.state_dir)
+        state = "warm (kept from earlier starts)" if self.cache["warm"] else "empty (this start fills it)"
+        self.progress.step(f"engine cache {self.cache['dir']}: {state}")
+
     def start_engine(self, claims: list[Claim]) -> tuple[Record, Any]:
         argv = engine_argv(self.profile)
-        self.cache = enginecache.prepare(self.profile, self.state_dir)
-        env = engine_env(self.profile, cache_dir=Path(self.cache["dir"]))
-        self.progress.step(
-            f"engine cache {self.cache['dir']}: "
-            + ("warm (kept from earlier starts)" if self.cache["warm"] else "empty (this start fills it)")
-        )
-        record, proc = self._spawn("engine", argv, env, self.profile.engine.port, self.profile.engine.host, claims)
+        env = engine_env(self.profile, cache_dir=enginecache.cache_dir(self.profile, self.state_dir))
+        return self._spawn("engine", argv, env, self.profile.engine.port, self.profile.engine.host, claims)
+
+    def watch_phases(self, record: Record) -> None:
+        """Follow the phases of the engine this `up` just spawned; say what the ETA is."""
         self.phases = PhaseClock(get_engine(self.profile.engine.kind).phases, record.log)
         self.progress.step(starthistory.eta_text(self.estimate, 0.0, "config"))
-        return record, proc
 
     def enter(self, phase: str) -> None:
         """molctl's own phases (canary, proxy) of a start this `up` spawned the engine of."""

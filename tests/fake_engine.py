@@ -921,10 +921,10 @@ def main() -> None:
             with open(compiled, "w") as f:
                 f.write("fake compiled graph\n")
     time.sleep(float(env.get("FAKE_STARTUP_DELAY", "0")))
-    print("INFO [core.py:402] init engine (profile, create kv cache, warmup model) took 0.01 s", flush=True)
     gate = env.get("FAKE_STARTUP_GATE")
     while gate and not os.path.exists(gate):
         time.sleep(0.05)
+    print("INFO [core.py:402] init engine (profile, create kv cache, warmup model) took 0.01 s", flush=True)
     if env.get("FAKE_EXIT"):
         print("RuntimeError: CUDA out of memory (simulated)", flush=True)
         sys.exit(int(env["FAKE_EXIT"]))
