@@ -19,7 +19,16 @@ from molctl.clibase import JSON_OPT, Context, handle_errors
 from molctl.clibench import bench_cmd
 from molctl.clicheck import check_cmd, lock_cmd
 from molctl.clidemo import demo_app
-from molctl.clilifecycle import down_cmd, logs_cmd, reload_cmd, status_cmd, switch_cmd, top_cmd, up_cmd
+from molctl.clilifecycle import (
+    down_cmd,
+    logs_cmd,
+    prefetch_cmd,
+    reload_cmd,
+    status_cmd,
+    switch_cmd,
+    top_cmd,
+    up_cmd,
+)
 from molctl.cliproxy import proxy_cmd, state_app
 from molctl.clirender import render_app
 from molctl.errors import ExitStatus
@@ -109,6 +118,7 @@ app.command("status")(status_cmd)
 app.command("reload")(reload_cmd)
 app.command("logs")(logs_cmd)
 app.command("top")(top_cmd)
+app.command("prefetch")(prefetch_cmd)
 app.add_typer(demo_app, name="demo")
 
 

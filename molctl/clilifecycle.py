@@ -126,6 +126,11 @@ def switch_cmd(
     allow_unauthenticated: bool = UNAUTH_OPT,
     drain_timeout: float = DRAIN_OPT,
     stop_timeout: float = STOP_OPT,
+    no_prefetch: bool = typer.Option(
+        False,
+        "--no-prefetch",
+        help="Do not read PROFILE's shards into the page cache while the running stack drains.",
+    ),
     json_: bool = JSON_OPT,
 ) -> None:
     """Drain and stop whatever stack runs, then `up PROFILE`. A failing preflight stops nothing."""
@@ -134,6 +139,7 @@ def switch_cmd(
     opts = _up_options(
         ctx, model_root, set_, skip, timeout, api_key_file, allow_unauthenticated, drain_timeout, stop_timeout
     )
+    opts.prefetch = not no_prefetch
     _run_start(profile, json_, lambda progress: switch(profile, ctx.obj, opts, progress))
 
 
@@ -247,3 +253,21 @@ def _drop_stdout() -> None:
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, sys.stdout.fileno())
     os.close(devnull)
+
+
+@handle_errors
+def prefetch_cmd(
+    ctx: typer.Context,
+    profile: str = typer.Argument(..., help="Profile whose shards to read into the page cache."),
+    model_root: Optional[Path] = MODEL_ROOT_OPT,
+    set_: List[str] = SET_OPT,
+    threads: int = typer.Option(4, "--threads", min=1, max=64, help="Files read at once."),
+    json_: bool = JSON_OPT,
+) -> None:
+    """Read PROFILE's safetensors shards into the page cache (only while free memory allows), so its next start loads from memory."""
+    from molctl.output import Output
+    from molctl.prefetch import prefetch_profile
+    from molctl.profiles import load_profile
+
+    prof = load_profile(profile, ctx.obj.dirs(), overrides_from(model_root, set_))
+    Output(as_json=json_).prefetch_result(profile, prefetch_profile(prof, threads=threads).summary())

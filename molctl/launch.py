@@ -35,6 +35,7 @@ class UpOptions:
     restart: bool = False  # stop this profile's running stack first (another configuration, or a plain restart)
     stop_timeout_s: float = ENGINE_STOP_TIMEOUT_S  # for what `up --restart` / `switch` stop
     verify: Any = None  # `up --verify`: a molctl.checks.verify.Verify; the preflight adds the `lock` category
+    prefetch: bool = True  # `switch`: read the target's shards into the page cache while the old stack drains
 
 
 def engine_env(profile: Profile, base: dict[str, str] | None = None, cache_dir: Path | None = None) -> dict[str, str]:

@@ -119,6 +119,12 @@ class Output:
         self.line(f"{result['profile']} {verb}: model {result['model']} at {result['endpoint']}")
         if result.get("stopped"):
             self.line(f"stopped {', '.join(result['stopped'])} first ({t.get('stop_s', 0):.1f} s)")
+        if result.get("prefetch"):
+            p = result["prefetch"]
+            self.line(
+                f"prefetched {p['files_read']} of {p['files']} files ({p['bytes_read'] / 2**30:.2f} GiB) "
+                f"while the old stack drained"
+            )
         if t.get("phases"):
             from molctl.phases import LABELS
 
@@ -126,6 +132,20 @@ class Output:
             eta = (result.get("eta") or {}).get("expected_total_s")
             expected = f" (expected {eta:.0f} s)" if eta is not None else " (no earlier start to compare)"
             self.line(f"phases: {parts}{expected}")
+
+    def prefetch_result(self, profile: str, summary: dict) -> None:
+        """`molctl prefetch`: what was read into the page cache, what was skipped and why."""
+        if self.as_json:
+            self.json({"profile": profile, **summary})
+            return
+        gib = 2**30
+        self.line(
+            f"{profile}: read {summary['files_read']} of {summary['files']} files "
+            f"({summary['bytes_read'] / gib:.2f} of {summary['bytes_total'] / gib:.2f} GiB) "
+            f"into the page cache in {summary['seconds']:.1f} s"
+        )
+        for skipped in summary["skipped"]:
+            self.line(f"skipped {skipped['file']}: {skipped['reason']}")
 
     def start_failure(self, profile: str, exc) -> None:
         """`up` / `switch` failed: with --json the whole failure (the preflight's checks included),
