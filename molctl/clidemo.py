@@ -42,6 +42,13 @@ def demo_init_cmd(
         "lora_B) or off-target (o_proj only: no effect under --lora-target-modules "
         "q_proj v_proj) (repeatable).",
     ),
+    size_mb: Optional[int] = typer.Option(
+        None,
+        "--size-mb",
+        min=1,
+        max=100_000,
+        help="Grow the base's MLP to about this many MB (load and prefetch benchmarks; layers and adapters stay tiny).",
+    ),
     json_: bool = JSON_OPT,
 ) -> None:
     """Generate the tiny base model (tokenizer, config, chat template, 2 safetensors shards) and LoRA adapters L0-L3."""
@@ -57,6 +64,12 @@ def demo_init_cmd(
     out = Output(as_json=json_)
     root = directory or load_profile("tiny", ctx.obj.dirs()).model_root
     result = init_tiny(
-        root, seed=seed, force=force, if_missing=if_missing, template=template, no_effect=parse_no_effect(no_effect)
+        root,
+        seed=seed,
+        force=force,
+        if_missing=if_missing,
+        template=template,
+        no_effect=parse_no_effect(no_effect),
+        size_mb=size_mb,
     )
     out.demo_init(result, template, seed)
