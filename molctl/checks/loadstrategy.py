@@ -17,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from molctl.checks.result import CheckResult
+from molctl.engines import get_engine
 
 NETWORK_FS = ("nfs", "nfs4", "lustre", "cifs", "smb3", "smbfs", "ceph", "glusterfs", "beegfs", "gpfs", "9p", "virtiofs")
 GIB = 1 << 30
@@ -52,8 +53,9 @@ def run(profile, probes) -> list[CheckResult]:
     where = f"{profile.model_root} is on {'a network filesystem' if network else 'local storage'} ({fstype} at {point})"
     fits = size <= 0.9 * available
     mem = f"checkpoint {size / GIB:.1f} GiB, {available / GIB:.1f} GiB of memory available"
-    set_to = profile.engine.args.get("safetensors-load-strategy")
-    if profile.engine.kind != "vllm":
+    flag = get_engine(profile.engine.kind).load_strategy_flag
+    set_to = profile.engine.args.get(flag) if flag else None
+    if flag is None:
         return [
             CheckResult(
                 "model.load-strategy",

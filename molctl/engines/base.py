@@ -277,6 +277,8 @@ class Engine(abc.ABC):
     # (regex, phase, detail) read from the engine's log: the start-up phase (molctl.phases.PHASES)
     # and its detail, which may use the regex groups ("{0}%"); the last matching line wins
     phases: tuple[tuple[str, str, str], ...] = ()
+    # the flag that picks how the engine reads safetensors (molctl.checks.loadstrategy); None: none
+    load_strategy_flag: str | None = None
 
     # Vendor sampling and generation fields a client may send, forwarded on the answer hop as
     # sent (never on the route or summary hop): name -> the JSON kind molctl.proxy.apis.chat_validation

@@ -85,6 +85,8 @@ class VllmEngine(Engine):
     # vllm/entrypoints/openai/chat_completion/protocol.py): the proxy sets both to the hop's id.
     request_id_field = "request_id"
 
+    load_strategy_flag = "safetensors-load-strategy"  # vllm/config/load.py, in the 0.24 and 0.32 parsers
+
     def cache_env(self, cache_dir) -> dict[str, str]:
         # vllm/envs.py VLLM_CACHE_ROOT (default ~/.cache/vllm): the torch.compile cache below it
         return {"VLLM_CACHE_ROOT": str(cache_dir)}
