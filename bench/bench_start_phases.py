@@ -7,9 +7,11 @@
 2. Three `up`/`down` rounds of that model (page cache dropped for its files before each, with
    POSIX_FADV_DONTNEED: no root needed), printing each start's phase table and the ETA the
    start was given against what it took.
-3. Two switches from the small tiny stack to the big one, the big model's files dropped from the
-   page cache before each: with `--no-prefetch`, then with the prefetch (molctl.prefetch).
-   The switch's wall time and its engine-ready time are compared.
+3. Switches from the small tiny stack to the big one, the big model's files dropped from the page
+   cache before each, alternating `--no-prefetch` and the prefetch (molctl.prefetch), `--switch-reps`
+   of each: the switch's wall time, its weights phase and its start time.
+4. The load step alone, in this process: torch's safetensors load of the big base (what the
+   engine's loader reads) from a cold page cache, and after `molctl prefetch`'s reader.
 Prints a markdown table for BENCHMARKS.md. Needs the CPU vLLM in .venv (make .venv/.stamp-cpu)."""
 
 from __future__ import annotations
@@ -85,10 +87,42 @@ def phase_row(label: str, result: dict, wall: float) -> str:
     return f"| {label} | {wall:.1f} | {actual:.1f} | {eta if eta is not None else '-'} | {err} | {phases} |"
 
 
+def load_timing(bench: Bench, reps: int = 3) -> None:
+    """torch's safetensors load of the big base, cold and after the prefetch reader (medians)."""
+    import statistics
+
+    from safetensors.torch import load_file
+
+    from molctl.prefetch import Prefetcher
+
+    files = sorted((bench.big / "base").glob("*.safetensors"))
+    cold, warm, reads = [], [], []
+    for _ in range(reps):
+        bench.drop_big()
+        t0 = time.monotonic()
+        for f in files:
+            load_file(f)
+        cold.append(time.monotonic() - t0)
+        bench.drop_big()
+        res = Prefetcher(files, margin_bytes=2 << 30).run()
+        reads.append(res.seconds)
+        t0 = time.monotonic()
+        for f in files:
+            load_file(f)
+        warm.append(time.monotonic() - t0)
+    med = statistics.median
+    print("| load of the base (safetensors.torch.load_file, 2 shards) | median of 3 |")
+    print("|---|---|")
+    print(f"| cold page cache | {med(cold):.2f} s |")
+    print(f"| after molctl's prefetch (which took {med(reads):.2f} s) | {med(warm):.2f} s |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--size-mb", type=int, default=2500)
     parser.add_argument("--keep", action="store_true")
+    parser.add_argument("--ups", type=int, default=3, help="cold `up` rounds (the ETA's error from the 2nd on)")
+    parser.add_argument("--switch-reps", type=int, default=1)
     parser.add_argument("--dir", type=Path, default=None, help="work dir (default: a temp dir under /tmp)")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="molctl-bench-phases-", dir=args.dir))
@@ -98,7 +132,7 @@ def main() -> None:
         bench.init_models()
         print("| start | wall s | start_s | ETA given s | ETA error | phases (s) |", flush=True)
         print("|---|---|---|---|---|---|", flush=True)
-        for i in range(3):
+        for i in range(args.ups):
             bench.drop_big()
             t0 = time.monotonic()
             res = bench.molctl("up", "tiny-big", *bench.start_args(bench.big))
@@ -106,7 +140,7 @@ def main() -> None:
             print(rows[-1], flush=True)
             bench.molctl("down")
         switch_rows = []
-        for prefetch in (False, True):
+        for prefetch in [False, True] * args.switch_reps:
             bench.molctl("up", "tiny", *bench.start_args(bench.small))
             bench.drop_big()
             t0 = time.monotonic()
@@ -127,6 +161,8 @@ def main() -> None:
         print("|---|---|---|---|---|---|")
         for row in switch_rows:
             print(row)
+        print()
+        load_timing(bench)
     finally:
         bench.molctl("down", check=False)
         if not args.keep:

@@ -140,7 +140,9 @@ class _Starter:
         kind = self.profile.engine.kind
         try:
             starthistory.append(
-                self.state_dir, self.name, starthistory.entry(total, phases, kind, self.cache.get("warm"))
+                self.state_dir,
+                self.name,
+                starthistory.entry(total, phases, kind, "warm" if self.cache.get("warm") else "empty"),
             )
         except OSError as exc:
             self.progress.warn(f"could not record this start's phases: {exc.strerror or exc}")

@@ -66,6 +66,7 @@ def append(state_dir: Path, profile: str, entry: dict, keep: int = KEEP) -> None
 
 
 def entry(total_s: float, phases: dict[str, float], engine: str, cache: str | None, host: str | None = None) -> dict:
+    """One start: `cache` "warm"/"empty" (the engine cache before it; None: unknown)."""
     return {
         "host": host or host_name(),
         "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
