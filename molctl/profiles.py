@@ -196,7 +196,7 @@ def _engine_spec(data: dict[str, Any], proxy: dict[str, Any], v: _Validator) -> 
         env={k: _env_str(val) for k, val in eng.get("env", {}).items()},
         unset_env=tuple(eng.get("unset_env", ())),
         otlp_traces_endpoint=eng.get("otlp_traces_endpoint") or None,
-        cache_dir=eng.get("cache_dir") or "",
+        cache_dir=eng.get("cache_dir") or None,
     )
 
 

@@ -163,7 +163,9 @@ class EngineSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     unset_env: tuple[str, ...] = ()
     otlp_traces_endpoint: str | None = None  # the engine exports its own spans here (Engine.trace_argv)
-    cache_dir: str = ""  # the engine's persistent cache dir (molctl.enginecache); "": STATE/PROFILE/engine-cache
+    cache_dir: str | None = (
+        None  # the engine's persistent cache dir (molctl.enginecache); None: STATE/PROFILE/engine-cache
+    )
 
 
 @dataclass(frozen=True)
