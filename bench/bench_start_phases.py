@@ -93,6 +93,10 @@ def load_timing(bench: Bench, reps: int = 3) -> None:
 
     from safetensors.torch import load_file
 
+    def load(path: Path) -> None:  # load_file maps the file: clone() reads every page, as a loader copies
+        for tensor in load_file(path).values():
+            tensor.clone()
+
     from molctl.prefetch import Prefetcher
 
     files = sorted((bench.big / "base").glob("*.safetensors"))
@@ -101,14 +105,14 @@ def load_timing(bench: Bench, reps: int = 3) -> None:
         bench.drop_big()
         t0 = time.monotonic()
         for f in files:
-            load_file(f)
+            load(f)
         cold.append(time.monotonic() - t0)
         bench.drop_big()
         res = Prefetcher(files, margin_bytes=2 << 30).run()
         reads.append(res.seconds)
         t0 = time.monotonic()
         for f in files:
-            load_file(f)
+            load(f)
         warm.append(time.monotonic() - t0)
     med = statistics.median
     print("| load of the base (safetensors.torch.load_file, 2 shards) | median of 3 |")
@@ -123,6 +127,7 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true")
     parser.add_argument("--ups", type=int, default=3, help="cold `up` rounds (the ETA's error from the 2nd on)")
     parser.add_argument("--switch-reps", type=int, default=1)
+    parser.add_argument("--load-only", action="store_true", help="only step 4 (the load step, cold and prefetched)")
     parser.add_argument("--dir", type=Path, default=None, help="work dir (default: a temp dir under /tmp)")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="molctl-bench-phases-", dir=args.dir))
@@ -130,6 +135,9 @@ def main() -> None:
     rows: list[str] = []
     try:
         bench.init_models()
+        if args.load_only:
+            load_timing(bench)
+            return
         print("| start | wall s | start_s | ETA given s | ETA error | phases (s) |", flush=True)
         print("|---|---|---|---|---|---|", flush=True)
         for i in range(args.ups):
