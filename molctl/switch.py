@@ -1,5 +1,7 @@
 """`molctl switch`: drain and stop the running stack, then `up` the target profile, holding the
-state lock throughout; a failed new stack names the command that brings the old one back."""
+state lock throughout; a failed new stack names the command that brings the old one back. As soon
+as the target's preflight passes, its shards are read into the page cache (molctl.prefetch) while
+the old stack drains and the new engine imports: the warm switch."""
 
 from __future__ import annotations
 
