@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 MOLCTL := $(PY) -m molctl
 
-.PHONY: venv dev cpu vllm-pinned clients prometheus test bench demo demo-down clean
+.PHONY: venv dev cpu vllm-pinned clients prometheus test bench bench-start demo demo-down clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -104,6 +104,11 @@ bench: $(VENV)/.stamp-cpu
 	$(PY) bench/bench_llmd_scheduler.py --heavy 0.25
 	$(PY) bench/bench_vllm_serve.py
 	$(PY) bench/bench_tracing.py
+
+# Start phases, the ETA's error and the warm switch on the real CPU vLLM with a generated ~2.5 GB
+# model (issue 44): about 10 minutes and 2.5 GB of temporary disk, so not part of `make bench`.
+bench-start: $(VENV)/.stamp-cpu
+	$(PY) bench/bench_start_phases.py
 
 # The main job on the embedded default: the tiny profile on a real vLLM (CPU), behind the proxy.
 demo: $(VENV)/.stamp-cpu

@@ -141,3 +141,28 @@ STOP_OPT = typer.Option(
     callback=_not_negative,
     help="Seconds the engine may take after SIGTERM before SIGKILL (when a running stack is stopped).",
 )
+
+
+VERIFY_OPT = typer.Option(
+    False, "--verify", help="Also compare the host with a `molctl lock` manifest (the `lock` check category)."
+)
+MANIFEST_OPT = typer.Option(
+    None,
+    "--manifest",
+    metavar="PATH",
+    help="The manifest for --verify (implies it; default: the profile's newest in STATE/PROFILE/manifests).",
+)
+FULL_HASH_OPT = typer.Option(
+    False,
+    "--full-hash",
+    help="With --verify (implies it): read every pinned file and compare its SHA-256, not only sizes and mtimes.",
+)
+
+
+def _verify_options(verify: bool, manifest: Optional[Path], full_hash: bool):
+    """A `molctl.checks.verify.Verify` when --verify, --manifest or --full-hash is given, else None."""
+    if not (verify or manifest is not None or full_hash):
+        return None
+    from molctl.checks.verify import Verify
+
+    return Verify(manifest=manifest.expanduser().absolute() if manifest is not None else None, full_hash=full_hash)

@@ -19,6 +19,7 @@ as strict as the real bases; the rules and their sources: docs/design/demo-templ
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -109,15 +110,28 @@ def template_text(name: str) -> str:
 
 
 def _bf16(array) -> bytes:
-    """float32 array -> bf16 bytes (round to nearest even)."""
+    """float32 array -> bf16 bytes (round to nearest even); in slices, so a large tensor (`--size-mb`)
+    needs no more than a slice's temporaries."""
     import numpy as np
 
-    bits = np.ascontiguousarray(array, dtype=np.float32).view(np.uint32)
-    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
-    return rounded.tobytes()
+    flat = np.ascontiguousarray(array, dtype=np.float32).reshape(-1)
+    out = []
+    for i in range(0, max(flat.size, 1), 1 << 24):
+        bits = flat[i : i + (1 << 24)].view(np.uint32)
+        out.append(((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16).tobytes())
+    return b"".join(out)
 
 
-def _base_tensors(vocab: int) -> dict[str, tuple[int, ...]]:
+def intermediate_for(size_mb: int | None) -> int:
+    """The MLP width that makes the base about `size_mb` MB (`demo init --size-mb`, for load
+    benchmarks: the layers and the adapters stay those of the tiny model); None: the tiny 512."""
+    if not size_mb:
+        return INTERMEDIATE
+    per_unit = 3 * HIDDEN * 2 * LAYERS  # gate, up and down rows of bf16, per layer
+    return max(INTERMEDIATE, round(size_mb * 1_000_000 / per_unit / 256) * 256)
+
+
+def _base_tensors(vocab: int, intermediate: int = INTERMEDIATE) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (vocab, HIDDEN),
         "model.norm.weight": (HIDDEN,),
@@ -133,18 +147,27 @@ def _base_tensors(vocab: int) -> dict[str, tuple[int, ...]]:
                 f"{p}.self_attn.k_proj.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
                 f"{p}.self_attn.v_proj.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
                 f"{p}.self_attn.o_proj.weight": (HIDDEN, HEADS * HEAD_DIM),
-                f"{p}.mlp.gate_proj.weight": (INTERMEDIATE, HIDDEN),
-                f"{p}.mlp.up_proj.weight": (INTERMEDIATE, HIDDEN),
-                f"{p}.mlp.down_proj.weight": (HIDDEN, INTERMEDIATE),
+                f"{p}.mlp.gate_proj.weight": (intermediate, HIDDEN),
+                f"{p}.mlp.up_proj.weight": (intermediate, HIDDEN),
+                f"{p}.mlp.down_proj.weight": (HIDDEN, intermediate),
             }
         )
     return shapes
 
 
-def _write_base(base: Path, vocab: int, rng) -> None:
+def _normal(rng, shape: tuple[int, ...]):
+    """N(0, 1/fan_in) weights; a `--size-mb` tensor in float32 directly (half the memory, faster)."""
     import numpy as np
 
-    shapes = _base_tensors(vocab)
+    if math.prod(shape) < 1 << 24:  # the tiny model's tensors: the values it always had, per seed
+        return rng.normal(0.0, 1.0 / np.sqrt(shape[-1]), shape)
+    return rng.standard_normal(shape, dtype=np.float32) * np.float32(1.0 / np.sqrt(shape[-1]))
+
+
+def _write_base(base: Path, vocab: int, rng, intermediate: int = INTERMEDIATE) -> None:
+    import numpy as np
+
+    shapes = _base_tensors(vocab, intermediate)
     data = {}
     for name, shape in shapes.items():
         if name.endswith("norm.weight"):
@@ -152,7 +175,7 @@ def _write_base(base: Path, vocab: int, rng) -> None:
         elif name == "model.embed_tokens.weight":
             values = rng.normal(0.0, 1.0, shape)
         else:
-            values = rng.normal(0.0, 1.0 / np.sqrt(shape[-1]), shape)
+            values = _normal(rng, shape)
         data[name] = _bf16(values)
     names = sorted(shapes)
     split = {names[i]: (1 if i < len(names) // 2 else 2) for i in range(len(names))}
@@ -171,7 +194,7 @@ def _write_base(base: Path, vocab: int, rng) -> None:
                 "architectures": ["LlamaForCausalLM"],
                 "model_type": "llama",
                 "hidden_size": HIDDEN,
-                "intermediate_size": INTERMEDIATE,
+                "intermediate_size": intermediate,
                 "num_hidden_layers": LAYERS,
                 "num_attention_heads": HEADS,
                 "num_key_value_heads": KV_HEADS,
@@ -284,6 +307,7 @@ def init_tiny(
     if_missing: bool = False,
     template: str = DEFAULT_TEMPLATE,
     no_effect: dict[str, str] | None = None,
+    size_mb: int | None = None,
 ) -> dict:
     """Write the tiny model to `root` (atomically: built in a sibling temp dir, then renamed).
 
@@ -313,7 +337,7 @@ def init_tiny(
         rng = np.random.default_rng(seed)
         vocab = _tokenizer(base)
         (base / TEMPLATE_FILE).write_text(text, encoding="utf-8")
-        _write_base(base, vocab, rng)
+        _write_base(base, vocab, rng, intermediate_for(size_mb))
         for i, route in enumerate(ROUTES):
             _write_adapter(tmp / "loras" / route, np.random.default_rng(seed * 100 + i + 1), no_effect.get(route))
         root.parent.mkdir(parents=True, exist_ok=True)
@@ -338,4 +362,6 @@ def init_tiny(
     }
     if no_effect:
         out["no_effect"] = no_effect
+    if size_mb:
+        out["base_bytes"] = sum(f.stat().st_size for f in (root / "base").glob("*.safetensors"))
     return out

@@ -35,12 +35,16 @@ class UpOptions:
     restart: bool = False  # stop this profile's running stack first (another configuration, or a plain restart)
     stop_timeout_s: float = ENGINE_STOP_TIMEOUT_S  # for what `up --restart` / `switch` stop
     verify: Any = None  # `up --verify`: a molctl.checks.verify.Verify; the preflight adds the `lock` category
+    prefetch: bool = True  # `switch`: read the target's shards into the page cache while the old stack drains
 
 
-def engine_env(profile: Profile, base: dict[str, str] | None = None) -> dict[str, str]:
+def engine_env(profile: Profile, base: dict[str, str] | None = None, cache_dir: Path | None = None) -> dict[str, str]:
     """The engine's environment: `base` (default: this process's) without `engine.unset_env`,
-    plus `engine.env`, never the proxy's secrets. `molctl render` passes an empty base."""
+    plus the variables that point it at `cache_dir` (molctl.enginecache), plus `engine.env`
+    (which wins), never the proxy's secrets. `molctl render` passes an empty base."""
     env = {k: v for k, v in (os.environ if base is None else base).items() if k not in profile.engine.unset_env}
+    if cache_dir is not None:
+        env.update(get_engine(profile.engine.kind).cache_env(cache_dir))
     env.update(profile.engine.env)
     for name in PROXY_SECRET_ENV:
         env.pop(name, None)

@@ -119,6 +119,33 @@ class Output:
         self.line(f"{result['profile']} {verb}: model {result['model']} at {result['endpoint']}")
         if result.get("stopped"):
             self.line(f"stopped {', '.join(result['stopped'])} first ({t.get('stop_s', 0):.1f} s)")
+        if result.get("prefetch"):
+            p = result["prefetch"]
+            self.line(
+                f"prefetched {p['files_read']} of {p['files']} files ({p['bytes_read'] / 2**30:.2f} GiB) "
+                f"while the old stack drained"
+            )
+        if t.get("phases"):
+            from molctl.phases import LABELS
+
+            parts = ", ".join(f"{LABELS.get(p, p)} {s:.1f} s" for p, s in t["phases"].items())
+            eta = (result.get("eta") or {}).get("expected_total_s")
+            expected = f" (expected {eta:.0f} s)" if eta is not None else " (no earlier start to compare)"
+            self.line(f"phases: {parts}{expected}")
+
+    def prefetch_result(self, profile: str, summary: dict) -> None:
+        """`molctl prefetch`: what was read into the page cache, what was skipped and why."""
+        if self.as_json:
+            self.json({"profile": profile, **summary})
+            return
+        gib = 2**30
+        self.line(
+            f"{profile}: read {summary['files_read']} of {summary['files']} files "
+            f"({summary['bytes_read'] / gib:.2f} of {summary['bytes_total'] / gib:.2f} GiB) "
+            f"into the page cache in {summary['seconds']:.1f} s"
+        )
+        for skipped in summary["skipped"]:
+            self.line(f"skipped {skipped['file']}: {skipped['reason']}")
 
     def start_failure(self, profile: str, exc) -> None:
         """`up` / `switch` failed: with --json the whole failure (the preflight's checks included),
@@ -203,6 +230,18 @@ class Output:
                 from molctl.canary import summary_line
 
                 self.line(f"{stack['profile']}: {summary_line(stack['canary'])}")
+            if stack.get("phase"):
+                from molctl.phases import label
+
+                eta = "no ETA (first start here)" if stack.get("eta_s") is None else f"ETA {stack['eta_s']:.0f} s"
+                self.line(
+                    f"{stack['profile']}: starting: {label(stack['phase'], stack.get('phase_detail', ''))}; {eta}"
+                )
+            if stack.get("cache"):
+                c = stack["cache"]
+                hit = "warm" if c.get("warm") else "empty"
+                compiled = f", compile cache {c['compile_cache']}" if c.get("compile_cache") else ""
+                self.line(f"{stack['profile']}: engine cache {c.get('dir')} ({hit} at the last start{compiled})")
             for g in stack.get("gpus", []):
                 self.line(f"  GPU {g['index']}: {g['used_bytes'] / 2**30:.1f} GiB used by the stack")
 
@@ -413,10 +452,12 @@ class ConsoleProgress:
     def countdown(self, what: str, seconds_left: float) -> None:
         self.step(f"{what}: still running; SIGKILL in {seconds_left:.0f} s")
 
-    def waiting(self, elapsed: float, deadline: float, phase: str, detail: str) -> None:
+    def waiting(self, elapsed: float, deadline: float, phase: str, detail: str, eta: str | None = None) -> None:
         if self.out.as_json:
             return
         text = f"waiting for the engine: {phase} ({elapsed:.0f}s of {deadline:.0f}s; {detail})"
+        if eta:
+            text += f"; {eta}"
         if self.tty:
             if self._status is None:
                 self._status = self.out.console.status(text)

@@ -197,7 +197,7 @@ def _engine_spec(data: dict[str, Any], proxy: dict[str, Any], v: _Validator) -> 
     problem = profilechecks.problem("engine", eng)  # the engine module's own rules
     if problem:
         raise v.fail(*problem)
-    for key in ("python", "otlp_traces_endpoint"):  # null or empty: the declared default
+    for key in ("python", "otlp_traces_endpoint", "cache_dir"):  # null or empty: the declared default
         if not eng.get(key):
             eng.pop(key, None)
     if "python" in eng:

@@ -168,6 +168,16 @@ class EngineSpec:
             "SGLang `--enable-trace --otlp-traces-endpoint`); the proxy's hop spans are their parents"
         ),
     )
+    cache_dir: str | None = setting(  # molctl.enginecache; relative: below STATE/PROFILE
+        (str, type(None)),
+        None,
+        doc=(
+            "the engine's persistent cache directory (`null`: `STATE/PROFILE/engine-cache`) (vLLM "
+            "`VLLM_CACHE_ROOT`; SGLang `TORCHINDUCTOR_CACHE_DIR` and `TRITON_CACHE_DIR` below it), kept "
+            "across `down`/`up`; a relative path is below `STATE/PROFILE`; a variable set in `engine.env` "
+            'wins (see "Start phases, ETA, engine cache, prefetch")'
+        ),
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

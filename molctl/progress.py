@@ -16,8 +16,9 @@ class Progress(Protocol):
     def warn(self, message: str) -> None:
         """Something the operator must know even with --json (a record kept, a process left alone)."""
 
-    def waiting(self, elapsed: float, deadline: float, phase: str, detail: str) -> None:
-        """Still waiting for the engine: `phase` from its log, `detail` from the last readiness probe."""
+    def waiting(self, elapsed: float, deadline: float, phase: str, detail: str, eta: str | None = None) -> None:
+        """Still waiting for the engine: `phase` from its log (molctl.phases), `detail` from the last
+        readiness probe, `eta` from this host's earlier starts (molctl.starthistory)."""
 
     def check_report(self, report) -> None:
         """The preflight failed: its failures and warnings."""
@@ -35,7 +36,7 @@ class SilentProgress:
     def warn(self, message: str) -> None:
         pass
 
-    def waiting(self, elapsed: float, deadline: float, phase: str, detail: str) -> None:
+    def waiting(self, elapsed: float, deadline: float, phase: str, detail: str, eta: str | None = None) -> None:
         pass
 
     def check_report(self, report) -> None:

@@ -15,7 +15,7 @@ from molctl import stackconfig
 from molctl.engines import get_engine
 from molctl.engines.base import READYZ_ENGINE_PROBE_MIN_S
 from molctl.errors import ProfileError
-from molctl.processes import members, stack_pids
+from molctl.processes import members, stack_pids, tail
 from molctl.profiles import Profile, load_profile
 from molctl.stacks import component_url, known_or_recorded, marked_for, recorded_config, unrecorded_marked
 from molctl.state import (
@@ -194,6 +194,7 @@ def _add_details(
         from molctl.canary import brief
 
         out["canary"] = brief(recorded_canary)
+    _add_start(out, state_dir, name, profile, records.get("engine"))
     if "proxy" in records:
         out["endpoint"] = component_url(records["proxy"]) + "/v1"
         proxy_alive = any(c["name"] == "proxy" and c["alive"] for c in components)
@@ -204,6 +205,32 @@ def _add_details(
     gpus = _gpu_usage(state_dir, name, gpu_probe) if out["state"] != "stopped" else []
     if gpus:
         out["gpus"] = gpus
+
+
+def _add_start(out: dict[str, Any], state_dir: Path, name: str, profile: Profile | None, engine: Record | None) -> None:
+    """The engine cache and the last start's phases (recorded by `up`); while the stack starts,
+    its phase (from the engine's log) and the time left (molctl.starthistory)."""
+    extra = (engine.extra or {}) if engine is not None else {}
+    if isinstance(extra.get("cache"), dict):
+        out["cache"] = extra["cache"]
+    if isinstance(extra.get("start"), dict):
+        out["last_start"] = extra["start"]
+    if out["state"] != "starting" or profile is None:
+        return
+    from molctl import starthistory
+    from molctl.phases import log_phase
+
+    found = log_phase(get_engine(profile.engine.kind).phases, tail(engine.log, 50)) if engine is not None else None
+    phase, detail = found or ("config", "")
+    if engine is not None and "canary" in extra:
+        phase, detail = "proxy", ""
+    est = starthistory.estimate(state_dir, name)
+    elapsed = time.time() - engine.started_at if engine is not None else 0.0
+    left = est.remaining(elapsed, phase)
+    out["phase"] = phase
+    out["phase_detail"] = detail
+    out["eta_s"] = None if left is None else round(left, 1)
+    out["eta"] = est.summary()
 
 
 def _probes(profile: Profile | None) -> dict[str, tuple[str, float]]:

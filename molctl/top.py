@@ -201,7 +201,7 @@ def unanswered_phase(phase: str | None, pid: int | None) -> str | None:
             return "stopped (SIGSTOP)"
     except psutil.Error:
         pass
-    return "not answering" if phase == "serving" else phase
+    return "not answering" if phase is not None and phase.endswith("serving") else phase
 
 
 # ---------------------------------------------------------------------------- the stack
@@ -283,7 +283,8 @@ class Top:
             if engine["health"] != 200:
                 phase = unanswered_phase(phase, engine.get("pid"))
         health = {c["name"]: c["health"] for c in stack["components"]}
-        return {"state": stack["state"], "engine_phase": phase, "health": health}
+        # while the stack starts: the time left from this host's earlier starts (molctl.starthistory)
+        return {"state": stack["state"], "engine_phase": phase, "health": health, "eta_s": stack.get("eta_s")}
 
     def snapshot(self) -> dict[str, Any]:
         """One frame's data: {"profile", "state", "engine_phase", "health", "metrics"}; metrics is
@@ -337,6 +338,7 @@ def frame(snap: dict[str, Any], metrics_url: str | None = None, live: bool = Fal
         (snap["profile"], "bold cyan"),
         f"  state {snap['state']}",
         f"  engine {snap['engine_phase'] or '-'}",
+        f"  ETA {snap['eta_s']:.0f} s" if snap.get("eta_s") is not None else "",
         "  (q quits)" if live else "",
     )
     m = snap["metrics"]

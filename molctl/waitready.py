@@ -2,9 +2,13 @@
 the systemd units `molctl render systemd` writes).
 
     python -m molctl.waitready [--profiles-dir DIR]... engine PROFILE --timeout S [--set-json JSON]
+            [--state-dir DIR]
         PROFILE's engine is ready as `up` decides it (molctl.readiness.EngineReadiness: /health,
         L0-L3 under the right parent, the version where the engine reports it, a 1-token
-        completion per adapter), polled at its `engine.host`/`engine.port`.
+        completion per adapter), polled at its `engine.host`/`engine.port`. With --state-dir, it
+        says the ETA from this host's earlier starts (molctl.starthistory) when it begins and
+        every 30 s while it waits (with the last poll's detail: the unit's log is the journal's,
+        not a file molctl reads phases from), and records the start's total when it ends ready.
     python -m molctl.waitready url URL --timeout S
         URL answers 200 (the proxy's /readyz).
 
@@ -53,6 +57,36 @@ def _engine_readiness(profile_name: str, profiles_dirs: list[Path], set_json: st
     return EngineReadiness(profile, get_engine(profile.engine.kind), url=engine_upstream(profile))
 
 
+class _History:
+    """The ETA of a unit's start from this host's earlier starts of the profile, and its record."""
+
+    EVERY_S = 30.0
+
+    def __init__(self, state_dir: Path, profile: str):
+        from molctl import starthistory
+
+        self.state_dir, self.profile = state_dir, profile
+        self.estimate = starthistory.estimate(state_dir, profile)
+        self.last = 0.0
+        print(f"molctl.waitready: engine {profile}: {starthistory.eta_text(self.estimate, 0.0, None)}", file=sys.stderr)
+
+    def on_wait(self, elapsed: float, probe: Poll) -> None:
+        from molctl.starthistory import eta_text
+
+        if elapsed - self.last >= self.EVERY_S:
+            self.last = elapsed
+            text = eta_text(self.estimate, elapsed, None)
+            print(f"molctl.waitready: engine starting, {elapsed:.0f} s ({probe.detail}); {text}", file=sys.stderr)
+
+    def record(self, elapsed: float, engine: str) -> None:
+        from molctl import starthistory
+
+        try:
+            starthistory.append(self.state_dir, self.profile, starthistory.entry(elapsed, {}, engine, None))
+        except OSError as exc:  # only the next ETA lacks it
+            print(f"molctl.waitready: could not record the start: {exc.strerror or exc}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m molctl.waitready", description=__doc__.splitlines()[0])
     parser.add_argument("--profiles-dir", action="append", default=[], type=Path)
@@ -60,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     eng = sub.add_parser("engine")
     eng.add_argument("profile")
     eng.add_argument("--set-json", default=None)
+    eng.add_argument("--state-dir", default=None, type=Path)
     url = sub.add_parser("url")
     url.add_argument("url")
     for p in (eng, url):
@@ -71,8 +106,14 @@ def main(argv: list[str] | None = None) -> int:
             if args.what == "engine"
             else _UrlReadiness(args.url)
         )
+        history = _History(args.state_dir, args.profile) if args.what == "engine" and args.state_dir else None
         probe, elapsed = wait_ready(
-            readiness, args.timeout, check_alive=lambda: None, on_wait=lambda *_: None, clock=time.monotonic, poll_s=1.0
+            readiness,
+            args.timeout,
+            check_alive=lambda: None,
+            on_wait=history.on_wait if history else lambda *_: None,
+            clock=time.monotonic,
+            poll_s=1.0,
         )
     except MolctlError as exc:
         print(f"molctl.waitready: {exc}", file=sys.stderr)
@@ -82,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(ExitStatus.USAGE)
     if probe.state == "ready":
         print(f"molctl.waitready: {args.what} ready after {elapsed:.0f} s ({probe.detail})", file=sys.stderr)
+        if history is not None:
+            history.record(elapsed, readiness.profile.engine.kind)
         return 0
     status = {"adapters": ExitStatus.ADAPTERS, "version": ExitStatus.CHECK_FAILED}.get(probe.state, ExitStatus.TIMEOUT)
     print(f"molctl.waitready: {args.what} not ready after {elapsed:.0f} s: {probe.detail}", file=sys.stderr)

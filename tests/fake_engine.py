@@ -908,15 +908,34 @@ def main() -> None:
     if env.get("FAKE_ANSWER_DELAY"):
         STATE.config["answer_delay"] = float(env["FAKE_ANSWER_DELAY"])
     apply_canary_env(STATE.config, STATE.base)
+    # the start-up lines vLLM 0.32 logs (molctl.engines.vllm phases), each phase's own
+    print("INFO [api_utils.py:286] non-default args: {'model': 'fake'}", flush=True)
+    print("INFO [cpu_model_runner.py:68] Starting to load model fake...", flush=True)
     for i in range(2):
         print(f"Loading safetensors checkpoint shards: {50 * (i + 1)}% Completed | {i + 1}/2", flush=True)
+    print("INFO [default_loader.py:501] Loading weights took 0.01 seconds", flush=True)
+    cache = env.get("VLLM_CACHE_ROOT")
+    if cache:  # vLLM's torch.compile cache (vllm/compilation/backends.py): loaded when there, else written
+        compiled = os.path.join(cache, "torch_compile_cache", "fake-graph")
+        if os.path.exists(compiled):
+            print(
+                "INFO [backends.py:296] Directly load the compiled graph(s) for compile range (1, 8) from the cache",
+                flush=True,
+            )
+        else:
+            print("INFO [backends.py:399] Compiling a graph for compile range (1, 8) takes 0.00 s", flush=True)
+            os.makedirs(os.path.dirname(compiled), exist_ok=True)
+            with open(compiled, "w") as f:
+                f.write("fake compiled graph\n")
     time.sleep(float(env.get("FAKE_STARTUP_DELAY", "0")))
     gate = env.get("FAKE_STARTUP_GATE")
     while gate and not os.path.exists(gate):
         time.sleep(0.05)
+    print("INFO [core.py:402] init engine (profile, create kv cache, warmup model) took 0.01 s", flush=True)
     if env.get("FAKE_EXIT"):
         print("RuntimeError: CUDA out of memory (simulated)", flush=True)
         sys.exit(int(env["FAKE_EXIT"]))
+    print("INFO [entry.py:140] Starting vLLM server on http://fake", flush=True)
     print("Application startup complete.", flush=True)
     web.run_app(
         make_app(),

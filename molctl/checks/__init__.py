@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from molctl.checks import engine, host, model, template, verify
+from molctl.checks import engine, host, loadstrategy, model, template, verify
 from molctl.checks import live as live_checks
 from molctl.checks.result import CheckResult, Probes, Report
 
@@ -41,7 +41,7 @@ def run_checks(profile, probes: Probes, skip: Iterable[str] = ()) -> Report:
     runners = {
         "engine": engine.run,
         "gpu": host.run_gpu,
-        "model": model.run_model,
+        "model": lambda p, pr: [*model.run_model(p, pr), *loadstrategy.run(p, pr)],
         "adapter": model.run_adapters,
         "template": template.run,
         "port": host.run_ports,

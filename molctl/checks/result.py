@@ -39,6 +39,8 @@ class Probes:
     verify: Any = None  # a molctl.checks.verify.Verify: add the `lock` category (check/up --verify)
     # engine.python -> its torch build (molctl.cudacompat.TorchBuild; None: no torch): the CUDA runtime gpu.driver compares
     torch_build: Callable[[str], Any] = field(default_factory=lambda: torch_build)
+    mounts: Callable[[], str] = field(default_factory=lambda: _proc_mounts)  # /proc/mounts (model.load-strategy)
+    available_memory: Callable[[], int] = field(default_factory=lambda: _available_memory)
 
 
 @dataclass
@@ -64,3 +66,16 @@ def describe(paths: list[str], limit: int = 3) -> str:
     """'a, b, c and 4 more' for details that must stay one line."""
     shown = ", ".join(paths[:limit])
     return shown + (f" and {len(paths) - limit} more" if len(paths) > limit else "")
+
+
+def _proc_mounts() -> str:
+    try:
+        return Path("/proc/mounts").read_text()
+    except OSError:
+        return ""
+
+
+def _available_memory() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().available)

@@ -303,9 +303,11 @@ class Engine(abc.ABC):
     # the engine refuses (or worse) a second request in flight under one id: the body's id gets a
     # random suffix, since a client's own X-Request-Id (which the hop id extends) may repeat
     request_id_unique = False
-    # (regex, label) pairs read from the engine's log to show the start-up phase; the last
-    # matching line wins; a label may use the regex groups ("{0}/{1}").
-    phases: tuple[tuple[str, str], ...] = ()
+    # (regex, phase, detail) read from the engine's log: the start-up phase (molctl.phases.PHASES)
+    # and its detail, which may use the regex groups ("{0}%"); the last matching line wins
+    phases: tuple[tuple[str, str, str], ...] = ()
+    # the flag that picks how the engine reads safetensors (molctl.checks.loadstrategy); None: none
+    load_strategy_flag: str | None = None
 
     # Vendor sampling and generation fields a client may send, forwarded on the answer hop as
     # sent (never on the route or summary hop): name -> the JSON kind molctl.proxy.apis.chat_validation
@@ -562,15 +564,16 @@ class Engine(abc.ABC):
         value = profile.engine.args.get("max-lora-rank")
         return value if isinstance(value, int) and not isinstance(value, bool) else None
 
-    def phase(self, log_lines: list[str]) -> str | None:
-        import re
+    def cache_env(self, cache_dir) -> dict[str, str]:
+        """The variables that point the engine at its persistent cache dir (molctl.enginecache)."""
+        return {}
 
-        for line in reversed(log_lines):
-            for pattern, label in reversed(self.phases):
-                m = re.search(pattern, line)
-                if m:
-                    return label.format(*m.groups())
-        return None
+    def phase(self, log_lines: list[str]) -> str | None:
+        """The start-up phase the log's newest matching line names, as a label ("loading weights 50%")."""
+        from molctl.phases import label, log_phase
+
+        found = log_phase(self.phases, log_lines)
+        return label(*found) if found else None
 
     def adapter_pairs(self, profile: Profile) -> list[str]:
         return [f"{route}={profile.adapter_dir(route)}" for route in ROUTES]

@@ -160,15 +160,29 @@ class SglangEngine(Engine):
             return f"{name!r} contains ':', which SGLang reads as base:adapter (serving_base.py)"
         return None  # the default /health generates a token and answers after >= 1 s
 
+    def cache_env(self, cache_dir) -> dict[str, str]:
+        # https://docs.sglang.io/references/torch_compile_cache.html: TORCHINDUCTOR_CACHE_DIR keeps
+        # torch.compile's artifacts; TRITON_CACHE_DIR its Triton kernels (default ~/.triton/cache)
+        return {"TORCHINDUCTOR_CACHE_DIR": f"{cache_dir}/inductor", "TRITON_CACHE_DIR": f"{cache_dir}/triton"}
+
+    # SGLang 0.5 (scheduler / model_runner.py): "server_args=", "Load weight begin", tqdm's
+    # "Loading safetensors checkpoint shards", "Load weight end", "KV Cache is allocated" /
+    # "Memory pool end", "Capture cuda graph begin" / "Capturing batches", torch.compile under
+    # --enable-torch-compile ("Compiling"), uvicorn's "Uvicorn running", then its warm-up
+    # request and "The server is fired up and ready to roll" (tests/fake_sglang.py logs these)
     phases = (
-        (r"server_args=|ServerArgs\(", "engine config"),
-        (r"Load weight begin", "loading model"),
-        (r"Loading safetensors checkpoint shards:.*?(\d+)/(\d+)", "shards loaded {0}/{1}"),
-        (r"Load weight end", "weights loaded"),
-        (r"KV Cache is allocated|Memory pool end", "KV cache"),
-        (r"Capture cuda graph|Capturing batches", "graph capture"),
-        (r"Uvicorn running|Application startup complete", "warming up"),
-        (r"The server is fired up and ready to roll", "serving"),
+        (r"server_args=|ServerArgs\(", "config", ""),
+        (r"Load weight begin", "weights", ""),
+        (
+            r"Loading safetensors checkpoint shards:\s*(\d+)% Completed \| (\d+)/(\d+)",
+            "weights",
+            "{0}% ({1}/{2} shards)",
+        ),
+        (r"Load weight end", "weights", "100%"),
+        (r"KV Cache is allocated|Memory pool end", "kv_cache", ""),
+        (r"Capture cuda graph|Capturing batches", "cuda_graphs", ""),
+        (r"Uvicorn running|Application startup complete", "api_server", "warming up"),
+        (r"The server is fired up and ready to roll", "api_server", "serving"),
     )
 
     def probe_install(self, python: str) -> EngineInstall:

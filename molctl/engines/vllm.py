@@ -85,15 +85,40 @@ class VllmEngine(Engine):
     # (request_logger.log_request_body) under the body's `request_id` (a random uuid unless set,
     # vllm/entrypoints/openai/chat_completion/protocol.py): the proxy sets both to the hop's id.
     request_id_field = "request_id"
+
+    load_strategy_flag = "safetensors-load-strategy"  # vllm/config/load.py, in the 0.24 and 0.32 parsers
+
+    def cache_env(self, cache_dir) -> dict[str, str]:
+        # vllm/envs.py VLLM_CACHE_ROOT (default ~/.cache/vllm): the torch.compile cache below it
+        return {"VLLM_CACHE_ROOT": str(cache_dir)}
+
+    # vllm 0.32 and 0.24 (CPU and GPU builds): api_utils.py "non-default args", core.py
+    # "Initializing a V1 LLM engine"; the model runner's "Starting to load model"; tqdm's
+    # "Loading safetensors checkpoint shards: 50% Completed | 1/2"; default_loader.py "Loading
+    # weights took"; compilation/backends.py "Dynamo bytecode transform time", "Compiling a graph
+    # for compile range", "Directly load the compiled graph(s)"; core.py "init engine (profile,
+    # create kv cache, ...)", kv_cache_utils.py "GPU/CPU KV cache size", gpu_worker.py "Available
+    # KV cache memory"; gpu_model_runner.py "Capturing CUDA graphs", "Graph capturing finished";
+    # entry.py/api_server.py "Starting vLLM (API) server", launcher.py "Available routes are",
+    # uvicorn's "Application startup complete" (checked against the CPU log in BENCHMARKS.md)
     phases = (
-        (r"non-default args|Initializing a V1 LLM engine|vLLM API server version", "engine config"),
-        (r"Starting to load model|Loading model from", "loading model"),
-        (r"Loading safetensors checkpoint shards:.*?(\d+)/(\d+)", "shards loaded {0}/{1}"),
-        (r"Loading weights took|Model loading took", "weights loaded"),
-        (r"init engine \(profile, create kv cache|(GPU|CPU) KV cache size|Available KV cache memory", "KV cache"),
-        (r"Capturing CUDA graphs|Graph capturing finished", "graph capture"),
-        (r"Starting vLLM API server|Started server process|Available routes are", "starting API server"),
-        (r"Application startup complete", "serving"),
+        (r"non-default args|Initializing a V1 LLM engine|vLLM API server version", "config", ""),
+        (r"Starting to load model|Loading model from", "weights", ""),
+        (
+            r"Loading safetensors checkpoint shards:\s*(\d+)% Completed \| (\d+)/(\d+)",
+            "weights",
+            "{0}% ({1}/{2} shards)",
+        ),
+        (r"Loading weights took|Model loading took", "weights", "100%"),
+        (
+            r"Dynamo bytecode transform|Compiling a graph for|Directly load the compiled graph|torch.compile takes",
+            "compile",
+            "",
+        ),
+        (r"init engine \(profile, create kv cache|(?:GPU|CPU) KV cache size|Available KV cache memory", "kv_cache", ""),
+        (r"Capturing CUDA graphs|Graph capturing finished", "cuda_graphs", ""),
+        (r"Starting vLLM (?:API )?server|Started server process|Available routes are", "api_server", ""),
+        (r"Application startup complete", "api_server", "serving"),
     )
 
     # vLLM 0.32's ChatCompletionRequest beyond OpenAI's fields

@@ -127,6 +127,7 @@ class Stack:
     engine_argv: list[str]
     engine_env: dict[str, str]  # the profile's part of it (`engine.env`); unset_env is the renderer's job
     proxy_argv: list[str]  # without --proxy-arg
+    cache_dir: Path | None = None  # the engine's persistent cache (molctl.enginecache), in engine_env already
 
 
 def load_stack(
@@ -170,7 +171,11 @@ def load_stack(
     proxy = proxy_argv(
         profile, up_opts, key_args, upstream or engine_upstream(profile), python=python, state_dir=state_dir
     )
-    return Stack(profile, config, engine_argv(profile), engine_env(profile, base={}), proxy)
+    from molctl.enginecache import cache_dir
+    from molctl.state import default_state_dir
+
+    cache = cache_dir(profile, state_dir or default_state_dir())
+    return Stack(profile, config, engine_argv(profile), engine_env(profile, base={}, cache_dir=cache), proxy, cache)
 
 
 def _refuse_secret_args(profile: Profile, source: str) -> None:

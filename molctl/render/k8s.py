@@ -289,7 +289,7 @@ def _pod_spec(stack: Stack, opts: RenderOptions, obj_name: str, password_ref: di
         "terminationGracePeriodSeconds": grace_period_s(opts),
         "enableServiceLinks": False,  # no FOO_PORT=tcp://... variables from other Services in the engine's environment
         "containers": [_engine_container(stack, opts, engine), _proxy_container(stack, opts, engine, password_ref)],
-        "volumes": _volumes(stack.profile, opts, obj_name),
+        "volumes": [*_volumes(stack.profile, opts, obj_name), _cache_volume(obj_name)],
     }
 
 
@@ -321,6 +321,7 @@ def _engine_container(stack: Stack, opts: RenderOptions, engine) -> dict[str, An
         "volumeMounts": [
             {"name": "model", "mountPath": str(profile.model_root), "readOnly": True},
             {"name": "dshm", "mountPath": "/dev/shm"},
+            {"name": "engine-cache", "mountPath": str(stack.cache_dir)},
         ],
         "startupProbe": {
             **exec_probe,
@@ -392,6 +393,12 @@ def _proxy_container(stack: Stack, opts: RenderOptions, engine, password_ref: di
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_DELAY_S}}},
     }
     return proxy_container
+
+
+def _cache_volume(obj_name: str) -> dict[str, Any]:
+    """The engine's compile and kernel caches (molctl.enginecache), kept on the node across pod
+    restarts: a restart on the same node skips torch.compile and kernel autotuning."""
+    return {"name": "engine-cache", "hostPath": {"path": f"/var/cache/molctl/{obj_name}", "type": "DirectoryOrCreate"}}
 
 
 def _volumes(profile: Profile, opts: RenderOptions, obj_name: str) -> list[dict[str, Any]]:

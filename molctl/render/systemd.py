@@ -20,7 +20,8 @@ from molctl.render import (
     _store_overrides,
     load_stack,
 )
-from molctl.start import PROXY_READY_TIMEOUT_S
+from molctl.starter import PROXY_READY_TIMEOUT_S
+from molctl.state import default_state_dir
 
 
 def render_systemd(
@@ -69,6 +70,7 @@ def render_systemd(
     engine_wait = [*wait, "engine", name, "--timeout", f"{profile.engine.start_timeout_s:g}"]
     if set_json:
         engine_wait += ["--set-json", set_json]
+    engine_wait += ["--state-dir", str(state_dir or default_state_dir())]  # the ETA's history (molctl.starthistory)
     proxy_wait = [*wait, "url", f"{proxy_url(profile)}/readyz", "--timeout", f"{PROXY_READY_TIMEOUT_S:g}"]
     user = [f"User={opts.user}"] if opts.user else []
     engine_lines = _engine_unit(name, stack, opts, engine_wait, user)

@@ -16,6 +16,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from molctl.engines import get_engine
 from molctl.errors import ExitStatus
 from molctl.launch import UpOptions
 from molctl.profiles import load_profile, profile_dirs
@@ -28,7 +29,7 @@ from molctl.render import (
     STATE_MOUNT,
     STOP_MARGIN_S,
 )
-from molctl.start import _Starter
+from molctl.starter import _Starter
 from molctl.stop import ENGINE_STOP_TIMEOUT_S
 from tests.helpers import Molctl, free_port
 from tests.procs import fake_engine_argv, running
@@ -170,7 +171,11 @@ def test_k8s_args_are_the_argv_up_runs(render, profile):
     # the engine's environment: the profile's engine.env as `up` sets it, unset_env removed by `env -u`
     prof = load_profile(profile, profile_dirs())
     env = {e["name"]: e["value"] for e in containers["engine"]["env"]}
-    assert env == dict(prof.engine.env) and all(engine_env[k] == v for k, v in env.items())
+    # ... and the persistent engine cache below the state dir (molctl.enginecache), mounted as a volume
+    cache = Path(STATE_MOUNT) / profile / "engine-cache"
+    cache_env = get_engine(prof.engine.kind).cache_env(cache)
+    assert env == {**cache_env, **prof.engine.env} and all(engine_env[k] == v for k, v in env.items())
+    assert {"name": "engine-cache", "mountPath": str(cache)} in containers["engine"]["volumeMounts"]
     unset = containers["engine"]["command"]
     assert unset[0] == "env" and unset[1::2] == ["-u"] * len(prof.engine.unset_env)
     assert unset[2::2] == list(prof.engine.unset_env) and not set(prof.engine.unset_env) & set(engine_env)
@@ -467,7 +472,8 @@ def test_systemd_units(render, profile, tmp_path):
     )
     assert shlex.split(engine["ExecStart"][0]) == spawned["engine"][0]
     assert shlex.split(proxy["ExecStart"][0]) == spawned["proxy"][0]
-    assert engine["Environment"] == [f'"{k}={v}"' for k, v in prof.engine.env.items()]
+    cache_env = get_engine(prof.engine.kind).cache_env(render.state_dir / profile / "engine-cache")
+    assert engine["Environment"] == [f'"{k}={v}"' for k, v in {**cache_env, **prof.engine.env}.items()]
     assert engine["UnsetEnvironment"] == [" ".join(prof.engine.unset_env)]
     wait = shlex.split(engine["ExecStartPost"][0])
     assert wait[:5] == [sys.executable, "-m", "molctl.waitready", "engine", profile]
@@ -568,6 +574,21 @@ def test_waitready_engine_against_the_fake_engine():
     ):
         bad = _waitready("engine", "tiny", "--timeout", "30", "--set-json", f'[["engine.port", {missing_port}]]')
         assert bad.returncode == ExitStatus.ADAPTERS and "adapter L3 is missing" in bad.stderr
+
+
+def test_waitready_says_the_eta_and_records_the_start_in_the_state_dir(tmp_path):
+    """The systemd readiness step: no ETA on the first start, one from the history on the next."""
+    from molctl import starthistory
+
+    port = free_port()
+    set_json = f'[["engine.port", {port}]]'
+    with running(fake_engine_argv(port), f"http://127.0.0.1:{port}/health"):
+        args = ("engine", "tiny", "--timeout", "30", "--set-json", set_json, "--state-dir", str(tmp_path))
+        first = _waitready(*args)
+        assert first.returncode == 0 and "no ETA yet" in first.stderr, first.stderr
+        second = _waitready(*args)
+        assert second.returncode == 0 and "ETA " in second.stderr and "median of 1 earlier start" in second.stderr
+    assert [s["engine"] for s in starthistory.load(tmp_path, "tiny")] == ["vllm", "vllm"]
 
 
 def test_waitready_url_times_out_on_a_closed_port():

@@ -169,12 +169,13 @@ def test_a_starting_stack_shows_the_engines_load_phase(host, tmp_path):
         return json.loads(r.stdout) if r.exit_code == ExitStatus.OK else None
 
     try:
-        # the fake engine logs vLLM's shard lines, then waits for the gate: the phase `up` prints
-        assert wait_for(lambda: (frame() or {}).get("engine_phase") == "shards loaded 2/2", timeout=30), frame()
+        # the fake engine logs vLLM's weights and compile lines, then waits for the gate: the phase `up` prints
+        assert wait_for(lambda: (frame() or {}).get("engine_phase") == "torch.compile", timeout=30), frame()
         data = frame()
         assert data["state"] == "starting" and data["metrics"] is None  # tiny sets no proxy.metrics_port
+        assert data["eta_s"] is None  # the first start of tiny on this host: no history, no ETA
         once = host.molctl("top", "tiny", "--once")
-        assert "state starting" in once.stdout and "engine shards loaded 2/2" in once.stdout
+        assert "state starting" in once.stdout and "engine torch.compile" in once.stdout
         assert "no proxy metrics: no proxy.metrics_port in the profile" in once.stdout
     finally:
         gate.touch()

@@ -110,7 +110,8 @@ def test_a_stopped_engine_is_not_serving():
         proc.kill()
         proc.wait()
     assert unanswered_phase("serving", None) == "not answering"
-    assert unanswered_phase("shards loaded 2/2", None) == "shards loaded 2/2"
+    assert unanswered_phase("API server: serving", None) == "not answering"
+    assert unanswered_phase("loading weights: 100% (2/2 shards)", None) == "loading weights: 100% (2/2 shards)"
 
 
 class SlowTop:

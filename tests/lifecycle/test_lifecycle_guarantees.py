@@ -414,14 +414,14 @@ def _in_process(host: Host) -> Molctl:
 def test_a_record_that_cannot_be_written_stops_the_component(host, monkeypatch):
     """The disk is full (or the dir immutable) when the engine's record is written, right after
     the spawn: the engine is stopped at once, and the error is one line, exit 1."""
-    import molctl.start
+    import molctl.starter
 
     profile_dir = host.state / "tiny"
     (profile_dir / "logs").mkdir(parents=True)
     for d in (host.state, profile_dir):
         d.chmod(0o700)
     spawned = []
-    real_spawn = molctl.start.spawn
+    real_spawn = molctl.starter.spawn
 
     def spawn(*args, **kwargs):
         spawned.append(real_spawn(*args, **kwargs))
@@ -430,8 +430,8 @@ def test_a_record_that_cannot_be_written_stops_the_component(host, monkeypatch):
     def write_record(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(molctl.start, "spawn", spawn)
-    monkeypatch.setattr(molctl.start, "write_record", write_record)
+    monkeypatch.setattr(molctl.starter, "spawn", spawn)
+    monkeypatch.setattr(molctl.starter, "write_record", write_record)
     r = _in_process(host)("up", "tiny", *host.args())
     assert r.exit_code == ExitStatus.ERROR, r.stderr
     assert "could not write the engine record" in r.stderr and "No space left on device" in r.stderr

@@ -237,15 +237,15 @@ def test_progress_phases_from_the_sglang_log():
 
     engine = get_engine("sglang")
     lines = ["server_args=ServerArgs(model_path='/m', tp_size=8)", "Load weight begin. avail mem=139.50 GB"]
-    assert engine.phase(lines) == "loading model"
+    assert engine.phase(lines) == "loading weights"
     lines.append("Loading safetensors checkpoint shards:  50% Completed | 71/141 [01:02<01:00]")
-    assert engine.phase(lines) == "shards loaded 71/141"
+    assert engine.phase(lines) == "loading weights: 50% (71/141 shards)"
     lines += ["Load weight end. type=GlmMoeDsaForCausalLM", "KV Cache is allocated. #tokens: 1000000"]
     assert engine.phase(lines) == "KV cache"
     lines.append("Application startup complete.")
-    assert engine.phase(lines) == "warming up"
+    assert engine.phase(lines) == "API server: warming up"
     lines.append("The server is fired up and ready to roll!")
-    assert engine.phase(lines) == "serving"
+    assert engine.phase(lines) == "API server: serving"
 
 
 def wait_gone(pid: int, timeout: float = 10.0) -> bool:

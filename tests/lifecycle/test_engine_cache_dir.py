@@ -1,0 +1,51 @@
+"""Each profile's persistent engine cache dir (issue 44): the default below the state dir, a
+relative `engine.cache_dir` below STATE/PROFILE, an absolute or ~ one as given; the variables
+each engine reads; a wrong type is the one-line profile error naming the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from molctl.enginecache import cache_dir, prepare
+from molctl.engines import get_engine
+from molctl.errors import ProfileError
+from molctl.launch import engine_env
+from molctl.profiles import load_profile, profile_dirs
+
+
+def test_the_cache_dir_defaults_below_the_state_dir_and_follows_the_profile(tmp_path):
+    state = tmp_path / "state"
+    tiny = load_profile("tiny", profile_dirs())
+    assert cache_dir(tiny, state) == state / "tiny" / "engine-cache"
+    rel = load_profile("tiny", profile_dirs(), [("engine.cache_dir", "cache/vllm")])
+    assert cache_dir(rel, state) == state / "tiny" / "cache" / "vllm"
+    absolute = load_profile("tiny", profile_dirs(), [("engine.cache_dir", str(tmp_path / "shared"))])
+    assert cache_dir(absolute, state) == tmp_path / "shared"
+    home = load_profile("tiny", profile_dirs(), [("engine.cache_dir", "~/vllm-cache")])
+    assert cache_dir(home, state) == Path.home() / "vllm-cache"
+
+
+def test_prepare_says_whether_an_earlier_start_left_it_warm(tmp_path):
+    tiny = load_profile("tiny", profile_dirs())
+    first = prepare(tiny, tmp_path)
+    assert first["warm"] is False and (Path(first["dir"]).stat().st_mode & 0o777) == 0o700
+    (Path(first["dir"]) / "torch_compile_cache").mkdir()
+    assert prepare(tiny, tmp_path) == {"dir": first["dir"], "warm": True}
+
+
+def test_the_engine_reads_it_from_its_own_variables_and_engine_env_wins(tmp_path):
+    tiny = load_profile("tiny", profile_dirs())
+    assert engine_env(tiny, base={}, cache_dir=tmp_path)["VLLM_CACHE_ROOT"] == str(tmp_path)
+    mine = load_profile("tiny", profile_dirs(), [("engine.env.VLLM_CACHE_ROOT", "/mine")])
+    assert engine_env(mine, base={}, cache_dir=tmp_path)["VLLM_CACHE_ROOT"] == "/mine"
+    assert get_engine("sglang").cache_env(tmp_path) == {
+        "TORCHINDUCTOR_CACHE_DIR": f"{tmp_path}/inductor",
+        "TRITON_CACHE_DIR": f"{tmp_path}/triton",
+    }
+
+
+def test_a_cache_dir_that_is_not_a_string_names_the_field():
+    with pytest.raises(ProfileError, match="engine.cache_dir"):
+        load_profile("tiny", profile_dirs(), [("engine.cache_dir", 5)])
