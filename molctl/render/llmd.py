@@ -156,7 +156,8 @@ def _engines(
         "VLLM_CACHE_ROOT": f"{ENGINE_CACHE_MOUNT}/vllm",  # torch.compile artifacts (vllm/envs.py)
         "TRITON_CACHE_DIR": f"{ENGINE_CACHE_MOUNT}/triton",
     }
-    env = {**cache_env, **stack.engine_env}  # the profile's engine.env wins
+    # the caches on the pod's volume, not where `up` would keep them on this host; the profile's engine.env wins
+    env = {**stack.engine_env, **cache_env, **profile.engine.env}
     health = {"httpGet": {"path": "/health", "port": "engine"}, "timeoutSeconds": 5}
     container: dict[str, Any] = {
         "name": "engine",
