@@ -173,8 +173,6 @@ def layer_of(module: str) -> int | None:
             hit = module == prefix or (module.startswith(prefix + ".") and prefix != "molctl")
             if hit and len(prefix) > best_len:
                 best, best_len = index, len(prefix)
-    if best is None and module.startswith("molctl.cli"):  # cli, clibase, cliproxy, clirender...
-        best = len(LAYERS) - 1
     return best
 
 
