@@ -16,7 +16,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from molctl.engines import get_engine  # noqa: E402
-from molctl.launch import engine_env  # noqa: E402
+from molctl.lifecycle.launch import engine_env  # noqa: E402
 from molctl.profiles import load_profile, profile_dirs  # noqa: E402
 from tests.helpers import free_port  # noqa: E402
 

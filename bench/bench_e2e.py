@@ -23,7 +23,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from molctl.engines import get_engine  # noqa: E402
-from molctl.launch import engine_env  # noqa: E402
+from molctl.lifecycle.launch import engine_env  # noqa: E402
 from molctl.profiles import ROUTES, load_profile, profile_dirs, route_instruction  # noqa: E402
 from molctl.proxy.pipeline.views import route_input, route_messages  # noqa: E402
 from tests.e2e.test_e2e import Stack  # noqa: E402

@@ -220,7 +220,7 @@ def _write_base(base: Path, vocab: int, rng, intermediate: int = INTERMEDIATE) -
 
 
 # Adapters "with no effect" (`molctl demo init --no-effect ROUTE=KIND`), for proving the adapter
-# efficacy canary of `up` (molctl.canary) on a real engine:
+# efficacy canary of `up` (molctl.lifecycle.canary) on a real engine:
 #   zero-b:     the usual q_proj/v_proj adapter with every lora_B weight zero (delta W = B A = 0);
 #   off-target: a working adapter on o_proj only, which an engine started with
 #               --lora-target-modules q_proj v_proj (ENGINE_TARGET_MODULES) leaves out: vLLM loads

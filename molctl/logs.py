@@ -35,7 +35,7 @@ def _pick_profile(state_dir: Path, profile: str | None) -> str:
     """The named profile; else the running stack; else the profile with the newest log."""
     if profile:
         return profile
-    from molctl.stacks import running_profiles
+    from molctl.lifecycle.stacks import running_profiles
 
     try:
         names = sorted(d.name for d in state_dir.iterdir() if (d / "logs").is_dir()) if state_dir.is_dir() else []
@@ -189,7 +189,7 @@ def show_logs(
         raise UsageError(f"--lines {lines}: expected 0 or more")
     check_readable(ctx.state_dir)
     if profile:
-        from molctl.stacks import known_or_recorded
+        from molctl.lifecycle.stacks import known_or_recorded
 
         known_or_recorded(ctx, profile)  # a typo is exit 3 listing the known profiles
     name = _pick_profile(ctx.state_dir, profile)

@@ -203,7 +203,7 @@ def engine_section(profile: Profile, state_dir: Path | None) -> dict[str, Any]:
 
 
 def pinned_env(profile: Profile, environ: dict[str, str] | None = None) -> dict[str, str]:
-    """The engine environment as `up` builds it (molctl.launch.engine_env), restricted to what can
+    """The engine environment as `up` builds it (molctl.lifecycle.launch.engine_env), restricted to what can
     change the engine's behaviour: the profile's `engine.env` plus ambient engine, CUDA, NCCL,
     Hugging Face, torch and library-path variables; secrets redacted (`redact_value`)."""
     base = dict(os.environ if environ is None else environ)

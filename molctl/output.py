@@ -1,7 +1,7 @@
 """The one place that renders results: rich tables for people, JSON for machines.
 
 Commands hand plain data (dicts, reports) to an `Output` method; nothing else prints. The
-progress of `up`, `down` and `switch` (`molctl.progress.Progress`) is `ConsoleProgress`."""
+progress of `up`, `down` and `switch` (`molctl.lifecycle.progress.Progress`) is `ConsoleProgress`."""
 
 from __future__ import annotations
 
@@ -227,7 +227,7 @@ class Output:
             if stack.get("adapters") not in (None, "ok"):
                 self.line(f"{stack['profile']}: adapters: {stack['adapters']}")
             if stack.get("canary"):
-                from molctl.canary import summary_line
+                from molctl.lifecycle.canary import summary_line
 
                 self.line(f"{stack['profile']}: {summary_line(stack['canary'])}")
             if stack.get("phase"):
@@ -428,7 +428,7 @@ class HashProgressBar:
 
 
 class ConsoleProgress:
-    """The `molctl.progress.Progress` of `up`, `down` and `switch`: a live spinner while waiting on
+    """The `molctl.lifecycle.progress.Progress` of `up`, `down` and `switch`: a live spinner while waiting on
     a terminal, plain lines otherwise; with --json only warnings (on stderr)."""
 
     PLAIN_EVERY_S = 10.0

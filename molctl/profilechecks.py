@@ -9,7 +9,7 @@ tests/package/test_import_graph.py).
 
 Every check `OWNERS` names must be registered before a profile is loaded: a missing one is a
 RuntimeError naming the module to import, never a check silently skipped. The programs import
-the owners at their entry (`molctl.cli`, the proxy server, `molctl.waitready`)."""
+the owners at their entry (`molctl.cli`, the proxy server, `molctl.lifecycle.waitready`)."""
 
 from __future__ import annotations
 

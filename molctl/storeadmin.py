@@ -50,7 +50,7 @@ def _profile(name: str, ctx) -> Profile:
     """The profile as its stack was started (the records' configuration: `up --set proxy.store=...`
     or other bounds are the store the proxy uses, as `status` reads them), else the file."""
     from molctl import stackconfig
-    from molctl.stacks import recorded_config
+    from molctl.lifecycle.stacks import recorded_config
     from molctl.state import read_records
 
     if name and "/" not in name and not name.startswith("."):

@@ -220,9 +220,9 @@ class Target:
 def find_target(ctx, name: str | None) -> Target:
     """The named stack, or the one running; NothingRunning (exit 3, one line) when nothing of it runs."""
     from molctl.engines import get_engine
-    from molctl.stacks import known_or_recorded
+    from molctl.lifecycle.stacks import known_or_recorded
+    from molctl.lifecycle.status import metrics_url
     from molctl.state import check_readable, is_same_process, profiles_with_records, read_records_checked
-    from molctl.status import metrics_url
 
     check_readable(ctx.state_dir)
     if name is not None:
@@ -269,8 +269,8 @@ class Top:
 
     def state(self) -> dict[str, Any]:
         """The stack's state and, while the engine is not ready, its load phase (from its log)."""
+        from molctl.lifecycle.status import status
         from molctl.processes import tail
-        from molctl.status import status
 
         stacks = status(self.ctx, self.target.profile)["stacks"]
         stack = stacks[0] if stacks else {"state": "stopped", "components": []}
@@ -283,7 +283,7 @@ class Top:
             if engine["health"] != 200:
                 phase = unanswered_phase(phase, engine.get("pid"))
         health = {c["name"]: c["health"] for c in stack["components"]}
-        # while the stack starts: the time left from this host's earlier starts (molctl.starthistory)
+        # while the stack starts: the time left from this host's earlier starts (molctl.lifecycle.starthistory)
         return {"state": stack["state"], "engine_phase": phase, "health": health, "eta_s": stack.get("eta_s")}
 
     def snapshot(self) -> dict[str, Any]:

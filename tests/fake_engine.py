@@ -91,7 +91,7 @@ DEFAULT_CONFIG = {
     # which ignores the field unless started for it)
     "scheduling_policy": "fcfs",
     "priority_refusal": None,  # that 400's message instead ("V1 does not support priority yet.": vLLM 0.8-0.9.1)
-    # the adapter efficacy canary (molctl.canary; /v1/completions here, /generate in the fake SGLang):
+    # the adapter efficacy canary (molctl.lifecycle.canary; /v1/completions here, /generate in the fake SGLang):
     # each model answers its own greedy tokens and logprobs, except
     "no_effect": [],  # adapters served "with no effect": the base model's tokens and logprobs (vllm#55193)
     "same_as": {},  # {adapter: other adapter}: a copy under two names, the other's tokens and logprobs

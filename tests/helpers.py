@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from molctl.errors import ExitStatus
-from molctl.readiness import base_url
+from molctl.lifecycle.readiness import base_url
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -54,7 +54,7 @@ def wait_for(predicate, timeout: float = 15.0) -> bool:
 
 
 def url(port: int, host: str = "127.0.0.1") -> str:
-    """`http://HOST:PORT`, built like molctl builds it (`molctl.readiness.base_url`)."""
+    """`http://HOST:PORT`, built like molctl builds it (`molctl.lifecycle.readiness.base_url`)."""
     return base_url(host, port)
 
 

@@ -10,7 +10,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import molctl.starter as start  # noqa: E402
+import molctl.lifecycle.starter as start  # noqa: E402
 
 
 def main() -> None:

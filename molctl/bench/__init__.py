@@ -30,7 +30,7 @@ from typing import Any
 from molctl.errors import ExitStatus, MolctlError, UsageError
 from molctl.routes import ROUTES
 
-# `canary`: the adapter efficacy canary of `up` (molctl.canary), once per run (not per concurrency):
+# `canary`: the adapter efficacy canary of `up` (molctl.lifecycle.canary), once per run (not per concurrency):
 # an engine whose adapter stopped having an effect shows in the bench report too
 SERIES = ("base", "L0", "L1", "L2", "L3", "mix", "proxy", "canary")
 FORMAT = 1
@@ -65,8 +65,8 @@ def running_profile(ctx, name: str, records: dict) -> Any:
     its profile file as it is now; neither readable: NothingRunning naming the profile."""
     from molctl import stackconfig
     from molctl.errors import ProfileError
+    from molctl.lifecycle.stacks import recorded_config
     from molctl.profiles import load_profile
-    from molctl.stacks import recorded_config
 
     profile = stackconfig.profile_from(recorded_config(records))
     if profile is not None:

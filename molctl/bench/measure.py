@@ -375,11 +375,11 @@ async def _run(target: Target, opts: BenchOptions, vram: VramSampler, samples_ou
 
 
 async def _canary_cell(target: Target, vram: VramSampler, samples_out) -> dict[str, Any]:
-    """The `canary` series: molctl.canary once, its requests (base, L0-L3, one at a time) as the
+    """The `canary` series: molctl.lifecycle.canary once, its requests (base, L0-L3, one at a time) as the
     cell's samples, an adapter with no effect counted as the error `no_effect`, the whole result
     under `canary`."""
-    from molctl import canary
     from molctl.engines import get_engine
+    from molctl.lifecycle import canary
 
     vram.phase = "canary@1"
     t0 = time.perf_counter()

@@ -32,9 +32,9 @@ from molctl.routes import ROUTES
 def find_target(ctx, name: str) -> Target:
     """The running stack of PROFILE from its records (exit 3 when nothing of it runs)."""
     from molctl.engines import get_engine
-    from molctl.stacks import component_url, known_or_recorded
+    from molctl.lifecycle.stacks import component_url, known_or_recorded
+    from molctl.lifecycle.status import metrics_url
     from molctl.state import check_own_state_dir, is_same_process, read_records_checked
-    from molctl.status import metrics_url
 
     known_or_recorded(ctx, name)
     check_own_state_dir(ctx.state_dir)  # another user's record could name the host the key is sent to

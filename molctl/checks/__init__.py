@@ -16,7 +16,7 @@ from molctl.checks import live as live_checks
 from molctl.checks.result import CheckResult, Probes, Report
 
 CATEGORIES = ("profile", "engine", "gpu", "model", "adapter", "template", "port", "state", "security")
-# categories of a live engine, not of the host: the adapter efficacy canary (molctl.canary) that
+# categories of a live engine, not of the host: the adapter efficacy canary (molctl.lifecycle.canary) that
 # `up`/`switch` run before the proxy starts and `check --live` runs against the running stack
 LIVE_CATEGORIES = ("adapter-effect",)
 

@@ -1,6 +1,6 @@
 """`molctl check PROFILE --live`: the checks of a running stack's engine, after the host checks.
 
-The `adapter-effect` category is the adapter efficacy canary of `up` (molctl.canary), run
+The `adapter-effect` category is the adapter efficacy canary of `up` (molctl.lifecycle.canary), run
 against the engine the stack's records name: `adapter-effect.L0`..`L3` pass when the adapter
 changes the base model's greedy tokens or logprobs, fail when it does not;
 `adapter-effect.distinct` warns about two adapters that answer identically;
@@ -15,9 +15,10 @@ from molctl.routes import ROUTES
 
 
 def run(profile: Profile, probes: Probes, ctx) -> list[CheckResult]:
-    from molctl import canary, stackconfig
+    from molctl import stackconfig
     from molctl.engines import get_engine
-    from molctl.stacks import component_url, recorded_config
+    from molctl.lifecycle import canary
+    from molctl.lifecycle.stacks import component_url, recorded_config
     from molctl.state import is_same_process, read_records
 
     cat = canary.CATEGORY

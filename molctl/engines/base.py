@@ -221,8 +221,8 @@ def adapter_problems(profile: Profile, engine: Engine, models: object) -> list[s
 
 @dataclass
 class Sample:
-    """One model's answer to the adapter efficacy canary's prompt (`molctl.canary`): per generated token, the token, its logprob and
-    the top logprobs at that position ({token: logprob})."""
+    """One model's answer to the adapter efficacy canary's prompt (`molctl.lifecycle.canary`): per
+    generated token, the token, its logprob and the top logprobs at that position ({token: logprob})."""
 
     tokens: list[Any] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -395,7 +395,7 @@ class Engine(abc.ABC):
         tried and reverted, 2026-12-01)."""
         return {}
 
-    # Readiness hooks (molctl.readiness calls these; the engine modules say what their engine does)
+    # Readiness hooks (molctl.lifecycle.readiness calls these; the engine modules say what their engine does)
     # The path that reports the running server's version, or None: not checked at runtime.
     version_path: str | None = None
     # asked when `version_path` answers 404 (an older release of the engine), or None
@@ -443,7 +443,7 @@ class Engine(abc.ABC):
             "messages": [{"role": "user", "content": "ping"}],
         }
 
-    # The adapter efficacy canary (molctl.canary): where it asks, what it sends for the base
+    # The adapter efficacy canary (molctl.lifecycle.canary): where it asks, what it sends for the base
     # model (route None) or one adapter, and where the answer's tokens and logprobs are.
     canary_path: str = "/v1/completions"
 

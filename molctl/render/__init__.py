@@ -1,5 +1,5 @@
 """`molctl render k8s|systemd PROFILE`: Kubernetes manifests or systemd units for one stack, from
-the same profile, overrides and argv code as `molctl up` (molctl.launch.engine_argv and
+the same profile, overrides and argv code as `molctl up` (molctl.lifecycle.launch.engine_argv and
 proxy_argv: one code path). Rendering reads the profile file and nothing else: it never touches
 the state dir, reads no key file and starts nothing.
 
@@ -33,14 +33,14 @@ from typing import Any
 
 from molctl import stackconfig
 from molctl.errors import MolctlError, ProfileError, UsageError
-from molctl.launch import UpOptions, engine_argv, engine_env, engine_upstream, proxy_argv
+from molctl.lifecycle.launch import UpOptions, engine_argv, engine_env, engine_upstream, proxy_argv
+from molctl.lifecycle.stop import ENGINE_STOP_TIMEOUT_S
 from molctl.profiles import Profile
 from molctl.redaction import (
     URL_CREDENTIALS_RE,
     is_secret_name,
     secret_engine_args,
 )  # what `lock` redacts, render refuses
-from molctl.stop import ENGINE_STOP_TIMEOUT_S
 
 PROFILES_MOUNT = "/etc/molctl/profiles"  # the ConfigMap with the profile file (the proxy's --profiles-dir)
 KEYS_MOUNT = "/etc/molctl/api-keys"  # the API-key Secret, mounted read-only

@@ -13,7 +13,7 @@ import yaml
 
 from molctl import __version__, stackconfig
 from molctl.errors import ProfileError, UsageError
-from molctl.launch import engine_upstream
+from molctl.lifecycle.launch import engine_upstream
 from molctl.profiles import Profile
 from molctl.render import (
     DNS_LABEL,

@@ -1,5 +1,5 @@
 """`molctl render systemd PROFILE`: the engine unit and the proxy unit of one stack
-(`render_systemd`), each readied by `python -m molctl.waitready` in its ExecStartPost=, and the
+(`render_systemd`), each readied by `python -m molctl.lifecycle.waitready` in its ExecStartPost=, and the
 units as one stream (`systemd_stream`)."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import re
 from pathlib import Path
 
 from molctl.errors import UsageError
-from molctl.readiness import proxy_url
+from molctl.lifecycle.readiness import proxy_url
+from molctl.lifecycle.starter import PROXY_READY_TIMEOUT_S
 from molctl.render import (
     STOP_MARGIN_S,
     STORE_PASSWORD_ENV,
@@ -20,7 +21,6 @@ from molctl.render import (
     _store_overrides,
     load_stack,
 )
-from molctl.starter import PROXY_READY_TIMEOUT_S
 from molctl.state import default_state_dir
 
 
@@ -63,14 +63,17 @@ def render_systemd(
             opts.user, [Path(sys.executable), state_dir, profile.model_root, opts.api_key_file, *profiles_dirs]
         )
     engine_unit, proxy_unit = f"molctl-{name}-engine.service", f"molctl-{name}-proxy.service"
-    wait = [sys.executable, "-m", "molctl.waitready"]
+    wait = [sys.executable, "-m", "molctl.lifecycle.waitready"]
     for d in profiles_dirs:
         wait += ["--profiles-dir", str(d)]
     set_json = stack.proxy_argv[stack.proxy_argv.index("--set-json") + 1] if "--set-json" in stack.proxy_argv else None
     engine_wait = [*wait, "engine", name, "--timeout", f"{profile.engine.start_timeout_s:g}"]
     if set_json:
         engine_wait += ["--set-json", set_json]
-    engine_wait += ["--state-dir", str(state_dir or default_state_dir())]  # the ETA's history (molctl.starthistory)
+    engine_wait += [
+        "--state-dir",
+        str(state_dir or default_state_dir()),
+    ]  # the ETA's history (molctl.lifecycle.starthistory)
     proxy_wait = [*wait, "url", f"{proxy_url(profile)}/readyz", "--timeout", f"{PROXY_READY_TIMEOUT_S:g}"]
     user = [f"User={opts.user}"] if opts.user else []
     engine_lines = _engine_unit(name, stack, opts, engine_wait, user)

@@ -246,7 +246,7 @@ def test_proxy_series_needs_the_key(host, monkeypatch):
 def test_vram_sampled_through_the_injected_probe(host):
     from molctl.bench import BenchOptions
     from molctl.bench.run import bench
-    from molctl.clibase import Context
+    from molctl.cli.base import Context
 
     class Probe:
         calls = 0

@@ -1,6 +1,6 @@
 """`molctl render k8s|systemd`: manifests that validate offline against the Kubernetes schemas,
 budgets that follow the profile, and the argv `up` would run (captured from `up`'s own
-spawning code, not rebuilt here). Also `python -m molctl.waitready`, the units' readiness step,
+spawning code, not rebuilt here). Also `python -m molctl.lifecycle.waitready`, the units' readiness step,
 against the fake engine."""
 
 from __future__ import annotations
@@ -18,9 +18,11 @@ import yaml
 
 from molctl.engines import get_engine
 from molctl.errors import ExitStatus
-from molctl.launch import UpOptions
+from molctl.lifecycle.launch import UpOptions
+from molctl.lifecycle.readiness import base_url
+from molctl.lifecycle.starter import _Starter
+from molctl.lifecycle.stop import ENGINE_STOP_TIMEOUT_S
 from molctl.profiles import load_profile, profile_dirs
-from molctl.readiness import base_url
 from molctl.render import (
     KEYS_MOUNT,
     PRESTOP_DELAY_S,
@@ -29,8 +31,6 @@ from molctl.render import (
     STATE_MOUNT,
     STOP_MARGIN_S,
 )
-from molctl.starter import _Starter
-from molctl.stop import ENGINE_STOP_TIMEOUT_S
 from tests.helpers import Molctl, free_port
 from tests.procs import fake_engine_argv, running
 
@@ -476,7 +476,7 @@ def test_systemd_units(render, profile, tmp_path):
     assert engine["Environment"] == [f'"{k}={v}"' for k, v in {**cache_env, **prof.engine.env}.items()]
     assert engine["UnsetEnvironment"] == [" ".join(prof.engine.unset_env)]
     wait = shlex.split(engine["ExecStartPost"][0])
-    assert wait[:5] == [sys.executable, "-m", "molctl.waitready", "engine", profile]
+    assert wait[:5] == [sys.executable, "-m", "molctl.lifecycle.waitready", "engine", profile]
     assert shlex.split(proxy["ExecStartPost"][0])[3:5] == ["url", f"http://127.0.0.1:{prof.proxy.port}/readyz"]
     if shutil.which("systemd-analyze"):  # optional: the real parser, where systemd is installed
         out = tmp_path / "units"
@@ -557,7 +557,11 @@ def _waitready(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     from tests.helpers import ROOT
 
     return subprocess.run(
-        [sys.executable, "-m", "molctl.waitready", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+        [sys.executable, "-m", "molctl.lifecycle.waitready", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
     )
 
 
@@ -578,7 +582,7 @@ def test_waitready_engine_against_the_fake_engine():
 
 def test_waitready_says_the_eta_and_records_the_start_in_the_state_dir(tmp_path):
     """The systemd readiness step: no ETA on the first start, one from the history on the next."""
-    from molctl import starthistory
+    from molctl.lifecycle import starthistory
 
     port = free_port()
     set_json = f'[["engine.port", {port}]]'

@@ -1,4 +1,4 @@
-"""The adapter efficacy canary (molctl.canary): `up`/`switch` prove each adapter changes the base
+"""The adapter efficacy canary (molctl.lifecycle.canary): `up`/`switch` prove each adapter changes the base
 model's greedy output before the proxy starts; an adapter with no effect fails the start (exit 7)
 and leaves no process; two identical adapters are a warning; the result is in `status` and the
 engine log; `--skip adapter-effect` or `adapters.effect_canary: false` turns it off, recorded;
@@ -11,9 +11,9 @@ import json
 
 import pytest
 
-from molctl.canary import TOLERANCE, difference
 from molctl.engines.base import Sample
 from molctl.errors import ExitStatus
+from molctl.lifecycle.canary import TOLERANCE, difference
 from tests.lifecycle_host import Host, gone, port_free
 from tests.sglang_host import SGL, SglHost
 

@@ -167,9 +167,9 @@ def test_a_dead_components_zombie_is_not_called_another_process(tmp_path):
     reap quickly) is a zombie with the recorded pid: `up` said "stale proxy record: pid N now
     belongs to another process; not touching it", sending the operator after a stranger."""
     from molctl import procid
+    from molctl.lifecycle.stop import clean_component
     from molctl.processes import record_for
     from molctl.state import write_record
-    from molctl.stop import clean_component
 
     state = tmp_path / "state"
     (state / "tiny").mkdir(parents=True, mode=0o700)

@@ -11,7 +11,7 @@ import pytest
 from molctl.enginecache import cache_dir, prepare
 from molctl.engines import get_engine
 from molctl.errors import ProfileError
-from molctl.launch import engine_env
+from molctl.lifecycle.launch import engine_env
 from molctl.profiles import load_profile, profile_dirs
 
 

@@ -18,8 +18,8 @@ import psutil
 import pytest
 
 from molctl.errors import ExitStatus
+from molctl.lifecycle.progress import SilentProgress
 from molctl.profiles import builtin_profiles_dir
-from molctl.progress import SilentProgress
 from tests.helpers import Molctl, url, wait_for, wait_status
 from tests.lifecycle_host import PUBLIC, gone, port_free
 from tests.procs import alive
@@ -335,8 +335,8 @@ def test_logs_follow_across_a_restart(host, tmp_path):
 
 def test_down_keeps_the_record_while_nvml_shows_the_stack(host):
     """On GPU hosts `down` also asks NVML; a process of the stack still on a GPU keeps the record."""
+    from molctl.lifecycle.stop import down
     from molctl.probes import GpuDevice, GpuInventory, GpuProcess
-    from molctl.stop import down
 
     assert host.up().exit_code == ExitStatus.OK
     engine_pid = host.records()["engine"].pid

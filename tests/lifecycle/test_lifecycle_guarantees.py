@@ -23,8 +23,8 @@ import pytest
 
 from molctl import procid
 from molctl.errors import ExitStatus
+from molctl.lifecycle.progress import SilentProgress
 from molctl.profiles import builtin_profiles_dir
-from molctl.progress import SilentProgress
 from tests.helpers import ROOT, Molctl, exit_status, free_port, url, wait_for, wait_status
 from tests.lifecycle_host import EARLY_PROXY, Host, add_tiny_b, answers, gone
 from tests.procs import alive, stop
@@ -136,9 +136,9 @@ def test_an_orphan_whose_environment_was_only_partly_overwritten_is_found(host):
 
 
 def test_a_wall_clock_step_does_not_make_a_healthy_stack_look_dead(host, monkeypatch):
+    from molctl.lifecycle.status import status
+    from molctl.lifecycle.stop import down
     from molctl.state import is_same_process
-    from molctl.status import status
-    from molctl.stop import down
 
     assert host.up().exit_code == ExitStatus.OK
     records = host.records()
@@ -414,14 +414,14 @@ def _in_process(host: Host) -> Molctl:
 def test_a_record_that_cannot_be_written_stops_the_component(host, monkeypatch):
     """The disk is full (or the dir immutable) when the engine's record is written, right after
     the spawn: the engine is stopped at once, and the error is one line, exit 1."""
-    import molctl.starter
+    import molctl.lifecycle.starter
 
     profile_dir = host.state / "tiny"
     (profile_dir / "logs").mkdir(parents=True)
     for d in (host.state, profile_dir):
         d.chmod(0o700)
     spawned = []
-    real_spawn = molctl.starter.spawn
+    real_spawn = molctl.lifecycle.starter.spawn
 
     def spawn(*args, **kwargs):
         spawned.append(real_spawn(*args, **kwargs))
@@ -430,8 +430,8 @@ def test_a_record_that_cannot_be_written_stops_the_component(host, monkeypatch):
     def write_record(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(molctl.starter, "spawn", spawn)
-    monkeypatch.setattr(molctl.starter, "write_record", write_record)
+    monkeypatch.setattr(molctl.lifecycle.starter, "spawn", spawn)
+    monkeypatch.setattr(molctl.lifecycle.starter, "write_record", write_record)
     r = _in_process(host)("up", "tiny", *host.args())
     assert r.exit_code == ExitStatus.ERROR, r.stderr
     assert "could not write the engine record" in r.stderr and "No space left on device" in r.stderr
@@ -493,7 +493,7 @@ def test_unknown_profile_names_are_errors(host):
 
 
 def test_a_second_ctrl_c_during_clean_up_says_what_may_still_run(host):
-    from molctl.stacks import component_url
+    from molctl.lifecycle.stacks import component_url
 
     proc = host.start("up", "tiny", *host.args(*EARLY_PROXY, env={"FAKE_STARTUP_DELAY": "60", "FAKE_IGNORE_TERM": "1"}))
     assert wait_for(lambda: "proxy" in host.records())

@@ -129,8 +129,8 @@ def test_the_way_back_repeats_the_options_the_stack_needed_to_start(tmp_path):
     """The command a failed switch printed dropped `--skip` and `--timeout`: a stack that needed
     them to start failed its preflight (or its deadline) when brought back."""
     from molctl import stackconfig
-    from molctl.launch import UpOptions
-    from molctl.start import _start_options
+    from molctl.lifecycle.launch import UpOptions
+    from molctl.lifecycle.start import _start_options
 
     opts = UpOptions(skip=["engine", "gpu"], timeout_s=7200.0, drain_timeout_s=30.0)
     cmd = stackconfig.up_command(

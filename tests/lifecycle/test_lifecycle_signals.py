@@ -12,7 +12,7 @@ import socket
 import pytest
 
 from molctl.errors import ExitStatus
-from molctl.stacks import component_url
+from molctl.lifecycle.stacks import component_url
 from molctl.state import lock_holder
 from tests.helpers import Molctl, exit_status, free_port, wait_for
 from tests.lifecycle_host import EARLY_PROXY, add_tiny_b, answers, gone

@@ -1,11 +1,11 @@
-"""The readiness wait of `up` (`molctl.readiness.wait_ready`) with an injected clock and sleep:
+"""The readiness wait of `up` (`molctl.lifecycle.readiness.wait_ready`) with an injected clock and sleep:
 no process, no socket, no real time."""
 
 from __future__ import annotations
 
 import pytest
 
-from molctl.readiness import POLL_S, Poll, base_url, wait_ready
+from molctl.lifecycle.readiness import POLL_S, Poll, base_url, wait_ready
 
 
 class Clock:
@@ -134,8 +134,8 @@ def test_a_refused_readiness_smoke_is_final_not_starting(status, state):
     import httpx
 
     from molctl.engines import get_engine
+    from molctl.lifecycle.readiness import EngineReadiness
     from molctl.profiles import load_profile, profile_dirs
-    from molctl.readiness import EngineReadiness
 
     profile = load_profile("tiny", profile_dirs())
     probe = EngineReadiness(

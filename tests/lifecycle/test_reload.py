@@ -216,7 +216,7 @@ def test_molctl_reload_signals_the_recorded_proxy(tmp_path):
 
 @pytest.mark.parametrize("case", ["foreign", "unknown", "unreadable"])
 def test_reload_never_signals_a_foreign_process(molctl, state_dir, case):
-    from molctl.reload import reload
+    from molctl.lifecycle.reload import reload
 
     if case == "unknown":
         r = molctl("reload", "no-such-profile")

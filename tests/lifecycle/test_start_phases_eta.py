@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import json
 
-from molctl import starthistory
 from molctl.engines import get_engine
 from molctl.errors import ExitStatus
+from molctl.lifecycle import starthistory
 from molctl.phases import PHASES, PhaseClock
 
 # lines of the real vLLM 0.32 CPU start in BENCHMARKS.md ("Start phases"), shortened

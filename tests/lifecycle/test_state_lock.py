@@ -41,7 +41,7 @@ def test_the_lock_holder_decides_starting_and_stopping_per_stack():
     """Only the stack a command acts on changes state: a `down tiny` leaves tiny-b `ready`; a
     `switch tiny-b` is starting tiny-b and stopping whatever else runs; an `up` in its preflight
     (no record yet) is already `starting`."""
-    from molctl.status import _state_of
+    from molctl.lifecycle.status import _state_of
 
     records = {"engine": object(), "proxy": object()}
     healthy = [{"alive": True, "health": 200}, {"alive": True, "health": 200}]
@@ -63,7 +63,7 @@ def test_the_lock_holder_decides_starting_and_stopping_per_stack():
 def test_status_lists_a_stack_whose_up_is_in_its_preflight(state_dir):
     from types import SimpleNamespace
 
-    from molctl.status import status
+    from molctl.lifecycle.status import status
 
     ctx = SimpleNamespace(state_dir=state_dir, dirs=lambda: [])
     assert status(ctx, None) == {"stacks": []}

@@ -116,8 +116,6 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "molctl.flocks",
             "molctl.cudacompat",
             "molctl.safetensors",
-            "molctl.stopsignals",
-            "molctl.progress",
             "molctl.keys",
             "molctl.probes",
             "molctl.logfiles",
@@ -137,28 +135,17 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "operations",
         (
             "molctl.bench",
-            "molctl.canary",
             "molctl.checks",
             "molctl.claims",
             "molctl.demo",
-            "molctl.launch",
+            "molctl.lifecycle",
             "molctl.logs",
             "molctl.manifest",
             "molctl.manifestfile",
             "molctl.output",
-            "molctl.readiness",
-            "molctl.reload",
             "molctl.render",
-            "molctl.stacks",
-            "molctl.start",
-            "molctl.starter",
-            "molctl.starthistory",
-            "molctl.switch",
-            "molctl.status",
-            "molctl.stop",
             "molctl.storeadmin",
             "molctl.top",
-            "molctl.waitready",
         ),
     ),
     ("cli", ("molctl.__main__", "molctl.cli")),
@@ -173,8 +160,6 @@ def layer_of(module: str) -> int | None:
             hit = module == prefix or (module.startswith(prefix + ".") and prefix != "molctl")
             if hit and len(prefix) > best_len:
                 best, best_len = index, len(prefix)
-    if best is None and module.startswith("molctl.cli"):  # cli, clibase, cliproxy, clirender...
-        best = len(LAYERS) - 1
     return best
 
 
@@ -200,7 +185,9 @@ def test_no_import_runs_from_a_lower_layer_to_a_higher_one():
 def test_the_layer_scan_finds_an_import_inside_a_function(tmp_path):
     pkg = tmp_path / "molctl"
     (pkg / "engines").mkdir(parents=True)
+    (pkg / "lifecycle").mkdir()
     (pkg / "__init__.py").write_text("")
-    (pkg / "engines" / "__init__.py").write_text("def f():\n    from molctl import start\n")
-    (pkg / "start.py").write_text("import molctl.engines\n")
-    assert upward_arrows(import_graph(tmp_path)) == ["molctl.engines (engines) -> molctl.start (operations)"]
+    (pkg / "lifecycle" / "__init__.py").write_text("")
+    (pkg / "engines" / "__init__.py").write_text("def f():\n    import molctl.lifecycle.start\n")
+    (pkg / "lifecycle" / "start.py").write_text("import molctl.engines\n")
+    assert upward_arrows(import_graph(tmp_path)) == ["molctl.engines (engines) -> molctl.lifecycle.start (operations)"]

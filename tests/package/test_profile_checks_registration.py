@@ -19,7 +19,7 @@ def run_fresh(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("entry", ["molctl.cli", "molctl.proxy.http.server", "molctl.waitready"])
+@pytest.mark.parametrize("entry", ["molctl.cli", "molctl.proxy.http.server", "molctl.lifecycle.waitready"])
 def test_each_program_runs_the_checks_of_every_owner(entry):
     done = run_fresh(f"import {entry}\n" + LOAD)
     # the store's own grammar ran: a bad proxy.store is a profile error naming the field

@@ -12,7 +12,7 @@ import threading
 
 import httpx
 
-from molctl import stop
+from molctl.lifecycle import stop
 from tests.helpers import free_ports, wait_for
 from tests.procs import fake_engine_argv, proxy_argv, running
 from tests.proxy_stack import PUBLIC

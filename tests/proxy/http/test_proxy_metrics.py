@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from molctl.status import proxy_metrics
+from molctl.lifecycle.status import proxy_metrics
 from tests.helpers import free_port, free_ports, wait_for
 from tests.procs import fake_engine_argv, proxy_argv, running
 from tests.proxy_stack import PUBLIC

@@ -12,9 +12,9 @@ from pathlib import Path
 
 from molctl import stackconfig
 from molctl.errors import ExitStatus, MolctlError
+from molctl.lifecycle.readiness import base_url, http_status
 from molctl.processes import is_alive, marked_by_path, stack_pids
 from molctl.profiles import check_profile_name, profile_files
-from molctl.readiness import base_url, http_status
 from molctl.state import (
     COMPONENTS,
     Record,

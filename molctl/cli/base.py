@@ -45,13 +45,13 @@ def handle_errors(fn: Callable) -> Callable:
             return fn(*args, **kwargs)
         except MolctlError as exc:
             if exc.exit_status == ExitStatus.INTERRUPTED:  # already interrupted: a late Ctrl-C must not cut the report
-                from molctl.stopsignals import ignore_stop_signals
+                from molctl.lifecycle.stopsignals import ignore_stop_signals
 
                 ignore_stop_signals()
             Output().error(str(exc))
             raise typer.Exit(int(exc.exit_status)) from None
         except KeyboardInterrupt:
-            from molctl.stopsignals import interrupted_by
+            from molctl.lifecycle.stopsignals import interrupted_by
 
             Output().error(f"interrupted{interrupted_by()}")
             raise typer.Exit(int(ExitStatus.INTERRUPTED)) from None

@@ -1,6 +1,6 @@
 """`molctl up`: start a stack (engine, then the proxy while the engine loads) and wait until it
-really serves (`molctl switch` runs its locked part, molctl.switch; the components are spawned
-and watched by molctl.starter).
+really serves (`molctl switch` runs its locked part, molctl.lifecycle.switch; the components are spawned
+and watched by molctl.lifecycle.starter).
 
 Every start holds the state lock (a `switch` holds it from its preflight to the end of its
 `up`). Before spawning, `up` claims the stack's ports and GPUs host-wide (`molctl.claims`);
@@ -8,7 +8,7 @@ each component inherits its claims. A component is recorded right after it is sp
 start ticks, marker id, argv, host, port, log, the configuration it was started with); a record
 that cannot be written stops the component at once. What a failed or interrupted start spawned
 is stopped again; an engine an earlier, interrupted `up` left loading is adopted, not restarted.
-The command lines come from molctl.launch, the reaction to stop signals from molctl.stopsignals.
+The command lines come from molctl.lifecycle.launch, the reaction to stop signals from molctl.lifecycle.stopsignals.
 """
 
 from __future__ import annotations
@@ -18,15 +18,23 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from molctl import canary, stackconfig
+from molctl import stackconfig
 from molctl.claims import ClaimConflict, HostClaims, claim_components, release_all
 from molctl.errors import ConflictError, ExitStatus, MolctlError
-from molctl.launch import UpOptions
+from molctl.lifecycle import canary
+from molctl.lifecycle.launch import UpOptions
+from molctl.lifecycle.progress import Progress
+from molctl.lifecycle.readiness import base_url
+from molctl.lifecycle.stacks import (
+    component_url,
+    recorded_config,
+    running_profiles,
+    stack_ready,
+    unreadable_records_error,
+)
+from molctl.lifecycle.starter import Adopted, _Starter
+from molctl.lifecycle.stop import clean_component, clean_stale, clean_unrecorded, down_one
 from molctl.profiles import Profile
-from molctl.progress import Progress
-from molctl.readiness import base_url
-from molctl.stacks import component_url, recorded_config, running_profiles, stack_ready, unreadable_records_error
-from molctl.starter import Adopted, _Starter
 from molctl.state import (
     COMPONENTS,
     Record,
@@ -36,7 +44,6 @@ from molctl.state import (
     read_records,
     read_records_checked,
 )
-from molctl.stop import clean_component, clean_stale, clean_unrecorded, down_one
 
 
 class PreflightFailed(MolctlError):

@@ -18,7 +18,7 @@ class Progress(Protocol):
 
     def waiting(self, elapsed: float, deadline: float, phase: str, detail: str, eta: str | None = None) -> None:
         """Still waiting for the engine: `phase` from its log (molctl.phases), `detail` from the last
-        readiness probe, `eta` from this host's earlier starts (molctl.starthistory)."""
+        readiness probe, `eta` from this host's earlier starts (molctl.lifecycle.starthistory)."""
 
     def check_report(self, report) -> None:
         """The preflight failed: its failures and warnings."""

@@ -11,14 +11,14 @@ from typing import Any
 
 from molctl import stackconfig
 from molctl.errors import ExitStatus, MolctlError
-from molctl.launch import UpOptions
+from molctl.lifecycle.launch import UpOptions
+from molctl.lifecycle.progress import Progress
+from molctl.lifecycle.stacks import recorded_config, running_profiles
+from molctl.lifecycle.start import _explicit_state_dir, _up_locked, preflight, resolve_key_option
+from molctl.lifecycle.stop import down_locked
+from molctl.lifecycle.stopsignals import interrupted_by
 from molctl.processes import members
-from molctl.progress import Progress
-from molctl.stacks import recorded_config, running_profiles
-from molctl.start import _explicit_state_dir, _up_locked, preflight, resolve_key_option
 from molctl.state import StateLock, ensure_state_dir, read_records
-from molctl.stop import down_locked
-from molctl.stopsignals import interrupted_by
 
 
 def switch(name: str, ctx, opts: UpOptions, progress: Progress) -> dict[str, Any]:

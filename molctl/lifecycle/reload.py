@@ -12,7 +12,7 @@ import signal
 from typing import Any
 
 from molctl.errors import ConflictError, ExitStatus, MolctlError
-from molctl.stacks import known_or_recorded
+from molctl.lifecycle.stacks import known_or_recorded
 from molctl.state import check_own_state_dir, is_same_process, read_records_checked
 
 

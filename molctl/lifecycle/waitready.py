@@ -1,15 +1,15 @@
-"""`python -m molctl.waitready`: block until a stack component serves (the `ExecStartPost=` of
+"""`python -m molctl.lifecycle.waitready`: block until a stack component serves (the `ExecStartPost=` of
 the systemd units `molctl render systemd` writes).
 
-    python -m molctl.waitready [--profiles-dir DIR]... engine PROFILE --timeout S [--set-json JSON]
+    python -m molctl.lifecycle.waitready [--profiles-dir DIR]... engine PROFILE --timeout S [--set-json JSON]
             [--state-dir DIR]
-        PROFILE's engine is ready as `up` decides it (molctl.readiness.EngineReadiness: /health,
+        PROFILE's engine is ready as `up` decides it (molctl.lifecycle.readiness.EngineReadiness: /health,
         L0-L3 under the right parent, the version where the engine reports it, a 1-token
         completion per adapter), polled at its `engine.host`/`engine.port`. With --state-dir, it
-        says the ETA from this host's earlier starts (molctl.starthistory) when it begins and
+        says the ETA from this host's earlier starts (molctl.lifecycle.starthistory) when it begins and
         every 30 s while it waits (with the last poll's detail: the unit's log is the journal's,
         not a file molctl reads phases from), and records the start's total when it ends ready.
-    python -m molctl.waitready url URL --timeout S
+    python -m molctl.lifecycle.waitready url URL --timeout S
         URL answers 200 (the proxy's /readyz).
 
 Exit 0 ready, 6 timed out, 7 adapters missing or misattached, 3 version mismatch or a bad
@@ -29,7 +29,7 @@ import molctl.engines  # noqa: F401 - these three register their profile checks 
 import molctl.proxy.store.factory  # noqa: F401
 import molctl.proxy.tracing  # noqa: F401
 from molctl.errors import ExitStatus, MolctlError
-from molctl.readiness import Poll, http_status, wait_ready
+from molctl.lifecycle.readiness import Poll, http_status, wait_ready
 
 
 class _UrlReadiness:
@@ -48,9 +48,9 @@ class _UrlReadiness:
 def _engine_readiness(profile_name: str, profiles_dirs: list[Path], set_json: str | None):
     from molctl import stackconfig
     from molctl.engines import get_engine
-    from molctl.launch import engine_upstream
+    from molctl.lifecycle.launch import engine_upstream
+    from molctl.lifecycle.readiness import EngineReadiness
     from molctl.profiles import profile_dirs
-    from molctl.readiness import EngineReadiness
 
     overrides = [(k, v) for k, v in json.loads(set_json)] if set_json else []
     profile, _ = stackconfig.load(profile_name, profile_dirs(profiles_dirs), overrides)
@@ -63,32 +63,38 @@ class _History:
     EVERY_S = 30.0
 
     def __init__(self, state_dir: Path, profile: str):
-        from molctl import starthistory
+        from molctl.lifecycle import starthistory
 
         self.state_dir, self.profile = state_dir, profile
         self.estimate = starthistory.estimate(state_dir, profile)
         self.last = 0.0
-        print(f"molctl.waitready: engine {profile}: {starthistory.eta_text(self.estimate, 0.0, None)}", file=sys.stderr)
+        print(
+            f"molctl.lifecycle.waitready: engine {profile}: {starthistory.eta_text(self.estimate, 0.0, None)}",
+            file=sys.stderr,
+        )
 
     def on_wait(self, elapsed: float, probe: Poll) -> None:
-        from molctl.starthistory import eta_text
+        from molctl.lifecycle.starthistory import eta_text
 
         if elapsed - self.last >= self.EVERY_S:
             self.last = elapsed
             text = eta_text(self.estimate, elapsed, None)
-            print(f"molctl.waitready: engine starting, {elapsed:.0f} s ({probe.detail}); {text}", file=sys.stderr)
+            print(
+                f"molctl.lifecycle.waitready: engine starting, {elapsed:.0f} s ({probe.detail}); {text}",
+                file=sys.stderr,
+            )
 
     def record(self, elapsed: float, engine: str) -> None:
-        from molctl import starthistory
+        from molctl.lifecycle import starthistory
 
         try:
             starthistory.append(self.state_dir, self.profile, starthistory.entry(elapsed, {}, engine, None))
         except OSError as exc:  # only the next ETA lacks it
-            print(f"molctl.waitready: could not record the start: {exc.strerror or exc}", file=sys.stderr)
+            print(f"molctl.lifecycle.waitready: could not record the start: {exc.strerror or exc}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m molctl.waitready", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m molctl.lifecycle.waitready", description=__doc__.splitlines()[0])
     parser.add_argument("--profiles-dir", action="append", default=[], type=Path)
     sub = parser.add_subparsers(dest="what", required=True)
     eng = sub.add_parser("engine")
@@ -116,18 +122,18 @@ def main(argv: list[str] | None = None) -> int:
             poll_s=1.0,
         )
     except MolctlError as exc:
-        print(f"molctl.waitready: {exc}", file=sys.stderr)
+        print(f"molctl.lifecycle.waitready: {exc}", file=sys.stderr)
         return int(exc.exit_status)
     except ValueError as exc:  # a malformed --set-json
-        print(f"molctl.waitready: --set-json: {exc}", file=sys.stderr)
+        print(f"molctl.lifecycle.waitready: --set-json: {exc}", file=sys.stderr)
         return int(ExitStatus.USAGE)
     if probe.state == "ready":
-        print(f"molctl.waitready: {args.what} ready after {elapsed:.0f} s ({probe.detail})", file=sys.stderr)
+        print(f"molctl.lifecycle.waitready: {args.what} ready after {elapsed:.0f} s ({probe.detail})", file=sys.stderr)
         if history is not None:
             history.record(elapsed, readiness.profile.engine.kind)
         return 0
     status = {"adapters": ExitStatus.ADAPTERS, "version": ExitStatus.CHECK_FAILED}.get(probe.state, ExitStatus.TIMEOUT)
-    print(f"molctl.waitready: {args.what} not ready after {elapsed:.0f} s: {probe.detail}", file=sys.stderr)
+    print(f"molctl.lifecycle.waitready: {args.what} not ready after {elapsed:.0f} s: {probe.detail}", file=sys.stderr)
     return int(status)
 
 

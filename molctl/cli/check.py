@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import typer
 
-from molctl.clibase import (
+from molctl.cli.base import (
     FULL_HASH_OPT,
     JSON_OPT,
     MANIFEST_OPT,

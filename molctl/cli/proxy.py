@@ -8,7 +8,7 @@ from typing import List, Optional
 
 import typer
 
-from molctl.clibase import JSON_OPT, SET_OPT, _not_negative, _positive, handle_errors, overrides_from
+from molctl.cli.base import JSON_OPT, SET_OPT, _not_negative, _positive, handle_errors, overrides_from
 
 
 @handle_errors

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from molctl.engines import get_engine
+from molctl.lifecycle.readiness import base_url
+from molctl.lifecycle.stop import ENGINE_STOP_TIMEOUT_S
 from molctl.profiles import Profile
-from molctl.readiness import base_url
-from molctl.stop import ENGINE_STOP_TIMEOUT_S
 
 PROXY_SECRET_ENV = ("MOLCTL_API_KEY", "MOLCTL_STORE_PASSWORD")  # the proxy's secrets: never the engine's
 

@@ -15,9 +15,9 @@ from molctl import stackconfig
 from molctl.engines import get_engine
 from molctl.engines.base import READYZ_ENGINE_PROBE_MIN_S
 from molctl.errors import ProfileError
+from molctl.lifecycle.stacks import component_url, known_or_recorded, marked_for, recorded_config, unrecorded_marked
 from molctl.processes import members, stack_pids, tail
 from molctl.profiles import Profile, load_profile
-from molctl.stacks import component_url, known_or_recorded, marked_for, recorded_config, unrecorded_marked
 from molctl.state import (
     COMPONENTS,
     LockHolder,
@@ -191,7 +191,7 @@ def _add_details(
     """The recorded canary, the endpoint, the proxy's metrics, the model and the GPUs in use."""
     recorded_canary = (records["engine"].extra or {}).get("canary") if "engine" in records else None
     if isinstance(recorded_canary, dict):  # the adapter efficacy canary of the `up` that started it
-        from molctl.canary import brief
+        from molctl.lifecycle.canary import brief
 
         out["canary"] = brief(recorded_canary)
     _add_start(out, state_dir, name, profile, records.get("engine"))
@@ -209,7 +209,7 @@ def _add_details(
 
 def _add_start(out: dict[str, Any], state_dir: Path, name: str, profile: Profile | None, engine: Record | None) -> None:
     """The engine cache and the last start's phases (recorded by `up`); while the stack starts,
-    its phase (from the engine's log) and the time left (molctl.starthistory)."""
+    its phase (from the engine's log) and the time left (molctl.lifecycle.starthistory)."""
     extra = (engine.extra or {}) if engine is not None else {}
     if isinstance(extra.get("cache"), dict):
         out["cache"] = extra["cache"]
@@ -217,7 +217,7 @@ def _add_start(out: dict[str, Any], state_dir: Path, name: str, profile: Profile
         out["last_start"] = extra["start"]
     if out["state"] != "starting" or profile is None:
         return
-    from molctl import starthistory
+    from molctl.lifecycle import starthistory
     from molctl.phases import log_phase
 
     found = log_phase(get_engine(profile.engine.kind).phases, tail(engine.log, 50)) if engine is not None else None
@@ -300,7 +300,7 @@ STATUS_METRICS = {  # shown by `molctl status`: key -> (sample name, labels that
 
 
 def metrics_url(profile: Profile) -> str:
-    from molctl.readiness import base_url
+    from molctl.lifecycle.readiness import base_url
 
     return base_url(profile.proxy.metrics_host, profile.proxy.metrics_port) + "/metrics"
 

@@ -7,7 +7,7 @@ from typing import Optional, Tuple
 
 import typer
 
-from molctl.clibase import (
+from molctl.cli.base import (
     JSON_OPT,
     _positive,
     handle_errors,

@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import typer
 
-from molctl.clibase import (
+from molctl.cli.base import (
     JSON_OPT,
     handle_errors,
 )

@@ -9,17 +9,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from molctl import canary, enginecache, starthistory
+from molctl import enginecache
 from molctl.claims import Claim, ClaimConflict, HostClaims, claim_components, holder_info, release_all
 from molctl.engines import get_engine
 from molctl.errors import ExitStatus, MolctlError
-from molctl.launch import UpOptions, engine_argv, engine_env, proxy_argv
+from molctl.lifecycle import canary, starthistory
+from molctl.lifecycle.launch import UpOptions, engine_argv, engine_env, proxy_argv
+from molctl.lifecycle.progress import Progress
+from molctl.lifecycle.readiness import EngineReadiness, http_status, wait_ready
+from molctl.lifecycle.stacks import component_url
+from molctl.lifecycle.stopsignals import _one_more_interrupt, interrupted_by
 from molctl.phases import PhaseClock
 from molctl.processes import kill_fresh, members, new_marker, record_for, spawn, stop, tail
 from molctl.profiles import Profile
-from molctl.progress import Progress
-from molctl.readiness import EngineReadiness, http_status, wait_ready
-from molctl.stacks import component_url
 from molctl.state import (
     Record,
     is_same_process,
@@ -30,7 +32,6 @@ from molctl.state import (
     remove_record,
     write_record,
 )
-from molctl.stopsignals import _one_more_interrupt, interrupted_by
 
 PROXY_READY_TIMEOUT_S = 60.0
 PROXY_RESTARTS = 3  # a proxy that dies while the engine loads is restarted, the engine kept
@@ -242,7 +243,7 @@ class _Starter:
         )
 
     def run_canary(self, record: Record, off: str | None) -> dict[str, Any]:
-        """The adapter efficacy canary against the ready engine (molctl.canary), before the proxy
+        """The adapter efficacy canary against the ready engine (molctl.lifecycle.canary), before the proxy
         starts; its result goes into the engine's record (for `status`) and log. An adapter with
         no effect, or a canary request that fails, stops the engine: exit 7."""
         if off is not None:

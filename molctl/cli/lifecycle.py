@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import typer
 
-from molctl.clibase import (
+from molctl.cli.base import (
     DRAIN_OPT,
     FULL_HASH_OPT,
     JSON_OPT,
@@ -38,7 +38,7 @@ def _up_options(
     stop_timeout=60.0,
     restart=False,
 ):
-    from molctl.launch import UpOptions
+    from molctl.lifecycle.launch import UpOptions
 
     return UpOptions(
         overrides=overrides_from(model_root, set_),
@@ -54,9 +54,9 @@ def _up_options(
 
 
 def _run_start(profile: str, json_: bool, call) -> None:
+    from molctl.lifecycle.starter import StartFailed
+    from molctl.lifecycle.stopsignals import interrupt_on_stop_signals
     from molctl.output import ConsoleProgress, Output
-    from molctl.starter import StartFailed
-    from molctl.stopsignals import interrupt_on_stop_signals
 
     out = Output(as_json=json_)
     progress = ConsoleProgress(out)
@@ -68,7 +68,7 @@ def _run_start(profile: str, json_: bool, call) -> None:
         out.start_failure(profile, exc)
         if isinstance(exc, StartFailed) or json_:
             if exc.exit_status == ExitStatus.INTERRUPTED:
-                from molctl.stopsignals import ignore_stop_signals
+                from molctl.lifecycle.stopsignals import ignore_stop_signals
 
                 ignore_stop_signals()  # a late Ctrl-C must not cut the report
             out.error(str(exc))
@@ -105,7 +105,7 @@ def up_cmd(
     json_: bool = JSON_OPT,
 ) -> None:
     """Check, start the engine, wait until it really serves L0-L3, start the proxy. Idempotent."""
-    from molctl.start import up
+    from molctl.lifecycle.start import up
 
     opts = _up_options(
         ctx, model_root, set_, skip, timeout, api_key_file, allow_unauthenticated, drain_timeout, stop_timeout, restart
@@ -134,7 +134,7 @@ def switch_cmd(
     json_: bool = JSON_OPT,
 ) -> None:
     """Drain and stop whatever stack runs, then `up PROFILE`. A failing preflight stops nothing."""
-    from molctl.switch import switch
+    from molctl.lifecycle.switch import switch
 
     opts = _up_options(
         ctx, model_root, set_, skip, timeout, api_key_file, allow_unauthenticated, drain_timeout, stop_timeout
@@ -158,8 +158,8 @@ def down_cmd(
     json_: bool = JSON_OPT,
 ) -> None:
     """Proxy first (drain), then the engine group (SIGTERM, then SIGKILL); verify nothing survives."""
+    from molctl.lifecycle.stop import down
     from molctl.output import ConsoleProgress, Output
-    from molctl.stop import down
 
     out = Output(as_json=json_)
     progress = ConsoleProgress(out)
@@ -177,8 +177,8 @@ def status_cmd(
     json_: bool = JSON_OPT,
 ) -> None:
     """Recorded stacks, probed live: processes, ports, /health, /readyz, uptime, logs, GPU memory."""
+    from molctl.lifecycle.status import status
     from molctl.output import Output
-    from molctl.status import status
 
     Output(as_json=json_).status(status(ctx.obj, profile))
 
@@ -190,8 +190,8 @@ def reload_cmd(
     json_: bool = JSON_OPT,
 ) -> None:
     """Make the running proxy re-read its API key file (SIGHUP), without dropping connections."""
+    from molctl.lifecycle.reload import reload
     from molctl.output import Output
-    from molctl.reload import reload
 
     result = reload(ctx.obj, profile)
     if json_:

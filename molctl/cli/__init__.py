@@ -1,7 +1,8 @@
 """The command line: the `molctl` app, its global options and the registration of the commands,
-which live in the cli* modules by concern (clicheck, clilifecycle, clidemo, clibench, cliproxy,
-clirender). A command parses options, calls the module that does the work and hands its result
-to an `molctl.output.Output` method. No logic and no rendering live here.
+which live in this package's modules by command group (check, lifecycle, demo, bench, proxy,
+render; base: the shared Context, errors and options), as the hf CLI's app only registers. A
+command parses options, calls the module that does the work and hands its result to an
+`molctl.output.Output` method. No logic and no rendering live here.
 
 Exit codes are `molctl.errors.ExitStatus`; every `MolctlError` becomes one line on stderr. The
 contract (commands, exit codes, JSON shapes) is in docs/contract.md."""
@@ -15,11 +16,11 @@ from typing import List, Optional
 import typer
 
 from molctl import __version__
-from molctl.clibase import JSON_OPT, Context, handle_errors
-from molctl.clibench import bench_cmd
-from molctl.clicheck import check_cmd, lock_cmd
-from molctl.clidemo import demo_app
-from molctl.clilifecycle import (
+from molctl.cli.base import JSON_OPT, Context, handle_errors
+from molctl.cli.bench import bench_cmd
+from molctl.cli.check import check_cmd, lock_cmd
+from molctl.cli.demo import demo_app
+from molctl.cli.lifecycle import (
     down_cmd,
     logs_cmd,
     prefetch_cmd,
@@ -29,8 +30,8 @@ from molctl.clilifecycle import (
     top_cmd,
     up_cmd,
 )
-from molctl.cliproxy import proxy_cmd, state_app
-from molctl.clirender import render_app
+from molctl.cli.proxy import proxy_cmd, state_app
+from molctl.cli.render import render_app
 from molctl.errors import ExitStatus
 
 EXIT_CODES_HELP = (

@@ -8,7 +8,7 @@ from typing import List, Optional
 
 import typer
 
-from molctl.clibase import DRAIN_OPT, MODEL_ROOT_OPT, SET_OPT, STOP_OPT, UNAUTH_OPT, handle_errors, overrides_from
+from molctl.cli.base import DRAIN_OPT, MODEL_ROOT_OPT, SET_OPT, STOP_OPT, UNAUTH_OPT, handle_errors, overrides_from
 from molctl.errors import UsageError
 
 render_app = typer.Typer(

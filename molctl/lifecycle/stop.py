@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from molctl.errors import ConflictError, MolctlError
+from molctl.lifecycle.progress import Progress
+from molctl.lifecycle.stacks import known_or_recorded, marked_for, unreadable_records_error, unrecorded_marked
 from molctl.processes import members, stack_pids, stop, stop_processes
-from molctl.progress import Progress
-from molctl.stacks import known_or_recorded, marked_for, unreadable_records_error, unrecorded_marked
 from molctl.state import (
     Record,
     RecordProblem,
