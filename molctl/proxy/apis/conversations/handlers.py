@@ -7,9 +7,10 @@ from __future__ import annotations
 from typing import Any
 
 from molctl.profiles import Profile
-from molctl.proxy.apis.conversations.items import item_not_found, list_page, parse_items
+from molctl.proxy.apis.conversations.items import item_not_found, parse_items
 from molctl.proxy.apis.conversations.records import ConversationRecords, conversation_not_found
 from molctl.proxy.apis.exchange import Exchange
+from molctl.proxy.apis.listing import list_page, page_params
 from molctl.proxy.apis.request_fields import PERMISSIVE, FieldPolicy
 from molctl.proxy.errors import invalid
 from molctl.proxy.http.body import parse_on_loop
@@ -149,15 +150,7 @@ class ConversationsAPI:
     # ------------------------------------------------------------------ items
     async def list_items(self, ex: Exchange, conversation_id: str) -> None:
         query = self._query(ex, QUERY_LIST)
-        try:
-            limit = int(query.get("limit", "20"))
-        except ValueError:
-            limit = 0
-        if not 1 <= limit <= 100:
-            raise invalid("'limit' must be an integer from 1 to 100.", "limit")
-        order = query.get("order", "desc")
-        if order not in ("asc", "desc"):
-            raise invalid("'order' must be 'asc' or 'desc'.", "order")
+        limit, order = page_params(query)
         record = await self._record(ex, conversation_id)
         await ex.json(200, list_page(record["items"], limit, order, query.get("after")))
 

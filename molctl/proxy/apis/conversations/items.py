@@ -1,5 +1,5 @@
 """Conversation items: validated as Responses input items (`parse_items`), turned back into the
-chat messages a response continues from (`history_messages`), and paged (`list_page`).
+chat messages a response continues from (`history_messages`), and paged (`apis.listing`).
 
 Items are kept as the Responses API returns them (`/input_items`, a response's `output`): a
 message, function_call, function_call_output or reasoning item, each with an `id`. The chat
@@ -85,22 +85,6 @@ def history_messages(items: list[dict[str, Any]], media_hosts: tuple[str, ...] =
     for i, item in enumerate(items):
         conv.add(item, f"conversation.items[{i}]")
     return conv.messages
-
-
-def list_page(items: list[dict[str, Any]], limit: int, order: str, after: str | None) -> dict[str, Any]:
-    """OpenAI's ConversationItemList: `after` an item id (an unknown one: an empty page)."""
-    ordered = items[::-1] if order == "desc" else list(items)
-    if after is not None:
-        ids = [i.get("id") for i in ordered]
-        ordered = ordered[ids.index(after) + 1 :] if after in ids else []
-    page = ordered[:limit]
-    return {
-        "object": "list",
-        "data": page,
-        "first_id": page[0]["id"] if page else "",
-        "last_id": page[-1]["id"] if page else "",
-        "has_more": len(ordered) > limit,
-    }
 
 
 def item_not_found(item_id: str) -> ProxyError:

@@ -13,6 +13,7 @@ import json
 import time
 from typing import Any
 
+from molctl.proxy.apis.listing import list_page
 from molctl.proxy.apis.responses.convert import encode_reasoning, flat_name, new_id
 from molctl.proxy.apis.responses.protocol import ItemIds, ResponsesRequest
 from molctl.proxy.errors import ProxyError
@@ -253,21 +254,7 @@ def complete_response(req: ResponsesRequest, response_id: str, created_at: int, 
 
 
 def list_input_items(record: dict[str, Any], limit: int, order: str, after: str | None) -> dict[str, Any]:
-    items = list(record.get("input_items") or [])
-    if order == "desc":
-        items.reverse()
-    if after is not None:
-        ids = [i.get("id") for i in items]
-        items = items[ids.index(after) + 1 :] if after in ids else []
-    page = items[:limit]
-    # OpenAI's ResponseItemList requires both ids as strings (not nullable): "" for an empty page
-    return {
-        "object": "list",
-        "data": page,
-        "first_id": page[0]["id"] if page else "",
-        "last_id": page[-1]["id"] if page else "",
-        "has_more": len(items) > limit,
-    }
+    return list_page(list(record.get("input_items") or []), limit, order, after)
 
 
 # ------------------------------------------------------------------------ stream

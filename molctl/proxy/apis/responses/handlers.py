@@ -18,6 +18,7 @@ from molctl.profiles import Profile
 from molctl.proxy.apis.conversations import turns
 from molctl.proxy.apis.conversations.records import ConversationRecords
 from molctl.proxy.apis.exchange import Exchange
+from molctl.proxy.apis.listing import page_params
 from molctl.proxy.apis.responses import background, compact, events
 from molctl.proxy.apis.responses.convert import new_id
 from molctl.proxy.apis.responses.protocol import (
@@ -252,15 +253,7 @@ class ResponsesAPI:
         for key in query:
             if key not in ("limit", "order", "after", "include", "include[]"):  # the SDK sends include[]=…
                 raise invalid(f"Unrecognized query parameter: {key}", key)
-        try:
-            limit = int(query.get("limit", "20"))
-        except ValueError:
-            limit = 0
-        if not 1 <= limit <= 100:
-            raise invalid("'limit' must be an integer from 1 to 100.", "limit")
-        order = query.get("order", "desc")
-        if order not in ("asc", "desc"):
-            raise invalid("'order' must be 'asc' or 'desc'.", "order")
+        limit, order = page_params(query)
         record = await self.responses.get_response(ex.tenant, response_id)
         if record is None:
             raise not_found(response_id)
