@@ -10,14 +10,18 @@ Its modules, one line each:
 - `apis.conversations.handlers`: the Conversations API's endpoints (/v1/conversations, its items).
 - `apis.conversations.items`: conversation items: checked as input items, back to chat messages, paged.
 - `apis.conversations.records`: conversation records on the response store; `ResponsesOnly`.
+- `apis.exchange`: the Exchange Protocol the handlers are typed by, and its one body policy (`json_body`).
+- `apis.listing`: OpenAI's list pages (limit, order, after) of input_items and conversation items.
 - `apis.conversations.turns`: `conversation` on POST /v1/responses: its items as history, the answer's added.
 - `apis.models`: GET /v1/models and /v1/models/{id}: the one public model.
 - `apis.request_fields`: which request fields are honoured, passed to the engine, ignored or refused.
+- `apis.responses.background`: `background: true`: the answer run in the proxy, polled, cancelled, its stream resumed.
 - `apis.responses.compact`: POST /v1/responses/compact: the context folded from the kept summaries.
 - `apis.responses.compaction_item`: the compaction item's `encrypted_content` (the fold text, compressed).
 - `apis.responses.convert`: Responses input items, tools, tool choice and text format as chat's.
 - `apis.responses.events`: Response objects, stored records, input_items pages, the stream translator.
 - `apis.responses.handlers`: the Responses endpoints: create, get, delete, input_items, cancel, compact.
+- `apis.responses.tool_echo`: the request's tools as a Response echoes them, in OpenAI's shape per type.
 - `apis.responses.protocol`: Responses request validation and its translation to a chat request.
 - `conversations`: conversation state found from the history itself (keys, turn records, tool calls).
 - `engine_client`: the one keep-alive HTTP/1.1 client to the engine (and its replicas).
@@ -32,10 +36,11 @@ Its modules, one line each:
 - `http.sse`: the held-back-200 SSE writer.
 - `metrics`: the plain counters and the Prometheus metrics, on their own listener.
 - `pipeline.admission`: how many hops of each kind are in flight at the engine, and who waits.
-- `pipeline.plan`: the request plan and the request state, as fields.
+- `pipeline.heldhop`: a speculative answer hop held while the route hop runs, its events bounded.
+- `pipeline.plan`: the request plan (each stage's decisions in its part) and the request state.
 - `pipeline.priority`: the one hop-priority policy.
 - `pipeline.routing`: the route hop, label parsing, its fallback and the one sticky tool-turn rule.
-- `pipeline.run`: the pipeline's entry points shared by chat and Responses (prepare, load, answer, stream).
+- `pipeline.run`: the pipeline's entry points shared by chat and Responses (check, prepare, load, the route sequence, answer, stream).
 - `pipeline.speculative`: the speculative answer on the conversation's adapter, held until the route decides.
 - `pipeline.summary`: the background summary hops.
 - `pipeline.views`: what each hop sends: the router's messages, each adapter's view, the summary request.
@@ -45,6 +50,8 @@ Its modules, one line each:
 - `samples`: sample conversations `molctl check`'s template category renders through this code.
 - `shaping`: the one place that shapes what clients see (public model name, own ids, no engine extras).
 - `store`: the state stores (package): the contracts and the one factory of a `proxy.store` spec.
+- `store.background`: background responses' jobs (BackgroundStore): status, events, leases.
+- `store.background_backends`: the background jobs' store beside a proxy's response store.
 - `store.base`: the ConversationStore / ResponseStore / RecordStore contracts, StoreScope, the store errors.
 - `store.factory`: the one place a spec (sqlite, memory, sqlite:/path, redis://) becomes stores.
 - `store.local`: in-process record stores behind the proxy's async interface (LocalResponses).
@@ -55,6 +62,7 @@ Its modules, one line each:
 - `store.sqlite.schema`: the file's schema, migrations, integrity check and errors.
 - `store.sqlite.responses`: the Responses records on SQLite (chains, quotas, eviction).
 - `store.sqlite.conversations`: chat's turn and call rows on SQLite (SqliteConversationStore).
+- `store.sqlite.background`: background jobs and their events in the SQLite file (tables made on first use).
 - `store.sqlite.admin`: `molctl state` on SQLite (describe, prune).
 - `store.redis`: the Redis backend, shared by proxy replicas (package).
 - `store.redis.target`: the store's URL, password, blocking client and errors.
@@ -63,6 +71,7 @@ Its modules, one line each:
 - `store.redis.responses`: the Responses records on Redis.
 - `store.redis.conversations`: chat's shared state on Redis (RedisConversationStore, RedisScope).
 - `store.redis.replicas`: the replica registry (heartbeats, conversation affinity).
+- `store.redis.background`: background jobs, their events and leases on Redis.
 - `store.redis.admin`: `molctl state` and `molctl check` on Redis (describe, prune).
 - `tracing`: OpenTelemetry traces: a server span per request, a client span per hop, traceparent to the engine.
 """

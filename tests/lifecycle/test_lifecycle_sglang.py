@@ -296,15 +296,18 @@ def test_scheduler_exception_while_loading(host):
 
 def test_down_with_sglang_timings_needs_no_sigkill(host):
     """With SGLang's own 5 s sigterm-watchdog poll: `down` SIGTERMs the launcher and its children;
-    a child gone with -15 trips the SubprocessWatchdog, which takes the tree down within about a
-    second, well inside the stop timeout: no escalation to SIGKILL by molctl."""
+    a child gone with -15 trips the SubprocessWatchdog (a 1 s poll), which takes the tree down, well
+    inside the stop timeout: no escalation to SIGKILL by molctl. When the sigterm watchdog's own
+    poll falls first (its 5 s cycle is not aligned with the SIGTERM; a loaded machine delays the
+    1 s thread), the launcher's graceful exit ends the tree instead: either is SGLang's own."""
     assert host.up(env={"FAKE_TERM_POLL": "5"}).exit_code == ExitStatus.OK
     pids = host.stack_pids()
     started = time.monotonic()
     d = host.molctl("down")
     assert d.exit_code == ExitStatus.OK, d.stderr
     assert "sending SIGKILL" not in d.stdout and time.monotonic() - started < 20
-    assert "crashed with exit code -15" in engine_log(host)  # the watchdog, not molctl, ended the tree
+    log = engine_log(host)  # a watchdog of SGLang's, not molctl, ended the tree
+    assert "crashed with exit code -15" in log or "Gracefully exiting... Remaining number of requests 0." in log
     assert gone(pids) and host.sglang_children() == [] and host.records() == {}
 
 

@@ -119,16 +119,19 @@ def _up_json(host, delay: str):
 
 def test_a_second_up_shows_an_eta_close_to_its_real_time_and_finds_the_cache_warm(host):
     """`up` twice on one host: the first says it has no history, the second's ETA is within 30%
-    of what the start really took; the engine's cache survives `down` and `status` says so."""
-    first = _up_json(host, "6")
+    of what the start really took; the engine's cache survives `down` and `status` says so. The
+    fake engine's 10 s start dominates both starts, so the machine's load moves them alike."""
+    first = _up_json(host, "10")
     assert first["eta"]["history_starts"] == 0 and first["eta"]["expected_total_s"] is None
     assert first["cache"]["warm"] is False and first["cache"]["dir"].startswith(str(host.state))
     phases = first["timings"]["phases"]
     assert list(phases)[:3] == ["config", "weights", "compile"] and "proxy" in phases
-    assert phases["compile"] >= 6.0  # the fake's delay sits in its compile phase
+    # the fake's delay sits in its compile phase (its length as seen depends on when the poller
+    # reads the log lines, so no fixed bound: the longest phase by far)
+    assert phases["compile"] == max(phases.values())
     assert host.molctl("down").exit_code == ExitStatus.OK
 
-    second = _up_json(host, "6")
+    second = _up_json(host, "10")
     eta, actual = second["eta"]["expected_total_s"], second["timings"]["start_s"]
     assert second["eta"]["history_starts"] == 1
     assert abs(eta - actual) <= 0.3 * actual, (eta, actual)
