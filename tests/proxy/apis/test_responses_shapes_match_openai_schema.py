@@ -142,7 +142,17 @@ def test_error_event_matches_openai_schema():
     req = parse_request({"model": PUBLIC, "input": "hi", "stream": True}, PUBLIC)
     tr = events.StreamTranslator(req, new_id("resp_"))
     exc = ProxyError(503, "engine gone", "server_error", "engine_unavailable")
-    check("ResponseStreamEvent", events.error_event(tr, exc, None))
+    event = events.error_event(tr, exc, None)
+    check("ResponseStreamEvent", event)
+    assert event["type"] == "error" and event["code"] == "engine_unavailable"
+    assert event["error"] == {
+        "type": "server_error",
+        "code": "engine_unavailable",
+        "message": "engine gone",
+        "param": None,
+    }
+    with pytest.raises((AssertionError, ValueError)):  # the check can fail: an error event without its message
+        check("ResponseStreamEvent", {k: v for k, v in event.items() if k != "message"})
 
 
 def test_input_items_page_and_error_bodies_match_openai_schema(shapes):
