@@ -60,9 +60,9 @@ def test_logs_n_larger_than_a_big_log_is_fast(tmp_path):
     with open(log, "wb") as fh:
         fh.write((b"x" * 99 + b"\n") * 200_000)
     buf = io.StringIO()
-    t0 = time.monotonic()
+    t0 = time.process_time()  # CPU time (the quadratic tail took 23 s of it): a loaded machine's waits do not count
     show_logs(Ctx(tmp_path / "state"), "tiny", "engine", False, 1_000_000, Output(stdout=buf))
-    assert time.monotonic() - t0 < 5
+    assert time.process_time() - t0 < 5
     assert buf.getvalue().count("\n") == 200_000
     buf = io.StringIO()
     show_logs(Ctx(tmp_path / "state"), "tiny", "engine", False, 3, Output(stdout=buf))

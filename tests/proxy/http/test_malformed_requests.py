@@ -264,10 +264,10 @@ def test_a_duplicate_input_item_id_is_found_in_linear_time():
         items.append({"id": f"m{n - 1}", "role": "user", "content": "u"})
         best = float("inf")
         for _ in range(3):
-            start = time.monotonic()
+            start = time.process_time()  # this process's CPU time: other processes' load does not count
             with pytest.raises(ProxyError) as caught:
                 parse_request({"model": PUBLIC, "input": items}, PUBLIC)
-            best = min(best, time.monotonic() - start)
+            best = min(best, time.process_time() - start)
         return best, caught.value
 
     small, _ = refused(10_000)
