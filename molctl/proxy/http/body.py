@@ -43,40 +43,51 @@ def too_large(unread: bool = False) -> ProxyError:
     )
 
 
+LOOP_STALL_S = 0.25  # an idle timer that fires this late measured the loop's stall, not the client
+
+
 async def read_body(headers: list[tuple[bytes, bytes]], receive: Receive, idle_s: float, total_s: float) -> bytes:
     """The body; a client that sends nothing of it for `idle_s` (`proxy.stream_write_timeout_s`), or
     not all of it within `total_s` (`proxy.request_body_timeout_s`), gets a 408 (an admitted
     request holds a drain: a stalled or trickled upload must not hold it to its deadline). A
-    Content-Length over MAX_BODY is a 413 before any of it is read (no `100 Continue` is sent)."""
+    Content-Length over MAX_BODY is a 413 before any of it is read (no `100 Continue` is sent).
+
+    An idle timer that fires over LOOP_STALL_S late ran on a loop that was itself stalled (a
+    blocking call, the process descheduled): the part that arrived meanwhile may be waiting behind
+    the timer, so the idle wait starts again instead of answering 408; the total deadline holds."""
     for name, value in headers:
         if name == b"content-length" and value.isdigit() and int(value) > MAX_BODY:
             raise too_large(unread=True)
     chunks, size = [], 0
     loop = asyncio.get_running_loop()
     deadline = loop.time() + total_s
-    try:
-        async with asyncio.timeout(min(idle_s, total_s)) as idle:
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    raise ClientGone
-                body = message.get("body", b"")
-                size += len(body)
-                if size > MAX_BODY:
-                    raise too_large()
-                chunks.append(body)
-                if not message.get("more_body"):
-                    return b"".join(chunks)
-                idle.reschedule(min(loop.time() + idle_s, deadline))
-    except TimeoutError:
-        why = (
-            f"The request body did not arrive whole within {total_s:g} s."
-            if loop.time() >= deadline
-            else f"No part of the request body arrived for {idle_s:g} s."
-        )
-        raise ProxyError(
-            408, why, "invalid_request_error", "request_timeout", headers={"connection": "close"}
-        ) from None
+    while True:
+        idle = asyncio.timeout_at(min(loop.time() + idle_s, deadline))
+        try:
+            async with idle:
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        raise ClientGone
+                    body = message.get("body", b"")
+                    size += len(body)
+                    if size > MAX_BODY:
+                        raise too_large()
+                    chunks.append(body)
+                    if not message.get("more_body"):
+                        return b"".join(chunks)
+                    idle.reschedule(min(loop.time() + idle_s, deadline))
+        except TimeoutError:
+            now = loop.time()
+            if now >= deadline:
+                why = f"The request body did not arrive whole within {total_s:g} s."
+            elif now - (idle.when() or now) > LOOP_STALL_S:
+                continue
+            else:
+                why = f"No part of the request body arrived for {idle_s:g} s."
+            raise ProxyError(
+                408, why, "invalid_request_error", "request_timeout", headers={"connection": "close"}
+            ) from None
 
 
 async def parse_on_loop(raw: bytes) -> Any:
