@@ -175,9 +175,10 @@ def stack_pids(state_dir: Path, profile: str) -> set[int]:
 
 
 def is_alive(proc: psutil.Process) -> bool:
-    """Running and not a zombie."""
+    """Running and not a zombie; a zombie leader whose other threads still run is alive (it still
+    holds its files, claims and GPU memory: `procid.threads_running`)."""
     try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+        return proc.is_running() and (proc.status() != psutil.STATUS_ZOMBIE or procid.threads_running(proc.pid))
     except psutil.NoSuchProcess:
         return False
 

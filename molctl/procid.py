@@ -47,10 +47,31 @@ def _stat_fields(pid: int) -> list[str] | None:
     return raw[raw.rfind(")") + 2 :].split()
 
 
+def threads_running(pid: int) -> bool:
+    """Whether a thread of `pid` is neither a zombie nor dead. A process whose main thread exited
+    first shows a zombie leader while its other threads run on (one blocked in a write, say); it
+    keeps its files, file locks and GPU contexts until its last thread exits."""
+    task = PROC / str(pid) / "task"
+    try:
+        tids = os.listdir(task)
+    except OSError:
+        return False
+    for tid in tids:
+        try:
+            raw = (task / tid / "stat").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        state = raw[raw.rfind(")") + 2 :][:1]
+        if state and state not in "ZXx":
+            return True
+    return False
+
+
 def start_ticks(pid: int) -> int | None:
-    """Start time of `pid` in clock ticks since boot, or None when it does not exist (or is a zombie)."""
+    """Start time of `pid` in clock ticks since boot, or None when it does not exist (or is a
+    zombie with no thread still running)."""
     fields = _stat_fields(pid)
-    if not fields or fields[0] == "Z":
+    if not fields or (fields[0] == "Z" and not threads_running(pid)):
         return None
     try:
         return int(fields[19])  # field 22
