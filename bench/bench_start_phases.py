@@ -12,6 +12,10 @@
    of each: the switch's wall time, its weights phase and its start time.
 4. The load step alone, in this process: torch's safetensors load of the big base (what the
    engine's loader reads) from a cold page cache, and after `molctl prefetch`'s reader.
+`--read-mbps N` runs it all on storage that reads at N MB/s: the bench (and every process it starts)
+joins a cgroup whose block-I/O throttle (cgroup v1 `blkio.throttle.read_bps_device`, v2 `io.max`)
+caps reads from the work dir's device, as a network filesystem or a busy array would; pages
+already cached are not throttled. Needs root; this machine's disk reads about 1 GB/s otherwise.
 Prints a markdown table for BENCHMARKS.md. Needs the CPU vLLM in .venv (make .venv/.stamp-cpu)."""
 
 from __future__ import annotations
@@ -78,6 +82,34 @@ class Bench:
         print(f"big model: {size / 2**30:.2f} GiB in {time.monotonic() - t0:.0f} s", flush=True)
 
 
+def throttle_reads(work_dir: Path, mbps: int) -> str:
+    """Join a cgroup that caps block reads from `work_dir`'s device at `mbps` MB/s (children inherit it)."""
+    import os
+
+    st = os.stat(work_dir)
+    dev = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    if os.path.exists(f"/sys/dev/block/{dev}/partition"):  # throttles apply to the whole disk
+        dev = Path(os.path.realpath(f"/sys/dev/block/{dev}/..")).joinpath("dev").read_text().strip()
+    limit = mbps * 1_000_000
+    v1, v2 = Path("/sys/fs/cgroup/blkio"), Path("/sys/fs/cgroup")
+    try:
+        if v1.is_dir():
+            group = v1 / "molctl-bench"
+            group.mkdir(exist_ok=True)
+            (group / "blkio.throttle.read_bps_device").write_text(f"{dev} {limit}")
+        else:
+            group = v2 / "molctl-bench"
+            group.mkdir(exist_ok=True)
+            (v2 / "cgroup.subtree_control").write_text("+io")
+            (group / "io.max").write_text(f"{dev} rbps={limit}")
+        (group / "cgroup.procs").write_text(str(os.getpid()))
+    except OSError as exc:
+        raise SystemExit(
+            f"--read-mbps: cannot set a block-I/O throttle in {group}: {exc.strerror or exc} (needs root)"
+        ) from None
+    return f"reads from device {dev} capped at {mbps} MB/s (cgroup {group})"
+
+
 def phase_row(label: str, result: dict, wall: float) -> str:
     t = result["timings"]
     eta = result["eta"]["expected_total_s"]
@@ -129,8 +161,11 @@ def main() -> None:
     parser.add_argument("--switch-reps", type=int, default=1)
     parser.add_argument("--load-only", action="store_true", help="only step 4 (the load step, cold and prefetched)")
     parser.add_argument("--dir", type=Path, default=None, help="work dir (default: a temp dir under /tmp)")
+    parser.add_argument("--read-mbps", type=int, default=0, help="storage that reads at this many MB/s (root)")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="molctl-bench-phases-", dir=args.dir))
+    if args.read_mbps:
+        print(throttle_reads(tmp, args.read_mbps), flush=True)
     bench = Bench(tmp, args.size_mb)
     rows: list[str] = []
     try:
@@ -147,7 +182,7 @@ def main() -> None:
             rows.append(phase_row(f"up #{i + 1} (cold page cache)", res, time.monotonic() - t0))
             print(rows[-1], flush=True)
             bench.molctl("down")
-        switch_rows = []
+        switch_rows, by_mode = [], {False: [], True: []}
         for prefetch in [False, True] * args.switch_reps:
             bench.molctl("up", "tiny", *bench.start_args(bench.small))
             bench.drop_big()
@@ -163,12 +198,23 @@ def main() -> None:
                 f"{pf.get('bytes_read', 0) / 2**30:.2f} GiB in {pf.get('seconds', 0):.1f} s |"
             )
             print(switch_rows[-1], flush=True)
+            by_mode[prefetch].append((wall, t["phases"].get("weights", 0.0)))
             bench.molctl("down")
         print()
         print("| switch | wall s | stop_s | weights phase s | start_s | prefetched |")
         print("|---|---|---|---|---|---|")
         for row in switch_rows:
             print(row)
+        for prefetch, runs in by_mode.items():
+            if runs:
+                import statistics
+
+                wall_med = statistics.median(w for w, _ in runs)
+                weights_med = statistics.median(x for _, x in runs)
+                print(
+                    f"| median of {len(runs)}, {'prefetch' if prefetch else '--no-prefetch'} | "
+                    f"{wall_med:.1f} | | {weights_med:.1f} | | |"
+                )
         print()
         load_timing(bench)
     finally:

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from molctl.errors import ExitStatus
-from tests.helpers import free_ports
+from tests.helpers import free_ports, wait_for
 from tests.procs import fake_engine_argv, proxy_argv, running, wait_http
 from tests.proxy_stack import IDENTITY, KEY, KEY2, LEAK, PUBLIC, TINY, TOOLS, fold, parse_prometheus
 
@@ -443,10 +443,12 @@ def test_engine_retry_after_reaches_the_client_bounded(s, engine_says, client_ge
 
 
 def test_sigterm_during_stream_drains(keyfile, tmp_path):
+    """The answer in flight at SIGTERM completes; meanwhile /readyz is 503 and new requests get 503
+    `draining` (polled, not after a fixed sleep: a loaded host acts on the signal later)."""
     engine_port, port = free_ports(2)
     engine_url, url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{port}"
     with (
-        running(fake_engine_argv(engine_port, {"answer_delay": 1.5}), engine_url + "/health"),
+        running(fake_engine_argv(engine_port, {"answer_delay": 4.0}), engine_url + "/health"),
         running(proxy_argv("tiny", engine_url, port, "--api-key-file", str(keyfile)), url + "/health") as proxy,
     ):
         client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=20)
@@ -465,8 +467,7 @@ def test_sigterm_during_stream_drains(keyfile, tmp_path):
             time.sleep(0.05)
         time.sleep(0.3)  # the answer hop is in flight
         proxy.send_signal(signal.SIGTERM)
-        time.sleep(0.2)
-        assert httpx.get(url + "/readyz").status_code == 503
+        assert wait_for(lambda: httpx.get(url + "/readyz").status_code == 503, timeout=3)
         r = httpx.post(
             url + "/v1/chat/completions",
             headers={"Authorization": f"Bearer {KEY}"},
