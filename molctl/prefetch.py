@@ -191,10 +191,11 @@ def prefetch_profile(profile, threads: int = 4, **kw) -> Prefetch:
 
 
 def drop_from_cache(path: Path) -> None:
-    """Evict `path`'s clean pages from the page cache (POSIX_FADV_DONTNEED; no root needed): the
-    bench's cold start without `echo 1 > /proc/sys/vm/drop_caches`."""
+    """Evict `path`'s pages from the page cache (written back first: POSIX_FADV_DONTNEED drops only
+    clean pages; no root needed): the bench's cold start without `echo 1 > /proc/sys/vm/drop_caches`."""
     fd = os.open(path, os.O_RDONLY)
     try:
+        os.fdatasync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
