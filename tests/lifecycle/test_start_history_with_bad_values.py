@@ -1,6 +1,7 @@
 """A starts.json edited by hand, or by another tool, with values that are not seconds (strings,
 lists, booleans, NaN, negative totals): the ETA ignores those values, and `up` and `status`
-neither crash nor print a traceback (issue 44: the history is only an estimate)."""
+neither crash nor print a traceback (issue 44: the history is only an estimate). One that cannot
+be written is a warning naming the file; the stack serves."""
 
 from __future__ import annotations
 
@@ -48,3 +49,14 @@ def test_up_and_status_survive_a_history_with_values_that_are_not_seconds(host):
     assert "Traceback" not in r.stderr and "ETA " in r.stdout + r.stderr
     s = host.molctl("status", "tiny", "--json")
     assert s.exit_code == ExitStatus.OK and "Traceback" not in s.stderr, s.stderr
+
+
+def test_a_history_that_cannot_be_written_is_a_warning_naming_the_file(host):
+    path = starthistory.history_path(host.state, "tiny")
+    path.mkdir(parents=True)  # starts.json is a directory: neither read nor replaced
+    host.state.chmod(0o700)
+    path.parent.chmod(0o700)
+    r = host.up()
+    assert r.exit_code == ExitStatus.OK, r.stderr
+    assert f"could not record this start's phases in {path}: Is a directory" in r.stdout + r.stderr
+    assert sorted(p.name for p in path.parent.iterdir() if p.name.endswith(".tmp")) == []  # no temp file left
