@@ -16,6 +16,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from molctl.errors import ExitStatus, MolctlError
+
 DEFAULT_NAME = "engine-cache"
 
 
@@ -42,5 +44,12 @@ def prepare(profile, state_dir: Path) -> dict[str, Any]:
     (an earlier start filled it). Returns `{"dir", "warm"}`, what `up` records for `status`."""
     path = cache_dir(profile, state_dir)
     warm = _has_entries(path)
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:  # a file in the way, a read-only mount: `check` says so as state.engine_cache
+        raise MolctlError(
+            f"engine.cache_dir {path}: {exc.strerror or exc} (expected a directory the engine can write, "
+            "or a path molctl can create)",
+            ExitStatus.CHECK_FAILED,
+        ) from None
     return {"dir": str(path), "warm": warm}

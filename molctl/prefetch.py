@@ -18,6 +18,7 @@ engine."""
 from __future__ import annotations
 
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from molctl.errors import ExitStatus, MolctlError
 from molctl.routes import ROUTES
 
 BLOCK = 16 << 20
@@ -118,10 +120,14 @@ class Prefetcher:
         if self._stop.is_set():
             return
         try:
-            size = path.stat().st_size
+            st = path.stat()
         except OSError as exc:
             self._skip(path, f"cannot stat: {exc.strerror or exc}")
             return
+        if not stat.S_ISREG(st.st_mode):  # a FIFO blocks open() for good, /dev/zero never ends
+            self._skip(path, f"{_kind(st.st_mode)}, not a regular file")
+            return
+        size = st.st_size
         if not self._fits(size):
             self._skip(path, self._memory_reason(size))
             return
@@ -160,13 +166,15 @@ class Prefetcher:
 
     def run(self) -> Prefetch:
         t0 = self.clock()
-        for path in self.files:
-            try:
-                self.result.bytes_total += path.stat().st_size
-            except OSError:
-                pass
-        with ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="molctl-prefetch") as pool:
+        self.result.bytes_total = total_size(self.files)
+        pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="molctl-prefetch")
+        try:
             list(pool.map(self._one, self.files))
+        except BaseException:  # Ctrl-C: the readers stop after their current block, the rest never starts
+            self._stop.set()
+            raise
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
         self.result.seconds = self.clock() - t0
         self.result.stopped = self._stop.is_set()
         return self.result
@@ -185,8 +193,42 @@ class Prefetcher:
         return self.result
 
 
+def total_size(files: list[Path]) -> int:
+    """The bytes of the regular files among `files` (one that cannot be read counts 0: the
+    prefetch skips it and says why)."""
+    total = 0
+    for path in files:
+        try:
+            st = path.stat()
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            total += st.st_size
+    return total
+
+
+def _kind(mode: int) -> str:
+    kinds = (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a device"),
+        (stat.S_ISBLK, "a device"),
+    )
+    return next((name for test, name in kinds if test(mode)), "a special file")
+
+
 def prefetch_profile(profile, threads: int = 4, **kw) -> Prefetch:
-    """`molctl prefetch PROFILE`: the profile's files into the page cache, now."""
+    """`molctl prefetch PROFILE`: the profile's files into the page cache, now. A model root
+    without the base's shards is an error (exit 3): a mistyped --model-root would otherwise
+    "read 0 of 0 files" and look like success."""
+    base = profile.base_dir
+    if not base.is_dir() or not any(base.glob("*.safetensors")):
+        what = "is not a directory" if not base.is_dir() else "holds no *.safetensors shard"
+        raise MolctlError(
+            f"model root {profile.model_root}: {base} {what} (expected the base model's shards; "
+            "set model_root or --model-root)",
+            ExitStatus.CHECK_FAILED,
+        )
     return Prefetcher(model_files(profile), threads=threads, **kw).run()
 
 

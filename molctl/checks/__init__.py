@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from molctl.checks import engine, host, loadstrategy, model, template, verify
+from molctl.checks import cachedir, engine, host, loadstrategy, model, template, verify
 from molctl.checks import live as live_checks
 from molctl.checks.result import CheckResult, Probes, Report
 
@@ -45,7 +45,7 @@ def run_checks(profile, probes: Probes, skip: Iterable[str] = ()) -> Report:
         "adapter": model.run_adapters,
         "template": template.run,
         "port": host.run_ports,
-        "state": host.run_state,
+        "state": lambda p, pr: [*host.run_state(p, pr), *cachedir.run(p, pr)],
         "security": host.run_security,
     }
     if probes.verify is not None:  # `--verify`: the host compared with a `molctl lock` manifest, last

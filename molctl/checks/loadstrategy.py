@@ -46,7 +46,12 @@ def run(profile, probes) -> list[CheckResult]:
     files = sorted(profile.base_dir.glob("*.safetensors"))
     if not files:
         return []  # model.index says what is missing
-    size = sum(f.stat().st_size for f in files)
+    size = 0
+    for f in files:
+        try:
+            size += f.stat().st_size
+        except OSError:  # a dangling link, a link loop: model.shards says what is wrong with it
+            pass
     point, fstype = mount_of(profile.model_root.resolve(), probes.mounts())
     available = probes.available_memory()
     network = is_network(fstype)

@@ -146,7 +146,8 @@ class _Starter:
                 starthistory.entry(total, phases, kind, "warm" if self.cache.get("warm") else "empty"),
             )
         except OSError as exc:
-            self.progress.warn(f"could not record this start's phases: {exc.strerror or exc}")
+            where = starthistory.history_path(self.state_dir, self.name)
+            self.progress.warn(f"could not record this start's phases in {where}: {exc.strerror or exc}")
         record = read_records(self.state_dir, self.name).get("engine")
         if record is not None:
             record.extra = {

@@ -4,7 +4,8 @@ After each start that ends ready, `up` appends `{host, at, total_s, phases: {pha
 engine, cache}`; the file keeps the newest `KEEP` starts (all hosts together: a state dir on a
 shared filesystem holds several) and is replaced atomically (temp file + rename), so a crash
 leaves the old history, never half of a new one. A history that cannot be read is treated as none
-(it is only an estimate), and the next successful start rewrites it.
+(it is only an estimate), and the next successful start rewrites it; so is a start whose total is
+not a duration, and a phase whose value is not one.
 
 The ETA of a start is the median total of this host's last `WINDOW` starts of the profile (the
 median: one start after a reboot with a cold page cache does not move it much). While the start
@@ -14,6 +15,7 @@ the current one took before (a start that runs late still has its later phases a
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import statistics
@@ -45,7 +47,20 @@ def load(state_dir: Path, profile: str) -> list[dict]:
     starts = data.get("starts") if isinstance(data, dict) else None
     if not isinstance(starts, list):
         return []
-    return [s for s in starts if isinstance(s, dict) and isinstance(s.get("total_s"), (int, float))]
+    return [_clean(s) for s in starts if isinstance(s, dict) and _seconds(s.get("total_s"))]
+
+
+def _seconds(value) -> bool:
+    """A duration as `up` writes it: a finite, non-negative number (not a boolean)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+
+
+def _clean(start: dict) -> dict:
+    """`start` with only the phases whose value is a duration (a file edited by hand or by another
+    tool may hold anything: the estimate takes what it can use and ignores the rest)."""
+    phases = start.get("phases")
+    phases = {p: s for p, s in phases.items() if _seconds(s)} if isinstance(phases, dict) else {}
+    return {**start, "phases": phases}
 
 
 def append(state_dir: Path, profile: str, entry: dict, keep: int = KEEP) -> None:

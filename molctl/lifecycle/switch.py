@@ -66,11 +66,11 @@ def _start_prefetch(profile, opts: UpOptions, progress: Progress):
     imports (molctl.prefetch: bounded threads, only while memory allows); None with --no-prefetch."""
     if not getattr(opts, "prefetch", True):
         return None
-    from molctl.prefetch import Prefetcher, model_files
+    from molctl.prefetch import Prefetcher, model_files, total_size
 
     files = model_files(profile)
     warm = Prefetcher(files)
-    size = sum(f.stat().st_size for f in files)
+    size = total_size(files)  # a shard that cannot be read is the prefetch's skip, not the switch's error
     progress.step(
         f"prefetch: reading {len(files)} files ({size / 2**30:.1f} GiB) of {profile.name} into the page cache"
     )

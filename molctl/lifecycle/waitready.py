@@ -90,7 +90,11 @@ class _History:
         try:
             starthistory.append(self.state_dir, self.profile, starthistory.entry(elapsed, {}, engine, None))
         except OSError as exc:  # only the next ETA lacks it
-            print(f"molctl.lifecycle.waitready: could not record the start: {exc.strerror or exc}", file=sys.stderr)
+            where = starthistory.history_path(self.state_dir, self.profile)
+            print(
+                f"molctl.lifecycle.waitready: could not record the start in {where}: {exc.strerror or exc}",
+                file=sys.stderr,
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
