@@ -200,6 +200,11 @@ def _engine_spec(data: dict[str, Any], proxy: dict[str, Any], v: _Validator) -> 
     for key in ("python", "otlp_traces_endpoint", "cache_dir"):  # null or empty: the declared default
         if not eng.get(key):
             eng.pop(key, None)
+    cache = eng.get("cache_dir")
+    if cache and not os.path.isabs(os.path.expanduser(cache)) and ".." in Path(cache).parts:
+        raise v.fail(
+            "engine.cache_dir", f"{cache!r}: a relative path stays below STATE/PROFILE (no '..'); give an absolute path"
+        )
     if "python" in eng:
         eng["python"] = os.path.expanduser(eng["python"])
     if "env" in eng:

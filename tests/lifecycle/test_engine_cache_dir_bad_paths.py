@@ -49,3 +49,13 @@ def test_up_without_the_state_checks_still_names_the_field(host):
     [line] = [ln for ln in r.stderr.splitlines() if ln.startswith("molctl: error:")]
     assert line.startswith(f"molctl: error: engine.cache_dir {a_file}: File exists (expected a directory")
     assert host.stack_pids() == set()  # nothing started, nothing recorded
+
+
+def test_a_relative_cache_dir_that_climbs_out_of_the_profiles_dir_is_refused(host):
+    """A relative engine.cache_dir is below STATE/PROFILE: `..` in it is a profile error, exit 3."""
+    r = host.molctl("check", "tiny", *_check_args(host, "--set", "engine.cache_dir=../../escape", "--skip", "gpu"))
+    assert r.exit_code == ExitStatus.CHECK_FAILED, r.stderr
+    assert "engine.cache_dir" in r.stdout and "no '..'" in r.stdout
+    r = host.up("--set", "engine.cache_dir=../../escape")
+    assert r.exit_code == ExitStatus.CHECK_FAILED and "no '..'" in r.stderr and "\n" not in r.stderr.strip()
+    assert host.records() == {} and not (host.tmp / "escape").exists()
