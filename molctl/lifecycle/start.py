@@ -94,17 +94,7 @@ def _up_locked(
     profile: Profile, config: dict, ctx, opts: UpOptions, key_args: list[str], progress: Progress
 ) -> dict[str, Any]:
     state_dir, name = ctx.state_dir, profile.name
-    config = {
-        **config,
-        "up_command": stackconfig.up_command(
-            name,
-            opts.overrides,
-            key_args,
-            _explicit_state_dir(ctx),
-            [Path(d).resolve() for d in opts.profiles_dirs],
-            _start_options(opts),
-        ),
-    }
+    config = _full_config(profile, config, ctx, opts, key_args)
     t0 = time.monotonic()
     records, live = _recorded_for_up(profile, config, state_dir, opts, progress)
     if records and stack_ready(records):
@@ -129,6 +119,33 @@ def _up_locked(
     if starter.cache:
         out["cache"] = starter.cache
     return out
+
+
+def _full_config(profile: Profile, config: dict, ctx, opts: UpOptions, key_args: list[str]) -> dict:
+    """The configuration a stack is recorded with: the profile's, plus the `up` command that starts it again."""
+    return {
+        **config,
+        "up_command": stackconfig.up_command(
+            profile.name,
+            opts.overrides,
+            key_args,
+            _explicit_state_dir(ctx),
+            [Path(d).resolve() for d in opts.profiles_dirs],
+            _start_options(opts),
+        ),
+    }
+
+
+def already_running(profile: Profile, config: dict, ctx, opts: UpOptions, key_args: list[str]) -> dict | None:
+    """`up`'s result when this profile already runs, ready, with this configuration; else None."""
+    records, problems = read_records_checked(ctx.state_dir, profile.name)
+    if problems or not records or not all(is_same_process(r) for r in records.values()):
+        return None
+    if not stack_ready(records) or _config_differs(
+        records, _full_config(profile, config, ctx, opts, key_args), profile
+    ):
+        return None
+    return _result(profile, records, already=True, timings={})
 
 
 def _recorded_for_up(

@@ -14,7 +14,7 @@ from molctl.errors import ExitStatus, MolctlError
 from molctl.lifecycle.launch import UpOptions
 from molctl.lifecycle.progress import Progress
 from molctl.lifecycle.stacks import recorded_config, running_profiles
-from molctl.lifecycle.start import _explicit_state_dir, _up_locked, preflight, resolve_key_option
+from molctl.lifecycle.start import _explicit_state_dir, _up_locked, already_running, preflight, resolve_key_option
 from molctl.lifecycle.stop import down_locked
 from molctl.lifecycle.stopsignals import interrupted_by
 from molctl.processes import members
@@ -23,7 +23,8 @@ from molctl.state import StateLock, ensure_state_dir, read_records
 
 def switch(name: str, ctx, opts: UpOptions, progress: Progress) -> dict[str, Any]:
     """Drain and stop whatever runs, then `up` the profile, holding the state lock throughout
-    (no other `up` can start in between). If the new profile fails its preflight (checked without
+    (no other `up` can start in between). The profile already running, ready, with this
+    configuration is left alone (`up`'s already-running result). If the new profile fails its preflight (checked without
     the port category, since the old stack holds the ports), nothing is stopped. If the new stack
     fails after the old one was stopped, the error says so and names the command that brings the
     old one back."""
@@ -36,6 +37,10 @@ def switch(name: str, ctx, opts: UpOptions, progress: Progress) -> dict[str, Any
     ensure_state_dir(state_dir)
     with StateLock(state_dir, "switch", name):
         running = running_profiles(state_dir)
+        same = already_running(profile, config, ctx, opts, key_args) if running == [name] else None
+        if same is not None:  # never an hour's reload by a mistyped switch: `up`'s answer
+            progress.step(f"profile {name} is already running and ready with this configuration; nothing to switch")
+            return {**same, "stopped": []}
         # ports included: those the running stacks hold count as their own (own_profiles), a
         # stranger's fails the switch before the running stack is stopped
         preflight(profile, state_dir, opts, progress, "the running stack was left alone", own_profiles=running)
