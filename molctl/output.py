@@ -233,7 +233,10 @@ class Output:
             if stack.get("phase"):
                 from molctl.phases import label
 
-                eta = "no ETA (first start here)" if stack.get("eta_s") is None else f"ETA {stack['eta_s']:.0f} s"
+                basis = (stack.get("eta") or {}).get("basis", "")
+                eta = f"ETA {stack['eta_s']:.0f} s" if stack.get("eta_s") is not None else "no ETA (first start here)"
+                if stack.get("eta_s") is None and basis.startswith("no usable history"):
+                    eta = f"no ETA ({basis})"
                 self.line(
                     f"{stack['profile']}: starting: {label(stack['phase'], stack.get('phase_detail', ''))}; {eta}"
                 )

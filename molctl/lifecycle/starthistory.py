@@ -40,14 +40,24 @@ def host_name() -> str:
 
 def load(state_dir: Path, profile: str) -> list[dict]:
     """Every recorded start (oldest first); [] when there is none or the file is unreadable."""
+    return _read(state_dir, profile)[0]
+
+
+def _read(state_dir: Path, profile: str) -> tuple[list[dict], str | None]:
+    """The recorded starts, and why the file could not be used (None: it could, or there is none)."""
+    path = history_path(state_dir, profile)
     try:
-        data = json.loads(history_path(state_dir, profile).read_text())
-    except (OSError, ValueError):
-        return []
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return [], None
+    except OSError as exc:
+        return [], f"{path} cannot be read: {exc.strerror or exc}"
+    except ValueError:
+        return [], f"{path} is not valid JSON"
     starts = data.get("starts") if isinstance(data, dict) else None
     if not isinstance(starts, list):
-        return []
-    return [_clean(s) for s in starts if isinstance(s, dict) and _seconds(s.get("total_s"))]
+        return [], f"{path} holds no list of starts"
+    return [_clean(s) for s in starts if isinstance(s, dict) and _seconds(s.get("total_s"))], None
 
 
 def _seconds(value) -> bool:
@@ -99,6 +109,7 @@ class Estimate:
     starts: int = 0
     total_s: float | None = None
     phase_s: dict[str, float] = field(default_factory=dict)  # median seconds per phase
+    unreadable: str | None = None  # why the history could not be used (the next start rewrites it)
 
     def remaining(self, elapsed: float, phase: str | None) -> float | None:
         """Seconds left, `elapsed` seconds into a start now in `phase`; None without history."""
@@ -116,15 +127,21 @@ class Estimate:
             "history_starts": self.starts,
             "expected_total_s": None if self.total_s is None else round(self.total_s, 1),
             "phases_s": {p: round(s, 1) for p, s in self.phase_s.items()},
-            "basis": f"median of this host's last {self.starts} start(s)" if self.starts else "no earlier start",
+            "basis": f"median of this host's last {self.starts} start(s)" if self.starts else self._no_history(),
         }
+
+    def _no_history(self) -> str:
+        if self.unreadable:
+            return f"no usable history: {self.unreadable} (the next start that ends ready rewrites it)"
+        return "no earlier start"
 
 
 def estimate(state_dir: Path, profile: str, host: str | None = None) -> Estimate:
     host = host or host_name()
-    mine = [s for s in load(state_dir, profile) if s.get("host") == host][-WINDOW:]
+    starts, unreadable = _read(state_dir, profile)
+    mine = [s for s in starts if s.get("host") == host][-WINDOW:]
     if not mine:
-        return Estimate()
+        return Estimate(unreadable=unreadable)
     phase_s: dict[str, float] = {}
     for phase in PHASES:
         seen = [s["phases"][phase] for s in mine if isinstance(s.get("phases"), dict) and phase in s["phases"]]
@@ -140,6 +157,8 @@ def estimate(state_dir: Path, profile: str, host: str | None = None) -> Estimate
 def eta_text(est: Estimate, elapsed: float, phase: str | None) -> str:
     """`ETA 35 s (median of 3 starts)` or `no ETA yet: first start of this profile on this host`."""
     left = est.remaining(elapsed, phase)
+    if left is None and est.unreadable:
+        return f"no ETA: {est.unreadable}"
     if left is None:
         return "no ETA yet: first start of this profile on this host"
     return f"ETA {left:.0f} s (median of {est.starts} earlier start{'s' if est.starts != 1 else ''})"

@@ -60,3 +60,18 @@ def test_a_history_that_cannot_be_written_is_a_warning_naming_the_file(host):
     assert r.exit_code == ExitStatus.OK, r.stderr
     assert f"could not record this start's phases in {path}: Is a directory" in r.stdout + r.stderr
     assert sorted(p.name for p in path.parent.iterdir() if p.name.endswith(".tmp")) == []  # no temp file left
+
+
+def test_a_history_that_cannot_be_read_says_so_instead_of_first_start(tmp_path):
+    """A corrupt starts.json is no ETA that names the file, not "first start" (it was one before)."""
+    path = starthistory.history_path(tmp_path, "tiny")
+    path.parent.mkdir(parents=True)
+    for content, why in (("{not json", "is not valid JSON"), ('{"starts": 3}', "holds no list of starts")):
+        path.write_text(content)
+        est = starthistory.estimate(tmp_path, "tiny", host="a")
+        assert est.total_s is None and est.unreadable == f"{path} {why}"
+        assert starthistory.eta_text(est, 0.0, "config") == f"no ETA: {path} {why}"
+        assert est.summary()["basis"].startswith(f"no usable history: {path} {why}")
+    path.unlink()
+    est = starthistory.estimate(tmp_path, "tiny", host="a")
+    assert est.unreadable is None and starthistory.eta_text(est, 0.0, "config").startswith("no ETA yet: first start")
