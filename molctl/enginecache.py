@@ -39,9 +39,16 @@ def _has_entries(path: Path) -> bool:
         return False
 
 
-def prepare(profile, state_dir: Path) -> dict[str, Any]:
+def prepare(profile, state_dir: Path, env_names: tuple[str, ...] = ()) -> dict[str, Any]:
     """Create the directory (0700) before the engine starts; `warm`: it held something already
-    (an earlier start filled it). Returns `{"dir", "warm"}`, what `up` records for `status`."""
+    (an earlier start filled it). Returns `{"dir", "warm"}`, what `up` records for `status`.
+    `env_names`: the engine's cache variables (`Engine.cache_env`); when the profile's `engine.env`
+    sets the first, the engine uses that directory, so it is the one reported (`"set_by"`) and
+    molctl's own is not created."""
+    own = next((name for name in env_names[:1] if (profile.engine.env or {}).get(name)), None)
+    if own is not None:
+        path = Path(os.path.expanduser(profile.engine.env[own]))
+        return {"dir": str(path), "warm": _has_entries(path), "set_by": f"engine.env.{own}"}
     path = cache_dir(profile, state_dir)
     warm = _has_entries(path)
     try:

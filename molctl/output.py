@@ -244,7 +244,8 @@ class Output:
                 c = stack["cache"]
                 hit = "warm" if c.get("warm") else "empty"
                 compiled = f", compile cache {c['compile_cache']}" if c.get("compile_cache") else ""
-                self.line(f"{stack['profile']}: engine cache {c.get('dir')} ({hit} at the last start{compiled})")
+                by = f", set by {c['set_by']}" if c.get("set_by") else ""
+                self.line(f"{stack['profile']}: engine cache {c.get('dir')} ({hit} at the last start{compiled}{by})")
             for g in stack.get("gpus", []):
                 self.line(f"  GPU {g['index']}: {g['used_bytes'] / 2**30:.1f} GiB used by the stack")
 

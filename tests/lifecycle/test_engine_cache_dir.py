@@ -49,3 +49,16 @@ def test_the_engine_reads_it_from_its_own_variables_and_engine_env_wins(tmp_path
 def test_a_cache_dir_that_is_not_a_string_names_the_field():
     with pytest.raises(ProfileError, match="engine.cache_dir"):
         load_profile("tiny", profile_dirs(), [("engine.cache_dir", 5)])
+
+
+def test_a_cache_variable_set_in_engine_env_is_the_dir_reported(tmp_path):
+    """engine.env.VLLM_CACHE_ROOT wins at the engine, so `up` and `status` report that directory
+    (and where it came from), not molctl's own, which is not created."""
+    names = tuple(get_engine("vllm").cache_env(Path("/")))
+    mine = tmp_path / "mine"
+    (mine / "torch_compile_cache").mkdir(parents=True)
+    profile = load_profile("tiny", profile_dirs(), [("engine.env.VLLM_CACHE_ROOT", str(mine))])
+    state = tmp_path / "state"
+    assert prepare(profile, state, names) == {"dir": str(mine), "warm": True, "set_by": "engine.env.VLLM_CACHE_ROOT"}
+    assert not cache_dir(profile, state).exists()
+    assert prepare(load_profile("tiny", profile_dirs()), state, names)["dir"] == str(cache_dir(profile, state))
