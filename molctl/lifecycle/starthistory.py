@@ -78,7 +78,7 @@ def append(state_dir: Path, profile: str, entry: dict, keep: int = KEEP) -> None
     path = history_path(state_dir, profile)
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     starts = [*load(state_dir, profile), entry][-keep:]
-    tmp = path.with_name(f".{FILE}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{FILE}.{host_name()}.{os.getpid()}.tmp")  # two hosts on one shared state dir
     try:
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump({"version": 1, "starts": starts}, f, indent=1)
