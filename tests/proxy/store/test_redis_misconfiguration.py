@@ -214,9 +214,14 @@ def test_a_read_only_store_is_refused_quietly_not_a_flapping_degradation(keyfile
                 assert err.value.status_code == 503 and err.value.body["code"] == "store_unavailable"
                 time.sleep(0.3)
             m = _metrics(f"http://127.0.0.1:{metrics_port}")
-            assert m["molctl_proxy_state_store_degraded_total"] == 0 and m["molctl_proxy_state_store_errors_total"] > 0
+            assert m["molctl_proxy_state_store_errors_total"] > 0
             text = (tmp_path / "proxy.log").read_text()
-            assert "reachable again" not in text and "degraded:" not in text
+            # the refusals degrade nothing; a call past its 0.5 s timeout on a loaded host may (it
+            # should: the server did not answer in time), so each degradation must be a timeout
+            degraded = [line for line in text.splitlines() if "degraded:" in line]
+            assert m["molctl_proxy_state_store_degraded_total"] == len(degraded)
+            assert all("failed (TimeoutError)" in line for line in degraded), degraded
+            assert text.count("reachable again") <= len(degraded)
             warned = [line for line in text.splitlines() if "read-only" in line]
             assert len(warned) == 1 and "proxy.store" in warned[0], warned  # once, with the hint
             # the replica is promoted (a failover): the next calls write on new connections, no restart
