@@ -234,9 +234,10 @@ def test_a_probe_is_not_queued_behind_a_full_connection_pool():
         hops = [asyncio.create_task(client.chat({"model": "m", "messages": []}, "answer")) for _ in range(2)]
         try:
             await asyncio.sleep(0.3)  # both slots taken, both hops waiting for the engine
-            t0 = time.monotonic()
-            status, _ = await asyncio.wait_for(client.get("/health", timeout=1.0), 5)
-            assert status == 200 and time.monotonic() - t0 < 1.0
+            # answered within its own timeout (a queued probe hung until wait_for gave up); no wall-clock
+            # bound beside it: a loaded host may take longer than a second
+            status, _ = await asyncio.wait_for(client.get("/health", timeout=3.0), 10)
+            assert status == 200
         finally:
             for t in hops:
                 t.cancel()
