@@ -86,6 +86,7 @@ def test_status_of_a_hung_engine_is_quick_and_reads_the_proxys_answer(host):
     inproc = Molctl(host.state, [host.profiles], in_process=True)
     import molctl.cli  # noqa: F401 - imported before the clock starts
 
+    took = []
     try:
         for _ in range(3):
             t0 = time.monotonic()
@@ -98,7 +99,10 @@ def test_status_of_a_hung_engine_is_quick_and_reads_the_proxys_answer(host):
             assert comps["proxy"]["health"] == 503, comps["proxy"]
             # the floor is the proxy's own 2 s probe of the hung engine (READYZ_ENGINE_PROBE_MIN_S);
             # probing one after the other (the engine's 1 s timeout, then the proxy's 2 s) takes 3 s or more
-            assert stack["state"] == "degraded" and elapsed < 2.9, elapsed
+            assert stack["state"] == "degraded"
+            took.append(elapsed)
+        # the best of three: one run slowed by a loaded host does not decide it
+        assert min(took) < 2.9, took
     finally:
         os.kill(engine_pid, signal.SIGCONT)
 

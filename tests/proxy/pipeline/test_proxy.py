@@ -66,19 +66,18 @@ def test_own_view_is_a_prefix_turn_after_turn(s):
 
 
 def test_summary_delay_does_not_delay_the_response(s):
-    # a response that waited for its summary would take 6 s or more; 4 s leaves a loaded runner
-    # room for a whole proxied chat (client, proxy, route and answer hops) and still tells them apart
+    """Each answer comes back while its summary (6 s at the engine) is still running: counted by
+    the proxy's finished summaries when the answer arrives, not by a wall-clock bound that a
+    loaded runner can outrun."""
     s.config(summary_delay=6.0)
     done = s.metrics()["molctl_proxy_summaries_total"]
-    t0 = time.monotonic()
     r = s.chat([{"role": "user", "content": "[route:L1] book a table"}])
-    elapsed = time.monotonic() - t0
     assert r.choices[0].message.content
-    assert elapsed < 4.0, elapsed
-    t0 = time.monotonic()
+    assert s.metrics()["molctl_proxy_summaries_total"] == done  # its summary had not finished
     content, _, _ = s.chat([{"role": "user", "content": "[route:L1] book a cab"}], stream=True)
-    elapsed = time.monotonic() - t0
-    assert content and elapsed < 4.0, elapsed
+    assert content
+    # had the stream waited for its own summary, the first one (started earlier) would be done too
+    assert s.metrics()["molctl_proxy_summaries_total"] < done + 2
     # both summaries done (6 s, side by side): left running, they would hold both summary slots
     # (summary_inflight 2) into the next test, whose summary would queue behind them
     deadline = time.monotonic() + 12

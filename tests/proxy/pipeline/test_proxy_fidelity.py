@@ -460,10 +460,10 @@ def test_an_unexpected_failure_is_a_json_500_with_a_request_id_logged_once(caplo
 
 def test_route_hop_has_a_deadline_and_falls_back(s):
     before = s.metrics()
-    s.config(route_delay=4.0)  # the fixture's proxy.route_timeout_s is 2
+    s.config(route_delay=30.0)  # the fixture's proxy.route_timeout_s is 2: far from 30 s, even loaded
     t0 = time.monotonic()
     r = s.chat([{"role": "user", "content": "[route:L3] hello"}])
-    assert r.choices[0].message.content and time.monotonic() - t0 < 3.5
+    assert r.choices[0].message.content and time.monotonic() - t0 < 20
     assert s.log("answer")[-1]["model"] == TINY.proxy.default_route
     after = s.metrics()
     assert after["molctl_proxy_route_timeouts_total"] == before["molctl_proxy_route_timeouts_total"] + 1
