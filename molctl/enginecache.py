@@ -45,8 +45,8 @@ def prepare(profile, state_dir: Path, env_names: tuple[str, ...] = ()) -> dict[s
     `env_names`: the engine's cache variables (`Engine.cache_env`); when the profile's `engine.env`
     sets the first, the engine uses that directory, so it is the one reported (`"set_by"`) and
     molctl's own is not created."""
-    own = next((name for name in env_names[:1] if (profile.engine.env or {}).get(name)), None)
-    if own is not None:
+    own = env_names[0] if env_names else None
+    if own and (profile.engine.env or {}).get(own):
         path = Path(os.path.expanduser(profile.engine.env[own]))
         return {"dir": str(path), "warm": _has_entries(path), "set_by": f"engine.env.{own}"}
     path = cache_dir(profile, state_dir)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from molctl.checks.result import CheckResult
 from molctl.engines import get_engine
+from molctl.prefetch import total_size
 
 NETWORK_FS = ("nfs", "nfs4", "lustre", "cifs", "smb3", "smbfs", "ceph", "glusterfs", "beegfs", "gpfs", "9p", "virtiofs")
 GIB = 1 << 30
@@ -46,12 +47,7 @@ def run(profile, probes) -> list[CheckResult]:
     files = sorted(profile.base_dir.glob("*.safetensors"))
     if not files:
         return []  # model.index says what is missing
-    size = 0
-    for f in files:
-        try:
-            size += f.stat().st_size
-        except OSError:  # a dangling link, a link loop: model.shards says what is wrong with it
-            pass
+    size = total_size(files)  # a dangling link, a link loop counts 0: model.shards says what is wrong with it
     point, fstype = mount_of(profile.model_root.resolve(), probes.mounts())
     available = probes.available_memory()
     network = is_network(fstype)

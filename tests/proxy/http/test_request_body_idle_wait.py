@@ -14,7 +14,8 @@ from molctl.proxy.http.body import LOOP_STALL_S, read_body
 
 
 def queued_receive(queue: asyncio.Queue):
-    """A receive like uvicorn's: a message that arrives while the reader is cancelled stays queued."""
+    """A receive like uvicorn's: a message that arrives while the reader is cancelled stays queued
+    (uvicorn/protocols/http/h11_impl.py RequestResponseCycle.receive keeps `self.body` until the next call)."""
 
     async def receive() -> dict:
         return await queue.get()
