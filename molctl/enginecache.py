@@ -7,8 +7,10 @@ default STATE/PROFILE/engine-cache. The engine module names the variables that p
 engine at it (`Engine.cache_env`): vLLM's `VLLM_CACHE_ROOT` (vllm/envs.py; its torch.compile
 cache lives in `$VLLM_CACHE_ROOT/torch_compile_cache`, vllm/compilation/backends.py), SGLang's
 `TORCHINDUCTOR_CACHE_DIR` (https://docs.sglang.io/references/torch_compile_cache.html) and
-`TRITON_CACHE_DIR`. A variable the profile sets itself in `engine.env` wins. `molctl render`
-mounts the same directory (systemd: the variables; Kubernetes: a volume)."""
+`TRITON_CACHE_DIR`. A variable the profile sets itself in `engine.env` wins. When it is the
+engine's cache root (`Engine.cache_root_env`: vLLM's `VLLM_CACHE_ROOT`; SGLang has none), its
+value is the directory everywhere: what `up` reports, what `check` probes (state.engine_cache)
+and what `molctl render` mounts (systemd: the variables; Kubernetes: a volume)."""
 
 from __future__ import annotations
 
@@ -21,8 +23,22 @@ from molctl.errors import ExitStatus, MolctlError
 DEFAULT_NAME = "engine-cache"
 
 
+def set_by(profile) -> str:
+    """The profile field that names the directory: `engine.env.<the engine's cache root variable>`
+    when the profile sets it, else `engine.cache_dir`."""
+    from molctl.engines import get_engine
+
+    root = get_engine(profile.engine.kind).cache_root_env
+    if root and (profile.engine.env or {}).get(root):
+        return f"engine.env.{root}"
+    return "engine.cache_dir"
+
+
 def cache_dir(profile, state_dir: Path) -> Path:
     """Where `profile`'s engine keeps its caches on this host."""
+    field = set_by(profile)
+    if field != "engine.cache_dir":
+        return Path(os.path.expanduser(profile.engine.env[field.removeprefix("engine.env.")]))
     configured = getattr(profile.engine, "cache_dir", "") or ""
     base = Path(state_dir) / profile.name
     if not configured:
@@ -39,23 +55,22 @@ def _has_entries(path: Path) -> bool:
         return False
 
 
-def prepare(profile, state_dir: Path, env_names: tuple[str, ...] = ()) -> dict[str, Any]:
+def prepare(profile, state_dir: Path) -> dict[str, Any]:
     """Create the directory (0700) before the engine starts; `warm`: it held something already
-    (an earlier start filled it). Returns `{"dir", "warm"}`, what `up` records for `status`.
-    `env_names`: the engine's cache variables (`Engine.cache_env`); when the profile's `engine.env`
-    sets the first, the engine uses that directory, so it is the one reported (`"set_by"`) and
-    molctl's own is not created."""
-    own = env_names[0] if env_names else None
-    if own and (profile.engine.env or {}).get(own):
-        path = Path(os.path.expanduser(profile.engine.env[own]))
-        return {"dir": str(path), "warm": _has_entries(path), "set_by": f"engine.env.{own}"}
+    (an earlier start filled it). Returns `{"dir", "warm"}`, what `up` records for `status`; plus
+    `"set_by"` when the profile's `engine.env` names it (the engine creates that one itself).
+    """
+    field = set_by(profile)
+    if field != "engine.cache_dir":
+        path = cache_dir(profile, state_dir)
+        return {"dir": str(path), "warm": _has_entries(path), "set_by": field}
     path = cache_dir(profile, state_dir)
     warm = _has_entries(path)
     try:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as exc:  # a file in the way, a read-only mount: `check` says so as state.engine_cache
         raise MolctlError(
-            f"engine.cache_dir {path}: {exc.strerror or exc} (expected a directory the engine can write, "
+            f"{field} {path}: {exc.strerror or exc} (expected a directory the engine can write, "
             "or a path molctl can create)",
             ExitStatus.CHECK_FAILED,
         ) from None

@@ -564,6 +564,10 @@ class Engine(abc.ABC):
         value = profile.engine.args.get("max-lora-rank")
         return value if isinstance(value, int) and not isinstance(value, bool) else None
 
+    # the variable in cache_env whose value is the cache dir itself (not a folder below it), if any:
+    # a profile that sets it in engine.env moves the whole cache there (molctl.enginecache)
+    cache_root_env: str | None = None
+
     def cache_env(self, cache_dir) -> dict[str, str]:
         """The variables that point the engine at its persistent cache dir (molctl.enginecache)."""
         return {}

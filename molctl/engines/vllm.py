@@ -88,6 +88,8 @@ class VllmEngine(Engine):
 
     load_strategy_flag = "safetensors-load-strategy"  # vllm/config/load.py, in the 0.24 and 0.32 parsers
 
+    cache_root_env = "VLLM_CACHE_ROOT"
+
     def cache_env(self, cache_dir) -> dict[str, str]:
         # vllm/envs.py VLLM_CACHE_ROOT (default ~/.cache/vllm): the torch.compile cache below it
         return {"VLLM_CACHE_ROOT": str(cache_dir)}

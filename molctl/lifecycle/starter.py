@@ -109,8 +109,7 @@ class _Starter:
 
     def prepare_cache(self) -> None:
         """The engine's persistent cache dir, created; whether an earlier start left it warm."""
-        names = tuple(get_engine(self.profile.engine.kind).cache_env(Path("/")))
-        self.cache = enginecache.prepare(self.profile, self.state_dir, names)
+        self.cache = enginecache.prepare(self.profile, self.state_dir)
         state = "warm (kept from earlier starts)" if self.cache["warm"] else "empty (this start fills it)"
         self.progress.step(f"engine cache {self.cache['dir']}: {state}")
 

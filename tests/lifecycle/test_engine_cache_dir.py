@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from molctl.enginecache import cache_dir, prepare
+from molctl.enginecache import cache_dir, prepare, set_by
 from molctl.engines import get_engine
 from molctl.errors import ProfileError
 from molctl.lifecycle.launch import engine_env
@@ -54,11 +54,49 @@ def test_a_cache_dir_that_is_not_a_string_names_the_field():
 def test_a_cache_variable_set_in_engine_env_is_the_dir_reported(tmp_path):
     """engine.env.VLLM_CACHE_ROOT wins at the engine, so `up` and `status` report that directory
     (and where it came from), not molctl's own, which is not created."""
-    names = tuple(get_engine("vllm").cache_env(Path("/")))
     mine = tmp_path / "mine"
     (mine / "torch_compile_cache").mkdir(parents=True)
     profile = load_profile("tiny", profile_dirs(), [("engine.env.VLLM_CACHE_ROOT", str(mine))])
     state = tmp_path / "state"
-    assert prepare(profile, state, names) == {"dir": str(mine), "warm": True, "set_by": "engine.env.VLLM_CACHE_ROOT"}
-    assert not cache_dir(profile, state).exists()
-    assert prepare(load_profile("tiny", profile_dirs()), state, names)["dir"] == str(cache_dir(profile, state))
+    assert prepare(profile, state) == {"dir": str(mine), "warm": True, "set_by": "engine.env.VLLM_CACHE_ROOT"}
+    assert cache_dir(profile, state) == mine and set_by(profile) == "engine.env.VLLM_CACHE_ROOT"
+    assert not (state / "tiny" / "engine-cache").exists()
+    assert prepare(load_profile("tiny", profile_dirs()), state)["dir"] == str(state / "tiny" / "engine-cache")
+
+
+def test_the_engine_env_cache_root_is_the_one_dir_everywhere(tmp_path):
+    """`check` probes, and `render` mounts and points the engine at, the directory engine.env's
+    VLLM_CACHE_ROOT names, the one the engine uses; an SGLang variable (no cache root: each is a
+    folder below molctl's dir) moves only itself."""
+    from molctl.checks.cachedir import run
+    from molctl.checks.result import Probes
+    from molctl.render import RenderOptions, load_stack
+
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    profile = load_profile("tiny", profile_dirs(), [("engine.env.VLLM_CACHE_ROOT", str(a_file))])
+    [result] = run(profile, Probes(state_dir=tmp_path / "state"))
+    assert (result.status, result.detail) == (
+        "fail",
+        f"engine.env.VLLM_CACHE_ROOT {a_file} is not a directory "
+        "(expected a directory the engine can write, or a path molctl can create)",
+    )
+    elsewhere = load_profile("tiny", profile_dirs(), [("engine.env.VLLM_CACHE_ROOT", str(tmp_path / "new"))])
+    [result] = run(elsewhere, Probes(state_dir=tmp_path / "state"))
+    assert result.status == "pass" and "by the engine (engine.env.VLLM_CACHE_ROOT)" in result.detail
+    overrides = [("engine.env.VLLM_CACHE_ROOT", str(tmp_path / "new"))]
+    stack = load_stack(
+        "tiny",
+        profile_dirs(),
+        overrides,
+        RenderOptions(),
+        key_args=[],
+        python="python3",
+        state_dir=tmp_path / "state",
+        proxy_profiles_dirs=[],
+    )
+    assert stack.cache_dir == tmp_path / "new" and stack.engine_env["VLLM_CACHE_ROOT"] == str(tmp_path / "new")
+    sglang = load_profile(
+        "tiny", profile_dirs(), [("engine.kind", "sglang"), ("engine.env.TRITON_CACHE_DIR", str(tmp_path / "t"))]
+    )
+    assert set_by(sglang) == "engine.cache_dir" and cache_dir(sglang, tmp_path) == tmp_path / "tiny" / "engine-cache"
