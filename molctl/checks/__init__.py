@@ -36,26 +36,31 @@ def validate_skip(skip: Iterable[str]) -> set[str]:
     return skip
 
 
+# each category's checks, in the order they run: functions (profile, probes) -> list[CheckResult]
+CATEGORY_CHECKS = {
+    "engine": (engine.run,),
+    "gpu": (host.run_gpu,),
+    "model": (model.run_model, loadstrategy.run),
+    "adapter": (model.run_adapters,),
+    "template": (template.run,),
+    "port": (host.run_ports,),
+    "state": (host.run_state, cachedir.run),
+    "security": (host.run_security,),
+}
+
+
 def run_checks(profile, probes: Probes, skip: Iterable[str] = ()) -> Report:
     skip = validate_skip(skip)
-    runners = {
-        "engine": engine.run,
-        "gpu": host.run_gpu,
-        "model": lambda p, pr: [*model.run_model(p, pr), *loadstrategy.run(p, pr)],
-        "adapter": model.run_adapters,
-        "template": template.run,
-        "port": host.run_ports,
-        "state": lambda p, pr: [*host.run_state(p, pr), *cachedir.run(p, pr)],
-        "security": host.run_security,
-    }
+    runners = dict(CATEGORY_CHECKS)
     if probes.verify is not None:  # `--verify`: the host compared with a `molctl lock` manifest, last
-        runners["lock"] = verify.run
+        runners["lock"] = (verify.run,)
     results = [CheckResult("profile.valid", "pass", f"{profile.source} is a valid profile")]
-    for category, runner in runners.items():
+    for category, checks in runners.items():
         if category in skip:
             results.append(CheckResult(f"{category}.skipped", "skip", f"skipped (--skip {category})"))
             continue
-        results.extend(runner(profile, probes))
+        for check in checks:
+            results.extend(check(profile, probes))
     return Report(profile.name, results)
 
 

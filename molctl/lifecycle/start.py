@@ -97,7 +97,7 @@ def _up_locked(
     config = _full_config(profile, config, ctx, opts, key_args)
     t0 = time.monotonic()
     records, live = _recorded_for_up(profile, config, state_dir, opts, progress)
-    if records and stack_ready(records):
+    if _ready_as_configured(records, config, profile):
         progress.step(f"profile {name} is already running and ready")
         return _result(profile, read_records(state_dir, name), already=True, timings={})
     clean_unrecorded(state_dir, name, progress)  # spawned by an `up` killed before it could record them
@@ -139,13 +139,14 @@ def _full_config(profile: Profile, config: dict, ctx, opts: UpOptions, key_args:
 def already_running(profile: Profile, config: dict, ctx, opts: UpOptions, key_args: list[str]) -> dict | None:
     """`up`'s result when this profile already runs, ready, with this configuration; else None."""
     records, problems = read_records_checked(ctx.state_dir, profile.name)
-    if problems or not records or not all(is_same_process(r) for r in records.values()):
-        return None
-    if not stack_ready(records) or _config_differs(
-        records, _full_config(profile, config, ctx, opts, key_args), profile
-    ):
+    if problems or not _ready_as_configured(records, _full_config(profile, config, ctx, opts, key_args), profile):
         return None
     return _result(profile, records, already=True, timings={})
+
+
+def _ready_as_configured(records: dict, config: dict, profile: Profile) -> bool:
+    """The recorded stack is alive, ready, and was started with `config`: `up` has nothing to do."""
+    return stack_ready(records) and not _config_differs(records, config, profile)
 
 
 def _recorded_for_up(
