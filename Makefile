@@ -85,8 +85,16 @@ cpu: $(VENV)/.stamp-cpu
 # real vLLM included, on TEST_WORKERS pytest-xdist workers (most tests wait on processes and sockets: more workers
 # than cores pays); a test module, and each vLLM release's end-to-end tests, stay on one worker (tests/xdist_stacks.py). The 25 slowest
 # tests are listed at the end. TEST_WORKERS=0: one process, as before.
+# The environments it needs are made side by side (a sub-make with -j: downloads and unpacking overlap; each
+# target's output is printed whole when it ends), the work already done skipped.
 TEST_WORKERS ?= 4
-test: $(VENV)/.stamp-cpu $(VLLM_PINNED_VENV)/.stamp $(VENV)/.stamp-prometheus $(CLIENTS_VENV)/.stamp $(CLIENTS_JS)/node_modules/.stamp
+TEST_DEPS := $(VENV)/.stamp-cpu $(VLLM_PINNED_VENV)/.stamp $(VENV)/.stamp-prometheus $(CLIENTS_VENV)/.stamp \
+  $(CLIENTS_JS)/node_modules/.stamp
+.PHONY: test-deps
+test-deps: $(TEST_DEPS)
+
+test:
+	@$(MAKE) --no-print-directory -j4 --output-sync=target test-deps
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --durations=25
