@@ -3,7 +3,8 @@ case -> {"text": the final answer, ...} or {"error": "Type: message"}.
 
 Run under the clients' own environment (.venv-clients, made by `make test`), not molctl's: the
 client libraries pin versions of httpx, pydantic and openai that vLLM's environment must not get.
-  python py_clients.py CLIENT [CASE...]   (MOL_BASE_URL, MOL_KEY, MOL_MODEL in the environment)
+  python py_clients.py CLIENT [CASE...]   (MOL_BASE_URL, MOL_KEY, MOL_MODEL in the environment;
+  MOL_WEATHER_TAG, optional, is appended to the tool's result)
 CLIENT: openai-chat, openai-responses, litellm-completion, litellm-responses, langchain-chat,
 langchain-responses, pydantic-ai-chat, pydantic-ai-responses.
 
@@ -21,7 +22,7 @@ import sys
 import traceback
 
 BASE, KEY, MODEL = os.environ["MOL_BASE_URL"], os.environ["MOL_KEY"], os.environ["MOL_MODEL"]
-WEATHER = "sunny in Paris"
+WEATHER = "sunny in Paris" + os.environ.get("MOL_WEATHER_TAG", "")  # the tag: which driver's tool result it is
 ASK = "[route:L2] hello"
 TOOL_ASK = "[route:L2] [tool:get_weather] what is the weather in Paris?"
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}

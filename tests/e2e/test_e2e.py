@@ -693,19 +693,46 @@ REAL_CLIENTS = {
 }
 
 
+CLIENTS_AT_ONCE = 6  # under the tiny profile's 8 engine slots: no answer waits out proxy.queue_timeout_s
+
+
+@pytest.fixture(scope="module")
+def real_client_runs(stack):
+    """Every REAL_CLIENTS driver against the stack, CLIENTS_AT_ONCE of them at a time (each its own
+    process, as the clients of one deployment are; the engine batches their requests), each tagging
+    its tool result with its name: (lang, client) -> its results (or the driver's failure), and the
+    engine's hops of the whole run."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def drive(lang: str, client: str) -> dict | str:
+        argv = (python_client_argv if lang == "py" else js_client_argv)(client)
+        tag = f" ({lang}-{client})"
+        try:
+            cases = REAL_CLIENTS[lang, client]
+            return run_driver(
+                [*argv, *cases], stack.endpoint, KEY, PUBLIC, 600, MOL_FORCE_TOOL="1", MOL_WEATHER_TAG=tag
+            )
+        except (AssertionError, subprocess.TimeoutExpired) as exc:
+            return f"{type(exc).__name__}: {exc}"
+
+    before = len(stack.requests())
+    with ThreadPoolExecutor(CLIENTS_AT_ONCE) as pool:
+        runs = {key: pool.submit(drive, *key) for key in REAL_CLIENTS}
+        results = {key: run.result() for key, run in runs.items()}
+    return results, stack.hops()[before:]
+
+
 @pytest.mark.parametrize("lang,client", REAL_CLIENTS)
-def test_client_libraries_run_unchanged_against_the_real_vllm(stack, lang, client):
+def test_client_libraries_run_unchanged_against_the_real_vllm(real_client_runs, lang, client):
     """Each case ran without an error; a multi-turn case's second request reached the engine with
     the first answer in an assistant message (verbatim, or folded into the profile's fold text when
-    the random router chose another adapter for the second turn); a tool loop's result reached it
-    in a tool message."""
-    before = len(stack.requests())
-    cases = REAL_CLIENTS[lang, client]
-    argv = (python_client_argv if lang == "py" else js_client_argv)(client)
-    results = run_driver([*argv, *cases], stack.endpoint, KEY, PUBLIC, timeout=600, MOL_FORCE_TOOL="1")
+    the random router chose another adapter for the second turn); a tool loop's result, tagged with
+    this driver's name, reached it in a tool message."""
+    runs, hops = real_client_runs
+    results, cases = runs[lang, client], REAL_CLIENTS[lang, client]
+    assert isinstance(results, dict), results  # else: how the driver failed
     assert set(results) == set(cases)
-    bodies = [h["body"] for h in stack.hops()[before:] if h["body"]]
-    sent = [m for b in bodies for m in b.get("messages", ())]
+    sent = [m for h in hops if h["body"] for m in h["body"].get("messages", ())]
     folded = load_profile("tiny", profile_dirs()).prompts.fold.split("{summary}")[0]
     for case, result in results.items():
         assert "error" not in result, f"{case}: {result['error']}\n{result.get('trace', '')}"
@@ -718,7 +745,8 @@ def test_client_libraries_run_unchanged_against_the_real_vllm(stack, lang, clien
             ), case
         if "called" in result:
             assert result["called"] == "get_weather", result
-            assert any(m["role"] == "tool" and "sunny in Paris" in str(m.get("content")) for m in sent), case
+            tagged = f"sunny in Paris ({lang}-{client})"
+            assert any(m["role"] == "tool" and tagged in str(m.get("content")) for m in sent), case
 
 
 def conversation_of(stack: Stack, tokens: int) -> list[dict]:

@@ -16,7 +16,7 @@ import { generateText, jsonSchema, stepCountIs, streamText, tool } from "ai";
 import OpenAI from "openai";
 
 const BASE = process.env.MOL_BASE_URL, KEY = process.env.MOL_KEY, MODEL = process.env.MOL_MODEL;
-const WEATHER = "sunny in Paris";
+const WEATHER = "sunny in Paris" + (process.env.MOL_WEATHER_TAG ?? ""); // the tag: which driver's tool result it is
 const ASK = "[route:L2] hello";
 const TOOL_ASK = "[route:L2] [tool:get_weather] what is the weather in Paris?";
 const FOLLOW_UP = "[route:L2] and then?";
