@@ -694,29 +694,42 @@ REAL_CLIENTS = {
 
 
 CLIENTS_AT_ONCE = 6  # under the tiny profile's 8 engine slots: no answer waits out proxy.queue_timeout_s
+CLIENT_ANSWER_TOKENS = 64  # the second proxy's proxy.max_output_tokens (tiny: 256); a forced call's tag+name: ~30
 
 
 @pytest.fixture(scope="module")
 def real_client_runs(stack):
-    """Every REAL_CLIENTS driver against the stack, CLIENTS_AT_ONCE of them at a time (each its own
-    process, as the clients of one deployment are; the engine batches their requests), each tagging
-    its tool result with its name: (lang, client) -> its results (or the driver's failure), and the
-    engine's hops of the whole run."""
+    """Every REAL_CLIENTS driver against the stack's engine, CLIENTS_AT_ONCE of them at a time (each
+    its own process, as the clients of one deployment are; the engine batches their requests), each
+    tagging its tool result with its name: (lang, client) -> its results (or the driver's failure),
+    and the engine's hops of the whole run. They go through a second proxy of the same profile whose
+    only change is proxy.max_output_tokens (CLIENT_ANSWER_TOKENS: the drivers set no limit, and the
+    random model writes to it), on a store of its own: what a client sees does not depend on the
+    answer's length, and the engine's time does."""
     from concurrent.futures import ThreadPoolExecutor
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = [
+        *proxy_argv("tiny", stack.engine, port, "--api-key-file", str(stack.key)),
+        *("--set", f"model_root={stack.model}", "--set", f"proxy.store=sqlite:{stack.tmp / 'clients.sqlite3'}"),
+        *("--set", f"proxy.max_output_tokens={CLIENT_ANSWER_TOKENS}"),
+    ]
 
     def drive(lang: str, client: str) -> dict | str:
         argv = (python_client_argv if lang == "py" else js_client_argv)(client)
         tag = f" ({lang}-{client})"
         try:
             cases = REAL_CLIENTS[lang, client]
-            return run_driver(
-                [*argv, *cases], stack.endpoint, KEY, PUBLIC, 600, MOL_FORCE_TOOL="1", MOL_WEATHER_TAG=tag
-            )
+            return run_driver([*argv, *cases], url + "/v1", KEY, PUBLIC, 600, MOL_FORCE_TOOL="1", MOL_WEATHER_TAG=tag)
         except (AssertionError, subprocess.TimeoutExpired) as exc:
             return f"{type(exc).__name__}: {exc}"
 
     before = len(stack.requests())
-    with ThreadPoolExecutor(CLIENTS_AT_ONCE) as pool:
+    with (
+        running(argv, url + "/health", log=stack.tmp / "clients-proxy.log"),
+        ThreadPoolExecutor(CLIENTS_AT_ONCE) as pool,
+    ):
         runs = {key: pool.submit(drive, *key) for key in REAL_CLIENTS}
         results = {key: run.result() for key, run in runs.items()}
     return results, stack.hops()[before:]
