@@ -1,7 +1,8 @@
 """Helpers of the Redis store tests (tests/proxy/store/): the key prefix `P` of the tiny profile,
 `state(redis)` (a RedisState on a test server), `Clock` (wall time that moves a millisecond a call),
 `totals_agree(r)` (the store's byte and count totals against what is stored), and
-`shared_profile(tmp_path, url)` with `SKIP_ALL_BUT_STATE` for `molctl check` / `state` on Redis."""
+`shared_profile(tmp_path, url)` with `SKIP_ALL_BUT_STATE` for `molctl check` / `state` on Redis, and
+`until_served(call)`, a client call retried through the store's 503s."""
 
 from __future__ import annotations
 
@@ -13,6 +14,21 @@ from molctl.proxy.store.redis.target import parse_redis_url
 from tests.helpers import ROOT
 
 P = "molctl:{tiny}:"
+
+
+def until_served(call, within_s: float = 10):
+    """call() (an `openai` client's request to a proxy) until it is not a 503, within_s at most: a
+    store still read-only, or degraded for RETRY_S by a call past its 0.5 s timeout on a loaded host
+    (a first call also connects and loads the scripts)."""
+    import openai
+
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            return call()
+        except openai.APIStatusError as exc:
+            assert exc.status_code == 503 and time.monotonic() < deadline, exc
+            time.sleep(0.1)
 
 
 def state(redis, clock=None, **kw) -> RedisState:

@@ -25,6 +25,7 @@ from molctl.proxy.store.redis.target import parse_redis_url
 from tests.helpers import ROOT, free_port, free_ports
 from tests.procs import fake_engine_argv, proxy_argv, running
 from tests.proxy_stack import KEY, PUBLIC
+from tests.redis_helpers import until_served
 from tests.redis_server import RedisServer
 
 # ------------------------------------------------------------------------------ proxy.store URLs
@@ -228,26 +229,15 @@ def test_a_read_only_store_is_refused_quietly_not_a_flapping_degradation(keyfile
             admin = replica.client()
             admin.execute_command("REPLICAOF", "NO", "ONE")
             admin.close()
-            first = _until_served(lambda: client.responses.create(model=PUBLIC, input="[route:L1] kept"))
+            first = until_served(lambda: client.responses.create(model=PUBLIC, input="[route:L1] kept"))
             # a heartbeat past its timeout on a loaded host degrades the store for RETRY_S (2 s): the read
             # is served once it is back, and every degradation in the log is still a timeout
-            assert _until_served(lambda: client.responses.retrieve(first.id)).id == first.id
+            assert until_served(lambda: client.responses.retrieve(first.id)).id == first.id
             degraded = [line for line in (tmp_path / "proxy.log").read_text().splitlines() if "degraded:" in line]
             assert all("failed (TimeoutError)" in line for line in degraded), degraded
     finally:
         replica.stop()
         primary.stop()
-
-
-def _until_served(call, within_s: float = 10):
-    """call() until it is not a 503 (a store still read-only, or degraded by a timeout), within_s at most."""
-    deadline = time.monotonic() + within_s
-    while True:
-        try:
-            return call()
-        except openai.APIStatusError as exc:
-            assert exc.status_code == 503 and time.monotonic() < deadline, exc
-            time.sleep(0.1)
 
 
 def _metrics(metrics_url: str) -> dict[str, float]:

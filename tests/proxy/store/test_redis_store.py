@@ -26,7 +26,7 @@ from molctl.proxy.store.redis.target import StoreUnavailable, parse_redis_url, r
 from tests.helpers import ROOT, free_port, free_ports
 from tests.procs import fake_engine_argv, proxy_argv, running
 from tests.proxy_stack import KEY, PUBLIC, RESPONSES_TOOLS
-from tests.redis_helpers import SKIP_ALL_BUT_STATE, shared_profile
+from tests.redis_helpers import SKIP_ALL_BUT_STATE, shared_profile, until_served
 from tests.redis_server import RedisServer, redis_server
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -1073,9 +1073,11 @@ def test_round_trips_of_a_chained_responses_request_and_a_chat_turn(relayed):
         result = call()
         return result, request_trips(relay.since(mark))
 
-    # warm-up: scripts loaded, connections made
-    first = client.responses.create(model=PUBLIC, input="[route:L1] hello")
-    client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "[route:L2] warm"}])
+    # warm-up: scripts loaded, connections made (on a loaded host, past the first calls' timeout: 503s)
+    first = until_served(lambda: client.responses.create(model=PUBLIC, input="[route:L1] hello"))
+    until_served(
+        lambda: client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "[route:L2] warm"}])
+    )
     summaries_expected = 2
 
     second, trips = trips_of(
