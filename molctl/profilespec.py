@@ -273,6 +273,13 @@ class ProxySpec:
     store_password_file: str | None = setting(
         (str, type(None)), None, doc="a `redis://` store's password, never in the URL (else `$MOLCTL_STORE_PASSWORD`)"
     )
+    store_call_timeout_s: float = setting(
+        (int, float),
+        0.5,
+        doc="a `redis://` store: one call's round trip at most; past it the store is degraded for 2 s "
+        "(chat goes on without shared state, Responses requests that need it get 503)",
+        between=(0.01, 60, "a number of seconds"),
+    )
     # Chat conversation rows (folds, summaries, tool stickiness) go to the SQLite store in one
     # transaction per window of this many ms (a group commit: at 1 client a turn's row and its
     # summary share one commit, under load many turns do); a proxy crash loses at most this

@@ -193,6 +193,7 @@ def build_shared_state(profile, upstream: str, port: int, replica_id: str | None
         ttl_s=p.store_ttl_s,
         max_entries=p.store_max_entries,
         max_bytes=p.store_max_bytes,
+        call_timeout_s=p.store_call_timeout_s,
         **tenant_bounds(p),
     )
     log.info(

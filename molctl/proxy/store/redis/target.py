@@ -13,11 +13,12 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from molctl.errors import MolctlError
+from molctl.profilespec import ProxySpec, default_of
 from molctl.proxy import fastjson
 from molctl.proxy.errors import ProxyError
 
 PASSWORD_ENV = "MOLCTL_STORE_PASSWORD"
-CALL_TIMEOUT_S = 0.5  # one store call, round trip included (socket timeouts alike)
+CALL_TIMEOUT_S = default_of(ProxySpec, "store_call_timeout_s")  # one store call, round trip included
 CONNECT_TIMEOUT_S = 1.0
 RETRY_AFTER_S = "2"
 
