@@ -2,7 +2,7 @@
 `state(redis)` (a RedisState on a test server), `Clock` (wall time that moves a millisecond a call),
 `totals_agree(r)` (the store's byte and count totals against what is stored), and
 `shared_profile(tmp_path, url)` with `SKIP_ALL_BUT_STATE` for `molctl check` / `state` on Redis, and
-`until_served(call)`, a client call retried through the store's 503s."""
+`until_served(call)`, a client call retried through the store's 503s, and `PATIENT_STORE`."""
 
 from __future__ import annotations
 
@@ -14,6 +14,11 @@ from molctl.proxy.store.redis.target import parse_redis_url
 from tests.helpers import ROOT
 
 P = "molctl:{tiny}:"
+
+
+# for a proxy process on Redis in a test that is not about the store's timeouts: a loaded host can
+# outrun the default proxy.store_call_timeout_s (0.5 s) and degrade the store for 2 s mid-test
+PATIENT_STORE = ("--set", "proxy.store_call_timeout_s=5")
 
 
 def until_served(call, within_s: float = 10):

@@ -22,6 +22,7 @@ from molctl.proxy.errors import ProxyError
 from tests.helpers import free_ports
 from tests.procs import fake_engine_argv, proxy_argv, running
 from tests.proxy_stack import KEY, PUBLIC
+from tests.redis_helpers import PATIENT_STORE
 from tests.response_schemas import check
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -52,7 +53,7 @@ def store_args(request, tmp_path):
     from tests.redis_server import redis_server
 
     with redis_server() as server:
-        yield ["--set", f"proxy.store={server.url}"]
+        yield ["--set", f"proxy.store={server.url}", *PATIENT_STORE]
 
 
 @contextlib.contextmanager
@@ -211,7 +212,7 @@ def test_two_replicas_on_redis_leave_a_live_owner_alone_and_cancel_across(tmp_pa
 
     httpx.post(fresh + "/_config", json={"answer_delay": 60.0}).raise_for_status()
     with redis_server() as server:
-        store = ["--set", f"proxy.store={server.url}"]
+        store = ["--set", f"proxy.store={server.url}", *PATIENT_STORE]
         with (
             proxy(tmp_path, keyfile, fresh, store, "--replica-id", "A", name="a") as (url_a, _),
             proxy(tmp_path, keyfile, fresh, store, "--replica-id", "B", name="b") as (url_b, _),

@@ -16,6 +16,7 @@ import pytest
 from tests.helpers import free_ports
 from tests.procs import fake_engine_argv, proxy_argv, running
 from tests.proxy_stack import IDENTITY, KEY, KEY2, PUBLIC, STRICT, answers_of, fold
+from tests.redis_helpers import PATIENT_STORE
 from tests.redis_server import redis_server
 
 
@@ -64,7 +65,7 @@ def store_args(backend: str, tmp_path):
         yield ["--state-dir", str(tmp_path / "state")]
     else:
         with redis_server() as redis:
-            yield ["--set", f"proxy.store={redis.url}"]
+            yield ["--set", f"proxy.store={redis.url}", *PATIENT_STORE]
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "redis"])
@@ -117,7 +118,18 @@ def test_two_replicas_share_a_conversation_on_one_redis(keyfile, tmp_path):
             )
         urls = [
             stack.enter_context(
-                proxy(engine, port, keyfile, tmp_path, name, "--set", f"proxy.store={redis.url}", "--replica-id", name)
+                proxy(
+                    engine,
+                    port,
+                    keyfile,
+                    tmp_path,
+                    name,
+                    "--set",
+                    f"proxy.store={redis.url}",
+                    *PATIENT_STORE,
+                    "--replica-id",
+                    name,
+                )
             )
             for name, engine, port in zip("AB", engines, ports[2:], strict=True)
         ]

@@ -25,7 +25,7 @@ from molctl.proxy.store.redis.target import parse_redis_url
 from tests.helpers import ROOT, free_port, free_ports
 from tests.procs import fake_engine_argv, proxy_argv, running
 from tests.proxy_stack import KEY, PUBLIC
-from tests.redis_helpers import until_served
+from tests.redis_helpers import PATIENT_STORE, until_served
 from tests.redis_server import RedisServer
 
 # ------------------------------------------------------------------------------ proxy.store URLs
@@ -198,6 +198,7 @@ def test_a_read_only_store_is_refused_quietly_not_a_flapping_degradation(keyfile
                     str(metrics_port),
                     "--set",
                     f"proxy.store={replica.url}",
+                    *PATIENT_STORE,
                 ),
                 proxy_url + "/readyz",
                 log=tmp_path / "proxy.log",

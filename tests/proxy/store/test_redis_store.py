@@ -26,7 +26,7 @@ from molctl.proxy.store.redis.target import StoreUnavailable, parse_redis_url, r
 from tests.helpers import ROOT, free_port, free_ports
 from tests.procs import fake_engine_argv, proxy_argv, running
 from tests.proxy_stack import KEY, PUBLIC, RESPONSES_TOOLS
-from tests.redis_helpers import SKIP_ALL_BUT_STATE, shared_profile, until_served
+from tests.redis_helpers import PATIENT_STORE, SKIP_ALL_BUT_STATE, shared_profile, until_served
 from tests.redis_server import RedisServer, redis_server
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -1044,7 +1044,14 @@ def relayed(keyfile, tmp_path):
         running(fake_engine_argv(engine_port), engine_url + "/health", log=tmp_path / "engine.log"),
         running(
             proxy_argv(
-                "tiny", engine_url, proxy_port, "--api-key-file", str(keyfile), "--set", f"proxy.store={relay.url}"
+                "tiny",
+                engine_url,
+                proxy_port,
+                "--api-key-file",
+                str(keyfile),
+                "--set",
+                f"proxy.store={relay.url}",
+                *PATIENT_STORE,
             ),
             proxy_url + "/health",
             log=tmp_path / "proxy.log",

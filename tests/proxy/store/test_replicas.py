@@ -15,6 +15,7 @@ import pytest
 from tests.helpers import free_port, free_ports
 from tests.procs import fake_engine_argv, proxy_argv, running, stop
 from tests.proxy_stack import IDENTITY, KEY, PUBLIC, STRICT, answers_of, fold
+from tests.redis_helpers import PATIENT_STORE
 from tests.redis_server import redis_server
 
 
@@ -64,6 +65,7 @@ def start_replica(stack, name: str, redis_url: str, keyfile, logs, *extra: str) 
                 str(keyfile),
                 "--set",
                 f"proxy.store={redis_url}",
+                *PATIENT_STORE,
                 "--replica-id",
                 name,
                 "--metrics-port",
