@@ -22,12 +22,14 @@ import stat
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from molctl.errors import ExitStatus, MolctlError
 from molctl.routes import ROUTES
+
+WAKE_S = 0.2  # how often the main thread wakes while the readers run: Ctrl-C is handled within it
 
 BLOCK = 16 << 20
 GIB = 1 << 30
@@ -169,7 +171,14 @@ class Prefetcher:
         self.result.bytes_total = total_size(self.files)
         pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="molctl-prefetch")
         try:
-            list(pool.map(self._one, self.files))
+            pending = {pool.submit(self._one, path) for path in self.files}
+            while pending:
+                # a timed wait: Python runs a signal's handler (Ctrl-C) in the main thread between
+                # bytecodes; a SIGINT that lands just before an untimed wait blocks would be handled
+                # only when the file being read ends (a minute in a test, longer for a big shard)
+                done, pending = wait(pending, timeout=WAKE_S, return_when=FIRST_EXCEPTION)
+                for future in done:
+                    future.result()  # a reader's unexpected error, raised here
         except BaseException:  # Ctrl-C: the readers stop after their current block, the rest never starts
             self._stop.set()
             raise

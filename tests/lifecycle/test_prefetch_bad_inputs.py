@@ -90,3 +90,29 @@ def test_ctrl_c_stops_the_readers_and_starts_no_other_file(tmp_path):
     while [t for t in threading.enumerate() if t.name.startswith("molctl-prefetch")]:
         assert time.monotonic() < deadline, threading.enumerate()
         time.sleep(0.05)
+
+
+def test_the_main_thread_never_waits_untimed_on_the_readers(tmp_path, monkeypatch):
+    """Guards a Ctrl-C handled only once the file being read ended: a SIGINT that landed just before
+    an untimed wait blocked (the Ctrl-C test above ran into its reader's 60 s deadline and saw a
+    second file started). The main thread waits on the readers at most WAKE_S at a time."""
+    import molctl.prefetch as prefetch
+
+    timeouts, real_wait = [], prefetch.wait
+
+    def spy(fs, timeout=None, return_when="ALL_COMPLETED"):
+        timeouts.append(timeout)
+        return real_wait(fs, timeout=timeout, return_when=return_when)
+
+    monkeypatch.setattr(prefetch, "wait", spy)
+    files = [tmp_path / "model-0.safetensors", tmp_path / "model-1.safetensors"]
+    for f in files:
+        f.write_bytes(b"\0" * 100)
+
+    def reader(path, block, keep_going):
+        time.sleep(0.5)
+        return path.stat().st_size
+
+    result = Prefetcher(files, threads=1, margin_bytes=0, available=lambda: 10 * GIB, reader=reader).run()
+    assert len(result.read) == 2 and not result.stopped
+    assert len(timeouts) >= 4 and all(t is not None and t <= prefetch.WAKE_S for t in timeouts), timeouts
