@@ -21,8 +21,10 @@ Reasoning effort is set on some turns, so profiles with `proxy.reasoning` glm/qw
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -305,12 +307,26 @@ async def collect_async(profile: Profile, stream: bool = False) -> list[HopReque
 
 def collect(profile: Profile) -> list[HopRequest]:
     """Synchronous `collect_async`, on its own event loop (in a worker thread when the caller
-    already runs one)."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(collect_async(profile))
-    from concurrent.futures import ThreadPoolExecutor
+    already runs one). The proxy's warnings about the sample run itself (its recorded answers carry
+    no token ids, so a summary falls back to a chat request) are not shown: they would read, in
+    `molctl check`, as if the engine had answered so."""
+    with _proxy_warnings_off():
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(collect_async(profile))
+        from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, collect_async(profile)).result()
+        with ThreadPoolExecutor(1) as pool:
+            return pool.submit(asyncio.run, collect_async(profile)).result()
+
+
+@contextlib.contextmanager
+def _proxy_warnings_off():
+    logger = logging.getLogger("molctl.proxy")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)

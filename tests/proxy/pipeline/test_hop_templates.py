@@ -131,3 +131,20 @@ def test_streaming_clients_cause_the_same_hop_messages():
         (h.hop, h.shape, h.payload["messages"]) for h in plain
     ]
     assert any(h.payload.get("stream") for h in streamed if h.hop == "answer")
+
+
+def test_the_sample_run_shows_no_proxy_warning(capfd):
+    """Guards `molctl check` (and so `make demo`) printing the proxy's "an answer hop came back
+    without its token ids" while it built its sample requests: a warning about its own recorded
+    answers, not the engine's. The proxy's logger is as it was afterwards."""
+    import logging
+
+    logger = logging.getLogger("molctl.proxy")
+    handler = logging.StreamHandler()
+    logger.addHandler(handler)
+    try:
+        assert collect(load_profile("tiny", profile_dirs()))
+    finally:
+        logger.removeHandler(handler)
+    assert "token ids" not in capfd.readouterr().err
+    assert logger.level == logging.NOTSET
