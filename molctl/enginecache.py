@@ -23,22 +23,26 @@ from molctl.errors import ExitStatus, MolctlError
 DEFAULT_NAME = "engine-cache"
 
 
-def set_by(profile) -> str:
-    """The profile field that names the directory: `engine.env.<the engine's cache root variable>`
-    when the profile sets it, else `engine.cache_dir`."""
+def _env_root(profile) -> str | None:
+    """The engine's cache root variable (`Engine.cache_root_env`) when the profile's engine.env sets it."""
     from molctl.engines import get_engine
 
     root = get_engine(profile.engine.kind).cache_root_env
-    if root and (profile.engine.env or {}).get(root):
-        return f"engine.env.{root}"
-    return "engine.cache_dir"
+    return root if root and (profile.engine.env or {}).get(root) else None
+
+
+def set_by(profile) -> str:
+    """The profile field that names the directory: `engine.env.<the engine's cache root variable>`
+    when the profile sets it, else `engine.cache_dir`."""
+    root = _env_root(profile)
+    return f"engine.env.{root}" if root else "engine.cache_dir"
 
 
 def cache_dir(profile, state_dir: Path) -> Path:
     """Where `profile`'s engine keeps its caches on this host."""
-    field = set_by(profile)
-    if field != "engine.cache_dir":
-        return Path(os.path.expanduser(profile.engine.env[field.removeprefix("engine.env.")]))
+    root = _env_root(profile)
+    if root:
+        return Path(os.path.expanduser(profile.engine.env[root]))
     configured = getattr(profile.engine, "cache_dir", "") or ""
     base = Path(state_dir) / profile.name
     if not configured:
@@ -60,12 +64,10 @@ def prepare(profile, state_dir: Path) -> dict[str, Any]:
     (an earlier start filled it). Returns `{"dir", "warm"}`, what `up` records for `status`; plus
     `"set_by"` when the profile's `engine.env` names it (the engine creates that one itself).
     """
-    field = set_by(profile)
-    if field != "engine.cache_dir":
-        path = cache_dir(profile, state_dir)
-        return {"dir": str(path), "warm": _has_entries(path), "set_by": field}
-    path = cache_dir(profile, state_dir)
+    field, path = set_by(profile), cache_dir(profile, state_dir)
     warm = _has_entries(path)
+    if field != "engine.cache_dir":
+        return {"dir": str(path), "warm": warm, "set_by": field}
     try:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as exc:  # a file in the way, a read-only mount: `check` says so as state.engine_cache

@@ -234,9 +234,12 @@ class Output:
                 from molctl.phases import label
 
                 basis = (stack.get("eta") or {}).get("basis", "")
-                eta = f"ETA {stack['eta_s']:.0f} s" if stack.get("eta_s") is not None else "no ETA (first start here)"
-                if stack.get("eta_s") is None and basis.startswith("no usable history"):
+                if stack.get("eta_s") is not None:
+                    eta = f"ETA {stack['eta_s']:.0f} s"
+                elif basis.startswith("no usable history"):
                     eta = f"no ETA ({basis})"
+                else:
+                    eta = "no ETA (first start here)"
                 self.line(
                     f"{stack['profile']}: starting: {label(stack['phase'], stack.get('phase_detail', ''))}; {eta}"
                 )
