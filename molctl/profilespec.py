@@ -276,8 +276,8 @@ class ProxySpec:
     store_call_timeout_s: float = setting(
         (int, float),
         0.5,
-        doc="a `redis://` store: one call's round trip at most; past it the store is degraded for 2 s "
-        "(chat goes on without shared state, Responses requests that need it get 503)",
+        doc="a `redis://` store: one call's round trip at most; past it the store is degraded (calls fail "
+        "at once for 1 s; chat goes on without shared state, Responses requests that need it get 503)",
         between=(0.01, 60, "a number of seconds"),
     )
     # Chat conversation rows (folds, summaries, tool stickiness) go to the SQLite store in one

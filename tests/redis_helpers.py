@@ -17,7 +17,7 @@ P = "molctl:{tiny}:"
 
 
 # for a proxy process on Redis in a test that is not about the store's timeouts: a loaded host can
-# outrun the default proxy.store_call_timeout_s (0.5 s) and degrade the store for 2 s mid-test
+# outrun the default proxy.store_call_timeout_s (0.5 s) and degrade the store mid-test (RETRY_S)
 PATIENT_STORE = ("--set", "proxy.store_call_timeout_s=5")
 
 

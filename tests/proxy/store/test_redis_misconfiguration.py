@@ -231,7 +231,7 @@ def test_a_read_only_store_is_refused_quietly_not_a_flapping_degradation(keyfile
             admin.execute_command("REPLICAOF", "NO", "ONE")
             admin.close()
             first = until_served(lambda: client.responses.create(model=PUBLIC, input="[route:L1] kept"))
-            # a heartbeat past its timeout on a loaded host degrades the store for RETRY_S (2 s): the read
+            # a heartbeat past its timeout on a loaded host degrades the store for RETRY_S (1 s): the read
             # is served once it is back, and every degradation in the log is still a timeout
             assert until_served(lambda: client.responses.retrieve(first.id)).id == first.id
             degraded = [line for line in (tmp_path / "proxy.log").read_text().splitlines() if "degraded:" in line]
