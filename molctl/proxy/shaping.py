@@ -68,15 +68,17 @@ def shape_usage(usage: Any) -> dict[str, Any] | None:
 
 def shape_message(message: dict[str, Any]) -> dict[str, Any]:
     """The client's message: `role`, `content` and `refusal` always there (OpenAI's
-    ChatCompletionResponseMessage requires all three; null when the engine gave none)."""
+    ChatCompletionResponseMessage requires all three). `content` is null only beside tool calls or
+    a refusal; an empty text answer is "" on every engine version (vLLM 0.24 sends "", 0.32's
+    parser engine sends null for it: `content or None` in vllm/parser/engine/parser_engine.py)."""
     out = {k: message[k] for k in MESSAGE_KEYS if message.get(k) is not None}
     out["role"] = "assistant"
-    out.setdefault("content", None)
     out.setdefault("refusal", None)
     if message.get("tool_calls"):
         out["tool_calls"] = [shape_tool_call(c) for c in message["tool_calls"]]
     else:
         out.pop("tool_calls", None)
+    out.setdefault("content", None if "tool_calls" in out or out["refusal"] is not None else "")
     return out
 
 

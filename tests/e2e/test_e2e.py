@@ -818,6 +818,21 @@ def test_the_six_everyday_requests_answer_200_on_every_engine_version(stack):
     assert sent["tool_calls"][0]["function"]["arguments"] == "{}"  # as vLLM 0.32 reads it, on every release
 
 
+def test_an_empty_answer_is_an_empty_string_on_every_engine_version(stack):
+    """An answer that ends at once (its first token the end of turn) is content "" for the client,
+    streamed or not: vLLM 0.24 sends "", 0.32 null (a JS client's `.content` was null when the
+    random model wrote nothing)."""
+    eos = httpx.post(stack.engine + "/tokenize", json={"model": "L2", "prompt": "<|im_end|>"}).json()["tokens"][-1]
+    ends = {"logit_bias": {str(eos): 100}, "max_tokens": 8}
+    engine = httpx.post(stack.engine + "/v1/chat/completions", json={"model": "L2", "messages": HI, **ends}).json()
+    assert engine["choices"][0]["message"]["content"] == (None if stack.version == VLLM_CURRENT else "")
+    reply = stack.client.chat.completions.create(model=PUBLIC, messages=HI, **ends)
+    assert reply.choices[0].message.content == "" and reply.choices[0].finish_reason == "stop"
+    chunks = list(stack.client.chat.completions.create(model=PUBLIC, messages=HI, stream=True, **ends))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
+    assert chunks[0].choices[0].delta.content == ""
+
+
 def test_status_shows_ready(stack):
     r = stack.molctl("status", "tiny", "--json")
     assert r.returncode == ExitStatus.OK, r.stderr

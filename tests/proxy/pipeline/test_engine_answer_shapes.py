@@ -162,3 +162,37 @@ def test_a_stream_choice_with_another_index_is_not_part_of_the_answer():
         for c in json.loads(line[6:])["choices"]
     )
     assert text == "hello"
+
+
+@pytest.mark.parametrize(
+    "message,content",
+    [
+        ({"role": "assistant", "content": None}, ""),  # vLLM 0.32's empty answer
+        ({"role": "assistant", "content": ""}, ""),  # vLLM 0.24's
+        ({"role": "assistant"}, ""),
+        ({"role": "assistant", "content": None, "refusal": "no"}, None),
+    ],
+)
+def test_an_empty_text_answer_is_an_empty_string(message, content):
+    """content is null only beside tool calls or a refusal: an empty text answer reaches the
+    client as "" whichever way the engine wrote it."""
+    from molctl.proxy.http.app import ProxyApp
+
+    answer = {"choices": [{"index": 0, "message": message, "finish_reason": "stop"}]}
+
+    async def go():
+        server, url = await hop_engine({"answer": json.dumps(answer).encode()})
+        app = ProxyApp(TINY, get_engine("vllm"), url, None)
+        await app.startup()
+        try:
+            return await asgi_post(
+                app, "/v1/chat/completions", {"model": PUBLIC, "messages": [{"role": "user", "content": "hi"}]}
+            )
+        finally:
+            await app.shutdown()
+            server.close()
+            await asyncio.gather(*server.handlers)
+
+    status, body = asyncio.run(go())
+    (choice,) = json.loads(body)["choices"]
+    assert status == 200 and choice["message"]["content"] == content and choice["finish_reason"] == "stop"
