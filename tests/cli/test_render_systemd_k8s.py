@@ -6,6 +6,7 @@ refused in engine args. The systemd command lines are split as systemd 252 split
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -312,11 +313,15 @@ class _ProxyHealth:
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.port = self.server.server_address[1]
+        self.closed_at: float | None = None
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         self.timer = threading.Timer(gone_at, self.close)
         self.timer.start()
 
     def close(self) -> None:
+        """Stop answering; `closed_at` is when it began (a client may see it go before this returns)."""
+        if self.closed_at is None:
+            self.closed_at = time.monotonic()
         self.timer.cancel()
         self.server.shutdown()
         self.server.server_close()
@@ -328,26 +333,32 @@ def test_k8s_engine_prestop_waits_for_a_draining_proxy_only(render):
     failed liveness or startup probe (Container Lifecycle Hooks: 'due to an API request or
     management event such as a liveness/startup probe failure'): the proxy keeps running, so a hung
     engine was restarted only after 5 + drain + 15 s (620 s by default). Now it waits only while
-    the proxy drains (/health says `draining`), which it does within the proxy's preStop delay."""
+    the proxy drains (/health says `draining`), which it does within the proxy's preStop delay.
+    What is checked is the order of events, not a margin of seconds (a 13 s bound failed on a loaded
+    machine): the restart's preStop ends while its proxy still answers, well inside its budget; the
+    pod stop's only after its proxy has gone."""
     import subprocess
     import sys
-    import time
 
-    from molctl.render import PRESTOP_DELAY_S
+    from molctl.render import DRAIN_SEEN_WITHIN_S, PRESTOP_DELAY_S
 
-    restart, pod_stop = _ProxyHealth(drain_at=1e9, gone_at=60), _ProxyHealth(drain_at=1, gone_at=PRESTOP_DELAY_S + 7)
+    restart, pod_stop = _ProxyHealth(drain_at=1e9, gone_at=1e9), _ProxyHealth(drain_at=1, gone_at=PRESTOP_DELAY_S + 7)
     runs: dict[str, tuple[float, subprocess.Popen]] = {}
+    ended: dict[str, float] = {}
     try:
         for label, proxy in (("restart", restart), ("pod_stop", pod_stop)):
             objects = _k8s(
-                render, "tiny", "--python", sys.executable, "--drain-timeout", "30", "--set", f"proxy.port={proxy.port}"
+                render, "tiny", "--python", sys.executable, "--drain-timeout", "60", "--set", f"proxy.port={proxy.port}"
             )
             command = _containers(objects)["engine"]["lifecycle"]["preStop"]["exec"]["command"]
             runs[label] = (time.monotonic(), subprocess.Popen(command))
-        took = {}
-        for label, (started, proc) in runs.items():
-            proc.wait(timeout=40)
-            took[label] = time.monotonic() - started
+        budget = float(command[-1])  # 5 + 60 + 15 s: the wait for a drain that never ends
+        deadline = time.monotonic() + budget + 30
+        while len(ended) < len(runs) and time.monotonic() < deadline:
+            for label, (_, proc) in runs.items():
+                if label not in ended and proc.poll() is not None:
+                    ended[label] = time.monotonic()
+            time.sleep(0.05)
     finally:
         restart.close()
         pod_stop.close()
@@ -355,8 +366,12 @@ def test_k8s_engine_prestop_waits_for_a_draining_proxy_only(render):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    assert took["restart"] < PRESTOP_DELAY_S + 8, took  # the engine alone restarts: no wait for a drain
-    assert took["pod_stop"] >= PRESTOP_DELAY_S + 6, took  # the pod stops: waits until the proxy has drained and exited
+    took = {label: ended[label] - runs[label][0] for label in ended}
+    assert set(ended) == set(runs), took
+    # the engine alone restarts: it gives a drain DRAIN_SEEN_WITHIN_S to show, then no wait
+    assert DRAIN_SEEN_WITHIN_S <= took["restart"] < budget and ended["restart"] < restart.closed_at, took
+    # the pod stops: it waits until the proxy has drained and exited
+    assert pod_stop.closed_at is not None and ended["pod_stop"] >= pod_stop.closed_at, took
 
 
 def test_k8s_engine_restart_after_a_failed_probe_has_its_own_grace(render):
