@@ -106,7 +106,7 @@ def test_down_of_a_sigstopped_stack_continues_it_so_that_sigterm_works(host):
     took = time.monotonic() - t0
     assert r.exit_code == ExitStatus.OK, r.stderr
     assert r.json()["stopped"] == [{"profile": "tiny", "components": {"proxy": "stopped", "engine": "stopped"}}]
-    assert took < 10, took
+    assert took < 15, took  # under one --drain-timeout: no wait for a stopped process's SIGTERM
     assert gone(engine) and gone(proxy)
     assert read_records(host.state, "tiny") == {}
 
