@@ -17,15 +17,17 @@ from xdist.scheduler import LoadScopeScheduling
 RELEASE = re.compile(r"\[(vllm-\d+(?:\.\d+)+)")
 
 
-def unit_of(nodeid: str, module_scope: str) -> str:
-    """The scheduling unit of a test: its vLLM release for an end-to-end test, else its module's."""
+def unit_of(nodeid: str) -> str:
+    """The scheduling unit of a test: its vLLM release for an end-to-end test, else its module (the
+    path before the first `::`; loadscope's own split, at the last `::`, cut a parameter holding
+    one, e.g. `[http://[::1]/x]`, into a unit of its own that started the module's stacks again)."""
     if nodeid.startswith("tests/e2e/"):
         release = RELEASE.search(nodeid)
         if release:
             return "e2e-" + release.group(1)
-    return module_scope
+    return nodeid.split("::", 1)[0]
 
 
 class StackScheduling(LoadScopeScheduling):
     def _split_scope(self, nodeid: str) -> str:
-        return unit_of(nodeid, super()._split_scope(nodeid))
+        return unit_of(nodeid)
