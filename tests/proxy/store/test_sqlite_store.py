@@ -1402,7 +1402,9 @@ def test_the_loops_flush_never_waits_on_the_event_loop_for_another_processs_writ
         asyncio.run(scenario())
     finally:
         other.close()
-    assert max(gaps) < 0.5, max(gaps)  # the loop was never blocked for the lock (busy_timeout_s is 1 s)
+    # the loop was never blocked for the lock: a wait for it lasts busy_timeout_s (1 s); below that,
+    # a gap is the loaded machine's scheduling
+    assert max(gaps) < 0.9, max(gaps)
     conv.put_turn(b"c" * 32, TurnRecord("L3"))  # no loop: written at once, the lock free again
     assert _rows(db) == 2
     store.close()
