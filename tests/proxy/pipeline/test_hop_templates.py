@@ -140,6 +140,7 @@ def test_the_sample_run_shows_no_proxy_warning(capfd):
     import logging
 
     logger = logging.getLogger("molctl.proxy")
+    level = logger.level
     handler = logging.StreamHandler()
     logger.addHandler(handler)
     try:
@@ -147,4 +148,4 @@ def test_the_sample_run_shows_no_proxy_warning(capfd):
     finally:
         logger.removeHandler(handler)
     assert "token ids" not in capfd.readouterr().err
-    assert logger.level == logging.NOTSET
+    assert logger.level == level
