@@ -14,7 +14,8 @@ import molctl.proxy.tracing  # noqa: F401
 from tests.helpers import Molctl
 from tests.helpers import free_ports as _free_ports
 from tests.lifecycle_host import Host
-from tests.procs import fake_engine_argv, proxy_argv, running
+from tests.procs import fake_engine_argv, running
+from tests.proxy_in_process import proxy_in_process
 from tests.proxy_stack import KEY, KEY2, STRICT, Stack
 
 # A run started in the background by a non-interactive shell (`pytest ... &` in a script, some CI
@@ -109,34 +110,27 @@ def keyfile(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stack(keyfile, tmp_path_factory):
+    """The fake engine (a process) and the tiny profile's proxy, served in this process
+    (tests/proxy_in_process.py); a test of what needs the proxy's own process starts one
+    (tests/procs.py proxy_argv, tests/proxy_stack.py own_stack)."""
     logs = tmp_path_factory.mktemp("logs")
-    engine_port, proxy_port, metrics_port = _free_ports(3)
-    engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
+    engine_port, metrics_port = _free_ports(2)
+    engine_url = f"http://127.0.0.1:{engine_port}"
     # strict: the fake engine rejects what vLLM and the Qwen3.5/3.6 templates reject (tiny's window: 2048)
     with (
         running(fake_engine_argv(engine_port, STRICT), engine_url + "/health", log=logs / "engine.log"),
-        running(
-            proxy_argv(
-                "tiny",
-                engine_url,
-                proxy_port,
-                "--api-key-file",
-                str(keyfile),
-                # the profile field (what `up` passes); test_proxy_admission uses --sse-keepalive
-                "--set",
-                "proxy.sse_keepalive_s=0.2",
-                "--set",
-                "proxy.stream_write_timeout_s=2",
-                "--set",
-                "proxy.route_timeout_s=2",
-                "--metrics-port",
-                str(metrics_port),
-            ),
-            proxy_url + "/health",
+        proxy_in_process(
+            "tiny",
+            engine_url,
+            tmp_path_factory.mktemp("state"),
+            key_file=keyfile,
+            # the profile field (what `up` passes); test_proxy_admission uses --sse-keepalive
+            sets=("proxy.sse_keepalive_s=0.2", "proxy.stream_write_timeout_s=2", "proxy.route_timeout_s=2"),
+            metrics_port=metrics_port,
             log=logs / "proxy.log",
-        ),
+        ) as proxy,
     ):
-        yield Stack(engine_url, proxy_url, f"http://127.0.0.1:{metrics_port}")
+        yield Stack(engine_url, proxy.url, f"http://127.0.0.1:{metrics_port}")
 
 
 @pytest.fixture

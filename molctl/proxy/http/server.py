@@ -15,6 +15,7 @@ import asyncio
 import logging
 import signal
 import socket
+import threading
 from pathlib import Path
 
 import uvicorn
@@ -43,6 +44,8 @@ class DrainingServer(uvicorn.Server):
     async def startup(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
+        if threading.current_thread() is not threading.main_thread():
+            return  # served in a thread (tests/proxy_in_process.py): no signals, as uvicorn's own handlers
         if self.key_file is not None:
             self._loop.add_signal_handler(signal.SIGHUP, self.reload_keys)
         else:
@@ -135,15 +138,10 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def serve(
-    app: ProxyApp,
-    host: str,
-    port: int,
-    drain_timeout_s: float,
-    key_file: Path | None = None,
-    socks: list[socket.socket] | None = None,
-) -> None:
-    """Serve `app` until a signal ends the drain; on `socks` when given (bound already: see run_proxy)."""
+def proxy_server(
+    app: ProxyApp, host: str, port: int, drain_timeout_s: float, key_file: Path | None = None
+) -> DrainingServer:
+    """The uvicorn server of `app` (uvloop, the head-holding httptools protocol, drain on a signal)."""
 
     def refused(status: int) -> None:  # a request head over the bound (molctl.proxy.http.protocol)
         app.counters.inc("requests_total", api="other", status=str(status), stream="false")
@@ -163,7 +161,43 @@ def serve(
         timeout_graceful_shutdown=5,
         timeout_keep_alive=15,
     )
-    DrainingServer(config, app, drain_timeout_s, key_file).run(sockets=socks)
+    return DrainingServer(config, app, drain_timeout_s, key_file)
+
+
+def build_proxy(
+    profile,
+    engine_url: str,
+    keys,
+    state_dir: Path,
+    listen_port: int,
+    *,
+    sse_keepalive_s: float,
+    metrics: dict,
+    replica_id: str | None = None,
+    advertise_upstream: str | None = None,
+):
+    """The ProxyApp of `profile` in front of `engine_url` and the stores it serves from, (app,
+    stores); the caller closes the stores. An unreachable Redis or a StoreError raises (one line)."""
+    from molctl.engines import get_engine
+
+    stores = open_stores(profile, state_dir, engine_url, listen_port, replica_id, advertise_upstream)
+    try:
+        extra = {"store": stores.conversations} if stores.conversations is not None else {}
+        app = ProxyApp(
+            profile,
+            get_engine(profile.engine.kind),
+            engine_url,
+            keys,
+            sse_keepalive_s=sse_keepalive_s,
+            response_store=stores.responses,
+            shared_state=stores.shared,
+            **metrics,
+            **extra,
+        )
+    except BaseException:
+        stores.close()
+        raise
+    return app, stores
 
 
 def run_proxy(
@@ -186,7 +220,6 @@ def run_proxy(
 ) -> None:
     """Load the profile (with the start's overrides), the keys and the log rotation; serve until
     a signal ends the drain. `ctx` gives dirs() (the CLI's Context)."""
-    from molctl.engines import get_engine
     from molctl.keys import resolve_api_keys
     from molctl.profiles import load_profile
 
@@ -199,24 +232,22 @@ def run_proxy(
     keys = resolve_api_keys(api_key_file, allow_unauthenticated)
     _configure_logging(log_max_bytes, log_backups)
     listen_port = port or profile.proxy.port
-    public_socks, metrics = _bind(profile, host, port, listen_port)
+    public_socks, metrics = bind(profile, host, port, listen_port)
     keepalive = sse_keepalive or profile.proxy.sse_keepalive_s  # the option wins over the profile
     # unreachable Redis or a StoreError: one line, exit non-zero, nothing served
-    stores = open_stores(profile, ctx.state_dir, upstream, listen_port, replica_id, advertise_upstream)
+    app, stores = build_proxy(
+        profile,
+        upstream,
+        keys,
+        ctx.state_dir,
+        listen_port,
+        sse_keepalive_s=keepalive,
+        metrics=metrics,
+        replica_id=replica_id,
+        advertise_upstream=advertise_upstream,
+    )
     try:
-        extra = {"store": stores.conversations} if stores.conversations is not None else {}
-        app = ProxyApp(
-            profile,
-            get_engine(profile.engine.kind),
-            upstream,
-            keys,
-            sse_keepalive_s=keepalive,
-            response_store=stores.responses,
-            shared_state=stores.shared,
-            **metrics,
-            **extra,
-        )
-        serve(app, host, listen_port, drain_timeout, api_key_file, public_socks)
+        proxy_server(app, host, listen_port, drain_timeout, api_key_file).run(sockets=public_socks)
     finally:
         stores.close()
 
@@ -235,7 +266,7 @@ def _configure_logging(log_max_bytes: int | None, log_backups: int) -> None:
     configure_request_log()
 
 
-def _bind(profile, host: str, port: int | None, listen_port: int) -> tuple[list[socket.socket], dict]:
+def bind(profile, host: str, port: int | None, listen_port: int) -> tuple[list[socket.socket], dict]:
     """The public listener, then the metrics one (each in use: one line, exit 4), and the app's metrics options."""
     from molctl.proxy.metrics import bind_listeners
 
