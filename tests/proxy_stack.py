@@ -13,7 +13,8 @@ import openai
 
 from molctl.profiles import load_profile, profile_dirs
 from tests.helpers import free_ports
-from tests.procs import fake_engine_argv, proxy_argv, running
+from tests.procs import fake_engine_argv, running
+from tests.proxy_in_process import proxy_in_process
 
 KEY, KEY2 = "sk-test-one", "sk-test-two"
 TINY = load_profile("tiny", profile_dirs())
@@ -111,22 +112,36 @@ class Stack:
 
 @contextlib.contextmanager
 def own_stack(keyfile, logs, *proxy_args: str, scheduling_policy: str = "priority"):
-    """A fake engine and a tiny-profile proxy started with extra arguments, for a test module's
-    own stack; the logs go to `logs` (engine.log, proxy.log)."""
-    engine_port, proxy_port = free_ports(2)
-    engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
+    """A fake engine (a process) and a tiny-profile proxy served in this process
+    (tests/proxy_in_process.py) with `molctl proxy`'s `--set K=V` and `--metrics-port N`
+    arguments, for a test module's own stack; the logs go to `logs` (engine.log, proxy.log)."""
+    sets, metrics_port, rest = [], None, list(proxy_args)
+    while rest:
+        flag, value = rest.pop(0), rest.pop(0)
+        if flag == "--set":
+            sets.append(value)
+        elif flag == "--metrics-port":
+            metrics_port = int(value)
+        else:
+            raise ValueError(f"own_stack: {flag} needs the proxy's own process (tests/procs.py proxy_argv)")
+    engine_port = free_ports(1)[0]
+    engine_url = f"http://127.0.0.1:{engine_port}"
     with (
         running(
             fake_engine_argv(engine_port, scheduling_policy=scheduling_policy),
             engine_url + "/health",
             log=logs / "engine.log",
         ),
-        running(
-            proxy_argv("tiny", engine_url, proxy_port, "--api-key-file", str(keyfile), *proxy_args),
-            proxy_url + "/health",
+        proxy_in_process(
+            "tiny",
+            engine_url,
+            logs / "state",
+            key_file=keyfile,
+            sets=tuple(sets),
+            metrics_port=metrics_port,
             log=logs / "proxy.log",
-        ),
+        ) as proxy,
     ):
-        stack_ = Stack(engine_url, proxy_url)
+        stack_ = Stack(engine_url, proxy.url)
         stack_.reset()
         yield stack_
