@@ -38,6 +38,14 @@ def _log_handlers(log: Path) -> list[tuple[str, logging.Handler]]:
     return [("molctl", lines), ("uvicorn.error", lines), ("molctl.proxy.requests", requests)]
 
 
+def own_records(records: list[logging.LogRecord]) -> list[logging.LogRecord]:
+    """The records logged on the calling thread. An in-process proxy logs into this process's
+    logging tree from its own thread, so `caplog` also holds a module stack's lines (a late
+    summary's warning, another test's request line) beside those of an app the test runs itself."""
+    me = threading.get_ident()
+    return [r for r in records if r.thread == me]
+
+
 class _Thread:
     """The serving thread as `wait_http` watches a process: it ended (startup failed) -> an exit status."""
 
