@@ -70,8 +70,9 @@ def answers_of(log: list[dict]) -> list[dict]:
 
 
 class Stack:
-    def __init__(self, engine_url: str, proxy_url: str, metrics_url: str | None = None):
+    def __init__(self, engine_url: str, proxy_url: str, metrics_url: str | None = None, app=None):
         self.engine_url, self.proxy_url, self.metrics_url = engine_url, proxy_url, metrics_url
+        self.app = app  # the ProxyApp, when the proxy is served in this process (tests/proxy_in_process.py)
         self.client = openai.OpenAI(base_url=proxy_url + "/v1", api_key=KEY, max_retries=0, timeout=30)
 
     def config(self, **cfg):
@@ -142,6 +143,6 @@ def own_stack(keyfile, logs, *proxy_args: str, scheduling_policy: str = "priorit
             log=logs / "proxy.log",
         ) as proxy,
     ):
-        stack_ = Stack(engine_url, proxy.url)
+        stack_ = Stack(engine_url, proxy.url, app=proxy.app)
         stack_.reset()
         yield stack_

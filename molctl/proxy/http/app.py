@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 import os
 import re
 import time
@@ -177,7 +178,8 @@ class ProxyApp:
         self.set_keys(keys or [])
         self.sse_keepalive_s = sse_keepalive_s
         self.ready_cache_s = ready_cache_s
-        self._ready: tuple[float, bool, str] = (0.0, False, "not probed")
+        self.clock = time.monotonic  # the readiness cache's clock (a test moves its own)
+        self._ready: tuple[float, bool, str] = (-math.inf, False, "not probed")
         self._ready_lock = asyncio.Lock()
         self.draining = False
         self.inflight = 0  # answers running (the inflight_requests gauge)
@@ -519,7 +521,7 @@ class ProxyApp:
             if self._ready_cached():
                 return self._ready[1:]
             ok, why = await self._probe_engine()
-            self._ready = (time.monotonic(), ok, why)
+            self._ready = (self.clock(), ok, why)
             return ok, why
 
     def responses_degraded(self) -> str | None:
@@ -530,7 +532,7 @@ class ProxyApp:
         """A ready answer is reused for ready_cache_s; a not-ready one for at most 0.2 s, so
         readiness shows within moments of the engine serving."""
         stamp, ok, _ = self._ready
-        return time.monotonic() - stamp < (self.ready_cache_s if ok else min(0.2, self.ready_cache_s))
+        return self.clock() - stamp < (self.ready_cache_s if ok else min(0.2, self.ready_cache_s))
 
     async def _probe_engine(self) -> tuple[bool, str]:
         try:

@@ -4,6 +4,7 @@ the official `openai` SDK, non-stream and stream."""
 from __future__ import annotations
 
 import json
+import math
 import signal
 import threading
 import time
@@ -374,14 +375,23 @@ def test_auth(s):
     assert httpx.get(s.proxy_url + "/health").status_code == 200  # liveness needs no key
 
 
-def test_readyz_follows_the_engine(s):
+def test_readyz_follows_the_engine(s, monkeypatch):
+    """Clock-free: the readiness cache reads the app's clock, which the test moves."""
+    now = [0.0]
+    monkeypatch.setattr(s.app, "clock", lambda: now[0])
+    monkeypatch.setattr(s.app, "_ready", (-math.inf, False, "not probed"))
     assert httpx.get(s.proxy_url + "/readyz").status_code == 200
     s.config(adapters=["L0", "L1", "L2"])
-    time.sleep(1.1)  # the probe is cached about a second
+    now[0] += s.app.ready_cache_s - 0.01
+    assert httpx.get(s.proxy_url + "/readyz").status_code == 200  # a ready answer is reused for ready_cache_s
+    now[0] += 0.02
     r = httpx.get(s.proxy_url + "/readyz")
     assert r.status_code == 503 and "missing" in r.json()["detail"]
-    s.config(adapters=["L0", "L1", "L2", "L3"], health_status=503)
-    time.sleep(1.1)
+    s.config(adapters=["L0", "L1", "L2", "L3"])
+    now[0] += 0.21  # a not-ready answer is reused for 0.2 s at most
+    assert httpx.get(s.proxy_url + "/readyz").status_code == 200
+    s.config(health_status=503)
+    now[0] += s.app.ready_cache_s + 0.01
     assert httpx.get(s.proxy_url + "/readyz").status_code == 503
 
 
