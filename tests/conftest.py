@@ -130,7 +130,7 @@ def stack(keyfile, tmp_path_factory):
             log=logs / "proxy.log",
         ) as proxy,
     ):
-        yield Stack(engine_url, proxy.url, f"http://127.0.0.1:{metrics_port}", proxy.app)
+        yield Stack(engine_url, proxy.url, f"http://127.0.0.1:{metrics_port}", proxy)
 
 
 @pytest.fixture

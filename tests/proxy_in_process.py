@@ -11,6 +11,7 @@ exit status, and the CLI's option parsing. A start costs no interpreter and no i
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import threading
@@ -62,6 +63,21 @@ class _Thread:
 class InProcessProxy:
     url: str
     app: object  # molctl.proxy.http.app.ProxyApp
+    server: object  # its molctl.proxy.http.server.DrainingServer
+
+    def settle(self, timeout: float = 30.0) -> None:
+        """Wait, on the proxy's own loop, until every request it admitted has finished and the
+        summary hops they started have ended: what a test waited a guessed time for before
+        checking what the proxy did (or did not do) after its answer."""
+
+        async def settled() -> bool:
+            if not await self.app.wait_idle(timeout):
+                return False
+            tasks = list(self.app.orch.background)
+            return not tasks or not (await asyncio.wait(tasks, timeout=timeout))[1]
+
+        if not asyncio.run_coroutine_threadsafe(settled(), self.server._loop).result(2 * timeout + 5):
+            raise TimeoutError(f"the in-process proxy at {self.url} still worked after {timeout} s")
 
 
 @contextlib.contextmanager
@@ -99,7 +115,7 @@ def proxy_in_process(
     try:
         url = f"http://127.0.0.1:{port}"
         wait_http(url + "/health", proc=_Thread(thread))
-        yield InProcessProxy(url, app)
+        yield InProcessProxy(url, app, server)
     finally:
         server.should_exit = True
         thread.join(STOP_WITHIN_S)

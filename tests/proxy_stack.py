@@ -70,9 +70,10 @@ def answers_of(log: list[dict]) -> list[dict]:
 
 
 class Stack:
-    def __init__(self, engine_url: str, proxy_url: str, metrics_url: str | None = None, app=None):
+    def __init__(self, engine_url: str, proxy_url: str, metrics_url: str | None = None, proxy=None):
         self.engine_url, self.proxy_url, self.metrics_url = engine_url, proxy_url, metrics_url
-        self.app = app  # the ProxyApp, when the proxy is served in this process (tests/proxy_in_process.py)
+        self.proxy = proxy  # an InProcessProxy, when the proxy is served in this process (tests/proxy_in_process.py)
+        self.app = proxy.app if proxy is not None else None
         self.client = openai.OpenAI(base_url=proxy_url + "/v1", api_key=KEY, max_retries=0, timeout=30)
 
     def config(self, **cfg):
@@ -84,6 +85,10 @@ class Stack:
     def log(self, hop: str | None = None) -> list[dict]:
         entries = httpx.get(self.engine_url + "/_log").json()
         return [e for e in entries if hop is None or e["hop"] == hop]
+
+    def settle(self) -> None:
+        """Wait until the in-process proxy has finished its requests and their summary hops."""
+        self.proxy.settle()
 
     def answers(self) -> list[dict]:
         return answers_of(self.log())
@@ -143,6 +148,6 @@ def own_stack(keyfile, logs, *proxy_args: str, scheduling_policy: str = "priorit
             log=logs / "proxy.log",
         ) as proxy,
     ):
-        stack_ = Stack(engine_url, proxy.url, app=proxy.app)
+        stack_ = Stack(engine_url, proxy.url, proxy=proxy)
         stack_.reset()
         yield stack_

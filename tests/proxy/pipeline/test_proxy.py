@@ -353,7 +353,7 @@ def test_request_parameters(s):
 def test_every_engine_request_carries_the_hop_header(s):
     s.chat([{"role": "user", "content": "[route:L1] a"}])
     s.chat([{"role": "user", "content": "[route:L1] b"}], stream=True)
-    time.sleep(0.3)
+    s.settle()
     hops = [e["hop"] for e in s.log()]
     assert set(hops) == {"route", "answer", "summary"} and None not in hops
 

@@ -169,7 +169,7 @@ def test_an_engine_error_frame_mid_stream_reaches_the_client_and_nothing_is_reco
         raw = "".join(r.iter_text())
     frames = [f[6:] for f in raw.split("\n\n") if f.startswith("data: ")]
     assert frames[-1] == "[DONE]" and "error" in json.loads(frames[-2])
-    time.sleep(0.3)
+    s.settle()
     assert not s.log("summary")  # a failed turn is neither recorded nor summarised
 
 
@@ -187,7 +187,7 @@ def test_a_stream_that_ends_without_a_finish_reason_is_an_error_and_nothing_is_r
                 received += choice.delta.content or ""
     assert received.startswith("answer-") and set(finishes) == {None}
     assert "failed while answering" in str(err.value.message)
-    time.sleep(0.3)
+    s.settle()
     assert not s.log("summary")
 
 
@@ -200,7 +200,7 @@ def test_abort_finish_reason_is_kept_and_not_summarised(s, stream):
         assert finish == ["abort"]
     else:
         assert s.chat([{"role": "user", "content": "[route:L2] x"}]).choices[0].finish_reason == "abort"
-    time.sleep(0.3)
+    s.settle()
     assert not s.log("summary")
 
 
@@ -600,7 +600,7 @@ def test_a_stream_client_that_stops_reading_is_dropped_and_the_engine_request_ca
         assert s.metrics()["molctl_proxy_stream_write_timeouts_total"] == before + 1
     finally:
         sock.close()
-    time.sleep(0.2)
+    s.settle()
     assert not s.log("summary")
 
 
