@@ -171,11 +171,13 @@ def fetch_metrics(url: str) -> tuple[str | None, str | None]:
     within METRICS_DEADLINE_S and METRICS_MAX_BYTES."""
     import httpx
 
+    from molctl import localhttp
+
     deadline = time.monotonic() + METRICS_DEADLINE_S
     parts: list[bytes] = []
     size = 0
     try:
-        with httpx.stream("GET", url, timeout=min(1.0, METRICS_DEADLINE_S), trust_env=False) as r:
+        with localhttp.client() as client, client.stream("GET", url, timeout=min(1.0, METRICS_DEADLINE_S)) as r:
             if r.status_code != 200:
                 return None, f"it answers {r.status_code}"
             for chunk in r.iter_bytes():  # decoded: the bound holds for a compressed answer too

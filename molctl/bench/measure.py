@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 
+from molctl import localhttp
 from molctl.bench import PROXY_METRICS, BenchOptions, Req, Target, workload
 from molctl.routes import ROUTES
 
@@ -325,9 +326,7 @@ async def _run(target: Target, opts: BenchOptions, vram: VramSampler, samples_ou
     limits = httpx.Limits(
         max_connections=max(opts.concurrency) + 4, max_keepalive_connections=max(opts.concurrency) + 4
     )
-    async with httpx.AsyncClient(
-        timeout=httpx.Timeout(opts.request_timeout_s), limits=limits, trust_env=False
-    ) as client:
+    async with localhttp.async_client(timeout=httpx.Timeout(opts.request_timeout_s), limits=limits) as client:
         for series in opts.series:
             if series == "canary":
                 if progress is not None:

@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 
+from molctl import localhttp
 from molctl.bench import (
     DEFAULT_DURATION_S,
     FORMAT,
@@ -75,7 +76,7 @@ def _check_proxy(target: Target, opts: BenchOptions) -> None:
         )
     headers = {"Authorization": f"Bearer {opts.api_key}"} if opts.api_key else {}
     try:
-        r = httpx.get(target.proxy_url + "/v1/models", headers=headers, timeout=5.0, trust_env=False)
+        r = localhttp.get(target.proxy_url + "/v1/models", headers=headers, timeout=5.0)
     except httpx.HTTPError as exc:
         raise NothingRunning(f"the proxy of {target.profile} does not answer at {target.proxy_url}: {exc}") from None
     if r.status_code == 401:

@@ -30,6 +30,7 @@ from typing import Any
 
 import httpx
 
+from molctl import localhttp
 from molctl.engines.base import Sample
 from molctl.profiles import Profile
 from molctl.routes import ROUTES
@@ -115,7 +116,7 @@ def run(
     """The canary against the engine at `url`; never raises for the engine's answers (a failed
     request is status "error" with its line in `problems`)."""
     own = client is None
-    client = client or httpx.Client(trust_env=False)
+    client = client or localhttp.client()
     t0 = time.perf_counter()
     result: dict[str, Any] = {
         "status": "pass",

@@ -17,6 +17,7 @@ from typing import Protocol
 
 import httpx
 
+from molctl import localhttp
 from molctl.engines.base import Engine, adapter_problems
 from molctl.profiles import Profile
 from molctl.routes import ROUTES
@@ -53,7 +54,7 @@ class EngineReadiness:
     def __init__(self, profile: Profile, engine: Engine, client: httpx.Client | None = None, url: str | None = None):
         self.profile, self.engine = profile, engine
         self.url = url or engine_url(profile)
-        self.client = client or httpx.Client(timeout=httpx.Timeout(5.0, connect=1.0), trust_env=False)
+        self.client = client or localhttp.client(timeout=httpx.Timeout(5.0, connect=1.0))
         self.smoke_ok: set[str] = set()
         self.version_ok = False
 
@@ -151,6 +152,6 @@ def wait_ready(
 
 def http_status(url: str, timeout: float = 2.0) -> int | None:
     try:
-        return httpx.get(url, timeout=timeout, trust_env=False).status_code
+        return localhttp.get(url, timeout=timeout).status_code
     except httpx.HTTPError:
         return None

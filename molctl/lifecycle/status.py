@@ -264,8 +264,10 @@ def _probe(url: str, timeout: float) -> tuple[int | None, str | None]:
     engine unreachable, adapters missing)."""
     import httpx
 
+    from molctl import localhttp
+
     try:
-        r = httpx.get(url, timeout=timeout, trust_env=False)
+        r = localhttp.get(url, timeout=timeout)
     except httpx.HTTPError:
         return None, None
     try:
@@ -312,8 +314,10 @@ def proxy_metrics(url: str, timeout: float = 1.0) -> dict[str, Any]:
 
     import httpx
 
+    from molctl import localhttp
+
     try:
-        r = httpx.get(url, timeout=timeout, trust_env=False)
+        r = localhttp.get(url, timeout=timeout)
     except httpx.HTTPError:
         return {"available": False, "url": url}
     if r.status_code != 200:
@@ -345,7 +349,9 @@ def _adapter_status(profile: Profile | None, record: Record | None) -> str | Non
     try:
         import httpx
 
-        models = httpx.get(component_url(record) + "/v1/models", timeout=2.0, trust_env=False).json()
+        from molctl import localhttp
+
+        models = localhttp.get(component_url(record) + "/v1/models", timeout=2.0).json()
     except (httpx.HTTPError, ValueError):
         return "/v1/models not answering"
     problems = adapter_problems(profile, get_engine(profile.engine.kind), models)

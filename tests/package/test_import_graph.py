@@ -117,6 +117,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "molctl.cudacompat",
             "molctl.safetensors",
             "molctl.keys",
+            "molctl.localhttp",
             "molctl.probes",
             "molctl.logfiles",
             "molctl.phases",
