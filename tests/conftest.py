@@ -11,6 +11,7 @@ import pytest
 import molctl.engines  # noqa: F401
 import molctl.proxy.store.factory  # noqa: F401
 import molctl.proxy.tracing  # noqa: F401
+from tests import shared_ssl
 from tests.helpers import Molctl
 from tests.helpers import free_ports as _free_ports
 from tests.lifecycle_host import Host
@@ -25,6 +26,8 @@ from tests.proxy_stack import KEY, KEY2, STRICT, Stack
 # every child at exec, so the children start as from a terminal whatever started pytest.
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+shared_ssl.install()  # one SSL context per process for httpx's default clients (tests/shared_ssl.py)
 
 
 @pytest.fixture(autouse=True)

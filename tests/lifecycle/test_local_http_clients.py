@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import ssl
 
+import httpx._transports.default
+
 from molctl import localhttp
 from molctl.lifecycle import status
 from molctl.lifecycle.readiness import http_status
 from molctl.top import fetch_metrics
+from tests import shared_ssl
 from tests.http_server import Server
 
 
@@ -19,6 +22,8 @@ async def metrics_app(scope, receive, send):
 
 
 def test_every_client_shares_one_ssl_context(monkeypatch):
+    # httpx as it is, without the suite's shared context (tests/shared_ssl.py)
+    monkeypatch.setattr(httpx._transports.default, "create_ssl_context", shared_ssl._make)
     made = []  # httpx makes a client's context with ssl.create_default_context (httpx/_config.py)
     real = ssl.create_default_context
     monkeypatch.setattr(ssl, "create_default_context", lambda *a, **kw: made.append(1) or real(*a, **kw))
