@@ -24,10 +24,10 @@ def _shared(verify: bool, trust_env: bool):
     return _make(verify=verify, cert=None, trust_env=trust_env)
 
 
-def _ssl_context(verify=True, cert=None, trust_env=True):
-    if isinstance(verify, bool) and cert is None:
+def _ssl_context(verify=True, cert=None, trust_env=True, **more):
+    if isinstance(verify, bool) and cert is None and not more:
         return _shared(verify, trust_env)
-    return _make(verify=verify, cert=cert, trust_env=trust_env)
+    return _make(verify=verify, cert=cert, trust_env=trust_env, **more)
 
 
 def install() -> None:
