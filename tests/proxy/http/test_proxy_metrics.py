@@ -215,7 +215,9 @@ def test_request_id_is_passed_on_and_each_request_logs_one_json_line(s):
     def line(rid):
         return next((entry for entry in s.request_lines() if entry["request_id"] == rid), None)
 
-    assert wait_for(lambda: line(bad.headers["x-request-id"]) is not None)
+    # each line is written once its response is sent: wait for all three, not only the last one sent
+    ids = ("client-id.42", bad.headers["x-request-id"], "anon-1")
+    assert wait_for(lambda: all(line(rid) is not None for rid in ids))
     first = line("client-id.42")
     assert first["tenant"] == hashlib.sha256(KEY.encode()).hexdigest()[:16]
     assert first["api"] == "chat" and first["stream"] is False and first["status"] == 200 and first["route"] == "L2"
