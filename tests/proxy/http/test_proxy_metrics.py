@@ -261,7 +261,7 @@ def test_a_failed_request_logs_its_error_code_and_the_engines_reason(s):
     def line(rid):
         return next((e for e in s.request_lines() if e["request_id"] == rid), None)
 
-    assert wait_for(lambda: line("fine-1") is not None)
+    assert wait_for(lambda: all(line(rid) is not None for rid in ("cut-1", "down-1", "fine-1")))
     assert line("cut-1")["status"] == 200 and line("cut-1")["error"] == "engine_error"
     assert line("down-1")["status"] == 502 and line("down-1")["error"] == "engine_error"
     assert line("fine-1")["error"] is None
