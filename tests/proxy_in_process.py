@@ -47,6 +47,13 @@ def own_records(records: list[logging.LogRecord]) -> list[logging.LogRecord]:
     return [r for r in records if r.thread == me]
 
 
+def _close(socks, metrics: dict) -> None:
+    """The listeners `bind` opened: the public ones and the metrics one."""
+    for sock in [*socks, metrics.get("metrics_sock")]:
+        if sock is not None:
+            sock.close()
+
+
 class _Thread:
     """The serving thread as `wait_http` watches a process: it ended (startup failed) -> an exit status."""
 
@@ -101,9 +108,13 @@ def proxy_in_process(
     keys = load_keys(key_file) if key_file is not None else None
     port = free_port()
     socks, metrics = bind(profile, "127.0.0.1", port, port)
-    app, stores = build_proxy(
-        profile, engine_url, keys, state_dir, port, sse_keepalive_s=profile.proxy.sse_keepalive_s, metrics=metrics
-    )
+    try:
+        app, stores = build_proxy(
+            profile, engine_url, keys, state_dir, port, sse_keepalive_s=profile.proxy.sse_keepalive_s, metrics=metrics
+        )
+    except BaseException:
+        _close(socks, metrics)
+        raise
     server = proxy_server(app, "127.0.0.1", port, drain_timeout_s=STOP_WITHIN_S, key_file=key_file)
     handlers = _log_handlers(log) if log is not None else []
     levels = {name: logging.getLogger(name).level for name, _ in handlers}
@@ -119,8 +130,7 @@ def proxy_in_process(
     finally:
         server.should_exit = True
         thread.join(STOP_WITHIN_S)
-        for sock in socks:
-            sock.close()
+        _close(socks, metrics)
         stores.close()
         for name, handler in handlers:
             logging.getLogger(name).removeHandler(handler)

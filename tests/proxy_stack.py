@@ -73,7 +73,6 @@ class Stack:
     def __init__(self, engine_url: str, proxy_url: str, metrics_url: str | None = None, proxy=None):
         self.engine_url, self.proxy_url, self.metrics_url = engine_url, proxy_url, metrics_url
         self.proxy = proxy  # an InProcessProxy, when the proxy is served in this process (tests/proxy_in_process.py)
-        self.app = proxy.app if proxy is not None else None
         self.client = openai.OpenAI(base_url=proxy_url + "/v1", api_key=KEY, max_retries=0, timeout=30)
 
     def config(self, **cfg):
@@ -85,6 +84,11 @@ class Stack:
     def log(self, hop: str | None = None) -> list[dict]:
         entries = httpx.get(self.engine_url + "/_log").json()
         return [e for e in entries if hop is None or e["hop"] == hop]
+
+    @property
+    def app(self):
+        """The in-process proxy's ProxyApp."""
+        return self.proxy.app
 
     def settle(self) -> None:
         """Wait until the in-process proxy has finished its requests and their summary hops."""
